@@ -1,0 +1,192 @@
+//! Vocabulary shared by every Kolo layer. No dependencies, no IO.
+//!
+//! Rank-like values are newtypes so that a rank can never be passed where a world size (or an
+//! element count) is expected; units live in types (`ByteSize`, `Deadline`).
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+mod bytesize;
+pub use bytesize::{ByteSize, ParseByteSizeError};
+
+/// Index of a process inside a group, `0..world_size`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Rank(pub usize);
+
+impl Rank {
+    pub const ZERO: Rank = Rank(0);
+    pub fn get(self) -> usize {
+        self.0
+    }
+}
+
+impl fmt::Display for Rank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Number of processes in a group; always at least 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct WorldSize(usize);
+
+impl WorldSize {
+    /// Returns `None` for 0: a group always has at least one member.
+    pub fn new(n: usize) -> Option<WorldSize> {
+        (n > 0).then_some(WorldSize(n))
+    }
+    pub fn get(self) -> usize {
+        self.0
+    }
+    /// True if `rank` is a member of a group of this size.
+    pub fn contains(self, rank: Rank) -> bool {
+        rank.0 < self.0
+    }
+    pub fn ranks(self) -> impl Iterator<Item = Rank> {
+        (0..self.0).map(Rank)
+    }
+}
+
+impl fmt::Display for WorldSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Element types that Kolo moves and reduces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DType {
+    F32 = 1,
+    F64 = 2,
+    F16 = 3,
+    BF16 = 4,
+    I32 = 5,
+    I64 = 6,
+    U8 = 7,
+}
+
+impl DType {
+    pub const ALL: [DType; 7] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+    ];
+
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::U8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+        }
+    }
+
+    /// Wire code, the inverse of [`DType::from_code`].
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(code: u8) -> Option<DType> {
+        DType::ALL.iter().copied().find(|d| d.code() == code)
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        DType::ALL
+            .iter()
+            .copied()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| format!("unknown dtype `{s}` (expected one of f32, f64, f16, bf16, i32, i64, u8)"))
+    }
+}
+
+/// A point in time by which a blocking call must return.
+///
+/// Every blocking wait in Kolo takes one; there is deliberately no "wait forever".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Deadline {
+    at: Instant,
+    budget: Duration,
+}
+
+impl Deadline {
+    pub fn after(budget: Duration) -> Deadline {
+        // Saturate far-future budgets instead of panicking on Instant overflow.
+        let now = Instant::now();
+        let at = now.checked_add(budget).unwrap_or(now + Duration::from_secs(86_400 * 365));
+        Deadline { at, budget }
+    }
+
+    /// Time left, zero once expired.
+    pub fn remaining(&self) -> Duration {
+        self.at.saturating_duration_since(Instant::now())
+    }
+
+    pub fn expired(&self) -> bool {
+        Instant::now() >= self.at
+    }
+
+    /// The budget this deadline was created with (for error messages).
+    pub fn budget(&self) -> Duration {
+        self.budget
+    }
+
+    pub fn instant(&self) -> Instant {
+        self.at
+    }
+}
+
+/// Splits `len` elements into `n` contiguous parts whose sizes differ by at most one; the first
+/// `len % n` parts get the extra element. This is the one shard layout used by reduce-scatter,
+/// all-gather, ring segments and ZeRO partitions, so every layer agrees on who owns what.
+pub fn even_split(len: usize, n: WorldSize) -> impl Iterator<Item = std::ops::Range<usize>> + Clone {
+    let n = n.get();
+    let base = len / n;
+    let extra = len % n;
+    (0..n).map(move |i| {
+        let start = i * base + i.min(extra);
+        let size = base + usize::from(i < extra);
+        start..start + size
+    })
+}
+
+/// The part of [`even_split`] that `rank` owns.
+pub fn shard_range(len: usize, n: WorldSize, rank: Rank) -> std::ops::Range<usize> {
+    let base = len / n.get();
+    let extra = len % n.get();
+    let i = rank.0;
+    let start = i * base + i.min(extra);
+    start..start + base + usize::from(i < extra)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,53 @@
+use super::*;
+
+#[test]
+fn even_split_covers_everything_once() {
+    for len in [0usize, 1, 2, 7, 13, 64, 97] {
+        for n in 1..=5 {
+            let ws = WorldSize::new(n).unwrap();
+            let parts: Vec<_> = even_split(len, ws).collect();
+            assert_eq!(parts.len(), n);
+            assert_eq!(parts[0].start, 0);
+            assert_eq!(parts[n - 1].end, len);
+            for w in parts.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+                assert!(w[0].len() >= w[1].len() && w[0].len() - w[1].len() <= 1);
+            }
+            for (i, p) in parts.iter().enumerate() {
+                assert_eq!(&shard_range(len, ws, Rank(i)), p);
+            }
+        }
+    }
+}
+
+#[test]
+fn bytesize_parses_and_prints() {
+    assert_eq!("4096".parse::<ByteSize>().unwrap(), ByteSize(4096));
+    assert_eq!("4K".parse::<ByteSize>().unwrap(), ByteSize::kib(4));
+    assert_eq!("25MiB".parse::<ByteSize>().unwrap(), ByteSize::mib(25));
+    assert_eq!("1g".parse::<ByteSize>().unwrap(), ByteSize::gib(1));
+    assert!("12X".parse::<ByteSize>().is_err());
+    assert!("".parse::<ByteSize>().is_err());
+    assert!("99999999999999999999G".parse::<ByteSize>().is_err());
+    assert_eq!(ByteSize::mib(256).to_string(), "256 MiB");
+    assert_eq!(ByteSize(1536).to_string(), "1.50 KiB");
+}
+
+#[test]
+fn dtype_codes_round_trip() {
+    for d in DType::ALL {
+        assert_eq!(DType::from_code(d.code()), Some(d));
+        assert_eq!(d.name().parse::<DType>().unwrap(), d);
+    }
+    assert_eq!(DType::from_code(0), None);
+    assert_eq!(DType::from_code(200), None);
+}
+
+#[test]
+fn deadline_never_panics_on_huge_budgets() {
+    let d = Deadline::after(Duration::MAX);
+    assert!(!d.expired());
+    let d = Deadline::after(Duration::ZERO);
+    assert!(d.expired());
+    assert_eq!(d.remaining(), Duration::ZERO);
+}

@@ -1,0 +1,110 @@
+//! Rendezvous: how ranks find each other and prove they belong to the same job.
+//!
+//! * [`Store`]: a small key-value store with blocking, deadline-bounded `get`. [`TcpStore`] is
+//!   hosted by rank 0 (like c10d's TCPStore); [`MemoryStore`] serves threads in one process;
+//!   [`PrefixStore`] namespaces keys for sub-groups.
+//! * [`auth`]: the job token and the challenge-response handshake that the store and every peer
+//!   connection run before any other byte is trusted. The token itself never crosses the wire.
+//! * [`env`]: turns torchrun, Slurm and Open MPI environment variables into a [`LaunchEnv`].
+//!   It takes the variables as an argument; only the launcher and the trainer read the process
+//!   environment.
+
+pub mod auth;
+pub mod env;
+mod error;
+mod memory;
+mod tcp;
+mod wire;
+
+pub use auth::JobToken;
+pub use env::{discover, EnvSource, LaunchEnv};
+pub use error::StoreError;
+pub use memory::MemoryStore;
+pub use tcp::{TcpStore, TcpStoreServer};
+
+use kolo_base::Deadline;
+use std::sync::Arc;
+
+/// A key-value store shared by all ranks of a job.
+pub trait Store: Send + Sync {
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError>;
+    /// Waits until `key` exists, then returns its value.
+    fn get(&self, key: &str, deadline: Deadline) -> Result<Vec<u8>, StoreError>;
+    /// Atomically adds `delta` to the integer stored at `key` (0 if absent); returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError>;
+    /// Whether `key` exists, without waiting.
+    fn check(&self, key: &str) -> Result<bool, StoreError>;
+    /// Removes `key`; returns whether it existed.
+    fn delete(&self, key: &str) -> Result<bool, StoreError>;
+
+    /// Waits until every key exists.
+    fn wait(&self, keys: &[&str], deadline: Deadline) -> Result<(), StoreError> {
+        for k in keys {
+            self.get(k, deadline)?;
+        }
+        Ok(())
+    }
+}
+
+/// Puts every key of `inner` under `prefix/`, so that sub-groups can rendezvous independently.
+pub struct PrefixStore {
+    prefix: String,
+    inner: Arc<dyn Store>,
+}
+
+impl PrefixStore {
+    pub fn new(prefix: impl Into<String>, inner: Arc<dyn Store>) -> PrefixStore {
+        PrefixStore { prefix: prefix.into(), inner }
+    }
+    fn key(&self, k: &str) -> String {
+        format!("{}/{}", self.prefix, k)
+    }
+}
+
+impl Store for PrefixStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        self.inner.set(&self.key(key), value)
+    }
+    fn get(&self, key: &str, deadline: Deadline) -> Result<Vec<u8>, StoreError> {
+        self.inner.get(&self.key(key), deadline)
+    }
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        self.inner.add(&self.key(key), delta)
+    }
+    fn check(&self, key: &str) -> Result<bool, StoreError> {
+        self.inner.check(&self.key(key))
+    }
+    fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        self.inner.delete(&self.key(key))
+    }
+}
+
+/// An O(n) barrier over the store: every rank bumps one counter, the last one to arrive sets
+/// `done`. Used to join a job and to check that every rank agrees on the world size.
+pub fn store_barrier(
+    store: &dyn Store,
+    name: &str,
+    world_size: usize,
+    deadline: Deadline,
+) -> Result<(), StoreError> {
+    let n = store.add(&format!("{name}/count"), 1)?;
+    if n == world_size as i64 {
+        store.set(&format!("{name}/done"), b"1")?;
+    } else if n > world_size as i64 {
+        return Err(StoreError::Protocol(format!(
+            "barrier `{name}`: {n} ranks arrived but the world size is {world_size} (a rank was started twice or with a wrong WORLD_SIZE)"
+        )));
+    }
+    store.get(&format!("{name}/done"), deadline).map_err(|e| match e {
+        StoreError::Timeout { key, waited } => StoreError::Timeout {
+            key: format!("{key} (barrier `{name}`: {} of {world_size} ranks arrived)",
+                store.add(&format!("{name}/count"), 0).unwrap_or(-1)),
+            waited,
+        },
+        other => other,
+    })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,269 @@
+//! The TCP store: a server thread hosted by rank 0 and a client per rank.
+
+use crate::auth::{client_handshake, server_handshake, JobToken};
+use crate::memory::add_to;
+use crate::wire::{read_frame, write_frame, Request, Response};
+use crate::{Store, StoreError};
+use kolo_base::Deadline;
+use std::collections::HashMap;
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+const PURPOSE: &str = "store";
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest a single server-side `get` may block; clients loop for longer deadlines.
+const MAX_SERVER_WAIT: Duration = Duration::from_secs(60);
+
+#[derive(Default)]
+struct State {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+/// The store's server. Dropping it stops accepting and closes every client connection.
+pub struct TcpStoreServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl TcpStoreServer {
+    /// Binds `addr` (port 0 picks a free port) and starts serving.
+    pub fn start(addr: impl ToSocketAddrs, token: JobToken) -> io::Result<TcpStoreServer> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let state = Arc::new(State::default());
+        let acceptor = {
+            let (stop, conns) = (stop.clone(), conns.clone());
+            std::thread::Builder::new()
+                .name("kolo-store".into())
+                .spawn(move || accept_loop(listener, token, state, stop, conns))?
+        };
+        Ok(TcpStoreServer { addr, stop, conns, acceptor: Some(acceptor) })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for TcpStoreServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    token: JobToken,
+    state: Arc<State>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                if let Ok(c) = stream.try_clone() {
+                    conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+                }
+                let (token, state, stop) = (token.clone(), state.clone(), stop.clone());
+                let _ = std::thread::Builder::new()
+                    .name("kolo-store-conn".into())
+                    .spawn(move || serve(stream, peer, &token, &state, &stop));
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => {
+                tracing::warn!("kolo store: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, state: &State, stop: &AtomicBool) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
+    let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
+    if let Err(e) = server_handshake(&mut stream, token, Some(PURPOSE), &peer.to_string()) {
+        tracing::warn!("kolo store: refused connection from {peer}: {e}");
+        eprintln!("kolo store: refused connection from {peer}: {e}");
+        return;
+    }
+    let _ = stream.set_read_timeout(None);
+    while !stop.load(Ordering::SeqCst) {
+        let body = match read_frame(&mut stream) {
+            Ok(Some(b)) => b,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("kolo store: dropping client {peer}: {e}");
+                return;
+            }
+        };
+        let resp = match Request::decode(&body) {
+            Ok(req) => handle(state, req),
+            Err(e) => {
+                // A malformed request ends the connection: we cannot trust its framing after it.
+                let _ = write_frame(&mut stream, &Response::Error(e.to_string()).encode());
+                tracing::warn!("kolo store: malformed request from {peer}: {e}");
+                return;
+            }
+        };
+        if write_frame(&mut stream, &resp.encode()).is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(state: &State, req: Request) -> Response {
+    let mut map = state.map.lock().unwrap_or_else(|p| p.into_inner());
+    match req {
+        Request::Set { key, value } => {
+            map.insert(key, value);
+            state.changed.notify_all();
+            Response::Ok
+        }
+        Request::Get { key, timeout_ms } => {
+            let deadline = Deadline::after(Duration::from_millis(timeout_ms).min(MAX_SERVER_WAIT));
+            loop {
+                if let Some(v) = map.get(&key) {
+                    return Response::Value(v.clone());
+                }
+                let left = deadline.remaining();
+                if left.is_zero() {
+                    return Response::Timeout;
+                }
+                map = state.changed.wait_timeout(map, left).unwrap_or_else(|p| p.into_inner()).0;
+            }
+        }
+        Request::Add { key, delta } => {
+            let r = add_to(&mut map, &key, delta);
+            state.changed.notify_all();
+            match r {
+                Ok(v) => Response::Int(v),
+                Err(e) => Response::Error(e.to_string()),
+            }
+        }
+        Request::Check { key } => Response::Bool(map.contains_key(&key)),
+        Request::Delete { key } => Response::Bool(map.remove(&key).is_some()),
+    }
+}
+
+/// A client of [`TcpStoreServer`]. One request at a time per client (a mutex serialises them).
+pub struct TcpStore {
+    addr: String,
+    stream: Mutex<TcpStream>,
+}
+
+impl TcpStore {
+    /// Connects, retrying until `deadline` while the server is not up yet, and authenticates.
+    pub fn connect(addr: &str, token: &JobToken, deadline: Deadline) -> Result<TcpStore, StoreError> {
+        let mut last = String::from("no attempt made");
+        loop {
+            match Self::try_connect(addr, token) {
+                Ok(stream) => return Ok(TcpStore { addr: addr.to_string(), stream: Mutex::new(stream) }),
+                // A wrong token will not get better by retrying.
+                Err(e @ StoreError::Auth { .. }) => return Err(e),
+                Err(e) => last = e.to_string(),
+            }
+            if deadline.expired() {
+                return Err(StoreError::Connect {
+                    addr: addr.to_string(),
+                    reason: format!("gave up after {:?}: {last}", deadline.budget()),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(20).min(deadline.remaining()));
+        }
+    }
+
+    fn try_connect(addr: &str, token: &JobToken) -> Result<TcpStream, StoreError> {
+        let sa = addr
+            .to_socket_addrs()
+            .map_err(|e| StoreError::Connect { addr: addr.into(), reason: e.to_string() })?
+            .next()
+            .ok_or_else(|| StoreError::Connect { addr: addr.into(), reason: "no address".into() })?;
+        let mut s = TcpStream::connect_timeout(&sa, HANDSHAKE_TIMEOUT)
+            .map_err(|e| StoreError::Connect { addr: addr.into(), reason: e.to_string() })?;
+        s.set_nodelay(true)?;
+        s.set_read_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        s.set_write_timeout(Some(HANDSHAKE_TIMEOUT))?;
+        client_handshake(&mut s, token, PURPOSE, addr)?;
+        Ok(s)
+    }
+
+    fn call(&self, req: &Request, wait: Duration) -> Result<Response, StoreError> {
+        let mut s = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        s.set_read_timeout(Some(wait + HANDSHAKE_TIMEOUT))?;
+        write_frame(&mut *s, &req.encode())?;
+        let body = read_frame(&mut *s)
+            .map_err(|e| StoreError::Io(format!("store at {}: {e}", self.addr)))?
+            .ok_or_else(|| StoreError::Io(format!("store at {} closed the connection", self.addr)))?;
+        match Response::decode(&body)? {
+            Response::Error(m) => Err(StoreError::Server(m)),
+            r => Ok(r),
+        }
+    }
+
+    fn unexpected(r: Response) -> StoreError {
+        StoreError::Protocol(format!("unexpected response {r:?}"))
+    }
+}
+
+impl Store for TcpStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError> {
+        match self.call(&Request::Set { key: key.into(), value: value.to_vec() }, Duration::ZERO)? {
+            Response::Ok => Ok(()),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    fn get(&self, key: &str, deadline: Deadline) -> Result<Vec<u8>, StoreError> {
+        loop {
+            let wait = deadline.remaining().min(MAX_SERVER_WAIT);
+            let req = Request::Get { key: key.into(), timeout_ms: wait.as_millis() as u64 };
+            match self.call(&req, wait)? {
+                Response::Value(v) => return Ok(v),
+                Response::Timeout if deadline.expired() => {
+                    return Err(StoreError::Timeout { key: key.into(), waited: deadline.budget() })
+                }
+                Response::Timeout => {}
+                r => return Err(Self::unexpected(r)),
+            }
+        }
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError> {
+        match self.call(&Request::Add { key: key.into(), delta }, Duration::ZERO)? {
+            Response::Int(v) => Ok(v),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    fn check(&self, key: &str) -> Result<bool, StoreError> {
+        match self.call(&Request::Check { key: key.into() }, Duration::ZERO)? {
+            Response::Bool(b) => Ok(b),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+
+    fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        match self.call(&Request::Delete { key: key.into() }, Duration::ZERO)? {
+            Response::Bool(b) => Ok(b),
+            r => Err(Self::unexpected(r)),
+        }
+    }
+}
