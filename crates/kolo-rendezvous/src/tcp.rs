@@ -172,14 +172,13 @@ pub struct TcpStore {
 impl TcpStore {
     /// Connects, retrying until `deadline` while the server is not up yet, and authenticates.
     pub fn connect(addr: &str, token: &JobToken, deadline: Deadline) -> Result<TcpStore, StoreError> {
-        let mut last = String::from("no attempt made");
         loop {
-            match Self::try_connect(addr, token) {
+            let last = match Self::try_connect(addr, token) {
                 Ok(stream) => return Ok(TcpStore { addr: addr.to_string(), stream: Mutex::new(stream) }),
                 // A wrong token will not get better by retrying.
                 Err(e @ StoreError::Auth { .. }) => return Err(e),
-                Err(e) => last = e.to_string(),
-            }
+                Err(e) => e.to_string(),
+            };
             if deadline.expired() {
                 return Err(StoreError::Connect {
                     addr: addr.to_string(),

@@ -1,0 +1,116 @@
+use kolo_base::Rank;
+use std::fmt;
+use std::time::Duration;
+
+/// The collective (or setup step) an error happened in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    AllReduce,
+    Reduce,
+    Broadcast,
+    AllGather,
+    ReduceScatter,
+    AllToAll,
+    Send,
+    Recv,
+    Barrier,
+    NewGroup,
+    Setup,
+}
+
+impl OpKind {
+    pub fn code(self) -> u8 {
+        match self {
+            OpKind::AllReduce => 1,
+            OpKind::Reduce => 2,
+            OpKind::Broadcast => 3,
+            OpKind::AllGather => 4,
+            OpKind::ReduceScatter => 5,
+            OpKind::AllToAll => 6,
+            OpKind::Send => 7,
+            OpKind::Recv => 8,
+            OpKind::Barrier => 9,
+            OpKind::NewGroup => 10,
+            OpKind::Setup => 11,
+        }
+    }
+
+    pub fn from_code(c: u8) -> Option<OpKind> {
+        use OpKind::*;
+        [AllReduce, Reduce, Broadcast, AllGather, ReduceScatter, AllToAll, Send, Recv, Barrier, NewGroup, Setup]
+            .into_iter()
+            .find(|o| o.code() == c)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::AllReduce => "all_reduce",
+            OpKind::Reduce => "reduce",
+            OpKind::Broadcast => "broadcast",
+            OpKind::AllGather => "all_gather",
+            OpKind::ReduceScatter => "reduce_scatter",
+            OpKind::AllToAll => "all_to_all",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::Barrier => "barrier",
+            OpKind::NewGroup => "new_group",
+            OpKind::Setup => "setup",
+        }
+    }
+}
+
+impl fmt::Display for OpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+fn ranks(rs: &[Rank]) -> String {
+    let v: Vec<String> = rs.iter().map(|r| r.to_string()).collect();
+    format!("[{}]", v.join(", "))
+}
+
+/// Errors of the communication layer. Each names the rank that saw it, the operation and its
+/// sequence number, and the peer(s) involved.
+#[non_exhaustive]
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommError {
+    #[error("rank {rank}: {op} #{seq} timed out after {waited:?}; still waiting for rank(s) {}", ranks(missing))]
+    Timeout { op: OpKind, rank: Rank, seq: u64, waited: Duration, missing: Vec<Rank> },
+
+    #[error("rank {rank}: {op} #{seq}: lost rank {peer}: {reason}")]
+    PeerLost { op: OpKind, rank: Rank, seq: u64, peer: Rank, reason: String },
+
+    #[error("rank {rank}: {op} #{seq}: collective mismatch: this rank called {ours}, rank {peer} called {theirs}")]
+    Mismatch { op: OpKind, rank: Rank, seq: u64, peer: Rank, ours: String, theirs: String },
+
+    #[error("rank {rank}: {op} #{seq}: malformed data from rank {peer}: {what}")]
+    Protocol { op: OpKind, rank: Rank, seq: u64, peer: Rank, what: String },
+
+    #[error("rank {rank}: {op}: invalid argument: {what}")]
+    InvalidArgument { op: OpKind, rank: Rank, what: String },
+
+    #[error("{op} is not supported by the {backend} backend")]
+    Unsupported { op: OpKind, backend: &'static str },
+
+    #[error("rank {rank}: communicator is unusable after an earlier failure: {cause}")]
+    Aborted { rank: Rank, cause: Box<CommError> },
+
+    #[error("rank {rank}: {op}: {what}")]
+    Setup { op: OpKind, rank: Rank, what: String },
+}
+
+impl CommError {
+    /// The error later calls get once this one has broken a communicator.
+    pub fn into_aborted(self, rank: Rank) -> CommError {
+        match self {
+            e @ CommError::Aborted { .. } => e,
+            e => CommError::Aborted { rank, cause: Box::new(e) },
+        }
+    }
+
+    /// Whether this error leaves the communicator unusable (argument errors do not).
+    pub fn is_fatal(&self) -> bool {
+        !matches!(self, CommError::InvalidArgument { .. } | CommError::Unsupported { .. })
+    }
+}

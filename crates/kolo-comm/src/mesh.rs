@@ -1,0 +1,90 @@
+//! A named-axis device mesh (e.g. `pp × dp × tp`) laid out row-major over the ranks of a group:
+//! the last axis varies fastest, so consecutive ranks share everything but the last coordinate
+//! (put `tp` last to keep tensor-parallel peers on one host).
+
+use crate::{CommError, Communicator, OpKind};
+use kolo_base::Rank;
+use std::sync::Arc;
+
+/// The coordinates of `rank` in a mesh of `shape`.
+pub fn coords(shape: &[usize], rank: usize) -> Vec<usize> {
+    let mut c = vec![0; shape.len()];
+    let mut r = rank;
+    for (i, s) in shape.iter().enumerate().rev() {
+        c[i] = r % s;
+        r /= s;
+    }
+    c
+}
+
+/// The groups along `axis`: ranks that differ only in that coordinate, each in axis order.
+/// Groups are listed in increasing order of their smallest rank.
+pub fn axis_groups(shape: &[usize], axis: usize) -> Vec<Vec<usize>> {
+    let total: usize = shape.iter().product();
+    let stride: usize = shape[axis + 1..].iter().product();
+    (0..total)
+        .filter(|r| coords(shape, *r)[axis] == 0)
+        .map(|first| (0..shape[axis]).map(|i| first + i * stride).collect())
+        .collect()
+}
+
+/// One communicator per axis for this rank.
+pub struct DeviceMesh {
+    names: Vec<String>,
+    shape: Vec<usize>,
+    coords: Vec<usize>,
+    groups: Vec<Arc<dyn Communicator>>,
+}
+
+impl DeviceMesh {
+    /// Collective over `comm`. The product of the axis sizes must equal the group size.
+    pub fn new(comm: &dyn Communicator, axes: &[(&str, usize)]) -> Result<DeviceMesh, CommError> {
+        let n = comm.world_size().get();
+        let shape: Vec<usize> = axes.iter().map(|a| a.1).collect();
+        let bad = |what: String| CommError::InvalidArgument { op: OpKind::NewGroup, rank: comm.rank(), what };
+        if axes.is_empty() || shape.contains(&0) || shape.iter().product::<usize>() != n {
+            return Err(bad(format!("mesh {axes:?} does not have exactly {n} ranks")));
+        }
+        let mut names: Vec<String> = axes.iter().map(|a| a.0.to_string()).collect();
+        names.sort();
+        names.dedup();
+        if names.len() != axes.len() {
+            return Err(bad(format!("mesh {axes:?} repeats an axis name")));
+        }
+        let mut groups = Vec::with_capacity(axes.len());
+        for axis in 0..axes.len() {
+            let mut mine = None;
+            for g in axis_groups(&shape, axis) {
+                let ranks: Vec<Rank> = g.into_iter().map(Rank).collect();
+                if let Some(c) = comm.new_group(&ranks)? {
+                    mine = Some(c);
+                }
+            }
+            groups.push(mine.expect("every rank lies in exactly one group per axis"));
+        }
+        Ok(DeviceMesh {
+            names: axes.iter().map(|a| a.0.to_string()).collect(),
+            coords: coords(&shape, comm.rank().get()),
+            shape,
+            groups,
+        })
+    }
+
+    fn axis(&self, name: &str) -> Option<usize> {
+        self.names.iter().position(|n| n == name)
+    }
+
+    /// The communicator of this rank's group along `name`.
+    pub fn group(&self, name: &str) -> Option<&Arc<dyn Communicator>> {
+        self.axis(name).map(|i| &self.groups[i])
+    }
+
+    /// This rank's coordinate along `name`.
+    pub fn coord(&self, name: &str) -> Option<usize> {
+        self.axis(name).map(|i| self.coords[i])
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
