@@ -1,0 +1,93 @@
+//! Collective algorithms over the progress engine. One file per algorithm family; each function
+//! takes an [`Exec`] (the links plus who/what/when for headers and errors) and plain byte buffers.
+
+pub(crate) mod doubling;
+pub(crate) mod pairwise;
+pub(crate) mod ring;
+pub(crate) mod tree;
+
+use crate::engine::{drive, Dir, OpCtx, Xfer};
+use crate::frame::Header;
+use crate::link::Link;
+use kolo_base::{even_split, DType, WorldSize};
+use kolo_comm::CommError;
+use std::ops::Range;
+
+/// Algorithm codes carried in every header, so ranks that chose differently notice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Algorithm {
+    P2p = 0,
+    Ring = 1,
+    RecursiveDoubling = 2,
+    Tree = 3,
+    Pairwise = 4,
+    Dissemination = 5,
+    Hierarchical = 6,
+}
+
+pub(crate) struct Exec<'c> {
+    pub links: &'c mut [Option<Link>],
+    pub ctx: OpCtx,
+    pub rank: usize,
+    pub n: usize,
+    pub alg: Algorithm,
+}
+
+impl Exec<'_> {
+    pub fn header(&self, step: u32, dtype: Option<DType>, len: usize) -> Header {
+        Header { op: self.ctx.op, dtype, alg: self.alg as u8, seq: self.ctx.seq, step, tag: 0, len: len as u64 }
+    }
+
+    pub fn send<'a>(&self, peer: usize, step: u32, dtype: Option<DType>, data: &'a [u8]) -> Xfer<'a> {
+        Xfer::new(peer, self.header(step, dtype, data.len()), Dir::Send(data))
+    }
+
+    pub fn recv<'a>(&self, peer: usize, step: u32, dtype: Option<DType>, dst: &'a mut [u8]) -> Xfer<'a> {
+        Xfer::new(peer, self.header(step, dtype, dst.len()), Dir::Recv(dst))
+    }
+
+    pub fn recv_reduce<'a>(
+        &self,
+        peer: usize,
+        step: u32,
+        dtype: DType,
+        op: kolo_comm::ReduceOp,
+        tmp: &'a mut [u8],
+        dst: &'a mut [u8],
+    ) -> Xfer<'a> {
+        let h = self.header(step, Some(dtype), dst.len());
+        Xfer::new(peer, h, Dir::RecvReduce { tmp: &mut tmp[..dst.len()], dst, op, dtype })
+    }
+
+    pub fn run(&mut self, xfers: &mut [Xfer<'_>]) -> Result<(), CommError> {
+        drive(self.links, xfers, &self.ctx)
+    }
+
+    pub fn world(&self) -> WorldSize {
+        WorldSize::new(self.n).expect("n >= 1")
+    }
+}
+
+/// Byte ranges of the `n` segments of a buffer of `len` elements of `esz` bytes.
+pub(crate) fn byte_segments(len: usize, n: WorldSize, esz: usize) -> Vec<Range<usize>> {
+    even_split(len, n).map(|r| r.start * esz..r.end * esz).collect()
+}
+
+/// Borrows `a` for reading and `b` for writing out of one buffer; the ranges must not overlap.
+pub(crate) fn split_rw(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u8], &mut [u8]) {
+    assert!(a.end <= b.start || b.end <= a.start || a.is_empty() || b.is_empty(), "overlapping ranges {a:?} {b:?}");
+    if a.is_empty() {
+        return (&[], &mut buf[b]);
+    }
+    if b.is_empty() {
+        return (&buf[a], &mut []);
+    }
+    if a.start < b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
+    }
+}

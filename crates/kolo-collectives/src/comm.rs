@@ -1,0 +1,445 @@
+use crate::algo::{doubling, pairwise, ring, tree, Algorithm, Exec};
+use crate::connect::connect_group;
+use crate::engine::{drive, Dir, OpCtx, Xfer};
+use crate::frame::Header;
+use crate::link::Link;
+use kolo_base::{shard_range, ByteSize, Deadline, Rank, WorldSize};
+use kolo_comm::communicator::validate;
+use kolo_comm::{BufMut, BufRef, CommError, Communicator, OpKind, ReduceOp, Scratch, DEFAULT_TIMEOUT};
+use kolo_rendezvous::{JobToken, Store, TcpStoreServer};
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Which links a group uses between ranks on the same host.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// Shared memory between ranks on one host, TCP across hosts.
+    Auto,
+    Tcp,
+    /// Shared memory only (every rank on one host).
+    Shm,
+}
+
+impl std::str::FromStr for Transport {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Transport::Auto),
+            "tcp" => Ok(Transport::Tcp),
+            "shm" => Ok(Transport::Shm),
+            _ => Err(format!("unknown transport `{s}` (auto, tcp, shm)")),
+        }
+    }
+}
+
+/// How `all_reduce` picks its algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AlgorithmChoice {
+    /// By message size and world size (see [`HostComm::pick_all_reduce`]).
+    Auto,
+    Ring,
+    RecursiveDoubling,
+    Tree,
+}
+
+impl std::str::FromStr for AlgorithmChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(AlgorithmChoice::Auto),
+            "ring" => Ok(AlgorithmChoice::Ring),
+            "doubling" | "recursive-doubling" => Ok(AlgorithmChoice::RecursiveDoubling),
+            "tree" => Ok(AlgorithmChoice::Tree),
+            _ => Err(format!("unknown algorithm `{s}` (auto, ring, doubling, tree)")),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct HostCommConfig {
+    /// Deadline of every collective.
+    pub timeout: Duration,
+    pub transport: Transport,
+    pub all_reduce: AlgorithmChoice,
+    /// Buffers up to this size use recursive doubling under `Auto`; larger ones the ring.
+    pub small_message: ByteSize,
+    /// Busy-poll this long without progress before blocking.
+    pub spin: Duration,
+    /// Address peers connect to (this host's address as seen from the others).
+    pub advertise_ip: IpAddr,
+    /// Ranks with the same host id share memory. Defaults to hostname + boot id.
+    pub host_id: Option<String>,
+    /// Bytes per direction of each shared-memory ring.
+    pub shm_ring: ByteSize,
+    pub shm_dir: String,
+}
+
+impl Default for HostCommConfig {
+    fn default() -> Self {
+        HostCommConfig {
+            timeout: DEFAULT_TIMEOUT,
+            transport: Transport::Auto,
+            all_reduce: AlgorithmChoice::Auto,
+            small_message: ByteSize::kib(64),
+            spin: Duration::from_micros(200),
+            advertise_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            host_id: None,
+            shm_ring: ByteSize::mib(1),
+            shm_dir: "/dev/shm".into(),
+        }
+    }
+}
+
+struct Core {
+    links: Vec<Option<Link>>,
+    seq: u64,
+    sent: Vec<u64>,
+    received: Vec<u64>,
+    groups_made: u64,
+    broken: Option<CommError>,
+    scratch: [Scratch; 2],
+    big: Scratch,
+}
+
+/// A process group over TCP and shared memory. Thread-safe: calls are serialised by an internal
+/// lock, so concurrent callers must still agree on one order across ranks (use
+/// [`kolo_comm::AsyncComm`] to issue from one queue).
+pub struct HostComm {
+    rank: Rank,
+    n: WorldSize,
+    core: Mutex<Core>,
+    timeout: Mutex<Duration>,
+    store: Arc<dyn Store>,
+    token: JobToken,
+    group: String,
+    cfg: HostCommConfig,
+    hosts: Vec<String>,
+    _server: Option<Arc<TcpStoreServer>>,
+}
+
+impl HostComm {
+    /// Connects rank `rank` of an `n`-rank group whose members all call this with the same
+    /// `group` key on the same store.
+    pub fn connect(
+        store: Arc<dyn Store>,
+        token: JobToken,
+        group: &str,
+        rank: Rank,
+        n: WorldSize,
+        cfg: HostCommConfig,
+    ) -> Result<HostComm, CommError> {
+        Self::connect_with_server(store, token, group, rank, n, cfg, None)
+    }
+
+    pub(crate) fn connect_with_server(
+        store: Arc<dyn Store>,
+        token: JobToken,
+        group: &str,
+        rank: Rank,
+        n: WorldSize,
+        cfg: HostCommConfig,
+        server: Option<Arc<TcpStoreServer>>,
+    ) -> Result<HostComm, CommError> {
+        if !n.contains(rank) {
+            return Err(CommError::Setup { op: OpKind::Setup, rank, what: format!("rank {rank} is not below the world size {n}") });
+        }
+        let deadline = Deadline::after(cfg.timeout);
+        let c = connect_group(&*store, &token, group, rank.get(), n.get(), &cfg, deadline)?;
+        let core = Core {
+            links: c.links,
+            seq: 0,
+            sent: vec![0; n.get()],
+            received: vec![0; n.get()],
+            groups_made: 0,
+            broken: None,
+            scratch: Default::default(),
+            big: Scratch::default(),
+        };
+        let comm = HostComm {
+            rank,
+            n,
+            core: Mutex::new(core),
+            timeout: Mutex::new(cfg.timeout),
+            store,
+            token,
+            group: group.to_string(),
+            hosts: c.hosts,
+            cfg,
+            _server: server,
+        };
+        // Nobody returns before everyone is connected (and has consumed setup messages).
+        comm.barrier()?;
+        Ok(comm)
+    }
+
+    /// The host id of every rank (equal ids share memory).
+    pub fn hosts(&self) -> &[String] {
+        &self.hosts
+    }
+
+    /// Which peers are reached over shared memory.
+    pub fn shm_peers(&self) -> Vec<Rank> {
+        let core = self.lock();
+        core.links.iter().enumerate().filter(|(_, l)| l.as_ref().is_some_and(Link::is_shm)).map(|(i, _)| Rank(i)).collect()
+    }
+
+    /// The algorithm `Auto` picks: recursive doubling for small buffers (latency-bound), the
+    /// ring for large ones (bandwidth-bound).
+    pub fn pick_all_reduce(&self, bytes: usize) -> Algorithm {
+        match self.cfg.all_reduce {
+            AlgorithmChoice::Ring => Algorithm::Ring,
+            AlgorithmChoice::RecursiveDoubling => Algorithm::RecursiveDoubling,
+            AlgorithmChoice::Tree => Algorithm::Tree,
+            AlgorithmChoice::Auto if bytes as u64 <= self.cfg.small_message.bytes() => Algorithm::RecursiveDoubling,
+            AlgorithmChoice::Auto => Algorithm::Ring,
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs one collective: checks the broken flag, numbers it, and breaks the communicator
+    /// (closing every link so peers learn at once) if it fails.
+    fn run<T>(
+        &self,
+        op: OpKind,
+        alg: Algorithm,
+        f: impl FnOnce(&mut Exec<'_>, &mut [Scratch; 2], &mut Scratch) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        let mut core = self.lock();
+        if let Some(e) = &core.broken {
+            return Err(e.clone().into_aborted(self.rank));
+        }
+        let seq = core.seq;
+        core.seq += 1;
+        let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
+        let Core { links, scratch, big, .. } = &mut *core;
+        let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg };
+        let r = f(&mut exec, scratch, big);
+        if let Err(e) = &r {
+            self.break_with(&mut core, e.clone());
+        }
+        r
+    }
+
+    fn break_with(&self, core: &mut Core, e: CommError) {
+        if e.is_fatal() && core.broken.is_none() {
+            for l in core.links.iter().flatten() {
+                l.shutdown();
+            }
+            core.broken = Some(e);
+        }
+    }
+
+    fn p2p(&self, op: OpKind, peer: Rank, tag: u32, dir: Dir<'_>) -> Result<(), CommError> {
+        let mut core = self.lock();
+        if let Some(e) = &core.broken {
+            return Err(e.clone().into_aborted(self.rank));
+        }
+        let p = peer.get();
+        let (dtype, len, seq) = match &dir {
+            Dir::Send(d) => (None, d.len(), core.sent[p]),
+            Dir::Recv(d) => (None, d.len(), core.received[p]),
+            Dir::RecvReduce { .. } => unreachable!("p2p never reduces"),
+        };
+        let header = Header { op: OpKind::Send, dtype, alg: Algorithm::P2p as u8, seq, step: 0, tag, len: len as u64 };
+        let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
+        let is_send = matches!(dir, Dir::Send(_));
+        let mut x = [Xfer::new(p, header, dir)];
+        match drive(&mut core.links, &mut x, &ctx) {
+            Ok(()) => {
+                if is_send {
+                    core.sent[p] += 1;
+                } else {
+                    core.received[p] += 1;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.break_with(&mut core, e.clone());
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Communicator for HostComm {
+    fn rank(&self) -> Rank {
+        self.rank
+    }
+    fn world_size(&self) -> WorldSize {
+        self.n
+    }
+    fn backend(&self) -> &'static str {
+        "host"
+    }
+    fn timeout(&self) -> Duration {
+        *self.timeout.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn set_timeout(&self, timeout: Duration) {
+        *self.timeout.lock().unwrap_or_else(|p| p.into_inner()) = timeout;
+    }
+
+    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        if self.n.get() == 1 {
+            return Ok(());
+        }
+        let dtype = buf.dtype();
+        let alg = self.pick_all_reduce(buf.bytes().len());
+        let bytes = buf.bytes_mut();
+        self.run(OpKind::AllReduce, alg, |e, s, big| match alg {
+            Algorithm::Ring => ring::all_reduce(e, bytes, dtype, op, big),
+            Algorithm::Tree => {
+                tree::reduce(e, bytes, dtype, op, 0, big)?;
+                kolo_comm::reduce::finish_avg(dtype, op, bytes, e.n);
+                tree::broadcast(e, bytes, dtype, 0, 32)
+            }
+            _ => {
+                let [a, b] = s;
+                doubling::all_reduce(e, bytes, dtype, op, a, b)
+            }
+        })
+    }
+
+    fn reduce(&self, mut buf: BufMut<'_>, op: ReduceOp, root: Rank) -> Result<(), CommError> {
+        validate::root(OpKind::Reduce, self.rank, self.n, root)?;
+        if self.n.get() == 1 {
+            return Ok(());
+        }
+        let dtype = buf.dtype();
+        let is_root = root == self.rank;
+        let bytes = buf.bytes_mut();
+        self.run(OpKind::Reduce, Algorithm::Tree, |e, s, _| {
+            let [a, b] = s;
+            if is_root {
+                tree::reduce(e, bytes, dtype, op, root.get(), b)?;
+                kolo_comm::reduce::finish_avg(dtype, op, bytes, e.n);
+                Ok(())
+            } else {
+                // Non-roots keep their input: partial sums go to scratch.
+                let acc = a.get(bytes.len());
+                acc.copy_from_slice(bytes);
+                tree::reduce(e, acc, dtype, op, root.get(), b)
+            }
+        })
+    }
+
+    fn broadcast(&self, mut buf: BufMut<'_>, root: Rank) -> Result<(), CommError> {
+        validate::root(OpKind::Broadcast, self.rank, self.n, root)?;
+        if self.n.get() == 1 {
+            return Ok(());
+        }
+        let dtype = buf.dtype();
+        let bytes = buf.bytes_mut();
+        self.run(OpKind::Broadcast, Algorithm::Tree, |e, _, _| tree::broadcast(e, bytes, dtype, root.get(), 0))
+    }
+
+    fn all_gather(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
+        validate::all_gather(self.rank, self.n, &input, &output)?;
+        let dtype = input.dtype();
+        let esz = dtype.size_bytes();
+        let own = shard_range(output.len(), self.n, self.rank);
+        output.bytes_mut()[own.start * esz..own.end * esz].copy_from_slice(input.bytes());
+        if self.n.get() == 1 {
+            return Ok(());
+        }
+        let bytes = output.bytes_mut();
+        self.run(OpKind::AllGather, Algorithm::Ring, |e, _, _| ring::all_gather(e, bytes, dtype))
+    }
+
+    fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        validate::reduce_scatter(self.rank, self.n, &input, &output)?;
+        let dtype = input.dtype();
+        if self.n.get() == 1 {
+            output.bytes_mut().copy_from_slice(input.bytes());
+            return Ok(());
+        }
+        let esz = dtype.size_bytes();
+        let own = shard_range(input.len(), self.n, self.rank);
+        let out = output.bytes_mut();
+        self.run(OpKind::ReduceScatter, Algorithm::Ring, |e, s, big| {
+            let acc = big.get(input.bytes().len());
+            acc.copy_from_slice(input.bytes());
+            ring::reduce_scatter(e, acc, dtype, op, &mut s[0])?;
+            let mine = &mut acc[own.start * esz..own.end * esz];
+            kolo_comm::reduce::finish_avg(dtype, op, mine, e.n);
+            out.copy_from_slice(mine);
+            Ok(())
+        })
+    }
+
+    fn all_to_all(&self, input: BufRef<'_>, send_counts: &[usize], mut output: BufMut<'_>, recv_counts: &[usize]) -> Result<(), CommError> {
+        validate::all_to_all(self.rank, self.n, &input, send_counts, &output, recv_counts)?;
+        let dtype = input.dtype();
+        let esz = dtype.size_bytes();
+        let ranges = |counts: &[usize]| {
+            let mut off = 0;
+            counts
+                .iter()
+                .map(|c| {
+                    let r = off * esz..(off + c) * esz;
+                    off += c;
+                    r
+                })
+                .collect::<Vec<_>>()
+        };
+        let (send, recv) = (ranges(send_counts), ranges(recv_counts));
+        let out = output.bytes_mut();
+        if self.n.get() == 1 {
+            out.copy_from_slice(input.bytes());
+            return Ok(());
+        }
+        self.run(OpKind::AllToAll, Algorithm::Pairwise, |e, _, _| pairwise::all_to_all(e, input.bytes(), &send, out, &recv, dtype))
+    }
+
+    fn send(&self, buf: BufRef<'_>, peer: Rank, tag: u32) -> Result<(), CommError> {
+        validate::peer(OpKind::Send, self.rank, self.n, peer)?;
+        self.p2p(OpKind::Send, peer, tag, Dir::Send(buf.bytes()))
+    }
+
+    fn recv(&self, mut buf: BufMut<'_>, peer: Rank, tag: u32) -> Result<(), CommError> {
+        validate::peer(OpKind::Recv, self.rank, self.n, peer)?;
+        self.p2p(OpKind::Recv, peer, tag, Dir::Recv(buf.bytes_mut()))
+    }
+
+    fn barrier(&self) -> Result<(), CommError> {
+        if self.n.get() == 1 {
+            return Ok(());
+        }
+        self.run(OpKind::Barrier, Algorithm::Dissemination, |e, _, _| pairwise::barrier(e))
+    }
+
+    fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Communicator>>, CommError> {
+        validate::group(self.rank, self.n, ranks)?;
+        // Every rank must pass the same list: agree on a hash of it first.
+        let hash = ranks.iter().fold(1469598103934665603u64, |h, r| (h ^ r.get() as u64).wrapping_mul(1099511628211)) as i64;
+        let mut v = [hash, -hash];
+        self.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Max)?;
+        if v[0] != hash || v[1] != -hash {
+            let e = CommError::Mismatch {
+                op: OpKind::NewGroup,
+                rank: self.rank,
+                seq: self.lock().seq,
+                peer: self.rank,
+                ours: format!("new_group({ranks:?})"),
+                theirs: "a different rank list on some rank".into(),
+            };
+            self.break_with(&mut self.lock(), e.clone());
+            return Err(e);
+        }
+        let k = {
+            let mut core = self.lock();
+            core.groups_made += 1;
+            core.groups_made
+        };
+        let Some(pos) = ranks.iter().position(|r| *r == self.rank) else { return Ok(None) };
+        let key = format!("{}.{k}", self.group);
+        let mut cfg = self.cfg.clone();
+        cfg.timeout = self.timeout();
+        let n = WorldSize::new(ranks.len()).expect("validated non-empty");
+        let g = HostComm::connect_with_server(self.store.clone(), self.token.clone(), &key, Rank(pos), n, cfg, self._server.clone())?;
+        Ok(Some(Arc::new(g)))
+    }
+}

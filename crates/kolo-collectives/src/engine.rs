@@ -1,0 +1,243 @@
+//! The progress engine: drives a set of sends and receives on several links at once until all
+//! are complete, the deadline passes, or a link fails. One thread, no allocation per message.
+//!
+//! Receives in *reduce* mode land in a scratch buffer and are folded into their destination as
+//! whole elements arrive, so reduction overlaps the transfer (this is the chunked pipelining of
+//! the ring). Waiting is adaptive: busy-poll while data flows (lowest latency), then block in
+//! `poll(2)` (TCP) or nap (shared memory) so an idle rank does not steal a core from compute.
+
+use crate::frame::{Header, HEADER_LEN};
+use crate::link::Link;
+use kolo_base::{DType, Deadline, Rank};
+use kolo_comm::reduce::reduce_into;
+use kolo_comm::{CommError, OpKind, ReduceOp};
+use std::time::{Duration, Instant};
+
+pub(crate) enum Dir<'a> {
+    Send(&'a [u8]),
+    Recv(&'a mut [u8]),
+    /// Receive into `tmp`, then `dst = dst (op) tmp` element by element.
+    RecvReduce { tmp: &'a mut [u8], dst: &'a mut [u8], op: ReduceOp, dtype: DType },
+}
+
+pub(crate) struct Xfer<'a> {
+    pub peer: usize,
+    /// For sends: the header to send. For receives: the header expected.
+    pub header: Header,
+    pub dir: Dir<'a>,
+    hdr: [u8; HEADER_LEN],
+    hdr_done: usize,
+    done: usize,
+    reduced: usize,
+    finished: bool,
+}
+
+impl<'a> Xfer<'a> {
+    pub fn new(peer: usize, header: Header, dir: Dir<'a>) -> Xfer<'a> {
+        let hdr = match dir {
+            Dir::Send(_) => header.encode(),
+            _ => [0; HEADER_LEN],
+        };
+        Xfer { peer, header, dir, hdr, hdr_done: 0, done: 0, reduced: 0, finished: false }
+    }
+
+    fn payload_len(&self) -> usize {
+        match &self.dir {
+            Dir::Send(d) => d.len(),
+            Dir::Recv(d) => d.len(),
+            Dir::RecvReduce { dst, .. } => dst.len(),
+        }
+    }
+}
+
+/// Who is running what, for error messages.
+#[derive(Clone, Copy)]
+pub(crate) struct OpCtx {
+    pub op: OpKind,
+    pub rank: Rank,
+    pub seq: u64,
+    pub deadline: Deadline,
+    /// How long to busy-poll without progress before blocking.
+    pub spin: Duration,
+}
+
+impl OpCtx {
+    fn lost(&self, peer: usize, e: std::io::Error) -> CommError {
+        let reason = match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => "its connection closed (the process exited or failed)".to_string(),
+            _ => format!("connection error: {e}"),
+        };
+        CommError::PeerLost { op: self.op, rank: self.rank, seq: self.seq, peer: Rank(peer), reason }
+    }
+}
+
+/// Makes as much progress on `x` as its link allows right now. Returns bytes moved.
+fn step(link: &mut Link, x: &mut Xfer<'_>, ctx: &OpCtx) -> Result<usize, CommError> {
+    let total = x.payload_len();
+    let mut moved = 0;
+    match &mut x.dir {
+        Dir::Send(data) => {
+            let n = link
+                .write_some(&x.hdr[x.hdr_done..], &data[x.done..])
+                .map_err(|e| ctx.lost(x.peer, e))?;
+            let h = n.min(HEADER_LEN - x.hdr_done);
+            x.hdr_done += h;
+            x.done += n - h;
+            moved += n;
+        }
+        Dir::Recv(dst) => {
+            let n = link
+                .read_some(&mut x.hdr[x.hdr_done..], &mut dst[x.done..])
+                .map_err(|e| ctx.lost(x.peer, e))?;
+            let h = n.min(HEADER_LEN - x.hdr_done);
+            let was_partial = x.hdr_done < HEADER_LEN;
+            x.hdr_done += h;
+            x.done += n - h;
+            moved += n;
+            if was_partial && x.hdr_done == HEADER_LEN {
+                check_header(x, ctx)?;
+            }
+        }
+        Dir::RecvReduce { tmp, dst, op, dtype } => {
+            let n = link
+                .read_some(&mut x.hdr[x.hdr_done..], &mut tmp[x.done..])
+                .map_err(|e| ctx.lost(x.peer, e))?;
+            let h = n.min(HEADER_LEN - x.hdr_done);
+            let was_partial = x.hdr_done < HEADER_LEN;
+            x.hdr_done += h;
+            x.done += n - h;
+            moved += n;
+            if was_partial && x.hdr_done == HEADER_LEN {
+                check_header_parts(x.peer, &x.header, &x.hdr, ctx)?;
+            }
+            // Fold in every element that has fully arrived.
+            let esz = dtype.size_bytes();
+            let upto = x.done / esz * esz;
+            if upto > x.reduced {
+                reduce_into(*dtype, *op, &mut dst[x.reduced..upto], &tmp[x.reduced..upto]);
+                x.reduced = upto;
+            }
+        }
+    }
+    if x.hdr_done == HEADER_LEN && x.done == total {
+        x.finished = true;
+    }
+    Ok(moved)
+}
+
+fn check_header(x: &Xfer<'_>, ctx: &OpCtx) -> Result<(), CommError> {
+    check_header_parts(x.peer, &x.header, &x.hdr, ctx)
+}
+
+fn check_header_parts(peer: usize, expect: &Header, raw: &[u8; HEADER_LEN], ctx: &OpCtx) -> Result<(), CommError> {
+    let got = Header::decode(raw).map_err(|what| CommError::Protocol {
+        op: ctx.op,
+        rank: ctx.rank,
+        seq: ctx.seq,
+        peer: Rank(peer),
+        what,
+    })?;
+    if got != *expect {
+        return Err(CommError::Mismatch {
+            op: ctx.op,
+            rank: ctx.rank,
+            seq: ctx.seq,
+            peer: Rank(peer),
+            ours: format!("expected {}", expect.describe()),
+            theirs: format!("sent {}", got.describe()),
+        });
+    }
+    Ok(())
+}
+
+/// Runs every transfer to completion. On error the links are in an unknown state: the caller
+/// must break the communicator.
+pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &OpCtx) -> Result<(), CommError> {
+    let mut last_progress = Instant::now();
+    let mut pollfds: Vec<libc::pollfd> = Vec::new();
+    loop {
+        let mut moved = 0;
+        let mut pending = 0;
+        for x in xfers.iter_mut().filter(|x| !x.finished) {
+            let link = links[x.peer].as_mut().expect("algorithms only address connected peers");
+            moved += step(link, x, ctx)?;
+            pending += usize::from(!x.finished);
+        }
+        if pending == 0 {
+            return Ok(());
+        }
+        if moved > 0 {
+            last_progress = Instant::now();
+            continue;
+        }
+        let idle = last_progress.elapsed();
+        if idle < ctx.spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        if ctx.deadline.expired() {
+            let mut missing: Vec<Rank> = xfers.iter().filter(|x| !x.finished).map(|x| Rank(x.peer)).collect();
+            missing.sort();
+            missing.dedup();
+            return Err(CommError::Timeout { op: ctx.op, rank: ctx.rank, seq: ctx.seq, waited: ctx.deadline.budget(), missing });
+        }
+        // Block until a socket is ready. Shared-memory links have no data fd: nap briefly and
+        // watch their companion socket so a dead peer is still noticed at once.
+        let any_shm = xfers.iter().any(|x| !x.finished && links[x.peer].as_ref().is_some_and(Link::is_shm));
+        pollfds.clear();
+        for x in xfers.iter().filter(|x| !x.finished) {
+            let link = links[x.peer].as_ref().expect("connected");
+            let events = if link.is_shm() {
+                libc::POLLIN | libc::POLLRDHUP
+            } else {
+                match x.dir {
+                    Dir::Send(_) => libc::POLLOUT,
+                    _ => libc::POLLIN | libc::POLLRDHUP,
+                }
+            };
+            pollfds.push(libc::pollfd { fd: link.fd(), events, revents: 0 });
+        }
+        let wait_ms = if any_shm {
+            // Back off gently: short naps keep latency low when the peer is about to arrive.
+            if idle < Duration::from_millis(2) { 0 } else { 1 }
+        } else {
+            ctx.deadline.remaining().as_millis().clamp(1, 100) as i32
+        };
+        if any_shm && wait_ms == 0 {
+            std::thread::yield_now();
+            // Still check liveness sockets without blocking.
+        }
+        // SAFETY: pollfds is a valid array of pollfd for the duration of the call.
+        let r = unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, wait_ms) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(CommError::Setup { op: ctx.op, rank: ctx.rank, what: format!("poll failed: {e}") });
+            }
+        }
+        if any_shm {
+            // A readable or hung-up companion socket means the peer is gone. It may have written
+            // everything we need before it left, so drain the ring once more before giving up.
+            let mut hung = Vec::new();
+            for (i, p) in pollfds.iter().enumerate() {
+                if p.revents & (libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                    hung.push(i);
+                }
+            }
+            if !hung.is_empty() {
+                let mut pending: Vec<&mut Xfer<'_>> = xfers.iter_mut().filter(|x| !x.finished).collect();
+                for i in hung {
+                    let x = &mut *pending[i];
+                    let link = links[x.peer].as_mut().expect("connected");
+                    if !link.is_shm() {
+                        continue;
+                    }
+                    let moved = step(link, x, ctx)?;
+                    if moved == 0 && !x.finished {
+                        return Err(ctx.lost(x.peer, std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "companion socket closed")));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,187 @@
+//! Shared-memory links for ranks on the same host: one mapping per pair of ranks holding two
+//! single-producer single-consumer byte rings (one per direction).
+//!
+//! ```text
+//! ring:  [ head: u64 (writer) | pad ][ tail: u64 (reader) | pad ][ closed | pad ][ data: capacity bytes ]
+//! ```
+//! `head` and `tail` only grow; `head - tail` bytes are readable. The writer publishes data with a
+//! release store of `head`, the reader frees space with a release store of `tail`. Each side caches
+//! the other's counter and re-reads it only when it runs out, so the cache line holding it moves
+//! between cores once per refill instead of once per copy.
+//!
+//! The mapping lives in a file under /dev/shm that the lower rank creates and unlinks as soon as
+//! the peer has mapped it, so nothing is left behind when a process dies. The TCP connection the
+//! pair already has stays open as a liveness channel: it carries no data, so it becoming readable
+//! or closed means the peer is gone.
+
+use std::fs::OpenOptions;
+use std::io;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const LINE: usize = 128;
+const RING_HEADER: usize = 3 * LINE;
+
+pub(crate) fn region_len(capacity: usize) -> usize {
+    2 * (RING_HEADER + capacity)
+}
+
+struct Ring {
+    base: *mut u8,
+    capacity: usize,
+    /// Our cached copy of the other side's counter.
+    cached: u64,
+    /// Our own counter (we are its only writer).
+    mine: u64,
+}
+
+impl Ring {
+    fn head(&self) -> &AtomicU64 {
+        // SAFETY: `base` points at a live, 128-aligned ring header inside the mapping, which
+        // outlives this Ring; AtomicU64 has the same layout as u64.
+        unsafe { &*(self.base as *const AtomicU64) }
+    }
+    fn tail(&self) -> &AtomicU64 {
+        // SAFETY: as above, one cache line further.
+        unsafe { &*(self.base.add(LINE) as *const AtomicU64) }
+    }
+    fn closed(&self) -> &AtomicU64 {
+        // SAFETY: as above.
+        unsafe { &*(self.base.add(2 * LINE) as *const AtomicU64) }
+    }
+    fn data(&self) -> *mut u8 {
+        // SAFETY: the data area follows the header inside the mapping.
+        unsafe { self.base.add(RING_HEADER) }
+    }
+
+    /// Writer: copies as much of `src` as fits; returns bytes written.
+    fn push(&mut self, src: &[u8]) -> usize {
+        let cap = self.capacity as u64;
+        let mut free = cap - (self.mine - self.cached);
+        if free < src.len() as u64 {
+            self.cached = self.tail().load(Ordering::Acquire);
+            free = cap - (self.mine - self.cached);
+        }
+        let n = (free as usize).min(src.len());
+        if n == 0 {
+            return 0;
+        }
+        let pos = (self.mine % cap) as usize;
+        let first = n.min(self.capacity - pos);
+        // SAFETY: [pos, pos+first) and [0, n-first) lie inside the data area; the reader does not
+        // touch bytes between tail and tail+capacity that are past head, which is where we write.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), first);
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), n - first);
+        }
+        self.mine += n as u64;
+        self.head().store(self.mine, Ordering::Release);
+        n
+    }
+
+    /// Reader: copies up to `dst.len()` available bytes; returns bytes read.
+    fn pop(&mut self, dst: &mut [u8]) -> usize {
+        let cap = self.capacity as u64;
+        let mut avail = self.cached - self.mine;
+        if avail < dst.len() as u64 {
+            self.cached = self.head().load(Ordering::Acquire);
+            avail = self.cached - self.mine;
+        }
+        let n = (avail as usize).min(dst.len());
+        if n == 0 {
+            return 0;
+        }
+        let pos = (self.mine % cap) as usize;
+        let first = n.min(self.capacity - pos);
+        // SAFETY: the bytes [tail, tail+n) were published by the writer's release store of head,
+        // which our acquire load observed; the writer will not overwrite them until we advance tail.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data().add(pos), dst.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data(), dst.as_mut_ptr().add(first), n - first);
+        }
+        self.mine += n as u64;
+        self.tail().store(self.mine, Ordering::Release);
+        n
+    }
+}
+
+pub(crate) struct ShmLink {
+    _map: memmap2::MmapMut,
+    tx: Ring,
+    rx: Ring,
+    liveness: TcpStream,
+}
+
+// SAFETY: the raw pointers point into `_map`, which the link owns; a link is used by one thread
+// at a time (the communicator's lock), and cross-process sharing is synchronised by the atomics.
+unsafe impl Send for ShmLink {}
+
+impl ShmLink {
+    /// Creates the mapping file (exclusive) and maps it. `lower` is true on the rank that created
+    /// it; it writes into ring 0 and reads ring 1.
+    pub fn create(path: &str, capacity: usize) -> io::Result<memmap2::MmapMut> {
+        let f = OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
+        f.set_len(region_len(capacity) as u64)?;
+        // SAFETY: the file is ours and sized above; the mapping is shared with exactly one peer
+        // through the ring protocol.
+        unsafe { memmap2::MmapMut::map_mut(&f) }
+    }
+
+    pub fn open(path: &str, capacity: usize) -> io::Result<memmap2::MmapMut> {
+        let f = OpenOptions::new().read(true).write(true).open(path)?;
+        if f.metadata()?.len() != region_len(capacity) as u64 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "shared-memory file has the wrong size"));
+        }
+        // SAFETY: as in create.
+        unsafe { memmap2::MmapMut::map_mut(&f) }
+    }
+
+    pub fn new(mut map: memmap2::MmapMut, capacity: usize, lower: bool, liveness: TcpStream) -> io::Result<ShmLink> {
+        liveness.set_nonblocking(true)?;
+        let base = map.as_mut_ptr();
+        let ring = |i: usize| Ring {
+            // SAFETY: both rings lie inside the mapping (region_len).
+            base: unsafe { base.add(i * (RING_HEADER + capacity)) },
+            capacity,
+            cached: 0,
+            mine: 0,
+        };
+        let (tx, rx) = if lower { (ring(0), ring(1)) } else { (ring(1), ring(0)) };
+        Ok(ShmLink { _map: map, tx, rx, liveness })
+    }
+
+    pub fn write_some(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize> {
+        self.check_open()?;
+        let n = self.tx.push(a);
+        if n < a.len() {
+            return Ok(n);
+        }
+        Ok(n + self.tx.push(b))
+    }
+
+    pub fn read_some(&mut self, a: &mut [u8], b: &mut [u8]) -> io::Result<usize> {
+        let n = self.rx.pop(a);
+        let n = if n < a.len() { n } else { n + self.rx.pop(b) };
+        if n == 0 {
+            self.check_open()?;
+        }
+        Ok(n)
+    }
+
+    fn check_open(&self) -> io::Result<()> {
+        if self.rx.closed().load(Ordering::Acquire) != 0 || self.tx.closed().load(Ordering::Acquire) != 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the shared-memory link"));
+        }
+        Ok(())
+    }
+
+    pub fn liveness_fd(&self) -> RawFd {
+        self.liveness.as_raw_fd()
+    }
+
+    pub fn shutdown(&self) {
+        self.tx.closed().store(1, Ordering::Release);
+        let _ = self.liveness.shutdown(std::net::Shutdown::Both);
+    }
+}

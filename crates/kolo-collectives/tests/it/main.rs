@@ -1,0 +1,192 @@
+//! Multi-rank tests of the host backend: ranks are threads with real sockets and real shared
+//! memory; `process.rs` covers separate processes.
+
+use kolo_base::{Rank, WorldSize};
+use kolo_collectives::{AlgorithmChoice, HostComm, HostCommConfig, Transport};
+use kolo_comm::{BufMut, BufRef, Checked, CommError, Communicator, ReduceOp};
+use kolo_rendezvous::{JobToken, MemoryStore, Store};
+use kolo_testkit::{conformance, run_ranks, ODD_LENS};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+mod frame;
+
+fn group(n: usize, cfg: HostCommConfig) -> Vec<HostComm> {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let token = JobToken::generate();
+    let slots: Vec<usize> = (0..n).collect();
+    run_ranks(slots, |r, _| {
+        HostComm::connect(store.clone(), token.clone(), "t", Rank(r), WorldSize::new(n).unwrap(), cfg.clone()).unwrap()
+    })
+}
+
+fn cfg(transport: Transport, alg: AlgorithmChoice) -> HostCommConfig {
+    HostCommConfig { transport, all_reduce: alg, timeout: Duration::from_secs(60), ..HostCommConfig::default() }
+}
+
+fn conformance_for(transport: Transport, alg: AlgorithmChoice) {
+    for n in 1..=4 {
+        let comms = group(n, cfg(transport, alg));
+        if n > 1 {
+            let shm = comms[0].shm_peers().len();
+            assert_eq!(shm, if transport == Transport::Tcp { 0 } else { n - 1 }, "{transport:?}");
+        }
+        run_ranks(comms, |_, c| conformance(&c, ODD_LENS));
+    }
+}
+
+#[test]
+fn tcp_ring_conformance() {
+    conformance_for(Transport::Tcp, AlgorithmChoice::Ring);
+}
+
+#[test]
+fn tcp_doubling_conformance() {
+    conformance_for(Transport::Tcp, AlgorithmChoice::RecursiveDoubling);
+}
+
+#[test]
+fn tcp_tree_conformance() {
+    conformance_for(Transport::Tcp, AlgorithmChoice::Tree);
+}
+
+#[test]
+fn shm_auto_conformance() {
+    conformance_for(Transport::Shm, AlgorithmChoice::Auto);
+}
+
+#[test]
+fn shm_ring_conformance_with_tiny_ring() {
+    // A ring smaller than one message forces wrap-around and back-pressure on every transfer.
+    let c = HostCommConfig { shm_ring: kolo_base::ByteSize(4096 + 8), ..cfg(Transport::Shm, AlgorithmChoice::Ring) };
+    for n in [2, 3] {
+        run_ranks(group(n, c.clone()), |_, c| conformance(&c, &[0, 1, 13, 65_537]));
+    }
+}
+
+#[test]
+fn large_buffers_round_trip_bitwise() {
+    // 3 M floats: several MiB per segment, far beyond socket buffers and the shm ring.
+    for transport in [Transport::Tcp, Transport::Shm] {
+        run_ranks(group(2, cfg(transport, AlgorithmChoice::Auto)), |r, c| {
+            let len = 3_000_017;
+            let mut v: Vec<f32> = (0..len).map(|i| ((i * 7 + r * 13) % 101) as f32 * 0.25).collect();
+            c.all_reduce(BufMut::from(&mut v), ReduceOp::Sum).unwrap();
+            for (i, x) in v.iter().enumerate() {
+                let want = ((i * 7) % 101) as f32 * 0.25 + ((i * 7 + 13) % 101) as f32 * 0.25;
+                assert_eq!(*x, want, "element {i}");
+            }
+        });
+    }
+}
+
+#[test]
+fn sub_groups_over_host_backend() {
+    run_ranks(group(4, cfg(Transport::Auto, AlgorithmChoice::Auto)), |r, c| {
+        let g = kolo_comm::split(&c, Some((r % 2) as u32), r as u32).unwrap().unwrap();
+        assert_eq!(g.world_size().get(), 2);
+        conformance(&*g, &[0, 5, 97]);
+        let mesh = kolo_comm::DeviceMesh::new(&c, &[("dp", 2), ("tp", 2)]).unwrap();
+        let mut v = vec![r as i32];
+        mesh.group("tp").unwrap().all_reduce(BufMut::from(&mut v), ReduceOp::Sum).unwrap();
+        assert_eq!(v[0], if r < 2 { 1 } else { 5 });
+    });
+}
+
+#[test]
+fn mismatched_collective_is_reported_not_hung() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let errs = run_ranks(group(2, cfg(transport, AlgorithmChoice::Auto)), |r, c| {
+            let mut v = vec![0f32; 10 + r];
+            let e = c.all_reduce(BufMut::from(&mut v), ReduceOp::Sum).unwrap_err();
+            // The communicator stays failed.
+            let again = c.barrier().unwrap_err();
+            (e, again)
+        });
+        for (e, again) in errs {
+            let msg = e.to_string();
+            assert!(matches!(e, CommError::Mismatch { .. } | CommError::PeerLost { .. }), "{msg}");
+            assert!(matches!(again, CommError::Aborted { .. }), "{again}");
+        }
+    }
+}
+
+#[test]
+fn checked_wrapper_names_both_calls() {
+    let errs = run_ranks(group(3, cfg(Transport::Tcp, AlgorithmChoice::Auto)), |r, c| {
+        let c = Checked::new(Arc::new(c));
+        let mut v = vec![0f32; 4];
+        if r == 2 {
+            c.broadcast(BufMut::from(&mut v), Rank(0)).unwrap_err()
+        } else {
+            c.all_reduce(BufMut::from(&mut v), ReduceOp::Sum).unwrap_err()
+        }
+    });
+    let msg = errs[0].to_string();
+    assert!(msg.contains("rank 2 called broadcast(f32 x 4, root 0)"), "{msg}");
+}
+
+#[test]
+fn dead_peer_fails_every_survivor_quickly() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let comms = group(4, cfg(transport, AlgorithmChoice::Ring));
+        let t0 = Instant::now();
+        let errs = run_ranks(comms, |r, c| {
+            let mut v = vec![1f32; 1 << 20];
+            c.all_reduce(BufMut::from(&mut v), ReduceOp::Sum).unwrap();
+            if r == 1 {
+                drop(c); // rank 1 dies between collectives
+                return None;
+            }
+            Some(c.all_reduce(BufMut::from(&mut v), ReduceOp::Sum).unwrap_err())
+        });
+        assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+        for e in errs.into_iter().flatten() {
+            assert!(matches!(e, CommError::PeerLost { .. }), "{transport:?}: {e}");
+        }
+    }
+}
+
+#[test]
+fn timeout_names_the_missing_rank() {
+    let c = HostCommConfig { timeout: Duration::from_millis(300), ..cfg(Transport::Tcp, AlgorithmChoice::Auto) };
+    let errs = run_ranks(group(3, c), |r, c| {
+        if r == 2 {
+            std::thread::sleep(Duration::from_millis(1500));
+            return None;
+        }
+        let mut v = vec![1u8; 4];
+        Some(c.all_reduce(BufMut::from(&mut v), ReduceOp::Sum).unwrap_err())
+    });
+    let joined: Vec<String> = errs.into_iter().flatten().map(|e| e.to_string()).collect();
+    assert!(joined.iter().any(|m| m.contains("timed out") && m.contains("[2]")), "{joined:?}");
+}
+
+#[test]
+fn wrong_token_cannot_join_a_group() {
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let c = HostCommConfig { timeout: Duration::from_secs(2), ..cfg(Transport::Tcp, AlgorithmChoice::Auto) };
+    let n = WorldSize::new(2).unwrap();
+    let good = JobToken::generate();
+    let results = run_ranks(vec![good.clone(), JobToken::generate()], |r, tok| {
+        HostComm::connect(store.clone(), tok, "t", Rank(r), n, c.clone()).map(|_| ())
+    });
+    assert!(results.iter().all(|r| r.is_err()), "{results:?}");
+    let msg = format!("{:?}", results[1]);
+    assert!(msg.contains("token") || msg.contains("rank 0"), "{msg}");
+}
+
+#[test]
+fn p2p_tag_mismatch_is_detected() {
+    let errs = run_ranks(group(2, cfg(Transport::Tcp, AlgorithmChoice::Auto)), |r, c| {
+        let v = [1i64, 2, 3];
+        let mut got = [0i64; 3];
+        if r == 0 {
+            c.send(BufRef::from(&v[..]), Rank(1), 5).map(|_| ()).err()
+        } else {
+            c.recv(BufMut::from(&mut got[..]), Rank(0), 6).err()
+        }
+    });
+    let e = errs[1].as_ref().expect("receiver must fail");
+    assert!(e.to_string().contains("tag 5") && e.to_string().contains("tag 6"), "{e}");
+}
