@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 pub(crate) enum Dir<'a> {
     Send(&'a [u8]),
     Recv(&'a mut [u8]),
-    /// Receive into `tmp`, then `dst = dst (op) tmp` element by element.
+    /// Receive through the window `tmp` (at least 8 bytes, a multiple of 8), folding
+    /// `dst = dst (op) data` element by element as data arrives.
     RecvReduce { tmp: &'a mut [u8], dst: &'a mut [u8], op: ReduceOp, dtype: DType },
 }
 
@@ -29,6 +30,8 @@ pub(crate) struct Xfer<'a> {
     hdr_done: usize,
     done: usize,
     reduced: usize,
+    /// Bytes waiting in the reduce window.
+    win: usize,
     finished: bool,
 }
 
@@ -38,7 +41,7 @@ impl<'a> Xfer<'a> {
             Dir::Send(_) => header.encode(),
             _ => [0; HEADER_LEN],
         };
-        Xfer { peer, header, dir, hdr, hdr_done: 0, done: 0, reduced: 0, finished: false }
+        Xfer { peer, header, dir, hdr, hdr_done: 0, done: 0, reduced: 0, win: 0, finished: false }
     }
 
     fn payload_len(&self) -> usize {
@@ -99,23 +102,28 @@ fn step(link: &mut Link, x: &mut Xfer<'_>, ctx: &OpCtx) -> Result<usize, CommErr
             }
         }
         Dir::RecvReduce { tmp, dst, op, dtype } => {
+            // `tmp` is a small window reused round-robin, so it stays in cache: bytes land at
+            // tmp[win..], whole elements are folded into dst, a split element moves to the front.
+            let esz = dtype.size_bytes();
+            let cap = tmp.len().min(x.win + (total - x.done));
             let n = link
-                .read_some(&mut x.hdr[x.hdr_done..], &mut tmp[x.done..])
+                .read_some(&mut x.hdr[x.hdr_done..], &mut tmp[x.win..cap])
                 .map_err(|e| ctx.lost(x.peer, e))?;
             let h = n.min(HEADER_LEN - x.hdr_done);
             let was_partial = x.hdr_done < HEADER_LEN;
             x.hdr_done += h;
             x.done += n - h;
+            x.win += n - h;
             moved += n;
             if was_partial && x.hdr_done == HEADER_LEN {
                 check_header_parts(x.peer, &x.header, &x.hdr, ctx)?;
             }
-            // Fold in every element that has fully arrived.
-            let esz = dtype.size_bytes();
-            let upto = x.done / esz * esz;
-            if upto > x.reduced {
-                reduce_into(*dtype, *op, &mut dst[x.reduced..upto], &tmp[x.reduced..upto]);
-                x.reduced = upto;
+            let whole = x.win / esz * esz;
+            if whole > 0 {
+                reduce_into(*dtype, *op, &mut dst[x.reduced..x.reduced + whole], &tmp[..whole]);
+                x.reduced += whole;
+                tmp.copy_within(whole..x.win, 0);
+                x.win -= whole;
             }
         }
     }

@@ -19,7 +19,7 @@ pub(crate) fn all_reduce(
     let p = 1usize << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
     let rem = n - p;
     let len = buf.len();
-    let tmp = recv_scratch.get(len);
+    let tmp = recv_scratch.get(super::REDUCE_WINDOW);
     let mut step = 0u32;
     // Fold: among the first 2*rem ranks, even ones hand their data to the next odd one.
     let vrank: Option<usize> = if r < 2 * rem {

@@ -13,6 +13,9 @@ use kolo_base::{even_split, DType, WorldSize};
 use kolo_comm::CommError;
 use std::ops::Range;
 
+/// Bytes of the window a reducing receive lands in before being folded into its destination.
+pub(crate) const REDUCE_WINDOW: usize = 256 << 10;
+
 /// Algorithm codes carried in every header, so ranks that chose differently notice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -57,7 +60,8 @@ impl Exec<'_> {
         dst: &'a mut [u8],
     ) -> Xfer<'a> {
         let h = self.header(step, Some(dtype), dst.len());
-        Xfer::new(peer, h, Dir::RecvReduce { tmp: &mut tmp[..dst.len()], dst, op, dtype })
+        let w = tmp.len().min(dst.len().div_ceil(8) * 8).max(8);
+        Xfer::new(peer, h, Dir::RecvReduce { tmp: &mut tmp[..w], dst, op, dtype })
     }
 
     pub fn run(&mut self, xfers: &mut [Xfer<'_>]) -> Result<(), CommError> {

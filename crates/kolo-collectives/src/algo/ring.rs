@@ -30,8 +30,7 @@ fn reduce_scatter_phase(
 ) -> Result<(), CommError> {
     let n = e.n;
     let segs = byte_segments(buf.len() / dtype.size_bytes(), e.world(), dtype.size_bytes());
-    let max = segs.iter().map(|s| s.len()).max().unwrap_or(0);
-    let tmp = scratch.get(max);
+    let tmp = scratch.get(super::REDUCE_WINDOW);
     let (l, r) = (left(e), right(e));
     for s in 0..n - 1 {
         let send_seg = (e.rank + 2 * n - s + shift) % n;

@@ -10,7 +10,7 @@ use kolo_comm::{CommError, ReduceOp, Scratch};
 pub(crate) fn reduce(e: &mut Exec<'_>, acc: &mut [u8], dtype: DType, op: ReduceOp, root: usize, scratch: &mut Scratch) -> Result<(), CommError> {
     let n = e.n;
     let vr = (e.rank + n - root) % n;
-    let tmp = scratch.get(acc.len());
+    let tmp = scratch.get(super::REDUCE_WINDOW);
     let mut mask = 1;
     while mask < n {
         if vr & mask != 0 {

@@ -1,0 +1,364 @@
+//! `kolo bench`: collective throughput like nccl-tests (time, algbw, busbw, correctness per
+//! size), and the machine limits to compare against (loopback TCP both ways at once, memcpy).
+
+use crate::comm_args::CommArgs;
+use kolo_base::{ByteSize, DType, Rank};
+use kolo_comm::{bf16, f16, BufMut, BufRef, Communicator, Element, ReduceOp};
+use serde_json::json;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Subcommand)]
+pub enum BenchCmd {
+    /// Collective bandwidth and latency per message size (run under `kolo launch`, or pass -n).
+    ///
+    /// Sizes follow nccl-tests: the all-reduced/broadcast buffer, the all-gather output, the
+    /// reduce-scatter input, the all-to-all input per rank. algbw = size / time; busbw = algbw x
+    /// 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter, all_to_all), 1 (broadcast).
+    /// time = max over ranks of the mean time of back-to-back ops, median over trials.
+    Collectives(CollArgs),
+    /// Loopback TCP carrying data both directions at once, and single-thread memcpy: the limits
+    /// the TCP and shared-memory transports work against.
+    Loopback(LoopArgs),
+}
+
+#[derive(clap::Args)]
+pub struct CollArgs {
+    #[command(flatten)]
+    comm: CommArgs,
+    /// all_reduce, all_gather, reduce_scatter, broadcast, all_to_all
+    #[arg(long, default_value = "all_reduce")]
+    op: String,
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    #[arg(long, default_value = "4KiB")]
+    min: ByteSize,
+    #[arg(long, default_value = "256MiB")]
+    max: ByteSize,
+    /// Size multiplier between rows.
+    #[arg(long, default_value_t = 4)]
+    factor: u64,
+    /// Trials per size (median reported).
+    #[arg(long, default_value_t = 5)]
+    trials: usize,
+    /// Target seconds per trial (sets the number of back-to-back ops).
+    #[arg(long, default_value_t = 0.2)]
+    trial_secs: f64,
+    /// Print one JSON object per size instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Start this many local ranks (when not already under a launcher).
+    #[arg(short = 'n', long = "nproc", default_value_t = 1)]
+    nproc: usize,
+}
+
+#[derive(clap::Args)]
+pub struct LoopArgs {
+    /// Bytes each direction carries per trial.
+    #[arg(long, default_value = "256MiB")]
+    size: ByteSize,
+    #[arg(long, default_value_t = 5)]
+    trials: usize,
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(cmd: BenchCmd) -> anyhow::Result<i32> {
+    match cmd {
+        BenchCmd::Collectives(a) => collectives(a),
+        BenchCmd::Loopback(a) => loopback(a),
+    }
+}
+
+fn relaunch_self(n: usize) -> anyhow::Result<i32> {
+    let exe = std::env::current_exe()?;
+    let mut args: Vec<std::ffi::OsString> = vec![exe.into()];
+    // Drop -n/--nproc and its value; the children run as ranks.
+    let mut it = std::env::args_os().skip(1).peekable();
+    while let Some(a) = it.next() {
+        let s = a.to_string_lossy();
+        if s == "-n" || s == "--nproc" {
+            it.next();
+        } else if !s.starts_with("--nproc=") {
+            args.push(a);
+        }
+    }
+    let cfg = kolo_launch::LaunchConfig { nproc_per_node: n, program: args, ..Default::default() };
+    let out = kolo_launch::launch(&cfg)?;
+    if !out.success() {
+        eprint!("{}", out.summary());
+    }
+    Ok(out.exit_code())
+}
+
+fn busbw_factor(op: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "broadcast" => 1.0,
+        _ => (n - 1.0) / n,
+    }
+}
+
+struct Row {
+    bytes: usize,
+    count: usize,
+    iters: usize,
+    times_us: Vec<f64>,
+    ok: bool,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// The slowest rank's value.
+fn max_over_ranks(comm: &dyn Communicator, x: f64) -> anyhow::Result<f64> {
+    let mut v = [x];
+    comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Max)?;
+    Ok(v[0])
+}
+
+fn pattern<T: Element>(rank: usize, i: usize) -> T {
+    T::from_i64(((i % 13) + rank) as i64)
+}
+
+/// Runs `op` once on patterned data and checks the result exactly.
+fn check<T: Element>(comm: &dyn Communicator, op: &str, count: usize) -> anyhow::Result<bool> {
+    let n = comm.world_size();
+    let me = comm.rank().get();
+    let nn = n.get();
+    Ok(match op {
+        "all_reduce" => {
+            let mut v: Vec<T> = (0..count).map(|i| pattern(me, i)).collect();
+            comm.all_reduce(BufMut::from(&mut v), ReduceOp::Sum)?;
+            (0..count).all(|i| v[i] == T::from_i64((nn * (i % 13) + nn * (nn - 1) / 2) as i64))
+        }
+        "broadcast" => {
+            let mut v: Vec<T> = (0..count).map(|i| if me == 0 { pattern(0, i) } else { T::default() }).collect();
+            comm.broadcast(BufMut::from(&mut v), Rank(0))?;
+            (0..count).all(|i| v[i] == pattern(0, i))
+        }
+        "all_gather" => {
+            let r = kolo_base::shard_range(count, n, Rank(me));
+            let inp: Vec<T> = r.clone().map(|i| pattern(me, i)).collect();
+            let mut out = vec![T::default(); count];
+            comm.all_gather(BufRef::from(&inp), BufMut::from(&mut out))?;
+            (0..nn).all(|owner| kolo_base::shard_range(count, n, Rank(owner)).all(|i| out[i] == pattern(owner, i)))
+        }
+        "reduce_scatter" => {
+            let inp: Vec<T> = (0..count).map(|i| pattern(me, i)).collect();
+            let r = kolo_base::shard_range(count, n, Rank(me));
+            let mut out = vec![T::default(); r.len()];
+            comm.reduce_scatter(BufRef::from(&inp), BufMut::from(&mut out), ReduceOp::Sum)?;
+            r.enumerate().all(|(k, i)| out[k] == T::from_i64((nn * (i % 13) + nn * (nn - 1) / 2) as i64))
+        }
+        "all_to_all" => {
+            let per = count / nn;
+            let counts = vec![per; nn];
+            let inp: Vec<T> = (0..per * nn).map(|i| T::from_i64(((i / per.max(1)) * 3 + me) as i64 % 64)).collect();
+            let mut out = vec![T::default(); per * nn];
+            comm.all_to_all(BufRef::from(&inp), &counts, BufMut::from(&mut out), &counts)?;
+            (0..per * nn).all(|i| out[i] == T::from_i64((me * 3 + i / per.max(1)) as i64 % 64))
+        }
+        other => anyhow::bail!("unknown op `{other}` (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all)"),
+    })
+}
+
+/// One timed op on zeroed buffers (sums of zeros stay zero, so repeated ops stay finite).
+struct Bufs<T> {
+    a: Vec<T>,
+    b: Vec<T>,
+    counts: Vec<usize>,
+}
+
+fn make_bufs<T: Element>(comm: &dyn Communicator, op: &str, count: usize) -> Bufs<T> {
+    let n = comm.world_size();
+    let shard = kolo_base::shard_range(count, n, comm.rank()).len();
+    let per = count / n.get();
+    match op {
+        "all_gather" => Bufs { a: vec![T::default(); shard], b: vec![T::default(); count], counts: vec![] },
+        "reduce_scatter" => Bufs { a: vec![T::default(); count], b: vec![T::default(); shard], counts: vec![] },
+        "all_to_all" => Bufs { a: vec![T::default(); per * n.get()], b: vec![T::default(); per * n.get()], counts: vec![per; n.get()] },
+        _ => Bufs { a: vec![T::default(); count], b: vec![], counts: vec![] },
+    }
+}
+
+fn once<T: Element>(comm: &dyn Communicator, op: &str, b: &mut Bufs<T>) -> anyhow::Result<()> {
+    match op {
+        "all_reduce" => comm.all_reduce(BufMut::from(&mut b.a), ReduceOp::Sum)?,
+        "broadcast" => comm.broadcast(BufMut::from(&mut b.a), Rank(0))?,
+        "all_gather" => comm.all_gather(BufRef::from(&b.a), BufMut::from(&mut b.b))?,
+        "reduce_scatter" => comm.reduce_scatter(BufRef::from(&b.a), BufMut::from(&mut b.b), ReduceOp::Sum)?,
+        "all_to_all" => comm.all_to_all(BufRef::from(&b.a), &b.counts, BufMut::from(&mut b.b), &b.counts)?,
+        other => anyhow::bail!("unknown op `{other}`"),
+    }
+    Ok(())
+}
+
+fn measure<T: Element>(comm: &dyn Communicator, a: &CollArgs, bytes: usize) -> anyhow::Result<Row> {
+    let count = bytes / T::DTYPE.size_bytes();
+    let ok = check::<T>(comm, &a.op, count)?;
+    let mut bufs = make_bufs::<T>(comm, &a.op, count);
+    once(comm, &a.op, &mut bufs)?; // warm-up
+    comm.barrier()?;
+    let t = Instant::now();
+    once(comm, &a.op, &mut bufs)?;
+    let one = max_over_ranks(comm, t.elapsed().as_secs_f64())?;
+    let iters = ((a.trial_secs / one.max(1e-7)).ceil() as usize).clamp(3, 100_000);
+    let mut times_us = Vec::with_capacity(a.trials);
+    for _ in 0..a.trials {
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            once(comm, &a.op, &mut bufs)?;
+        }
+        let per_op = t.elapsed().as_secs_f64() / iters as f64;
+        times_us.push(max_over_ranks(comm, per_op)? * 1e6);
+    }
+    Ok(Row { bytes, count, iters, times_us, ok })
+}
+
+fn collectives(a: CollArgs) -> anyhow::Result<i32> {
+    let under_launcher = kolo_rendezvous::discover(std::env::vars()).map_err(|e| anyhow::anyhow!(e))?.is_some();
+    if !under_launcher && a.nproc > 1 {
+        return relaunch_self(a.nproc);
+    }
+    let b = a.comm.join()?;
+    let comm: &dyn Communicator = &*b.comm;
+    let n = comm.world_size().get();
+    let me = comm.rank().get();
+    let shm = b.comm.shm_peers().len();
+    let links = if n == 1 { "none".to_string() } else { format!("{} shm + {} tcp peers per rank", shm, n - 1 - shm) };
+    if me == 0 && !a.json {
+        println!(
+            "# kolo bench collectives: {} {} on {} rank(s), transport {:?} ({links}), algorithm {:?}",
+            a.op, a.dtype, n, a.comm.transport, a.comm.algorithm
+        );
+        println!("# {} trials of back-to-back ops (~{}s each); time = median over trials of the slowest rank", a.trials, a.trial_secs);
+        println!("{:>12} {:>11} {:>7} {:>12} {:>22} {:>11} {:>11}  check", "bytes", "count", "iters", "time_us", "[min..max]", "algbw_GB/s", "busbw_GB/s");
+    }
+    let esz = a.dtype.size_bytes();
+    let mut size = a.min.as_usize().max(esz);
+    let mut all_ok = true;
+    while size <= a.max.as_usize() {
+        // Whole elements, and for all_to_all a whole number per rank.
+        let unit = if a.op == "all_to_all" { esz * n } else { esz };
+        let bytes = size / unit * unit;
+        let row = match a.dtype {
+            DType::F32 => measure::<f32>(comm, &a, bytes)?,
+            DType::F64 => measure::<f64>(comm, &a, bytes)?,
+            DType::F16 => measure::<f16>(comm, &a, bytes)?,
+            DType::BF16 => measure::<bf16>(comm, &a, bytes)?,
+            DType::I32 => measure::<i32>(comm, &a, bytes)?,
+            DType::I64 => measure::<i64>(comm, &a, bytes)?,
+            DType::U8 => measure::<u8>(comm, &a, bytes)?,
+        };
+        // Every rank must agree the result was right.
+        let mut ok = [u8::from(row.ok)];
+        comm.all_reduce(BufMut::from(&mut ok[..]), ReduceOp::Min)?;
+        let ok = ok[0] == 1;
+        all_ok &= ok;
+        let mut t = row.times_us.clone();
+        let med = median(&mut t);
+        let (lo, hi) = (t[0], t[t.len() - 1]);
+        let algbw = row.bytes as f64 / (med * 1e-6) / 1e9;
+        let busbw = algbw * busbw_factor(&a.op, n);
+        if me == 0 {
+            if a.json {
+                println!(
+                    "{}",
+                    json!({"bench": "kolo_collective", "op": a.op, "dtype": a.dtype.name(), "world": n,
+                        "transport": format!("{:?}", a.comm.transport).to_lowercase(), "algorithm": format!("{:?}", a.comm.algorithm).to_lowercase(),
+                        "shm_peers": shm, "bytes": row.bytes, "count": row.count, "iters": row.iters, "trials": row.times_us.len(),
+                        "lat_us": {"median": med, "min": lo, "max": hi}, "algbw_GBps": algbw, "busbw_GBps": busbw, "correct": ok})
+                );
+            } else {
+                println!(
+                    "{:>12} {:>11} {:>7} {:>12.2} {:>22} {:>11.3} {:>11.3}  {}",
+                    row.bytes,
+                    row.count,
+                    row.iters,
+                    med,
+                    format!("[{lo:.2}..{hi:.2}]"),
+                    algbw,
+                    busbw,
+                    if ok { "ok" } else { "WRONG" }
+                );
+            }
+            let _ = std::io::stdout().flush();
+        }
+        size = size.saturating_mul(a.factor.max(2) as usize);
+    }
+    Ok(if all_ok { 0 } else { 2 })
+}
+
+/// Two threads, each owning one end of a loopback TCP connection, each sending `size` bytes and
+/// receiving `size` bytes at the same time (what a 2-rank ring step does).
+fn loopback_trial(size: usize) -> anyhow::Result<Duration> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let a = std::net::TcpStream::connect(l.local_addr()?)?;
+    let (b, _) = l.accept()?;
+    let run = move |s: std::net::TcpStream| -> std::io::Result<()> {
+        s.set_nodelay(true)?;
+        let mut w = s.try_clone()?;
+        let mut r = s;
+        let sender = std::thread::spawn(move || {
+            let buf = vec![1u8; 1 << 20];
+            let mut left = size;
+            while left > 0 {
+                let k = left.min(buf.len());
+                w.write_all(&buf[..k])?;
+                left -= k;
+            }
+            Ok::<_, std::io::Error>(())
+        });
+        let mut buf = vec![0u8; 1 << 20];
+        let mut left = size;
+        while left > 0 {
+            let k = r.read(&mut buf[..left.min(1 << 20)])?;
+            if k == 0 {
+                return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed"));
+            }
+            left -= k;
+        }
+        sender.join().expect("sender thread")?;
+        Ok(())
+    };
+    let t = Instant::now();
+    let h = std::thread::spawn(move || run(a));
+    run(b)?;
+    h.join().expect("loopback thread")?;
+    Ok(t.elapsed())
+}
+
+fn loopback(a: LoopArgs) -> anyhow::Result<i32> {
+    let size = a.size.as_usize();
+    let mut agg = Vec::new();
+    for _ in 0..a.trials {
+        let t = loopback_trial(size)?;
+        agg.push(2.0 * size as f64 / t.as_secs_f64() / 1e9);
+    }
+    let mut cp = Vec::new();
+    let src = vec![1u8; size];
+    let mut dst = vec![0u8; size];
+    for _ in 0..a.trials {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        cp.push(size as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    let (agg_m, cp_m) = (median(&mut agg), median(&mut cp));
+    if a.json {
+        println!("{}", json!({"bench": "kolo_loopback", "bytes_each_way": size, "trials": a.trials,
+            "tcp_bidir_aggregate_GBps": {"median": agg_m, "min": agg[0], "max": agg[agg.len()-1]},
+            "ring2_busbw_bound_GBps": agg_m / 2.0, "memcpy_GBps": {"median": cp_m, "min": cp[0], "max": cp[cp.len()-1]}}));
+    } else {
+        println!("loopback TCP, both directions at once ({} each way): {:.2} GB/s aggregate [{:.2}..{:.2}] over {} trials",
+            a.size, agg_m, agg[0], agg[agg.len() - 1], a.trials);
+        println!("  => bound on 2-rank all_reduce busbw over TCP: {:.2} GB/s (half the aggregate)", agg_m / 2.0);
+        println!("memcpy, 1 thread, {}: {:.2} GB/s [{:.2}..{:.2}]", a.size, cp_m, cp[0], cp[cp.len() - 1]);
+    }
+    Ok(0)
+}

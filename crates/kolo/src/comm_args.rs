@@ -1,0 +1,43 @@
+//! Communicator flags shared by the subcommands that join a job.
+
+use kolo_base::ByteSize;
+use kolo_collectives::{bootstrap, AlgorithmChoice, Bootstrapped, HostCommConfig, Transport};
+use std::time::Duration;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct CommArgs {
+    /// Links between ranks on one host: auto (shared memory), tcp, shm.
+    #[arg(long, default_value = "auto")]
+    pub transport: Transport,
+    /// all_reduce algorithm: auto (by size), ring, doubling, tree.
+    #[arg(long = "algo", default_value = "auto")]
+    pub algorithm: AlgorithmChoice,
+    /// Deadline of every collective, in seconds.
+    #[arg(long, default_value_t = 300.0)]
+    pub timeout: f64,
+    /// Microseconds to busy-poll without progress before blocking.
+    #[arg(long, default_value_t = 200)]
+    pub spin_us: u64,
+    /// Bytes per direction of each shared-memory ring.
+    #[arg(long, default_value = "1MiB")]
+    pub shm_ring: ByteSize,
+}
+
+impl CommArgs {
+    pub fn config(&self) -> HostCommConfig {
+        HostCommConfig {
+            transport: self.transport,
+            all_reduce: self.algorithm,
+            timeout: Duration::from_secs_f64(self.timeout.max(0.001)),
+            spin: Duration::from_micros(self.spin_us),
+            shm_ring: self.shm_ring,
+            ..HostCommConfig::default()
+        }
+    }
+
+    /// Joins the job this process was launched into (or runs alone).
+    pub fn join(&self) -> anyhow::Result<Bootstrapped> {
+        let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| anyhow::anyhow!(e))?;
+        Ok(bootstrap(env.as_ref(), self.config())?)
+    }
+}

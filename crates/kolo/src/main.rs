@@ -1,0 +1,110 @@
+//! The `kolo` binary: a thin shell over the libraries.
+
+mod bench;
+mod comm_args;
+mod selftest;
+
+use clap::{Parser, Subcommand};
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(name = "kolo", version, about = "Distributed training for Rust: launcher, collectives, benchmarks.")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run N copies of a program on this node as ranks of one job (like torchrun).
+    ///
+    /// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    /// and KOLO_JOB_TOKEN. Output lines are prefixed with the rank. If a rank fails, the others
+    /// are stopped and the launcher exits non-zero with a summary.
+    Launch(LaunchArgs),
+    /// Benchmarks (collectives like nccl-tests, loopback and memory limits).
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
+    /// Collective stress loop with fault injection, for Kolo's own failure tests.
+    #[command(hide = true)]
+    Selftest(selftest::SelftestArgs),
+}
+
+#[derive(clap::Args)]
+struct LaunchArgs {
+    /// Ranks to start on this node.
+    #[arg(short = 'n', long = "nproc-per-node", default_value_t = 1)]
+    nproc_per_node: usize,
+    /// Nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index, 0..nnodes.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Address of node 0, where rank 0 hosts the rendezvous store.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Port of the rendezvous store (default: a free port; required with --nnodes > 1).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// File holding the job token in hex (required with --nnodes > 1; default: a fresh random token).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Seconds the other ranks get to exit on their own after one fails, before SIGTERM.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// The program and its arguments.
+    #[arg(last = true, required = true)]
+    program: Vec<OsString>,
+}
+
+fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
+    let token = match &a.token_file {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("--token-file {}: {e}", p.display()))?;
+            Some(kolo_rendezvous::JobToken::from_hex(&text).map_err(|e| anyhow::anyhow!("--token-file {}: {e}", p.display()))?)
+        }
+        None => match std::env::var("KOLO_JOB_TOKEN") {
+            Ok(t) => Some(kolo_rendezvous::JobToken::from_hex(&t).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))?),
+            Err(_) => None,
+        },
+    };
+    let cfg = kolo_launch::LaunchConfig {
+        nproc_per_node: a.nproc_per_node,
+        nnodes: a.nnodes,
+        node_rank: a.node_rank,
+        master_addr: a.master_addr,
+        master_port: a.master_port,
+        token,
+        program: a.program,
+        grace: Duration::from_secs_f64(a.grace.max(0.0)),
+        env: Vec::new(),
+    };
+    let out = kolo_launch::launch(&cfg)?;
+    if !out.success() {
+        eprint!("{}", out.summary());
+    }
+    Ok(out.exit_code())
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KOLO_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Launch(a) => launch(a),
+        Cmd::Bench(b) => bench::run(b),
+        Cmd::Selftest(s) => selftest::run(s),
+    };
+    match r {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! Process-level tests: real `kolo` processes, real sockets and shared memory, the real launcher.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const KOLO: &str = env!("CARGO_BIN_EXE_kolo");
+
+fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut c = Command::new(KOLO);
+    c.args(args).env("RAYON_NUM_THREADS", "1").stdin(Stdio::null());
+    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "KOLO_JOB_TOKEN", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"] {
+        c.env_remove(k);
+    }
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.output().expect("run kolo")
+}
+
+fn text(o: &Output) -> String {
+    format!("status {:?}\n--- stdout\n{}\n--- stderr\n{}", o.status, String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+#[test]
+fn launched_bench_checks_every_op_over_tcp_and_shm() {
+    for transport in ["tcp", "shm"] {
+        for (op, dtype) in [("all_reduce", "f32"), ("all_reduce", "bf16"), ("all_gather", "i64"), ("reduce_scatter", "f64"), ("broadcast", "u8"), ("all_to_all", "i32")] {
+            let o = run(
+                &["launch", "-n", "3", "--", KOLO, "bench", "collectives", "--op", op, "--dtype", dtype, "--transport", transport,
+                  "--min", "4KiB", "--max", "1MiB", "--factor", "16", "--trials", "1", "--trial-secs", "0.005", "--timeout", "60"],
+                &[],
+            );
+            let t = text(&o);
+            assert!(o.status.success(), "{op} {dtype} {transport}: {t}");
+            assert!(!t.contains("WRONG"), "{t}");
+            assert_eq!(t.matches(" ok").count(), 3, "{op} {dtype} {transport}: {t}");
+            assert!(t.contains("[rank 0]"), "{t}");
+        }
+    }
+}
+
+#[test]
+fn killed_rank_fails_the_job_with_a_summary_and_survivors_report_it() {
+    for mode in ["kill", "exit"] {
+        let t0 = Instant::now();
+        let o = run(
+            &["launch", "-n", "3", "--grace", "20", "--", KOLO, "selftest", "--fail-rank", "1", "--fail-after", "3", "--fail-mode", mode,
+              "--iters", "100000", "--timeout", "120"],
+            &[],
+        );
+        let t = text(&o);
+        assert!(!o.status.success(), "{t}");
+        assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}: {t}", t0.elapsed());
+        let how = if mode == "kill" { "killed by signal 9 (SIGKILL)" } else { "exited with status 3" };
+        assert!(t.contains(&format!("job failed: rank 1")) && t.contains(how), "{t}");
+        // Both survivors failed on their own, naming the lost rank, before the launcher stepped in.
+        for r in [0, 2] {
+            assert!(t.contains(&format!("[rank {r}] selftest: rank {r} failed after")), "{t}");
+        }
+        assert!(t.contains("lost rank 1") || t.contains("lost rank"), "{t}");
+        assert!(!t.contains("stopped by the launcher"), "{t}");
+    }
+}
+
+#[test]
+fn launcher_rejects_bad_configurations() {
+    let o = run(&["launch", "-n", "2", "--nnodes", "2", "--", "true"], &[]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("--master-port"), "{}", text(&o));
+    let o = run(&["launch", "-n", "2", "--", "/nonexistent/program"], &[]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("cannot start rank 0"), "{}", text(&o));
+    let o = run(&["launch", "-n", "2", "--", "false"], &[]);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+}
+
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
+/// Starts ranks by hand (as an external launcher would) with per-rank environments.
+fn spawn_ranks(envs: Vec<Vec<(String, String)>>, args: &[&str]) -> Vec<Output> {
+    let children: Vec<_> = envs
+        .into_iter()
+        .map(|env| {
+            let mut c = Command::new(KOLO);
+            c.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+            for k in ["RANK", "WORLD_SIZE", "MASTER_PORT", "KOLO_JOB_TOKEN"] {
+                c.env_remove(k);
+            }
+            c.envs(env);
+            c.spawn().unwrap()
+        })
+        .collect();
+    children.into_iter().map(|c| c.wait_with_output().unwrap()).collect()
+}
+
+fn env(pairs: &[(&str, String)]) -> Vec<(String, String)> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.clone())).collect()
+}
+
+#[test]
+fn open_mpi_and_slurm_variables_are_understood() {
+    let token = "00112233445566778899aabbccddeeff".to_string();
+    let port = free_port();
+    let outs = spawn_ranks(
+        (0..2)
+            .map(|r| env(&[("OMPI_COMM_WORLD_RANK", r.to_string()), ("OMPI_COMM_WORLD_SIZE", "2".into()),
+                ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+                ("MASTER_PORT", port.clone()), ("KOLO_JOB_TOKEN", token.clone())]))
+            .collect(),
+        &["selftest", "--iters", "5", "--timeout", "30"],
+    );
+    for o in &outs {
+        assert!(o.status.success(), "{}", text(o));
+    }
+    let port = free_port();
+    let outs = spawn_ranks(
+        (0..2)
+            .map(|r| env(&[("SLURM_PROCID", r.to_string()), ("SLURM_NTASKS", "2".into()), ("SLURM_LOCALID", r.to_string()),
+                ("SLURM_NNODES", "1".into()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone()),
+                ("KOLO_JOB_TOKEN", token.clone())]))
+            .collect(),
+        &["selftest", "--iters", "5", "--timeout", "30"],
+    );
+    for o in &outs {
+        assert!(o.status.success(), "{}", text(o));
+    }
+}
+
+#[test]
+fn uninvited_and_misconfigured_ranks_are_refused() {
+    // Rank 1 holds a different token: it cannot join, and rank 0 times out naming who is missing.
+    let port = free_port();
+    let outs = spawn_ranks(
+        vec![
+            env(&[("RANK", "0".into()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone()), ("KOLO_JOB_TOKEN", "aa".repeat(16))]),
+            env(&[("RANK", "1".into()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone()), ("KOLO_JOB_TOKEN", "bb".repeat(16))]),
+        ],
+        &["selftest", "--iters", "2", "--timeout", "3"],
+    );
+    assert!(!outs[1].status.success());
+    assert!(text(&outs[1]).contains("token"), "{}", text(&outs[1]));
+    assert!(!outs[0].status.success());
+    assert!(text(&outs[0]).contains("1 of 2 ranks"), "{}", text(&outs[0]));
+    assert!(text(&outs[0]).contains("refused connection"), "{}", text(&outs[0]));
+
+    // Ranks that disagree on the world size get a clear error instead of a hang.
+    let port = free_port();
+    let tok = "cc".repeat(16);
+    let outs = spawn_ranks(
+        vec![
+            env(&[("RANK", "0".into()), ("WORLD_SIZE", "2".into()), ("MASTER_PORT", port.clone()), ("KOLO_JOB_TOKEN", tok.clone())]),
+            env(&[("RANK", "1".into()), ("WORLD_SIZE", "3".into()), ("MASTER_PORT", port.clone()), ("KOLO_JOB_TOKEN", tok.clone())]),
+        ],
+        &["selftest", "--iters", "2", "--timeout", "3"],
+    );
+    assert!(text(&outs[1]).contains("world size 3 but rank 0 says 2"), "{}", text(&outs[1]));
+
+    // Without a token a multi-rank job does not start.
+    let o = run(&["selftest"], &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]);
+    assert!(text(&o).contains("no job token"), "{}", text(&o));
+}
+
+#[test]
+fn help_texts_render() {
+    for args in [&["--help"][..], &["launch", "--help"], &["bench", "collectives", "--help"], &["bench", "loopback", "--help"]] {
+        let o = run(args, &[]);
+        assert!(o.status.success(), "{}", text(&o));
+    }
+}
