@@ -7,7 +7,9 @@ use std::fmt;
 use std::time::{Duration, Instant};
 
 mod bytesize;
+mod rng;
 pub use bytesize::{ByteSize, ParseByteSizeError};
+pub use rng::Rng;
 
 /// Index of a process inside a group, `0..world_size`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -186,6 +188,13 @@ pub fn shard_range(len: usize, n: WorldSize, rank: Rank) -> std::ops::Range<usiz
     let i = rank.0;
     let start = i * base + i.min(extra);
     start..start + base + usize::from(i < extra)
+}
+
+/// Receives each parameter's complete gradient during a backward pass. Defined here, free of any
+/// tensor library, so that strategies (DDP, ZeRO) can implement it and model adapters can call it.
+pub trait GradSink: Send + Sync {
+    /// Called once per parameter per backward pass, in the order backward completes them.
+    fn grad_ready(&self, param_idx: usize, grad: &[f32]);
 }
 
 #[cfg(test)]

@@ -51,3 +51,22 @@ fn deadline_never_panics_on_huge_budgets() {
     assert!(d.expired());
     assert_eq!(d.remaining(), Duration::ZERO);
 }
+
+#[test]
+fn rng_is_deterministic_and_restorable() {
+    let mut a = Rng::new(7);
+    let x: Vec<u64> = (0..5).map(|_| a.next_u64()).collect();
+    let mut b = Rng::new(7);
+    assert_eq!(x, (0..5).map(|_| b.next_u64()).collect::<Vec<_>>());
+    let mut c = Rng::from_state(a.state());
+    assert_eq!(a.next_u64(), c.next_u64());
+    let mut v: Vec<u32> = (0..100).collect();
+    Rng::new(1).shuffle(&mut v);
+    let mut s = v.clone();
+    s.sort();
+    assert_eq!(s, (0..100).collect::<Vec<_>>());
+    assert_ne!(v, s);
+    let m: f64 = (0..10_000).map(|_| a.normal()).sum::<f64>() / 10_000.0;
+    assert!(m.abs() < 0.05, "{m}");
+    assert!((0..1000).all(|_| a.below(3) < 3));
+}

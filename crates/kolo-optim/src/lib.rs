@@ -1,0 +1,145 @@
+//! Optimizers over flat `f32` buffers. Every rule is element-wise, so the same code updates a
+//! whole model (DDP) or one rank's shard of it (ZeRO): pass the matching slices of parameters,
+//! gradients and state.
+//!
+//! Semantics follow `torch.optim` (SGD with dampening 0, Adam with L2 weight decay, AdamW with
+//! decoupled decay, Adagrad), so Kolo runs can be compared with PyTorch ones.
+
+mod schedule;
+pub use schedule::{lr_at, scaled_lr, Schedule};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum OptimizerSpec {
+    Sgd { momentum: f32, nesterov: bool, weight_decay: f32 },
+    /// `decoupled: true` is AdamW.
+    Adam { beta1: f32, beta2: f32, eps: f32, weight_decay: f32, decoupled: bool },
+    Adagrad { eps: f32, weight_decay: f32, lr_decay: f32 },
+}
+
+impl OptimizerSpec {
+    pub fn adamw(weight_decay: f32) -> OptimizerSpec {
+        OptimizerSpec::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay, decoupled: true }
+    }
+
+    /// Names of the per-element state buffers this optimizer keeps.
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self {
+            OptimizerSpec::Sgd { momentum, .. } if *momentum != 0.0 => &["momentum"],
+            OptimizerSpec::Sgd { .. } => &[],
+            OptimizerSpec::Adam { .. } => &["exp_avg", "exp_avg_sq"],
+            OptimizerSpec::Adagrad { .. } => &["sum"],
+        }
+    }
+}
+
+/// An optimizer over `n` scalars.
+#[derive(Clone, Debug)]
+pub struct Optimizer {
+    spec: OptimizerSpec,
+    /// Steps taken so far.
+    steps: u64,
+    state: Vec<Vec<f32>>,
+}
+
+impl Optimizer {
+    pub fn new(spec: OptimizerSpec, n: usize) -> Optimizer {
+        let state = spec.state_names().iter().map(|_| vec![0f32; n]).collect();
+        Optimizer { spec, steps: 0, state }
+    }
+
+    pub fn spec(&self) -> &OptimizerSpec {
+        &self.spec
+    }
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// `(name, buffer)` pairs, for checkpoints.
+    pub fn state(&self) -> Vec<(&'static str, &[f32])> {
+        self.spec.state_names().iter().copied().zip(self.state.iter().map(|v| v.as_slice())).collect()
+    }
+
+    /// Restores state saved by [`Optimizer::state`] and the step count.
+    pub fn load_state(&mut self, steps: u64, buffers: &[(&str, Vec<f32>)]) -> Result<(), String> {
+        let n = self.state.first().map_or(0, Vec::len);
+        for (i, name) in self.spec.state_names().iter().enumerate() {
+            let (_, v) = buffers.iter().find(|(k, _)| k == name).ok_or_else(|| format!("optimizer state `{name}` is missing"))?;
+            if v.len() != n {
+                return Err(format!("optimizer state `{name}` has {} values, expected {n}", v.len()));
+            }
+            self.state[i].copy_from_slice(v);
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
+    /// One update of `params` from `grads` with learning rate `lr`.
+    pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
+        assert_eq!(params.len(), grads.len(), "optimizer: params and grads differ in length");
+        self.steps += 1;
+        let t = self.steps as i32;
+        match self.spec {
+            OptimizerSpec::Sgd { momentum, nesterov, weight_decay } => {
+                let first = t == 1;
+                if momentum == 0.0 {
+                    for (p, g) in params.iter_mut().zip(grads) {
+                        *p -= lr * (g + weight_decay * *p);
+                    }
+                    return;
+                }
+                let buf = &mut self.state[0];
+                for ((p, g), b) in params.iter_mut().zip(grads).zip(buf.iter_mut()) {
+                    let d = g + weight_decay * *p;
+                    *b = if first { d } else { momentum * *b + d };
+                    let upd = if nesterov { d + momentum * *b } else { *b };
+                    *p -= lr * upd;
+                }
+            }
+            OptimizerSpec::Adam { beta1, beta2, eps, weight_decay, decoupled } => {
+                let bc1 = 1.0 - beta1.powi(t);
+                let bc2_sqrt = (1.0 - beta2.powi(t)).sqrt();
+                let step_size = lr / bc1;
+                let (m, v) = self.state.split_at_mut(1);
+                for (((p, g), m), v) in params.iter_mut().zip(grads).zip(m[0].iter_mut()).zip(v[0].iter_mut()) {
+                    let g = if decoupled {
+                        *p *= 1.0 - lr * weight_decay;
+                        *g
+                    } else {
+                        g + weight_decay * *p
+                    };
+                    *m = beta1 * *m + (1.0 - beta1) * g;
+                    *v = beta2 * *v + (1.0 - beta2) * g * g;
+                    let denom = v.sqrt() / bc2_sqrt + eps;
+                    *p -= step_size * *m / denom;
+                }
+            }
+            OptimizerSpec::Adagrad { eps, weight_decay, lr_decay } => {
+                let clr = lr / (1.0 + (t - 1) as f32 * lr_decay);
+                for ((p, g), s) in params.iter_mut().zip(grads).zip(self.state[0].iter_mut()) {
+                    let g = g + weight_decay * *p;
+                    *s += g * g;
+                    *p -= clr * g / (s.sqrt() + eps);
+                }
+            }
+        }
+    }
+}
+
+/// Sum of squares, accumulated in f64 (pass per-shard sums through an all-reduce for a global norm).
+pub fn sum_of_squares(v: &[f32]) -> f64 {
+    v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum()
+}
+
+/// Scales `grads` so their global L2 norm is at most `max_norm`, given that norm. Returns the
+/// factor applied (1.0 when no clipping was needed).
+pub fn clip_by_global_norm(grads: &mut [f32], norm: f64, max_norm: f64) -> f32 {
+    if !(norm > max_norm) || norm == 0.0 {
+        return 1.0;
+    }
+    let f = (max_norm / (norm + 1e-6)) as f32;
+    grads.iter_mut().for_each(|g| *g *= f);
+    f
+}
+
+#[cfg(test)]
+mod tests;

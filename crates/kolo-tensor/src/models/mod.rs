@@ -1,0 +1,87 @@
+//! The reference models. Shapes match `../shared/bench/peers/peerbench_models.py`.
+
+mod cnn;
+mod gpt;
+mod mlp;
+
+pub use cnn::Cnn;
+pub use gpt::{Gpt, GptConfig};
+pub use mlp::Mlp;
+
+use crate::ops::cross_entropy;
+use crate::{ParamSet, ParamView, Result, TensorError};
+use candle_core::{Device, Tensor};
+use kolo_base::Rng;
+
+/// A model's input batch.
+#[derive(Clone, Debug)]
+pub enum Input {
+    /// `n` images of `c x h x w` floats, row-major.
+    Images { data: Vec<f32>, n: usize, c: usize, h: usize, w: usize },
+    /// `b` sequences of `t` token ids.
+    Tokens { ids: Vec<u32>, b: usize, t: usize },
+}
+
+/// Inputs and one class id per example (per token for sequences).
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub input: Input,
+    pub targets: Vec<u32>,
+}
+
+impl Batch {
+    /// Examples in the batch (images or sequences).
+    pub fn len(&self) -> usize {
+        match &self.input {
+            Input::Images { n, .. } => *n,
+            Input::Tokens { b, .. } => *b,
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+pub trait Model: Send {
+    fn params(&self) -> &ParamSet;
+    /// Logits: (n, classes) for images, (b * t, vocab) for tokens.
+    fn forward(&self, input: &Input, view: &dyn ParamView) -> Result<Tensor>;
+
+    /// Mean cross-entropy over the batch.
+    fn loss(&self, batch: &Batch, view: &dyn ParamView) -> Result<Tensor> {
+        let logits = self.forward(&batch.input, view)?;
+        let n = logits.dim(0)?;
+        if batch.targets.len() != n {
+            return Err(TensorError::Input(format!("{} targets for {n} outputs", batch.targets.len())));
+        }
+        let t = Tensor::from_slice(&batch.targets, n, &Device::Cpu)?;
+        cross_entropy(&logits, &t)
+    }
+}
+
+/// Which model to build, with its shape.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelSpec {
+    Mlp { input: usize, hidden: Vec<usize>, classes: usize },
+    Cnn { channels: (usize, usize), classes: usize },
+    Gpt(GptConfig),
+}
+
+pub fn build_model(spec: &ModelSpec, seed: u64) -> Result<Box<dyn Model>> {
+    let mut rng = Rng::new(seed);
+    Ok(match spec {
+        ModelSpec::Mlp { input, hidden, classes } => Box::new(Mlp::new(*input, hidden, *classes, &mut rng)?),
+        ModelSpec::Cnn { channels, classes } => Box::new(Cnn::new(channels.0, channels.1, *classes, &mut rng)?),
+        ModelSpec::Gpt(c) => Box::new(Gpt::new(c.clone(), &mut rng)?),
+    })
+}
+
+/// torch.nn.Linear's default init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias.
+pub(crate) fn uniform_fan_in(rng: &mut Rng, n: usize, fan_in: usize) -> Vec<f32> {
+    let bound = 1.0 / (fan_in as f64).sqrt();
+    (0..n).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect()
+}
+
+pub(crate) fn normal(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
+    (0..n).map(|_| (rng.normal() * std) as f32).collect()
+}

@@ -1,0 +1,53 @@
+//! Differentiable building blocks made only of candle primitives that propagate gradients.
+
+use crate::Result;
+use candle_core::{DType, Device, Tensor, D};
+
+/// `x @ w^T + b` for `x` of shape (..., in), `w` (out, in), `b` (out).
+pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let last = *dims.last().expect("linear input has a last dim");
+    let rows: usize = dims[..dims.len() - 1].iter().product();
+    let y = x.reshape((rows, last))?.matmul(&w.t()?)?.broadcast_add(b)?;
+    let mut out = dims;
+    *out.last_mut().expect("non-empty") = w.dim(0)?;
+    Ok(y.reshape(out)?)
+}
+
+/// Layer norm over the last dimension, from primitives (candle's fused one drops gradients).
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let xhat = xc.broadcast_div(&(var + eps)?.sqrt()?)?;
+    Ok(xhat.broadcast_mul(gamma)?.broadcast_add(beta)?)
+}
+
+/// Softmax over the last dimension, from primitives.
+pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    Ok(e.broadcast_div(&s)?)
+}
+
+/// Mean cross-entropy of `logits` (N, C) against class ids `targets` (N, u32).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let logp = shifted.broadcast_sub(&lse)?;
+    let picked = logp.gather(&targets.unsqueeze(1)?, 1)?;
+    Ok(picked.mean_all()?.neg()?)
+}
+
+/// Additive causal mask (t, t): 0 on and below the diagonal, a large negative number above.
+pub fn causal_mask(t: usize) -> Result<Tensor> {
+    let v: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
+    Ok(Tensor::from_vec(v, (t, t), &Device::Cpu)?)
+}
+
+/// Index of the largest logit per row.
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_dtype(DType::U32)?.to_vec1::<u32>()?)
+}

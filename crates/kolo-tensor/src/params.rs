@@ -1,0 +1,190 @@
+use crate::{Result, TensorError};
+use candle_core::backprop::GradStore;
+use candle_core::{CpuStorage, CustomOp1, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var};
+pub use kolo_base::GradSink;
+use std::ops::Range;
+use std::sync::Arc;
+
+/// One trainable tensor and where it sits in the flat buffer.
+pub struct Param {
+    pub name: String,
+    pub var: Var,
+    pub shape: Vec<usize>,
+    pub range: Range<usize>,
+}
+
+/// The trainable parameters of a model, in registration order, with their flat layout: parameter
+/// `i` occupies `range` of every flat buffer (values, gradients, optimizer state).
+#[derive(Default)]
+pub struct ParamSet {
+    params: Vec<Param>,
+    numel: usize,
+}
+
+/// Copies a candle tensor's f32 values into `out` (which must have exactly its element count).
+pub fn copy_f32(t: &Tensor, out: &mut [f32]) -> Result<()> {
+    let t = if t.is_contiguous() { t.clone() } else { t.contiguous()? };
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(TensorError::Input("only CPU tensors can be flattened".into()));
+    };
+    let s = cpu.as_slice::<f32>()?;
+    let start = layout.start_offset();
+    let n = layout.shape().elem_count();
+    if out.len() != n {
+        return Err(TensorError::Input(format!("copy_f32: tensor has {n} elements, buffer {}", out.len())));
+    }
+    out.copy_from_slice(&s[start..start + n]);
+    Ok(())
+}
+
+/// Overwrites a contiguous f32 tensor's storage in place.
+struct Overwrite<'a>(&'a [f32]);
+
+impl InplaceOp1 for Overwrite<'_> {
+    fn name(&self) -> &'static str {
+        "kolo-overwrite"
+    }
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let CpuStorage::F32(v) = storage else {
+            return Err(candle_core::Error::Msg("kolo-overwrite: not an f32 tensor".into()));
+        };
+        if !layout.is_contiguous() || layout.shape().elem_count() != self.0.len() {
+            return Err(candle_core::Error::Msg("kolo-overwrite: layout mismatch".into()));
+        }
+        let s = layout.start_offset();
+        v[s..s + self.0.len()].copy_from_slice(self.0);
+        Ok(())
+    }
+}
+
+impl ParamSet {
+    pub fn new() -> ParamSet {
+        ParamSet::default()
+    }
+
+    /// Registers a parameter with initial values; returns its index.
+    pub fn add(&mut self, name: &str, shape: &[usize], init: Vec<f32>) -> Result<usize> {
+        let n: usize = shape.iter().product();
+        if init.len() != n {
+            return Err(TensorError::Shape { name: name.into(), what: format!("{} initial values for shape {shape:?}", init.len()) });
+        }
+        let var = Var::from_vec(init, shape, &Device::Cpu)?;
+        let range = self.numel..self.numel + n;
+        self.numel += n;
+        self.params.push(Param { name: name.to_string(), var, shape: shape.to_vec(), range });
+        Ok(self.params.len() - 1)
+    }
+
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty()
+    }
+    /// Total number of scalars.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+    pub fn iter(&self) -> impl Iterator<Item = &Param> {
+        self.params.iter()
+    }
+    pub fn get(&self, i: usize) -> &Param {
+        &self.params[i]
+    }
+
+    /// Current values, flat.
+    pub fn flatten(&self, out: &mut [f32]) -> Result<()> {
+        for p in &self.params {
+            copy_f32(p.var.as_tensor(), &mut out[p.range.clone()])?;
+        }
+        Ok(())
+    }
+
+    pub fn to_flat(&self) -> Result<Vec<f32>> {
+        let mut v = vec![0f32; self.numel];
+        self.flatten(&mut v)?;
+        Ok(v)
+    }
+
+    /// Writes flat values back into the parameters, in place (no reallocation).
+    pub fn load(&self, flat: &[f32]) -> Result<()> {
+        if flat.len() != self.numel {
+            return Err(TensorError::Input(format!("load: {} values for {} parameters", flat.len(), self.numel)));
+        }
+        for p in &self.params {
+            p.var.as_tensor().inplace_op1(&Overwrite(&flat[p.range.clone()]))?;
+        }
+        Ok(())
+    }
+
+    /// Gradients from a backward pass, flat. Every parameter must have one.
+    pub fn grads_into(&self, grads: &GradStore, out: &mut [f32]) -> Result<()> {
+        for p in &self.params {
+            let g = grads.get(p.var.as_tensor()).ok_or_else(|| TensorError::MissingGrad { name: p.name.clone() })?;
+            copy_f32(g, &mut out[p.range.clone()])?;
+        }
+        Ok(())
+    }
+
+    /// `(name, shape)` of every parameter, for cross-rank and checkpoint compatibility checks.
+    pub fn signature(&self) -> Vec<(String, Vec<usize>)> {
+        self.params.iter().map(|p| (p.name.clone(), p.shape.clone())).collect()
+    }
+}
+
+/// How a model reads its parameters during a forward pass.
+pub trait ParamView {
+    fn get(&self, params: &ParamSet, i: usize) -> Result<Tensor>;
+}
+
+/// The parameters themselves: gradients land in the `GradStore` of `backward()`.
+pub struct PlainView;
+
+impl ParamView for PlainView {
+    fn get(&self, params: &ParamSet, i: usize) -> Result<Tensor> {
+        Ok(params.get(i).var.as_tensor().clone())
+    }
+}
+
+/// Wraps every parameter in an identity op whose backward hands the gradient to `sink`.
+pub struct HookedView {
+    pub sink: Arc<dyn GradSink>,
+}
+
+struct GradHook {
+    idx: usize,
+    sink: Arc<dyn GradSink>,
+}
+
+impl CustomOp1 for GradHook {
+    fn name(&self) -> &'static str {
+        "kolo-grad-hook"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        // Identity. Parameters are contiguous from offset 0, so the storage can be shared as is.
+        if !layout.is_contiguous() || layout.start_offset() != 0 {
+            return Err(candle_core::Error::Msg("kolo-grad-hook: parameter must be contiguous".into()));
+        }
+        Ok((storage.clone(), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let g = if grad.is_contiguous() { grad.clone() } else { grad.contiguous()? };
+        let (storage, layout) = g.storage_and_layout();
+        if let Storage::Cpu(cpu) = &*storage {
+            let s = cpu.as_slice::<f32>()?;
+            let start = layout.start_offset();
+            self.sink.grad_ready(self.idx, &s[start..start + layout.shape().elem_count()]);
+        }
+        drop(storage);
+        Ok(Some(g))
+    }
+}
+
+impl ParamView for HookedView {
+    fn get(&self, params: &ParamSet, i: usize) -> Result<Tensor> {
+        Ok(params.get(i).var.as_tensor().apply_op1(GradHook { idx: i, sink: self.sink.clone() })?)
+    }
+}

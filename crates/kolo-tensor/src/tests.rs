@@ -1,0 +1,98 @@
+use super::*;
+use crate::models::GptConfig;
+use kolo_base::Rng;
+use std::sync::Mutex;
+
+fn image_batch(n: usize, seed: u64) -> Batch {
+    let mut r = Rng::new(seed);
+    Batch {
+        input: Input::Images { data: (0..n * 784).map(|_| r.next_f64() as f32).collect(), n, c: 1, h: 28, w: 28 },
+        targets: (0..n).map(|_| r.below(10) as u32).collect(),
+    }
+}
+
+fn token_batch(cfg: &GptConfig, b: usize, seed: u64) -> Batch {
+    let mut r = Rng::new(seed);
+    let t = cfg.seq;
+    Batch {
+        input: Input::Tokens { ids: (0..b * t).map(|_| r.below(cfg.vocab as u64) as u32).collect(), b, t },
+        targets: (0..b * t).map(|_| r.below(cfg.vocab as u64) as u32).collect(),
+    }
+}
+
+fn small_specs() -> Vec<(ModelSpec, Batch)> {
+    let gcfg = GptConfig { vocab: 11, seq: 8, d_model: 16, n_head: 2, n_layer: 2 };
+    vec![
+        (ModelSpec::Mlp { input: 784, hidden: vec![32, 16], classes: 10 }, image_batch(4, 1)),
+        (ModelSpec::Cnn { channels: (4, 8), classes: 10 }, image_batch(3, 2)),
+        (ModelSpec::Gpt(gcfg.clone()), token_batch(&gcfg, 2, 3)),
+    ]
+}
+
+#[test]
+fn every_trainable_variable_receives_a_gradient() {
+    for (spec, batch) in small_specs() {
+        let m = build_model(&spec, 0).unwrap();
+        let loss = m.loss(&batch, &PlainView).unwrap();
+        let grads = loss.backward().unwrap();
+        let mut flat = vec![0f32; m.params().numel()];
+        m.params().grads_into(&grads, &mut flat).unwrap_or_else(|e| panic!("{spec:?}: {e}"));
+        for p in m.params().iter() {
+            let g = &flat[p.range.clone()];
+            assert!(g.iter().all(|x| x.is_finite()), "{}: non-finite gradient", p.name);
+            assert!(g.iter().any(|x| *x != 0.0), "{spec:?}: {} has an all-zero gradient", p.name);
+        }
+    }
+}
+
+#[test]
+fn benchmark_shapes_match_the_peers() {
+    let mlp = build_model(&ModelSpec::Mlp { input: 784, hidden: vec![512, 512], classes: 10 }, 0).unwrap();
+    assert_eq!(mlp.params().numel(), 669_706);
+    let gpt = build_model(&ModelSpec::Gpt(GptConfig::bench()), 0).unwrap();
+    assert_eq!(gpt.params().numel(), 3_225_665);
+}
+
+struct Collect(Mutex<Vec<(usize, Vec<f32>)>>);
+impl GradSink for Collect {
+    fn grad_ready(&self, idx: usize, grad: &[f32]) {
+        self.0.lock().unwrap().push((idx, grad.to_vec()));
+    }
+}
+
+#[test]
+fn hooks_see_exactly_the_gradients_backward_computes() {
+    for (spec, batch) in small_specs() {
+        let m = build_model(&spec, 0).unwrap();
+        let sink = std::sync::Arc::new(Collect(Mutex::new(Vec::new())));
+        let view = HookedView { sink: sink.clone() };
+        let grads = m.loss(&batch, &view).unwrap().backward().unwrap();
+        let mut flat = vec![0f32; m.params().numel()];
+        m.params().grads_into(&grads, &mut flat).unwrap();
+        let got = sink.0.lock().unwrap();
+        assert_eq!(got.len(), m.params().len(), "{spec:?}: one hook call per parameter");
+        for (idx, g) in got.iter() {
+            assert_eq!(&flat[m.params().get(*idx).range.clone()], &g[..], "{}", m.params().get(*idx).name);
+        }
+        // Backward completes the last layers first: the head's gradient arrives before the first layer's.
+        assert!(got.first().unwrap().0 > got.last().unwrap().0, "{spec:?}: order {:?}", got.iter().map(|g| g.0).collect::<Vec<_>>());
+    }
+}
+
+#[test]
+fn flat_round_trip_and_in_place_load() {
+    let m = build_model(&ModelSpec::Mlp { input: 784, hidden: vec![8], classes: 10 }, 5).unwrap();
+    let mut v = m.params().to_flat().unwrap();
+    v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.001);
+    m.params().load(&v).unwrap();
+    assert_eq!(m.params().to_flat().unwrap(), v);
+    assert!(m.params().load(&v[1..]).is_err());
+}
+
+#[test]
+fn loss_at_init_is_near_log_classes() {
+    let gcfg = GptConfig { vocab: 65, seq: 16, d_model: 32, n_head: 4, n_layer: 1 };
+    let m = build_model(&ModelSpec::Gpt(gcfg.clone()), 0).unwrap();
+    let l = m.loss(&token_batch(&gcfg, 2, 9), &PlainView).unwrap().to_scalar::<f32>().unwrap();
+    assert!((l - (65f32).ln()).abs() < 0.2, "{l}");
+}
