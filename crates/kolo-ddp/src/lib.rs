@@ -1,0 +1,311 @@
+//! Distributed data parallelism, as torch's `DistributedDataParallel` does it:
+//!
+//! 1. [`Ddp::new`] checks that every rank built the same model (names and shapes) and
+//!    [`Ddp::broadcast_params`] makes rank 0's initial values everyone's.
+//! 2. [`bucket_plan`] (pure) groups parameters in the order backward completes them (last layer
+//!    first) into buckets of about `bucket_cap` bytes.
+//! 3. During backward, the model adapter hands each finished gradient to the [`GradSink`] this
+//!    crate provides; when a bucket is full it is all-reduced (averaged) on the communication
+//!    thread while backward continues with earlier layers.
+//! 4. [`Ddp::finish`] waits for the buckets and writes the averaged gradients into the flat
+//!    gradient buffer; its [`SyncStats`] tell how much of the communication was hidden.
+//!
+//! Gradient accumulation: for micro-steps that should not communicate, run backward without the
+//! hook and add the gradients with [`Ddp::accumulate`]; the next hooked backward folds them in.
+//! The crate knows no tensor library: it sees flat `f32` buffers only.
+
+use kolo_base::{ByteSize, Deadline, GradSink, Rank};
+use kolo_comm::{AsyncComm, BufMut, CommError, Communicator, OpKind, Pending, ReduceOp};
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum DdpError {
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error("rank {rank}: model differs from rank 0's: {what}")]
+    ModelMismatch { rank: Rank, what: String },
+    #[error("rank {rank}: parameter(s) {names:?} received no gradient in this backward pass; every parameter must take part in the loss")]
+    MissingGrads { rank: Rank, names: Vec<String> },
+    #[error("rank {rank}: {what}")]
+    Usage { rank: Rank, what: String },
+}
+
+#[derive(Clone, Debug)]
+pub struct DdpConfig {
+    /// Target bucket size (torch's default: 25 MiB).
+    pub bucket_cap: ByteSize,
+    /// Deadline for waiting on the buckets after backward.
+    pub timeout: Duration,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        DdpConfig { bucket_cap: ByteSize::mib(25), timeout: kolo_comm::DEFAULT_TIMEOUT }
+    }
+}
+
+/// A bucket: parameters (indices into the model's parameter list) in the order their gradients
+/// complete, packed back to back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Bucket {
+    pub params: Vec<usize>,
+    pub numel: usize,
+}
+
+/// Groups parameters, last-registered first (the order backward finishes them), into buckets of
+/// at most `cap_elems` elements; a parameter larger than the cap gets a bucket of its own.
+pub fn bucket_plan(numels: &[usize], cap_elems: usize) -> Vec<Bucket> {
+    let mut out: Vec<Bucket> = Vec::new();
+    let mut cur = Bucket { params: Vec::new(), numel: 0 };
+    for i in (0..numels.len()).rev() {
+        if !cur.params.is_empty() && cur.numel + numels[i] > cap_elems {
+            out.push(std::mem::replace(&mut cur, Bucket { params: Vec::new(), numel: 0 }));
+        }
+        cur.params.push(i);
+        cur.numel += numels[i];
+    }
+    if !cur.params.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Timing of one synchronised backward pass.
+#[derive(Clone, Debug, Default)]
+pub struct SyncStats {
+    /// Per bucket: when its all-reduce started and ended on the communication thread.
+    pub buckets: Vec<(Instant, Instant)>,
+    /// How long `finish` waited after backward returned.
+    pub wait: Duration,
+    /// Communication time that ran while backward was still going.
+    pub hidden: Duration,
+    /// Total communication time.
+    pub comm: Duration,
+}
+
+impl SyncStats {
+    /// Fraction of communication time overlapped with backward (0..=1).
+    pub fn hidden_fraction(&self) -> f64 {
+        if self.comm.is_zero() {
+            return 1.0;
+        }
+        self.hidden.as_secs_f64() / self.comm.as_secs_f64()
+    }
+}
+
+type Timed = (Vec<f32>, Instant, Instant);
+
+struct Inner {
+    /// Reusable bucket buffers (taken while in flight).
+    buffers: Vec<Option<Vec<f32>>>,
+    remaining: Vec<usize>,
+    inflight: Vec<Option<Pending<Timed>>>,
+    /// Locally accumulated gradients of no-sync micro-steps, if any.
+    accum: Option<Vec<f32>>,
+    seen: Vec<bool>,
+    backward_started: Option<Instant>,
+}
+
+struct Shared {
+    comm: AsyncComm,
+    plan: Vec<Bucket>,
+    /// For parameter i: (bucket, offset inside the bucket).
+    slot: Vec<(usize, usize)>,
+    ranges: Vec<Range<usize>>,
+    inner: Mutex<Inner>,
+}
+
+/// The DDP engine for one model on one rank.
+pub struct Ddp {
+    shared: Arc<Shared>,
+    names: Vec<String>,
+    cfg: DdpConfig,
+    rank: Rank,
+}
+
+fn signature_text(sig: &[(String, Vec<usize>)]) -> String {
+    sig.iter().map(|(n, s)| format!("{n}{s:?}")).collect::<Vec<_>>().join(";")
+}
+
+impl Ddp {
+    /// Collective: checks that every rank has the same parameters (names and shapes, in order).
+    /// `signature` lists `(name, shape)` in the flat-buffer order.
+    pub fn new(comm: Arc<dyn Communicator>, signature: &[(String, Vec<usize>)], cfg: DdpConfig) -> Result<Ddp, DdpError> {
+        let rank = comm.rank();
+        // Rank 0's signature goes to everyone; each rank reports the first difference.
+        let mine = signature_text(signature).into_bytes();
+        let mut len = [mine.len() as i64];
+        comm.broadcast(BufMut::from(&mut len[..]), Rank(0))?;
+        let mut theirs = if rank == Rank(0) { mine.clone() } else { vec![0u8; len[0] as usize] };
+        comm.broadcast(BufMut::from(&mut theirs), Rank(0))?;
+        let ok = theirs == mine;
+        let mut all_ok = [u8::from(ok)];
+        comm.all_reduce(BufMut::from(&mut all_ok[..]), ReduceOp::Min)?;
+        if !ok {
+            let theirs = String::from_utf8_lossy(&theirs).into_owned();
+            let a: Vec<&str> = theirs.split(';').collect();
+            let b: Vec<String> = signature.iter().map(|(n, s)| format!("{n}{s:?}")).collect();
+            let i = (0..a.len().max(b.len())).find(|i| a.get(*i).copied() != b.get(*i).map(String::as_str)).unwrap_or(0);
+            return Err(DdpError::ModelMismatch {
+                rank,
+                what: format!(
+                    "parameter #{i}: rank 0 has {}, this rank has {} ({} vs {} parameters)",
+                    a.get(i).unwrap_or(&"nothing"),
+                    b.get(i).map_or("nothing", String::as_str),
+                    a.len(),
+                    b.len()
+                ),
+            });
+        }
+        if all_ok[0] == 0 {
+            return Err(DdpError::ModelMismatch { rank, what: "another rank's model differs from rank 0's (see its error)".into() });
+        }
+        let numels: Vec<usize> = signature.iter().map(|(_, s)| s.iter().product()).collect();
+        let mut ranges = Vec::with_capacity(numels.len());
+        let mut off = 0;
+        for n in &numels {
+            ranges.push(off..off + n);
+            off += n;
+        }
+        let plan = bucket_plan(&numels, (cfg.bucket_cap.as_usize() / 4).max(1));
+        let mut slot = vec![(0, 0); numels.len()];
+        for (b, bucket) in plan.iter().enumerate() {
+            let mut o = 0;
+            for &p in &bucket.params {
+                slot[p] = (b, o);
+                o += numels[p];
+            }
+        }
+        let inner = Inner {
+            buffers: plan.iter().map(|b| Some(vec![0f32; b.numel])).collect(),
+            remaining: plan.iter().map(|b| b.params.len()).collect(),
+            inflight: plan.iter().map(|_| None).collect(),
+            accum: None,
+            seen: vec![false; numels.len()],
+            backward_started: None,
+        };
+        let shared = Arc::new(Shared { comm: AsyncComm::new(comm), plan, slot, ranges, inner: Mutex::new(inner) });
+        Ok(Ddp { shared, names: signature.iter().map(|(n, _)| n.clone()).collect(), cfg, rank })
+    }
+
+    pub fn plan(&self) -> &[Bucket] {
+        &self.shared.plan
+    }
+
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        self.shared.comm.comm()
+    }
+
+    /// Makes rank 0's parameter values everyone's (collective).
+    pub fn broadcast_params(&self, flat: &mut [f32]) -> Result<(), DdpError> {
+        let d = Deadline::after(self.cfg.timeout);
+        let buf = flat.to_vec();
+        let got = self.shared.comm.broadcast(buf, Rank(0)).wait(d)?;
+        flat.copy_from_slice(&got);
+        Ok(())
+    }
+
+    /// The sink to hand to the model adapter's hooked parameter view.
+    pub fn sink(&self) -> Arc<dyn GradSink> {
+        self.shared.clone()
+    }
+
+    /// Adds the gradients of a no-sync micro-step to the local accumulator.
+    pub fn accumulate(&self, grads: &[f32]) {
+        let mut inner = self.shared.lock();
+        match &mut inner.accum {
+            Some(a) => a.iter_mut().zip(grads).for_each(|(a, g)| *a += g),
+            None => inner.accum = Some(grads.to_vec()),
+        }
+    }
+
+    /// Marks the start of a synchronised backward pass (for the overlap statistics).
+    pub fn begin_backward(&self) {
+        self.shared.lock().backward_started = Some(Instant::now());
+    }
+
+    /// Waits for every bucket and writes the averaged gradients into `grads` (flat layout).
+    pub fn finish(&self, grads: &mut [f32]) -> Result<SyncStats, DdpError> {
+        let backward_end = Instant::now();
+        let (pendings, started) = {
+            let mut inner = self.shared.lock();
+            let missing: Vec<String> = inner.seen.iter().enumerate().filter(|(_, s)| !**s).map(|(i, _)| self.names[i].clone()).collect();
+            if !missing.is_empty() {
+                // Buckets that did fill are in flight on every rank; drain them so the
+                // communicator stays consistent before reporting.
+                let pend: Vec<_> = inner.inflight.iter_mut().filter_map(Option::take).collect();
+                drop(inner);
+                let d = Deadline::after(self.cfg.timeout);
+                for p in pend {
+                    let _ = p.wait(d);
+                }
+                return Err(DdpError::MissingGrads { rank: self.rank, names: missing });
+            }
+            let pend: Vec<_> = inner.inflight.iter_mut().map(|p| p.take()).collect();
+            inner.seen.iter_mut().for_each(|s| *s = false);
+            inner.accum = None;
+            (pend, inner.backward_started.take().unwrap_or(backward_end))
+        };
+        let d = Deadline::after(self.cfg.timeout);
+        let mut stats = SyncStats::default();
+        for (b, p) in pendings.into_iter().enumerate() {
+            let p = p.ok_or_else(|| DdpError::Usage { rank: self.rank, what: format!("bucket {b} was never submitted") })?;
+            let (buf, s, e) = p.wait(d)?;
+            for &pi in &self.shared.plan[b].params {
+                let (_, off) = self.shared.slot[pi];
+                let r = self.shared.ranges[pi].clone();
+                grads[r.clone()].copy_from_slice(&buf[off..off + r.len()]);
+            }
+            stats.comm += e.duration_since(s);
+            let hidden_end = e.min(backward_end);
+            if hidden_end > s.max(started) {
+                stats.hidden += hidden_end.duration_since(s.max(started));
+            }
+            stats.buckets.push((s, e));
+            let mut inner = self.shared.lock();
+            inner.buffers[b] = Some(buf);
+            inner.remaining[b] = self.shared.plan[b].params.len();
+        }
+        stats.wait = backward_end.elapsed();
+        Ok(stats)
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl GradSink for Shared {
+    fn grad_ready(&self, idx: usize, grad: &[f32]) {
+        let mut inner = self.lock();
+        let (b, off) = self.slot[idx];
+        let range = self.ranges[idx].clone();
+        let Inner { buffers, accum, remaining, seen, inflight, .. } = &mut *inner;
+        let Some(buf) = buffers[b].as_mut() else { return };
+        let dst = &mut buf[off..off + grad.len()];
+        match accum {
+            Some(a) => dst.iter_mut().zip(grad).zip(&a[range]).for_each(|((d, g), a)| *d = g + a),
+            None => dst.copy_from_slice(grad),
+        }
+        if !std::mem::replace(&mut seen[idx], true) {
+            remaining[b] -= 1;
+        }
+        if remaining[b] == 0 {
+            let buf = buffers[b].take().expect("checked above");
+            inflight[b] = Some(self.comm.submit(OpKind::AllReduce, move |c| {
+                let s = Instant::now();
+                let mut buf = buf;
+                c.all_reduce(BufMut::from(&mut buf), ReduceOp::Avg)?;
+                Ok((buf, s, Instant::now()))
+            }));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

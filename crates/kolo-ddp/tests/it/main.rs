@@ -1,0 +1,66 @@
+//! DDP over the reference communicator: buckets all-reduced from the gradient sink.
+
+use kolo_base::{ByteSize, WorldSize};
+use kolo_comm::{Communicator, LocalComm};
+use kolo_ddp::{Ddp, DdpConfig, DdpError};
+use kolo_testkit::run_ranks;
+use std::sync::Arc;
+
+fn sig(shapes: &[&[usize]]) -> Vec<(String, Vec<usize>)> {
+    shapes.iter().enumerate().map(|(i, s)| (format!("p{i}"), s.to_vec())).collect()
+}
+
+#[test]
+fn buckets_average_gradients_across_ranks() {
+    let comms = LocalComm::create(WorldSize::new(3).unwrap());
+    run_ranks(comms, |r, c| {
+        let s = sig(&[&[2, 3], &[4], &[5]]);
+        let cfg = DdpConfig { bucket_cap: ByteSize(4 * 9), ..Default::default() };
+        let ddp = Ddp::new(Arc::new(c), &s, cfg).unwrap();
+        assert_eq!(ddp.plan().len(), 2);
+        let mut params: Vec<f32> = (0..15).map(|i| (i * (r + 1)) as f32).collect();
+        ddp.broadcast_params(&mut params).unwrap();
+        assert_eq!(params, (0..15).map(|i| i as f32).collect::<Vec<_>>());
+        for step in 0..3 {
+            // One no-sync micro-step, then a synchronised one.
+            let g: Vec<f32> = (0..15).map(|i| (i + r + step) as f32).collect();
+            ddp.accumulate(&g);
+            ddp.begin_backward();
+            let sink = ddp.sink();
+            for p in [2usize, 1, 0] {
+                let range = [0..6, 6..10, 10..15][p].clone();
+                sink.grad_ready(p, &g[range]);
+            }
+            let mut out = vec![0f32; 15];
+            let stats = ddp.finish(&mut out).unwrap();
+            assert_eq!(stats.buckets.len(), 2);
+            // mean over ranks of 2 * (i + r + step) = 2 * (i + 1 + step)
+            let want: Vec<f32> = (0..15).map(|i| 2.0 * (i + 1 + step) as f32).collect();
+            assert_eq!(out, want, "step {step}");
+        }
+    });
+}
+
+#[test]
+fn model_mismatch_is_named() {
+    let comms = LocalComm::create(WorldSize::new(2).unwrap());
+    let errs = run_ranks(comms, |r, c| {
+        let s = if r == 0 { sig(&[&[2, 3], &[4]]) } else { sig(&[&[2, 3], &[5]]) };
+        Ddp::new(Arc::new(c) as Arc<dyn Communicator>, &s, DdpConfig::default()).err().unwrap()
+    });
+    let msg = errs[1].to_string();
+    assert!(matches!(errs[1], DdpError::ModelMismatch { .. }), "{msg}");
+    assert!(msg.contains("parameter #1: rank 0 has p1[4], this rank has p1[5]"), "{msg}");
+    assert!(errs[0].to_string().contains("another rank"), "{}", errs[0]);
+}
+
+#[test]
+fn missing_gradient_is_reported() {
+    let comms = LocalComm::create(WorldSize::new(2).unwrap());
+    run_ranks(comms, |_, c| {
+        let ddp = Ddp::new(Arc::new(c), &sig(&[&[3], &[3]]), DdpConfig { bucket_cap: ByteSize(12), ..Default::default() }).unwrap();
+        ddp.sink().grad_ready(1, &[1.0, 2.0, 3.0]);
+        let e = ddp.finish(&mut [0f32; 6]).unwrap_err();
+        assert!(e.to_string().contains("[\"p0\"]"), "{e}");
+    });
+}
