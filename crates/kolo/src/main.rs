@@ -3,6 +3,7 @@
 mod bench;
 mod comm_args;
 mod selftest;
+mod train;
 
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
@@ -24,6 +25,8 @@ enum Cmd {
     /// and KOLO_JOB_TOKEN. Output lines are prefixed with the rank. If a rank fails, the others
     /// are stopped and the launcher exits non-zero with a summary.
     Launch(LaunchArgs),
+    /// Train a model from a TOML config, alone or under `kolo launch` (DDP across ranks).
+    Train(train::TrainArgs),
     /// Benchmarks (collectives like nccl-tests, loopback and memory limits).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -97,6 +100,7 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Launch(a) => launch(a),
+        Cmd::Train(t) => train::run(t),
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
     };

@@ -1,0 +1,342 @@
+//! The training configuration (`kolo train --config FILE.toml`). Every field is documented here;
+//! unknown fields are rejected, and fields that do not apply to the chosen model or data kind
+//! are reported instead of being silently ignored.
+
+use crate::TrainError;
+use kolo_base::ByteSize;
+use kolo_optim::{OptimizerSpec, Schedule};
+use kolo_tensor::models::GptConfig;
+use kolo_tensor::ModelSpec;
+use serde::Deserialize;
+
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    #[serde(default)]
+    pub optim: OptimConfig,
+    #[serde(default)]
+    pub train: TrainConfig,
+    #[serde(default)]
+    pub ddp: DdpConfig,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    /// Fully connected ReLU network on flattened 28x28 images.
+    Mlp,
+    /// Two conv+pool layers and a linear head on 1x28x28 images.
+    Cnn,
+    /// Character-level decoder-only transformer.
+    Gpt,
+}
+
+/// `[model]`
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// `mlp`, `cnn` or `gpt`.
+    pub kind: ModelKind,
+    /// mlp: hidden layer widths (default [512, 512], the benchmark shape 784-512-512-10).
+    pub hidden: Option<Vec<usize>>,
+    /// cnn: output channels of the two conv layers (default [16, 32]).
+    pub channels: Option<[usize; 2]>,
+    /// gpt: context length in characters (default 128).
+    pub seq: Option<usize>,
+    /// gpt: embedding width (default 256).
+    pub d_model: Option<usize>,
+    /// gpt: attention heads (default 4).
+    pub n_head: Option<usize>,
+    /// gpt: transformer blocks (default 4).
+    pub n_layer: Option<usize>,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DataKind {
+    /// MNIST idx(.gz) files in `path` (train-* for training, t10k-* for evaluation).
+    Mnist,
+    /// A plain-text corpus at `path`, character-level; the first `train_fraction` trains.
+    Text,
+    /// Fixed random examples per rank (benchmarks: no data loading in the measurement).
+    Synthetic,
+}
+
+/// `[data]`
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    pub kind: DataKind,
+    /// Directory (mnist) or file (text). Relative paths are relative to the working directory.
+    /// If it does not exist, text runs fall back to a small built-in corpus and say so loudly.
+    pub path: Option<String>,
+    /// Examples per rank per micro-step (the global batch is this x ranks x grad_accum).
+    pub batch_size: usize,
+    /// text: fraction of the corpus used for training (default 0.9, as nanoGPT).
+    #[serde(default = "default_train_fraction")]
+    pub train_fraction: f64,
+    /// Drop the tail of each epoch that does not fill a global batch (default true).
+    #[serde(default = "yes")]
+    pub drop_last: bool,
+    /// Reshuffle every epoch from the seed (default true).
+    #[serde(default = "yes")]
+    pub shuffle: bool,
+    /// Batches prepared ahead by a background thread (default 2; 0 = load inline).
+    #[serde(default = "default_prefetch")]
+    pub prefetch: usize,
+    /// synthetic: examples per rank (default: one batch).
+    pub synthetic_examples: Option<usize>,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimKind {
+    Sgd,
+    Adam,
+    #[default]
+    Adamw,
+    Adagrad,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    #[default]
+    Constant,
+    Cosine,
+    Step,
+}
+
+/// `[optim]`
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// `sgd`, `adam`, `adamw` (default) or `adagrad`.
+    pub kind: OptimKind,
+    /// Base learning rate (default 1e-3).
+    pub lr: f32,
+    /// L2 (sgd, adam, adagrad) or decoupled (adamw) weight decay (default 0).
+    pub weight_decay: f32,
+    /// sgd: momentum (default 0).
+    pub momentum: f32,
+    /// sgd: Nesterov momentum (default false).
+    pub nesterov: bool,
+    /// adam/adamw: (default 0.9, 0.999, 1e-8); adagrad uses `eps` too (default 1e-10 there).
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: Option<f32>,
+    /// Clip gradients to this global L2 norm (default: no clipping).
+    pub clip_grad_norm: Option<f64>,
+    /// `constant` (default), `cosine` (to `min_lr`) or `step` (x `step_gamma` every `step_every`).
+    pub schedule: ScheduleKind,
+    /// Linear warm-up steps (default 0).
+    pub warmup_steps: u64,
+    pub min_lr: f32,
+    pub step_every: u64,
+    pub step_gamma: f32,
+    /// Linear scaling rule: `lr` is tuned for this global batch and is scaled to the actual one.
+    pub reference_batch: Option<usize>,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            kind: OptimKind::Adamw,
+            lr: 1e-3,
+            weight_decay: 0.0,
+            momentum: 0.0,
+            nesterov: false,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: None,
+            clip_grad_norm: None,
+            schedule: ScheduleKind::Constant,
+            warmup_steps: 0,
+            min_lr: 0.0,
+            step_every: 1000,
+            step_gamma: 0.1,
+            reference_batch: None,
+        }
+    }
+}
+
+/// `[train]`
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Optimizer steps (default 100).
+    pub steps: u64,
+    /// Micro-steps per optimizer step; only the last communicates (default 1).
+    pub grad_accum: u64,
+    /// Seed of model initialisation and data order (default 0).
+    pub seed: u64,
+    /// Evaluate every this many steps (0: only at the end).
+    pub eval_every: u64,
+    /// Batches per periodic evaluation, per rank (default 20; 0 = the whole evaluation set).
+    /// The final evaluation covers the whole test set for image data and this many batches
+    /// for text.
+    pub eval_batches: usize,
+    /// Print / log every this many steps (default 10).
+    pub log_every: u64,
+    /// Per-rank JSON-lines log file; `{rank}` is replaced by the rank.
+    pub json_log: Option<String>,
+    /// Directory for checkpoints (default: none written).
+    pub checkpoint_dir: Option<String>,
+    /// Write a checkpoint every this many steps (0: only at the end, when a directory is set).
+    pub checkpoint_every: u64,
+    /// gpt: characters to generate at the end (default 200).
+    pub sample_chars: usize,
+    /// gpt: sampling temperature (default 0.8).
+    pub sample_temperature: f32,
+    /// Show a progress bar on rank 0 (default true; off when stderr is not a terminal).
+    pub progress: bool,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            steps: 100,
+            grad_accum: 1,
+            seed: 0,
+            eval_every: 0,
+            eval_batches: 20,
+            log_every: 10,
+            json_log: None,
+            checkpoint_dir: None,
+            checkpoint_every: 0,
+            sample_chars: 200,
+            sample_temperature: 0.8,
+            progress: true,
+        }
+    }
+}
+
+/// `[ddp]`
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields, default)]
+pub struct DdpConfig {
+    /// Gradient bucket size (default "25MiB", as torch).
+    pub bucket_cap: String,
+    /// Deadline of every collective, seconds (default 300).
+    pub timeout_secs: f64,
+    /// Compare a fingerprint of every collective across ranks (debug; default false).
+    pub check_collectives: bool,
+}
+
+impl Default for DdpConfig {
+    fn default() -> Self {
+        DdpConfig { bucket_cap: "25MiB".into(), timeout_secs: 300.0, check_collectives: false }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_train_fraction() -> f64 {
+    0.9
+}
+fn default_prefetch() -> usize {
+    2
+}
+
+impl Config {
+    pub fn parse(text: &str, origin: &str) -> Result<Config, TrainError> {
+        let c: Config = toml::from_str(text).map_err(|e| TrainError::Config(format!("{origin}: {e}")))?;
+        c.validate().map_err(|e| TrainError::Config(format!("{origin}: {e}")))?;
+        Ok(c)
+    }
+
+    pub fn load(path: &std::path::Path) -> Result<Config, TrainError> {
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
+        Config::parse(&text, &path.display().to_string())
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let m = &self.model;
+        let not_for = |field: &str, set: bool, kinds: &str| if set { Err(format!("model.{field} applies to kind = {kinds} only")) } else { Ok(()) };
+        not_for("hidden", m.hidden.is_some() && m.kind != ModelKind::Mlp, "\"mlp\"")?;
+        not_for("channels", m.channels.is_some() && m.kind != ModelKind::Cnn, "\"cnn\"")?;
+        let gpt_fields = m.seq.is_some() || m.d_model.is_some() || m.n_head.is_some() || m.n_layer.is_some();
+        not_for("seq/d_model/n_head/n_layer", gpt_fields && m.kind != ModelKind::Gpt, "\"gpt\"")?;
+        match (m.kind, self.data.kind) {
+            (ModelKind::Gpt, DataKind::Mnist) => return Err("a gpt model needs data.kind = \"text\" or \"synthetic\"".into()),
+            (ModelKind::Mlp | ModelKind::Cnn, DataKind::Text) => return Err("mlp and cnn models need data.kind = \"mnist\" or \"synthetic\"".into()),
+            _ => {}
+        }
+        if self.data.kind != DataKind::Synthetic && self.data.path.is_none() {
+            return Err("data.path is required for mnist and text data".into());
+        }
+        if self.data.batch_size == 0 {
+            return Err("data.batch_size must be at least 1".into());
+        }
+        if !(self.data.train_fraction > 0.0 && self.data.train_fraction < 1.0) {
+            return Err("data.train_fraction must be between 0 and 1".into());
+        }
+        if self.train.grad_accum == 0 || self.train.steps == 0 {
+            return Err("train.steps and train.grad_accum must be at least 1".into());
+        }
+        if let Some(h) = &m.hidden {
+            if h.contains(&0) {
+                return Err("model.hidden widths must be positive".into());
+            }
+        }
+        if let (Some(d), Some(h)) = (m.d_model, m.n_head) {
+            if h == 0 || d % h != 0 {
+                return Err(format!("model.d_model {d} must be divisible by model.n_head {h}"));
+            }
+        }
+        if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
+            return Err("optim.lr must be a positive number".into());
+        }
+        self.bucket_cap()?;
+        Ok(())
+    }
+
+    pub fn bucket_cap(&self) -> Result<ByteSize, String> {
+        self.ddp.bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.bucket_cap: {e}"))
+    }
+
+    /// The model to build; `vocab` comes from the data for text models.
+    pub fn model_spec(&self, vocab: usize) -> ModelSpec {
+        let m = &self.model;
+        match m.kind {
+            ModelKind::Mlp => ModelSpec::Mlp { input: 784, hidden: m.hidden.clone().unwrap_or(vec![512, 512]), classes: 10 },
+            ModelKind::Cnn => {
+                let c = m.channels.unwrap_or([16, 32]);
+                ModelSpec::Cnn { channels: (c[0], c[1]), classes: 10 }
+            }
+            ModelKind::Gpt => ModelSpec::Gpt(GptConfig {
+                vocab,
+                seq: m.seq.unwrap_or(128),
+                d_model: m.d_model.unwrap_or(256),
+                n_head: m.n_head.unwrap_or(4),
+                n_layer: m.n_layer.unwrap_or(4),
+            }),
+        }
+    }
+
+    pub fn optimizer(&self) -> OptimizerSpec {
+        let o = &self.optim;
+        match o.kind {
+            OptimKind::Sgd => OptimizerSpec::Sgd { momentum: o.momentum, nesterov: o.nesterov, weight_decay: o.weight_decay },
+            OptimKind::Adam | OptimKind::Adamw => OptimizerSpec::Adam {
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps.unwrap_or(1e-8),
+                weight_decay: o.weight_decay,
+                decoupled: o.kind == OptimKind::Adamw,
+            },
+            OptimKind::Adagrad => OptimizerSpec::Adagrad { eps: o.eps.unwrap_or(1e-10), weight_decay: o.weight_decay, lr_decay: 0.0 },
+        }
+    }
+
+    pub fn schedule(&self) -> Schedule {
+        match self.optim.schedule {
+            ScheduleKind::Constant => Schedule::Constant,
+            ScheduleKind::Cosine => Schedule::Cosine { min_lr: self.optim.min_lr },
+            ScheduleKind::Step => Schedule::Step { every: self.optim.step_every, gamma: self.optim.step_gamma },
+        }
+    }
+}

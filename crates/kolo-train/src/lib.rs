@@ -1,0 +1,29 @@
+//! Kolo's training loop: one readable function ([`trainer::run`]) that wires the config, the
+//! data, the model adapter, DDP, the optimizer and checkpoints together.
+
+pub mod config;
+pub mod data;
+pub mod sampler;
+pub mod trainer;
+
+pub use config::Config;
+pub use trainer::{run, Eval, RunOptions, Summary};
+
+#[non_exhaustive]
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    #[error("config error: {0}")]
+    Config(String),
+    #[error("data error: {0}")]
+    Data(String),
+    #[error(transparent)]
+    Tensor(#[from] kolo_tensor::TensorError),
+    #[error(transparent)]
+    Ddp(#[from] kolo_ddp::DdpError),
+    #[error(transparent)]
+    Comm(#[from] kolo_comm::CommError),
+    #[error(transparent)]
+    Checkpoint(#[from] kolo_checkpoint::CheckpointError),
+    #[error("{0}")]
+    Other(String),
+}

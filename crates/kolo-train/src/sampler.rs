@@ -1,0 +1,163 @@
+//! The distributed sampler (as torch's `DistributedSampler`): every epoch a permutation of the
+//! dataset seeded by `(seed, epoch)`, rank `r` takes every `world`-th index starting at `r`, so
+//! shards are disjoint and balanced. With `drop_last` the tail that does not fill a global batch
+//! is dropped; otherwise the permutation is padded by wrapping around.
+//!
+//! The position (epoch, batch) is all the state there is: save it in a checkpoint and the
+//! sequence of batches continues exactly. Rank r's k-th batch of an epoch is
+//! `perm[(k*B + j) * world + r]` for `j < B`, so the union over ranks of the k-th batches is the
+//! contiguous slice `perm[k*B*world .. (k+1)*B*world]`: exactly the k-th batch a single process
+//! with batch `B * world` sees. That is what makes DDP comparable with one process.
+
+use kolo_base::Rng;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SamplerConfig {
+    pub len: usize,
+    pub world: usize,
+    pub rank: usize,
+    /// Examples per rank per batch.
+    pub batch: usize,
+    pub seed: u64,
+    pub shuffle: bool,
+    pub drop_last: bool,
+}
+
+/// Where the sampler is: resumable from these two numbers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Position {
+    pub epoch: u64,
+    pub batch: u64,
+}
+
+pub struct Sampler {
+    cfg: SamplerConfig,
+    pos: Position,
+    perm: Vec<usize>,
+}
+
+impl SamplerConfig {
+    /// Batches per epoch per rank.
+    pub fn batches_per_epoch(&self) -> u64 {
+        let global = self.batch * self.world;
+        if global == 0 {
+            return 0;
+        }
+        if self.drop_last {
+            (self.len / global) as u64
+        } else {
+            self.len.div_ceil(global) as u64
+        }
+    }
+}
+
+/// The permutation of `0..len` for `epoch` (identity without shuffling).
+pub fn epoch_permutation(len: usize, seed: u64, epoch: u64, shuffle: bool) -> Vec<usize> {
+    let mut p: Vec<usize> = (0..len).collect();
+    if shuffle {
+        Rng::new(seed.wrapping_mul(0x100_0000_01B3) ^ epoch.wrapping_add(1)).shuffle(&mut p);
+    }
+    p
+}
+
+/// Rank `rank`'s indices for batch `k` of an epoch with permutation `perm`.
+pub fn batch_indices(cfg: &SamplerConfig, perm: &[usize], k: u64) -> Vec<usize> {
+    let k = k as usize;
+    (0..cfg.batch).map(|j| perm[((k * cfg.batch + j) * cfg.world + cfg.rank) % perm.len()]).collect()
+}
+
+impl Sampler {
+    pub fn new(cfg: SamplerConfig, pos: Position) -> Result<Sampler, String> {
+        if cfg.batch == 0 || cfg.world == 0 || cfg.rank >= cfg.world {
+            return Err(format!("sampler: batch {} world {} rank {} is not valid", cfg.batch, cfg.world, cfg.rank));
+        }
+        if cfg.batches_per_epoch() == 0 {
+            return Err(format!(
+                "the dataset has {} examples, fewer than one global batch of {} (batch {} x {} ranks); lower the batch size or turn off drop_last",
+                cfg.len, cfg.batch * cfg.world, cfg.batch, cfg.world
+            ));
+        }
+        let perm = epoch_permutation(cfg.len, cfg.seed, pos.epoch, cfg.shuffle);
+        Ok(Sampler { cfg, pos, perm })
+    }
+
+    pub fn position(&self) -> Position {
+        self.pos
+    }
+
+    pub fn config(&self) -> &SamplerConfig {
+        &self.cfg
+    }
+
+    /// The next batch's indices; moves to the next epoch (reshuffling) when one ends.
+    pub fn next_batch(&mut self) -> Vec<usize> {
+        if self.pos.batch >= self.cfg.batches_per_epoch() {
+            self.pos = Position { epoch: self.pos.epoch + 1, batch: 0 };
+            self.perm = epoch_permutation(self.cfg.len, self.cfg.seed, self.pos.epoch, self.cfg.shuffle);
+        }
+        let idx = batch_indices(&self.cfg, &self.perm, self.pos.batch);
+        self.pos.batch += 1;
+        idx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(len: usize, world: usize, rank: usize, batch: usize, drop_last: bool) -> SamplerConfig {
+        SamplerConfig { len, world, rank, batch, seed: 3, shuffle: true, drop_last }
+    }
+
+    #[test]
+    fn shards_are_disjoint_balanced_and_match_one_process() {
+        for world in 1..=4 {
+            let len = 103;
+            let mut seen = vec![0; len];
+            let mut per_rank: Vec<Vec<Vec<usize>>> = Vec::new();
+            for r in 0..world {
+                let mut s = Sampler::new(cfg(len, world, r, 5, true), Position::default()).unwrap();
+                let n = s.config().batches_per_epoch();
+                let batches: Vec<Vec<usize>> = (0..n).map(|_| s.next_batch()).collect();
+                batches.iter().flatten().for_each(|i| seen[*i] += 1);
+                per_rank.push(batches);
+            }
+            assert!(seen.iter().all(|c| *c <= 1), "an example was drawn twice in one epoch");
+            assert_eq!(seen.iter().sum::<usize>(), (len / (5 * world)) * 5 * world);
+            // The union of the ranks' k-th batches is the k-th batch of one process with batch 5*world.
+            let mut one = Sampler::new(cfg(len, 1, 0, 5 * world, true), Position::default()).unwrap();
+            for k in 0..per_rank[0].len() {
+                let mut union: Vec<usize> = per_rank.iter().flat_map(|b| b[k].clone()).collect();
+                let mut single = one.next_batch();
+                union.sort();
+                single.sort();
+                assert_eq!(union, single, "world {world} batch {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn epochs_reshuffle_and_positions_resume() {
+        let mut a = Sampler::new(cfg(20, 2, 1, 3, true), Position::default()).unwrap();
+        let first: Vec<Vec<usize>> = (0..3).map(|_| a.next_batch()).collect();
+        let second: Vec<Vec<usize>> = (0..3).map(|_| a.next_batch()).collect();
+        assert_eq!(a.position(), Position { epoch: 1, batch: 3 });
+        assert_ne!(first, second, "epochs must reshuffle");
+        let pos = Position { epoch: 0, batch: 2 };
+        let mut b = Sampler::new(cfg(20, 2, 1, 3, true), pos).unwrap();
+        assert_eq!(b.next_batch(), first[2]);
+        assert_eq!(b.next_batch(), second[0]);
+    }
+
+    #[test]
+    fn padding_and_errors() {
+        // Without drop_last the last global batch wraps around.
+        let c = cfg(7, 2, 0, 2, false);
+        assert_eq!(c.batches_per_epoch(), 2);
+        let mut s = Sampler::new(c, Position::default()).unwrap();
+        assert_eq!(s.next_batch().len(), 2);
+        assert_eq!(s.next_batch().len(), 2);
+        assert!(Sampler::new(cfg(3, 2, 0, 2, true), Position::default()).unwrap_err().contains("fewer than one global batch"));
+        assert!(Sampler::new(cfg(3, 2, 2, 1, true), Position::default()).is_err());
+    }
+}

@@ -1,0 +1,457 @@
+//! The training loop. Read top to bottom: set up data, model, DDP and optimizer; maybe resume;
+//! then for each step run the micro-steps (only the last one communicates), clip, update,
+//! log, evaluate and checkpoint; finally evaluate and, for text models, generate a sample.
+
+use crate::config::{Config, DataKind};
+use crate::data::{text_split, CharVocab, Dataset, Mnist, Synthetic, BUILTIN_TEXT};
+use crate::sampler::{Position, Sampler, SamplerConfig};
+use crate::TrainError;
+use kolo_base::Rng;
+use kolo_checkpoint::{Checkpoint, Entry};
+use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_ddp::{Ddp, DdpConfig};
+use kolo_optim::{clip_by_global_norm, lr_at, scaled_lr, sum_of_squares, Optimizer};
+use kolo_tensor::ops::{argmax_rows, softmax_last};
+use kolo_tensor::{build_model, Batch, HookedView, Input, Model, ModelSpec, PlainView};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How to run, beyond the config file.
+#[derive(Clone, Debug, Default)]
+pub struct RunOptions {
+    /// Resume from this checkpoint file, or the newest checkpoint in this directory.
+    pub resume: Option<PathBuf>,
+    /// Stop (as if interrupted) after this many steps in total; used to test resumption.
+    pub stop_after: Option<u64>,
+    /// No progress bar or log lines (tests).
+    pub quiet: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Eval {
+    pub loss: f64,
+    /// Classification accuracy (image models).
+    pub accuracy: Option<f64>,
+    pub examples: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct Summary {
+    pub steps_done: u64,
+    /// Mean training loss over all ranks at the last step.
+    pub last_loss: f64,
+    pub eval: Option<Eval>,
+    /// Wall time of each step on this rank, milliseconds.
+    pub step_ms: Vec<f64>,
+    /// Time spent waiting for gradient all-reduces after backward, per step, milliseconds.
+    pub comm_wait_ms: Vec<f64>,
+    /// Mean fraction of all-reduce time hidden behind backward.
+    pub hidden_fraction: f64,
+    /// Final parameters (flat).
+    pub params: Vec<f32>,
+    pub sample: Option<String>,
+    pub checkpoint: Option<PathBuf>,
+}
+
+struct Data {
+    train: Arc<dyn Dataset>,
+    eval: Arc<dyn Dataset>,
+    vocab: Option<CharVocab>,
+    vocab_size: usize,
+}
+
+fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result<Data, TrainError> {
+    let d = &cfg.data;
+    match d.kind {
+        DataKind::Mnist => {
+            let dir = PathBuf::from(d.path.as_deref().unwrap_or_default());
+            if !dir.is_dir() {
+                return Err(TrainError::Data(format!(
+                    "MNIST directory {} not found (set data.path; the shared copy lives in ../shared/data/mnist)",
+                    dir.display()
+                )));
+            }
+            Ok(Data { train: Arc::new(Mnist::load(&dir, "train")?), eval: Arc::new(Mnist::load(&dir, "t10k")?), vocab: None, vocab_size: 10 })
+        }
+        DataKind::Text => {
+            let path = d.path.as_deref().unwrap_or_default();
+            let seq = cfg.model.seq.unwrap_or(128);
+            let (text, name) = match std::fs::read(path) {
+                Ok(t) => (t, path.to_string()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    say(&format!(
+                        "WARNING: {path} not found; training on Kolo's BUILT-IN corpus (two Shakespeare sonnets, {} bytes). \
+                         Pass data.path (or --data) to train on real data.",
+                        BUILTIN_TEXT.len()
+                    ));
+                    (BUILTIN_TEXT.as_bytes().to_vec(), "built-in sonnets".to_string())
+                }
+                Err(e) => return Err(TrainError::Data(format!("{path}: {e}"))),
+            };
+            let vocab = CharVocab::from_text(&text);
+            let (train, eval) = text_split(&text, &vocab, seq.min(text.len() / 4).max(1), d.train_fraction, &name)?;
+            Ok(Data { train: Arc::new(train), eval: Arc::new(eval), vocab_size: vocab.len(), vocab: Some(vocab) })
+        }
+        DataKind::Synthetic => {
+            let n = d.synthetic_examples.unwrap_or(d.batch_size);
+            let seed = 1234 + rank as u64;
+            let ds: Arc<dyn Dataset> = match cfg.model.kind {
+                crate::config::ModelKind::Gpt => Arc::new(Synthetic::tokens(n, cfg.model.seq.unwrap_or(128), 65, seed)),
+                _ => Arc::new(Synthetic::images(n, seed)),
+            };
+            let vocab_size = if cfg.model.kind == crate::config::ModelKind::Gpt { 65 } else { 10 };
+            Ok(Data { train: ds.clone(), eval: ds, vocab: None, vocab_size })
+        }
+    }
+}
+
+/// Prepares batches on a background thread, each with the sampler position after it.
+fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receiver<(Position, Batch)> {
+    let (tx, rx) = sync_channel(depth.max(1));
+    std::thread::Builder::new()
+        .name("kolo-prefetch".into())
+        .spawn(move || loop {
+            let idx = sampler.next_batch();
+            let b = ds.batch(&idx);
+            if tx.send((sampler.position(), b)).is_err() {
+                return;
+            }
+        })
+        .expect("spawning the prefetch thread");
+    rx
+}
+
+fn spec_string(spec: &ModelSpec) -> String {
+    format!("{spec:?}")
+}
+
+/// Newest `step-*.safetensors` in a directory, or the path itself.
+fn resolve_checkpoint(p: &Path) -> Result<PathBuf, TrainError> {
+    if !p.is_dir() {
+        return Ok(p.to_path_buf());
+    }
+    let mut files: Vec<PathBuf> = std::fs::read_dir(p)
+        .map_err(|e| TrainError::Data(format!("{}: {e}", p.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|f| f.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-") && n.to_string_lossy().ends_with(".safetensors")))
+        .collect();
+    files.sort();
+    files.pop().ok_or_else(|| TrainError::Data(format!("no checkpoint (step-*.safetensors) in {}", p.display())))
+}
+
+fn save_checkpoint(dir: &Path, step: u64, model: &dyn Model, flat: &[f32], opt: &Optimizer, pos: Position, meta_base: &BTreeMap<String, String>) -> Result<PathBuf, TrainError> {
+    let mut tensors = Vec::new();
+    for p in model.params().iter() {
+        tensors.push(Entry { name: format!("model.{}", p.name), shape: p.shape.clone(), data: flat[p.range.clone()].to_vec() });
+        for (state, buf) in opt.state() {
+            tensors.push(Entry { name: format!("optim.{state}.{}", p.name), shape: p.shape.clone(), data: buf[p.range.clone()].to_vec() });
+        }
+    }
+    let mut meta = meta_base.clone();
+    meta.insert("kolo.step".into(), step.to_string());
+    meta.insert("kolo.optimizer_steps".into(), opt.steps().to_string());
+    meta.insert("kolo.data_epoch".into(), pos.epoch.to_string());
+    meta.insert("kolo.data_batch".into(), pos.batch.to_string());
+    let path = dir.join(format!("step-{step:08}.safetensors"));
+    kolo_checkpoint::save(&path, &Checkpoint { tensors, meta })?;
+    Ok(path)
+}
+
+struct Resumed {
+    step: u64,
+    pos: Position,
+}
+
+fn load_checkpoint(path: &Path, model: &dyn Model, flat: &mut [f32], opt: &mut Optimizer, meta_base: &BTreeMap<String, String>) -> Result<Resumed, TrainError> {
+    let ck = kolo_checkpoint::load(path)?;
+    let incompatible = |what: String| TrainError::Checkpoint(kolo_checkpoint::CheckpointError::Incompatible { path: path.to_path_buf(), what });
+    for key in ["kolo.model", "kolo.optimizer"] {
+        let theirs = ck.meta(path, key)?;
+        if theirs != meta_base[key] {
+            return Err(incompatible(format!("it was written for {key} = {theirs}, this run has {}", meta_base[key])));
+        }
+    }
+    let num = |key: &str| -> Result<u64, TrainError> { ck.meta(path, key)?.parse::<u64>().map_err(|_| incompatible(format!("metadata `{key}` is not a number"))) };
+    let mut states: Vec<(&str, Vec<f32>)> = opt.spec().state_names().iter().map(|s| (*s, vec![0f32; flat.len()])).collect();
+    for p in model.params().iter() {
+        let e = ck.get(&format!("model.{}", p.name)).ok_or_else(|| incompatible(format!("parameter `{}` is missing", p.name)))?;
+        if e.shape != p.shape {
+            return Err(incompatible(format!("parameter `{}` has shape {:?}, the model has {:?}", p.name, e.shape, p.shape)));
+        }
+        flat[p.range.clone()].copy_from_slice(&e.data);
+        for (state, buf) in states.iter_mut() {
+            let e = ck.get(&format!("optim.{state}.{}", p.name)).ok_or_else(|| incompatible(format!("optimizer state `{state}` of `{}` is missing", p.name)))?;
+            buf[p.range.clone()].copy_from_slice(&e.data);
+        }
+    }
+    opt.load_state(num("kolo.optimizer_steps")?, &states).map_err(incompatible)?;
+    Ok(Resumed { step: num("kolo.step")?, pos: Position { epoch: num("kolo.data_epoch")?, batch: num("kolo.data_batch")? } })
+}
+
+/// Loss (mean per example) and accuracy over this rank's share of the evaluation set, combined
+/// across ranks.
+fn evaluate(model: &dyn Model, ds: &dyn Dataset, comm: &dyn Communicator, batch: usize, max_batches: usize) -> Result<Eval, TrainError> {
+    let (r, n) = (comm.rank().get(), comm.world_size().get());
+    let mine: Vec<usize> = (r..ds.len()).step_by(n).collect();
+    let limit = if max_batches == 0 { mine.len() } else { (max_batches * batch).min(mine.len()) };
+    let (mut loss_sum, mut correct, mut count) = (0f64, 0f64, 0f64);
+    let mut is_class = false;
+    for chunk in mine[..limit].chunks(batch.max(1)) {
+        let b = ds.batch(chunk);
+        let logits = model.forward(&b.input, &PlainView)?;
+        let t = kolo_tensor::Tensor::from_slice(&b.targets, b.targets.len(), &kolo_tensor::Device::Cpu).map_err(kolo_tensor::TensorError::from)?;
+        let l = kolo_tensor::ops::cross_entropy(&logits, &t)?.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?;
+        loss_sum += f64::from(l) * chunk.len() as f64;
+        count += chunk.len() as f64;
+        if let Input::Images { .. } = b.input {
+            is_class = true;
+            let pred = argmax_rows(&logits)?;
+            correct += pred.iter().zip(&b.targets).filter(|(p, t)| p == t).count() as f64;
+        }
+    }
+    let mut v = [loss_sum, correct, count];
+    comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
+    let examples = v[2] as usize;
+    Ok(Eval { loss: v[0] / v[2].max(1.0), accuracy: is_class.then(|| v[1] / v[2].max(1.0)), examples })
+}
+
+/// Generates `n` characters from a text model, starting from a newline.
+fn sample_text(model: &dyn Model, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64) -> Result<String, TrainError> {
+    let mut rng = Rng::new(seed ^ 0x5A5A);
+    let start = vocab.encode(b"\n").unwrap_or_else(|_| vec![0]);
+    let mut ids: Vec<u32> = start;
+    for _ in 0..n {
+        let ctx: Vec<u32> = ids[ids.len().saturating_sub(seq)..].to_vec();
+        let t = ctx.len();
+        let logits = model.forward(&Input::Tokens { ids: ctx, b: 1, t }, &PlainView)?;
+        let last = logits.narrow(0, t - 1, 1).map_err(kolo_tensor::TensorError::from)?;
+        let scaled = (last / f64::from(temperature.max(1e-3))).map_err(kolo_tensor::TensorError::from)?;
+        let probs: Vec<f32> = softmax_last(&scaled)?.flatten_all().map_err(kolo_tensor::TensorError::from)?.to_vec1().map_err(kolo_tensor::TensorError::from)?;
+        let u = rng.next_f64() as f32;
+        let mut acc = 0f32;
+        let next = probs.iter().position(|p| {
+            acc += p;
+            acc >= u
+        });
+        ids.push(next.unwrap_or(probs.len() - 1) as u32);
+    }
+    Ok(vocab.decode(&ids[1..]))
+}
+
+pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
+    let rank = comm.rank().get();
+    let world = comm.world_size().get();
+    let lead = rank == 0 && !opts.quiet;
+    let say = |m: &str| {
+        if lead {
+            eprintln!("{m}");
+        }
+    };
+    let tc = &cfg.train;
+    let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
+    comm.set_timeout(timeout);
+
+    // Data, model, DDP, optimizer.
+    let data = load_data(cfg, rank, &say)?;
+    let spec = cfg.model_spec(data.vocab_size);
+    let model = build_model(&spec, tc.seed)?;
+    let ddp = Ddp::new(comm.clone(), &model.params().signature(), DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, timeout })?;
+    let mut flat = model.params().to_flat()?;
+    ddp.broadcast_params(&mut flat)?;
+    let mut opt = Optimizer::new(cfg.optimizer(), flat.len());
+    let global_batch = cfg.data.batch_size * world * tc.grad_accum as usize;
+    let base_lr = match cfg.optim.reference_batch {
+        Some(r) => scaled_lr(cfg.optim.lr, global_batch, r),
+        None => cfg.optim.lr,
+    };
+    let mut meta = BTreeMap::new();
+    meta.insert("kolo.model".to_string(), spec_string(&spec));
+    meta.insert("kolo.optimizer".to_string(), format!("{:?}", cfg.optimizer()));
+    meta.insert("kolo.world_size".to_string(), world.to_string());
+    meta.insert("kolo.batch_size".to_string(), cfg.data.batch_size.to_string());
+    meta.insert("kolo.seed".to_string(), tc.seed.to_string());
+
+    // Resume: every rank reads the same file, so every rank continues identically.
+    let mut start = 0;
+    let mut pos = Position::default();
+    if let Some(p) = &opts.resume {
+        let path = resolve_checkpoint(p)?;
+        let r = load_checkpoint(&path, &*model, &mut flat, &mut opt, &meta)?;
+        start = r.step;
+        pos = r.pos;
+        say(&format!("resumed from {} at step {start}", path.display()));
+    }
+    model.params().load(&flat)?;
+
+    let sampler = Sampler::new(
+        SamplerConfig { len: data.train.len(), world, rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
+        pos,
+    )
+    .map_err(TrainError::Data)?;
+    let batches = prefetch(data.train.clone(), sampler, cfg.data.prefetch);
+    say(&format!(
+        "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets, data: {}",
+        model.params().numel(),
+        spec_string(&spec),
+        cfg.data.batch_size,
+        tc.grad_accum,
+        ddp.plan().len(),
+        data.train.describe()
+    ));
+
+    let mut json = match &tc.json_log {
+        Some(p) => {
+            let path = p.replace("{rank}", &rank.to_string());
+            Some(std::fs::File::create(&path).map_err(|e| TrainError::Other(format!("json_log {path}: {e}")))?)
+        }
+        None => None,
+    };
+    let bar = (lead && tc.progress && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
+        let pb = indicatif::ProgressBar::new(tc.steps);
+        pb.set_style(
+            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | {elapsed_precise} ETA {eta}")
+                .expect("valid template"),
+        );
+        pb.set_position(start);
+        pb
+    });
+    let log = |m: &str| match &bar {
+        Some(pb) => pb.println(m),
+        None if lead => eprintln!("{m}"),
+        None => {}
+    };
+
+    let mut grads = vec![0f32; flat.len()];
+    let mut micro = vec![0f32; flat.len()];
+    let hooked = HookedView { sink: ddp.sink() };
+    let (mut step_ms, mut wait_ms, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
+    let mut last_loss = f64::NAN;
+    let mut eval = None;
+    let mut checkpoint = None;
+    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
+    let tokens_per_example = match cfg.model.kind {
+        crate::config::ModelKind::Gpt => cfg.model.seq.unwrap_or(128),
+        _ => 1,
+    };
+    let mut window = Instant::now();
+    for step in start..end {
+        let t0 = Instant::now();
+        let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
+        let mut loss_sum = 0f64;
+        for m in 0..tc.grad_accum {
+            let (p, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
+            pos = p;
+            let scale = 1.0 / tc.grad_accum as f64;
+            if m + 1 < tc.grad_accum {
+                // No-sync micro-step: gradients stay local.
+                let loss = (model.loss(&batch, &PlainView)? * scale).map_err(kolo_tensor::TensorError::from)?;
+                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?);
+                let g = loss.backward().map_err(kolo_tensor::TensorError::from)?;
+                model.params().grads_into(&g, &mut micro)?;
+                ddp.accumulate(&micro);
+            } else {
+                ddp.begin_backward();
+                let loss = (model.loss(&batch, &hooked)? * scale).map_err(kolo_tensor::TensorError::from)?;
+                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?);
+                loss.backward().map_err(kolo_tensor::TensorError::from)?;
+            }
+        }
+        // Host waits for the last buckets here; everything before overlapped with backward.
+        let stats = ddp.finish(&mut grads)?;
+        wait_ms.push(stats.wait.as_secs_f64() * 1e3);
+        hidden.push(stats.hidden_fraction());
+        if let Some(max) = cfg.optim.clip_grad_norm {
+            // Gradients are identical on every rank after the all-reduce: the local norm is global.
+            let norm = sum_of_squares(&grads).sqrt();
+            clip_by_global_norm(&mut grads, norm, max);
+        }
+        opt.step(&mut flat, &grads, lr);
+        model.params().load(&flat)?;
+        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+
+        let done = step + 1;
+        if done % tc.log_every.max(1) == 0 || done == end {
+            let mut l = [loss_sum];
+            comm.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
+            last_loss = l[0];
+            let n = (done - start) % tc.log_every.max(1);
+            let n = if n == 0 { tc.log_every.max(1) } else { n } as f64;
+            let secs = window.elapsed().as_secs_f64();
+            window = Instant::now();
+            let sps = n * global_batch as f64 / secs;
+            let recent = &step_ms[step_ms.len().saturating_sub(n as usize)..];
+            let ms = recent.iter().sum::<f64>() / recent.len().max(1) as f64;
+            let msg = if tokens_per_example > 1 {
+                format!("loss {last_loss:.4} | {:.0} tok/s | {ms:.1} ms/step", sps * tokens_per_example as f64)
+            } else {
+                format!("loss {last_loss:.4} | {sps:.0} samples/s | {ms:.1} ms/step")
+            };
+            match &bar {
+                Some(pb) => pb.set_message(msg.clone()),
+                None => log(&format!("step {done}/{} {msg}", tc.steps)),
+            }
+            if let Some(f) = json.as_mut() {
+                let rec = serde_json::json!({"rank": rank, "step": done, "loss": last_loss, "lr": lr, "step_ms": step_ms.last(),
+                    "comm_wait_ms": wait_ms.last(), "hidden_fraction": hidden.last(), "samples_per_s": sps, "epoch": pos.epoch});
+                let _ = writeln!(f, "{rec}");
+            }
+        }
+        if let Some(pb) = &bar {
+            pb.set_position(done);
+        }
+        if tc.eval_every > 0 && done % tc.eval_every == 0 && done != end {
+            let e = evaluate(&*model, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches)?;
+            log(&format!("step {done}: eval loss {:.4}{}", e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
+        }
+        if let Some(dir) = &tc.checkpoint_dir {
+            if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0) || done == end {
+                if rank == 0 {
+                    let p = save_checkpoint(Path::new(dir), done, &*model, &flat, &opt, pos, &meta)?;
+                    log(&format!("step {done}: checkpoint {}", p.display()));
+                    checkpoint = Some(p);
+                }
+                // Nobody runs ahead (or exits) before the checkpoint is on disk.
+                comm.barrier()?;
+            }
+        }
+    }
+    if let Some(pb) = &bar {
+        pb.finish();
+    }
+    if end == tc.steps {
+        // The final evaluation covers the whole test set for images (10k for MNIST); text
+        // validation sets have a window at every position, so `eval_batches` bounds them.
+        let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
+        let e = evaluate(&*model, &*data.eval, &*comm, cfg.data.batch_size, limit)?;
+        say(&format!(
+            "final eval on {} examples: loss {:.4}{}",
+            e.examples,
+            e.loss,
+            e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
+        ));
+        eval = Some(e);
+    }
+    let sample = match (&data.vocab, &spec) {
+        (Some(v), ModelSpec::Gpt(g)) if rank == 0 && end == tc.steps && tc.sample_chars > 0 => {
+            let s = sample_text(&*model, v, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed)?;
+            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
+            Some(s)
+        }
+        _ => None,
+    };
+    Ok(Summary {
+        steps_done: end,
+        last_loss,
+        eval,
+        hidden_fraction: if hidden.is_empty() { 1.0 } else { hidden.iter().sum::<f64>() / hidden.len() as f64 },
+        step_ms,
+        comm_wait_ms: wait_ms,
+        params: flat,
+        sample,
+        checkpoint,
+    })
+}
