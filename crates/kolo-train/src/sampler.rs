@@ -30,6 +30,7 @@ pub struct Position {
     pub batch: u64,
 }
 
+#[derive(Debug)]
 pub struct Sampler {
     cfg: SamplerConfig,
     pos: Position,

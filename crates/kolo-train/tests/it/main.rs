@@ -1,0 +1,165 @@
+//! Training tests: DDP equals one process, resume equals no interruption, convergence on real
+//! data, and clear errors for bad input. Ranks are threads over the reference communicator.
+
+use kolo_base::WorldSize;
+use kolo_comm::{Communicator, LocalComm};
+use kolo_testkit::run_ranks;
+use kolo_train::{run, Config, RunOptions, Summary, TrainError};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+fn shared() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data")
+}
+
+fn mnist_cfg(extra: &str, batch: usize) -> Config {
+    let text = format!(
+        "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = {batch}\nprefetch = 2\n{extra}",
+        shared().join("mnist").display()
+    );
+    Config::parse(&text, "test").unwrap()
+}
+
+fn quiet() -> RunOptions {
+    RunOptions { quiet: true, ..Default::default() }
+}
+
+fn train_on(n: usize, cfg: &Config, opts: &RunOptions) -> Vec<Summary> {
+    run_ranks(LocalComm::create(WorldSize::new(n).unwrap()), |_, c| run(cfg, Arc::new(c) as Arc<dyn Communicator>, opts).unwrap())
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// DDP with N ranks of batch B must follow the same trajectory as one process with batch N*B.
+/// Not bitwise: each rank's matmul sums over its own B examples and the all-reduce adds the
+/// N partial means, while one process sums N*B examples in one pass; with f32 this reorders
+/// additions, ~1e-7 relative per step. After 5 SGD steps the parameters agree to 2e-5.
+#[test]
+fn ddp_matches_one_process_mlp() {
+    let opt = "[optim]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n[train]\nsteps = 5\nlog_every = 1\n";
+    let one = &train_on(1, &mnist_cfg(opt, 48), &quiet())[0];
+    for n in [2, 4] {
+        let ranks = train_on(n, &mnist_cfg(opt, 48 / n), &quiet());
+        for s in &ranks {
+            // Every rank holds identical parameters (the all-reduce is bit-identical on all ranks).
+            assert_eq!(s.params, ranks[0].params);
+        }
+        let d = max_diff(&ranks[0].params, &one.params);
+        assert!(d < 2e-5, "{n} ranks vs 1 process: max parameter difference {d}");
+        assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "{} vs {}", ranks[0].last_loss, one.last_loss);
+    }
+}
+
+#[test]
+fn ddp_matches_one_process_gpt_with_accumulation() {
+    let mk = |batch: usize, accum: usize| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+             [optim]\nkind = \"adamw\"\nlr = 1e-3\nclip_grad_norm = 1.0\n[train]\nsteps = 3\ngrad_accum = {accum}\nsample_chars = 0\n",
+            shared().join("tinyshakespeare.txt").display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    // One process, batch 8, no accumulation == 2 ranks x batch 2 x 2 micro-steps? No: the
+    // micro-steps draw consecutive batches, so compare like with like: 2 ranks x batch 4 vs 1 x 8.
+    let one = &train_on(1, &mk(8, 1), &quiet())[0];
+    let two = &train_on(2, &mk(4, 1), &quiet())[0];
+    let d = max_diff(&two.params, &one.params);
+    assert!(d < 1e-4, "max parameter difference {d}");
+    // Accumulation: 2 micro-steps of 4 on 1 rank equals... the same data as 2 steps' worth, so
+    // check the mechanism against a hand-made equivalent: 1 rank, accum 2, batch 4 == 1 rank,
+    // accum 1, batch 8 when batches are consecutive slices of one permutation (no shuffle).
+    let mut a = mk(4, 2);
+    a.data.shuffle = false;
+    let mut b = mk(8, 1);
+    b.data.shuffle = false;
+    let sa = &train_on(1, &a, &quiet())[0];
+    let sb = &train_on(1, &b, &quiet())[0];
+    let d = max_diff(&sa.params, &sb.params);
+    assert!(d < 1e-4, "accumulation vs big batch: {d}");
+}
+
+#[test]
+fn interrupted_and_resumed_run_ends_bitwise_equal() {
+    let dir = std::env::temp_dir().join(format!("kolo-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let extra = format!(
+        "[optim]\nkind = \"adamw\"\nlr = 1e-3\nschedule = \"cosine\"\nwarmup_steps = 2\n[train]\nsteps = 6\ncheckpoint_every = 3\ncheckpoint_dir = \"{}\"\n",
+        dir.display()
+    );
+    let cfg = mnist_cfg(&extra, 16);
+    let full = train_on(2, &cfg, &quiet());
+    std::fs::remove_dir_all(&dir).unwrap();
+    let first = train_on(2, &cfg, &RunOptions { stop_after: Some(3), quiet: true, ..Default::default() });
+    assert_eq!(first[0].steps_done, 3);
+    let resumed = train_on(2, &cfg, &RunOptions { resume: Some(dir.clone()), quiet: true, ..Default::default() });
+    assert_eq!(resumed[0].params, full[0].params, "resumed run diverged");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn mnist_mlp_reaches_97_percent() {
+    let extra = "[optim]\nkind = \"adamw\"\nlr = 2e-3\nschedule = \"cosine\"\nmin_lr = 1e-4\n[train]\nsteps = 1400\nlog_every = 100\n";
+    let text = format!(
+        "[model]\nkind = \"mlp\"\nhidden = [128]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 64\n{extra}",
+        shared().join("mnist").display()
+    );
+    let s = train_on(2, &Config::parse(&text, "test").unwrap(), &quiet());
+    let e = s[0].eval.clone().unwrap();
+    assert_eq!(e.examples, 10_000);
+    eprintln!("MNIST MLP test accuracy {:?}", e.accuracy);
+    assert!(e.accuracy.unwrap() >= 0.97, "test accuracy {:?}", e.accuracy);
+}
+
+#[test]
+fn shakespeare_gpt_validation_loss_falls() {
+    let text = format!(
+        "[model]\nkind = \"gpt\"\nseq = 32\nd_model = 64\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 16\n\
+         [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 1.0\n[train]\nsteps = 300\neval_batches = 8\nsample_chars = 50\n",
+        shared().join("tinyshakespeare.txt").display()
+    );
+    let s = train_on(2, &Config::parse(&text, "test").unwrap(), &quiet());
+    let e = s[0].eval.clone().unwrap();
+    // Uniform guessing over 65 characters is ln 65 = 4.17; a unigram model about 3.3.
+    eprintln!("Shakespeare GPT validation loss {}", e.loss);
+    assert!(e.loss < 2.5, "validation loss {}", e.loss);
+    assert_eq!(s[0].sample.as_ref().unwrap().len(), 50);
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let err = |text: &str| Config::parse(text, "cfg.toml").unwrap_err().to_string();
+    let base = "[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"x\"\nbatch_size = 8\n";
+    assert!(err(&format!("{base}[train]\nstepz = 3\n")).contains("unknown field `stepz`"));
+    assert!(err("[model]\nkind = \"transformer\"\n").contains("unknown variant `transformer`"));
+    assert!(err("[model]\nkind = \"gpt\"\nhidden = [3]\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 1\n").contains("model.hidden applies to kind = \"mlp\" only"));
+    assert!(err("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\nbatch_size = 8\n").contains("data.path is required"));
+    assert!(err(&format!("{base}[ddp]\nbucket_cap = \"lots\"\n")).contains("ddp.bucket_cap"));
+
+    // A missing dataset.
+    let cfg = Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"/nonexistent/mnist\"\nbatch_size = 8\n", "t").unwrap();
+    let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| run(&cfg, Arc::new(c), &quiet()).err().unwrap());
+    assert!(matches!(e[0], TrainError::Data(_)) && e[0].to_string().contains("/nonexistent/mnist"), "{}", e[0]);
+
+    // A corrupt checkpoint, and one from another model.
+    let dir = std::env::temp_dir().join(format!("kolo-badckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = mnist_cfg(&format!("[train]\nsteps = 1\ncheckpoint_dir = \"{}\"\n", dir.display()), 8);
+    let s = train_on(1, &cfg, &quiet());
+    let ck = s[0].checkpoint.clone().unwrap();
+    let mut other = mnist_cfg("[train]\nsteps = 1\n", 8);
+    other.model.hidden = Some(vec![16]);
+    let opts = RunOptions { resume: Some(ck.clone()), quiet: true, ..Default::default() };
+    let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| run(&other, Arc::new(c), &opts).err().unwrap());
+    assert!(e[0].to_string().contains("kolo.model"), "{}", e[0]);
+    let mut bytes = std::fs::read(&ck).unwrap();
+    let last = bytes.len() - 5;
+    bytes[last] ^= 0xff;
+    std::fs::write(&ck, bytes).unwrap();
+    let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| run(&cfg, Arc::new(c), &opts).err().unwrap());
+    assert!(e[0].to_string().contains("corrupt"), "{}", e[0]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
