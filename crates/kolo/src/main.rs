@@ -6,6 +6,19 @@ mod selftest;
 mod train;
 
 use clap::{Parser, Subcommand};
+
+/// candle allocates a fresh buffer for every op. By default glibc serves large ones with mmap and
+/// returns them with munmap, so every step faults in (and the kernel zeroes) the same memory
+/// again: a fifth of a GPT step went to `clear_page`. Keeping freed memory in the heap removes
+/// that. (Measured: GPT bench step 614 -> see docs/benchmarks.md.)
+fn keep_freed_memory() {
+    // SAFETY: mallopt only tunes the allocator; called before any thread starts.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -93,6 +106,7 @@ fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
 }
 
 fn main() {
+    keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KOLO_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)

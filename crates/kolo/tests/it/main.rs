@@ -169,3 +169,28 @@ fn help_texts_render() {
         assert!(o.status.success(), "{}", text(&o));
     }
 }
+
+#[test]
+fn launched_training_runs_end_to_end_and_falls_back_without_data() {
+    let dir = std::env::temp_dir().join(format!("kolo-train-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("gpt.toml");
+    std::fs::write(
+        &cfg,
+        "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"/nonexistent/corpus.txt\"\n\
+         batch_size = 4\n[train]\nsteps = 6\nlog_every = 2\nsample_chars = 20\n",
+    )
+    .unwrap();
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap(), "--transport", "tcp"], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("BUILT-IN corpus"), "{t}");
+    assert!(t.contains("[rank 0] final eval"), "{t}");
+    assert!(t.contains("--- sample (20 chars"), "{t}");
+    // A broken config is a clear error on every rank, and the job fails.
+    std::fs::write(&cfg, "[model]\nkind = \"gpt\"\nlayers = 3\n").unwrap();
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+    assert!(!o.status.success());
+    assert!(text(&o).contains("unknown field `layers`"), "{}", text(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
