@@ -1,4 +1,4 @@
-use crate::algo::{doubling, pairwise, ring, tree, Algorithm, Exec};
+use crate::algo::{doubling, halving, pairwise, ring, tree, Algorithm, Exec};
 use crate::connect::connect_group;
 use crate::engine::{drive, Dir, OpCtx, Xfer};
 use crate::frame::Header;
@@ -40,7 +40,11 @@ pub enum AlgorithmChoice {
     Auto,
     Ring,
     RecursiveDoubling,
+    /// Rabenseifner: recursive-halving reduce-scatter + recursive-doubling all-gather.
+    HalvingDoubling,
     Tree,
+    /// Two levels when ranks share hosts: within each host, across hosts, within each host.
+    Hierarchical,
 }
 
 impl std::str::FromStr for AlgorithmChoice {
@@ -50,8 +54,10 @@ impl std::str::FromStr for AlgorithmChoice {
             "auto" => Ok(AlgorithmChoice::Auto),
             "ring" => Ok(AlgorithmChoice::Ring),
             "doubling" | "recursive-doubling" => Ok(AlgorithmChoice::RecursiveDoubling),
+            "halving" | "rabenseifner" => Ok(AlgorithmChoice::HalvingDoubling),
             "tree" => Ok(AlgorithmChoice::Tree),
-            _ => Err(format!("unknown algorithm `{s}` (auto, ring, doubling, tree)")),
+            "hierarchical" => Ok(AlgorithmChoice::Hierarchical),
+            _ => Err(format!("unknown algorithm `{s}` (auto, ring, doubling, halving, tree, hierarchical)")),
         }
     }
 }
@@ -62,8 +68,11 @@ pub struct HostCommConfig {
     pub timeout: Duration,
     pub transport: Transport,
     pub all_reduce: AlgorithmChoice,
-    /// Buffers up to this size use recursive doubling under `Auto`; larger ones the ring.
+    /// Buffers up to this size use recursive doubling under `Auto`.
     pub small_message: ByteSize,
+    /// Buffers up to this size use Rabenseifner's halving-doubling under `Auto` (more than 2
+    /// ranks); larger ones the ring.
+    pub medium_message: ByteSize,
     /// Busy-poll this long without progress before blocking.
     pub spin: Duration,
     /// Address peers connect to (this host's address as seen from the others).
@@ -82,6 +91,7 @@ impl Default for HostCommConfig {
             transport: Transport::Auto,
             all_reduce: AlgorithmChoice::Auto,
             small_message: ByteSize::kib(64),
+            medium_message: ByteSize::mib(1),
             spin: Duration::from_micros(200),
             advertise_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
             host_id: None,
@@ -115,7 +125,19 @@ pub struct HostComm {
     group: String,
     cfg: HostCommConfig,
     hosts: Vec<String>,
+    hier: Mutex<Option<Arc<Hier>>>,
     _server: Option<Arc<TcpStoreServer>>,
+}
+
+/// Sub-groups of the two-level all-reduce.
+struct Hier {
+    /// The ranks on this rank's host.
+    local: Arc<dyn Communicator>,
+    /// The ranks with this rank's local index on every host (only leaders when hosts differ in
+    /// size).
+    cross: Option<Arc<dyn Communicator>>,
+    /// Every host has the same number of ranks: use reduce-scatter / all-reduce / all-gather.
+    even: bool,
 }
 
 impl HostComm {
@@ -165,6 +187,7 @@ impl HostComm {
             token,
             group: group.to_string(),
             hosts: c.hosts,
+            hier: Mutex::new(None),
             cfg,
             _server: server,
         };
@@ -191,9 +214,123 @@ impl HostComm {
             AlgorithmChoice::Ring => Algorithm::Ring,
             AlgorithmChoice::RecursiveDoubling => Algorithm::RecursiveDoubling,
             AlgorithmChoice::Tree => Algorithm::Tree,
+            AlgorithmChoice::HalvingDoubling => Algorithm::HalvingDoubling,
+            AlgorithmChoice::Hierarchical if self.multi_host() => Algorithm::Hierarchical,
+            AlgorithmChoice::Hierarchical => Algorithm::Ring,
             AlgorithmChoice::Auto if bytes as u64 <= self.cfg.small_message.bytes() => Algorithm::RecursiveDoubling,
+            AlgorithmChoice::Auto if self.multi_host() => Algorithm::Hierarchical,
+            AlgorithmChoice::Auto if bytes as u64 <= self.cfg.medium_message.bytes() && self.n.get() > 2 => Algorithm::HalvingDoubling,
             AlgorithmChoice::Auto => Algorithm::Ring,
         }
+    }
+
+    /// Several hosts, and at least one with more than one rank.
+    fn multi_host(&self) -> bool {
+        let mut distinct: Vec<&String> = self.hosts.iter().collect();
+        distinct.sort();
+        distinct.dedup();
+        distinct.len() > 1 && distinct.len() < self.hosts.len()
+    }
+
+    /// Host of each rank as a small index, and each rank's index within its host.
+    fn host_layout(&self) -> (Vec<usize>, Vec<usize>) {
+        let mut order: Vec<&String> = Vec::new();
+        let mut host_of = Vec::with_capacity(self.hosts.len());
+        let mut local_idx = Vec::with_capacity(self.hosts.len());
+        let mut counts: Vec<usize> = Vec::new();
+        for h in &self.hosts {
+            let i = order.iter().position(|o| *o == h).unwrap_or_else(|| {
+                order.push(h);
+                counts.push(0);
+                order.len() - 1
+            });
+            host_of.push(i);
+            local_idx.push(counts[i]);
+            counts[i] += 1;
+        }
+        (host_of, local_idx)
+    }
+
+    /// Creates the two-level groups on first use. Every rank reaches this in the same
+    /// collective (the choice depends only on data all ranks share), so creation stays collective.
+    fn hier(&self) -> Result<Arc<Hier>, CommError> {
+        if let Some(h) = self.hier.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Ok(h);
+        }
+        let (host_of, local_idx) = self.host_layout();
+        let n_hosts = host_of.iter().max().map_or(0, |m| m + 1);
+        let mut local = None;
+        for h in 0..n_hosts {
+            let ranks: Vec<Rank> = (0..self.n.get()).filter(|r| host_of[*r] == h).map(Rank).collect();
+            if let Some(g) = self.new_group(&ranks)? {
+                local = Some(g);
+            }
+        }
+        let sizes: Vec<usize> = (0..n_hosts).map(|h| host_of.iter().filter(|x| **x == h).count()).collect();
+        let even = sizes.iter().all(|s| *s == sizes[0]);
+        let max_local = sizes.iter().copied().max().unwrap_or(1);
+        let mut cross = None;
+        for i in 0..if even { max_local } else { 1 } {
+            let ranks: Vec<Rank> = (0..self.n.get()).filter(|r| local_idx[*r] == i).map(Rank).collect();
+            if let Some(g) = self.new_group(&ranks)? {
+                cross = Some(g);
+            }
+        }
+        let h = Arc::new(Hier { local: local.expect("every rank is on a host"), cross, even });
+        *self.hier.lock().unwrap_or_else(|p| p.into_inner()) = Some(h.clone());
+        Ok(h)
+    }
+
+    /// Two-level all-reduce: reduce within each host (shared memory), all-reduce across hosts
+    /// (TCP) on 1/local_size of the data per rank, gather within each host.
+    fn hierarchical_all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        let h = self.hier()?;
+        let dtype = buf.dtype();
+        let inner_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
+        let len = buf.len();
+        if h.even {
+            let local_n = h.local.world_size();
+            let shard = shard_range(len, local_n, h.local.rank());
+            let mut tmp = vec![0u8; shard.len() * dtype.size_bytes()];
+            let mut out = BufMut::from_bytes(dtype, &mut tmp).expect("whole elements");
+            h.local.reduce_scatter(buf.as_ref(), out.reborrow(), inner_op)?;
+            h.cross.as_ref().expect("every rank has a cross group").all_reduce(out.reborrow(), inner_op)?;
+            h.local.all_gather(out.as_ref(), buf.reborrow())?;
+        } else {
+            h.local.reduce(buf.reborrow(), inner_op, Rank(0))?;
+            if let Some(c) = &h.cross {
+                c.all_reduce(buf.reborrow(), inner_op)?;
+            }
+            h.local.broadcast(buf.reborrow(), Rank(0))?;
+        }
+        kolo_comm::reduce::finish_avg(dtype, op, buf.bytes_mut(), self.n.get());
+        Ok(())
+    }
+
+    /// All-reduce with a given algorithm (internal collectives pin theirs, so that setting up
+    /// the hierarchical groups cannot recurse into them).
+    fn all_reduce_with(&self, mut buf: BufMut<'_>, op: ReduceOp, alg: Algorithm) -> Result<(), CommError> {
+        if self.n.get() == 1 {
+            return Ok(());
+        }
+        let dtype = buf.dtype();
+        if alg == Algorithm::Hierarchical {
+            return self.hierarchical_all_reduce(buf, op);
+        }
+        let bytes = buf.bytes_mut();
+        self.run(OpKind::AllReduce, alg, |e, s, big| match alg {
+            Algorithm::Ring => ring::all_reduce(e, bytes, dtype, op, big),
+            Algorithm::HalvingDoubling => halving::all_reduce(e, bytes, dtype, op, big),
+            Algorithm::Tree => {
+                tree::reduce(e, bytes, dtype, op, 0, big)?;
+                kolo_comm::reduce::finish_avg(dtype, op, bytes, e.n);
+                tree::broadcast(e, bytes, dtype, 0, 32)
+            }
+            _ => {
+                let [a, b] = s;
+                doubling::all_reduce(e, bytes, dtype, op, a, b)
+            }
+        })
     }
 
     fn lock(&self) -> MutexGuard<'_, Core> {
@@ -282,25 +419,9 @@ impl Communicator for HostComm {
         *self.timeout.lock().unwrap_or_else(|p| p.into_inner()) = timeout;
     }
 
-    fn all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
-        if self.n.get() == 1 {
-            return Ok(());
-        }
-        let dtype = buf.dtype();
+    fn all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
         let alg = self.pick_all_reduce(buf.bytes().len());
-        let bytes = buf.bytes_mut();
-        self.run(OpKind::AllReduce, alg, |e, s, big| match alg {
-            Algorithm::Ring => ring::all_reduce(e, bytes, dtype, op, big),
-            Algorithm::Tree => {
-                tree::reduce(e, bytes, dtype, op, 0, big)?;
-                kolo_comm::reduce::finish_avg(dtype, op, bytes, e.n);
-                tree::broadcast(e, bytes, dtype, 0, 32)
-            }
-            _ => {
-                let [a, b] = s;
-                doubling::all_reduce(e, bytes, dtype, op, a, b)
-            }
-        })
+        self.all_reduce_with(buf, op, alg)
     }
 
     fn reduce(&self, mut buf: BufMut<'_>, op: ReduceOp, root: Rank) -> Result<(), CommError> {
@@ -416,7 +537,7 @@ impl Communicator for HostComm {
         // Every rank must pass the same list: agree on a hash of it first.
         let hash = ranks.iter().fold(1469598103934665603u64, |h, r| (h ^ r.get() as u64).wrapping_mul(1099511628211)) as i64;
         let mut v = [hash, -hash];
-        self.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Max)?;
+        self.all_reduce_with(BufMut::from(&mut v[..]), ReduceOp::Max, Algorithm::RecursiveDoubling)?;
         if v[0] != hash || v[1] != -hash {
             let e = CommError::Mismatch {
                 op: OpKind::NewGroup,

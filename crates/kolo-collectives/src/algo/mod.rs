@@ -2,6 +2,7 @@
 //! takes an [`Exec`] (the links plus who/what/when for headers and errors) and plain byte buffers.
 
 pub(crate) mod doubling;
+pub(crate) mod halving;
 pub(crate) mod pairwise;
 pub(crate) mod ring;
 pub(crate) mod tree;
@@ -27,6 +28,7 @@ pub enum Algorithm {
     Pairwise = 4,
     Dissemination = 5,
     Hierarchical = 6,
+    HalvingDoubling = 7,
 }
 
 pub(crate) struct Exec<'c> {

@@ -12,12 +12,15 @@ use std::time::{Duration, Instant};
 mod frame;
 
 fn group(n: usize, cfg: HostCommConfig) -> Vec<HostComm> {
+    group_with(n, |_| cfg.clone())
+}
+
+/// A group whose ranks may have different configurations (e.g. fake host ids).
+fn group_with(n: usize, cfg: impl Fn(usize) -> HostCommConfig + Sync) -> Vec<HostComm> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
     let token = JobToken::generate();
     let slots: Vec<usize> = (0..n).collect();
-    run_ranks(slots, |r, _| {
-        HostComm::connect(store.clone(), token.clone(), "t", Rank(r), WorldSize::new(n).unwrap(), cfg.clone()).unwrap()
-    })
+    run_ranks(slots, |r, _| HostComm::connect(store.clone(), token.clone(), "t", Rank(r), WorldSize::new(n).unwrap(), cfg(r)).unwrap())
 }
 
 fn cfg(transport: Transport, alg: AlgorithmChoice) -> HostCommConfig {
@@ -48,6 +51,26 @@ fn tcp_doubling_conformance() {
 #[test]
 fn tcp_tree_conformance() {
     conformance_for(Transport::Tcp, AlgorithmChoice::Tree);
+}
+
+#[test]
+fn tcp_halving_doubling_conformance() {
+    conformance_for(Transport::Tcp, AlgorithmChoice::HalvingDoubling);
+    // 5, 6 and 7 ranks exercise the fold of non-power-of-two worlds.
+    for n in [5, 6, 7] {
+        run_ranks(group(n, cfg(Transport::Tcp, AlgorithmChoice::HalvingDoubling)), |_, c| conformance(&c, &[0, 1, 13, 1009]));
+    }
+}
+
+#[test]
+fn hierarchical_all_reduce_across_fake_hosts() {
+    // Hosts a,a,b,b (even: reduce-scatter / all-reduce / all-gather) and a,a,b (leaders only).
+    for hosts in [&["a", "a", "b", "b"][..], &["a", "a", "b"], &["a", "b", "a", "b", "c", "c"]] {
+        let comms = group_with(hosts.len(), |r| HostCommConfig { host_id: Some(hosts[r].to_string()), ..cfg(Transport::Auto, AlgorithmChoice::Hierarchical) });
+        let same_host = hosts.iter().filter(|h| **h == hosts[0]).count() - 1;
+        assert_eq!(comms[0].shm_peers().len(), same_host);
+        run_ranks(comms, |_, c| conformance(&c, &[0, 1, 7, 97, 65_537]));
+    }
 }
 
 #[test]
