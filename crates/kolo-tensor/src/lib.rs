@@ -11,6 +11,7 @@
 //! a test checks that every trainable variable of every model receives a gradient.
 
 mod error;
+pub mod fused;
 pub mod models;
 pub mod ops;
 mod params;

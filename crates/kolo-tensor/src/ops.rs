@@ -8,14 +8,19 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     let dims = x.dims().to_vec();
     let last = *dims.last().expect("linear input has a last dim");
     let rows: usize = dims[..dims.len() - 1].iter().product();
-    let y = x.reshape((rows, last))?.matmul(&w.t()?)?.broadcast_add(b)?;
+    let y = crate::fused::bias_add(&x.reshape((rows, last))?.matmul(&w.t()?)?, b)?;
     let mut out = dims;
     *out.last_mut().expect("non-empty") = w.dim(0)?;
     Ok(y.reshape(out)?)
 }
 
-/// Layer norm over the last dimension, from primitives (candle's fused one drops gradients).
+/// Layer norm over the last dimension (fused forward and backward; candle's own drops gradients).
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(crate::fused::layer_norm(x, gamma, beta, eps)?)
+}
+
+/// Layer norm from candle primitives: the reference the fused one is tested against.
+pub fn layer_norm_composite(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;

@@ -96,3 +96,50 @@ fn loss_at_init_is_near_log_classes() {
     let l = m.loss(&token_batch(&gcfg, 2, 9), &PlainView).unwrap().to_scalar::<f32>().unwrap();
     assert!((l - (65f32).ln()).abs() < 0.2, "{l}");
 }
+
+/// Each fused op against its composite candle formulation: same values, same gradients.
+#[test]
+fn fused_ops_match_composite_ones() {
+    use crate::ops::{causal_mask, layer_norm_composite, softmax_last};
+    use candle_core::{Device, Var};
+    let mut r = Rng::new(42);
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| r.normal() as f32).collect() };
+    let close = |a: &Tensor, b: &Tensor, what: &str| {
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-4, "{what}: max difference {d}");
+    };
+    // Layer norm + bias add, with a weighted loss so every gradient is non-trivial.
+    let x = Var::from_vec(rand(6 * 8), (2, 3, 8), &Device::Cpu).unwrap();
+    let g = Var::from_vec(rand(8), 8, &Device::Cpu).unwrap();
+    let b = Var::from_vec(rand(8), 8, &Device::Cpu).unwrap();
+    let w = Tensor::from_vec(rand(6 * 8), (2, 3, 8), &Device::Cpu).unwrap();
+    let f = crate::fused::bias_add(&crate::fused::layer_norm(&x, &g, &b, 1e-5).unwrap(), &b).unwrap();
+    let c = layer_norm_composite(&x, &g, &b, 1e-5).unwrap().broadcast_add(&b).unwrap();
+    close(&f, &c, "layer norm forward");
+    let gf = (f * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gc = (c * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (v, n) in [(&x, "dx"), (&g, "dgamma"), (&b, "dbeta")] {
+        close(gf.get(v).unwrap(), gc.get(v).unwrap(), n);
+    }
+    // Causal softmax with scale.
+    let t = 5;
+    let s = Var::from_vec(rand(2 * t * t), (2, t, t), &Device::Cpu).unwrap();
+    let w = Tensor::from_vec(rand(2 * t * t), (2, t, t), &Device::Cpu).unwrap();
+    let f = crate::fused::causal_softmax(&s, 0.5).unwrap();
+    let c = softmax_last(&(s.as_tensor() * 0.5).unwrap().broadcast_add(&causal_mask(t).unwrap()).unwrap()).unwrap();
+    close(&f, &c, "causal softmax forward");
+    let gf = (f * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gc = (c * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    close(gf.get(&s).unwrap(), gc.get(&s).unwrap(), "causal softmax backward");
+    // GELU (erf).
+    let x = Var::from_vec(rand(50), 50, &Device::Cpu).unwrap();
+    let w = Tensor::from_vec(rand(50), 50, &Device::Cpu).unwrap();
+    let f = crate::fused::gelu_erf(&x).unwrap();
+    let c = x.as_tensor().gelu_erf().unwrap();
+    close(&f, &c, "gelu forward");
+    let gf = (f * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gc = (c * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), "gelu backward");
+}

@@ -1,5 +1,5 @@
 use super::{normal, Input, Model};
-use crate::ops::{causal_mask, layer_norm, linear, softmax_last};
+use crate::ops::{layer_norm, linear};
 use crate::{ParamSet, ParamView, Result, TensorError};
 use candle_core::{Device, Tensor};
 use kolo_base::Rng;
@@ -39,7 +39,6 @@ pub struct Gpt {
     blocks: Vec<Block>,
     ln_f: (usize, usize),
     head: (usize, usize),
-    mask: Tensor,
 }
 
 impl Gpt {
@@ -72,8 +71,7 @@ impl Gpt {
         }
         let ln_f = ln(&mut p, "ln_f")?;
         let head = lin(&mut p, "head", cfg.vocab, c, rng)?;
-        let mask = causal_mask(cfg.seq)?;
-        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, mask })
+        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head })
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -106,7 +104,6 @@ impl Model for Gpt {
         let tok = g(self.wte)?.index_select(&ids_t, 0)?.reshape((b, t, c))?;
         let pos = g(self.wpe)?.narrow(0, 0, t)?;
         let mut x = tok.broadcast_add(&pos)?;
-        let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
         let scale = 1.0 / (d as f64).sqrt();
         for blk in &self.blocks {
             let (lw, lb) = pair(blk.ln1)?;
@@ -117,8 +114,7 @@ impl Model for Gpt {
                 Ok(qkv.narrow(2, k * c, c)?.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
             };
             let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-            let att = (q.matmul(&k.t()?.contiguous()?)? * scale)?.broadcast_add(&mask)?;
-            let att = softmax_last(&att)?;
+            let att = crate::fused::causal_softmax(&q.matmul(&k.t()?.contiguous()?)?, scale)?;
             let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
             let (pw, pb) = pair(blk.proj)?;
             x = (x + linear(&y, &pw, &pb)?)?;
@@ -126,7 +122,7 @@ impl Model for Gpt {
             let hdn = layer_norm(&x, &lw, &lb, 1e-5)?;
             let (fw, fb) = pair(blk.fc)?;
             let (ow, ob) = pair(blk.fc_out)?;
-            x = (x + linear(&linear(&hdn, &fw, &fb)?.gelu_erf()?, &ow, &ob)?)?;
+            x = (x + linear(&crate::fused::gelu_erf(&linear(&hdn, &fw, &fb)?)?, &ow, &ob)?)?;
         }
         let (lw, lb) = pair(self.ln_f)?;
         let x = layer_norm(&x, &lw, &lb, 1e-5)?;

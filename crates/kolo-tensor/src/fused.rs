@@ -1,0 +1,223 @@
+//! Fused operators with hand-written backward passes over contiguous f32 slices.
+//!
+//! candle builds bias adds, layer norm, masked softmax and GELU out of many small ops, and their
+//! backward passes reduce over leading dimensions with strided loops; together they cost more
+//! than the matmuls in a GPT step. Each op here does one pass forward and one or two passes
+//! backward, row by row. `tests.rs` checks each against the composite candle formulation.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Shape, Tensor};
+
+type CResult<T> = candle_core::Result<T>;
+
+fn err(m: &str) -> candle_core::Error {
+    candle_core::Error::Msg(m.to_string())
+}
+
+fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> CResult<&'a [f32]> {
+    let CpuStorage::F32(v) = s else { return Err(err("fused ops take f32")) };
+    let (a, b) = l.contiguous_offsets().ok_or_else(|| err("fused ops take contiguous tensors"))?;
+    Ok(&v[a..b])
+}
+
+/// Runs `f` on a tensor's contiguous f32 data.
+fn with_data<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
+    let t = t.contiguous()?;
+    let (s, l) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(c) = &*s else { return Err(err("fused ops run on the CPU")) };
+    Ok(f(slice(c, l)?))
+}
+
+fn last_dim(l: &Layout) -> usize {
+    *l.shape().dims().last().unwrap_or(&1)
+}
+
+/// `y + b` with `b` broadcast over the rows of `y` (last dimension = len(b)).
+struct BiasAdd;
+
+impl CustomOp2 for BiasAdd {
+    fn name(&self) -> &'static str {
+        "kolo-bias-add"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (y, b) = (slice(s1, l1)?, slice(s2, l2)?);
+        let c = b.len();
+        if last_dim(l1) != c {
+            return Err(err("bias length differs from the last dimension"));
+        }
+        let mut out = Vec::with_capacity(y.len());
+        for row in y.chunks_exact(c) {
+            out.extend(row.iter().zip(b).map(|(a, b)| a + b));
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+    fn bwd(&self, _y: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let c = b.elem_count();
+        let db = with_data(grad, |g| {
+            let mut acc = vec![0f32; c];
+            for row in g.chunks_exact(c) {
+                acc.iter_mut().zip(row).for_each(|(a, x)| *a += x);
+            }
+            acc
+        })?;
+        Ok((Some(grad.clone()), Some(Tensor::from_vec(db, b.shape(), &Device::Cpu)?)))
+    }
+}
+
+pub fn bias_add(y: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    y.contiguous()?.apply_op2_arc(&b.contiguous()?, std::sync::Arc::new(Box::new(BiasAdd)))
+}
+
+/// Layer norm over the last dimension with affine gamma, beta.
+struct LayerNorm {
+    eps: f32,
+}
+
+fn row_stats(x: &[f32], eps: f32) -> (f32, f32) {
+    let c = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / c;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "kolo-layer-norm"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (x, g, b) = (slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
+        let c = g.len();
+        if last_dim(l1) != c || b.len() != c {
+            return Err(err("layer norm: gamma/beta length differs from the last dimension"));
+        }
+        let mut out = Vec::with_capacity(x.len());
+        for row in x.chunks_exact(c) {
+            let (mean, rstd) = row_stats(row, self.eps);
+            out.extend(row.iter().zip(g).zip(b).map(|((v, g), b)| (v - mean) * rstd * g + b));
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+    fn bwd(&self, x: &Tensor, g: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let c = g.elem_count();
+        let gamma = with_data(g, |s| s.to_vec())?;
+        let xs = x.contiguous()?;
+        let gs = grad.contiguous()?;
+        let (dx, dg, db) = with_data(&xs, |xd| {
+            with_data(&gs, |dy| {
+                let mut dx = vec![0f32; xd.len()];
+                let mut dg = vec![0f32; c];
+                let mut db = vec![0f32; c];
+                let mut xhat = vec![0f32; c];
+                for ((xr, dyr), dxr) in xd.chunks_exact(c).zip(dy.chunks_exact(c)).zip(dx.chunks_exact_mut(c)) {
+                    let (mean, rstd) = row_stats(xr, self.eps);
+                    let (mut m1, mut m2) = (0f32, 0f32);
+                    for j in 0..c {
+                        xhat[j] = (xr[j] - mean) * rstd;
+                        let dxh = dyr[j] * gamma[j];
+                        m1 += dxh;
+                        m2 += dxh * xhat[j];
+                        dg[j] += dyr[j] * xhat[j];
+                        db[j] += dyr[j];
+                    }
+                    let (m1, m2) = (m1 / c as f32, m2 / c as f32);
+                    for j in 0..c {
+                        dxr[j] = rstd * (dyr[j] * gamma[j] - m1 - xhat[j] * m2);
+                    }
+                }
+                (dx, dg, db)
+            })
+        })??;
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), &Device::Cpu)?),
+            Some(Tensor::from_vec(dg, g.shape(), &Device::Cpu)?),
+            Some(Tensor::from_vec(db, b.shape(), &Device::Cpu)?),
+        ))
+    }
+}
+
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> CResult<Tensor> {
+    x.contiguous()?.apply_op3_arc(&gamma.contiguous()?, &beta.contiguous()?, std::sync::Arc::new(Box::new(LayerNorm { eps: eps as f32 })))
+}
+
+/// Softmax over the last dimension of `scale * x` where row `r` (query position `r % t` of a
+/// (…, t, t) score tensor) only sees columns `0..=r % t`: scaled, causally masked attention
+/// probabilities in one pass.
+struct CausalSoftmax {
+    scale: f32,
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "kolo-causal-softmax"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let x = slice(s, l)?;
+        let t = last_dim(l);
+        let mut out = vec![0f32; x.len()];
+        for (r, (xr, yr)) in x.chunks_exact(t).zip(out.chunks_exact_mut(t)).enumerate() {
+            let q = r % t;
+            let m = xr[..=q].iter().fold(f32::NEG_INFINITY, |a, v| a.max(*v)) * self.scale;
+            let mut sum = 0f32;
+            for k in 0..=q {
+                let e = (xr[k] * self.scale - m).exp();
+                yr[k] = e;
+                sum += e;
+            }
+            let inv = 1.0 / sum;
+            yr[..=q].iter_mut().for_each(|v| *v *= inv);
+        }
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+    fn bwd(&self, _x: &Tensor, res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let t = *res.dims().last().unwrap_or(&1);
+        let dx = with_data(res, |y| {
+            with_data(grad, |dy| {
+                let mut dx = vec![0f32; y.len()];
+                for (r, ((yr, dyr), dxr)) in y.chunks_exact(t).zip(dy.chunks_exact(t)).zip(dx.chunks_exact_mut(t)).enumerate() {
+                    let q = r % t;
+                    let dot: f32 = (0..=q).map(|k| yr[k] * dyr[k]).sum();
+                    for k in 0..=q {
+                        dxr[k] = self.scale * yr[k] * (dyr[k] - dot);
+                    }
+                }
+                dx
+            })
+        })??;
+        Ok(Some(Tensor::from_vec(dx, res.shape(), &Device::Cpu)?))
+    }
+}
+
+pub fn causal_softmax(scores: &Tensor, scale: f64) -> CResult<Tensor> {
+    scores.contiguous()?.apply_op1_arc(std::sync::Arc::new(Box::new(CausalSoftmax { scale: scale as f32 })))
+}
+
+/// GELU with the exact (erf) form, as torch's default.
+struct GeluErf;
+
+const SQRT_HALF: f32 = std::f32::consts::FRAC_1_SQRT_2;
+const INV_SQRT_2PI: f32 = 0.398_942_3;
+
+impl CustomOp1 for GeluErf {
+    fn name(&self) -> &'static str {
+        "kolo-gelu-erf"
+    }
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let x = slice(s, l)?;
+        let out = x.iter().map(|v| 0.5 * v * (1.0 + libm::erff(v * SQRT_HALF))).collect();
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let dx = with_data(x, |xs| {
+            with_data(grad, |dy| {
+                xs.iter()
+                    .zip(dy)
+                    .map(|(v, d)| d * (0.5 * (1.0 + libm::erff(v * SQRT_HALF)) + v * INV_SQRT_2PI * (-0.5 * v * v).exp()))
+                    .collect::<Vec<f32>>()
+            })
+        })??;
+        Ok(Some(Tensor::from_vec(dx, x.shape(), &Device::Cpu)?))
+    }
+}
+
+pub fn gelu_erf(x: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op1_arc(std::sync::Arc::new(Box::new(GeluErf)))
+}
