@@ -21,3 +21,6 @@ pub use algo::Algorithm;
 pub use bootstrap::{bootstrap, Bootstrapped};
 pub use comm::{AlgorithmChoice, HostComm, HostCommConfig, Transport};
 pub use connect::default_host_id;
+
+#[cfg(test)]
+mod tests;

@@ -222,6 +222,15 @@ impl Ddp {
         }
     }
 
+    /// Moves the locally accumulated gradients into `grads` without communicating (benchmarks
+    /// that measure a step without synchronisation).
+    pub fn take_accumulated(&self, grads: &mut [f32]) {
+        match self.shared.lock().accum.take() {
+            Some(a) => grads.copy_from_slice(&a),
+            None => grads.iter_mut().for_each(|g| *g = 0.0),
+        }
+    }
+
     /// Marks the start of a synchronised backward pass (for the overlap statistics).
     pub fn begin_backward(&self) {
         self.shared.lock().backward_started = Some(Instant::now());

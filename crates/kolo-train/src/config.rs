@@ -223,11 +223,14 @@ pub struct DdpConfig {
     pub timeout_secs: f64,
     /// Compare a fingerprint of every collective across ranks (debug; default false).
     pub check_collectives: bool,
+    /// Benchmarks only: never all-reduce gradients (each rank trains on its own), to measure
+    /// the step time without communication (torch's `no_sync` on every step). Default false.
+    pub skip_sync: bool,
 }
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), timeout_secs: 300.0, check_collectives: false }
+        DdpConfig { bucket_cap: "25MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false }
     }
 }
 

@@ -346,7 +346,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             let (p, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
             pos = p;
             let scale = 1.0 / tc.grad_accum as f64;
-            if m + 1 < tc.grad_accum {
+            if m + 1 < tc.grad_accum || cfg.ddp.skip_sync {
                 // No-sync micro-step: gradients stay local.
                 let loss = (model.loss(&batch, &PlainView)? * scale).map_err(kolo_tensor::TensorError::from)?;
                 loss_sum += f64::from(loss.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?);
@@ -360,10 +360,15 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 loss.backward().map_err(kolo_tensor::TensorError::from)?;
             }
         }
-        // Host waits for the last buckets here; everything before overlapped with backward.
-        let stats = ddp.finish(&mut grads)?;
-        wait_ms.push(stats.wait.as_secs_f64() * 1e3);
-        hidden.push(stats.hidden_fraction());
+        if cfg.ddp.skip_sync {
+            // Benchmark mode: the local gradients are used as they are.
+            ddp.take_accumulated(&mut grads);
+        } else {
+            // Host waits for the last buckets here; everything before overlapped with backward.
+            let stats = ddp.finish(&mut grads)?;
+            wait_ms.push(stats.wait.as_secs_f64() * 1e3);
+            hidden.push(stats.hidden_fraction());
+        }
         if let Some(max) = cfg.optim.clip_grad_norm {
             // Gradients are identical on every rank after the all-reduce: the local norm is global.
             let norm = sum_of_squares(&grads).sqrt();

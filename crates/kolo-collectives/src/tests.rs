@@ -1,0 +1,88 @@
+//! Engine-level tests: what a rank does with bytes that are not what it expects.
+
+use crate::engine::{drive, Dir, OpCtx, Xfer};
+use crate::frame::{Header, HEADER_LEN};
+use crate::link::{Link, TcpLink};
+use kolo_base::{DType, Deadline, Rank};
+use kolo_comm::{CommError, OpKind, ReduceOp};
+use std::io::Write;
+use std::net::{TcpListener, TcpStream};
+use std::time::Duration;
+
+fn pair() -> (TcpStream, Link) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (b, _) = l.accept().unwrap();
+    (a, Link::Tcp(TcpLink::new(b).unwrap()))
+}
+
+fn ctx() -> OpCtx {
+    OpCtx { op: OpKind::AllReduce, rank: Rank(0), seq: 3, deadline: Deadline::after(Duration::from_secs(5)), spin: Duration::from_micros(50) }
+}
+
+fn expect(len: usize) -> Header {
+    Header { op: OpKind::AllReduce, dtype: Some(DType::F32), alg: 1, seq: 3, step: 0, tag: 0, len: len as u64 }
+}
+
+fn recv_with(bytes: &[u8], close: bool) -> CommError {
+    let (mut peer, link) = pair();
+    peer.write_all(bytes).unwrap();
+    if close {
+        drop(peer);
+    } else {
+        std::mem::forget(peer);
+    }
+    let mut links = vec![None, Some(link)];
+    let mut dst = vec![0u8; 16];
+    let mut tmp = vec![0u8; 64];
+    let mut x = [Xfer::new(1, expect(16), Dir::RecvReduce { tmp: &mut tmp, dst: &mut dst, op: ReduceOp::Sum, dtype: DType::F32 })];
+    drive(&mut links, &mut x, &ctx()).unwrap_err()
+}
+
+#[test]
+fn garbage_header_is_a_protocol_error() {
+    let e = recv_with(&[0xAB; HEADER_LEN + 16], false);
+    assert!(matches!(e, CommError::Protocol { peer: Rank(1), .. }), "{e}");
+    assert!(e.to_string().contains("bad magic"), "{e}");
+}
+
+#[test]
+fn corrupted_header_is_caught_by_its_checksum() {
+    let mut h = expect(16).encode();
+    h[20] ^= 1; // flip a bit of the tag
+    let mut bytes = h.to_vec();
+    bytes.extend_from_slice(&[0; 16]);
+    let e = recv_with(&bytes, false);
+    assert!(e.to_string().contains("checksum"), "{e}");
+}
+
+#[test]
+fn different_collective_is_a_mismatch_naming_both() {
+    let other = Header { op: OpKind::Broadcast, ..expect(16) };
+    let mut bytes = other.encode().to_vec();
+    bytes.extend_from_slice(&[0; 16]);
+    let e = recv_with(&bytes, false);
+    assert!(matches!(e, CommError::Mismatch { .. }), "{e}");
+    let m = e.to_string();
+    assert!(m.contains("expected all_reduce #3") && m.contains("sent broadcast #3"), "{m}");
+}
+
+#[test]
+fn truncated_message_then_close_is_peer_lost() {
+    let mut bytes = expect(16).encode().to_vec();
+    bytes.extend_from_slice(&[0; 7]);
+    let e = recv_with(&bytes, true);
+    assert!(matches!(e, CommError::PeerLost { peer: Rank(1), .. }), "{e}");
+}
+
+#[test]
+fn silence_times_out_naming_the_peer() {
+    let (peer, link) = pair();
+    let mut links = vec![None, Some(link)];
+    let mut dst = vec![0u8; 4];
+    let c = OpCtx { deadline: Deadline::after(Duration::from_millis(100)), ..ctx() };
+    let mut x = [Xfer::new(1, expect(4), Dir::Recv(&mut dst))];
+    let e = drive(&mut links, &mut x, &c).unwrap_err();
+    assert!(matches!(&e, CommError::Timeout { missing, .. } if missing == &vec![Rank(1)]), "{e}");
+    drop(peer);
+}
