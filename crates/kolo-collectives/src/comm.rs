@@ -81,6 +81,8 @@ pub struct HostCommConfig {
     pub host_id: Option<String>,
     /// Bytes per direction of each shared-memory ring.
     pub shm_ring: ByteSize,
+    /// SO_SNDBUF/SO_RCVBUF of TCP links (0: the kernel's autotuning).
+    pub tcp_buffer: ByteSize,
     pub shm_dir: String,
 }
 
@@ -96,6 +98,7 @@ impl Default for HostCommConfig {
             advertise_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
             host_id: None,
             shm_ring: ByteSize::mib(1),
+            tcp_buffer: ByteSize(0),
             shm_dir: "/dev/shm".into(),
         }
     }

@@ -94,7 +94,7 @@ pub(crate) fn connect_group(
         let Some(s) = s else { continue };
         links[peer] = Some(match shm.remove(&peer) {
             Some(map) => Link::Shm(ShmLink::new(map, cfg.shm_ring.as_usize(), rank < peer, s).map_err(|e| err(e.to_string()))?),
-            None => Link::Tcp(TcpLink::new(s).map_err(|e| err(e.to_string()))?),
+            None => Link::Tcp(TcpLink::new(s, cfg.tcp_buffer.as_usize()).map_err(|e| err(e.to_string()))?),
         });
     }
     Ok(Connected { links, hosts })

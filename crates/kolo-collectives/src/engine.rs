@@ -101,11 +101,23 @@ fn step(link: &mut Link, x: &mut Xfer<'_>, ctx: &OpCtx) -> Result<usize, CommErr
                 check_header(x, ctx)?;
             }
         }
+        Dir::RecvReduce { dst, op, dtype, .. } if x.hdr_done == HEADER_LEN && matches!(link, Link::Shm(_)) => {
+            // Shared memory: reduce straight out of the ring, no intermediate copy.
+            let Link::Shm(shm) = link else { unreachable!("matched above") };
+            let (op, dtype) = (*op, *dtype);
+            let n = shm
+                .read_fold(&mut dst[x.reduced..], dtype.size_bytes(), &mut |d, s| reduce_into(dtype, op, d, s))
+                .map_err(|e| ctx.lost(x.peer, e))?;
+            x.done += n;
+            x.reduced += n;
+            moved += n;
+        }
         Dir::RecvReduce { tmp, dst, op, dtype } => {
             // `tmp` is a small window reused round-robin, so it stays in cache: bytes land at
             // tmp[win..], whole elements are folded into dst, a split element moves to the front.
             let esz = dtype.size_bytes();
-            let cap = tmp.len().min(x.win + (total - x.done));
+            // On shared memory only the header is read here; the payload takes the direct path.
+            let cap = if link.is_shm() { x.win } else { tmp.len().min(x.win + (total - x.done)) };
             let n = link
                 .read_some(&mut x.hdr[x.hdr_done..], &mut tmp[x.win..cap])
                 .map_err(|e| ctx.lost(x.peer, e))?;

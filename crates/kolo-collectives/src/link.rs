@@ -59,10 +59,19 @@ pub(crate) struct TcpLink {
 }
 
 impl TcpLink {
-    pub fn new(stream: TcpStream) -> io::Result<TcpLink> {
+    pub fn new(stream: TcpStream, buffer: usize) -> io::Result<TcpLink> {
         stream.set_nonblocking(true)?;
         stream.set_nodelay(true)?;
         let fd = stream.as_raw_fd();
+        if buffer > 0 {
+            let v = buffer as libc::c_int;
+            for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+                // SAFETY: setsockopt on our own socket with a valid int option value.
+                unsafe {
+                    libc::setsockopt(fd, libc::SOL_SOCKET, opt, (&v as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t);
+                }
+            }
+        }
         Ok(TcpLink { stream, fd })
     }
 

@@ -106,6 +106,50 @@ impl Ring {
     }
 }
 
+impl Ring {
+    /// Reader: folds up to `dst.len()` bytes (whole elements only) straight from the ring into
+    /// `dst` with `f(dst_chunk, ring_chunk)`, without an intermediate copy. A partial element at
+    /// the end of the published data stays in the ring until the rest arrives.
+    fn pop_fold(&mut self, dst: &mut [u8], esz: usize, f: &mut dyn FnMut(&mut [u8], &[u8])) -> usize {
+        let cap = self.capacity as u64;
+        self.cached = self.head().load(Ordering::Acquire);
+        let mut done = 0;
+        while done < dst.len() {
+            let avail = (self.cached - self.mine) as usize;
+            if avail < esz {
+                break;
+            }
+            let pos = (self.mine % cap) as usize;
+            let contiguous = avail.min(self.capacity - pos).min(dst.len() - done);
+            let whole = contiguous / esz * esz;
+            if whole > 0 {
+                // SAFETY: [pos, pos+whole) was published by the writer (acquire load above) and
+                // lies inside the data area; the writer does not touch it until tail moves.
+                let src = unsafe { std::slice::from_raw_parts(self.data().add(pos), whole) };
+                f(&mut dst[done..done + whole], src);
+                done += whole;
+                self.mine += whole as u64;
+            } else {
+                // One element straddles the end of the ring: assemble it from both parts.
+                let mut tmp = [0u8; 8];
+                let first = self.capacity - pos;
+                // SAFETY: `esz <= avail` bytes are published; the two parts are in bounds.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(self.data().add(pos), tmp.as_mut_ptr(), first);
+                    std::ptr::copy_nonoverlapping(self.data(), tmp.as_mut_ptr().add(first), esz - first);
+                }
+                f(&mut dst[done..done + esz], &tmp[..esz]);
+                done += esz;
+                self.mine += esz as u64;
+            }
+        }
+        if done > 0 {
+            self.tail().store(self.mine, Ordering::Release);
+        }
+        done
+    }
+}
+
 pub(crate) struct ShmLink {
     _map: memmap2::MmapMut,
     tx: Ring,
@@ -163,6 +207,15 @@ impl ShmLink {
     pub fn read_some(&mut self, a: &mut [u8], b: &mut [u8]) -> io::Result<usize> {
         let n = self.rx.pop(a);
         let n = if n < a.len() { n } else { n + self.rx.pop(b) };
+        if n == 0 {
+            self.check_open()?;
+        }
+        Ok(n)
+    }
+
+    /// Folds arriving payload bytes straight into `dst` (see `Ring::pop_fold`).
+    pub fn read_fold(&mut self, dst: &mut [u8], esz: usize, f: &mut dyn FnMut(&mut [u8], &[u8])) -> io::Result<usize> {
+        let n = self.rx.pop_fold(dst, esz, f);
         if n == 0 {
             self.check_open()?;
         }

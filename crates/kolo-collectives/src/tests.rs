@@ -13,7 +13,7 @@ fn pair() -> (TcpStream, Link) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
     let (b, _) = l.accept().unwrap();
-    (a, Link::Tcp(TcpLink::new(b).unwrap()))
+    (a, Link::Tcp(TcpLink::new(b, 0).unwrap()))
 }
 
 fn ctx() -> OpCtx {

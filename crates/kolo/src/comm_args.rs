@@ -21,6 +21,9 @@ pub struct CommArgs {
     /// Bytes per direction of each shared-memory ring.
     #[arg(long, default_value = "1MiB")]
     pub shm_ring: ByteSize,
+    /// SO_SNDBUF/SO_RCVBUF of TCP links (0: kernel autotuning).
+    #[arg(long, default_value = "0")]
+    pub tcp_buffer: ByteSize,
 }
 
 impl CommArgs {
@@ -31,6 +34,7 @@ impl CommArgs {
             timeout: Duration::from_secs_f64(self.timeout.max(0.001)),
             spin: Duration::from_micros(self.spin_us),
             shm_ring: self.shm_ring,
+            tcp_buffer: self.tcp_buffer,
             ..HostCommConfig::default()
         }
     }
