@@ -15,7 +15,7 @@ mod connect;
 mod engine;
 pub mod frame;
 mod link;
-mod shm;
+pub(crate) mod shm;
 
 pub use algo::Algorithm;
 pub use bootstrap::{bootstrap, Bootstrapped};

@@ -23,7 +23,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 const LINE: usize = 128;
 const RING_HEADER: usize = 3 * LINE;
 
+/// The ring size actually used for a requested one: whole cache lines, so that the second
+/// ring's header (after the first ring's data) stays aligned for its atomics.
+pub(crate) fn ring_capacity(requested: usize) -> usize {
+    requested.max(LINE).div_ceil(LINE) * LINE
+}
+
 pub(crate) fn region_len(capacity: usize) -> usize {
+    let capacity = ring_capacity(capacity);
     2 * (RING_HEADER + capacity)
 }
 
@@ -183,6 +190,10 @@ impl ShmLink {
 
     pub fn new(mut map: memmap2::MmapMut, capacity: usize, lower: bool, liveness: TcpStream) -> io::Result<ShmLink> {
         liveness.set_nonblocking(true)?;
+        let capacity = ring_capacity(capacity);
+        if map.len() < region_len(capacity) {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "shared-memory mapping is too small"));
+        }
         let base = map.as_mut_ptr();
         let ring = |i: usize| Ring {
             // SAFETY: both rings lie inside the mapping (region_len).

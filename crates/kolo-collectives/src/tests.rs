@@ -86,3 +86,30 @@ fn silence_times_out_naming_the_peer() {
     assert!(matches!(&e, CommError::Timeout { missing, .. } if missing == &vec![Rank(1)]), "{e}");
     drop(peer);
 }
+
+#[test]
+fn shm_fold_handles_elements_split_across_the_ring_end() {
+    use crate::shm::ShmLink;
+    let path = format!("/dev/shm/kolo-test-fold-{}", std::process::id());
+    let _ = std::fs::remove_file(&path);
+    let (ma, mb) = (ShmLink::create(&path, 128).unwrap(), ShmLink::open(&path, 128).unwrap());
+    std::fs::remove_file(&path).unwrap();
+    let (s1, l) = pair();
+    let Link::Tcp(t) = l else { unreachable!() };
+    let mut a = ShmLink::new(ma, 128, true, s1).unwrap();
+    let mut b = ShmLink::new(mb, 128, false, t.stream).unwrap();
+    // Move the ring position to 124, so the next 8-byte element straddles the end (128).
+    let mut sink = vec![0u8; 124];
+    assert_eq!(a.write_some(&[7u8; 124], &[]).unwrap(), 124);
+    assert_eq!(b.read_some(&mut sink, &mut []).unwrap(), 124);
+    let vals: Vec<u8> = [1.5f64, 2.5].iter().flat_map(|v| v.to_le_bytes()).collect();
+    // Publish 12 bytes first: one whole element (straddling) and half of the next.
+    assert_eq!(a.write_some(&vals[..12], &[]).unwrap(), 12);
+    let mut dst: Vec<u8> = [10.0f64, 20.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut add = |d: &mut [u8], s: &[u8]| kolo_comm::reduce::reduce_into(DType::F64, ReduceOp::Sum, d, s);
+    assert_eq!(b.read_fold(&mut dst, 8, &mut add).unwrap(), 8, "only the whole element is taken");
+    assert_eq!(a.write_some(&vals[12..], &[]).unwrap(), 4);
+    assert_eq!(b.read_fold(&mut dst[8..], 8, &mut add).unwrap(), 8);
+    let got: Vec<f64> = dst.chunks(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect();
+    assert_eq!(got, vec![11.5, 22.5]);
+}
