@@ -192,7 +192,14 @@ pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &Op
         }
         let idle = last_progress.elapsed();
         if idle < ctx.spin {
-            std::hint::spin_loop();
+            // Pure spinning for a few microseconds catches data that is about to arrive; after
+            // that, yield the core each round, so that when ranks outnumber cores the peer we
+            // are waiting for gets to run.
+            if idle < Duration::from_micros(20) {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
             continue;
         }
         if ctx.deadline.expired() {
