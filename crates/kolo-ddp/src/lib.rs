@@ -37,13 +37,16 @@ pub enum DdpError {
 pub struct DdpConfig {
     /// Target bucket size (torch's default: 25 MiB).
     pub bucket_cap: ByteSize,
+    /// Cap of the first bucket (the last layers' gradients), small so that communication starts
+    /// early in backward (torch's `first_bucket_bytes_cap`, 1 MiB).
+    pub first_bucket_cap: ByteSize,
     /// Deadline for waiting on the buckets after backward.
     pub timeout: Duration,
 }
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: ByteSize::mib(25), timeout: kolo_comm::DEFAULT_TIMEOUT }
+        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT }
     }
 }
 
@@ -56,12 +59,14 @@ pub struct Bucket {
 }
 
 /// Groups parameters, last-registered first (the order backward finishes them), into buckets of
-/// at most `cap_elems` elements; a parameter larger than the cap gets a bucket of its own.
-pub fn bucket_plan(numels: &[usize], cap_elems: usize) -> Vec<Bucket> {
+/// at most `cap_elems` elements (`first_cap_elems` for the first one); a parameter larger than
+/// the cap gets a bucket of its own.
+pub fn bucket_plan(numels: &[usize], first_cap_elems: usize, cap_elems: usize) -> Vec<Bucket> {
     let mut out: Vec<Bucket> = Vec::new();
     let mut cur = Bucket { params: Vec::new(), numel: 0 };
     for i in (0..numels.len()).rev() {
-        if !cur.params.is_empty() && cur.numel + numels[i] > cap_elems {
+        let cap = if out.is_empty() { first_cap_elems } else { cap_elems };
+        if !cur.params.is_empty() && cur.numel + numels[i] > cap {
             out.push(std::mem::replace(&mut cur, Bucket { params: Vec::new(), numel: 0 }));
         }
         cur.params.push(i);
@@ -170,7 +175,7 @@ impl Ddp {
             ranges.push(off..off + n);
             off += n;
         }
-        let plan = bucket_plan(&numels, (cfg.bucket_cap.as_usize() / 4).max(1));
+        let plan = bucket_plan(&numels, (cfg.first_bucket_cap.as_usize() / 4).max(1), (cfg.bucket_cap.as_usize() / 4).max(1));
         let mut slot = vec![(0, 0); numels.len()];
         for (b, bucket) in plan.iter().enumerate() {
             let mut o = 0;

@@ -219,6 +219,8 @@ impl Default for TrainConfig {
 pub struct DdpConfig {
     /// Gradient bucket size (default "25MiB", as torch).
     pub bucket_cap: String,
+    /// Size of the first bucket, which backward fills first (default "1MiB", as torch).
+    pub first_bucket_cap: String,
     /// Deadline of every collective, seconds (default 300).
     pub timeout_secs: f64,
     /// Compare a fingerprint of every collective across ranks (debug; default false).
@@ -230,7 +232,7 @@ pub struct DdpConfig {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false }
+        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false }
     }
 }
 
@@ -294,11 +296,16 @@ impl Config {
             return Err("optim.lr must be a positive number".into());
         }
         self.bucket_cap()?;
+        self.first_bucket_cap()?;
         Ok(())
     }
 
     pub fn bucket_cap(&self) -> Result<ByteSize, String> {
         self.ddp.bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.bucket_cap: {e}"))
+    }
+
+    pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {
+        self.ddp.first_bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.first_bucket_cap: {e}"))
     }
 
     /// The model to build; `vocab` comes from the data for text models.

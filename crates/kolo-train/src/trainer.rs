@@ -259,7 +259,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let data = load_data(cfg, rank, &say)?;
     let spec = cfg.model_spec(data.vocab_size);
     let model = build_model(&spec, tc.seed)?;
-    let ddp = Ddp::new(comm.clone(), &model.params().signature(), DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, timeout })?;
+    let ddp = Ddp::new(comm.clone(), &model.params().signature(), DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout })?;
     let mut flat = model.params().to_flat()?;
     ddp.broadcast_params(&mut flat)?;
     let mut opt = Optimizer::new(cfg.optimizer(), flat.len());
@@ -287,8 +287,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     }
     model.params().load(&flat)?;
 
+    // Synthetic data is already per rank (seeded by rank): it is not sharded again.
+    let (s_world, s_rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
     let sampler = Sampler::new(
-        SamplerConfig { len: data.train.len(), world, rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
+        SamplerConfig { len: data.train.len(), world: s_world, rank: s_rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
         pos,
     )
     .map_err(TrainError::Data)?;

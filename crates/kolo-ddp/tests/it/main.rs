@@ -15,7 +15,7 @@ fn buckets_average_gradients_across_ranks() {
     let comms = LocalComm::create(WorldSize::new(3).unwrap());
     run_ranks(comms, |r, c| {
         let s = sig(&[&[2, 3], &[4], &[5]]);
-        let cfg = DdpConfig { bucket_cap: ByteSize(4 * 9), ..Default::default() };
+        let cfg = DdpConfig { bucket_cap: ByteSize(4 * 9), first_bucket_cap: ByteSize(4 * 9), ..Default::default() };
         let ddp = Ddp::new(Arc::new(c), &s, cfg).unwrap();
         assert_eq!(ddp.plan().len(), 2);
         let mut params: Vec<f32> = (0..15).map(|i| (i * (r + 1)) as f32).collect();
@@ -58,7 +58,7 @@ fn model_mismatch_is_named() {
 fn missing_gradient_is_reported() {
     let comms = LocalComm::create(WorldSize::new(2).unwrap());
     run_ranks(comms, |_, c| {
-        let ddp = Ddp::new(Arc::new(c), &sig(&[&[3], &[3]]), DdpConfig { bucket_cap: ByteSize(12), ..Default::default() }).unwrap();
+        let ddp = Ddp::new(Arc::new(c), &sig(&[&[3], &[3]]), DdpConfig { bucket_cap: ByteSize(12), first_bucket_cap: ByteSize(12), ..Default::default() }).unwrap();
         ddp.sink().grad_ready(1, &[1.0, 2.0, 3.0]);
         let e = ddp.finish(&mut [0f32; 6]).unwrap_err();
         assert!(e.to_string().contains("[\"p0\"]"), "{e}");
