@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 /// candle allocates a fresh buffer for every op. By default glibc serves large ones with mmap and
 /// returns them with munmap, so every step faults in (and the kernel zeroes) the same memory
 /// again: a fifth of a GPT step went to `clear_page`. Keeping freed memory in the heap removes
-/// that. (Measured: GPT bench step 614 -> see docs/benchmarks.md.)
+/// that (GPT bench step 646 -> 589 ms, see docs/benchmarks.md).
 fn keep_freed_memory() {
     // SAFETY: mallopt only tunes the allocator; called before any thread starts.
     unsafe {

@@ -2,7 +2,7 @@
 //! partner. Latency-optimal for small buffers. A world size that is not a power of two first
 //! folds the extra ranks into partners and hands them the result at the end (as MPICH does).
 
-use super::Exec;
+use super::{fold_in, fold_out, largest_pow2, unfold_rank, Exec};
 use kolo_base::DType;
 use kolo_comm::reduce::finish_avg;
 use kolo_comm::{CommError, ReduceOp, Scratch};
@@ -15,30 +15,15 @@ pub(crate) fn all_reduce(
     send_scratch: &mut Scratch,
     recv_scratch: &mut Scratch,
 ) -> Result<(), CommError> {
-    let (n, r) = (e.n, e.rank);
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros()); // largest power of two <= n
-    let rem = n - p;
+    let n = e.n;
+    let p = largest_pow2(n);
     let len = buf.len();
     let tmp = recv_scratch.get(super::REDUCE_WINDOW);
-    let mut step = 0u32;
-    // Fold: among the first 2*rem ranks, even ones hand their data to the next odd one.
-    let vrank: Option<usize> = if r < 2 * rem {
-        if r % 2 == 0 {
-            e.run(&mut [e.send(r + 1, step, Some(dtype), buf)])?;
-            None
-        } else {
-            e.run(&mut [e.recv_reduce(r - 1, step, dtype, op, tmp, buf)])?;
-            Some(r / 2)
-        }
-    } else {
-        Some(r - rem)
-    };
-    step += 1;
-    if let Some(v) = vrank {
+    if let Some(v) = fold_in(e, buf, dtype, op, tmp)? {
         let mut mask = 1;
+        let mut step = 1u32;
         while mask < p {
-            let pv = v ^ mask;
-            let partner = if pv < rem { pv * 2 + 1 } else { pv + rem };
+            let partner = unfold_rank(n, v ^ mask);
             // The send must see this round's input while the receive folds into `buf`.
             let snap = send_scratch.get(len);
             snap.copy_from_slice(buf);
@@ -48,15 +33,7 @@ pub(crate) fn all_reduce(
             step += 1;
         }
     }
-    // Unfold: odd ranks hand the result back to their even partner.
-    let last = 64;
-    if r < 2 * rem {
-        if r % 2 == 1 {
-            e.run(&mut [e.send(r - 1, last, Some(dtype), buf)])?;
-        } else {
-            e.run(&mut [e.recv(r + 1, last, Some(dtype), buf)])?;
-        }
-    }
+    fold_out(e, buf, dtype)?;
     finish_avg(dtype, op, buf, n);
     Ok(())
 }

@@ -3,30 +3,18 @@
 //! with logarithmic latency, the best choice for medium buffers. World sizes that are not a
 //! power of two fold the extra ranks in first, as recursive doubling does.
 
-use super::{byte_segments, split_rw, Exec};
+use super::{byte_segments, fold_in, fold_out, largest_pow2, split_rw, unfold_rank, Exec};
 use kolo_base::{DType, WorldSize};
 use kolo_comm::reduce::finish_avg;
 use kolo_comm::{CommError, ReduceOp, Scratch};
 
 pub(crate) fn all_reduce(e: &mut Exec<'_>, buf: &mut [u8], dtype: DType, op: ReduceOp, scratch: &mut Scratch) -> Result<(), CommError> {
-    let (n, r) = (e.n, e.rank);
-    let p = 1usize << (usize::BITS - 1 - n.leading_zeros());
-    let rem = n - p;
+    let n = e.n;
+    let p = largest_pow2(n);
     let tmp = scratch.get(super::REDUCE_WINDOW);
     let esz = dtype.size_bytes();
-    let fold_step = 0u32;
-    let vrank: Option<usize> = if r < 2 * rem {
-        if r % 2 == 0 {
-            e.run(&mut [e.send(r + 1, fold_step, Some(dtype), buf)])?;
-            None
-        } else {
-            e.run(&mut [e.recv_reduce(r - 1, fold_step, dtype, op, tmp, buf)])?;
-            Some(r / 2)
-        }
-    } else {
-        Some(r - rem)
-    };
-    let real = |v: usize| if v < rem { v * 2 + 1 } else { v + rem };
+    let vrank = fold_in(e, buf, dtype, op, tmp)?;
+    let real = |v: usize| unfold_rank(n, v);
     if let Some(v) = vrank {
         let segs = byte_segments(buf.len() / esz, WorldSize::new(p).expect("p >= 1"), esz);
         let span = |lo: usize, hi: usize| segs[lo].start..segs[hi - 1].end;
@@ -61,13 +49,6 @@ pub(crate) fn all_reduce(e: &mut Exec<'_>, buf: &mut [u8], dtype: DType, op: Red
             step += 1;
         }
     }
-    let last = 64;
-    if r < 2 * rem {
-        if r % 2 == 1 {
-            e.run(&mut [e.send(r - 1, last, Some(dtype), buf)])?;
-        } else {
-            e.run(&mut [e.recv(r + 1, last, Some(dtype), buf)])?;
-        }
-    }
+    fold_out(e, buf, dtype)?;
     Ok(())
 }

@@ -97,3 +97,50 @@ pub(crate) fn split_rw(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u
         (&hi[..a.end - a.start], &mut lo[b])
     }
 }
+
+/// Folding a non-power-of-two world into the largest power of two `p <= n` (as MPICH does):
+/// among the first `2 * (n - p)` ranks, each even rank hands its data to the next odd rank and
+/// sits out. Returns this rank's virtual rank in `0..p`, or `None` if it sits out.
+pub(crate) fn fold_in(e: &mut Exec<'_>, buf: &mut [u8], dtype: DType, op: kolo_comm::ReduceOp, tmp: &mut [u8]) -> Result<Option<usize>, CommError> {
+    let (n, r) = (e.n, e.rank);
+    let rem = n - largest_pow2(n);
+    if r >= 2 * rem {
+        return Ok(Some(r - rem));
+    }
+    if r % 2 == 0 {
+        e.run(&mut [e.send(r + 1, 0, Some(dtype), buf)])?;
+        Ok(None)
+    } else {
+        e.run(&mut [e.recv_reduce(r - 1, 0, dtype, op, tmp, buf)])?;
+        Ok(Some(r / 2))
+    }
+}
+
+/// The inverse of [`fold_in`]: odd ranks hand the result back to the even rank that sat out.
+pub(crate) fn fold_out(e: &mut Exec<'_>, buf: &mut [u8], dtype: DType) -> Result<(), CommError> {
+    let (n, r) = (e.n, e.rank);
+    let rem = n - largest_pow2(n);
+    const LAST: u32 = 64;
+    if r < 2 * rem {
+        if r % 2 == 1 {
+            e.run(&mut [e.send(r - 1, LAST, Some(dtype), buf)])?;
+        } else {
+            e.run(&mut [e.recv(r + 1, LAST, Some(dtype), buf)])?;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn largest_pow2(n: usize) -> usize {
+    1usize << (usize::BITS - 1 - n.leading_zeros())
+}
+
+/// The real rank of virtual rank `v` after [`fold_in`].
+pub(crate) fn unfold_rank(n: usize, v: usize) -> usize {
+    let rem = n - largest_pow2(n);
+    if v < rem {
+        v * 2 + 1
+    } else {
+        v + rem
+    }
+}
