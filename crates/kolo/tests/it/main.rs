@@ -194,3 +194,26 @@ fn launched_training_runs_end_to_end_and_falls_back_without_data() {
     assert!(text(&o).contains("unknown field `layers`"), "{}", text(&o));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn launcher_forwards_sigterm_and_reports_it() {
+    let mut child = Command::new(KOLO)
+        .args(["launch", "-n", "2", "--grace", "2", "--", "sleep", "30"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = Instant::now();
+    // SAFETY: signalling our own child process.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    let t = text(&out);
+    assert_eq!(out.status.code(), Some(128 + libc::SIGTERM), "{t}");
+    assert!(t.contains("interrupted by signal 15 (SIGTERM)"), "{t}");
+    assert!(t.contains("stopped by the launcher"), "{t}");
+}
