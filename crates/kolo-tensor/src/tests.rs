@@ -143,3 +143,25 @@ fn fused_ops_match_composite_ones() {
     let gc = (c * &w).unwrap().sum_all().unwrap().backward().unwrap();
     close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), "gelu backward");
 }
+
+#[test]
+fn fast_exp_and_gelu_are_accurate() {
+    let mut worst_exp = 0f64;
+    let mut x = -80.0f32;
+    while x < 80.0 {
+        let want = (x as f64).exp();
+        let got = crate::fused::exp_f32(x) as f64;
+        worst_exp = worst_exp.max(((got - want) / want).abs());
+        x += 0.01237;
+    }
+    assert!(worst_exp < 3e-7, "exp relative error {worst_exp}");
+    // GELU against erf from libm in f64.
+    let xs: Vec<f32> = (-1000..1000).map(|i| i as f32 * 0.01).collect();
+    let t = Tensor::from_vec(xs.clone(), xs.len(), &candle_core::Device::Cpu).unwrap();
+    let got: Vec<f32> = crate::fused::gelu_erf(&t).unwrap().to_vec1().unwrap();
+    for (x, g) in xs.iter().zip(got) {
+        let x = *x as f64;
+        let want = 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2));
+        assert!((g as f64 - want).abs() < 2e-6 * (1.0 + x.abs()), "gelu({x}) = {g}, want {want}");
+    }
+}
