@@ -129,6 +129,8 @@ pub struct HostComm {
     cfg: HostCommConfig,
     hosts: Vec<String>,
     hier: Mutex<Option<Arc<Hier>>>,
+    /// The shard buffer of the hierarchical all-reduce, reused across calls.
+    hier_scratch: Mutex<Scratch>,
     _server: Option<Arc<TcpStoreServer>>,
 }
 
@@ -191,6 +193,7 @@ impl HostComm {
             group: group.to_string(),
             hosts: c.hosts,
             hier: Mutex::new(None),
+            hier_scratch: Mutex::new(Scratch::default()),
             cfg,
             _server: server,
         };
@@ -294,8 +297,8 @@ impl HostComm {
         if h.even {
             let local_n = h.local.world_size();
             let shard = shard_range(len, local_n, h.local.rank());
-            let mut tmp = vec![0u8; shard.len() * dtype.size_bytes()];
-            let mut out = BufMut::from_bytes(dtype, &mut tmp).expect("whole elements");
+            let mut scratch = self.hier_scratch.lock().unwrap_or_else(|p| p.into_inner());
+            let mut out = BufMut::from_bytes(dtype, scratch.get(shard.len() * dtype.size_bytes())).expect("whole elements");
             h.local.reduce_scatter(buf.as_ref(), out.reborrow(), inner_op)?;
             h.cross.as_ref().expect("every rank has a cross group").all_reduce(out.reborrow(), inner_op)?;
             h.local.all_gather(out.as_ref(), buf.reborrow())?;
