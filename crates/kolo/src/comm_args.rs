@@ -9,12 +9,13 @@ pub struct CommArgs {
     /// Links between ranks on one host: auto (shared memory), tcp, shm.
     #[arg(long, default_value = "auto")]
     pub transport: Transport,
-    /// all_reduce algorithm: auto (by size), ring, doubling, tree.
+    /// all_reduce algorithm: auto (by size, world and hosts), ring, doubling, halving
+    /// (Rabenseifner), tree, hierarchical.
     #[arg(long = "algo", default_value = "auto")]
     pub algorithm: AlgorithmChoice,
-    /// Deadline of every collective, in seconds.
-    #[arg(long, default_value_t = 300.0)]
-    pub timeout: f64,
+    /// Deadline of every collective, in seconds [default: 300, or ddp.timeout_secs for train].
+    #[arg(long)]
+    pub timeout: Option<f64>,
     /// Microseconds to busy-poll without progress before blocking.
     #[arg(long, default_value_t = 200)]
     pub spin_us: u64,
@@ -31,7 +32,7 @@ impl CommArgs {
         HostCommConfig {
             transport: self.transport,
             all_reduce: self.algorithm,
-            timeout: Duration::from_secs_f64(self.timeout.max(0.001)),
+            timeout: Duration::from_secs_f64(self.timeout.unwrap_or(300.0).max(0.001)),
             spin: Duration::from_micros(self.spin_us),
             shm_ring: self.shm_ring,
             tcp_buffer: self.tcp_buffer,

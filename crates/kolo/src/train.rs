@@ -34,8 +34,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     if let Some(s) = a.steps {
         cfg.train.steps = s;
     }
+    // One deadline for setup and every collective: --timeout if given, else the config's.
+    if let Some(t) = a.comm.timeout {
+        cfg.ddp.timeout_secs = t;
+    }
     let mut comm_args = a.comm.clone();
-    comm_args.timeout = cfg.ddp.timeout_secs;
+    comm_args.timeout = Some(cfg.ddp.timeout_secs);
     let boot = comm_args.join()?;
     let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
     let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false };
