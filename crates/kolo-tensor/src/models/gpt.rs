@@ -109,9 +109,12 @@ impl Model for Gpt {
             let (lw, lb) = pair(blk.ln1)?;
             let hdn = layer_norm(&x, &lw, &lb, 1e-5)?;
             let (qw, qb) = pair(blk.qkv)?;
-            let qkv = linear(&hdn, &qw, &qb)?;
+            // Project q, k and v separately through row slices of the fused qkv weight: the
+            // backward of slicing a weight is weight-sized, slicing the (b, t, 3c) activation
+            // would pad and add activation-sized zeros three times per block.
             let heads = |k: usize| -> Result<Tensor> {
-                Ok(qkv.narrow(2, k * c, c)?.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
+                let y = linear(&hdn, &qw.narrow(0, k * c, c)?, &qb.narrow(0, k * c, c)?)?;
+                Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
             };
             let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
             let att = crate::fused::causal_softmax(&q.matmul(&k.t()?.contiguous()?)?, scale)?;
