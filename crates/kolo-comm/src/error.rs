@@ -109,6 +109,15 @@ impl CommError {
         }
     }
 
+    /// The peer whose loss caused this error, looking through `Aborted`.
+    pub fn lost_peer(&self) -> Option<Rank> {
+        match self {
+            CommError::PeerLost { peer, .. } => Some(*peer),
+            CommError::Aborted { cause, .. } => cause.lost_peer(),
+            _ => None,
+        }
+    }
+
     /// Whether this error leaves the communicator unusable (argument errors do not).
     pub fn is_fatal(&self) -> bool {
         !matches!(self, CommError::InvalidArgument { .. } | CommError::Unsupported { .. })

@@ -5,6 +5,15 @@
 //! prefixed with `[rank N]`. SIGINT/SIGTERM are forwarded. When a rank fails, the others get
 //! `grace` to notice and exit on their own (their communicators fail fast when a peer dies),
 //! then SIGTERM, then SIGKILL; the launcher exits non-zero with a summary of who failed and how.
+//!
+//! Which rank failed *first* is not knowable from exit order alone: when a rank exits, its
+//! sockets close before its parent is told, so a survivor can notice, fail and be reaped first.
+//! As torchelastic does with its error files, every rank gets `KOLO_ERROR_FILE`; a failing rank
+//! records its error there (see [`error_file`]), including the peer it lost if that is why it
+//! failed. The summary names the root cause: the earliest failure not caused by losing a rank
+//! that itself failed.
+
+pub mod error_file;
 
 use kolo_rendezvous::JobToken;
 use std::ffi::OsString;
@@ -70,12 +79,14 @@ pub struct RankReport {
     pub pid: u32,
     pub end: RankEnd,
     pub elapsed: Duration,
+    /// What the rank recorded in its error file, if it failed and wrote one.
+    pub error: Option<error_file::RankError>,
 }
 
 #[derive(Clone, Debug)]
 pub struct Outcome {
     pub ranks: Vec<RankReport>,
-    /// The first rank to fail, if any.
+    /// The rank whose failure brought the job down (see the module docs), if any.
     pub first_failure: Option<usize>,
     /// A signal the launcher received and forwarded.
     pub interrupted_by: Option<i32>,
@@ -107,20 +118,22 @@ impl Outcome {
             RankEnd::Signalled(sig) => format!("was killed by signal {sig} ({})", signal_name(*sig)),
             RankEnd::Stopped => "was stopped by the launcher".to_string(),
         };
+        let error_of = |r: &RankReport| r.error.as_ref().map(|e| format!(": {}", e.first_line())).unwrap_or_default();
         if let Some(f) = self.first_failure {
             let r = self.ranks.iter().find(|r| r.rank == f).expect("reported");
             s.push_str(&format!(
-                "kolo launch: job failed: rank {} (pid {}) {} after {:.1}s\n",
+                "kolo launch: job failed: rank {} (pid {}) {} after {:.1}s{}\n",
                 r.rank,
                 r.pid,
                 describe(r),
-                r.elapsed.as_secs_f64()
+                r.elapsed.as_secs_f64(),
+                error_of(r)
             ));
         } else if let Some(sig) = self.interrupted_by {
             s.push_str(&format!("kolo launch: interrupted by signal {sig} ({}); stopped all ranks\n", signal_name(sig)));
         }
         for r in &self.ranks {
-            s.push_str(&format!("  rank {:>3} pid {:>7}: {}\n", r.rank, r.pid, describe(r)));
+            s.push_str(&format!("  rank {:>3} pid {:>7}: {}{}\n", r.rank, r.pid, describe(r), error_of(r)));
         }
         s
     }
@@ -202,6 +215,18 @@ fn end_of(status: ExitStatus) -> RankEnd {
     }
 }
 
+/// The rank that brought the job down, given the failed ranks in the order they were reaped:
+/// the first one that did not fail merely because it lost a peer that failed too. A rank that
+/// lost a peer which is still fine (or was only stopped by the launcher) counts as a cause.
+pub fn root_cause(failed_in_order: &[&RankReport]) -> Option<usize> {
+    let failed = |rank: usize| failed_in_order.iter().any(|r| r.rank == rank && r.end != RankEnd::Stopped);
+    failed_in_order
+        .iter()
+        .find(|r| !r.error.as_ref().and_then(|e| e.lost_rank).is_some_and(|lost| lost != r.rank && failed(lost)))
+        .or(failed_in_order.first())
+        .map(|r| r.rank)
+}
+
 /// Runs the job to completion.
 pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     if cfg.program.is_empty() {
@@ -230,6 +255,8 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     };
     let world = cfg.nproc_per_node * cfg.nnodes;
     install_handlers();
+    let errors = error_file::ErrorDir::create()
+        .map_err(|e| LaunchError::Config(format!("cannot create a directory for the ranks' error files: {e}")))?;
     let mut children: Vec<(usize, Child, Instant)> = Vec::new();
     let mut pumps = Vec::new();
     for local in 0..cfg.nproc_per_node {
@@ -244,6 +271,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
             .env("MASTER_ADDR", &cfg.master_addr)
             .env("MASTER_PORT", port.to_string())
             .env("KOLO_JOB_TOKEN", token.to_hex())
+            .env(error_file::ENV, errors.path_for(rank))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -285,7 +313,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     }
     drop(tx);
     let mut done: Vec<Option<RankReport>> = children.iter().map(|_| None).collect();
-    let mut first_failure = None;
+    let mut failed_in_order = Vec::new();
     let mut interrupted_by = None;
     let mut stop_at: Option<(Instant, i32)> = None; // when to send the next signal
     let mut stopping = false;
@@ -298,10 +326,13 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
                 end_of(status)
             };
             let failed = end != RankEnd::Exited(0);
-            done[i] = Some(RankReport { rank: *rank, pid: pids[i], end, elapsed: at.duration_since(*started) });
-            if failed && first_failure.is_none() && interrupted_by.is_none() {
-                first_failure = Some(*rank);
-                stop_at = Some((Instant::now() + cfg.grace, libc::SIGTERM));
+            let error = if failed { error_file::read(&errors.path_for(*rank)) } else { None };
+            done[i] = Some(RankReport { rank: *rank, pid: pids[i], end, elapsed: at.duration_since(*started), error });
+            if failed {
+                failed_in_order.push(i);
+                if stop_at.is_none() && interrupted_by.is_none() {
+                    stop_at = Some((Instant::now() + cfg.grace, libc::SIGTERM));
+                }
             }
             continue;
         }
@@ -323,6 +354,41 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     for p in pumps {
         let _ = p.join();
     }
-    let ranks = done.into_iter().map(|d| d.expect("all done")).collect();
+    let ranks: Vec<RankReport> = done.into_iter().map(|d| d.expect("all done")).collect();
+    let first_failure = if interrupted_by.is_some() {
+        None
+    } else {
+        let order: Vec<&RankReport> = failed_in_order.iter().map(|&i| &ranks[i]).collect();
+        root_cause(&order)
+    };
     Ok(Outcome { ranks, first_failure, interrupted_by })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(rank: usize, end: RankEnd, lost_rank: Option<usize>) -> RankReport {
+        let error = lost_rank.map(|l| error_file::RankError { lost_rank: Some(l), message: format!("lost rank {l}") });
+        RankReport { rank, pid: 100 + rank as u32, end, elapsed: Duration::ZERO, error }
+    }
+
+    #[test]
+    fn root_cause_skips_survivors_that_only_lost_a_failed_peer() {
+        let r2 = report(2, RankEnd::Exited(1), Some(1));
+        let r1 = report(1, RankEnd::Exited(3), None);
+        let r0 = report(0, RankEnd::Exited(1), Some(1));
+        assert_eq!(root_cause(&[&r2, &r1, &r0]), Some(1));
+        assert_eq!(root_cause(&[&r1, &r2, &r0]), Some(1));
+        // A lost peer that was merely stopped by the launcher (hung, say) does not take the blame.
+        let s1 = report(1, RankEnd::Stopped, None);
+        assert_eq!(root_cause(&[&r2, &r0, &s1]), Some(2));
+        // Everyone blames someone else: fall back to the first reaped.
+        let a = report(0, RankEnd::Exited(1), Some(1));
+        let b = report(1, RankEnd::Exited(1), Some(0));
+        assert_eq!(root_cause(&[&b, &a]), Some(1));
+        assert_eq!(root_cause(&[]), None);
+        let k = report(3, RankEnd::Signalled(9), None);
+        assert_eq!(root_cause(&[&r2, &k]), Some(2), "rank 2 lost rank 1, which did not fail");
+    }
 }

@@ -105,6 +105,17 @@ fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
     Ok(out.exit_code())
 }
 
+/// The peer whose loss made this run fail, if that is what happened (for the launcher's summary).
+fn lost_peer(e: &anyhow::Error) -> Option<usize> {
+    e.chain().find_map(|c| {
+        let comm = c.downcast_ref::<kolo_comm::CommError>().or_else(|| match c.downcast_ref::<kolo_train::TrainError>() {
+            Some(kolo_train::TrainError::Comm(e)) => Some(e),
+            _ => None,
+        });
+        comm.and_then(|e| e.lost_peer()).map(|r| r.get())
+    })
+}
+
 fn main() {
     keep_freed_memory();
     tracing_subscriber::fmt()
@@ -122,6 +133,7 @@ fn main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("error: {e:#}");
+            kolo_launch::error_file::record(&format!("{e:#}"), lost_peer(&e));
             std::process::exit(1);
         }
     }

@@ -47,8 +47,8 @@ pub fn run(a: SelftestArgs) -> anyhow::Result<i32> {
         }
         buf.iter_mut().enumerate().for_each(|(i, x)| *x = (i % 5 + me) as f32);
         if let Err(e) = comm.all_reduce(BufMut::from(&mut buf), ReduceOp::Sum) {
-            eprintln!("selftest: rank {me} failed after {:.2}s: {e}", t0.elapsed().as_secs_f64());
-            return Ok(1);
+            let after = t0.elapsed().as_secs_f64();
+            return Err(anyhow::Error::new(e).context(format!("selftest: rank {me} failed after {after:.2}s")));
         }
         let want = |i: usize| (n * (i % 5) + n * (n - 1) / 2) as f32;
         if let Some(i) = (0..a.count).find(|i| buf[*i] != want(*i)) {
