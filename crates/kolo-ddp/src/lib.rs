@@ -10,12 +10,21 @@
 //! 4. [`Ddp::finish`] waits for the buckets and writes the averaged gradients into the flat
 //!    gradient buffer; its [`SyncStats`] tell how much of the communication was hidden.
 //!
+//! ZeRO (stages 1 and 2, [`Sharding`]): each rank owns one piece of every bucket ([`ShardPlan`])
+//! and keeps optimizer state only for it. Stage 1 all-reduces gradients as DDP does and each rank
+//! updates its piece; stage 2 reduce-scatters each bucket during backward, so a rank only ever
+//! receives its own piece of the averaged gradients. After the update,
+//! [`Ddp::all_gather_params`] brings every rank's updated piece to everyone.
+//!
 //! Gradient accumulation: for micro-steps that should not communicate, run backward without the
 //! hook and add the gradients with [`Ddp::accumulate`]; the next hooked backward folds them in.
 //! The crate knows no tensor library: it sees flat `f32` buffers only.
 
+pub mod shard;
+pub use shard::{Segment, ShardPlan};
+
 use kolo_base::{ByteSize, Deadline, GradSink, Rank};
-use kolo_comm::{AsyncComm, BufMut, CommError, Communicator, OpKind, Pending, ReduceOp};
+use kolo_comm::{AsyncComm, BufMut, BufRef, CommError, Communicator, OpKind, Pending, ReduceOp};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -42,11 +51,44 @@ pub struct DdpConfig {
     pub first_bucket_cap: ByteSize,
     /// Deadline for waiting on the buckets after backward.
     pub timeout: Duration,
+    /// Plain DDP or a ZeRO stage.
+    pub sharding: Sharding,
+}
+
+/// What is sharded across the data-parallel ranks (DeepSpeed's `zero_stage`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sharding {
+    /// Plain DDP: every rank holds everything; gradients are all-reduced.
+    #[default]
+    None,
+    /// ZeRO-1: optimizer state sharded; gradients all-reduced, each rank updates its piece.
+    OptimizerState,
+    /// ZeRO-2: optimizer state and gradients sharded; buckets are reduce-scattered.
+    Gradients,
+}
+
+impl Sharding {
+    pub fn from_stage(stage: u8) -> Option<Sharding> {
+        match stage {
+            0 => Some(Sharding::None),
+            1 => Some(Sharding::OptimizerState),
+            2 => Some(Sharding::Gradients),
+            _ => None,
+        }
+    }
+
+    pub fn stage(self) -> u8 {
+        match self {
+            Sharding::None => 0,
+            Sharding::OptimizerState => 1,
+            Sharding::Gradients => 2,
+        }
+    }
 }
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT }
+        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT, sharding: Sharding::None }
     }
 }
 
@@ -101,7 +143,9 @@ impl SyncStats {
     }
 }
 
-type Timed = (Vec<f32>, Instant, Instant);
+/// A bucket buffer back from the communication thread, with this rank's reduced piece when
+/// the bucket was reduce-scattered, and when the collective started and ended.
+type Timed = (Vec<f32>, Option<Vec<f32>>, Instant, Instant);
 
 struct Inner {
     /// Reusable bucket buffers (taken while in flight).
@@ -120,6 +164,9 @@ struct Shared {
     /// For parameter i: (bucket, offset inside the bucket).
     slot: Vec<(usize, usize)>,
     ranges: Vec<Range<usize>>,
+    /// This rank's pieces of the buckets (used when sharding).
+    shard: ShardPlan,
+    reduce_scatter: bool,
     inner: Mutex<Inner>,
 }
 
@@ -192,12 +239,72 @@ impl Ddp {
             seen: vec![false; numels.len()],
             backward_started: None,
         };
-        let shared = Arc::new(Shared { comm: AsyncComm::new(comm), plan, slot, ranges, inner: Mutex::new(inner) });
+        let shard = ShardPlan::new(&numels, &plan, comm.world_size(), rank);
+        let reduce_scatter = cfg.sharding == Sharding::Gradients;
+        let shared = Arc::new(Shared { comm: AsyncComm::new(comm), plan, slot, ranges, shard, reduce_scatter, inner: Mutex::new(inner) });
         Ok(Ddp { shared, names: signature.iter().map(|(n, _)| n.clone()).collect(), cfg, rank })
     }
 
     pub fn plan(&self) -> &[Bucket] {
         &self.shared.plan
+    }
+
+    /// This rank's shard (meaningful for every [`Sharding`]; used by ZeRO).
+    pub fn shard_plan(&self) -> &ShardPlan {
+        &self.shared.shard
+    }
+
+    /// Every parameter's range in the flat layout.
+    pub fn ranges(&self) -> &[Range<usize>] {
+        &self.shared.ranges
+    }
+
+    pub fn sharding(&self) -> Sharding {
+        self.cfg.sharding
+    }
+
+    /// Length of the gradient buffer [`Ddp::finish`] fills: the whole model, or this rank's
+    /// shard under ZeRO-2.
+    pub fn grad_len(&self) -> usize {
+        if self.shared.reduce_scatter {
+            self.shared.shard.len
+        } else {
+            self.shared.ranges.last().map_or(0, |r| r.end)
+        }
+    }
+
+    /// Collective (ZeRO): every rank contributes its updated `shard` (its shard-vector layout)
+    /// and receives everyone's, written into the full flat parameter vector `flat`. Buckets are
+    /// gathered one after another on the communication thread while earlier ones are copied out.
+    pub fn all_gather_params(&self, shard: &[f32], flat: &mut [f32]) -> Result<(), DdpError> {
+        let sh = &self.shared;
+        if shard.len() != sh.shard.len {
+            return Err(DdpError::Usage { rank: self.rank, what: format!("all_gather_params: shard has {} values, the plan {}", shard.len(), sh.shard.len) });
+        }
+        let d = Deadline::after(self.cfg.timeout);
+        let pend: Vec<Pending<Vec<f32>>> = sh
+            .shard
+            .pieces
+            .iter()
+            .map(|piece| {
+                let mine = shard[piece.shard_offset..piece.shard_offset + piece.in_bucket.len()].to_vec();
+                let numel = sh.plan[piece.bucket].numel;
+                sh.comm.submit(OpKind::AllGather, move |c| {
+                    let mut out = vec![0f32; numel];
+                    c.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut out))?;
+                    Ok(out)
+                })
+            })
+            .collect();
+        for (b, p) in pend.into_iter().enumerate() {
+            let buf = p.wait(d)?;
+            for &pi in &sh.plan[b].params {
+                let (_, off) = sh.slot[pi];
+                let r = sh.ranges[pi].clone();
+                flat[r.clone()].copy_from_slice(&buf[off..off + r.len()]);
+            }
+        }
+        Ok(())
     }
 
     pub fn comm(&self) -> &Arc<dyn Communicator> {
@@ -241,8 +348,12 @@ impl Ddp {
         self.shared.lock().backward_started = Some(Instant::now());
     }
 
-    /// Waits for every bucket and writes the averaged gradients into `grads` (flat layout).
+    /// Waits for every bucket and writes the averaged gradients into `grads`: the flat layout
+    /// of the whole model, or under ZeRO-2 this rank's shard vector ([`Ddp::grad_len`]).
     pub fn finish(&self, grads: &mut [f32]) -> Result<SyncStats, DdpError> {
+        if grads.len() != self.grad_len() {
+            return Err(DdpError::Usage { rank: self.rank, what: format!("finish: gradient buffer has {} values, expected {}", grads.len(), self.grad_len()) });
+        }
         let backward_end = Instant::now();
         let (pendings, started) = {
             let mut inner = self.shared.lock();
@@ -267,11 +378,16 @@ impl Ddp {
         let mut stats = SyncStats::default();
         for (b, p) in pendings.into_iter().enumerate() {
             let p = p.ok_or_else(|| DdpError::Usage { rank: self.rank, what: format!("bucket {b} was never submitted") })?;
-            let (buf, s, e) = p.wait(d)?;
-            for &pi in &self.shared.plan[b].params {
-                let (_, off) = self.shared.slot[pi];
-                let r = self.shared.ranges[pi].clone();
-                grads[r.clone()].copy_from_slice(&buf[off..off + r.len()]);
+            let (buf, piece, s, e) = p.wait(d)?;
+            if let Some(piece) = piece {
+                let at = self.shared.shard.pieces[b].shard_offset;
+                grads[at..at + piece.len()].copy_from_slice(&piece);
+            } else {
+                for &pi in &self.shared.plan[b].params {
+                    let (_, off) = self.shared.slot[pi];
+                    let r = self.shared.ranges[pi].clone();
+                    grads[r.clone()].copy_from_slice(&buf[off..off + r.len()]);
+                }
             }
             stats.comm += e.duration_since(s);
             let hidden_end = e.min(backward_end);
@@ -311,12 +427,22 @@ impl GradSink for Shared {
         }
         if remaining[b] == 0 {
             let buf = buffers[b].take().expect("checked above");
-            inflight[b] = Some(self.comm.submit(OpKind::AllReduce, move |c| {
-                let s = Instant::now();
-                let mut buf = buf;
-                c.all_reduce(BufMut::from(&mut buf), ReduceOp::Avg)?;
-                Ok((buf, s, Instant::now()))
-            }));
+            inflight[b] = Some(if self.reduce_scatter {
+                let piece_len = self.shard.pieces[b].in_bucket.len();
+                self.comm.submit(OpKind::ReduceScatter, move |c| {
+                    let s = Instant::now();
+                    let mut piece = vec![0f32; piece_len];
+                    c.reduce_scatter(BufRef::from(&buf[..]), BufMut::from(&mut piece), ReduceOp::Avg)?;
+                    Ok((buf, Some(piece), s, Instant::now()))
+                })
+            } else {
+                self.comm.submit(OpKind::AllReduce, move |c| {
+                    let s = Instant::now();
+                    let mut buf = buf;
+                    c.all_reduce(BufMut::from(&mut buf), ReduceOp::Avg)?;
+                    Ok((buf, None, s, Instant::now()))
+                })
+            });
         }
     }
 }
