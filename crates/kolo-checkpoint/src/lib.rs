@@ -5,6 +5,9 @@
 //!   is verified on load, so a truncated or bit-flipped file is an error, not silent garbage.
 //! * any caller metadata (step, RNG state, data position, model spec, …).
 //!
+//! Training checkpoints are directories of such files, one per rank, with a manifest that lets
+//! them reload at any world size ([`sharded`]).
+//!
 //! Writes are atomic: a temporary file in the same directory is written and fsynced, renamed
 //! over the target, and the directory is fsynced. A crash leaves either the old or the new file.
 
@@ -14,6 +17,9 @@ use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+
+pub mod sharded;
+pub use sharded::{load_any, Piece};
 
 pub const CHECKSUM_KEY: &str = "kolo.sha256";
 
@@ -119,6 +125,11 @@ pub fn save(path: &Path, ckpt: &Checkpoint) -> Result<(), CheckpointError> {
 
 /// Reads and verifies a checkpoint written by [`save`].
 pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
+    load_verified(path).map(|(c, _)| c)
+}
+
+/// [`load`], also returning the verified checksum.
+pub(crate) fn load_verified(path: &Path) -> Result<(Checkpoint, String), CheckpointError> {
     let blob = std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_path_buf(), source })?;
     let corrupt = |what: String| CheckpointError::Corrupt { path: path.to_path_buf(), what };
     let st = SafeTensors::deserialize(&blob).map_err(|e| corrupt(format!("not a readable safetensors file: {e}")))?;
@@ -145,8 +156,8 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
         .collect();
     entries.sort_by(|a, b| a.name.cmp(&b.name));
     let mut meta = meta;
-    meta.remove(CHECKSUM_KEY);
-    Ok(Checkpoint { tensors: entries, meta })
+    let sum = meta.remove(CHECKSUM_KEY).unwrap_or_default();
+    Ok((Checkpoint { tensors: entries, meta }, sum))
 }
 
 #[cfg(test)]
