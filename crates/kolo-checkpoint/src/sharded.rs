@@ -128,8 +128,11 @@ fn parse_shape(s: &str) -> Option<Vec<usize>> {
     s.split('x').map(|d| d.parse().ok()).collect()
 }
 
-/// A shard file's header: `(key, length)` of each tensor, its metadata.
-fn read_header(path: &Path) -> Result<(Vec<(String, usize)>, BTreeMap<String, String>), CheckpointError> {
+/// `(key, length)` of each tensor in a shard file, and the file's metadata.
+type Header = (Vec<(String, usize)>, BTreeMap<String, String>);
+
+/// Reads only a shard file's header.
+fn read_header(path: &Path) -> Result<Header, CheckpointError> {
     let corrupt = |what: String| CheckpointError::Corrupt { path: path.to_path_buf(), what };
     let mut f = std::fs::File::open(path).map_err(io_err(path))?;
     let mut n = [0u8; 8];

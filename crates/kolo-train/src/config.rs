@@ -228,11 +228,14 @@ pub struct DdpConfig {
     /// Benchmarks only: never all-reduce gradients (each rank trains on its own), to measure
     /// the step time without communication (torch's `no_sync` on every step). Default false.
     pub skip_sync: bool,
+    /// ZeRO stage (DeepSpeed's `zero_stage`): 0 = plain DDP; 1 = optimizer state sharded
+    /// across ranks; 2 = gradients sharded too (reduce-scattered during backward). Default 0.
+    pub zero_stage: u8,
 }
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false }
+        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0 }
     }
 }
 
@@ -297,11 +300,21 @@ impl Config {
         }
         self.bucket_cap()?;
         self.first_bucket_cap()?;
+        if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
+            return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
+        }
         Ok(())
     }
 
     pub fn bucket_cap(&self) -> Result<ByteSize, String> {
         self.ddp.bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.bucket_cap: {e}"))
+    }
+
+    pub fn sharding(&self) -> Result<kolo_ddp::Sharding, String> {
+        match self.ddp.zero_stage {
+            3 => Err("ddp.zero_stage = 3 (sharded parameters) is not implemented yet; use 0, 1 or 2".into()),
+            s => kolo_ddp::Sharding::from_stage(s).ok_or_else(|| format!("ddp.zero_stage must be 0, 1 or 2, not {s}")),
+        }
     }
 
     pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {

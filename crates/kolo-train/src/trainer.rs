@@ -7,9 +7,9 @@ use crate::data::{text_split, CharVocab, Dataset, Mnist, Synthetic, BUILTIN_TEXT
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::TrainError;
 use kolo_base::Rng;
-use kolo_checkpoint::{Checkpoint, Entry};
+use kolo_checkpoint::Piece;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
-use kolo_ddp::{Ddp, DdpConfig};
+use kolo_ddp::{Ddp, DdpConfig, ShardPlan, Sharding};
 use kolo_optim::{clip_by_global_norm, lr_at, scaled_lr, sum_of_squares, Optimizer};
 use kolo_tensor::ops::{argmax_rows, softmax_last};
 use kolo_tensor::{build_model, Batch, HookedView, Input, Model, ModelSpec, PlainView};
@@ -129,36 +129,89 @@ fn spec_string(spec: &ModelSpec) -> String {
     format!("{spec:?}")
 }
 
-/// Newest `step-*.safetensors` in a directory, or the path itself.
+/// The newest checkpoint in a directory of them (`step-*` directories with a manifest, or
+/// older single-file `step-*.safetensors`), or the path itself when it is one checkpoint.
 fn resolve_checkpoint(p: &Path) -> Result<PathBuf, TrainError> {
-    if !p.is_dir() {
+    if !p.is_dir() || p.join(kolo_checkpoint::sharded::MANIFEST).exists() {
         return Ok(p.to_path_buf());
     }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(p)
+    let step_of = |f: &Path| -> Option<u64> {
+        let name = f.file_name()?.to_string_lossy().into_owned();
+        let num = name.strip_prefix("step-")?;
+        let num = num.strip_suffix(".safetensors").unwrap_or(num);
+        let complete = f.join(kolo_checkpoint::sharded::MANIFEST).is_file() || (f.is_file() && name.ends_with(".safetensors"));
+        complete.then(|| num.parse().ok()).flatten()
+    };
+    std::fs::read_dir(p)
         .map_err(|e| TrainError::Data(format!("{}: {e}", p.display())))?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|f| f.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-") && n.to_string_lossy().ends_with(".safetensors")))
-        .collect();
-    files.sort();
-    files.pop().ok_or_else(|| TrainError::Data(format!("no checkpoint (step-*.safetensors) in {}", p.display())))
+        .filter_map(|f| step_of(&f).map(|s| (s, f)))
+        .max()
+        .map(|(_, f)| f)
+        .ok_or_else(|| TrainError::Data(format!("no complete checkpoint (step-*) in {}", p.display())))
 }
 
-fn save_checkpoint(dir: &Path, step: u64, model: &dyn Model, flat: &[f32], opt: &Optimizer, pos: Position, meta_base: &BTreeMap<String, String>) -> Result<PathBuf, TrainError> {
-    let mut tensors = Vec::new();
-    for p in model.params().iter() {
-        tensors.push(Entry { name: format!("model.{}", p.name), shape: p.shape.clone(), data: flat[p.range.clone()].to_vec() });
-        for (state, buf) in opt.state() {
-            tensors.push(Entry { name: format!("optim.{state}.{}", p.name), shape: p.shape.clone(), data: buf[p.range.clone()].to_vec() });
+/// Collective: every rank writes its pieces (the whole model from rank 0 for plain DDP, each
+/// rank's shard under ZeRO), then rank 0 commits the checkpoint directory.
+#[allow(clippy::too_many_arguments)]
+fn save_checkpoint(
+    dir: &Path,
+    step: u64,
+    model: &dyn Model,
+    flat: &[f32],
+    opt: &Optimizer,
+    zero: Option<&ShardPlan>,
+    comm: &dyn Communicator,
+    pos: Position,
+    meta_base: &BTreeMap<String, String>,
+) -> Result<PathBuf, TrainError> {
+    let (rank, world) = (comm.rank().get(), comm.world_size().get());
+    let target = dir.join(format!("step-{step:08}"));
+    if rank == 0 {
+        std::fs::create_dir_all(dir).map_err(|source| kolo_checkpoint::CheckpointError::Io { path: dir.to_path_buf(), source })?;
+        kolo_checkpoint::sharded::begin(&target)?;
+    }
+    comm.barrier()?;
+    let params: Vec<_> = model.params().iter().collect();
+    let mut pieces = Vec::new();
+    match zero {
+        None if rank == 0 => {
+            for p in &params {
+                pieces.push(Piece { name: format!("model.{}", p.name), shape: p.shape.clone(), offset: 0, data: flat[p.range.clone()].to_vec() });
+                for (state, buf) in opt.state() {
+                    pieces.push(Piece { name: format!("optim.{state}.{}", p.name), shape: p.shape.clone(), offset: 0, data: buf[p.range.clone()].to_vec() });
+                }
+            }
+        }
+        None => {}
+        Some(plan) => {
+            for seg in &plan.segments {
+                let p = &params[seg.param];
+                let at = p.range.start + seg.within.start;
+                pieces.push(Piece { name: format!("model.{}", p.name), shape: p.shape.clone(), offset: seg.within.start, data: flat[at..at + seg.within.len()].to_vec() });
+                for (state, buf) in opt.state() {
+                    let data = buf[seg.shard_offset..seg.shard_offset + seg.within.len()].to_vec();
+                    pieces.push(Piece { name: format!("optim.{state}.{}", p.name), shape: p.shape.clone(), offset: seg.within.start, data });
+                }
+            }
         }
     }
-    let mut meta = meta_base.clone();
-    meta.insert("kolo.step".into(), step.to_string());
-    meta.insert("kolo.optimizer_steps".into(), opt.steps().to_string());
-    meta.insert("kolo.data_epoch".into(), pos.epoch.to_string());
-    meta.insert("kolo.data_batch".into(), pos.batch.to_string());
-    let path = dir.join(format!("step-{step:08}.safetensors"));
-    kolo_checkpoint::save(&path, &Checkpoint { tensors, meta })?;
-    Ok(path)
+    if !pieces.is_empty() {
+        let writers = if zero.is_some() { world } else { 1 };
+        kolo_checkpoint::sharded::write_shard(&target, rank, writers, &pieces)?;
+    }
+    // Commit only once every rank's shard is on disk; nobody runs ahead before the commit.
+    comm.barrier()?;
+    if rank == 0 {
+        let mut meta = meta_base.clone();
+        meta.insert("kolo.step".into(), step.to_string());
+        meta.insert("kolo.optimizer_steps".into(), opt.steps().to_string());
+        meta.insert("kolo.data_epoch".into(), pos.epoch.to_string());
+        meta.insert("kolo.data_batch".into(), pos.batch.to_string());
+        kolo_checkpoint::sharded::commit(&target, &meta)?;
+    }
+    comm.barrier()?;
+    Ok(target)
 }
 
 struct Resumed {
@@ -166,8 +219,19 @@ struct Resumed {
     pos: Position,
 }
 
-fn load_checkpoint(path: &Path, model: &dyn Model, flat: &mut [f32], opt: &mut Optimizer, meta_base: &BTreeMap<String, String>) -> Result<Resumed, TrainError> {
-    let ck = kolo_checkpoint::load(path)?;
+/// Loads a checkpoint written at any world size and ZeRO stage: whole tensors are assembled,
+/// then this rank takes the parameters (all of them) and its optimizer state (all of it, or its
+/// shard under ZeRO).
+fn load_checkpoint(
+    path: &Path,
+    model: &dyn Model,
+    flat: &mut [f32],
+    opt: &mut Optimizer,
+    zero: Option<&ShardPlan>,
+    ranges: &[std::ops::Range<usize>],
+    meta_base: &BTreeMap<String, String>,
+) -> Result<Resumed, TrainError> {
+    let ck = kolo_checkpoint::load_any(path)?;
     let incompatible = |what: String| TrainError::Checkpoint(kolo_checkpoint::CheckpointError::Incompatible { path: path.to_path_buf(), what });
     for key in ["kolo.model", "kolo.optimizer"] {
         let theirs = ck.meta(path, key)?;
@@ -188,8 +252,22 @@ fn load_checkpoint(path: &Path, model: &dyn Model, flat: &mut [f32], opt: &mut O
             buf[p.range.clone()].copy_from_slice(&e.data);
         }
     }
+    if let Some(plan) = zero {
+        for (_, buf) in states.iter_mut() {
+            let mut mine = vec![0f32; plan.len];
+            plan.gather(ranges, buf, &mut mine);
+            *buf = mine;
+        }
+    }
     opt.load_state(num("kolo.optimizer_steps")?, &states).map_err(incompatible)?;
-    Ok(Resumed { step: num("kolo.step")?, pos: Position { epoch: num("kolo.data_epoch")?, batch: num("kolo.data_batch")? } })
+    let mut pos = Position { epoch: num("kolo.data_epoch")?, batch: num("kolo.data_batch")? };
+    // At another world size or batch size, continue after the same number of examples of the epoch.
+    let (w0, b0) = (num("kolo.world_size")?, num("kolo.batch_size")?);
+    let (w1, b1): (u64, u64) = (meta_base["kolo.world_size"].parse().unwrap_or(w0), meta_base["kolo.batch_size"].parse().unwrap_or(b0));
+    if (w0, b0) != (w1, b1) {
+        pos.batch = pos.batch * w0 * b0 / (w1 * b1).max(1);
+    }
+    Ok(Resumed { step: num("kolo.step")?, pos })
 }
 
 /// Loss (mean per example) and accuracy over this rank's share of the evaluation set, combined
@@ -259,10 +337,14 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let data = load_data(cfg, rank, &say)?;
     let spec = cfg.model_spec(data.vocab_size);
     let model = build_model(&spec, tc.seed)?;
-    let ddp = Ddp::new(comm.clone(), &model.params().signature(), DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout })?;
+    let sharding = cfg.sharding().map_err(TrainError::Config)?;
+    let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding };
+    let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
     let mut flat = model.params().to_flat()?;
     ddp.broadcast_params(&mut flat)?;
-    let mut opt = Optimizer::new(cfg.optimizer(), flat.len());
+    // Under ZeRO the optimizer (and its state) covers this rank's shard only.
+    let zero: Option<ShardPlan> = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
+    let mut opt = Optimizer::new(cfg.optimizer(), zero.as_ref().map_or(flat.len(), |z| z.len));
     let global_batch = cfg.data.batch_size * world * tc.grad_accum as usize;
     let base_lr = match cfg.optim.reference_batch {
         Some(r) => scaled_lr(cfg.optim.lr, global_batch, r),
@@ -274,13 +356,14 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     meta.insert("kolo.world_size".to_string(), world.to_string());
     meta.insert("kolo.batch_size".to_string(), cfg.data.batch_size.to_string());
     meta.insert("kolo.seed".to_string(), tc.seed.to_string());
+    meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
 
     // Resume: every rank reads the same file, so every rank continues identically.
     let mut start = 0;
     let mut pos = Position::default();
     if let Some(p) = &opts.resume {
         let path = resolve_checkpoint(p)?;
-        let r = load_checkpoint(&path, &*model, &mut flat, &mut opt, &meta)?;
+        let r = load_checkpoint(&path, &*model, &mut flat, &mut opt, zero.as_ref(), ddp.ranges(), &meta)?;
         start = r.step;
         pos = r.pos;
         say(&format!("resumed from {} at step {start}", path.display()));
@@ -296,12 +379,16 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     .map_err(TrainError::Data)?;
     let batches = prefetch(data.train.clone(), sampler, cfg.data.prefetch);
     say(&format!(
-        "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets, data: {}",
+        "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}",
         model.params().numel(),
         spec_string(&spec),
         cfg.data.batch_size,
         tc.grad_accum,
         ddp.plan().len(),
+        match &zero {
+            Some(z) => format!(", ZeRO-{} (optimizer state for {} of {} values on this rank)", sharding.stage(), z.len, flat.len()),
+            None => String::new(),
+        },
         data.train.describe()
     ));
 
@@ -327,7 +414,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         None => {}
     };
 
-    let mut grads = vec![0f32; flat.len()];
+    // The whole model's gradients, or this rank's shard of them under ZeRO-2.
+    let mut grads = vec![0f32; ddp.grad_len()];
+    let mut shard_grads = vec![0f32; if sharding == Sharding::OptimizerState { zero.as_ref().map_or(0, |z| z.len) } else { 0 }];
+    let mut shard_params = vec![0f32; zero.as_ref().map_or(0, |z| z.len)];
     let mut micro = vec![0f32; flat.len()];
     let hooked = HookedView { sink: ddp.sink() };
     let (mut step_ms, mut wait_ms, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
@@ -371,12 +461,33 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             wait_ms.push(stats.wait.as_secs_f64() * 1e3);
             hidden.push(stats.hidden_fraction());
         }
-        if let Some(max) = cfg.optim.clip_grad_norm {
-            // Gradients are identical on every rank after the all-reduce: the local norm is global.
-            let norm = sum_of_squares(&grads).sqrt();
-            clip_by_global_norm(&mut grads, norm, max);
+        match &zero {
+            None => {
+                if let Some(max) = cfg.optim.clip_grad_norm {
+                    // Gradients are identical on every rank after the all-reduce: the local norm is global.
+                    let norm = sum_of_squares(&grads).sqrt();
+                    clip_by_global_norm(&mut grads, norm, max);
+                }
+                opt.step(&mut flat, &grads, lr);
+            }
+            Some(plan) => {
+                // ZeRO: update this rank's piece, then everyone gathers everyone's pieces.
+                let g: &mut [f32] = if sharding == Sharding::Gradients {
+                    &mut grads // already this rank's shard
+                } else {
+                    plan.gather(ddp.ranges(), &grads, &mut shard_grads);
+                    &mut shard_grads
+                };
+                if let Some(max) = cfg.optim.clip_grad_norm {
+                    let mut sq = [sum_of_squares(g)];
+                    comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
+                    clip_by_global_norm(g, sq[0].sqrt(), max);
+                }
+                plan.gather(ddp.ranges(), &flat, &mut shard_params);
+                opt.step(&mut shard_params, g, lr);
+                ddp.all_gather_params(&shard_params, &mut flat)?;
+            }
         }
-        opt.step(&mut flat, &grads, lr);
         model.params().load(&flat)?;
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
 
@@ -416,13 +527,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
         if let Some(dir) = &tc.checkpoint_dir {
             if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0) || done == end {
-                if rank == 0 {
-                    let p = save_checkpoint(Path::new(dir), done, &*model, &flat, &opt, pos, &meta)?;
-                    log(&format!("step {done}: checkpoint {}", p.display()));
-                    checkpoint = Some(p);
-                }
-                // Nobody runs ahead (or exits) before the checkpoint is on disk.
-                comm.barrier()?;
+                let p = save_checkpoint(Path::new(dir), done, &*model, &flat, &opt, zero.as_ref(), &*comm, pos, &meta)?;
+                log(&format!("step {done}: checkpoint {}", p.display()));
+                checkpoint = Some(p);
             }
         }
     }

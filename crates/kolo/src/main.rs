@@ -40,6 +40,11 @@ enum Cmd {
     Launch(LaunchArgs),
     /// Train a model from a TOML config, alone or under `kolo launch` (DDP across ranks).
     Train(train::TrainArgs),
+    /// List a checkpoint's metadata, files, tensors, shapes and shards, and verify its checksums.
+    Inspect {
+        /// A checkpoint directory (or a single-file checkpoint).
+        checkpoint: PathBuf,
+    },
     /// Benchmarks (collectives like nccl-tests, loopback and memory limits).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -105,6 +110,12 @@ fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
     Ok(out.exit_code())
 }
 
+fn inspect(path: &std::path::Path) -> anyhow::Result<i32> {
+    let text = kolo_checkpoint::sharded::describe(path)?;
+    print!("{text}");
+    Ok(if text.contains("DOES NOT LOAD") { 1 } else { 0 })
+}
+
 /// The peer whose loss made this run fail, if that is what happened (for the launcher's summary).
 fn lost_peer(e: &anyhow::Error) -> Option<usize> {
     e.chain().find_map(|c| {
@@ -128,6 +139,7 @@ fn main() {
         Cmd::Train(t) => train::run(t),
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
+        Cmd::Inspect { checkpoint } => inspect(&checkpoint),
     };
     match r {
         Ok(code) => std::process::exit(code),

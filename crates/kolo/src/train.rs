@@ -10,9 +10,13 @@ pub struct TrainArgs {
     /// The TOML config (see examples/ and kolo-train's config docs).
     #[arg(long)]
     config: PathBuf,
-    /// Resume from a checkpoint file, or the newest checkpoint in a directory.
+    /// Resume from a checkpoint (written at any world size and ZeRO stage), or from the newest
+    /// complete checkpoint in a directory of them.
     #[arg(long)]
     resume: Option<PathBuf>,
+    /// Override ddp.zero_stage: 0 = DDP, 1 = optimizer state sharded, 2 = gradients too.
+    #[arg(long)]
+    zero_stage: Option<u8>,
     /// Override data.path.
     #[arg(long)]
     data: Option<String>,
@@ -33,6 +37,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     }
     if let Some(s) = a.steps {
         cfg.train.steps = s;
+    }
+    if let Some(z) = a.zero_stage {
+        cfg.ddp.zero_stage = z;
+        cfg.sharding().map_err(|e| anyhow::anyhow!("--zero-stage: {e}"))?;
     }
     // One deadline for setup and every collective: --timeout if given, else the config's.
     if let Some(t) = a.comm.timeout {
