@@ -147,7 +147,8 @@ impl ParamView for PlainView {
     }
 }
 
-/// Wraps every parameter in an identity op whose backward hands the gradient to `sink`.
+/// Wraps every parameter in an identity op whose backward hands the gradient to `sink` (and
+/// only to it: the GradStore that `backward` returns holds no parameter gradients).
 pub struct HookedView {
     pub sink: Arc<dyn GradSink>,
 }
@@ -179,7 +180,11 @@ impl CustomOp1 for GradHook {
             self.sink.grad_ready(self.idx, &s[start..start + layout.shape().elem_count()]);
         }
         drop(storage);
-        Ok(Some(g))
+        // The sink has the gradient. Returning none keeps candle from also accumulating it into
+        // the parameter's slot of the GradStore (a zeros + add of every parameter, and a copy
+        // of all gradients alive until backward ends): peak gradient memory stays at what
+        // backward has in flight.
+        Ok(None)
     }
 }
 

@@ -66,7 +66,10 @@ fn hooks_see_exactly_the_gradients_backward_computes() {
         let m = build_model(&spec, 0).unwrap();
         let sink = std::sync::Arc::new(Collect(Mutex::new(Vec::new())));
         let view = HookedView { sink: sink.clone() };
-        let grads = m.loss(&batch, &view).unwrap().backward().unwrap();
+        let hooked = m.loss(&batch, &view).unwrap().backward().unwrap();
+        // The hook is the only receiver: candle keeps no parameter gradient of its own.
+        assert!(m.params().iter().all(|p| hooked.get(p.var.as_tensor()).is_none()), "{spec:?}");
+        let grads = m.loss(&batch, &PlainView).unwrap().backward().unwrap();
         let mut flat = vec![0f32; m.params().numel()];
         m.params().grads_into(&grads, &mut flat).unwrap();
         let got = sink.0.lock().unwrap();
