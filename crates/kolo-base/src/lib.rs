@@ -6,6 +6,7 @@
 use std::fmt;
 use std::time::{Duration, Instant};
 
+pub mod alloc;
 mod bytesize;
 mod rng;
 pub use bytesize::{ByteSize, ParseByteSizeError};

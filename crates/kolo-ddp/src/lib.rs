@@ -232,7 +232,7 @@ impl Ddp {
             }
         }
         let inner = Inner {
-            buffers: plan.iter().map(|b| Some(vec![0f32; b.numel])).collect(),
+            buffers: plan.iter().map(|_| None).collect(),
             remaining: plan.iter().map(|b| b.params.len()).collect(),
             inflight: plan.iter().map(|_| None).collect(),
             accum: None,
@@ -274,12 +274,13 @@ impl Ddp {
     }
 
     /// Collective (ZeRO): every rank contributes its updated `shard` (its shard-vector layout)
-    /// and receives everyone's, written into the full flat parameter vector `flat`. Buckets are
-    /// gathered one after another on the communication thread while earlier ones are copied out.
-    pub fn all_gather_params(&self, shard: &[f32], flat: &mut [f32]) -> Result<(), DdpError> {
+    /// and receives everyone's: `write(i, values)` gets each parameter's complete new values.
+    /// Buckets are gathered one after another on the communication thread while earlier ones
+    /// are written out.
+    pub fn all_gather_params<E: From<DdpError>>(&self, shard: &[f32], mut write: impl FnMut(usize, &[f32]) -> Result<(), E>) -> Result<(), E> {
         let sh = &self.shared;
         if shard.len() != sh.shard.len {
-            return Err(DdpError::Usage { rank: self.rank, what: format!("all_gather_params: shard has {} values, the plan {}", shard.len(), sh.shard.len) });
+            return Err(DdpError::Usage { rank: self.rank, what: format!("all_gather_params: shard has {} values, the plan {}", shard.len(), sh.shard.len) }.into());
         }
         let d = Deadline::after(self.cfg.timeout);
         let pend: Vec<Pending<Vec<f32>>> = sh
@@ -296,12 +297,18 @@ impl Ddp {
                 })
             })
             .collect();
-        for (b, p) in pend.into_iter().enumerate() {
-            let buf = p.wait(d)?;
+        let mut pend = pend.into_iter();
+        for (b, p) in pend.by_ref().enumerate() {
+            let buf = p.wait(d).map_err(DdpError::from)?;
             for &pi in &sh.plan[b].params {
                 let (_, off) = sh.slot[pi];
-                let r = sh.ranges[pi].clone();
-                flat[r.clone()].copy_from_slice(&buf[off..off + r.len()]);
+                if let Err(e) = write(pi, &buf[off..off + sh.ranges[pi].len()]) {
+                    // The remaining gathers are in flight on every rank: finish them first.
+                    for p in pend {
+                        let _ = p.wait(d);
+                    }
+                    return Err(e);
+                }
             }
         }
         Ok(())
@@ -354,6 +361,44 @@ impl Ddp {
         if grads.len() != self.grad_len() {
             return Err(DdpError::Usage { rank: self.rank, what: format!("finish: gradient buffer has {} values, expected {}", grads.len(), self.grad_len()) });
         }
+        let (stats, done) = self.wait_buckets()?;
+        let mut keep = Vec::with_capacity(done.len());
+        for (b, (buf, piece)) in done.into_iter().enumerate() {
+            if let Some(piece) = piece {
+                // ZeRO-2: only this rank's piece stays; the bucket buffer is freed.
+                let at = self.shared.shard.pieces[b].shard_offset;
+                grads[at..at + piece.len()].copy_from_slice(&piece);
+            } else {
+                for &pi in &self.shared.plan[b].params {
+                    let (_, off) = self.shared.slot[pi];
+                    let r = self.shared.ranges[pi].clone();
+                    grads[r.clone()].copy_from_slice(&buf[off..off + r.len()]);
+                }
+                keep.push((b, buf));
+            }
+        }
+        let mut inner = self.shared.lock();
+        for (b, buf) in keep {
+            inner.buffers[b] = Some(buf);
+        }
+        Ok(stats)
+    }
+
+    /// Like [`Ddp::finish`] for all-reduced gradients (plain DDP, ZeRO-1), without copying
+    /// them out: the averaged gradients stay in the bucket buffers, read through the returned
+    /// [`BucketGrads`], which hands the buffers back when dropped.
+    pub fn finish_buckets(&self) -> Result<(SyncStats, BucketGrads<'_>), DdpError> {
+        if self.shared.reduce_scatter {
+            return Err(DdpError::Usage { rank: self.rank, what: "finish_buckets: under ZeRO-2 gradients are reduce-scattered; use finish".into() });
+        }
+        let (stats, done) = self.wait_buckets()?;
+        Ok((stats, BucketGrads { ddp: self, bufs: done.into_iter().map(|(b, _)| b).collect() }))
+    }
+
+    /// Waits for every bucket's collective: per bucket its buffer and, when reduce-scattered,
+    /// this rank's piece.
+    #[allow(clippy::type_complexity)]
+    fn wait_buckets(&self) -> Result<(SyncStats, Vec<(Vec<f32>, Option<Vec<f32>>)>), DdpError> {
         let backward_end = Instant::now();
         let (pendings, started) = {
             let mut inner = self.shared.lock();
@@ -372,35 +417,60 @@ impl Ddp {
             let pend: Vec<_> = inner.inflight.iter_mut().map(|p| p.take()).collect();
             inner.seen.iter_mut().for_each(|s| *s = false);
             inner.accum = None;
+            for (b, bucket) in self.shared.plan.iter().enumerate() {
+                inner.remaining[b] = bucket.params.len();
+            }
             (pend, inner.backward_started.take().unwrap_or(backward_end))
         };
         let d = Deadline::after(self.cfg.timeout);
         let mut stats = SyncStats::default();
+        let mut out = Vec::with_capacity(pendings.len());
         for (b, p) in pendings.into_iter().enumerate() {
             let p = p.ok_or_else(|| DdpError::Usage { rank: self.rank, what: format!("bucket {b} was never submitted") })?;
             let (buf, piece, s, e) = p.wait(d)?;
-            if let Some(piece) = piece {
-                let at = self.shared.shard.pieces[b].shard_offset;
-                grads[at..at + piece.len()].copy_from_slice(&piece);
-            } else {
-                for &pi in &self.shared.plan[b].params {
-                    let (_, off) = self.shared.slot[pi];
-                    let r = self.shared.ranges[pi].clone();
-                    grads[r.clone()].copy_from_slice(&buf[off..off + r.len()]);
-                }
-            }
             stats.comm += e.duration_since(s);
             let hidden_end = e.min(backward_end);
             if hidden_end > s.max(started) {
                 stats.hidden += hidden_end.duration_since(s.max(started));
             }
             stats.buckets.push((s, e));
-            let mut inner = self.shared.lock();
-            inner.buffers[b] = Some(buf);
-            inner.remaining[b] = self.shared.plan[b].params.len();
+            out.push((buf, piece));
         }
         stats.wait = backward_end.elapsed();
-        Ok(stats)
+        Ok((stats, out))
+    }
+}
+
+/// Averaged gradients left in the bucket buffers by [`Ddp::finish_buckets`].
+pub struct BucketGrads<'a> {
+    ddp: &'a Ddp,
+    bufs: Vec<Vec<f32>>,
+}
+
+impl BucketGrads<'_> {
+    /// Parameter `i`'s gradient.
+    pub fn param(&self, i: usize) -> &[f32] {
+        let (b, off) = self.ddp.shared.slot[i];
+        &self.bufs[b][off..off + self.ddp.shared.ranges[i].len()]
+    }
+
+    /// Sum of squares of all gradients (f64).
+    pub fn sum_of_squares(&self) -> f64 {
+        self.bufs.iter().flat_map(|b| b.iter()).map(|x| f64::from(*x) * f64::from(*x)).sum()
+    }
+
+    /// Multiplies every gradient by `f` (clipping).
+    pub fn scale(&mut self, f: f32) {
+        self.bufs.iter_mut().flat_map(|b| b.iter_mut()).for_each(|x| *x *= f);
+    }
+}
+
+impl Drop for BucketGrads<'_> {
+    fn drop(&mut self) {
+        let mut inner = self.ddp.shared.lock();
+        for (b, buf) in std::mem::take(&mut self.bufs).into_iter().enumerate() {
+            inner.buffers[b] = Some(buf);
+        }
     }
 }
 
@@ -416,6 +486,13 @@ impl GradSink for Shared {
         let (b, off) = self.slot[idx];
         let range = self.ranges[idx].clone();
         let Inner { buffers, accum, remaining, seen, inflight, .. } = &mut *inner;
+        if buffers[b].is_none() {
+            if inflight[b].is_some() {
+                return; // a second gradient for a parameter of a bucket already sent
+            }
+            // Allocated on first use: ZeRO-2 frees each bucket once it is reduce-scattered.
+            buffers[b] = Some(vec![0f32; self.plan[b].numel]);
+        }
         let Some(buf) = buffers[b].as_mut() else { return };
         let dst = &mut buf[off..off + grad.len()];
         match accum {

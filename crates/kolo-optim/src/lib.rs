@@ -73,11 +73,25 @@ impl Optimizer {
         Ok(())
     }
 
-    /// One update of `params` from `grads` with learning rate `lr`.
+    /// One update of all `params` from `grads` with learning rate `lr`.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32) {
-        assert_eq!(params.len(), grads.len(), "optimizer: params and grads differ in length");
+        self.begin_step();
+        self.update(0, params, grads, lr);
+    }
+
+    /// Starts a step that is then applied piece by piece with [`Optimizer::update`] (each
+    /// element exactly once per step), for parameters that are not one contiguous buffer.
+    pub fn begin_step(&mut self) {
         self.steps += 1;
-        let t = self.steps as i32;
+    }
+
+    /// Updates the elements `offset..offset + params.len()` of the optimizer's range as part of
+    /// the step begun by [`Optimizer::begin_step`].
+    pub fn update(&mut self, offset: usize, params: &mut [f32], grads: &[f32], lr: f32) {
+        assert_eq!(params.len(), grads.len(), "optimizer: params and grads differ in length");
+        let n = params.len();
+        let t = self.steps.max(1) as i32;
+        let mut state: Vec<&mut [f32]> = self.state.iter_mut().map(|v| &mut v[offset..offset + n]).collect();
         match self.spec {
             OptimizerSpec::Sgd { momentum, nesterov, weight_decay } => {
                 let first = t == 1;
@@ -87,8 +101,7 @@ impl Optimizer {
                     }
                     return;
                 }
-                let buf = &mut self.state[0];
-                for ((p, g), b) in params.iter_mut().zip(grads).zip(buf.iter_mut()) {
+                for ((p, g), b) in params.iter_mut().zip(grads).zip(state[0].iter_mut()) {
                     let d = g + weight_decay * *p;
                     *b = if first { d } else { momentum * *b + d };
                     let upd = if nesterov { d + momentum * *b } else { *b };
@@ -99,7 +112,7 @@ impl Optimizer {
                 let bc1 = 1.0 - beta1.powi(t);
                 let bc2_sqrt = (1.0 - beta2.powi(t)).sqrt();
                 let step_size = lr / bc1;
-                let (m, v) = self.state.split_at_mut(1);
+                let (m, v) = state.split_at_mut(1);
                 for (((p, g), m), v) in params.iter_mut().zip(grads).zip(m[0].iter_mut()).zip(v[0].iter_mut()) {
                     let g = if decoupled {
                         *p *= 1.0 - lr * weight_decay;
@@ -115,7 +128,7 @@ impl Optimizer {
             }
             OptimizerSpec::Adagrad { eps, weight_decay, lr_decay } => {
                 let clr = lr / (1.0 + (t - 1) as f32 * lr_decay);
-                for ((p, g), s) in params.iter_mut().zip(grads).zip(self.state[0].iter_mut()) {
+                for ((p, g), s) in params.iter_mut().zip(grads).zip(state[0].iter_mut()) {
                     let g = g + weight_decay * *p;
                     *s += g * g;
                     *p -= clr * g / (s.sqrt() + eps);
@@ -133,12 +146,21 @@ pub fn sum_of_squares(v: &[f32]) -> f64 {
 /// Scales `grads` so their global L2 norm is at most `max_norm`, given that norm. Returns the
 /// factor applied (1.0 when no clipping was needed).
 pub fn clip_by_global_norm(grads: &mut [f32], norm: f64, max_norm: f64) -> f32 {
-    if !(norm > max_norm) || norm == 0.0 {
-        return 1.0;
+    let f = clip_factor(norm, max_norm);
+    if f != 1.0 {
+        grads.iter_mut().for_each(|g| *g *= f);
     }
-    let f = (max_norm / (norm + 1e-6)) as f32;
-    grads.iter_mut().for_each(|g| *g *= f);
     f
+}
+
+/// The factor [`clip_by_global_norm`] scales by (torch's `max_norm / (norm + 1e-6)` when the
+/// norm exceeds `max_norm`, else 1).
+pub fn clip_factor(norm: f64, max_norm: f64) -> f32 {
+    if norm > max_norm && norm != 0.0 {
+        (max_norm / (norm + 1e-6)) as f32
+    } else {
+        1.0
+    }
 }
 
 #[cfg(test)]

@@ -38,22 +38,22 @@ pub fn copy_f32(t: &Tensor, out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
-/// Overwrites a contiguous f32 tensor's storage in place.
-struct Overwrite<'a>(&'a [f32]);
+/// Runs a closure on a contiguous f32 tensor's values, in place.
+struct InPlace<'a>(std::cell::RefCell<&'a mut dyn FnMut(&mut [f32])>);
 
-impl InplaceOp1 for Overwrite<'_> {
+impl InplaceOp1 for InPlace<'_> {
     fn name(&self) -> &'static str {
-        "kolo-overwrite"
+        "kolo-in-place"
     }
     fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
         let CpuStorage::F32(v) = storage else {
-            return Err(candle_core::Error::Msg("kolo-overwrite: not an f32 tensor".into()));
+            return Err(candle_core::Error::Msg("kolo-in-place: not an f32 tensor".into()));
         };
-        if !layout.is_contiguous() || layout.shape().elem_count() != self.0.len() {
-            return Err(candle_core::Error::Msg("kolo-overwrite: layout mismatch".into()));
+        if !layout.is_contiguous() {
+            return Err(candle_core::Error::Msg("kolo-in-place: parameter is not contiguous".into()));
         }
         let s = layout.start_offset();
-        v[s..s + self.0.len()].copy_from_slice(self.0);
+        (self.0.borrow_mut())(&mut v[s..s + layout.shape().elem_count()]);
         Ok(())
     }
 }
@@ -112,9 +112,26 @@ impl ParamSet {
         if flat.len() != self.numel {
             return Err(TensorError::Input(format!("load: {} values for {} parameters", flat.len(), self.numel)));
         }
-        for p in &self.params {
-            p.var.as_tensor().inplace_op1(&Overwrite(&flat[p.range.clone()]))?;
+        for i in 0..self.params.len() {
+            self.load_one(i, &flat[self.params[i].range.clone()])?;
         }
+        Ok(())
+    }
+
+    /// Overwrites parameter `i` in place.
+    pub fn load_one(&self, i: usize, values: &[f32]) -> Result<()> {
+        let p = &self.params[i];
+        if values.len() != p.range.len() {
+            return Err(TensorError::Input(format!("load: {} values for `{}` of {}", values.len(), p.name, p.range.len())));
+        }
+        self.update_one(i, &mut |v: &mut [f32]| v.copy_from_slice(values))
+    }
+
+    /// Runs `f` on parameter `i`'s values in place (an optimizer step straight on the model's
+    /// storage, without a flat copy).
+    pub fn update_one(&self, i: usize, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        let op = InPlace(std::cell::RefCell::new(f));
+        self.params[i].var.as_tensor().inplace_op1(&op)?;
         Ok(())
     }
 

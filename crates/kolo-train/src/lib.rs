@@ -7,7 +7,7 @@ pub mod sampler;
 pub mod trainer;
 
 pub use config::Config;
-pub use trainer::{run, Eval, RunOptions, Summary};
+pub use trainer::{peak_rss, run, Eval, HeapReport, RunOptions, StateBytes, Summary};
 
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]

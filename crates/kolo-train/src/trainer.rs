@@ -10,7 +10,7 @@ use kolo_base::Rng;
 use kolo_checkpoint::Piece;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{Ddp, DdpConfig, ShardPlan, Sharding};
-use kolo_optim::{clip_by_global_norm, lr_at, scaled_lr, sum_of_squares, Optimizer};
+use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Optimizer};
 use kolo_tensor::ops::{argmax_rows, softmax_last};
 use kolo_tensor::{build_model, Batch, HookedView, Input, Model, ModelSpec, PlainView};
 use std::collections::BTreeMap;
@@ -55,6 +55,49 @@ pub struct Summary {
     pub params: Vec<f32>,
     pub sample: Option<String>,
     pub checkpoint: Option<PathBuf>,
+    /// Bytes of model states this rank holds between steps.
+    pub states: StateBytes,
+    /// Peak resident memory of this process (VmHWM), bytes, where the OS reports it.
+    pub peak_rss: Option<u64>,
+    /// Live heap bytes measured by Kolo's counting allocator, when the binary installed it.
+    pub heap: Option<HeapReport>,
+}
+
+/// Live heap bytes at three points of a run (see `kolo_base::alloc`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeapReport {
+    /// After the data is loaded, before the model exists.
+    pub before_model: usize,
+    /// After the last step: what stays alive between steps (model states and caches).
+    pub between_steps: usize,
+    /// The high-water mark over the steps (states plus activations and other transients).
+    pub peak: usize,
+}
+
+/// Model states held by one rank between steps, by what they are (the ZeRO paper's split).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateBytes {
+    /// The model's parameters (f32).
+    pub params: u64,
+    /// Gradient buffers kept across steps: the DDP buckets (plain DDP, ZeRO-1), this rank's
+    /// gradient shard (ZeRO-2), the no-sync accumulator when accumulating.
+    pub grads: u64,
+    /// Optimizer state, plus under ZeRO this rank's master copy of its parameter shard.
+    pub optimizer: u64,
+}
+
+impl StateBytes {
+    pub fn total(&self) -> u64 {
+        self.params + self.grads + self.optimizer
+    }
+}
+
+/// Peak resident set size of this process (`VmHWM` in /proc/self/status), bytes.
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 struct Data {
@@ -152,13 +195,14 @@ fn resolve_checkpoint(p: &Path) -> Result<PathBuf, TrainError> {
 }
 
 /// Collective: every rank writes its pieces (the whole model from rank 0 for plain DDP, each
-/// rank's shard under ZeRO), then rank 0 commits the checkpoint directory.
+/// rank's shard under ZeRO), then rank 0 commits the checkpoint directory. `master` is this
+/// rank's shard of the parameters under ZeRO (unused otherwise).
 #[allow(clippy::too_many_arguments)]
 fn save_checkpoint(
     dir: &Path,
     step: u64,
     model: &dyn Model,
-    flat: &[f32],
+    master: &[f32],
     opt: &Optimizer,
     zero: Option<&ShardPlan>,
     comm: &dyn Communicator,
@@ -176,6 +220,7 @@ fn save_checkpoint(
     let mut pieces = Vec::new();
     match zero {
         None if rank == 0 => {
+            let flat = model.params().to_flat()?;
             for p in &params {
                 pieces.push(Piece { name: format!("model.{}", p.name), shape: p.shape.clone(), offset: 0, data: flat[p.range.clone()].to_vec() });
                 for (state, buf) in opt.state() {
@@ -187,8 +232,8 @@ fn save_checkpoint(
         Some(plan) => {
             for seg in &plan.segments {
                 let p = &params[seg.param];
-                let at = p.range.start + seg.within.start;
-                pieces.push(Piece { name: format!("model.{}", p.name), shape: p.shape.clone(), offset: seg.within.start, data: flat[at..at + seg.within.len()].to_vec() });
+                let at = seg.shard_offset;
+                pieces.push(Piece { name: format!("model.{}", p.name), shape: p.shape.clone(), offset: seg.within.start, data: master[at..at + seg.within.len()].to_vec() });
                 for (state, buf) in opt.state() {
                     let data = buf[seg.shard_offset..seg.shard_offset + seg.within.len()].to_vec();
                     pieces.push(Piece { name: format!("optim.{state}.{}", p.name), shape: p.shape.clone(), offset: seg.within.start, data });
@@ -335,11 +380,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
 
     // Data, model, DDP, optimizer.
     let data = load_data(cfg, rank, &say)?;
+    let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let spec = cfg.model_spec(data.vocab_size);
     let model = build_model(&spec, tc.seed)?;
     let sharding = cfg.sharding().map_err(TrainError::Config)?;
     let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding };
     let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
+    // `flat` is needed only until the model holds its starting values (broadcast, resume).
     let mut flat = model.params().to_flat()?;
     ddp.broadcast_params(&mut flat)?;
     // Under ZeRO the optimizer (and its state) covers this rank's shard only.
@@ -369,6 +416,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         say(&format!("resumed from {} at step {start}", path.display()));
     }
     model.params().load(&flat)?;
+    // ZeRO: this rank's master copy of its shard of the parameters.
+    let mut master = vec![0f32; zero.as_ref().map_or(0, |z| z.len)];
+    if let Some(z) = &zero {
+        z.gather(ddp.ranges(), &flat, &mut master);
+    }
+    let numel = flat.len();
+    drop(flat);
 
     // Synthetic data is already per rank (seeded by rank): it is not sharded again.
     let (s_world, s_rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
@@ -386,7 +440,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         tc.grad_accum,
         ddp.plan().len(),
         match &zero {
-            Some(z) => format!(", ZeRO-{} (optimizer state for {} of {} values on this rank)", sharding.stage(), z.len, flat.len()),
+            Some(z) => format!(", ZeRO-{} (optimizer state for {} of {numel} values on this rank)", sharding.stage(), z.len),
             None => String::new(),
         },
         data.train.describe()
@@ -414,11 +468,12 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         None => {}
     };
 
-    // The whole model's gradients, or this rank's shard of them under ZeRO-2.
-    let mut grads = vec![0f32; ddp.grad_len()];
-    let mut shard_grads = vec![0f32; if sharding == Sharding::OptimizerState { zero.as_ref().map_or(0, |z| z.len) } else { 0 }];
-    let mut shard_params = vec![0f32; zero.as_ref().map_or(0, |z| z.len)];
-    let mut micro = vec![0f32; flat.len()];
+    // Model states per rank: the parameters live in the model only (updated in place), the
+    // gradients in the DDP buckets (plain DDP, ZeRO-1) or this rank's shard of them (ZeRO-2),
+    // the optimizer state for the whole model or this rank's shard.
+    let mut shard_grads = vec![0f32; if sharding == Sharding::Gradients { ddp.grad_len() } else { 0 }];
+    // Local gradients of no-sync micro-steps, only when there are any.
+    let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync { vec![0f32; numel] } else { Vec::new() };
     let hooked = HookedView { sink: ddp.sink() };
     let (mut step_ms, mut wait_ms, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
     let mut last_loss = f64::NAN;
@@ -430,6 +485,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         _ => 1,
     };
     let mut window = Instant::now();
+    kolo_base::alloc::reset_peak();
+    let mut heap_after_steps = None;
     for step in start..end {
         let t0 = Instant::now();
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
@@ -452,44 +509,71 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 loss.backward().map_err(kolo_tensor::TensorError::from)?;
             }
         }
+        let params = model.params();
+        let ranges = ddp.ranges();
+        let clip = |norm: f64| cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(norm, max));
         if cfg.ddp.skip_sync {
             // Benchmark mode: the local gradients are used as they are.
-            ddp.take_accumulated(&mut grads);
+            ddp.take_accumulated(&mut micro);
+            let f = clip(sum_of_squares(&micro).sqrt());
+            micro.iter_mut().for_each(|g| *g *= f);
+            opt.begin_step();
+            for (i, r) in ranges.iter().enumerate() {
+                params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
+            }
         } else {
             // Host waits for the last buckets here; everything before overlapped with backward.
-            let stats = ddp.finish(&mut grads)?;
+            let stats = match (&zero, sharding) {
+                (None, _) => {
+                    let (stats, mut g) = ddp.finish_buckets()?;
+                    // Gradients are identical on every rank after the all-reduce: the local norm is global.
+                    let f = clip(g.sum_of_squares().sqrt());
+                    if f != 1.0 {
+                        g.scale(f);
+                    }
+                    opt.begin_step();
+                    for (i, r) in ranges.iter().enumerate() {
+                        params.update_one(i, &mut |v| opt.update(r.start, v, g.param(i), lr))?;
+                    }
+                    stats
+                }
+                (Some(plan), Sharding::OptimizerState) => {
+                    // ZeRO-1: all-reduced gradients (the same on every rank, so is the norm);
+                    // this rank updates its shard only.
+                    let (stats, mut g) = ddp.finish_buckets()?;
+                    let f = clip(g.sum_of_squares().sqrt());
+                    if f != 1.0 {
+                        g.scale(f);
+                    }
+                    opt.begin_step();
+                    for seg in &plan.segments {
+                        let at = seg.shard_offset..seg.shard_offset + seg.within.len();
+                        opt.update(at.start, &mut master[at], &g.param(seg.param)[seg.within.clone()], lr);
+                    }
+                    stats
+                }
+                (Some(_), _) => {
+                    // ZeRO-2: this rank only ever received its shard of the gradients.
+                    let stats = ddp.finish(&mut shard_grads)?;
+                    let mut sq = [sum_of_squares(&shard_grads)];
+                    if cfg.optim.clip_grad_norm.is_some() {
+                        comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
+                        let f = clip(sq[0].sqrt());
+                        shard_grads.iter_mut().for_each(|g| *g *= f);
+                    }
+                    opt.step(&mut master, &shard_grads, lr);
+                    stats
+                }
+            };
+            if zero.is_some() {
+                // Everyone gathers everyone's updated shard straight into the model.
+                ddp.all_gather_params(&master, |i, v| params.load_one(i, v).map_err(TrainError::from))?;
+            }
             wait_ms.push(stats.wait.as_secs_f64() * 1e3);
             hidden.push(stats.hidden_fraction());
         }
-        match &zero {
-            None => {
-                if let Some(max) = cfg.optim.clip_grad_norm {
-                    // Gradients are identical on every rank after the all-reduce: the local norm is global.
-                    let norm = sum_of_squares(&grads).sqrt();
-                    clip_by_global_norm(&mut grads, norm, max);
-                }
-                opt.step(&mut flat, &grads, lr);
-            }
-            Some(plan) => {
-                // ZeRO: update this rank's piece, then everyone gathers everyone's pieces.
-                let g: &mut [f32] = if sharding == Sharding::Gradients {
-                    &mut grads // already this rank's shard
-                } else {
-                    plan.gather(ddp.ranges(), &grads, &mut shard_grads);
-                    &mut shard_grads
-                };
-                if let Some(max) = cfg.optim.clip_grad_norm {
-                    let mut sq = [sum_of_squares(g)];
-                    comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
-                    clip_by_global_norm(g, sq[0].sqrt(), max);
-                }
-                plan.gather(ddp.ranges(), &flat, &mut shard_params);
-                opt.step(&mut shard_params, g, lr);
-                ddp.all_gather_params(&shard_params, &mut flat)?;
-            }
-        }
-        model.params().load(&flat)?;
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        heap_after_steps = kolo_base::alloc::stats();
 
         let done = step + 1;
         if done % tc.log_every.max(1) == 0 || done == end {
@@ -527,7 +611,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
         if let Some(dir) = &tc.checkpoint_dir {
             if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0) || done == end {
-                let p = save_checkpoint(Path::new(dir), done, &*model, &flat, &opt, zero.as_ref(), &*comm, pos, &meta)?;
+                let p = save_checkpoint(Path::new(dir), done, &*model, &master, &opt, zero.as_ref(), &*comm, pos, &meta)?;
                 log(&format!("step {done}: checkpoint {}", p.display()));
                 checkpoint = Some(p);
             }
@@ -557,6 +641,12 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
         _ => None,
     };
+    let bytes = |n: usize| n as u64 * 4;
+    let states = StateBytes {
+        params: bytes(numel),
+        grads: bytes(if sharding == Sharding::Gradients { shard_grads.len() } else { ddp.plan().iter().map(|b| b.numel).sum() } + micro.len()),
+        optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len()),
+    };
     Ok(Summary {
         steps_done: end,
         last_loss,
@@ -564,7 +654,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         hidden_fraction: if hidden.is_empty() { 1.0 } else { hidden.iter().sum::<f64>() / hidden.len() as f64 },
         step_ms,
         comm_wait_ms: wait_ms,
-        params: flat,
+        params: model.params().to_flat()?,
+        states,
+        peak_rss: peak_rss(),
+        heap: match (heap_before_model, heap_after_steps) {
+            (Some(before_model), Some(h)) => Some(HeapReport { before_model, between_steps: h.live, peak: h.peak }),
+            _ => None,
+        },
         sample,
         checkpoint,
     })

@@ -11,6 +11,9 @@ use clap::{Parser, Subcommand};
 /// returns them with munmap, so every step faults in (and the kernel zeroes) the same memory
 /// again: a fifth of a GPT step went to `clear_page`. Keeping freed memory in the heap removes
 /// that (GPT bench step 646 -> 589 ms, see docs/benchmarks.md).
+#[global_allocator]
+static ALLOC: kolo_base::alloc::CountingAlloc = kolo_base::alloc::CountingAlloc;
+
 fn keep_freed_memory() {
     // SAFETY: mallopt only tunes the allocator; called before any thread starts.
     unsafe {
@@ -121,6 +124,7 @@ fn lost_peer(e: &anyhow::Error) -> Option<usize> {
     e.chain().find_map(|c| {
         let comm = c.downcast_ref::<kolo_comm::CommError>().or_else(|| match c.downcast_ref::<kolo_train::TrainError>() {
             Some(kolo_train::TrainError::Comm(e)) => Some(e),
+            Some(kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(e))) => Some(e),
             _ => None,
         });
         comm.and_then(|e| e.lost_peer()).map(|r| r.get())
@@ -129,6 +133,7 @@ fn lost_peer(e: &anyhow::Error) -> Option<usize> {
 
 fn main() {
     keep_freed_memory();
+    kolo_base::alloc::CountingAlloc::mark_installed();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("KOLO_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)

@@ -63,6 +63,25 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
             mean,
             s.hidden_fraction * 100.0
         );
+        let mb = |b: u64| b as f64 / 1e6;
+        eprintln!(
+            "memory per rank: model states {:.1} MB (params {:.1} + grads {:.1} + optimizer {:.1}), peak RSS {}",
+            mb(s.states.total()),
+            mb(s.states.params),
+            mb(s.states.grads),
+            mb(s.states.optimizer),
+            s.peak_rss.map_or("unknown".to_string(), |b| format!("{:.1} MB", mb(b)))
+        );
+        if let Some(h) = s.heap {
+            eprintln!(
+                "heap per rank: {:.1} MB before the model, {:.1} MB between steps (+{:.1} MB: model states and caches), peak {:.1} MB (+{:.1} MB transient)",
+                mb(h.before_model as u64),
+                mb(h.between_steps as u64),
+                mb(h.between_steps.saturating_sub(h.before_model) as u64),
+                mb(h.peak as u64),
+                mb(h.peak.saturating_sub(h.between_steps) as u64)
+            );
+        }
     }
     Ok(0)
 }
