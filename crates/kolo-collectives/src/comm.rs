@@ -497,6 +497,21 @@ impl Communicator for HostComm {
         })
     }
 
+    fn reduce_scatter_in_place(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        let dtype = buf.dtype();
+        if self.n.get() == 1 {
+            return Ok(());
+        }
+        let esz = dtype.size_bytes();
+        let own = shard_range(buf.len(), self.n, self.rank);
+        let bytes = buf.bytes_mut();
+        self.run(OpKind::ReduceScatter, Algorithm::Ring, |e, s, _| {
+            ring::reduce_scatter(e, bytes, dtype, op, &mut s[0])?;
+            kolo_comm::reduce::finish_avg(dtype, op, &mut bytes[own.start * esz..own.end * esz], e.n);
+            Ok(())
+        })
+    }
+
     fn all_to_all(&self, input: BufRef<'_>, send_counts: &[usize], mut output: BufMut<'_>, recv_counts: &[usize]) -> Result<(), CommError> {
         validate::all_to_all(self.rank, self.n, &input, send_counts, &output, recv_counts)?;
         let dtype = input.dtype();

@@ -84,6 +84,10 @@ impl Communicator for Checked {
         self.check(Fingerprint { op: OpKind::ReduceScatter, dtype: Some(input.dtype()), count: input.len() as u64, extra: op.code().into() })?;
         self.inner.reduce_scatter(input, output, op)
     }
+    fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        self.check(Fingerprint { op: OpKind::ReduceScatter, dtype: Some(buf.dtype()), count: buf.len() as u64, extra: op.code().into() })?;
+        self.inner.reduce_scatter_in_place(buf, op)
+    }
     fn all_to_all(&self, input: BufRef<'_>, send_counts: &[usize], output: BufMut<'_>, recv_counts: &[usize]) -> Result<(), CommError> {
         self.check(Fingerprint { op: OpKind::AllToAll, dtype: Some(input.dtype()), count: 0, extra: 0 })?;
         self.inner.all_to_all(input, send_counts, output, recv_counts)

@@ -33,6 +33,18 @@ pub trait Communicator: Send + Sync {
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), CommError>;
     /// `input` has `L` elements; `output` receives this rank's shard of their reduction.
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), CommError>;
+    /// `reduce_scatter` that uses `buf` (the whole input) as its working space instead of a
+    /// copy (MPI's `MPI_IN_PLACE`): afterwards this rank's shard of `buf` (`shard_range`)
+    /// holds the reduced values and the rest of `buf` is unspecified. Peers may call either form.
+    fn reduce_scatter_in_place(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        let own = shard_range(buf.len(), self.world_size(), self.rank());
+        let esz = buf.dtype().size_bytes();
+        let mut out = vec![0u8; own.len() * esz];
+        let input = buf.as_ref();
+        self.reduce_scatter(input, BufMut::from_bytes(input.dtype(), &mut out).expect("whole elements"), op)?;
+        buf.bytes_mut()[own.start * esz..own.end * esz].copy_from_slice(&out);
+        Ok(())
+    }
     /// Rank i sends `send_counts[j]` elements (consecutive in `input`) to rank j and receives
     /// `recv_counts[j]` elements from rank j into consecutive places of `output`.
     fn all_to_all(

@@ -145,11 +145,13 @@ impl SyncStats {
 
 /// A bucket buffer back from the communication thread, with this rank's reduced piece when
 /// the bucket was reduce-scattered, and when the collective started and ended.
-type Timed = (Vec<f32>, Option<Vec<f32>>, Instant, Instant);
+type Timed = (Option<Vec<f32>>, Option<Vec<f32>>, Instant, Instant);
 
 struct Inner {
-    /// Reusable bucket buffers (taken while in flight).
+    /// Reusable bucket buffers (taken while in flight; under ZeRO-2 freed after the reduce-scatter).
     buffers: Vec<Option<Vec<f32>>>,
+    /// ZeRO-2: this rank's reduced piece of each bucket (taken while in flight).
+    pieces: Vec<Option<Vec<f32>>>,
     remaining: Vec<usize>,
     inflight: Vec<Option<Pending<Timed>>>,
     /// Locally accumulated gradients of no-sync micro-steps, if any.
@@ -233,6 +235,7 @@ impl Ddp {
         }
         let inner = Inner {
             buffers: plan.iter().map(|_| None).collect(),
+            pieces: plan.iter().map(|_| None).collect(),
             remaining: plan.iter().map(|b| b.params.len()).collect(),
             inflight: plan.iter().map(|_| None).collect(),
             accum: None,
@@ -283,33 +286,54 @@ impl Ddp {
             return Err(DdpError::Usage { rank: self.rank, what: format!("all_gather_params: shard has {} values, the plan {}", shard.len(), sh.shard.len) }.into());
         }
         let d = Deadline::after(self.cfg.timeout);
-        let pend: Vec<Pending<Vec<f32>>> = sh
-            .shard
-            .pieces
-            .iter()
-            .map(|piece| {
-                let mine = shard[piece.shard_offset..piece.shard_offset + piece.in_bucket.len()].to_vec();
-                let numel = sh.plan[piece.bucket].numel;
-                sh.comm.submit(OpKind::AllGather, move |c| {
-                    let mut out = vec![0f32; numel];
-                    c.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut out))?;
-                    Ok(out)
-                })
+        // Two buckets in flight: one gathering while the previous one is written out. The
+        // output buffers are the gradient buckets when they are kept (DDP, ZeRO-1), else fresh.
+        let submit = |b: usize| -> Pending<(usize, Vec<f32>)> {
+            let piece = &sh.shard.pieces[b];
+            let mine = shard[piece.shard_offset..piece.shard_offset + piece.in_bucket.len()].to_vec();
+            let numel = sh.plan[b].numel;
+            let out = sh.lock().buffers[b].take();
+            sh.comm.submit(OpKind::AllGather, move |c| {
+                let mut out = out.unwrap_or_else(|| vec![0f32; numel]);
+                c.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut out))?;
+                Ok((b, out))
             })
-            .collect();
-        let mut pend = pend.into_iter();
-        for (b, p) in pend.by_ref().enumerate() {
-            let buf = p.wait(d).map_err(DdpError::from)?;
-            for &pi in &sh.plan[b].params {
-                let (_, off) = sh.slot[pi];
-                if let Err(e) = write(pi, &buf[off..off + sh.ranges[pi].len()]) {
-                    // The remaining gathers are in flight on every rank: finish them first.
-                    for p in pend {
-                        let _ = p.wait(d);
+        };
+        let nb = sh.plan.len();
+        let mut window: std::collections::VecDeque<Pending<(usize, Vec<f32>)>> = (0..nb.min(2)).map(submit).collect();
+        let mut next = window.len();
+        let mut failed: Option<E> = None;
+        while let Some(p) = window.pop_front() {
+            let got = p.wait(d).map_err(DdpError::from);
+            if next < nb && got.is_ok() {
+                window.push_back(submit(next));
+                next += 1;
+            }
+            let (b, buf) = match got {
+                Ok(x) => x,
+                Err(e) => {
+                    failed.get_or_insert(e.into());
+                    continue; // drain what is in flight on every rank
+                }
+            };
+            if failed.is_none() {
+                for &pi in &sh.plan[b].params {
+                    let (_, off) = sh.slot[pi];
+                    if let Err(e) = write(pi, &buf[off..off + sh.ranges[pi].len()]) {
+                        failed = Some(e);
+                        break;
                     }
-                    return Err(e);
                 }
             }
+            if !sh.reduce_scatter {
+                sh.lock().buffers[b] = Some(buf);
+            }
+        }
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        if next < nb {
+            return Err(DdpError::Usage { rank: self.rank, what: format!("all_gather_params stopped after {next} of {nb} buckets") }.into());
         }
         Ok(())
     }
@@ -362,24 +386,21 @@ impl Ddp {
             return Err(DdpError::Usage { rank: self.rank, what: format!("finish: gradient buffer has {} values, expected {}", grads.len(), self.grad_len()) });
         }
         let (stats, done) = self.wait_buckets()?;
-        let mut keep = Vec::with_capacity(done.len());
+        let mut inner = self.shared.lock();
         for (b, (buf, piece)) in done.into_iter().enumerate() {
             if let Some(piece) = piece {
-                // ZeRO-2: only this rank's piece stays; the bucket buffer is freed.
                 let at = self.shared.shard.pieces[b].shard_offset;
                 grads[at..at + piece.len()].copy_from_slice(&piece);
-            } else {
+                inner.pieces[b] = Some(piece);
+            }
+            if let Some(buf) = buf {
                 for &pi in &self.shared.plan[b].params {
                     let (_, off) = self.shared.slot[pi];
                     let r = self.shared.ranges[pi].clone();
                     grads[r.clone()].copy_from_slice(&buf[off..off + r.len()]);
                 }
-                keep.push((b, buf));
+                inner.buffers[b] = Some(buf);
             }
-        }
-        let mut inner = self.shared.lock();
-        for (b, buf) in keep {
-            inner.buffers[b] = Some(buf);
         }
         Ok(stats)
     }
@@ -392,13 +413,24 @@ impl Ddp {
             return Err(DdpError::Usage { rank: self.rank, what: "finish_buckets: under ZeRO-2 gradients are reduce-scattered; use finish".into() });
         }
         let (stats, done) = self.wait_buckets()?;
-        Ok((stats, BucketGrads { ddp: self, bufs: done.into_iter().map(|(b, _)| b).collect() }))
+        Ok((stats, BucketGrads { ddp: self, bufs: done.into_iter().map(|(b, _)| b.expect("all-reduced buckets come back")).collect(), pieces: false }))
+    }
+
+    /// Like [`Ddp::finish`] under ZeRO-2, without copying: this rank's averaged gradient
+    /// pieces stay where the reduce-scatter left them, one per bucket
+    /// ([`BucketGrads::piece`]), until the returned value is dropped.
+    pub fn finish_shard(&self) -> Result<(SyncStats, BucketGrads<'_>), DdpError> {
+        if !self.shared.reduce_scatter {
+            return Err(DdpError::Usage { rank: self.rank, what: "finish_shard: gradients are all-reduced, not sharded; use finish_buckets".into() });
+        }
+        let (stats, done) = self.wait_buckets()?;
+        Ok((stats, BucketGrads { ddp: self, bufs: done.into_iter().map(|(_, p)| p.expect("reduce-scattered buckets come back")).collect(), pieces: true }))
     }
 
     /// Waits for every bucket's collective: per bucket its buffer and, when reduce-scattered,
     /// this rank's piece.
     #[allow(clippy::type_complexity)]
-    fn wait_buckets(&self) -> Result<(SyncStats, Vec<(Vec<f32>, Option<Vec<f32>>)>), DdpError> {
+    fn wait_buckets(&self) -> Result<(SyncStats, Vec<(Option<Vec<f32>>, Option<Vec<f32>>)>), DdpError> {
         let backward_end = Instant::now();
         let (pendings, started) = {
             let mut inner = self.shared.lock();
@@ -441,17 +473,26 @@ impl Ddp {
     }
 }
 
-/// Averaged gradients left in the bucket buffers by [`Ddp::finish_buckets`].
+/// Averaged gradients where the collectives left them: whole buckets
+/// ([`Ddp::finish_buckets`]) or this rank's piece of each ([`Ddp::finish_shard`]).
 pub struct BucketGrads<'a> {
     ddp: &'a Ddp,
     bufs: Vec<Vec<f32>>,
+    pieces: bool,
 }
 
 impl BucketGrads<'_> {
-    /// Parameter `i`'s gradient.
+    /// Parameter `i`'s gradient (whole buckets only).
     pub fn param(&self, i: usize) -> &[f32] {
+        assert!(!self.pieces, "BucketGrads::param: only this rank's pieces are here");
         let (b, off) = self.ddp.shared.slot[i];
         &self.bufs[b][off..off + self.ddp.shared.ranges[i].len()]
+    }
+
+    /// This rank's piece of bucket `b` (ZeRO-2), the gradients of `ShardPlan::pieces[b]`.
+    pub fn piece(&self, b: usize) -> &[f32] {
+        assert!(self.pieces, "BucketGrads::piece: these are whole buckets");
+        &self.bufs[b]
     }
 
     /// Sum of squares of all gradients (f64).
@@ -469,7 +510,11 @@ impl Drop for BucketGrads<'_> {
     fn drop(&mut self) {
         let mut inner = self.ddp.shared.lock();
         for (b, buf) in std::mem::take(&mut self.bufs).into_iter().enumerate() {
-            inner.buffers[b] = Some(buf);
+            if self.pieces {
+                inner.pieces[b] = Some(buf);
+            } else {
+                inner.buffers[b] = Some(buf);
+            }
         }
     }
 }
@@ -485,7 +530,7 @@ impl GradSink for Shared {
         let mut inner = self.lock();
         let (b, off) = self.slot[idx];
         let range = self.ranges[idx].clone();
-        let Inner { buffers, accum, remaining, seen, inflight, .. } = &mut *inner;
+        let Inner { buffers, pieces, accum, remaining, seen, inflight, .. } = &mut *inner;
         if buffers[b].is_none() {
             if inflight[b].is_some() {
                 return; // a second gradient for a parameter of a bucket already sent
@@ -505,19 +550,23 @@ impl GradSink for Shared {
         if remaining[b] == 0 {
             let buf = buffers[b].take().expect("checked above");
             inflight[b] = Some(if self.reduce_scatter {
-                let piece_len = self.shard.pieces[b].in_bucket.len();
+                let own = self.shard.pieces[b].in_bucket.clone();
+                let mut piece = pieces[b].take().unwrap_or_else(|| vec![0f32; own.len()]);
                 self.comm.submit(OpKind::ReduceScatter, move |c| {
                     let s = Instant::now();
-                    let mut piece = vec![0f32; piece_len];
-                    c.reduce_scatter(BufRef::from(&buf[..]), BufMut::from(&mut piece), ReduceOp::Avg)?;
-                    Ok((buf, Some(piece), s, Instant::now()))
+                    // In place: the bucket is its own working space; only this rank's piece
+                    // is kept and the bucket buffer is freed here.
+                    let mut buf = buf;
+                    c.reduce_scatter_in_place(BufMut::from(&mut buf), ReduceOp::Avg)?;
+                    piece.copy_from_slice(&buf[own]);
+                    Ok((None, Some(piece), s, Instant::now()))
                 })
             } else {
                 self.comm.submit(OpKind::AllReduce, move |c| {
                     let s = Instant::now();
                     let mut buf = buf;
                     c.all_reduce(BufMut::from(&mut buf), ReduceOp::Avg)?;
-                    Ok((buf, None, s, Instant::now()))
+                    Ok((Some(buf), None, s, Instant::now()))
                 })
             });
         }

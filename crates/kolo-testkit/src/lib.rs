@@ -101,7 +101,10 @@ fn suite<T: Element>(comm: &dyn Communicator, len: usize) {
         let r = shard_range(len, ws, Rank(me));
         let mut out = vec![T::default(); r.len()];
         comm.reduce_scatter(BufRef::from(&inp), BufMut::from(&mut out), op).unwrap();
-        check(&format!("reduce_scatter {op} {d} x {len}"), comm, &out, &expected_reduction::<T>(op, n, len)[r]);
+        check(&format!("reduce_scatter {op} {d} x {len}"), comm, &out, &expected_reduction::<T>(op, n, len)[r.clone()]);
+        let mut buf = inp.clone();
+        comm.reduce_scatter_in_place(BufMut::from(&mut buf), op).unwrap();
+        check(&format!("reduce_scatter_in_place {op} {d} x {len}"), comm, &buf[r.clone()], &expected_reduction::<T>(op, n, len)[r]);
     }
 
     // all_to_all with uneven splits: rank i sends (i + j + len) % 3 elements to rank j.

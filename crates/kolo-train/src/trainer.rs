@@ -471,7 +471,6 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // Model states per rank: the parameters live in the model only (updated in place), the
     // gradients in the DDP buckets (plain DDP, ZeRO-1) or this rank's shard of them (ZeRO-2),
     // the optimizer state for the whole model or this rank's shard.
-    let mut shard_grads = vec![0f32; if sharding == Sharding::Gradients { ddp.grad_len() } else { 0 }];
     // Local gradients of no-sync micro-steps, only when there are any.
     let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync { vec![0f32; numel] } else { Vec::new() };
     let hooked = HookedView { sink: ddp.sink() };
@@ -552,16 +551,19 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                     }
                     stats
                 }
-                (Some(_), _) => {
-                    // ZeRO-2: this rank only ever received its shard of the gradients.
-                    let stats = ddp.finish(&mut shard_grads)?;
-                    let mut sq = [sum_of_squares(&shard_grads)];
+                (Some(plan), _) => {
+                    // ZeRO-2: this rank only ever received its pieces of the gradients.
+                    let (stats, mut g) = ddp.finish_shard()?;
                     if cfg.optim.clip_grad_norm.is_some() {
+                        let mut sq = [g.sum_of_squares()];
                         comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
-                        let f = clip(sq[0].sqrt());
-                        shard_grads.iter_mut().for_each(|g| *g *= f);
+                        g.scale(clip(sq[0].sqrt()));
                     }
-                    opt.step(&mut master, &shard_grads, lr);
+                    opt.begin_step();
+                    for piece in &plan.pieces {
+                        let at = piece.shard_offset..piece.shard_offset + piece.in_bucket.len();
+                        opt.update(at.start, &mut master[at], g.piece(piece.bucket), lr);
+                    }
                     stats
                 }
             };
@@ -644,7 +646,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let bytes = |n: usize| n as u64 * 4;
     let states = StateBytes {
         params: bytes(numel),
-        grads: bytes(if sharding == Sharding::Gradients { shard_grads.len() } else { ddp.plan().iter().map(|b| b.numel).sum() } + micro.len()),
+        grads: bytes(if sharding == Sharding::Gradients { ddp.grad_len() } else { ddp.plan().iter().map(|b| b.numel).sum() } + micro.len()),
         optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len()),
     };
     Ok(Summary {
