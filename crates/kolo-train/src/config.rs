@@ -51,6 +51,10 @@ pub struct ModelConfig {
     pub n_head: Option<usize>,
     /// gpt: transformer blocks (default 4).
     pub n_layer: Option<usize>,
+    /// gpt: blocks (0-based) whose activations are recomputed in backward instead of kept
+    /// (activation checkpointing: less memory for about one more forward pass). Default none.
+    #[serde(default)]
+    pub checkpoint_blocks: Vec<usize>,
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -268,6 +272,7 @@ impl Config {
         not_for("channels", m.channels.is_some() && m.kind != ModelKind::Cnn, "\"cnn\"")?;
         let gpt_fields = m.seq.is_some() || m.d_model.is_some() || m.n_head.is_some() || m.n_layer.is_some();
         not_for("seq/d_model/n_head/n_layer", gpt_fields && m.kind != ModelKind::Gpt, "\"gpt\"")?;
+        not_for("checkpoint_blocks", !m.checkpoint_blocks.is_empty() && m.kind != ModelKind::Gpt, "\"gpt\"")?;
         match (m.kind, self.data.kind) {
             (ModelKind::Gpt, DataKind::Mnist) => return Err("a gpt model needs data.kind = \"text\" or \"synthetic\"".into()),
             (ModelKind::Mlp | ModelKind::Cnn, DataKind::Text) => return Err("mlp and cnn models need data.kind = \"mnist\" or \"synthetic\"".into()),

@@ -382,7 +382,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let data = load_data(cfg, rank, &say)?;
     let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let spec = cfg.model_spec(data.vocab_size);
-    let model = build_model(&spec, tc.seed)?;
+    let mut model = build_model(&spec, tc.seed)?;
+    model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
     let sharding = cfg.sharding().map_err(TrainError::Config)?;
     let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding };
     let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;

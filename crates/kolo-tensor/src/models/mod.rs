@@ -47,6 +47,16 @@ pub trait Model: Send {
     /// Logits: (n, classes) for images, (b * t, vocab) for tokens.
     fn forward(&self, input: &Input, view: &dyn ParamView) -> Result<Tensor>;
 
+    /// Recompute these blocks' activations in backward instead of keeping them (activation
+    /// checkpointing). Models without blocks accept only an empty list.
+    fn set_checkpointing(&mut self, blocks: &[usize]) -> Result<()> {
+        if blocks.is_empty() {
+            Ok(())
+        } else {
+            Err(TensorError::Input("activation checkpointing applies to the GPT's blocks only".into()))
+        }
+    }
+
     /// Mean cross-entropy over the batch.
     fn loss(&self, batch: &Batch, view: &dyn ParamView) -> Result<Tensor> {
         let logits = self.forward(&batch.input, view)?;
