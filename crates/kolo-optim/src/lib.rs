@@ -5,7 +5,9 @@
 //! Semantics follow `torch.optim` (SGD with dampening 0, Adam with L2 weight decay, AdamW with
 //! decoupled decay, Adagrad), so Kolo runs can be compared with PyTorch ones.
 
+pub mod offload;
 mod schedule;
+pub use offload::{Buffer, Placement};
 pub use schedule::{lr_at, scaled_lr, Schedule};
 
 #[derive(Clone, Debug, PartialEq)]
@@ -33,18 +35,35 @@ impl OptimizerSpec {
 }
 
 /// An optimizer over `n` scalars.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Optimizer {
     spec: OptimizerSpec,
     /// Steps taken so far.
     steps: u64,
-    state: Vec<Vec<f32>>,
+    state: Vec<Buffer>,
 }
 
 impl Optimizer {
     pub fn new(spec: OptimizerSpec, n: usize) -> Optimizer {
-        let state = spec.state_names().iter().map(|_| vec![0f32; n]).collect();
+        let state = spec.state_names().iter().map(|_| Buffer::Ram(vec![0f32; n])).collect();
         Optimizer { spec, steps: 0, state }
+    }
+
+    /// An optimizer whose state lives at `place` (offloaded to files with [`Placement::Disk`]:
+    /// each [`Optimizer::update`] pages in the piece it needs and releases it afterwards).
+    pub fn with_placement(spec: OptimizerSpec, n: usize, place: &Placement) -> std::io::Result<Optimizer> {
+        let state = spec.state_names().iter().map(|name| Buffer::zeros(n, place, name)).collect::<std::io::Result<_>>()?;
+        Ok(Optimizer { spec, steps: 0, state })
+    }
+
+    /// Whether the state is offloaded to files.
+    pub fn is_offloaded(&self) -> bool {
+        self.state.iter().any(Buffer::is_offloaded)
+    }
+
+    /// Bytes of state kept in process memory (not counting offloaded state).
+    pub fn resident_state_bytes(&self) -> usize {
+        self.state.iter().filter(|b| !b.is_offloaded()).map(|b| b.len() * 4).sum()
     }
 
     pub fn spec(&self) -> &OptimizerSpec {
@@ -56,18 +75,19 @@ impl Optimizer {
 
     /// `(name, buffer)` pairs, for checkpoints.
     pub fn state(&self) -> Vec<(&'static str, &[f32])> {
-        self.spec.state_names().iter().copied().zip(self.state.iter().map(|v| v.as_slice())).collect()
+        self.spec.state_names().iter().copied().zip(self.state.iter().map(Buffer::as_slice)).collect()
     }
 
     /// Restores state saved by [`Optimizer::state`] and the step count.
     pub fn load_state(&mut self, steps: u64, buffers: &[(&str, Vec<f32>)]) -> Result<(), String> {
-        let n = self.state.first().map_or(0, Vec::len);
+        let n = self.state.first().map_or(0, Buffer::len);
         for (i, name) in self.spec.state_names().iter().enumerate() {
             let (_, v) = buffers.iter().find(|(k, _)| k == name).ok_or_else(|| format!("optimizer state `{name}` is missing"))?;
             if v.len() != n {
                 return Err(format!("optimizer state `{name}` has {} values, expected {n}", v.len()));
             }
-            self.state[i].copy_from_slice(v);
+            self.state[i].as_mut_slice().copy_from_slice(v);
+            self.state[i].release_all();
         }
         self.steps = steps;
         Ok(())
@@ -91,8 +111,16 @@ impl Optimizer {
         assert_eq!(params.len(), grads.len(), "optimizer: params and grads differ in length");
         let n = params.len();
         let t = self.steps.max(1) as i32;
-        let mut state: Vec<&mut [f32]> = self.state.iter_mut().map(|v| &mut v[offset..offset + n]).collect();
-        match self.spec {
+        let mut state: Vec<&mut [f32]> = self.state.iter_mut().map(|v| &mut v.as_mut_slice()[offset..offset + n]).collect();
+        Self::apply(&self.spec, t, &mut state, params, grads, lr);
+        drop(state);
+        for b in &mut self.state {
+            b.release(offset..offset + n);
+        }
+    }
+
+    fn apply(spec: &OptimizerSpec, t: i32, state: &mut [&mut [f32]], params: &mut [f32], grads: &[f32], lr: f32) {
+        match *spec {
             OptimizerSpec::Sgd { momentum, nesterov, weight_decay } => {
                 let first = t == 1;
                 if momentum == 0.0 {

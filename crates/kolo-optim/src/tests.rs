@@ -86,7 +86,10 @@ fn piecewise_update_equals_whole_step() {
     for spec in specs {
         let n = 23;
         let mut whole = Optimizer::new(spec.clone(), n);
-        let mut parts = Optimizer::new(spec.clone(), n);
+        // Pieces, with the state offloaded to a file (released after every piece).
+        let dir = std::env::temp_dir().join(format!("kolo-optim-test-{}", std::process::id()));
+        let mut parts = Optimizer::with_placement(spec.clone(), n, &Placement::Disk(dir)).unwrap();
+        assert_eq!(parts.is_offloaded(), !spec.state_names().is_empty());
         let mut p1: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut p2 = p1.clone();
         for step in 0..4 {

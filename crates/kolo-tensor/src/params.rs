@@ -38,8 +38,11 @@ pub fn copy_f32(t: &Tensor, out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// A closure over a parameter's values.
+type Edit<'a> = &'a mut dyn FnMut(&mut [f32]);
+
 /// Runs a closure on a contiguous f32 tensor's values, in place.
-struct InPlace<'a>(std::cell::RefCell<&'a mut dyn FnMut(&mut [f32])>);
+struct InPlace<'a>(std::cell::RefCell<Edit<'a>>);
 
 impl InplaceOp1 for InPlace<'_> {
     fn name(&self) -> &'static str {

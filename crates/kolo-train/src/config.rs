@@ -142,6 +142,10 @@ pub struct OptimConfig {
     pub step_gamma: f32,
     /// Linear scaling rule: `lr` is tuned for this global batch and is scaled to the actual one.
     pub reference_batch: Option<usize>,
+    /// Offload the optimizer state (and under ZeRO the master copy of this rank's parameter
+    /// shard) to memory-mapped files in this directory, streamed through memory piece by
+    /// piece during the update (ZeRO-Offload's NVMe tier). Default: kept in memory.
+    pub offload_dir: Option<String>,
 }
 
 impl Default for OptimConfig {
@@ -162,6 +166,7 @@ impl Default for OptimConfig {
             step_every: 1000,
             step_gamma: 0.1,
             reference_batch: None,
+            offload_dir: None,
         }
     }
 }
@@ -357,6 +362,14 @@ impl Config {
                 decoupled: o.kind == OptimKind::Adamw,
             },
             OptimKind::Adagrad => OptimizerSpec::Adagrad { eps: o.eps.unwrap_or(1e-10), weight_decay: o.weight_decay, lr_decay: 0.0 },
+        }
+    }
+
+    /// Where optimizer state goes.
+    pub fn placement(&self) -> kolo_optim::Placement {
+        match &self.optim.offload_dir {
+            Some(d) => kolo_optim::Placement::Disk(d.into()),
+            None => kolo_optim::Placement::Memory,
         }
     }
 

@@ -10,7 +10,7 @@ use kolo_base::Rng;
 use kolo_checkpoint::Piece;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{Ddp, DdpConfig, ShardPlan, Sharding};
-use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Optimizer};
+use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Buffer, Optimizer};
 use kolo_tensor::ops::{argmax_rows, softmax_last};
 use kolo_tensor::{build_model, Batch, HookedView, Input, Model, ModelSpec, PlainView};
 use std::collections::BTreeMap;
@@ -84,6 +84,8 @@ pub struct StateBytes {
     pub grads: u64,
     /// Optimizer state, plus under ZeRO this rank's master copy of its parameter shard.
     pub optimizer: u64,
+    /// The optimizer bytes live in memory-mapped files, not in the heap.
+    pub offloaded: bool,
 }
 
 impl StateBytes {
@@ -392,7 +394,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     ddp.broadcast_params(&mut flat)?;
     // Under ZeRO the optimizer (and its state) covers this rank's shard only.
     let zero: Option<ShardPlan> = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
-    let mut opt = Optimizer::new(cfg.optimizer(), zero.as_ref().map_or(flat.len(), |z| z.len));
+    let place = cfg.placement();
+    let offload_err = |e: std::io::Error| TrainError::Config(format!("optim.offload_dir {:?}: {e}", cfg.optim.offload_dir.as_deref().unwrap_or_default()));
+    let mut opt = Optimizer::with_placement(cfg.optimizer(), zero.as_ref().map_or(flat.len(), |z| z.len), &place).map_err(offload_err)?;
     let global_batch = cfg.data.batch_size * world * tc.grad_accum as usize;
     let base_lr = match cfg.optim.reference_batch {
         Some(r) => scaled_lr(cfg.optim.lr, global_batch, r),
@@ -418,9 +422,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     }
     model.params().load(&flat)?;
     // ZeRO: this rank's master copy of its shard of the parameters.
-    let mut master = vec![0f32; zero.as_ref().map_or(0, |z| z.len)];
+    let mut master = Buffer::zeros(zero.as_ref().map_or(0, |z| z.len), &place, "master").map_err(offload_err)?;
     if let Some(z) = &zero {
-        z.gather(ddp.ranges(), &flat, &mut master);
+        z.gather(ddp.ranges(), &flat, master.as_mut_slice());
+        master.release_all();
     }
     let numel = flat.len();
     drop(flat);
@@ -548,7 +553,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                     opt.begin_step();
                     for seg in &plan.segments {
                         let at = seg.shard_offset..seg.shard_offset + seg.within.len();
-                        opt.update(at.start, &mut master[at], &g.param(seg.param)[seg.within.clone()], lr);
+                        opt.update(at.start, &mut master.as_mut_slice()[at.clone()], &g.param(seg.param)[seg.within.clone()], lr);
+                        master.release(at);
                     }
                     stats
                 }
@@ -563,14 +569,16 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                     opt.begin_step();
                     for piece in &plan.pieces {
                         let at = piece.shard_offset..piece.shard_offset + piece.in_bucket.len();
-                        opt.update(at.start, &mut master[at], g.piece(piece.bucket), lr);
+                        opt.update(at.start, &mut master.as_mut_slice()[at.clone()], g.piece(piece.bucket), lr);
+                        master.release(at);
                     }
                     stats
                 }
             };
             if zero.is_some() {
                 // Everyone gathers everyone's updated shard straight into the model.
-                ddp.all_gather_params(&master, |i, v| params.load_one(i, v).map_err(TrainError::from))?;
+                ddp.all_gather_params(master.as_slice(), |i, v| params.load_one(i, v).map_err(TrainError::from))?;
+                master.release_all();
             }
             wait_ms.push(stats.wait.as_secs_f64() * 1e3);
             hidden.push(stats.hidden_fraction());
@@ -614,7 +622,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
         if let Some(dir) = &tc.checkpoint_dir {
             if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0) || done == end {
-                let p = save_checkpoint(Path::new(dir), done, &*model, &master, &opt, zero.as_ref(), &*comm, pos, &meta)?;
+                let p = save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta)?;
                 log(&format!("step {done}: checkpoint {}", p.display()));
                 checkpoint = Some(p);
             }
@@ -649,6 +657,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         params: bytes(numel),
         grads: bytes(if sharding == Sharding::Gradients { ddp.grad_len() } else { ddp.plan().iter().map(|b| b.numel).sum() } + micro.len()),
         optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len()),
+        offloaded: opt.is_offloaded() || master.is_offloaded(),
     };
     Ok(Summary {
         steps_done: end,

@@ -17,6 +17,9 @@ pub struct TrainArgs {
     /// Override ddp.zero_stage: 0 = DDP, 1 = optimizer state sharded, 2 = gradients too.
     #[arg(long)]
     zero_stage: Option<u8>,
+    /// Override optim.offload_dir: keep optimizer state in memory-mapped files there.
+    #[arg(long)]
+    offload_dir: Option<String>,
     /// Override data.path.
     #[arg(long)]
     data: Option<String>,
@@ -37,6 +40,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     }
     if let Some(s) = a.steps {
         cfg.train.steps = s;
+    }
+    if let Some(d) = a.offload_dir {
+        cfg.optim.offload_dir = Some(d);
     }
     if let Some(z) = a.zero_stage {
         cfg.ddp.zero_stage = z;
@@ -65,11 +71,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         );
         let mb = |b: u64| b as f64 / 1e6;
         eprintln!(
-            "memory per rank: model states {:.1} MB (params {:.1} + grads {:.1} + optimizer {:.1}), peak RSS {}",
+            "memory per rank: model states {:.1} MB (params {:.1} + grads {:.1} + optimizer {:.1}{}), peak RSS {}",
             mb(s.states.total()),
             mb(s.states.params),
             mb(s.states.grads),
             mb(s.states.optimizer),
+            if s.states.offloaded { " offloaded to files" } else { "" },
             s.peak_rss.map_or("unknown".to_string(), |b| format!("{:.1} MB", mb(b)))
         );
         if let Some(h) = s.heap {
