@@ -209,6 +209,34 @@ pub fn commit(target: &Path, meta: &BTreeMap<String, String>) -> Result<PathBuf,
     Ok(target.to_path_buf())
 }
 
+/// [`commit`] once `writers` shard files are in the staging directory (each appears only when
+/// complete, by rename), waiting up to `timeout`: the committing rank's half of a save that runs
+/// in the background, without a barrier.
+pub fn commit_when_complete(target: &Path, writers: usize, meta: &BTreeMap<String, String>, timeout: std::time::Duration) -> Result<PathBuf, CheckpointError> {
+    let staging = staging_dir(target);
+    let until = std::time::Instant::now() + timeout;
+    loop {
+        let have = std::fs::read_dir(&staging)
+            .map_err(io_err(&staging))?
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                let n = e.file_name().to_string_lossy().into_owned();
+                n.starts_with("shard-") && n.ends_with(".safetensors")
+            })
+            .count();
+        if have >= writers {
+            return commit(target, meta);
+        }
+        if std::time::Instant::now() >= until {
+            return Err(CheckpointError::Incompatible {
+                path: staging,
+                what: format!("only {have} of {writers} shard files were written within {timeout:?}; the checkpoint is not committed"),
+            });
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
 fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
     let mut f = std::fs::File::create(path)?;
@@ -384,6 +412,27 @@ mod tests {
             let text = describe(&target).unwrap();
             assert!(text.contains("verified") && text.contains("[2, 5]") && text.contains(&format!("{n} files")), "{text}");
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn background_commit_waits_for_every_shard_file_with_a_deadline() {
+        let dir = tmp("bg");
+        let target = dir.join("step-1");
+        write_all(&target, 3);
+        std::fs::remove_file(staging_dir(&target).join(shard_file_name(2, 3))).unwrap();
+        let short = std::time::Duration::from_millis(30);
+        let e = commit_when_complete(&target, 3, &BTreeMap::new(), short).unwrap_err();
+        assert!(e.to_string().contains("only 2 of 3 shard files"), "{e}");
+        assert!(!target.exists());
+        let t = target.clone();
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            write_shard(&t, 2, 3, &[Piece { name: "a".into(), shape: vec![2, 5], offset: 7, data: vec![7.0, 8.0, 9.0] }, Piece { name: "b".into(), shape: vec![7], offset: 5, data: vec![-5.0, -6.0] }]).unwrap();
+        });
+        commit_when_complete(&target, 3, &BTreeMap::new(), std::time::Duration::from_secs(10)).unwrap();
+        late.join().unwrap();
+        assert_eq!(load_any(&target).unwrap().get("a").unwrap().data[9], 9.0);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -195,6 +195,10 @@ pub struct TrainConfig {
     pub checkpoint_dir: Option<String>,
     /// Write a checkpoint every this many steps (0: only at the end, when a directory is set).
     pub checkpoint_every: u64,
+    /// Write checkpoints on a background thread while training continues (like torch's
+    /// `async_save`): the step only copies this rank's pieces; the next checkpoint, and the end
+    /// of the run, wait for the previous one. Default false.
+    pub checkpoint_background: bool,
     /// gpt: characters to generate at the end (default 200).
     pub sample_chars: usize,
     /// gpt: sampling temperature (default 0.8).
@@ -215,6 +219,7 @@ impl Default for TrainConfig {
             json_log: None,
             checkpoint_dir: None,
             checkpoint_every: 0,
+            checkpoint_background: false,
             sample_chars: 200,
             sample_temperature: 0.8,
             progress: true,

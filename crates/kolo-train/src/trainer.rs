@@ -196,9 +196,28 @@ fn resolve_checkpoint(p: &Path) -> Result<PathBuf, TrainError> {
         .ok_or_else(|| TrainError::Data(format!("no complete checkpoint (step-*) in {}", p.display())))
 }
 
+/// A checkpoint being written on a background thread.
+struct PendingSave {
+    target: PathBuf,
+    /// `None` when it was written synchronously.
+    thread: Option<std::thread::JoinHandle<Result<(), kolo_checkpoint::CheckpointError>>>,
+}
+
+impl PendingSave {
+    fn wait(self) -> Result<PathBuf, TrainError> {
+        match self.thread.map(|t| t.join()) {
+            None => Ok(self.target),
+            Some(Ok(r)) => r.map(|_| self.target).map_err(TrainError::from),
+            Some(Err(_)) => Err(TrainError::Other(format!("the background writer of {} panicked", self.target.display()))),
+        }
+    }
+}
+
 /// Collective: every rank writes its pieces (the whole model from rank 0 for plain DDP, each
 /// rank's shard under ZeRO), then rank 0 commits the checkpoint directory. `master` is this
-/// rank's shard of the parameters under ZeRO (unused otherwise).
+/// rank's shard of the parameters under ZeRO (unused otherwise). With `background`, the pieces
+/// are copied and written by a thread (rank 0's thread commits once every shard file is there)
+/// while training continues.
 #[allow(clippy::too_many_arguments)]
 fn save_checkpoint(
     dir: &Path,
@@ -210,7 +229,8 @@ fn save_checkpoint(
     comm: &dyn Communicator,
     pos: Position,
     meta_base: &BTreeMap<String, String>,
-) -> Result<PathBuf, TrainError> {
+    background: bool,
+) -> Result<PendingSave, TrainError> {
     let (rank, world) = (comm.rank().get(), comm.world_size().get());
     let target = dir.join(format!("step-{step:08}"));
     if rank == 0 {
@@ -243,22 +263,39 @@ fn save_checkpoint(
             }
         }
     }
+    let writers = if zero.is_some() { world } else { 1 };
+    let mut meta = meta_base.clone();
+    meta.insert("kolo.step".into(), step.to_string());
+    meta.insert("kolo.optimizer_steps".into(), opt.steps().to_string());
+    meta.insert("kolo.data_epoch".into(), pos.epoch.to_string());
+    meta.insert("kolo.data_batch".into(), pos.batch.to_string());
+    if background {
+        let (t, timeout) = (target.clone(), comm.timeout());
+        let thread = std::thread::Builder::new()
+            .name("kolo-checkpoint".into())
+            .spawn(move || {
+                if !pieces.is_empty() {
+                    kolo_checkpoint::sharded::write_shard(&t, rank, writers, &pieces)?;
+                }
+                drop(pieces);
+                if rank == 0 {
+                    kolo_checkpoint::sharded::commit_when_complete(&t, writers, &meta, timeout)?;
+                }
+                Ok(())
+            })
+            .map_err(|e| TrainError::Other(format!("cannot start the checkpoint writer: {e}")))?;
+        return Ok(PendingSave { target, thread: Some(thread) });
+    }
     if !pieces.is_empty() {
-        let writers = if zero.is_some() { world } else { 1 };
         kolo_checkpoint::sharded::write_shard(&target, rank, writers, &pieces)?;
     }
     // Commit only once every rank's shard is on disk; nobody runs ahead before the commit.
     comm.barrier()?;
     if rank == 0 {
-        let mut meta = meta_base.clone();
-        meta.insert("kolo.step".into(), step.to_string());
-        meta.insert("kolo.optimizer_steps".into(), opt.steps().to_string());
-        meta.insert("kolo.data_epoch".into(), pos.epoch.to_string());
-        meta.insert("kolo.data_batch".into(), pos.batch.to_string());
         kolo_checkpoint::sharded::commit(&target, &meta)?;
     }
     comm.barrier()?;
-    Ok(target)
+    Ok(PendingSave { target, thread: None })
 }
 
 struct Resumed {
@@ -484,6 +521,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut last_loss = f64::NAN;
     let mut eval = None;
     let mut checkpoint = None;
+    let mut saving: Option<PendingSave> = None;
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let tokens_per_example = match cfg.model.kind {
         crate::config::ModelKind::Gpt => cfg.model.seq.unwrap_or(128),
@@ -622,10 +660,22 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
         if let Some(dir) = &tc.checkpoint_dir {
             if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0) || done == end {
-                let p = save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta)?;
-                log(&format!("step {done}: checkpoint {}", p.display()));
-                checkpoint = Some(p);
+                if let Some(prev) = saving.take() {
+                    checkpoint = Some(prev.wait()?);
+                }
+                let bg = tc.checkpoint_background;
+                let p = save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta, bg)?;
+                log(&format!("step {done}: checkpoint {}{}", p.target.display(), if bg { " (writing in the background)" } else { "" }));
+                saving = Some(p);
             }
+        }
+    }
+    if let Some(prev) = saving.take() {
+        let background = prev.thread.is_some();
+        checkpoint = Some(prev.wait()?);
+        if background {
+            // Every rank's writer has finished (and rank 0 committed) before anyone reports done.
+            comm.barrier()?;
         }
     }
     if let Some(pb) = &bar {

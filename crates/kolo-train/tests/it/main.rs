@@ -96,13 +96,18 @@ fn interrupted_and_resumed_run_ends_bitwise_equal() {
         "[optim]\nkind = \"adamw\"\nlr = 1e-3\nschedule = \"cosine\"\nwarmup_steps = 2\n[train]\nsteps = 6\ncheckpoint_every = 3\ncheckpoint_dir = \"{}\"\n",
         dir.display()
     );
-    let cfg = mnist_cfg(&extra, 16);
+    let mut cfg = mnist_cfg(&extra, 16);
     let full = train_on(2, &cfg, &quiet());
-    std::fs::remove_dir_all(&dir).unwrap();
-    let first = train_on(2, &cfg, &RunOptions { stop_after: Some(3), quiet: true, ..Default::default() });
-    assert_eq!(first[0].steps_done, 3);
-    let resumed = train_on(2, &cfg, &RunOptions { resume: Some(dir.clone()), quiet: true, ..Default::default() });
-    assert_eq!(resumed[0].params, full[0].params, "resumed run diverged");
+    for background in [false, true] {
+        // Written on a background thread while training goes on: the same checkpoint.
+        cfg.train.checkpoint_background = background;
+        std::fs::remove_dir_all(&dir).unwrap();
+        let first = train_on(2, &cfg, &RunOptions { stop_after: Some(3), quiet: true, ..Default::default() });
+        assert_eq!(first[0].steps_done, 3);
+        assert!(first[0].checkpoint.as_ref().unwrap().join("manifest.json").is_file());
+        let resumed = train_on(2, &cfg, &RunOptions { resume: Some(dir.clone()), quiet: true, ..Default::default() });
+        assert_eq!(resumed[0].params, full[0].params, "resumed run diverged (background writes: {background})");
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
