@@ -198,5 +198,18 @@ pub trait GradSink: Send + Sync {
     fn grad_ready(&self, param_idx: usize, grad: &[f32]);
 }
 
+/// Parameters sharded across ranks and materialised group by group (ZeRO-3): a model adapter
+/// asks for a group's full values just before it computes with them, drops them right after,
+/// and hands back the gradient of the whole group. Tensor-free, like [`GradSink`].
+pub trait ParamGather: Send + Sync {
+    /// The full values of group `group`, packed in the group's parameter order. Blocks until
+    /// they are gathered (or fails, naming why).
+    fn gather(&self, group: usize) -> Result<Vec<f32>, String>;
+    /// Starts gathering `group` now, to be collected by the next [`ParamGather::gather`] of it.
+    fn prefetch(&self, group: usize);
+    /// The gradient of group `group`'s packed parameters (called once per backward pass).
+    fn group_grad_ready(&self, group: usize, grad: &[f32]);
+}
+
 #[cfg(test)]
 mod tests;

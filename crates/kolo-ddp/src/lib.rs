@@ -23,7 +23,7 @@
 pub mod shard;
 pub use shard::{Segment, ShardPlan};
 
-use kolo_base::{ByteSize, Deadline, GradSink, Rank};
+use kolo_base::{ByteSize, Deadline, GradSink, ParamGather, Rank};
 use kolo_comm::{AsyncComm, BufMut, BufRef, CommError, Communicator, OpKind, Pending, ReduceOp};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -53,6 +53,9 @@ pub struct DdpConfig {
     pub timeout: Duration,
     /// Plain DDP or a ZeRO stage.
     pub sharding: Sharding,
+    /// ZeRO-3: the parameter groups (indices, in packing order) that are sharded and gathered
+    /// one at a time; each is one bucket. Other parameters are bucketed as usual.
+    pub groups: Vec<Vec<usize>>,
 }
 
 /// What is sharded across the data-parallel ranks (DeepSpeed's `zero_stage`).
@@ -65,6 +68,9 @@ pub enum Sharding {
     OptimizerState,
     /// ZeRO-2: optimizer state and gradients sharded; buckets are reduce-scattered.
     Gradients,
+    /// ZeRO-3: parameters sharded too. The model's parameter groups ([`DdpConfig::groups`])
+    /// are not resident: each is gathered when used ([`kolo_base::ParamGather`]).
+    Parameters,
 }
 
 impl Sharding {
@@ -73,6 +79,7 @@ impl Sharding {
             0 => Some(Sharding::None),
             1 => Some(Sharding::OptimizerState),
             2 => Some(Sharding::Gradients),
+            3 => Some(Sharding::Parameters),
             _ => None,
         }
     }
@@ -82,13 +89,14 @@ impl Sharding {
             Sharding::None => 0,
             Sharding::OptimizerState => 1,
             Sharding::Gradients => 2,
+            Sharding::Parameters => 3,
         }
     }
 }
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT, sharding: Sharding::None }
+        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT, sharding: Sharding::None, groups: Vec::new() }
     }
 }
 
@@ -118,6 +126,31 @@ pub fn bucket_plan(numels: &[usize], first_cap_elems: usize, cap_elems: usize) -
         out.push(cur);
     }
     out
+}
+
+/// ZeRO-3's plan: parameters outside `groups` in ordinary buckets (last first), then one bucket
+/// per group, its parameters in the group's order. Returns the plan and each group's bucket.
+pub fn grouped_plan(numels: &[usize], groups: &[Vec<usize>], (first_cap, cap): (usize, usize)) -> Result<(Vec<Bucket>, Vec<usize>), String> {
+    let mut in_group = vec![false; numels.len()];
+    for g in groups {
+        for &p in g {
+            if p >= numels.len() || std::mem::replace(&mut in_group[p], true) {
+                return Err(format!("parameter group lists parameter {p} twice or out of range ({} parameters)", numels.len()));
+            }
+        }
+    }
+    let rest: Vec<usize> = (0..numels.len()).filter(|&p| !in_group[p]).collect();
+    let rest_numels: Vec<usize> = rest.iter().map(|&p| numels[p]).collect();
+    let mut plan: Vec<Bucket> = bucket_plan(&rest_numels, first_cap, cap)
+        .into_iter()
+        .map(|b| Bucket { params: b.params.iter().map(|&i| rest[i]).collect(), numel: b.numel })
+        .collect();
+    let mut group_bucket = Vec::with_capacity(groups.len());
+    for g in groups {
+        group_bucket.push(plan.len());
+        plan.push(Bucket { params: g.clone(), numel: g.iter().map(|&p| numels[p]).sum() });
+    }
+    Ok((plan, group_bucket))
 }
 
 /// Timing of one synchronised backward pass.
@@ -169,6 +202,13 @@ struct Shared {
     /// This rank's pieces of the buckets (used when sharding).
     shard: ShardPlan,
     reduce_scatter: bool,
+    /// ZeRO-3: the bucket of each parameter group.
+    group_bucket: Vec<usize>,
+    /// ZeRO-3: this rank's master shard (shard-vector layout), the source of every gather.
+    master: Mutex<Vec<f32>>,
+    /// ZeRO-3: gathers started ahead of use, by bucket.
+    prefetched: Mutex<std::collections::HashMap<usize, Pending<Vec<f32>>>>,
+    timeout: Duration,
     inner: Mutex<Inner>,
 }
 
@@ -224,7 +264,12 @@ impl Ddp {
             ranges.push(off..off + n);
             off += n;
         }
-        let plan = bucket_plan(&numels, (cfg.first_bucket_cap.as_usize() / 4).max(1), (cfg.bucket_cap.as_usize() / 4).max(1));
+        let caps = ((cfg.first_bucket_cap.as_usize() / 4).max(1), (cfg.bucket_cap.as_usize() / 4).max(1));
+        let (plan, group_bucket) = if cfg.sharding == Sharding::Parameters {
+            grouped_plan(&numels, &cfg.groups, caps).map_err(|what| DdpError::Usage { rank, what })?
+        } else {
+            (bucket_plan(&numels, caps.0, caps.1), Vec::new())
+        };
         let mut slot = vec![(0, 0); numels.len()];
         for (b, bucket) in plan.iter().enumerate() {
             let mut o = 0;
@@ -243,8 +288,20 @@ impl Ddp {
             backward_started: None,
         };
         let shard = ShardPlan::new(&numels, &plan, comm.world_size(), rank);
-        let reduce_scatter = cfg.sharding == Sharding::Gradients;
-        let shared = Arc::new(Shared { comm: AsyncComm::new(comm), plan, slot, ranges, shard, reduce_scatter, inner: Mutex::new(inner) });
+        let reduce_scatter = matches!(cfg.sharding, Sharding::Gradients | Sharding::Parameters);
+        let shared = Arc::new(Shared {
+            comm: AsyncComm::new(comm),
+            plan,
+            slot,
+            ranges,
+            shard,
+            reduce_scatter,
+            group_bucket,
+            master: Mutex::new(Vec::new()),
+            prefetched: Mutex::new(std::collections::HashMap::new()),
+            timeout: cfg.timeout,
+            inner: Mutex::new(inner),
+        });
         Ok(Ddp { shared, names: signature.iter().map(|(n, _)| n.clone()).collect(), cfg, rank })
     }
 
@@ -280,7 +337,46 @@ impl Ddp {
     /// and receives everyone's: `write(i, values)` gets each parameter's complete new values.
     /// Buckets are gathered one after another on the communication thread while earlier ones
     /// are written out.
-    pub fn all_gather_params<E: From<DdpError>>(&self, shard: &[f32], mut write: impl FnMut(usize, &[f32]) -> Result<(), E>) -> Result<(), E> {
+    pub fn all_gather_params<E: From<DdpError>>(&self, shard: &[f32], write: impl FnMut(usize, &[f32]) -> Result<(), E>) -> Result<(), E> {
+        // Under ZeRO-3 the parameter groups stay sharded: they are gathered when used.
+        let buckets: Vec<usize> = (0..self.shared.plan.len()).filter(|b| !self.shared.group_bucket.contains(b)).collect();
+        self.gather_buckets(&buckets, shard, write)
+    }
+
+    /// [`Ddp::all_gather_params`] of every bucket, ZeRO-3's groups included (the whole model,
+    /// for a summary or an export).
+    pub fn all_gather_everything<E: From<DdpError>>(&self, shard: &[f32], write: impl FnMut(usize, &[f32]) -> Result<(), E>) -> Result<(), E> {
+        let buckets: Vec<usize> = (0..self.shared.plan.len()).collect();
+        self.gather_buckets(&buckets, shard, write)
+    }
+
+    /// ZeRO-3: the handle the model gathers its parameter groups through.
+    pub fn gatherer(&self) -> Arc<dyn ParamGather> {
+        self.shared.clone()
+    }
+
+    /// ZeRO-3: sets this rank's master shard (shard-vector layout), the source of gathers.
+    pub fn set_master(&self, values: Vec<f32>) {
+        *self.shared.master.lock().unwrap_or_else(|p| p.into_inner()) = values;
+    }
+
+    /// ZeRO-3: runs `f` on this rank's master shard (the optimizer step, a checkpoint).
+    pub fn with_master<R>(&self, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        f(&mut self.shared.master.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// ZeRO-3: completes and discards gathers started ahead of use (their values are stale once
+    /// the master shard changes). Every rank calls it at the same point.
+    pub fn drop_prefetched(&self) -> Result<(), DdpError> {
+        let pending: Vec<_> = self.shared.prefetched.lock().unwrap_or_else(|p| p.into_inner()).drain().collect();
+        let d = Deadline::after(self.cfg.timeout);
+        for (_, p) in pending {
+            p.wait(d)?;
+        }
+        Ok(())
+    }
+
+    fn gather_buckets<E: From<DdpError>>(&self, buckets: &[usize], shard: &[f32], mut write: impl FnMut(usize, &[f32]) -> Result<(), E>) -> Result<(), E> {
         let sh = &self.shared;
         if shard.len() != sh.shard.len {
             return Err(DdpError::Usage { rank: self.rank, what: format!("all_gather_params: shard has {} values, the plan {}", shard.len(), sh.shard.len) }.into());
@@ -299,14 +395,14 @@ impl Ddp {
                 Ok((b, out))
             })
         };
-        let nb = sh.plan.len();
-        let mut window: std::collections::VecDeque<Pending<(usize, Vec<f32>)>> = (0..nb.min(2)).map(submit).collect();
+        let nb = buckets.len();
+        let mut window: std::collections::VecDeque<Pending<(usize, Vec<f32>)>> = buckets[..nb.min(2)].iter().map(|&b| submit(b)).collect();
         let mut next = window.len();
         let mut failed: Option<E> = None;
         while let Some(p) = window.pop_front() {
             let got = p.wait(d).map_err(DdpError::from);
             if next < nb && got.is_ok() {
-                window.push_back(submit(next));
+                window.push_back(submit(buckets[next]));
                 next += 1;
             }
             let (b, buf) = match got {
@@ -549,7 +645,17 @@ impl GradSink for Shared {
         }
         if remaining[b] == 0 {
             let buf = buffers[b].take().expect("checked above");
-            inflight[b] = Some(if self.reduce_scatter {
+            inflight[b] = Some(self.submit_bucket(b, buf, pieces));
+        }
+    }
+}
+
+impl Shared {
+    /// Queues bucket `b`'s collective: all-reduce, or in-place reduce-scatter keeping this
+    /// rank's piece.
+    fn submit_bucket(&self, b: usize, buf: Vec<f32>, pieces: &mut [Option<Vec<f32>>]) -> Pending<Timed> {
+        {
+            if self.reduce_scatter {
                 let own = self.shard.pieces[b].in_bucket.clone();
                 let mut piece = pieces[b].take().unwrap_or_else(|| vec![0f32; own.len()]);
                 self.comm.submit(OpKind::ReduceScatter, move |c| {
@@ -568,8 +674,51 @@ impl GradSink for Shared {
                     c.all_reduce(BufMut::from(&mut buf), ReduceOp::Avg)?;
                     Ok((Some(buf), None, s, Instant::now()))
                 })
-            });
+            }
         }
+    }
+
+    /// Queues the all-gather of bucket `b` from this rank's master piece.
+    fn submit_gather(&self, b: usize) -> Pending<Vec<f32>> {
+        let piece = &self.shard.pieces[b];
+        let mine = self.master.lock().unwrap_or_else(|p| p.into_inner())[piece.shard_offset..piece.shard_offset + piece.in_bucket.len()].to_vec();
+        let numel = self.plan[b].numel;
+        self.comm.submit(OpKind::AllGather, move |c| {
+            let mut out = vec![0f32; numel];
+            c.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut out))?;
+            Ok(out)
+        })
+    }
+}
+
+impl ParamGather for Shared {
+    fn gather(&self, group: usize) -> Result<Vec<f32>, String> {
+        let b = *self.group_bucket.get(group).ok_or_else(|| format!("no parameter group {group}"))?;
+        let pending = self.prefetched.lock().unwrap_or_else(|p| p.into_inner()).remove(&b);
+        let p = pending.unwrap_or_else(|| self.submit_gather(b));
+        p.wait(Deadline::after(self.timeout)).map_err(|e| e.to_string())
+    }
+
+    fn prefetch(&self, group: usize) {
+        let Some(&b) = self.group_bucket.get(group) else { return };
+        let mut m = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
+        if !m.contains_key(&b) {
+            m.insert(b, self.submit_gather(b));
+        }
+    }
+
+    fn group_grad_ready(&self, group: usize, grad: &[f32]) {
+        let Some(&b) = self.group_bucket.get(group) else { return };
+        let mut inner = self.lock();
+        let Inner { pieces, remaining, seen, inflight, .. } = &mut *inner;
+        if inflight[b].is_some() || grad.len() != self.plan[b].numel {
+            return; // a second gradient in one pass, or a wrong size: finish reports the bucket
+        }
+        for &p in &self.plan[b].params {
+            seen[p] = true;
+        }
+        remaining[b] = 0;
+        inflight[b] = Some(self.submit_bucket(b, grad.to_vec(), pieces));
     }
 }
 

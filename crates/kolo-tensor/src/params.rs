@@ -147,6 +147,18 @@ impl ParamSet {
         Ok(())
     }
 
+    /// Frees parameter `i`'s values (ZeRO-3: its values then live sharded across ranks and are
+    /// gathered on use). Its name, shape and range stay; reading or loading it is an error.
+    pub fn release(&mut self, i: usize) -> Result<()> {
+        self.params[i].var = Var::from_vec(Vec::<f32>::new(), 0, &Device::Cpu)?;
+        Ok(())
+    }
+
+    /// Whether parameter `i` holds its values (see [`ParamSet::release`]).
+    pub fn is_resident(&self, i: usize) -> bool {
+        self.params[i].var.elem_count() == self.params[i].range.len()
+    }
+
     /// `(name, shape)` of every parameter, for cross-rank and checkpoint compatibility checks.
     pub fn signature(&self) -> Vec<(String, Vec<usize>)> {
         self.params.iter().map(|p| (p.name.clone(), p.shape.clone())).collect()

@@ -243,7 +243,9 @@ pub struct DdpConfig {
     /// the step time without communication (torch's `no_sync` on every step). Default false.
     pub skip_sync: bool,
     /// ZeRO stage (DeepSpeed's `zero_stage`): 0 = plain DDP; 1 = optimizer state sharded
-    /// across ranks; 2 = gradients sharded too (reduce-scattered during backward). Default 0.
+    /// across ranks; 2 = gradients sharded too (reduce-scattered during backward); 3 =
+    /// parameters sharded too (GPT: each block gathered just before use, the next one
+    /// prefetched, gathered again for a recomputing backward). Default 0.
     pub zero_stage: u8,
 }
 
@@ -326,10 +328,17 @@ impl Config {
     }
 
     pub fn sharding(&self) -> Result<kolo_ddp::Sharding, String> {
-        match self.ddp.zero_stage {
-            3 => Err("ddp.zero_stage = 3 (sharded parameters) is not implemented yet; use 0, 1 or 2".into()),
-            s => kolo_ddp::Sharding::from_stage(s).ok_or_else(|| format!("ddp.zero_stage must be 0, 1 or 2, not {s}")),
+        let s = self.ddp.zero_stage;
+        let sharding = kolo_ddp::Sharding::from_stage(s).ok_or_else(|| format!("ddp.zero_stage must be 0, 1, 2 or 3, not {s}"))?;
+        if sharding == kolo_ddp::Sharding::Parameters {
+            if self.model.kind != ModelKind::Gpt {
+                return Err("ddp.zero_stage = 3 shards the GPT's blocks; use 0, 1 or 2 for mlp and cnn".into());
+            }
+            if self.train.grad_accum != 1 {
+                return Err("ddp.zero_stage = 3 needs train.grad_accum = 1 (gradient accumulation under ZeRO-3 is not supported yet)".into());
+            }
         }
+        Ok(sharding)
     }
 
     pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {

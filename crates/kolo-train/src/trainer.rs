@@ -356,15 +356,36 @@ fn load_checkpoint(
 
 /// Loss (mean per example) and accuracy over this rank's share of the evaluation set, combined
 /// across ranks.
-fn evaluate(model: &dyn Model, ds: &dyn Dataset, comm: &dyn Communicator, batch: usize, max_batches: usize) -> Result<Eval, TrainError> {
+/// With `lockstep` (ZeRO-3, where every forward gathers parameters collectively) every rank
+/// runs as many forward passes as rank 0, the one with the most examples, repeating its last
+/// batch without counting it, and `settle` runs after every forward (it completes the gathers
+/// a forward leaves in flight, before this function's own collective).
+fn evaluate(model: &dyn Model, ds: &dyn Dataset, comm: &dyn Communicator, batch: usize, max_batches: usize, lockstep: bool, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<Eval, TrainError> {
     let (r, n) = (comm.rank().get(), comm.world_size().get());
-    let mine: Vec<usize> = (r..ds.len()).step_by(n).collect();
-    let limit = if max_batches == 0 { mine.len() } else { (max_batches * batch).min(mine.len()) };
+    let share = |r: usize| {
+        let mine: Vec<usize> = (r..ds.len()).step_by(n).collect();
+        let limit = if max_batches == 0 { mine.len() } else { (max_batches * batch).min(mine.len()) };
+        (mine, limit)
+    };
+    let (mine, limit) = share(r);
+    let rounds = if lockstep { share(0).1.div_ceil(batch.max(1)) } else { 0 };
     let (mut loss_sum, mut correct, mut count) = (0f64, 0f64, 0f64);
     let mut is_class = false;
-    for chunk in mine[..limit].chunks(batch.max(1)) {
+    let chunks: Vec<&[usize]> = mine[..limit].chunks(batch.max(1)).collect();
+    for extra in chunks.len()..rounds {
+        let filler = chunks.last().copied().unwrap_or(&mine[..mine.len().min(1)]);
+        if filler.is_empty() {
+            return Err(TrainError::Data(format!("rank {r}: no evaluation example to keep in step with rank 0 (round {extra})")));
+        }
+        model.forward(&ds.batch(filler).input, &PlainView)?;
+        settle()?;
+    }
+    for chunk in chunks {
         let b = ds.batch(chunk);
         let logits = model.forward(&b.input, &PlainView)?;
+        if lockstep {
+            settle()?;
+        }
         let t = kolo_tensor::Tensor::from_slice(&b.targets, b.targets.len(), &kolo_tensor::Device::Cpu).map_err(kolo_tensor::TensorError::from)?;
         let l = kolo_tensor::ops::cross_entropy(&logits, &t)?.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?;
         loss_sum += f64::from(l) * chunk.len() as f64;
@@ -382,7 +403,7 @@ fn evaluate(model: &dyn Model, ds: &dyn Dataset, comm: &dyn Communicator, batch:
 }
 
 /// Generates `n` characters from a text model, starting from a newline.
-fn sample_text(model: &dyn Model, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64) -> Result<String, TrainError> {
+fn sample_text(model: &dyn Model, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<String, TrainError> {
     let mut rng = Rng::new(seed ^ 0x5A5A);
     let start = vocab.encode(b"\n").unwrap_or_else(|_| vec![0]);
     let mut ids: Vec<u32> = start;
@@ -390,6 +411,7 @@ fn sample_text(model: &dyn Model, vocab: &CharVocab, seq: usize, n: usize, tempe
         let ctx: Vec<u32> = ids[ids.len().saturating_sub(seq)..].to_vec();
         let t = ctx.len();
         let logits = model.forward(&Input::Tokens { ids: ctx, b: 1, t }, &PlainView)?;
+        settle()?;
         let last = logits.narrow(0, t - 1, 1).map_err(kolo_tensor::TensorError::from)?;
         let scaled = (last / f64::from(temperature.max(1e-3))).map_err(kolo_tensor::TensorError::from)?;
         let probs: Vec<f32> = softmax_last(&scaled)?.flatten_all().map_err(kolo_tensor::TensorError::from)?.to_vec1().map_err(kolo_tensor::TensorError::from)?;
@@ -424,7 +446,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut model = build_model(&spec, tc.seed)?;
     model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
     let sharding = cfg.sharding().map_err(TrainError::Config)?;
-    let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding };
+    let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
+    let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding, groups };
     let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
     // `flat` is needed only until the model holds its starting values (broadcast, resume).
     let mut flat = model.params().to_flat()?;
@@ -459,10 +482,19 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     }
     model.params().load(&flat)?;
     // ZeRO: this rank's master copy of its shard of the parameters.
-    let mut master = Buffer::zeros(zero.as_ref().map_or(0, |z| z.len), &place, "master").map_err(offload_err)?;
+    // Under ZeRO-3 the DDP engine holds it: the model gathers its blocks from it.
+    let zero3 = sharding == Sharding::Parameters;
+    let mut master = Buffer::zeros(if zero3 { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master").map_err(offload_err)?;
     if let Some(z) = &zero {
-        z.gather(ddp.ranges(), &flat, master.as_mut_slice());
-        master.release_all();
+        if zero3 {
+            let mut m = vec![0f32; z.len];
+            z.gather(ddp.ranges(), &flat, &mut m);
+            ddp.set_master(m);
+            model.shard_groups(ddp.gatherer())?;
+        } else {
+            z.gather(ddp.ranges(), &flat, master.as_mut_slice());
+            master.release_all();
+        }
     }
     let numel = flat.len();
     drop(flat);
@@ -522,6 +554,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut eval = None;
     let mut checkpoint = None;
     let mut saving: Option<PendingSave> = None;
+    // ZeRO-3: completes the gathers a forward pass leaves in flight (the last block prefetches
+    // itself for a backward), so that the trainer's own collectives find the communicator idle.
+    let settle = || -> Result<(), TrainError> { if zero3 { ddp.drop_prefetched()?; } Ok(()) };
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let tokens_per_example = match cfg.model.kind {
         crate::config::ModelKind::Gpt => cfg.model.seq.unwrap_or(128),
@@ -605,17 +640,32 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                         g.scale(clip(sq[0].sqrt()));
                     }
                     opt.begin_step();
-                    for piece in &plan.pieces {
-                        let at = piece.shard_offset..piece.shard_offset + piece.in_bucket.len();
-                        opt.update(at.start, &mut master.as_mut_slice()[at.clone()], g.piece(piece.bucket), lr);
-                        master.release(at);
+                    let pieces = plan.pieces.iter().map(|p| (p.bucket, p.shard_offset..p.shard_offset + p.in_bucket.len()));
+                    let mut step = |b: usize, at: std::ops::Range<usize>, m: &mut [f32]| opt.update(at.start, &mut m[at], g.piece(b), lr);
+                    if zero3 {
+                        ddp.with_master(|m| pieces.for_each(|(b, at)| step(b, at, m)));
+                    } else {
+                        for (b, at) in pieces {
+                            step(b, at.clone(), master.as_mut_slice());
+                            master.release(at);
+                        }
                     }
                     stats
                 }
             };
+            if zero3 {
+                // Gathers started before this update hold old values.
+                ddp.drop_prefetched()?;
+            }
             if zero.is_some() {
-                // Everyone gathers everyone's updated shard straight into the model.
-                ddp.all_gather_params(master.as_slice(), |i, v| params.load_one(i, v).map_err(TrainError::from))?;
+                // Everyone gathers everyone's updated shard straight into the model (under
+                // ZeRO-3 only the parameters outside the sharded groups).
+                let load = |i: usize, v: &[f32]| params.load_one(i, v).map_err(TrainError::from);
+                if zero3 {
+                    ddp.with_master(|m| ddp.all_gather_params(m, load))?;
+                } else {
+                    ddp.all_gather_params(master.as_slice(), load)?;
+                }
                 master.release_all();
             }
             wait_ms.push(stats.wait.as_secs_f64() * 1e3);
@@ -655,7 +705,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             pb.set_position(done);
         }
         if tc.eval_every > 0 && done % tc.eval_every == 0 && done != end {
-            let e = evaluate(&*model, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches)?;
+            let e = evaluate(&*model, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches, zero3, &settle)?;
             log(&format!("step {done}: eval loss {:.4}{}", e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
         }
         if let Some(dir) = &tc.checkpoint_dir {
@@ -664,7 +714,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                     checkpoint = Some(prev.wait()?);
                 }
                 let bg = tc.checkpoint_background;
-                let p = save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta, bg)?;
+                let p = if zero3 {
+                    ddp.with_master(|m| save_checkpoint(Path::new(dir), done, &*model, m, &opt, zero.as_ref(), &*comm, pos, &meta, bg))?
+                } else {
+                    save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta, bg)?
+                };
                 log(&format!("step {done}: checkpoint {}{}", p.target.display(), if bg { " (writing in the background)" } else { "" }));
                 saving = Some(p);
             }
@@ -685,7 +739,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         // The final evaluation covers the whole test set for images (10k for MNIST); text
         // validation sets have a window at every position, so `eval_batches` bounds them.
         let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
-        let e = evaluate(&*model, &*data.eval, &*comm, cfg.data.batch_size, limit)?;
+        let e = evaluate(&*model, &*data.eval, &*comm, cfg.data.batch_size, limit, zero3, &settle)?;
         say(&format!(
             "final eval on {} examples: loss {:.4}{}",
             e.examples,
@@ -695,18 +749,21 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         eval = Some(e);
     }
     let sample = match (&data.vocab, &spec) {
-        (Some(v), ModelSpec::Gpt(g)) if rank == 0 && end == tc.steps && tc.sample_chars > 0 => {
-            let s = sample_text(&*model, v, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed)?;
+        // Under ZeRO-3 every rank samples (the same text: same seed), since each forward
+        // gathers the blocks collectively.
+        (Some(v), ModelSpec::Gpt(g)) if (rank == 0 || zero3) && end == tc.steps && tc.sample_chars > 0 => {
+            let s = sample_text(&*model, v, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &settle)?;
             say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
             Some(s)
         }
         _ => None,
     };
     let bytes = |n: usize| n as u64 * 4;
+    let resident: usize = (0..model.params().len()).filter(|&i| model.params().is_resident(i)).map(|i| model.params().get(i).range.len()).sum();
     let states = StateBytes {
-        params: bytes(numel),
-        grads: bytes(if sharding == Sharding::Gradients { ddp.grad_len() } else { ddp.plan().iter().map(|b| b.numel).sum() } + micro.len()),
-        optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len()),
+        params: bytes(resident),
+        grads: bytes(if matches!(sharding, Sharding::Gradients | Sharding::Parameters) { ddp.grad_len() } else { ddp.plan().iter().map(|b| b.numel).sum() } + micro.len()),
+        optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len() + if zero3 { ddp.grad_len() } else { 0 }),
         offloaded: opt.is_offloaded() || master.is_offloaded(),
     };
     Ok(Summary {
@@ -716,7 +773,19 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         hidden_fraction: if hidden.is_empty() { 1.0 } else { hidden.iter().sum::<f64>() / hidden.len() as f64 },
         step_ms,
         comm_wait_ms: wait_ms,
-        params: model.params().to_flat()?,
+        params: if zero3 {
+            let mut flat = vec![0f32; numel];
+            let ranges = ddp.ranges();
+            ddp.with_master(|m| {
+                ddp.all_gather_everything(m, |i, v| {
+                    flat[ranges[i].clone()].copy_from_slice(v);
+                    Ok::<(), TrainError>(())
+                })
+            })?;
+            flat
+        } else {
+            model.params().to_flat()?
+        },
         states,
         peak_rss: peak_rss(),
         heap: match (heap_before_model, heap_after_steps) {

@@ -14,7 +14,8 @@ pub struct TrainArgs {
     /// complete checkpoint in a directory of them.
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Override ddp.zero_stage: 0 = DDP, 1 = optimizer state sharded, 2 = gradients too.
+    /// Override ddp.zero_stage: 0 = DDP, 1 = optimizer state sharded, 2 = gradients too,
+    /// 3 = parameters too (GPT blocks gathered on use).
     #[arg(long)]
     zero_stage: Option<u8>,
     /// Override optim.offload_dir: keep optimizer state in memory-mapped files there.

@@ -1,8 +1,9 @@
 use super::{normal, Input, Model};
 use crate::ops::{layer_norm, linear};
 use crate::{ParamSet, ParamView, Result, TensorError};
-use candle_core::{CpuStorage, CustomOp2, Device, Layout, Shape, Storage, Tensor, Var};
-use kolo_base::Rng;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Device, Layout, Shape, Storage, Tensor, Var};
+use kolo_base::{ParamGather, Rng};
+use std::sync::Arc;
 
 /// nanoGPT-style decoder: token + learned position embedding, pre-norm blocks with causal
 /// self-attention and a GELU MLP (x4), final norm, untied head. No dropout.
@@ -49,6 +50,8 @@ pub struct Gpt {
     head: (usize, usize),
     /// Blocks whose activations are recomputed in backward instead of stored.
     checkpointed: Vec<bool>,
+    /// ZeRO-3: where the blocks' parameters come from (they are not resident).
+    sharded: Option<Arc<dyn ParamGather>>,
 }
 
 /// One pre-norm transformer block on `x` (b, t, c) with parameters `p` (see [`Block::ids`]).
@@ -96,6 +99,75 @@ fn unpack(packed: &Tensor, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
         .collect()
 }
 
+/// A tensor's values as an owned CPU storage (the result of a custom op).
+fn into_storage(y: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
+    let y = y.contiguous()?;
+    let (st, layout) = y.storage_and_layout();
+    let Storage::Cpu(cpu) = &*st else {
+        return Err(candle_core::Error::Msg("kolo block op: CPU only".into()));
+    };
+    let s = layout.start_offset();
+    let n = layout.shape().elem_count();
+    let out = if s == 0 && cpu.as_slice::<f32>()?.len() == n { cpu.clone() } else { CpuStorage::F32(cpu.as_slice::<f32>()?[s..s + n].to_vec()) };
+    Ok((out, layout.shape().clone()))
+}
+
+/// ZeRO-3 block: its parameters are gathered from the shards just before the forward and freed
+/// after it, gathered again for the backward (which recomputes the block, as a checkpointed
+/// block does) and their gradient goes back to be reduce-scattered. The next block's gather is
+/// started before this one computes, so communication overlaps compute.
+struct ShardedBlock {
+    group: usize,
+    /// Group to prefetch before the forward (the next block), and after it (the last block
+    /// prefetches itself for the backward that comes next).
+    before_fwd: Option<usize>,
+    after_fwd: Option<usize>,
+    /// Group to prefetch before the backward (the previous block).
+    before_bwd: Option<usize>,
+    gather: Arc<dyn ParamGather>,
+    n_head: usize,
+    shapes: Vec<Vec<usize>>,
+}
+
+impl ShardedBlock {
+    fn params(&self) -> candle_core::Result<Tensor> {
+        let full = self.gather.gather(self.group).map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of block {}: {e}", self.group)))?;
+        let n = full.len();
+        Tensor::from_vec(full, n, &Device::Cpu)
+    }
+}
+
+impl CustomOp1 for ShardedBlock {
+    fn name(&self) -> &'static str {
+        "kolo-zero3-block"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        if let Some(g) = self.before_fwd {
+            self.gather.prefetch(g);
+        }
+        let x = cpu_tensor(storage, layout)?;
+        let packed = self.params()?;
+        let y = block_forward(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head).map_err(msg)?;
+        drop(packed);
+        if let Some(g) = self.after_fwd {
+            self.gather.prefetch(g);
+        }
+        into_storage(&y)
+    }
+
+    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        if let Some(g) = self.before_bwd {
+            self.gather.prefetch(g);
+        }
+        let full = self.gather.gather(self.group).map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of block {}: {e}", self.group)))?;
+        let (gx, gp) = recompute(x, &full, &self.shapes, self.n_head, grad)?;
+        drop(full);
+        self.gather.group_grad_ready(self.group, &gp);
+        Ok(gx)
+    }
+}
+
 fn cpu_tensor(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Tensor> {
     let CpuStorage::F32(v) = storage else {
         return Err(candle_core::Error::Msg("kolo-checkpointed-block: f32 only".into()));
@@ -119,27 +191,42 @@ impl CustomOp2 for CheckpointedBlock {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = cpu_tensor(s1, l1)?;
         let packed = cpu_tensor(s2, l2)?;
-        let y = block_forward(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head).map_err(msg)?.contiguous()?;
-        let (st, layout) = y.storage_and_layout();
-        let Storage::Cpu(cpu) = &*st else {
-            return Err(candle_core::Error::Msg("kolo-checkpointed-block: CPU only".into()));
-        };
-        let out = if layout.start_offset() == 0 && cpu.as_slice::<f32>()?.len() == layout.shape().elem_count() {
-            cpu.clone()
-        } else {
-            let s = layout.start_offset();
-            CpuStorage::F32(cpu.as_slice::<f32>()?[s..s + layout.shape().elem_count()].to_vec())
-        };
-        Ok((out, layout.shape().clone()))
+        let y = block_forward(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head).map_err(msg)?;
+        into_storage(&y)
     }
 
     fn bwd(&self, x: &Tensor, packed: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let xv = Var::from_tensor(&x.detach())?;
-        let pv = Var::from_tensor(&packed.detach())?;
-        let y = block_forward(xv.as_tensor(), &unpack(pv.as_tensor(), &self.shapes).map_err(msg)?, self.n_head).map_err(msg)?;
-        let g = (y * grad.detach())?.sum_all()?.backward()?;
-        Ok((g.get(xv.as_tensor()).cloned(), g.get(pv.as_tensor()).cloned()))
+        let (gx, gp) = recompute(x, &packed.flatten_all()?.to_vec1::<f32>()?, &self.shapes, self.n_head, grad)?;
+        let n = gp.len();
+        Ok((gx, Some(Tensor::from_vec(gp, n, &Device::Cpu)?)))
     }
+}
+
+/// The backward of a block from its input `x`, its packed parameters and the gradient of its
+/// output: the block runs again with a graph, one variable per parameter (a single packed
+/// variable would make candle pad every parameter's gradient to the packed size), and the
+/// parameter gradients come back packed.
+fn recompute(x: &Tensor, packed: &[f32], shapes: &[Vec<usize>], n_head: usize, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Vec<f32>)> {
+    let xv = Var::from_tensor(&x.detach())?;
+    let mut off = 0;
+    let mut vars = Vec::with_capacity(shapes.len());
+    for s in shapes {
+        let n: usize = s.iter().product();
+        vars.push(Var::from_slice(&packed[off..off + n], s.as_slice(), &Device::Cpu)?);
+        off += n;
+    }
+    let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = block_forward(xv.as_tensor(), &ps, n_head).map_err(msg)?;
+    let g = (y * grad.detach())?.sum_all()?.backward()?;
+    let mut out = vec![0f32; packed.len()];
+    let mut off = 0;
+    for v in &vars {
+        let n = v.elem_count();
+        let gv = g.get(v.as_tensor()).ok_or_else(|| candle_core::Error::Msg("kolo block recompute: a parameter got no gradient".into()))?;
+        crate::params::copy_f32(gv, &mut out[off..off + n]).map_err(msg)?;
+        off += n;
+    }
+    Ok((g.get(xv.as_tensor()).cloned(), out))
 }
 
 impl Gpt {
@@ -173,7 +260,7 @@ impl Gpt {
         let ln_f = ln(&mut p, "ln_f")?;
         let head = lin(&mut p, "head", cfg.vocab, c, rng)?;
         let checkpointed = vec![false; cfg.n_layer];
-        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed })
+        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, sharded: None })
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -200,6 +287,20 @@ impl Model for Gpt {
         self.set_checkpointing_blocks(blocks)
     }
 
+    fn param_groups(&self) -> Vec<Vec<usize>> {
+        self.blocks.iter().map(|b| b.ids().to_vec()).collect()
+    }
+
+    fn shard_groups(&mut self, gather: Arc<dyn ParamGather>) -> Result<()> {
+        for b in &self.blocks {
+            for i in b.ids() {
+                self.params.release(i)?;
+            }
+        }
+        self.sharded = Some(gather);
+        Ok(())
+    }
+
     fn forward(&self, input: &Input, view: &dyn ParamView) -> Result<Tensor> {
         let Input::Tokens { ids, b, t } = input else {
             return Err(TensorError::Input("the GPT takes token sequences".into()));
@@ -219,7 +320,22 @@ impl Model for Gpt {
         let tok = g(self.wte)?.index_select(&ids_t, 0)?.reshape((b, t, c))?;
         let pos = g(self.wpe)?.narrow(0, 0, t)?;
         let mut x = tok.broadcast_add(&pos)?;
-        for (blk, &ckpt) in self.blocks.iter().zip(&self.checkpointed) {
+        let n = self.blocks.len();
+        for (i, (blk, &ckpt)) in self.blocks.iter().zip(&self.checkpointed).enumerate() {
+            if let Some(gather) = &self.sharded {
+                let shapes = blk.ids().iter().map(|&p| self.params.get(p).shape.clone()).collect();
+                let op = ShardedBlock {
+                    group: i,
+                    before_fwd: (i + 1 < n).then_some(i + 1),
+                    after_fwd: (i + 1 == n).then_some(i),
+                    before_bwd: i.checked_sub(1),
+                    gather: gather.clone(),
+                    n_head: h,
+                    shapes,
+                };
+                x = x.contiguous()?.apply_op1(op)?;
+                continue;
+            }
             let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
             x = if ckpt {
                 let flat: Vec<Tensor> = p.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;

@@ -47,6 +47,18 @@ pub trait Model: Send {
     /// Logits: (n, classes) for images, (b * t, vocab) for tokens.
     fn forward(&self, input: &Input, view: &dyn ParamView) -> Result<Tensor>;
 
+    /// Groups of parameters that ZeRO-3 may shard and gather one at a time (the GPT's blocks),
+    /// each in the order [`Model::shard_groups`] packs them.
+    fn param_groups(&self) -> Vec<Vec<usize>> {
+        Vec::new()
+    }
+
+    /// ZeRO-3: frees the parameters of [`Model::param_groups`] and from now on gathers each
+    /// group from `gather` when it is used (forward, and again for the recomputing backward).
+    fn shard_groups(&mut self, _gather: std::sync::Arc<dyn kolo_base::ParamGather>) -> Result<()> {
+        Err(TensorError::Input("this model has no parameter groups to shard (ZeRO-3 applies to the GPT's blocks)".into()))
+    }
+
     /// Recompute these blocks' activations in backward instead of keeping them (activation
     /// checkpointing). Models without blocks accept only an empty list.
     fn set_checkpointing(&mut self, blocks: &[usize]) -> Result<()> {
