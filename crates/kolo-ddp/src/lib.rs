@@ -702,9 +702,7 @@ impl ParamGather for Shared {
     fn prefetch(&self, group: usize) {
         let Some(&b) = self.group_bucket.get(group) else { return };
         let mut m = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
-        if !m.contains_key(&b) {
-            m.insert(b, self.submit_gather(b));
-        }
+        m.entry(b).or_insert_with(|| self.submit_gather(b));
     }
 
     fn group_grad_ready(&self, group: usize, grad: &[f32]) {

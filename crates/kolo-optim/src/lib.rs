@@ -6,8 +6,10 @@
 //! decoupled decay, Adagrad), so Kolo runs can be compared with PyTorch ones.
 
 pub mod offload;
+mod scaler;
 mod schedule;
 pub use offload::{Buffer, Placement};
+pub use scaler::{has_non_finite, LossScaler};
 pub use schedule::{lr_at, scaled_lr, Schedule};
 
 #[derive(Clone, Debug, PartialEq)]

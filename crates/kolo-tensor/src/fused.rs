@@ -4,8 +4,10 @@
 //! backward passes reduce over leading dimensions with strided loops; together they cost more
 //! than the matmuls in a GPT step. Each op here does one pass forward and one or two passes
 //! backward, row by row. `tests.rs` checks each against the composite candle formulation.
+//! Half-precision inputs (mixed-precision training) are computed in f32 and cast back, as
+//! autocast does for norms and softmax.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -63,7 +65,27 @@ impl CustomOp2 for BiasAdd {
     }
 }
 
+/// `f` on f32 copies of `ts`, its result cast back to `ts[0]`'s dtype (identity for f32).
+fn in_f32<const N: usize>(ts: [&Tensor; N], f: impl FnOnce([Tensor; N]) -> CResult<Tensor>) -> Option<CResult<Tensor>> {
+    let dt = ts[0].dtype();
+    if dt == DType::F32 {
+        return None;
+    }
+    let run = || -> CResult<Tensor> {
+        let mut v = Vec::with_capacity(N);
+        for t in ts {
+            v.push(t.to_dtype(DType::F32)?);
+        }
+        let arr: [Tensor; N] = v.try_into().map_err(|_| err("in_f32: arity"))?;
+        f(arr)?.to_dtype(dt)
+    };
+    Some(run())
+}
+
 pub fn bias_add(y: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    if let Some(r) = in_f32([y, b], |[y, b]| bias_add(&y, &b)) {
+        return r;
+    }
     y.contiguous()?.apply_op2_arc(&b.contiguous()?, std::sync::Arc::new(Box::new(BiasAdd)))
 }
 
@@ -135,6 +157,9 @@ impl CustomOp3 for LayerNorm {
 }
 
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> CResult<Tensor> {
+    if let Some(r) = in_f32([x, gamma, beta], |[x, g, b]| layer_norm(&x, &g, &b, eps)) {
+        return r;
+    }
     x.contiguous()?.apply_op3_arc(&gamma.contiguous()?, &beta.contiguous()?, std::sync::Arc::new(Box::new(LayerNorm { eps: eps as f32 })))
 }
 
@@ -187,6 +212,9 @@ impl CustomOp1 for CausalSoftmax {
 }
 
 pub fn causal_softmax(scores: &Tensor, scale: f64) -> CResult<Tensor> {
+    if let Some(r) = in_f32([scores], |[s]| causal_softmax(&s, scale)) {
+        return r;
+    }
     scores.contiguous()?.apply_op1_arc(std::sync::Arc::new(Box::new(CausalSoftmax { scale: scale as f32 })))
 }
 
@@ -259,5 +287,8 @@ impl CustomOp1 for GeluErf {
 }
 
 pub fn gelu_erf(x: &Tensor) -> CResult<Tensor> {
+    if let Some(r) = in_f32([x], |[x]| gelu_erf(&x)) {
+        return r;
+    }
     x.contiguous()?.apply_op1_arc(std::sync::Arc::new(Box::new(GeluErf)))
 }

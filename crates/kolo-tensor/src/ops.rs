@@ -38,6 +38,8 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
 
 /// Mean cross-entropy of `logits` (N, C) against class ids `targets` (N, u32).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    // Always in f32 (mixed precision computes the loss at full precision).
+    let logits = &logits.to_dtype(candle_core::DType::F32)?;
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let shifted = logits.broadcast_sub(&max)?;
     let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;

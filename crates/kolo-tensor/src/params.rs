@@ -1,6 +1,6 @@
 use crate::{Result, TensorError};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, CustomOp1, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var};
 pub use kolo_base::GradSink;
 use std::ops::Range;
 use std::sync::Arc;
@@ -183,11 +183,31 @@ impl ParamView for PlainView {
 /// only to it: the GradStore that `backward` returns holds no parameter gradients).
 pub struct HookedView {
     pub sink: Arc<dyn GradSink>,
+    /// The dtype the model computes in: f32, or bf16/f16 for mixed precision (the parameters
+    /// stay f32; the hook hands out a half-precision copy and widens the gradient back).
+    pub dtype: DType,
+}
+
+impl HookedView {
+    pub fn new(sink: Arc<dyn GradSink>) -> HookedView {
+        HookedView { sink, dtype: DType::F32 }
+    }
+}
+
+/// The parameters cast to a compute dtype (mixed-precision evaluation; gradients flow back to
+/// the f32 parameters through the cast).
+pub struct CastView(pub DType);
+
+impl ParamView for CastView {
+    fn get(&self, params: &ParamSet, i: usize) -> Result<Tensor> {
+        Ok(params.get(i).var.as_tensor().to_dtype(self.0)?)
+    }
 }
 
 struct GradHook {
     idx: usize,
     sink: Arc<dyn GradSink>,
+    dtype: DType,
 }
 
 impl CustomOp1 for GradHook {
@@ -200,11 +220,18 @@ impl CustomOp1 for GradHook {
         if !layout.is_contiguous() || layout.start_offset() != 0 {
             return Err(candle_core::Error::Msg("kolo-grad-hook: parameter must be contiguous".into()));
         }
-        Ok((storage.clone(), layout.shape().clone()))
+        let v = storage.as_slice::<f32>()?;
+        let out = match self.dtype {
+            DType::BF16 => CpuStorage::BF16(v.iter().map(|x| half::bf16::from_f32(*x)).collect()),
+            DType::F16 => CpuStorage::F16(v.iter().map(|x| half::f16::from_f32(*x)).collect()),
+            _ => storage.clone(),
+        };
+        Ok((out, layout.shape().clone()))
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let g = if grad.is_contiguous() { grad.clone() } else { grad.contiguous()? };
+        let g = g.to_dtype(DType::F32)?; // a half-precision gradient is widened for the sink
         let (storage, layout) = g.storage_and_layout();
         if let Storage::Cpu(cpu) = &*storage {
             let s = cpu.as_slice::<f32>()?;
@@ -222,6 +249,6 @@ impl CustomOp1 for GradHook {
 
 impl ParamView for HookedView {
     fn get(&self, params: &ParamSet, i: usize) -> Result<Tensor> {
-        Ok(params.get(i).var.as_tensor().apply_op1(GradHook { idx: i, sink: self.sink.clone() })?)
+        Ok(params.get(i).var.as_tensor().apply_op1(GradHook { idx: i, sink: self.sink.clone(), dtype: self.dtype })?)
     }
 }

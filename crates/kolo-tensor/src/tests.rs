@@ -65,7 +65,7 @@ fn hooks_see_exactly_the_gradients_backward_computes() {
     for (spec, batch) in small_specs() {
         let m = build_model(&spec, 0).unwrap();
         let sink = std::sync::Arc::new(Collect(Mutex::new(Vec::new())));
-        let view = HookedView { sink: sink.clone() };
+        let view = HookedView::new(sink.clone());
         let hooked = m.loss(&batch, &view).unwrap().backward().unwrap();
         // The hook is the only receiver: candle keeps no parameter gradient of its own.
         assert!(m.params().iter().all(|p| hooked.get(p.var.as_tensor()).is_none()), "{spec:?}");
@@ -192,7 +192,7 @@ fn checkpointed_blocks_give_the_plain_gradients() {
     assert!(worst < 1e-5, "relative gradient difference {worst}");
     // Through hooks (what DDP uses): every parameter reported once, same values.
     let sink = std::sync::Arc::new(Collect(Mutex::new(Vec::new())));
-    ck.loss(&batch, &HookedView { sink: sink.clone() }).unwrap().backward().unwrap();
+    ck.loss(&batch, &HookedView::new(sink.clone())).unwrap().backward().unwrap();
     let got = sink.0.lock().unwrap();
     assert_eq!(got.len(), ck.params().len());
     for (idx, g) in got.iter() {
@@ -201,4 +201,33 @@ fn checkpointed_blocks_give_the_plain_gradients() {
     assert!(ck.set_checkpointing(&[3]).unwrap_err().to_string().contains("block 3 does not exist"));
     let mut mlp = build_model(&ModelSpec::Mlp { input: 784, hidden: vec![8], classes: 10 }, 0).unwrap();
     assert!(mlp.set_checkpointing(&[0]).is_err());
+}
+
+/// Mixed precision: computing in bf16 or f16 (f32 parameters, half-precision copies from the
+/// hook, f32 loss) gives the f32 loss and gradients to half precision, for every model.
+#[test]
+fn half_precision_compute_tracks_f32() {
+    for (spec, batch) in small_specs() {
+        let m = build_model(&spec, 0).unwrap();
+        let run = |dtype: candle_core::DType| {
+            let sink = std::sync::Arc::new(Collect(Mutex::new(Vec::new())));
+            let l = m.loss(&batch, &HookedView { sink: sink.clone(), dtype }).unwrap();
+            assert_eq!(l.dtype(), candle_core::DType::F32, "the loss is computed in f32");
+            l.backward().unwrap();
+            let mut flat = vec![0f32; m.params().numel()];
+            for (i, g) in sink.0.lock().unwrap().iter() {
+                flat[m.params().get(*i).range.clone()].copy_from_slice(g);
+            }
+            (l.to_scalar::<f32>().unwrap(), flat)
+        };
+        let (l32, g32) = run(candle_core::DType::F32);
+        let scale = g32.iter().map(|x| x.abs()).fold(0f32, f32::max);
+        for dt in [candle_core::DType::BF16, candle_core::DType::F16] {
+            let (l, g) = run(dt);
+            assert!((l - l32).abs() < 0.02 * l32.abs().max(1.0), "{spec:?} {dt:?}: loss {l} vs {l32}");
+            let worst = g.iter().zip(&g32).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 0.05 * scale, "{spec:?} {dt:?}: gradient error {worst} (largest gradient {scale})");
+        }
+        let _ = CastView(candle_core::DType::BF16).get(m.params(), 0).unwrap();
+    }
 }

@@ -171,6 +171,15 @@ impl Default for OptimConfig {
     }
 }
 
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    #[default]
+    F32,
+    Bf16,
+    F16,
+}
+
 /// `[train]`
 #[derive(Deserialize, Debug, Clone)]
 #[serde(deny_unknown_fields, default)]
@@ -199,6 +208,10 @@ pub struct TrainConfig {
     /// `async_save`): the step only copies this rank's pieces; the next checkpoint, and the end
     /// of the run, wait for the previous one. Default false.
     pub checkpoint_background: bool,
+    /// Compute precision: `f32` (default), `bf16` or `f16` (mixed precision: f32 parameters,
+    /// optimizer and loss; half-precision matmuls and activations; f16 adds dynamic loss
+    /// scaling, skipping steps whose gradients overflow).
+    pub precision: Precision,
     /// gpt: characters to generate at the end (default 200).
     pub sample_chars: usize,
     /// gpt: sampling temperature (default 0.8).
@@ -220,6 +233,7 @@ impl Default for TrainConfig {
             checkpoint_dir: None,
             checkpoint_every: 0,
             checkpoint_background: false,
+            precision: Precision::F32,
             sample_chars: 200,
             sample_temperature: 0.8,
             progress: true,
@@ -376,6 +390,15 @@ impl Config {
                 decoupled: o.kind == OptimKind::Adamw,
             },
             OptimKind::Adagrad => OptimizerSpec::Adagrad { eps: o.eps.unwrap_or(1e-10), weight_decay: o.weight_decay, lr_decay: 0.0 },
+        }
+    }
+
+    /// The dtype the model computes in.
+    pub fn compute_dtype(&self) -> kolo_tensor::CandleDType {
+        match self.train.precision {
+            Precision::F32 => kolo_tensor::CandleDType::F32,
+            Precision::Bf16 => kolo_tensor::CandleDType::BF16,
+            Precision::F16 => kolo_tensor::CandleDType::F16,
         }
     }
 

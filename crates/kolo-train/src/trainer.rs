@@ -10,7 +10,7 @@ use kolo_base::Rng;
 use kolo_checkpoint::Piece;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{Ddp, DdpConfig, ShardPlan, Sharding};
-use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Buffer, Optimizer};
+use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Buffer, LossScaler, Optimizer};
 use kolo_tensor::ops::{argmax_rows, softmax_last};
 use kolo_tensor::{build_model, Batch, HookedView, Input, Model, ModelSpec, PlainView};
 use std::collections::BTreeMap;
@@ -29,6 +29,9 @@ pub struct RunOptions {
     pub stop_after: Option<u64>,
     /// No progress bar or log lines (tests).
     pub quiet: bool,
+    /// Test hook: make rank 0's gradients non-finite at this step (0-based), as an f16
+    /// overflow would.
+    pub inject_inf_at: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -61,6 +64,9 @@ pub struct Summary {
     pub peak_rss: Option<u64>,
     /// Live heap bytes measured by Kolo's counting allocator, when the binary installed it.
     pub heap: Option<HeapReport>,
+    /// f16 training: steps skipped because a gradient overflowed, and the final loss scale.
+    pub skipped_steps: u64,
+    pub loss_scale: Option<f64>,
 }
 
 /// Live heap bytes at three points of a run (see `kolo_base::alloc`).
@@ -360,7 +366,8 @@ fn load_checkpoint(
 /// runs as many forward passes as rank 0, the one with the most examples, repeating its last
 /// batch without counting it, and `settle` runs after every forward (it completes the gathers
 /// a forward leaves in flight, before this function's own collective).
-fn evaluate(model: &dyn Model, ds: &dyn Dataset, comm: &dyn Communicator, batch: usize, max_batches: usize, lockstep: bool, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<Eval, TrainError> {
+#[allow(clippy::too_many_arguments)]
+fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds: &dyn Dataset, comm: &dyn Communicator, batch: usize, max_batches: usize, lockstep: bool, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<Eval, TrainError> {
     let (r, n) = (comm.rank().get(), comm.world_size().get());
     let share = |r: usize| {
         let mine: Vec<usize> = (r..ds.len()).step_by(n).collect();
@@ -377,12 +384,12 @@ fn evaluate(model: &dyn Model, ds: &dyn Dataset, comm: &dyn Communicator, batch:
         if filler.is_empty() {
             return Err(TrainError::Data(format!("rank {r}: no evaluation example to keep in step with rank 0 (round {extra})")));
         }
-        model.forward(&ds.batch(filler).input, &PlainView)?;
+        model.forward(&ds.batch(filler).input, view)?;
         settle()?;
     }
     for chunk in chunks {
         let b = ds.batch(chunk);
-        let logits = model.forward(&b.input, &PlainView)?;
+        let logits = model.forward(&b.input, view)?;
         if lockstep {
             settle()?;
         }
@@ -403,14 +410,15 @@ fn evaluate(model: &dyn Model, ds: &dyn Dataset, comm: &dyn Communicator, batch:
 }
 
 /// Generates `n` characters from a text model, starting from a newline.
-fn sample_text(model: &dyn Model, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<String, TrainError> {
+#[allow(clippy::too_many_arguments)]
+fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<String, TrainError> {
     let mut rng = Rng::new(seed ^ 0x5A5A);
     let start = vocab.encode(b"\n").unwrap_or_else(|_| vec![0]);
     let mut ids: Vec<u32> = start;
     for _ in 0..n {
         let ctx: Vec<u32> = ids[ids.len().saturating_sub(seq)..].to_vec();
         let t = ctx.len();
-        let logits = model.forward(&Input::Tokens { ids: ctx, b: 1, t }, &PlainView)?;
+        let logits = model.forward(&Input::Tokens { ids: ctx, b: 1, t }, view)?;
         settle()?;
         let last = logits.narrow(0, t - 1, 1).map_err(kolo_tensor::TensorError::from)?;
         let scaled = (last / f64::from(temperature.max(1e-3))).map_err(kolo_tensor::TensorError::from)?;
@@ -548,7 +556,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // the optimizer state for the whole model or this rank's shard.
     // Local gradients of no-sync micro-steps, only when there are any.
     let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync { vec![0f32; numel] } else { Vec::new() };
-    let hooked = HookedView { sink: ddp.sink() };
+    // Mixed precision: the compute dtype, and for f16 a dynamic loss scale.
+    let dtype = cfg.compute_dtype();
+    let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
+    let eval_view: Box<dyn kolo_tensor::ParamView> = if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
+    let hooked = HookedView { sink: ddp.sink(), dtype };
     let (mut step_ms, mut wait_ms, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
     let mut last_loss = f64::NAN;
     let mut eval = None;
@@ -573,18 +585,21 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             let (p, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
             pos = p;
             let scale = 1.0 / tc.grad_accum as f64;
+            // f16: backward runs on the loss times the loss scale; the step divides it out.
+            let loss_scale = scaler.as_ref().map_or(1.0, LossScaler::scale);
+            let te = kolo_tensor::TensorError::from;
             if m + 1 < tc.grad_accum || cfg.ddp.skip_sync {
                 // No-sync micro-step: gradients stay local.
-                let loss = (model.loss(&batch, &PlainView)? * scale).map_err(kolo_tensor::TensorError::from)?;
-                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?);
-                let g = loss.backward().map_err(kolo_tensor::TensorError::from)?;
+                let loss = (model.loss(&batch, &*eval_view)? * scale).map_err(te)?;
+                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+                let g = (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
                 model.params().grads_into(&g, &mut micro)?;
                 ddp.accumulate(&micro);
             } else {
                 ddp.begin_backward();
-                let loss = (model.loss(&batch, &hooked)? * scale).map_err(kolo_tensor::TensorError::from)?;
-                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?);
-                loss.backward().map_err(kolo_tensor::TensorError::from)?;
+                let loss = (model.loss(&batch, &hooked)? * scale).map_err(te)?;
+                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+                (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
             }
         }
         let params = model.params();
@@ -600,64 +615,89 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
             }
         } else {
+            // Checks (f16: every rank agrees whether any gradient overflowed; such a step is
+            // skipped), unscales and clips the gradients; returns whether to apply the step.
+            // `sharded`: each rank has a piece, so the norm is a sum over ranks.
+            let inject = opts.inject_inf_at == Some(step) && rank == 0;
+            let mut prepare = |g: &mut kolo_ddp::BucketGrads<'_>, sharded: bool| -> Result<bool, TrainError> {
+                if inject {
+                    g.scale(f32::INFINITY); // test hook: an overflow on one rank
+                }
+                let inv = scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale());
+                if cfg.optim.clip_grad_norm.is_none() && scaler.is_none() {
+                    return Ok(true);
+                }
+                let mut sq = [g.sum_of_squares()];
+                if sharded && cfg.optim.clip_grad_norm.is_some() {
+                    comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
+                }
+                if let Some(s) = scaler.as_mut() {
+                    let mut bad = [u8::from(!sq[0].is_finite())];
+                    comm.all_reduce(BufMut::from(&mut bad[..]), ReduceOp::Max)?;
+                    if !s.update(bad[0] == 1) {
+                        return Ok(false);
+                    }
+                }
+                let f = f64::from(clip(sq[0].sqrt() * inv)) * inv;
+                if f != 1.0 {
+                    g.scale(f as f32);
+                }
+                Ok(true)
+            };
             // Host waits for the last buckets here; everything before overlapped with backward.
-            let stats = match (&zero, sharding) {
+            let (stats, applied) = match (&zero, sharding) {
                 (None, _) => {
                     let (stats, mut g) = ddp.finish_buckets()?;
                     // Gradients are identical on every rank after the all-reduce: the local norm is global.
-                    let f = clip(g.sum_of_squares().sqrt());
-                    if f != 1.0 {
-                        g.scale(f);
+                    let apply = prepare(&mut g, false)?;
+                    if apply {
+                        opt.begin_step();
+                        for (i, r) in ranges.iter().enumerate() {
+                            params.update_one(i, &mut |v| opt.update(r.start, v, g.param(i), lr))?;
+                        }
                     }
-                    opt.begin_step();
-                    for (i, r) in ranges.iter().enumerate() {
-                        params.update_one(i, &mut |v| opt.update(r.start, v, g.param(i), lr))?;
-                    }
-                    stats
+                    (stats, apply)
                 }
                 (Some(plan), Sharding::OptimizerState) => {
                     // ZeRO-1: all-reduced gradients (the same on every rank, so is the norm);
                     // this rank updates its shard only.
                     let (stats, mut g) = ddp.finish_buckets()?;
-                    let f = clip(g.sum_of_squares().sqrt());
-                    if f != 1.0 {
-                        g.scale(f);
+                    let apply = prepare(&mut g, false)?;
+                    if apply {
+                        opt.begin_step();
+                        for seg in &plan.segments {
+                            let at = seg.shard_offset..seg.shard_offset + seg.within.len();
+                            opt.update(at.start, &mut master.as_mut_slice()[at.clone()], &g.param(seg.param)[seg.within.clone()], lr);
+                            master.release(at);
+                        }
                     }
-                    opt.begin_step();
-                    for seg in &plan.segments {
-                        let at = seg.shard_offset..seg.shard_offset + seg.within.len();
-                        opt.update(at.start, &mut master.as_mut_slice()[at.clone()], &g.param(seg.param)[seg.within.clone()], lr);
-                        master.release(at);
-                    }
-                    stats
+                    (stats, apply)
                 }
                 (Some(plan), _) => {
                     // ZeRO-2: this rank only ever received its pieces of the gradients.
                     let (stats, mut g) = ddp.finish_shard()?;
-                    if cfg.optim.clip_grad_norm.is_some() {
-                        let mut sq = [g.sum_of_squares()];
-                        comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
-                        g.scale(clip(sq[0].sqrt()));
-                    }
-                    opt.begin_step();
-                    let pieces = plan.pieces.iter().map(|p| (p.bucket, p.shard_offset..p.shard_offset + p.in_bucket.len()));
-                    let mut step = |b: usize, at: std::ops::Range<usize>, m: &mut [f32]| opt.update(at.start, &mut m[at], g.piece(b), lr);
-                    if zero3 {
-                        ddp.with_master(|m| pieces.for_each(|(b, at)| step(b, at, m)));
-                    } else {
-                        for (b, at) in pieces {
-                            step(b, at.clone(), master.as_mut_slice());
-                            master.release(at);
+                    let apply = prepare(&mut g, true)?;
+                    if apply {
+                        opt.begin_step();
+                        let pieces = plan.pieces.iter().map(|p| (p.bucket, p.shard_offset..p.shard_offset + p.in_bucket.len()));
+                        let mut step = |b: usize, at: std::ops::Range<usize>, m: &mut [f32]| opt.update(at.start, &mut m[at], g.piece(b), lr);
+                        if zero3 {
+                            ddp.with_master(|m| pieces.for_each(|(b, at)| step(b, at, m)));
+                        } else {
+                            for (b, at) in pieces {
+                                step(b, at.clone(), master.as_mut_slice());
+                                master.release(at);
+                            }
                         }
                     }
-                    stats
+                    (stats, apply)
                 }
             };
             if zero3 {
                 // Gathers started before this update hold old values.
                 ddp.drop_prefetched()?;
             }
-            if zero.is_some() {
+            if zero.is_some() && applied {
                 // Everyone gathers everyone's updated shard straight into the model (under
                 // ZeRO-3 only the parameters outside the sharded groups).
                 let load = |i: usize, v: &[f32]| params.load_one(i, v).map_err(TrainError::from);
@@ -705,7 +745,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             pb.set_position(done);
         }
         if tc.eval_every > 0 && done % tc.eval_every == 0 && done != end {
-            let e = evaluate(&*model, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches, zero3, &settle)?;
+            let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches, zero3, &settle)?;
             log(&format!("step {done}: eval loss {:.4}{}", e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
         }
         if let Some(dir) = &tc.checkpoint_dir {
@@ -739,7 +779,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         // The final evaluation covers the whole test set for images (10k for MNIST); text
         // validation sets have a window at every position, so `eval_batches` bounds them.
         let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
-        let e = evaluate(&*model, &*data.eval, &*comm, cfg.data.batch_size, limit, zero3, &settle)?;
+        let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, limit, zero3, &settle)?;
         say(&format!(
             "final eval on {} examples: loss {:.4}{}",
             e.examples,
@@ -752,7 +792,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         // Under ZeRO-3 every rank samples (the same text: same seed), since each forward
         // gathers the blocks collectively.
         (Some(v), ModelSpec::Gpt(g)) if (rank == 0 || zero3) && end == tc.steps && tc.sample_chars > 0 => {
-            let s = sample_text(&*model, v, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &settle)?;
+            let s = sample_text(&*model, &*eval_view, v, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &settle)?;
             say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
             Some(s)
         }
@@ -788,6 +828,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         },
         states,
         peak_rss: peak_rss(),
+        skipped_steps: scaler.as_ref().map_or(0, LossScaler::skipped),
+        loss_scale: scaler.as_ref().map(LossScaler::scale),
         heap: match (heap_before_model, heap_after_steps) {
             (Some(before_model), Some(h)) => Some(HeapReport { before_model, between_steps: h.live, peak: h.peak }),
             _ => None,

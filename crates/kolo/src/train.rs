@@ -57,7 +57,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
     let boot = comm_args.join()?;
     let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
-    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false };
+    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None };
     let s = kolo_train::run(&cfg, comm, &opts)?;
     if boot.comm.rank().get() == 0 {
         let n = s.step_ms.len();

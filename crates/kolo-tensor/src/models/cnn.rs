@@ -44,11 +44,14 @@ impl Model for Cnn {
         let g = |i: usize| view.get(&self.params, self.idx[i]);
         let x = Tensor::from_slice(data, (*n, 1, 28, 28), &Device::Cpu)?;
         let conv = |x: &Tensor, w: Tensor, b: Tensor| -> Result<Tensor> {
-            let y = x.conv2d(&w, 2, 1, 1, 1)?;
+            // candle's CPU convolution has no half-precision kernel: it runs in f32.
+            let dt = x.dtype();
+            let y = x.to_dtype(candle_core::DType::F32)?.conv2d(&w.to_dtype(candle_core::DType::F32)?, 2, 1, 1, 1)?.to_dtype(dt)?;
             let c = b.dim(0)?;
             Ok(y.broadcast_add(&b.reshape((1, c, 1, 1))?)?.relu()?.max_pool2d(2)?)
         };
-        let x = conv(&x, g(0)?, g(1)?)?;
+        let w0 = g(0)?;
+        let x = conv(&x.to_dtype(w0.dtype())?, w0, g(1)?)?;
         let x = conv(&x, g(2)?, g(3)?)?;
         let x = x.reshape((*n, self.c2 * 7 * 7))?;
         linear(&x, &g(4)?, &g(5)?)

@@ -1,7 +1,7 @@
 use super::{normal, Input, Model};
 use crate::ops::{layer_norm, linear};
 use crate::{ParamSet, ParamView, Result, TensorError};
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Device, Layout, Shape, Storage, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Storage, Tensor, Var};
 use kolo_base::{ParamGather, Rng};
 use std::sync::Arc;
 
@@ -333,15 +333,18 @@ impl Model for Gpt {
                     n_head: h,
                     shapes,
                 };
-                x = x.contiguous()?.apply_op1(op)?;
+                // Recomputing blocks run in f32 (under mixed precision too).
+                let dt = x.dtype();
+                x = x.to_dtype(DType::F32)?.contiguous()?.apply_op1(op)?.to_dtype(dt)?;
                 continue;
             }
             let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
             x = if ckpt {
                 let flat: Vec<Tensor> = p.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
-                let packed = Tensor::cat(&flat, 0)?;
+                let packed = Tensor::cat(&flat, 0)?.to_dtype(DType::F32)?;
                 let shapes = p.iter().map(|t| t.dims().to_vec()).collect();
-                x.contiguous()?.apply_op2(&packed, CheckpointedBlock { n_head: h, shapes })?
+                let dt = x.dtype();
+                x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, CheckpointedBlock { n_head: h, shapes })?.to_dtype(dt)?
             } else {
                 block_forward(&x, &p, h)?
             };

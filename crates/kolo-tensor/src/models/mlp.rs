@@ -40,7 +40,11 @@ impl Model for Mlp {
         }
         let mut x = Tensor::from_slice(data, (*n, self.input), &Device::Cpu)?;
         for (i, (wi, bi)) in self.layers.iter().enumerate() {
-            x = linear(&x, &view.get(&self.params, *wi)?, &view.get(&self.params, *bi)?)?;
+            let w = view.get(&self.params, *wi)?;
+            if i == 0 {
+                x = x.to_dtype(w.dtype())?; // the compute dtype of the view (mixed precision)
+            }
+            x = linear(&x, &w, &view.get(&self.params, *bi)?)?;
             if i + 1 < self.layers.len() {
                 x = x.relu()?;
             }

@@ -319,3 +319,34 @@ fn zero3_matches_ddp_and_its_checkpoint_resumes_at_other_sizes_and_stages() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Mixed precision. bf16 and f16 compute track f32 training closely; under f16 an overflow
+/// (injected on rank 0 only) is detected by every rank, the step is skipped everywhere (the
+/// parameters are exactly those of the step before) and the loss scale halves.
+#[test]
+fn mixed_precision_trains_and_f16_overflow_skips_the_step() {
+    let opt = "[optim]\nkind = \"adamw\"\nlr = 1e-3\nclip_grad_norm = 1.0\n";
+    let f32_run = &train_on(2, &mnist_cfg(&format!("{opt}[train]\nsteps = 20\nlog_every = 20\n"), 16), &quiet())[0];
+    for (p, tol) in [("bf16", 0.02), ("f16", 0.01)] {
+        let cfg = mnist_cfg(&format!("{opt}[train]\nsteps = 20\nlog_every = 20\nprecision = \"{p}\"\n"), 16);
+        let s = &train_on(2, &cfg, &quiet())[0];
+        assert!((s.last_loss - f32_run.last_loss).abs() < tol * f32_run.last_loss, "{p}: loss {} vs f32 {}", s.last_loss, f32_run.last_loss);
+        assert!(max_diff(&s.params, &f32_run.params) < 0.01, "{p}: parameters drift from f32");
+        assert_eq!(s.skipped_steps, 0);
+    }
+    // GPT with checkpointed blocks and ZeRO-3 under bf16 runs too (blocks recompute in f32).
+    let g = train_on(2, &gpt_cfg(&format!("{opt}[train]\nsteps = 2\nsample_chars = 0\nprecision = \"bf16\"\n[ddp]\nzero_stage = 3\n"), 2), &quiet());
+    assert!(g[0].last_loss.is_finite());
+    for stage in [0, 2] {
+        let cfg = |extra: &str| mnist_cfg(&format!("{opt}[train]\nsteps = 3\nlog_every = 1\nprecision = \"f16\"\n{extra}[ddp]\nzero_stage = {stage}\n"), 16);
+        let skipped = &train_on(2, &cfg(""), &RunOptions { inject_inf_at: Some(1), quiet: true, ..Default::default() })[0];
+        assert_eq!(skipped.skipped_steps, 1);
+        assert_eq!(skipped.loss_scale, Some(32768.0), "65536 halved once");
+        // Steps 0 and 2 applied, step 1 skipped: the same as two clean steps on batches 0 and 2
+        // is not observable directly, so check the skipped step changed nothing: a run that
+        // stops after step 1 with the injection equals one that stops after step 0.
+        let a = &train_on(2, &cfg(""), &RunOptions { inject_inf_at: Some(1), stop_after: Some(2), quiet: true, ..Default::default() })[0];
+        let b = &train_on(2, &cfg(""), &RunOptions { stop_after: Some(1), quiet: true, ..Default::default() })[0];
+        assert_eq!(a.params, b.params, "ZeRO-{stage}: the skipped step left the parameters alone");
+    }
+}
