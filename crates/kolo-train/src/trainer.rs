@@ -32,6 +32,9 @@ pub struct RunOptions {
     /// Test hook: make rank 0's gradients non-finite at this step (0-based), as an f16
     /// overflow would.
     pub inject_inf_at: Option<u64>,
+    /// Test hook: abort the process in the middle of saving the checkpoint of this step (after
+    /// this rank's shard is written, before the checkpoint is committed), as a crash would.
+    pub crash_during_save: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -236,6 +239,7 @@ fn save_checkpoint(
     pos: Position,
     meta_base: &BTreeMap<String, String>,
     background: bool,
+    crash: bool,
 ) -> Result<PendingSave, TrainError> {
     let (rank, world) = (comm.rank().get(), comm.world_size().get());
     let target = dir.join(format!("step-{step:08}"));
@@ -294,6 +298,10 @@ fn save_checkpoint(
     }
     if !pieces.is_empty() {
         kolo_checkpoint::sharded::write_shard(&target, rank, writers, &pieces)?;
+    }
+    if crash {
+        eprintln!("rank {rank}: crashing in the middle of saving {} (test hook)", target.display());
+        std::process::abort();
     }
     // Commit only once every rank's shard is on disk; nobody runs ahead before the commit.
     comm.barrier()?;
@@ -753,11 +761,12 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 if let Some(prev) = saving.take() {
                     checkpoint = Some(prev.wait()?);
                 }
-                let bg = tc.checkpoint_background;
+                let bg = tc.checkpoint_background && opts.crash_during_save.is_none();
+                let crash = opts.crash_during_save == Some(done);
                 let p = if zero3 {
-                    ddp.with_master(|m| save_checkpoint(Path::new(dir), done, &*model, m, &opt, zero.as_ref(), &*comm, pos, &meta, bg))?
+                    ddp.with_master(|m| save_checkpoint(Path::new(dir), done, &*model, m, &opt, zero.as_ref(), &*comm, pos, &meta, bg, crash))?
                 } else {
-                    save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta, bg)?
+                    save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta, bg, crash)?
                 };
                 log(&format!("step {done}: checkpoint {}{}", p.target.display(), if bg { " (writing in the background)" } else { "" }));
                 saving = Some(p);

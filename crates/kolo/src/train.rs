@@ -30,6 +30,9 @@ pub struct TrainArgs {
     /// Stop after this many steps in total, as if interrupted (checkpoints are still written).
     #[arg(long, hide = true)]
     stop_after: Option<u64>,
+    /// Abort in the middle of saving this step's checkpoint (Kolo's crash tests).
+    #[arg(long, hide = true)]
+    crash_during_save: Option<u64>,
     #[command(flatten)]
     comm: CommArgs,
 }
@@ -57,7 +60,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
     let boot = comm_args.join()?;
     let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
-    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None };
+    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save };
     let s = kolo_train::run(&cfg, comm, &opts)?;
     if boot.comm.rank().get() == 0 {
         let n = s.step_ms.len();

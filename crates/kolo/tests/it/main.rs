@@ -246,6 +246,39 @@ fn zero_training_checkpoints_inspects_and_resumes_at_another_world_size() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A job that crashes in the middle of a save (every rank wrote its shard, nobody committed)
+/// leaves no visible checkpoint for that step: resuming picks the previous one.
+#[test]
+fn a_crash_during_a_save_leaves_the_previous_checkpoint_as_the_latest() {
+    let dir = std::env::temp_dir().join(format!("kolo-crash-save-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("mlp.toml");
+    let ck = dir.join("ck");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"/nonexistent/corpus.txt\"\n\
+             batch_size = 4\n[train]\nsteps = 6\nsample_chars = 0\ncheckpoint_every = 2\ncheckpoint_dir = \"{}\"\n[ddp]\nzero_stage = 2\n",
+            ck.display()
+        ),
+    )
+    .unwrap();
+    let c = cfg.to_str().unwrap();
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", c, "--crash-during-save", "4"], &[]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("crashing in the middle of saving") && t.contains("SIGABRT"), "{t}");
+    assert!(ck.join("step-00000002/manifest.json").is_file(), "{t}");
+    assert!(!ck.join("step-00000004").exists(), "the interrupted save is not visible");
+    assert!(ck.join(".step-00000004.partial").is_dir(), "its shards stayed in the staging directory");
+    let o = run(&["train", "--config", c, "--resume", ck.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("at step 2") && t.contains("done: 6 steps"), "{t}");
+    assert!(!ck.join(".step-00000004.partial").exists(), "the next save of step 4 replaced the leftovers");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn launcher_forwards_sigterm_and_reports_it() {
     let child = Command::new(KOLO)
