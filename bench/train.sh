@@ -3,12 +3,7 @@
 # step time at 1 and 2 ranks (1 thread each), scaling efficiency, and the cost of
 # synchronisation (2 ranks with ddp.skip_sync = true, i.e. no gradient all-reduce).
 #   bash bench/train.sh [REPEATS]
-set -euo pipefail
-cd "$(dirname "$0")/.."
-R="${1:-3}"
-cargo build --release -p kolo >/dev/null
-K=target/release/kolo
-export RAYON_NUM_THREADS=1
+source "$(dirname "$0")/common.sh"
 run() { # name world extra-args...
   local name=$1 n=$2; shift 2
   for i in $(seq "$R"); do

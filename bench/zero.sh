@@ -3,12 +3,7 @@
 # per-rank memory of model states on the peers' GPT-m (25.3 M parameters) at 2 and 4 ranks,
 # measured by Kolo's counting allocator (heap between steps minus heap before the model).
 #   bash bench/zero.sh [REPEATS]          (PEERS=1 also runs torch DDP / ZeRO-1 / FSDP on GPT)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-R="${1:-3}"
-cargo build --release -p kolo >/dev/null
-K=target/release/kolo
-export RAYON_NUM_THREADS=1
+source "$(dirname "$0")/common.sh"
 echo "## step time, GPT, 2 ranks (ms/step, second half of 14 steps)"
 for i in $(seq "$R"); do
   for z in 0 1 2 3; do

@@ -198,24 +198,27 @@ fn launched_training_runs_end_to_end_and_falls_back_without_data() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A fresh directory with a tiny GPT config on the built-in corpus that checkpoints every 2
+/// steps into `ck/`: `(dir, config, ck)`.
+fn tiny_gpt_job(tag: &str, train: &str, ddp: &str) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("kolo-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cfg, ck) = (dir.join("gpt.toml"), dir.join("ck"));
+    let text = format!(
+        "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"/nonexistent/corpus.txt\"\n\
+         batch_size = 4\n[train]\n{train}sample_chars = 0\ncheckpoint_every = 2\ncheckpoint_dir = \"{}\"\n[ddp]\n{ddp}",
+        ck.display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    (dir, cfg, ck)
+}
+
 /// ZeRO-2 across real processes: sharded checkpoints (one file per rank), `kolo inspect`, and
 /// the same checkpoint resumed by a single process at stage 0.
 #[test]
 fn zero_training_checkpoints_inspects_and_resumes_at_another_world_size() {
-    let dir = std::env::temp_dir().join(format!("kolo-zero-cli-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("gpt.toml");
-    let ckdir = dir.join("ck");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"/nonexistent/corpus.txt\"\n\
-             batch_size = 4\n[train]\nsteps = 4\nlog_every = 2\nsample_chars = 0\ncheckpoint_every = 2\ncheckpoint_dir = \"{}\"\n[ddp]\nbucket_cap = \"16KiB\"\n",
-            ckdir.display()
-        ),
-    )
-    .unwrap();
+    let (dir, cfg, ckdir) = tiny_gpt_job("zero-cli", "steps = 4\nlog_every = 2\n", "bucket_cap = \"16KiB\"\n");
     let c = cfg.to_str().unwrap();
     let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", c, "--zero-stage", "2", "--transport", "shm"], &[]);
     let t = text(&o);
@@ -250,20 +253,7 @@ fn zero_training_checkpoints_inspects_and_resumes_at_another_world_size() {
 /// leaves no visible checkpoint for that step: resuming picks the previous one.
 #[test]
 fn a_crash_during_a_save_leaves_the_previous_checkpoint_as_the_latest() {
-    let dir = std::env::temp_dir().join(format!("kolo-crash-save-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("mlp.toml");
-    let ck = dir.join("ck");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"/nonexistent/corpus.txt\"\n\
-             batch_size = 4\n[train]\nsteps = 6\nsample_chars = 0\ncheckpoint_every = 2\ncheckpoint_dir = \"{}\"\n[ddp]\nzero_stage = 2\n",
-            ck.display()
-        ),
-    )
-    .unwrap();
+    let (dir, cfg, ck) = tiny_gpt_job("crash-save", "steps = 6\n", "zero_stage = 2\n");
     let c = cfg.to_str().unwrap();
     let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", c, "--crash-during-save", "4"], &[]);
     let t = text(&o);
