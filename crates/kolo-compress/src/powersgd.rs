@@ -35,20 +35,32 @@ pub fn matmul_t(m: &[f32], rows: usize, cols: usize, p: &[f32], r: usize, q: &mu
     }
 }
 
-/// Orthonormalises the r columns of `p` (rows x r, row-major) in place by modified
-/// Gram-Schmidt in f64; a column that vanishes stays zero.
+/// Orthonormalises the r columns of `p` (rows x r, row-major) in place: Gram-Schmidt in f64,
+/// each projection done twice ("twice is enough" for stability). A column that is (nearly) in
+/// the span of the earlier ones becomes zero rather than normalised rounding noise, which
+/// would point anywhere and add a spurious component when the matrix has rank below r.
 pub fn orthonormalize(p: &mut [f32], rows: usize, r: usize) {
+    let mut col = vec![0f64; rows];
+    let mut done: Vec<Vec<f64>> = Vec::with_capacity(r);
     for j in 0..r {
-        for k in 0..j {
-            let dot: f64 = (0..rows).map(|i| f64::from(p[i * r + j]) * f64::from(p[i * r + k])).sum();
-            for i in 0..rows {
-                p[i * r + j] -= (dot * f64::from(p[i * r + k])) as f32;
+        col.iter_mut().enumerate().for_each(|(i, c)| *c = f64::from(p[i * r + j]));
+        let before = col.iter().map(|x| x * x).sum::<f64>().sqrt();
+        for _ in 0..2 {
+            for q in &done {
+                let dot: f64 = col.iter().zip(q).map(|(a, b)| a * b).sum();
+                col.iter_mut().zip(q).for_each(|(c, q)| *c -= dot * q);
             }
         }
-        let norm: f64 = (0..rows).map(|i| f64::from(p[i * r + j]).powi(2)).sum::<f64>().sqrt();
-        for i in 0..rows {
-            p[i * r + j] = if norm > 1e-12 { (f64::from(p[i * r + j]) / norm) as f32 } else { 0.0 };
+        let norm = col.iter().map(|x| x * x).sum::<f64>().sqrt();
+        if norm > 1e-6 * before && norm > 1e-30 {
+            col.iter_mut().for_each(|c| *c /= norm);
+        } else {
+            col.iter_mut().for_each(|c| *c = 0.0);
         }
+        for i in 0..rows {
+            p[i * r + j] = col[i] as f32;
+        }
+        done.push(col.clone());
     }
 }
 

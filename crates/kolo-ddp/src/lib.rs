@@ -20,6 +20,7 @@
 //! hook and add the gradients with [`Ddp::accumulate`]; the next hooked backward folds them in.
 //! The crate knows no tensor library: it sees flat `f32` buffers only.
 
+pub mod powersgd;
 pub mod shard;
 pub use shard::{Segment, ShardPlan};
 
@@ -56,6 +57,18 @@ pub struct DdpConfig {
     /// ZeRO-3: the parameter groups (indices, in packing order) that are sharded and gathered
     /// one at a time; each is one bucket. Other parameters are bucketed as usual.
     pub groups: Vec<Vec<usize>>,
+    /// Gradient compression (plain DDP only).
+    pub compression: Compression,
+}
+
+/// How gradients are compressed on the wire.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compression {
+    #[default]
+    None,
+    /// PowerSGD with rank-`rank` factors, after `warmup_steps` uncompressed steps (torch's
+    /// `start_powerSGD_iter`).
+    PowerSgd { rank: usize, warmup_steps: u64 },
 }
 
 /// What is sharded across the data-parallel ranks (DeepSpeed's `zero_stage`).
@@ -96,7 +109,7 @@ impl Sharding {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT, sharding: Sharding::None, groups: Vec::new() }
+        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT, sharding: Sharding::None, groups: Vec::new(), compression: Compression::None }
     }
 }
 
@@ -164,6 +177,8 @@ pub struct SyncStats {
     pub hidden: Duration,
     /// Total communication time.
     pub comm: Duration,
+    /// Bytes this rank handed to the gradient collectives (after compression).
+    pub bytes: usize,
 }
 
 impl SyncStats {
@@ -178,13 +193,24 @@ impl SyncStats {
 
 /// A bucket buffer back from the communication thread, with this rank's reduced piece when
 /// the bucket was reduce-scattered, and when the collective started and ended.
-type Timed = (Option<Vec<f32>>, Option<Vec<f32>>, Instant, Instant);
+type Timed = (Option<Vec<f32>>, Option<Vec<f32>>, Instant, Instant, Sent);
+
+/// What a bucket's collective put on the wire, and the compression state it used (returned so
+/// the next step continues from it).
+struct Sent {
+    bytes: usize,
+    codec: Option<powersgd::BucketState>,
+}
 
 struct Inner {
     /// Reusable bucket buffers (taken while in flight; under ZeRO-2 freed after the reduce-scatter).
     buffers: Vec<Option<Vec<f32>>>,
     /// ZeRO-2: this rank's reduced piece of each bucket (taken while in flight).
     pieces: Vec<Option<Vec<f32>>>,
+    /// PowerSGD state per bucket (taken while in flight).
+    codecs: Vec<Option<powersgd::BucketState>>,
+    /// Synchronised backward passes finished so far (for the compression warm-up).
+    syncs: u64,
     remaining: Vec<usize>,
     inflight: Vec<Option<Pending<Timed>>>,
     /// Locally accumulated gradients of no-sync micro-steps, if any.
@@ -209,6 +235,8 @@ struct Shared {
     /// ZeRO-3: gathers started ahead of use, by bucket.
     prefetched: Mutex<std::collections::HashMap<usize, Pending<Vec<f32>>>>,
     timeout: Duration,
+    /// Synchronised steps before compression starts.
+    warmup: u64,
     inner: Mutex<Inner>,
 }
 
@@ -278,9 +306,36 @@ impl Ddp {
                 o += numels[p];
             }
         }
+        let (codecs, warmup) = match cfg.compression {
+            Compression::None => (plan.iter().map(|_| None).collect(), u64::MAX),
+            Compression::PowerSgd { rank: r, warmup_steps } => {
+                if cfg.sharding != Sharding::None || r == 0 {
+                    return Err(DdpError::Usage { rank, what: "PowerSGD compresses plain DDP (zero_stage = 0) with a rank of at least 1".into() });
+                }
+                let codecs = plan
+                    .iter()
+                    .enumerate()
+                    .map(|(b, bucket)| {
+                        let slots = bucket
+                            .params
+                            .iter()
+                            .map(|&p| {
+                                let shape = &signature[p].1;
+                                let rows = if shape.len() >= 2 { shape[0] } else { 1 };
+                                powersgd::Slot { offset: slot[p].1, rows, cols: numels[p] / rows.max(1) }
+                            })
+                            .collect();
+                        Some(powersgd::BucketState::new(slots, r, b as u64))
+                    })
+                    .collect();
+                (codecs, warmup_steps)
+            }
+        };
         let inner = Inner {
             buffers: plan.iter().map(|_| None).collect(),
             pieces: plan.iter().map(|_| None).collect(),
+            codecs,
+            syncs: 0,
             remaining: plan.iter().map(|b| b.params.len()).collect(),
             inflight: plan.iter().map(|_| None).collect(),
             accum: None,
@@ -300,6 +355,7 @@ impl Ddp {
             master: Mutex::new(Vec::new()),
             prefetched: Mutex::new(std::collections::HashMap::new()),
             timeout: cfg.timeout,
+            warmup,
             inner: Mutex::new(inner),
         });
         Ok(Ddp { shared, names: signature.iter().map(|(n, _)| n.clone()).collect(), cfg, rank })
@@ -548,6 +604,7 @@ impl Ddp {
             for (b, bucket) in self.shared.plan.iter().enumerate() {
                 inner.remaining[b] = bucket.params.len();
             }
+            inner.syncs += 1;
             (pend, inner.backward_started.take().unwrap_or(backward_end))
         };
         let d = Deadline::after(self.cfg.timeout);
@@ -555,7 +612,11 @@ impl Ddp {
         let mut out = Vec::with_capacity(pendings.len());
         for (b, p) in pendings.into_iter().enumerate() {
             let p = p.ok_or_else(|| DdpError::Usage { rank: self.rank, what: format!("bucket {b} was never submitted") })?;
-            let (buf, piece, s, e) = p.wait(d)?;
+            let (buf, piece, s, e, sent) = p.wait(d)?;
+            stats.bytes += sent.bytes;
+            if let Some(codec) = sent.codec {
+                self.shared.lock().codecs[b] = Some(codec);
+            }
             stats.comm += e.duration_since(s);
             let hidden_end = e.min(backward_end);
             if hidden_end > s.max(started) {
@@ -626,7 +687,7 @@ impl GradSink for Shared {
         let mut inner = self.lock();
         let (b, off) = self.slot[idx];
         let range = self.ranges[idx].clone();
-        let Inner { buffers, pieces, accum, remaining, seen, inflight, .. } = &mut *inner;
+        let Inner { buffers, pieces, accum, remaining, seen, inflight, codecs, syncs, .. } = &mut *inner;
         if buffers[b].is_none() {
             if inflight[b].is_some() {
                 return; // a second gradient for a parameter of a bucket already sent
@@ -645,7 +706,8 @@ impl GradSink for Shared {
         }
         if remaining[b] == 0 {
             let buf = buffers[b].take().expect("checked above");
-            inflight[b] = Some(self.submit_bucket(b, buf, pieces));
+            let codec = if *syncs >= self.warmup { codecs[b].take() } else { None };
+            inflight[b] = Some(self.submit_bucket(b, buf, pieces, codec));
         }
     }
 }
@@ -653,7 +715,7 @@ impl GradSink for Shared {
 impl Shared {
     /// Queues bucket `b`'s collective: all-reduce, or in-place reduce-scatter keeping this
     /// rank's piece.
-    fn submit_bucket(&self, b: usize, buf: Vec<f32>, pieces: &mut [Option<Vec<f32>>]) -> Pending<Timed> {
+    fn submit_bucket(&self, b: usize, buf: Vec<f32>, pieces: &mut [Option<Vec<f32>>], codec: Option<powersgd::BucketState>) -> Pending<Timed> {
         {
             if self.reduce_scatter {
                 let own = self.shard.pieces[b].in_bucket.clone();
@@ -665,14 +727,24 @@ impl Shared {
                     let mut buf = buf;
                     c.reduce_scatter_in_place(BufMut::from(&mut buf), ReduceOp::Avg)?;
                     piece.copy_from_slice(&buf[own]);
-                    Ok((None, Some(piece), s, Instant::now()))
+                    let bytes = buf.len() * 4;
+                    Ok((None, Some(piece), s, Instant::now(), Sent { bytes, codec: None }))
+                })
+            } else if let Some(mut codec) = codec {
+                // PowerSGD (after its warm-up): low-rank factors instead of the bucket.
+                self.comm.submit(OpKind::AllReduce, move |c| {
+                    let s = Instant::now();
+                    let mut buf = buf;
+                    let bytes = codec.all_reduce(c, &mut buf)?;
+                    Ok((Some(buf), None, s, Instant::now(), Sent { bytes, codec: Some(codec) }))
                 })
             } else {
                 self.comm.submit(OpKind::AllReduce, move |c| {
                     let s = Instant::now();
                     let mut buf = buf;
                     c.all_reduce(BufMut::from(&mut buf), ReduceOp::Avg)?;
-                    Ok((Some(buf), None, s, Instant::now()))
+                    let bytes = buf.len() * 4;
+                    Ok((Some(buf), None, s, Instant::now(), Sent { bytes, codec: None }))
                 })
             }
         }
@@ -716,7 +788,7 @@ impl ParamGather for Shared {
             seen[p] = true;
         }
         remaining[b] = 0;
-        inflight[b] = Some(self.submit_bucket(b, grad.to_vec(), pieces));
+        inflight[b] = Some(self.submit_bucket(b, grad.to_vec(), pieces, None));
     }
 }
 

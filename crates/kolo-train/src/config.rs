@@ -261,11 +261,40 @@ pub struct DdpConfig {
     /// parameters sharded too (GPT: each block gathered just before use, the next one
     /// prefetched, gathered again for a recomputing backward). Default 0.
     pub zero_stage: u8,
+    /// Gradient compression, e.g. `{ method = "powersgd", rank = 4, warmup_steps = 10 }`
+    /// (plain DDP only). Default: none.
+    pub compression: Option<CompressionConfig>,
+}
+
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CompressionConfig {
+    /// `powersgd`: matrices sent as rank-`rank` factors with error feedback, warm-started.
+    pub method: CompressionMethod,
+    /// PowerSGD rank (default 1).
+    #[serde(default = "one")]
+    pub rank: usize,
+    /// Uncompressed steps first (torch's `start_powerSGD_iter`, default 10).
+    #[serde(default = "ten")]
+    pub warmup_steps: u64,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum CompressionMethod {
+    Powersgd,
+}
+
+fn one() -> usize {
+    1
+}
+fn ten() -> u64 {
+    10
 }
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0 }
+        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None }
     }
 }
 
@@ -331,6 +360,7 @@ impl Config {
         }
         self.bucket_cap()?;
         self.first_bucket_cap()?;
+        self.compression()?;
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
         }
@@ -339,6 +369,18 @@ impl Config {
 
     pub fn bucket_cap(&self) -> Result<ByteSize, String> {
         self.ddp.bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.bucket_cap: {e}"))
+    }
+
+    pub fn compression(&self) -> Result<kolo_ddp::Compression, String> {
+        match &self.ddp.compression {
+            None => Ok(kolo_ddp::Compression::None),
+            Some(c) => {
+                if self.ddp.zero_stage != 0 || c.rank == 0 {
+                    return Err("ddp.compression (PowerSGD) needs ddp.zero_stage = 0 and a rank of at least 1".into());
+                }
+                Ok(kolo_ddp::Compression::PowerSgd { rank: c.rank, warmup_steps: c.warmup_steps })
+            }
+        }
     }
 
     pub fn sharding(&self) -> Result<kolo_ddp::Sharding, String> {

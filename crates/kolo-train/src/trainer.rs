@@ -55,6 +55,8 @@ pub struct Summary {
     pub step_ms: Vec<f64>,
     /// Time spent waiting for gradient all-reduces after backward, per step, milliseconds.
     pub comm_wait_ms: Vec<f64>,
+    /// Bytes this rank handed to the gradient collectives, per synchronised step.
+    pub comm_bytes: Vec<usize>,
     /// Mean fraction of all-reduce time hidden behind backward.
     pub hidden_fraction: f64,
     /// Final parameters (flat).
@@ -463,7 +465,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
     let sharding = cfg.sharding().map_err(TrainError::Config)?;
     let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
-    let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding, groups };
+    let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding, groups, compression: cfg.compression().map_err(TrainError::Config)? };
     let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
     // `flat` is needed only until the model holds its starting values (broadcast, resume).
     let mut flat = model.params().to_flat()?;
@@ -569,7 +571,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
     let eval_view: Box<dyn kolo_tensor::ParamView> = if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
     let hooked = HookedView { sink: ddp.sink(), dtype };
-    let (mut step_ms, mut wait_ms, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut step_ms, mut wait_ms, mut hidden, mut comm_bytes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut last_loss = f64::NAN;
     let mut eval = None;
     let mut checkpoint = None;
@@ -718,6 +720,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             }
             wait_ms.push(stats.wait.as_secs_f64() * 1e3);
             hidden.push(stats.hidden_fraction());
+            comm_bytes.push(stats.bytes);
         }
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         heap_after_steps = kolo_base::alloc::stats();
@@ -745,7 +748,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             }
             if let Some(f) = json.as_mut() {
                 let rec = serde_json::json!({"rank": rank, "step": done, "loss": last_loss, "lr": lr, "step_ms": step_ms.last(),
-                    "comm_wait_ms": wait_ms.last(), "hidden_fraction": hidden.last(), "samples_per_s": sps, "epoch": pos.epoch});
+                    "comm_wait_ms": wait_ms.last(), "comm_bytes": comm_bytes.last(), "hidden_fraction": hidden.last(), "samples_per_s": sps, "epoch": pos.epoch});
                 let _ = writeln!(f, "{rec}");
             }
         }
@@ -822,6 +825,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         hidden_fraction: if hidden.is_empty() { 1.0 } else { hidden.iter().sum::<f64>() / hidden.len() as f64 },
         step_ms,
         comm_wait_ms: wait_ms,
+        comm_bytes,
         params: if zero3 {
             let mut flat = vec![0f32; numel];
             let ranges = ddp.ranges();

@@ -74,6 +74,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
             s.hidden_fraction * 100.0
         );
         let mb = |b: u64| b as f64 / 1e6;
+        if let Some(bytes) = s.comm_bytes.last() {
+            eprintln!("gradient traffic: {:.3} MB per step per rank (last step)", *bytes as f64 / 1e6);
+        }
         eprintln!(
             "memory per rank: model states {:.1} MB (params {:.1} + grads {:.1} + optimizer {:.1}{}), peak RSS {}",
             mb(s.states.total()),

@@ -132,3 +132,60 @@ fn zero_reduce_scatter_and_gather_round_trip() {
         }
     }
 }
+
+/// PowerSGD on DDP buckets: uncompressed during the warm-up; afterwards it sends the factors
+/// only, recovers an average of rank at most r exactly, and small and 1-D parameters go as
+/// they are.
+#[test]
+fn powersgd_buckets_send_factors_and_recover_low_rank_averages() {
+    let shapes: [&[usize]; 3] = [&[12, 10], &[10], &[5, 3]];
+    let numels: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
+    let starts: Vec<usize> = numels.iter().scan(0, |a, n| { *a += n; Some(*a - n) }).collect();
+    let total: usize = numels.iter().sum();
+    for exact in [true, false] {
+        let rank = 2;
+        let n = 3;
+        run_ranks(LocalComm::create(WorldSize::new(n).unwrap()), |r, c| {
+            let compression = kolo_ddp::Compression::PowerSgd { rank, warmup_steps: 1 };
+            let cfg = DdpConfig { compression, ..Default::default() };
+            let ddp = Ddp::new(Arc::new(c), &sig(&shapes), cfg).unwrap();
+            for step in 0..3 {
+                // Rank-1 gradients for the 12x10 matrix when `exact`, arbitrary otherwise.
+                let val = |q: usize, i: usize| {
+                    if exact && i < 120 {
+                        ((i / 10) as f32 - 5.5) * ((i % 10) as f32 - 4.0) * (q + step + 1) as f32 * 0.1
+                    } else {
+                        ((i * 7 + q * 13 + step) % 11) as f32 - 5.0
+                    }
+                };
+                let g: Vec<f32> = (0..total).map(|i| val(r, i)).collect();
+                ddp.begin_backward();
+                for p in (0..shapes.len()).rev() {
+                    ddp.sink().grad_ready(p, &g[starts[p]..starts[p] + numels[p]]);
+                }
+                let mut out = vec![0f32; total];
+                let stats = ddp.finish(&mut out).unwrap();
+                let mean: Vec<f32> = (0..total).map(|i| (0..n).map(|q| val(q, i)).sum::<f32>() / n as f32).collect();
+                let err = out.iter().zip(&mean).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                if step == 0 {
+                    assert_eq!(stats.bytes, total * 4, "warm-up step is uncompressed");
+                    assert!(err < 1e-5);
+                } else if exact {
+                    assert!(err < 1e-3, "a rank-1 average through rank-2 factors: error {err}");
+                } else {
+                    // 12x10 at rank 2 sends (12 + 10) * 2 values; 10 and 5x3 go as they are.
+                    assert_eq!(stats.bytes, ((12 + 10) * 2 + 10 + 15) * 4, "low rank payload");
+                    // The 1-D and small parameters are exact.
+                    let tail = &out[120..];
+                    assert!(tail.iter().zip(&mean[120..]).all(|(a, b)| (a - b).abs() < 1e-5));
+                }
+            }
+        });
+    }
+    // Compression is plain DDP's.
+    let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| {
+        let cfg = DdpConfig { compression: kolo_ddp::Compression::PowerSgd { rank: 1, warmup_steps: 0 }, sharding: Sharding::Gradients, ..Default::default() };
+        Ddp::new(Arc::new(c), &sig(&shapes), cfg).err().unwrap()
+    });
+    assert!(e[0].to_string().contains("PowerSGD compresses plain DDP"));
+}
