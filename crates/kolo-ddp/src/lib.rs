@@ -20,7 +20,9 @@
 //! hook and add the gradients with [`Ddp::accumulate`]; the next hooked backward folds them in.
 //! The crate knows no tensor library: it sees flat `f32` buffers only.
 
+pub mod codecs;
 pub mod powersgd;
+pub use codecs::{BucketCodec, CodecFactory};
 pub mod shard;
 pub use shard::{Segment, ShardPlan};
 
@@ -59,16 +61,30 @@ pub struct DdpConfig {
     pub groups: Vec<Vec<usize>>,
     /// Gradient compression (plain DDP only).
     pub compression: Compression,
+    /// Synchronised steps before compression starts.
+    pub compression_warmup: u64,
 }
 
-/// How gradients are compressed on the wire.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// How gradients are compressed on the wire (after `DdpConfig::compression_warmup`
+/// uncompressed steps, like torch's `start_powerSGD_iter`).
+#[derive(Clone, Debug, Default, PartialEq)]
 pub enum Compression {
     #[default]
     None,
-    /// PowerSGD with rank-`rank` factors, after `warmup_steps` uncompressed steps (torch's
-    /// `start_powerSGD_iter`).
-    PowerSgd { rank: usize, warmup_steps: u64 },
+    /// All-reduce in f16 or bf16.
+    Half { bf16: bool },
+    /// The `fraction` largest values per rank, with error feedback.
+    TopK { fraction: f64 },
+    /// `fraction` of the positions, the same on every rank, with error feedback.
+    RandK { fraction: f64 },
+    /// QSGD with `levels` levels (unbiased).
+    Qsgd { levels: u8 },
+    /// 1 bit per value and a scale, with error feedback.
+    Sign,
+    /// PowerSGD with rank-`rank` factors, error feedback and warm-started Q.
+    PowerSgd { rank: usize },
+    /// A user codec per bucket.
+    Custom(CodecFactory),
 }
 
 /// What is sharded across the data-parallel ranks (DeepSpeed's `zero_stage`).
@@ -109,7 +125,7 @@ impl Sharding {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT, sharding: Sharding::None, groups: Vec::new(), compression: Compression::None }
+        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT, sharding: Sharding::None, groups: Vec::new(), compression: Compression::None, compression_warmup: 0 }
     }
 }
 
@@ -199,7 +215,7 @@ type Timed = (Option<Vec<f32>>, Option<Vec<f32>>, Instant, Instant, Sent);
 /// the next step continues from it).
 struct Sent {
     bytes: usize,
-    codec: Option<powersgd::BucketState>,
+    codec: Option<Box<dyn BucketCodec>>,
 }
 
 struct Inner {
@@ -207,8 +223,8 @@ struct Inner {
     buffers: Vec<Option<Vec<f32>>>,
     /// ZeRO-2: this rank's reduced piece of each bucket (taken while in flight).
     pieces: Vec<Option<Vec<f32>>>,
-    /// PowerSGD state per bucket (taken while in flight).
-    codecs: Vec<Option<powersgd::BucketState>>,
+    /// Compression state per bucket (taken while in flight).
+    codecs: Vec<Option<Box<dyn BucketCodec>>>,
     /// Synchronised backward passes finished so far (for the compression warm-up).
     syncs: u64,
     remaining: Vec<usize>,
@@ -306,31 +322,43 @@ impl Ddp {
                 o += numels[p];
             }
         }
-        let (codecs, warmup) = match cfg.compression {
-            Compression::None => (plan.iter().map(|_| None).collect(), u64::MAX),
-            Compression::PowerSgd { rank: r, warmup_steps } => {
-                if cfg.sharding != Sharding::None || r == 0 {
-                    return Err(DdpError::Usage { rank, what: "PowerSGD compresses plain DDP (zero_stage = 0) with a rank of at least 1".into() });
-                }
-                let codecs = plan
-                    .iter()
-                    .enumerate()
-                    .map(|(b, bucket)| {
-                        let slots = bucket
-                            .params
-                            .iter()
-                            .map(|&p| {
-                                let shape = &signature[p].1;
-                                let rows = if shape.len() >= 2 { shape[0] } else { 1 };
-                                powersgd::Slot { offset: slot[p].1, rows, cols: numels[p] / rows.max(1) }
-                            })
-                            .collect();
-                        Some(powersgd::BucketState::new(slots, r, b as u64))
-                    })
-                    .collect();
-                (codecs, warmup_steps)
+        let codecs: Vec<Option<Box<dyn BucketCodec>>> = if cfg.compression == Compression::None {
+            plan.iter().map(|_| None).collect()
+        } else {
+            if cfg.sharding != Sharding::None {
+                return Err(DdpError::Usage { rank, what: "gradient compression applies to plain DDP (zero_stage = 0)".into() });
             }
+            if matches!(cfg.compression, Compression::PowerSgd { rank: 0 } | Compression::Qsgd { levels: 0 | 128.. }) {
+                return Err(DdpError::Usage { rank, what: format!("{:?}: PowerSGD needs a rank of at least 1, QSGD 1..=127 levels", cfg.compression) });
+            }
+            plan.iter()
+                .enumerate()
+                .map(|(b, bucket)| {
+                    let slots: Vec<powersgd::Slot> = bucket
+                        .params
+                        .iter()
+                        .map(|&p| {
+                            let shape = &signature[p].1;
+                            let rows = if shape.len() >= 2 { shape[0] } else { 1 };
+                            powersgd::Slot { offset: slot[p].1, rows, cols: numels[p] / rows.max(1) }
+                        })
+                        .collect();
+                    let ef = || kolo_compress::ErrorFeedback::new(bucket.numel);
+                    let codec: Box<dyn BucketCodec> = match &cfg.compression {
+                        Compression::None => unreachable!("handled above"),
+                        Compression::Half { bf16 } => Box::new(codecs::Half { bf16: *bf16 }),
+                        Compression::TopK { fraction } => Box::new(codecs::TopK { fraction: *fraction, ef: ef() }),
+                        Compression::RandK { fraction } => Box::new(codecs::RandK { fraction: *fraction, seed: b as u64, step: 0, ef: ef() }),
+                        Compression::Qsgd { levels } => Box::new(codecs::Qsgd { levels: *levels, rng: kolo_base::Rng::new(0xC0DE ^ ((rank.get() as u64) << 32) ^ b as u64) }),
+                        Compression::Sign => Box::new(codecs::Sign { ef: ef() }),
+                        Compression::PowerSgd { rank: r } => Box::new(powersgd::BucketState::new(slots, *r, b as u64)),
+                        Compression::Custom(f) => (f.0)(b, &slots),
+                    };
+                    Some(codec)
+                })
+                .collect()
         };
+        let warmup = cfg.compression_warmup;
         let inner = Inner {
             buffers: plan.iter().map(|_| None).collect(),
             pieces: plan.iter().map(|_| None).collect(),
@@ -715,7 +743,7 @@ impl GradSink for Shared {
 impl Shared {
     /// Queues bucket `b`'s collective: all-reduce, or in-place reduce-scatter keeping this
     /// rank's piece.
-    fn submit_bucket(&self, b: usize, buf: Vec<f32>, pieces: &mut [Option<Vec<f32>>], codec: Option<powersgd::BucketState>) -> Pending<Timed> {
+    fn submit_bucket(&self, b: usize, buf: Vec<f32>, pieces: &mut [Option<Vec<f32>>], codec: Option<Box<dyn BucketCodec>>) -> Pending<Timed> {
         {
             if self.reduce_scatter {
                 let own = self.shard.pieces[b].in_bucket.clone();
@@ -731,7 +759,7 @@ impl Shared {
                     Ok((None, Some(piece), s, Instant::now(), Sent { bytes, codec: None }))
                 })
             } else if let Some(mut codec) = codec {
-                // PowerSGD (after its warm-up): low-rank factors instead of the bucket.
+                // Compressed (after the warm-up): the codec does the exchange.
                 self.comm.submit(OpKind::AllReduce, move |c| {
                     let s = Instant::now();
                     let mut buf = buf;

@@ -269,11 +269,19 @@ pub struct DdpConfig {
 #[derive(Deserialize, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CompressionConfig {
-    /// `powersgd`: matrices sent as rank-`rank` factors with error feedback, warm-started.
+    /// `powersgd` (matrices as rank-`rank` factors), `fp16`/`bf16` (2-byte all-reduce), `topk`
+    /// / `randk` (a `fraction` of the values), `qsgd` (`levels` levels, unbiased), `sign`
+    /// (1 bit per value and a scale). topk, randk, sign and powersgd carry error feedback.
     pub method: CompressionMethod,
     /// PowerSGD rank (default 1).
     #[serde(default = "one")]
     pub rank: usize,
+    /// topk / randk: fraction of values sent (default 0.01).
+    #[serde(default = "one_percent")]
+    pub fraction: f64,
+    /// qsgd: quantization levels, 1..=127 (default 16).
+    #[serde(default = "sixteen")]
+    pub levels: u8,
     /// Uncompressed steps first (torch's `start_powerSGD_iter`, default 10).
     #[serde(default = "ten")]
     pub warmup_steps: u64,
@@ -283,6 +291,12 @@ pub struct CompressionConfig {
 #[serde(rename_all = "lowercase")]
 pub enum CompressionMethod {
     Powersgd,
+    Fp16,
+    Bf16,
+    Topk,
+    Randk,
+    Qsgd,
+    Sign,
 }
 
 fn one() -> usize {
@@ -290,6 +304,12 @@ fn one() -> usize {
 }
 fn ten() -> u64 {
     10
+}
+fn one_percent() -> f64 {
+    0.01
+}
+fn sixteen() -> u8 {
+    16
 }
 
 impl Default for DdpConfig {
@@ -371,16 +391,26 @@ impl Config {
         self.ddp.bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.bucket_cap: {e}"))
     }
 
-    pub fn compression(&self) -> Result<kolo_ddp::Compression, String> {
-        match &self.ddp.compression {
-            None => Ok(kolo_ddp::Compression::None),
-            Some(c) => {
-                if self.ddp.zero_stage != 0 || c.rank == 0 {
-                    return Err("ddp.compression (PowerSGD) needs ddp.zero_stage = 0 and a rank of at least 1".into());
-                }
-                Ok(kolo_ddp::Compression::PowerSgd { rank: c.rank, warmup_steps: c.warmup_steps })
-            }
+    /// The gradient codec and its warm-up steps.
+    pub fn compression(&self) -> Result<(kolo_ddp::Compression, u64), String> {
+        use kolo_ddp::Compression as C;
+        let Some(c) = &self.ddp.compression else { return Ok((C::None, 0)) };
+        if self.ddp.zero_stage != 0 {
+            return Err("ddp.compression needs ddp.zero_stage = 0".into());
         }
+        if !(c.fraction > 0.0 && c.fraction <= 1.0) || c.rank == 0 || !(1..=127).contains(&c.levels) {
+            return Err("ddp.compression: fraction must be in (0, 1], rank at least 1, levels 1..=127".into());
+        }
+        let m = match c.method {
+            CompressionMethod::Powersgd => C::PowerSgd { rank: c.rank },
+            CompressionMethod::Fp16 => C::Half { bf16: false },
+            CompressionMethod::Bf16 => C::Half { bf16: true },
+            CompressionMethod::Topk => C::TopK { fraction: c.fraction },
+            CompressionMethod::Randk => C::RandK { fraction: c.fraction },
+            CompressionMethod::Qsgd => C::Qsgd { levels: c.levels },
+            CompressionMethod::Sign => C::Sign,
+        };
+        Ok((m, c.warmup_steps))
     }
 
     pub fn sharding(&self) -> Result<kolo_ddp::Sharding, String> {

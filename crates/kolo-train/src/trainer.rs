@@ -465,7 +465,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
     let sharding = cfg.sharding().map_err(TrainError::Config)?;
     let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
-    let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding, groups, compression: cfg.compression().map_err(TrainError::Config)? };
+    let (compression, compression_warmup) = cfg.compression().map_err(TrainError::Config)?;
+    let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding, groups, compression, compression_warmup };
     let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
     // `flat` is needed only until the model holds its starting values (broadcast, resume).
     let mut flat = model.params().to_flat()?;

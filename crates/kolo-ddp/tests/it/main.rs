@@ -146,8 +146,7 @@ fn powersgd_buckets_send_factors_and_recover_low_rank_averages() {
         let rank = 2;
         let n = 3;
         run_ranks(LocalComm::create(WorldSize::new(n).unwrap()), |r, c| {
-            let compression = kolo_ddp::Compression::PowerSgd { rank, warmup_steps: 1 };
-            let cfg = DdpConfig { compression, ..Default::default() };
+            let cfg = DdpConfig { compression: kolo_ddp::Compression::PowerSgd { rank }, compression_warmup: 1, ..Default::default() };
             let ddp = Ddp::new(Arc::new(c), &sig(&shapes), cfg).unwrap();
             for step in 0..3 {
                 // Rank-1 gradients for the 12x10 matrix when `exact`, arbitrary otherwise.
@@ -184,8 +183,66 @@ fn powersgd_buckets_send_factors_and_recover_low_rank_averages() {
     }
     // Compression is plain DDP's.
     let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| {
-        let cfg = DdpConfig { compression: kolo_ddp::Compression::PowerSgd { rank: 1, warmup_steps: 0 }, sharding: Sharding::Gradients, ..Default::default() };
+        let cfg = DdpConfig { compression: kolo_ddp::Compression::PowerSgd { rank: 1 }, sharding: Sharding::Gradients, ..Default::default() };
         Ddp::new(Arc::new(c), &sig(&shapes), cfg).err().unwrap()
     });
-    assert!(e[0].to_string().contains("PowerSGD compresses plain DDP"));
+    assert!(e[0].to_string().contains("compression applies to plain DDP"), "{}", e[0]);
+}
+
+/// Every codec averages buckets across 3 ranks: exactly in f16-representable values for the
+/// casts, approximately for the lossy ones, and with error feedback the sum over steps of what
+/// was applied tracks the sum of the true averages. A user codec plugs in through the factory.
+#[test]
+fn every_codec_averages_buckets_and_user_codecs_plug_in() {
+    use kolo_ddp::{BucketCodec, CodecFactory, Compression};
+    struct Doubling;
+    impl BucketCodec for Doubling {
+        fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, kolo_comm::CommError> {
+            c.all_reduce(kolo_comm::BufMut::from(&mut *buf), kolo_comm::ReduceOp::Avg)?;
+            buf.iter_mut().for_each(|v| *v *= 2.0);
+            Ok(buf.len() * 4)
+        }
+    }
+    let shapes: [&[usize]; 2] = [&[16, 8], &[8]];
+    let total = 136;
+    let custom = Compression::Custom(CodecFactory(Arc::new(|_, _| Box::new(Doubling) as Box<dyn BucketCodec>)));
+    let cases = [
+        (Compression::Half { bf16: false }, 5e-3f32),
+        (Compression::Half { bf16: true }, 3e-2),
+        (Compression::TopK { fraction: 0.25 }, 0.2),
+        (Compression::RandK { fraction: 0.25 }, 0.2),
+        (Compression::Qsgd { levels: 16 }, 0.2),
+        (Compression::Sign, 0.3),
+        (custom, 1e-5),
+    ];
+    for (method, tol) in cases {
+        let n = 3;
+        let m = method.clone();
+        // The user codec doubles every average: compare with twice the truth.
+        let want = if matches!(method, Compression::Custom(_)) { 2.0 } else { 1.0 };
+        let errs = run_ranks(LocalComm::create(WorldSize::new(n).unwrap()), move |r, c| {
+            let cfg = DdpConfig { compression: m.clone(), ..Default::default() };
+            let ddp = Ddp::new(Arc::new(c), &sig(&shapes), cfg).unwrap();
+            let (mut applied, mut truth, mut moved) = (vec![0f64; total], vec![0f64; total], 0f64);
+            for step in 0..30 {
+                let val = |q: usize, i: usize| (((i * 31 + q * 17 + step * 7) % 23) as f32 - 11.0) / 11.0;
+                let g: Vec<f32> = (0..total).map(|i| val(r, i)).collect();
+                ddp.begin_backward();
+                ddp.sink().grad_ready(1, &g[128..]);
+                ddp.sink().grad_ready(0, &g[..128]);
+                let mut out = vec![0f32; total];
+                ddp.finish(&mut out).unwrap();
+                for i in 0..total {
+                    applied[i] += f64::from(out[i]);
+                    let avg = (0..n).map(|q| f64::from(val(q, i))).sum::<f64>() / n as f64;
+                    truth[i] += avg;
+                    moved += avg.abs();
+                }
+            }
+            // Error of the applied sum over all steps, relative to how far the true averages
+            // moved in total (error feedback keeps it bounded by what is still held back).
+            applied.iter().zip(&truth).map(|(a, t)| (a - want * t).abs()).sum::<f64>() / moved
+        });
+        assert!(errs[0] < f64::from(tol), "{method:?}: relative error of the summed updates {}", errs[0]);
+    }
 }

@@ -151,8 +151,9 @@ fn bad_inputs_give_clear_errors() {
     assert!(err(&format!("{base}[ddp]\nbucket_cap = \"lots\"\n")).contains("ddp.bucket_cap"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 4\n")).contains("ddp.zero_stage must be 0, 1, 2 or 3, not 4"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 3\n")).contains("shards the GPT's blocks"));
-    assert!(err(&format!("{base}[ddp]\nzero_stage = 1\ncompression = {{ method = \"powersgd\" }}\n")).contains("needs ddp.zero_stage = 0"));
+    assert!(err(&format!("{base}[ddp]\nzero_stage = 1\ncompression = {{ method = \"powersgd\" }}\n")).contains("ddp.compression needs ddp.zero_stage = 0"));
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"gzip\" }}\n")).contains("unknown variant `gzip`"));
+    assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"topk\", fraction = 1.5 }}\n")).contains("fraction must be in (0, 1]"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 1\nskip_sync = true\n")).contains("needs ddp.zero_stage = 0"));
 
     // A missing dataset.
@@ -349,11 +350,12 @@ fn mixed_precision_trains_and_f16_overflow_skips_the_step() {
     }
 }
 
-/// PowerSGD (rank 4, after 10 uncompressed steps) trains the MNIST MLP and the Shakespeare GPT
+/// PowerSGD (rank 4, after 10 uncompressed steps) and every other codec train the MNIST MLP (and
+/// PowerSGD the Shakespeare GPT)
 /// to within a stated margin of uncompressed DDP in the same number of steps, sending a
 /// fraction of the bytes.
 #[test]
-fn powersgd_training_converges_near_uncompressed_with_fewer_bytes() {
+fn compressed_training_converges_near_uncompressed_with_fewer_bytes() {
     let mlp = |extra: &str| {
         let text = format!(
             "[model]\nkind = \"mlp\"\nhidden = [128]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"adamw\"\nlr = 2e-3\n[train]\nsteps = 300\nlog_every = 100\neval_batches = 20\n{extra}",
@@ -370,6 +372,17 @@ fn powersgd_training_converges_near_uncompressed_with_fewer_bytes() {
     let ratio = plain.comm_bytes.last().unwrap() / comp.comm_bytes.last().unwrap();
     assert!(ratio >= 10, "MLP compression ratio {ratio}");
     assert_eq!(comp.comm_bytes[0], plain.comm_bytes[0], "warm-up steps are uncompressed");
+    // The other codecs on the same run (fraction 10% for the sparse ones), each within its
+    // stated accuracy margin of uncompressed training after the same 300 steps.
+    for (method, min_ratio, margin) in [("fp16", 2, 0.01), ("bf16", 2, 0.01), ("topk", 5, 0.02), ("randk", 10, 0.05), ("qsgd", 3, 0.03), ("sign", 30, 0.05)] {
+        let cfg = mlp(&format!("[ddp]\ncompression = {{ method = \"{method}\", fraction = 0.1, levels = 16, warmup_steps = 10 }}\n"));
+        let s = &train_on(2, &cfg, &quiet())[0];
+        let acc = s.eval.as_ref().unwrap().accuracy.unwrap();
+        let ratio = plain.comm_bytes.last().unwrap() / s.comm_bytes.last().unwrap();
+        eprintln!("MNIST MLP 300 steps, {method}: accuracy {acc:.4}, {ratio}x fewer bytes");
+        assert!(acc > a.accuracy.unwrap() - margin, "{method}: accuracy {acc} vs {:?}", a.accuracy);
+        assert!(ratio >= min_ratio, "{method}: compression ratio {ratio}");
+    }
 
     let gpt = |extra: &str| gpt_cfg(&format!("[optim]\nkind = \"adamw\"\nlr = 3e-3\n[train]\nsteps = 120\neval_batches = 8\nsample_chars = 0\n{extra}"), 8);
     let plain = &train_on(2, &gpt(""), &quiet())[0];

@@ -1,0 +1,166 @@
+//! Gradient compression on DDP buckets: the [`BucketCodec`] hook (one instance per bucket,
+//! owning its state) and Kolo's codecs built on `kolo-compress`. A user codec is a
+//! [`CodecFactory`] in [`crate::Compression::Custom`].
+
+use crate::powersgd::Slot;
+use kolo_base::Rng;
+use kolo_comm::{BufMut, BufRef, CommError, Communicator, ReduceOp};
+use kolo_compress::{cast, qsgd, sign, sparse, unsign, ErrorFeedback};
+use std::sync::Arc;
+
+/// Averages one bucket's gradients across ranks through some encoding. Runs on the
+/// communication thread; every rank's instance for a bucket is called once per synchronised
+/// step, in the same order.
+pub trait BucketCodec: Send {
+    /// Replaces `buf` by (an approximation of) its average over the ranks of `c`; returns the
+    /// bytes this rank handed to collectives.
+    fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError>;
+}
+
+/// A function making the codec of bucket `b` from its parameters' slots.
+pub type MakeCodec = dyn Fn(usize, &[Slot]) -> Box<dyn BucketCodec> + Send + Sync;
+
+/// Makes the codec of bucket `b` given its parameters' slots (offset and matrix shape).
+#[derive(Clone)]
+pub struct CodecFactory(pub Arc<MakeCodec>);
+
+impl std::fmt::Debug for CodecFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CodecFactory(..)")
+    }
+}
+
+impl PartialEq for CodecFactory {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl BucketCodec for crate::powersgd::BucketState {
+    fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
+        crate::powersgd::BucketState::all_reduce(self, c, buf)
+    }
+}
+
+/// All-reduce in f16 or bf16 (2 bytes per value), averaged in that precision.
+pub struct Half {
+    pub bf16: bool,
+}
+
+impl BucketCodec for Half {
+    fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
+        if self.bf16 {
+            let mut h = cast::to_bf16(buf);
+            c.all_reduce(BufMut::from(&mut h), ReduceOp::Avg)?;
+            cast::from_bf16(&h, buf);
+        } else {
+            let mut h = cast::to_f16(buf);
+            c.all_reduce(BufMut::from(&mut h), ReduceOp::Avg)?;
+            cast::from_f16(&h, buf);
+        }
+        Ok(buf.len() * 2)
+    }
+}
+
+/// Top-k with error feedback: every rank sends its k largest (index, value) pairs (all-gather)
+/// and everyone sums them.
+pub struct TopK {
+    pub fraction: f64,
+    pub ef: ErrorFeedback,
+}
+
+impl BucketCodec for TopK {
+    fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
+        let n = c.world_size().get();
+        self.ef.add_into(buf);
+        let s = sparse::topk(buf, self.fraction);
+        self.ef.keep(buf, &s.to_dense());
+        let idx: Vec<i32> = s.indices.iter().map(|i| *i as i32).collect();
+        let k = idx.len();
+        let mut all_idx = vec![0i32; k * n];
+        let mut all_val = vec![0f32; k * n];
+        c.all_gather(BufRef::from(&idx[..]), BufMut::from(&mut all_idx))?;
+        c.all_gather(BufRef::from(&s.values[..]), BufMut::from(&mut all_val))?;
+        buf.iter_mut().for_each(|v| *v = 0.0);
+        for (i, v) in all_idx.iter().zip(&all_val) {
+            buf[*i as usize] += v / n as f32;
+        }
+        Ok(k * 8)
+    }
+}
+
+/// Random-k with error feedback: the same k positions on every rank (seeded by bucket and
+/// step), so the k values are simply all-reduced.
+pub struct RandK {
+    pub fraction: f64,
+    pub seed: u64,
+    pub step: u64,
+    pub ef: ErrorFeedback,
+}
+
+impl BucketCodec for RandK {
+    fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
+        self.ef.add_into(buf);
+        let idx = sparse::randk_indices(buf.len(), self.fraction, self.seed ^ self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        self.step += 1;
+        let mut vals: Vec<f32> = idx.iter().map(|i| buf[*i as usize]).collect();
+        let mut sent = vec![0f32; buf.len()];
+        idx.iter().zip(&vals).for_each(|(i, v)| sent[*i as usize] = *v);
+        self.ef.keep(buf, &sent);
+        c.all_reduce(BufMut::from(&mut vals), ReduceOp::Avg)?;
+        buf.iter_mut().for_each(|v| *v = 0.0);
+        idx.iter().zip(&vals).for_each(|(i, v)| buf[*i as usize] = *v);
+        Ok(vals.len() * 4)
+    }
+}
+
+/// QSGD (unbiased, no error feedback): every rank sends one byte per value and its norm.
+pub struct Qsgd {
+    pub levels: u8,
+    pub rng: Rng,
+}
+
+impl BucketCodec for Qsgd {
+    fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
+        let n = c.world_size().get();
+        let q = qsgd::quantize(buf, self.levels, &mut self.rng);
+        let mut codes = vec![0u8; buf.len() * n];
+        let mut norms = vec![0f32; n];
+        c.all_gather(BufRef::from(&q.codes[..]), BufMut::from(&mut codes))?;
+        c.all_gather(BufRef::from(&[q.norm][..]), BufMut::from(&mut norms))?;
+        let mut part = vec![0f32; buf.len()];
+        buf.iter_mut().for_each(|v| *v = 0.0);
+        for r in 0..n {
+            let qr = qsgd::Quantized { norm: norms[r], levels: self.levels, codes: codes[r * part.len()..(r + 1) * part.len()].to_vec() };
+            qsgd::dequantize(&qr, &mut part);
+            buf.iter_mut().zip(&part).for_each(|(b, p)| *b += p / n as f32);
+        }
+        Ok(buf.len() + 4)
+    }
+}
+
+/// Scaled sign with error feedback: one bit per value and one scale per rank.
+pub struct Sign {
+    pub ef: ErrorFeedback,
+}
+
+impl BucketCodec for Sign {
+    fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
+        let n = c.world_size().get();
+        self.ef.add_into(buf);
+        let (bits, scale) = sign(buf);
+        let mut sent = vec![0f32; buf.len()];
+        unsign(&bits, scale, &mut sent);
+        self.ef.keep(buf, &sent);
+        let mut all_bits = vec![0u8; bits.len() * n];
+        let mut scales = vec![0f32; n];
+        c.all_gather(BufRef::from(&bits[..]), BufMut::from(&mut all_bits))?;
+        c.all_gather(BufRef::from(&[scale][..]), BufMut::from(&mut scales))?;
+        buf.iter_mut().for_each(|v| *v = 0.0);
+        for r in 0..n {
+            unsign(&all_bits[r * bits.len()..(r + 1) * bits.len()], scales[r], &mut sent);
+            buf.iter_mut().zip(&sent).for_each(|(b, s)| *b += s / n as f32);
+        }
+        Ok(bits.len() + 4)
+    }
+}
