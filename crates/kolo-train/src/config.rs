@@ -264,6 +264,18 @@ pub struct DdpConfig {
     /// Gradient compression, e.g. `{ method = "powersgd", rank = 4, warmup_steps = 10 }`
     /// (plain DDP only). Default: none.
     pub compression: Option<CompressionConfig>,
+    /// Local SGD: after `warmup_steps` synchronous steps, every rank steps on its own
+    /// gradients and the models are averaged every `every` steps (post-local SGD), e.g.
+    /// `{ every = 8, warmup_steps = 100 }`. Plain DDP only. Default: off.
+    pub local_sgd: Option<LocalSgdConfig>,
+}
+
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct LocalSgdConfig {
+    pub every: u64,
+    #[serde(default)]
+    pub warmup_steps: u64,
 }
 
 #[derive(Deserialize, Debug, Clone, PartialEq)]
@@ -314,7 +326,7 @@ fn sixteen() -> u8 {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None }
+        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None, local_sgd: None }
     }
 }
 
@@ -381,6 +393,14 @@ impl Config {
         self.bucket_cap()?;
         self.first_bucket_cap()?;
         self.compression()?;
+        if let Some(l) = &self.ddp.local_sgd {
+            if l.every == 0 || self.ddp.zero_stage != 0 || self.ddp.compression.is_some() {
+                return Err("ddp.local_sgd needs every >= 1, ddp.zero_stage = 0 and no ddp.compression".into());
+            }
+        }
+        if (self.ddp.local_sgd.is_some() || self.ddp.skip_sync) && self.train.precision == Precision::F16 {
+            return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
+        }
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
         }

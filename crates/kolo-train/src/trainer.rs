@@ -566,7 +566,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // gradients in the DDP buckets (plain DDP, ZeRO-1) or this rank's shard of them (ZeRO-2),
     // the optimizer state for the whole model or this rank's shard.
     // Local gradients of no-sync micro-steps, only when there are any.
-    let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync { vec![0f32; numel] } else { Vec::new() };
+    let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() { vec![0f32; numel] } else { Vec::new() };
     // Mixed precision: the compute dtype, and for f16 a dynamic loss scale.
     let dtype = cfg.compute_dtype();
     let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
@@ -591,6 +591,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     for step in start..end {
         let t0 = Instant::now();
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
+        // Local SGD after its synchronous warm-up: no gradient exchange, periodic averaging.
+        let local_step = cfg.ddp.local_sgd.as_ref().is_some_and(|l| step >= l.warmup_steps);
         let mut loss_sum = 0f64;
         for m in 0..tc.grad_accum {
             let (p, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
@@ -599,7 +601,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             // f16: backward runs on the loss times the loss scale; the step divides it out.
             let loss_scale = scaler.as_ref().map_or(1.0, LossScaler::scale);
             let te = kolo_tensor::TensorError::from;
-            if m + 1 < tc.grad_accum || cfg.ddp.skip_sync {
+            if m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step {
                 // No-sync micro-step: gradients stay local.
                 let loss = (model.loss(&batch, &*eval_view)? * scale).map_err(te)?;
                 loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
@@ -616,14 +618,25 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         let params = model.params();
         let ranges = ddp.ranges();
         let clip = |norm: f64| cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(norm, max));
-        if cfg.ddp.skip_sync {
-            // Benchmark mode: the local gradients are used as they are.
+        if cfg.ddp.skip_sync || local_step {
+            // Local SGD (or the no-sync benchmark mode): the local gradients are used as they are.
             ddp.take_accumulated(&mut micro);
             let f = clip(sum_of_squares(&micro).sqrt());
             micro.iter_mut().for_each(|g| *g *= f);
             opt.begin_step();
             for (i, r) in ranges.iter().enumerate() {
                 params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
+            }
+            if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
+                if (step + 1 - l.warmup_steps) % l.every.max(1) == 0 {
+                    // Every `every` local steps the models are averaged (post-local SGD).
+                    let mut flat = params.to_flat()?;
+                    comm.all_reduce(BufMut::from(&mut flat), ReduceOp::Avg)?;
+                    params.load(&flat)?;
+                    comm_bytes.push(flat.len() * 4);
+                } else {
+                    comm_bytes.push(0);
+                }
             }
         } else {
             // Checks (f16: every rank agrees whether any gradient overflowed; such a step is

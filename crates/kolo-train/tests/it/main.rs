@@ -391,3 +391,31 @@ fn compressed_training_converges_near_uncompressed_with_fewer_bytes() {
     eprintln!("Shakespeare GPT 120 steps: validation loss {a:.4} uncompressed, {b:.4} PowerSGD r4");
     assert!(b < a * 1.10, "PowerSGD validation loss {b} vs {a}");
 }
+
+/// Local SGD: averaging the models after every plain-SGD step is DDP (the average of one step
+/// from the same point is the step with the averaged gradient); averaging every 4 steps after a
+/// synchronous warm-up trains the MNIST MLP within 3% of DDP's accuracy while communicating a
+/// quarter as often.
+#[test]
+fn local_sgd_averages_models_and_trains_close_to_ddp() {
+    let sgd = "[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 5\nlog_every = 1\n";
+    let ddp = &train_on(2, &mnist_cfg(sgd, 16), &quiet())[0];
+    let local = &train_on(2, &mnist_cfg(&format!("{sgd}[ddp]\nlocal_sgd = {{ every = 1 }}\n"), 16), &quiet())[0];
+    let d = max_diff(&local.params, &ddp.params);
+    assert!(d < 1e-5, "local SGD every step vs DDP: {d}");
+    let text = |extra: &str| {
+        let t = format!(
+            "[model]\nkind = \"mlp\"\nhidden = [128]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"adamw\"\nlr = 2e-3\n[train]\nsteps = 300\nlog_every = 100\neval_batches = 20\n{extra}",
+            shared().join("mnist").display()
+        );
+        Config::parse(&t, "test").unwrap()
+    };
+    let a = &train_on(2, &text(""), &quiet())[0];
+    let b = train_on(2, &text("[ddp]\nlocal_sgd = { every = 4, warmup_steps = 20 }\n"), &quiet());
+    assert_eq!(b[0].params, b[1].params, "the last step averaged the models");
+    let (acc_a, acc_b) = (a.eval.as_ref().unwrap().accuracy.unwrap(), b[0].eval.as_ref().unwrap().accuracy.unwrap());
+    eprintln!("MNIST MLP 300 steps: DDP accuracy {acc_a:.4}, local SGD (H = 4) {acc_b:.4}");
+    assert!(acc_b > acc_a - 0.03, "local SGD {acc_b} vs DDP {acc_a}");
+    let rounds = b[0].comm_bytes.iter().filter(|x| **x > 0).count();
+    assert_eq!(rounds, 20 + (300 - 20) / 4, "20 synchronous steps, then an average every 4");
+}
