@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Gradient compression and Local SGD on the GPT (bench/gpt.toml), 2 ranks, on links shaped by
+# bench/netem.sh (root): step time and bytes per step for each method at each rate.
+#   bash bench/compression.sh [RATES...]      (default: 100mbit 1gbit)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RATES=("${@:-100mbit 1gbit}")
+[ $# -eq 0 ] && RATES=(100mbit 1gbit)
+methods=(
+  "none|"
+  "powersgd r1|compression = { method = \"powersgd\", rank = 1, warmup_steps = 2 }"
+  "powersgd r4|compression = { method = \"powersgd\", rank = 4, warmup_steps = 2 }"
+  "fp16|compression = { method = \"fp16\", warmup_steps = 2 }"
+  "topk 1%|compression = { method = \"topk\", fraction = 0.01, warmup_steps = 2 }"
+  "sign|compression = { method = \"sign\", warmup_steps = 2 }"
+  "local SGD H=4|local_sgd = { every = 4, warmup_steps = 2 }"
+)
+for rate in "${RATES[@]}"; do
+  for m in "${methods[@]}"; do
+    name=${m%%|*} ddp=${m#*|}
+    cfg=$(mktemp --suffix=.toml)
+    sed "s/^\[train\]/[ddp]\n$ddp\n\n[train]/" bench/gpt.toml > "$cfg"
+    bash bench/netem.sh "$cfg" 2 "$rate" 0ms --steps 10 2>/dev/null | grep -E '^\[rank 0\] (done|gradient)' | tr '\n' ' ' | sed "s/^/$rate | $name | /"
+    echo
+    rm -f "$cfg"
+  done
+done
