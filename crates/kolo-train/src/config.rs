@@ -212,6 +212,11 @@ pub struct TrainConfig {
     /// optimizer and loss; half-precision matmuls and activations; f16 adds dynamic loss
     /// scaling, skipping steps whose gradients overflow).
     pub precision: Precision,
+    /// Serve Prometheus metrics at http://`metrics_addr`:(`metrics_port` + rank)/metrics
+    /// (0: any free port, printed). Default: off.
+    pub metrics_port: Option<u16>,
+    /// Address the metrics endpoints bind (default 127.0.0.1).
+    pub metrics_addr: String,
     /// gpt: characters to generate at the end (default 200).
     pub sample_chars: usize,
     /// gpt: sampling temperature (default 0.8).
@@ -234,6 +239,8 @@ impl Default for TrainConfig {
             checkpoint_every: 0,
             checkpoint_background: false,
             precision: Precision::F32,
+            metrics_port: None,
+            metrics_addr: "127.0.0.1".into(),
             sample_chars: 200,
             sample_temperature: 0.8,
             progress: true,

@@ -7,6 +7,7 @@ pub mod sampler;
 pub mod trainer;
 
 pub use config::Config;
+pub mod metrics;
 pub use trainer::{peak_rss, run, Eval, HeapReport, RunOptions, StateBytes, Summary};
 
 #[non_exhaustive]

@@ -588,6 +588,18 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut window = Instant::now();
     kolo_base::alloc::reset_peak();
     let mut heap_after_steps = None;
+    let metrics = crate::metrics::Metrics::new(rank);
+    let _endpoint = match tc.metrics_port {
+        Some(port) => {
+            let addr = format!("{}:{}", tc.metrics_addr, if port == 0 { 0 } else { port as usize + rank });
+            let server = crate::metrics::serve(metrics.clone(), &addr).map_err(|e| TrainError::Config(format!("train.metrics_port: cannot listen on {addr}: {e}")))?;
+            if !opts.quiet {
+                eprintln!("rank {rank}: metrics on http://{}/metrics", server.addr);
+            }
+            Some(server)
+        }
+        None => None,
+    };
     for step in start..end {
         let t0 = Instant::now();
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
@@ -738,17 +750,28 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         heap_after_steps = kolo_base::alloc::stats();
+        if tc.metrics_port.is_some() {
+            metrics.step.set((step + 1) as f64);
+            metrics.step_seconds.set(t0.elapsed().as_secs_f64());
+            metrics.comm_bytes_total.add(comm_bytes.last().copied().unwrap_or(0) as f64);
+            metrics.comm_wait_seconds_total.add(wait_ms.last().copied().unwrap_or(0.0) / 1e3);
+            metrics.skipped_steps_total.set(scaler.as_ref().map_or(0, LossScaler::skipped) as f64);
+            metrics.heap_bytes.set(heap_after_steps.map_or(0.0, |h| h.live as f64));
+            metrics.peak_rss_bytes.set(peak_rss().unwrap_or(0) as f64);
+        }
 
         let done = step + 1;
         if done % tc.log_every.max(1) == 0 || done == end {
             let mut l = [loss_sum];
             comm.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
             last_loss = l[0];
+            metrics.loss.set(last_loss);
             let n = (done - start) % tc.log_every.max(1);
             let n = if n == 0 { tc.log_every.max(1) } else { n } as f64;
             let secs = window.elapsed().as_secs_f64();
             window = Instant::now();
             let sps = n * global_batch as f64 / secs;
+            metrics.samples_per_second.set(sps);
             let recent = &step_ms[step_ms.len().saturating_sub(n as usize)..];
             let ms = recent.iter().sum::<f64>() / recent.len().max(1) as f64;
             let msg = if tokens_per_example > 1 {

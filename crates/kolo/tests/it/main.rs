@@ -269,6 +269,57 @@ fn a_crash_during_a_save_leaves_the_previous_checkpoint_as_the_latest() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A training run serves Prometheus metrics while it runs: scraped over HTTP mid-run, the step
+/// counter moves and every sample parses.
+#[test]
+fn training_serves_prometheus_metrics_while_it_runs() {
+    use std::io::{BufRead, Read, Write};
+    let (dir, cfg, _) = tiny_gpt_job("metrics", "steps = 100000\nlog_every = 5\nmetrics_port = 0\n", "");
+    let mut child = Command::new(KOLO)
+        .args(["train", "--config", cfg.to_str().unwrap()])
+        .env("RAYON_NUM_THREADS", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("the run ended before announcing its metrics").unwrap();
+        if let Some(rest) = line.split("metrics on http://").nth(1) {
+            break rest.trim_end_matches("/metrics").to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {}); // keep draining stderr
+    let scrape = || {
+        let mut c = std::net::TcpStream::connect(&addr).unwrap();
+        write!(c, "GET /metrics HTTP/1.1\r\nHost: kolo\r\n\r\n").unwrap();
+        let mut s = String::new();
+        c.read_to_string(&mut s).unwrap();
+        s
+    };
+    let step_of = |body: &str| -> f64 {
+        let line = body.lines().find(|l| l.starts_with("kolo_step{")).expect("kolo_step sample");
+        line.rsplit_once(' ').unwrap().1.parse().unwrap()
+    };
+    let t0 = Instant::now();
+    let first = step_of(&scrape());
+    let mut later = first;
+    while later <= first + 2.0 && t0.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+        later = step_of(&scrape());
+    }
+    let body = scrape();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(later > first, "the step counter did not move: {first} -> {later}");
+    assert!(body.starts_with("HTTP/1.1 200 OK") && body.contains("# TYPE kolo_comm_bytes_total counter"), "{body}");
+    for l in body.split("\r\n\r\n").nth(1).unwrap().lines().filter(|l| !l.starts_with('#')) {
+        l.rsplit_once(' ').unwrap().1.parse::<f64>().unwrap_or_else(|_| panic!("bad sample {l}"));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn launcher_forwards_sigterm_and_reports_it() {
     let child = Command::new(KOLO)
