@@ -131,6 +131,8 @@ pub struct HostComm {
     hier: Mutex<Option<Arc<Hier>>>,
     /// The shard buffer of the hierarchical all-reduce, reused across calls.
     hier_scratch: Mutex<Scratch>,
+    /// The last collectives, readable while one hangs.
+    recorder: crate::recorder::Recorder,
     _server: Option<Arc<TcpStoreServer>>,
 }
 
@@ -194,6 +196,7 @@ impl HostComm {
             hosts: c.hosts,
             hier: Mutex::new(None),
             hier_scratch: Mutex::new(Scratch::default()),
+            recorder: Default::default(),
             cfg,
             _server: server,
         };
@@ -324,7 +327,7 @@ impl HostComm {
             return self.hierarchical_all_reduce(buf, op);
         }
         let bytes = buf.bytes_mut();
-        self.run(OpKind::AllReduce, alg, |e, s, big| match alg {
+        self.run(OpKind::AllReduce, alg, bytes.len(), |e, s, big| match alg {
             Algorithm::Ring => ring::all_reduce(e, bytes, dtype, op, big),
             Algorithm::HalvingDoubling => halving::all_reduce(e, bytes, dtype, op, big),
             Algorithm::Tree => {
@@ -339,6 +342,12 @@ impl HostComm {
         })
     }
 
+    /// The flight recorder's dump: the last collectives of this communicator, the one in
+    /// progress marked. Safe to call while a collective hangs.
+    pub fn flight_record(&self) -> String {
+        self.recorder.dump(&format!("rank {} flight recorder ({} ranks, group {:?})", self.rank, self.n, self.group))
+    }
+
     fn lock(&self) -> MutexGuard<'_, Core> {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -349,6 +358,7 @@ impl HostComm {
         &self,
         op: OpKind,
         alg: Algorithm,
+        bytes: usize,
         f: impl FnOnce(&mut Exec<'_>, &mut [Scratch; 2], &mut Scratch) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         let mut core = self.lock();
@@ -357,10 +367,12 @@ impl HostComm {
         }
         let seq = core.seq;
         core.seq += 1;
+        self.recorder.start(seq, op, alg.name(), bytes);
         let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
         let Core { links, scratch, big, .. } = &mut *core;
         let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg };
         let r = f(&mut exec, scratch, big);
+        self.recorder.finish(seq, r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
         if let Err(e) = &r {
             self.break_with(&mut core, e.clone());
         }
@@ -438,7 +450,7 @@ impl Communicator for HostComm {
         let dtype = buf.dtype();
         let is_root = root == self.rank;
         let bytes = buf.bytes_mut();
-        self.run(OpKind::Reduce, Algorithm::Tree, |e, s, _| {
+        self.run(OpKind::Reduce, Algorithm::Tree, bytes.len(), |e, s, _| {
             let [a, b] = s;
             if is_root {
                 tree::reduce(e, bytes, dtype, op, root.get(), b)?;
@@ -460,7 +472,7 @@ impl Communicator for HostComm {
         }
         let dtype = buf.dtype();
         let bytes = buf.bytes_mut();
-        self.run(OpKind::Broadcast, Algorithm::Tree, |e, _, _| tree::broadcast(e, bytes, dtype, root.get(), 0))
+        self.run(OpKind::Broadcast, Algorithm::Tree, bytes.len(), |e, _, _| tree::broadcast(e, bytes, dtype, root.get(), 0))
     }
 
     fn all_gather(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
@@ -473,7 +485,7 @@ impl Communicator for HostComm {
             return Ok(());
         }
         let bytes = output.bytes_mut();
-        self.run(OpKind::AllGather, Algorithm::Ring, |e, _, _| ring::all_gather(e, bytes, dtype))
+        self.run(OpKind::AllGather, Algorithm::Ring, bytes.len(), |e, _, _| ring::all_gather(e, bytes, dtype))
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
@@ -486,7 +498,7 @@ impl Communicator for HostComm {
         let esz = dtype.size_bytes();
         let own = shard_range(input.len(), self.n, self.rank);
         let out = output.bytes_mut();
-        self.run(OpKind::ReduceScatter, Algorithm::Ring, |e, s, big| {
+        self.run(OpKind::ReduceScatter, Algorithm::Ring, input.bytes().len(), |e, s, big| {
             let acc = big.get(input.bytes().len());
             acc.copy_from_slice(input.bytes());
             ring::reduce_scatter(e, acc, dtype, op, &mut s[0])?;
@@ -505,7 +517,7 @@ impl Communicator for HostComm {
         let esz = dtype.size_bytes();
         let own = shard_range(buf.len(), self.n, self.rank);
         let bytes = buf.bytes_mut();
-        self.run(OpKind::ReduceScatter, Algorithm::Ring, |e, s, _| {
+        self.run(OpKind::ReduceScatter, Algorithm::Ring, bytes.len(), |e, s, _| {
             ring::reduce_scatter(e, bytes, dtype, op, &mut s[0])?;
             kolo_comm::reduce::finish_avg(dtype, op, &mut bytes[own.start * esz..own.end * esz], e.n);
             Ok(())
@@ -533,7 +545,7 @@ impl Communicator for HostComm {
             out.copy_from_slice(input.bytes());
             return Ok(());
         }
-        self.run(OpKind::AllToAll, Algorithm::Pairwise, |e, _, _| pairwise::all_to_all(e, input.bytes(), &send, out, &recv, dtype))
+        self.run(OpKind::AllToAll, Algorithm::Pairwise, input.bytes().len(), |e, _, _| pairwise::all_to_all(e, input.bytes(), &send, out, &recv, dtype))
     }
 
     fn send(&self, buf: BufRef<'_>, peer: Rank, tag: u32) -> Result<(), CommError> {
@@ -550,7 +562,7 @@ impl Communicator for HostComm {
         if self.n.get() == 1 {
             return Ok(());
         }
-        self.run(OpKind::Barrier, Algorithm::Dissemination, |e, _, _| pairwise::barrier(e))
+        self.run(OpKind::Barrier, Algorithm::Dissemination, 0, |e, _, _| pairwise::barrier(e))
     }
 
     fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Communicator>>, CommError> {

@@ -1,7 +1,9 @@
 //! Communicator flags shared by the subcommands that join a job.
 
 use kolo_base::ByteSize;
-use kolo_collectives::{bootstrap, AlgorithmChoice, Bootstrapped, HostCommConfig, Transport};
+use kolo_collectives::{bootstrap, AlgorithmChoice, Bootstrapped, HostComm, HostCommConfig, Transport};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 #[derive(clap::Args, Clone, Debug)]
@@ -40,9 +42,38 @@ impl CommArgs {
         }
     }
 
-    /// Joins the job this process was launched into (or runs alone).
+    /// Joins the job this process was launched into (or runs alone). From then on `SIGUSR1`
+    /// prints the communicator's flight recorder (its last collectives, the one in progress
+    /// marked) to stderr, also while a collective hangs.
     pub fn join(&self) -> anyhow::Result<Bootstrapped> {
         let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| anyhow::anyhow!(e))?;
-        Ok(bootstrap(env.as_ref(), self.config())?)
+        let b = bootstrap(env.as_ref(), self.config())?;
+        dump_on_sigusr1(Arc::downgrade(&b.comm));
+        Ok(b)
     }
+}
+
+static DUMP_REQUESTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigusr1(_: libc::c_int) {
+    DUMP_REQUESTED.store(true, Ordering::SeqCst);
+}
+
+/// Installs the `SIGUSR1` handler (it only sets a flag) and a thread that prints the flight
+/// recorder when the flag is set; the thread ends with the communicator.
+fn dump_on_sigusr1(comm: Weak<HostComm>) {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigusr1 as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
+    }
+    let _ = std::thread::Builder::new().name("kolo-sigusr1".into()).spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let Some(c) = comm.upgrade() else { return };
+        if DUMP_REQUESTED.swap(false, Ordering::SeqCst) {
+            eprint!("{}", c.flight_record());
+        }
+    });
 }

@@ -48,6 +48,7 @@ pub fn run(a: SelftestArgs) -> anyhow::Result<i32> {
         buf.iter_mut().enumerate().for_each(|(i, x)| *x = (i % 5 + me) as f32);
         if let Err(e) = comm.all_reduce(BufMut::from(&mut buf), ReduceOp::Sum) {
             let after = t0.elapsed().as_secs_f64();
+            eprint!("{}", comm.flight_record());
             return Err(anyhow::Error::new(e).context(format!("selftest: rank {me} failed after {after:.2}s")));
         }
         let want = |i: usize| (n * (i % 5) + n * (n - 1) / 2) as f32;

@@ -31,6 +31,21 @@ pub enum Algorithm {
     HalvingDoubling = 7,
 }
 
+impl Algorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::P2p => "p2p",
+            Algorithm::Ring => "ring",
+            Algorithm::RecursiveDoubling => "doubling",
+            Algorithm::Tree => "tree",
+            Algorithm::Pairwise => "pairwise",
+            Algorithm::Dissemination => "dissemination",
+            Algorithm::Hierarchical => "hierarchical",
+            Algorithm::HalvingDoubling => "halving",
+        }
+    }
+}
+
 pub(crate) struct Exec<'c> {
     pub links: &'c mut [Option<Link>],
     pub ctx: OpCtx,

@@ -62,6 +62,11 @@ fn killed_rank_fails_the_job_with_a_summary_and_survivors_report_it() {
         }
         assert!(t.contains("lost rank 1"), "{t}");
         assert!(!t.contains("stopped by the launcher"), "{t}");
+        // Each survivor shows its flight recorder: the collectives before, the failed one last.
+        for r in [0, 2] {
+            assert!(t.contains(&format!("[rank {r}] rank {r} flight recorder")), "{t}");
+        }
+        assert!(t.contains("FAILED: rank 0: all_reduce #4"), "{t}");
     }
 }
 
@@ -318,6 +323,67 @@ fn training_serves_prometheus_metrics_while_it_runs() {
         l.rsplit_once(' ').unwrap().1.parse::<f64>().unwrap_or_else(|_| panic!("bad sample {l}"));
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `SIGUSR1` makes a running rank print its flight recorder (the last collectives, numbered,
+/// with sizes and times) without disturbing the job.
+#[test]
+fn sigusr1_prints_the_flight_recorder() {
+    use std::io::BufRead;
+    let port = free_port();
+    let token = "ab".repeat(32);
+    let mut ranks: Vec<std::process::Child> = (0..2)
+        .map(|r| {
+            Command::new(KOLO)
+                .args(["selftest", "--iters", "100000000", "--count", "1000", "--timeout", "60"])
+                .env("RANK", r.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("KOLO_JOB_TOKEN", &token)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let stderr = ranks[1].stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: signalling our own child process.
+    unsafe {
+        libc::kill(ranks[1].id() as i32, libc::SIGUSR1);
+    }
+    let mut dump = Vec::new();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(20) {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(l) => {
+                let started = !dump.is_empty() || l.contains("rank 1 flight recorder");
+                if started {
+                    dump.push(l);
+                }
+                if dump.len() > 10 {
+                    break;
+                }
+            }
+            Err(_) if !dump.is_empty() => break,
+            Err(_) => {}
+        }
+    }
+    for r in &mut ranks {
+        let _ = r.kill();
+        let _ = r.wait();
+    }
+    let text = dump.join("\n");
+    assert!(text.contains("rank 1 flight recorder (2 ranks") && text.contains("last 64 collectives"), "{text}");
+    assert!(text.contains("all_reduce") && text.contains("4000 B") && text.contains("ok in"), "{text}");
 }
 
 #[test]
