@@ -342,6 +342,22 @@ impl HostComm {
         })
     }
 
+    /// Hang diagnosis after a timeout in collective `seq`: every rank that times out in it says
+    /// so in the store; after a short wait, the ranks that did not are the ones that never
+    /// arrived (hung, or busy elsewhere). `None` if the store cannot be reached.
+    fn not_arrived(&self, seq: u64) -> Option<Vec<Rank>> {
+        let key = |r: usize| format!("kolo/diag/{}/{seq}/{r}", self.group);
+        self.store.set(&key(self.rank.get()), b"waiting").ok()?;
+        let until = std::time::Instant::now() + Duration::from_millis(1500);
+        loop {
+            let absent: Vec<Rank> = (0..self.n.get()).filter(|&r| !self.store.check(&key(r)).unwrap_or(false)).map(Rank).collect();
+            if absent.is_empty() || std::time::Instant::now() >= until {
+                return Some(absent);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The flight recorder's dump: the last collectives of this communicator, the one in
     /// progress marked. Safe to call while a collective hangs.
     pub fn flight_record(&self) -> String {
@@ -371,7 +387,15 @@ impl HostComm {
         let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
         let Core { links, scratch, big, .. } = &mut *core;
         let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg };
-        let r = f(&mut exec, scratch, big);
+        let mut r = f(&mut exec, scratch, big);
+        if let Err(CommError::Timeout { missing, .. }) = &mut r {
+            // A rank one hop away may only be waiting itself: ask every rank where it is.
+            if let Some(absent) = self.not_arrived(seq) {
+                if !absent.is_empty() {
+                    *missing = absent;
+                }
+            }
+        }
         self.recorder.finish(seq, r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
         if let Err(e) = &r {
             self.break_with(&mut core, e.clone());

@@ -109,10 +109,12 @@ impl CommError {
         }
     }
 
-    /// The peer whose loss caused this error, looking through `Aborted`.
+    /// The peer whose loss caused this error (or, for a timeout, the one rank that never
+    /// arrived), looking through `Aborted`.
     pub fn lost_peer(&self) -> Option<Rank> {
         match self {
             CommError::PeerLost { peer, .. } => Some(*peer),
+            CommError::Timeout { missing, .. } if missing.len() == 1 => Some(missing[0]),
             CommError::Aborted { cause, .. } => cause.lost_peer(),
             _ => None,
         }

@@ -121,8 +121,9 @@ impl Outcome {
         let error_of = |r: &RankReport| r.error.as_ref().map(|e| format!(": {}", e.first_line())).unwrap_or_default();
         if let Some(f) = self.first_failure {
             let r = self.ranks.iter().find(|r| r.rank == f).expect("reported");
+            let hung = if r.end == RankEnd::Stopped { " (the other ranks were waiting for it: hung?)" } else { "" };
             s.push_str(&format!(
-                "kolo launch: job failed: rank {} (pid {}) {} after {:.1}s{}\n",
+                "kolo launch: job failed: rank {} (pid {}) {} after {:.1}s{}{hung}\n",
                 r.rank,
                 r.pid,
                 describe(r),
@@ -219,6 +220,15 @@ fn end_of(status: ExitStatus) -> RankEnd {
 /// the first one that did not fail merely because it lost a peer that failed too. A rank that
 /// lost a peer which is still fine (or was only stopped by the launcher) counts as a cause.
 pub fn root_cause(failed_in_order: &[&RankReport]) -> Option<usize> {
+    // Every rank that says why it failed blames the same rank: that one (also when it did not
+    // fail by itself but hung and was stopped by the launcher).
+    let blamed: Vec<usize> = failed_in_order.iter().filter_map(|r| r.error.as_ref().and_then(|e| e.lost_rank)).collect();
+    let explained = failed_in_order.iter().filter(|r| r.error.is_some()).count();
+    if let Some(&x) = blamed.first() {
+        if blamed.len() == explained && blamed.iter().all(|&b| b == x) && failed_in_order.iter().any(|r| r.rank == x) {
+            return Some(x);
+        }
+    }
     let failed = |rank: usize| failed_in_order.iter().any(|r| r.rank == rank && r.end != RankEnd::Stopped);
     failed_in_order
         .iter()
@@ -380,9 +390,13 @@ mod tests {
         let r0 = report(0, RankEnd::Exited(1), Some(1));
         assert_eq!(root_cause(&[&r2, &r1, &r0]), Some(1));
         assert_eq!(root_cause(&[&r1, &r2, &r0]), Some(1));
-        // A lost peer that was merely stopped by the launcher (hung, say) does not take the blame.
+        // Everyone who says why blames rank 1, which never failed by itself but was stopped by
+        // the launcher (it hung, and they timed out waiting for it): rank 1 is the cause.
         let s1 = report(1, RankEnd::Stopped, None);
-        assert_eq!(root_cause(&[&r2, &r0, &s1]), Some(2));
+        assert_eq!(root_cause(&[&r2, &r0, &s1]), Some(1));
+        // Blame that disagrees falls back to the first failure that is not a consequence.
+        let r0_other = report(0, RankEnd::Exited(1), Some(3));
+        assert_eq!(root_cause(&[&r2, &r0_other, &s1]), Some(2));
         // Everyone blames someone else: fall back to the first reaped.
         let a = report(0, RankEnd::Exited(1), Some(1));
         let b = report(1, RankEnd::Exited(1), Some(0));

@@ -21,7 +21,8 @@ pub struct SelftestArgs {
     /// After this many iterations.
     #[arg(long, default_value_t = 3)]
     fail_after: usize,
-    /// How it leaves: exit (status 3), abort (SIGABRT) or kill (SIGKILL).
+    /// How it leaves: exit (status 3), abort (SIGABRT), kill (SIGKILL), or hang (stops
+    /// calling collectives and sleeps, as a rank stuck outside the communicator would).
     #[arg(long, default_value = "exit")]
     fail_mode: String,
 }
@@ -42,6 +43,9 @@ pub fn run(a: SelftestArgs) -> anyhow::Result<i32> {
                     libc::raise(libc::SIGKILL);
                 },
                 "abort" => std::process::abort(),
+                "hang" => loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                },
                 _ => std::process::exit(3),
             }
         }

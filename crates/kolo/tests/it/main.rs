@@ -70,6 +70,28 @@ fn killed_rank_fails_the_job_with_a_summary_and_survivors_report_it() {
     }
 }
 
+/// Hang diagnosis: one rank stops calling collectives. Within the deadline every other rank
+/// fails naming it (not just the neighbour it waits on), prints its flight recorder, and the
+/// launcher names the hung rank as the cause.
+#[test]
+fn a_hung_rank_is_named_by_every_other_rank_within_the_deadline() {
+    let t0 = Instant::now();
+    let o = run(
+        &["launch", "-n", "3", "--grace", "1", "--", KOLO, "selftest", "--fail-rank", "1", "--fail-after", "3", "--fail-mode", "hang",
+          "--iters", "100000", "--timeout", "2"],
+        &[],
+    );
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}: {t}", t0.elapsed());
+    for r in [0, 2] {
+        assert!(t.contains(&format!("[rank {r}] error: selftest: rank {r} failed after")), "{t}");
+        assert!(t.contains(&format!("rank {r}: all_reduce #4 timed out after 2s; still waiting for rank(s) [1]")), "{t}");
+        assert!(t.contains(&format!("[rank {r}] rank {r} flight recorder")), "{t}");
+    }
+    assert!(t.contains("job failed: rank 1 ") && t.contains("hung?"), "{t}");
+}
+
 #[test]
 fn launcher_rejects_bad_configurations() {
     let o = run(&["launch", "-n", "2", "--nnodes", "2", "--", "true"], &[]);
