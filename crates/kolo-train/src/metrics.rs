@@ -40,6 +40,8 @@ pub struct Metrics {
     pub skipped_steps_total: Gauge,
     pub heap_bytes: Gauge,
     pub peak_rss_bytes: Gauge,
+    pub straggler_rank: Gauge,
+    pub straggler_lag_seconds: Gauge,
 }
 
 impl Metrics {
@@ -49,7 +51,7 @@ impl Metrics {
 
     /// The exposition text.
     pub fn render(&self) -> String {
-        let items: [(&str, &str, &str, &Gauge); 9] = [
+        let items: [(&str, &str, &str, &Gauge); 11] = [
             ("kolo_step", "gauge", "Optimizer steps done.", &self.step),
             ("kolo_loss", "gauge", "Training loss averaged over ranks at the last logged step.", &self.loss),
             ("kolo_step_seconds", "gauge", "Wall time of the last step on this rank.", &self.step_seconds),
@@ -59,6 +61,8 @@ impl Metrics {
             ("kolo_skipped_steps_total", "counter", "Steps skipped because f16 gradients overflowed.", &self.skipped_steps_total),
             ("kolo_heap_bytes", "gauge", "Live heap bytes after the last step (counting allocator).", &self.heap_bytes),
             ("kolo_peak_rss_bytes", "gauge", "Peak resident set size of the process.", &self.peak_rss_bytes),
+            ("kolo_straggler_rank", "gauge", "The rank with the slowest own work per step over the last log window.", &self.straggler_rank),
+            ("kolo_straggler_lag_seconds", "gauge", "How far that rank's own work per step is behind the median rank's.", &self.straggler_lag_seconds),
         ];
         let mut out = String::new();
         for (name, kind, help, g) in items {
@@ -162,7 +166,7 @@ mod tests {
             value.parse::<f64>().unwrap();
             samples += 1;
         }
-        assert_eq!(samples, 9);
+        assert_eq!(samples, 11);
         assert!(body.contains("kolo_step{rank=\"3\"} 7\n") && body.contains("kolo_comm_bytes_total{rank=\"3\"} 1500000\n"), "{body}");
         assert!(get(server.addr, "/nope").starts_with("HTTP/1.1 404"));
         drop(server);

@@ -32,6 +32,8 @@ pub struct RunOptions {
     /// Test hook: make rank 0's gradients non-finite at this step (0-based), as an f16
     /// overflow would.
     pub inject_inf_at: Option<u64>,
+    /// Test hook: `(rank, ms)` makes that rank sleep this long in every step (a straggler).
+    pub slow_rank: Option<(usize, u64)>,
     /// Test hook: abort the process in the middle of saving the checkpoint of this step (after
     /// this rank's shard is written, before the checkpoint is committed), as a crash would.
     pub crash_during_save: Option<u64>,
@@ -57,6 +59,9 @@ pub struct Summary {
     pub comm_wait_ms: Vec<f64>,
     /// Bytes this rank handed to the gradient collectives, per synchronised step.
     pub comm_bytes: Vec<usize>,
+    /// The last straggler detected: the rank whose own work per step was slowest, and how many
+    /// milliseconds it was behind the median rank.
+    pub straggler: Option<(usize, f64)>,
     /// Mean fraction of all-reduce time hidden behind backward.
     pub hidden_fraction: f64,
     /// Final parameters (flat).
@@ -573,6 +578,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let eval_view: Box<dyn kolo_tensor::ParamView> = if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
     let hooked = HookedView { sink: ddp.sink(), dtype };
     let (mut step_ms, mut wait_ms, mut hidden, mut comm_bytes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut compute_ms: Vec<f64> = Vec::new();
+    let mut straggler: Option<(usize, f64)> = None;
     let mut last_loss = f64::NAN;
     let mut eval = None;
     let mut checkpoint = None;
@@ -602,6 +609,12 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     };
     for step in start..end {
         let t0 = Instant::now();
+        let mut step_wait_ms = 0.0;
+        if let Some((r, ms)) = opts.slow_rank {
+            if r == rank {
+                std::thread::sleep(Duration::from_millis(ms));
+            }
+        }
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
         // Local SGD after its synchronous warm-up: no gradient exchange, periodic averaging.
         let local_step = cfg.ddp.local_sgd.as_ref().is_some_and(|l| step >= l.warmup_steps);
@@ -745,10 +758,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 master.release_all();
             }
             wait_ms.push(stats.wait.as_secs_f64() * 1e3);
+            step_wait_ms = stats.wait.as_secs_f64() * 1e3;
             hidden.push(stats.hidden_fraction());
             comm_bytes.push(stats.bytes);
         }
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        // What this rank spent on its own work: the step minus waiting for the others.
+        compute_ms.push(t0.elapsed().as_secs_f64() * 1e3 - step_wait_ms);
         heap_after_steps = kolo_base::alloc::stats();
         if tc.metrics_port.is_some() {
             metrics.step.set((step + 1) as f64);
@@ -774,6 +790,25 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             metrics.samples_per_second.set(sps);
             let recent = &step_ms[step_ms.len().saturating_sub(n as usize)..];
             let ms = recent.iter().sum::<f64>() / recent.len().max(1) as f64;
+            // Stragglers: every rank's own work per step over the window; the slowest rank,
+            // when it is 10% (and 1 ms) behind the median, is named.
+            let own = &compute_ms[compute_ms.len().saturating_sub(n as usize)..];
+            let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64];
+            let mut all = vec![0f64; world];
+            comm.all_gather(kolo_comm::BufRef::from(&mine[..]), BufMut::from(&mut all))?;
+            if world > 1 {
+                let (slow, max) = all.iter().copied().enumerate().fold((0, f64::MIN), |a, (r, v)| if v > a.1 { (r, v) } else { a });
+                let mut sorted = all.clone();
+                sorted.sort_by(f64::total_cmp);
+                let median = sorted[world / 2];
+                let lag = max - median;
+                metrics.straggler_rank.set(slow as f64);
+                metrics.straggler_lag_seconds.set(lag / 1e3);
+                if lag > 0.1 * median && lag > 1.0 {
+                    straggler = Some((slow, lag));
+                    log(&format!("step {done}: straggler: rank {slow} computes {max:.1} ms/step, the median rank {median:.1} ms (+{lag:.1} ms)"));
+                }
+            }
             let msg = if tokens_per_example > 1 {
                 format!("loss {last_loss:.4} | {:.0} tok/s | {ms:.1} ms/step", sps * tokens_per_example as f64)
             } else {
@@ -863,6 +898,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         step_ms,
         comm_wait_ms: wait_ms,
         comm_bytes,
+        straggler,
         params: if zero3 {
             let mut flat = vec![0f32; numel];
             let ranges = ddp.ranges();

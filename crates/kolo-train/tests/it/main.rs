@@ -419,3 +419,21 @@ fn local_sgd_averages_models_and_trains_close_to_ddp() {
     let rounds = b[0].comm_bytes.iter().filter(|x| **x > 0).count();
     assert_eq!(rounds, 20 + (300 - 20) / 4, "20 synchronous steps, then an average every 4");
 }
+
+/// A rank that is slow at its own work (a sleep injected in every step) is named as the
+/// straggler; with equal ranks nobody is.
+#[test]
+fn the_slow_rank_is_named_as_the_straggler() {
+    let cfg = mnist_cfg("[train]\nsteps = 6\nlog_every = 3\n", 16);
+    let slow = train_on(3, &cfg, &RunOptions { slow_rank: Some((1, 40)), quiet: true, ..Default::default() });
+    for s in &slow {
+        let (r, lag) = s.straggler.expect("a straggler is named");
+        assert_eq!(r, 1, "every rank names rank 1");
+        assert!(lag > 20.0, "lag {lag} ms");
+    }
+    let even = train_on(3, &cfg, &quiet());
+    if let Some((r, lag)) = even[0].straggler {
+        // Threads on 2 cores are not perfectly even: allow noise, never a 40 ms lag.
+        assert!(lag < 20.0, "rank {r} named with {lag} ms");
+    }
+}
