@@ -217,6 +217,9 @@ pub struct TrainConfig {
     pub metrics_port: Option<u16>,
     /// Address the metrics endpoints bind (default 127.0.0.1).
     pub metrics_addr: String,
+    /// Write TensorBoard event files (scalars: loss, lr, step time, throughput, gradient bytes,
+    /// eval) under this directory, one run per rank (`rank0/`, `rank1/`, ...). Default: off.
+    pub tensorboard_dir: Option<String>,
     /// gpt: characters to generate at the end (default 200).
     pub sample_chars: usize,
     /// gpt: sampling temperature (default 0.8).
@@ -241,6 +244,7 @@ impl Default for TrainConfig {
             precision: Precision::F32,
             metrics_port: None,
             metrics_addr: "127.0.0.1".into(),
+            tensorboard_dir: None,
             sample_chars: 200,
             sample_temperature: 0.8,
             progress: true,

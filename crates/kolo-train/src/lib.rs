@@ -8,6 +8,7 @@ pub mod trainer;
 
 pub use config::Config;
 pub mod metrics;
+pub mod tensorboard;
 pub use trainer::{peak_rss, run, Eval, HeapReport, RunOptions, StateBytes, Summary};
 
 #[non_exhaustive]

@@ -579,6 +579,22 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let hooked = HookedView { sink: ddp.sink(), dtype };
     let (mut step_ms, mut wait_ms, mut hidden, mut comm_bytes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut compute_ms: Vec<f64> = Vec::new();
+    let mut tb = match &tc.tensorboard_dir {
+        Some(d) => {
+            let dir = Path::new(d).join(format!("rank{rank}"));
+            Some(crate::tensorboard::EventWriter::create(&dir).map_err(|e| TrainError::Config(format!("train.tensorboard_dir {}: {e}", dir.display())))?)
+        }
+        None => None,
+    };
+    let mut tb_scalars = |items: &[(&str, f64)], step: u64| {
+        if let Some(w) = tb.as_mut() {
+            for (tag, v) in items {
+                if v.is_finite() {
+                    let _ = w.scalar(tag, step, *v as f32);
+                }
+            }
+        }
+    };
     let mut straggler: Option<(usize, f64)> = None;
     let mut last_loss = f64::NAN;
     let mut eval = None;
@@ -818,6 +834,17 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 Some(pb) => pb.set_message(msg.clone()),
                 None => log(&format!("step {done}/{} {msg}", tc.steps)),
             }
+            tb_scalars(
+                &[
+                    ("train/loss", last_loss),
+                    ("train/lr", f64::from(lr)),
+                    ("train/step_ms", ms),
+                    ("train/samples_per_s", sps),
+                    ("comm/bytes_per_step", comm_bytes.last().copied().unwrap_or(0) as f64),
+                    ("comm/wait_ms", wait_ms.last().copied().unwrap_or(0.0)),
+                ],
+                done,
+            );
             if let Some(f) = json.as_mut() {
                 let rec = serde_json::json!({"rank": rank, "step": done, "loss": last_loss, "lr": lr, "step_ms": step_ms.last(),
                     "comm_wait_ms": wait_ms.last(), "comm_bytes": comm_bytes.last(), "hidden_fraction": hidden.last(), "samples_per_s": sps, "epoch": pos.epoch});
@@ -829,6 +856,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
         if tc.eval_every > 0 && done % tc.eval_every == 0 && done != end {
             let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches, zero3, &settle)?;
+            tb_scalars(&[("eval/loss", e.loss), ("eval/accuracy", e.accuracy.unwrap_or(f64::NAN))], done);
             log(&format!("step {done}: eval loss {:.4}{}", e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
         }
         if let Some(dir) = &tc.checkpoint_dir {
@@ -864,6 +892,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         // validation sets have a window at every position, so `eval_batches` bounds them.
         let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
         let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, limit, zero3, &settle)?;
+        tb_scalars(&[("eval/loss", e.loss), ("eval/accuracy", e.accuracy.unwrap_or(f64::NAN))], end);
         say(&format!(
             "final eval on {} examples: loss {:.4}{}",
             e.examples,
