@@ -99,8 +99,11 @@ impl EventWriter {
     }
 }
 
-/// A minimal protobuf field walker: `(field, wire type, varint or fixed value, bytes)`.
-fn fields(mut b: &[u8]) -> Result<Vec<(u64, u8, u64, &[u8])>, String> {
+/// One protobuf field: number, wire type, varint or fixed value (or length), and its bytes.
+type Field<'a> = (u64, u8, u64, &'a [u8]);
+
+/// A minimal protobuf field walker.
+fn fields(mut b: &[u8]) -> Result<Vec<Field<'_>>, String> {
     let mut out = Vec::new();
     let take_varint = |b: &mut &[u8]| -> Result<u64, String> {
         let mut v = 0u64;

@@ -446,14 +446,14 @@ fn tensorboard_event_files_hold_the_training_curves() {
     let _ = std::fs::remove_dir_all(&dir);
     let cfg = mnist_cfg(&format!("[train]\nsteps = 6\nlog_every = 2\neval_batches = 2\ntensorboard_dir = \"{}\"\n", dir.display()), 16);
     let s = train_on(2, &cfg, &quiet());
-    for r in 0..2 {
+    for (r, summary) in s.iter().enumerate() {
         let run = dir.join(format!("rank{r}"));
         let file = std::fs::read_dir(&run).unwrap().next().unwrap().unwrap().path();
         assert!(file.file_name().unwrap().to_string_lossy().starts_with("events.out.tfevents."));
         let scalars = kolo_train::tensorboard::read_scalars(&file).unwrap();
         let loss: Vec<(i64, f32)> = scalars.iter().filter(|x| x.0 == "train/loss").map(|x| (x.1, x.2)).collect();
         assert_eq!(loss.iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 4, 6]);
-        assert!((f64::from(loss[2].1) - s[r].last_loss).abs() < 1e-4);
+        assert!((f64::from(loss[2].1) - summary.last_loss).abs() < 1e-4);
         let acc = scalars.iter().find(|x| x.0 == "eval/accuracy").expect("final accuracy");
         assert_eq!(acc.1, 6);
     }
