@@ -220,6 +220,9 @@ pub struct TrainConfig {
     /// Write TensorBoard event files (scalars: loss, lr, step time, throughput, gradient bytes,
     /// eval) under this directory, one run per rank (`rank0/`, `rank1/`, ...). Default: off.
     pub tensorboard_dir: Option<String>,
+    /// Write a Chrome trace-event timeline (compute, each bucket's collective, update) per rank
+    /// into this directory, merged by rank 0 into `trace.json` at the end. Default: off.
+    pub timeline_dir: Option<String>,
     /// gpt: characters to generate at the end (default 200).
     pub sample_chars: usize,
     /// gpt: sampling temperature (default 0.8).
@@ -245,6 +248,7 @@ impl Default for TrainConfig {
             metrics_port: None,
             metrics_addr: "127.0.0.1".into(),
             tensorboard_dir: None,
+            timeline_dir: None,
             sample_chars: 200,
             sample_temperature: 0.8,
             progress: true,

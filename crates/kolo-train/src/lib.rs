@@ -9,6 +9,7 @@ pub mod trainer;
 pub use config::Config;
 pub mod metrics;
 pub mod tensorboard;
+pub mod timeline;
 pub use trainer::{peak_rss, run, Eval, HeapReport, RunOptions, StateBytes, Summary};
 
 #[non_exhaustive]

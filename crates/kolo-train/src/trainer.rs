@@ -579,6 +579,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let hooked = HookedView { sink: ddp.sink(), dtype };
     let (mut step_ms, mut wait_ms, mut hidden, mut comm_bytes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut compute_ms: Vec<f64> = Vec::new();
+    let mut timeline = tc.timeline_dir.as_ref().map(|_| crate::timeline::Timeline::new(rank));
     let mut tb = match &tc.tensorboard_dir {
         Some(d) => {
             let dir = Path::new(d).join(format!("rank{rank}"));
@@ -656,6 +657,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
             }
         }
+        let backward_end = Instant::now();
         let params = model.params();
         let ranges = ddp.ranges();
         let clip = |norm: f64| cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(norm, max));
@@ -773,10 +775,20 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 }
                 master.release_all();
             }
+            if let Some(tl) = timeline.as_mut() {
+                for (b, (s0, s1)) in stats.buckets.iter().enumerate() {
+                    tl.span(&format!("bucket {b}"), "comm", crate::timeline::COMM, *s0, *s1, serde_json::json!({"step": step}));
+                }
+            }
             wait_ms.push(stats.wait.as_secs_f64() * 1e3);
             step_wait_ms = stats.wait.as_secs_f64() * 1e3;
             hidden.push(stats.hidden_fraction());
             comm_bytes.push(stats.bytes);
+        }
+        if let Some(tl) = timeline.as_mut() {
+            let now = Instant::now();
+            tl.span("forward + backward", "compute", crate::timeline::COMPUTE, t0, backward_end, serde_json::json!({"step": step}));
+            tl.span("wait + update", "compute", crate::timeline::COMPUTE, backward_end, now, serde_json::json!({"step": step}));
         }
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         // What this rank spent on its own work: the step minus waiting for the others.
@@ -882,6 +894,18 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         if background {
             // Every rank's writer has finished (and rank 0 committed) before anyone reports done.
             comm.barrier()?;
+        }
+    }
+    if let (Some(tl), Some(d)) = (&timeline, &tc.timeline_dir) {
+        let dir = Path::new(d);
+        let io = |e: std::io::Error| TrainError::Other(format!("train.timeline_dir {d}: {e}"));
+        std::fs::create_dir_all(dir).map_err(io)?;
+        tl.write(&dir.join(format!("trace-rank{rank}.json"))).map_err(io)?;
+        comm.barrier()?;
+        if rank == 0 {
+            let files: Vec<PathBuf> = (0..world).map(|r| dir.join(format!("trace-rank{r}.json"))).collect();
+            crate::timeline::merge(&files, &dir.join("trace.json")).map_err(io)?;
+            say(&format!("timeline: {} (open in https://ui.perfetto.dev)", dir.join("trace.json").display()));
         }
     }
     if let Some(pb) = &bar {

@@ -459,3 +459,24 @@ fn tensorboard_event_files_hold_the_training_curves() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The timeline: every rank's compute spans and bucket collectives, merged by rank 0 into one
+/// Chrome trace-event file with a process per rank.
+#[test]
+fn timeline_merges_every_ranks_compute_and_collectives() {
+    let dir = std::env::temp_dir().join(format!("kolo-timeline-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = mnist_cfg(&format!("[train]\nsteps = 3\ntimeline_dir = \"{}\"\n[ddp]\nbucket_cap = \"256KiB\"\nfirst_bucket_cap = \"64KiB\"\n", dir.display()), 16);
+    train_on(2, &cfg, &quiet());
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("trace.json")).unwrap()).unwrap();
+    let ev = doc["traceEvents"].as_array().unwrap();
+    for pid in 0..2 {
+        let spans: Vec<&serde_json::Value> = ev.iter().filter(|e| e["pid"] == pid && e["ph"] == "X").collect();
+        assert_eq!(spans.iter().filter(|e| e["name"] == "forward + backward").count(), 3, "rank {pid}");
+        let buckets = spans.iter().filter(|e| e["cat"] == "comm").count();
+        assert!(buckets >= 3 * 2, "rank {pid}: {buckets} bucket spans");
+        assert!(spans.iter().all(|e| e["ts"].as_f64().unwrap() > 1e15 && e["dur"].as_f64().unwrap() >= 0.0), "wall-clock microseconds");
+    }
+    assert!(ev.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "rank 1"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
