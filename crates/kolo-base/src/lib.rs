@@ -198,6 +198,12 @@ pub trait GradSink: Send + Sync {
     fn grad_ready(&self, param_idx: usize, grad: &[f32]);
 }
 
+/// Sum of squares, accumulated in f64 (pass per-shard sums through an all-reduce for a global
+/// norm). Shared by the optimizers' clipping and the strategies' gradient buffers.
+pub fn sum_of_squares(v: &[f32]) -> f64 {
+    v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum()
+}
+
 /// Parameters sharded across ranks and materialised group by group (ZeRO-3): a model adapter
 /// asks for a group's full values just before it computes with them, drops them right after,
 /// and hands back the gradient of the whole group. Tensor-free, like [`GradSink`].

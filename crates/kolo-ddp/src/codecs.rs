@@ -4,7 +4,7 @@
 
 use crate::powersgd::Slot;
 use kolo_base::Rng;
-use kolo_comm::{BufMut, BufRef, CommError, Communicator, ReduceOp};
+use kolo_comm::{BufMut, BufRef, CommError, Communicator, Element, ReduceOp};
 use kolo_compress::{cast, qsgd, sign, sparse, unsign, ErrorFeedback};
 use std::sync::Arc;
 
@@ -62,6 +62,13 @@ impl BucketCodec for Half {
     }
 }
 
+/// Every rank's `mine` (all the same length), rank after rank.
+fn gather_all<T: Element>(c: &dyn Communicator, mine: &[T]) -> Result<Vec<T>, CommError> {
+    let mut all = vec![T::default(); mine.len() * c.world_size().get()];
+    c.all_gather(BufRef::from(mine), BufMut::from(&mut all))?;
+    Ok(all)
+}
+
 /// Top-k with error feedback: every rank sends its k largest (index, value) pairs (all-gather)
 /// and everyone sums them.
 pub struct TopK {
@@ -77,10 +84,8 @@ impl BucketCodec for TopK {
         self.ef.keep(buf, &s.to_dense());
         let idx: Vec<i32> = s.indices.iter().map(|i| *i as i32).collect();
         let k = idx.len();
-        let mut all_idx = vec![0i32; k * n];
-        let mut all_val = vec![0f32; k * n];
-        c.all_gather(BufRef::from(&idx[..]), BufMut::from(&mut all_idx))?;
-        c.all_gather(BufRef::from(&s.values[..]), BufMut::from(&mut all_val))?;
+        let all_idx = gather_all(c, &idx)?;
+        let all_val = gather_all(c, &s.values)?;
         buf.iter_mut().for_each(|v| *v = 0.0);
         for (i, v) in all_idx.iter().zip(&all_val) {
             buf[*i as usize] += v / n as f32;
@@ -124,10 +129,8 @@ impl BucketCodec for Qsgd {
     fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
         let n = c.world_size().get();
         let q = qsgd::quantize(buf, self.levels, &mut self.rng);
-        let mut codes = vec![0u8; buf.len() * n];
-        let mut norms = vec![0f32; n];
-        c.all_gather(BufRef::from(&q.codes[..]), BufMut::from(&mut codes))?;
-        c.all_gather(BufRef::from(&[q.norm][..]), BufMut::from(&mut norms))?;
+        let codes = gather_all(c, &q.codes)?;
+        let norms = gather_all(c, &[q.norm])?;
         let mut part = vec![0f32; buf.len()];
         buf.iter_mut().for_each(|v| *v = 0.0);
         for r in 0..n {
@@ -152,10 +155,8 @@ impl BucketCodec for Sign {
         let mut sent = vec![0f32; buf.len()];
         unsign(&bits, scale, &mut sent);
         self.ef.keep(buf, &sent);
-        let mut all_bits = vec![0u8; bits.len() * n];
-        let mut scales = vec![0f32; n];
-        c.all_gather(BufRef::from(&bits[..]), BufMut::from(&mut all_bits))?;
-        c.all_gather(BufRef::from(&[scale][..]), BufMut::from(&mut scales))?;
+        let all_bits = gather_all(c, &bits)?;
+        let scales = gather_all(c, &[scale])?;
         buf.iter_mut().for_each(|v| *v = 0.0);
         for r in 0..n {
             unsign(&all_bits[r * bits.len()..(r + 1) * bits.len()], scales[r], &mut sent);

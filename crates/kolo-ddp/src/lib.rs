@@ -682,7 +682,7 @@ impl BucketGrads<'_> {
 
     /// Sum of squares of all gradients (f64).
     pub fn sum_of_squares(&self) -> f64 {
-        self.bufs.iter().flat_map(|b| b.iter()).map(|x| f64::from(*x) * f64::from(*x)).sum()
+        self.bufs.iter().map(|b| kolo_base::sum_of_squares(b)).sum()
     }
 
     /// Multiplies every gradient by `f` (clipping).

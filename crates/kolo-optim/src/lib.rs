@@ -168,10 +168,7 @@ impl Optimizer {
     }
 }
 
-/// Sum of squares, accumulated in f64 (pass per-shard sums through an all-reduce for a global norm).
-pub fn sum_of_squares(v: &[f32]) -> f64 {
-    v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum()
-}
+pub use kolo_base::sum_of_squares;
 
 /// Scales `grads` so their global L2 norm is at most `max_norm`, given that norm. Returns the
 /// factor applied (1.0 when no clipping was needed).

@@ -940,7 +940,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let states = StateBytes {
         params: bytes(resident),
         grads: bytes(if matches!(sharding, Sharding::Gradients | Sharding::Parameters) { ddp.grad_len() } else { ddp.plan().iter().map(|b| b.numel).sum() } + micro.len()),
-        optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len() + if zero3 { ddp.grad_len() } else { 0 }),
+        optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len() + ddp.with_master(|m| m.len())),
         offloaded: opt.is_offloaded() || master.is_offloaded(),
     };
     Ok(Summary {

@@ -37,9 +37,10 @@ struct Cli {
 enum Cmd {
     /// Run N copies of a program on this node as ranks of one job (like torchrun).
     ///
-    /// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-    /// and KOLO_JOB_TOKEN. Output lines are prefixed with the rank. If a rank fails, the others
-    /// are stopped and the launcher exits non-zero with a summary.
+    /// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    /// KOLO_JOB_TOKEN and KOLO_ERROR_FILE. Output lines are prefixed with the rank. If a rank
+    /// fails, the others are stopped and the launcher exits non-zero with a summary naming the
+    /// rank that caused it (not the survivors that lost it) and every rank's error.
     Launch(LaunchArgs),
     /// Train a model from a TOML config, alone or under `kolo launch` (DDP across ranks).
     Train(train::TrainArgs),
