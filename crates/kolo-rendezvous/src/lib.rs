@@ -14,7 +14,7 @@ pub mod env;
 mod error;
 mod memory;
 mod tcp;
-mod wire;
+pub mod wire;
 
 pub use auth::JobToken;
 pub use env::{discover, EnvSource, LaunchEnv};

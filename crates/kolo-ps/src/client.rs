@@ -1,0 +1,449 @@
+//! A worker's connection to the parameter servers: range push and pull over the whole table.
+//!
+//! Every request for a range goes to the head of its chain in the client's view of the
+//! membership. Requests to one server are pipelined (all sent, then all answers read). A
+//! refused request (`WrongEpoch`), a lost connection or a dead server sends the client to the
+//! coordinator for a newer membership and the request is retried there; servers drop
+//! duplicates by the range's vector clock, so a retried push is applied once.
+
+use crate::filter::Filter;
+use crate::net::Conn;
+use crate::wire::{Keys, Membership, Req, Resp, ServerStats};
+use crate::{mix, Consistency, JobSpec, PsError, Ring};
+use kolo_rendezvous::JobToken;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub struct ClientOptions {
+    pub coordinator: String,
+    pub token: JobToken,
+    pub job: JobSpec,
+    /// This worker's id (its data shard), `0..job.workers`.
+    pub worker: u32,
+    /// Servers to wait for before the first request.
+    pub min_servers: u32,
+    /// Deadline of every request, retries included.
+    pub timeout: Duration,
+    /// Heartbeat to the coordinator every this often (None: no heartbeat).
+    pub heartbeat: Option<Duration>,
+}
+
+/// What this worker sent and received.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PushStats {
+    /// Gradient values the pushes covered, and those actually sent (after filters).
+    pub values_total: u64,
+    pub values_sent: u64,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+    /// Requests sent again after a refusal or failure (failover, epoch changes).
+    pub retries: u64,
+    /// Largest `clock - slowest worker's clock` a pull was answered with.
+    pub max_lead: u64,
+}
+
+struct ServerConn {
+    conn: Conn,
+    sent_lists: HashSet<u64>,
+}
+
+pub struct PsClient {
+    o: ClientOptions,
+    coord: Conn,
+    membership: Membership,
+    ring: Ring,
+    conns: HashMap<u32, ServerConn>,
+    stats: PushStats,
+    beat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+}
+
+/// What one push carries for one range.
+struct Item {
+    range: u32,
+    keys: Option<(u64, Arc<Vec<u32>>)>,
+    values: Vec<f32>,
+}
+
+fn key_list_id(keys: &[u32]) -> u64 {
+    keys.iter().fold(mix(keys.len() as u64), |h, k| mix(h ^ u64::from(*k)))
+}
+
+impl PsClient {
+    pub fn connect(o: ClientOptions) -> Result<PsClient, PsError> {
+        o.job.validate()?;
+        if o.worker >= o.job.workers {
+            return Err(PsError::Config(format!("worker {} of a job with {} workers", o.worker, o.job.workers)));
+        }
+        let mut coord = Conn::connect(&o.coordinator, &o.token, o.timeout)?;
+        let deadline = Instant::now() + o.timeout;
+        let membership = loop {
+            match coord.call(&Req::Membership { min_servers: o.min_servers, after_epoch: 0 })? {
+                Resp::Membership(m) if m.servers.len() >= o.min_servers.max(1) as usize => break m,
+                Resp::Membership(m) if m.shutdown => return Err(PsError::Server("the job is shutting down".into())),
+                Resp::Membership(m) => {
+                    if Instant::now() > deadline {
+                        return Err(PsError::Timeout { what: format!("worker {}: waiting for {} parameter servers", o.worker, o.min_servers), secs: o.timeout.as_secs_f64(), detail: format!("{} registered", m.servers.len()) });
+                    }
+                }
+                other => return Err(PsError::Protocol(format!("coordinator answered Membership with {other:?}"))),
+            }
+        };
+        let beat = match o.heartbeat {
+            Some(every) => {
+                let stop = Arc::new(AtomicBool::new(false));
+                let (addr, token, worker, s) = (o.coordinator.clone(), o.token.clone(), o.worker, stop.clone());
+                let h = std::thread::Builder::new()
+                    .name("kolo-ps-worker-beat".into())
+                    .spawn(move || {
+                        let mut c: Option<Conn> = None;
+                        while !s.load(Ordering::SeqCst) {
+                            if c.is_none() {
+                                c = Conn::connect(&addr, &token, Duration::from_secs(1)).ok();
+                            }
+                            if let Some(conn) = c.as_mut() {
+                                if conn.call(&Req::WorkerBeat { worker }).is_err() {
+                                    c = None;
+                                }
+                            }
+                            std::thread::sleep(every);
+                        }
+                    })
+                    .map_err(|e| PsError::Io(e.to_string()))?;
+                Some((stop, h))
+            }
+            None => None,
+        };
+        let ring = Ring::new(&membership.servers.iter().map(|(id, _)| *id).collect::<Vec<_>>());
+        Ok(PsClient { o, coord, membership, ring, conns: HashMap::new(), stats: PushStats::default(), beat })
+    }
+
+    pub fn job(&self) -> &JobSpec {
+        &self.o.job
+    }
+    pub fn worker(&self) -> u32 {
+        self.o.worker
+    }
+    pub fn stats(&self) -> &PushStats {
+        &self.stats
+    }
+    pub fn membership(&self) -> &Membership {
+        &self.membership
+    }
+
+    /// Creates every range with `values` (the first worker to do so wins; the others' are ignored).
+    pub fn init(&mut self, values: &[f32]) -> Result<(), PsError> {
+        self.check_len(values.len(), "init")?;
+        let job = self.o.job.clone();
+        let mut todo: Vec<u32> = (0..job.ranges()).collect();
+        self.rounds("init", &mut todo, &mut |range, epoch, _| Req::Init { job: job.clone(), epoch, range, values: values[job.span(range)].to_vec(), fwd: false }, &mut |_, r| match r {
+            Resp::Ok { .. } => Ok(()),
+            other => Err(other),
+        })
+    }
+
+    /// Pushes this worker's gradient for step `clock` (the whole table), each range through
+    /// `filter` if given.
+    pub fn push(&mut self, clock: u64, lr: f32, grads: &[f32], mut filter: Option<&mut dyn Filter>) -> Result<(), PsError> {
+        self.check_len(grads.len(), "push")?;
+        let job = self.o.job.clone();
+        let mut items = BTreeMap::new();
+        for range in 0..job.ranges() {
+            let span = job.span(range);
+            let mut values = grads[span.clone()].to_vec();
+            self.stats.values_total += values.len() as u64;
+            let keys = match filter.as_deref_mut() {
+                Some(f) => f.select(range, &mut values).map(|k| (key_list_id(&k), Arc::new(k))),
+                None => None,
+            };
+            self.stats.values_sent += values.len() as u64;
+            items.insert(range, Item { range, keys, values });
+        }
+        let mut todo: Vec<u32> = items.keys().copied().collect();
+        let worker = self.o.worker;
+        self.rounds("push", &mut todo, &mut |range, epoch, sent| {
+            let it = &items[&range];
+            let keys = match &it.keys {
+                None => Keys::All,
+                Some((id, _)) if sent.contains(id) => Keys::Cached { id: *id },
+                Some((id, k)) => {
+                    sent.insert(*id);
+                    Keys::List { id: *id, keys: k.to_vec() }
+                }
+            };
+            debug_assert_eq!(it.range, range);
+            Req::Push { epoch, range, worker, clock, lr, keys, values: it.values.clone(), fwd: false }
+        }, &mut |_, r| match r {
+            Resp::Ok { .. } => Ok(()),
+            other => Err(other),
+        })
+    }
+
+    /// Pulls the whole table into `out` for a worker about to compute step `clock`, waiting as
+    /// the consistency model demands. Returns the slowest worker's clock seen.
+    pub fn pull(&mut self, clock: u64, out: &mut [f32]) -> Result<u64, PsError> {
+        self.check_len(out.len(), "pull")?;
+        let job = self.o.job.clone();
+        let worker = self.o.worker;
+        let mut todo: Vec<u32> = (0..job.ranges()).collect();
+        let mut slowest = u64::MAX;
+        let mut violation = None;
+        self.rounds("pull", &mut todo, &mut |range, epoch, _| Req::Pull { epoch, range, worker, clock, keys: Keys::All }, &mut |range, r| match r {
+            Resp::Values { min_clock, values } if values.len() == job.span(range).len() => {
+                out[job.span(range)].copy_from_slice(&values);
+                slowest = slowest.min(min_clock);
+                if let Some(need) = job.consistency.needs(clock) {
+                    if min_clock < need {
+                        violation = Some(format!("range {range} answered a pull for step {clock} while the slowest worker is at step {min_clock} (needs {need}, {:?})", job.consistency));
+                    }
+                }
+                Ok(())
+            }
+            other => Err(other),
+        })?;
+        if let Some(v) = violation {
+            return Err(PsError::Server(format!("consistency violated: {v}")));
+        }
+        let slowest = if slowest == u64::MAX { clock } else { slowest };
+        self.stats.max_lead = self.stats.max_lead.max(clock.saturating_sub(slowest));
+        if let Consistency::Bounded(tau) = job.consistency {
+            assert!(clock.saturating_sub(slowest) <= tau, "bounded delay violated: step {clock} computed with the slowest worker at {slowest} (tau {tau})");
+        }
+        Ok(slowest)
+    }
+
+    /// Every server's counters, by server id.
+    pub fn server_stats(&mut self) -> Result<Vec<(u32, ServerStats)>, PsError> {
+        let ids: Vec<u32> = self.membership.servers.iter().map(|(id, _)| *id).collect();
+        let mut out = Vec::new();
+        for id in ids {
+            let c = self.conn(id)?;
+            match c.conn.call(&Req::Stats)? {
+                Resp::Stats(s) => out.push((id, s)),
+                other => return Err(PsError::Protocol(format!("server {id} answered Stats with {other:?}"))),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sandblaster: `dst = a * dst + b * src` on every range (vector 0 is the parameters).
+    pub fn axpby(&mut self, dst: u32, a: f64, src: u32, b: f64) -> Result<(), PsError> {
+        let mut todo: Vec<u32> = (0..self.o.job.ranges()).collect();
+        self.rounds("axpby", &mut todo, &mut |range, epoch, _| Req::Axpby { epoch, range, dst, a, src, b }, &mut |_, r| match r {
+            Resp::Ok { .. } => Ok(()),
+            other => Err(other),
+        })
+    }
+
+    /// Sandblaster: the dot product of two vectors, each server summing its ranges.
+    pub fn dot(&mut self, x: u32, y: u32) -> Result<f64, PsError> {
+        let mut todo: Vec<u32> = (0..self.o.job.ranges()).collect();
+        let mut parts = BTreeMap::new();
+        self.rounds("dot", &mut todo, &mut |range, epoch, _| Req::Dot { epoch, range, x, y }, &mut |range, r| match r {
+            Resp::Scalar(v) => {
+                parts.insert(range, v);
+                Ok(())
+            }
+            other => Err(other),
+        })?;
+        // Summed in range order: the same result whichever servers hold the ranges.
+        Ok(parts.values().sum())
+    }
+
+    /// Writes (`Some`) or reads vector `id` of the whole table.
+    pub fn vector(&mut self, id: u32, write: Option<&[f32]>, out: &mut [f32]) -> Result<(), PsError> {
+        let job = self.o.job.clone();
+        let mut todo: Vec<u32> = (0..job.ranges()).collect();
+        self.rounds("vector", &mut todo, &mut |range, epoch, _| Req::Vector { epoch, range, id, values: write.map(|w| w[job.span(range)].to_vec()) }, &mut |range, r| match r {
+            Resp::Ok { .. } => Ok(()),
+            Resp::Values { values, .. } if values.len() == job.span(range).len() => {
+                out[job.span(range)].copy_from_slice(&values);
+                Ok(())
+            }
+            Resp::Values { values, .. } if values.is_empty() => {
+                out[job.span(range)].fill(0.0);
+                Ok(())
+            }
+            other => Err(other),
+        })
+    }
+
+    fn check_len(&self, n: usize, what: &str) -> Result<(), PsError> {
+        if n as u64 != self.o.job.len {
+            return Err(PsError::Config(format!("worker {}: {what} of {n} values, but the table has {}", self.o.worker, self.o.job.len)));
+        }
+        Ok(())
+    }
+
+    fn conn(&mut self, id: u32) -> Result<&mut ServerConn, PsError> {
+        if !self.conns.contains_key(&id) {
+            let addr = self.membership.servers.iter().find(|(s, _)| *s == id).map(|(_, a)| a.clone()).ok_or_else(|| PsError::Server(format!("server {id} is not a member")))?;
+            // Pulls may wait up to the servers' deadline: give the socket a little more.
+            let conn = Conn::connect(&addr, &self.o.token, self.o.timeout + Duration::from_secs(5))?;
+            self.conns.insert(id, ServerConn { conn, sent_lists: HashSet::new() });
+        }
+        Ok(self.conns.get_mut(&id).expect("inserted"))
+    }
+
+    /// Asks the coordinator for a membership newer than `after` (or the current one).
+    fn refresh(&mut self, after: Option<u64>) -> Result<(), PsError> {
+        let req = Req::Membership { min_servers: 1, after_epoch: after.unwrap_or(0) };
+        let m = match self.coord.call(&req) {
+            Ok(Resp::Membership(m)) => m,
+            _ => {
+                self.coord = Conn::connect(&self.o.coordinator, &self.o.token, self.o.timeout)?;
+                match self.coord.call(&req)? {
+                    Resp::Membership(m) => m,
+                    other => return Err(PsError::Protocol(format!("coordinator answered Membership with {other:?}"))),
+                }
+            }
+        };
+        if m.epoch != self.membership.epoch {
+            let ids: Vec<u32> = m.servers.iter().map(|(id, _)| *id).collect();
+            self.conns.retain(|id, _| ids.contains(id));
+            self.ring = Ring::new(&ids);
+            self.membership = m;
+        }
+        Ok(())
+    }
+
+    /// Sends one request per range in `todo` to its chain head, pipelined per server, and
+    /// retries refused or failed ones until the deadline.
+    fn rounds(
+        &mut self,
+        what: &str,
+        todo: &mut Vec<u32>,
+        build: &mut dyn FnMut(u32, u64, &mut HashSet<u64>) -> Req,
+        done: &mut dyn FnMut(u32, Resp) -> Result<(), Resp>,
+    ) -> Result<(), PsError> {
+        let deadline = Instant::now() + self.o.timeout;
+        let mut last_problem = String::new();
+        let mut first = true;
+        let mut next_warning = Instant::now() + Duration::from_secs(2);
+        while !todo.is_empty() {
+            if !first {
+                self.stats.retries += todo.len() as u64;
+                if Instant::now() > next_warning {
+                    eprintln!("kolo ps worker {}: {what} of {} range(s) still retrying at epoch {}: {last_problem}", self.o.worker, todo.len(), self.membership.epoch);
+                    next_warning += Duration::from_secs(2);
+                }
+                if Instant::now() > deadline {
+                    return Err(PsError::Timeout {
+                        what: format!("worker {}: {what} of {} range(s)", self.o.worker, todo.len()),
+                        secs: self.o.timeout.as_secs_f64(),
+                        detail: last_problem,
+                    });
+                }
+            }
+            first = false;
+            if self.membership.servers.is_empty() {
+                self.refresh(Some(self.membership.epoch))?;
+                continue;
+            }
+            let epoch = self.membership.epoch;
+            let mut by_server: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+            for &r in todo.iter() {
+                let head = self.ring.chain(r, 0)[0];
+                by_server.entry(head).or_default().push(r);
+            }
+            let mut retry = Vec::new();
+            let mut refresh: Option<u64> = None;
+            let mut later = false;
+            let mut sent: Vec<(u32, Vec<u32>)> = Vec::new();
+            for (server, ranges) in by_server {
+                let sc = match self.conn(server) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        last_problem = format!("server {server}: {e}");
+                        refresh = Some(epoch);
+                        retry.extend(ranges);
+                        continue;
+                    }
+                };
+                let mut ok = Vec::new();
+                let before = sc.conn.bytes_out;
+                for (i, &r) in ranges.iter().enumerate() {
+                    let req = build(r, epoch, &mut sc.sent_lists);
+                    if let Err(e) = sc.conn.send(&req) {
+                        last_problem = format!("server {server}: {e}");
+                        refresh = Some(epoch);
+                        retry.extend(&ranges[i..]);
+                        break;
+                    }
+                    ok.push(r);
+                }
+                let wrote = sc.conn.bytes_out - before;
+                self.stats.bytes_out += wrote;
+                sent.push((server, ok));
+            }
+            for (server, ranges) in sent {
+                for (i, &r) in ranges.iter().enumerate() {
+                    let Some(sc) = self.conns.get_mut(&server) else {
+                        retry.extend(&ranges[i..]);
+                        break;
+                    };
+                    let before = sc.conn.bytes_in;
+                    let got = sc.conn.recv();
+                    self.stats.bytes_in += sc.conn.bytes_in - before;
+                    let resp = match got {
+                        Ok(resp) => resp,
+                        Err(e) => {
+                            last_problem = format!("server {server}: {e}");
+                            self.conns.remove(&server);
+                            refresh = Some(epoch);
+                            retry.extend(&ranges[i..]);
+                            break;
+                        }
+                    };
+                    match done(r, resp) {
+                        Ok(()) => {}
+                        Err(Resp::WrongEpoch { current }) if current > epoch => {
+                            last_problem = format!("server {server} is at epoch {current}, this worker at {epoch}");
+                            refresh = Some(refresh.map_or(epoch, |x| x.max(epoch)));
+                            retry.push(r);
+                        }
+                        Err(Resp::WrongEpoch { current }) => {
+                            last_problem = format!("server {server} is still at epoch {current} (this worker: {epoch})");
+                            later = true;
+                            retry.push(r);
+                        }
+                        Err(Resp::UnknownKeys) => {
+                            if let Some(sc) = self.conns.get_mut(&server) {
+                                sc.sent_lists.clear();
+                            }
+                            retry.push(r);
+                        }
+                        Err(Resp::Error(e)) if e.contains("replicating") => {
+                            // A chain member is unreachable or behind: retry soon, with the
+                            // newest membership (the coordinator drops dead servers).
+                            last_problem = e;
+                            later = true;
+                            retry.push(r);
+                        }
+                        Err(Resp::Error(e)) => return Err(PsError::Server(e)),
+                        Err(other) => return Err(PsError::Protocol(format!("server {server} answered {what} of range {r} with {other:?}"))),
+                    }
+                }
+            }
+            if let Some(after) = refresh {
+                self.refresh(Some(after))?;
+            } else if later {
+                std::thread::sleep(Duration::from_millis(20));
+                self.refresh(None)?;
+            }
+            *todo = retry;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PsClient {
+    fn drop(&mut self) {
+        if let Some((stop, h)) = self.beat.take() {
+            stop.store(true, Ordering::SeqCst);
+            let _ = h.join();
+        }
+    }
+}

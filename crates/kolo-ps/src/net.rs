@@ -1,0 +1,183 @@
+//! Authenticated request/response connections (the job token's challenge-response, then frames).
+
+use crate::wire::{Req, Resp};
+use crate::PsError;
+use kolo_rendezvous::wire::{read_frame, write_frame};
+use kolo_rendezvous::auth::{client_handshake, server_handshake};
+use kolo_rendezvous::JobToken;
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+pub const PURPOSE: &str = "ps";
+const HANDSHAKE: Duration = Duration::from_secs(10);
+
+pub struct Conn {
+    stream: TcpStream,
+    pub peer: String,
+    pub bytes_out: u64,
+    pub bytes_in: u64,
+}
+
+impl Conn {
+    /// Connects (retrying refused connections until `timeout`) and proves the job token.
+    pub fn connect(addr: &str, token: &JobToken, timeout: Duration) -> Result<Conn, PsError> {
+        Conn::open(addr, token, timeout, true)
+    }
+
+    /// Connects once: a refused connection is an error at once (a peer that is down).
+    pub fn connect_once(addr: &str, token: &JobToken, timeout: Duration) -> Result<Conn, PsError> {
+        Conn::open(addr, token, timeout, false)
+    }
+
+    fn open(addr: &str, token: &JobToken, timeout: Duration, patient: bool) -> Result<Conn, PsError> {
+        let deadline = Instant::now() + if patient { timeout } else { Duration::ZERO };
+        let stream = loop {
+            let target = addr.to_socket_addrs().map_err(|e| PsError::Io(format!("{addr}: {e}")))?.next().ok_or_else(|| PsError::Io(format!("{addr}: no address")))?;
+            match TcpStream::connect_timeout(&target, Duration::from_secs(2).min(timeout)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline && matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut) => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) => return Err(PsError::Io(format!("connecting to {addr}: {e}"))),
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let mut stream = stream;
+        stream.set_read_timeout(Some(HANDSHAKE)).map_err(io_err(addr))?;
+        stream.set_write_timeout(Some(HANDSHAKE)).map_err(io_err(addr))?;
+        client_handshake(&mut stream, token, PURPOSE, addr)?;
+        let t = Some(timeout.max(Duration::from_millis(10)));
+        stream.set_read_timeout(t).map_err(io_err(addr))?;
+        stream.set_write_timeout(t).map_err(io_err(addr))?;
+        Ok(Conn { stream, peer: addr.to_string(), bytes_out: 0, bytes_in: 0 })
+    }
+
+    pub fn send(&mut self, req: &Req) -> Result<(), PsError> {
+        let body = req.encode();
+        self.bytes_out += body.len() as u64 + 4;
+        write_frame(&mut self.stream, &body).map_err(|e| PsError::Io(format!("sending to {}: {e}", self.peer)))
+    }
+
+    pub fn recv(&mut self) -> Result<Resp, PsError> {
+        let body = read_frame(&mut self.stream)
+            .map_err(|e| PsError::Io(format!("waiting for {}: {e}", self.peer)))?
+            .ok_or_else(|| PsError::Io(format!("{} closed the connection", self.peer)))?;
+        self.bytes_in += body.len() as u64 + 4;
+        Resp::decode(&body)
+    }
+
+    pub fn call(&mut self, req: &Req) -> Result<Resp, PsError> {
+        self.send(req)?;
+        self.recv()
+    }
+}
+
+fn io_err(addr: &str) -> impl Fn(io::Error) -> PsError + '_ {
+    move |e| PsError::Io(format!("{addr}: {e}"))
+}
+
+/// A listener whose connections each get a thread running `handle` for every request after the
+/// handshake. Dropping (or [`Listener::kill`]) closes the listener and every connection at once,
+/// which is what a crash looks like to the peers.
+pub struct Listener {
+    pub addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+/// Per connection: answers one request. `bytes` is the request's size.
+pub type Handler = Arc<dyn Fn(&mut ConnState, Req, usize) -> Resp + Send + Sync>;
+
+/// What a connection remembers between requests (key caching).
+#[derive(Default)]
+pub struct ConnState {
+    pub key_lists: std::collections::HashMap<u64, Arc<Vec<u32>>>,
+}
+
+impl Listener {
+    pub fn start(addr: impl ToSocketAddrs, token: JobToken, name: &str, handle: Handler) -> io::Result<Listener> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let acceptor = {
+            let (stop, conns, name) = (stop.clone(), conns.clone(), name.to_string());
+            std::thread::Builder::new().name(format!("kolo-{name}")).spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    match listener.accept() {
+                        Ok((stream, peer)) => {
+                            if let Ok(c) = stream.try_clone() {
+                                conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+                            }
+                            let (token, handle, stop, name) = (token.clone(), handle.clone(), stop.clone(), name.clone());
+                            let _ = std::thread::Builder::new().name(format!("kolo-{name}-conn")).spawn(move || serve(stream, peer, &token, &*handle, &stop, &name));
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
+                        Err(e) => {
+                            tracing::warn!("kolo {name}: accept failed: {e}");
+                            std::thread::sleep(Duration::from_millis(50));
+                        }
+                    }
+                }
+            })?
+        };
+        Ok(Listener { addr, stop, conns, acceptor: Some(acceptor) })
+    }
+
+    /// Stops accepting and cuts every connection.
+    pub fn kill(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+        if let Some(h) = self.acceptor.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, handle: &(dyn Fn(&mut ConnState, Req, usize) -> Resp + Send + Sync), stop: &AtomicBool, name: &str) {
+    let _ = stream.set_nonblocking(false);
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(HANDSHAKE));
+    let _ = stream.set_write_timeout(Some(HANDSHAKE));
+    if let Err(e) = server_handshake(&mut stream, token, Some(PURPOSE), &peer.to_string()) {
+        eprintln!("kolo {name}: refused connection from {peer}: {e}");
+        return;
+    }
+    let _ = stream.set_read_timeout(None);
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(300)));
+    let mut state = ConnState::default();
+    while !stop.load(Ordering::SeqCst) {
+        let body = match read_frame(&mut stream) {
+            Ok(Some(b)) => b,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!("kolo {name}: dropping {peer}: {e}");
+                return;
+            }
+        };
+        let resp = match Req::decode(&body) {
+            Ok(req) => handle(&mut state, req, body.len()),
+            Err(e) => {
+                // The framing cannot be trusted after a malformed request: answer and hang up.
+                let _ = write_frame(&mut stream, &Resp::Error(format!("malformed request from {peer}: {e}")).encode());
+                eprintln!("kolo {name}: malformed request from {peer}: {e}");
+                return;
+            }
+        };
+        if stop.load(Ordering::SeqCst) || write_frame(&mut stream, &resp.encode()).is_err() {
+            return;
+        }
+    }
+}

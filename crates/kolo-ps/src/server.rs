@@ -1,0 +1,624 @@
+//! A parameter server (`kolo ps serve`): holds the key ranges the ring gives it, applies pushed
+//! gradients with the job's optimizer, answers pulls as the consistency model allows, and
+//! replicates every write down the range's chain before acknowledging it.
+//!
+//! Locking: one mutex per range; a write is applied and forwarded to the next chain member
+//! while that mutex is held, so every member applies the same writes in the same order and ends
+//! bit-identical. A reconfiguration (new membership epoch) visits each range under its mutex:
+//! hands the range to new chain members, then stamps it with the new epoch. Requests carry the
+//! sender's epoch and are refused (`WrongEpoch`) unless the range has the same one, so no write
+//! lands on a server that is about to hand the range over.
+
+use crate::coord::name_of;
+use crate::net::{Conn, ConnState, Listener};
+use crate::wire::{Keys, Membership, RangeState, Req, Resp, ServerStats};
+use crate::{Consistency, JobSpec, PsError, Ring};
+use kolo_optim::Optimizer;
+use kolo_rendezvous::JobToken;
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A range handed over to another server is stamped with this epoch: waiters on it give up.
+const RETIRED: u64 = u64::MAX;
+/// How long a request from a newer epoch waits for this server to catch up.
+const CATCH_UP: Duration = Duration::from_secs(2);
+/// Key lists remembered per connection before the cache is cleared.
+const MAX_KEY_LISTS: usize = 4096;
+
+pub struct ServerOptions {
+    /// Address to listen on (port 0: any).
+    pub listen: String,
+    /// The coordinator's address.
+    pub coordinator: String,
+    pub token: JobToken,
+    /// Deadline of every wait (pulls held back by the consistency model, ranges not yet
+    /// received, peers and the coordinator).
+    pub timeout: Duration,
+    pub heartbeat: Duration,
+}
+
+struct RangeData {
+    epoch: u64,
+    values: Vec<f32>,
+    opt: Optimizer,
+    clocks: Vec<u64>,
+    pending: Vec<Option<Vec<f32>>>,
+    /// Sandblaster's named vectors (0 is `values`).
+    vectors: BTreeMap<u32, Vec<f32>>,
+}
+
+type Slot = Arc<(Mutex<RangeData>, Condvar)>;
+
+struct View {
+    membership: Membership,
+    ring: Ring,
+}
+
+struct Shared {
+    id: AtomicU32,
+    token: JobToken,
+    timeout: Duration,
+    job: Mutex<Option<JobSpec>>,
+    ranges: Mutex<HashMap<u32, Slot>>,
+    appeared: Condvar,
+    view: Mutex<View>,
+    epoch: AtomicU64,
+    peers: Mutex<HashMap<u32, Arc<Mutex<Option<Conn>>>>>,
+    stats: Mutex<ServerStats>,
+    stop: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub struct Server {
+    listener: Listener,
+    shared: Arc<Shared>,
+    beat: Option<JoinHandle<Result<(), PsError>>>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.listener.kill();
+        if let Some(h) = self.beat.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Server {
+    /// Listens, registers with the coordinator and starts heartbeating.
+    pub fn start(o: ServerOptions) -> Result<Server, PsError> {
+        let shared = Arc::new(Shared {
+            id: AtomicU32::new(u32::MAX),
+            token: o.token.clone(),
+            timeout: o.timeout,
+            job: Mutex::new(None),
+            ranges: Mutex::new(HashMap::new()),
+            appeared: Condvar::new(),
+            view: Mutex::new(View { membership: Membership { epoch: 0, servers: Vec::new(), shutdown: false, dead_workers: Vec::new() }, ring: Ring::new(&[]) }),
+            epoch: AtomicU64::new(0),
+            peers: Mutex::new(HashMap::new()),
+            stats: Mutex::new(ServerStats::default()),
+            stop: AtomicBool::new(false),
+        });
+        let handler = {
+            let shared = shared.clone();
+            Arc::new(move |cs: &mut ConnState, req: Req, bytes: usize| {
+                lock(&shared.stats).bytes_in += bytes as u64;
+                let r = handle(&shared, cs, req);
+                if let Resp::Values { values, .. } = &r {
+                    lock(&shared.stats).bytes_out += values.len() as u64 * 4;
+                }
+                r
+            })
+        };
+        let listener = Listener::start(&o.listen, o.token.clone(), "ps-server", handler).map_err(|e| PsError::Io(format!("listening on {}: {e}", o.listen)))?;
+        let mut coord = Conn::connect(&o.coordinator, &o.token, o.timeout)?;
+        let (id, m) = match coord.call(&Req::Register { addr: listener.addr.to_string() })? {
+            Resp::Registered { id, membership } => (id, membership),
+            other => return Err(PsError::Protocol(format!("coordinator answered Register with {other:?}"))),
+        };
+        shared.id.store(id, Ordering::SeqCst);
+        reconfigure(&shared, m);
+        let beat = {
+            let shared = shared.clone();
+            let (addr, hb) = (o.coordinator.clone(), o.heartbeat);
+            std::thread::Builder::new().name("kolo-ps-heartbeat".into()).spawn(move || heartbeat(&shared, coord, &addr, hb)).map_err(|e| PsError::Io(e.to_string()))?
+        };
+        Ok(Server { listener, shared, beat: Some(beat) })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.shared.id.load(Ordering::SeqCst)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.listener.addr
+    }
+
+    pub fn stats(&self) -> ServerStats {
+        let mut s = lock(&self.shared.stats).clone();
+        s.ranges = lock(&self.shared.ranges).len() as u64;
+        s
+    }
+
+    /// Blocks until the coordinator shuts the job down or removes this server; returns why.
+    pub fn wait(mut self) -> Result<(), PsError> {
+        let r = self.beat.take().map_or(Ok(()), |h| h.join().unwrap_or_else(|_| Err(PsError::Server("heartbeat thread panicked".into()))));
+        self.listener.kill();
+        r
+    }
+
+    /// Stops at once, cutting every connection: to its peers this is a crash.
+    pub fn kill(self) {
+        drop(self);
+    }
+}
+
+fn heartbeat(shared: &Arc<Shared>, mut coord: Conn, addr: &str, every: Duration) -> Result<(), PsError> {
+    let me = shared.id.load(Ordering::SeqCst);
+    let mut silent_since: Option<Instant> = None;
+    // Reconfigurations (which wait for range locks and hand ranges over) run on their own
+    // thread, in order, so that heartbeats continue meanwhile.
+    let (tx, rx) = std::sync::mpsc::channel::<Membership>();
+    let reconfigurer = {
+        let shared = shared.clone();
+        std::thread::Builder::new().name("kolo-ps-reconfigure".into()).spawn(move || {
+            for m in rx {
+                reconfigure(&shared, m);
+            }
+        }).map_err(|e| PsError::Io(e.to_string()))?
+    };
+    let mut seen = shared.epoch.load(Ordering::SeqCst);
+    let r = beat_loop(shared, &mut coord, addr, every, me, &mut silent_since, &mut seen, &tx);
+    drop(tx);
+    let _ = reconfigurer.join();
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+fn beat_loop(shared: &Shared, coord: &mut Conn, addr: &str, every: Duration, me: u32, silent_since: &mut Option<Instant>, seen: &mut u64, tx: &std::sync::mpsc::Sender<Membership>) -> Result<(), PsError> {
+    while !shared.stop.load(Ordering::SeqCst) {
+        std::thread::sleep(every);
+        match coord.call(&Req::Heartbeat { server: me }) {
+            Ok(Resp::Membership(m)) => {
+                *silent_since = None;
+                if m.shutdown {
+                    shared.stop.store(true, Ordering::SeqCst);
+                    return Ok(());
+                }
+                let listed = m.servers.iter().any(|(id, _)| *id == me);
+                if m.epoch > *seen {
+                    *seen = m.epoch;
+                    let _ = tx.send(m);
+                }
+                if !listed {
+                    shared.stop.store(true, Ordering::SeqCst);
+                    return Err(PsError::Server(format!("server {me} is no longer a member (removed, or declared dead after missing heartbeats); its ranges were handed on")));
+                }
+            }
+            Ok(other) => return Err(PsError::Protocol(format!("coordinator answered a heartbeat with {other:?}"))),
+            Err(e) => {
+                let since = *silent_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > shared.timeout {
+                    shared.stop.store(true, Ordering::SeqCst);
+                    return Err(PsError::Timeout { what: format!("server {me}: the coordinator at {addr}"), secs: shared.timeout.as_secs_f64(), detail: e.to_string() });
+                }
+                if let Ok(c) = Conn::connect(addr, &shared.token, Duration::from_secs(1)) {
+                    *coord = c;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Applies a new membership: every range this server is the first surviving holder of goes to
+/// the chain members that did not hold it; ranges no longer on this server's chains are dropped.
+fn reconfigure(shared: &Shared, m: Membership) {
+    let me = shared.id.load(Ordering::SeqCst);
+    let ids: Vec<u32> = m.servers.iter().map(|(id, _)| *id).collect();
+    let new_ring = Ring::new(&ids);
+    let (old_ring, epoch) = {
+        let mut v = lock(&shared.view);
+        if m.epoch <= v.membership.epoch && v.membership.epoch != 0 {
+            return;
+        }
+        let old = std::mem::replace(&mut v.ring, new_ring.clone());
+        v.membership = m.clone();
+        (old, m.epoch)
+    };
+    shared.epoch.store(epoch, Ordering::SeqCst);
+    let Some(job) = lock(&shared.job).clone() else { return };
+    let slots: Vec<(u32, Slot)> = lock(&shared.ranges).iter().map(|(r, s)| (*r, s.clone())).collect();
+    let mut dropped = Vec::new();
+    for (r, slot) in slots {
+        let mut d = lock(&slot.0);
+        let old_chain = old_ring.chain(r, job.replication);
+        let new_chain = new_ring.chain(r, job.replication);
+        let sender = old_chain.iter().copied().find(|s| ids.contains(s) || *s == me);
+        if sender == Some(me) || (sender.is_none() && new_chain.contains(&me)) {
+            for to in new_chain.iter().copied().filter(|s| *s != me && !old_chain.contains(s)) {
+                let state = RangeState { values: d.values.clone(), opt_steps: d.opt.steps(), opt_state: d.opt.state().into_iter().map(|(_, v)| v.to_vec()).collect(), clocks: d.clocks.clone(), pending: d.pending.clone() };
+                let req = Req::Transfer { job: job.clone(), epoch, range: r, state };
+                if let Err(e) = forward(shared, to, &req) {
+                    eprintln!("kolo ps server {me}: handing range {r} to server {to} failed: {e}");
+                }
+            }
+        }
+        if new_chain.contains(&me) {
+            d.epoch = epoch;
+        } else {
+            d.epoch = RETIRED;
+            dropped.push(r);
+        }
+        slot.1.notify_all();
+    }
+    let mut map = lock(&shared.ranges);
+    for r in dropped {
+        map.remove(&r);
+    }
+}
+
+/// Sends `req` to server `to` and waits for its acknowledgement.
+fn forward(shared: &Shared, to: u32, req: &Req) -> Result<(), PsError> {
+    let addr = lock(&shared.view).membership.servers.iter().find(|(id, _)| *id == to).map(|(_, a)| a.clone()).ok_or_else(|| PsError::Server(format!("server {to} is not a member")))?;
+    let cell = lock(&shared.peers).entry(to).or_default().clone();
+    let mut conn = lock(&cell);
+    for attempt in 0..2 {
+        if conn.is_none() {
+            // A chain member that refuses connections is down: fail now, and let the
+            // coordinator's new membership route around it.
+            *conn = Some(Conn::connect_once(&addr, &shared.token, shared.timeout)?);
+        }
+        let c = conn.as_mut().expect("connected");
+        match c.call(req) {
+            Ok(Resp::Ok { .. }) => return Ok(()),
+            Ok(other) => return Err(PsError::Server(format!("server {to} answered {} with {other:?}", name_of(req)))),
+            Err(e) => {
+                *conn = None;
+                if attempt == 1 {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    unreachable!()
+}
+
+fn err(e: impl Into<String>) -> Resp {
+    Resp::Error(e.into())
+}
+
+/// The next member after this server on `range`'s chain, if any.
+fn successor(shared: &Shared, job: &JobSpec, range: u32) -> Option<u32> {
+    let me = shared.id.load(Ordering::SeqCst);
+    let chain = lock(&shared.view).ring.chain(range, job.replication);
+    let at = chain.iter().position(|s| *s == me)?;
+    chain.get(at + 1).copied()
+}
+
+/// Waits (up to the deadline) for `range` to arrive on this server.
+fn wait_range(shared: &Shared, range: u32) -> Result<Slot, String> {
+    let deadline = Instant::now() + shared.timeout;
+    let mut map = lock(&shared.ranges);
+    loop {
+        if let Some(s) = map.get(&range) {
+            return Ok(s.clone());
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
+            return Err(format!("server {}: range {range} never arrived (no Init or hand-over within {:.1} s)", shared.id.load(Ordering::SeqCst), shared.timeout.as_secs_f64()));
+        }
+        map = shared.appeared.wait_timeout(map, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
+    }
+}
+
+fn resolve_keys(cs: &mut ConnState, shared: &Shared, keys: Keys) -> Result<Option<Arc<Vec<u32>>>, Resp> {
+    match keys {
+        Keys::All => Ok(None),
+        Keys::List { id, keys } => {
+            if cs.key_lists.len() >= MAX_KEY_LISTS {
+                cs.key_lists.clear();
+            }
+            let k = Arc::new(keys);
+            cs.key_lists.insert(id, k.clone());
+            lock(&shared.stats).cached_key_lists = cs.key_lists.len() as u64;
+            Ok(Some(k))
+        }
+        Keys::Cached { id } => match cs.key_lists.get(&id) {
+            Some(k) => {
+                lock(&shared.stats).key_bytes_saved += k.len() as u64 * 4;
+                Ok(Some(k.clone()))
+            }
+            None => Err(Resp::UnknownKeys),
+        },
+    }
+}
+
+fn check_keys(keys: &Option<Arc<Vec<u32>>>, n: usize, values: Option<usize>) -> Result<(), String> {
+    if let Some(k) = keys {
+        if let Some(bad) = k.iter().find(|&&i| i as usize >= n) {
+            return Err(format!("key offset {bad} is outside the range's {n} values"));
+        }
+        if k.windows(2).any(|w| w[0] >= w[1]) {
+            return Err("key offsets must be sorted and distinct".into());
+        }
+    }
+    if let Some(v) = values {
+        let want = keys.as_ref().map_or(n, |k| k.len());
+        if v != want {
+            return Err(format!("{v} values for {want} keys"));
+        }
+    }
+    Ok(())
+}
+
+/// Waits (briefly) until this range is at the request's epoch: a request from a sender that
+/// already knows a newer membership waits for this server's heartbeat to bring it, and for
+/// the reconfiguration to reach the range. Refuses requests from an older epoch.
+fn settle<'a>(shared: &Shared, slot: &'a Slot, mut d: MutexGuard<'a, RangeData>, epoch: u64) -> Result<MutexGuard<'a, RangeData>, Resp> {
+    let deadline = Instant::now() + CATCH_UP;
+    loop {
+        let current = shared.epoch.load(Ordering::SeqCst);
+        if d.epoch == epoch && current == epoch {
+            return Ok(d);
+        }
+        if d.epoch == RETIRED || d.epoch > epoch || current > epoch || Instant::now() > deadline {
+            return Err(Resp::WrongEpoch { current });
+        }
+        d = slot.1.wait_timeout(d, Duration::from_millis(20)).unwrap_or_else(|p| p.into_inner()).0;
+    }
+}
+
+fn job_of(shared: &Shared) -> Result<JobSpec, Resp> {
+    lock(&shared.job).clone().ok_or_else(|| err("no job yet: a worker must Init the ranges first"))
+}
+
+fn set_job(shared: &Shared, job: &JobSpec) -> Result<(), Resp> {
+    let mut j = lock(&shared.job);
+    match &*j {
+        None => {
+            *j = Some(job.clone());
+            Ok(())
+        }
+        Some(have) if have == job => Ok(()),
+        Some(have) => Err(err(format!("job mismatch: this server serves {have:?}, the request is for {job:?}"))),
+    }
+}
+
+fn handle(shared: &Shared, cs: &mut ConnState, req: Req) -> Resp {
+    match handle_inner(shared, cs, req) {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, Resp> {
+    let me = shared.id.load(Ordering::SeqCst);
+    match req {
+        Req::Stats => {
+            let mut s = lock(&shared.stats).clone();
+            s.ranges = lock(&shared.ranges).len() as u64;
+            Ok(Resp::Stats(s))
+        }
+        Req::Init { job, epoch, range, values, fwd } => {
+            set_job(shared, &job)?;
+            if range >= job.ranges() || values.len() != job.span(range).len() {
+                return Err(err(format!("Init of range {range} with {} values does not fit the job ({} ranges of {})", values.len(), job.ranges(), job.chunk)));
+            }
+            let deadline = Instant::now() + CATCH_UP;
+            while shared.epoch.load(Ordering::SeqCst) < epoch && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let current = shared.epoch.load(Ordering::SeqCst);
+            if current != epoch {
+                return Ok(Resp::WrongEpoch { current });
+            }
+            let existing = lock(&shared.ranges).get(&range).cloned();
+            let slot = match existing {
+                Some(s) => s,
+                None => {
+                    let n = values.len();
+                    let d = RangeData { epoch, values: values.clone(), opt: Optimizer::new(job.optimizer.clone(), n), clocks: vec![0; job.workers as usize], pending: vec![None; job.workers as usize], vectors: BTreeMap::new() };
+                    let s: Slot = Arc::new((Mutex::new(d), Condvar::new()));
+                    lock(&shared.ranges).entry(range).or_insert(s).clone()
+                }
+            };
+            shared.appeared.notify_all();
+            let _d = lock(&slot.0);
+            if let Some(next) = successor(shared, &job, range) {
+                forward(shared, next, &Req::Init { job, epoch, range, values, fwd: true }).map_err(|e| err(format!("server {me}: replicating Init of range {range}: {e}")))?;
+            }
+            let _ = fwd;
+            Ok(Resp::Ok { duplicate: false })
+        }
+        Req::Transfer { job, epoch, range, state } => {
+            set_job(shared, &job)?;
+            let n = job.span(range).len();
+            if range >= job.ranges() || state.values.len() != n || state.clocks.len() != job.workers as usize {
+                return Err(err(format!("hand-over of range {range} does not fit the job")));
+            }
+            let mut opt = Optimizer::new(job.optimizer.clone(), n);
+            let names = job.optimizer.state_names();
+            let bufs: Vec<(&str, Vec<f32>)> = names.iter().copied().zip(state.opt_state).collect();
+            opt.load_state(state.opt_steps, &bufs).map_err(|e| err(format!("hand-over of range {range}: {e}")))?;
+            let mut pending = state.pending;
+            pending.resize(job.workers as usize, None);
+            let d = RangeData { epoch, values: state.values, opt, clocks: state.clocks, pending, vectors: BTreeMap::new() };
+            let old = lock(&shared.ranges).insert(range, Arc::new((Mutex::new(d), Condvar::new())));
+            if let Some(old) = old {
+                lock(&old.0).epoch = RETIRED;
+                old.1.notify_all();
+            }
+            shared.appeared.notify_all();
+            Ok(Resp::Ok { duplicate: false })
+        }
+        Req::Push { epoch, range, worker, clock, lr, keys, values, fwd: _ } => {
+            let slot = wait_range(shared, range).map_err(err)?;
+            let job = job_of(shared)?;
+            let keys = resolve_keys(cs, shared, keys)?;
+            let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
+            if worker >= job.workers {
+                return Err(err(format!("push from worker {worker}, but the job has {} workers", job.workers)));
+            }
+            check_keys(&keys, d.values.len(), Some(values.len())).map_err(|e| err(format!("push to range {range}: {e}")))?;
+            let w = worker as usize;
+            let duplicate = clock < d.clocks[w] || (job.consistency == Consistency::Bsp && clock == d.clocks[w] && d.pending[w].is_some());
+            if !duplicate {
+                if job.consistency == Consistency::Bsp && clock > d.clocks[w] {
+                    return Err(err(format!("worker {worker} pushed step {clock} to range {range}, which expects its step {} (BSP: one push per step, in order)", d.clocks[w])));
+                }
+                let dense = match &keys {
+                    None => values.clone(),
+                    Some(k) => {
+                        let mut g = vec![0f32; d.values.len()];
+                        for (i, v) in k.iter().zip(&values) {
+                            g[*i as usize] = *v;
+                        }
+                        g
+                    }
+                };
+                apply(&mut d, &job, w, clock, lr, dense);
+            }
+            if let Some(next) = successor(shared, &job, range) {
+                let keys = match &keys {
+                    None => Keys::All,
+                    Some(k) => Keys::List { id: 0, keys: k.to_vec() },
+                };
+                forward(shared, next, &Req::Push { epoch, range, worker, clock, lr, keys, values, fwd: true }).map_err(|e| err(format!("server {me}: replicating worker {worker}'s step {clock} of range {range}: {e}")))?;
+            }
+            slot.1.notify_all();
+            let mut s = lock(&shared.stats);
+            s.pushes += 1;
+            s.duplicates += duplicate as u64;
+            Ok(Resp::Ok { duplicate })
+        }
+        Req::Pull { epoch, range, worker, clock, keys } => {
+            let slot = wait_range(shared, range).map_err(err)?;
+            let job = job_of(shared)?;
+            let keys = resolve_keys(cs, shared, keys)?;
+            let deadline = Instant::now() + shared.timeout;
+            let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
+            loop {
+                if d.epoch != epoch {
+                    return Ok(Resp::WrongEpoch { current: shared.epoch.load(Ordering::SeqCst) });
+                }
+                let min = d.clocks.iter().copied().min().unwrap_or(0);
+                match job.consistency.needs(clock) {
+                    Some(need) if min < need => {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
+                            let behind: Vec<String> = d.clocks.iter().enumerate().filter(|(_, c)| **c < need).map(|(w, c)| format!("worker {w} at step {c}")).collect();
+                            return Err(err(format!(
+                                "worker {worker}'s pull of range {range} for step {clock} waited {:.1} s for step {need} of every worker ({:?}); behind: {}",
+                                shared.timeout.as_secs_f64(),
+                                job.consistency,
+                                behind.join(", ")
+                            )));
+                        }
+                        d = slot.1.wait_timeout(d, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
+                    }
+                    _ => break,
+                }
+            }
+            check_keys(&keys, d.values.len(), None).map_err(|e| err(format!("pull of range {range}: {e}")))?;
+            let min = d.clocks.iter().copied().min().unwrap_or(0);
+            let values = match &keys {
+                None => d.values.clone(),
+                Some(k) => k.iter().map(|i| d.values[*i as usize]).collect(),
+            };
+            let mut s = lock(&shared.stats);
+            s.pulls += 1;
+            s.max_lead = s.max_lead.max(clock.saturating_sub(min));
+            Ok(Resp::Values { min_clock: min, values })
+        }
+        Req::Vector { epoch, range, id, values } => {
+            let slot = wait_range(shared, range).map_err(err)?;
+            let job = job_of(shared)?;
+            let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
+            match values {
+                None => Ok(Resp::Values { min_clock: 0, values: vector(&d, id).to_vec() }),
+                Some(v) => {
+                    if v.len() != d.values.len() {
+                        return Err(err(format!("vector {id} of range {range}: {} values for {}", v.len(), d.values.len())));
+                    }
+                    if id == 0 {
+                        d.values.copy_from_slice(&v);
+                    } else {
+                        d.vectors.insert(id, v.clone());
+                    }
+                    if let Some(next) = successor(shared, &job, range) {
+                        forward(shared, next, &Req::Vector { epoch, range, id, values: Some(v) }).map_err(|e| err(e.to_string()))?;
+                    }
+                    Ok(Resp::Ok { duplicate: false })
+                }
+            }
+        }
+        Req::Axpby { epoch, range, dst, a, src, b } => {
+            let slot = wait_range(shared, range).map_err(err)?;
+            let job = job_of(shared)?;
+            let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
+            let s = vector(&d, src).to_vec();
+            let out = if dst == 0 { &mut d.values } else { d.vectors.entry(dst).or_insert_with(|| vec![0f32; s.len()]) };
+            for (o, x) in out.iter_mut().zip(&s) {
+                *o = (a * f64::from(*o) + b * f64::from(*x)) as f32;
+            }
+            if let Some(next) = successor(shared, &job, range) {
+                forward(shared, next, &Req::Axpby { epoch, range, dst, a, src, b }).map_err(|e| err(e.to_string()))?;
+            }
+            Ok(Resp::Ok { duplicate: false })
+        }
+        Req::Dot { epoch, range, x, y } => {
+            let slot = wait_range(shared, range).map_err(err)?;
+            let d = settle(shared, &slot, lock(&slot.0), epoch)?;
+            Ok(Resp::Scalar(vector(&d, x).iter().zip(vector(&d, y)).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum()))
+        }
+        other => Err(err(format!("a parameter server does not serve {}", name_of(&other)))),
+    }
+}
+
+/// Vector `id` of a range (0: the parameters); a vector never written reads as zeros.
+fn vector(d: &RangeData, id: u32) -> &[f32] {
+    static EMPTY: [f32; 0] = [];
+    if id == 0 {
+        &d.values
+    } else {
+        d.vectors.get(&id).map_or(&EMPTY[..], |v| &v[..])
+    }
+}
+
+/// Applies worker `w`'s gradient for `clock`. BSP keeps it until every worker's is in, then
+/// applies their mean (summed in worker order, so every chain member computes the same bits);
+/// the other models apply it at once.
+fn apply(d: &mut RangeData, job: &JobSpec, w: usize, clock: u64, lr: f32, grad: Vec<f32>) {
+    let RangeData { values, opt, clocks, pending, .. } = d;
+    match job.consistency {
+        Consistency::Bsp => {
+            pending[w] = Some(grad);
+            if pending.iter().all(Option::is_some) {
+                let mut it = pending.iter_mut().map(|p| p.take().expect("all pending"));
+                let mut sum = it.next().expect("at least one worker");
+                for g in it {
+                    sum.iter_mut().zip(&g).for_each(|(s, x)| *s += x);
+                }
+                let n = job.workers as f32;
+                if job.workers > 1 {
+                    sum.iter_mut().for_each(|s| *s /= n);
+                }
+                opt.step(values, &sum, lr);
+                clocks.iter_mut().for_each(|c| *c += 1);
+            }
+        }
+        Consistency::Bounded(_) | Consistency::Async => {
+            opt.step(values, &grad, lr);
+            clocks[w] = clock + 1;
+        }
+    }
+}

@@ -1,0 +1,158 @@
+use super::*;
+use crate::wire::{Keys, Membership, RangeState, Req, Resp, ServerStats};
+use proptest::prelude::*;
+
+fn job() -> JobSpec {
+    JobSpec { len: 1000, chunk: 64, workers: 3, replication: 1, consistency: Consistency::Bounded(4), optimizer: kolo_optim::OptimizerSpec::Adagrad { eps: 1e-10, weight_decay: 0.0, lr_decay: 0.0 } }
+}
+
+#[test]
+fn spans_tile_the_table() {
+    for (len, chunk) in [(0u64, 4u32), (1, 4), (7, 7), (1000, 64), (1009, 10)] {
+        let j = JobSpec { len, chunk, ..job() };
+        let mut next = 0;
+        for r in 0..j.ranges() {
+            let s = j.span(r);
+            assert_eq!(s.start, next);
+            assert!(!s.is_empty() && s.len() <= chunk as usize);
+            next = s.end;
+        }
+        assert_eq!(next as u64, len);
+    }
+}
+
+#[test]
+fn ring_chains_are_distinct_and_stable() {
+    let ring = Ring::new(&[0, 1, 2, 3]);
+    for r in 0..500 {
+        let c = ring.chain(r, 2);
+        assert_eq!(c.len(), 3);
+        let mut d = c.clone();
+        d.sort();
+        d.dedup();
+        assert_eq!(d.len(), 3, "chain {c:?} repeats a server");
+        assert_eq!(c, Ring::new(&[3, 1, 0, 2]).chain(r, 2), "order of ids must not matter");
+    }
+    // More replicas than servers: every server once.
+    assert_eq!(Ring::new(&[5, 9]).chain(3, 4).len(), 2);
+    assert!(Ring::new(&[]).chain(3, 1).is_empty());
+}
+
+#[test]
+fn ring_moves_few_ranges_when_a_server_joins_or_leaves() {
+    let n = 4000;
+    let before = Ring::new(&[0, 1, 2, 3]);
+    let after = Ring::new(&[0, 1, 2, 3, 4]);
+    let moved = (0..n).filter(|r| before.chain(*r, 0) != after.chain(*r, 0)).count();
+    // Ideal: 1/5 of the ranges move, all of them to the new server.
+    assert!(moved < n as usize * 3 / 10, "{moved} of {n} ranges moved");
+    assert!((0..n).filter(|r| before.chain(*r, 0) != after.chain(*r, 0)).all(|r| after.chain(r, 0) == vec![4]));
+    // Balance: every server heads a fair share.
+    for s in 0..5 {
+        let owned = (0..n).filter(|r| after.chain(*r, 0)[0] == s).count();
+        assert!(owned > n as usize / 10 && owned < n as usize * 3 / 10, "server {s} heads {owned} of {n}");
+    }
+    // Leaving: only the leaver's ranges move, to the next member of their old chains.
+    let gone = Ring::new(&[0, 2, 3]);
+    for r in 0..n {
+        let old = before.chain(r, 1);
+        if old[0] != 1 {
+            assert_eq!(gone.chain(r, 0)[0], old[0]);
+        } else {
+            assert_eq!(gone.chain(r, 0)[0], old[1], "range {r}: the replica takes over");
+        }
+    }
+}
+
+#[test]
+fn consistency_needs() {
+    assert_eq!(Consistency::Bsp.needs(5), Some(5));
+    assert_eq!(Consistency::Bounded(2).needs(5), Some(3));
+    assert_eq!(Consistency::Bounded(9).needs(5), Some(0));
+    assert_eq!(Consistency::Async.needs(5), None);
+}
+
+#[test]
+fn messages_round_trip() {
+    let reqs = vec![
+        Req::Init { job: job(), epoch: 3, range: 7, values: vec![1.0, -2.5], fwd: true },
+        Req::Push { epoch: 1, range: 2, worker: 1, clock: 9, lr: 0.1, keys: Keys::List { id: 77, keys: vec![0, 3] }, values: vec![0.5, 0.25], fwd: false },
+        Req::Push { epoch: 1, range: 2, worker: 1, clock: 9, lr: 0.1, keys: Keys::Cached { id: 77 }, values: vec![0.5, 0.25], fwd: false },
+        Req::Pull { epoch: 1, range: 2, worker: 0, clock: 4, keys: Keys::All },
+        Req::Transfer { job: job(), epoch: 2, range: 1, state: RangeState { values: vec![1.0; 3], opt_steps: 4, opt_state: vec![vec![2.0; 3]], clocks: vec![1, 2, 3], pending: vec![None, Some(vec![1.0; 3]), None] } },
+        Req::Stats,
+        Req::Axpby { epoch: 0, range: 0, dst: 1, a: 0.5, src: 2, b: -1.0 },
+        Req::Dot { epoch: 0, range: 0, x: 1, y: 2 },
+        Req::Vector { epoch: 0, range: 0, id: 1, values: Some(vec![3.0]) },
+        Req::Vector { epoch: 0, range: 0, id: 1, values: None },
+        Req::Register { addr: "127.0.0.1:9".into() },
+        Req::Heartbeat { server: 2 },
+        Req::Membership { min_servers: 2, after_epoch: 5 },
+        Req::WorkerBeat { worker: 3 },
+        Req::Remove { server: 1 },
+        Req::Shutdown,
+    ];
+    for r in reqs {
+        assert_eq!(Req::decode(&r.encode()).unwrap(), r);
+    }
+    let m = Membership { epoch: 4, servers: vec![(0, "a:1".into()), (2, "b:2".into())], shutdown: false, dead_workers: vec![1] };
+    let resps = vec![
+        Resp::Ok { duplicate: true },
+        Resp::Values { min_clock: 3, values: vec![1.0, 2.0] },
+        Resp::Scalar(2.5),
+        Resp::UnknownKeys,
+        Resp::WrongEpoch { current: 9 },
+        Resp::Error("x".into()),
+        Resp::Stats(ServerStats { pushes: 1, pulls: 2, bytes_in: 3, bytes_out: 4, max_lead: 5, ranges: 6, cached_key_lists: 7, key_bytes_saved: 8, duplicates: 9 }),
+        Resp::Registered { id: 2, membership: m.clone() },
+        Resp::Membership(m),
+    ];
+    for r in resps {
+        assert_eq!(Resp::decode(&r.encode()).unwrap(), r);
+    }
+}
+
+#[test]
+fn truncated_and_oversized_messages_are_errors() {
+    let body = Req::Push { epoch: 1, range: 2, worker: 1, clock: 9, lr: 0.1, keys: Keys::All, values: vec![0.5; 10], fwd: false }.encode();
+    for cut in 0..body.len() {
+        assert!(Req::decode(&body[..cut]).is_err(), "a {cut}-byte prefix decoded");
+    }
+    let mut extra = body.clone();
+    extra.push(0);
+    assert!(Req::decode(&extra).is_err());
+    // A length field claiming 2^60 values must not allocate.
+    let mut huge = vec![3u8];
+    huge.extend_from_slice(&1u64.to_le_bytes());
+    huge.extend_from_slice(&2u32.to_le_bytes());
+    huge.extend_from_slice(&0u32.to_le_bytes());
+    huge.extend_from_slice(&4u64.to_le_bytes());
+    huge.push(1);
+    huge.extend_from_slice(&7u64.to_le_bytes());
+    huge.extend_from_slice(&(1u64 << 60).to_le_bytes());
+    assert!(Req::decode(&huge).is_err());
+}
+
+proptest! {
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+        let _ = Req::decode(&bytes);
+        let _ = Resp::decode(&bytes);
+    }
+}
+
+#[test]
+fn significantly_modified_filter_keeps_the_rest_as_residual() {
+    use crate::filter::{Filter, SignificantlyModified};
+    let mut f = SignificantlyModified::new(0.5);
+    let mut v = vec![0.1, 0.9, -0.7, 0.3];
+    let keys = f.select(0, &mut v).unwrap();
+    assert_eq!(keys, vec![1, 2]);
+    assert_eq!(v, vec![0.9, -0.7]);
+    // The small entries accumulate: 0.3 + 0.3 = 0.6 > 0.5 crosses now.
+    let mut v = vec![0.1, 0.0, 0.0, 0.3];
+    let keys = f.select(0, &mut v).unwrap();
+    assert_eq!(keys, vec![3]);
+    assert!((v[0] - 0.6).abs() < 1e-6);
+    assert_eq!(f.counts(), (8, 3));
+}

@@ -1,0 +1,304 @@
+//! A coordinator and servers on real TCP sockets in this process, workers on threads.
+
+use kolo_optim::OptimizerSpec;
+use kolo_ps::client::ClientOptions;
+use kolo_ps::server::ServerOptions;
+use kolo_ps::{Consistency, Coordinator, Filter, JobSpec, PsClient, PsError, Server};
+use kolo_rendezvous::JobToken;
+use std::time::{Duration, Instant};
+
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+struct Cluster {
+    coord: Coordinator,
+    servers: Vec<Server>,
+    token: JobToken,
+}
+
+fn cluster(n: usize) -> Cluster {
+    let token = JobToken::generate();
+    let coord = Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_millis(600)).unwrap();
+    let servers = (0..n).map(|_| add_server(&coord, &token)).collect();
+    Cluster { coord, servers, token }
+}
+
+fn add_server(coord: &Coordinator, token: &JobToken) -> Server {
+    Server::start(ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: TIMEOUT, heartbeat: Duration::from_millis(50) }).unwrap()
+}
+
+fn sgd() -> OptimizerSpec {
+    OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 }
+}
+
+fn job(len: u64, chunk: u32, workers: u32, replication: u32, consistency: Consistency, optimizer: OptimizerSpec) -> JobSpec {
+    JobSpec { len, chunk, workers, replication, consistency, optimizer }
+}
+
+fn client(c: &Cluster, job: &JobSpec, worker: u32, min_servers: u32) -> PsClient {
+    PsClient::connect(ClientOptions { coordinator: c.coord.addr().to_string(), token: c.token.clone(), job: job.clone(), worker, min_servers, timeout: TIMEOUT, heartbeat: None }).unwrap()
+}
+
+/// Worker `w`'s gradient at step `t`: deterministic, different per worker, step and element.
+fn grad(w: u32, t: u64, n: usize) -> Vec<f32> {
+    (0..n).map(|i| ((i as f32 * 0.37 + w as f32 * 1.3 + t as f32 * 0.11).sin()) * 0.1).collect()
+}
+
+#[test]
+fn bsp_applies_the_mean_once_per_step_like_a_single_process() {
+    let c = cluster(2);
+    let n = 1000;
+    let spec = OptimizerSpec::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false };
+    let j = job(n as u64, 97, 3, 0, Consistency::Bsp, spec.clone());
+    let init: Vec<f32> = (0..n).map(|i| i as f32 * 0.001).collect();
+    let steps = 6;
+    let results: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..3u32)
+            .map(|w| {
+                let (c, j, init) = (&c, &j, &init);
+                s.spawn(move || {
+                    let mut p = client(c, j, w, 2);
+                    if w == 0 {
+                        p.init(init).unwrap();
+                    }
+                    let mut x = vec![0f32; n];
+                    for t in 0..steps {
+                        p.pull(t, &mut x).unwrap();
+                        p.push(t, 0.01, &grad(w, t, n), None).unwrap();
+                    }
+                    p.pull(steps, &mut x).unwrap();
+                    x
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    // Reference: one process, mean of the three gradients (summed in worker order), Adam.
+    let mut x = init.clone();
+    let mut opt = kolo_optim::Optimizer::new(spec, n);
+    for t in 0..steps {
+        let mut g = grad(0, t, n);
+        for w in 1..3 {
+            g.iter_mut().zip(grad(w, t, n)).for_each(|(a, b)| *a += b);
+        }
+        g.iter_mut().for_each(|a| *a /= 3.0);
+        opt.step(&mut x, &g, 0.01);
+    }
+    for r in &results {
+        assert_eq!(r, &x, "BSP must equal the single-process computation bit for bit");
+    }
+}
+
+#[test]
+fn bounded_delay_lets_fast_workers_run_ahead_but_never_more_than_tau() {
+    let c = cluster(2);
+    let n = 300;
+    let tau = 2;
+    let j = job(n as u64, 64, 3, 0, Consistency::Bounded(tau), sgd());
+    let steps = 12;
+    std::thread::scope(|s| {
+        for w in 0..3u32 {
+            let (c, j) = (&c, &j);
+            s.spawn(move || {
+                let mut p = client(c, j, w, 2);
+                if w == 0 {
+                    p.init(&vec![0.0; n]).unwrap();
+                }
+                let mut x = vec![0f32; n];
+                for t in 0..steps {
+                    let slowest = p.pull(t, &mut x).unwrap();
+                    assert!(t - slowest.min(t) <= tau, "worker {w} computes step {t} while the slowest is at {slowest}");
+                    if w == 2 {
+                        std::thread::sleep(Duration::from_millis(40)); // the straggler
+                    }
+                    p.push(t, 0.1, &grad(w, t, n), None).unwrap();
+                }
+                assert!(p.stats().max_lead <= tau);
+            });
+        }
+    });
+    let mut p = client(&c, &j, 0, 2);
+    let stats = p.server_stats().unwrap();
+    let lead = stats.iter().map(|(_, s)| s.max_lead).max().unwrap();
+    assert!(lead <= tau, "a pull was answered {lead} steps ahead of the slowest worker (tau {tau})");
+    assert_eq!(lead, tau, "with a straggler the fast workers should use the whole bound");
+}
+
+#[test]
+fn async_workers_do_not_wait_for_a_straggler() {
+    let c = cluster(1);
+    let n = 100;
+    let j = job(n as u64, 100, 2, 0, Consistency::Async, OptimizerSpec::Adagrad { eps: 1e-10, weight_decay: 0.0, lr_decay: 0.0 });
+    let mut p0 = client(&c, &j, 0, 1);
+    p0.init(&vec![1.0; n]).unwrap();
+    let mut p1 = client(&c, &j, 1, 1);
+    let mut x = vec![0f32; n];
+    // Worker 1 never pushes; worker 0 still runs 30 steps (Downpour: no waiting).
+    let t0 = Instant::now();
+    for t in 0..30 {
+        p0.pull(t, &mut x).unwrap();
+        p0.push(t, 0.1, &vec![1.0; n], None).unwrap();
+    }
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    let slowest = p1.pull(0, &mut x).unwrap();
+    assert_eq!(slowest, 0);
+    // Adagrad with a constant gradient of 1: x -= 0.1 / sqrt(k) at the k-th update.
+    let want = (1..=30).fold(1.0f32, |v, k| v - 0.1 * 1.0 / ((k as f32).sqrt() + 1e-10));
+    assert!((x[0] - want).abs() < 1e-5, "{} vs {want}", x[0]);
+}
+
+/// Each push subtracts exactly 1 from every value (SGD, lr 1, gradient 1), so the final values
+/// count the updates applied: any lost or doubly applied push shows.
+fn counting_run(c: &Cluster, j: &JobSpec, pushes: u64, mid: &mut dyn FnMut(u64)) -> Vec<f32> {
+    let n = j.len as usize;
+    let mut ps: Vec<PsClient> = (0..j.workers).map(|w| client(c, j, w, 1)).collect();
+    ps[0].init(&vec![0.0; n]).unwrap();
+    let ones = vec![1.0; n];
+    for t in 0..pushes {
+        if t == pushes / 2 {
+            mid(t);
+        }
+        for p in ps.iter_mut() {
+            p.push(t, 1.0, &ones, None).unwrap();
+        }
+    }
+    let mut x = vec![0f32; n];
+    ps[0].pull(pushes, &mut x).unwrap();
+    x
+}
+
+#[test]
+fn killing_a_server_loses_no_acknowledged_update() {
+    let mut c = cluster(3);
+    let n = 2000;
+    let j = job(n, 50, 2, 1, Consistency::Async, sgd());
+    let victim = c.servers.remove(1);
+    let victim_id = victim.id();
+    client(&c, &j, 0, 3).init(&vec![0.0; n as usize]).unwrap();
+    // Two workers push concurrently; the server dies under them.
+    let pushes = 60;
+    std::thread::scope(|s| {
+        for w in 0..2 {
+            let (c, j) = (&c, &j);
+            s.spawn(move || {
+                let mut p = client(c, j, w, 1);
+                for t in 0..pushes {
+                    p.push(t, 1.0, &vec![1.0; n as usize], None).unwrap();
+                }
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        victim.kill();
+    });
+    let mut p = client(&c, &j, 0, 1);
+    assert!(p.membership().epoch > 3, "the server was killed after the last push; the test must kill it under load");
+    let mut x = vec![0f32; n as usize];
+    p.pull(pushes, &mut x).unwrap();
+    assert!(x.iter().all(|v| *v == -2.0 * pushes as f32), "values {:?}... (expected -{}: 2 workers x {pushes} pushes, each acknowledged once)", &x[..4], 2 * pushes);
+    let m = c.coord.membership();
+    assert!(!m.servers.iter().any(|(id, _)| *id == victim_id), "the dead server is still a member");
+    // Both survivors hold ranges now, each range twice (replication 1).
+    let total: u64 = c.servers.iter().map(|s| s.stats().ranges).sum();
+    assert_eq!(total, 2 * 40, "40 ranges, each on a chain of 2");
+}
+
+#[test]
+fn adding_a_server_moves_ranges_to_it_while_training_runs() {
+    let c = cluster(2);
+    let j = job(3000, 30, 2, 1, Consistency::Bsp, sgd());
+    let mut added = None;
+    let (coord, token) = (&c.coord, &c.token);
+    let x = counting_run(&c, &j, 16, &mut |_| added = Some(add_server(coord, token)));
+    // BSP averages the two workers' gradients: one unit per step.
+    assert!(x.iter().all(|v| *v == -16.0), "values {:?}...", &x[..4]);
+    let s = added.unwrap().stats();
+    assert!(s.ranges > 0, "no range moved to the new server");
+    assert!(s.pushes > 0, "the new server took no pushes");
+}
+
+#[test]
+fn removing_a_server_hands_its_ranges_on() {
+    let c = cluster(3);
+    let j = job(1000, 25, 1, 0, Consistency::Async, sgd());
+    let leaving = c.servers[0].id();
+    let coord_addr = c.coord.addr().to_string();
+    let token = c.token.clone();
+    // Without replication, a graceful removal must still keep every update.
+    let x = counting_run(&c, &j, 10, &mut |_| {
+        let mut conn = kolo_ps_test_conn(&coord_addr, &token);
+        conn(leaving);
+    });
+    assert!(x.iter().all(|v| *v == -10.0), "values {:?}...", &x[..4]);
+}
+
+/// Asks the coordinator to remove a server (what `kolo ps remove` does).
+fn kolo_ps_test_conn(addr: &str, token: &JobToken) -> impl FnMut(u32) {
+    let (addr, token) = (addr.to_string(), token.clone());
+    move |id| {
+        kolo_ps::coord::remove_server(&addr, &token, id, TIMEOUT).unwrap();
+    }
+}
+
+struct EveryOther;
+impl Filter for EveryOther {
+    fn select(&mut self, _: u32, values: &mut Vec<f32>) -> Option<Vec<u32>> {
+        let keys: Vec<u32> = (0..values.len() as u32).step_by(2).collect();
+        *values = keys.iter().map(|k| values[*k as usize]).collect();
+        Some(keys)
+    }
+    fn counts(&self) -> (u64, u64) {
+        (0, 0)
+    }
+}
+
+#[test]
+fn key_lists_are_sent_once_then_cached() {
+    let c = cluster(1);
+    let n = 64;
+    let j = job(n, 64, 1, 0, Consistency::Async, sgd());
+    let mut p = client(&c, &j, 0, 1);
+    p.init(&vec![0.0; n as usize]).unwrap();
+    let mut f = EveryOther;
+    for t in 0..5 {
+        p.push(t, 1.0, &vec![1.0; n as usize], Some(&mut f)).unwrap();
+    }
+    let mut x = vec![0f32; n as usize];
+    p.pull(5, &mut x).unwrap();
+    assert!(x.iter().step_by(2).all(|v| *v == -5.0) && x.iter().skip(1).step_by(2).all(|v| *v == 0.0));
+    let s = &p.server_stats().unwrap()[0].1;
+    assert_eq!(s.key_bytes_saved, 4 * 32 * 4, "four pushes reused the 32-key list");
+    assert_eq!(p.stats().values_sent, 5 * 32);
+}
+
+#[test]
+fn a_stranger_without_the_token_is_refused() {
+    let c = cluster(1);
+    let j = job(10, 10, 1, 0, Consistency::Async, sgd());
+    let r = PsClient::connect(ClientOptions { coordinator: c.coord.addr().to_string(), token: JobToken::generate(), job: j, worker: 0, min_servers: 1, timeout: Duration::from_secs(2), heartbeat: None });
+    let e = r.err().expect("a wrong token must be refused").to_string();
+    assert!(e.contains("token"), "{e}");
+}
+
+#[test]
+fn a_mismatched_job_is_refused_by_name() {
+    let c = cluster(1);
+    let a = job(10, 10, 1, 0, Consistency::Async, sgd());
+    let mut p = client(&c, &a, 0, 1);
+    p.init(&[0.0; 10]).unwrap();
+    let b = job(10, 10, 1, 0, Consistency::Bsp, sgd());
+    let mut q = client(&c, &b, 0, 1);
+    let e = q.init(&[0.0; 10]).unwrap_err();
+    assert!(matches!(e, PsError::Server(_)) && e.to_string().contains("job mismatch"), "{e}");
+}
+
+#[test]
+fn a_bsp_pull_names_the_worker_that_never_pushed() {
+    let token = JobToken::generate();
+    let coord = Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_secs(5)).unwrap();
+    let _s = Server::start(ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: Duration::from_millis(500), heartbeat: Duration::from_millis(50) }).unwrap();
+    let j = job(10, 10, 2, 0, Consistency::Bsp, sgd());
+    let mut p = PsClient::connect(ClientOptions { coordinator: coord.addr().to_string(), token, job: j, worker: 0, min_servers: 1, timeout: Duration::from_secs(3), heartbeat: None }).unwrap();
+    p.init(&[0.0; 10]).unwrap();
+    p.push(0, 1.0, &[1.0; 10], None).unwrap();
+    let e = p.pull(1, &mut [0.0; 10]).unwrap_err().to_string();
+    assert!(e.contains("worker 1 at step 0"), "{e}");
+}
