@@ -20,6 +20,8 @@ pub struct Config {
     pub train: TrainConfig,
     #[serde(default)]
     pub ddp: DdpConfig,
+    #[serde(default)]
+    pub ps: PsConfig,
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,6 +231,72 @@ pub struct TrainConfig {
     pub sample_temperature: f32,
     /// Show a progress bar on rank 0 (default true; off when stderr is not a terminal).
     pub progress: bool,
+    /// `ddp` (default: all-reduce, ZeRO; see `[ddp]`) or `ps` (parameter servers; see `[ps]`,
+    /// start with `kolo ps run`).
+    pub strategy: Strategy,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    #[default]
+    Ddp,
+    Ps,
+}
+
+/// `[ps]`: training through parameter servers (`[train] strategy = "ps"`). The servers apply
+/// `[optim]`'s optimizer to the pushed gradients; the learning rate and its schedule travel
+/// with each push.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields, default)]
+pub struct PsConfig {
+    /// `bsp` (every worker's step t applied, as one mean, before anyone computes t+1: the same
+    /// result as DDP), `bounded` (a worker may run `staleness` steps ahead of the slowest) or
+    /// `async` (Downpour SGD: no waiting). Default `bsp`.
+    pub consistency: PsConsistency,
+    /// bounded: the largest lead over the slowest worker, in steps (default 4).
+    pub staleness: u64,
+    /// async: pull fresh parameters every this many steps (Downpour's n_fetch, default 1).
+    pub fetch_every: u64,
+    /// async: push the gradients accumulated over this many steps (Downpour's n_push, default 1).
+    pub push_every: u64,
+    /// Copies of each key range beyond the first (chain replication; default 0).
+    pub replication: u32,
+    /// Values per key range (default 65536).
+    pub chunk: u32,
+    /// Send only gradient entries whose accumulated value exceeds this (the significantly-modified
+    /// filter; the rest wait in a residual). Default 0: off.
+    pub filter_threshold: f32,
+    /// The coordinator, `host:port` (default: `KOLO_PS_COORDINATOR`, set by `kolo ps run`).
+    pub coordinator: Option<String>,
+    /// Servers to wait for before starting (default 1).
+    pub servers: u32,
+    /// Deadline of every push and pull, seconds, retries and failover included (default 60).
+    pub timeout_secs: f64,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PsConsistency {
+    Bsp,
+    Bounded,
+    Async,
+}
+
+impl Default for PsConfig {
+    fn default() -> Self {
+        PsConfig { consistency: PsConsistency::Bsp, staleness: 4, fetch_every: 1, push_every: 1, replication: 0, chunk: 65536, filter_threshold: 0.0, coordinator: None, servers: 1, timeout_secs: 60.0 }
+    }
+}
+
+impl PsConfig {
+    pub fn consistency(&self) -> kolo_ps::Consistency {
+        match self.consistency {
+            PsConsistency::Bsp => kolo_ps::Consistency::Bsp,
+            PsConsistency::Bounded => kolo_ps::Consistency::Bounded(self.staleness),
+            PsConsistency::Async => kolo_ps::Consistency::Async,
+        }
+    }
 }
 
 impl Default for TrainConfig {
@@ -252,6 +320,7 @@ impl Default for TrainConfig {
             sample_chars: 200,
             sample_temperature: 0.8,
             progress: true,
+            strategy: Strategy::Ddp,
         }
     }
 }
@@ -415,6 +484,18 @@ impl Config {
         }
         if (self.ddp.local_sgd.is_some() || self.ddp.skip_sync) && self.train.precision == Precision::F16 {
             return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
+        }
+        if self.train.strategy == Strategy::Ps {
+            let p = &self.ps;
+            if p.fetch_every == 0 || p.push_every == 0 || p.chunk == 0 || p.servers == 0 || !(p.timeout_secs > 0.0) || !(p.filter_threshold >= 0.0) {
+                return Err("ps: fetch_every, push_every, chunk and servers must be at least 1, timeout_secs positive, filter_threshold not negative".into());
+            }
+            if (p.fetch_every != 1 || p.push_every != 1) && p.consistency != PsConsistency::Async {
+                return Err("ps.fetch_every / ps.push_every (Downpour) need ps.consistency = \"async\"".into());
+            }
+            if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() {
+                return Err("train.strategy = \"ps\" trains in f32 without [ddp] options (zero_stage, compression, local_sgd) and keeps its state on the servers (no train.checkpoint_dir)".into());
+            }
         }
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());

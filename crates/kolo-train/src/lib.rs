@@ -8,6 +8,7 @@ pub mod trainer;
 
 pub use config::Config;
 pub mod metrics;
+pub mod ps_worker;
 pub mod tensorboard;
 pub mod timeline;
 pub use trainer::{peak_rss, run, Eval, HeapReport, RunOptions, StateBytes, Summary};
@@ -27,6 +28,8 @@ pub enum TrainError {
     Comm(#[from] kolo_comm::CommError),
     #[error(transparent)]
     Checkpoint(#[from] kolo_checkpoint::CheckpointError),
+    #[error(transparent)]
+    Ps(#[from] kolo_ps::PsError),
     #[error("{0}")]
     Other(String),
 }

@@ -77,6 +77,8 @@ pub struct Summary {
     /// f16 training: steps skipped because a gradient overflowed, and the final loss scale.
     pub skipped_steps: u64,
     pub loss_scale: Option<f64>,
+    /// Parameter-server runs: what this worker pushed and pulled.
+    pub ps: Option<kolo_ps::PushStats>,
 }
 
 /// Live heap bytes at three points of a run (see `kolo_base::alloc`).
@@ -118,14 +120,14 @@ pub fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
-struct Data {
-    train: Arc<dyn Dataset>,
-    eval: Arc<dyn Dataset>,
-    vocab: Option<CharVocab>,
-    vocab_size: usize,
+pub(crate) struct Data {
+    pub(crate) train: Arc<dyn Dataset>,
+    pub(crate) eval: Arc<dyn Dataset>,
+    pub(crate) vocab: Option<CharVocab>,
+    pub(crate) vocab_size: usize,
 }
 
-fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result<Data, TrainError> {
+pub(crate) fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result<Data, TrainError> {
     let d = &cfg.data;
     match d.kind {
         DataKind::Mnist => {
@@ -171,7 +173,7 @@ fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result<Data, Trai
 }
 
 /// Prepares batches on a background thread, each with the sampler position after it.
-fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receiver<(Position, Batch)> {
+pub(crate) fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receiver<(Position, Batch)> {
     let (tx, rx) = sync_channel(depth.max(1));
     std::thread::Builder::new()
         .name("kolo-prefetch".into())
@@ -186,7 +188,7 @@ fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receive
     rx
 }
 
-fn spec_string(spec: &ModelSpec) -> String {
+pub(crate) fn spec_string(spec: &ModelSpec) -> String {
     format!("{spec:?}")
 }
 
@@ -382,7 +384,7 @@ fn load_checkpoint(
 /// batch without counting it, and `settle` runs after every forward (it completes the gathers
 /// a forward leaves in flight, before this function's own collective).
 #[allow(clippy::too_many_arguments)]
-fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds: &dyn Dataset, comm: &dyn Communicator, batch: usize, max_batches: usize, lockstep: bool, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<Eval, TrainError> {
+pub(crate) fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds: &dyn Dataset, comm: &dyn Communicator, batch: usize, max_batches: usize, lockstep: bool, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<Eval, TrainError> {
     let (r, n) = (comm.rank().get(), comm.world_size().get());
     let share = |r: usize| {
         let mine: Vec<usize> = (r..ds.len()).step_by(n).collect();
@@ -426,7 +428,7 @@ fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds: &dyn Datas
 
 /// Generates `n` characters from a text model, starting from a newline.
 #[allow(clippy::too_many_arguments)]
-fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<String, TrainError> {
+pub(crate) fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<String, TrainError> {
     let mut rng = Rng::new(seed ^ 0x5A5A);
     let start = vocab.encode(b"\n").unwrap_or_else(|_| vec![0]);
     let mut ids: Vec<u32> = start;
@@ -459,6 +461,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
     };
     let tc = &cfg.train;
+    if tc.strategy == crate::config::Strategy::Ps {
+        return Err(TrainError::Config("train.strategy = \"ps\" trains through parameter servers: run it with `kolo ps run` (or `kolo train` with KOLO_PS_COORDINATOR set)".into()));
+    }
     let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
     comm.set_timeout(timeout);
 
@@ -975,5 +980,6 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         },
         sample,
         checkpoint,
+        ps: None,
     })
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod comm_args;
+mod ps;
 mod selftest;
 mod train;
 
@@ -44,6 +45,10 @@ enum Cmd {
     Launch(LaunchArgs),
     /// Train a model from a TOML config, alone or under `kolo launch` (DDP across ranks).
     Train(train::TrainArgs),
+    /// Parameter servers: `kolo ps run` starts a whole job here; `serve`, `coordinator`,
+    /// `remove` and `shutdown` for jobs across machines.
+    #[command(subcommand)]
+    Ps(ps::PsCmd),
     /// List a checkpoint's metadata, files, tensors, shapes and shards, and verify its checksums.
     Inspect {
         /// A checkpoint directory (or a single-file checkpoint).
@@ -143,6 +148,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Launch(a) => launch(a),
         Cmd::Train(t) => train::run(t),
+        Cmd::Ps(p) => ps::run(p),
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
         Cmd::Inspect { checkpoint } => inspect(&checkpoint),

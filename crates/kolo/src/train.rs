@@ -56,6 +56,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     if let Some(t) = a.comm.timeout {
         cfg.ddp.timeout_secs = t;
     }
+    if cfg.train.strategy == kolo_train::config::Strategy::Ps {
+        return run_ps(&cfg, a.stop_after);
+    }
     let mut comm_args = a.comm.clone();
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
     let boot = comm_args.join()?;
@@ -101,6 +104,40 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
                 mb(h.peak.saturating_sub(h.between_steps) as u64)
             );
         }
+    }
+    Ok(0)
+}
+
+/// A parameter-server worker: RANK / WORLD_SIZE say which data shard, KOLO_PS_COORDINATOR (or
+/// `[ps] coordinator`) where the job's coordinator listens.
+fn run_ps(cfg: &kolo_train::Config, stop_after: Option<u64>) -> anyhow::Result<i32> {
+    let var = |k: &str| std::env::var(k).ok();
+    let num = |k: &str, d: usize| -> anyhow::Result<usize> { var(k).map_or(Ok(d), |v| v.parse().map_err(|_| anyhow::anyhow!("{k}={v} is not a number"))) };
+    let (worker, workers) = (num("RANK", 0)?, num("WORLD_SIZE", 1)?);
+    let coordinator = cfg.ps.coordinator.clone().or_else(|| var("KOLO_PS_COORDINATOR")).ok_or_else(|| anyhow::anyhow!("train.strategy = \"ps\" needs a coordinator: start the job with `kolo ps run`, or set [ps] coordinator / KOLO_PS_COORDINATOR"))?;
+    let token = kolo_rendezvous::JobToken::from_hex(&var("KOLO_JOB_TOKEN").ok_or_else(|| anyhow::anyhow!("KOLO_JOB_TOKEN is not set (the parameter-server job's token)"))?).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))?;
+    let mut cfg = cfg.clone();
+    if let Some(n) = var("KOLO_PS_SERVERS").and_then(|v| v.parse().ok()) {
+        cfg.ps.servers = n;
+    }
+    let me = kolo_train::ps_worker::PsWorker { worker, workers, coordinator, token };
+    let opts = kolo_train::RunOptions { stop_after, ..Default::default() };
+    let s = kolo_train::ps_worker::run_ps(&cfg, &me, &opts)?;
+    if worker == 0 {
+        let n = s.step_ms.len();
+        let tail = &s.step_ms[n.saturating_sub(n / 2).min(n)..];
+        let mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
+        let st = s.ps.unwrap_or_default();
+        eprintln!(
+            "done: {} steps, last loss {:.4}, {:.1} ms/step (second half); worker 0 pushed {:.2} MB, pulled {:.2} MB, {} retried requests, lead over the slowest worker up to {} step(s)",
+            s.steps_done,
+            s.last_loss,
+            mean,
+            st.bytes_out as f64 / 1e6,
+            st.bytes_in as f64 / 1e6,
+            st.retries,
+            st.max_lead
+        );
     }
     Ok(0)
 }

@@ -480,3 +480,92 @@ fn timeline_merges_every_ranks_compute_and_collectives() {
     assert!(ev.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "rank 1"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A coordinator and `servers` parameter servers on real sockets in this process.
+struct PsCluster {
+    coord: kolo_ps::Coordinator,
+    _servers: Vec<kolo_ps::Server>,
+    token: kolo_rendezvous::JobToken,
+}
+
+fn ps_cluster(servers: usize) -> PsCluster {
+    let token = kolo_rendezvous::JobToken::generate();
+    let coord = kolo_ps::Coordinator::start("127.0.0.1:0", token.clone(), std::time::Duration::from_secs(5)).unwrap();
+    let _servers = (0..servers)
+        .map(|_| {
+            kolo_ps::Server::start(kolo_ps::server::ServerOptions {
+                listen: "127.0.0.1:0".into(),
+                coordinator: coord.addr().to_string(),
+                token: token.clone(),
+                timeout: std::time::Duration::from_secs(30),
+                heartbeat: std::time::Duration::from_millis(100),
+            })
+            .unwrap()
+        })
+        .collect();
+    PsCluster { coord, _servers, token }
+}
+
+fn train_ps(c: &PsCluster, workers: usize, cfg: &Config, opts: &RunOptions) -> Vec<Summary> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..workers)
+            .map(|w| {
+                let me = kolo_train::ps_worker::PsWorker { worker: w, workers, coordinator: c.coord.addr().to_string(), token: c.token.clone() };
+                s.spawn(move || kolo_train::ps_worker::run_ps(cfg, &me, opts).unwrap())
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// BSP through two servers equals synchronous DDP bit for bit: the servers average the two
+/// workers' gradients in worker order (a + b, then / 2, as the all-reduce does) and apply the
+/// same optimizer code to each range.
+#[test]
+fn ps_bsp_matches_ddp_bitwise() {
+    let opt = "[optim]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n[train]\nsteps = 5\nlog_every = 1\n";
+    let ddp = train_on(2, &mnist_cfg(opt, 24), &quiet());
+    let c = ps_cluster(2);
+    let ps_cfg = mnist_cfg(&format!("{opt}strategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 4000\nservers = 2\n"), 24);
+    let ps = train_ps(&c, 2, &ps_cfg, &quiet());
+    assert_eq!(ps[0].params, ps[1].params);
+    assert_eq!(max_diff(&ps[0].params, &ddp[0].params), 0.0, "BSP parameter server vs DDP");
+    assert!(ps[0].ps.as_ref().unwrap().bytes_out > 0);
+}
+
+#[test]
+fn ps_async_downpour_converges_on_mnist() {
+    let c = ps_cluster(2);
+    let cfg = mnist_cfg(
+        "[optim]\nkind = \"adagrad\"\nlr = 0.05\n[train]\nsteps = 150\nlog_every = 50\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\nfetch_every = 2\npush_every = 2\nchunk = 5000\nservers = 2\nreplication = 1\n",
+        32,
+    );
+    let s = train_ps(&c, 2, &cfg, &quiet());
+    let acc = s[0].eval.as_ref().unwrap().accuracy.unwrap();
+    assert!(acc > 0.85, "async Downpour SGD reached only {:.1}% test accuracy", acc * 100.0);
+    // 150 steps, a push every 2: 75 pushes per worker.
+    assert_eq!(s[0].comm_bytes.iter().filter(|b| **b > 0).count(), 75);
+}
+
+#[test]
+fn ps_bounded_delay_holds_a_slowed_worker_within_tau() {
+    let c = ps_cluster(1);
+    let cfg = mnist_cfg("[optim]\nkind = \"sgd\"\nlr = 0.05\n[train]\nsteps = 20\nstrategy = \"ps\"\n[ps]\nconsistency = \"bounded\"\nstaleness = 2\n", 16);
+    let opts = RunOptions { slow_rank: Some((1, 40)), ..quiet() };
+    let s = train_ps(&c, 2, &cfg, &opts);
+    let lead = s[0].ps.as_ref().unwrap().max_lead;
+    assert_eq!(lead, 2, "the fast worker should run exactly tau = 2 steps ahead of the slowed one, not {lead}");
+    assert!(s[1].ps.as_ref().unwrap().max_lead <= 2);
+}
+
+#[test]
+fn ps_filter_sends_fewer_values_and_still_learns() {
+    let c = ps_cluster(1);
+    let cfg = mnist_cfg("[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 60\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\nfilter_threshold = 0.01\n", 32);
+    let s = train_ps(&c, 1, &cfg, &quiet());
+    let st = s[0].ps.as_ref().unwrap();
+    assert!(st.values_sent * 2 < st.values_total, "the filter sent {} of {} values", st.values_sent, st.values_total);
+    let acc = s[0].eval.as_ref().unwrap().accuracy.unwrap();
+    eprintln!("filter: sent {} of {} values, accuracy {acc}", st.values_sent, st.values_total);
+    assert!(acc > 0.7, "accuracy {acc}");
+}

@@ -194,7 +194,7 @@ fn uninvited_and_misconfigured_ranks_are_refused() {
 
 #[test]
 fn help_texts_render() {
-    for args in [&["--help"][..], &["launch", "--help"], &["bench", "collectives", "--help"], &["bench", "loopback", "--help"], &["inspect", "--help"], &["train", "--help"]] {
+    for args in [&["--help"][..], &["launch", "--help"], &["bench", "collectives", "--help"], &["bench", "loopback", "--help"], &["inspect", "--help"], &["train", "--help"], &["ps", "--help"], &["ps", "run", "--help"], &["ps", "serve", "--help"]] {
         let o = run(args, &[]);
         assert!(o.status.success(), "{}", text(&o));
     }
@@ -429,4 +429,93 @@ fn launcher_forwards_sigterm_and_reports_it() {
     assert_eq!(out.status.code(), Some(128 + libc::SIGTERM), "{t}");
     assert!(t.contains("interrupted by signal 15 (SIGTERM)"), "{t}");
     assert!(t.contains("stopped by the launcher"), "{t}");
+}
+
+/// `kolo ps run`: coordinator, server processes and worker processes on localhost.
+#[test]
+fn ps_run_trains_mnist_through_server_processes() {
+    let dir = std::env::temp_dir().join(format!("kolo-ps-run-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("ps.toml");
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/mnist");
+    std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"adagrad\"\nlr = 0.02\n[train]\nsteps = 150\nlog_every = 50\nstrategy = \"ps\"\n[ps]\nconsistency = \"bounded\"\nstaleness = 2\nchunk = 10000\nreplication = 1\n", data.display())).unwrap();
+    let o = run(&["ps", "run", "-n", "2", "--servers", "2", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("server 1 joined"), "{t}");
+    let acc: f64 = t.split("accuracy ").nth(1).and_then(|s| s.split('%').next()).and_then(|s| s.trim().parse().ok()).unwrap_or_else(|| panic!("no accuracy in {t}"));
+    assert!(acc > 85.0, "{t}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A `kolo ps serve` process killed with SIGKILL in the middle of training: its ranges fail
+/// over to their replicas and the workers finish.
+#[test]
+fn ps_job_survives_a_killed_server_process() {
+    let token = "00112233445566778899aabbccddeeff";
+    let port = free_port();
+    let coord_addr = format!("127.0.0.1:{port}");
+    let spawn = |args: &[&str], env: &[(&str, &str)]| {
+        let mut c = Command::new(KOLO);
+        c.args(args).env("RAYON_NUM_THREADS", "1").env("KOLO_JOB_TOKEN", token).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c.spawn().unwrap()
+    };
+    let coord = spawn(&["ps", "coordinator", "--listen", &coord_addr, "--dead-after", "1"], &[]);
+    let mut servers: Vec<_> = (0..3).map(|_| spawn(&["ps", "serve", "--coordinator", &coord_addr, "--heartbeat-ms", "100"], &[])).collect();
+    let dir = std::env::temp_dir().join(format!("kolo-ps-kill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("ps.toml");
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/mnist");
+    std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 1500\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 5000\nreplication = 1\nservers = 3\ntimeout_secs = 30\n", data.display())).unwrap();
+    let mut workers: Vec<_> = (0..2)
+        .map(|r| spawn(&["train", "--config", cfg.to_str().unwrap()], &[("RANK", &r.to_string()), ("WORLD_SIZE", "2"), ("KOLO_PS_COORDINATOR", &coord_addr)]))
+        .collect();
+    // Kill a server once worker 0 reports step 200 of 1500.
+    let err = workers[0].stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut all = String::new();
+        for line in std::io::BufReader::new(err).lines().map_while(Result::ok) {
+            let _ = tx.send(line.clone());
+            all += &line;
+            all.push('\n');
+        }
+        all
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        if line.contains("step 200/1500") {
+            break;
+        }
+    }
+    let victim = servers.remove(1);
+    // SIGKILL: no goodbye, sockets closed by the kernel.
+    unsafe { libc_kill(victim.id() as i32, 9) };
+    let outs: Vec<Output> = workers.into_iter().map(|w| w.wait_with_output().unwrap()).collect();
+    let w0 = reader.join().unwrap();
+    run(&["ps", "shutdown", "--coordinator", &coord_addr], &[("KOLO_JOB_TOKEN", token)]);
+    let c = coord.wait_with_output().unwrap();
+    for s in servers {
+        let _ = s.wait_with_output();
+    }
+    let _ = victim.wait_with_output();
+    let ct = text(&c);
+    for o in &outs {
+        assert!(o.status.success(), "{}\n--- coordinator\n{ct}", text(o));
+    }
+    assert!(ct.contains("missed its heartbeats"), "the coordinator never noticed the killed server:\n{ct}\n{w0}");
+    assert!(w0.contains("step 1500/1500") && w0.contains("accuracy"), "{w0}");
+    // The kill hit the running job: some requests were retried at the new membership.
+    let retried: u64 = w0.split(" retried requests").next().and_then(|s| s.rsplit(' ').next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{w0}"));
+    assert!(retried > 0, "the server died after training ended? {w0}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
 }

@@ -1,0 +1,189 @@
+//! `kolo ps`: the parameter-server roles (coordinator, server) and `kolo ps run`, which starts a
+//! whole job on this machine.
+
+use kolo_ps::server::ServerOptions;
+use kolo_ps::{Coordinator, Server};
+use kolo_rendezvous::JobToken;
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Subcommand)]
+pub enum PsCmd {
+    /// Start a job on this machine: a coordinator (in this process), SERVERS `kolo ps serve`
+    /// processes and WORKERS `kolo train` ranks (under `kolo launch`), then shut the servers
+    /// down when the workers are done. The config must say `[train] strategy = "ps"`.
+    Run(RunArgs),
+    /// A parameter server: registers with the coordinator, serves the key ranges the ring gives
+    /// it, replicates writes down each range's chain, and exits when the job shuts down.
+    Serve(ServeArgs),
+    /// The coordinator of a multi-machine job: membership, epochs and heartbeats.
+    Coordinator(CoordinatorArgs),
+    /// Remove a server from a running job: its ranges move to the others first.
+    Remove {
+        #[arg(long)]
+        coordinator: String,
+        /// The server's id (printed when it joined).
+        #[arg(long)]
+        server: u32,
+    },
+    /// Tell every server of a job to exit.
+    Shutdown {
+        #[arg(long)]
+        coordinator: String,
+    },
+}
+
+#[derive(clap::Args)]
+pub struct RunArgs {
+    /// Worker processes (logical workers = data shards).
+    #[arg(short = 'n', long, default_value_t = 2)]
+    workers: usize,
+    /// Server processes.
+    #[arg(long, default_value_t = 1)]
+    servers: usize,
+    /// Seconds of silence after which the coordinator declares a server dead.
+    #[arg(long, default_value_t = 3.0)]
+    dead_after: f64,
+    /// The training config (`[train] strategy = "ps"`).
+    #[arg(long)]
+    config: PathBuf,
+    /// More `kolo train` arguments (e.g. --steps 100 --data PATH).
+    #[arg(last = true)]
+    train_args: Vec<OsString>,
+}
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// The coordinator, host:port.
+    #[arg(long)]
+    coordinator: String,
+    /// Address to listen on (port 0: any free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// Deadline of waits (held-back pulls, hand-overs, peers), seconds.
+    #[arg(long, default_value_t = 60.0)]
+    timeout: f64,
+    /// Heartbeat interval, milliseconds.
+    #[arg(long, default_value_t = 500)]
+    heartbeat_ms: u64,
+}
+
+#[derive(clap::Args)]
+pub struct CoordinatorArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0:29600")]
+    listen: String,
+    /// Seconds of silence after which a server or worker is declared dead.
+    #[arg(long, default_value_t = 3.0)]
+    dead_after: f64,
+}
+
+/// The job token: `KOLO_JOB_TOKEN` (hex), as every Kolo process reads it.
+fn token() -> anyhow::Result<JobToken> {
+    let t = std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set: every process of a parameter-server job needs the job's token (hex); `kolo ps run` sets it"))?;
+    JobToken::from_hex(&t).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))
+}
+
+pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
+    match cmd {
+        PsCmd::Serve(a) => {
+            let s = Server::start(ServerOptions {
+                listen: a.listen,
+                coordinator: a.coordinator,
+                token: token()?,
+                timeout: Duration::from_secs_f64(a.timeout),
+                heartbeat: Duration::from_millis(a.heartbeat_ms.max(1)),
+            })?;
+            eprintln!("kolo ps server {} listening on {}", s.id(), s.addr());
+            s.wait()?;
+            Ok(0)
+        }
+        PsCmd::Coordinator(a) => {
+            let token = match std::env::var("KOLO_JOB_TOKEN") {
+                Ok(_) => token()?,
+                Err(_) => {
+                    let t = JobToken::generate();
+                    eprintln!("KOLO_JOB_TOKEN={} (give it to every server and worker)", t.to_hex());
+                    t
+                }
+            };
+            let c = Coordinator::start(&a.listen, token, Duration::from_secs_f64(a.dead_after))?;
+            eprintln!("kolo ps coordinator listening on {}", c.addr());
+            while !c.membership().shutdown {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            // Give the servers a heartbeat to hear it.
+            std::thread::sleep(Duration::from_secs(2));
+            Ok(0)
+        }
+        PsCmd::Remove { coordinator, server } => {
+            let m = kolo_ps::coord::remove_server(&coordinator, &token()?, server, Duration::from_secs(30))?;
+            eprintln!("server {server} removed; membership epoch {}: {:?}", m.epoch, m.servers);
+            Ok(0)
+        }
+        PsCmd::Shutdown { coordinator } => {
+            kolo_ps::coord::shutdown(&coordinator, &token()?, Duration::from_secs(30))?;
+            Ok(0)
+        }
+        PsCmd::Run(a) => run_job(a),
+    }
+}
+
+fn run_job(a: RunArgs) -> anyhow::Result<i32> {
+    if a.servers == 0 || a.workers == 0 {
+        anyhow::bail!("kolo ps run needs at least one server and one worker");
+    }
+    let cfg = kolo_train::Config::load(&a.config)?;
+    if cfg.train.strategy != kolo_train::config::Strategy::Ps {
+        anyhow::bail!("{}: kolo ps run trains through parameter servers; set [train] strategy = \"ps\"", a.config.display());
+    }
+    let token = match std::env::var("KOLO_JOB_TOKEN") {
+        Ok(_) => token()?,
+        Err(_) => JobToken::generate(),
+    };
+    let coord = Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_secs_f64(a.dead_after))?;
+    let addr = coord.addr().to_string();
+    let exe = std::env::current_exe()?;
+    let mut servers: Vec<Child> = Vec::new();
+    for _ in 0..a.servers {
+        let child = Command::new(&exe)
+            .args(["ps", "serve", "--coordinator", &addr])
+            .env("KOLO_JOB_TOKEN", token.to_hex())
+            .stdin(Stdio::null())
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("starting a server ({}): {e}", exe.display()))?;
+        servers.push(child);
+    }
+    let mut program: Vec<OsString> = vec![exe.into_os_string(), "train".into(), "--config".into(), a.config.into_os_string()];
+    program.extend(a.train_args);
+    let launch = kolo_launch::LaunchConfig {
+        nproc_per_node: a.workers,
+        token: Some(token.clone()),
+        program,
+        env: vec![("KOLO_PS_COORDINATOR".into(), addr.clone()), ("KOLO_PS_SERVERS".into(), a.servers.to_string())],
+        ..kolo_launch::LaunchConfig::default()
+    };
+    let out = kolo_launch::launch(&launch);
+    coord.shutdown();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for s in servers.iter_mut() {
+        loop {
+            match s.try_wait() {
+                Ok(Some(_)) => break,
+                _ if Instant::now() > deadline => {
+                    let _ = s.kill();
+                    let _ = s.wait();
+                    break;
+                }
+                _ => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+    let out = out?;
+    if !out.success() {
+        eprint!("{}", out.summary());
+    }
+    Ok(out.exit_code())
+}
