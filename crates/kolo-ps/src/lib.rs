@@ -17,7 +17,7 @@ pub mod client;
 mod codec;
 pub mod coord;
 pub mod filter;
-// pub mod hogwild;
+pub mod hogwild;
 // pub mod lbfgs;
 mod net;
 pub mod server;

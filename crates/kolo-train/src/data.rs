@@ -232,3 +232,43 @@ impl Dataset for Synthetic {
         format!("synthetic fixed data ({} examples)", self.n)
     }
 }
+
+/// UCI Wine Quality (red) as a sparse binary problem for Hogwild: is the quality at least 6?
+/// Each of the 11 features is cut into `bins` quantile bins (one-hot), and every pair of
+/// features contributes the one-hot cross of their bins: 11 + 55 active coordinates out of
+/// `11 * bins + 55 * bins^2`.
+pub fn wine_sparse(path: &Path, bins: usize) -> Result<kolo_ps::hogwild::SparseSet, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut rows: Vec<Vec<f64>> = Vec::new();
+    for (n, line) in text.lines().enumerate().skip(1) {
+        let row: Vec<f64> = line.split(',').map(|f| f.trim().parse::<f64>()).collect::<Result<_, _>>().map_err(|e| format!("{}:{}: {e}", path.display(), n + 1))?;
+        if row.len() != 12 {
+            return Err(format!("{}:{}: {} columns, expected 12", path.display(), n + 1, row.len()));
+        }
+        rows.push(row);
+    }
+    let bins = bins.max(1);
+    let nf = 11;
+    // Quantile edges per feature.
+    let edges: Vec<Vec<f64>> = (0..nf)
+        .map(|f| {
+            let mut v: Vec<f64> = rows.iter().map(|r| r[f]).collect();
+            v.sort_by(f64::total_cmp);
+            (1..bins).map(|b| v[b * v.len() / bins]).collect()
+        })
+        .collect();
+    let bin = |f: usize, x: f64| edges[f].partition_point(|e| *e <= x);
+    let pairs: Vec<(usize, usize)> = (0..nf).flat_map(|a| (a + 1..nf).map(move |b| (a, b))).collect();
+    let dim = nf * bins + pairs.len() * bins * bins;
+    let examples = rows
+        .iter()
+        .map(|r| {
+            let b: Vec<usize> = (0..nf).map(|f| bin(f, r[f])).collect();
+            let mut idx: Vec<u32> = (0..nf).map(|f| (f * bins + b[f]) as u32).collect();
+            idx.extend(pairs.iter().enumerate().map(|(p, &(x, y))| (nf * bins + p * bins * bins + b[x] * bins + b[y]) as u32));
+            let val = vec![1.0; idx.len()];
+            kolo_ps::hogwild::SparseExample { idx, val, label: f32::from(r[11] >= 6.0) }
+        })
+        .collect();
+    Ok(kolo_ps::hogwild::SparseSet { dim, examples })
+}
