@@ -18,7 +18,7 @@ mod codec;
 pub mod coord;
 pub mod filter;
 pub mod hogwild;
-// pub mod lbfgs;
+pub mod lbfgs;
 mod net;
 pub mod server;
 pub mod wire;

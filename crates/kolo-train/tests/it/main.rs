@@ -7,6 +7,7 @@ use kolo_testkit::run_ranks;
 use kolo_train::{run, Config, RunOptions, Summary, TrainError};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 fn shared() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data")
@@ -595,4 +596,33 @@ fn hogwild_converges_like_locked_sgd_on_sparse_wine() {
     assert!(ah > 0.7 && al > 0.7 && a1 > 0.7, "{ah} {al} {a1}");
     assert!((lh - ll).abs() < 0.03 && (lh - l1).abs() < 0.03, "hogwild {lh} vs locked {ll} vs one thread {l1}");
     assert!(hog.epoch_loss.last().unwrap() < &hog.epoch_loss[0]);
+}
+
+/// Sandblaster L-BFGS: vectors on two parameter servers, gradient portions on three worker
+/// threads, one of them slowed. Reaches the single-process L-BFGS optimum, and the slowed
+/// worker's portions are taken over by backup copies.
+#[test]
+fn sandblaster_lbfgs_matches_local_lbfgs_and_routes_around_a_slow_worker() {
+    use kolo_ps::lbfgs::{minimize, minimize_local, LbfgsConfig, Logistic};
+    let data = kolo_train::data::wine_sparse(&shared().join("tabular/winequality-red.csv"), 4).unwrap();
+    let obj = std::sync::Arc::new(Logistic { data, l2: 1e-2, portions: 16 });
+    let dim = kolo_ps::lbfgs::Objective::dim(&*obj);
+    let cfg = LbfgsConfig { history: 5, iterations: 25, tolerance: 1e-7, backup_tasks: true, worker_delay: vec![Duration::from_millis(25)] };
+    let (x_ref, loss_ref) = minimize_local(&*obj, &vec![0.0; dim], &cfg);
+    let c = ps_cluster(2);
+    let job = kolo_ps::JobSpec { len: dim as u64, chunk: 500, workers: 4, replication: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
+    let connect = |w: u32| {
+        kolo_ps::PsClient::connect(kolo_ps::client::ClientOptions { coordinator: c.coord.addr().to_string(), token: c.token.clone(), job: job.clone(), worker: w, min_servers: 2, timeout: Duration::from_secs(30), heartbeat: None }).unwrap()
+    };
+    let mut coord = connect(3);
+    coord.init(&vec![0.0; dim]).unwrap();
+    let r = minimize(obj.clone(), coord, (0..3).map(connect).collect(), &cfg).unwrap();
+    let (f, f_ref) = (*r.loss.last().unwrap(), *loss_ref.last().unwrap());
+    eprintln!("sandblaster: loss {:.6} -> {f:.6} in {} evaluations (local: {f_ref:.6}); accepted per worker {:?}, {} backup results discarded, {} evaluations finished while a copy was still running", r.loss[0], r.evaluations, r.accepted_by_worker, r.discarded, r.finished_with_stragglers);
+    assert!(f < r.loss[0] * 0.8, "no progress: {:?}", r.loss);
+    assert!((f - f_ref).abs() < 1e-4 * f_ref.abs().max(1.0), "sandblaster {f} vs local {f_ref}");
+    assert!(max_diff(&r.x, &x_ref) < 5e-3, "weights differ by {}", max_diff(&r.x, &x_ref));
+    // The slow worker (25 ms per portion) computed far fewer portions; backups covered for it.
+    assert!(r.accepted_by_worker[0] * 2 < r.accepted_by_worker[1].min(r.accepted_by_worker[2]), "{:?}", r.accepted_by_worker);
+    assert!(r.discarded > 0 && r.finished_with_stragglers > 0);
 }
