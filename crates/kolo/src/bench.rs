@@ -20,6 +20,27 @@ pub enum BenchCmd {
     /// Loopback TCP carrying data both directions at once, and single-thread memcpy: the limits
     /// the TCP and shared-memory transports work against.
     Loopback(LoopArgs),
+    /// Parameter-server push and pull throughput: a coordinator and SERVERS servers in this
+    /// process (real TCP), one worker pushing and pulling the whole table, against the
+    /// loopback TCP figure of this machine.
+    Ps(PsArgs),
+}
+
+#[derive(clap::Args)]
+pub struct PsArgs {
+    #[arg(long, default_value_t = 1)]
+    servers: usize,
+    /// Values (f32 keys) in the table.
+    #[arg(long, default_value_t = 16 << 20)]
+    values: u64,
+    /// Values per key range.
+    #[arg(long, default_value_t = 65536)]
+    chunk: u32,
+    #[arg(long, default_value_t = 0)]
+    replication: u32,
+    /// Push+pull rounds (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    trials: usize,
 }
 
 #[derive(clap::Args)]
@@ -67,6 +88,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<i32> {
     match cmd {
         BenchCmd::Collectives(a) => collectives(a),
         BenchCmd::Loopback(a) => loopback(a),
+        BenchCmd::Ps(a) => ps_bench(a),
     }
 }
 
@@ -360,5 +382,47 @@ fn loopback(a: LoopArgs) -> anyhow::Result<i32> {
         println!("  => bound on 2-rank all_reduce busbw over TCP: {:.2} GB/s (half the aggregate)", agg_m / 2.0);
         println!("memcpy, 1 thread, {}: {:.2} GB/s [{:.2}..{:.2}]", a.size, cp_m, cp[0], cp[cp.len() - 1]);
     }
+    Ok(0)
+}
+
+fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {
+    use kolo_ps::client::ClientOptions;
+    use kolo_ps::server::ServerOptions;
+    let token = kolo_rendezvous::JobToken::generate();
+    let coord = kolo_ps::Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_secs(10))?;
+    let servers: Vec<kolo_ps::Server> = (0..a.servers.max(1))
+        .map(|_| kolo_ps::Server::start(ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: Duration::from_secs(120), heartbeat: Duration::from_millis(500) }))
+        .collect::<Result<_, _>>()?;
+    let job = kolo_ps::JobSpec { len: a.values, chunk: a.chunk, workers: 1, replication: a.replication, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
+    let mut c = kolo_ps::PsClient::connect(ClientOptions { coordinator: coord.addr().to_string(), token, job, worker: 0, min_servers: servers.len() as u32, timeout: Duration::from_secs(120), heartbeat: None })?;
+    let n = a.values as usize;
+    let mut x = vec![0.5f32; n];
+    c.init(&x)?;
+    let g = vec![1e-3f32; n];
+    let (mut push, mut pull) = (Vec::new(), Vec::new());
+    for t in 0..a.trials.max(1) as u64 {
+        let s = Instant::now();
+        c.push(t, 0.1, &g, None)?;
+        push.push(s.elapsed().as_secs_f64());
+        let s = Instant::now();
+        c.pull(t + 1, &mut x)?;
+        pull.push(s.elapsed().as_secs_f64());
+    }
+    let med = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (tp, tl) = (med(&mut push), med(&mut pull));
+    let bytes = n as f64 * 4.0;
+    let size = (n * 4).max(1 << 20);
+    let lb = loopback_trial(size)?;
+    let one_way = size as f64 / lb.as_secs_f64() / 1e9;
+    println!("# kolo bench ps: {} values ({:.1} MB), ranges of {}, {} server(s), replication {}", n, bytes / 1e6, a.chunk, servers.len(), a.replication);
+    println!("{:>6} {:>12} {:>14} {:>10}", "op", "time (ms)", "Mkeys/s", "GB/s");
+    println!("{:>6} {:>12.2} {:>14.1} {:>10.3}", "push", tp * 1e3, n as f64 / tp / 1e6, bytes / tp / 1e9);
+    println!("{:>6} {:>12.2} {:>14.1} {:>10.3}", "pull", tl * 1e3, n as f64 / tl / 1e6, bytes / tl / 1e9);
+    println!("loopback TCP on this machine: {one_way:.3} GB/s per direction (both directions loaded, {} MB)", size / 1_000_000);
+    drop(c);
+    drop(servers);
     Ok(0)
 }
