@@ -25,6 +25,9 @@ struct State {
     servers: BTreeMap<u32, (String, Instant)>,
     workers: BTreeMap<u32, Instant>,
     dead_workers: Vec<u32>,
+    /// Dead workers whose shard another worker took over, and by whom.
+    adopted: BTreeMap<u32, u32>,
+    finished: Vec<u32>,
     shutdown: bool,
 }
 
@@ -139,9 +142,27 @@ fn handle(shared: &Shared, req: Req) -> Resp {
             None => Resp::Membership(s.membership()),
         },
         Req::WorkerBeat { worker } => {
-            s.workers.insert(worker, Instant::now());
+            if !s.finished.contains(&worker) {
+                s.workers.insert(worker, Instant::now());
+            }
             s.dead_workers.retain(|w| *w != worker);
             Resp::Membership(s.membership())
+        }
+        Req::WorkerDone { worker } => {
+            s.workers.remove(&worker);
+            s.finished.push(worker);
+            s.dead_workers.retain(|w| *w != worker);
+            Resp::Ok { duplicate: false }
+        }
+        Req::Adopt { worker, by } => {
+            if s.dead_workers.contains(&worker) && !s.adopted.contains_key(&worker) {
+                s.adopted.insert(worker, by);
+                s.dead_workers.retain(|w| *w != worker);
+                eprintln!("kolo ps coordinator: worker {by} takes over dead worker {worker}'s data shard");
+                Resp::Ok { duplicate: false }
+            } else {
+                Resp::Ok { duplicate: true }
+            }
         }
         Req::Membership { min_servers, after_epoch } => {
             let deadline = Instant::now() + MAX_WAIT;
@@ -187,6 +208,8 @@ pub(crate) fn name_of(r: &Req) -> &'static str {
         Req::WorkerBeat { .. } => "WorkerBeat",
         Req::Remove { .. } => "Remove",
         Req::Shutdown => "Shutdown",
+        Req::Adopt { .. } => "Adopt",
+        Req::WorkerDone { .. } => "WorkerDone",
     }
 }
 
@@ -203,5 +226,30 @@ pub fn remove_server(addr: &str, token: &JobToken, id: u32, timeout: Duration) -
 pub fn shutdown(addr: &str, token: &JobToken, timeout: Duration) -> Result<(), crate::PsError> {
     let mut c = crate::net::Conn::connect(addr, token, timeout)?;
     c.call(&Req::Shutdown)?;
+    Ok(())
+}
+
+/// The coordinator's current membership (servers, and workers it considers dead).
+pub fn membership(addr: &str, token: &JobToken, timeout: Duration) -> Result<Membership, crate::PsError> {
+    let mut c = crate::net::Conn::connect(addr, token, timeout)?;
+    match c.call(&Req::Membership { min_servers: 0, after_epoch: 0 })? {
+        Resp::Membership(m) => Ok(m),
+        other => Err(crate::PsError::Protocol(format!("coordinator answered Membership with {other:?}"))),
+    }
+}
+
+/// Claims dead worker `worker`'s shard for worker `by`; true when granted (one claimant wins).
+pub fn adopt(addr: &str, token: &JobToken, worker: u32, by: u32, timeout: Duration) -> Result<bool, crate::PsError> {
+    let mut c = crate::net::Conn::connect(addr, token, timeout)?;
+    match c.call(&Req::Adopt { worker, by })? {
+        Resp::Ok { duplicate } => Ok(!duplicate),
+        other => Err(crate::PsError::Protocol(format!("coordinator answered Adopt with {other:?}"))),
+    }
+}
+
+/// Tells the coordinator that worker `worker` finished (its silence is not a death).
+pub fn worker_done(addr: &str, token: &JobToken, worker: u32, timeout: Duration) -> Result<(), crate::PsError> {
+    let mut c = crate::net::Conn::connect(addr, token, timeout)?;
+    c.call(&Req::WorkerDone { worker })?;
     Ok(())
 }

@@ -91,6 +91,8 @@ fn messages_round_trip() {
         Req::WorkerBeat { worker: 3 },
         Req::Remove { server: 1 },
         Req::Shutdown,
+        Req::Adopt { worker: 2, by: 0 },
+        Req::WorkerDone { worker: 1 },
     ];
     for r in reqs {
         assert_eq!(Req::decode(&r.encode()).unwrap(), r);

@@ -54,6 +54,10 @@ pub enum Req {
     WorkerBeat { worker: u32 },
     Remove { server: u32 },
     Shutdown,
+    /// Worker `by` takes over dead worker `worker`'s data shard (granted to one claimant).
+    Adopt { worker: u32, by: u32 },
+    /// Worker `worker` finished: its silence from now on is not a death.
+    WorkerDone { worker: u32 },
 }
 
 #[derive(Clone, Debug, PartialEq, Default)]
@@ -257,6 +261,12 @@ impl Req {
             Req::Shutdown => {
                 w.u8(25);
             }
+            Req::Adopt { worker, by } => {
+                w.u8(26).u32(*worker).u32(*by);
+            }
+            Req::WorkerDone { worker } => {
+                w.u8(27).u32(*worker);
+            }
         }
         w.0
     }
@@ -278,6 +288,8 @@ impl Req {
             23 => Req::WorkerBeat { worker: r.u32()? },
             24 => Req::Remove { server: r.u32()? },
             25 => Req::Shutdown,
+            26 => Req::Adopt { worker: r.u32()?, by: r.u32()? },
+            27 => Req::WorkerDone { worker: r.u32()? },
             t => return Err(PsError::Protocol(format!("unknown request code {t}"))),
         };
         r.end()?;

@@ -207,7 +207,11 @@ fn adding_a_server_moves_ranges_to_it_while_training_runs() {
     let j = job(3000, 30, 2, 1, Consistency::Bsp, sgd());
     let mut added = None;
     let (coord, token) = (&c.coord, &c.token);
-    let x = counting_run(&c, &j, 16, &mut |_| added = Some(add_server(coord, token)));
+    let x = counting_run(&c, &j, 16, &mut |_| {
+        added = Some(add_server(coord, token));
+        // Let the old servers hear of it (heartbeats every 50 ms) before the last 8 steps.
+        std::thread::sleep(Duration::from_millis(300));
+    });
     // BSP averages the two workers' gradients: one unit per step.
     assert!(x.iter().all(|v| *v == -16.0), "values {:?}...", &x[..4]);
     let s = added.unwrap().stats();

@@ -37,6 +37,9 @@ pub struct RunOptions {
     /// Test hook: abort the process in the middle of saving the checkpoint of this step (after
     /// this rank's shard is written, before the checkpoint is committed), as a crash would.
     pub crash_during_save: Option<u64>,
+    /// Test hook (parameter-server workers): `(worker, step)` makes that worker vanish at that
+    /// step, as a crash would.
+    pub die_at: Option<(usize, u64)>,
 }
 
 #[derive(Clone, Debug, PartialEq)]

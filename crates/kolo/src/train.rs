@@ -63,7 +63,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
     let boot = comm_args.join()?;
     let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
-    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: None };
+    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: None, die_at: None };
     let s = kolo_train::run(&cfg, comm, &opts).inspect_err(|e| {
         // A communication failure: show what this rank's communicator did last.
         if matches!(e, kolo_train::TrainError::Comm(_) | kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(_))) {

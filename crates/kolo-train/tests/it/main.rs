@@ -490,8 +490,12 @@ struct PsCluster {
 }
 
 fn ps_cluster(servers: usize) -> PsCluster {
+    ps_cluster_with(servers, Duration::from_secs(5))
+}
+
+fn ps_cluster_with(servers: usize, dead_after: Duration) -> PsCluster {
     let token = kolo_rendezvous::JobToken::generate();
-    let coord = kolo_ps::Coordinator::start("127.0.0.1:0", token.clone(), std::time::Duration::from_secs(5)).unwrap();
+    let coord = kolo_ps::Coordinator::start("127.0.0.1:0", token.clone(), dead_after).unwrap();
     let _servers = (0..servers)
         .map(|_| {
             kolo_ps::Server::start(kolo_ps::server::ServerOptions {
@@ -508,15 +512,36 @@ fn ps_cluster(servers: usize) -> PsCluster {
 }
 
 fn train_ps(c: &PsCluster, workers: usize, cfg: &Config, opts: &RunOptions) -> Vec<Summary> {
+    try_train_ps(c, workers, cfg, opts).into_iter().map(|r| r.unwrap()).collect()
+}
+
+fn try_train_ps(c: &PsCluster, workers: usize, cfg: &Config, opts: &RunOptions) -> Vec<Result<Summary, TrainError>> {
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..workers)
             .map(|w| {
                 let me = kolo_train::ps_worker::PsWorker { worker: w, workers, coordinator: c.coord.addr().to_string(), token: c.token.clone() };
-                s.spawn(move || kolo_train::ps_worker::run_ps(cfg, &me, opts).unwrap())
+                s.spawn(move || kolo_train::ps_worker::run_ps(cfg, &me, opts))
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
+}
+
+/// A worker dies in the middle of a BSP run; a survivor takes over its data shard from its
+/// last step, and the result is bit-identical to the run in which nobody died.
+#[test]
+fn ps_dead_workers_shard_is_taken_over_and_bsp_ends_bitwise_equal() {
+    let cfg = mnist_cfg("[optim]\nkind = \"adam\"\nlr = 0.01\n[train]\nsteps = 10\nstrategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 3000\nservers = 2\nreplication = 1\n", 16);
+    let clean = train_ps(&ps_cluster(2), 3, &cfg, &quiet());
+    let c = ps_cluster_with(2, Duration::from_millis(800));
+    let opts = RunOptions { die_at: Some((2, 4)), ..quiet() };
+    let r = try_train_ps(&c, 3, &cfg, &opts);
+    let e = r[2].as_ref().err().expect("worker 2 was told to die").to_string();
+    assert!(e.contains("died at step 4"), "{e}");
+    let survivor = r[0].as_ref().unwrap();
+    assert_eq!(survivor.steps_done, 10);
+    assert_eq!(max_diff(&survivor.params, &clean[0].params), 0.0, "a run with a dead, replaced worker must end where the clean run ends");
+    assert_eq!(r[1].as_ref().unwrap().params, survivor.params);
 }
 
 /// BSP through two servers equals synchronous DDP bit for bit: the servers average the two
