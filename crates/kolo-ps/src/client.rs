@@ -45,6 +45,9 @@ pub struct PushStats {
     pub max_lead: u64,
 }
 
+/// The worker id of an observer client.
+pub const OBSERVER: u32 = u32::MAX;
+
 struct ServerConn {
     conn: Conn,
     sent_lists: HashSet<u64>,
@@ -72,9 +75,17 @@ fn key_list_id(keys: &[u32]) -> u64 {
 }
 
 impl PsClient {
+    /// A read-only client for another worker group (evaluation, monitoring): pulls never wait
+    /// for any clock, and the servers refuse its pushes (it is no worker of the job).
+    pub fn observer(mut o: ClientOptions) -> Result<PsClient, PsError> {
+        o.worker = OBSERVER;
+        o.heartbeat = None;
+        PsClient::connect(o)
+    }
+
     pub fn connect(o: ClientOptions) -> Result<PsClient, PsError> {
         o.job.validate()?;
-        if o.worker >= o.job.workers {
+        if o.worker >= o.job.workers && o.worker != OBSERVER {
             return Err(PsError::Config(format!("worker {} of a job with {} workers", o.worker, o.job.workers)));
         }
         let mut coord = Conn::connect(&o.coordinator, &o.token, o.timeout)?;
@@ -185,6 +196,8 @@ impl PsClient {
     /// the consistency model demands. Returns the slowest worker's clock seen.
     pub fn pull(&mut self, clock: u64, out: &mut [f32]) -> Result<u64, PsError> {
         self.check_len(out.len(), "pull")?;
+        // An observer reads whatever the servers hold now.
+        let clock = if self.o.worker == OBSERVER { 0 } else { clock };
         let job = self.o.job.clone();
         let worker = self.o.worker;
         let mut todo: Vec<u32> = (0..job.ranges()).collect();

@@ -487,7 +487,7 @@ impl Config {
         }
         if self.train.strategy == Strategy::Ps {
             let p = &self.ps;
-            if p.fetch_every == 0 || p.push_every == 0 || p.chunk == 0 || p.servers == 0 || !(p.timeout_secs > 0.0) || !(p.filter_threshold >= 0.0) {
+            if p.fetch_every == 0 || p.push_every == 0 || p.chunk == 0 || p.servers == 0 || p.timeout_secs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) || p.filter_threshold.is_nan() || p.filter_threshold < 0.0 {
                 return Err("ps: fetch_every, push_every, chunk and servers must be at least 1, timeout_secs positive, filter_threshold not negative".into());
             }
             if (p.fetch_every != 1 || p.push_every != 1) && p.consistency != PsConsistency::Async {

@@ -65,11 +65,14 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
         pc.replication,
         data.train.describe()
     ));
+    if client.membership().servers.len() <= pc.replication as usize {
+        say(&format!("warning: ps.replication = {} needs {} servers to keep that many copies; with {} server(s) each range has {} copy/copies until more servers join", pc.replication, pc.replication + 1, client.membership().servers.len(), client.membership().servers.len()));
+    }
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
 
     // Adoption: take over the shards of workers the coordinator declares dead.
     let done = Arc::new(AtomicBool::new(false));
-    let adopted: Arc<Mutex<Vec<(usize, JoinHandle<Result<u64, TrainError>>)>>> = Arc::default();
+    let adopted: Arc<Mutex<Vec<Adopted>>> = Arc::default();
     let watcher = {
         let (done, adopted, cfg, spec, train, coordinator, token) = (done.clone(), adopted.clone(), cfg.clone(), spec.clone(), data.train.clone(), coordinator.clone(), w.token.clone());
         let opts = RunOptions { quiet: opts.quiet, ..RunOptions::default() };
@@ -153,6 +156,9 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
         ps: Some(stats),
     })
 }
+
+/// A dead worker's shard being trained on another thread of this worker.
+type Adopted = (usize, JoinHandle<Result<u64, TrainError>>);
 
 fn connect(cfg: &Config, coordinator: &str, token: &JobToken, numel: usize, worker: usize, workers: usize) -> Result<PsClient, TrainError> {
     let pc = &cfg.ps;
@@ -270,4 +276,49 @@ fn train_loop(cfg: &Config, model: &dyn Model, client: &mut PsClient, train: Arc
         }
     }
     Ok(out)
+}
+
+/// Another worker group on the same servers: every `every`, pull the current parameters (no
+/// clock, no push) and evaluate them on the test set, until `stop` says the job is over (then
+/// once more). Returns (seconds since start, evaluation) per round.
+pub fn run_ps_eval(cfg: &Config, coordinator: &str, token: &JobToken, workers: usize, every: Duration, stop: &dyn Fn() -> bool, quiet: bool) -> Result<Vec<(f64, crate::trainer::Eval)>, TrainError> {
+    let say = |m: &str| {
+        if !quiet {
+            eprintln!("{m}");
+        }
+    };
+    let data = load_data(cfg, 0, &|_| {})?;
+    let spec = cfg.model_spec(data.vocab_size);
+    let model = build_model(&spec, cfg.train.seed)?;
+    let numel = model.params().numel();
+    let pc = &cfg.ps;
+    let job = JobSpec { len: numel as u64, chunk: pc.chunk, workers: workers as u32, replication: pc.replication, consistency: pc.consistency(), optimizer: cfg.optimizer() };
+    let mut client = PsClient::observer(ClientOptions { coordinator: coordinator.to_string(), token: token.clone(), job, worker: 0, min_servers: pc.servers, timeout: Duration::from_secs_f64(pc.timeout_secs), heartbeat: None })?;
+    let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
+    let limit = if data.vocab.is_some() { cfg.train.eval_batches } else { 0 };
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    let mut flat = vec![0f32; numel];
+    loop {
+        let last = stop();
+        match client.pull(0, &mut flat) {
+            Ok(_) => {
+                model.params().load(&flat)?;
+                let e = evaluate(&*model, &PlainView, &*data.eval, &local, cfg.data.batch_size, limit, false, &|| Ok(()))?;
+                let secs = t0.elapsed().as_secs_f64();
+                say(&format!("[eval group] {secs:.1} s: loss {:.4}{}", e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
+                out.push((secs, e));
+            }
+            // Before worker 0 has initialised the ranges there is nothing to read yet.
+            Err(kolo_ps::PsError::Server(m)) if m.contains("never arrived") || m.contains("no job yet") => {}
+            Err(e) => return Err(e.into()),
+        }
+        if last {
+            return Ok(out);
+        }
+        let wake = Instant::now() + every;
+        while Instant::now() < wake && !stop() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }

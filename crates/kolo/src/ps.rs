@@ -20,6 +20,9 @@ pub enum PsCmd {
     Serve(ServeArgs),
     /// The coordinator of a multi-machine job: membership, epochs and heartbeats.
     Coordinator(CoordinatorArgs),
+    /// An evaluation worker group: reads the servers' current parameters every few seconds
+    /// (no clock, no push) and evaluates them on the test set, until the job shuts down.
+    Eval(EvalArgs),
     /// Remove a server from a running job: its ranges move to the others first.
     Remove {
         #[arg(long)]
@@ -49,9 +52,29 @@ pub struct RunArgs {
     /// The training config (`[train] strategy = "ps"`).
     #[arg(long)]
     config: PathBuf,
+    /// Also run an evaluation worker group that evaluates the servers' parameters every this
+    /// many seconds while training runs.
+    #[arg(long)]
+    eval_every: Option<f64>,
     /// More `kolo train` arguments (e.g. --steps 100 --data PATH).
     #[arg(last = true)]
     train_args: Vec<OsString>,
+}
+
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// The training config of the job.
+    #[arg(long)]
+    config: PathBuf,
+    /// The coordinator (default: KOLO_PS_COORDINATOR or the config's [ps] coordinator).
+    #[arg(long)]
+    coordinator: Option<String>,
+    /// Training workers of the job.
+    #[arg(long)]
+    workers: usize,
+    /// Seconds between evaluations.
+    #[arg(long, default_value_t = 5.0)]
+    every: f64,
 }
 
 #[derive(clap::Args)]
@@ -128,6 +151,16 @@ pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         PsCmd::Run(a) => run_job(a),
+        PsCmd::Eval(a) => {
+            let cfg = kolo_train::Config::load(&a.config)?;
+            let coordinator = a.coordinator.or_else(|| cfg.ps.coordinator.clone()).or_else(|| std::env::var("KOLO_PS_COORDINATOR").ok()).ok_or_else(|| anyhow::anyhow!("kolo ps eval needs --coordinator (or KOLO_PS_COORDINATOR)"))?;
+            let token = token()?;
+            let (addr, tok) = (coordinator.clone(), token.clone());
+            let stop = move || kolo_ps::coord::membership(&addr, &tok, Duration::from_secs(5)).map_or(true, |m| m.shutdown);
+            let evals = kolo_train::ps_worker::run_ps_eval(&cfg, &coordinator, &token, a.workers, Duration::from_secs_f64(a.every.max(0.05)), &stop, false)?;
+            eprintln!("[eval group] {} evaluations", evals.len());
+            Ok(0)
+        }
     }
 }
 
@@ -156,6 +189,18 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
             .map_err(|e| anyhow::anyhow!("starting a server ({}): {e}", exe.display()))?;
         servers.push(child);
     }
+    let evaluator = match a.eval_every {
+        Some(every) => Some(
+            Command::new(&exe)
+                .args(["ps", "eval", "--coordinator", &addr, "--workers", &a.workers.to_string(), "--every", &every.to_string(), "--config"])
+                .arg(&a.config)
+                .env("KOLO_JOB_TOKEN", token.to_hex())
+                .stdin(Stdio::null())
+                .spawn()
+                .map_err(|e| anyhow::anyhow!("starting the evaluation group: {e}"))?,
+        ),
+        None => None,
+    };
     let mut program: Vec<OsString> = vec![exe.into_os_string(), "train".into(), "--config".into(), a.config.into_os_string()];
     program.extend(a.train_args);
     let launch = kolo_launch::LaunchConfig {
@@ -167,6 +212,9 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
     };
     let out = kolo_launch::launch(&launch);
     coord.shutdown();
+    if let Some(mut e) = evaluator {
+        let _ = e.wait();
+    }
     let deadline = Instant::now() + Duration::from_secs(5);
     for s in servers.iter_mut() {
         loop {

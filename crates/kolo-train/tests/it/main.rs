@@ -536,7 +536,7 @@ fn ps_dead_workers_shard_is_taken_over_and_bsp_ends_bitwise_equal() {
     let c = ps_cluster_with(2, Duration::from_millis(800));
     let opts = RunOptions { die_at: Some((2, 4)), ..quiet() };
     let r = try_train_ps(&c, 3, &cfg, &opts);
-    let e = r[2].as_ref().err().expect("worker 2 was told to die").to_string();
+    let e = r[2].as_ref().expect_err("worker 2 was told to die").to_string();
     assert!(e.contains("died at step 4"), "{e}");
     let survivor = r[0].as_ref().unwrap();
     assert_eq!(survivor.steps_done, 10);
@@ -650,4 +650,24 @@ fn sandblaster_lbfgs_matches_local_lbfgs_and_routes_around_a_slow_worker() {
     // The slow worker (25 ms per portion) computed far fewer portions; backups covered for it.
     assert!(r.accepted_by_worker[0] * 2 < r.accepted_by_worker[1].min(r.accepted_by_worker[2]), "{:?}", r.accepted_by_worker);
     assert!(r.discarded > 0 && r.finished_with_stragglers > 0);
+}
+
+/// A second worker group (evaluation) reads the same servers while training runs.
+#[test]
+fn ps_evaluation_group_reads_the_servers_while_training_runs() {
+    let c = ps_cluster(1);
+    let cfg = mnist_cfg("[optim]\nkind = \"adagrad\"\nlr = 0.05\n[train]\nsteps = 200\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\n", 32);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (train, evals) = std::thread::scope(|s| {
+        let ev = s.spawn(|| kolo_train::ps_worker::run_ps_eval(&cfg, &c.coord.addr().to_string(), &c.token, 2, Duration::from_millis(200), &|| done.load(std::sync::atomic::Ordering::SeqCst), true).unwrap());
+        let t = train_ps(&c, 2, &cfg, &quiet());
+        done.store(true, std::sync::atomic::Ordering::SeqCst);
+        (t, ev.join().unwrap())
+    });
+    assert!(evals.len() >= 2, "{} evaluations", evals.len());
+    let last = &evals.last().unwrap().1;
+    // The last evaluation ran after both workers finished: it saw the trained parameters
+    // (worker 0's own final evaluation may precede worker 1's last pushes, so not compared bitwise).
+    assert!(last.accuracy.unwrap() > 0.85 && (last.accuracy.unwrap() - train[0].eval.as_ref().unwrap().accuracy.unwrap()).abs() < 0.02);
+    assert!(evals[0].1.loss > last.loss);
 }
