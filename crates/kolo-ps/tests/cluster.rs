@@ -174,19 +174,23 @@ fn killing_a_server_loses_no_acknowledged_update() {
     let victim = c.servers.remove(1);
     let victim_id = victim.id();
     client(&c, &j, 0, 3).init(&vec![0.0; n as usize]).unwrap();
-    // Two workers push concurrently; the server dies under them.
+    // Two workers push concurrently; the server dies under them, after a sixth of the pushes.
     let pushes = 60;
+    let done = std::sync::atomic::AtomicU64::new(0);
     std::thread::scope(|s| {
         for w in 0..2 {
-            let (c, j) = (&c, &j);
+            let (c, j, done) = (&c, &j, &done);
             s.spawn(move || {
                 let mut p = client(c, j, w, 1);
                 for t in 0..pushes {
                     p.push(t, 1.0, &vec![1.0; n as usize], None).unwrap();
+                    done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 }
             });
         }
-        std::thread::sleep(Duration::from_millis(100));
+        while done.load(std::sync::atomic::Ordering::SeqCst) < 20 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         victim.kill();
     });
     let mut p = client(&c, &j, 0, 1);
@@ -208,9 +212,13 @@ fn adding_a_server_moves_ranges_to_it_while_training_runs() {
     let mut added = None;
     let (coord, token) = (&c.coord, &c.token);
     let x = counting_run(&c, &j, 16, &mut |_| {
-        added = Some(add_server(coord, token));
-        // Let the old servers hear of it (heartbeats every 50 ms) before the last 8 steps.
-        std::thread::sleep(Duration::from_millis(300));
+        let s = add_server(coord, token);
+        // Let the old servers hear of it (heartbeats) and hand ranges over before the last 8 steps.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while s.stats().ranges == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        added = Some(s);
     });
     // BSP averages the two workers' gradients: one unit per step.
     assert!(x.iter().all(|v| *v == -16.0), "values {:?}...", &x[..4]);

@@ -24,6 +24,26 @@ pub enum BenchCmd {
     /// process (real TCP), one worker pushing and pulling the whole table, against the
     /// loopback TCP figure of this machine.
     Ps(PsArgs),
+    /// Hogwild vs SGD under a lock vs one thread: sparse logistic regression on UCI wine
+    /// (pairwise-crossed one-hot features), updates/s and held-out quality.
+    Hogwild {
+        /// The wine CSV (../shared/data/tabular/winequality-red.csv).
+        #[arg(long, default_value = "../shared/data/tabular/winequality-red.csv")]
+        data: std::path::PathBuf,
+        #[arg(long, default_value_t = 20)]
+        epochs: usize,
+    },
+    /// Sandblaster L-BFGS on the parameter servers with one slowed worker: time per iteration
+    /// with and without backup tasks, against no slowed worker.
+    Sandblaster {
+        #[arg(long, default_value = "../shared/data/tabular/winequality-red.csv")]
+        data: std::path::PathBuf,
+        /// Delay of the slowed worker per portion, milliseconds.
+        #[arg(long, default_value_t = 50)]
+        slow_ms: u64,
+        #[arg(long, default_value_t = 20)]
+        iterations: usize,
+    },
 }
 
 #[derive(clap::Args)]
@@ -89,6 +109,8 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<i32> {
         BenchCmd::Collectives(a) => collectives(a),
         BenchCmd::Loopback(a) => loopback(a),
         BenchCmd::Ps(a) => ps_bench(a),
+        BenchCmd::Hogwild { data, epochs } => hogwild_bench(&data, epochs),
+        BenchCmd::Sandblaster { data, slow_ms, iterations } => sandblaster_bench(&data, slow_ms, iterations),
     }
 }
 
@@ -424,5 +446,48 @@ fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {
     println!("loopback TCP on this machine: {one_way:.3} GB/s per direction (both directions loaded, {} MB)", size / 1_000_000);
     drop(c);
     drop(servers);
+    Ok(0)
+}
+
+fn hogwild_bench(path: &std::path::Path, epochs: usize) -> anyhow::Result<i32> {
+    use kolo_ps::hogwild::{evaluate, train_logistic, HogwildConfig, Mode, SparseSet};
+    let data = kolo_train::data::wine_sparse(path, 8).map_err(|e| anyhow::anyhow!(e))?;
+    let split = |test: bool| SparseSet { dim: data.dim, examples: data.examples.iter().enumerate().filter(|(i, _)| (i % 5 == 0) == test).map(|(_, e)| e.clone()).collect() };
+    let (train, test) = (split(false), split(true));
+    println!("# kolo bench hogwild: wine, {} coordinates, 66 active per example, {} train / {} held out, {epochs} epochs, {} cores", data.dim + 1, train.examples.len(), test.examples.len(), std::thread::available_parallelism().map_or(1, |n| n.get()));
+    println!("{:>8} {:>8} {:>14} {:>16} {:>10}", "mode", "threads", "updates/s", "held-out loss", "accuracy");
+    for (mode, threads) in [(Mode::Locked, 1), (Mode::Locked, 2), (Mode::Hogwild, 2), (Mode::Locked, 4), (Mode::Hogwild, 4)] {
+        let r = train_logistic(&train, &HogwildConfig { threads, epochs, lr: 0.02, l2: 1e-3, seed: 3, mode });
+        let (l, a) = evaluate(&test, &r.weights);
+        println!("{:>8} {:>8} {:>14.0} {:>16.4} {:>9.1}%", format!("{mode:?}"), threads, r.updates as f64 / r.seconds, l, a * 100.0);
+    }
+    Ok(0)
+}
+
+fn sandblaster_bench(path: &std::path::Path, slow_ms: u64, iterations: usize) -> anyhow::Result<i32> {
+    use kolo_ps::lbfgs::{minimize, LbfgsConfig, Logistic, Objective};
+    let data = kolo_train::data::wine_sparse(path, 4).map_err(|e| anyhow::anyhow!(e))?;
+    let obj = std::sync::Arc::new(Logistic { data, l2: 1e-2, portions: 16 });
+    let dim = obj.dim();
+    println!("# kolo bench sandblaster: L2 logistic regression on wine ({dim} values), 16 portions, 3 worker threads, 2 servers, {iterations} iterations");
+    println!("{:>34} {:>10} {:>12} {:>14} {:>10}", "case", "seconds", "evaluations", "ms/evaluation", "loss");
+    for (name, slow, backup) in [("no slowed worker", 0, true), ("one worker +{slow_ms} ms/portion, backups", slow_ms, true), ("one worker +{slow_ms} ms/portion, no backups", slow_ms, false)] {
+        let token = kolo_rendezvous::JobToken::generate();
+        let coord = kolo_ps::Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_secs(10))?;
+        let servers: Vec<kolo_ps::Server> = (0..2)
+            .map(|_| kolo_ps::Server::start(kolo_ps::server::ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: Duration::from_secs(60), heartbeat: Duration::from_millis(500) }))
+            .collect::<Result<_, _>>()?;
+        let job = kolo_ps::JobSpec { len: dim as u64, chunk: 500, workers: 4, replication: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
+        let connect = |w: u32| kolo_ps::PsClient::connect(kolo_ps::client::ClientOptions { coordinator: coord.addr().to_string(), token: token.clone(), job: job.clone(), worker: w, min_servers: 2, timeout: Duration::from_secs(60), heartbeat: None });
+        let mut c = connect(3)?;
+        c.init(&vec![0.0; dim])?;
+        let workers = (0..3).map(connect).collect::<Result<Vec<_>, _>>()?;
+        let cfg = LbfgsConfig { history: 5, iterations, tolerance: 0.0, backup_tasks: backup, worker_delay: vec![Duration::from_millis(slow)] };
+        let t = Instant::now();
+        let r = minimize(obj.clone(), c, workers, &cfg)?;
+        let secs = t.elapsed().as_secs_f64();
+        println!("{:>34} {:>10.2} {:>12} {:>14.1} {:>10.6}", name.replace("{slow_ms}", &slow_ms.to_string()), secs, r.evaluations, secs * 1e3 / r.evaluations as f64, r.loss.last().copied().unwrap_or(f64::NAN));
+        drop(servers);
+    }
     Ok(0)
 }
