@@ -349,8 +349,25 @@ impl HostComm {
         let key = |r: usize| format!("kolo/diag/{}/{seq}/{r}", self.group);
         self.store.set(&key(self.rank.get()), b"waiting").ok()?;
         let until = std::time::Instant::now() + Duration::from_millis(1500);
+        // This rank has arrived. The store may stop answering part-way (its host, rank 0, gives
+        // up at about the same time): then the last complete look stands, or, without one, the
+        // engine's own view.
+        let mut seen = vec![false; self.n.get()];
+        seen[self.rank.get()] = true;
+        let mut looked = false;
         loop {
-            let absent: Vec<Rank> = (0..self.n.get()).filter(|&r| !self.store.check(&key(r)).unwrap_or(false)).map(Rank).collect();
+            for r in 0..self.n.get() {
+                if seen[r] {
+                    continue;
+                }
+                match self.store.check(&key(r)) {
+                    Ok(present) => seen[r] = present,
+                    Err(_) if looked => return Some((0..self.n.get()).filter(|&r| !seen[r]).map(Rank).collect()),
+                    Err(_) => return None,
+                }
+            }
+            looked = true;
+            let absent: Vec<Rank> = (0..self.n.get()).filter(|&r| !seen[r]).map(Rank).collect();
             if absent.is_empty() || std::time::Instant::now() >= until {
                 return Some(absent);
             }
@@ -413,26 +430,39 @@ impl HostComm {
     }
 
     fn p2p(&self, op: OpKind, peer: Rank, tag: u32, dir: Dir<'_>) -> Result<(), CommError> {
+        self.p2p_many(op, vec![(peer, tag, dir)])
+    }
+
+    /// Point-to-point transfers driven together (each a send or a receive, to or from any peer).
+    fn p2p_many(&self, op: OpKind, items: Vec<(Rank, u32, Dir<'_>)>) -> Result<(), CommError> {
         let mut core = self.lock();
         if let Some(e) = &core.broken {
             return Err(e.clone().into_aborted(self.rank));
         }
-        let p = peer.get();
-        let (dtype, len, seq) = match &dir {
-            Dir::Send(d) => (None, d.len(), core.sent[p]),
-            Dir::Recv(d) => (None, d.len(), core.received[p]),
-            Dir::RecvReduce { .. } => unreachable!("p2p never reduces"),
-        };
-        let header = Header { op: OpKind::Send, dtype, alg: Algorithm::P2p as u8, seq, step: 0, tag, len: len as u64 };
-        let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
-        let is_send = matches!(dir, Dir::Send(_));
-        let mut x = [Xfer::new(p, header, dir)];
-        match drive(&mut core.links, &mut x, &ctx) {
+        let mut done = Vec::with_capacity(items.len());
+        let mut xfers = Vec::with_capacity(items.len());
+        let mut first_seq = None;
+        for (peer, tag, dir) in items {
+            let p = peer.get();
+            let (len, seq, is_send) = match &dir {
+                Dir::Send(d) => (d.len(), core.sent[p], true),
+                Dir::Recv(d) => (d.len(), core.received[p], false),
+                Dir::RecvReduce { .. } => unreachable!("p2p never reduces"),
+            };
+            first_seq.get_or_insert(seq);
+            let header = Header { op: OpKind::Send, dtype: None, alg: Algorithm::P2p as u8, seq, step: 0, tag, len: len as u64 };
+            xfers.push(Xfer::new(p, header, dir));
+            done.push((p, is_send));
+        }
+        let ctx = OpCtx { op, rank: self.rank, seq: first_seq.unwrap_or(0), deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
+        match drive(&mut core.links, &mut xfers, &ctx) {
             Ok(()) => {
-                if is_send {
-                    core.sent[p] += 1;
-                } else {
-                    core.received[p] += 1;
+                for (p, is_send) in done {
+                    if is_send {
+                        core.sent[p] += 1;
+                    } else {
+                        core.received[p] += 1;
+                    }
                 }
                 Ok(())
             }
@@ -580,6 +610,12 @@ impl Communicator for HostComm {
     fn recv(&self, mut buf: BufMut<'_>, peer: Rank, tag: u32) -> Result<(), CommError> {
         validate::peer(OpKind::Recv, self.rank, self.n, peer)?;
         self.p2p(OpKind::Recv, peer, tag, Dir::Recv(buf.bytes_mut()))
+    }
+
+    fn send_recv(&self, send: BufRef<'_>, to: Rank, send_tag: u32, mut recv: BufMut<'_>, from: Rank, recv_tag: u32) -> Result<(), CommError> {
+        validate::peer(OpKind::Send, self.rank, self.n, to)?;
+        validate::peer(OpKind::Recv, self.rank, self.n, from)?;
+        self.p2p_many(OpKind::Send, vec![(to, send_tag, Dir::Send(send.bytes())), (from, recv_tag, Dir::Recv(recv.bytes_mut()))])
     }
 
     fn barrier(&self) -> Result<(), CommError> {

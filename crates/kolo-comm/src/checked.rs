@@ -100,6 +100,9 @@ impl Communicator for Checked {
     fn recv(&self, buf: BufMut<'_>, peer: Rank, tag: u32) -> Result<(), CommError> {
         self.inner.recv(buf, peer, tag)
     }
+    fn send_recv(&self, send: BufRef<'_>, to: Rank, send_tag: u32, recv: BufMut<'_>, from: Rank, recv_tag: u32) -> Result<(), CommError> {
+        self.inner.send_recv(send, to, send_tag, recv, from, recv_tag)
+    }
     fn barrier(&self) -> Result<(), CommError> {
         self.check(Fingerprint { op: OpKind::Barrier, dtype: None, count: 0, extra: 0 })?;
         self.inner.barrier()

@@ -57,6 +57,14 @@ pub trait Communicator: Send + Sync {
     /// Point-to-point. Messages between a pair are delivered in order; `tag` and length must match.
     fn send(&self, buf: BufRef<'_>, peer: Rank, tag: u32) -> Result<(), CommError>;
     fn recv(&self, buf: BufMut<'_>, peer: Rank, tag: u32) -> Result<(), CommError>;
+    /// Sends `send` to `to` and receives `recv` from `from` at the same time (MPI_Sendrecv), so
+    /// that two ranks sending to each other never wait on each other's send (pipeline stages
+    /// pass activations one way and gradients the other). This default sends, then receives:
+    /// right for backends whose sends are buffered; backends that may block in a send override it.
+    fn send_recv(&self, send: BufRef<'_>, to: Rank, send_tag: u32, recv: BufMut<'_>, from: Rank, recv_tag: u32) -> Result<(), CommError> {
+        self.send(send, to, send_tag)?;
+        self.recv(recv, from, recv_tag)
+    }
     fn barrier(&self) -> Result<(), CommError>;
 
     /// Collective over this group: every rank calls it with the same `ranks`. Members get a

@@ -15,10 +15,12 @@ pub mod fused;
 pub mod models;
 pub mod ops;
 mod params;
+pub mod stage;
 
 pub use candle_core::{DType as CandleDType, Device, Tensor};
 pub use error::TensorError;
 pub use models::{build_model, Batch, Input, Model, ModelSpec};
+pub use stage::GptStage;
 pub use params::{copy_f32, CastView, GradSink, HookedView, Param, ParamSet, ParamView, PlainView};
 
 

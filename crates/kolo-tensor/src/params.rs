@@ -147,6 +147,19 @@ impl ParamSet {
         Ok(())
     }
 
+    /// Adds the gradients of parameters `ids` into `out` (the flat layout); each must have one.
+    pub fn add_grads(&self, grads: &GradStore, ids: &[usize], out: &mut [f32]) -> Result<()> {
+        let mut tmp = Vec::new();
+        for &i in ids {
+            let p = &self.params[i];
+            let g = grads.get(p.var.as_tensor()).ok_or_else(|| TensorError::MissingGrad { name: p.name.clone() })?;
+            tmp.resize(p.range.len(), 0.0);
+            copy_f32(g, &mut tmp)?;
+            out[p.range.clone()].iter_mut().zip(&tmp).for_each(|(o, g)| *o += g);
+        }
+        Ok(())
+    }
+
     /// Frees parameter `i`'s values (ZeRO-3: its values then live sharded across ranks and are
     /// gathered on use). Its name, shape and range stay; reading or loading it is an error.
     pub fn release(&mut self, i: usize) -> Result<()> {

@@ -136,6 +136,10 @@ fn suite<T: Element>(comm: &dyn Communicator, len: usize) {
             comm.send(BufRef::from(&mine), next, 7).unwrap();
         }
         check(&format!("recv from {prev} {d} x {len}"), comm, &got, &input::<T>(op, prev.get(), len));
+        // Everyone sends to the next rank and receives from the previous one at once.
+        let mut got = vec![T::default(); len];
+        comm.send_recv(BufRef::from(&mine), next, 9, BufMut::from(&mut got), prev, 9).unwrap();
+        check(&format!("send_recv from {prev} {d} x {len}"), comm, &got, &input::<T>(op, prev.get(), len));
     }
     comm.barrier().unwrap();
 }

@@ -22,6 +22,32 @@ pub struct Config {
     pub ddp: DdpConfig,
     #[serde(default)]
     pub ps: PsConfig,
+    /// Pipeline parallelism (gpt): every rank is a stage. Default: off.
+    pub pipeline: Option<PipelineConfig>,
+}
+
+/// `[pipeline]`: the GPT's layers (embedding, blocks, head) cut into one stage per rank by a
+/// planner that balances their cost; each batch runs as `micro_batches` micro-batches.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// Micro-batches per batch (data.batch_size must be a multiple).
+    pub micro_batches: usize,
+    /// `gpipe` (all forwards, then all backwards) or `1f1b` (PipeDream-Flush; default).
+    #[serde(default = "one_f_one_b")]
+    pub schedule: PipeSchedule,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PipeSchedule {
+    #[serde(rename = "gpipe")]
+    GPipe,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+}
+
+fn one_f_one_b() -> PipeSchedule {
+    PipeSchedule::OneFOneB
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -484,6 +510,17 @@ impl Config {
         }
         if (self.ddp.local_sgd.is_some() || self.ddp.skip_sync) && self.train.precision == Precision::F16 {
             return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
+        }
+        if let Some(p) = &self.pipeline {
+            if self.model.kind != ModelKind::Gpt {
+                return Err("[pipeline] cuts the GPT's layers into stages; model.kind must be \"gpt\"".into());
+            }
+            if p.micro_batches == 0 || self.data.batch_size % p.micro_batches != 0 {
+                return Err(format!("pipeline.micro_batches ({}) must divide data.batch_size ({})", p.micro_batches, self.data.batch_size));
+            }
+            if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.grad_accum != 1 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() {
+                return Err("[pipeline] runs in f32 with grad_accum = 1 and without ZeRO, compression, local SGD, parameter servers, activation checkpointing or checkpoints (yet)".into());
+            }
         }
         if self.train.strategy == Strategy::Ps {
             let p = &self.ps;

@@ -8,6 +8,7 @@ pub mod trainer;
 
 pub use config::Config;
 pub mod metrics;
+pub mod pipeline;
 pub mod ps_worker;
 pub mod tensorboard;
 pub mod timeline;

@@ -82,6 +82,8 @@ pub struct Summary {
     pub loss_scale: Option<f64>,
     /// Parameter-server runs: what this worker pushed and pulled.
     pub ps: Option<kolo_ps::PushStats>,
+    /// Pipeline runs: the mean measured bubble (idle share of the stages).
+    pub pipeline_bubble: Option<f64>,
 }
 
 /// Live heap bytes at three points of a run (see `kolo_base::alloc`).
@@ -464,6 +466,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
     };
     let tc = &cfg.train;
+    if cfg.pipeline.is_some() {
+        return crate::pipeline::run_pipeline(cfg, &*comm, opts);
+    }
     if tc.strategy == crate::config::Strategy::Ps {
         return Err(TrainError::Config("train.strategy = \"ps\" trains through parameter servers: run it with `kolo ps run` (or `kolo train` with KOLO_PS_COORDINATOR set)".into()));
     }
@@ -984,5 +989,6 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         sample,
         checkpoint,
         ps: None,
+        pipeline_bubble: None,
     })
 }

@@ -74,16 +74,15 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         let n = s.step_ms.len();
         let tail = &s.step_ms[n.saturating_sub(n / 2).min(n)..];
         let mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
-        eprintln!(
-            "done: {} steps, last loss {:.4}, {:.1} ms/step (second half), {:.0}% of gradient all-reduce hidden behind backward",
-            s.steps_done,
-            s.last_loss,
-            mean,
-            s.hidden_fraction * 100.0
-        );
+        let overlap = match s.pipeline_bubble {
+            Some(b) => format!("pipeline bubble {:.1}%", b * 100.0),
+            None => format!("{:.0}% of gradient all-reduce hidden behind backward", s.hidden_fraction * 100.0),
+        };
+        eprintln!("done: {} steps, last loss {:.4}, {:.1} ms/step (second half), {overlap}", s.steps_done, s.last_loss, mean);
         let mb = |b: u64| b as f64 / 1e6;
         if let Some(bytes) = s.comm_bytes.last() {
-            eprintln!("gradient traffic: {:.3} MB per step per rank (last step)", *bytes as f64 / 1e6);
+            let what = if s.pipeline_bubble.is_some() { "activations and their gradients sent by rank 0" } else { "gradient traffic" };
+            eprintln!("{what}: {:.3} MB per step per rank (last step)", *bytes as f64 / 1e6);
         }
         eprintln!(
             "memory per rank: model states {:.1} MB (params {:.1} + grads {:.1} + optimizer {:.1}{}), peak RSS {}",

@@ -214,3 +214,20 @@ fn p2p_tag_mismatch_is_detected() {
     let e = errs[1].as_ref().expect("receiver must fail");
     assert!(e.to_string().contains("tag 5") && e.to_string().contains("tag 6"), "{e}");
 }
+
+/// Two ranks send each other 16 MiB at once: more than the shared-memory ring and the socket
+/// buffers hold, so plain blocking sends would wait on each other; `send_recv` drives both.
+#[test]
+fn send_recv_exchanges_large_buffers_both_ways() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let comms = group(2, cfg(transport, AlgorithmChoice::Auto));
+        run_ranks(comms, |r, c| {
+            let n = 4 << 20;
+            let mine: Vec<f32> = (0..n).map(|i| (i + r * 7) as f32).collect();
+            let mut got = vec![0f32; n];
+            let peer = Rank(1 - r);
+            c.send_recv(BufRef::from(&mine[..]), peer, 3, BufMut::from(&mut got[..]), peer, 3).unwrap();
+            assert!(got.iter().enumerate().all(|(i, v)| *v == (i + (1 - r) * 7) as f32));
+        });
+    }
+}

@@ -305,23 +305,83 @@ impl Model for Gpt {
         let Input::Tokens { ids, b, t } = input else {
             return Err(TensorError::Input("the GPT takes token sequences".into()));
         };
-        let (b, t) = (*b, *t);
-        if t == 0 || t > self.cfg.seq {
-            return Err(TensorError::Input(format!("sequence length {t} is not in 1..={}", self.cfg.seq)));
+        self.forward_layers(StageInput::Tokens { ids, b: *b, t: *t }, 0..self.layers(), view)
+    }
+}
+
+/// Where a pipeline stage of the GPT starts: token ids (the first stage) or the hidden states
+/// (b, t, d_model) the previous stage produced.
+pub enum StageInput<'a> {
+    Tokens { ids: &'a [u32], b: usize, t: usize },
+    Hidden(Tensor),
+}
+
+impl Gpt {
+    /// Layers a pipeline may cut between: 0 is the token and position embedding, 1..=n_layer the
+    /// blocks, n_layer + 1 the final norm and the head.
+    pub fn layers(&self) -> usize {
+        self.cfg.n_layer + 2
+    }
+
+    /// The parameters (indices into [`Model::params`]) of layer `l`.
+    pub fn layer_params(&self, l: usize) -> Vec<usize> {
+        match l {
+            0 => vec![self.wte, self.wpe],
+            l if l <= self.cfg.n_layer => self.blocks[l - 1].ids().to_vec(),
+            _ => vec![self.ln_f.0, self.ln_f.1, self.head.0, self.head.1],
         }
-        if let Some(bad) = ids.iter().find(|i| **i as usize >= self.cfg.vocab) {
-            return Err(TensorError::Input(format!("token id {bad} is outside the vocabulary of {}", self.cfg.vocab)));
+    }
+
+    /// Multiply-adds per token of each layer: what the stage planner balances.
+    pub fn layer_costs(&self) -> Vec<f64> {
+        let (c, t, v) = (self.cfg.d_model as f64, self.cfg.seq as f64, self.cfg.vocab as f64);
+        let block = 12.0 * c * c + 2.0 * t * c;
+        std::iter::once(c).chain(std::iter::repeat_n(block, self.cfg.n_layer)).chain(std::iter::once(c * v + c)).collect()
+    }
+
+    /// Runs layers `layers` (see [`Gpt::layers`]): from token ids when the range starts at 0,
+    /// else from hidden states; returns hidden states (b, t, d_model), or the logits
+    /// (b * t, vocab) when the range ends with the head.
+    pub fn forward_layers(&self, input: StageInput<'_>, layers: std::ops::Range<usize>, view: &dyn ParamView) -> Result<Tensor> {
+        if layers.is_empty() || layers.end > self.layers() {
+            return Err(TensorError::Input(format!("layers {layers:?} of a GPT with {} layers", self.layers())));
         }
         let c = self.cfg.d_model;
         let h = self.cfg.n_head;
         let g = |i: usize| view.get(&self.params, i);
         let pair = |(w, bias): (usize, usize)| -> Result<(Tensor, Tensor)> { Ok((g(w)?, g(bias)?)) };
-        let ids_t = Tensor::from_slice(ids, b * t, &Device::Cpu)?;
-        let tok = g(self.wte)?.index_select(&ids_t, 0)?.reshape((b, t, c))?;
-        let pos = g(self.wpe)?.narrow(0, 0, t)?;
-        let mut x = tok.broadcast_add(&pos)?;
+        let mut x = match (input, layers.start) {
+            (StageInput::Tokens { ids, b, t }, 0) => {
+                if t == 0 || t > self.cfg.seq {
+                    return Err(TensorError::Input(format!("sequence length {t} is not in 1..={}", self.cfg.seq)));
+                }
+                if ids.len() != b * t {
+                    return Err(TensorError::Input(format!("{} token ids for {b} sequences of {t}", ids.len())));
+                }
+                if let Some(bad) = ids.iter().find(|i| **i as usize >= self.cfg.vocab) {
+                    return Err(TensorError::Input(format!("token id {bad} is outside the vocabulary of {}", self.cfg.vocab)));
+                }
+                let ids_t = Tensor::from_slice(ids, b * t, &Device::Cpu)?;
+                let tok = g(self.wte)?.index_select(&ids_t, 0)?.reshape((b, t, c))?;
+                let pos = g(self.wpe)?.narrow(0, 0, t)?;
+                tok.broadcast_add(&pos)?
+            }
+            (StageInput::Hidden(x), s) if s > 0 => {
+                let (_, _, d) = x.dims3()?;
+                if d != c {
+                    return Err(TensorError::Input(format!("hidden states of width {d}, the model's is {c}")));
+                }
+                x
+            }
+            (StageInput::Tokens { .. }, s) => return Err(TensorError::Input(format!("layer {s} takes hidden states, not tokens"))),
+            (StageInput::Hidden(_), _) => return Err(TensorError::Input("layer 0 (the embedding) takes token ids".into())),
+        };
+        let (b, t, _) = x.dims3()?;
         let n = self.blocks.len();
         for (i, (blk, &ckpt)) in self.blocks.iter().zip(&self.checkpointed).enumerate() {
+            if !layers.contains(&(i + 1)) {
+                continue;
+            }
             if let Some(gather) = &self.sharded {
                 let shapes = blk.ids().iter().map(|&p| self.params.get(p).shape.clone()).collect();
                 let op = ShardedBlock {
@@ -348,6 +408,9 @@ impl Model for Gpt {
             } else {
                 block_forward(&x, &p, h)?
             };
+        }
+        if layers.end < self.layers() {
+            return Ok(x);
         }
         let (lw, lb) = pair(self.ln_f)?;
         let x = layer_norm(&x, &lw, &lb, 1e-5)?;

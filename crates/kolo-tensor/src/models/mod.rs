@@ -5,7 +5,7 @@ mod gpt;
 mod mlp;
 
 pub use cnn::Cnn;
-pub use gpt::{Gpt, GptConfig};
+pub use gpt::{Gpt, GptConfig, StageInput};
 pub use mlp::Mlp;
 
 use crate::ops::cross_entropy;

@@ -671,3 +671,33 @@ fn ps_evaluation_group_reads_the_servers_while_training_runs() {
     assert!(last.accuracy.unwrap() > 0.85 && (last.accuracy.unwrap() - train[0].eval.as_ref().unwrap().accuracy.unwrap()).abs() < 0.02);
     assert!(evals[0].1.loss > last.loss);
 }
+
+/// Pipeline parallelism: the GPT cut into 2 and 4 stages (ranks), batches of 8 sequences as 4
+/// micro-batches, GPipe and 1F1B, follows the one-process run. Not bitwise: each micro-batch's
+/// mean loss is scaled by 1/4 and the gradients are summed over micro-batches, while one
+/// process averages over 8 sequences at once (f32 reassociation).
+#[test]
+fn pipeline_matches_one_process_gpt() {
+    let mk = |extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 8\n\
+             [optim]\nkind = \"adamw\"\nlr = 0.003\n[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n{extra}",
+            shared().join("tinyshakespeare.txt").display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let one = &train_on(1, &mk(""), &quiet())[0];
+    for k in [2, 4] {
+        for schedule in ["gpipe", "1f1b"] {
+            let ranks = train_on(k, &mk(&format!("[pipeline]\nmicro_batches = 4\nschedule = \"{schedule}\"\n")), &quiet());
+            for s in &ranks {
+                assert_eq!(s.params, ranks[0].params, "every stage assembles the same model");
+            }
+            let d = max_diff(&ranks[0].params, &one.params);
+            assert!(d < 1e-4, "{k} stages, {schedule}: max parameter difference {d}");
+            assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "{k} stages {schedule}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
+            let bubble = ranks[0].pipeline_bubble.unwrap();
+            assert!((0.0..1.0).contains(&bubble));
+        }
+    }
+}

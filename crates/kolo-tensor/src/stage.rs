@@ -1,0 +1,107 @@
+//! A pipeline stage of the GPT: a contiguous range of its layers run micro-batch by
+//! micro-batch. Activations and gradients cross the stage boundary as flat f32 buffers (the
+//! pipeline executor sends them); inside, the stage keeps each micro-batch's graph from its
+//! forward until its backward.
+
+use crate::models::{Batch, Gpt, Input, StageInput};
+use crate::ops::cross_entropy;
+use crate::{Model, PlainView, Result, TensorError};
+use candle_core::{Device, Tensor, Var};
+use std::collections::HashMap;
+use std::ops::Range;
+
+pub struct GptStage<'a> {
+    gpt: &'a Gpt,
+    layers: Range<usize>,
+    params: Vec<usize>,
+    micro: Vec<Batch>,
+    /// Each micro-batch's loss is scaled by 1 / micro-batches, so the gradients add up to the
+    /// gradient of the whole batch's mean loss.
+    scale: f64,
+    saved: HashMap<usize, (Option<Var>, Tensor)>,
+    /// This stage's parameters' gradients, accumulated over the micro-batches (flat layout of
+    /// the whole model; other stages' entries stay zero).
+    pub grads: Vec<f32>,
+}
+
+impl<'a> GptStage<'a> {
+    pub fn new(gpt: &'a Gpt, layers: Range<usize>, micro: Vec<Batch>) -> GptStage<'a> {
+        let params = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
+        let scale = 1.0 / micro.len().max(1) as f64;
+        GptStage { gpt, layers, params, micro, scale, saved: HashMap::new(), grads: vec![0f32; gpt.params().numel()] }
+    }
+
+    /// The parameters this stage owns (indices into the model's `ParamSet`).
+    pub fn params(&self) -> &[usize] {
+        &self.params
+    }
+
+    fn is_last(&self) -> bool {
+        self.layers.end == self.gpt.layers()
+    }
+
+    fn shape(&self, mb: usize) -> Result<(usize, usize)> {
+        match &self.micro.get(mb).ok_or_else(|| TensorError::Input(format!("no micro-batch {mb}")))?.input {
+            Input::Tokens { b, t, .. } => Ok((*b, *t)),
+            Input::Images { .. } => Err(TensorError::Input("a GPT stage takes token sequences".into())),
+        }
+    }
+
+    /// Values crossing a stage boundary per micro-batch (hidden states).
+    pub fn act_len(&self) -> Result<usize> {
+        let (b, t) = self.shape(0)?;
+        Ok(b * t * self.gpt.config().d_model)
+    }
+
+    /// Forward of micro-batch `mb` from `input` (the previous stage's hidden states; `None` on
+    /// the first stage). Returns the hidden states, or on the last stage the scaled loss.
+    pub fn forward(&mut self, mb: usize, input: Option<Vec<f32>>) -> Result<Vec<f32>> {
+        let (b, t) = self.shape(mb)?;
+        let c = self.gpt.config().d_model;
+        let (var, x) = match input {
+            None => {
+                let Input::Tokens { ids, .. } = &self.micro[mb].input else { unreachable!("checked by shape") };
+                (None, StageInput::Tokens { ids, b, t })
+            }
+            Some(v) => {
+                let var = Var::from_vec(v, (b, t, c), &Device::Cpu)?;
+                let h = var.as_tensor().clone();
+                (Some(var), StageInput::Hidden(h))
+            }
+        };
+        let out = self.gpt.forward_layers(x, self.layers.clone(), &PlainView)?;
+        if self.is_last() {
+            let targets = Tensor::from_slice(&self.micro[mb].targets, b * t, &Device::Cpu)?;
+            let loss = (cross_entropy(&out, &targets)? * self.scale)?;
+            let value = loss.to_scalar::<f32>()?;
+            self.saved.insert(mb, (var, loss));
+            Ok(vec![value])
+        } else {
+            let flat = out.flatten_all()?.to_vec1::<f32>()?;
+            self.saved.insert(mb, (var, out));
+            Ok(flat)
+        }
+    }
+
+    /// Backward of micro-batch `mb` given the gradient of its output (`None` on the last
+    /// stage). Accumulates the parameter gradients; returns the gradient of the input hidden
+    /// states (empty on the first stage).
+    pub fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> Result<Vec<f32>> {
+        let (var, out) = self.saved.remove(&mb).ok_or_else(|| TensorError::Input(format!("backward of micro-batch {mb} before its forward")))?;
+        let store = match grad {
+            None => out.backward()?,
+            Some(g) => {
+                let g = Tensor::from_vec(g, out.shape(), &Device::Cpu)?;
+                (out * g)?.sum_all()?.backward()?
+            }
+        };
+        self.gpt.params().add_grads(&store, &self.params, &mut self.grads)?;
+        match var {
+            None => Ok(Vec::new()),
+            Some(v) => {
+                let g = store.get(v.as_tensor()).ok_or_else(|| TensorError::MissingGrad { name: "stage input".into() })?;
+                Ok(g.flatten_all()?.to_vec1::<f32>()?)
+            }
+        }
+    }
+}
