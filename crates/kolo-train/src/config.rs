@@ -515,7 +515,7 @@ impl Config {
             if self.model.kind != ModelKind::Gpt {
                 return Err("[pipeline] cuts the GPT's layers into stages; model.kind must be \"gpt\"".into());
             }
-            if p.micro_batches == 0 || self.data.batch_size % p.micro_batches != 0 {
+            if p.micro_batches == 0 || !self.data.batch_size.is_multiple_of(p.micro_batches) {
                 return Err(format!("pipeline.micro_batches ({}) must divide data.batch_size ({})", p.micro_batches, self.data.batch_size));
             }
             if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.grad_accum != 1 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() {
