@@ -217,5 +217,16 @@ pub trait ParamGather: Send + Sync {
     fn group_grad_ready(&self, group: usize, grad: &[f32]);
 }
 
+/// Summing f32 buffers across a group of ranks (a tensor-parallel group), for model adapters
+/// that must not know the communicator: Megatron's f operator all-reduces gradients in
+/// backward, its g operator activations in forward. Tensor-free, like [`GradSink`].
+pub trait GroupSum: Send + Sync {
+    /// This rank's index in the group and the group's size.
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Replaces `buf` with the element-wise sum of every member's `buf`.
+    fn sum(&self, buf: &mut [f32]) -> Result<(), String>;
+}
+
 #[cfg(test)]
 mod tests;

@@ -24,6 +24,18 @@ pub struct Config {
     pub ps: PsConfig,
     /// Pipeline parallelism (gpt): every rank is a stage. Default: off.
     pub pipeline: Option<PipelineConfig>,
+    /// The device mesh: `[mesh] tp = 2` splits each GPT block over groups of 2 consecutive ranks
+    /// (Megatron tensor parallelism); the remaining factor of the world is data parallel.
+    pub mesh: Option<MeshConfig>,
+}
+
+/// `[mesh]`
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct MeshConfig {
+    /// Tensor-parallel group size (divides the world size and the GPT's head count).
+    #[serde(default = "one")]
+    pub tp: usize,
 }
 
 /// `[pipeline]`: the GPT's layers (embedding, blocks, head) cut into one stage per rank by a
@@ -510,6 +522,22 @@ impl Config {
         }
         if (self.ddp.local_sgd.is_some() || self.ddp.skip_sync) && self.train.precision == Precision::F16 {
             return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
+        }
+        if let Some(m) = &self.mesh {
+            if m.tp == 0 {
+                return Err("mesh.tp must be at least 1".into());
+            }
+            if m.tp > 1 {
+                if self.model.kind != ModelKind::Gpt || self.pipeline.is_some() {
+                    return Err("mesh.tp splits the GPT's blocks (model.kind = \"gpt\", without [pipeline] for now)".into());
+                }
+                if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() {
+                    return Err("mesh.tp > 1 runs in f32 without ZeRO, compression, local SGD, parameter servers, activation checkpointing or checkpoints (yet)".into());
+                }
+                if self.train.timeline_dir.is_some() {
+                    return Err("train.timeline_dir is not supported with mesh.tp > 1 yet".into());
+                }
+            }
         }
         if let Some(p) = &self.pipeline {
             if self.model.kind != ModelKind::Gpt {

@@ -53,6 +53,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, opts: &RunOptions) ->
     let tc = &cfg.train;
     comm.set_timeout(std::time::Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001)));
     let data = load_data(cfg, 0, &say)?;
+    let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else { unreachable!("validated: gpt") };
     let gpt = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
     if k > gpt.layers() {
@@ -92,6 +93,8 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, opts: &RunOptions) ->
     let mut last_loss = f64::NAN;
     let mut bubbles = Vec::new();
     let mut peak_live = 0;
+    kolo_base::alloc::reset_peak();
+    let mut heap_after_steps = None;
     for step in 0..end {
         let t0 = Instant::now();
         let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
@@ -126,6 +129,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, opts: &RunOptions) ->
         bubbles.push(if span > 0.0 { 1.0 - busy / (k as f64 * span) } else { 0.0 });
         comm_bytes.push(report.bytes_sent);
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        heap_after_steps = kolo_base::alloc::stats();
         let done = step + 1;
         if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
             say(&format!("step {done}/{} loss {last_loss:.4} | {:.1} ms/step, bubble {:.1}% (theory {:.1}%)", tc.steps, step_ms.last().unwrap_or(&0.0), bubbles.last().unwrap_or(&0.0) * 100.0, theoretical_bubble(k, m) * 100.0));
@@ -168,7 +172,10 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, opts: &RunOptions) ->
         checkpoint: None,
         states: StateBytes { params: own_len as u64 * 4, grads: gpt.params().numel() as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
         peak_rss: peak_rss(),
-        heap: None,
+        heap: match (heap_before_model, heap_after_steps) {
+            (Some(before_model), Some(h)) => Some(crate::trainer::HeapReport { before_model, between_steps: h.live, peak: h.peak }),
+            _ => None,
+        },
         skipped_steps: 0,
         loss_scale: None,
         ps: None,

@@ -456,10 +456,39 @@ pub(crate) fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, 
     Ok(vocab.decode(&ids[1..]))
 }
 
+/// A tensor-parallel group as the model adapter sees it.
+struct CommGroup(Arc<dyn Communicator>);
+
+impl kolo_base::GroupSum for CommGroup {
+    fn rank(&self) -> usize {
+        self.0.rank().get()
+    }
+    fn size(&self) -> usize {
+        self.0.world_size().get()
+    }
+    fn sum(&self, buf: &mut [f32]) -> Result<(), String> {
+        self.0.all_reduce(BufMut::from(buf), ReduceOp::Sum).map_err(|e| e.to_string())
+    }
+}
+
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
+    let global_rank = comm.rank().get();
+    // Tensor parallelism: groups of `tp` consecutive ranks split each block; everything else
+    // (DDP, data, evaluation) runs over the data-parallel group.
+    let tp_size = cfg.mesh.as_ref().map_or(1, |m| m.tp);
+    let (comm, tp_comm) = if tp_size > 1 {
+        let n = comm.world_size().get();
+        if n % tp_size != 0 {
+            return Err(TrainError::Config(format!("mesh.tp = {tp_size} does not divide the world size {n}")));
+        }
+        let mesh = kolo_comm::DeviceMesh::new(&*comm, &[("dp", n / tp_size), ("tp", tp_size)])?;
+        (mesh.group("dp").expect("axis").clone(), Some(mesh.group("tp").expect("axis").clone()))
+    } else {
+        (comm, None)
+    };
     let rank = comm.rank().get();
     let world = comm.world_size().get();
-    let lead = rank == 0 && !opts.quiet;
+    let lead = global_rank == 0 && !opts.quiet;
     let say = |m: &str| {
         if lead {
             eprintln!("{m}");
@@ -479,7 +508,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let data = load_data(cfg, rank, &say)?;
     let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let spec = cfg.model_spec(data.vocab_size);
-    let mut model = build_model(&spec, tc.seed)?;
+    let mut model = match (&tp_comm, &spec) {
+        (Some(tp), ModelSpec::Gpt(g)) => Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(g.clone(), &mut Rng::new(tc.seed), Arc::new(CommGroup(tp.clone())))?) as Box<dyn Model>,
+        _ => build_model(&spec, tc.seed)?,
+    };
     model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
     let sharding = cfg.sharding().map_err(TrainError::Config)?;
     let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
@@ -560,7 +592,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
 
     let mut json = match &tc.json_log {
         Some(p) => {
-            let path = p.replace("{rank}", &rank.to_string());
+            let path = p.replace("{rank}", &global_rank.to_string());
             Some(std::fs::File::create(&path).map_err(|e| TrainError::Other(format!("json_log {path}: {e}")))?)
         }
         None => None,
@@ -595,7 +627,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut timeline = tc.timeline_dir.as_ref().map(|_| crate::timeline::Timeline::new(rank));
     let mut tb = match &tc.tensorboard_dir {
         Some(d) => {
-            let dir = Path::new(d).join(format!("rank{rank}"));
+            let dir = Path::new(d).join(format!("rank{global_rank}"));
             Some(crate::tensorboard::EventWriter::create(&dir).map_err(|e| TrainError::Config(format!("train.tensorboard_dir {}: {e}", dir.display())))?)
         }
         None => None,
@@ -625,10 +657,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut window = Instant::now();
     kolo_base::alloc::reset_peak();
     let mut heap_after_steps = None;
-    let metrics = crate::metrics::Metrics::new(rank);
+    let metrics = crate::metrics::Metrics::new(global_rank);
     let _endpoint = match tc.metrics_port {
         Some(port) => {
-            let addr = format!("{}:{}", tc.metrics_addr, if port == 0 { 0 } else { port as usize + rank });
+            let addr = format!("{}:{}", tc.metrics_addr, if port == 0 { 0 } else { port as usize + global_rank });
             let server = crate::metrics::serve(metrics.clone(), &addr).map_err(|e| TrainError::Config(format!("train.metrics_port: cannot listen on {addr}: {e}")))?;
             if !opts.quiet {
                 eprintln!("rank {rank}: metrics on http://{}/metrics", server.addr);
@@ -976,7 +1008,16 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             })?;
             flat
         } else {
-            model.params().to_flat()?
+            let local = model.params().to_flat()?;
+            match (model.tensor_parallel_pieces(&local), &tp_comm) {
+                (Some(pieces), Some(tp)) => {
+                    // The whole model on every rank: the group's pieces summed.
+                    let mut full = pieces?;
+                    tp.all_reduce(BufMut::from(&mut full[..]), ReduceOp::Sum)?;
+                    full
+                }
+                _ => local,
+            }
         },
         states,
         peak_rss: peak_rss(),

@@ -52,6 +52,16 @@ pub struct Gpt {
     checkpointed: Vec<bool>,
     /// ZeRO-3: where the blocks' parameters come from (they are not resident).
     sharded: Option<Arc<dyn ParamGather>>,
+    /// Tensor parallelism: the group, each parameter's cut, and for each local value its index
+    /// in the whole model's flat layout.
+    tp: Option<TensorParallel>,
+}
+
+struct TensorParallel {
+    group: Arc<dyn kolo_base::GroupSum>,
+    cuts: Vec<super::tp::Cut>,
+    map: Vec<usize>,
+    full_len: usize,
 }
 
 /// One pre-norm transformer block on `x` (b, t, c) with parameters `p` (see [`Block::ids`]).
@@ -260,7 +270,48 @@ impl Gpt {
         let ln_f = ln(&mut p, "ln_f")?;
         let head = lin(&mut p, "head", cfg.vocab, c, rng)?;
         let checkpointed = vec![false; cfg.n_layer];
-        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, sharded: None })
+        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, sharded: None, tp: None })
+    }
+
+    /// This member's piece of the model under Megatron tensor parallelism over `group`: the
+    /// same initial values as [`Gpt::new`] with the same generator, cut so that each member
+    /// holds n_head / size heads and 4 d_model / size MLP features of every block.
+    pub fn new_tensor_parallel(cfg: GptConfig, rng: &mut Rng, group: Arc<dyn kolo_base::GroupSum>) -> Result<Gpt> {
+        let full = Gpt::new(cfg, rng)?;
+        let (r, n) = (group.rank(), group.size());
+        if n == 0 || full.cfg.n_head % n != 0 {
+            return Err(TensorError::Input(format!("{} attention heads do not split over {n} tensor-parallel ranks", full.cfg.n_head)));
+        }
+        let mut cuts = vec![super::tp::Cut::Whole; full.params.len()];
+        for b in &full.blocks {
+            for (i, cut) in b.ids().iter().zip(super::tp::BLOCK_CUTS) {
+                cuts[*i] = cut;
+            }
+        }
+        let (params, map) = super::tp::shard_params(&full.params, &cuts, r, n)?;
+        let full_len = full.params.numel();
+        Ok(Gpt { params, tp: Some(TensorParallel { group, cuts, map, full_len }), ..full })
+    }
+
+    /// Under tensor parallelism: writes this member's values into `out` (the whole model's flat
+    /// layout, `full_len` long): its pieces of the cut parameters, and the replicated ones on
+    /// member 0 only, so that a sum over the group assembles the whole model.
+    pub fn tp_pieces_into(&self, local: &[f32], out: &mut [f32]) -> Result<()> {
+        let Some(tp) = &self.tp else { return Err(TensorError::Input("not a tensor-parallel model".into())) };
+        for (i, p) in self.params.iter().enumerate() {
+            if tp.cuts[i] == super::tp::Cut::Whole && tp.group.rank() != 0 {
+                continue;
+            }
+            for k in p.range.clone() {
+                out[tp.map[k]] = local[k];
+            }
+        }
+        Ok(())
+    }
+
+    /// Values in the whole (unsplit) model: differs from `params().numel()` under tensor parallelism.
+    pub fn full_numel(&self) -> usize {
+        self.tp.as_ref().map_or(self.params.numel(), |t| t.full_len)
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -270,6 +321,9 @@ impl Gpt {
 
 impl Gpt {
     fn set_checkpointing_blocks(&mut self, blocks: &[usize]) -> Result<()> {
+        if self.tp.is_some() && !blocks.is_empty() {
+            return Err(TensorError::Input("activation checkpointing under tensor parallelism is not supported yet".into()));
+        }
         if let Some(bad) = blocks.iter().find(|&&i| i >= self.cfg.n_layer) {
             return Err(TensorError::Input(format!("activation checkpointing: block {bad} does not exist (the model has {} blocks)", self.cfg.n_layer)));
         }
@@ -287,11 +341,20 @@ impl Model for Gpt {
         self.set_checkpointing_blocks(blocks)
     }
 
+    fn tensor_parallel_pieces(&self, local: &[f32]) -> Option<Result<Vec<f32>>> {
+        self.tp.as_ref()?;
+        let mut out = vec![0f32; self.full_numel()];
+        Some(self.tp_pieces_into(local, &mut out).map(|_| out))
+    }
+
     fn param_groups(&self) -> Vec<Vec<usize>> {
         self.blocks.iter().map(|b| b.ids().to_vec()).collect()
     }
 
     fn shard_groups(&mut self, gather: Arc<dyn ParamGather>) -> Result<()> {
+        if self.tp.is_some() {
+            return Err(TensorError::Input("ZeRO-3 over a tensor-parallel GPT is not supported yet".into()));
+        }
         for b in &self.blocks {
             for i in b.ids() {
                 self.params.release(i)?;
@@ -380,6 +443,11 @@ impl Gpt {
         let n = self.blocks.len();
         for (i, (blk, &ckpt)) in self.blocks.iter().zip(&self.checkpointed).enumerate() {
             if !layers.contains(&(i + 1)) {
+                continue;
+            }
+            if let Some(tp) = &self.tp {
+                let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
+                x = super::tp::block_forward_tp(&x, &p, h / tp.group.size(), &tp.group)?;
                 continue;
             }
             if let Some(gather) = &self.sharded {

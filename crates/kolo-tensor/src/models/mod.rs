@@ -3,6 +3,7 @@
 mod cnn;
 mod gpt;
 mod mlp;
+mod tp;
 
 pub use cnn::Cnn;
 pub use gpt::{Gpt, GptConfig, StageInput};
@@ -67,6 +68,13 @@ pub trait Model: Send {
         } else {
             Err(TensorError::Input("activation checkpointing applies to the GPT's blocks only".into()))
         }
+    }
+
+    /// Under tensor parallelism: this member's values `local` placed in the whole model's flat
+    /// layout (replicated parameters from member 0 only), so a sum over the group assembles the
+    /// whole model. `None` for models that are not split.
+    fn tensor_parallel_pieces(&self, _local: &[f32]) -> Option<Result<Vec<f32>>> {
+        None
     }
 
     /// Mean cross-entropy over the batch.

@@ -701,3 +701,31 @@ fn pipeline_matches_one_process_gpt() {
         }
     }
 }
+
+/// Megatron tensor parallelism: each block's heads and MLP split over 2 and 4 ranks, and
+/// dp 2 x tp 2 on 4 ranks, follow the one-process run (one all-reduce per block forward and
+/// backward replaces the full matmuls: f32 reassociation only).
+#[test]
+fn tensor_parallel_matches_one_process_gpt() {
+    let mk = |batch: usize, extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+             [optim]\nkind = \"adamw\"\nlr = 0.003\n[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n{extra}",
+            shared().join("tinyshakespeare.txt").display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let one = &train_on(1, &mk(8, ""), &quiet())[0];
+    for (world, tp, batch) in [(2, 2, 8), (4, 4, 8), (4, 2, 4)] {
+        let ranks = train_on(world, &mk(batch, &format!("[mesh]\ntp = {tp}\n")), &quiet());
+        for s in &ranks {
+            assert_eq!(s.params.len(), one.params.len(), "every rank assembles the whole model");
+            assert_eq!(s.params, ranks[0].params);
+        }
+        // Each rank holds its pieces only: the blocks' big matrices split tp ways.
+        assert!(ranks[0].states.params * 10 < one.states.params * 9, "tp {tp}: {} vs {} bytes of parameters", ranks[0].states.params, one.states.params);
+        let d = max_diff(&ranks[0].params, &one.params);
+        assert!(d < 1e-4, "world {world}, tp {tp}: max parameter difference {d}");
+        assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "world {world} tp {tp}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
+    }
+}
