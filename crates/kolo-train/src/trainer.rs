@@ -478,7 +478,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let tp_size = cfg.mesh.as_ref().map_or(1, |m| m.tp);
     let (comm, tp_comm) = if tp_size > 1 {
         let n = comm.world_size().get();
-        if n % tp_size != 0 {
+        if !n.is_multiple_of(tp_size) {
             return Err(TrainError::Config(format!("mesh.tp = {tp_size} does not divide the world size {n}")));
         }
         let mesh = kolo_comm::DeviceMesh::new(&*comm, &[("dp", n / tp_size), ("tp", tp_size)])?;

@@ -279,7 +279,7 @@ impl Gpt {
     pub fn new_tensor_parallel(cfg: GptConfig, rng: &mut Rng, group: Arc<dyn kolo_base::GroupSum>) -> Result<Gpt> {
         let full = Gpt::new(cfg, rng)?;
         let (r, n) = (group.rank(), group.size());
-        if n == 0 || full.cfg.n_head % n != 0 {
+        if n == 0 || !full.cfg.n_head.is_multiple_of(n) {
             return Err(TensorError::Input(format!("{} attention heads do not split over {n} tensor-parallel ranks", full.cfg.n_head)));
         }
         let mut cuts = vec![super::tp::Cut::Whole; full.params.len()];

@@ -97,14 +97,14 @@ pub(crate) fn piece(shape: &[usize], cut: Cut, r: usize, p: usize) -> Result<Vec
         Cut::Whole => (0..rows * cols).collect(),
         Cut::Rows { blocks } => {
             let per_block = rows / blocks;
-            if per_block % p != 0 {
+            if !per_block.is_multiple_of(p) {
                 return Err(TensorError::Input(format!("{per_block} rows per block do not split into {p} tensor-parallel parts")));
             }
             let local = per_block / p;
             (0..blocks).flat_map(|b| (b * per_block + r * local..b * per_block + (r + 1) * local).flat_map(move |row| row * cols..(row + 1) * cols)).collect()
         }
         Cut::Cols => {
-            if cols % p != 0 {
+            if !cols.is_multiple_of(p) {
                 return Err(TensorError::Input(format!("{cols} columns do not split into {p} tensor-parallel parts")));
             }
             let local = cols / p;
