@@ -305,19 +305,33 @@ fn successor(shared: &Shared, job: &JobSpec, range: u32) -> Option<u32> {
     chain.get(at + 1).copied()
 }
 
-/// Waits (up to the deadline) for `range` to arrive on this server.
-fn wait_range(shared: &Shared, range: u32) -> Result<Slot, String> {
+/// Waits (up to the deadline) for `range` to arrive on this server: only while the range
+/// belongs here in the current membership and the request is not from an older epoch (a range
+/// handed on never comes back; the sender must ask the coordinator).
+fn wait_range(shared: &Shared, range: u32, epoch: u64) -> Result<Slot, Resp> {
     let deadline = Instant::now() + shared.timeout;
+    let me = shared.id.load(Ordering::SeqCst);
     let mut map = lock(&shared.ranges);
     loop {
         if let Some(s) = map.get(&range) {
             return Ok(s.clone());
         }
+        let current = shared.epoch.load(Ordering::SeqCst);
+        if epoch < current {
+            return Err(Resp::WrongEpoch { current });
+        }
+        if epoch == current {
+            if let Some(job) = lock(&shared.job).as_ref() {
+                if !lock(&shared.view).ring.chain(range, job.replication).contains(&me) {
+                    return Err(Resp::WrongEpoch { current });
+                }
+            }
+        }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
-            return Err(format!("server {}: range {range} never arrived (no Init or hand-over within {:.1} s)", shared.id.load(Ordering::SeqCst), shared.timeout.as_secs_f64()));
+            return Err(err(format!("server {me}: range {range} never arrived (no Init or hand-over within {:.1} s)", shared.timeout.as_secs_f64())));
         }
-        map = shared.appeared.wait_timeout(map, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
+        map = shared.appeared.wait_timeout(map, left.min(Duration::from_millis(50))).unwrap_or_else(|p| p.into_inner()).0;
     }
 }
 
@@ -461,7 +475,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             Ok(Resp::Ok { duplicate: false })
         }
         Req::Push { epoch, range, worker, clock, lr, keys, values, fwd: _ } => {
-            let slot = wait_range(shared, range).map_err(err)?;
+            let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
             let keys = resolve_keys(cs, shared, keys)?;
             let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
@@ -501,7 +515,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             Ok(Resp::Ok { duplicate })
         }
         Req::Pull { epoch, range, worker, clock, keys } => {
-            let slot = wait_range(shared, range).map_err(err)?;
+            let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
             let keys = resolve_keys(cs, shared, keys)?;
             let deadline = Instant::now() + shared.timeout;
@@ -540,7 +554,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             Ok(Resp::Values { min_clock: min, values })
         }
         Req::Vector { epoch, range, id, values } => {
-            let slot = wait_range(shared, range).map_err(err)?;
+            let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
             let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
             match values {
@@ -562,7 +576,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             }
         }
         Req::Axpby { epoch, range, dst, a, src, b } => {
-            let slot = wait_range(shared, range).map_err(err)?;
+            let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
             let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
             let s = vector(&d, src).to_vec();
@@ -576,7 +590,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             Ok(Resp::Ok { duplicate: false })
         }
         Req::Dot { epoch, range, x, y } => {
-            let slot = wait_range(shared, range).map_err(err)?;
+            let slot = wait_range(shared, range, epoch)?;
             let d = settle(shared, &slot, lock(&slot.0), epoch)?;
             Ok(Resp::Scalar(vector(&d, x).iter().zip(vector(&d, y)).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum()))
         }
