@@ -456,18 +456,24 @@ pub(crate) fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, 
     Ok(vocab.decode(&ids[1..]))
 }
 
-/// A tensor-parallel group as the model adapter sees it.
-struct CommGroup(Arc<dyn Communicator>);
+/// A tensor-parallel group as the model adapter sees it, counting its all-reduces.
+struct CommGroup {
+    comm: Arc<dyn Communicator>,
+    calls: std::sync::atomic::AtomicU64,
+    bytes: std::sync::atomic::AtomicU64,
+}
 
 impl kolo_base::GroupSum for CommGroup {
     fn rank(&self) -> usize {
-        self.0.rank().get()
+        self.comm.rank().get()
     }
     fn size(&self) -> usize {
-        self.0.world_size().get()
+        self.comm.world_size().get()
     }
     fn sum(&self, buf: &mut [f32]) -> Result<(), String> {
-        self.0.all_reduce(BufMut::from(buf), ReduceOp::Sum).map_err(|e| e.to_string())
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.bytes.fetch_add(buf.len() as u64 * 4, std::sync::atomic::Ordering::Relaxed);
+        self.comm.all_reduce(BufMut::from(buf), ReduceOp::Sum).map_err(|e| e.to_string())
     }
 }
 
@@ -508,8 +514,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let data = load_data(cfg, rank, &say)?;
     let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let spec = cfg.model_spec(data.vocab_size);
-    let mut model = match (&tp_comm, &spec) {
-        (Some(tp), ModelSpec::Gpt(g)) => Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(g.clone(), &mut Rng::new(tc.seed), Arc::new(CommGroup(tp.clone())))?) as Box<dyn Model>,
+    let tp_group = tp_comm.as_ref().map(|c| Arc::new(CommGroup { comm: c.clone(), calls: Default::default(), bytes: Default::default() }));
+    let mut model = match (&tp_group, &spec) {
+        (Some(tp), ModelSpec::Gpt(g)) => Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(g.clone(), &mut Rng::new(tc.seed), tp.clone())?) as Box<dyn Model>,
         _ => build_model(&spec, tc.seed)?,
     };
     model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
@@ -955,6 +962,17 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     }
     if let Some(pb) = &bar {
         pb.finish();
+    }
+    if let (Some(g), ModelSpec::Gpt(gc)) = (&tp_group, &spec) {
+        let steps = (end - start).max(1) * tc.grad_accum;
+        let calls = g.calls.load(std::sync::atomic::Ordering::Relaxed) as f64 / steps as f64;
+        let mb = g.bytes.load(std::sync::atomic::Ordering::Relaxed) as f64 / steps as f64 / 1e6;
+        say(&format!(
+            "tensor parallel: {calls:.1} all-reduces ({mb:.2} MB) per micro-step over {} ranks for {} blocks: {:.1} per block (Megatron: 2 in forward + 2 in backward)",
+            tp_size,
+            gc.n_layer,
+            calls / gc.n_layer as f64
+        ));
     }
     if end == tc.steps {
         // The final evaluation covers the whole test set for images (10k for MNIST); text
