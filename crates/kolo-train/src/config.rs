@@ -24,8 +24,8 @@ pub struct Config {
     pub ps: PsConfig,
     /// Pipeline parallelism (gpt): every rank is a stage. Default: off.
     pub pipeline: Option<PipelineConfig>,
-    /// The device mesh: `[mesh] tp = 2` splits each GPT block over groups of 2 consecutive ranks
-    /// (Megatron tensor parallelism); the remaining factor of the world is data parallel.
+    /// The device mesh, e.g. `mesh = { dp = 2, tp = 2, pp = 1 }` (3D parallelism): ranks laid
+    /// out pp x dp x tp with tp varying fastest (tensor-parallel peers are consecutive ranks).
     pub mesh: Option<MeshConfig>,
 }
 
@@ -33,9 +33,22 @@ pub struct Config {
 #[derive(Deserialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct MeshConfig {
-    /// Tensor-parallel group size (divides the world size and the GPT's head count).
+    /// Tensor-parallel group size: each GPT block's heads and MLP split over this many ranks
+    /// (Megatron). Divides the head count. Default 1.
     #[serde(default = "one")]
     pub tp: usize,
+    /// Pipeline stages (needs `[pipeline]`). Default: with `[pipeline]`, world / (dp x tp); else 1.
+    pub pp: Option<usize>,
+    /// Data-parallel replicas. Default: whatever remains of the world size.
+    pub dp: Option<usize>,
+}
+
+/// The mesh a run uses: (dp, tp, pp), their product the world size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mesh {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
 }
 
 /// `[pipeline]`: the GPT's layers (embedding, blocks, head) cut into one stage per rank by a
@@ -524,12 +537,18 @@ impl Config {
             return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
         }
         if let Some(m) = &self.mesh {
-            if m.tp == 0 {
-                return Err("mesh.tp must be at least 1".into());
+            if m.tp == 0 || m.pp == Some(0) || m.dp == Some(0) {
+                return Err("mesh.dp, mesh.tp and mesh.pp must be at least 1".into());
+            }
+            if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {
+                return Err("mesh.pp > 1 needs a [pipeline] section (micro_batches, schedule)".into());
             }
             if m.tp > 1 {
-                if self.model.kind != ModelKind::Gpt || self.pipeline.is_some() {
-                    return Err("mesh.tp splits the GPT's blocks (model.kind = \"gpt\", without [pipeline] for now)".into());
+                if self.model.kind != ModelKind::Gpt {
+                    return Err("mesh.tp splits the GPT's blocks (model.kind = \"gpt\")".into());
+                }
+                if self.optim.clip_grad_norm.is_some() {
+                    return Err("optim.clip_grad_norm with mesh.tp > 1 is not supported yet (the norm must count split and replicated parameters once)".into());
                 }
                 if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() {
                     return Err("mesh.tp > 1 runs in f32 without ZeRO, compression, local SGD, parameter servers, activation checkpointing or checkpoints (yet)".into());
@@ -606,6 +625,23 @@ impl Config {
             }
         }
         Ok(sharding)
+    }
+
+    /// The (dp, tp, pp) mesh for `world` ranks.
+    pub fn mesh_for(&self, world: usize) -> Result<Mesh, String> {
+        let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None });
+        let tp = m.tp;
+        let pp = match (m.pp, &self.pipeline, m.dp) {
+            (Some(p), _, _) => p,
+            (None, Some(_), Some(dp)) => world / (dp * tp).max(1),
+            (None, Some(_), None) => world / tp.max(1),
+            (None, None, _) => 1,
+        };
+        let dp = m.dp.unwrap_or(world / (tp * pp).max(1));
+        if dp * tp * pp != world || dp == 0 || pp == 0 {
+            return Err(format!("mesh dp {dp} x tp {tp} x pp {pp} does not make {world} ranks"));
+        }
+        Ok(Mesh { dp, tp, pp })
     }
 
     pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {

@@ -1,14 +1,17 @@
-//! Pipeline-parallel training of the GPT (`[pipeline]`): rank s of the job is stage s. The
-//! planner cuts the layers (embedding, blocks, head) into stages of balanced cost; each batch
-//! is split into micro-batches that flow through the stages by the chosen schedule (GPipe or
-//! 1F1B); each stage accumulates its own parameters' gradients over the micro-batches and
-//! steps its own optimizer. At the end the stages' parameters are assembled on every rank.
+//! Pipeline-parallel training of the GPT (`[pipeline]`): rank s of the pipeline group is stage s.
+//! The planner cuts the layers (embedding, blocks, head) into stages of balanced cost; each
+//! batch is split into micro-batches that flow through the stages by the chosen schedule (GPipe
+//! or 1F1B); each stage accumulates its own parameters' gradients over the micro-batches, averages
+//! them over its data-parallel replicas and steps its own optimizer. Under tensor parallelism a
+//! stage's blocks are split over its tensor-parallel group. At the end the whole model is
+//! assembled on every rank.
 
 use crate::config::{Config, PipeSchedule};
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::trainer::{evaluate, load_data, peak_rss, prefetch, sample_text, RunOptions, StateBytes, Summary};
 use crate::TrainError;
-use kolo_base::{Rng, WorldSize};
+use kolo_base::{GroupSum, Rng, WorldSize};
+use std::sync::Arc;
 use kolo_comm::{BufMut, Communicator, LocalComm, ReduceOp};
 use kolo_optim::{clip_factor, lr_at, Optimizer};
 use kolo_pipe::{partition, run_stage, theoretical_bubble, Schedule, StageWork};
@@ -41,21 +44,29 @@ pub fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, TrainError> {
         .collect())
 }
 
-pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, opts: &RunOptions) -> Result<Summary, TrainError> {
+/// `comm` is the pipeline group (rank = stage), `dp` the data-parallel group of this stage's
+/// replicas, `tp` the tensor-parallel group (if any).
+pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator, tp: Option<Arc<dyn GroupSum>>, global_rank: usize, opts: &RunOptions) -> Result<Summary, TrainError> {
     let pc = cfg.pipeline.as_ref().expect("called for [pipeline] configs");
     let (stage, k) = (comm.rank().get(), comm.world_size().get());
-    let lead = stage == 0 && !opts.quiet;
+    let (dp_rank, dp_size) = (dp.rank().get(), dp.world_size().get());
+    let lead = global_rank == 0 && !opts.quiet;
     let say = |m: &str| {
         if lead {
             eprintln!("{m}");
         }
     };
     let tc = &cfg.train;
-    comm.set_timeout(std::time::Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001)));
-    let data = load_data(cfg, 0, &say)?;
+    let timeout = std::time::Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
+    comm.set_timeout(timeout);
+    dp.set_timeout(timeout);
+    let data = load_data(cfg, dp_rank, &say)?;
     let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else { unreachable!("validated: gpt") };
-    let gpt = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
+    let gpt = match &tp {
+        Some(g) => Gpt::new_tensor_parallel(gcfg.clone(), &mut Rng::new(tc.seed), g.clone())?,
+        None => Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?,
+    };
     if k > gpt.layers() {
         return Err(TrainError::Config(format!("{k} pipeline stages for a GPT with {} layers (embedding, {} blocks, head)", gpt.layers(), gcfg.n_layer)));
     }
@@ -71,19 +82,21 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, opts: &RunOptions) ->
     let own_len: usize = ranges.iter().map(|r| r.len()).sum();
     let mut opt = Optimizer::new(cfg.optimizer(), own_len);
     say(&format!(
-        "kolo train (pipeline): GPT {} params in {k} stages {:?} (layers: 0 = embedding, 1..={} blocks, {} = head), {m} micro-batches of {}, {:?}; theoretical bubble {:.1}%",
-        gpt.params().numel(),
+        "kolo train (pipeline): GPT {} params in {k} stages {:?} (layers: 0 = embedding, 1..={} blocks, {} = head) x {dp_size} data-parallel replicas x {} tensor-parallel ranks, {m} micro-batches of {}, {:?}; theoretical bubble {:.1}%",
+        gpt.full_numel(),
         plan,
         gcfg.n_layer,
         gcfg.n_layer + 1,
+        tp.as_ref().map_or(1, |g| g.size()),
         cfg.data.batch_size / m,
         schedule,
         theoretical_bubble(k, m) * 100.0
     ));
-    // Every stage reads the same batches (one data-parallel replica): the first uses the
-    // tokens, the last the targets.
+    // Every stage of a replica reads the same batches (the first uses the tokens, the last the
+    // targets); replicas read disjoint shards. Synthetic data is already per replica.
+    let (s_world, s_rank) = if cfg.data.kind == crate::config::DataKind::Synthetic { (1, 0) } else { (dp_size, dp_rank) };
     let sampler = Sampler::new(
-        SamplerConfig { len: data.train.len(), world: 1, rank: 0, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
+        SamplerConfig { len: data.train.len(), world: s_world, rank: s_rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
         Position::default(),
     )
     .map_err(TrainError::Data)?;
@@ -102,15 +115,27 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, opts: &RunOptions) ->
         let mut work = Work(GptStage::new(&gpt, layers.clone(), split_batch(&batch, m)?));
         let act_len = work.0.act_len()?;
         let report = run_stage(comm, schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
-        let grads = work.0.grads;
+        let mut grads = work.0.grads;
         peak_live = peak_live.max(report.max_live);
+        if dp_size > 1 {
+            // This stage's gradients, averaged over its data-parallel replicas.
+            let mut packed: Vec<f32> = ranges.iter().flat_map(|r| grads[r.clone()].iter().copied()).collect();
+            dp.all_reduce(BufMut::from(&mut packed[..]), ReduceOp::Avg)?;
+            let mut at = 0;
+            for r in &ranges {
+                grads[r.clone()].copy_from_slice(&packed[at..at + r.len()]);
+                at += r.len();
+            }
+        }
         // Global gradient norm (clipping) and the loss (known to the last stage) for everyone.
         let mut v = [0f64, report.losses.iter().map(|l| f64::from(*l)).sum()];
         if cfg.optim.clip_grad_norm.is_some() {
             v[0] = ranges.iter().map(|r| kolo_optim::sum_of_squares(&grads[r.clone()])).sum();
         }
         comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
-        last_loss = v[1];
+        let mut l = [v[1]];
+        dp.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
+        last_loss = l[0];
         let f = cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(v[0].sqrt(), max));
         opt.begin_step();
         let mut at = 0;
@@ -135,17 +160,29 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, opts: &RunOptions) ->
             say(&format!("step {done}/{} loss {last_loss:.4} | {:.1} ms/step, bubble {:.1}% (theory {:.1}%)", tc.steps, step_ms.last().unwrap_or(&0.0), bubbles.last().unwrap_or(&0.0) * 100.0, theoretical_bubble(k, m) * 100.0));
         }
     }
-    // Assemble the whole model on every rank: each stage contributes its own parameters.
-    let mut flat = vec![0f32; gpt.params().numel()];
-    let mine = gpt.params().to_flat()?;
+    // Assemble the whole model on every rank: each stage contributes its own layers' values
+    // (under tensor parallelism first put together within the tensor-parallel group).
+    let mut mine = vec![0f32; gpt.params().numel()];
+    let values = gpt.params().to_flat()?;
     for r in &ranges {
-        flat[r.clone()].copy_from_slice(&mine[r.clone()]);
+        mine[r.clone()].copy_from_slice(&values[r.clone()]);
     }
+    let mut flat = match (&tp, gpt.tensor_parallel_pieces(&mine)) {
+        (Some(g), Some(pieces)) => {
+            let mut full = pieces?;
+            g.sum(&mut full).map_err(TrainError::Other)?;
+            full
+        }
+        _ => mine,
+    };
     comm.all_reduce(BufMut::from(&mut flat[..]), ReduceOp::Sum)?;
-    gpt.params().load(&flat)?;
     let mut eval = None;
     let mut sample = None;
-    if stage == 0 && end == tc.steps {
+    if global_rank == 0 && end == tc.steps {
+        // Evaluate the assembled model in this process.
+        let whole = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
+        whole.params().load(&flat)?;
+        let gpt = whole;
         let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
         let e = evaluate(&gpt, &PlainView, &*data.eval, &local, cfg.data.batch_size, tc.eval_batches, false, &|| Ok(()))?;
         say(&format!("final eval on {} examples: loss {:.4}", e.examples, e.loss));

@@ -479,19 +479,23 @@ impl kolo_base::GroupSum for CommGroup {
 
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
-    // Tensor parallelism: groups of `tp` consecutive ranks split each block; everything else
-    // (DDP, data, evaluation) runs over the data-parallel group.
-    let tp_size = cfg.mesh.as_ref().map_or(1, |m| m.tp);
-    let (comm, tp_comm) = if tp_size > 1 {
-        let n = comm.world_size().get();
-        if !n.is_multiple_of(tp_size) {
-            return Err(TrainError::Config(format!("mesh.tp = {tp_size} does not divide the world size {n}")));
-        }
-        let mesh = kolo_comm::DeviceMesh::new(&*comm, &[("dp", n / tp_size), ("tp", tp_size)])?;
-        (mesh.group("dp").expect("axis").clone(), Some(mesh.group("tp").expect("axis").clone()))
+    // The mesh: pipeline stages (pp) of data-parallel replicas (dp) of tensor-parallel groups
+    // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
+    // blocks are split over the tp group; stages talk over the pp group.
+    let mesh = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+    let (comm, tp_comm, pp_comm) = if mesh.tp > 1 || cfg.pipeline.is_some() {
+        let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
+        let g = |a: &str| m.group(a).expect("axis").clone();
+        (g("dp"), (mesh.tp > 1).then(|| g("tp")), Some(g("pp")))
     } else {
-        (comm, None)
+        (comm, None, None)
     };
+    let tp_size = mesh.tp;
+    let tp_group = tp_comm.as_ref().map(|c| Arc::new(CommGroup { comm: c.clone(), calls: Default::default(), bytes: Default::default() }));
+    if let (Some(_), Some(pp)) = (&cfg.pipeline, &pp_comm) {
+        let tp: Option<Arc<dyn kolo_base::GroupSum>> = tp_group.clone().map(|g| g as Arc<dyn kolo_base::GroupSum>);
+        return crate::pipeline::run_pipeline(cfg, &**pp, &*comm, tp, global_rank, opts);
+    }
     let rank = comm.rank().get();
     let world = comm.world_size().get();
     let lead = global_rank == 0 && !opts.quiet;
@@ -501,9 +505,6 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
     };
     let tc = &cfg.train;
-    if cfg.pipeline.is_some() {
-        return crate::pipeline::run_pipeline(cfg, &*comm, opts);
-    }
     if tc.strategy == crate::config::Strategy::Ps {
         return Err(TrainError::Config("train.strategy = \"ps\" trains through parameter servers: run it with `kolo ps run` (or `kolo train` with KOLO_PS_COORDINATOR set)".into()));
     }
@@ -514,7 +515,6 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let data = load_data(cfg, rank, &say)?;
     let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let spec = cfg.model_spec(data.vocab_size);
-    let tp_group = tp_comm.as_ref().map(|c| Arc::new(CommGroup { comm: c.clone(), calls: Default::default(), bytes: Default::default() }));
     let mut model = match (&tp_group, &spec) {
         (Some(tp), ModelSpec::Gpt(g)) => Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(g.clone(), &mut Rng::new(tc.seed), tp.clone())?) as Box<dyn Model>,
         _ => build_model(&spec, tc.seed)?,

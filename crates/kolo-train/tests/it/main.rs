@@ -729,3 +729,30 @@ fn tensor_parallel_matches_one_process_gpt() {
         assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "world {world} tp {tp}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
     }
 }
+
+/// 3D parallelism: every mesh (dp x tp x pp) that fits in 2 and 4 ranks trains the GPT like one
+/// process with the same global batch (8 sequences).
+#[test]
+fn every_mesh_in_four_ranks_matches_one_process_gpt() {
+    let mk = |batch: usize, extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+             [optim]\nkind = \"adamw\"\nlr = 0.003\n[train]\nsteps = 3\nsample_chars = 0\neval_batches = 2\n{extra}",
+            shared().join("tinyshakespeare.txt").display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let one = &train_on(1, &mk(8, ""), &quiet())[0];
+    for (dp, tp, pp) in [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4), (1, 4, 1), (4, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1)] {
+        let world = dp * tp * pp;
+        let pipe = if pp > 1 { "[pipeline]\nmicro_batches = 2\n" } else { "" };
+        let cfg = mk(8 / dp, &format!("[mesh]\ndp = {dp}\ntp = {tp}\npp = {pp}\n{pipe}"));
+        let ranks = train_on(world, &cfg, &quiet());
+        for s in &ranks {
+            assert_eq!(s.params, ranks[0].params, "dp {dp} tp {tp} pp {pp}: every rank assembles the same model");
+        }
+        let d = max_diff(&ranks[0].params, &one.params);
+        assert!(d < 1e-4, "dp {dp} tp {tp} pp {pp}: max parameter difference {d}");
+        assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "dp {dp} tp {tp} pp {pp}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
+    }
+}
