@@ -547,9 +547,6 @@ impl Config {
                 if self.model.kind != ModelKind::Gpt {
                     return Err("mesh.tp splits the GPT's blocks (model.kind = \"gpt\")".into());
                 }
-                if self.optim.clip_grad_norm.is_some() {
-                    return Err("optim.clip_grad_norm with mesh.tp > 1 is not supported yet (the norm must count split and replicated parameters once)".into());
-                }
                 if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() {
                     return Err("mesh.tp > 1 runs in f32 without ZeRO, compression, local SGD, parameter servers, activation checkpointing or checkpoints (yet)".into());
                 }

@@ -130,7 +130,14 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         // Global gradient norm (clipping) and the loss (known to the last stage) for everyone.
         let mut v = [0f64, report.losses.iter().map(|l| f64::from(*l)).sum()];
         if cfg.optim.clip_grad_norm.is_some() {
-            v[0] = ranges.iter().map(|r| kolo_optim::sum_of_squares(&grads[r.clone()])).sum();
+            // Split parameters summed over the tensor-parallel group, replicated ones once.
+            let split = gpt.tensor_parallel_split();
+            let counted = |i: usize| split.as_ref().is_none_or(|s| s[i] || tp.as_ref().is_some_and(|g| g.rank() == 0));
+            let mut sq = [own.iter().zip(&ranges).filter(|(i, _)| counted(**i)).map(|(_, r)| kolo_optim::sum_of_squares(&grads[r.clone()])).sum::<f64>() as f32];
+            if let Some(g) = &tp {
+                g.sum(&mut sq).map_err(TrainError::Other)?;
+            }
+            v[0] = f64::from(sq[0]);
         }
         comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
         let mut l = [v[1]];

@@ -520,6 +520,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         _ => build_model(&spec, tc.seed)?,
     };
     model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
+    let tp_split = model.tensor_parallel_split();
     let sharding = cfg.sharding().map_err(TrainError::Config)?;
     let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
     let (compression, compression_warmup) = cfg.compression().map_err(TrainError::Config)?;
@@ -746,7 +747,16 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 if cfg.optim.clip_grad_norm.is_none() && scaler.is_none() {
                     return Ok(true);
                 }
-                let mut sq = [g.sum_of_squares()];
+                let mut sq = [match (&tp_split, &tp_group) {
+                    // Tensor parallelism: split parameters summed over the group, replicated
+                    // ones counted once (member 0).
+                    (Some(split), Some(tg)) if cfg.optim.clip_grad_norm.is_some() => {
+                        let mut v = [(0..split.len()).filter(|&i| split[i] || kolo_base::GroupSum::rank(&**tg) == 0).map(|i| kolo_base::sum_of_squares(g.param(i))).sum::<f64>() as f32];
+                        kolo_base::GroupSum::sum(&**tg, &mut v).map_err(TrainError::Other)?;
+                        f64::from(v[0])
+                    }
+                    _ => g.sum_of_squares(),
+                }];
                 if sharded && cfg.optim.clip_grad_norm.is_some() {
                     comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
                 }

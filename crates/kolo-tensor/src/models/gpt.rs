@@ -341,6 +341,10 @@ impl Model for Gpt {
         self.set_checkpointing_blocks(blocks)
     }
 
+    fn tensor_parallel_split(&self) -> Option<Vec<bool>> {
+        Some(self.tp.as_ref()?.cuts.iter().map(|c| *c != super::tp::Cut::Whole).collect())
+    }
+
     fn tensor_parallel_pieces(&self, local: &[f32]) -> Option<Result<Vec<f32>>> {
         self.tp.as_ref()?;
         let mut out = vec![0f32; self.full_numel()];

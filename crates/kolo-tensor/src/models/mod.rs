@@ -77,6 +77,12 @@ pub trait Model: Send {
         None
     }
 
+    /// Under tensor parallelism: per parameter, whether it is split across the group (its
+    /// pieces differ by member) rather than replicated. `None` for models that are not split.
+    fn tensor_parallel_split(&self) -> Option<Vec<bool>> {
+        None
+    }
+
     /// Mean cross-entropy over the batch.
     fn loss(&self, batch: &Batch, view: &dyn ParamView) -> Result<Tensor> {
         let logits = self.forward(&batch.input, view)?;

@@ -731,13 +731,14 @@ fn tensor_parallel_matches_one_process_gpt() {
 }
 
 /// 3D parallelism: every mesh (dp x tp x pp) that fits in 2 and 4 ranks trains the GPT like one
-/// process with the same global batch (8 sequences).
+/// process with the same global batch (8 sequences), with gradient clipping active (the norm
+/// counts split parameters over the tensor-parallel group and replicated ones once).
 #[test]
 fn every_mesh_in_four_ranks_matches_one_process_gpt() {
     let mk = |batch: usize, extra: &str| {
         let text = format!(
             "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
-             [optim]\nkind = \"adamw\"\nlr = 0.003\n[train]\nsteps = 3\nsample_chars = 0\neval_batches = 2\n{extra}",
+             [optim]\nkind = \"adamw\"\nlr = 0.003\nclip_grad_norm = 0.05\n[train]\nsteps = 3\nsample_chars = 0\neval_batches = 2\n{extra}",
             shared().join("tinyshakespeare.txt").display()
         );
         Config::parse(&text, "test").unwrap()

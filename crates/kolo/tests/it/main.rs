@@ -519,3 +519,24 @@ extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
+
+/// 3D parallelism across real processes: 4 ranks as 2 pipeline stages of 2 tensor-parallel
+/// ranks (shared memory links, fused send/recv between stages).
+#[test]
+fn launched_gpt_trains_with_tensor_and_pipeline_parallelism() {
+    let dir = std::env::temp_dir().join(format!("kolo-mesh-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("gpt.toml");
+    std::fs::write(
+        &cfg,
+        "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"/nonexistent/corpus.txt\"\n\
+         batch_size = 8\n[optim]\nclip_grad_norm = 1.0\n[train]\nsteps = 4\nlog_every = 2\nsample_chars = 10\n[mesh]\ntp = 2\npp = 2\n[pipeline]\nmicro_batches = 4\nschedule = \"1f1b\"\n",
+    )
+    .unwrap();
+    let o = run(&["launch", "-n", "4", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("2 stages") && t.contains("2 tensor-parallel ranks"), "{t}");
+    assert!(t.contains("pipeline bubble") && t.contains("[rank 0] final eval"), "{t}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
