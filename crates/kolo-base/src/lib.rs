@@ -228,5 +228,15 @@ pub trait GroupSum: Send + Sync {
     fn sum(&self, buf: &mut [f32]) -> Result<(), String>;
 }
 
+/// Passing buffers around a ring of ranks (sequence parallelism: ring attention moves key/value
+/// blocks rank to rank), for model adapters that must not know the communicator.
+pub trait RingShift: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Sends `send` to the next member ((rank + 1) mod size) and receives the previous member's
+    /// buffer of the same length into `recv`, at once.
+    fn shift(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String>;
+}
+
 #[cfg(test)]
 mod tests;

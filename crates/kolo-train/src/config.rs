@@ -41,6 +41,10 @@ pub struct MeshConfig {
     pub pp: Option<usize>,
     /// Data-parallel replicas. Default: whatever remains of the world size.
     pub dp: Option<usize>,
+    /// Sequence parallelism: every sequence split into this many contiguous chunks, one per rank
+    /// of a group, attention over a ring (GPT; not combined with tp or pp yet). Default 1.
+    #[serde(default = "one")]
+    pub sp: usize,
 }
 
 /// The mesh a run uses: (dp, tp, pp), their product the world size.
@@ -49,6 +53,7 @@ pub struct Mesh {
     pub dp: usize,
     pub tp: usize,
     pub pp: usize,
+    pub sp: usize,
 }
 
 /// `[pipeline]`: the GPT's layers (embedding, blocks, head) cut into one stage per rank by a
@@ -537,8 +542,16 @@ impl Config {
             return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
         }
         if let Some(m) = &self.mesh {
-            if m.tp == 0 || m.pp == Some(0) || m.dp == Some(0) {
-                return Err("mesh.dp, mesh.tp and mesh.pp must be at least 1".into());
+            if m.tp == 0 || m.sp == 0 || m.pp == Some(0) || m.dp == Some(0) {
+                return Err("mesh.dp, mesh.tp, mesh.pp and mesh.sp must be at least 1".into());
+            }
+            if m.sp > 1 {
+                if self.model.kind != ModelKind::Gpt || m.tp > 1 || self.pipeline.is_some() {
+                    return Err("mesh.sp splits the GPT's sequences (model.kind = \"gpt\", without tp or [pipeline] for now)".into());
+                }
+                if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() || self.train.grad_accum != 1 || self.train.eval_every != 0 || self.train.timeline_dir.is_some() {
+                    return Err("mesh.sp > 1 runs in f32 with grad_accum = 1, a final evaluation only, and without ZeRO, compression, local SGD, parameter servers, activation checkpointing, timelines or checkpoints (yet)".into());
+                }
             }
             if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {
                 return Err("mesh.pp > 1 needs a [pipeline] section (micro_batches, schedule)".into());
@@ -626,19 +639,19 @@ impl Config {
 
     /// The (dp, tp, pp) mesh for `world` ranks.
     pub fn mesh_for(&self, world: usize) -> Result<Mesh, String> {
-        let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None });
-        let tp = m.tp;
+        let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1 });
+        let (tp, sp) = (m.tp, m.sp);
         let pp = match (m.pp, &self.pipeline, m.dp) {
             (Some(p), _, _) => p,
             (None, Some(_), Some(dp)) => world / (dp * tp).max(1),
             (None, Some(_), None) => world / tp.max(1),
             (None, None, _) => 1,
         };
-        let dp = m.dp.unwrap_or(world / (tp * pp).max(1));
-        if dp * tp * pp != world || dp == 0 || pp == 0 {
-            return Err(format!("mesh dp {dp} x tp {tp} x pp {pp} does not make {world} ranks"));
+        let dp = m.dp.unwrap_or(world / (tp * pp * sp).max(1));
+        if dp * tp * pp * sp != world || dp == 0 || pp == 0 {
+            return Err(format!("mesh dp {dp} x tp {tp} x pp {pp} x sp {sp} does not make {world} ranks"));
         }
-        Ok(Mesh { dp, tp, pp })
+        Ok(Mesh { dp, tp, pp, sp })
     }
 
     pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {

@@ -10,6 +10,7 @@ pub use config::Config;
 pub mod metrics;
 pub mod pipeline;
 pub mod ps_worker;
+pub mod sp;
 pub mod tensorboard;
 pub mod timeline;
 pub use trainer::{peak_rss, run, Eval, HeapReport, RunOptions, StateBytes, Summary};

@@ -483,6 +483,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
     // blocks are split over the tp group; stages talk over the pp group.
     let mesh = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+    if mesh.sp > 1 {
+        let m = kolo_comm::DeviceMesh::new(&*comm, &[("dp", mesh.dp), ("sp", mesh.sp)])?;
+        let sp = m.group("sp").expect("axis").clone();
+        return crate::sp::run_sequence_parallel(cfg, &*comm, sp, m.coord("dp").expect("axis"), mesh.dp, opts);
+    }
     let (comm, tp_comm, pp_comm) = if mesh.tp > 1 || cfg.pipeline.is_some() {
         let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
         let g = |a: &str| m.group(a).expect("axis").clone();

@@ -55,6 +55,8 @@ pub struct Gpt {
     /// Tensor parallelism: the group, each parameter's cut, and for each local value its index
     /// in the whole model's flat layout.
     tp: Option<TensorParallel>,
+    /// Sequence parallelism: this rank holds one chunk of every sequence; attention runs over the ring.
+    sp: Option<Arc<dyn kolo_base::RingShift>>,
 }
 
 struct TensorParallel {
@@ -66,6 +68,11 @@ struct TensorParallel {
 
 /// One pre-norm transformer block on `x` (b, t, c) with parameters `p` (see [`Block::ids`]).
 fn block_forward(x: &Tensor, p: &[Tensor], h: usize) -> Result<Tensor> {
+    block_forward_with(x, p, h, None)
+}
+
+/// The block, with attention over a sequence-parallel ring when `ring` is given.
+fn block_forward_with(x: &Tensor, p: &[Tensor], h: usize, ring: Option<&Arc<dyn kolo_base::RingShift>>) -> Result<Tensor> {
     let (b, t, c) = x.dims3()?;
     let d = c / h;
     let scale = 1.0 / (d as f64).sqrt();
@@ -79,8 +86,11 @@ fn block_forward(x: &Tensor, p: &[Tensor], h: usize) -> Result<Tensor> {
         Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
     };
     let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-    let att = crate::fused::causal_softmax(&q.matmul(&k.t()?.contiguous()?)?, scale)?;
-    let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
+    let y = match ring {
+        Some(r) => q.apply_op3(&k, &v, super::ring::RingAttention::new(r.clone(), scale as f32))?,
+        None => crate::fused::causal_softmax(&q.matmul(&k.t()?.contiguous()?)?, scale)?.matmul(&v)?,
+    };
+    let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
     let x = (x + linear(&y, &p[4], &p[5])?)?;
     let hdn = layer_norm(&x, &p[6], &p[7], 1e-5)?;
     Ok((&x + linear(&crate::fused::gelu_erf(&linear(&hdn, &p[8], &p[9])?)?, &p[10], &p[11])?)?)
@@ -270,7 +280,7 @@ impl Gpt {
         let ln_f = ln(&mut p, "ln_f")?;
         let head = lin(&mut p, "head", cfg.vocab, c, rng)?;
         let checkpointed = vec![false; cfg.n_layer];
-        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, sharded: None, tp: None })
+        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, sharded: None, tp: None, sp: None })
     }
 
     /// This member's piece of the model under Megatron tensor parallelism over `group`: the
@@ -291,6 +301,17 @@ impl Gpt {
         let (params, map) = super::tp::shard_params(&full.params, &cuts, r, n)?;
         let full_len = full.params.numel();
         Ok(Gpt { params, tp: Some(TensorParallel { group, cuts, map, full_len }), ..full })
+    }
+
+    /// Sequence parallelism over `ring`: from now on the model takes chunk `ring.rank()` of
+    /// every sequence (positions `rank * t ..`), and attention passes keys and values around the
+    /// ring. Parameters stay whole (replicated on every member).
+    pub fn set_sequence_parallel(&mut self, ring: Arc<dyn kolo_base::RingShift>) -> Result<()> {
+        if self.tp.is_some() || self.sharded.is_some() || self.checkpointed.iter().any(|c| *c) {
+            return Err(TensorError::Input("sequence parallelism does not combine with tensor parallelism, ZeRO-3 or activation checkpointing yet".into()));
+        }
+        self.sp = Some(ring);
+        Ok(())
     }
 
     /// Under tensor parallelism: writes this member's values into `out` (the whole model's flat
@@ -419,8 +440,10 @@ impl Gpt {
         let pair = |(w, bias): (usize, usize)| -> Result<(Tensor, Tensor)> { Ok((g(w)?, g(bias)?)) };
         let mut x = match (input, layers.start) {
             (StageInput::Tokens { ids, b, t }, 0) => {
-                if t == 0 || t > self.cfg.seq {
-                    return Err(TensorError::Input(format!("sequence length {t} is not in 1..={}", self.cfg.seq)));
+                // Under sequence parallelism `t` is this rank's chunk, at positions rank * t ..
+                let offset = self.sp.as_ref().map_or(0, |r| r.rank() * t);
+                if t == 0 || offset + t > self.cfg.seq {
+                    return Err(TensorError::Input(format!("sequence positions {offset}..{} are not in 0..{}", offset + t, self.cfg.seq)));
                 }
                 if ids.len() != b * t {
                     return Err(TensorError::Input(format!("{} token ids for {b} sequences of {t}", ids.len())));
@@ -430,7 +453,7 @@ impl Gpt {
                 }
                 let ids_t = Tensor::from_slice(ids, b * t, &Device::Cpu)?;
                 let tok = g(self.wte)?.index_select(&ids_t, 0)?.reshape((b, t, c))?;
-                let pos = g(self.wpe)?.narrow(0, 0, t)?;
+                let pos = g(self.wpe)?.narrow(0, offset, t)?;
                 tok.broadcast_add(&pos)?
             }
             (StageInput::Hidden(x), s) if s > 0 => {
@@ -471,6 +494,10 @@ impl Gpt {
                 continue;
             }
             let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
+            if let Some(ring) = &self.sp {
+                x = block_forward_with(&x, &p, h, Some(ring))?;
+                continue;
+            }
             x = if ckpt {
                 let flat: Vec<Tensor> = p.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
                 let packed = Tensor::cat(&flat, 0)?.to_dtype(DType::F32)?;

@@ -3,6 +3,7 @@
 mod cnn;
 mod gpt;
 mod mlp;
+mod ring;
 mod tp;
 
 pub use cnn::Cnn;

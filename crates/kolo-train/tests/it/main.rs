@@ -757,3 +757,28 @@ fn every_mesh_in_four_ranks_matches_one_process_gpt() {
         assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "dp {dp} tp {tp} pp {pp}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
     }
 }
+
+/// Sequence parallelism: every sequence split into 2 or 4 chunks on as many ranks (ring
+/// attention; key/value blocks passed around with the running softmax, gradients passed back),
+/// and dp 2 x sp 2, train like one process.
+#[test]
+fn sequence_parallel_ring_attention_matches_one_process_gpt() {
+    let mk = |batch: usize, extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+             [optim]\nkind = \"adamw\"\nlr = 0.003\nclip_grad_norm = 0.05\n[train]\nsteps = 3\nsample_chars = 0\neval_batches = 2\n{extra}",
+            shared().join("tinyshakespeare.txt").display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let one = &train_on(1, &mk(8, ""), &quiet())[0];
+    for (world, sp, batch) in [(2, 2, 8), (4, 4, 8), (4, 2, 4)] {
+        let ranks = train_on(world, &mk(batch, &format!("[mesh]\nsp = {sp}\n")), &quiet());
+        for s in &ranks {
+            assert_eq!(s.params, ranks[0].params);
+        }
+        let d = max_diff(&ranks[0].params, &one.params);
+        assert!(d < 1e-4, "world {world}, sp {sp}: max parameter difference {d}");
+        assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "world {world} sp {sp}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
+    }
+}

@@ -1,0 +1,163 @@
+//! Sequence-parallel training of the GPT (`[mesh] sp = P`): the ranks of a sequence-parallel
+//! group read the same sequences and each computes one contiguous chunk of every sequence;
+//! attention passes key/value blocks around the group's ring. Parameters are replicated: each
+//! rank's loss is the mean over its chunk, so averaging the gradients over every rank (all
+//! chunks of all data-parallel replicas) gives the gradient of the whole batch's mean loss.
+
+use crate::sampler::{Position, Sampler, SamplerConfig};
+use crate::trainer::{evaluate, load_data, peak_rss, prefetch, sample_text, RunOptions, StateBytes, Summary};
+use crate::TrainError;
+use kolo_base::{Rank, RingShift, Rng, WorldSize};
+use kolo_comm::{BufMut, BufRef, Communicator, LocalComm, ReduceOp};
+use kolo_optim::{clip_factor, lr_at, sum_of_squares, Optimizer};
+use kolo_tensor::models::Gpt;
+use kolo_tensor::{Batch, Input, Model, ModelSpec, PlainView};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// The sequence-parallel group as a ring.
+struct CommRing(Arc<dyn Communicator>);
+
+const RING_TAG: u32 = 0x5E9;
+
+impl RingShift for CommRing {
+    fn rank(&self) -> usize {
+        self.0.rank().get()
+    }
+    fn size(&self) -> usize {
+        self.0.world_size().get()
+    }
+    fn shift(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
+        let (r, n) = (self.rank(), self.size());
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        self.0.send_recv(BufRef::from(send), Rank((r + 1) % n), RING_TAG, BufMut::from(recv), Rank((r + n - 1) % n), RING_TAG).map_err(|e| e.to_string())
+    }
+}
+
+/// Chunk `r` of `n` of every sequence of a batch (tokens and targets).
+pub fn sequence_chunk(batch: &Batch, r: usize, n: usize) -> Result<Batch, TrainError> {
+    let Input::Tokens { ids, b, t } = &batch.input else {
+        return Err(TrainError::Config("sequence parallelism takes token sequences".into()));
+    };
+    if n == 0 || t % n != 0 {
+        return Err(TrainError::Config(format!("sequences of {t} tokens do not split into {n} equal chunks (mesh.sp)")));
+    }
+    let c = t / n;
+    let pick = |v: &[u32]| -> Vec<u32> { (0..*b).flat_map(|s| v[s * t + r * c..s * t + (r + 1) * c].iter().copied()).collect() };
+    Ok(Batch { input: Input::Tokens { ids: pick(ids), b: *b, t: c }, targets: pick(&batch.targets) })
+}
+
+/// `comm`: every rank of the job (gradients are averaged over all of them); `sp`: this rank's
+/// sequence-parallel group; `(dp_rank, dp_size)`: its data-parallel replica.
+pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicator, sp: Arc<dyn Communicator>, dp_rank: usize, dp_size: usize, opts: &RunOptions) -> Result<Summary, TrainError> {
+    let global_rank = comm.rank().get();
+    let lead = global_rank == 0 && !opts.quiet;
+    let say = |m: &str| {
+        if lead {
+            eprintln!("{m}");
+        }
+    };
+    let tc = &cfg.train;
+    let timeout = std::time::Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
+    comm.set_timeout(timeout);
+    sp.set_timeout(timeout);
+    let data = load_data(cfg, dp_rank, &say)?;
+    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
+    let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else { unreachable!("validated: gpt") };
+    let (sp_rank, sp_size) = (sp.rank().get(), sp.world_size().get());
+    let mut gpt = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
+    gpt.set_sequence_parallel(Arc::new(CommRing(sp)))?;
+    let numel = gpt.params().numel();
+    let mut opt = Optimizer::new(cfg.optimizer(), numel);
+    say(&format!(
+        "kolo train (sequence parallel): GPT {numel} params, sequences of {} split into {sp_size} chunks of {} (ring attention) x {dp_size} data-parallel replicas",
+        gcfg.seq,
+        gcfg.seq / sp_size,
+    ));
+    let (s_world, s_rank) = if cfg.data.kind == crate::config::DataKind::Synthetic { (1, 0) } else { (dp_size, dp_rank) };
+    let sampler = Sampler::new(
+        SamplerConfig { len: data.train.len(), world: s_world, rank: s_rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
+        Position::default(),
+    )
+    .map_err(TrainError::Data)?;
+    let batches = prefetch(data.train.clone(), sampler, cfg.data.prefetch);
+    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
+    let te = kolo_tensor::TensorError::from;
+    let mut grads = vec![0f32; numel];
+    let (mut step_ms, mut comm_bytes) = (Vec::new(), Vec::new());
+    let mut last_loss = f64::NAN;
+    kolo_base::alloc::reset_peak();
+    let mut heap_after = None;
+    for step in 0..end {
+        let t0 = Instant::now();
+        let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
+        let (_, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
+        let chunk = sequence_chunk(&batch, sp_rank, sp_size)?;
+        let loss = gpt.loss(&chunk, &PlainView)?;
+        let mut l = [f64::from(loss.to_scalar::<f32>().map_err(te)?)];
+        let g = loss.backward().map_err(te)?;
+        gpt.params().grads_into(&g, &mut grads)?;
+        comm.all_reduce(BufMut::from(&mut grads[..]), ReduceOp::Avg)?;
+        comm.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
+        last_loss = l[0];
+        if let Some(max) = cfg.optim.clip_grad_norm {
+            let f = clip_factor(sum_of_squares(&grads).sqrt(), max);
+            grads.iter_mut().for_each(|x| *x *= f);
+        }
+        opt.begin_step();
+        for i in 0..gpt.params().len() {
+            let r = gpt.params().get(i).range.clone();
+            gpt.params().update_one(i, &mut |p| opt.update(r.start, p, &grads[r.clone()], lr))?;
+        }
+        comm_bytes.push(numel * 4);
+        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        heap_after = kolo_base::alloc::stats();
+        let done = step + 1;
+        if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
+            say(&format!("step {done}/{} loss {last_loss:.4} | {:.1} ms/step", tc.steps, step_ms.last().unwrap_or(&0.0)));
+        }
+    }
+    let flat = gpt.params().to_flat()?;
+    let mut eval = None;
+    let mut sample = None;
+    if global_rank == 0 && end == tc.steps {
+        // Evaluate whole sequences with an unsplit copy of the model in this process.
+        let whole = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
+        whole.params().load(&flat)?;
+        let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
+        let e = evaluate(&whole, &PlainView, &*data.eval, &local, cfg.data.batch_size, tc.eval_batches, false, &|| Ok(()))?;
+        say(&format!("final eval on {} examples: loss {:.4}", e.examples, e.loss));
+        eval = Some(e);
+        if let (Some(v), true) = (&data.vocab, tc.sample_chars > 0) {
+            let s = sample_text(&whole, &PlainView, v, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))?;
+            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
+            sample = Some(s);
+        }
+    }
+    Ok(Summary {
+        steps_done: end,
+        last_loss,
+        eval,
+        step_ms,
+        comm_wait_ms: Vec::new(),
+        comm_bytes,
+        straggler: None,
+        hidden_fraction: 0.0,
+        params: flat,
+        sample,
+        checkpoint: None,
+        states: StateBytes { params: numel as u64 * 4, grads: numel as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
+        peak_rss: peak_rss(),
+        heap: match (heap_before, heap_after) {
+            (Some(before_model), Some(h)) => Some(crate::trainer::HeapReport { before_model, between_steps: h.live, peak: h.peak }),
+            _ => None,
+        },
+        skipped_steps: 0,
+        loss_scale: None,
+        ps: None,
+        pipeline_bubble: None,
+    })
+}
