@@ -71,25 +71,34 @@ pub fn evaluate(data: &SparseSet, w: &[f32]) -> (f64, f64) {
 }
 
 /// Trains logistic regression (weights for `dim` coordinates and a bias) with `cfg.threads`
-/// threads, each sweeping its own shard of a per-epoch shuffle.
+/// threads started once, each sweeping its own shard of a per-epoch shuffle; the threads meet
+/// at a barrier after every epoch (where the first one records the training loss, outside the
+/// timed work).
 pub fn train_logistic(data: &SparseSet, cfg: &HogwildConfig) -> HogwildReport {
     let dim = data.dim;
     let shared: Vec<AtomicU32> = (0..=dim).map(|_| AtomicU32::new(0f32.to_bits())).collect();
     let locked = Mutex::new(vec![0f32; dim + 1]);
     let updates = AtomicU64::new(0);
     let threads = cfg.threads.max(1);
-    let mut epoch_loss = Vec::new();
     let mut rng = Rng::new(cfg.seed);
-    let mut order: Vec<usize> = (0..data.examples.len()).collect();
-    let mut seconds = 0.0;
-    for _ in 0..cfg.epochs {
-        rng.shuffle(&mut order);
-        let t = Instant::now();
-        std::thread::scope(|s| {
-            for part in order.chunks(order.len().div_ceil(threads).max(1)) {
-                let (shared, locked, updates) = (&shared, &locked, &updates);
-                s.spawn(move || {
-                    for &k in part {
+    let orders: Vec<Vec<usize>> = (0..cfg.epochs)
+        .map(|_| {
+            let mut o: Vec<usize> = (0..data.examples.len()).collect();
+            rng.shuffle(&mut o);
+            o
+        })
+        .collect();
+    let barrier = std::sync::Barrier::new(threads);
+    let epoch_loss = Mutex::new(Vec::new());
+    let eval_secs = Mutex::new(0f64);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let (shared, locked, updates, orders, barrier, epoch_loss, eval_secs) = (&shared, &locked, &updates, &orders, &barrier, &epoch_loss, &eval_secs);
+            s.spawn(move || {
+                for order in orders {
+                    let per = order.len().div_ceil(threads).max(1);
+                    for &k in order.iter().skip(t * per).take(per) {
                         let e = &data.examples[k];
                         match cfg.mode {
                             Mode::Hogwild => {
@@ -116,14 +125,24 @@ pub fn train_logistic(data: &SparseSet, cfg: &HogwildConfig) -> HogwildReport {
                         }
                         updates.fetch_add(1, Ordering::Relaxed);
                     }
-                });
-            }
-        });
-        seconds += t.elapsed().as_secs_f64();
-        let w = weights(cfg.mode, &shared, &locked);
-        epoch_loss.push(evaluate(data, &w).0);
+                    if barrier.wait().is_leader() {
+                        let t = Instant::now();
+                        let w = weights(cfg.mode, shared, locked);
+                        epoch_loss.lock().unwrap_or_else(|p| p.into_inner()).push(evaluate(data, &w).0);
+                        *eval_secs.lock().unwrap_or_else(|p| p.into_inner()) += t.elapsed().as_secs_f64();
+                    }
+                    barrier.wait();
+                }
+            });
+        }
+    });
+    let seconds = start.elapsed().as_secs_f64() - eval_secs.into_inner().unwrap_or_else(|p| p.into_inner());
+    HogwildReport {
+        weights: weights(cfg.mode, &shared, &locked),
+        epoch_loss: epoch_loss.into_inner().unwrap_or_else(|p| p.into_inner()),
+        updates: updates.load(Ordering::Relaxed),
+        seconds,
     }
-    HogwildReport { weights: weights(cfg.mode, &shared, &locked), epoch_loss, updates: updates.load(Ordering::Relaxed), seconds }
 }
 
 fn weights(mode: Mode, shared: &[AtomicU32], locked: &Mutex<Vec<f32>>) -> Vec<f32> {
