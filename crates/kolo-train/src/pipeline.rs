@@ -8,15 +8,15 @@
 
 use crate::config::{Config, PipeSchedule};
 use crate::sampler::{Position, Sampler, SamplerConfig};
-use crate::trainer::{evaluate, load_data, peak_rss, prefetch, sample_text, RunOptions, StateBytes, Summary};
+use crate::trainer::{evaluate_whole_gpt, load_data, peak_rss, prefetch, RunOptions, StateBytes, Summary};
 use crate::TrainError;
-use kolo_base::{GroupSum, Rng, WorldSize};
+use kolo_base::{GroupSum, Rng};
 use std::sync::Arc;
-use kolo_comm::{BufMut, Communicator, LocalComm, ReduceOp};
+use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, lr_at, Optimizer};
 use kolo_pipe::{partition, run_stage, theoretical_bubble, Schedule, StageWork};
 use kolo_tensor::models::Gpt;
-use kolo_tensor::{Batch, GptStage, Input, Model, ModelSpec, PlainView};
+use kolo_tensor::{Batch, GptStage, Input, Model, ModelSpec};
 use std::time::Instant;
 
 struct Work<'a>(GptStage<'a>);
@@ -186,19 +186,9 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
     let mut eval = None;
     let mut sample = None;
     if global_rank == 0 && end == tc.steps {
-        // Evaluate the assembled model in this process.
-        let whole = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
-        whole.params().load(&flat)?;
-        let gpt = whole;
-        let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
-        let e = evaluate(&gpt, &PlainView, &*data.eval, &local, cfg.data.batch_size, tc.eval_batches, false, &|| Ok(()))?;
-        say(&format!("final eval on {} examples: loss {:.4}", e.examples, e.loss));
+        let (e, s) = evaluate_whole_gpt(cfg, &gcfg, &flat, &data, &say)?;
         eval = Some(e);
-        if let (Some(v), true) = (&data.vocab, tc.sample_chars > 0) {
-            let s = sample_text(&gpt, &PlainView, v, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))?;
-            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
-            sample = Some(s);
-        }
+        sample = s;
     }
     let mean_bubble = if bubbles.is_empty() { 0.0 } else { bubbles.iter().sum::<f64>() / bubbles.len() as f64 };
     say(&format!("pipeline: mean bubble {:.1}% measured, {:.1}% in theory ((K-1)/(M+K-1)); at most {peak_live} micro-batch(es) of activations alive on stage 0", mean_bubble * 100.0, theoretical_bubble(k, m) * 100.0));

@@ -5,10 +5,10 @@
 //! chunks of all data-parallel replicas) gives the gradient of the whole batch's mean loss.
 
 use crate::sampler::{Position, Sampler, SamplerConfig};
-use crate::trainer::{evaluate, load_data, peak_rss, prefetch, sample_text, RunOptions, StateBytes, Summary};
+use crate::trainer::{evaluate_whole_gpt, load_data, peak_rss, prefetch, RunOptions, StateBytes, Summary};
 use crate::TrainError;
-use kolo_base::{Rank, RingShift, Rng, WorldSize};
-use kolo_comm::{BufMut, BufRef, Communicator, LocalComm, ReduceOp};
+use kolo_base::{Rank, RingShift, Rng};
+use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, lr_at, sum_of_squares, Optimizer};
 use kolo_tensor::models::Gpt;
 use kolo_tensor::{Batch, Input, Model, ModelSpec, PlainView};
@@ -124,18 +124,10 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
     let mut eval = None;
     let mut sample = None;
     if global_rank == 0 && end == tc.steps {
-        // Evaluate whole sequences with an unsplit copy of the model in this process.
-        let whole = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
-        whole.params().load(&flat)?;
-        let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
-        let e = evaluate(&whole, &PlainView, &*data.eval, &local, cfg.data.batch_size, tc.eval_batches, false, &|| Ok(()))?;
-        say(&format!("final eval on {} examples: loss {:.4}", e.examples, e.loss));
+        // Whole sequences, with an unsplit copy of the model.
+        let (e, s) = evaluate_whole_gpt(cfg, &gcfg, &flat, &data, &say)?;
         eval = Some(e);
-        if let (Some(v), true) = (&data.vocab, tc.sample_chars > 0) {
-            let s = sample_text(&whole, &PlainView, v, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))?;
-            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
-            sample = Some(s);
-        }
+        sample = s;
     }
     Ok(Summary {
         steps_done: end,

@@ -431,6 +431,26 @@ pub(crate) fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds:
     Ok(Eval { loss: v[0] / v[2].max(1.0), accuracy: is_class.then(|| v[1] / v[2].max(1.0)), examples })
 }
 
+/// The final evaluation (and, for text, a sample) of a whole GPT rebuilt in this process from
+/// `flat`: for the parallel modes whose own copy is split (pipeline stages, sequence chunks).
+pub(crate) fn evaluate_whole_gpt(cfg: &Config, gcfg: &kolo_tensor::models::GptConfig, flat: &[f32], data: &Data, say: &dyn Fn(&str)) -> Result<(Eval, Option<String>), TrainError> {
+    let tc = &cfg.train;
+    let whole = kolo_tensor::models::Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
+    whole.params().load(flat)?;
+    let local = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0);
+    let e = evaluate(&whole, &PlainView, &*data.eval, &local, cfg.data.batch_size, tc.eval_batches, false, &|| Ok(()))?;
+    say(&format!("final eval on {} examples: loss {:.4}", e.examples, e.loss));
+    let sample = match (&data.vocab, tc.sample_chars > 0) {
+        (Some(v), true) => {
+            let s = sample_text(&whole, &PlainView, v, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))?;
+            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
+            Some(s)
+        }
+        _ => None,
+    };
+    Ok((e, sample))
+}
+
 /// Generates `n` characters from a text model, starting from a newline.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<String, TrainError> {
