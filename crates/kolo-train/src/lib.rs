@@ -9,6 +9,7 @@ pub mod trainer;
 pub use config::Config;
 pub mod metrics;
 pub mod pipeline;
+pub mod plot;
 pub mod ps_worker;
 pub mod sp;
 pub mod tensorboard;

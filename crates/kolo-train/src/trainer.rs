@@ -626,6 +626,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut json = match &tc.json_log {
         Some(p) => {
             let path = p.replace("{rank}", &global_rank.to_string());
+            if let Some(dir) = Path::new(&path).parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|e| TrainError::Other(format!("json_log {path}: {e}")))?;
+            }
             Some(std::fs::File::create(&path).map_err(|e| TrainError::Other(format!("json_log {path}: {e}")))?)
         }
         None => None,

@@ -49,6 +49,14 @@ enum Cmd {
     /// `remove` and `shutdown` for jobs across machines.
     #[command(subcommand)]
     Ps(ps::PsCmd),
+    /// Render a run's loss and throughput curves (one line per rank) to PNG files, from the
+    /// TensorBoard event files and JSON-lines logs found under RUN_DIR.
+    Plot {
+        run_dir: PathBuf,
+        /// Where to write loss.png and throughput.png (default: RUN_DIR).
+        #[arg(short, long)]
+        out: Option<PathBuf>,
+    },
     /// List a checkpoint's metadata, files, tensors, shapes and shards, and verify its checksums.
     Inspect {
         /// A checkpoint directory (or a single-file checkpoint).
@@ -152,6 +160,13 @@ fn main() {
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
         Cmd::Inspect { checkpoint } => inspect(&checkpoint),
+        Cmd::Plot { run_dir, out } => (|| {
+            let out = out.unwrap_or_else(|| run_dir.clone());
+            for (path, lines) in kolo_train::plot::plot_run(&run_dir, &out).map_err(anyhow::Error::msg)? {
+                println!("{}: {lines}", path.display());
+            }
+            Ok(0)
+        })(),
     };
     match r {
         Ok(code) => std::process::exit(code),

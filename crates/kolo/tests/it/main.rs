@@ -194,7 +194,7 @@ fn uninvited_and_misconfigured_ranks_are_refused() {
 
 #[test]
 fn help_texts_render() {
-    for args in [&["--help"][..], &["launch", "--help"], &["bench", "collectives", "--help"], &["bench", "loopback", "--help"], &["inspect", "--help"], &["train", "--help"], &["ps", "--help"], &["ps", "run", "--help"], &["ps", "serve", "--help"], &["ps", "eval", "--help"], &["bench", "ps", "--help"]] {
+    for args in [&["--help"][..], &["launch", "--help"], &["bench", "collectives", "--help"], &["bench", "loopback", "--help"], &["inspect", "--help"], &["train", "--help"], &["ps", "--help"], &["ps", "run", "--help"], &["ps", "serve", "--help"], &["ps", "eval", "--help"], &["bench", "ps", "--help"], &["plot", "--help"]] {
         let o = run(args, &[]);
         assert!(o.status.success(), "{}", text(&o));
     }
