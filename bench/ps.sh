@@ -55,3 +55,10 @@ for w in 1 2 4; do
 done
 echo "## significantly-modified filter (async, 2 workers, 1 server)"
 for th in 0.0005 0.002; do run 2 1 async "" "filter_threshold = $th"; done
+echo "## backup workers (BSP, 3 workers, 1 server, 150 steps; worker 2 slowed by 40 ms per step)"
+for b in 0 1; do
+  sed 's/^steps = 600/steps = 150/; s/^consistency = "async".*/consistency = "bsp"/; s/^replication = 1 .*/replication = 0/' examples/mnist_ps.toml > "$cfg"
+  printf 'backup_workers = %d\n' "$b" >> "$cfg"
+  out=$($K ps run -n 3 --servers 1 --config "$cfg" -- --slow-rank 2:40 2>&1)
+  echo "backup_workers $b: $(grep -o '[0-9.]* ms/step (second half)' <<<"$out"), $(grep -o 'accuracy [0-9.]*%' <<<"$out")"
+done

@@ -87,6 +87,9 @@ pub struct JobSpec {
     pub workers: u32,
     /// Copies of each range beyond the head of its chain.
     pub replication: u32,
+    /// BSP with backup workers: a step is applied once all but this many workers pushed it
+    /// (the mean of those gradients); the late pushes of that step are dropped and counted.
+    pub backup: u32,
     pub consistency: Consistency,
     pub optimizer: OptimizerSpec,
 }
@@ -101,6 +104,9 @@ impl JobSpec {
         }
         if self.len > (u32::MAX as u64) * self.chunk as u64 {
             return Err(PsError::Config(format!("{} values need more than 2^32 ranges of {}", self.len, self.chunk)));
+        }
+        if self.backup >= self.workers {
+            return Err(PsError::Config(format!("{} backup workers of {} (a step needs at least one gradient)", self.backup, self.workers)));
         }
         if self.replication > 16 {
             return Err(PsError::Config(format!("replication {} (at most 16)", self.replication)));

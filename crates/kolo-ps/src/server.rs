@@ -499,7 +499,8 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                         g
                     }
                 };
-                apply(&mut d, &job, w, clock, lr, dense);
+                let skipped = apply(&mut d, &job, w, clock, lr, dense);
+                lock(&shared.stats).skipped += skipped;
             }
             if let Some(next) = successor(shared, &job, range) {
                 let keys = match &keys {
@@ -608,31 +609,38 @@ fn vector(d: &RangeData, id: u32) -> &[f32] {
     }
 }
 
-/// Applies worker `w`'s gradient for `clock`. BSP keeps it until every worker's is in, then
-/// applies their mean (summed in worker order, so every chain member computes the same bits);
-/// the other models apply it at once.
-fn apply(d: &mut RangeData, job: &JobSpec, w: usize, clock: u64, lr: f32, grad: Vec<f32>) {
+/// Applies worker `w`'s gradient for `clock`. BSP keeps it until every worker's is in (all but
+/// `backup` of them with backup workers), then applies their mean (summed in worker order, so
+/// every chain member computes the same bits) and moves every worker's clock on: a late push of
+/// that step is then recognised as stale and dropped. The other models apply it at once.
+/// Returns how many workers' gradients the step went without.
+fn apply(d: &mut RangeData, job: &JobSpec, w: usize, clock: u64, lr: f32, grad: Vec<f32>) -> u64 {
     let RangeData { values, opt, clocks, pending, .. } = d;
     match job.consistency {
         Consistency::Bsp => {
             pending[w] = Some(grad);
-            if pending.iter().all(Option::is_some) {
-                let mut it = pending.iter_mut().map(|p| p.take().expect("all pending"));
-                let mut sum = it.next().expect("at least one worker");
+            let have = pending.iter().filter(|p| p.is_some()).count();
+            if have >= (job.workers - job.backup) as usize {
+                let mut it = pending.iter_mut().filter_map(|p| p.take());
+                let mut sum = it.next().expect("at least one gradient");
                 for g in it {
                     sum.iter_mut().zip(&g).for_each(|(s, x)| *s += x);
                 }
-                let n = job.workers as f32;
-                if job.workers > 1 {
+                if have > 1 {
+                    let n = have as f32;
                     sum.iter_mut().for_each(|s| *s /= n);
                 }
                 opt.step(values, &sum, lr);
-                clocks.iter_mut().for_each(|c| *c += 1);
+                let next = clocks.iter().copied().max().unwrap_or(0).max(clock) + 1;
+                clocks.iter_mut().for_each(|c| *c = next);
+                return (job.workers as usize - have) as u64;
             }
+            0
         }
         Consistency::Bounded(_) | Consistency::Async => {
             opt.step(values, &grad, lr);
             clocks[w] = clock + 1;
+            0
         }
     }
 }

@@ -3,7 +3,7 @@ use crate::wire::{Keys, Membership, RangeState, Req, Resp, ServerStats};
 use proptest::prelude::*;
 
 fn job() -> JobSpec {
-    JobSpec { len: 1000, chunk: 64, workers: 3, replication: 1, consistency: Consistency::Bounded(4), optimizer: kolo_optim::OptimizerSpec::Adagrad { eps: 1e-10, weight_decay: 0.0, lr_decay: 0.0 } }
+    JobSpec { len: 1000, chunk: 64, workers: 3, replication: 1, backup: 0, consistency: Consistency::Bounded(4), optimizer: kolo_optim::OptimizerSpec::Adagrad { eps: 1e-10, weight_decay: 0.0, lr_decay: 0.0 } }
 }
 
 #[test]
@@ -105,7 +105,7 @@ fn messages_round_trip() {
         Resp::UnknownKeys,
         Resp::WrongEpoch { current: 9 },
         Resp::Error("x".into()),
-        Resp::Stats(ServerStats { pushes: 1, pulls: 2, bytes_in: 3, bytes_out: 4, max_lead: 5, ranges: 6, cached_key_lists: 7, key_bytes_saved: 8, duplicates: 9 }),
+        Resp::Stats(ServerStats { pushes: 1, pulls: 2, bytes_in: 3, bytes_out: 4, max_lead: 5, ranges: 6, cached_key_lists: 7, key_bytes_saved: 8, duplicates: 9, skipped: 10 }),
         Resp::Registered { id: 2, membership: m.clone() },
         Resp::Membership(m),
     ];

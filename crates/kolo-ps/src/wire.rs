@@ -72,6 +72,8 @@ pub struct ServerStats {
     pub cached_key_lists: u64,
     pub key_bytes_saved: u64,
     pub duplicates: u64,
+    /// BSP with backup workers: gradients a step went without (late workers), over all ranges.
+    pub skipped: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -121,7 +123,7 @@ fn get_keys(r: &mut Reader) -> Result<Keys, PsError> {
 }
 
 pub(crate) fn put_job(w: &mut Writer, j: &JobSpec) {
-    w.u64(j.len).u32(j.chunk).u32(j.workers).u32(j.replication);
+    w.u64(j.len).u32(j.chunk).u32(j.workers).u32(j.replication).u32(j.backup);
     match j.consistency {
         Consistency::Bsp => w.u8(0).u64(0),
         Consistency::Bounded(t) => w.u8(1).u64(t),
@@ -135,7 +137,7 @@ pub(crate) fn put_job(w: &mut Writer, j: &JobSpec) {
 }
 
 pub(crate) fn get_job(r: &mut Reader) -> Result<JobSpec, PsError> {
-    let (len, chunk, workers, replication) = (r.u64()?, r.u32()?, r.u32()?, r.u32()?);
+    let (len, chunk, workers, replication, backup) = (r.u64()?, r.u32()?, r.u32()?, r.u32()?, r.u32()?);
     let consistency = match (r.u8()?, r.u64()?) {
         (0, _) => Consistency::Bsp,
         (1, t) => Consistency::Bounded(t),
@@ -148,7 +150,7 @@ pub(crate) fn get_job(r: &mut Reader) -> Result<JobSpec, PsError> {
         2 => OptimizerSpec::Adagrad { eps: r.f32()?, weight_decay: r.f32()?, lr_decay: r.f32()? },
         t => return Err(PsError::Protocol(format!("unknown optimizer tag {t}"))),
     };
-    let job = JobSpec { len, chunk, workers, replication, consistency, optimizer };
+    let job = JobSpec { len, chunk, workers, replication, backup, consistency, optimizer };
     job.validate()?;
     Ok(job)
 }
@@ -320,7 +322,7 @@ impl Resp {
                 w.u8(6).str(e);
             }
             Resp::Stats(s) => {
-                w.u8(7).u64(s.pushes).u64(s.pulls).u64(s.bytes_in).u64(s.bytes_out).u64(s.max_lead).u64(s.ranges).u64(s.cached_key_lists).u64(s.key_bytes_saved).u64(s.duplicates);
+                w.u8(7).u64(s.pushes).u64(s.pulls).u64(s.bytes_in).u64(s.bytes_out).u64(s.max_lead).u64(s.ranges).u64(s.cached_key_lists).u64(s.key_bytes_saved).u64(s.duplicates).u64(s.skipped);
             }
             Resp::Registered { id, membership } => {
                 w.u8(8).u32(*id);
@@ -353,6 +355,7 @@ impl Resp {
                 cached_key_lists: r.u64()?,
                 key_bytes_saved: r.u64()?,
                 duplicates: r.u64()?,
+                skipped: r.u64()?,
             }),
             8 => Resp::Registered { id: r.u32()?, membership: get_membership(&mut r)? },
             9 => Resp::Membership(get_membership(&mut r)?),

@@ -31,7 +31,7 @@ fn sgd() -> OptimizerSpec {
 }
 
 fn job(len: u64, chunk: u32, workers: u32, replication: u32, consistency: Consistency, optimizer: OptimizerSpec) -> JobSpec {
-    JobSpec { len, chunk, workers, replication, consistency, optimizer }
+    JobSpec { len, chunk, workers, replication, backup: 0, consistency, optimizer }
 }
 
 fn client(c: &Cluster, job: &JobSpec, worker: u32, min_servers: u32) -> PsClient {
@@ -313,4 +313,41 @@ fn a_bsp_pull_names_the_worker_that_never_pushed() {
     p.push(0, 1.0, &[1.0; 10], None).unwrap();
     let e = p.pull(1, &mut [0.0; 10]).unwrap_err().to_string();
     assert!(e.contains("worker 1 at step 0"), "{e}");
+}
+
+/// BSP with one backup worker: each step is applied with the first two of three gradients; the
+/// straggler's late ones are dropped (counted), and the mean stays correct.
+#[test]
+fn bsp_with_a_backup_worker_does_not_wait_for_the_straggler() {
+    let c = cluster(1);
+    let n = 200;
+    let mut j = job(n as u64, 50, 3, 0, Consistency::Bsp, sgd());
+    j.backup = 1;
+    let steps = 10;
+    std::thread::scope(|s| {
+        for w in 0..3u32 {
+            let (c, j) = (&c, &j);
+            s.spawn(move || {
+                let mut p = client(c, j, w, 1);
+                if w == 0 {
+                    p.init(&vec![0.0; n]).unwrap();
+                }
+                let mut x = vec![0f32; n];
+                for t in 0..steps {
+                    p.pull(t, &mut x).unwrap();
+                    if w == 2 {
+                        std::thread::sleep(Duration::from_millis(30));
+                    }
+                    p.push(t, 1.0, &vec![1.0; n], None).unwrap();
+                }
+            });
+        }
+    });
+    let mut p = client(&c, &j, 0, 1);
+    let mut x = vec![0f32; n];
+    p.pull(steps, &mut x).unwrap();
+    // Every step applied the mean of the gradients it had (all ones): exactly one unit each.
+    assert!(x.iter().all(|v| *v == -(steps as f32)), "{:?}", &x[..4]);
+    let skipped: u64 = p.server_stats().unwrap().iter().map(|(_, s)| s.skipped).sum();
+    assert!(skipped >= 4 * (steps - 2), "the steps should have gone without the straggler: {skipped} gradients skipped over 4 ranges x {steps} steps");
 }

@@ -329,6 +329,9 @@ pub struct PsConfig {
     pub servers: u32,
     /// Deadline of every push and pull, seconds, retries and failover included (default 60).
     pub timeout_secs: f64,
+    /// bsp: backup workers — each step is applied once all but this many workers pushed it
+    /// (the mean of those gradients); stragglers' late gradients are dropped. Default 0.
+    pub backup_workers: u32,
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -341,7 +344,7 @@ pub enum PsConsistency {
 
 impl Default for PsConfig {
     fn default() -> Self {
-        PsConfig { consistency: PsConsistency::Bsp, staleness: 4, fetch_every: 1, push_every: 1, replication: 0, chunk: 65536, filter_threshold: 0.0, coordinator: None, servers: 1, timeout_secs: 60.0 }
+        PsConfig { consistency: PsConsistency::Bsp, staleness: 4, fetch_every: 1, push_every: 1, replication: 0, chunk: 65536, filter_threshold: 0.0, coordinator: None, servers: 1, timeout_secs: 60.0, backup_workers: 0 }
     }
 }
 
@@ -583,6 +586,9 @@ impl Config {
             let p = &self.ps;
             if p.fetch_every == 0 || p.push_every == 0 || p.chunk == 0 || p.servers == 0 || p.timeout_secs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) || p.filter_threshold.is_nan() || p.filter_threshold < 0.0 {
                 return Err("ps: fetch_every, push_every, chunk and servers must be at least 1, timeout_secs positive, filter_threshold not negative".into());
+            }
+            if p.backup_workers > 0 && p.consistency != PsConsistency::Bsp {
+                return Err("ps.backup_workers needs ps.consistency = \"bsp\"".into());
             }
             if (p.fetch_every != 1 || p.push_every != 1) && p.consistency != PsConsistency::Async {
                 return Err("ps.fetch_every / ps.push_every (Downpour) need ps.consistency = \"async\"".into());

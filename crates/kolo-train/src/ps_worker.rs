@@ -163,7 +163,7 @@ type Adopted = (usize, JoinHandle<Result<u64, TrainError>>);
 
 fn connect(cfg: &Config, coordinator: &str, token: &JobToken, numel: usize, worker: usize, workers: usize) -> Result<PsClient, TrainError> {
     let pc = &cfg.ps;
-    let job = JobSpec { len: numel as u64, chunk: pc.chunk, workers: workers as u32, replication: pc.replication, consistency: pc.consistency(), optimizer: cfg.optimizer() };
+    let job = JobSpec { len: numel as u64, chunk: pc.chunk, workers: workers as u32, replication: pc.replication, backup: pc.backup_workers, consistency: pc.consistency(), optimizer: cfg.optimizer() };
     Ok(PsClient::connect(ClientOptions {
         coordinator: coordinator.to_string(),
         token: token.clone(),
@@ -293,7 +293,7 @@ pub fn run_ps_eval(cfg: &Config, coordinator: &str, token: &JobToken, workers: u
     let model = build_model(&spec, cfg.train.seed)?;
     let numel = model.params().numel();
     let pc = &cfg.ps;
-    let job = JobSpec { len: numel as u64, chunk: pc.chunk, workers: workers as u32, replication: pc.replication, consistency: pc.consistency(), optimizer: cfg.optimizer() };
+    let job = JobSpec { len: numel as u64, chunk: pc.chunk, workers: workers as u32, replication: pc.replication, backup: pc.backup_workers, consistency: pc.consistency(), optimizer: cfg.optimizer() };
     let mut client = PsClient::observer(ClientOptions { coordinator: coordinator.to_string(), token: token.clone(), job, worker: 0, min_servers: pc.servers, timeout: Duration::from_secs_f64(pc.timeout_secs), heartbeat: None })?;
     let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
     let limit = if data.vocab.is_some() { cfg.train.eval_batches } else { 0 };

@@ -415,7 +415,7 @@ fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {
     let servers: Vec<kolo_ps::Server> = (0..a.servers.max(1))
         .map(|_| kolo_ps::Server::start(ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: Duration::from_secs(120), heartbeat: Duration::from_millis(500) }))
         .collect::<Result<_, _>>()?;
-    let job = kolo_ps::JobSpec { len: a.values, chunk: a.chunk, workers: 1, replication: a.replication, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
+    let job = kolo_ps::JobSpec { len: a.values, chunk: a.chunk, workers: 1, replication: a.replication, backup: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
     let mut c = kolo_ps::PsClient::connect(ClientOptions { coordinator: coord.addr().to_string(), token, job, worker: 0, min_servers: servers.len() as u32, timeout: Duration::from_secs(120), heartbeat: None })?;
     let n = a.values as usize;
     let mut x = vec![0.5f32; n];
@@ -477,7 +477,7 @@ fn sandblaster_bench(path: &std::path::Path, slow_ms: u64, iterations: usize) ->
         let servers: Vec<kolo_ps::Server> = (0..2)
             .map(|_| kolo_ps::Server::start(kolo_ps::server::ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: Duration::from_secs(60), heartbeat: Duration::from_millis(500) }))
             .collect::<Result<_, _>>()?;
-        let job = kolo_ps::JobSpec { len: dim as u64, chunk: 500, workers: 4, replication: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
+        let job = kolo_ps::JobSpec { len: dim as u64, chunk: 500, workers: 4, replication: 0, backup: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
         let connect = |w: u32| kolo_ps::PsClient::connect(kolo_ps::client::ClientOptions { coordinator: coord.addr().to_string(), token: token.clone(), job: job.clone(), worker: w, min_servers: 2, timeout: Duration::from_secs(60), heartbeat: None });
         let mut c = connect(3)?;
         c.init(&vec![0.0; dim])?;

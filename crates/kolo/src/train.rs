@@ -33,8 +33,16 @@ pub struct TrainArgs {
     /// Abort in the middle of saving this step's checkpoint (Kolo's crash tests).
     #[arg(long, hide = true)]
     crash_during_save: Option<u64>,
+    /// RANK:MS makes that rank sleep MS milliseconds every step (a straggler, for benchmarks).
+    #[arg(long, hide = true, value_parser = parse_slow_rank)]
+    slow_rank: Option<(usize, u64)>,
     #[command(flatten)]
     comm: CommArgs,
+}
+
+fn parse_slow_rank(s: &str) -> Result<(usize, u64), String> {
+    let (r, ms) = s.split_once(':').ok_or("expected RANK:MS")?;
+    Ok((r.parse().map_err(|_| "RANK is not a number")?, ms.parse().map_err(|_| "MS is not a number")?))
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
@@ -57,13 +65,13 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         cfg.ddp.timeout_secs = t;
     }
     if cfg.train.strategy == kolo_train::config::Strategy::Ps {
-        return run_ps(&cfg, a.stop_after);
+        return run_ps(&cfg, a.stop_after, a.slow_rank);
     }
     let mut comm_args = a.comm.clone();
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
     let boot = comm_args.join()?;
     let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
-    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: None, die_at: None };
+    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: a.slow_rank, die_at: None };
     let s = kolo_train::run(&cfg, comm, &opts).inspect_err(|e| {
         // A communication failure: show what this rank's communicator did last.
         if matches!(e, kolo_train::TrainError::Comm(_) | kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(_))) {
@@ -109,7 +117,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
 
 /// A parameter-server worker: RANK / WORLD_SIZE say which data shard, KOLO_PS_COORDINATOR (or
 /// `[ps] coordinator`) where the job's coordinator listens.
-fn run_ps(cfg: &kolo_train::Config, stop_after: Option<u64>) -> anyhow::Result<i32> {
+fn run_ps(cfg: &kolo_train::Config, stop_after: Option<u64>, slow_rank: Option<(usize, u64)>) -> anyhow::Result<i32> {
     let var = |k: &str| std::env::var(k).ok();
     let num = |k: &str, d: usize| -> anyhow::Result<usize> { var(k).map_or(Ok(d), |v| v.parse().map_err(|_| anyhow::anyhow!("{k}={v} is not a number"))) };
     let (worker, workers) = (num("RANK", 0)?, num("WORLD_SIZE", 1)?);
@@ -120,7 +128,7 @@ fn run_ps(cfg: &kolo_train::Config, stop_after: Option<u64>) -> anyhow::Result<i
         cfg.ps.servers = n;
     }
     let me = kolo_train::ps_worker::PsWorker { worker, workers, coordinator, token };
-    let opts = kolo_train::RunOptions { stop_after, ..Default::default() };
+    let opts = kolo_train::RunOptions { stop_after, slow_rank, ..Default::default() };
     let s = kolo_train::ps_worker::run_ps(&cfg, &me, &opts)?;
     if worker == 0 {
         let n = s.step_ms.len();

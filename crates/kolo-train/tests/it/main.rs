@@ -635,7 +635,7 @@ fn sandblaster_lbfgs_matches_local_lbfgs_and_routes_around_a_slow_worker() {
     let cfg = LbfgsConfig { history: 5, iterations: 25, tolerance: 1e-7, backup_tasks: true, worker_delay: vec![Duration::from_millis(25)] };
     let (x_ref, loss_ref) = minimize_local(&*obj, &vec![0.0; dim], &cfg);
     let c = ps_cluster(2);
-    let job = kolo_ps::JobSpec { len: dim as u64, chunk: 500, workers: 4, replication: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
+    let job = kolo_ps::JobSpec { len: dim as u64, chunk: 500, workers: 4, replication: 0, backup: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
     let connect = |w: u32| {
         kolo_ps::PsClient::connect(kolo_ps::client::ClientOptions { coordinator: c.coord.addr().to_string(), token: c.token.clone(), job: job.clone(), worker: w, min_servers: 2, timeout: Duration::from_secs(30), heartbeat: None }).unwrap()
     };
