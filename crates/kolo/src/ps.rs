@@ -46,8 +46,9 @@ pub struct RunArgs {
     /// Server processes.
     #[arg(long, default_value_t = 1)]
     servers: usize,
-    /// Seconds of silence after which the coordinator declares a server dead.
-    #[arg(long, default_value_t = 3.0)]
+    /// Seconds of silence after which the coordinator declares a server or worker dead (long
+    /// enough that a busy machine's scheduling delays are not mistaken for deaths).
+    #[arg(long, default_value_t = 10.0)]
     dead_after: f64,
     /// The training config (`[train] strategy = "ps"`).
     #[arg(long)]
