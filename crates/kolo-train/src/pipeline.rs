@@ -7,8 +7,7 @@
 //! assembled on every rank.
 
 use crate::config::{Config, PipeSchedule};
-use crate::sampler::{Position, Sampler, SamplerConfig};
-use crate::trainer::{evaluate_whole_gpt, load_data, peak_rss, prefetch, RunOptions, StateBytes, Summary};
+use crate::trainer::{replica_batches, evaluate_whole_gpt, load_data, peak_rss, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::{GroupSum, Rng};
 use std::sync::Arc;
@@ -94,13 +93,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
     ));
     // Every stage of a replica reads the same batches (the first uses the tokens, the last the
     // targets); replicas read disjoint shards. Synthetic data is already per replica.
-    let (s_world, s_rank) = if cfg.data.kind == crate::config::DataKind::Synthetic { (1, 0) } else { (dp_size, dp_rank) };
-    let sampler = Sampler::new(
-        SamplerConfig { len: data.train.len(), world: s_world, rank: s_rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
-        Position::default(),
-    )
-    .map_err(TrainError::Data)?;
-    let batches = prefetch(data.train.clone(), sampler, cfg.data.prefetch);
+    let batches = replica_batches(cfg, data.train.clone(), dp_rank, dp_size, 0)?;
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let (mut step_ms, mut comm_bytes) = (Vec::new(), Vec::new());
     let mut last_loss = f64::NAN;
@@ -206,10 +199,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         checkpoint: None,
         states: StateBytes { params: own_len as u64 * 4, grads: gpt.params().numel() as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
         peak_rss: peak_rss(),
-        heap: match (heap_before_model, heap_after_steps) {
-            (Some(before_model), Some(h)) => Some(crate::trainer::HeapReport { before_model, between_steps: h.live, peak: h.peak }),
-            _ => None,
-        },
+        heap: crate::trainer::HeapReport::between(heap_before_model, heap_after_steps),
         skipped_steps: 0,
         loss_scale: None,
         ps: None,

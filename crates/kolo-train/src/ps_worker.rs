@@ -10,10 +10,9 @@
 //! last, possibly half-acknowledged push is resent: the servers drop duplicates). Under BSP the
 //! result is bit-identical to a run in which nobody died.
 
-use crate::config::{Config, DataKind, PsConsistency};
+use crate::config::{Config, PsConsistency};
 use crate::data::Dataset;
-use crate::sampler::{Position, Sampler, SamplerConfig};
-use crate::trainer::{evaluate, load_data, peak_rss, prefetch, sample_text, spec_string, RunOptions, StateBytes, Summary};
+use crate::trainer::{replica_batches, evaluate, load_data, peak_rss, sample_text, spec_string, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::WorldSize;
 use kolo_comm::LocalComm;
@@ -203,12 +202,7 @@ fn train_loop(cfg: &Config, model: &dyn Model, client: &mut PsClient, train: Arc
     let tc = &cfg.train;
     let pc = &cfg.ps;
     let numel = model.params().numel();
-    let (s_world, s_rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (workers, shard) };
-    let scfg = SamplerConfig { len: train.len(), world: s_world, rank: s_rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last };
-    let consumed = start * tc.grad_accum;
-    let bpe = scfg.batches_per_epoch().max(1);
-    let sampler = Sampler::new(scfg, Position { epoch: consumed / bpe, batch: consumed % bpe }).map_err(TrainError::Data)?;
-    let batches = prefetch(train, sampler, cfg.data.prefetch);
+    let batches = replica_batches(cfg, train, shard, workers, start * tc.grad_accum)?;
     let global_batch = cfg.data.batch_size * workers * tc.grad_accum as usize;
     let base_lr = cfg.optim.reference_batch.map_or(cfg.optim.lr, |r| scaled_lr(cfg.optim.lr, global_batch, r));
     let is_async = pc.consistency == PsConsistency::Async;

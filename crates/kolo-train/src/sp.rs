@@ -4,8 +4,7 @@
 //! rank's loss is the mean over its chunk, so averaging the gradients over every rank (all
 //! chunks of all data-parallel replicas) gives the gradient of the whole batch's mean loss.
 
-use crate::sampler::{Position, Sampler, SamplerConfig};
-use crate::trainer::{evaluate_whole_gpt, load_data, peak_rss, prefetch, RunOptions, StateBytes, Summary};
+use crate::trainer::{replica_batches, evaluate_whole_gpt, load_data, peak_rss, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::{Rank, RingShift, Rng};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
@@ -77,13 +76,7 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
         gcfg.seq,
         gcfg.seq / sp_size,
     ));
-    let (s_world, s_rank) = if cfg.data.kind == crate::config::DataKind::Synthetic { (1, 0) } else { (dp_size, dp_rank) };
-    let sampler = Sampler::new(
-        SamplerConfig { len: data.train.len(), world: s_world, rank: s_rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
-        Position::default(),
-    )
-    .map_err(TrainError::Data)?;
-    let batches = prefetch(data.train.clone(), sampler, cfg.data.prefetch);
+    let batches = replica_batches(cfg, data.train.clone(), dp_rank, dp_size, 0)?;
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let te = kolo_tensor::TensorError::from;
     let mut grads = vec![0f32; numel];
@@ -143,10 +136,7 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
         checkpoint: None,
         states: StateBytes { params: numel as u64 * 4, grads: numel as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
         peak_rss: peak_rss(),
-        heap: match (heap_before, heap_after) {
-            (Some(before_model), Some(h)) => Some(crate::trainer::HeapReport { before_model, between_steps: h.live, peak: h.peak }),
-            _ => None,
-        },
+        heap: crate::trainer::HeapReport::between(heap_before, heap_after),
         skipped_steps: 0,
         loss_scale: None,
         ps: None,

@@ -97,6 +97,23 @@ pub struct HeapReport {
     pub peak: usize,
 }
 
+impl HeapReport {
+    /// From the live heap before the model and the allocator's statistics after the steps.
+    pub fn between(before_model: Option<usize>, after: Option<kolo_base::alloc::HeapStats>) -> Option<HeapReport> {
+        Some(HeapReport { before_model: before_model?, between_steps: after?.live, peak: after?.peak })
+    }
+}
+
+/// The batches of data-parallel replica `dp_rank` of `dp_size`, from the batch after the first
+/// `batches_done` (prefetched). Synthetic data is already per replica: it is not sharded again.
+pub(crate) fn replica_batches(cfg: &Config, train: Arc<dyn Dataset>, dp_rank: usize, dp_size: usize, batches_done: u64) -> Result<Receiver<(Position, Batch)>, TrainError> {
+    let (world, rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (dp_size, dp_rank) };
+    let scfg = SamplerConfig { len: train.len(), world, rank, batch: cfg.data.batch_size, seed: cfg.train.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last };
+    let bpe = scfg.batches_per_epoch().max(1);
+    let sampler = Sampler::new(scfg, Position { epoch: batches_done / bpe, batch: batches_done % bpe }).map_err(TrainError::Data)?;
+    Ok(prefetch(train, sampler, cfg.data.prefetch))
+}
+
 /// Model states held by one rank between steps, by what they are (the ZeRO paper's split).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StateBytes {
@@ -178,7 +195,7 @@ pub(crate) fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result
 }
 
 /// Prepares batches on a background thread, each with the sampler position after it.
-pub(crate) fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receiver<(Position, Batch)> {
+fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receiver<(Position, Batch)> {
     let (tx, rx) = sync_channel(depth.max(1));
     std::thread::Builder::new()
         .name("kolo-prefetch".into())
@@ -1079,10 +1096,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         peak_rss: peak_rss(),
         skipped_steps: scaler.as_ref().map_or(0, LossScaler::skipped),
         loss_scale: scaler.as_ref().map(LossScaler::scale),
-        heap: match (heap_before_model, heap_after_steps) {
-            (Some(before_model), Some(h)) => Some(HeapReport { before_model, between_steps: h.live, peak: h.peak }),
-            _ => None,
-        },
+        heap: HeapReport::between(heap_before_model, heap_after_steps),
         sample,
         checkpoint,
         ps: None,
