@@ -43,10 +43,11 @@ enum Cmd {
     /// fails, the others are stopped and the launcher exits non-zero with a summary naming the
     /// rank that caused it (not the survivors that lost it) and every rank's error.
     Launch(LaunchArgs),
-    /// Train a model from a TOML config, alone or under `kolo launch` (DDP across ranks).
+    /// Train a model from a TOML config, alone or under `kolo launch` (DDP and ZeRO; pipeline,
+    /// tensor and sequence parallelism per `[mesh]`; parameter servers with `strategy = "ps"`).
     Train(train::TrainArgs),
     /// Parameter servers: `kolo ps run` starts a whole job here; `serve`, `coordinator`,
-    /// `remove` and `shutdown` for jobs across machines.
+    /// `eval`, `remove` and `shutdown` for jobs across machines.
     #[command(subcommand)]
     Ps(ps::PsCmd),
     /// Render a run's loss and throughput curves (one line per rank) to PNG files, from the
@@ -62,7 +63,8 @@ enum Cmd {
         /// A checkpoint directory (or a single-file checkpoint).
         checkpoint: PathBuf,
     },
-    /// Benchmarks (collectives like nccl-tests, loopback and memory limits).
+    /// Benchmarks (collectives like nccl-tests, loopback and memory limits, parameter servers,
+    /// Hogwild, Sandblaster L-BFGS).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
     /// Collective stress loop with fault injection, for Kolo's own failure tests.
