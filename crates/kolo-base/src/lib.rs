@@ -238,5 +238,15 @@ pub trait RingShift: Send + Sync {
     fn shift(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String>;
 }
 
+/// All-to-all exchange over a group (expert parallelism: tokens travel to the rank that holds
+/// their expert and back), for model adapters that must not know the communicator.
+pub trait Exchange: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// Sends `send[..]` cut in consecutive pieces of `send_counts[d]` values to member `d`, and
+    /// receives `recv_counts[s]` values from member `s` into consecutive pieces of `recv`.
+    fn all_to_all(&self, send: &[f32], send_counts: &[usize], recv: &mut [f32], recv_counts: &[usize]) -> Result<(), String>;
+}
+
 #[cfg(test)]
 mod tests;

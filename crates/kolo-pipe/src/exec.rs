@@ -18,6 +18,11 @@ pub trait StageWork {
     /// last stage, which starts from its loss). Returns the gradient of its input (the first
     /// stage returns an empty vector).
     fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> Result<Vec<f32>, String>;
+    /// PipeDream-2BW: batch `t`'s gradients are complete on this stage; apply them. Called
+    /// with nothing left unsent, so it may run collectives (the data-parallel average).
+    fn update(&mut self, _t: usize) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +46,8 @@ pub struct StepReport {
     pub bytes_sent: usize,
     /// (op, start ms, end ms) from the step's start, for timelines.
     pub spans: Vec<(Op, f64, f64)>,
+    /// PipeDream-2BW: when each weight update finished (ms from the start).
+    pub updates: Vec<f64>,
 }
 
 const fn act_tag(mb: usize) -> u32 {
@@ -63,6 +70,19 @@ pub fn run_stage(comm: &dyn Communicator, schedule: Schedule, m: usize, act_len:
     // An output waiting to be sent: (data, peer, tag).
     let mut outbox: Option<(Vec<f32>, usize, u32)> = None;
     for &op in &plan {
+        if let Op::Update(t) = op {
+            if let Some((data, to, tag)) = outbox.take() {
+                comm.send(BufRef::from(&data[..]), Rank(to), tag)?;
+                report.bytes_sent += data.len() * 4;
+            }
+            let start = Instant::now();
+            work.update(t).map_err(|msg| PipeError::Stage { stage: s, op, msg })?;
+            let end = Instant::now();
+            report.busy_ms += end.duration_since(start).as_secs_f64() * 1e3;
+            report.spans.push((op, ms(start), ms(end)));
+            report.updates.push(ms(end));
+            continue;
+        }
         // What this op needs from a neighbour.
         let need = match op {
             Op::Forward(i) if s > 0 => Some((s - 1, act_tag(i))),
@@ -114,6 +134,7 @@ pub fn run_stage(comm: &dyn Communicator, schedule: Schedule, m: usize, act_len:
                     outbox = Some((g, s - 1, grad_tag(i)));
                 }
             }
+            Op::Update(_) => unreachable!("handled above"),
         }
         let end = Instant::now();
         report.busy_ms += end.duration_since(start).as_secs_f64() * 1e3;

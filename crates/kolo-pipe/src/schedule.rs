@@ -9,6 +9,9 @@ use std::ops::Range;
 pub enum Op {
     Forward(usize),
     Backward(usize),
+    /// PipeDream-2BW: batch `t`'s gradients are complete on this stage; apply them (a new
+    /// weight version).
+    Update(usize),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,6 +22,12 @@ pub enum Schedule {
     /// 1F1B (PipeDream-Flush): K - s - 1 warm-up forwards, then alternate one forward and one
     /// backward, then drain; a stage holds at most K - s micro-batches' activations.
     OneFOneB,
+    /// PipeDream-2BW: 1F1B over the micro-batches of `batches` consecutive batches without a
+    /// flush between them; after the last backward of batch t a stage updates its weights
+    /// (`Op::Update(t)`), and micro-batch numbers run on across batches (batch t holds
+    /// t*m .. (t+1)*m). Batch t runs forward and backward on weight version max(t - 1, 0):
+    /// two versions live at once (double buffering); needs m >= K - 1 so the version exists.
+    TwoBw { batches: usize },
 }
 
 /// Cuts `costs` (one per layer, in order) into `k` contiguous non-empty stages minimising the
@@ -62,17 +71,36 @@ pub fn ops(schedule: Schedule, k: usize, s: usize, m: usize) -> Vec<Op> {
     assert!(s < k);
     match schedule {
         Schedule::GPipe => (0..m).map(Op::Forward).chain((0..m).map(Op::Backward)).collect(),
-        Schedule::OneFOneB => {
-            let warmup = (k - s - 1).min(m);
-            let mut v: Vec<Op> = (0..warmup).map(Op::Forward).collect();
-            for i in 0..m - warmup {
-                v.push(Op::Forward(warmup + i));
-                v.push(Op::Backward(i));
+        Schedule::OneFOneB => one_f_one_b(k, s, m),
+        Schedule::TwoBw { batches } => {
+            let mut v = Vec::with_capacity(batches * (2 * m + 1));
+            for op in one_f_one_b(k, s, m * batches) {
+                v.push(op);
+                if let Op::Backward(i) = op {
+                    if (i + 1) % m == 0 {
+                        v.push(Op::Update(i / m));
+                    }
+                }
             }
-            v.extend((m - warmup..m).map(Op::Backward));
             v
         }
     }
+}
+
+fn one_f_one_b(k: usize, s: usize, m: usize) -> Vec<Op> {
+    let warmup = (k - s - 1).min(m);
+    let mut v: Vec<Op> = (0..warmup).map(Op::Forward).collect();
+    for i in 0..m - warmup {
+        v.push(Op::Forward(warmup + i));
+        v.push(Op::Backward(i));
+    }
+    v.extend((m - warmup..m).map(Op::Backward));
+    v
+}
+
+/// PipeDream-2BW: the weight version micro-batch `mb` (numbered across batches of `m`) runs on.
+pub fn weight_version(mb: usize, m: usize) -> usize {
+    (mb / m).saturating_sub(1)
 }
 
 /// The most micro-batches whose activations a stage holds at once (forwarded, not yet backwarded).
@@ -86,6 +114,7 @@ pub fn max_in_flight(ops: &[Op]) -> usize {
                 most = most.max(live);
             }
             Op::Backward(_) => live = live.saturating_sub(1),
+            Op::Update(_) => {}
         }
     }
     most
@@ -105,7 +134,9 @@ pub struct Simulation {
 /// communication time): every op starts when its stage is free and its input is ready (the
 /// previous stage's forward, the next stage's backward). `Err` if the schedule deadlocks.
 pub fn simulate(schedule: Schedule, k: usize, m: usize, f: f64, b: f64) -> Result<Simulation, String> {
-    let plans: Vec<Vec<Op>> = (0..k).map(|s| ops(schedule, k, s, m)).collect();
+    let plans: Vec<Vec<Op>> = (0..k).map(|s| ops(schedule, k, s, m).into_iter().filter(|o| !matches!(o, Op::Update(_))).collect()).collect();
+    // Micro-batches in the whole plan (2BW runs several batches in one plan).
+    let m = plans[0].iter().filter(|o| matches!(o, Op::Forward(_))).count();
     let mut next = vec![0usize; k];
     let mut free = vec![0f64; k];
     let mut fwd_end = vec![vec![None::<f64>; m]; k];
@@ -118,6 +149,7 @@ pub fn simulate(schedule: Schedule, k: usize, m: usize, f: f64, b: f64) -> Resul
             let ready = match op {
                 Op::Forward(i) => if s == 0 { Some(0.0) } else { fwd_end[s - 1][i] },
                 Op::Backward(i) => if s + 1 == k { fwd_end[s][i] } else { bwd_end[s + 1][i] },
+                Op::Update(_) => unreachable!("filtered out"),
             };
             let Some(ready) = ready else { continue };
             let start = free[s].max(ready);
@@ -125,6 +157,7 @@ pub fn simulate(schedule: Schedule, k: usize, m: usize, f: f64, b: f64) -> Resul
             match op {
                 Op::Forward(i) => fwd_end[s][i] = Some(end),
                 Op::Backward(i) => bwd_end[s][i] = Some(end),
+                Op::Update(_) => {}
             }
             free[s] = end;
             timeline[s].push((op, start, end));

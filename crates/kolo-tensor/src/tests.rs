@@ -21,7 +21,7 @@ fn token_batch(cfg: &GptConfig, b: usize, seed: u64) -> Batch {
 }
 
 fn small_specs() -> Vec<(ModelSpec, Batch)> {
-    let gcfg = GptConfig { vocab: 11, seq: 8, d_model: 16, n_head: 2, n_layer: 2 };
+    let gcfg = GptConfig { vocab: 11, seq: 8, d_model: 16, n_head: 2, n_layer: 2, moe: None };
     vec![
         (ModelSpec::Mlp { input: 784, hidden: vec![32, 16], classes: 10 }, image_batch(4, 1)),
         (ModelSpec::Cnn { channels: (4, 8), classes: 10 }, image_batch(3, 2)),
@@ -94,7 +94,7 @@ fn flat_round_trip_and_in_place_load() {
 
 #[test]
 fn loss_at_init_is_near_log_classes() {
-    let gcfg = GptConfig { vocab: 65, seq: 16, d_model: 32, n_head: 4, n_layer: 1 };
+    let gcfg = GptConfig { vocab: 65, seq: 16, d_model: 32, n_head: 4, n_layer: 1, moe: None };
     let m = build_model(&ModelSpec::Gpt(gcfg.clone()), 0).unwrap();
     let l = m.loss(&token_batch(&gcfg, 2, 9), &PlainView).unwrap().to_scalar::<f32>().unwrap();
     assert!((l - (65f32).ln()).abs() < 0.2, "{l}");
@@ -173,7 +173,7 @@ fn fast_exp_and_gelu_are_accurate() {
 /// gradient for every parameter, through the GradStore and through gradient hooks.
 #[test]
 fn checkpointed_blocks_give_the_plain_gradients() {
-    let gcfg = GptConfig { vocab: 13, seq: 8, d_model: 16, n_head: 2, n_layer: 3 };
+    let gcfg = GptConfig { vocab: 13, seq: 8, d_model: 16, n_head: 2, n_layer: 3, moe: None };
     let batch = token_batch(&gcfg, 3, 7);
     let plain = build_model(&ModelSpec::Gpt(gcfg.clone()), 4).unwrap();
     let mut ck = build_model(&ModelSpec::Gpt(gcfg.clone()), 4).unwrap();
@@ -229,5 +229,115 @@ fn half_precision_compute_tracks_f32() {
             assert!(worst < 0.05 * scale, "{spec:?} {dt:?}: gradient error {worst} (largest gradient {scale})");
         }
         let _ = CastView(candle_core::DType::BF16).get(m.params(), 0).unwrap();
+    }
+}
+
+mod moe {
+    use super::*;
+    use crate::models::moe::{aux_loss_value, capacity, load_cv, route, MoeConfig};
+
+    fn moe_cfg(experts: usize, top_k: usize, capacity_factor: f64) -> GptConfig {
+        GptConfig { vocab: 11, seq: 8, d_model: 16, n_head: 2, n_layer: 2, moe: Some(MoeConfig { experts, top_k, capacity_factor, aux_weight: 0.01 }) }
+    }
+
+    #[test]
+    fn routing_takes_the_top_k_and_first_choices_win_the_capacity() {
+        // 4 tokens, 3 experts.
+        let probs = [
+            0.7, 0.2, 0.1, //
+            0.6, 0.3, 0.1, //
+            0.1, 0.3, 0.6, //
+            0.5, 0.5, 0.0, // a tie: the lower index first
+        ];
+        let r = route(&probs, 4, 3, 1, 10);
+        assert_eq!(r.choices, vec![0, 0, 2, 0]);
+        assert_eq!(r.counts, vec![3, 0, 1]);
+        assert_eq!(r.kept, vec![(0, 0), (1, 0), (3, 0), (2, 2)], "ordered by expert, then arrival");
+        assert_eq!(r.dropped, 0);
+        // Capacity 2: token 3's first choice (expert 0) is the third and is dropped.
+        let r = route(&probs, 4, 3, 1, 2);
+        assert_eq!((r.counts.clone(), r.dropped), (vec![2, 0, 1], 1));
+        // Top-2 with capacity 2: every first choice is placed before any second choice, so
+        // token 3's first choice (expert 0, third in line) is dropped, its second (1) is kept.
+        let r = route(&probs, 4, 3, 2, 2);
+        assert_eq!(r.choices, vec![0, 1, 0, 1, 2, 1, 0, 1]);
+        assert_eq!(r.kept, vec![(0, 0), (1, 0), (0, 1), (1, 1), (2, 2)]);
+        assert_eq!(r.dropped, 3, "token 3 at expert 0, tokens 2 and 3 at expert 1");
+        assert_eq!(capacity(128, 4, 1, 1.25), 40);
+        assert_eq!(capacity(10, 4, 2, 1.0), 5);
+        assert_eq!(capacity(1, 64, 1, 1.0), 1, "at least one slot");
+        assert_eq!(capacity(0, 4, 1, 1.0), 0);
+    }
+
+    #[test]
+    fn aux_loss_is_its_weight_when_perfectly_balanced_and_larger_otherwise() {
+        let e = 4;
+        let even = vec![0.25; e];
+        assert!((aux_loss_value(&even, &even, 0.01) - 0.01).abs() < 1e-12);
+        let skewed = [1.0, 0.0, 0.0, 0.0];
+        assert!((aux_loss_value(&skewed, &skewed, 0.01) - 0.04).abs() < 1e-12);
+        assert_eq!(load_cv(&[5, 5, 5, 5]), 0.0);
+        assert!((load_cv(&[2, 0, 2, 0]) - 1.0).abs() < 1e-12);
+    }
+
+    /// Every parameter gets a finite gradient (experts that receive no token: zeros), so DDP's
+    /// gradient hooks fire for all of them; the loss adds the auxiliary term.
+    #[test]
+    fn every_expert_gets_a_gradient_even_without_tokens() {
+        for (k, cf) in [(1, 0.3), (2, 1.0), (1, 8.0)] {
+            let cfg = moe_cfg(8, k, cf);
+            let m = build_model(&ModelSpec::Gpt(cfg.clone()), 0).unwrap();
+            let batch = token_batch(&cfg, 1, 4);
+            let loss = m.loss(&batch, &PlainView).unwrap();
+            let ce = crate::models::targets_loss(&m.forward(&batch.input, &PlainView).unwrap(), &batch.targets).unwrap();
+            let aux = loss.to_scalar::<f32>().unwrap() - ce.to_scalar::<f32>().unwrap();
+            // Two layers, each weight x E x sum f P in [weight, weight x E].
+            assert!((0.019..=0.161).contains(&aux), "top-{k}: auxiliary loss {aux}");
+            let grads = loss.backward().unwrap();
+            let mut flat = vec![0f32; m.params().numel()];
+            m.params().grads_into(&grads, &mut flat).unwrap();
+            assert!(flat.iter().all(|x| x.is_finite()));
+            let load = m.take_moe_load().unwrap();
+            assert_eq!(load.load.len(), 8);
+            assert_eq!(load.assigned, 2 * 8 * k as u64, "2 layers x 8 tokens x k");
+            assert_eq!(load.load.iter().sum::<u64>() + load.dropped, load.assigned);
+            if cf < 1.0 {
+                assert!(load.dropped > 0, "capacity factor {cf} drops tokens");
+            }
+            assert_eq!(m.take_moe_load().unwrap().assigned, 0, "taking resets the counts");
+        }
+    }
+
+    /// Central differences of the loss against backward's gradient for the gate and an
+    /// expert's weights (routing does not change under the small perturbation).
+    #[test]
+    fn moe_gradients_match_finite_differences() {
+        for k in [1, 2] {
+            let cfg = moe_cfg(4, k, 2.0);
+            let m = build_model(&ModelSpec::Gpt(cfg.clone()), 7).unwrap();
+            let batch = token_batch(&cfg, 2, 9);
+            let loss = m.loss(&batch, &PlainView).unwrap();
+            let grads = loss.backward().unwrap();
+            let mut g = vec![0f32; m.params().numel()];
+            m.params().grads_into(&grads, &mut g).unwrap();
+            let base = m.params().to_flat().unwrap();
+            let names = ["blocks.0.moe.gate.weight", "blocks.1.moe.experts.2.fc.weight", "blocks.0.moe.experts.0.fc_out.bias"];
+            for name in names {
+                let p = m.params().iter().find(|p| p.name == name).unwrap();
+                // The entry with the largest gradient: best signal over f32 rounding.
+                let i = p.range.clone().max_by(|&a, &b| g[a].abs().total_cmp(&g[b].abs())).unwrap();
+                let eps = 1e-2f32;
+                let at = |d: f32| -> f64 {
+                    let mut v = base.clone();
+                    v[i] += d;
+                    m.params().load(&v).unwrap();
+                    f64::from(m.loss(&batch, &PlainView).unwrap().to_scalar::<f32>().unwrap())
+                };
+                let fd = (at(eps) - at(-eps)) / (2.0 * f64::from(eps));
+                m.params().load(&base).unwrap();
+                let rel = (fd - f64::from(g[i])).abs() / f64::from(g[i]).abs().max(1e-3);
+                assert!(rel < 0.05, "top-{k} {name}[{i}]: backward {} vs finite difference {fd}", g[i]);
+            }
+        }
     }
 }

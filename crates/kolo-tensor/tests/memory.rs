@@ -12,7 +12,7 @@ static ALLOC: CountingAlloc = CountingAlloc;
 #[test]
 fn checkpointing_every_block_cuts_peak_activation_memory() {
     CountingAlloc::mark_installed();
-    let cfg = GptConfig { vocab: 65, seq: 64, d_model: 64, n_head: 4, n_layer: 6 };
+    let cfg = GptConfig { vocab: 65, seq: 64, d_model: 64, n_head: 4, n_layer: 6, moe: None };
     let mut r = Rng::new(1);
     let (b, t) = (8, cfg.seq);
     let batch = Batch {

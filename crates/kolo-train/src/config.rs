@@ -45,6 +45,11 @@ pub struct MeshConfig {
     /// of a group, attention over a ring (GPT; not combined with tp or pp yet). Default 1.
     #[serde(default = "one")]
     pub sp: usize,
+    /// Expert parallelism: the experts of every MoE block dealt over groups of this many
+    /// consecutive data-parallel ranks, tokens sent to their expert's rank with all-to-all.
+    /// Divides dp and model.experts. Default 1 (every rank holds every expert).
+    #[serde(default = "one")]
+    pub ep: usize,
 }
 
 /// The mesh a run uses: (dp, tp, pp), their product the world size.
@@ -54,6 +59,7 @@ pub struct Mesh {
     pub tp: usize,
     pub pp: usize,
     pub sp: usize,
+    pub ep: usize,
 }
 
 /// `[pipeline]`: the GPT's layers (embedding, blocks, head) cut into one stage per rank by a
@@ -113,6 +119,27 @@ pub struct ModelConfig {
     /// (activation checkpointing: less memory for about one more forward pass). Default none.
     #[serde(default)]
     pub checkpoint_blocks: Vec<usize>,
+    /// gpt: mixture of experts — every block's MLP becomes this many expert MLPs behind a
+    /// learned gate (Switch/GShard). Default none (dense MLPs).
+    pub experts: Option<usize>,
+    /// gpt with experts: experts per token, 1 (Switch) or 2 (GShard). Default 1.
+    #[serde(default = "one")]
+    pub top_k: usize,
+    /// gpt with experts: each expert takes at most ceil(factor x tokens x top_k / experts) of
+    /// one rank's tokens per step; the rest are dropped (counted). Default 1.25.
+    #[serde(default = "capacity_default")]
+    pub capacity_factor: f64,
+    /// gpt with experts: weight of the auxiliary load-balancing loss. Default 0.01.
+    #[serde(default = "aux_default")]
+    pub aux_loss_weight: f64,
+}
+
+fn capacity_default() -> f64 {
+    1.25
+}
+
+fn aux_default() -> f64 {
+    0.01
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -544,9 +571,31 @@ impl Config {
         if (self.ddp.local_sgd.is_some() || self.ddp.skip_sync) && self.train.precision == Precision::F16 {
             return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
         }
+        if let Some(x) = self.model.experts {
+            let md = &self.model;
+            if md.kind != ModelKind::Gpt {
+                return Err("model.experts (mixture of experts) replaces the GPT's MLPs; model.kind must be \"gpt\"".into());
+            }
+            kolo_tensor::models::MoeConfig { experts: x, top_k: md.top_k, capacity_factor: md.capacity_factor, aux_weight: md.aux_loss_weight }.check().map_err(|e| format!("model: {e}"))?;
+            let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
+            if m.tp > 1 || m.sp > 1 || m.pp.is_some_and(|p| p > 1) || self.pipeline.is_some() || self.ddp.zero_stage == 3 || !md.checkpoint_blocks.is_empty() || self.train.precision != Precision::F32 || self.train.strategy != Strategy::Ddp {
+                return Err("model.experts trains in f32 with data and expert parallelism (mesh.dp, mesh.ep), without tp, sp, pipelines, ZeRO-3, activation checkpointing or parameter servers (yet)".into());
+            }
+            if !x.is_multiple_of(m.ep) {
+                return Err(format!("model.experts ({x}) must be a multiple of mesh.ep ({})", m.ep));
+            }
+        }
         if let Some(m) = &self.mesh {
-            if m.tp == 0 || m.sp == 0 || m.pp == Some(0) || m.dp == Some(0) {
-                return Err("mesh.dp, mesh.tp, mesh.pp and mesh.sp must be at least 1".into());
+            if m.tp == 0 || m.sp == 0 || m.ep == 0 || m.pp == Some(0) || m.dp == Some(0) {
+                return Err("mesh.dp, mesh.tp, mesh.pp, mesh.sp and mesh.ep must be at least 1".into());
+            }
+            if m.ep > 1 {
+                if self.model.experts.is_none() {
+                    return Err("mesh.ep > 1 deals the experts of a mixture-of-experts GPT over ranks: set model.experts".into());
+                }
+                if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.checkpoint_dir.is_some() || self.train.grad_accum != 1 || self.train.eval_every != 0 || self.train.timeline_dir.is_some() {
+                    return Err("mesh.ep > 1 runs with grad_accum = 1, a final evaluation only, and without ZeRO, compression, local SGD, timelines or checkpoints (yet)".into());
+                }
             }
             if m.sp > 1 {
                 if self.model.kind != ModelKind::Gpt || m.tp > 1 || self.pipeline.is_some() {
@@ -645,7 +694,7 @@ impl Config {
 
     /// The (dp, tp, pp) mesh for `world` ranks.
     pub fn mesh_for(&self, world: usize) -> Result<Mesh, String> {
-        let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1 });
+        let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
         let (tp, sp) = (m.tp, m.sp);
         let pp = match (m.pp, &self.pipeline, m.dp) {
             (Some(p), _, _) => p,
@@ -657,7 +706,10 @@ impl Config {
         if dp * tp * pp * sp != world || dp == 0 || pp == 0 {
             return Err(format!("mesh dp {dp} x tp {tp} x pp {pp} x sp {sp} does not make {world} ranks"));
         }
-        Ok(Mesh { dp, tp, pp, sp })
+        if m.ep == 0 || !dp.is_multiple_of(m.ep) {
+            return Err(format!("mesh.ep {} does not divide the {dp} data-parallel ranks", m.ep));
+        }
+        Ok(Mesh { dp, tp, pp, sp, ep: m.ep })
     }
 
     pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {
@@ -679,6 +731,7 @@ impl Config {
                 d_model: m.d_model.unwrap_or(256),
                 n_head: m.n_head.unwrap_or(4),
                 n_layer: m.n_layer.unwrap_or(4),
+                moe: m.experts.map(|experts| kolo_tensor::models::MoeConfig { experts, top_k: m.top_k, capacity_factor: m.capacity_factor, aux_weight: m.aux_loss_weight }),
             }),
         }
     }

@@ -3,6 +3,7 @@
 
 pub mod config;
 pub mod data;
+pub mod ep;
 pub mod sampler;
 pub mod trainer;
 

@@ -204,6 +204,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         loss_scale: None,
         ps: None,
         pipeline_bubble: Some(mean_bubble),
+        moe: None,
     })
 }
 

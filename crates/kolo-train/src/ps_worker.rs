@@ -154,6 +154,7 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
         loss_scale: None,
         ps: Some(stats),
         pipeline_bubble: None,
+        moe: None,
     })
 }
 

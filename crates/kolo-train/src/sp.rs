@@ -141,5 +141,6 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
         loss_scale: None,
         ps: None,
         pipeline_bubble: None,
+        moe: None,
     })
 }

@@ -84,6 +84,8 @@ pub struct Summary {
     pub ps: Option<kolo_ps::PushStats>,
     /// Pipeline runs: the mean measured bubble (idle share of the stages).
     pub pipeline_bubble: Option<f64>,
+    /// Mixture-of-experts runs: tokens routed per expert over the run, summed over every rank.
+    pub moe: Option<kolo_tensor::models::MoeLoad>,
 }
 
 /// Live heap bytes at three points of a run (see `kolo_base::alloc`).
@@ -520,6 +522,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
     // blocks are split over the tp group; stages talk over the pp group.
     let mesh = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+    if mesh.ep > 1 {
+        let m = kolo_comm::DeviceMesh::new(&*comm, &[("rep", mesh.dp / mesh.ep), ("ep", mesh.ep)])?;
+        let g = |a: &str| m.group(a).expect("axis").clone();
+        return crate::ep::run_expert_parallel(cfg, &*comm, g("ep"), g("rep"), opts);
+    }
     if mesh.sp > 1 {
         let m = kolo_comm::DeviceMesh::new(&*comm, &[("dp", mesh.dp), ("sp", mesh.sp)])?;
         let sp = m.group("sp").expect("axis").clone();
@@ -1061,6 +1068,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len() + ddp.with_master(|m| m.len())),
         offloaded: opt.is_offloaded() || master.is_offloaded(),
     };
+    let moe = crate::ep::reduce_load(model.take_moe_load(), &*comm)?;
     Ok(Summary {
         steps_done: end,
         last_loss,
@@ -1101,5 +1109,6 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         checkpoint,
         ps: None,
         pipeline_bubble: None,
+        moe,
     })
 }

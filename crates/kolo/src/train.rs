@@ -87,6 +87,14 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
             None => format!("{:.0}% of gradient all-reduce hidden behind backward", s.hidden_fraction * 100.0),
         };
         eprintln!("done: {} steps, last loss {:.4}, {:.1} ms/step (second half), {overlap}", s.steps_done, s.last_loss, mean);
+        if let Some(m) = &s.moe {
+            eprintln!(
+                "experts: tokens routed per expert {:?} (coefficient of variation {:.3}), {:.2}% of assignments dropped by the capacity",
+                m.load,
+                m.cv(),
+                m.dropped_fraction() * 100.0
+            );
+        }
         let mb = |b: u64| b as f64 / 1e6;
         if let Some(bytes) = s.comm_bytes.last() {
             let what = if s.pipeline_bubble.is_some() { "activations and their gradients sent by rank 0" } else { "gradient traffic" };

@@ -14,12 +14,14 @@ pub struct GptConfig {
     pub d_model: usize,
     pub n_head: usize,
     pub n_layer: usize,
+    /// Mixture of experts: every block's MLP replaced by a gated set of expert MLPs.
+    pub moe: Option<super::moe::MoeConfig>,
 }
 
 impl GptConfig {
     /// The benchmark shape of `peerbench_models.py` (3,225,665 parameters).
     pub fn bench() -> GptConfig {
-        GptConfig { vocab: 65, seq: 128, d_model: 256, n_head: 4, n_layer: 4 }
+        GptConfig { vocab: 65, seq: 128, d_model: 256, n_head: 4, n_layer: 4, moe: None }
     }
 }
 
@@ -28,15 +30,34 @@ struct Block {
     qkv: (usize, usize),
     proj: (usize, usize),
     ln2: (usize, usize),
-    fc: (usize, usize),
-    fc_out: (usize, usize),
+    ffn: Ffn,
+}
+
+/// A block's feed-forward part.
+enum Ffn {
+    Dense { fc: (usize, usize), fc_out: (usize, usize) },
+    /// The gate's weight and this rank's experts (fc weight, fc bias, fc_out weight, fc_out bias).
+    Moe { gate: usize, experts: Vec<[usize; 4]> },
 }
 
 impl Block {
-    /// The block's parameters in the order [`block_forward`] takes them.
-    fn ids(&self) -> [usize; 12] {
-        let [a, b, c, d, e, f] = [self.ln1, self.qkv, self.proj, self.ln2, self.fc, self.fc_out];
-        [a.0, a.1, b.0, b.1, c.0, c.1, d.0, d.1, e.0, e.1, f.0, f.1]
+    /// The block's parameters in the order [`block_forward`] takes them (a MoE block: the
+    /// attention half, then the gate, then each local expert's four).
+    fn ids(&self) -> Vec<usize> {
+        let [a, b, c, d] = [self.ln1, self.qkv, self.proj, self.ln2];
+        let mut v = vec![a.0, a.1, b.0, b.1, c.0, c.1, d.0, d.1];
+        match &self.ffn {
+            Ffn::Dense { fc, fc_out } => v.extend([fc.0, fc.1, fc_out.0, fc_out.1]),
+            Ffn::Moe { gate, experts } => {
+                v.push(*gate);
+                v.extend(experts.iter().flatten());
+            }
+        }
+        v
+    }
+
+    fn is_moe(&self) -> bool {
+        matches!(self.ffn, Ffn::Moe { .. })
     }
 }
 
@@ -57,6 +78,19 @@ pub struct Gpt {
     tp: Option<TensorParallel>,
     /// Sequence parallelism: this rank holds one chunk of every sequence; attention runs over the ring.
     sp: Option<Arc<dyn kolo_base::RingShift>>,
+    /// Expert parallelism: the group the experts are dealt over.
+    ep: Option<ExpertParallel>,
+    /// MoE routing counts since the last [`Model::take_moe_load`].
+    moe_load: std::sync::Mutex<super::moe::MoeLoad>,
+}
+
+struct ExpertParallel {
+    group: Arc<dyn kolo_base::Exchange>,
+    /// For each local value, its index in the whole model's flat layout.
+    map: Vec<usize>,
+    /// Per local parameter: whether it belongs to an expert.
+    expert: Vec<bool>,
+    full_len: usize,
 }
 
 struct TensorParallel {
@@ -94,6 +128,30 @@ fn block_forward_with(x: &Tensor, p: &[Tensor], h: usize, ring: Option<&Arc<dyn 
     let x = (x + linear(&y, &p[4], &p[5])?)?;
     let hdn = layer_norm(&x, &p[6], &p[7], 1e-5)?;
     Ok((&x + linear(&crate::fused::gelu_erf(&linear(&hdn, &p[8], &p[9])?)?, &p[10], &p[11])?)?)
+}
+
+/// A block whose MLP is a mixture of experts: `p` holds the attention half (8), the gate, then
+/// four per local expert. Returns the output and the auxiliary loss.
+fn block_forward_moe(x: &Tensor, p: &[Tensor], h: usize, cfg: &super::moe::MoeConfig, ex: Option<&Arc<dyn kolo_base::Exchange>>, load: Option<&std::sync::Mutex<super::moe::MoeLoad>>) -> Result<(Tensor, Tensor)> {
+    let (b, t, c) = x.dims3()?;
+    let d = c / h;
+    let scale = 1.0 / (d as f64).sqrt();
+    let hdn = layer_norm(x, &p[0], &p[1], 1e-5)?;
+    let heads = |k: usize| -> Result<Tensor> {
+        let y = linear(&hdn, &p[2].narrow(0, k * c, c)?, &p[3].narrow(0, k * c, c)?)?;
+        Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
+    };
+    let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+    let y = crate::fused::causal_softmax(&q.matmul(&k.t()?.contiguous()?)?, scale)?.matmul(&v)?;
+    let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
+    let x = (x + linear(&y, &p[4], &p[5])?)?;
+    let hdn = layer_norm(&x, &p[6], &p[7], 1e-5)?;
+    let experts: Vec<[Tensor; 4]> = p[9..].chunks(4).map(|e| [e[0].clone(), e[1].clone(), e[2].clone(), e[3].clone()]).collect();
+    let (m, aux, routing) = super::moe::moe_forward(&hdn, &p[8], &experts, cfg, ex)?;
+    if let Some(load) = load {
+        load.lock().unwrap_or_else(|e| e.into_inner()).add(&routing);
+    }
+    Ok(((&x + m)?, aux))
 }
 
 /// Activation checkpointing of one block as a differentiable op on `(x, packed parameters)`:
@@ -265,28 +323,44 @@ impl Gpt {
         };
         let wte = p.add("wte.weight", &[cfg.vocab, c], normal(rng, cfg.vocab * c, std))?;
         let wpe = p.add("wpe.weight", &[cfg.seq, c], normal(rng, cfg.seq * c, std))?;
+        if let Some(m) = &cfg.moe {
+            m.check().map_err(TensorError::Input)?;
+        }
         let mut blocks = Vec::new();
         for i in 0..cfg.n_layer {
             let b = format!("blocks.{i}");
-            blocks.push(Block {
-                ln1: ln(&mut p, &format!("{b}.ln1"))?,
-                qkv: lin(&mut p, &format!("{b}.attn.qkv"), 3 * c, c, rng)?,
-                proj: lin(&mut p, &format!("{b}.attn.proj"), c, c, rng)?,
-                ln2: ln(&mut p, &format!("{b}.ln2"))?,
-                fc: lin(&mut p, &format!("{b}.fc"), 4 * c, c, rng)?,
-                fc_out: lin(&mut p, &format!("{b}.fc_out"), c, 4 * c, rng)?,
-            });
+            let ln1 = ln(&mut p, &format!("{b}.ln1"))?;
+            let qkv = lin(&mut p, &format!("{b}.attn.qkv"), 3 * c, c, rng)?;
+            let proj = lin(&mut p, &format!("{b}.attn.proj"), c, c, rng)?;
+            let ln2 = ln(&mut p, &format!("{b}.ln2"))?;
+            let ffn = match &cfg.moe {
+                None => Ffn::Dense { fc: lin(&mut p, &format!("{b}.fc"), 4 * c, c, rng)?, fc_out: lin(&mut p, &format!("{b}.fc_out"), c, 4 * c, rng)? },
+                Some(m) => {
+                    let gate = p.add(&format!("{b}.moe.gate.weight"), &[m.experts, c], normal(rng, m.experts * c, std))?;
+                    let mut experts = Vec::with_capacity(m.experts);
+                    for x in 0..m.experts {
+                        let (w1, b1) = lin(&mut p, &format!("{b}.moe.experts.{x}.fc"), 4 * c, c, rng)?;
+                        let (w2, b2) = lin(&mut p, &format!("{b}.moe.experts.{x}.fc_out"), c, 4 * c, rng)?;
+                        experts.push([w1, b1, w2, b2]);
+                    }
+                    Ffn::Moe { gate, experts }
+                }
+            };
+            blocks.push(Block { ln1, qkv, proj, ln2, ffn });
         }
         let ln_f = ln(&mut p, "ln_f")?;
         let head = lin(&mut p, "head", cfg.vocab, c, rng)?;
         let checkpointed = vec![false; cfg.n_layer];
-        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, sharded: None, tp: None, sp: None })
+        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, sharded: None, tp: None, sp: None, ep: None, moe_load: Default::default() })
     }
 
     /// This member's piece of the model under Megatron tensor parallelism over `group`: the
     /// same initial values as [`Gpt::new`] with the same generator, cut so that each member
     /// holds n_head / size heads and 4 d_model / size MLP features of every block.
     pub fn new_tensor_parallel(cfg: GptConfig, rng: &mut Rng, group: Arc<dyn kolo_base::GroupSum>) -> Result<Gpt> {
+        if cfg.moe.is_some() {
+            return Err(TensorError::Input("tensor parallelism of a mixture-of-experts GPT is not supported (use expert parallelism)".into()));
+        }
         let full = Gpt::new(cfg, rng)?;
         let (r, n) = (group.rank(), group.size());
         if n == 0 || !full.cfg.n_head.is_multiple_of(n) {
@@ -307,8 +381,8 @@ impl Gpt {
     /// every sequence (positions `rank * t ..`), and attention passes keys and values around the
     /// ring. Parameters stay whole (replicated on every member).
     pub fn set_sequence_parallel(&mut self, ring: Arc<dyn kolo_base::RingShift>) -> Result<()> {
-        if self.tp.is_some() || self.sharded.is_some() || self.checkpointed.iter().any(|c| *c) {
-            return Err(TensorError::Input("sequence parallelism does not combine with tensor parallelism, ZeRO-3 or activation checkpointing yet".into()));
+        if self.tp.is_some() || self.sharded.is_some() || self.checkpointed.iter().any(|c| *c) || self.cfg.moe.is_some() {
+            return Err(TensorError::Input("sequence parallelism does not combine with tensor parallelism, ZeRO-3, activation checkpointing or mixture of experts yet".into()));
         }
         self.sp = Some(ring);
         Ok(())
@@ -330,9 +404,13 @@ impl Gpt {
         Ok(())
     }
 
-    /// Values in the whole (unsplit) model: differs from `params().numel()` under tensor parallelism.
+    /// Values in the whole (unsplit) model: differs from `params().numel()` under tensor or expert parallelism.
     pub fn full_numel(&self) -> usize {
-        self.tp.as_ref().map_or(self.params.numel(), |t| t.full_len)
+        match (&self.tp, &self.ep) {
+            (Some(t), _) => t.full_len,
+            (_, Some(e)) => e.full_len,
+            _ => self.params.numel(),
+        }
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -342,8 +420,8 @@ impl Gpt {
 
 impl Gpt {
     fn set_checkpointing_blocks(&mut self, blocks: &[usize]) -> Result<()> {
-        if self.tp.is_some() && !blocks.is_empty() {
-            return Err(TensorError::Input("activation checkpointing under tensor parallelism is not supported yet".into()));
+        if (self.tp.is_some() || self.cfg.moe.is_some()) && !blocks.is_empty() {
+            return Err(TensorError::Input("activation checkpointing under tensor parallelism or of mixture-of-experts blocks is not supported yet".into()));
         }
         if let Some(bad) = blocks.iter().find(|&&i| i >= self.cfg.n_layer) {
             return Err(TensorError::Input(format!("activation checkpointing: block {bad} does not exist (the model has {} blocks)", self.cfg.n_layer)));
@@ -377,8 +455,8 @@ impl Model for Gpt {
     }
 
     fn shard_groups(&mut self, gather: Arc<dyn ParamGather>) -> Result<()> {
-        if self.tp.is_some() {
-            return Err(TensorError::Input("ZeRO-3 over a tensor-parallel GPT is not supported yet".into()));
+        if self.tp.is_some() || self.cfg.moe.is_some() {
+            return Err(TensorError::Input("ZeRO-3 over a tensor-parallel or mixture-of-experts GPT is not supported yet".into()));
         }
         for b in &self.blocks {
             for i in b.ids() {
@@ -390,10 +468,127 @@ impl Model for Gpt {
     }
 
     fn forward(&self, input: &Input, view: &dyn ParamView) -> Result<Tensor> {
+        self.forward_aux(input, view, None)
+    }
+
+    /// Cross-entropy plus the MoE blocks' auxiliary load-balancing losses.
+    fn loss(&self, batch: &super::Batch, view: &dyn ParamView) -> Result<Tensor> {
+        let mut aux = Vec::new();
+        let logits = self.forward_aux(&batch.input, view, Some(&mut aux))?;
+        let mut loss = super::targets_loss(&logits, &batch.targets)?;
+        for a in aux {
+            loss = (loss + a)?;
+        }
+        Ok(loss)
+    }
+
+    fn take_moe_load(&self) -> Option<super::moe::MoeLoad> {
+        self.cfg.moe.as_ref()?;
+        Some(std::mem::take(&mut *self.moe_load.lock().unwrap_or_else(|e| e.into_inner())))
+    }
+
+    fn expert_params(&self) -> Option<Vec<bool>> {
+        Some(self.ep.as_ref()?.expert.clone())
+    }
+}
+
+impl Gpt {
+    fn forward_aux(&self, input: &Input, view: &dyn ParamView, aux: Option<&mut Vec<Tensor>>) -> Result<Tensor> {
         let Input::Tokens { ids, b, t } = input else {
             return Err(TensorError::Input("the GPT takes token sequences".into()));
         };
-        self.forward_layers(StageInput::Tokens { ids, b: *b, t: *t }, 0..self.layers(), view)
+        self.forward_layers_aux(StageInput::Tokens { ids, b: *b, t: *t }, 0..self.layers(), view, aux)
+    }
+
+    /// This member's part of a mixture-of-experts GPT under expert parallelism over `group`:
+    /// the same initial values as [`Gpt::new`] with the same generator, keeping every expert
+    /// of the group's member `group.rank()` (experts / size consecutive ones per MoE block) and
+    /// every parameter outside the experts.
+    pub fn new_expert_parallel(cfg: GptConfig, rng: &mut Rng, group: Arc<dyn kolo_base::Exchange>) -> Result<Gpt> {
+        let Some(m) = cfg.moe.clone() else {
+            return Err(TensorError::Input("expert parallelism needs a mixture-of-experts GPT (model.experts)".into()));
+        };
+        let (r, n) = (group.rank(), group.size());
+        if n == 0 || !m.experts.is_multiple_of(n) {
+            return Err(TensorError::Input(format!("{} experts do not split evenly over {n} expert-parallel ranks", m.experts)));
+        }
+        let el = m.experts / n;
+        let full = Gpt::new(cfg, rng)?;
+        let values = full.params.to_flat()?;
+        // Which of the whole model's parameters this member keeps.
+        let mut keep = vec![true; full.params.len()];
+        for b in &full.blocks {
+            if let Ffn::Moe { experts, .. } = &b.ffn {
+                for (x, ids) in experts.iter().enumerate() {
+                    if x / el != r {
+                        ids.iter().for_each(|&i| keep[i] = false);
+                    }
+                }
+            }
+        }
+        let mut is_expert = vec![false; full.params.len()];
+        for b in &full.blocks {
+            if let Ffn::Moe { experts, .. } = &b.ffn {
+                experts.iter().flatten().for_each(|&i| is_expert[i] = true);
+            }
+        }
+        let mut params = ParamSet::new();
+        let mut new_id = vec![usize::MAX; full.params.len()];
+        let (mut map, mut expert) = (Vec::new(), Vec::new());
+        for (i, p) in full.params.iter().enumerate() {
+            if keep[i] {
+                new_id[i] = params.add(&p.name, &p.shape, values[p.range.clone()].to_vec())?;
+                map.extend(p.range.clone());
+                expert.push(is_expert[i]);
+            }
+        }
+        let id = |i: usize| new_id[i];
+        let pair = |(a, b): (usize, usize)| (id(a), id(b));
+        let blocks = full
+            .blocks
+            .iter()
+            .map(|b| Block {
+                ln1: pair(b.ln1),
+                qkv: pair(b.qkv),
+                proj: pair(b.proj),
+                ln2: pair(b.ln2),
+                ffn: match &b.ffn {
+                    Ffn::Dense { fc, fc_out } => Ffn::Dense { fc: pair(*fc), fc_out: pair(*fc_out) },
+                    Ffn::Moe { gate, experts } => Ffn::Moe { gate: id(*gate), experts: experts[r * el..(r + 1) * el].iter().map(|e| e.map(id)).collect() },
+                },
+            })
+            .collect();
+        let full_len = full.params.numel();
+        Ok(Gpt {
+            wte: id(full.wte),
+            wpe: id(full.wpe),
+            ln_f: pair(full.ln_f),
+            head: pair(full.head),
+            blocks,
+            params,
+            ep: Some(ExpertParallel { group, map, expert, full_len }),
+            cfg: full.cfg,
+            checkpointed: full.checkpointed,
+            sharded: None,
+            tp: None,
+            sp: None,
+            moe_load: Default::default(),
+        })
+    }
+
+    /// Under expert parallelism: writes `local` (this member's values) into `out`, the whole
+    /// model's flat layout: its experts when `experts`, the parameters outside the experts when
+    /// `shared`, so that a sum over the ranks that write each part assembles the whole model.
+    pub fn ep_pieces_into(&self, local: &[f32], out: &mut [f32], experts: bool, shared: bool) -> Result<()> {
+        let Some(ep) = &self.ep else { return Err(TensorError::Input("not an expert-parallel model".into())) };
+        for (i, p) in self.params.iter().enumerate() {
+            if (ep.expert[i] && experts) || (!ep.expert[i] && shared) {
+                for k in p.range.clone() {
+                    out[ep.map[k]] = local[k];
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -431,6 +626,12 @@ impl Gpt {
     /// else from hidden states; returns hidden states (b, t, d_model), or the logits
     /// (b * t, vocab) when the range ends with the head.
     pub fn forward_layers(&self, input: StageInput<'_>, layers: std::ops::Range<usize>, view: &dyn ParamView) -> Result<Tensor> {
+        self.forward_layers_aux(input, layers, view, None)
+    }
+
+    /// [`Gpt::forward_layers`]; when training (`aux` given) each MoE block's auxiliary loss is
+    /// pushed onto `aux` and its routing counted.
+    fn forward_layers_aux(&self, input: StageInput<'_>, layers: std::ops::Range<usize>, view: &dyn ParamView, mut aux: Option<&mut Vec<Tensor>>) -> Result<Tensor> {
         if layers.is_empty() || layers.end > self.layers() {
             return Err(TensorError::Input(format!("layers {layers:?} of a GPT with {} layers", self.layers())));
         }
@@ -470,6 +671,15 @@ impl Gpt {
         let n = self.blocks.len();
         for (i, (blk, &ckpt)) in self.blocks.iter().zip(&self.checkpointed).enumerate() {
             if !layers.contains(&(i + 1)) {
+                continue;
+            }
+            if let (true, Some(m)) = (blk.is_moe(), &self.cfg.moe) {
+                let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
+                let (y, a) = block_forward_moe(&x, &p, h, m, self.ep.as_ref().map(|e| &e.group), aux.is_some().then_some(&self.moe_load))?;
+                x = y;
+                if let Some(v) = aux.as_deref_mut() {
+                    v.push(a);
+                }
                 continue;
             }
             if let Some(tp) = &self.tp {

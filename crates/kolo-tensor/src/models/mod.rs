@@ -3,12 +3,14 @@
 mod cnn;
 mod gpt;
 mod mlp;
+pub mod moe;
 mod ring;
 mod tp;
 
 pub use cnn::Cnn;
 pub use gpt::{Gpt, GptConfig, StageInput};
 pub use mlp::Mlp;
+pub use moe::{MoeConfig, MoeLoad};
 
 use crate::ops::cross_entropy;
 use crate::{ParamSet, ParamView, Result, TensorError};
@@ -84,16 +86,33 @@ pub trait Model: Send {
         None
     }
 
-    /// Mean cross-entropy over the batch.
+    /// Mean cross-entropy over the batch (plus auxiliary losses the model defines: the MoE
+    /// GPT's load-balancing loss).
     fn loss(&self, batch: &Batch, view: &dyn ParamView) -> Result<Tensor> {
-        let logits = self.forward(&batch.input, view)?;
-        let n = logits.dim(0)?;
-        if batch.targets.len() != n {
-            return Err(TensorError::Input(format!("{} targets for {n} outputs", batch.targets.len())));
-        }
-        let t = Tensor::from_slice(&batch.targets, n, &Device::Cpu)?;
-        cross_entropy(&logits, &t)
+        targets_loss(&self.forward(&batch.input, view)?, &batch.targets)
     }
+
+    /// Mixture of experts: the routing counts since the last call (then reset). `None` for
+    /// models without experts.
+    fn take_moe_load(&self) -> Option<MoeLoad> {
+        None
+    }
+
+    /// Under expert parallelism: per parameter, whether it belongs to one of this rank's
+    /// experts (not replicated). `None` for models that are not split by experts.
+    fn expert_params(&self) -> Option<Vec<bool>> {
+        None
+    }
+}
+
+/// Mean cross-entropy of `logits` (n, classes) against one class id per row.
+pub(crate) fn targets_loss(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+    let n = logits.dim(0)?;
+    if targets.len() != n {
+        return Err(TensorError::Input(format!("{} targets for {n} outputs", targets.len())));
+    }
+    let t = Tensor::from_slice(targets, n, &Device::Cpu)?;
+    cross_entropy(logits, &t)
 }
 
 /// Which model to build, with its shape.

@@ -1,0 +1,288 @@
+//! Mixture-of-experts feed-forward layer (Switch Transformer / GShard) with expert parallelism.
+//!
+//! A learned gate (a linear map d_model -> experts, softmax) picks each token's top-k experts
+//! (k = 1: Switch, the gate probability scales the expert's output; k = 2: GShard, the two
+//! probabilities renormalised to sum to one). Each expert takes at most `capacity` tokens of a
+//! group (the tokens one rank routes in one step): capacity = ceil(factor x tokens x k / experts);
+//! first choices are placed before any second choice, in token order, and assignments beyond
+//! the capacity are dropped (the token's residual passes the layer unchanged for that share).
+//! The auxiliary load-balancing loss is Switch's: weight x experts x sum_e f_e P_e, with f_e the
+//! fraction of tokens whose first choice is e and P_e the mean gate probability of e.
+//!
+//! Under expert parallelism the experts are dealt out in equal consecutive runs over the group;
+//! the tokens routed to an expert travel to its rank with an all-to-all, are transformed there
+//! and come back with a second all-to-all. Both exchanges are differentiable (their backward is
+//! the reverse exchange), so the gradients of remote tokens reach the expert that saw them.
+
+use crate::{Result, TensorError};
+use candle_core::{CpuStorage, CustomOp1, DType, Device, Layout, Shape, Tensor};
+use kolo_base::Exchange;
+use std::sync::Arc;
+
+/// The MoE layer's shape and routing rules.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per MoE layer.
+    pub experts: usize,
+    /// Experts per token: 1 or 2.
+    pub top_k: usize,
+    /// Capacity factor: each expert takes up to ceil(factor x tokens x k / experts) tokens.
+    pub capacity_factor: f64,
+    /// Weight of the auxiliary load-balancing loss (0: none).
+    pub aux_weight: f64,
+}
+
+impl MoeConfig {
+    /// At least one expert, k of 1 or 2 (at most the experts), a positive capacity factor and a
+    /// weight that is not negative.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let positive = self.capacity_factor.is_finite() && self.capacity_factor > 0.0;
+        let weight_ok = self.aux_weight.is_finite() && self.aux_weight >= 0.0;
+        if self.experts == 0 || !(1..=2).contains(&self.top_k) || self.top_k > self.experts || !positive || !weight_ok {
+            return Err(format!(
+                "mixture of experts: experts must be at least 1, top_k 1 or 2 (at most experts), capacity_factor > 0, aux_loss_weight >= 0 (got experts {}, top_k {}, capacity_factor {}, aux_loss_weight {})",
+                self.experts, self.top_k, self.capacity_factor, self.aux_weight
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Per-expert tokens a group of `tokens` tokens may send to one expert.
+pub fn capacity(tokens: usize, experts: usize, k: usize, factor: f64) -> usize {
+    if tokens == 0 {
+        return 0;
+    }
+    ((factor * (tokens * k) as f64 / experts as f64).ceil() as usize).max(1)
+}
+
+/// Where one layer sends a group's tokens: the routing plan (pure).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    /// Each token's choices, best first (`k` per token).
+    pub choices: Vec<usize>,
+    /// Kept (token, expert) assignments, ordered by expert, then by arrival at that expert.
+    pub kept: Vec<(usize, usize)>,
+    /// Tokens kept per expert.
+    pub counts: Vec<usize>,
+    /// Assignments dropped because their expert was full.
+    pub dropped: usize,
+}
+
+/// Routes `n` tokens given their gate probabilities `probs` (n x e, row-major): each token's
+/// top-`k` experts (ties to the lower index), first choices of every token placed before any
+/// second choice, each expert taking at most `cap` tokens.
+pub fn route(probs: &[f32], n: usize, e: usize, k: usize, cap: usize) -> Routing {
+    let mut choices = Vec::with_capacity(n * k);
+    for t in 0..n {
+        let row = &probs[t * e..(t + 1) * e];
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        choices.extend_from_slice(&order[..k.min(e)]);
+    }
+    let k = k.min(e);
+    let mut per_expert: Vec<Vec<usize>> = vec![Vec::new(); e];
+    let mut dropped = 0;
+    for j in 0..k {
+        for t in 0..n {
+            let x = choices[t * k + j];
+            if per_expert[x].len() < cap {
+                per_expert[x].push(t);
+            } else {
+                dropped += 1;
+            }
+        }
+    }
+    let counts = per_expert.iter().map(Vec::len).collect();
+    let kept = per_expert.iter().enumerate().flat_map(|(x, ts)| ts.iter().map(move |&t| (t, x))).collect();
+    Routing { choices, kept, counts, dropped }
+}
+
+/// Switch's auxiliary loss for given first-choice fractions `f` and mean probabilities `p`.
+pub fn aux_loss_value(f: &[f64], p: &[f64], weight: f64) -> f64 {
+    weight * f.len() as f64 * f.iter().zip(p).map(|(a, b)| a * b).sum::<f64>()
+}
+
+/// Coefficient of variation (standard deviation / mean) of expert loads.
+pub fn load_cv(load: &[u64]) -> f64 {
+    if load.is_empty() {
+        return 0.0;
+    }
+    let n = load.len() as f64;
+    let mean = load.iter().sum::<u64>() as f64 / n;
+    if mean == 0.0 {
+        return 0.0;
+    }
+    let var = load.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+    var.sqrt() / mean
+}
+
+/// Routing counts summed over steps (and, once reduced, over ranks).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MoeLoad {
+    /// Assignments kept per expert, over every MoE layer.
+    pub load: Vec<u64>,
+    /// Assignments dropped by the capacity limit.
+    pub dropped: u64,
+    /// Assignments made (tokens x k, every layer).
+    pub assigned: u64,
+}
+
+impl MoeLoad {
+    pub fn add(&mut self, r: &Routing) {
+        if self.load.len() < r.counts.len() {
+            self.load.resize(r.counts.len(), 0);
+        }
+        for (l, c) in self.load.iter_mut().zip(&r.counts) {
+            *l += *c as u64;
+        }
+        self.dropped += r.dropped as u64;
+        self.assigned += (r.kept.len() + r.dropped) as u64;
+    }
+    pub fn cv(&self) -> f64 {
+        load_cv(&self.load)
+    }
+    pub fn dropped_fraction(&self) -> f64 {
+        if self.assigned == 0 {
+            0.0
+        } else {
+            self.dropped as f64 / self.assigned as f64
+        }
+    }
+}
+
+/// The all-to-all of rows of width `width` as a differentiable op: forward sends `send[d]` rows
+/// to member d and receives `recv[s]` rows from member s; backward is the reverse exchange.
+struct AllToAllRows {
+    ex: Arc<dyn Exchange>,
+    send: Vec<usize>,
+    recv: Vec<usize>,
+    width: usize,
+}
+
+fn cmsg(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("expert-parallel all-to-all: {e}"))
+}
+
+fn exchange_rows(ex: &dyn Exchange, data: &[f32], send: &[usize], recv: &[usize], width: usize) -> candle_core::Result<Vec<f32>> {
+    let sc: Vec<usize> = send.iter().map(|r| r * width).collect();
+    let rc: Vec<usize> = recv.iter().map(|r| r * width).collect();
+    let mut out = vec![0f32; rc.iter().sum()];
+    ex.all_to_all(data, &sc, &mut out, &rc).map_err(cmsg)?;
+    Ok(out)
+}
+
+impl CustomOp1 for AllToAllRows {
+    fn name(&self) -> &'static str {
+        "kolo-moe-all-to-all"
+    }
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(v) = storage else { return Err(cmsg("f32 only")) };
+        if !layout.is_contiguous() {
+            return Err(cmsg("input must be contiguous"));
+        }
+        let s = layout.start_offset();
+        let data = &v[s..s + layout.shape().elem_count()];
+        let out = exchange_rows(&*self.ex, data, &self.send, &self.recv, self.width)?;
+        let rows = self.recv.iter().sum::<usize>();
+        Ok((CpuStorage::F32(out), Shape::from((rows, self.width))))
+    }
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let g = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let back = exchange_rows(&*self.ex, &g, &self.recv, &self.send, self.width)?;
+        let rows = self.send.iter().sum::<usize>();
+        Ok(Some(Tensor::from_vec(back, (rows, self.width), grad.device())?))
+    }
+}
+
+fn u32s(v: impl IntoIterator<Item = usize>) -> Result<Tensor> {
+    let v: Vec<u32> = v.into_iter().map(|x| x as u32).collect();
+    let n = v.len();
+    Ok(Tensor::from_vec(v, n, &Device::Cpu)?)
+}
+
+/// The MoE feed-forward of one block on `hdn` (b, t, c): `gate` (experts, c) and this rank's
+/// experts `local` (each fc weight, fc bias, fc_out weight, fc_out bias), the first of which is
+/// expert `first`. Returns the layer's output (b, t, c), its auxiliary loss (a scalar, already
+/// weighted) and the routing.
+pub(crate) fn moe_forward(hdn: &Tensor, gate: &Tensor, local: &[[Tensor; 4]], cfg: &MoeConfig, ex: Option<&Arc<dyn Exchange>>) -> Result<(Tensor, Tensor, Routing)> {
+    let (b, t, c) = hdn.dims3()?;
+    let n = b * t;
+    let e = cfg.experts;
+    let k = cfg.top_k;
+    let x = hdn.reshape((n, c))?;
+    let probs = crate::ops::softmax_last(&x.matmul(&gate.t()?)?)?;
+    let flat_probs = probs.flatten_all()?;
+    let pv = flat_probs.to_vec1::<f32>()?;
+    let routing = route(&pv, n, e, k, capacity(n, e, k, cfg.capacity_factor));
+    let tokens = u32s(routing.kept.iter().map(|&(tok, _)| tok))?;
+    // Combine weights: the gate probability of each kept assignment (GShard: divided by the
+    // sum over the token's top-k).
+    let mut w = flat_probs.index_select(&u32s(routing.kept.iter().map(|&(tok, x)| tok * e + x))?, 0)?;
+    if k > 1 {
+        let top = flat_probs.index_select(&u32s(routing.choices.iter().enumerate().map(|(i, &x)| (i / k) * e + x))?, 0)?.reshape((n, k))?.sum(1)?;
+        w = (w / top.index_select(&tokens, 0)?)?;
+    }
+    let dispatched = x.index_select(&tokens, 0)?;
+    let p = ex.map_or(1, |g| g.size());
+    let el = e / p;
+    if local.len() != el {
+        return Err(TensorError::Input(format!("{} local experts, expected {el} ({e} over {p} ranks)", local.len())));
+    }
+    // Rows per (source, local expert) this rank receives.
+    let (recv, per_source): (Tensor, Vec<Vec<usize>>) = match ex {
+        Some(g) if p > 1 => {
+            let counts: Vec<f32> = routing.counts.iter().map(|&x| x as f32).collect();
+            let mut rc = vec![0f32; e];
+            g.all_to_all(&counts, &vec![el; p], &mut rc, &vec![el; p]).map_err(|m| TensorError::Input(format!("expert-parallel count exchange: {m}")))?;
+            let per: Vec<Vec<usize>> = rc.chunks(el).map(|ch| ch.iter().map(|&x| x as usize).collect()).collect();
+            let send: Vec<usize> = routing.counts.chunks(el).map(|ch| ch.iter().sum()).collect();
+            let recv_rows: Vec<usize> = per.iter().map(|v| v.iter().sum()).collect();
+            let op = AllToAllRows { ex: g.clone(), send, recv: recv_rows, width: c };
+            (dispatched.contiguous()?.apply_op1(op)?, per)
+        }
+        _ => (dispatched, vec![routing.counts.clone()]),
+    };
+    // Rows of each local expert in the received buffer (grouped by source, then expert).
+    let mut rows_of: Vec<Vec<usize>> = vec![Vec::new(); el];
+    let mut off = 0;
+    for src in &per_source {
+        for (l, &cnt) in src.iter().enumerate() {
+            rows_of[l].extend(off..off + cnt);
+            off += cnt;
+        }
+    }
+    let mut outs = Vec::with_capacity(el);
+    for (l, ps) in local.iter().enumerate() {
+        let xl = if p == 1 { recv.narrow(0, rows_of[l].first().copied().unwrap_or(0), rows_of[l].len())? } else { recv.index_select(&u32s(rows_of[l].iter().copied())?, 0)? };
+        let h = crate::fused::gelu_erf(&crate::ops::linear(&xl, &ps[0], &ps[1])?)?;
+        outs.push(crate::ops::linear(&h, &ps[2], &ps[3])?);
+    }
+    let mut y = Tensor::cat(&outs, 0)?;
+    if p > 1 {
+        // Back to the received order.
+        let mut inverse = vec![0usize; off];
+        for (pos, &row) in rows_of.iter().flatten().enumerate() {
+            inverse[row] = pos;
+        }
+        y = y.index_select(&u32s(inverse)?, 0)?;
+    }
+    let back = match ex {
+        Some(g) if p > 1 => {
+            let recv_rows: Vec<usize> = per_source.iter().map(|v| v.iter().sum()).collect();
+            let send: Vec<usize> = routing.counts.chunks(el).map(|ch| ch.iter().sum()).collect();
+            y.contiguous()?.apply_op1(AllToAllRows { ex: g.clone(), send: recv_rows, recv: send, width: c })?
+        }
+        _ => y,
+    };
+    let weighted = back.broadcast_mul(&w.unsqueeze(1)?)?;
+    let out = Tensor::zeros((n, c), DType::F32, &Device::Cpu)?.index_add(&tokens, &weighted, 0)?.reshape((b, t, c))?;
+    // Auxiliary load-balancing loss.
+    let mut f = vec![0f32; e];
+    for tok in 0..n {
+        f[routing.choices[tok * k]] += 1.0 / n as f32;
+    }
+    let f = Tensor::from_vec(f, e, &Device::Cpu)?;
+    let aux = (probs.mean(0)?.mul(&f)?.sum_all()? * (cfg.aux_weight * e as f64))?;
+    Ok((out, aux, routing))
+}
