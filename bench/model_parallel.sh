@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Model parallelism on the benchmark GPT (bench/gpt.toml: d_model 256, 4 blocks, seq 128).
 # Pipeline: a batch of 16 sequences split into M micro-batches, K = 2 and 4 stages (ranks), GPipe
-# and 1F1B: step time, measured bubble against (K-1)/(M+K-1), stage 0's peak heap (activations).
+# 1F1B and PipeDream-2BW: step time, measured bubble against (K-1)/(M+K-1) (2BW: M = every
+# micro-batch of the run, it never flushes), stage 0's peak heap (activations; 2BW also keeps a
+# second weight version).
 # Tensor parallelism: tp = 2 on 2 ranks against 1 process and DDP on 2 ranks (batch 16 in all),
 # and the all-reduces per block against Megatron's 2 + 2.
 #   bash bench/model_parallel.sh      (K = 4 puts 4 ranks on this machine's 2 cores)
@@ -11,7 +13,8 @@ trap 'rm -f "$cfg"' EXIT
 echo "# pipeline: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
 for k in 2 4; do
   for m in 1 2 4 8 16; do
-    for s in gpipe 1f1b; do
+    for s in gpipe 1f1b 2bw; do
+      if [ "$s" = 2bw ] && [ $((m + 1)) -lt "$k" ]; then continue; fi
       sed 's/^batch_size = 8/batch_size = 16/; s/^steps = 14/steps = 8/' bench/gpt.toml > "$cfg"
       printf '\n[pipeline]\nmicro_batches = %d\nschedule = "%s"\n' "$m" "$s" >> "$cfg"
       out=$($K launch -n "$k" -- $K train --config "$cfg" 2>&1)

@@ -9,9 +9,12 @@ use crate::{Model, PlainView, Result, TensorError};
 use candle_core::{Device, Tensor, Var};
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 
-pub struct GptStage<'a> {
-    gpt: &'a Gpt,
+/// The stage holds its model (weights) by `Arc`: PipeDream-2BW runs each batch on its own
+/// weight version, which stays alive until the batch's last backward.
+pub struct GptStage {
+    gpt: Arc<Gpt>,
     layers: Range<usize>,
     params: Vec<usize>,
     micro: Vec<Batch>,
@@ -24,11 +27,12 @@ pub struct GptStage<'a> {
     pub grads: Vec<f32>,
 }
 
-impl<'a> GptStage<'a> {
-    pub fn new(gpt: &'a Gpt, layers: Range<usize>, micro: Vec<Batch>) -> GptStage<'a> {
+impl GptStage {
+    pub fn new(gpt: Arc<Gpt>, layers: Range<usize>, micro: Vec<Batch>) -> GptStage {
         let params = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
         let scale = 1.0 / micro.len().max(1) as f64;
-        GptStage { gpt, layers, params, micro, scale, saved: HashMap::new(), grads: vec![0f32; gpt.params().numel()] }
+        let grads = vec![0f32; gpt.params().numel()];
+        GptStage { gpt, layers, params, micro, scale, saved: HashMap::new(), grads }
     }
 
     /// The parameters this stage owns (indices into the model's `ParamSet`).

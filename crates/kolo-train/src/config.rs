@@ -69,7 +69,8 @@ pub struct Mesh {
 pub struct PipelineConfig {
     /// Micro-batches per batch (data.batch_size must be a multiple).
     pub micro_batches: usize,
-    /// `gpipe` (all forwards, then all backwards) or `1f1b` (PipeDream-Flush; default).
+    /// `gpipe` (all forwards, then all backwards), `1f1b` (PipeDream-Flush; default) or `2bw`
+    /// (PipeDream-2BW: no flush, double-buffered weights; needs micro_batches >= stages - 1).
     #[serde(default = "one_f_one_b")]
     pub schedule: PipeSchedule,
 }
@@ -80,6 +81,10 @@ pub enum PipeSchedule {
     GPipe,
     #[serde(rename = "1f1b")]
     OneFOneB,
+    /// PipeDream-2BW: no flush between batches, double-buffered weights (batch t's gradient
+    /// is computed on the weights of one update before the ones it is applied to).
+    #[serde(rename = "2bw")]
+    TwoBw,
 }
 
 fn one_f_one_b() -> PipeSchedule {

@@ -1,10 +1,10 @@
 //! Pipeline-parallel training of the GPT (`[pipeline]`): rank s of the pipeline group is stage s.
 //! The planner cuts the layers (embedding, blocks, head) into stages of balanced cost; each
 //! batch is split into micro-batches that flow through the stages by the chosen schedule (GPipe
-//! or 1F1B); each stage accumulates its own parameters' gradients over the micro-batches, averages
-//! them over its data-parallel replicas and steps its own optimizer. Under tensor parallelism a
-//! stage's blocks are split over its tensor-parallel group. At the end the whole model is
-//! assembled on every rank.
+//! or 1F1B, flushed every batch; PipeDream-2BW, never flushed); each stage accumulates its own
+//! parameters' gradients over the micro-batches, averages them over its data-parallel replicas
+//! and steps its own optimizer. Under tensor parallelism a stage's blocks are split over its
+//! tensor-parallel group. At the end the whole model is assembled on every rank.
 
 use crate::config::{Config, PipeSchedule};
 use crate::trainer::{replica_batches, evaluate_whole_gpt, load_data, peak_rss, RunOptions, StateBytes, Summary};
@@ -13,14 +13,14 @@ use kolo_base::{GroupSum, Rng};
 use std::sync::Arc;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, lr_at, Optimizer};
-use kolo_pipe::{partition, run_stage, theoretical_bubble, Schedule, StageWork};
+use kolo_pipe::{partition, run_stage, theoretical_bubble, weight_version, Schedule, StageWork};
 use kolo_tensor::models::Gpt;
 use kolo_tensor::{Batch, GptStage, Input, Model, ModelSpec};
 use std::time::Instant;
 
-struct Work<'a>(GptStage<'a>);
+struct Work(GptStage);
 
-impl StageWork for Work<'_> {
+impl StageWork for Work {
     fn forward(&mut self, mb: usize, input: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
         self.0.forward(mb, input).map_err(|e| e.to_string())
     }
@@ -41,6 +41,105 @@ pub fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, TrainError> {
     Ok((0..m)
         .map(|i| Batch { input: Input::Tokens { ids: ids[i * per * t..(i + 1) * per * t].to_vec(), b: per, t: *t }, targets: batch.targets[i * per * t..(i + 1) * per * t].to_vec() })
         .collect())
+}
+
+/// What every stage of a pipeline run shares: its layers, its parameters and their flat
+/// ranges, the groups, and the optimizer of its own parameters.
+struct StageSetup<'a> {
+    cfg: &'a Config,
+    comm: &'a dyn Communicator,
+    /// PipeDream-2BW: a second communicator over the pipeline's ranks for the agreement at
+    /// each update, so that it never falls between the activations still streaming on `comm`.
+    sync: Option<Arc<dyn Communicator>>,
+    dp: &'a dyn Communicator,
+    tp: Option<Arc<dyn GroupSum>>,
+    layers: std::ops::Range<usize>,
+    own: Vec<usize>,
+    ranges: Vec<std::ops::Range<usize>>,
+    opt: Optimizer,
+    m: usize,
+}
+
+impl StageSetup<'_> {
+    /// Averages this stage's gradients over its data-parallel replicas.
+    fn average(&self, grads: &mut [f32]) -> Result<(), TrainError> {
+        if self.dp.world_size().get() == 1 {
+            return Ok(());
+        }
+        let mut packed: Vec<f32> = self.ranges.iter().flat_map(|r| grads[r.clone()].iter().copied()).collect();
+        self.dp.all_reduce(BufMut::from(&mut packed[..]), ReduceOp::Avg)?;
+        let mut at = 0;
+        for r in &self.ranges {
+            grads[r.clone()].copy_from_slice(&packed[at..at + r.len()]);
+            at += r.len();
+        }
+        Ok(())
+    }
+
+    /// Over the pipeline group: the clipping factor of the global gradient norm, and the batch
+    /// loss (`loss_sum`: the last stage's micro-batch losses) averaged over the replicas.
+    fn clip_and_loss(&self, gpt: &Gpt, grads: &[f32], loss_sum: f64) -> Result<(f32, f64), TrainError> {
+        let mut v = [0f64, loss_sum];
+        if self.cfg.optim.clip_grad_norm.is_some() {
+            // Split parameters summed over the tensor-parallel group, replicated ones once.
+            let split = gpt.tensor_parallel_split();
+            let counted = |i: usize| split.as_ref().is_none_or(|s| s[i] || self.tp.as_ref().is_some_and(|g| g.rank() == 0));
+            let mut sq = [self.own.iter().zip(&self.ranges).filter(|(i, _)| counted(**i)).map(|(_, r)| kolo_optim::sum_of_squares(&grads[r.clone()])).sum::<f64>() as f32];
+            if let Some(g) = &self.tp {
+                g.sum(&mut sq).map_err(TrainError::Other)?;
+            }
+            v[0] = f64::from(sq[0]);
+        }
+        self.sync.as_deref().unwrap_or(self.comm).all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
+        let mut l = [v[1]];
+        self.dp.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
+        Ok((self.cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(v[0].sqrt(), max)), l[0]))
+    }
+
+    /// One optimizer step of this stage's parameters of `gpt` with `grads` scaled by `f`.
+    fn step(&mut self, gpt: &Gpt, grads: &[f32], f: f32, lr: f32) -> Result<(), TrainError> {
+        self.opt.begin_step();
+        let mut at = 0;
+        for (&i, r) in self.own.iter().zip(&self.ranges) {
+            let g: Vec<f32> = grads[r.clone()].iter().map(|x| x * f).collect();
+            let opt = &mut self.opt;
+            gpt.params().update_one(i, &mut |p| opt.update(at, p, &g, lr))?;
+            at += r.len();
+        }
+        Ok(())
+    }
+
+    /// The idle share of the stages over `total_ms` given this stage's `busy_ms`.
+    fn bubble(&self, busy_ms: f64, total_ms: f64) -> Result<f64, TrainError> {
+        let (stage, k) = (self.comm.rank().get(), self.comm.world_size().get());
+        let mut t = vec![0f64; 2 * k];
+        t[2 * stage] = busy_ms;
+        t[2 * stage + 1] = total_ms;
+        self.comm.all_reduce(BufMut::from(&mut t[..]), ReduceOp::Sum)?;
+        let span = (0..k).map(|s| t[2 * s + 1]).fold(0.0, f64::max);
+        let busy: f64 = (0..k).map(|s| t[2 * s]).sum();
+        Ok(if span > 0.0 { 1.0 - busy / (k as f64 * span) } else { 0.0 })
+    }
+
+    /// The whole model on every rank: each stage contributes its own layers' values (under
+    /// tensor parallelism first put together within the tensor-parallel group).
+    fn assemble(&self, gpt: &Gpt) -> Result<Vec<f32>, TrainError> {
+        let mut mine = vec![0f32; gpt.params().numel()];
+        let values = gpt.params().to_flat()?;
+        for r in &self.ranges {
+            mine[r.clone()].copy_from_slice(&values[r.clone()]);
+        }
+        let mut flat = match (&self.tp, gpt.tensor_parallel_pieces(&mine)) {
+            (Some(g), Some(pieces)) => {
+                let mut full = pieces?;
+                g.sum(&mut full).map_err(TrainError::Other)?;
+                full
+            }
+            _ => mine,
+        };
+        self.comm.all_reduce(BufMut::from(&mut flat[..]), ReduceOp::Sum)?;
+        Ok(flat)
+    }
 }
 
 /// `comm` is the pipeline group (rank = stage), `dp` the data-parallel group of this stage's
@@ -71,15 +170,20 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
     }
     let plan = partition(&gpt.layer_costs(), k);
     let layers = plan[stage].clone();
+    let m = pc.micro_batches;
+    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let schedule = match pc.schedule {
         PipeSchedule::GPipe => Schedule::GPipe,
         PipeSchedule::OneFOneB => Schedule::OneFOneB,
+        PipeSchedule::TwoBw => Schedule::TwoBw { batches: end as usize },
     };
-    let m = pc.micro_batches;
+    if matches!(schedule, Schedule::TwoBw { .. }) && m + 1 < k {
+        return Err(TrainError::Config(format!("PipeDream-2BW needs at least stages - 1 = {} micro-batches per batch (pipeline.micro_batches = {m}): a batch's weight version must exist before its first forward", k - 1)));
+    }
     let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
     let ranges: Vec<std::ops::Range<usize>> = own.iter().map(|&i| gpt.params().get(i).range.clone()).collect();
     let own_len: usize = ranges.iter().map(|r| r.len()).sum();
-    let mut opt = Optimizer::new(cfg.optimizer(), own_len);
+    let opt = Optimizer::new(cfg.optimizer(), own_len);
     say(&format!(
         "kolo train (pipeline): GPT {} params in {k} stages {:?} (layers: 0 = embedding, 1..={} blocks, {} = head) x {dp_size} data-parallel replicas x {} tensor-parallel ranks, {m} micro-batches of {}, {:?}; theoretical bubble {:.1}%",
         gpt.full_numel(),
@@ -89,93 +193,28 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         tp.as_ref().map_or(1, |g| g.size()),
         cfg.data.batch_size / m,
         schedule,
-        theoretical_bubble(k, m) * 100.0
+        theoretical_bubble(k, if matches!(schedule, Schedule::TwoBw { .. }) { m * end as usize } else { m }) * 100.0
     ));
     // Every stage of a replica reads the same batches (the first uses the tokens, the last the
     // targets); replicas read disjoint shards. Synthetic data is already per replica.
     let batches = replica_batches(cfg, data.train.clone(), dp_rank, dp_size, 0)?;
-    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
-    let (mut step_ms, mut comm_bytes) = (Vec::new(), Vec::new());
-    let mut last_loss = f64::NAN;
-    let mut bubbles = Vec::new();
-    let mut peak_live = 0;
-    kolo_base::alloc::reset_peak();
-    let mut heap_after_steps = None;
-    for step in 0..end {
-        let t0 = Instant::now();
-        let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
-        let (_, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
-        let mut work = Work(GptStage::new(&gpt, layers.clone(), split_batch(&batch, m)?));
-        let act_len = work.0.act_len()?;
-        let report = run_stage(comm, schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
-        let mut grads = work.0.grads;
-        peak_live = peak_live.max(report.max_live);
-        if dp_size > 1 {
-            // This stage's gradients, averaged over its data-parallel replicas.
-            let mut packed: Vec<f32> = ranges.iter().flat_map(|r| grads[r.clone()].iter().copied()).collect();
-            dp.all_reduce(BufMut::from(&mut packed[..]), ReduceOp::Avg)?;
-            let mut at = 0;
-            for r in &ranges {
-                grads[r.clone()].copy_from_slice(&packed[at..at + r.len()]);
-                at += r.len();
-            }
+    let sync = match schedule {
+        Schedule::TwoBw { .. } => {
+            let all: Vec<kolo_base::Rank> = (0..k).map(kolo_base::Rank).collect();
+            let g = comm.new_group(&all)?.expect("every stage is a member");
+            g.set_timeout(timeout);
+            Some(g)
         }
-        // Global gradient norm (clipping) and the loss (known to the last stage) for everyone.
-        let mut v = [0f64, report.losses.iter().map(|l| f64::from(*l)).sum()];
-        if cfg.optim.clip_grad_norm.is_some() {
-            // Split parameters summed over the tensor-parallel group, replicated ones once.
-            let split = gpt.tensor_parallel_split();
-            let counted = |i: usize| split.as_ref().is_none_or(|s| s[i] || tp.as_ref().is_some_and(|g| g.rank() == 0));
-            let mut sq = [own.iter().zip(&ranges).filter(|(i, _)| counted(**i)).map(|(_, r)| kolo_optim::sum_of_squares(&grads[r.clone()])).sum::<f64>() as f32];
-            if let Some(g) = &tp {
-                g.sum(&mut sq).map_err(TrainError::Other)?;
-            }
-            v[0] = f64::from(sq[0]);
-        }
-        comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
-        let mut l = [v[1]];
-        dp.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
-        last_loss = l[0];
-        let f = cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(v[0].sqrt(), max));
-        opt.begin_step();
-        let mut at = 0;
-        for (&i, r) in own.iter().zip(&ranges) {
-            let g: Vec<f32> = grads[r.clone()].iter().map(|x| x * f).collect();
-            gpt.params().update_one(i, &mut |p| opt.update(at, p, &g, lr))?;
-            at += r.len();
-        }
-        // Measured bubble: idle share of the stages over the step.
-        let mut t = vec![0f64; 2 * k];
-        t[2 * stage] = report.busy_ms;
-        t[2 * stage + 1] = report.total_ms;
-        comm.all_reduce(BufMut::from(&mut t[..]), ReduceOp::Sum)?;
-        let span = (0..k).map(|s| t[2 * s + 1]).fold(0.0, f64::max);
-        let busy: f64 = (0..k).map(|s| t[2 * s]).sum();
-        bubbles.push(if span > 0.0 { 1.0 - busy / (k as f64 * span) } else { 0.0 });
-        comm_bytes.push(report.bytes_sent);
-        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
-        heap_after_steps = kolo_base::alloc::stats();
-        let done = step + 1;
-        if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
-            say(&format!("step {done}/{} loss {last_loss:.4} | {:.1} ms/step, bubble {:.1}% (theory {:.1}%)", tc.steps, step_ms.last().unwrap_or(&0.0), bubbles.last().unwrap_or(&0.0) * 100.0, theoretical_bubble(k, m) * 100.0));
-        }
-    }
-    // Assemble the whole model on every rank: each stage contributes its own layers' values
-    // (under tensor parallelism first put together within the tensor-parallel group).
-    let mut mine = vec![0f32; gpt.params().numel()];
-    let values = gpt.params().to_flat()?;
-    for r in &ranges {
-        mine[r.clone()].copy_from_slice(&values[r.clone()]);
-    }
-    let mut flat = match (&tp, gpt.tensor_parallel_pieces(&mine)) {
-        (Some(g), Some(pieces)) => {
-            let mut full = pieces?;
-            g.sum(&mut full).map_err(TrainError::Other)?;
-            full
-        }
-        _ => mine,
+        _ => None,
     };
-    comm.all_reduce(BufMut::from(&mut flat[..]), ReduceOp::Sum)?;
+    let mut setup = StageSetup { cfg, comm, sync, dp, tp, layers, own, ranges, opt, m };
+    kolo_base::alloc::reset_peak();
+    let run = if let Schedule::TwoBw { .. } = schedule {
+        run_two_bw(&mut setup, Arc::new(gpt), &batches, end, &say)?
+    } else {
+        run_flushed(&mut setup, Arc::new(gpt), schedule, &batches, end, &say)?
+    };
+    let flat = setup.assemble(&run.gpt)?;
     let mut eval = None;
     let mut sample = None;
     if global_rank == 0 && end == tc.steps {
@@ -183,28 +222,194 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         eval = Some(e);
         sample = s;
     }
-    let mean_bubble = if bubbles.is_empty() { 0.0 } else { bubbles.iter().sum::<f64>() / bubbles.len() as f64 };
-    say(&format!("pipeline: mean bubble {:.1}% measured, {:.1}% in theory ((K-1)/(M+K-1)); at most {peak_live} micro-batch(es) of activations alive on stage 0", mean_bubble * 100.0, theoretical_bubble(k, m) * 100.0));
+    say(&format!(
+        "pipeline: mean bubble {:.1}% measured, {:.1}% in theory ((K-1)/(M+K-1){}); at most {} micro-batch(es) of activations alive on stage 0",
+        run.bubble * 100.0,
+        run.theory * 100.0,
+        if matches!(schedule, Schedule::TwoBw { .. }) { ", M = every micro-batch of the run: no flush" } else { "" },
+        run.peak_live
+    ));
     Ok(Summary {
         steps_done: end,
-        last_loss,
+        last_loss: run.last_loss,
         eval,
-        step_ms,
+        step_ms: run.step_ms,
         comm_wait_ms: Vec::new(),
-        comm_bytes,
+        comm_bytes: run.comm_bytes,
         straggler: None,
-        hidden_fraction: 1.0 - mean_bubble,
+        hidden_fraction: 1.0 - run.bubble,
         params: flat,
         sample,
         checkpoint: None,
-        states: StateBytes { params: own_len as u64 * 4, grads: gpt.params().numel() as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
+        states: StateBytes { params: own_len as u64 * 4, grads: run.gpt.params().numel() as u64 * 4, optimizer: setup.opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
         peak_rss: peak_rss(),
-        heap: crate::trainer::HeapReport::between(heap_before_model, heap_after_steps),
+        heap: crate::trainer::HeapReport::between(heap_before_model, run.heap_after),
         skipped_steps: 0,
         loss_scale: None,
         ps: None,
-        pipeline_bubble: Some(mean_bubble),
+        pipeline_bubble: Some(run.bubble),
         moe: None,
     })
 }
 
+/// What a pipeline run's steps produced.
+struct PipeRun {
+    /// The final weights.
+    gpt: Arc<Gpt>,
+    last_loss: f64,
+    step_ms: Vec<f64>,
+    comm_bytes: Vec<usize>,
+    bubble: f64,
+    theory: f64,
+    peak_live: usize,
+    heap_after: Option<kolo_base::alloc::HeapStats>,
+}
+
+type Batches = std::sync::mpsc::Receiver<(crate::sampler::Position, Batch)>;
+
+fn next_batch(batches: &Batches) -> Result<Batch, TrainError> {
+    Ok(batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?.1)
+}
+
+/// GPipe and 1F1B: every batch's micro-batches through the pipeline, a flush, then each stage's step.
+fn run_flushed(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, schedule: Schedule, batches: &Batches, end: u64, say: &dyn Fn(&str)) -> Result<PipeRun, TrainError> {
+    let cfg = setup.cfg;
+    let tc = &cfg.train;
+    let (k, m) = (setup.comm.world_size().get(), setup.m);
+    let (mut step_ms, mut comm_bytes, mut bubbles) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut last_loss, mut peak_live, mut heap_after) = (f64::NAN, 0, None);
+    for step in 0..end {
+        let t0 = Instant::now();
+        let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
+        let batch = next_batch(batches)?;
+        let mut work = Work(GptStage::new(gpt.clone(), setup.layers.clone(), split_batch(&batch, m)?));
+        let act_len = work.0.act_len()?;
+        let report = run_stage(setup.comm, schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
+        let mut grads = std::mem::take(&mut work.0.grads);
+        drop(work);
+        peak_live = peak_live.max(report.max_live);
+        setup.average(&mut grads)?;
+        let (f, loss) = setup.clip_and_loss(&gpt, &grads, report.losses.iter().map(|l| f64::from(*l)).sum())?;
+        last_loss = loss;
+        setup.step(&gpt, &grads, f, lr)?;
+        bubbles.push(setup.bubble(report.busy_ms, report.total_ms)?);
+        comm_bytes.push(report.bytes_sent);
+        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        heap_after = kolo_base::alloc::stats();
+        let done = step + 1;
+        if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
+            say(&format!("step {done}/{} loss {last_loss:.4} | {:.1} ms/step, bubble {:.1}% (theory {:.1}%)", tc.steps, step_ms.last().unwrap_or(&0.0), bubbles.last().unwrap_or(&0.0) * 100.0, theoretical_bubble(k, m) * 100.0));
+        }
+    }
+    let bubble = if bubbles.is_empty() { 0.0 } else { bubbles.iter().sum::<f64>() / bubbles.len() as f64 };
+    Ok(PipeRun { gpt, last_loss, step_ms, comm_bytes, bubble, theory: theoretical_bubble(k, m), peak_live, heap_after })
+}
+
+/// PipeDream-2BW's stage work: batch t runs on weight version max(t - 1, 0); its update makes
+/// version t + 1 from version t and batch t's gradient (W(t+1) = W(t) - step(grad f(W(t-1)))).
+/// A version is a separate copy of the weights, dropped when no micro-batch uses it any more:
+/// two stay alive (double buffering).
+struct TwoBw<'s, 'a> {
+    setup: &'s mut StageSetup<'a>,
+    versions: std::collections::BTreeMap<usize, Arc<Gpt>>,
+    latest: usize,
+    /// Batches in flight on this stage: their micro-batches and accumulated gradients.
+    stages: std::collections::HashMap<usize, GptStage>,
+    batches: &'s Batches,
+    /// The last stage: the sum of each batch's micro-batch losses.
+    losses: std::collections::HashMap<usize, f64>,
+    last_loss: f64,
+    steps: u64,
+    say: &'s dyn Fn(&str),
+}
+
+impl StageWork for TwoBw<'_, '_> {
+    fn forward(&mut self, mb: usize, input: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
+        let m = self.setup.m;
+        let t = mb / m;
+        if !self.stages.contains_key(&t) {
+            let v = weight_version(mb, m);
+            let gpt = self.versions.get(&v).ok_or_else(|| format!("batch {t} needs weight version {v}, which this stage has not made yet"))?.clone();
+            let batch = next_batch(self.batches).map_err(|e| e.to_string())?;
+            let micro = split_batch(&batch, m).map_err(|e| e.to_string())?;
+            self.stages.insert(t, GptStage::new(gpt, self.setup.layers.clone(), micro));
+        }
+        let out = self.stages.get_mut(&t).expect("inserted").forward(mb % m, input).map_err(|e| e.to_string())?;
+        if self.setup.layers.end == self.versions[&self.latest].layers() {
+            *self.losses.entry(t).or_default() += f64::from(out[0]);
+        }
+        Ok(out)
+    }
+
+    fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
+        let m = self.setup.m;
+        let stage = self.stages.get_mut(&(mb / m)).ok_or_else(|| format!("backward of micro-batch {mb} before its forward"))?;
+        stage.backward(mb % m, grad).map_err(|e| e.to_string())
+    }
+
+    fn update(&mut self, t: usize) -> Result<(), String> {
+        let mut stage = self.stages.remove(&t).ok_or_else(|| format!("update of batch {t}, which did not run here"))?;
+        let mut grads = std::mem::take(&mut stage.grads);
+        drop(stage);
+        let e = |e: TrainError| e.to_string();
+        self.setup.average(&mut grads).map_err(e)?;
+        let current = self.versions[&self.latest].clone();
+        let (f, loss) = self.setup.clip_and_loss(&current, &grads, self.losses.remove(&t).unwrap_or(0.0)).map_err(e)?;
+        self.last_loss = loss;
+        let cfg = self.setup.cfg;
+        let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, cfg.train.steps, t as u64);
+        let next = Arc::new(current.fork().map_err(|e| e.to_string())?);
+        self.setup.step(&next, &grads, f, lr).map_err(e)?;
+        self.latest = t + 1;
+        self.versions.insert(t + 1, next);
+        // Batch t + 1 (in flight) runs on version t; older ones are done with.
+        self.versions.retain(|&v, _| v + 1 >= t + 1);
+        let done = t as u64 + 1;
+        let every = cfg.train.log_every;
+        if every > 0 && (done % every == 0 || done == self.steps) {
+            (self.say)(&format!("step {done}/{} loss {loss:.4} (weights version {}, gradient from version {})", cfg.train.steps, t + 1, t.saturating_sub(1)));
+        }
+        Ok(())
+    }
+}
+
+/// PipeDream-2BW: the whole run is one 1F1B stream without flushes; each stage updates its
+/// weights after its last backward of a batch.
+fn run_two_bw(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, batches: &Batches, end: u64, say: &dyn Fn(&str)) -> Result<PipeRun, TrainError> {
+    let (k, m) = (setup.comm.world_size().get(), setup.m);
+    let act_len = {
+        // Hidden states per micro-batch: sequences per micro-batch x tokens x width.
+        let c = gpt.config();
+        cfg_micro(setup.cfg, m) * c.seq * c.d_model
+    };
+    let mut work = TwoBw {
+        setup,
+        versions: [(0, gpt)].into_iter().collect(),
+        latest: 0,
+        stages: Default::default(),
+        batches,
+        losses: Default::default(),
+        last_loss: f64::NAN,
+        steps: end,
+        say,
+    };
+    let report = if end == 0 { Default::default() } else { run_stage(work.setup.comm, Schedule::TwoBw { batches: end as usize }, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))? };
+    let heap_after = kolo_base::alloc::stats();
+    let gpt = work.versions.remove(&work.latest).expect("the latest version is kept");
+    let last_loss = work.last_loss;
+    let bubble = work.setup.bubble(report.busy_ms, report.total_ms)?;
+    // Step time: between consecutive updates on this stage (the first from the start).
+    let mut step_ms = Vec::with_capacity(report.updates.len());
+    let mut prev = 0.0;
+    for &u in &report.updates {
+        step_ms.push(u - prev);
+        prev = u;
+    }
+    let per_step = report.bytes_sent / (end as usize).max(1);
+    Ok(PipeRun { gpt, last_loss, step_ms, comm_bytes: vec![per_step; end as usize], bubble, theory: theoretical_bubble(k, m * end as usize), peak_live: report.max_live, heap_after })
+}
+
+/// Sequences per micro-batch.
+fn cfg_micro(cfg: &Config, m: usize) -> usize {
+    cfg.data.batch_size / m
+}

@@ -108,7 +108,7 @@ impl HeapReport {
 
 /// The batches of data-parallel replica `dp_rank` of `dp_size`, from the batch after the first
 /// `batches_done` (prefetched). Synthetic data is already per replica: it is not sharded again.
-pub(crate) fn replica_batches(cfg: &Config, train: Arc<dyn Dataset>, dp_rank: usize, dp_size: usize, batches_done: u64) -> Result<Receiver<(Position, Batch)>, TrainError> {
+pub fn replica_batches(cfg: &Config, train: Arc<dyn Dataset>, dp_rank: usize, dp_size: usize, batches_done: u64) -> Result<Receiver<(Position, Batch)>, TrainError> {
     let (world, rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (dp_size, dp_rank) };
     let scfg = SamplerConfig { len: train.len(), world, rank, batch: cfg.data.batch_size, seed: cfg.train.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last };
     let bpe = scfg.batches_per_epoch().max(1);
@@ -144,14 +144,16 @@ pub fn peak_rss() -> Option<u64> {
     Some(kb * 1024)
 }
 
-pub(crate) struct Data {
-    pub(crate) train: Arc<dyn Dataset>,
-    pub(crate) eval: Arc<dyn Dataset>,
-    pub(crate) vocab: Option<CharVocab>,
-    pub(crate) vocab_size: usize,
+/// A run's datasets, as `[data]` describes them.
+pub struct Data {
+    pub train: Arc<dyn Dataset>,
+    pub eval: Arc<dyn Dataset>,
+    pub vocab: Option<CharVocab>,
+    pub vocab_size: usize,
 }
 
-pub(crate) fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result<Data, TrainError> {
+/// Loads `[data]` (rank `rank` of the run, for synthetic data).
+pub fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result<Data, TrainError> {
     let d = &cfg.data;
     match d.kind {
         DataKind::Mnist => {

@@ -25,6 +25,7 @@ impl GptConfig {
     }
 }
 
+#[derive(Clone)]
 struct Block {
     ln1: (usize, usize),
     qkv: (usize, usize),
@@ -34,6 +35,7 @@ struct Block {
 }
 
 /// A block's feed-forward part.
+#[derive(Clone)]
 enum Ffn {
     Dense { fc: (usize, usize), fc_out: (usize, usize) },
     /// The gate's weight and this rank's experts (fc weight, fc bias, fc_out weight, fc_out bias).
@@ -84,6 +86,7 @@ pub struct Gpt {
     moe_load: std::sync::Mutex<super::moe::MoeLoad>,
 }
 
+#[derive(Clone)]
 struct ExpertParallel {
     group: Arc<dyn kolo_base::Exchange>,
     /// For each local value, its index in the whole model's flat layout.
@@ -93,6 +96,7 @@ struct ExpertParallel {
     full_len: usize,
 }
 
+#[derive(Clone)]
 struct TensorParallel {
     group: Arc<dyn kolo_base::GroupSum>,
     cuts: Vec<super::tp::Cut>,
@@ -415,6 +419,34 @@ impl Gpt {
 
     pub fn config(&self) -> &GptConfig {
         &self.cfg
+    }
+
+    /// A copy with its own parameters holding the same values (a new weight version for
+    /// PipeDream-2BW: the old one stays intact for the micro-batches still using it).
+    pub fn fork(&self) -> Result<Gpt> {
+        if self.sharded.is_some() {
+            return Err(TensorError::Input("a ZeRO-3 GPT cannot be copied (its blocks are not resident)".into()));
+        }
+        let values = self.params.to_flat()?;
+        let mut params = ParamSet::new();
+        for p in self.params.iter() {
+            params.add(&p.name, &p.shape, values[p.range.clone()].to_vec())?;
+        }
+        Ok(Gpt {
+            cfg: self.cfg.clone(),
+            params,
+            wte: self.wte,
+            wpe: self.wpe,
+            blocks: self.blocks.clone(),
+            ln_f: self.ln_f,
+            head: self.head,
+            checkpointed: self.checkpointed.clone(),
+            sharded: None,
+            tp: self.tp.clone(),
+            sp: self.sp.clone(),
+            ep: self.ep.clone(),
+            moe_load: Default::default(),
+        })
     }
 }
 

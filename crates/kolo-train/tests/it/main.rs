@@ -920,3 +920,68 @@ fn bad_moe_settings_are_refused() {
     assert!(try_parse("", "[mesh]\nep = 2\n").contains("set model.experts"));
     assert!(try_parse("experts = 4", "[mesh]\ntp = 2\n").contains("without tp"));
 }
+
+/// PipeDream-2BW against its definition, computed in one process: batch t's gradient is taken
+/// at weight version max(t - 1, 0) and applied to version t (W(t+1) = W(t) - step(grad
+/// f(W(t-1)))), with AdamW and clipping by the global norm. Pipelines of 2 and 4 stages (and
+/// 2 stages x 2 tensor-parallel ranks) without flushes follow it; a flushed 1F1B run does not
+/// (the delay is real).
+#[test]
+fn pipedream_2bw_follows_its_weight_version_semantics() {
+    use kolo_base::Rng;
+    use kolo_optim::{clip_factor, lr_at, sum_of_squares, Optimizer};
+    use kolo_tensor::models::Gpt;
+    use kolo_tensor::{Model, ModelSpec, PlainView};
+    let mk = |extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 8\n\
+             [optim]\nkind = \"adamw\"\nlr = 0.003\nclip_grad_norm = 0.05\n[train]\nsteps = 5\nsample_chars = 0\neval_batches = 2\n{extra}",
+            shared().join("tinyshakespeare.txt").display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    // The definition, in one process.
+    let cfg = mk("");
+    let data = kolo_train::trainer::load_data(&cfg, 0, &|_| {}).unwrap();
+    let batches = kolo_train::trainer::replica_batches(&cfg, data.train.clone(), 0, 1, 0).unwrap();
+    let ModelSpec::Gpt(g) = cfg.model_spec(data.vocab_size) else { unreachable!() };
+    let gpt = Gpt::new(g, &mut Rng::new(cfg.train.seed)).unwrap();
+    let n = gpt.params().numel();
+    let mut opt = Optimizer::new(cfg.optimizer(), n);
+    let mut previous = gpt.params().to_flat().unwrap();
+    for t in 0..cfg.train.steps {
+        let current = gpt.params().to_flat().unwrap();
+        gpt.params().load(&previous).unwrap();
+        let (_, batch) = batches.recv().unwrap();
+        let grads = gpt.loss(&batch, &PlainView).unwrap().backward().unwrap();
+        let mut g = vec![0f32; n];
+        gpt.params().grads_into(&grads, &mut g).unwrap();
+        gpt.params().load(&current).unwrap();
+        let f = clip_factor(sum_of_squares(&g).sqrt(), 0.05);
+        g.iter_mut().for_each(|x| *x *= f);
+        let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, cfg.train.steps, t);
+        opt.begin_step();
+        for i in 0..gpt.params().len() {
+            let r = gpt.params().get(i).range.clone();
+            gpt.params().update_one(i, &mut |p| opt.update(r.start, p, &g[r.clone()], lr)).unwrap();
+        }
+        previous = current;
+    }
+    let want = gpt.params().to_flat().unwrap();
+    for (world, extra) in [(2, ""), (4, ""), (4, "[mesh]\ntp = 2\npp = 2\n")] {
+        let cfg = mk(&format!("[pipeline]\nmicro_batches = 4\nschedule = \"2bw\"\n{extra}"));
+        let ranks = train_on(world, &cfg, &quiet());
+        for s in &ranks {
+            assert_eq!(s.params, ranks[0].params, "world {world} {extra}: every rank assembles the same model");
+        }
+        let d = max_diff(&ranks[0].params, &want);
+        assert!(d < 1e-4, "world {world} {extra}: 2BW differs from its definition by {d}");
+        assert_eq!(ranks[0].step_ms.len(), 5);
+    }
+    let flushed = &train_on(2, &mk("[pipeline]\nmicro_batches = 4\n"), &quiet())[0];
+    assert!(max_diff(&flushed.params, &want) > 1e-4, "1F1B (flushed) applies each gradient to the weights it was computed on");
+    // Too few micro-batches for the version to exist in time: refused.
+    let few = mk("[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n");
+    let errs = run_ranks(LocalComm::create(WorldSize::new(4).unwrap()), |_, c| run(&few, Arc::new(c) as Arc<dyn Communicator>, &quiet()).err().map(|e| e.to_string()));
+    assert!(errs[0].as_deref().unwrap_or("").contains("micro-batches"), "{errs:?}");
+}

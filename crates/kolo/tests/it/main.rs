@@ -521,7 +521,7 @@ extern "C" {
 }
 
 /// 3D parallelism across real processes: 4 ranks as 2 pipeline stages of 2 tensor-parallel
-/// ranks (shared memory links, fused send/recv between stages).
+/// ranks (shared memory links, fused send/recv between stages); then PipeDream-2BW on 2 stages.
 #[test]
 fn launched_gpt_trains_with_tensor_and_pipeline_parallelism() {
     let dir = std::env::temp_dir().join(format!("kolo-mesh-{}", std::process::id()));
@@ -538,5 +538,13 @@ fn launched_gpt_trains_with_tensor_and_pipeline_parallelism() {
     assert!(o.status.success(), "{t}");
     assert!(t.contains("2 stages") && t.contains("2 tensor-parallel ranks"), "{t}");
     assert!(t.contains("pipeline bubble") && t.contains("[rank 0] final eval"), "{t}");
+    // PipeDream-2BW between processes: the p2p stream never stops while the stages agree on
+    // the gradient norm at each update (on a group of their own).
+    let two_bw = std::fs::read_to_string(&cfg).unwrap().replace("tp = 2\n", "").replace("\"1f1b\"", "\"2bw\"");
+    std::fs::write(&cfg, two_bw).unwrap();
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("TwoBw") && t.contains("no flush") && t.contains("step 4/4"), "{t}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
