@@ -4,7 +4,6 @@
 //! forward until its backward.
 
 use crate::models::{Batch, Gpt, Input, StageInput};
-use crate::ops::cross_entropy;
 use crate::{Model, PlainView, Result, TensorError};
 use candle_core::{Device, Tensor, Var};
 use std::collections::HashMap;
@@ -75,8 +74,7 @@ impl GptStage {
         };
         let out = self.gpt.forward_layers(x, self.layers.clone(), &PlainView)?;
         if self.is_last() {
-            let targets = Tensor::from_slice(&self.micro[mb].targets, b * t, &Device::Cpu)?;
-            let loss = (cross_entropy(&out, &targets)? * self.scale)?;
+            let loss = (self.gpt.logits_loss(&out, &self.micro[mb].targets)? * self.scale)?;
             let value = loss.to_scalar::<f32>()?;
             self.saved.insert(mb, (var, loss));
             Ok(vec![value])

@@ -341,3 +341,22 @@ mod moe {
         }
     }
 }
+
+/// The vocabulary splits into contiguous ranges covering it once, the first v % p one longer.
+#[test]
+fn vocabulary_ranges_cover_the_vocabulary_once() {
+    use crate::models::tp::vocab_range;
+    for v in [1usize, 2, 13, 65, 64] {
+        for p in 1..=4usize.min(v) {
+            let rs: Vec<_> = (0..p).map(|r| vocab_range(v, p, r)).collect();
+            assert_eq!(rs[0].start, 0);
+            assert_eq!(rs[p - 1].end, v);
+            for w in rs.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+                assert!(w[0].len() >= w[1].len() && w[0].len() <= w[1].len() + 1);
+            }
+        }
+    }
+    assert_eq!(vocab_range(65, 4, 0), 0..17);
+    assert_eq!(vocab_range(65, 4, 3), 49..65);
+}

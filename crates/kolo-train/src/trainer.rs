@@ -497,6 +497,9 @@ pub(crate) fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, 
     Ok(vocab.decode(&ids[1..]))
 }
 
+/// All-reduces of the vocabulary-parallel embedding, head and cross-entropy per micro-step.
+const VOCAB_PARALLEL_REDUCES: usize = 5;
+
 /// A tensor-parallel group as the model adapter sees it, counting its all-reduces.
 struct CommGroup {
     comm: Arc<dyn Communicator>,
@@ -1031,11 +1034,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         let steps = (end - start).max(1) * tc.grad_accum;
         let calls = g.calls.load(std::sync::atomic::Ordering::Relaxed) as f64 / steps as f64;
         let mb = g.bytes.load(std::sync::atomic::Ordering::Relaxed) as f64 / steps as f64 / 1e6;
+        // Outside the blocks: the vocabulary-parallel embedding (1, forward), head (1, backward)
+        // and cross-entropy (3: maxima, sums of exponentials, target logits).
         say(&format!(
-            "tensor parallel: {calls:.1} all-reduces ({mb:.2} MB) per micro-step over {} ranks for {} blocks: {:.1} per block (Megatron: 2 in forward + 2 in backward)",
+            "tensor parallel: {calls:.1} all-reduces ({mb:.2} MB) per micro-step over {} ranks: {:.1} per block for {} blocks (Megatron: 2 in forward + 2 in backward) + {VOCAB_PARALLEL_REDUCES} for the vocabulary-parallel embedding, head and cross-entropy",
             tp_size,
+            (calls - VOCAB_PARALLEL_REDUCES as f64) / gc.n_layer as f64,
             gc.n_layer,
-            calls / gc.n_layer as f64
         ));
     }
     if end == tc.steps {

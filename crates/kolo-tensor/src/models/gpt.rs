@@ -376,6 +376,13 @@ impl Gpt {
                 cuts[*i] = cut;
             }
         }
+        // Vocabulary-parallel embedding and head.
+        for i in [full.wte, full.head.0, full.head.1] {
+            cuts[i] = super::tp::Cut::Vocab;
+        }
+        if full.cfg.vocab < n {
+            return Err(TensorError::Input(format!("a vocabulary of {} does not split over {n} tensor-parallel ranks", full.cfg.vocab)));
+        }
         let (params, map) = super::tp::shard_params(&full.params, &cuts, r, n)?;
         let full_len = full.params.numel();
         Ok(Gpt { params, tp: Some(TensorParallel { group, cuts, map, full_len }), ..full })
@@ -500,14 +507,18 @@ impl Model for Gpt {
     }
 
     fn forward(&self, input: &Input, view: &dyn ParamView) -> Result<Tensor> {
-        self.forward_aux(input, view, None)
+        let logits = self.forward_aux(input, view, None)?;
+        match &self.tp {
+            Some(tp) => super::tp::gather_logits(&logits, self.cfg.vocab, &*tp.group),
+            None => Ok(logits),
+        }
     }
 
     /// Cross-entropy plus the MoE blocks' auxiliary load-balancing losses.
     fn loss(&self, batch: &super::Batch, view: &dyn ParamView) -> Result<Tensor> {
         let mut aux = Vec::new();
         let logits = self.forward_aux(&batch.input, view, Some(&mut aux))?;
-        let mut loss = super::targets_loss(&logits, &batch.targets)?;
+        let mut loss = self.logits_loss(&logits, &batch.targets)?;
         for a in aux {
             loss = (loss + a)?;
         }
@@ -530,6 +541,15 @@ impl Gpt {
             return Err(TensorError::Input("the GPT takes token sequences".into()));
         };
         self.forward_layers_aux(StageInput::Tokens { ids, b: *b, t: *t }, 0..self.layers(), view, aux)
+    }
+
+    /// Mean cross-entropy of the head's output from [`Gpt::forward_layers`] (under tensor
+    /// parallelism this member's vocabulary range of the logits) against `targets`.
+    pub fn logits_loss(&self, logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
+        match &self.tp {
+            Some(tp) => super::tp::vocab_parallel_cross_entropy(logits, targets, super::tp::vocab_range(self.cfg.vocab, tp.group.size(), tp.group.rank()), &tp.group),
+            None => super::targets_loss(logits, targets),
+        }
     }
 
     /// This member's part of a mixture-of-experts GPT under expert parallelism over `group`:
@@ -684,8 +704,11 @@ impl Gpt {
                 if let Some(bad) = ids.iter().find(|i| **i as usize >= self.cfg.vocab) {
                     return Err(TensorError::Input(format!("token id {bad} is outside the vocabulary of {}", self.cfg.vocab)));
                 }
-                let ids_t = Tensor::from_slice(ids, b * t, &Device::Cpu)?;
-                let tok = g(self.wte)?.index_select(&ids_t, 0)?.reshape((b, t, c))?;
+                let tok = match &self.tp {
+                    Some(tp) => super::tp::embed(ids, &g(self.wte)?, super::tp::vocab_range(self.cfg.vocab, tp.group.size(), tp.group.rank()), &tp.group)?,
+                    None => g(self.wte)?.index_select(&Tensor::from_slice(ids, b * t, &Device::Cpu)?, 0)?,
+                }
+                .reshape((b, t, c))?;
                 let pos = g(self.wpe)?.narrow(0, offset, t)?;
                 tok.broadcast_add(&pos)?
             }
@@ -756,6 +779,12 @@ impl Gpt {
         let (lw, lb) = pair(self.ln_f)?;
         let x = layer_norm(&x, &lw, &lb, 1e-5)?;
         let (hw, hb) = pair(self.head)?;
+        if let Some(tp) = &self.tp {
+            // Vocabulary-parallel head: this member's logits only (f before it).
+            let x = x.contiguous()?.apply_op1(super::tp::CopyToGroup(tp.group.clone()))?;
+            let v = hw.dim(0)?;
+            return Ok(linear(&x, &hw, &hb)?.reshape((b * t, v))?);
+        }
         Ok(linear(&x, &hw, &hb)?.reshape((b * t, self.cfg.vocab))?)
     }
 }

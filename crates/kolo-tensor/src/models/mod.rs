@@ -5,7 +5,7 @@ mod gpt;
 mod mlp;
 pub mod moe;
 mod ring;
-mod tp;
+pub(crate) mod tp;
 
 pub use cnn::Cnn;
 pub use gpt::{Gpt, GptConfig, StageInput};

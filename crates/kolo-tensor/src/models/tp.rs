@@ -2,8 +2,12 @@
 //! group (q, k and v column-parallel, the output projection row-parallel), the MLP split
 //! column-then-row, so each block needs one all-reduce in forward (the g operator after each
 //! row-parallel layer) and one in backward (the f operator before each column-parallel one).
-//! Layer norms, biases of row-parallel layers, embeddings and head stay replicated: their
-//! gradients come out identical on every member.
+//! Layer norms and biases of row-parallel layers stay replicated: their gradients come out
+//! identical on every member. The vocabulary is split too (Megatron's vocabulary-parallel
+//! embedding and cross-entropy): each member holds a contiguous range of the token embedding's
+//! rows and of the head's outputs; the embedding is summed over the group (a token's row lives
+//! on one member), the head's logits stay split and the cross-entropy combines the members'
+//! maxima, sums of exponentials and target logits with three small all-reduces.
 
 use crate::{ParamSet, Result, TensorError};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
@@ -67,6 +71,17 @@ pub(crate) enum Cut {
     Rows { blocks: usize },
     /// Columns (input features) of a weight.
     Cols,
+    /// Rows of a vocabulary-sized tensor (token embedding, head weight and bias) in contiguous
+    /// ranges of [`vocab_range`] (the vocabulary need not divide evenly).
+    Vocab,
+}
+
+/// Member `r`'s range of a vocabulary of `v` split over `p`: the first `v % p` members hold
+/// one entry more.
+pub(crate) fn vocab_range(v: usize, p: usize, r: usize) -> std::ops::Range<usize> {
+    let (base, extra) = (v / p, v % p);
+    let start = r * base + r.min(extra);
+    start..start + base + usize::from(r < extra)
 }
 
 /// The cut of each of a block's 12 parameters (see `Block::ids`).
@@ -95,6 +110,7 @@ pub(crate) fn piece(shape: &[usize], cut: Cut, r: usize, p: usize) -> Result<Vec
     };
     Ok(match cut {
         Cut::Whole => (0..rows * cols).collect(),
+        Cut::Vocab => vocab_range(rows, p, r).flat_map(|row| row * cols..(row + 1) * cols).collect(),
         Cut::Rows { blocks } => {
             let per_block = rows / blocks;
             if !per_block.is_multiple_of(p) {
@@ -114,8 +130,10 @@ pub(crate) fn piece(shape: &[usize], cut: Cut, r: usize, p: usize) -> Result<Vec
 }
 
 /// The local shape of a piece.
-pub(crate) fn piece_shape(shape: &[usize], cut: Cut, p: usize) -> Vec<usize> {
+pub(crate) fn piece_shape(shape: &[usize], cut: Cut, r: usize, p: usize) -> Vec<usize> {
     match (cut, shape) {
+        (Cut::Vocab, [n]) => vec![vocab_range(*n, p, r).len()],
+        (Cut::Vocab, [n, m]) => vec![vocab_range(*n, p, r).len(), *m],
         (Cut::Rows { .. }, [n]) => vec![n / p],
         (Cut::Rows { .. }, [n, m]) => vec![n / p, *m],
         (Cut::Cols, [n, m]) => vec![*n, m / p],
@@ -133,7 +151,7 @@ pub(crate) fn shard_params(full: &ParamSet, cuts: &[Cut], r: usize, p: usize) ->
     for (i, param) in full.iter().enumerate() {
         let idx = piece(&param.shape, cuts[i], r, p)?;
         let v: Vec<f32> = idx.iter().map(|&k| values[param.range.start + k]).collect();
-        local.add(&param.name, &piece_shape(&param.shape, cuts[i], p), v)?;
+        local.add(&param.name, &piece_shape(&param.shape, cuts[i], r, p), v)?;
         map.extend(idx.iter().map(|&k| param.range.start + k));
     }
     Ok((local, map))
@@ -165,4 +183,71 @@ pub(crate) fn block_forward_tp(x: &Tensor, p: &[Tensor], h: usize, group: &Arc<d
     let hdn = f(&layer_norm(&x, &p[6], &p[7], 1e-5)?)?;
     let m = crate::fused::gelu_erf(&linear(&hdn, &p[8], &p[9])?)?;
     Ok((&x + g(&no_bias(&p[10], &m)?)?.broadcast_add(&p[11])?)?)
+}
+
+fn group_err(e: String) -> TensorError {
+    TensorError::Input(format!("tensor-parallel all-reduce: {e}"))
+}
+
+/// The vocabulary-parallel token embedding: rows of `wte` (this member's `range` of the
+/// vocabulary) for the ids in range, zeros for the others, summed over the group (g). Returns
+/// (n, c) for the n ids.
+pub(crate) fn embed(ids: &[u32], wte: &Tensor, range: std::ops::Range<usize>, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
+    let n = ids.len();
+    let local: Vec<u32> = ids.iter().map(|&i| if range.contains(&(i as usize)) { (i as usize - range.start) as u32 } else { 0 }).collect();
+    let mask: Vec<f32> = ids.iter().map(|&i| if range.contains(&(i as usize)) { 1.0 } else { 0.0 }).collect();
+    let rows = wte.index_select(&Tensor::from_vec(local, n, wte.device())?, 0)?;
+    let e = rows.broadcast_mul(&Tensor::from_vec(mask, (n, 1), wte.device())?)?;
+    Ok(e.contiguous()?.apply_op1(ReduceFromGroup(group.clone()))?)
+}
+
+/// One value per row of every member, gathered with a sum: member r fills column r.
+fn gather_rows(vals: &[f32], group: &dyn GroupSum) -> Result<Vec<f32>> {
+    let (r, p, n) = (group.rank(), group.size(), vals.len());
+    let mut buf = vec![0f32; n * p];
+    for (i, v) in vals.iter().enumerate() {
+        buf[i * p + r] = *v;
+    }
+    group.sum(&mut buf).map_err(group_err)?;
+    Ok(buf)
+}
+
+/// Mean cross-entropy of logits split by vocabulary (`logits`: (n, this member's range)) against
+/// `targets`, identical on every member: the global row maximum (constant), the sum of
+/// exponentials and the target logit are each summed over the group; backward of each sum is
+/// the identity, so every member's logits get their part of the gradient.
+pub(crate) fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &[u32], range: std::ops::Range<usize>, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
+    let (n, _) = logits.dims2()?;
+    if targets.len() != n {
+        return Err(TensorError::Input(format!("{} targets for {n} outputs", targets.len())));
+    }
+    let logits = logits.to_dtype(candle_core::DType::F32)?;
+    let local_max = logits.max_keepdim(1)?.flatten_all()?.to_vec1::<f32>()?;
+    let all = gather_rows(&local_max, &**group)?;
+    let p = group.size();
+    let m: Vec<f32> = all.chunks(p).map(|c| c.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
+    let m = Tensor::from_vec(m, (n, 1), logits.device())?;
+    let shifted = logits.broadcast_sub(&m)?;
+    let g = |t: Tensor| -> Result<Tensor> { Ok(t.contiguous()?.apply_op1(ReduceFromGroup(group.clone()))?) };
+    let sum_exp = g(shifted.exp()?.sum_keepdim(1)?)?;
+    let idx: Vec<u32> = targets.iter().map(|&t| if range.contains(&(t as usize)) { (t as usize - range.start) as u32 } else { 0 }).collect();
+    let mask: Vec<f32> = targets.iter().map(|&t| if range.contains(&(t as usize)) { 1.0 } else { 0.0 }).collect();
+    let picked = shifted.gather(&Tensor::from_vec(idx, (n, 1), logits.device())?, 1)?.mul(&Tensor::from_vec(mask, (n, 1), logits.device())?)?;
+    let target = g(picked)?;
+    Ok((sum_exp.log()? - target)?.mean_all()?)
+}
+
+/// The whole logits (n, v) from every member's vocabulary range (evaluation and sampling; not
+/// differentiable).
+pub(crate) fn gather_logits(logits: &Tensor, v: usize, group: &dyn GroupSum) -> Result<Tensor> {
+    let (n, _) = logits.dims2()?;
+    let range = vocab_range(v, group.size(), group.rank());
+    let local = logits.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let w = range.len();
+    let mut full = vec![0f32; n * v];
+    for i in 0..n {
+        full[i * v + range.start..i * v + range.end].copy_from_slice(&local[i * w..(i + 1) * w]);
+    }
+    group.sum(&mut full).map_err(group_err)?;
+    Ok(Tensor::from_vec(full, (n, v), logits.device())?)
 }
