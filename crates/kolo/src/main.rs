@@ -43,8 +43,8 @@ enum Cmd {
     /// fails, the others are stopped and the launcher exits non-zero with a summary naming the
     /// rank that caused it (not the survivors that lost it) and every rank's error.
     Launch(LaunchArgs),
-    /// Train a model from a TOML config, alone or under `kolo launch` (DDP and ZeRO; pipeline,
-    /// tensor and sequence parallelism per `[mesh]`; parameter servers with `strategy = "ps"`).
+    /// Train a model from a TOML config, alone or under `kolo launch` (DDP and ZeRO; pipeline (GPipe, 1F1B, 2BW),
+    /// tensor, sequence and expert parallelism per `[mesh]`; parameter servers with `strategy = "ps"`).
     Train(train::TrainArgs),
     /// Parameter servers: `kolo ps run` starts a whole job here; `serve`, `coordinator`,
     /// `eval`, `remove` and `shutdown` for jobs across machines.
