@@ -20,7 +20,10 @@ pub struct GptStage {
     /// Each micro-batch's loss is scaled by 1 / micro-batches, so the gradients add up to the
     /// gradient of the whole batch's mean loss.
     scale: f64,
-    saved: HashMap<usize, (Option<Var>, Tensor)>,
+    saved: HashMap<usize, Saved>,
+    /// Re-materialization: keep only each micro-batch's input between its forward and
+    /// backward, and run the forward again (with a graph) in backward.
+    remat: bool,
     /// This stage's parameters' gradients, accumulated over the micro-batches (flat layout of
     /// the whole model; other stages' entries stay zero).
     pub grads: Vec<f32>,
@@ -31,7 +34,14 @@ impl GptStage {
         let params = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
         let scale = 1.0 / micro.len().max(1) as f64;
         let grads = vec![0f32; gpt.params().numel()];
-        GptStage { gpt, layers, params, micro, scale, saved: HashMap::new(), grads }
+        GptStage { gpt, layers, params, micro, scale, saved: HashMap::new(), grads, remat: false }
+    }
+
+    /// Keep only the stage's boundary activation (its input) per micro-batch and recompute the
+    /// rest in backward (GPipe's re-materialization): less memory for one more forward.
+    pub fn rematerialize(mut self, on: bool) -> GptStage {
+        self.remat = on;
+        self
     }
 
     /// The parameters this stage owns (indices into the model's `ParamSet`).
@@ -59,6 +69,31 @@ impl GptStage {
     /// Forward of micro-batch `mb` from `input` (the previous stage's hidden states; `None` on
     /// the first stage). Returns the hidden states, or on the last stage the scaled loss.
     pub fn forward(&mut self, mb: usize, input: Option<Vec<f32>>) -> Result<Vec<f32>> {
+        if self.remat {
+            // Run without keeping anything but the input; the graph dies with `out`.
+            let (var, out) = self.run(mb, input.clone())?;
+            drop(var);
+            self.saved.insert(mb, Saved::Input(input));
+            return self.output_values(out);
+        }
+        let (var, out) = self.run(mb, input)?;
+        let values = self.output_values(out.clone())?;
+        self.saved.insert(mb, Saved::Graph(var, out));
+        Ok(values)
+    }
+
+    /// The stage's output values: hidden states, or the last stage's scaled loss.
+    fn output_values(&self, out: Tensor) -> Result<Vec<f32>> {
+        if self.is_last() {
+            Ok(vec![out.to_scalar::<f32>()?])
+        } else {
+            Ok(out.flatten_all()?.to_vec1::<f32>()?)
+        }
+    }
+
+    /// The stage's layers on micro-batch `mb` with a graph: the input variable (not on the first
+    /// stage) and the output (the scaled loss on the last stage).
+    fn run(&self, mb: usize, input: Option<Vec<f32>>) -> Result<(Option<Var>, Tensor)> {
         let (b, t) = self.shape(mb)?;
         let c = self.gpt.config().d_model;
         let (var, x) = match input {
@@ -74,14 +109,9 @@ impl GptStage {
         };
         let out = self.gpt.forward_layers(x, self.layers.clone(), &PlainView)?;
         if self.is_last() {
-            let loss = (self.gpt.logits_loss(&out, &self.micro[mb].targets)? * self.scale)?;
-            let value = loss.to_scalar::<f32>()?;
-            self.saved.insert(mb, (var, loss));
-            Ok(vec![value])
+            Ok((var, (self.gpt.logits_loss(&out, &self.micro[mb].targets)? * self.scale)?))
         } else {
-            let flat = out.flatten_all()?.to_vec1::<f32>()?;
-            self.saved.insert(mb, (var, out));
-            Ok(flat)
+            Ok((var, out))
         }
     }
 
@@ -89,7 +119,10 @@ impl GptStage {
     /// stage). Accumulates the parameter gradients; returns the gradient of the input hidden
     /// states (empty on the first stage).
     pub fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> Result<Vec<f32>> {
-        let (var, out) = self.saved.remove(&mb).ok_or_else(|| TensorError::Input(format!("backward of micro-batch {mb} before its forward")))?;
+        let (var, out) = match self.saved.remove(&mb).ok_or_else(|| TensorError::Input(format!("backward of micro-batch {mb} before its forward")))? {
+            Saved::Graph(var, out) => (var, out),
+            Saved::Input(input) => self.run(mb, input)?,
+        };
         let store = match grad {
             None => out.backward()?,
             Some(g) => {
@@ -106,4 +139,12 @@ impl GptStage {
             }
         }
     }
+}
+
+/// What a stage keeps of a micro-batch between its forward and its backward.
+enum Saved {
+    /// The whole graph: the input variable and the output.
+    Graph(Option<Var>, Tensor),
+    /// Re-materialization: the input only.
+    Input(Option<Vec<f32>>),
 }

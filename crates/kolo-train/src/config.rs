@@ -73,6 +73,10 @@ pub struct PipelineConfig {
     /// (PipeDream-2BW: no flush, double-buffered weights; needs micro_batches >= stages - 1).
     #[serde(default = "one_f_one_b")]
     pub schedule: PipeSchedule,
+    /// Re-materialization: each stage keeps only its input activation per micro-batch and runs
+    /// its forward again in backward (less activation memory for one more forward). Default false.
+    #[serde(default)]
+    pub rematerialize: bool,
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]

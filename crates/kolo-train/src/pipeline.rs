@@ -58,6 +58,8 @@ struct StageSetup<'a> {
     ranges: Vec<std::ops::Range<usize>>,
     opt: Optimizer,
     m: usize,
+    /// Keep only each micro-batch's stage input; recompute in backward.
+    remat: bool,
 }
 
 impl StageSetup<'_> {
@@ -207,7 +209,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         }
         _ => None,
     };
-    let mut setup = StageSetup { cfg, comm, sync, dp, tp, layers, own, ranges, opt, m };
+    let mut setup = StageSetup { cfg, comm, sync, dp, tp, layers, own, ranges, opt, m, remat: pc.rematerialize };
     kolo_base::alloc::reset_peak();
     let run = if let Schedule::TwoBw { .. } = schedule {
         run_two_bw(&mut setup, Arc::new(gpt), &batches, end, &say)?
@@ -282,7 +284,7 @@ fn run_flushed(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, schedule: Schedule, ba
         let t0 = Instant::now();
         let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
         let batch = next_batch(batches)?;
-        let mut work = Work(GptStage::new(gpt.clone(), setup.layers.clone(), split_batch(&batch, m)?));
+        let mut work = Work(GptStage::new(gpt.clone(), setup.layers.clone(), split_batch(&batch, m)?).rematerialize(setup.remat));
         let act_len = work.0.act_len()?;
         let report = run_stage(setup.comm, schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
         let mut grads = std::mem::take(&mut work.0.grads);
@@ -332,7 +334,7 @@ impl StageWork for TwoBw<'_, '_> {
             let gpt = self.versions.get(&v).ok_or_else(|| format!("batch {t} needs weight version {v}, which this stage has not made yet"))?.clone();
             let batch = next_batch(self.batches).map_err(|e| e.to_string())?;
             let micro = split_batch(&batch, m).map_err(|e| e.to_string())?;
-            self.stages.insert(t, GptStage::new(gpt, self.setup.layers.clone(), micro));
+            self.stages.insert(t, GptStage::new(gpt, self.setup.layers.clone(), micro).rematerialize(self.setup.remat));
         }
         let out = self.stages.get_mut(&t).expect("inserted").forward(mb % m, input).map_err(|e| e.to_string())?;
         if self.setup.layers.end == self.versions[&self.latest].layers() {

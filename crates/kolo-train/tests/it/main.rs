@@ -673,7 +673,8 @@ fn ps_evaluation_group_reads_the_servers_while_training_runs() {
 }
 
 /// Pipeline parallelism: the GPT cut into 2 and 4 stages (ranks), batches of 8 sequences as 4
-/// micro-batches, GPipe and 1F1B, follows the one-process run. Not bitwise: each micro-batch's
+/// micro-batches, GPipe and 1F1B (with and without re-materialization), follows the one-process
+/// run. Not bitwise: each micro-batch's
 /// mean loss is scaled by 1/4 and the gradients are summed over micro-batches, while one
 /// process averages over 8 sequences at once (f32 reassociation).
 #[test]
@@ -698,6 +699,9 @@ fn pipeline_matches_one_process_gpt() {
             assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "{k} stages {schedule}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
             let bubble = ranks[0].pipeline_bubble.unwrap();
             assert!((0.0..1.0).contains(&bubble));
+            // Re-materialization recomputes the same forward in backward: bitwise the same run.
+            let remat = train_on(k, &mk(&format!("[pipeline]\nmicro_batches = 4\nschedule = \"{schedule}\"\nrematerialize = true\n")), &quiet());
+            assert_eq!(remat[0].params, ranks[0].params, "{k} stages {schedule}: re-materialized run");
         }
     }
 }
