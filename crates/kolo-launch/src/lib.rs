@@ -12,6 +12,12 @@
 //! records its error there (see [`error_file`]), including the peer it lost if that is why it
 //! failed. The summary names the root cause: the earliest failure not caused by losing a rank
 //! that itself failed.
+//!
+//! Elastic jobs ([`launch_elastic`], `--min-nodes`): on one host each rank counts as a node.
+//! When ranks die, the survivors are stopped and the job starts again as a new round with the
+//! surviving number of ranks (a fresh rendezvous: new port, ranks renumbered), as long as at
+//! least `min` remain and restarts are left; every rank sees `KOLO_RESTART_COUNT` (the round)
+//! and resumes from the latest checkpoint itself.
 
 pub mod error_file;
 
@@ -216,6 +222,89 @@ fn end_of(status: ExitStatus) -> RankEnd {
     }
 }
 
+/// Elastic restarts: the fewest ranks to go on with, how many restarts, the pause before each.
+#[derive(Clone, Debug)]
+pub struct Elastic {
+    pub min: usize,
+    pub max_restarts: u32,
+    pub backoff: Duration,
+}
+
+/// What an elastic launcher does after a round ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// The job is over (succeeded, interrupted, or failed with no way on).
+    Stop(Option<String>),
+    /// Start another round with this many ranks; `dead` lists the ranks lost.
+    Restart { ranks: usize, dead: Vec<usize> },
+}
+
+/// The ranks of a failed round that died by themselves: killed by a signal the launcher did
+/// not send, or the root cause; ranks that only lost a peer, or were stopped, survive.
+pub fn dead_ranks(out: &Outcome) -> Vec<usize> {
+    let mut dead: Vec<usize> = out.ranks.iter().filter(|r| matches!(r.end, RankEnd::Signalled(_))).map(|r| r.rank).collect();
+    if let Some(f) = out.first_failure {
+        if !dead.contains(&f) {
+            dead.push(f);
+        }
+    }
+    dead.sort_unstable();
+    dead
+}
+
+/// Plans the next round of an elastic job after `round` (0-based) ended with `out`.
+pub fn next_round(out: &Outcome, ranks: usize, round: u32, e: &Elastic) -> Next {
+    if out.success() || out.interrupted_by.is_some() {
+        return Next::Stop(None);
+    }
+    let dead = dead_ranks(out);
+    let left = ranks.saturating_sub(dead.len());
+    if left < e.min {
+        return Next::Stop(Some(format!("kolo launch: {} of {ranks} ranks died ({dead:?}); {left} left, below --min-nodes {}", dead.len(), e.min)));
+    }
+    if round >= e.max_restarts {
+        return Next::Stop(Some(format!("kolo launch: ranks {dead:?} died and all {} restarts (--max-restarts) are used", e.max_restarts)));
+    }
+    Next::Restart { ranks: left, dead }
+}
+
+/// Runs an elastic job on this node: rounds of [`launch`] until one succeeds, is interrupted,
+/// or [`next_round`] says stop. Returns the last round's outcome and the rounds run.
+pub fn launch_elastic(cfg: &LaunchConfig, e: &Elastic) -> Result<(Outcome, u32), LaunchError> {
+    if cfg.nnodes != 1 {
+        return Err(LaunchError::Config("elastic jobs (--min-nodes) run on one host for now: each rank counts as a node".into()));
+    }
+    if e.min == 0 || e.min > cfg.nproc_per_node {
+        return Err(LaunchError::Config(format!("--min-nodes {} must be between 1 and the {} ranks started", e.min, cfg.nproc_per_node)));
+    }
+    let mut ranks = cfg.nproc_per_node;
+    let mut round = 0;
+    loop {
+        let mut c = cfg.clone();
+        c.nproc_per_node = ranks;
+        c.master_port = None;
+        c.env.push(("KOLO_RESTART_COUNT".into(), round.to_string()));
+        c.env.push(("KOLO_ELASTIC".into(), "1".into()));
+        let out = launch(&c)?;
+        match next_round(&out, ranks, round, e) {
+            Next::Stop(why) => {
+                if let Some(w) = why {
+                    eprintln!("{w}");
+                }
+                return Ok((out, round));
+            }
+            Next::Restart { ranks: left, dead } => {
+                let t = Instant::now();
+                eprint!("{}", out.summary());
+                eprintln!("kolo launch: elastic: rank(s) {dead:?} lost; restarting on {left} ranks (round {}) in {:.1}s", round + 1, e.backoff.as_secs_f64());
+                std::thread::sleep(e.backoff.saturating_sub(t.elapsed()));
+                ranks = left;
+                round += 1;
+            }
+        }
+    }
+}
+
 /// The rank that brought the job down, given the failed ranks in the order they were reaped:
 /// the first one that did not fail merely because it lost a peer that failed too. A rank that
 /// lost a peer which is still fine (or was only stopped by the launcher) counts as a cause.
@@ -381,6 +470,24 @@ mod tests {
     fn report(rank: usize, end: RankEnd, lost_rank: Option<usize>) -> RankReport {
         let error = lost_rank.map(|l| error_file::RankError { lost_rank: Some(l), message: format!("lost rank {l}") });
         RankReport { rank, pid: 100 + rank as u32, end, elapsed: Duration::ZERO, error }
+    }
+
+    #[test]
+    fn elastic_rounds_go_on_with_the_survivors_while_enough_remain() {
+        let e = Elastic { min: 3, max_restarts: 2, backoff: Duration::ZERO };
+        let ok = |ranks: Vec<RankReport>, first: Option<usize>| Outcome { ranks, first_failure: first, interrupted_by: None };
+        // Rank 2 SIGKILLed; the others lost it or were stopped.
+        let out = ok(vec![report(0, RankEnd::Exited(1), Some(2)), report(1, RankEnd::Stopped, None), report(2, RankEnd::Signalled(9), None), report(3, RankEnd::Exited(1), Some(2))], Some(2));
+        assert_eq!(dead_ranks(&out), vec![2]);
+        assert_eq!(next_round(&out, 4, 0, &e), Next::Restart { ranks: 3, dead: vec![2] });
+        // Restarts used up, or too few left.
+        assert!(matches!(next_round(&out, 4, 2, &e), Next::Stop(Some(m)) if m.contains("restarts")));
+        let two_dead = ok(vec![report(0, RankEnd::Signalled(9), None), report(1, RankEnd::Exited(1), Some(0)), report(2, RankEnd::Signalled(9), None), report(3, RankEnd::Stopped, None)], Some(0));
+        assert!(matches!(next_round(&two_dead, 4, 0, &e), Next::Stop(Some(m)) if m.contains("below --min-nodes 3")));
+        // A rank that exits with an error by itself is dead too; success stops.
+        let crashed = ok(vec![report(0, RankEnd::Exited(3), None), report(1, RankEnd::Exited(1), Some(0)), report(2, RankEnd::Stopped, None), report(3, RankEnd::Stopped, None)], Some(0));
+        assert_eq!(next_round(&crashed, 4, 1, &e), Next::Restart { ranks: 3, dead: vec![0] });
+        assert_eq!(next_round(&ok(vec![report(0, RankEnd::Exited(0), None)], None), 1, 0, &e), Next::Stop(None));
     }
 
     #[test]

@@ -37,8 +37,8 @@ pub struct RunOptions {
     /// Test hook: abort the process in the middle of saving the checkpoint of this step (after
     /// this rank's shard is written, before the checkpoint is committed), as a crash would.
     pub crash_during_save: Option<u64>,
-    /// Test hook (parameter-server workers): `(worker, step)` makes that worker vanish at that
-    /// step, as a crash would.
+    /// Test hook: `(rank, step)` makes that rank vanish at the start of that step, as a crash
+    /// would (DDP: it SIGKILLs itself; parameter-server workers: the worker stops talking).
     pub die_at: Option<(usize, u64)>,
 }
 
@@ -220,6 +220,11 @@ pub(crate) fn spec_string(spec: &ModelSpec) -> String {
 
 /// The newest checkpoint in a directory of them (`step-*` directories with a manifest, or
 /// older single-file `step-*.safetensors`), or the path itself when it is one checkpoint.
+/// The newest complete checkpoint in directory `dir`, if there is one (elastic restarts).
+pub fn newest_checkpoint(dir: &Path) -> Option<PathBuf> {
+    dir.is_dir().then(|| resolve_checkpoint(dir).ok()).flatten()
+}
+
 fn resolve_checkpoint(p: &Path) -> Result<PathBuf, TrainError> {
     if !p.is_dir() || p.join(kolo_checkpoint::sharded::MANIFEST).exists() {
         return Ok(p.to_path_buf());
@@ -740,6 +745,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         if let Some((r, ms)) = opts.slow_rank {
             if r == rank {
                 std::thread::sleep(Duration::from_millis(ms));
+            }
+        }
+        if opts.die_at == Some((rank, step)) {
+            eprintln!("rank {rank}: killing itself (SIGKILL) at step {step} as asked (--kill-at)");
+            // SAFETY: kill(2) on this process.
+            unsafe {
+                libc::kill(libc::getpid(), libc::SIGKILL);
             }
         }
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);

@@ -33,6 +33,12 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 20)]
         epochs: usize,
     },
+    /// The flight recorder's cost per collective: recording the start and the end of N ops
+    /// into a communicator's ring of the last 64.
+    Recorder {
+        #[arg(long, default_value_t = 1_000_000)]
+        ops: u64,
+    },
     /// Sandblaster L-BFGS on the parameter servers with one slowed worker: time per iteration
     /// with and without backup tasks, against no slowed worker.
     Sandblaster {
@@ -110,6 +116,17 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<i32> {
         BenchCmd::Loopback(a) => loopback(a),
         BenchCmd::Ps(a) => ps_bench(a),
         BenchCmd::Hogwild { data, epochs } => hogwild_bench(&data, epochs),
+        BenchCmd::Recorder { ops } => {
+            let r = kolo_collectives::recorder::Recorder::default();
+            let t = std::time::Instant::now();
+            for seq in 0..ops {
+                r.start(seq, kolo_comm::OpKind::AllReduce, "ring", 4096);
+                r.finish(seq, Ok(()));
+            }
+            let ns = t.elapsed().as_secs_f64() * 1e9 / ops.max(1) as f64;
+            println!("flight recorder: {ns:.0} ns per collective (start + finish, {ops} ops)");
+            Ok(0)
+        }
         BenchCmd::Sandblaster { data, slow_ms, iterations } => sandblaster_bench(&data, slow_ms, iterations),
     }
 }

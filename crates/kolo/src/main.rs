@@ -95,6 +95,21 @@ struct LaunchArgs {
     /// Seconds the other ranks get to exit on their own after one fails, before SIGTERM.
     #[arg(long, default_value_t = 5.0)]
     grace: f64,
+    /// Elastic job: when ranks die, restart on the survivors (a new rendezvous round; ranks
+    /// resume from their latest checkpoint) while at least this many remain. On one host each
+    /// rank counts as a node. Default: not elastic (the job stops, naming the dead rank).
+    #[arg(long)]
+    min_nodes: Option<usize>,
+    /// Elastic job: the most ranks (nodes) it may run with; -n must not exceed it. Nodes
+    /// joining a running job are not supported yet.
+    #[arg(long)]
+    max_nodes: Option<usize>,
+    /// Elastic job: restarts allowed before giving up.
+    #[arg(long, default_value_t = 3)]
+    max_restarts: u32,
+    /// Elastic job: seconds to wait before each restart.
+    #[arg(long, default_value_t = 1.0)]
+    restart_backoff: f64,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     program: Vec<OsString>,
@@ -122,7 +137,22 @@ fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
         grace: Duration::from_secs_f64(a.grace.max(0.0)),
         env: Vec::new(),
     };
-    let out = kolo_launch::launch(&cfg)?;
+    if let Some(max) = a.max_nodes {
+        if a.nproc_per_node > max {
+            anyhow::bail!("-n {} exceeds --max-nodes {max}", a.nproc_per_node);
+        }
+    }
+    let out = match a.min_nodes {
+        Some(min) => {
+            let e = kolo_launch::Elastic { min, max_restarts: a.max_restarts, backoff: Duration::from_secs_f64(a.restart_backoff.max(0.0)) };
+            let (out, rounds) = kolo_launch::launch_elastic(&cfg, &e)?;
+            if out.success() && rounds > 0 {
+                eprintln!("kolo launch: elastic job finished after {rounds} restart(s) on {} ranks", out.ranks.len());
+            }
+            out
+        }
+        None => kolo_launch::launch(&cfg)?,
+    };
     if !out.success() {
         eprint!("{}", out.summary());
     }

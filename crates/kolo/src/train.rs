@@ -36,6 +36,10 @@ pub struct TrainArgs {
     /// RANK:MS makes that rank sleep MS milliseconds every step (a straggler, for benchmarks).
     #[arg(long, hide = true, value_parser = parse_slow_rank)]
     slow_rank: Option<(usize, u64)>,
+    /// RANK:STEP makes that rank SIGKILL itself at that step, in the first round of a job only
+    /// (elastic-training tests and benchmarks).
+    #[arg(long, hide = true, value_parser = parse_slow_rank)]
+    kill_at: Option<(usize, u64)>,
     #[command(flatten)]
     comm: CommArgs,
 }
@@ -71,7 +75,24 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
     let boot = comm_args.join()?;
     let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
-    let opts = kolo_train::RunOptions { resume: a.resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: a.slow_rank, die_at: None };
+    // An elastic restart (kolo launch --min-nodes) resumes from the newest checkpoint.
+    let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mut resume = a.resume.clone();
+    if round > 0 && resume.is_none() {
+        let lead = boot.comm.rank().get() == 0;
+        match cfg.train.checkpoint_dir.as_ref().and_then(|d| kolo_train::trainer::newest_checkpoint(std::path::Path::new(d))) {
+            Some(p) => {
+                if lead {
+                    eprintln!("elastic restart {round} on {} ranks: resuming from {}", boot.comm.world_size().get(), p.display());
+                }
+                resume = Some(p);
+            }
+            None if lead => eprintln!("elastic restart {round}: no checkpoint to resume from (set train.checkpoint_dir and checkpoint_every); starting over"),
+            None => {}
+        }
+    }
+    let die_at = a.kill_at.filter(|_| round == 0);
+    let opts = kolo_train::RunOptions { resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: a.slow_rank, die_at };
     let s = kolo_train::run(&cfg, comm, &opts).inspect_err(|e| {
         // A communication failure: show what this rank's communicator did last.
         if matches!(e, kolo_train::TrainError::Comm(_) | kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(_))) {
