@@ -447,6 +447,11 @@ pub struct DdpConfig {
     /// gradients and the models are averaged every `every` steps (post-local SGD), e.g.
     /// `{ every = 8, warmup_steps = 100 }`. Plain DDP only. Default: off.
     pub local_sgd: Option<LocalSgdConfig>,
+    /// Dynamic batch sizing: every this many steps the ranks compare their time per example
+    /// and re-split the global batch (data.batch_size x ranks) in proportion to their speed,
+    /// so that a slower rank gets fewer examples and all finish together; each rank's loss is
+    /// weighted by its share, so the gradient stays the mean over the global batch. 0 = off.
+    pub dynamic_batch_every: u64,
 }
 
 #[derive(Deserialize, Debug, Clone, PartialEq)]
@@ -505,7 +510,7 @@ fn sixteen() -> u8 {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None, local_sgd: None }
+        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None, local_sgd: None, dynamic_batch_every: 0 }
     }
 }
 
@@ -579,6 +584,11 @@ impl Config {
         }
         if (self.ddp.local_sgd.is_some() || self.ddp.skip_sync) && self.train.precision == Precision::F16 {
             return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
+        }
+        if self.ddp.dynamic_batch_every > 0 {
+            if self.train.grad_accum != 1 || self.ddp.skip_sync || self.ddp.local_sgd.is_some() || self.data.kind == DataKind::Synthetic || self.mesh.is_some() || self.pipeline.is_some() || self.train.strategy != Strategy::Ddp {
+                return Err("ddp.dynamic_batch_every needs train.grad_accum = 1, real data (mnist or text), plain data parallelism (no [mesh], [pipeline], local SGD, skip_sync or parameter servers)".into());
+            }
         }
         if let Some(x) = self.model.experts {
             let md = &self.model;

@@ -164,5 +164,6 @@ pub fn run_expert_parallel(cfg: &crate::config::Config, comm: &dyn Communicator,
         ps: None,
         pipeline_bubble: None,
         moe,
+        batch_split: None,
     })
 }

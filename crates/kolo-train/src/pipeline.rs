@@ -251,6 +251,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         ps: None,
         pipeline_bubble: Some(run.bubble),
         moe: None,
+        batch_split: None,
     })
 }
 

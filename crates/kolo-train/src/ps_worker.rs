@@ -155,6 +155,7 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
         ps: Some(stats),
         pipeline_bubble: None,
         moe: None,
+        batch_split: None,
     })
 }
 

@@ -102,9 +102,50 @@ impl Sampler {
     }
 }
 
+/// Dynamic batch sizing: splits a global batch of `total` examples over ranks in proportion to
+/// their speed (1 / `per_example_ms`), each at least `min`, by largest remainders (ties to the
+/// lower rank), so that every rank's share takes about the same time. Pure: every rank computes
+/// the same split from the same gathered timings. Non-positive or non-finite timings count as
+/// the fastest measured.
+pub fn plan_split(total: usize, per_example_ms: &[f64], min: usize) -> Vec<usize> {
+    let n = per_example_ms.len();
+    assert!(n > 0 && total >= n * min, "{total} examples cannot give {n} ranks {min} each");
+    let fastest = per_example_ms.iter().copied().filter(|t| t.is_finite() && *t > 0.0).fold(f64::INFINITY, f64::min);
+    let speed: Vec<f64> = per_example_ms.iter().map(|&t| if t.is_finite() && t > 0.0 { 1.0 / t } else if fastest.is_finite() { 1.0 / fastest } else { 1.0 }).collect();
+    let sum: f64 = speed.iter().sum();
+    let free = total - n * min;
+    let ideal: Vec<f64> = speed.iter().map(|s| free as f64 * s / sum).collect();
+    let mut split: Vec<usize> = ideal.iter().map(|x| min + x.floor() as usize).collect();
+    let mut left = total - split.iter().sum::<usize>();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| (ideal[b] - ideal[b].floor()).total_cmp(&(ideal[a] - ideal[a].floor())).then(a.cmp(&b)));
+    for &r in order.iter().cycle() {
+        if left == 0 {
+            break;
+        }
+        split[r] += 1;
+        left -= 1;
+    }
+    split
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dynamic_split_follows_speed_and_keeps_the_total() {
+        assert_eq!(plan_split(64, &[1.0, 1.0], 1), vec![32, 32]);
+        assert_eq!(plan_split(64, &[1.0, 3.0], 1), vec![48, 16], "a 3x slower rank gets a quarter");
+        assert_eq!(plan_split(10, &[1.0, 1.0, 1.0], 1), vec![4, 3, 3], "remainder to the lower rank");
+        assert_eq!(plan_split(8, &[1.0, 1000.0], 2), vec![6, 2], "at least min each");
+        assert_eq!(plan_split(6, &[0.0, f64::NAN, 2.0], 1), vec![2, 2, 2], "unmeasured ranks count as the fastest");
+        for (total, t) in [(97, vec![1.3, 0.7, 2.9, 1.0]), (5, vec![1.0; 5]), (33, vec![0.1, 10.0])] {
+            let s = plan_split(total, &t, 1);
+            assert_eq!(s.iter().sum::<usize>(), total);
+            assert!(s.iter().all(|&x| x >= 1));
+        }
+    }
 
     fn cfg(len: usize, world: usize, rank: usize, batch: usize, drop_last: bool) -> SamplerConfig {
         SamplerConfig { len, world, rank, batch, seed: 3, shuffle: true, drop_last }

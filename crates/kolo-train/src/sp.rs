@@ -142,5 +142,6 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
         ps: None,
         pipeline_bubble: None,
         moe: None,
+        batch_split: None,
     })
 }

@@ -34,6 +34,9 @@ pub struct RunOptions {
     pub inject_inf_at: Option<u64>,
     /// Test hook: `(rank, ms)` makes that rank sleep this long in every step (a straggler).
     pub slow_rank: Option<(usize, u64)>,
+    /// Test hook: `(rank, ms)` makes that rank sleep this long per example of its batch in
+    /// every step (a slower device: its delay scales with its share of the work).
+    pub slow_per_example: Option<(usize, f64)>,
     /// Test hook: abort the process in the middle of saving the checkpoint of this step (after
     /// this rank's shard is written, before the checkpoint is committed), as a crash would.
     pub crash_during_save: Option<u64>,
@@ -86,6 +89,8 @@ pub struct Summary {
     pub pipeline_bubble: Option<f64>,
     /// Mixture-of-experts runs: tokens routed per expert over the run, summed over every rank.
     pub moe: Option<kolo_tensor::models::MoeLoad>,
+    /// Dynamic batch sizing: each rank's share of the global batch at the end.
+    pub batch_split: Option<Vec<usize>>,
 }
 
 /// Live heap bytes at three points of a run (see `kolo_base::alloc`).
@@ -642,7 +647,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         pos,
     )
     .map_err(TrainError::Data)?;
-    let batches = prefetch(data.train.clone(), sampler, cfg.data.prefetch);
+    // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
+    // the shares change during the run, so nothing is prefetched.
+    let mut dynamic = (cfg.ddp.dynamic_batch_every > 0).then(|| -> Result<DynamicBatch, TrainError> {
+        let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * world, ..sampler.config().clone() };
+        Ok(DynamicBatch { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split: vec![cfg.data.batch_size; world] })
+    }).transpose()?;
+    let batches = if dynamic.is_some() { None } else { Some(prefetch(data.train.clone(), sampler, cfg.data.prefetch)) };
     say(&format!(
         "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}",
         model.params().numel(),
@@ -759,9 +770,18 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         let local_step = cfg.ddp.local_sgd.as_ref().is_some_and(|l| step >= l.warmup_steps);
         let mut loss_sum = 0f64;
         for m in 0..tc.grad_accum {
-            let (p, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
+            let (p, batch) = match (&mut dynamic, &batches) {
+                (Some(d), _) => d.next(&*data.train, rank),
+                (None, Some(b)) => b.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?,
+                (None, None) => unreachable!("one source of batches"),
+            };
             pos = p;
-            let scale = 1.0 / tc.grad_accum as f64;
+            // Under dynamic batch sizing a rank's mean loss weighs by its share of the batch.
+            let share = dynamic.as_ref().map_or(1.0, |d| d.split[rank] as f64 * world as f64 / d.split.iter().sum::<usize>() as f64);
+            if let Some((_, ms)) = opts.slow_per_example.filter(|s| s.0 == rank) {
+                std::thread::sleep(Duration::from_secs_f64(ms * batch.len() as f64 / 1e3));
+            }
+            let scale = share / tc.grad_accum as f64;
             // f16: backward runs on the loss times the loss scale; the step divides it out.
             let loss_scale = scaler.as_ref().map_or(1.0, LossScaler::scale);
             let te = kolo_tensor::TensorError::from;
@@ -936,6 +956,19 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
 
         let done = step + 1;
+        if let Some(d) = dynamic.as_mut().filter(|_| done % cfg.ddp.dynamic_batch_every == 0) {
+            // Time per example over the window, every rank's; the new split from it.
+            let n = cfg.ddp.dynamic_batch_every as usize;
+            let own = &compute_ms[compute_ms.len().saturating_sub(n)..];
+            let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64 / d.split[rank].max(1) as f64];
+            let mut all = vec![0f64; world];
+            comm.all_gather(kolo_comm::BufRef::from(&mine[..]), BufMut::from(&mut all))?;
+            let next = crate::sampler::plan_split(d.split.iter().sum(), &all, 1);
+            if next != d.split {
+                log(&format!("step {done}: dynamic batch: per-rank batches {:?} -> {next:?} (ms per example {:?})", d.split, all.iter().map(|t| (t * 1000.0).round() / 1000.0).collect::<Vec<_>>()));
+                d.split = next;
+            }
+        }
         if done % tc.log_every.max(1) == 0 || done == end {
             let mut l = [loss_sum];
             comm.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
@@ -959,7 +992,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 let (slow, max) = all.iter().copied().enumerate().fold((0, f64::MIN), |a, (r, v)| if v > a.1 { (r, v) } else { a });
                 let mut sorted = all.clone();
                 sorted.sort_by(f64::total_cmp);
-                let median = sorted[world / 2];
+                // The lower median: with 2 ranks the slow one is compared with the other.
+                let median = sorted[(world - 1) / 2];
                 let lag = max - median;
                 metrics.straggler_rank.set(slow as f64);
                 metrics.straggler_lag_seconds.set(lag / 1e3);
@@ -1129,5 +1163,21 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         ps: None,
         pipeline_bubble: None,
         moe,
+        batch_split: dynamic.map(|d| d.split),
     })
+}
+
+/// Dynamic batch sizing: the global batches in order, and each rank's current share.
+struct DynamicBatch {
+    sampler: Sampler,
+    split: Vec<usize>,
+}
+
+impl DynamicBatch {
+    /// Rank `rank`'s slice of the next global batch: the ranks' shares in rank order.
+    fn next(&mut self, ds: &dyn Dataset, rank: usize) -> (Position, Batch) {
+        let idx = self.sampler.next_batch();
+        let from: usize = self.split[..rank].iter().sum();
+        (self.sampler.position(), ds.batch(&idx[from..from + self.split[rank]]))
+    }
 }

@@ -40,8 +40,17 @@ pub struct TrainArgs {
     /// (elastic-training tests and benchmarks).
     #[arg(long, hide = true, value_parser = parse_slow_rank)]
     kill_at: Option<(usize, u64)>,
+    /// RANK:MS makes that rank sleep MS milliseconds per example of its batch every step (a
+    /// slower device, for dynamic batch sizing).
+    #[arg(long, hide = true, value_parser = parse_slow_per_example)]
+    slow_per_example: Option<(usize, f64)>,
     #[command(flatten)]
     comm: CommArgs,
+}
+
+fn parse_slow_per_example(s: &str) -> Result<(usize, f64), String> {
+    let (r, ms) = s.split_once(':').ok_or("expected RANK:MS")?;
+    Ok((r.parse().map_err(|_| "RANK is not a number")?, ms.parse().map_err(|_| "MS is not a number")?))
 }
 
 fn parse_slow_rank(s: &str) -> Result<(usize, u64), String> {
@@ -92,7 +101,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         }
     }
     let die_at = a.kill_at.filter(|_| round == 0);
-    let opts = kolo_train::RunOptions { resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: a.slow_rank, die_at };
+    let opts = kolo_train::RunOptions { resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: a.slow_rank, die_at, slow_per_example: a.slow_per_example };
     let s = kolo_train::run(&cfg, comm, &opts).inspect_err(|e| {
         // A communication failure: show what this rank's communicator did last.
         if matches!(e, kolo_train::TrainError::Comm(_) | kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(_))) {

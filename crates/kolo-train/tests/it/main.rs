@@ -432,6 +432,9 @@ fn the_slow_rank_is_named_as_the_straggler() {
         assert_eq!(r, 1, "every rank names rank 1");
         assert!(lag > 20.0, "lag {lag} ms");
     }
+    // Two ranks: the slow one is compared with the other (the lower median).
+    let pair = train_on(2, &cfg, &RunOptions { slow_rank: Some((1, 40)), quiet: true, ..Default::default() });
+    assert_eq!(pair[0].straggler.map(|s| s.0), Some(1), "with 2 ranks too");
     let even = train_on(3, &cfg, &quiet());
     if let Some((r, lag)) = even[0].straggler {
         // Threads on 2 cores are not perfectly even: allow noise, never a 40 ms lag.
@@ -988,4 +991,23 @@ fn pipedream_2bw_follows_its_weight_version_semantics() {
     let few = mk("[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n");
     let errs = run_ranks(LocalComm::create(WorldSize::new(4).unwrap()), |_, c| run(&few, Arc::new(c) as Arc<dyn Communicator>, &quiet()).err().map(|e| e.to_string()));
     assert!(errs[0].as_deref().unwrap_or("").contains("micro-batches"), "{errs:?}");
+}
+
+/// Dynamic batch sizing: rank 1 of 2 takes 0.4 ms more per example; every 5 steps the ranks
+/// re-split the global batch of 64 by their measured time per example, so rank 1 ends with
+/// clearly fewer examples; each rank's loss weighs by its share, so training stays exactly one
+/// process's with batch 64 (f32 reassociation only).
+#[test]
+fn dynamic_batch_sizing_moves_work_off_the_slow_rank_and_keeps_the_gradient() {
+    let cfg = |extra: &str, batch: usize| mnist_cfg(&format!("[optim]\nkind = \"sgd\"\nlr = 0.05\n[train]\nsteps = 30\nlog_every = 10\n{extra}"), batch);
+    let one = &train_on(1, &cfg("", 64), &quiet())[0];
+    let opts = RunOptions { slow_per_example: Some((1, 0.4)), ..quiet() };
+    let ranks = train_on(2, &cfg("[ddp]\ndynamic_batch_every = 5\n", 32), &opts);
+    let split = ranks[0].batch_split.clone().unwrap();
+    assert_eq!(split.iter().sum::<usize>(), 64);
+    assert!(split[1] < 24, "the slow rank should end with fewer examples, got {split:?}");
+    assert_eq!(ranks[1].batch_split.as_ref(), Some(&split), "every rank agrees on the split");
+    let d = max_diff(&ranks[0].params, &one.params);
+    assert!(d < 2e-5, "max parameter difference to one process with batch 64: {d}");
+    assert!(Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[ddp]\ndynamic_batch_every = 5\n", "t").is_err());
 }
