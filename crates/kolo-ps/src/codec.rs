@@ -49,6 +49,11 @@ impl Writer {
         }
         self
     }
+    /// A fixed-size byte array (no length prefix).
+    pub fn array<const N: usize>(&mut self, v: &[u8; N]) -> &mut Self {
+        self.0.extend_from_slice(v);
+        self
+    }
     pub fn str(&mut self, s: &str) -> &mut Self {
         self.u64(s.len() as u64);
         self.0.extend_from_slice(s.as_bytes());
@@ -109,6 +114,9 @@ impl<'a> Reader<'a> {
     pub fn u64s(&mut self) -> Result<Vec<u64>, PsError> {
         let n = self.len(8)?;
         Ok(self.take(n * 8)?.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())
+    }
+    pub fn array<const N: usize>(&mut self) -> Result<[u8; N], PsError> {
+        Ok(self.take(N)?.try_into().expect("N bytes"))
     }
     pub fn str(&mut self) -> Result<String, PsError> {
         let n = self.len(1)?;

@@ -14,12 +14,12 @@
 //! - [`hogwild`] and [`lbfgs`]: lock-free shared-memory SGD and Sandblaster L-BFGS.
 
 pub mod client;
-mod codec;
+pub mod codec;
 pub mod coord;
 pub mod filter;
 pub mod hogwild;
 pub mod lbfgs;
-mod net;
+pub mod net;
 pub mod server;
 pub mod wire;
 

@@ -1,4 +1,6 @@
 //! Authenticated request/response connections (the job token's challenge-response, then frames).
+//! Generic over the message types ([`Protocol`]): the parameter servers speak [`Ps`]; other
+//! services (federated averaging) bring their own messages and handshake purpose.
 
 use crate::wire::{Req, Resp};
 use crate::PsError;
@@ -15,25 +17,70 @@ use std::time::{Duration, Instant};
 pub const PURPOSE: &str = "ps";
 const HANDSHAKE: Duration = Duration::from_secs(10);
 
-pub struct Conn {
+/// A request/response message set: what travels, how it is encoded, and the purpose string
+/// the handshake binds the connection to.
+pub trait Protocol: 'static {
+    const PURPOSE: &'static str;
+    type Req: Send;
+    type Resp;
+    fn encode_req(r: &Self::Req) -> Vec<u8>;
+    fn decode_req(b: &[u8]) -> Result<Self::Req, PsError>;
+    fn encode_resp(r: &Self::Resp) -> Vec<u8>;
+    fn decode_resp(b: &[u8]) -> Result<Self::Resp, PsError>;
+    /// The answer to a request that did not decode.
+    fn error_resp(msg: String) -> Self::Resp;
+}
+
+/// The parameter servers' protocol.
+pub struct Ps;
+
+impl Protocol for Ps {
+    const PURPOSE: &'static str = PURPOSE;
+    type Req = Req;
+    type Resp = Resp;
+    fn encode_req(r: &Req) -> Vec<u8> {
+        r.encode()
+    }
+    fn decode_req(b: &[u8]) -> Result<Req, PsError> {
+        Req::decode(b)
+    }
+    fn encode_resp(r: &Resp) -> Vec<u8> {
+        r.encode()
+    }
+    fn decode_resp(b: &[u8]) -> Result<Resp, PsError> {
+        Resp::decode(b)
+    }
+    fn error_resp(msg: String) -> Resp {
+        Resp::Error(msg)
+    }
+}
+
+/// A client connection speaking protocol `P`; every byte in and out is counted.
+pub struct Channel<P: Protocol> {
     stream: TcpStream,
     pub peer: String,
     pub bytes_out: u64,
     pub bytes_in: u64,
+    /// When recording: every frame body sent (tests check what left a client).
+    pub sent: Option<Vec<u8>>,
+    _p: std::marker::PhantomData<P>,
 }
 
-impl Conn {
+/// A parameter-server connection.
+pub type Conn = Channel<Ps>;
+
+impl<P: Protocol> Channel<P> {
     /// Connects (retrying refused connections until `timeout`) and proves the job token.
-    pub fn connect(addr: &str, token: &JobToken, timeout: Duration) -> Result<Conn, PsError> {
-        Conn::open(addr, token, timeout, true)
+    pub fn connect(addr: &str, token: &JobToken, timeout: Duration) -> Result<Self, PsError> {
+        Self::open(addr, token, timeout, true)
     }
 
     /// Connects once: a refused connection is an error at once (a peer that is down).
-    pub fn connect_once(addr: &str, token: &JobToken, timeout: Duration) -> Result<Conn, PsError> {
-        Conn::open(addr, token, timeout, false)
+    pub fn connect_once(addr: &str, token: &JobToken, timeout: Duration) -> Result<Self, PsError> {
+        Self::open(addr, token, timeout, false)
     }
 
-    fn open(addr: &str, token: &JobToken, timeout: Duration, patient: bool) -> Result<Conn, PsError> {
+    fn open(addr: &str, token: &JobToken, timeout: Duration, patient: bool) -> Result<Self, PsError> {
         let deadline = Instant::now() + if patient { timeout } else { Duration::ZERO };
         let stream = loop {
             let target = addr.to_socket_addrs().map_err(|e| PsError::Io(format!("{addr}: {e}")))?.next().ok_or_else(|| PsError::Io(format!("{addr}: no address")))?;
@@ -47,28 +94,31 @@ impl Conn {
         let mut stream = stream;
         stream.set_read_timeout(Some(HANDSHAKE)).map_err(io_err(addr))?;
         stream.set_write_timeout(Some(HANDSHAKE)).map_err(io_err(addr))?;
-        client_handshake(&mut stream, token, PURPOSE, addr)?;
+        client_handshake(&mut stream, token, P::PURPOSE, addr)?;
         let t = Some(timeout.max(Duration::from_millis(10)));
         stream.set_read_timeout(t).map_err(io_err(addr))?;
         stream.set_write_timeout(t).map_err(io_err(addr))?;
-        Ok(Conn { stream, peer: addr.to_string(), bytes_out: 0, bytes_in: 0 })
+        Ok(Channel { stream, peer: addr.to_string(), bytes_out: 0, bytes_in: 0, sent: None, _p: std::marker::PhantomData })
     }
 
-    pub fn send(&mut self, req: &Req) -> Result<(), PsError> {
-        let body = req.encode();
+    pub fn send(&mut self, req: &P::Req) -> Result<(), PsError> {
+        let body = P::encode_req(req);
         self.bytes_out += body.len() as u64 + 4;
+        if let Some(rec) = self.sent.as_mut() {
+            rec.extend_from_slice(&body);
+        }
         write_frame(&mut self.stream, &body).map_err(|e| PsError::Io(format!("sending to {}: {e}", self.peer)))
     }
 
-    pub fn recv(&mut self) -> Result<Resp, PsError> {
+    pub fn recv(&mut self) -> Result<P::Resp, PsError> {
         let body = read_frame(&mut self.stream)
             .map_err(|e| PsError::Io(format!("waiting for {}: {e}", self.peer)))?
             .ok_or_else(|| PsError::Io(format!("{} closed the connection", self.peer)))?;
         self.bytes_in += body.len() as u64 + 4;
-        Resp::decode(&body)
+        P::decode_resp(&body)
     }
 
-    pub fn call(&mut self, req: &Req) -> Result<Resp, PsError> {
+    pub fn call(&mut self, req: &P::Req) -> Result<P::Resp, PsError> {
         self.send(req)?;
         self.recv()
     }
@@ -89,7 +139,9 @@ pub struct Listener {
 }
 
 /// Per connection: answers one request. `bytes` is the request's size.
-pub type Handler = Arc<dyn Fn(&mut ConnState, Req, usize) -> Resp + Send + Sync>;
+pub type Handler = HandlerOf<Ps>;
+/// A handler for protocol `P`.
+pub type HandlerOf<P> = Arc<dyn Fn(&mut ConnState, <P as Protocol>::Req, usize) -> <P as Protocol>::Resp + Send + Sync>;
 
 /// What a connection remembers between requests (key caching).
 #[derive(Default)]
@@ -99,6 +151,11 @@ pub struct ConnState {
 
 impl Listener {
     pub fn start(addr: impl ToSocketAddrs, token: JobToken, name: &str, handle: Handler) -> io::Result<Listener> {
+        Listener::start_with::<Ps>(addr, token, name, handle)
+    }
+
+    /// A listener for protocol `P`.
+    pub fn start_with<P: Protocol>(addr: impl ToSocketAddrs, token: JobToken, name: &str, handle: HandlerOf<P>) -> io::Result<Listener> {
         let listener = TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
@@ -114,7 +171,7 @@ impl Listener {
                                 conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
                             }
                             let (token, handle, stop, name) = (token.clone(), handle.clone(), stop.clone(), name.clone());
-                            let _ = std::thread::Builder::new().name(format!("kolo-{name}-conn")).spawn(move || serve(stream, peer, &token, &*handle, &stop, &name));
+                            let _ = std::thread::Builder::new().name(format!("kolo-{name}-conn")).spawn(move || serve::<P>(stream, peer, &token, &*handle, &stop, &name));
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
                         Err(e) => {
@@ -146,12 +203,13 @@ impl Drop for Listener {
     }
 }
 
-fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, handle: &(dyn Fn(&mut ConnState, Req, usize) -> Resp + Send + Sync), stop: &AtomicBool, name: &str) {
+#[allow(clippy::type_complexity)]
+fn serve<P: Protocol>(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, handle: &(dyn Fn(&mut ConnState, P::Req, usize) -> P::Resp + Send + Sync), stop: &AtomicBool, name: &str) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HANDSHAKE));
     let _ = stream.set_write_timeout(Some(HANDSHAKE));
-    if let Err(e) = server_handshake(&mut stream, token, Some(PURPOSE), &peer.to_string()) {
+    if let Err(e) = server_handshake(&mut stream, token, Some(P::PURPOSE), &peer.to_string()) {
         eprintln!("kolo {name}: refused connection from {peer}: {e}");
         return;
     }
@@ -167,16 +225,16 @@ fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, handle: &(dy
                 return;
             }
         };
-        let resp = match Req::decode(&body) {
+        let resp = match P::decode_req(&body) {
             Ok(req) => handle(&mut state, req, body.len()),
             Err(e) => {
                 // The framing cannot be trusted after a malformed request: answer and hang up.
-                let _ = write_frame(&mut stream, &Resp::Error(format!("malformed request from {peer}: {e}")).encode());
+                let _ = write_frame(&mut stream, &P::encode_resp(&P::error_resp(format!("malformed request from {peer}: {e}"))));
                 eprintln!("kolo {name}: malformed request from {peer}: {e}");
                 return;
             }
         };
-        if stop.load(Ordering::SeqCst) || write_frame(&mut stream, &resp.encode()).is_err() {
+        if stop.load(Ordering::SeqCst) || write_frame(&mut stream, &P::encode_resp(&resp)).is_err() {
             return;
         }
     }

@@ -27,6 +27,59 @@ pub struct Config {
     /// The device mesh, e.g. `mesh = { dp = 2, tp = 2, pp = 1 }` (3D parallelism): ranks laid
     /// out pp x dp x tp with tp varying fastest (tensor-parallel peers are consecutive ranks).
     pub mesh: Option<MeshConfig>,
+    /// Federated averaging (`kolo fed run|serve|client`). Default: off.
+    pub fed: Option<FedConfig>,
+}
+
+/// `[fed]`: federated averaging over MNIST clients.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct FedConfig {
+    /// Rounds of training.
+    pub rounds: u32,
+    /// Clients in the job: the training set is split into this many shards, one per client.
+    #[serde(default = "fed_clients")]
+    pub clients: usize,
+    /// Clients sampled per round (default: all of them).
+    pub clients_per_round: Option<usize>,
+    /// Epochs each sampled client trains on its own shard per round (E). Default 1.
+    #[serde(default = "one")]
+    pub local_epochs: usize,
+    /// Seconds a round waits for its clients' updates; late ones are left out. Default 60.
+    #[serde(default = "fed_deadline")]
+    pub round_deadline_secs: f64,
+    /// Secure aggregation: clients mask their updates pairwise; the server sees only the sum.
+    #[serde(default)]
+    pub secure: bool,
+    /// How the training set is split: `iid` (a random shard each) or `labels` (non-IID: each
+    /// client holds `labels_per_client` sorted-by-label shards, as McMahan et al.). Default labels.
+    #[serde(default)]
+    pub split: FedSplit,
+    /// Non-IID split: shards (mostly one digit each) per client. Default 2.
+    #[serde(default = "two")]
+    pub labels_per_client: usize,
+    /// At most this many examples per client (default: the whole shard).
+    pub examples_per_client: Option<usize>,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum FedSplit {
+    Iid,
+    #[default]
+    Labels,
+}
+
+fn fed_clients() -> usize {
+    10
+}
+
+fn fed_deadline() -> f64 {
+    60.0
+}
+
+fn two() -> usize {
+    2
 }
 
 /// `[mesh]`
@@ -536,6 +589,11 @@ impl Config {
         Config::parse(&text, &path.display().to_string())
     }
 
+    /// Checks the whole config again (after a program changed it).
+    pub fn check(&self) -> Result<(), TrainError> {
+        self.validate().map_err(TrainError::Config)
+    }
+
     fn validate(&self) -> Result<(), String> {
         let m = &self.model;
         let not_for = |field: &str, set: bool, kinds: &str| if set { Err(format!("model.{field} applies to kind = {kinds} only")) } else { Ok(()) };
@@ -584,6 +642,17 @@ impl Config {
         }
         if (self.ddp.local_sgd.is_some() || self.ddp.skip_sync) && self.train.precision == Precision::F16 {
             return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
+        }
+        if let Some(f) = &self.fed {
+            if self.data.kind != DataKind::Mnist || self.model.kind == ModelKind::Gpt {
+                return Err("[fed] trains the MNIST models (data.kind = \"mnist\", model mlp or cnn)".into());
+            }
+            if f.rounds == 0 || f.clients == 0 || f.local_epochs == 0 || f.labels_per_client == 0 || f.clients_per_round == Some(0) || f.round_deadline_secs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+                return Err("fed: rounds, clients, local_epochs, labels_per_client and clients_per_round must be at least 1, round_deadline_secs positive".into());
+            }
+            if f.secure && f.clients_per_round.unwrap_or(f.clients) < 2 {
+                return Err("fed.secure needs at least 2 clients per round".into());
+            }
         }
         if self.ddp.dynamic_batch_every > 0 {
             if self.train.grad_accum != 1 || self.ddp.skip_sync || self.ddp.local_sgd.is_some() || self.data.kind == DataKind::Synthetic || self.mesh.is_some() || self.pipeline.is_some() || self.train.strategy != Strategy::Ddp {

@@ -78,6 +78,17 @@ impl Mnist {
     }
 }
 
+impl Mnist {
+    /// Every example's label.
+    pub fn labels(&self) -> &[u8] {
+        &self.labels
+    }
+    /// Example `i`'s normalised pixels.
+    pub fn image(&self, i: usize) -> &[f32] {
+        &self.images[i * 784..(i + 1) * 784]
+    }
+}
+
 impl Dataset for Mnist {
     fn len(&self) -> usize {
         self.labels.len()

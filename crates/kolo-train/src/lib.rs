@@ -3,7 +3,9 @@
 
 pub mod config;
 pub mod data;
+pub mod autoplan;
 pub mod ep;
+pub mod fed;
 pub mod sampler;
 pub mod trainer;
 

@@ -2,6 +2,8 @@
 
 mod bench;
 mod comm_args;
+mod fed;
+mod plan;
 mod ps;
 mod selftest;
 mod train;
@@ -50,6 +52,13 @@ enum Cmd {
     /// `eval`, `remove` and `shutdown` for jobs across machines.
     #[command(subcommand)]
     Ps(ps::PsCmd),
+    /// Plan the parallelism of a GPT on N devices: searches dp x tp x pp x ZeRO x micro-batch
+    /// x activation checkpointing with a cost model (compute, alpha-beta communication, memory,
+    /// pipeline bubble) and prints the fastest plans that fit.
+    Plan(plan::PlanArgs),
+    /// Federated averaging on MNIST: `kolo fed run` (a whole job here), `serve`, `client`.
+    #[command(subcommand)]
+    Fed(fed::FedCmd),
     /// Render a run's loss and throughput curves (one line per rank) to PNG files, from the
     /// TensorBoard event files and JSON-lines logs found under RUN_DIR.
     Plot {
@@ -189,6 +198,8 @@ fn main() {
         Cmd::Launch(a) => launch(a),
         Cmd::Train(t) => train::run(t),
         Cmd::Ps(p) => ps::run(p),
+        Cmd::Fed(f) => fed::run(f),
+        Cmd::Plan(p) => plan::run(p),
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
         Cmd::Inspect { checkpoint } => inspect(&checkpoint),

@@ -44,8 +44,22 @@ pub struct TrainArgs {
     /// slower device, for dynamic batch sizing).
     #[arg(long, hide = true, value_parser = parse_slow_per_example)]
     slow_per_example: Option<(usize, f64)>,
+    /// `auto`: the planner picks dp x tp x pp, the ZeRO stage, micro-batches and activation
+    /// checkpointing for this world size (GPT configs without their own [mesh]/[pipeline]).
+    #[arg(long)]
+    plan: Option<String>,
+    /// Memory per rank for --plan auto, e.g. 2GiB (default: this machine's memory / ranks).
+    #[arg(long)]
+    device_memory: Option<String>,
     #[command(flatten)]
     comm: CommArgs,
+}
+
+/// MemTotal from /proc/meminfo, bytes.
+fn machine_memory() -> anyhow::Result<f64> {
+    let text = std::fs::read_to_string("/proc/meminfo").map_err(|e| anyhow::anyhow!("/proc/meminfo: {e} (pass --device-memory)"))?;
+    let kb: f64 = text.lines().find_map(|l| l.strip_prefix("MemTotal:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("no MemTotal in /proc/meminfo (pass --device-memory)"))?;
+    Ok(kb * 1024.0)
 }
 
 fn parse_slow_per_example(s: &str) -> Result<(usize, f64), String> {
@@ -83,6 +97,21 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     let mut comm_args = a.comm.clone();
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
     let boot = comm_args.join()?;
+    match a.plan.as_deref() {
+        None => {}
+        Some("auto") => {
+            let world = boot.comm.world_size().get();
+            let memory = match &a.device_memory {
+                Some(m) => kolo_plan::parse_quantity(m).map_err(anyhow::Error::msg)?,
+                None => machine_memory()? / world as f64,
+            };
+            let line = kolo_train::autoplan::apply_plan(&mut cfg, world, memory)?;
+            if boot.comm.rank().get() == 0 {
+                eprintln!("{line}");
+            }
+        }
+        Some(p) => anyhow::bail!("--plan {p}: only `auto` is known"),
+    }
     let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
     // An elastic restart (kolo launch --min-nodes) resumes from the newest checkpoint.
     let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);

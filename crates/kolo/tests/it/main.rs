@@ -596,3 +596,34 @@ fn elastic_job_goes_on_with_the_survivors_after_a_rank_is_killed() {
     assert!(start.elapsed() < std::time::Duration::from_secs(20), "stopped after {:?}", start.elapsed());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `kolo fed run`: the server in this process and 4 client processes (non-IID shards, secure
+/// aggregation) finish their rounds; `kolo plan` prints fitting plans and costs a given one.
+#[test]
+fn fed_run_and_plan_work_from_the_command_line() {
+    let dir = std::env::temp_dir().join(format!("kolo-fed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/mnist");
+    let cfg = dir.join("fed.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 20\n[optim]\nkind = \"sgd\"\nlr = 0.05\n[train]\neval_batches = 10\n[fed]\nrounds = 3\nclients = 4\nclients_per_round = 3\nexamples_per_client = 300\nsecure = true\n",
+            data.display()
+        ),
+    )
+    .unwrap();
+    let o = run(&["fed", "run", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("secure aggregation") && t.contains("round 3: 3 client(s)") && t.contains("done: 3 rounds"), "{t}");
+    assert_eq!(t.matches("trained in").count(), 4, "every client reports: {t}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let o = run(&["plan", "--params", "1.3B", "--devices", "64", "--device-memory", "80GiB", "--top", "3"], &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("plans fit") && t.contains("  1  dp"), "{t}");
+    let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "dp=2,tp=2,pp=2,micro=4"], &[]);
+    assert!(o.status.success() && text(&o).contains("dp   2 tp  2 pp  2"), "{}", text(&o));
+    let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "dp=3,tp=2,pp=2"], &[]);
+    assert!(!o.status.success() && text(&o).contains("not a plan"), "{}", text(&o));
+}

@@ -1,0 +1,100 @@
+//! A client's side of federated averaging: join, wait for a round, send an update. Only the
+//! example count and model updates leave the client (its connection records what it sent when
+//! asked to, for tests).
+
+use crate::secure::{mask, KeyPair};
+use crate::wire::{Fed, Req, Resp, Update};
+use kolo_ps::net::Channel;
+use kolo_ps::PsError;
+use kolo_rendezvous::JobToken;
+use std::time::Duration;
+
+/// A round's assignment.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainTask {
+    pub round: u32,
+    pub attempt: u32,
+    pub params: Vec<f32>,
+    pub cohort: Vec<(u32, [u8; 32])>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Task {
+    Train(TrainTask),
+    /// The job is over after `rounds` rounds: the final model.
+    Done { rounds: u32, params: Vec<f32> },
+}
+
+pub struct FedClient {
+    conn: Channel<Fed>,
+    pub id: u32,
+    pub numel: usize,
+    pub secure: bool,
+    keys: KeyPair,
+}
+
+fn unexpected(what: &str, r: Resp) -> PsError {
+    match r {
+        Resp::Error(m) => PsError::Server(m),
+        other => PsError::Protocol(format!("{what}: unexpected answer {other:?}")),
+    }
+}
+
+impl FedClient {
+    /// Joins the job at `addr` with `examples` local training examples.
+    pub fn join(addr: &str, token: &JobToken, examples: u64, timeout: Duration) -> Result<FedClient, PsError> {
+        let mut conn = Channel::<Fed>::connect(addr, token, timeout)?;
+        let keys = KeyPair::generate();
+        match conn.call(&Req::Join { examples, public: Some(keys.public) })? {
+            Resp::Joined { id, numel, secure } => Ok(FedClient { conn, id, numel: numel as usize, secure, keys }),
+            r => Err(unexpected("join", r)),
+        }
+    }
+
+    /// From now on keep a copy of every message body this client sends.
+    pub fn record(&mut self) {
+        self.conn.sent = Some(Vec::new());
+    }
+
+    /// Every message body sent since [`FedClient::record`].
+    pub fn recorded(&self) -> &[u8] {
+        self.conn.sent.as_deref().unwrap_or(&[])
+    }
+
+    /// Bytes sent and received on the connection (frames included).
+    pub fn bytes(&self) -> (u64, u64) {
+        (self.conn.bytes_out, self.conn.bytes_in)
+    }
+
+    /// Waits for the next round this client is part of, or the end of the job.
+    pub fn next_task(&mut self) -> Result<Task, PsError> {
+        loop {
+            match self.conn.call(&Req::Poll { id: self.id })? {
+                Resp::Wait => continue,
+                Resp::Train { round, attempt, params, cohort } => {
+                    if params.len() != self.numel {
+                        return Err(PsError::Protocol(format!("round {round}: a model of {} values, expected {}", params.len(), self.numel)));
+                    }
+                    return Ok(Task::Train(TrainTask { round, attempt, params, cohort }));
+                }
+                Resp::Done { rounds, params } => return Ok(Task::Done { rounds, params }),
+                r => return Err(unexpected("poll", r)),
+            }
+        }
+    }
+
+    /// Sends the update `delta` (new local parameters minus `task.params`) from `examples`
+    /// examples. Returns whether the server took it (false: the round closed first).
+    pub fn submit(&mut self, task: &TrainTask, examples: u64, delta: &[f32]) -> Result<bool, PsError> {
+        let update = if self.secure {
+            let weighted: Vec<f64> = delta.iter().map(|&d| f64::from(d) * examples as f64).collect();
+            Update::Masked(mask(&weighted, &self.keys, self.id, &task.cohort, task.round, task.attempt))
+        } else {
+            Update::Plain(delta.to_vec())
+        };
+        match self.conn.call(&Req::Update { id: self.id, round: task.round, attempt: task.attempt, examples, update })? {
+            Resp::Ack { taken, .. } => Ok(taken),
+            r => Err(unexpected("update", r)),
+        }
+    }
+}

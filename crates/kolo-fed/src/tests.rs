@@ -1,0 +1,181 @@
+use super::*;
+use crate::secure::{decode, encode, mask, unmask_sum, KeyPair};
+use crate::wire::{Req, Resp, Update};
+use kolo_rendezvous::JobToken;
+use std::sync::{Arc, Mutex};
+
+#[test]
+fn masked_updates_hide_each_value_and_sum_exactly() {
+    let keys: Vec<KeyPair> = (0..4u8).map(|i| KeyPair::from_bytes([i + 1; 32])).collect();
+    let cohort: Vec<(u32, [u8; 32])> = keys.iter().enumerate().map(|(i, k)| (i as u32, k.public)).collect();
+    let values: Vec<Vec<f64>> = (0..4).map(|i| (0..50).map(|j| (i * 50 + j) as f64 * 0.37 - 20.0).collect()).collect();
+    let masked: Vec<Vec<u64>> = keys.iter().zip(&values).enumerate().map(|(i, (k, v))| mask(v, k, i as u32, &cohort, 3, 0)).collect();
+    // A masked update says nothing about its values: far from their encoding.
+    for (m, v) in masked.iter().zip(&values) {
+        let close = m.iter().zip(v).filter(|(a, b)| (decode(**a) - **b).abs() < 1e3).count();
+        assert!(close < 3, "{close} of 50 masked values are readable");
+    }
+    // The sum is exact: the masks cancel modulo 2^64; it equals the sum of the encodings.
+    let sum = unmask_sum(&masked.iter().map(|v| &v[..]).collect::<Vec<_>>());
+    for j in 0..50 {
+        let plain: u64 = values.iter().map(|v| encode(v[j])).fold(0u64, u64::wrapping_add);
+        assert_eq!(sum[j], decode(plain));
+        let float: f64 = values.iter().map(|v| v[j]).sum();
+        assert!((sum[j] - float).abs() < 4.0 / secure::SCALE, "{} vs {float}", sum[j]);
+    }
+    // Another round (or attempt) uses other masks.
+    assert_ne!(mask(&values[0], &keys[0], 0, &cohort, 3, 1), masked[0]);
+    assert_eq!(keys[0].pair_seed(&keys[1].public, 7, 0), keys[1].pair_seed(&keys[0].public, 7, 0), "both ends derive the same seed");
+}
+
+#[test]
+fn messages_round_trip_and_garbage_is_an_error() {
+    let reqs = [
+        Req::Join { examples: 60, public: Some([9; 32]) },
+        Req::Join { examples: 1, public: None },
+        Req::Poll { id: 4 },
+        Req::Update { id: 1, round: 2, attempt: 1, examples: 5, update: Update::Plain(vec![1.0, -2.5]) },
+        Req::Update { id: 1, round: 2, attempt: 0, examples: 5, update: Update::Masked(vec![u64::MAX, 3]) },
+    ];
+    for r in &reqs {
+        assert_eq!(&Req::decode(&r.encode()).unwrap(), r);
+        let b = r.encode();
+        for cut in 0..b.len() {
+            assert!(Req::decode(&b[..cut]).is_err());
+        }
+    }
+    let resps = [
+        Resp::Joined { id: 3, numel: 10, secure: true },
+        Resp::Wait,
+        Resp::Train { round: 1, attempt: 0, params: vec![0.5; 3], cohort: vec![(0, [1; 32]), (2, [2; 32])] },
+        Resp::Done { rounds: 4, params: vec![1.0] },
+        Resp::Ack { taken: false, why: "late".into() },
+        Resp::Error("no".into()),
+    ];
+    for r in &resps {
+        assert_eq!(&Resp::decode(&r.encode()).unwrap(), r);
+    }
+    // A cohort that claims more members than the message holds.
+    let mut b = Resp::Train { round: 0, attempt: 0, params: vec![], cohort: vec![] }.encode();
+    let n = b.len();
+    b[n - 8..].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(Resp::decode(&b).is_err());
+}
+
+fn spec(numel: usize, secure: bool, per_round: usize) -> FedSpec {
+    FedSpec { rounds: 3, clients_per_round: per_round, min_clients: 3, deadline: std::time::Duration::from_secs(5), join_timeout: std::time::Duration::from_secs(10), max_attempts: 3, secure, seed: 1, numel }
+}
+
+/// Three clients over real TCP, each "training" by adding its id+1 to every parameter: the
+/// server moves the model by the example-weighted mean (plain and secure give the same model).
+#[test]
+fn rounds_average_updates_weighted_by_examples() {
+    for secure in [false, true] {
+        let token = JobToken::generate();
+        let reports = Arc::new(Mutex::new(Vec::new()));
+        let r2 = reports.clone();
+        let server = FedServer::start("127.0.0.1:0", token.clone(), spec(4, secure, 3), vec![0.0; 4], Box::new(move |r, g| r2.lock().unwrap().push((r.clone(), g.to_vec())))).unwrap();
+        let addr = server.addr.to_string();
+        let clients: Vec<_> = (0..3u64)
+            .map(|c| {
+                let (addr, token) = (addr.clone(), token.clone());
+                std::thread::spawn(move || {
+                    let examples = 10 * (c + 1);
+                    let mut fc = FedClient::join(&addr, &token, examples, std::time::Duration::from_secs(10)).unwrap();
+                    loop {
+                        match fc.next_task().unwrap() {
+                            Task::Train(t) => {
+                                assert!(fc.submit(&t, examples, &vec![(c + 1) as f32; 4]).unwrap());
+                            }
+                            Task::Done { params, .. } => return params,
+                        }
+                    }
+                })
+            })
+            .collect();
+        let finals: Vec<Vec<f32>> = clients.into_iter().map(|h| h.join().unwrap()).collect();
+        let (rounds, global) = server.wait().unwrap();
+        // Weighted mean of 1, 2, 3 with weights 10, 20, 30 = 140 / 60 per round.
+        let want = 3.0 * 140.0 / 60.0;
+        for g in &global {
+            assert!((g - want).abs() < 1e-5, "secure {secure}: {g} vs {want}");
+        }
+        assert!(finals.iter().all(|f| f == &global), "every client receives the final model");
+        assert_eq!(rounds.len(), 3);
+        assert!(rounds.iter().all(|r| r.used.len() == 3 && r.examples == 60 && r.late.is_empty()));
+        assert_eq!(reports.lock().unwrap().len(), 3);
+    }
+}
+
+/// A client that never answers: a plain round goes on without it at the deadline; a secure
+/// round is run again with the members that answered (their masks then cancel).
+#[test]
+fn a_silent_client_is_left_out_at_the_deadline() {
+    for secure in [false, true] {
+        let token = JobToken::generate();
+        let mut s = spec(2, secure, 3);
+        s.rounds = 1;
+        s.deadline = std::time::Duration::from_millis(600);
+        let server = FedServer::start("127.0.0.1:0", token.clone(), s, vec![0.0; 2], Box::new(|_, _| {})).unwrap();
+        let addr = server.addr.to_string();
+        // Client 0 joins first and then never trains.
+        let mut silent = FedClient::join(&addr, &token, 5, std::time::Duration::from_secs(10)).unwrap();
+        let workers: Vec<_> = (1..3u64)
+            .map(|c| {
+                let (addr, token) = (addr.clone(), token.clone());
+                std::thread::spawn(move || {
+                    let mut fc = FedClient::join(&addr, &token, 10, std::time::Duration::from_secs(10)).unwrap();
+                    while let Task::Train(t) = fc.next_task().unwrap() {
+                        fc.submit(&t, 10, &[c as f32, c as f32]).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        assert!(matches!(silent.next_task().unwrap(), Task::Done { .. }), "even a silent client gets the final model");
+        let (rounds, global) = server.wait().unwrap();
+        assert_eq!(rounds[0].late, vec![0], "secure {secure}");
+        assert_eq!(rounds[0].used, vec![1, 2]);
+        assert_eq!(rounds[0].attempts, if secure { 2 } else { 1 });
+        assert!((global[0] - 1.5).abs() < 1e-5, "mean of 1 and 2: {}", global[0]);
+    }
+}
+
+/// Client sampling: 5 clients, 2 per round: every round's cohort has 2 distinct members, rounds
+/// differ, and the model moves by the mean of exactly the sampled clients' updates.
+#[test]
+fn each_round_samples_its_clients() {
+    let token = JobToken::generate();
+    let mut s = spec(1, false, 2);
+    s.rounds = 6;
+    s.min_clients = 5;
+    let server = FedServer::start("127.0.0.1:0", token.clone(), s, vec![0.0], Box::new(|_, _| {})).unwrap();
+    let addr = server.addr.to_string();
+    let clients: Vec<_> = (0..5u64)
+        .map(|c| {
+            let (addr, token) = (addr.clone(), token.clone());
+            std::thread::spawn(move || {
+                let mut fc = FedClient::join(&addr, &token, 1, std::time::Duration::from_secs(10)).unwrap();
+                let id = fc.id;
+                while let Task::Train(t) = fc.next_task().unwrap() {
+                    fc.submit(&t, 1, &[id as f32]).unwrap();
+                }
+                let _ = c;
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    let (rounds, global) = server.wait().unwrap();
+    let mut want = 0.0;
+    for r in &rounds {
+        assert_eq!(r.used.len(), 2);
+        assert_ne!(r.used[0], r.used[1]);
+        want += (r.used[0] + r.used[1]) as f32 / 2.0;
+    }
+    assert!(rounds.iter().any(|r| r.used != rounds[0].used), "the sample changes between rounds");
+    assert!((global[0] - want).abs() < 1e-5);
+}

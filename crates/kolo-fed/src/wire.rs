@@ -1,0 +1,172 @@
+//! The federated-averaging messages (client requests, server answers), over the parameter
+//! servers' authenticated request/response connections (handshake purpose "fed").
+
+use kolo_ps::codec::{Reader, Writer};
+use kolo_ps::net::Protocol;
+use kolo_ps::PsError;
+
+/// What a client sends.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Req {
+    /// Join the job with this many training examples (and, for secure aggregation, a public key).
+    Join { examples: u64, public: Option<[u8; 32]> },
+    /// What should client `id` do now? (The server holds the answer up to a second.)
+    Poll { id: u32 },
+    /// Client `id`'s update for `(round, attempt)`: trained on `examples` examples.
+    Update { id: u32, round: u32, attempt: u32, examples: u64, update: Update },
+}
+
+/// A model update: the change of the parameters, plain, or (secure aggregation) the change
+/// times the example count as masked fixed-point integers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Update {
+    Plain(Vec<f32>),
+    Masked(Vec<u64>),
+}
+
+/// What the server answers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Resp {
+    Joined { id: u32, numel: u64, secure: bool },
+    /// Nothing to do yet: poll again.
+    Wait,
+    /// Train from `params` and send an update for `(round, attempt)`. `cohort` lists the ids and
+    /// public keys of every client of this attempt (secure aggregation; empty otherwise).
+    Train { round: u32, attempt: u32, params: Vec<f32>, cohort: Vec<(u32, [u8; 32])> },
+    /// The job is over: the final model.
+    Done { rounds: u32, params: Vec<f32> },
+    /// An update was taken (`true`) or came too late / for another round (`false`, why).
+    Ack { taken: bool, why: String },
+    Error(String),
+}
+
+impl Req {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        match self {
+            Req::Join { examples, public } => {
+                w.u8(1).u64(*examples);
+                match public {
+                    Some(k) => w.u8(1).array(k),
+                    None => w.u8(0),
+                };
+            }
+            Req::Poll { id } => {
+                w.u8(2).u32(*id);
+            }
+            Req::Update { id, round, attempt, examples, update } => {
+                w.u8(3).u32(*id).u32(*round).u32(*attempt).u64(*examples);
+                match update {
+                    Update::Plain(v) => w.u8(0).f32s(v),
+                    Update::Masked(v) => w.u8(1).u64s(v),
+                };
+            }
+        }
+        w.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Req, PsError> {
+        let mut r = Reader::new(b);
+        let req = match r.u8()? {
+            1 => {
+                let examples = r.u64()?;
+                let public = match r.u8()? {
+                    0 => None,
+                    1 => Some(r.array::<32>()?),
+                    t => return Err(PsError::Protocol(format!("join: key tag {t}"))),
+                };
+                Req::Join { examples, public }
+            }
+            2 => Req::Poll { id: r.u32()? },
+            3 => {
+                let (id, round, attempt, examples) = (r.u32()?, r.u32()?, r.u32()?, r.u64()?);
+                let update = match r.u8()? {
+                    0 => Update::Plain(r.f32s()?),
+                    1 => Update::Masked(r.u64s()?),
+                    t => return Err(PsError::Protocol(format!("update: payload tag {t}"))),
+                };
+                Req::Update { id, round, attempt, examples, update }
+            }
+            t => return Err(PsError::Protocol(format!("unknown federated request tag {t}"))),
+        };
+        r.end()?;
+        Ok(req)
+    }
+}
+
+impl Resp {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        match self {
+            Resp::Joined { id, numel, secure } => {
+                w.u8(1).u32(*id).u64(*numel).u8(u8::from(*secure));
+            }
+            Resp::Wait => {
+                w.u8(2);
+            }
+            Resp::Train { round, attempt, params, cohort } => {
+                w.u8(3).u32(*round).u32(*attempt).f32s(params).u64(cohort.len() as u64);
+                for (id, k) in cohort {
+                    w.u32(*id).array(k);
+                }
+            }
+            Resp::Done { rounds, params } => {
+                w.u8(4).u32(*rounds).f32s(params);
+            }
+            Resp::Ack { taken, why } => {
+                w.u8(5).u8(u8::from(*taken)).str(why);
+            }
+            Resp::Error(m) => {
+                w.u8(6).str(m);
+            }
+        }
+        w.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Resp, PsError> {
+        let mut r = Reader::new(b);
+        let resp = match r.u8()? {
+            1 => Resp::Joined { id: r.u32()?, numel: r.u64()?, secure: r.u8()? != 0 },
+            2 => Resp::Wait,
+            3 => {
+                let (round, attempt, params) = (r.u32()?, r.u32()?, r.f32s()?);
+                let n = r.u64()?;
+                if n > (b.len() / 36) as u64 {
+                    return Err(PsError::Protocol(format!("a cohort of {n} does not fit in the message")));
+                }
+                let cohort = (0..n).map(|_| Ok((r.u32()?, r.array::<32>()?))).collect::<Result<_, PsError>>()?;
+                Resp::Train { round, attempt, params, cohort }
+            }
+            4 => Resp::Done { rounds: r.u32()?, params: r.f32s()? },
+            5 => Resp::Ack { taken: r.u8()? != 0, why: r.str()? },
+            6 => Resp::Error(r.str()?),
+            t => return Err(PsError::Protocol(format!("unknown federated answer tag {t}"))),
+        };
+        r.end()?;
+        Ok(resp)
+    }
+}
+
+/// The federated-averaging protocol for `kolo_ps::net`.
+pub struct Fed;
+
+impl Protocol for Fed {
+    const PURPOSE: &'static str = "fed";
+    type Req = Req;
+    type Resp = Resp;
+    fn encode_req(r: &Req) -> Vec<u8> {
+        r.encode()
+    }
+    fn decode_req(b: &[u8]) -> Result<Req, PsError> {
+        Req::decode(b)
+    }
+    fn encode_resp(r: &Resp) -> Vec<u8> {
+        r.encode()
+    }
+    fn decode_resp(b: &[u8]) -> Result<Resp, PsError> {
+        Resp::decode(b)
+    }
+    fn error_resp(msg: String) -> Resp {
+        Resp::Error(msg)
+    }
+}

@@ -1,0 +1,93 @@
+//! `kolo train --plan auto`: the planner's cost model (kolo-plan) picks the mesh, ZeRO stage,
+//! micro-batches and activation checkpointing for this world size among the combinations Kolo
+//! runs, and rewrites the config accordingly.
+
+use crate::config::{Config, MeshConfig, ModelKind, PipeSchedule, PipelineConfig};
+use crate::TrainError;
+use kolo_plan::{search, Cluster, Gpt, Space};
+
+/// This machine's measured constants: candle's CPU matmuls reach about 67 GFLOP/s on the
+/// benchmark GPT (627.8 ms for a 16 x 128-token step), loopback TCP about 1.5 GB/s.
+pub const CPU_FLOPS: f64 = 67e9;
+pub const LOOPBACK_BYTES_PER_S: f64 = 1.5e9;
+
+/// Chooses a plan for `world` ranks of `memory` bytes each and writes it into `cfg`; returns a
+/// line describing it. The global batch stays data.batch_size x world.
+pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String, TrainError> {
+    if cfg.model.kind != ModelKind::Gpt || cfg.model.experts.is_some() || cfg.mesh.is_some() || cfg.pipeline.is_some() {
+        return Ok(format!("plan auto: data parallelism on {world} ranks (the planner plans dense GPTs without a [mesh] or [pipeline] of their own)"));
+    }
+    let md = &cfg.model;
+    let m = Gpt { layers: md.n_layer.unwrap_or(4), d_model: md.d_model.unwrap_or(256), heads: md.n_head.unwrap_or(4), seq: md.seq.unwrap_or(128), vocab: 256 };
+    let c = Cluster { devices: world, memory, flops: CPU_FLOPS, bandwidth: LOOPBACK_BYTES_PER_S, latency: 20e-6, activation_factor: Cluster::KOLO_CPU_ACTIVATIONS, param_copy_bytes: Cluster::KOLO_PARAM_COPY };
+    let global = cfg.data.batch_size * world;
+    // What Kolo runs: ZeRO only with plain data parallelism, activation checkpointing without
+    // tp or pp, tp up to the vocabulary.
+    let space = Space { zero_with_model_parallel: false, ..Space::default() };
+    let plans = search(&m, &c, global, 4.0, &space);
+    // Kolo's ZeRO-3 recomputes every block in backward: it is costed with checkpointing.
+    // Without a pipeline, micro-batches are gradient accumulation (not under ZeRO-3).
+    let accumulates = |p: &kolo_plan::Plan| p.pp == 1 && p.micro_batch * p.dp < global;
+    let Some((p, e)) = plans.into_iter().find(|(p, _)| !(p.checkpoint && p.tp * p.pp > 1) && (p.zero != 3 || (p.checkpoint && !accumulates(p))) && p.pp <= m.layers) else {
+        return Err(TrainError::Config(format!("plan auto: no plan for this GPT fits in {:.2} GiB per rank on {world} ranks", memory / 1024f64.powi(3))));
+    };
+    cfg.data.batch_size = global / p.dp;
+    if accumulates(&p) {
+        cfg.data.batch_size = p.micro_batch;
+        cfg.train.grad_accum = e.micro_batches as u64;
+    }
+    cfg.ddp.zero_stage = p.zero;
+    if p.tp * p.pp > 1 {
+        cfg.mesh = Some(MeshConfig { tp: p.tp, pp: Some(p.pp), dp: Some(p.dp), sp: 1, ep: 1 });
+    }
+    if p.pp > 1 {
+        cfg.pipeline = Some(PipelineConfig { micro_batches: e.micro_batches, schedule: PipeSchedule::OneFOneB, rematerialize: false });
+    }
+    if p.checkpoint && p.zero != 3 {
+        cfg.model.checkpoint_blocks = (0..m.layers).collect();
+    }
+    cfg.check()?;
+    Ok(format!(
+        "plan auto: dp {} x tp {} x pp {}, ZeRO-{}, {} sequences per replica{}{}{}; predicted {:.1} ms/step, {:.1} MB per rank (of {:.1} MB)",
+        p.dp,
+        p.tp,
+        p.pp,
+        p.zero,
+        global / p.dp,
+        if p.pp > 1 { format!(" in {} micro-batches", e.micro_batches) } else { String::new() },
+        if accumulates(&p) { format!(" ({} accumulated micro-batches of {})", e.micro_batches, p.micro_batch) } else { String::new() },
+        if p.checkpoint && p.zero != 3 { ", activation checkpointing" } else { "" },
+        e.step_s * 1e3,
+        e.memory() / 1e6,
+        memory / 1e6
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpt() -> Config {
+        Config::parse("[model]\nkind = \"gpt\"\nseq = 128\nd_model = 256\nn_head = 4\nn_layer = 4\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n", "t").unwrap()
+    }
+
+    /// Plenty of memory: plain DDP. Tight memory: smaller micro-batches accumulated, model states
+    /// sharded (ZeRO) or the model split; the
+    /// rewritten config is valid and keeps the global batch. Too little: a clear error.
+    #[test]
+    fn auto_plans_follow_the_memory() {
+        let mut c = gpt();
+        let line = apply_plan(&mut c, 2, 2e9).unwrap();
+        assert_eq!((c.ddp.zero_stage, c.data.batch_size * c.train.grad_accum as usize), (0, 8), "{line}");
+        assert!(c.mesh.is_none() && line.contains("dp 2 x tp 1 x pp 1"));
+        let mut c = gpt();
+        let line = apply_plan(&mut c, 2, 90e6).unwrap();
+        assert!(c.ddp.zero_stage > 0 || c.mesh.is_some() || c.train.grad_accum > 1, "90 MB cannot hold DDP at 8 sequences per rank (~225 MB): {line}");
+        let (dp, tp, pp) = c.mesh.as_ref().map_or((2, 1, 1), |m| (m.dp.unwrap(), m.tp, m.pp.unwrap()));
+        assert_eq!(c.data.batch_size * dp * c.train.grad_accum as usize, 16, "the global batch stays 16: {line}");
+        assert_eq!(dp * tp * pp, 2);
+        assert!(apply_plan(&mut gpt(), 2, 1e6).unwrap_err().to_string().contains("no plan"));
+        let mut mlp = Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n", "t").unwrap();
+        assert!(apply_plan(&mut mlp, 2, 1e9).unwrap().contains("data parallelism"));
+    }
+}

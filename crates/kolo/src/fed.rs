@@ -1,0 +1,107 @@
+//! `kolo fed`: federated averaging on MNIST — the server, a client, and `kolo fed run`, which
+//! starts a whole job on this machine (the server in this process, the clients as processes).
+
+use kolo_rendezvous::JobToken;
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+#[derive(clap::Subcommand)]
+pub enum FedCmd {
+    /// Start a job on this machine: the server in this process and `[fed] clients` client
+    /// processes (under `kolo launch`, each its own shard), until the last round.
+    Run {
+        /// The config (`[fed]`, an MNIST model and data).
+        #[arg(long)]
+        config: PathBuf,
+        /// Client processes (default: `[fed] clients`).
+        #[arg(short = 'n', long)]
+        clients: Option<usize>,
+    },
+    /// The server: samples clients each round, averages their updates weighted by their
+    /// example counts, evaluates the model on the test set after each round.
+    Serve {
+        #[arg(long)]
+        config: PathBuf,
+        /// Address to listen on.
+        #[arg(long, default_value = "0.0.0.0:29600")]
+        listen: String,
+    },
+    /// A client: trains on its own shard of the training set when sampled and sends only the
+    /// change of the model.
+    Client {
+        #[arg(long)]
+        config: PathBuf,
+        /// The server's address.
+        #[arg(long)]
+        server: String,
+        /// This client's shard, 0..[fed] clients (default: RANK).
+        #[arg(long)]
+        client: Option<usize>,
+    },
+}
+
+fn token() -> anyhow::Result<JobToken> {
+    let hex = std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set (the federated job's secret, hex)"))?;
+    JobToken::from_hex(&hex).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))
+}
+
+fn say(m: &str) {
+    eprintln!("{m}");
+}
+
+pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
+    match cmd {
+        FedCmd::Serve { config, listen } => {
+            let cfg = kolo_train::Config::load(&config)?;
+            let s = kolo_train::fed::serve(&cfg, &listen, token()?, |a| eprintln!("kolo fed: listening on {a}"), &say)?;
+            summary(&s);
+            Ok(0)
+        }
+        FedCmd::Client { config, server, client } => {
+            let cfg = kolo_train::Config::load(&config)?;
+            let index = match client {
+                Some(c) => c,
+                None => std::env::var("RANK").ok().and_then(|r| r.parse().ok()).ok_or_else(|| anyhow::anyhow!("kolo fed client needs --client (or RANK)"))?,
+            };
+            let r = kolo_train::fed::client(&cfg, &server, &token()?, index, false)?;
+            eprintln!("client {index}: trained in {} round(s) on {} examples; sent {:.2} MB, received {:.2} MB", r.rounds_trained, r.shard.len(), r.bytes_out as f64 / 1e6, r.bytes_in as f64 / 1e6);
+            Ok(0)
+        }
+        FedCmd::Run { config, clients } => {
+            let cfg = kolo_train::Config::load(&config)?;
+            let f = cfg.fed.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [fed] section", config.display()))?;
+            let n = clients.unwrap_or(f.clients);
+            if n > f.clients {
+                anyhow::bail!("{n} client processes for a job split into {} shards ([fed] clients)", f.clients);
+            }
+            let token = match std::env::var("KOLO_JOB_TOKEN") {
+                Ok(_) => token()?,
+                Err(_) => JobToken::generate(),
+            };
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (cfg2, tok) = (cfg.clone(), token.clone());
+            let server = std::thread::spawn(move || kolo_train::fed::serve(&cfg2, "127.0.0.1:0", tok, |a| tx.send(a.to_string()).expect("main waits"), &say));
+            let addr = match rx.recv() {
+                Ok(a) => a,
+                Err(_) => return Err(server.join().map_err(|_| anyhow::anyhow!("the server thread panicked"))?.err().map_or_else(|| anyhow::anyhow!("the server stopped"), anyhow::Error::from)),
+            };
+            let exe = std::env::current_exe()?;
+            let program: Vec<OsString> = vec![exe.into_os_string(), "fed".into(), "client".into(), "--config".into(), config.into_os_string(), "--server".into(), addr.into()];
+            let launch = kolo_launch::LaunchConfig { nproc_per_node: n, token: Some(token), program, ..kolo_launch::LaunchConfig::default() };
+            let out = kolo_launch::launch(&launch)?;
+            if !out.success() {
+                eprint!("{}", out.summary());
+            }
+            let s = server.join().map_err(|_| anyhow::anyhow!("the server thread panicked"))??;
+            summary(&s);
+            Ok(out.exit_code())
+        }
+    }
+}
+
+fn summary(s: &kolo_train::fed::FedSummary) {
+    if let Some(e) = s.evals.last() {
+        let late: usize = s.rounds.iter().map(|r| r.late.len()).sum();
+        eprintln!("done: {} rounds, final test loss {:.4}, accuracy {:.2}%; {late} late client update(s) left out", s.rounds.len(), e.loss, e.accuracy.unwrap_or(0.0) * 100.0);
+    }
+}
