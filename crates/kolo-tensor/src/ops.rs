@@ -36,14 +36,18 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
     Ok(e.broadcast_div(&s)?)
 }
 
+/// Log-softmax over the last dimension (shifted by the detached row maximum).
+pub fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let shifted = x.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    Ok(shifted.broadcast_sub(&lse)?)
+}
+
 /// Mean cross-entropy of `logits` (N, C) against class ids `targets` (N, u32).
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     // Always in f32 (mixed precision computes the loss at full precision).
-    let logits = &logits.to_dtype(candle_core::DType::F32)?;
-    let max = logits.max_keepdim(D::Minus1)?.detach();
-    let shifted = logits.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    let logp = shifted.broadcast_sub(&lse)?;
+    let logp = log_softmax_last(&logits.to_dtype(candle_core::DType::F32)?)?;
     let picked = logp.gather(&targets.unsqueeze(1)?, 1)?;
     Ok(picked.mean_all()?.neg()?)
 }

@@ -6,6 +6,7 @@ pub mod data;
 pub mod autoplan;
 pub mod ep;
 pub mod fed;
+pub mod impala;
 pub mod sampler;
 pub mod trainer;
 

@@ -56,6 +56,29 @@ enum Cmd {
     /// x activation checkpointing with a cost model (compute, alpha-beta communication, memory,
     /// pipeline bubble) and prints the fastest plans that fit.
     Plan(plan::PlanArgs),
+    /// IMPALA: actor threads run CartPole (or a grid world) with the newest policy they have and
+    /// never wait; the learner batches their trajectories and corrects the policy lag with
+    /// V-trace. Stops when the mean return of 100 episodes reaches the target.
+    Impala {
+        /// cartpole or grid.
+        #[arg(long, default_value = "cartpole")]
+        env: String,
+        #[arg(long, default_value_t = 2)]
+        actors: usize,
+        /// Stop after learning from this many environment steps.
+        #[arg(long, default_value_t = 2_000_000)]
+        max_steps: u64,
+        /// Run to --max-steps even after the target is reached (throughput measurements).
+        #[arg(long)]
+        no_stop: bool,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long, default_value_t = 1e-3)]
+        lr: f32,
+        /// Trajectories per learner step.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+    },
     /// Federated averaging on MNIST: `kolo fed run` (a whole job here), `serve`, `client`.
     #[command(subcommand)]
     Fed(fed::FedCmd),
@@ -186,6 +209,33 @@ fn lost_peer(e: &anyhow::Error) -> Option<usize> {
     })
 }
 
+#[allow(clippy::too_many_arguments)]
+fn impala(env: &str, actors: usize, max_steps: u64, no_stop: bool, seed: u64, lr: f32, batch: usize) -> anyhow::Result<i32> {
+    use kolo_train::impala::{EnvKind, ImpalaConfig};
+    let kind = match env {
+        "cartpole" => EnvKind::CartPole,
+        "grid" => EnvKind::Grid,
+        e => anyhow::bail!("--env {e}: cartpole or grid"),
+    };
+    let cfg = ImpalaConfig { env: kind, max_env_steps: max_steps, target: (!no_stop).then(|| kind.solved()), seed, lr, batch, ..ImpalaConfig::cartpole(actors) };
+    let t0 = std::time::Instant::now();
+    let r = kolo_train::impala::run(&cfg, &mut |steps, mean| eprintln!("{:>7.1} s  {steps:>9} env steps  mean return (100 episodes) {mean:.1}", t0.elapsed().as_secs_f64()))?;
+    eprintln!(
+        "done: {} env steps taken ({:.0}/s with {actors} actors), {} learned from in {} learner steps, {} episodes, mean return {:.1}{}; policy lag mean {:.2}, max {} updates; {} trajectories dropped by a full queue",
+        r.env_steps,
+        r.env_steps_per_s,
+        r.learned_steps,
+        r.learner_steps,
+        r.episodes,
+        r.mean_return,
+        r.solved_at.map_or(String::new(), |s| format!(", solved at {s} env steps")),
+        r.mean_lag,
+        r.max_lag,
+        r.dropped
+    );
+    Ok(if r.solved_at.is_some() || no_stop { 0 } else { 1 })
+}
+
 fn main() {
     keep_freed_memory();
     kolo_base::alloc::CountingAlloc::mark_installed();
@@ -200,6 +250,7 @@ fn main() {
         Cmd::Ps(p) => ps::run(p),
         Cmd::Fed(f) => fed::run(f),
         Cmd::Plan(p) => plan::run(p),
+        Cmd::Impala { env, actors, max_steps, no_stop, seed, lr, batch } => impala(&env, actors, max_steps, no_stop, seed, lr, batch),
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
         Cmd::Inspect { checkpoint } => inspect(&checkpoint),

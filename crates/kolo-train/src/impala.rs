@@ -1,0 +1,309 @@
+//! IMPALA (Espeholt et al., 2018): actor threads run environments with the newest policy they
+//! have (possibly some updates old), unroll `unroll` steps at a time and hand the trajectories
+//! to the learner without ever waiting for it (a full queue drops the trajectory and counts
+//! it); the learner batches trajectories, corrects for the policy lag with V-trace, and
+//! publishes new parameters that actors pick up at their next unroll.
+//!
+//! The policy is one MLP whose output holds the action logits and the value. Actors evaluate it
+//! on the flat parameters (kolo-rl, no tensors); the learner computes the loss and its gradient
+//! with kolo-tensor: -rho_s log pi(a_s|x_s) A_s + (baseline / 2) (v_s - V(x_s))^2 - entropy.
+
+use crate::TrainError;
+use kolo_base::Rng;
+use kolo_optim::{clip_factor, Optimizer, OptimizerSpec};
+use kolo_rl::{policy, vtrace, CartPole, Env, GridWorld};
+use kolo_tensor::models::Mlp;
+use kolo_tensor::{Input, Model, PlainView, Tensor};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EnvKind {
+    CartPole,
+    /// A 5 x 5 grid world.
+    Grid,
+}
+
+impl EnvKind {
+    fn make(self) -> Box<dyn Env> {
+        match self {
+            EnvKind::CartPole => Box::new(CartPole::default()),
+            EnvKind::Grid => Box::new(GridWorld::new(5)),
+        }
+    }
+    /// The mean return over 100 episodes that counts as solved.
+    pub fn solved(self) -> f64 {
+        match self {
+            EnvKind::CartPole => CartPole::SOLVED,
+            // The shortest path takes 8 steps: 1 - 7 x 0.01.
+            EnvKind::Grid => 0.9,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ImpalaConfig {
+    pub env: EnvKind,
+    pub actors: usize,
+    /// Steps per trajectory.
+    pub unroll: usize,
+    /// Trajectories per learner step.
+    pub batch: usize,
+    pub hidden: Vec<usize>,
+    pub lr: f32,
+    pub gamma: f64,
+    pub entropy: f64,
+    pub baseline: f64,
+    pub rho_bar: f64,
+    pub c_bar: f64,
+    pub clip_norm: f64,
+    /// Stop after the learner has learned from this many environment steps.
+    pub max_env_steps: u64,
+    /// Stop once the mean return of the last 100 episodes reaches this (None: run to the end).
+    pub target: Option<f64>,
+    /// Trajectories the queue holds; actors drop (and count) what does not fit.
+    pub queue: usize,
+    pub seed: u64,
+}
+
+impl ImpalaConfig {
+    pub fn cartpole(actors: usize) -> ImpalaConfig {
+        ImpalaConfig {
+            env: EnvKind::CartPole,
+            actors,
+            unroll: 20,
+            batch: 8,
+            hidden: vec![64],
+            lr: 1e-3,
+            gamma: 0.99,
+            entropy: 0.01,
+            baseline: 0.5,
+            rho_bar: 1.0,
+            c_bar: 1.0,
+            clip_norm: 40.0,
+            max_env_steps: 1_000_000,
+            target: Some(CartPole::SOLVED),
+            queue: 16,
+            seed: 1,
+        }
+    }
+}
+
+/// What a run did.
+#[derive(Clone, Debug)]
+pub struct ImpalaReport {
+    /// Environment steps the actors took.
+    pub env_steps: u64,
+    /// Environment steps in the trajectories the learner learned from.
+    pub learned_steps: u64,
+    pub learner_steps: u64,
+    pub episodes: u64,
+    /// Mean return of the last 100 episodes at the end.
+    pub mean_return: f64,
+    /// Learned-from environment steps when the target was first reached.
+    pub solved_at: Option<u64>,
+    pub secs: f64,
+    pub env_steps_per_s: f64,
+    /// Trajectories the actors dropped because the learner's queue was full.
+    pub dropped: u64,
+    /// The largest number of updates a trajectory's policy was behind the learner's.
+    pub max_lag: u64,
+    /// Mean policy lag (updates) over the trajectories learned from.
+    pub mean_lag: f64,
+}
+
+struct Trajectory {
+    /// unroll + 1 observations.
+    obs: Vec<f32>,
+    actions: Vec<usize>,
+    rewards: Vec<f32>,
+    dones: Vec<bool>,
+    behaviour_logp: Vec<f32>,
+    version: u64,
+    /// Returns of episodes that ended in this unroll.
+    finished: Vec<f32>,
+}
+
+/// The published policy: its version (learner steps) and flat parameters.
+type Published = Arc<RwLock<Arc<(u64, Vec<f32>)>>>;
+
+fn actor(cfg: ImpalaConfig, id: usize, sizes: Vec<usize>, policy_params: Published, out: SyncSender<Trajectory>, stop: Arc<AtomicBool>, steps: Arc<AtomicU64>, dropped: Arc<AtomicU64>) {
+    let mut env = cfg.env.make();
+    let mut rng = Rng::new(cfg.seed.wrapping_mul(1_000_003).wrapping_add(id as u64 + 1));
+    let mut obs = env.reset(&mut rng);
+    let mut ret = 0f32;
+    let a = env.actions();
+    while !stop.load(Ordering::Relaxed) {
+        // The newest policy there is; never waits for a new one.
+        let snapshot = policy_params.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let (version, params) = (&snapshot.0, &snapshot.1);
+        let mut t = Trajectory { obs: Vec::with_capacity((cfg.unroll + 1) * obs.len()), actions: Vec::new(), rewards: Vec::new(), dones: Vec::new(), behaviour_logp: Vec::new(), version: *version, finished: Vec::new() };
+        for _ in 0..cfg.unroll {
+            t.obs.extend_from_slice(&obs);
+            let out = policy::mlp_eval(params, &sizes, &obs);
+            let (action, logp) = policy::sample(&out[..a], &mut rng);
+            let (next, r, done) = env.step(action);
+            ret += r;
+            t.actions.push(action);
+            t.rewards.push(r);
+            t.dones.push(done);
+            t.behaviour_logp.push(logp);
+            obs = if done {
+                t.finished.push(ret);
+                ret = 0.0;
+                env.reset(&mut rng)
+            } else {
+                next
+            };
+        }
+        t.obs.extend_from_slice(&obs);
+        steps.fetch_add(cfg.unroll as u64, Ordering::Relaxed);
+        match out.try_send(t) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                dropped.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(TrySendError::Disconnected(_)) => return,
+        }
+    }
+}
+
+/// Runs IMPALA until `max_env_steps` learned from or the target; `on_progress` sees (learned
+/// env steps, mean return).
+pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<ImpalaReport, TrainError> {
+    if cfg.actors == 0 || cfg.unroll == 0 || cfg.batch == 0 {
+        return Err(TrainError::Config("impala: actors, unroll and batch must be at least 1".into()));
+    }
+    let probe = cfg.env.make();
+    let (obs_len, a) = (probe.obs_len(), probe.actions());
+    let mut sizes = vec![obs_len];
+    sizes.extend(&cfg.hidden);
+    sizes.push(a + 1);
+    let model = Mlp::new(obs_len, &cfg.hidden, a + 1, &mut Rng::new(cfg.seed))?;
+    let numel = model.params().numel();
+    let published: Published = Arc::new(RwLock::new(Arc::new((0, model.params().to_flat()?))));
+    let (tx, rx): (SyncSender<Trajectory>, Receiver<Trajectory>) = sync_channel(cfg.queue.max(1));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (steps, dropped) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let actors: Vec<_> = (0..cfg.actors)
+        .map(|id| {
+            let (c, s, p, o, st, n, d) = (cfg.clone(), sizes.clone(), published.clone(), tx.clone(), stop.clone(), steps.clone(), dropped.clone());
+            std::thread::Builder::new().name(format!("kolo-actor-{id}")).spawn(move || actor(c, id, s, p, o, st, n, d)).expect("spawning an actor")
+        })
+        .collect();
+    drop(tx);
+    let mut opt = Optimizer::new(OptimizerSpec::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false }, numel);
+    let t0 = Instant::now();
+    let (mut learner_steps, mut episodes, mut solved_at, mut max_lag, mut lag_sum, mut lag_n) = (0u64, 0u64, None, 0u64, 0u64, 0u64);
+    let mut recent: std::collections::VecDeque<f32> = Default::default();
+    let mean = |r: &std::collections::VecDeque<f32>| if r.is_empty() { 0.0 } else { r.iter().map(|&x| f64::from(x)).sum::<f64>() / r.len() as f64 };
+    let te = kolo_tensor::TensorError::from;
+    let mut grads = vec![0f32; numel];
+    let result = (|| -> Result<(), TrainError> {
+        loop {
+            let mut batch = Vec::with_capacity(cfg.batch);
+            while batch.len() < cfg.batch {
+                batch.push(rx.recv().map_err(|_| TrainError::Other("every actor stopped".into()))?);
+            }
+            for t in &batch {
+                for r in &t.finished {
+                    episodes += 1;
+                    recent.push_back(*r);
+                    if recent.len() > 100 {
+                        recent.pop_front();
+                    }
+                }
+                let lag = learner_steps - t.version;
+                max_lag = max_lag.max(lag);
+                lag_sum += lag;
+                lag_n += 1;
+            }
+            // Forward all observations (with the bootstrap ones) at once.
+            let rows = cfg.batch * (cfg.unroll + 1);
+            let data: Vec<f32> = batch.iter().flat_map(|t| t.obs.iter().copied()).collect();
+            let out = model.forward(&Input::Images { data, n: rows, c: 1, h: 1, w: obs_len }, &PlainView)?;
+            let logits = out.narrow(1, 0, a).map_err(te)?.contiguous().map_err(te)?;
+            let values = out.narrow(1, a, 1).map_err(te)?.squeeze(1).map_err(te)?.contiguous().map_err(te)?;
+            let log_probs = kolo_tensor::ops::log_softmax_last(&logits)?;
+            let lp_host: Vec<f32> = log_probs.flatten_all().map_err(te)?.to_vec1().map_err(te)?;
+            let v_host: Vec<f32> = values.to_vec1().map_err(te)?;
+            // V-trace targets and advantages per trajectory (constants for the gradient).
+            let (mut idx, mut vs, mut adv, mut rows_used) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for (b, t) in batch.iter().enumerate() {
+                let base = b * (cfg.unroll + 1);
+                let target: Vec<f64> = (0..cfg.unroll).map(|s| f64::from(lp_host[(base + s) * a + t.actions[s]])).collect();
+                let log_rhos: Vec<f64> = target.iter().zip(&t.behaviour_logp).map(|(p, m)| p - f64::from(*m)).collect();
+                let discounts: Vec<f64> = t.dones.iter().map(|&d| if d { 0.0 } else { cfg.gamma }).collect();
+                let rewards: Vec<f64> = t.rewards.iter().map(|&r| f64::from(r)).collect();
+                let v: Vec<f64> = (0..cfg.unroll).map(|s| f64::from(v_host[base + s])).collect();
+                let vt = vtrace(&log_rhos, &discounts, &rewards, &v, f64::from(v_host[base + cfg.unroll]), cfg.rho_bar, cfg.c_bar);
+                for s in 0..cfg.unroll {
+                    idx.push(((base + s) * a + t.actions[s]) as u32);
+                    rows_used.push((base + s) as u32);
+                    vs.push(vt.vs[s] as f32);
+                    adv.push(vt.advantages[s] as f32);
+                }
+            }
+            let n = idx.len();
+            let dev = kolo_tensor::Device::Cpu;
+            let picked = log_probs.flatten_all().map_err(te)?.index_select(&Tensor::from_vec(idx, n, &dev).map_err(te)?, 0).map_err(te)?;
+            let rows_t = Tensor::from_vec(rows_used, n, &dev).map_err(te)?;
+            let v_used = values.index_select(&rows_t, 0).map_err(te)?;
+            let adv_t = Tensor::from_vec(adv, n, &dev).map_err(te)?;
+            let vs_t = Tensor::from_vec(vs, n, &dev).map_err(te)?;
+            let pg = (picked * &adv_t).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
+            let value_loss = ((v_used - vs_t).map_err(te)?.sqr().map_err(te)?.mean_all().map_err(te)? * (0.5 * cfg.baseline)).map_err(te)?;
+            let lp_rows = log_probs.index_select(&rows_t, 0).map_err(te)?;
+            let entropy = (lp_rows.exp().map_err(te)? * &lp_rows).map_err(te)?.sum(1).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
+            let loss = ((pg + value_loss).map_err(te)? - (entropy * cfg.entropy).map_err(te)?).map_err(te)?;
+            let g = loss.backward().map_err(te)?;
+            model.params().grads_into(&g, &mut grads)?;
+            let f = clip_factor(kolo_base::sum_of_squares(&grads).sqrt(), cfg.clip_norm);
+            opt.begin_step();
+            for i in 0..model.params().len() {
+                let r = model.params().get(i).range.clone();
+                let gi: Vec<f32> = grads[r.clone()].iter().map(|x| x * f).collect();
+                model.params().update_one(i, &mut |p| opt.update(r.start, p, &gi, cfg.lr))?;
+            }
+            learner_steps += 1;
+            *published.write().unwrap_or_else(|p| p.into_inner()) = Arc::new((learner_steps, model.params().to_flat()?));
+            let learned = learner_steps * (cfg.batch * cfg.unroll) as u64;
+            let m = mean(&recent);
+            if learner_steps.is_multiple_of(50) {
+                on_progress(learned, m);
+            }
+            if let Some(target) = cfg.target {
+                if recent.len() == 100 && m >= target && solved_at.is_none() {
+                    solved_at = Some(learned);
+                    return Ok(());
+                }
+            }
+            if learned >= cfg.max_env_steps {
+                return Ok(());
+            }
+        }
+    })();
+    stop.store(true, Ordering::Relaxed);
+    drop(rx);
+    for h in actors {
+        let _ = h.join();
+    }
+    result?;
+    let secs = t0.elapsed().as_secs_f64();
+    let env_steps = steps.load(Ordering::Relaxed);
+    Ok(ImpalaReport {
+        env_steps,
+        learned_steps: learner_steps * (cfg.batch * cfg.unroll) as u64,
+        learner_steps,
+        episodes,
+        mean_return: mean(&recent),
+        solved_at,
+        secs,
+        env_steps_per_s: env_steps as f64 / secs.max(1e-9),
+        dropped: dropped.load(Ordering::Relaxed),
+        max_lag,
+        mean_lag: lag_sum as f64 / lag_n.max(1) as f64,
+    })
+}
