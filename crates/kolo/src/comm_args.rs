@@ -6,8 +6,28 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+/// Which library carries the collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// MPI when this kolo was built with it (`--features mpi`) and mpirun started it, else builtin.
+    Auto,
+    /// Kolo's own transport (TCP and shared memory).
+    Builtin,
+    /// The MPI library (needs a `--features mpi` build and an MPI launcher).
+    Mpi,
+}
+
+/// A joined job: the communicator, and the built-in transport's own handle when that is the backend.
+pub struct Joined {
+    pub comm: Arc<dyn kolo_comm::Communicator>,
+    pub host: Option<Arc<HostComm>>,
+}
+
 #[derive(clap::Args, Clone, Debug)]
 pub struct CommArgs {
+    /// Communication backend: auto, builtin or mpi.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub backend: Backend,
     /// Links between ranks on one host: auto (shared memory), tcp, shm.
     #[arg(long, default_value = "auto")]
     pub transport: Transport,
@@ -40,6 +60,21 @@ impl CommArgs {
             tcp_buffer: self.tcp_buffer,
             ..HostCommConfig::default()
         }
+    }
+
+    /// Joins the job on the chosen backend (see [`Backend`]).
+    pub fn join_any(&self) -> anyhow::Result<Joined> {
+        let mpi = match self.backend {
+            Backend::Mpi => true,
+            Backend::Builtin => false,
+            Backend::Auto => kolo_mpi::AVAILABLE && kolo_mpi::launched_by_mpi(),
+        };
+        if mpi {
+            let comm = kolo_mpi::world(self.config().timeout)?;
+            return Ok(Joined { comm, host: None });
+        }
+        let b = self.join()?;
+        Ok(Joined { comm: b.comm.clone(), host: Some(b.comm) })
     }
 
     /// Joins the job this process was launched into (or runs alone). From then on `SIGUSR1`

@@ -96,7 +96,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     }
     let mut comm_args = a.comm.clone();
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
-    let boot = comm_args.join()?;
+    let boot = comm_args.join_any()?;
     match a.plan.as_deref() {
         None => {}
         Some("auto") => {
@@ -113,6 +113,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         Some(p) => anyhow::bail!("--plan {p}: only `auto` is known"),
     }
     let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
+    if boot.host.is_none() && boot.comm.rank().get() == 0 {
+        eprintln!("kolo train: collectives over {} ({} ranks)", boot.comm.backend(), boot.comm.world_size().get());
+    }
     // An elastic restart (kolo launch --min-nodes) resumes from the newest checkpoint.
     let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let mut resume = a.resume.clone();
@@ -134,7 +137,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     let s = kolo_train::run(&cfg, comm, &opts).inspect_err(|e| {
         // A communication failure: show what this rank's communicator did last.
         if matches!(e, kolo_train::TrainError::Comm(_) | kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(_))) {
-            eprint!("{}", boot.comm.flight_record());
+            if let Some(h) = &boot.host {
+                eprint!("{}", h.flight_record());
+            }
         }
     })?;
     if boot.comm.rank().get() == 0 {
