@@ -2,7 +2,6 @@
 //! servers' authenticated request/response connections (handshake purpose "fed").
 
 use kolo_ps::codec::{Reader, Writer};
-use kolo_ps::net::Protocol;
 use kolo_ps::PsError;
 
 /// What a client sends.
@@ -147,26 +146,7 @@ impl Resp {
     }
 }
 
-/// The federated-averaging protocol for `kolo_ps::net`.
-pub struct Fed;
-
-impl Protocol for Fed {
-    const PURPOSE: &'static str = "fed";
-    type Req = Req;
-    type Resp = Resp;
-    fn encode_req(r: &Req) -> Vec<u8> {
-        r.encode()
-    }
-    fn decode_req(b: &[u8]) -> Result<Req, PsError> {
-        Req::decode(b)
-    }
-    fn encode_resp(r: &Resp) -> Vec<u8> {
-        r.encode()
-    }
-    fn decode_resp(b: &[u8]) -> Result<Resp, PsError> {
-        Resp::decode(b)
-    }
-    fn error_resp(msg: String) -> Resp {
-        Resp::Error(msg)
-    }
-}
+kolo_ps::protocol!(
+    /// The federated-averaging protocol for `kolo_ps::net`.
+    Fed, "fed", Req, Resp, Resp::Error
+);

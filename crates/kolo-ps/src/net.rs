@@ -31,29 +31,41 @@ pub trait Protocol: 'static {
     fn error_resp(msg: String) -> Self::Resp;
 }
 
-/// The parameter servers' protocol.
-pub struct Ps;
+/// Declares a [`Protocol`] for request and answer types that have `encode(&self) -> Vec<u8>`,
+/// `decode(&[u8]) -> Result<Self, PsError>` and an `Error(String)` answer.
+#[macro_export]
+macro_rules! protocol {
+    ($(#[$m:meta])* $name:ident, $purpose:expr, $req:ty, $resp:ty, $error:path) => {
+        $(#[$m])*
+        pub struct $name;
 
-impl Protocol for Ps {
-    const PURPOSE: &'static str = PURPOSE;
-    type Req = Req;
-    type Resp = Resp;
-    fn encode_req(r: &Req) -> Vec<u8> {
-        r.encode()
-    }
-    fn decode_req(b: &[u8]) -> Result<Req, PsError> {
-        Req::decode(b)
-    }
-    fn encode_resp(r: &Resp) -> Vec<u8> {
-        r.encode()
-    }
-    fn decode_resp(b: &[u8]) -> Result<Resp, PsError> {
-        Resp::decode(b)
-    }
-    fn error_resp(msg: String) -> Resp {
-        Resp::Error(msg)
-    }
+        impl $crate::net::Protocol for $name {
+            const PURPOSE: &'static str = $purpose;
+            type Req = $req;
+            type Resp = $resp;
+            fn encode_req(r: &$req) -> Vec<u8> {
+                r.encode()
+            }
+            fn decode_req(b: &[u8]) -> Result<$req, $crate::PsError> {
+                <$req>::decode(b)
+            }
+            fn encode_resp(r: &$resp) -> Vec<u8> {
+                r.encode()
+            }
+            fn decode_resp(b: &[u8]) -> Result<$resp, $crate::PsError> {
+                <$resp>::decode(b)
+            }
+            fn error_resp(msg: String) -> $resp {
+                $error(msg)
+            }
+        }
+    };
 }
+
+protocol!(
+    /// The parameter servers' protocol.
+    Ps, PURPOSE, Req, Resp, Resp::Error
+);
 
 /// A client connection speaking protocol `P`; every byte in and out is counted.
 pub struct Channel<P: Protocol> {

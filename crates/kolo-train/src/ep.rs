@@ -7,7 +7,7 @@
 //! (ranks holding the same experts) and divided by the world size: the mean over every rank's
 //! loss, as DDP with every expert on every rank computes it.
 
-use crate::trainer::{evaluate_whole_gpt, load_data, peak_rss, replica_batches, RunOptions, StateBytes, Summary};
+use crate::trainer::{finish_whole_gpt, load_data, optimizer_step, replica_batches, RunOptions, Summary};
 use crate::TrainError;
 use kolo_base::{Exchange, Rng};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
@@ -120,11 +120,7 @@ pub fn run_expert_parallel(cfg: &crate::config::Config, comm: &dyn Communicator,
             let f = clip_factor(sq[0].sqrt(), max);
             grads.iter_mut().for_each(|x| *x *= f);
         }
-        opt.begin_step();
-        for i in 0..gpt.params().len() {
-            let r = gpt.params().get(i).range.clone();
-            gpt.params().update_one(i, &mut |p| opt.update(r.start, p, &grads[r.clone()], lr))?;
-        }
+        optimizer_step(gpt.params(), &mut opt, &grads, lr)?;
         comm_bytes.push((s.len() + e.len()) * 4);
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         heap_after = kolo_base::alloc::stats();
@@ -138,32 +134,5 @@ pub fn run_expert_parallel(cfg: &crate::config::Config, comm: &dyn Communicator,
     let mut flat = vec![0f32; gpt.full_numel()];
     gpt.ep_pieces_into(&gpt.params().to_flat()?, &mut flat, rep.rank().get() == 0, rank == 0)?;
     comm.all_reduce(BufMut::from(&mut flat[..]), ReduceOp::Sum)?;
-    let (mut eval, mut sample) = (None, None);
-    if rank == 0 && end == tc.steps {
-        let (e, s) = evaluate_whole_gpt(cfg, &gcfg, &flat, &data, &say)?;
-        eval = Some(e);
-        sample = s;
-    }
-    Ok(Summary {
-        steps_done: end,
-        last_loss,
-        eval,
-        step_ms,
-        comm_wait_ms: Vec::new(),
-        comm_bytes,
-        straggler: None,
-        hidden_fraction: 0.0,
-        params: flat,
-        sample,
-        checkpoint: None,
-        states: StateBytes { params: numel as u64 * 4, grads: numel as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
-        peak_rss: peak_rss(),
-        heap: crate::trainer::HeapReport::between(heap_before, heap_after),
-        skipped_steps: 0,
-        loss_scale: None,
-        ps: None,
-        pipeline_bubble: None,
-        moe,
-        batch_split: None,
-    })
+    finish_whole_gpt(cfg, &gcfg, &data, &say, rank == 0, end, last_loss, step_ms, comm_bytes, flat, numel, &opt, (heap_before, heap_after), moe)
 }

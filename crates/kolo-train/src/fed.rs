@@ -168,11 +168,7 @@ pub fn client(cfg: &Config, addr: &str, token: &JobToken, index: usize, record: 
                         let b = train.batch(chunk);
                         let g = model.loss(&b, &PlainView)?.backward().map_err(te)?;
                         model.params().grads_into(&g, &mut grads)?;
-                        opt.begin_step();
-                        for i in 0..model.params().len() {
-                            let r = model.params().get(i).range.clone();
-                            model.params().update_one(i, &mut |p| opt.update(r.start, p, &grads[r.clone()], cfg.optim.lr))?;
-                        }
+                        crate::trainer::optimizer_step(model.params(), &mut opt, &grads, cfg.optim.lr)?;
                     }
                 }
                 let delta: Vec<f32> = model.params().to_flat()?.iter().zip(&t.params).map(|(a, b)| a - b).collect();

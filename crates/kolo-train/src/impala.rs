@@ -261,12 +261,8 @@ pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<
             let g = loss.backward().map_err(te)?;
             model.params().grads_into(&g, &mut grads)?;
             let f = clip_factor(kolo_base::sum_of_squares(&grads).sqrt(), cfg.clip_norm);
-            opt.begin_step();
-            for i in 0..model.params().len() {
-                let r = model.params().get(i).range.clone();
-                let gi: Vec<f32> = grads[r.clone()].iter().map(|x| x * f).collect();
-                model.params().update_one(i, &mut |p| opt.update(r.start, p, &gi, cfg.lr))?;
-            }
+            grads.iter_mut().for_each(|g| *g *= f);
+            crate::trainer::optimizer_step(model.params(), &mut opt, &grads, cfg.lr)?;
             learner_steps += 1;
             *published.write().unwrap_or_else(|p| p.into_inner()) = Arc::new((learner_steps, model.params().to_flat()?));
             let learned = learner_steps * (cfg.batch * cfg.unroll) as u64;

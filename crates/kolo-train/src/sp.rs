@@ -4,7 +4,7 @@
 //! rank's loss is the mean over its chunk, so averaging the gradients over every rank (all
 //! chunks of all data-parallel replicas) gives the gradient of the whole batch's mean loss.
 
-use crate::trainer::{replica_batches, evaluate_whole_gpt, load_data, peak_rss, RunOptions, StateBytes, Summary};
+use crate::trainer::{finish_whole_gpt, load_data, optimizer_step, replica_batches, RunOptions, Summary};
 use crate::TrainError;
 use kolo_base::{Rank, RingShift, Rng};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
@@ -100,11 +100,7 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
             let f = clip_factor(sum_of_squares(&grads).sqrt(), max);
             grads.iter_mut().for_each(|x| *x *= f);
         }
-        opt.begin_step();
-        for i in 0..gpt.params().len() {
-            let r = gpt.params().get(i).range.clone();
-            gpt.params().update_one(i, &mut |p| opt.update(r.start, p, &grads[r.clone()], lr))?;
-        }
+        optimizer_step(gpt.params(), &mut opt, &grads, lr)?;
         comm_bytes.push(numel * 4);
         step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         heap_after = kolo_base::alloc::stats();
@@ -114,34 +110,5 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
         }
     }
     let flat = gpt.params().to_flat()?;
-    let mut eval = None;
-    let mut sample = None;
-    if global_rank == 0 && end == tc.steps {
-        // Whole sequences, with an unsplit copy of the model.
-        let (e, s) = evaluate_whole_gpt(cfg, &gcfg, &flat, &data, &say)?;
-        eval = Some(e);
-        sample = s;
-    }
-    Ok(Summary {
-        steps_done: end,
-        last_loss,
-        eval,
-        step_ms,
-        comm_wait_ms: Vec::new(),
-        comm_bytes,
-        straggler: None,
-        hidden_fraction: 0.0,
-        params: flat,
-        sample,
-        checkpoint: None,
-        states: StateBytes { params: numel as u64 * 4, grads: numel as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
-        peak_rss: peak_rss(),
-        heap: crate::trainer::HeapReport::between(heap_before, heap_after),
-        skipped_steps: 0,
-        loss_scale: None,
-        ps: None,
-        pipeline_bubble: None,
-        moe: None,
-        batch_split: None,
-    })
+    finish_whole_gpt(cfg, &gcfg, &data, &say, global_rank == 0, end, last_loss, step_ms, comm_bytes, flat, numel, &opt, (heap_before, heap_after), None)
 }

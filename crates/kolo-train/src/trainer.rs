@@ -93,6 +93,67 @@ pub struct Summary {
     pub batch_split: Option<Vec<usize>>,
 }
 
+/// One optimizer step of every parameter of `params` (whole flat layout) with `grads`.
+pub(crate) fn optimizer_step(params: &kolo_tensor::ParamSet, opt: &mut Optimizer, grads: &[f32], lr: f32) -> Result<(), TrainError> {
+    opt.begin_step();
+    for i in 0..params.len() {
+        let r = params.get(i).range.clone();
+        params.update_one(i, &mut |p| opt.update(r.start, p, &grads[r.clone()], lr))?;
+    }
+    Ok(())
+}
+
+/// The end of a run whose own model copy is split or chunked (sequence and expert
+/// parallelism): rank 0 (`lead_eval`) evaluates a whole GPT rebuilt from `flat`, and the summary
+/// reports this rank's `numel` values of parameters, gradients and optimizer state.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn finish_whole_gpt(
+    cfg: &Config,
+    gcfg: &kolo_tensor::models::GptConfig,
+    data: &Data,
+    say: &dyn Fn(&str),
+    lead_eval: bool,
+    end: u64,
+    last_loss: f64,
+    step_ms: Vec<f64>,
+    comm_bytes: Vec<usize>,
+    flat: Vec<f32>,
+    numel: usize,
+    opt: &Optimizer,
+    heap: (Option<usize>, Option<kolo_base::alloc::HeapStats>),
+    moe: Option<kolo_tensor::models::MoeLoad>,
+) -> Result<Summary, TrainError> {
+    let (mut eval, mut sample) = (None, None);
+    if lead_eval && end == cfg.train.steps {
+        // Whole sequences, with an unsplit copy of the model.
+        let (e, s) = evaluate_whole_gpt(cfg, gcfg, &flat, data, say)?;
+        eval = Some(e);
+        sample = s;
+    }
+    Ok(Summary {
+        steps_done: end,
+        last_loss,
+        eval,
+        step_ms,
+        comm_wait_ms: Vec::new(),
+        comm_bytes,
+        straggler: None,
+        hidden_fraction: 0.0,
+        params: flat,
+        sample,
+        checkpoint: None,
+        states: StateBytes { params: numel as u64 * 4, grads: numel as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
+        peak_rss: peak_rss(),
+        heap: HeapReport::between(heap.0, heap.1),
+        skipped_steps: 0,
+        loss_scale: None,
+        ps: None,
+        pipeline_bubble: None,
+        moe,
+        batch_split: None,
+    })
+}
+
 /// Live heap bytes at three points of a run (see `kolo_base::alloc`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeapReport {
