@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Gradient compression and Local SGD on the GPT (bench/gpt.toml), 2 ranks, on links shaped by
-# bench/netem.sh (root): step time and bytes per step for each method at each rate.
-#   bash bench/compression.sh [RATES...]      (default: 100mbit 1gbit)
+# Gradient compression and Local SGD on the GPT (bench/gpt.toml), N ranks (default 2), on links
+# shaped by bench/netem.sh (root): step time and bytes per step for each method at each rate.
+#   [N=4] bash bench/compression.sh [RATES...]      (default: 100mbit 1gbit)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+N=${N:-2}
 RATES=("${@:-100mbit 1gbit}")
 [ $# -eq 0 ] && RATES=(100mbit 1gbit)
 methods=(
@@ -20,7 +21,7 @@ for rate in "${RATES[@]}"; do
     name=${m%%|*} ddp=${m#*|}
     cfg=$(mktemp --suffix=.toml)
     sed "s/^\[train\]/[ddp]\n$ddp\n\n[train]/" bench/gpt.toml > "$cfg"
-    bash bench/netem.sh "$cfg" 2 "$rate" 0ms --steps 10 2>/dev/null | grep -E '^\[rank 0\] (done|gradient)' | tr '\n' ' ' | sed "s/^/$rate | $name | /"
+    bash bench/netem.sh "$cfg" "$N" "$rate" 0ms --steps 10 2>/dev/null | grep -E '^\[rank 0\] (done|gradient)' | tr '\n' ' ' | sed "s/^/$N ranks | $rate | $name | /"
     echo
     rm -f "$cfg"
   done

@@ -50,6 +50,29 @@ pub fn topk(x: &[f32], fraction: f64) -> Sparse {
     Sparse { len: x.len(), values: idx.iter().map(|i| x[*i as usize]).collect(), indices: idx }
 }
 
+/// Top-k by a sampled threshold (Deep Gradient Compression, Lin et al. 2018): the magnitude at
+/// the `fraction` quantile of `sample` randomly chosen values is the threshold and every value at
+/// or above it is kept — about k of them, without selecting over the whole buffer. When more than
+/// twice k pass, the exact top k of those are kept. Buffers no longer than `sample` are exact.
+pub fn topk_sampled(x: &[f32], fraction: f64, sample: usize, seed: u64) -> Sparse {
+    let k = keep_count(x.len(), fraction);
+    if x.len() <= sample.max(1) {
+        return topk(x, fraction);
+    }
+    let mut rng = Rng::new(seed);
+    let mut mags: Vec<f32> = (0..sample).map(|_| x[rng.below(x.len() as u64) as usize].abs()).collect();
+    let at = keep_count(sample, fraction) - 1;
+    mags.select_nth_unstable_by(at, |a, b| b.total_cmp(a));
+    let threshold = mags[at];
+    let mut idx: Vec<u32> = (0..x.len() as u32).filter(|&i| x[i as usize].abs() >= threshold).collect();
+    if idx.len() > 2 * k {
+        idx.select_nth_unstable_by(k, |a, b| x[*b as usize].abs().total_cmp(&x[*a as usize].abs()).then(a.cmp(b)));
+        idx.truncate(k);
+        idx.sort_unstable();
+    }
+    Sparse { len: x.len(), values: idx.iter().map(|i| x[*i as usize]).collect(), indices: idx }
+}
+
 /// `fraction` of the positions chosen at random from `seed` (the same on every rank that uses
 /// the same seed), values scaled by len/k so that the result is unbiased.
 pub fn randk(x: &[f32], fraction: f64, seed: u64) -> Sparse {

@@ -108,3 +108,22 @@ fn powersgd_at_full_rank_is_exact_and_low_rank_matrices_are_recovered() {
     assert!(err < 1e-4, "rank-1 error {err}");
     assert!(powersgd::worth_it(256, 256, 4) && !powersgd::worth_it(4, 4, 4) && !powersgd::worth_it(1, 100, 1));
 }
+
+/// A sampled threshold keeps about k values (here within a factor of 2), every one of them at
+/// least as large as every value it drops; short buffers are selected exactly.
+#[test]
+fn sampled_threshold_topk_keeps_about_k_of_the_largest() {
+    let mut r = kolo_base::Rng::new(4);
+    let x: Vec<f32> = (0..100_000).map(|_| r.normal() as f32).collect();
+    let k = sparse::keep_count(x.len(), 0.01);
+    let s = sparse::topk_sampled(&x, 0.01, 4096, 7);
+    assert!(s.indices.len() >= k / 2 && s.indices.len() <= 2 * k, "{} kept for k = {k}", s.indices.len());
+    let kept_min = s.values.iter().map(|v| v.abs()).fold(f32::INFINITY, f32::min);
+    let mut kept = vec![false; x.len()];
+    s.indices.iter().for_each(|&i| kept[i as usize] = true);
+    let dropped_max = x.iter().enumerate().filter(|(i, _)| !kept[*i]).map(|(_, v)| v.abs()).fold(0f32, f32::max);
+    assert!(kept_min >= dropped_max, "kept {kept_min} < dropped {dropped_max}");
+    assert!(s.indices.windows(2).all(|w| w[0] < w[1]));
+    let small: Vec<f32> = (0..100).map(|i| i as f32).collect();
+    assert_eq!(sparse::topk_sampled(&small, 0.1, 4096, 1), sparse::topk(&small, 0.1));
+}

@@ -69,19 +69,39 @@ fn gather_all<T: Element>(c: &dyn Communicator, mine: &[T]) -> Result<Vec<T>, Co
     Ok(all)
 }
 
-/// Top-k with error feedback: every rank sends its k largest (index, value) pairs (all-gather)
-/// and everyone sums them.
+/// Top-k with error feedback: every rank selects its k largest (index, value) pairs (exactly, or
+/// above a threshold estimated from a sample) and the pairs are summed: all-gathered, or by the
+/// sparse all-reduce (SparCML), which sends shared indices once.
 pub struct TopK {
     pub fraction: f64,
+    pub sampled: bool,
+    pub sparse_all_reduce: bool,
+    pub step: u64,
     pub ef: ErrorFeedback,
 }
+
+/// Values a sampled threshold looks at.
+const THRESHOLD_SAMPLE: usize = 4096;
 
 impl BucketCodec for TopK {
     fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
         let n = c.world_size().get();
         self.ef.add_into(buf);
-        let s = sparse::topk(buf, self.fraction);
+        let s = if self.sampled {
+            self.step += 1;
+            sparse::topk_sampled(buf, self.fraction, THRESHOLD_SAMPLE, self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ c.rank().get() as u64)
+        } else {
+            sparse::topk(buf, self.fraction)
+        };
         self.ef.keep(buf, &s.to_dense());
+        if self.sparse_all_reduce {
+            let (sum, sent) = crate::sparse_ar::sparse_all_reduce(c, &s)?;
+            buf.iter_mut().for_each(|v| *v = 0.0);
+            for (i, v) in sum.indices.iter().zip(&sum.values) {
+                buf[*i as usize] = v / n as f32;
+            }
+            return Ok(sent);
+        }
         let idx: Vec<i32> = s.indices.iter().map(|i| *i as i32).collect();
         let k = idx.len();
         let all_idx = gather_all(c, &idx)?;

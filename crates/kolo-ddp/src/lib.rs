@@ -21,6 +21,7 @@
 //! The crate knows no tensor library: it sees flat `f32` buffers only.
 
 pub mod codecs;
+pub mod sparse_ar;
 pub mod powersgd;
 pub use codecs::{BucketCodec, CodecFactory};
 pub mod shard;
@@ -73,8 +74,9 @@ pub enum Compression {
     None,
     /// All-reduce in f16 or bf16.
     Half { bf16: bool },
-    /// The `fraction` largest values per rank, with error feedback.
-    TopK { fraction: f64 },
+    /// The `fraction` largest values per rank, with error feedback: selected exactly or by a
+    /// sampled threshold, exchanged by all-gather or by a sparse all-reduce.
+    TopK { fraction: f64, sampled: bool, sparse_all_reduce: bool },
     /// `fraction` of the positions, the same on every rank, with error feedback.
     RandK { fraction: f64 },
     /// QSGD with `levels` levels (unbiased).
@@ -347,7 +349,7 @@ impl Ddp {
                     let codec: Box<dyn BucketCodec> = match &cfg.compression {
                         Compression::None => unreachable!("handled above"),
                         Compression::Half { bf16 } => Box::new(codecs::Half { bf16: *bf16 }),
-                        Compression::TopK { fraction } => Box::new(codecs::TopK { fraction: *fraction, ef: ef() }),
+                        Compression::TopK { fraction, sampled, sparse_all_reduce } => Box::new(codecs::TopK { fraction: *fraction, sampled: *sampled, sparse_all_reduce: *sparse_all_reduce, step: 0, ef: ef() }),
                         Compression::RandK { fraction } => Box::new(codecs::RandK { fraction: *fraction, seed: b as u64, step: 0, ef: ef() }),
                         Compression::Qsgd { levels } => Box::new(codecs::Qsgd { levels: *levels, rng: kolo_base::Rng::new(0xC0DE ^ ((rank.get() as u64) << 32) ^ b as u64) }),
                         Compression::Sign => Box::new(codecs::Sign { ef: ef() }),

@@ -20,3 +20,77 @@ fn plan_reverses_and_caps() {
     let p = bucket_plan(&[4, 4, 4, 4, 4], 4, 100);
     assert_eq!(p.iter().map(|b| b.params.clone()).collect::<Vec<_>>(), vec![vec![4], vec![3, 2, 1, 0]]);
 }
+
+mod sparse_all_reduce {
+    use crate::codecs::{BucketCodec, TopK};
+    use kolo_compress::ErrorFeedback;
+    use crate::sparse_ar::{merge, sparse_all_reduce};
+    use kolo_base::{Rng, WorldSize};
+    use kolo_comm::LocalComm;
+    use kolo_compress::sparse::Sparse;
+    use kolo_testkit::run_ranks;
+
+    fn random_sparse(len: usize, k: usize, seed: u64) -> Sparse {
+        let mut r = Rng::new(seed);
+        let mut idx: Vec<u32> = (0..k).map(|_| r.below(len as u64) as u32).collect();
+        idx.sort_unstable();
+        idx.dedup();
+        let values = idx.iter().map(|_| (r.below(200) as f32) - 100.0).collect();
+        Sparse { len, indices: idx, values }
+    }
+
+    #[test]
+    fn merging_sums_shared_indices_in_order() {
+        let a = Sparse { len: 10, indices: vec![1, 4, 7], values: vec![1.0, 2.0, 3.0] };
+        let b = Sparse { len: 10, indices: vec![0, 4, 9], values: vec![5.0, 6.0, 7.0] };
+        let m = merge(&a, &b);
+        assert_eq!((m.indices, m.values), (vec![0, 1, 4, 7, 9], vec![5.0, 1.0, 8.0, 3.0, 7.0]));
+        assert_eq!(merge(&a, &Sparse { len: 10, indices: vec![], values: vec![] }), a);
+    }
+
+    /// Every world size 1..=6 (powers of two and not), overlapping and empty index sets: every
+    /// rank ends with the dense sum (small integers: exact); with a power-of-two world a rank
+    /// sends no more pairs than an all-gather would send it.
+    #[test]
+    fn sparse_all_reduce_is_the_dense_sum_on_every_rank() {
+        for p in 1..=6usize {
+            for (len, k) in [(1000, 50), (97, 97), (13, 0), (5000, 3)] {
+                let inputs: Vec<Sparse> = (0..p).map(|r| random_sparse(len, k, 31 * p as u64 + r as u64)).collect();
+                let mut want = vec![0f32; len];
+                inputs.iter().for_each(|s| s.add_into(&mut want));
+                let got = run_ranks(LocalComm::create(WorldSize::new(p).unwrap()), |r, c| sparse_all_reduce(&c, &inputs[r]).unwrap());
+                for (r, (s, sent)) in got.iter().enumerate() {
+                    assert_eq!(s.to_dense(), want, "p {p} len {len} k {k} rank {r}");
+                    assert!(s.indices.windows(2).all(|w| w[0] < w[1]));
+                    // Powers of two: at most (p - 1) k pairs (what an all-gather sends every rank),
+                    // plus an 8-byte length per exchange; otherwise the folding adds up to 2 p k.
+                    let kk = inputs.iter().map(|s| s.indices.len()).max().unwrap();
+                    let bound = if p.is_power_of_two() { (p - 1) * kk * 8 } else { 2 * p * kk * 8 } + 8 * 2 * p;
+                    assert!(*sent <= bound, "p {p}: rank {r} sent {sent} bytes (bound {bound})");
+                }
+            }
+        }
+    }
+
+    /// The top-k codec with the sparse all-reduce computes what the all-gather version does.
+    #[test]
+    fn topk_over_the_sparse_all_reduce_equals_the_all_gather_version() {
+        let p = 4;
+        let grads: Vec<Vec<f32>> = (0..p).map(|r| { let mut g = Rng::new(r as u64 + 9); (0..2000).map(|_| g.normal() as f32).collect() }).collect();
+        let run = |sparse: bool| {
+            run_ranks(LocalComm::create(WorldSize::new(p).unwrap()), |r, c| {
+                let mut codec = TopK { fraction: 0.05, sampled: false, sparse_all_reduce: sparse, step: 0, ef: ErrorFeedback::new(2000) };
+                let mut buf = grads[r].clone();
+                let sent = codec.all_reduce(&c, &mut buf).unwrap();
+                (buf, sent)
+            })
+        };
+        let (dense, sparse) = (run(false), run(true));
+        for r in 0..p {
+            let d = dense[r].0.iter().zip(&sparse[r].0).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-6, "rank {r}: {d}");
+        }
+        // An all-gather sends every rank (p - 1) k pairs (the codec reports its own k pairs).
+        assert!(sparse[0].1 <= dense[0].1 * (p - 1) + 8 * 2 * p, "{} vs {} x {}", sparse[0].1, dense[0].1, p - 1);
+    }
+}

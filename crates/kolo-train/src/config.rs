@@ -534,6 +534,29 @@ pub struct CompressionConfig {
     /// Uncompressed steps first (torch's `start_powerSGD_iter`, default 10).
     #[serde(default = "ten")]
     pub warmup_steps: u64,
+    /// topk: `exact` selection (default) or a `sampled` threshold (Deep Gradient Compression).
+    #[serde(default)]
+    pub threshold: TopkThreshold,
+    /// topk: `allgather` every rank's pairs (default) or `sparse`: a sparse all-reduce
+    /// (recursive doubling that merges pairs, SparCML).
+    #[serde(default)]
+    pub exchange: TopkExchange,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TopkThreshold {
+    #[default]
+    Exact,
+    Sampled,
+}
+
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TopkExchange {
+    #[default]
+    Allgather,
+    Sparse,
 }
 
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -758,7 +781,7 @@ impl Config {
             CompressionMethod::Powersgd => C::PowerSgd { rank: c.rank },
             CompressionMethod::Fp16 => C::Half { bf16: false },
             CompressionMethod::Bf16 => C::Half { bf16: true },
-            CompressionMethod::Topk => C::TopK { fraction: c.fraction },
+            CompressionMethod::Topk => C::TopK { fraction: c.fraction, sampled: c.threshold == TopkThreshold::Sampled, sparse_all_reduce: c.exchange == TopkExchange::Sparse },
             CompressionMethod::Randk => C::RandK { fraction: c.fraction },
             CompressionMethod::Qsgd => C::Qsgd { levels: c.levels },
             CompressionMethod::Sign => C::Sign,

@@ -209,7 +209,8 @@ fn every_codec_averages_buckets_and_user_codecs_plug_in() {
     let cases = [
         (Compression::Half { bf16: false }, 5e-3f32),
         (Compression::Half { bf16: true }, 3e-2),
-        (Compression::TopK { fraction: 0.25 }, 0.2),
+        (Compression::TopK { fraction: 0.25, sampled: false, sparse_all_reduce: false }, 0.2),
+        (Compression::TopK { fraction: 0.25, sampled: true, sparse_all_reduce: true }, 0.2),
         (Compression::RandK { fraction: 0.25 }, 0.2),
         (Compression::Qsgd { levels: 16 }, 0.2),
         (Compression::Sign, 0.3),

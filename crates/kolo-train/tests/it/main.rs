@@ -384,6 +384,12 @@ fn compressed_training_converges_near_uncompressed_with_fewer_bytes() {
         assert!(acc > a.accuracy.unwrap() - margin, "{method}: accuracy {acc} vs {:?}", a.accuracy);
         assert!(ratio >= min_ratio, "{method}: compression ratio {ratio}");
     }
+    // Top-k with a sampled threshold, summed by the sparse all-reduce.
+    let cfg = mlp("[ddp]\ncompression = { method = \"topk\", fraction = 0.1, threshold = \"sampled\", exchange = \"sparse\", warmup_steps = 10 }\n");
+    let s = &train_on(2, &cfg, &quiet())[0];
+    let acc = s.eval.as_ref().unwrap().accuracy.unwrap();
+    assert!(acc > a.accuracy.unwrap() - 0.02, "sampled top-k over the sparse all-reduce: accuracy {acc} vs {:?}", a.accuracy);
+    assert!(plain.comm_bytes.last().unwrap() / s.comm_bytes.last().unwrap() >= 3);
 
     let gpt = |extra: &str| gpt_cfg(&format!("[optim]\nkind = \"adamw\"\nlr = 3e-3\n[train]\nsteps = 120\neval_batches = 8\nsample_chars = 0\n{extra}"), 8);
     let plain = &train_on(2, &gpt(""), &quiet())[0];
