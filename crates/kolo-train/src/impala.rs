@@ -114,7 +114,8 @@ pub struct ImpalaReport {
     pub mean_lag: f64,
 }
 
-struct Trajectory {
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trajectory {
     /// unroll + 1 observations.
     obs: Vec<f32>,
     actions: Vec<usize>,
@@ -129,50 +130,225 @@ struct Trajectory {
 /// The published policy: its version (learner steps) and flat parameters.
 type Published = Arc<RwLock<Arc<(u64, Vec<f32>)>>>;
 
-fn actor(cfg: ImpalaConfig, id: usize, sizes: Vec<usize>, policy_params: Published, out: SyncSender<Trajectory>, stop: Arc<AtomicBool>, steps: Arc<AtomicU64>, dropped: Arc<AtomicU64>) {
-    let mut env = cfg.env.make();
-    let mut rng = Rng::new(cfg.seed.wrapping_mul(1_000_003).wrapping_add(id as u64 + 1));
-    let mut obs = env.reset(&mut rng);
-    let mut ret = 0f32;
-    let a = env.actions();
-    while !stop.load(Ordering::Relaxed) {
-        // The newest policy there is; never waits for a new one.
-        let snapshot = policy_params.read().unwrap_or_else(|p| p.into_inner()).clone();
-        let (version, params) = (&snapshot.0, &snapshot.1);
-        let mut t = Trajectory { obs: Vec::with_capacity((cfg.unroll + 1) * obs.len()), actions: Vec::new(), rewards: Vec::new(), dones: Vec::new(), behaviour_logp: Vec::new(), version: *version, finished: Vec::new() };
-        for _ in 0..cfg.unroll {
-            t.obs.extend_from_slice(&obs);
-            let out = policy::mlp_eval(params, &sizes, &obs);
-            let (action, logp) = policy::sample(&out[..a], &mut rng);
-            let (next, r, done) = env.step(action);
-            ret += r;
+/// An actor's environment and where it is in its episode.
+struct Unroller {
+    env: Box<dyn Env>,
+    rng: Rng,
+    obs: Vec<f32>,
+    ret: f32,
+    sizes: Vec<usize>,
+    unroll: usize,
+}
+
+impl Unroller {
+    fn new(cfg: &ImpalaConfig, id: usize, sizes: Vec<usize>) -> Unroller {
+        let mut env = cfg.env.make();
+        let mut rng = Rng::new(cfg.seed.wrapping_mul(1_000_003).wrapping_add(id as u64 + 1));
+        let obs = env.reset(&mut rng);
+        Unroller { env, rng, obs, ret: 0.0, sizes, unroll: cfg.unroll }
+    }
+
+    /// `unroll` steps with the policy `params` of `version`.
+    fn run(&mut self, params: &[f32], version: u64) -> Trajectory {
+        let a = self.env.actions();
+        let mut t = Trajectory { obs: Vec::with_capacity((self.unroll + 1) * self.obs.len()), actions: Vec::new(), rewards: Vec::new(), dones: Vec::new(), behaviour_logp: Vec::new(), version, finished: Vec::new() };
+        for _ in 0..self.unroll {
+            t.obs.extend_from_slice(&self.obs);
+            let out = policy::mlp_eval(params, &self.sizes, &self.obs);
+            let (action, logp) = policy::sample(&out[..a], &mut self.rng);
+            let (next, r, done) = self.env.step(action);
+            self.ret += r;
             t.actions.push(action);
             t.rewards.push(r);
             t.dones.push(done);
             t.behaviour_logp.push(logp);
-            obs = if done {
-                t.finished.push(ret);
-                ret = 0.0;
-                env.reset(&mut rng)
+            self.obs = if done {
+                t.finished.push(self.ret);
+                self.ret = 0.0;
+                self.env.reset(&mut self.rng)
             } else {
                 next
             };
         }
-        t.obs.extend_from_slice(&obs);
+        t.obs.extend_from_slice(&self.obs);
+        t
+    }
+}
+
+/// Hands a trajectory to the learner's queue without waiting: a full queue drops it (counted).
+fn offer(out: &SyncSender<Trajectory>, t: Trajectory, dropped: &AtomicU64) -> bool {
+    match out.try_send(t) {
+        Ok(()) => true,
+        Err(TrySendError::Full(_)) => {
+            dropped.fetch_add(1, Ordering::Relaxed);
+            true
+        }
+        Err(TrySendError::Disconnected(_)) => false,
+    }
+}
+
+fn actor(cfg: ImpalaConfig, id: usize, sizes: Vec<usize>, policy_params: Published, out: SyncSender<Trajectory>, stop: Arc<AtomicBool>, steps: Arc<AtomicU64>, dropped: Arc<AtomicU64>) {
+    let mut u = Unroller::new(&cfg, id, sizes);
+    while !stop.load(Ordering::Relaxed) {
+        // The newest policy there is; never waits for a new one.
+        let snapshot = policy_params.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let t = u.run(&snapshot.1, snapshot.0);
         steps.fetch_add(cfg.unroll as u64, Ordering::Relaxed);
-        match out.try_send(t) {
-            Ok(()) => {}
-            Err(TrySendError::Full(_)) => {
-                dropped.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(TrySendError::Disconnected(_)) => return,
+        if !offer(&out, t, &dropped) {
+            return;
         }
     }
 }
 
+/// What an actor process sends the learner.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ActorReq {
+    /// The first message: the current policy, please.
+    Hello,
+    /// A trajectory made with policy version `t.version`.
+    Trajectory(Trajectory),
+}
+
+/// What the learner answers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LearnerResp {
+    /// A newer policy.
+    Params { version: u64, params: Vec<f32> },
+    /// Taken (or dropped by a full queue); the actor's policy is still the newest.
+    Ack,
+    /// The run is over.
+    Stop,
+    Error(String),
+}
+
+impl ActorReq {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = kolo_ps::codec::Writer::default();
+        match self {
+            ActorReq::Hello => {
+                w.u8(1);
+            }
+            ActorReq::Trajectory(t) => {
+                w.u8(2).u64(t.version).f32s(&t.obs).u32s(&t.actions.iter().map(|&a| a as u32).collect::<Vec<_>>()).f32s(&t.rewards).f32s(&t.behaviour_logp).f32s(&t.finished);
+                w.u64(t.dones.len() as u64);
+                for d in &t.dones {
+                    w.u8(u8::from(*d));
+                }
+            }
+        }
+        w.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<ActorReq, kolo_ps::PsError> {
+        let mut r = kolo_ps::codec::Reader::new(b);
+        let req = match r.u8()? {
+            1 => ActorReq::Hello,
+            2 => {
+                let version = r.u64()?;
+                let obs = r.f32s()?;
+                let actions: Vec<usize> = r.u32s()?.into_iter().map(|a| a as usize).collect();
+                let (rewards, behaviour_logp, finished) = (r.f32s()?, r.f32s()?, r.f32s()?);
+                let n = r.u64()? as usize;
+                if n != actions.len() || rewards.len() != n || behaviour_logp.len() != n {
+                    return Err(kolo_ps::PsError::Protocol(format!("a trajectory of {n} steps with {} actions, {} rewards, {} log-probabilities", actions.len(), rewards.len(), behaviour_logp.len())));
+                }
+                let dones = (0..n).map(|_| Ok(r.u8()? != 0)).collect::<Result<_, kolo_ps::PsError>>()?;
+                ActorReq::Trajectory(Trajectory { obs, actions, rewards, dones, behaviour_logp, version, finished })
+            }
+            t => return Err(kolo_ps::PsError::Protocol(format!("unknown actor message tag {t}"))),
+        };
+        r.end()?;
+        Ok(req)
+    }
+}
+
+impl LearnerResp {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = kolo_ps::codec::Writer::default();
+        match self {
+            LearnerResp::Params { version, params } => {
+                w.u8(1).u64(*version).f32s(params);
+            }
+            LearnerResp::Ack => {
+                w.u8(2);
+            }
+            LearnerResp::Stop => {
+                w.u8(3);
+            }
+            LearnerResp::Error(m) => {
+                w.u8(4).str(m);
+            }
+        }
+        w.0
+    }
+
+    pub fn decode(b: &[u8]) -> Result<LearnerResp, kolo_ps::PsError> {
+        let mut r = kolo_ps::codec::Reader::new(b);
+        let resp = match r.u8()? {
+            1 => LearnerResp::Params { version: r.u64()?, params: r.f32s()? },
+            2 => LearnerResp::Ack,
+            3 => LearnerResp::Stop,
+            4 => LearnerResp::Error(r.str()?),
+            t => return Err(kolo_ps::PsError::Protocol(format!("unknown learner answer tag {t}"))),
+        };
+        r.end()?;
+        Ok(resp)
+    }
+}
+
+kolo_ps::protocol!(
+    /// Actor processes and the learner (handshake purpose "impala").
+    ImpalaProtocol, "impala", ActorReq, LearnerResp, LearnerResp::Error
+);
+
+/// An actor process: connects to the learner at `addr`, unrolls with the newest policy it has
+/// and sends each trajectory; a newer policy comes back with the answer. Never waits for the
+/// learner beyond the round trip. Returns the environment steps it took.
+pub fn actor_process(cfg: &ImpalaConfig, addr: &str, token: &kolo_rendezvous::JobToken, id: usize) -> Result<u64, TrainError> {
+    let e = |e: kolo_ps::PsError| TrainError::Other(format!("actor {id}: {e}"));
+    let mut conn = kolo_ps::net::Channel::<ImpalaProtocol>::connect(addr, token, std::time::Duration::from_secs(30)).map_err(e)?;
+    let probe = cfg.env.make();
+    let mut sizes = vec![probe.obs_len()];
+    sizes.extend(&cfg.hidden);
+    sizes.push(probe.actions() + 1);
+    let mut u = Unroller::new(cfg, id, sizes);
+    let (mut version, mut params) = match conn.call(&ActorReq::Hello).map_err(e)? {
+        LearnerResp::Params { version, params } => (version, params),
+        LearnerResp::Stop => return Ok(0),
+        other => return Err(TrainError::Other(format!("actor {id}: the learner answered {other:?}"))),
+    };
+    let mut steps = 0;
+    loop {
+        let t = u.run(&params, version);
+        steps += cfg.unroll as u64;
+        match conn.call(&ActorReq::Trajectory(t)).map_err(e)? {
+            LearnerResp::Params { version: v, params: p } => {
+                version = v;
+                params = p;
+            }
+            LearnerResp::Ack => {}
+            LearnerResp::Stop => return Ok(steps),
+            LearnerResp::Error(m) => return Err(TrainError::Other(format!("actor {id}: the learner refused: {m}"))),
+        }
+    }
+}
+
+/// Actors in other processes: the learner listens on `listen` for them (job token `token`) and
+/// calls `spawn` with its address once it does.
+pub struct RemoteActors<'a> {
+    pub listen: &'a str,
+    pub token: kolo_rendezvous::JobToken,
+    pub spawn: &'a mut dyn FnMut(&str) -> Result<(), TrainError>,
+}
+
 /// Runs IMPALA until `max_env_steps` learned from or the target; `on_progress` sees (learned
-/// env steps, mean return).
+/// env steps, mean return). Actors are threads of this process.
 pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<ImpalaReport, TrainError> {
+    run_with(cfg, None, on_progress)
+}
+
+/// [`run`], with the actors in other processes when `remote` is given.
+pub fn run_with(cfg: &ImpalaConfig, remote: Option<RemoteActors<'_>>, on_progress: &mut dyn FnMut(u64, f64)) -> Result<ImpalaReport, TrainError> {
     if cfg.actors == 0 || cfg.unroll == 0 || cfg.batch == 0 {
         return Err(TrainError::Config("impala: actors, unroll and batch must be at least 1".into()));
     }
@@ -187,7 +363,38 @@ pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<
     let (tx, rx): (SyncSender<Trajectory>, Receiver<Trajectory>) = sync_channel(cfg.queue.max(1));
     let stop = Arc::new(AtomicBool::new(false));
     let (steps, dropped) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let actors: Vec<_> = (0..cfg.actors)
+    let mut listener = None;
+    if let Some(r) = remote {
+        let (tx, published, stop, steps, dropped, unroll) = (tx.clone(), published.clone(), stop.clone(), steps.clone(), dropped.clone(), cfg.unroll);
+        let handler: kolo_ps::net::HandlerOf<ImpalaProtocol> = Arc::new(move |_: &mut kolo_ps::net::ConnState, req: ActorReq, _| {
+            if stop.load(Ordering::Relaxed) {
+                return LearnerResp::Stop;
+            }
+            let have = match req {
+                ActorReq::Hello => None,
+                ActorReq::Trajectory(t) => {
+                    if t.actions.len() != unroll {
+                        return LearnerResp::Error(format!("a trajectory of {} steps, the learner unrolls {unroll}", t.actions.len()));
+                    }
+                    steps.fetch_add(unroll as u64, Ordering::Relaxed);
+                    let v = t.version;
+                    offer(&tx, t, &dropped);
+                    Some(v)
+                }
+            };
+            let latest = published.read().unwrap_or_else(|p| p.into_inner()).clone();
+            if have == Some(latest.0) {
+                LearnerResp::Ack
+            } else {
+                LearnerResp::Params { version: latest.0, params: latest.1.clone() }
+            }
+        });
+        let l = kolo_ps::net::Listener::start_with::<ImpalaProtocol>(r.listen, r.token, "impala", handler).map_err(|e| TrainError::Other(format!("impala learner on {}: {e}", r.listen)))?;
+        (r.spawn)(&l.addr.to_string())?;
+        listener = Some(l);
+    }
+    let local_actors = if listener.is_some() { 0 } else { cfg.actors };
+    let actors: Vec<_> = (0..local_actors)
         .map(|id| {
             let (c, s, p, o, st, n, d) = (cfg.clone(), sizes.clone(), published.clone(), tx.clone(), stop.clone(), steps.clone(), dropped.clone());
             std::thread::Builder::new().name(format!("kolo-actor-{id}")).spawn(move || actor(c, id, s, p, o, st, n, d)).expect("spawning an actor")
@@ -205,7 +412,8 @@ pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<
         loop {
             let mut batch = Vec::with_capacity(cfg.batch);
             while batch.len() < cfg.batch {
-                batch.push(rx.recv().map_err(|_| TrainError::Other("every actor stopped".into()))?);
+                // A deadline: actor processes that all died must not hang the learner.
+                batch.push(rx.recv_timeout(std::time::Duration::from_secs(60)).map_err(|e| TrainError::Other(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?);
             }
             for t in &batch {
                 for r in &t.finished {
@@ -282,6 +490,11 @@ pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<
         }
     })();
     stop.store(true, Ordering::Relaxed);
+    // Actor processes hear Stop on their next message; give them a moment, then close.
+    if listener.is_some() {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    drop(listener);
     drop(rx);
     for h in actors {
         let _ = h.join();
@@ -302,4 +515,28 @@ pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<
         max_lag,
         mean_lag: lag_sum as f64 / lag_n.max(1) as f64,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Actor messages survive the wire; truncated or inconsistent ones are errors, never panics.
+    #[test]
+    fn actor_messages_round_trip_and_garbage_is_refused() {
+        let t = Trajectory { obs: vec![0.5; 12], actions: vec![0, 1], rewards: vec![1.0, 1.0], dones: vec![false, true], behaviour_logp: vec![-0.7, -0.6], version: 9, finished: vec![17.0] };
+        for m in [ActorReq::Hello, ActorReq::Trajectory(t.clone())] {
+            let b = m.encode();
+            assert_eq!(ActorReq::decode(&b).unwrap(), m);
+            for cut in 0..b.len() {
+                assert!(ActorReq::decode(&b[..cut]).is_err());
+            }
+        }
+        for m in [LearnerResp::Params { version: 3, params: vec![1.0, 2.0] }, LearnerResp::Ack, LearnerResp::Stop, LearnerResp::Error("x".into())] {
+            assert_eq!(LearnerResp::decode(&m.encode()).unwrap(), m);
+        }
+        let mut bad = t;
+        bad.rewards.pop();
+        assert!(ActorReq::decode(&ActorReq::Trajectory(bad).encode()).is_err(), "step counts must agree");
+    }
 }

@@ -78,6 +78,15 @@ enum Cmd {
         /// Trajectories per learner step.
         #[arg(long, default_value_t = 8)]
         batch: usize,
+        /// Run the actors as separate processes talking to the learner over TCP (authenticated
+        /// with a job token) instead of threads.
+        #[arg(long)]
+        processes: bool,
+        /// Internal: run as actor process ID of the learner at ADDR.
+        #[arg(long, hide = true)]
+        actor_of: Option<String>,
+        #[arg(long, hide = true, default_value_t = 0)]
+        actor_id: usize,
     },
     /// Federated averaging on MNIST: `kolo fed run` (a whole job here), `serve`, `client`.
     #[command(subcommand)]
@@ -210,7 +219,7 @@ fn lost_peer(e: &anyhow::Error) -> Option<usize> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn impala(env: &str, actors: usize, max_steps: u64, no_stop: bool, seed: u64, lr: f32, batch: usize) -> anyhow::Result<i32> {
+fn impala(env: &str, actors: usize, max_steps: u64, no_stop: bool, seed: u64, lr: f32, batch: usize, processes: bool, actor_of: Option<String>, actor_id: usize) -> anyhow::Result<i32> {
     use kolo_train::impala::{EnvKind, ImpalaConfig};
     let kind = match env {
         "cartpole" => EnvKind::CartPole,
@@ -218,8 +227,32 @@ fn impala(env: &str, actors: usize, max_steps: u64, no_stop: bool, seed: u64, lr
         e => anyhow::bail!("--env {e}: cartpole or grid"),
     };
     let cfg = ImpalaConfig { env: kind, max_env_steps: max_steps, target: (!no_stop).then(|| kind.solved()), seed, lr, batch, ..ImpalaConfig::cartpole(actors) };
+    if let Some(addr) = actor_of {
+        let token = kolo_rendezvous::JobToken::from_hex(&std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set"))?).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))?;
+        let steps = kolo_train::impala::actor_process(&cfg, &addr, &token, actor_id)?;
+        // One write, so that lines of several actor processes do not interleave.
+        let line = format!("actor {actor_id}: {steps} environment steps\n");
+        std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
+        return Ok(0);
+    }
+    let token = kolo_rendezvous::JobToken::generate();
+    let mut children: Vec<std::process::Child> = Vec::new();
+    let exe = std::env::current_exe()?;
+    let mut spawn = |addr: &str| -> Result<(), kolo_train::TrainError> {
+        for id in 0..actors {
+            let child = std::process::Command::new(&exe)
+                .args(["impala", "--env", env, "--seed", &seed.to_string(), "--actor-of", addr, "--actor-id", &id.to_string()])
+                .env("KOLO_JOB_TOKEN", token.to_hex())
+                .stdin(std::process::Stdio::null())
+                .spawn()
+                .map_err(|e| kolo_train::TrainError::Other(format!("starting actor {id}: {e}")))?;
+            children.push(child);
+        }
+        Ok(())
+    };
+    let remote = processes.then(|| kolo_train::impala::RemoteActors { listen: "127.0.0.1:0", token: token.clone(), spawn: &mut spawn });
     let t0 = std::time::Instant::now();
-    let r = kolo_train::impala::run(&cfg, &mut |steps, mean| eprintln!("{:>7.1} s  {steps:>9} env steps  mean return (100 episodes) {mean:.1}", t0.elapsed().as_secs_f64()))?;
+    let r = kolo_train::impala::run_with(&cfg, remote, &mut |steps, mean| eprintln!("{:>7.1} s  {steps:>9} env steps  mean return (100 episodes) {mean:.1}", t0.elapsed().as_secs_f64()))?;
     eprintln!(
         "done: {} env steps taken ({:.0}/s with {actors} actors), {} learned from in {} learner steps, {} episodes, mean return {:.1}{}; policy lag mean {:.2}, max {} updates; {} trajectories dropped by a full queue",
         r.env_steps,
@@ -233,6 +266,9 @@ fn impala(env: &str, actors: usize, max_steps: u64, no_stop: bool, seed: u64, lr
         r.max_lag,
         r.dropped
     );
+    for mut c in children {
+        let _ = c.wait();
+    }
     Ok(if r.solved_at.is_some() || no_stop { 0 } else { 1 })
 }
 
@@ -250,7 +286,7 @@ fn main() {
         Cmd::Ps(p) => ps::run(p),
         Cmd::Fed(f) => fed::run(f),
         Cmd::Plan(p) => plan::run(p),
-        Cmd::Impala { env, actors, max_steps, no_stop, seed, lr, batch } => impala(&env, actors, max_steps, no_stop, seed, lr, batch),
+        Cmd::Impala { env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id } => impala(&env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id),
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
         Cmd::Inspect { checkpoint } => inspect(&checkpoint),

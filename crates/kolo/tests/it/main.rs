@@ -650,3 +650,13 @@ fn mpirun_trains_and_benchmarks_over_the_mpi_backend() {
     assert!(o.status.success() && !t.contains("WRONG") && t.contains("the mpi library"), "{t}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// IMPALA with actor processes: 2 `kolo impala` actor processes talk to the learner over
+/// authenticated TCP, never wait for it, and CartPole-v0 is solved.
+#[test]
+fn impala_actor_processes_solve_cartpole_over_tcp() {
+    let o = run(&["impala", "--actors", "2", "--processes", "--max-steps", "2000000"], &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("solved at"), "{t}");
+    assert!(t.matches("environment steps").count() >= 2, "both actor processes report: {t}");
+}
