@@ -187,6 +187,7 @@ fn offer(out: &SyncSender<Trajectory>, t: Trajectory, dropped: &AtomicU64) -> bo
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn actor(cfg: ImpalaConfig, id: usize, sizes: Vec<usize>, policy_params: Published, out: SyncSender<Trajectory>, stop: Arc<AtomicBool>, steps: Arc<AtomicU64>, dropped: Arc<AtomicU64>) {
     let mut u = Unroller::new(&cfg, id, sizes);
     while !stop.load(Ordering::Relaxed) {
