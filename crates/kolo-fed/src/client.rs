@@ -41,11 +41,12 @@ fn unexpected(what: &str, r: Resp) -> PsError {
 }
 
 impl FedClient {
-    /// Joins the job at `addr` with `examples` local training examples.
-    pub fn join(addr: &str, token: &JobToken, examples: u64, timeout: Duration) -> Result<FedClient, PsError> {
+    /// Joins the job at `addr` with `examples` local training examples, as client `id` when
+    /// given (e.g. its shard number), else as the next free id.
+    pub fn join(addr: &str, token: &JobToken, examples: u64, id: Option<u32>, timeout: Duration) -> Result<FedClient, PsError> {
         let mut conn = Channel::<Fed>::connect(addr, token, timeout)?;
         let keys = KeyPair::generate();
-        match conn.call(&Req::Join { examples, public: Some(keys.public) })? {
+        match conn.call(&Req::Join { examples, public: Some(keys.public), id })? {
             Resp::Joined { id, numel, secure } => Ok(FedClient { conn, id, numel: numel as usize, secure, keys }),
             r => Err(unexpected("join", r)),
         }

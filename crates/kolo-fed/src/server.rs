@@ -40,7 +40,8 @@ struct Client {
 #[derive(Default)]
 struct State {
     global: Vec<f32>,
-    clients: Vec<Client>,
+    /// Joined clients by id.
+    clients: BTreeMap<u32, Client>,
     round: u32,
     attempt: u32,
     cohort: Vec<u32>,
@@ -113,7 +114,7 @@ impl FedServer {
 fn handle(shared: &Shared, req: Req) -> Resp {
     let spec = &shared.spec;
     match req {
-        Req::Join { examples, public } => {
+        Req::Join { examples, public, id } => {
             if spec.secure && public.is_none() {
                 return Resp::Error("this job uses secure aggregation: join with a public key".into());
             }
@@ -121,15 +122,19 @@ fn handle(shared: &Shared, req: Req) -> Resp {
                 return Resp::Error("a client needs at least one training example".into());
             }
             let mut st = shared.lock();
-            st.clients.push(Client { public });
-            let id = (st.clients.len() - 1) as u32;
+            let id = match id {
+                Some(i) if st.clients.contains_key(&i) => return Resp::Error(format!("client id {i} has already joined")),
+                Some(i) => i,
+                None => (0..).find(|i| !st.clients.contains_key(i)).expect("a free id"),
+            };
+            st.clients.insert(id, Client { public });
             shared.cv.notify_all();
             Resp::Joined { id, numel: spec.numel as u64, secure: spec.secure }
         }
         Req::Poll { id } => {
             let deadline = Instant::now() + Duration::from_secs(1);
             let mut st = shared.lock();
-            if id as usize >= st.clients.len() {
+            if !st.clients.contains_key(&id) {
                 return Resp::Error(format!("client {id} never joined"));
             }
             loop {
@@ -142,7 +147,7 @@ fn handle(shared: &Shared, req: Req) -> Resp {
                     return Resp::Done { rounds: st.rounds_done, params: st.global.clone() };
                 }
                 if st.open && st.cohort.contains(&id) && !st.updates.contains_key(&id) {
-                    let cohort = if spec.secure { st.cohort.iter().map(|&c| (c, st.clients[c as usize].public.expect("checked at join"))).collect() } else { Vec::new() };
+                    let cohort = if spec.secure { st.cohort.iter().map(|&c| (c, st.clients[&c].public.expect("checked at join"))).collect() } else { Vec::new() };
                     return Resp::Train { round: st.round, attempt: st.attempt, params: st.global.clone(), cohort };
                 }
                 let now = Instant::now();
@@ -201,8 +206,7 @@ fn drive_rounds(shared: &Shared, on_round: &mut OnRound) -> Result<Vec<RoundRepo
     let mut reports = Vec::new();
     for round in 0..spec.rounds {
         let t0 = Instant::now();
-        let joined = shared.lock().clients.len() as u32;
-        let mut pool: Vec<u32> = (0..joined).collect();
+        let mut pool: Vec<u32> = shared.lock().clients.keys().copied().collect();
         rng.shuffle(&mut pool);
         let mut cohort: Vec<u32> = pool[..spec.clients_per_round.min(pool.len())].to_vec();
         cohort.sort_unstable();

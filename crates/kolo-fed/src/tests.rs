@@ -31,8 +31,8 @@ fn masked_updates_hide_each_value_and_sum_exactly() {
 #[test]
 fn messages_round_trip_and_garbage_is_an_error() {
     let reqs = [
-        Req::Join { examples: 60, public: Some([9; 32]) },
-        Req::Join { examples: 1, public: None },
+        Req::Join { examples: 60, public: Some([9; 32]), id: Some(4) },
+        Req::Join { examples: 1, public: None, id: None },
         Req::Poll { id: 4 },
         Req::Update { id: 1, round: 2, attempt: 1, examples: 5, update: Update::Plain(vec![1.0, -2.5]) },
         Req::Update { id: 1, round: 2, attempt: 0, examples: 5, update: Update::Masked(vec![u64::MAX, 3]) },
@@ -81,7 +81,7 @@ fn rounds_average_updates_weighted_by_examples() {
                 let (addr, token) = (addr.clone(), token.clone());
                 std::thread::spawn(move || {
                     let examples = 10 * (c + 1);
-                    let mut fc = FedClient::join(&addr, &token, examples, std::time::Duration::from_secs(10)).unwrap();
+                    let mut fc = FedClient::join(&addr, &token, examples, None, std::time::Duration::from_secs(10)).unwrap();
                     loop {
                         match fc.next_task().unwrap() {
                             Task::Train(t) => {
@@ -119,12 +119,12 @@ fn a_silent_client_is_left_out_at_the_deadline() {
         let server = FedServer::start("127.0.0.1:0", token.clone(), s, vec![0.0; 2], Box::new(|_, _| {})).unwrap();
         let addr = server.addr.to_string();
         // Client 0 joins first and then never trains.
-        let mut silent = FedClient::join(&addr, &token, 5, std::time::Duration::from_secs(10)).unwrap();
+        let mut silent = FedClient::join(&addr, &token, 5, None, std::time::Duration::from_secs(10)).unwrap();
         let workers: Vec<_> = (1..3u64)
             .map(|c| {
                 let (addr, token) = (addr.clone(), token.clone());
                 std::thread::spawn(move || {
-                    let mut fc = FedClient::join(&addr, &token, 10, std::time::Duration::from_secs(10)).unwrap();
+                    let mut fc = FedClient::join(&addr, &token, 10, None, std::time::Duration::from_secs(10)).unwrap();
                     while let Task::Train(t) = fc.next_task().unwrap() {
                         fc.submit(&t, 10, &[c as f32, c as f32]).unwrap();
                     }
@@ -144,32 +144,36 @@ fn a_silent_client_is_left_out_at_the_deadline() {
 }
 
 /// Client sampling: 5 clients, 2 per round: every round's cohort has 2 distinct members, rounds
-/// differ, and the model moves by the mean of exactly the sampled clients' updates.
+/// differ, the model moves by the mean of exactly the sampled clients' updates, and clients
+/// that join with their own ids (in whatever order) see the same sample in every run.
 #[test]
 fn each_round_samples_its_clients() {
-    let token = JobToken::generate();
-    let mut s = spec(1, false, 2);
-    s.rounds = 6;
-    s.min_clients = 5;
-    let server = FedServer::start("127.0.0.1:0", token.clone(), s, vec![0.0], Box::new(|_, _| {})).unwrap();
-    let addr = server.addr.to_string();
-    let clients: Vec<_> = (0..5u64)
-        .map(|c| {
-            let (addr, token) = (addr.clone(), token.clone());
-            std::thread::spawn(move || {
-                let mut fc = FedClient::join(&addr, &token, 1, std::time::Duration::from_secs(10)).unwrap();
-                let id = fc.id;
-                while let Task::Train(t) = fc.next_task().unwrap() {
-                    fc.submit(&t, 1, &[id as f32]).unwrap();
-                }
-                let _ = c;
+    let job = || {
+        let token = JobToken::generate();
+        let mut s = spec(1, false, 2);
+        s.rounds = 6;
+        s.min_clients = 5;
+        let server = FedServer::start("127.0.0.1:0", token.clone(), s, vec![0.0], Box::new(|_, _| {})).unwrap();
+        let addr = server.addr.to_string();
+        let clients: Vec<_> = (0..5u32)
+            .rev()
+            .map(|c| {
+                let (addr, token) = (addr.clone(), token.clone());
+                std::thread::spawn(move || {
+                    let mut fc = FedClient::join(&addr, &token, 1, Some(c), std::time::Duration::from_secs(10)).unwrap();
+                    assert_eq!(fc.id, c);
+                    while let Task::Train(t) = fc.next_task().unwrap() {
+                        fc.submit(&t, 1, &[c as f32]).unwrap();
+                    }
+                })
             })
-        })
-        .collect();
-    for c in clients {
-        c.join().unwrap();
-    }
-    let (rounds, global) = server.wait().unwrap();
+            .collect();
+        for c in clients {
+            c.join().unwrap();
+        }
+        server.wait().unwrap()
+    };
+    let (rounds, global) = job();
     let mut want = 0.0;
     for r in &rounds {
         assert_eq!(r.used.len(), 2);
@@ -178,4 +182,17 @@ fn each_round_samples_its_clients() {
     }
     assert!(rounds.iter().any(|r| r.used != rounds[0].used), "the sample changes between rounds");
     assert!((global[0] - want).abs() < 1e-5);
+    let (again, _) = job();
+    assert_eq!(rounds.iter().map(|r| r.used.clone()).collect::<Vec<_>>(), again.iter().map(|r| r.used.clone()).collect::<Vec<_>>(), "the same seed samples the same clients");
+}
+
+/// A client id can be taken once.
+#[test]
+fn a_taken_client_id_is_refused() {
+    let token = JobToken::generate();
+    let server = FedServer::start("127.0.0.1:0", token.clone(), spec(1, false, 1), vec![0.0], Box::new(|_, _| {})).unwrap();
+    let addr = server.addr.to_string();
+    let _a = FedClient::join(&addr, &token, 1, Some(3), std::time::Duration::from_secs(10)).unwrap();
+    let e = FedClient::join(&addr, &token, 1, Some(3), std::time::Duration::from_secs(10)).err().expect("refused");
+    assert!(e.to_string().contains("already joined"), "{e}");
 }

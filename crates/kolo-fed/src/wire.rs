@@ -7,8 +7,10 @@ use kolo_ps::PsError;
 /// What a client sends.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Req {
-    /// Join the job with this many training examples (and, for secure aggregation, a public key).
-    Join { examples: u64, public: Option<[u8; 32]> },
+    /// Join the job with this many training examples (and, for secure aggregation, a public key),
+    /// as client `id` when given (its shard number: sampling is then the same in every run),
+    /// else as the next free id.
+    Join { examples: u64, public: Option<[u8; 32]>, id: Option<u32> },
     /// What should client `id` do now? (The server holds the answer up to a second.)
     Poll { id: u32 },
     /// Client `id`'s update for `(round, attempt)`: trained on `examples` examples.
@@ -43,10 +45,14 @@ impl Req {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
         match self {
-            Req::Join { examples, public } => {
+            Req::Join { examples, public, id } => {
                 w.u8(1).u64(*examples);
                 match public {
                     Some(k) => w.u8(1).array(k),
+                    None => w.u8(0),
+                };
+                match id {
+                    Some(i) => w.u8(1).u32(*i),
                     None => w.u8(0),
                 };
             }
@@ -74,7 +80,12 @@ impl Req {
                     1 => Some(r.array::<32>()?),
                     t => return Err(PsError::Protocol(format!("join: key tag {t}"))),
                 };
-                Req::Join { examples, public }
+                let id = match r.u8()? {
+                    0 => None,
+                    1 => Some(r.u32()?),
+                    t => return Err(PsError::Protocol(format!("join: id tag {t}"))),
+                };
+                Req::Join { examples, public, id }
             }
             2 => Req::Poll { id: r.u32()? },
             3 => {

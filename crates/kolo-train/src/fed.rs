@@ -144,7 +144,7 @@ pub fn client(cfg: &Config, addr: &str, token: &JobToken, index: usize, record: 
         shard.truncate(cap);
     }
     let model = initial_model(cfg)?;
-    let mut fc = FedClient::join(addr, token, shard.len() as u64, Duration::from_secs_f64(f.round_deadline_secs.max(30.0))).map_err(|e| TrainError::Other(format!("client {index}: {e}")))?;
+    let mut fc = FedClient::join(addr, token, shard.len() as u64, Some(index as u32), Duration::from_secs_f64(f.round_deadline_secs.max(30.0))).map_err(|e| TrainError::Other(format!("client {index}: {e}")))?;
     if record {
         fc.record();
     }
