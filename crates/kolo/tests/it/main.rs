@@ -639,7 +639,14 @@ fn mpirun_trains_and_benchmarks_over_the_mpi_backend() {
     let cfg = dir.join("mlp.toml");
     std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[train]\nsteps = 40\nlog_every = 20\neval_batches = 20\n", data.display())).unwrap();
     let mpirun = |args: &[&str]| {
-        Command::new("mpirun").args(["--allow-run-as-root", "--oversubscribe", "-n", "2", KOLO]).args(args).env("RAYON_NUM_THREADS", "1").output().expect("mpirun")
+        // Containers often forbid the cross-memory attach Open MPI's shared memory prefers.
+        Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-n", "2", KOLO])
+            .args(args)
+            .env("RAYON_NUM_THREADS", "1")
+            .env("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+            .output()
+            .expect("mpirun")
     };
     let o = mpirun(&["train", "--config", cfg.to_str().unwrap()]);
     let t = text(&o);
