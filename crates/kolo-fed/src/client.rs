@@ -78,7 +78,11 @@ impl FedClient {
                     }
                     return Ok(Task::Train(TrainTask { round, attempt, params, cohort }));
                 }
-                Resp::Done { rounds, params } => return Ok(Task::Done { rounds, params }),
+                Resp::Done { rounds, params } => {
+                    // Tell the server it may close (its answer does not matter any more).
+                    let _ = self.conn.call(&Req::Bye { id: self.id });
+                    return Ok(Task::Done { rounds, params });
+                }
                 r => return Err(unexpected("poll", r)),
             }
         }

@@ -50,7 +50,7 @@ struct State {
     done: bool,
     rounds_done: u32,
     failed: Option<String>,
-    /// Clients that were handed the final model.
+    /// Clients that have the final model and said goodbye.
     told_done: std::collections::BTreeSet<u32>,
 }
 
@@ -99,8 +99,8 @@ impl FedServer {
     /// Waits for the last round; returns every round's report and the final model.
     pub fn wait(mut self) -> Result<(Vec<RoundReport>, Vec<f32>), PsError> {
         let reports = self.driver.take().expect("waited once").join().map_err(|_| PsError::Server("the round driver panicked".into()))??;
-        // Every client that joined collects the final model before the listener closes (or
-        // 5 s pass: a client that died does not hold the server).
+        // Every client that joined collects the final model and says goodbye before the
+        // listener closes (or 5 s pass: a client that died does not hold the server).
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut st = self.shared.lock();
         while st.told_done.len() < st.clients.len() && Instant::now() < deadline {
@@ -142,8 +142,6 @@ fn handle(shared: &Shared, req: Req) -> Resp {
                     return Resp::Error(f.clone());
                 }
                 if st.done {
-                    st.told_done.insert(id);
-                    shared.cv.notify_all();
                     return Resp::Done { rounds: st.rounds_done, params: st.global.clone() };
                 }
                 if st.open && st.cohort.contains(&id) && !st.updates.contains_key(&id) {
@@ -156,6 +154,12 @@ fn handle(shared: &Shared, req: Req) -> Resp {
                 }
                 st = shared.cv.wait_timeout(st, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
             }
+        }
+        Req::Bye { id } => {
+            let mut st = shared.lock();
+            st.told_done.insert(id);
+            shared.cv.notify_all();
+            Resp::Ack { taken: true, why: String::new() }
         }
         Req::Update { id, round, attempt, examples, update } => {
             let mut st = shared.lock();

@@ -34,6 +34,7 @@ fn messages_round_trip_and_garbage_is_an_error() {
         Req::Join { examples: 60, public: Some([9; 32]), id: Some(4) },
         Req::Join { examples: 1, public: None, id: None },
         Req::Poll { id: 4 },
+        Req::Bye { id: 2 },
         Req::Update { id: 1, round: 2, attempt: 1, examples: 5, update: Update::Plain(vec![1.0, -2.5]) },
         Req::Update { id: 1, round: 2, attempt: 0, examples: 5, update: Update::Masked(vec![u64::MAX, 3]) },
     ];

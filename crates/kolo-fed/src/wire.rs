@@ -15,6 +15,8 @@ pub enum Req {
     Poll { id: u32 },
     /// Client `id`'s update for `(round, attempt)`: trained on `examples` examples.
     Update { id: u32, round: u32, attempt: u32, examples: u64, update: Update },
+    /// Client `id` has the final model and leaves (the server closes once every client did).
+    Bye { id: u32 },
 }
 
 /// A model update: the change of the parameters, plain, or (secure aggregation) the change
@@ -66,6 +68,9 @@ impl Req {
                     Update::Masked(v) => w.u8(1).u64s(v),
                 };
             }
+            Req::Bye { id } => {
+                w.u8(4).u32(*id);
+            }
         }
         w.0
     }
@@ -97,6 +102,7 @@ impl Req {
                 };
                 Req::Update { id, round, attempt, examples, update }
             }
+            4 => Req::Bye { id: r.u32()? },
             t => return Err(PsError::Protocol(format!("unknown federated request tag {t}"))),
         };
         r.end()?;

@@ -45,12 +45,14 @@ fn initial_model(cfg: &Config) -> Result<Box<dyn Model>, TrainError> {
     Ok(build_model(&cfg.model_spec(10), cfg.train.seed)?)
 }
 
-fn spec(cfg: &Config, numel: usize) -> Result<FedSpec, TrainError> {
+fn spec(cfg: &Config, numel: usize, expect: usize) -> Result<FedSpec, TrainError> {
     let f = cfg.fed.as_ref().ok_or_else(|| TrainError::Config("no [fed] section in the config".into()))?;
     Ok(FedSpec {
         rounds: f.rounds,
         clients_per_round: f.clients_per_round.unwrap_or(f.clients),
-        min_clients: f.clients_per_round.unwrap_or(f.clients).min(f.clients),
+        // Every expected client joins before the first round: one that came after the last
+        // round would find no server.
+        min_clients: expect.max(1),
         deadline: Duration::from_secs_f64(f.round_deadline_secs),
         join_timeout: Duration::from_secs_f64(f.round_deadline_secs.max(30.0)),
         max_attempts: 3,
@@ -68,14 +70,15 @@ pub struct FedSummary {
     pub params: Vec<f32>,
 }
 
-/// Runs the server on `listen` until the last round; evaluates the global model on the test
-/// set after each round (`train.eval_batches` batches; 0 = all of it).
-pub fn serve(cfg: &Config, listen: &str, token: JobToken, on_ready: impl FnOnce(&str), say: &(dyn Fn(&str) + Sync)) -> Result<FedSummary, TrainError> {
+/// Runs the server on `listen` until the last round, once `expect` clients have joined (a
+/// deadline: the round deadline, at least 30 s); evaluates the global model on the test set
+/// after each round (`train.eval_batches` batches; 0 = all of it).
+pub fn serve(cfg: &Config, listen: &str, token: JobToken, expect: usize, on_ready: impl FnOnce(&str), say: &(dyn Fn(&str) + Sync)) -> Result<FedSummary, TrainError> {
     let dir = cfg.data.path.as_ref().ok_or_else(|| TrainError::Config("data.path (the MNIST directory) is required".into()))?;
     let test = Mnist::load(Path::new(dir), "t10k")?;
     let model = initial_model(cfg)?;
     let initial = model.params().to_flat()?;
-    let s = spec(cfg, initial.len())?;
+    let s = spec(cfg, initial.len(), expect)?;
     say(&format!(
         "kolo fed: {} params, {} rounds, {} of {} clients per round, deadline {:.0} s{}",
         initial.len(),

@@ -17,8 +17,9 @@ pub enum FedCmd {
         #[arg(short = 'n', long)]
         clients: Option<usize>,
     },
-    /// The server: samples clients each round, averages their updates weighted by their
-    /// example counts, evaluates the model on the test set after each round.
+    /// The server: waits for the `[fed] clients` clients to join, then samples clients each
+    /// round, averages their updates weighted by their example counts, evaluates the model on
+    /// the test set after each round.
     Serve {
         #[arg(long)]
         config: PathBuf,
@@ -53,7 +54,8 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
     match cmd {
         FedCmd::Serve { config, listen } => {
             let cfg = kolo_train::Config::load(&config)?;
-            let s = kolo_train::fed::serve(&cfg, &listen, token()?, |a| eprintln!("kolo fed: listening on {a}"), &say)?;
+            let expect = cfg.fed.as_ref().map_or(1, |f| f.clients);
+            let s = kolo_train::fed::serve(&cfg, &listen, token()?, expect, |a| eprintln!("kolo fed: listening on {a}"), &say)?;
             summary(&s);
             Ok(0)
         }
@@ -80,7 +82,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
             };
             let (tx, rx) = std::sync::mpsc::channel();
             let (cfg2, tok) = (cfg.clone(), token.clone());
-            let server = std::thread::spawn(move || kolo_train::fed::serve(&cfg2, "127.0.0.1:0", tok, |a| tx.send(a.to_string()).expect("main waits"), &say));
+            let server = std::thread::spawn(move || kolo_train::fed::serve(&cfg2, "127.0.0.1:0", tok, n, |a| tx.send(a.to_string()).expect("main waits"), &say));
             let addr = match rx.recv() {
                 Ok(a) => a,
                 Err(_) => return Err(server.join().map_err(|_| anyhow::anyhow!("the server thread panicked"))?.err().map_or_else(|| anyhow::anyhow!("the server stopped"), anyhow::Error::from)),

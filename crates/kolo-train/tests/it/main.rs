@@ -1022,7 +1022,7 @@ fn fed_job(cfg: &Config, clients: usize) -> (kolo_train::fed::FedSummary, Vec<ko
     let token = kolo_rendezvous::JobToken::generate();
     let (tx, rx) = std::sync::mpsc::channel();
     let (c2, t2) = (cfg.clone(), token.clone());
-    let server = std::thread::spawn(move || kolo_train::fed::serve(&c2, "127.0.0.1:0", t2, |a| tx.send(a.to_string()).unwrap(), &|_| {}).unwrap());
+    let server = std::thread::spawn(move || kolo_train::fed::serve(&c2, "127.0.0.1:0", t2, clients, |a| tx.send(a.to_string()).unwrap(), &|_| {}).unwrap());
     let addr = rx.recv().unwrap();
     let handles: Vec<_> = (0..clients)
         .map(|i| {
