@@ -7,13 +7,13 @@
 //! (ranks holding the same experts) and divided by the world size: the mean over every rank's
 //! loss, as DDP with every expert on every rank computes it.
 
-use crate::trainer::{finish_whole_gpt, load_data, optimizer_step, replica_batches, RunOptions, Summary};
+use crate::trainer::{finish_whole_gpt, gpt_loop_start, lead_say, optimizer_step, replica_batches, RunOptions, Summary};
 use crate::TrainError;
 use kolo_base::{Exchange, Rng};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, lr_at, sum_of_squares, Optimizer};
 use kolo_tensor::models::{Gpt, MoeLoad};
-use kolo_tensor::{Model, ModelSpec, PlainView};
+use kolo_tensor::{Model, PlainView};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -45,20 +45,9 @@ pub(crate) fn reduce_load(load: Option<MoeLoad>, comm: &dyn Communicator) -> Res
 /// same experts as this one (one per expert-parallel group).
 pub fn run_expert_parallel(cfg: &crate::config::Config, comm: &dyn Communicator, ep: Arc<dyn Communicator>, rep: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
     let (rank, world) = (comm.rank().get(), comm.world_size().get());
-    let lead = rank == 0 && !opts.quiet;
-    let say = |m: &str| {
-        if lead {
-            eprintln!("{m}");
-        }
-    };
+    let say = lead_say(rank == 0 && !opts.quiet);
     let tc = &cfg.train;
-    let timeout = std::time::Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
-    for c in [comm, &*ep, &*rep] {
-        c.set_timeout(timeout);
-    }
-    let data = load_data(cfg, rank, &say)?;
-    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
-    let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else { unreachable!("validated: gpt") };
+    let (data, heap_before, gcfg) = gpt_loop_start(cfg, &[comm, &*ep, &*rep], rank, &say)?;
     let ep_size = ep.world_size().get();
     let gpt = Gpt::new_expert_parallel(gcfg.clone(), &mut Rng::new(tc.seed), Arc::new(CommExchange(ep)))?;
     let expert = gpt.expert_params().expect("an expert-parallel model");

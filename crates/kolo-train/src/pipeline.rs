@@ -7,7 +7,7 @@
 //! tensor-parallel group. At the end the whole model is assembled on every rank.
 
 use crate::config::{Config, PipeSchedule};
-use crate::trainer::{replica_batches, evaluate_whole_gpt, load_data, peak_rss, RunOptions, StateBytes, Summary};
+use crate::trainer::{evaluate_whole_gpt, gpt_loop_start, lead_say, peak_rss, replica_batches, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::{GroupSum, Rng};
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, lr_at, Optimizer};
 use kolo_pipe::{partition, run_stage, theoretical_bubble, weight_version, Schedule, StageWork};
 use kolo_tensor::models::Gpt;
-use kolo_tensor::{Batch, GptStage, Input, Model, ModelSpec};
+use kolo_tensor::{Batch, GptStage, Input, Model};
 use std::time::Instant;
 
 struct Work(GptStage);
@@ -150,19 +150,9 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
     let pc = cfg.pipeline.as_ref().expect("called for [pipeline] configs");
     let (stage, k) = (comm.rank().get(), comm.world_size().get());
     let (dp_rank, dp_size) = (dp.rank().get(), dp.world_size().get());
-    let lead = global_rank == 0 && !opts.quiet;
-    let say = |m: &str| {
-        if lead {
-            eprintln!("{m}");
-        }
-    };
+    let say = lead_say(global_rank == 0 && !opts.quiet);
     let tc = &cfg.train;
-    let timeout = std::time::Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
-    comm.set_timeout(timeout);
-    dp.set_timeout(timeout);
-    let data = load_data(cfg, dp_rank, &say)?;
-    let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
-    let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else { unreachable!("validated: gpt") };
+    let (data, heap_before_model, gcfg) = gpt_loop_start(cfg, &[comm, dp], dp_rank, &say)?;
     let gpt = match &tp {
         Some(g) => Gpt::new_tensor_parallel(gcfg.clone(), &mut Rng::new(tc.seed), g.clone())?,
         None => Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?,
@@ -204,7 +194,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         Schedule::TwoBw { .. } => {
             let all: Vec<kolo_base::Rank> = (0..k).map(kolo_base::Rank).collect();
             let g = comm.new_group(&all)?.expect("every stage is a member");
-            g.set_timeout(timeout);
+            g.set_timeout(comm.timeout());
             Some(g)
         }
         _ => None,

@@ -4,13 +4,13 @@
 //! rank's loss is the mean over its chunk, so averaging the gradients over every rank (all
 //! chunks of all data-parallel replicas) gives the gradient of the whole batch's mean loss.
 
-use crate::trainer::{finish_whole_gpt, load_data, optimizer_step, replica_batches, RunOptions, Summary};
+use crate::trainer::{finish_whole_gpt, gpt_loop_start, lead_say, optimizer_step, replica_batches, RunOptions, Summary};
 use crate::TrainError;
 use kolo_base::{Rank, RingShift, Rng};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, lr_at, sum_of_squares, Optimizer};
 use kolo_tensor::models::Gpt;
-use kolo_tensor::{Batch, Input, Model, ModelSpec, PlainView};
+use kolo_tensor::{Batch, Input, Model, PlainView};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -53,19 +53,9 @@ pub fn sequence_chunk(batch: &Batch, r: usize, n: usize) -> Result<Batch, TrainE
 /// sequence-parallel group; `(dp_rank, dp_size)`: its data-parallel replica.
 pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicator, sp: Arc<dyn Communicator>, dp_rank: usize, dp_size: usize, opts: &RunOptions) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
-    let lead = global_rank == 0 && !opts.quiet;
-    let say = |m: &str| {
-        if lead {
-            eprintln!("{m}");
-        }
-    };
+    let say = lead_say(global_rank == 0 && !opts.quiet);
     let tc = &cfg.train;
-    let timeout = std::time::Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
-    comm.set_timeout(timeout);
-    sp.set_timeout(timeout);
-    let data = load_data(cfg, dp_rank, &say)?;
-    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
-    let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else { unreachable!("validated: gpt") };
+    let (data, heap_before, gcfg) = gpt_loop_start(cfg, &[comm, &*sp], dp_rank, &say)?;
     let (sp_rank, sp_size) = (sp.rank().get(), sp.world_size().get());
     let mut gpt = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
     gpt.set_sequence_parallel(Arc::new(CommRing(sp)))?;

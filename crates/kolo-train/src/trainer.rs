@@ -93,6 +93,31 @@ pub struct Summary {
     pub batch_split: Option<Vec<usize>>,
 }
 
+/// What the GPT loops with a model of their own (pipeline, sequence and expert parallel) share
+/// at the start: the config's deadline on each of their groups, the data of replica
+/// `data_rank`, the live heap before the model and the GPT's shape.
+pub(crate) fn gpt_loop_start(cfg: &Config, groups: &[&dyn Communicator], data_rank: usize, say: &dyn Fn(&str)) -> Result<(Data, Option<usize>, kolo_tensor::models::GptConfig), TrainError> {
+    let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
+    for g in groups {
+        g.set_timeout(timeout);
+    }
+    let data = load_data(cfg, data_rank, say)?;
+    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
+    let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else {
+        return Err(TrainError::Config("this parallel mode trains the GPT (model.kind = \"gpt\")".into()));
+    };
+    Ok((data, heap_before, gcfg))
+}
+
+/// Prints on the lead rank only.
+pub(crate) fn lead_say(lead: bool) -> impl Fn(&str) {
+    move |m: &str| {
+        if lead {
+            eprintln!("{m}");
+        }
+    }
+}
+
 /// One optimizer step of every parameter of `params` (whole flat layout) with `grads`.
 pub(crate) fn optimizer_step(params: &kolo_tensor::ParamSet, opt: &mut Optimizer, grads: &[f32], lr: f32) -> Result<(), TrainError> {
     opt.begin_step();
