@@ -56,7 +56,7 @@ enum Cmd {
     /// x activation checkpointing with a cost model (compute, alpha-beta communication, memory,
     /// pipeline bubble) and prints the fastest plans that fit.
     Plan(plan::PlanArgs),
-    /// IMPALA: actor threads run CartPole (or a grid world) with the newest policy they have and
+    /// IMPALA: actors (threads, or processes with --processes) run CartPole (or a grid world) with the newest policy they have and
     /// never wait; the learner batches their trajectories and corrects the policy lag with
     /// V-trace. Stops when the mean return of 100 episodes reaches the target.
     Impala {
@@ -105,7 +105,7 @@ enum Cmd {
         checkpoint: PathBuf,
     },
     /// Benchmarks (collectives like nccl-tests, loopback and memory limits, parameter servers,
-    /// Hogwild, Sandblaster L-BFGS).
+    /// Hogwild, Sandblaster L-BFGS, the flight recorder's cost).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
     /// Collective stress loop with fault injection, for Kolo's own failure tests.
