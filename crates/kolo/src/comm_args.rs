@@ -15,6 +15,9 @@ pub enum Backend {
     Builtin,
     /// The MPI library (needs a `--features mpi` build and an MPI launcher).
     Mpi,
+    /// NVIDIA's NCCL on GPUs (needs a `--features nccl` build, a GPU per rank and libnccl at
+    /// run time); the ranks meet over the built-in transport first to share NCCL's id.
+    Nccl,
 }
 
 /// A joined job: the communicator, and the built-in transport's own handle when that is the backend.
@@ -25,7 +28,7 @@ pub struct Joined {
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct CommArgs {
-    /// Communication backend: auto, builtin or mpi.
+    /// Communication backend: auto, builtin, mpi or nccl.
     #[arg(long, value_enum, default_value = "auto")]
     pub backend: Backend,
     /// Links between ranks on one host: auto (shared memory), tcp, shm.
@@ -67,6 +70,11 @@ impl CommArgs {
         let mpi = match self.backend {
             Backend::Mpi => true,
             Backend::Builtin => false,
+            Backend::Nccl => {
+                let b = self.join()?;
+                let comm = kolo_nccl::connect(&*b.comm, kolo_nccl::default_device(), self.config().timeout)?;
+                return Ok(Joined { comm, host: None });
+            }
             Backend::Auto => kolo_mpi::AVAILABLE && kolo_mpi::launched_by_mpi(),
         };
         if mpi {
