@@ -6,6 +6,9 @@
 //! backward, row by row. `tests.rs` checks each against the composite candle formulation.
 //! Half-precision inputs (mixed-precision training) are computed in f32 and cast back, as
 //! autocast does for norms and softmax.
+//!
+//! These kernels are CPU code: on another device (candle's CUDA backend) each op falls back to
+//! its composite candle formulation, whose kernels and backward candle provides.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Tensor};
 
@@ -83,6 +86,9 @@ fn in_f32<const N: usize>(ts: [&Tensor; N], f: impl FnOnce([Tensor; N]) -> CResu
 }
 
 pub fn bias_add(y: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    if !y.device().is_cpu() {
+        return y.broadcast_add(b);
+    }
     if let Some(r) = in_f32([y, b], |[y, b]| bias_add(&y, &b)) {
         return r;
     }
@@ -157,6 +163,9 @@ impl CustomOp3 for LayerNorm {
 }
 
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> CResult<Tensor> {
+    if !x.device().is_cpu() {
+        return crate::ops::layer_norm_composite(x, gamma, beta, eps).map_err(|e| candle_core::Error::Msg(e.to_string()));
+    }
     if let Some(r) = in_f32([x, gamma, beta], |[x, g, b]| layer_norm(&x, &g, &b, eps)) {
         return r;
     }
@@ -212,6 +221,11 @@ impl CustomOp1 for CausalSoftmax {
 }
 
 pub fn causal_softmax(scores: &Tensor, scale: f64) -> CResult<Tensor> {
+    if !scores.device().is_cpu() {
+        let t = scores.dim(candle_core::D::Minus1)?;
+        let mask = crate::ops::causal_mask_on(t, scores.device()).map_err(|e| candle_core::Error::Msg(e.to_string()))?.to_dtype(scores.dtype())?;
+        return crate::ops::softmax_last(&(scores * scale)?.broadcast_add(&mask)?).map_err(|e| candle_core::Error::Msg(e.to_string()));
+    }
     if let Some(r) = in_f32([scores], |[s]| causal_softmax(&s, scale)) {
         return r;
     }
@@ -287,6 +301,9 @@ impl CustomOp1 for GeluErf {
 }
 
 pub fn gelu_erf(x: &Tensor) -> CResult<Tensor> {
+    if !x.device().is_cpu() {
+        return x.gelu_erf();
+    }
     if let Some(r) = in_f32([x], |[x]| gelu_erf(&x)) {
         return r;
     }

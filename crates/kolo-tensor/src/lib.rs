@@ -23,8 +23,38 @@ pub use models::{build_model, Batch, Input, Model, ModelSpec};
 pub use stage::GptStage;
 pub use params::{copy_f32, CastView, GradSink, HookedView, Param, ParamSet, ParamView, PlainView};
 
-
 pub type Result<T> = std::result::Result<T, TensorError>;
+
+static DEVICE: std::sync::RwLock<Option<Device>> = std::sync::RwLock::new(None);
+
+/// The device new parameters and model inputs are placed on: the CPU unless [`set_device`]
+/// chose another (a process trains on one device; gradients and optimizer state still meet
+/// Kolo's communication and optimizers as flat host buffers).
+pub fn device() -> Device {
+    DEVICE.read().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or(Device::Cpu)
+}
+
+/// Places models built from now on on `d`.
+pub fn set_device(d: Device) {
+    *DEVICE.write().unwrap_or_else(|p| p.into_inner()) = Some(d);
+}
+
+/// The device named `cpu`, `cuda` or `cuda:N` (candle's CUDA backend: a `--features cuda`
+/// build, which needs the CUDA toolkit to compile).
+pub fn parse_device(name: &str) -> Result<Device> {
+    let ordinal = match name {
+        "cpu" => return Ok(Device::Cpu),
+        "cuda" => 0,
+        n => match n.strip_prefix("cuda:").and_then(|o| o.parse::<usize>().ok()) {
+            Some(o) => o,
+            None => return Err(TensorError::Input(format!("device `{name}`: expected cpu, cuda or cuda:N"))),
+        },
+    };
+    if !cfg!(feature = "cuda") {
+        return Err(TensorError::Input(format!("device `{name}`: this kolo was built without CUDA (rebuild with `--features cuda`: needs the CUDA toolkit's nvcc)")));
+    }
+    Device::new_cuda(ordinal).map_err(|e| TensorError::Input(format!("device `{name}`: {e}")))
+}
 
 #[cfg(test)]
 mod tests;

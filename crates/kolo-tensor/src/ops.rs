@@ -54,8 +54,13 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 
 /// Additive causal mask (t, t): 0 on and below the diagonal, a large negative number above.
 pub fn causal_mask(t: usize) -> Result<Tensor> {
+    causal_mask_on(t, &Device::Cpu)
+}
+
+/// [`causal_mask`] on `device`.
+pub fn causal_mask_on(t: usize, device: &Device) -> Result<Tensor> {
     let v: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
-    Ok(Tensor::from_vec(v, (t, t), &Device::Cpu)?)
+    Ok(Tensor::from_vec(v, (t, t), device)?)
 }
 
 /// Index of the largest logit per row.

@@ -24,6 +24,14 @@ pub struct ParamSet {
 /// Copies a candle tensor's f32 values into `out` (which must have exactly its element count).
 pub fn copy_f32(t: &Tensor, out: &mut [f32]) -> Result<()> {
     let t = if t.is_contiguous() { t.clone() } else { t.contiguous()? };
+    if !t.device().is_cpu() {
+        let v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        if out.len() != v.len() {
+            return Err(TensorError::Input(format!("copy_f32: tensor has {} elements, buffer {}", v.len(), out.len())));
+        }
+        out.copy_from_slice(&v);
+        return Ok(());
+    }
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cpu(cpu) = &*storage else {
         return Err(TensorError::Input("only CPU tensors can be flattened".into()));
@@ -72,7 +80,7 @@ impl ParamSet {
         if init.len() != n {
             return Err(TensorError::Shape { name: name.into(), what: format!("{} initial values for shape {shape:?}", init.len()) });
         }
-        let var = Var::from_vec(init, shape, &Device::Cpu)?;
+        let var = Var::from_vec(init, shape, &crate::device())?;
         let range = self.numel..self.numel + n;
         self.numel += n;
         self.params.push(Param { name: name.to_string(), var, shape: shape.to_vec(), range });
@@ -133,6 +141,14 @@ impl ParamSet {
     /// Runs `f` on parameter `i`'s values in place (an optimizer step straight on the model's
     /// storage, without a flat copy).
     pub fn update_one(&self, i: usize, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
+        let var = &self.params[i].var;
+        if !var.device().is_cpu() {
+            // On a GPU: through the host and back into the same storage (`Var::set` copies).
+            let mut v = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+            f(&mut v);
+            var.set(&Tensor::from_vec(v, var.shape(), var.device())?)?;
+            return Ok(());
+        }
         let op = InPlace(std::cell::RefCell::new(f));
         self.params[i].var.as_tensor().inplace_op1(&op)?;
         Ok(())
@@ -242,9 +258,27 @@ impl CustomOp1 for GradHook {
         Ok((out, layout.shape().clone()))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, storage: &candle_core::CudaStorage, layout: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        if !layout.is_contiguous() || layout.start_offset() != 0 {
+            return Err(candle_core::Error::Msg("kolo-grad-hook: parameter must be contiguous".into()));
+        }
+        let out = match self.dtype {
+            DType::F32 => storage.try_clone(layout)?,
+            d => storage.to_dtype(layout, d)?,
+        };
+        Ok((out, layout.shape().clone()))
+    }
+
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let g = if grad.is_contiguous() { grad.clone() } else { grad.contiguous()? };
         let g = g.to_dtype(DType::F32)?; // a half-precision gradient is widened for the sink
+        if !g.device().is_cpu() {
+            // A GPU gradient comes to the host for Kolo's buckets (the copy waits for it).
+            self.sink.grad_ready(self.idx, &g.flatten_all()?.to_vec1::<f32>()?);
+            return Ok(None);
+        }
         let (storage, layout) = g.storage_and_layout();
         if let Storage::Cpu(cpu) = &*storage {
             let s = cpu.as_slice::<f32>()?;

@@ -376,6 +376,11 @@ pub struct TrainConfig {
     pub sample_temperature: f32,
     /// Show a progress bar on rank 0 (default true; off when stderr is not a terminal).
     pub progress: bool,
+    /// Where the model computes: `cpu` (default), `cuda` or `cuda:N` (candle's CUDA backend,
+    /// a `--features cuda` build; with several ranks each takes GPU `local rank % GPUs` when
+    /// `cuda` names none). Gradients reach DDP and the optimizers as flat host buffers. Plain
+    /// DDP and ZeRO-1/2 only: no tp/sp/pp/ep, ZeRO-3, activation checkpointing or `ps` yet.
+    pub device: String,
     /// `ddp` (default: all-reduce, ZeRO; see `[ddp]`) or `ps` (parameter servers; see `[ps]`,
     /// start with `kolo ps run`).
     pub strategy: Strategy,
@@ -468,6 +473,7 @@ impl Default for TrainConfig {
             sample_chars: 200,
             sample_temperature: 0.8,
             progress: true,
+            device: "cpu".into(),
             strategy: Strategy::Ddp,
         }
     }
@@ -654,6 +660,12 @@ impl Config {
         }
         if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
             return Err("optim.lr must be a positive number".into());
+        }
+        if self.train.device != "cpu" {
+            let mesh = self.mesh.as_ref();
+            if mesh.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1)) || self.pipeline.is_some() || self.ddp.zero_stage == 3 || !self.model.checkpoint_blocks.is_empty() || self.train.strategy != Strategy::Ddp {
+                return Err(format!("train.device = \"{}\" supports plain DDP and ZeRO-1/2 only (no mesh tp/sp/pp/ep, [pipeline], zero_stage 3, checkpoint_blocks or strategy ps yet)", self.train.device));
+            }
         }
         self.bucket_cap()?;
         self.first_bucket_cap()?;

@@ -532,7 +532,7 @@ pub(crate) fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds:
         if lockstep {
             settle()?;
         }
-        let t = kolo_tensor::Tensor::from_slice(&b.targets, b.targets.len(), &kolo_tensor::Device::Cpu).map_err(kolo_tensor::TensorError::from)?;
+        let t = kolo_tensor::Tensor::from_slice(&b.targets, b.targets.len(), &kolo_tensor::device()).map_err(kolo_tensor::TensorError::from)?;
         let l = kolo_tensor::ops::cross_entropy(&logits, &t)?.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?;
         loss_sum += f64::from(l) * chunk.len() as f64;
         count += chunk.len() as f64;
@@ -619,6 +619,15 @@ impl kolo_base::GroupSum for CommGroup {
 
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
+    if cfg.train.device != "cpu" {
+        // `cuda` alone: one GPU per local rank (as torchrun's LOCAL_RANK convention).
+        let name = match cfg.train.device.as_str() {
+            "cuda" => format!("cuda:{}", std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(0)),
+            d => d.to_string(),
+        };
+        let dev = kolo_tensor::parse_device(&name).map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
+        kolo_tensor::set_device(dev);
+    }
     // The mesh: pipeline stages (pp) of data-parallel replicas (dp) of tensor-parallel groups
     // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
     // blocks are split over the tp group; stages talk over the pp group.

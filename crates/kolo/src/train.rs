@@ -24,6 +24,10 @@ pub struct TrainArgs {
     /// Override data.path.
     #[arg(long)]
     data: Option<String>,
+    /// Override train.device: cpu, cuda or cuda:N (candle's CUDA backend; a `--features cuda`
+    /// build).
+    #[arg(long)]
+    device: Option<String>,
     /// Override train.steps.
     #[arg(long)]
     steps: Option<u64>,
@@ -76,6 +80,10 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     let mut cfg = kolo_train::Config::load(&a.config)?;
     if let Some(d) = a.data {
         cfg.data.path = Some(d);
+    }
+    if let Some(d) = &a.device {
+        cfg.train.device = d.clone();
+        cfg.check().map_err(|e| anyhow::anyhow!("--device: {e}"))?;
     }
     if let Some(s) = a.steps {
         cfg.train.steps = s;

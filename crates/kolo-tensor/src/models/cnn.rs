@@ -1,7 +1,7 @@
 use super::{uniform_fan_in, Input, Model};
 use crate::ops::linear;
 use crate::{ParamSet, ParamView, Result, TensorError};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use kolo_base::Rng;
 
 /// A small MNIST CNN: conv5x5(1->c1) ReLU maxpool2, conv5x5(c1->c2) ReLU maxpool2, linear.
@@ -42,7 +42,7 @@ impl Model for Cnn {
             return Err(TensorError::Input(format!("the CNN takes 1x28x28 images, got {c}x{h}x{w}")));
         }
         let g = |i: usize| view.get(&self.params, self.idx[i]);
-        let x = Tensor::from_slice(data, (*n, 1, 28, 28), &Device::Cpu)?;
+        let x = Tensor::from_slice(data, (*n, 1, 28, 28), &crate::device())?;
         let conv = |x: &Tensor, w: Tensor, b: Tensor| -> Result<Tensor> {
             // candle's CPU convolution has no half-precision kernel: it runs in f32.
             let dt = x.dtype();

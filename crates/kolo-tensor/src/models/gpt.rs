@@ -706,7 +706,7 @@ impl Gpt {
                 }
                 let tok = match &self.tp {
                     Some(tp) => super::tp::embed(ids, &g(self.wte)?, super::tp::vocab_range(self.cfg.vocab, tp.group.size(), tp.group.rank()), &tp.group)?,
-                    None => g(self.wte)?.index_select(&Tensor::from_slice(ids, b * t, &Device::Cpu)?, 0)?,
+                    None => { let w = g(self.wte)?; let ids = Tensor::from_slice(ids, b * t, w.device())?; w.index_select(&ids, 0)? },
                 }
                 .reshape((b, t, c))?;
                 let pos = g(self.wpe)?.narrow(0, offset, t)?;

@@ -1,7 +1,7 @@
 use super::{uniform_fan_in, Input, Model};
 use crate::ops::linear;
 use crate::{ParamSet, ParamView, Result, TensorError};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use kolo_base::Rng;
 
 /// Fully connected ReLU network: input -> hidden... -> classes.
@@ -38,7 +38,7 @@ impl Model for Mlp {
         if c * h * w != self.input {
             return Err(TensorError::Input(format!("the MLP takes {} features, got {}", self.input, c * h * w)));
         }
-        let mut x = Tensor::from_slice(data, (*n, self.input), &Device::Cpu)?;
+        let mut x = Tensor::from_slice(data, (*n, self.input), &crate::device())?;
         for (i, (wi, bi)) in self.layers.iter().enumerate() {
             let w = view.get(&self.params, *wi)?;
             if i == 0 {

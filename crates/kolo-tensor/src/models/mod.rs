@@ -14,7 +14,7 @@ pub use moe::{MoeConfig, MoeLoad};
 
 use crate::ops::cross_entropy;
 use crate::{ParamSet, ParamView, Result, TensorError};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use kolo_base::Rng;
 
 /// A model's input batch.
@@ -111,7 +111,7 @@ pub(crate) fn targets_loss(logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
     if targets.len() != n {
         return Err(TensorError::Input(format!("{} targets for {n} outputs", targets.len())));
     }
-    let t = Tensor::from_slice(targets, n, &Device::Cpu)?;
+    let t = Tensor::from_slice(targets, n, &crate::device())?;
     cross_entropy(logits, &t)
 }
 
