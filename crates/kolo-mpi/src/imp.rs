@@ -2,6 +2,7 @@
 
 use kolo_base::{shard_range, DType, Rank, WorldSize};
 use kolo_comm::reduce::finish_avg;
+use kolo_comm::communicator::validate;
 use kolo_comm::{bf16, f16, BufMut, BufRef, CommError, Communicator, OpKind, ReduceOp};
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Partition, PartitionMut};
@@ -315,10 +316,7 @@ impl Communicator for MpiComm {
     fn all_gather(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
         let (n, esz, len) = (self.0.size, output.dtype().size_bytes(), output.len());
         let ws = self.world_size();
-        let own = shard_range(len, ws, self.rank());
-        if input.len() != own.len() || input.dtype() != output.dtype() {
-            return Err(self.bad(OpKind::AllGather, format!("an input of {} {:?} for the shard {own:?} of {len} {:?}", input.len(), input.dtype(), output.dtype())));
-        }
+        validate::all_gather(self.rank(), ws, &input, &output)?;
         if len == 0 {
             return Ok(());
         }
@@ -334,10 +332,8 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+        validate::reduce_scatter(self.rank(), self.world_size(), &input, &output)?;
         let own = shard_range(input.len(), self.world_size(), self.rank());
-        if output.len() != own.len() || input.dtype() != output.dtype() {
-            return Err(self.bad(OpKind::ReduceScatter, format!("an output of {} for the shard {own:?} of {}", output.len(), input.len())));
-        }
         // An all-reduce, then this rank's shard.
         if input.is_empty() {
             return Ok(());

@@ -11,6 +11,7 @@ use cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream, DevicePtr, D
 use cudarc::nccl::sys as nc;
 use kolo_base::{shard_range, DType, Rank, WorldSize};
 use kolo_comm::reduce::finish_avg;
+use kolo_comm::communicator::validate;
 use kolo_comm::{BufMut, BufRef, CommError, Communicator, OpKind, ReduceOp};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -366,10 +367,7 @@ impl NcclComm {
     }
 
     fn check_root(&self, op: OpKind, root: Rank) -> Result<(), CommError> {
-        if root.get() >= self.size {
-            return Err(self.bad(op, format!("root {root} of {} ranks", self.size)));
-        }
-        Ok(())
+        validate::root(op, self.rank(), self.world_size(), root)
     }
 
     /// Equal-count shards (NCCL's all-gather/reduce-scatter) for Kolo's `shard_range` shards,
@@ -512,10 +510,7 @@ impl Communicator for NcclComm {
     fn all_gather(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
         let (esz, len) = (output.dtype().size_bytes(), output.len());
         let ws = self.world_size();
-        let own = shard_range(len, ws, self.rank());
-        if input.len() != own.len() || input.dtype() != output.dtype() {
-            return Err(self.bad(OpKind::AllGather, format!("an input of {} {:?} for the shard {own:?} of {len} {:?}", input.len(), input.dtype(), output.dtype())));
-        }
+        validate::all_gather(self.rank(), ws, &input, &output)?;
         if len == 0 {
             return Ok(());
         }
@@ -541,10 +536,7 @@ impl Communicator for NcclComm {
         let (d, len) = (input.dtype(), input.len());
         let esz = d.size_bytes();
         let ws = self.world_size();
-        let own = shard_range(len, ws, self.rank());
-        if output.len() != own.len() || input.dtype() != output.dtype() {
-            return Err(self.bad(OpKind::ReduceScatter, format!("an output of {} {:?} for the shard {own:?} of {len} {:?}", output.len(), output.dtype(), d)));
-        }
+        validate::reduce_scatter(self.rank(), ws, &input, &output)?;
         if len == 0 {
             return Ok(());
         }
@@ -568,12 +560,7 @@ impl Communicator for NcclComm {
 
     fn all_to_all(&self, input: BufRef<'_>, send_counts: &[usize], mut output: BufMut<'_>, recv_counts: &[usize]) -> Result<(), CommError> {
         let n = self.size;
-        if send_counts.len() != n || recv_counts.len() != n {
-            return Err(self.bad(OpKind::AllToAll, format!("{} send and {} receive counts for {n} ranks", send_counts.len(), recv_counts.len())));
-        }
-        if send_counts.iter().sum::<usize>() != input.len() || recv_counts.iter().sum::<usize>() != output.len() {
-            return Err(self.bad(OpKind::AllToAll, format!("counts sum to {}/{} for buffers of {}/{} elements", send_counts.iter().sum::<usize>(), recv_counts.iter().sum::<usize>(), input.len(), output.len())));
-        }
+        validate::all_to_all(self.rank(), self.world_size(), &input, send_counts, &output, recv_counts)?;
         let esz = input.dtype().size_bytes();
         let offs = |c: &[usize]| c.iter().scan(0usize, |s, x| { let o = *s; *s += x; Some(o * esz) }).collect::<Vec<_>>();
         let (so, ro) = (offs(send_counts), offs(recv_counts));
@@ -609,9 +596,6 @@ impl Communicator for NcclComm {
             )
         })?;
         // This rank's own block never leaves the host.
-        if send_counts[self.rank] != recv_counts[self.rank] {
-            return Err(self.bad(OpKind::AllToAll, format!("sends {} elements to itself but expects {}", send_counts[self.rank], recv_counts[self.rank])));
-        }
         let k = send_counts[self.rank] * esz;
         output.bytes_mut()[ro[self.rank]..ro[self.rank] + k].copy_from_slice(&input.bytes()[so[self.rank]..so[self.rank] + k]);
         Ok(())
@@ -636,9 +620,7 @@ impl Communicator for NcclComm {
 
     fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Communicator>>, CommError> {
         let op = OpKind::NewGroup;
-        if let Some(r) = ranks.iter().find(|r| r.get() >= self.size) {
-            return Err(self.bad(op, format!("rank {r} is not in a world of {}", self.size)));
-        }
+        validate::group(self.rank(), self.world_size(), ranks)?;
         let pos = ranks.iter().position(|r| r.get() == self.rank);
         // Every rank agrees on the member list first (ncclCommSplit would hang on a mismatch).
         let mut mine = vec![0i64; ranks.len() + 1];
@@ -688,9 +670,7 @@ impl NcclComm {
     fn send_recv_impl(&self, send: Option<(BufRef<'_>, Rank, u32)>, recv: Option<(BufMut<'_>, Rank, u32)>) -> Result<(), CommError> {
         let op = if send.is_some() { OpKind::Send } else { OpKind::Recv };
         for peer in send.as_ref().map(|s| s.1).into_iter().chain(recv.as_ref().map(|r| r.1)) {
-            if peer.get() >= self.size || peer.get() == self.rank {
-                return Err(self.bad(op, format!("peer {peer} (this is rank {} of {})", self.rank, self.size)));
-            }
+            validate::peer(op, self.rank(), self.world_size(), peer)?;
         }
         let sn = send.as_ref().map_or(0, |s| s.0.bytes().len());
         let rn = recv.as_ref().map_or(0, |r| r.0.bytes().len());

@@ -46,11 +46,10 @@ pub fn connect(boot: &dyn Communicator, device: usize, timeout: Duration) -> Res
     #[cfg(not(feature = "nccl"))]
     {
         let _ = (device, timeout);
-        Err(CommError::Setup {
-            op: OpKind::Setup,
-            rank: boot.rank(),
-            what: "this kolo was built without the NCCL backend: rebuild with `cargo build --release -p kolo --features nccl` (no CUDA toolkit needed to build; a GPU, its driver and libnccl.so.2 to run), or use the built-in transport".into(),
-        })
+        Err(setup_error(
+            boot.rank(),
+            "this kolo was built without the NCCL backend: rebuild with `cargo build --release -p kolo --features nccl` (no CUDA toolkit needed to build; a GPU, its driver and libnccl.so.2 to run), or use the built-in transport".into(),
+        ))
     }
 }
 

@@ -19,6 +19,12 @@ pub struct Param {
 pub struct ParamSet {
     params: Vec<Param>,
     numel: usize,
+    /// Parameters on a GPU: their values also live here, flat, on the host (the optimizers'
+    /// master copy, as ZeRO-Offload keeps it): updates land here and reach the device in one
+    /// copy before the next read through a [`ParamView`], instead of a round trip per tensor.
+    host: Option<std::sync::Mutex<Vec<f32>>>,
+    /// The host copy has updates the device has not seen.
+    stale: std::sync::atomic::AtomicBool,
 }
 
 /// Copies a candle tensor's f32 values into `out` (which must have exactly its element count).
@@ -80,7 +86,12 @@ impl ParamSet {
         if init.len() != n {
             return Err(TensorError::Shape { name: name.into(), what: format!("{} initial values for shape {shape:?}", init.len()) });
         }
-        let var = Var::from_vec(init, shape, &crate::device())?;
+        let device = crate::device();
+        if !device.is_cpu() {
+            let h = self.host.get_or_insert_with(Default::default);
+            h.get_mut().unwrap_or_else(|p| p.into_inner()).extend_from_slice(&init);
+        }
+        let var = Var::from_vec(init, shape, &device)?;
         let range = self.numel..self.numel + n;
         self.numel += n;
         self.params.push(Param { name: name.to_string(), var, shape: shape.to_vec(), range });
@@ -106,6 +117,10 @@ impl ParamSet {
 
     /// Current values, flat.
     pub fn flatten(&self, out: &mut [f32]) -> Result<()> {
+        if let Some(h) = &self.host {
+            out.copy_from_slice(&h.lock().unwrap_or_else(|p| p.into_inner()));
+            return Ok(());
+        }
         for p in &self.params {
             copy_f32(p.var.as_tensor(), &mut out[p.range.clone()])?;
         }
@@ -141,16 +156,30 @@ impl ParamSet {
     /// Runs `f` on parameter `i`'s values in place (an optimizer step straight on the model's
     /// storage, without a flat copy).
     pub fn update_one(&self, i: usize, f: &mut dyn FnMut(&mut [f32])) -> Result<()> {
-        let var = &self.params[i].var;
-        if !var.device().is_cpu() {
-            // On a GPU: through the host and back into the same storage (`Var::set` copies).
-            let mut v = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
-            f(&mut v);
-            var.set(&Tensor::from_vec(v, var.shape(), var.device())?)?;
+        if let Some(h) = &self.host {
+            f(&mut h.lock().unwrap_or_else(|p| p.into_inner())[self.params[i].range.clone()]);
+            self.stale.store(true, std::sync::atomic::Ordering::SeqCst);
             return Ok(());
         }
         let op = InPlace(std::cell::RefCell::new(f));
         self.params[i].var.as_tensor().inplace_op1(&op)?;
+        Ok(())
+    }
+
+    /// Brings the device's parameters up to date with the host copy (GPU parameters only): one
+    /// host-to-device copy of everything, then a device copy into each parameter's storage.
+    /// Every [`ParamView`] calls it before handing out a parameter.
+    pub fn sync_device(&self) -> Result<()> {
+        let Some(h) = &self.host else { return Ok(()) };
+        if !self.stale.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        let h = h.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(first) = self.params.first() else { return Ok(()) };
+        let flat = Tensor::from_slice(&h[..], h.len(), first.var.device())?;
+        for p in &self.params {
+            p.var.set(&flat.narrow(0, p.range.start, p.range.len())?.reshape(p.shape.as_slice())?)?;
+        }
         Ok(())
     }
 
@@ -204,6 +233,7 @@ pub struct PlainView;
 
 impl ParamView for PlainView {
     fn get(&self, params: &ParamSet, i: usize) -> Result<Tensor> {
+        params.sync_device()?;
         Ok(params.get(i).var.as_tensor().clone())
     }
 }
@@ -229,6 +259,7 @@ pub struct CastView(pub DType);
 
 impl ParamView for CastView {
     fn get(&self, params: &ParamSet, i: usize) -> Result<Tensor> {
+        params.sync_device()?;
         Ok(params.get(i).var.as_tensor().to_dtype(self.0)?)
     }
 }
@@ -296,6 +327,7 @@ impl CustomOp1 for GradHook {
 
 impl ParamView for HookedView {
     fn get(&self, params: &ParamSet, i: usize) -> Result<Tensor> {
+        params.sync_device()?;
         Ok(params.get(i).var.as_tensor().apply_op1(GradHook { idx: i, sink: self.sink.clone(), dtype: self.dtype })?)
     }
 }
