@@ -71,6 +71,28 @@ fn last_dim(l: &Layout) -> usize {
 /// `y + b` with `b` broadcast over the rows of `y` (last dimension = len(b)).
 struct BiasAdd;
 
+simd_kernel! {
+    /// `out = y + b` with `b` added to every row of `y`.
+    fn bias_add_fwd(y: &[f32], b: &[f32], out: &mut [f32]) {
+        for (row, o) in y.chunks_exact(b.len()).zip(out.chunks_exact_mut(b.len())) {
+            for j in 0..b.len() {
+                o[j] = row[j] + b[j];
+            }
+        }
+    }
+}
+
+simd_kernel! {
+    /// `acc += ` the sum of the rows of `g` (rows of `acc.len()`).
+    fn column_sums(g: &[f32], acc: &mut [f32]) {
+        for row in g.chunks_exact(acc.len()) {
+            for j in 0..acc.len() {
+                acc[j] += row[j];
+            }
+        }
+    }
+}
+
 impl CustomOp2 for BiasAdd {
     fn name(&self) -> &'static str {
         "kolo-bias-add"
@@ -81,19 +103,15 @@ impl CustomOp2 for BiasAdd {
         if last_dim(l1) != c {
             return Err(err("bias length differs from the last dimension"));
         }
-        let mut out = Vec::with_capacity(y.len());
-        for row in y.chunks_exact(c) {
-            out.extend(row.iter().zip(b).map(|(a, b)| a + b));
-        }
+        let mut out = vec![0f32; y.len()];
+        bias_add_fwd(y, b, &mut out);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
     fn bwd(&self, _y: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let c = b.elem_count();
         let db = with_data(grad, |g| {
             let mut acc = vec![0f32; c];
-            for row in g.chunks_exact(c) {
-                acc.iter_mut().zip(row).for_each(|(a, x)| *a += x);
-            }
+            column_sums(g, &mut acc);
             acc
         })?;
         Ok((Some(grad.clone()), Some(Tensor::from_vec(db, b.shape(), &Device::Cpu)?)))
