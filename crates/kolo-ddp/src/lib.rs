@@ -23,6 +23,7 @@
 pub mod codecs;
 pub mod sparse_ar;
 pub mod powersgd;
+pub mod schedule;
 pub use codecs::{BucketCodec, CodecFactory};
 pub mod shard;
 pub use shard::{Segment, ShardPlan};

@@ -511,6 +511,33 @@ pub struct DdpConfig {
     /// so that a slower rank gets fewer examples and all finish together; each rank's loss is
     /// weighted by its share, so the gradient stays the mean over the global batch. 0 = off.
     pub dynamic_batch_every: u64,
+    /// Scheduled communication (ByteScheduler), e.g. `{ chunk = "256KiB", credit = "1MiB" }`:
+    /// gradients go in chunks of `chunk` bytes, the first layers' first, up to `credit` bytes
+    /// per collective; each parameter is updated as soon as its gradient is reduced and the
+    /// next forward starts on it while the rest is still on the wire. Plain f32 DDP without
+    /// gradient clipping, accumulation or checkpoints (the update cannot wait for a global
+    /// norm). Default: off.
+    pub schedule: Option<ScheduleConfig>,
+}
+
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleConfig {
+    /// Partition size (default "256KiB").
+    #[serde(default = "default_chunk")]
+    pub chunk: String,
+    /// Bytes reduced per round and collective (default "1MiB"): larger rounds spend fewer
+    /// agreements and calls, smaller ones let a high-priority chunk go sooner.
+    #[serde(default = "default_credit")]
+    pub credit: String,
+}
+
+fn default_chunk() -> String {
+    "256KiB".into()
+}
+
+fn default_credit() -> String {
+    "1MiB".into()
 }
 
 #[derive(Deserialize, Debug, Clone, PartialEq)]
@@ -592,7 +619,7 @@ fn sixteen() -> u8 {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None, local_sgd: None, dynamic_batch_every: 0 }
+        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None, local_sgd: None, dynamic_batch_every: 0, schedule: None }
     }
 }
 
@@ -687,6 +714,13 @@ impl Config {
             }
             if f.secure && f.clients_per_round.unwrap_or(f.clients) < 2 {
                 return Err("fed.secure needs at least 2 clients per round".into());
+            }
+        }
+        if self.ddp.schedule.is_some() {
+            self.comm_schedule()?;
+            let m = self.mesh.as_ref();
+            if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.ddp.skip_sync || self.ddp.dynamic_batch_every > 0 || self.optim.clip_grad_norm.is_some() || self.train.grad_accum != 1 || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || self.pipeline.is_some() || !self.model.checkpoint_blocks.is_empty() || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1)) || self.train.device != "cpu" {
+                return Err("ddp.schedule runs plain f32 DDP on the CPU: no zero_stage, compression, local_sgd, skip_sync, dynamic_batch_every, optim.clip_grad_norm, grad_accum > 1, mixed precision, checkpoints, mesh, pipeline, activation checkpointing or ps (each parameter is updated as soon as its own gradient is reduced)".into());
             }
         }
         if self.ddp.dynamic_batch_every > 0 {
@@ -833,6 +867,17 @@ impl Config {
             return Err(format!("mesh.ep {} does not divide the {dp} data-parallel ranks", m.ep));
         }
         Ok(Mesh { dp, tp, pp, sp, ep: m.ep })
+    }
+
+    /// `ddp.schedule` as (chunk, credit) in f32 elements, when set.
+    pub fn comm_schedule(&self) -> Result<Option<(usize, usize)>, String> {
+        let Some(s) = &self.ddp.schedule else { return Ok(None) };
+        let chunk = s.chunk.parse::<ByteSize>().map_err(|e| format!("ddp.schedule.chunk: {e}"))?.as_usize() / 4;
+        let credit = s.credit.parse::<ByteSize>().map_err(|e| format!("ddp.schedule.credit: {e}"))?.as_usize() / 4;
+        if chunk == 0 || credit == 0 {
+            return Err("ddp.schedule: chunk and credit must be at least 4 bytes".into());
+        }
+        Ok(Some((chunk, credit)))
     }
 
     pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod plot;
 pub mod ps_worker;
+pub mod scheduled;
 pub mod sp;
 pub mod tensorboard;
 pub mod timeline;

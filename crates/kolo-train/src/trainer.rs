@@ -642,6 +642,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         let sp = m.group("sp").expect("axis").clone();
         return crate::sp::run_sequence_parallel(cfg, &*comm, sp, m.coord("dp").expect("axis"), mesh.dp, opts);
     }
+    if cfg.ddp.schedule.is_some() {
+        return crate::scheduled::run_scheduled(cfg, comm, opts);
+    }
     let (comm, tp_comm, pp_comm) = if mesh.tp > 1 || cfg.pipeline.is_some() {
         let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
         let g = |a: &str| m.group(a).expect("axis").clone();

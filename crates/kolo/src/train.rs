@@ -156,6 +156,14 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         let mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
         let overlap = match s.pipeline_bubble {
             Some(b) => format!("pipeline bubble {:.1}%", b * 100.0),
+            None if cfg.ddp.schedule.is_some() => {
+                let w = &s.comm_wait_ms[s.comm_wait_ms.len() / 2..];
+                format!(
+                    "{:.0}% of gradient communication hidden behind compute (forward waited {:.1} ms/step for updates)",
+                    s.hidden_fraction * 100.0,
+                    w.iter().sum::<f64>() / w.len().max(1) as f64
+                )
+            }
             None => format!("{:.0}% of gradient all-reduce hidden behind backward", s.hidden_fraction * 100.0),
         };
         eprintln!("done: {} steps, last loss {:.4}, {:.1} ms/step (second half), {overlap}", s.steps_done, s.last_loss, mean);
