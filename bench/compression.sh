@@ -2,10 +2,9 @@
 # Gradient compression and Local SGD on the GPT (bench/gpt.toml), N ranks (default 2), on links
 # shaped by bench/netem.sh (root): step time and bytes per step for each method at each rate.
 #   [N=4] bash bench/compression.sh [RATES...]      (default: 100mbit 1gbit)
-set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/shaped.sh"
 N=${N:-2}
-RATES=("${@:-100mbit 1gbit}")
+RATES=("$@")
 [ $# -eq 0 ] && RATES=(100mbit 1gbit)
 methods=(
   "none|"
@@ -17,12 +16,5 @@ methods=(
   "local SGD H=4|local_sgd = { every = 4, warmup_steps = 2 }"
 )
 for rate in "${RATES[@]}"; do
-  for m in "${methods[@]}"; do
-    name=${m%%|*} ddp=${m#*|}
-    cfg=$(mktemp --suffix=.toml)
-    sed "s/^\[train\]/[ddp]\n$ddp\n\n[train]/" bench/gpt.toml > "$cfg"
-    bash bench/netem.sh "$cfg" "$N" "$rate" 0ms --steps 10 2>/dev/null | grep -E '^\[rank 0\] (done|gradient)' | tr '\n' ' ' | sed "s/^/$N ranks | $rate | $name | /"
-    echo
-    rm -f "$cfg"
-  done
+  shaped_runs "$rate" "$N" "done|gradient" "${methods[@]}"
 done

@@ -3,8 +3,7 @@
 # (bench/gpt.toml), N ranks (default 2), on links shaped by bench/netem.sh (root): step time
 # and how much of the communication the next forward pass hid.
 #   [N=2] bash bench/schedule.sh [RATES...]      (default: 100mbit 1gbit)
-set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/shaped.sh"
 N=${N:-2}
 RATES=("$@")
 [ $# -eq 0 ] && RATES=(100mbit 1gbit)
@@ -15,11 +14,5 @@ modes=(
   "scheduled 1 MiB chunks, credit 4 MiB|schedule = { chunk = \"1MiB\", credit = \"4MiB\" }"
 )
 for rate in "${RATES[@]}"; do
-  for m in "${modes[@]}"; do
-    name=${m%%|*} ddp=${m#*|}
-    cfg=$(mktemp --suffix=.toml)
-    sed "s/^\[train\]/[ddp]\n$ddp\n\n[train]/" bench/gpt.toml > "$cfg"
-    bash bench/netem.sh "$cfg" "$N" "$rate" 0ms --steps 10 2>/dev/null | grep -E '^\[rank 0\] done' | sed "s/^/$N ranks | $rate | $name | /"
-    rm -f "$cfg"
-  done
+  shaped_runs "$rate" "$N" "done" "${modes[@]}"
 done
