@@ -126,7 +126,7 @@ fn block_forward_with(x: &Tensor, p: &[Tensor], h: usize, ring: Option<&Arc<dyn 
     let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
     let y = match ring {
         Some(r) => q.apply_op3(&k, &v, super::ring::RingAttention::new(r.clone(), scale as f32))?,
-        None => crate::fused::causal_softmax(&q.matmul(&k.t()?.contiguous()?)?, scale)?.matmul(&v)?,
+        None => crate::fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?.matmul(&v)?,
     };
     let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
     let x = (x + linear(&y, &p[4], &p[5])?)?;
@@ -146,7 +146,7 @@ fn block_forward_moe(x: &Tensor, p: &[Tensor], h: usize, cfg: &super::moe::MoeCo
         Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
     };
     let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-    let y = crate::fused::causal_softmax(&q.matmul(&k.t()?.contiguous()?)?, scale)?.matmul(&v)?;
+    let y = crate::fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?.matmul(&v)?;
     let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
     let x = (x + linear(&y, &p[4], &p[5])?)?;
     let hdn = layer_norm(&x, &p[6], &p[7], 1e-5)?;

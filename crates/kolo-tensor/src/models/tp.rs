@@ -177,7 +177,7 @@ pub(crate) fn block_forward_tp(x: &Tensor, p: &[Tensor], h: usize, group: &Arc<d
         Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
     };
     let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-    let att = crate::fused::causal_softmax(&q.matmul(&k.t()?.contiguous()?)?, scale)?;
+    let att = crate::fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?;
     let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, cl))?;
     let x = (x + g(&no_bias(&p[4], &y)?)?.broadcast_add(&p[5])?)?;
     let hdn = f(&layer_norm(&x, &p[6], &p[7], 1e-5)?)?;
