@@ -667,3 +667,41 @@ fn impala_actor_processes_solve_cartpole_over_tcp() {
     assert!(o.status.success() && t.contains("solved at"), "{t}");
     assert!(t.matches("environment steps").count() >= 2, "both actor processes report: {t}");
 }
+
+/// Scheduled communication between real processes (TCP and shared memory, the scheduler on a
+/// group of its own beside the training thread's collectives) ends where plain DDP ends; and
+/// on a build without GPU support, `--device cuda` and `--backend nccl` say what to rebuild
+/// with instead of failing later.
+#[test]
+fn scheduled_ddp_between_processes_and_gpu_flags_without_gpu_support() {
+    let dir = std::env::temp_dir().join(format!("kolo-sched-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let base = "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optim]\nkind = \"adamw\"\nlr = 0.01\n[train]\nsteps = 6\nlog_every = 1\nsample_chars = 0\n";
+    let mut last = Vec::new();
+    for (name, ddp) in [("plain", ""), ("sched", "[ddp]\nschedule = { chunk = \"4KiB\", credit = \"8KiB\" }\n")] {
+        let cfg = dir.join(format!("{name}.toml"));
+        std::fs::write(&cfg, format!("{base}{ddp}")).unwrap();
+        let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+        let t = text(&o);
+        assert!(o.status.success(), "{name}: {t}");
+        // The final evaluation runs on the same parameters on every rank.
+        let eval: Vec<String> = t.lines().filter(|l| l.contains("final eval")).map(str::to_string).collect();
+        assert_eq!(eval.len(), 1, "{name}: {t}");
+        last.push(eval[0].split("final eval").nth(1).unwrap().to_string());
+        if name == "sched" {
+            assert!(t.contains("scheduled DDP") && t.contains("hidden behind compute"), "{t}");
+        }
+    }
+    assert_eq!(last[0], last[1], "scheduled and plain DDP evaluate the same model");
+    let cfg = dir.join("plain.toml");
+    if !cfg!(feature = "cuda") {
+        let o = run(&["train", "--config", cfg.to_str().unwrap(), "--device", "cuda"], &[]);
+        assert!(!o.status.success() && text(&o).contains("--features cuda"), "{}", text(&o));
+    }
+    if !cfg!(feature = "nccl") {
+        let o = run(&["train", "--config", cfg.to_str().unwrap(), "--backend", "nccl"], &[]);
+        assert!(!o.status.success() && text(&o).contains("--features nccl"), "{}", text(&o));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
