@@ -4,7 +4,10 @@
 # it would on a slow network. Needs root (ip netns, veth, tc); cleans up after itself.
 #   bash bench/netem.sh CONFIG N RATE DELAY [kolo train args...]
 #   e.g. bash bench/netem.sh bench/gpt.toml 2 100mbit 1ms --steps 8
-# Ranks talk TCP only (namespaces still share /dev/shm, so shared memory is switched off).
+# Ranks talk TCP only (namespaces still share /dev/shm, so shared memory is switched off),
+# unless HOSTS=H: then the ranks form H emulated hosts (KOLO_HOST_ID, consecutive ranks
+# together), shared memory within a host and the shaped links between hosts.
+# CONFIG may be `bench`: the ranks then run `kolo bench collectives ARGS` instead of training.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CFG=$1 N=$2 RATE=$3 DELAY=$4
@@ -45,9 +48,14 @@ done
 TOKEN=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 PORT=$((20000 + RANDOM % 20000))
 pids=()
+HOSTS=${HOSTS:-$N}
+TRANSPORT=tcp
+[ "$HOSTS" != "$N" ] && TRANSPORT=auto
+CMD=(train --config "$CFG")
+[ "$CFG" = bench ] && CMD=(bench collectives)
 for i in $(seq 0 $((N - 1))); do
   RANK=$i WORLD_SIZE=$N LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=10.77.0.1 MASTER_PORT=$PORT KOLO_JOB_TOKEN=$TOKEN \
-    RAYON_NUM_THREADS=1 ip netns exec "$TAG-$i" "$K" train --config "$CFG" --transport tcp "$@" 2>&1 | sed "s/^/[rank $i] /" &
+    KOLO_HOST_ID=host$((i * HOSTS / N)) RAYON_NUM_THREADS=1 ip netns exec "$TAG-$i" "$K" "${CMD[@]}" --transport "$TRANSPORT" "$@" 2>&1 | sed "s/^/[rank $i] /" &
   pids+=($!)
 done
 rc=0

@@ -316,6 +316,63 @@ impl HostComm {
         Ok(())
     }
 
+    /// Whether an all-gather of `bytes` goes in two levels: ranks on several hosts, and the
+    /// all-reduce choice is `hierarchical`, or `auto` above the small-message size.
+    fn gathers_hierarchically(&self, bytes: usize) -> bool {
+        self.multi_host()
+            && match self.cfg.all_reduce {
+                AlgorithmChoice::Hierarchical => true,
+                AlgorithmChoice::Auto => bytes as u64 > self.cfg.small_message.bytes(),
+                _ => false,
+            }
+    }
+
+    /// Two-level all-gather for hosts with equal numbers of ranks: the ranks with the same local
+    /// index gather their shards across hosts (each host sends 1/local_size of the data over
+    /// each cross link, instead of all of it through one ring), then each host gathers those
+    /// blocks over shared memory, and the blocks are put in global rank order. Returns false,
+    /// having moved nothing, where the layouts do not line up (uneven hosts): the caller then
+    /// uses the ring. The decision depends only on the host layout and the length, which every
+    /// rank shares, so all ranks take the same path.
+    fn hierarchical_all_gather(&self, input: &BufRef<'_>, mut output: BufMut<'_>) -> Result<bool, CommError> {
+        let h = self.hier()?;
+        let Some(cross) = h.cross.as_ref().filter(|_| h.even) else { return Ok(false) };
+        let (n, len) = (self.n.get(), output.len());
+        let (_, local_idx) = self.host_layout();
+        let k = h.local.world_size().get();
+        let hosts = n / k;
+        let dtype = output.dtype();
+        let esz = dtype.size_bytes();
+        // Members of each cross group (local index i) in rank order, their shard lengths, and
+        // the block each group gathers.
+        let members: Vec<Vec<usize>> = (0..k).map(|i| (0..n).filter(|r| local_idx[*r] == i).collect()).collect();
+        let shard_len = |r: usize| shard_range(len, self.n, Rank(r)).len();
+        let block: Vec<usize> = members.iter().map(|m| m.iter().map(|&r| shard_len(r)).sum()).collect();
+        let cross_n = WorldSize::new(hosts).expect("at least one host");
+        let local_n = WorldSize::new(k).expect("at least one rank per host");
+        let lines_up = members.iter().zip(&block).all(|(m, &b)| m.iter().enumerate().all(|(j, &r)| shard_range(b, cross_n, Rank(j)).len() == shard_len(r)))
+            && block.iter().enumerate().all(|(i, &b)| shard_range(len, local_n, Rank(i)).len() == b);
+        if !lines_up {
+            return Ok(false);
+        }
+        let i = local_idx[self.rank.get()];
+        let mut mine = vec![0u8; block[i] * esz];
+        cross.all_gather(BufRef::from_bytes(input.dtype(), input.bytes()).expect("whole elements"), BufMut::from_bytes(dtype, &mut mine).expect("whole elements"))?;
+        let mut local_major = vec![0u8; len * esz];
+        h.local.all_gather(BufRef::from_bytes(dtype, &mine).expect("whole elements"), BufMut::from_bytes(dtype, &mut local_major).expect("whole elements"))?;
+        // Local-major (local index, then host) to global rank order.
+        let out = output.bytes_mut();
+        let mut at = 0;
+        for m in &members {
+            for &r in m {
+                let sh = shard_range(len, self.n, Rank(r));
+                out[sh.start * esz..sh.end * esz].copy_from_slice(&local_major[at..at + sh.len() * esz]);
+                at += sh.len() * esz;
+            }
+        }
+        Ok(true)
+    }
+
     /// All-reduce with a given algorithm (internal collectives pin theirs, so that setting up
     /// the hierarchical groups cannot recurse into them).
     fn all_reduce_with(&self, mut buf: BufMut<'_>, op: ReduceOp, alg: Algorithm) -> Result<(), CommError> {
@@ -536,6 +593,9 @@ impl Communicator for HostComm {
         let own = shard_range(output.len(), self.n, self.rank);
         output.bytes_mut()[own.start * esz..own.end * esz].copy_from_slice(input.bytes());
         if self.n.get() == 1 {
+            return Ok(());
+        }
+        if self.gathers_hierarchically(output.bytes().len()) && self.hierarchical_all_gather(&input, output.reborrow())? {
             return Ok(());
         }
         let bytes = output.bytes_mut();

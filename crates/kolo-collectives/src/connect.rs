@@ -23,7 +23,12 @@ fn purpose(group: &str, from: usize, to: usize) -> String {
 }
 
 /// The default host identity: ranks with equal ids may use shared memory with each other.
+/// `KOLO_HOST_ID` overrides it (several "hosts" on one machine, for tests and benchmarks of the
+/// hierarchical algorithms, or containers whose hostnames differ but share /dev/shm).
 pub fn default_host_id() -> String {
+    if let Some(h) = std::env::var("KOLO_HOST_ID").ok().filter(|h| !h.is_empty()) {
+        return h;
+    }
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
     format!("{}#{}", host.trim(), boot.trim())

@@ -63,8 +63,11 @@ fn tcp_halving_doubling_conformance() {
 }
 
 #[test]
-fn hierarchical_all_reduce_across_fake_hosts() {
+fn hierarchical_all_reduce_and_all_gather_across_fake_hosts() {
     // Hosts a,a,b,b (even: reduce-scatter / all-reduce / all-gather) and a,a,b (leaders only).
+    // All-gathers go in two levels (across hosts by local index, then within hosts) on even
+    // hosts wherever the shard layouts line up (a,a,b,b always; a,b,a,b,c,c for some lengths),
+    // and through the ring otherwise (a,a,b): the matrix checks every length either way.
     for hosts in [&["a", "a", "b", "b"][..], &["a", "a", "b"], &["a", "b", "a", "b", "c", "c"]] {
         let comms = group_with(hosts.len(), |r| HostCommConfig { host_id: Some(hosts[r].to_string()), ..cfg(Transport::Auto, AlgorithmChoice::Hierarchical) });
         let same_host = hosts.iter().filter(|h| **h == hosts[0]).count() - 1;
