@@ -3,9 +3,6 @@
 # shaped by bench/netem.sh (root): step time and bytes per step for each method at each rate.
 #   [N=4] bash bench/compression.sh [RATES...]      (default: 100mbit 1gbit)
 source "$(dirname "$0")/shaped.sh"
-N=${N:-2}
-RATES=("$@")
-[ $# -eq 0 ] && RATES=(100mbit 1gbit)
 methods=(
   "none|"
   "powersgd r1|compression = { method = \"powersgd\", rank = 1, warmup_steps = 2 }"
@@ -15,6 +12,4 @@ methods=(
   "sign|compression = { method = \"sign\", warmup_steps = 2 }"
   "local SGD H=4|local_sgd = { every = 4, warmup_steps = 2 }"
 )
-for rate in "${RATES[@]}"; do
-  shaped_runs "$rate" "$N" "done|gradient" "${methods[@]}"
-done
+shaped_all "done|gradient" "${methods[@]}"

@@ -4,15 +4,10 @@
 # and how much of the communication the next forward pass hid.
 #   [N=2] bash bench/schedule.sh [RATES...]      (default: 100mbit 1gbit)
 source "$(dirname "$0")/shaped.sh"
-N=${N:-2}
-RATES=("$@")
-[ $# -eq 0 ] && RATES=(100mbit 1gbit)
 modes=(
   "plain DDP (buckets 25 MiB, first 1 MiB)|"
   "plain DDP (buckets 1 MiB)|bucket_cap = \"1MiB\""
   "scheduled 256 KiB chunks, credit 1 MiB|schedule = { chunk = \"256KiB\", credit = \"1MiB\" }"
   "scheduled 1 MiB chunks, credit 4 MiB|schedule = { chunk = \"1MiB\", credit = \"4MiB\" }"
 )
-for rate in "${RATES[@]}"; do
-  shaped_runs "$rate" "$N" "done" "${modes[@]}"
-done
+shaped_all "done" "${modes[@]}"
