@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 pub mod alloc;
 mod bytesize;
 mod rng;
+pub mod simd;
 pub use bytesize::{ByteSize, ParseByteSizeError};
 pub use rng::Rng;
 

@@ -141,19 +141,12 @@ impl Optimizer {
             OptimizerSpec::Adam { beta1, beta2, eps, weight_decay, decoupled } => {
                 let bc1 = 1.0 - beta1.powi(t);
                 let bc2_sqrt = (1.0 - beta2.powi(t)).sqrt();
-                let step_size = lr / bc1;
                 let (m, v) = state.split_at_mut(1);
-                for (((p, g), m), v) in params.iter_mut().zip(grads).zip(m[0].iter_mut()).zip(v[0].iter_mut()) {
-                    let g = if decoupled {
-                        *p *= 1.0 - lr * weight_decay;
-                        *g
-                    } else {
-                        g + weight_decay * *p
-                    };
-                    *m = beta1 * *m + (1.0 - beta1) * g;
-                    *v = beta2 * *v + (1.0 - beta2) * g * g;
-                    let denom = v.sqrt() / bc2_sqrt + eps;
-                    *p -= step_size * *m / denom;
+                let k = AdamStep { beta1, beta2, eps, bc2_sqrt, step_size: lr / bc1, decay: lr * weight_decay, weight_decay };
+                if decoupled {
+                    adamw_step(&k, params, grads, m[0], v[0]);
+                } else {
+                    adam_step(&k, params, grads, m[0], v[0]);
                 }
             }
             OptimizerSpec::Adagrad { eps, weight_decay, lr_decay } => {
@@ -164,6 +157,49 @@ impl Optimizer {
                     *p -= clr * g / (s.sqrt() + eps);
                 }
             }
+        }
+    }
+}
+
+/// The constants of one Adam step.
+struct AdamStep {
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    bc2_sqrt: f32,
+    step_size: f32,
+    /// `lr * weight_decay` (AdamW's decoupled decay).
+    decay: f32,
+    weight_decay: f32,
+}
+
+// The Adam updates as indexed loops over equal-length slices, with the AdamW/Adam choice made
+// outside the loop: they vectorise (sqrt and divide included). Written as a zip of four
+// iterators with the choice inside, the update was scalar and 4.5 % of a GPT step.
+kolo_base::simd_kernel! {
+    fn adamw_step(k: &AdamStep, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let n = p.len();
+        let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+        for i in 0..n {
+            p[i] *= 1.0 - k.decay;
+            m[i] = k.beta1 * m[i] + (1.0 - k.beta1) * g[i];
+            v[i] = k.beta2 * v[i] + (1.0 - k.beta2) * g[i] * g[i];
+            let denom = v[i].sqrt() / k.bc2_sqrt + k.eps;
+            p[i] -= k.step_size * m[i] / denom;
+        }
+    }
+}
+
+kolo_base::simd_kernel! {
+    fn adam_step(k: &AdamStep, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        let n = p.len();
+        let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+        for i in 0..n {
+            let gi = g[i] + k.weight_decay * p[i];
+            m[i] = k.beta1 * m[i] + (1.0 - k.beta1) * gi;
+            v[i] = k.beta2 * v[i] + (1.0 - k.beta2) * gi * gi;
+            let denom = v[i].sqrt() / k.bc2_sqrt + k.eps;
+            p[i] -= k.step_size * m[i] / denom;
         }
     }
 }

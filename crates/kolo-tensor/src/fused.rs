@@ -11,60 +11,40 @@
 //! its composite candle formulation, whose kernels and backward candle provides.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Shape, Tensor};
+use kolo_base::simd_kernel;
 
 type CResult<T> = candle_core::Result<T>;
 
-fn err(m: &str) -> candle_core::Error {
+pub(crate) fn err(m: &str) -> candle_core::Error {
     candle_core::Error::Msg(m.to_string())
 }
 
-fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> CResult<&'a [f32]> {
+pub(crate) fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> CResult<&'a [f32]> {
     let CpuStorage::F32(v) = s else { return Err(err("fused ops take f32")) };
     let (a, b) = l.contiguous_offsets().ok_or_else(|| err("fused ops take contiguous tensors"))?;
     Ok(&v[a..b])
 }
 
 /// Runs `f` on a tensor's contiguous f32 data.
-fn with_data<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
+pub(crate) fn with_data<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> CResult<R> {
     let t = t.contiguous()?;
     let (s, l) = t.storage_and_layout();
     let candle_core::Storage::Cpu(c) = &*s else { return Err(err("fused ops run on the CPU")) };
     Ok(f(slice(c, l)?))
 }
 
-/// Whether this CPU has AVX2 and FMA (detected once).
-#[cfg(target_arch = "x86_64")]
-fn have_avx2_fma() -> bool {
-    static HAVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAVE.get_or_init(|| std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"))
+/// A vector of `n` f32 for a kernel to overwrite: every element must be written before it is
+/// read (candle's CPU backend allocates its outputs the same way). Zeroing them first was a
+/// memset of every activation, 4 % of a GPT step.
+pub(crate) fn uninit(n: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(n);
+    // SAFETY: as candle's own CPU outputs (`alloc_uninit`): f32 needs no drop, and callers
+    // write every element before anything reads it.
+    unsafe { v.set_len(n) };
+    v
 }
 
-/// Defines a kernel compiled twice: for AVX2 + FMA, used when the CPU has them (checked at run
-/// time), and for the baseline x86-64 (SSE2) the binary targets. The loops are written to
-/// vectorise; baseline-only they ran 4 lanes wide (GELU was a tenth of a GPT step).
-macro_rules! simd_kernel {
-    ($(#[$m:meta])* fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
-        $(#[$m])*
-        fn $name($($a: $t),*) {
-            #[inline(always)]
-            fn body($($a: $t),*) $body
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx2,fma")]
-                unsafe fn fast($($a: $t),*) {
-                    body($($a),*)
-                }
-                if have_avx2_fma() {
-                    // SAFETY: the CPU has the features `fast` is compiled for.
-                    return unsafe { fast($($a),*) };
-                }
-            }
-            body($($a),*)
-        }
-    };
-}
-
-fn last_dim(l: &Layout) -> usize {
+pub(crate) fn last_dim(l: &Layout) -> usize {
     *l.shape().dims().last().unwrap_or(&1)
 }
 
@@ -84,7 +64,7 @@ simd_kernel! {
 
 simd_kernel! {
     /// `acc += ` the sum of the rows of `g` (rows of `acc.len()`).
-    fn column_sums(g: &[f32], acc: &mut [f32]) {
+    pub(crate) fn column_sums(g: &[f32], acc: &mut [f32]) {
         for row in g.chunks_exact(acc.len()) {
             for j in 0..acc.len() {
                 acc[j] += row[j];
@@ -103,7 +83,7 @@ impl CustomOp2 for BiasAdd {
         if last_dim(l1) != c {
             return Err(err("bias length differs from the last dimension"));
         }
-        let mut out = vec![0f32; y.len()];
+        let mut out = uninit(y.len());
         bias_add_fwd(y, b, &mut out);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
@@ -221,7 +201,7 @@ impl CustomOp3 for LayerNorm {
         if last_dim(l1) != c || b.len() != c {
             return Err(err("layer norm: gamma/beta length differs from the last dimension"));
         }
-        let mut out = vec![0f32; x.len()];
+        let mut out = uninit(x.len());
         layer_norm_fwd(x, g, b, self.eps, &mut out);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
@@ -232,7 +212,7 @@ impl CustomOp3 for LayerNorm {
         let gs = grad.contiguous()?;
         let (dx, dg, db) = with_data(&xs, |xd| {
             with_data(&gs, |dy| {
-                let mut dx = vec![0f32; xd.len()];
+                let mut dx = uninit(xd.len());
                 let mut dg = vec![0f32; c];
                 let mut db = vec![0f32; c];
                 let mut xhat = vec![0f32; c];
@@ -267,7 +247,7 @@ struct CausalSoftmax {
 
 simd_kernel! {
     /// Rows of `t` (row r sees columns 0..=r % t): scaled, causally masked softmax.
-    fn causal_softmax_fwd(x: &[f32], t: usize, scale: f32, out: &mut [f32]) {
+    pub(crate) fn causal_softmax_fwd(x: &[f32], t: usize, scale: f32, out: &mut [f32]) {
         for (r, (xr, yr)) in x.chunks_exact(t).zip(out.chunks_exact_mut(t)).enumerate() {
             let q = r % t + 1;
             let mut lanes = [f32::NEG_INFINITY; 8];
@@ -283,19 +263,21 @@ simd_kernel! {
             }
             let inv = 1.0 / lanes_sum(q, |k| yr[k]);
             yr[..q].iter_mut().for_each(|v| *v *= inv);
+            yr[q..].fill(0.0);
         }
     }
 }
 
 simd_kernel! {
     /// Backward of [`causal_softmax_fwd`] from its output `y`.
-    fn causal_softmax_bwd(y: &[f32], dy: &[f32], t: usize, scale: f32, dx: &mut [f32]) {
+    pub(crate) fn causal_softmax_bwd(y: &[f32], dy: &[f32], t: usize, scale: f32, dx: &mut [f32]) {
         for (r, ((yr, dyr), dxr)) in y.chunks_exact(t).zip(dy.chunks_exact(t)).zip(dx.chunks_exact_mut(t)).enumerate() {
             let q = r % t + 1;
             let dot = lanes_sum(q, |k| yr[k] * dyr[k]);
             for k in 0..q {
                 dxr[k] = scale * yr[k] * (dyr[k] - dot);
             }
+            dxr[q..].fill(0.0);
         }
     }
 }
@@ -307,7 +289,7 @@ impl CustomOp1 for CausalSoftmax {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let x = slice(s, l)?;
         let t = last_dim(l);
-        let mut out = vec![0f32; x.len()];
+        let mut out = uninit(x.len());
         causal_softmax_fwd(x, t, self.scale, &mut out);
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
@@ -315,7 +297,7 @@ impl CustomOp1 for CausalSoftmax {
         let t = *res.dims().last().unwrap_or(&1);
         let dx = with_data(res, |y| {
             with_data(grad, |dy| {
-                let mut dx = vec![0f32; y.len()];
+                let mut dx = uninit(y.len());
                 causal_softmax_bwd(y, dy, t, self.scale, &mut dx);
                 dx
             })
@@ -403,14 +385,14 @@ impl CustomOp1 for GeluErf {
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
         let x = slice(s, l)?;
-        let mut out = vec![0f32; x.len()];
+        let mut out = uninit(x.len());
         gelu_fwd(x, &mut out);
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
     fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
         let dx = with_data(x, |xs| {
             with_data(grad, |dy| {
-                let mut dx = vec![0f32; xs.len()];
+                let mut dx = uninit(xs.len());
                 gelu_bwd(xs, dy, &mut dx);
                 dx
             })

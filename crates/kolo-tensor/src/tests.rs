@@ -147,6 +147,62 @@ fn fused_ops_match_composite_ones() {
     close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), "gelu backward");
 }
 
+/// The gemm-based linear and causal attention against candle's composite formulation, on odd
+/// shapes (prime sizes, one row, one position), forward and every gradient.
+#[test]
+fn dense_ops_match_composite_ones() {
+    use crate::ops::{causal_mask, linear_composite, softmax_last};
+    use candle_core::{Device, Var};
+    let mut r = Rng::new(7);
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| r.normal() as f32).collect() };
+    let close = |a: &Tensor, b: &Tensor, what: &str| {
+        assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-4, "{what}: max difference {d}");
+    };
+    for dims in [vec![7, 5], vec![2, 3, 5], vec![1, 5], vec![5]] {
+        let n: usize = dims.iter().product();
+        let x = Var::from_vec(rand(n), dims.as_slice(), &Device::Cpu).unwrap();
+        let w = Var::from_vec(rand(3 * 5), (3, 5), &Device::Cpu).unwrap();
+        let b = Var::from_vec(rand(3), 3, &Device::Cpu).unwrap();
+        let f = crate::dense::linear(&x, &w, &b).unwrap();
+        let c = linear_composite(&x, &w, &b).unwrap();
+        close(&f, &c, &format!("linear {dims:?} forward"));
+        let m = Tensor::from_vec(rand(f.elem_count()), f.shape(), &Device::Cpu).unwrap();
+        let gf = (f * &m).unwrap().sum_all().unwrap().backward().unwrap();
+        let gc = (c * &m).unwrap().sum_all().unwrap().backward().unwrap();
+        for (v, what) in [(&x, "dx"), (&w, "dw"), (&b, "db")] {
+            close(gf.get(v).unwrap(), gc.get(v).unwrap(), &format!("linear {dims:?} {what}"));
+        }
+    }
+    assert!(crate::dense::linear(
+        &Tensor::zeros((2, 5), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        &Tensor::zeros((3, 4), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        &Tensor::zeros(3, candle_core::DType::F32, &Device::Cpu).unwrap()
+    )
+    .is_err());
+    // Attention: (batch, time, heads, head width) with a prime time, and a single position.
+    for (b, t, h, d) in [(2, 7, 3, 4), (1, 1, 2, 3), (3, 13, 1, 5)] {
+        let c = h * d;
+        let qkv = Var::from_vec(rand(b * t * 3 * c), (b, t, 3 * c), &Device::Cpu).unwrap();
+        let f = crate::dense::causal_attention(&qkv, h).unwrap();
+        let head = |i: usize| qkv.narrow(2, i * c, c).unwrap().reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+        let (q, k, v) = (head(0), head(1), head(2));
+        let s = (q.matmul(&k.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
+        let p = softmax_last(&s.broadcast_add(&causal_mask(t).unwrap()).unwrap()).unwrap();
+        let reference = p.matmul(&v).unwrap().transpose(1, 2).unwrap().contiguous().unwrap().reshape((b, t, c)).unwrap();
+        close(&f, &reference, &format!("attention {b}x{t}x{h}x{d} forward"));
+        let m = Tensor::from_vec(rand(b * t * c), (b, t, c), &Device::Cpu).unwrap();
+        let gf = (f * &m).unwrap().sum_all().unwrap().backward().unwrap();
+        let gc = (reference * &m).unwrap().sum_all().unwrap().backward().unwrap();
+        close(gf.get(&qkv).unwrap(), gc.get(&qkv).unwrap(), &format!("attention {b}x{t}x{h}x{d} backward"));
+    }
+    let bad = Tensor::zeros((1, 2, 10), candle_core::DType::F32, &Device::Cpu).unwrap();
+    assert!(crate::dense::causal_attention(&bad, 2).is_err(), "10 columns are not q, k, v of 2 heads");
+}
+
 #[test]
 fn fast_exp_and_gelu_are_accurate() {
     let mut worst_exp = 0f64;

@@ -104,6 +104,37 @@ struct TensorParallel {
     full_len: usize,
 }
 
+/// q, k and v of `hdn` (b, t, c) as (b, h, t, d) each, through the fused (3c', c) projection
+/// `qw`, `qb` (c' = c for a whole model, a tensor-parallel member's share otherwise).
+pub(crate) fn qkv_heads(hdn: &Tensor, qw: &Tensor, qb: &Tensor, h: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, _) = hdn.dims3()?;
+    let cl = qw.dim(0)? / 3;
+    // Project q, k and v separately through row slices of the fused qkv weight: the
+    // backward of slicing a weight is weight-sized, slicing the (b, t, 3c) activation
+    // would pad and add activation-sized zeros three times per block.
+    let heads = |k: usize| -> Result<Tensor> {
+        let y = linear(hdn, &qw.narrow(0, k * cl, cl)?, &qb.narrow(0, k * cl, cl)?)?;
+        Ok(y.reshape((b, t, h, cl / h))?.transpose(1, 2)?.contiguous()?)
+    };
+    Ok((heads(0)?, heads(1)?, heads(2)?))
+}
+
+/// Causal self-attention of `h` heads over `hdn` (b, t, c) with the fused projection `qw`
+/// (3c', c), `qb`: the (b, t, c') head outputs side by side. f32 on the CPU runs
+/// [`crate::dense::causal_attention`] on the one (b, t, 3c') projection (heads and transposes
+/// addressed in place); elsewhere candle's ops on per-head copies.
+pub(crate) fn self_attention(hdn: &Tensor, qw: &Tensor, qb: &Tensor, h: usize) -> Result<Tensor> {
+    if [hdn, qw, qb].iter().all(|t| crate::dense::applies(t)) {
+        return Ok(crate::dense::causal_attention(&linear(hdn, qw, qb)?, h)?);
+    }
+    let (b, t, _) = hdn.dims3()?;
+    let cl = qw.dim(0)? / 3;
+    let scale = 1.0 / ((cl / h) as f64).sqrt();
+    let (q, k, v) = qkv_heads(hdn, qw, qb, h)?;
+    let y = crate::fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?.matmul(&v)?;
+    Ok(y.transpose(1, 2)?.contiguous()?.reshape((b, t, cl))?)
+}
+
 /// One pre-norm transformer block on `x` (b, t, c) with parameters `p` (see [`Block::ids`]).
 fn block_forward(x: &Tensor, p: &[Tensor], h: usize) -> Result<Tensor> {
     block_forward_with(x, p, h, None)
@@ -115,20 +146,14 @@ fn block_forward_with(x: &Tensor, p: &[Tensor], h: usize, ring: Option<&Arc<dyn 
     let d = c / h;
     let scale = 1.0 / (d as f64).sqrt();
     let hdn = layer_norm(x, &p[0], &p[1], 1e-5)?;
-    let (qw, qb) = (&p[2], &p[3]);
-    // Project q, k and v separately through row slices of the fused qkv weight: the
-    // backward of slicing a weight is weight-sized, slicing the (b, t, 3c) activation
-    // would pad and add activation-sized zeros three times per block.
-    let heads = |k: usize| -> Result<Tensor> {
-        let y = linear(&hdn, &qw.narrow(0, k * c, c)?, &qb.narrow(0, k * c, c)?)?;
-        Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
-    };
-    let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
     let y = match ring {
-        Some(r) => q.apply_op3(&k, &v, super::ring::RingAttention::new(r.clone(), scale as f32))?,
-        None => crate::fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?.matmul(&v)?,
+        Some(r) => {
+            let (q, k, v) = qkv_heads(&hdn, &p[2], &p[3], h)?;
+            let y = q.apply_op3(&k, &v, super::ring::RingAttention::new(r.clone(), scale as f32))?;
+            y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?
+        }
+        None => self_attention(&hdn, &p[2], &p[3], h)?,
     };
-    let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
     let x = (x + linear(&y, &p[4], &p[5])?)?;
     let hdn = layer_norm(&x, &p[6], &p[7], 1e-5)?;
     Ok((&x + linear(&crate::fused::gelu_erf(&linear(&hdn, &p[8], &p[9])?)?, &p[10], &p[11])?)?)
@@ -137,17 +162,8 @@ fn block_forward_with(x: &Tensor, p: &[Tensor], h: usize, ring: Option<&Arc<dyn 
 /// A block whose MLP is a mixture of experts: `p` holds the attention half (8), the gate, then
 /// four per local expert. Returns the output and the auxiliary loss.
 fn block_forward_moe(x: &Tensor, p: &[Tensor], h: usize, cfg: &super::moe::MoeConfig, ex: Option<&Arc<dyn kolo_base::Exchange>>, load: Option<&std::sync::Mutex<super::moe::MoeLoad>>) -> Result<(Tensor, Tensor)> {
-    let (b, t, c) = x.dims3()?;
-    let d = c / h;
-    let scale = 1.0 / (d as f64).sqrt();
     let hdn = layer_norm(x, &p[0], &p[1], 1e-5)?;
-    let heads = |k: usize| -> Result<Tensor> {
-        let y = linear(&hdn, &p[2].narrow(0, k * c, c)?, &p[3].narrow(0, k * c, c)?)?;
-        Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
-    };
-    let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-    let y = crate::fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?.matmul(&v)?;
-    let y = y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?;
+    let y = self_attention(&hdn, &p[2], &p[3], h)?;
     let x = (x + linear(&y, &p[4], &p[5])?)?;
     let hdn = layer_norm(&x, &p[6], &p[7], 1e-5)?;
     let experts: Vec<[Tensor; 4]> = p[9..].chunks(4).map(|e| [e[0].clone(), e[1].clone(), e[2].clone(), e[3].clone()]).collect();

@@ -160,10 +160,6 @@ pub(crate) fn shard_params(full: &ParamSet, cuts: &[Cut], r: usize, p: usize) ->
 /// One pre-norm block with this member's pieces `p` of the parameters and `h` local heads.
 pub(crate) fn block_forward_tp(x: &Tensor, p: &[Tensor], h: usize, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
     use crate::ops::{layer_norm, linear};
-    let (b, t, _) = x.dims3()?;
-    let cl = p[2].dim(0)? / 3; // local q (= k = v) width
-    let d = cl / h;
-    let scale = 1.0 / (d as f64).sqrt();
     let f = |t: &Tensor| -> Result<Tensor> { Ok(t.contiguous()?.apply_op1(CopyToGroup(group.clone()))?) };
     let g = |t: &Tensor| -> Result<Tensor> { Ok(t.contiguous()?.apply_op1(ReduceFromGroup(group.clone()))?) };
     let no_bias = |w: &Tensor, x: &Tensor| -> Result<Tensor> {
@@ -171,14 +167,7 @@ pub(crate) fn block_forward_tp(x: &Tensor, p: &[Tensor], h: usize, group: &Arc<d
         Ok(x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, w.dim(0)?))?)
     };
     let hdn = f(&layer_norm(x, &p[0], &p[1], 1e-5)?)?;
-    let (qw, qb) = (&p[2], &p[3]);
-    let heads = |k: usize| -> Result<Tensor> {
-        let y = linear(&hdn, &qw.narrow(0, k * cl, cl)?, &qb.narrow(0, k * cl, cl)?)?;
-        Ok(y.reshape((b, t, h, d))?.transpose(1, 2)?.contiguous()?)
-    };
-    let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-    let att = crate::fused::causal_softmax(&q.matmul(&k.t()?)?, scale)?;
-    let y = att.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, cl))?;
+    let y = super::gpt::self_attention(&hdn, &p[2], &p[3], h)?;
     let x = (x + g(&no_bias(&p[4], &y)?)?.broadcast_add(&p[5])?)?;
     let hdn = f(&layer_norm(&x, &p[6], &p[7], 1e-5)?)?;
     let m = crate::fused::gelu_erf(&linear(&hdn, &p[8], &p[9])?)?;
