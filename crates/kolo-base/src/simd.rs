@@ -12,8 +12,15 @@ pub fn have_avx2_fma() -> bool {
     *HAVE.get_or_init(|| std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma"))
 }
 
-/// Defines `fn name(args)` whose body is compiled for AVX2 + FMA, used when the CPU has them
-/// (checked at run time), and for the baseline x86-64 otherwise.
+/// Whether this CPU has the AVX-512 foundation (with AVX2 and FMA; detected once).
+#[cfg(target_arch = "x86_64")]
+pub fn have_avx512() -> bool {
+    static HAVE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAVE.get_or_init(|| have_avx2_fma() && std::is_x86_feature_detected!("avx512f"))
+}
+
+/// Defines `fn name(args)` whose body is compiled three times: for AVX-512, for AVX2 + FMA and
+/// for the baseline x86-64, the widest the CPU has chosen at run time.
 #[macro_export]
 macro_rules! simd_kernel {
     ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
@@ -23,9 +30,17 @@ macro_rules! simd_kernel {
             fn body($($a: $t),*) $body
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn wide($($a: $t),*) {
+                    body($($a),*)
+                }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn fast($($a: $t),*) {
                     body($($a),*)
+                }
+                if $crate::simd::have_avx512() {
+                    // SAFETY: the CPU has the features `wide` is compiled for.
+                    return unsafe { wide($($a),*) };
                 }
                 if $crate::simd::have_avx2_fma() {
                     // SAFETY: the CPU has the features `fast` is compiled for.
