@@ -753,7 +753,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     }).transpose()?;
     let batches = if dynamic.is_some() { None } else { Some(prefetch(data.train.clone(), sampler, cfg.data.prefetch)) };
     say(&format!(
-        "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}",
+        "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}",
         model.params().numel(),
         spec_string(&spec),
         cfg.data.batch_size,
@@ -763,7 +763,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             Some(z) => format!(", ZeRO-{} (optimizer state for {} of {numel} values on this rank)", sharding.stage(), z.len),
             None => String::new(),
         },
-        data.train.describe()
+        data.train.describe(),
+        kolo_base::simd::capability().name()
     ));
 
     let mut json = match &tc.json_log {

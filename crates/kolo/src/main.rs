@@ -280,6 +280,10 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if let Err(e) = kolo_base::simd::requested() {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    }
     let r = match cli.cmd {
         Cmd::Launch(a) => launch(a),
         Cmd::Train(t) => train::run(t),

@@ -276,6 +276,30 @@ fn zero_training_checkpoints_inspects_and_resumes_at_another_world_size() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The CPU kernel tiers (baseline x86-64, AVX2, AVX-512; `KOLO_CPU_CAPABILITY`) train to
+/// bitwise the same parameters and optimizer state (the checkpoint manifests' checksums agree),
+/// and an unknown tier is refused at start-up.
+#[test]
+fn cpu_kernel_tiers_train_bitwise_alike() {
+    let (dir, cfg, ck) = tiny_gpt_job("tiers", "steps = 2\n", "");
+    let c = cfg.to_str().unwrap();
+    let mut manifests = Vec::new();
+    for tier in ["baseline", "avx2", "avx512"] {
+        let _ = std::fs::remove_dir_all(&ck);
+        let o = run(&["train", "--config", c], &[("KOLO_CPU_CAPABILITY", tier)]);
+        let t = text(&o);
+        assert!(o.status.success(), "{tier}: {t}");
+        assert!(t.contains("CPU kernels: "), "{t}");
+        manifests.push((tier, std::fs::read_to_string(ck.join("step-00000002/manifest.json")).unwrap()));
+    }
+    for (tier, m) in &manifests[1..] {
+        assert_eq!(m, &manifests[0].1, "{tier} differs from the baseline tier");
+    }
+    let o = run(&["train", "--config", c], &[("KOLO_CPU_CAPABILITY", "sse9")]);
+    assert!(!o.status.success() && text(&o).contains("KOLO_CPU_CAPABILITY") && text(&o).contains("avx512"), "{}", text(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A job that crashes in the middle of a save (every rank wrote its shard, nobody committed)
 /// leaves no visible checkpoint for that step: resuming picks the previous one.
 #[test]
