@@ -905,8 +905,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         if cfg.ddp.skip_sync || local_step {
             // Local SGD (or the no-sync benchmark mode): the local gradients are used as they are.
             ddp.take_accumulated(&mut micro);
-            let f = clip(sum_of_squares(&micro).sqrt());
-            micro.iter_mut().for_each(|g| *g *= f);
+            if cfg.optim.clip_grad_norm.is_some() {
+                let f = clip(sum_of_squares(&micro).sqrt());
+                micro.iter_mut().for_each(|g| *g *= f);
+            }
             opt.begin_step();
             for (i, r) in ranges.iter().enumerate() {
                 params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
