@@ -1,7 +1,10 @@
 //! `kolo launch`: runs `nproc` copies of a program on this node as ranks of one job.
 //!
 //! Each child gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`,
-//! `MASTER_ADDR`, `MASTER_PORT` (as torchrun sets them) and `KOLO_JOB_TOKEN`. Output lines are
+//! `MASTER_ADDR`, `MASTER_PORT` (as torchrun sets them) and `KOLO_JOB_TOKEN`. With several
+//! ranks per host and no `RAYON_NUM_THREADS` in the launcher's environment, each rank gets
+//! `RAYON_NUM_THREADS` = cores / ranks ([`threads_per_rank`]; torchrun does the same with
+//! `OMP_NUM_THREADS`): every rank's thread pool sized for the whole machine oversubscribes it. Output lines are
 //! prefixed with `[rank N]`. SIGINT/SIGTERM are forwarded. When a rank fails, the others get
 //! `grace` to notice and exit on their own (their communicators fail fast when a peer dies),
 //! then SIGTERM, then SIGKILL; the launcher exits non-zero with a summary of who failed and how.
@@ -326,6 +329,16 @@ pub fn root_cause(failed_in_order: &[&RankReport]) -> Option<usize> {
         .map(|r| r.rank)
 }
 
+/// The `RAYON_NUM_THREADS` to give each of `local_ranks` ranks on a host with `cores` cores:
+/// `None` when the launcher's own environment already sets it (`set`; the ranks inherit it) or
+/// there is one rank, else the cores shared out evenly (at least 1).
+pub fn threads_per_rank(set: Option<&std::ffi::OsStr>, cores: usize, local_ranks: usize) -> Option<usize> {
+    if set.is_some() || local_ranks <= 1 {
+        return None;
+    }
+    Some((cores / local_ranks).max(1))
+}
+
 /// Runs the job to completion.
 pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     if cfg.program.is_empty() {
@@ -356,6 +369,17 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
     install_handlers();
     let errors = error_file::ErrorDir::create()
         .map_err(|e| LaunchError::Config(format!("cannot create a directory for the ranks' error files: {e}")))?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = threads_per_rank(std::env::var_os("RAYON_NUM_THREADS").as_deref(), cores, cfg.nproc_per_node);
+    if let Some(t) = threads {
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            eprintln!(
+                "kolo launch: RAYON_NUM_THREADS is not set; each rank gets RAYON_NUM_THREADS={t} ({cores} cores / {} ranks on this host). Set it to choose another value.",
+                cfg.nproc_per_node
+            )
+        });
+    }
     let mut children: Vec<(usize, Child, Instant)> = Vec::new();
     let mut pumps = Vec::new();
     for local in 0..cfg.nproc_per_node {
@@ -376,6 +400,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
             .stderr(Stdio::piped())
             // Own process group: signals reach the rank and everything it started.
             .process_group(0);
+        if let Some(t) = threads {
+            cmd.env("RAYON_NUM_THREADS", t.to_string());
+        }
         for (k, v) in &cfg.env {
             cmd.env(k, v);
         }
@@ -470,6 +497,17 @@ mod tests {
     fn report(rank: usize, end: RankEnd, lost_rank: Option<usize>) -> RankReport {
         let error = lost_rank.map(|l| error_file::RankError { lost_rank: Some(l), message: format!("lost rank {l}") });
         RankReport { rank, pid: 100 + rank as u32, end, elapsed: Duration::ZERO, error }
+    }
+
+    #[test]
+    fn ranks_share_the_cores_unless_the_thread_count_is_set() {
+        use std::ffi::OsStr;
+        assert_eq!(threads_per_rank(None, 16, 4), Some(4));
+        assert_eq!(threads_per_rank(None, 2, 2), Some(1));
+        assert_eq!(threads_per_rank(None, 7, 2), Some(3));
+        assert_eq!(threads_per_rank(None, 2, 4), Some(1), "more ranks than cores: one thread each");
+        assert_eq!(threads_per_rank(None, 16, 1), None, "one rank keeps rayon's default");
+        assert_eq!(threads_per_rank(Some(OsStr::new("3")), 16, 4), None, "the user's value is inherited");
     }
 
     #[test]

@@ -43,7 +43,8 @@ enum Cmd {
     /// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
     /// KOLO_JOB_TOKEN and KOLO_ERROR_FILE. Output lines are prefixed with the rank. If a rank
     /// fails, the others are stopped and the launcher exits non-zero with a summary naming the
-    /// rank that caused it (not the survivors that lost it) and every rank's error.
+    /// rank that caused it (not the survivors that lost it) and every rank's error. With several
+    /// ranks and no RAYON_NUM_THREADS set, each rank gets RAYON_NUM_THREADS = cores / ranks.
     Launch(LaunchArgs),
     /// Train a model from a TOML config, alone or under `kolo launch` (DDP and ZeRO; pipeline (GPipe, 1F1B, 2BW),
     /// tensor, sequence and expert parallelism per `[mesh]`; parameter servers with `strategy = "ps"`).

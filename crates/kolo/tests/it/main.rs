@@ -276,6 +276,32 @@ fn zero_training_checkpoints_inspects_and_resumes_at_another_world_size() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Without RAYON_NUM_THREADS the launcher shares the host's cores between its ranks (and says
+/// so); a value the user set reaches every rank unchanged.
+#[test]
+fn launcher_shares_the_cores_between_ranks_unless_told() {
+    let launch = |threads: Option<&str>| {
+        let mut c = Command::new(KOLO);
+        c.args(["launch", "-n", "2", "--", "sh", "-c", "echo threads=$RAYON_NUM_THREADS"]).stdin(Stdio::null());
+        for k in ["RAYON_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "KOLO_JOB_TOKEN"] {
+            c.env_remove(k);
+        }
+        if let Some(t) = threads {
+            c.env("RAYON_NUM_THREADS", t);
+        }
+        c.output().expect("run kolo launch")
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let o = launch(None);
+    let t = text(&o);
+    let want = format!("threads={}", (cores / 2).max(1));
+    assert!(o.status.success() && t.contains(&format!("[rank 0] {want}")) && t.contains(&format!("[rank 1] {want}")), "{t}");
+    assert!(t.contains("RAYON_NUM_THREADS is not set"), "{t}");
+    let o = launch(Some("3"));
+    let t = text(&o);
+    assert!(o.status.success() && t.matches("threads=3").count() == 2 && !t.contains("is not set"), "{t}");
+}
+
 /// The CPU kernel tiers (baseline x86-64, AVX2, AVX-512; `KOLO_CPU_CAPABILITY`) train to
 /// bitwise the same parameters and optimizer state (the checkpoint manifests' checksums agree),
 /// and an unknown tier is refused at start-up.
