@@ -35,6 +35,12 @@ pub fn device() -> Device {
     DEVICE.read().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or(Device::Cpu)
 }
 
+/// Threads the CPU matrix products and element-wise ops use (`RAYON_NUM_THREADS`, else the
+/// cores this process may run on).
+pub fn compute_threads() -> usize {
+    candle_core::utils::get_num_threads()
+}
+
 /// Places models built from now on on `d`.
 pub fn set_device(d: Device) {
     *DEVICE.write().unwrap_or_else(|p| p.into_inner()) = Some(d);

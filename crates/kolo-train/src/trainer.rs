@@ -753,7 +753,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     }).transpose()?;
     let batches = if dynamic.is_some() { None } else { Some(prefetch(data.train.clone(), sampler, cfg.data.prefetch)) };
     say(&format!(
-        "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}",
+        "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
         model.params().numel(),
         spec_string(&spec),
         cfg.data.batch_size,
@@ -764,7 +764,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             None => String::new(),
         },
         data.train.describe(),
-        kolo_base::simd::capability().name()
+        kolo_base::simd::capability().name(),
+        kolo_tensor::compute_threads()
     ));
 
     let mut json = match &tc.json_log {

@@ -273,7 +273,20 @@ fn impala(env: &str, actors: usize, max_steps: u64, no_stop: bool, seed: u64, lr
     Ok(if r.solved_at.is_some() || no_stop { 0 } else { 1 })
 }
 
+/// Under a launcher that runs several ranks on this host (`LOCAL_WORLD_SIZE` > 1: torchrun's
+/// convention, which `kolo launch` also follows) but left `RAYON_NUM_THREADS` unset, takes
+/// this rank's share of the cores, as `kolo launch` would have given it.
+fn share_cores_between_local_ranks() {
+    let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if let Some(t) = local.and_then(|n| kolo_launch::threads_per_rank(std::env::var_os("RAYON_NUM_THREADS").as_deref(), cores, n)) {
+        // First thing in main, before any thread exists (candle and rayon read it later).
+        std::env::set_var("RAYON_NUM_THREADS", t.to_string());
+    }
+}
+
 fn main() {
+    share_cores_between_local_ranks();
     keep_freed_memory();
     kolo_base::alloc::CountingAlloc::mark_installed();
     tracing_subscriber::fmt()

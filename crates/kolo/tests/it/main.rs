@@ -300,6 +300,21 @@ fn launcher_shares_the_cores_between_ranks_unless_told() {
     let o = launch(Some("3"));
     let t = text(&o);
     assert!(o.status.success() && t.matches("threads=3").count() == 2 && !t.contains("is not set"), "{t}");
+    // A rank started by another launcher (LOCAL_WORLD_SIZE set, RAYON_NUM_THREADS not) takes
+    // its share itself; `kolo train` says how many threads it computes with.
+    let (dir, cfg, _) = tiny_gpt_job("threads", "steps = 1\n", "");
+    let train = |env: &[(&str, &str)]| {
+        let mut c = Command::new(KOLO);
+        c.args(["train", "--config", cfg.to_str().unwrap()]).stdin(Stdio::null()).env_remove("RAYON_NUM_THREADS").env_remove("LOCAL_WORLD_SIZE");
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        text(&c.output().expect("run kolo train"))
+    };
+    assert!(train(&[("LOCAL_WORLD_SIZE", "2")]).contains(&format!("{} thread(s)", (cores / 2).max(1))));
+    assert!(train(&[]).contains(" thread(s)"));
+    assert!(train(&[("LOCAL_WORLD_SIZE", "2"), ("RAYON_NUM_THREADS", "3")]).contains("3 thread(s)"));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The CPU kernel tiers (baseline x86-64, AVX2, AVX-512; `KOLO_CPU_CAPABILITY`) train to
