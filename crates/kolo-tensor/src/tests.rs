@@ -4,20 +4,11 @@ use kolo_base::Rng;
 use std::sync::Mutex;
 
 fn image_batch(n: usize, seed: u64) -> Batch {
-    let mut r = Rng::new(seed);
-    Batch {
-        input: Input::Images { data: (0..n * 784).map(|_| r.next_f64() as f32).collect(), n, c: 1, h: 28, w: 28 },
-        targets: (0..n).map(|_| r.below(10) as u32).collect(),
-    }
+    Batch::random_images(n, seed)
 }
 
 fn token_batch(cfg: &GptConfig, b: usize, seed: u64) -> Batch {
-    let mut r = Rng::new(seed);
-    let t = cfg.seq;
-    Batch {
-        input: Input::Tokens { ids: (0..b * t).map(|_| r.below(cfg.vocab as u64) as u32).collect(), b, t },
-        targets: (0..b * t).map(|_| r.below(cfg.vocab as u64) as u32).collect(),
-    }
+    Batch::random_tokens(b, cfg.seq, cfg.vocab, seed)
 }
 
 fn small_specs() -> Vec<(ModelSpec, Batch)> {

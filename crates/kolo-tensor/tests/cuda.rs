@@ -4,26 +4,16 @@
 //! in-place parameter writes of the optimizers work on GPU parameters.
 #![cfg(feature = "cuda")]
 
-use kolo_base::Rng;
 use kolo_tensor::models::GptConfig;
-use kolo_tensor::{build_model, Batch, GradSink, HookedView, Input, ModelSpec, PlainView};
+use kolo_tensor::{build_model, Batch, GradSink, HookedView, ModelSpec, PlainView};
 use std::sync::{Arc, Mutex};
 
 fn batch(cfg: &GptConfig, b: usize, seed: u64) -> Batch {
-    let mut r = Rng::new(seed);
-    let t = cfg.seq;
-    Batch {
-        input: Input::Tokens { ids: (0..b * t).map(|_| r.below(cfg.vocab as u64) as u32).collect(), b, t },
-        targets: (0..b * t).map(|_| r.below(cfg.vocab as u64) as u32).collect(),
-    }
+    Batch::random_tokens(b, cfg.seq, cfg.vocab, seed)
 }
 
 fn images(n: usize, seed: u64) -> Batch {
-    let mut r = Rng::new(seed);
-    Batch {
-        input: Input::Images { data: (0..n * 784).map(|_| r.next_f64() as f32).collect(), n, c: 1, h: 28, w: 28 },
-        targets: (0..n).map(|_| r.below(10) as u32).collect(),
-    }
+    Batch::random_images(n, seed)
 }
 
 struct Collect(Mutex<Vec<(usize, Vec<f32>)>>);

@@ -3,7 +3,6 @@
 
 use crate::TrainError;
 use flate2::read::GzDecoder;
-use kolo_base::Rng;
 use kolo_tensor::{Batch, Input};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -198,21 +197,11 @@ pub struct Synthetic {
 
 impl Synthetic {
     pub fn images(n: usize, seed: u64) -> Synthetic {
-        let mut r = Rng::new(seed);
-        let batch = Batch {
-            input: Input::Images { data: (0..n * 784).map(|_| r.normal() as f32).collect(), n, c: 1, h: 28, w: 28 },
-            targets: (0..n).map(|_| r.below(10) as u32).collect(),
-        };
-        Synthetic { batch, n }
+        Synthetic { batch: Batch::random_images(n, seed), n }
     }
 
     pub fn tokens(n: usize, seq: usize, vocab: usize, seed: u64) -> Synthetic {
-        let mut r = Rng::new(seed);
-        let batch = Batch {
-            input: Input::Tokens { ids: (0..n * seq).map(|_| r.below(vocab as u64) as u32).collect(), b: n, t: seq },
-            targets: (0..n * seq).map(|_| r.below(vocab as u64) as u32).collect(),
-        };
-        Synthetic { batch, n }
+        Synthetic { batch: Batch::random_tokens(n, seq, vocab, seed), n }
     }
 }
 

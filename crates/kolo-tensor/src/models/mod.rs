@@ -34,6 +34,26 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// `n` random 28x28 one-channel images (standard normal pixels) with random labels of 10
+    /// classes, from `seed`: the synthetic benchmark data and the tests' batches.
+    pub fn random_images(n: usize, seed: u64) -> Batch {
+        let mut r = Rng::new(seed);
+        Batch {
+            input: Input::Images { data: (0..n * 784).map(|_| r.normal() as f32).collect(), n, c: 1, h: 28, w: 28 },
+            targets: (0..n).map(|_| r.below(10) as u32).collect(),
+        }
+    }
+
+    /// `b` random sequences of `t` token ids below `vocab` with random next-token targets,
+    /// from `seed`.
+    pub fn random_tokens(b: usize, t: usize, vocab: usize, seed: u64) -> Batch {
+        let mut r = Rng::new(seed);
+        Batch {
+            input: Input::Tokens { ids: (0..b * t).map(|_| r.below(vocab as u64) as u32).collect(), b, t },
+            targets: (0..b * t).map(|_| r.below(vocab as u64) as u32).collect(),
+        }
+    }
+
     /// Examples in the batch (images or sequences).
     pub fn len(&self) -> usize {
         match &self.input {
