@@ -45,8 +45,10 @@ fn fits(len: usize, off: usize, rs: usize, cs: usize, rows: usize, cols: usize) 
 }
 
 fn parallelism() -> Parallelism {
-    // The same rule as candle's own matmul (RAYON_NUM_THREADS, else the core count).
-    match candle_core::utils::get_num_threads() {
+    // The same rule as candle's own matmul (RAYON_NUM_THREADS, else the core count), read once:
+    // attention makes hundreds of small products per step.
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    match *THREADS.get_or_init(candle_core::utils::get_num_threads) {
         n if n > 1 => Parallelism::Rayon(n),
         _ => Parallelism::None,
     }
@@ -115,7 +117,7 @@ impl CustomOp3 for Linear {
         if l2.dims() != [out, inp] {
             return Err(err(&format!("linear: weight {:?} does not map {inp} inputs to {out} outputs", l2.dims())));
         }
-        let rows = x.len() / inp.max(1);
+        let rows: usize = l1.dims()[..l1.dims().len().saturating_sub(1)].iter().product();
         let mut y = uninit(rows * out);
         for row in y.chunks_exact_mut(out.max(1)) {
             row.copy_from_slice(b);
@@ -127,7 +129,7 @@ impl CustomOp3 for Linear {
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (out, inp) = w.dims2()?;
-        let rows = x.elem_count() / inp.max(1);
+        let rows: usize = x.dims()[..x.rank().saturating_sub(1)].iter().product();
         let (dx, dw, db) = with_data(grad, |dy| {
             with_data(x, |xs| {
                 with_data(w, |ws| {

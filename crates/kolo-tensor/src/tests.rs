@@ -170,6 +170,10 @@ fn dense_ops_match_composite_ones() {
             close(gf.get(v).unwrap(), gc.get(v).unwrap(), &format!("linear {dims:?} {what}"));
         }
     }
+    // No inputs: every row is the bias.
+    let b = Tensor::from_vec(vec![1f32, 2., 3.], 3, &Device::Cpu).unwrap();
+    let empty = |r: usize, c: usize| Tensor::zeros((r, c), candle_core::DType::F32, &Device::Cpu).unwrap();
+    close(&crate::dense::linear(&empty(4, 0), &empty(3, 0), &b).unwrap(), &b.unsqueeze(0).unwrap().repeat((4, 1)).unwrap(), "linear without inputs");
     assert!(crate::dense::linear(
         &Tensor::zeros((2, 5), candle_core::DType::F32, &Device::Cpu).unwrap(),
         &Tensor::zeros((3, 4), candle_core::DType::F32, &Device::Cpu).unwrap(),
