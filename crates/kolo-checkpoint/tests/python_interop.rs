@@ -1,5 +1,6 @@
 //! Kolo checkpoints are plain safetensors: Python's `safetensors` package reads them. `.ci/run`
-//! installs it; where neither Python nor the package is present the test says so and passes.
+//! installs it and sets KOLO_TEST_STRICT=1, so there a missing package fails the test; elsewhere
+//! the test says it did not run.
 
 use kolo_checkpoint::{save, Checkpoint, Entry};
 use std::collections::BTreeMap;
@@ -9,7 +10,7 @@ use std::process::Command;
 fn python_safetensors_reads_kolo_checkpoints() {
     let probe = Command::new("python3").args(["-c", "import safetensors.numpy"]).output();
     if !matches!(&probe, Ok(o) if o.status.success()) {
-        eprintln!("python3 with the safetensors package is not installed here; cross-tool check not run");
+        kolo_testkit::files::tool_missing("python3 with the safetensors package");
         return;
     }
     let path = std::env::temp_dir().join(format!("kolo-py-{}.safetensors", std::process::id()));

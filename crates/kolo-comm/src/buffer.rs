@@ -13,16 +13,21 @@ pub trait Element: Copy + Send + Sync + Default + PartialEq + std::fmt::Debug + 
     const DTYPE: DType;
     /// Converts a small integer exactly (used by tests and the bench's correctness check).
     fn from_i64(v: i64) -> Self;
+    /// Rounds to the nearest value of this type (integers: towards zero; used by tests).
+    fn from_f64(v: f64) -> Self;
     fn to_f64(self) -> f64;
 }
 
 macro_rules! element {
-    ($t:ty, $d:expr, $from:expr, $to:expr) => {
+    ($t:ty, $d:expr, $from:expr, $from_f:expr, $to:expr) => {
         impl sealed::Sealed for $t {}
         impl Element for $t {
             const DTYPE: DType = $d;
             fn from_i64(v: i64) -> Self {
                 $from(v)
+            }
+            fn from_f64(v: f64) -> Self {
+                $from_f(v)
             }
             fn to_f64(self) -> f64 {
                 $to(self)
@@ -31,13 +36,13 @@ macro_rules! element {
     };
 }
 
-element!(f32, DType::F32, |v| v as f32, |x: f32| x as f64);
-element!(f64, DType::F64, |v| v as f64, |x: f64| x);
-element!(f16, DType::F16, |v| f16::from_f64(v as f64), |x: f16| x.to_f64());
-element!(bf16, DType::BF16, |v| bf16::from_f64(v as f64), |x: bf16| x.to_f64());
-element!(i32, DType::I32, |v| v as i32, |x: i32| x as f64);
-element!(i64, DType::I64, |v| v, |x: i64| x as f64);
-element!(u8, DType::U8, |v| v as u8, |x: u8| x as f64);
+element!(f32, DType::F32, |v| v as f32, |v| v as f32, |x: f32| x as f64);
+element!(f64, DType::F64, |v| v as f64, |v| v, |x: f64| x);
+element!(f16, DType::F16, |v| f16::from_f64(v as f64), f16::from_f64, |x: f16| x.to_f64());
+element!(bf16, DType::BF16, |v| bf16::from_f64(v as f64), bf16::from_f64, |x: bf16| x.to_f64());
+element!(i32, DType::I32, |v| v as i32, |v| v as i32, |x: i32| x as f64);
+element!(i64, DType::I64, |v| v, |v| v as i64, |x: i64| x as f64);
+element!(u8, DType::U8, |v| v as u8, |v| v as u8, |x: u8| x as f64);
 
 fn as_bytes<T: Element>(s: &[T]) -> &[u8] {
     // SAFETY: Element types are plain old data without padding; the byte view covers exactly the

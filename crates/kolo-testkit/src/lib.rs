@@ -3,12 +3,16 @@
 //! * [`run_ranks`]: runs one closure per rank on its own thread and returns their results
 //!   (a panicking rank fails the test with its rank in the message).
 //! * [`conformance`]: every collective, on every dtype, for the given element counts, checked
-//!   against the reference semantics computed locally from the deterministic inputs of all ranks.
-//!   Inputs are small integers, so every summation order gives the same bits and results are
-//!   compared exactly.
+//!   against reference semantics computed locally from the deterministic inputs of all ranks.
+//!   Float inputs are random (so summation orders differ in their bits) and reductions are
+//!   compared with an independent f64 reference within the rounding bound of n additions in the
+//!   dtype; every rank must also hold bitwise the same all-reduce result. Integer inputs are
+//!   small, compared exactly. Data movement (gather, broadcast, all-to-all, send) is exact.
+//! * [`files`]: the data the repository ships for tests, and [`files::tool_missing`].
+
+pub mod files;
 
 use kolo_base::{shard_range, DType, Rank};
-use kolo_comm::reduce::{finish_avg, reduce_into};
 use kolo_comm::{bf16, f16, BufMut, BufRef, Communicator, Element, ReduceOp};
 use std::sync::Arc;
 
@@ -35,8 +39,35 @@ where
     })
 }
 
-/// The input of `rank` at element `i`: small integers so any summation order is exact.
+fn is_float(d: DType) -> bool {
+    matches!(d, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+}
+
+/// Unit roundoff of a float dtype (half the distance from 1 to the next value).
+fn unit_roundoff(d: DType) -> f64 {
+    match d {
+        DType::F64 => f64::EPSILON / 2.0,
+        DType::F32 => f64::from(f32::EPSILON) / 2.0,
+        DType::F16 => 2f64.powi(-11),
+        DType::BF16 => 2f64.powi(-8),
+        _ => 0.0,
+    }
+}
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// The input of `rank` at element `i`. Floats: random, uniform in [-8, 8) (in [0.5, 2) for
+/// products, so they neither vanish nor overflow), rounded to the dtype. Integers: small, so
+/// every reduction is exact.
 pub fn value<T: Element>(op: ReduceOp, rank: usize, i: usize) -> T {
+    if is_float(T::DTYPE) {
+        let u = (mix(mix(rank as u64 + 1) ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ op as u64) >> 11) as f64 / (1u64 << 53) as f64;
+        return T::from_f64(if op == ReduceOp::Product { 0.5 + 1.5 * u } else { 16.0 * u - 8.0 });
+    }
     let v = match (op, T::DTYPE) {
         (ReduceOp::Product, _) => ((rank + i) % 4) as i64,
         (_, DType::U8) => ((rank * 7 + i * 3) % 11) as i64,
@@ -49,21 +80,47 @@ pub fn input<T: Element>(op: ReduceOp, rank: usize, len: usize) -> Vec<T> {
     (0..len).map(|i| value::<T>(op, rank, i)).collect()
 }
 
-/// The reduction of every rank's input, in rank order.
-pub fn expected_reduction<T: Element>(op: ReduceOp, n: usize, len: usize) -> Vec<T> {
-    let mut acc = input::<T>(op, 0, len);
-    for r in 1..n {
-        let other = input::<T>(op, r, len);
-        reduce_into(T::DTYPE, op, BufMut::from(&mut acc).bytes_mut(), BufRef::from(&other).bytes());
-    }
-    finish_avg(T::DTYPE, op, BufMut::from(&mut acc).bytes_mut(), n);
-    acc
+/// The reduction of every rank's input at each element, computed in f64 independently of the
+/// backends' kernels, and the largest error a correct reduction in `T` may have there: (n + 1)
+/// roundings of a partial result bounded by the sum of magnitudes (products: of the product).
+/// Zero for integers, min and max (exact).
+pub fn reference<T: Element>(op: ReduceOp, n: usize, len: usize) -> Vec<(f64, f64)> {
+    let ins: Vec<Vec<f64>> = (0..n).map(|r| input::<T>(op, r, len).into_iter().map(Element::to_f64).collect()).collect();
+    let u = unit_roundoff(T::DTYPE);
+    (0..len)
+        .map(|i| {
+            let xs = ins.iter().map(|v| v[i]);
+            let abs: f64 = ins.iter().map(|v| v[i].abs()).sum();
+            let steps = (n + 1) as f64;
+            match op {
+                ReduceOp::Sum => (xs.sum(), steps * u * abs),
+                ReduceOp::Avg => (xs.sum::<f64>() / n as f64, steps * u * abs / n as f64),
+                ReduceOp::Min => (xs.fold(f64::INFINITY, f64::min), 0.0),
+                ReduceOp::Max => (xs.fold(f64::NEG_INFINITY, f64::max), 0.0),
+                ReduceOp::Product => {
+                    let p: f64 = xs.product();
+                    (p, steps * u * p.abs())
+                }
+            }
+        })
+        .collect()
 }
 
 fn check<T: Element>(what: &str, comm: &dyn Communicator, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len(), "rank {}: {what}: length", comm.rank());
     if let Some(i) = (0..got.len()).find(|i| got[*i] != want[*i]) {
         panic!("rank {} ({}): {what}: element {i} is {:?}, expected {:?}", comm.rank(), comm.backend(), got[i], want[i]);
+    }
+}
+
+/// `got` against the reference values: integers exactly (after the dtype's rounding), floats
+/// within each element's bound.
+fn check_reduced<T: Element>(what: &str, comm: &dyn Communicator, got: &[T], want: &[(f64, f64)]) {
+    assert_eq!(got.len(), want.len(), "rank {}: {what}: length", comm.rank());
+    for (i, (g, &(w, bound))) in got.iter().zip(want).enumerate() {
+        let g = g.to_f64();
+        let ok = if is_float(T::DTYPE) { (g - w).abs() <= bound } else { g == T::from_f64(w).to_f64() };
+        assert!(ok, "rank {} ({}): {what}: element {i} is {g}, reference {w} (allowed error {bound:e})", comm.rank(), comm.backend());
     }
 }
 
@@ -74,14 +131,22 @@ fn suite<T: Element>(comm: &dyn Communicator, len: usize) {
     for op in ReduceOp::ALL {
         let mut buf = input::<T>(op, me, len);
         comm.all_reduce(BufMut::from(&mut buf), op).unwrap();
-        check(&format!("all_reduce {op} {d} x {len}"), comm, &buf, &expected_reduction::<T>(op, n, len));
+        let what = format!("all_reduce {op} {d} x {len}");
+        check_reduced(&what, comm, &buf, &reference::<T>(op, n, len));
+        // Every rank holds the same bits (rank 0's result, broadcast, must equal this rank's).
+        let mut first = buf.clone();
+        comm.broadcast(BufMut::from(&mut first), Rank(0)).unwrap();
+        check(&format!("{what}: same result on every rank"), comm, &buf, &first);
     }
     let op = ReduceOp::Sum;
     let root = len % n;
     let mut buf = input::<T>(op, me, len);
     comm.reduce(BufMut::from(&mut buf), op, Rank(root)).unwrap();
-    let want = if me == root { expected_reduction::<T>(op, n, len) } else { input::<T>(op, me, len) };
-    check(&format!("reduce to {root} {d} x {len}"), comm, &buf, &want);
+    if me == root {
+        check_reduced(&format!("reduce to {root} {d} x {len}"), comm, &buf, &reference::<T>(op, n, len));
+    } else {
+        check(&format!("reduce to {root} {d} x {len}: non-root buffer"), comm, &buf, &input::<T>(op, me, len));
+    }
 
     let root = (len + 1) % n;
     let mut buf = if me == root { input::<T>(op, me, len) } else { vec![T::default(); len] };
@@ -101,10 +166,11 @@ fn suite<T: Element>(comm: &dyn Communicator, len: usize) {
         let r = shard_range(len, ws, Rank(me));
         let mut out = vec![T::default(); r.len()];
         comm.reduce_scatter(BufRef::from(&inp), BufMut::from(&mut out), op).unwrap();
-        check(&format!("reduce_scatter {op} {d} x {len}"), comm, &out, &expected_reduction::<T>(op, n, len)[r.clone()]);
+        let want = reference::<T>(op, n, len);
+        check_reduced(&format!("reduce_scatter {op} {d} x {len}"), comm, &out, &want[r.clone()]);
         let mut buf = inp.clone();
         comm.reduce_scatter_in_place(BufMut::from(&mut buf), op).unwrap();
-        check(&format!("reduce_scatter_in_place {op} {d} x {len}"), comm, &buf[r.clone()], &expected_reduction::<T>(op, n, len)[r]);
+        check_reduced(&format!("reduce_scatter_in_place {op} {d} x {len}"), comm, &buf[r.clone()], &want[r]);
     }
 
     // all_to_all with uneven splits: rank i sends (i + j + len) % 3 elements to rank j.

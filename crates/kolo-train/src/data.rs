@@ -184,11 +184,6 @@ pub fn text_split(text: &[u8], vocab: &CharVocab, seq: usize, train_fraction: f6
     ))
 }
 
-/// A small corpus compiled into the binary, for machines without the shared datasets: the
-/// opening of Shakespeare's sonnets 18 and 116 (public domain). Clearly too small to learn
-/// much from; runs on it say so.
-pub const BUILTIN_TEXT: &str = include_str!("../data/builtin.txt");
-
 /// Fixed random examples, generated once per rank (like the peers' benchmark data).
 pub struct Synthetic {
     batch: Batch,

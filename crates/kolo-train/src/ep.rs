@@ -47,7 +47,7 @@ pub fn run_expert_parallel(cfg: &crate::config::Config, comm: &dyn Communicator,
     let (rank, world) = (comm.rank().get(), comm.world_size().get());
     let say = lead_say(rank == 0 && !opts.quiet);
     let tc = &cfg.train;
-    let (data, heap_before, gcfg) = gpt_loop_start(cfg, &[comm, &*ep, &*rep], rank, &say)?;
+    let (data, heap_before, gcfg) = gpt_loop_start(cfg, &[comm, &*ep, &*rep], rank)?;
     let ep_size = ep.world_size().get();
     let gpt = Gpt::new_expert_parallel(gcfg.clone(), &mut Rng::new(tc.seed), Arc::new(CommExchange(ep)))?;
     let expert = gpt.expert_params().expect("an expert-parallel model");

@@ -152,7 +152,7 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
     let (dp_rank, dp_size) = (dp.rank().get(), dp.world_size().get());
     let say = lead_say(global_rank == 0 && !opts.quiet);
     let tc = &cfg.train;
-    let (data, heap_before_model, gcfg) = gpt_loop_start(cfg, &[comm, dp], dp_rank, &say)?;
+    let (data, heap_before_model, gcfg) = gpt_loop_start(cfg, &[comm, dp], dp_rank)?;
     let gpt = match &tp {
         Some(g) => Gpt::new_tensor_parallel(gcfg.clone(), &mut Rng::new(tc.seed), g.clone())?,
         None => Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?,

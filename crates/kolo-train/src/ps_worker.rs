@@ -44,7 +44,7 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
     };
     let tc = &cfg.train;
     let pc = &cfg.ps;
-    let data = load_data(cfg, rank, &say)?;
+    let data = load_data(cfg, rank)?;
     let spec = cfg.model_spec(data.vocab_size);
     let model = build_model(&spec, tc.seed)?;
     let numel = model.params().numel();
@@ -284,7 +284,7 @@ pub fn run_ps_eval(cfg: &Config, coordinator: &str, token: &JobToken, workers: u
             eprintln!("{m}");
         }
     };
-    let data = load_data(cfg, 0, &|_| {})?;
+    let data = load_data(cfg, 0)?;
     let spec = cfg.model_spec(data.vocab_size);
     let model = build_model(&spec, cfg.train.seed)?;
     let numel = model.params().numel();

@@ -202,7 +202,7 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     let (chunk, credit) = cfg.comm_schedule().map_err(TrainError::Config)?.ok_or_else(|| TrainError::Config("ddp.schedule is not set".into()))?;
     let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
     comm.set_timeout(timeout);
-    let data = load_data(cfg, rank, &say)?;
+    let data = load_data(cfg, rank)?;
     let spec = cfg.model_spec(data.vocab_size);
     let model = build_model(&spec, tc.seed)?;
     // Same start everywhere (rank 0's values), as plain DDP.

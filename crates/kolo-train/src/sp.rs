@@ -55,7 +55,7 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
     let global_rank = comm.rank().get();
     let say = lead_say(global_rank == 0 && !opts.quiet);
     let tc = &cfg.train;
-    let (data, heap_before, gcfg) = gpt_loop_start(cfg, &[comm, &*sp], dp_rank, &say)?;
+    let (data, heap_before, gcfg) = gpt_loop_start(cfg, &[comm, &*sp], dp_rank)?;
     let (sp_rank, sp_size) = (sp.rank().get(), sp.world_size().get());
     let mut gpt = Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
     gpt.set_sequence_parallel(Arc::new(CommRing(sp)))?;

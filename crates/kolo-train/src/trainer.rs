@@ -3,7 +3,7 @@
 //! log, evaluate and checkpoint; finally evaluate and, for text models, generate a sample.
 
 use crate::config::{Config, DataKind};
-use crate::data::{text_split, CharVocab, Dataset, Mnist, Synthetic, BUILTIN_TEXT};
+use crate::data::{text_split, CharVocab, Dataset, Mnist, Synthetic};
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::TrainError;
 use kolo_base::Rng;
@@ -96,12 +96,12 @@ pub struct Summary {
 /// What the GPT loops with a model of their own (pipeline, sequence and expert parallel) share
 /// at the start: the config's deadline on each of their groups, the data of replica
 /// `data_rank`, the live heap before the model and the GPT's shape.
-pub(crate) fn gpt_loop_start(cfg: &Config, groups: &[&dyn Communicator], data_rank: usize, say: &dyn Fn(&str)) -> Result<(Data, Option<usize>, kolo_tensor::models::GptConfig), TrainError> {
+pub(crate) fn gpt_loop_start(cfg: &Config, groups: &[&dyn Communicator], data_rank: usize) -> Result<(Data, Option<usize>, kolo_tensor::models::GptConfig), TrainError> {
     let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
     for g in groups {
         g.set_timeout(timeout);
     }
-    let data = load_data(cfg, data_rank, say)?;
+    let data = load_data(cfg, data_rank)?;
     let heap_before = kolo_base::alloc::stats().map(|h| h.live);
     let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else {
         return Err(TrainError::Config("this parallel mode trains the GPT (model.kind = \"gpt\")".into()));
@@ -244,14 +244,14 @@ pub struct Data {
 }
 
 /// Loads `[data]` (rank `rank` of the run, for synthetic data).
-pub fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result<Data, TrainError> {
+pub fn load_data(cfg: &Config, rank: usize) -> Result<Data, TrainError> {
     let d = &cfg.data;
     match d.kind {
         DataKind::Mnist => {
             let dir = PathBuf::from(d.path.as_deref().unwrap_or_default());
             if !dir.is_dir() {
                 return Err(TrainError::Data(format!(
-                    "MNIST directory {} not found (set data.path; the shared copy lives in ../shared/data/mnist)",
+                    "MNIST directory {} not found (set data.path to a directory with the four idx(.gz) files; the repository ships a subset in test-data/mnist)",
                     dir.display()
                 )));
             }
@@ -260,18 +260,10 @@ pub fn load_data(cfg: &Config, rank: usize, say: &dyn Fn(&str)) -> Result<Data, 
         DataKind::Text => {
             let path = d.path.as_deref().unwrap_or_default();
             let seq = cfg.model.seq.unwrap_or(128);
-            let (text, name) = match std::fs::read(path) {
-                Ok(t) => (t, path.to_string()),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    say(&format!(
-                        "WARNING: {path} not found; training on Kolo's BUILT-IN corpus (two Shakespeare sonnets, {} bytes). \
-                         Pass data.path (or --data) to train on real data.",
-                        BUILTIN_TEXT.len()
-                    ));
-                    (BUILTIN_TEXT.as_bytes().to_vec(), "built-in sonnets".to_string())
-                }
-                Err(e) => return Err(TrainError::Data(format!("{path}: {e}"))),
-            };
+            let text = std::fs::read(path).map_err(|e| {
+                TrainError::Data(format!("text corpus {path}: {e} (set data.path or --data; the repository ships data/tinyshakespeare.txt)"))
+            })?;
+            let name = path.to_string();
             let vocab = CharVocab::from_text(&text);
             let (train, eval) = text_split(&text, &vocab, seq.min(text.len() / 4).max(1), d.train_fraction, &name)?;
             Ok(Data { train: Arc::new(train), eval: Arc::new(eval), vocab_size: vocab.len(), vocab: Some(vocab) })
@@ -674,7 +666,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     comm.set_timeout(timeout);
 
     // Data, model, DDP, optimizer.
-    let data = load_data(cfg, rank, &say)?;
+    let data = load_data(cfg, rank)?;
     let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let spec = cfg.model_spec(data.vocab_size);
     let mut model = match (&tp_group, &spec) {

@@ -27,8 +27,8 @@ pub enum BenchCmd {
     /// Hogwild vs SGD under a lock vs one thread: sparse logistic regression on UCI wine
     /// (pairwise-crossed one-hot features), updates/s and held-out quality.
     Hogwild {
-        /// The wine CSV (../shared/data/tabular/winequality-red.csv).
-        #[arg(long, default_value = "../shared/data/tabular/winequality-red.csv")]
+        /// The wine CSV (shipped in test-data/tabular/).
+        #[arg(long, default_value = "test-data/tabular/winequality-red.csv")]
         data: std::path::PathBuf,
         #[arg(long, default_value_t = 20)]
         epochs: usize,
@@ -42,7 +42,7 @@ pub enum BenchCmd {
     /// Sandblaster L-BFGS on the parameter servers with one slowed worker: time per iteration
     /// with and without backup tasks, against no slowed worker.
     Sandblaster {
-        #[arg(long, default_value = "../shared/data/tabular/winequality-red.csv")]
+        #[arg(long, default_value = "test-data/tabular/winequality-red.csv")]
         data: std::path::PathBuf,
         /// Delay of the slowed worker per portion, milliseconds.
         #[arg(long, default_value_t = 50)]

@@ -192,42 +192,46 @@ fn powersgd_buckets_send_factors_and_recover_low_rank_averages() {
 /// Every codec averages buckets across 3 ranks: exactly in f16-representable values for the
 /// casts, approximately for the lossy ones, and with error feedback the sum over steps of what
 /// was applied tracks the sum of the true averages. A user codec plugs in through the factory.
+///
+/// The gradients have a drift that does not cancel over the steps (`drift`, so a codec that
+/// sends zeros is off by ~100 %) and a per-rank offset that cancels only across ranks (`skew`,
+/// so a codec that skips the exchange and applies its own gradient is off too). Three broken
+/// codecs are run through the same check and must fail it (issue #18: the check could not fail).
 #[test]
 fn every_codec_averages_buckets_and_user_codecs_plug_in() {
     use kolo_ddp::{BucketCodec, CodecFactory, Compression};
-    struct Doubling;
-    impl BucketCodec for Doubling {
+    /// A user codec: `scale` times the true average, or (scale 0) nothing at all, or (local)
+    /// this rank's own gradient without any exchange.
+    struct Broken {
+        scale: f32,
+        local: bool,
+    }
+    impl BucketCodec for Broken {
         fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, kolo_comm::CommError> {
-            c.all_reduce(kolo_comm::BufMut::from(&mut *buf), kolo_comm::ReduceOp::Avg)?;
-            buf.iter_mut().for_each(|v| *v *= 2.0);
+            if !self.local {
+                c.all_reduce(kolo_comm::BufMut::from(&mut *buf), kolo_comm::ReduceOp::Avg)?;
+            }
+            buf.iter_mut().for_each(|v| *v *= self.scale);
             Ok(buf.len() * 4)
         }
     }
+    let user = |scale: f32, local: bool| Compression::Custom(CodecFactory(Arc::new(move |_, _| Box::new(Broken { scale, local }) as Box<dyn BucketCodec>)));
     let shapes: [&[usize]; 2] = [&[16, 8], &[8]];
     let total = 136;
-    let custom = Compression::Custom(CodecFactory(Arc::new(|_, _| Box::new(Doubling) as Box<dyn BucketCodec>)));
-    let cases = [
-        (Compression::Half { bf16: false }, 5e-3f32),
-        (Compression::Half { bf16: true }, 3e-2),
-        (Compression::TopK { fraction: 0.25, sampled: false, sparse_all_reduce: false }, 0.2),
-        (Compression::TopK { fraction: 0.25, sampled: true, sparse_all_reduce: true }, 0.2),
-        (Compression::RandK { fraction: 0.25 }, 0.2),
-        (Compression::Qsgd { levels: 16 }, 0.2),
-        (Compression::Sign, 0.3),
-        (custom, 1e-5),
-    ];
-    for (method, tol) in cases {
-        let n = 3;
-        let m = method.clone();
-        // The user codec doubles every average: compare with twice the truth.
-        let want = if matches!(method, Compression::Custom(_)) { 2.0 } else { 1.0 };
-        let errs = run_ranks(LocalComm::create(WorldSize::new(n).unwrap()), move |r, c| {
-            let cfg = DdpConfig { compression: m.clone(), ..Default::default() };
+    let n = 3;
+    let drift = |i: usize| ((i * 13 % 9) as f32 - 4.0) / 4.0;
+    let skew = |q: usize, i: usize| (q as f32 - 1.0) * (((i * 7) % 5) as f32 - 2.0);
+    let noise = |q: usize, i: usize, step: usize| (((i * 31 + q * 17 + step * 7) % 23) as f32 - 11.0) / 11.0;
+    let grad = move |q: usize, i: usize, step: usize| drift(i) + skew(q, i) + noise(q, i, step);
+    // Relative error of the summed applied updates over 30 steps against `want` times the sum of
+    // the true averages, normalised by how far the true averages moved in total.
+    let error = move |method: Compression, want: f64| {
+        run_ranks(LocalComm::create(WorldSize::new(n).unwrap()), move |r, c| {
+            let cfg = DdpConfig { compression: method.clone(), ..Default::default() };
             let ddp = Ddp::new(Arc::new(c), &sig(&shapes), cfg).unwrap();
             let (mut applied, mut truth, mut moved) = (vec![0f64; total], vec![0f64; total], 0f64);
             for step in 0..30 {
-                let val = |q: usize, i: usize| (((i * 31 + q * 17 + step * 7) % 23) as f32 - 11.0) / 11.0;
-                let g: Vec<f32> = (0..total).map(|i| val(r, i)).collect();
+                let g: Vec<f32> = (0..total).map(|i| grad(r, i, step)).collect();
                 ddp.begin_backward();
                 ddp.sink().grad_ready(1, &g[128..]);
                 ddp.sink().grad_ready(0, &g[..128]);
@@ -235,15 +239,36 @@ fn every_codec_averages_buckets_and_user_codecs_plug_in() {
                 ddp.finish(&mut out).unwrap();
                 for i in 0..total {
                     applied[i] += f64::from(out[i]);
-                    let avg = (0..n).map(|q| f64::from(val(q, i))).sum::<f64>() / n as f64;
+                    let avg = (0..n).map(|q| f64::from(grad(q, i, step))).sum::<f64>() / n as f64;
                     truth[i] += avg;
                     moved += avg.abs();
                 }
             }
-            // Error of the applied sum over all steps, relative to how far the true averages
-            // moved in total (error feedback keeps it bounded by what is still held back).
             applied.iter().zip(&truth).map(|(a, t)| (a - want * t).abs()).sum::<f64>() / moved
-        });
-        assert!(errs[0] < f64::from(tol), "{method:?}: relative error of the summed updates {}", errs[0]);
+        })[0]
+    };
+    let cases = [
+        (Compression::Half { bf16: false }, 1e-3),
+        (Compression::Half { bf16: true }, 5e-3),
+        (Compression::TopK { fraction: 0.25, sampled: false, sparse_all_reduce: false }, 0.08),
+        (Compression::TopK { fraction: 0.25, sampled: true, sparse_all_reduce: true }, 0.08),
+        (Compression::RandK { fraction: 0.25 }, 0.2),
+        (Compression::Qsgd { levels: 16 }, 0.1),
+        (Compression::Sign, 0.1),
+        (user(2.0, false), 1e-5),
+    ];
+    for (method, tol) in cases {
+        // The user codec doubles every average: compare with twice the truth.
+        let want = if matches!(method, Compression::Custom(_)) { 2.0 } else { 1.0 };
+        let e = error(method.clone(), want);
+        eprintln!("{method:?}: relative error {e:.4} (tolerance {tol})");
+        assert!(e < tol, "{method:?}: relative error of the summed updates {e}");
+    }
+    // The check itself can fail: zeros, half the average, and no exchange are each caught by the
+    // loosest tolerance above.
+    for (what, broken) in [("zeros", user(0.0, false)), ("half", user(0.5, false)), ("no exchange", user(1.0, true))] {
+        let e = error(broken, 1.0);
+        eprintln!("broken codec ({what}): relative error {e:.4}");
+        assert!(e > 0.3, "a codec that sends {what} must fail the check: error {e}");
     }
 }

@@ -138,19 +138,39 @@ fn bench(comm: &Arc<NcclComm>, max: usize) {
     }
 }
 
+/// Rank 0 calls an all-reduce nobody else calls. Passes only when it ends in a timeout near the
+/// deadline that names rank 0, the operation and the absent ranks, and the aborted
+/// communicator refuses the next call; any other outcome (completion, another error, an early
+/// or late end) exits non-zero.
 fn hang(comm: &Arc<NcclComm>) {
-    let r = comm.rank().get();
+    let (r, n) = (comm.rank().get(), comm.world_size().get());
+    if n < 2 {
+        fail("hang needs at least 2 ranks (kolo launch -n 2 ... on two GPUs): alone nothing can be absent");
+    }
     if r == 0 {
         let mut v = vec![1.0f32; 1 << 16];
         let t = Instant::now();
-        match comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum) {
-            Ok(()) if comm.world_size().get() == 1 => println!("rank 0 alone: all_reduce completes"),
+        let e = match comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum) {
             Ok(()) => fail("all_reduce with absent peers completed"),
-            Err(e) => {
-                println!("rank 0: error after {:.2} s: {e}", t.elapsed().as_secs_f64());
-                let again = comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum).expect_err("an aborted communicator must refuse");
-                println!("rank 0: next call: {again}");
+            Err(e) => e,
+        };
+        let waited = t.elapsed();
+        println!("rank 0: error after {:.2} s: {e}", waited.as_secs_f64());
+        match &e {
+            kolo_comm::CommError::Timeout { op, rank, missing, .. } => {
+                let want: Vec<Rank> = (1..n).map(Rank).collect();
+                if op.to_string() != "all_reduce" || *rank != Rank(0) || *missing != want {
+                    fail(format!("the timeout must name all_reduce, rank 0 and the absent ranks {want:?}: {e}"));
+                }
             }
+            other => fail(format!("expected a timeout, got: {other}")),
+        }
+        if waited < comm.timeout() || waited > comm.timeout() * 2 {
+            fail(format!("the timeout came after {waited:?}, the deadline was {:?}", comm.timeout()));
+        }
+        match comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum) {
+            Err(again @ kolo_comm::CommError::Aborted { .. }) => println!("rank 0: next call: {again}"),
+            other => fail(format!("an aborted communicator must refuse the next call as Aborted, got {other:?}")),
         }
     } else {
         // Never calls the collective; stays alive past rank 0's deadline.
@@ -158,13 +178,28 @@ fn hang(comm: &Arc<NcclComm>) {
     }
 }
 
+/// The other ranks never initialise NCCL. Passes only when rank 0's setup ends at its
+/// deadline with the init-timeout error; a setup error of another kind (no GPU, no NCCL) or
+/// one that comes early exits non-zero.
 fn absent(boot: &dyn Communicator, timeout: Duration) {
     let r = boot.rank().get();
+    if boot.world_size().get() < 2 {
+        fail("absent needs at least 2 ranks (kolo launch -n 2 ...)");
+    }
     if r == 0 {
         let t = Instant::now();
         match NcclComm::connect(boot, kolo_nccl::default_device(), timeout) {
             Ok(_) => fail("NCCL set up without the other ranks"),
-            Err(e) => println!("rank 0: error after {:.2} s: {e}", t.elapsed().as_secs_f64()),
+            Err(e) => {
+                let waited = t.elapsed();
+                println!("rank 0: error after {:.2} s: {e}", waited.as_secs_f64());
+                if !e.to_string().contains("did not complete within") {
+                    fail(format!("expected the init deadline's error, got: {e}"));
+                }
+                if waited < timeout || waited > timeout * 2 {
+                    fail(format!("setup ended after {waited:?}, the deadline was {timeout:?}"));
+                }
+            }
         }
     } else {
         let mut id = [0u8; 129];
