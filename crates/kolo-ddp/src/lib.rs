@@ -21,6 +21,7 @@
 //! The crate knows no tensor library: it sees flat `f32` buffers only.
 
 pub mod codecs;
+pub mod exact;
 pub mod sparse_ar;
 pub mod powersgd;
 pub mod schedule;

@@ -94,3 +94,64 @@ mod sparse_all_reduce {
         assert!(sparse[0].1 <= dense[0].1 * (p - 1) + 8 * 2 * p, "{} vs {} x {}", sparse[0].1, dense[0].1, p - 1);
     }
 }
+
+/// The deterministic mode's sum: the same bits whatever the order of the pieces and however
+/// they are split over "ranks" (partial sums whose lanes are added as i64, as the all-reduce
+/// does), and within one f32 rounding of the f64 sum. Float sums of the same pieces in other
+/// orders do differ (the inputs are chosen so), or this test would prove nothing.
+#[test]
+fn exact_sum_is_independent_of_order_and_split() {
+    use crate::exact::ExactSum;
+    let (n_pieces, len) = (12, 257);
+    let mut r = kolo_base::Rng::new(11);
+    let pieces: Vec<Vec<f32>> = (0..n_pieces).map(|_| (0..len).map(|_| (r.normal() * 10f64.powi((r.below(9) as i32) - 6)) as f32).collect()).collect();
+    let result = |order: &[usize], world: usize| -> Vec<f32> {
+        // Rank q sums pieces order[q*per..(q+1)*per]; the lanes of all ranks are then added.
+        let per = n_pieces / world;
+        let (mut hi, mut lo) = (vec![0i64; len], vec![0i64; len]);
+        for q in (0..world).rev() {
+            let mut s = ExactSum::new(len);
+            for &k in &order[q * per..(q + 1) * per] {
+                s.add(&pieces[k]).unwrap();
+            }
+            let (mut h, mut l) = (vec![0i64; len], vec![0i64; len]);
+            s.to_lanes(&mut h, &mut l);
+            hi.iter_mut().zip(&h).for_each(|(a, b)| *a = a.wrapping_add(*b));
+            lo.iter_mut().zip(&l).for_each(|(a, b)| *a = a.wrapping_add(*b));
+        }
+        let mut out = vec![0f32; len];
+        ExactSum::from_lanes(&hi, &lo, n_pieces, &mut out);
+        out
+    };
+    let forward: Vec<usize> = (0..n_pieces).collect();
+    let want = result(&forward, 1);
+    let mut shuffled = forward.clone();
+    for (world, seed) in [(1, 1), (2, 2), (3, 3), (4, 4), (6, 5), (12, 6)] {
+        kolo_base::Rng::new(seed).shuffle(&mut shuffled);
+        let got = result(&shuffled, world);
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "world {world}: bits differ");
+    }
+    // Against the f64 mean: within one f32 rounding (plus the 2^-64 truncations).
+    for i in 0..len {
+        let m = pieces.iter().map(|p| f64::from(p[i])).sum::<f64>() / n_pieces as f64;
+        assert!((f64::from(want[i]) - m).abs() <= m.abs() * 6e-8 + 1e-18, "element {i}: {} vs {m}", want[i]);
+    }
+    // The inputs do make float order matter: summing in f32 forwards and backwards differs.
+    let f32_sum = |o: &mut dyn Iterator<Item = usize>| -> Vec<f32> {
+        let mut s = vec![0f32; len];
+        o.for_each(|k| s.iter_mut().zip(&pieces[k]).for_each(|(a, b)| *a += b));
+        s
+    };
+    assert_ne!(f32_sum(&mut (0..n_pieces)), f32_sum(&mut (0..n_pieces).rev()));
+    // What it cannot represent is refused, and nothing is added.
+    let mut s = ExactSum::new(3);
+    for bad in [f32::NAN, f32::INFINITY, -16_777_216.0] {
+        assert_eq!(s.add(&[1.0, bad, 2.0]).unwrap_err().idx, 1);
+    }
+    s.add(&[1.0, -2.5, 16_777_215.0]).unwrap();
+    let (mut h, mut l) = ([0i64; 3], [0i64; 3]);
+    s.to_lanes(&mut h, &mut l);
+    let mut out = [0f32; 3];
+    ExactSum::from_lanes(&h, &l, 1, &mut out);
+    assert_eq!(out, [1.0, -2.5, 16_777_215.0]);
+}

@@ -518,6 +518,18 @@ pub struct DdpConfig {
     /// gradient clipping, accumulation or checkpoints (the update cannot wait for a global
     /// norm). Default: off.
     pub schedule: Option<ScheduleConfig>,
+    /// Deterministic reduction: DDP and ZeRO-1/2 give bitwise the same parameters at every
+    /// world size for the same global batch (data.batch_size x ranks). Each rank's batch is cut
+    /// into pieces of `deterministic_chunk` examples, contiguous in the global batch; every
+    /// piece's gradient is rounded to fixed point and the pieces are summed as integers
+    /// (associative), so neither the world size nor the reduction order changes a bit. Costs a
+    /// backward pass per piece and 4x the bytes of an f32 all-reduce, without overlap (see
+    /// docs/benchmarks.md). Real data, f32 or bf16, CPU, no mesh, pipeline, compression, local
+    /// SGD, scheduling or dynamic batches. Default false.
+    pub deterministic: bool,
+    /// Examples per piece under `deterministic` (default 1). Runs are bitwise alike across
+    /// world sizes whose per-rank batch is a multiple of it; larger pieces are faster.
+    pub deterministic_chunk: usize,
 }
 
 #[derive(Deserialize, Debug, Clone, PartialEq)]
@@ -619,7 +631,7 @@ fn sixteen() -> u8 {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None, local_sgd: None, dynamic_batch_every: 0, schedule: None }
+        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None, local_sgd: None, dynamic_batch_every: 0, schedule: None, deterministic: false, deterministic_chunk: 1 }
     }
 }
 
@@ -721,6 +733,15 @@ impl Config {
             let m = self.mesh.as_ref();
             if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.ddp.skip_sync || self.ddp.dynamic_batch_every > 0 || self.optim.clip_grad_norm.is_some() || self.train.grad_accum != 1 || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || self.pipeline.is_some() || !self.model.checkpoint_blocks.is_empty() || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1)) || self.train.device != "cpu" {
                 return Err("ddp.schedule runs plain f32 DDP on the CPU: no zero_stage, compression, local_sgd, skip_sync, dynamic_batch_every, optim.clip_grad_norm, grad_accum > 1, mixed precision, checkpoints, mesh, pipeline, activation checkpointing or ps (each parameter is updated as soon as its own gradient is reduced)".into());
+            }
+        }
+        if self.ddp.deterministic {
+            let m = self.mesh.as_ref();
+            if self.ddp.zero_stage > 2 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.ddp.skip_sync || self.ddp.dynamic_batch_every > 0 || self.ddp.schedule.is_some() || self.data.kind == DataKind::Synthetic || self.train.precision == Precision::F16 || self.train.strategy != Strategy::Ddp || self.pipeline.is_some() || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1)) || self.train.device != "cpu" {
+                return Err("ddp.deterministic runs DDP or ZeRO-1/2 on real data (mnist or text) on the CPU in f32 or bf16: no zero_stage 3, compression, local_sgd, skip_sync, dynamic_batch_every, schedule, f16, [mesh], [pipeline] or ps".into());
+            }
+            if self.ddp.deterministic_chunk == 0 || self.data.batch_size % self.ddp.deterministic_chunk != 0 {
+                return Err(format!("ddp.deterministic_chunk = {} must divide data.batch_size = {} (each rank's batch is cut into whole pieces)", self.ddp.deterministic_chunk, self.data.batch_size));
             }
         }
         if self.ddp.dynamic_batch_every > 0 {

@@ -31,16 +31,13 @@ impl StageWork for Work {
 
 /// Splits a batch of sequences into `m` micro-batches of equal size.
 pub fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, TrainError> {
-    let Input::Tokens { ids, b, t } = &batch.input else {
+    let Input::Tokens { b, .. } = &batch.input else {
         return Err(TrainError::Config("pipeline parallelism takes token sequences".into()));
     };
     if m == 0 || b % m != 0 {
         return Err(TrainError::Config(format!("a batch of {b} sequences does not split into {m} micro-batches")));
     }
-    let per = b / m;
-    Ok((0..m)
-        .map(|i| Batch { input: Input::Tokens { ids: ids[i * per * t..(i + 1) * per * t].to_vec(), b: per, t: *t }, targets: batch.targets[i * per * t..(i + 1) * per * t].to_vec() })
-        .collect())
+    batch.chunks(b / m).ok_or_else(|| TrainError::Config(format!("a batch of {b} sequences does not split into {m} micro-batches")))
 }
 
 /// What every stage of a pipeline run shares: its layers, its parameters and their flat

@@ -739,7 +739,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     .map_err(TrainError::Data)?;
     // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
     // the shares change during the run, so nothing is prefetched.
-    let mut dynamic = (cfg.ddp.dynamic_batch_every > 0).then(|| -> Result<DynamicBatch, TrainError> {
+    // Deterministic mode takes the same contiguous slices (equal shares, never re-split): a
+    // piece of the global batch then holds the same examples at every world size.
+    let mut dynamic = (cfg.ddp.dynamic_batch_every > 0 || cfg.ddp.deterministic).then(|| -> Result<DynamicBatch, TrainError> {
         let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * world, ..sampler.config().clone() };
         Ok(DynamicBatch { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split: vec![cfg.data.batch_size; world] })
     }).transpose()?;
@@ -789,7 +791,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // gradients in the DDP buckets (plain DDP, ZeRO-1) or this rank's shard of them (ZeRO-2),
     // the optimizer state for the whole model or this rank's shard.
     // Local gradients of no-sync micro-steps, only when there are any.
-    let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() { vec![0f32; numel] } else { Vec::new() };
+    let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic { vec![0f32; numel] } else { Vec::new() };
+    // Deterministic mode: the exact (fixed-point) sum of this rank's pieces' gradients.
+    let mut exact = cfg.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(numel));
     // Mixed precision: the compute dtype, and for f16 a dynamic loss scale.
     let dtype = cfg.compute_dtype();
     let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
@@ -877,7 +881,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             // f16: backward runs on the loss times the loss scale; the step divides it out.
             let loss_scale = scaler.as_ref().map_or(1.0, LossScaler::scale);
             let te = kolo_tensor::TensorError::from;
-            if m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step {
+            if let Some(exact) = exact.as_mut() {
+                loss_sum += exact_pieces(&*model, &batch, &*eval_view, cfg.ddp.deterministic_chunk, &mut micro, exact, (rank, step))? / tc.grad_accum as f64;
+            } else if m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step {
                 // No-sync micro-step: gradients stay local.
                 let loss = (model.loss(&batch, &*eval_view)? * scale).map_err(te)?;
                 loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
@@ -895,7 +901,39 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         let params = model.params();
         let ranges = ddp.ranges();
         let clip = |norm: f64| cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(norm, max));
-        if cfg.ddp.skip_sync || local_step {
+        if let Some(exact) = exact.as_mut() {
+            // Pieces in the whole step: micro-steps x the global batch / piece size.
+            let global: usize = dynamic.as_ref().map_or(0, |d| d.split.iter().sum());
+            let (bytes, wait) = exact_all_reduce(&*comm, exact, tc.grad_accum as usize * global / cfg.ddp.deterministic_chunk, &mut micro)?;
+            if let Some(max) = cfg.optim.clip_grad_norm {
+                // The same gradient on every rank, summed in a fixed order: the same factor.
+                let f = clip_factor(sum_of_squares(&micro).sqrt(), max);
+                micro.iter_mut().for_each(|g| *g *= f);
+            }
+            opt.begin_step();
+            match &zero {
+                None => {
+                    for (i, r) in ranges.iter().enumerate() {
+                        params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
+                    }
+                }
+                Some(plan) => {
+                    // ZeRO-1/2: every rank has the whole reduced gradient; it updates its shard.
+                    for seg in &plan.segments {
+                        let at = seg.shard_offset..seg.shard_offset + seg.within.len();
+                        let g = &micro[ranges[seg.param].clone()][seg.within.clone()];
+                        opt.update(at.start, &mut master.as_mut_slice()[at.clone()], g, lr);
+                        master.release(at);
+                    }
+                    ddp.all_gather_params(master.as_slice(), |i: usize, v: &[f32]| params.load_one(i, v).map_err(TrainError::from))?;
+                    master.release_all();
+                }
+            }
+            wait_ms.push(wait.as_secs_f64() * 1e3);
+            step_wait_ms = wait.as_secs_f64() * 1e3;
+            hidden.push(0.0);
+            comm_bytes.push(bytes);
+        } else if cfg.ddp.skip_sync || local_step {
             // Local SGD (or the no-sync benchmark mode): the local gradients are used as they are.
             ddp.take_accumulated(&mut micro);
             if cfg.optim.clip_grad_norm.is_some() {
@@ -1050,7 +1088,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
 
         let done = step + 1;
-        if let Some(d) = dynamic.as_mut().filter(|_| done % cfg.ddp.dynamic_batch_every == 0) {
+        if let Some(d) = dynamic.as_mut().filter(|_| cfg.ddp.dynamic_batch_every > 0 && done % cfg.ddp.dynamic_batch_every == 0) {
             // Time per example over the window, every rank's; the new split from it.
             let n = cfg.ddp.dynamic_batch_every as usize;
             let own = &compute_ms[compute_ms.len().saturating_sub(n)..];
@@ -1259,6 +1297,44 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         moe,
         batch_split: dynamic.map(|d| d.split),
     })
+}
+
+/// Deterministic mode, one micro-step: `batch` cut into pieces of `chunk` examples, each
+/// piece's gradient (of its own mean loss) added to `exact`. Returns the mean of the pieces'
+/// losses. `at` = (rank, step) for the error.
+fn exact_pieces(model: &dyn Model, batch: &Batch, view: &dyn kolo_tensor::ParamView, chunk: usize, grad: &mut [f32], exact: &mut kolo_ddp::exact::ExactSum, at: (usize, u64)) -> Result<f64, TrainError> {
+    let te = kolo_tensor::TensorError::from;
+    let pieces = batch.chunks(chunk).ok_or_else(|| TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len())))?;
+    let mut loss_sum = 0f64;
+    for piece in &pieces {
+        let loss = model.loss(piece, view)?;
+        loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+        let g = loss.backward().map_err(te)?;
+        model.params().grads_into(&g, grad)?;
+        exact.add(grad).map_err(|e| {
+            TrainError::Other(format!(
+                "rank {}, step {}: gradient element {} is {} (ddp.deterministic sums gradients below 2^24 in magnitude; the run has diverged)",
+                at.0, at.1, e.idx, e.value
+            ))
+        })?;
+    }
+    Ok(loss_sum / pieces.len() as f64)
+}
+
+/// Deterministic mode, the exchange: every rank's exact sum added as integers (an `i64` sum
+/// all-reduce of two lanes per element, so any order gives the same bits), divided by the
+/// number of pieces in the global step, into `grad`. Clears `exact`. Returns the bytes sent
+/// and the time spent.
+fn exact_all_reduce(comm: &dyn Communicator, exact: &mut kolo_ddp::exact::ExactSum, pieces: usize, grad: &mut [f32]) -> Result<(usize, Duration), TrainError> {
+    let t = Instant::now();
+    let n = exact.len();
+    let mut lanes = vec![0i64; 2 * n];
+    let (hi, lo) = lanes.split_at_mut(n);
+    exact.to_lanes(hi, lo);
+    comm.all_reduce(BufMut::from(&mut lanes[..]), ReduceOp::Sum)?;
+    kolo_ddp::exact::ExactSum::from_lanes(&lanes[..n], &lanes[n..], pieces.max(1), grad);
+    exact.clear();
+    Ok((lanes.len() * 8, t.elapsed()))
 }
 
 /// Dynamic batch sizing: the global batches in order, and each rank's current share.

@@ -154,6 +154,11 @@ fn bad_inputs_give_clear_errors() {
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"gzip\" }}\n")).contains("unknown variant `gzip`"));
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"topk\", fraction = 1.5 }}\n")).contains("fraction must be in (0, 1]"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 1\nskip_sync = true\n")).contains("needs ddp.zero_stage = 0"));
+    // Deterministic mode: pieces must divide the per-rank batch; what it cannot make bitwise is refused.
+    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 3\n")).contains("ddp.deterministic_chunk = 3 must divide data.batch_size = 8"));
+    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 0\n")).contains("must divide"));
+    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ncompression = {{ method = \"fp16\" }}\n")).contains("ddp.deterministic runs DDP or ZeRO-1/2"));
+    assert!(err(&format!("{base}[train]\nprecision = \"f16\"\n[ddp]\ndeterministic = true\n")).contains("ddp.deterministic runs DDP or ZeRO-1/2"));
 
     // A missing dataset.
     let cfg = Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"/nonexistent/mnist\"\nbatch_size = 8\n", "t").unwrap();
