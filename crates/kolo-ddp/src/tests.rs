@@ -106,21 +106,19 @@ fn exact_sum_is_independent_of_order_and_split() {
     let mut r = kolo_base::Rng::new(11);
     let pieces: Vec<Vec<f32>> = (0..n_pieces).map(|_| (0..len).map(|_| (r.normal() * 10f64.powi((r.below(9) as i32) - 6)) as f32).collect()).collect();
     let result = |order: &[usize], world: usize| -> Vec<f32> {
-        // Rank q sums pieces order[q*per..(q+1)*per]; the lanes of all ranks are then added.
+        // Rank q sums pieces order[q*per..(q+1)*per]; the lanes of all ranks are then added
+        // (wrapping, as an i64 all-reduce would, in rank order reversed).
         let per = n_pieces / world;
-        let (mut hi, mut lo) = (vec![0i64; len], vec![0i64; len]);
+        let mut total = ExactSum::new(len);
         for q in (0..world).rev() {
             let mut s = ExactSum::new(len);
             for &k in &order[q * per..(q + 1) * per] {
                 s.add(&pieces[k]).unwrap();
             }
-            let (mut h, mut l) = (vec![0i64; len], vec![0i64; len]);
-            s.to_lanes(&mut h, &mut l);
-            hi.iter_mut().zip(&h).for_each(|(a, b)| *a = a.wrapping_add(*b));
-            lo.iter_mut().zip(&l).for_each(|(a, b)| *a = a.wrapping_add(*b));
+            total.lanes_mut().iter_mut().zip(s.lanes_mut().iter()).for_each(|(a, b)| *a = a.wrapping_add(*b));
         }
         let mut out = vec![0f32; len];
-        ExactSum::from_lanes(&hi, &lo, n_pieces, &mut out);
+        total.mean_into(n_pieces, &mut out);
         out
     };
     let forward: Vec<usize> = (0..n_pieces).collect();
@@ -149,9 +147,17 @@ fn exact_sum_is_independent_of_order_and_split() {
         assert_eq!(s.add(&[1.0, bad, 2.0]).unwrap_err().idx, 1);
     }
     s.add(&[1.0, -2.5, 16_777_215.0]).unwrap();
-    let (mut h, mut l) = ([0i64; 3], [0i64; 3]);
-    s.to_lanes(&mut h, &mut l);
     let mut out = [0f32; 3];
-    ExactSum::from_lanes(&h, &l, 1, &mut out);
+    s.mean_into(1, &mut out);
     assert_eq!(out, [1.0, -2.5, 16_777_215.0]);
+    // The fixed-point rounding of single values: exact above 2^-40, truncated towards zero
+    // below, subnormals included, signs symmetric.
+    for v in [1.5f32, -3.0e-7, 7.0e-13, -1.0e-30, f32::MIN_POSITIVE, 1.0e-40, 0.0, -0.0] {
+        let mut s = ExactSum::new(1);
+        s.add(&[v]).unwrap();
+        let mut out = [0f32];
+        s.mean_into(1, &mut out);
+        let want = ((f64::from(v) * 2f64.powi(64)).trunc() * 2f64.powi(-64)) as f32;
+        assert_eq!(out[0], want, "{v:e}");
+    }
 }

@@ -1327,14 +1327,12 @@ fn exact_pieces(model: &dyn Model, batch: &Batch, view: &dyn kolo_tensor::ParamV
 /// and the time spent.
 fn exact_all_reduce(comm: &dyn Communicator, exact: &mut kolo_ddp::exact::ExactSum, pieces: usize, grad: &mut [f32]) -> Result<(usize, Duration), TrainError> {
     let t = Instant::now();
-    let n = exact.len();
-    let mut lanes = vec![0i64; 2 * n];
-    let (hi, lo) = lanes.split_at_mut(n);
-    exact.to_lanes(hi, lo);
-    comm.all_reduce(BufMut::from(&mut lanes[..]), ReduceOp::Sum)?;
-    kolo_ddp::exact::ExactSum::from_lanes(&lanes[..n], &lanes[n..], pieces.max(1), grad);
+    let lanes = exact.lanes_mut();
+    comm.all_reduce(BufMut::from(&mut *lanes), ReduceOp::Sum)?;
+    let bytes = lanes.len() * 8;
+    exact.mean_into(pieces.max(1), grad);
     exact.clear();
-    Ok((lanes.len() * 8, t.elapsed()))
+    Ok((bytes, t.elapsed()))
 }
 
 /// Dynamic batch sizing: the global batches in order, and each rank's current share.
