@@ -71,15 +71,7 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 7] = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I32,
-        DType::I64,
-        DType::U8,
-    ];
+    pub const ALL: [DType; 7] = [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8];
 
     pub fn size_bytes(self) -> usize {
         match self {

@@ -92,16 +92,21 @@ pub fn have_avx512() -> bool {
 macro_rules! simd_kernel {
     ($(#[$m:meta])* $vis:vis fn $name:ident($($a:ident: $t:ty),* $(,)?) $body:block) => {
         $(#[$m])*
+        // Kernels take their slices one by one (a struct would hide which are written).
+        #[allow(clippy::too_many_arguments)]
         $vis fn $name($($a: $t),*) {
             #[inline(always)]
+            #[allow(clippy::too_many_arguments)]
             fn body($($a: $t),*) $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
                 unsafe fn wide($($a: $t),*) {
                     body($($a),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
                 unsafe fn fast($($a: $t),*) {
                     body($($a),*)
                 }

@@ -88,10 +88,14 @@ fn checksum<'a>(items: impl Iterator<Item = (&'a str, &'a [usize], &'a [u8])>) -
 /// Writes `ckpt` to `path` atomically.
 pub fn save(path: &Path, ckpt: &Checkpoint) -> Result<(), CheckpointError> {
     let io = |source| CheckpointError::Io { path: path.to_path_buf(), source };
-    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = ckpt.tensors.iter().map(|e| (e.name.clone(), e.shape.clone(), to_bytes(&e.data))).collect();
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> =
+        ckpt.tensors.iter().map(|e| (e.name.clone(), e.shape.clone(), to_bytes(&e.data))).collect();
     for (name, shape, data) in &bytes {
         if shape.iter().product::<usize>() * 4 != data.len() {
-            return Err(CheckpointError::Incompatible { path: path.into(), what: format!("tensor `{name}`: shape {shape:?} does not match its data") });
+            return Err(CheckpointError::Incompatible {
+                path: path.into(),
+                what: format!("tensor `{name}`: shape {shape:?} does not match its data"),
+            });
         }
     }
     let mut meta: HashMap<String, String> = ckpt.meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -101,7 +105,8 @@ pub fn save(path: &Path, ckpt: &Checkpoint) -> Result<(), CheckpointError> {
         .map(|(n, s, d)| Ok((n.clone(), TensorView::new(Dtype::F32, s.clone(), d)?)))
         .collect::<Result<_, safetensors::SafeTensorError>>()
         .map_err(|e| CheckpointError::Incompatible { path: path.into(), what: e.to_string() })?;
-    let blob = safetensors::serialize(views, Some(meta)).map_err(|e| CheckpointError::Incompatible { path: path.into(), what: e.to_string() })?;
+    let blob =
+        safetensors::serialize(views, Some(meta)).map_err(|e| CheckpointError::Incompatible { path: path.into(), what: e.to_string() })?;
 
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io)?;
@@ -139,7 +144,10 @@ pub(crate) fn load_verified(path: &Path) -> Result<(Checkpoint, String), Checkpo
     let tensors = st.tensors();
     for (name, t) in &tensors {
         if t.dtype() != Dtype::F32 {
-            return Err(CheckpointError::Incompatible { path: path.into(), what: format!("tensor `{name}` is {:?}; Kolo reads f32", t.dtype()) });
+            return Err(CheckpointError::Incompatible {
+                path: path.into(),
+                what: format!("tensor `{name}` is {:?}; Kolo reads f32", t.dtype()),
+            });
         }
     }
     let got = checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.shape(), t.data())));

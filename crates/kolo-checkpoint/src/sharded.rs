@@ -107,7 +107,13 @@ pub fn write_shard(target: &Path, index: usize, count: usize, pieces: &[Piece]) 
         if p.offset + p.data.len() > numel || p.name.contains('@') {
             return Err(CheckpointError::Incompatible {
                 path,
-                what: format!("piece `{}` at {} with {} values does not fit shape {:?} (or its name has an `@`)", p.name, p.offset, p.data.len(), p.shape),
+                what: format!(
+                    "piece `{}` at {} with {} values does not fit shape {:?} (or its name has an `@`)",
+                    p.name,
+                    p.offset,
+                    p.data.len(),
+                    p.shape
+                ),
             });
         }
         meta.insert(format!("{SHAPE_PREFIX}{}", p.name), shape_text(&p.shape));
@@ -155,7 +161,11 @@ fn read_header(path: &Path) -> Result<Header, CheckpointError> {
             continue;
         }
         let shape = v.get("shape").and_then(|s| s.as_array()).ok_or_else(|| corrupt(format!("tensor `{k}` has no shape")))?;
-        let len = shape.iter().map(|d| d.as_u64().map(|d| d as usize)).product::<Option<usize>>().ok_or_else(|| corrupt(format!("tensor `{k}`: bad shape")))?;
+        let len = shape
+            .iter()
+            .map(|d| d.as_u64().map(|d| d as usize))
+            .product::<Option<usize>>()
+            .ok_or_else(|| corrupt(format!("tensor `{k}`: bad shape")))?;
         keys.push((k.clone(), len));
     }
     Ok((keys, meta))
@@ -182,20 +192,29 @@ pub fn commit(target: &Path, meta: &BTreeMap<String, String>) -> Result<PathBuf,
             let bad = |what: String| CheckpointError::Corrupt { path: path.clone(), what };
             let (tname, off) = key.rsplit_once('@').ok_or_else(|| bad(format!("key `{key}` is not `name@offset`")))?;
             let offset: usize = off.parse().map_err(|_| bad(format!("key `{key}`: bad offset")))?;
-            let shape = fmeta.get(&format!("{SHAPE_PREFIX}{tname}")).and_then(|s| parse_shape(s)).ok_or_else(|| bad(format!("no shape for `{tname}`")))?;
-            let t = tensors.entry(tname.to_string()).or_insert_with(|| TensorInfo { name: tname.to_string(), shape: shape.clone(), shards: Vec::new() });
+            let shape = fmeta
+                .get(&format!("{SHAPE_PREFIX}{tname}"))
+                .and_then(|s| parse_shape(s))
+                .ok_or_else(|| bad(format!("no shape for `{tname}`")))?;
+            let t = tensors.entry(tname.to_string()).or_insert_with(|| TensorInfo {
+                name: tname.to_string(),
+                shape: shape.clone(),
+                shards: Vec::new(),
+            });
             if t.shape != shape {
                 return Err(bad(format!("`{tname}` has shape {:?} here and {:?} in another shard", shape, t.shape)));
             }
             t.shards.push(ShardInfo { file: fi, offset, len });
         }
     }
-    let mut manifest = Manifest { format: FORMAT.into(), version: VERSION, meta: meta.clone(), files, tensors: tensors.into_values().collect() };
+    let mut manifest =
+        Manifest { format: FORMAT.into(), version: VERSION, meta: meta.clone(), files, tensors: tensors.into_values().collect() };
     for t in &mut manifest.tensors {
         t.shards.sort_by_key(|s| s.offset);
     }
     check_tiling(&staging, &manifest)?;
-    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Incompatible { path: staging.clone(), what: e.to_string() })?;
+    let json =
+        serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Incompatible { path: staging.clone(), what: e.to_string() })?;
     let mpath = staging.join(MANIFEST);
     write_synced(&mpath, &json).map_err(io_err(&mpath))?;
     std::fs::File::open(&staging).and_then(|d| d.sync_all()).map_err(io_err(&staging))?;
@@ -212,7 +231,12 @@ pub fn commit(target: &Path, meta: &BTreeMap<String, String>) -> Result<PathBuf,
 /// [`commit`] once `writers` shard files are in the staging directory (each appears only when
 /// complete, by rename), waiting up to `timeout`: the committing rank's half of a save that runs
 /// in the background, without a barrier.
-pub fn commit_when_complete(target: &Path, writers: usize, meta: &BTreeMap<String, String>, timeout: std::time::Duration) -> Result<PathBuf, CheckpointError> {
+pub fn commit_when_complete(
+    target: &Path,
+    writers: usize,
+    meta: &BTreeMap<String, String>,
+    timeout: std::time::Duration,
+) -> Result<PathBuf, CheckpointError> {
     let staging = staging_dir(target);
     let until = std::time::Instant::now() + timeout;
     loop {
@@ -252,12 +276,18 @@ fn check_tiling(dir: &Path, m: &Manifest) -> Result<(), CheckpointError> {
         for s in &t.shards {
             if s.offset != at {
                 let what = if s.offset < at { "overlap" } else { "a gap" };
-                return Err(CheckpointError::Corrupt { path: dir.to_path_buf(), what: format!("tensor `{}`: {what} at element {at} (next piece starts at {})", t.name, s.offset) });
+                return Err(CheckpointError::Corrupt {
+                    path: dir.to_path_buf(),
+                    what: format!("tensor `{}`: {what} at element {at} (next piece starts at {})", t.name, s.offset),
+                });
             }
             at += s.len;
         }
         if at != numel {
-            return Err(CheckpointError::Corrupt { path: dir.to_path_buf(), what: format!("tensor `{}` {:?}: pieces cover {at} of {numel} elements", t.name, t.shape) });
+            return Err(CheckpointError::Corrupt {
+                path: dir.to_path_buf(),
+                what: format!("tensor `{}` {:?}: pieces cover {at} of {numel} elements", t.name, t.shape),
+            });
         }
     }
     Ok(())
@@ -266,13 +296,20 @@ fn check_tiling(dir: &Path, m: &Manifest) -> Result<(), CheckpointError> {
 pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
     let path = dir.join(MANIFEST);
     let bytes = std::fs::read(&path).map_err(io_err(&path))?;
-    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| CheckpointError::Corrupt { path: path.clone(), what: format!("manifest: {e}") })?;
+    let m: Manifest =
+        serde_json::from_slice(&bytes).map_err(|e| CheckpointError::Corrupt { path: path.clone(), what: format!("manifest: {e}") })?;
     if m.format != FORMAT || m.version != VERSION {
-        return Err(CheckpointError::Incompatible { path, what: format!("format {} version {} (this Kolo reads {FORMAT} version {VERSION})", m.format, m.version) });
+        return Err(CheckpointError::Incompatible {
+            path,
+            what: format!("format {} version {} (this Kolo reads {FORMAT} version {VERSION})", m.format, m.version),
+        });
     }
     for t in &m.tensors {
         if let Some(s) = t.shards.iter().find(|s| s.file >= m.files.len()) {
-            return Err(CheckpointError::Corrupt { path, what: format!("tensor `{}` names file #{} of {}", t.name, s.file, m.files.len()) });
+            return Err(CheckpointError::Corrupt {
+                path,
+                what: format!("tensor `{}` names file #{} of {}", t.name, s.file, m.files.len()),
+            });
         }
     }
     check_tiling(dir, &m)?;
@@ -283,13 +320,20 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
 /// and that the pieces tile every tensor.
 pub fn load_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let m = read_manifest(dir)?;
-    let mut whole: Vec<Entry> = m.tensors.iter().map(|t| Entry { name: t.name.clone(), shape: t.shape.clone(), data: vec![0f32; t.shape.iter().product()] }).collect();
+    let mut whole: Vec<Entry> = m
+        .tensors
+        .iter()
+        .map(|t| Entry { name: t.name.clone(), shape: t.shape.clone(), data: vec![0f32; t.shape.iter().product()] })
+        .collect();
     let index: BTreeMap<&str, usize> = m.tensors.iter().enumerate().map(|(i, t)| (t.name.as_str(), i)).collect();
     for (fi, f) in m.files.iter().enumerate() {
         let path = dir.join(&f.name);
         let (ck, sha) = load_verified(&path)?;
         if sha != f.sha256 {
-            return Err(CheckpointError::Corrupt { path, what: "its checksum differs from the manifest's (a file from another checkpoint?)".into() });
+            return Err(CheckpointError::Corrupt {
+                path,
+                what: "its checksum differs from the manifest's (a file from another checkpoint?)".into(),
+            });
         }
         for e in ck.tensors {
             let bad = |what: String| CheckpointError::Corrupt { path: path.clone(), what };
@@ -343,7 +387,15 @@ pub fn describe(path: &Path) -> Result<String, CheckpointError> {
         Err(e) => format!("DOES NOT LOAD: {e}"),
     };
     let total: usize = m.tensors.iter().map(|t| t.shape.iter().product::<usize>()).sum();
-    let _ = writeln!(s, "{} ({} {}, {} files, {} tensors, {total} values, {verdict})", path.display(), m.format, m.version, m.files.len(), m.tensors.len());
+    let _ = writeln!(
+        s,
+        "{} ({} {}, {} files, {} tensors, {total} values, {verdict})",
+        path.display(),
+        m.format,
+        m.version,
+        m.files.len(),
+        m.tensors.len()
+    );
     for (k, v) in &m.meta {
         let _ = writeln!(s, "  meta {k} = {v}");
     }
@@ -428,7 +480,16 @@ mod tests {
         let t = target.clone();
         let late = std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_millis(50));
-            write_shard(&t, 2, 3, &[Piece { name: "a".into(), shape: vec![2, 5], offset: 7, data: vec![7.0, 8.0, 9.0] }, Piece { name: "b".into(), shape: vec![7], offset: 5, data: vec![-5.0, -6.0] }]).unwrap();
+            write_shard(
+                &t,
+                2,
+                3,
+                &[
+                    Piece { name: "a".into(), shape: vec![2, 5], offset: 7, data: vec![7.0, 8.0, 9.0] },
+                    Piece { name: "b".into(), shape: vec![7], offset: 5, data: vec![-5.0, -6.0] },
+                ],
+            )
+            .unwrap();
         });
         commit_when_complete(&target, 3, &BTreeMap::new(), std::time::Duration::from_secs(10)).unwrap();
         late.join().unwrap();
@@ -455,7 +516,16 @@ mod tests {
         write_all(&other, 3);
         // Same layout, different values in one file.
         let f1 = shard_file_name(1, 3);
-        write_shard(&other, 1, 3, &[Piece { name: "a".into(), shape: vec![2, 5], offset: 4, data: vec![9.0; 3] }, Piece { name: "b".into(), shape: vec![7], offset: 3, data: vec![9.0; 2] }]).unwrap();
+        write_shard(
+            &other,
+            1,
+            3,
+            &[
+                Piece { name: "a".into(), shape: vec![2, 5], offset: 4, data: vec![9.0; 3] },
+                Piece { name: "b".into(), shape: vec![7], offset: 3, data: vec![9.0; 2] },
+            ],
+        )
+        .unwrap();
         commit(&other, &BTreeMap::new()).unwrap();
         let good = std::fs::read(target.join(&f1)).unwrap();
         std::fs::copy(other.join(&f1), target.join(&f1)).unwrap();

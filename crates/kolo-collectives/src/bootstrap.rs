@@ -46,7 +46,8 @@ pub fn bootstrap(env: Option<&LaunchEnv>, mut cfg: HostCommConfig) -> Result<Boo
         (None, _) => {
             return Err(setup(
                 rank,
-                "no job token: start ranks with `kolo launch`, or give every rank the same KOLO_JOB_TOKEN (hex) or KOLO_JOB_TOKEN_FILE".into(),
+                "no job token: start ranks with `kolo launch`, or give every rank the same KOLO_JOB_TOKEN (hex) or KOLO_JOB_TOKEN_FILE"
+                    .into(),
             ))
         }
     };
@@ -59,9 +60,8 @@ pub fn bootstrap(env: Option<&LaunchEnv>, mut cfg: HostCommConfig) -> Result<Boo
     } else {
         None
     };
-    let store: Arc<dyn Store> = Arc::new(
-        TcpStore::connect(&addr, &token, deadline).map_err(|e| setup(rank, format!("joining the job's store: {e}")))?,
-    );
+    let store: Arc<dyn Store> =
+        Arc::new(TcpStore::connect(&addr, &token, deadline).map_err(|e| setup(rank, format!("joining the job's store: {e}")))?);
     if rank == 0 {
         store.set("kolo/world_size", n.get().to_string().as_bytes()).map_err(|e| setup(rank, e.to_string()))?;
     }

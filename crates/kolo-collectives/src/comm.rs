@@ -350,16 +350,25 @@ impl HostComm {
         let block: Vec<usize> = members.iter().map(|m| m.iter().map(|&r| shard_len(r)).sum()).collect();
         let cross_n = WorldSize::new(hosts).expect("at least one host");
         let local_n = WorldSize::new(k).expect("at least one rank per host");
-        let lines_up = members.iter().zip(&block).all(|(m, &b)| m.iter().enumerate().all(|(j, &r)| shard_range(b, cross_n, Rank(j)).len() == shard_len(r)))
+        let lines_up = members
+            .iter()
+            .zip(&block)
+            .all(|(m, &b)| m.iter().enumerate().all(|(j, &r)| shard_range(b, cross_n, Rank(j)).len() == shard_len(r)))
             && block.iter().enumerate().all(|(i, &b)| shard_range(len, local_n, Rank(i)).len() == b);
         if !lines_up {
             return Ok(false);
         }
         let i = local_idx[self.rank.get()];
         let mut mine = vec![0u8; block[i] * esz];
-        cross.all_gather(BufRef::from_bytes(input.dtype(), input.bytes()).expect("whole elements"), BufMut::from_bytes(dtype, &mut mine).expect("whole elements"))?;
+        cross.all_gather(
+            BufRef::from_bytes(input.dtype(), input.bytes()).expect("whole elements"),
+            BufMut::from_bytes(dtype, &mut mine).expect("whole elements"),
+        )?;
         let mut local_major = vec![0u8; len * esz];
-        h.local.all_gather(BufRef::from_bytes(dtype, &mine).expect("whole elements"), BufMut::from_bytes(dtype, &mut local_major).expect("whole elements"))?;
+        h.local.all_gather(
+            BufRef::from_bytes(dtype, &mine).expect("whole elements"),
+            BufMut::from_bytes(dtype, &mut local_major).expect("whole elements"),
+        )?;
         // Local-major (local index, then host) to global rank order.
         let out = output.bytes_mut();
         let mut at = 0;
@@ -511,7 +520,8 @@ impl HostComm {
             xfers.push(Xfer::new(p, header, dir));
             done.push((p, is_send));
         }
-        let ctx = OpCtx { op, rank: self.rank, seq: first_seq.unwrap_or(0), deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
+        let ctx =
+            OpCtx { op, rank: self.rank, seq: first_seq.unwrap_or(0), deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
         match drive(&mut core.links, &mut xfers, &ctx) {
             Ok(()) => {
                 for (p, is_send) in done {
@@ -659,7 +669,9 @@ impl Communicator for HostComm {
             out.copy_from_slice(input.bytes());
             return Ok(());
         }
-        self.run(OpKind::AllToAll, Algorithm::Pairwise, input.bytes().len(), |e, _, _| pairwise::all_to_all(e, input.bytes(), &send, out, &recv, dtype))
+        self.run(OpKind::AllToAll, Algorithm::Pairwise, input.bytes().len(), |e, _, _| {
+            pairwise::all_to_all(e, input.bytes(), &send, out, &recv, dtype)
+        })
     }
 
     fn send(&self, buf: BufRef<'_>, peer: Rank, tag: u32) -> Result<(), CommError> {
@@ -672,7 +684,15 @@ impl Communicator for HostComm {
         self.p2p(OpKind::Recv, peer, tag, Dir::Recv(buf.bytes_mut()))
     }
 
-    fn send_recv(&self, send: BufRef<'_>, to: Rank, send_tag: u32, mut recv: BufMut<'_>, from: Rank, recv_tag: u32) -> Result<(), CommError> {
+    fn send_recv(
+        &self,
+        send: BufRef<'_>,
+        to: Rank,
+        send_tag: u32,
+        mut recv: BufMut<'_>,
+        from: Rank,
+        recv_tag: u32,
+    ) -> Result<(), CommError> {
         validate::peer(OpKind::Send, self.rank, self.n, to)?;
         validate::peer(OpKind::Recv, self.rank, self.n, from)?;
         self.p2p_many(OpKind::Send, vec![(to, send_tag, Dir::Send(send.bytes())), (from, recv_tag, Dir::Recv(recv.bytes_mut()))])

@@ -69,7 +69,11 @@ pub(crate) fn connect_group(
                 .next()
                 .and_then(|a| a.parse().ok())
                 .ok_or_else(|| err(format!("rank {peer} published a bad address `{rec}`")))?;
-            out.push((peer, dial(peer_addr, token, &purpose(group, rank, peer), deadline).map_err(|e| err(format!("connecting to rank {peer} at {peer_addr}: {e}")))?));
+            out.push((
+                peer,
+                dial(peer_addr, token, &purpose(group, rank, peer), deadline)
+                    .map_err(|e| err(format!("connecting to rank {peer} at {peer_addr}: {e}")))?,
+            ));
         }
         let higher_streams = acceptor.join().map_err(|_| err("acceptor thread panicked".into()))??;
         out.extend(higher_streams);

@@ -18,7 +18,12 @@ pub(crate) enum Dir<'a> {
     Recv(&'a mut [u8]),
     /// Receive through the window `tmp` (at least 8 bytes, a multiple of 8), folding
     /// `dst = dst (op) data` element by element as data arrives.
-    RecvReduce { tmp: &'a mut [u8], dst: &'a mut [u8], op: ReduceOp, dtype: DType },
+    RecvReduce {
+        tmp: &'a mut [u8],
+        dst: &'a mut [u8],
+        op: ReduceOp,
+        dtype: DType,
+    },
 }
 
 pub(crate) struct Xfer<'a> {
@@ -80,18 +85,14 @@ fn step(link: &mut Link, x: &mut Xfer<'_>, ctx: &OpCtx) -> Result<usize, CommErr
     let mut moved = 0;
     match &mut x.dir {
         Dir::Send(data) => {
-            let n = link
-                .write_some(&x.hdr[x.hdr_done..], &data[x.done..])
-                .map_err(|e| ctx.lost(x.peer, e))?;
+            let n = link.write_some(&x.hdr[x.hdr_done..], &data[x.done..]).map_err(|e| ctx.lost(x.peer, e))?;
             let h = n.min(HEADER_LEN - x.hdr_done);
             x.hdr_done += h;
             x.done += n - h;
             moved += n;
         }
         Dir::Recv(dst) => {
-            let n = link
-                .read_some(&mut x.hdr[x.hdr_done..], &mut dst[x.done..])
-                .map_err(|e| ctx.lost(x.peer, e))?;
+            let n = link.read_some(&mut x.hdr[x.hdr_done..], &mut dst[x.done..]).map_err(|e| ctx.lost(x.peer, e))?;
             let h = n.min(HEADER_LEN - x.hdr_done);
             let was_partial = x.hdr_done < HEADER_LEN;
             x.hdr_done += h;
@@ -118,9 +119,7 @@ fn step(link: &mut Link, x: &mut Xfer<'_>, ctx: &OpCtx) -> Result<usize, CommErr
             let esz = dtype.size_bytes();
             // On shared memory only the header is read here; the payload takes the direct path.
             let cap = if link.is_shm() { x.win } else { tmp.len().min(x.win + (total - x.done)) };
-            let n = link
-                .read_some(&mut x.hdr[x.hdr_done..], &mut tmp[x.win..cap])
-                .map_err(|e| ctx.lost(x.peer, e))?;
+            let n = link.read_some(&mut x.hdr[x.hdr_done..], &mut tmp[x.win..cap]).map_err(|e| ctx.lost(x.peer, e))?;
             let h = n.min(HEADER_LEN - x.hdr_done);
             let was_partial = x.hdr_done < HEADER_LEN;
             x.hdr_done += h;
@@ -150,13 +149,8 @@ fn check_header(x: &Xfer<'_>, ctx: &OpCtx) -> Result<(), CommError> {
 }
 
 fn check_header_parts(peer: usize, expect: &Header, raw: &[u8; HEADER_LEN], ctx: &OpCtx) -> Result<(), CommError> {
-    let got = Header::decode(raw).map_err(|what| CommError::Protocol {
-        op: ctx.op,
-        rank: ctx.rank,
-        seq: ctx.seq,
-        peer: Rank(peer),
-        what,
-    })?;
+    let got =
+        Header::decode(raw).map_err(|what| CommError::Protocol { op: ctx.op, rank: ctx.rank, seq: ctx.seq, peer: Rank(peer), what })?;
     if got != *expect {
         return Err(CommError::Mismatch {
             op: ctx.op,
@@ -226,7 +220,11 @@ pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &Op
         }
         let wait_ms = if any_shm {
             // Back off gently: short naps keep latency low when the peer is about to arrive.
-            if idle < Duration::from_millis(2) { 0 } else { 1 }
+            if idle < Duration::from_millis(2) {
+                0
+            } else {
+                1
+            }
         } else {
             ctx.deadline.remaining().as_millis().clamp(1, 100) as i32
         };

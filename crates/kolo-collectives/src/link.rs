@@ -68,7 +68,13 @@ impl TcpLink {
             for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
                 // SAFETY: setsockopt on our own socket with a valid int option value.
                 unsafe {
-                    libc::setsockopt(fd, libc::SOL_SOCKET, opt, (&v as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t);
+                    libc::setsockopt(
+                        fd,
+                        libc::SOL_SOCKET,
+                        opt,
+                        (&v as *const libc::c_int).cast(),
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    );
                 }
             }
         }

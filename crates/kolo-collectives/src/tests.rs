@@ -17,7 +17,13 @@ fn pair() -> (TcpStream, Link) {
 }
 
 fn ctx() -> OpCtx {
-    OpCtx { op: OpKind::AllReduce, rank: Rank(0), seq: 3, deadline: Deadline::after(Duration::from_secs(5)), spin: Duration::from_micros(50) }
+    OpCtx {
+        op: OpKind::AllReduce,
+        rank: Rank(0),
+        seq: 3,
+        deadline: Deadline::after(Duration::from_secs(5)),
+        spin: Duration::from_micros(50),
+    }
 }
 
 fn expect(len: usize) -> Header {

@@ -72,7 +72,7 @@ pub struct BufMut<'a> {
 impl<'a> BufRef<'a> {
     /// `bytes.len()` must be a multiple of the element size.
     pub fn from_bytes(dtype: DType, bytes: &'a [u8]) -> Option<BufRef<'a>> {
-        (bytes.len() % dtype.size_bytes() == 0).then_some(BufRef { dtype, bytes })
+        bytes.len().is_multiple_of(dtype.size_bytes()).then_some(BufRef { dtype, bytes })
     }
     pub fn dtype(&self) -> DType {
         self.dtype
@@ -91,7 +91,7 @@ impl<'a> BufRef<'a> {
 
 impl<'a> BufMut<'a> {
     pub fn from_bytes(dtype: DType, bytes: &'a mut [u8]) -> Option<BufMut<'a>> {
-        (bytes.len() % dtype.size_bytes() == 0).then_some(BufMut { dtype, bytes })
+        bytes.len().is_multiple_of(dtype.size_bytes()).then_some(BufMut { dtype, bytes })
     }
     pub fn dtype(&self) -> DType {
         self.dtype

@@ -73,7 +73,12 @@ impl Communicator for Checked {
         self.inner.reduce(buf, op, root)
     }
     fn broadcast(&self, buf: BufMut<'_>, root: Rank) -> Result<(), CommError> {
-        self.check(Fingerprint { op: OpKind::Broadcast, dtype: Some(buf.dtype()), count: buf.len() as u64, extra: (root.get() as u64) << 8 })?;
+        self.check(Fingerprint {
+            op: OpKind::Broadcast,
+            dtype: Some(buf.dtype()),
+            count: buf.len() as u64,
+            extra: (root.get() as u64) << 8,
+        })?;
         self.inner.broadcast(buf, root)
     }
     fn all_gather(&self, input: BufRef<'_>, output: BufMut<'_>) -> Result<(), CommError> {
@@ -81,7 +86,12 @@ impl Communicator for Checked {
         self.inner.all_gather(input, output)
     }
     fn reduce_scatter(&self, input: BufRef<'_>, output: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
-        self.check(Fingerprint { op: OpKind::ReduceScatter, dtype: Some(input.dtype()), count: input.len() as u64, extra: op.code().into() })?;
+        self.check(Fingerprint {
+            op: OpKind::ReduceScatter,
+            dtype: Some(input.dtype()),
+            count: input.len() as u64,
+            extra: op.code().into(),
+        })?;
         self.inner.reduce_scatter(input, output, op)
     }
     fn reduce_scatter_in_place(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {

@@ -47,13 +47,7 @@ pub trait Communicator: Send + Sync {
     }
     /// Rank i sends `send_counts[j]` elements (consecutive in `input`) to rank j and receives
     /// `recv_counts[j]` elements from rank j into consecutive places of `output`.
-    fn all_to_all(
-        &self,
-        input: BufRef<'_>,
-        send_counts: &[usize],
-        output: BufMut<'_>,
-        recv_counts: &[usize],
-    ) -> Result<(), CommError>;
+    fn all_to_all(&self, input: BufRef<'_>, send_counts: &[usize], output: BufMut<'_>, recv_counts: &[usize]) -> Result<(), CommError>;
     /// Point-to-point. Messages between a pair are delivered in order; `tag` and length must match.
     fn send(&self, buf: BufRef<'_>, peer: Rank, tag: u32) -> Result<(), CommError>;
     fn recv(&self, buf: BufMut<'_>, peer: Rank, tag: u32) -> Result<(), CommError>;
@@ -87,8 +81,7 @@ pub fn split(comm: &dyn Communicator, color: Option<u32>, key: u32) -> Result<Op
     colors.dedup();
     let mut mine = None;
     for c in colors {
-        let mut members: Vec<(i64, usize)> =
-            all.chunks(2).enumerate().filter(|(_, v)| v[0] == c).map(|(r, v)| (v[1], r)).collect();
+        let mut members: Vec<(i64, usize)> = all.chunks(2).enumerate().filter(|(_, v)| v[0] == c).map(|(r, v)| (v[1], r)).collect();
         members.sort_unstable();
         let ranks: Vec<Rank> = members.into_iter().map(|(_, r)| Rank(r)).collect();
         if let Some(g) = comm.new_group(&ranks)? {
@@ -191,10 +184,18 @@ pub mod validate {
             return Err(bad(op, rank, format!("send_counts and recv_counts need {n} entries each")));
         }
         if send_counts.iter().sum::<usize>() != input.len() {
-            return Err(bad(op, rank, format!("send_counts add up to {} but input has {}", send_counts.iter().sum::<usize>(), input.len())));
+            return Err(bad(
+                op,
+                rank,
+                format!("send_counts add up to {} but input has {}", send_counts.iter().sum::<usize>(), input.len()),
+            ));
         }
         if recv_counts.iter().sum::<usize>() != output.len() {
-            return Err(bad(op, rank, format!("recv_counts add up to {} but output has {}", recv_counts.iter().sum::<usize>(), output.len())));
+            return Err(bad(
+                op,
+                rank,
+                format!("recv_counts add up to {} but output has {}", recv_counts.iter().sum::<usize>(), output.len()),
+            ));
         }
         if send_counts[rank.get()] != recv_counts[rank.get()] {
             return Err(bad(op, rank, "send_counts[rank] must equal recv_counts[rank]".into()));
@@ -216,12 +217,7 @@ pub struct Fingerprint {
 
 impl Fingerprint {
     pub fn to_words(self) -> [i64; 4] {
-        [
-            i64::from(self.op.code()),
-            self.dtype.map_or(0, |d| i64::from(d.code())),
-            self.count as i64,
-            self.extra as i64,
-        ]
+        [i64::from(self.op.code()), self.dtype.map_or(0, |d| i64::from(d.code())), self.count as i64, self.extra as i64]
     }
 
     pub fn from_words(w: &[i64]) -> Option<Fingerprint> {

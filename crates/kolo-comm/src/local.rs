@@ -65,13 +65,7 @@ impl LocalComm {
     }
 
     fn member(shared: Arc<Shared>, rank: Rank) -> LocalComm {
-        LocalComm {
-            shared,
-            rank,
-            seq: AtomicU64::new(0),
-            timeout: Mutex::new(DEFAULT_TIMEOUT),
-            broken: Mutex::new(None),
-        }
+        LocalComm { shared, rank, seq: AtomicU64::new(0), timeout: Mutex::new(DEFAULT_TIMEOUT), broken: Mutex::new(None) }
     }
 
     fn guard<T>(&self, f: impl FnOnce() -> Result<T, CommError>) -> Result<T, CommError> {
@@ -94,11 +88,7 @@ impl LocalComm {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let deadline = Deadline::after(self.timeout());
         let mut st = self.shared.lock();
-        let round = st.rounds.entry(seq).or_insert_with(|| Round {
-            fps: vec![None; n],
-            data: vec![None; n],
-            readers_left: n,
-        });
+        let round = st.rounds.entry(seq).or_insert_with(|| Round { fps: vec![None; n], data: vec![None; n], readers_left: n });
         round.fps[me] = Some(fp);
         round.data[me] = Some(Arc::new(data));
         self.shared.cv.notify_all();
@@ -191,7 +181,7 @@ impl Communicator for LocalComm {
             let all = self.exchange(fp, buf.bytes().to_vec())?;
             if self.rank == root {
                 let r = Self::reduce_all(&all, buf.dtype(), op);
-            buf.bytes_mut().copy_from_slice(&r);
+                buf.bytes_mut().copy_from_slice(&r);
             }
             Ok(())
         })
@@ -200,7 +190,8 @@ impl Communicator for LocalComm {
     fn broadcast(&self, mut buf: BufMut<'_>, root: Rank) -> Result<(), CommError> {
         validate::root(OpKind::Broadcast, self.rank, self.shared.n, root)?;
         self.guard(|| {
-            let fp = Fingerprint { op: OpKind::Broadcast, dtype: Some(buf.dtype()), count: buf.len() as u64, extra: (root.get() as u64) << 8 };
+            let fp =
+                Fingerprint { op: OpKind::Broadcast, dtype: Some(buf.dtype()), count: buf.len() as u64, extra: (root.get() as u64) << 8 };
             let data = if self.rank == root { buf.bytes().to_vec() } else { Vec::new() };
             let all = self.exchange(fp, data)?;
             buf.bytes_mut().copy_from_slice(&all[root.get()]);
@@ -222,7 +213,8 @@ impl Communicator for LocalComm {
     fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
         validate::reduce_scatter(self.rank, self.shared.n, &input, &output)?;
         self.guard(|| {
-            let fp = Fingerprint { op: OpKind::ReduceScatter, dtype: Some(input.dtype()), count: input.len() as u64, extra: op.code().into() };
+            let fp =
+                Fingerprint { op: OpKind::ReduceScatter, dtype: Some(input.dtype()), count: input.len() as u64, extra: op.code().into() };
             let all = self.exchange(fp, input.bytes().to_vec())?;
             let full = Self::reduce_all(&all, input.dtype(), op);
             let esz = input.dtype().size_bytes();
@@ -300,7 +292,13 @@ impl Communicator for LocalComm {
                     return Err(CommError::PeerLost { op: OpKind::Recv, rank: self.rank, seq: 0, peer, reason: why.clone() });
                 }
                 if deadline.expired() {
-                    return Err(CommError::Timeout { op: OpKind::Recv, rank: self.rank, seq: 0, waited: deadline.budget(), missing: vec![peer] });
+                    return Err(CommError::Timeout {
+                        op: OpKind::Recv,
+                        rank: self.rank,
+                        seq: 0,
+                        waited: deadline.budget(),
+                        missing: vec![peer],
+                    });
                 }
                 st = self.shared.cv.wait_timeout(st, deadline.remaining()).unwrap_or_else(|p| p.into_inner()).0;
             };

@@ -22,10 +22,7 @@ pub fn coords(shape: &[usize], rank: usize) -> Vec<usize> {
 pub fn axis_groups(shape: &[usize], axis: usize) -> Vec<Vec<usize>> {
     let total: usize = shape.iter().product();
     let stride: usize = shape[axis + 1..].iter().product();
-    (0..total)
-        .filter(|r| coords(shape, *r)[axis] == 0)
-        .map(|first| (0..shape[axis]).map(|i| first + i * stride).collect())
-        .collect()
+    (0..total).filter(|r| coords(shape, *r)[axis] == 0).map(|first| (0..shape[axis]).map(|i| first + i * stride).collect()).collect()
 }
 
 /// One communicator per axis for this rank.
@@ -62,12 +59,7 @@ impl DeviceMesh {
             }
             groups.push(mine.expect("every rank lies in exactly one group per axis"));
         }
-        Ok(DeviceMesh {
-            names: axes.iter().map(|a| a.0.to_string()).collect(),
-            coords: coords(&shape, comm.rank().get()),
-            shape,
-            groups,
-        })
+        Ok(DeviceMesh { names: axes.iter().map(|a| a.0.to_string()).collect(), coords: coords(&shape, comm.rank().get()), shape, groups })
     }
 
     fn axis(&self, name: &str) -> Option<usize> {

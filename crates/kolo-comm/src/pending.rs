@@ -29,18 +29,12 @@ impl<T> Pending<T> {
     pub fn wait(self, deadline: Deadline) -> Result<T, CommError> {
         match self.rx.recv_timeout(deadline.remaining()) {
             Ok(r) => r,
-            Err(RecvTimeoutError::Timeout) => Err(CommError::Timeout {
-                op: self.op,
-                rank: self.rank,
-                seq: 0,
-                waited: deadline.budget(),
-                missing: Vec::new(),
-            }),
-            Err(RecvTimeoutError::Disconnected) => Err(CommError::Setup {
-                op: self.op,
-                rank: self.rank,
-                what: "the communication worker thread is gone".into(),
-            }),
+            Err(RecvTimeoutError::Timeout) => {
+                Err(CommError::Timeout { op: self.op, rank: self.rank, seq: 0, waited: deadline.budget(), missing: Vec::new() })
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                Err(CommError::Setup { op: self.op, rank: self.rank, what: "the communication worker thread is gone".into() })
+            }
         }
     }
 }

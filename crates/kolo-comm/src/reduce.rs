@@ -62,11 +62,29 @@ trait Num: Copy {
 macro_rules! float_num {
     ($t:ty) => {
         impl Num for $t {
-            fn add(self, o: Self) -> Self { self + o }
-            fn mul(self, o: Self) -> Self { self * o }
-            fn min(self, o: Self) -> Self { if o < self { o } else { self } }
-            fn max(self, o: Self) -> Self { if o > self { o } else { self } }
-            fn div_n(self, n: usize) -> Self { self / (n as $t) }
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            fn min(self, o: Self) -> Self {
+                if o < self {
+                    o
+                } else {
+                    self
+                }
+            }
+            fn max(self, o: Self) -> Self {
+                if o > self {
+                    o
+                } else {
+                    self
+                }
+            }
+            fn div_n(self, n: usize) -> Self {
+                self / (n as $t)
+            }
         }
     };
 }
@@ -76,11 +94,29 @@ float_num!(f64);
 macro_rules! half_num {
     ($t:ty) => {
         impl Num for $t {
-            fn add(self, o: Self) -> Self { <$t>::from_f32(self.to_f32() + o.to_f32()) }
-            fn mul(self, o: Self) -> Self { <$t>::from_f32(self.to_f32() * o.to_f32()) }
-            fn min(self, o: Self) -> Self { if o < self { o } else { self } }
-            fn max(self, o: Self) -> Self { if o > self { o } else { self } }
-            fn div_n(self, n: usize) -> Self { <$t>::from_f32(self.to_f32() / n as f32) }
+            fn add(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() + o.to_f32())
+            }
+            fn mul(self, o: Self) -> Self {
+                <$t>::from_f32(self.to_f32() * o.to_f32())
+            }
+            fn min(self, o: Self) -> Self {
+                if o < self {
+                    o
+                } else {
+                    self
+                }
+            }
+            fn max(self, o: Self) -> Self {
+                if o > self {
+                    o
+                } else {
+                    self
+                }
+            }
+            fn div_n(self, n: usize) -> Self {
+                <$t>::from_f32(self.to_f32() / n as f32)
+            }
         }
     };
 }
@@ -90,11 +126,21 @@ half_num!(bf16);
 macro_rules! int_num {
     ($t:ty) => {
         impl Num for $t {
-            fn add(self, o: Self) -> Self { self.wrapping_add(o) }
-            fn mul(self, o: Self) -> Self { self.wrapping_mul(o) }
-            fn min(self, o: Self) -> Self { Ord::min(self, o) }
-            fn max(self, o: Self) -> Self { Ord::max(self, o) }
-            fn div_n(self, n: usize) -> Self { self / (n as $t) }
+            fn add(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            fn mul(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+            fn min(self, o: Self) -> Self {
+                Ord::min(self, o)
+            }
+            fn max(self, o: Self) -> Self {
+                Ord::max(self, o)
+            }
+            fn div_n(self, n: usize) -> Self {
+                self / (n as $t)
+            }
         }
     };
 }
@@ -108,8 +154,8 @@ fn zip_apply<T: Num>(dst: &mut [u8], src: &[u8], f: impl Fn(T, T) -> T) {
     debug_assert_eq!(dst.len(), src.len());
     debug_assert_eq!(dst.len() % sz, 0);
     let n = dst.len() / sz;
-    let aligned = dst.as_ptr() as usize % std::mem::align_of::<T>() == 0
-        && src.as_ptr() as usize % std::mem::align_of::<T>() == 0;
+    let aligned = (dst.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>())
+        && (src.as_ptr() as usize).is_multiple_of(std::mem::align_of::<T>());
     if aligned {
         // SAFETY: both slices are aligned for T, hold `n` whole elements, and T is plain old
         // data, so these typed views are valid for the borrows' lifetimes.

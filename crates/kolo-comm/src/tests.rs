@@ -35,7 +35,7 @@ fn reduce_kernels_all_dtypes_and_misaligned() {
     finish_avg(DType::I64, ReduceOp::Avg, BufMut::from(&mut i).bytes_mut(), 3);
     assert_eq!(i, vec![7, -3]);
     // Misaligned byte slices take the unaligned path and agree with the aligned one.
-    let mut raw = vec![0u8; 1 + 8];
+    let mut raw = [0u8; 1 + 8];
     raw[1..].copy_from_slice(BufRef::from(&vec![1i32, 2]).bytes());
     reduce_into(DType::I32, ReduceOp::Sum, &mut raw[1..], BufRef::from(&vec![10i32, 20]).bytes());
     assert_eq!(&raw[1..], BufRef::from(&vec![11i32, 22]).bytes());

@@ -89,7 +89,12 @@ impl BucketCodec for TopK {
         self.ef.add_into(buf);
         let s = if self.sampled {
             self.step += 1;
-            sparse::topk_sampled(buf, self.fraction, THRESHOLD_SAMPLE, self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ c.rank().get() as u64)
+            sparse::topk_sampled(
+                buf,
+                self.fraction,
+                THRESHOLD_SAMPLE,
+                self.step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ c.rank().get() as u64,
+            )
         } else {
             sparse::topk(buf, self.fraction)
         };

@@ -50,7 +50,13 @@ fn fixed(v: f32) -> i128 {
     let mant = i128::from(bits & 0x7f_ffff | (u32::from(exp != 0) << 23));
     // v = mant * 2^(max(exp, 1) - 150); times 2^64.
     let shift = exp.max(1) - 150 + FRAC_BITS;
-    let mag = if shift >= 0 { mant << shift } else if shift > -128 { mant >> -shift } else { 0 };
+    let mag = if shift >= 0 {
+        mant << shift
+    } else if shift > -128 {
+        mant >> -shift
+    } else {
+        0
+    };
     if bits >> 31 == 1 {
         -mag
     } else {
@@ -82,7 +88,7 @@ impl ExactSum {
     pub fn add(&mut self, g: &[f32]) -> Result<(), OutOfRange> {
         let n = self.len();
         assert_eq!(g.len(), n, "ExactSum::add: length");
-        if let Some(idx) = g.iter().position(|v| !(v.abs() < MAX_MAGNITUDE)) {
+        if let Some(idx) = g.iter().position(|v| !v.is_finite() || v.abs() >= MAX_MAGNITUDE) {
             return Err(OutOfRange { idx, value: g[idx] });
         }
         let (hi, lo) = self.lanes.split_at_mut(n);

@@ -22,9 +22,9 @@
 
 pub mod codecs;
 pub mod exact;
-pub mod sparse_ar;
 pub mod powersgd;
 pub mod schedule;
+pub mod sparse_ar;
 pub use codecs::{BucketCodec, CodecFactory};
 pub mod shard;
 pub use shard::{Segment, ShardPlan};
@@ -129,7 +129,15 @@ impl Sharding {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: ByteSize::mib(25), first_bucket_cap: ByteSize::mib(1), timeout: kolo_comm::DEFAULT_TIMEOUT, sharding: Sharding::None, groups: Vec::new(), compression: Compression::None, compression_warmup: 0 }
+        DdpConfig {
+            bucket_cap: ByteSize::mib(25),
+            first_bucket_cap: ByteSize::mib(1),
+            timeout: kolo_comm::DEFAULT_TIMEOUT,
+            sharding: Sharding::None,
+            groups: Vec::new(),
+            compression: Compression::None,
+            compression_warmup: 0,
+        }
     }
 }
 
@@ -163,7 +171,11 @@ pub fn bucket_plan(numels: &[usize], first_cap_elems: usize, cap_elems: usize) -
 
 /// ZeRO-3's plan: parameters outside `groups` in ordinary buckets (last first), then one bucket
 /// per group, its parameters in the group's order. Returns the plan and each group's bucket.
-pub fn grouped_plan(numels: &[usize], groups: &[Vec<usize>], (first_cap, cap): (usize, usize)) -> Result<(Vec<Bucket>, Vec<usize>), String> {
+pub fn grouped_plan(
+    numels: &[usize],
+    groups: &[Vec<usize>],
+    (first_cap, cap): (usize, usize),
+) -> Result<(Vec<Bucket>, Vec<usize>), String> {
     let mut in_group = vec![false; numels.len()];
     for g in groups {
         for &p in g {
@@ -333,7 +345,10 @@ impl Ddp {
                 return Err(DdpError::Usage { rank, what: "gradient compression applies to plain DDP (zero_stage = 0)".into() });
             }
             if matches!(cfg.compression, Compression::PowerSgd { rank: 0 } | Compression::Qsgd { levels: 0 | 128.. }) {
-                return Err(DdpError::Usage { rank, what: format!("{:?}: PowerSGD needs a rank of at least 1, QSGD 1..=127 levels", cfg.compression) });
+                return Err(DdpError::Usage {
+                    rank,
+                    what: format!("{:?}: PowerSGD needs a rank of at least 1, QSGD 1..=127 levels", cfg.compression),
+                });
             }
             plan.iter()
                 .enumerate()
@@ -351,9 +366,20 @@ impl Ddp {
                     let codec: Box<dyn BucketCodec> = match &cfg.compression {
                         Compression::None => unreachable!("handled above"),
                         Compression::Half { bf16 } => Box::new(codecs::Half { bf16: *bf16 }),
-                        Compression::TopK { fraction, sampled, sparse_all_reduce } => Box::new(codecs::TopK { fraction: *fraction, sampled: *sampled, sparse_all_reduce: *sparse_all_reduce, step: 0, ef: ef() }),
-                        Compression::RandK { fraction } => Box::new(codecs::RandK { fraction: *fraction, seed: b as u64, step: 0, ef: ef() }),
-                        Compression::Qsgd { levels } => Box::new(codecs::Qsgd { levels: *levels, rng: kolo_base::Rng::new(0xC0DE ^ ((rank.get() as u64) << 32) ^ b as u64) }),
+                        Compression::TopK { fraction, sampled, sparse_all_reduce } => Box::new(codecs::TopK {
+                            fraction: *fraction,
+                            sampled: *sampled,
+                            sparse_all_reduce: *sparse_all_reduce,
+                            step: 0,
+                            ef: ef(),
+                        }),
+                        Compression::RandK { fraction } => {
+                            Box::new(codecs::RandK { fraction: *fraction, seed: b as u64, step: 0, ef: ef() })
+                        }
+                        Compression::Qsgd { levels } => Box::new(codecs::Qsgd {
+                            levels: *levels,
+                            rng: kolo_base::Rng::new(0xC0DE ^ ((rank.get() as u64) << 32) ^ b as u64),
+                        }),
                         Compression::Sign => Box::new(codecs::Sign { ef: ef() }),
                         Compression::PowerSgd { rank: r } => Box::new(powersgd::BucketState::new(slots, *r, b as u64)),
                         Compression::Custom(f) => (f.0)(b, &slots),
@@ -433,7 +459,11 @@ impl Ddp {
 
     /// [`Ddp::all_gather_params`] of every bucket, ZeRO-3's groups included (the whole model,
     /// for a summary or an export).
-    pub fn all_gather_everything<E: From<DdpError>>(&self, shard: &[f32], write: impl FnMut(usize, &[f32]) -> Result<(), E>) -> Result<(), E> {
+    pub fn all_gather_everything<E: From<DdpError>>(
+        &self,
+        shard: &[f32],
+        write: impl FnMut(usize, &[f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
         let buckets: Vec<usize> = (0..self.shared.plan.len()).collect();
         self.gather_buckets(&buckets, shard, write)
     }
@@ -464,10 +494,19 @@ impl Ddp {
         Ok(())
     }
 
-    fn gather_buckets<E: From<DdpError>>(&self, buckets: &[usize], shard: &[f32], mut write: impl FnMut(usize, &[f32]) -> Result<(), E>) -> Result<(), E> {
+    fn gather_buckets<E: From<DdpError>>(
+        &self,
+        buckets: &[usize],
+        shard: &[f32],
+        mut write: impl FnMut(usize, &[f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
         let sh = &self.shared;
         if shard.len() != sh.shard.len {
-            return Err(DdpError::Usage { rank: self.rank, what: format!("all_gather_params: shard has {} values, the plan {}", shard.len(), sh.shard.len) }.into());
+            return Err(DdpError::Usage {
+                rank: self.rank,
+                what: format!("all_gather_params: shard has {} values, the plan {}", shard.len(), sh.shard.len),
+            }
+            .into());
         }
         let d = Deadline::after(self.cfg.timeout);
         // Two buckets in flight: one gathering while the previous one is written out. The
@@ -567,7 +606,10 @@ impl Ddp {
     /// of the whole model, or under ZeRO-2 this rank's shard vector ([`Ddp::grad_len`]).
     pub fn finish(&self, grads: &mut [f32]) -> Result<SyncStats, DdpError> {
         if grads.len() != self.grad_len() {
-            return Err(DdpError::Usage { rank: self.rank, what: format!("finish: gradient buffer has {} values, expected {}", grads.len(), self.grad_len()) });
+            return Err(DdpError::Usage {
+                rank: self.rank,
+                what: format!("finish: gradient buffer has {} values, expected {}", grads.len(), self.grad_len()),
+            });
         }
         let (stats, done) = self.wait_buckets()?;
         let mut inner = self.shared.lock();
@@ -594,10 +636,20 @@ impl Ddp {
     /// [`BucketGrads`], which hands the buffers back when dropped.
     pub fn finish_buckets(&self) -> Result<(SyncStats, BucketGrads<'_>), DdpError> {
         if self.shared.reduce_scatter {
-            return Err(DdpError::Usage { rank: self.rank, what: "finish_buckets: under ZeRO-2 gradients are reduce-scattered; use finish".into() });
+            return Err(DdpError::Usage {
+                rank: self.rank,
+                what: "finish_buckets: under ZeRO-2 gradients are reduce-scattered; use finish".into(),
+            });
         }
         let (stats, done) = self.wait_buckets()?;
-        Ok((stats, BucketGrads { ddp: self, bufs: done.into_iter().map(|(b, _)| b.expect("all-reduced buckets come back")).collect(), pieces: false }))
+        Ok((
+            stats,
+            BucketGrads {
+                ddp: self,
+                bufs: done.into_iter().map(|(b, _)| b.expect("all-reduced buckets come back")).collect(),
+                pieces: false,
+            },
+        ))
     }
 
     /// Like [`Ddp::finish`] under ZeRO-2, without copying: this rank's averaged gradient
@@ -605,10 +657,20 @@ impl Ddp {
     /// ([`BucketGrads::piece`]), until the returned value is dropped.
     pub fn finish_shard(&self) -> Result<(SyncStats, BucketGrads<'_>), DdpError> {
         if !self.shared.reduce_scatter {
-            return Err(DdpError::Usage { rank: self.rank, what: "finish_shard: gradients are all-reduced, not sharded; use finish_buckets".into() });
+            return Err(DdpError::Usage {
+                rank: self.rank,
+                what: "finish_shard: gradients are all-reduced, not sharded; use finish_buckets".into(),
+            });
         }
         let (stats, done) = self.wait_buckets()?;
-        Ok((stats, BucketGrads { ddp: self, bufs: done.into_iter().map(|(_, p)| p.expect("reduce-scattered buckets come back")).collect(), pieces: true }))
+        Ok((
+            stats,
+            BucketGrads {
+                ddp: self,
+                bufs: done.into_iter().map(|(_, p)| p.expect("reduce-scattered buckets come back")).collect(),
+                pieces: true,
+            },
+        ))
     }
 
     /// Waits for every bucket's collective: per bucket its buffer and, when reduce-scattered,
@@ -747,7 +809,13 @@ impl GradSink for Shared {
 impl Shared {
     /// Queues bucket `b`'s collective: all-reduce, or in-place reduce-scatter keeping this
     /// rank's piece.
-    fn submit_bucket(&self, b: usize, buf: Vec<f32>, pieces: &mut [Option<Vec<f32>>], codec: Option<Box<dyn BucketCodec>>) -> Pending<Timed> {
+    fn submit_bucket(
+        &self,
+        b: usize,
+        buf: Vec<f32>,
+        pieces: &mut [Option<Vec<f32>>],
+        codec: Option<Box<dyn BucketCodec>>,
+    ) -> Pending<Timed> {
         {
             if self.reduce_scatter {
                 let own = self.shard.pieces[b].in_bucket.clone();
@@ -785,7 +853,8 @@ impl Shared {
     /// Queues the all-gather of bucket `b` from this rank's master piece.
     fn submit_gather(&self, b: usize) -> Pending<Vec<f32>> {
         let piece = &self.shard.pieces[b];
-        let mine = self.master.lock().unwrap_or_else(|p| p.into_inner())[piece.shard_offset..piece.shard_offset + piece.in_bucket.len()].to_vec();
+        let mine =
+            self.master.lock().unwrap_or_else(|p| p.into_inner())[piece.shard_offset..piece.shard_offset + piece.in_bucket.len()].to_vec();
         let numel = self.plan[b].numel;
         self.comm.submit(OpKind::AllGather, move |c| {
             let mut out = vec![0f32; numel];

@@ -30,7 +30,11 @@ impl BucketState {
     pub fn new(slots: Vec<Slot>, rank: usize, seed: u64) -> BucketState {
         let mut rng = Rng::new(0x9057_5DD0 ^ seed);
         let compressed: Vec<bool> = slots.iter().map(|s| worth_it(s.rows, s.cols, rank)).collect();
-        let q = slots.iter().zip(&compressed).map(|(s, c)| if *c { (0..s.cols * rank).map(|_| rng.normal() as f32).collect() } else { Vec::new() }).collect();
+        let q = slots
+            .iter()
+            .zip(&compressed)
+            .map(|(s, c)| if *c { (0..s.cols * rank).map(|_| rng.normal() as f32).collect() } else { Vec::new() })
+            .collect();
         let error = slots.iter().zip(&compressed).map(|(s, c)| if *c { vec![0f32; s.rows * s.cols] } else { Vec::new() }).collect();
         BucketState { rank, slots, compressed, q, error }
     }

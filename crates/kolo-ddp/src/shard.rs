@@ -50,39 +50,23 @@ impl ShardPlan {
         let mut shard_offset = 0;
         for (b, bucket) in buckets.iter().enumerate() {
             let mine = shard_range(bucket.numel, world, rank);
-            pieces.push(Piece {
-                bucket: b,
-                in_bucket: mine.clone(),
-                shard_offset,
-            });
+            pieces.push(Piece { bucket: b, in_bucket: mine.clone(), shard_offset });
             let mut at = 0; // the parameter's start inside the bucket buffer
             for &p in &bucket.params {
                 let (lo, hi) = (mine.start.max(at), mine.end.min(at + numels[p]));
                 if lo < hi {
-                    segments.push(Segment {
-                        param: p,
-                        within: lo - at..hi - at,
-                        shard_offset: shard_offset + lo - mine.start,
-                    });
+                    segments.push(Segment { param: p, within: lo - at..hi - at, shard_offset: shard_offset + lo - mine.start });
                 }
                 at += numels[p];
             }
             shard_offset += mine.len();
         }
-        ShardPlan {
-            world,
-            rank,
-            pieces,
-            segments,
-            len: shard_offset,
-        }
+        ShardPlan { world, rank, pieces, segments, len: shard_offset }
     }
 
     /// Plans of every rank.
     pub fn all(numels: &[usize], buckets: &[Bucket], world: WorldSize) -> Vec<ShardPlan> {
-        (0..world.get())
-            .map(|r| ShardPlan::new(numels, buckets, world, Rank(r)))
-            .collect()
+        (0..world.get()).map(|r| ShardPlan::new(numels, buckets, world, Rank(r))).collect()
     }
 
     /// Copies this rank's elements out of a full flat vector (parameter `i` at `ranges[i]`).
@@ -127,14 +111,7 @@ mod tests {
     /// through all ranks' plans reproduces the flat vector.
     #[test]
     fn shards_tile_the_model_exactly_for_odd_sizes() {
-        for numels in [
-            vec![],
-            vec![0],
-            vec![1],
-            vec![7, 3, 0, 13, 1, 29],
-            vec![5; 11],
-            vec![101, 2, 97],
-        ] {
+        for numels in [vec![], vec![0], vec![1], vec![7, 3, 0, 13, 1, 29], vec![5; 11], vec![101, 2, 97]] {
             let total: usize = numels.iter().sum();
             for world in 1..=5 {
                 for (first, cap) in [(1, 1), (4, 10), (1000, 1000), (3, 17)] {
@@ -146,14 +123,8 @@ mod tests {
                     let mut owned = vec![0u32; total];
                     let r = ranges(&numels);
                     for p in &plans {
-                        assert_eq!(
-                            p.len,
-                            p.pieces.iter().map(|x| x.in_bucket.len()).sum::<usize>()
-                        );
-                        assert_eq!(
-                            p.len,
-                            p.segments.iter().map(|s| s.within.len()).sum::<usize>()
-                        );
+                        assert_eq!(p.len, p.pieces.iter().map(|x| x.in_bucket.len()).sum::<usize>());
+                        assert_eq!(p.len, p.segments.iter().map(|s| s.within.len()).sum::<usize>());
                         let mut shard = vec![0f32; p.len];
                         p.gather(&r, &flat, &mut shard);
                         p.scatter(&r, &shard, &mut back);
@@ -188,29 +159,11 @@ mod tests {
             }
         }
         // Bucket 0 = [param 3] (40 elements): rank 1 owns 14..27 of it.
-        assert_eq!(
-            plans[1].segments[0],
-            Segment {
-                param: 3,
-                within: 14..27,
-                shard_offset: 0
-            }
-        );
+        assert_eq!(plans[1].segments[0], Segment { param: 3, within: 14..27, shard_offset: 0 });
         // Bucket 1 = params 2, 1, 0 (60 elements): rank 1 owns 20..40 = param 2's 20..30, param 1's 0..10.
         assert_eq!(
             plans[1].segments[1..],
-            [
-                Segment {
-                    param: 2,
-                    within: 20..30,
-                    shard_offset: 13
-                },
-                Segment {
-                    param: 1,
-                    within: 0..10,
-                    shard_offset: 23
-                }
-            ]
+            [Segment { param: 2, within: 20..30, shard_offset: 13 }, Segment { param: 1, within: 0..10, shard_offset: 23 }]
         );
     }
 }

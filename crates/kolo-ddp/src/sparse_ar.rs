@@ -27,7 +27,13 @@ fn decode(b: &[u8], len: usize, c: &dyn Communicator, peer: Rank) -> Result<Spar
     for ch in b.chunks_exact(8) {
         let i = u32::from_le_bytes(ch[..4].try_into().expect("4 bytes"));
         if i as usize >= len || s.indices.last().is_some_and(|l| *l >= i) {
-            return Err(CommError::Protocol { op: OpKind::AllReduce, rank: c.rank(), seq: 0, peer, what: format!("sparse all-reduce: index {i} out of order or outside {len}") });
+            return Err(CommError::Protocol {
+                op: OpKind::AllReduce,
+                rank: c.rank(),
+                seq: 0,
+                peer,
+                what: format!("sparse all-reduce: index {i} out of order or outside {len}"),
+            });
         }
         s.indices.push(i);
         s.values.push(f32::from_le_bytes(ch[4..].try_into().expect("4 bytes")));
@@ -38,7 +44,11 @@ fn decode(b: &[u8], len: usize, c: &dyn Communicator, peer: Rank) -> Result<Spar
 /// The element-wise sum of two sparse vectors with sorted indices (`a` first where both hold one,
 /// so every rank adds in the same order).
 pub fn merge(a: &Sparse, b: &Sparse) -> Sparse {
-    let mut out = Sparse { len: a.len, indices: Vec::with_capacity(a.indices.len() + b.indices.len()), values: Vec::with_capacity(a.indices.len() + b.indices.len()) };
+    let mut out = Sparse {
+        len: a.len,
+        indices: Vec::with_capacity(a.indices.len() + b.indices.len()),
+        values: Vec::with_capacity(a.indices.len() + b.indices.len()),
+    };
     let (mut i, mut j) = (0, 0);
     while i < a.indices.len() || j < b.indices.len() {
         let take_a = j == b.indices.len() || (i < a.indices.len() && a.indices[i] < b.indices[j]);
@@ -68,7 +78,13 @@ fn exchange(c: &dyn Communicator, s: &Sparse, peer: Rank, sent: &mut usize) -> R
     c.send_recv(BufRef::from(&[mine.len() as i64][..]), peer, LEN_TAG, BufMut::from(&mut theirs_len[..]), peer, LEN_TAG)?;
     let n = usize::try_from(theirs_len[0]).unwrap_or(usize::MAX);
     if n % 8 != 0 || n / 8 > s.len {
-        return Err(CommError::Protocol { op: OpKind::AllReduce, rank: c.rank(), seq: 0, peer, what: format!("sparse all-reduce: {n} bytes announced for a vector of {}", s.len) });
+        return Err(CommError::Protocol {
+            op: OpKind::AllReduce,
+            rank: c.rank(),
+            seq: 0,
+            peer,
+            what: format!("sparse all-reduce: {n} bytes announced for a vector of {}", s.len),
+        });
     }
     let mut buf = vec![0u8; n];
     c.send_recv(BufRef::from(&mine[..]), peer, DATA_TAG, BufMut::from(&mut buf[..]), peer, DATA_TAG)?;
@@ -89,7 +105,13 @@ fn recv_one(c: &dyn Communicator, len: usize, peer: Rank) -> Result<Sparse, Comm
     c.recv(BufMut::from(&mut n[..]), peer, LEN_TAG)?;
     let n = usize::try_from(n[0]).unwrap_or(usize::MAX);
     if n % 8 != 0 || n / 8 > len {
-        return Err(CommError::Protocol { op: OpKind::AllReduce, rank: c.rank(), seq: 0, peer, what: format!("sparse all-reduce: {n} bytes announced for a vector of {len}") });
+        return Err(CommError::Protocol {
+            op: OpKind::AllReduce,
+            rank: c.rank(),
+            seq: 0,
+            peer,
+            what: format!("sparse all-reduce: {n} bytes announced for a vector of {len}"),
+        });
     }
     let mut buf = vec![0u8; n];
     c.recv(BufMut::from(&mut buf[..]), peer, DATA_TAG)?;

@@ -23,11 +23,11 @@ fn plan_reverses_and_caps() {
 
 mod sparse_all_reduce {
     use crate::codecs::{BucketCodec, TopK};
-    use kolo_compress::ErrorFeedback;
     use crate::sparse_ar::{merge, sparse_all_reduce};
     use kolo_base::{Rng, WorldSize};
     use kolo_comm::LocalComm;
     use kolo_compress::sparse::Sparse;
+    use kolo_compress::ErrorFeedback;
     use kolo_testkit::run_ranks;
 
     fn random_sparse(len: usize, k: usize, seed: u64) -> Sparse {
@@ -76,7 +76,12 @@ mod sparse_all_reduce {
     #[test]
     fn topk_over_the_sparse_all_reduce_equals_the_all_gather_version() {
         let p = 4;
-        let grads: Vec<Vec<f32>> = (0..p).map(|r| { let mut g = Rng::new(r as u64 + 9); (0..2000).map(|_| g.normal() as f32).collect() }).collect();
+        let grads: Vec<Vec<f32>> = (0..p)
+            .map(|r| {
+                let mut g = Rng::new(r as u64 + 9);
+                (0..2000).map(|_| g.normal() as f32).collect()
+            })
+            .collect();
         let run = |sparse: bool| {
             run_ranks(LocalComm::create(WorldSize::new(p).unwrap()), |r, c| {
                 let mut codec = TopK { fraction: 0.05, sampled: false, sparse_all_reduce: sparse, step: 0, ef: ErrorFeedback::new(2000) };
@@ -104,7 +109,8 @@ fn exact_sum_is_independent_of_order_and_split() {
     use crate::exact::ExactSum;
     let (n_pieces, len) = (12, 257);
     let mut r = kolo_base::Rng::new(11);
-    let pieces: Vec<Vec<f32>> = (0..n_pieces).map(|_| (0..len).map(|_| (r.normal() * 10f64.powi((r.below(9) as i32) - 6)) as f32).collect()).collect();
+    let pieces: Vec<Vec<f32>> =
+        (0..n_pieces).map(|_| (0..len).map(|_| (r.normal() * 10f64.powi((r.below(9) as i32) - 6)) as f32).collect()).collect();
     let result = |order: &[usize], world: usize| -> Vec<f32> {
         // Rank q sums pieces order[q*per..(q+1)*per]; the lanes of all ranks are then added
         // (wrapping, as an i64 all-reduce would, in rank order reversed).

@@ -22,7 +22,10 @@ pub struct TrainTask {
 pub enum Task {
     Train(TrainTask),
     /// The job is over after `rounds` rounds: the final model.
-    Done { rounds: u32, params: Vec<f32> },
+    Done {
+        rounds: u32,
+        params: Vec<f32>,
+    },
 }
 
 pub struct FedClient {
@@ -74,7 +77,11 @@ impl FedClient {
                 Resp::Wait => continue,
                 Resp::Train { round, attempt, params, cohort } => {
                     if params.len() != self.numel {
-                        return Err(PsError::Protocol(format!("round {round}: a model of {} values, expected {}", params.len(), self.numel)));
+                        return Err(PsError::Protocol(format!(
+                            "round {round}: a model of {} values, expected {}",
+                            params.len(),
+                            self.numel
+                        )));
                     }
                     return Ok(Task::Train(TrainTask { round, attempt, params, cohort }));
                 }

@@ -46,7 +46,9 @@ impl FedSpec {
             return Err(FedError::Config("rounds, clients_per_round, min_clients and the round deadline must be positive".into()));
         }
         if self.secure && self.clients_per_round < 2 {
-            return Err(FedError::Config("secure aggregation needs at least 2 clients per round (one update alone is not hidden by a sum)".into()));
+            return Err(FedError::Config(
+                "secure aggregation needs at least 2 clients per round (one update alone is not hidden by a sum)".into(),
+            ));
         }
         Ok(())
     }

@@ -88,17 +88,22 @@ impl FedServer {
             let shared = shared.clone();
             Arc::new(move |_: &mut ConnState, req: Req, _bytes: usize| handle(&shared, req))
         };
-        let listener = Listener::start_with::<Fed>(addr, token, "fed", handler).map_err(|e| PsError::Io(format!("federated server on {addr}: {e}")))?;
+        let listener = Listener::start_with::<Fed>(addr, token, "fed", handler)
+            .map_err(|e| PsError::Io(format!("federated server on {addr}: {e}")))?;
         let driver = {
             let shared = shared.clone();
-            std::thread::Builder::new().name("kolo-fed-rounds".into()).spawn(move || drive(&shared, on_round)).map_err(|e| PsError::Io(e.to_string()))?
+            std::thread::Builder::new()
+                .name("kolo-fed-rounds".into())
+                .spawn(move || drive(&shared, on_round))
+                .map_err(|e| PsError::Io(e.to_string()))?
         };
         Ok(FedServer { addr: listener.addr, shared, _listener: listener, driver: Some(driver) })
     }
 
     /// Waits for the last round; returns every round's report and the final model.
     pub fn wait(mut self) -> Result<(Vec<RoundReport>, Vec<f32>), PsError> {
-        let reports = self.driver.take().expect("waited once").join().map_err(|_| PsError::Server("the round driver panicked".into()))??;
+        let reports =
+            self.driver.take().expect("waited once").join().map_err(|_| PsError::Server("the round driver panicked".into()))??;
         // Every client that joined collects the final model and says goodbye before the
         // listener closes (or 5 s pass: a client that died does not hold the server).
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -145,7 +150,11 @@ fn handle(shared: &Shared, req: Req) -> Resp {
                     return Resp::Done { rounds: st.rounds_done, params: st.global.clone() };
                 }
                 if st.open && st.cohort.contains(&id) && !st.updates.contains_key(&id) {
-                    let cohort = if spec.secure { st.cohort.iter().map(|&c| (c, st.clients[&c].public.expect("checked at join"))).collect() } else { Vec::new() };
+                    let cohort = if spec.secure {
+                        st.cohort.iter().map(|&c| (c, st.clients[&c].public.expect("checked at join"))).collect()
+                    } else {
+                        Vec::new()
+                    };
                     return Resp::Train { round: st.round, attempt: st.attempt, params: st.global.clone(), cohort };
                 }
                 let now = Instant::now();
@@ -164,15 +173,30 @@ fn handle(shared: &Shared, req: Req) -> Resp {
         Req::Update { id, round, attempt, examples, update } => {
             let mut st = shared.lock();
             if !st.open || round != st.round || attempt != st.attempt || !st.cohort.contains(&id) {
-                return Resp::Ack { taken: false, why: format!("round {round} attempt {attempt} is not open for client {id} (the server is at round {} attempt {})", st.round, st.attempt) };
+                return Resp::Ack {
+                    taken: false,
+                    why: format!(
+                        "round {round} attempt {attempt} is not open for client {id} (the server is at round {} attempt {})",
+                        st.round, st.attempt
+                    ),
+                };
             }
             let len = match &update {
                 Update::Plain(v) if !spec.secure => v.len(),
                 Update::Masked(v) if spec.secure => v.len(),
-                _ => return Resp::Error(format!("client {id}: a {} update in a job {} secure aggregation", if spec.secure { "plain" } else { "masked" }, if spec.secure { "with" } else { "without" })),
+                _ => {
+                    return Resp::Error(format!(
+                        "client {id}: a {} update in a job {} secure aggregation",
+                        if spec.secure { "plain" } else { "masked" },
+                        if spec.secure { "with" } else { "without" }
+                    ))
+                }
             };
             if len != spec.numel || examples == 0 {
-                return Resp::Error(format!("client {id}: an update of {len} values from {examples} examples (the model has {})", spec.numel));
+                return Resp::Error(format!(
+                    "client {id}: an update of {len} values from {examples} examples (the model has {})",
+                    spec.numel
+                ));
             }
             st.updates.insert(id, (examples, update));
             shared.cv.notify_all();
@@ -201,7 +225,11 @@ fn drive_rounds(shared: &Shared, on_round: &mut OnRound) -> Result<Vec<RoundRepo
         while st.clients.len() < spec.min_clients {
             let now = Instant::now();
             if now >= join_deadline {
-                return Err(PsError::Timeout { what: format!("waiting for {} clients to join", spec.min_clients), secs: spec.join_timeout.as_secs_f64(), detail: format!("{} joined", st.clients.len()) });
+                return Err(PsError::Timeout {
+                    what: format!("waiting for {} clients to join", spec.min_clients),
+                    secs: spec.join_timeout.as_secs_f64(),
+                    detail: format!("{} joined", st.clients.len()),
+                });
             }
             st = shared.cv.wait_timeout(st, join_deadline - now).unwrap_or_else(|p| p.into_inner()).0;
         }
@@ -232,11 +260,17 @@ fn drive_rounds(shared: &Shared, on_round: &mut OnRound) -> Result<Vec<RoundRepo
             }
             attempt += 1;
             if attempt > spec.max_attempts {
-                return Err(PsError::Timeout { what: format!("round {round}"), secs: spec.deadline.as_secs_f64() * attempt as f64, detail: format!("no complete set of updates in {attempt} attempts (late: {late:?})") });
+                return Err(PsError::Timeout {
+                    what: format!("round {round}"),
+                    secs: spec.deadline.as_secs_f64() * attempt as f64,
+                    detail: format!("no complete set of updates in {attempt} attempts (late: {late:?})"),
+                });
             }
             // A secure round goes on with the members that answered (at least two, or the
             // sum would be one client's update); otherwise with a fresh sample.
-            cohort = if spec.secure && answered.len() >= 2 { answered } else {
+            cohort = if spec.secure && answered.len() >= 2 {
+                answered
+            } else {
                 rng.shuffle(&mut pool);
                 let mut c = pool[..spec.clients_per_round.min(pool.len())].to_vec();
                 c.sort_unstable();

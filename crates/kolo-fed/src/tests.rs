@@ -64,7 +64,17 @@ fn messages_round_trip_and_garbage_is_an_error() {
 }
 
 fn spec(numel: usize, secure: bool, per_round: usize) -> FedSpec {
-    FedSpec { rounds: 3, clients_per_round: per_round, min_clients: 3, deadline: std::time::Duration::from_secs(5), join_timeout: std::time::Duration::from_secs(10), max_attempts: 3, secure, seed: 1, numel }
+    FedSpec {
+        rounds: 3,
+        clients_per_round: per_round,
+        min_clients: 3,
+        deadline: std::time::Duration::from_secs(5),
+        join_timeout: std::time::Duration::from_secs(10),
+        max_attempts: 3,
+        secure,
+        seed: 1,
+        numel,
+    }
 }
 
 /// Three clients over real TCP, each "training" by adding its id+1 to every parameter: the
@@ -75,7 +85,14 @@ fn rounds_average_updates_weighted_by_examples() {
         let token = JobToken::generate();
         let reports = Arc::new(Mutex::new(Vec::new()));
         let r2 = reports.clone();
-        let server = FedServer::start("127.0.0.1:0", token.clone(), spec(4, secure, 3), vec![0.0; 4], Box::new(move |r, g| r2.lock().unwrap().push((r.clone(), g.to_vec())))).unwrap();
+        let server = FedServer::start(
+            "127.0.0.1:0",
+            token.clone(),
+            spec(4, secure, 3),
+            vec![0.0; 4],
+            Box::new(move |r, g| r2.lock().unwrap().push((r.clone(), g.to_vec()))),
+        )
+        .unwrap();
         let addr = server.addr.to_string();
         let clients: Vec<_> = (0..3u64)
             .map(|c| {
@@ -86,7 +103,7 @@ fn rounds_average_updates_weighted_by_examples() {
                     loop {
                         match fc.next_task().unwrap() {
                             Task::Train(t) => {
-                                assert!(fc.submit(&t, examples, &vec![(c + 1) as f32; 4]).unwrap());
+                                assert!(fc.submit(&t, examples, &[(c + 1) as f32; 4]).unwrap());
                             }
                             Task::Done { params, .. } => return params,
                         }
@@ -184,7 +201,11 @@ fn each_round_samples_its_clients() {
     assert!(rounds.iter().any(|r| r.used != rounds[0].used), "the sample changes between rounds");
     assert!((global[0] - want).abs() < 1e-5);
     let (again, _) = job();
-    assert_eq!(rounds.iter().map(|r| r.used.clone()).collect::<Vec<_>>(), again.iter().map(|r| r.used.clone()).collect::<Vec<_>>(), "the same seed samples the same clients");
+    assert_eq!(
+        rounds.iter().map(|r| r.used.clone()).collect::<Vec<_>>(),
+        again.iter().map(|r| r.used.clone()).collect::<Vec<_>>(),
+        "the same seed samples the same clients"
+    );
 }
 
 /// A client id can be taken once.

@@ -30,16 +30,31 @@ pub enum Update {
 /// What the server answers.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Resp {
-    Joined { id: u32, numel: u64, secure: bool },
+    Joined {
+        id: u32,
+        numel: u64,
+        secure: bool,
+    },
     /// Nothing to do yet: poll again.
     Wait,
     /// Train from `params` and send an update for `(round, attempt)`. `cohort` lists the ids and
     /// public keys of every client of this attempt (secure aggregation; empty otherwise).
-    Train { round: u32, attempt: u32, params: Vec<f32>, cohort: Vec<(u32, [u8; 32])> },
+    Train {
+        round: u32,
+        attempt: u32,
+        params: Vec<f32>,
+        cohort: Vec<(u32, [u8; 32])>,
+    },
     /// The job is over: the final model.
-    Done { rounds: u32, params: Vec<f32> },
+    Done {
+        rounds: u32,
+        params: Vec<f32>,
+    },
     /// An update was taken (`true`) or came too late / for another round (`false`, why).
-    Ack { taken: bool, why: String },
+    Ack {
+        taken: bool,
+        why: String,
+    },
     Error(String),
 }
 

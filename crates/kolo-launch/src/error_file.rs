@@ -102,7 +102,10 @@ mod tests {
 
     #[test]
     fn parse_accepts_what_record_writes_and_rejects_the_rest() {
-        assert_eq!(parse("lost_rank: 3\nrank 0: lost rank 3\n"), Some(RankError { lost_rank: Some(3), message: "rank 0: lost rank 3".into() }));
+        assert_eq!(
+            parse("lost_rank: 3\nrank 0: lost rank 3\n"),
+            Some(RankError { lost_rank: Some(3), message: "rank 0: lost rank 3".into() })
+        );
         assert_eq!(parse("lost_rank: -\nbad config\nsecond line\n").unwrap().first_line(), "bad config");
         assert_eq!(parse("lost_rank: x\nm"), None);
         assert_eq!(parse("garbage"), None);

@@ -185,7 +185,11 @@ fn free_port(addr: &str) -> Result<u16, LaunchError> {
     Ok(l.local_addr().map_err(|e| LaunchError::Config(e.to_string()))?.port())
 }
 
-fn pump<R: Read + Send + 'static, W: Write + Send + 'static>(src: R, mut dst: impl FnMut() -> W + Send + 'static, prefix: String) -> std::thread::JoinHandle<()> {
+fn pump<R: Read + Send + 'static, W: Write + Send + 'static>(
+    src: R,
+    mut dst: impl FnMut() -> W + Send + 'static,
+    prefix: String,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(src);
         let mut line = Vec::new();
@@ -263,7 +267,11 @@ pub fn next_round(out: &Outcome, ranks: usize, round: u32, e: &Elastic) -> Next 
     let dead = dead_ranks(out);
     let left = ranks.saturating_sub(dead.len());
     if left < e.min {
-        return Next::Stop(Some(format!("kolo launch: {} of {ranks} ranks died ({dead:?}); {left} left, below --min-nodes {}", dead.len(), e.min)));
+        return Next::Stop(Some(format!(
+            "kolo launch: {} of {ranks} ranks died ({dead:?}); {left} left, below --min-nodes {}",
+            dead.len(),
+            e.min
+        )));
     }
     if round >= e.max_restarts {
         return Next::Stop(Some(format!("kolo launch: ranks {dead:?} died and all {} restarts (--max-restarts) are used", e.max_restarts)));
@@ -299,7 +307,11 @@ pub fn launch_elastic(cfg: &LaunchConfig, e: &Elastic) -> Result<(Outcome, u32),
             Next::Restart { ranks: left, dead } => {
                 let t = Instant::now();
                 eprint!("{}", out.summary());
-                eprintln!("kolo launch: elastic: rank(s) {dead:?} lost; restarting on {left} ranks (round {}) in {:.1}s", round + 1, e.backoff.as_secs_f64());
+                eprintln!(
+                    "kolo launch: elastic: rank(s) {dead:?} lost; restarting on {left} ranks (round {}) in {:.1}s",
+                    round + 1,
+                    e.backoff.as_secs_f64()
+                );
                 std::thread::sleep(e.backoff.saturating_sub(t.elapsed()));
                 ranks = left;
                 round += 1;
@@ -515,15 +527,39 @@ mod tests {
         let e = Elastic { min: 3, max_restarts: 2, backoff: Duration::ZERO };
         let ok = |ranks: Vec<RankReport>, first: Option<usize>| Outcome { ranks, first_failure: first, interrupted_by: None };
         // Rank 2 SIGKILLed; the others lost it or were stopped.
-        let out = ok(vec![report(0, RankEnd::Exited(1), Some(2)), report(1, RankEnd::Stopped, None), report(2, RankEnd::Signalled(9), None), report(3, RankEnd::Exited(1), Some(2))], Some(2));
+        let out = ok(
+            vec![
+                report(0, RankEnd::Exited(1), Some(2)),
+                report(1, RankEnd::Stopped, None),
+                report(2, RankEnd::Signalled(9), None),
+                report(3, RankEnd::Exited(1), Some(2)),
+            ],
+            Some(2),
+        );
         assert_eq!(dead_ranks(&out), vec![2]);
         assert_eq!(next_round(&out, 4, 0, &e), Next::Restart { ranks: 3, dead: vec![2] });
         // Restarts used up, or too few left.
         assert!(matches!(next_round(&out, 4, 2, &e), Next::Stop(Some(m)) if m.contains("restarts")));
-        let two_dead = ok(vec![report(0, RankEnd::Signalled(9), None), report(1, RankEnd::Exited(1), Some(0)), report(2, RankEnd::Signalled(9), None), report(3, RankEnd::Stopped, None)], Some(0));
+        let two_dead = ok(
+            vec![
+                report(0, RankEnd::Signalled(9), None),
+                report(1, RankEnd::Exited(1), Some(0)),
+                report(2, RankEnd::Signalled(9), None),
+                report(3, RankEnd::Stopped, None),
+            ],
+            Some(0),
+        );
         assert!(matches!(next_round(&two_dead, 4, 0, &e), Next::Stop(Some(m)) if m.contains("below --min-nodes 3")));
         // A rank that exits with an error by itself is dead too; success stops.
-        let crashed = ok(vec![report(0, RankEnd::Exited(3), None), report(1, RankEnd::Exited(1), Some(0)), report(2, RankEnd::Stopped, None), report(3, RankEnd::Stopped, None)], Some(0));
+        let crashed = ok(
+            vec![
+                report(0, RankEnd::Exited(3), None),
+                report(1, RankEnd::Exited(1), Some(0)),
+                report(2, RankEnd::Stopped, None),
+                report(3, RankEnd::Stopped, None),
+            ],
+            Some(0),
+        );
         assert_eq!(next_round(&crashed, 4, 1, &e), Next::Restart { ranks: 3, dead: vec![0] });
         assert_eq!(next_round(&ok(vec![report(0, RankEnd::Exited(0), None)], None), 1, 0, &e), Next::Stop(None));
     }

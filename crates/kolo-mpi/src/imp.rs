@@ -1,8 +1,8 @@
 //! The backend proper (feature `mpi`).
 
 use kolo_base::{shard_range, DType, Rank, WorldSize};
-use kolo_comm::reduce::finish_avg;
 use kolo_comm::communicator::validate;
+use kolo_comm::reduce::finish_avg;
 use kolo_comm::{bf16, f16, BufMut, BufRef, CommError, Communicator, OpKind, ReduceOp};
 use mpi::collective::SystemOperation;
 use mpi::datatype::{Partition, PartitionMut};
@@ -45,7 +45,9 @@ pub fn world(timeout: Duration) -> Result<Arc<dyn Communicator>, CommError> {
         }
         Mutex::new(u.map(|(u, level)| {
             if level < Threading::Multiple {
-                eprintln!("kolo mpi: the MPI library grants {level:?} threading, not Multiple: Kolo's background communication may misbehave");
+                eprintln!(
+                    "kolo mpi: the MPI library grants {level:?} threading, not Multiple: Kolo's background communication may misbehave"
+                );
             }
             UniverseCell(u)
         }))
@@ -205,8 +207,12 @@ impl Values {
 
     fn write(&self, d: DType, b: &mut [u8]) {
         match (self, d) {
-            (Values::F32(v), DType::F16) => v.iter().zip(b.chunks_exact_mut(2)).for_each(|(x, c)| c.copy_from_slice(&f16::from_f32(*x).to_le_bytes())),
-            (Values::F32(v), DType::BF16) => v.iter().zip(b.chunks_exact_mut(2)).for_each(|(x, c)| c.copy_from_slice(&bf16::from_f32(*x).to_le_bytes())),
+            (Values::F32(v), DType::F16) => {
+                v.iter().zip(b.chunks_exact_mut(2)).for_each(|(x, c)| c.copy_from_slice(&f16::from_f32(*x).to_le_bytes()))
+            }
+            (Values::F32(v), DType::BF16) => {
+                v.iter().zip(b.chunks_exact_mut(2)).for_each(|(x, c)| c.copy_from_slice(&bf16::from_f32(*x).to_le_bytes()))
+            }
             (Values::F32(v), _) => write_back(v, b),
             (Values::F64(v), _) => write_back(v, b),
             (Values::I32(v), _) => write_back(v, b),
@@ -230,12 +236,23 @@ macro_rules! on_values {
 }
 
 fn i32_counts(op: OpKind, rank: usize, v: impl Iterator<Item = usize>) -> Result<(Vec<i32>, Vec<i32>), CommError> {
-    let counts: Vec<i32> = v.map(|c| i32::try_from(c).map_err(|_| CommError::InvalidArgument { op, rank: Rank(rank), what: format!("{c} bytes exceed MPI's 2^31 count") })).collect::<Result<_, _>>()?;
-    let displs = counts.iter().scan(0i32, |s, c| {
-        let d = *s;
-        *s += c;
-        Some(d)
-    }).collect();
+    let counts: Vec<i32> = v
+        .map(|c| {
+            i32::try_from(c).map_err(|_| CommError::InvalidArgument {
+                op,
+                rank: Rank(rank),
+                what: format!("{c} bytes exceed MPI's 2^31 count"),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let displs = counts
+        .iter()
+        .scan(0i32, |s, c| {
+            let d = *s;
+            *s += c;
+            Some(d)
+        })
+        .collect();
     Ok((counts, displs))
 }
 
@@ -347,8 +364,15 @@ impl Communicator for MpiComm {
 
     fn all_to_all(&self, input: BufRef<'_>, send_counts: &[usize], mut output: BufMut<'_>, recv_counts: &[usize]) -> Result<(), CommError> {
         let (n, esz) = (self.0.size, input.dtype().size_bytes());
-        if send_counts.len() != n || recv_counts.len() != n || send_counts.iter().sum::<usize>() != input.len() || recv_counts.iter().sum::<usize>() != output.len() {
-            return Err(self.bad(OpKind::AllToAll, format!("counts {send_counts:?} / {recv_counts:?} for buffers of {} / {} on {n} ranks", input.len(), output.len())));
+        if send_counts.len() != n
+            || recv_counts.len() != n
+            || send_counts.iter().sum::<usize>() != input.len()
+            || recv_counts.iter().sum::<usize>() != output.len()
+        {
+            return Err(self.bad(
+                OpKind::AllToAll,
+                format!("counts {send_counts:?} / {recv_counts:?} for buffers of {} / {} on {n} ranks", input.len(), output.len()),
+            ));
         }
         let (sc, sd) = i32_counts(OpKind::AllToAll, self.0.rank, send_counts.iter().map(|c| c * esz))?;
         let (rc, rd) = i32_counts(OpKind::AllToAll, self.0.rank, recv_counts.iter().map(|c| c * esz))?;
@@ -384,23 +408,50 @@ impl Communicator for MpiComm {
             let st = c.process_at_rank(peer.get() as i32).receive_into_with_tag(buf.bytes_mut(), tag as i32);
             let got = st.count(u8::equivalent_datatype()) as usize;
             if got != want {
-                return Err(CommError::Protocol { op: OpKind::Recv, rank, seq, peer, what: format!("{got} bytes with tag {tag}, expected {want}") });
+                return Err(CommError::Protocol {
+                    op: OpKind::Recv,
+                    rank,
+                    seq,
+                    peer,
+                    what: format!("{got} bytes with tag {tag}, expected {want}"),
+                });
             }
             Ok(())
         })
     }
 
-    fn send_recv(&self, send: BufRef<'_>, to: Rank, send_tag: u32, mut recv: BufMut<'_>, from: Rank, recv_tag: u32) -> Result<(), CommError> {
+    fn send_recv(
+        &self,
+        send: BufRef<'_>,
+        to: Rank,
+        send_tag: u32,
+        mut recv: BufMut<'_>,
+        from: Rank,
+        recv_tag: u32,
+    ) -> Result<(), CommError> {
         if to.get() >= self.0.size || from.get() >= self.0.size {
             return Err(self.bad(OpKind::Send, format!("peers {to} / {from} of {} ranks", self.0.size)));
         }
         let want = recv.bytes().len();
         let (rank, seq) = (Rank(self.0.rank), self.0.seq.load(Ordering::Relaxed));
         self.run(OpKind::Send, |c| {
-            let st = mpi::point_to_point::send_receive_into_with_tags(send.bytes(), &c.process_at_rank(to.get() as i32), send_tag as i32, recv.bytes_mut(), &c.process_at_rank(from.get() as i32), recv_tag as i32);
+            let st = mpi::point_to_point::send_receive_into_with_tags(
+                send.bytes(),
+                &c.process_at_rank(to.get() as i32),
+                send_tag as i32,
+                recv.bytes_mut(),
+                &c.process_at_rank(from.get() as i32),
+                recv_tag as i32,
+            );
             let got = st.count(u8::equivalent_datatype()) as usize;
             if got != want {
-                return Err(CommError::Protocol { op: OpKind::Recv, rank, seq, peer: from, what: format!("{got} bytes with tag {recv_tag}, expected {want}") });
+                return Err(CommError::Protocol {
+                    op: OpKind::Recv,
+                    rank,
+                    seq,
+                    peer: from,
+                    what: format!("{got} bytes with tag {recv_tag}, expected {want}"),
+                });
             }
             Ok(())
         })
@@ -420,7 +471,14 @@ impl Communicator for MpiComm {
         let mut v = [hash, -hash];
         self.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Max)?;
         if v[0] != hash || v[1] != -hash {
-            return Err(CommError::Mismatch { op: OpKind::NewGroup, rank: self.rank(), seq: self.0.seq.load(Ordering::Relaxed), peer: self.rank(), ours: format!("new_group({ranks:?})"), theirs: "a different rank list on some rank".into() });
+            return Err(CommError::Mismatch {
+                op: OpKind::NewGroup,
+                rank: self.rank(),
+                seq: self.0.seq.load(Ordering::Relaxed),
+                peer: self.rank(),
+                ours: format!("new_group({ranks:?})"),
+                theirs: "a different rank list on some rank".into(),
+            });
         }
         let pos = ranks.iter().position(|r| r.get() == self.0.rank);
         let color = if pos.is_some() { Color::with_value(0) } else { Color::undefined() };

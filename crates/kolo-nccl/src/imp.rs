@@ -10,8 +10,8 @@ use crate::setup_error;
 use cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::sys as nc;
 use kolo_base::{shard_range, DType, Rank, WorldSize};
-use kolo_comm::reduce::finish_avg;
 use kolo_comm::communicator::validate;
+use kolo_comm::reduce::finish_avg;
 use kolo_comm::{BufMut, BufRef, CommError, Communicator, OpKind, ReduceOp};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -219,14 +219,14 @@ impl NcclComm {
                 let _ = tx.send(res);
             })
             .map_err(|e| setup_error(rank, format!("spawning the NCCL init thread: {e}")))?;
+        let late = || {
+            let secs = timeout.as_secs_f64();
+            let what = format!("ncclCommInitRank ({size} ranks, cuda:{ordinal}) did not complete within {secs:.1} s");
+            setup_error(rank, format!("{what}: a rank never joined, or its GPU hung"))
+        };
         let (st, handle) = match rx.recv_timeout(timeout) {
             Ok(res) => res?,
-            Err(_) => {
-                return Err(setup_error(
-                    rank,
-                    format!("ncclCommInitRank ({size} ranks, cuda:{ordinal}) did not complete within {:.1} s: a rank never joined, or its GPU hung", timeout.as_secs_f64()),
-                ))
-            }
+            Err(_) => return Err(late()),
         };
         if st != nc::ncclResult_t::ncclSuccess {
             return Err(setup_error(rank, format!("ncclCommInitRank ({size} ranks, cuda:{ordinal}): {}", nccl_text(st, None))));
@@ -310,7 +310,13 @@ impl NcclComm {
             }
             if async_err != nc::ncclResult_t::ncclSuccess && async_err != nc::ncclResult_t::ncclInProgress {
                 let what = nccl_text(async_err, Some(h.0));
-                return Err(fail(CommError::Protocol { op, rank: Rank(self.rank), seq, peer: Rank(self.rank), what: format!("NCCL: {what}") }));
+                return Err(fail(CommError::Protocol {
+                    op,
+                    rank: Rank(self.rank),
+                    seq,
+                    peer: Rank(self.rank),
+                    what: format!("NCCL: {what}"),
+                }));
             }
             if start.elapsed() > limit {
                 // NCCL cannot say which rank is behind: every other rank is a suspect.
@@ -329,12 +335,20 @@ impl NcclComm {
     }
 
     /// Staging buffers of at least `a` and `b` bytes (grown, never shrunk).
-    fn staged<R>(&self, a: usize, b: usize, f: impl FnOnce(&mut CudaSlice<u8>, &mut CudaSlice<u8>) -> Result<R, CommError>) -> Result<R, CommError> {
+    fn staged<R>(
+        &self,
+        a: usize,
+        b: usize,
+        f: impl FnOnce(&mut CudaSlice<u8>, &mut CudaSlice<u8>) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
         let mut s = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         let grow = |slot: &mut Option<CudaSlice<u8>>, n: usize| -> Result<(), CommError> {
             if slot.as_ref().is_none_or(|x| x.len() < n) {
                 *slot = None;
-                *slot = Some(self.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| self.cuda_err(OpKind::Setup, format!("allocating {n} bytes on cuda:{}: {e:?}", self.ctx.ordinal())))?);
+                *slot =
+                    Some(self.stream.alloc_zeros::<u8>(n.max(1)).map_err(|e| {
+                        self.cuda_err(OpKind::Setup, format!("allocating {n} bytes on cuda:{}: {e:?}", self.ctx.ordinal()))
+                    })?);
             }
             Ok(())
         };
@@ -394,13 +408,19 @@ impl NcclComm {
         self.check_root(OpKind::Broadcast, root)?;
         let n = buf.len();
         let (p, _s) = buf.device_ptr_mut(&self.stream);
-        self.op(OpKind::Broadcast, |c, s| check(unsafe { nc::ncclBroadcast(p as _, p as _, n, nccl_type(T::DTYPE), root.get() as i32, c, s) }), || Ok(()))
+        self.op(
+            OpKind::Broadcast,
+            |c, s| check(unsafe { nc::ncclBroadcast(p as _, p as _, n, nccl_type(T::DTYPE), root.get() as i32, c, s) }),
+            || Ok(()),
+        )
     }
 
     /// `output.len() == world_size * input.len()`; rank r's input lands at `r * input.len()`.
     pub fn all_gather_device<T: NcclElem>(&self, input: &CudaSlice<T>, output: &mut CudaSlice<T>) -> Result<(), CommError> {
         if output.len() != input.len() * self.size {
-            return Err(self.bad(OpKind::AllGather, format!("output of {} elements for {} ranks x {}", output.len(), self.size, input.len())));
+            return Err(
+                self.bad(OpKind::AllGather, format!("output of {} elements for {} ranks x {}", output.len(), self.size, input.len()))
+            );
         }
         let n = input.len();
         let (i, _a) = input.device_ptr(&self.stream);
@@ -409,14 +429,25 @@ impl NcclComm {
     }
 
     /// `input.len() == world_size * output.len()`; this rank gets its block of the reduction.
-    pub fn reduce_scatter_device<T: NcclElem>(&self, input: &CudaSlice<T>, output: &mut CudaSlice<T>, op: ReduceOp) -> Result<(), CommError> {
+    pub fn reduce_scatter_device<T: NcclElem>(
+        &self,
+        input: &CudaSlice<T>,
+        output: &mut CudaSlice<T>,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         if input.len() != output.len() * self.size {
-            return Err(self.bad(OpKind::ReduceScatter, format!("input of {} elements for {} ranks x {}", input.len(), self.size, output.len())));
+            return Err(
+                self.bad(OpKind::ReduceScatter, format!("input of {} elements for {} ranks x {}", input.len(), self.size, output.len()))
+            );
         }
         let n = output.len();
         let (i, _a) = input.device_ptr(&self.stream);
         let (o, _b) = output.device_ptr_mut(&self.stream);
-        self.op(OpKind::ReduceScatter, |c, s| check(unsafe { nc::ncclReduceScatter(i as _, o as _, n, nccl_type(T::DTYPE), nccl_op(op, false), c, s) }), || Ok(()))
+        self.op(
+            OpKind::ReduceScatter,
+            |c, s| check(unsafe { nc::ncclReduceScatter(i as _, o as _, n, nccl_type(T::DTYPE), nccl_op(op, false), c, s) }),
+            || Ok(()),
+        )
     }
 }
 
@@ -562,7 +593,15 @@ impl Communicator for NcclComm {
         let n = self.size;
         validate::all_to_all(self.rank(), self.world_size(), &input, send_counts, &output, recv_counts)?;
         let esz = input.dtype().size_bytes();
-        let offs = |c: &[usize]| c.iter().scan(0usize, |s, x| { let o = *s; *s += x; Some(o * esz) }).collect::<Vec<_>>();
+        let offs = |c: &[usize]| {
+            c.iter()
+                .scan(0usize, |s, x| {
+                    let o = *s;
+                    *s += x;
+                    Some(o * esz)
+                })
+                .collect::<Vec<_>>()
+        };
         let (so, ro) = (offs(send_counts), offs(recv_counts));
         self.staged(input.bytes().len(), output.bytes().len(), |a, b| {
             self.htod(OpKind::AllToAll, input.bytes(), a, 0)?;

@@ -20,11 +20,11 @@ use std::time::Duration;
 
 #[cfg(feature = "nccl")]
 mod imp;
-#[cfg(feature = "nccl")]
-pub use imp::{cuda_device_count, nccl_version, NcclComm, NcclElem};
 /// cudarc, as this crate sees it (device buffers and streams for the `*_device` collectives).
 #[cfg(feature = "nccl")]
 pub use cudarc;
+#[cfg(feature = "nccl")]
+pub use imp::{cuda_device_count, nccl_version, NcclComm, NcclElem};
 
 /// Whether this build has the NCCL backend.
 pub const AVAILABLE: bool = cfg!(feature = "nccl");

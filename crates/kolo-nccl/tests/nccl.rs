@@ -8,7 +8,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn check(args: &[&str]) -> (bool, String) {
-    let o = Command::new(env!("CARGO_BIN_EXE_kolo-nccl-check")).args(args).env("KOLO_TIMEOUT_MS", "3000").output().expect("run kolo-nccl-check");
+    let o = Command::new(env!("CARGO_BIN_EXE_kolo-nccl-check"))
+        .args(args)
+        .env("KOLO_TIMEOUT_MS", "3000")
+        .output()
+        .expect("run kolo-nccl-check");
     (o.status.success(), format!("{}\n{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)))
 }
 
@@ -23,7 +27,12 @@ fn collective_matrix_on_the_gpu_or_a_clear_error_without_one() {
     assert!(t.elapsed() < Duration::from_secs(300), "{text}");
     if gpu() {
         assert!(ok, "{text}");
-        assert!(text.contains("host-API collective matrix passed") && text.contains("GPU-buffer collectives passed") && text.contains("nccl check ok"), "{text}");
+        assert!(
+            text.contains("host-API collective matrix passed")
+                && text.contains("GPU-buffer collectives passed")
+                && text.contains("nccl check ok"),
+            "{text}"
+        );
     } else {
         assert!(!ok, "{text}");
         assert!(!text.contains("panicked"), "a missing GPU or NCCL must not panic: {text}");

@@ -14,10 +14,24 @@ pub use schedule::{lr_at, scaled_lr, Schedule};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum OptimizerSpec {
-    Sgd { momentum: f32, nesterov: bool, weight_decay: f32 },
+    Sgd {
+        momentum: f32,
+        nesterov: bool,
+        weight_decay: f32,
+    },
     /// `decoupled: true` is AdamW.
-    Adam { beta1: f32, beta2: f32, eps: f32, weight_decay: f32, decoupled: bool },
-    Adagrad { eps: f32, weight_decay: f32, lr_decay: f32 },
+    Adam {
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        weight_decay: f32,
+        decoupled: bool,
+    },
+    Adagrad {
+        eps: f32,
+        weight_decay: f32,
+        lr_decay: f32,
+    },
 }
 
 impl OptimizerSpec {

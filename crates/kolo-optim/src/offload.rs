@@ -39,8 +39,8 @@ impl Buffer {
         let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
         let unlinked = std::fs::remove_file(&path);
         file.set_len((n * 4) as u64)?; // sparse: zeros cost no disk until written
-        // SAFETY: the file is private to this process (created exclusively and unlinked), so
-        // nobody else can change or truncate it under the mapping.
+                                       // SAFETY: the file is private to this process (created exclusively and unlinked), so
+                                       // nobody else can change or truncate it under the mapping.
         let map = unsafe { MmapOptions::new().len(n * 4).map_mut(&file)? };
         unlinked?;
         Ok(Buffer::File { map, len: n })

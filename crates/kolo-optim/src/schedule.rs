@@ -3,9 +3,14 @@
 pub enum Schedule {
     Constant,
     /// Cosine from the base rate down to `min_lr` at the last step.
-    Cosine { min_lr: f32 },
+    Cosine {
+        min_lr: f32,
+    },
     /// Multiply by `gamma` every `every` steps.
-    Step { every: u64, gamma: f32 },
+    Step {
+        every: u64,
+        gamma: f32,
+    },
 }
 
 /// The learning rate for `step` (0-based) of `total`: linear warm-up over `warmup` steps from

@@ -59,7 +59,13 @@ const fn grad_tag(mb: usize) -> u32 {
 
 /// Runs stage `comm.rank()` of a `comm.world_size()`-stage pipeline for `m` micro-batches;
 /// activations between stages hold `act_len` values.
-pub fn run_stage(comm: &dyn Communicator, schedule: Schedule, m: usize, act_len: usize, work: &mut dyn StageWork) -> Result<StepReport, PipeError> {
+pub fn run_stage(
+    comm: &dyn Communicator,
+    schedule: Schedule,
+    m: usize,
+    act_len: usize,
+    work: &mut dyn StageWork,
+) -> Result<StepReport, PipeError> {
     let k = comm.world_size().get();
     let s = comm.rank().get();
     let plan = ops(schedule, k, s, m);
@@ -117,7 +123,11 @@ pub fn run_stage(comm: &dyn Communicator, schedule: Schedule, m: usize, act_len:
                 report.max_live = report.max_live.max(live);
                 if s + 1 < k {
                     if out.len() != act_len {
-                        return Err(PipeError::Stage { stage: s, op, msg: format!("produced {} values, the pipeline passes {act_len}", out.len()) });
+                        return Err(PipeError::Stage {
+                            stage: s,
+                            op,
+                            msg: format!("produced {} values, the pipeline passes {act_len}", out.len()),
+                        });
                     }
                     outbox = Some((out, s + 1, act_tag(i)));
                 } else {
@@ -129,7 +139,11 @@ pub fn run_stage(comm: &dyn Communicator, schedule: Schedule, m: usize, act_len:
                 live -= 1;
                 if s > 0 {
                     if g.len() != act_len {
-                        return Err(PipeError::Stage { stage: s, op, msg: format!("produced an input gradient of {} values, expected {act_len}", g.len()) });
+                        return Err(PipeError::Stage {
+                            stage: s,
+                            op,
+                            msg: format!("produced an input gradient of {} values, expected {act_len}", g.len()),
+                        });
                     }
                     outbox = Some((g, s - 1, grad_tag(i)));
                 }

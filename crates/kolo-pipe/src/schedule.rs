@@ -35,10 +35,12 @@ pub enum Schedule {
 pub fn partition(costs: &[f64], k: usize) -> Vec<Range<usize>> {
     let n = costs.len();
     assert!(k >= 1 && k <= n, "partition {n} layers into {k} stages");
-    let prefix: Vec<f64> = std::iter::once(0.0).chain(costs.iter().scan(0.0, |s, c| {
-        *s += c;
-        Some(*s)
-    })).collect();
+    let prefix: Vec<f64> = std::iter::once(0.0)
+        .chain(costs.iter().scan(0.0, |s, c| {
+            *s += c;
+            Some(*s)
+        }))
+        .collect();
     let sum = |a: usize, b: usize| prefix[b] - prefix[a];
     // best[j][i]: the smallest possible maximum stage cost for the first i layers in j stages.
     let mut best = vec![vec![f64::INFINITY; n + 1]; k + 1];
@@ -134,7 +136,8 @@ pub struct Simulation {
 /// communication time): every op starts when its stage is free and its input is ready (the
 /// previous stage's forward, the next stage's backward). `Err` if the schedule deadlocks.
 pub fn simulate(schedule: Schedule, k: usize, m: usize, f: f64, b: f64) -> Result<Simulation, String> {
-    let plans: Vec<Vec<Op>> = (0..k).map(|s| ops(schedule, k, s, m).into_iter().filter(|o| !matches!(o, Op::Update(_))).collect()).collect();
+    let plans: Vec<Vec<Op>> =
+        (0..k).map(|s| ops(schedule, k, s, m).into_iter().filter(|o| !matches!(o, Op::Update(_))).collect()).collect();
     // Micro-batches in the whole plan (2BW runs several batches in one plan).
     let m = plans[0].iter().filter(|o| matches!(o, Op::Forward(_))).count();
     let mut next = vec![0usize; k];
@@ -147,8 +150,20 @@ pub fn simulate(schedule: Schedule, k: usize, m: usize, f: f64, b: f64) -> Resul
         for s in 0..k {
             let Some(&op) = plans[s].get(next[s]) else { continue };
             let ready = match op {
-                Op::Forward(i) => if s == 0 { Some(0.0) } else { fwd_end[s - 1][i] },
-                Op::Backward(i) => if s + 1 == k { fwd_end[s][i] } else { bwd_end[s + 1][i] },
+                Op::Forward(i) => {
+                    if s == 0 {
+                        Some(0.0)
+                    } else {
+                        fwd_end[s - 1][i]
+                    }
+                }
+                Op::Backward(i) => {
+                    if s + 1 == k {
+                        fwd_end[s][i]
+                    } else {
+                        bwd_end[s + 1][i]
+                    }
+                }
                 Op::Update(_) => unreachable!("filtered out"),
             };
             let Some(ready) = ready else { continue };
@@ -168,7 +183,10 @@ pub fn simulate(schedule: Schedule, k: usize, m: usize, f: f64, b: f64) -> Resul
             break;
         }
         if !progressed {
-            return Err(format!("{schedule:?} with {k} stages and {m} micro-batches deadlocks: stages wait at ops {:?}", (0..k).map(|s| plans[s].get(next[s])).collect::<Vec<_>>()));
+            return Err(format!(
+                "{schedule:?} with {k} stages and {m} micro-batches deadlocks: stages wait at ops {:?}",
+                (0..k).map(|s| plans[s].get(next[s])).collect::<Vec<_>>()
+            ));
         }
     }
     let makespan = free.iter().copied().fold(0.0, f64::max);

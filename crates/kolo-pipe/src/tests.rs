@@ -19,7 +19,9 @@ fn brute_best(costs: &[f64], k: usize) -> f64 {
         if k == 1 {
             return costs[start..].iter().sum();
         }
-        (start + 1..=costs.len() - (k - 1)).map(|c| costs[start..c].iter().sum::<f64>().max(go(costs, k - 1, c))).fold(f64::INFINITY, f64::min)
+        (start + 1..=costs.len() - (k - 1))
+            .map(|c| costs[start..c].iter().sum::<f64>().max(go(costs, k - 1, c)))
+            .fold(f64::INFINITY, f64::min)
     }
     go(costs, k, 0)
 }

@@ -44,9 +44,20 @@ impl Gpt {
     /// The GPT-3 family shape (Brown et al., table 2.1) nearest to `params` parameters, with a
     /// 2048-token context and GPT-2's 50,257-token vocabulary.
     pub fn with_params(params: f64) -> Gpt {
-        const FAMILY: [(usize, usize, usize); 8] = [(12, 768, 12), (24, 1024, 16), (24, 1536, 16), (24, 2048, 16), (32, 2560, 32), (32, 4096, 32), (40, 5140, 40), (96, 12288, 96)];
+        const FAMILY: [(usize, usize, usize); 8] = [
+            (12, 768, 12),
+            (24, 1024, 16),
+            (24, 1536, 16),
+            (24, 2048, 16),
+            (32, 2560, 32),
+            (32, 4096, 32),
+            (40, 5140, 40),
+            (96, 12288, 96),
+        ];
         let shapes = FAMILY.iter().map(|&(layers, d_model, heads)| Gpt { layers, d_model, heads, seq: 2048, vocab: 50257 });
-        shapes.min_by(|a, b| (a.params().ln() - params.ln()).abs().total_cmp(&(b.params().ln() - params.ln()).abs())).expect("non-empty family")
+        shapes
+            .min_by(|a, b| (a.params().ln() - params.ln()).abs().total_cmp(&(b.params().ln() - params.ln()).abs()))
+            .expect("non-empty family")
     }
 
     /// FLOPs of forward and backward for `sequences` sequences (Narayanan et al., eq. 3).
@@ -178,7 +189,17 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, value_by
         } else {
             layers_per_stage * in_flight * per_layer
         };
-    Some(Estimate { step_s: compute_s + bubble_s + tp_s + pp_s + dp_exposed_s, compute_s, bubble_s, tp_s, pp_s, dp_exposed_s, states, activations, micro_batches: mb })
+    Some(Estimate {
+        step_s: compute_s + bubble_s + tp_s + pp_s + dp_exposed_s,
+        compute_s,
+        bubble_s,
+        tp_s,
+        pp_s,
+        dp_exposed_s,
+        states,
+        activations,
+        micro_batches: mb,
+    })
 }
 
 /// Which plans to consider.
@@ -193,7 +214,12 @@ pub struct Space {
 
 impl Default for Space {
     fn default() -> Space {
-        Space { zero_stages: vec![0, 1, 2, 3], micro_batches: vec![1, 2, 4, 8, 16, 32], checkpoint: vec![false, true], zero_with_model_parallel: true }
+        Space {
+            zero_stages: vec![0, 1, 2, 3],
+            micro_batches: vec![1, 2, 4, 8, 16, 32],
+            checkpoint: vec![false, true],
+            zero_with_model_parallel: true,
+        }
     }
 }
 

@@ -34,7 +34,15 @@ fn model_states_follow_the_zero_formulas() {
 /// peak heap 1172 MB measured; the benchmark GPT in one process 243.4 MB (51.6 states + 191.8).
 #[test]
 fn peak_memory_predictions_match_kolos_measurements() {
-    let c = |devices| Cluster { devices, memory: 1e12, flops: 67e9, bandwidth: 1.5e9, latency: 20e-6, activation_factor: Cluster::KOLO_CPU_ACTIVATIONS, param_copy_bytes: Cluster::KOLO_PARAM_COPY };
+    let c = |devices| Cluster {
+        devices,
+        memory: 1e12,
+        flops: 67e9,
+        bandwidth: 1.5e9,
+        latency: 20e-6,
+        activation_factor: Cluster::KOLO_CPU_ACTIVATIONS,
+        param_copy_bytes: Cluster::KOLO_PARAM_COPY,
+    };
     let gptm = Gpt { layers: 8, d_model: 512, heads: 8, seq: 128, vocab: 65 };
     let e = estimate(&gptm, &c(2), &Plan { dp: 2, tp: 1, pp: 1, zero: 0, micro_batch: 8, checkpoint: false }, 16, 4.0).unwrap();
     assert!((e.memory() / 1172.2e6 - 1.0).abs() < 0.15, "GPT-m DDP peak {} MB", e.memory() / 1e6);
@@ -45,7 +53,8 @@ fn peak_memory_predictions_match_kolos_measurements() {
 #[test]
 fn estimates_add_up_and_respect_the_constraints() {
     let m = bench_gpt();
-    let c = Cluster { devices: 4, memory: 8e9, flops: 67e9, bandwidth: 1.5e9, latency: 20e-6, activation_factor: 1.0, param_copy_bytes: 0.0 };
+    let c =
+        Cluster { devices: 4, memory: 8e9, flops: 67e9, bandwidth: 1.5e9, latency: 20e-6, activation_factor: 1.0, param_copy_bytes: 0.0 };
     let plan = |dp, tp, pp, micro_batch| Plan { dp, tp, pp, zero: 0, micro_batch, checkpoint: false };
     let ddp = estimate(&m, &c, &plan(4, 1, 1, 4), 16, 4.0).unwrap();
     assert_eq!((ddp.tp_s, ddp.pp_s, ddp.bubble_s), (0.0, 0.0, 0.0));
@@ -71,7 +80,15 @@ fn estimates_add_up_and_respect_the_constraints() {
 #[test]
 fn search_returns_fitting_plans_fastest_first() {
     let m = Gpt::with_params(1.3e9);
-    let big = Cluster { devices: 64, memory: 80.0 * 1024f64.powi(3), flops: 150e12, bandwidth: 12.5e9, latency: 5e-6, activation_factor: 1.0, param_copy_bytes: 0.0 };
+    let big = Cluster {
+        devices: 64,
+        memory: 80.0 * 1024f64.powi(3),
+        flops: 150e12,
+        bandwidth: 12.5e9,
+        latency: 5e-6,
+        activation_factor: 1.0,
+        param_copy_bytes: 0.0,
+    };
     let plans = search(&m, &big, 512, 2.0, &Space::default());
     assert!(!plans.is_empty());
     assert!(plans.windows(2).all(|w| w[0].1.step_s <= w[1].1.step_s));

@@ -96,7 +96,11 @@ impl PsClient {
                 Resp::Membership(m) if m.shutdown => return Err(PsError::Server("the job is shutting down".into())),
                 Resp::Membership(m) => {
                     if Instant::now() > deadline {
-                        return Err(PsError::Timeout { what: format!("worker {}: waiting for {} parameter servers", o.worker, o.min_servers), secs: o.timeout.as_secs_f64(), detail: format!("{} registered", m.servers.len()) });
+                        return Err(PsError::Timeout {
+                            what: format!("worker {}: waiting for {} parameter servers", o.worker, o.min_servers),
+                            secs: o.timeout.as_secs_f64(),
+                            detail: format!("{} registered", m.servers.len()),
+                        });
                     }
                 }
                 other => return Err(PsError::Protocol(format!("coordinator answered Membership with {other:?}"))),
@@ -149,10 +153,15 @@ impl PsClient {
         self.check_len(values.len(), "init")?;
         let job = self.o.job.clone();
         let mut todo: Vec<u32> = (0..job.ranges()).collect();
-        self.rounds("init", &mut todo, &mut |range, epoch, _| Req::Init { job: job.clone(), epoch, range, values: values[job.span(range)].to_vec(), fwd: false }, &mut |_, r| match r {
-            Resp::Ok { .. } => Ok(()),
-            other => Err(other),
-        })
+        self.rounds(
+            "init",
+            &mut todo,
+            &mut |range, epoch, _| Req::Init { job: job.clone(), epoch, range, values: values[job.span(range)].to_vec(), fwd: false },
+            &mut |_, r| match r {
+                Resp::Ok { .. } => Ok(()),
+                other => Err(other),
+            },
+        )
     }
 
     /// Pushes this worker's gradient for step `clock` (the whole table), each range through
@@ -174,22 +183,27 @@ impl PsClient {
         }
         let mut todo: Vec<u32> = items.keys().copied().collect();
         let worker = self.o.worker;
-        self.rounds("push", &mut todo, &mut |range, epoch, sent| {
-            let it = &items[&range];
-            let keys = match &it.keys {
-                None => Keys::All,
-                Some((id, _)) if sent.contains(id) => Keys::Cached { id: *id },
-                Some((id, k)) => {
-                    sent.insert(*id);
-                    Keys::List { id: *id, keys: k.to_vec() }
-                }
-            };
-            debug_assert_eq!(it.range, range);
-            Req::Push { epoch, range, worker, clock, lr, keys, values: it.values.clone(), fwd: false }
-        }, &mut |_, r| match r {
-            Resp::Ok { .. } => Ok(()),
-            other => Err(other),
-        })
+        self.rounds(
+            "push",
+            &mut todo,
+            &mut |range, epoch, sent| {
+                let it = &items[&range];
+                let keys = match &it.keys {
+                    None => Keys::All,
+                    Some((id, _)) if sent.contains(id) => Keys::Cached { id: *id },
+                    Some((id, k)) => {
+                        sent.insert(*id);
+                        Keys::List { id: *id, keys: k.to_vec() }
+                    }
+                };
+                debug_assert_eq!(it.range, range);
+                Req::Push { epoch, range, worker, clock, lr, keys, values: it.values.clone(), fwd: false }
+            },
+            &mut |_, r| match r {
+                Resp::Ok { .. } => Ok(()),
+                other => Err(other),
+            },
+        )
     }
 
     /// Pulls the whole table into `out` for a worker about to compute step `clock`, waiting as
@@ -222,7 +236,10 @@ impl PsClient {
         let slowest = if slowest == u64::MAX { clock } else { slowest };
         self.stats.max_lead = self.stats.max_lead.max(clock.saturating_sub(slowest));
         if let Consistency::Bounded(tau) = job.consistency {
-            assert!(clock.saturating_sub(slowest) <= tau, "bounded delay violated: step {clock} computed with the slowest worker at {slowest} (tau {tau})");
+            assert!(
+                clock.saturating_sub(slowest) <= tau,
+                "bounded delay violated: step {clock} computed with the slowest worker at {slowest} (tau {tau})"
+            );
         }
         Ok(slowest)
     }
@@ -269,18 +286,23 @@ impl PsClient {
     pub fn vector(&mut self, id: u32, write: Option<&[f32]>, out: &mut [f32]) -> Result<(), PsError> {
         let job = self.o.job.clone();
         let mut todo: Vec<u32> = (0..job.ranges()).collect();
-        self.rounds("vector", &mut todo, &mut |range, epoch, _| Req::Vector { epoch, range, id, values: write.map(|w| w[job.span(range)].to_vec()) }, &mut |range, r| match r {
-            Resp::Ok { .. } => Ok(()),
-            Resp::Values { values, .. } if values.len() == job.span(range).len() => {
-                out[job.span(range)].copy_from_slice(&values);
-                Ok(())
-            }
-            Resp::Values { values, .. } if values.is_empty() => {
-                out[job.span(range)].fill(0.0);
-                Ok(())
-            }
-            other => Err(other),
-        })
+        self.rounds(
+            "vector",
+            &mut todo,
+            &mut |range, epoch, _| Req::Vector { epoch, range, id, values: write.map(|w| w[job.span(range)].to_vec()) },
+            &mut |range, r| match r {
+                Resp::Ok { .. } => Ok(()),
+                Resp::Values { values, .. } if values.len() == job.span(range).len() => {
+                    out[job.span(range)].copy_from_slice(&values);
+                    Ok(())
+                }
+                Resp::Values { values, .. } if values.is_empty() => {
+                    out[job.span(range)].fill(0.0);
+                    Ok(())
+                }
+                other => Err(other),
+            },
+        )
     }
 
     fn check_len(&self, n: usize, what: &str) -> Result<(), PsError> {
@@ -292,7 +314,13 @@ impl PsClient {
 
     fn conn(&mut self, id: u32) -> Result<&mut ServerConn, PsError> {
         if !self.conns.contains_key(&id) {
-            let addr = self.membership.servers.iter().find(|(s, _)| *s == id).map(|(_, a)| a.clone()).ok_or_else(|| PsError::Server(format!("server {id} is not a member")))?;
+            let addr = self
+                .membership
+                .servers
+                .iter()
+                .find(|(s, _)| *s == id)
+                .map(|(_, a)| a.clone())
+                .ok_or_else(|| PsError::Server(format!("server {id} is not a member")))?;
             // Pulls may wait up to the servers' deadline: give the socket a little more.
             let conn = Conn::connect(&addr, &self.o.token, self.o.timeout + Duration::from_secs(5))?;
             self.conns.insert(id, ServerConn { conn, sent_lists: HashSet::new() });
@@ -339,7 +367,12 @@ impl PsClient {
             if !first {
                 self.stats.retries += todo.len() as u64;
                 if Instant::now() > next_warning {
-                    eprintln!("kolo ps worker {}: {what} of {} range(s) still retrying at epoch {}: {last_problem}", self.o.worker, todo.len(), self.membership.epoch);
+                    eprintln!(
+                        "kolo ps worker {}: {what} of {} range(s) still retrying at epoch {}: {last_problem}",
+                        self.o.worker,
+                        todo.len(),
+                        self.membership.epoch
+                    );
                     next_warning += Duration::from_secs(2);
                 }
                 if Instant::now() > deadline {
@@ -436,7 +469,9 @@ impl PsClient {
                             retry.push(r);
                         }
                         Err(Resp::Error(e)) => return Err(PsError::Server(e)),
-                        Err(other) => return Err(PsError::Protocol(format!("server {server} answered {what} of range {r} with {other:?}"))),
+                        Err(other) => {
+                            return Err(PsError::Protocol(format!("server {server} answered {what} of range {r} with {other:?}")))
+                        }
                     }
                 }
             }

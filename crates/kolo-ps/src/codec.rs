@@ -72,7 +72,11 @@ impl<'a> Reader<'a> {
     }
     fn take(&mut self, n: usize) -> Result<&'a [u8], PsError> {
         if self.buf.len() - self.at < n {
-            return Err(PsError::Protocol(format!("message truncated: wanted {n} bytes at offset {}, {} left", self.at, self.buf.len() - self.at)));
+            return Err(PsError::Protocol(format!(
+                "message truncated: wanted {n} bytes at offset {}, {} left",
+                self.at,
+                self.buf.len() - self.at
+            )));
         }
         let s = &self.buf[self.at..self.at + n];
         self.at += n;

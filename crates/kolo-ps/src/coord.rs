@@ -74,7 +74,10 @@ impl Coordinator {
                     let dead: Vec<u32> = s.servers.iter().filter(|(_, (_, t))| now - *t > dead_after).map(|(id, _)| *id).collect();
                     for id in &dead {
                         let (addr, _) = s.servers.remove(id).expect("listed");
-                        eprintln!("kolo ps coordinator: server {id} ({addr}) missed its heartbeats for {:.1} s: removed, its ranges fail over", dead_after.as_secs_f64());
+                        eprintln!(
+                            "kolo ps coordinator: server {id} ({addr}) missed its heartbeats for {:.1} s: removed, its ranges fail over",
+                            dead_after.as_secs_f64()
+                        );
                     }
                     let lost: Vec<u32> = s.workers.iter().filter(|(_, t)| now - **t > dead_after).map(|(w, _)| *w).collect();
                     for w in &lost {

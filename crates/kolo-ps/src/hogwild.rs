@@ -94,7 +94,8 @@ pub fn train_logistic(data: &SparseSet, cfg: &HogwildConfig) -> HogwildReport {
     let start = Instant::now();
     std::thread::scope(|s| {
         for t in 0..threads {
-            let (shared, locked, updates, orders, barrier, epoch_loss, eval_secs) = (&shared, &locked, &updates, &orders, &barrier, &epoch_loss, &eval_secs);
+            let (shared, locked, updates, orders, barrier, epoch_loss, eval_secs) =
+                (&shared, &locked, &updates, &orders, &barrier, &epoch_loss, &eval_secs);
             s.spawn(move || {
                 for order in orders {
                     let per = order.len().div_ceil(threads).max(1);

@@ -82,7 +82,10 @@ struct Pool {
 /// client in `workers`, the coordinator's own client being `coord`.
 pub fn minimize(obj: Arc<dyn Objective>, mut coord: PsClient, workers: Vec<PsClient>, cfg: &LbfgsConfig) -> Result<LbfgsReport, PsError> {
     let n = obj.dim();
-    let pool = Arc::new(Pool { state: Mutex::new((Round::default(), LbfgsReport { accepted_by_worker: vec![0; workers.len()], ..Default::default() })), cv: Condvar::new() });
+    let pool = Arc::new(Pool {
+        state: Mutex::new((Round::default(), LbfgsReport { accepted_by_worker: vec![0; workers.len()], ..Default::default() })),
+        cv: Condvar::new(),
+    });
     let handles: Vec<_> = workers
         .into_iter()
         .enumerate()
@@ -128,7 +131,11 @@ fn worker(w: usize, mut client: PsClient, obj: &dyn Objective, pool: &Pool, dela
                     break (r.id, r.vector, p);
                 }
                 // Nothing new: copy the unfinished portion with the fewest copies running.
-                let dup = if backup { (0..r.done.len()).filter(|p| r.done[*p].is_none() && r.running[*p] > 0).min_by_key(|p| r.running[*p]) } else { None };
+                let dup = if backup {
+                    (0..r.done.len()).filter(|p| r.done[*p].is_none() && r.running[*p] > 0).min_by_key(|p| r.running[*p])
+                } else {
+                    None
+                };
                 if let Some(p) = dup.filter(|p| r.running[*p] < 2) {
                     r.running[p] += 1;
                     r.busy += 1;
@@ -169,7 +176,8 @@ fn evaluate(obj: &dyn Objective, pool: &Pool, vector: u32, id: u64) -> (f64, Vec
     let mut st = pool.state.lock().unwrap_or_else(|p| p.into_inner());
     // `busy` carries over: copies from the previous round may still be running (and will be discarded).
     let busy = st.0.busy;
-    st.0 = Round { id, vector, pending: (0..portions).collect(), running: vec![0; portions], done: vec![None; portions], busy, stop: false };
+    st.0 =
+        Round { id, vector, pending: (0..portions).collect(), running: vec![0; portions], done: vec![None; portions], busy, stop: false };
     pool.cv.notify_all();
     while st.0.done.iter().any(Option::is_none) {
         st = pool.cv.wait(st).unwrap_or_else(|p| p.into_inner());
@@ -280,7 +288,9 @@ pub fn minimize_local(obj: &dyn Objective, x0: &[f32], cfg: &LbfgsConfig) -> (Ve
         (l, g)
     };
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>();
-    let axpby = |dst: &mut Vec<f32>, a: f64, src: &[f32], b: f64| dst.iter_mut().zip(src).for_each(|(o, x)| *o = (a * f64::from(*o) + b * f64::from(*x)) as f32);
+    let axpby = |dst: &mut Vec<f32>, a: f64, src: &[f32], b: f64| {
+        dst.iter_mut().zip(src).for_each(|(o, x)| *o = (a * f64::from(*o) + b * f64::from(*x)) as f32)
+    };
     let mut x = x0.to_vec();
     let (mut f, mut g) = eval(&x);
     let mut losses = vec![f];

@@ -106,7 +106,10 @@ impl JobSpec {
             return Err(PsError::Config(format!("{} values need more than 2^32 ranges of {}", self.len, self.chunk)));
         }
         if self.backup >= self.workers {
-            return Err(PsError::Config(format!("{} backup workers of {} (a step needs at least one gradient)", self.backup, self.workers)));
+            return Err(PsError::Config(format!(
+                "{} backup workers of {} (a step needs at least one gradient)",
+                self.backup, self.workers
+            )));
         }
         if self.replication > 16 {
             return Err(PsError::Config(format!("replication {} (at most 16)", self.replication)));

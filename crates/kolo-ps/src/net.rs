@@ -4,8 +4,8 @@
 
 use crate::wire::{Req, Resp};
 use crate::PsError;
-use kolo_rendezvous::wire::{read_frame, write_frame};
 use kolo_rendezvous::auth::{client_handshake, server_handshake};
+use kolo_rendezvous::wire::{read_frame, write_frame};
 use kolo_rendezvous::JobToken;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -95,10 +95,16 @@ impl<P: Protocol> Channel<P> {
     fn open(addr: &str, token: &JobToken, timeout: Duration, patient: bool) -> Result<Self, PsError> {
         let deadline = Instant::now() + if patient { timeout } else { Duration::ZERO };
         let stream = loop {
-            let target = addr.to_socket_addrs().map_err(|e| PsError::Io(format!("{addr}: {e}")))?.next().ok_or_else(|| PsError::Io(format!("{addr}: no address")))?;
+            let target = addr
+                .to_socket_addrs()
+                .map_err(|e| PsError::Io(format!("{addr}: {e}")))?
+                .next()
+                .ok_or_else(|| PsError::Io(format!("{addr}: no address")))?;
             match TcpStream::connect_timeout(&target, Duration::from_secs(2).min(timeout)) {
                 Ok(s) => break s,
-                Err(e) if Instant::now() < deadline && matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut) => std::thread::sleep(Duration::from_millis(50)),
+                Err(e) if Instant::now() < deadline && matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut) => {
+                    std::thread::sleep(Duration::from_millis(50))
+                }
                 Err(e) => return Err(PsError::Io(format!("connecting to {addr}: {e}"))),
             }
         };
@@ -183,7 +189,9 @@ impl Listener {
                                 conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
                             }
                             let (token, handle, stop, name) = (token.clone(), handle.clone(), stop.clone(), name.clone());
-                            let _ = std::thread::Builder::new().name(format!("kolo-{name}-conn")).spawn(move || serve::<P>(stream, peer, &token, &*handle, &stop, &name));
+                            let _ = std::thread::Builder::new()
+                                .name(format!("kolo-{name}-conn"))
+                                .spawn(move || serve::<P>(stream, peer, &token, &*handle, &stop, &name));
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
                         Err(e) => {
@@ -216,7 +224,14 @@ impl Drop for Listener {
 }
 
 #[allow(clippy::type_complexity)]
-fn serve<P: Protocol>(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, handle: &(dyn Fn(&mut ConnState, P::Req, usize) -> P::Resp + Send + Sync), stop: &AtomicBool, name: &str) {
+fn serve<P: Protocol>(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    token: &JobToken,
+    handle: &(dyn Fn(&mut ConnState, P::Req, usize) -> P::Resp + Send + Sync),
+    stop: &AtomicBool,
+    name: &str,
+) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HANDSHAKE));

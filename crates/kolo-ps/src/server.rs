@@ -102,7 +102,10 @@ impl Server {
             job: Mutex::new(None),
             ranges: Mutex::new(HashMap::new()),
             appeared: Condvar::new(),
-            view: Mutex::new(View { membership: Membership { epoch: 0, servers: Vec::new(), shutdown: false, dead_workers: Vec::new() }, ring: Ring::new(&[]) }),
+            view: Mutex::new(View {
+                membership: Membership { epoch: 0, servers: Vec::new(), shutdown: false, dead_workers: Vec::new() },
+                ring: Ring::new(&[]),
+            }),
             epoch: AtomicU64::new(0),
             peers: Mutex::new(HashMap::new()),
             stats: Mutex::new(ServerStats::default()),
@@ -119,7 +122,8 @@ impl Server {
                 r
             })
         };
-        let listener = Listener::start(&o.listen, o.token.clone(), "ps-server", handler).map_err(|e| PsError::Io(format!("listening on {}: {e}", o.listen)))?;
+        let listener = Listener::start(&o.listen, o.token.clone(), "ps-server", handler)
+            .map_err(|e| PsError::Io(format!("listening on {}: {e}", o.listen)))?;
         let mut coord = Conn::connect(&o.coordinator, &o.token, o.timeout)?;
         let (id, m) = match coord.call(&Req::Register { addr: listener.addr.to_string() })? {
             Resp::Registered { id, membership } => (id, membership),
@@ -130,7 +134,10 @@ impl Server {
         let beat = {
             let shared = shared.clone();
             let (addr, hb) = (o.coordinator.clone(), o.heartbeat);
-            std::thread::Builder::new().name("kolo-ps-heartbeat".into()).spawn(move || heartbeat(&shared, coord, &addr, hb)).map_err(|e| PsError::Io(e.to_string()))?
+            std::thread::Builder::new()
+                .name("kolo-ps-heartbeat".into())
+                .spawn(move || heartbeat(&shared, coord, &addr, hb))
+                .map_err(|e| PsError::Io(e.to_string()))?
         };
         Ok(Server { listener, shared, beat: Some(beat) })
     }
@@ -170,11 +177,14 @@ fn heartbeat(shared: &Arc<Shared>, mut coord: Conn, addr: &str, every: Duration)
     let (tx, rx) = std::sync::mpsc::channel::<Membership>();
     let reconfigurer = {
         let shared = shared.clone();
-        std::thread::Builder::new().name("kolo-ps-reconfigure".into()).spawn(move || {
-            for m in rx {
-                reconfigure(&shared, m);
-            }
-        }).map_err(|e| PsError::Io(e.to_string()))?
+        std::thread::Builder::new()
+            .name("kolo-ps-reconfigure".into())
+            .spawn(move || {
+                for m in rx {
+                    reconfigure(&shared, m);
+                }
+            })
+            .map_err(|e| PsError::Io(e.to_string()))?
     };
     let mut seen = shared.epoch.load(Ordering::SeqCst);
     let r = beat_loop(shared, &mut coord, addr, every, me, &mut silent_since, &mut seen, &tx);
@@ -184,7 +194,16 @@ fn heartbeat(shared: &Arc<Shared>, mut coord: Conn, addr: &str, every: Duration)
 }
 
 #[allow(clippy::too_many_arguments)]
-fn beat_loop(shared: &Shared, coord: &mut Conn, addr: &str, every: Duration, me: u32, silent_since: &mut Option<Instant>, seen: &mut u64, tx: &std::sync::mpsc::Sender<Membership>) -> Result<(), PsError> {
+fn beat_loop(
+    shared: &Shared,
+    coord: &mut Conn,
+    addr: &str,
+    every: Duration,
+    me: u32,
+    silent_since: &mut Option<Instant>,
+    seen: &mut u64,
+    tx: &std::sync::mpsc::Sender<Membership>,
+) -> Result<(), PsError> {
     while !shared.stop.load(Ordering::SeqCst) {
         std::thread::sleep(every);
         match coord.call(&Req::Heartbeat { server: me }) {
@@ -201,7 +220,9 @@ fn beat_loop(shared: &Shared, coord: &mut Conn, addr: &str, every: Duration, me:
                 }
                 if !listed {
                     shared.stop.store(true, Ordering::SeqCst);
-                    return Err(PsError::Server(format!("server {me} is no longer a member (removed, or declared dead after missing heartbeats); its ranges were handed on")));
+                    return Err(PsError::Server(format!(
+                        "server {me} is no longer a member (removed, or declared dead after missing heartbeats); its ranges were handed on"
+                    )));
                 }
             }
             Ok(other) => return Err(PsError::Protocol(format!("coordinator answered a heartbeat with {other:?}"))),
@@ -209,7 +230,11 @@ fn beat_loop(shared: &Shared, coord: &mut Conn, addr: &str, every: Duration, me:
                 let since = *silent_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > shared.timeout {
                     shared.stop.store(true, Ordering::SeqCst);
-                    return Err(PsError::Timeout { what: format!("server {me}: the coordinator at {addr}"), secs: shared.timeout.as_secs_f64(), detail: e.to_string() });
+                    return Err(PsError::Timeout {
+                        what: format!("server {me}: the coordinator at {addr}"),
+                        secs: shared.timeout.as_secs_f64(),
+                        detail: e.to_string(),
+                    });
                 }
                 if let Ok(c) = Conn::connect(addr, &shared.token, Duration::from_secs(1)) {
                     *coord = c;
@@ -246,7 +271,13 @@ fn reconfigure(shared: &Shared, m: Membership) {
         let sender = old_chain.iter().copied().find(|s| ids.contains(s) || *s == me);
         if sender == Some(me) || (sender.is_none() && new_chain.contains(&me)) {
             for to in new_chain.iter().copied().filter(|s| *s != me && !old_chain.contains(s)) {
-                let state = RangeState { values: d.values.clone(), opt_steps: d.opt.steps(), opt_state: d.opt.state().into_iter().map(|(_, v)| v.to_vec()).collect(), clocks: d.clocks.clone(), pending: d.pending.clone() };
+                let state = RangeState {
+                    values: d.values.clone(),
+                    opt_steps: d.opt.steps(),
+                    opt_state: d.opt.state().into_iter().map(|(_, v)| v.to_vec()).collect(),
+                    clocks: d.clocks.clone(),
+                    pending: d.pending.clone(),
+                };
                 let req = Req::Transfer { job: job.clone(), epoch, range: r, state };
                 if let Err(e) = forward(shared, to, &req) {
                     eprintln!("kolo ps server {me}: handing range {r} to server {to} failed: {e}");
@@ -269,7 +300,13 @@ fn reconfigure(shared: &Shared, m: Membership) {
 
 /// Sends `req` to server `to` and waits for its acknowledgement.
 fn forward(shared: &Shared, to: u32, req: &Req) -> Result<(), PsError> {
-    let addr = lock(&shared.view).membership.servers.iter().find(|(id, _)| *id == to).map(|(_, a)| a.clone()).ok_or_else(|| PsError::Server(format!("server {to} is not a member")))?;
+    let addr = lock(&shared.view)
+        .membership
+        .servers
+        .iter()
+        .find(|(id, _)| *id == to)
+        .map(|(_, a)| a.clone())
+        .ok_or_else(|| PsError::Server(format!("server {to} is not a member")))?;
     let cell = lock(&shared.peers).entry(to).or_default().clone();
     let mut conn = lock(&cell);
     for attempt in 0..2 {
@@ -329,7 +366,10 @@ fn wait_range(shared: &Shared, range: u32, epoch: u64) -> Result<Slot, Resp> {
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
-            return Err(err(format!("server {me}: range {range} never arrived (no Init or hand-over within {:.1} s)", shared.timeout.as_secs_f64())));
+            return Err(err(format!(
+                "server {me}: range {range} never arrived (no Init or hand-over within {:.1} s)",
+                shared.timeout.as_secs_f64()
+            )));
         }
         map = shared.appeared.wait_timeout(map, left.min(Duration::from_millis(50))).unwrap_or_else(|p| p.into_inner()).0;
     }
@@ -425,7 +465,12 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
         Req::Init { job, epoch, range, values, fwd } => {
             set_job(shared, &job)?;
             if range >= job.ranges() || values.len() != job.span(range).len() {
-                return Err(err(format!("Init of range {range} with {} values does not fit the job ({} ranges of {})", values.len(), job.ranges(), job.chunk)));
+                return Err(err(format!(
+                    "Init of range {range} with {} values does not fit the job ({} ranges of {})",
+                    values.len(),
+                    job.ranges(),
+                    job.chunk
+                )));
             }
             let deadline = Instant::now() + CATCH_UP;
             while shared.epoch.load(Ordering::SeqCst) < epoch && Instant::now() < deadline {
@@ -440,7 +485,14 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                 Some(s) => s,
                 None => {
                     let n = values.len();
-                    let d = RangeData { epoch, values: values.clone(), opt: Optimizer::new(job.optimizer.clone(), n), clocks: vec![0; job.workers as usize], pending: vec![None; job.workers as usize], vectors: BTreeMap::new() };
+                    let d = RangeData {
+                        epoch,
+                        values: values.clone(),
+                        opt: Optimizer::new(job.optimizer.clone(), n),
+                        clocks: vec![0; job.workers as usize],
+                        pending: vec![None; job.workers as usize],
+                        vectors: BTreeMap::new(),
+                    };
                     let s: Slot = Arc::new((Mutex::new(d), Condvar::new()));
                     lock(&shared.ranges).entry(range).or_insert(s).clone()
                 }
@@ -448,7 +500,8 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             shared.appeared.notify_all();
             let _d = lock(&slot.0);
             if let Some(next) = successor(shared, &job, range) {
-                forward(shared, next, &Req::Init { job, epoch, range, values, fwd: true }).map_err(|e| err(format!("server {me}: replicating Init of range {range}: {e}")))?;
+                forward(shared, next, &Req::Init { job, epoch, range, values, fwd: true })
+                    .map_err(|e| err(format!("server {me}: replicating Init of range {range}: {e}")))?;
             }
             let _ = fwd;
             Ok(Resp::Ok { duplicate: false })
@@ -507,7 +560,8 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                     None => Keys::All,
                     Some(k) => Keys::List { id: 0, keys: k.to_vec() },
                 };
-                forward(shared, next, &Req::Push { epoch, range, worker, clock, lr, keys, values, fwd: true }).map_err(|e| err(format!("server {me}: replicating worker {worker}'s step {clock} of range {range}: {e}")))?;
+                forward(shared, next, &Req::Push { epoch, range, worker, clock, lr, keys, values, fwd: true })
+                    .map_err(|e| err(format!("server {me}: replicating worker {worker}'s step {clock} of range {range}: {e}")))?;
             }
             slot.1.notify_all();
             let mut s = lock(&shared.stats);
@@ -530,7 +584,13 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                     Some(need) if min < need => {
                         let left = deadline.saturating_duration_since(Instant::now());
                         if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
-                            let behind: Vec<String> = d.clocks.iter().enumerate().filter(|(_, c)| **c < need).map(|(w, c)| format!("worker {w} at step {c}")).collect();
+                            let behind: Vec<String> = d
+                                .clocks
+                                .iter()
+                                .enumerate()
+                                .filter(|(_, c)| **c < need)
+                                .map(|(w, c)| format!("worker {w} at step {c}"))
+                                .collect();
                             return Err(err(format!(
                                 "worker {worker}'s pull of range {range} for step {clock} waited {:.1} s for step {need} of every worker ({:?}); behind: {}",
                                 shared.timeout.as_secs_f64(),

@@ -3,7 +3,15 @@ use crate::wire::{Keys, Membership, RangeState, Req, Resp, ServerStats};
 use proptest::prelude::*;
 
 fn job() -> JobSpec {
-    JobSpec { len: 1000, chunk: 64, workers: 3, replication: 1, backup: 0, consistency: Consistency::Bounded(4), optimizer: kolo_optim::OptimizerSpec::Adagrad { eps: 1e-10, weight_decay: 0.0, lr_decay: 0.0 } }
+    JobSpec {
+        len: 1000,
+        chunk: 64,
+        workers: 3,
+        replication: 1,
+        backup: 0,
+        consistency: Consistency::Bounded(4),
+        optimizer: kolo_optim::OptimizerSpec::Adagrad { eps: 1e-10, weight_decay: 0.0, lr_decay: 0.0 },
+    }
 }
 
 #[test]
@@ -76,10 +84,30 @@ fn consistency_needs() {
 fn messages_round_trip() {
     let reqs = vec![
         Req::Init { job: job(), epoch: 3, range: 7, values: vec![1.0, -2.5], fwd: true },
-        Req::Push { epoch: 1, range: 2, worker: 1, clock: 9, lr: 0.1, keys: Keys::List { id: 77, keys: vec![0, 3] }, values: vec![0.5, 0.25], fwd: false },
+        Req::Push {
+            epoch: 1,
+            range: 2,
+            worker: 1,
+            clock: 9,
+            lr: 0.1,
+            keys: Keys::List { id: 77, keys: vec![0, 3] },
+            values: vec![0.5, 0.25],
+            fwd: false,
+        },
         Req::Push { epoch: 1, range: 2, worker: 1, clock: 9, lr: 0.1, keys: Keys::Cached { id: 77 }, values: vec![0.5, 0.25], fwd: false },
         Req::Pull { epoch: 1, range: 2, worker: 0, clock: 4, keys: Keys::All },
-        Req::Transfer { job: job(), epoch: 2, range: 1, state: RangeState { values: vec![1.0; 3], opt_steps: 4, opt_state: vec![vec![2.0; 3]], clocks: vec![1, 2, 3], pending: vec![None, Some(vec![1.0; 3]), None] } },
+        Req::Transfer {
+            job: job(),
+            epoch: 2,
+            range: 1,
+            state: RangeState {
+                values: vec![1.0; 3],
+                opt_steps: 4,
+                opt_state: vec![vec![2.0; 3]],
+                clocks: vec![1, 2, 3],
+                pending: vec![None, Some(vec![1.0; 3]), None],
+            },
+        },
         Req::Stats,
         Req::Axpby { epoch: 0, range: 0, dst: 1, a: 0.5, src: 2, b: -1.0 },
         Req::Dot { epoch: 0, range: 0, x: 1, y: 2 },
@@ -105,7 +133,18 @@ fn messages_round_trip() {
         Resp::UnknownKeys,
         Resp::WrongEpoch { current: 9 },
         Resp::Error("x".into()),
-        Resp::Stats(ServerStats { pushes: 1, pulls: 2, bytes_in: 3, bytes_out: 4, max_lead: 5, ranges: 6, cached_key_lists: 7, key_bytes_saved: 8, duplicates: 9, skipped: 10 }),
+        Resp::Stats(ServerStats {
+            pushes: 1,
+            pulls: 2,
+            bytes_in: 3,
+            bytes_out: 4,
+            max_lead: 5,
+            ranges: 6,
+            cached_key_lists: 7,
+            key_bytes_saved: 8,
+            duplicates: 9,
+            skipped: 10,
+        }),
         Resp::Registered { id: 2, membership: m.clone() },
         Resp::Membership(m),
     ];

@@ -32,32 +32,91 @@ pub struct RangeState {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Req {
     /// Creates a range with its first values (the first `Init` wins; later ones are ignored).
-    Init { job: JobSpec, epoch: u64, range: u32, values: Vec<f32>, fwd: bool },
+    Init {
+        job: JobSpec,
+        epoch: u64,
+        range: u32,
+        values: Vec<f32>,
+        fwd: bool,
+    },
     /// A worker's gradient for `range` at its `clock`; `fwd` when a chain predecessor forwards it.
-    Push { epoch: u64, range: u32, worker: u32, clock: u64, lr: f32, keys: Keys, values: Vec<f32>, fwd: bool },
+    Push {
+        epoch: u64,
+        range: u32,
+        worker: u32,
+        clock: u64,
+        lr: f32,
+        keys: Keys,
+        values: Vec<f32>,
+        fwd: bool,
+    },
     /// Values of `range` for a worker about to compute step `clock` (waits per the consistency model).
-    Pull { epoch: u64, range: u32, worker: u32, clock: u64, keys: Keys },
+    Pull {
+        epoch: u64,
+        range: u32,
+        worker: u32,
+        clock: u64,
+        keys: Keys,
+    },
     /// A whole range handed to a new chain member.
-    Transfer { job: JobSpec, epoch: u64, range: u32, state: RangeState },
+    Transfer {
+        job: JobSpec,
+        epoch: u64,
+        range: u32,
+        state: RangeState,
+    },
     /// Counters of this server.
     Stats,
     /// Sandblaster's vector operations on the server's ranges: `dst = a * dst + b * src` over
     /// named vectors (vector 0 is the parameters), and dot products.
-    Axpby { epoch: u64, range: u32, dst: u32, a: f64, src: u32, b: f64 },
-    Dot { epoch: u64, range: u32, x: u32, y: u32 },
+    Axpby {
+        epoch: u64,
+        range: u32,
+        dst: u32,
+        a: f64,
+        src: u32,
+        b: f64,
+    },
+    Dot {
+        epoch: u64,
+        range: u32,
+        x: u32,
+        y: u32,
+    },
     /// Writes (or, with `read`, reads) a named vector of a range.
-    Vector { epoch: u64, range: u32, id: u32, values: Option<Vec<f32>> },
+    Vector {
+        epoch: u64,
+        range: u32,
+        id: u32,
+        values: Option<Vec<f32>>,
+    },
     // Coordinator requests.
-    Register { addr: String },
-    Heartbeat { server: u32 },
-    Membership { min_servers: u32, after_epoch: u64 },
-    WorkerBeat { worker: u32 },
-    Remove { server: u32 },
+    Register {
+        addr: String,
+    },
+    Heartbeat {
+        server: u32,
+    },
+    Membership {
+        min_servers: u32,
+        after_epoch: u64,
+    },
+    WorkerBeat {
+        worker: u32,
+    },
+    Remove {
+        server: u32,
+    },
     Shutdown,
     /// Worker `by` takes over dead worker `worker`'s data shard (granted to one claimant).
-    Adopt { worker: u32, by: u32 },
+    Adopt {
+        worker: u32,
+        by: u32,
+    },
     /// Worker `worker` finished: its silence from now on is not a death.
-    WorkerDone { worker: u32 },
+    WorkerDone {
+        worker: u32,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Default)]
@@ -131,7 +190,9 @@ pub(crate) fn put_job(w: &mut Writer, j: &JobSpec) {
     };
     match j.optimizer {
         OptimizerSpec::Sgd { momentum, nesterov, weight_decay } => w.u8(0).f32(momentum).u8(nesterov as u8).f32(weight_decay),
-        OptimizerSpec::Adam { beta1, beta2, eps, weight_decay, decoupled } => w.u8(1).f32(beta1).f32(beta2).f32(eps).f32(weight_decay).u8(decoupled as u8),
+        OptimizerSpec::Adam { beta1, beta2, eps, weight_decay, decoupled } => {
+            w.u8(1).f32(beta1).f32(beta2).f32(eps).f32(weight_decay).u8(decoupled as u8)
+        }
         OptimizerSpec::Adagrad { eps, weight_decay, lr_decay } => w.u8(2).f32(eps).f32(weight_decay).f32(lr_decay),
     };
 }
@@ -277,7 +338,16 @@ impl Req {
         let mut r = Reader::new(body);
         let req = match r.u8()? {
             1 => Req::Init { job: get_job(&mut r)?, epoch: r.u64()?, range: r.u32()?, values: r.f32s()?, fwd: r.u8()? != 0 },
-            2 => Req::Push { epoch: r.u64()?, range: r.u32()?, worker: r.u32()?, clock: r.u64()?, lr: r.f32()?, keys: get_keys(&mut r)?, values: r.f32s()?, fwd: r.u8()? != 0 },
+            2 => Req::Push {
+                epoch: r.u64()?,
+                range: r.u32()?,
+                worker: r.u32()?,
+                clock: r.u64()?,
+                lr: r.f32()?,
+                keys: get_keys(&mut r)?,
+                values: r.f32s()?,
+                fwd: r.u8()? != 0,
+            },
             3 => Req::Pull { epoch: r.u64()?, range: r.u32()?, worker: r.u32()?, clock: r.u64()?, keys: get_keys(&mut r)? },
             4 => Req::Transfer { job: get_job(&mut r)?, epoch: r.u64()?, range: r.u32()?, state: get_state(&mut r)? },
             5 => Req::Stats,
@@ -322,7 +392,17 @@ impl Resp {
                 w.u8(6).str(e);
             }
             Resp::Stats(s) => {
-                w.u8(7).u64(s.pushes).u64(s.pulls).u64(s.bytes_in).u64(s.bytes_out).u64(s.max_lead).u64(s.ranges).u64(s.cached_key_lists).u64(s.key_bytes_saved).u64(s.duplicates).u64(s.skipped);
+                w.u8(7)
+                    .u64(s.pushes)
+                    .u64(s.pulls)
+                    .u64(s.bytes_in)
+                    .u64(s.bytes_out)
+                    .u64(s.max_lead)
+                    .u64(s.ranges)
+                    .u64(s.cached_key_lists)
+                    .u64(s.key_bytes_saved)
+                    .u64(s.duplicates)
+                    .u64(s.skipped);
             }
             Resp::Registered { id, membership } => {
                 w.u8(8).u32(*id);

@@ -23,7 +23,14 @@ fn cluster(n: usize) -> Cluster {
 }
 
 fn add_server(coord: &Coordinator, token: &JobToken) -> Server {
-    Server::start(ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: TIMEOUT, heartbeat: Duration::from_millis(50) }).unwrap()
+    Server::start(ServerOptions {
+        listen: "127.0.0.1:0".into(),
+        coordinator: coord.addr().to_string(),
+        token: token.clone(),
+        timeout: TIMEOUT,
+        heartbeat: Duration::from_millis(50),
+    })
+    .unwrap()
 }
 
 fn sgd() -> OptimizerSpec {
@@ -35,7 +42,16 @@ fn job(len: u64, chunk: u32, workers: u32, replication: u32, consistency: Consis
 }
 
 fn client(c: &Cluster, job: &JobSpec, worker: u32, min_servers: u32) -> PsClient {
-    PsClient::connect(ClientOptions { coordinator: c.coord.addr().to_string(), token: c.token.clone(), job: job.clone(), worker, min_servers, timeout: TIMEOUT, heartbeat: None }).unwrap()
+    PsClient::connect(ClientOptions {
+        coordinator: c.coord.addr().to_string(),
+        token: c.token.clone(),
+        job: job.clone(),
+        worker,
+        min_servers,
+        timeout: TIMEOUT,
+        heartbeat: None,
+    })
+    .unwrap()
 }
 
 /// Worker `w`'s gradient at step `t`: deterministic, different per worker, step and element.
@@ -197,7 +213,12 @@ fn killing_a_server_loses_no_acknowledged_update() {
     assert!(p.membership().epoch > 3, "the server was killed after the last push; the test must kill it under load");
     let mut x = vec![0f32; n as usize];
     p.pull(pushes, &mut x).unwrap();
-    assert!(x.iter().all(|v| *v == -2.0 * pushes as f32), "values {:?}... (expected -{}: 2 workers x {pushes} pushes, each acknowledged once)", &x[..4], 2 * pushes);
+    assert!(
+        x.iter().all(|v| *v == -2.0 * pushes as f32),
+        "values {:?}... (expected -{}: 2 workers x {pushes} pushes, each acknowledged once)",
+        &x[..4],
+        2 * pushes
+    );
     let m = c.coord.membership();
     assert!(!m.servers.iter().any(|(id, _)| *id == victim_id), "the dead server is still a member");
     // Both survivors hold ranges now, each range twice (replication 1).
@@ -285,7 +306,15 @@ fn key_lists_are_sent_once_then_cached() {
 fn a_stranger_without_the_token_is_refused() {
     let c = cluster(1);
     let j = job(10, 10, 1, 0, Consistency::Async, sgd());
-    let r = PsClient::connect(ClientOptions { coordinator: c.coord.addr().to_string(), token: JobToken::generate(), job: j, worker: 0, min_servers: 1, timeout: Duration::from_secs(2), heartbeat: None });
+    let r = PsClient::connect(ClientOptions {
+        coordinator: c.coord.addr().to_string(),
+        token: JobToken::generate(),
+        job: j,
+        worker: 0,
+        min_servers: 1,
+        timeout: Duration::from_secs(2),
+        heartbeat: None,
+    });
     let e = r.err().expect("a wrong token must be refused").to_string();
     assert!(e.contains("token"), "{e}");
 }
@@ -306,9 +335,25 @@ fn a_mismatched_job_is_refused_by_name() {
 fn a_bsp_pull_names_the_worker_that_never_pushed() {
     let token = JobToken::generate();
     let coord = Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_secs(5)).unwrap();
-    let _s = Server::start(ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: Duration::from_millis(500), heartbeat: Duration::from_millis(50) }).unwrap();
+    let _s = Server::start(ServerOptions {
+        listen: "127.0.0.1:0".into(),
+        coordinator: coord.addr().to_string(),
+        token: token.clone(),
+        timeout: Duration::from_millis(500),
+        heartbeat: Duration::from_millis(50),
+    })
+    .unwrap();
     let j = job(10, 10, 2, 0, Consistency::Bsp, sgd());
-    let mut p = PsClient::connect(ClientOptions { coordinator: coord.addr().to_string(), token, job: j, worker: 0, min_servers: 1, timeout: Duration::from_secs(3), heartbeat: None }).unwrap();
+    let mut p = PsClient::connect(ClientOptions {
+        coordinator: coord.addr().to_string(),
+        token,
+        job: j,
+        worker: 0,
+        min_servers: 1,
+        timeout: Duration::from_secs(3),
+        heartbeat: None,
+    })
+    .unwrap();
     p.init(&[0.0; 10]).unwrap();
     p.push(0, 1.0, &[1.0; 10], None).unwrap();
     let e = p.pull(1, &mut [0.0; 10]).unwrap_err().to_string();
@@ -349,5 +394,8 @@ fn bsp_with_a_backup_worker_does_not_wait_for_the_straggler() {
     // Every step applied the mean of the gradients it had (all ones): exactly one unit each.
     assert!(x.iter().all(|v| *v == -(steps as f32)), "{:?}", &x[..4]);
     let skipped: u64 = p.server_stats().unwrap().iter().map(|(_, s)| s.skipped).sum();
-    assert!(skipped >= 4 * (steps - 2), "the steps should have gone without the straggler: {skipped} gradients skipped over 4 ranges x {steps} steps");
+    assert!(
+        skipped >= 4 * (steps - 2),
+        "the steps should have gone without the straggler: {skipped} gradients skipped over 4 ranges x {steps} steps"
+    );
 }

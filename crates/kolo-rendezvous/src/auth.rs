@@ -34,7 +34,7 @@ impl JobToken {
 
     pub fn from_hex(s: &str) -> Result<JobToken, String> {
         let s = s.trim();
-        if s.len() < 16 || s.len() % 2 != 0 {
+        if s.len() < 16 || !s.len().is_multiple_of(2) {
             return Err("a job token is an even number of hex digits, at least 16".into());
         }
         let bytes = (0..s.len())
@@ -81,12 +81,7 @@ fn auth_err(peer: &str, reason: impl Into<String>) -> StoreError {
 }
 
 /// Client side. `stream` must already have read/write timeouts set (the handshake's deadline).
-pub fn client_handshake<S: Read + Write>(
-    stream: &mut S,
-    token: &JobToken,
-    purpose: &str,
-    peer: &str,
-) -> Result<(), StoreError> {
+pub fn client_handshake<S: Read + Write>(stream: &mut S, token: &JobToken, purpose: &str, peer: &str) -> Result<(), StoreError> {
     if purpose.len() > MAX_PURPOSE {
         return Err(auth_err(peer, "purpose string too long"));
     }
@@ -114,9 +109,7 @@ pub fn client_handshake<S: Read + Write>(
     let cmac = token.mac(&[b"kolo-client", purpose.as_bytes(), sn, &cn]);
     stream.write_all(&cmac).map_err(|e| auth_err(peer, format!("sending proof: {e}")))?;
     let mut verdict = [0u8; 1];
-    stream
-        .read_exact(&mut verdict)
-        .map_err(|e| auth_err(peer, format!("waiting for verdict: {e}")))?;
+    stream.read_exact(&mut verdict).map_err(|e| auth_err(peer, format!("waiting for verdict: {e}")))?;
     if verdict[0] != 1 {
         return Err(auth_err(peer, "the server rejected our token"));
     }
@@ -149,8 +142,7 @@ pub fn server_handshake<S: Read + Write>(
     }
     let mut rest = vec![0u8; plen + NONCE];
     stream.read_exact(&mut rest).map_err(|e| auth_err(peer, format!("reading hello: {e}")))?;
-    let purpose = String::from_utf8(rest[..plen].to_vec())
-        .map_err(|_| auth_err(peer, "purpose is not UTF-8"))?;
+    let purpose = String::from_utf8(rest[..plen].to_vec()).map_err(|_| auth_err(peer, "purpose is not UTF-8"))?;
     if let Some(want) = expected_purpose {
         if purpose != want {
             return refuse(stream, format!("asked for `{purpose}`, this endpoint serves `{want}`"));

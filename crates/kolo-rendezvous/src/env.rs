@@ -55,11 +55,7 @@ impl LaunchEnv {
 fn num(vars: &HashMap<String, String>, key: &str) -> Result<Option<usize>, String> {
     match vars.get(key) {
         None => Ok(None),
-        Some(v) => v
-            .trim()
-            .parse::<usize>()
-            .map(Some)
-            .map_err(|_| format!("{key}={v:?} is not a non-negative integer")),
+        Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| format!("{key}={v:?} is not a non-negative integer")),
     }
 }
 

@@ -81,12 +81,7 @@ impl Store for PrefixStore {
 
 /// An O(n) barrier over the store: every rank bumps one counter, the last one to arrive sets
 /// `done`. Used to join a job and to check that every rank agrees on the world size.
-pub fn store_barrier(
-    store: &dyn Store,
-    name: &str,
-    world_size: usize,
-    deadline: Deadline,
-) -> Result<(), StoreError> {
+pub fn store_barrier(store: &dyn Store, name: &str, world_size: usize, deadline: Deadline) -> Result<(), StoreError> {
     let n = store.add(&format!("{name}/count"), 1)?;
     if n == world_size as i64 {
         store.set(&format!("{name}/done"), b"1")?;
@@ -97,8 +92,10 @@ pub fn store_barrier(
     }
     store.get(&format!("{name}/done"), deadline).map_err(|e| match e {
         StoreError::Timeout { key, waited } => StoreError::Timeout {
-            key: format!("{key} (barrier `{name}`: {} of {world_size} ranks arrived)",
-                store.add(&format!("{name}/count"), 0).unwrap_or(-1)),
+            key: format!(
+                "{key} (barrier `{name}`: {} of {world_size} ranks arrived)",
+                store.add(&format!("{name}/count"), 0).unwrap_or(-1)
+            ),
             waited,
         },
         other => other,

@@ -43,9 +43,7 @@ impl TcpStoreServer {
         let state = Arc::new(State::default());
         let acceptor = {
             let (stop, conns) = (stop.clone(), conns.clone());
-            std::thread::Builder::new()
-                .name("kolo-store".into())
-                .spawn(move || accept_loop(listener, token, state, stop, conns))?
+            std::thread::Builder::new().name("kolo-store".into()).spawn(move || accept_loop(listener, token, state, stop, conns))?
         };
         Ok(TcpStoreServer { addr, stop, conns, acceptor: Some(acceptor) })
     }
@@ -67,13 +65,7 @@ impl Drop for TcpStoreServer {
     }
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    token: JobToken,
-    state: Arc<State>,
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-) {
+fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: Arc<AtomicBool>, conns: Arc<Mutex<Vec<TcpStream>>>) {
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer)) => {
@@ -81,9 +73,8 @@ fn accept_loop(
                     conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
                 }
                 let (token, state, stop) = (token.clone(), state.clone(), stop.clone());
-                let _ = std::thread::Builder::new()
-                    .name("kolo-store-conn".into())
-                    .spawn(move || serve(stream, peer, &token, &state, &stop));
+                let _ =
+                    std::thread::Builder::new().name("kolo-store-conn".into()).spawn(move || serve(stream, peer, &token, &state, &stop));
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
             Err(e) => {
@@ -236,9 +227,7 @@ impl Store for TcpStore {
             let req = Request::Get { key: key.into(), timeout_ms: wait.as_millis() as u64 };
             match self.call(&req, wait)? {
                 Response::Value(v) => return Ok(v),
-                Response::Timeout if deadline.expired() => {
-                    return Err(StoreError::Timeout { key: key.into(), waited: deadline.budget() })
-                }
+                Response::Timeout if deadline.expired() => return Err(StoreError::Timeout { key: key.into(), waited: deadline.budget() }),
                 Response::Timeout => {}
                 r => return Err(Self::unexpected(r)),
             }

@@ -52,9 +52,8 @@ fn tcp_store_semantics_and_blocking_get() {
 #[test]
 fn tcp_store_refuses_wrong_token() {
     let server = TcpStoreServer::start("127.0.0.1:0", JobToken::generate()).unwrap();
-    let err = TcpStore::connect(&server.local_addr().to_string(), &JobToken::generate(), secs(5))
-        .err()
-        .expect("a wrong token must be refused");
+    let err =
+        TcpStore::connect(&server.local_addr().to_string(), &JobToken::generate(), secs(5)).err().expect("a wrong token must be refused");
     assert!(matches!(err, StoreError::Auth { .. }), "{err}");
     assert!(err.to_string().contains("token"), "{err}");
 }
@@ -94,21 +93,30 @@ fn store_barrier_joins_and_detects_extra_ranks() {
 #[test]
 fn env_discovery_torchrun_slurm_mpi() {
     assert_eq!(discover(Vec::<(String, String)>::new()).unwrap(), None);
-    let e = discover([("RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "1234")])
-        .unwrap()
-        .unwrap();
+    let e = discover([("RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "1234")]).unwrap().unwrap();
     assert_eq!((e.rank, e.world_size, e.local_rank, e.source), (1, 4, 1, EnvSource::Torchrun));
     assert_eq!(e.store_addr(), "10.0.0.1:1234");
-    let e = discover([("SLURM_PROCID", "3"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"), ("SLURM_NNODES", "2"),
-        ("SLURM_NTASKS_PER_NODE", "4(x2)"), ("SLURM_LAUNCH_NODE_IPADDR", "10.1.1.1"), ("SLURM_JOB_ID", "777")])
-        .unwrap()
-        .unwrap();
+    let e = discover([
+        ("SLURM_PROCID", "3"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_NNODES", "2"),
+        ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+        ("SLURM_LAUNCH_NODE_IPADDR", "10.1.1.1"),
+        ("SLURM_JOB_ID", "777"),
+    ])
+    .unwrap()
+    .unwrap();
     assert_eq!((e.rank, e.world_size, e.local_rank, e.local_world_size), (3, 8, 1, 4));
     assert_eq!((e.master_addr.as_str(), e.master_port), ("10.1.1.1", 20777));
-    let e = discover([("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
-        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2")])
-        .unwrap()
-        .unwrap();
+    let e = discover([
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "2"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ])
+    .unwrap()
+    .unwrap();
     assert_eq!((e.master_addr.as_str(), e.master_port, e.source), ("127.0.0.1", 29500, EnvSource::OpenMpi));
     // Clear errors for bad input.
     assert!(discover([("RANK", "4"), ("WORLD_SIZE", "4")]).unwrap_err().contains("not below"));

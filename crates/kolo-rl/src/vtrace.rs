@@ -33,6 +33,7 @@ pub fn vtrace(log_rhos: &[f64], discounts: &[f64], rewards: &[f64], values: &[f6
         acc = delta + discounts[s] * cs[s] * acc;
         vs[s] = values[s] + acc;
     }
-    let advantages = (0..n).map(|s| rhos[s] * (rewards[s] + discounts[s] * if s + 1 < n { vs[s + 1] } else { bootstrap } - values[s])).collect();
+    let advantages =
+        (0..n).map(|s| rhos[s] * (rewards[s] + discounts[s] * if s + 1 < n { vs[s + 1] } else { bootstrap } - values[s])).collect();
     VTrace { vs, advantages, rhos }
 }

@@ -110,7 +110,15 @@ impl CustomOp3 for Linear {
     fn name(&self) -> &'static str {
         "kolo-linear"
     }
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> CResult<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
         let (x, w, b) = (slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
         let inp = last_dim(l1);
         let out = b.len();
@@ -127,7 +135,14 @@ impl CustomOp3 for Linear {
         *dims.last_mut().ok_or_else(|| err("linear: scalar input"))? = out;
         Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
-    fn bwd(&self, x: &Tensor, w: &Tensor, b: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (out, inp) = w.dims2()?;
         let rows: usize = x.dims()[..x.rank().saturating_sub(1)].iter().product();
         let (dx, dw, db) = with_data(grad, |dy| {
@@ -141,7 +156,17 @@ impl CustomOp3 for Linear {
                     let mut r0 = 0;
                     loop {
                         let r1 = (r0 + ROW_BLOCK).min(rows);
-                        matmul(out, inp, r1 - r0, &mut dw, 0, inp, r0 > 0, View::new(dy, r0 * out, 1, out), View::new(xs, r0 * inp, inp, 1));
+                        matmul(
+                            out,
+                            inp,
+                            r1 - r0,
+                            &mut dw,
+                            0,
+                            inp,
+                            r0 > 0,
+                            View::new(dy, r0 * out, 1, out),
+                            View::new(xs, r0 * inp, inp, 1),
+                        );
                         r0 = r1;
                         if r0 >= rows {
                             break;

@@ -21,8 +21,8 @@ pub mod stage;
 pub use candle_core::{DType as CandleDType, Device, Tensor};
 pub use error::TensorError;
 pub use models::{build_model, Batch, Input, Model, ModelSpec};
-pub use stage::GptStage;
 pub use params::{copy_f32, CastView, GradSink, HookedView, Param, ParamSet, ParamView, PlainView};
+pub use stage::GptStage;
 
 pub type Result<T> = std::result::Result<T, TensorError>;
 
@@ -58,7 +58,9 @@ pub fn parse_device(name: &str) -> Result<Device> {
         },
     };
     if !cfg!(feature = "cuda") {
-        return Err(TensorError::Input(format!("device `{name}`: this kolo was built without CUDA (rebuild with `--features cuda`: needs the CUDA toolkit's nvcc)")));
+        return Err(TensorError::Input(format!(
+            "device `{name}`: this kolo was built without CUDA (rebuild with `--features cuda`: needs the CUDA toolkit's nvcc)"
+        )));
     }
     Device::new_cuda(ordinal).map_err(|e| TensorError::Input(format!("device `{name}`: {e}")))
 }

@@ -119,10 +119,11 @@ impl GptStage {
     /// stage). Accumulates the parameter gradients; returns the gradient of the input hidden
     /// states (empty on the first stage).
     pub fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> Result<Vec<f32>> {
-        let (var, out) = match self.saved.remove(&mb).ok_or_else(|| TensorError::Input(format!("backward of micro-batch {mb} before its forward")))? {
-            Saved::Graph(var, out) => (var, out),
-            Saved::Input(input) => self.run(mb, input)?,
-        };
+        let (var, out) =
+            match self.saved.remove(&mb).ok_or_else(|| TensorError::Input(format!("backward of micro-batch {mb} before its forward")))? {
+                Saved::Graph(var, out) => (var, out),
+                Saved::Input(input) => self.run(mb, input)?,
+            };
         let store = match grad {
             None => out.backward()?,
             Some(g) => {

@@ -173,7 +173,11 @@ fn dense_ops_match_composite_ones() {
     // No inputs: every row is the bias.
     let b = Tensor::from_vec(vec![1f32, 2., 3.], 3, &Device::Cpu).unwrap();
     let empty = |r: usize, c: usize| Tensor::zeros((r, c), candle_core::DType::F32, &Device::Cpu).unwrap();
-    close(&crate::dense::linear(&empty(4, 0), &empty(3, 0), &b).unwrap(), &b.unsqueeze(0).unwrap().repeat((4, 1)).unwrap(), "linear without inputs");
+    close(
+        &crate::dense::linear(&empty(4, 0), &empty(3, 0), &b).unwrap(),
+        &b.unsqueeze(0).unwrap().repeat((4, 1)).unwrap(),
+        "linear without inputs",
+    );
     assert!(crate::dense::linear(
         &Tensor::zeros((2, 5), candle_core::DType::F32, &Device::Cpu).unwrap(),
         &Tensor::zeros((3, 4), candle_core::DType::F32, &Device::Cpu).unwrap(),
@@ -185,7 +189,8 @@ fn dense_ops_match_composite_ones() {
         let c = h * d;
         let qkv = Var::from_vec(rand(b * t * 3 * c), (b, t, 3 * c), &Device::Cpu).unwrap();
         let f = crate::dense::causal_attention(&qkv, h).unwrap();
-        let head = |i: usize| qkv.narrow(2, i * c, c).unwrap().reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
+        let head =
+            |i: usize| qkv.narrow(2, i * c, c).unwrap().reshape((b, t, h, d)).unwrap().transpose(1, 2).unwrap().contiguous().unwrap();
         let (q, k, v) = (head(0), head(1), head(2));
         let s = (q.matmul(&k.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
         let p = softmax_last(&s.broadcast_add(&causal_mask(t).unwrap()).unwrap()).unwrap();
@@ -290,7 +295,14 @@ mod moe {
     use crate::models::moe::{aux_loss_value, capacity, load_cv, route, MoeConfig};
 
     fn moe_cfg(experts: usize, top_k: usize, capacity_factor: f64) -> GptConfig {
-        GptConfig { vocab: 11, seq: 8, d_model: 16, n_head: 2, n_layer: 2, moe: Some(MoeConfig { experts, top_k, capacity_factor, aux_weight: 0.01 }) }
+        GptConfig {
+            vocab: 11,
+            seq: 8,
+            d_model: 16,
+            n_head: 2,
+            n_layer: 2,
+            moe: Some(MoeConfig { experts, top_k, capacity_factor, aux_weight: 0.01 }),
+        }
     }
 
     #[test]

@@ -32,10 +32,7 @@ where
                 std::thread::Builder::new().name(format!("rank-{i}")).spawn_scoped(s, move || f(i, c)).expect("spawn rank thread")
             })
             .collect();
-        hs.into_iter()
-            .enumerate()
-            .map(|(i, h)| h.join().unwrap_or_else(|_| panic!("rank {i} panicked")))
-            .collect()
+        hs.into_iter().enumerate().map(|(i, h)| h.join().unwrap_or_else(|_| panic!("rank {i} panicked"))).collect()
     })
 }
 
@@ -194,7 +191,7 @@ fn suite<T: Element>(comm: &dyn Communicator, len: usize) {
         let prev = Rank((me + n - 1) % n);
         let mine = input::<T>(op, me, len);
         let mut got = vec![T::default(); len];
-        if me % 2 == 0 {
+        if me.is_multiple_of(2) {
             comm.send(BufRef::from(&mine), next, 7).unwrap();
             comm.recv(BufMut::from(&mut got), prev, 7).unwrap();
         } else {

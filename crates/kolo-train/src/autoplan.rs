@@ -15,11 +15,27 @@ pub const LOOPBACK_BYTES_PER_S: f64 = 1.5e9;
 /// line describing it. The global batch stays data.batch_size x world.
 pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String, TrainError> {
     if cfg.model.kind != ModelKind::Gpt || cfg.model.experts.is_some() || cfg.mesh.is_some() || cfg.pipeline.is_some() {
-        return Ok(format!("plan auto: data parallelism on {world} ranks (the planner plans dense GPTs without a [mesh] or [pipeline] of their own)"));
+        return Ok(format!(
+            "plan auto: data parallelism on {world} ranks (the planner plans dense GPTs without a [mesh] or [pipeline] of their own)"
+        ));
     }
     let md = &cfg.model;
-    let m = Gpt { layers: md.n_layer.unwrap_or(4), d_model: md.d_model.unwrap_or(256), heads: md.n_head.unwrap_or(4), seq: md.seq.unwrap_or(128), vocab: 256 };
-    let c = Cluster { devices: world, memory, flops: CPU_FLOPS, bandwidth: LOOPBACK_BYTES_PER_S, latency: 20e-6, activation_factor: Cluster::KOLO_CPU_ACTIVATIONS, param_copy_bytes: Cluster::KOLO_PARAM_COPY };
+    let m = Gpt {
+        layers: md.n_layer.unwrap_or(4),
+        d_model: md.d_model.unwrap_or(256),
+        heads: md.n_head.unwrap_or(4),
+        seq: md.seq.unwrap_or(128),
+        vocab: 256,
+    };
+    let c = Cluster {
+        devices: world,
+        memory,
+        flops: CPU_FLOPS,
+        bandwidth: LOOPBACK_BYTES_PER_S,
+        latency: 20e-6,
+        activation_factor: Cluster::KOLO_CPU_ACTIVATIONS,
+        param_copy_bytes: Cluster::KOLO_PARAM_COPY,
+    };
     let global = cfg.data.batch_size * world;
     // What Kolo runs: ZeRO only with plain data parallelism, activation checkpointing without
     // tp or pp, tp up to the vocabulary.
@@ -28,8 +44,14 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
     // Kolo's ZeRO-3 recomputes every block in backward: it is costed with checkpointing.
     // Without a pipeline, micro-batches are gradient accumulation (not under ZeRO-3).
     let accumulates = |p: &kolo_plan::Plan| p.pp == 1 && p.micro_batch * p.dp < global;
-    let Some((p, e)) = plans.into_iter().find(|(p, _)| !(p.checkpoint && p.tp * p.pp > 1) && (p.zero != 3 || (p.checkpoint && !accumulates(p))) && p.pp <= m.layers) else {
-        return Err(TrainError::Config(format!("plan auto: no plan for this GPT fits in {:.2} GiB per rank on {world} ranks", memory / 1024f64.powi(3))));
+    let Some((p, e)) = plans
+        .into_iter()
+        .find(|(p, _)| !(p.checkpoint && p.tp * p.pp > 1) && (p.zero != 3 || (p.checkpoint && !accumulates(p))) && p.pp <= m.layers)
+    else {
+        return Err(TrainError::Config(format!(
+            "plan auto: no plan for this GPT fits in {:.2} GiB per rank on {world} ranks",
+            memory / 1024f64.powi(3)
+        )));
     };
     cfg.data.batch_size = global / p.dp;
     if accumulates(&p) {
@@ -68,7 +90,11 @@ mod tests {
     use super::*;
 
     fn gpt() -> Config {
-        Config::parse("[model]\nkind = \"gpt\"\nseq = 128\nd_model = 256\nn_head = 4\nn_layer = 4\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n", "t").unwrap()
+        Config::parse(
+            "[model]\nkind = \"gpt\"\nseq = 128\nd_model = 256\nn_head = 4\nn_layer = 4\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n",
+            "t",
+        )
+        .unwrap()
     }
 
     /// Plenty of memory: plain DDP. Tight memory: smaller micro-batches accumulated, model states
@@ -82,7 +108,10 @@ mod tests {
         assert!(c.mesh.is_none() && line.contains("dp 2 x tp 1 x pp 1"));
         let mut c = gpt();
         let line = apply_plan(&mut c, 2, 90e6).unwrap();
-        assert!(c.ddp.zero_stage > 0 || c.mesh.is_some() || c.train.grad_accum > 1, "90 MB cannot hold DDP at 8 sequences per rank (~225 MB): {line}");
+        assert!(
+            c.ddp.zero_stage > 0 || c.mesh.is_some() || c.train.grad_accum > 1,
+            "90 MB cannot hold DDP at 8 sequences per rank (~225 MB): {line}"
+        );
         let (dp, tp, pp) = c.mesh.as_ref().map_or((2, 1, 1), |m| (m.dp.unwrap(), m.tp, m.pp.unwrap()));
         assert_eq!(c.data.batch_size * dp * c.train.grad_accum as usize, 16, "the global batch stays 16: {line}");
         assert_eq!(dp * tp * pp, 2);

@@ -438,7 +438,19 @@ pub enum PsConsistency {
 
 impl Default for PsConfig {
     fn default() -> Self {
-        PsConfig { consistency: PsConsistency::Bsp, staleness: 4, fetch_every: 1, push_every: 1, replication: 0, chunk: 65536, filter_threshold: 0.0, coordinator: None, servers: 1, timeout_secs: 60.0, backup_workers: 0 }
+        PsConfig {
+            consistency: PsConsistency::Bsp,
+            staleness: 4,
+            fetch_every: 1,
+            push_every: 1,
+            replication: 0,
+            chunk: 65536,
+            filter_threshold: 0.0,
+            coordinator: None,
+            servers: 1,
+            timeout_secs: 60.0,
+            backup_workers: 0,
+        }
     }
 }
 
@@ -631,7 +643,20 @@ fn sixteen() -> u8 {
 
 impl Default for DdpConfig {
     fn default() -> Self {
-        DdpConfig { bucket_cap: "25MiB".into(), first_bucket_cap: "1MiB".into(), timeout_secs: 300.0, check_collectives: false, skip_sync: false, zero_stage: 0, compression: None, local_sgd: None, dynamic_batch_every: 0, schedule: None, deterministic: false, deterministic_chunk: 1 }
+        DdpConfig {
+            bucket_cap: "25MiB".into(),
+            first_bucket_cap: "1MiB".into(),
+            timeout_secs: 300.0,
+            check_collectives: false,
+            skip_sync: false,
+            zero_stage: 0,
+            compression: None,
+            local_sgd: None,
+            dynamic_batch_every: 0,
+            schedule: None,
+            deterministic: false,
+            deterministic_chunk: 1,
+        }
     }
 }
 
@@ -664,7 +689,8 @@ impl Config {
 
     fn validate(&self) -> Result<(), String> {
         let m = &self.model;
-        let not_for = |field: &str, set: bool, kinds: &str| if set { Err(format!("model.{field} applies to kind = {kinds} only")) } else { Ok(()) };
+        let not_for =
+            |field: &str, set: bool, kinds: &str| if set { Err(format!("model.{field} applies to kind = {kinds} only")) } else { Ok(()) };
         not_for("hidden", m.hidden.is_some() && m.kind != ModelKind::Mlp, "\"mlp\"")?;
         not_for("channels", m.channels.is_some() && m.kind != ModelKind::Cnn, "\"cnn\"")?;
         let gpt_fields = m.seq.is_some() || m.d_model.is_some() || m.n_head.is_some() || m.n_layer.is_some();
@@ -672,7 +698,9 @@ impl Config {
         not_for("checkpoint_blocks", !m.checkpoint_blocks.is_empty() && m.kind != ModelKind::Gpt, "\"gpt\"")?;
         match (m.kind, self.data.kind) {
             (ModelKind::Gpt, DataKind::Mnist) => return Err("a gpt model needs data.kind = \"text\" or \"synthetic\"".into()),
-            (ModelKind::Mlp | ModelKind::Cnn, DataKind::Text) => return Err("mlp and cnn models need data.kind = \"mnist\" or \"synthetic\"".into()),
+            (ModelKind::Mlp | ModelKind::Cnn, DataKind::Text) => {
+                return Err("mlp and cnn models need data.kind = \"mnist\" or \"synthetic\"".into())
+            }
             _ => {}
         }
         if self.data.kind != DataKind::Synthetic && self.data.path.is_none() {
@@ -702,7 +730,12 @@ impl Config {
         }
         if self.train.device != "cpu" {
             let mesh = self.mesh.as_ref();
-            if mesh.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1)) || self.pipeline.is_some() || self.ddp.zero_stage == 3 || !self.model.checkpoint_blocks.is_empty() || self.train.strategy != Strategy::Ddp {
+            if mesh.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1))
+                || self.pipeline.is_some()
+                || self.ddp.zero_stage == 3
+                || !self.model.checkpoint_blocks.is_empty()
+                || self.train.strategy != Strategy::Ddp
+            {
                 return Err(format!("train.device = \"{}\" supports plain DDP and ZeRO-1/2 only (no mesh tp/sp/pp/ep, [pipeline], zero_stage 3, checkpoint_blocks or strategy ps yet)", self.train.device));
             }
         }
@@ -715,13 +748,21 @@ impl Config {
             }
         }
         if (self.ddp.local_sgd.is_some() || self.ddp.skip_sync) && self.train.precision == Precision::F16 {
-            return Err("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into());
+            return Err(
+                "train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd or ddp.skip_sync yet; use bf16".into()
+            );
         }
         if let Some(f) = &self.fed {
             if self.data.kind != DataKind::Mnist || self.model.kind == ModelKind::Gpt {
                 return Err("[fed] trains the MNIST models (data.kind = \"mnist\", model mlp or cnn)".into());
             }
-            if f.rounds == 0 || f.clients == 0 || f.local_epochs == 0 || f.labels_per_client == 0 || f.clients_per_round == Some(0) || f.round_deadline_secs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+            if f.rounds == 0
+                || f.clients == 0
+                || f.local_epochs == 0
+                || f.labels_per_client == 0
+                || f.clients_per_round == Some(0)
+                || f.round_deadline_secs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+            {
                 return Err("fed: rounds, clients, local_epochs, labels_per_client and clients_per_round must be at least 1, round_deadline_secs positive".into());
             }
             if f.secure && f.clients_per_round.unwrap_or(f.clients) < 2 {
@@ -731,32 +772,82 @@ impl Config {
         if self.ddp.schedule.is_some() {
             self.comm_schedule()?;
             let m = self.mesh.as_ref();
-            if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.ddp.skip_sync || self.ddp.dynamic_batch_every > 0 || self.optim.clip_grad_norm.is_some() || self.train.grad_accum != 1 || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || self.pipeline.is_some() || !self.model.checkpoint_blocks.is_empty() || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1)) || self.train.device != "cpu" {
+            if self.ddp.zero_stage != 0
+                || self.ddp.compression.is_some()
+                || self.ddp.local_sgd.is_some()
+                || self.ddp.skip_sync
+                || self.ddp.dynamic_batch_every > 0
+                || self.optim.clip_grad_norm.is_some()
+                || self.train.grad_accum != 1
+                || self.train.precision != Precision::F32
+                || self.train.checkpoint_dir.is_some()
+                || self.train.strategy != Strategy::Ddp
+                || self.pipeline.is_some()
+                || !self.model.checkpoint_blocks.is_empty()
+                || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1))
+                || self.train.device != "cpu"
+            {
                 return Err("ddp.schedule runs plain f32 DDP on the CPU: no zero_stage, compression, local_sgd, skip_sync, dynamic_batch_every, optim.clip_grad_norm, grad_accum > 1, mixed precision, checkpoints, mesh, pipeline, activation checkpointing or ps (each parameter is updated as soon as its own gradient is reduced)".into());
             }
         }
         if self.ddp.deterministic {
             let m = self.mesh.as_ref();
-            if self.ddp.zero_stage > 2 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.ddp.skip_sync || self.ddp.dynamic_batch_every > 0 || self.ddp.schedule.is_some() || self.data.kind == DataKind::Synthetic || self.train.precision == Precision::F16 || self.train.strategy != Strategy::Ddp || self.pipeline.is_some() || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1)) || self.train.device != "cpu" {
+            if self.ddp.zero_stage > 2
+                || self.ddp.compression.is_some()
+                || self.ddp.local_sgd.is_some()
+                || self.ddp.skip_sync
+                || self.ddp.dynamic_batch_every > 0
+                || self.ddp.schedule.is_some()
+                || self.data.kind == DataKind::Synthetic
+                || self.train.precision == Precision::F16
+                || self.train.strategy != Strategy::Ddp
+                || self.pipeline.is_some()
+                || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1))
+                || self.train.device != "cpu"
+            {
                 return Err("ddp.deterministic runs DDP or ZeRO-1/2 on real data (mnist or text) on the CPU in f32 or bf16: no zero_stage 3, compression, local_sgd, skip_sync, dynamic_batch_every, schedule, f16, [mesh], [pipeline] or ps".into());
             }
-            if self.ddp.deterministic_chunk == 0 || self.data.batch_size % self.ddp.deterministic_chunk != 0 {
-                return Err(format!("ddp.deterministic_chunk = {} must divide data.batch_size = {} (each rank's batch is cut into whole pieces)", self.ddp.deterministic_chunk, self.data.batch_size));
+            if self.ddp.deterministic_chunk == 0 || !self.data.batch_size.is_multiple_of(self.ddp.deterministic_chunk) {
+                return Err(format!(
+                    "ddp.deterministic_chunk = {} must divide data.batch_size = {} (each rank's batch is cut into whole pieces)",
+                    self.ddp.deterministic_chunk, self.data.batch_size
+                ));
             }
         }
-        if self.ddp.dynamic_batch_every > 0 {
-            if self.train.grad_accum != 1 || self.ddp.skip_sync || self.ddp.local_sgd.is_some() || self.data.kind == DataKind::Synthetic || self.mesh.is_some() || self.pipeline.is_some() || self.train.strategy != Strategy::Ddp {
-                return Err("ddp.dynamic_batch_every needs train.grad_accum = 1, real data (mnist or text), plain data parallelism (no [mesh], [pipeline], local SGD, skip_sync or parameter servers)".into());
-            }
+        if self.ddp.dynamic_batch_every > 0
+            && (self.train.grad_accum != 1
+                || self.ddp.skip_sync
+                || self.ddp.local_sgd.is_some()
+                || self.data.kind == DataKind::Synthetic
+                || self.mesh.is_some()
+                || self.pipeline.is_some()
+                || self.train.strategy != Strategy::Ddp)
+        {
+            return Err("ddp.dynamic_batch_every needs train.grad_accum = 1, real data (mnist or text), plain data parallelism (no [mesh], [pipeline], local SGD, skip_sync or parameter servers)".into());
         }
         if let Some(x) = self.model.experts {
             let md = &self.model;
             if md.kind != ModelKind::Gpt {
                 return Err("model.experts (mixture of experts) replaces the GPT's MLPs; model.kind must be \"gpt\"".into());
             }
-            kolo_tensor::models::MoeConfig { experts: x, top_k: md.top_k, capacity_factor: md.capacity_factor, aux_weight: md.aux_loss_weight }.check().map_err(|e| format!("model: {e}"))?;
+            kolo_tensor::models::MoeConfig {
+                experts: x,
+                top_k: md.top_k,
+                capacity_factor: md.capacity_factor,
+                aux_weight: md.aux_loss_weight,
+            }
+            .check()
+            .map_err(|e| format!("model: {e}"))?;
             let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
-            if m.tp > 1 || m.sp > 1 || m.pp.is_some_and(|p| p > 1) || self.pipeline.is_some() || self.ddp.zero_stage == 3 || !md.checkpoint_blocks.is_empty() || self.train.precision != Precision::F32 || self.train.strategy != Strategy::Ddp {
+            if m.tp > 1
+                || m.sp > 1
+                || m.pp.is_some_and(|p| p > 1)
+                || self.pipeline.is_some()
+                || self.ddp.zero_stage == 3
+                || !md.checkpoint_blocks.is_empty()
+                || self.train.precision != Precision::F32
+                || self.train.strategy != Strategy::Ddp
+            {
                 return Err("model.experts trains in f32 with data and expert parallelism (mesh.dp, mesh.ep), without tp, sp, pipelines, ZeRO-3, activation checkpointing or parameter servers (yet)".into());
             }
             if !x.is_multiple_of(m.ep) {
@@ -771,7 +862,14 @@ impl Config {
                 if self.model.experts.is_none() {
                     return Err("mesh.ep > 1 deals the experts of a mixture-of-experts GPT over ranks: set model.experts".into());
                 }
-                if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.checkpoint_dir.is_some() || self.train.grad_accum != 1 || self.train.eval_every != 0 || self.train.timeline_dir.is_some() {
+                if self.ddp.zero_stage != 0
+                    || self.ddp.compression.is_some()
+                    || self.ddp.local_sgd.is_some()
+                    || self.train.checkpoint_dir.is_some()
+                    || self.train.grad_accum != 1
+                    || self.train.eval_every != 0
+                    || self.train.timeline_dir.is_some()
+                {
                     return Err("mesh.ep > 1 runs with grad_accum = 1, a final evaluation only, and without ZeRO, compression, local SGD, timelines or checkpoints (yet)".into());
                 }
             }
@@ -779,7 +877,17 @@ impl Config {
                 if self.model.kind != ModelKind::Gpt || m.tp > 1 || self.pipeline.is_some() {
                     return Err("mesh.sp splits the GPT's sequences (model.kind = \"gpt\", without tp or [pipeline] for now)".into());
                 }
-                if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() || self.train.grad_accum != 1 || self.train.eval_every != 0 || self.train.timeline_dir.is_some() {
+                if self.ddp.zero_stage != 0
+                    || self.ddp.compression.is_some()
+                    || self.ddp.local_sgd.is_some()
+                    || self.train.precision != Precision::F32
+                    || self.train.checkpoint_dir.is_some()
+                    || self.train.strategy != Strategy::Ddp
+                    || !self.model.checkpoint_blocks.is_empty()
+                    || self.train.grad_accum != 1
+                    || self.train.eval_every != 0
+                    || self.train.timeline_dir.is_some()
+                {
                     return Err("mesh.sp > 1 runs in f32 with grad_accum = 1, a final evaluation only, and without ZeRO, compression, local SGD, parameter servers, activation checkpointing, timelines or checkpoints (yet)".into());
                 }
             }
@@ -790,7 +898,14 @@ impl Config {
                 if self.model.kind != ModelKind::Gpt {
                     return Err("mesh.tp splits the GPT's blocks (model.kind = \"gpt\")".into());
                 }
-                if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() {
+                if self.ddp.zero_stage != 0
+                    || self.ddp.compression.is_some()
+                    || self.ddp.local_sgd.is_some()
+                    || self.train.precision != Precision::F32
+                    || self.train.checkpoint_dir.is_some()
+                    || self.train.strategy != Strategy::Ddp
+                    || !self.model.checkpoint_blocks.is_empty()
+                {
                     return Err("mesh.tp > 1 runs in f32 without ZeRO, compression, local SGD, parameter servers, activation checkpointing or checkpoints (yet)".into());
                 }
                 if self.train.timeline_dir.is_some() {
@@ -805,13 +920,28 @@ impl Config {
             if p.micro_batches == 0 || !self.data.batch_size.is_multiple_of(p.micro_batches) {
                 return Err(format!("pipeline.micro_batches ({}) must divide data.batch_size ({})", p.micro_batches, self.data.batch_size));
             }
-            if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.grad_accum != 1 || self.train.checkpoint_dir.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() {
+            if self.ddp.zero_stage != 0
+                || self.ddp.compression.is_some()
+                || self.ddp.local_sgd.is_some()
+                || self.train.precision != Precision::F32
+                || self.train.grad_accum != 1
+                || self.train.checkpoint_dir.is_some()
+                || self.train.strategy != Strategy::Ddp
+                || !self.model.checkpoint_blocks.is_empty()
+            {
                 return Err("[pipeline] runs in f32 with grad_accum = 1 and without ZeRO, compression, local SGD, parameter servers, activation checkpointing or checkpoints (yet)".into());
             }
         }
         if self.train.strategy == Strategy::Ps {
             let p = &self.ps;
-            if p.fetch_every == 0 || p.push_every == 0 || p.chunk == 0 || p.servers == 0 || p.timeout_secs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) || p.filter_threshold.is_nan() || p.filter_threshold < 0.0 {
+            if p.fetch_every == 0
+                || p.push_every == 0
+                || p.chunk == 0
+                || p.servers == 0
+                || p.timeout_secs.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater)
+                || p.filter_threshold.is_nan()
+                || p.filter_threshold < 0.0
+            {
                 return Err("ps: fetch_every, push_every, chunk and servers must be at least 1, timeout_secs positive, filter_threshold not negative".into());
             }
             if p.backup_workers > 0 && p.consistency != PsConsistency::Bsp {
@@ -820,7 +950,12 @@ impl Config {
             if (p.fetch_every != 1 || p.push_every != 1) && p.consistency != PsConsistency::Async {
                 return Err("ps.fetch_every / ps.push_every (Downpour) need ps.consistency = \"async\"".into());
             }
-            if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.precision != Precision::F32 || self.train.checkpoint_dir.is_some() {
+            if self.ddp.zero_stage != 0
+                || self.ddp.compression.is_some()
+                || self.ddp.local_sgd.is_some()
+                || self.train.precision != Precision::F32
+                || self.train.checkpoint_dir.is_some()
+            {
                 return Err("train.strategy = \"ps\" trains in f32 without [ddp] options (zero_stage, compression, local_sgd) and keeps its state on the servers (no train.checkpoint_dir)".into());
             }
         }
@@ -848,7 +983,11 @@ impl Config {
             CompressionMethod::Powersgd => C::PowerSgd { rank: c.rank },
             CompressionMethod::Fp16 => C::Half { bf16: false },
             CompressionMethod::Bf16 => C::Half { bf16: true },
-            CompressionMethod::Topk => C::TopK { fraction: c.fraction, sampled: c.threshold == TopkThreshold::Sampled, sparse_all_reduce: c.exchange == TopkExchange::Sparse },
+            CompressionMethod::Topk => C::TopK {
+                fraction: c.fraction,
+                sampled: c.threshold == TopkThreshold::Sampled,
+                sparse_all_reduce: c.exchange == TopkExchange::Sparse,
+            },
             CompressionMethod::Randk => C::RandK { fraction: c.fraction },
             CompressionMethod::Qsgd => C::Qsgd { levels: c.levels },
             CompressionMethod::Sign => C::Sign,
@@ -864,7 +1003,9 @@ impl Config {
                 return Err("ddp.zero_stage = 3 shards the GPT's blocks; use 0, 1 or 2 for mlp and cnn".into());
             }
             if self.train.grad_accum != 1 {
-                return Err("ddp.zero_stage = 3 needs train.grad_accum = 1 (gradient accumulation under ZeRO-3 is not supported yet)".into());
+                return Err(
+                    "ddp.zero_stage = 3 needs train.grad_accum = 1 (gradient accumulation under ZeRO-3 is not supported yet)".into()
+                );
             }
         }
         Ok(sharding)
@@ -920,7 +1061,12 @@ impl Config {
                 d_model: m.d_model.unwrap_or(256),
                 n_head: m.n_head.unwrap_or(4),
                 n_layer: m.n_layer.unwrap_or(4),
-                moe: m.experts.map(|experts| kolo_tensor::models::MoeConfig { experts, top_k: m.top_k, capacity_factor: m.capacity_factor, aux_weight: m.aux_loss_weight }),
+                moe: m.experts.map(|experts| kolo_tensor::models::MoeConfig {
+                    experts,
+                    top_k: m.top_k,
+                    capacity_factor: m.capacity_factor,
+                    aux_weight: m.aux_loss_weight,
+                }),
             }),
         }
     }

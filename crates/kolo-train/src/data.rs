@@ -97,7 +97,10 @@ impl Dataset for Mnist {
         for &i in idx {
             data.extend_from_slice(&self.images[i * 784..(i + 1) * 784]);
         }
-        Batch { input: Input::Images { data, n: idx.len(), c: 1, h: 28, w: 28 }, targets: idx.iter().map(|&i| u32::from(self.labels[i])).collect() }
+        Batch {
+            input: Input::Images { data, n: idx.len(), c: 1, h: 28, w: 28 },
+            targets: idx.iter().map(|&i| u32::from(self.labels[i])).collect(),
+        }
     }
     fn describe(&self) -> String {
         format!("MNIST {} ({} images)", self.split, self.len())
@@ -175,7 +178,13 @@ impl Dataset for TextWindows {
 
 /// Splits a text into (train, validation) windows: the first `train_fraction` of the characters
 /// and the rest, as nanoGPT does.
-pub fn text_split(text: &[u8], vocab: &CharVocab, seq: usize, train_fraction: f64, name: &str) -> Result<(TextWindows, TextWindows), TrainError> {
+pub fn text_split(
+    text: &[u8],
+    vocab: &CharVocab,
+    seq: usize,
+    train_fraction: f64,
+    name: &str,
+) -> Result<(TextWindows, TextWindows), TrainError> {
     let tokens = vocab.encode(text)?;
     let cut = ((tokens.len() as f64) * train_fraction) as usize;
     Ok((
@@ -209,7 +218,10 @@ impl Dataset for Synthetic {
             Input::Images { data, .. } => {
                 let mut d = Vec::with_capacity(idx.len() * 784);
                 idx.iter().for_each(|i| d.extend_from_slice(&data[i * 784..(i + 1) * 784]));
-                Batch { input: Input::Images { data: d, n: idx.len(), c: 1, h: 28, w: 28 }, targets: idx.iter().map(|i| self.batch.targets[*i]).collect() }
+                Batch {
+                    input: Input::Images { data: d, n: idx.len(), c: 1, h: 28, w: 28 },
+                    targets: idx.iter().map(|i| self.batch.targets[*i]).collect(),
+                }
             }
             Input::Tokens { ids, t, .. } => {
                 let t = *t;
@@ -236,7 +248,11 @@ pub fn wine_sparse(path: &Path, bins: usize) -> Result<kolo_ps::hogwild::SparseS
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let mut rows: Vec<Vec<f64>> = Vec::new();
     for (n, line) in text.lines().enumerate().skip(1) {
-        let row: Vec<f64> = line.split(',').map(|f| f.trim().parse::<f64>()).collect::<Result<_, _>>().map_err(|e| format!("{}:{}: {e}", path.display(), n + 1))?;
+        let row: Vec<f64> = line
+            .split(',')
+            .map(|f| f.trim().parse::<f64>())
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("{}:{}: {e}", path.display(), n + 1))?;
         if row.len() != 12 {
             return Err(format!("{}:{}: {} columns, expected 12", path.display(), n + 1, row.len()));
         }

@@ -43,7 +43,13 @@ pub(crate) fn reduce_load(load: Option<MoeLoad>, comm: &dyn Communicator) -> Res
 
 /// `comm`: every rank; `ep`: this rank's expert-parallel group; `rep`: the ranks holding the
 /// same experts as this one (one per expert-parallel group).
-pub fn run_expert_parallel(cfg: &crate::config::Config, comm: &dyn Communicator, ep: Arc<dyn Communicator>, rep: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
+pub fn run_expert_parallel(
+    cfg: &crate::config::Config,
+    comm: &dyn Communicator,
+    ep: Arc<dyn Communicator>,
+    rep: Arc<dyn Communicator>,
+    opts: &RunOptions,
+) -> Result<Summary, TrainError> {
     let (rank, world) = (comm.rank().get(), comm.world_size().get());
     let say = lead_say(rank == 0 && !opts.quiet);
     let tc = &cfg.train;
@@ -123,5 +129,20 @@ pub fn run_expert_parallel(cfg: &crate::config::Config, comm: &dyn Communicator,
     let mut flat = vec![0f32; gpt.full_numel()];
     gpt.ep_pieces_into(&gpt.params().to_flat()?, &mut flat, rep.rank().get() == 0, rank == 0)?;
     comm.all_reduce(BufMut::from(&mut flat[..]), ReduceOp::Sum)?;
-    finish_whole_gpt(cfg, &gcfg, &data, &say, rank == 0, end, last_loss, step_ms, comm_bytes, flat, numel, &opt, (heap_before, heap_after), moe)
+    finish_whole_gpt(
+        cfg,
+        &gcfg,
+        &data,
+        &say,
+        rank == 0,
+        end,
+        last_loss,
+        step_ms,
+        comm_bytes,
+        flat,
+        numel,
+        &opt,
+        (heap_before, heap_after),
+        moe,
+    )
 }

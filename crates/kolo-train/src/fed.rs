@@ -35,7 +35,14 @@ pub fn client_shards(labels: &[u8], clients: usize, split: FedSplit, per_client:
             let size = n / shards.max(1);
             let mut order: Vec<usize> = (0..shards).collect();
             rng.shuffle(&mut order);
-            (0..clients).map(|c| order[c * per_client..(c + 1) * per_client].iter().flat_map(|&s| idx[s * size..(s + 1) * size].iter().copied()).collect()).collect()
+            (0..clients)
+                .map(|c| {
+                    order[c * per_client..(c + 1) * per_client]
+                        .iter()
+                        .flat_map(|&s| idx[s * size..(s + 1) * size].iter().copied())
+                        .collect()
+                })
+                .collect()
         }
     }
 }
@@ -73,7 +80,14 @@ pub struct FedSummary {
 /// Runs the server on `listen` until the last round, once `expect` clients have joined (a
 /// deadline: the round deadline, at least 30 s); evaluates the global model on the test set
 /// after each round (`train.eval_batches` batches; 0 = all of it).
-pub fn serve(cfg: &Config, listen: &str, token: JobToken, expect: usize, on_ready: impl FnOnce(&str), say: &(dyn Fn(&str) + Sync)) -> Result<FedSummary, TrainError> {
+pub fn serve(
+    cfg: &Config,
+    listen: &str,
+    token: JobToken,
+    expect: usize,
+    on_ready: impl FnOnce(&str),
+    say: &(dyn Fn(&str) + Sync),
+) -> Result<FedSummary, TrainError> {
     let dir = cfg.data.path.as_ref().ok_or_else(|| TrainError::Config("data.path (the MNIST directory) is required".into()))?;
     let test = Mnist::load(Path::new(dir), "t10k")?;
     let model = initial_model(cfg)?;
@@ -89,9 +103,15 @@ pub fn serve(cfg: &Config, listen: &str, token: JobToken, expect: usize, on_read
         if s.secure { ", secure aggregation" } else { "" }
     ));
     let (tx, rx) = std::sync::mpsc::channel::<(RoundReport, Vec<f32>)>();
-    let server = FedServer::start(listen, token, s, initial, Box::new(move |r, g| {
-        let _ = tx.send((r.clone(), g.to_vec()));
-    }))
+    let server = FedServer::start(
+        listen,
+        token,
+        s,
+        initial,
+        Box::new(move |r, g| {
+            let _ = tx.send((r.clone(), g.to_vec()));
+        }),
+    )
     .map_err(|e| TrainError::Other(e.to_string()))?;
     on_ready(&server.addr.to_string());
     // Evaluate each round's model here (the driver thread only hands it over).
@@ -147,7 +167,9 @@ pub fn client(cfg: &Config, addr: &str, token: &JobToken, index: usize, record: 
         shard.truncate(cap);
     }
     let model = initial_model(cfg)?;
-    let mut fc = FedClient::join(addr, token, shard.len() as u64, Some(index as u32), Duration::from_secs_f64(f.round_deadline_secs.max(30.0))).map_err(|e| TrainError::Other(format!("client {index}: {e}")))?;
+    let mut fc =
+        FedClient::join(addr, token, shard.len() as u64, Some(index as u32), Duration::from_secs_f64(f.round_deadline_secs.max(30.0)))
+            .map_err(|e| TrainError::Other(format!("client {index}: {e}")))?;
     if record {
         fc.record();
     }

@@ -151,7 +151,15 @@ impl Unroller {
     /// `unroll` steps with the policy `params` of `version`.
     fn run(&mut self, params: &[f32], version: u64) -> Trajectory {
         let a = self.env.actions();
-        let mut t = Trajectory { obs: Vec::with_capacity((self.unroll + 1) * self.obs.len()), actions: Vec::new(), rewards: Vec::new(), dones: Vec::new(), behaviour_logp: Vec::new(), version, finished: Vec::new() };
+        let mut t = Trajectory {
+            obs: Vec::with_capacity((self.unroll + 1) * self.obs.len()),
+            actions: Vec::new(),
+            rewards: Vec::new(),
+            dones: Vec::new(),
+            behaviour_logp: Vec::new(),
+            version,
+            finished: Vec::new(),
+        };
         for _ in 0..self.unroll {
             t.obs.extend_from_slice(&self.obs);
             let out = policy::mlp_eval(params, &self.sizes, &self.obs);
@@ -188,7 +196,16 @@ fn offer(out: &SyncSender<Trajectory>, t: Trajectory, dropped: &AtomicU64) -> bo
 }
 
 #[allow(clippy::too_many_arguments)]
-fn actor(cfg: ImpalaConfig, id: usize, sizes: Vec<usize>, policy_params: Published, out: SyncSender<Trajectory>, stop: Arc<AtomicBool>, steps: Arc<AtomicU64>, dropped: Arc<AtomicU64>) {
+fn actor(
+    cfg: ImpalaConfig,
+    id: usize,
+    sizes: Vec<usize>,
+    policy_params: Published,
+    out: SyncSender<Trajectory>,
+    stop: Arc<AtomicBool>,
+    steps: Arc<AtomicU64>,
+    dropped: Arc<AtomicU64>,
+) {
     let mut u = Unroller::new(&cfg, id, sizes);
     while !stop.load(Ordering::Relaxed) {
         // The newest policy there is; never waits for a new one.
@@ -214,7 +231,10 @@ pub enum ActorReq {
 #[derive(Clone, Debug, PartialEq)]
 pub enum LearnerResp {
     /// A newer policy.
-    Params { version: u64, params: Vec<f32> },
+    Params {
+        version: u64,
+        params: Vec<f32>,
+    },
     /// Taken (or dropped by a full queue); the actor's policy is still the newest.
     Ack,
     /// The run is over.
@@ -230,7 +250,13 @@ impl ActorReq {
                 w.u8(1);
             }
             ActorReq::Trajectory(t) => {
-                w.u8(2).u64(t.version).f32s(&t.obs).u32s(&t.actions.iter().map(|&a| a as u32).collect::<Vec<_>>()).f32s(&t.rewards).f32s(&t.behaviour_logp).f32s(&t.finished);
+                w.u8(2)
+                    .u64(t.version)
+                    .f32s(&t.obs)
+                    .u32s(&t.actions.iter().map(|&a| a as u32).collect::<Vec<_>>())
+                    .f32s(&t.rewards)
+                    .f32s(&t.behaviour_logp)
+                    .f32s(&t.finished);
                 w.u64(t.dones.len() as u64);
                 for d in &t.dones {
                     w.u8(u8::from(*d));
@@ -251,7 +277,12 @@ impl ActorReq {
                 let (rewards, behaviour_logp, finished) = (r.f32s()?, r.f32s()?, r.f32s()?);
                 let n = r.u64()? as usize;
                 if n != actions.len() || rewards.len() != n || behaviour_logp.len() != n {
-                    return Err(kolo_ps::PsError::Protocol(format!("a trajectory of {n} steps with {} actions, {} rewards, {} log-probabilities", actions.len(), rewards.len(), behaviour_logp.len())));
+                    return Err(kolo_ps::PsError::Protocol(format!(
+                        "a trajectory of {n} steps with {} actions, {} rewards, {} log-probabilities",
+                        actions.len(),
+                        rewards.len(),
+                        behaviour_logp.len()
+                    )));
                 }
                 let dones = (0..n).map(|_| Ok(r.u8()? != 0)).collect::<Result<_, kolo_ps::PsError>>()?;
                 ActorReq::Trajectory(Trajectory { obs, actions, rewards, dones, behaviour_logp, version, finished })
@@ -349,7 +380,11 @@ pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<
 }
 
 /// [`run`], with the actors in other processes when `remote` is given.
-pub fn run_with(cfg: &ImpalaConfig, remote: Option<RemoteActors<'_>>, on_progress: &mut dyn FnMut(u64, f64)) -> Result<ImpalaReport, TrainError> {
+pub fn run_with(
+    cfg: &ImpalaConfig,
+    remote: Option<RemoteActors<'_>>,
+    on_progress: &mut dyn FnMut(u64, f64),
+) -> Result<ImpalaReport, TrainError> {
     if cfg.actors == 0 || cfg.unroll == 0 || cfg.batch == 0 {
         return Err(TrainError::Config("impala: actors, unroll and batch must be at least 1".into()));
     }
@@ -366,7 +401,8 @@ pub fn run_with(cfg: &ImpalaConfig, remote: Option<RemoteActors<'_>>, on_progres
     let (steps, dropped) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let mut listener = None;
     if let Some(r) = remote {
-        let (tx, published, stop, steps, dropped, unroll) = (tx.clone(), published.clone(), stop.clone(), steps.clone(), dropped.clone(), cfg.unroll);
+        let (tx, published, stop, steps, dropped, unroll) =
+            (tx.clone(), published.clone(), stop.clone(), steps.clone(), dropped.clone(), cfg.unroll);
         let handler: kolo_ps::net::HandlerOf<ImpalaProtocol> = Arc::new(move |_: &mut kolo_ps::net::ConnState, req: ActorReq, _| {
             if stop.load(Ordering::Relaxed) {
                 return LearnerResp::Stop;
@@ -390,15 +426,20 @@ pub fn run_with(cfg: &ImpalaConfig, remote: Option<RemoteActors<'_>>, on_progres
                 LearnerResp::Params { version: latest.0, params: latest.1.clone() }
             }
         });
-        let l = kolo_ps::net::Listener::start_with::<ImpalaProtocol>(r.listen, r.token, "impala", handler).map_err(|e| TrainError::Other(format!("impala learner on {}: {e}", r.listen)))?;
+        let l = kolo_ps::net::Listener::start_with::<ImpalaProtocol>(r.listen, r.token, "impala", handler)
+            .map_err(|e| TrainError::Other(format!("impala learner on {}: {e}", r.listen)))?;
         (r.spawn)(&l.addr.to_string())?;
         listener = Some(l);
     }
     let local_actors = if listener.is_some() { 0 } else { cfg.actors };
     let actors: Vec<_> = (0..local_actors)
         .map(|id| {
-            let (c, s, p, o, st, n, d) = (cfg.clone(), sizes.clone(), published.clone(), tx.clone(), stop.clone(), steps.clone(), dropped.clone());
-            std::thread::Builder::new().name(format!("kolo-actor-{id}")).spawn(move || actor(c, id, s, p, o, st, n, d)).expect("spawning an actor")
+            let (c, s, p, o, st, n, d) =
+                (cfg.clone(), sizes.clone(), published.clone(), tx.clone(), stop.clone(), steps.clone(), dropped.clone());
+            std::thread::Builder::new()
+                .name(format!("kolo-actor-{id}"))
+                .spawn(move || actor(c, id, s, p, o, st, n, d))
+                .expect("spawning an actor")
         })
         .collect();
     drop(tx);
@@ -406,7 +447,13 @@ pub fn run_with(cfg: &ImpalaConfig, remote: Option<RemoteActors<'_>>, on_progres
     let t0 = Instant::now();
     let (mut learner_steps, mut episodes, mut solved_at, mut max_lag, mut lag_sum, mut lag_n) = (0u64, 0u64, None, 0u64, 0u64, 0u64);
     let mut recent: std::collections::VecDeque<f32> = Default::default();
-    let mean = |r: &std::collections::VecDeque<f32>| if r.is_empty() { 0.0 } else { r.iter().map(|&x| f64::from(x)).sum::<f64>() / r.len() as f64 };
+    let mean = |r: &std::collections::VecDeque<f32>| {
+        if r.is_empty() {
+            0.0
+        } else {
+            r.iter().map(|&x| f64::from(x)).sum::<f64>() / r.len() as f64
+        }
+    };
     let te = kolo_tensor::TensorError::from;
     let mut grads = vec![0f32; numel];
     let result = (|| -> Result<(), TrainError> {
@@ -414,7 +461,10 @@ pub fn run_with(cfg: &ImpalaConfig, remote: Option<RemoteActors<'_>>, on_progres
             let mut batch = Vec::with_capacity(cfg.batch);
             while batch.len() < cfg.batch {
                 // A deadline: actor processes that all died must not hang the learner.
-                batch.push(rx.recv_timeout(std::time::Duration::from_secs(60)).map_err(|e| TrainError::Other(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?);
+                batch.push(
+                    rx.recv_timeout(std::time::Duration::from_secs(60))
+                        .map_err(|e| TrainError::Other(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?,
+                );
             }
             for t in &batch {
                 for r in &t.finished {
@@ -463,9 +513,11 @@ pub fn run_with(cfg: &ImpalaConfig, remote: Option<RemoteActors<'_>>, on_progres
             let adv_t = Tensor::from_vec(adv, n, &dev).map_err(te)?;
             let vs_t = Tensor::from_vec(vs, n, &dev).map_err(te)?;
             let pg = (picked * &adv_t).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
-            let value_loss = ((v_used - vs_t).map_err(te)?.sqr().map_err(te)?.mean_all().map_err(te)? * (0.5 * cfg.baseline)).map_err(te)?;
+            let value_loss =
+                ((v_used - vs_t).map_err(te)?.sqr().map_err(te)?.mean_all().map_err(te)? * (0.5 * cfg.baseline)).map_err(te)?;
             let lp_rows = log_probs.index_select(&rows_t, 0).map_err(te)?;
-            let entropy = (lp_rows.exp().map_err(te)? * &lp_rows).map_err(te)?.sum(1).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
+            let entropy =
+                (lp_rows.exp().map_err(te)? * &lp_rows).map_err(te)?.sum(1).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
             let loss = ((pg + value_loss).map_err(te)? - (entropy * cfg.entropy).map_err(te)?).map_err(te)?;
             let g = loss.backward().map_err(te)?;
             model.params().grads_into(&g, &mut grads)?;
@@ -525,7 +577,15 @@ mod tests {
     /// Actor messages survive the wire; truncated or inconsistent ones are errors, never panics.
     #[test]
     fn actor_messages_round_trip_and_garbage_is_refused() {
-        let t = Trajectory { obs: vec![0.5; 12], actions: vec![0, 1], rewards: vec![1.0, 1.0], dones: vec![false, true], behaviour_logp: vec![-0.7, -0.6], version: 9, finished: vec![17.0] };
+        let t = Trajectory {
+            obs: vec![0.5; 12],
+            actions: vec![0, 1],
+            rewards: vec![1.0, 1.0],
+            dones: vec![false, true],
+            behaviour_logp: vec![-0.7, -0.6],
+            version: 9,
+            finished: vec![17.0],
+        };
         for m in [ActorReq::Hello, ActorReq::Trajectory(t.clone())] {
             let b = m.encode();
             assert_eq!(ActorReq::decode(&b).unwrap(), m);
@@ -533,7 +593,12 @@ mod tests {
                 assert!(ActorReq::decode(&b[..cut]).is_err());
             }
         }
-        for m in [LearnerResp::Params { version: 3, params: vec![1.0, 2.0] }, LearnerResp::Ack, LearnerResp::Stop, LearnerResp::Error("x".into())] {
+        for m in [
+            LearnerResp::Params { version: 3, params: vec![1.0, 2.0] },
+            LearnerResp::Ack,
+            LearnerResp::Stop,
+            LearnerResp::Error("x".into()),
+        ] {
             assert_eq!(LearnerResp::decode(&m.encode()).unwrap(), m);
         }
         let mut bad = t;

@@ -1,9 +1,9 @@
 //! Kolo's training loop: one readable function ([`trainer::run`]) that wires the config, the
 //! data, the model adapter, DDP, the optimizer and checkpoints together.
 
+pub mod autoplan;
 pub mod config;
 pub mod data;
-pub mod autoplan;
 pub mod ep;
 pub mod fed;
 pub mod impala;

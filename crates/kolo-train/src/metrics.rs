@@ -57,12 +57,22 @@ impl Metrics {
             ("kolo_step_seconds", "gauge", "Wall time of the last step on this rank.", &self.step_seconds),
             ("kolo_samples_per_second", "gauge", "Global training throughput over the last log window.", &self.samples_per_second),
             ("kolo_comm_bytes_total", "counter", "Bytes this rank handed to gradient collectives.", &self.comm_bytes_total),
-            ("kolo_comm_wait_seconds_total", "counter", "Time waiting for gradient collectives after backward.", &self.comm_wait_seconds_total),
+            (
+                "kolo_comm_wait_seconds_total",
+                "counter",
+                "Time waiting for gradient collectives after backward.",
+                &self.comm_wait_seconds_total,
+            ),
             ("kolo_skipped_steps_total", "counter", "Steps skipped because f16 gradients overflowed.", &self.skipped_steps_total),
             ("kolo_heap_bytes", "gauge", "Live heap bytes after the last step (counting allocator).", &self.heap_bytes),
             ("kolo_peak_rss_bytes", "gauge", "Peak resident set size of the process.", &self.peak_rss_bytes),
             ("kolo_straggler_rank", "gauge", "The rank with the slowest own work per step over the last log window.", &self.straggler_rank),
-            ("kolo_straggler_lag_seconds", "gauge", "How far that rank's own work per step is behind the median rank's.", &self.straggler_lag_seconds),
+            (
+                "kolo_straggler_lag_seconds",
+                "gauge",
+                "How far that rank's own work per step is behind the median rank's.",
+                &self.straggler_lag_seconds,
+            ),
         ];
         let mut out = String::new();
         for (name, kind, help, g) in items {

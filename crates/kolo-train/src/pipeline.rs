@@ -10,12 +10,12 @@ use crate::config::{Config, PipeSchedule};
 use crate::trainer::{evaluate_whole_gpt, gpt_loop_start, lead_say, peak_rss, replica_batches, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::{GroupSum, Rng};
-use std::sync::Arc;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, lr_at, Optimizer};
 use kolo_pipe::{partition, run_stage, theoretical_bubble, weight_version, Schedule, StageWork};
 use kolo_tensor::models::Gpt;
 use kolo_tensor::{Batch, GptStage, Input, Model};
+use std::sync::Arc;
 use std::time::Instant;
 
 struct Work(GptStage);
@@ -83,7 +83,13 @@ impl StageSetup<'_> {
             // Split parameters summed over the tensor-parallel group, replicated ones once.
             let split = gpt.tensor_parallel_split();
             let counted = |i: usize| split.as_ref().is_none_or(|s| s[i] || self.tp.as_ref().is_some_and(|g| g.rank() == 0));
-            let mut sq = [self.own.iter().zip(&self.ranges).filter(|(i, _)| counted(**i)).map(|(_, r)| kolo_optim::sum_of_squares(&grads[r.clone()])).sum::<f64>() as f32];
+            let mut sq = [self
+                .own
+                .iter()
+                .zip(&self.ranges)
+                .filter(|(i, _)| counted(**i))
+                .map(|(_, r)| kolo_optim::sum_of_squares(&grads[r.clone()]))
+                .sum::<f64>() as f32];
             if let Some(g) = &self.tp {
                 g.sum(&mut sq).map_err(TrainError::Other)?;
             }
@@ -143,7 +149,14 @@ impl StageSetup<'_> {
 
 /// `comm` is the pipeline group (rank = stage), `dp` the data-parallel group of this stage's
 /// replicas, `tp` the tensor-parallel group (if any).
-pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator, tp: Option<Arc<dyn GroupSum>>, global_rank: usize, opts: &RunOptions) -> Result<Summary, TrainError> {
+pub fn run_pipeline(
+    cfg: &Config,
+    comm: &dyn Communicator,
+    dp: &dyn Communicator,
+    tp: Option<Arc<dyn GroupSum>>,
+    global_rank: usize,
+    opts: &RunOptions,
+) -> Result<Summary, TrainError> {
     let pc = cfg.pipeline.as_ref().expect("called for [pipeline] configs");
     let (stage, k) = (comm.rank().get(), comm.world_size().get());
     let (dp_rank, dp_size) = (dp.rank().get(), dp.world_size().get());
@@ -155,7 +168,11 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         None => Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?,
     };
     if k > gpt.layers() {
-        return Err(TrainError::Config(format!("{k} pipeline stages for a GPT with {} layers (embedding, {} blocks, head)", gpt.layers(), gcfg.n_layer)));
+        return Err(TrainError::Config(format!(
+            "{k} pipeline stages for a GPT with {} layers (embedding, {} blocks, head)",
+            gpt.layers(),
+            gcfg.n_layer
+        )));
     }
     let plan = partition(&gpt.layer_costs(), k);
     let layers = plan[stage].clone();
@@ -230,7 +247,12 @@ pub fn run_pipeline(cfg: &Config, comm: &dyn Communicator, dp: &dyn Communicator
         params: flat,
         sample,
         checkpoint: None,
-        states: StateBytes { params: own_len as u64 * 4, grads: run.gpt.params().numel() as u64 * 4, optimizer: setup.opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
+        states: StateBytes {
+            params: own_len as u64 * 4,
+            grads: run.gpt.params().numel() as u64 * 4,
+            optimizer: setup.opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
+            offloaded: false,
+        },
         peak_rss: peak_rss(),
         heap: crate::trainer::HeapReport::between(heap_before_model, run.heap_after),
         skipped_steps: 0,
@@ -262,7 +284,14 @@ fn next_batch(batches: &Batches) -> Result<Batch, TrainError> {
 }
 
 /// GPipe and 1F1B: every batch's micro-batches through the pipeline, a flush, then each stage's step.
-fn run_flushed(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, schedule: Schedule, batches: &Batches, end: u64, say: &dyn Fn(&str)) -> Result<PipeRun, TrainError> {
+fn run_flushed(
+    setup: &mut StageSetup<'_>,
+    gpt: Arc<Gpt>,
+    schedule: Schedule,
+    batches: &Batches,
+    end: u64,
+    say: &dyn Fn(&str),
+) -> Result<PipeRun, TrainError> {
     let cfg = setup.cfg;
     let tc = &cfg.train;
     let (k, m) = (setup.comm.world_size().get(), setup.m);
@@ -288,7 +317,13 @@ fn run_flushed(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, schedule: Schedule, ba
         heap_after = kolo_base::alloc::stats();
         let done = step + 1;
         if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
-            say(&format!("step {done}/{} loss {last_loss:.4} | {:.1} ms/step, bubble {:.1}% (theory {:.1}%)", tc.steps, step_ms.last().unwrap_or(&0.0), bubbles.last().unwrap_or(&0.0) * 100.0, theoretical_bubble(k, m) * 100.0));
+            say(&format!(
+                "step {done}/{} loss {last_loss:.4} | {:.1} ms/step, bubble {:.1}% (theory {:.1}%)",
+                tc.steps,
+                step_ms.last().unwrap_or(&0.0),
+                bubbles.last().unwrap_or(&0.0) * 100.0,
+                theoretical_bubble(k, m) * 100.0
+            ));
         }
     }
     let bubble = if bubbles.is_empty() { 0.0 } else { bubbles.iter().sum::<f64>() / bubbles.len() as f64 };
@@ -319,7 +354,11 @@ impl StageWork for TwoBw<'_, '_> {
         let t = mb / m;
         if !self.stages.contains_key(&t) {
             let v = weight_version(mb, m);
-            let gpt = self.versions.get(&v).ok_or_else(|| format!("batch {t} needs weight version {v}, which this stage has not made yet"))?.clone();
+            let gpt = self
+                .versions
+                .get(&v)
+                .ok_or_else(|| format!("batch {t} needs weight version {v}, which this stage has not made yet"))?
+                .clone();
             let batch = next_batch(self.batches).map_err(|e| e.to_string())?;
             let micro = split_batch(&batch, m).map_err(|e| e.to_string())?;
             self.stages.insert(t, GptStage::new(gpt, self.setup.layers.clone(), micro).rematerialize(self.setup.remat));
@@ -353,11 +392,16 @@ impl StageWork for TwoBw<'_, '_> {
         self.latest = t + 1;
         self.versions.insert(t + 1, next);
         // Batch t + 1 (in flight) runs on version t; older ones are done with.
-        self.versions.retain(|&v, _| v + 1 >= t + 1);
+        self.versions.retain(|&v, _| v + 1 > t);
         let done = t as u64 + 1;
         let every = cfg.train.log_every;
-        if every > 0 && (done % every == 0 || done == self.steps) {
-            (self.say)(&format!("step {done}/{} loss {loss:.4} (weights version {}, gradient from version {})", cfg.train.steps, t + 1, t.saturating_sub(1)));
+        if every > 0 && (done.is_multiple_of(every) || done == self.steps) {
+            (self.say)(&format!(
+                "step {done}/{} loss {loss:.4} (weights version {}, gradient from version {})",
+                cfg.train.steps,
+                t + 1,
+                t.saturating_sub(1)
+            ));
         }
         Ok(())
     }
@@ -383,7 +427,12 @@ fn run_two_bw(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, batches: &Batches, end:
         steps: end,
         say,
     };
-    let report = if end == 0 { Default::default() } else { run_stage(work.setup.comm, Schedule::TwoBw { batches: end as usize }, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))? };
+    let report = if end == 0 {
+        Default::default()
+    } else {
+        run_stage(work.setup.comm, Schedule::TwoBw { batches: end as usize }, m, act_len, &mut work)
+            .map_err(|e| TrainError::Other(e.to_string()))?
+    };
     let heap_after = kolo_base::alloc::stats();
     let gpt = work.versions.remove(&work.latest).expect("the latest version is kept");
     let last_loss = work.last_loss;
@@ -396,7 +445,16 @@ fn run_two_bw(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, batches: &Batches, end:
         prev = u;
     }
     let per_step = report.bytes_sent / (end as usize).max(1);
-    Ok(PipeRun { gpt, last_loss, step_ms, comm_bytes: vec![per_step; end as usize], bubble, theory: theoretical_bubble(k, m * end as usize), peak_live: report.max_live, heap_after })
+    Ok(PipeRun {
+        gpt,
+        last_loss,
+        step_ms,
+        comm_bytes: vec![per_step; end as usize],
+        bubble,
+        theory: theoretical_bubble(k, m * end as usize),
+        peak_live: report.max_live,
+        heap_after,
+    })
 }
 
 /// Sequences per micro-batch.

@@ -35,7 +35,13 @@ pub fn collect(dir: &Path) -> Result<Curves, String> {
     };
     for f in &files {
         let name = f.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-        let line = f.strip_prefix(dir).unwrap_or(f).parent().map(|p| p.display().to_string()).filter(|s| !s.is_empty()).unwrap_or_else(|| name.to_string());
+        let line = f
+            .strip_prefix(dir)
+            .unwrap_or(f)
+            .parent()
+            .map(|p| p.display().to_string())
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| name.to_string());
         if name.starts_with("events.out.tfevents") {
             for (tag, step, v) in crate::tensorboard::read_scalars(f)? {
                 match tag.as_str() {
@@ -65,7 +71,10 @@ pub fn collect(dir: &Path) -> Result<Curves, String> {
         }
     }
     if curves.is_empty() {
-        return Err(format!("{}: no TensorBoard event files or JSON-lines logs with loss or samples_per_s (set [train] tensorboard_dir or json_log)", dir.display()));
+        return Err(format!(
+            "{}: no TensorBoard event files or JSON-lines logs with loss or samples_per_s (set [train] tensorboard_dir or json_log)",
+            dir.display()
+        ));
     }
     Ok(curves)
 }
@@ -218,7 +227,9 @@ pub fn render(title: &str, lines: &BTreeMap<String, Vec<(f64, f64)>>, path: &Pat
         y1 = y0 + y0.abs().max(1.0) * 0.1;
     }
     let (pw, ph) = ((W - LEFT - RIGHT) as f64, (H - TOP - BOTTOM) as f64);
-    let to = |x: f64, y: f64| -> (i64, i64) { ((LEFT as f64 + (x - x0) / (x1 - x0) * pw) as i64, (TOP as f64 + (1.0 - (y - y0) / (y1 - y0)) * ph) as i64) };
+    let to = |x: f64, y: f64| -> (i64, i64) {
+        ((LEFT as f64 + (x - x0) / (x1 - x0) * pw) as i64, (TOP as f64 + (1.0 - (y - y0) / (y1 - y0)) * ph) as i64)
+    };
     let mut c = Canvas::new();
     let grey = [200, 200, 200];
     let black = [0, 0, 0];
@@ -271,7 +282,8 @@ pub fn plot_run(dir: &Path, out: &Path) -> Result<Vec<(PathBuf, String)>, String
         };
         let path = out.join(file);
         render(title, lines, &path)?;
-        let desc = lines.iter().enumerate().map(|(k, (n, p))| format!("line {} = {n} ({} points)", k + 1, p.len())).collect::<Vec<_>>().join(", ");
+        let desc =
+            lines.iter().enumerate().map(|(k, (n, p))| format!("line {} = {n} ({} points)", k + 1, p.len())).collect::<Vec<_>>().join(", ");
         written.push((path, desc));
     }
     Ok(written)

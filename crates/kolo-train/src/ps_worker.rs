@@ -12,7 +12,7 @@
 
 use crate::config::{Config, PsConsistency};
 use crate::data::Dataset;
-use crate::trainer::{replica_batches, evaluate, load_data, peak_rss, sample_text, spec_string, RunOptions, StateBytes, Summary};
+use crate::trainer::{evaluate, load_data, peak_rss, replica_batches, sample_text, spec_string, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::WorldSize;
 use kolo_comm::LocalComm;
@@ -73,7 +73,8 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
     let done = Arc::new(AtomicBool::new(false));
     let adopted: Arc<Mutex<Vec<Adopted>>> = Arc::default();
     let watcher = {
-        let (done, adopted, cfg, spec, train, coordinator, token) = (done.clone(), adopted.clone(), cfg.clone(), spec.clone(), data.train.clone(), coordinator.clone(), w.token.clone());
+        let (done, adopted, cfg, spec, train, coordinator, token) =
+            (done.clone(), adopted.clone(), cfg.clone(), spec.clone(), data.train.clone(), coordinator.clone(), w.token.clone());
         let opts = RunOptions { quiet: opts.quiet, ..RunOptions::default() };
         std::thread::Builder::new()
             .name("kolo-ps-adopt".into())
@@ -87,8 +88,11 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
                         }
                         if let Ok(true) = kolo_ps::coord::adopt(&coordinator, &token, dead, rank as u32, Duration::from_secs(5)) {
                             eprintln!("worker {rank}: worker {dead} is dead; training its data shard from its last step");
-                            let (cfg, spec, train, coordinator, token, opts) = (cfg.clone(), spec.clone(), train.clone(), coordinator.clone(), token.clone(), opts.clone());
-                            let h = std::thread::spawn(move || adopt_shard(&cfg, &spec, train, &coordinator, &token, dead as usize, world, end, &opts));
+                            let (cfg, spec, train, coordinator, token, opts) =
+                                (cfg.clone(), spec.clone(), train.clone(), coordinator.clone(), token.clone(), opts.clone());
+                            let h = std::thread::spawn(move || {
+                                adopt_shard(&cfg, &spec, train, &coordinator, &token, dead as usize, world, end, &opts)
+                            });
                             adopted.lock().unwrap_or_else(|p| p.into_inner()).push((dead as usize, h));
                         }
                     }
@@ -117,7 +121,12 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
         let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
         let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
         let e = evaluate(&*model, &PlainView, &*data.eval, &local, cfg.data.batch_size, limit, false, &|| Ok(()))?;
-        say(&format!("final eval on {} examples: loss {:.4}{}", e.examples, e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
+        say(&format!(
+            "final eval on {} examples: loss {:.4}{}",
+            e.examples,
+            e.loss,
+            e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
+        ));
         eval = Some(e);
         if let (Some(v), ModelSpec::Gpt(g)) = (&data.vocab, &spec) {
             if tc.sample_chars > 0 {
@@ -129,7 +138,12 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
     }
     let stats = client.stats().clone();
     if stats.values_sent < stats.values_total {
-        say(&format!("significantly-modified filter: sent {} of {} gradient values ({:.1}% saved)", stats.values_sent, stats.values_total, 100.0 * (1.0 - stats.values_sent as f64 / stats.values_total.max(1) as f64)));
+        say(&format!(
+            "significantly-modified filter: sent {} of {} gradient values ({:.1}% saved)",
+            stats.values_sent,
+            stats.values_total,
+            100.0 * (1.0 - stats.values_sent as f64 / stats.values_total.max(1) as f64)
+        ));
     }
     if !adopted_shards.is_empty() {
         eprintln!("worker {rank}: also trained the shard(s) of dead worker(s) {adopted_shards:?}");
@@ -164,7 +178,15 @@ type Adopted = (usize, JoinHandle<Result<u64, TrainError>>);
 
 fn connect(cfg: &Config, coordinator: &str, token: &JobToken, numel: usize, worker: usize, workers: usize) -> Result<PsClient, TrainError> {
     let pc = &cfg.ps;
-    let job = JobSpec { len: numel as u64, chunk: pc.chunk, workers: workers as u32, replication: pc.replication, backup: pc.backup_workers, consistency: pc.consistency(), optimizer: cfg.optimizer() };
+    let job = JobSpec {
+        len: numel as u64,
+        chunk: pc.chunk,
+        workers: workers as u32,
+        replication: pc.replication,
+        backup: pc.backup_workers,
+        consistency: pc.consistency(),
+        optimizer: cfg.optimizer(),
+    };
     Ok(PsClient::connect(ClientOptions {
         coordinator: coordinator.to_string(),
         token: token.clone(),
@@ -178,7 +200,17 @@ fn connect(cfg: &Config, coordinator: &str, token: &JobToken, numel: usize, work
 
 /// Trains dead worker `shard`'s data shard from its clock to `end` (a survivor's second thread).
 #[allow(clippy::too_many_arguments)]
-fn adopt_shard(cfg: &Config, spec: &ModelSpec, train: Arc<dyn Dataset>, coordinator: &str, token: &JobToken, shard: usize, workers: usize, end: u64, opts: &RunOptions) -> Result<u64, TrainError> {
+fn adopt_shard(
+    cfg: &Config,
+    spec: &ModelSpec,
+    train: Arc<dyn Dataset>,
+    coordinator: &str,
+    token: &JobToken,
+    shard: usize,
+    workers: usize,
+    end: u64,
+    opts: &RunOptions,
+) -> Result<u64, TrainError> {
     let model = build_model(spec, cfg.train.seed)?;
     let numel = model.params().numel();
     let mut client = connect(cfg, coordinator, token, numel, shard, workers)?;
@@ -200,7 +232,18 @@ struct LoopOut {
 
 /// Steps `start..end` of logical worker `shard`: pull, gradient on the shard's batches, push.
 #[allow(clippy::too_many_arguments)]
-fn train_loop(cfg: &Config, model: &dyn Model, client: &mut PsClient, train: Arc<dyn Dataset>, shard: usize, workers: usize, start: u64, end: u64, opts: &RunOptions, say: &dyn Fn(&str)) -> Result<LoopOut, TrainError> {
+fn train_loop(
+    cfg: &Config,
+    model: &dyn Model,
+    client: &mut PsClient,
+    train: Arc<dyn Dataset>,
+    shard: usize,
+    workers: usize,
+    start: u64,
+    end: u64,
+    opts: &RunOptions,
+    say: &dyn Fn(&str),
+) -> Result<LoopOut, TrainError> {
     let tc = &cfg.train;
     let pc = &cfg.ps;
     let numel = model.params().numel();
@@ -211,7 +254,13 @@ fn train_loop(cfg: &Config, model: &dyn Model, client: &mut PsClient, train: Arc
     let mut filter = (pc.filter_threshold > 0.0).then(|| SignificantlyModified::new(pc.filter_threshold));
     let mut flat = vec![0f32; numel];
     let (mut grads, mut micro, mut acc) = (vec![0f32; numel], vec![0f32; numel], vec![0f32; numel]);
-    let mut out = LoopOut { step_ms: Vec::new(), wait_ms: Vec::new(), comm_bytes: Vec::new(), last_loss: f64::NAN, pushes: if is_async { start / pc.push_every } else { start } };
+    let mut out = LoopOut {
+        step_ms: Vec::new(),
+        wait_ms: Vec::new(),
+        comm_bytes: Vec::new(),
+        last_loss: f64::NAN,
+        pushes: if is_async { start / pc.push_every } else { start },
+    };
     let te = kolo_tensor::TensorError::from;
     for step in start..end {
         if opts.die_at == Some((shard, step)) {
@@ -278,7 +327,15 @@ fn train_loop(cfg: &Config, model: &dyn Model, client: &mut PsClient, train: Arc
 /// Another worker group on the same servers: every `every`, pull the current parameters (no
 /// clock, no push) and evaluate them on the test set, until `stop` says the job is over (then
 /// once more). Returns (seconds since start, evaluation) per round.
-pub fn run_ps_eval(cfg: &Config, coordinator: &str, token: &JobToken, workers: usize, every: Duration, stop: &dyn Fn() -> bool, quiet: bool) -> Result<Vec<(f64, crate::trainer::Eval)>, TrainError> {
+pub fn run_ps_eval(
+    cfg: &Config,
+    coordinator: &str,
+    token: &JobToken,
+    workers: usize,
+    every: Duration,
+    stop: &dyn Fn() -> bool,
+    quiet: bool,
+) -> Result<Vec<(f64, crate::trainer::Eval)>, TrainError> {
     let say = |m: &str| {
         if !quiet {
             eprintln!("{m}");
@@ -289,8 +346,24 @@ pub fn run_ps_eval(cfg: &Config, coordinator: &str, token: &JobToken, workers: u
     let model = build_model(&spec, cfg.train.seed)?;
     let numel = model.params().numel();
     let pc = &cfg.ps;
-    let job = JobSpec { len: numel as u64, chunk: pc.chunk, workers: workers as u32, replication: pc.replication, backup: pc.backup_workers, consistency: pc.consistency(), optimizer: cfg.optimizer() };
-    let mut client = PsClient::observer(ClientOptions { coordinator: coordinator.to_string(), token: token.clone(), job, worker: 0, min_servers: pc.servers, timeout: Duration::from_secs_f64(pc.timeout_secs), heartbeat: None })?;
+    let job = JobSpec {
+        len: numel as u64,
+        chunk: pc.chunk,
+        workers: workers as u32,
+        replication: pc.replication,
+        backup: pc.backup_workers,
+        consistency: pc.consistency(),
+        optimizer: cfg.optimizer(),
+    };
+    let mut client = PsClient::observer(ClientOptions {
+        coordinator: coordinator.to_string(),
+        token: token.clone(),
+        job,
+        worker: 0,
+        min_servers: pc.servers,
+        timeout: Duration::from_secs_f64(pc.timeout_secs),
+        heartbeat: None,
+    })?;
     let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
     let limit = if data.vocab.is_some() { cfg.train.eval_batches } else { 0 };
     let t0 = Instant::now();
@@ -303,7 +376,11 @@ pub fn run_ps_eval(cfg: &Config, coordinator: &str, token: &JobToken, workers: u
                 model.params().load(&flat)?;
                 let e = evaluate(&*model, &PlainView, &*data.eval, &local, cfg.data.batch_size, limit, false, &|| Ok(()))?;
                 let secs = t0.elapsed().as_secs_f64();
-                say(&format!("[eval group] {secs:.1} s: loss {:.4}{}", e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
+                say(&format!(
+                    "[eval group] {secs:.1} s: loss {:.4}{}",
+                    e.loss,
+                    e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
+                ));
                 out.push((secs, e));
             }
             // Before worker 0 has initialised the ranges there is nothing to read yet.

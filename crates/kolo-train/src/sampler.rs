@@ -111,7 +111,18 @@ pub fn plan_split(total: usize, per_example_ms: &[f64], min: usize) -> Vec<usize
     let n = per_example_ms.len();
     assert!(n > 0 && total >= n * min, "{total} examples cannot give {n} ranks {min} each");
     let fastest = per_example_ms.iter().copied().filter(|t| t.is_finite() && *t > 0.0).fold(f64::INFINITY, f64::min);
-    let speed: Vec<f64> = per_example_ms.iter().map(|&t| if t.is_finite() && t > 0.0 { 1.0 / t } else if fastest.is_finite() { 1.0 / fastest } else { 1.0 }).collect();
+    let speed: Vec<f64> = per_example_ms
+        .iter()
+        .map(|&t| {
+            if t.is_finite() && t > 0.0 {
+                1.0 / t
+            } else if fastest.is_finite() {
+                1.0 / fastest
+            } else {
+                1.0
+            }
+        })
+        .collect();
     let sum: f64 = speed.iter().sum();
     let free = total - n * min;
     let ideal: Vec<f64> = speed.iter().map(|s| free as f64 * s / sum).collect();

@@ -57,7 +57,12 @@ impl Sched {
     }
 
     /// Waits until `ready(state)`, a failure, or the deadline (`what` names the wait).
-    fn wait<'a>(&'a self, mut g: std::sync::MutexGuard<'a, State>, what: &dyn Fn() -> String, ready: impl Fn(&State) -> bool) -> Result<std::sync::MutexGuard<'a, State>, String> {
+    fn wait<'a>(
+        &'a self,
+        mut g: std::sync::MutexGuard<'a, State>,
+        what: &dyn Fn() -> String,
+        ready: impl Fn(&State) -> bool,
+    ) -> Result<std::sync::MutexGuard<'a, State>, String> {
         let start = Instant::now();
         while !ready(&g) {
             if let Some(e) = &g.error {
@@ -66,7 +71,9 @@ impl Sched {
             if g.stop {
                 return Err("stopped".into());
             }
-            let left = self.timeout.checked_sub(start.elapsed()).ok_or_else(|| format!("rank {}: scheduled DDP: {} did not happen within {:.1} s", self.rank, what(), self.timeout.as_secs_f64()))?;
+            let left = self.timeout.checked_sub(start.elapsed()).ok_or_else(|| {
+                format!("rank {}: scheduled DDP: {} did not happen within {:.1} s", self.rank, what(), self.timeout.as_secs_f64())
+            })?;
             g = self.cv.wait_timeout(g, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
         }
         Ok(g)
@@ -98,7 +105,10 @@ impl ParamView for AwaitView {
         let t = Instant::now();
         let g = self.sched.lock();
         let need = self.need;
-        let mut g = self.sched.wait(g, &|| format!("the update of parameter {i} for step {need}"), |s| s.updated[i] >= need).map_err(kolo_tensor::TensorError::Input)?;
+        let mut g = self
+            .sched
+            .wait(g, &|| format!("the update of parameter {i} for step {need}"), |s| s.updated[i] >= need)
+            .map_err(kolo_tensor::TensorError::Input)?;
         g.wait_s += t.elapsed().as_secs_f64();
         drop(g);
         self.hooked.get(params, i)
@@ -118,7 +128,16 @@ impl Drop for StopOnDrop<'_> {
 /// The scheduler thread: steps `start..end`, rounds until every chunk is reduced and every
 /// parameter updated. Returns the bytes it reduced per step.
 #[allow(clippy::too_many_arguments)]
-fn schedule_loop(sched: &Sched, comm: &dyn Communicator, params: &ParamSet, opt: &mut Optimizer, cfg: &Config, (chunk, credit): (usize, usize), start: u64, end: u64) -> Result<(), String> {
+fn schedule_loop(
+    sched: &Sched,
+    comm: &dyn Communicator,
+    params: &ParamSet,
+    opt: &mut Optimizer,
+    cfg: &Config,
+    (chunk, credit): (usize, usize),
+    start: u64,
+    end: u64,
+) -> Result<(), String> {
     let numel = sched.ranges.last().map_or(0, |r| r.end);
     let plan = chunk_plan(numel, chunk);
     let pchunks = param_chunks(&sched.ranges, chunk);
@@ -148,7 +167,9 @@ fn schedule_loop(sched: &Sched, comm: &dyn Communicator, params: &ParamSet, opt:
                 // waits for the others inside the collective).
                 let g = sched.lock();
                 let all_local = local.iter().all(|&v| v == 1);
-                let _g = sched.wait(g, &|| format!("a gradient of step {step}"), |s| all_local || (0..plan.len()).any(|c| local[c] == 0 && cparams[c].iter().all(|&p| s.arrived[p])))?;
+                let _g = sched.wait(g, &|| format!("a gradient of step {step}"), |s| {
+                    all_local || (0..plan.len()).any(|c| local[c] == 0 && cparams[c].iter().all(|&p| s.arrived[p]))
+                })?;
                 continue;
             }
             packed.clear();
@@ -199,7 +220,8 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     let (rank, world) = (comm.rank().get(), comm.world_size().get());
     let say = lead_say(rank == 0 && !opts.quiet);
     let tc = &cfg.train;
-    let (chunk, credit) = cfg.comm_schedule().map_err(TrainError::Config)?.ok_or_else(|| TrainError::Config("ddp.schedule is not set".into()))?;
+    let (chunk, credit) =
+        cfg.comm_schedule().map_err(TrainError::Config)?.ok_or_else(|| TrainError::Config("ddp.schedule is not set".into()))?;
     let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
     comm.set_timeout(timeout);
     let data = load_data(cfg, rank)?;
@@ -212,7 +234,9 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     let numel = flat.len();
     drop(flat);
     let ranges: Vec<Range<usize>> = model.params().iter().map(|p| p.range.clone()).collect();
-    let sched_comm = comm.new_group(&(0..world).map(kolo_base::Rank).collect::<Vec<_>>())?.ok_or_else(|| TrainError::Other("the scheduler's group left this rank out".into()))?;
+    let sched_comm = comm
+        .new_group(&(0..world).map(kolo_base::Rank).collect::<Vec<_>>())?
+        .ok_or_else(|| TrainError::Other("the scheduler's group left this rank out".into()))?;
     sched_comm.set_timeout(timeout);
     let mut opt = Optimizer::new(cfg.optimizer(), numel);
     say(&format!(
@@ -224,7 +248,15 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
         data.train.describe()
     ));
     let sched = Arc::new(Sched {
-        state: Mutex::new(State { grads: vec![0f32; numel], arrived: vec![false; ranges.len()], updated: vec![0; ranges.len()], error: None, stop: false, comm_s: 0.0, wait_s: 0.0 }),
+        state: Mutex::new(State {
+            grads: vec![0f32; numel],
+            arrived: vec![false; ranges.len()],
+            updated: vec![0; ranges.len()],
+            error: None,
+            stop: false,
+            comm_s: 0.0,
+            wait_s: 0.0,
+        }),
         cv: Condvar::new(),
         ranges,
         timeout,
@@ -285,7 +317,12 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     if end == tc.steps {
         let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
         let e = evaluate(&*model, &PlainView, &*data.eval, &*comm, cfg.data.batch_size, limit, false, &|| Ok(()))?;
-        say(&format!("final eval on {} examples: loss {:.4}{}", e.examples, e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
+        say(&format!(
+            "final eval on {} examples: loss {:.4}{}",
+            e.examples,
+            e.loss,
+            e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
+        ));
         eval = Some(e);
     }
     Ok(Summary {
@@ -300,7 +337,12 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
         params: model.params().to_flat()?,
         sample: None,
         checkpoint: None,
-        states: StateBytes { params: numel as u64 * 4, grads: numel as u64 * 8, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
+        states: StateBytes {
+            params: numel as u64 * 4,
+            grads: numel as u64 * 8,
+            optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
+            offloaded: false,
+        },
         peak_rss: crate::trainer::peak_rss(),
         heap: None,
         skipped_steps: 0,

@@ -32,7 +32,9 @@ impl RingShift for CommRing {
             recv.copy_from_slice(send);
             return Ok(());
         }
-        self.0.send_recv(BufRef::from(send), Rank((r + 1) % n), RING_TAG, BufMut::from(recv), Rank((r + n - 1) % n), RING_TAG).map_err(|e| e.to_string())
+        self.0
+            .send_recv(BufRef::from(send), Rank((r + 1) % n), RING_TAG, BufMut::from(recv), Rank((r + n - 1) % n), RING_TAG)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -51,7 +53,14 @@ pub fn sequence_chunk(batch: &Batch, r: usize, n: usize) -> Result<Batch, TrainE
 
 /// `comm`: every rank of the job (gradients are averaged over all of them); `sp`: this rank's
 /// sequence-parallel group; `(dp_rank, dp_size)`: its data-parallel replica.
-pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicator, sp: Arc<dyn Communicator>, dp_rank: usize, dp_size: usize, opts: &RunOptions) -> Result<Summary, TrainError> {
+pub fn run_sequence_parallel(
+    cfg: &crate::config::Config,
+    comm: &dyn Communicator,
+    sp: Arc<dyn Communicator>,
+    dp_rank: usize,
+    dp_size: usize,
+    opts: &RunOptions,
+) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
     let say = lead_say(global_rank == 0 && !opts.quiet);
     let tc = &cfg.train;
@@ -100,5 +109,20 @@ pub fn run_sequence_parallel(cfg: &crate::config::Config, comm: &dyn Communicato
         }
     }
     let flat = gpt.params().to_flat()?;
-    finish_whole_gpt(cfg, &gcfg, &data, &say, global_rank == 0, end, last_loss, step_ms, comm_bytes, flat, numel, &opt, (heap_before, heap_after), None)
+    finish_whole_gpt(
+        cfg,
+        &gcfg,
+        &data,
+        &say,
+        global_rank == 0,
+        end,
+        last_loss,
+        step_ms,
+        comm_bytes,
+        flat,
+        numel,
+        &opt,
+        (heap_before, heap_after),
+        None,
+    )
 }

@@ -36,7 +36,9 @@ impl Timeline {
     pub fn span(&mut self, name: &str, cat: &str, tid: u32, start: Instant, end: Instant, args: serde_json::Value) {
         let ts = self.us(start);
         let dur = end.saturating_duration_since(start).as_secs_f64() * 1e6;
-        self.events.push(serde_json::json!({"ph": "X", "name": name, "cat": cat, "pid": self.rank, "tid": tid, "ts": ts, "dur": dur, "args": args}));
+        self.events.push(
+            serde_json::json!({"ph": "X", "name": name, "cat": cat, "pid": self.rank, "tid": tid, "ts": ts, "dur": dur, "args": args}),
+        );
     }
 
     pub fn write(&self, path: &Path) -> std::io::Result<()> {

@@ -96,7 +96,11 @@ pub struct Summary {
 /// What the GPT loops with a model of their own (pipeline, sequence and expert parallel) share
 /// at the start: the config's deadline on each of their groups, the data of replica
 /// `data_rank`, the live heap before the model and the GPT's shape.
-pub(crate) fn gpt_loop_start(cfg: &Config, groups: &[&dyn Communicator], data_rank: usize) -> Result<(Data, Option<usize>, kolo_tensor::models::GptConfig), TrainError> {
+pub(crate) fn gpt_loop_start(
+    cfg: &Config,
+    groups: &[&dyn Communicator],
+    data_rank: usize,
+) -> Result<(Data, Option<usize>, kolo_tensor::models::GptConfig), TrainError> {
     let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
     for g in groups {
         g.set_timeout(timeout);
@@ -167,7 +171,12 @@ pub(crate) fn finish_whole_gpt(
         params: flat,
         sample,
         checkpoint: None,
-        states: StateBytes { params: numel as u64 * 4, grads: numel as u64 * 4, optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(), offloaded: false },
+        states: StateBytes {
+            params: numel as u64 * 4,
+            grads: numel as u64 * 4,
+            optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
+            offloaded: false,
+        },
         peak_rss: peak_rss(),
         heap: HeapReport::between(heap.0, heap.1),
         skipped_steps: 0,
@@ -199,9 +208,23 @@ impl HeapReport {
 
 /// The batches of data-parallel replica `dp_rank` of `dp_size`, from the batch after the first
 /// `batches_done` (prefetched). Synthetic data is already per replica: it is not sharded again.
-pub fn replica_batches(cfg: &Config, train: Arc<dyn Dataset>, dp_rank: usize, dp_size: usize, batches_done: u64) -> Result<Receiver<(Position, Batch)>, TrainError> {
+pub fn replica_batches(
+    cfg: &Config,
+    train: Arc<dyn Dataset>,
+    dp_rank: usize,
+    dp_size: usize,
+    batches_done: u64,
+) -> Result<Receiver<(Position, Batch)>, TrainError> {
     let (world, rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (dp_size, dp_rank) };
-    let scfg = SamplerConfig { len: train.len(), world, rank, batch: cfg.data.batch_size, seed: cfg.train.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last };
+    let scfg = SamplerConfig {
+        len: train.len(),
+        world,
+        rank,
+        batch: cfg.data.batch_size,
+        seed: cfg.train.seed,
+        shuffle: cfg.data.shuffle,
+        drop_last: cfg.data.drop_last,
+    };
     let bpe = scfg.batches_per_epoch().max(1);
     let sampler = Sampler::new(scfg, Position { epoch: batches_done / bpe, batch: batches_done % bpe }).map_err(TrainError::Data)?;
     Ok(prefetch(train, sampler, cfg.data.prefetch))
@@ -255,13 +278,20 @@ pub fn load_data(cfg: &Config, rank: usize) -> Result<Data, TrainError> {
                     dir.display()
                 )));
             }
-            Ok(Data { train: Arc::new(Mnist::load(&dir, "train")?), eval: Arc::new(Mnist::load(&dir, "t10k")?), vocab: None, vocab_size: 10 })
+            Ok(Data {
+                train: Arc::new(Mnist::load(&dir, "train")?),
+                eval: Arc::new(Mnist::load(&dir, "t10k")?),
+                vocab: None,
+                vocab_size: 10,
+            })
         }
         DataKind::Text => {
             let path = d.path.as_deref().unwrap_or_default();
             let seq = cfg.model.seq.unwrap_or(128);
             let text = std::fs::read(path).map_err(|e| {
-                TrainError::Data(format!("text corpus {path}: {e} (set data.path or --data; the repository ships data/tinyshakespeare.txt)"))
+                TrainError::Data(format!(
+                    "text corpus {path}: {e} (set data.path or --data; the repository ships data/tinyshakespeare.txt)"
+                ))
             })?;
             let name = path.to_string();
             let vocab = CharVocab::from_text(&text);
@@ -377,9 +407,19 @@ fn save_checkpoint(
         None if rank == 0 => {
             let flat = model.params().to_flat()?;
             for p in &params {
-                pieces.push(Piece { name: format!("model.{}", p.name), shape: p.shape.clone(), offset: 0, data: flat[p.range.clone()].to_vec() });
+                pieces.push(Piece {
+                    name: format!("model.{}", p.name),
+                    shape: p.shape.clone(),
+                    offset: 0,
+                    data: flat[p.range.clone()].to_vec(),
+                });
                 for (state, buf) in opt.state() {
-                    pieces.push(Piece { name: format!("optim.{state}.{}", p.name), shape: p.shape.clone(), offset: 0, data: buf[p.range.clone()].to_vec() });
+                    pieces.push(Piece {
+                        name: format!("optim.{state}.{}", p.name),
+                        shape: p.shape.clone(),
+                        offset: 0,
+                        data: buf[p.range.clone()].to_vec(),
+                    });
                 }
             }
         }
@@ -388,10 +428,20 @@ fn save_checkpoint(
             for seg in &plan.segments {
                 let p = &params[seg.param];
                 let at = seg.shard_offset;
-                pieces.push(Piece { name: format!("model.{}", p.name), shape: p.shape.clone(), offset: seg.within.start, data: master[at..at + seg.within.len()].to_vec() });
+                pieces.push(Piece {
+                    name: format!("model.{}", p.name),
+                    shape: p.shape.clone(),
+                    offset: seg.within.start,
+                    data: master[at..at + seg.within.len()].to_vec(),
+                });
                 for (state, buf) in opt.state() {
                     let data = buf[seg.shard_offset..seg.shard_offset + seg.within.len()].to_vec();
-                    pieces.push(Piece { name: format!("optim.{state}.{}", p.name), shape: p.shape.clone(), offset: seg.within.start, data });
+                    pieces.push(Piece {
+                        name: format!("optim.{state}.{}", p.name),
+                        shape: p.shape.clone(),
+                        offset: seg.within.start,
+                        data,
+                    });
                 }
             }
         }
@@ -453,14 +503,17 @@ fn load_checkpoint(
     meta_base: &BTreeMap<String, String>,
 ) -> Result<Resumed, TrainError> {
     let ck = kolo_checkpoint::load_any(path)?;
-    let incompatible = |what: String| TrainError::Checkpoint(kolo_checkpoint::CheckpointError::Incompatible { path: path.to_path_buf(), what });
+    let incompatible =
+        |what: String| TrainError::Checkpoint(kolo_checkpoint::CheckpointError::Incompatible { path: path.to_path_buf(), what });
     for key in ["kolo.model", "kolo.optimizer"] {
         let theirs = ck.meta(path, key)?;
         if theirs != meta_base[key] {
             return Err(incompatible(format!("it was written for {key} = {theirs}, this run has {}", meta_base[key])));
         }
     }
-    let num = |key: &str| -> Result<u64, TrainError> { ck.meta(path, key)?.parse::<u64>().map_err(|_| incompatible(format!("metadata `{key}` is not a number"))) };
+    let num = |key: &str| -> Result<u64, TrainError> {
+        ck.meta(path, key)?.parse::<u64>().map_err(|_| incompatible(format!("metadata `{key}` is not a number")))
+    };
     let mut states: Vec<(&str, Vec<f32>)> = opt.spec().state_names().iter().map(|s| (*s, vec![0f32; flat.len()])).collect();
     for p in model.params().iter() {
         let e = ck.get(&format!("model.{}", p.name)).ok_or_else(|| incompatible(format!("parameter `{}` is missing", p.name)))?;
@@ -469,7 +522,9 @@ fn load_checkpoint(
         }
         flat[p.range.clone()].copy_from_slice(&e.data);
         for (state, buf) in states.iter_mut() {
-            let e = ck.get(&format!("optim.{state}.{}", p.name)).ok_or_else(|| incompatible(format!("optimizer state `{state}` of `{}` is missing", p.name)))?;
+            let e = ck
+                .get(&format!("optim.{state}.{}", p.name))
+                .ok_or_else(|| incompatible(format!("optimizer state `{state}` of `{}` is missing", p.name)))?;
             buf[p.range.clone()].copy_from_slice(&e.data);
         }
     }
@@ -498,7 +553,16 @@ fn load_checkpoint(
 /// batch without counting it, and `settle` runs after every forward (it completes the gathers
 /// a forward leaves in flight, before this function's own collective).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds: &dyn Dataset, comm: &dyn Communicator, batch: usize, max_batches: usize, lockstep: bool, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<Eval, TrainError> {
+pub(crate) fn evaluate(
+    model: &dyn Model,
+    view: &dyn kolo_tensor::ParamView,
+    ds: &dyn Dataset,
+    comm: &dyn Communicator,
+    batch: usize,
+    max_batches: usize,
+    lockstep: bool,
+    settle: &dyn Fn() -> Result<(), TrainError>,
+) -> Result<Eval, TrainError> {
     let (r, n) = (comm.rank().get(), comm.world_size().get());
     let share = |r: usize| {
         let mine: Vec<usize> = (r..ds.len()).step_by(n).collect();
@@ -524,7 +588,8 @@ pub(crate) fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds:
         if lockstep {
             settle()?;
         }
-        let t = kolo_tensor::Tensor::from_slice(&b.targets, b.targets.len(), &kolo_tensor::device()).map_err(kolo_tensor::TensorError::from)?;
+        let t =
+            kolo_tensor::Tensor::from_slice(&b.targets, b.targets.len(), &kolo_tensor::device()).map_err(kolo_tensor::TensorError::from)?;
         let l = kolo_tensor::ops::cross_entropy(&logits, &t)?.to_scalar::<f32>().map_err(kolo_tensor::TensorError::from)?;
         loss_sum += f64::from(l) * chunk.len() as f64;
         count += chunk.len() as f64;
@@ -542,7 +607,13 @@ pub(crate) fn evaluate(model: &dyn Model, view: &dyn kolo_tensor::ParamView, ds:
 
 /// The final evaluation (and, for text, a sample) of a whole GPT rebuilt in this process from
 /// `flat`: for the parallel modes whose own copy is split (pipeline stages, sequence chunks).
-pub(crate) fn evaluate_whole_gpt(cfg: &Config, gcfg: &kolo_tensor::models::GptConfig, flat: &[f32], data: &Data, say: &dyn Fn(&str)) -> Result<(Eval, Option<String>), TrainError> {
+pub(crate) fn evaluate_whole_gpt(
+    cfg: &Config,
+    gcfg: &kolo_tensor::models::GptConfig,
+    flat: &[f32],
+    data: &Data,
+    say: &dyn Fn(&str),
+) -> Result<(Eval, Option<String>), TrainError> {
     let tc = &cfg.train;
     let whole = kolo_tensor::models::Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
     whole.params().load(flat)?;
@@ -562,7 +633,16 @@ pub(crate) fn evaluate_whole_gpt(cfg: &Config, gcfg: &kolo_tensor::models::GptCo
 
 /// Generates `n` characters from a text model, starting from a newline.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, vocab: &CharVocab, seq: usize, n: usize, temperature: f32, seed: u64, settle: &dyn Fn() -> Result<(), TrainError>) -> Result<String, TrainError> {
+pub(crate) fn sample_text(
+    model: &dyn Model,
+    view: &dyn kolo_tensor::ParamView,
+    vocab: &CharVocab,
+    seq: usize,
+    n: usize,
+    temperature: f32,
+    seed: u64,
+    settle: &dyn Fn() -> Result<(), TrainError>,
+) -> Result<String, TrainError> {
     let mut rng = Rng::new(seed ^ 0x5A5A);
     let start = vocab.encode(b"\n").unwrap_or_else(|_| vec![0]);
     let mut ids: Vec<u32> = start;
@@ -573,7 +653,11 @@ pub(crate) fn sample_text(model: &dyn Model, view: &dyn kolo_tensor::ParamView, 
         settle()?;
         let last = logits.narrow(0, t - 1, 1).map_err(kolo_tensor::TensorError::from)?;
         let scaled = (last / f64::from(temperature.max(1e-3))).map_err(kolo_tensor::TensorError::from)?;
-        let probs: Vec<f32> = softmax_last(&scaled)?.flatten_all().map_err(kolo_tensor::TensorError::from)?.to_vec1().map_err(kolo_tensor::TensorError::from)?;
+        let probs: Vec<f32> = softmax_last(&scaled)?
+            .flatten_all()
+            .map_err(kolo_tensor::TensorError::from)?
+            .to_vec1()
+            .map_err(kolo_tensor::TensorError::from)?;
         let u = rng.next_f64() as f32;
         let mut acc = 0f32;
         let next = probs.iter().position(|p| {
@@ -670,7 +754,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
     let spec = cfg.model_spec(data.vocab_size);
     let mut model = match (&tp_group, &spec) {
-        (Some(tp), ModelSpec::Gpt(g)) => Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(g.clone(), &mut Rng::new(tc.seed), tp.clone())?) as Box<dyn Model>,
+        (Some(tp), ModelSpec::Gpt(g)) => {
+            Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(g.clone(), &mut Rng::new(tc.seed), tp.clone())?) as Box<dyn Model>
+        }
         _ => build_model(&spec, tc.seed)?,
     };
     model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
@@ -678,7 +764,15 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let sharding = cfg.sharding().map_err(TrainError::Config)?;
     let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
     let (compression, compression_warmup) = cfg.compression().map_err(TrainError::Config)?;
-    let ddp_cfg = DdpConfig { bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?, first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?, timeout, sharding, groups, compression, compression_warmup };
+    let ddp_cfg = DdpConfig {
+        bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?,
+        first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?,
+        timeout,
+        sharding,
+        groups,
+        compression,
+        compression_warmup,
+    };
     let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
     // `flat` is needed only until the model holds its starting values (broadcast, resume).
     let mut flat = model.params().to_flat()?;
@@ -686,7 +780,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // Under ZeRO the optimizer (and its state) covers this rank's shard only.
     let zero: Option<ShardPlan> = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
     let place = cfg.placement();
-    let offload_err = |e: std::io::Error| TrainError::Config(format!("optim.offload_dir {:?}: {e}", cfg.optim.offload_dir.as_deref().unwrap_or_default()));
+    let offload_err = |e: std::io::Error| {
+        TrainError::Config(format!("optim.offload_dir {:?}: {e}", cfg.optim.offload_dir.as_deref().unwrap_or_default()))
+    };
     let mut opt = Optimizer::with_placement(cfg.optimizer(), zero.as_ref().map_or(flat.len(), |z| z.len), &place).map_err(offload_err)?;
     let global_batch = cfg.data.batch_size * world * tc.grad_accum as usize;
     let base_lr = match cfg.optim.reference_batch {
@@ -733,7 +829,15 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // Synthetic data is already per rank (seeded by rank): it is not sharded again.
     let (s_world, s_rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
     let sampler = Sampler::new(
-        SamplerConfig { len: data.train.len(), world: s_world, rank: s_rank, batch: cfg.data.batch_size, seed: tc.seed, shuffle: cfg.data.shuffle, drop_last: cfg.data.drop_last },
+        SamplerConfig {
+            len: data.train.len(),
+            world: s_world,
+            rank: s_rank,
+            batch: cfg.data.batch_size,
+            seed: tc.seed,
+            shuffle: cfg.data.shuffle,
+            drop_last: cfg.data.drop_last,
+        },
         pos,
     )
     .map_err(TrainError::Data)?;
@@ -741,10 +845,12 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // the shares change during the run, so nothing is prefetched.
     // Deterministic mode takes the same contiguous slices (equal shares, never re-split): a
     // piece of the global batch then holds the same examples at every world size.
-    let mut dynamic = (cfg.ddp.dynamic_batch_every > 0 || cfg.ddp.deterministic).then(|| -> Result<DynamicBatch, TrainError> {
-        let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * world, ..sampler.config().clone() };
-        Ok(DynamicBatch { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split: vec![cfg.data.batch_size; world] })
-    }).transpose()?;
+    let mut dynamic = (cfg.ddp.dynamic_batch_every > 0 || cfg.ddp.deterministic)
+        .then(|| -> Result<DynamicBatch, TrainError> {
+            let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * world, ..sampler.config().clone() };
+            Ok(DynamicBatch { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split: vec![cfg.data.batch_size; world] })
+        })
+        .transpose()?;
     let batches = if dynamic.is_some() { None } else { Some(prefetch(data.train.clone(), sampler, cfg.data.prefetch)) };
     say(&format!(
         "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
@@ -791,13 +897,18 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // gradients in the DDP buckets (plain DDP, ZeRO-1) or this rank's shard of them (ZeRO-2),
     // the optimizer state for the whole model or this rank's shard.
     // Local gradients of no-sync micro-steps, only when there are any.
-    let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic { vec![0f32; numel] } else { Vec::new() };
+    let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic {
+        vec![0f32; numel]
+    } else {
+        Vec::new()
+    };
     // Deterministic mode: the exact (fixed-point) sum of this rank's pieces' gradients.
     let mut exact = cfg.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(numel));
     // Mixed precision: the compute dtype, and for f16 a dynamic loss scale.
     let dtype = cfg.compute_dtype();
     let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
-    let eval_view: Box<dyn kolo_tensor::ParamView> = if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
+    let eval_view: Box<dyn kolo_tensor::ParamView> =
+        if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
     let hooked = HookedView { sink: ddp.sink(), dtype };
     let (mut step_ms, mut wait_ms, mut hidden, mut comm_bytes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut compute_ms: Vec<f64> = Vec::new();
@@ -805,7 +916,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut tb = match &tc.tensorboard_dir {
         Some(d) => {
             let dir = Path::new(d).join(format!("rank{global_rank}"));
-            Some(crate::tensorboard::EventWriter::create(&dir).map_err(|e| TrainError::Config(format!("train.tensorboard_dir {}: {e}", dir.display())))?)
+            Some(
+                crate::tensorboard::EventWriter::create(&dir)
+                    .map_err(|e| TrainError::Config(format!("train.tensorboard_dir {}: {e}", dir.display())))?,
+            )
         }
         None => None,
     };
@@ -825,7 +939,12 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut saving: Option<PendingSave> = None;
     // ZeRO-3: completes the gathers a forward pass leaves in flight (the last block prefetches
     // itself for a backward), so that the trainer's own collectives find the communicator idle.
-    let settle = || -> Result<(), TrainError> { if zero3 { ddp.drop_prefetched()?; } Ok(()) };
+    let settle = || -> Result<(), TrainError> {
+        if zero3 {
+            ddp.drop_prefetched()?;
+        }
+        Ok(())
+    };
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let tokens_per_example = match cfg.model.kind {
         crate::config::ModelKind::Gpt => cfg.model.seq.unwrap_or(128),
@@ -838,7 +957,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let _endpoint = match tc.metrics_port {
         Some(port) => {
             let addr = format!("{}:{}", tc.metrics_addr, if port == 0 { 0 } else { port as usize + global_rank });
-            let server = crate::metrics::serve(metrics.clone(), &addr).map_err(|e| TrainError::Config(format!("train.metrics_port: cannot listen on {addr}: {e}")))?;
+            let server = crate::metrics::serve(metrics.clone(), &addr)
+                .map_err(|e| TrainError::Config(format!("train.metrics_port: cannot listen on {addr}: {e}")))?;
             if !opts.quiet {
                 eprintln!("rank {rank}: metrics on http://{}/metrics", server.addr);
             }
@@ -882,7 +1002,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             let loss_scale = scaler.as_ref().map_or(1.0, LossScaler::scale);
             let te = kolo_tensor::TensorError::from;
             if let Some(exact) = exact.as_mut() {
-                loss_sum += exact_pieces(&*model, &batch, &*eval_view, cfg.ddp.deterministic_chunk, &mut micro, exact, (rank, step))? / tc.grad_accum as f64;
+                loss_sum += exact_pieces(&*model, &batch, &*eval_view, cfg.ddp.deterministic_chunk, &mut micro, exact, (rank, step))?
+                    / tc.grad_accum as f64;
             } else if m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step {
                 // No-sync micro-step: gradients stay local.
                 let loss = (model.loss(&batch, &*eval_view)? * scale).map_err(te)?;
@@ -972,7 +1093,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                     // Tensor parallelism: split parameters summed over the group, replicated
                     // ones counted once (member 0).
                     (Some(split), Some(tg)) if cfg.optim.clip_grad_norm.is_some() => {
-                        let mut v = [(0..split.len()).filter(|&i| split[i] || kolo_base::GroupSum::rank(&**tg) == 0).map(|i| kolo_base::sum_of_squares(g.param(i))).sum::<f64>() as f32];
+                        let mut v = [(0..split.len())
+                            .filter(|&i| split[i] || kolo_base::GroupSum::rank(&**tg) == 0)
+                            .map(|i| kolo_base::sum_of_squares(g.param(i)))
+                            .sum::<f64>() as f32];
                         kolo_base::GroupSum::sum(&**tg, &mut v).map_err(TrainError::Other)?;
                         f64::from(v[0])
                     }
@@ -1030,7 +1154,8 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                     if apply {
                         opt.begin_step();
                         let pieces = plan.pieces.iter().map(|p| (p.bucket, p.shard_offset..p.shard_offset + p.in_bucket.len()));
-                        let mut step = |b: usize, at: std::ops::Range<usize>, m: &mut [f32]| opt.update(at.start, &mut m[at], g.piece(b), lr);
+                        let mut step =
+                            |b: usize, at: std::ops::Range<usize>, m: &mut [f32]| opt.update(at.start, &mut m[at], g.piece(b), lr);
                         if zero3 {
                             ddp.with_master(|m| pieces.for_each(|(b, at)| step(b, at, m)));
                         } else {
@@ -1097,7 +1222,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             comm.all_gather(kolo_comm::BufRef::from(&mine[..]), BufMut::from(&mut all))?;
             let next = crate::sampler::plan_split(d.split.iter().sum(), &all, 1);
             if next != d.split {
-                log(&format!("step {done}: dynamic batch: per-rank batches {:?} -> {next:?} (ms per example {:?})", d.split, all.iter().map(|t| (t * 1000.0).round() / 1000.0).collect::<Vec<_>>()));
+                log(&format!(
+                    "step {done}: dynamic batch: per-rank batches {:?} -> {next:?} (ms per example {:?})",
+                    d.split,
+                    all.iter().map(|t| (t * 1000.0).round() / 1000.0).collect::<Vec<_>>()
+                ));
                 d.split = next;
             }
         }
@@ -1131,7 +1260,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 metrics.straggler_lag_seconds.set(lag / 1e3);
                 if lag > 0.1 * median && lag > 1.0 {
                     straggler = Some((slow, lag));
-                    log(&format!("step {done}: straggler: rank {slow} computes {max:.1} ms/step, the median rank {median:.1} ms (+{lag:.1} ms)"));
+                    log(&format!(
+                        "step {done}: straggler: rank {slow} computes {max:.1} ms/step, the median rank {median:.1} ms (+{lag:.1} ms)"
+                    ));
                 }
             }
             let msg = if tokens_per_example > 1 {
@@ -1166,7 +1297,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         if tc.eval_every > 0 && done % tc.eval_every == 0 && done != end {
             let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches, zero3, &settle)?;
             tb_scalars(&[("eval/loss", e.loss), ("eval/accuracy", e.accuracy.unwrap_or(f64::NAN))], done);
-            log(&format!("step {done}: eval loss {:.4}{}", e.loss, e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))));
+            log(&format!(
+                "step {done}: eval loss {:.4}{}",
+                e.loss,
+                e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
+            ));
         }
         if let Some(dir) = &tc.checkpoint_dir {
             if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0) || done == end {
@@ -1176,7 +1311,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 let bg = tc.checkpoint_background && opts.crash_during_save.is_none();
                 let crash = opts.crash_during_save == Some(done);
                 let p = if zero3 {
-                    ddp.with_master(|m| save_checkpoint(Path::new(dir), done, &*model, m, &opt, zero.as_ref(), &*comm, pos, &meta, bg, crash))?
+                    ddp.with_master(|m| {
+                        save_checkpoint(Path::new(dir), done, &*model, m, &opt, zero.as_ref(), &*comm, pos, &meta, bg, crash)
+                    })?
                 } else {
                     save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta, bg, crash)?
                 };
@@ -1246,10 +1383,17 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         _ => None,
     };
     let bytes = |n: usize| n as u64 * 4;
-    let resident: usize = (0..model.params().len()).filter(|&i| model.params().is_resident(i)).map(|i| model.params().get(i).range.len()).sum();
+    let resident: usize =
+        (0..model.params().len()).filter(|&i| model.params().is_resident(i)).map(|i| model.params().get(i).range.len()).sum();
     let states = StateBytes {
         params: bytes(resident),
-        grads: bytes(if matches!(sharding, Sharding::Gradients | Sharding::Parameters) { ddp.grad_len() } else { ddp.plan().iter().map(|b| b.numel).sum() } + micro.len()),
+        grads: bytes(
+            if matches!(sharding, Sharding::Gradients | Sharding::Parameters) {
+                ddp.grad_len()
+            } else {
+                ddp.plan().iter().map(|b| b.numel).sum()
+            } + micro.len(),
+        ),
         optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len() + ddp.with_master(|m| m.len())),
         offloaded: opt.is_offloaded() || master.is_offloaded(),
     };
@@ -1302,9 +1446,19 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
 /// Deterministic mode, one micro-step: `batch` cut into pieces of `chunk` examples, each
 /// piece's gradient (of its own mean loss) added to `exact`. Returns the mean of the pieces'
 /// losses. `at` = (rank, step) for the error.
-fn exact_pieces(model: &dyn Model, batch: &Batch, view: &dyn kolo_tensor::ParamView, chunk: usize, grad: &mut [f32], exact: &mut kolo_ddp::exact::ExactSum, at: (usize, u64)) -> Result<f64, TrainError> {
+fn exact_pieces(
+    model: &dyn Model,
+    batch: &Batch,
+    view: &dyn kolo_tensor::ParamView,
+    chunk: usize,
+    grad: &mut [f32],
+    exact: &mut kolo_ddp::exact::ExactSum,
+    at: (usize, u64),
+) -> Result<f64, TrainError> {
     let te = kolo_tensor::TensorError::from;
-    let pieces = batch.chunks(chunk).ok_or_else(|| TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len())))?;
+    let pieces = batch.chunks(chunk).ok_or_else(|| {
+        TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len()))
+    })?;
     let mut loss_sum = 0f64;
     for piece in &pieces {
         let loss = model.loss(piece, view)?;
@@ -1325,7 +1479,12 @@ fn exact_pieces(model: &dyn Model, batch: &Batch, view: &dyn kolo_tensor::ParamV
 /// all-reduce of two lanes per element, so any order gives the same bits), divided by the
 /// number of pieces in the global step, into `grad`. Clears `exact`. Returns the bytes sent
 /// and the time spent.
-fn exact_all_reduce(comm: &dyn Communicator, exact: &mut kolo_ddp::exact::ExactSum, pieces: usize, grad: &mut [f32]) -> Result<(usize, Duration), TrainError> {
+fn exact_all_reduce(
+    comm: &dyn Communicator,
+    exact: &mut kolo_ddp::exact::ExactSum,
+    pieces: usize,
+    grad: &mut [f32],
+) -> Result<(usize, Duration), TrainError> {
     let t = Instant::now();
     let lanes = exact.lanes_mut();
     comm.all_reduce(BufMut::from(&mut *lanes), ReduceOp::Sum)?;

@@ -302,7 +302,10 @@ fn collectives(a: CollArgs) -> anyhow::Result<i32> {
             a.op, a.dtype, n, a.comm.transport, a.comm.algorithm
         );
         println!("# {} trials of back-to-back ops (~{}s each); time = median over trials of the slowest rank", a.trials, a.trial_secs);
-        println!("{:>12} {:>11} {:>7} {:>12} {:>22} {:>11} {:>11}  check", "bytes", "count", "iters", "time_us", "[min..max]", "algbw_GB/s", "busbw_GB/s");
+        println!(
+            "{:>12} {:>11} {:>7} {:>12} {:>22} {:>11} {:>11}  check",
+            "bytes", "count", "iters", "time_us", "[min..max]", "algbw_GB/s", "busbw_GB/s"
+        );
     }
     let esz = a.dtype.size_bytes();
     let mut size = a.min.as_usize().max(esz);
@@ -416,12 +419,21 @@ fn loopback(a: LoopArgs) -> anyhow::Result<i32> {
     }
     let (agg_m, cp_m) = (median(&mut agg), median(&mut cp));
     if a.json {
-        println!("{}", json!({"bench": "kolo_loopback", "bytes_each_way": size, "trials": a.trials,
+        println!(
+            "{}",
+            json!({"bench": "kolo_loopback", "bytes_each_way": size, "trials": a.trials,
             "tcp_bidir_aggregate_GBps": {"median": agg_m, "min": agg[0], "max": agg[agg.len()-1]},
-            "ring2_busbw_bound_GBps": agg_m / 2.0, "memcpy_GBps": {"median": cp_m, "min": cp[0], "max": cp[cp.len()-1]}}));
+            "ring2_busbw_bound_GBps": agg_m / 2.0, "memcpy_GBps": {"median": cp_m, "min": cp[0], "max": cp[cp.len()-1]}})
+        );
     } else {
-        println!("loopback TCP, both directions at once ({} each way): {:.2} GB/s aggregate [{:.2}..{:.2}] over {} trials",
-            a.size, agg_m, agg[0], agg[agg.len() - 1], a.trials);
+        println!(
+            "loopback TCP, both directions at once ({} each way): {:.2} GB/s aggregate [{:.2}..{:.2}] over {} trials",
+            a.size,
+            agg_m,
+            agg[0],
+            agg[agg.len() - 1],
+            a.trials
+        );
         println!("  => bound on 2-rank all_reduce busbw over TCP: {:.2} GB/s (half the aggregate)", agg_m / 2.0);
         println!("memcpy, 1 thread, {}: {:.2} GB/s [{:.2}..{:.2}]", a.size, cp_m, cp[0], cp[cp.len() - 1]);
     }
@@ -434,10 +446,34 @@ fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {
     let token = kolo_rendezvous::JobToken::generate();
     let coord = kolo_ps::Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_secs(10))?;
     let servers: Vec<kolo_ps::Server> = (0..a.servers.max(1))
-        .map(|_| kolo_ps::Server::start(ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: Duration::from_secs(120), heartbeat: Duration::from_millis(500) }))
+        .map(|_| {
+            kolo_ps::Server::start(ServerOptions {
+                listen: "127.0.0.1:0".into(),
+                coordinator: coord.addr().to_string(),
+                token: token.clone(),
+                timeout: Duration::from_secs(120),
+                heartbeat: Duration::from_millis(500),
+            })
+        })
         .collect::<Result<_, _>>()?;
-    let job = kolo_ps::JobSpec { len: a.values, chunk: a.chunk, workers: 1, replication: a.replication, backup: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
-    let mut c = kolo_ps::PsClient::connect(ClientOptions { coordinator: coord.addr().to_string(), token, job, worker: 0, min_servers: servers.len() as u32, timeout: Duration::from_secs(120), heartbeat: None })?;
+    let job = kolo_ps::JobSpec {
+        len: a.values,
+        chunk: a.chunk,
+        workers: 1,
+        replication: a.replication,
+        backup: 0,
+        consistency: kolo_ps::Consistency::Async,
+        optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 },
+    };
+    let mut c = kolo_ps::PsClient::connect(ClientOptions {
+        coordinator: coord.addr().to_string(),
+        token,
+        job,
+        worker: 0,
+        min_servers: servers.len() as u32,
+        timeout: Duration::from_secs(120),
+        heartbeat: None,
+    })?;
     let n = a.values as usize;
     let mut x = vec![0.5f32; n];
     c.init(&x)?;
@@ -460,7 +496,14 @@ fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {
     let size = (n * 4).max(1 << 20);
     let lb = loopback_trial(size)?;
     let one_way = size as f64 / lb.as_secs_f64() / 1e9;
-    println!("# kolo bench ps: {} values ({:.1} MB), ranges of {}, {} server(s), replication {}", n, bytes / 1e6, a.chunk, servers.len(), a.replication);
+    println!(
+        "# kolo bench ps: {} values ({:.1} MB), ranges of {}, {} server(s), replication {}",
+        n,
+        bytes / 1e6,
+        a.chunk,
+        servers.len(),
+        a.replication
+    );
     println!("{:>6} {:>12} {:>14} {:>10}", "op", "time (ms)", "Mkeys/s", "GB/s");
     println!("{:>6} {:>12.2} {:>14.1} {:>10.3}", "push", tp * 1e3, n as f64 / tp / 1e6, bytes / tp / 1e9);
     println!("{:>6} {:>12.2} {:>14.1} {:>10.3}", "pull", tl * 1e3, n as f64 / tl / 1e6, bytes / tl / 1e9);
@@ -473,9 +516,18 @@ fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {
 fn hogwild_bench(path: &std::path::Path, epochs: usize) -> anyhow::Result<i32> {
     use kolo_ps::hogwild::{evaluate, train_logistic, HogwildConfig, Mode, SparseSet};
     let data = kolo_train::data::wine_sparse(path, 8).map_err(|e| anyhow::anyhow!(e))?;
-    let split = |test: bool| SparseSet { dim: data.dim, examples: data.examples.iter().enumerate().filter(|(i, _)| (i % 5 == 0) == test).map(|(_, e)| e.clone()).collect() };
+    let split = |test: bool| SparseSet {
+        dim: data.dim,
+        examples: data.examples.iter().enumerate().filter(|(i, _)| (i % 5 == 0) == test).map(|(_, e)| e.clone()).collect(),
+    };
     let (train, test) = (split(false), split(true));
-    println!("# kolo bench hogwild: wine, {} coordinates, 66 active per example, {} train / {} held out, {epochs} epochs, {} cores", data.dim + 1, train.examples.len(), test.examples.len(), std::thread::available_parallelism().map_or(1, |n| n.get()));
+    println!(
+        "# kolo bench hogwild: wine, {} coordinates, 66 active per example, {} train / {} held out, {epochs} epochs, {} cores",
+        data.dim + 1,
+        train.examples.len(),
+        test.examples.len(),
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
     println!("{:>8} {:>8} {:>14} {:>16} {:>10}", "mode", "threads", "updates/s", "held-out loss", "accuracy");
     for (mode, threads) in [(Mode::Locked, 1), (Mode::Locked, 2), (Mode::Hogwild, 2), (Mode::Locked, 4), (Mode::Hogwild, 4)] {
         let r = train_logistic(&train, &HogwildConfig { threads, epochs, lr: 0.02, l2: 1e-3, seed: 3, mode });
@@ -492,22 +544,60 @@ fn sandblaster_bench(path: &std::path::Path, slow_ms: u64, iterations: usize) ->
     let dim = obj.dim();
     println!("# kolo bench sandblaster: L2 logistic regression on wine ({dim} values), 16 portions, 3 worker threads, 2 servers, {iterations} iterations");
     println!("{:>34} {:>10} {:>12} {:>14} {:>10}", "case", "seconds", "evaluations", "ms/evaluation", "loss");
-    for (name, slow, backup) in [("no slowed worker", 0, true), ("one worker +{slow_ms} ms/portion, backups", slow_ms, true), ("one worker +{slow_ms} ms/portion, no backups", slow_ms, false)] {
+    for (name, slow, backup) in [
+        ("no slowed worker", 0, true),
+        ("one worker +{slow_ms} ms/portion, backups", slow_ms, true),
+        ("one worker +{slow_ms} ms/portion, no backups", slow_ms, false),
+    ] {
         let token = kolo_rendezvous::JobToken::generate();
         let coord = kolo_ps::Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_secs(10))?;
         let servers: Vec<kolo_ps::Server> = (0..2)
-            .map(|_| kolo_ps::Server::start(kolo_ps::server::ServerOptions { listen: "127.0.0.1:0".into(), coordinator: coord.addr().to_string(), token: token.clone(), timeout: Duration::from_secs(60), heartbeat: Duration::from_millis(500) }))
+            .map(|_| {
+                kolo_ps::Server::start(kolo_ps::server::ServerOptions {
+                    listen: "127.0.0.1:0".into(),
+                    coordinator: coord.addr().to_string(),
+                    token: token.clone(),
+                    timeout: Duration::from_secs(60),
+                    heartbeat: Duration::from_millis(500),
+                })
+            })
             .collect::<Result<_, _>>()?;
-        let job = kolo_ps::JobSpec { len: dim as u64, chunk: 500, workers: 4, replication: 0, backup: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
-        let connect = |w: u32| kolo_ps::PsClient::connect(kolo_ps::client::ClientOptions { coordinator: coord.addr().to_string(), token: token.clone(), job: job.clone(), worker: w, min_servers: 2, timeout: Duration::from_secs(60), heartbeat: None });
+        let job = kolo_ps::JobSpec {
+            len: dim as u64,
+            chunk: 500,
+            workers: 4,
+            replication: 0,
+            backup: 0,
+            consistency: kolo_ps::Consistency::Async,
+            optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 },
+        };
+        let connect = |w: u32| {
+            kolo_ps::PsClient::connect(kolo_ps::client::ClientOptions {
+                coordinator: coord.addr().to_string(),
+                token: token.clone(),
+                job: job.clone(),
+                worker: w,
+                min_servers: 2,
+                timeout: Duration::from_secs(60),
+                heartbeat: None,
+            })
+        };
         let mut c = connect(3)?;
         c.init(&vec![0.0; dim])?;
         let workers = (0..3).map(connect).collect::<Result<Vec<_>, _>>()?;
-        let cfg = LbfgsConfig { history: 5, iterations, tolerance: 0.0, backup_tasks: backup, worker_delay: vec![Duration::from_millis(slow)] };
+        let cfg =
+            LbfgsConfig { history: 5, iterations, tolerance: 0.0, backup_tasks: backup, worker_delay: vec![Duration::from_millis(slow)] };
         let t = Instant::now();
         let r = minimize(obj.clone(), c, workers, &cfg)?;
         let secs = t.elapsed().as_secs_f64();
-        println!("{:>34} {:>10.2} {:>12} {:>14.1} {:>10.6}", name.replace("{slow_ms}", &slow_ms.to_string()), secs, r.evaluations, secs * 1e3 / r.evaluations as f64, r.loss.last().copied().unwrap_or(f64::NAN));
+        println!(
+            "{:>34} {:>10.2} {:>12} {:>14.1} {:>10.6}",
+            name.replace("{slow_ms}", &slow_ms.to_string()),
+            secs,
+            r.evaluations,
+            secs * 1e3 / r.evaluations as f64,
+            r.loss.last().copied().unwrap_or(f64::NAN)
+        );
         drop(servers);
     }
     Ok(0)

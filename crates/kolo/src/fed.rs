@@ -42,7 +42,8 @@ pub enum FedCmd {
 }
 
 fn token() -> anyhow::Result<JobToken> {
-    let hex = std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set (the federated job's secret, hex)"))?;
+    let hex =
+        std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set (the federated job's secret, hex)"))?;
     JobToken::from_hex(&hex).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))
 }
 
@@ -63,10 +64,19 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
             let cfg = kolo_train::Config::load(&config)?;
             let index = match client {
                 Some(c) => c,
-                None => std::env::var("RANK").ok().and_then(|r| r.parse().ok()).ok_or_else(|| anyhow::anyhow!("kolo fed client needs --client (or RANK)"))?,
+                None => std::env::var("RANK")
+                    .ok()
+                    .and_then(|r| r.parse().ok())
+                    .ok_or_else(|| anyhow::anyhow!("kolo fed client needs --client (or RANK)"))?,
             };
             let r = kolo_train::fed::client(&cfg, &server, &token()?, index, false)?;
-            eprintln!("client {index}: trained in {} round(s) on {} examples; sent {:.2} MB, received {:.2} MB", r.rounds_trained, r.shard.len(), r.bytes_out as f64 / 1e6, r.bytes_in as f64 / 1e6);
+            eprintln!(
+                "client {index}: trained in {} round(s) on {} examples; sent {:.2} MB, received {:.2} MB",
+                r.rounds_trained,
+                r.shard.len(),
+                r.bytes_out as f64 / 1e6,
+                r.bytes_in as f64 / 1e6
+            );
             Ok(0)
         }
         FedCmd::Run { config, clients } => {
@@ -82,14 +92,31 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
             };
             let (tx, rx) = std::sync::mpsc::channel();
             let (cfg2, tok) = (cfg.clone(), token.clone());
-            let server = std::thread::spawn(move || kolo_train::fed::serve(&cfg2, "127.0.0.1:0", tok, n, |a| tx.send(a.to_string()).expect("main waits"), &say));
+            let server = std::thread::spawn(move || {
+                kolo_train::fed::serve(&cfg2, "127.0.0.1:0", tok, n, |a| tx.send(a.to_string()).expect("main waits"), &say)
+            });
             let addr = match rx.recv() {
                 Ok(a) => a,
-                Err(_) => return Err(server.join().map_err(|_| anyhow::anyhow!("the server thread panicked"))?.err().map_or_else(|| anyhow::anyhow!("the server stopped"), anyhow::Error::from)),
+                Err(_) => {
+                    return Err(server
+                        .join()
+                        .map_err(|_| anyhow::anyhow!("the server thread panicked"))?
+                        .err()
+                        .map_or_else(|| anyhow::anyhow!("the server stopped"), anyhow::Error::from))
+                }
             };
             let exe = std::env::current_exe()?;
-            let program: Vec<OsString> = vec![exe.into_os_string(), "fed".into(), "client".into(), "--config".into(), config.into_os_string(), "--server".into(), addr.into()];
-            let launch = kolo_launch::LaunchConfig { nproc_per_node: n, token: Some(token), program, ..kolo_launch::LaunchConfig::default() };
+            let program: Vec<OsString> = vec![
+                exe.into_os_string(),
+                "fed".into(),
+                "client".into(),
+                "--config".into(),
+                config.into_os_string(),
+                "--server".into(),
+                addr.into(),
+            ];
+            let launch =
+                kolo_launch::LaunchConfig { nproc_per_node: n, token: Some(token), program, ..kolo_launch::LaunchConfig::default() };
             let out = kolo_launch::launch(&launch)?;
             if !out.success() {
                 eprint!("{}", out.summary());
@@ -104,6 +131,11 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
 fn summary(s: &kolo_train::fed::FedSummary) {
     if let Some(e) = s.evals.last() {
         let late: usize = s.rounds.iter().map(|r| r.late.len()).sum();
-        eprintln!("done: {} rounds, final test loss {:.4}, accuracy {:.2}%; {late} late client update(s) left out", s.rounds.len(), e.loss, e.accuracy.unwrap_or(0.0) * 100.0);
+        eprintln!(
+            "done: {} rounds, final test loss {:.4}, accuracy {:.2}%; {late} late client update(s) left out",
+            s.rounds.len(),
+            e.loss,
+            e.accuracy.unwrap_or(0.0) * 100.0
+        );
     }
 }

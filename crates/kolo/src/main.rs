@@ -186,7 +186,8 @@ fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
     }
     let out = match a.min_nodes {
         Some(min) => {
-            let e = kolo_launch::Elastic { min, max_restarts: a.max_restarts, backoff: Duration::from_secs_f64(a.restart_backoff.max(0.0)) };
+            let e =
+                kolo_launch::Elastic { min, max_restarts: a.max_restarts, backoff: Duration::from_secs_f64(a.restart_backoff.max(0.0)) };
             let (out, rounds) = kolo_launch::launch_elastic(&cfg, &e)?;
             if out.success() && rounds > 0 {
                 eprintln!("kolo launch: elastic job finished after {rounds} restart(s) on {} ranks", out.ranks.len());
@@ -220,16 +221,38 @@ fn lost_peer(e: &anyhow::Error) -> Option<usize> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn impala(env: &str, actors: usize, max_steps: u64, no_stop: bool, seed: u64, lr: f32, batch: usize, processes: bool, actor_of: Option<String>, actor_id: usize) -> anyhow::Result<i32> {
+fn impala(
+    env: &str,
+    actors: usize,
+    max_steps: u64,
+    no_stop: bool,
+    seed: u64,
+    lr: f32,
+    batch: usize,
+    processes: bool,
+    actor_of: Option<String>,
+    actor_id: usize,
+) -> anyhow::Result<i32> {
     use kolo_train::impala::{EnvKind, ImpalaConfig};
     let kind = match env {
         "cartpole" => EnvKind::CartPole,
         "grid" => EnvKind::Grid,
         e => anyhow::bail!("--env {e}: cartpole or grid"),
     };
-    let cfg = ImpalaConfig { env: kind, max_env_steps: max_steps, target: (!no_stop).then(|| kind.solved()), seed, lr, batch, ..ImpalaConfig::cartpole(actors) };
+    let cfg = ImpalaConfig {
+        env: kind,
+        max_env_steps: max_steps,
+        target: (!no_stop).then(|| kind.solved()),
+        seed,
+        lr,
+        batch,
+        ..ImpalaConfig::cartpole(actors)
+    };
     if let Some(addr) = actor_of {
-        let token = kolo_rendezvous::JobToken::from_hex(&std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set"))?).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))?;
+        let token = kolo_rendezvous::JobToken::from_hex(
+            &std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set"))?,
+        )
+        .map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))?;
         let steps = kolo_train::impala::actor_process(&cfg, &addr, &token, actor_id)?;
         // One write, so that lines of several actor processes do not interleave.
         let line = format!("actor {actor_id}: {steps} environment steps\n");
@@ -253,7 +276,9 @@ fn impala(env: &str, actors: usize, max_steps: u64, no_stop: bool, seed: u64, lr
     };
     let remote = processes.then(|| kolo_train::impala::RemoteActors { listen: "127.0.0.1:0", token: token.clone(), spawn: &mut spawn });
     let t0 = std::time::Instant::now();
-    let r = kolo_train::impala::run_with(&cfg, remote, &mut |steps, mean| eprintln!("{:>7.1} s  {steps:>9} env steps  mean return (100 episodes) {mean:.1}", t0.elapsed().as_secs_f64()))?;
+    let r = kolo_train::impala::run_with(&cfg, remote, &mut |steps, mean| {
+        eprintln!("{:>7.1} s  {steps:>9} env steps  mean return (100 episodes) {mean:.1}", t0.elapsed().as_secs_f64())
+    })?;
     eprintln!(
         "done: {} env steps taken ({:.0}/s with {actors} actors), {} learned from in {} learner steps, {} episodes, mean return {:.1}{}; policy lag mean {:.2}, max {} updates; {} trajectories dropped by a full queue",
         r.env_steps,
@@ -304,7 +329,9 @@ fn main() {
         Cmd::Ps(p) => ps::run(p),
         Cmd::Fed(f) => fed::run(f),
         Cmd::Plan(p) => plan::run(p),
-        Cmd::Impala { env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id } => impala(&env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id),
+        Cmd::Impala { env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id } => {
+            impala(&env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id)
+        }
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
         Cmd::Inspect { checkpoint } => inspect(&checkpoint),

@@ -120,7 +120,8 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         "f32" => 4.0,
         p => anyhow::bail!("--precision {p}: bf16, f16 or f32"),
     };
-    let (activation_factor, param_copy_bytes) = if a.kolo_cpu { (Cluster::KOLO_CPU_ACTIVATIONS, Cluster::KOLO_PARAM_COPY) } else { (1.0, 0.0) };
+    let (activation_factor, param_copy_bytes) =
+        if a.kolo_cpu { (Cluster::KOLO_CPU_ACTIVATIONS, Cluster::KOLO_PARAM_COPY) } else { (1.0, 0.0) };
     let c = Cluster {
         devices: a.devices,
         memory: parse_quantity(&a.device_memory).map_err(anyhow::Error::msg)?,
@@ -155,7 +156,10 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
                 }
                 return Ok(0);
             }
-            None => anyhow::bail!("{spec}: not a plan for {} devices (dp x tp x pp must equal them, tp divide the heads, micro divide the batch per replica)", c.devices),
+            None => anyhow::bail!(
+                "{spec}: not a plan for {} devices (dp x tp x pp must equal them, tp divide the heads, micro divide the batch per replica)",
+                c.devices
+            ),
         }
     }
     let plans = search(&m, &c, a.global_batch, value_bytes, &Space::default());

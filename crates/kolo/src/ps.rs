@@ -106,7 +106,11 @@ pub struct CoordinatorArgs {
 
 /// The job token: `KOLO_JOB_TOKEN` (hex), as every Kolo process reads it.
 fn token() -> anyhow::Result<JobToken> {
-    let t = std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set: every process of a parameter-server job needs the job's token (hex); `kolo ps run` sets it"))?;
+    let t = std::env::var("KOLO_JOB_TOKEN").map_err(|_| {
+        anyhow::anyhow!(
+            "KOLO_JOB_TOKEN is not set: every process of a parameter-server job needs the job's token (hex); `kolo ps run` sets it"
+        )
+    })?;
     JobToken::from_hex(&t).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))
 }
 
@@ -154,11 +158,23 @@ pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
         PsCmd::Run(a) => run_job(a),
         PsCmd::Eval(a) => {
             let cfg = kolo_train::Config::load(&a.config)?;
-            let coordinator = a.coordinator.or_else(|| cfg.ps.coordinator.clone()).or_else(|| std::env::var("KOLO_PS_COORDINATOR").ok()).ok_or_else(|| anyhow::anyhow!("kolo ps eval needs --coordinator (or KOLO_PS_COORDINATOR)"))?;
+            let coordinator = a
+                .coordinator
+                .or_else(|| cfg.ps.coordinator.clone())
+                .or_else(|| std::env::var("KOLO_PS_COORDINATOR").ok())
+                .ok_or_else(|| anyhow::anyhow!("kolo ps eval needs --coordinator (or KOLO_PS_COORDINATOR)"))?;
             let token = token()?;
             let (addr, tok) = (coordinator.clone(), token.clone());
             let stop = move || kolo_ps::coord::membership(&addr, &tok, Duration::from_secs(5)).map_or(true, |m| m.shutdown);
-            let evals = kolo_train::ps_worker::run_ps_eval(&cfg, &coordinator, &token, a.workers, Duration::from_secs_f64(a.every.max(0.05)), &stop, false)?;
+            let evals = kolo_train::ps_worker::run_ps_eval(
+                &cfg,
+                &coordinator,
+                &token,
+                a.workers,
+                Duration::from_secs_f64(a.every.max(0.05)),
+                &stop,
+                false,
+            )?;
             eprintln!("[eval group] {} evaluations", evals.len());
             Ok(0)
         }
@@ -193,7 +209,17 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
     let evaluator = match a.eval_every {
         Some(every) => Some(
             Command::new(&exe)
-                .args(["ps", "eval", "--coordinator", &addr, "--workers", &a.workers.to_string(), "--every", &every.to_string(), "--config"])
+                .args([
+                    "ps",
+                    "eval",
+                    "--coordinator",
+                    &addr,
+                    "--workers",
+                    &a.workers.to_string(),
+                    "--every",
+                    &every.to_string(),
+                    "--config",
+                ])
                 .arg(&a.config)
                 .env("KOLO_JOB_TOKEN", token.to_hex())
                 .stdin(Stdio::null())

@@ -62,7 +62,11 @@ pub struct TrainArgs {
 /// MemTotal from /proc/meminfo, bytes.
 fn machine_memory() -> anyhow::Result<f64> {
     let text = std::fs::read_to_string("/proc/meminfo").map_err(|e| anyhow::anyhow!("/proc/meminfo: {e} (pass --device-memory)"))?;
-    let kb: f64 = text.lines().find_map(|l| l.strip_prefix("MemTotal:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok()).ok_or_else(|| anyhow::anyhow!("no MemTotal in /proc/meminfo (pass --device-memory)"))?;
+    let kb: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no MemTotal in /proc/meminfo (pass --device-memory)"))?;
     Ok(kb * 1024.0)
 }
 
@@ -99,7 +103,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     }
     // The overrides go through the file's validation: a combination the file would refuse is
     // refused here too, naming the flags.
-    cfg.check().map_err(|e| anyhow::anyhow!("{} with the command-line overrides (--data, --device, --steps, --offload-dir, --zero-stage, --timeout): {e}", a.config.display()))?;
+    cfg.check().map_err(|e| {
+        anyhow::anyhow!(
+            "{} with the command-line overrides (--data, --device, --steps, --offload-dir, --zero-stage, --timeout): {e}",
+            a.config.display()
+        )
+    })?;
     if cfg.train.strategy == kolo_train::config::Strategy::Ps {
         return run_ps(&cfg, a.stop_after, a.slow_rank);
     }
@@ -137,12 +146,23 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
                 }
                 resume = Some(p);
             }
-            None if lead => eprintln!("elastic restart {round}: no checkpoint to resume from (set train.checkpoint_dir and checkpoint_every); starting over"),
+            None if lead => eprintln!(
+                "elastic restart {round}: no checkpoint to resume from (set train.checkpoint_dir and checkpoint_every); starting over"
+            ),
             None => {}
         }
     }
     let die_at = a.kill_at.filter(|_| round == 0);
-    let opts = kolo_train::RunOptions { resume, stop_after: a.stop_after, quiet: false, inject_inf_at: None, crash_during_save: a.crash_during_save, slow_rank: a.slow_rank, die_at, slow_per_example: a.slow_per_example };
+    let opts = kolo_train::RunOptions {
+        resume,
+        stop_after: a.stop_after,
+        quiet: false,
+        inject_inf_at: None,
+        crash_during_save: a.crash_during_save,
+        slow_rank: a.slow_rank,
+        die_at,
+        slow_per_example: a.slow_per_example,
+    };
     let s = kolo_train::run(&cfg, comm, &opts).inspect_err(|e| {
         // A communication failure: show what this rank's communicator did last.
         if matches!(e, kolo_train::TrainError::Comm(_) | kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(_))) {
@@ -208,10 +228,19 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
 /// `[ps] coordinator`) where the job's coordinator listens.
 fn run_ps(cfg: &kolo_train::Config, stop_after: Option<u64>, slow_rank: Option<(usize, u64)>) -> anyhow::Result<i32> {
     let var = |k: &str| std::env::var(k).ok();
-    let num = |k: &str, d: usize| -> anyhow::Result<usize> { var(k).map_or(Ok(d), |v| v.parse().map_err(|_| anyhow::anyhow!("{k}={v} is not a number"))) };
+    let num = |k: &str, d: usize| -> anyhow::Result<usize> {
+        var(k).map_or(Ok(d), |v| v.parse().map_err(|_| anyhow::anyhow!("{k}={v} is not a number")))
+    };
     let (worker, workers) = (num("RANK", 0)?, num("WORLD_SIZE", 1)?);
-    let coordinator = cfg.ps.coordinator.clone().or_else(|| var("KOLO_PS_COORDINATOR")).ok_or_else(|| anyhow::anyhow!("train.strategy = \"ps\" needs a coordinator: start the job with `kolo ps run`, or set [ps] coordinator / KOLO_PS_COORDINATOR"))?;
-    let token = kolo_rendezvous::JobToken::from_hex(&var("KOLO_JOB_TOKEN").ok_or_else(|| anyhow::anyhow!("KOLO_JOB_TOKEN is not set (the parameter-server job's token)"))?).map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))?;
+    let coordinator = cfg.ps.coordinator.clone().or_else(|| var("KOLO_PS_COORDINATOR")).ok_or_else(|| {
+        anyhow::anyhow!(
+            "train.strategy = \"ps\" needs a coordinator: start the job with `kolo ps run`, or set [ps] coordinator / KOLO_PS_COORDINATOR"
+        )
+    })?;
+    let token = kolo_rendezvous::JobToken::from_hex(
+        &var("KOLO_JOB_TOKEN").ok_or_else(|| anyhow::anyhow!("KOLO_JOB_TOKEN is not set (the parameter-server job's token)"))?,
+    )
+    .map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))?;
     let mut cfg = cfg.clone();
     if let Some(n) = var("KOLO_PS_SERVERS").and_then(|v| v.parse().ok()) {
         cfg.ps.servers = n;

@@ -116,7 +116,13 @@ pub(crate) fn split_rw(buf: &mut [u8], a: Range<usize>, b: Range<usize>) -> (&[u
 /// Folding a non-power-of-two world into the largest power of two `p <= n` (as MPICH does):
 /// among the first `2 * (n - p)` ranks, each even rank hands its data to the next odd rank and
 /// sits out. Returns this rank's virtual rank in `0..p`, or `None` if it sits out.
-pub(crate) fn fold_in(e: &mut Exec<'_>, buf: &mut [u8], dtype: DType, op: kolo_comm::ReduceOp, tmp: &mut [u8]) -> Result<Option<usize>, CommError> {
+pub(crate) fn fold_in(
+    e: &mut Exec<'_>,
+    buf: &mut [u8],
+    dtype: DType,
+    op: kolo_comm::ReduceOp,
+    tmp: &mut [u8],
+) -> Result<Option<usize>, CommError> {
     let (n, r) = (e.n, e.rank);
     let rem = n - largest_pow2(n);
     if r >= 2 * rem {

@@ -19,7 +19,10 @@ pub(crate) fn all_to_all(
     for s in 1..n {
         let to = (r + s) % n;
         let from = (r + n - s) % n;
-        let mut x = [e.send(to, s as u32, Some(dtype), &input[send[to].clone()]), e.recv(from, s as u32, Some(dtype), &mut output[recv[from].clone()])];
+        let mut x = [
+            e.send(to, s as u32, Some(dtype), &input[send[to].clone()]),
+            e.recv(from, s as u32, Some(dtype), &mut output[recv[from].clone()]),
+        ];
         e.run(&mut x)?;
     }
     Ok(())

@@ -7,7 +7,14 @@ use kolo_comm::{CommError, ReduceOp, Scratch};
 
 /// Reduces into `acc` on the root. `acc` is this rank's contribution (a scratch copy on
 /// non-roots, which it overwrites with partial results).
-pub(crate) fn reduce(e: &mut Exec<'_>, acc: &mut [u8], dtype: DType, op: ReduceOp, root: usize, scratch: &mut Scratch) -> Result<(), CommError> {
+pub(crate) fn reduce(
+    e: &mut Exec<'_>,
+    acc: &mut [u8],
+    dtype: DType,
+    op: ReduceOp,
+    root: usize,
+    scratch: &mut Scratch,
+) -> Result<(), CommError> {
     let n = e.n;
     let vr = (e.rank + n - root) % n;
     let tmp = scratch.get(super::REDUCE_WINDOW);

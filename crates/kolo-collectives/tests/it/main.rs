@@ -69,7 +69,10 @@ fn hierarchical_all_reduce_and_all_gather_across_fake_hosts() {
     // hosts wherever the shard layouts line up (a,a,b,b always; a,b,a,b,c,c for some lengths),
     // and through the ring otherwise (a,a,b): the matrix checks every length either way.
     for hosts in [&["a", "a", "b", "b"][..], &["a", "a", "b"], &["a", "b", "a", "b", "c", "c"]] {
-        let comms = group_with(hosts.len(), |r| HostCommConfig { host_id: Some(hosts[r].to_string()), ..cfg(Transport::Auto, AlgorithmChoice::Hierarchical) });
+        let comms = group_with(hosts.len(), |r| HostCommConfig {
+            host_id: Some(hosts[r].to_string()),
+            ..cfg(Transport::Auto, AlgorithmChoice::Hierarchical)
+        });
         let same_host = hosts.iter().filter(|h| **h == hosts[0]).count() - 1;
         assert_eq!(comms[0].shm_peers().len(), same_host);
         run_ranks(comms, |_, c| conformance(&c, &[0, 1, 7, 97, 65_537]));

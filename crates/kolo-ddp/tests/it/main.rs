@@ -58,7 +58,12 @@ fn model_mismatch_is_named() {
 fn missing_gradient_is_reported() {
     let comms = LocalComm::create(WorldSize::new(2).unwrap());
     run_ranks(comms, |_, c| {
-        let ddp = Ddp::new(Arc::new(c), &sig(&[&[3], &[3]]), DdpConfig { bucket_cap: ByteSize(12), first_bucket_cap: ByteSize(12), ..Default::default() }).unwrap();
+        let ddp = Ddp::new(
+            Arc::new(c),
+            &sig(&[&[3], &[3]]),
+            DdpConfig { bucket_cap: ByteSize(12), first_bucket_cap: ByteSize(12), ..Default::default() },
+        )
+        .unwrap();
         ddp.sink().grad_ready(1, &[1.0, 2.0, 3.0]);
         let e = ddp.finish(&mut [0f32; 6]).unwrap_err();
         assert!(e.to_string().contains("[\"p0\"]"), "{e}");
@@ -81,32 +86,20 @@ fn zero_reduce_scatter_and_gather_round_trip() {
         })
         .collect();
     for n in 1..=4 {
-        for (sharding, cap) in [
-            (Sharding::Gradients, 4 * 9),
-            (Sharding::Gradients, 4 * 1000),
-            (Sharding::OptimizerState, 4 * 9),
-        ] {
+        for (sharding, cap) in [(Sharding::Gradients, 4 * 9), (Sharding::Gradients, 4 * 1000), (Sharding::OptimizerState, 4 * 9)] {
             run_ranks(LocalComm::create(WorldSize::new(n).unwrap()), |r, c| {
-                let cfg = DdpConfig {
-                    bucket_cap: ByteSize(cap),
-                    first_bucket_cap: ByteSize(cap),
-                    sharding,
-                    ..Default::default()
-                };
+                let cfg = DdpConfig { bucket_cap: ByteSize(cap), first_bucket_cap: ByteSize(cap), sharding, ..Default::default() };
                 let ddp = Ddp::new(Arc::new(c), &sig(&shapes), cfg).unwrap();
                 let plan = ddp.shard_plan().clone();
                 let g: Vec<f32> = (0..total).map(|i| (i * (r + 1)) as f32).collect();
                 ddp.begin_backward();
                 for p in (0..shapes.len()).rev() {
-                    ddp.sink()
-                        .grad_ready(p, &g[starts[p]..starts[p] + numels[p]]);
+                    ddp.sink().grad_ready(p, &g[starts[p]..starts[p] + numels[p]]);
                 }
                 let mut out = vec![0f32; ddp.grad_len()];
                 ddp.finish(&mut out).unwrap();
                 // mean over ranks of i * (r + 1) = i * (n + 1) / 2
-                let mean: Vec<f32> = (0..total)
-                    .map(|i| i as f32 * (n + 1) as f32 / 2.0)
-                    .collect();
+                let mean: Vec<f32> = (0..total).map(|i| i as f32 * (n + 1) as f32 / 2.0).collect();
                 let mut want = vec![0f32; plan.len];
                 plan.gather(ddp.ranges(), &mean, &mut want);
                 let mine = if sharding == Sharding::Gradients {
@@ -140,7 +133,13 @@ fn zero_reduce_scatter_and_gather_round_trip() {
 fn powersgd_buckets_send_factors_and_recover_low_rank_averages() {
     let shapes: [&[usize]; 3] = [&[12, 10], &[10], &[5, 3]];
     let numels: Vec<usize> = shapes.iter().map(|s| s.iter().product()).collect();
-    let starts: Vec<usize> = numels.iter().scan(0, |a, n| { *a += n; Some(*a - n) }).collect();
+    let starts: Vec<usize> = numels
+        .iter()
+        .scan(0, |a, n| {
+            *a += n;
+            Some(*a - n)
+        })
+        .collect();
     let total: usize = numels.iter().sum();
     for exact in [true, false] {
         let rank = 2;
@@ -183,7 +182,8 @@ fn powersgd_buckets_send_factors_and_recover_low_rank_averages() {
     }
     // Compression is plain DDP's.
     let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| {
-        let cfg = DdpConfig { compression: kolo_ddp::Compression::PowerSgd { rank: 1 }, sharding: Sharding::Gradients, ..Default::default() };
+        let cfg =
+            DdpConfig { compression: kolo_ddp::Compression::PowerSgd { rank: 1 }, sharding: Sharding::Gradients, ..Default::default() };
         Ddp::new(Arc::new(c), &sig(&shapes), cfg).err().unwrap()
     });
     assert!(e[0].to_string().contains("compression applies to plain DDP"), "{}", e[0]);
@@ -215,7 +215,9 @@ fn every_codec_averages_buckets_and_user_codecs_plug_in() {
             Ok(buf.len() * 4)
         }
     }
-    let user = |scale: f32, local: bool| Compression::Custom(CodecFactory(Arc::new(move |_, _| Box::new(Broken { scale, local }) as Box<dyn BucketCodec>)));
+    let user = |scale: f32, local: bool| {
+        Compression::Custom(CodecFactory(Arc::new(move |_, _| Box::new(Broken { scale, local }) as Box<dyn BucketCodec>)))
+    };
     let shapes: [&[usize]; 2] = [&[16, 8], &[8]];
     let total = 136;
     let n = 3;

@@ -13,7 +13,9 @@ fn main() {
     });
     let (r, n) = (world.rank().get(), world.world_size().get());
     // KOLO_MPI_LENS=1,7 narrows the element counts (debugging).
-    let lens: Vec<usize> = std::env::var("KOLO_MPI_LENS").map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect()).unwrap_or_else(|_| kolo_testkit::ODD_LENS.to_vec());
+    let lens: Vec<usize> = std::env::var("KOLO_MPI_LENS")
+        .map(|v| v.split(',').filter_map(|x| x.parse().ok()).collect())
+        .unwrap_or_else(|_| kolo_testkit::ODD_LENS.to_vec());
     kolo_testkit::conformance(&*world, &lens);
     // A sub-group of the even ranks runs the matrix too; odd ranks are not members.
     let evens: Vec<Rank> = (0..n).step_by(2).map(Rank).collect();

@@ -132,7 +132,13 @@ fn bench(comm: &Arc<NcclComm>, max: usize) {
         let host = t.elapsed().as_secs_f64() / hiters as f64;
         if r == 0 {
             let alg = bytes as f64 / gpu / 1e9;
-            println!("{bytes:>12} {:>12.1} {alg:>10.2} {:>10.2} {:>12.1} {:>10.2}", gpu * 1e6, alg * factor, host * 1e6, bytes as f64 / host / 1e9);
+            println!(
+                "{bytes:>12} {:>12.1} {alg:>10.2} {:>10.2} {:>12.1} {:>10.2}",
+                gpu * 1e6,
+                alg * factor,
+                host * 1e6,
+                bytes as f64 / host / 1e9
+            );
         }
         bytes *= 4;
     }

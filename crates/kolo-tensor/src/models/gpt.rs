@@ -37,9 +37,15 @@ struct Block {
 /// A block's feed-forward part.
 #[derive(Clone)]
 enum Ffn {
-    Dense { fc: (usize, usize), fc_out: (usize, usize) },
+    Dense {
+        fc: (usize, usize),
+        fc_out: (usize, usize),
+    },
     /// The gate's weight and this rank's experts (fc weight, fc bias, fc_out weight, fc_out bias).
-    Moe { gate: usize, experts: Vec<[usize; 4]> },
+    Moe {
+        gate: usize,
+        experts: Vec<[usize; 4]>,
+    },
 }
 
 impl Block {
@@ -161,7 +167,14 @@ fn block_forward_with(x: &Tensor, p: &[Tensor], h: usize, ring: Option<&Arc<dyn 
 
 /// A block whose MLP is a mixture of experts: `p` holds the attention half (8), the gate, then
 /// four per local expert. Returns the output and the auxiliary loss.
-fn block_forward_moe(x: &Tensor, p: &[Tensor], h: usize, cfg: &super::moe::MoeConfig, ex: Option<&Arc<dyn kolo_base::Exchange>>, load: Option<&std::sync::Mutex<super::moe::MoeLoad>>) -> Result<(Tensor, Tensor)> {
+fn block_forward_moe(
+    x: &Tensor,
+    p: &[Tensor],
+    h: usize,
+    cfg: &super::moe::MoeConfig,
+    ex: Option<&Arc<dyn kolo_base::Exchange>>,
+    load: Option<&std::sync::Mutex<super::moe::MoeLoad>>,
+) -> Result<(Tensor, Tensor)> {
     let hdn = layer_norm(x, &p[0], &p[1], 1e-5)?;
     let y = self_attention(&hdn, &p[2], &p[3], h)?;
     let x = (x + linear(&y, &p[4], &p[5])?)?;
@@ -206,7 +219,8 @@ fn into_storage(y: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
     };
     let s = layout.start_offset();
     let n = layout.shape().elem_count();
-    let out = if s == 0 && cpu.as_slice::<f32>()?.len() == n { cpu.clone() } else { CpuStorage::F32(cpu.as_slice::<f32>()?[s..s + n].to_vec()) };
+    let out =
+        if s == 0 && cpu.as_slice::<f32>()?.len() == n { cpu.clone() } else { CpuStorage::F32(cpu.as_slice::<f32>()?[s..s + n].to_vec()) };
     Ok((out, layout.shape().clone()))
 }
 
@@ -229,7 +243,8 @@ struct ShardedBlock {
 
 impl ShardedBlock {
     fn params(&self) -> candle_core::Result<Tensor> {
-        let full = self.gather.gather(self.group).map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of block {}: {e}", self.group)))?;
+        let full =
+            self.gather.gather(self.group).map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of block {}: {e}", self.group)))?;
         let n = full.len();
         Tensor::from_vec(full, n, &Device::Cpu)
     }
@@ -258,7 +273,8 @@ impl CustomOp1 for ShardedBlock {
         if let Some(g) = self.before_bwd {
             self.gather.prefetch(g);
         }
-        let full = self.gather.gather(self.group).map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of block {}: {e}", self.group)))?;
+        let full =
+            self.gather.gather(self.group).map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of block {}: {e}", self.group)))?;
         let (gx, gp) = recompute(x, &full, &self.shapes, self.n_head, grad)?;
         drop(full);
         self.gather.group_grad_ready(self.group, &gp);
@@ -304,7 +320,13 @@ impl CustomOp2 for CheckpointedBlock {
 /// output: the block runs again with a graph, one variable per parameter (a single packed
 /// variable would make candle pad every parameter's gradient to the packed size), and the
 /// parameter gradients come back packed.
-fn recompute(x: &Tensor, packed: &[f32], shapes: &[Vec<usize>], n_head: usize, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Vec<f32>)> {
+fn recompute(
+    x: &Tensor,
+    packed: &[f32],
+    shapes: &[Vec<usize>],
+    n_head: usize,
+    grad: &Tensor,
+) -> candle_core::Result<(Option<Tensor>, Vec<f32>)> {
     let xv = Var::from_tensor(&x.detach())?;
     let mut off = 0;
     let mut vars = Vec::with_capacity(shapes.len());
@@ -330,13 +352,16 @@ fn recompute(x: &Tensor, packed: &[f32], shapes: &[Vec<usize>], n_head: usize, g
 impl Gpt {
     pub fn new(cfg: GptConfig, rng: &mut Rng) -> Result<Gpt> {
         let c = cfg.d_model;
-        if cfg.n_head == 0 || c % cfg.n_head != 0 {
+        if cfg.n_head == 0 || !c.is_multiple_of(cfg.n_head) {
             return Err(TensorError::Input(format!("d_model {c} is not divisible by n_head {}", cfg.n_head)));
         }
         let mut p = ParamSet::new();
         let std = 0.02;
         let lin = |p: &mut ParamSet, name: &str, out: usize, inp: usize, rng: &mut Rng| -> Result<(usize, usize)> {
-            Ok((p.add(&format!("{name}.weight"), &[out, inp], normal(rng, out * inp, std))?, p.add(&format!("{name}.bias"), &[out], vec![0.0; out])?))
+            Ok((
+                p.add(&format!("{name}.weight"), &[out, inp], normal(rng, out * inp, std))?,
+                p.add(&format!("{name}.bias"), &[out], vec![0.0; out])?,
+            ))
         };
         let ln = |p: &mut ParamSet, name: &str| -> Result<(usize, usize)> {
             Ok((p.add(&format!("{name}.weight"), &[c], vec![1.0; c])?, p.add(&format!("{name}.bias"), &[c], vec![0.0; c])?))
@@ -354,7 +379,10 @@ impl Gpt {
             let proj = lin(&mut p, &format!("{b}.attn.proj"), c, c, rng)?;
             let ln2 = ln(&mut p, &format!("{b}.ln2"))?;
             let ffn = match &cfg.moe {
-                None => Ffn::Dense { fc: lin(&mut p, &format!("{b}.fc"), 4 * c, c, rng)?, fc_out: lin(&mut p, &format!("{b}.fc_out"), c, 4 * c, rng)? },
+                None => Ffn::Dense {
+                    fc: lin(&mut p, &format!("{b}.fc"), 4 * c, c, rng)?,
+                    fc_out: lin(&mut p, &format!("{b}.fc_out"), c, 4 * c, rng)?,
+                },
                 Some(m) => {
                     let gate = p.add(&format!("{b}.moe.gate.weight"), &[m.experts, c], normal(rng, m.experts * c, std))?;
                     let mut experts = Vec::with_capacity(m.experts);
@@ -371,7 +399,21 @@ impl Gpt {
         let ln_f = ln(&mut p, "ln_f")?;
         let head = lin(&mut p, "head", cfg.vocab, c, rng)?;
         let checkpointed = vec![false; cfg.n_layer];
-        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, sharded: None, tp: None, sp: None, ep: None, moe_load: Default::default() })
+        Ok(Gpt {
+            cfg,
+            params: p,
+            wte,
+            wpe,
+            blocks,
+            ln_f,
+            head,
+            checkpointed,
+            sharded: None,
+            tp: None,
+            sp: None,
+            ep: None,
+            moe_load: Default::default(),
+        })
     }
 
     /// This member's piece of the model under Megatron tensor parallelism over `group`: the
@@ -379,7 +421,9 @@ impl Gpt {
     /// holds n_head / size heads and 4 d_model / size MLP features of every block.
     pub fn new_tensor_parallel(cfg: GptConfig, rng: &mut Rng, group: Arc<dyn kolo_base::GroupSum>) -> Result<Gpt> {
         if cfg.moe.is_some() {
-            return Err(TensorError::Input("tensor parallelism of a mixture-of-experts GPT is not supported (use expert parallelism)".into()));
+            return Err(TensorError::Input(
+                "tensor parallelism of a mixture-of-experts GPT is not supported (use expert parallelism)".into(),
+            ));
         }
         let full = Gpt::new(cfg, rng)?;
         let (r, n) = (group.rank(), group.size());
@@ -409,7 +453,10 @@ impl Gpt {
     /// ring. Parameters stay whole (replicated on every member).
     pub fn set_sequence_parallel(&mut self, ring: Arc<dyn kolo_base::RingShift>) -> Result<()> {
         if self.tp.is_some() || self.sharded.is_some() || self.checkpointed.iter().any(|c| *c) || self.cfg.moe.is_some() {
-            return Err(TensorError::Input("sequence parallelism does not combine with tensor parallelism, ZeRO-3, activation checkpointing or mixture of experts yet".into()));
+            return Err(TensorError::Input(
+                "sequence parallelism does not combine with tensor parallelism, ZeRO-3, activation checkpointing or mixture of experts yet"
+                    .into(),
+            ));
         }
         self.sp = Some(ring);
         Ok(())
@@ -476,10 +523,15 @@ impl Gpt {
 impl Gpt {
     fn set_checkpointing_blocks(&mut self, blocks: &[usize]) -> Result<()> {
         if (self.tp.is_some() || self.cfg.moe.is_some()) && !blocks.is_empty() {
-            return Err(TensorError::Input("activation checkpointing under tensor parallelism or of mixture-of-experts blocks is not supported yet".into()));
+            return Err(TensorError::Input(
+                "activation checkpointing under tensor parallelism or of mixture-of-experts blocks is not supported yet".into(),
+            ));
         }
         if let Some(bad) = blocks.iter().find(|&&i| i >= self.cfg.n_layer) {
-            return Err(TensorError::Input(format!("activation checkpointing: block {bad} does not exist (the model has {} blocks)", self.cfg.n_layer)));
+            return Err(TensorError::Input(format!(
+                "activation checkpointing: block {bad} does not exist (the model has {} blocks)",
+                self.cfg.n_layer
+            )));
         }
         self.checkpointed = (0..self.cfg.n_layer).map(|i| blocks.contains(&i)).collect();
         Ok(())
@@ -563,7 +615,12 @@ impl Gpt {
     /// parallelism this member's vocabulary range of the logits) against `targets`.
     pub fn logits_loss(&self, logits: &Tensor, targets: &[u32]) -> Result<Tensor> {
         match &self.tp {
-            Some(tp) => super::tp::vocab_parallel_cross_entropy(logits, targets, super::tp::vocab_range(self.cfg.vocab, tp.group.size(), tp.group.rank()), &tp.group),
+            Some(tp) => super::tp::vocab_parallel_cross_entropy(
+                logits,
+                targets,
+                super::tp::vocab_range(self.cfg.vocab, tp.group.size(), tp.group.rank()),
+                &tp.group,
+            ),
             None => super::targets_loss(logits, targets),
         }
     }
@@ -622,7 +679,9 @@ impl Gpt {
                 ln2: pair(b.ln2),
                 ffn: match &b.ffn {
                     Ffn::Dense { fc, fc_out } => Ffn::Dense { fc: pair(*fc), fc_out: pair(*fc_out) },
-                    Ffn::Moe { gate, experts } => Ffn::Moe { gate: id(*gate), experts: experts[r * el..(r + 1) * el].iter().map(|e| e.map(id)).collect() },
+                    Ffn::Moe { gate, experts } => {
+                        Ffn::Moe { gate: id(*gate), experts: experts[r * el..(r + 1) * el].iter().map(|e| e.map(id)).collect() }
+                    }
                 },
             })
             .collect();
@@ -699,7 +758,13 @@ impl Gpt {
 
     /// [`Gpt::forward_layers`]; when training (`aux` given) each MoE block's auxiliary loss is
     /// pushed onto `aux` and its routing counted.
-    fn forward_layers_aux(&self, input: StageInput<'_>, layers: std::ops::Range<usize>, view: &dyn ParamView, mut aux: Option<&mut Vec<Tensor>>) -> Result<Tensor> {
+    fn forward_layers_aux(
+        &self,
+        input: StageInput<'_>,
+        layers: std::ops::Range<usize>,
+        view: &dyn ParamView,
+        mut aux: Option<&mut Vec<Tensor>>,
+    ) -> Result<Tensor> {
         if layers.is_empty() || layers.end > self.layers() {
             return Err(TensorError::Input(format!("layers {layers:?} of a GPT with {} layers", self.layers())));
         }
@@ -721,8 +786,17 @@ impl Gpt {
                     return Err(TensorError::Input(format!("token id {bad} is outside the vocabulary of {}", self.cfg.vocab)));
                 }
                 let tok = match &self.tp {
-                    Some(tp) => super::tp::embed(ids, &g(self.wte)?, super::tp::vocab_range(self.cfg.vocab, tp.group.size(), tp.group.rank()), &tp.group)?,
-                    None => { let w = g(self.wte)?; let ids = Tensor::from_slice(ids, b * t, w.device())?; w.index_select(&ids, 0)? },
+                    Some(tp) => super::tp::embed(
+                        ids,
+                        &g(self.wte)?,
+                        super::tp::vocab_range(self.cfg.vocab, tp.group.size(), tp.group.rank()),
+                        &tp.group,
+                    )?,
+                    None => {
+                        let w = g(self.wte)?;
+                        let ids = Tensor::from_slice(ids, b * t, w.device())?;
+                        w.index_select(&ids, 0)?
+                    }
                 }
                 .reshape((b, t, c))?;
                 let pos = g(self.wpe)?.narrow(0, offset, t)?;

@@ -68,7 +68,7 @@ impl Batch {
     /// The batch cut into consecutive pieces of `per` examples, in order; `None` when `per` is
     /// 0 or does not divide the batch.
     pub fn chunks(&self, per: usize) -> Option<Vec<Batch>> {
-        if per == 0 || self.len() % per != 0 {
+        if per == 0 || !self.len().is_multiple_of(per) {
             return None;
         }
         let n = self.len() / per;
@@ -77,10 +77,15 @@ impl Batch {
             Input::Images { data, c, h, w, .. } => {
                 let px = c * h * w;
                 (0..n)
-                    .map(|i| Batch { input: Input::Images { data: data[i * per * px..(i + 1) * per * px].to_vec(), n: per, c: *c, h: *h, w: *w }, targets: cut(&self.targets, i, 1) })
+                    .map(|i| Batch {
+                        input: Input::Images { data: data[i * per * px..(i + 1) * per * px].to_vec(), n: per, c: *c, h: *h, w: *w },
+                        targets: cut(&self.targets, i, 1),
+                    })
                     .collect()
             }
-            Input::Tokens { ids, t, .. } => (0..n).map(|i| Batch { input: Input::Tokens { ids: cut(ids, i, *t), b: per, t: *t }, targets: cut(&self.targets, i, *t) }).collect(),
+            Input::Tokens { ids, t, .. } => (0..n)
+                .map(|i| Batch { input: Input::Tokens { ids: cut(ids, i, *t), b: per, t: *t }, targets: cut(&self.targets, i, *t) })
+                .collect(),
         })
     }
 }

@@ -205,7 +205,13 @@ fn u32s(v: impl IntoIterator<Item = usize>) -> Result<Tensor> {
 /// experts `local` (each fc weight, fc bias, fc_out weight, fc_out bias), the first of which is
 /// expert `first`. Returns the layer's output (b, t, c), its auxiliary loss (a scalar, already
 /// weighted) and the routing.
-pub(crate) fn moe_forward(hdn: &Tensor, gate: &Tensor, local: &[[Tensor; 4]], cfg: &MoeConfig, ex: Option<&Arc<dyn Exchange>>) -> Result<(Tensor, Tensor, Routing)> {
+pub(crate) fn moe_forward(
+    hdn: &Tensor,
+    gate: &Tensor,
+    local: &[[Tensor; 4]],
+    cfg: &MoeConfig,
+    ex: Option<&Arc<dyn Exchange>>,
+) -> Result<(Tensor, Tensor, Routing)> {
     let (b, t, c) = hdn.dims3()?;
     let n = b * t;
     let e = cfg.experts;
@@ -220,7 +226,10 @@ pub(crate) fn moe_forward(hdn: &Tensor, gate: &Tensor, local: &[[Tensor; 4]], cf
     // sum over the token's top-k).
     let mut w = flat_probs.index_select(&u32s(routing.kept.iter().map(|&(tok, x)| tok * e + x))?, 0)?;
     if k > 1 {
-        let top = flat_probs.index_select(&u32s(routing.choices.iter().enumerate().map(|(i, &x)| (i / k) * e + x))?, 0)?.reshape((n, k))?.sum(1)?;
+        let top = flat_probs
+            .index_select(&u32s(routing.choices.iter().enumerate().map(|(i, &x)| (i / k) * e + x))?, 0)?
+            .reshape((n, k))?
+            .sum(1)?;
         w = (w / top.index_select(&tokens, 0)?)?;
     }
     let dispatched = x.index_select(&tokens, 0)?;
@@ -234,7 +243,8 @@ pub(crate) fn moe_forward(hdn: &Tensor, gate: &Tensor, local: &[[Tensor; 4]], cf
         Some(g) if p > 1 => {
             let counts: Vec<f32> = routing.counts.iter().map(|&x| x as f32).collect();
             let mut rc = vec![0f32; e];
-            g.all_to_all(&counts, &vec![el; p], &mut rc, &vec![el; p]).map_err(|m| TensorError::Input(format!("expert-parallel count exchange: {m}")))?;
+            g.all_to_all(&counts, &vec![el; p], &mut rc, &vec![el; p])
+                .map_err(|m| TensorError::Input(format!("expert-parallel count exchange: {m}")))?;
             let per: Vec<Vec<usize>> = rc.chunks(el).map(|ch| ch.iter().map(|&x| x as usize).collect()).collect();
             let send: Vec<usize> = routing.counts.chunks(el).map(|ch| ch.iter().sum()).collect();
             let recv_rows: Vec<usize> = per.iter().map(|v| v.iter().sum()).collect();
@@ -254,7 +264,11 @@ pub(crate) fn moe_forward(hdn: &Tensor, gate: &Tensor, local: &[[Tensor; 4]], cf
     }
     let mut outs = Vec::with_capacity(el);
     for (l, ps) in local.iter().enumerate() {
-        let xl = if p == 1 { recv.narrow(0, rows_of[l].first().copied().unwrap_or(0), rows_of[l].len())? } else { recv.index_select(&u32s(rows_of[l].iter().copied())?, 0)? };
+        let xl = if p == 1 {
+            recv.narrow(0, rows_of[l].first().copied().unwrap_or(0), rows_of[l].len())?
+        } else {
+            recv.index_select(&u32s(rows_of[l].iter().copied())?, 0)?
+        };
         let h = crate::fused::gelu_erf(&crate::ops::linear(&xl, &ps[0], &ps[1])?)?;
         outs.push(crate::ops::linear(&h, &ps[2], &ps[3])?);
     }

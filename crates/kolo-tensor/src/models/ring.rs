@@ -49,7 +49,15 @@ impl CustomOp3 for RingAttention {
         "kolo-ring-attention"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, l3: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (b, h, t, d) = l1.shape().dims4()?;
         let (q, mut k, mut v) = (vec_of(s1, l1)?, vec_of(s2, l2)?, vec_of(s3, l3)?);
         let (me, n) = (self.ring.rank(), self.ring.size());
@@ -110,7 +118,14 @@ impl CustomOp3 for RingAttention {
         Ok((CpuStorage::F32(out), Shape::from((b, h, t, d))))
     }
 
-    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (b, h, t, d) = q.dims4()?;
         let flat = |x: &Tensor| -> candle_core::Result<Vec<f32>> { x.contiguous()?.flatten_all()?.to_vec1::<f32>() };
         let (qv, o, dout) = (flat(q)?, flat(res)?, flat(grad)?);
@@ -122,7 +137,8 @@ impl CustomOp3 for RingAttention {
             return Err(candle_core::Error::Msg("ring attention: backward without its forward".into()));
         }
         // D_i = dO_i . O_i
-        let dsum: Vec<f32> = (0..rows).map(|r| dout[r * d..(r + 1) * d].iter().zip(&o[r * d..(r + 1) * d]).map(|(a, c)| a * c).sum()).collect();
+        let dsum: Vec<f32> =
+            (0..rows).map(|r| dout[r * d..(r + 1) * d].iter().zip(&o[r * d..(r + 1) * d]).map(|(a, c)| a * c).sum()).collect();
         let mut dq = vec![0f32; qv.len()];
         let (mut dk, mut dv) = (vec![0f32; kb.len()], vec![0f32; vb.len()]);
         let len = kb.len();

@@ -68,7 +68,9 @@ pub(crate) enum Cut {
     Whole,
     /// Rows (output features) of a weight, or entries of a bias, in `parts` equal pieces per
     /// block of `block` rows (qkv: three blocks, q, k and v, each split by heads).
-    Rows { blocks: usize },
+    Rows {
+        blocks: usize,
+    },
     /// Columns (input features) of a weight.
     Cols,
     /// Rows of a vocabulary-sized tensor (token embedding, head weight and bias) in contiguous
@@ -117,7 +119,11 @@ pub(crate) fn piece(shape: &[usize], cut: Cut, r: usize, p: usize) -> Result<Vec
                 return Err(TensorError::Input(format!("{per_block} rows per block do not split into {p} tensor-parallel parts")));
             }
             let local = per_block / p;
-            (0..blocks).flat_map(|b| (b * per_block + r * local..b * per_block + (r + 1) * local).flat_map(move |row| row * cols..(row + 1) * cols)).collect()
+            (0..blocks)
+                .flat_map(|b| {
+                    (b * per_block + r * local..b * per_block + (r + 1) * local).flat_map(move |row| row * cols..(row + 1) * cols)
+                })
+                .collect()
         }
         Cut::Cols => {
             if !cols.is_multiple_of(p) {
@@ -205,7 +211,12 @@ fn gather_rows(vals: &[f32], group: &dyn GroupSum) -> Result<Vec<f32>> {
 /// `targets`, identical on every member: the global row maximum (constant), the sum of
 /// exponentials and the target logit are each summed over the group; backward of each sum is
 /// the identity, so every member's logits get their part of the gradient.
-pub(crate) fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &[u32], range: std::ops::Range<usize>, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
+pub(crate) fn vocab_parallel_cross_entropy(
+    logits: &Tensor,
+    targets: &[u32],
+    range: std::ops::Range<usize>,
+    group: &Arc<dyn GroupSum>,
+) -> Result<Tensor> {
     let (n, _) = logits.dims2()?;
     if targets.len() != n {
         return Err(TensorError::Input(format!("{} targets for {n} outputs", targets.len())));
@@ -219,9 +230,11 @@ pub(crate) fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &[u32], ran
     let shifted = logits.broadcast_sub(&m)?;
     let g = |t: Tensor| -> Result<Tensor> { Ok(t.contiguous()?.apply_op1(ReduceFromGroup(group.clone()))?) };
     let sum_exp = g(shifted.exp()?.sum_keepdim(1)?)?;
-    let idx: Vec<u32> = targets.iter().map(|&t| if range.contains(&(t as usize)) { (t as usize - range.start) as u32 } else { 0 }).collect();
+    let idx: Vec<u32> =
+        targets.iter().map(|&t| if range.contains(&(t as usize)) { (t as usize - range.start) as u32 } else { 0 }).collect();
     let mask: Vec<f32> = targets.iter().map(|&t| if range.contains(&(t as usize)) { 1.0 } else { 0.0 }).collect();
-    let picked = shifted.gather(&Tensor::from_vec(idx, (n, 1), logits.device())?, 1)?.mul(&Tensor::from_vec(mask, (n, 1), logits.device())?)?;
+    let picked =
+        shifted.gather(&Tensor::from_vec(idx, (n, 1), logits.device())?, 1)?.mul(&Tensor::from_vec(mask, (n, 1), logits.device())?)?;
     let target = g(picked)?;
     Ok((sum_exp.log()? - target)?.mean_all()?)
 }

@@ -8,7 +8,6 @@ use kolo_train::{run, Config, RunOptions, Summary, TrainError};
 use std::sync::Arc;
 use std::time::Duration;
 
-
 fn mnist_cfg(extra: &str, batch: usize) -> Config {
     let text = format!(
         "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = {batch}\nprefetch = 2\n{extra}",
@@ -145,23 +144,29 @@ fn bad_inputs_give_clear_errors() {
     let base = "[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"x\"\nbatch_size = 8\n";
     assert!(err(&format!("{base}[train]\nstepz = 3\n")).contains("unknown field `stepz`"));
     assert!(err("[model]\nkind = \"transformer\"\n").contains("unknown variant `transformer`"));
-    assert!(err("[model]\nkind = \"gpt\"\nhidden = [3]\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 1\n").contains("model.hidden applies to kind = \"mlp\" only"));
+    assert!(err("[model]\nkind = \"gpt\"\nhidden = [3]\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 1\n")
+        .contains("model.hidden applies to kind = \"mlp\" only"));
     assert!(err("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\nbatch_size = 8\n").contains("data.path is required"));
     assert!(err(&format!("{base}[ddp]\nbucket_cap = \"lots\"\n")).contains("ddp.bucket_cap"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 4\n")).contains("ddp.zero_stage must be 0, 1, 2 or 3, not 4"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 3\n")).contains("shards the GPT's blocks"));
-    assert!(err(&format!("{base}[ddp]\nzero_stage = 1\ncompression = {{ method = \"powersgd\" }}\n")).contains("ddp.compression needs ddp.zero_stage = 0"));
+    assert!(err(&format!("{base}[ddp]\nzero_stage = 1\ncompression = {{ method = \"powersgd\" }}\n"))
+        .contains("ddp.compression needs ddp.zero_stage = 0"));
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"gzip\" }}\n")).contains("unknown variant `gzip`"));
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"topk\", fraction = 1.5 }}\n")).contains("fraction must be in (0, 1]"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 1\nskip_sync = true\n")).contains("needs ddp.zero_stage = 0"));
     // Deterministic mode: pieces must divide the per-rank batch; what it cannot make bitwise is refused.
-    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 3\n")).contains("ddp.deterministic_chunk = 3 must divide data.batch_size = 8"));
+    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 3\n"))
+        .contains("ddp.deterministic_chunk = 3 must divide data.batch_size = 8"));
     assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 0\n")).contains("must divide"));
-    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ncompression = {{ method = \"fp16\" }}\n")).contains("ddp.deterministic runs DDP or ZeRO-1/2"));
-    assert!(err(&format!("{base}[train]\nprecision = \"f16\"\n[ddp]\ndeterministic = true\n")).contains("ddp.deterministic runs DDP or ZeRO-1/2"));
+    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ncompression = {{ method = \"fp16\" }}\n"))
+        .contains("ddp.deterministic runs DDP or ZeRO-1/2"));
+    assert!(err(&format!("{base}[train]\nprecision = \"f16\"\n[ddp]\ndeterministic = true\n"))
+        .contains("ddp.deterministic runs DDP or ZeRO-1/2"));
 
     // A missing dataset.
-    let cfg = Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"/nonexistent/mnist\"\nbatch_size = 8\n", "t").unwrap();
+    let cfg =
+        Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"/nonexistent/mnist\"\nbatch_size = 8\n", "t").unwrap();
     let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| run(&cfg, Arc::new(c), &quiet()).err().unwrap());
     assert!(matches!(e[0], TrainError::Data(_)) && e[0].to_string().contains("/nonexistent/mnist"), "{}", e[0]);
 
@@ -240,7 +245,8 @@ fn zero_checkpoint_resumes_at_other_world_sizes_and_stages() {
     // A save that was killed before its commit (a staging directory, a step directory without
     // a manifest) is never picked: the step-3 checkpoint is.
     std::fs::create_dir_all(dir.join(".step-00000006.partial")).unwrap();
-    std::fs::copy(ck.join("shard-00000-of-00004.safetensors"), dir.join(".step-00000006.partial/shard-00000-of-00004.safetensors")).unwrap();
+    std::fs::copy(ck.join("shard-00000-of-00004.safetensors"), dir.join(".step-00000006.partial/shard-00000-of-00004.safetensors"))
+        .unwrap();
     std::fs::create_dir_all(dir.join("step-00000009")).unwrap();
     resume_everywhere(&dir, &[(2, 1), (1, 0), (2, 2)], |n, stage| cfg(stage, 16 / n), &first[0], &full[0]);
 }
@@ -320,7 +326,13 @@ fn zero3_matches_ddp_and_its_checkpoint_resumes_at_other_sizes_and_stages() {
     std::fs::remove_dir_all(&dir).unwrap();
     let first = train_on(4, &z3(6), &RunOptions { stop_after: Some(3), quiet: true, ..Default::default() });
     assert_eq!(kolo_checkpoint::sharded::read_manifest(first[0].checkpoint.as_ref().unwrap()).unwrap().files.len(), 4);
-    resume_everywhere(&dir, &[(2, 1), (1, 0)], |n, stage| gpt_cfg(&format!("{}[ddp]\nzero_stage = {stage}\n", train(6, true)), 8 / n), &first[0], &full[0]);
+    resume_everywhere(
+        &dir,
+        &[(2, 1), (1, 0)],
+        |n, stage| gpt_cfg(&format!("{}[ddp]\nzero_stage = {stage}\n", train(6, true)), 8 / n),
+        &first[0],
+        &full[0],
+    );
 }
 
 /// Mixed precision. bf16 and f16 compute track f32 training closely; under f16 an overflow
@@ -333,15 +345,26 @@ fn mixed_precision_trains_and_f16_overflow_skips_the_step() {
     for (p, tol) in [("bf16", 0.02), ("f16", 0.01)] {
         let cfg = mnist_cfg(&format!("{opt}[train]\nsteps = 20\nlog_every = 20\nprecision = \"{p}\"\n"), 16);
         let s = &train_on(2, &cfg, &quiet())[0];
-        assert!((s.last_loss - f32_run.last_loss).abs() < tol * f32_run.last_loss, "{p}: loss {} vs f32 {}", s.last_loss, f32_run.last_loss);
+        assert!(
+            (s.last_loss - f32_run.last_loss).abs() < tol * f32_run.last_loss,
+            "{p}: loss {} vs f32 {}",
+            s.last_loss,
+            f32_run.last_loss
+        );
         assert!(max_diff(&s.params, &f32_run.params) < 0.01, "{p}: parameters drift from f32");
         assert_eq!(s.skipped_steps, 0);
     }
     // GPT with checkpointed blocks and ZeRO-3 under bf16 runs too (blocks recompute in f32).
-    let g = train_on(2, &gpt_cfg(&format!("{opt}[train]\nsteps = 2\nsample_chars = 0\nprecision = \"bf16\"\n[ddp]\nzero_stage = 3\n"), 2), &quiet());
+    let g = train_on(
+        2,
+        &gpt_cfg(&format!("{opt}[train]\nsteps = 2\nsample_chars = 0\nprecision = \"bf16\"\n[ddp]\nzero_stage = 3\n"), 2),
+        &quiet(),
+    );
     assert!(g[0].last_loss.is_finite());
     for stage in [0, 2] {
-        let cfg = |extra: &str| mnist_cfg(&format!("{opt}[train]\nsteps = 3\nlog_every = 1\nprecision = \"f16\"\n{extra}[ddp]\nzero_stage = {stage}\n"), 16);
+        let cfg = |extra: &str| {
+            mnist_cfg(&format!("{opt}[train]\nsteps = 3\nlog_every = 1\nprecision = \"f16\"\n{extra}[ddp]\nzero_stage = {stage}\n"), 16)
+        };
         let skipped = &train_on(2, &cfg(""), &RunOptions { inject_inf_at: Some(1), quiet: true, ..Default::default() })[0];
         assert_eq!(skipped.skipped_steps, 1);
         assert_eq!(skipped.loss_scale, Some(32768.0), "65536 halved once");
@@ -378,7 +401,9 @@ fn compressed_training_converges_near_uncompressed_with_fewer_bytes() {
     assert_eq!(comp.comm_bytes[0], plain.comm_bytes[0], "warm-up steps are uncompressed");
     // The other codecs on the same run (fraction 10% for the sparse ones), each within its
     // stated accuracy margin of uncompressed training after the same 300 steps.
-    for (method, min_ratio, margin) in [("fp16", 2, 0.01), ("bf16", 2, 0.01), ("topk", 5, 0.03), ("randk", 10, 0.08), ("qsgd", 3, 0.03), ("sign", 30, 0.05)] {
+    for (method, min_ratio, margin) in
+        [("fp16", 2, 0.01), ("bf16", 2, 0.01), ("topk", 5, 0.03), ("randk", 10, 0.08), ("qsgd", 3, 0.03), ("sign", 30, 0.05)]
+    {
         let cfg = mlp(&format!("[ddp]\ncompression = {{ method = \"{method}\", fraction = 0.1, levels = 16, warmup_steps = 10 }}\n"));
         let s = &train_on(2, &cfg, &quiet())[0];
         let acc = s.eval.as_ref().unwrap().accuracy.unwrap();
@@ -388,13 +413,17 @@ fn compressed_training_converges_near_uncompressed_with_fewer_bytes() {
         assert!(ratio >= min_ratio, "{method}: compression ratio {ratio}");
     }
     // Top-k with a sampled threshold, summed by the sparse all-reduce.
-    let cfg = mlp("[ddp]\ncompression = { method = \"topk\", fraction = 0.1, threshold = \"sampled\", exchange = \"sparse\", warmup_steps = 10 }\n");
+    let cfg = mlp(
+        "[ddp]\ncompression = { method = \"topk\", fraction = 0.1, threshold = \"sampled\", exchange = \"sparse\", warmup_steps = 10 }\n",
+    );
     let s = &train_on(2, &cfg, &quiet())[0];
     let acc = s.eval.as_ref().unwrap().accuracy.unwrap();
     assert!(acc > a.accuracy.unwrap() - 0.03, "sampled top-k over the sparse all-reduce: accuracy {acc} vs {:?}", a.accuracy);
     assert!(plain.comm_bytes.last().unwrap() / s.comm_bytes.last().unwrap() >= 3);
 
-    let gpt = |extra: &str| gpt_cfg(&format!("[optim]\nkind = \"adamw\"\nlr = 3e-3\n[train]\nsteps = 120\neval_batches = 8\nsample_chars = 0\n{extra}"), 8);
+    let gpt = |extra: &str| {
+        gpt_cfg(&format!("[optim]\nkind = \"adamw\"\nlr = 3e-3\n[train]\nsteps = 120\neval_batches = 8\nsample_chars = 0\n{extra}"), 8)
+    };
     let plain = &train_on(2, &gpt(""), &quiet())[0];
     let comp = &train_on(2, &gpt(psgd), &quiet())[0];
     let (a, b) = (plain.eval.as_ref().unwrap().loss, comp.eval.as_ref().unwrap().loss);
@@ -479,7 +508,13 @@ fn tensorboard_event_files_hold_the_training_curves() {
 fn timeline_merges_every_ranks_compute_and_collectives() {
     let dir = std::env::temp_dir().join(format!("kolo-timeline-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let cfg = mnist_cfg(&format!("[train]\nsteps = 3\ntimeline_dir = \"{}\"\n[ddp]\nbucket_cap = \"256KiB\"\nfirst_bucket_cap = \"64KiB\"\n", dir.display()), 16);
+    let cfg = mnist_cfg(
+        &format!(
+            "[train]\nsteps = 3\ntimeline_dir = \"{}\"\n[ddp]\nbucket_cap = \"256KiB\"\nfirst_bucket_cap = \"64KiB\"\n",
+            dir.display()
+        ),
+        16,
+    );
     train_on(2, &cfg, &quiet());
     let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("trace.json")).unwrap()).unwrap();
     let ev = doc["traceEvents"].as_array().unwrap();
@@ -531,7 +566,8 @@ fn try_train_ps(c: &PsCluster, workers: usize, cfg: &Config, opts: &RunOptions) 
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..workers)
             .map(|w| {
-                let me = kolo_train::ps_worker::PsWorker { worker: w, workers, coordinator: c.coord.addr().to_string(), token: c.token.clone() };
+                let me =
+                    kolo_train::ps_worker::PsWorker { worker: w, workers, coordinator: c.coord.addr().to_string(), token: c.token.clone() };
                 s.spawn(move || kolo_train::ps_worker::run_ps(cfg, &me, opts))
             })
             .collect();
@@ -588,7 +624,10 @@ fn ps_async_downpour_converges_on_mnist() {
 #[test]
 fn ps_bounded_delay_holds_a_slowed_worker_within_tau() {
     let c = ps_cluster(1);
-    let cfg = mnist_cfg("[optim]\nkind = \"sgd\"\nlr = 0.05\n[train]\nsteps = 20\nstrategy = \"ps\"\n[ps]\nconsistency = \"bounded\"\nstaleness = 2\n", 16);
+    let cfg = mnist_cfg(
+        "[optim]\nkind = \"sgd\"\nlr = 0.05\n[train]\nsteps = 20\nstrategy = \"ps\"\n[ps]\nconsistency = \"bounded\"\nstaleness = 2\n",
+        16,
+    );
     let opts = RunOptions { slow_rank: Some((1, 40)), ..quiet() };
     let s = train_ps(&c, 2, &cfg, &opts);
     let lead = s[0].ps.as_ref().unwrap().max_lead;
@@ -618,7 +657,10 @@ fn hogwild_converges_like_locked_sgd_on_sparse_wine() {
     assert_eq!(data.dim, 11 * 8 + 55 * 64);
     assert!(data.examples.iter().all(|e| e.idx.len() == 66 && e.idx.iter().all(|i| (*i as usize) < data.dim)));
     // Every fifth wine is held out.
-    let split = |keep: usize| kolo_ps::hogwild::SparseSet { dim: data.dim, examples: data.examples.iter().enumerate().filter(|(i, _)| (i % 5 == 0) == (keep == 1)).map(|(_, e)| e.clone()).collect() };
+    let split = |keep: usize| kolo_ps::hogwild::SparseSet {
+        dim: data.dim,
+        examples: data.examples.iter().enumerate().filter(|(i, _)| (i % 5 == 0) == (keep == 1)).map(|(_, e)| e.clone()).collect(),
+    };
     let (train, test) = (split(0), split(1));
     let cfg = |threads, mode| HogwildConfig { threads, epochs: 10, lr: 0.02, l2: 1e-3, seed: 3, mode };
     let one = train_logistic(&train, &cfg(1, Mode::Locked));
@@ -644,12 +686,30 @@ fn sandblaster_lbfgs_matches_local_lbfgs_and_routes_around_a_slow_worker() {
     let data = kolo_train::data::wine_sparse(&kolo_testkit::files::wine_csv(), 4).unwrap();
     let obj = std::sync::Arc::new(Logistic { data, l2: 1e-2, portions: 16 });
     let dim = kolo_ps::lbfgs::Objective::dim(&*obj);
-    let cfg = LbfgsConfig { history: 5, iterations: 25, tolerance: 1e-7, backup_tasks: true, worker_delay: vec![Duration::from_millis(25)] };
+    let cfg =
+        LbfgsConfig { history: 5, iterations: 25, tolerance: 1e-7, backup_tasks: true, worker_delay: vec![Duration::from_millis(25)] };
     let (x_ref, loss_ref) = minimize_local(&*obj, &vec![0.0; dim], &cfg);
     let c = ps_cluster(2);
-    let job = kolo_ps::JobSpec { len: dim as u64, chunk: 500, workers: 4, replication: 0, backup: 0, consistency: kolo_ps::Consistency::Async, optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 } };
+    let job = kolo_ps::JobSpec {
+        len: dim as u64,
+        chunk: 500,
+        workers: 4,
+        replication: 0,
+        backup: 0,
+        consistency: kolo_ps::Consistency::Async,
+        optimizer: kolo_optim::OptimizerSpec::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 },
+    };
     let connect = |w: u32| {
-        kolo_ps::PsClient::connect(kolo_ps::client::ClientOptions { coordinator: c.coord.addr().to_string(), token: c.token.clone(), job: job.clone(), worker: w, min_servers: 2, timeout: Duration::from_secs(30), heartbeat: None }).unwrap()
+        kolo_ps::PsClient::connect(kolo_ps::client::ClientOptions {
+            coordinator: c.coord.addr().to_string(),
+            token: c.token.clone(),
+            job: job.clone(),
+            worker: w,
+            min_servers: 2,
+            timeout: Duration::from_secs(30),
+            heartbeat: None,
+        })
+        .unwrap()
     };
     let mut coord = connect(3);
     coord.init(&vec![0.0; dim]).unwrap();
@@ -668,10 +728,22 @@ fn sandblaster_lbfgs_matches_local_lbfgs_and_routes_around_a_slow_worker() {
 #[test]
 fn ps_evaluation_group_reads_the_servers_while_training_runs() {
     let c = ps_cluster(1);
-    let cfg = mnist_cfg("[optim]\nkind = \"adagrad\"\nlr = 0.05\n[train]\nsteps = 200\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\n", 32);
+    let cfg =
+        mnist_cfg("[optim]\nkind = \"adagrad\"\nlr = 0.05\n[train]\nsteps = 200\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\n", 32);
     let done = std::sync::atomic::AtomicBool::new(false);
     let (train, evals) = std::thread::scope(|s| {
-        let ev = s.spawn(|| kolo_train::ps_worker::run_ps_eval(&cfg, &c.coord.addr().to_string(), &c.token, 2, Duration::from_millis(200), &|| done.load(std::sync::atomic::Ordering::SeqCst), true).unwrap());
+        let ev = s.spawn(|| {
+            kolo_train::ps_worker::run_ps_eval(
+                &cfg,
+                &c.coord.addr().to_string(),
+                &c.token,
+                2,
+                Duration::from_millis(200),
+                &|| done.load(std::sync::atomic::Ordering::SeqCst),
+                true,
+            )
+            .unwrap()
+        });
         let t = train_ps(&c, 2, &cfg, &quiet());
         done.store(true, std::sync::atomic::Ordering::SeqCst);
         (t, ev.join().unwrap())
@@ -717,11 +789,20 @@ fn pipeline_matches_one_process_gpt() {
                 }
                 let d = max_diff(&ranks[0].params, &one.params);
                 assert!(d < 1e-4, "{k} stages, {schedule}, {optim}: max parameter difference {d}");
-                assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "{k} stages {schedule}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
+                assert!(
+                    (ranks[0].last_loss - one.last_loss).abs() < 1e-4,
+                    "{k} stages {schedule}: loss {} vs {}",
+                    ranks[0].last_loss,
+                    one.last_loss
+                );
                 let bubble = ranks[0].pipeline_bubble.unwrap();
                 assert!((0.0..1.0).contains(&bubble));
                 // Re-materialization recomputes the same forward in backward: bitwise the same run.
-                let remat = train_on(k, &mk(&format!("[pipeline]\nmicro_batches = 4\nschedule = \"{schedule}\"\nrematerialize = true\n")), &quiet());
+                let remat = train_on(
+                    k,
+                    &mk(&format!("[pipeline]\nmicro_batches = 4\nschedule = \"{schedule}\"\nrematerialize = true\n")),
+                    &quiet(),
+                );
                 assert_eq!(remat[0].params, ranks[0].params, "{k} stages {schedule}: re-materialized run");
             }
         }
@@ -750,10 +831,20 @@ fn tensor_parallel_matches_one_process_gpt() {
                 assert_eq!(s.params, ranks[0].params);
             }
             // Each rank holds its pieces only: the blocks' big matrices split tp ways.
-            assert!(ranks[0].states.params * 10 < one.states.params * 9, "tp {tp}: {} vs {} bytes of parameters", ranks[0].states.params, one.states.params);
+            assert!(
+                ranks[0].states.params * 10 < one.states.params * 9,
+                "tp {tp}: {} vs {} bytes of parameters",
+                ranks[0].states.params,
+                one.states.params
+            );
             let d = max_diff(&ranks[0].params, &one.params);
             assert!(d < 1e-4, "world {world}, tp {tp}, {optim}: max parameter difference {d}");
-            assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "world {world} tp {tp}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
+            assert!(
+                (ranks[0].last_loss - one.last_loss).abs() < 1e-4,
+                "world {world} tp {tp}: loss {} vs {}",
+                ranks[0].last_loss,
+                one.last_loss
+            );
         }
     }
 }
@@ -783,7 +874,12 @@ fn every_mesh_in_four_ranks_matches_one_process_gpt() {
             }
             let d = max_diff(&ranks[0].params, &one.params);
             assert!(d < 1e-4, "dp {dp} tp {tp} pp {pp}, {optim}: max parameter difference {d}");
-            assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "dp {dp} tp {tp} pp {pp}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
+            assert!(
+                (ranks[0].last_loss - one.last_loss).abs() < 1e-4,
+                "dp {dp} tp {tp} pp {pp}: loss {} vs {}",
+                ranks[0].last_loss,
+                one.last_loss
+            );
         }
     }
 }
@@ -810,7 +906,12 @@ fn sequence_parallel_ring_attention_matches_one_process_gpt() {
             }
             let d = max_diff(&ranks[0].params, &one.params);
             assert!(d < 1e-4, "world {world}, sp {sp}, {optim}: max parameter difference {d}");
-            assert!((ranks[0].last_loss - one.last_loss).abs() < 1e-4, "world {world} sp {sp}: loss {} vs {}", ranks[0].last_loss, one.last_loss);
+            assert!(
+                (ranks[0].last_loss - one.last_loss).abs() < 1e-4,
+                "world {world} sp {sp}: loss {} vs {}",
+                ranks[0].last_loss,
+                one.last_loss
+            );
         }
     }
 }
@@ -821,7 +922,14 @@ fn sequence_parallel_ring_attention_matches_one_process_gpt() {
 fn plot_renders_a_runs_curves_to_png() {
     let dir = std::env::temp_dir().join(format!("kolo-plot-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let cfg = mnist_cfg(&format!("[train]\nsteps = 20\nlog_every = 4\ntensorboard_dir = \"{}\"\njson_log = \"{}\"\n", dir.join("tb").display(), dir.join("log-{rank}.jsonl").display()), 16);
+    let cfg = mnist_cfg(
+        &format!(
+            "[train]\nsteps = 20\nlog_every = 4\ntensorboard_dir = \"{}\"\njson_log = \"{}\"\n",
+            dir.join("tb").display(),
+            dir.join("log-{rank}.jsonl").display()
+        ),
+        16,
+    );
     train_on(2, &cfg, &quiet());
     let written = kolo_train::plot::plot_run(&dir, &dir).unwrap();
     assert_eq!(written.len(), 2, "{written:?}");
@@ -859,15 +967,26 @@ fn expert_parallel_gradients_match_one_process() {
     use kolo_tensor::models::{Gpt, GptConfig, MoeConfig};
     use kolo_tensor::{Batch, Input, Model, PlainView};
     for (world, k, cf) in [(2, 1, 1.0), (4, 2, 1.25), (2, 2, 0.5)] {
-        let cfg = GptConfig { vocab: 13, seq: 8, d_model: 16, n_head: 2, n_layer: 2, moe: Some(MoeConfig { experts: 4, top_k: k, capacity_factor: cf, aux_weight: 0.01 }) };
+        let cfg = GptConfig {
+            vocab: 13,
+            seq: 8,
+            d_model: 16,
+            n_head: 2,
+            n_layer: 2,
+            moe: Some(MoeConfig { experts: 4, top_k: k, capacity_factor: cf, aux_weight: 0.01 }),
+        };
         let shard = |r: usize| -> Batch {
             let mut g = Rng::new(100 + r as u64);
             let n = 2 * cfg.seq;
-            Batch { input: Input::Tokens { ids: (0..n).map(|_| g.below(13) as u32).collect(), b: 2, t: cfg.seq }, targets: (0..n).map(|_| g.below(13) as u32).collect() }
+            Batch {
+                input: Input::Tokens { ids: (0..n).map(|_| g.below(13) as u32).collect(), b: 2, t: cfg.seq },
+                targets: (0..n).map(|_| g.below(13) as u32).collect(),
+            }
         };
         // One process: the mean of the shards' losses.
         let one = Gpt::new(cfg.clone(), &mut Rng::new(5)).unwrap();
-        let losses: Vec<kolo_tensor::Tensor> = (0..world).map(|r| (one.loss(&shard(r), &PlainView).unwrap() / world as f64).unwrap()).collect();
+        let losses: Vec<kolo_tensor::Tensor> =
+            (0..world).map(|r| (one.loss(&shard(r), &PlainView).unwrap() / world as f64).unwrap()).collect();
         let total = losses.iter().skip(1).fold(losses[0].clone(), |t, l| t.add(l).unwrap());
         let grads = total.backward().unwrap();
         let mut want = vec![0f32; one.params().numel()];
@@ -875,7 +994,8 @@ fn expert_parallel_gradients_match_one_process() {
         let want_load = one.take_moe_load().unwrap();
         let got = run_ranks(LocalComm::create(WorldSize::new(world).unwrap()), |r, c| {
             let comm: Arc<dyn Communicator> = Arc::new(c);
-            let gpt = Gpt::new_expert_parallel(cfg.clone(), &mut Rng::new(5), Arc::new(kolo_train::ep::CommExchange(comm.clone()))).unwrap();
+            let gpt =
+                Gpt::new_expert_parallel(cfg.clone(), &mut Rng::new(5), Arc::new(kolo_train::ep::CommExchange(comm.clone()))).unwrap();
             let loss = gpt.loss(&shard(r), &PlainView).unwrap();
             let g = loss.backward().unwrap();
             let mut local = vec![0f32; gpt.params().numel()];
@@ -926,7 +1046,12 @@ fn expert_parallel_training_matches_ddp_with_replicated_experts() {
         assert!(ranks[0].states.params < ddp[0].states.params, "ep {ep}: each rank holds a share of the experts");
         let d = max_diff(&ranks[0].params, &ddp[0].params);
         assert!(d < 1e-4, "world {world}, ep {ep}: max parameter difference {d}");
-        assert!((ranks[0].last_loss - ddp[0].last_loss).abs() < 1e-4, "world {world} ep {ep}: loss {} vs {}", ranks[0].last_loss, ddp[0].last_loss);
+        assert!(
+            (ranks[0].last_loss - ddp[0].last_loss).abs() < 1e-4,
+            "world {world} ep {ep}: loss {} vs {}",
+            ranks[0].last_loss,
+            ddp[0].last_loss
+        );
         let (a, b) = (ranks[0].moe.as_ref().unwrap(), ddp[0].moe.as_ref().unwrap());
         assert_eq!(a, b, "ep {ep}: the same routing");
         // 3 steps x 8 sequences x 16 tokens x 2 layers, top-1.
@@ -1014,7 +1139,9 @@ fn pipedream_2bw_follows_its_weight_version_semantics() {
     assert!(max_diff(&flushed.params, &want) > 1e-4, "1F1B (flushed) applies each gradient to the weights it was computed on");
     // Too few micro-batches for the version to exist in time: refused.
     let few = mk("[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n");
-    let errs = run_ranks(LocalComm::create(WorldSize::new(4).unwrap()), |_, c| run(&few, Arc::new(c) as Arc<dyn Communicator>, &quiet()).err().map(|e| e.to_string()));
+    let errs = run_ranks(LocalComm::create(WorldSize::new(4).unwrap()), |_, c| {
+        run(&few, Arc::new(c) as Arc<dyn Communicator>, &quiet()).err().map(|e| e.to_string())
+    });
     assert!(errs[0].as_deref().unwrap_or("").contains("micro-batches"), "{errs:?}");
 }
 
@@ -1024,7 +1151,9 @@ fn pipedream_2bw_follows_its_weight_version_semantics() {
 /// process's with batch 64 (f32 reassociation only).
 #[test]
 fn dynamic_batch_sizing_moves_work_off_the_slow_rank_and_keeps_the_gradient() {
-    let cfg = |extra: &str, batch: usize| mnist_cfg(&format!("[optim]\nkind = \"sgd\"\nlr = 0.05\n[train]\nsteps = 30\nlog_every = 10\n{extra}"), batch);
+    let cfg = |extra: &str, batch: usize| {
+        mnist_cfg(&format!("[optim]\nkind = \"sgd\"\nlr = 0.05\n[train]\nsteps = 30\nlog_every = 10\n{extra}"), batch)
+    };
     let one = &train_on(1, &cfg("", 64), &quiet())[0];
     let opts = RunOptions { slow_per_example: Some((1, 0.4)), ..quiet() };
     let ranks = train_on(2, &cfg("[ddp]\ndynamic_batch_every = 5\n", 32), &opts);
@@ -1034,14 +1163,17 @@ fn dynamic_batch_sizing_moves_work_off_the_slow_rank_and_keeps_the_gradient() {
     assert_eq!(ranks[1].batch_split.as_ref(), Some(&split), "every rank agrees on the split");
     let d = max_diff(&ranks[0].params, &one.params);
     assert!(d < 2e-5, "max parameter difference to one process with batch 64: {d}");
-    assert!(Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[ddp]\ndynamic_batch_every = 5\n", "t").is_err());
+    assert!(Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[ddp]\ndynamic_batch_every = 5\n", "t")
+        .is_err());
 }
 
 fn fed_job(cfg: &Config, clients: usize) -> (kolo_train::fed::FedSummary, Vec<kolo_train::fed::ClientReport>) {
     let token = kolo_rendezvous::JobToken::generate();
     let (tx, rx) = std::sync::mpsc::channel();
     let (c2, t2) = (cfg.clone(), token.clone());
-    let server = std::thread::spawn(move || kolo_train::fed::serve(&c2, "127.0.0.1:0", t2, clients, |a| tx.send(a.to_string()).unwrap(), &|_| {}).unwrap());
+    let server = std::thread::spawn(move || {
+        kolo_train::fed::serve(&c2, "127.0.0.1:0", t2, clients, |a| tx.send(a.to_string()).unwrap(), &|_| {}).unwrap()
+    });
     let addr = rx.recv().unwrap();
     let handles: Vec<_> = (0..clients)
         .map(|i| {
@@ -1080,7 +1212,12 @@ fn fedavg_learns_non_iid_mnist_and_raw_data_never_leaves_a_client() {
         assert!(r.rounds_trained >= 1);
         // Each update is 4 bytes per parameter plus a 30-byte header; joins and polls are tiny.
         let updates = u64::from(r.rounds_trained) * (numel * 4 + 30);
-        assert!(r.bytes_out >= updates && r.bytes_out < updates + 20_000, "client {i} sent {} bytes for {} updates", r.bytes_out, r.rounds_trained);
+        assert!(
+            r.bytes_out >= updates && r.bytes_out < updates + 20_000,
+            "client {i} sent {} bytes for {} updates",
+            r.bytes_out,
+            r.rounds_trained
+        );
         assert_eq!(r.shard.len(), 1500);
         let digits: std::collections::BTreeSet<u8> = r.shard.iter().map(|&e| data.labels()[e]).collect();
         assert!(digits.len() <= 4, "client {i} holds digits {digits:?}: not the non-IID split (2 shards, each within at most 2 digits)");
@@ -1104,7 +1241,11 @@ fn impala_solves_cartpole_and_the_grid_world() {
     assert!(r.solved_at.is_some() && r.mean_return >= 195.0, "CartPole not solved: {r:?}");
     assert!(r.max_lag >= 1 && r.mean_lag > 0.0, "the actors' policies lagged the learner's: {r:?}");
     assert!(r.env_steps >= r.learned_steps);
-    let g = impala(&ImpalaConfig { env: EnvKind::Grid, target: Some(EnvKind::Grid.solved()), max_env_steps: 500_000, ..ImpalaConfig::cartpole(2) }, &mut |_, _| {}).unwrap();
+    let g = impala(
+        &ImpalaConfig { env: EnvKind::Grid, target: Some(EnvKind::Grid.solved()), max_env_steps: 500_000, ..ImpalaConfig::cartpole(2) },
+        &mut |_, _| {},
+    )
+    .unwrap();
     assert!(g.solved_at.is_some(), "grid world not solved: {g:?}");
 }
 
@@ -1133,6 +1274,10 @@ fn scheduled_ddp_matches_plain_ddp() {
         }
     }
     // What cannot wait for every gradient is refused up front.
-    let bad = Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optim]\nclip_grad_norm = 1.0\n[ddp]\nschedule = {}\n", "test").unwrap_err();
+    let bad = Config::parse(
+        "[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optim]\nclip_grad_norm = 1.0\n[ddp]\nschedule = {}\n",
+        "test",
+    )
+    .unwrap_err();
     assert!(bad.to_string().contains("ddp.schedule"), "{bad}");
 }

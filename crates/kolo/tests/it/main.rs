@@ -8,7 +8,17 @@ const KOLO: &str = env!("CARGO_BIN_EXE_kolo");
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(KOLO);
     c.args(args).env("RAYON_NUM_THREADS", "1").stdin(Stdio::null());
-    for k in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "KOLO_JOB_TOKEN", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"] {
+    for k in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "KOLO_JOB_TOKEN",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+    ] {
         c.env_remove(k);
     }
     for (k, v) in env {
@@ -24,10 +34,42 @@ fn text(o: &Output) -> String {
 #[test]
 fn launched_bench_checks_every_op_over_tcp_and_shm() {
     for transport in ["tcp", "shm"] {
-        for (op, dtype) in [("all_reduce", "f32"), ("all_reduce", "bf16"), ("all_gather", "i64"), ("reduce_scatter", "f64"), ("broadcast", "u8"), ("all_to_all", "i32")] {
+        for (op, dtype) in [
+            ("all_reduce", "f32"),
+            ("all_reduce", "bf16"),
+            ("all_gather", "i64"),
+            ("reduce_scatter", "f64"),
+            ("broadcast", "u8"),
+            ("all_to_all", "i32"),
+        ] {
             let o = run(
-                &["launch", "-n", "3", "--", KOLO, "bench", "collectives", "--op", op, "--dtype", dtype, "--transport", transport,
-                  "--min", "4KiB", "--max", "1MiB", "--factor", "16", "--trials", "1", "--trial-secs", "0.005", "--timeout", "60"],
+                &[
+                    "launch",
+                    "-n",
+                    "3",
+                    "--",
+                    KOLO,
+                    "bench",
+                    "collectives",
+                    "--op",
+                    op,
+                    "--dtype",
+                    dtype,
+                    "--transport",
+                    transport,
+                    "--min",
+                    "4KiB",
+                    "--max",
+                    "1MiB",
+                    "--factor",
+                    "16",
+                    "--trials",
+                    "1",
+                    "--trial-secs",
+                    "0.005",
+                    "--timeout",
+                    "60",
+                ],
                 &[],
             );
             let t = text(&o);
@@ -44,8 +86,26 @@ fn killed_rank_fails_the_job_with_a_summary_and_survivors_report_it() {
     for mode in ["kill", "exit"] {
         let t0 = Instant::now();
         let o = run(
-            &["launch", "-n", "3", "--grace", "20", "--", KOLO, "selftest", "--fail-rank", "1", "--fail-after", "3", "--fail-mode", mode,
-              "--iters", "100000", "--timeout", "120"],
+            &[
+                "launch",
+                "-n",
+                "3",
+                "--grace",
+                "20",
+                "--",
+                KOLO,
+                "selftest",
+                "--fail-rank",
+                "1",
+                "--fail-after",
+                "3",
+                "--fail-mode",
+                mode,
+                "--iters",
+                "100000",
+                "--timeout",
+                "120",
+            ],
             &[],
         );
         let t = text(&o);
@@ -77,8 +137,26 @@ fn killed_rank_fails_the_job_with_a_summary_and_survivors_report_it() {
 fn a_hung_rank_is_named_by_every_other_rank_within_the_deadline() {
     let t0 = Instant::now();
     let o = run(
-        &["launch", "-n", "3", "--grace", "1", "--", KOLO, "selftest", "--fail-rank", "1", "--fail-after", "3", "--fail-mode", "hang",
-          "--iters", "100000", "--timeout", "2"],
+        &[
+            "launch",
+            "-n",
+            "3",
+            "--grace",
+            "1",
+            "--",
+            KOLO,
+            "selftest",
+            "--fail-rank",
+            "1",
+            "--fail-after",
+            "3",
+            "--fail-mode",
+            "hang",
+            "--iters",
+            "100000",
+            "--timeout",
+            "2",
+        ],
         &[],
     );
     let t = text(&o);
@@ -135,9 +213,16 @@ fn open_mpi_and_slurm_variables_are_understood() {
     let port = free_port();
     let outs = spawn_ranks(
         (0..2)
-            .map(|r| env(&[("OMPI_COMM_WORLD_RANK", r.to_string()), ("OMPI_COMM_WORLD_SIZE", "2".into()),
-                ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
-                ("MASTER_PORT", port.clone()), ("KOLO_JOB_TOKEN", token.clone())]))
+            .map(|r| {
+                env(&[
+                    ("OMPI_COMM_WORLD_RANK", r.to_string()),
+                    ("OMPI_COMM_WORLD_SIZE", "2".into()),
+                    ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()),
+                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("KOLO_JOB_TOKEN", token.clone()),
+                ])
+            })
             .collect(),
         &["selftest", "--iters", "5", "--timeout", "30"],
     );
@@ -147,9 +232,17 @@ fn open_mpi_and_slurm_variables_are_understood() {
     let port = free_port();
     let outs = spawn_ranks(
         (0..2)
-            .map(|r| env(&[("SLURM_PROCID", r.to_string()), ("SLURM_NTASKS", "2".into()), ("SLURM_LOCALID", r.to_string()),
-                ("SLURM_NNODES", "1".into()), ("MASTER_ADDR", "127.0.0.1".into()), ("MASTER_PORT", port.clone()),
-                ("KOLO_JOB_TOKEN", token.clone())]))
+            .map(|r| {
+                env(&[
+                    ("SLURM_PROCID", r.to_string()),
+                    ("SLURM_NTASKS", "2".into()),
+                    ("SLURM_LOCALID", r.to_string()),
+                    ("SLURM_NNODES", "1".into()),
+                    ("MASTER_ADDR", "127.0.0.1".into()),
+                    ("MASTER_PORT", port.clone()),
+                    ("KOLO_JOB_TOKEN", token.clone()),
+                ])
+            })
             .collect(),
         &["selftest", "--iters", "5", "--timeout", "30"],
     );
@@ -194,7 +287,20 @@ fn uninvited_and_misconfigured_ranks_are_refused() {
 
 #[test]
 fn help_texts_render() {
-    for args in [&["--help"][..], &["launch", "--help"], &["bench", "collectives", "--help"], &["bench", "loopback", "--help"], &["inspect", "--help"], &["train", "--help"], &["ps", "--help"], &["ps", "run", "--help"], &["ps", "serve", "--help"], &["ps", "eval", "--help"], &["bench", "ps", "--help"], &["plot", "--help"]] {
+    for args in [
+        &["--help"][..],
+        &["launch", "--help"],
+        &["bench", "collectives", "--help"],
+        &["bench", "loopback", "--help"],
+        &["inspect", "--help"],
+        &["train", "--help"],
+        &["ps", "--help"],
+        &["ps", "run", "--help"],
+        &["ps", "serve", "--help"],
+        &["ps", "eval", "--help"],
+        &["bench", "ps", "--help"],
+        &["plot", "--help"],
+    ] {
         let o = run(args, &[]);
         assert!(o.status.success(), "{}", text(&o));
     }
@@ -300,7 +406,9 @@ fn launcher_shares_the_cores_between_ranks_unless_told() {
     let launch = |threads: Option<&str>| {
         let mut c = Command::new(KOLO);
         c.args(["launch", "-n", "2", "--", "sh", "-c", "echo threads=$RAYON_NUM_THREADS"]).stdin(Stdio::null());
-        for k in ["RAYON_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "KOLO_JOB_TOKEN"] {
+        for k in
+            ["RAYON_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "KOLO_JOB_TOKEN"]
+        {
             c.env_remove(k);
         }
         if let Some(t) = threads {
@@ -322,7 +430,10 @@ fn launcher_shares_the_cores_between_ranks_unless_told() {
     let (dir, cfg, _) = tiny_gpt_job("threads", "steps = 1\n", "");
     let train = |env: &[(&str, &str)]| {
         let mut c = Command::new(KOLO);
-        c.args(["train", "--config", cfg.to_str().unwrap()]).stdin(Stdio::null()).env_remove("RAYON_NUM_THREADS").env_remove("LOCAL_WORLD_SIZE");
+        c.args(["train", "--config", cfg.to_str().unwrap()])
+            .stdin(Stdio::null())
+            .env_remove("RAYON_NUM_THREADS")
+            .env_remove("LOCAL_WORLD_SIZE");
         for (k, v) in env {
             c.env(k, v);
         }
@@ -534,7 +645,12 @@ fn ps_run_trains_mnist_through_server_processes() {
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("server 1 joined"), "{t}");
-    let acc: f64 = t.split("accuracy ").nth(1).and_then(|s| s.split('%').next()).and_then(|s| s.trim().parse().ok()).unwrap_or_else(|| panic!("no accuracy in {t}"));
+    let acc: f64 = t
+        .split("accuracy ")
+        .nth(1)
+        .and_then(|s| s.split('%').next())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no accuracy in {t}"));
     assert!(acc > 85.0, "{t}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -548,7 +664,12 @@ fn ps_job_survives_a_killed_server_process() {
     let coord_addr = format!("127.0.0.1:{port}");
     let spawn = |args: &[&str], env: &[(&str, &str)]| {
         let mut c = Command::new(KOLO);
-        c.args(args).env("RAYON_NUM_THREADS", "1").env("KOLO_JOB_TOKEN", token).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c.args(args)
+            .env("RAYON_NUM_THREADS", "1")
+            .env("KOLO_JOB_TOKEN", token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         for (k, v) in env {
             c.env(k, v);
         }
@@ -562,7 +683,12 @@ fn ps_job_survives_a_killed_server_process() {
     let data = kolo_testkit::files::mnist_dir();
     std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 1500\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 5000\nreplication = 1\nservers = 3\ntimeout_secs = 30\n", data.display())).unwrap();
     let mut workers: Vec<_> = (0..2)
-        .map(|r| spawn(&["train", "--config", cfg.to_str().unwrap()], &[("RANK", &r.to_string()), ("WORLD_SIZE", "2"), ("KOLO_PS_COORDINATOR", &coord_addr)]))
+        .map(|r| {
+            spawn(
+                &["train", "--config", cfg.to_str().unwrap()],
+                &[("RANK", &r.to_string()), ("WORLD_SIZE", "2"), ("KOLO_PS_COORDINATOR", &coord_addr)],
+            )
+        })
         .collect();
     // Kill a server once worker 0 reports step 200 of 1500.
     let err = workers[0].stderr.take().unwrap();
@@ -601,7 +727,12 @@ fn ps_job_survives_a_killed_server_process() {
     assert!(ct.contains("missed its heartbeats"), "the coordinator never noticed the killed server:\n{ct}\n{w0}");
     assert!(w0.contains("step 1500/1500") && w0.contains("accuracy"), "{w0}");
     // The kill hit the running job: some requests were retried at the new membership.
-    let retried: u64 = w0.split(" retried requests").next().and_then(|s| s.rsplit(' ').next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{w0}"));
+    let retried: u64 = w0
+        .split(" retried requests")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{w0}"));
     assert!(retried > 0, "the server died after training ended? {w0}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -670,11 +801,32 @@ fn elastic_job_goes_on_with_the_survivors_after_a_rank_is_killed() {
         t[i + 9..].split('%').next().unwrap().parse().unwrap()
     };
     let (elastic, plain, whole) = (cfg("elastic"), cfg("plain"), cfg("whole"));
-    let o = run(&["launch", "-n", "4", "--min-nodes", "3", "--restart-backoff", "0.2", "--", KOLO, "train", "--config", elastic.to_str().unwrap(), "--kill-at", "2:35"], &[]);
+    let o = run(
+        &[
+            "launch",
+            "-n",
+            "4",
+            "--min-nodes",
+            "3",
+            "--restart-backoff",
+            "0.2",
+            "--",
+            KOLO,
+            "train",
+            "--config",
+            elastic.to_str().unwrap(),
+            "--kill-at",
+            "2:35",
+        ],
+        &[],
+    );
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("rank(s) [2] lost; restarting on 3 ranks (round 1)"), "{t}");
-    assert!(t.contains("resumed from") && t.contains("step-00000030 at step 30"), "at most the 5 steps since the last checkpoint are lost: {t}");
+    assert!(
+        t.contains("resumed from") && t.contains("step-00000030 at step 30"),
+        "at most the 5 steps since the last checkpoint are lost: {t}"
+    );
     assert!(t.contains("on 3 rank(s)") && t.contains("done: 80 steps"), "{t}");
     let uninterrupted = run(&["launch", "-n", "4", "--", KOLO, "train", "--config", whole.to_str().unwrap()], &[]);
     let u = text(&uninterrupted);
@@ -746,7 +898,24 @@ fn mpirun_trains_and_benchmarks_over_the_mpi_backend() {
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("collectives over mpi (2 ranks)") && t.contains("done: 40 steps"), "{t}");
-    let o = mpirun(&["bench", "collectives", "--op", "all_gather", "--dtype", "bf16", "--min", "4KiB", "--max", "1MiB", "--factor", "16", "--trials", "1", "--trial-secs", "0.005"]);
+    let o = mpirun(&[
+        "bench",
+        "collectives",
+        "--op",
+        "all_gather",
+        "--dtype",
+        "bf16",
+        "--min",
+        "4KiB",
+        "--max",
+        "1MiB",
+        "--factor",
+        "16",
+        "--trials",
+        "1",
+        "--trial-secs",
+        "0.005",
+    ]);
     let t = text(&o);
     assert!(o.status.success() && !t.contains("WRONG") && t.contains("the mpi library"), "{t}");
     std::fs::remove_dir_all(&dir).unwrap();
@@ -884,7 +1053,8 @@ fn deterministic_mode_is_bitwise_equal_at_every_world_size() {
     let steps = 4;
     let global = 24;
     let all_tensors = |tag: &str| -> std::collections::BTreeMap<String, Vec<u32>> {
-        let ck = kolo_checkpoint::sharded::load_any(&dir.join(tag).join(format!("step-{steps:08}"))).unwrap_or_else(|e| panic!("{tag}: {e}"));
+        let ck =
+            kolo_checkpoint::sharded::load_any(&dir.join(tag).join(format!("step-{steps:08}"))).unwrap_or_else(|e| panic!("{tag}: {e}"));
         ck.tensors.into_iter().map(|e| (e.name, e.data.iter().map(|v| v.to_bits()).collect())).collect()
     };
     let train = |tag: &str, n: usize, zero: u8, transport: &str, deterministic: bool, threads: &str| {
@@ -912,7 +1082,16 @@ fn deterministic_mode_is_bitwise_equal_at_every_world_size() {
     };
     let one = train("one", 1, 0, "tcp", true, "1");
     assert!(one.keys().any(|k| k.starts_with("model.")) && one.len() > 4, "{:?}", one.keys());
-    for (n, zero, transport, threads) in [(1, 0, "tcp", "2"), (2, 0, "shm", "1"), (3, 0, "tcp", "1"), (4, 0, "shm", "1"), (2, 1, "tcp", "1"), (3, 1, "shm", "1"), (2, 2, "shm", "1"), (4, 2, "tcp", "1")] {
+    for (n, zero, transport, threads) in [
+        (1, 0, "tcp", "2"),
+        (2, 0, "shm", "1"),
+        (3, 0, "tcp", "1"),
+        (4, 0, "shm", "1"),
+        (2, 1, "tcp", "1"),
+        (3, 1, "shm", "1"),
+        (2, 2, "shm", "1"),
+        (4, 2, "tcp", "1"),
+    ] {
         let tag = format!("n{n}-z{zero}-{transport}-t{threads}");
         let got = train(&tag, n, zero, transport, true, threads);
         assert_eq!(got.keys().collect::<Vec<_>>(), one.keys().collect::<Vec<_>>(), "{tag}: tensor names");
