@@ -7,27 +7,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 echo "# deterministic mode: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
-mk() {
-  cat > "$dir/$1.toml" <<TOML
-[model]
-kind = "mlp"
-hidden = [512, 512]
-[data]
-kind = "mnist"
-path = "$(realpath test-data/mnist)"
-batch_size = 64
-[optim]
-kind = "adamw"
-lr = 1e-3
-[train]
-steps = 200
-log_every = 200
-progress = false
+mk() { mnist_mlp "$dir/$1.toml" test-data/mnist 200 "progress = false
 [ddp]
 deterministic = $2
-deterministic_chunk = $3
-TOML
-}
+deterministic_chunk = $3"; }
 mk default false 1
 for c in 64 16 4; do mk "pieces-$c" true "$c"; done
 for v in default pieces-64 pieces-16 pieces-4; do

@@ -8,25 +8,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 echo "# stragglers: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)"
-mk() {
-  cat > "$dir/$1.toml" <<TOML
-[model]
-kind = "mlp"
-hidden = [512, 512]
-[data]
-kind = "mnist"
-path = "$(realpath ../shared/data/mnist)"
-batch_size = 64
-[optim]
-kind = "adamw"
-lr = 1e-3
-[train]
-steps = 200
-log_every = 50
-[ddp]
-dynamic_batch_every = $2
-TOML
-}
+mk() { mnist_mlp "$dir/$1.toml" ../shared/data/mnist 50 "[ddp]
+dynamic_batch_every = $2"; }
 mk static 0
 mk dynamic 10
 for rep in $(seq "$R"); do
