@@ -5,12 +5,12 @@
 //! Semantics follow `torch.optim` (SGD with dampening 0, Adam with L2 weight decay, AdamW with
 //! decoupled decay, Adagrad), so Kolo runs can be compared with PyTorch ones.
 
+mod lr_schedule;
 pub mod offload;
 mod scaler;
-mod schedule;
+pub use lr_schedule::{lr_at, scaled_lr, Schedule};
 pub use offload::{Buffer, Placement};
 pub use scaler::{has_non_finite, LossScaler};
-pub use schedule::{lr_at, scaled_lr, Schedule};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum OptimizerSpec {

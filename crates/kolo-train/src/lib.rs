@@ -7,6 +7,7 @@ pub mod data;
 pub mod ep;
 pub mod fed;
 pub mod impala;
+pub mod local_sgd;
 pub mod sampler;
 pub mod trainer;
 
@@ -15,7 +16,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod plot;
 pub mod ps_worker;
-pub mod scheduled;
+pub mod scheduled_ddp;
 pub mod sp;
 pub mod tensorboard;
 pub mod timeline;

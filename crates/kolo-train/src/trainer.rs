@@ -719,7 +719,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         return crate::sp::run_sequence_parallel(cfg, &*comm, sp, m.coord("dp").expect("axis"), mesh.dp, opts);
     }
     if cfg.ddp.schedule.is_some() {
-        return crate::scheduled::run_scheduled(cfg, comm, opts);
+        return crate::scheduled_ddp::run_scheduled(cfg, comm, opts);
     }
     let (comm, tp_comm, pp_comm) = if mesh.tp > 1 || cfg.pipeline.is_some() {
         let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
@@ -983,7 +983,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         }
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
         // Local SGD after its synchronous warm-up: no gradient exchange, periodic averaging.
-        let local_step = cfg.ddp.local_sgd.as_ref().is_some_and(|l| step >= l.warmup_steps);
+        let local_step = crate::local_sgd::is_local(cfg.ddp.local_sgd.as_ref(), step);
         let mut loss_sum = 0f64;
         for m in 0..tc.grad_accum {
             let (p, batch) = match (&mut dynamic, &batches) {
@@ -1066,15 +1066,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
             }
             if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
-                if (step + 1 - l.warmup_steps) % l.every.max(1) == 0 {
-                    // Every `every` local steps the models are averaged (post-local SGD).
-                    let mut flat = params.to_flat()?;
-                    comm.all_reduce(BufMut::from(&mut flat), ReduceOp::Avg)?;
-                    params.load(&flat)?;
-                    comm_bytes.push(flat.len() * 4);
-                } else {
-                    comm_bytes.push(0);
-                }
+                comm_bytes.push(crate::local_sgd::after_update(l, step, params, &*comm)?);
             }
         } else {
             // Checks (f16: every rank agrees whether any gradient overflowed; such a step is

@@ -19,7 +19,7 @@ use crate::trainer::{evaluate, lead_say, load_data, replica_batches, spec_string
 use crate::TrainError;
 use kolo_base::GradSink;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
-use kolo_ddp::schedule::{chunk_params, chunk_plan, param_chunks, pick_round};
+use kolo_ddp::comm_schedule::{chunk_params, chunk_plan, param_chunks, pick_round};
 use kolo_optim::{lr_at, Optimizer};
 use kolo_tensor::{build_model, HookedView, ParamSet, ParamView, PlainView};
 use std::ops::Range;

@@ -1,0 +1,48 @@
+//! Local SGD and post-local SGD (Lin et al., 2020; torch's `PostLocalSGDOptimizer`): after
+//! `warmup_steps` synchronous DDP steps, every rank steps on its own gradients and the models
+//! are averaged every `every` steps. Plain DDP only (config validation refuses the rest).
+
+use crate::config::LocalSgdConfig;
+use crate::TrainError;
+use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_tensor::ParamSet;
+
+/// Whether `step` (0-based) is a local step: no gradient exchange.
+pub fn is_local(cfg: Option<&LocalSgdConfig>, step: u64) -> bool {
+    cfg.is_some_and(|l| step >= l.warmup_steps)
+}
+
+/// Whether the models are averaged after local step `step` (0-based): every `every`-th local
+/// step, counted from the end of the warm-up.
+pub fn averages_after(l: &LocalSgdConfig, step: u64) -> bool {
+    step >= l.warmup_steps && (step + 1 - l.warmup_steps).is_multiple_of(l.every.max(1))
+}
+
+/// After local step `step`'s update: averages the models across `comm` when it is time.
+/// Returns the bytes this rank sent (0 when the models were not averaged).
+pub fn after_update(l: &LocalSgdConfig, step: u64, params: &ParamSet, comm: &dyn Communicator) -> Result<usize, TrainError> {
+    if !averages_after(l, step) {
+        return Ok(0);
+    }
+    let mut flat = params.to_flat()?;
+    comm.all_reduce(BufMut::from(&mut flat), ReduceOp::Avg)?;
+    params.load(&flat)?;
+    Ok(flat.len() * 4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn local_steps_and_averaging_follow_the_warm_up_and_period() {
+        let l = LocalSgdConfig { every: 3, warmup_steps: 2 };
+        let local: Vec<bool> = (0..8).map(|s| is_local(Some(&l), s)).collect();
+        assert_eq!(local, [false, false, true, true, true, true, true, true]);
+        let avg: Vec<u64> = (0..12).filter(|&s| averages_after(&l, s)).collect();
+        assert_eq!(avg, [4, 7, 10], "every 3rd local step after 2 warm-up steps");
+        assert!(!is_local(None, 100));
+        let every_step = LocalSgdConfig { every: 1, warmup_steps: 0 };
+        assert!((0..5).all(|s| averages_after(&every_step, s)));
+    }
+}
