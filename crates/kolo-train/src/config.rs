@@ -683,6 +683,26 @@ impl Config {
     }
 
     /// Checks the whole config again (after a program changed it).
+    /// The loop other than the DDP/ZeRO one this config runs in, by the setting that selects
+    /// it (`None`: the DDP/ZeRO loop). `--resume` and the features [`Config::check`] lists are
+    /// refused there.
+    pub fn separate_loop(&self) -> Option<&'static str> {
+        let m = self.mesh.as_ref();
+        if self.train.strategy == Strategy::Ps {
+            Some("train.strategy = \"ps\"")
+        } else if m.is_some_and(|m| m.ep > 1) {
+            Some("mesh.ep > 1")
+        } else if m.is_some_and(|m| m.sp > 1) {
+            Some("mesh.sp > 1")
+        } else if self.ddp.schedule.is_some() {
+            Some("ddp.schedule")
+        } else if self.pipeline.is_some() {
+            Some("[pipeline]")
+        } else {
+            None
+        }
+    }
+
     pub fn check(&self) -> Result<(), TrainError> {
         self.validate().map_err(TrainError::Config)
     }
@@ -961,6 +981,29 @@ impl Config {
         }
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
+        }
+        if let Some(which) = self.separate_loop() {
+            // Only the DDP/ZeRO loop (tensor parallelism included) has these so far; the other
+            // loops refuse them rather than ignore them (issue #16: one driver for all).
+            let optim_only = which == "train.strategy = \"ps\"";
+            let set: Vec<&str> = [
+                ("train.json_log", self.train.json_log.is_some()),
+                ("train.metrics_port", self.train.metrics_port.is_some()),
+                ("train.tensorboard_dir", self.train.tensorboard_dir.is_some()),
+                ("train.timeline_dir", self.train.timeline_dir.is_some()),
+                ("optim.offload_dir", self.optim.offload_dir.is_some()),
+                ("optim.reference_batch", self.optim.reference_batch.is_some() && !optim_only),
+            ]
+            .into_iter()
+            .filter_map(|(name, on)| on.then_some(name))
+            .collect();
+            if !set.is_empty() {
+                let verb = if set.len() == 1 { "is" } else { "are" };
+                return Err(format!(
+                    "{} {verb} not supported with {which} yet (only DDP/ZeRO training, with or without mesh.tp, has them)",
+                    set.join(", ")
+                ));
+            }
         }
         Ok(())
     }

@@ -708,6 +708,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
     // blocks are split over the tp group; stages talk over the pp group.
     let mesh = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+    if let (Some(which), Some(_)) = (cfg.separate_loop(), &opts.resume) {
+        return Err(TrainError::Config(format!(
+            "resuming (--resume, elastic restarts) is not supported with {which} yet: it writes no checkpoints"
+        )));
+    }
     if mesh.ep > 1 {
         let m = kolo_comm::DeviceMesh::new(&*comm, &[("rep", mesh.dp / mesh.ep), ("ep", mesh.ep)])?;
         let g = |a: &str| m.group(a).expect("axis").clone();

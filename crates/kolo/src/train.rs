@@ -110,6 +110,11 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         )
     })?;
     if cfg.train.strategy == kolo_train::config::Strategy::Ps {
+        if a.resume.is_some() {
+            anyhow::bail!(
+                "--resume is not supported with train.strategy = \"ps\": the servers hold the state and no checkpoint is written"
+            );
+        }
         return run_ps(&cfg, a.stop_after, a.slow_rank);
     }
     let mut comm_args = a.comm.clone();

@@ -155,6 +155,35 @@ fn bad_inputs_give_clear_errors() {
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"gzip\" }}\n")).contains("unknown variant `gzip`"));
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"topk\", fraction = 1.5 }}\n")).contains("fraction must be in (0, 1]"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 1\nskip_sync = true\n")).contains("needs ddp.zero_stage = 0"));
+    // Features only the DDP/ZeRO loop has are refused, not ignored, by the other loops (#16).
+    let gpt = "[model]\nkind = \"gpt\"\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 8\n";
+    let loops = [
+        ("[pipeline]", format!("{gpt}[pipeline]\nmicro_batches = 2\n")),
+        ("mesh.sp > 1", format!("{gpt}[mesh]\nsp = 2\n")),
+        ("ddp.schedule", format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n")),
+        ("train.strategy = \"ps\"", format!("{base}[train]\nstrategy = \"ps\"\n")),
+    ];
+    for (which, cfg) in &loops {
+        for (feature, line) in [
+            ("train.json_log", "[train]\njson_log = \"x\"\n"),
+            ("train.metrics_port", "[train]\nmetrics_port = 9400\n"),
+            ("train.tensorboard_dir", "[train]\ntensorboard_dir = \"x\"\n"),
+            ("optim.offload_dir", "[optim]\noffload_dir = \"x\"\n"),
+        ] {
+            // Merge the line into the config's own section when it has one.
+            let text = match (cfg.find(&line[..line.find('\n').unwrap() + 1]), line.split_once('\n')) {
+                (Some(_), Some((head, rest))) => cfg.replacen(&format!("{head}\n"), &format!("{head}\n{rest}"), 1),
+                _ => format!("{cfg}{line}"),
+            };
+            let e = err(&text);
+            assert!(e.contains(feature) && e.contains(which) && e.contains("not supported"), "{which} + {feature}: {e}");
+        }
+    }
+    // --resume in a loop that writes no checkpoints is refused before anything runs.
+    let pipe = Config::parse(&loops[0].1, "t").unwrap();
+    let resume = RunOptions { resume: Some("/nonexistent/ck".into()), quiet: true, ..Default::default() };
+    let e = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |_, c| run(&pipe, Arc::new(c), &resume).err().unwrap());
+    assert!(e[0].to_string().contains("resuming (--resume, elastic restarts) is not supported with [pipeline]"), "{}", e[0]);
     // Deterministic mode: pieces must divide the per-rank batch; what it cannot make bitwise is refused.
     assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 3\n"))
         .contains("ddp.deterministic_chunk = 3 must divide data.batch_size = 8"));
