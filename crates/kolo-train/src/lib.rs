@@ -16,6 +16,7 @@ pub mod metrics;
 pub mod pipeline;
 pub mod plot;
 pub mod ps_worker;
+pub mod report;
 pub mod scheduled_ddp;
 pub mod sp;
 pub mod tensorboard;

@@ -14,7 +14,6 @@ use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Buffer, LossScal
 use kolo_tensor::ops::{argmax_rows, softmax_last};
 use kolo_tensor::{build_model, Batch, HookedView, Input, Model, ModelSpec, PlainView};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
@@ -873,30 +872,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         kolo_tensor::compute_threads()
     ));
 
-    let mut json = match &tc.json_log {
-        Some(p) => {
-            let path = p.replace("{rank}", &global_rank.to_string());
-            if let Some(dir) = Path::new(&path).parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|e| TrainError::Other(format!("json_log {path}: {e}")))?;
-            }
-            Some(std::fs::File::create(&path).map_err(|e| TrainError::Other(format!("json_log {path}: {e}")))?)
-        }
-        None => None,
-    };
-    let bar = (lead && tc.progress && std::io::IsTerminal::is_terminal(&std::io::stderr())).then(|| {
-        let pb = indicatif::ProgressBar::new(tc.steps);
-        pb.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | {elapsed_precise} ETA {eta}")
-                .expect("valid template"),
-        );
-        pb.set_position(start);
-        pb
-    });
-    let log = |m: &str| match &bar {
-        Some(pb) => pb.println(m),
-        None if lead => eprintln!("{m}"),
-        None => {}
-    };
+    let mut report = crate::report::Reporter::new(cfg, global_rank, opts.quiet, global_batch, start)?;
 
     // Model states per rank: the parameters live in the model only (updated in place), the
     // gradients in the DDP buckets (plain DDP, ZeRO-1) or this rank's shard of them (ZeRO-2),
@@ -915,30 +891,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let eval_view: Box<dyn kolo_tensor::ParamView> =
         if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
     let hooked = HookedView { sink: ddp.sink(), dtype };
-    let (mut step_ms, mut wait_ms, mut hidden, mut comm_bytes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut compute_ms: Vec<f64> = Vec::new();
     let mut timeline = tc.timeline_dir.as_ref().map(|_| crate::timeline::Timeline::new(rank));
-    let mut tb = match &tc.tensorboard_dir {
-        Some(d) => {
-            let dir = Path::new(d).join(format!("rank{global_rank}"));
-            Some(
-                crate::tensorboard::EventWriter::create(&dir)
-                    .map_err(|e| TrainError::Config(format!("train.tensorboard_dir {}: {e}", dir.display())))?,
-            )
-        }
-        None => None,
-    };
-    let mut tb_scalars = |items: &[(&str, f64)], step: u64| {
-        if let Some(w) = tb.as_mut() {
-            for (tag, v) in items {
-                if v.is_finite() {
-                    let _ = w.scalar(tag, step, *v as f32);
-                }
-            }
-        }
-    };
-    let mut straggler: Option<(usize, f64)> = None;
-    let mut last_loss = f64::NAN;
     let mut eval = None;
     let mut checkpoint = None;
     let mut saving: Option<PendingSave> = None;
@@ -951,29 +904,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         Ok(())
     };
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
-    let tokens_per_example = match cfg.model.kind {
-        crate::config::ModelKind::Gpt => cfg.model.seq.unwrap_or(128),
-        _ => 1,
-    };
-    let mut window = Instant::now();
     kolo_base::alloc::reset_peak();
     let mut heap_after_steps = None;
-    let metrics = crate::metrics::Metrics::new(global_rank);
-    let _endpoint = match tc.metrics_port {
-        Some(port) => {
-            let addr = format!("{}:{}", tc.metrics_addr, if port == 0 { 0 } else { port as usize + global_rank });
-            let server = crate::metrics::serve(metrics.clone(), &addr)
-                .map_err(|e| TrainError::Config(format!("train.metrics_port: cannot listen on {addr}: {e}")))?;
-            if !opts.quiet {
-                eprintln!("rank {rank}: metrics on http://{}/metrics", server.addr);
-            }
-            Some(server)
-        }
-        None => None,
-    };
     for step in start..end {
         let t0 = Instant::now();
-        let mut step_wait_ms = 0.0;
+        let mut rec = crate::report::StepRecord::default();
         if let Some((r, ms)) = opts.slow_rank {
             if r == rank {
                 std::thread::sleep(Duration::from_millis(ms));
@@ -1055,10 +990,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                     master.release_all();
                 }
             }
-            wait_ms.push(wait.as_secs_f64() * 1e3);
-            step_wait_ms = wait.as_secs_f64() * 1e3;
-            hidden.push(0.0);
-            comm_bytes.push(bytes);
+            rec.wait_ms = Some(wait.as_secs_f64() * 1e3);
+            rec.hidden = Some(0.0);
+            rec.comm_bytes = Some(bytes);
         } else if cfg.ddp.skip_sync || local_step {
             // Local SGD (or the no-sync benchmark mode): the local gradients are used as they are.
             ddp.take_accumulated(&mut micro);
@@ -1071,7 +1005,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
             }
             if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
-                comm_bytes.push(crate::local_sgd::after_update(l, step, params, &*comm)?);
+                rec.comm_bytes = Some(crate::local_sgd::after_update(l, step, params, &*comm)?);
             }
         } else {
             // Checks (f16: every rank agrees whether any gradient overflowed; such a step is
@@ -1185,41 +1119,30 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                     tl.span(&format!("bucket {b}"), "comm", crate::timeline::COMM, *s0, *s1, serde_json::json!({"step": step}));
                 }
             }
-            wait_ms.push(stats.wait.as_secs_f64() * 1e3);
-            step_wait_ms = stats.wait.as_secs_f64() * 1e3;
-            hidden.push(stats.hidden_fraction());
-            comm_bytes.push(stats.bytes);
+            rec.wait_ms = Some(stats.wait.as_secs_f64() * 1e3);
+            rec.hidden = Some(stats.hidden_fraction());
+            rec.comm_bytes = Some(stats.bytes);
         }
         if let Some(tl) = timeline.as_mut() {
             let now = Instant::now();
             tl.span("forward + backward", "compute", crate::timeline::COMPUTE, t0, backward_end, serde_json::json!({"step": step}));
             tl.span("wait + update", "compute", crate::timeline::COMPUTE, backward_end, now, serde_json::json!({"step": step}));
         }
-        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
-        // What this rank spent on its own work: the step minus waiting for the others.
-        compute_ms.push(t0.elapsed().as_secs_f64() * 1e3 - step_wait_ms);
         heap_after_steps = kolo_base::alloc::stats();
-        if tc.metrics_port.is_some() {
-            metrics.step.set((step + 1) as f64);
-            metrics.step_seconds.set(t0.elapsed().as_secs_f64());
-            metrics.comm_bytes_total.add(comm_bytes.last().copied().unwrap_or(0) as f64);
-            metrics.comm_wait_seconds_total.add(wait_ms.last().copied().unwrap_or(0.0) / 1e3);
-            metrics.skipped_steps_total.set(scaler.as_ref().map_or(0, LossScaler::skipped) as f64);
-            metrics.heap_bytes.set(heap_after_steps.map_or(0.0, |h| h.live as f64));
-            metrics.peak_rss_bytes.set(peak_rss().unwrap_or(0) as f64);
-        }
+        let skipped_steps = scaler.as_ref().map_or(0, LossScaler::skipped);
+        report.record(step, crate::report::StepRecord { step_ms: t0.elapsed().as_secs_f64() * 1e3, skipped_steps, ..rec });
 
         let done = step + 1;
         if let Some(d) = dynamic.as_mut().filter(|_| cfg.ddp.dynamic_batch_every > 0 && done % cfg.ddp.dynamic_batch_every == 0) {
             // Time per example over the window, every rank's; the new split from it.
             let n = cfg.ddp.dynamic_batch_every as usize;
-            let own = &compute_ms[compute_ms.len().saturating_sub(n)..];
+            let own = &report.compute_ms[report.compute_ms.len().saturating_sub(n)..];
             let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64 / d.split[rank].max(1) as f64];
             let mut all = vec![0f64; world];
             comm.all_gather(kolo_comm::BufRef::from(&mine[..]), BufMut::from(&mut all))?;
             let next = crate::sampler::plan_split(d.split.iter().sum(), &all, 1);
             if next != d.split {
-                log(&format!(
+                report.log(&format!(
                     "step {done}: dynamic batch: per-rank batches {:?} -> {next:?} (ms per example {:?})",
                     d.split,
                     all.iter().map(|t| (t * 1000.0).round() / 1000.0).collect::<Vec<_>>()
@@ -1227,78 +1150,12 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 d.split = next;
             }
         }
-        if done % tc.log_every.max(1) == 0 || done == end {
-            let mut l = [loss_sum];
-            comm.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
-            last_loss = l[0];
-            metrics.loss.set(last_loss);
-            let n = (done - start) % tc.log_every.max(1);
-            let n = if n == 0 { tc.log_every.max(1) } else { n } as f64;
-            let secs = window.elapsed().as_secs_f64();
-            window = Instant::now();
-            let sps = n * global_batch as f64 / secs;
-            metrics.samples_per_second.set(sps);
-            let recent = &step_ms[step_ms.len().saturating_sub(n as usize)..];
-            let ms = recent.iter().sum::<f64>() / recent.len().max(1) as f64;
-            // Stragglers: every rank's own work per step over the window; the slowest rank,
-            // when it is 10% (and 1 ms) behind the median, is named.
-            let own = &compute_ms[compute_ms.len().saturating_sub(n as usize)..];
-            let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64];
-            let mut all = vec![0f64; world];
-            comm.all_gather(kolo_comm::BufRef::from(&mine[..]), BufMut::from(&mut all))?;
-            if world > 1 {
-                let (slow, max) = all.iter().copied().enumerate().fold((0, f64::MIN), |a, (r, v)| if v > a.1 { (r, v) } else { a });
-                let mut sorted = all.clone();
-                sorted.sort_by(f64::total_cmp);
-                // The lower median: with 2 ranks the slow one is compared with the other.
-                let median = sorted[(world - 1) / 2];
-                let lag = max - median;
-                metrics.straggler_rank.set(slow as f64);
-                metrics.straggler_lag_seconds.set(lag / 1e3);
-                if lag > 0.1 * median && lag > 1.0 {
-                    straggler = Some((slow, lag));
-                    log(&format!(
-                        "step {done}: straggler: rank {slow} computes {max:.1} ms/step, the median rank {median:.1} ms (+{lag:.1} ms)"
-                    ));
-                }
-            }
-            let msg = if tokens_per_example > 1 {
-                format!("loss {last_loss:.4} | {:.0} tok/s | {ms:.1} ms/step", sps * tokens_per_example as f64)
-            } else {
-                format!("loss {last_loss:.4} | {sps:.0} samples/s | {ms:.1} ms/step")
-            };
-            match &bar {
-                Some(pb) => pb.set_message(msg.clone()),
-                None => log(&format!("step {done}/{} {msg}", tc.steps)),
-            }
-            tb_scalars(
-                &[
-                    ("train/loss", last_loss),
-                    ("train/lr", f64::from(lr)),
-                    ("train/step_ms", ms),
-                    ("train/samples_per_s", sps),
-                    ("comm/bytes_per_step", comm_bytes.last().copied().unwrap_or(0) as f64),
-                    ("comm/wait_ms", wait_ms.last().copied().unwrap_or(0.0)),
-                ],
-                done,
-            );
-            if let Some(f) = json.as_mut() {
-                let rec = serde_json::json!({"rank": rank, "step": done, "loss": last_loss, "lr": lr, "step_ms": step_ms.last(),
-                    "comm_wait_ms": wait_ms.last(), "comm_bytes": comm_bytes.last(), "hidden_fraction": hidden.last(), "samples_per_s": sps, "epoch": pos.epoch});
-                let _ = writeln!(f, "{rec}");
-            }
-        }
-        if let Some(pb) = &bar {
-            pb.set_position(done);
+        if report.is_log_step(done, end) {
+            report.window(&*comm, done, loss_sum, lr, pos.epoch)?;
         }
         if tc.eval_every > 0 && done % tc.eval_every == 0 && done != end {
             let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches, zero3, &settle)?;
-            tb_scalars(&[("eval/loss", e.loss), ("eval/accuracy", e.accuracy.unwrap_or(f64::NAN))], done);
-            log(&format!(
-                "step {done}: eval loss {:.4}{}",
-                e.loss,
-                e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
-            ));
+            report.eval(done, &e, false);
         }
         if let Some(dir) = &tc.checkpoint_dir {
             if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0) || done == end {
@@ -1314,7 +1171,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 } else {
                     save_checkpoint(Path::new(dir), done, &*model, master.as_slice(), &opt, zero.as_ref(), &*comm, pos, &meta, bg, crash)?
                 };
-                log(&format!("step {done}: checkpoint {}{}", p.target.display(), if bg { " (writing in the background)" } else { "" }));
+                report.log(&format!(
+                    "step {done}: checkpoint {}{}",
+                    p.target.display(),
+                    if bg { " (writing in the background)" } else { "" }
+                ));
                 saving = Some(p);
             }
         }
@@ -1339,9 +1200,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             say(&format!("timeline: {} (open in https://ui.perfetto.dev)", dir.join("trace.json").display()));
         }
     }
-    if let Some(pb) = &bar {
-        pb.finish();
-    }
+    report.finish();
     if let (Some(g), ModelSpec::Gpt(gc)) = (&tp_group, &spec) {
         let steps = (end - start).max(1) * tc.grad_accum;
         let calls = g.calls.load(std::sync::atomic::Ordering::Relaxed) as f64 / steps as f64;
@@ -1360,13 +1219,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         // validation sets have a window at every position, so `eval_batches` bounds them.
         let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
         let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, limit, zero3, &settle)?;
-        tb_scalars(&[("eval/loss", e.loss), ("eval/accuracy", e.accuracy.unwrap_or(f64::NAN))], end);
-        say(&format!(
-            "final eval on {} examples: loss {:.4}{}",
-            e.examples,
-            e.loss,
-            e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
-        ));
+        report.eval(end, &e, true);
         eval = Some(e);
     }
     let sample = match (&data.vocab, &spec) {
@@ -1397,13 +1250,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let moe = crate::ep::reduce_load(model.take_moe_load(), &*comm)?;
     Ok(Summary {
         steps_done: end,
-        last_loss,
+        last_loss: report.last_loss,
         eval,
-        hidden_fraction: if hidden.is_empty() { 1.0 } else { hidden.iter().sum::<f64>() / hidden.len() as f64 },
-        step_ms,
-        comm_wait_ms: wait_ms,
-        comm_bytes,
-        straggler,
+        hidden_fraction: report.hidden_fraction(),
+        step_ms: std::mem::take(&mut report.step_ms),
+        comm_wait_ms: std::mem::take(&mut report.wait_ms),
+        comm_bytes: std::mem::take(&mut report.comm_bytes),
+        straggler: report.straggler,
         params: if zero3 {
             let mut flat = vec![0f32; numel];
             let ranges = ddp.ranges();
