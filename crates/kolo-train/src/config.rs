@@ -986,10 +986,12 @@ impl Config {
             // Only the DDP/ZeRO loop (tensor parallelism included) has these so far; the other
             // loops refuse them rather than ignore them (issue #16: one driver for all).
             let optim_only = which == "train.strategy = \"ps\"";
+            // The sequence- and expert-parallel loops report through the driver's Reporter.
+            let reports = matches!(which, "mesh.sp > 1" | "mesh.ep > 1");
             let set: Vec<&str> = [
-                ("train.json_log", self.train.json_log.is_some()),
-                ("train.metrics_port", self.train.metrics_port.is_some()),
-                ("train.tensorboard_dir", self.train.tensorboard_dir.is_some()),
+                ("train.json_log", self.train.json_log.is_some() && !reports),
+                ("train.metrics_port", self.train.metrics_port.is_some() && !reports),
+                ("train.tensorboard_dir", self.train.tensorboard_dir.is_some() && !reports),
                 ("train.timeline_dir", self.train.timeline_dir.is_some()),
                 ("optim.offload_dir", self.optim.offload_dir.is_some()),
                 ("optim.reference_batch", self.optim.reference_batch.is_some() && !optim_only),

@@ -84,16 +84,15 @@ pub fn run_expert_parallel(
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let te = kolo_tensor::TensorError::from;
     let mut grads = vec![0f32; numel];
-    let (mut step_ms, mut comm_bytes) = (Vec::new(), Vec::new());
-    let mut last_loss = f64::NAN;
+    let mut report = crate::report::Reporter::new(cfg, comm.rank().get(), opts.quiet, cfg.data.batch_size * world, 0)?;
     kolo_base::alloc::reset_peak();
     let mut heap_after = None;
     for step in 0..end {
         let t0 = Instant::now();
         let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
-        let (_, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
+        let (pos, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
         let loss = gpt.loss(&batch, &PlainView)?;
-        let mut l = [f64::from(loss.to_scalar::<f32>().map_err(te)?)];
+        let local_loss = f64::from(loss.to_scalar::<f32>().map_err(te)?);
         let g = loss.backward().map_err(te)?;
         gpt.params().grads_into(&g, &mut grads)?;
         drop((g, loss));
@@ -104,8 +103,6 @@ pub fn run_expert_parallel(
         rep.all_reduce(BufMut::from(&mut e[..]), ReduceOp::Sum)?;
         e.iter_mut().for_each(|x| *x /= world as f32);
         scatter(&e, &mine, &mut grads);
-        comm.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
-        last_loss = l[0];
         if let Some(max) = cfg.optim.clip_grad_norm {
             // Shared parameters counted once, every expert once (its replicas share the sum).
             let own_shared = if rank == 0 { sum_of_squares(&s) } else { 0.0 };
@@ -116,14 +113,15 @@ pub fn run_expert_parallel(
             grads.iter_mut().for_each(|x| *x *= f);
         }
         optimizer_step(gpt.params(), &mut opt, &grads, lr)?;
-        comm_bytes.push((s.len() + e.len()) * 4);
-        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         heap_after = kolo_base::alloc::stats();
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        report.record(step, crate::report::StepRecord { step_ms, comm_bytes: Some((s.len() + e.len()) * 4), ..Default::default() });
         let done = step + 1;
-        if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
-            say(&format!("step {done}/{} loss {last_loss:.4} | {:.1} ms/step", tc.steps, step_ms.last().unwrap_or(&0.0)));
+        if report.is_log_step(done, end) {
+            report.window(comm, done, local_loss, lr, pos.epoch)?;
         }
     }
+    report.finish();
     let moe = reduce_load(gpt.take_moe_load(), comm)?;
     // The whole model on every rank: each expert written by its first holder, the rest by rank 0.
     let mut flat = vec![0f32; gpt.full_numel()];
@@ -136,9 +134,9 @@ pub fn run_expert_parallel(
         &say,
         rank == 0,
         end,
-        last_loss,
-        step_ms,
-        comm_bytes,
+        report.last_loss,
+        std::mem::take(&mut report.step_ms),
+        std::mem::take(&mut report.comm_bytes),
         flat,
         numel,
         &opt,

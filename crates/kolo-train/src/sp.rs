@@ -79,35 +79,33 @@ pub fn run_sequence_parallel(
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let te = kolo_tensor::TensorError::from;
     let mut grads = vec![0f32; numel];
-    let (mut step_ms, mut comm_bytes) = (Vec::new(), Vec::new());
-    let mut last_loss = f64::NAN;
+    let mut report = crate::report::Reporter::new(cfg, comm.rank().get(), opts.quiet, cfg.data.batch_size * dp_size, 0)?;
     kolo_base::alloc::reset_peak();
     let mut heap_after = None;
     for step in 0..end {
         let t0 = Instant::now();
         let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
-        let (_, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
+        let (pos, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
         let chunk = sequence_chunk(&batch, sp_rank, sp_size)?;
         let loss = gpt.loss(&chunk, &PlainView)?;
-        let mut l = [f64::from(loss.to_scalar::<f32>().map_err(te)?)];
+        let local_loss = f64::from(loss.to_scalar::<f32>().map_err(te)?);
         let g = loss.backward().map_err(te)?;
         gpt.params().grads_into(&g, &mut grads)?;
         comm.all_reduce(BufMut::from(&mut grads[..]), ReduceOp::Avg)?;
-        comm.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
-        last_loss = l[0];
         if let Some(max) = cfg.optim.clip_grad_norm {
             let f = clip_factor(sum_of_squares(&grads).sqrt(), max);
             grads.iter_mut().for_each(|x| *x *= f);
         }
         optimizer_step(gpt.params(), &mut opt, &grads, lr)?;
-        comm_bytes.push(numel * 4);
-        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
         heap_after = kolo_base::alloc::stats();
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        report.record(step, crate::report::StepRecord { step_ms, comm_bytes: Some(numel * 4), ..Default::default() });
         let done = step + 1;
-        if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
-            say(&format!("step {done}/{} loss {last_loss:.4} | {:.1} ms/step", tc.steps, step_ms.last().unwrap_or(&0.0)));
+        if report.is_log_step(done, end) {
+            report.window(comm, done, local_loss, lr, pos.epoch)?;
         }
     }
+    report.finish();
     let flat = gpt.params().to_flat()?;
     finish_whole_gpt(
         cfg,
@@ -116,9 +114,9 @@ pub fn run_sequence_parallel(
         &say,
         global_rank == 0,
         end,
-        last_loss,
-        step_ms,
-        comm_bytes,
+        report.last_loss,
+        std::mem::take(&mut report.step_ms),
+        std::mem::take(&mut report.comm_bytes),
         flat,
         numel,
         &opt,

@@ -159,7 +159,6 @@ fn bad_inputs_give_clear_errors() {
     let gpt = "[model]\nkind = \"gpt\"\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 8\n";
     let loops = [
         ("[pipeline]", format!("{gpt}[pipeline]\nmicro_batches = 2\n")),
-        ("mesh.sp > 1", format!("{gpt}[mesh]\nsp = 2\n")),
         ("ddp.schedule", format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n")),
         ("train.strategy = \"ps\"", format!("{base}[train]\nstrategy = \"ps\"\n")),
     ];
@@ -179,6 +178,12 @@ fn bad_inputs_give_clear_errors() {
             assert!(e.contains(feature) && e.contains(which) && e.contains("not supported"), "{which} + {feature}: {e}");
         }
     }
+    // The sequence-parallel loop reports through the driver's Reporter: it takes the logs and
+    // refuses only what it still lacks.
+    let sp = format!("{gpt}[mesh]\nsp = 2\n");
+    assert!(Config::parse(&format!("{sp}[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\n"), "t").is_ok());
+    let e = err(&format!("{sp}[optim]\noffload_dir = \"x\"\n"));
+    assert!(e.contains("optim.offload_dir") && e.contains("mesh.sp > 1"), "{e}");
     // --resume in a loop that writes no checkpoints is refused before anything runs.
     let pipe = Config::parse(&loops[0].1, "t").unwrap();
     let resume = RunOptions { resume: Some("/nonexistent/ck".into()), quiet: true, ..Default::default() };
@@ -528,6 +533,38 @@ fn tensorboard_event_files_hold_the_training_curves() {
         let acc = scalars.iter().find(|x| x.0 == "eval/accuracy").expect("final accuracy");
         assert_eq!(acc.1, 6);
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Observability is the driver's (#16): the sequence-parallel loop, which had none, writes the
+/// same TensorBoard curves and JSON lines as DDP through the Reporter, the loss being the
+/// average over all ranks at each log step.
+#[test]
+fn sequence_parallel_runs_write_tensorboard_and_json_logs() {
+    let dir = std::env::temp_dir().join(format!("kolo-sp-obs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = gpt_cfg(
+        &format!(
+            "[train]\nsteps = 6\nlog_every = 2\neval_batches = 2\nsample_chars = 0\ntensorboard_dir = \"{}\"\njson_log = \"{}/log-{{rank}}.jsonl\"\n[mesh]\nsp = 2\n",
+            dir.join("tb").display(),
+            dir.display()
+        ),
+        4,
+    );
+    let s = train_on(2, &cfg, &quiet());
+    for (r, summary) in s.iter().enumerate() {
+        let run = dir.join("tb").join(format!("rank{r}"));
+        let file = std::fs::read_dir(&run).unwrap().next().unwrap().unwrap().path();
+        let scalars = kolo_train::tensorboard::read_scalars(&file).unwrap();
+        let loss: Vec<(i64, f32)> = scalars.iter().filter(|x| x.0 == "train/loss").map(|x| (x.1, x.2)).collect();
+        assert_eq!(loss.iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 4, 6], "rank {r}");
+        assert!((f64::from(loss[2].1) - summary.last_loss).abs() < 1e-4, "rank {r}");
+        let lines = std::fs::read_to_string(dir.join(format!("log-{r}.jsonl"))).unwrap();
+        let recs: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(recs.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![2, 4, 6]);
+        assert!(recs.iter().all(|v| v["rank"] == r && v["loss"].as_f64().is_some_and(f64::is_finite) && v["step_ms"].as_f64().is_some()));
+    }
+    assert_eq!(s[0].last_loss, s[1].last_loss, "the loss is averaged over the ranks");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
