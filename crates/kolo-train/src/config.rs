@@ -696,6 +696,8 @@ impl Config {
             Some("mesh.sp > 1")
         } else if self.ddp.schedule.is_some() {
             Some("ddp.schedule")
+        } else if self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
+            Some("pipeline.schedule = \"2bw\"")
         } else if self.pipeline.is_some() {
             Some("[pipeline]")
         } else {
@@ -986,8 +988,9 @@ impl Config {
             // Only the DDP/ZeRO loop (tensor parallelism included) has these so far; the other
             // loops refuse them rather than ignore them (issue #16: one driver for all).
             let optim_only = which == "train.strategy = \"ps\"";
-            // The sequence- and expert-parallel loops report through the driver's Reporter.
-            let reports = matches!(which, "mesh.sp > 1" | "mesh.ep > 1");
+            // The sequence-, expert-parallel and flushed pipeline loops report through the
+            // driver's Reporter.
+            let reports = matches!(which, "mesh.sp > 1" | "mesh.ep > 1" | "[pipeline]");
             let set: Vec<&str> = [
                 ("train.json_log", self.train.json_log.is_some() && !reports),
                 ("train.metrics_port", self.train.metrics_port.is_some() && !reports),

@@ -118,7 +118,7 @@ pub fn run_expert_parallel(
         report.record(step, crate::report::StepRecord { step_ms, comm_bytes: Some((s.len() + e.len()) * 4), ..Default::default() });
         let done = step + 1;
         if report.is_log_step(done, end) {
-            report.window(comm, done, local_loss, lr, pos.epoch)?;
+            report.window(comm, done, local_loss, lr, pos.epoch, "")?;
         }
     }
     report.finish();

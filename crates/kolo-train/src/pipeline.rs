@@ -218,7 +218,8 @@ pub fn run_pipeline(
     let run = if let Schedule::TwoBw { .. } = schedule {
         run_two_bw(&mut setup, Arc::new(gpt), &batches, end, &say)?
     } else {
-        run_flushed(&mut setup, Arc::new(gpt), schedule, &batches, end, &say)?
+        let mut report = crate::report::Reporter::new(cfg, global_rank, opts.quiet, cfg.data.batch_size * dp_size, 0)?;
+        run_flushed(&mut setup, Arc::new(gpt), schedule, &batches, end, &mut report)?
     };
     let flat = setup.assemble(&run.gpt)?;
     let mut eval = None;
@@ -283,51 +284,58 @@ fn next_batch(batches: &Batches) -> Result<Batch, TrainError> {
     Ok(batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?.1)
 }
 
-/// GPipe and 1F1B: every batch's micro-batches through the pipeline, a flush, then each stage's step.
+/// GPipe and 1F1B: every batch's micro-batches through the pipeline, a flush, then each stage's
+/// step. Between steps nothing is in flight, so the reporter's collectives run on the pipeline
+/// group (every stage holds the same loss after `clip_and_loss`).
 fn run_flushed(
     setup: &mut StageSetup<'_>,
     gpt: Arc<Gpt>,
     schedule: Schedule,
     batches: &Batches,
     end: u64,
-    say: &dyn Fn(&str),
+    report: &mut crate::report::Reporter,
 ) -> Result<PipeRun, TrainError> {
     let cfg = setup.cfg;
     let tc = &cfg.train;
     let (k, m) = (setup.comm.world_size().get(), setup.m);
-    let (mut step_ms, mut comm_bytes, mut bubbles) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut last_loss, mut peak_live, mut heap_after) = (f64::NAN, 0, None);
+    let mut bubbles = Vec::new();
+    let (mut peak_live, mut heap_after) = (0, None);
     for step in 0..end {
         let t0 = Instant::now();
         let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
-        let batch = next_batch(batches)?;
+        let (pos, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
         let mut work = Work(GptStage::new(gpt.clone(), setup.layers.clone(), split_batch(&batch, m)?).rematerialize(setup.remat));
         let act_len = work.0.act_len()?;
-        let report = run_stage(setup.comm, schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
+        let stage = run_stage(setup.comm, schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
         let mut grads = std::mem::take(&mut work.0.grads);
         drop(work);
-        peak_live = peak_live.max(report.max_live);
+        peak_live = peak_live.max(stage.max_live);
         setup.average(&mut grads)?;
-        let (f, loss) = setup.clip_and_loss(&gpt, &grads, report.losses.iter().map(|l| f64::from(*l)).sum())?;
-        last_loss = loss;
+        let (f, loss) = setup.clip_and_loss(&gpt, &grads, stage.losses.iter().map(|l| f64::from(*l)).sum())?;
         setup.step(&gpt, &grads, f, lr)?;
-        bubbles.push(setup.bubble(report.busy_ms, report.total_ms)?);
-        comm_bytes.push(report.bytes_sent);
-        step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        bubbles.push(setup.bubble(stage.busy_ms, stage.total_ms)?);
         heap_after = kolo_base::alloc::stats();
+        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
+        report.record(step, crate::report::StepRecord { step_ms, comm_bytes: Some(stage.bytes_sent), ..Default::default() });
         let done = step + 1;
-        if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
-            say(&format!(
-                "step {done}/{} loss {last_loss:.4} | {:.1} ms/step, bubble {:.1}% (theory {:.1}%)",
-                tc.steps,
-                step_ms.last().unwrap_or(&0.0),
-                bubbles.last().unwrap_or(&0.0) * 100.0,
-                theoretical_bubble(k, m) * 100.0
-            ));
+        if report.is_log_step(done, end) {
+            let extra =
+                format!(", bubble {:.1}% (theory {:.1}%)", bubbles.last().unwrap_or(&0.0) * 100.0, theoretical_bubble(k, m) * 100.0);
+            report.window(setup.comm, done, loss, lr, pos.epoch, &extra)?;
         }
     }
+    report.finish();
     let bubble = if bubbles.is_empty() { 0.0 } else { bubbles.iter().sum::<f64>() / bubbles.len() as f64 };
-    Ok(PipeRun { gpt, last_loss, step_ms, comm_bytes, bubble, theory: theoretical_bubble(k, m), peak_live, heap_after })
+    Ok(PipeRun {
+        gpt,
+        last_loss: report.last_loss,
+        step_ms: std::mem::take(&mut report.step_ms),
+        comm_bytes: std::mem::take(&mut report.comm_bytes),
+        bubble,
+        theory: theoretical_bubble(k, m),
+        peak_live,
+        heap_after,
+    })
 }
 
 /// PipeDream-2BW's stage work: batch t runs on weight version max(t - 1, 0); its update makes

@@ -177,8 +177,9 @@ impl Reporter {
 
     /// Ends a log window on every rank of `comm`: the loss averaged over them (`loss` is this
     /// rank's), throughput, the straggler (the rank whose own work per step is slowest, named
-    /// when it is 10 % and 1 ms behind the median), the log line, TensorBoard and JSON.
-    pub fn window(&mut self, comm: &dyn Communicator, done: u64, loss: f64, lr: f32, epoch: u64) -> Result<(), TrainError> {
+    /// when it is 10 % and 1 ms behind the median), the log line (with `extra` appended),
+    /// TensorBoard and JSON.
+    pub fn window(&mut self, comm: &dyn Communicator, done: u64, loss: f64, lr: f32, epoch: u64, extra: &str) -> Result<(), TrainError> {
         let world = comm.world_size().get();
         let mut l = [loss];
         comm.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
@@ -217,9 +218,9 @@ impl Reporter {
         }
         let last_loss = self.last_loss;
         let msg = if self.tokens_per_example > 1 {
-            format!("loss {last_loss:.4} | {:.0} tok/s | {ms:.1} ms/step", sps * self.tokens_per_example as f64)
+            format!("loss {last_loss:.4} | {:.0} tok/s | {ms:.1} ms/step{extra}", sps * self.tokens_per_example as f64)
         } else {
-            format!("loss {last_loss:.4} | {sps:.0} samples/s | {ms:.1} ms/step")
+            format!("loss {last_loss:.4} | {sps:.0} samples/s | {ms:.1} ms/step{extra}")
         };
         match &self.bar {
             Some(pb) => pb.set_message(msg.clone()),

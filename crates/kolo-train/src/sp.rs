@@ -102,7 +102,7 @@ pub fn run_sequence_parallel(
         report.record(step, crate::report::StepRecord { step_ms, comm_bytes: Some(numel * 4), ..Default::default() });
         let done = step + 1;
         if report.is_log_step(done, end) {
-            report.window(comm, done, local_loss, lr, pos.epoch)?;
+            report.window(comm, done, local_loss, lr, pos.epoch, "")?;
         }
     }
     report.finish();

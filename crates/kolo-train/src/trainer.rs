@@ -1151,7 +1151,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             }
         }
         if report.is_log_step(done, end) {
-            report.window(&*comm, done, loss_sum, lr, pos.epoch)?;
+            report.window(&*comm, done, loss_sum, lr, pos.epoch, "")?;
         }
         if tc.eval_every > 0 && done % tc.eval_every == 0 && done != end {
             let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches, zero3, &settle)?;

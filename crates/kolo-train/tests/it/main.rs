@@ -158,7 +158,7 @@ fn bad_inputs_give_clear_errors() {
     // Features only the DDP/ZeRO loop has are refused, not ignored, by the other loops (#16).
     let gpt = "[model]\nkind = \"gpt\"\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 8\n";
     let loops = [
-        ("[pipeline]", format!("{gpt}[pipeline]\nmicro_batches = 2\n")),
+        ("pipeline.schedule = \"2bw\"", format!("{gpt}[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n")),
         ("ddp.schedule", format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n")),
         ("train.strategy = \"ps\"", format!("{base}[train]\nstrategy = \"ps\"\n")),
     ];
@@ -180,15 +180,24 @@ fn bad_inputs_give_clear_errors() {
     }
     // The sequence-parallel loop reports through the driver's Reporter: it takes the logs and
     // refuses only what it still lacks.
-    let sp = format!("{gpt}[mesh]\nsp = 2\n");
-    assert!(Config::parse(&format!("{sp}[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\n"), "t").is_ok());
-    let e = err(&format!("{sp}[optim]\noffload_dir = \"x\"\n"));
-    assert!(e.contains("optim.offload_dir") && e.contains("mesh.sp > 1"), "{e}");
+    for (which, cfg) in [("mesh.sp > 1", format!("{gpt}[mesh]\nsp = 2\n")), ("[pipeline]", format!("{gpt}[pipeline]\nmicro_batches = 2\n"))]
+    {
+        assert!(
+            Config::parse(&format!("{cfg}[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\n"), "t").is_ok(),
+            "{which}"
+        );
+        let e = err(&format!("{cfg}[optim]\noffload_dir = \"x\"\n"));
+        assert!(e.contains("optim.offload_dir") && e.contains(which), "{e}");
+    }
     // --resume in a loop that writes no checkpoints is refused before anything runs.
     let pipe = Config::parse(&loops[0].1, "t").unwrap();
     let resume = RunOptions { resume: Some("/nonexistent/ck".into()), quiet: true, ..Default::default() };
     let e = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |_, c| run(&pipe, Arc::new(c), &resume).err().unwrap());
-    assert!(e[0].to_string().contains("resuming (--resume, elastic restarts) is not supported with [pipeline]"), "{}", e[0]);
+    assert!(
+        e[0].to_string().contains("resuming (--resume, elastic restarts) is not supported with pipeline.schedule = \"2bw\""),
+        "{}",
+        e[0]
+    );
     // Deterministic mode: pieces must divide the per-rank batch; what it cannot make bitwise is refused.
     assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 3\n"))
         .contains("ddp.deterministic_chunk = 3 must divide data.batch_size = 8"));
