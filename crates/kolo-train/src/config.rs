@@ -988,9 +988,9 @@ impl Config {
             // Only the DDP/ZeRO loop (tensor parallelism included) has these so far; the other
             // loops refuse them rather than ignore them (issue #16: one driver for all).
             let optim_only = which == "train.strategy = \"ps\"";
-            // The sequence-, expert-parallel and flushed pipeline loops report through the
-            // driver's Reporter.
-            let reports = matches!(which, "mesh.sp > 1" | "mesh.ep > 1" | "[pipeline]");
+            // The sequence-, expert-parallel, flushed pipeline and scheduled loops report through
+            // the driver's Reporter.
+            let reports = matches!(which, "mesh.sp > 1" | "mesh.ep > 1" | "[pipeline]" | "ddp.schedule");
             let set: Vec<&str> = [
                 ("train.json_log", self.train.json_log.is_some() && !reports),
                 ("train.metrics_port", self.train.metrics_port.is_some() && !reports),

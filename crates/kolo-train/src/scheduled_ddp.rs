@@ -265,8 +265,8 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     let batches = replica_batches(cfg, data.train.clone(), rank, world, 0)?;
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let te = kolo_tensor::TensorError::from;
-    let (mut step_ms, mut wait_ms, mut hidden) = (Vec::new(), Vec::new(), Vec::new());
-    let mut last_loss = f64::NAN;
+    // The reporter's collectives run on `comm`, never on the scheduler's own group.
+    let mut report = crate::report::Reporter::new(cfg, rank, opts.quiet, cfg.data.batch_size * world, 0)?;
     let params = model.params();
     std::thread::scope(|s| -> Result<(), TrainError> {
         let worker = {
@@ -284,26 +284,32 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
         let stop = StopOnDrop(&sched);
         let mut t_prev = Instant::now();
         for step in 0..end {
-            let (_, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
+            let (pos, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
             let view = AwaitView { sched: sched.clone(), hooked: HookedView::new(Arc::new(Hooks(sched.clone()))), need: step };
             let loss = model.loss(&batch, &view)?;
-            last_loss = f64::from(loss.to_scalar::<f32>().map_err(te)?);
+            let local_loss = f64::from(loss.to_scalar::<f32>().map_err(te)?);
             loss.backward().map_err(te)?;
             let now = Instant::now();
-            step_ms.push((now - t_prev).as_secs_f64() * 1e3);
+            let mut rec = crate::report::StepRecord {
+                step_ms: (now - t_prev).as_secs_f64() * 1e3,
+                comm_bytes: Some(numel * 4),
+                ..Default::default()
+            };
             t_prev = now;
             {
                 // Communication of the previous step that forward did not wait for was hidden.
                 let mut g = sched.lock();
-                wait_ms.push(g.wait_s * 1e3);
+                rec.wait_ms = Some(g.wait_s * 1e3);
                 if g.comm_s > 0.0 {
-                    hidden.push((1.0 - g.wait_s / g.comm_s).clamp(0.0, 1.0));
+                    rec.hidden = Some((1.0 - g.wait_s / g.comm_s).clamp(0.0, 1.0));
                 }
                 (g.comm_s, g.wait_s) = (0.0, 0.0);
             }
+            report.record(step, rec);
             let done = step + 1;
-            if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
-                say(&format!("step {done}/{} loss {last_loss:.4} (rank 0) | {:.1} ms/step", tc.steps, step_ms.last().unwrap_or(&0.0)));
+            if report.is_log_step(done, end) {
+                let lr = kolo_optim::lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
+                report.window(&*comm, done, local_loss, lr, pos.epoch, "")?;
             }
         }
         // The last step's updates.
@@ -311,29 +317,29 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
         let r = sched.wait(g, &|| format!("the last update (step {end})"), |st| st.updated.iter().all(|&u| u >= end));
         drop(r.map_err(TrainError::Other)?);
         drop(stop);
+        report.finish();
         worker.join().map_err(|_| TrainError::Other("the scheduler thread panicked".into()))?.map_err(TrainError::Other)
     })?;
     let mut eval = None;
     if end == tc.steps {
         let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
         let e = evaluate(&*model, &PlainView, &*data.eval, &*comm, cfg.data.batch_size, limit, false, &|| Ok(()))?;
-        say(&format!(
-            "final eval on {} examples: loss {:.4}{}",
-            e.examples,
-            e.loss,
-            e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
-        ));
+        report.eval(end, &e, true);
         eval = Some(e);
     }
     Ok(Summary {
         steps_done: end,
-        last_loss,
+        last_loss: report.last_loss,
         eval,
-        step_ms,
-        comm_wait_ms: wait_ms,
-        comm_bytes: vec![numel * 4; end as usize],
-        straggler: None,
-        hidden_fraction: hidden.iter().skip(hidden.len() / 2).sum::<f64>() / (hidden.len() - hidden.len() / 2).max(1) as f64,
+        step_ms: std::mem::take(&mut report.step_ms),
+        comm_wait_ms: std::mem::take(&mut report.wait_ms),
+        comm_bytes: std::mem::take(&mut report.comm_bytes),
+        straggler: report.straggler,
+        // The second half: the first steps include the scheduler's start.
+        hidden_fraction: {
+            let h = &report.hidden;
+            h.iter().skip(h.len() / 2).sum::<f64>() / (h.len() - h.len() / 2).max(1) as f64
+        },
         params: model.params().to_flat()?,
         sample: None,
         checkpoint: None,
