@@ -32,6 +32,18 @@ impl LossScaler {
         self.skipped
     }
 
+    /// What a checkpoint keeps: (scale, good steps in a row, skipped steps).
+    pub fn state(&self) -> (f64, u64, u64) {
+        (self.scale, self.good_steps, self.skipped)
+    }
+
+    /// Continues from a checkpoint's [`LossScaler::state`].
+    pub fn restore(&mut self, (scale, good_steps, skipped): (f64, u64, u64)) {
+        self.scale = scale;
+        self.good_steps = good_steps % self.growth_interval;
+        self.skipped = skipped;
+    }
+
     /// Records the outcome of a step (`found_inf` must be the same on every rank); returns
     /// whether the optimizer may apply it.
     pub fn update(&mut self, found_inf: bool) -> bool {

@@ -487,6 +487,28 @@ fn save_checkpoint(
 struct Resumed {
     step: u64,
     pos: Position,
+    /// f16: the loss scaler's (scale, good steps, skipped steps).
+    loss_scale: Option<(f64, u64, u64)>,
+    /// Dynamic batch sizing: the per-rank shares of the global batch when it was written.
+    batch_split: Option<Vec<usize>>,
+}
+
+/// Metadata keys of the loop's own state (beyond parameters, optimizer and data position).
+const LOSS_SCALE_KEY: &str = "kolo.loss_scale";
+const BATCH_SPLIT_KEY: &str = "kolo.batch_split";
+
+/// The loop state a checkpoint carries in its metadata: the f16 loss scaler and the dynamic
+/// batch split (issue #16: without them a resumed run was not the uninterrupted one).
+fn loop_state_meta(scaler: Option<&LossScaler>, split: Option<&[usize]>) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    if let Some(s) = scaler {
+        let (scale, good, skipped) = s.state();
+        m.insert(LOSS_SCALE_KEY.to_string(), format!("{scale:e},{good},{skipped}"));
+    }
+    if let Some(split) = split {
+        m.insert(BATCH_SPLIT_KEY.to_string(), split.iter().map(usize::to_string).collect::<Vec<_>>().join(","));
+    }
+    m
 }
 
 /// Loads a checkpoint written at any world size and ZeRO stage: whole tensors are assembled,
@@ -542,7 +564,28 @@ fn load_checkpoint(
     if (w0, b0) != (w1, b1) {
         pos.batch = pos.batch * w0 * b0 / (w1 * b1).max(1);
     }
-    Ok(Resumed { step: num("kolo.step")?, pos })
+    let parse_err = |key: &str| incompatible(format!("metadata `{key}` is malformed"));
+    let loss_scale = match ck.meta.get(LOSS_SCALE_KEY) {
+        Some(v) => {
+            let f: Vec<&str> = v.split(',').collect();
+            match (
+                f.first().and_then(|x| x.parse::<f64>().ok()),
+                f.get(1).and_then(|x| x.parse().ok()),
+                f.get(2).and_then(|x| x.parse().ok()),
+            ) {
+                (Some(scale), Some(good), Some(skipped)) if f.len() == 3 && scale.is_finite() && scale > 0.0 => {
+                    Some((scale, good, skipped))
+                }
+                _ => return Err(parse_err(LOSS_SCALE_KEY)),
+            }
+        }
+        None => None,
+    };
+    let batch_split = match ck.meta.get(BATCH_SPLIT_KEY) {
+        Some(v) => Some(v.split(',').map(|x| x.parse::<usize>().map_err(|_| parse_err(BATCH_SPLIT_KEY))).collect::<Result<Vec<_>, _>>()?),
+        None => None,
+    };
+    Ok(Resumed { step: num("kolo.step")?, pos, loss_scale, batch_split })
 }
 
 /// Loss (mean per example) and accuracy over this rank's share of the evaluation set, combined
@@ -804,11 +847,13 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // Resume: every rank reads the same file, so every rank continues identically.
     let mut start = 0;
     let mut pos = Position::default();
+    let (mut resumed_scale, mut resumed_split) = (None, None);
     if let Some(p) = &opts.resume {
         let path = resolve_checkpoint(p)?;
         let r = load_checkpoint(&path, &*model, &mut flat, &mut opt, zero.as_ref(), ddp.ranges(), &meta)?;
         start = r.step;
         pos = r.pos;
+        (resumed_scale, resumed_split) = (r.loss_scale, r.batch_split);
         say(&format!("resumed from {} at step {start}", path.display()));
     }
     model.params().load(&flat)?;
@@ -852,7 +897,18 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let mut dynamic = (cfg.ddp.dynamic_batch_every > 0 || cfg.ddp.deterministic)
         .then(|| -> Result<DynamicBatch, TrainError> {
             let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * world, ..sampler.config().clone() };
-            Ok(DynamicBatch { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split: vec![cfg.data.batch_size; world] })
+            // A resumed run continues with the split it was written with (at the same world
+            // size and global batch; otherwise from equal shares).
+            let equal = vec![cfg.data.batch_size; world];
+            let split = match resumed_split.take() {
+                Some(s)
+                    if s.len() == world && s.iter().sum::<usize>() == cfg.data.batch_size * world && cfg.ddp.dynamic_batch_every > 0 =>
+                {
+                    s
+                }
+                _ => equal,
+            };
+            Ok(DynamicBatch { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split })
         })
         .transpose()?;
     let batches = if dynamic.is_some() { None } else { Some(prefetch(data.train.clone(), sampler, cfg.data.prefetch)) };
@@ -888,6 +944,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // Mixed precision: the compute dtype, and for f16 a dynamic loss scale.
     let dtype = cfg.compute_dtype();
     let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
+    if let (Some(s), Some(state)) = (scaler.as_mut(), resumed_scale) {
+        s.restore(state);
+    }
     let eval_view: Box<dyn kolo_tensor::ParamView> =
         if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
     let hooked = HookedView { sink: ddp.sink(), dtype };
@@ -1164,6 +1223,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
                 }
                 let bg = tc.checkpoint_background && opts.crash_during_save.is_none();
                 let crash = opts.crash_during_save == Some(done);
+                let mut meta = meta.clone();
+                meta.extend(loop_state_meta(
+                    scaler.as_ref(),
+                    dynamic.as_ref().filter(|_| cfg.ddp.dynamic_batch_every > 0).map(|d| &d.split[..]),
+                ));
                 let p = if zero3 {
                     ddp.with_master(|m| {
                         save_checkpoint(Path::new(dir), done, &*model, m, &opt, zero.as_ref(), &*comm, pos, &meta, bg, crash)

@@ -107,6 +107,37 @@ fn interrupted_and_resumed_run_ends_bitwise_equal() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A resumed run carries on with the loop's own state (#16): the f16 loss scaler (halved by an
+/// overflow at step 1, with its count of skipped steps) and the dynamic-batch split chosen
+/// before the checkpoint. Before, a resumed run restarted the scale at 2^16 and the split from
+/// equal shares.
+#[test]
+fn resumed_runs_keep_the_loss_scale_and_the_batch_split() {
+    let dir = std::env::temp_dir().join(format!("kolo-resume-state-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ck = |tag: &str| format!("checkpoint_dir = \"{}\"\n", dir.join(tag).display());
+    let cfg = mnist_cfg(&format!("[train]\nsteps = 6\nlog_every = 1\nprecision = \"f16\"\ncheckpoint_every = 3\n{}", ck("f16")), 16);
+    let inject = RunOptions { inject_inf_at: Some(1), quiet: true, ..Default::default() };
+    let full = &train_on(2, &cfg, &inject)[0];
+    assert_eq!((full.loss_scale, full.skipped_steps), (Some(32768.0), 1));
+    train_on(2, &cfg, &RunOptions { stop_after: Some(3), ..inject.clone() });
+    let resumed = &train_on(2, &cfg, &RunOptions { resume: Some(dir.join("f16")), quiet: true, ..Default::default() })[0];
+    assert_eq!((resumed.loss_scale, resumed.skipped_steps), (full.loss_scale, full.skipped_steps), "the scaler's state");
+    assert_eq!(resumed.params, full.params);
+
+    // Rank 1 is slow: the split moves at step 2 and is checkpointed there; the resumed step 3
+    // (no re-split before step 4) runs with it.
+    let cfg =
+        mnist_cfg(&format!("[train]\nsteps = 3\nlog_every = 1\ncheckpoint_every = 2\n{}[ddp]\ndynamic_batch_every = 2\n", ck("split")), 16);
+    let slow = RunOptions { slow_per_example: Some((1, 0.5)), quiet: true, ..Default::default() };
+    let first = &train_on(2, &cfg, &RunOptions { stop_after: Some(2), ..slow.clone() })[0];
+    let split = first.batch_split.clone().unwrap();
+    assert_ne!(split, vec![16, 16], "the slow rank should have been given less");
+    let resumed = &train_on(2, &cfg, &RunOptions { resume: Some(dir.join("split")), ..slow })[0];
+    assert_eq!(resumed.batch_split.as_ref(), Some(&split), "the split written at step 2");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// On the shipped subset (10,000 training images; 97 % on the full 60,000): 93.3 % of the 2,000
 /// test images after 1,400 steps.
 #[test]
