@@ -750,6 +750,28 @@ impl Config {
         if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
             return Err("optim.lr must be a positive number".into());
         }
+        // Numbers that would silently train wrongly (a negative clip norm ascends, beta2 = 1
+        // never updates the second moment, an infinite deadline never fires): issue #19.
+        let o = &self.optim;
+        let finite_at_least = |v: f64, min: f64| v.is_finite() && v >= min;
+        for (name, ok) in [
+            ("optim.weight_decay", finite_at_least(f64::from(o.weight_decay), 0.0)),
+            ("optim.momentum", finite_at_least(f64::from(o.momentum), 0.0) && o.momentum < 1.0),
+            ("optim.beta1", finite_at_least(f64::from(o.beta1), 0.0) && o.beta1 < 1.0),
+            ("optim.beta2", finite_at_least(f64::from(o.beta2), 0.0) && o.beta2 < 1.0),
+            ("optim.eps", o.eps.is_none_or(|e| e.is_finite() && e > 0.0)),
+            ("optim.clip_grad_norm", o.clip_grad_norm.is_none_or(|c| c.is_finite() && c > 0.0)),
+            ("optim.min_lr", finite_at_least(f64::from(o.min_lr), 0.0) && o.min_lr <= o.lr),
+            ("optim.step_gamma", o.step_gamma.is_finite() && o.step_gamma > 0.0),
+            ("ddp.timeout_secs", self.ddp.timeout_secs.is_finite() && self.ddp.timeout_secs > 0.0 && self.ddp.timeout_secs <= 1e6),
+            ("train.sample_temperature", self.train.sample_temperature.is_finite() && self.train.sample_temperature > 0.0),
+        ] {
+            if !ok {
+                return Err(format!(
+                    "{name} is out of range (weight_decay >= 0; momentum, beta1, beta2 in [0, 1); eps, clip_grad_norm, step_gamma, sample_temperature > 0; 0 <= min_lr <= lr; 0 < timeout_secs <= 1e6, all finite)"
+                ));
+            }
+        }
         if self.train.device != "cpu" {
             let mesh = self.mesh.as_ref();
             if mesh.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1))

@@ -186,6 +186,20 @@ fn bad_inputs_give_clear_errors() {
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"gzip\" }}\n")).contains("unknown variant `gzip`"));
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"topk\", fraction = 1.5 }}\n")).contains("fraction must be in (0, 1]"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 1\nskip_sync = true\n")).contains("needs ddp.zero_stage = 0"));
+    // Numbers that would train wrongly or never time out are refused, naming the field (#19).
+    for (field, section) in [
+        ("optim.clip_grad_norm", "[optim]\nclip_grad_norm = -1.0\n"),
+        ("optim.beta2", "[optim]\nbeta2 = 1.0\n"),
+        ("optim.eps", "[optim]\neps = -1e-8\n"),
+        ("optim.momentum", "[optim]\nkind = \"sgd\"\nmomentum = -0.5\n"),
+        ("optim.min_lr", "[optim]\nmin_lr = -0.1\n"),
+        ("optim.weight_decay", "[optim]\nweight_decay = nan\n"),
+        ("ddp.timeout_secs", "[ddp]\ntimeout_secs = inf\n"),
+        ("ddp.timeout_secs", "[ddp]\ntimeout_secs = 0.0\n"),
+    ] {
+        let e = err(&format!("{base}{section}"));
+        assert!(e.contains(&format!("{field} is out of range")), "{field}: {e}");
+    }
     // Features only the DDP/ZeRO loop has are refused, not ignored, by the other loops (#16).
     let gpt = "[model]\nkind = \"gpt\"\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 8\n";
     let loops = [
