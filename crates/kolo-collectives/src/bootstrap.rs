@@ -4,7 +4,7 @@
 use crate::{HostComm, HostCommConfig};
 use kolo_base::{Deadline, Rank, WorldSize};
 use kolo_comm::{CommError, OpKind};
-use kolo_rendezvous::{store_barrier, JobToken, LaunchEnv, MemoryStore, Store, TcpStore, TcpStoreServer};
+use kolo_rendezvous::{abandon_join, store_barrier, JobToken, LaunchEnv, MemoryStore, Store, TcpStore, TcpStoreServer, JOIN_BARRIER};
 use std::net::{IpAddr, ToSocketAddrs, UdpSocket};
 use std::sync::Arc;
 
@@ -67,13 +67,19 @@ pub fn bootstrap(env: Option<&LaunchEnv>, mut cfg: HostCommConfig) -> Result<Boo
     }
     let theirs = store.get("kolo/world_size", deadline).map_err(|e| setup(rank, e.to_string()))?;
     let theirs = String::from_utf8_lossy(&theirs).into_owned();
+    // A mismatch found here is left in the store before failing, so every other rank fails
+    // with the same reason at once instead of at its deadline.
     if theirs != n.get().to_string() {
+        let why = format!("rank {rank} was started with world size {n} but rank 0 says {theirs}");
+        abandon_join(&*store, &why);
         return Err(setup(rank, format!("this rank was started with world size {n} but rank 0 says {theirs}")));
     }
     if store.add(&format!("kolo/rank/{rank}"), 1).map_err(|e| setup(rank, e.to_string()))? > 1 {
-        return Err(setup(rank, format!("rank {rank} joined twice: two processes were given the same RANK")));
+        let why = format!("rank {rank} joined twice: two processes were given the same RANK");
+        abandon_join(&*store, &why);
+        return Err(setup(rank, why));
     }
-    store_barrier(&*store, "kolo/join", n.get(), deadline).map_err(|e| setup(rank, format!("waiting for all {n} ranks to join: {e}")))?;
+    store_barrier(&*store, JOIN_BARRIER, n.get(), deadline).map_err(|e| setup(rank, format!("waiting for all {n} ranks to join: {e}")))?;
     if cfg.advertise_ip.is_loopback() {
         if let Some(ip) = local_ip_towards(&env.master_addr) {
             cfg.advertise_ip = ip;

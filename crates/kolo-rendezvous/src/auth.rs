@@ -103,10 +103,14 @@ pub fn client_handshake<S: Read + Write>(stream: &mut S, token: &JobToken, purpo
     }
     let sn = &reply[1..1 + NONCE];
     let smac = &reply[1 + NONCE..];
+    let cmac = token.mac(&[b"kolo-client", purpose.as_bytes(), sn, &cn]);
     if !same(smac, &token.mac(&[b"kolo-server", purpose.as_bytes(), &cn, sn])) {
+        // Still send our proof: the server then sees a Kolo process with another token (and can
+        // tell the job why a rank is missing) rather than a dropped connection. A MAC over the
+        // server's nonce reveals nothing about our token.
+        let _ = stream.write_all(&cmac);
         return Err(auth_err(peer, "the server does not know this job's token"));
     }
-    let cmac = token.mac(&[b"kolo-client", purpose.as_bytes(), sn, &cn]);
     stream.write_all(&cmac).map_err(|e| auth_err(peer, format!("sending proof: {e}")))?;
     let mut verdict = [0u8; 1];
     stream.read_exact(&mut verdict).map_err(|e| auth_err(peer, format!("waiting for verdict: {e}")))?;

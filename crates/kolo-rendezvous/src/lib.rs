@@ -79,28 +79,58 @@ impl Store for PrefixStore {
     }
 }
 
+/// The barrier every rank passes to join a job (the bootstrap's).
+pub const JOIN_BARRIER: &str = "kolo/join";
+
+/// The key where a reason to abandon the join is left: by a rank that found a mismatch
+/// (world size, a duplicate rank) before failing, or by the store server when a Kolo process
+/// of another job was refused. Every rank waiting in the join barrier fails with it.
+pub fn join_error_key() -> String {
+    format!("{JOIN_BARRIER}/error")
+}
+
+/// Leaves `why` for the other ranks waiting in the join barrier (best effort: this rank is
+/// failing anyway).
+pub fn abandon_join(store: &dyn Store, why: &str) {
+    let _ = store.set(&join_error_key(), why.as_bytes());
+}
+
 /// An O(n) barrier over the store: every rank bumps one counter, the last one to arrive sets
-/// `done`. Used to join a job and to check that every rank agrees on the world size.
+/// `done`. Used to join a job and to check that every rank agrees on the world size. Waits in
+/// slices of at most 200 ms and fails as soon as `{name}/error` appears, with its reason.
 pub fn store_barrier(store: &dyn Store, name: &str, world_size: usize, deadline: Deadline) -> Result<(), StoreError> {
     let n = store.add(&format!("{name}/count"), 1)?;
     if n == world_size as i64 {
         store.set(&format!("{name}/done"), b"1")?;
     } else if n > world_size as i64 {
-        return Err(StoreError::Protocol(format!(
+        let why = format!(
             "barrier `{name}`: {n} ranks arrived but the world size is {world_size} (a rank was started twice or with a wrong WORLD_SIZE)"
-        )));
+        );
+        let _ = store.set(&format!("{name}/error"), why.as_bytes());
+        return Err(StoreError::Protocol(why));
     }
-    store.get(&format!("{name}/done"), deadline).map_err(|e| match e {
-        StoreError::Timeout { key, waited } => StoreError::Timeout {
-            key: format!(
-                "{key} (barrier `{name}`: {} of {world_size} ranks arrived)",
-                store.add(&format!("{name}/count"), 0).unwrap_or(-1)
-            ),
-            waited,
-        },
-        other => other,
-    })?;
-    Ok(())
+    let (done, error) = (format!("{name}/done"), format!("{name}/error"));
+    loop {
+        let slice = Deadline::after(deadline.remaining().min(std::time::Duration::from_millis(200)));
+        match store.get(&done, slice) {
+            Ok(_) => return Ok(()),
+            Err(StoreError::Timeout { .. }) => {}
+            Err(e) => return Err(e),
+        }
+        if store.check(&error)? {
+            let why = store.get(&error, deadline).map(|v| String::from_utf8_lossy(&v).into_owned()).unwrap_or_default();
+            return Err(StoreError::Protocol(format!("barrier `{name}` abandoned: {why}")));
+        }
+        if deadline.remaining().is_zero() {
+            return Err(StoreError::Timeout {
+                key: format!(
+                    "{done} (barrier `{name}`: {} of {world_size} ranks arrived)",
+                    store.add(&format!("{name}/count"), 0).unwrap_or(-1)
+                ),
+                waited: deadline.budget(),
+            });
+        }
+    }
 }
 
 #[cfg(test)]

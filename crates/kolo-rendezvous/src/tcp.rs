@@ -93,6 +93,15 @@ fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, state: &Stat
     if let Err(e) = server_handshake(&mut stream, token, Some(PURPOSE), &peer.to_string()) {
         tracing::warn!("kolo store: refused connection from {peer}: {e}");
         eprintln!("kolo store: refused connection from {peer}: {e}");
+        // A Kolo process of another job (a well-formed hello, a wrong token) fails the join
+        // on every rank at once instead of leaving them to their deadline. Junk that is not a
+        // Kolo hello is only logged: a flood of it cannot abort a job.
+        if matches!(&e, StoreError::Auth { reason, .. } if reason == "wrong job token") {
+            let why = format!("a process at {peer} tried to join with a different job token (check KOLO_JOB_TOKEN / --token-file)");
+            let mut map = state.map.lock().unwrap_or_else(|p| p.into_inner());
+            map.entry(crate::join_error_key()).or_insert_with(|| why.into_bytes());
+            state.changed.notify_all();
+        }
         return;
     }
     let _ = stream.set_read_timeout(None);

@@ -150,3 +150,24 @@ proptest! {
         }
     }
 }
+
+/// A reason left in `{name}/error` fails every rank waiting in the barrier within one wait
+/// slice (200 ms), with that reason, long before the deadline (#19).
+#[test]
+fn a_barrier_is_abandoned_as_soon_as_a_reason_is_left() {
+    let store = std::sync::Arc::new(MemoryStore::new());
+    let waiter = {
+        let store = store.clone();
+        std::thread::spawn(move || {
+            let t = std::time::Instant::now();
+            let r = store_barrier(&*store, JOIN_BARRIER, 2, Deadline::after(Duration::from_secs(30)));
+            (r, t.elapsed())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    abandon_join(&*store, "rank 1 was started with world size 3 but rank 0 says 2");
+    let (r, waited) = waiter.join().unwrap();
+    let e = r.unwrap_err().to_string();
+    assert!(e.contains("barrier `kolo/join` abandoned: rank 1 was started with world size 3"), "{e}");
+    assert!(waited < Duration::from_secs(2), "{waited:?}");
+}
