@@ -3,7 +3,7 @@ use crate::connect::connect_group;
 use crate::engine::{drive, Dir, OpCtx, Xfer};
 use crate::frame::Header;
 use crate::link::Link;
-use kolo_base::{shard_range, ByteSize, Deadline, Rank, WorldSize};
+use kolo_base::{shard_range, ByteSize, DType, Deadline, Rank, WorldSize};
 use kolo_comm::communicator::validate;
 use kolo_comm::{BufMut, BufRef, CommError, Communicator, OpKind, ReduceOp, Scratch, DEFAULT_TIMEOUT};
 use kolo_rendezvous::{JobToken, Store, TcpStoreServer};
@@ -393,7 +393,7 @@ impl HostComm {
             return self.hierarchical_all_reduce(buf, op);
         }
         let bytes = buf.bytes_mut();
-        self.run(OpKind::AllReduce, alg, bytes.len(), |e, s, big| match alg {
+        self.run((OpKind::AllReduce, Some(op), None), alg, bytes.len(), |e, s, big| match alg {
             Algorithm::Ring => ring::all_reduce(e, bytes, dtype, op, big),
             Algorithm::HalvingDoubling => halving::all_reduce(e, bytes, dtype, op, big),
             Algorithm::Tree => {
@@ -455,7 +455,7 @@ impl HostComm {
     /// (closing every link so peers learn at once) if it fails.
     fn run<T>(
         &self,
-        op: OpKind,
+        (op, red, root): (OpKind, Option<ReduceOp>, Option<Rank>),
         alg: Algorithm,
         bytes: usize,
         f: impl FnOnce(&mut Exec<'_>, &mut [Scratch; 2], &mut Scratch) -> Result<T, CommError>,
@@ -467,7 +467,8 @@ impl HostComm {
         let seq = core.seq;
         core.seq += 1;
         self.recorder.start(seq, op, alg.name(), bytes);
-        let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
+        let root = root.map(|r| r.get() as u32);
+        let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin, red, root };
         let Core { links, scratch, big, .. } = &mut *core;
         let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg };
         let mut r = f(&mut exec, scratch, big);
@@ -495,12 +496,12 @@ impl HostComm {
         }
     }
 
-    fn p2p(&self, op: OpKind, peer: Rank, tag: u32, dir: Dir<'_>) -> Result<(), CommError> {
-        self.p2p_many(op, vec![(peer, tag, dir)])
+    fn p2p(&self, op: OpKind, peer: Rank, tag: u32, dtype: DType, dir: Dir<'_>) -> Result<(), CommError> {
+        self.p2p_many(op, vec![(peer, tag, dtype, dir)])
     }
 
     /// Point-to-point transfers driven together (each a send or a receive, to or from any peer).
-    fn p2p_many(&self, op: OpKind, items: Vec<(Rank, u32, Dir<'_>)>) -> Result<(), CommError> {
+    fn p2p_many(&self, op: OpKind, items: Vec<(Rank, u32, DType, Dir<'_>)>) -> Result<(), CommError> {
         let mut core = self.lock();
         if let Some(e) = &core.broken {
             return Err(e.clone().into_aborted(self.rank));
@@ -508,7 +509,7 @@ impl HostComm {
         let mut done = Vec::with_capacity(items.len());
         let mut xfers = Vec::with_capacity(items.len());
         let mut first_seq = None;
-        for (peer, tag, dir) in items {
+        for (peer, tag, dtype, dir) in items {
             let p = peer.get();
             let (len, seq, is_send) = match &dir {
                 Dir::Send(d) => (d.len(), core.sent[p], true),
@@ -516,12 +517,22 @@ impl HostComm {
                 Dir::RecvReduce { .. } => unreachable!("p2p never reduces"),
             };
             first_seq.get_or_insert(seq);
-            let header = Header { op: OpKind::Send, dtype: None, alg: Algorithm::P2p as u8, seq, step: 0, tag, len: len as u64 };
+            let header = Header {
+                op: OpKind::Send,
+                dtype: Some(dtype),
+                alg: Algorithm::P2p as u8,
+                seq,
+                step: 0,
+                tag,
+                len: len as u64,
+                red: None,
+                root: None,
+            };
             xfers.push(Xfer::new(p, header, dir));
             done.push((p, is_send));
         }
-        let ctx =
-            OpCtx { op, rank: self.rank, seq: first_seq.unwrap_or(0), deadline: Deadline::after(self.timeout()), spin: self.cfg.spin };
+        let deadline = Deadline::after(self.timeout());
+        let ctx = OpCtx { op, rank: self.rank, seq: first_seq.unwrap_or(0), deadline, spin: self.cfg.spin, red: None, root: None };
         match drive(&mut core.links, &mut xfers, &ctx) {
             Ok(()) => {
                 for (p, is_send) in done {
@@ -571,7 +582,7 @@ impl Communicator for HostComm {
         let dtype = buf.dtype();
         let is_root = root == self.rank;
         let bytes = buf.bytes_mut();
-        self.run(OpKind::Reduce, Algorithm::Tree, bytes.len(), |e, s, _| {
+        self.run((OpKind::Reduce, Some(op), Some(root)), Algorithm::Tree, bytes.len(), |e, s, _| {
             let [a, b] = s;
             if is_root {
                 tree::reduce(e, bytes, dtype, op, root.get(), b)?;
@@ -593,7 +604,9 @@ impl Communicator for HostComm {
         }
         let dtype = buf.dtype();
         let bytes = buf.bytes_mut();
-        self.run(OpKind::Broadcast, Algorithm::Tree, bytes.len(), |e, _, _| tree::broadcast(e, bytes, dtype, root.get(), 0))
+        self.run((OpKind::Broadcast, None, Some(root)), Algorithm::Tree, bytes.len(), |e, _, _| {
+            tree::broadcast(e, bytes, dtype, root.get(), 0)
+        })
     }
 
     fn all_gather(&self, input: BufRef<'_>, mut output: BufMut<'_>) -> Result<(), CommError> {
@@ -609,7 +622,7 @@ impl Communicator for HostComm {
             return Ok(());
         }
         let bytes = output.bytes_mut();
-        self.run(OpKind::AllGather, Algorithm::Ring, bytes.len(), |e, _, _| ring::all_gather(e, bytes, dtype))
+        self.run((OpKind::AllGather, None, None), Algorithm::Ring, bytes.len(), |e, _, _| ring::all_gather(e, bytes, dtype))
     }
 
     fn reduce_scatter(&self, input: BufRef<'_>, mut output: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
@@ -622,7 +635,7 @@ impl Communicator for HostComm {
         let esz = dtype.size_bytes();
         let own = shard_range(input.len(), self.n, self.rank);
         let out = output.bytes_mut();
-        self.run(OpKind::ReduceScatter, Algorithm::Ring, input.bytes().len(), |e, s, big| {
+        self.run((OpKind::ReduceScatter, Some(op), None), Algorithm::Ring, input.bytes().len(), |e, s, big| {
             let acc = big.get(input.bytes().len());
             acc.copy_from_slice(input.bytes());
             ring::reduce_scatter(e, acc, dtype, op, &mut s[0])?;
@@ -641,7 +654,7 @@ impl Communicator for HostComm {
         let esz = dtype.size_bytes();
         let own = shard_range(buf.len(), self.n, self.rank);
         let bytes = buf.bytes_mut();
-        self.run(OpKind::ReduceScatter, Algorithm::Ring, bytes.len(), |e, s, _| {
+        self.run((OpKind::ReduceScatter, Some(op), None), Algorithm::Ring, bytes.len(), |e, s, _| {
             ring::reduce_scatter(e, bytes, dtype, op, &mut s[0])?;
             kolo_comm::reduce::finish_avg(dtype, op, &mut bytes[own.start * esz..own.end * esz], e.n);
             Ok(())
@@ -669,19 +682,19 @@ impl Communicator for HostComm {
             out.copy_from_slice(input.bytes());
             return Ok(());
         }
-        self.run(OpKind::AllToAll, Algorithm::Pairwise, input.bytes().len(), |e, _, _| {
+        self.run((OpKind::AllToAll, None, None), Algorithm::Pairwise, input.bytes().len(), |e, _, _| {
             pairwise::all_to_all(e, input.bytes(), &send, out, &recv, dtype)
         })
     }
 
     fn send(&self, buf: BufRef<'_>, peer: Rank, tag: u32) -> Result<(), CommError> {
         validate::peer(OpKind::Send, self.rank, self.n, peer)?;
-        self.p2p(OpKind::Send, peer, tag, Dir::Send(buf.bytes()))
+        self.p2p(OpKind::Send, peer, tag, buf.dtype(), Dir::Send(buf.bytes()))
     }
 
     fn recv(&self, mut buf: BufMut<'_>, peer: Rank, tag: u32) -> Result<(), CommError> {
         validate::peer(OpKind::Recv, self.rank, self.n, peer)?;
-        self.p2p(OpKind::Recv, peer, tag, Dir::Recv(buf.bytes_mut()))
+        self.p2p(OpKind::Recv, peer, tag, buf.dtype(), Dir::Recv(buf.bytes_mut()))
     }
 
     fn send_recv(
@@ -695,14 +708,17 @@ impl Communicator for HostComm {
     ) -> Result<(), CommError> {
         validate::peer(OpKind::Send, self.rank, self.n, to)?;
         validate::peer(OpKind::Recv, self.rank, self.n, from)?;
-        self.p2p_many(OpKind::Send, vec![(to, send_tag, Dir::Send(send.bytes())), (from, recv_tag, Dir::Recv(recv.bytes_mut()))])
+        self.p2p_many(
+            OpKind::Send,
+            vec![(to, send_tag, send.dtype(), Dir::Send(send.bytes())), (from, recv_tag, recv.dtype(), Dir::Recv(recv.bytes_mut()))],
+        )
     }
 
     fn barrier(&self) -> Result<(), CommError> {
         if self.n.get() == 1 {
             return Ok(());
         }
-        self.run(OpKind::Barrier, Algorithm::Dissemination, 0, |e, _, _| pairwise::barrier(e))
+        self.run((OpKind::Barrier, None, None), Algorithm::Dissemination, 0, |e, _, _| pairwise::barrier(e))
     }
 
     fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Communicator>>, CommError> {

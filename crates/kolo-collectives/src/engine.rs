@@ -67,6 +67,10 @@ pub(crate) struct OpCtx {
     pub deadline: Deadline,
     /// How long to busy-poll without progress before blocking.
     pub spin: Duration,
+    /// The collective's reduce op and root, carried in every header so ranks that disagree
+    /// fail with a mismatch.
+    pub red: Option<kolo_comm::ReduceOp>,
+    pub root: Option<u32>,
 }
 
 impl OpCtx {

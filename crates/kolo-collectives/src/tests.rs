@@ -23,11 +23,23 @@ fn ctx() -> OpCtx {
         seq: 3,
         deadline: Deadline::after(Duration::from_secs(5)),
         spin: Duration::from_micros(50),
+        red: Some(ReduceOp::Sum),
+        root: None,
     }
 }
 
 fn expect(len: usize) -> Header {
-    Header { op: OpKind::AllReduce, dtype: Some(DType::F32), alg: 1, seq: 3, step: 0, tag: 0, len: len as u64 }
+    Header {
+        op: OpKind::AllReduce,
+        dtype: Some(DType::F32),
+        alg: 1,
+        seq: 3,
+        step: 0,
+        tag: 0,
+        len: len as u64,
+        red: Some(ReduceOp::Sum),
+        root: None,
+    }
 }
 
 fn recv_with(bytes: &[u8], close: bool) -> CommError {
@@ -70,7 +82,7 @@ fn different_collective_is_a_mismatch_naming_both() {
     let e = recv_with(&bytes, false);
     assert!(matches!(e, CommError::Mismatch { .. }), "{e}");
     let m = e.to_string();
-    assert!(m.contains("expected all_reduce #3") && m.contains("sent broadcast #3"), "{m}");
+    assert!(m.contains("expected all_reduce sum #3") && m.contains("sent broadcast sum #3"), "{m}");
 }
 
 #[test]

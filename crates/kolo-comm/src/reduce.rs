@@ -27,6 +27,11 @@ impl ReduceOp {
             ReduceOp::Product => 5,
         }
     }
+
+    /// The op of a [`ReduceOp::code`] (wire headers).
+    pub fn from_code(c: u8) -> Option<ReduceOp> {
+        ReduceOp::ALL.into_iter().find(|o| o.code() == c)
+    }
 }
 
 impl fmt::Display for ReduceOp {

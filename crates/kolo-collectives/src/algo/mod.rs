@@ -56,7 +56,8 @@ pub(crate) struct Exec<'c> {
 
 impl Exec<'_> {
     pub fn header(&self, step: u32, dtype: Option<DType>, len: usize) -> Header {
-        Header { op: self.ctx.op, dtype, alg: self.alg as u8, seq: self.ctx.seq, step, tag: 0, len: len as u64 }
+        let (red, root) = (self.ctx.red, self.ctx.root);
+        Header { op: self.ctx.op, dtype, alg: self.alg as u8, seq: self.ctx.seq, step, tag: 0, len: len as u64, red, root }
     }
 
     pub fn send<'a>(&self, peer: usize, step: u32, dtype: Option<DType>, data: &'a [u8]) -> Xfer<'a> {

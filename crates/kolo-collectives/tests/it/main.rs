@@ -141,6 +141,53 @@ fn mismatched_collective_is_reported_not_hung() {
     }
 }
 
+/// A named case of a mismatch test: what each rank does, returning its error.
+type Case<'a> = (&'a str, &'a (dyn Fn(usize, &HostComm) -> CommError + Sync));
+
+/// Ranks that call the same collective with a different reduce op or root, or exchange a
+/// message as different dtypes of the same byte length, fail with a mismatch naming both sides
+/// (issue #19: the header carried neither, so Sum on one rank and Max on another mixed
+/// silently). Every rank fails; the first message to arrive decides which one names which.
+#[test]
+fn reduce_op_root_and_p2p_dtype_mismatches_are_caught() {
+    for transport in [Transport::Tcp, Transport::Shm] {
+        let cases: [Case<'_>; 3] = [
+            ("sum", &|r, c| {
+                let mut v = vec![1f32; 64];
+                c.all_reduce(BufMut::from(&mut v), if r == 0 { ReduceOp::Sum } else { ReduceOp::Max }).unwrap_err()
+            }),
+            ("reduce_scatter", &|r, c| {
+                let mut v = vec![1f32; 64];
+                c.reduce_scatter_in_place(BufMut::from(&mut v), if r == 0 { ReduceOp::Avg } else { ReduceOp::Sum }).unwrap_err()
+            }),
+            ("i32", &|r, c| {
+                if r == 0 {
+                    // The send completes; the receiver's failure reaches the sender next.
+                    c.send(BufRef::from(&[1f32; 4][..]), Rank(1), 7).err().or_else(|| c.barrier().err()).expect("an error")
+                } else {
+                    let mut v = [0i32; 4];
+                    c.recv(BufMut::from(&mut v[..]), Rank(0), 7).unwrap_err()
+                }
+            }),
+        ];
+        for (what, case) in cases {
+            let errs = run_ranks(group(2, cfg(transport, AlgorithmChoice::Auto)), |r, c| case(r, &c));
+            let named = errs.iter().any(|e| matches!(e, CommError::Mismatch { .. }) && e.to_string().contains(what));
+            assert!(named, "{transport:?} {what}: {:?}", errs.iter().map(|e| e.to_string()).collect::<Vec<_>>());
+            assert!(errs.iter().all(|e| matches!(e, CommError::Mismatch { .. } | CommError::PeerLost { .. })), "{errs:?}");
+        }
+        // A different root: with 3 ranks somebody receives from a sender that named another
+        // root. (With 2, both would think they are the root and only send; the stray message
+        // then fails the next collective instead.)
+        let errs = run_ranks(group(3, cfg(transport, AlgorithmChoice::Auto)), |r, c| {
+            let mut v = vec![1f32; 64];
+            let e = c.broadcast(BufMut::from(&mut v), Rank(usize::from(r == 2))).err();
+            e.or_else(|| c.barrier().err()).expect("a mismatch somewhere")
+        });
+        assert!(errs.iter().any(|e| matches!(e, CommError::Mismatch { .. }) && e.to_string().contains("root")), "{transport:?}: {errs:?}");
+    }
+}
+
 #[test]
 fn checked_wrapper_names_both_calls() {
     let errs = run_ranks(group(3, cfg(Transport::Tcp, AlgorithmChoice::Auto)), |r, c| {
