@@ -9,8 +9,11 @@
 //! the other's counter and re-reads it only when it runs out, so the cache line holding it moves
 //! between cores once per refill instead of once per copy.
 //!
-//! The mapping lives in a file under /dev/shm that the lower rank creates and unlinks as soon as
-//! the peer has mapped it, so nothing is left behind when a process dies. The TCP connection the
+//! The mapping lives in a file under /dev/shm (mode 0600) that the lower rank creates and unlinks
+//! as soon as the peer has mapped it, so nothing is left behind when a process dies. The peer's
+//! counters are read from memory it can write: each read is bound-checked against ours (the
+//! peer can neither have read what we never wrote nor published more than the ring holds), so a
+//! corrupt or hostile peer gets an error, never an out-of-bounds copy. The TCP connection the
 //! pair already has stays open as a liveness channel: it carries no data, so it becoming readable
 //! or closed means the peer is gone.
 
@@ -18,6 +21,7 @@ use std::fs::OpenOptions;
 use std::io;
 use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const LINE: usize = 128;
@@ -62,17 +66,35 @@ impl Ring {
         unsafe { self.base.add(RING_HEADER) }
     }
 
+    /// The reader's `tail`, checked: within the last `capacity` bytes we wrote.
+    fn peer_tail(&self) -> io::Result<u64> {
+        let t = self.tail().load(Ordering::Acquire);
+        if t > self.mine || self.mine - t > self.capacity as u64 {
+            return Err(corrupt(format!("the peer's read counter is {t}, this side has written {}", self.mine)));
+        }
+        Ok(t)
+    }
+
+    /// The writer's `head`, checked: at most `capacity` bytes ahead of what we read.
+    fn peer_head(&self) -> io::Result<u64> {
+        let h = self.head().load(Ordering::Acquire);
+        if h < self.mine || h - self.mine > self.capacity as u64 {
+            return Err(corrupt(format!("the peer's write counter is {h}, this side has read {}", self.mine)));
+        }
+        Ok(h)
+    }
+
     /// Writer: copies as much of `src` as fits; returns bytes written.
-    fn push(&mut self, src: &[u8]) -> usize {
+    fn push(&mut self, src: &[u8]) -> io::Result<usize> {
         let cap = self.capacity as u64;
         let mut free = cap - (self.mine - self.cached);
         if free < src.len() as u64 {
-            self.cached = self.tail().load(Ordering::Acquire);
+            self.cached = self.peer_tail()?;
             free = cap - (self.mine - self.cached);
         }
         let n = (free as usize).min(src.len());
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let pos = (self.mine % cap) as usize;
         let first = n.min(self.capacity - pos);
@@ -84,20 +106,20 @@ impl Ring {
         }
         self.mine += n as u64;
         self.head().store(self.mine, Ordering::Release);
-        n
+        Ok(n)
     }
 
     /// Reader: copies up to `dst.len()` available bytes; returns bytes read.
-    fn pop(&mut self, dst: &mut [u8]) -> usize {
+    fn pop(&mut self, dst: &mut [u8]) -> io::Result<usize> {
         let cap = self.capacity as u64;
         let mut avail = self.cached - self.mine;
         if avail < dst.len() as u64 {
-            self.cached = self.head().load(Ordering::Acquire);
+            self.cached = self.peer_head()?;
             avail = self.cached - self.mine;
         }
         let n = (avail as usize).min(dst.len());
         if n == 0 {
-            return 0;
+            return Ok(0);
         }
         let pos = (self.mine % cap) as usize;
         let first = n.min(self.capacity - pos);
@@ -109,7 +131,7 @@ impl Ring {
         }
         self.mine += n as u64;
         self.tail().store(self.mine, Ordering::Release);
-        n
+        Ok(n)
     }
 }
 
@@ -117,9 +139,9 @@ impl Ring {
     /// Reader: folds up to `dst.len()` bytes (whole elements only) straight from the ring into
     /// `dst` with `f(dst_chunk, ring_chunk)`, without an intermediate copy. A partial element at
     /// the end of the published data stays in the ring until the rest arrives.
-    fn pop_fold(&mut self, dst: &mut [u8], esz: usize, f: &mut dyn FnMut(&mut [u8], &[u8])) -> usize {
+    fn pop_fold(&mut self, dst: &mut [u8], esz: usize, f: &mut dyn FnMut(&mut [u8], &[u8])) -> io::Result<usize> {
         let cap = self.capacity as u64;
-        self.cached = self.head().load(Ordering::Acquire);
+        self.cached = self.peer_head()?;
         let mut done = 0;
         while done < dst.len() {
             let avail = (self.cached - self.mine) as usize;
@@ -153,8 +175,12 @@ impl Ring {
         if done > 0 {
             self.tail().store(self.mine, Ordering::Release);
         }
-        done
+        Ok(done)
     }
+}
+
+fn corrupt(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("shared-memory ring corrupted: {what}"))
 }
 
 pub(crate) struct ShmLink {
@@ -172,7 +198,7 @@ impl ShmLink {
     /// Creates the mapping file (exclusive) and maps it. `lower` is true on the rank that created
     /// it; it writes into ring 0 and reads ring 1.
     pub fn create(path: &str, capacity: usize) -> io::Result<memmap2::MmapMut> {
-        let f = OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
+        let f = OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path)?;
         f.set_len(region_len(capacity) as u64)?;
         // SAFETY: the file is ours and sized above; the mapping is shared with exactly one peer
         // through the ring protocol.
@@ -208,16 +234,16 @@ impl ShmLink {
 
     pub fn write_some(&mut self, a: &[u8], b: &[u8]) -> io::Result<usize> {
         self.check_open()?;
-        let n = self.tx.push(a);
+        let n = self.tx.push(a)?;
         if n < a.len() {
             return Ok(n);
         }
-        Ok(n + self.tx.push(b))
+        Ok(n + self.tx.push(b)?)
     }
 
     pub fn read_some(&mut self, a: &mut [u8], b: &mut [u8]) -> io::Result<usize> {
-        let n = self.rx.pop(a);
-        let n = if n < a.len() { n } else { n + self.rx.pop(b) };
+        let n = self.rx.pop(a)?;
+        let n = if n < a.len() { n } else { n + self.rx.pop(b)? };
         if n == 0 {
             self.check_open()?;
         }
@@ -226,7 +252,7 @@ impl ShmLink {
 
     /// Folds arriving payload bytes straight into `dst` (see `Ring::pop_fold`).
     pub fn read_fold(&mut self, dst: &mut [u8], esz: usize, f: &mut dyn FnMut(&mut [u8], &[u8])) -> io::Result<usize> {
-        let n = self.rx.pop_fold(dst, esz, f);
+        let n = self.rx.pop_fold(dst, esz, f)?;
         if n == 0 {
             self.check_open()?;
         }

@@ -131,3 +131,48 @@ fn shm_fold_handles_elements_split_across_the_ring_end() {
     let got: Vec<f64> = dst.chunks(8).map(|c| f64::from_le_bytes(c.try_into().unwrap())).collect();
     assert_eq!(got, vec![11.5, 22.5]);
 }
+
+/// A shared-memory peer that writes impossible counters into the mapping (issue #19) gets an
+/// error on both sides of the ring, never an out-of-bounds copy; the segment is private to the
+/// user (mode 0600).
+#[test]
+fn corrupt_shared_memory_counters_are_refused() {
+    use crate::shm::ShmLink;
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::temp_dir().join(format!("kolo-shm-test-{}", std::process::id()));
+    let path = path.to_str().unwrap();
+    let _ = std::fs::remove_file(path);
+    let cap = 4096;
+    let map_a = ShmLink::create(path, cap).unwrap();
+    assert_eq!(std::fs::metadata(path).unwrap().permissions().mode() & 0o777, 0o600);
+    let map_b = ShmLink::open(path, cap).unwrap();
+    // A third view of the same memory plays the corrupt peer.
+    let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    // SAFETY: a test-only view of the file the two links share.
+    let mut evil = unsafe { memmap2::MmapMut::map_mut(&f) }.unwrap();
+    std::fs::remove_file(path).unwrap();
+    let (live_a, live_b) = pair_of_streams();
+    let mut a = ShmLink::new(map_a, cap, true, live_a).unwrap();
+    let mut b = ShmLink::new(map_b, cap, false, live_b).unwrap();
+    assert_eq!(a.write_some(&[7u8; 100], &[]).unwrap(), 100);
+    let mut got = [0u8; 100];
+    assert_eq!(b.read_some(&mut got, &mut []).unwrap(), 100);
+    // Ring 0 (a writes, b reads): head at byte 0, tail at byte 128.
+    let set = |m: &mut memmap2::MmapMut, at: usize, v: u64| m[at..at + 8].copy_from_slice(&v.to_ne_bytes());
+    set(&mut evil, 0, u64::MAX / 2); // "published" far more than the ring holds
+    let e = b.read_some(&mut [0u8; 64], &mut []).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+    assert!(e.to_string().contains("write counter"), "{e}");
+    let e = b.read_fold(&mut [0u8; 64], 4, &mut |_, _| {}).unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
+    set(&mut evil, 128, 1 << 40); // "read" what was never written
+    let e = a.write_some(&[1u8; 8192], &[]).unwrap_err();
+    assert!(e.to_string().contains("read counter"), "{e}");
+}
+
+fn pair_of_streams() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (b, _) = l.accept().unwrap();
+    (a, b)
+}
