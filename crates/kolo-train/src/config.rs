@@ -7,9 +7,9 @@ use kolo_base::ByteSize;
 use kolo_optim::{OptimizerSpec, Schedule};
 use kolo_tensor::models::GptConfig;
 use kolo_tensor::ModelSpec;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     pub model: ModelConfig,
@@ -32,7 +32,7 @@ pub struct Config {
 }
 
 /// `[fed]`: federated averaging over MNIST clients.
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct FedConfig {
     /// Rounds of training.
@@ -62,7 +62,7 @@ pub struct FedConfig {
     pub examples_per_client: Option<usize>,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum FedSplit {
     Iid,
@@ -83,7 +83,7 @@ fn two() -> usize {
 }
 
 /// `[mesh]`
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct MeshConfig {
     /// Tensor-parallel group size: each GPT block's heads and MLP split over this many ranks
@@ -117,7 +117,7 @@ pub struct Mesh {
 
 /// `[pipeline]`: the GPT's layers (embedding, blocks, head) cut into one stage per rank by a
 /// planner that balances their cost; each batch runs as `micro_batches` micro-batches.
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct PipelineConfig {
     /// Micro-batches per batch (data.batch_size must be a multiple).
@@ -132,7 +132,7 @@ pub struct PipelineConfig {
     pub rematerialize: bool,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PipeSchedule {
     #[serde(rename = "gpipe")]
     GPipe,
@@ -148,7 +148,7 @@ fn one_f_one_b() -> PipeSchedule {
     PipeSchedule::OneFOneB
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum ModelKind {
     /// Fully connected ReLU network on flattened 28x28 images.
@@ -160,7 +160,7 @@ pub enum ModelKind {
 }
 
 /// `[model]`
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// `mlp`, `cnn` or `gpt`.
@@ -204,7 +204,7 @@ fn aux_default() -> f64 {
     0.01
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DataKind {
     /// MNIST idx(.gz) files in `path` (train-* for training, t10k-* for evaluation).
@@ -216,7 +216,7 @@ pub enum DataKind {
 }
 
 /// `[data]`
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
     pub kind: DataKind,
@@ -241,7 +241,7 @@ pub struct DataConfig {
     pub synthetic_examples: Option<usize>,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimKind {
     Sgd,
@@ -251,7 +251,7 @@ pub enum OptimKind {
     Adagrad,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum ScheduleKind {
     #[default]
@@ -261,7 +261,7 @@ pub enum ScheduleKind {
 }
 
 /// `[optim]`
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields, default)]
 pub struct OptimConfig {
     /// `sgd`, `adam`, `adamw` (default) or `adagrad`.
@@ -318,7 +318,7 @@ impl Default for OptimConfig {
     }
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Precision {
     #[default]
@@ -328,7 +328,7 @@ pub enum Precision {
 }
 
 /// `[train]`
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainConfig {
     /// Optimizer steps (default 100).
@@ -386,7 +386,7 @@ pub struct TrainConfig {
     pub strategy: Strategy,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Strategy {
     #[default]
@@ -397,7 +397,7 @@ pub enum Strategy {
 /// `[ps]`: training through parameter servers (`[train] strategy = "ps"`). The servers apply
 /// `[optim]`'s optimizer to the pushed gradients; the learning rate and its schedule travel
 /// with each push.
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields, default)]
 pub struct PsConfig {
     /// `bsp` (every worker's step t applied, as one mean, before anyone computes t+1: the same
@@ -428,7 +428,7 @@ pub struct PsConfig {
     pub backup_workers: u32,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum PsConsistency {
     Bsp,
@@ -492,7 +492,7 @@ impl Default for TrainConfig {
 }
 
 /// `[ddp]`
-#[derive(Deserialize, Debug, Clone)]
+#[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields, default)]
 pub struct DdpConfig {
     /// Gradient bucket size (default "25MiB", as torch).
@@ -544,7 +544,7 @@ pub struct DdpConfig {
     pub deterministic_chunk: usize,
 }
 
-#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[derive(Deserialize, Serialize, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleConfig {
     /// Partition size (default "256KiB").
@@ -564,7 +564,7 @@ fn default_credit() -> String {
     "1MiB".into()
 }
 
-#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[derive(Deserialize, Serialize, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct LocalSgdConfig {
     pub every: u64,
@@ -572,7 +572,7 @@ pub struct LocalSgdConfig {
     pub warmup_steps: u64,
 }
 
-#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[derive(Deserialize, Serialize, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct CompressionConfig {
     /// `powersgd` (matrices as rank-`rank` factors), `fp16`/`bf16` (2-byte all-reduce), `topk`
@@ -600,7 +600,7 @@ pub struct CompressionConfig {
     pub exchange: TopkExchange,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum TopkThreshold {
     #[default]
@@ -608,7 +608,7 @@ pub enum TopkThreshold {
     Sampled,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum TopkExchange {
     #[default]
@@ -616,7 +616,7 @@ pub enum TopkExchange {
     Sparse,
 }
 
-#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum CompressionMethod {
     Powersgd,

@@ -1,6 +1,7 @@
 //! Kolo's training loop: one readable function ([`trainer::run`]) that wires the config, the
 //! data, the model adapter, DDP, the optimizer and checkpoints together.
 
+pub mod agreement;
 pub mod autoplan;
 pub mod config;
 pub mod data;

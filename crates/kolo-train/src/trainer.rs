@@ -737,6 +737,8 @@ impl kolo_base::GroupSum for CommGroup {
 
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
+    // Before anything else: every rank was started with the same job.
+    crate::agreement::check_same_job(cfg, &*comm)?;
     if cfg.train.device != "cpu" {
         // `cuda` alone: one GPU per local rank (as torchrun's LOCAL_RANK convention).
         let name = match cfg.train.device.as_str() {

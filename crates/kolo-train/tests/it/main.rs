@@ -169,6 +169,24 @@ fn shakespeare_gpt_validation_loss_falls() {
     assert_eq!(s[0].sample.as_ref().unwrap().len(), 50);
 }
 
+/// Ranks started with different settings stop at start-up naming the field (issue #19: a
+/// different lr or n_head trained to the end with rc 0 while the replicas diverged); settings
+/// that may differ per rank (the data path) do not.
+#[test]
+fn ranks_with_different_settings_refuse_to_start() {
+    let cfgs = [mnist_cfg("", 8), mnist_cfg("[optim]\nlr = 0.01\n", 8)];
+    let errs = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| run(&cfgs[r], Arc::new(c), &quiet()).err().unwrap());
+    assert!(errs[0].to_string().contains("rank 1 differs from rank 0 first at `optim.lr`"), "{}", errs[0]);
+    assert!(errs[1].to_string().contains("this rank (1) has optim.lr = 0.01"), "{}", errs[1]);
+    let mut same = mnist_cfg("[train]\nsteps = 1\n", 8);
+    let mut other_path = same.clone();
+    other_path.data.path = Some(format!("{}/", kolo_testkit::files::mnist_dir().display()));
+    same.train.progress = false;
+    let cfgs = [same, other_path];
+    let ok = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| run(&cfgs[r], Arc::new(c), &quiet()).is_ok());
+    assert_eq!(ok, vec![true, true]);
+}
+
 #[test]
 fn bad_inputs_give_clear_errors() {
     let err = |text: &str| Config::parse(text, "cfg.toml").unwrap_err().to_string();

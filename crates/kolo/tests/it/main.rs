@@ -1116,3 +1116,26 @@ fn deterministic_mode_is_bitwise_equal_at_every_world_size() {
     assert!(a.iter().any(|(k, v)| *v != b[k]), "the default mode came out bitwise equal at 1 and 3 ranks");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Launched ranks given different configs (here n_head) stop at start-up, each naming the
+/// differing field, and the job fails (issue #19: they used to train to the end with rc 0).
+#[test]
+fn launched_ranks_with_different_configs_stop_naming_the_field() {
+    let dir = std::env::temp_dir().join(format!("kolo-agree-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for (r, heads) in [(0, 2), (1, 4)] {
+        let cfg = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = {heads}\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n[train]\nsteps = 4\nsample_chars = 0\n",
+            shakespeare()
+        );
+        std::fs::write(dir.join(format!("cfg-{r}.toml")), cfg).unwrap();
+    }
+    let script = format!("exec {KOLO} train --config {}/cfg-$RANK.toml", dir.display());
+    let o = run(&["launch", "-n", "2", "--", "sh", "-c", &script], &[]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("rank 1 differs from rank 0 first at `model.n_head` (rank 0 has model.n_head = 2)"), "{t}");
+    assert!(t.contains("this rank (1) has model.n_head = 4, rank 0 has model.n_head = 2"), "{t}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
