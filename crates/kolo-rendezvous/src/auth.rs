@@ -34,6 +34,10 @@ impl JobToken {
 
     pub fn from_hex(s: &str) -> Result<JobToken, String> {
         let s = s.trim();
+        // Checked before slicing: a byte index inside a multi-byte character would panic.
+        if !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err("a job token must be hex digits only".into());
+        }
         if s.len() < 16 || !s.len().is_multiple_of(2) {
             return Err("a job token is an even number of hex digits, at least 16".into());
         }

@@ -171,3 +171,20 @@ fn a_barrier_is_abandoned_as_soon_as_a_reason_is_left() {
     assert!(e.contains("barrier `kolo/join` abandoned: rank 1 was started with world size 3"), "{e}");
     assert!(waited < Duration::from_secs(2), "{waited:?}");
 }
+
+proptest! {
+    /// A token file's bytes are untrusted: any text is a token or an error, never a panic
+    /// (issue #19: non-ASCII text panicked on a byte index inside a character).
+    #[test]
+    fn any_token_text_parses_or_is_refused(s in ".{0,80}") {
+        if let Ok(t) = JobToken::from_hex(&s) {
+            prop_assert_eq!(t.to_hex(), s.trim().to_ascii_lowercase());
+        }
+    }
+}
+
+#[test]
+fn non_ascii_token_text_is_refused() {
+    let e = JobToken::from_hex(&"é".repeat(16)).unwrap_err();
+    assert!(e.contains("hex digits"), "{e}");
+}

@@ -149,7 +149,12 @@ fn fields(mut b: &[u8]) -> Result<Vec<Field<'_>>, String> {
 /// scalars, and fails on anything malformed.
 pub fn read_scalars(path: &Path) -> Result<Vec<(String, i64, f32)>, String> {
     let data = std::fs::read(path).map_err(|e| e.to_string())?;
-    let mut b = &data[..];
+    parse_scalars(&data)
+}
+
+/// [`read_scalars`] on the bytes of an event file (untrusted: never panics).
+pub fn parse_scalars(data: &[u8]) -> Result<Vec<(String, i64, f32)>, String> {
+    let mut b = data;
     let mut out = Vec::new();
     let mut first = true;
     while !b.is_empty() {
@@ -158,8 +163,9 @@ pub fn read_scalars(path: &Path) -> Result<Vec<(String, i64, f32)>, String> {
         if masked(len_bytes) != u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) {
             return Err("length CRC mismatch".into());
         }
-        let n = u64::from_le_bytes(len_bytes.try_into().expect("8 bytes")) as usize;
-        let (rec, rest) = rest.split_at_checked(n + 4).ok_or("truncated record")?;
+        // The length is only CRC-protected, and a crafted file can carry a valid CRC.
+        let n = usize::try_from(u64::from_le_bytes(len_bytes.try_into().expect("8 bytes"))).map_err(|_| "record length too large")?;
+        let (rec, rest) = rest.split_at_checked(n.checked_add(4).ok_or("record length too large")?).ok_or("truncated record")?;
         let (body, crc) = rec.split_at(n);
         if masked(body) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
             return Err("data CRC mismatch".into());
@@ -189,6 +195,78 @@ pub fn read_scalars(path: &Path) -> Result<Vec<(String, i64, f32)>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    /// A valid event file with a few scalars, as bytes, and its records' (start, body length).
+    fn valid_file() -> (Vec<u8>, Vec<(usize, usize)>) {
+        let dir = std::env::temp_dir().join(format!("kolo-tb-fuzz-{}", std::process::id()));
+        let mut w = EventWriter::create(&dir).unwrap();
+        for step in 1..4 {
+            w.scalar("train/loss", step, 1.0 / step as f32).unwrap();
+        }
+        drop(w);
+        let file = std::fs::read_dir(&dir).unwrap().next().unwrap().unwrap().path();
+        let data = std::fs::read(&file).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let (mut at, mut recs) = (0, Vec::new());
+        while at < data.len() {
+            let n = u64::from_le_bytes(data[at..at + 8].try_into().unwrap()) as usize;
+            recs.push((at, n));
+            at += 12 + n + 4;
+        }
+        (data, recs)
+    }
+
+    /// Rewrites record `r`'s CRCs after a mutation so the parser behind them is exercised.
+    fn fix_crcs(data: &mut [u8], at: usize) {
+        let n = u64::from_le_bytes(data[at..at + 8].try_into().unwrap()) as usize;
+        let c = masked(&data[at..at + 8]);
+        data[at + 8..at + 12].copy_from_slice(&c.to_le_bytes());
+        if let Some(body) = data.get(at + 12..at + 12 + n) {
+            let c = masked(body);
+            data[at + 12 + n..at + 16 + n].copy_from_slice(&c.to_le_bytes());
+        }
+    }
+
+    /// The lengths that overflowed `n + 4`, each with a valid length CRC (#19).
+    #[test]
+    fn record_lengths_at_the_top_of_the_range_are_errors() {
+        let (data, recs) = valid_file();
+        for len in [u64::MAX, u64::MAX - 3, u64::MAX - 4] {
+            let mut d = data.clone();
+            let at = recs[1].0;
+            d[at..at + 8].copy_from_slice(&len.to_le_bytes());
+            let c = masked(&d[at..at + 8]);
+            d[at + 8..at + 12].copy_from_slice(&c.to_le_bytes());
+            let e = parse_scalars(&d).unwrap_err();
+            assert!(e.contains("record length") || e.contains("truncated"), "{len}: {e}");
+        }
+    }
+
+    proptest! {
+        /// Event files are untrusted (issue #19: a crafted length with a valid CRC overflowed):
+        /// valid files mutated inside their records, CRCs recomputed, or given any length,
+        /// parse or fail, never panic.
+        #[test]
+        fn mutated_event_files_never_panic(rec in 0usize..4, pos in any::<usize>(), byte in any::<u8>(), len in any::<u64>(), cut in any::<usize>(), kind in 0u8..3) {
+            let (mut data, recs) = valid_file();
+            prop_assert_eq!(parse_scalars(&data).unwrap().len(), 3);
+            let (at, n) = recs[rec % recs.len()];
+            match kind {
+                0 => {
+                    data[at + 12 + pos % n] = byte;
+                    fix_crcs(&mut data, at);
+                }
+                1 => {
+                    data[at..at + 8].copy_from_slice(&len.to_le_bytes());
+                    let c = masked(&data[at..at + 8]);
+                    data[at + 8..at + 12].copy_from_slice(&c.to_le_bytes());
+                }
+                _ => data.truncate(cut % (data.len() + 1)),
+            }
+            let _ = parse_scalars(&data);
+        }
+    }
 
     #[test]
     fn crc32c_matches_the_standard_check_value() {
