@@ -108,6 +108,8 @@ pub struct ImpalaReport {
     pub env_steps_per_s: f64,
     /// Trajectories the actors dropped because the learner's queue was full.
     pub dropped: u64,
+    /// Trajectories the learner refused as malformed (see `Trajectory::check`).
+    pub rejected: u64,
     /// The largest number of updates a trajectory's policy was behind the learner's.
     pub max_lag: u64,
     /// Mean policy lag (updates) over the trajectories learned from.
@@ -125,6 +127,38 @@ pub struct Trajectory {
     version: u64,
     /// Returns of episodes that ended in this unroll.
     finished: Vec<f32>,
+}
+
+impl Trajectory {
+    /// Whether the learner can use this trajectory (it may come from another process: issue
+    /// #19, a bad action index or a future version panicked the learner): `unroll` steps,
+    /// `unroll + 1` observations of `obs_len` finite values, actions below `n_actions`, finite
+    /// rewards and log-probabilities, a version no newer than the learner's `newest`.
+    pub fn check(&self, unroll: usize, obs_len: usize, n_actions: usize, newest: u64) -> Result<(), String> {
+        if self.actions.len() != unroll || self.rewards.len() != unroll || self.dones.len() != unroll || self.behaviour_logp.len() != unroll
+        {
+            return Err(format!("{} steps, the unroll is {unroll}", self.actions.len()));
+        }
+        if self.obs.len() != (unroll + 1) * obs_len {
+            return Err(format!(
+                "{} observation values, expected {} ({} of {obs_len})",
+                self.obs.len(),
+                (unroll + 1) * obs_len,
+                unroll + 1
+            ));
+        }
+        if let Some(a) = self.actions.iter().find(|&&a| a >= n_actions) {
+            return Err(format!("action {a} of {n_actions}"));
+        }
+        if self.version > newest {
+            return Err(format!("policy version {} is newer than the learner's {newest}", self.version));
+        }
+        let finite = |v: &[f32]| v.iter().all(|x| x.is_finite());
+        if !finite(&self.obs) || !finite(&self.rewards) || !finite(&self.behaviour_logp) || !finite(&self.finished) {
+            return Err("a non-finite observation, reward, log-probability or return".into());
+        }
+        Ok(())
+    }
 }
 
 /// The published policy: its version (learner steps) and flat parameters.
@@ -446,6 +480,7 @@ pub fn run_with(
     let mut opt = Optimizer::new(OptimizerSpec::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false }, numel);
     let t0 = Instant::now();
     let (mut learner_steps, mut episodes, mut solved_at, mut max_lag, mut lag_sum, mut lag_n) = (0u64, 0u64, None, 0u64, 0u64, 0u64);
+    let mut rejected = 0u64;
     let mut recent: std::collections::VecDeque<f32> = Default::default();
     let mean = |r: &std::collections::VecDeque<f32>| {
         if r.is_empty() {
@@ -461,10 +496,18 @@ pub fn run_with(
             let mut batch = Vec::with_capacity(cfg.batch);
             while batch.len() < cfg.batch {
                 // A deadline: actor processes that all died must not hang the learner.
-                batch.push(
-                    rx.recv_timeout(std::time::Duration::from_secs(60))
-                        .map_err(|e| TrainError::Other(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?,
-                );
+                let t = rx
+                    .recv_timeout(std::time::Duration::from_secs(60))
+                    .map_err(|e| TrainError::Other(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?;
+                // One broken or hostile actor must not stop the learner: drop and count.
+                if let Err(why) = t.check(cfg.unroll, obs_len, a, learner_steps) {
+                    rejected += 1;
+                    if rejected.is_power_of_two() {
+                        eprintln!("impala learner: dropped a malformed trajectory ({why}); {rejected} so far");
+                    }
+                    continue;
+                }
+                batch.push(t);
             }
             for t in &batch {
                 for r in &t.finished {
@@ -565,6 +608,7 @@ pub fn run_with(
         secs,
         env_steps_per_s: env_steps as f64 / secs.max(1e-9),
         dropped: dropped.load(Ordering::Relaxed),
+        rejected,
         max_lag,
         mean_lag: lag_sum as f64 / lag_n.max(1) as f64,
     })
@@ -573,6 +617,30 @@ pub fn run_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn malformed_trajectories_are_refused_with_the_reason() {
+        let good = Trajectory {
+            obs: vec![0.5; 3 * 4],
+            actions: vec![0, 1],
+            rewards: vec![1.0; 2],
+            dones: vec![false, true],
+            behaviour_logp: vec![-0.7; 2],
+            version: 3,
+            finished: vec![2.0],
+        };
+        assert_eq!(good.check(2, 4, 2, 3), Ok(()));
+        let bad = |f: &dyn Fn(&mut Trajectory)| {
+            let mut t = good.clone();
+            f(&mut t);
+            t.check(2, 4, 2, 3).unwrap_err()
+        };
+        assert!(bad(&|t| t.actions[1] = 7).contains("action 7 of 2"));
+        assert!(bad(&|t| t.version = 4).contains("newer than the learner's 3"));
+        assert!(bad(&|t| t.obs.pop().map_or((), |_| ())).contains("observation values"));
+        assert!(bad(&|t| t.actions.push(0)).contains("the unroll is 2"));
+        assert!(bad(&|t| t.rewards[0] = f32::NAN).contains("non-finite"));
+    }
 
     /// Actor messages survive the wire; truncated or inconsistent ones are errors, never panics.
     #[test]
