@@ -123,8 +123,8 @@ fn handle(shared: &Shared, req: Req) -> Resp {
             if spec.secure && public.is_none() {
                 return Resp::Error("this job uses secure aggregation: join with a public key".into());
             }
-            if examples == 0 {
-                return Resp::Error("a client needs at least one training example".into());
+            if examples == 0 || examples > MAX_CLIENT_EXAMPLES {
+                return Resp::Error(format!("a client needs between 1 and {MAX_CLIENT_EXAMPLES} training examples, not {examples}"));
             }
             let mut st = shared.lock();
             let id = match id {
@@ -192,7 +192,7 @@ fn handle(shared: &Shared, req: Req) -> Resp {
                     ))
                 }
             };
-            if len != spec.numel || examples == 0 {
+            if len != spec.numel || examples == 0 || examples > MAX_CLIENT_EXAMPLES {
                 return Resp::Error(format!(
                     "client {id}: an update of {len} values from {examples} examples (the model has {})",
                     spec.numel
@@ -310,10 +310,15 @@ fn run_attempt(shared: &Shared, round: u32, attempt: u32, cohort: &[u32]) -> BTr
     std::mem::take(&mut st.updates)
 }
 
+/// The most examples one client may claim (2^40): client-supplied counts are summed, and with
+/// this bound no cohort of up to 2^23 clients overflows the u64 sum (issue #19).
+pub const MAX_CLIENT_EXAMPLES: u64 = 1 << 40;
+
 /// FedAvg: the global model moves by the example-weighted mean of the updates. Returns the
 /// examples behind them.
 fn apply(shared: &Shared, updates: &BTreeMap<u32, (u64, Update)>) -> u64 {
-    let total: u64 = updates.values().map(|(n, _)| n).sum();
+    // Counts are bounded at the door (MAX_CLIENT_EXAMPLES); saturate anyway rather than panic.
+    let total: u64 = updates.values().fold(0u64, |t, (n, _)| t.saturating_add(*n));
     let mut st = shared.lock();
     let numel = st.global.len();
     let mut sum = vec![0f64; numel];

@@ -218,3 +218,17 @@ fn a_taken_client_id_is_refused() {
     let e = FedClient::join(&addr, &token, 1, Some(3), std::time::Duration::from_secs(10)).err().expect("refused");
     assert!(e.to_string().contains("already joined"), "{e}");
 }
+
+/// A client's example count is bounded at the door (issue #19: two clients claiming u64::MAX / 2
+/// + 1 examples each overflowed the server's weighted-average sum).
+#[test]
+fn absurd_example_counts_are_refused() {
+    let token = JobToken::generate();
+    let server = FedServer::start("127.0.0.1:0", token.clone(), spec(1, false, 1), vec![0.0], Box::new(|_, _| {})).unwrap();
+    let addr = server.addr.to_string();
+    for examples in [0, server::MAX_CLIENT_EXAMPLES + 1, u64::MAX / 2 + 1] {
+        let e = FedClient::join(&addr, &token, examples, None, std::time::Duration::from_secs(10)).err().expect("refused");
+        assert!(e.to_string().contains("training examples"), "{examples}: {e}");
+    }
+    assert!(FedClient::join(&addr, &token, server::MAX_CLIENT_EXAMPLES, None, std::time::Duration::from_secs(10)).is_ok());
+}
