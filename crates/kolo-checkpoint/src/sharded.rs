@@ -268,11 +268,17 @@ fn write_synced(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     f.sync_all()
 }
 
+/// Elements of a tensor of `shape`, `None` on overflow (the manifest is untrusted).
+fn numel_of(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |n, d| n.checked_mul(*d))
+}
+
 /// Every tensor's shards cover `0..numel` exactly once.
 fn check_tiling(dir: &Path, m: &Manifest) -> Result<(), CheckpointError> {
     for t in &m.tensors {
-        let numel: usize = t.shape.iter().product();
-        let mut at = 0;
+        let corrupt = |what: String| CheckpointError::Corrupt { path: dir.to_path_buf(), what };
+        let numel = numel_of(&t.shape).ok_or_else(|| corrupt(format!("tensor `{}`: shape {:?} overflows", t.name, t.shape)))?;
+        let mut at = 0usize;
         for s in &t.shards {
             if s.offset != at {
                 let what = if s.offset < at { "overlap" } else { "a gap" };
@@ -281,7 +287,7 @@ fn check_tiling(dir: &Path, m: &Manifest) -> Result<(), CheckpointError> {
                     what: format!("tensor `{}`: {what} at element {at} (next piece starts at {})", t.name, s.offset),
                 });
             }
-            at += s.len;
+            at = at.checked_add(s.len).ok_or_else(|| corrupt(format!("tensor `{}`: piece lengths overflow", t.name)))?;
         }
         if at != numel {
             return Err(CheckpointError::Corrupt {
@@ -304,6 +310,10 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
             what: format!("format {} version {} (this Kolo reads {FORMAT} version {VERSION})", m.format, m.version),
         });
     }
+    // File names come from the manifest: they must name files in this directory.
+    if let Some(f) = m.files.iter().find(|f| f.name.is_empty() || f.name.contains(['/', '\\']) || f.name.starts_with('.')) {
+        return Err(CheckpointError::Corrupt { path, what: format!("file name {:?} is not a file of this directory", f.name) });
+    }
     for t in &m.tensors {
         if let Some(s) = t.shards.iter().find(|s| s.file >= m.files.len()) {
             return Err(CheckpointError::Corrupt {
@@ -320,6 +330,23 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
 /// and that the pieces tile every tensor.
 pub fn load_dir(dir: &Path) -> Result<Checkpoint, CheckpointError> {
     let m = read_manifest(dir)?;
+    // Allocate only what the files on disk can hold: a manifest claiming more (tampered, or
+    // hostile) is refused before any memory is reserved for it.
+    let claimed = m.tensors.iter().try_fold(0usize, |n, t| numel_of(&t.shape).and_then(|k| n.checked_add(k)));
+    let on_disk: u64 = m.files.iter().map(|f| std::fs::metadata(dir.join(&f.name)).map_or(0, |md| md.len())).sum();
+    match claimed {
+        Some(n) if (n as u64).saturating_mul(4) <= on_disk => {}
+        _ => {
+            return Err(CheckpointError::Corrupt {
+                path: dir.join(MANIFEST),
+                what: format!(
+                    "the manifest claims {} values; its shard files hold at most {}",
+                    claimed.map_or("too many".into(), |n| n.to_string()),
+                    on_disk / 4
+                ),
+            })
+        }
+    }
     let mut whole: Vec<Entry> = m
         .tensors
         .iter()
@@ -548,6 +575,38 @@ mod tests {
         assert!(e.to_string().contains("overlap"), "{e}");
         std::fs::write(target.join(MANIFEST), b"{\"format\": 1}").unwrap();
         assert!(matches!(load_any(&target).unwrap_err(), CheckpointError::Corrupt { .. }));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The manifest is untrusted (issue #19): a shape whose product overflows, a tensor larger
+    /// than the files on disk (it would have been allocated before anything was verified) and
+    /// a file name outside the directory are each refused, without a panic or an allocation.
+    #[test]
+    fn a_manifest_claiming_too_much_or_outside_files_is_refused() {
+        let dir = tmp("hostile");
+        let target = dir.join("step-1");
+        write_all(&target, 1);
+        commit(&target, &BTreeMap::new()).unwrap();
+        let good = std::fs::read_to_string(target.join(MANIFEST)).unwrap();
+        let m: Manifest = serde_json::from_str(&good).unwrap();
+        let edit = |f: &dyn Fn(&mut Manifest)| {
+            let mut x = m.clone();
+            f(&mut x);
+            std::fs::write(target.join(MANIFEST), serde_json::to_string(&x).unwrap()).unwrap();
+            load_any(&target).unwrap_err().to_string()
+        };
+        let huge = 1usize << 40;
+        let e = edit(&|x| {
+            x.tensors[1].shape = vec![huge];
+            x.tensors[1].shards[0].len = huge;
+        });
+        assert!(e.contains("the manifest claims") && e.contains("shard files hold at most"), "{e}");
+        let e = edit(&|x| x.tensors[0].shape = vec![huge, huge]);
+        assert!(e.contains("overflows"), "{e}");
+        let e = edit(&|x| x.files[0].name = "../../etc/passwd".into());
+        assert!(e.contains("not a file of this directory"), "{e}");
+        std::fs::write(target.join(MANIFEST), &good).unwrap();
+        load_any(&target).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

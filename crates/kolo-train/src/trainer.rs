@@ -538,7 +538,7 @@ fn load_checkpoint(
     let mut states: Vec<(&str, Vec<f32>)> = opt.spec().state_names().iter().map(|s| (*s, vec![0f32; flat.len()])).collect();
     for p in model.params().iter() {
         let e = ck.get(&format!("model.{}", p.name)).ok_or_else(|| incompatible(format!("parameter `{}` is missing", p.name)))?;
-        if e.shape != p.shape {
+        if e.shape != p.shape || e.data.len() != p.range.len() {
             return Err(incompatible(format!("parameter `{}` has shape {:?}, the model has {:?}", p.name, e.shape, p.shape)));
         }
         flat[p.range.clone()].copy_from_slice(&e.data);
@@ -546,6 +546,13 @@ fn load_checkpoint(
             let e = ck
                 .get(&format!("optim.{state}.{}", p.name))
                 .ok_or_else(|| incompatible(format!("optimizer state `{state}` of `{}` is missing", p.name)))?;
+            // Checked like the parameter itself: a mismatched length must not reach the copy.
+            if e.shape != p.shape || e.data.len() != p.range.len() {
+                return Err(incompatible(format!(
+                    "optimizer state `{state}` of `{}` has shape {:?}, the model has {:?}",
+                    p.name, e.shape, p.shape
+                )));
+            }
             buf[p.range.clone()].copy_from_slice(&e.data);
         }
     }

@@ -107,6 +107,43 @@ fn interrupted_and_resumed_run_ends_bitwise_equal() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A checkpoint whose optimizer state has another shape than its parameter is refused on
+/// resume with the tensor named (issue #19: the lengths went unchecked into a copy, a panic).
+#[test]
+fn optimizer_state_of_the_wrong_shape_is_refused_on_resume() {
+    use kolo_checkpoint::sharded::{begin, commit, load_any, write_shard, Piece};
+    let dir = std::env::temp_dir().join(format!("kolo-bad-optim-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = mnist_cfg(
+        &format!("[optim]\nkind = \"adam\"\n[train]\nsteps = 2\ncheckpoint_every = 2\ncheckpoint_dir = \"{}\"\n", dir.join("ok").display()),
+        8,
+    );
+    train_on(1, &cfg, &quiet());
+    let good = load_any(&dir.join("ok").join("step-00000002")).unwrap();
+    let bad = dir.join("bad").join("step-00000002");
+    std::fs::create_dir_all(bad.parent().unwrap()).unwrap();
+    begin(&bad).unwrap();
+    let pieces: Vec<Piece> = good
+        .tensors
+        .iter()
+        .map(|e| {
+            let mut data = e.data.clone();
+            let mut shape = e.shape.clone();
+            if e.name.starts_with("optim.") && e.name.ends_with("fc1.bias") {
+                data.pop();
+                shape = vec![data.len()];
+            }
+            Piece { name: e.name.clone(), shape, offset: 0, data }
+        })
+        .collect();
+    write_shard(&bad, 0, 1, &pieces).unwrap();
+    commit(&bad, &good.meta).unwrap();
+    let opts = RunOptions { resume: Some(bad.clone()), quiet: true, ..Default::default() };
+    let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| run(&cfg, Arc::new(c), &opts).err().unwrap());
+    assert!(e[0].to_string().contains("fc1.bias` has shape [31], the model has [32]"), "{}", e[0]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A resumed run carries on with the loop's own state (#16): the f16 loss scaler (halved by an
 /// overflow at step 1, with its count of skipped steps) and the dynamic-batch split chosen
 /// before the checkpoint. Before, a resumed run restarted the scale at 2^16 and the split from
