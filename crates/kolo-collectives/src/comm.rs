@@ -408,12 +408,15 @@ impl HostComm {
         })
     }
 
-    /// Hang diagnosis after a timeout in collective `seq`: every rank that times out in it says
-    /// so in the store; after a short wait, the ranks that did not are the ones that never
-    /// arrived (hung, or busy elsewhere). `None` if the store cannot be reached.
+    /// Hang diagnosis after a timeout in collective `seq`: every rank that times out in this
+    /// group says so in the store (with the collective it is stuck in); after a short wait, the
+    /// ranks that did not are the ones that never arrived anywhere (hung, or busy outside
+    /// communication). A rank stuck one collective behind, waiting for the same culprit, is not
+    /// blamed (issue #19: keys per sequence number named it). A group times out at most once (it
+    /// is broken after), so one key per rank suffices. `None` if the store cannot be reached.
     fn not_arrived(&self, seq: u64) -> Option<Vec<Rank>> {
-        let key = |r: usize| format!("kolo/diag/{}/{seq}/{r}", self.group);
-        self.store.set(&key(self.rank.get()), b"waiting").ok()?;
+        let key = |r: usize| format!("kolo/diag/{}/{r}", self.group);
+        self.store.set(&key(self.rank.get()), format!("waiting in collective #{seq}").as_bytes()).ok()?;
         let until = std::time::Instant::now() + Duration::from_millis(1500);
         // This rank has arrived. The store may stop answering part-way (its host, rank 0, gives
         // up at about the same time): then the last complete look stands, or, without one, the

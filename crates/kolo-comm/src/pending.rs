@@ -7,6 +7,11 @@ use kolo_base::{Deadline, Rank};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// How long a timed-out [`Pending::wait`] still waits for the operation's own error (which
+/// carries the sequence number and the ranks that never arrived).
+const DIAGNOSIS_GRACE: Duration = Duration::from_secs(5);
 
 /// The result of an operation that may still be running. Dropping it does not cancel the
 /// operation (other ranks are taking part in it); it only discards the result.
@@ -30,7 +35,16 @@ impl<T> Pending<T> {
         match self.rx.recv_timeout(deadline.remaining()) {
             Ok(r) => r,
             Err(RecvTimeoutError::Timeout) => {
-                Err(CommError::Timeout { op: self.op, rank: self.rank, seq: 0, waited: deadline.budget(), missing: Vec::new() })
+                // The operation has its own deadline (the communicator's), after which a hang
+                // diagnosis names the ranks that never arrived (issue #19: this wait used to
+                // expire first and report `#0 ... waiting for rank(s) []`). Its error says more
+                // than ours can: give it a little longer.
+                match self.rx.recv_timeout(DIAGNOSIS_GRACE) {
+                    Ok(r) => r,
+                    Err(_) => {
+                        Err(CommError::Timeout { op: self.op, rank: self.rank, seq: 0, waited: deadline.budget(), missing: Vec::new() })
+                    }
+                }
             }
             Err(RecvTimeoutError::Disconnected) => {
                 Err(CommError::Setup { op: self.op, rank: self.rank, what: "the communication worker thread is gone".into() })

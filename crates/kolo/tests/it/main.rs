@@ -1139,3 +1139,38 @@ fn launched_ranks_with_different_configs_stop_naming_the_field() {
     assert!(t.contains("this rank (1) has model.n_head = 4, rank 0 has model.n_head = 2"), "{t}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A hung rank (here one that sleeps a minute in a step) is named, with the operation and its
+/// sequence number, by every survivor's error and by the launcher (issue #19: they said
+/// `all_reduce #0 ... still waiting for rank(s) []` and the launcher blamed rank 3). Ranks one
+/// collective behind, stuck waiting for the same rank, are not blamed.
+#[test]
+fn a_hung_rank_is_named_by_every_survivor_and_the_launcher() {
+    let dir = std::env::temp_dir().join(format!("kolo-hung-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("mlp.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n[train]\nsteps = 1000\nlog_every = 1000\nprogress = false\n",
+            kolo_testkit::files::mnist_dir().display()
+        ),
+    )
+    .unwrap();
+    let t = Instant::now();
+    let o = run(
+        &["launch", "-n", "4", "--", KOLO, "train", "--config", cfg.to_str().unwrap(), "--timeout", "3", "--slow-rank", "2:60000"],
+        &[],
+    );
+    let text = text(&o);
+    assert!(!o.status.success(), "{text}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    for r in [0, 1, 3] {
+        let line = text.lines().find(|l| l.starts_with(&format!("[rank {r}] error:"))).unwrap_or_else(|| panic!("rank {r}: {text}"));
+        assert!(line.contains(&format!("rank {r}: all_reduce #")) && line.contains("still waiting for rank(s) [2]"), "{line}");
+        assert!(!line.contains("all_reduce #0 "), "{line}");
+    }
+    assert!(text.contains("job failed: rank 2"), "{text}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
