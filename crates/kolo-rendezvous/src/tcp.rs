@@ -8,13 +8,16 @@ use kolo_base::Deadline;
 use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 const PURPOSE: &str = "store";
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections that may be in their handshake at once; more are closed at once (a flood of
+/// unauthenticated connections must not exhaust threads or descriptors).
+const MAX_UNAUTHENTICATED: usize = 64;
 /// Longest a single server-side `get` may block; clients loop for longer deadlines.
 const MAX_SERVER_WAIT: Duration = Duration::from_secs(60);
 
@@ -22,13 +25,20 @@ const MAX_SERVER_WAIT: Duration = Duration::from_secs(60);
 struct State {
     map: Mutex<HashMap<String, Vec<u8>>>,
     changed: Condvar,
+    /// Refused connections so far (logged at powers of two).
+    refused: AtomicU64,
 }
+
+/// Open connections by id: a clone of each, so that dropping the server can shut them all; a
+/// connection removes itself when it ends (issue #19: finished and refused ones were kept
+/// forever, and a flood exhausted the descriptors).
+type Conns = Arc<Mutex<HashMap<u64, TcpStream>>>;
 
 /// The store's server. Dropping it stops accepting and closes every client connection.
 pub struct TcpStoreServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    conns: Conns,
     acceptor: Option<JoinHandle<()>>,
 }
 
@@ -39,7 +49,7 @@ impl TcpStoreServer {
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns = Arc::new(Mutex::new(Vec::new()));
+        let conns: Conns = Arc::new(Mutex::new(HashMap::new()));
         let state = Arc::new(State::default());
         let acceptor = {
             let (stop, conns) = (stop.clone(), conns.clone());
@@ -56,7 +66,7 @@ impl TcpStoreServer {
 impl Drop for TcpStoreServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        for c in self.conns.lock().unwrap_or_else(|p| p.into_inner()).values() {
             let _ = c.shutdown(Shutdown::Both);
         }
         if let Some(h) = self.acceptor.take() {
@@ -65,16 +75,36 @@ impl Drop for TcpStoreServer {
     }
 }
 
-fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: Arc<AtomicBool>, conns: Arc<Mutex<Vec<TcpStream>>>) {
+fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: Arc<AtomicBool>, conns: Conns) {
+    let handshaking = Arc::new(AtomicUsize::new(0));
+    let (next_id, turned_away) = (AtomicU64::new(0), AtomicU64::new(0));
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer)) => {
-                if let Ok(c) = stream.try_clone() {
-                    conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+                if handshaking.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
+                    // Closed at once (dropped); reported at powers of two, not per connection.
+                    let n = turned_away.fetch_add(1, Ordering::Relaxed) + 1;
+                    if n.is_power_of_two() {
+                        eprintln!(
+                            "kolo store: {MAX_UNAUTHENTICATED} connections are authenticating; turned away {n} so far (latest {peer})"
+                        );
+                    }
+                    continue;
                 }
-                let (token, state, stop) = (token.clone(), state.clone(), stop.clone());
-                let _ =
-                    std::thread::Builder::new().name("kolo-store-conn".into()).spawn(move || serve(stream, peer, &token, &state, &stop));
+                let id = next_id.fetch_add(1, Ordering::Relaxed);
+                if let Ok(c) = stream.try_clone() {
+                    conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, c);
+                }
+                handshaking.fetch_add(1, Ordering::SeqCst);
+                let (token, state, stop, mine, hs) = (token.clone(), state.clone(), stop.clone(), conns.clone(), handshaking.clone());
+                let spawned = std::thread::Builder::new().name("kolo-store-conn".into()).spawn(move || {
+                    serve(stream, peer, &token, &state, &stop, &hs);
+                    mine.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                });
+                if spawned.is_err() {
+                    handshaking.fetch_sub(1, Ordering::SeqCst);
+                    conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
             Err(e) => {
@@ -85,14 +115,19 @@ fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: 
     }
 }
 
-fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, state: &State, stop: &AtomicBool) {
+fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, state: &State, stop: &AtomicBool, handshaking: &AtomicUsize) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-    if let Err(e) = server_handshake(&mut stream, token, Some(PURPOSE), &peer.to_string()) {
-        tracing::warn!("kolo store: refused connection from {peer}: {e}");
-        eprintln!("kolo store: refused connection from {peer}: {e}");
+    let hs = server_handshake(&mut stream, token, Some(PURPOSE), &peer.to_string());
+    handshaking.fetch_sub(1, Ordering::SeqCst);
+    if let Err(e) = hs {
+        // Logged once (it was printed twice), and under a flood only at powers of two.
+        let n = state.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!("kolo store: refused connection from {peer}: {e} ({n} refused so far)");
+        }
         // A Kolo process of another job (a well-formed hello, a wrong token) fails the join
         // on every rank at once instead of leaving them to their deadline. Junk that is not a
         // Kolo hello is only logged: a flood of it cannot abort a job.
