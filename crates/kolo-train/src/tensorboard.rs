@@ -199,7 +199,10 @@ mod tests {
 
     /// A valid event file with a few scalars, as bytes, and its records' (start, body length).
     fn valid_file() -> (Vec<u8>, Vec<(usize, usize)>) {
-        let dir = std::env::temp_dir().join(format!("kolo-tb-fuzz-{}", std::process::id()));
+        // A directory per call: tests (and proptest cases) run in parallel.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("kolo-tb-fuzz-{}-{call}", std::process::id()));
         let mut w = EventWriter::create(&dir).unwrap();
         for step in 1..4 {
             w.scalar("train/loss", step, 1.0 / step as f32).unwrap();
