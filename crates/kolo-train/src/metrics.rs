@@ -82,38 +82,39 @@ impl Metrics {
     }
 }
 
+/// Scrapes answered at once; more connections are closed (an idle or slow client holds one
+/// handler for at most [`REQUEST_DEADLINE`]).
+const MAX_SCRAPES: usize = 16;
+/// The whole request (request line and headers) must arrive within this.
+const REQUEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Serves `metrics` at `http://addr/metrics` on a background thread until the returned guard
-/// is dropped.
+/// is dropped. Each scrape runs on its own short-lived thread under a total read deadline, so
+/// idle or trickling connections cannot delay the others (issue #19: ten idle connections
+/// delayed a scrape by 19 s when they were served one after another).
 pub fn serve(metrics: Arc<Metrics>, addr: &str) -> std::io::Result<Server> {
     let listener = TcpListener::bind(addr)?;
     listener.set_nonblocking(true)?;
     let local = listener.local_addr()?;
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
+    let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let thread = std::thread::Builder::new().name("kolo-metrics".into()).spawn(move || {
         while !s.load(Relaxed) {
             match listener.accept() {
                 Ok((conn, _)) => {
-                    let _ = conn.set_nonblocking(false);
-                    let _ = conn.set_read_timeout(Some(std::time::Duration::from_secs(2)));
-                    let mut r = BufReader::new(&conn);
-                    let mut line = String::new();
-                    if r.read_line(&mut line).is_err() {
-                        continue;
+                    if active.load(Relaxed) >= MAX_SCRAPES {
+                        continue; // closed by the drop
                     }
-                    // Drain the headers.
-                    let mut h = String::new();
-                    while r.read_line(&mut h).map(|n| n > 2).unwrap_or(false) {
-                        h.clear();
+                    active.fetch_add(1, Relaxed);
+                    let (metrics, active2) = (metrics.clone(), active.clone());
+                    let spawned = std::thread::Builder::new().name("kolo-scrape".into()).spawn(move || {
+                        answer(conn, &metrics);
+                        active2.fetch_sub(1, Relaxed);
+                    });
+                    if spawned.is_err() {
+                        active.fetch_sub(1, Relaxed);
                     }
-                    let ok = line.starts_with("GET /metrics ") || line.starts_with("GET / ");
-                    let (status, body) = if ok { ("200 OK", metrics.render()) } else { ("404 Not Found", "try /metrics\n".to_string()) };
-                    let mut w = &conn;
-                    let _ = write!(
-                        w,
-                        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(std::time::Duration::from_millis(20)),
                 Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
@@ -121,6 +122,42 @@ pub fn serve(metrics: Arc<Metrics>, addr: &str) -> std::io::Result<Server> {
         }
     })?;
     Ok(Server { addr: local, stop, thread: Some(thread) })
+}
+
+/// Reads one request within [`REQUEST_DEADLINE`] (in total, however slowly it trickles) and
+/// answers it.
+fn answer(conn: std::net::TcpStream, metrics: &Metrics) {
+    let deadline = std::time::Instant::now() + REQUEST_DEADLINE;
+    let _ = conn.set_nonblocking(false);
+    let mut r = BufReader::new(&conn);
+    let mut read_line = |buf: &mut String| -> Option<usize> {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() || conn.set_read_timeout(Some(left)).is_err() {
+            return None;
+        }
+        r.read_line(buf).ok()
+    };
+    let mut line = String::new();
+    if read_line(&mut line).is_none() {
+        return;
+    }
+    // Drain the headers.
+    let mut h = String::new();
+    while read_line(&mut h).is_some_and(|n| n > 2) {
+        if h.len() > 64 * 1024 {
+            return;
+        }
+        h.clear();
+    }
+    let ok = line.starts_with("GET /metrics ") || line.starts_with("GET / ");
+    let (status, body) = if ok { ("200 OK", metrics.render()) } else { ("404 Not Found", "try /metrics\n".to_string()) };
+    let _ = conn.set_write_timeout(Some(REQUEST_DEADLINE));
+    let mut w = &conn;
+    let _ = write!(
+        w,
+        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
 }
 
 /// A running endpoint; stops when dropped.
@@ -150,6 +187,22 @@ mod tests {
         let mut s = String::new();
         c.read_to_string(&mut s).unwrap();
         s
+    }
+
+    /// Idle connections do not delay a scrape: ten connections that send nothing are open
+    /// while a real scrape is answered at once (#19: they were served one by one, each holding
+    /// the endpoint for its read timeout).
+    #[test]
+    fn idle_connections_do_not_delay_a_scrape() {
+        let m = Metrics::new(0);
+        let server = serve(m, "127.0.0.1:0").unwrap();
+        let idle: Vec<std::net::TcpStream> = (0..10).map(|_| std::net::TcpStream::connect(server.addr).unwrap()).collect();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let t = std::time::Instant::now();
+        let resp = get(server.addr, "/metrics");
+        assert!(resp.starts_with("HTTP/1.1 200 OK"), "{resp}");
+        assert!(t.elapsed() < std::time::Duration::from_millis(1500), "{:?}", t.elapsed());
+        drop(idle);
     }
 
     /// The endpoint answers over real TCP in the exposition format: HELP and TYPE lines, then
