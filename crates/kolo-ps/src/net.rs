@@ -9,13 +9,20 @@ use kolo_rendezvous::wire::{read_frame, write_frame};
 use kolo_rendezvous::JobToken;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub const PURPOSE: &str = "ps";
 const HANDSHAKE: Duration = Duration::from_secs(10);
+/// Connections that may be in their handshake at once; more are closed at once.
+const MAX_UNAUTHENTICATED: usize = 64;
+
+/// Open connections by id (a clone each, so [`Listener::kill`] can cut them); a connection
+/// removes itself when it ends (issue #19: finished and refused ones were kept forever, and a
+/// server went from 15 to 2018 open files after 2000 connections).
+type Conns = Arc<Mutex<std::collections::HashMap<u64, TcpStream>>>;
 
 /// A request/response message set: what travels, how it is encoded, and the purpose string
 /// the handshake binds the connection to.
@@ -152,7 +159,7 @@ fn io_err(addr: &str) -> impl Fn(io::Error) -> PsError + '_ {
 pub struct Listener {
     pub addr: SocketAddr,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
+    conns: Conns,
     acceptor: Option<JoinHandle<()>>,
 }
 
@@ -178,20 +185,39 @@ impl Listener {
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
-        let conns = Arc::new(Mutex::new(Vec::new()));
+        let conns: Conns = Arc::new(Mutex::new(std::collections::HashMap::new()));
         let acceptor = {
             let (stop, conns, name) = (stop.clone(), conns.clone(), name.to_string());
+            let handshaking = Arc::new(AtomicUsize::new(0));
+            let refused = Arc::new(AtomicU64::new(0));
+            let (mut next_id, mut turned_away) = (0u64, 0u64);
             std::thread::Builder::new().name(format!("kolo-{name}")).spawn(move || {
                 while !stop.load(Ordering::SeqCst) {
                     match listener.accept() {
                         Ok((stream, peer)) => {
-                            if let Ok(c) = stream.try_clone() {
-                                conns.lock().unwrap_or_else(|p| p.into_inner()).push(c);
+                            if handshaking.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
+                                turned_away += 1;
+                                if turned_away.is_power_of_two() {
+                                    eprintln!("kolo {name}: {MAX_UNAUTHENTICATED} connections are authenticating; turned away {turned_away} so far (latest {peer})");
+                                }
+                                continue; // closed by the drop
                             }
+                            let id = next_id;
+                            next_id += 1;
+                            if let Ok(c) = stream.try_clone() {
+                                conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, c);
+                            }
+                            handshaking.fetch_add(1, Ordering::SeqCst);
                             let (token, handle, stop, name) = (token.clone(), handle.clone(), stop.clone(), name.clone());
-                            let _ = std::thread::Builder::new()
-                                .name(format!("kolo-{name}-conn"))
-                                .spawn(move || serve::<P>(stream, peer, &token, &*handle, &stop, &name));
+                            let (mine, hs, refused) = (conns.clone(), handshaking.clone(), refused.clone());
+                            let spawned = std::thread::Builder::new().name(format!("kolo-{name}-conn")).spawn(move || {
+                                serve::<P>(stream, peer, &token, &*handle, &stop, &name, &hs, &refused);
+                                mine.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                            });
+                            if spawned.is_err() {
+                                handshaking.fetch_sub(1, Ordering::SeqCst);
+                                conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                            }
                         }
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
                         Err(e) => {
@@ -208,7 +234,7 @@ impl Listener {
     /// Stops accepting and cuts every connection.
     pub fn kill(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        for c in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for (_, c) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = c.shutdown(Shutdown::Both);
         }
         if let Some(h) = self.acceptor.take() {
@@ -223,7 +249,7 @@ impl Drop for Listener {
     }
 }
 
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn serve<P: Protocol>(
     mut stream: TcpStream,
     peer: SocketAddr,
@@ -231,13 +257,21 @@ fn serve<P: Protocol>(
     handle: &(dyn Fn(&mut ConnState, P::Req, usize) -> P::Resp + Send + Sync),
     stop: &AtomicBool,
     name: &str,
+    handshaking: &AtomicUsize,
+    refused: &AtomicU64,
 ) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(HANDSHAKE));
     let _ = stream.set_write_timeout(Some(HANDSHAKE));
-    if let Err(e) = server_handshake(&mut stream, token, Some(P::PURPOSE), &peer.to_string()) {
-        eprintln!("kolo {name}: refused connection from {peer}: {e}");
+    let hs = server_handshake(&mut stream, token, Some(P::PURPOSE), &peer.to_string());
+    handshaking.fetch_sub(1, Ordering::SeqCst);
+    if let Err(e) = hs {
+        // Under a flood, reported at powers of two rather than once per connection.
+        let n = refused.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            eprintln!("kolo {name}: refused connection from {peer}: {e} ({n} refused so far)");
+        }
         return;
     }
     let _ = stream.set_read_timeout(None);

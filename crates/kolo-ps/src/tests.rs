@@ -197,3 +197,33 @@ fn significantly_modified_filter_keeps_the_rest_as_residual() {
     assert!((v[0] - 0.6).abs() < 1e-6);
     assert_eq!(f.counts(), (8, 3));
 }
+
+/// A flood of connections that never authenticate leaves a parameter-server (or FedAvg)
+/// listener's descriptor count flat and the listener serving (issue #19: 2000 connections
+/// took a server from 15 to 2018 open files).
+#[test]
+fn a_connection_flood_leaves_no_descriptors_behind_on_a_listener() {
+    use std::io::Write;
+    let open_fds = || std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0);
+    let token = kolo_rendezvous::JobToken::generate();
+    let handler: crate::net::Handler = std::sync::Arc::new(|_, _, _| Resp::Error("no service here".into()));
+    let listener = crate::net::Listener::start("127.0.0.1:0", token.clone(), "flood-test", handler).unwrap();
+    let addr = listener.addr;
+    let before = open_fds();
+    for i in 0..900 {
+        if let Ok(mut s) = std::net::TcpStream::connect(addr) {
+            if i % 2 == 1 {
+                let _ = s.write_all(b"\x00\x01junk");
+            }
+        }
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while open_fds() > before + 8 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let after = open_fds();
+    assert!(after <= before + 8, "{before} descriptors before the flood, {after} after");
+    let mut c = crate::net::Conn::connect(&addr.to_string(), &token, std::time::Duration::from_secs(5)).unwrap();
+    let r = c.call(&Req::Pull { epoch: 0, range: 0, worker: 0, clock: 0, keys: Keys::All }).unwrap();
+    assert!(matches!(r, Resp::Error(ref m) if m == "no service here"), "{r:?}");
+}
