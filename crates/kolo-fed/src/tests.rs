@@ -232,3 +232,26 @@ fn absurd_example_counts_are_refused() {
     }
     assert!(FedClient::join(&addr, &token, server::MAX_CLIENT_EXAMPLES, None, std::time::Duration::from_secs(10)).is_ok());
 }
+
+proptest::proptest! {
+    /// Valid FedAvg messages mutated (a byte changed, cut short, or grown) decode or fail, never
+    /// panic (issue #19).
+    #[test]
+    fn mutated_valid_messages_never_panic(which in 0usize..5, pos in proptest::prelude::any::<usize>(), byte in proptest::prelude::any::<u8>(), cut in proptest::prelude::any::<usize>(), mode in 0u8..3) {
+        let msgs: [Vec<u8>; 5] = [
+            Req::Join { examples: 60, public: Some([9; 32]), id: Some(4) }.encode(),
+            Req::Update { id: 1, round: 2, attempt: 1, examples: 5, update: Update::Plain(vec![1.0, -2.5]) }.encode(),
+            Req::Update { id: 1, round: 2, attempt: 0, examples: 5, update: Update::Masked(vec![u64::MAX, 3]) }.encode(),
+            Resp::Joined { id: 3, numel: 10, secure: true }.encode(),
+            Resp::Wait.encode(),
+        ];
+        let mut b = msgs[which].clone();
+        match mode {
+            0 => { let i = pos % b.len(); b[i] = byte; }
+            1 => b.truncate(cut % (b.len() + 1)),
+            _ => b.extend(std::iter::repeat_n(byte, cut % 16)),
+        }
+        let _ = Req::decode(&b);
+        let _ = Resp::decode(&b);
+    }
+}

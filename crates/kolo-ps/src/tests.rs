@@ -80,9 +80,9 @@ fn consistency_needs() {
     assert_eq!(Consistency::Async.needs(5), None);
 }
 
-#[test]
-fn messages_round_trip() {
-    let reqs = vec![
+/// One of every request, with nested and variable-length fields.
+fn sample_reqs() -> Vec<Req> {
+    vec![
         Req::Init { job: job(), epoch: 3, range: 7, values: vec![1.0, -2.5], fwd: true },
         Req::Push {
             epoch: 1,
@@ -121,12 +121,13 @@ fn messages_round_trip() {
         Req::Shutdown,
         Req::Adopt { worker: 2, by: 0 },
         Req::WorkerDone { worker: 1 },
-    ];
-    for r in reqs {
-        assert_eq!(Req::decode(&r.encode()).unwrap(), r);
-    }
+    ]
+}
+
+/// One of every response.
+fn sample_resps() -> Vec<Resp> {
     let m = Membership { epoch: 4, servers: vec![(0, "a:1".into()), (2, "b:2".into())], shutdown: false, dead_workers: vec![1] };
-    let resps = vec![
+    vec![
         Resp::Ok { duplicate: true },
         Resp::Values { min_clock: 3, values: vec![1.0, 2.0] },
         Resp::Scalar(2.5),
@@ -147,9 +148,33 @@ fn messages_round_trip() {
         }),
         Resp::Registered { id: 2, membership: m.clone() },
         Resp::Membership(m),
-    ];
-    for r in resps {
+    ]
+}
+
+#[test]
+fn messages_round_trip() {
+    for r in sample_reqs() {
+        assert_eq!(Req::decode(&r.encode()).unwrap(), r);
+    }
+    for r in sample_resps() {
         assert_eq!(Resp::decode(&r.encode()).unwrap(), r);
+    }
+}
+
+proptest! {
+    /// Valid messages mutated (a byte changed, cut short, or grown) decode or fail, never panic
+    /// or allocate what they claim (issue #19: random bytes alone rarely pass the first tag).
+    #[test]
+    fn mutated_valid_messages_never_panic(which in any::<usize>(), pos in any::<usize>(), byte in any::<u8>(), cut in any::<usize>(), mode in 0u8..3) {
+        let (reqs, resps) = (sample_reqs(), sample_resps());
+        let mut b = if which % 2 == 0 { reqs[which / 2 % reqs.len()].encode() } else { resps[which / 2 % resps.len()].encode() };
+        match mode {
+            0 => { let i = pos % b.len(); b[i] = byte; }
+            1 => b.truncate(cut % (b.len() + 1)),
+            _ => b.extend(std::iter::repeat_n(byte, cut % 16)),
+        }
+        if let Ok(r) = Req::decode(&b) { prop_assert_eq!(Req::decode(&r.encode()).unwrap(), r); }
+        if let Ok(r) = Resp::decode(&b) { prop_assert_eq!(Resp::decode(&r.encode()).unwrap(), r); }
     }
 }
 

@@ -225,3 +225,22 @@ fn a_connection_flood_leaves_no_descriptors_behind() {
     let again = TcpStore::connect(&addr.to_string(), &token, secs(5)).unwrap();
     assert_eq!(again.get("k", secs(5)).unwrap(), b"v");
 }
+
+proptest! {
+    /// Valid store messages mutated (a byte changed, cut short, or grown) decode or fail, never
+    /// panic (issue #19: random bytes alone rarely pass the first tag).
+    #[test]
+    fn mutated_valid_store_messages_never_panic(which in 0usize..9, pos in any::<usize>(), byte in any::<u8>(), cut in any::<usize>(), mode in 0u8..3) {
+        let reqs = [Request::Set { key: "kolo/join/count".into(), value: vec![1, 2, 3] }, Request::Add { key: "k".into(), delta: -4 },
+                    Request::Get { key: "kolo/world_size".into(), timeout_ms: 300 }, Request::Check { key: "x".into() }, Request::Delete { key: "y".into() }];
+        let resps = [Response::Ok, Response::Value(vec![9; 5]), Response::Int(7), Response::Error("no".into())];
+        let mut b = if which < reqs.len() { reqs[which].encode() } else { resps[which - reqs.len()].encode() };
+        match mode {
+            0 => { let i = pos % b.len(); b[i] = byte; }
+            1 => b.truncate(cut % (b.len() + 1)),
+            _ => b.extend(std::iter::repeat_n(byte, cut % 16)),
+        }
+        if let Ok(r) = Request::decode(&b) { prop_assert_eq!(Request::decode(&r.encode()).unwrap(), r); }
+        let _ = Response::decode(&b);
+    }
+}

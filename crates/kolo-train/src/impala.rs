@@ -618,6 +618,24 @@ pub fn run_with(
 mod tests {
     use super::*;
 
+    proptest::proptest! {
+        /// Actor messages come from other processes: valid ones mutated (a byte changed, cut
+        /// short, or grown) decode or fail, never panic (issue #19).
+        #[test]
+        fn mutated_actor_messages_never_panic(which in 0usize..3, pos in proptest::prelude::any::<usize>(), byte in proptest::prelude::any::<u8>(), cut in proptest::prelude::any::<usize>(), mode in 0u8..3) {
+            let t = Trajectory { obs: vec![0.5; 9], actions: vec![0, 1], rewards: vec![1.0; 2], dones: vec![false, true], behaviour_logp: vec![-0.7; 2], version: 3, finished: vec![2.0] };
+            let msgs = [ActorReq::Hello.encode(), ActorReq::Trajectory(t).encode(), LearnerResp::Params { version: 4, params: vec![0.25; 6] }.encode()];
+            let mut b = msgs[which].clone();
+            match mode {
+                0 => { let i = pos % b.len(); b[i] = byte; }
+                1 => b.truncate(cut % (b.len() + 1)),
+                _ => b.extend(std::iter::repeat_n(byte, cut % 16)),
+            }
+            let _ = ActorReq::decode(&b);
+            let _ = LearnerResp::decode(&b);
+        }
+    }
+
     #[test]
     fn malformed_trajectories_are_refused_with_the_reason() {
         let good = Trajectory {
