@@ -136,9 +136,15 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
 /// [`load`], also returning the verified checksum.
 pub(crate) fn load_verified(path: &Path) -> Result<(Checkpoint, String), CheckpointError> {
     let blob = std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_path_buf(), source })?;
+    verify_blob(path, &blob)
+}
+
+/// Parses and verifies the bytes of a checkpoint file (`path` names it in errors). The bytes
+/// are untrusted: any content gives a checkpoint or an error, never a panic.
+fn verify_blob(path: &Path, blob: &[u8]) -> Result<(Checkpoint, String), CheckpointError> {
     let corrupt = |what: String| CheckpointError::Corrupt { path: path.to_path_buf(), what };
-    let st = SafeTensors::deserialize(&blob).map_err(|e| corrupt(format!("not a readable safetensors file: {e}")))?;
-    let (_, header) = SafeTensors::read_metadata(&blob).map_err(|e| corrupt(e.to_string()))?;
+    let st = SafeTensors::deserialize(blob).map_err(|e| corrupt(format!("not a readable safetensors file: {e}")))?;
+    let (_, header) = SafeTensors::read_metadata(blob).map_err(|e| corrupt(e.to_string()))?;
     let meta: BTreeMap<String, String> = header.metadata().clone().unwrap_or_default().into_iter().collect();
     let want = meta.get(CHECKSUM_KEY).ok_or_else(|| corrupt(format!("no `{CHECKSUM_KEY}` metadata (not written by Kolo)")))?;
     let tensors = st.tensors();
@@ -152,7 +158,9 @@ pub(crate) fn load_verified(path: &Path) -> Result<(Checkpoint, String), Checkpo
     }
     let got = checksum(tensors.iter().map(|(n, t)| (n.as_str(), t.shape(), t.data())));
     if &got != want {
-        return Err(corrupt(format!("checksum mismatch (stored {}…, computed {}…)", &want[..want.len().min(12)], &got[..12])));
+        // The stored value is untrusted text: cut it by characters, not bytes.
+        let stored: String = want.chars().take(12).collect();
+        return Err(corrupt(format!("checksum mismatch (stored {stored}…, computed {}…)", &got[..12])));
     }
     let mut entries: Vec<Entry> = tensors
         .into_iter()
@@ -181,6 +189,39 @@ mod tests {
                 Entry { name: "a.weight".into(), shape: vec![2, 3], data: (0..6).map(|i| i as f32 * 0.5).collect() },
             ],
             meta,
+        }
+    }
+
+    /// A crafted file whose checksum metadata is not ASCII (issue #19: the error message cut
+    /// it at byte 12, inside a character, and panicked).
+    #[test]
+    fn a_non_ascii_stored_checksum_is_an_error() {
+        let data: Vec<u8> = [1.0f32, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(Dtype::F32, vec![2], &data).unwrap();
+        // One ASCII byte first: byte 12 then falls inside a two-byte character.
+        let meta = std::collections::HashMap::from([(CHECKSUM_KEY.to_string(), format!("a{}", "é".repeat(20)))]);
+        let blob = safetensors::serialize([("x", view)], Some(meta)).unwrap();
+        let e = verify_blob(Path::new("crafted"), &blob).unwrap_err().to_string();
+        assert!(e.contains("checksum mismatch (stored aééééééééééé…"), "{e}");
+    }
+
+    proptest::proptest! {
+        /// Checkpoint files are untrusted: a valid one with a byte of its header (the length or
+        /// the JSON) or its data changed, cut short or grown loads or fails, never panics.
+        #[test]
+        fn mutated_checkpoint_files_never_panic(pos in proptest::prelude::any::<usize>(), byte in proptest::prelude::any::<u8>(), cut in proptest::prelude::any::<usize>(), mode in 0u8..3) {
+            let dir = std::env::temp_dir().join(format!("kolo-ckpt-fuzz-{}", std::process::id()));
+            let path = dir.join(format!("c-{pos}-{byte}-{cut}-{mode}.safetensors"));
+            save(&path, &sample()).unwrap();
+            let mut blob = std::fs::read(&path).unwrap();
+            let _ = std::fs::remove_file(&path);
+            let header = 8 + u64::from_le_bytes(blob[..8].try_into().unwrap()) as usize;
+            match mode {
+                0 => { let i = pos % header; blob[i] = byte; }
+                1 => { let i = pos % blob.len(); blob[i] = byte; blob.truncate(cut % (blob.len() + 1)); }
+                _ => blob.extend(std::iter::repeat_n(byte, cut % 64)),
+            }
+            let _ = verify_blob(&path, &blob);
         }
     }
 
