@@ -670,6 +670,45 @@ fn default_prefetch() -> usize {
     2
 }
 
+/// The training loops other than DDP/ZeRO, and what each lacks until one driver serves them
+/// all (issue #16). Shown as the setting that selects it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeparateLoop {
+    ParameterServer,
+    ExpertParallel,
+    SequenceParallel,
+    Scheduled,
+    /// PipeDream-2BW: one plan with activations always in flight.
+    TwoBw,
+    /// GPipe and 1F1B.
+    Pipeline,
+}
+
+impl SeparateLoop {
+    /// Whether it reports through the driver's `Reporter` (metrics, TensorBoard, JSON lines).
+    pub fn reports(self) -> bool {
+        !matches!(self, SeparateLoop::ParameterServer | SeparateLoop::TwoBw)
+    }
+
+    /// Whether it applies `optim.reference_batch` (the linear scaling rule).
+    pub fn scales_lr(self) -> bool {
+        self == SeparateLoop::ParameterServer
+    }
+}
+
+impl std::fmt::Display for SeparateLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            SeparateLoop::ParameterServer => "train.strategy = \"ps\"",
+            SeparateLoop::ExpertParallel => "mesh.ep > 1",
+            SeparateLoop::SequenceParallel => "mesh.sp > 1",
+            SeparateLoop::Scheduled => "ddp.schedule",
+            SeparateLoop::TwoBw => "pipeline.schedule = \"2bw\"",
+            SeparateLoop::Pipeline => "[pipeline]",
+        })
+    }
+}
+
 impl Config {
     pub fn parse(text: &str, origin: &str) -> Result<Config, TrainError> {
         let c: Config = toml::from_str(text).map_err(|e| TrainError::Config(format!("{origin}: {e}")))?;
@@ -682,29 +721,28 @@ impl Config {
         Config::parse(&text, &path.display().to_string())
     }
 
-    /// Checks the whole config again (after a program changed it).
-    /// The loop other than the DDP/ZeRO one this config runs in, by the setting that selects
-    /// it (`None`: the DDP/ZeRO loop). `--resume` and the features [`Config::check`] lists are
-    /// refused there.
-    pub fn separate_loop(&self) -> Option<&'static str> {
+    /// The loop other than the DDP/ZeRO one this config runs in (`None`: the DDP/ZeRO loop).
+    /// `--resume` and the features it lacks ([`SeparateLoop`]) are refused there.
+    pub fn separate_loop(&self) -> Option<SeparateLoop> {
         let m = self.mesh.as_ref();
         if self.train.strategy == Strategy::Ps {
-            Some("train.strategy = \"ps\"")
+            Some(SeparateLoop::ParameterServer)
         } else if m.is_some_and(|m| m.ep > 1) {
-            Some("mesh.ep > 1")
+            Some(SeparateLoop::ExpertParallel)
         } else if m.is_some_and(|m| m.sp > 1) {
-            Some("mesh.sp > 1")
+            Some(SeparateLoop::SequenceParallel)
         } else if self.ddp.schedule.is_some() {
-            Some("ddp.schedule")
+            Some(SeparateLoop::Scheduled)
         } else if self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
-            Some("pipeline.schedule = \"2bw\"")
+            Some(SeparateLoop::TwoBw)
         } else if self.pipeline.is_some() {
-            Some("[pipeline]")
+            Some(SeparateLoop::Pipeline)
         } else {
             None
         }
     }
 
+    /// Checks the whole config again (after a program changed it).
     pub fn check(&self) -> Result<(), TrainError> {
         self.validate().map_err(TrainError::Config)
     }
@@ -1007,19 +1045,16 @@ impl Config {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
         }
         if let Some(which) = self.separate_loop() {
-            // Only the DDP/ZeRO loop (tensor parallelism included) has these so far; the other
-            // loops refuse them rather than ignore them (issue #16: one driver for all).
-            let optim_only = which == "train.strategy = \"ps\"";
-            // The sequence-, expert-parallel, flushed pipeline and scheduled loops report through
-            // the driver's Reporter.
-            let reports = matches!(which, "mesh.sp > 1" | "mesh.ep > 1" | "[pipeline]" | "ddp.schedule");
+            // Only the DDP/ZeRO loop (tensor parallelism included) has all of these so far; the
+            // other loops refuse what they lack rather than ignore it (issue #16).
+            let reports = which.reports();
             let set: Vec<&str> = [
                 ("train.json_log", self.train.json_log.is_some() && !reports),
                 ("train.metrics_port", self.train.metrics_port.is_some() && !reports),
                 ("train.tensorboard_dir", self.train.tensorboard_dir.is_some() && !reports),
                 ("train.timeline_dir", self.train.timeline_dir.is_some()),
                 ("optim.offload_dir", self.optim.offload_dir.is_some()),
-                ("optim.reference_batch", self.optim.reference_batch.is_some() && !optim_only),
+                ("optim.reference_batch", self.optim.reference_batch.is_some() && !which.scales_lr()),
             ]
             .into_iter()
             .filter_map(|(name, on)| on.then_some(name))
@@ -1027,7 +1062,7 @@ impl Config {
             if !set.is_empty() {
                 let verb = if set.len() == 1 { "is" } else { "are" };
                 return Err(format!(
-                    "{} {verb} not supported with {which} yet (only DDP/ZeRO training, with or without mesh.tp, has them)",
+                    "{} {verb} not supported with {which} yet (DDP/ZeRO training, with or without mesh.tp, has them)",
                     set.join(", ")
                 ));
             }

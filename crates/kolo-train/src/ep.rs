@@ -127,20 +127,5 @@ pub fn run_expert_parallel(
     let mut flat = vec![0f32; gpt.full_numel()];
     gpt.ep_pieces_into(&gpt.params().to_flat()?, &mut flat, rep.rank().get() == 0, rank == 0)?;
     comm.all_reduce(BufMut::from(&mut flat[..]), ReduceOp::Sum)?;
-    finish_whole_gpt(
-        cfg,
-        &gcfg,
-        &data,
-        &say,
-        rank == 0,
-        end,
-        report.last_loss,
-        std::mem::take(&mut report.step_ms),
-        std::mem::take(&mut report.comm_bytes),
-        flat,
-        numel,
-        &opt,
-        (heap_before, heap_after),
-        moe,
-    )
+    finish_whole_gpt(cfg, &gcfg, &data, &say, rank == 0, end, &mut report, flat, numel, &opt, (heap_before, heap_after), moe)
 }

@@ -107,20 +107,5 @@ pub fn run_sequence_parallel(
     }
     report.finish();
     let flat = gpt.params().to_flat()?;
-    finish_whole_gpt(
-        cfg,
-        &gcfg,
-        &data,
-        &say,
-        global_rank == 0,
-        end,
-        report.last_loss,
-        std::mem::take(&mut report.step_ms),
-        std::mem::take(&mut report.comm_bytes),
-        flat,
-        numel,
-        &opt,
-        (heap_before, heap_after),
-        None,
-    )
+    finish_whole_gpt(cfg, &gcfg, &data, &say, global_rank == 0, end, &mut report, flat, numel, &opt, (heap_before, heap_after), None)
 }

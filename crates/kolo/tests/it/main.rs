@@ -353,6 +353,14 @@ fn launched_training_runs_end_to_end_and_missing_data_is_an_error() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// An empty directory of this test process's, named by `tag`.
+fn fresh_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kolo-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// The shipped corpus, as a string for configs.
 fn shakespeare() -> String {
     kolo_testkit::files::shakespeare().display().to_string()
@@ -948,9 +956,7 @@ fn impala_actor_processes_solve_cartpole_over_tcp() {
 /// with instead of failing later.
 #[test]
 fn scheduled_ddp_between_processes_and_gpu_flags_without_gpu_support() {
-    let dir = std::env::temp_dir().join(format!("kolo-sched-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("sched");
     let base = "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optim]\nkind = \"adamw\"\nlr = 0.01\n[train]\nsteps = 6\nlog_every = 1\nsample_chars = 0\n";
     let mut last = Vec::new();
     for (name, ddp) in [("plain", ""), ("sched", "[ddp]\nschedule = { chunk = \"4KiB\", credit = \"8KiB\" }\n")] {
@@ -996,9 +1002,7 @@ fn model_tensors(dir: &std::path::Path) -> std::collections::BTreeMap<String, Ve
 /// orders of magnitude more than that (checked, so the comparison cannot pass on an idle run).
 #[test]
 fn launched_ddp_and_zero_match_one_process_numerically() {
-    let dir = std::env::temp_dir().join(format!("kolo-ddp-eq-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("ddp-eq");
     let steps = 6;
     let global = 24;
     let job = |tag: &str, n: usize, zero: u8, lr: f32| -> std::path::PathBuf {
@@ -1058,9 +1062,7 @@ fn launched_ddp_and_zero_match_one_process_numerically() {
 /// reassociation), so the bitwise comparison has something to catch.
 #[test]
 fn deterministic_mode_is_bitwise_equal_at_every_world_size() {
-    let dir = std::env::temp_dir().join(format!("kolo-determ-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("determ");
     let steps = 4;
     let global = 24;
     let all_tensors = |tag: &str| -> std::collections::BTreeMap<String, Vec<u32>> {
@@ -1121,9 +1123,7 @@ fn deterministic_mode_is_bitwise_equal_at_every_world_size() {
 /// differing field, and the job fails (issue #19: they used to train to the end with rc 0).
 #[test]
 fn launched_ranks_with_different_configs_stop_naming_the_field() {
-    let dir = std::env::temp_dir().join(format!("kolo-agree-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("agree");
     for (r, heads) in [(0, 2), (1, 4)] {
         let cfg = format!(
             "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = {heads}\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n[train]\nsteps = 4\nsample_chars = 0\n",
@@ -1146,9 +1146,7 @@ fn launched_ranks_with_different_configs_stop_naming_the_field() {
 /// collective behind, stuck waiting for the same rank, are not blamed.
 #[test]
 fn a_hung_rank_is_named_by_every_survivor_and_the_launcher() {
-    let dir = std::env::temp_dir().join(format!("kolo-hung-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = fresh_dir("hung");
     let cfg = dir.join("mlp.toml");
     std::fs::write(
         &cfg,
