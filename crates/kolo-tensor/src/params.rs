@@ -52,6 +52,23 @@ pub fn copy_f32(t: &Tensor, out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// Runs `f` on a tensor's values as f32 without a copy where it is a contiguous f32 CPU tensor
+/// (a gradient handed to DDP), else on a converted copy.
+pub fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    let t = if t.dtype() == DType::F32 { t.clone() } else { t.to_dtype(DType::F32)? };
+    let t = if t.is_contiguous() { t } else { t.contiguous()? };
+    if !t.device().is_cpu() {
+        return Ok(f(&t.flatten_all()?.to_vec1::<f32>()?));
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Err(TensorError::Input("a CPU tensor without CPU storage".into()));
+    };
+    let s = cpu.as_slice::<f32>()?;
+    let start = layout.start_offset();
+    Ok(f(&s[start..start + layout.shape().elem_count()]))
+}
+
 /// A closure over a parameter's values.
 type Edit<'a> = &'a mut dyn FnMut(&mut [f32]);
 
@@ -95,6 +112,28 @@ impl ParamSet {
         let range = self.numel..self.numel + n;
         self.numel += n;
         self.params.push(Param { name: name.to_string(), var, shape: shape.to_vec(), range });
+        Ok(self.params.len() - 1)
+    }
+
+    /// Registers an existing variable (a candle model's own parameter, from its `VarMap`):
+    /// updates write into its storage in place, so the model sees them. It must be an f32,
+    /// contiguous CPU tensor.
+    pub fn adopt(&mut self, name: &str, var: Var) -> Result<usize> {
+        let bad = |what: &str| Err(TensorError::Input(format!("parameter `{name}`: {what}")));
+        if var.dtype() != DType::F32 {
+            return bad(&format!("is {:?}; Kolo trains f32 parameters (compute in bf16/f16 by casting in the model)", var.dtype()));
+        }
+        if !var.device().is_cpu() {
+            return bad("is not on the CPU; parameters of a user model are trained on the CPU for now");
+        }
+        if !var.is_contiguous() {
+            return bad("is not contiguous");
+        }
+        let shape = var.dims().to_vec();
+        let n = var.elem_count();
+        let range = self.numel..self.numel + n;
+        self.numel += n;
+        self.params.push(Param { name: name.to_string(), var, shape, range });
         Ok(self.params.len() - 1)
     }
 
@@ -303,20 +342,9 @@ impl CustomOp1 for GradHook {
     }
 
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let g = if grad.is_contiguous() { grad.clone() } else { grad.contiguous()? };
-        let g = g.to_dtype(DType::F32)?; // a half-precision gradient is widened for the sink
-        if !g.device().is_cpu() {
-            // A GPU gradient comes to the host for Kolo's buckets (the copy waits for it).
-            self.sink.grad_ready(self.idx, &g.flatten_all()?.to_vec1::<f32>()?);
-            return Ok(None);
-        }
-        let (storage, layout) = g.storage_and_layout();
-        if let Storage::Cpu(cpu) = &*storage {
-            let s = cpu.as_slice::<f32>()?;
-            let start = layout.start_offset();
-            self.sink.grad_ready(self.idx, &s[start..start + layout.shape().elem_count()]);
-        }
-        drop(storage);
+        // A half-precision gradient is widened for the sink; a GPU one comes to the host for
+        // Kolo's buckets (the copy waits for it).
+        with_f32(grad, |g| self.sink.grad_ready(self.idx, g)).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         // The sink has the gradient. Returning none keeps candle from also accumulating it into
         // the parameter's slot of the GradStore (a zeros + add of every parameter, and a copy
         // of all gradients alive until backward ends): peak gradient memory stays at what

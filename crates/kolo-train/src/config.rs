@@ -1071,33 +1071,16 @@ impl Config {
     }
 
     pub fn bucket_cap(&self) -> Result<ByteSize, String> {
-        self.ddp.bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.bucket_cap: {e}"))
+        self.ddp.bucket_cap()
+    }
+
+    pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {
+        self.ddp.first_bucket_cap()
     }
 
     /// The gradient codec and its warm-up steps.
     pub fn compression(&self) -> Result<(kolo_ddp::Compression, u64), String> {
-        use kolo_ddp::Compression as C;
-        let Some(c) = &self.ddp.compression else { return Ok((C::None, 0)) };
-        if self.ddp.zero_stage != 0 {
-            return Err("ddp.compression needs ddp.zero_stage = 0".into());
-        }
-        if !(c.fraction > 0.0 && c.fraction <= 1.0) || c.rank == 0 || !(1..=127).contains(&c.levels) {
-            return Err("ddp.compression: fraction must be in (0, 1], rank at least 1, levels 1..=127".into());
-        }
-        let m = match c.method {
-            CompressionMethod::Powersgd => C::PowerSgd { rank: c.rank },
-            CompressionMethod::Fp16 => C::Half { bf16: false },
-            CompressionMethod::Bf16 => C::Half { bf16: true },
-            CompressionMethod::Topk => C::TopK {
-                fraction: c.fraction,
-                sampled: c.threshold == TopkThreshold::Sampled,
-                sparse_all_reduce: c.exchange == TopkExchange::Sparse,
-            },
-            CompressionMethod::Randk => C::RandK { fraction: c.fraction },
-            CompressionMethod::Qsgd => C::Qsgd { levels: c.levels },
-            CompressionMethod::Sign => C::Sign,
-        };
-        Ok((m, c.warmup_steps))
+        self.ddp.compression()
     }
 
     pub fn sharding(&self) -> Result<kolo_ddp::Sharding, String> {
@@ -1147,10 +1130,6 @@ impl Config {
         Ok(Some((chunk, credit)))
     }
 
-    pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {
-        self.ddp.first_bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.first_bucket_cap: {e}"))
-    }
-
     /// The model to build; `vocab` comes from the data for text models.
     pub fn model_spec(&self, vocab: usize) -> ModelSpec {
         let m = &self.model;
@@ -1177,18 +1156,7 @@ impl Config {
     }
 
     pub fn optimizer(&self) -> OptimizerSpec {
-        let o = &self.optim;
-        match o.kind {
-            OptimKind::Sgd => OptimizerSpec::Sgd { momentum: o.momentum, nesterov: o.nesterov, weight_decay: o.weight_decay },
-            OptimKind::Adam | OptimKind::Adamw => OptimizerSpec::Adam {
-                beta1: o.beta1,
-                beta2: o.beta2,
-                eps: o.eps.unwrap_or(1e-8),
-                weight_decay: o.weight_decay,
-                decoupled: o.kind == OptimKind::Adamw,
-            },
-            OptimKind::Adagrad => OptimizerSpec::Adagrad { eps: o.eps.unwrap_or(1e-10), weight_decay: o.weight_decay, lr_decay: 0.0 },
-        }
+        self.optim.spec()
     }
 
     /// The dtype the model computes in.
@@ -1209,10 +1177,69 @@ impl Config {
     }
 
     pub fn schedule(&self) -> Schedule {
-        match self.optim.schedule {
+        self.optim.schedule()
+    }
+}
+
+impl OptimConfig {
+    /// The learning-rate schedule after warm-up.
+    pub fn schedule(&self) -> Schedule {
+        match self.schedule {
             ScheduleKind::Constant => Schedule::Constant,
-            ScheduleKind::Cosine => Schedule::Cosine { min_lr: self.optim.min_lr },
-            ScheduleKind::Step => Schedule::Step { every: self.optim.step_every, gamma: self.optim.step_gamma },
+            ScheduleKind::Cosine => Schedule::Cosine { min_lr: self.min_lr },
+            ScheduleKind::Step => Schedule::Step { every: self.step_every, gamma: self.step_gamma },
         }
+    }
+
+    /// The optimizer these settings describe.
+    pub fn spec(&self) -> OptimizerSpec {
+        let o = self;
+        match o.kind {
+            OptimKind::Sgd => OptimizerSpec::Sgd { momentum: o.momentum, nesterov: o.nesterov, weight_decay: o.weight_decay },
+            OptimKind::Adam | OptimKind::Adamw => OptimizerSpec::Adam {
+                beta1: o.beta1,
+                beta2: o.beta2,
+                eps: o.eps.unwrap_or(1e-8),
+                weight_decay: o.weight_decay,
+                decoupled: o.kind == OptimKind::Adamw,
+            },
+            OptimKind::Adagrad => OptimizerSpec::Adagrad { eps: o.eps.unwrap_or(1e-10), weight_decay: o.weight_decay, lr_decay: 0.0 },
+        }
+    }
+}
+
+impl DdpConfig {
+    pub fn bucket_cap(&self) -> Result<ByteSize, String> {
+        self.bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.bucket_cap: {e}"))
+    }
+
+    pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {
+        self.first_bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.first_bucket_cap: {e}"))
+    }
+
+    /// The gradient codec and its warm-up steps.
+    pub fn compression(&self) -> Result<(kolo_ddp::Compression, u64), String> {
+        use kolo_ddp::Compression as C;
+        let Some(c) = &self.compression else { return Ok((C::None, 0)) };
+        if self.zero_stage != 0 {
+            return Err("ddp.compression needs ddp.zero_stage = 0".into());
+        }
+        if !(c.fraction > 0.0 && c.fraction <= 1.0) || c.rank == 0 || !(1..=127).contains(&c.levels) {
+            return Err("ddp.compression: fraction must be in (0, 1], rank at least 1, levels 1..=127".into());
+        }
+        let m = match c.method {
+            CompressionMethod::Powersgd => C::PowerSgd { rank: c.rank },
+            CompressionMethod::Fp16 => C::Half { bf16: false },
+            CompressionMethod::Bf16 => C::Half { bf16: true },
+            CompressionMethod::Topk => C::TopK {
+                fraction: c.fraction,
+                sampled: c.threshold == TopkThreshold::Sampled,
+                sparse_all_reduce: c.exchange == TopkExchange::Sparse,
+            },
+            CompressionMethod::Randk => C::RandK { fraction: c.fraction },
+            CompressionMethod::Qsgd => C::Qsgd { levels: c.levels },
+            CompressionMethod::Sign => C::Sign,
+        };
+        Ok((m, c.warmup_steps))
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod agreement;
 pub mod autoplan;
+pub mod checkpointing;
 pub mod config;
 pub mod data;
 pub mod ep;
@@ -11,6 +12,7 @@ pub mod impala;
 pub mod local_sgd;
 pub mod sampler;
 pub mod trainer;
+pub mod update;
 
 pub use config::Config;
 pub mod metrics;

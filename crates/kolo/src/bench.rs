@@ -287,11 +287,11 @@ fn collectives(a: CollArgs) -> anyhow::Result<i32> {
         return relaunch_self(a.nproc);
     }
     let b = a.comm.join_any()?;
-    let comm: &dyn Communicator = &*b.comm;
+    let comm: &dyn Communicator = &**b.comm();
     let n = comm.world_size().get();
     let me = comm.rank().get();
-    let shm = b.host.as_ref().map_or(0, |h| h.shm_peers().len());
-    let links = match &b.host {
+    let shm = b.host().map_or(0, |h| h.shm_peers().len());
+    let links = match b.host() {
         _ if n == 1 => "none".to_string(),
         Some(_) => format!("{} shm + {} tcp peers per rank", shm, n - 1 - shm),
         None => format!("the {} library", comm.backend()),

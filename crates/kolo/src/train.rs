@@ -123,31 +123,32 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     match a.plan.as_deref() {
         None => {}
         Some("auto") => {
-            let world = boot.comm.world_size().get();
+            let world = boot.comm().world_size().get();
             let memory = match &a.device_memory {
                 Some(m) => kolo_plan::parse_quantity(m).map_err(anyhow::Error::msg)?,
                 None => machine_memory()? / world as f64,
             };
             let line = kolo_train::autoplan::apply_plan(&mut cfg, world, memory)?;
-            if boot.comm.rank().get() == 0 {
+            if boot.comm().rank().get() == 0 {
                 eprintln!("{line}");
             }
         }
         Some(p) => anyhow::bail!("--plan {p}: only `auto` is known"),
     }
-    let comm: Arc<dyn Communicator> = if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm.clone())) } else { boot.comm.clone() };
-    if boot.host.is_none() && boot.comm.rank().get() == 0 {
-        eprintln!("kolo train: collectives over {} ({} ranks)", boot.comm.backend(), boot.comm.world_size().get());
+    let comm: Arc<dyn Communicator> =
+        if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm().clone())) } else { boot.comm().clone() };
+    if boot.host().is_none() && boot.comm().rank().get() == 0 {
+        eprintln!("kolo train: collectives over {} ({} ranks)", boot.comm().backend(), boot.comm().world_size().get());
     }
     // An elastic restart (kolo launch --min-nodes) resumes from the newest checkpoint.
     let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let mut resume = a.resume.clone();
     if round > 0 && resume.is_none() {
-        let lead = boot.comm.rank().get() == 0;
+        let lead = boot.comm().rank().get() == 0;
         match cfg.train.checkpoint_dir.as_ref().and_then(|d| kolo_train::trainer::newest_checkpoint(std::path::Path::new(d))) {
             Some(p) => {
                 if lead {
-                    eprintln!("elastic restart {round} on {} ranks: resuming from {}", boot.comm.world_size().get(), p.display());
+                    eprintln!("elastic restart {round} on {} ranks: resuming from {}", boot.comm().world_size().get(), p.display());
                 }
                 resume = Some(p);
             }
@@ -171,12 +172,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     let s = kolo_train::run(&cfg, comm, &opts).inspect_err(|e| {
         // A communication failure: show what this rank's communicator did last.
         if matches!(e, kolo_train::TrainError::Comm(_) | kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(_))) {
-            if let Some(h) = &boot.host {
+            if let Some(h) = boot.host() {
                 eprint!("{}", h.flight_record());
             }
         }
     })?;
-    if boot.comm.rank().get() == 0 {
+    if boot.comm().rank().get() == 0 {
         let n = s.step_ms.len();
         let tail = &s.step_ms[n.saturating_sub(n / 2).min(n)..];
         let mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;

@@ -163,11 +163,31 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
+        self.backward_impl(None)
+    }
+
+    /// Like [`Tensor::backward`], but hands each variable's gradient to `ready` as soon as it is
+    /// complete, and leaves it out of the returned store (Kolo's patch: the gradient-ready
+    /// signal data parallelism needs to overlap communication with the rest of backward).
+    ///
+    /// The walk visits nodes in reverse topological order, so when it reaches a variable every
+    /// op that reads the variable has already been differentiated: its gradient is final. A
+    /// variable the loss does not depend on is not reported.
+    pub fn backward_with_hook(&self, ready: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>) -> Result<GradStore> {
+        self.backward_impl(Some(ready))
+    }
+
+    fn backward_impl(&self, mut ready: Option<&mut dyn FnMut(&Tensor, Tensor) -> Result<()>>) -> Result<GradStore> {
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
         grads.insert(self, self.ones_like()?.contiguous()?);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
+                if let Some(ready) = ready.as_mut() {
+                    if let Some(grad) = grads.remove(node) {
+                        ready(node, grad)?;
+                    }
+                }
                 continue;
             }
             let grad = grads

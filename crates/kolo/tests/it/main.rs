@@ -5,6 +5,8 @@ use std::time::{Duration, Instant};
 
 const KOLO: &str = env!("CARGO_BIN_EXE_kolo");
 
+mod user_model;
+
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut c = Command::new(KOLO);
     c.args(args).env("RAYON_NUM_THREADS", "1").stdin(Stdio::null());

@@ -3171,6 +3171,10 @@ impl BackendStorage for CpuStorage {
     }
 }
 
+/// The CPU's random generator once `Device::Cpu.set_seed` was called (Kolo's patch), with its
+/// seed; `None`: each call draws from the thread's generator, as upstream does.
+static CPU_RNG: std::sync::Mutex<Option<(u64, rand::rngs::StdRng)>> = std::sync::Mutex::new(None);
+
 impl BackendDevice for CpuDevice {
     type Storage = CpuStorage;
 
@@ -3198,19 +3202,31 @@ impl BackendDevice for CpuDevice {
         Ok(Self)
     }
 
-    fn set_seed(&self, _seed: u64) -> Result<()> {
-        crate::bail!("cannot seed the CPU rng with set_seed")
+    /// Kolo's patch: seeds the generator of the CPU's random tensors (upstream refused), so
+    /// that a model's initial weights are reproducible, as torch's `manual_seed` makes them.
+    fn set_seed(&self, seed: u64) -> Result<()> {
+        use rand::SeedableRng;
+        *CPU_RNG.lock().unwrap_or_else(|p| p.into_inner()) = Some((seed, rand::rngs::StdRng::seed_from_u64(seed)));
+        Ok(())
     }
 
     fn get_current_seed(&self) -> Result<u64> {
-        crate::bail!("cannot get the CPU rng seed with get_current_seed")
+        match &*CPU_RNG.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some((seed, _)) => Ok(*seed),
+            None => crate::bail!("the CPU rng was not seeded with set_seed"),
+        }
     }
 
     fn rand_uniform(&self, shape: &Shape, dtype: DType, min: f64, max: f64) -> Result<CpuStorage> {
         use rand::prelude::*;
 
         let elem_count = shape.elem_count();
-        let mut rng = rand::rng();
+        let mut seeded = CPU_RNG.lock().unwrap_or_else(|p| p.into_inner());
+        let mut thread_rng = rand::rng();
+        let rng: &mut dyn rand::RngCore = match seeded.as_mut() {
+            Some((_, r)) => r,
+            None => &mut thread_rng,
+        };
         match dtype {
             DType::U8
             | DType::U32
@@ -3273,7 +3289,12 @@ impl BackendDevice for CpuDevice {
         use rand::prelude::*;
 
         let elem_count = shape.elem_count();
-        let mut rng = rand::rng();
+        let mut seeded = CPU_RNG.lock().unwrap_or_else(|p| p.into_inner());
+        let mut thread_rng = rand::rng();
+        let mut rng: &mut dyn rand::RngCore = match seeded.as_mut() {
+            Some((_, r)) => r,
+            None => &mut thread_rng,
+        };
         match dtype {
             DType::U8
             | DType::U32

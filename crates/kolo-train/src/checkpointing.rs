@@ -1,0 +1,278 @@
+//! Checkpoints of a data-parallel run: every rank writes its pieces (the whole model from
+//! rank 0 under DDP, each rank's shard under ZeRO) and rank 0 commits the directory; loading
+//! assembles whole tensors, so a checkpoint reloads at any world size and ZeRO stage.
+
+use crate::sampler::Position;
+use crate::TrainError;
+use kolo_checkpoint::Piece;
+use kolo_comm::Communicator;
+use kolo_ddp::ShardPlan;
+use kolo_optim::{LossScaler, Optimizer};
+use kolo_tensor::ParamSet;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The newest checkpoint in a directory of them (`step-*` directories with a manifest, or
+/// older single-file `step-*.safetensors`), or the path itself when it is one checkpoint.
+/// The newest complete checkpoint in directory `dir`, if there is one (elastic restarts).
+pub fn newest_checkpoint(dir: &Path) -> Option<PathBuf> {
+    dir.is_dir().then(|| resolve_checkpoint(dir).ok()).flatten()
+}
+
+pub fn resolve_checkpoint(p: &Path) -> Result<PathBuf, TrainError> {
+    if !p.is_dir() || p.join(kolo_checkpoint::sharded::MANIFEST).exists() {
+        return Ok(p.to_path_buf());
+    }
+    let step_of = |f: &Path| -> Option<u64> {
+        let name = f.file_name()?.to_string_lossy().into_owned();
+        let num = name.strip_prefix("step-")?;
+        let num = num.strip_suffix(".safetensors").unwrap_or(num);
+        let complete = f.join(kolo_checkpoint::sharded::MANIFEST).is_file() || (f.is_file() && name.ends_with(".safetensors"));
+        complete.then(|| num.parse().ok()).flatten()
+    };
+    std::fs::read_dir(p)
+        .map_err(|e| TrainError::Data(format!("{}: {e}", p.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter_map(|f| step_of(&f).map(|s| (s, f)))
+        .max()
+        .map(|(_, f)| f)
+        .ok_or_else(|| TrainError::Data(format!("no complete checkpoint (step-*) in {}", p.display())))
+}
+
+/// A checkpoint being written on a background thread.
+pub struct PendingSave {
+    pub target: PathBuf,
+    /// `None` when it was written synchronously.
+    pub thread: Option<std::thread::JoinHandle<Result<(), kolo_checkpoint::CheckpointError>>>,
+}
+
+impl PendingSave {
+    pub fn wait(self) -> Result<PathBuf, TrainError> {
+        match self.thread.map(|t| t.join()) {
+            None => Ok(self.target),
+            Some(Ok(r)) => r.map(|_| self.target).map_err(TrainError::from),
+            Some(Err(_)) => Err(TrainError::Other(format!("the background writer of {} panicked", self.target.display()))),
+        }
+    }
+}
+
+/// Collective: every rank writes its pieces (the whole model from rank 0 for plain DDP, each
+/// rank's shard under ZeRO), then rank 0 commits the checkpoint directory. `master` is this
+/// rank's shard of the parameters under ZeRO (unused otherwise). With `background`, the pieces
+/// are copied and written by a thread (rank 0's thread commits once every shard file is there)
+/// while training continues.
+#[allow(clippy::too_many_arguments)]
+pub fn save_checkpoint(
+    dir: &Path,
+    step: u64,
+    params: &ParamSet,
+    master: &[f32],
+    opt: &Optimizer,
+    zero: Option<&ShardPlan>,
+    comm: &dyn Communicator,
+    pos: Position,
+    meta_base: &BTreeMap<String, String>,
+    background: bool,
+    crash: bool,
+) -> Result<PendingSave, TrainError> {
+    let (rank, world) = (comm.rank().get(), comm.world_size().get());
+    let target = dir.join(format!("step-{step:08}"));
+    if rank == 0 {
+        std::fs::create_dir_all(dir).map_err(|source| kolo_checkpoint::CheckpointError::Io { path: dir.to_path_buf(), source })?;
+        kolo_checkpoint::sharded::begin(&target)?;
+    }
+    comm.barrier()?;
+    let list: Vec<_> = params.iter().collect();
+    let mut pieces = Vec::new();
+    match zero {
+        None if rank == 0 => {
+            let flat = params.to_flat()?;
+            for p in &list {
+                pieces.push(Piece {
+                    name: format!("model.{}", p.name),
+                    shape: p.shape.clone(),
+                    offset: 0,
+                    data: flat[p.range.clone()].to_vec(),
+                });
+                for (state, buf) in opt.state() {
+                    pieces.push(Piece {
+                        name: format!("optim.{state}.{}", p.name),
+                        shape: p.shape.clone(),
+                        offset: 0,
+                        data: buf[p.range.clone()].to_vec(),
+                    });
+                }
+            }
+        }
+        None => {}
+        Some(plan) => {
+            for seg in &plan.segments {
+                let p = &list[seg.param];
+                let at = seg.shard_offset;
+                pieces.push(Piece {
+                    name: format!("model.{}", p.name),
+                    shape: p.shape.clone(),
+                    offset: seg.within.start,
+                    data: master[at..at + seg.within.len()].to_vec(),
+                });
+                for (state, buf) in opt.state() {
+                    let data = buf[seg.shard_offset..seg.shard_offset + seg.within.len()].to_vec();
+                    pieces.push(Piece {
+                        name: format!("optim.{state}.{}", p.name),
+                        shape: p.shape.clone(),
+                        offset: seg.within.start,
+                        data,
+                    });
+                }
+            }
+        }
+    }
+    let writers = if zero.is_some() { world } else { 1 };
+    let mut meta = meta_base.clone();
+    meta.insert("kolo.step".into(), step.to_string());
+    meta.insert("kolo.optimizer_steps".into(), opt.steps().to_string());
+    meta.insert("kolo.data_epoch".into(), pos.epoch.to_string());
+    meta.insert("kolo.data_batch".into(), pos.batch.to_string());
+    if background {
+        let (t, timeout) = (target.clone(), comm.timeout());
+        let thread = std::thread::Builder::new()
+            .name("kolo-checkpoint".into())
+            .spawn(move || {
+                if !pieces.is_empty() {
+                    kolo_checkpoint::sharded::write_shard(&t, rank, writers, &pieces)?;
+                }
+                drop(pieces);
+                if rank == 0 {
+                    kolo_checkpoint::sharded::commit_when_complete(&t, writers, &meta, timeout)?;
+                }
+                Ok(())
+            })
+            .map_err(|e| TrainError::Other(format!("cannot start the checkpoint writer: {e}")))?;
+        return Ok(PendingSave { target, thread: Some(thread) });
+    }
+    if !pieces.is_empty() {
+        kolo_checkpoint::sharded::write_shard(&target, rank, writers, &pieces)?;
+    }
+    if crash {
+        eprintln!("rank {rank}: crashing in the middle of saving {} (test hook)", target.display());
+        std::process::abort();
+    }
+    // Commit only once every rank's shard is on disk; nobody runs ahead before the commit.
+    comm.barrier()?;
+    if rank == 0 {
+        kolo_checkpoint::sharded::commit(&target, &meta)?;
+    }
+    comm.barrier()?;
+    Ok(PendingSave { target, thread: None })
+}
+
+pub struct Resumed {
+    pub step: u64,
+    pub pos: Position,
+    /// f16: the loss scaler's (scale, good steps, skipped steps).
+    pub loss_scale: Option<(f64, u64, u64)>,
+    /// Dynamic batch sizing: the per-rank shares of the global batch when it was written.
+    pub batch_split: Option<Vec<usize>>,
+}
+
+/// Metadata keys of the loop's own state (beyond parameters, optimizer and data position).
+const LOSS_SCALE_KEY: &str = "kolo.loss_scale";
+const BATCH_SPLIT_KEY: &str = "kolo.batch_split";
+
+/// The loop state a checkpoint carries in its metadata: the f16 loss scaler and the dynamic
+/// batch split (issue #16: without them a resumed run was not the uninterrupted one).
+pub fn loop_state_meta(scaler: Option<&LossScaler>, split: Option<&[usize]>) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    if let Some(s) = scaler {
+        let (scale, good, skipped) = s.state();
+        m.insert(LOSS_SCALE_KEY.to_string(), format!("{scale:e},{good},{skipped}"));
+    }
+    if let Some(split) = split {
+        m.insert(BATCH_SPLIT_KEY.to_string(), split.iter().map(usize::to_string).collect::<Vec<_>>().join(","));
+    }
+    m
+}
+
+/// Loads a checkpoint written at any world size and ZeRO stage: whole tensors are assembled,
+/// then this rank takes the parameters (all of them) and its optimizer state (all of it, or its
+/// shard under ZeRO).
+pub fn load_checkpoint(
+    path: &Path,
+    params: &ParamSet,
+    flat: &mut [f32],
+    opt: &mut Optimizer,
+    zero: Option<&ShardPlan>,
+    ranges: &[std::ops::Range<usize>],
+    meta_base: &BTreeMap<String, String>,
+) -> Result<Resumed, TrainError> {
+    let ck = kolo_checkpoint::load_any(path)?;
+    let incompatible =
+        |what: String| TrainError::Checkpoint(kolo_checkpoint::CheckpointError::Incompatible { path: path.to_path_buf(), what });
+    for key in ["kolo.model", "kolo.optimizer"] {
+        let theirs = ck.meta(path, key)?;
+        if theirs != meta_base[key] {
+            return Err(incompatible(format!("it was written for {key} = {theirs}, this run has {}", meta_base[key])));
+        }
+    }
+    let num = |key: &str| -> Result<u64, TrainError> {
+        ck.meta(path, key)?.parse::<u64>().map_err(|_| incompatible(format!("metadata `{key}` is not a number")))
+    };
+    let mut states: Vec<(&str, Vec<f32>)> = opt.spec().state_names().iter().map(|s| (*s, vec![0f32; flat.len()])).collect();
+    for p in params.iter() {
+        let e = ck.get(&format!("model.{}", p.name)).ok_or_else(|| incompatible(format!("parameter `{}` is missing", p.name)))?;
+        if e.shape != p.shape || e.data.len() != p.range.len() {
+            return Err(incompatible(format!("parameter `{}` has shape {:?}, the model has {:?}", p.name, e.shape, p.shape)));
+        }
+        flat[p.range.clone()].copy_from_slice(&e.data);
+        for (state, buf) in states.iter_mut() {
+            let e = ck
+                .get(&format!("optim.{state}.{}", p.name))
+                .ok_or_else(|| incompatible(format!("optimizer state `{state}` of `{}` is missing", p.name)))?;
+            // Checked like the parameter itself: a mismatched length must not reach the copy.
+            if e.shape != p.shape || e.data.len() != p.range.len() {
+                return Err(incompatible(format!(
+                    "optimizer state `{state}` of `{}` has shape {:?}, the model has {:?}",
+                    p.name, e.shape, p.shape
+                )));
+            }
+            buf[p.range.clone()].copy_from_slice(&e.data);
+        }
+    }
+    if let Some(plan) = zero {
+        for (_, buf) in states.iter_mut() {
+            let mut mine = vec![0f32; plan.len];
+            plan.gather(ranges, buf, &mut mine);
+            *buf = mine;
+        }
+    }
+    opt.load_state(num("kolo.optimizer_steps")?, &states).map_err(incompatible)?;
+    let mut pos = Position { epoch: num("kolo.data_epoch")?, batch: num("kolo.data_batch")? };
+    // At another world size or batch size, continue after the same number of examples of the epoch.
+    let (w0, b0) = (num("kolo.world_size")?, num("kolo.batch_size")?);
+    let (w1, b1): (u64, u64) = (meta_base["kolo.world_size"].parse().unwrap_or(w0), meta_base["kolo.batch_size"].parse().unwrap_or(b0));
+    if (w0, b0) != (w1, b1) {
+        pos.batch = pos.batch * w0 * b0 / (w1 * b1).max(1);
+    }
+    let parse_err = |key: &str| incompatible(format!("metadata `{key}` is malformed"));
+    let loss_scale = match ck.meta.get(LOSS_SCALE_KEY) {
+        Some(v) => {
+            let f: Vec<&str> = v.split(',').collect();
+            match (
+                f.first().and_then(|x| x.parse::<f64>().ok()),
+                f.get(1).and_then(|x| x.parse().ok()),
+                f.get(2).and_then(|x| x.parse().ok()),
+            ) {
+                (Some(scale), Some(good), Some(skipped)) if f.len() == 3 && scale.is_finite() && scale > 0.0 => {
+                    Some((scale, good, skipped))
+                }
+                _ => return Err(parse_err(LOSS_SCALE_KEY)),
+            }
+        }
+        None => None,
+    };
+    let batch_split = match ck.meta.get(BATCH_SPLIT_KEY) {
+        Some(v) => Some(v.split(',').map(|x| x.parse::<usize>().map_err(|_| parse_err(BATCH_SPLIT_KEY))).collect::<Result<Vec<_>, _>>()?),
+        None => None,
+    };
+    Ok(Resumed { step: num("kolo.step")?, pos, loss_scale, batch_split })
+}

@@ -1,0 +1,64 @@
+//! Your own candle model under Kolo's DDP: an MLP written with candle-nn, trained on MNIST.
+//!
+//!   cargo run --release --example user_mlp
+//!   kolo launch -n 2 -- target/release/examples/user_mlp        (2 processes, DDP over TCP/shm)
+//!
+//! Flags: --steps N (300), --batch B per rank (32), --lr (1e-3), --optim adamw|sgd,
+//! --zero 0|1|2, --seed S (0), --data DIR (test-data/mnist), --out DIR (checkpoints/user_mlp).
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+use candle_nn::{linear, loss::cross_entropy, Linear, Module, VarBuilder, VarMap};
+use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
+
+struct Mlp(Linear, Linear, Linear);
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.2.forward(&self.1.forward(&self.0.forward(x)?.relu()?)?.relu()?)
+    }
+}
+
+/// The examples at `idx` as (images, labels) tensors.
+fn tensors(data: &Mnist, idx: &[usize], dist: &kolo::Dist) -> Result<(Tensor, Tensor)> {
+    let x: Vec<f32> = idx.iter().flat_map(|&i| data.image(i).iter().copied()).collect();
+    let y: Vec<u32> = idx.iter().map(|&i| u32::from(data.labels()[i])).collect();
+    Ok((Tensor::from_vec(x, (idx.len(), 784), &dist.device())?, Tensor::from_vec(y, idx.len(), &dist.device())?))
+}
+
+pub fn train(args: &[String]) -> Result<Vec<f32>> {
+    let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
+    let (steps, batch): (u64, usize) = (arg("--steps", "300").parse()?, arg("--batch", "32").parse()?);
+    let dist = kolo::init()?;
+    dist.device().set_seed(arg("--seed", "0").parse()?)?; // the same initial weights in every run
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
+    let model = Mlp(linear(784, 128, vb.pp("fc1"))?, linear(128, 128, vb.pp("fc2"))?, linear(128, 10, vb.pp("fc3"))?);
+    let (optim, lr, zero) = (arg("--optim", "adamw"), arg("--lr", "1e-3"), arg("--zero", "0"));
+    let toml = format!("[optim]\nkind = \"{optim}\"\nlr = {lr}\n[ddp]\nzero_stage = {zero}\n[train]\nsteps = {steps}\n");
+    let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_toml_str(&toml)?)?;
+    let (train, test) =
+        (Mnist::load(arg("--data", "test-data/mnist").as_ref(), "train")?, Mnist::load(arg("--data", "test-data/mnist").as_ref(), "t10k")?);
+    let (world, rank) = (dist.world_size(), dist.rank());
+    let cfg = SamplerConfig { len: train.len(), world, rank, batch, seed: 0, shuffle: true, drop_last: true };
+    let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
+    for step in 1..=steps {
+        let (x, y) = tensors(&train, &sampler.next_batch(), &dist)?;
+        let out = trainer.step(|| cross_entropy(&model.forward(&x)?, &y))?;
+        let loss = dist.mean(out.loss.into())?;
+        if dist.is_main() && (step % 50 == 0 || step == steps) {
+            println!("step {step}: loss {loss:.4} lr {:.2e}", out.lr);
+        }
+    }
+    let (x, y) = tensors(&test, &(0..test.len()).collect::<Vec<_>>(), &dist)?;
+    let right = model.forward(&x)?.argmax(1)?.eq(&y)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+    let saved = trainer.save(arg("--out", "checkpoints/user_mlp"))?; // collective: every rank
+    if dist.is_main() {
+        println!("test accuracy {:.2}% on {} images; checkpoint {}", 100.0 * right / test.len() as f32, test.len(), saved.display());
+    }
+    trainer.flat_params()
+}
+
+#[allow(dead_code)]
+fn main() -> Result<()> {
+    train(&std::env::args().collect::<Vec<_>>()).map(|_| ())
+}

@@ -1,0 +1,163 @@
+//! Joining a job: the communicator of this process, from the environment that `kolo launch`,
+//! torchrun, Slurm or mpirun set (or a world of one when nothing is set).
+
+use kolo_collectives::{bootstrap, Bootstrapped, HostComm, HostCommConfig};
+use kolo_comm::{BufMut, Communicator, ReduceOp};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// Which library carries the collectives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Backend {
+    /// MPI when this kolo was built with it (`--features mpi`) and mpirun started it, else builtin.
+    #[default]
+    Auto,
+    /// Kolo's own transport (TCP and shared memory).
+    Builtin,
+    /// The MPI library (needs a `--features mpi` build and an MPI launcher).
+    Mpi,
+    /// NVIDIA's NCCL on GPUs (needs a `--features nccl` build, a GPU per rank and libnccl at
+    /// run time); the ranks meet over the built-in transport first to share NCCL's id.
+    Nccl,
+}
+
+/// How [`init_with`] joins the job.
+#[derive(Clone, Debug, Default)]
+pub struct InitOptions {
+    pub backend: Backend,
+    /// The built-in transport's settings (deadline of every collective, links, algorithms).
+    pub comm: HostCommConfig,
+}
+
+/// This process's place in the job and its communicator (torch's process group).
+#[derive(Clone)]
+pub struct Dist {
+    comm: Arc<dyn Communicator>,
+    host: Option<Arc<HostComm>>,
+    local_rank: usize,
+    local_world_size: usize,
+}
+
+impl std::fmt::Debug for Dist {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Dist {{ rank: {}, world_size: {}, local_rank: {} }}", self.rank(), self.world_size(), self.local_rank)
+    }
+}
+
+impl Dist {
+    /// This process's rank, 0-based.
+    pub fn rank(&self) -> usize {
+        self.comm.rank().get()
+    }
+    /// Processes in the job.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size().get()
+    }
+    /// Rank among the processes on this host.
+    pub fn local_rank(&self) -> usize {
+        self.local_rank
+    }
+    /// Processes on this host.
+    pub fn local_world_size(&self) -> usize {
+        self.local_world_size
+    }
+    /// Whether this is rank 0 (the one that logs and writes single-writer files).
+    pub fn is_main(&self) -> bool {
+        self.rank() == 0
+    }
+    /// The communicator, for collectives of the user's own (`kolo_comm::Communicator`).
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+    /// The built-in transport's handle when that is the backend (its flight recorder).
+    pub fn host(&self) -> Option<&Arc<HostComm>> {
+        self.host.as_ref()
+    }
+    /// The device this process trains on (the CPU; see `kolo_tensor::set_device`).
+    pub fn device(&self) -> candle_core::Device {
+        kolo_tensor::device()
+    }
+    /// Collective: waits until every rank has called it.
+    pub fn barrier(&self) -> Result<(), kolo_comm::CommError> {
+        self.comm.barrier()
+    }
+    /// Collective: the mean of `v` over the ranks (a loss for logging).
+    pub fn mean(&self, v: f64) -> Result<f64, kolo_comm::CommError> {
+        let mut b = [v];
+        self.comm.all_reduce(BufMut::from(&mut b[..]), ReduceOp::Sum)?;
+        Ok(b[0] / self.world_size() as f64)
+    }
+}
+
+/// Joins the job this process was started in, as [`init_with`] with the defaults: MPI when
+/// mpirun started it and this kolo has MPI, else the built-in transport; a 300 s deadline on
+/// every collective.
+pub fn init() -> anyhow::Result<Dist> {
+    init_with(&InitOptions::default())
+}
+
+/// Joins the job on the chosen backend. Without launcher variables the process is a world of
+/// one. From then on `SIGUSR1` prints the built-in communicator's flight recorder (its last
+/// collectives, the one in progress marked) to stderr, also while a collective hangs.
+pub fn init_with(o: &InitOptions) -> anyhow::Result<Dist> {
+    let timeout = o.comm.timeout;
+    let mpi = match o.backend {
+        Backend::Mpi => true,
+        Backend::Builtin => false,
+        Backend::Nccl => {
+            let b = join_builtin(o.comm.clone())?;
+            let comm = kolo_nccl::connect(&*b.comm, kolo_nccl::default_device(), timeout)?;
+            return Ok(Dist { comm, host: None, local_rank: b.local_rank, local_world_size: b.local_world_size });
+        }
+        Backend::Auto => kolo_mpi::AVAILABLE && kolo_mpi::launched_by_mpi(),
+    };
+    if mpi {
+        let comm = kolo_mpi::world(timeout)?;
+        let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| anyhow::anyhow!(e))?;
+        let (local_rank, local_world_size) = env.map_or((0, 1), |e| (e.local_rank, e.local_world_size));
+        return Ok(Dist { comm, host: None, local_rank, local_world_size });
+    }
+    let b = join_builtin(o.comm.clone())?;
+    Ok(Dist { comm: b.comm.clone(), host: Some(b.comm), local_rank: b.local_rank, local_world_size: b.local_world_size })
+}
+
+/// Joins over the built-in transport.
+pub fn join_builtin(cfg: HostCommConfig) -> anyhow::Result<Bootstrapped> {
+    let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| anyhow::anyhow!(e))?;
+    let b = bootstrap(env.as_ref(), cfg)?;
+    dump_on_sigusr1(Arc::downgrade(&b.comm));
+    Ok(b)
+}
+
+static DUMP_REQUESTED: AtomicBool = AtomicBool::new(false);
+static DUMP_INSTALLED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_sigusr1(_: libc::c_int) {
+    DUMP_REQUESTED.store(true, Ordering::SeqCst);
+}
+
+/// Installs the `SIGUSR1` handler (it only sets a flag) and a thread that prints the flight
+/// recorder when the flag is set; the thread ends with the communicator.
+fn dump_on_sigusr1(comm: Weak<HostComm>) {
+    if DUMP_INSTALLED.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = on_sigusr1 as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut());
+    }
+    let _ = std::thread::Builder::new().name("kolo-sigusr1".into()).spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(50));
+        let Some(c) = comm.upgrade() else {
+            DUMP_INSTALLED.store(false, Ordering::SeqCst);
+            return;
+        };
+        if DUMP_REQUESTED.swap(false, Ordering::SeqCst) {
+            eprint!("{}", c.flight_record());
+        }
+    });
+}

@@ -1,0 +1,35 @@
+//! Kolo as a library: distributed data-parallel training of your own candle model.
+//!
+//! ```no_run
+//! use candle_nn::{Module, VarBuilder, VarMap};
+//! # fn main() -> anyhow::Result<()> {
+//! let dist = kolo::init()?; // from `kolo launch`, torchrun, Slurm or mpirun variables
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dist.device());
+//! let model = candle_nn::linear(784, 10, vb.pp("fc"))?;
+//! let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::default())?;
+//! let (x, y) = (candle_core::Tensor::zeros((8, 784), candle_core::DType::F32, &dist.device())?,
+//!               candle_core::Tensor::zeros(8, candle_core::DType::U32, &dist.device())?);
+//! let out = trainer.step(|| candle_nn::loss::cross_entropy(&model.forward(&x)?, &y))?;
+//! println!("loss {}", dist.mean(out.loss as f64)?);
+//! trainer.save("checkpoints")?;
+//! # Ok(()) }
+//! ```
+//!
+//! Build it against Kolo's vendored candle (its `[patch.crates-io]` entries): the trainer
+//! needs the gradient-ready hook of `vendor/candle-core`, and `vendor/candle-nn` makes the
+//! fused softmax, layer norm, RMS norm and rotary kernels pass gradients.
+
+pub mod data;
+pub mod dist;
+mod trainer;
+
+/// The candle this Kolo is built with (use it to avoid a second copy in your build).
+pub use candle_core;
+/// The candle-nn this Kolo is built with.
+pub use candle_nn;
+pub use dist::{init, init_with, Dist, InitOptions};
+pub use trainer::{StepOptions, StepOutput, TrainOptions, Trainer};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,252 @@
+//! The library in one process (a world of one): candle-nn layers backpropagate through the
+//! path the trainer uses, accumulation, resume and bad input. Multi-process equivalence is in
+//! `tests/it/user_model.rs`.
+
+use crate::{Dist, TrainOptions, Trainer};
+use candle_core::{DType, Device, Module, Tensor, Var, D};
+use candle_nn::{VarBuilder, VarMap};
+
+fn world_of_one() -> Dist {
+    crate::init_with(&crate::InitOptions { backend: crate::dist::Backend::Builtin, ..Default::default() }).unwrap()
+}
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f64> {
+    let mut r = kolo_base::Rng::new(seed);
+    (0..n).map(|_| r.below(1 << 24) as f64 / f64::from(1 << 23) - 1.0).collect()
+}
+
+/// Checks every gradient the hooked backward hands out (the trainer's path) against central
+/// finite differences, in f64: `loss = sum(f(x) * w)` for fixed random `w`. `x` is a variable
+/// too, so the input gradient is checked as well.
+fn check_layer(what: &str, varmap: &VarMap, x: &Var, f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>) {
+    let out = f(x.as_tensor()).unwrap();
+    let w = Tensor::from_vec(values(out.elem_count(), 7), out.shape(), &Device::Cpu).unwrap();
+    let loss = |_: ()| (f(x.as_tensor()).unwrap() * &w).unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap();
+    let mut vars: Vec<(String, Var)> = varmap.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    vars.push(("input".into(), x.clone()));
+    let mut got = std::collections::HashMap::new();
+    (f(x.as_tensor()).unwrap() * &w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward_with_hook(&mut |v, g| {
+            got.insert(v.id(), g);
+            Ok(())
+        })
+        .unwrap();
+    for (name, var) in &vars {
+        if name == "input" && x.dtype() != DType::F64 {
+            continue; // token ids: no gradient
+        }
+        let g = got.get(&var.as_tensor().id()).unwrap_or_else(|| panic!("{what}: `{name}` received no gradient"));
+        let g = g.flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let base = var.as_tensor().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+        let h = 1e-5;
+        for i in (0..base.len()).step_by((base.len() / 7).max(1)) {
+            let at = |d: f64| {
+                let mut v = base.clone();
+                v[i] += d;
+                var.set(&Tensor::from_vec(v, var.shape(), &Device::Cpu).unwrap()).unwrap();
+                loss(())
+            };
+            let fd = (at(h) - at(-h)) / (2.0 * h);
+            var.set(&Tensor::from_vec(base.clone(), var.shape(), &Device::Cpu).unwrap()).unwrap();
+            assert!(
+                (fd - g[i]).abs() <= 1e-6 * (1.0 + fd.abs()),
+                "{what}: d loss / d {name}[{i}]: backward {} finite differences {fd}",
+                g[i]
+            );
+        }
+    }
+}
+
+/// In f32 (where candle-nn's fused CPU kernels run), every variable and the input receive a
+/// non-zero gradient: upstream's fused layer norm, RMS norm, softmax and rope dropped them.
+fn check_receives(what: &str, varmap: &VarMap, x: &Var, f: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>) {
+    let out = f(x.as_tensor()).unwrap();
+    let w = Tensor::from_vec(values(out.elem_count(), 7).iter().map(|v| *v as f32).collect::<Vec<_>>(), out.shape(), &Device::Cpu).unwrap();
+    let mut got = std::collections::HashMap::new();
+    (out * &w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward_with_hook(&mut |v, g| {
+            got.insert(v.id(), g.sqr()?.sum_all()?.to_scalar::<f32>()?);
+            Ok(())
+        })
+        .unwrap();
+    let vars = varmap.all_vars();
+    for (i, v) in vars.iter().chain(std::iter::once(x)).enumerate() {
+        let sq = got.get(&v.as_tensor().id()).copied().unwrap_or(0.0);
+        assert!(sq > 0.0, "{what} in f32: variable #{i} of {} received no gradient", vars.len() + 1);
+    }
+}
+
+fn input(shape: &[usize], seed: u64) -> Var {
+    Var::from_vec(values(shape.iter().product(), seed), shape, &Device::Cpu).unwrap()
+}
+
+/// Each candle-nn layer a user model is built from passes its gradients, checked against
+/// finite differences. Before Kolo's candle-nn patch the fused softmax, layer norm, RMS norm
+/// and rotary ops dropped them (the parameters received none).
+#[test]
+fn candle_nn_layers_backpropagate_through_the_hook() {
+    let vm = || VarMap::new();
+    let vb = |m: &VarMap| VarBuilder::from_varmap(m, DType::F64, &Device::Cpu);
+    let m = vm();
+    let l = candle_nn::linear(5, 3, vb(&m).pp("lin")).unwrap();
+    check_layer("Linear", &m, &input(&[2, 4, 5], 1), &|x| l.forward(x));
+    let m = vm();
+    let e = candle_nn::embedding(11, 4, vb(&m).pp("emb")).unwrap();
+    let ids = Var::from_vec(vec![3u32, 0, 10, 3, 7], 5, &Device::Cpu).unwrap();
+    check_layer("Embedding", &m, &ids, &|x| e.forward(x));
+    let m = vm();
+    let c = candle_nn::conv2d(2, 3, 3, candle_nn::Conv2dConfig { padding: 1, stride: 1, ..Default::default() }, vb(&m).pp("conv")).unwrap();
+    check_layer("Conv2d", &m, &input(&[2, 2, 5, 5], 2), &|x| c.forward(x));
+    let m = vm();
+    let ln = candle_nn::layer_norm(6, candle_nn::LayerNormConfig::default(), vb(&m).pp("ln")).unwrap();
+    // Perturb the affine parameters away from 1 and 0 so their gradients matter.
+    for v in m.all_vars() {
+        v.set(&(v.as_tensor() + Tensor::from_vec(values(6, 9), 6, &Device::Cpu).unwrap()).unwrap()).unwrap();
+    }
+    check_layer("LayerNorm", &m, &input(&[3, 6], 3), &|x| ln.forward(x));
+    let m = vm();
+    let rms = candle_nn::rms_norm(6, 1e-5, vb(&m).pp("rms")).unwrap();
+    check_layer("RmsNorm", &m, &input(&[3, 6], 4), &|x| rms.forward(x));
+    let m = vm();
+    check_layer("softmax_last_dim", &m, &input(&[3, 7], 5), &|x| candle_nn::ops::softmax_last_dim(x));
+    check_layer("softmax", &m, &input(&[3, 7], 5), &|x| candle_nn::ops::softmax(x, D::Minus1));
+    let (cos, sin) =
+        (Tensor::from_vec(values(8, 11), (4, 2), &Device::Cpu).unwrap(), Tensor::from_vec(values(8, 12), (4, 2), &Device::Cpu).unwrap());
+    check_layer("rope", &m, &input(&[1, 2, 4, 4], 6), &|x| candle_nn::rotary_emb::rope(x, &cos, &sin));
+    check_layer("rope_i", &m, &input(&[1, 2, 4, 4], 6), &|x| candle_nn::rotary_emb::rope_i(x, &cos, &sin));
+
+    let f32_input = |shape: &[usize]| {
+        Var::from_vec(values(shape.iter().product(), 3).iter().map(|v| *v as f32).collect::<Vec<_>>(), shape, &Device::Cpu).unwrap()
+    };
+    let vb32 = |m: &VarMap| VarBuilder::from_varmap(m, DType::F32, &Device::Cpu);
+    let m = vm();
+    let ln = candle_nn::layer_norm(6, candle_nn::LayerNormConfig::default(), vb32(&m).pp("ln")).unwrap();
+    check_receives("LayerNorm", &m, &f32_input(&[3, 6]), &|x| ln.forward(x));
+    let m = vm();
+    let rms = candle_nn::rms_norm(6, 1e-5, vb32(&m).pp("rms")).unwrap();
+    check_receives("RmsNorm", &m, &f32_input(&[3, 6]), &|x| rms.forward(x));
+    let m = vm();
+    check_receives("softmax_last_dim", &m, &f32_input(&[3, 7]), &|x| candle_nn::ops::softmax_last_dim(x));
+    let (cos, sin) = (cos.to_dtype(DType::F32).unwrap(), sin.to_dtype(DType::F32).unwrap());
+    check_receives("rope", &m, &f32_input(&[1, 2, 4, 4]), &|x| candle_nn::rotary_emb::rope(x, &cos, &sin));
+    check_receives("rope_i", &m, &f32_input(&[1, 2, 4, 4]), &|x| candle_nn::rotary_emb::rope_i(x, &cos, &sin));
+}
+
+/// A two-layer model over the VarMap, and a fixed batch of `n` examples from `seed`.
+struct Small {
+    varmap: VarMap,
+    l1: candle_nn::Linear,
+    l2: candle_nn::Linear,
+}
+
+fn small() -> Small {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let (l1, l2) = (candle_nn::linear(6, 8, vb.pp("l1")).unwrap(), candle_nn::linear(8, 3, vb.pp("l2")).unwrap());
+    // The same starting values in every model of the test.
+    for (k, v) in varmap.data().lock().unwrap().iter() {
+        let seed = k.bytes().map(u64::from).sum::<u64>();
+        v.set(
+            &Tensor::from_vec(values(v.elem_count(), seed).iter().map(|x| *x as f32 * 0.5).collect::<Vec<_>>(), v.shape(), &Device::Cpu)
+                .unwrap(),
+        )
+        .unwrap();
+    }
+    Small { varmap, l1, l2 }
+}
+
+impl Small {
+    fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::loss::cross_entropy(&self.l2.forward(&self.l1.forward(x)?.tanh()?)?, y)
+    }
+}
+
+fn batch(n: usize, seed: u64) -> (Tensor, Tensor) {
+    let x = Tensor::from_vec(values(n * 6, seed).iter().map(|v| *v as f32).collect::<Vec<_>>(), (n, 6), &Device::Cpu).unwrap();
+    let y = Tensor::from_vec((0..n as u32).map(|i| (i * 7 + seed as u32) % 3).collect::<Vec<_>>(), n, &Device::Cpu).unwrap();
+    (x, y)
+}
+
+fn opts(toml: &str) -> TrainOptions {
+    TrainOptions::from_toml_str(toml).unwrap()
+}
+
+/// Two micro-steps of 4 examples with `grad_accum = 2` equal one step of the 8 (the loss is the
+/// mean, and each micro-step's loss is halved); only the second call steps.
+#[test]
+fn accumulation_equals_the_whole_batch() {
+    let dist = world_of_one();
+    let sgd = "[optim]\nkind = \"sgd\"\nlr = 0.5\n";
+    let (a, b) = (small(), small());
+    let mut whole = Trainer::new(&a.varmap, &dist, opts(sgd)).unwrap();
+    let mut accum = Trainer::new(&b.varmap, &dist, opts(&format!("{sgd}[train]\ngrad_accum = 2\n"))).unwrap();
+    for s in 0..3 {
+        let (x, y) = batch(8, s);
+        assert!(whole.step(|| a.loss(&x, &y)).unwrap().stepped);
+        let first = accum.step(|| b.loss(&x.narrow(0, 0, 4)?, &y.narrow(0, 0, 4)?)).unwrap();
+        assert!(!first.stepped);
+        assert!(accum.step(|| b.loss(&x.narrow(0, 4, 4)?, &y.narrow(0, 4, 4)?)).unwrap().stepped);
+    }
+    let (p, q) = (whole.flat_params().unwrap(), accum.flat_params().unwrap());
+    let d = p.iter().zip(&q).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(d < 1e-6, "accumulated run differs by {d}");
+    assert_eq!(accum.steps_done(), 3);
+}
+
+/// Stopping after 3 AdamW steps with clipping, saving, and resuming into a fresh model gives
+/// bitwise the run that never stopped (the optimizer state and step count are restored).
+#[test]
+fn resume_continues_bitwise() {
+    let dist = world_of_one();
+    let dir = std::env::temp_dir().join(format!("kolo-lib-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = "[optim]\nkind = \"adamw\"\nlr = 0.01\nclip_grad_norm = 0.5\nschedule = \"cosine\"\nwarmup_steps = 2\n[train]\nsteps = 6\n";
+    let (a, b) = (small(), small());
+    let mut straight = Trainer::new(&a.varmap, &dist, opts(o)).unwrap();
+    for s in 0..6 {
+        let (x, y) = batch(8, s);
+        straight.step(|| a.loss(&x, &y)).unwrap();
+    }
+    let mut first = Trainer::new(&b.varmap, &dist, opts(o)).unwrap();
+    for s in 0..3 {
+        let (x, y) = batch(8, s);
+        first.step(|| b.loss(&x, &y)).unwrap();
+    }
+    first.save(&dir).unwrap();
+    let c = small();
+    let mut resumed = Trainer::new(&c.varmap, &dist, opts(o)).unwrap();
+    assert_eq!(resumed.resume(&dir).unwrap(), 3);
+    for s in 3..6 {
+        let (x, y) = batch(8, s);
+        resumed.step(|| c.loss(&x, &y)).unwrap();
+    }
+    assert_eq!(straight.flat_params().unwrap(), resumed.flat_params().unwrap());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Bad input gives one error naming what is wrong.
+#[test]
+fn bad_models_and_losses_are_named() {
+    let dist = world_of_one();
+    let e = Trainer::new(&VarMap::new(), &dist, TrainOptions::default()).err().unwrap().to_string();
+    assert!(e.contains("holds no parameters"), "{e}");
+    let s = small();
+    let mut t = Trainer::new(&s.varmap, &dist, TrainOptions::default()).unwrap();
+    let (x, y) = batch(4, 1);
+    let e = t.step(|| s.l1.forward(&x)).err().unwrap().to_string();
+    assert!(e.contains("shape [4, 8]") && e.contains("scalar"), "{e}");
+    let outside = Var::from_vec(vec![0.5f32; 3], 3, &Device::Cpu).unwrap();
+    let e = t.step(|| s.loss(&x, &y)? + outside.as_tensor().sum_all()?).err().unwrap().to_string();
+    assert!(e.contains("outside the VarMap") && e.contains("[3]"), "{e}");
+    let half = VarMap::new();
+    candle_nn::linear(2, 2, VarBuilder::from_varmap(&half, DType::BF16, &Device::Cpu).pp("h")).unwrap();
+    let e = Trainer::new(&half, &dist, TrainOptions::default()).err().unwrap().to_string();
+    assert!(e.contains("h.") && e.contains("BF16"), "{e}");
+}

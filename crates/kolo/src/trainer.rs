@@ -1,0 +1,399 @@
+//! [`Trainer`]: data-parallel training of any candle model whose parameters live in a
+//! `candle_nn::VarMap` (DDP, bucketed and overlapped with backward, or ZeRO-1/2).
+//!
+//! The model stays the user's: the trainer adopts the VarMap's variables (their storage is
+//! updated in place, so the model sees every step) and drives one step from a loss closure.
+//! Gradients reach DDP's buckets during backward through candle's gradient-ready hook
+//! (`Tensor::backward_with_hook` in Kolo's vendored candle-core): a bucket starts its all-reduce
+//! as soon as its last gradient is final, while backward continues with earlier layers.
+
+use crate::Dist;
+use candle_core::{DType, Tensor, TensorId};
+use candle_nn::VarMap;
+use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
+use kolo_optim::{clip_factor, lr_at, Buffer, Optimizer};
+use kolo_tensor::ParamSet;
+use kolo_train::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint};
+use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig};
+use kolo_train::sampler::Position;
+use kolo_train::TrainError;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What the trainer does, in the keys of `kolo train`'s config file (`[optim]`, `[ddp]`, and
+/// a `[train]` table with `steps` and `grad_accum`), so one TOML file serves both.
+#[derive(Clone, Debug, Default, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainOptions {
+    /// Optimizer, learning rate and its schedule, weight decay, gradient clipping, offload.
+    pub optim: OptimConfig,
+    /// Buckets, deadline, ZeRO stage (0, 1 or 2) and gradient compression.
+    pub ddp: DdpSettings,
+    /// Steps and gradient accumulation.
+    pub train: StepOptions,
+}
+
+/// The `[train]` table of [`TrainOptions`].
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StepOptions {
+    /// Optimizer steps the run will take (the end of a decaying learning-rate schedule).
+    pub steps: u64,
+    /// Micro-steps ([`Trainer::step`] calls) per optimizer step; only the last one
+    /// communicates. The loss of each is divided by this.
+    pub grad_accum: u64,
+}
+
+impl Default for StepOptions {
+    fn default() -> Self {
+        StepOptions { steps: 1000, grad_accum: 1 }
+    }
+}
+
+impl TrainOptions {
+    /// Reads the options from a TOML file (unknown keys are an error).
+    pub fn from_toml(path: impl AsRef<Path>) -> anyhow::Result<TrainOptions> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Self::from_toml_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+
+    /// Parses the options from TOML text.
+    pub fn from_toml_str(text: &str) -> anyhow::Result<TrainOptions> {
+        let o: TrainOptions = toml::from_str(text)?;
+        o.check()?;
+        Ok(o)
+    }
+
+    /// Refuses the settings the trainer cannot honour, naming them.
+    pub fn check(&self) -> anyhow::Result<()> {
+        let d = &self.ddp;
+        let refused = [
+            (d.zero_stage > 2, "ddp.zero_stage = 3 (a user model has no parameter groups to shard yet; use 0, 1 or 2)"),
+            (d.deterministic, "ddp.deterministic (the trainer does not own the batch, which it cuts into pieces)"),
+            (d.local_sgd.is_some(), "ddp.local_sgd"),
+            (d.schedule.is_some(), "ddp.schedule (scheduled communication)"),
+            (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every (the trainer does not own the batch)"),
+            (d.skip_sync, "ddp.skip_sync"),
+            (d.check_collectives, "ddp.check_collectives (wrap the communicator with kolo_comm::Checked instead)"),
+            (self.optim.reference_batch.is_some(), "optim.reference_batch (scale the learning rate yourself)"),
+            (self.train.grad_accum == 0, "train.grad_accum = 0 (at least 1)"),
+        ];
+        if let Some((_, what)) = refused.iter().find(|(bad, _)| *bad) {
+            anyhow::bail!("kolo::Trainer does not support {what}");
+        }
+        if !(self.optim.lr.is_finite() && self.optim.lr >= 0.0) {
+            anyhow::bail!("optim.lr = {} is not a finite, non-negative number", self.optim.lr);
+        }
+        if self.optim.clip_grad_norm.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
+            anyhow::bail!("optim.clip_grad_norm must be a positive number");
+        }
+        d.bucket_cap().map_err(anyhow::Error::msg)?;
+        d.first_bucket_cap().map_err(anyhow::Error::msg)?;
+        d.compression().map_err(anyhow::Error::msg)?;
+        Ok(())
+    }
+}
+
+/// What one [`Trainer::step`] did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepOutput {
+    /// This rank's loss on its micro-batch (before the division for accumulation); average it
+    /// over ranks with [`Dist::mean`] for logging.
+    pub loss: f32,
+    /// Whether this call ended an optimizer step (the last micro-step of an accumulation).
+    pub stepped: bool,
+    /// The learning rate of the optimizer step this call belongs to.
+    pub lr: f32,
+    /// The global gradient norm before clipping, when this call stepped and clipping is on.
+    pub grad_norm: Option<f64>,
+}
+
+/// Data-parallel training of a candle model held in a `VarMap` (torch's
+/// `DistributedDataParallel` plus the optimizer, or DeepSpeed's engine with ZeRO-1/2).
+pub struct Trainer {
+    comm: Arc<dyn Communicator>,
+    params: ParamSet,
+    /// Variable id to parameter index.
+    ids: HashMap<TensorId, usize>,
+    ddp: Ddp,
+    opt: Optimizer,
+    zero: Option<ShardPlan>,
+    master: Buffer,
+    opts: TrainOptions,
+    /// Optimizer steps done.
+    steps: u64,
+    /// Micro-steps done in the current accumulation.
+    micro: u64,
+    /// Gradients of a no-sync micro-step (flat layout).
+    local: Vec<f32>,
+    meta: BTreeMap<String, String>,
+}
+
+/// Orders names as a person would: digit runs compare as numbers (`layers.2` before
+/// `layers.10`), so the flat layout follows the model's layers and DDP's buckets, filled from
+/// the end of that layout, follow backward.
+fn natural_key(name: &str) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    let mut text = String::new();
+    let mut chars = name.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c.is_ascii_digit() {
+            let mut n = c.to_digit(10).unwrap_or(0) as u64;
+            while let Some(d) = chars.peek().and_then(|d| d.to_digit(10)) {
+                n = n.saturating_mul(10).saturating_add(u64::from(d));
+                chars.next();
+            }
+            out.push((std::mem::take(&mut text), n));
+        } else {
+            text.push(c);
+        }
+    }
+    out.push((text, u64::MAX));
+    out
+}
+
+impl Trainer {
+    /// Collective: adopts the VarMap's variables (every rank must have built the same model:
+    /// names and shapes are compared), makes rank 0's initial values everyone's, and sets up
+    /// DDP or ZeRO and the optimizer.
+    pub fn new(varmap: &VarMap, dist: &Dist, opts: TrainOptions) -> anyhow::Result<Trainer> {
+        opts.check()?;
+        let comm = dist.comm().clone();
+        let mut vars: Vec<(String, candle_core::Var)> =
+            varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+        if vars.is_empty() {
+            anyhow::bail!(
+                "rank {}: the VarMap holds no parameters: build the model through VarBuilder::from_varmap(&varmap, ..) before creating the Trainer",
+                dist.rank()
+            );
+        }
+        vars.sort_by_cached_key(|(n, _)| natural_key(n));
+        let mut params = ParamSet::new();
+        let mut ids = HashMap::new();
+        for (name, var) in vars {
+            ids.insert(var.as_tensor().id(), params.len());
+            params.adopt(&name, var)?;
+        }
+        let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
+        comm.set_timeout(timeout);
+        let (compression, compression_warmup) = opts.ddp.compression().map_err(anyhow::Error::msg)?;
+        let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
+        let cfg = kolo_ddp::DdpConfig {
+            bucket_cap: opts.ddp.bucket_cap().map_err(anyhow::Error::msg)?,
+            first_bucket_cap: opts.ddp.first_bucket_cap().map_err(anyhow::Error::msg)?,
+            timeout,
+            sharding,
+            groups: Vec::new(),
+            compression,
+            compression_warmup,
+        };
+        let signature = params.signature();
+        let ddp = Ddp::new(comm.clone(), &signature, cfg)?;
+        let mut flat = params.to_flat()?;
+        ddp.broadcast_params(&mut flat)?;
+        params.load(&flat)?;
+        let zero = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
+        let place = match &opts.optim.offload_dir {
+            Some(d) => kolo_optim::Placement::Disk(d.into()),
+            None => kolo_optim::Placement::Memory,
+        };
+        let opt = Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)?;
+        let mut master = Buffer::zeros(zero.as_ref().map_or(0, |z| z.len), &place, "master")?;
+        if let Some(z) = &zero {
+            z.gather(ddp.ranges(), &flat, master.as_mut_slice());
+            master.release_all();
+        }
+        let mut meta = BTreeMap::new();
+        meta.insert("kolo.model".to_string(), model_fingerprint(&signature));
+        meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optim.spec()));
+        meta.insert("kolo.world_size".to_string(), dist.world_size().to_string());
+        meta.insert("kolo.batch_size".to_string(), "1".to_string());
+        meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
+        let local = vec![0f32; params.numel()];
+        Ok(Trainer { comm, params, ids, ddp, opt, zero, master, opts, steps: 0, micro: 0, local, meta })
+    }
+
+    /// One micro-step: runs `loss` (the forward pass; it must return a scalar), backward with
+    /// the gradients going to DDP's buckets as they become final, and, on the last micro-step
+    /// of an accumulation, the optimizer step (clipping to `optim.clip_grad_norm` first).
+    /// Collective on the micro-steps that step.
+    pub fn step(&mut self, loss: impl FnOnce() -> candle_core::Result<Tensor>) -> anyhow::Result<StepOutput> {
+        let rank = self.comm.rank().get();
+        let accum = self.opts.train.grad_accum.max(1);
+        let sync = self.micro + 1 >= accum;
+        let lr = self.lr();
+        let loss = loss()?;
+        if loss.elem_count() != 1 || !loss.dtype().is_float() {
+            anyhow::bail!(
+                "rank {rank}: the loss closure returned a {:?} tensor of shape {:?}; return a float scalar (for example `.mean_all()`)",
+                loss.dtype(),
+                loss.dims()
+            );
+        }
+        let value = loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
+        let scaled = if accum > 1 { (loss / accum as f64)? } else { loss };
+        let mut failure: Option<anyhow::Error> = None;
+        let ids = &self.ids;
+        let params = &self.params;
+        let unknown = |t: &Tensor| {
+            anyhow::anyhow!(
+                "rank {rank}: a variable of shape {:?} outside the VarMap given to the Trainer received a gradient; Kolo would neither synchronise nor update it (create every parameter through the VarMap's VarBuilder, or detach it)",
+                t.dims()
+            )
+        };
+        if sync {
+            self.ddp.begin_backward();
+            let sink = self.ddp.sink();
+            scaled.backward_with_hook(&mut |var, grad| {
+                let Some(&i) = ids.get(&var.id()) else {
+                    failure.get_or_insert(unknown(var));
+                    return Err(candle_core::Error::Msg("kolo: gradient of a variable outside the VarMap".into()));
+                };
+                kolo_tensor::with_f32(&grad, |g| sink.grad_ready(i, g)).map_err(|e| candle_core::Error::Msg(e.to_string()))
+            })
+        } else {
+            let local = &mut self.local;
+            local.iter_mut().for_each(|g| *g = 0.0);
+            scaled.backward_with_hook(&mut |var, grad| {
+                let Some(&i) = ids.get(&var.id()) else {
+                    failure.get_or_insert(unknown(var));
+                    return Err(candle_core::Error::Msg("kolo: gradient of a variable outside the VarMap".into()));
+                };
+                let r = params.get(i).range.clone();
+                kolo_tensor::with_f32(&grad, |g| local[r].copy_from_slice(g)).map_err(|e| candle_core::Error::Msg(e.to_string()))
+            })
+        }
+        .map_err(|e| failure.take().unwrap_or_else(|| e.into()))?;
+        if !sync {
+            self.ddp.accumulate(&self.local);
+            self.micro += 1;
+            return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None });
+        }
+        let clip = self.opts.optim.clip_grad_norm;
+        let comm = self.comm.clone();
+        let mut norm = None;
+        let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| -> Result<bool, TrainError> {
+            let Some(max) = clip else { return Ok(true) };
+            let mut sq = [g.sum_of_squares()];
+            if sharded {
+                comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
+            }
+            let n = sq[0].sqrt();
+            norm = Some(n);
+            let f = clip_factor(n, max);
+            if f != 1.0 {
+                g.scale(f);
+            }
+            Ok(true)
+        };
+        kolo_train::update::apply_update(&self.ddp, &self.params, &mut self.opt, self.zero.as_ref(), &mut self.master, lr, &mut prepare)?;
+        self.micro = 0;
+        self.steps += 1;
+        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm })
+    }
+
+    /// The learning rate of the next optimizer step (warm-up, then the schedule).
+    pub fn lr(&self) -> f32 {
+        let o = &self.opts.optim;
+        lr_at(o.lr, &o.schedule(), o.warmup_steps, self.opts.train.steps, self.steps)
+    }
+
+    /// Optimizer steps done (restored by [`Trainer::resume`]).
+    pub fn steps_done(&self) -> u64 {
+        self.steps
+    }
+
+    /// The parameters in the trainer's order: `(name, shape)`.
+    pub fn signature(&self) -> Vec<(String, Vec<usize>)> {
+        self.params.signature()
+    }
+
+    /// All parameters, flat, in [`Trainer::signature`] order.
+    pub fn flat_params(&self) -> anyhow::Result<Vec<f32>> {
+        Ok(self.params.to_flat()?)
+    }
+
+    /// DDP's buckets: parameter indices (into [`Trainer::signature`]) per bucket, in the order
+    /// they are communicated.
+    pub fn buckets(&self) -> Vec<Vec<usize>> {
+        self.ddp.plan().iter().map(|b| b.params.clone()).collect()
+    }
+
+    /// Collective: writes a checkpoint of the parameters and optimizer state as
+    /// `dir/step-NNNNNNNN` (each rank its shard under ZeRO; rank 0 commits it atomically once
+    /// every shard is on disk). It reloads at any world size and ZeRO stage.
+    pub fn save(&self, dir: impl AsRef<Path>) -> anyhow::Result<PathBuf> {
+        if self.micro != 0 {
+            anyhow::bail!("save: {} micro-steps of an accumulation are pending; save after the step that completes it", self.micro);
+        }
+        let pending = save_checkpoint(
+            dir.as_ref(),
+            self.steps,
+            &self.params,
+            self.master.as_slice(),
+            &self.opt,
+            self.zero.as_ref(),
+            &*self.comm,
+            Position::default(),
+            &self.meta,
+            false,
+            false,
+        )?;
+        Ok(pending.wait()?)
+    }
+
+    /// Loads a checkpoint written by [`Trainer::save`] (a `step-*` directory, or the directory
+    /// holding them: the newest complete one is taken) at any world size or ZeRO stage, and
+    /// continues from its step. Every rank reads the same files. Returns the step.
+    pub fn resume(&mut self, path: impl AsRef<Path>) -> anyhow::Result<u64> {
+        let path = resolve_checkpoint(path.as_ref())?;
+        let mut flat = vec![0f32; self.params.numel()];
+        let r = load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?;
+        self.params.load(&flat)?;
+        if let Some(z) = &self.zero {
+            z.gather(self.ddp.ranges(), &flat, self.master.as_mut_slice());
+            self.master.release_all();
+        }
+        self.steps = r.step;
+        self.micro = 0;
+        Ok(r.step)
+    }
+}
+
+/// A short text that changes with any parameter's name or shape (checkpoint compatibility).
+fn model_fingerprint(sig: &[(String, Vec<usize>)]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (n, s) in sig {
+        for b in format!("{n}{s:?};").bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    let numel: usize = sig.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    format!("varmap: {} tensors, {numel} values, fnv1a {h:016x}", sig.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::natural_key;
+
+    #[test]
+    fn names_sort_by_their_numbers() {
+        let mut v = vec!["layers.10.w", "layers.2.w", "head", "layers.2.b", "emb"];
+        v.sort_by_cached_key(|n| natural_key(n));
+        assert_eq!(v, ["emb", "head", "layers.2.b", "layers.2.w", "layers.10.w"]);
+    }
+
+    #[test]
+    fn unsupported_settings_are_named() {
+        let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 3\n").unwrap_err().to_string();
+        assert!(e.contains("ddp.zero_stage = 3"), "{e}");
+        let e = super::TrainOptions::from_toml_str("[optim]\nlearning_rate = 1\n").unwrap_err().to_string();
+        assert!(e.contains("learning_rate"), "{e}");
+        let o = super::TrainOptions::from_toml_str("[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\ngrad_accum = 2\n").unwrap();
+        assert_eq!((o.optim.lr, o.train.grad_accum), (0.1, 2));
+    }
+}
