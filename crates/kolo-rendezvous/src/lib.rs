@@ -5,7 +5,7 @@
 //!   [`PrefixStore`] namespaces keys for sub-groups.
 //! * [`auth`]: the job token and the challenge-response handshake that the store and every peer
 //!   connection run before any other byte is trusted. The token itself never crosses the wire.
-//! * [`env`]: turns torchrun, Slurm and Open MPI environment variables into a [`LaunchEnv`].
+//! * [`env`](mod@env): turns torchrun, Slurm and Open MPI environment variables into a [`LaunchEnv`].
 //!   It takes the variables as an argument; only the launcher and the trainer read the process
 //!   environment.
 

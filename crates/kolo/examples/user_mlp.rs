@@ -3,7 +3,7 @@
 //!   cargo run --release --example user_mlp
 //!   kolo launch -n 2 -- target/release/examples/user_mlp        (2 processes, DDP over TCP/shm)
 //!
-//! Flags: --steps N (300), --batch B per rank (32), --lr (1e-3), --optim adamw|sgd,
+//! Flags: --steps N (300), --batch B per rank (32), --hidden H (128), --lr (1e-3), --optim adamw|sgd,
 //! --zero 0|1|2, --seed S (0), --data DIR (test-data/mnist), --out DIR (checkpoints/user_mlp).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
@@ -32,7 +32,8 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     dist.device().set_seed(arg("--seed", "0").parse()?)?; // the same initial weights in every run
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
-    let model = Mlp(linear(784, 128, vb.pp("fc1"))?, linear(128, 128, vb.pp("fc2"))?, linear(128, 10, vb.pp("fc3"))?);
+    let h: usize = arg("--hidden", "128").parse()?;
+    let model = Mlp(linear(784, h, vb.pp("fc1"))?, linear(h, h, vb.pp("fc2"))?, linear(h, 10, vb.pp("fc3"))?);
     let (optim, lr, zero) = (arg("--optim", "adamw"), arg("--lr", "1e-3"), arg("--zero", "0"));
     let toml = format!("[optim]\nkind = \"{optim}\"\nlr = {lr}\n[ddp]\nzero_stage = {zero}\n[train]\nsteps = {steps}\n");
     let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_toml_str(&toml)?)?;
@@ -41,6 +42,7 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     let (world, rank) = (dist.world_size(), dist.rank());
     let cfg = SamplerConfig { len: train.len(), world, rank, batch, seed: 0, shuffle: true, drop_last: true };
     let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
+    let start = std::time::Instant::now();
     for step in 1..=steps {
         let (x, y) = tensors(&train, &sampler.next_batch(), &dist)?;
         let out = trainer.step(|| cross_entropy(&model.forward(&x)?, &y))?;
@@ -49,11 +51,17 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
             println!("step {step}: loss {loss:.4} lr {:.2e}", out.lr);
         }
     }
+    let ms = start.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64;
     let (x, y) = tensors(&test, &(0..test.len()).collect::<Vec<_>>(), &dist)?;
     let right = model.forward(&x)?.argmax(1)?.eq(&y)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
     let saved = trainer.save(arg("--out", "checkpoints/user_mlp"))?; // collective: every rank
     if dist.is_main() {
-        println!("test accuracy {:.2}% on {} images; checkpoint {}", 100.0 * right / test.len() as f32, test.len(), saved.display());
+        println!(
+            "{ms:.2} ms/step; test accuracy {:.2}% on {} images; checkpoint {}",
+            100.0 * right / test.len() as f32,
+            test.len(),
+            saved.display()
+        );
     }
     trainer.flat_params()
 }

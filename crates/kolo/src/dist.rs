@@ -25,6 +25,7 @@ pub enum Backend {
 /// How [`init_with`] joins the job.
 #[derive(Clone, Debug, Default)]
 pub struct InitOptions {
+    /// The library that carries the collectives.
     pub backend: Backend,
     /// The built-in transport's settings (deadline of every collective, links, algorithms).
     pub comm: HostCommConfig,

@@ -20,6 +20,8 @@
 //! needs the gradient-ready hook of `vendor/candle-core`, and `vendor/candle-nn` makes the
 //! fused softmax, layer norm, RMS norm and rotary kernels pass gradients.
 
+#![warn(missing_docs)]
+
 pub mod data;
 pub mod dist;
 mod trainer;

@@ -250,3 +250,24 @@ fn bad_models_and_losses_are_named() {
     let e = Trainer::new(&half, &dist, TrainOptions::default()).err().unwrap().to_string();
     assert!(e.contains("h.") && e.contains("BF16"), "{e}");
 }
+
+/// The hook hands out the last layer's gradients before backward reaches the first layer (so
+/// their bucket's all-reduce can overlap the rest of backward), and each exactly once.
+#[test]
+fn gradients_are_handed_out_last_layer_first() {
+    let s = small();
+    let (x, y) = batch(4, 1);
+    let name: std::collections::HashMap<_, _> =
+        s.varmap.data().lock().unwrap().iter().map(|(k, v)| (v.as_tensor().id(), k.clone())).collect();
+    let mut order = Vec::new();
+    s.loss(&x, &y)
+        .unwrap()
+        .backward_with_hook(&mut |v, _| {
+            order.push(name[&v.id()].clone());
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(order.len(), 4, "{order:?}");
+    let first_l1 = order.iter().position(|n| n.starts_with("l1.")).unwrap();
+    assert!(order[..first_l1].iter().filter(|n| n.starts_with("l2.")).count() == 2, "{order:?}");
+}

@@ -110,6 +110,9 @@ pub struct StepOutput {
     pub lr: f32,
     /// The global gradient norm before clipping, when this call stepped and clipping is on.
     pub grad_norm: Option<f64>,
+    /// When this call stepped: how long the update waited for the gradient buckets after
+    /// backward returned, and the share of the communication time that overlapped backward.
+    pub comm: Option<(Duration, f64)>,
 }
 
 /// Data-parallel training of a candle model held in a `VarMap` (torch's
@@ -271,7 +274,7 @@ impl Trainer {
         if !sync {
             self.ddp.accumulate(&self.local);
             self.micro += 1;
-            return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None });
+            return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None, comm: None });
         }
         let clip = self.opts.optim.clip_grad_norm;
         let comm = self.comm.clone();
@@ -290,10 +293,18 @@ impl Trainer {
             }
             Ok(true)
         };
-        kolo_train::update::apply_update(&self.ddp, &self.params, &mut self.opt, self.zero.as_ref(), &mut self.master, lr, &mut prepare)?;
+        let (stats, _) = kolo_train::update::apply_update(
+            &self.ddp,
+            &self.params,
+            &mut self.opt,
+            self.zero.as_ref(),
+            &mut self.master,
+            lr,
+            &mut prepare,
+        )?;
         self.micro = 0;
         self.steps += 1;
-        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm })
+        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, stats.hidden_fraction())) })
     }
 
     /// The learning rate of the next optimizer step (warm-up, then the schedule).
