@@ -6,7 +6,7 @@
 //! steps ([`Reporter::is_log_step`]): the window's loss average and straggler exchange are
 //! collectives.
 
-use crate::config::{Config, ModelKind};
+use crate::config::{Config, ModelKind, TrainConfig};
 use crate::trainer::{peak_rss, Eval};
 use crate::TrainError;
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
@@ -60,7 +60,24 @@ impl Reporter {
     /// (after a resume). Opens the JSON log, TensorBoard writer and metrics endpoint the config
     /// asks for.
     pub fn new(cfg: &Config, global_rank: usize, quiet: bool, global_batch: usize, start: u64) -> Result<Reporter, TrainError> {
-        let tc = &cfg.train;
+        let tokens_per_example = match cfg.model.kind {
+            ModelKind::Gpt => cfg.model.seq.unwrap_or(128),
+            _ => 1,
+        };
+        Self::for_train(&cfg.train, tokens_per_example, global_rank, quiet, global_batch, start)
+    }
+
+    /// As [`Reporter::new`], from the `[train]` settings alone (the library's trainer, which
+    /// does not know the model's kind): throughput counts `tokens_per_example` per example
+    /// (1: samples/s).
+    pub fn for_train(
+        tc: &TrainConfig,
+        tokens_per_example: usize,
+        global_rank: usize,
+        quiet: bool,
+        global_batch: usize,
+        start: u64,
+    ) -> Result<Reporter, TrainError> {
         let lead = global_rank == 0 && !quiet;
         let json = match &tc.json_log {
             Some(p) => {
@@ -104,10 +121,6 @@ impl Reporter {
             pb.set_position(start);
             pb
         });
-        let tokens_per_example = match cfg.model.kind {
-            ModelKind::Gpt => cfg.model.seq.unwrap_or(128),
-            _ => 1,
-        };
         Ok(Reporter {
             global_rank,
             lead,

@@ -31,7 +31,7 @@ pub use candle_core;
 /// The candle-nn this Kolo is built with.
 pub use candle_nn;
 pub use dist::{init, init_with, Dist, InitOptions};
-pub use trainer::{StepOptions, StepOutput, TrainOptions, Trainer};
+pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 
 #[cfg(test)]
 mod tests;

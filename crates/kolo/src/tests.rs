@@ -271,3 +271,37 @@ fn gradients_are_handed_out_last_layer_first() {
     let first_l1 = order.iter().position(|n| n.starts_with("l1.")).unwrap();
     assert!(order[..first_l1].iter().filter(|n| n.starts_with("l2.")).count() == 2, "{order:?}");
 }
+
+/// The `[train]` table's logging and checkpoints work for a user model: a JSON line per log
+/// window carrying the window's mean loss, TensorBoard events, and a checkpoint every
+/// `checkpoint_every` steps plus the last.
+#[test]
+fn logs_metrics_and_periodic_checkpoints() {
+    let dist = world_of_one();
+    let dir = std::env::temp_dir().join(format!("kolo-lib-logs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let toml = format!(
+        "[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 5\nlog_every = 2\ncheckpoint_every = 2\ncheckpoint_dir = \"{0}/ck\"\njson_log = \"{0}/log-{{rank}}.jsonl\"\ntensorboard_dir = \"{0}/tb\"\n[data]\nbatch_size = 8\n",
+        dir.display()
+    );
+    let s = small();
+    let mut t = Trainer::new(&s.varmap, &dist, opts(&toml)).unwrap();
+    let mut losses = Vec::new();
+    for k in 0..5 {
+        let (x, y) = batch(8, k);
+        losses.push(f64::from(t.step(|| s.loss(&x, &y)).unwrap().loss));
+    }
+    let log = std::fs::read_to_string(dir.join("log-0.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [2, 4, 5], "{log}");
+    for (l, want) in lines.iter().zip([(losses[0] + losses[1]) / 2.0, (losses[2] + losses[3]) / 2.0, losses[4]]) {
+        assert!((l["loss"].as_f64().unwrap() - want).abs() < 1e-6, "{l} vs {want}");
+        assert!(l["samples_per_s"].as_f64().unwrap() > 0.0, "{l}");
+    }
+    let mut cks: Vec<String> = std::fs::read_dir(dir.join("ck")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    cks.sort();
+    assert_eq!(cks, ["step-00000002", "step-00000004", "step-00000005"]);
+    assert!(std::fs::read_dir(dir.join("tb/rank0")).unwrap().next().is_some(), "no TensorBoard events");
+    let _ = std::fs::remove_dir_all(&dir);
+}

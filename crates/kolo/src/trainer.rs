@@ -15,16 +15,17 @@ use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
 use kolo_optim::{clip_factor, lr_at, Buffer, Optimizer};
 use kolo_tensor::ParamSet;
 use kolo_train::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint};
-use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig};
+use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
+use kolo_train::report::{Reporter, StepRecord};
 use kolo_train::sampler::Position;
 use kolo_train::TrainError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// What the trainer does, in the keys of `kolo train`'s config file (`[optim]`, `[ddp]`, and
-/// a `[train]` table with `steps` and `grad_accum`), so one TOML file serves both.
+/// What the trainer does, in the keys of `kolo train`'s config file (`[optim]`, `[ddp]`,
+/// `[train]` and `[data]`'s `batch_size`), so one TOML file serves both.
 #[derive(Clone, Debug, Default, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TrainOptions {
@@ -32,24 +33,28 @@ pub struct TrainOptions {
     pub optim: OptimConfig,
     /// Buckets, deadline, ZeRO stage (0, 1 or 2) and gradient compression.
     pub ddp: DdpSettings,
-    /// Steps and gradient accumulation.
-    pub train: StepOptions,
+    /// Steps, gradient accumulation, logging (`log_every`, `progress`, `json_log`,
+    /// `tensorboard_dir`, `metrics_port`) and checkpoints (`checkpoint_dir`,
+    /// `checkpoint_every`).
+    pub train: TrainConfig,
+    /// What a micro-batch holds, for throughput in the logs.
+    pub data: DataOptions,
 }
 
-/// The `[train]` table of [`TrainOptions`].
+/// The `[data]` table of [`TrainOptions`]: the trainer does not see the batches, so the
+/// throughput it logs counts what this says.
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct StepOptions {
-    /// Optimizer steps the run will take (the end of a decaying learning-rate schedule).
-    pub steps: u64,
-    /// Micro-steps ([`Trainer::step`] calls) per optimizer step; only the last one
-    /// communicates. The loss of each is divided by this.
-    pub grad_accum: u64,
+pub struct DataOptions {
+    /// Examples per rank and micro-step (0: unknown; throughput is then not logged).
+    pub batch_size: usize,
+    /// Tokens per example (sequence models: the sequence length); 1 logs samples/s.
+    pub tokens_per_example: usize,
 }
 
-impl Default for StepOptions {
+impl Default for DataOptions {
     fn default() -> Self {
-        StepOptions { steps: 1000, grad_accum: 1 }
+        DataOptions { batch_size: 0, tokens_per_example: 1 }
     }
 }
 
@@ -81,6 +86,20 @@ impl TrainOptions {
             (d.check_collectives, "ddp.check_collectives (wrap the communicator with kolo_comm::Checked instead)"),
             (self.optim.reference_batch.is_some(), "optim.reference_batch (scale the learning rate yourself)"),
             (self.train.grad_accum == 0, "train.grad_accum = 0 (at least 1)"),
+            (self.train.precision != Precision::F32, "train.precision other than f32 (compute in bf16 by casting inside your model)"),
+            (
+                self.train.device != "cpu",
+                "train.device other than cpu (build the model on its device; GPU training of user models is not there yet)",
+            ),
+            (self.train.strategy != Strategy::Ddp, "train.strategy = \"ps\""),
+            (self.train.seed != 0, "train.seed (seed your model before building it: dist.device().set_seed(..))"),
+            (self.train.eval_every != 0, "train.eval_every (evaluate in your loop)"),
+            (self.train.timeline_dir.is_some(), "train.timeline_dir"),
+            (self.train.checkpoint_background, "train.checkpoint_background"),
+            (
+                self.train.sample_chars != 200 || self.train.sample_temperature != 0.8,
+                "train.sample_* (generation belongs to the built-in GPT)",
+            ),
         ];
         if let Some((_, what)) = refused.iter().find(|(bad, _)| *bad) {
             anyhow::bail!("kolo::Trainer does not support {what}");
@@ -134,6 +153,13 @@ pub struct Trainer {
     /// Gradients of a no-sync micro-step (flat layout).
     local: Vec<f32>,
     meta: BTreeMap<String, String>,
+    /// Logs, progress bar, metrics, TensorBoard and JSON lines (recreated on resume).
+    report: Option<Reporter>,
+    /// When the current optimizer step's first micro-step began.
+    step_start: Option<Instant>,
+    /// This rank's loss summed over the optimizer steps of the current log window (each the
+    /// mean of its micro-steps), and how many.
+    window_loss: (f64, u64),
 }
 
 /// Orders names as a person would: digit runs compare as numbers (`layers.2` before
@@ -217,7 +243,24 @@ impl Trainer {
         meta.insert("kolo.batch_size".to_string(), "1".to_string());
         meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
         let local = vec![0f32; params.numel()];
-        Ok(Trainer { comm, params, ids, ddp, opt, zero, master, opts, steps: 0, micro: 0, local, meta })
+        let report = Some(reporter(&opts, dist.rank(), dist.world_size(), 0)?);
+        Ok(Trainer {
+            comm,
+            params,
+            ids,
+            ddp,
+            opt,
+            zero,
+            master,
+            opts,
+            steps: 0,
+            micro: 0,
+            local,
+            meta,
+            report,
+            step_start: None,
+            window_loss: (0.0, 0),
+        })
     }
 
     /// One micro-step: runs `loss` (the forward pass; it must return a scalar), backward with
@@ -229,6 +272,7 @@ impl Trainer {
         let accum = self.opts.train.grad_accum.max(1);
         let sync = self.micro + 1 >= accum;
         let lr = self.lr();
+        let t0 = *self.step_start.get_or_insert_with(Instant::now);
         let loss = loss()?;
         if loss.elem_count() != 1 || !loss.dtype().is_float() {
             anyhow::bail!(
@@ -271,6 +315,7 @@ impl Trainer {
             })
         }
         .map_err(|e| failure.take().unwrap_or_else(|| e.into()))?;
+        self.window_loss.0 += f64::from(value) / accum as f64;
         if !sync {
             self.ddp.accumulate(&self.local);
             self.micro += 1;
@@ -304,7 +349,43 @@ impl Trainer {
         )?;
         self.micro = 0;
         self.steps += 1;
+        self.step_start = None;
+        self.after_step(t0, &stats, lr)?;
         Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, stats.hidden_fraction())) })
+    }
+
+    /// After an optimizer step: the report (and, at log steps, the collective window: every
+    /// rank reaches the same steps), and the periodic and final checkpoints.
+    fn after_step(&mut self, t0: Instant, stats: &kolo_ddp::SyncStats, lr: f32) -> anyhow::Result<()> {
+        let (done, end) = (self.steps, self.opts.train.steps);
+        self.window_loss.1 += 1;
+        if let Some(r) = self.report.as_mut() {
+            let rec = StepRecord {
+                step_ms: t0.elapsed().as_secs_f64() * 1e3,
+                wait_ms: Some(stats.wait.as_secs_f64() * 1e3),
+                comm_bytes: Some(stats.bytes),
+                hidden: Some(stats.hidden_fraction()),
+                skipped_steps: 0,
+            };
+            r.record(done, rec);
+            if r.is_log_step(done, end) {
+                let (sum, n) = std::mem::take(&mut self.window_loss);
+                r.window(&*self.comm, done, sum / n.max(1) as f64, lr, 0, "")?;
+            }
+            if done == end {
+                r.finish();
+            }
+        }
+        let t = &self.opts.train;
+        if let Some(dir) = t.checkpoint_dir.clone() {
+            if (t.checkpoint_every > 0 && done.is_multiple_of(t.checkpoint_every)) || done == end {
+                let p = self.save(&dir)?;
+                if let Some(r) = &self.report {
+                    r.log(&format!("step {done}: checkpoint {}", p.display()));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The learning rate of the next optimizer step (warm-up, then the schedule).
@@ -371,8 +452,19 @@ impl Trainer {
         }
         self.steps = r.step;
         self.micro = 0;
+        self.step_start = None;
+        self.window_loss = (0.0, 0);
+        // The report restarts at the resumed step (its endpoint and files are reopened).
+        self.report = None;
+        self.report = Some(reporter(&self.opts, self.comm.rank().get(), self.comm.world_size().get(), r.step)?);
         Ok(r.step)
     }
+}
+
+/// The run's reporter: examples per optimizer step over all ranks from `[data] batch_size`.
+fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> anyhow::Result<Reporter> {
+    let global = o.data.batch_size * world * o.train.grad_accum.max(1) as usize;
+    Ok(Reporter::for_train(&o.train, o.data.tokens_per_example.max(1), rank, false, global, start)?)
 }
 
 /// A short text that changes with any parameter's name or shape (checkpoint compatibility).
@@ -404,6 +496,8 @@ mod tests {
         assert!(e.contains("ddp.zero_stage = 3"), "{e}");
         let e = super::TrainOptions::from_toml_str("[optim]\nlearning_rate = 1\n").unwrap_err().to_string();
         assert!(e.contains("learning_rate"), "{e}");
+        let e = super::TrainOptions::from_toml_str("[train]\nprecision = \"bf16\"\n").unwrap_err().to_string();
+        assert!(e.contains("train.precision"), "{e}");
         let o = super::TrainOptions::from_toml_str("[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\ngrad_accum = 2\n").unwrap();
         assert_eq!((o.optim.lr, o.train.grad_accum), (0.1, 2));
     }
