@@ -39,3 +39,9 @@ pub fn tool_missing(what: &str) {
 pub fn wine_csv() -> PathBuf {
     repo_root().join("test-data/tabular/winequality-red.csv")
 }
+
+/// A small GPT-2 saved by `transformers` (`save_pretrained`) and its logits on fixed tokens,
+/// in `test-data/hf/gpt2-tiny` (made by `test-data/hf/make_gpt2_reference.py`).
+pub fn hf_gpt2_tiny() -> PathBuf {
+    repo_root().join("test-data/hf/gpt2-tiny")
+}

@@ -305,3 +305,67 @@ fn logs_metrics_and_periodic_checkpoints() {
     assert!(std::fs::read_dir(dir.join("tb/rank0")).unwrap().next().is_some(), "no TensorBoard events");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The reference ids and the logits `transformers` computed for them.
+fn hf_reference() -> (Tensor, Tensor) {
+    let r = candle_core::safetensors::load(kolo_testkit::files::hf_gpt2_tiny().join("reference.safetensors"), &Device::Cpu).unwrap();
+    (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone())
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// A GPT-2 saved by `transformers` loads into Kolo's candle GPT-2 and gives its logits within
+/// 1e-4 (they reach 10 in magnitude: the reference's parameters carry noise so that every layer
+/// matters); `save_pretrained` writes the same tensor names and shapes back, and they reload to
+/// bitwise the same logits.
+#[test]
+fn hugging_face_gpt2_loads_with_transformers_logits_and_saves_back() {
+    let dir = kolo_testkit::files::hf_gpt2_tiny();
+    let (varmap, model) = crate::hf::load_gpt2(&dir, &Device::Cpu).unwrap();
+    let (ids, want) = hf_reference();
+    let got = model.forward(&ids).unwrap();
+    assert_eq!(got.dims(), want.dims());
+    let d = max_diff(&got, &want);
+    assert!(d < 1e-4, "logits differ from transformers' by {d}");
+    assert!(max_diff(&want, &want.zeros_like().unwrap()) > 1.0, "reference logits too small to tell");
+
+    let out = std::env::temp_dir().join(format!("kolo-hf-save-{}", std::process::id()));
+    crate::hf::save_pretrained(&out, &varmap, model.config()).unwrap();
+    let names = |p: &std::path::Path| {
+        let t = candle_core::safetensors::load(p.join("model.safetensors"), &Device::Cpu).unwrap();
+        let mut v: Vec<(String, Vec<usize>)> = t.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&out), names(&dir));
+    let (_, again) = crate::hf::load_gpt2(&out, &Device::Cpu).unwrap();
+    assert_eq!(max_diff(&again.forward(&ids).unwrap(), &got), 0.0);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Unsupported Hugging Face options, a missing tensor and a wrong shape are one-line errors
+/// naming them.
+#[test]
+fn hugging_face_checkpoints_that_do_not_fit_are_named() {
+    let src = kolo_testkit::files::hf_gpt2_tiny();
+    let dir = std::env::temp_dir().join(format!("kolo-hf-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let load = |cfg: &str| {
+        std::fs::write(dir.join("config.json"), cfg).unwrap();
+        crate::hf::load_gpt2(&dir, &Device::Cpu).err().map(|e| format!("{e:#}")).unwrap_or_default()
+    };
+    let e = load(&cfg.replace("\"scale_attn_by_inverse_layer_idx\": false", "\"scale_attn_by_inverse_layer_idx\": true"));
+    assert!(e.contains("scale_attn_by_inverse_layer_idx"), "{e}");
+    let e = load(&cfg.replace("\"gelu_new\"", "\"relu\""));
+    assert!(e.contains("activation_function \"relu\""), "{e}");
+    let e = load(&cfg.replace("\"n_layer\": 2", "\"n_layer\": 3"));
+    assert!(e.contains("no tensor `transformer.h.2."), "{e}");
+    let e = load(&cfg.replace("\"n_embd\": 48", "\"n_embd\": 40"));
+    assert!(e.contains("`transformer.h.0.attn.c_attn.bias` has shape [144], the model's is [120]"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -7,13 +7,20 @@ use super::{fresh_dir, model_tensors, run, text};
 #[allow(dead_code)]
 mod user_mlp;
 
+#[path = "../../examples/hf_gpt2.rs"]
+#[allow(dead_code)]
+mod hf_gpt2;
+
 /// Not a test on its own: the process the tests below start through `kolo launch` (it runs
-/// the example's `train` with the arguments in `KOLO_EXAMPLE_ARGS`).
+/// the example named by `KOLO_EXAMPLE` with the arguments in `KOLO_EXAMPLE_ARGS`).
 #[test]
 #[ignore = "started by the user_model tests as a launched rank"]
 fn launched_rank() {
     let args: Vec<String> = std::env::var("KOLO_EXAMPLE_ARGS").expect("KOLO_EXAMPLE_ARGS").split(' ').map(String::from).collect();
-    user_mlp::train(&args).unwrap();
+    match std::env::var("KOLO_EXAMPLE").as_deref() {
+        Ok("hf_gpt2") => drop(hf_gpt2::run(&args).unwrap()),
+        _ => drop(user_mlp::train(&args).unwrap()),
+    }
 }
 
 /// Runs the example on `n` launched processes; returns the checkpoint's model tensors.
@@ -23,7 +30,7 @@ fn example(n: usize, args: &str, out: &std::path::Path) -> std::collections::BTr
     let args = format!("{args} --data {} --out {}", kolo_testkit::files::mnist_dir().display(), out.display());
     let o = run(
         &["launch", "-n", &n.to_string(), "--", me, "user_model::launched_rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"],
-        &[("KOLO_EXAMPLE_ARGS", &args)],
+        &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "user_mlp")],
     );
     assert!(o.status.success(), "{n} ranks, {args}: {}", text(&o));
     let dir = std::fs::read_dir(out).unwrap().next().unwrap().unwrap().path();
@@ -52,4 +59,53 @@ fn a_users_candle_model_under_ddp_and_zero_matches_one_process() {
             assert!(d < 2e-6, "{n} ranks, ZeRO-{zero}: `{k}` differs from one process by {d}");
         }
     }
+}
+
+/// A Hugging Face GPT-2 (the one `transformers` saved in test-data) fine-tuned by 2 processes
+/// under ZeRO-1 and exported: the export loads back into Kolo with bitwise the logits the run
+/// computed at its end (written next to it), and they differ from the starting model's, which
+/// equal transformers' reference within 1e-4. (That transformers computes the same logits from
+/// the export is checked by `bench/hf_interop.sh`, which needs torch.)
+#[test]
+fn a_hugging_face_gpt2_fine_tuned_under_zero_exports_what_it_trained() {
+    let dir = fresh_dir("hf-gpt2");
+    let model = kolo_testkit::files::hf_gpt2_tiny();
+    let me = std::env::current_exe().unwrap();
+    let args = format!(
+        "--model {} --out {} --text {} --steps 6 --batch 2 --seq 16 --zero 1 --lr 3e-3",
+        model.display(),
+        dir.display(),
+        kolo_testkit::files::shakespeare().display()
+    );
+    let o = run(
+        &[
+            "launch",
+            "-n",
+            "2",
+            "--",
+            me.to_str().unwrap(),
+            "user_model::launched_rank",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ],
+        &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "hf_gpt2")],
+    );
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("logits differ from transformers' reference by"), "{t}");
+    let dev = candle_core::Device::Cpu;
+    let kolo = candle_core::safetensors::load(dir.join("kolo_logits.safetensors"), &dev).unwrap();
+    let reference = candle_core::safetensors::load(model.join("reference.safetensors"), &dev).unwrap();
+    let ids = kolo["ids"].to_dtype(candle_core::DType::U32).unwrap();
+    let diff = |a: &candle_core::Tensor, b: &candle_core::Tensor| {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    };
+    let (_, exported) = kolo::hf::load_gpt2(&dir, &dev).unwrap();
+    assert_eq!(diff(&exported.forward(&ids).unwrap(), &kolo["logits"]), 0.0, "the export is not the trained model");
+    let (_, start) = kolo::hf::load_gpt2(&model, &dev).unwrap();
+    let start = start.forward(&ids).unwrap();
+    assert!(diff(&start, &reference["logits"]) < 1e-4);
+    assert!(diff(&start, &kolo["logits"]) > 1e-2, "fine-tuning did not change the model");
 }

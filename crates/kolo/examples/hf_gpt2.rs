@@ -1,0 +1,68 @@
+//! Fine-tune a Hugging Face GPT-2 under Kolo's DDP or ZeRO and export it for `transformers`.
+//!
+//!   cargo run --release --example hf_gpt2 -- --model DIR --out DIR
+//!   kolo launch -n 2 -- target/release/examples/hf_gpt2 --model DIR --out DIR --zero 1
+//!
+//! DIR holds `config.json` and `model.safetensors` as `save_pretrained` writes them (default:
+//! test-data/hf/gpt2-tiny, a small random GPT-2 made by transformers). The text (--text,
+//! default data/tinyshakespeare.txt) is cut into windows of --seq + 1 tokens; until Kolo reads
+//! tokenizers, a token is a byte of the text modulo the vocabulary. When DIR has
+//! `reference.safetensors` (token ids and transformers' logits for them), the loaded model's
+//! logits are compared with it first, and the exported model's logits on those ids are written
+//! to `OUT/kolo_logits.safetensors` for `test-data/hf/check_export.py OUT` to compare with
+//! what transformers computes from the export.
+//!
+//! Flags: --steps N (20), --batch B per rank (4), --seq T (32), --lr (1e-3), --zero 0|1|2.
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+use kolo::data::{Sampler, SamplerConfig};
+use std::path::Path;
+
+/// Runs the example; returns the exported model's logits on the reference ids (when there are some).
+pub fn run(args: &[String]) -> Result<Option<Tensor>> {
+    let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
+    let (model_dir, out) = (arg("--model", "test-data/hf/gpt2-tiny"), arg("--out", "checkpoints/gpt2-finetuned"));
+    let (steps, batch, seq): (u64, usize, usize) =
+        (arg("--steps", "20").parse()?, arg("--batch", "4").parse()?, arg("--seq", "32").parse()?);
+    let dist = kolo::init()?;
+    let (varmap, model) = kolo::hf::load_gpt2(Path::new(&model_dir), &dist.device())?;
+    let vocab = model.config().vocab_size as u32;
+    let reference = Path::new(&model_dir).join("reference.safetensors");
+    let reference = if reference.exists() { Some(candle_core::safetensors::load(&reference, &dist.device())?) } else { None };
+    let ids = reference.as_ref().map(|r| r["ids"].to_dtype(DType::U32)).transpose()?;
+    if let (Some(r), Some(ids), true) = (&reference, &ids, dist.is_main()) {
+        let d = (model.forward(ids)? - &r["logits"])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        println!("loaded {model_dir}: logits differ from transformers' reference by {d:.2e}");
+    }
+    let toml = format!(
+        "[optim]\nkind = \"adamw\"\nlr = {}\nclip_grad_norm = 1.0\n[ddp]\nzero_stage = {}\n[train]\nsteps = {steps}\nlog_every = 5\n[data]\nbatch_size = {batch}\ntokens_per_example = {seq}\n",
+        arg("--lr", "1e-3"),
+        arg("--zero", "0")
+    );
+    let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_toml_str(&toml)?)?;
+    let text: Vec<u32> = std::fs::read(arg("--text", "data/tinyshakespeare.txt"))?.iter().map(|b| u32::from(*b) % vocab).collect();
+    let windows = text.len() / (seq + 1);
+    let cfg = SamplerConfig { len: windows, world: dist.world_size(), rank: dist.rank(), batch, seed: 0, shuffle: true, drop_last: true };
+    let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
+    for _ in 0..steps {
+        let rows: Vec<u32> = sampler.next_batch().iter().flat_map(|&w| text[w * (seq + 1)..(w + 1) * (seq + 1)].iter().copied()).collect();
+        let x = Tensor::from_vec(rows, (batch, seq + 1), &dist.device())?;
+        trainer.step(|| model.loss(&x))?;
+    }
+    let logits = ids.as_ref().map(|ids| model.forward(ids)).transpose()?;
+    if dist.is_main() {
+        kolo::hf::save_pretrained(Path::new(&out), &varmap, model.config())?;
+        if let (Some(ids), Some(l)) = (&ids, &logits) {
+            let t = [("ids".to_string(), ids.to_dtype(DType::I64)?), ("logits".to_string(), l.clone())];
+            candle_core::safetensors::save(&t.into_iter().collect(), Path::new(&out).join("kolo_logits.safetensors"))?;
+        }
+        println!("exported {out} (config.json, model.safetensors) after {steps} steps on {} ranks", dist.world_size());
+    }
+    dist.barrier()?;
+    Ok(logits)
+}
+
+#[allow(dead_code)]
+fn main() -> Result<()> {
+    run(&std::env::args().collect::<Vec<_>>()).map(|_| ())
+}

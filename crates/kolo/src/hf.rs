@@ -1,0 +1,260 @@
+//! Hugging Face checkpoints in and out: a directory with `config.json` and `model.safetensors`,
+//! as `transformers`' `save_pretrained` writes it.
+//!
+//! [`Gpt2`] is GPT-2 (`GPT2LMHeadModel`) written with candle-nn over a `VarMap` whose names
+//! are Hugging Face's (`transformer.h.0.attn.c_attn.weight`, ...), so it trains under
+//! [`Trainer`](crate::Trainer) like any user model, [`load_weights`] fills it from a checkpoint and
+//! [`save_pretrained`] writes whole, shaped tensors under those names back out, with the
+//! `format = pt` metadata `transformers` requires.
+
+use anyhow::{bail, Context};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, LayerNormConfig, VarBuilder, VarMap};
+use std::collections::HashMap;
+use std::path::Path;
+
+/// `config.json` of a GPT-2 model (the fields Kolo reads; others are kept and written back).
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+pub struct Gpt2Config {
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Longest sequence (positions embedded).
+    pub n_positions: usize,
+    /// Width of the residual stream.
+    pub n_embd: usize,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads per block.
+    pub n_head: usize,
+    /// Width of the MLP (default 4 x n_embd).
+    #[serde(default)]
+    pub n_inner: Option<usize>,
+    /// `gelu_new` (GPT-2's tanh approximation), `gelu_pytorch_tanh` or `gelu`.
+    #[serde(default = "default_activation")]
+    pub activation_function: String,
+    /// Epsilon of the layer norms.
+    #[serde(default = "default_eps")]
+    pub layer_norm_epsilon: f64,
+    /// Whether the output projection is the token embedding (GPT-2: yes).
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
+    /// Divide attention scores by sqrt(head size) (GPT-2: yes).
+    #[serde(default = "yes")]
+    pub scale_attn_weights: bool,
+    /// Every other field of the file, written back unchanged.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+fn default_activation() -> String {
+    "gelu_new".into()
+}
+fn default_eps() -> f64 {
+    1e-5
+}
+fn yes() -> bool {
+    true
+}
+
+impl Gpt2Config {
+    /// Reads `dir/config.json` and refuses options this implementation does not have.
+    pub fn load(dir: &Path) -> anyhow::Result<Gpt2Config> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+        let c: Gpt2Config = serde_json::from_str(&text).with_context(|| format!("{}: not a GPT-2 config", path.display()))?;
+        c.check().with_context(|| format!("{}", path.display()))?;
+        Ok(c)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        let flag = |k: &str| self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
+        if let Some(t) = self.other.get("model_type").and_then(|v| v.as_str()).filter(|t| *t != "gpt2") {
+            bail!("model_type \"{t}\" is not gpt2");
+        }
+        for k in ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"] {
+            if flag(k) {
+                bail!("unsupported GPT-2 option {k} = true");
+            }
+        }
+        if !["gelu_new", "gelu_pytorch_tanh", "gelu"].contains(&self.activation_function.as_str()) {
+            bail!("unsupported activation_function \"{}\" (gelu_new, gelu_pytorch_tanh or gelu)", self.activation_function);
+        }
+        if !self.tie_word_embeddings {
+            bail!("unsupported tie_word_embeddings = false (GPT-2's output projection is its token embedding)");
+        }
+        if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
+            bail!("n_embd {} is not a multiple of n_head {}", self.n_embd, self.n_head);
+        }
+        Ok(())
+    }
+}
+
+/// HF's `Conv1D`: `x @ weight + bias` with `weight` of shape (in, out).
+struct Conv1d {
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl Conv1d {
+    fn new(inp: usize, out: usize, vb: VarBuilder) -> candle_core::Result<Conv1d> {
+        let init = candle_nn::Init::Randn { mean: 0.0, stdev: 0.02 };
+        Ok(Conv1d {
+            weight: vb.get_with_hints((inp, out), "weight", init)?,
+            bias: vb.get_with_hints(out, "bias", candle_nn::Init::Const(0.0))?,
+        })
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        x.broadcast_matmul(&self.weight)?.broadcast_add(&self.bias)
+    }
+}
+
+struct Block {
+    ln_1: LayerNorm,
+    c_attn: Conv1d,
+    attn_proj: Conv1d,
+    ln_2: LayerNorm,
+    c_fc: Conv1d,
+    mlp_proj: Conv1d,
+}
+
+/// GPT-2 with Hugging Face's parameter names (`GPT2LMHeadModel`), dropout left out.
+pub struct Gpt2 {
+    cfg: Gpt2Config,
+    wte: Embedding,
+    wpe: Embedding,
+    blocks: Vec<Block>,
+    ln_f: LayerNorm,
+}
+
+impl Gpt2 {
+    /// Builds the model's variables through `vb` (under `transformer.`), randomly initialised
+    /// as `transformers` does (normal 0.02, layer norms 1 and 0).
+    pub fn new(cfg: &Gpt2Config, vb: VarBuilder) -> candle_core::Result<Gpt2> {
+        let vb = vb.pp("transformer");
+        let (e, inner) = (cfg.n_embd, cfg.n_inner.unwrap_or(4 * cfg.n_embd));
+        let ln = |vb: VarBuilder| layer_norm(e, LayerNormConfig { eps: cfg.layer_norm_epsilon, ..Default::default() }, vb);
+        let mut blocks = Vec::with_capacity(cfg.n_layer);
+        for i in 0..cfg.n_layer {
+            let b = vb.pp(format!("h.{i}"));
+            blocks.push(Block {
+                ln_1: ln(b.pp("ln_1"))?,
+                c_attn: Conv1d::new(e, 3 * e, b.pp("attn.c_attn"))?,
+                attn_proj: Conv1d::new(e, e, b.pp("attn.c_proj"))?,
+                ln_2: ln(b.pp("ln_2"))?,
+                c_fc: Conv1d::new(e, inner, b.pp("mlp.c_fc"))?,
+                mlp_proj: Conv1d::new(inner, e, b.pp("mlp.c_proj"))?,
+            });
+        }
+        Ok(Gpt2 {
+            cfg: cfg.clone(),
+            wte: embedding(cfg.vocab_size, e, vb.pp("wte"))?,
+            wpe: embedding(cfg.n_positions, e, vb.pp("wpe"))?,
+            blocks,
+            ln_f: ln(vb.pp("ln_f"))?,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Gpt2Config {
+        &self.cfg
+    }
+
+    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        if t > self.cfg.n_positions {
+            candle_core::bail!("sequence of {t} tokens is longer than n_positions {}", self.cfg.n_positions);
+        }
+        let (e, nh) = (self.cfg.n_embd, self.cfg.n_head);
+        let hd = e / nh;
+        let pos = Tensor::arange(0u32, t as u32, ids.device())?;
+        let mut x = self.wte.forward(ids)?.broadcast_add(&self.wpe.forward(&pos)?)?;
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(mask, (t, t), ids.device())?.to_dtype(x.dtype())?;
+        let scale = if self.cfg.scale_attn_weights { 1.0 / (hd as f64).sqrt() } else { 1.0 };
+        for blk in &self.blocks {
+            let qkv = blk.c_attn.forward(&blk.ln_1.forward(&x)?)?;
+            let heads = |i: usize| qkv.narrow(D::Minus1, i * e, e)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
+            let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+            let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, e))?;
+            x = (x + blk.attn_proj.forward(&y)?)?;
+            let h = blk.c_fc.forward(&blk.ln_2.forward(&x)?)?;
+            let h = if self.cfg.activation_function == "gelu" { h.gelu_erf()? } else { h.gelu()? };
+            x = (x + blk.mlp_proj.forward(&h)?)?;
+        }
+        self.ln_f.forward(&x)?.broadcast_matmul(&self.wte.embeddings().t()?)
+    }
+
+    /// Mean next-token cross-entropy of `ids` (batch, seq): position i predicts token i + 1.
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let t = ids.dim(1)?;
+        let logits = self.forward(&ids.narrow(1, 0, t - 1)?)?;
+        let v = logits.dim(D::Minus1)?;
+        candle_nn::loss::cross_entropy(&logits.reshape(((), v))?, &ids.narrow(1, 1, t - 1)?.flatten_all()?)
+    }
+}
+
+/// Builds a GPT-2 from `dir` (`config.json`, `model.safetensors`) into a new VarMap on `device`.
+pub fn load_gpt2(dir: &Path, device: &Device) -> anyhow::Result<(VarMap, Gpt2)> {
+    let cfg = Gpt2Config::load(dir)?;
+    let varmap = VarMap::new();
+    let model = Gpt2::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+    load_weights(&varmap, &dir.join("model.safetensors"))?;
+    Ok((varmap, model))
+}
+
+/// Sets every variable of `varmap` from the safetensors file at `path`, by name (a name may
+/// also appear in the file without the VarMap's first component, as older checkpoints store
+/// `h.0....` for `transformer.h.0....`), converted to the variable's dtype. Every variable must
+/// be there with its shape; the file's other tensors (buffers, a tied output projection) are
+/// ignored.
+pub fn load_weights(varmap: &VarMap, path: &Path) -> anyhow::Result<()> {
+    let file = candle_core::safetensors::load(path, &Device::Cpu).with_context(|| format!("{}", path.display()))?;
+    let vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+    let mut names: Vec<&String> = vars.keys().collect();
+    names.sort();
+    for name in names {
+        let var = &vars[name];
+        let short = name.split_once('.').map_or(name.as_str(), |(_, rest)| rest);
+        let t = file
+            .get(name)
+            .or_else(|| file.get(short))
+            .with_context(|| format!("{}: no tensor `{name}` (the model has {} parameters)", path.display(), vars.len()))?;
+        if t.dims() != var.dims() {
+            bail!("{}: tensor `{name}` has shape {:?}, the model's is {:?}", path.display(), t.dims(), var.dims());
+        }
+        var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+    }
+    Ok(())
+}
+
+/// Writes `dir/config.json` and `dir/model.safetensors` (every variable of `varmap` whole,
+/// under its name, f32, with `format = pt` metadata), as `save_pretrained` does; each file is
+/// written to a temporary name and renamed, so a reader never sees half a file.
+pub fn save_pretrained(dir: &Path, varmap: &VarMap, config: &impl serde::Serialize) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+    let vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(vars.len());
+    for (name, var) in vars.iter() {
+        let v = var.as_tensor().to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        tensors.push((name.clone(), var.dims().to_vec(), v.iter().flat_map(|x| x.to_le_bytes()).collect()));
+    }
+    drop(vars);
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let views = tensors
+        .iter()
+        .map(|(n, s, d)| Ok((n.as_str(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
+    let write = |name: &str, bytes: &[u8]| -> anyhow::Result<()> {
+        let (tmp, path) = (dir.join(format!(".{name}.tmp")), dir.join(name));
+        std::fs::write(&tmp, bytes).with_context(|| format!("{}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("{}", path.display()))?;
+        Ok(())
+    };
+    write("model.safetensors", &safetensors::serialize(views, Some(meta))?)?;
+    write("config.json", serde_json::to_string_pretty(config)?.as_bytes())?;
+    Ok(())
+}
