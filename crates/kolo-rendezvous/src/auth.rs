@@ -80,6 +80,11 @@ fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// How a handshake that the server hung up on before its challenge begins: a server at its
+/// limit of connections in authentication turns new ones away like that, so the client tries
+/// again until its deadline (a wrong token fails later, at the proofs, and is not retried).
+pub(crate) const NO_CHALLENGE: &str = "no challenge from server";
+
 fn auth_err(peer: &str, reason: impl Into<String>) -> StoreError {
     StoreError::Auth { peer: peer.to_string(), reason: reason.into() }
 }
@@ -99,9 +104,7 @@ pub fn client_handshake<S: Read + Write>(stream: &mut S, token: &JobToken, purpo
     stream.write_all(&hello).map_err(|e| auth_err(peer, format!("sending hello: {e}")))?;
 
     let mut reply = [0u8; 1 + NONCE + MAC];
-    stream
-        .read_exact(&mut reply)
-        .map_err(|e| auth_err(peer, format!("no challenge from server ({e}); is it a Kolo endpoint of this job?")))?;
+    stream.read_exact(&mut reply).map_err(|e| auth_err(peer, format!("{NO_CHALLENGE} ({e}); is it a Kolo endpoint of this job?")))?;
     if reply[0] != 1 {
         return Err(auth_err(peer, "the server refused the hello (version or purpose mismatch)"));
     }

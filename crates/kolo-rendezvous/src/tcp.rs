@@ -210,6 +210,9 @@ impl TcpStore {
         loop {
             let last = match Self::try_connect(addr, token) {
                 Ok(stream) => return Ok(TcpStore { addr: addr.to_string(), stream: Mutex::new(stream) }),
+                // Turned away before the handshake began (the server is at its limit of
+                // connections in authentication, under a flood): try again.
+                Err(StoreError::Auth { reason, .. }) if reason.starts_with(crate::auth::NO_CHALLENGE) => reason,
                 // A wrong token will not get better by retrying.
                 Err(e @ StoreError::Auth { .. }) => return Err(e),
                 Err(e) => e.to_string(),

@@ -5,8 +5,9 @@
 //!
 //! DIR holds `config.json` and `model.safetensors` as `save_pretrained` writes them (default:
 //! test-data/hf/gpt2-tiny, a small random GPT-2 made by transformers). The text (--text,
-//! default data/tinyshakespeare.txt) is cut into windows of --seq + 1 tokens; until Kolo reads
-//! tokenizers, a token is a byte of the text modulo the vocabulary. When DIR has
+//! default data/tinyshakespeare.txt) is cut into windows of --seq + 1 tokens, a token being a
+//! byte of the text modulo the vocabulary; with --shards SHARDS the windows come from token
+//! shards that `kolo data prepare` wrote with the model's tokenizer. When DIR has
 //! `reference.safetensors` (token ids and transformers' logits for them), the loaded model's
 //! logits are compared with it first, and the exported model's logits on those ids are written
 //! to `OUT/kolo_logits.safetensors` for `test-data/hf/check_export.py OUT` to compare with
@@ -40,14 +41,25 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         arg("--zero", "0")
     );
     let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_toml_str(&toml)?)?;
-    let text: Vec<u32> = std::fs::read(arg("--text", "data/tinyshakespeare.txt"))?.iter().map(|b| u32::from(*b) % vocab).collect();
-    let windows = text.len() / (seq + 1);
+    // Token shards from `kolo data prepare` (their tokenizer must fit the model's embedding),
+    // or, as a stand-in, the text's bytes modulo the vocabulary.
+    let shards = args.iter().any(|a| a == "--shards").then(|| kolo::tokens::TokenShards::open(arg("--shards", "").as_ref())).transpose()?;
+    if let Some(s) = &shards {
+        s.check(None, vocab as usize)?;
+    }
+    let text: Vec<u32> = match &shards {
+        Some(_) => Vec::new(),
+        None => std::fs::read(arg("--text", "data/tinyshakespeare.txt"))?.iter().map(|b| u32::from(*b) % vocab).collect(),
+    };
+    let windows = shards.as_ref().map_or(text.len() / (seq + 1), |s| s.windows(seq + 1));
+    let window = |w: usize| shards.as_ref().map_or_else(|| text[w * (seq + 1)..(w + 1) * (seq + 1)].to_vec(), |s| s.window(w, seq + 1));
     let cfg = SamplerConfig { len: windows, world: dist.world_size(), rank: dist.rank(), batch, seed: 0, shuffle: true, drop_last: true };
     let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
     for _ in 0..steps {
-        let rows: Vec<u32> = sampler.next_batch().iter().flat_map(|&w| text[w * (seq + 1)..(w + 1) * (seq + 1)].iter().copied()).collect();
+        let rows: Vec<u32> = sampler.next_batch().iter().flat_map(|&w| window(w)).collect();
         let x = Tensor::from_vec(rows, (batch, seq + 1), &dist.device())?;
         trainer.step(|| model.loss(&x))?;
+        trainer.set_data_position(sampler.position()); // saved with checkpoints: resume mid-shard
     }
     let logits = ids.as_ref().map(|ids| model.forward(ids)).transpose()?;
     if dist.is_main() {

@@ -25,6 +25,7 @@
 pub mod data;
 pub mod dist;
 pub mod hf;
+pub mod tokens;
 mod trainer;
 
 /// The candle this Kolo is built with (use it to avoid a second copy in your build).

@@ -2,6 +2,7 @@
 
 mod bench;
 mod comm_args;
+mod data_cmd;
 mod fed;
 mod plan;
 mod ps;
@@ -49,6 +50,9 @@ enum Cmd {
     /// Train a model from a TOML config, alone or under `kolo launch` (DDP and ZeRO; pipeline (GPipe, 1F1B, 2BW),
     /// tensor, sequence and expert parallelism per `[mesh]`; parameter servers with `strategy = "ps"`).
     Train(train::TrainArgs),
+    /// Data preparation: `kolo data prepare` tokenizes text into token shards.
+    #[command(subcommand)]
+    Data(data_cmd::DataCmd),
     /// Parameter servers: `kolo ps run` starts a whole job here; `serve`, `coordinator`,
     /// `eval`, `remove` and `shutdown` for jobs across machines.
     #[command(subcommand)]
@@ -327,6 +331,7 @@ fn main() {
         Cmd::Launch(a) => launch(a),
         Cmd::Train(t) => train::run(t),
         Cmd::Ps(p) => ps::run(p),
+        Cmd::Data(d) => data_cmd::run(d),
         Cmd::Fed(f) => fed::run(f),
         Cmd::Plan(p) => plan::run(p),
         Cmd::Impala { env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id } => {

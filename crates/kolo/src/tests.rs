@@ -219,10 +219,13 @@ fn resume_continues_bitwise() {
         let (x, y) = batch(8, s);
         first.step(|| b.loss(&x, &y)).unwrap();
     }
+    let pos = crate::data::Position { epoch: 1, batch: 3 };
+    first.set_data_position(pos);
     first.save(&dir).unwrap();
     let c = small();
     let mut resumed = Trainer::new(&c.varmap, &dist, opts(o)).unwrap();
     assert_eq!(resumed.resume(&dir).unwrap(), 3);
+    assert_eq!(resumed.data_position(), pos);
     for s in 3..6 {
         let (x, y) = batch(8, s);
         resumed.step(|| c.loss(&x, &y)).unwrap();
@@ -368,4 +371,84 @@ fn hugging_face_checkpoints_that_do_not_fit_are_named() {
     let e = load(&cfg.replace("\"n_embd\": 48", "\"n_embd\": 40"));
     assert!(e.contains("`transformer.h.0.attn.c_attn.bias` has shape [144], the model's is [120]"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `prepare` with a byte-level BPE trained on the text: text files in a directory and one
+/// field of JSON lines become shards whose windows are the documents' tokens in order (each
+/// document then `<|endoftext|>`), decoding back to the documents byte for byte; windows never
+/// cross a shard's end.
+#[test]
+fn text_and_json_lines_become_token_shards_that_decode_back() {
+    use crate::tokens::{prepare, sources, train_bpe, TokenShards};
+    let dir = std::env::temp_dir().join(format!("kolo-tokens-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("corpus/sub")).unwrap();
+    let text = std::fs::read_to_string(kolo_testkit::files::shakespeare()).unwrap();
+    let (a, b) = (&text[..20_000], &text[20_000..33_000]);
+    std::fs::write(dir.join("corpus/a.txt"), a).unwrap();
+    std::fs::write(dir.join("corpus/sub/b.txt"), b).unwrap();
+    let lines = [("first line, \\u00e9t\\u00e9", "x"), ("second: ROMEO", "y")];
+    let jsonl: String = lines.iter().map(|(t, o)| format!("{{\"text\": \"{t}\", \"other\": \"{o}\"}}\n")).collect();
+    std::fs::write(dir.join("corpus/c.jsonl"), &jsonl).unwrap();
+    let tok = train_bpe(&[dir.join("corpus/a.txt")], 300, &dir.join("tokenizer.json")).unwrap();
+    assert_eq!(tok.vocab_size(), 300);
+    let src = sources(&[dir.join("corpus")], Some("text")).unwrap();
+    assert_eq!(src.len(), 3);
+    let p = prepare(&tok, &src, &dir.join("shards"), 1000, &|_| {}).unwrap();
+    assert_eq!(p.documents, 4);
+    assert!(p.shards.len() > 3, "{} shards", p.shards.len());
+    let shards = TokenShards::open(&dir.join("shards")).unwrap();
+    assert_eq!(shards.tokens(), p.tokens);
+    // Windows of one token are the whole stream, in order.
+    let stream: Vec<u32> = (0..shards.windows(1)).map(|i| shards.window(i, 1)[0]).collect();
+    assert_eq!(stream.len() as u64, p.tokens);
+    let eot = tok.tokenizer.token_to_id("<|endoftext|>").unwrap();
+    let docs: Vec<&[u32]> = stream.split(|t| *t == eot).collect();
+    let decode = |ids: &[u32]| tok.tokenizer.decode(ids, false).unwrap();
+    assert_eq!(docs.len(), 5, "4 documents, each followed by <|endoftext|>");
+    assert_eq!(decode(docs[0]), a);
+    assert_eq!((decode(docs[1]).as_str(), decode(docs[2]).as_str()), ("first line, \u{e9}t\u{e9}", "second: ROMEO"));
+    assert_eq!(decode(docs[3]), b);
+    // A window of 7 never crosses a shard's end: every full shard (1000 tokens) gives 142.
+    let last = p.tokens as usize - 1000 * (p.shards.len() - 1);
+    assert_eq!(shards.windows(7), (p.shards.len() - 1) * 142 + last / 7);
+    assert_eq!(shards.window(142, 7), stream[1000..1007].to_vec());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Shards of two tokenizers in one directory, shards checked against another tokenizer or a
+/// model with a smaller embedding, a cut shard and a JSON line without the field: each a
+/// one-line error naming it.
+#[test]
+fn token_shards_that_do_not_fit_are_named() {
+    use crate::tokens::{prepare, sources, train_bpe, TokenShards};
+    let dir = std::env::temp_dir().join(format!("kolo-tokens-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(kolo_testkit::files::shakespeare()).unwrap();
+    std::fs::write(dir.join("a.txt"), &text[..8000]).unwrap();
+    let t1 = train_bpe(&[dir.join("a.txt")], 300, &dir.join("t1.json")).unwrap();
+    let t2 = train_bpe(&[dir.join("a.txt")], 280, &dir.join("t2.json")).unwrap();
+    let src = sources(&[dir.join("a.txt")], None).unwrap();
+    prepare(&t1, &src, &dir.join("one"), 100_000, &|_| {}).unwrap();
+    prepare(&t2, &src, &dir.join("two"), 100_000, &|_| {}).unwrap();
+    let shards = TokenShards::open(&dir.join("one")).unwrap();
+    assert!(shards.check(Some(&t1), 300).is_ok());
+    let e = shards.check(Some(&t2), 300).unwrap_err().to_string();
+    assert!(e.contains("another tokenizer"), "{e}");
+    let e = shards.check(None, 96).unwrap_err().to_string();
+    assert!(e.contains("300 tokens") && e.contains("embeds 96"), "{e}");
+    std::fs::copy(dir.join("two/shard-00000.bin"), dir.join("one/shard-00001.bin")).unwrap();
+    let e = TokenShards::open(&dir.join("one")).err().unwrap().to_string();
+    assert!(e.contains("shard-00001.bin: made with another tokenizer"), "{e}");
+    let f = dir.join("one/shard-00001.bin");
+    let bytes = std::fs::read(dir.join("one/shard-00000.bin")).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() - 3]).unwrap();
+    let e = TokenShards::open(&dir.join("one")).err().unwrap().to_string();
+    assert!(e.contains("shard-00001.bin: the header says"), "{e}");
+    std::fs::write(dir.join("b.jsonl"), "{\"text\": \"a\"}\n{\"body\": \"b\"}\n").unwrap();
+    let e =
+        prepare(&t1, &sources(&[dir.join("b.jsonl")], Some("text")).unwrap(), &dir.join("three"), 100, &|_| {}).unwrap_err().to_string();
+    assert!(e.contains("b.jsonl:2: no string field `text`"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

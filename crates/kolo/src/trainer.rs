@@ -153,6 +153,8 @@ pub struct Trainer {
     /// Gradients of a no-sync micro-step (flat layout).
     local: Vec<f32>,
     meta: BTreeMap<String, String>,
+    /// Where the user's sampler is, saved with every checkpoint (see [`Trainer::set_data_position`]).
+    data_pos: Position,
     /// Logs, progress bar, metrics, TensorBoard and JSON lines (recreated on resume).
     report: Option<Reporter>,
     /// When the current optimizer step's first micro-step began.
@@ -240,7 +242,9 @@ impl Trainer {
         meta.insert("kolo.model".to_string(), model_fingerprint(&signature));
         meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optim.spec()));
         meta.insert("kolo.world_size".to_string(), dist.world_size().to_string());
-        meta.insert("kolo.batch_size".to_string(), "1".to_string());
+        // The sampler's position is rescaled by examples when a checkpoint is resumed at another
+        // world size; `[data] batch_size` is the per-rank batch it counts in.
+        meta.insert("kolo.batch_size".to_string(), opts.data.batch_size.max(1).to_string());
         meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
         let local = vec![0f32; params.numel()];
         let report = Some(reporter(&opts, dist.rank(), dist.world_size(), 0)?);
@@ -257,6 +261,7 @@ impl Trainer {
             micro: 0,
             local,
             meta,
+            data_pos: Position::default(),
             report,
             step_start: None,
             window_loss: (0.0, 0),
@@ -388,6 +393,20 @@ impl Trainer {
         Ok(())
     }
 
+    /// Records where the data sampler is (`kolo::data::Sampler::position`), so that the next
+    /// checkpoint carries it and a resumed run continues with the next batch, also in the
+    /// middle of a token shard.
+    pub fn set_data_position(&mut self, p: Position) {
+        self.data_pos = p;
+    }
+
+    /// The sampler position of the resumed checkpoint (or the last one set): start the
+    /// sampler there (`Sampler::new(cfg, trainer.data_position())`). At another world size it
+    /// is rescaled to the same number of examples of the epoch.
+    pub fn data_position(&self) -> Position {
+        self.data_pos
+    }
+
     /// The learning rate of the next optimizer step (warm-up, then the schedule).
     pub fn lr(&self) -> f32 {
         let o = &self.opts.optim;
@@ -430,7 +449,7 @@ impl Trainer {
             &self.opt,
             self.zero.as_ref(),
             &*self.comm,
-            Position::default(),
+            self.data_pos,
             &self.meta,
             false,
             false,
@@ -451,6 +470,7 @@ impl Trainer {
             self.master.release_all();
         }
         self.steps = r.step;
+        self.data_pos = r.pos;
         self.micro = 0;
         self.step_start = None;
         self.window_loss = (0.0, 0);

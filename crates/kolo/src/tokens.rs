@@ -1,0 +1,375 @@
+//! Tokenizers and token shards: text files, directories and JSON lines tokenized in parallel
+//! into memory-mapped shards, read back as training windows without loading them whole.
+//!
+//! A shard is nanoGPT's flat layout (token ids, little-endian u16 when the vocabulary fits,
+//! else u32) behind a 64-byte header: magic `KOLOTOK1`, format version (u32), bytes per token
+//! (u32), tokens (u64), vocabulary size (u64), a fingerprint of the tokenizer (u64, FNV-1a of
+//! its `tokenizer.json`), zeros. A directory of shards (`shard-00000.bin`, ...) written by one
+//! [`prepare`] shares one tokenizer; [`TokenShards::open`] refuses a mix.
+
+use anyhow::{bail, Context};
+use rayon::prelude::*;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use tokenizers::Tokenizer;
+
+const MAGIC: &[u8; 8] = b"KOLOTOK1";
+const VERSION: u32 = 1;
+/// Bytes before the first token.
+pub const HEADER: usize = 64;
+
+/// What a shard's header says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardHeader {
+    /// 2 (u16) or 4 (u32).
+    pub bytes_per_token: u32,
+    /// Tokens in the shard.
+    pub tokens: u64,
+    /// The tokenizer's vocabulary size (ids are below it).
+    pub vocab_size: u64,
+    /// FNV-1a of the tokenizer's `tokenizer.json`.
+    pub tokenizer: u64,
+}
+
+impl ShardHeader {
+    fn encode(&self) -> [u8; HEADER] {
+        let mut h = [0u8; HEADER];
+        h[..8].copy_from_slice(MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        h[12..16].copy_from_slice(&self.bytes_per_token.to_le_bytes());
+        h[16..24].copy_from_slice(&self.tokens.to_le_bytes());
+        h[24..32].copy_from_slice(&self.vocab_size.to_le_bytes());
+        h[32..40].copy_from_slice(&self.tokenizer.to_le_bytes());
+        h
+    }
+
+    /// Parses and checks a header against the file's length.
+    fn decode(b: &[u8], len: u64, path: &Path) -> anyhow::Result<ShardHeader> {
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
+        if b.len() < HEADER || &b[..8] != MAGIC {
+            bail!("{}: not a Kolo token shard (no KOLOTOK1 header)", path.display());
+        }
+        if u32_at(8) != VERSION {
+            bail!("{}: token shard format {} (this Kolo reads {VERSION})", path.display(), u32_at(8));
+        }
+        let h = ShardHeader { bytes_per_token: u32_at(12), tokens: u64_at(16), vocab_size: u64_at(24), tokenizer: u64_at(32) };
+        if !matches!(h.bytes_per_token, 2 | 4) {
+            bail!("{}: {} bytes per token (2 or 4)", path.display(), h.bytes_per_token);
+        }
+        let want = h.tokens.checked_mul(u64::from(h.bytes_per_token)).and_then(|n| n.checked_add(HEADER as u64));
+        if want != Some(len) {
+            bail!("{}: the header says {} tokens but the file has {len} bytes", path.display(), h.tokens);
+        }
+        Ok(h)
+    }
+}
+
+/// FNV-1a of bytes: the tokenizer's fingerprint.
+pub fn fingerprint(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// A tokenizer with the fingerprint its shards carry.
+pub struct Tok {
+    /// The tokenizer (Hugging Face `tokenizers`).
+    pub tokenizer: Tokenizer,
+    /// FNV-1a of its `tokenizer.json`.
+    pub fingerprint: u64,
+}
+
+impl Tok {
+    /// Loads a `tokenizer.json`.
+    pub fn load(path: &Path) -> anyhow::Result<Tok> {
+        let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
+        let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(Tok { tokenizer, fingerprint: fingerprint(&bytes) })
+    }
+
+    /// Tokens in the vocabulary, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+}
+
+/// Trains a byte-level BPE tokenizer (GPT-2's kind: every byte is a token, merges on top) of
+/// `vocab_size` tokens on `files`, with `<|endoftext|>` as its one special token, and writes it
+/// to `out` (`tokenizer.json`).
+pub fn train_bpe(files: &[PathBuf], vocab_size: usize, out: &Path) -> anyhow::Result<Tok> {
+    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+    use tokenizers::normalizers::NormalizerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{AddedToken, TokenizerBuilder};
+    if vocab_size < 257 {
+        bail!("a byte-level BPE needs a vocabulary of at least 257 tokens (256 bytes and <|endoftext|>), not {vocab_size}");
+    }
+    let mut trainer = BpeTrainerBuilder::new()
+        .show_progress(false)
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .special_tokens(vec![AddedToken::from("<|endoftext|>", true)])
+        .build();
+    let mut tok = TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, ByteLevel, ByteLevel>::new()
+        .with_model(BPE::default())
+        .with_normalizer(None)
+        .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)))
+        .with_post_processor(Some(ByteLevel::default()))
+        .with_decoder(Some(ByteLevel::default()))
+        .build()
+        .map_err(|e| anyhow::anyhow!("building the BPE tokenizer: {e}"))?;
+    let names = files.iter().map(|f| f.to_string_lossy().into_owned()).collect();
+    tok.train_from_files(&mut trainer, names).map_err(|e| anyhow::anyhow!("training the BPE tokenizer: {e}"))?;
+    if let Some(d) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(d)?;
+    }
+    tok.save(out, false).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+    Tok::load(out)
+}
+
+/// Where `prepare` reads text: whole files, or one field of each JSON line.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// Each file is one document.
+    Text(PathBuf),
+    /// Each line is a JSON object; the document is its string field `field`.
+    JsonLines {
+        /// The file.
+        path: PathBuf,
+        /// The field holding the text.
+        field: String,
+    },
+}
+
+/// The sources under `inputs`: files as they are, directories walked (sorted, hidden entries
+/// skipped); `.jsonl` files read as JSON lines when `field` is given.
+pub fn sources(inputs: &[PathBuf], field: Option<&str>) -> anyhow::Result<Vec<Source>> {
+    fn walk(p: &Path, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+        if p.is_dir() {
+            let mut entries: Vec<PathBuf> = std::fs::read_dir(p)
+                .with_context(|| format!("{}", p.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|e| !e.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+                .collect();
+            entries.sort();
+            for e in entries {
+                walk(&e, out)?;
+            }
+        } else if p.is_file() {
+            out.push(p.to_path_buf());
+        } else {
+            bail!("{}: no such file or directory", p.display());
+        }
+        Ok(())
+    }
+    let mut files = Vec::new();
+    for i in inputs {
+        walk(i, &mut files)?;
+    }
+    Ok(files
+        .into_iter()
+        .map(|f| match field {
+            Some(field) if f.extension().is_some_and(|e| e == "jsonl") => Source::JsonLines { path: f, field: field.to_string() },
+            _ => Source::Text(f),
+        })
+        .collect())
+}
+
+/// The documents of one source.
+fn documents(s: &Source) -> anyhow::Result<Vec<String>> {
+    match s {
+        Source::Text(p) => Ok(vec![std::fs::read_to_string(p).with_context(|| format!("{}: not UTF-8 text", p.display()))?]),
+        Source::JsonLines { path, field } => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+            text.lines()
+                .enumerate()
+                .filter(|(_, l)| !l.trim().is_empty())
+                .map(|(i, l)| {
+                    let v: serde_json::Value =
+                        serde_json::from_str(l).with_context(|| format!("{}:{}: not a JSON line", path.display(), i + 1))?;
+                    match v.get(field) {
+                        Some(serde_json::Value::String(s)) => Ok(s.clone()),
+                        _ => bail!("{}:{}: no string field `{field}`", path.display(), i + 1),
+                    }
+                })
+                .collect()
+        }
+    }
+}
+
+/// What [`prepare`] wrote.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    /// The shard files, in order.
+    pub shards: Vec<PathBuf>,
+    /// Tokens written.
+    pub tokens: u64,
+    /// Documents tokenized.
+    pub documents: usize,
+}
+
+/// Tokenizes `sources` in parallel (a thread pool over the sources; each document ends with the
+/// tokenizer's `<|endoftext|>` when it has one) and writes shards of at most `shard_tokens`
+/// tokens into `out`, in source order; `progress` is called with the sources done so far. Each
+/// shard is written to a temporary name and renamed.
+pub fn prepare(
+    tok: &Tok,
+    sources: &[Source],
+    out: &Path,
+    shard_tokens: usize,
+    progress: &(dyn Fn(usize) + Sync),
+) -> anyhow::Result<Prepared> {
+    if shard_tokens == 0 {
+        bail!("shard size must be at least one token");
+    }
+    let vocab = tok.vocab_size();
+    let eot = tok.tokenizer.token_to_id("<|endoftext|>");
+    let done = std::sync::atomic::AtomicUsize::new(0);
+    let per_source: Vec<(Vec<u32>, usize)> = sources
+        .par_iter()
+        .map(|s| -> anyhow::Result<(Vec<u32>, usize)> {
+            let docs = documents(s)?;
+            let mut ids = Vec::new();
+            for d in &docs {
+                let e = tok.tokenizer.encode(d.as_str(), false).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+                ids.extend_from_slice(e.get_ids());
+                ids.extend(eot);
+            }
+            progress(done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1);
+            Ok((ids, docs.len()))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    std::fs::create_dir_all(out).with_context(|| format!("{}", out.display()))?;
+    let bytes_per_token: u32 = if vocab <= 1 << 16 { 2 } else { 4 };
+    let all = per_source.iter().flat_map(|(ids, _)| ids.iter().copied());
+    let mut shards = Vec::new();
+    let mut buf: Vec<u32> = Vec::with_capacity(shard_tokens.min(1 << 24));
+    let mut write = |buf: &mut Vec<u32>| -> anyhow::Result<()> {
+        let path = out.join(format!("shard-{:05}.bin", shards.len()));
+        let tmp = out.join(format!(".shard-{:05}.tmp", shards.len()));
+        let h = ShardHeader { bytes_per_token, tokens: buf.len() as u64, vocab_size: vocab as u64, tokenizer: tok.fingerprint };
+        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("{}", tmp.display()))?);
+        f.write_all(&h.encode())?;
+        for &t in buf.iter() {
+            if bytes_per_token == 2 {
+                f.write_all(&(t as u16).to_le_bytes())?;
+            } else {
+                f.write_all(&t.to_le_bytes())?;
+            }
+        }
+        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        std::fs::rename(&tmp, &path)?;
+        shards.push(path);
+        buf.clear();
+        Ok(())
+    };
+    let mut tokens = 0u64;
+    for t in all {
+        buf.push(t);
+        tokens += 1;
+        if buf.len() == shard_tokens {
+            write(&mut buf)?;
+        }
+    }
+    if !buf.is_empty() {
+        write(&mut buf)?;
+    }
+    Ok(Prepared { shards, tokens, documents: per_source.iter().map(|(_, d)| d).sum() })
+}
+
+/// A directory of token shards, memory-mapped: training windows are read where they lie.
+pub struct TokenShards {
+    maps: Vec<(memmap2::Mmap, ShardHeader)>,
+    header: ShardHeader,
+}
+
+impl TokenShards {
+    /// Maps every `shard-*.bin` in `dir` (sorted) and checks that they share one tokenizer.
+    pub fn open(dir: &Path) -> anyhow::Result<TokenShards> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("{}", dir.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("shard-") && n.to_string_lossy().ends_with(".bin")))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            bail!("{}: no token shards (shard-*.bin); make them with `kolo data prepare`", dir.display());
+        }
+        let mut maps = Vec::with_capacity(files.len());
+        for f in &files {
+            let file = std::fs::File::open(f).with_context(|| format!("{}", f.display()))?;
+            // SAFETY: shards are written once, to a temporary name, and renamed; nothing
+            // writes to a shard file after that.
+            let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}", f.display()))?;
+            let h = ShardHeader::decode(&map[..map.len().min(HEADER)], map.len() as u64, f)?;
+            if let Some((_, first)) = maps.first() {
+                let first: &ShardHeader = first;
+                if (h.tokenizer, h.vocab_size) != (first.tokenizer, first.vocab_size) {
+                    bail!(
+                        "{}: made with another tokenizer (fingerprint {:016x}, vocabulary {}) than {} ({:016x}, {})",
+                        f.display(),
+                        h.tokenizer,
+                        h.vocab_size,
+                        files[0].display(),
+                        first.tokenizer,
+                        first.vocab_size
+                    );
+                }
+            }
+            maps.push((map, h));
+        }
+        let header = maps[0].1;
+        Ok(TokenShards { maps, header })
+    }
+
+    /// The first shard's header (every shard shares tokenizer and vocabulary).
+    pub fn header(&self) -> ShardHeader {
+        self.header
+    }
+
+    /// Tokens in all shards.
+    pub fn tokens(&self) -> u64 {
+        self.maps.iter().map(|(_, h)| h.tokens).sum()
+    }
+
+    /// Refuses shards whose tokenizer is not `tok` or whose ids do not fit a model embedding
+    /// `model_vocab` tokens.
+    pub fn check(&self, tok: Option<&Tok>, model_vocab: usize) -> anyhow::Result<()> {
+        if let Some(t) = tok.filter(|t| t.fingerprint != self.header.tokenizer) {
+            bail!(
+                "the shards were made with another tokenizer (fingerprint {:016x}; this tokenizer's is {:016x})",
+                self.header.tokenizer,
+                t.fingerprint
+            );
+        }
+        if self.header.vocab_size > model_vocab as u64 {
+            bail!("the shards' tokenizer has {} tokens but the model embeds {model_vocab}", self.header.vocab_size);
+        }
+        Ok(())
+    }
+
+    /// Windows of `len` tokens: consecutive, non-overlapping, never across a shard's end.
+    pub fn windows(&self, len: usize) -> usize {
+        self.maps.iter().map(|(_, h)| h.tokens as usize / len.max(1)).sum()
+    }
+
+    /// The tokens of window `i` of length `len`, read from the mapped shard.
+    pub fn window(&self, i: usize, len: usize) -> Vec<u32> {
+        let mut i = i;
+        for (map, h) in &self.maps {
+            let n = h.tokens as usize / len.max(1);
+            if i < n {
+                let bpt = h.bytes_per_token as usize;
+                let at = HEADER + i * len * bpt;
+                let b = &map[at..at + len * bpt];
+                return if bpt == 2 {
+                    b.chunks_exact(2).map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))).collect()
+                } else {
+                    b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+                };
+            }
+            i -= n;
+        }
+        panic!("window {i} of length {len} is past the shards' {} windows", self.windows(len));
+    }
+}
