@@ -1,22 +1,25 @@
 #!/usr/bin/env bash
-# Hugging Face GPT-2 in and out, checked in `transformers` (issue #17 item 4):
-#   1. a small random GPT-2 (test-data/hf/gpt2-tiny, as shipped) and one of GPT-2's real 124M
+# Hugging Face GPT-2 and Llama in and out, checked in `transformers` (issue #17 item 4):
+#   1. a small random GPT-2 and Llama-style model (test-data/hf/, as shipped) and a GPT-2 of the real 124M
 #      shape (made here in /tmp: 500 MB) load into Kolo with transformers' logits;
-#   2. each is fine-tuned by Kolo (the small one by 2 processes under ZeRO-1, the 124M one by 1
-#      process for 2 steps), exported, loaded by GPT2LMHeadModel.from_pretrained, and its logits
+#   2. each is fine-tuned by Kolo (the small ones by 2 processes under ZeRO-1/2, the 124M one by 1
+#      process for 2 steps), exported, loaded by AutoModelForCausalLM.from_pretrained, and its logits
 #      compared with Kolo's (test-data/hf/check_export.py: fails above 1e-4).
 # Needs a Python with torch and transformers: PYTHON=/path/to/python (default python3).
 #   bash bench/hf_interop.sh
 source "$(dirname "$0")/common.sh"
 PY="${PYTHON:-python3}"
 "$PY" -c "import torch, transformers" || { echo "hf_interop: $PY has no torch/transformers (set PYTHON)"; exit 1; }
-cargo build --release -p kolo --example hf_gpt2 >/dev/null
-X=target/release/examples/hf_gpt2
+cargo build --release -p kolo --example hf_finetune >/dev/null
+X=target/release/examples/hf_finetune
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "== small GPT-2 (test-data/hf/gpt2-tiny), 2 ranks, ZeRO-1, 30 steps"
 $K launch -n 2 -- $X --model test-data/hf/gpt2-tiny --out "$tmp/tiny" --steps 30 --zero 1 2>&1 | grep -E "loaded|exported|step 30/30"
 "$PY" test-data/hf/check_export.py "$tmp/tiny" 2>/dev/null
+echo "== small Llama-style model (test-data/hf/llama-tiny: RMSNorm, rotary, SwiGLU, GQA), 2 ranks, ZeRO-2, 30 steps"
+$K launch -n 2 -- $X --model test-data/hf/llama-tiny --out "$tmp/llama" --steps 30 --zero 2 2>&1 | grep -E "loaded|exported|step 30/30"
+"$PY" test-data/hf/check_export.py "$tmp/llama" 2>/dev/null
 echo "== GPT-2 124M shape (random, made by transformers), 1 rank, 2 steps of 1 x 64 tokens"
 "$PY" test-data/hf/make_gpt2_reference.py "$tmp/124m" 124m 2>/dev/null | tail -1
 $X --model "$tmp/124m" --out "$tmp/124m-ft" --steps 2 --batch 1 --seq 64 2>&1 | grep -E "loaded|exported|step 2/2"

@@ -1,5 +1,5 @@
-"""Checks a GPT-2 that Kolo exported (the hf_gpt2 example's --out directory) in `transformers`:
-GPT2LMHeadModel.from_pretrained loads it, and its logits on the ids of kolo_logits.safetensors
+"""Checks a model (GPT-2 or Llama) that Kolo exported (the hf_finetune example's --out directory) in `transformers`:
+AutoModelForCausalLM.from_pretrained loads it, and its logits on the ids of kolo_logits.safetensors
 equal the logits Kolo computed there. Exit status 1 when they differ by more than 1e-4.
 
     python test-data/hf/check_export.py OUT_DIR
@@ -11,7 +11,7 @@ import transformers
 from safetensors.torch import load_file
 
 out = sys.argv[1]
-model = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
 ref = load_file(f"{out}/kolo_logits.safetensors")
 with torch.no_grad():
     logits = model(ref["ids"]).logits

@@ -45,3 +45,9 @@ pub fn wine_csv() -> PathBuf {
 pub fn hf_gpt2_tiny() -> PathBuf {
     repo_root().join("test-data/hf/gpt2-tiny")
 }
+
+/// A small Llama-style model (RMSNorm, rotary, SwiGLU, grouped-query attention) saved by
+/// `transformers`, with its logits, in `test-data/hf/llama-tiny` (`make_llama_reference.py`).
+pub fn hf_llama_tiny() -> PathBuf {
+    repo_root().join("test-data/hf/llama-tiny")
+}

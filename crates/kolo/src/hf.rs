@@ -258,3 +258,283 @@ pub fn save_pretrained(dir: &Path, varmap: &VarMap, config: &impl serde::Seriali
     write("config.json", serde_json::to_string_pretty(config)?.as_bytes())?;
     Ok(())
 }
+
+/// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
+/// embeddings, a SwiGLU MLP and grouped-query attention.
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+pub struct LlamaConfig {
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Transformer blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention; default: as many as query heads).
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Width of a head (default hidden_size / num_attention_heads).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// Epsilon of the RMS norms.
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    /// Longest sequence the rotary tables cover.
+    #[serde(default = "default_max_positions")]
+    pub max_position_embeddings: usize,
+    /// The MLP's gate activation (`silu`).
+    #[serde(default = "default_silu")]
+    pub hidden_act: String,
+    /// Whether the output projection is the token embedding.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Every other field of the file (rotary parameters among them), written back unchanged.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+fn default_max_positions() -> usize {
+    2048
+}
+fn default_silu() -> String {
+    "silu".into()
+}
+
+impl LlamaConfig {
+    /// Reads `dir/config.json` and refuses options this implementation does not have.
+    pub fn load(dir: &Path) -> anyhow::Result<LlamaConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+        let c: LlamaConfig = serde_json::from_str(&text).with_context(|| format!("{}: not a Llama config", path.display()))?;
+        c.check().with_context(|| format!("{}", path.display()))?;
+        Ok(c)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
+        if let Some(t) = get("model_type").and_then(|v| v.as_str()).filter(|t| *t != "llama") {
+            bail!("model_type \"{t}\" is not llama");
+        }
+        for k in ["attention_bias", "mlp_bias"] {
+            if get(k).and_then(serde_json::Value::as_bool).unwrap_or(false) {
+                bail!("unsupported Llama option {k} = true");
+            }
+        }
+        if get("rope_scaling").is_some() {
+            bail!("unsupported Llama option rope_scaling (only the default rotary embedding)");
+        }
+        if let Some(t) = get("rope_parameters").and_then(|p| p.get("rope_type")).and_then(|t| t.as_str()).filter(|t| *t != "default") {
+            bail!("unsupported rope_type \"{t}\" (only \"default\")");
+        }
+        if self.hidden_act != "silu" {
+            bail!("unsupported hidden_act \"{}\" (silu)", self.hidden_act);
+        }
+        let (h, kv) = (self.num_attention_heads, self.kv_heads());
+        if h == 0 || kv == 0 || !h.is_multiple_of(kv) {
+            bail!("num_attention_heads {h} is not a multiple of num_key_value_heads {kv}");
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            bail!("head_dim {} is odd (rotary embeddings rotate pairs)", self.head_dim());
+        }
+        Ok(())
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Width of a head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The rotary base: `rope_parameters.rope_theta` (transformers 5), else `rope_theta`, else 10000.
+    pub fn rope_theta(&self) -> f64 {
+        let get = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_f64);
+        get(self.other.get("rope_parameters").and_then(|p| p.get("rope_theta"))).or(get(self.other.get("rope_theta"))).unwrap_or(10_000.0)
+    }
+}
+
+struct LlamaBlock {
+    input_norm: candle_nn::RmsNorm,
+    q: candle_nn::Linear,
+    k: candle_nn::Linear,
+    v: candle_nn::Linear,
+    o: candle_nn::Linear,
+    post_norm: candle_nn::RmsNorm,
+    gate: candle_nn::Linear,
+    up: candle_nn::Linear,
+    down: candle_nn::Linear,
+}
+
+/// A Llama-style causal language model with Hugging Face's parameter names
+/// (`model.layers.0.self_attn.q_proj.weight`, ...).
+pub struct Llama {
+    cfg: LlamaConfig,
+    embed: Embedding,
+    blocks: Vec<LlamaBlock>,
+    norm: candle_nn::RmsNorm,
+    lm_head: Option<candle_nn::Linear>,
+    /// Rotary tables, (max_position_embeddings, head_dim / 2).
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl Llama {
+    /// Builds the model's variables through `vb`.
+    pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Llama> {
+        use candle_nn::{linear_no_bias as lin, rms_norm};
+        let (e, hd, h, kv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.kv_heads());
+        let m = vb.pp("model");
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let b = m.pp(format!("layers.{i}"));
+            let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
+            blocks.push(LlamaBlock {
+                input_norm: rms_norm(e, cfg.rms_norm_eps, b.pp("input_layernorm"))?,
+                q: lin(e, h * hd, a.pp("q_proj"))?,
+                k: lin(e, kv * hd, a.pp("k_proj"))?,
+                v: lin(e, kv * hd, a.pp("v_proj"))?,
+                o: lin(h * hd, e, a.pp("o_proj"))?,
+                post_norm: rms_norm(e, cfg.rms_norm_eps, b.pp("post_attention_layernorm"))?,
+                gate: lin(e, cfg.intermediate_size, f.pp("gate_proj"))?,
+                up: lin(e, cfg.intermediate_size, f.pp("up_proj"))?,
+                down: lin(cfg.intermediate_size, e, f.pp("down_proj"))?,
+            });
+        }
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(lin(e, cfg.vocab_size, vb.pp("lm_head"))?) };
+        let (n, half) = (cfg.max_position_embeddings, hd / 2);
+        let theta = cfg.rope_theta();
+        let angles: Vec<f64> = (0..n).flat_map(|p| (0..half).map(move |i| p as f64 / theta.powf(2.0 * i as f64 / hd as f64))).collect();
+        let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, half), vb.device());
+        Ok(Llama {
+            cfg: cfg.clone(),
+            embed: embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?,
+            blocks,
+            norm: rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?,
+            lm_head,
+            cos: table(f64::cos)?,
+            sin: table(f64::sin)?,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        if t > self.cfg.max_position_embeddings {
+            candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
+        }
+        let (h, kv, hd) = (self.cfg.num_attention_heads, self.cfg.kv_heads(), self.cfg.head_dim());
+        let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(mask, (t, t), ids.device())?;
+        let mut x = self.embed.forward(ids)?;
+        for blk in &self.blocks {
+            let a = blk.input_norm.forward(&x)?;
+            let heads = |l: &candle_nn::Linear, n: usize| l.forward(&a)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+            let q = candle_nn::rotary_emb::rope(&heads(&blk.q, h)?, &cos, &sin)?;
+            let k = candle_nn::rotary_emb::rope(&heads(&blk.k, kv)?, &cos, &sin)?;
+            let v = heads(&blk.v, kv)?;
+            // Grouped-query attention: query head j reads key/value head j / (h / kv).
+            let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
+                if kv == h {
+                    return Ok(x);
+                }
+                x.unsqueeze(2)?.expand((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
+            };
+            let (k, v) = (repeat(k)?, repeat(v)?);
+            let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
+            let y = candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
+            x = (x + blk.o.forward(&y)?)?;
+            let f = blk.post_norm.forward(&x)?;
+            x = (x + blk.down.forward(&(blk.gate.forward(&f)?.silu()? * blk.up.forward(&f)?)?)?)?;
+        }
+        let x = self.norm.forward(&x)?;
+        match &self.lm_head {
+            Some(l) => l.forward(&x),
+            None => x.broadcast_matmul(&self.embed.embeddings().t()?),
+        }
+    }
+
+    /// Mean next-token cross-entropy of `ids` (batch, seq).
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let t = ids.dim(1)?;
+        let logits = self.forward(&ids.narrow(1, 0, t - 1)?)?;
+        let v = logits.dim(D::Minus1)?;
+        candle_nn::loss::cross_entropy(&logits.reshape(((), v))?, &ids.narrow(1, 1, t - 1)?.flatten_all()?)
+    }
+}
+
+/// Builds a Llama-style model from `dir` (`config.json`, `model.safetensors`) into a new VarMap.
+pub fn load_llama(dir: &Path, device: &Device) -> anyhow::Result<(VarMap, Llama)> {
+    let cfg = LlamaConfig::load(dir)?;
+    let varmap = VarMap::new();
+    let model = Llama::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+    load_weights(&varmap, &dir.join("model.safetensors"))?;
+    Ok((varmap, model))
+}
+
+/// A Hugging Face causal language model Kolo can load: chosen by `config.json`'s `model_type`.
+pub enum CausalLm {
+    /// `gpt2`.
+    Gpt2(Gpt2),
+    /// `llama`.
+    Llama(Llama),
+}
+
+impl CausalLm {
+    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            CausalLm::Gpt2(m) => m.forward(ids),
+            CausalLm::Llama(m) => m.forward(ids),
+        }
+    }
+    /// Mean next-token cross-entropy of `ids` (batch, seq).
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            CausalLm::Gpt2(m) => m.loss(ids),
+            CausalLm::Llama(m) => m.loss(ids),
+        }
+    }
+    /// Tokens in the vocabulary.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            CausalLm::Gpt2(m) => m.config().vocab_size,
+            CausalLm::Llama(m) => m.config().vocab_size,
+        }
+    }
+    /// Writes the model as `save_pretrained` does ([`save_pretrained`] with its config).
+    pub fn save_pretrained(&self, dir: &Path, varmap: &VarMap) -> anyhow::Result<()> {
+        match self {
+            CausalLm::Gpt2(m) => save_pretrained(dir, varmap, m.config()),
+            CausalLm::Llama(m) => save_pretrained(dir, varmap, m.config()),
+        }
+    }
+}
+
+/// Loads the causal language model in `dir` (GPT-2 or Llama, by `config.json`'s `model_type`)
+/// into a new VarMap on `device`.
+pub fn load_causal_lm(dir: &Path, device: &Device) -> anyhow::Result<(VarMap, CausalLm)> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    match v.get("model_type").and_then(|t| t.as_str()) {
+        Some("gpt2") => load_gpt2(dir, device).map(|(v, m)| (v, CausalLm::Gpt2(m))),
+        Some("llama") => load_llama(dir, device).map(|(v, m)| (v, CausalLm::Llama(m))),
+        Some(t) => bail!("{}: model_type \"{t}\" is not supported (gpt2, llama)", path.display()),
+        None => bail!("{}: no model_type", path.display()),
+    }
+}

@@ -7,9 +7,9 @@ use super::{fresh_dir, model_tensors, run, text};
 #[allow(dead_code)]
 mod user_mlp;
 
-#[path = "../../examples/hf_gpt2.rs"]
+#[path = "../../examples/hf_finetune.rs"]
 #[allow(dead_code)]
-mod hf_gpt2;
+mod hf_finetune;
 
 /// Not a test on its own: the process the tests below start through `kolo launch` (it runs
 /// the example named by `KOLO_EXAMPLE` with the arguments in `KOLO_EXAMPLE_ARGS`).
@@ -18,7 +18,7 @@ mod hf_gpt2;
 fn launched_rank() {
     let args: Vec<String> = std::env::var("KOLO_EXAMPLE_ARGS").expect("KOLO_EXAMPLE_ARGS").split(' ').map(String::from).collect();
     match std::env::var("KOLO_EXAMPLE").as_deref() {
-        Ok("hf_gpt2") => drop(hf_gpt2::run(&args).unwrap()),
+        Ok("hf_finetune") => drop(hf_finetune::run(&args).unwrap()),
         _ => drop(user_mlp::train(&args).unwrap()),
     }
 }
@@ -61,51 +61,58 @@ fn a_users_candle_model_under_ddp_and_zero_matches_one_process() {
     }
 }
 
-/// A Hugging Face GPT-2 (the one `transformers` saved in test-data) fine-tuned by 2 processes
-/// under ZeRO-1 and exported: the export loads back into Kolo with bitwise the logits the run
-/// computed at its end (written next to it), and they differ from the starting model's, which
-/// equal transformers' reference within 1e-4. (That transformers computes the same logits from
-/// the export is checked by `bench/hf_interop.sh`, which needs torch.)
+/// Hugging Face models (the GPT-2 and the Llama-style model `transformers` saved in
+/// test-data) fine-tuned by 2 processes under ZeRO-1 and ZeRO-2 and exported: each export loads
+/// back into Kolo with bitwise the logits the run computed at its end (written next to it), and
+/// they differ from the starting model's, which equal transformers' reference within 1e-4. (That
+/// transformers computes the same logits from the export is checked by `bench/hf_interop.sh`,
+/// which needs torch.)
 #[test]
-fn a_hugging_face_gpt2_fine_tuned_under_zero_exports_what_it_trained() {
-    let dir = fresh_dir("hf-gpt2");
-    let model = kolo_testkit::files::hf_gpt2_tiny();
-    let me = std::env::current_exe().unwrap();
-    let args = format!(
-        "--model {} --out {} --text {} --steps 6 --batch 2 --seq 16 --zero 1 --lr 3e-3",
-        model.display(),
-        dir.display(),
-        kolo_testkit::files::shakespeare().display()
-    );
-    let o = run(
-        &[
-            "launch",
-            "-n",
-            "2",
-            "--",
-            me.to_str().unwrap(),
-            "user_model::launched_rank",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ],
-        &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "hf_gpt2")],
-    );
-    let t = text(&o);
-    assert!(o.status.success(), "{t}");
-    assert!(t.contains("logits differ from transformers' reference by"), "{t}");
+fn hugging_face_models_fine_tuned_under_zero_export_what_they_trained() {
     let dev = candle_core::Device::Cpu;
-    let kolo = candle_core::safetensors::load(dir.join("kolo_logits.safetensors"), &dev).unwrap();
-    let reference = candle_core::safetensors::load(model.join("reference.safetensors"), &dev).unwrap();
-    let ids = kolo["ids"].to_dtype(candle_core::DType::U32).unwrap();
     let diff = |a: &candle_core::Tensor, b: &candle_core::Tensor| {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
     };
-    let (_, exported) = kolo::hf::load_gpt2(&dir, &dev).unwrap();
-    assert_eq!(diff(&exported.forward(&ids).unwrap(), &kolo["logits"]), 0.0, "the export is not the trained model");
-    let (_, start) = kolo::hf::load_gpt2(&model, &dev).unwrap();
-    let start = start.forward(&ids).unwrap();
-    assert!(diff(&start, &reference["logits"]) < 1e-4);
-    assert!(diff(&start, &kolo["logits"]) > 1e-2, "fine-tuning did not change the model");
+    for (model, zero) in [(kolo_testkit::files::hf_gpt2_tiny(), 1), (kolo_testkit::files::hf_llama_tiny(), 2)] {
+        let dir = fresh_dir(&format!("hf-{zero}"));
+        let me = std::env::current_exe().unwrap();
+        let args = format!(
+            "--model {} --out {} --text {} --steps 6 --batch 2 --seq 16 --zero {zero} --lr 3e-3",
+            model.display(),
+            dir.display(),
+            kolo_testkit::files::shakespeare().display()
+        );
+        let o = run(
+            &[
+                "launch",
+                "-n",
+                "2",
+                "--",
+                me.to_str().unwrap(),
+                "user_model::launched_rank",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ],
+            &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "hf_finetune")],
+        );
+        let t = text(&o);
+        assert!(o.status.success(), "{t}");
+        assert!(t.contains("logits differ from transformers' reference by"), "{t}");
+        let kolo = candle_core::safetensors::load(dir.join("kolo_logits.safetensors"), &dev).unwrap();
+        let reference = candle_core::safetensors::load(model.join("reference.safetensors"), &dev).unwrap();
+        let ids = kolo["ids"].to_dtype(candle_core::DType::U32).unwrap();
+        let (_, exported) = kolo::hf::load_causal_lm(&dir, &dev).unwrap();
+        assert_eq!(
+            diff(&exported.forward(&ids).unwrap(), &kolo["logits"]),
+            0.0,
+            "{}: the export is not the trained model",
+            model.display()
+        );
+        let (_, start) = kolo::hf::load_causal_lm(&model, &dev).unwrap();
+        let start = start.forward(&ids).unwrap();
+        assert!(diff(&start, &reference["logits"]) < 1e-4);
+        assert!(diff(&start, &kolo["logits"]) > 1e-2, "{}: fine-tuning did not change the model", model.display());
+    }
 }

@@ -1,10 +1,12 @@
-//! Fine-tune a Hugging Face GPT-2 under Kolo's DDP or ZeRO and export it for `transformers`.
+//! Fine-tune a Hugging Face causal language model (GPT-2 or Llama) under Kolo's DDP or ZeRO and
+//! export it for `transformers`.
 //!
-//!   cargo run --release --example hf_gpt2 -- --model DIR --out DIR
-//!   kolo launch -n 2 -- target/release/examples/hf_gpt2 --model DIR --out DIR --zero 1
+//!   cargo run --release --example hf_finetune -- --model DIR --out DIR
+//!   kolo launch -n 2 -- target/release/examples/hf_finetune --model DIR --out DIR --zero 1
 //!
 //! DIR holds `config.json` and `model.safetensors` as `save_pretrained` writes them (default:
-//! test-data/hf/gpt2-tiny, a small random GPT-2 made by transformers). The text (--text,
+//! test-data/hf/gpt2-tiny, a small random GPT-2 made by transformers; test-data/hf/llama-tiny is
+//! a Llama-style one). The text (--text,
 //! default data/tinyshakespeare.txt) is cut into windows of --seq + 1 tokens, a token being a
 //! byte of the text modulo the vocabulary; with --shards SHARDS the windows come from token
 //! shards that `kolo data prepare` wrote with the model's tokenizer. When DIR has
@@ -26,8 +28,8 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     let (steps, batch, seq): (u64, usize, usize) =
         (arg("--steps", "20").parse()?, arg("--batch", "4").parse()?, arg("--seq", "32").parse()?);
     let dist = kolo::init()?;
-    let (varmap, model) = kolo::hf::load_gpt2(Path::new(&model_dir), &dist.device())?;
-    let vocab = model.config().vocab_size as u32;
+    let (varmap, model) = kolo::hf::load_causal_lm(Path::new(&model_dir), &dist.device())?;
+    let vocab = model.vocab_size() as u32;
     let reference = Path::new(&model_dir).join("reference.safetensors");
     let reference = if reference.exists() { Some(candle_core::safetensors::load(&reference, &dist.device())?) } else { None };
     let ids = reference.as_ref().map(|r| r["ids"].to_dtype(DType::U32)).transpose()?;
@@ -63,7 +65,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     }
     let logits = ids.as_ref().map(|ids| model.forward(ids)).transpose()?;
     if dist.is_main() {
-        kolo::hf::save_pretrained(Path::new(&out), &varmap, model.config())?;
+        model.save_pretrained(Path::new(&out), &varmap)?;
         if let (Some(ids), Some(l)) = (&ids, &logits) {
             let t = [("ids".to_string(), ids.to_dtype(DType::I64)?), ("logits".to_string(), l.clone())];
             candle_core::safetensors::save(&t.into_iter().collect(), Path::new(&out).join("kolo_logits.safetensors"))?;

@@ -1,0 +1,33 @@
+"""Regenerates test-data/hf/llama-tiny, Kolo's reference for Llama-style models.
+
+A LlamaForCausalLM of a small configuration (RMSNorm, rotary position embeddings, SwiGLU MLP,
+grouped-query attention: 4 query heads sharing 2 key/value heads, untied output projection),
+built offline by `transformers` from a fixed seed, with noise (std 0.3) added to every parameter
+so that every layer matters to the logits; saved with `save_pretrained`, and its logits on fixed
+token ids in reference.safetensors ("ids" int64, "logits" f32).
+
+    python test-data/hf/make_llama_reference.py [OUT_DIR]
+"""
+import sys
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+out = sys.argv[1] if len(sys.argv) > 1 else "test-data/hf/llama-tiny"
+torch.manual_seed(0)
+cfg = transformers.LlamaConfig(
+    vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=None,
+)
+model = transformers.LlamaForCausalLM(cfg).eval()
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * 0.3)
+model.save_pretrained(out, safe_serialization=True)
+ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    logits = model(ids).logits
+save_file({"ids": ids.to(torch.int64), "logits": logits.float().contiguous()}, f"{out}/reference.safetensors")
+print(f"{out}: logits {tuple(logits.shape)}, max |logit| {logits.abs().max().item():.3f}, transformers {transformers.__version__}")
