@@ -189,11 +189,17 @@ impl Gpt2 {
 
     /// Mean next-token cross-entropy of `ids` (batch, seq): position i predicts token i + 1.
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let t = ids.dim(1)?;
-        let logits = self.forward(&ids.narrow(1, 0, t - 1)?)?;
-        let v = logits.dim(D::Minus1)?;
-        candle_nn::loss::cross_entropy(&logits.reshape(((), v))?, &ids.narrow(1, 1, t - 1)?.flatten_all()?)
+        next_token_loss(ids, |x| self.forward(x))
     }
+}
+
+/// Mean cross-entropy of predicting token i + 1 of each row of `ids` (batch, seq) from the
+/// logits `forward` gives for tokens 0..seq - 1.
+fn next_token_loss(ids: &Tensor, forward: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
+    let t = ids.dim(1)?;
+    let logits = forward(&ids.narrow(1, 0, t - 1)?)?;
+    let v = logits.dim(D::Minus1)?;
+    candle_nn::loss::cross_entropy(&logits.reshape(((), v))?, &ids.narrow(1, 1, t - 1)?.flatten_all()?)
 }
 
 /// Builds a GPT-2 from `dir` (`config.json`, `model.safetensors`) into a new VarMap on `device`.
@@ -470,10 +476,7 @@ impl Llama {
 
     /// Mean next-token cross-entropy of `ids` (batch, seq).
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let t = ids.dim(1)?;
-        let logits = self.forward(&ids.narrow(1, 0, t - 1)?)?;
-        let v = logits.dim(D::Minus1)?;
-        candle_nn::loss::cross_entropy(&logits.reshape(((), v))?, &ids.narrow(1, 1, t - 1)?.flatten_all()?)
+        next_token_loss(ids, |x| self.forward(x))
     }
 }
 

@@ -315,6 +315,14 @@ fn hf_reference() -> (Tensor, Tensor) {
     (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone())
 }
 
+/// `(name, shape)` of every tensor in `dir/model.safetensors`, sorted.
+fn saved_tensors(dir: &std::path::Path) -> Vec<(String, Vec<usize>)> {
+    let t = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut v: Vec<(String, Vec<usize>)> = t.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
+    v.sort();
+    v
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }
@@ -336,13 +344,7 @@ fn hugging_face_gpt2_loads_with_transformers_logits_and_saves_back() {
 
     let out = std::env::temp_dir().join(format!("kolo-hf-save-{}", std::process::id()));
     crate::hf::save_pretrained(&out, &varmap, model.config()).unwrap();
-    let names = |p: &std::path::Path| {
-        let t = candle_core::safetensors::load(p.join("model.safetensors"), &Device::Cpu).unwrap();
-        let mut v: Vec<(String, Vec<usize>)> = t.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
-        v.sort();
-        v
-    };
-    assert_eq!(names(&out), names(&dir));
+    assert_eq!(saved_tensors(&out), saved_tensors(&dir));
     let (_, again) = crate::hf::load_gpt2(&out, &Device::Cpu).unwrap();
     assert_eq!(max_diff(&again.forward(&ids).unwrap(), &got), 0.0);
     let _ = std::fs::remove_dir_all(&out);
@@ -479,13 +481,7 @@ fn hugging_face_llama_loads_with_transformers_logits_trains_and_saves_back() {
 
     let out = std::env::temp_dir().join(format!("kolo-llama-save-{}", std::process::id()));
     crate::hf::save_pretrained(&out, &varmap, model.config()).unwrap();
-    let names = |p: &std::path::Path| {
-        let t = candle_core::safetensors::load(p.join("model.safetensors"), &Device::Cpu).unwrap();
-        let mut v: Vec<(String, Vec<usize>)> = t.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
-        v.sort();
-        v
-    };
-    assert_eq!(names(&out), names(&dir));
+    assert_eq!(saved_tensors(&out), saved_tensors(&dir));
     let (_, again) = crate::hf::load_llama(&out, &Device::Cpu).unwrap();
     assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0);
     let _ = std::fs::remove_dir_all(&out);
