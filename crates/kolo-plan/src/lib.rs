@@ -1,28 +1,38 @@
 //! The automatic parallelism planner (Alpa-style search over a cost model, without Alpa's ILP):
-//! for a GPT on a set of identical devices, every way to split the devices into data (dp),
-//! tensor (tp) and pipeline (pp) parallel groups, with each ZeRO stage, micro-batch size and
-//! with or without activation checkpointing, is costed by [`estimate`]; [`search`] returns the
-//! plans that fit in memory, fastest first.
+//! for a GPT on a cluster ([`Cluster`]: devices per node, intra- and inter-node links, peak
+//! FLOP/s per precision, memory, measured GEMM efficiency), every way to split the devices
+//! into data (dp), tensor (tp) and pipeline (pp) parallel groups, with each ZeRO stage,
+//! micro-batch size and with or without activation checkpointing, is costed by [`estimate`];
+//! [`search`] returns the plans that fit in memory, fastest first.
 //!
-//! The cost model, per training step of `global_batch` sequences:
-//! - **compute**: Narayanan et al.'s FLOPs for a GPT, 72 B s L h^2 (1 + s / 6h + V / 12hL)
-//!   (forward and backward; x 4/3 with activation checkpointing, which runs the forward twice),
-//!   divided over the devices at the device's achieved FLOP rate;
-//! - **pipeline bubble**: the compute stretched by (pp - 1) / m for m micro-batches (1F1B);
-//! - **communication**, alpha-beta per collective (ring algorithms): all-reduce
-//!   2(p-1) alpha + 2 (p-1)/p n / beta; all-gather and reduce-scatter half of it; point to point
-//!   alpha + n / beta. Tensor parallelism: 4 all-reduces of b s h values per layer and
-//!   micro-batch (2 forward, 2 backward, Megatron); pipeline: one activation and one gradient
-//!   of b s h values per micro-batch and stage boundary; data parallelism: one all-reduce of the
-//!   stage's gradients (ZeRO-1/2: reduce-scatter + all-gather, the same volume; ZeRO-3: 1.5x),
-//!   of which the part longer than the backward pass is exposed (buckets overlap backward);
-//! - **memory** per device: model states (f32 parameters, f32 gradients, Adam's two moments:
-//!   16 bytes per parameter; ZeRO-1 8 + 12/dp, ZeRO-2 4 + 16/dp, ZeRO-3 16/dp plus one gathered
-//!   layer), divided over tp x pp; activations per layer and micro-batch
-//!   s b h (34 + 5 a s / h) x (value bytes / 2) / tp (Korthikanti et al.), for the layers of a
-//!   stage and the micro-batches in flight on the first stage (min(pp, m)); with checkpointing
-//!   only each layer's input is kept, plus one layer's full activations. Two runtime constants
-//!   scale this for an implementation ([`Cluster::activation_factor`], per-parameter copies).
+//! The cost model, per training step of `global_batch` sequences, on one device:
+//! - **compute**, per layer and micro-batch of b sequences: the dense GEMMs (24 b s h^2 / t
+//!   FLOPs forward), attention's score and value GEMMs (4 b s^2 h / t) and the logits
+//!   (2 b s h V / t), each at the device's peak times its measured efficiency for the GEMM's
+//!   size ([`Device::efficiency`]); the memory-bound operations move the layer's activations
+//!   (Korthikanti et al.'s s b h (34 + 5 a s / h) values) twice at the device's memory
+//!   bandwidth. Backward costs twice forward; activation checkpointing runs forward again;
+//! - **pipeline** (1F1B): (m + pp - 1) slots of the slowest stage (the last: its layers and the
+//!   logits) for m micro-batches, the bubble being the pp - 1 extra slots;
+//! - **communication**, alpha-beta per collective on the link its group runs on
+//!   ([`Cluster::group_link`]; ranks ordered tp, then dp, then pp, as Megatron-LM does): tensor
+//!   parallelism 2 all-reduces of b s h values per layer forward, 2 backward, 2 more when
+//!   recomputing; pipeline one activation and one gradient of b s h / t values per slot and
+//!   stage boundary; data parallelism one all-reduce of the stage's gradients (ZeRO-1/2:
+//!   reduce-scatter + all-gather, the same volume; ZeRO-3: 1.5x), overlapped with backward
+//!   when [`Cluster::overlap_dp`];
+//! - **memory** per device ([`state_bytes`]): parameters, gradients and optimizer states per
+//!   precision and ZeRO stage, divided over tp x pp; activations of the layers of a stage for
+//!   the micro-batches in flight on the first stage (min(pp, m)); with checkpointing only each
+//!   layer's input is kept, plus one layer's full activations. Two runtime constants scale this
+//!   for an implementation ([`Cluster::activation_factor`], per-parameter copies).
+//!
+//! Reported: step time, model TFLOP/s per device (the FLOPs the model needs, 72 B s L h^2
+//! (1 + s / 6h + V / 12hL), Narayanan et al.), hardware TFLOP/s (with the recomputation, as
+//! Megatron-LM reports), MFU (model FLOP/s over peak) and memory per device broken down.
+
+mod cluster;
+pub use cluster::{Cluster, Device, Link, Precision, PRESETS};
 
 /// A GPT's shape.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -65,32 +75,14 @@ impl Gpt {
         let (l, h, s, v) = (self.layers as f64, self.d_model as f64, self.seq as f64, self.vocab as f64);
         72.0 * sequences * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * l))
     }
-}
 
-/// The devices and their links.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Cluster {
-    pub devices: usize,
-    /// Bytes of memory per device.
-    pub memory: f64,
-    /// Achieved FLOP/s per device on this model's matmuls.
-    pub flops: f64,
-    /// Bytes/s per device link (one direction).
-    pub bandwidth: f64,
-    /// Seconds per message.
-    pub latency: f64,
-    /// The runtime's activation memory relative to Megatron's formula (1.0 for a fused GPU
-    /// implementation; Kolo on candle's CPU backend keeps about 1.8x, measured).
-    pub activation_factor: f64,
-    /// Bytes the runtime copies per resident parameter during a step (Kolo's gradient hooks:
-    /// 4, one f32 copy of every parameter in forward).
-    pub param_copy_bytes: f64,
-}
-
-impl Cluster {
-    /// Kolo on this kind of CPU: activation factor and hook copies measured (docs/benchmarks.md).
-    pub const KOLO_CPU_ACTIVATIONS: f64 = 1.8;
-    pub const KOLO_PARAM_COPY: f64 = 4.0;
+    /// FLOPs activation checkpointing adds: the blocks' forward once more (the logits are not
+    /// recomputed), so that step + recompute is Narayanan et al.'s 96 B s L h^2 (1 + s / 6h +
+    /// V / 16hL).
+    pub fn recompute_flops(&self, sequences: f64) -> f64 {
+        let (l, h, s) = (self.layers as f64, self.d_model as f64, self.seq as f64);
+        24.0 * sequences * s * l * h * h * (1.0 + s / (6.0 * h))
+    }
 }
 
 /// One way to run the job.
@@ -106,46 +98,102 @@ pub struct Plan {
     pub checkpoint: bool,
 }
 
+/// Bytes per device, by what holds them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Memory {
+    pub params: f64,
+    pub grads: f64,
+    /// Optimizer states, with the f32 master copy where there is one.
+    pub optimizer: f64,
+    pub activations: f64,
+    /// The runtime's own copies (Kolo's gradient hooks).
+    pub runtime: f64,
+}
+
+impl Memory {
+    /// Parameters, gradients and optimizer states.
+    pub fn states(&self) -> f64 {
+        self.params + self.grads + self.optimizer
+    }
+
+    pub fn total(&self) -> f64 {
+        self.states() + self.activations + self.runtime
+    }
+}
+
 /// What [`estimate`] predicts for a plan.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Estimate {
     pub step_s: f64,
+    /// Forward, backward and recomputation of the m micro-batches on the slowest stage.
     pub compute_s: f64,
     pub bubble_s: f64,
     pub tp_s: f64,
     pub pp_s: f64,
     /// Data-parallel gradient communication not hidden behind backward.
     pub dp_exposed_s: f64,
-    /// Bytes per device: model states and activations.
-    pub states: f64,
-    pub activations: f64,
+    pub memory: Memory,
     pub micro_batches: usize,
+    /// The model's FLOPs per step (no recomputation), over all devices.
+    pub model_flops: f64,
+    /// FLOPs executed per step, recomputation included.
+    pub hardware_flops: f64,
+    /// Devices and their peak FLOP/s in the plan's precision.
+    pub devices: usize,
+    pub peak: f64,
 }
 
 impl Estimate {
+    /// Bytes per device.
     pub fn memory(&self) -> f64 {
-        self.states + self.activations
+        self.memory.total()
+    }
+
+    /// Model FLOP/s per device.
+    pub fn model_flops_per_device(&self) -> f64 {
+        self.model_flops / self.step_s / self.devices as f64
+    }
+
+    /// Executed FLOP/s per device (what Megatron-LM reports).
+    pub fn hardware_flops_per_device(&self) -> f64 {
+        self.hardware_flops / self.step_s / self.devices as f64
+    }
+
+    /// Model FLOPs utilisation: model FLOP/s over the devices' peak.
+    pub fn mfu(&self) -> f64 {
+        self.model_flops_per_device() / self.peak
     }
 }
 
-/// Ring all-reduce of `bytes` over `p` ranks.
-pub fn all_reduce_s(bytes: f64, p: usize, c: &Cluster) -> f64 {
+/// Ring all-reduce of `bytes` over `p` ranks on `link`.
+pub fn all_reduce_s(bytes: f64, p: usize, link: Link) -> f64 {
     if p <= 1 {
         return 0.0;
     }
     let p = p as f64;
-    2.0 * (p - 1.0) * c.latency + 2.0 * (p - 1.0) / p * bytes / c.bandwidth
+    2.0 * (p - 1.0) * link.latency + 2.0 * (p - 1.0) / p * bytes / link.bandwidth
 }
 
-/// Model-state bytes per device for `params` parameters held by this device (f32 training).
-pub fn state_bytes(params: f64, zero: u8, dp: usize) -> f64 {
+/// Model-state bytes per device for `params` parameters held by this device, as (parameters,
+/// gradients, optimizer states).
+/// - f32 (Kolo): 4 + 4 + 8 (Adam's moments); ZeRO-1 shards moments and an f32 master copy
+///   (4 + 4 + 12/dp), ZeRO-2 also the gradients (4 + 16/dp), ZeRO-3 everything (16/dp).
+/// - mixed precision (the ZeRO paper, K = 12): 2 + 2 + 12; ZeRO-1 2 + 2 + 12/dp, ZeRO-2
+///   2 + 14/dp, ZeRO-3 16/dp.
+pub fn state_bytes(params: f64, zero: u8, dp: usize, precision: Precision) -> (f64, f64, f64) {
     let d = dp.max(1) as f64;
-    match zero {
-        0 => 16.0 * params,
-        1 => 8.0 * params + 12.0 * params / d,
-        2 => 4.0 * params + 16.0 * params / d,
-        _ => 16.0 * params / d,
-    }
+    let v = precision.value_bytes();
+    let (optim, sharded_optim) = match precision {
+        Precision::F32 => (8.0, 12.0),
+        Precision::Mixed => (12.0, 12.0),
+    };
+    let (p, g, o) = match zero {
+        0 => (v, v, optim),
+        1 => (v, v, sharded_optim / d),
+        2 => (v, v / d, sharded_optim / d),
+        _ => (v / d, v / d, optim / d),
+    };
+    (p * params, g * params, o * params)
 }
 
 /// Activation bytes of one layer for one micro-batch of `b` sequences (values of `value_bytes`).
@@ -154,10 +202,30 @@ pub fn layer_activation_bytes(m: &Gpt, b: usize, tp: usize, value_bytes: f64) ->
     s * b as f64 * h * (34.0 + 5.0 * a * s / h) * (value_bytes / 2.0) / tp.max(1) as f64
 }
 
-/// The cost of `plan` for `global_batch` sequences per step (`value_bytes`: 4 for f32).
-pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, value_bytes: f64) -> Option<Estimate> {
+/// Seconds of one layer's forward for a micro-batch of `b` sequences on one device of a
+/// tp-way group: GEMMs at their measured efficiency, memory-bound operations at the memory
+/// bandwidth.
+pub fn layer_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Precision) -> f64 {
+    let (s, h, a, t) = (m.seq as f64, m.d_model as f64, m.heads as f64, tp as f64);
+    let tokens = b as f64 * s;
+    let dense = d.gemm_s(24.0 * tokens * h * h / t, (tokens, 3.0 * h / t, h), precision);
+    let attention = d.gemm_s(4.0 * tokens * s * h / t, (s, s, h / a), precision);
+    let memory = 2.0 * layer_activation_bytes(m, b, tp, precision.value_bytes()) / d.mem_bandwidth;
+    dense + attention + memory
+}
+
+/// Seconds of the logits' forward for `b` sequences on one device of a tp-way group.
+pub fn logits_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Precision) -> f64 {
+    let (s, h, v, t) = (m.seq as f64, m.d_model as f64, m.vocab as f64, tp as f64);
+    let tokens = b as f64 * s;
+    d.gemm_s(2.0 * tokens * h * v / t, (tokens, v / t, h), precision)
+}
+
+/// The cost of `plan` for `global_batch` sequences per step.
+pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precision: Precision) -> Option<Estimate> {
     let Plan { dp, tp, pp, zero, micro_batch, checkpoint } = *plan;
-    if dp * tp * pp != c.devices || micro_batch == 0 || pp > m.layers || !m.heads.is_multiple_of(tp) || !global_batch.is_multiple_of(dp) {
+    let devices = c.devices();
+    if dp * tp * pp != devices || micro_batch == 0 || pp > m.layers || !m.heads.is_multiple_of(tp) || !global_batch.is_multiple_of(dp) {
         return None;
     }
     let per_replica = global_batch / dp;
@@ -165,30 +233,42 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, value_by
         return None;
     }
     let mb = per_replica / micro_batch;
+    let vb = precision.value_bytes();
     let (s, h) = (m.seq as f64, m.d_model as f64);
-    let flops = m.step_flops(global_batch as f64) * if checkpoint { 4.0 / 3.0 } else { 1.0 };
-    let compute_s = flops / (c.devices as f64 * c.flops);
-    let bubble_s = compute_s * (pp as f64 - 1.0) / mb as f64;
-    let act_values = micro_batch as f64 * s * h;
     let layers_per_stage = (m.layers as f64 / pp as f64).ceil();
-    let tp_s = 4.0 * layers_per_stage * mb as f64 * all_reduce_s(act_values * value_bytes, tp, c);
-    let pp_s = if pp > 1 { 2.0 * mb as f64 * (c.latency + act_values * value_bytes / tp as f64 / c.bandwidth) } else { 0.0 };
+    let act_values = micro_batch as f64 * s * h;
+
+    // One micro-batch on the last (slowest) stage: forward, backward (2x), recomputation.
+    let layer = layer_forward_s(m, &c.device, micro_batch, tp, precision);
+    let passes = if checkpoint { 4.0 } else { 3.0 };
+    let slot_compute = layers_per_stage * layer * passes + 3.0 * logits_forward_s(m, &c.device, micro_batch, tp, precision);
+    let tp_link = c.group_link(tp, 1);
+    let all_reduces = if checkpoint { 6.0 } else { 4.0 };
+    let slot_tp = layers_per_stage * all_reduces * all_reduce_s(act_values * vb, tp, tp_link);
+    let pp_link = c.group_link(pp, tp * dp);
+    let slot_pp = if pp > 1 { 2.0 * (pp_link.latency + act_values * vb / tp as f64 / pp_link.bandwidth) } else { 0.0 };
+    let compute_s = mb as f64 * slot_compute;
+    let bubble_s = (pp - 1) as f64 * slot_compute;
+    let slots = (mb + pp - 1) as f64;
+    let tp_s = slots * slot_tp;
+    let pp_s = slots * slot_pp;
+
     let stage_params = m.params() / (tp * pp) as f64;
     let volume = if zero >= 3 { 1.5 } else { 1.0 };
-    let dp_s = volume * all_reduce_s(stage_params * 4.0, dp, c);
-    // Buckets overlap backward (about 2/3 of the compute); only the rest is exposed.
-    let dp_exposed_s = (dp_s - compute_s * 2.0 / 3.0).max(dp_s * 0.1);
-    let states = state_bytes(stage_params, zero, dp) + if zero >= 3 { 16.0 * 12.0 * h * h / tp as f64 } else { 0.0 };
+    let dp_s = volume * all_reduce_s(stage_params * vb, dp, c.group_link(dp, tp));
+    // Buckets overlap backward (2/3 of the compute); at least the last bucket is exposed.
+    let dp_exposed_s = if c.overlap_dp { (dp_s - compute_s * 2.0 / 3.0).max(dp_s * 0.1) } else { dp_s };
+
+    let (params, grads, optimizer) = state_bytes(stage_params, zero, dp, precision);
+    // ZeRO-3: a layer's gathered parameters and gradients, two layers at a time (prefetch).
+    let gathered_layer = if zero >= 3 { 4.0 * vb * 12.0 * h * h / tp as f64 } else { 0.0 };
     let in_flight = pp.min(mb) as f64;
-    let per_layer = layer_activation_bytes(m, micro_batch, tp, value_bytes);
-    let per_layer = per_layer * c.activation_factor;
-    let copies = if zero >= 3 { 0.0 } else { stage_params * c.param_copy_bytes };
-    let activations = copies
-        + if checkpoint {
-            layers_per_stage * in_flight * act_values * value_bytes / tp as f64 + per_layer
-        } else {
-            layers_per_stage * in_flight * per_layer
-        };
+    let per_layer = layer_activation_bytes(m, micro_batch, tp, vb) * c.activation_factor;
+    let activations =
+        if checkpoint { layers_per_stage * in_flight * act_values * vb + per_layer } else { layers_per_stage * in_flight * per_layer };
+    let runtime = gathered_layer + if zero >= 3 { 0.0 } else { stage_params * c.param_copy_bytes };
+    let model_flops = m.step_flops(global_batch as f64);
+    let recompute = if checkpoint { m.recompute_flops(global_batch as f64) } else { 0.0 };
     Some(Estimate {
         step_s: compute_s + bubble_s + tp_s + pp_s + dp_exposed_s,
         compute_s,
@@ -196,9 +276,12 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, value_by
         tp_s,
         pp_s,
         dp_exposed_s,
-        states,
-        activations,
+        memory: Memory { params, grads, optimizer, activations, runtime },
         micro_batches: mb,
+        model_flops,
+        hardware_flops: model_flops + recompute,
+        devices,
+        peak: c.device.peak(precision),
     })
 }
 
@@ -224,9 +307,9 @@ impl Default for Space {
 }
 
 /// Every plan of `space` that fits in the devices' memory, fastest first.
-pub fn search(m: &Gpt, c: &Cluster, global_batch: usize, value_bytes: f64, space: &Space) -> Vec<(Plan, Estimate)> {
+pub fn search(m: &Gpt, c: &Cluster, global_batch: usize, precision: Precision, space: &Space) -> Vec<(Plan, Estimate)> {
     let mut out = Vec::new();
-    let n = c.devices;
+    let n = c.devices();
     for tp in (1..=n).filter(|t| n.is_multiple_of(*t)) {
         for pp in (1..=n / tp).filter(|p| (n / tp).is_multiple_of(*p)) {
             let dp = n / (tp * pp);
@@ -237,8 +320,8 @@ pub fn search(m: &Gpt, c: &Cluster, global_batch: usize, value_bytes: f64, space
                 for &micro_batch in &space.micro_batches {
                     for &checkpoint in &space.checkpoint {
                         let plan = Plan { dp, tp, pp, zero, micro_batch, checkpoint };
-                        if let Some(e) = estimate(m, c, &plan, global_batch, value_bytes) {
-                            if e.memory() <= c.memory {
+                        if let Some(e) = estimate(m, c, &plan, global_batch, precision) {
+                            if e.memory() <= c.device.memory {
                                 out.push((plan, e));
                             }
                         }

@@ -4,6 +4,10 @@ fn bench_gpt() -> Gpt {
     Gpt { layers: 4, d_model: 256, heads: 4, seq: 128, vocab: 65 }
 }
 
+fn this_machine(devices: usize) -> Cluster {
+    Cluster::preset("this-machine", 1).unwrap().with_devices(devices).unwrap()
+}
+
 #[test]
 fn parameter_counts_match_the_models() {
     assert_eq!(bench_gpt().params(), 3_225_665.0, "Kolo's benchmark GPT");
@@ -11,6 +15,11 @@ fn parameter_counts_match_the_models() {
     assert_eq!((g.layers, g.d_model), (24, 2048));
     assert!((g.params() / 1.3e9 - 1.0).abs() < 0.1, "{}", g.params());
     assert_eq!(Gpt::with_params(175e9).layers, 96);
+    // Step + recomputation is Narayanan et al.'s 96 B s l h^2 (1 + s/6h + V/16lh).
+    let m = Gpt { layers: 96, d_model: 12288, heads: 96, seq: 2048, vocab: 51200 };
+    let (l, h, s, v) = (96.0, 12288.0, 2048.0, 51200.0);
+    let paper = 96.0 * 1536.0 * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h));
+    assert!(((m.step_flops(1536.0) + m.recompute_flops(1536.0)) / paper - 1.0).abs() < 1e-12);
 }
 
 #[test]
@@ -18,86 +27,216 @@ fn model_states_follow_the_zero_formulas() {
     // Kolo's measured GPT-m (25.35 M parameters) model states: DDP 408.3 MB, ZeRO-1 on 2 ranks
     // 357.6 MB, ZeRO-2 on 4 ranks 205.5 MB (docs/benchmarks.md): within 15% (in fact 1%).
     let phi = 25.35e6;
+    let total = |zero, dp, p| {
+        let (a, b, c) = state_bytes(phi, zero, dp, p);
+        a + b + c
+    };
     for (zero, dp, measured) in [(0u8, 2usize, 408.3e6), (1, 2, 357.6e6), (2, 2, 306.9e6), (1, 4, 281.6e6), (2, 4, 205.5e6)] {
-        let p = state_bytes(phi, zero, dp);
+        let p = total(zero, dp, Precision::F32);
         assert!((p / measured - 1.0).abs() < 0.15, "ZeRO-{zero} on {dp}: predicted {p}, measured {measured}");
     }
-    assert_eq!(state_bytes(1e6, 3, 4), 4e6);
+    assert_eq!(state_bytes(1e6, 3, 4, Precision::F32), (1e6, 1e6, 2e6));
     // ZeRO-3 on 2 and 4 ranks: 206.1 and 104.7 MB measured (plus 0.5 MB of resident embeddings).
     for (dp, measured) in [(2usize, 206.1e6), (4, 104.7e6)] {
-        let p = state_bytes(phi, 3, dp);
+        let p = total(3, dp, Precision::F32);
         assert!((p / measured - 1.0).abs() < 0.15, "ZeRO-3 on {dp}: predicted {p}, measured {measured}");
     }
 }
 
-/// Peak memory with activations, Kolo's runtime constants: GPT-m (8 x 512, batch 8 x 128) DDP
-/// peak heap 1172 MB measured; the benchmark GPT in one process 243.4 MB (51.6 states + 191.8).
+/// The ZeRO paper (Rajbhandari et al. 2020), Table 1: model-state memory per device in GB for
+/// mixed-precision Adam (K = 12) at 7.5 B, 128 B and 1 T parameters on 1 ... 1024 devices,
+/// baseline / P_os / P_os+g / P_os+g+p. Within 10% (the paper rounds).
 #[test]
-fn peak_memory_predictions_match_kolos_measurements() {
-    let c = |devices| Cluster {
-        devices,
-        memory: 1e12,
-        flops: 67e9,
-        bandwidth: 1.5e9,
-        latency: 20e-6,
-        activation_factor: Cluster::KOLO_CPU_ACTIVATIONS,
-        param_copy_bytes: Cluster::KOLO_PARAM_COPY,
-    };
-    let gptm = Gpt { layers: 8, d_model: 512, heads: 8, seq: 128, vocab: 65 };
-    let e = estimate(&gptm, &c(2), &Plan { dp: 2, tp: 1, pp: 1, zero: 0, micro_batch: 8, checkpoint: false }, 16, 4.0).unwrap();
-    assert!((e.memory() / 1172.2e6 - 1.0).abs() < 0.15, "GPT-m DDP peak {} MB", e.memory() / 1e6);
-    let e = estimate(&bench_gpt(), &c(1), &Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 8, checkpoint: false }, 8, 4.0).unwrap();
-    assert!((e.memory() / 243.4e6 - 1.0).abs() < 0.15, "GPT peak {} MB", e.memory() / 1e6);
+fn model_states_match_the_zero_paper() {
+    #[rustfmt::skip]
+    const TABLE: [(usize, [f64; 12]); 6] = [
+        (1,    [120.0, 120.0, 120.0, 120.0,  2048.0, 2048.0, 2048.0, 2048.0,  16000.0, 16000.0, 16000.0, 16000.0]),
+        (4,    [120.0, 52.5,  41.3,  30.0,   2048.0, 896.0,  704.0,  512.0,   16000.0, 7000.0,  5500.0,  4000.0]),
+        (16,   [120.0, 35.6,  21.6,  7.5,    2048.0, 608.0,  368.0,  128.0,   16000.0, 4750.0,  2875.0,  1000.0]),
+        (64,   [120.0, 31.4,  16.6,  1.88,   2048.0, 536.0,  284.0,  32.0,    16000.0, 4187.0,  2218.0,  250.0]),
+        (256,  [120.0, 30.4,  15.4,  0.47,   2048.0, 518.0,  259.0,  8.0,     16000.0, 4046.0,  2054.0,  62.5]),
+        (1024, [120.0, 30.1,  15.1,  0.12,   2048.0, 513.0,  257.0,  2.0,     16000.0, 4011.0,  2013.0,  15.6]),
+    ];
+    for (dp, row) in TABLE {
+        for (i, paper) in row.into_iter().enumerate() {
+            let (psi, zero) = ([7.5e9, 128e9, 1e12][i / 4], (i % 4) as u8);
+            let (a, b, c) = state_bytes(psi, zero, dp, Precision::Mixed);
+            let gb = (a + b + c) / 1e9;
+            assert!((gb / paper - 1.0).abs() < 0.10, "{psi:e} parameters, ZeRO-{zero} on {dp}: {gb:.2} GB, the paper {paper}");
+        }
+    }
+    // The f32 accounting Kolo trains with is larger: 61 / 32 GB at 7.5 B on 64 devices.
+    let (a, b, c) = state_bytes(7.5e9, 1, 64, Precision::F32);
+    assert!(((a + b + c) / 1e9 - 61.4).abs() < 0.1);
+}
+
+/// heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU.
+type MegatronRow = (usize, usize, usize, usize, usize, usize, usize, f64);
+
+/// Megatron-LM on A100s (Narayanan et al. 2021, Table 1): model shape, tp, pp, GPUs, batch,
+/// measured TFLOP/s per GPU (executed FLOPs, with the recomputation). Vocabulary 51,200,
+/// sequence 2048, activation recomputation, no overlap of the data-parallel all-reduce.
+#[rustfmt::skip]
+const MEGATRON_TABLE_1: [MegatronRow; 10] = [
+    // heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s
+    (24,  2304,  24,  1, 1,  32,   512,  137.0),
+    (32,  3072,  30,  2, 1,  64,   512,  138.0),
+    (32,  4096,  36,  4, 1,  128,  512,  142.0),
+    (48,  6144,  40,  8, 1,  256,  1024, 135.0),
+    (64,  8192,  48,  8, 2,  512,  1536, 138.0),
+    (80,  10240, 60,  8, 4,  1024, 1792, 140.0),
+    (96,  12288, 80,  8, 8,  1536, 2304, 148.0),
+    (128, 16384, 96,  8, 16, 1920, 2160, 155.0),
+    (128, 20480, 105, 8, 35, 2520, 2520, 163.0),
+    (160, 25600, 128, 8, 64, 3072, 3072, 163.0),
+];
+
+/// The best micro-batch for the paper's tp x pp x dp with recomputation.
+fn megatron_row(heads: usize, d_model: usize, layers: usize, tp: usize, pp: usize, gpus: usize, batch: usize) -> (Plan, Estimate) {
+    let m = Gpt { layers, d_model, heads, seq: 2048, vocab: 51200 };
+    let c = Cluster { overlap_dp: false, ..Cluster::preset("dgx-a100", gpus / 8).unwrap() };
+    let dp = gpus / (tp * pp);
+    [1, 2, 4, 8]
+        .into_iter()
+        .filter_map(|micro_batch| {
+            let plan = Plan { dp, tp, pp, zero: 0, micro_batch, checkpoint: true };
+            estimate(&m, &c, &plan, batch, Precision::Mixed).filter(|e| e.memory() <= c.device.memory).map(|e| (plan, e))
+        })
+        .min_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s))
+        .expect("a micro-batch fits")
+}
+
+#[test]
+fn throughput_matches_megatron_lm_table_1() {
+    let mut worst: f64 = 0.0;
+    for (heads, d_model, layers, tp, pp, gpus, batch, measured) in MEGATRON_TABLE_1 {
+        let (plan, e) = megatron_row(heads, d_model, layers, tp, pp, gpus, batch);
+        let tflops = e.hardware_flops_per_device() / 1e12;
+        let residual = tflops / measured - 1.0;
+        eprintln!(
+            "h {d_model:>5} t {tp} p {pp:>2} micro {}: {tflops:6.1} TFLOP/s vs {measured} ({:+.1}%), MFU {:.1}%, {:.1} GiB",
+            plan.micro_batch,
+            residual * 100.0,
+            e.mfu() * 100.0,
+            e.memory() / 1024f64.powi(3)
+        );
+        worst = worst.max(residual.abs());
+    }
+    assert!(worst < 0.15, "worst residual {:.1}%", worst * 100.0);
+}
+
+/// Kolo's own runs of the benchmark GPT (bench/gpt.toml, 16 x 128 tokens per step) on this
+/// machine, `bash bench/planner.sh` on 2026-11-24 (docs/benchmarks.md): step time (ms, second
+/// half of 8 steps) and rank 0's peak heap (MB), against the `this-machine` preset, whose
+/// constants are hardware measurements (GEMM and a + b rates) except the activation factor
+/// (from the one-process peak). Every step within 15%; peak memory within 10% for one
+/// process, DDP and ZeRO-1/2 (ZeRO-3, tp and pp keep buffers the model does not count).
+#[test]
+fn predictions_match_kolo_runs_on_this_machine() {
+    let m = bench_gpt();
+    #[rustfmt::skip]
+    let runs: [(&str, usize, Plan, f64, Option<f64>); 7] = [
+        ("1 process", 1, Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 16, checkpoint: false }, 288.3, Some(262.5)),
+        ("DDP", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 0, micro_batch: 8, checkpoint: false }, 156.3, Some(165.1)),
+        ("ZeRO-1", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 1, micro_batch: 8, checkpoint: false }, 160.2, Some(158.7)),
+        ("ZeRO-2", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 2, micro_batch: 8, checkpoint: false }, 161.9, Some(165.0)),
+        ("ZeRO-3", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 3, micro_batch: 8, checkpoint: true }, 209.9, None),
+        ("tp 2", 2, Plan { dp: 1, tp: 2, pp: 1, zero: 0, micro_batch: 16, checkpoint: false }, 203.7, None),
+        ("pp 2", 2, Plan { dp: 1, tp: 1, pp: 2, zero: 0, micro_batch: 2, checkpoint: false }, 175.7, None),
+    ];
+    for (name, devices, plan, ms, mb) in runs {
+        let e = estimate(&m, &this_machine(devices), &plan, 16, Precision::F32).unwrap();
+        let step = e.step_s * 1e3;
+        assert!((step / ms - 1.0).abs() < 0.15, "{name}: predicted {step:.1} ms, measured {ms}");
+        if let Some(mb) = mb {
+            let mem = e.memory() / 1e6;
+            assert!((mem / mb - 1.0).abs() < 0.10, "{name}: predicted {mem:.1} MB, measured {mb}");
+        }
+    }
 }
 
 #[test]
 fn estimates_add_up_and_respect_the_constraints() {
     let m = bench_gpt();
-    let c =
-        Cluster { devices: 4, memory: 8e9, flops: 67e9, bandwidth: 1.5e9, latency: 20e-6, activation_factor: 1.0, param_copy_bytes: 0.0 };
+    let c = Cluster { activation_factor: 1.0, param_copy_bytes: 0.0, ..Cluster::preset("dgx-a100", 1).unwrap().with_devices(4).unwrap() };
     let plan = |dp, tp, pp, micro_batch| Plan { dp, tp, pp, zero: 0, micro_batch, checkpoint: false };
-    let ddp = estimate(&m, &c, &plan(4, 1, 1, 4), 16, 4.0).unwrap();
+    let f32 = Precision::F32;
+    let ddp = estimate(&m, &c, &plan(4, 1, 1, 4), 16, f32).unwrap();
     assert_eq!((ddp.tp_s, ddp.pp_s, ddp.bubble_s), (0.0, 0.0, 0.0));
     assert!((ddp.step_s - (ddp.compute_s + ddp.dp_exposed_s)).abs() < 1e-12);
-    let pipe = estimate(&m, &c, &plan(1, 1, 4, 2), 16, 4.0).unwrap();
+    let pipe = estimate(&m, &c, &plan(1, 1, 4, 2), 16, f32).unwrap();
     assert_eq!(pipe.micro_batches, 8);
     assert!((pipe.bubble_s / pipe.compute_s - 3.0 / 8.0).abs() < 1e-12, "(pp - 1) / m");
-    let tp = estimate(&m, &c, &plan(1, 4, 1, 16), 16, 4.0).unwrap();
-    assert!(tp.tp_s > 0.0 && tp.activations < ddp.activations * 4.0);
+    let tp = estimate(&m, &c, &plan(1, 4, 1, 16), 16, f32).unwrap();
+    assert!(tp.tp_s > 0.0 && tp.memory.activations < ddp.memory.activations * 4.0);
     // Not a plan: sizes that do not multiply to the devices, heads that do not split, batches
     // that do not divide.
-    assert!(estimate(&m, &c, &plan(2, 1, 1, 4), 16, 4.0).is_none());
-    assert!(estimate(&m, &Cluster { devices: 3, ..c }, &plan(1, 3, 1, 4), 12, 4.0).is_none(), "3 does not divide 4 heads");
-    assert!(estimate(&m, &c, &plan(4, 1, 1, 3), 16, 4.0).is_none());
+    assert!(estimate(&m, &c, &plan(2, 1, 1, 4), 16, f32).is_none());
+    let three = c.clone().with_devices(3).unwrap();
+    assert!(estimate(&m, &three, &plan(1, 3, 1, 4), 12, f32).is_none(), "3 does not divide 4 heads");
+    assert!(estimate(&m, &c, &plan(4, 1, 1, 3), 16, f32).is_none());
     // Checkpointing trades a third more compute for less activation memory.
-    let ck = estimate(&m, &c, &Plan { checkpoint: true, ..plan(4, 1, 1, 4) }, 16, 4.0).unwrap();
-    assert!((ck.compute_s / ddp.compute_s - 4.0 / 3.0).abs() < 1e-12 && ck.activations < ddp.activations / 3.0);
+    let ck = estimate(&m, &c, &Plan { checkpoint: true, ..plan(4, 1, 1, 4) }, 16, f32).unwrap();
+    assert!(ck.compute_s > ddp.compute_s * 1.2 && ck.memory.activations < ddp.memory.activations / 3.0);
+    assert!(ck.hardware_flops > ck.model_flops && ck.model_flops == ddp.model_flops);
+    // Mixed precision halves the activations and runs at the bf16 peak.
+    let mixed = estimate(&m, &c, &plan(4, 1, 1, 4), 16, Precision::Mixed).unwrap();
+    assert!((mixed.memory.activations / ddp.memory.activations - 0.5).abs() < 1e-12);
+    assert!(mixed.compute_s < ddp.compute_s / 4.0, "bf16 tensor cores vs f32");
 }
 
-/// A 1.3 B GPT on 64 80-GiB devices fits as plain DDP only with help (16 bytes per parameter =
-/// 20.8 GB of states, activations of 2048-token sequences): the search returns only plans that
-/// fit, fastest first; with small devices every plan shards something.
+/// Tensor parallelism inside a node runs on NVLink, across nodes on the network: 16-way tp on
+/// 8-GPU nodes costs several times the 8-way tp's communication.
+#[test]
+fn links_follow_the_node_boundaries() {
+    let c = Cluster::preset("dgx-a100", 4).unwrap();
+    assert_eq!(c.group_link(8, 1), c.intra);
+    assert_eq!(c.group_link(16, 1).bandwidth, c.intra.bandwidth.min(8.0 * c.inter.bandwidth));
+    // One member per node (dp over tp = 8): the device's own NIC.
+    assert_eq!(c.group_link(4, 8).bandwidth, c.inter.bandwidth);
+    assert_eq!(c.group_link(2, 2), c.intra);
+    let m = Gpt { layers: 32, d_model: 8192, heads: 64, seq: 2048, vocab: 51200 };
+    let plan = |tp| Plan { dp: 32 / tp, tp, pp: 1, zero: 1, micro_batch: 1, checkpoint: true };
+    let t8 = estimate(&m, &c, &plan(8), 64, Precision::Mixed).unwrap();
+    let t16 = estimate(&m, &c, &plan(16), 64, Precision::Mixed).unwrap();
+    assert!(t16.tp_s > 3.0 * t8.tp_s, "tp 16 {} s vs tp 8 {} s", t16.tp_s, t8.tp_s);
+    assert!(Cluster::preset("dgx-a100", 1).unwrap().with_devices(12).is_err(), "12 GPUs are not whole 8-GPU nodes");
+    assert!(Cluster::preset("tpu-v9", 1).is_err());
+}
+
+/// GPT-3 175B on 1024 A100s with a batch of 1536: Megatron-LM trained it at about 140 TFLOP/s
+/// per GPU (31.5 s per step) with t = 8. The search keeps tensor parallelism inside the node;
+/// its step is 17% shorter than measured (the model is optimistic on Megatron-LM by 6-13% on
+/// Table 1, more here), within 20%.
+#[test]
+fn gpt3_175b_on_1024_a100s() {
+    let m = Gpt { layers: 96, d_model: 12288, heads: 96, seq: 2048, vocab: 51200 };
+    let c = Cluster { overlap_dp: false, ..Cluster::preset("dgx-a100", 128).unwrap() };
+    let space = Space { zero_stages: vec![0], micro_batches: vec![1, 2, 4], checkpoint: vec![true], ..Space::default() };
+    let plans = search(&m, &c, 1536, Precision::Mixed, &space);
+    let (best, e) = plans[0];
+    assert!(best.tp <= 8, "tensor parallelism across nodes: {best:?}");
+    let step = e.step_s;
+    assert!((step / 31.5 - 1.0).abs() < 0.20, "{best:?}: {step:.1} s/step, {:.0} TFLOP/s", e.hardware_flops_per_device() / 1e12);
+}
+
+/// A 1.3 B GPT on 64 80-GiB devices: the search returns only plans that fit, fastest first;
+/// with small devices every plan shards something.
 #[test]
 fn search_returns_fitting_plans_fastest_first() {
     let m = Gpt::with_params(1.3e9);
-    let big = Cluster {
-        devices: 64,
-        memory: 80.0 * 1024f64.powi(3),
-        flops: 150e12,
-        bandwidth: 12.5e9,
-        latency: 5e-6,
-        activation_factor: 1.0,
-        param_copy_bytes: 0.0,
-    };
-    let plans = search(&m, &big, 512, 2.0, &Space::default());
+    let big = Cluster::preset("dgx-a100", 8).unwrap();
+    let plans = search(&m, &big, 512, Precision::Mixed, &Space::default());
     assert!(!plans.is_empty());
     assert!(plans.windows(2).all(|w| w[0].1.step_s <= w[1].1.step_s));
-    assert!(plans.iter().all(|(_, e)| e.memory() <= big.memory));
-    let small = Cluster { memory: 16.0 * 1024f64.powi(3), ..big };
-    let tight = search(&m, &small, 512, 2.0, &Space::default());
+    assert!(plans.iter().all(|(_, e)| e.memory() <= big.device.memory));
+    let mut small = big.clone();
+    small.device.memory = 16.0 * 1024f64.powi(3);
+    let tight = search(&m, &small, 512, Precision::F32, &Space::default());
     assert!(!tight.is_empty());
-    assert!(tight.iter().all(|(p, _)| p.zero > 0 || p.tp * p.pp > 1), "16 GiB cannot hold 21 GB of states unsharded");
-    let none = search(&m, &Cluster { memory: 1e9, ..big }, 512, 2.0, &Space::default());
+    assert!(tight.iter().all(|(p, _)| p.zero > 0 || p.tp * p.pp > 1), "16 GiB cannot hold 21 GB of f32 states unsharded");
+    small.device.memory = 1e9;
+    let none = search(&m, &small, 512, Precision::F32, &Space::default());
     assert!(none.iter().all(|(_, e)| e.memory() <= 1e9));
 }
 

@@ -4,12 +4,7 @@
 
 use crate::config::{Config, MeshConfig, ModelKind, PipeSchedule, PipelineConfig};
 use crate::TrainError;
-use kolo_plan::{search, Cluster, Gpt, Space};
-
-/// This machine's measured constants: candle's CPU matmuls reach about 67 GFLOP/s on the
-/// benchmark GPT (627.8 ms for a 16 x 128-token step), loopback TCP about 1.5 GB/s.
-pub const CPU_FLOPS: f64 = 67e9;
-pub const LOOPBACK_BYTES_PER_S: f64 = 1.5e9;
+use kolo_plan::{search, Cluster, Gpt, Precision, Space};
 
 /// Chooses a plan for `world` ranks of `memory` bytes each and writes it into `cfg`; returns a
 /// line describing it. The global batch stays data.batch_size x world.
@@ -27,20 +22,15 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
         seq: md.seq.unwrap_or(128),
         vocab: 256,
     };
-    let c = Cluster {
-        devices: world,
-        memory,
-        flops: CPU_FLOPS,
-        bandwidth: LOOPBACK_BYTES_PER_S,
-        latency: 20e-6,
-        activation_factor: Cluster::KOLO_CPU_ACTIVATIONS,
-        param_copy_bytes: Cluster::KOLO_PARAM_COPY,
-    };
+    // This machine's measured constants (the planner's `this-machine` preset), the world's
+    // ranks on one host over loopback.
+    let mut c = Cluster::preset("this-machine", 1).map_err(TrainError::Config)?;
+    (c.devices_per_node, c.device.memory) = (world, memory);
     let global = cfg.data.batch_size * world;
     // What Kolo runs: ZeRO only with plain data parallelism, activation checkpointing without
     // tp or pp, tp up to the vocabulary.
     let space = Space { zero_with_model_parallel: false, ..Space::default() };
-    let plans = search(&m, &c, global, 4.0, &space);
+    let plans = search(&m, &c, global, Precision::F32, &space);
     // Kolo's ZeRO-3 recomputes every block in backward: it is costed with checkpointing.
     // Without a pipeline, micro-batches are gradient accumulation (not under ZeRO-3).
     let accumulates = |p: &kolo_plan::Plan| p.pp == 1 && p.micro_batch * p.dp < global;

@@ -41,6 +41,20 @@ pub enum BenchCmd {
     },
     /// Sandblaster L-BFGS on the parameter servers with one slowed worker: time per iteration
     /// with and without backup tasks, against no slowed worker.
+    /// Compute of one device as the planner models it: candle's f32 matmul (GFLOP/s of square
+    /// GEMMs per size, the planner's efficiency curve) and elementwise throughput (GB/s moved
+    /// by a + b, the planner's memory-bound rate). Threads: RAYON_NUM_THREADS.
+    Compute {
+        /// Square GEMM sizes.
+        #[arg(long, value_delimiter = ',', default_values_t = [64usize, 128, 256, 512, 1024, 2048])]
+        sizes: Vec<usize>,
+        /// Peak FLOP/s to print efficiencies against, e.g. 166GFLOPS.
+        #[arg(long)]
+        peak: Option<String>,
+        /// Trials per size (the best is reported).
+        #[arg(long, default_value_t = 5)]
+        trials: usize,
+    },
     Sandblaster {
         #[arg(long, default_value = "test-data/tabular/winequality-red.csv")]
         data: std::path::PathBuf,
@@ -128,7 +142,77 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         BenchCmd::Sandblaster { data, slow_ms, iterations } => sandblaster_bench(&data, slow_ms, iterations),
+        BenchCmd::Compute { sizes, peak, trials } => compute_bench(&sizes, peak.as_deref(), trials),
     }
+}
+
+/// Best-of-`trials` seconds of `f`, each trial repeating it until 0.2 s have passed.
+fn best_secs(trials: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let mut best = f64::INFINITY;
+    for _ in 0..trials.max(1) {
+        let (t, mut reps) = (std::time::Instant::now(), 0u32);
+        while reps == 0 || t.elapsed().as_secs_f64() < 0.2 {
+            f()?;
+            reps += 1;
+        }
+        best = best.min(t.elapsed().as_secs_f64() / reps as f64);
+    }
+    Ok(best)
+}
+
+fn compute_bench(sizes: &[usize], peak: Option<&str>, trials: usize) -> anyhow::Result<i32> {
+    use candle_core::{Device, Tensor};
+    let peak = peak.map(kolo_plan::parse_quantity).transpose().map_err(anyhow::Error::msg)?;
+    let dev = Device::Cpu;
+    let threads = std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into());
+    println!("# candle f32 on the CPU, {} cores, threads {threads}, load {}", num_cpus(), loadavg());
+    println!("{:>6} {:>12} {:>10}", "n", "GFLOP/s", "of peak");
+    for &n in sizes {
+        let a = Tensor::randn(0f32, 1.0, (n, n), &dev)?;
+        let b = Tensor::randn(0f32, 1.0, (n, n), &dev)?;
+        let s = best_secs(trials, || {
+            a.matmul(&b)?;
+            Ok(())
+        })?;
+        let flops = 2.0 * (n as f64).powi(3) / s;
+        let of = peak.map(|p| format!("{:.3}", flops / p)).unwrap_or_else(|| "-".into());
+        println!("{n:>6} {:>12.2} {of:>10}", flops / 1e9);
+    }
+    // Memory-bound operations of a transformer layer, as GB/s of f32 read and written.
+    let len = 16 << 20;
+    let a = Tensor::randn(0f32, 1.0, (len / 1024, 1024), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, (len / 1024, 1024), &dev)?;
+    type Op<'a> = (&'a str, f64, Box<dyn Fn() -> candle_core::Result<Tensor> + 'a>);
+    let ops: Vec<Op> = vec![
+        ("a + b", 12.0, Box::new(|| &a + &b)),
+        ("a * 2", 8.0, Box::new(|| &a * 2.0)),
+        ("gelu(a)", 8.0, Box::new(|| a.gelu())),
+        ("exp(a)", 8.0, Box::new(|| a.exp())),
+        ("softmax(a, -1)", 8.0, Box::new(|| candle_nn::ops::softmax_last_dim(&a))),
+        ("a.t().contiguous()", 8.0, Box::new(|| a.t()?.contiguous())),
+        ("sum(a, -1)", 4.0, Box::new(|| a.sum_keepdim(1))),
+    ];
+    let mut rates = Vec::new();
+    for (name, bytes_per_value, op) in &ops {
+        let s = best_secs(trials, || {
+            op()?;
+            Ok(())
+        })?;
+        let rate = bytes_per_value * len as f64 / s / 1e9;
+        rates.push(rate);
+        println!("{name:<20} {rate:>8.2} GB/s");
+    }
+    let harmonic = rates.len() as f64 / rates.iter().map(|r| 1.0 / r).sum::<f64>();
+    println!("memory-bound rate (harmonic mean of the above): {harmonic:.2} GB/s");
+    Ok(0)
+}
+
+fn num_cpus() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
 }
 
 fn relaunch_self(n: usize) -> anyhow::Result<i32> {

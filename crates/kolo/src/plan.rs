@@ -1,6 +1,6 @@
 //! `kolo plan`: the parallelism planner's search, printed as a table of the best plans.
 
-use kolo_plan::{estimate, parse_quantity, search, Cluster, Estimate, Gpt, Plan, Space};
+use kolo_plan::{estimate, parse_quantity, search, Cluster, Device, Estimate, Gpt, Link, Plan, Precision, Space, PRESETS};
 
 #[derive(clap::Args)]
 pub struct PlanArgs {
@@ -21,30 +21,39 @@ pub struct PlanArgs {
     seq: Option<usize>,
     #[arg(long)]
     vocab: Option<usize>,
-    /// Devices in the job.
+    /// Devices in the job (whole nodes of the cluster, or part of one node).
     #[arg(long)]
     devices: usize,
-    /// Memory per device, e.g. 80GiB.
-    #[arg(long, default_value = "80GiB")]
-    device_memory: String,
-    /// Link bandwidth per device, e.g. 100Gbps (bits/s) or 12.5GB (bytes/s).
-    #[arg(long, default_value = "100Gbps")]
-    bandwidth: String,
-    /// Latency per message, microseconds.
-    #[arg(long, default_value_t = 5.0)]
-    latency_us: f64,
-    /// Achieved compute per device, e.g. 150TFLOPS.
-    #[arg(long, default_value = "150TFLOPS")]
-    flops: String,
+    /// The cluster: a preset (dgx-a100, dgx-h100, this-machine) or a TOML file describing
+    /// one (print a preset with --show-cluster to start from).
+    #[arg(long, default_value = "dgx-a100")]
+    cluster: String,
+    /// Override the devices per node.
+    #[arg(long)]
+    devices_per_node: Option<usize>,
+    /// Override the memory per device, e.g. 40GiB.
+    #[arg(long)]
+    device_memory: Option<String>,
+    /// Override the intra-node bus bandwidth per device, e.g. 300GB (bytes/s) or 2400Gbps.
+    #[arg(long)]
+    intra_bandwidth: Option<String>,
+    /// Override the inter-node bandwidth per device, e.g. 200Gbps.
+    #[arg(long)]
+    inter_bandwidth: Option<String>,
+    /// Cost the data-parallel reduction after backward instead of overlapped with it
+    /// (Megatron-LM 2021 did not overlap it).
+    #[arg(long)]
+    no_overlap_dp: bool,
+    /// Print the cluster description as TOML (a file for --cluster) and exit.
+    #[arg(long)]
+    show_cluster: bool,
     /// Sequences per training step.
     #[arg(long, default_value_t = 512)]
     global_batch: usize,
-    /// Activation precision: bf16 or f32.
+    /// bf16/f16 (mixed precision: 2-byte values, f32 master weights and Adam, the bf16 peak)
+    /// or f32 (Kolo's default).
     #[arg(long, default_value = "bf16")]
     precision: String,
-    /// Use Kolo-on-CPU's measured runtime constants (activation factor 1.8, gradient-hook copies).
-    #[arg(long)]
-    kolo_cpu: bool,
     /// Plans to print.
     #[arg(long, default_value_t = 8)]
     top: usize,
@@ -81,8 +90,9 @@ fn parse_plan(s: &str) -> anyhow::Result<Plan> {
 
 fn row(i: usize, p: &Plan, e: &Estimate) -> String {
     let gib = |b: f64| b / 1024f64.powi(3);
+    let m = &e.memory;
     format!(
-        "{i:>3}  dp {:>3} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>3}{}  {:>9.4} s  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + dp {:.4})  memory {:>8.3} GiB (states {:.3} + activations {:.3})",
+        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + dp {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
         p.dp,
         p.tp,
         p.pp,
@@ -91,14 +101,128 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
         e.micro_batches,
         if p.checkpoint { " ckpt" } else { "     " },
         e.step_s,
+        e.model_flops_per_device() / 1e12,
+        e.mfu() * 100.0,
         e.compute_s,
         e.bubble_s,
         e.tp_s,
         e.pp_s,
         e.dp_exposed_s,
         gib(e.memory()),
-        gib(e.states),
-        gib(e.activations)
+        gib(m.params),
+        gib(m.grads),
+        gib(m.optimizer),
+        gib(m.activations),
+        gib(m.runtime)
+    )
+}
+
+/// A cluster file: the preset's fields, quantities with their units.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ClusterFile {
+    devices_per_node: usize,
+    #[serde(default = "one")]
+    activation_factor: f64,
+    #[serde(default)]
+    param_copy_bytes: f64,
+    #[serde(default = "yes")]
+    overlap_dp: bool,
+    device: DeviceFile,
+    intra: LinkFile,
+    inter: LinkFile,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceFile {
+    name: String,
+    memory: String,
+    peak_f32: String,
+    peak_16: String,
+    mem_bandwidth: String,
+    gemm_efficiency: Vec<(f64, f64)>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LinkFile {
+    bandwidth: String,
+    latency_us: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn quantity(what: &str, s: &str) -> anyhow::Result<f64> {
+    parse_quantity(s).map_err(|e| anyhow::anyhow!("{what}: {e}"))
+}
+
+fn link(what: &str, l: &LinkFile) -> anyhow::Result<Link> {
+    let bandwidth = bandwidth_bytes(&l.bandwidth).map_err(|e| anyhow::anyhow!("{what}.bandwidth: {e}"))?;
+    if bandwidth <= 0.0 || l.latency_us < 0.0 {
+        anyhow::bail!("{what}: bandwidth must be positive and latency_us not negative");
+    }
+    Ok(Link { bandwidth, latency: l.latency_us * 1e-6 })
+}
+
+fn load_cluster(path: &str) -> anyhow::Result<Cluster> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("--cluster {path}: {e}"))?;
+    let f: ClusterFile = toml::from_str(&text).map_err(|e| anyhow::anyhow!("--cluster {path}: {e}"))?;
+    let d = &f.device;
+    let pts = &d.gemm_efficiency;
+    if pts.is_empty() || pts.windows(2).any(|w| w[0].0 >= w[1].0) || pts.iter().any(|&(n, e)| n < 1.0 || !(e > 0.0 && e <= 1.0)) {
+        anyhow::bail!("--cluster {path}: device.gemm_efficiency must be [n, fraction] pairs, n ascending, fractions in (0, 1]");
+    }
+    if f.devices_per_node == 0 {
+        anyhow::bail!("--cluster {path}: devices_per_node must be at least 1");
+    }
+    Ok(Cluster {
+        device: Device {
+            name: d.name.clone(),
+            memory: quantity("device.memory", &d.memory)?,
+            peak_f32: quantity("device.peak_f32", &d.peak_f32)?,
+            peak_16: quantity("device.peak_16", &d.peak_16)?,
+            mem_bandwidth: bandwidth_bytes(&d.mem_bandwidth)?,
+            gemm_efficiency: pts.clone(),
+        },
+        devices_per_node: f.devices_per_node,
+        nodes: 1,
+        intra: link("intra", &f.intra)?,
+        inter: link("inter", &f.inter)?,
+        activation_factor: f.activation_factor,
+        param_copy_bytes: f.param_copy_bytes,
+        overlap_dp: f.overlap_dp,
+    })
+}
+
+/// `c` as a cluster file.
+fn cluster_toml(c: &Cluster) -> String {
+    let d = &c.device;
+    let pts: Vec<String> = d.gemm_efficiency.iter().map(|(n, e)| format!("[{n}, {e}]")).collect();
+    format!(
+        "# {} x {} per node\ndevices_per_node = {}\nactivation_factor = {}\nparam_copy_bytes = {}\noverlap_dp = {}\n\n[device]\nname = \"{}\"\nmemory = \"{}GiB\"\npeak_f32 = \"{}GFLOPS\"\npeak_16 = \"{}GFLOPS\"\nmem_bandwidth = \"{}GB\"\n# (n, fraction of peak) of square n x n x n GEMMs\ngemm_efficiency = [{}]\n\n[intra]\nbandwidth = \"{}GB\"\nlatency_us = {}\n\n[inter]\nbandwidth = \"{}GB\"\nlatency_us = {}\n",
+        d.name,
+        c.devices_per_node,
+        c.devices_per_node,
+        c.activation_factor,
+        c.param_copy_bytes,
+        c.overlap_dp,
+        d.name,
+        d.memory / 1024f64.powi(3),
+        d.peak_f32 / 1e9,
+        d.peak_16 / 1e9,
+        d.mem_bandwidth / 1e9,
+        pts.join(", "),
+        c.intra.bandwidth / 1e9,
+        c.intra.latency * 1e6,
+        c.inter.bandwidth / 1e9,
+        c.inter.latency * 1e6
     )
 }
 
@@ -106,6 +230,32 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
     if a.model != "gpt" {
         anyhow::bail!("kolo plan models GPTs (--model gpt)");
     }
+    let mut c = if PRESETS.contains(&a.cluster.as_str()) {
+        Cluster::preset(&a.cluster, 1).map_err(anyhow::Error::msg)?
+    } else if std::path::Path::new(&a.cluster).exists() {
+        load_cluster(&a.cluster)?
+    } else {
+        anyhow::bail!("--cluster {}: neither a preset ({}) nor a file", a.cluster, PRESETS.join(", "));
+    };
+    if let Some(n) = a.devices_per_node {
+        anyhow::ensure!(n > 0, "--devices-per-node must be at least 1");
+        c.devices_per_node = n;
+    }
+    if let Some(m) = &a.device_memory {
+        c.device.memory = quantity("--device-memory", m)?;
+    }
+    if let Some(b) = &a.intra_bandwidth {
+        c.intra.bandwidth = bandwidth_bytes(b)?;
+    }
+    if let Some(b) = &a.inter_bandwidth {
+        c.inter.bandwidth = bandwidth_bytes(b)?;
+    }
+    c.overlap_dp &= !a.no_overlap_dp;
+    if a.show_cluster {
+        print!("{}", cluster_toml(&c));
+        return Ok(0);
+    }
+    let c = c.with_devices(a.devices).map_err(|e| anyhow::anyhow!("--devices {}: {e}", a.devices))?;
     let mut m = match &a.params {
         Some(p) => Gpt::with_params(parse_quantity(p).map_err(anyhow::Error::msg)?),
         None => Gpt { layers: 12, d_model: 768, heads: 12, seq: 1024, vocab: 50257 },
@@ -115,56 +265,45 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
     m.heads = a.heads.unwrap_or(m.heads);
     m.seq = a.seq.unwrap_or(m.seq);
     m.vocab = a.vocab.unwrap_or(m.vocab);
-    let value_bytes = match a.precision.as_str() {
-        "bf16" | "f16" => 2.0,
-        "f32" => 4.0,
-        p => anyhow::bail!("--precision {p}: bf16, f16 or f32"),
-    };
-    let (activation_factor, param_copy_bytes) =
-        if a.kolo_cpu { (Cluster::KOLO_CPU_ACTIVATIONS, Cluster::KOLO_PARAM_COPY) } else { (1.0, 0.0) };
-    let c = Cluster {
-        devices: a.devices,
-        memory: parse_quantity(&a.device_memory).map_err(anyhow::Error::msg)?,
-        flops: parse_quantity(&a.flops).map_err(anyhow::Error::msg)?,
-        bandwidth: bandwidth_bytes(&a.bandwidth)?,
-        latency: a.latency_us * 1e-6,
-        activation_factor,
-        param_copy_bytes,
-    };
+    let precision = Precision::parse(&a.precision).map_err(|e| anyhow::anyhow!("--precision: {e}"))?;
     println!(
-        "GPT: {} layers, d_model {}, {} heads, seq {}, vocab {} = {:.3} B parameters; {} devices of {:.1} GiB, {:.0} TFLOP/s, {:.2} GB/s, {} us; {} sequences per step",
+        "GPT: {} layers, d_model {}, {} heads, seq {}, vocab {} = {:.3} B parameters; {} nodes x {} {} ({:.1} GiB, peak {:.1} TFLOP/s in {}), intra-node {:.1} GB/s, inter-node {:.1} GB/s per device; {} sequences per step",
         m.layers,
         m.d_model,
         m.heads,
         m.seq,
         m.vocab,
         m.params() / 1e9,
-        c.devices,
-        c.memory / 1024f64.powi(3),
-        c.flops / 1e12,
-        c.bandwidth / 1e9,
-        a.latency_us,
+        c.nodes,
+        c.devices_per_node,
+        c.device.name,
+        c.device.memory / 1024f64.powi(3),
+        c.device.peak(precision) / 1e12,
+        a.precision,
+        c.intra.bandwidth / 1e9,
+        c.inter.bandwidth / 1e9,
         a.global_batch
     );
+    let memory = c.device.memory;
     if let Some(spec) = &a.evaluate {
         let p = parse_plan(spec)?;
-        match estimate(&m, &c, &p, a.global_batch, value_bytes) {
+        match estimate(&m, &c, &p, a.global_batch, precision) {
             Some(e) => {
                 println!("{}", row(1, &p, &e));
-                if e.memory() > c.memory {
-                    println!("     does not fit: {:.2} GiB > {:.2} GiB", e.memory() / 1024f64.powi(3), c.memory / 1024f64.powi(3));
+                if e.memory() > memory {
+                    println!("     does not fit: {:.2} GiB > {:.2} GiB", e.memory() / 1024f64.powi(3), memory / 1024f64.powi(3));
                 }
                 return Ok(0);
             }
             None => anyhow::bail!(
                 "{spec}: not a plan for {} devices (dp x tp x pp must equal them, tp divide the heads, micro divide the batch per replica)",
-                c.devices
+                c.devices()
             ),
         }
     }
-    let plans = search(&m, &c, a.global_batch, value_bytes, &Space::default());
+    let plans = search(&m, &c, a.global_batch, precision, &Space::default());
     if plans.is_empty() {
-        println!("no plan fits in {:.1} GiB per device", c.memory / 1024f64.powi(3));
+        println!("no plan fits in {:.1} GiB per device", memory / 1024f64.powi(3));
         return Ok(1);
     }
     println!("{} plans fit; the fastest:", plans.len());

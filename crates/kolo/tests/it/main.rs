@@ -889,10 +889,26 @@ fn fed_run_and_plan_work_from_the_command_line() {
     let o = run(&["plan", "--params", "1.3B", "--devices", "64", "--device-memory", "80GiB", "--top", "3"], &[]);
     let t = text(&o);
     assert!(o.status.success() && t.contains("plans fit") && t.contains("  1  dp"), "{t}");
-    let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "dp=2,tp=2,pp=2,micro=4"], &[]);
-    assert!(o.status.success() && text(&o).contains("dp   2 tp  2 pp  2"), "{}", text(&o));
+    let eval = ["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "dp=2,tp=2,pp=2,micro=4"];
+    let o = run(&eval, &[]);
+    let preset = text(&o);
+    assert!(o.status.success() && preset.contains("dp    2 tp  2 pp  2") && preset.contains("MFU"), "{preset}");
     let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "dp=3,tp=2,pp=2"], &[]);
     assert!(!o.status.success() && text(&o).contains("not a plan"), "{}", text(&o));
+    let o = run(&["plan", "--devices", "12"], &[]);
+    assert!(!o.status.success() && text(&o).contains("not whole nodes of 8"), "{}", text(&o));
+    // A preset written out as a cluster file plans the same; a broken file is named.
+    let o = run(&["plan", "--devices", "8", "--show-cluster"], &[]);
+    assert!(o.status.success());
+    let file = std::env::temp_dir().join(format!("kolo-cluster-{}.toml", std::process::id()));
+    std::fs::write(&file, &o.stdout).unwrap();
+    let o = run(&[&eval[..], &["--cluster", file.to_str().unwrap()]].concat(), &[]);
+    assert_eq!(text(&o), preset);
+    let broken = String::from_utf8(std::fs::read(&file).unwrap()).unwrap().replace("[256, ", "[600, ");
+    std::fs::write(&file, broken).unwrap();
+    let o = run(&[&eval[..], &["--cluster", file.to_str().unwrap()]].concat(), &[]);
+    assert!(!o.status.success() && text(&o).contains("n ascending"), "{}", text(&o));
+    std::fs::remove_file(&file).unwrap();
 }
 
 /// With `--features mpi`: `mpirun -n 2 kolo train` runs DDP over the MPI library unchanged, and
