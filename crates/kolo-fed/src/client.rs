@@ -2,7 +2,7 @@
 //! example count and model updates leave the client (its connection records what it sent when
 //! asked to, for tests).
 
-use crate::secure::{mask, KeyPair};
+use crate::secure::{check_cohort, mask, KeyPair, MIN_COHORT};
 use crate::wire::{Fed, Req, Resp, Update};
 use kolo_ps::net::Channel;
 use kolo_ps::PsError;
@@ -33,6 +33,8 @@ pub struct FedClient {
     pub id: u32,
     pub numel: usize,
     pub secure: bool,
+    /// The smallest secure cohort this client masks for ([`MIN_COHORT`] unless raised).
+    pub min_cohort: usize,
     keys: KeyPair,
 }
 
@@ -50,7 +52,7 @@ impl FedClient {
         let mut conn = Channel::<Fed>::connect(addr, token, timeout)?;
         let keys = KeyPair::generate();
         match conn.call(&Req::Join { examples, public: Some(keys.public), id })? {
-            Resp::Joined { id, numel, secure } => Ok(FedClient { conn, id, numel: numel as usize, secure, keys }),
+            Resp::Joined { id, numel, secure } => Ok(FedClient { conn, id, numel: numel as usize, secure, min_cohort: MIN_COHORT, keys }),
             r => Err(unexpected("join", r)),
         }
     }
@@ -96,9 +98,12 @@ impl FedClient {
     }
 
     /// Sends the update `delta` (new local parameters minus `task.params`) from `examples`
-    /// examples. Returns whether the server took it (false: the round closed first).
+    /// examples. Returns whether the server took it (false: the round closed first). A secure
+    /// update is refused, unsent, for a cohort [`check_cohort`] rejects.
     pub fn submit(&mut self, task: &TrainTask, examples: u64, delta: &[f32]) -> Result<bool, PsError> {
         let update = if self.secure {
+            check_cohort(&task.cohort, self.id, &self.keys.public, self.min_cohort.max(MIN_COHORT))
+                .map_err(|e| PsError::Protocol(format!("client {}, round {}: {e}", self.id, task.round)))?;
             let weighted: Vec<f64> = delta.iter().map(|&d| f64::from(d) * examples as f64).collect();
             Update::Masked(mask(&weighted, &self.keys, self.id, &task.cohort, task.round, task.attempt))
         } else {

@@ -45,10 +45,11 @@ impl FedSpec {
         if self.rounds == 0 || self.clients_per_round == 0 || self.min_clients == 0 || self.deadline.is_zero() {
             return Err(FedError::Config("rounds, clients_per_round, min_clients and the round deadline must be positive".into()));
         }
-        if self.secure && self.clients_per_round < 2 {
-            return Err(FedError::Config(
-                "secure aggregation needs at least 2 clients per round (one update alone is not hidden by a sum)".into(),
-            ));
+        if self.secure && self.clients_per_round < secure::MIN_COHORT {
+            return Err(FedError::Config(format!(
+                "secure aggregation needs at least {} clients per round (with two, each learns the other's update from the sum)",
+                secure::MIN_COHORT
+            )));
         }
         Ok(())
     }

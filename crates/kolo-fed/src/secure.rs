@@ -1,10 +1,18 @@
 //! Secure aggregation by pairwise masking (Bonawitz et al., without the dropout recovery): each
 //! client holds an X25519 key pair; for every other client j of the round's cohort, client i
-//! derives a seed from their shared secret (and the round), expands it into a mask vector, adds
-//! it when i < j and subtracts it when i > j. Values travel as fixed-point integers modulo 2^64,
-//! so the masks cancel exactly in the server's sum and each single update looks random.
+//! derives a 256-bit key from their shared secret (with the round, the attempt and both ids),
+//! expands it with ChaCha20 into a mask vector, adds it when i < j and subtracts it when i > j.
+//! Values travel as fixed-point integers modulo 2^64, so the masks cancel exactly in the
+//! server's sum and each single update looks random.
+//!
+//! Threat model: an honest-but-curious server and eavesdroppers learn only the sum of a cohort
+//! of at least [`MIN_COHORT`] clients (each client checks its cohort: [`check_cohort`]); a
+//! client can submit only under the id its connection joined with. Not defended: a server that
+//! hands a client public keys of its own making (it can then remove that client's masks) —
+//! that needs client identity keys known out of band, which Kolo does not have yet.
 
-use kolo_base::Rng;
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha20Rng;
 use sha2::{Digest, Sha256};
 use x25519_dalek::{PublicKey, StaticSecret};
 
@@ -30,16 +38,43 @@ impl KeyPair {
         KeyPair { secret, public }
     }
 
-    /// The seed this client shares with the holder of `their` public key for `(round, attempt)`.
-    pub fn pair_seed(&self, their: &[u8; 32], round: u32, attempt: u32) -> u64 {
+    /// The mask key client `me` shares with client `them` (holder of `their` public key) for
+    /// `(round, attempt)`: SHA-256 over their X25519 shared secret, the round, the attempt and
+    /// both ids (smaller first), so both ends derive the same key and no two pairs or rounds do.
+    pub fn pair_key(&self, me: u32, them: u32, their: &[u8; 32], round: u32, attempt: u32) -> [u8; 32] {
         let shared = self.secret.diffie_hellman(&PublicKey::from(*their));
         let mut h = Sha256::new();
-        h.update(b"kolo-fed-mask");
+        h.update(b"kolo-fed-mask-v2");
         h.update(shared.as_bytes());
         h.update(round.to_le_bytes());
         h.update(attempt.to_le_bytes());
-        u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes"))
+        h.update(me.min(them).to_le_bytes());
+        h.update(me.max(them).to_le_bytes());
+        h.finalize().into()
     }
+}
+
+/// The smallest cohort a client masks for: with two, each member learns the other's update
+/// from the sum; with one, the update is sent in the clear.
+pub const MIN_COHORT: usize = 3;
+
+/// A client's check of the cohort the server sent before it masks for it: at least `min`
+/// members, distinct ids and distinct keys, and the client itself (`me`) under its own key.
+pub fn check_cohort(cohort: &[(u32, [u8; 32])], me: u32, mine: &[u8; 32], min: usize) -> Result<(), String> {
+    if cohort.len() < min {
+        return Err(format!("a secure cohort of {} member(s); this client masks only for {min} or more", cohort.len()));
+    }
+    match cohort.iter().find(|(id, _)| *id == me) {
+        None => return Err(format!("the cohort does not list this client ({me})")),
+        Some((_, key)) if key != mine => return Err(format!("the cohort lists client {me} under a public key that is not its own")),
+        Some(_) => {}
+    }
+    for (i, (id, key)) in cohort.iter().enumerate() {
+        if let Some((other, _)) = cohort[..i].iter().find(|(o, k)| o == id || k == key) {
+            return Err(format!("the cohort lists client {id} twice or shares its public key with client {other}"));
+        }
+    }
+    Ok(())
 }
 
 /// One value as a fixed-point integer modulo 2^64.
@@ -60,7 +95,7 @@ pub fn mask(values: &[f64], keys: &KeyPair, me: u32, cohort: &[(u32, [u8; 32])],
         if *id == me {
             continue;
         }
-        let mut rng = Rng::new(keys.pair_seed(public, round, attempt));
+        let mut rng = ChaCha20Rng::from_seed(keys.pair_key(me, *id, public, round, attempt));
         for o in out.iter_mut() {
             let m = rng.next_u64();
             *o = if me < *id { o.wrapping_add(m) } else { o.wrapping_sub(m) };

@@ -5,7 +5,7 @@
 //! if a member of a secure round misses the deadline its partners' masks cannot cancel, so the
 //! round is run again (a new attempt, new masks) with the members that answered.
 
-use crate::secure::unmask_sum;
+use crate::secure::{unmask_sum, MIN_COHORT};
 use crate::wire::{Fed, Req, Resp, Update};
 use crate::FedSpec;
 use kolo_base::Rng;
@@ -86,7 +86,7 @@ impl FedServer {
         let shared = Arc::new(Shared { spec, state: Mutex::new(State { global: initial, ..Default::default() }), cv: Condvar::new() });
         let handler: HandlerOf<Fed> = {
             let shared = shared.clone();
-            Arc::new(move |_: &mut ConnState, req: Req, _bytes: usize| handle(&shared, req))
+            Arc::new(move |conn: &mut ConnState, req: Req, _bytes: usize| handle(&shared, conn, req))
         };
         let listener = Listener::start_with::<Fed>(addr, token, "fed", handler)
             .map_err(|e| PsError::Io(format!("federated server on {addr}: {e}")))?;
@@ -116,8 +116,24 @@ impl FedServer {
     }
 }
 
-fn handle(shared: &Shared, req: Req) -> Resp {
+/// Answers one request on a connection. A connection acts for the client it joined as, and
+/// only for it: another id on it is refused.
+fn handle(shared: &Shared, conn: &mut ConnState, req: Req) -> Resp {
     let spec = &shared.spec;
+    let claimed = match &req {
+        Req::Join { .. } => None,
+        Req::Poll { id } | Req::Bye { id } | Req::Update { id, .. } => Some(*id),
+    };
+    match (claimed, conn.client) {
+        (None, Some(bound)) => return Resp::Error(format!("this connection already joined as client {bound}")),
+        (Some(id), bound) if bound != Some(id) => {
+            return Resp::Error(match bound {
+                Some(b) => format!("client {id}: this connection joined as client {b}"),
+                None => format!("client {id}: join on this connection first"),
+            })
+        }
+        _ => {}
+    }
     match req {
         Req::Join { examples, public, id } => {
             if spec.secure && public.is_none() {
@@ -133,6 +149,7 @@ fn handle(shared: &Shared, req: Req) -> Resp {
                 None => (0..).find(|i| !st.clients.contains_key(i)).expect("a free id"),
             };
             st.clients.insert(id, Client { public });
+            conn.client = Some(id);
             shared.cv.notify_all();
             Resp::Joined { id, numel: spec.numel as u64, secure: spec.secure }
         }
@@ -266,9 +283,9 @@ fn drive_rounds(shared: &Shared, on_round: &mut OnRound) -> Result<Vec<RoundRepo
                     detail: format!("no complete set of updates in {attempt} attempts (late: {late:?})"),
                 });
             }
-            // A secure round goes on with the members that answered (at least two, or the
-            // sum would be one client's update); otherwise with a fresh sample.
-            cohort = if spec.secure && answered.len() >= 2 {
+            // A secure round goes on with the members that answered (as many as a client
+            // masks for); otherwise with a fresh sample.
+            cohort = if spec.secure && answered.len() >= MIN_COHORT {
                 answered
             } else {
                 rng.shuffle(&mut pool);

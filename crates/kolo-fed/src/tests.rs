@@ -25,7 +25,95 @@ fn masked_updates_hide_each_value_and_sum_exactly() {
     }
     // Another round (or attempt) uses other masks.
     assert_ne!(mask(&values[0], &keys[0], 0, &cohort, 3, 1), masked[0]);
-    assert_eq!(keys[0].pair_seed(&keys[1].public, 7, 0), keys[1].pair_seed(&keys[0].public, 7, 0), "both ends derive the same seed");
+    assert_eq!(
+        keys[0].pair_key(0, 1, &keys[1].public, 7, 0),
+        keys[1].pair_key(1, 0, &keys[0].public, 7, 0),
+        "both ends derive the same key"
+    );
+    assert_ne!(keys[0].pair_key(0, 1, &keys[1].public, 7, 0), keys[0].pair_key(0, 2, &keys[1].public, 7, 0), "the ids are part of the key");
+}
+
+/// A two-member cohort's mask is the ChaCha20 keystream of the pair's key (SplitMix64, used
+/// before, is invertible: one known mask word gave away the rest of the stream).
+#[test]
+fn masks_are_chacha20_keystreams() {
+    use rand_chacha::rand_core::{RngCore, SeedableRng};
+    let (a, b) = (KeyPair::from_bytes([7; 32]), KeyPair::from_bytes([9; 32]));
+    let cohort = [(0u32, a.public), (5u32, b.public)];
+    let masked = mask(&[0.0; 6], &a, 0, &cohort, 2, 1);
+    let mut stream = rand_chacha::ChaCha20Rng::from_seed(a.pair_key(0, 5, &b.public, 2, 1));
+    let want: Vec<u64> = (0..6).map(|_| stream.next_u64()).collect();
+    assert_eq!(masked, want, "client 0 < 5 adds the stream to zeros");
+    let other = mask(&[0.0; 6], &b, 5, &cohort, 2, 1);
+    assert!(masked.iter().zip(&other).all(|(x, y)| x.wrapping_add(*y) == 0), "client 5 subtracts the same stream");
+}
+
+/// A client masks only for a cohort of at least MIN_COHORT distinct members that lists it
+/// under its own key; FedSpec refuses fewer clients per round.
+#[test]
+fn clients_check_the_cohort_before_masking() {
+    use crate::secure::{check_cohort, MIN_COHORT};
+    let k = |i: u8| KeyPair::from_bytes([i; 32]).public;
+    let good = [(0, k(1)), (1, k(2)), (2, k(3))];
+    assert_eq!(check_cohort(&good, 1, &k(2), MIN_COHORT), Ok(()));
+    let err = |c: &[(u32, [u8; 32])], me: u32, mine: [u8; 32]| check_cohort(c, me, &mine, MIN_COHORT).unwrap_err();
+    assert!(err(&good[..2], 1, k(2)).contains("2 member(s)"), "two members learn each other's update");
+    assert!(err(&good, 7, k(2)).contains("does not list this client (7)"));
+    assert!(err(&good, 1, k(9)).contains("not its own"), "the server substituted this client's key");
+    assert!(err(&[(0, k(1)), (1, k(2)), (2, k(1))], 1, k(2)).contains("client 2 twice or shares its public key with client 0"));
+    assert!(err(&[(0, k(1)), (1, k(2)), (0, k(3))], 1, k(2)).contains("client 0 twice"));
+    assert!(spec(4, true, 2).check().unwrap_err().to_string().contains("at least 3 clients per round"));
+    assert!(spec(4, false, 2).check().is_ok());
+}
+
+/// Over real TCP: a connection acts only for the client it joined as. Another client's id in
+/// an update, a poll or a second join on it is refused, and the round still completes.
+#[test]
+fn a_connection_cannot_act_for_another_client() {
+    use kolo_ps::net::Channel;
+    let token = JobToken::generate();
+    let mut s = spec(2, true, 3);
+    s.rounds = 1;
+    let server = FedServer::start("127.0.0.1:0", token.clone(), s, vec![0.0; 2], Box::new(|_, _| {})).unwrap();
+    let addr = server.addr.to_string();
+    let timeout = std::time::Duration::from_secs(10);
+    let clients: Vec<FedClient> = (0..3).map(|_| FedClient::join(&addr, &token, 10, None, timeout).unwrap()).collect();
+    // The round opens for the three before the rogue connection joins (it is not sampled).
+    let mut tasks: Vec<(FedClient, TrainTask)> = clients
+        .into_iter()
+        .map(|mut fc| match fc.next_task().unwrap() {
+            Task::Train(t) => (fc, t),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let mut rogue = Channel::<wire::Fed>::connect(&addr, &token, timeout).unwrap();
+    let error = |r: Resp| match r {
+        Resp::Error(m) => m,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    let m = error(rogue.call(&Req::Update { id: 0, round: 0, attempt: 0, examples: 10, update: Update::Masked(vec![0; 2]) }).unwrap());
+    assert!(m.contains("client 0: join on this connection first"), "{m}");
+    let Resp::Joined { id, .. } = rogue.call(&Req::Join { examples: 10, public: Some([4; 32]), id: None }).unwrap() else { panic!() };
+    let m = error(rogue.call(&Req::Update { id: 0, round: 0, attempt: 0, examples: 10, update: Update::Masked(vec![0; 2]) }).unwrap());
+    assert_eq!(m, format!("client 0: this connection joined as client {id}"));
+    assert!(error(rogue.call(&Req::Poll { id: 1 }).unwrap()).contains("joined as client"));
+    assert!(error(rogue.call(&Req::Join { examples: 1, public: Some([5; 32]), id: None }).unwrap()).contains("already joined as client"));
+    drop(rogue);
+    let workers: Vec<_> = tasks
+        .drain(..)
+        .map(|(mut fc, first)| {
+            std::thread::spawn(move || {
+                assert!(fc.submit(&first, 10, &[1.0, 2.0]).unwrap());
+                assert!(matches!(fc.next_task().unwrap(), Task::Done { .. }));
+            })
+        })
+        .collect();
+    for w in workers {
+        w.join().unwrap();
+    }
+    let (rounds, global) = server.wait().unwrap();
+    assert_eq!(rounds[0].used.len(), 3);
+    assert!((global[0] - 1.0).abs() < 1e-5 && (global[1] - 2.0).abs() < 1e-5, "{global:?}");
 }
 
 #[test]
@@ -131,14 +219,14 @@ fn rounds_average_updates_weighted_by_examples() {
 fn a_silent_client_is_left_out_at_the_deadline() {
     for secure in [false, true] {
         let token = JobToken::generate();
-        let mut s = spec(2, secure, 3);
-        s.rounds = 1;
+        let mut s = spec(2, secure, 4);
+        (s.rounds, s.min_clients) = (1, 4);
         s.deadline = std::time::Duration::from_millis(600);
         let server = FedServer::start("127.0.0.1:0", token.clone(), s, vec![0.0; 2], Box::new(|_, _| {})).unwrap();
         let addr = server.addr.to_string();
         // Client 0 joins first and then never trains.
         let mut silent = FedClient::join(&addr, &token, 5, None, std::time::Duration::from_secs(10)).unwrap();
-        let workers: Vec<_> = (1..3u64)
+        let workers: Vec<_> = (1..4u64)
             .map(|c| {
                 let (addr, token) = (addr.clone(), token.clone());
                 std::thread::spawn(move || {
@@ -155,9 +243,9 @@ fn a_silent_client_is_left_out_at_the_deadline() {
         assert!(matches!(silent.next_task().unwrap(), Task::Done { .. }), "even a silent client gets the final model");
         let (rounds, global) = server.wait().unwrap();
         assert_eq!(rounds[0].late, vec![0], "secure {secure}");
-        assert_eq!(rounds[0].used, vec![1, 2]);
+        assert_eq!(rounds[0].used, vec![1, 2, 3]);
         assert_eq!(rounds[0].attempts, if secure { 2 } else { 1 });
-        assert!((global[0] - 1.5).abs() < 1e-5, "mean of 1 and 2: {}", global[0]);
+        assert!((global[0] - 2.0).abs() < 1e-5, "mean of 1, 2 and 3: {}", global[0]);
     }
 }
 
@@ -254,4 +342,30 @@ proptest::proptest! {
         let _ = Req::decode(&b);
         let _ = Resp::decode(&b);
     }
+}
+
+/// A hostile server (a listener answering with a two-member cohort) gets no update: the client
+/// refuses before sending anything.
+#[test]
+fn a_client_refuses_a_small_cohort_from_a_hostile_server() {
+    use kolo_ps::net::{ConnState, HandlerOf, Listener};
+    let token = JobToken::generate();
+    let updates = Arc::new(Mutex::new(0usize));
+    let handler: HandlerOf<wire::Fed> = {
+        let updates = updates.clone();
+        Arc::new(move |_: &mut ConnState, req: Req, _: usize| match req {
+            Req::Join { .. } => Resp::Joined { id: 0, numel: 2, secure: true },
+            Req::Poll { .. } => Resp::Train { round: 0, attempt: 0, params: vec![0.0; 2], cohort: vec![(0, [1; 32]), (1, [2; 32])] },
+            _ => {
+                *updates.lock().unwrap() += 1;
+                Resp::Ack { taken: true, why: String::new() }
+            }
+        })
+    };
+    let listener = Listener::start_with::<wire::Fed>("127.0.0.1:0", token.clone(), "hostile", handler).unwrap();
+    let mut fc = FedClient::join(&listener.addr.to_string(), &token, 10, None, std::time::Duration::from_secs(10)).unwrap();
+    let Task::Train(t) = fc.next_task().unwrap() else { panic!() };
+    let e = fc.submit(&t, 10, &[1.0, 2.0]).unwrap_err().to_string();
+    assert!(e.contains("client 0, round 0: a secure cohort of 2 member(s)"), "{e}");
+    assert_eq!(*updates.lock().unwrap(), 0, "nothing was sent");
 }

@@ -172,6 +172,8 @@ pub type HandlerOf<P> = Arc<dyn Fn(&mut ConnState, <P as Protocol>::Req, usize) 
 #[derive(Default)]
 pub struct ConnState {
     pub key_lists: std::collections::HashMap<u64, Arc<Vec<u32>>>,
+    /// The client id this connection joined as (the federated server binds one per connection).
+    pub client: Option<u32>,
 }
 
 impl Listener {
