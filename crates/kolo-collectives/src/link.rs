@@ -58,25 +58,45 @@ pub(crate) struct TcpLink {
     fd: RawFd,
 }
 
+/// Dead-peer detection below the collective deadline, for a peer whose host vanished or whose
+/// network was cut (no FIN, no RST): an idle link is probed after 5 s of silence, every 1 s,
+/// and fails after 5 unanswered probes (about 10 s), so the next collective on it fails at once
+/// naming the peer. A peer that is alive but slow (stopped, swapping) keeps answering probes at
+/// the kernel level: that is left to the collective deadline and its hang diagnosis. Not set:
+/// TCP_USER_TIMEOUT, which also closes a connection whose receiver's window stays full that
+/// long (a straggler that is not reading yet), and would fail healthy jobs.
+pub(crate) const KEEPALIVE: [(libc::c_int, libc::c_int, libc::c_int); 4] = [
+    (libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, 5),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, 1),
+    (libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 5),
+];
+
+fn set_int_option(fd: RawFd, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> io::Result<()> {
+    // SAFETY: setsockopt on our own socket with a valid int option value.
+    let rc = unsafe {
+        libc::setsockopt(fd, level, opt, (&v as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t)
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 impl TcpLink {
     pub fn new(stream: TcpStream, buffer: usize) -> io::Result<TcpLink> {
         stream.set_nonblocking(true)?;
         stream.set_nodelay(true)?;
         let fd = stream.as_raw_fd();
         if buffer > 0 {
-            let v = buffer as libc::c_int;
             for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
-                // SAFETY: setsockopt on our own socket with a valid int option value.
-                unsafe {
-                    libc::setsockopt(
-                        fd,
-                        libc::SOL_SOCKET,
-                        opt,
-                        (&v as *const libc::c_int).cast(),
-                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                    );
-                }
+                // A size the kernel refuses keeps its default: not worth failing the job.
+                let _ = set_int_option(fd, libc::SOL_SOCKET, opt, buffer as libc::c_int);
             }
+        }
+        for (level, opt, v) in KEEPALIVE {
+            set_int_option(fd, level, opt, v)?;
         }
         Ok(TcpLink { stream, fd })
     }

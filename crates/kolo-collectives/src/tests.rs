@@ -176,3 +176,19 @@ fn pair_of_streams() -> (TcpStream, TcpStream) {
     let (b, _) = l.accept().unwrap();
     (a, b)
 }
+
+/// Every TCP link probes an idle peer (a vanished host is found in about 10 s, not at the
+/// collective deadline): the options are read back from the link's socket. (Dropping packets
+/// on loopback to watch the probes fail needs a firewall this machine does not have.)
+#[test]
+fn tcp_links_detect_vanished_peers() {
+    let (_a, link) = pair();
+    for (level, opt, want) in crate::link::KEEPALIVE {
+        let mut v: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt on the link's own socket into a c_int of the given length.
+        let rc = unsafe { libc::getsockopt(link.fd(), level, opt, (&mut v as *mut libc::c_int).cast(), &mut len) };
+        assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+        assert_eq!(v, want, "option {opt} at level {level}");
+    }
+}
