@@ -186,6 +186,16 @@ pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &Op
         }
         if moved > 0 {
             last_progress = Instant::now();
+        }
+        // Checked on every round, moving or spinning: a peer that trickles bytes faster than
+        // the spin interval must not stretch the operation past its deadline.
+        if ctx.deadline.expired() {
+            let mut missing: Vec<Rank> = xfers.iter().filter(|x| !x.finished).map(|x| Rank(x.peer)).collect();
+            missing.sort();
+            missing.dedup();
+            return Err(CommError::Timeout { op: ctx.op, rank: ctx.rank, seq: ctx.seq, waited: ctx.deadline.budget(), missing });
+        }
+        if moved > 0 {
             continue;
         }
         let idle = last_progress.elapsed();
@@ -199,12 +209,6 @@ pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &Op
                 std::thread::yield_now();
             }
             continue;
-        }
-        if ctx.deadline.expired() {
-            let mut missing: Vec<Rank> = xfers.iter().filter(|x| !x.finished).map(|x| Rank(x.peer)).collect();
-            missing.sort();
-            missing.dedup();
-            return Err(CommError::Timeout { op: ctx.op, rank: ctx.rank, seq: ctx.seq, waited: ctx.deadline.budget(), missing });
         }
         // Block until a socket is ready. Shared-memory links have no data fd: nap briefly and
         // watch their companion socket so a dead peer is still noticed at once.

@@ -93,6 +93,36 @@ fn truncated_message_then_close_is_peer_lost() {
     assert!(matches!(e, CommError::PeerLost { peer: Rank(1), .. }), "{e}");
 }
 
+/// A peer that trickles its message (a byte every 20 ms, 64 bytes of payload: 1.3 s) cannot
+/// stretch the receive past its 300 ms deadline: the deadline is the operation's, not a read's.
+/// The spin interval is set longer than the gaps, so the engine never goes idle: a deadline
+/// checked only when idle (as before) let the trickle run to the end.
+#[test]
+fn a_trickling_peer_times_out_at_the_deadline() {
+    let (mut peer, link) = pair();
+    let mut bytes = expect(64).encode().to_vec();
+    bytes.extend_from_slice(&[0; 64]);
+    let trickle = std::thread::spawn(move || {
+        for b in bytes {
+            if peer.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let mut links = vec![None, Some(link)];
+    let mut dst = vec![0u8; 64];
+    let c = OpCtx { deadline: Deadline::after(Duration::from_millis(300)), spin: Duration::from_secs(10), ..ctx() };
+    let t0 = std::time::Instant::now();
+    let mut x = [Xfer::new(1, expect(64), Dir::Recv(&mut dst))];
+    let e = drive(&mut links, &mut x, &c).unwrap_err();
+    let took = t0.elapsed();
+    assert!(matches!(&e, CommError::Timeout { missing, .. } if missing == &vec![Rank(1)]), "{e}");
+    assert!(took < Duration::from_millis(900), "timed out after {took:?}");
+    drop(links);
+    trickle.join().unwrap();
+}
+
 #[test]
 fn silence_times_out_naming_the_peer() {
     let (peer, link) = pair();
