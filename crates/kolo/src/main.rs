@@ -57,9 +57,11 @@ enum Cmd {
     /// `eval`, `remove` and `shutdown` for jobs across machines.
     #[command(subcommand)]
     Ps(ps::PsCmd),
-    /// Plan the parallelism of a GPT on N devices: searches dp x tp x pp x ZeRO x micro-batch
-    /// x activation checkpointing with a cost model (compute, alpha-beta communication, memory,
-    /// pipeline bubble) and prints the fastest plans that fit.
+    /// Plan the parallelism of a GPT on a cluster (a preset or a TOML file): searches dp x tp x
+    /// pp x ZeRO x micro-batch x activation checkpointing with a cost model (GEMMs at their
+    /// measured efficiency, memory-bound work, collectives on intra- or inter-node links,
+    /// memory per precision, pipeline bubble) and prints the fastest plans that fit, with
+    /// TFLOP/s per device, MFU and memory per device.
     Plan(plan::PlanArgs),
     /// IMPALA: actors (threads, or processes with --processes) run CartPole (or a grid world) with the newest policy they have and
     /// never wait; the learner batches their trajectories and corrects the policy lag with
@@ -194,7 +196,7 @@ fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
                 kolo_launch::Elastic { min, max_restarts: a.max_restarts, backoff: Duration::from_secs_f64(a.restart_backoff.max(0.0)) };
             let (out, rounds) = kolo_launch::launch_elastic(&cfg, &e)?;
             if out.success() && rounds > 0 {
-                eprintln!("kolo launch: elastic job finished after {rounds} restart(s) on {} ranks", out.ranks.len());
+                kolo_base::eline!("kolo launch: elastic job finished after {rounds} restart(s) on {} ranks", out.ranks.len());
             }
             out
         }
@@ -281,9 +283,9 @@ fn impala(
     let remote = processes.then(|| kolo_train::impala::RemoteActors { listen: "127.0.0.1:0", token: token.clone(), spawn: &mut spawn });
     let t0 = std::time::Instant::now();
     let r = kolo_train::impala::run_with(&cfg, remote, &mut |steps, mean| {
-        eprintln!("{:>7.1} s  {steps:>9} env steps  mean return (100 episodes) {mean:.1}", t0.elapsed().as_secs_f64())
+        kolo_base::eline!("{:>7.1} s  {steps:>9} env steps  mean return (100 episodes) {mean:.1}", t0.elapsed().as_secs_f64())
     })?;
-    eprintln!(
+    kolo_base::eline!(
         "done: {} env steps taken ({:.0}/s with {actors} actors), {} learned from in {} learner steps, {} episodes, mean return {:.1}{}; policy lag mean {:.2}, max {} updates; {} trajectories dropped by a full queue",
         r.env_steps,
         r.env_steps_per_s,
@@ -324,7 +326,7 @@ fn main() {
         .init();
     let cli = Cli::parse();
     if let Err(e) = kolo_base::simd::requested() {
-        eprintln!("error: {e}");
+        kolo_base::eline!("error: {e}");
         std::process::exit(2);
     }
     let r = match cli.cmd {
@@ -351,7 +353,7 @@ fn main() {
     match r {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            kolo_base::eline!("error: {e:#}");
             kolo_launch::error_file::record(&format!("{e:#}"), lost_peer(&e));
             std::process::exit(1);
         }
