@@ -243,3 +243,18 @@ pub trait Exchange: Send + Sync {
 
 #[cfg(test)]
 mod tests;
+
+/// `eprintln!` in one write: the line is formatted first and handed to stderr whole, so the
+/// lines of processes sharing one stderr (`kolo ps run`'s coordinator, servers and workers, a
+/// launcher's children) do not interleave mid-line. Std's `eprintln!` writes each piece of the
+/// format separately: a coordinator's "server 1 joined at ..." came out split around another
+/// process's line.
+#[macro_export]
+macro_rules! eline {
+    ($($arg:tt)+) => {{
+        use ::std::io::Write as _;
+        let mut line = ::std::format!($($arg)+);
+        line.push('\n');
+        let _ = ::std::io::stderr().lock().write_all(line.as_bytes());
+    }};
+}

@@ -70,3 +70,42 @@ fn rng_is_deterministic_and_restorable() {
     assert!(m.abs() < 0.05, "{m}");
     assert!((0..1000).all(|_| a.below(3) < 3));
 }
+
+/// Two processes writing long lines into one stderr pipe: with `eline!` every line arrives
+/// whole (std's `eprintln!` writes the pieces of a format separately, and the lines mixed).
+#[test]
+fn eline_lines_do_not_interleave_across_processes() {
+    const LINES: usize = 2000;
+    if let Ok(who) = std::env::var("KOLO_ELINE_CHILD") {
+        for i in 0..LINES {
+            crate::eline!("{who} {i} {} {} end", "x".repeat(80), who);
+        }
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let (reader, writer) = std::io::pipe().unwrap();
+    let children: Vec<_> = ["alpha", "bravo", "charlie"]
+        .iter()
+        .map(|who| {
+            std::process::Command::new(&exe)
+                .args(["--exact", "tests::eline_lines_do_not_interleave_across_processes", "--nocapture", "--test-threads=1"])
+                .env("KOLO_ELINE_CHILD", who)
+                .stdout(std::process::Stdio::null())
+                .stderr(writer.try_clone().unwrap())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    drop(writer);
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut &reader, &mut text).unwrap();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    let ours: Vec<&str> = text.lines().filter(|l| l.ends_with(" end") || l.contains("xxxx")).collect();
+    for l in &ours {
+        let who = l.split(' ').next().unwrap();
+        assert!(l.ends_with(&format!(" {who} end")) && l.matches("xxxx").count() == 20, "a mixed line: {l:?}");
+    }
+    assert_eq!(ours.len(), 3 * LINES, "every line arrived");
+}

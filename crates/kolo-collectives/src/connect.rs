@@ -155,10 +155,10 @@ fn accept_higher(
                             .and_then(|(f, t)| Some((f.parse::<usize>().ok()?, t.parse::<usize>().ok()?)));
                         match peer {
                             Some((from, to)) if to == rank && from > rank && from < n && seen.insert(from) => got.push((from, s)),
-                            _ => eprintln!("kolo rank {rank}: refused link from {from_addr}: unexpected purpose `{p}`"),
+                            _ => kolo_base::eline!("kolo rank {rank}: refused link from {from_addr}: unexpected purpose `{p}`"),
                         }
                     }
-                    Err(e) => eprintln!("kolo rank {rank}: refused connection from {from_addr}: {e}"),
+                    Err(e) => kolo_base::eline!("kolo rank {rank}: refused connection from {from_addr}: {e}"),
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {

@@ -45,7 +45,7 @@ pub fn world(timeout: Duration) -> Result<Arc<dyn Communicator>, CommError> {
         }
         Mutex::new(u.map(|(u, level)| {
             if level < Threading::Multiple {
-                eprintln!(
+                kolo_base::eline!(
                     "kolo mpi: the MPI library grants {level:?} threading, not Multiple: Kolo's background communication may misbehave"
                 );
             }
@@ -117,7 +117,7 @@ fn start_watchdog() {
                     if let Some((op, seq, since)) = late {
                         let limit = Duration::from_millis(c.timeout_ms.load(Ordering::Relaxed));
                         if since.elapsed() > limit {
-                            eprintln!(
+                            kolo_base::eline!(
                                 "kolo mpi: rank {} of {}: {op} #{seq} did not complete within {:.1} s (a rank never called it, or died); MPI cannot cancel it: aborting the job",
                                 c.rank,
                                 c.size,

@@ -367,7 +367,7 @@ impl PsClient {
             if !first {
                 self.stats.retries += todo.len() as u64;
                 if Instant::now() > next_warning {
-                    eprintln!(
+                    kolo_base::eline!(
                         "kolo ps worker {}: {what} of {} range(s) still retrying at epoch {}: {last_problem}",
                         self.o.worker,
                         todo.len(),
@@ -482,7 +482,7 @@ impl PsClient {
                 self.refresh(None)?;
             }
             if std::env::var_os("KOLO_PS_DEBUG").is_some() {
-                eprintln!("DEBUG worker {} {what} round at epoch {epoch}: {} to retry, refresh {refresh:?}, later {later}, problem {last_problem}, {:?} since start", self.o.worker, retry.len(), (Instant::now() + self.o.timeout).saturating_duration_since(deadline));
+                kolo_base::eline!("DEBUG worker {} {what} round at epoch {epoch}: {} to retry, refresh {refresh:?}, later {later}, problem {last_problem}, {:?} since start", self.o.worker, retry.len(), (Instant::now() + self.o.timeout).saturating_duration_since(deadline));
             }
             *todo = retry;
         }

@@ -74,7 +74,7 @@ impl Coordinator {
                     let dead: Vec<u32> = s.servers.iter().filter(|(_, (_, t))| now - *t > dead_after).map(|(id, _)| *id).collect();
                     for id in &dead {
                         let (addr, _) = s.servers.remove(id).expect("listed");
-                        eprintln!(
+                        kolo_base::eline!(
                             "kolo ps coordinator: server {id} ({addr}) missed its heartbeats for {:.1} s: removed, its ranges fail over",
                             dead_after.as_secs_f64()
                         );
@@ -83,7 +83,9 @@ impl Coordinator {
                     for w in &lost {
                         s.workers.remove(w);
                         s.dead_workers.push(*w);
-                        eprintln!("kolo ps coordinator: worker {w} missed its heartbeats: its data shard is free for another worker");
+                        kolo_base::eline!(
+                            "kolo ps coordinator: worker {w} missed its heartbeats: its data shard is free for another worker"
+                        );
                     }
                     // The epoch numbers server memberships only: a lost worker moves no range.
                     if !dead.is_empty() {
@@ -132,7 +134,7 @@ fn handle(shared: &Shared, req: Req) -> Resp {
             s.next_id += 1;
             s.servers.insert(id, (addr.clone(), Instant::now()));
             s.epoch += 1;
-            eprintln!("kolo ps coordinator: server {id} joined at {addr} (epoch {})", s.epoch);
+            kolo_base::eline!("kolo ps coordinator: server {id} joined at {addr} (epoch {})", s.epoch);
             shared.changed.notify_all();
             Resp::Registered { id, membership: s.membership() }
         }
@@ -161,7 +163,7 @@ fn handle(shared: &Shared, req: Req) -> Resp {
             if s.dead_workers.contains(&worker) && !s.adopted.contains_key(&worker) {
                 s.adopted.insert(worker, by);
                 s.dead_workers.retain(|w| *w != worker);
-                eprintln!("kolo ps coordinator: worker {by} takes over dead worker {worker}'s data shard");
+                kolo_base::eline!("kolo ps coordinator: worker {by} takes over dead worker {worker}'s data shard");
                 Resp::Ok { duplicate: false }
             } else {
                 Resp::Ok { duplicate: true }
@@ -181,7 +183,7 @@ fn handle(shared: &Shared, req: Req) -> Resp {
         Req::Remove { server } => {
             if s.servers.remove(&server).is_some() {
                 s.epoch += 1;
-                eprintln!("kolo ps coordinator: server {server} removed on request (epoch {}); its ranges move", s.epoch);
+                kolo_base::eline!("kolo ps coordinator: server {server} removed on request (epoch {}); its ranges move", s.epoch);
                 shared.changed.notify_all();
             }
             Resp::Membership(s.membership())

@@ -200,7 +200,7 @@ impl Listener {
                             if handshaking.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
                                 turned_away += 1;
                                 if turned_away.is_power_of_two() {
-                                    eprintln!("kolo {name}: {MAX_UNAUTHENTICATED} connections are authenticating; turned away {turned_away} so far (latest {peer})");
+                                    kolo_base::eline!("kolo {name}: {MAX_UNAUTHENTICATED} connections are authenticating; turned away {turned_away} so far (latest {peer})");
                                 }
                                 continue; // closed by the drop
                             }
@@ -272,7 +272,7 @@ fn serve<P: Protocol>(
         // Under a flood, reported at powers of two rather than once per connection.
         let n = refused.fetch_add(1, Ordering::Relaxed) + 1;
         if n.is_power_of_two() {
-            eprintln!("kolo {name}: refused connection from {peer}: {e} ({n} refused so far)");
+            kolo_base::eline!("kolo {name}: refused connection from {peer}: {e} ({n} refused so far)");
         }
         return;
     }
@@ -293,7 +293,7 @@ fn serve<P: Protocol>(
             Err(e) => {
                 // The framing cannot be trusted after a malformed request: answer and hang up.
                 let _ = write_frame(&mut stream, &P::encode_resp(&P::error_resp(format!("malformed request from {peer}: {e}"))));
-                eprintln!("kolo {name}: malformed request from {peer}: {e}");
+                kolo_base::eline!("kolo {name}: malformed request from {peer}: {e}");
                 return;
             }
         };

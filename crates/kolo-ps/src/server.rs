@@ -280,7 +280,7 @@ fn reconfigure(shared: &Shared, m: Membership) {
                 };
                 let req = Req::Transfer { job: job.clone(), epoch, range: r, state };
                 if let Err(e) = forward(shared, to, &req) {
-                    eprintln!("kolo ps server {me}: handing range {r} to server {to} failed: {e}");
+                    kolo_base::eline!("kolo ps server {me}: handing range {r} to server {to} failed: {e}");
                 }
             }
         }

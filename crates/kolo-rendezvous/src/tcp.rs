@@ -85,7 +85,7 @@ fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: 
                     // Closed at once (dropped); reported at powers of two, not per connection.
                     let n = turned_away.fetch_add(1, Ordering::Relaxed) + 1;
                     if n.is_power_of_two() {
-                        eprintln!(
+                        kolo_base::eline!(
                             "kolo store: {MAX_UNAUTHENTICATED} connections are authenticating; turned away {n} so far (latest {peer})"
                         );
                     }

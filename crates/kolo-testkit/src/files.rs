@@ -32,7 +32,7 @@ pub fn tool_missing(what: &str) {
     if std::env::var(STRICT_VAR).is_ok_and(|v| v == "1") {
         panic!("{what} is missing and {STRICT_VAR}=1: this check must run here (install it)");
     }
-    eprintln!("SKIPPED: {what} is missing; this check did not run (set {STRICT_VAR}=1 to make that a failure)");
+    kolo_base::eline!("SKIPPED: {what} is missing; this check did not run (set {STRICT_VAR}=1 to make that a failure)");
 }
 
 /// The UCI red wine quality table (1,599 rows) in `test-data/tabular/winequality-red.csv`.

@@ -154,7 +154,7 @@ pub fn save_checkpoint(
         kolo_checkpoint::sharded::write_shard(&target, rank, writers, &pieces)?;
     }
     if crash {
-        eprintln!("rank {rank}: crashing in the middle of saving {} (test hook)", target.display());
+        kolo_base::eline!("rank {rank}: crashing in the middle of saving {} (test hook)", target.display());
         std::process::abort();
     }
     // Commit only once every rank's shard is on disk; nobody runs ahead before the commit.

@@ -503,7 +503,7 @@ pub fn run_with(
                 if let Err(why) = t.check(cfg.unroll, obs_len, a, learner_steps) {
                     rejected += 1;
                     if rejected.is_power_of_two() {
-                        eprintln!("impala learner: dropped a malformed trajectory ({why}); {rejected} so far");
+                        kolo_base::eline!("impala learner: dropped a malformed trajectory ({why}); {rejected} so far");
                     }
                     continue;
                 }

@@ -39,7 +39,7 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
     let lead = rank == 0 && !opts.quiet;
     let say = |m: &str| {
         if lead {
-            eprintln!("{m}");
+            kolo_base::eline!("{m}");
         }
     };
     let tc = &cfg.train;
@@ -87,7 +87,7 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
                             continue;
                         }
                         if let Ok(true) = kolo_ps::coord::adopt(&coordinator, &token, dead, rank as u32, Duration::from_secs(5)) {
-                            eprintln!("worker {rank}: worker {dead} is dead; training its data shard from its last step");
+                            kolo_base::eline!("worker {rank}: worker {dead} is dead; training its data shard from its last step");
                             let (cfg, spec, train, coordinator, token, opts) =
                                 (cfg.clone(), spec.clone(), train.clone(), coordinator.clone(), token.clone(), opts.clone());
                             let h = std::thread::spawn(move || {
@@ -146,7 +146,7 @@ pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, 
         ));
     }
     if !adopted_shards.is_empty() {
-        eprintln!("worker {rank}: also trained the shard(s) of dead worker(s) {adopted_shards:?}");
+        kolo_base::eline!("worker {rank}: also trained the shard(s) of dead worker(s) {adopted_shards:?}");
     }
     let _ = kolo_ps::coord::worker_done(&coordinator, &w.token, rank as u32, Duration::from_secs(5));
     Ok(Summary {
@@ -338,7 +338,7 @@ pub fn run_ps_eval(
 ) -> Result<Vec<(f64, crate::trainer::Eval)>, TrainError> {
     let say = |m: &str| {
         if !quiet {
-            eprintln!("{m}");
+            kolo_base::eline!("{m}");
         }
     };
     let data = load_data(cfg, 0)?;

@@ -106,7 +106,7 @@ impl Reporter {
                 let server = crate::metrics::serve(metrics.clone(), &addr)
                     .map_err(|e| TrainError::Config(format!("train.metrics_port: cannot listen on {addr}: {e}")))?;
                 if !quiet {
-                    eprintln!("rank {global_rank}: metrics on http://{}/metrics", server.addr);
+                    kolo_base::eline!("rank {global_rank}: metrics on http://{}/metrics", server.addr);
                 }
                 Some(server)
             }
@@ -150,7 +150,7 @@ impl Reporter {
     pub fn log(&self, m: &str) {
         match &self.bar {
             Some(pb) => pb.println(m),
-            None if self.lead => eprintln!("{m}"),
+            None if self.lead => kolo_base::eline!("{m}"),
             None => {}
         }
     }
@@ -276,7 +276,7 @@ impl Reporter {
         let acc = e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0));
         if last {
             if self.lead {
-                eprintln!("final eval on {} examples: loss {:.4}{acc}", e.examples, e.loss);
+                kolo_base::eline!("final eval on {} examples: loss {:.4}{acc}", e.examples, e.loss);
             }
         } else {
             self.log(&format!("step {step}: eval loss {:.4}{acc}", e.loss));

@@ -117,7 +117,7 @@ pub(crate) fn gpt_loop_start(
 pub(crate) fn lead_say(lead: bool) -> impl Fn(&str) {
     move |m: &str| {
         if lead {
-            eprintln!("{m}");
+            kolo_base::eline!("{m}");
         }
     }
 }
@@ -529,7 +529,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     let lead = global_rank == 0 && !opts.quiet;
     let say = |m: &str| {
         if lead {
-            eprintln!("{m}");
+            kolo_base::eline!("{m}");
         }
     };
     let tc = &cfg.train;
@@ -717,7 +717,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             }
         }
         if opts.die_at == Some((rank, step)) {
-            eprintln!("rank {rank}: killing itself (SIGKILL) at step {step} as asked (--kill-at)");
+            kolo_base::eline!("rank {rank}: killing itself (SIGKILL) at step {step} as asked (--kill-at)");
             // SAFETY: kill(2) on this process.
             unsafe {
                 libc::kill(libc::getpid(), libc::SIGKILL);

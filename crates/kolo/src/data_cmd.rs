@@ -49,7 +49,7 @@ pub fn run(cmd: DataCmd) -> anyhow::Result<i32> {
                 })
                 .collect::<anyhow::Result<_>>()?;
             let t = kolo::tokens::train_bpe(&files, v, &a.out.join("tokenizer.json"))?;
-            eprintln!("trained a byte-level BPE of {} tokens: {}", t.vocab_size(), a.out.join("tokenizer.json").display());
+            kolo_base::eline!("trained a byte-level BPE of {} tokens: {}", t.vocab_size(), a.out.join("tokenizer.json").display());
             t
         }
         (None, None) => anyhow::bail!("give --tokenizer tokenizer.json, or --train-bpe VOCAB_SIZE"),

@@ -48,7 +48,7 @@ fn token() -> anyhow::Result<JobToken> {
 }
 
 fn say(m: &str) {
-    eprintln!("{m}");
+    kolo_base::eline!("{m}");
 }
 
 pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
@@ -56,7 +56,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
         FedCmd::Serve { config, listen } => {
             let cfg = kolo_train::Config::load(&config)?;
             let expect = cfg.fed.as_ref().map_or(1, |f| f.clients);
-            let s = kolo_train::fed::serve(&cfg, &listen, token()?, expect, |a| eprintln!("kolo fed: listening on {a}"), &say)?;
+            let s = kolo_train::fed::serve(&cfg, &listen, token()?, expect, |a| kolo_base::eline!("kolo fed: listening on {a}"), &say)?;
             summary(&s);
             Ok(0)
         }
@@ -70,7 +70,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
                     .ok_or_else(|| anyhow::anyhow!("kolo fed client needs --client (or RANK)"))?,
             };
             let r = kolo_train::fed::client(&cfg, &server, &token()?, index, false)?;
-            eprintln!(
+            kolo_base::eline!(
                 "client {index}: trained in {} round(s) on {} examples; sent {:.2} MB, received {:.2} MB",
                 r.rounds_trained,
                 r.shard.len(),
@@ -131,7 +131,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
 fn summary(s: &kolo_train::fed::FedSummary) {
     if let Some(e) = s.evals.last() {
         let late: usize = s.rounds.iter().map(|r| r.late.len()).sum();
-        eprintln!(
+        kolo_base::eline!(
             "done: {} rounds, final test loss {:.4}, accuracy {:.2}%; {late} late client update(s) left out",
             s.rounds.len(),
             e.loss,

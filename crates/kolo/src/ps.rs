@@ -124,7 +124,7 @@ pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
                 timeout: Duration::from_secs_f64(a.timeout),
                 heartbeat: Duration::from_millis(a.heartbeat_ms.max(1)),
             })?;
-            eprintln!("kolo ps server {} listening on {}", s.id(), s.addr());
+            kolo_base::eline!("kolo ps server {} listening on {}", s.id(), s.addr());
             s.wait()?;
             Ok(0)
         }
@@ -133,12 +133,12 @@ pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
                 Ok(_) => token()?,
                 Err(_) => {
                     let t = JobToken::generate();
-                    eprintln!("KOLO_JOB_TOKEN={} (give it to every server and worker)", t.to_hex());
+                    kolo_base::eline!("KOLO_JOB_TOKEN={} (give it to every server and worker)", t.to_hex());
                     t
                 }
             };
             let c = Coordinator::start(&a.listen, token, Duration::from_secs_f64(a.dead_after))?;
-            eprintln!("kolo ps coordinator listening on {}", c.addr());
+            kolo_base::eline!("kolo ps coordinator listening on {}", c.addr());
             while !c.membership().shutdown {
                 std::thread::sleep(Duration::from_millis(200));
             }
@@ -148,7 +148,7 @@ pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
         }
         PsCmd::Remove { coordinator, server } => {
             let m = kolo_ps::coord::remove_server(&coordinator, &token()?, server, Duration::from_secs(30))?;
-            eprintln!("server {server} removed; membership epoch {}: {:?}", m.epoch, m.servers);
+            kolo_base::eline!("server {server} removed; membership epoch {}: {:?}", m.epoch, m.servers);
             Ok(0)
         }
         PsCmd::Shutdown { coordinator } => {
@@ -175,7 +175,7 @@ pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
                 &stop,
                 false,
             )?;
-            eprintln!("[eval group] {} evaluations", evals.len());
+            kolo_base::eline!("[eval group] {} evaluations", evals.len());
             Ok(0)
         }
     }

@@ -36,7 +36,7 @@ pub fn run(a: SelftestArgs) -> anyhow::Result<i32> {
     let t0 = Instant::now();
     for it in 0..a.iters {
         if Some(me) == a.fail_rank && it == a.fail_after {
-            eprintln!("selftest: rank {me} leaving now ({})", a.fail_mode);
+            kolo_base::eline!("selftest: rank {me} leaving now ({})", a.fail_mode);
             match a.fail_mode.as_str() {
                 // SAFETY: raising a signal at ourselves.
                 "kill" => unsafe {

@@ -130,7 +130,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
             };
             let line = kolo_train::autoplan::apply_plan(&mut cfg, world, memory)?;
             if boot.comm().rank().get() == 0 {
-                eprintln!("{line}");
+                kolo_base::eline!("{line}");
             }
         }
         Some(p) => anyhow::bail!("--plan {p}: only `auto` is known"),
@@ -138,7 +138,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     let comm: Arc<dyn Communicator> =
         if cfg.ddp.check_collectives { Arc::new(Checked::new(boot.comm().clone())) } else { boot.comm().clone() };
     if boot.host().is_none() && boot.comm().rank().get() == 0 {
-        eprintln!("kolo train: collectives over {} ({} ranks)", boot.comm().backend(), boot.comm().world_size().get());
+        kolo_base::eline!("kolo train: collectives over {} ({} ranks)", boot.comm().backend(), boot.comm().world_size().get());
     }
     // An elastic restart (kolo launch --min-nodes) resumes from the newest checkpoint.
     let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
@@ -148,11 +148,11 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         match cfg.train.checkpoint_dir.as_ref().and_then(|d| kolo_train::trainer::newest_checkpoint(std::path::Path::new(d))) {
             Some(p) => {
                 if lead {
-                    eprintln!("elastic restart {round} on {} ranks: resuming from {}", boot.comm().world_size().get(), p.display());
+                    kolo_base::eline!("elastic restart {round} on {} ranks: resuming from {}", boot.comm().world_size().get(), p.display());
                 }
                 resume = Some(p);
             }
-            None if lead => eprintln!(
+            None if lead => kolo_base::eline!(
                 "elastic restart {round}: no checkpoint to resume from (set train.checkpoint_dir and checkpoint_every); starting over"
             ),
             None => {}
@@ -193,9 +193,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
             }
             None => format!("{:.0}% of gradient all-reduce hidden behind backward", s.hidden_fraction * 100.0),
         };
-        eprintln!("done: {} steps, last loss {:.4}, {:.1} ms/step (second half), {overlap}", s.steps_done, s.last_loss, mean);
+        kolo_base::eline!("done: {} steps, last loss {:.4}, {:.1} ms/step (second half), {overlap}", s.steps_done, s.last_loss, mean);
         if let Some(m) = &s.moe {
-            eprintln!(
+            kolo_base::eline!(
                 "experts: tokens routed per expert {:?} (coefficient of variation {:.3}), {:.2}% of assignments dropped by the capacity",
                 m.load,
                 m.cv(),
@@ -205,9 +205,9 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         let mb = |b: u64| b as f64 / 1e6;
         if let Some(bytes) = s.comm_bytes.last() {
             let what = if s.pipeline_bubble.is_some() { "activations and their gradients sent by rank 0" } else { "gradient traffic" };
-            eprintln!("{what}: {:.3} MB per step per rank (last step)", *bytes as f64 / 1e6);
+            kolo_base::eline!("{what}: {:.3} MB per step per rank (last step)", *bytes as f64 / 1e6);
         }
-        eprintln!(
+        kolo_base::eline!(
             "memory per rank: model states {:.1} MB (params {:.1} + grads {:.1} + optimizer {:.1}{}), peak RSS {}",
             mb(s.states.total()),
             mb(s.states.params),
@@ -217,7 +217,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
             s.peak_rss.map_or("unknown".to_string(), |b| format!("{:.1} MB", mb(b)))
         );
         if let Some(h) = s.heap {
-            eprintln!(
+            kolo_base::eline!(
                 "heap per rank: {:.1} MB before the model, {:.1} MB between steps (+{:.1} MB: model states and caches), peak {:.1} MB (+{:.1} MB transient)",
                 mb(h.before_model as u64),
                 mb(h.between_steps as u64),
@@ -259,7 +259,7 @@ fn run_ps(cfg: &kolo_train::Config, stop_after: Option<u64>, slow_rank: Option<(
         let tail = &s.step_ms[n.saturating_sub(n / 2).min(n)..];
         let mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
         let st = s.ps.unwrap_or_default();
-        eprintln!(
+        kolo_base::eline!(
             "done: {} steps, last loss {:.4}, {:.1} ms/step (second half); worker 0 pushed {:.2} MB, pulled {:.2} MB, {} retried requests, lead over the slowest worker up to {} step(s)",
             s.steps_done,
             s.last_loss,
