@@ -670,13 +670,11 @@ fn default_prefetch() -> usize {
     2
 }
 
-/// The training loops other than DDP/ZeRO, and what each lacks until one driver serves them
-/// all (issue #16). Shown as the setting that selects it.
+/// The training loops that do not run on the driver yet (`crate::driver`), and what each lacks
+/// until it does (issue #16). Shown as the setting that selects it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SeparateLoop {
     ParameterServer,
-    ExpertParallel,
-    SequenceParallel,
     Scheduled,
     /// PipeDream-2BW: one plan with activations always in flight.
     TwoBw,
@@ -700,8 +698,6 @@ impl std::fmt::Display for SeparateLoop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             SeparateLoop::ParameterServer => "train.strategy = \"ps\"",
-            SeparateLoop::ExpertParallel => "mesh.ep > 1",
-            SeparateLoop::SequenceParallel => "mesh.sp > 1",
             SeparateLoop::Scheduled => "ddp.schedule",
             SeparateLoop::TwoBw => "pipeline.schedule = \"2bw\"",
             SeparateLoop::Pipeline => "[pipeline]",
@@ -721,16 +717,11 @@ impl Config {
         Config::parse(&text, &path.display().to_string())
     }
 
-    /// The loop other than the DDP/ZeRO one this config runs in (`None`: the DDP/ZeRO loop).
+    /// The loop of its own this config runs in (`None`: a strategy on the driver).
     /// `--resume` and the features it lacks ([`SeparateLoop`]) are refused there.
     pub fn separate_loop(&self) -> Option<SeparateLoop> {
-        let m = self.mesh.as_ref();
         if self.train.strategy == Strategy::Ps {
             Some(SeparateLoop::ParameterServer)
-        } else if m.is_some_and(|m| m.ep > 1) {
-            Some(SeparateLoop::ExpertParallel)
-        } else if m.is_some_and(|m| m.sp > 1) {
-            Some(SeparateLoop::SequenceParallel)
         } else if self.ddp.schedule.is_some() {
             Some(SeparateLoop::Scheduled)
         } else if self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
@@ -949,10 +940,10 @@ impl Config {
                     || self.ddp.local_sgd.is_some()
                     || self.train.checkpoint_dir.is_some()
                     || self.train.grad_accum != 1
-                    || self.train.eval_every != 0
-                    || self.train.timeline_dir.is_some()
                 {
-                    return Err("mesh.ep > 1 runs with grad_accum = 1, a final evaluation only, and without ZeRO, compression, local SGD, timelines or checkpoints (yet)".into());
+                    return Err(
+                        "mesh.ep > 1 runs with grad_accum = 1, and without ZeRO, compression, local SGD or checkpoints (yet)".into()
+                    );
                 }
             }
             if m.sp > 1 {
@@ -963,14 +954,11 @@ impl Config {
                     || self.ddp.compression.is_some()
                     || self.ddp.local_sgd.is_some()
                     || self.train.precision != Precision::F32
-                    || self.train.checkpoint_dir.is_some()
                     || self.train.strategy != Strategy::Ddp
                     || !self.model.checkpoint_blocks.is_empty()
                     || self.train.grad_accum != 1
-                    || self.train.eval_every != 0
-                    || self.train.timeline_dir.is_some()
                 {
-                    return Err("mesh.sp > 1 runs in f32 with grad_accum = 1, a final evaluation only, and without ZeRO, compression, local SGD, parameter servers, activation checkpointing, timelines or checkpoints (yet)".into());
+                    return Err("mesh.sp > 1 runs in f32 with grad_accum = 1, and without ZeRO, compression, local SGD, parameter servers or activation checkpointing (yet)".into());
                 }
             }
             if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {

@@ -1,12 +1,15 @@
-//! Kolo's training loop: one readable function ([`trainer::run`]) that wires the config, the
-//! data, the model adapter, DDP, the optimizer and checkpoints together.
+//! Kolo's training: [`trainer::run`] picks the strategy a config names and hands it to the one
+//! training loop, [`driver`]; each strategy (`data_parallel`, `sequence_parallel`,
+//! `expert_parallel`) implements [`driver::Strategy`].
 
 pub mod agreement;
 pub mod autoplan;
 pub mod checkpointing;
 pub mod config;
 pub mod data;
-pub mod ep;
+pub mod data_parallel;
+pub mod driver;
+pub mod expert_parallel;
 pub mod fed;
 pub mod impala;
 pub mod local_sgd;
@@ -21,7 +24,7 @@ pub mod plot;
 pub mod ps_worker;
 pub mod report;
 pub mod scheduled_ddp;
-pub mod sp;
+pub mod sequence_parallel;
 pub mod tensorboard;
 pub mod timeline;
 pub use trainer::{peak_rss, run, Eval, HeapReport, RunOptions, StateBytes, Summary};

@@ -1,24 +1,23 @@
-//! The training loop. Read top to bottom: set up data, model, DDP and optimizer; maybe resume;
-//! then for each step run the micro-steps (only the last one communicates), clip, update,
-//! log, evaluate and checkpoint; finally evaluate and, for text models, generate a sample.
+//! The entry point of training ([`run`]: picks the strategy the config names and hands it to
+//! the driver, `crate::driver`) and what every loop shares: the datasets, evaluation, sampling
+//! and the summary of a run.
 
 pub use crate::checkpointing::newest_checkpoint;
-use crate::checkpointing::{load_checkpoint, loop_state_meta, resolve_checkpoint, save_checkpoint, PendingSave};
+use crate::checkpointing::resolve_checkpoint;
 use crate::config::{Config, DataKind};
 use crate::data::{text_split, CharVocab, Dataset, Mnist, Synthetic};
+use crate::driver::Strategy;
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::TrainError;
 use kolo_base::Rng;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
-use kolo_ddp::{Ddp, DdpConfig, ShardPlan, Sharding};
-use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Buffer, LossScaler, Optimizer};
+use kolo_optim::Optimizer;
 use kolo_tensor::ops::{argmax_rows, softmax_last};
-use kolo_tensor::{build_model, Batch, HookedView, Input, Model, ModelSpec, PlainView};
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::mpsc::{sync_channel, Receiver};
+use kolo_tensor::{Batch, Input, Model, ModelSpec, PlainView};
+use std::path::PathBuf;
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How to run, beyond the config file.
 #[derive(Clone, Debug, Default)]
@@ -93,24 +92,46 @@ pub struct Summary {
     pub batch_split: Option<Vec<usize>>,
 }
 
-/// What the GPT loops with a model of their own (pipeline, sequence and expert parallel) share
-/// at the start: the config's deadline on each of their groups, the data of replica
-/// `data_rank`, the live heap before the model and the GPT's shape.
+/// What the GPT loops with a model of their own (pipeline stages) share at the start: the
+/// config's deadline on each of their groups, the data of replica `data_rank`, the live heap
+/// before the model and the GPT's shape.
 pub(crate) fn gpt_loop_start(
     cfg: &Config,
     groups: &[&dyn Communicator],
     data_rank: usize,
 ) -> Result<(Data, Option<usize>, kolo_tensor::models::GptConfig), TrainError> {
+    let data = load_data(cfg, data_rank)?;
+    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
+    let gcfg = gpt_config(cfg, groups, &data)?;
+    Ok((data, heap_before, gcfg))
+}
+
+/// The config's deadline on each of a GPT strategy's `groups`, and the GPT's shape.
+pub(crate) fn gpt_config(cfg: &Config, groups: &[&dyn Communicator], data: &Data) -> Result<kolo_tensor::models::GptConfig, TrainError> {
     let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
     for g in groups {
         g.set_timeout(timeout);
     }
-    let data = load_data(cfg, data_rank)?;
-    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
     let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else {
         return Err(TrainError::Config("this parallel mode trains the GPT (model.kind = \"gpt\")".into()));
     };
-    Ok((data, heap_before, gcfg))
+    Ok(gcfg)
+}
+
+/// The optimizer over `numel` values, its state where `optim.offload_dir` puts it.
+pub(crate) fn optimizer_for(cfg: &Config, numel: usize) -> Result<Optimizer, TrainError> {
+    Optimizer::with_placement(cfg.optimizer(), numel, &cfg.placement())
+        .map_err(|e| TrainError::Config(format!("optim.offload_dir {:?}: {e}", cfg.optim.offload_dir.as_deref().unwrap_or_default())))
+}
+
+/// Model states of a rank holding the whole model, its gradient and optimizer state.
+pub(crate) fn replicated_states(numel: usize, opt: &Optimizer) -> StateBytes {
+    StateBytes {
+        params: numel as u64 * 4,
+        grads: numel as u64 * 4,
+        optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
+        offloaded: opt.is_offloaded(),
+    }
 }
 
 /// Prints on the lead rank only.
@@ -130,60 +151,6 @@ pub(crate) fn optimizer_step(params: &kolo_tensor::ParamSet, opt: &mut Optimizer
         params.update_one(i, &mut |p| opt.update(r.start, p, &grads[r.clone()], lr))?;
     }
     Ok(())
-}
-
-/// The end of a run whose own model copy is split or chunked (sequence and expert
-/// parallelism): rank 0 (`lead_eval`) evaluates a whole GPT rebuilt from `flat`, and the summary
-/// reports this rank's `numel` values of parameters, gradients and optimizer state.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn finish_whole_gpt(
-    cfg: &Config,
-    gcfg: &kolo_tensor::models::GptConfig,
-    data: &Data,
-    say: &dyn Fn(&str),
-    lead_eval: bool,
-    end: u64,
-    report: &mut crate::report::Reporter,
-    flat: Vec<f32>,
-    numel: usize,
-    opt: &Optimizer,
-    heap: (Option<usize>, Option<kolo_base::alloc::HeapStats>),
-    moe: Option<kolo_tensor::models::MoeLoad>,
-) -> Result<Summary, TrainError> {
-    let (mut eval, mut sample) = (None, None);
-    if lead_eval && end == cfg.train.steps {
-        // Whole sequences, with an unsplit copy of the model.
-        let (e, s) = evaluate_whole_gpt(cfg, gcfg, &flat, data, say)?;
-        eval = Some(e);
-        sample = s;
-    }
-    Ok(Summary {
-        steps_done: end,
-        last_loss: report.last_loss,
-        eval,
-        step_ms: std::mem::take(&mut report.step_ms),
-        comm_wait_ms: Vec::new(),
-        comm_bytes: std::mem::take(&mut report.comm_bytes),
-        straggler: report.straggler,
-        hidden_fraction: 0.0,
-        params: flat,
-        sample,
-        checkpoint: None,
-        states: StateBytes {
-            params: numel as u64 * 4,
-            grads: numel as u64 * 4,
-            optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
-            offloaded: false,
-        },
-        peak_rss: peak_rss(),
-        heap: HeapReport::between(heap.0, heap.1),
-        skipped_steps: 0,
-        loss_scale: None,
-        ps: None,
-        pipeline_bubble: None,
-        moe,
-        batch_split: None,
-    })
 }
 
 /// Live heap bytes at three points of a run (see `kolo_base::alloc`).
@@ -225,7 +192,7 @@ pub fn replica_batches(
     };
     let bpe = scfg.batches_per_epoch().max(1);
     let sampler = Sampler::new(scfg, Position { epoch: batches_done / bpe, batch: batches_done % bpe }).map_err(TrainError::Data)?;
-    Ok(prefetch(train, sampler, cfg.data.prefetch))
+    Ok(crate::driver::prefetch(train, sampler, cfg.data.prefetch))
 }
 
 /// Model states held by one rank between steps, by what they are (the ZeRO paper's split).
@@ -309,22 +276,6 @@ pub fn load_data(cfg: &Config, rank: usize) -> Result<Data, TrainError> {
     }
 }
 
-/// Prepares batches on a background thread, each with the sampler position after it.
-fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receiver<(Position, Batch)> {
-    let (tx, rx) = sync_channel(depth.max(1));
-    std::thread::Builder::new()
-        .name("kolo-prefetch".into())
-        .spawn(move || loop {
-            let idx = sampler.next_batch();
-            let b = ds.batch(&idx);
-            if tx.send((sampler.position(), b)).is_err() {
-                return;
-            }
-        })
-        .expect("spawning the prefetch thread");
-    rx
-}
-
 pub(crate) fn spec_string(spec: &ModelSpec) -> String {
     format!("{spec:?}")
 }
@@ -389,7 +340,7 @@ pub(crate) fn evaluate(
 }
 
 /// The final evaluation (and, for text, a sample) of a whole GPT rebuilt in this process from
-/// `flat`: for the parallel modes whose own copy is split (pipeline stages, sequence chunks).
+/// `flat`: for the parallel modes whose own copy is split (pipeline stages).
 pub(crate) fn evaluate_whole_gpt(
     cfg: &Config,
     gcfg: &kolo_tensor::models::GptConfig,
@@ -397,21 +348,50 @@ pub(crate) fn evaluate_whole_gpt(
     data: &Data,
     say: &dyn Fn(&str),
 ) -> Result<(Eval, Option<String>), TrainError> {
-    let tc = &cfg.train;
-    let whole = kolo_tensor::models::Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?;
-    whole.params().load(flat)?;
-    let local = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0);
-    let e = evaluate(&whole, &PlainView, &*data.eval, &local, cfg.data.batch_size, tc.eval_batches, false, &|| Ok(()))?;
+    let e = evaluate_alone(cfg, gcfg, flat, &*data.eval, cfg.train.eval_batches)?;
     say(&format!("final eval on {} examples: loss {:.4}", e.examples, e.loss));
-    let sample = match (&data.vocab, tc.sample_chars > 0) {
+    let sample = match (&data.vocab, cfg.train.sample_chars > 0) {
         (Some(v), true) => {
-            let s = sample_text(&whole, &PlainView, v, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))?;
-            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
+            let s = sample_alone(cfg, gcfg, flat, v)?;
+            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", cfg.train.sample_chars, cfg.train.sample_temperature));
             Some(s)
         }
         _ => None,
     };
     Ok((e, sample))
+}
+
+/// A whole GPT in this process holding `flat`.
+fn whole_gpt(cfg: &Config, gcfg: &kolo_tensor::models::GptConfig, flat: &[f32]) -> Result<kolo_tensor::models::Gpt, TrainError> {
+    let whole = kolo_tensor::models::Gpt::new(gcfg.clone(), &mut Rng::new(cfg.train.seed))?;
+    whole.params().load(flat)?;
+    Ok(whole)
+}
+
+/// Loss over at most `max_batches` batches of `ds` of a whole GPT holding `flat`, in this
+/// process alone (the strategies whose own model is split or chunked evaluate on one rank).
+pub(crate) fn evaluate_alone(
+    cfg: &Config,
+    gcfg: &kolo_tensor::models::GptConfig,
+    flat: &[f32],
+    ds: &dyn Dataset,
+    max_batches: usize,
+) -> Result<Eval, TrainError> {
+    let whole = whole_gpt(cfg, gcfg, flat)?;
+    let local = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0);
+    evaluate(&whole, &PlainView, ds, &local, cfg.data.batch_size, max_batches, false, &|| Ok(()))
+}
+
+/// A sample (the config's length and temperature) of a whole GPT holding `flat`.
+pub(crate) fn sample_alone(
+    cfg: &Config,
+    gcfg: &kolo_tensor::models::GptConfig,
+    flat: &[f32],
+    vocab: &CharVocab,
+) -> Result<String, TrainError> {
+    let whole = whole_gpt(cfg, gcfg, flat)?;
+    let tc = &cfg.train;
+    sample_text(&whole, &PlainView, vocab, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))
 }
 
 /// Generates `n` characters from a text model, starting from a newline.
@@ -452,43 +432,14 @@ pub(crate) fn sample_text(
     Ok(vocab.decode(&ids[1..]))
 }
 
-/// All-reduces of the vocabulary-parallel embedding, head and cross-entropy per micro-step.
-const VOCAB_PARALLEL_REDUCES: usize = 5;
-
-/// A tensor-parallel group as the model adapter sees it, counting its all-reduces.
-struct CommGroup {
-    comm: Arc<dyn Communicator>,
-    calls: std::sync::atomic::AtomicU64,
-    bytes: std::sync::atomic::AtomicU64,
-}
-
-impl kolo_base::GroupSum for CommGroup {
-    fn rank(&self) -> usize {
-        self.comm.rank().get()
-    }
-    fn size(&self) -> usize {
-        self.comm.world_size().get()
-    }
-    fn sum(&self, buf: &mut [f32]) -> Result<(), String> {
-        self.calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.bytes.fetch_add(buf.len() as u64 * 4, std::sync::atomic::Ordering::Relaxed);
-        self.comm.all_reduce(BufMut::from(buf), ReduceOp::Sum).map_err(|e| e.to_string())
-    }
-}
-
+/// Trains `cfg` on this rank of `comm`: picks the strategy the config names (data parallel,
+/// with ZeRO and tensor parallelism; sequence or expert parallel; or one of the loops of their
+/// own: pipelines, scheduled DDP) and runs it to the end.
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
     // Before anything else: every rank was started with the same job.
     crate::agreement::check_same_job(cfg, &*comm)?;
-    if cfg.train.device != "cpu" {
-        // `cuda` alone: one GPU per local rank (as torchrun's LOCAL_RANK convention).
-        let name = match cfg.train.device.as_str() {
-            "cuda" => format!("cuda:{}", std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(0)),
-            d => d.to_string(),
-        };
-        let dev = kolo_tensor::parse_device(&name).map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
-        kolo_tensor::set_device(dev);
-    }
+    select_device(cfg)?;
     // The mesh: pipeline stages (pp) of data-parallel replicas (dp) of tensor-parallel groups
     // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
     // blocks are split over the tp group; stages talk over the pp group.
@@ -498,619 +449,62 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             "resuming (--resume, elastic restarts) is not supported with {which} yet: it writes no checkpoints"
         )));
     }
-    if mesh.ep > 1 {
-        let m = kolo_comm::DeviceMesh::new(&*comm, &[("rep", mesh.dp / mesh.ep), ("ep", mesh.ep)])?;
-        let g = |a: &str| m.group(a).expect("axis").clone();
-        return crate::ep::run_expert_parallel(cfg, &*comm, g("ep"), g("rep"), opts);
-    }
-    if mesh.sp > 1 {
-        let m = kolo_comm::DeviceMesh::new(&*comm, &[("dp", mesh.dp), ("sp", mesh.sp)])?;
-        let sp = m.group("sp").expect("axis").clone();
-        return crate::sp::run_sequence_parallel(cfg, &*comm, sp, m.coord("dp").expect("axis"), mesh.dp, opts);
+    if cfg.train.strategy == crate::config::Strategy::Ps {
+        return Err(TrainError::Config("train.strategy = \"ps\" trains through parameter servers: run it with `kolo ps run` (or `kolo train` with KOLO_PS_COORDINATOR set)".into()));
     }
     if cfg.ddp.schedule.is_some() {
         return crate::scheduled_ddp::run_scheduled(cfg, comm, opts);
     }
-    let (comm, tp_comm, pp_comm) = if mesh.tp > 1 || cfg.pipeline.is_some() {
+    let resume = opts.resume.as_deref().map(resolve_checkpoint).transpose()?;
+    let resume = resume.as_deref();
+    // Loads the data of replica `data_rank`, builds the strategy and drives it.
+    let start = |data_rank: usize| -> Result<(Data, Option<usize>), TrainError> {
+        let data = load_data(cfg, data_rank)?;
+        let heap_before = kolo_base::alloc::stats().map(|h| h.live);
+        Ok((data, heap_before))
+    };
+    let drive = |data: &Data, heap, s: &mut dyn Strategy, from| crate::driver::drive(cfg, opts, &*comm, data, heap, s, from);
+    if mesh.ep > 1 {
+        let m = kolo_comm::DeviceMesh::new(&*comm, &[("rep", mesh.dp / mesh.ep), ("ep", mesh.ep)])?;
+        let g = |a: &str| m.group(a).expect("axis").clone();
+        let (data, heap) = start(global_rank)?;
+        let (mut s, from) = crate::expert_parallel::ExpertParallel::new(cfg, comm.clone(), g("ep"), g("rep"), &data, resume, opts)?;
+        return drive(&data, heap, &mut s, from);
+    }
+    if mesh.sp > 1 {
+        let m = kolo_comm::DeviceMesh::new(&*comm, &[("dp", mesh.dp), ("sp", mesh.sp)])?;
+        let (sp, dp_rank) = (m.group("sp").expect("axis").clone(), m.coord("dp").expect("axis"));
+        let (data, heap) = start(dp_rank)?;
+        let (mut s, from) =
+            crate::sequence_parallel::SequenceParallel::new(cfg, comm.clone(), sp, (dp_rank, mesh.dp), &data, resume, opts)?;
+        return drive(&data, heap, &mut s, from);
+    }
+    let (dp, tp, pp) = if mesh.tp > 1 || cfg.pipeline.is_some() {
         let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
         let g = |a: &str| m.group(a).expect("axis").clone();
         (g("dp"), (mesh.tp > 1).then(|| g("tp")), Some(g("pp")))
     } else {
-        (comm, None, None)
+        (comm.clone(), None, None)
     };
-    let tp_size = mesh.tp;
-    let tp_group = tp_comm.as_ref().map(|c| Arc::new(CommGroup { comm: c.clone(), calls: Default::default(), bytes: Default::default() }));
-    if let (Some(_), Some(pp)) = (&cfg.pipeline, &pp_comm) {
-        let tp: Option<Arc<dyn kolo_base::GroupSum>> = tp_group.clone().map(|g| g as Arc<dyn kolo_base::GroupSum>);
-        return crate::pipeline::run_pipeline(cfg, &**pp, &*comm, tp, global_rank, opts);
+    if let (Some(_), Some(pp)) = (&cfg.pipeline, &pp) {
+        let tp = tp.map(|c| crate::data_parallel::CommGroup::new(c) as Arc<dyn kolo_base::GroupSum>);
+        return crate::pipeline::run_pipeline(cfg, &**pp, &*dp, tp, global_rank, opts);
     }
-    let rank = comm.rank().get();
-    let world = comm.world_size().get();
-    let lead = global_rank == 0 && !opts.quiet;
-    let say = |m: &str| {
-        if lead {
-            kolo_base::eline!("{m}");
-        }
-    };
-    let tc = &cfg.train;
-    if tc.strategy == crate::config::Strategy::Ps {
-        return Err(TrainError::Config("train.strategy = \"ps\" trains through parameter servers: run it with `kolo ps run` (or `kolo train` with KOLO_PS_COORDINATOR set)".into()));
-    }
-    let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
-    comm.set_timeout(timeout);
-
-    // Data, model, DDP, optimizer.
-    let data = load_data(cfg, rank)?;
-    let heap_before_model = kolo_base::alloc::stats().map(|h| h.live);
-    let spec = cfg.model_spec(data.vocab_size);
-    let mut model = match (&tp_group, &spec) {
-        (Some(tp), ModelSpec::Gpt(g)) => {
-            Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(g.clone(), &mut Rng::new(tc.seed), tp.clone())?) as Box<dyn Model>
-        }
-        _ => build_model(&spec, tc.seed)?,
-    };
-    model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
-    let tp_split = model.tensor_parallel_split();
-    let sharding = cfg.sharding().map_err(TrainError::Config)?;
-    let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
-    let (compression, compression_warmup) = cfg.compression().map_err(TrainError::Config)?;
-    let ddp_cfg = DdpConfig {
-        bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?,
-        first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?,
-        timeout,
-        sharding,
-        groups,
-        compression,
-        compression_warmup,
-    };
-    let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
-    // `flat` is needed only until the model holds its starting values (broadcast, resume).
-    let mut flat = model.params().to_flat()?;
-    ddp.broadcast_params(&mut flat)?;
-    // Under ZeRO the optimizer (and its state) covers this rank's shard only.
-    let zero: Option<ShardPlan> = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
-    let place = cfg.placement();
-    let offload_err = |e: std::io::Error| {
-        TrainError::Config(format!("optim.offload_dir {:?}: {e}", cfg.optim.offload_dir.as_deref().unwrap_or_default()))
-    };
-    let mut opt = Optimizer::with_placement(cfg.optimizer(), zero.as_ref().map_or(flat.len(), |z| z.len), &place).map_err(offload_err)?;
-    let global_batch = cfg.data.batch_size * world * tc.grad_accum as usize;
-    let base_lr = match cfg.optim.reference_batch {
-        Some(r) => scaled_lr(cfg.optim.lr, global_batch, r),
-        None => cfg.optim.lr,
-    };
-    let mut meta = BTreeMap::new();
-    meta.insert("kolo.model".to_string(), spec_string(&spec));
-    meta.insert("kolo.optimizer".to_string(), format!("{:?}", cfg.optimizer()));
-    meta.insert("kolo.world_size".to_string(), world.to_string());
-    meta.insert("kolo.batch_size".to_string(), cfg.data.batch_size.to_string());
-    meta.insert("kolo.seed".to_string(), tc.seed.to_string());
-    meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
-
-    // Resume: every rank reads the same file, so every rank continues identically.
-    let mut start = 0;
-    let mut pos = Position::default();
-    let (mut resumed_scale, mut resumed_split) = (None, None);
-    if let Some(p) = &opts.resume {
-        let path = resolve_checkpoint(p)?;
-        let r = load_checkpoint(&path, model.params(), &mut flat, &mut opt, zero.as_ref(), ddp.ranges(), &meta)?;
-        start = r.step;
-        pos = r.pos;
-        (resumed_scale, resumed_split) = (r.loss_scale, r.batch_split);
-        say(&format!("resumed from {} at step {start}", path.display()));
-    }
-    model.params().load(&flat)?;
-    // ZeRO: this rank's master copy of its shard of the parameters.
-    // Under ZeRO-3 the DDP engine holds it: the model gathers its blocks from it.
-    let zero3 = sharding == Sharding::Parameters;
-    let mut master = Buffer::zeros(if zero3 { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master").map_err(offload_err)?;
-    if let Some(z) = &zero {
-        if zero3 {
-            let mut m = vec![0f32; z.len];
-            z.gather(ddp.ranges(), &flat, &mut m);
-            ddp.set_master(m);
-            model.shard_groups(ddp.gatherer())?;
-        } else {
-            z.gather(ddp.ranges(), &flat, master.as_mut_slice());
-            master.release_all();
-        }
-    }
-    let numel = flat.len();
-    drop(flat);
-
-    // Synthetic data is already per rank (seeded by rank): it is not sharded again.
-    let (s_world, s_rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
-    let sampler = Sampler::new(
-        SamplerConfig {
-            len: data.train.len(),
-            world: s_world,
-            rank: s_rank,
-            batch: cfg.data.batch_size,
-            seed: tc.seed,
-            shuffle: cfg.data.shuffle,
-            drop_last: cfg.data.drop_last,
-        },
-        pos,
-    )
-    .map_err(TrainError::Data)?;
-    // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
-    // the shares change during the run, so nothing is prefetched.
-    // Deterministic mode takes the same contiguous slices (equal shares, never re-split): a
-    // piece of the global batch then holds the same examples at every world size.
-    let mut dynamic = (cfg.ddp.dynamic_batch_every > 0 || cfg.ddp.deterministic)
-        .then(|| -> Result<DynamicBatch, TrainError> {
-            let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * world, ..sampler.config().clone() };
-            // A resumed run continues with the split it was written with (at the same world
-            // size and global batch; otherwise from equal shares).
-            let equal = vec![cfg.data.batch_size; world];
-            let split = match resumed_split.take() {
-                Some(s)
-                    if s.len() == world && s.iter().sum::<usize>() == cfg.data.batch_size * world && cfg.ddp.dynamic_batch_every > 0 =>
-                {
-                    s
-                }
-                _ => equal,
-            };
-            Ok(DynamicBatch { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split })
-        })
-        .transpose()?;
-    let batches = if dynamic.is_some() { None } else { Some(prefetch(data.train.clone(), sampler, cfg.data.prefetch)) };
-    say(&format!(
-        "kolo train: {} params, {} on {world} rank(s), global batch {global_batch} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
-        model.params().numel(),
-        spec_string(&spec),
-        cfg.data.batch_size,
-        tc.grad_accum,
-        ddp.plan().len(),
-        match &zero {
-            Some(z) => format!(", ZeRO-{} (optimizer state for {} of {numel} values on this rank)", sharding.stage(), z.len),
-            None => String::new(),
-        },
-        data.train.describe(),
-        kolo_base::simd::capability().name(),
-        kolo_tensor::compute_threads()
-    ));
-
-    let mut report = crate::report::Reporter::new(cfg, global_rank, opts.quiet, global_batch, start)?;
-
-    // Model states per rank: the parameters live in the model only (updated in place), the
-    // gradients in the DDP buckets (plain DDP, ZeRO-1) or this rank's shard of them (ZeRO-2),
-    // the optimizer state for the whole model or this rank's shard.
-    // Local gradients of no-sync micro-steps, only when there are any.
-    let mut micro = if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic {
-        vec![0f32; numel]
-    } else {
-        Vec::new()
-    };
-    // Deterministic mode: the exact (fixed-point) sum of this rank's pieces' gradients.
-    let mut exact = cfg.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(numel));
-    // Mixed precision: the compute dtype, and for f16 a dynamic loss scale.
-    let dtype = cfg.compute_dtype();
-    let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
-    if let (Some(s), Some(state)) = (scaler.as_mut(), resumed_scale) {
-        s.restore(state);
-    }
-    let eval_view: Box<dyn kolo_tensor::ParamView> =
-        if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
-    let hooked = HookedView { sink: ddp.sink(), dtype };
-    let mut timeline = tc.timeline_dir.as_ref().map(|_| crate::timeline::Timeline::new(rank));
-    let mut eval = None;
-    let mut checkpoint = None;
-    let mut saving: Option<PendingSave> = None;
-    // ZeRO-3: completes the gathers a forward pass leaves in flight (the last block prefetches
-    // itself for a backward), so that the trainer's own collectives find the communicator idle.
-    let settle = || -> Result<(), TrainError> {
-        if zero3 {
-            ddp.drop_prefetched()?;
-        }
-        Ok(())
-    };
-    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
-    kolo_base::alloc::reset_peak();
-    let mut heap_after_steps = None;
-    for step in start..end {
-        let t0 = Instant::now();
-        let mut rec = crate::report::StepRecord::default();
-        if let Some((r, ms)) = opts.slow_rank {
-            if r == rank {
-                std::thread::sleep(Duration::from_millis(ms));
-            }
-        }
-        if opts.die_at == Some((rank, step)) {
-            kolo_base::eline!("rank {rank}: killing itself (SIGKILL) at step {step} as asked (--kill-at)");
-            // SAFETY: kill(2) on this process.
-            unsafe {
-                libc::kill(libc::getpid(), libc::SIGKILL);
-            }
-        }
-        let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
-        // Local SGD after its synchronous warm-up: no gradient exchange, periodic averaging.
-        let local_step = crate::local_sgd::is_local(cfg.ddp.local_sgd.as_ref(), step);
-        let mut loss_sum = 0f64;
-        for m in 0..tc.grad_accum {
-            let (p, batch) = match (&mut dynamic, &batches) {
-                (Some(d), _) => d.next(&*data.train, rank),
-                (None, Some(b)) => b.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?,
-                (None, None) => unreachable!("one source of batches"),
-            };
-            pos = p;
-            // Under dynamic batch sizing a rank's mean loss weighs by its share of the batch.
-            let share = dynamic.as_ref().map_or(1.0, |d| d.split[rank] as f64 * world as f64 / d.split.iter().sum::<usize>() as f64);
-            if let Some((_, ms)) = opts.slow_per_example.filter(|s| s.0 == rank) {
-                std::thread::sleep(Duration::from_secs_f64(ms * batch.len() as f64 / 1e3));
-            }
-            let scale = share / tc.grad_accum as f64;
-            // f16: backward runs on the loss times the loss scale; the step divides it out.
-            let loss_scale = scaler.as_ref().map_or(1.0, LossScaler::scale);
-            let te = kolo_tensor::TensorError::from;
-            if let Some(exact) = exact.as_mut() {
-                loss_sum += exact_pieces(&*model, &batch, &*eval_view, cfg.ddp.deterministic_chunk, &mut micro, exact, (rank, step))?
-                    / tc.grad_accum as f64;
-            } else if m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step {
-                // No-sync micro-step: gradients stay local.
-                let loss = (model.loss(&batch, &*eval_view)? * scale).map_err(te)?;
-                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-                let g = (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
-                model.params().grads_into(&g, &mut micro)?;
-                ddp.accumulate(&micro);
-            } else {
-                ddp.begin_backward();
-                let loss = (model.loss(&batch, &hooked)? * scale).map_err(te)?;
-                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-                (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
-            }
-        }
-        let backward_end = Instant::now();
-        let params = model.params();
-        let ranges = ddp.ranges();
-        let clip = |norm: f64| cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(norm, max));
-        if let Some(exact) = exact.as_mut() {
-            // Pieces in the whole step: micro-steps x the global batch / piece size.
-            let global: usize = dynamic.as_ref().map_or(0, |d| d.split.iter().sum());
-            let (bytes, wait) = exact_all_reduce(&*comm, exact, tc.grad_accum as usize * global / cfg.ddp.deterministic_chunk, &mut micro)?;
-            if let Some(max) = cfg.optim.clip_grad_norm {
-                // The same gradient on every rank, summed in a fixed order: the same factor.
-                let f = clip_factor(sum_of_squares(&micro).sqrt(), max);
-                micro.iter_mut().for_each(|g| *g *= f);
-            }
-            opt.begin_step();
-            match &zero {
-                None => {
-                    for (i, r) in ranges.iter().enumerate() {
-                        params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
-                    }
-                }
-                Some(plan) => {
-                    // ZeRO-1/2: every rank has the whole reduced gradient; it updates its shard.
-                    for seg in &plan.segments {
-                        let at = seg.shard_offset..seg.shard_offset + seg.within.len();
-                        let g = &micro[ranges[seg.param].clone()][seg.within.clone()];
-                        opt.update(at.start, &mut master.as_mut_slice()[at.clone()], g, lr);
-                        master.release(at);
-                    }
-                    ddp.all_gather_params(master.as_slice(), |i: usize, v: &[f32]| params.load_one(i, v).map_err(TrainError::from))?;
-                    master.release_all();
-                }
-            }
-            rec.wait_ms = Some(wait.as_secs_f64() * 1e3);
-            rec.hidden = Some(0.0);
-            rec.comm_bytes = Some(bytes);
-        } else if cfg.ddp.skip_sync || local_step {
-            // Local SGD (or the no-sync benchmark mode): the local gradients are used as they are.
-            ddp.take_accumulated(&mut micro);
-            if cfg.optim.clip_grad_norm.is_some() {
-                let f = clip(sum_of_squares(&micro).sqrt());
-                micro.iter_mut().for_each(|g| *g *= f);
-            }
-            opt.begin_step();
-            for (i, r) in ranges.iter().enumerate() {
-                params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
-            }
-            if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
-                rec.comm_bytes = Some(crate::local_sgd::after_update(l, step, params, &*comm)?);
-            }
-        } else {
-            // Checks (f16: every rank agrees whether any gradient overflowed; such a step is
-            // skipped), unscales and clips the gradients; returns whether to apply the step.
-            // `sharded`: each rank has a piece, so the norm is a sum over ranks.
-            let inject = opts.inject_inf_at == Some(step) && rank == 0;
-            let mut prepare = |g: &mut kolo_ddp::BucketGrads<'_>, sharded: bool| -> Result<bool, TrainError> {
-                if inject {
-                    g.scale(f32::INFINITY); // test hook: an overflow on one rank
-                }
-                let inv = scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale());
-                if cfg.optim.clip_grad_norm.is_none() && scaler.is_none() {
-                    return Ok(true);
-                }
-                let mut sq = [match (&tp_split, &tp_group) {
-                    // Tensor parallelism: split parameters summed over the group, replicated
-                    // ones counted once (member 0).
-                    (Some(split), Some(tg)) if cfg.optim.clip_grad_norm.is_some() => {
-                        let mut v = [(0..split.len())
-                            .filter(|&i| split[i] || kolo_base::GroupSum::rank(&**tg) == 0)
-                            .map(|i| kolo_base::sum_of_squares(g.param(i)))
-                            .sum::<f64>() as f32];
-                        kolo_base::GroupSum::sum(&**tg, &mut v).map_err(TrainError::Other)?;
-                        f64::from(v[0])
-                    }
-                    _ => g.sum_of_squares(),
-                }];
-                if sharded && cfg.optim.clip_grad_norm.is_some() {
-                    comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
-                }
-                if let Some(s) = scaler.as_mut() {
-                    let mut bad = [u8::from(!sq[0].is_finite())];
-                    comm.all_reduce(BufMut::from(&mut bad[..]), ReduceOp::Max)?;
-                    if !s.update(bad[0] == 1) {
-                        return Ok(false);
-                    }
-                }
-                let f = f64::from(clip(sq[0].sqrt() * inv)) * inv;
-                if f != 1.0 {
-                    g.scale(f as f32);
-                }
-                Ok(true)
-            };
-            // Host waits for the last buckets here; everything before overlapped with backward.
-            let (stats, _) = crate::update::apply_update(&ddp, params, &mut opt, zero.as_ref(), &mut master, lr, &mut prepare)?;
-            if let Some(tl) = timeline.as_mut() {
-                for (b, (s0, s1)) in stats.buckets.iter().enumerate() {
-                    tl.span(&format!("bucket {b}"), "comm", crate::timeline::COMM, *s0, *s1, serde_json::json!({"step": step}));
-                }
-            }
-            rec.wait_ms = Some(stats.wait.as_secs_f64() * 1e3);
-            rec.hidden = Some(stats.hidden_fraction());
-            rec.comm_bytes = Some(stats.bytes);
-        }
-        if let Some(tl) = timeline.as_mut() {
-            let now = Instant::now();
-            tl.span("forward + backward", "compute", crate::timeline::COMPUTE, t0, backward_end, serde_json::json!({"step": step}));
-            tl.span("wait + update", "compute", crate::timeline::COMPUTE, backward_end, now, serde_json::json!({"step": step}));
-        }
-        heap_after_steps = kolo_base::alloc::stats();
-        let skipped_steps = scaler.as_ref().map_or(0, LossScaler::skipped);
-        report.record(step, crate::report::StepRecord { step_ms: t0.elapsed().as_secs_f64() * 1e3, skipped_steps, ..rec });
-
-        let done = step + 1;
-        if let Some(d) = dynamic.as_mut().filter(|_| cfg.ddp.dynamic_batch_every > 0 && done % cfg.ddp.dynamic_batch_every == 0) {
-            // Time per example over the window, every rank's; the new split from it.
-            let n = cfg.ddp.dynamic_batch_every as usize;
-            let own = &report.compute_ms[report.compute_ms.len().saturating_sub(n)..];
-            let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64 / d.split[rank].max(1) as f64];
-            let mut all = vec![0f64; world];
-            comm.all_gather(kolo_comm::BufRef::from(&mine[..]), BufMut::from(&mut all))?;
-            let next = crate::sampler::plan_split(d.split.iter().sum(), &all, 1);
-            if next != d.split {
-                report.log(&format!(
-                    "step {done}: dynamic batch: per-rank batches {:?} -> {next:?} (ms per example {:?})",
-                    d.split,
-                    all.iter().map(|t| (t * 1000.0).round() / 1000.0).collect::<Vec<_>>()
-                ));
-                d.split = next;
-            }
-        }
-        if report.is_log_step(done, end) {
-            report.window(&*comm, done, loss_sum, lr, pos.epoch, "")?;
-        }
-        if tc.eval_every > 0 && done % tc.eval_every == 0 && done != end {
-            let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, tc.eval_batches, zero3, &settle)?;
-            report.eval(done, &e, false);
-        }
-        if let Some(dir) = &tc.checkpoint_dir {
-            if (tc.checkpoint_every > 0 && done % tc.checkpoint_every == 0) || done == end {
-                if let Some(prev) = saving.take() {
-                    checkpoint = Some(prev.wait()?);
-                }
-                let bg = tc.checkpoint_background && opts.crash_during_save.is_none();
-                let crash = opts.crash_during_save == Some(done);
-                let mut meta = meta.clone();
-                meta.extend(loop_state_meta(
-                    scaler.as_ref(),
-                    dynamic.as_ref().filter(|_| cfg.ddp.dynamic_batch_every > 0).map(|d| &d.split[..]),
-                ));
-                let p = if zero3 {
-                    ddp.with_master(|m| {
-                        save_checkpoint(Path::new(dir), done, model.params(), m, &opt, zero.as_ref(), &*comm, pos, &meta, bg, crash)
-                    })?
-                } else {
-                    save_checkpoint(
-                        Path::new(dir),
-                        done,
-                        model.params(),
-                        master.as_slice(),
-                        &opt,
-                        zero.as_ref(),
-                        &*comm,
-                        pos,
-                        &meta,
-                        bg,
-                        crash,
-                    )?
-                };
-                report.log(&format!(
-                    "step {done}: checkpoint {}{}",
-                    p.target.display(),
-                    if bg { " (writing in the background)" } else { "" }
-                ));
-                saving = Some(p);
-            }
-        }
-    }
-    if let Some(prev) = saving.take() {
-        let background = prev.thread.is_some();
-        checkpoint = Some(prev.wait()?);
-        if background {
-            // Every rank's writer has finished (and rank 0 committed) before anyone reports done.
-            comm.barrier()?;
-        }
-    }
-    if let (Some(tl), Some(d)) = (&timeline, &tc.timeline_dir) {
-        let dir = Path::new(d);
-        let io = |e: std::io::Error| TrainError::Other(format!("train.timeline_dir {d}: {e}"));
-        std::fs::create_dir_all(dir).map_err(io)?;
-        tl.write(&dir.join(format!("trace-rank{rank}.json"))).map_err(io)?;
-        comm.barrier()?;
-        if rank == 0 {
-            let files: Vec<PathBuf> = (0..world).map(|r| dir.join(format!("trace-rank{r}.json"))).collect();
-            crate::timeline::merge(&files, &dir.join("trace.json")).map_err(io)?;
-            say(&format!("timeline: {} (open in https://ui.perfetto.dev)", dir.join("trace.json").display()));
-        }
-    }
-    report.finish();
-    if let (Some(g), ModelSpec::Gpt(gc)) = (&tp_group, &spec) {
-        let steps = (end - start).max(1) * tc.grad_accum;
-        let calls = g.calls.load(std::sync::atomic::Ordering::Relaxed) as f64 / steps as f64;
-        let mb = g.bytes.load(std::sync::atomic::Ordering::Relaxed) as f64 / steps as f64 / 1e6;
-        // Outside the blocks: the vocabulary-parallel embedding (1, forward), head (1, backward)
-        // and cross-entropy (3: maxima, sums of exponentials, target logits).
-        say(&format!(
-            "tensor parallel: {calls:.1} all-reduces ({mb:.2} MB) per micro-step over {} ranks: {:.1} per block for {} blocks (Megatron: 2 in forward + 2 in backward) + {VOCAB_PARALLEL_REDUCES} for the vocabulary-parallel embedding, head and cross-entropy",
-            tp_size,
-            (calls - VOCAB_PARALLEL_REDUCES as f64) / gc.n_layer as f64,
-            gc.n_layer,
-        ));
-    }
-    if end == tc.steps {
-        // The final evaluation covers the whole test set for images (10k for MNIST); text
-        // validation sets have a window at every position, so `eval_batches` bounds them.
-        let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
-        let e = evaluate(&*model, &*eval_view, &*data.eval, &*comm, cfg.data.batch_size, limit, zero3, &settle)?;
-        report.eval(end, &e, true);
-        eval = Some(e);
-    }
-    let sample = match (&data.vocab, &spec) {
-        // Under ZeRO-3 every rank samples (the same text: same seed), since each forward
-        // gathers the blocks collectively.
-        (Some(v), ModelSpec::Gpt(g)) if (rank == 0 || zero3) && end == tc.steps && tc.sample_chars > 0 => {
-            let s = sample_text(&*model, &*eval_view, v, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &settle)?;
-            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
-            Some(s)
-        }
-        _ => None,
-    };
-    let bytes = |n: usize| n as u64 * 4;
-    let resident: usize =
-        (0..model.params().len()).filter(|&i| model.params().is_resident(i)).map(|i| model.params().get(i).range.len()).sum();
-    let states = StateBytes {
-        params: bytes(resident),
-        grads: bytes(
-            if matches!(sharding, Sharding::Gradients | Sharding::Parameters) {
-                ddp.grad_len()
-            } else {
-                ddp.plan().iter().map(|b| b.numel).sum()
-            } + micro.len(),
-        ),
-        optimizer: bytes(opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + master.len() + ddp.with_master(|m| m.len())),
-        offloaded: opt.is_offloaded() || master.is_offloaded(),
-    };
-    let moe = crate::ep::reduce_load(model.take_moe_load(), &*comm)?;
-    Ok(Summary {
-        steps_done: end,
-        last_loss: report.last_loss,
-        eval,
-        hidden_fraction: report.hidden_fraction(),
-        step_ms: std::mem::take(&mut report.step_ms),
-        comm_wait_ms: std::mem::take(&mut report.wait_ms),
-        comm_bytes: std::mem::take(&mut report.comm_bytes),
-        straggler: report.straggler,
-        params: if zero3 {
-            let mut flat = vec![0f32; numel];
-            let ranges = ddp.ranges();
-            ddp.with_master(|m| {
-                ddp.all_gather_everything(m, |i, v| {
-                    flat[ranges[i].clone()].copy_from_slice(v);
-                    Ok::<(), TrainError>(())
-                })
-            })?;
-            flat
-        } else {
-            let local = model.params().to_flat()?;
-            match (model.tensor_parallel_pieces(&local), &tp_comm) {
-                (Some(pieces), Some(tp)) => {
-                    // The whole model on every rank: the group's pieces summed.
-                    let mut full = pieces?;
-                    tp.all_reduce(BufMut::from(&mut full[..]), ReduceOp::Sum)?;
-                    full
-                }
-                _ => local,
-            }
-        },
-        states,
-        peak_rss: peak_rss(),
-        skipped_steps: scaler.as_ref().map_or(0, LossScaler::skipped),
-        loss_scale: scaler.as_ref().map(LossScaler::scale),
-        heap: HeapReport::between(heap_before_model, heap_after_steps),
-        sample,
-        checkpoint,
-        ps: None,
-        pipeline_bubble: None,
-        moe,
-        batch_split: dynamic.map(|d| d.split),
-    })
+    let (data, heap) = start(dp.rank().get())?;
+    let (mut s, from) = crate::data_parallel::DataParallel::new(cfg, dp, tp, global_rank, &data, resume, opts)?;
+    drive(&data, heap, &mut s, from)
 }
 
-/// Deterministic mode, one micro-step: `batch` cut into pieces of `chunk` examples, each
-/// piece's gradient (of its own mean loss) added to `exact`. Returns the mean of the pieces'
-/// losses. `at` = (rank, step) for the error.
-fn exact_pieces(
-    model: &dyn Model,
-    batch: &Batch,
-    view: &dyn kolo_tensor::ParamView,
-    chunk: usize,
-    grad: &mut [f32],
-    exact: &mut kolo_ddp::exact::ExactSum,
-    at: (usize, u64),
-) -> Result<f64, TrainError> {
-    let te = kolo_tensor::TensorError::from;
-    let pieces = batch.chunks(chunk).ok_or_else(|| {
-        TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len()))
-    })?;
-    let mut loss_sum = 0f64;
-    for piece in &pieces {
-        let loss = model.loss(piece, view)?;
-        loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-        let g = loss.backward().map_err(te)?;
-        model.params().grads_into(&g, grad)?;
-        exact.add(grad).map_err(|e| {
-            TrainError::Other(format!(
-                "rank {}, step {}: gradient element {} is {} (ddp.deterministic sums gradients below 2^24 in magnitude; the run has diverged)",
-                at.0, at.1, e.idx, e.value
-            ))
-        })?;
+/// `train.device`: `cuda` alone is one GPU per local rank (torchrun's LOCAL_RANK convention).
+fn select_device(cfg: &Config) -> Result<(), TrainError> {
+    if cfg.train.device == "cpu" {
+        return Ok(());
     }
-    Ok(loss_sum / pieces.len() as f64)
-}
-
-/// Deterministic mode, the exchange: every rank's exact sum added as integers (an `i64` sum
-/// all-reduce of two lanes per element, so any order gives the same bits), divided by the
-/// number of pieces in the global step, into `grad`. Clears `exact`. Returns the bytes sent
-/// and the time spent.
-fn exact_all_reduce(
-    comm: &dyn Communicator,
-    exact: &mut kolo_ddp::exact::ExactSum,
-    pieces: usize,
-    grad: &mut [f32],
-) -> Result<(usize, Duration), TrainError> {
-    let t = Instant::now();
-    let lanes = exact.lanes_mut();
-    comm.all_reduce(BufMut::from(&mut *lanes), ReduceOp::Sum)?;
-    let bytes = lanes.len() * 8;
-    exact.mean_into(pieces.max(1), grad);
-    exact.clear();
-    Ok((bytes, t.elapsed()))
-}
-
-/// Dynamic batch sizing: the global batches in order, and each rank's current share.
-struct DynamicBatch {
-    sampler: Sampler,
-    split: Vec<usize>,
-}
-
-impl DynamicBatch {
-    /// Rank `rank`'s slice of the next global batch: the ranks' shares in rank order.
-    fn next(&mut self, ds: &dyn Dataset, rank: usize) -> (Position, Batch) {
-        let idx = self.sampler.next_batch();
-        let from: usize = self.split[..rank].iter().sum();
-        (self.sampler.position(), ds.batch(&idx[from..from + self.split[rank]]))
-    }
+    let name = match cfg.train.device.as_str() {
+        "cuda" => format!("cuda:{}", std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(0)),
+        d => d.to_string(),
+    };
+    let dev = kolo_tensor::parse_device(&name).map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
+    kolo_tensor::set_device(dev);
+    Ok(())
 }

@@ -1,0 +1,565 @@
+//! The data-parallel strategy: every replica holds the model (or, under tensor parallelism, its
+//! group's split of it) and sees its own slice of the data; gradients are bucketed and
+//! all-reduced while backward runs (DDP), or reduce-scattered to shards (ZeRO-1/2/3). Also
+//! here, since they share the model, the buckets and the update: gradient accumulation, local
+//! SGD, deterministic (fixed-point) summation and f16 training with a dynamic loss scale.
+
+use crate::checkpointing::{load_checkpoint, loop_state_meta, save_checkpoint, PendingSave};
+use crate::config::Config;
+use crate::data::{CharVocab, Dataset};
+use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
+use crate::trainer::{evaluate, sample_text, spec_string, Data, Eval, RunOptions, StateBytes};
+use crate::TrainError;
+use kolo_base::Rng;
+use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_ddp::{Ddp, DdpConfig, ShardPlan, Sharding};
+use kolo_optim::{clip_factor, sum_of_squares, Buffer, LossScaler, Optimizer};
+use kolo_tensor::{build_model, Batch, HookedView, Model, ModelSpec, ParamView, PlainView};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// All-reduces of the vocabulary-parallel embedding, head and cross-entropy per micro-step.
+const VOCAB_PARALLEL_REDUCES: usize = 5;
+
+/// A tensor-parallel group as the model adapter sees it, counting its all-reduces.
+pub(crate) struct CommGroup {
+    comm: Arc<dyn Communicator>,
+    calls: AtomicU64,
+    bytes: AtomicU64,
+}
+
+impl CommGroup {
+    pub(crate) fn new(comm: Arc<dyn Communicator>) -> Arc<CommGroup> {
+        Arc::new(CommGroup { comm, calls: AtomicU64::new(0), bytes: AtomicU64::new(0) })
+    }
+}
+
+impl kolo_base::GroupSum for CommGroup {
+    fn rank(&self) -> usize {
+        self.comm.rank().get()
+    }
+    fn size(&self) -> usize {
+        self.comm.world_size().get()
+    }
+    fn sum(&self, buf: &mut [f32]) -> Result<(), String> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(buf.len() as u64 * 4, Ordering::Relaxed);
+        self.comm.all_reduce(BufMut::from(buf), ReduceOp::Sum).map_err(|e| e.to_string())
+    }
+}
+
+pub struct DataParallel<'a> {
+    cfg: &'a Config,
+    /// The data-parallel group.
+    comm: Arc<dyn Communicator>,
+    global_rank: usize,
+    quiet: bool,
+    model: Box<dyn Model>,
+    spec: ModelSpec,
+    ddp: Ddp,
+    zero: Option<ShardPlan>,
+    zero3: bool,
+    opt: Optimizer,
+    /// ZeRO-1/2: this rank's master copy of its shard (under ZeRO-3 the DDP engine holds it).
+    master: Buffer,
+    /// Local gradients of no-sync micro-steps, only when there are any.
+    micro: Vec<f32>,
+    /// Deterministic mode: the exact (fixed-point) sum of this rank's pieces' gradients.
+    exact: Option<kolo_ddp::exact::ExactSum>,
+    /// f16: the dynamic loss scale.
+    scaler: Option<LossScaler>,
+    eval_view: Box<dyn ParamView>,
+    hooked: HookedView,
+    /// Tensor parallelism: the group (counting its all-reduces), its communicator, and which
+    /// parameters are split over it.
+    tp: Option<(Arc<CommGroup>, Arc<dyn Communicator>)>,
+    tp_split: Option<Vec<bool>>,
+    meta: BTreeMap<String, String>,
+    numel: usize,
+    inject_inf_at: Option<u64>,
+}
+
+impl<'a> DataParallel<'a> {
+    /// Builds the model (split over `tp` when given), the DDP engine over the data-parallel
+    /// group `comm` and the optimizer; broadcasts rank 0's parameters, or loads `resume`.
+    pub fn new(
+        cfg: &'a Config,
+        comm: Arc<dyn Communicator>,
+        tp: Option<Arc<dyn Communicator>>,
+        global_rank: usize,
+        data: &Data,
+        resume: Option<&Path>,
+        opts: &RunOptions,
+    ) -> Result<(DataParallel<'a>, Start), TrainError> {
+        let tc = &cfg.train;
+        let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
+        comm.set_timeout(timeout);
+        let world = comm.world_size().get();
+        let tp = tp.map(|c| (CommGroup::new(c.clone()), c));
+        let spec = cfg.model_spec(data.vocab_size);
+        let mut model = match (&tp, &spec) {
+            (Some((g, _)), ModelSpec::Gpt(gc)) => {
+                Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(gc.clone(), &mut Rng::new(tc.seed), g.clone())?) as Box<dyn Model>
+            }
+            _ => build_model(&spec, tc.seed)?,
+        };
+        model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
+        let tp_split = model.tensor_parallel_split();
+        let sharding = cfg.sharding().map_err(TrainError::Config)?;
+        let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
+        let (compression, compression_warmup) = cfg.compression().map_err(TrainError::Config)?;
+        let ddp_cfg = DdpConfig {
+            bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?,
+            first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?,
+            timeout,
+            sharding,
+            groups,
+            compression,
+            compression_warmup,
+        };
+        let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
+        // `flat` is needed only until the model holds its starting values (broadcast, resume).
+        let mut flat = model.params().to_flat()?;
+        ddp.broadcast_params(&mut flat)?;
+        // Under ZeRO the optimizer (and its state) covers this rank's shard only.
+        let zero: Option<ShardPlan> = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
+        let place = cfg.placement();
+        let offload_err = |e: std::io::Error| {
+            TrainError::Config(format!("optim.offload_dir {:?}: {e}", cfg.optim.offload_dir.as_deref().unwrap_or_default()))
+        };
+        let mut opt =
+            Optimizer::with_placement(cfg.optimizer(), zero.as_ref().map_or(flat.len(), |z| z.len), &place).map_err(offload_err)?;
+        let meta = checkpoint_meta(cfg, &spec, world, sharding.stage());
+        // Resume: every rank reads the same file, so every rank continues identically.
+        let start = match resume {
+            Some(path) => {
+                let r = load_checkpoint(path, model.params(), &mut flat, &mut opt, zero.as_ref(), ddp.ranges(), &meta)?;
+                Some((path.to_path_buf(), r))
+            }
+            None => None,
+        };
+        model.params().load(&flat)?;
+        let zero3 = sharding == Sharding::Parameters;
+        let mut master =
+            Buffer::zeros(if zero3 { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master").map_err(offload_err)?;
+        if let Some(z) = &zero {
+            if zero3 {
+                let mut m = vec![0f32; z.len];
+                z.gather(ddp.ranges(), &flat, &mut m);
+                ddp.set_master(m);
+                model.shard_groups(ddp.gatherer())?;
+            } else {
+                z.gather(ddp.ranges(), &flat, master.as_mut_slice());
+                master.release_all();
+            }
+        }
+        let numel = flat.len();
+        drop(flat);
+        let keeps_micro = tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic;
+        let dtype = cfg.compute_dtype();
+        let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
+        if let (Some(s), Some(state)) = (scaler.as_mut(), start.as_ref().and_then(|s| s.1.loss_scale)) {
+            s.restore(state);
+        }
+        let eval_view: Box<dyn ParamView> =
+            if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
+        if global_rank == 0 && !opts.quiet {
+            kolo_base::eline!(
+                "kolo train: {} params, {} on {world} rank(s), global batch {} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
+                model.params().numel(),
+                spec_string(&spec),
+                cfg.data.batch_size * world * tc.grad_accum as usize,
+                cfg.data.batch_size,
+                tc.grad_accum,
+                ddp.plan().len(),
+                match &zero {
+                    Some(z) => format!(", ZeRO-{} (optimizer state for {} of {numel} values on this rank)", sharding.stage(), z.len),
+                    None => String::new(),
+                },
+                data.train.describe(),
+                kolo_base::simd::capability().name(),
+                kolo_tensor::compute_threads()
+            );
+        }
+        let hooked = HookedView { sink: ddp.sink(), dtype };
+        let s = DataParallel {
+            cfg,
+            comm,
+            global_rank,
+            quiet: opts.quiet,
+            model,
+            spec,
+            zero,
+            zero3,
+            opt,
+            master,
+            micro: if keeps_micro { vec![0f32; numel] } else { Vec::new() },
+            exact: cfg.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(numel)),
+            scaler,
+            eval_view,
+            hooked,
+            tp,
+            tp_split,
+            meta,
+            numel,
+            inject_inf_at: opts.inject_inf_at,
+            ddp,
+        };
+        Ok((s, start))
+    }
+
+    /// ZeRO-3: completes the gathers a forward pass leaves in flight (the last block prefetches
+    /// itself for a backward), so that the driver's own collectives find the communicator idle.
+    fn settle(&self) -> Result<(), TrainError> {
+        if self.zero3 {
+            self.ddp.drop_prefetched()?;
+        }
+        Ok(())
+    }
+
+    /// Forward and backward of the step's micro-batches; only the last one communicates
+    /// (through the hooked view, bucket by bucket as backward produces gradients). Returns the
+    /// mean loss.
+    fn forward_backward(&mut self, step: u64, data: &mut Batches) -> Result<f64, TrainError> {
+        let (cfg, tc) = (self.cfg, &self.cfg.train);
+        let local_step = crate::local_sgd::is_local(cfg.ddp.local_sgd.as_ref(), step);
+        let te = kolo_tensor::TensorError::from;
+        let rank = self.comm.rank().get();
+        let mut loss_sum = 0f64;
+        for m in 0..tc.grad_accum {
+            let batch = data.next_batch()?;
+            // Under dynamic batch sizing a rank's mean loss weighs by its share of the batch.
+            let scale = data.share() / tc.grad_accum as f64;
+            // f16: backward runs on the loss times the loss scale; the step divides it out.
+            let loss_scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+            if let Some(exact) = self.exact.as_mut() {
+                loss_sum += exact_pieces(
+                    &*self.model,
+                    &batch,
+                    &*self.eval_view,
+                    cfg.ddp.deterministic_chunk,
+                    &mut self.micro,
+                    exact,
+                    (rank, step),
+                )? / tc.grad_accum as f64;
+            } else if m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step {
+                // No-sync micro-step: gradients stay local.
+                let loss = (self.model.loss(&batch, &*self.eval_view)? * scale).map_err(te)?;
+                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+                let g = (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
+                self.model.params().grads_into(&g, &mut self.micro)?;
+                self.ddp.accumulate(&self.micro);
+            } else {
+                self.ddp.begin_backward();
+                let loss = (self.model.loss(&batch, &self.hooked)? * scale).map_err(te)?;
+                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+                (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
+            }
+        }
+        Ok(loss_sum)
+    }
+
+    /// Deterministic mode's exchange and update: the exact sum over every rank, then the whole
+    /// gradient (DDP) or this rank's shard of it (ZeRO-1/2) is applied.
+    fn exact_update(&mut self, lr: f32, data: &Batches, out: &mut StepOut) -> Result<(), TrainError> {
+        let Some(exact) = self.exact.as_mut() else { return Ok(()) };
+        // Pieces in the whole step: micro-steps x the global batch / piece size.
+        let global: usize = data.split().map_or(0, |s| s.iter().sum());
+        let pieces = self.cfg.train.grad_accum as usize * global / self.cfg.ddp.deterministic_chunk;
+        let (bytes, wait) = exact_all_reduce(&*self.comm, exact, pieces, &mut self.micro)?;
+        if let Some(max) = self.cfg.optim.clip_grad_norm {
+            // The same gradient on every rank, summed in a fixed order: the same factor.
+            let f = clip_factor(sum_of_squares(&self.micro).sqrt(), max);
+            self.micro.iter_mut().for_each(|g| *g *= f);
+        }
+        let (params, ranges, opt, micro) = (self.model.params(), self.ddp.ranges(), &mut self.opt, &self.micro);
+        opt.begin_step();
+        match &self.zero {
+            None => {
+                for (i, r) in ranges.iter().enumerate() {
+                    params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
+                }
+            }
+            Some(plan) => {
+                // ZeRO-1/2: every rank has the whole reduced gradient; it updates its shard.
+                for seg in &plan.segments {
+                    let at = seg.shard_offset..seg.shard_offset + seg.within.len();
+                    let g = &micro[ranges[seg.param].clone()][seg.within.clone()];
+                    opt.update(at.start, &mut self.master.as_mut_slice()[at.clone()], g, lr);
+                    self.master.release(at);
+                }
+                self.ddp
+                    .all_gather_params(self.master.as_slice(), |i: usize, v: &[f32]| params.load_one(i, v).map_err(TrainError::from))?;
+                self.master.release_all();
+            }
+        }
+        out.rec.wait_ms = Some(wait.as_secs_f64() * 1e3);
+        out.rec.hidden = Some(0.0);
+        out.rec.comm_bytes = Some(bytes);
+        Ok(())
+    }
+
+    /// Local SGD (or the no-sync benchmark mode): the local gradients are applied as they are;
+    /// local SGD averages the models every so many steps.
+    fn local_update(&mut self, step: u64, lr: f32, local_step: bool, out: &mut StepOut) -> Result<(), TrainError> {
+        let cfg = self.cfg;
+        self.ddp.take_accumulated(&mut self.micro);
+        if let Some(max) = cfg.optim.clip_grad_norm {
+            let f = clip_factor(sum_of_squares(&self.micro).sqrt(), max);
+            self.micro.iter_mut().for_each(|g| *g *= f);
+        }
+        let (params, opt, micro) = (self.model.params(), &mut self.opt, &self.micro);
+        opt.begin_step();
+        for (i, r) in self.ddp.ranges().iter().enumerate() {
+            params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
+        }
+        if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
+            out.rec.comm_bytes = Some(crate::local_sgd::after_update(l, step, params, &*self.comm)?);
+        }
+        Ok(())
+    }
+
+    /// The overlapped exchange's end and the update: waits for the last buckets, checks (f16:
+    /// every rank agrees whether any gradient overflowed; such a step is skipped), unscales and
+    /// clips the gradients, and steps the optimizer on the model or this rank's shard.
+    fn bucket_update(&mut self, step: u64, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
+        let cfg = self.cfg;
+        let inject = self.inject_inf_at == Some(step) && self.comm.rank().get() == 0;
+        let (comm, tp, tp_split, scaler) = (&self.comm, &self.tp, &self.tp_split, &mut self.scaler);
+        let clip = |norm: f64| cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(norm, max));
+        // `sharded`: each rank has a piece, so the norm is a sum over ranks.
+        let mut prepare = |g: &mut kolo_ddp::BucketGrads<'_>, sharded: bool| -> Result<bool, TrainError> {
+            if inject {
+                g.scale(f32::INFINITY); // test hook: an overflow on one rank
+            }
+            let inv = scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale());
+            if cfg.optim.clip_grad_norm.is_none() && scaler.is_none() {
+                return Ok(true);
+            }
+            let mut sq = [match (tp_split, tp) {
+                // Tensor parallelism: split parameters summed over the group, replicated ones
+                // counted once (member 0).
+                (Some(split), Some((tg, _))) if cfg.optim.clip_grad_norm.is_some() => {
+                    let mut v = [(0..split.len())
+                        .filter(|&i| split[i] || kolo_base::GroupSum::rank(&**tg) == 0)
+                        .map(|i| kolo_base::sum_of_squares(g.param(i)))
+                        .sum::<f64>() as f32];
+                    kolo_base::GroupSum::sum(&**tg, &mut v).map_err(TrainError::Other)?;
+                    f64::from(v[0])
+                }
+                _ => g.sum_of_squares(),
+            }];
+            if sharded && cfg.optim.clip_grad_norm.is_some() {
+                comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
+            }
+            if let Some(s) = scaler.as_mut() {
+                let mut bad = [u8::from(!sq[0].is_finite())];
+                comm.all_reduce(BufMut::from(&mut bad[..]), ReduceOp::Max)?;
+                if !s.update(bad[0] == 1) {
+                    return Ok(false);
+                }
+            }
+            let f = f64::from(clip(sq[0].sqrt() * inv)) * inv;
+            if f != 1.0 {
+                g.scale(f as f32);
+            }
+            Ok(true)
+        };
+        let params = self.model.params();
+        let (stats, _) =
+            crate::update::apply_update(&self.ddp, params, &mut self.opt, self.zero.as_ref(), &mut self.master, lr, &mut prepare)?;
+        out.comm_spans = stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
+        out.rec.wait_ms = Some(stats.wait.as_secs_f64() * 1e3);
+        out.rec.hidden = Some(stats.hidden_fraction());
+        out.rec.comm_bytes = Some(stats.bytes);
+        Ok(())
+    }
+
+    /// The whole model's parameters on every rank.
+    fn whole_params(&self) -> Result<Vec<f32>, TrainError> {
+        if self.zero3 {
+            let mut flat = vec![0f32; self.numel];
+            let ranges = self.ddp.ranges();
+            self.ddp.with_master(|m| {
+                self.ddp.all_gather_everything(m, |i, v| {
+                    flat[ranges[i].clone()].copy_from_slice(v);
+                    Ok::<(), TrainError>(())
+                })
+            })?;
+            return Ok(flat);
+        }
+        let local = self.model.params().to_flat()?;
+        match (self.model.tensor_parallel_pieces(&local), &self.tp) {
+            (Some(pieces), Some((_, tp))) => {
+                // The whole model on every rank: the group's pieces summed.
+                let mut full = pieces?;
+                tp.all_reduce(BufMut::from(&mut full[..]), ReduceOp::Sum)?;
+                Ok(full)
+            }
+            _ => Ok(local),
+        }
+    }
+
+    /// Model states this rank held between steps: the parameters live in the model only
+    /// (updated in place), the gradients in the DDP buckets (plain DDP, ZeRO-1) or this rank's
+    /// shard of them (ZeRO-2/3), the optimizer state for the whole model or this rank's shard.
+    fn states(&self) -> StateBytes {
+        let bytes = |n: usize| n as u64 * 4;
+        let params = self.model.params();
+        let resident: usize = (0..params.len()).filter(|&i| params.is_resident(i)).map(|i| params.get(i).range.len()).sum();
+        let grads = if matches!(self.ddp.sharding(), Sharding::Gradients | Sharding::Parameters) {
+            self.ddp.grad_len()
+        } else {
+            self.ddp.plan().iter().map(|b| b.numel).sum()
+        };
+        StateBytes {
+            params: bytes(resident),
+            grads: bytes(grads + self.micro.len()),
+            optimizer: bytes(
+                self.opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + self.master.len() + self.ddp.with_master(|m| m.len()),
+            ),
+            offloaded: self.opt.is_offloaded() || self.master.is_offloaded(),
+        }
+    }
+
+    /// The tensor-parallel group's traffic per micro-step, on the lead rank.
+    fn report_tensor_parallel(&self, steps_run: u64) {
+        let (Some((g, _)), ModelSpec::Gpt(gc)) = (&self.tp, &self.spec) else { return };
+        if self.global_rank != 0 || self.quiet {
+            return;
+        }
+        let steps = steps_run.max(1) * self.cfg.train.grad_accum;
+        let calls = g.calls.load(Ordering::Relaxed) as f64 / steps as f64;
+        let mb = g.bytes.load(Ordering::Relaxed) as f64 / steps as f64 / 1e6;
+        // Outside the blocks: the vocabulary-parallel embedding (1, forward), head (1, backward)
+        // and cross-entropy (3: maxima, sums of exponentials, target logits).
+        kolo_base::eline!(
+            "tensor parallel: {calls:.1} all-reduces ({mb:.2} MB) per micro-step over {} ranks: {:.1} per block for {} blocks (Megatron: 2 in forward + 2 in backward) + {VOCAB_PARALLEL_REDUCES} for the vocabulary-parallel embedding, head and cross-entropy",
+            kolo_base::GroupSum::size(&**g),
+            (calls - VOCAB_PARALLEL_REDUCES as f64) / gc.n_layer as f64,
+            gc.n_layer,
+        );
+    }
+}
+
+impl Strategy for DataParallel<'_> {
+    fn comm(&self) -> &dyn Communicator {
+        &*self.comm
+    }
+
+    fn replica(&self) -> (usize, usize) {
+        (self.comm.rank().get(), self.comm.world_size().get())
+    }
+
+    fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
+        let loss = self.forward_backward(ctx.step, data)?;
+        let mut out = StepOut { loss, backward_end: Some(Instant::now()), ..Default::default() };
+        let local_step = crate::local_sgd::is_local(self.cfg.ddp.local_sgd.as_ref(), ctx.step);
+        if self.exact.is_some() {
+            self.exact_update(ctx.lr, data, &mut out)?;
+        } else if self.cfg.ddp.skip_sync || local_step {
+            self.local_update(ctx.step, ctx.lr, local_step, &mut out)?;
+        } else {
+            self.bucket_update(ctx.step, ctx.lr, &mut out)?;
+        }
+        out.rec.skipped_steps = self.scaler.as_ref().map_or(0, LossScaler::skipped);
+        Ok(out)
+    }
+
+    fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
+        let settle = || self.settle();
+        evaluate(&*self.model, &*self.eval_view, ds, &*self.comm, self.cfg.data.batch_size, max_batches, self.zero3, &settle).map(Some)
+    }
+
+    fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
+        // Under ZeRO-3 every rank samples (the same text: same seed), since each forward
+        // gathers the blocks collectively.
+        let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
+        if self.comm.rank().get() != 0 && !self.zero3 {
+            return Ok(None);
+        }
+        let tc = &self.cfg.train;
+        let settle = || self.settle();
+        sample_text(&*self.model, &*self.eval_view, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &settle).map(Some)
+    }
+
+    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        let mut meta = self.meta.clone();
+        meta.extend(at.meta);
+        meta.extend(loop_state_meta(self.scaler.as_ref(), None));
+        let (params, opt, zero, comm) = (self.model.params(), &self.opt, self.zero.as_ref(), &*self.comm);
+        let save =
+            |master: &[f32]| save_checkpoint(at.dir, at.step, params, master, opt, zero, comm, at.pos, &meta, at.background, at.crash);
+        if self.zero3 {
+            self.ddp.with_master(|m| save(m))
+        } else {
+            save(self.master.as_slice())
+        }
+    }
+
+    fn finish(&mut self, steps_run: u64) -> Result<Finish, TrainError> {
+        self.report_tensor_parallel(steps_run);
+        let moe = crate::expert_parallel::reduce_load(self.model.take_moe_load(), &*self.comm)?;
+        Ok(Finish {
+            params: self.whole_params()?,
+            states: self.states(),
+            skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped),
+            loss_scale: self.scaler.as_ref().map(LossScaler::scale),
+            moe,
+        })
+    }
+}
+
+/// Deterministic mode, one micro-step: `batch` cut into pieces of `chunk` examples, each
+/// piece's gradient (of its own mean loss) added to `exact`. Returns the mean of the pieces'
+/// losses. `at` = (rank, step) for the error.
+fn exact_pieces(
+    model: &dyn Model,
+    batch: &Batch,
+    view: &dyn ParamView,
+    chunk: usize,
+    grad: &mut [f32],
+    exact: &mut kolo_ddp::exact::ExactSum,
+    at: (usize, u64),
+) -> Result<f64, TrainError> {
+    let te = kolo_tensor::TensorError::from;
+    let pieces = batch.chunks(chunk).ok_or_else(|| {
+        TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len()))
+    })?;
+    let mut loss_sum = 0f64;
+    for piece in &pieces {
+        let loss = model.loss(piece, view)?;
+        loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+        let g = loss.backward().map_err(te)?;
+        model.params().grads_into(&g, grad)?;
+        exact.add(grad).map_err(|e| {
+            TrainError::Other(format!(
+                "rank {}, step {}: gradient element {} is {} (ddp.deterministic sums gradients below 2^24 in magnitude; the run has diverged)",
+                at.0, at.1, e.idx, e.value
+            ))
+        })?;
+    }
+    Ok(loss_sum / pieces.len() as f64)
+}
+
+/// Deterministic mode, the exchange: every rank's exact sum added as integers (an `i64` sum
+/// all-reduce of two lanes per element, so any order gives the same bits), divided by the
+/// number of pieces in the global step, into `grad`. Clears `exact`. Returns the bytes sent
+/// and the time spent.
+fn exact_all_reduce(
+    comm: &dyn Communicator,
+    exact: &mut kolo_ddp::exact::ExactSum,
+    pieces: usize,
+    grad: &mut [f32],
+) -> Result<(usize, Duration), TrainError> {
+    let t = Instant::now();
+    let lanes = exact.lanes_mut();
+    comm.all_reduce(BufMut::from(&mut *lanes), ReduceOp::Sum)?;
+    let bytes = lanes.len() * 8;
+    exact.mean_into(pieces.max(1), grad);
+    exact.clear();
+    Ok((bytes, t.elapsed()))
+}

@@ -1,0 +1,436 @@
+//! The training driver (issue #16): one loop owns what every strategy shares (the batches and
+//! the sampler position, the learning-rate schedule and its batch scaling, the test hooks, the
+//! reports, metrics, TensorBoard and JSON logs, the timeline, evaluation, checkpoints and their
+//! background writes, the final sample and the summary). A [`Strategy`] does only what differs:
+//! one optimizer step's forward, backward, communication and update; evaluation and sampling
+//! with its model pieces; writing its state into a checkpoint; handing back the whole model.
+//!
+//! A strategy is built (its groups, model pieces and optimizer, and the resumed state when there
+//! is a checkpoint to continue from) by its own constructor; [`drive`] then runs it to the end.
+//! The strategies on the driver: `data_parallel` (DDP, ZeRO-1/2/3, tensor parallelism, local
+//! SGD, deterministic and f16 training), `sequence_parallel` and `expert_parallel`. Pipelines,
+//! ByteScheduler-ordered DDP and parameter-server workers still run loops of their own.
+
+use crate::checkpointing::{PendingSave, Resumed};
+use crate::config::{Config, DataKind};
+use crate::data::{CharVocab, Dataset};
+use crate::report::{Reporter, StepRecord};
+use crate::sampler::{Position, Sampler, SamplerConfig};
+use crate::trainer::{peak_rss, Data, Eval, HeapReport, RunOptions, StateBytes, Summary};
+use crate::TrainError;
+use kolo_comm::{BufMut, Communicator};
+use kolo_optim::{lr_at, scaled_lr};
+use kolo_tensor::Batch;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What a strategy is told for one optimizer step.
+pub struct StepCtx {
+    /// The step (0-based, counted from the start of the run, not of this process).
+    pub step: u64,
+    /// Its learning rate (schedule, warm-up and batch scaling applied).
+    pub lr: f32,
+}
+
+/// What one optimizer step measured.
+#[derive(Default)]
+pub struct StepOut {
+    /// This rank's loss for the step (the mean over its micro-batches), before the driver
+    /// averages it over [`Strategy::comm`].
+    pub loss: f64,
+    /// Waiting, bytes and hidden fraction of the exchange, steps skipped so far; the driver
+    /// fills in the step's time.
+    pub rec: StepRecord,
+    /// When forward and backward ended (the rest of the step waited and updated).
+    pub backward_end: Option<Instant>,
+    /// Collectives to draw on the timeline's communication thread: name, start, end.
+    pub comm_spans: Vec<(String, Instant, Instant)>,
+}
+
+/// What a strategy hands back at the end of a run.
+pub struct Finish {
+    /// The whole model's parameters (flat), the same on every rank.
+    pub params: Vec<f32>,
+    /// Model states this rank held between steps.
+    pub states: StateBytes,
+    /// f16: steps skipped for overflow, and the final loss scale.
+    pub skipped_steps: u64,
+    pub loss_scale: Option<f64>,
+    /// Mixture of experts: tokens routed per expert, summed over every rank.
+    pub moe: Option<kolo_tensor::models::MoeLoad>,
+}
+
+/// A checkpoint to write.
+pub struct SaveAt<'a> {
+    pub dir: &'a Path,
+    /// Steps done.
+    pub step: u64,
+    /// The sampler's position after the last batch of that step.
+    pub pos: Position,
+    /// The driver's own state (the dynamic batch split); the strategy adds its own.
+    pub meta: BTreeMap<String, String>,
+    /// Write on a background thread while training goes on.
+    pub background: bool,
+    /// Test hook: abort after this rank's shard is written, before the commit.
+    pub crash: bool,
+}
+
+/// One way of training a model on many ranks. Every method is called on every rank at the
+/// same points of the run, so each may use collectives.
+pub trait Strategy {
+    /// The ranks over which the step's loss, evaluation sums and the straggler are taken (the
+    /// data-parallel group, or every rank when each rank sees its own slice of the data).
+    fn comm(&self) -> &dyn Communicator;
+    /// This rank's data-parallel replica and the number of replicas: how the data is split.
+    fn replica(&self) -> (usize, usize);
+    /// One optimizer step: forward and backward over the micro-batches it takes from `data`,
+    /// the exchange and the update.
+    fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError>;
+    /// Loss (and accuracy) over at most `max_batches` batches of `ds` (0: all of it); `None`
+    /// on ranks that do not hold the result.
+    fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError>;
+    /// Text generated from the model (the config's length and temperature), where this rank
+    /// produces it.
+    fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError>;
+    /// Writes the strategy's state: parameters, optimizer and its own loop state.
+    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError>;
+    /// The end of the run, after `steps_run` steps in this process.
+    fn finish(&mut self, steps_run: u64) -> Result<Finish, TrainError>;
+}
+
+/// The checkpoint metadata every strategy writes and checks on load: a checkpoint continues
+/// under any strategy whose model, optimizer and data split agree (`replicas`: the sampler's
+/// world, whose change rescales the data position).
+pub fn checkpoint_meta(cfg: &Config, spec: &kolo_tensor::ModelSpec, replicas: usize, zero_stage: u8) -> BTreeMap<String, String> {
+    [
+        ("kolo.model", crate::trainer::spec_string(spec)),
+        ("kolo.optimizer", format!("{:?}", cfg.optimizer())),
+        ("kolo.world_size", replicas.to_string()),
+        ("kolo.batch_size", cfg.data.batch_size.to_string()),
+        ("kolo.seed", cfg.train.seed.to_string()),
+        ("kolo.zero_stage", zero_stage.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// The training batches of one replica: prefetched on a background thread, or (dynamic batch
+/// sizing, deterministic mode) this rank's slice of each global batch.
+pub struct Batches {
+    train: Arc<dyn Dataset>,
+    source: Source,
+    pos: Position,
+    rank: usize,
+    /// Test hook: milliseconds of sleep per example handed out (a slower device).
+    slow_ms_per_example: Option<f64>,
+}
+
+enum Source {
+    Prefetched(Receiver<(Position, Batch)>),
+    Dynamic { sampler: Sampler, split: Vec<usize> },
+}
+
+impl Batches {
+    /// Batches of replica `rank` of `replicas` from position `pos`. `split`: the per-rank
+    /// shares a resumed run was written with (dynamic batch sizing).
+    fn new(
+        cfg: &Config,
+        train: Arc<dyn Dataset>,
+        (rank, replicas): (usize, usize),
+        pos: Position,
+        split: Option<Vec<usize>>,
+    ) -> Result<Batches, TrainError> {
+        // Synthetic data is already per rank (seeded by rank): it is not sharded again.
+        let (world, r) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (replicas, rank) };
+        let scfg = SamplerConfig {
+            len: train.len(),
+            world,
+            rank: r,
+            batch: cfg.data.batch_size,
+            seed: cfg.train.seed,
+            shuffle: cfg.data.shuffle,
+            drop_last: cfg.data.drop_last,
+        };
+        // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
+        // the shares change during the run, so nothing is prefetched. Deterministic mode takes
+        // the same contiguous slices (equal shares, never re-split): a piece of the global batch
+        // then holds the same examples at every world size.
+        let source = if cfg.ddp.dynamic_batch_every > 0 || cfg.ddp.deterministic {
+            let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * replicas, ..scfg };
+            // A resumed run continues with the split it was written with (at the same world
+            // size and global batch; otherwise from equal shares).
+            let split = match split {
+                Some(s)
+                    if s.len() == replicas
+                        && s.iter().sum::<usize>() == cfg.data.batch_size * replicas
+                        && cfg.ddp.dynamic_batch_every > 0 =>
+                {
+                    s
+                }
+                _ => vec![cfg.data.batch_size; replicas],
+            };
+            Source::Dynamic { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split }
+        } else {
+            let sampler = Sampler::new(scfg, pos).map_err(TrainError::Data)?;
+            Source::Prefetched(prefetch(train.clone(), sampler, cfg.data.prefetch))
+        };
+        Ok(Batches { train, source, pos, rank, slow_ms_per_example: None })
+    }
+
+    /// This rank's next batch.
+    pub fn next_batch(&mut self) -> Result<Batch, TrainError> {
+        let (pos, batch) = match &mut self.source {
+            Source::Prefetched(rx) => rx.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?,
+            Source::Dynamic { sampler, split } => {
+                let idx = sampler.next_batch();
+                let from: usize = split[..self.rank].iter().sum();
+                (sampler.position(), self.train.batch(&idx[from..from + split[self.rank]]))
+            }
+        };
+        self.pos = pos;
+        if let Some(ms) = self.slow_ms_per_example {
+            std::thread::sleep(Duration::from_secs_f64(ms * batch.len() as f64 / 1e3));
+        }
+        Ok(batch)
+    }
+
+    /// This rank's share of the global batch relative to an equal share (its examples times
+    /// the replicas over the global batch): its mean loss weighs by it. 1 unless the shares are
+    /// uneven.
+    pub fn share(&self) -> f64 {
+        self.split().map_or(1.0, |s| s[self.rank] as f64 * s.len() as f64 / s.iter().sum::<usize>() as f64)
+    }
+
+    /// The per-replica shares of each global batch, when every rank slices global batches.
+    pub fn split(&self) -> Option<&[usize]> {
+        match &self.source {
+            Source::Dynamic { split, .. } => Some(split),
+            Source::Prefetched(_) => None,
+        }
+    }
+
+    /// The sampler position after the last batch handed out.
+    pub fn position(&self) -> Position {
+        self.pos
+    }
+
+    /// Dynamic batch sizing at the end of a window: every rank's time per example over it, and
+    /// the new split from them (on every rank of `comm`).
+    fn resplit(&mut self, window: usize, report: &Reporter, comm: &dyn Communicator, done: u64) -> Result<(), TrainError> {
+        let Source::Dynamic { split, .. } = &mut self.source else { return Ok(()) };
+        let own = &report.compute_ms[report.compute_ms.len().saturating_sub(window)..];
+        let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64 / split[self.rank].max(1) as f64];
+        let mut all = vec![0f64; split.len()];
+        comm.all_gather(kolo_comm::BufRef::from(&mine[..]), BufMut::from(&mut all))?;
+        let next = crate::sampler::plan_split(split.iter().sum(), &all, 1);
+        if next != *split {
+            report.log(&format!(
+                "step {done}: dynamic batch: per-rank batches {split:?} -> {next:?} (ms per example {:?})",
+                all.iter().map(|t| (t * 1000.0).round() / 1000.0).collect::<Vec<_>>()
+            ));
+            *split = next;
+        }
+        Ok(())
+    }
+}
+
+/// Prepares batches on a background thread, each with the sampler position after it.
+pub(crate) fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receiver<(Position, Batch)> {
+    let (tx, rx) = sync_channel(depth.max(1));
+    std::thread::Builder::new()
+        .name("kolo-prefetch".into())
+        .spawn(move || loop {
+            let idx = sampler.next_batch();
+            let b = ds.batch(&idx);
+            if tx.send((sampler.position(), b)).is_err() {
+                return;
+            }
+        })
+        .expect("spawning the prefetch thread");
+    rx
+}
+
+/// Where a run starts: the resumed checkpoint (its path and state) or step 0.
+pub type Start = Option<(PathBuf, Resumed)>;
+
+/// Runs `s` from `start` to the end of the run (or `opts.stop_after`). `job`: every rank of
+/// the run (the timeline's files are merged over it); `heap_before`: live heap bytes after the
+/// data was loaded, before the model existed.
+pub fn drive(
+    cfg: &Config,
+    opts: &RunOptions,
+    job: &dyn Communicator,
+    data: &Data,
+    heap_before: Option<usize>,
+    s: &mut dyn Strategy,
+    start: Start,
+) -> Result<Summary, TrainError> {
+    let tc = &cfg.train;
+    let global_rank = job.rank().get();
+    let replica = s.replica();
+    let global_batch = cfg.data.batch_size * replica.1 * tc.grad_accum as usize;
+    let base_lr = cfg.optim.reference_batch.map_or(cfg.optim.lr, |r| scaled_lr(cfg.optim.lr, global_batch, r));
+    let (first, pos, split) = match start {
+        Some((path, r)) => {
+            if global_rank == 0 && !opts.quiet {
+                kolo_base::eline!("resumed from {} at step {}", path.display(), r.step);
+            }
+            (r.step, r.pos, r.batch_split)
+        }
+        None => (0, Position::default(), None),
+    };
+    let mut batches = Batches::new(cfg, data.train.clone(), replica, pos, split)?;
+    batches.slow_ms_per_example = opts.slow_per_example.filter(|s| s.0 == global_rank).map(|s| s.1);
+    let mut report = Reporter::new(cfg, global_rank, opts.quiet, global_batch, first)?;
+    let mut timeline = tc.timeline_dir.as_ref().map(|_| crate::timeline::Timeline::new(global_rank));
+    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
+    let (mut saving, mut checkpoint): (Option<PendingSave>, Option<PathBuf>) = (None, None);
+    kolo_base::alloc::reset_peak();
+    let mut heap_after = None;
+    for step in first..end {
+        let t0 = Instant::now();
+        test_hooks(opts, global_rank, step);
+        let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
+        let out = s.step(&StepCtx { step, lr }, &mut batches)?;
+        if let Some(tl) = timeline.as_mut() {
+            record_spans(tl, step, t0, &out);
+        }
+        heap_after = kolo_base::alloc::stats();
+        report.record(step, StepRecord { step_ms: t0.elapsed().as_secs_f64() * 1e3, ..out.rec });
+        let done = step + 1;
+        if cfg.ddp.dynamic_batch_every > 0 && done.is_multiple_of(cfg.ddp.dynamic_batch_every) {
+            batches.resplit(cfg.ddp.dynamic_batch_every as usize, &report, s.comm(), done)?;
+        }
+        if report.is_log_step(done, end) {
+            report.window(s.comm(), done, out.loss, lr, batches.pos.epoch, "")?;
+        }
+        if tc.eval_every > 0 && done.is_multiple_of(tc.eval_every) && done != end {
+            if let Some(e) = s.evaluate(&*data.eval, tc.eval_batches)? {
+                report.eval(done, &e, false);
+            }
+        }
+        if let Some(dir) =
+            tc.checkpoint_dir.as_deref().filter(|_| (tc.checkpoint_every > 0 && done.is_multiple_of(tc.checkpoint_every)) || done == end)
+        {
+            if let Some(prev) = saving.take() {
+                checkpoint = Some(prev.wait()?);
+            }
+            let background = tc.checkpoint_background && opts.crash_during_save.is_none();
+            let split = batches.split().filter(|_| cfg.ddp.dynamic_batch_every > 0);
+            let meta = crate::checkpointing::loop_state_meta(None, split);
+            let crash = opts.crash_during_save == Some(done);
+            let p = s.save(SaveAt { dir: Path::new(dir), step: done, pos: batches.position(), meta, background, crash })?;
+            report.log(&format!(
+                "step {done}: checkpoint {}{}",
+                p.target.display(),
+                if background { " (writing in the background)" } else { "" }
+            ));
+            saving = Some(p);
+        }
+    }
+    if let Some(prev) = saving.take() {
+        let background = prev.thread.is_some();
+        checkpoint = Some(prev.wait()?);
+        if background {
+            // Every rank's writer has finished (and rank 0 committed) before anyone reports done.
+            s.comm().barrier()?;
+        }
+    }
+    if let (Some(tl), Some(d)) = (&timeline, &tc.timeline_dir) {
+        write_timeline(tl, Path::new(d), job, global_rank == 0 && !opts.quiet)?;
+    }
+    report.finish();
+    let (mut eval, mut sample) = (None, None);
+    if end == tc.steps {
+        // The final evaluation covers the whole test set for images (10k for MNIST); text
+        // validation sets have a window at every position, so `eval_batches` bounds them.
+        let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
+        eval = s.evaluate(&*data.eval, limit)?;
+        if let Some(e) = &eval {
+            report.eval(end, e, true);
+        }
+        if let Some(v) = data.vocab.as_ref().filter(|_| tc.sample_chars > 0) {
+            sample = s.sample(v)?;
+            if let Some(text) = sample.as_ref().filter(|_| global_rank == 0 && !opts.quiet) {
+                kolo_base::eline!("--- sample ({} chars, temperature {}) ---\n{text}\n---", tc.sample_chars, tc.sample_temperature);
+            }
+        }
+    }
+    let f = s.finish(end - first)?;
+    Ok(Summary {
+        steps_done: end,
+        last_loss: report.last_loss,
+        eval,
+        hidden_fraction: report.hidden_fraction(),
+        step_ms: std::mem::take(&mut report.step_ms),
+        comm_wait_ms: std::mem::take(&mut report.wait_ms),
+        comm_bytes: std::mem::take(&mut report.comm_bytes),
+        straggler: report.straggler,
+        params: f.params,
+        sample,
+        checkpoint,
+        states: f.states,
+        peak_rss: peak_rss(),
+        heap: HeapReport::between(heap_before, heap_after),
+        skipped_steps: f.skipped_steps,
+        loss_scale: f.loss_scale,
+        ps: None,
+        pipeline_bubble: None,
+        moe: f.moe,
+        batch_split: batches.split().map(<[usize]>::to_vec),
+    })
+}
+
+/// The test hooks at the start of a step: a straggler's sleep, a rank that dies.
+fn test_hooks(opts: &RunOptions, rank: usize, step: u64) {
+    if let Some((_, ms)) = opts.slow_rank.filter(|s| s.0 == rank) {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    if opts.die_at == Some((rank, step)) {
+        kolo_base::eline!("rank {rank}: killing itself (SIGKILL) at step {step} as asked (--kill-at)");
+        // SAFETY: kill(2) on this process.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+/// A step on the timeline: its collectives on the communication thread; forward and backward,
+/// then waiting and the update, on the compute thread (the whole step when the strategy does
+/// not tell when backward ended).
+fn record_spans(tl: &mut crate::timeline::Timeline, step: u64, t0: Instant, out: &StepOut) {
+    use crate::timeline::{COMM, COMPUTE};
+    let args = || serde_json::json!({ "step": step });
+    for (name, a, b) in &out.comm_spans {
+        tl.span(name, "comm", COMM, *a, *b, args());
+    }
+    let now = Instant::now();
+    match out.backward_end {
+        Some(be) => {
+            tl.span("forward + backward", "compute", COMPUTE, t0, be, args());
+            tl.span("wait + update", "compute", COMPUTE, be, now, args());
+        }
+        None => tl.span("step", "compute", COMPUTE, t0, now, args()),
+    }
+}
+
+/// Every rank writes its trace file into `dir`; rank 0 merges them into `trace.json`.
+fn write_timeline(tl: &crate::timeline::Timeline, dir: &Path, job: &dyn Communicator, say: bool) -> Result<(), TrainError> {
+    let (rank, world) = (job.rank().get(), job.world_size().get());
+    let io = |e: std::io::Error| TrainError::Other(format!("train.timeline_dir {}: {e}", dir.display()));
+    std::fs::create_dir_all(dir).map_err(io)?;
+    tl.write(&dir.join(format!("trace-rank{rank}.json"))).map_err(io)?;
+    job.barrier()?;
+    if rank == 0 {
+        let files: Vec<PathBuf> = (0..world).map(|r| dir.join(format!("trace-rank{r}.json"))).collect();
+        crate::timeline::merge(&files, &dir.join("trace.json")).map_err(io)?;
+        if say {
+            kolo_base::eline!("timeline: {} (open in https://ui.perfetto.dev)", dir.join("trace.json").display());
+        }
+    }
+    Ok(())
+}
