@@ -42,6 +42,15 @@ impl ErrorFeedback {
     pub fn residual(&self) -> &[f32] {
         &self.residual
     }
+
+    /// Replaces the residual (a resumed run); the length must be the current one.
+    pub fn set_residual(&mut self, r: &[f32]) -> Result<(), String> {
+        if r.len() != self.residual.len() {
+            return Err(format!("an error-feedback residual of {} values, this bucket has {}", r.len(), self.residual.len()));
+        }
+        self.residual.copy_from_slice(r);
+        Ok(())
+    }
 }
 
 /// Scaled sign compression (signSGD with magnitude): each value becomes ±scale with

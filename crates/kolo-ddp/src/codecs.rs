@@ -15,6 +15,52 @@ pub trait BucketCodec: Send {
     /// Replaces `buf` by (an approximation of) its average over the ranks of `c`; returns the
     /// bytes this rank handed to collectives.
     fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError>;
+
+    /// What this codec carries from one step to the next (error-feedback residuals,
+    /// warm-started factors, step counters, random state) as values for a checkpoint, so that a
+    /// resumed run continues as the uninterrupted one. Empty (the default) for a stateless
+    /// codec; a user codec with state implements both methods.
+    fn state(&self) -> Vec<f32> {
+        Vec::new()
+    }
+
+    /// Restores what [`BucketCodec::state`] returned on this rank at the same world size and
+    /// bucket plan; an error names what does not fit.
+    fn load_state(&mut self, state: &[f32]) -> Result<(), String> {
+        if state.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} values of state for a codec that keeps none", state.len()))
+        }
+    }
+}
+
+/// A counter as four exact 16-bit pieces (f32 holds integers up to 2^24 exactly).
+fn push_u64(out: &mut Vec<f32>, x: u64) {
+    out.extend((0..4).map(|i| ((x >> (16 * i)) & 0xFFFF) as f32));
+}
+
+/// The counter [`push_u64`] wrote at the front of `v`, and the rest.
+fn take_u64(v: &[f32]) -> Result<(u64, &[f32]), String> {
+    if v.len() < 4 || v[..4].iter().any(|x| !(0.0..65536.0).contains(x) || x.fract() != 0.0) {
+        return Err("a malformed counter in the codec state".into());
+    }
+    Ok(((0..4).map(|i| (v[i] as u64) << (16 * i)).sum(), &v[4..]))
+}
+
+/// State of a codec with a step counter and error feedback: the counter, then the residual.
+fn counter_and_residual(step: u64, ef: &ErrorFeedback) -> Vec<f32> {
+    let mut v = Vec::with_capacity(4 + ef.residual().len());
+    push_u64(&mut v, step);
+    v.extend_from_slice(ef.residual());
+    v
+}
+
+fn load_counter_and_residual(state: &[f32], step: &mut u64, ef: &mut ErrorFeedback) -> Result<(), String> {
+    let (s, rest) = take_u64(state)?;
+    ef.set_residual(rest)?;
+    *step = s;
+    Ok(())
 }
 
 /// A function making the codec of bucket `b` from its parameters' slots.
@@ -39,6 +85,12 @@ impl PartialEq for CodecFactory {
 impl BucketCodec for crate::powersgd::BucketState {
     fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {
         crate::powersgd::BucketState::all_reduce(self, c, buf)
+    }
+    fn state(&self) -> Vec<f32> {
+        crate::powersgd::BucketState::state(self)
+    }
+    fn load_state(&mut self, state: &[f32]) -> Result<(), String> {
+        crate::powersgd::BucketState::load_state(self, state)
     }
 }
 
@@ -107,15 +159,33 @@ impl BucketCodec for TopK {
             }
             return Ok(sent);
         }
-        let idx: Vec<i32> = s.indices.iter().map(|i| *i as i32).collect();
-        let k = idx.len();
+        let mut idx: Vec<i32> = s.indices.iter().map(|i| *i as i32).collect();
+        let mut values = s.values;
+        let mut k = idx.len();
+        let mut extra = 0;
+        if self.sampled {
+            // A sampled threshold selects a different count on each rank; the all-gather
+            // needs one length: pad to the largest with zeros (index 0 gains nothing).
+            let mut most = [k as i64];
+            c.all_reduce(BufMut::from(&mut most[..]), ReduceOp::Max)?;
+            k = most[0] as usize;
+            idx.resize(k, 0);
+            values.resize(k, 0.0);
+            extra = 8;
+        }
         let all_idx = gather_all(c, &idx)?;
-        let all_val = gather_all(c, &s.values)?;
+        let all_val = gather_all(c, &values)?;
         buf.iter_mut().for_each(|v| *v = 0.0);
         for (i, v) in all_idx.iter().zip(&all_val) {
             buf[*i as usize] += v / n as f32;
         }
-        Ok(k * 8)
+        Ok(k * 8 + extra)
+    }
+    fn state(&self) -> Vec<f32> {
+        counter_and_residual(self.step, &self.ef)
+    }
+    fn load_state(&mut self, state: &[f32]) -> Result<(), String> {
+        load_counter_and_residual(state, &mut self.step, &mut self.ef)
     }
 }
 
@@ -142,6 +212,12 @@ impl BucketCodec for RandK {
         idx.iter().zip(&vals).for_each(|(i, v)| buf[*i as usize] = *v);
         Ok(vals.len() * 4)
     }
+    fn state(&self) -> Vec<f32> {
+        counter_and_residual(self.step, &self.ef)
+    }
+    fn load_state(&mut self, state: &[f32]) -> Result<(), String> {
+        load_counter_and_residual(state, &mut self.step, &mut self.ef)
+    }
 }
 
 /// QSGD (unbiased, no error feedback): every rank sends one byte per value and its norm.
@@ -164,6 +240,20 @@ impl BucketCodec for Qsgd {
             buf.iter_mut().zip(&part).for_each(|(b, p)| *b += p / n as f32);
         }
         Ok(buf.len() + 4)
+    }
+    fn state(&self) -> Vec<f32> {
+        let mut v = Vec::new();
+        push_u64(&mut v, self.rng.state());
+        v
+    }
+    fn load_state(&mut self, state: &[f32]) -> Result<(), String> {
+        match take_u64(state)? {
+            (s, []) => {
+                self.rng = Rng::from_state(s);
+                Ok(())
+            }
+            (_, rest) => Err(format!("{} values after QSGD's random state", rest.len())),
+        }
     }
 }
 
@@ -188,5 +278,11 @@ impl BucketCodec for Sign {
             buf.iter_mut().zip(&sent).for_each(|(b, s)| *b += s / n as f32);
         }
         Ok(bits.len() + 4)
+    }
+    fn state(&self) -> Vec<f32> {
+        self.ef.residual().to_vec()
+    }
+    fn load_state(&mut self, state: &[f32]) -> Result<(), String> {
+        self.ef.set_residual(state)
     }
 }

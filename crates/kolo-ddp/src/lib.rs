@@ -429,6 +429,47 @@ impl Ddp {
         }
     }
 
+    /// The compression state between steps, for a checkpoint: the synchronised steps so far
+    /// (the warm-up counter) and each bucket's codec state ([`BucketCodec::state`]; empty
+    /// without compression). Call it between steps, when no bucket is in flight.
+    pub fn compression_state(&self) -> Result<(u64, Vec<Vec<f32>>), DdpError> {
+        let inner = self.shared.lock();
+        let states = inner
+            .codecs
+            .iter()
+            .enumerate()
+            .map(|(b, c)| match c {
+                Some(c) => Ok(c.state()),
+                None if self.cfg.compression == Compression::None => Ok(Vec::new()),
+                None => Err(DdpError::Usage { rank: self.rank, what: format!("bucket {b}'s codec is in flight") }),
+            })
+            .collect::<Result<_, _>>()?;
+        Ok((inner.syncs, states))
+    }
+
+    /// Restores [`Ddp::compression_state`] as this rank wrote it (the same world size and bucket
+    /// plan); an error names the bucket whose state does not fit.
+    pub fn restore_compression_state(&self, syncs: u64, states: &[Vec<f32>]) -> Result<(), DdpError> {
+        let mut inner = self.shared.lock();
+        if states.len() != inner.codecs.len() {
+            return Err(DdpError::Usage {
+                rank: self.rank,
+                what: format!(
+                    "compression state for {} buckets, this run has {} (ddp.bucket_cap changed?)",
+                    states.len(),
+                    inner.codecs.len()
+                ),
+            });
+        }
+        for (b, (c, s)) in inner.codecs.iter_mut().zip(states).enumerate() {
+            if let Some(c) = c {
+                c.load_state(s).map_err(|e| DdpError::Usage { rank: self.rank, what: format!("bucket {b}'s compression state: {e}") })?;
+            }
+        }
+        inner.syncs = syncs;
+        Ok(())
+    }
+
     /// Marks the start of a synchronised backward pass (for the overlap statistics).
     pub fn begin_backward(&self) {
         self.shared.lock().backward_started = Some(Instant::now());

@@ -45,6 +45,27 @@ impl BucketState {
         self.slots.iter().zip(&self.compressed).map(|(s, c)| if *c { (s.rows + s.cols) * r } else { s.rows * s.cols }).sum()
     }
 
+    /// The warm-start factors Q and the error residuals of the compressed parameters, in slot
+    /// order.
+    pub fn state(&self) -> Vec<f32> {
+        self.q.iter().chain(&self.error).flatten().copied().collect()
+    }
+
+    /// Restores [`BucketState::state`].
+    pub fn load_state(&mut self, state: &[f32]) -> Result<(), String> {
+        let want: usize = self.q.iter().chain(&self.error).map(Vec::len).sum();
+        if state.len() != want {
+            return Err(format!("PowerSGD state of {} values, this bucket's factors and residuals have {want}", state.len()));
+        }
+        let mut at = 0;
+        for v in self.q.iter_mut().chain(self.error.iter_mut()) {
+            let n = v.len();
+            v.copy_from_slice(&state[at..at + n]);
+            at += n;
+        }
+        Ok(())
+    }
+
     /// Averages `buf` across ranks through the low-rank approximation (in place). Returns the
     /// bytes this rank handed to the all-reduces.
     pub fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError> {

@@ -60,7 +60,8 @@ impl PendingSave {
 /// rank's shard under ZeRO), then rank 0 commits the checkpoint directory. `master` is this
 /// rank's shard of the parameters under ZeRO (unused otherwise). With `background`, the pieces
 /// are copied and written by a thread (rank 0's thread commits once every shard file is there)
-/// while training continues.
+/// while training continues. `own`: this rank's own state (named `state.rank{r}.…`, such as a
+/// codec's residuals); when any rank has some, every rank writes a shard.
 #[allow(clippy::too_many_arguments)]
 pub fn save_checkpoint(
     dir: &Path,
@@ -72,6 +73,7 @@ pub fn save_checkpoint(
     comm: &dyn Communicator,
     pos: Position,
     meta_base: &BTreeMap<String, String>,
+    own: Vec<Piece>,
     background: bool,
     crash: bool,
 ) -> Result<PendingSave, TrainError> {
@@ -127,7 +129,13 @@ pub fn save_checkpoint(
             }
         }
     }
-    let writers = if zero.is_some() { world } else { 1 };
+    let every_rank = {
+        let mut any = [u8::from(!own.is_empty())];
+        comm.all_reduce(kolo_comm::BufMut::from(&mut any[..]), kolo_comm::ReduceOp::Max)?;
+        any[0] == 1
+    };
+    pieces.extend(own);
+    let writers = if zero.is_some() || every_rank { world } else { 1 };
     let mut meta = meta_base.clone();
     meta.insert("kolo.step".into(), step.to_string());
     meta.insert("kolo.optimizer_steps".into(), opt.steps().to_string());
@@ -138,7 +146,7 @@ pub fn save_checkpoint(
         let thread = std::thread::Builder::new()
             .name("kolo-checkpoint".into())
             .spawn(move || {
-                if !pieces.is_empty() {
+                if rank < writers {
                     kolo_checkpoint::sharded::write_shard(&t, rank, writers, &pieces)?;
                 }
                 drop(pieces);
@@ -150,7 +158,7 @@ pub fn save_checkpoint(
             .map_err(|e| TrainError::Other(format!("cannot start the checkpoint writer: {e}")))?;
         return Ok(PendingSave { target, thread: Some(thread) });
     }
-    if !pieces.is_empty() {
+    if rank < writers {
         kolo_checkpoint::sharded::write_shard(&target, rank, writers, &pieces)?;
     }
     if crash {
@@ -173,6 +181,53 @@ pub struct Resumed {
     pub loss_scale: Option<(f64, u64, u64)>,
     /// Dynamic batch sizing: the per-rank shares of the global batch when it was written.
     pub batch_split: Option<Vec<usize>>,
+    /// The number of data-parallel replicas that wrote it.
+    pub world_size: u64,
+    /// Every rank's own state (`state.rank{r}.…` tensors), by name.
+    pub rank_state: BTreeMap<String, Vec<f32>>,
+    /// The metadata it was written with.
+    pub meta: BTreeMap<String, String>,
+}
+
+/// Metadata key of the DDP engine's synchronised steps (the compression warm-up counter).
+const DDP_SYNCS_KEY: &str = "kolo.ddp_syncs";
+
+/// The DDP engine's compression state as this rank's checkpoint pieces (each bucket codec's
+/// residuals, factors, counters: `state.rank{r}.codec{b}`) and its metadata (the warm-up
+/// counter, the same on every rank).
+pub fn compression_pieces(ddp: &kolo_ddp::Ddp, rank: usize) -> Result<(Vec<Piece>, BTreeMap<String, String>), TrainError> {
+    let (syncs, states) = ddp.compression_state()?;
+    let pieces = states
+        .into_iter()
+        .enumerate()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(b, v)| Piece { name: format!("state.rank{rank}.codec{b}"), shape: vec![v.len()], offset: 0, data: v })
+        .collect();
+    Ok((pieces, BTreeMap::from([(DDP_SYNCS_KEY.to_string(), syncs.to_string())])))
+}
+
+/// Restores [`compression_pieces`] on rank `rank` of `world`. Residuals and factors are each
+/// rank's own: at another world size they cannot be assigned, so compression restarts from
+/// zero state (the warm-up counter is kept) and the returned note says so.
+pub fn restore_compression(ddp: &kolo_ddp::Ddp, r: &Resumed, rank: usize, world: usize) -> Result<Option<String>, TrainError> {
+    let syncs = match r.meta.get(DDP_SYNCS_KEY) {
+        Some(v) => {
+            v.parse::<u64>().map_err(|_| TrainError::Data(format!("checkpoint metadata `{DDP_SYNCS_KEY}` = {v:?} is not a number")))?
+        }
+        None => r.step,
+    };
+    let buckets = ddp.plan().len();
+    if r.world_size != world as u64 {
+        ddp.restore_compression_state(syncs, &vec![Vec::new(); buckets]).ok();
+        let had = r.rank_state.keys().any(|k| k.contains(".codec"));
+        return Ok(had.then(|| {
+            format!("the compression state (error-feedback residuals, PowerSGD factors) was written by {} ranks and restarts from zero on {world}", r.world_size)
+        }));
+    }
+    let states: Vec<Vec<f32>> =
+        (0..buckets).map(|b| r.rank_state.get(&format!("state.rank{rank}.codec{b}")).cloned().unwrap_or_default()).collect();
+    ddp.restore_compression_state(syncs, &states)?;
+    Ok(None)
 }
 
 /// Metadata keys of the loop's own state (beyond parameters, optimizer and data position).
@@ -274,5 +329,6 @@ pub fn load_checkpoint(
         Some(v) => Some(v.split(',').map(|x| x.parse::<usize>().map_err(|_| parse_err(BATCH_SPLIT_KEY))).collect::<Result<Vec<_>, _>>()?),
         None => None,
     };
-    Ok(Resumed { step: num("kolo.step")?, pos, loss_scale, batch_split })
+    let rank_state = ck.tensors.iter().filter(|e| e.name.starts_with("state.rank")).map(|e| (e.name.clone(), e.data.clone())).collect();
+    Ok(Resumed { step: num("kolo.step")?, pos, loss_scale, batch_split, world_size: w0, rank_state, meta: ck.meta.clone() })
 }

@@ -4,7 +4,7 @@
 //! here, since they share the model, the buckets and the update: gradient accumulation, local
 //! SGD, deterministic (fixed-point) summation and f16 training with a dynamic loss scale.
 
-use crate::checkpointing::{load_checkpoint, loop_state_meta, save_checkpoint, PendingSave};
+use crate::checkpointing::{compression_pieces, load_checkpoint, loop_state_meta, restore_compression, save_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
@@ -137,6 +137,11 @@ impl<'a> DataParallel<'a> {
         let start = match resume {
             Some(path) => {
                 let r = load_checkpoint(path, model.params(), &mut flat, &mut opt, zero.as_ref(), ddp.ranges(), &meta)?;
+                if let Some(note) = restore_compression(&ddp, &r, comm.rank().get(), world)? {
+                    if global_rank == 0 && !opts.quiet {
+                        kolo_base::eline!("{note}");
+                    }
+                }
                 Some((path.to_path_buf(), r))
             }
             None => None,
@@ -490,9 +495,11 @@ impl Strategy for DataParallel<'_> {
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
         meta.extend(loop_state_meta(self.scaler.as_ref(), None));
+        let (own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
+        meta.extend(codec_meta);
         let (params, opt, zero, comm) = (self.model.params(), &self.opt, self.zero.as_ref(), &*self.comm);
         let save =
-            |master: &[f32]| save_checkpoint(at.dir, at.step, params, master, opt, zero, comm, at.pos, &meta, at.background, at.crash);
+            |master: &[f32]| save_checkpoint(at.dir, at.step, params, master, opt, zero, comm, at.pos, &meta, own, at.background, at.crash);
         if self.zero3 {
             self.ddp.with_master(|m| save(m))
         } else {

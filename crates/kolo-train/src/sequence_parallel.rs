@@ -163,7 +163,20 @@ impl Strategy for SequenceParallel<'_> {
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
-        save_checkpoint(at.dir, at.step, self.gpt.params(), &[], &self.opt, None, &*self.comm, at.pos, &meta, at.background, at.crash)
+        save_checkpoint(
+            at.dir,
+            at.step,
+            self.gpt.params(),
+            &[],
+            &self.opt,
+            None,
+            &*self.comm,
+            at.pos,
+            &meta,
+            Vec::new(),
+            at.background,
+            at.crash,
+        )
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {

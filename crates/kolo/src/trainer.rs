@@ -14,7 +14,7 @@ use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
 use kolo_optim::{clip_factor, lr_at, Buffer, Optimizer};
 use kolo_tensor::ParamSet;
-use kolo_train::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint};
+use kolo_train::checkpointing::{compression_pieces, load_checkpoint, resolve_checkpoint, restore_compression, save_checkpoint};
 use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
 use kolo_train::report::{Reporter, StepRecord};
 use kolo_train::sampler::Position;
@@ -441,6 +441,9 @@ impl Trainer {
         if self.micro != 0 {
             anyhow::bail!("save: {} micro-steps of an accumulation are pending; save after the step that completes it", self.micro);
         }
+        let (own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
+        let mut meta = self.meta.clone();
+        meta.extend(codec_meta);
         let pending = save_checkpoint(
             dir.as_ref(),
             self.steps,
@@ -450,7 +453,8 @@ impl Trainer {
             self.zero.as_ref(),
             &*self.comm,
             self.data_pos,
-            &self.meta,
+            &meta,
+            own,
             false,
             false,
         )?;
@@ -464,6 +468,11 @@ impl Trainer {
         let path = resolve_checkpoint(path.as_ref())?;
         let mut flat = vec![0f32; self.params.numel()];
         let r = load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?;
+        if let Some(note) = restore_compression(&self.ddp, &r, self.comm.rank().get(), self.comm.world_size().get())? {
+            if self.comm.rank().get() == 0 {
+                kolo_base::eline!("{note}");
+            }
+        }
         self.params.load(&flat)?;
         if let Some(z) = &self.zero {
             z.gather(self.ddp.ranges(), &flat, self.master.as_mut_slice());
