@@ -678,8 +678,6 @@ pub enum SeparateLoop {
     Scheduled,
     /// PipeDream-2BW: one plan with activations always in flight.
     TwoBw,
-    /// GPipe and 1F1B.
-    Pipeline,
 }
 
 impl SeparateLoop {
@@ -700,7 +698,6 @@ impl std::fmt::Display for SeparateLoop {
             SeparateLoop::ParameterServer => "train.strategy = \"ps\"",
             SeparateLoop::Scheduled => "ddp.schedule",
             SeparateLoop::TwoBw => "pipeline.schedule = \"2bw\"",
-            SeparateLoop::Pipeline => "[pipeline]",
         })
     }
 }
@@ -726,8 +723,6 @@ impl Config {
             Some(SeparateLoop::Scheduled)
         } else if self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
             Some(SeparateLoop::TwoBw)
-        } else if self.pipeline.is_some() {
-            Some(SeparateLoop::Pipeline)
         } else {
             None
         }
@@ -995,11 +990,10 @@ impl Config {
                 || self.ddp.local_sgd.is_some()
                 || self.train.precision != Precision::F32
                 || self.train.grad_accum != 1
-                || self.train.checkpoint_dir.is_some()
                 || self.train.strategy != Strategy::Ddp
                 || !self.model.checkpoint_blocks.is_empty()
             {
-                return Err("[pipeline] runs in f32 with grad_accum = 1 and without ZeRO, compression, local SGD, parameter servers, activation checkpointing or checkpoints (yet)".into());
+                return Err("[pipeline] runs in f32 with grad_accum = 1 and without ZeRO, compression, local SGD, parameter servers or activation checkpointing (yet)".into());
             }
         }
         if self.train.strategy == Strategy::Ps {

@@ -516,6 +516,7 @@ impl Strategy for DataParallel<'_> {
             skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped),
             loss_scale: self.scaler.as_ref().map(LossScaler::scale),
             moe,
+            pipeline_bubble: None,
         })
     }
 }

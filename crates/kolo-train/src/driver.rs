@@ -8,8 +8,9 @@
 //! A strategy is built (its groups, model pieces and optimizer, and the resumed state when there
 //! is a checkpoint to continue from) by its own constructor; [`drive`] then runs it to the end.
 //! The strategies on the driver: `data_parallel` (DDP, ZeRO-1/2/3, tensor parallelism, local
-//! SGD, deterministic and f16 training), `sequence_parallel` and `expert_parallel`. Pipelines,
-//! ByteScheduler-ordered DDP and parameter-server workers still run loops of their own.
+//! SGD, deterministic and f16 training), `sequence_parallel`, `expert_parallel` and the flushed
+//! pipelines (`pipeline::Flushed`: GPipe, 1F1B). PipeDream-2BW, ByteScheduler-ordered DDP and
+//! parameter-server workers still run loops of their own.
 
 use crate::checkpointing::{PendingSave, Resumed};
 use crate::config::{Config, DataKind};
@@ -48,6 +49,8 @@ pub struct StepOut {
     pub backward_end: Option<Instant>,
     /// Collectives to draw on the timeline's communication thread: name, start, end.
     pub comm_spans: Vec<(String, Instant, Instant)>,
+    /// Appended to the step's log line (e.g. the pipeline's bubble).
+    pub note: String,
 }
 
 /// What a strategy hands back at the end of a run.
@@ -61,6 +64,8 @@ pub struct Finish {
     pub loss_scale: Option<f64>,
     /// Mixture of experts: tokens routed per expert, summed over every rank.
     pub moe: Option<kolo_tensor::models::MoeLoad>,
+    /// Pipelines: the mean measured bubble (idle share of the stages).
+    pub pipeline_bubble: Option<f64>,
 }
 
 /// A checkpoint to write.
@@ -306,7 +311,7 @@ pub fn drive(
             batches.resplit(cfg.ddp.dynamic_batch_every as usize, &report, s.comm(), done)?;
         }
         if report.is_log_step(done, end) {
-            report.window(s.comm(), done, out.loss, lr, batches.pos.epoch, "")?;
+            report.window(s.comm(), done, out.loss, lr, batches.pos.epoch, &out.note)?;
         }
         if tc.eval_every > 0 && done.is_multiple_of(tc.eval_every) && done != end {
             if let Some(e) = s.evaluate(&*data.eval, tc.eval_batches)? {
@@ -365,7 +370,8 @@ pub fn drive(
         steps_done: end,
         last_loss: report.last_loss,
         eval,
-        hidden_fraction: report.hidden_fraction(),
+        // A pipeline hides its communication except in the bubble.
+        hidden_fraction: f.pipeline_bubble.map_or(report.hidden_fraction(), |b| 1.0 - b),
         step_ms: std::mem::take(&mut report.step_ms),
         comm_wait_ms: std::mem::take(&mut report.wait_ms),
         comm_bytes: std::mem::take(&mut report.comm_bytes),
@@ -379,7 +385,7 @@ pub fn drive(
         skipped_steps: f.skipped_steps,
         loss_scale: f.loss_scale,
         ps: None,
-        pipeline_bubble: None,
+        pipeline_bubble: f.pipeline_bubble,
         moe: f.moe,
         batch_split: batches.split().map(<[usize]>::to_vec),
     })

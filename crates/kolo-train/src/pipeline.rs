@@ -5,16 +5,29 @@
 //! parameters' gradients over the micro-batches, averages them over its data-parallel replicas
 //! and steps its own optimizer. Under tensor parallelism a stage's blocks are split over its
 //! tensor-parallel group. At the end the whole model is assembled on every rank.
+//!
+//! GPipe and 1F1B flush every batch, so they are a [`Strategy`] on the driver ([`Flushed`]):
+//! checkpoints (each stage writes its own layers, whole tensors under the model's names, so a
+//! checkpoint continues under any strategy), evaluation, timelines and the rest come from
+//! there. PipeDream-2BW is one stream of micro-batches over the whole run: it runs its own loop
+//! ([`run_two_bw_pipeline`]).
 
+use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
 use crate::config::{Config, PipeSchedule};
-use crate::trainer::{evaluate_whole_gpt, gpt_loop_start, lead_say, peak_rss, replica_batches, RunOptions, StateBytes, Summary};
+use crate::data::{CharVocab, Dataset};
+use crate::driver::{checkpoint_meta, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
+use crate::trainer::{
+    evaluate_whole_gpt, gpt_loop_start, lead_say, peak_rss, replica_batches, Data, Eval, RunOptions, StateBytes, Summary,
+};
 use crate::TrainError;
 use kolo_base::{GroupSum, Rng};
 use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_ddp::{Segment, ShardPlan};
 use kolo_optim::{clip_factor, lr_at, Optimizer};
 use kolo_pipe::{partition, run_stage, theoretical_bubble, weight_version, Schedule, StageWork};
-use kolo_tensor::models::Gpt;
-use kolo_tensor::{Batch, GptStage, Input, Model};
+use kolo_tensor::models::{Gpt, GptConfig};
+use kolo_tensor::{Batch, GptStage, Input, Model, ModelSpec};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -147,25 +160,23 @@ impl StageSetup<'_> {
     }
 }
 
-/// `comm` is the pipeline group (rank = stage), `dp` the data-parallel group of this stage's
-/// replicas, `tp` the tensor-parallel group (if any).
-pub fn run_pipeline(
-    cfg: &Config,
-    comm: &dyn Communicator,
-    dp: &dyn Communicator,
+/// Builds this stage of a pipeline over `comm` (rank = stage) with data-parallel group `dp`
+/// and tensor-parallel group `tp`: the GPT, the plan's layers for this stage, their parameters
+/// and their optimizer. `batches`: the run's batches (2BW's one stream covers them all).
+fn build_stage<'a>(
+    cfg: &'a Config,
+    comm: &'a dyn Communicator,
+    dp: &'a dyn Communicator,
     tp: Option<Arc<dyn GroupSum>>,
-    global_rank: usize,
-    opts: &RunOptions,
-) -> Result<Summary, TrainError> {
+    gcfg: &GptConfig,
+    batches: u64,
+    lead: bool,
+) -> Result<(Gpt, StageSetup<'a>, Schedule), TrainError> {
     let pc = cfg.pipeline.as_ref().expect("called for [pipeline] configs");
     let (stage, k) = (comm.rank().get(), comm.world_size().get());
-    let (dp_rank, dp_size) = (dp.rank().get(), dp.world_size().get());
-    let say = lead_say(global_rank == 0 && !opts.quiet);
-    let tc = &cfg.train;
-    let (data, heap_before_model, gcfg) = gpt_loop_start(cfg, &[comm, dp], dp_rank)?;
     let gpt = match &tp {
-        Some(g) => Gpt::new_tensor_parallel(gcfg.clone(), &mut Rng::new(tc.seed), g.clone())?,
-        None => Gpt::new(gcfg.clone(), &mut Rng::new(tc.seed))?,
+        Some(g) => Gpt::new_tensor_parallel(gcfg.clone(), &mut Rng::new(cfg.train.seed), g.clone())?,
+        None => Gpt::new(gcfg.clone(), &mut Rng::new(cfg.train.seed))?,
     };
     if k > gpt.layers() {
         return Err(TrainError::Config(format!(
@@ -177,11 +188,10 @@ pub fn run_pipeline(
     let plan = partition(&gpt.layer_costs(), k);
     let layers = plan[stage].clone();
     let m = pc.micro_batches;
-    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let schedule = match pc.schedule {
         PipeSchedule::GPipe => Schedule::GPipe,
         PipeSchedule::OneFOneB => Schedule::OneFOneB,
-        PipeSchedule::TwoBw => Schedule::TwoBw { batches: end as usize },
+        PipeSchedule::TwoBw => Schedule::TwoBw { batches: batches as usize },
     };
     if matches!(schedule, Schedule::TwoBw { .. }) && m + 1 < k {
         return Err(TrainError::Config(format!("PipeDream-2BW needs at least stages - 1 = {} micro-batches per batch (pipeline.micro_batches = {m}): a batch's weight version must exist before its first forward", k - 1)));
@@ -189,21 +199,21 @@ pub fn run_pipeline(
     let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
     let ranges: Vec<std::ops::Range<usize>> = own.iter().map(|&i| gpt.params().get(i).range.clone()).collect();
     let own_len: usize = ranges.iter().map(|r| r.len()).sum();
-    let opt = Optimizer::new(cfg.optimizer(), own_len);
-    say(&format!(
-        "kolo train (pipeline): GPT {} params in {k} stages {:?} (layers: 0 = embedding, 1..={} blocks, {} = head) x {dp_size} data-parallel replicas x {} tensor-parallel ranks, {m} micro-batches of {}, {:?}; theoretical bubble {:.1}%",
-        gpt.full_numel(),
-        plan,
-        gcfg.n_layer,
-        gcfg.n_layer + 1,
-        tp.as_ref().map_or(1, |g| g.size()),
-        cfg.data.batch_size / m,
-        schedule,
-        theoretical_bubble(k, if matches!(schedule, Schedule::TwoBw { .. }) { m * end as usize } else { m }) * 100.0
-    ));
-    // Every stage of a replica reads the same batches (the first uses the tokens, the last the
-    // targets); replicas read disjoint shards. Synthetic data is already per replica.
-    let batches = replica_batches(cfg, data.train.clone(), dp_rank, dp_size, 0)?;
+    let opt = crate::trainer::optimizer_for(cfg, own_len)?;
+    if lead {
+        kolo_base::eline!(
+            "kolo train (pipeline): GPT {} params in {k} stages {:?} (layers: 0 = embedding, 1..={} blocks, {} = head) x {} data-parallel replicas x {} tensor-parallel ranks, {m} micro-batches of {}, {:?}; theoretical bubble {:.1}%",
+            gpt.full_numel(),
+            plan,
+            gcfg.n_layer,
+            gcfg.n_layer + 1,
+            dp.world_size().get(),
+            tp.as_ref().map_or(1, |g| g.size()),
+            cfg.data.batch_size / m,
+            schedule,
+            theoretical_bubble(k, if matches!(schedule, Schedule::TwoBw { .. }) { m * batches as usize } else { m }) * 100.0
+        );
+    }
     let sync = match schedule {
         Schedule::TwoBw { .. } => {
             let all: Vec<kolo_base::Rank> = (0..k).map(kolo_base::Rank).collect();
@@ -213,14 +223,74 @@ pub fn run_pipeline(
         }
         _ => None,
     };
-    let mut setup = StageSetup { cfg, comm, sync, dp, tp, layers, own, ranges, opt, m, remat: pc.rematerialize };
+    let setup = StageSetup { cfg, comm, sync, dp, tp, layers, own, ranges, opt, m, remat: pc.rematerialize };
+    Ok((gpt, setup, schedule))
+}
+
+impl StageSetup<'_> {
+    /// The line at the end of a run: measured and theoretical bubble, activations kept.
+    fn say_bubble(&self, bubble: f64, theory: f64, two_bw: bool, peak_live: usize, lead: bool) {
+        if lead {
+            kolo_base::eline!(
+                "pipeline: mean bubble {:.1}% measured, {:.1}% in theory ((K-1)/(M+K-1){}); at most {peak_live} micro-batch(es) of activations alive on stage 0",
+                bubble * 100.0,
+                theory * 100.0,
+                if two_bw { ", M = every micro-batch of the run: no flush" } else { "" },
+            );
+        }
+    }
+
+    /// Model states of this stage: its own parameters and optimizer state, and the gradient of
+    /// the whole model it accumulates into.
+    fn states(&self, gpt: &Gpt) -> StateBytes {
+        StateBytes {
+            params: self.ranges.iter().map(|r| r.len() as u64 * 4).sum(),
+            grads: gpt.params().numel() as u64 * 4,
+            optimizer: self.opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
+            offloaded: self.opt.is_offloaded(),
+        }
+    }
+
+    /// This stage's parameters as a shard plan (whole parameters, packed in stage order): the
+    /// layout of its optimizer state, for checkpoints.
+    fn shard_plan(&self) -> ShardPlan {
+        let mut at = 0;
+        let segments = self
+            .own
+            .iter()
+            .zip(&self.ranges)
+            .map(|(&param, r)| {
+                let s = Segment { param, within: 0..r.len(), shard_offset: at };
+                at += r.len();
+                s
+            })
+            .collect();
+        ShardPlan { world: self.comm.world_size(), rank: self.comm.rank(), pieces: Vec::new(), segments, len: at }
+    }
+}
+
+/// PipeDream-2BW (`pipeline.schedule = "2bw"`): `comm` is the pipeline group (rank = stage),
+/// `dp` the data-parallel group of this stage's replicas, `tp` the tensor-parallel group (if
+/// any).
+pub fn run_two_bw_pipeline(
+    cfg: &Config,
+    comm: &dyn Communicator,
+    dp: &dyn Communicator,
+    tp: Option<Arc<dyn GroupSum>>,
+    global_rank: usize,
+    opts: &RunOptions,
+) -> Result<Summary, TrainError> {
+    let (dp_rank, dp_size) = (dp.rank().get(), dp.world_size().get());
+    let say = lead_say(global_rank == 0 && !opts.quiet);
+    let tc = &cfg.train;
+    let (data, heap_before_model, gcfg) = gpt_loop_start(cfg, &[comm, dp], dp_rank)?;
+    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
+    let (gpt, mut setup, _) = build_stage(cfg, comm, dp, tp, &gcfg, end, global_rank == 0 && !opts.quiet)?;
+    // Every stage of a replica reads the same batches (the first uses the tokens, the last the
+    // targets); replicas read disjoint shards. Synthetic data is already per replica.
+    let batches = replica_batches(cfg, data.train.clone(), dp_rank, dp_size, 0)?;
     kolo_base::alloc::reset_peak();
-    let run = if let Schedule::TwoBw { .. } = schedule {
-        run_two_bw(&mut setup, Arc::new(gpt), &batches, end, &say)?
-    } else {
-        let mut report = crate::report::Reporter::new(cfg, global_rank, opts.quiet, cfg.data.batch_size * dp_size, 0)?;
-        run_flushed(&mut setup, Arc::new(gpt), schedule, &batches, end, &mut report)?
-    };
+    let run = run_two_bw(&mut setup, Arc::new(gpt), &batches, end, &say)?;
     let flat = setup.assemble(&run.gpt)?;
     let mut eval = None;
     let mut sample = None;
@@ -229,13 +299,7 @@ pub fn run_pipeline(
         eval = Some(e);
         sample = s;
     }
-    say(&format!(
-        "pipeline: mean bubble {:.1}% measured, {:.1}% in theory ((K-1)/(M+K-1){}); at most {} micro-batch(es) of activations alive on stage 0",
-        run.bubble * 100.0,
-        run.theory * 100.0,
-        if matches!(schedule, Schedule::TwoBw { .. }) { ", M = every micro-batch of the run: no flush" } else { "" },
-        run.peak_live
-    ));
+    setup.say_bubble(run.bubble, run.theory, true, run.peak_live, global_rank == 0 && !opts.quiet);
     Ok(Summary {
         steps_done: end,
         last_loss: run.last_loss,
@@ -248,12 +312,7 @@ pub fn run_pipeline(
         params: flat,
         sample,
         checkpoint: None,
-        states: StateBytes {
-            params: own_len as u64 * 4,
-            grads: run.gpt.params().numel() as u64 * 4,
-            optimizer: setup.opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
-            offloaded: false,
-        },
+        states: setup.states(&run.gpt),
         peak_rss: peak_rss(),
         heap: crate::trainer::HeapReport::between(heap_before_model, run.heap_after),
         skipped_steps: 0,
@@ -263,6 +322,131 @@ pub fn run_pipeline(
         moe: None,
         batch_split: None,
     })
+}
+
+/// GPipe and 1F1B on the driver: every batch's micro-batches through the pipeline, a flush,
+/// then each stage's step. Between steps nothing is in flight, so the driver's collectives run
+/// on the pipeline group (every stage holds the same loss after `clip_and_loss`).
+pub struct Flushed<'a> {
+    setup: StageSetup<'a>,
+    gpt: Arc<Gpt>,
+    gcfg: GptConfig,
+    schedule: Schedule,
+    global_rank: usize,
+    quiet: bool,
+    bubbles: Vec<f64>,
+    peak_live: usize,
+    meta: std::collections::BTreeMap<String, String>,
+}
+
+impl<'a> Flushed<'a> {
+    /// `comm`: the pipeline group (rank = stage); `dp`: this stage's data-parallel replicas;
+    /// `tp`: its tensor-parallel group, if any. Loads `resume` (every stage reads the whole
+    /// model and takes its own layers' optimizer state).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cfg: &'a Config,
+        comm: &'a dyn Communicator,
+        dp: &'a dyn Communicator,
+        tp: Option<Arc<dyn GroupSum>>,
+        global_rank: usize,
+        data: &Data,
+        resume: Option<&Path>,
+        opts: &RunOptions,
+    ) -> Result<(Flushed<'a>, Start), TrainError> {
+        let gcfg = crate::trainer::gpt_config(cfg, &[comm, dp], data)?;
+        let lead = global_rank == 0 && !opts.quiet;
+        let (gpt, mut setup, schedule) = build_stage(cfg, comm, dp, tp, &gcfg, cfg.train.steps, lead)?;
+        let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), dp.world_size().get(), 0);
+        let start = match resume {
+            Some(path) => {
+                let mut flat = vec![0f32; gpt.params().numel()];
+                let all: Vec<_> = gpt.params().iter().map(|p| p.range.clone()).collect();
+                let plan = setup.shard_plan();
+                let r = load_checkpoint(path, gpt.params(), &mut flat, &mut setup.opt, Some(&plan), &all, &meta)?;
+                gpt.params().load(&flat)?;
+                Some((path.to_path_buf(), r))
+            }
+            None => None,
+        };
+        let s =
+            Flushed { setup, gpt: Arc::new(gpt), gcfg, schedule, global_rank, quiet: opts.quiet, bubbles: Vec::new(), peak_live: 0, meta };
+        Ok((s, start))
+    }
+}
+
+impl Strategy for Flushed<'_> {
+    fn comm(&self) -> &dyn Communicator {
+        self.setup.comm
+    }
+
+    fn replica(&self) -> (usize, usize) {
+        (self.setup.dp.rank().get(), self.setup.dp.world_size().get())
+    }
+
+    fn step(&mut self, ctx: &StepCtx, data: &mut crate::driver::Batches) -> Result<StepOut, TrainError> {
+        let setup = &mut self.setup;
+        let (k, m) = (setup.comm.world_size().get(), setup.m);
+        let batch = data.next_batch()?;
+        let mut work = Work(GptStage::new(self.gpt.clone(), setup.layers.clone(), split_batch(&batch, m)?).rematerialize(setup.remat));
+        let act_len = work.0.act_len()?;
+        let stage = run_stage(setup.comm, self.schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
+        let mut grads = std::mem::take(&mut work.0.grads);
+        drop(work);
+        let backward_end = Instant::now();
+        self.peak_live = self.peak_live.max(stage.max_live);
+        setup.average(&mut grads)?;
+        let (f, loss) = setup.clip_and_loss(&self.gpt, &grads, stage.losses.iter().map(|l| f64::from(*l)).sum())?;
+        setup.step(&self.gpt, &grads, f, ctx.lr)?;
+        let bubble = setup.bubble(stage.busy_ms, stage.total_ms)?;
+        self.bubbles.push(bubble);
+        let mut out = StepOut { loss, backward_end: Some(backward_end), ..Default::default() };
+        out.rec.comm_bytes = Some(stage.bytes_sent);
+        out.note = format!(", bubble {:.1}% (theory {:.1}%)", bubble * 100.0, theoretical_bubble(k, m) * 100.0);
+        Ok(out)
+    }
+
+    fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
+        let flat = self.setup.assemble(&self.gpt)?;
+        (self.global_rank == 0).then(|| crate::trainer::evaluate_alone(self.setup.cfg, &self.gcfg, &flat, ds, max_batches)).transpose()
+    }
+
+    fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
+        let flat = self.setup.assemble(&self.gpt)?;
+        (self.global_rank == 0).then(|| crate::trainer::sample_alone(self.setup.cfg, &self.gcfg, &flat, vocab)).transpose()
+    }
+
+    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        if self.setup.tp.is_some() {
+            return Err(TrainError::Config("checkpoints of a pipeline with mesh.tp > 1 are not supported yet".into()));
+        }
+        // The first replica's stages write their own layers (each a shard of whole tensors);
+        // the other replicas hold the same values.
+        if self.setup.dp.rank().get() != 0 {
+            return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
+        }
+        let mut meta = self.meta.clone();
+        meta.extend(at.meta);
+        let plan = self.setup.shard_plan();
+        let values = self.gpt.params().to_flat()?;
+        let master: Vec<f32> = self.setup.ranges.iter().flat_map(|r| values[r.clone()].iter().copied()).collect();
+        let (params, opt, comm) = (self.gpt.params(), &self.setup.opt, self.setup.comm);
+        save_checkpoint(at.dir, at.step, params, &master, opt, Some(&plan), comm, at.pos, &meta, Vec::new(), at.background, at.crash)
+    }
+
+    fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
+        let bubble = if self.bubbles.is_empty() { 0.0 } else { self.bubbles.iter().sum::<f64>() / self.bubbles.len() as f64 };
+        let (k, m) = (self.setup.comm.world_size().get(), self.setup.m);
+        self.setup.say_bubble(bubble, theoretical_bubble(k, m), false, self.peak_live, self.global_rank == 0 && !self.quiet);
+        Ok(Finish {
+            params: self.setup.assemble(&self.gpt)?,
+            states: self.setup.states(&self.gpt),
+            skipped_steps: 0,
+            loss_scale: None,
+            moe: None,
+            pipeline_bubble: Some(bubble),
+        })
+    }
 }
 
 /// What a pipeline run's steps produced.
@@ -282,60 +466,6 @@ type Batches = std::sync::mpsc::Receiver<(crate::sampler::Position, Batch)>;
 
 fn next_batch(batches: &Batches) -> Result<Batch, TrainError> {
     Ok(batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?.1)
-}
-
-/// GPipe and 1F1B: every batch's micro-batches through the pipeline, a flush, then each stage's
-/// step. Between steps nothing is in flight, so the reporter's collectives run on the pipeline
-/// group (every stage holds the same loss after `clip_and_loss`).
-fn run_flushed(
-    setup: &mut StageSetup<'_>,
-    gpt: Arc<Gpt>,
-    schedule: Schedule,
-    batches: &Batches,
-    end: u64,
-    report: &mut crate::report::Reporter,
-) -> Result<PipeRun, TrainError> {
-    let cfg = setup.cfg;
-    let tc = &cfg.train;
-    let (k, m) = (setup.comm.world_size().get(), setup.m);
-    let mut bubbles = Vec::new();
-    let (mut peak_live, mut heap_after) = (0, None);
-    for step in 0..end {
-        let t0 = Instant::now();
-        let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
-        let (pos, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
-        let mut work = Work(GptStage::new(gpt.clone(), setup.layers.clone(), split_batch(&batch, m)?).rematerialize(setup.remat));
-        let act_len = work.0.act_len()?;
-        let stage = run_stage(setup.comm, schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
-        let mut grads = std::mem::take(&mut work.0.grads);
-        drop(work);
-        peak_live = peak_live.max(stage.max_live);
-        setup.average(&mut grads)?;
-        let (f, loss) = setup.clip_and_loss(&gpt, &grads, stage.losses.iter().map(|l| f64::from(*l)).sum())?;
-        setup.step(&gpt, &grads, f, lr)?;
-        bubbles.push(setup.bubble(stage.busy_ms, stage.total_ms)?);
-        heap_after = kolo_base::alloc::stats();
-        let step_ms = t0.elapsed().as_secs_f64() * 1e3;
-        report.record(step, crate::report::StepRecord { step_ms, comm_bytes: Some(stage.bytes_sent), ..Default::default() });
-        let done = step + 1;
-        if report.is_log_step(done, end) {
-            let extra =
-                format!(", bubble {:.1}% (theory {:.1}%)", bubbles.last().unwrap_or(&0.0) * 100.0, theoretical_bubble(k, m) * 100.0);
-            report.window(setup.comm, done, loss, lr, pos.epoch, &extra)?;
-        }
-    }
-    report.finish();
-    let bubble = if bubbles.is_empty() { 0.0 } else { bubbles.iter().sum::<f64>() / bubbles.len() as f64 };
-    Ok(PipeRun {
-        gpt,
-        last_loss: report.last_loss,
-        step_ms: std::mem::take(&mut report.step_ms),
-        comm_bytes: std::mem::take(&mut report.comm_bytes),
-        bubble,
-        theory: theoretical_bubble(k, m),
-        peak_live,
-        heap_after,
-    })
 }
 
 /// PipeDream-2BW's stage work: batch t runs on weight version max(t - 1, 0); its update makes

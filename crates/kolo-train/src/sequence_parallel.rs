@@ -187,6 +187,7 @@ impl Strategy for SequenceParallel<'_> {
             skipped_steps: 0,
             loss_scale: None,
             moe: None,
+            pipeline_bubble: None,
         })
     }
 }

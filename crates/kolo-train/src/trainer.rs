@@ -486,9 +486,14 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     } else {
         (comm.clone(), None, None)
     };
-    if let (Some(_), Some(pp)) = (&cfg.pipeline, &pp) {
+    if let (Some(pc), Some(pp)) = (&cfg.pipeline, &pp) {
         let tp = tp.map(|c| crate::data_parallel::CommGroup::new(c) as Arc<dyn kolo_base::GroupSum>);
-        return crate::pipeline::run_pipeline(cfg, &**pp, &*dp, tp, global_rank, opts);
+        if pc.schedule == crate::config::PipeSchedule::TwoBw {
+            return crate::pipeline::run_two_bw_pipeline(cfg, &**pp, &*dp, tp, global_rank, opts);
+        }
+        let (data, heap) = start(dp.rank().get())?;
+        let (mut s, from) = crate::pipeline::Flushed::new(cfg, &**pp, &*dp, tp, global_rank, &data, resume, opts)?;
+        return drive(&data, heap, &mut s, from);
     }
     let (data, heap) = start(dp.rank().get())?;
     let (mut s, from) = crate::data_parallel::DataParallel::new(cfg, dp, tp, global_rank, &data, resume, opts)?;
