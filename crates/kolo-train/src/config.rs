@@ -967,14 +967,16 @@ impl Config {
                     || self.ddp.compression.is_some()
                     || self.ddp.local_sgd.is_some()
                     || self.train.precision != Precision::F32
-                    || self.train.checkpoint_dir.is_some()
                     || self.train.strategy != Strategy::Ddp
                     || !self.model.checkpoint_blocks.is_empty()
                 {
-                    return Err("mesh.tp > 1 runs in f32 without ZeRO, compression, local SGD, parameter servers, activation checkpointing or checkpoints (yet)".into());
+                    return Err(
+                        "mesh.tp > 1 runs in f32 without ZeRO, compression, local SGD, parameter servers or activation checkpointing (yet)"
+                            .into(),
+                    );
                 }
-                if self.train.timeline_dir.is_some() {
-                    return Err("train.timeline_dir is not supported with mesh.tp > 1 yet".into());
+                if self.train.checkpoint_dir.is_some() && self.pipeline.is_some() {
+                    return Err("checkpoints (train.checkpoint_dir) of a [pipeline] with mesh.tp > 1 are not supported yet".into());
                 }
             }
         }

@@ -135,6 +135,10 @@ impl<'a> DataParallel<'a> {
         let meta = checkpoint_meta(cfg, &spec, world, sharding.stage());
         // Resume: every rank reads the same file, so every rank continues identically.
         let start = match resume {
+            Some(path) if tp.is_some() => {
+                let r = load_tensor_parallel(path, &*model, &spec, tc.seed, &mut flat, &mut opt, &meta)?;
+                Some((path.to_path_buf(), r))
+            }
             Some(path) => {
                 let r = load_checkpoint(path, model.params(), &mut flat, &mut opt, zero.as_ref(), ddp.ranges(), &meta)?;
                 if let Some(note) = restore_compression(&ddp, &r, comm.rank().get(), world)? {
@@ -430,6 +434,31 @@ impl<'a> DataParallel<'a> {
         }
     }
 
+    /// Tensor parallelism: the group assembles whole tensors (parameters and optimizer state)
+    /// and its member 0 in each replica group writes them as plain DDP would, under the whole
+    /// model's names, so the checkpoint continues at any tensor-parallel size or without one.
+    fn save_tensor_parallel(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        let Some((_, tp)) = &self.tp else { unreachable!("called under tensor parallelism") };
+        let whole = |local: &[f32]| -> Result<Vec<f32>, TrainError> {
+            let mut full = self.model.tensor_parallel_pieces(local).ok_or_else(|| TrainError::Other("not a split model".into()))??;
+            tp.all_reduce(BufMut::from(&mut full[..]), ReduceOp::Sum)?;
+            Ok(full)
+        };
+        let values = whole(&self.model.params().to_flat()?)?;
+        let states = self.opt.state().into_iter().map(|(name, v)| Ok((name, whole(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
+        if tp.rank().get() != 0 {
+            return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
+        }
+        let ModelSpec::Gpt(gc) = &self.spec else { unreachable!("tensor parallelism splits the GPT") };
+        let gpt = kolo_tensor::models::Gpt::new(gc.clone(), &mut Rng::new(self.cfg.train.seed))?;
+        gpt.params().load(&values)?;
+        let mut opt = Optimizer::new(self.cfg.optimizer(), values.len());
+        opt.load_state(self.opt.steps(), &states).map_err(TrainError::Other)?;
+        let mut meta = self.meta.clone();
+        meta.extend(at.meta);
+        save_checkpoint(at.dir, at.step, gpt.params(), &[], &opt, None, &*self.comm, at.pos, &meta, Vec::new(), at.background, at.crash)
+    }
+
     /// The tensor-parallel group's traffic per micro-step, on the lead rank.
     fn report_tensor_parallel(&self, steps_run: u64) {
         let (Some((g, _)), ModelSpec::Gpt(gc)) = (&self.tp, &self.spec) else { return };
@@ -492,6 +521,9 @@ impl Strategy for DataParallel<'_> {
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        if self.tp.is_some() {
+            return self.save_tensor_parallel(at);
+        }
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
         meta.extend(loop_state_meta(self.scaler.as_ref(), None));
@@ -519,6 +551,32 @@ impl Strategy for DataParallel<'_> {
             pipeline_bubble: None,
         })
     }
+}
+
+/// Tensor parallelism: loads a checkpoint of whole tensors (written at any tensor-parallel
+/// size, or by any strategy) into a whole GPT and its optimizer, then takes this member's
+/// pieces of the parameters (into `flat`) and of the optimizer state (into `opt`).
+fn load_tensor_parallel(
+    path: &Path,
+    model: &dyn Model,
+    spec: &ModelSpec,
+    seed: u64,
+    flat: &mut [f32],
+    opt: &mut Optimizer,
+    meta: &BTreeMap<String, String>,
+) -> Result<crate::checkpointing::Resumed, TrainError> {
+    let ModelSpec::Gpt(gc) = spec else { unreachable!("tensor parallelism splits the GPT") };
+    let whole = kolo_tensor::models::Gpt::new(gc.clone(), &mut Rng::new(seed))?;
+    let mut full = vec![0f32; whole.params().numel()];
+    let mut whole_opt = Optimizer::new(opt.spec().clone(), full.len());
+    let ranges: Vec<_> = whole.params().iter().map(|p| p.range.clone()).collect();
+    let r = load_checkpoint(path, whole.params(), &mut full, &mut whole_opt, None, &ranges, meta)?;
+    let local =
+        |v: &[f32]| model.tensor_parallel_local(v).ok_or_else(|| TrainError::Other("not a split model".into()))?.map_err(TrainError::from);
+    flat.copy_from_slice(&local(&full)?);
+    let states = whole_opt.state().into_iter().map(|(name, v)| Ok((name, local(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
+    opt.load_state(whole_opt.steps(), &states).map_err(TrainError::Other)?;
+    Ok(r)
 }
 
 /// Deterministic mode, one micro-step: `batch` cut into pieces of `chunk` examples, each

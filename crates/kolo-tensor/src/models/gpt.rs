@@ -557,6 +557,14 @@ impl Model for Gpt {
         Some(self.tp_pieces_into(local, &mut out).map(|_| out))
     }
 
+    fn tensor_parallel_local(&self, full: &[f32]) -> Option<Result<Vec<f32>>> {
+        let tp = self.tp.as_ref()?;
+        if full.len() != tp.full_len {
+            return Some(Err(TensorError::Input(format!("{} values for a model of {}", full.len(), tp.full_len))));
+        }
+        Some(Ok(tp.map.iter().map(|&k| full[k]).collect()))
+    }
+
     fn param_groups(&self) -> Vec<Vec<usize>> {
         self.blocks.iter().map(|b| b.ids().to_vec()).collect()
     }

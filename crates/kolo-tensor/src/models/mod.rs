@@ -124,6 +124,13 @@ pub trait Model: Send {
         None
     }
 
+    /// Under tensor parallelism: this member's values taken from the whole model's flat layout
+    /// `full` (the inverse of [`Model::tensor_parallel_pieces`]: a checkpoint of whole tensors
+    /// loaded into a split model). `None` for models that are not split.
+    fn tensor_parallel_local(&self, _full: &[f32]) -> Option<Result<Vec<f32>>> {
+        None
+    }
+
     /// Under tensor parallelism: per parameter, whether it is split across the group (its
     /// pieces differ by member) rather than replicated. `None` for models that are not split.
     fn tensor_parallel_split(&self) -> Option<Vec<bool>> {

@@ -1148,6 +1148,49 @@ fn flushed_pipelines_checkpoint_resume_and_evaluate() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Tensor-parallel checkpoints (#16): each group assembles whole tensors (parameters and
+/// optimizer state) and writes them under the whole model's names. A run stopped at step 2 and
+/// resumed ends bitwise where the uninterrupted one does (tp 2, and dp 2 x tp 2); the same
+/// checkpoint continues at another tensor-parallel size (one process; tp 4) within 1e-4, the
+/// tolerance of tensor parallelism against one process. The timeline has every rank's steps.
+#[test]
+fn tensor_parallel_checkpoints_resume_and_reshard() {
+    let dir = std::env::temp_dir().join(format!("kolo-tp-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mk = |batch: usize, extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+             [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\n[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n{extra}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    for (world, mesh, batch, other) in [(2, "[mesh]\ntp = 2\n", 8, (1, "", 8)), (4, "[mesh]\ntp = 2\n", 4, (4, "[mesh]\ntp = 4\n", 8))] {
+        let ck = dir.join(format!("w{world}"));
+        let tl = dir.join(format!("tl{world}"));
+        let full = train_on(world, &mk(batch, &format!("timeline_dir = \"{}\"\n{mesh}", tl.display())), &quiet());
+        let cfg = mk(batch, &format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 2\n{mesh}", ck.display()));
+        train_on(world, &cfg, &RunOptions { stop_after: Some(2), ..quiet() });
+        let resume = RunOptions { resume: Some(ck.join("step-00000002")), quiet: true, ..Default::default() };
+        let resumed = train_on(world, &cfg, &resume);
+        for (r, s) in resumed.iter().enumerate() {
+            let d = max_diff(&s.params, &full[0].params);
+            assert!(
+                s.params == full[0].params,
+                "world {world}, rank {r}: resumed tensor-parallel run vs uninterrupted, max difference {d}"
+            );
+        }
+        let (n, mesh2, batch2) = other;
+        let moved = train_on(n, &mk(batch2, mesh2), &resume);
+        let d = max_diff(&moved[0].params, &full[0].params);
+        assert!(d < 1e-4, "world {world}: the checkpoint continued on {n} rank(s) {mesh2:?}: {d}");
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(tl.join("trace.json")).unwrap()).unwrap();
+        let fb = doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == "forward + backward").count();
+        assert_eq!(fb, 4 * world, "every rank's 4 steps on the timeline");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Megatron tensor parallelism: each block's heads and MLP split over 2 and 4 ranks, and
 /// dp 2 x tp 2 on 4 ranks, follow the one-process run (one all-reduce per block forward and
 /// backward replaces the full matmuls: f32 reassociation only).
