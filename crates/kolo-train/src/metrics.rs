@@ -1,86 +1,93 @@
-//! Training metrics per rank, served in Prometheus's text exposition format (version 0.0.4)
+//! Training metrics per rank, served in the OpenMetrics text format (which Prometheus scrapes)
 //! by a small HTTP endpoint (`[train] metrics_port`): step, loss, step time, throughput,
-//! gradient bytes and wait, skipped steps, heap and peak RSS.
+//! gradient bytes and wait, skipped steps, heap, peak RSS and the straggler.
 //!
-//! Hand-written rather than `metrics-exporter-prometheus`: that exporter brings an async HTTP
-//! stack (tokio, hyper) into a static binary for one plain-text GET; this is a listener thread
-//! and lock-free gauges.
+//! The registry and its text encoding are `prometheus-client`'s. The endpoint is hand-written:
+//! the crate has no server, and `metrics-exporter-prometheus` brings an async HTTP stack
+//! (tokio, hyper) into a static binary for one plain-text GET; this is a listener thread with a
+//! bound on concurrent scrapes and a read deadline per request.
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-/// One value, stored as f64 bits.
-#[derive(Default)]
-pub struct Gauge(AtomicU64);
+/// A gauge of f64 values.
+pub type F64Gauge = Gauge<f64, AtomicU64>;
+/// A monotonic f64 counter (exposed with the `_total` suffix).
+pub type F64Counter = Counter<f64, AtomicU64>;
 
-impl Gauge {
-    pub fn set(&self, v: f64) {
-        self.0.store(v.to_bits(), Relaxed);
-    }
-    pub fn add(&self, v: f64) {
-        let _ = self.0.fetch_update(Relaxed, Relaxed, |b| Some((f64::from_bits(b) + v).to_bits()));
-    }
-    pub fn get(&self) -> f64 {
-        f64::from_bits(self.0.load(Relaxed))
-    }
-}
-
-/// The metrics of one rank.
-#[derive(Default)]
+/// The metrics of one rank (every series labelled `rank`).
 pub struct Metrics {
     pub rank: usize,
-    pub step: Gauge,
-    pub loss: Gauge,
-    pub step_seconds: Gauge,
-    pub samples_per_second: Gauge,
-    pub comm_bytes_total: Gauge,
-    pub comm_wait_seconds_total: Gauge,
-    pub skipped_steps_total: Gauge,
-    pub heap_bytes: Gauge,
-    pub peak_rss_bytes: Gauge,
-    pub straggler_rank: Gauge,
-    pub straggler_lag_seconds: Gauge,
+    pub step: F64Gauge,
+    pub loss: F64Gauge,
+    pub step_seconds: F64Gauge,
+    pub samples_per_second: F64Gauge,
+    pub comm_bytes: F64Counter,
+    pub comm_wait_seconds: F64Counter,
+    pub skipped_steps: F64Counter,
+    pub heap_bytes: F64Gauge,
+    pub peak_rss_bytes: F64Gauge,
+    pub straggler_rank: F64Gauge,
+    pub straggler_lag_seconds: F64Gauge,
+    registry: Registry,
 }
 
 impl Metrics {
     pub fn new(rank: usize) -> Arc<Metrics> {
-        Arc::new(Metrics { rank, ..Default::default() })
+        let mut registry = Registry::with_labels([("rank".into(), rank.to_string().into())].into_iter());
+        let g = |registry: &mut Registry, name: &str, help: &str| {
+            let m = F64Gauge::default();
+            registry.register(name, help, m.clone());
+            m
+        };
+        let c = |registry: &mut Registry, name: &str, help: &str| {
+            let m = F64Counter::default();
+            registry.register(name, help, m.clone());
+            m
+        };
+        let r = &mut registry;
+        let m = Metrics {
+            rank,
+            step: g(r, "kolo_step", "Optimizer steps done"),
+            loss: g(r, "kolo_loss", "Training loss averaged over ranks at the last logged step"),
+            step_seconds: g(r, "kolo_step_seconds", "Wall time of the last step on this rank"),
+            samples_per_second: g(r, "kolo_samples_per_second", "Global training throughput over the last log window"),
+            comm_bytes: c(r, "kolo_comm_bytes", "Bytes this rank handed to gradient collectives"),
+            comm_wait_seconds: c(r, "kolo_comm_wait_seconds", "Time waiting for gradient collectives after backward"),
+            skipped_steps: c(r, "kolo_skipped_steps", "Steps skipped because f16 gradients overflowed"),
+            heap_bytes: g(r, "kolo_heap_bytes", "Live heap bytes after the last step (counting allocator)"),
+            peak_rss_bytes: g(r, "kolo_peak_rss_bytes", "Peak resident set size of the process"),
+            straggler_rank: g(r, "kolo_straggler_rank", "The rank with the slowest own work per step over the last log window"),
+            straggler_lag_seconds: g(r, "kolo_straggler_lag_seconds", "How far that rank's own work per step is behind the median rank's"),
+            registry,
+        };
+        Arc::new(m)
     }
 
-    /// The exposition text.
-    pub fn render(&self) -> String {
-        let items: [(&str, &str, &str, &Gauge); 11] = [
-            ("kolo_step", "gauge", "Optimizer steps done.", &self.step),
-            ("kolo_loss", "gauge", "Training loss averaged over ranks at the last logged step.", &self.loss),
-            ("kolo_step_seconds", "gauge", "Wall time of the last step on this rank.", &self.step_seconds),
-            ("kolo_samples_per_second", "gauge", "Global training throughput over the last log window.", &self.samples_per_second),
-            ("kolo_comm_bytes_total", "counter", "Bytes this rank handed to gradient collectives.", &self.comm_bytes_total),
-            (
-                "kolo_comm_wait_seconds_total",
-                "counter",
-                "Time waiting for gradient collectives after backward.",
-                &self.comm_wait_seconds_total,
-            ),
-            ("kolo_skipped_steps_total", "counter", "Steps skipped because f16 gradients overflowed.", &self.skipped_steps_total),
-            ("kolo_heap_bytes", "gauge", "Live heap bytes after the last step (counting allocator).", &self.heap_bytes),
-            ("kolo_peak_rss_bytes", "gauge", "Peak resident set size of the process.", &self.peak_rss_bytes),
-            ("kolo_straggler_rank", "gauge", "The rank with the slowest own work per step over the last log window.", &self.straggler_rank),
-            (
-                "kolo_straggler_lag_seconds",
-                "gauge",
-                "How far that rank's own work per step is behind the median rank's.",
-                &self.straggler_lag_seconds,
-            ),
-        ];
-        let mut out = String::new();
-        for (name, kind, help, g) in items {
-            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{rank=\"{}\"}} {}\n", self.rank, g.get()));
+    /// Raises `counter` to `total` (a running total counted elsewhere, such as the loss
+    /// scaler's skipped steps); a counter never goes down.
+    pub fn raise_to(counter: &F64Counter, total: f64) {
+        let now = counter.get();
+        if total > now {
+            counter.inc_by(total - now);
         }
+    }
+
+    /// The exposition text (OpenMetrics).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String does not fail");
         out
     }
 }
+
+/// The exposition format's content type.
+const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Scrapes answered at once; more connections are closed (an idle or slow client holds one
 /// handler for at most [`REQUEST_DEADLINE`]).
@@ -153,11 +160,8 @@ fn answer(conn: std::net::TcpStream, metrics: &Metrics) {
     let (status, body) = if ok { ("200 OK", metrics.render()) } else { ("404 Not Found", "try /metrics\n".to_string()) };
     let _ = conn.set_write_timeout(Some(REQUEST_DEADLINE));
     let mut w = &conn;
-    let _ = write!(
-        w,
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
+    let _ =
+        write!(w, "HTTP/1.1 {status}\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
 }
 
 /// A running endpoint; stops when dropped.
@@ -205,23 +209,26 @@ mod tests {
         drop(idle);
     }
 
-    /// The endpoint answers over real TCP in the exposition format: HELP and TYPE lines, then
-    /// `name{rank="N"} value` samples that parse as numbers.
+    /// The endpoint answers over real TCP in the OpenMetrics format: HELP and TYPE lines, then
+    /// `name{rank="N"} value` samples that parse as numbers, counters with `_total`, `# EOF`.
     #[test]
     fn endpoint_serves_the_exposition_format() {
         let m = Metrics::new(3);
         m.step.set(7.0);
         m.loss.set(1.25);
-        m.comm_bytes_total.add(1e6);
-        m.comm_bytes_total.add(5e5);
+        m.comm_bytes.inc_by(1e6);
+        m.comm_bytes.inc_by(5e5);
+        Metrics::raise_to(&m.skipped_steps, 2.0);
+        Metrics::raise_to(&m.skipped_steps, 1.0);
         let server = serve(m.clone(), "127.0.0.1:0").unwrap();
         let resp = get(server.addr, "/metrics");
-        assert!(resp.starts_with("HTTP/1.1 200 OK\r\n") && resp.contains("text/plain; version=0.0.4"), "{resp}");
+        assert!(resp.starts_with("HTTP/1.1 200 OK\r\n") && resp.contains(CONTENT_TYPE), "{resp}");
         let body = resp.split("\r\n\r\n").nth(1).unwrap();
+        assert!(body.ends_with("# EOF\n"), "{body}");
         let mut samples = 0;
         for line in body.lines() {
             if line.starts_with('#') {
-                assert!(line.starts_with("# HELP kolo_") || line.starts_with("# TYPE kolo_"), "{line}");
+                assert!(line.starts_with("# HELP kolo_") || line.starts_with("# TYPE kolo_") || line == "# EOF", "{line}");
                 continue;
             }
             let (name, value) = line.rsplit_once(' ').unwrap();
@@ -230,7 +237,12 @@ mod tests {
             samples += 1;
         }
         assert_eq!(samples, 11);
-        assert!(body.contains("kolo_step{rank=\"3\"} 7\n") && body.contains("kolo_comm_bytes_total{rank=\"3\"} 1500000\n"), "{body}");
+        assert!(body.contains("# HELP kolo_step Optimizer steps done.\n"), "{body}");
+        for want in
+            ["kolo_step{rank=\"3\"} 7.0\n", "kolo_comm_bytes_total{rank=\"3\"} 1500000.0\n", "kolo_skipped_steps_total{rank=\"3\"} 2.0\n"]
+        {
+            assert!(body.contains(want), "{want}: {body}");
+        }
         assert!(get(server.addr, "/nope").starts_with("HTTP/1.1 404"));
         drop(server);
     }

@@ -172,9 +172,9 @@ impl Reporter {
             let m = &self.metrics;
             m.step.set((step + 1) as f64);
             m.step_seconds.set(r.step_ms / 1e3);
-            m.comm_bytes_total.add(r.comm_bytes.unwrap_or(0) as f64);
-            m.comm_wait_seconds_total.add(r.wait_ms.unwrap_or(0.0) / 1e3);
-            m.skipped_steps_total.set(r.skipped_steps as f64);
+            m.comm_bytes.inc_by(r.comm_bytes.unwrap_or(0) as f64);
+            m.comm_wait_seconds.inc_by(r.wait_ms.unwrap_or(0.0) / 1e3);
+            crate::metrics::Metrics::raise_to(&m.skipped_steps, r.skipped_steps as f64);
             m.heap_bytes.set(kolo_base::alloc::stats().map_or(0.0, |h| h.live as f64));
             m.peak_rss_bytes.set(peak_rss().unwrap_or(0) as f64);
         }

@@ -563,7 +563,12 @@ fn training_serves_prometheus_metrics_while_it_runs() {
     let _ = child.kill();
     let _ = child.wait();
     assert!(later > first, "the step counter did not move: {first} -> {later}");
-    assert!(body.starts_with("HTTP/1.1 200 OK") && body.contains("# TYPE kolo_comm_bytes_total counter"), "{body}");
+    assert!(
+        body.starts_with("HTTP/1.1 200 OK")
+            && body.contains("# TYPE kolo_comm_bytes counter")
+            && body.contains("\nkolo_comm_bytes_total{rank=\"0\"} "),
+        "{body}"
+    );
     for l in body.split("\r\n\r\n").nth(1).unwrap().lines().filter(|l| !l.starts_with('#')) {
         l.rsplit_once(' ').unwrap().1.parse::<f64>().unwrap_or_else(|_| panic!("bad sample {l}"));
     }
