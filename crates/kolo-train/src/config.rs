@@ -734,6 +734,18 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), String> {
+        self.validate_model_and_data()?;
+        self.validate_numbers()?;
+        self.validate_device_and_ddp()?;
+        self.validate_ddp_modes()?;
+        self.validate_experts_and_mesh()?;
+        self.validate_pipeline_and_ps()?;
+        self.validate_loops()?;
+        Ok(())
+    }
+
+    /// The model's fields against its kind, the data, steps and shapes.
+    fn validate_model_and_data(&self) -> Result<(), String> {
         let m = &self.model;
         let not_for =
             |field: &str, set: bool, kinds: &str| if set { Err(format!("model.{field} applies to kind = {kinds} only")) } else { Ok(()) };
@@ -771,6 +783,11 @@ impl Config {
                 return Err(format!("model.d_model {d} must be divisible by model.n_head {h}"));
             }
         }
+        Ok(())
+    }
+
+    /// Numbers in range: the learning rate and the optimizer's, the deadline, the sampling temperature.
+    fn validate_numbers(&self) -> Result<(), String> {
         if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
             return Err("optim.lr must be a positive number".into());
         }
@@ -796,6 +813,11 @@ impl Config {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// The device, DDP's buckets and compression, local SGD, and federated settings.
+    fn validate_device_and_ddp(&self) -> Result<(), String> {
         if self.train.device != "cpu" {
             let mesh = self.mesh.as_ref();
             if mesh.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1))
@@ -837,6 +859,11 @@ impl Config {
                 return Err("fed.secure needs at least 2 clients per round".into());
             }
         }
+        Ok(())
+    }
+
+    /// What scheduled communication, deterministic mode and dynamic batch sizing run with.
+    fn validate_ddp_modes(&self) -> Result<(), String> {
         if self.ddp.schedule.is_some() {
             self.comm_schedule()?;
             let m = self.mesh.as_ref();
@@ -893,6 +920,11 @@ impl Config {
         {
             return Err("ddp.dynamic_batch_every needs train.grad_accum = 1, real data (mnist or text), plain data parallelism (no [mesh], [pipeline], local SGD, skip_sync or parameter servers)".into());
         }
+        Ok(())
+    }
+
+    /// Mixture of experts and the mesh (expert, sequence, pipeline and tensor parallelism).
+    fn validate_experts_and_mesh(&self) -> Result<(), String> {
         if let Some(x) = self.model.experts {
             let md = &self.model;
             if md.kind != ModelKind::Gpt {
@@ -980,6 +1012,11 @@ impl Config {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Pipelines and parameter servers.
+    fn validate_pipeline_and_ps(&self) -> Result<(), String> {
         if let Some(p) = &self.pipeline {
             if self.model.kind != ModelKind::Gpt {
                 return Err("[pipeline] cuts the GPT's layers into stages; model.kind must be \"gpt\"".into());
@@ -1025,6 +1062,11 @@ impl Config {
                 return Err("train.strategy = \"ps\" trains in f32 without [ddp] options (zero_stage, compression, local_sgd) and keeps its state on the servers (no train.checkpoint_dir)".into());
             }
         }
+        Ok(())
+    }
+
+    /// What the loops not on the driver lack (refused, never ignored), and skip_sync under ZeRO.
+    fn validate_loops(&self) -> Result<(), String> {
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
         }

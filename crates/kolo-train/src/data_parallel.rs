@@ -176,22 +176,7 @@ impl<'a> DataParallel<'a> {
         let eval_view: Box<dyn ParamView> =
             if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
         if global_rank == 0 && !opts.quiet {
-            kolo_base::eline!(
-                "kolo train: {} params, {} on {world} rank(s), global batch {} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
-                model.params().numel(),
-                spec_string(&spec),
-                cfg.data.batch_size * world * tc.grad_accum as usize,
-                cfg.data.batch_size,
-                tc.grad_accum,
-                ddp.plan().len(),
-                match &zero {
-                    Some(z) => format!(", ZeRO-{} (optimizer state for {} of {numel} values on this rank)", sharding.stage(), z.len),
-                    None => String::new(),
-                },
-                data.train.describe(),
-                kolo_base::simd::capability().name(),
-                kolo_tensor::compute_threads()
-            );
+            announce(cfg, &*model, &spec, &ddp, zero.as_ref(), data);
         }
         let hooked = HookedView { sink: ddp.sink(), dtype };
         let s = DataParallel {
@@ -551,6 +536,27 @@ impl Strategy for DataParallel<'_> {
             pipeline_bubble: None,
         })
     }
+}
+
+/// The start line of a data-parallel run.
+fn announce(cfg: &Config, model: &dyn Model, spec: &ModelSpec, ddp: &Ddp, zero: Option<&ShardPlan>, data: &Data) {
+    let (tc, world, numel) = (&cfg.train, ddp.comm().world_size().get(), model.params().numel());
+    kolo_base::eline!(
+        "kolo train: {} params, {} on {world} rank(s), global batch {} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
+        numel,
+        spec_string(spec),
+        cfg.data.batch_size * world * tc.grad_accum as usize,
+        cfg.data.batch_size,
+        tc.grad_accum,
+        ddp.plan().len(),
+        match zero {
+            Some(z) => format!(", ZeRO-{} (optimizer state for {} of {numel} values on this rank)", ddp.sharding().stage(), z.len),
+            None => String::new(),
+        },
+        data.train.describe(),
+        kolo_base::simd::capability().name(),
+        kolo_tensor::compute_threads()
+    );
 }
 
 /// Tensor parallelism: loads a checkpoint of whole tensors (written at any tensor-parallel

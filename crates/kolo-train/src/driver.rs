@@ -349,22 +349,8 @@ pub fn drive(
         write_timeline(tl, Path::new(d), job, global_rank == 0 && !opts.quiet)?;
     }
     report.finish();
-    let (mut eval, mut sample) = (None, None);
-    if end == tc.steps {
-        // The final evaluation covers the whole test set for images (10k for MNIST); text
-        // validation sets have a window at every position, so `eval_batches` bounds them.
-        let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
-        eval = s.evaluate(&*data.eval, limit)?;
-        if let Some(e) = &eval {
-            report.eval(end, e, true);
-        }
-        if let Some(v) = data.vocab.as_ref().filter(|_| tc.sample_chars > 0) {
-            sample = s.sample(v)?;
-            if let Some(text) = sample.as_ref().filter(|_| global_rank == 0 && !opts.quiet) {
-                kolo_base::eline!("--- sample ({} chars, temperature {}) ---\n{text}\n---", tc.sample_chars, tc.sample_temperature);
-            }
-        }
-    }
+    let (eval, sample) =
+        if end == tc.steps { final_eval(cfg, data, s, &mut report, global_rank == 0 && !opts.quiet)? } else { (None, None) };
     let f = s.finish(end - first)?;
     Ok(Summary {
         steps_done: end,
@@ -389,6 +375,33 @@ pub fn drive(
         moe: f.moe,
         batch_split: batches.split().map(<[usize]>::to_vec),
     })
+}
+
+/// The end of a complete run: the final evaluation (the whole test set for images, 10k for
+/// MNIST; text validation sets have a window at every position, so `eval_batches` bounds them)
+/// and, for text, a sample.
+fn final_eval(
+    cfg: &Config,
+    data: &Data,
+    s: &mut dyn Strategy,
+    report: &mut Reporter,
+    say: bool,
+) -> Result<(Option<Eval>, Option<String>), TrainError> {
+    let tc = &cfg.train;
+    let end = tc.steps;
+    let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
+    let eval = s.evaluate(&*data.eval, limit)?;
+    if let Some(e) = &eval {
+        report.eval(end, e, true);
+    }
+    let mut sample = None;
+    if let Some(v) = data.vocab.as_ref().filter(|_| tc.sample_chars > 0) {
+        sample = s.sample(v)?;
+        if let Some(text) = sample.as_ref().filter(|_| say) {
+            kolo_base::eline!("--- sample ({} chars, temperature {}) ---\n{text}\n---", tc.sample_chars, tc.sample_temperature);
+        }
+    }
+    Ok((eval, sample))
 }
 
 /// The test hooks at the start of a step: a straggler's sleep, a rank that dies.
