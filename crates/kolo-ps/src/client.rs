@@ -321,8 +321,12 @@ impl PsClient {
                 .find(|(s, _)| *s == id)
                 .map(|(_, a)| a.clone())
                 .ok_or_else(|| PsError::Server(format!("server {id} is not a member")))?;
+            // A member has registered, so it listens: a refused connection means it is down.
+            // Fail at once and let the caller refresh the membership (the coordinator drops a
+            // dead server after its missed heartbeats) instead of redialling the dead address
+            // for the whole deadline (#19: every run failed after a server was killed).
             // Pulls may wait up to the servers' deadline: give the socket a little more.
-            let conn = Conn::connect(&addr, &self.o.token, self.o.timeout + Duration::from_secs(5))?;
+            let conn = Conn::connect_once(&addr, &self.o.token, self.o.timeout + Duration::from_secs(5))?;
             self.conns.insert(id, ServerConn { conn, sent_lists: HashSet::new() });
         }
         Ok(self.conns.get_mut(&id).expect("inserted"))

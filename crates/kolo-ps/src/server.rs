@@ -538,10 +538,26 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             check_keys(&keys, d.values.len(), Some(values.len())).map_err(|e| err(format!("push to range {range}: {e}")))?;
             let w = worker as usize;
             let duplicate = clock < d.clocks[w] || (job.consistency == Consistency::Bsp && clock == d.clocks[w] && d.pending[w].is_some());
+            if !duplicate && job.consistency == Consistency::Bsp && clock > d.clocks[w] {
+                return Err(err(format!(
+                    "worker {worker} pushed step {clock} to range {range}, which expects its step {} (BSP: one push per step, in order)",
+                    d.clocks[w]
+                )));
+            }
+            // Replicate first, apply after: a write becomes visible here (pulls read the head)
+            // only once the rest of the chain holds it, so no pull observes a write that is
+            // not acknowledged (#19). A failed forward leaves this server unchanged; the
+            // worker's retry is applied here then, and dropped as a duplicate downstream.
+            if let Some(next) = successor(shared, &job, range) {
+                let keys = match &keys {
+                    None => Keys::All,
+                    Some(k) => Keys::List { id: 0, keys: k.to_vec() },
+                };
+                let req = Req::Push { epoch, range, worker, clock, lr, keys, values: values.clone(), fwd: true };
+                forward(shared, next, &req)
+                    .map_err(|e| err(format!("server {me}: replicating worker {worker}'s step {clock} of range {range}: {e}")))?;
+            }
             if !duplicate {
-                if job.consistency == Consistency::Bsp && clock > d.clocks[w] {
-                    return Err(err(format!("worker {worker} pushed step {clock} to range {range}, which expects its step {} (BSP: one push per step, in order)", d.clocks[w])));
-                }
                 let dense = match &keys {
                     None => values.clone(),
                     Some(k) => {
@@ -554,14 +570,6 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                 };
                 let skipped = apply(&mut d, &job, w, clock, lr, dense);
                 lock(&shared.stats).skipped += skipped;
-            }
-            if let Some(next) = successor(shared, &job, range) {
-                let keys = match &keys {
-                    None => Keys::All,
-                    Some(k) => Keys::List { id: 0, keys: k.to_vec() },
-                };
-                forward(shared, next, &Req::Push { epoch, range, worker, clock, lr, keys, values, fwd: true })
-                    .map_err(|e| err(format!("server {me}: replicating worker {worker}'s step {clock} of range {range}: {e}")))?;
             }
             slot.1.notify_all();
             let mut s = lock(&shared.stats);

@@ -399,3 +399,39 @@ fn bsp_with_a_backup_worker_does_not_wait_for_the_straggler() {
         "the steps should have gone without the straggler: {skipped} gradients skipped over 4 ranges x {steps} steps"
     );
 }
+
+/// Chain replication shows no write before the chain holds it (#19): with the tail of a range's
+/// chain killed (and not yet declared dead), a push to the head cannot be replicated and fails;
+/// a pull from the head still reads the old values. (The head used to apply a push before
+/// forwarding it: that pull read -1.)
+#[test]
+fn a_pull_never_sees_a_push_the_chain_did_not_acknowledge() {
+    let token = JobToken::generate();
+    let coord = Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_secs(60)).unwrap();
+    let mut servers: Vec<Server> = (0..2).map(|_| add_server(&coord, &token)).collect();
+    let c = Cluster { coord, servers: Vec::new(), token };
+    // One range of 100 values on a chain of 2.
+    let j = job(100, 100, 1, 1, Consistency::Async, sgd());
+    client(&c, &j, 0, 2).init(&[0.0; 100]).unwrap();
+    let ids: Vec<u32> = c.coord.membership().servers.iter().map(|(id, _)| *id).collect();
+    let chain = kolo_ps::Ring::new(&ids).chain(0, 1);
+    assert_eq!(chain.len(), 2);
+    let tail = servers.iter().position(|s| s.id() == chain[1]).unwrap();
+    servers.remove(tail).kill();
+    let mut p = PsClient::connect(ClientOptions {
+        coordinator: c.coord.addr().to_string(),
+        token: c.token.clone(),
+        job: j.clone(),
+        worker: 0,
+        min_servers: 2,
+        timeout: Duration::from_secs(1),
+        heartbeat: None,
+    })
+    .unwrap();
+    let e = p.push(0, 1.0, &[1.0; 100], None).unwrap_err();
+    assert!(e.to_string().contains("replicating"), "{e}");
+    let mut x = vec![9f32; 100];
+    p.pull(0, &mut x).unwrap();
+    assert!(x.iter().all(|v| *v == 0.0), "a pull read a push the chain never acknowledged: {:?}...", &x[..4]);
+    drop(servers);
+}
