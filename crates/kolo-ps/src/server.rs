@@ -277,6 +277,7 @@ fn reconfigure(shared: &Shared, m: Membership) {
                     opt_state: d.opt.state().into_iter().map(|(_, v)| v.to_vec()).collect(),
                     clocks: d.clocks.clone(),
                     pending: d.pending.clone(),
+                    vectors: d.vectors.iter().map(|(id, v)| (*id, v.clone())).collect(),
                 };
                 let req = Req::Transfer { job: job.clone(), epoch, range: r, state };
                 if let Err(e) = forward(shared, to, &req) {
@@ -509,7 +510,11 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
         Req::Transfer { job, epoch, range, state } => {
             set_job(shared, &job)?;
             let n = job.span(range).len();
-            if range >= job.ranges() || state.values.len() != n || state.clocks.len() != job.workers as usize {
+            if range >= job.ranges()
+                || state.values.len() != n
+                || state.clocks.len() != job.workers as usize
+                || state.vectors.iter().any(|(_, v)| v.len() != n)
+            {
                 return Err(err(format!("hand-over of range {range} does not fit the job")));
             }
             let mut opt = Optimizer::new(job.optimizer.clone(), n);
@@ -518,7 +523,8 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             opt.load_state(state.opt_steps, &bufs).map_err(|e| err(format!("hand-over of range {range}: {e}")))?;
             let mut pending = state.pending;
             pending.resize(job.workers as usize, None);
-            let d = RangeData { epoch, values: state.values, opt, clocks: state.clocks, pending, vectors: BTreeMap::new() };
+            let vectors = state.vectors.into_iter().collect();
+            let d = RangeData { epoch, values: state.values, opt, clocks: state.clocks, pending, vectors };
             let old = lock(&shared.ranges).insert(range, Arc::new((Mutex::new(d), Condvar::new())));
             if let Some(old) = old {
                 lock(&old.0).epoch = RETIRED;

@@ -106,6 +106,7 @@ fn sample_reqs() -> Vec<Req> {
                 opt_state: vec![vec![2.0; 3]],
                 clocks: vec![1, 2, 3],
                 pending: vec![None, Some(vec![1.0; 3]), None],
+                vectors: vec![(3, vec![0.5; 3]), (9, vec![-1.0; 3])],
             },
         },
         Req::Stats,

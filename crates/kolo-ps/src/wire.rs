@@ -27,7 +27,12 @@ pub struct RangeState {
     pub clocks: Vec<u64>,
     /// BSP: per worker, the gradient pushed for the current clock, if any.
     pub pending: Vec<Option<Vec<f32>>>,
+    /// Sandblaster's named vectors of the range (id, values), which move with it.
+    pub vectors: Vec<(u32, Vec<f32>)>,
 }
+
+/// Most named vectors a range may carry in a hand-over.
+pub const MAX_VECTORS: u64 = 64;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Req {
@@ -228,6 +233,10 @@ fn put_state(w: &mut Writer, s: &RangeState) {
             None => w.u8(0),
         };
     }
+    w.u64(s.vectors.len() as u64);
+    for (id, v) in &s.vectors {
+        w.u32(*id).f32s(v);
+    }
 }
 
 fn get_state(r: &mut Reader) -> Result<RangeState, PsError> {
@@ -244,7 +253,12 @@ fn get_state(r: &mut Reader) -> Result<RangeState, PsError> {
         return Err(PsError::Protocol("more pending gradients than workers".into()));
     }
     let pending = (0..np).map(|_| Ok(if r.u8()? == 1 { Some(r.f32s()?) } else { None })).collect::<Result<_, PsError>>()?;
-    Ok(RangeState { values, opt_steps, opt_state, clocks, pending })
+    let nv = r.u64()?;
+    if nv > MAX_VECTORS {
+        return Err(PsError::Protocol(format!("{nv} named vectors in a range (at most {MAX_VECTORS})")));
+    }
+    let vectors = (0..nv).map(|_| Ok((r.u32()?, r.f32s()?))).collect::<Result<_, PsError>>()?;
+    Ok(RangeState { values, opt_steps, opt_state, clocks, pending, vectors })
 }
 
 fn put_membership(w: &mut Writer, m: &Membership) {

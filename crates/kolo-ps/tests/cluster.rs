@@ -435,3 +435,29 @@ fn a_pull_never_sees_a_push_the_chain_did_not_acknowledge() {
     assert!(x.iter().all(|v| *v == 0.0), "a pull read a push the chain never acknowledged: {:?}...", &x[..4]);
     drop(servers);
 }
+
+/// Sandblaster's named vectors move with their range (#19): a vector written on one server is
+/// read back whole after a second server joined and took some of the ranges. (The hand-over
+/// carried only the parameters and optimizer state: the moved ranges read as zeros.)
+#[test]
+fn named_vectors_move_with_their_ranges() {
+    let mut c = cluster(1);
+    let n = 1000;
+    let j = job(n, 50, 1, 0, Consistency::Async, sgd());
+    let mut p = client(&c, &j, 0, 1);
+    p.init(&vec![0.0; n as usize]).unwrap();
+    let v: Vec<f32> = (0..n).map(|i| i as f32 * 0.5 + 1.0).collect();
+    let mut scratch = vec![0f32; n as usize];
+    p.vector(7, Some(&v), &mut scratch).unwrap();
+    let s = add_server(&c.coord, &c.token);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.stats().ranges == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(s.stats().ranges > 0, "no range moved to the new server");
+    c.servers.push(s);
+    let mut back = vec![0f32; n as usize];
+    let mut q = client(&c, &j, 0, 2);
+    q.vector(7, None, &mut back).unwrap();
+    assert_eq!(back, v, "vector 7 after its ranges moved");
+}
