@@ -60,6 +60,8 @@ pub struct PsClient {
     ring: Ring,
     conns: HashMap<u32, ServerConn>,
     stats: PushStats,
+    /// The number of the last vector operation this client issued.
+    vec_seq: u64,
     beat: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
 }
 
@@ -132,7 +134,7 @@ impl PsClient {
             None => None,
         };
         let ring = Ring::new(&membership.servers.iter().map(|(id, _)| *id).collect::<Vec<_>>());
-        Ok(PsClient { o, coord, membership, ring, conns: HashMap::new(), stats: PushStats::default(), beat })
+        Ok(PsClient { o, coord, membership, ring, conns: HashMap::new(), stats: PushStats::default(), vec_seq: 0, beat })
     }
 
     pub fn job(&self) -> &JobSpec {
@@ -259,9 +261,16 @@ impl PsClient {
     }
 
     /// Sandblaster: `dst = a * dst + b * src` on every range (vector 0 is the parameters).
+    /// Applied once per range even when a request is retried: the operation carries a number
+    /// (microseconds since the Unix epoch, strictly increasing on this client, so a restarted
+    /// driver continues above its predecessor), and a range skips numbers it has applied.
+    /// One driver issues a job's vector operations.
     pub fn axpby(&mut self, dst: u32, a: f64, src: u32, b: f64) -> Result<(), PsError> {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        self.vec_seq = now.max(self.vec_seq + 1);
+        let seq = self.vec_seq;
         let mut todo: Vec<u32> = (0..self.o.job.ranges()).collect();
-        self.rounds("axpby", &mut todo, &mut |range, epoch, _| Req::Axpby { epoch, range, dst, a, src, b }, &mut |_, r| match r {
+        self.rounds("axpby", &mut todo, &mut |range, epoch, _| Req::Axpby { epoch, range, seq, dst, a, src, b }, &mut |_, r| match r {
             Resp::Ok { .. } => Ok(()),
             other => Err(other),
         })

@@ -49,6 +49,8 @@ struct RangeData {
     pending: Vec<Option<Vec<f32>>>,
     /// Sandblaster's named vectors (0 is `values`).
     vectors: BTreeMap<u32, Vec<f32>>,
+    /// The number of the last vector operation applied (retries of it are not applied again).
+    vec_seq: u64,
 }
 
 type Slot = Arc<(Mutex<RangeData>, Condvar)>;
@@ -278,6 +280,7 @@ fn reconfigure(shared: &Shared, m: Membership) {
                     clocks: d.clocks.clone(),
                     pending: d.pending.clone(),
                     vectors: d.vectors.iter().map(|(id, v)| (*id, v.clone())).collect(),
+                    vec_seq: d.vec_seq,
                 };
                 let req = Req::Transfer { job: job.clone(), epoch, range: r, state };
                 if let Err(e) = forward(shared, to, &req) {
@@ -493,6 +496,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                         clocks: vec![0; job.workers as usize],
                         pending: vec![None; job.workers as usize],
                         vectors: BTreeMap::new(),
+                        vec_seq: 0,
                     };
                     let s: Slot = Arc::new((Mutex::new(d), Condvar::new()));
                     lock(&shared.ranges).entry(range).or_insert(s).clone()
@@ -524,7 +528,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             let mut pending = state.pending;
             pending.resize(job.workers as usize, None);
             let vectors = state.vectors.into_iter().collect();
-            let d = RangeData { epoch, values: state.values, opt, clocks: state.clocks, pending, vectors };
+            let d = RangeData { epoch, values: state.values, opt, clocks: state.clocks, pending, vectors, vec_seq: state.vec_seq };
             let old = lock(&shared.ranges).insert(range, Arc::new((Mutex::new(d), Condvar::new())));
             if let Some(old) = old {
                 lock(&old.0).epoch = RETIRED;
@@ -650,19 +654,24 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                 }
             }
         }
-        Req::Axpby { epoch, range, dst, a, src, b } => {
+        Req::Axpby { epoch, range, seq, dst, a, src, b } => {
             let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
             let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
-            let s = vector(&d, src).to_vec();
-            let out = if dst == 0 { &mut d.values } else { d.vectors.entry(dst).or_insert_with(|| vec![0f32; s.len()]) };
-            for (o, x) in out.iter_mut().zip(&s) {
-                *o = (a * f64::from(*o) + b * f64::from(*x)) as f32;
-            }
+            // Replicated first (as a push); a number already applied is a retry.
             if let Some(next) = successor(shared, &job, range) {
-                forward(shared, next, &Req::Axpby { epoch, range, dst, a, src, b }).map_err(|e| err(e.to_string()))?;
+                forward(shared, next, &Req::Axpby { epoch, range, seq, dst, a, src, b }).map_err(|e| err(e.to_string()))?;
             }
-            Ok(Resp::Ok { duplicate: false })
+            let duplicate = seq <= d.vec_seq;
+            if !duplicate {
+                let s = vector(&d, src).to_vec();
+                let out = if dst == 0 { &mut d.values } else { d.vectors.entry(dst).or_insert_with(|| vec![0f32; s.len()]) };
+                for (o, x) in out.iter_mut().zip(&s) {
+                    *o = (a * f64::from(*o) + b * f64::from(*x)) as f32;
+                }
+                d.vec_seq = seq;
+            }
+            Ok(Resp::Ok { duplicate })
         }
         Req::Dot { epoch, range, x, y } => {
             let slot = wait_range(shared, range, epoch)?;

@@ -29,6 +29,8 @@ pub struct RangeState {
     pub pending: Vec<Option<Vec<f32>>>,
     /// Sandblaster's named vectors of the range (id, values), which move with it.
     pub vectors: Vec<(u32, Vec<f32>)>,
+    /// The number of the last vector operation applied to the range.
+    pub vec_seq: u64,
 }
 
 /// Most named vectors a range may carry in a hand-over.
@@ -77,6 +79,10 @@ pub enum Req {
     Axpby {
         epoch: u64,
         range: u32,
+        /// The operation's number from its client, increasing, the same on every range and
+        /// retry: a range applies each number once (an operation retried after its answer was
+        /// lost is not applied twice).
+        seq: u64,
         dst: u32,
         a: f64,
         src: u32,
@@ -237,6 +243,7 @@ fn put_state(w: &mut Writer, s: &RangeState) {
     for (id, v) in &s.vectors {
         w.u32(*id).f32s(v);
     }
+    w.u64(s.vec_seq);
 }
 
 fn get_state(r: &mut Reader) -> Result<RangeState, PsError> {
@@ -258,7 +265,8 @@ fn get_state(r: &mut Reader) -> Result<RangeState, PsError> {
         return Err(PsError::Protocol(format!("{nv} named vectors in a range (at most {MAX_VECTORS})")));
     }
     let vectors = (0..nv).map(|_| Ok((r.u32()?, r.f32s()?))).collect::<Result<_, PsError>>()?;
-    Ok(RangeState { values, opt_steps, opt_state, clocks, pending, vectors })
+    let vec_seq = r.u64()?;
+    Ok(RangeState { values, opt_steps, opt_state, clocks, pending, vectors, vec_seq })
 }
 
 fn put_membership(w: &mut Writer, m: &Membership) {
@@ -307,8 +315,8 @@ impl Req {
             Req::Stats => {
                 w.u8(5);
             }
-            Req::Axpby { epoch, range, dst, a, src, b } => {
-                w.u8(6).u64(*epoch).u32(*range).u32(*dst).f64(*a).u32(*src).f64(*b);
+            Req::Axpby { epoch, range, seq, dst, a, src, b } => {
+                w.u8(6).u64(*epoch).u32(*range).u64(*seq).u32(*dst).f64(*a).u32(*src).f64(*b);
             }
             Req::Dot { epoch, range, x, y } => {
                 w.u8(7).u64(*epoch).u32(*range).u32(*x).u32(*y);
@@ -365,7 +373,7 @@ impl Req {
             3 => Req::Pull { epoch: r.u64()?, range: r.u32()?, worker: r.u32()?, clock: r.u64()?, keys: get_keys(&mut r)? },
             4 => Req::Transfer { job: get_job(&mut r)?, epoch: r.u64()?, range: r.u32()?, state: get_state(&mut r)? },
             5 => Req::Stats,
-            6 => Req::Axpby { epoch: r.u64()?, range: r.u32()?, dst: r.u32()?, a: r.f64()?, src: r.u32()?, b: r.f64()? },
+            6 => Req::Axpby { epoch: r.u64()?, range: r.u32()?, seq: r.u64()?, dst: r.u32()?, a: r.f64()?, src: r.u32()?, b: r.f64()? },
             7 => Req::Dot { epoch: r.u64()?, range: r.u32()?, x: r.u32()?, y: r.u32()? },
             8 => Req::Vector { epoch: r.u64()?, range: r.u32()?, id: r.u32()?, values: if r.u8()? == 1 { Some(r.f32s()?) } else { None } },
             20 => Req::Register { addr: r.str()? },

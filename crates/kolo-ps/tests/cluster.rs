@@ -461,3 +461,33 @@ fn named_vectors_move_with_their_ranges() {
     q.vector(7, None, &mut back).unwrap();
     assert_eq!(back, v, "vector 7 after its ranges moved");
 }
+
+/// Sandblaster's vector operations are idempotent under retry (#19): the same `axpby` request
+/// (one operation number) arriving twice, as when its answer was lost and the client resent it,
+/// is applied once and answered as a duplicate; the next operation applies. Replicated ranges
+/// agree afterwards.
+#[test]
+fn a_retried_vector_operation_is_applied_once() {
+    let c = cluster(2);
+    let n = 100;
+    let j = job(n, 100, 1, 1, Consistency::Async, sgd());
+    let mut p = client(&c, &j, 0, 2);
+    p.init(&vec![1.0; n as usize]).unwrap();
+    let m = p.membership().clone();
+    let ids: Vec<u32> = m.servers.iter().map(|(id, _)| *id).collect();
+    let head = kolo_ps::Ring::new(&ids).chain(0, 1)[0];
+    let addr = m.servers.iter().find(|(id, _)| *id == head).unwrap().1.clone();
+    let mut conn = kolo_ps::net::Conn::connect(&addr, &c.token, TIMEOUT).unwrap();
+    // x = 2 * x + 0 * x, sent twice with the same number.
+    let op = |seq| kolo_ps::wire::Req::Axpby { epoch: m.epoch, range: 0, seq, dst: 0, a: 2.0, src: 0, b: 0.0 };
+    let dup = |r| matches!(r, kolo_ps::wire::Resp::Ok { duplicate: true });
+    assert!(!dup(conn.call(&op(10)).unwrap()));
+    assert!(dup(conn.call(&op(10)).unwrap()), "the retry must be recognised");
+    let mut x = vec![0f32; n as usize];
+    p.pull(0, &mut x).unwrap();
+    assert!(x.iter().all(|v| *v == 2.0), "applied {:?} (1 -> 2 once; 4 if applied twice)", &x[..2]);
+    assert!(!dup(conn.call(&op(11)).unwrap()));
+    p.axpby(0, 0.5, 0, 0.0).unwrap();
+    p.pull(0, &mut x).unwrap();
+    assert!(x.iter().all(|v| *v == 2.0), "{:?}", &x[..2]);
+}
