@@ -3,6 +3,13 @@
 //! epoch: its ranges fail over to their replicas); a registering server is added (new epoch:
 //! ranges move to it). Workers heartbeat too; silent ones are listed as dead so that another
 //! worker can take over their data shard.
+//!
+//! The coordinator keeps no state on disk. A restarted one (same address and token) recovers
+//! the membership from the servers: a server that hears an older epoch than it has seen sends
+//! `Rejoin` with the membership it knows, which the coordinator takes whole at the same epoch,
+//! so no range moves; servers that do not heartbeat within `dead_after` then fail over as
+//! usual. Workers re-register by their heartbeats. While it is down, training goes on (data
+//! requests go to the servers); only membership changes wait for it.
 
 use crate::net::{ConnState, Listener};
 use crate::wire::{Membership, Req, Resp};
@@ -188,6 +195,28 @@ fn handle(shared: &Shared, req: Req) -> Resp {
             }
             Resp::Membership(s.membership())
         }
+        Req::Rejoin { server, known } => {
+            // A restarted coordinator learns the membership from its servers: the first report
+            // of a newer epoch than its own is taken whole (same epoch, so nobody reconfigures
+            // and no range moves); every listed server then has `dead_after` to heartbeat,
+            // and one that died meanwhile fails over as usual.
+            if known.epoch > s.epoch && known.servers.iter().any(|(id, _)| *id == server) {
+                let now = Instant::now();
+                s.epoch = known.epoch;
+                s.servers = known.servers.iter().map(|(id, a)| (*id, (a.clone(), now))).collect();
+                s.next_id = s.next_id.max(known.servers.iter().map(|(id, _)| id + 1).max().unwrap_or(0));
+                kolo_base::eline!(
+                    "kolo ps coordinator: recovered the membership of epoch {} ({} servers) from server {server}",
+                    s.epoch,
+                    s.servers.len()
+                );
+                shared.changed.notify_all();
+            }
+            if let Some((_, t)) = s.servers.get_mut(&server) {
+                *t = Instant::now();
+            }
+            Resp::Membership(s.membership())
+        }
         Req::Shutdown => {
             s.shutdown = true;
             shared.changed.notify_all();
@@ -215,6 +244,7 @@ pub(crate) fn name_of(r: &Req) -> &'static str {
         Req::Shutdown => "Shutdown",
         Req::Adopt { .. } => "Adopt",
         Req::WorkerDone { .. } => "WorkerDone",
+        Req::Rejoin { .. } => "Rejoin",
     }
 }
 

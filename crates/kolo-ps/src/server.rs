@@ -215,7 +215,21 @@ fn beat_loop(
                     shared.stop.store(true, Ordering::SeqCst);
                     return Ok(());
                 }
+                let m = if m.epoch < *seen && !m.shutdown {
+                    // The coordinator restarted: tell it what this server knows.
+                    let known = lock(&shared.view).membership.clone();
+                    match coord.call(&Req::Rejoin { server: me, known }) {
+                        Ok(Resp::Membership(m)) => m,
+                        Ok(other) => return Err(PsError::Protocol(format!("coordinator answered Rejoin with {other:?}"))),
+                        Err(_) => continue,
+                    }
+                } else {
+                    m
+                };
                 let listed = m.servers.iter().any(|(id, _)| *id == me);
+                if m.epoch < *seen {
+                    continue; // still recovering: keep the last membership
+                }
                 if m.epoch > *seen {
                     *seen = m.epoch;
                     let _ = tx.send(m);

@@ -123,6 +123,15 @@ fn sample_reqs() -> Vec<Req> {
         Req::Shutdown,
         Req::Adopt { worker: 2, by: 0 },
         Req::WorkerDone { worker: 1 },
+        Req::Rejoin {
+            server: 1,
+            known: Membership {
+                epoch: 7,
+                servers: vec![(0, "127.0.0.1:9".into()), (1, "127.0.0.1:10".into())],
+                shutdown: false,
+                dead_workers: vec![2],
+            },
+        },
     ]
 }
 

@@ -128,6 +128,13 @@ pub enum Req {
     WorkerDone {
         worker: u32,
     },
+    /// A server whose coordinator restarted (it answered with an older epoch than the server
+    /// has seen) reports itself and the membership it knows, so that the new coordinator
+    /// continues from it.
+    Rejoin {
+        server: u32,
+        known: Membership,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq, Default)]
@@ -352,6 +359,10 @@ impl Req {
             Req::WorkerDone { worker } => {
                 w.u8(27).u32(*worker);
             }
+            Req::Rejoin { server, known } => {
+                w.u8(28).u32(*server);
+                put_membership(&mut w, known);
+            }
         }
         w.0
     }
@@ -384,6 +395,7 @@ impl Req {
             25 => Req::Shutdown,
             26 => Req::Adopt { worker: r.u32()?, by: r.u32()? },
             27 => Req::WorkerDone { worker: r.u32()? },
+            28 => Req::Rejoin { server: r.u32()?, known: get_membership(&mut r)? },
             t => return Err(PsError::Protocol(format!("unknown request code {t}"))),
         };
         r.end()?;

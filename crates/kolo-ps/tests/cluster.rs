@@ -491,3 +491,49 @@ fn a_retried_vector_operation_is_applied_once() {
     p.pull(0, &mut x).unwrap();
     assert!(x.iter().all(|v| *v == 2.0), "{:?}", &x[..2]);
 }
+
+/// The coordinator is not a single point of failure (#19): it dies, training goes on (data
+/// requests go to the servers), and a new coordinator on the same address recovers the
+/// membership from the servers' heartbeats at the same epoch (no range moves); a server killed
+/// afterwards fails over under it, and no acknowledged update is lost.
+#[test]
+fn a_restarted_coordinator_recovers_the_membership_from_the_servers() {
+    let token = JobToken::generate();
+    let coord = Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_millis(600)).unwrap();
+    let addr = coord.addr().to_string();
+    let servers = (0..3).map(|_| add_server(&coord, &token)).collect();
+    let c = Cluster { coord, servers, token };
+    let n = 2000;
+    let j = job(n, 50, 1, 1, Consistency::Async, sgd());
+    let mut p = client(&c, &j, 0, 3);
+    p.init(&vec![0.0; n as usize]).unwrap();
+    let ones = vec![1.0; n as usize];
+    let mut pushes = 0;
+    let mut push = |p: &mut PsClient, k: u64| {
+        for _ in 0..k {
+            p.push(pushes, 1.0, &ones, None).unwrap();
+            pushes += 1;
+        }
+    };
+    push(&mut p, 10);
+    let epoch = c.coord.membership().epoch;
+    let Cluster { coord, mut servers, token } = c;
+    drop(coord);
+    push(&mut p, 10);
+    let coord = Coordinator::start(&addr, token.clone(), Duration::from_millis(600)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while coord.membership().servers.len() < 3 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let m = coord.membership();
+    assert_eq!((m.servers.len(), m.epoch), (3, epoch), "the membership recovered from the servers");
+    push(&mut p, 10);
+    servers.remove(1).kill();
+    push(&mut p, 10);
+    let mut x = vec![0f32; n as usize];
+    p.pull(pushes, &mut x).unwrap();
+    assert!(x.iter().all(|v| *v == -40.0), "values {:?}... (40 pushes of 1)", &x[..4]);
+    let m = coord.membership();
+    assert!(m.epoch > epoch && m.servers.len() == 2, "the killed server failed over under the new coordinator: {m:?}");
+    drop(servers);
+}
