@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Chaos: what a hostile or unlucky user does to a running job, one line per scenario with the
+# time to a clear error (or to recovery) and what was lost. Real processes on 127.0.0.1, the
+# release build, the MNIST subset the repository ships.
+#   bash bench/chaos.sh            (about 3 minutes)
+# Scenarios:
+#   flood        20,000 junk connections at rank 0's rendezvous store while a 2-rank job trains:
+#                rank 0's open descriptors before / at most / after, and whether the job finished
+#   ps-kill      SIGKILL of one of 3 parameter servers 4 s into a BSP run (replication 1): the run's
+#                rc, its time against an uninterrupted run, and whether the final model is the same
+#   sigstop      SIGSTOP of rank 2 of 4 (collective deadline 10 s): time until the launcher exits,
+#                and whether every survivor and the launcher name rank 2
+#   wrong-token  rank 1 started with another job's token: time until rank 0 reports the refusal
+#   world-size   rank 0 told 2 ranks, rank 1 told 3: time until rank 0 says so
+#   config       rank 1 with another learning rate: time until a rank names `optim.lr`
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+dir=$(mktemp -d)
+trap 'pkill -P $$ 2>/dev/null || true; rm -rf "$dir"' EXIT
+mnist=test-data/mnist
+echo "# chaos: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+now() { date +%s.%N; }
+secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# pid_of_rank R: the `kolo train` or `kolo selftest` process whose environment has RANK=R.
+pid_of_rank() {
+  for p in $(pgrep -f "$K (train|selftest)"); do
+    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$1" && { echo "$p"; return; }
+  done
+}
+
+# --- flood ---------------------------------------------------------------------------------
+mnist_mlp "$dir/mlp.toml" "$mnist" 500 "progress = false"
+sed -i 's/^steps = 200/steps = 15000/; s/^batch_size = 64/batch_size = 16/' "$dir/mlp.toml"
+port=$(free_port)
+t0=$(now)
+$K launch -n 2 --master-port "$port" -- $K train --config "$dir/mlp.toml" > "$dir/flood.log" 2>&1 &
+job=$!
+until p0=$(pid_of_rank 0) && [ -n "$p0" ] && grep -q "step 500/" "$dir/flood.log"; do sleep 0.2; done
+fd0=$(ls "/proc/$p0/fd" | wc -l)
+python3 - "$port" "$p0" > "$dir/flood.out" <<'PY' &
+# 8 threads open (and half of them write junk into) 20,000 connections as fast as they can;
+# rank 0's descriptors are sampled meanwhile.
+import os, socket, sys, threading, time
+port, pid = int(sys.argv[1]), sys.argv[2]
+most, sent, t, lock = 0, 0, time.time(), threading.Lock()
+def flood():
+    global sent
+    while True:
+        with lock:
+            if sent >= 20000:
+                return
+            sent += 1
+            n = sent
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+            if n % 2:
+                s.send(os.urandom(64))
+            s.close()
+        except OSError:
+            pass
+threads = [threading.Thread(target=flood) for _ in range(8)]
+for th in threads:
+    th.start()
+while any(th.is_alive() for th in threads):
+    try:
+        most = max(most, len(os.listdir(f"/proc/{pid}/fd")))
+    except OSError:
+        break
+    time.sleep(0.05)
+for th in threads:
+    th.join()
+print(sent, most, round(time.time() - t, 1))
+PY
+flooder=$!
+wait $flooder
+read -r sent most took < "$dir/flood.out"
+fd1=$( (ls "/proc/$p0/fd" 2>/dev/null || true) | wc -l)
+wait $job && rc=0 || rc=$?
+acc=$(grep -o 'accuracy [0-9.]*%' "$dir/flood.log" | tail -1)
+echo "flood: $sent connections in $took s; rank 0 descriptors $fd0 before, at most $most, $fd1 after; job rc $rc after $(secs "$t0" "$(now)") s, final $acc; refusals logged: $(grep -c 'refused' "$dir/flood.log") line(s)"
+
+# --- ps-kill -------------------------------------------------------------------------------
+sed 's/^steps = 600/steps = 1500/; s/^consistency = "async".*/consistency = "bsp"/; s/^log_every = 100/log_every = 500/' examples/mnist_ps.toml > "$dir/ps.toml"
+t0=$(now)
+$K ps run -n 2 --servers 3 --config "$dir/ps.toml" > "$dir/ps-ref.log" 2>&1 && rc_ref=0 || rc_ref=$?
+t_ref=$(secs "$t0" "$(now)")
+t0=$(now)
+$K ps run -n 2 --servers 3 --config "$dir/ps.toml" > "$dir/ps-kill.log" 2>&1 &
+job=$!
+sleep 4
+victim=$(pgrep -f "$K ps serve" | tail -1)
+kill -9 "$victim"
+wait $job && rc=0 || rc=$?
+t_kill=$(secs "$t0" "$(now)")
+ref=$(grep -o 'final eval.*' "$dir/ps-ref.log" | tail -1)
+got=$(grep -o 'final eval.*' "$dir/ps-kill.log" | tail -1)
+same=$([ -n "$got" ] && [ "$got" = "$ref" ] && echo "the same final model (0 acknowledged updates lost)" || echo "a different final model: '$got' vs '$ref'")
+echo "ps-kill: rc $rc in $t_kill s (uninterrupted: rc $rc_ref in $t_ref s); $same; $(grep -c 'missed its heartbeats' "$dir/ps-kill.log") server(s) declared dead"
+
+# --- sigstop -------------------------------------------------------------------------------
+mnist_mlp "$dir/hang.toml" "$mnist" 1000 "progress = false"
+sed -i 's/^steps = 200/steps = 100000/; s/^batch_size = 64/batch_size = 8/' "$dir/hang.toml"
+printf '[ddp]\ntimeout_secs = 10\n' >> "$dir/hang.toml"
+$K launch -n 4 -- $K train --config "$dir/hang.toml" 2>&1 | while IFS= read -r line; do printf '%s %s\n' "$(now)" "$line"; done > "$dir/hang.log" &
+job=$!
+until p2=$(pid_of_rank 2) && [ -n "$p2" ] && grep -q "step 1000/" "$dir/hang.log"; do sleep 0.2; done
+t0=$(now)
+kill -STOP "$p2"
+wait $job || true
+rc=$(grep -c 'job failed' "$dir/hang.log")
+t=$(secs "$t0" "$(now)")
+t_err=$(grep -m1 '\] error' "$dir/hang.log" | cut -d' ' -f1)
+kill -CONT "$p2" 2>/dev/null || true
+named=0
+for r in 0 1 3; do grep "\[rank $r\] error" "$dir/hang.log" | grep -q 'rank(s) \[2\]' && named=$((named + 1)); done
+launcher=$(grep -o 'job failed: rank [0-9]*' "$dir/hang.log" | head -1)
+echo "sigstop: first survivor's error $(secs "$t0" "$t_err") s and the launcher's exit $t s after SIGSTOP of rank 2 (deadline 10 s); $named of 3 survivors name rank 2; launcher: '$launcher'"
+
+# --- wrong-token, world-size ---------------------------------------------------------------
+rendezvous() { # NAME TOKEN1 WORLD1: rank 0 (token aa.., world 2) and rank 1 (TOKEN1, WORLD1)
+  local port t0 t
+  port=$(free_port)
+  t0=$(now)
+  RANK=0 WORLD_SIZE=2 MASTER_PORT=$port KOLO_JOB_TOKEN=$(printf 'a%.0s' {1..32}) $K selftest --iters 5 --timeout 300 > "$dir/$1-0.log" 2>&1 &
+  local r0=$!
+  RANK=1 WORLD_SIZE=$3 MASTER_PORT=$port KOLO_JOB_TOKEN=$2 $K selftest --iters 5 --timeout 300 > "$dir/$1-1.log" 2>&1 &
+  local r1=$!
+  wait $r0 || true
+  t=$(secs "$t0" "$(now)")
+  wait $r1 || true
+  echo "$1: rank 0 failed after $t s: $(grep -m1 -io 'error.*' "$dir/$1-0.log" | cut -c1-160)"
+}
+rendezvous wrong-token "$(printf 'b%.0s' {1..32})" 2
+rendezvous world-size "$(printf 'a%.0s' {1..32})" 3
+
+# --- config --------------------------------------------------------------------------------
+for r in 0 1; do
+  mnist_mlp "$dir/cfg-$r.toml" "$mnist" 100 "progress = false"
+done
+sed -i 's/^lr = 1e-3/lr = 2e-3/' "$dir/cfg-1.toml"
+t0=$(now)
+$K launch -n 2 -- sh -c "exec $K train --config $dir/cfg-\$RANK.toml" > "$dir/cfg.log" 2>&1 && rc=0 || rc=$?
+echo "config: rc $rc after $(secs "$t0" "$(now)") s: $(grep -m1 -o 'rank 1 differs.*' "$dir/cfg.log" | cut -c1-140)"
