@@ -962,15 +962,9 @@ impl Config {
                 if self.model.experts.is_none() {
                     return Err("mesh.ep > 1 deals the experts of a mixture-of-experts GPT over ranks: set model.experts".into());
                 }
-                if self.ddp.zero_stage != 0
-                    || self.ddp.compression.is_some()
-                    || self.ddp.local_sgd.is_some()
-                    || self.train.checkpoint_dir.is_some()
-                    || self.train.grad_accum != 1
+                if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.grad_accum != 1
                 {
-                    return Err(
-                        "mesh.ep > 1 runs with grad_accum = 1, and without ZeRO, compression, local SGD or checkpoints (yet)".into()
-                    );
+                    return Err("mesh.ep > 1 runs with grad_accum = 1, and without ZeRO, compression or local SGD (yet)".into());
                 }
             }
             if m.sp > 1 {

@@ -7,17 +7,17 @@
 //! (ranks holding the same experts) and divided by the world size: the mean over every rank's
 //! loss, as DDP with every expert on every rank computes it.
 
-use crate::checkpointing::PendingSave;
+use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
-use crate::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
+use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::trainer::{optimizer_step, Data, Eval, RunOptions};
 use crate::TrainError;
 use kolo_base::{Exchange, Rng};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, sum_of_squares, Optimizer};
 use kolo_tensor::models::{Gpt, GptConfig, MoeLoad};
-use kolo_tensor::{Model, PlainView};
+use kolo_tensor::{Model, ModelSpec, PlainView};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -60,6 +60,7 @@ pub struct ExpertParallel<'a> {
     /// The flat ranges of the parameters outside the experts, and of this rank's experts.
     shared: Vec<Range<usize>>,
     mine: Vec<Range<usize>>,
+    meta: std::collections::BTreeMap<String, String>,
 }
 
 impl<'a> ExpertParallel<'a> {
@@ -74,18 +75,33 @@ impl<'a> ExpertParallel<'a> {
         resume: Option<&Path>,
         opts: &RunOptions,
     ) -> Result<(ExpertParallel<'a>, Start), TrainError> {
-        if resume.is_some() {
-            return Err(TrainError::Config(
-                "resuming (--resume, elastic restarts) is not supported with mesh.ep > 1 yet: it writes no checkpoints".into(),
-            ));
-        }
         let (rank, world) = (comm.rank().get(), comm.world_size().get());
         let gcfg = crate::trainer::gpt_config(cfg, &[&*comm, &*ep, &*rep], data)?;
         let ep_size = ep.world_size().get();
         let gpt = Gpt::new_expert_parallel(gcfg.clone(), &mut Rng::new(cfg.train.seed), Arc::new(CommExchange(ep)))?;
         let expert = gpt.expert_params().expect("an expert-parallel model");
         let numel = gpt.params().numel();
-        let opt = crate::trainer::optimizer_for(cfg, numel)?;
+        let mut opt = crate::trainer::optimizer_for(cfg, numel)?;
+        let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), world, 0);
+        let start = match resume {
+            Some(path) => {
+                // Whole tensors into a whole model, then this rank's shared parameters and experts.
+                let whole = Gpt::new(gcfg.clone(), &mut Rng::new(cfg.train.seed))?;
+                let mut full = vec![0f32; whole.params().numel()];
+                let mut whole_opt = Optimizer::new(cfg.optimizer(), full.len());
+                let ranges: Vec<_> = whole.params().iter().map(|p| p.range.clone()).collect();
+                let r = load_checkpoint(path, whole.params(), &mut full, &mut whole_opt, None, &ranges, &meta)?;
+                gpt.params().load(&gpt.ep_local_from(&full)?)?;
+                let states = whole_opt
+                    .state()
+                    .into_iter()
+                    .map(|(name, v)| Ok((name, gpt.ep_local_from(v)?)))
+                    .collect::<Result<Vec<_>, TrainError>>()?;
+                opt.load_state(whole_opt.steps(), &states).map_err(TrainError::Other)?;
+                Some((path.to_path_buf(), r))
+            }
+            None => None,
+        };
         if rank == 0 && !opts.quiet {
             let experts = gcfg.moe.as_ref().map_or(0, |m| m.experts);
             kolo_base::eline!(
@@ -100,15 +116,21 @@ impl<'a> ExpertParallel<'a> {
         for (i, p) in gpt.params().iter().enumerate() {
             if expert[i] { &mut mine } else { &mut shared }.push(p.range.clone());
         }
-        let s = ExpertParallel { cfg, comm, rep, gcfg, gpt, opt, grads: vec![0f32; numel], shared, mine };
-        Ok((s, None))
+        let s = ExpertParallel { cfg, comm, rep, gcfg, gpt, opt, grads: vec![0f32; numel], shared, mine, meta };
+        Ok((s, start))
     }
 
     /// The whole model on every rank (collective): each expert written by its first holder, the
     /// rest by rank 0.
     fn whole_params(&self) -> Result<Vec<f32>, TrainError> {
+        self.whole(&self.gpt.params().to_flat()?)
+    }
+
+    /// Values in this rank's layout (parameters, or an optimizer state buffer) assembled into
+    /// the whole model's layout on every rank (collective).
+    fn whole(&self, local: &[f32]) -> Result<Vec<f32>, TrainError> {
         let mut flat = vec![0f32; self.gpt.full_numel()];
-        self.gpt.ep_pieces_into(&self.gpt.params().to_flat()?, &mut flat, self.rep.rank().get() == 0, self.comm.rank().get() == 0)?;
+        self.gpt.ep_pieces_into(local, &mut flat, self.rep.rank().get() == 0, self.comm.rank().get() == 0)?;
         self.comm.all_reduce(BufMut::from(&mut flat[..]), ReduceOp::Sum)?;
         Ok(flat)
     }
@@ -183,8 +205,18 @@ impl Strategy for ExpertParallel<'_> {
         lead.then(|| crate::trainer::sample_alone(self.cfg, &self.gcfg, &flat, vocab)).transpose()
     }
 
-    fn save(&mut self, _at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        Err(TrainError::Config("checkpoints are not supported with mesh.ep > 1 yet".into()))
+    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        // Every rank assembles the whole model and optimizer state; rank 0 writes them as DDP
+        // would, so the checkpoint continues under DDP or another expert-parallel size.
+        let values = self.whole_params()?;
+        let states = self.opt.state().into_iter().map(|(name, v)| Ok((name, self.whole(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
+        let whole = Gpt::new(self.gcfg.clone(), &mut Rng::new(self.cfg.train.seed))?;
+        whole.params().load(&values)?;
+        let mut opt = Optimizer::new(self.cfg.optimizer(), values.len());
+        opt.load_state(self.opt.steps(), &states).map_err(TrainError::Other)?;
+        let mut meta = self.meta.clone();
+        meta.extend(at.meta);
+        save_checkpoint(at.dir, at.step, whole.params(), &[], &opt, None, &*self.comm, at.pos, &meta, Vec::new(), at.background, at.crash)
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {

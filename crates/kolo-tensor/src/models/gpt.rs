@@ -714,6 +714,17 @@ impl Gpt {
     /// Under expert parallelism: writes `local` (this member's values) into `out`, the whole
     /// model's flat layout: its experts when `experts`, the parameters outside the experts when
     /// `shared`, so that a sum over the ranks that write each part assembles the whole model.
+    /// Under expert parallelism: this rank's values (its shared parameters and its experts)
+    /// taken from the whole model's flat layout `full` (the inverse of [`Gpt::ep_pieces_into`]:
+    /// a checkpoint of whole tensors loaded into an expert-parallel model).
+    pub fn ep_local_from(&self, full: &[f32]) -> Result<Vec<f32>> {
+        let Some(ep) = &self.ep else { return Err(TensorError::Input("not an expert-parallel model".into())) };
+        if full.len() != ep.full_len {
+            return Err(TensorError::Input(format!("{} values for a model of {}", full.len(), ep.full_len)));
+        }
+        Ok(ep.map.iter().map(|&k| full[k]).collect())
+    }
+
     pub fn ep_pieces_into(&self, local: &[f32], out: &mut [f32], experts: bool, shared: bool) -> Result<()> {
         let Some(ep) = &self.ep else { return Err(TensorError::Input("not an expert-parallel model".into())) };
         for (i, p) in self.params.iter().enumerate() {
