@@ -683,12 +683,17 @@ pub enum SeparateLoop {
 impl SeparateLoop {
     /// Whether it reports through the driver's `Reporter` (metrics, TensorBoard, JSON lines).
     pub fn reports(self) -> bool {
-        !matches!(self, SeparateLoop::ParameterServer | SeparateLoop::TwoBw)
+        self != SeparateLoop::ParameterServer
+    }
+
+    /// Whether it keeps its optimizer state where `optim.offload_dir` puts it.
+    pub fn offloads(self) -> bool {
+        self == SeparateLoop::TwoBw
     }
 
     /// Whether it applies `optim.reference_batch` (the linear scaling rule).
     pub fn scales_lr(self) -> bool {
-        self == SeparateLoop::ParameterServer
+        matches!(self, SeparateLoop::ParameterServer | SeparateLoop::TwoBw)
     }
 }
 
@@ -1073,7 +1078,7 @@ impl Config {
                 ("train.metrics_port", self.train.metrics_port.is_some() && !reports),
                 ("train.tensorboard_dir", self.train.tensorboard_dir.is_some() && !reports),
                 ("train.timeline_dir", self.train.timeline_dir.is_some()),
-                ("optim.offload_dir", self.optim.offload_dir.is_some()),
+                ("optim.offload_dir", self.optim.offload_dir.is_some() && !which.offloads()),
                 ("optim.reference_batch", self.optim.reference_batch.is_some() && !which.scales_lr()),
             ]
             .into_iter()

@@ -290,7 +290,9 @@ pub fn run_two_bw_pipeline(
     // targets); replicas read disjoint shards. Synthetic data is already per replica.
     let batches = replica_batches(cfg, data.train.clone(), dp_rank, dp_size, 0)?;
     kolo_base::alloc::reset_peak();
-    let run = run_two_bw(&mut setup, Arc::new(gpt), &batches, end, &say)?;
+    let mut report = crate::report::Reporter::new(cfg, global_rank, opts.quiet, cfg.data.batch_size * dp_size, 0)?;
+    let run = run_two_bw(&mut setup, Arc::new(gpt), &batches, end, &mut report)?;
+    report.finish();
     let flat = setup.assemble(&run.gpt)?;
     let mut eval = None;
     let mut sample = None;
@@ -307,7 +309,7 @@ pub fn run_two_bw_pipeline(
         step_ms: run.step_ms,
         comm_wait_ms: Vec::new(),
         comm_bytes: run.comm_bytes,
-        straggler: None,
+        straggler: report.straggler,
         hidden_fraction: 1.0 - run.bubble,
         params: flat,
         sample,
@@ -464,10 +466,6 @@ struct PipeRun {
 
 type Batches = std::sync::mpsc::Receiver<(crate::sampler::Position, Batch)>;
 
-fn next_batch(batches: &Batches) -> Result<Batch, TrainError> {
-    Ok(batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?.1)
-}
-
 /// PipeDream-2BW's stage work: batch t runs on weight version max(t - 1, 0); its update makes
 /// version t + 1 from version t and batch t's gradient (W(t+1) = W(t) - step(grad f(W(t-1)))).
 /// A version is a separate copy of the weights, dropped when no micro-batch uses it any more:
@@ -483,7 +481,13 @@ struct TwoBw<'s, 'a> {
     losses: std::collections::HashMap<usize, f64>,
     last_loss: f64,
     steps: u64,
-    say: &'s dyn Fn(&str),
+    /// Metrics, TensorBoard, JSON lines and the log, one record per update; its windows' loss
+    /// average and straggler exchange run on the agreement group (`setup.sync`).
+    report: &'s mut crate::report::Reporter,
+    last_update: Instant,
+    /// The learning rate before the schedule (`optim.reference_batch` applied).
+    base_lr: f32,
+    epoch: u64,
 }
 
 impl StageWork for TwoBw<'_, '_> {
@@ -497,7 +501,8 @@ impl StageWork for TwoBw<'_, '_> {
                 .get(&v)
                 .ok_or_else(|| format!("batch {t} needs weight version {v}, which this stage has not made yet"))?
                 .clone();
-            let batch = next_batch(self.batches).map_err(|e| e.to_string())?;
+            let (pos, batch) = self.batches.recv().map_err(|_| "the prefetch thread stopped".to_string())?;
+            self.epoch = pos.epoch;
             let micro = split_batch(&batch, m).map_err(|e| e.to_string())?;
             self.stages.insert(t, GptStage::new(gpt, self.setup.layers.clone(), micro).rematerialize(self.setup.remat));
         }
@@ -524,7 +529,7 @@ impl StageWork for TwoBw<'_, '_> {
         let (f, loss) = self.setup.clip_and_loss(&current, &grads, self.losses.remove(&t).unwrap_or(0.0)).map_err(e)?;
         self.last_loss = loss;
         let cfg = self.setup.cfg;
-        let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, cfg.train.steps, t as u64);
+        let lr = lr_at(self.base_lr, &cfg.schedule(), cfg.optim.warmup_steps, cfg.train.steps, t as u64);
         let next = Arc::new(current.fork().map_err(|e| e.to_string())?);
         self.setup.step(&next, &grads, f, lr).map_err(e)?;
         self.latest = t + 1;
@@ -532,14 +537,14 @@ impl StageWork for TwoBw<'_, '_> {
         // Batch t + 1 (in flight) runs on version t; older ones are done with.
         self.versions.retain(|&v, _| v + 1 > t);
         let done = t as u64 + 1;
-        let every = cfg.train.log_every;
-        if every > 0 && (done.is_multiple_of(every) || done == self.steps) {
-            (self.say)(&format!(
-                "step {done}/{} loss {loss:.4} (weights version {}, gradient from version {})",
-                cfg.train.steps,
-                t + 1,
-                t.saturating_sub(1)
-            ));
+        let now = Instant::now();
+        let step_ms = now.duration_since(self.last_update).as_secs_f64() * 1e3;
+        self.last_update = now;
+        self.report.record(t as u64, crate::report::StepRecord { step_ms, ..Default::default() });
+        if self.report.is_log_step(done, self.steps) {
+            let sync = self.setup.sync.as_deref().ok_or("2BW runs with its agreement group")?;
+            let extra = format!(" (weights version {}, gradient from version {})", t + 1, t.saturating_sub(1));
+            self.report.window(sync, done, loss, lr, self.epoch, &extra).map_err(e)?;
         }
         Ok(())
     }
@@ -547,7 +552,16 @@ impl StageWork for TwoBw<'_, '_> {
 
 /// PipeDream-2BW: the whole run is one 1F1B stream without flushes; each stage updates its
 /// weights after its last backward of a batch.
-fn run_two_bw(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, batches: &Batches, end: u64, say: &dyn Fn(&str)) -> Result<PipeRun, TrainError> {
+fn run_two_bw(
+    setup: &mut StageSetup<'_>,
+    gpt: Arc<Gpt>,
+    batches: &Batches,
+    end: u64,
+    report: &mut crate::report::Reporter,
+) -> Result<PipeRun, TrainError> {
+    let cfg = setup.cfg;
+    let global_batch = cfg.data.batch_size * setup.dp.world_size().get();
+    let base_lr = cfg.optim.reference_batch.map_or(cfg.optim.lr, |r| kolo_optim::scaled_lr(cfg.optim.lr, global_batch, r));
     let (k, m) = (setup.comm.world_size().get(), setup.m);
     let act_len = {
         // Hidden states per micro-batch: sequences per micro-batch x tokens x width.
@@ -563,7 +577,10 @@ fn run_two_bw(setup: &mut StageSetup<'_>, gpt: Arc<Gpt>, batches: &Batches, end:
         losses: Default::default(),
         last_loss: f64::NAN,
         steps: end,
-        say,
+        report,
+        last_update: Instant::now(),
+        base_lr,
+        epoch: 0,
     };
     let report = if end == 0 {
         Default::default()

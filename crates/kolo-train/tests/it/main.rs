@@ -300,10 +300,8 @@ fn bad_inputs_give_clear_errors() {
     }
     // Features only the DDP/ZeRO loop has are refused, not ignored, by the other loops (#16).
     let gpt = "[model]\nkind = \"gpt\"\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 8\n";
-    let loops = [
-        ("pipeline.schedule = \"2bw\"", format!("{gpt}[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n")),
-        ("train.strategy = \"ps\"", format!("{base}[train]\nstrategy = \"ps\"\n")),
-    ];
+    let two_bw = format!("{gpt}[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n");
+    let loops = [("train.strategy = \"ps\"", format!("{base}[train]\nstrategy = \"ps\"\n"))];
     for (which, cfg) in &loops {
         for (feature, line) in [
             ("train.json_log", "[train]\njson_log = \"x\"\n"),
@@ -322,17 +320,22 @@ fn bad_inputs_give_clear_errors() {
     }
     // The loops that report through the driver's Reporter take the logs and refuse only what
     // they still lack.
-    let reporting = [("ddp.schedule", format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n"))];
+    let reporting =
+        [("ddp.schedule", format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n")), ("pipeline.schedule = \"2bw\"", two_bw.clone())];
     for (which, cfg) in reporting {
         assert!(
             Config::parse(&format!("{cfg}[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\n"), "t").is_ok(),
             "{which}"
         );
-        let e = err(&format!("{cfg}[optim]\noffload_dir = \"x\"\n"));
-        assert!(e.contains("optim.offload_dir") && e.contains(which), "{e}");
+        let e = err(&format!("{cfg}[train]\ntimeline_dir = \"x\"\n"));
+        assert!(e.contains("train.timeline_dir") && e.contains(which), "{e}");
     }
+    let e = err(&format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n[optim]\noffload_dir = \"x\"\n"));
+    assert!(e.contains("optim.offload_dir") && e.contains("ddp.schedule"), "{e}");
+    // PipeDream-2BW keeps its optimizer state where offload_dir says and scales the learning rate.
+    assert!(Config::parse(&format!("{two_bw}[optim]\noffload_dir = \"x\"\nreference_batch = 32\n"), "t").is_ok());
     // --resume in a loop that writes no checkpoints is refused before anything runs.
-    let pipe = Config::parse(&loops[0].1, "t").unwrap();
+    let pipe = Config::parse(&two_bw, "t").unwrap();
     let resume = RunOptions { resume: Some("/nonexistent/ck".into()), quiet: true, ..Default::default() };
     let e = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |_, c| run(&pipe, Arc::new(c), &resume).err().unwrap());
     assert!(
@@ -789,6 +792,38 @@ fn sequence_and_expert_parallel_resume_evaluate_and_trace_through_the_driver() {
     let ddp = train_on(2, &moe_cfg(4, ""), &resume);
     let d = max_diff(&ddp[0].params, &s[0].params);
     assert!(d < 1e-4, "the expert-parallel checkpoint continued under DDP: {d}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// PipeDream-2BW reports through the Reporter too (#16: it only printed log lines): every
+/// stage writes its JSON lines and TensorBoard scalars at the log steps, with the loss every
+/// stage agrees on after each update, and the summary carries the last of it.
+#[test]
+fn two_bw_pipelines_write_tensorboard_and_json_logs() {
+    let dir = std::env::temp_dir().join(format!("kolo-2bw-obs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = gpt_cfg(
+        &format!(
+            "[train]\nsteps = 6\nlog_every = 2\neval_batches = 2\nsample_chars = 0\ntensorboard_dir = \"{}\"\njson_log = \"{}/log-{{rank}}.jsonl\"\n[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n",
+            dir.join("tb").display(),
+            dir.display()
+        ),
+        4,
+    );
+    let s = train_on(2, &cfg, &quiet());
+    for (r, summary) in s.iter().enumerate() {
+        let lines = std::fs::read_to_string(dir.join(format!("log-{r}.jsonl"))).unwrap();
+        let recs: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(recs.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![2, 4, 6], "rank {r}");
+        let last = recs[2]["loss"].as_f64().unwrap();
+        assert!(last.is_finite() && (last - summary.last_loss).abs() < 1e-12, "rank {r}: {last} vs {}", summary.last_loss);
+        let run = dir.join("tb").join(format!("rank{r}"));
+        let file = std::fs::read_dir(&run).unwrap().next().unwrap().unwrap().path();
+        let steps: Vec<i64> =
+            kolo_train::tensorboard::read_scalars(&file).unwrap().iter().filter(|x| x.0 == "train/loss").map(|x| x.1).collect();
+        assert_eq!(steps, vec![2, 4, 6], "rank {r}");
+    }
+    assert_eq!(s[0].last_loss, s[1].last_loss, "the stages agree on the loss");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
