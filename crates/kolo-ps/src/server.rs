@@ -39,6 +39,8 @@ pub struct ServerOptions {
     /// received, peers and the coordinator).
     pub timeout: Duration,
     pub heartbeat: Duration,
+    /// Fault injection for tests: refuse this many incoming range hand-overs. 0 in use.
+    pub refuse_transfers: u32,
 }
 
 struct RangeData {
@@ -72,6 +74,11 @@ struct Shared {
     peers: Mutex<HashMap<u32, Arc<Mutex<Option<Conn>>>>>,
     stats: Mutex<ServerStats>,
     stop: AtomicBool,
+    /// Ranges this server still holds only because handing them on failed, and the servers
+    /// that must still receive them; retried every heartbeat, never dropped before.
+    stranded: Mutex<BTreeMap<u32, Vec<u32>>>,
+    /// Incoming hand-overs still to refuse (fault injection).
+    refuse_transfers: AtomicU32,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -112,6 +119,8 @@ impl Server {
             peers: Mutex::new(HashMap::new()),
             stats: Mutex::new(ServerStats::default()),
             stop: AtomicBool::new(false),
+            stranded: Mutex::new(BTreeMap::new()),
+            refuse_transfers: AtomicU32::new(o.refuse_transfers),
         });
         let handler = {
             let shared = shared.clone();
@@ -181,9 +190,11 @@ fn heartbeat(shared: &Arc<Shared>, mut coord: Conn, addr: &str, every: Duration)
         let shared = shared.clone();
         std::thread::Builder::new()
             .name("kolo-ps-reconfigure".into())
-            .spawn(move || {
-                for m in rx {
-                    reconfigure(&shared, m);
+            .spawn(move || loop {
+                match rx.recv_timeout(every) {
+                    Ok(m) => reconfigure(&shared, m),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => retry_stranded(&shared),
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
                 }
             })
             .map_err(|e| PsError::Io(e.to_string()))?
@@ -285,20 +296,15 @@ fn reconfigure(shared: &Shared, m: Membership) {
         let old_chain = old_ring.chain(r, job.replication);
         let new_chain = new_ring.chain(r, job.replication);
         let sender = old_chain.iter().copied().find(|s| ids.contains(s) || *s == me);
-        if sender == Some(me) || (sender.is_none() && new_chain.contains(&me)) {
-            for to in new_chain.iter().copied().filter(|s| *s != me && !old_chain.contains(s)) {
-                let state = RangeState {
-                    values: d.values.clone(),
-                    opt_steps: d.opt.steps(),
-                    opt_state: d.opt.state().into_iter().map(|(_, v)| v.to_vec()).collect(),
-                    clocks: d.clocks.clone(),
-                    pending: d.pending.clone(),
-                    vectors: d.vectors.iter().map(|(id, v)| (*id, v.clone())).collect(),
-                    vec_seq: d.vec_seq,
-                };
-                let req = Req::Transfer { job: job.clone(), epoch, range: r, state };
-                if let Err(e) = forward(shared, to, &req) {
-                    kolo_base::eline!("kolo ps server {me}: handing range {r} to server {to} failed: {e}");
+        // A range stranded here by an earlier failed hand-over goes to every member of its new
+        // chain: this server may hold its only copy.
+        let stranded = lock(&shared.stranded).remove(&r).is_some();
+        let mut failed = Vec::new();
+        if stranded || sender == Some(me) || (sender.is_none() && new_chain.contains(&me)) {
+            for to in new_chain.iter().copied().filter(|s| *s != me && (stranded || !old_chain.contains(s))) {
+                if let Err(e) = hand_over(shared, &job, epoch, r, &d, to) {
+                    kolo_base::eline!("kolo ps server {me}: handing range {r} to server {to} failed: {e}; keeping it and retrying");
+                    failed.push(to);
                 }
             }
         }
@@ -306,13 +312,59 @@ fn reconfigure(shared: &Shared, m: Membership) {
             d.epoch = epoch;
         } else {
             d.epoch = RETIRED;
-            dropped.push(r);
+            if failed.is_empty() {
+                dropped.push(r);
+            }
+        }
+        if !failed.is_empty() {
+            lock(&shared.stranded).insert(r, failed);
         }
         slot.1.notify_all();
     }
     let mut map = lock(&shared.ranges);
     for r in dropped {
         map.remove(&r);
+    }
+}
+
+/// Sends range `r`'s whole state (`d`) to server `to` as a `Transfer` at `epoch`.
+fn hand_over(shared: &Shared, job: &JobSpec, epoch: u64, r: u32, d: &RangeData, to: u32) -> Result<(), PsError> {
+    let state = RangeState {
+        values: d.values.clone(),
+        opt_steps: d.opt.steps(),
+        opt_state: d.opt.state().into_iter().map(|(_, v)| v.to_vec()).collect(),
+        clocks: d.clocks.clone(),
+        pending: d.pending.clone(),
+        vectors: d.vectors.iter().map(|(id, v)| (*id, v.clone())).collect(),
+        vec_seq: d.vec_seq,
+    };
+    forward(shared, to, &Req::Transfer { job: job.clone(), epoch, range: r, state })
+}
+
+/// Retries the hand-overs that failed (ranges kept here meanwhile, not served): to the
+/// targets still on the range's chain, at the current epoch. A range handed to every target
+/// is dropped here if this server is not on its chain.
+fn retry_stranded(shared: &Shared) {
+    let pending = std::mem::take(&mut *lock(&shared.stranded));
+    if pending.is_empty() {
+        return;
+    }
+    let Some(job) = lock(&shared.job).clone() else { return };
+    let me = shared.id.load(Ordering::SeqCst);
+    let (ring, epoch) = (lock(&shared.view).ring.clone(), shared.epoch.load(Ordering::SeqCst));
+    for (r, targets) in pending {
+        let Some(slot) = lock(&shared.ranges).get(&r).cloned() else { continue };
+        let chain = ring.chain(r, job.replication);
+        let d = lock(&slot.0);
+        let left: Vec<u32> =
+            targets.into_iter().filter(|to| chain.contains(to) && hand_over(shared, &job, epoch, r, &d, *to).is_err()).collect();
+        drop(d);
+        if !left.is_empty() {
+            lock(&shared.stranded).insert(r, left);
+        } else if !chain.contains(&me) {
+            lock(&shared.ranges).remove(&r);
+            kolo_base::eline!("kolo ps server {me}: range {r} handed on after a retry");
+        }
     }
 }
 
@@ -526,6 +578,9 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             Ok(Resp::Ok { duplicate: false })
         }
         Req::Transfer { job, epoch, range, state } => {
+            if shared.refuse_transfers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
+                return Err(err(format!("refusing the hand-over of range {range} (fault injection)")));
+            }
             set_job(shared, &job)?;
             let n = job.span(range).len();
             if range >= job.ranges()

@@ -29,6 +29,7 @@ fn add_server(coord: &Coordinator, token: &JobToken) -> Server {
         token: token.clone(),
         timeout: TIMEOUT,
         heartbeat: Duration::from_millis(50),
+        refuse_transfers: 0,
     })
     .unwrap()
 }
@@ -341,6 +342,7 @@ fn a_bsp_pull_names_the_worker_that_never_pushed() {
         token: token.clone(),
         timeout: Duration::from_millis(500),
         heartbeat: Duration::from_millis(50),
+        refuse_transfers: 0,
     })
     .unwrap();
     let j = job(10, 10, 2, 0, Consistency::Bsp, sgd());
@@ -536,4 +538,42 @@ fn a_restarted_coordinator_recovers_the_membership_from_the_servers() {
     let m = coord.membership();
     assert!(m.epoch > epoch && m.servers.len() == 2, "the killed server failed over under the new coordinator: {m:?}");
     drop(servers);
+}
+
+/// A failed range hand-over does not drop the range (#19): a joining server refuses its first
+/// 30 hand-overs, so the old server's transfers fail; it keeps those ranges (not serving them)
+/// and retries every heartbeat until they arrive. Every push before and after the join is
+/// counted once. (The ranges were dropped before: the pull never found them.)
+#[test]
+fn a_failed_hand_over_keeps_the_range_until_it_succeeds() {
+    let mut c = cluster(1);
+    let n = 2000;
+    let j = job(n, 50, 1, 0, Consistency::Async, sgd());
+    let ones = vec![1.0; n as usize];
+    let mut p = client(&c, &j, 0, 1);
+    p.init(&vec![0.0; n as usize]).unwrap();
+    for t in 0..5 {
+        p.push(t, 1.0, &ones, None).unwrap();
+    }
+    let s = Server::start(ServerOptions {
+        listen: "127.0.0.1:0".into(),
+        coordinator: c.coord.addr().to_string(),
+        token: c.token.clone(),
+        timeout: TIMEOUT,
+        heartbeat: Duration::from_millis(50),
+        refuse_transfers: 30,
+    })
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.stats().ranges == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(s.stats().ranges > 0, "no range reached the new server");
+    c.servers.push(s);
+    for t in 5..10 {
+        p.push(t, 1.0, &ones, None).unwrap();
+    }
+    let mut x = vec![0f32; n as usize];
+    p.pull(10, &mut x).unwrap();
+    assert!(x.iter().all(|v| *v == -10.0), "values {:?}... (10 pushes of 1)", &x[..4]);
 }

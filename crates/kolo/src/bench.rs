@@ -537,6 +537,7 @@ fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {
                 token: token.clone(),
                 timeout: Duration::from_secs(120),
                 heartbeat: Duration::from_millis(500),
+                refuse_transfers: 0,
             })
         })
         .collect::<Result<_, _>>()?;
@@ -643,6 +644,7 @@ fn sandblaster_bench(path: &std::path::Path, slow_ms: u64, iterations: usize) ->
                     token: token.clone(),
                     timeout: Duration::from_secs(60),
                     heartbeat: Duration::from_millis(500),
+                    refuse_transfers: 0,
                 })
             })
             .collect::<Result<_, _>>()?;

@@ -123,6 +123,7 @@ pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
                 token: token()?,
                 timeout: Duration::from_secs_f64(a.timeout),
                 heartbeat: Duration::from_millis(a.heartbeat_ms.max(1)),
+                refuse_transfers: 0,
             })?;
             kolo_base::eline!("kolo ps server {} listening on {}", s.id(), s.addr());
             s.wait()?;

@@ -902,6 +902,7 @@ fn ps_cluster_with(servers: usize, dead_after: Duration) -> PsCluster {
                 token: token.clone(),
                 timeout: std::time::Duration::from_secs(30),
                 heartbeat: std::time::Duration::from_millis(100),
+                refuse_transfers: 0,
             })
             .unwrap()
         })
