@@ -1,7 +1,9 @@
 //! `kolo plot RUN_DIR`: loss and throughput curves of a run, one line per rank, as PNG files.
 //! Reads what a run wrote under the directory: TensorBoard event files (`tensorboard_dir`, one
 //! run per rank) and JSON-lines logs (`json_log`, `*.jsonl`). Drawn on a pixel buffer with a
-//! built-in 5x7 font and encoded with the `png` crate.
+//! built-in 5x7 font and encoded with the `png` crate. Not `plotters`: it draws text through a
+//! system font (font-kit) or an embedded TTF, and a static binary on a headless machine has
+//! neither; the curves need a handful of labels, which the built-in font covers.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
