@@ -716,36 +716,41 @@ fn tensorboard_event_files_hold_the_training_curves() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Observability is the driver's (#16): the sequence-parallel loop, which had none, writes the
-/// same TensorBoard curves and JSON lines as DDP through the Reporter, the loss being the
-/// average over all ranks at each log step.
+/// Observability is the driver's Reporter (#16): the sequence-parallel strategy and the
+/// PipeDream-2BW loop, which had none, write the same TensorBoard curves and JSON lines as DDP,
+/// the loss being the average over all ranks (2BW: the loss every stage agrees on after each
+/// update) at each log step.
 #[test]
-fn sequence_parallel_runs_write_tensorboard_and_json_logs() {
-    let dir = std::env::temp_dir().join(format!("kolo-sp-obs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let cfg = gpt_cfg(
+fn sequence_parallel_and_2bw_runs_write_tensorboard_and_json_logs() {
+    for (tag, section) in [("sp", "[mesh]\nsp = 2\n"), ("2bw", "[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n")] {
+        let dir = std::env::temp_dir().join(format!("kolo-{tag}-obs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = gpt_cfg(
         &format!(
-            "[train]\nsteps = 6\nlog_every = 2\neval_batches = 2\nsample_chars = 0\ntensorboard_dir = \"{}\"\njson_log = \"{}/log-{{rank}}.jsonl\"\n[mesh]\nsp = 2\n",
+            "[train]\nsteps = 6\nlog_every = 2\neval_batches = 2\nsample_chars = 0\ntensorboard_dir = \"{}\"\njson_log = \"{}/log-{{rank}}.jsonl\"\n{section}",
             dir.join("tb").display(),
             dir.display()
         ),
         4,
     );
-    let s = train_on(2, &cfg, &quiet());
-    for (r, summary) in s.iter().enumerate() {
-        let run = dir.join("tb").join(format!("rank{r}"));
-        let file = std::fs::read_dir(&run).unwrap().next().unwrap().unwrap().path();
-        let scalars = kolo_train::tensorboard::read_scalars(&file).unwrap();
-        let loss: Vec<(i64, f32)> = scalars.iter().filter(|x| x.0 == "train/loss").map(|x| (x.1, x.2)).collect();
-        assert_eq!(loss.iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 4, 6], "rank {r}");
-        assert!((f64::from(loss[2].1) - summary.last_loss).abs() < 1e-4, "rank {r}");
-        let lines = std::fs::read_to_string(dir.join(format!("log-{r}.jsonl"))).unwrap();
-        let recs: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        assert_eq!(recs.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![2, 4, 6]);
-        assert!(recs.iter().all(|v| v["rank"] == r && v["loss"].as_f64().is_some_and(f64::is_finite) && v["step_ms"].as_f64().is_some()));
+        let s = train_on(2, &cfg, &quiet());
+        for (r, summary) in s.iter().enumerate() {
+            let run = dir.join("tb").join(format!("rank{r}"));
+            let file = std::fs::read_dir(&run).unwrap().next().unwrap().unwrap().path();
+            let scalars = kolo_train::tensorboard::read_scalars(&file).unwrap();
+            let loss: Vec<(i64, f32)> = scalars.iter().filter(|x| x.0 == "train/loss").map(|x| (x.1, x.2)).collect();
+            assert_eq!(loss.iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 4, 6], "rank {r}");
+            assert!((f64::from(loss[2].1) - summary.last_loss).abs() < 1e-4, "rank {r}");
+            let lines = std::fs::read_to_string(dir.join(format!("log-{r}.jsonl"))).unwrap();
+            let recs: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+            assert_eq!(recs.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![2, 4, 6]);
+            assert!(recs
+                .iter()
+                .all(|v| v["rank"] == r && v["loss"].as_f64().is_some_and(f64::is_finite) && v["step_ms"].as_f64().is_some()));
+        }
+        assert_eq!(s[0].last_loss, s[1].last_loss, "{tag}: the loss is averaged over the ranks");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
-    assert_eq!(s[0].last_loss, s[1].last_loss, "the loss is averaged over the ranks");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// The driver's features reach the strategies that used to run loops of their own (#16).
@@ -818,38 +823,6 @@ fn sequence_and_expert_parallel_resume_evaluate_and_trace_through_the_driver() {
     let ddp = train_on(2, &moe_cfg(4, ""), &resume);
     let d = max_diff(&ddp[0].params, &s[0].params);
     assert!(d < 1e-4, "the expert-parallel checkpoint continued under DDP: {d}");
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// PipeDream-2BW reports through the Reporter too (#16: it only printed log lines): every
-/// stage writes its JSON lines and TensorBoard scalars at the log steps, with the loss every
-/// stage agrees on after each update, and the summary carries the last of it.
-#[test]
-fn two_bw_pipelines_write_tensorboard_and_json_logs() {
-    let dir = std::env::temp_dir().join(format!("kolo-2bw-obs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let cfg = gpt_cfg(
-        &format!(
-            "[train]\nsteps = 6\nlog_every = 2\neval_batches = 2\nsample_chars = 0\ntensorboard_dir = \"{}\"\njson_log = \"{}/log-{{rank}}.jsonl\"\n[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n",
-            dir.join("tb").display(),
-            dir.display()
-        ),
-        4,
-    );
-    let s = train_on(2, &cfg, &quiet());
-    for (r, summary) in s.iter().enumerate() {
-        let lines = std::fs::read_to_string(dir.join(format!("log-{r}.jsonl"))).unwrap();
-        let recs: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-        assert_eq!(recs.iter().map(|v| v["step"].as_u64().unwrap()).collect::<Vec<_>>(), vec![2, 4, 6], "rank {r}");
-        let last = recs[2]["loss"].as_f64().unwrap();
-        assert!(last.is_finite() && (last - summary.last_loss).abs() < 1e-12, "rank {r}: {last} vs {}", summary.last_loss);
-        let run = dir.join("tb").join(format!("rank{r}"));
-        let file = std::fs::read_dir(&run).unwrap().next().unwrap().unwrap().path();
-        let steps: Vec<i64> =
-            kolo_train::tensorboard::read_scalars(&file).unwrap().iter().filter(|x| x.0 == "train/loss").map(|x| x.1).collect();
-        assert_eq!(steps, vec![2, 4, 6], "rank {r}");
-    }
-    assert_eq!(s[0].last_loss, s[1].last_loss, "the stages agree on the loss");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
