@@ -675,7 +675,6 @@ fn default_prefetch() -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SeparateLoop {
     ParameterServer,
-    Scheduled,
     /// PipeDream-2BW: one plan with activations always in flight.
     TwoBw,
 }
@@ -701,7 +700,6 @@ impl std::fmt::Display for SeparateLoop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             SeparateLoop::ParameterServer => "train.strategy = \"ps\"",
-            SeparateLoop::Scheduled => "ddp.schedule",
             SeparateLoop::TwoBw => "pipeline.schedule = \"2bw\"",
         })
     }
@@ -724,8 +722,6 @@ impl Config {
     pub fn separate_loop(&self) -> Option<SeparateLoop> {
         if self.train.strategy == Strategy::Ps {
             Some(SeparateLoop::ParameterServer)
-        } else if self.ddp.schedule.is_some() {
-            Some(SeparateLoop::Scheduled)
         } else if self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
             Some(SeparateLoop::TwoBw)
         } else {
@@ -880,14 +876,13 @@ impl Config {
                 || self.optim.clip_grad_norm.is_some()
                 || self.train.grad_accum != 1
                 || self.train.precision != Precision::F32
-                || self.train.checkpoint_dir.is_some()
                 || self.train.strategy != Strategy::Ddp
                 || self.pipeline.is_some()
                 || !self.model.checkpoint_blocks.is_empty()
                 || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1))
                 || self.train.device != "cpu"
             {
-                return Err("ddp.schedule runs plain f32 DDP on the CPU: no zero_stage, compression, local_sgd, skip_sync, dynamic_batch_every, optim.clip_grad_norm, grad_accum > 1, mixed precision, checkpoints, mesh, pipeline, activation checkpointing or ps (each parameter is updated as soon as its own gradient is reduced)".into());
+                return Err("ddp.schedule runs plain f32 DDP on the CPU: no zero_stage, compression, local_sgd, skip_sync, dynamic_batch_every, optim.clip_grad_norm, grad_accum > 1, mixed precision, mesh, pipeline, activation checkpointing or ps (each parameter is updated as soon as its own gradient is reduced)".into());
             }
         }
         if self.ddp.deterministic {

@@ -8,9 +8,9 @@
 //! A strategy is built (its groups, model pieces and optimizer, and the resumed state when there
 //! is a checkpoint to continue from) by its own constructor; [`drive`] then runs it to the end.
 //! The strategies on the driver: `data_parallel` (DDP, ZeRO-1/2/3, tensor parallelism, local
-//! SGD, deterministic and f16 training), `sequence_parallel`, `expert_parallel` and the flushed
-//! pipelines (`pipeline::Flushed`: GPipe, 1F1B). PipeDream-2BW, ByteScheduler-ordered DDP and
-//! parameter-server workers still run loops of their own.
+//! SGD, deterministic and f16 training), `scheduled_ddp` (ByteScheduler-ordered DDP),
+//! `sequence_parallel`, `expert_parallel` and the flushed pipelines (`pipeline::Flushed`:
+//! GPipe, 1F1B). PipeDream-2BW and parameter-server workers still run loops of their own.
 
 use crate::checkpointing::{PendingSave, Resumed};
 use crate::config::{Config, DataKind};

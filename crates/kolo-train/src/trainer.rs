@@ -433,8 +433,8 @@ pub(crate) fn sample_text(
 }
 
 /// Trains `cfg` on this rank of `comm`: picks the strategy the config names (data parallel,
-/// with ZeRO and tensor parallelism; sequence or expert parallel; or one of the loops of their
-/// own: pipelines, scheduled DDP) and runs it to the end.
+/// with ZeRO and tensor parallelism; scheduled DDP; sequence or expert parallel; pipelines, of
+/// which PipeDream-2BW runs a loop of its own) and runs it to the end.
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
     // Before anything else: every rank was started with the same job.
@@ -452,11 +452,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     if cfg.train.strategy == crate::config::Strategy::Ps {
         return Err(TrainError::Config("train.strategy = \"ps\" trains through parameter servers: run it with `kolo ps run` (or `kolo train` with KOLO_PS_COORDINATOR set)".into()));
     }
-    if cfg.ddp.schedule.is_some() {
-        return crate::scheduled_ddp::run_scheduled(cfg, comm, opts);
-    }
     let resume = opts.resume.as_deref().map(resolve_checkpoint).transpose()?;
     let resume = resume.as_deref();
+    if cfg.ddp.schedule.is_some() {
+        return crate::scheduled_ddp::run_scheduled(cfg, comm, opts, resume);
+    }
     // Loads the data of replica `data_rank`, builds the strategy and drives it.
     let start = |data_rank: usize| -> Result<(Data, Option<usize>), TrainError> {
         let data = load_data(cfg, data_rank)?;

@@ -346,18 +346,14 @@ fn bad_inputs_give_clear_errors() {
     }
     // The loops that report through the driver's Reporter take the logs and refuse only what
     // they still lack.
-    let reporting =
-        [("ddp.schedule", format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n")), ("pipeline.schedule = \"2bw\"", two_bw.clone())];
-    for (which, cfg) in reporting {
-        assert!(
-            Config::parse(&format!("{cfg}[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\n"), "t").is_ok(),
-            "{which}"
-        );
-        let e = err(&format!("{cfg}[train]\ntimeline_dir = \"x\"\n"));
-        assert!(e.contains("train.timeline_dir") && e.contains(which), "{e}");
-    }
-    let e = err(&format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n[optim]\noffload_dir = \"x\"\n"));
-    assert!(e.contains("optim.offload_dir") && e.contains("ddp.schedule"), "{e}");
+    assert!(Config::parse(&format!("{two_bw}[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\n"), "t").is_ok());
+    let e = err(&format!("{two_bw}[train]\ntimeline_dir = \"x\"\n"));
+    assert!(e.contains("train.timeline_dir") && e.contains("pipeline.schedule = \"2bw\""), "{e}");
+    // Scheduled DDP runs on the driver: it has them all.
+    let sched = format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n");
+    let all = "[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\ntimeline_dir = \"z\"\ncheckpoint_dir = \"c\"\n\
+               [optim]\noffload_dir = \"o\"\nreference_batch = 32\n";
+    assert!(Config::parse(&format!("{sched}{all}"), "t").is_ok());
     // PipeDream-2BW keeps its optimizer state where offload_dir says and scales the learning rate.
     assert!(Config::parse(&format!("{two_bw}[optim]\noffload_dir = \"x\"\nreference_batch = 32\n"), "t").is_ok());
     // --resume in a loop that writes no checkpoints is refused before anything runs.
@@ -1678,13 +1674,21 @@ fn impala_solves_cartpole_and_the_grid_world() {
 /// parameters and a credit of a few chunks, many rounds and out-of-order completions happen;
 /// the result equals plain DDP's bitwise on 2 ranks and within 1e-6 on 3 (the ring all-reduce
 /// adds a chunk's values in an order that depends on where the chunk starts).
+///
+/// On the driver (#16), with evaluation every 3 steps and the timeline on: the GPT run stopped
+/// at step 3 and resumed from its checkpoint ends bitwise where the uninterrupted one does, and
+/// plain DDP resumed from the same checkpoint ends there too.
 #[test]
 fn scheduled_ddp_matches_plain_ddp() {
+    let dir = std::env::temp_dir().join(format!("kolo-sched-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     let opt = "[optim]\nkind = \"adamw\"\nlr = 0.01\nweight_decay = 0.01\n[train]\nsteps = 6\nlog_every = 1\n";
+    let sched_cfg = "[ddp]\nschedule = { chunk = \"1KiB\", credit = \"3KiB\" }\n";
     for (n, model) in [(2, "gpt"), (3, "mlp")] {
         let mk = |extra: &str| if model == "gpt" { gpt_cfg(&format!("{opt}{extra}"), 4) } else { mnist_cfg(&format!("{opt}{extra}"), 16) };
         let plain = train_on(n, &mk(""), &quiet());
-        let sched = train_on(n, &mk("[ddp]\nschedule = { chunk = \"1KiB\", credit = \"3KiB\" }\n"), &quiet());
+        let observe = format!("eval_every = 3\neval_batches = 2\ntimeline_dir = \"{}\"\n", dir.join("tl").display());
+        let sched = train_on(n, &mk(&format!("{}{sched_cfg}", if model == "gpt" { &observe } else { "" })), &quiet());
         for s in &sched {
             assert_eq!(s.params, sched[0].params, "every rank holds the same parameters");
             assert_eq!(s.steps_done, 6);
@@ -1694,8 +1698,26 @@ fn scheduled_ddp_matches_plain_ddp() {
             assert_eq!(d, 0.0, "{model} on 2 ranks: scheduled vs plain DDP");
         } else {
             assert!(d < 1e-6, "{model} on {n} ranks: max parameter difference {d}");
+            continue;
+        }
+        // Every step of every rank on the trace, with the scheduler's collectives.
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("tl").join("trace.json")).unwrap()).unwrap();
+        let ev = doc["traceEvents"].as_array().unwrap();
+        for pid in 0..2 {
+            let named = |p: &dyn Fn(&str) -> bool| ev.iter().filter(|e| e["pid"] == pid && p(e["name"].as_str().unwrap_or(""))).count();
+            assert_eq!(named(&|x| x == "forward + backward"), 6, "rank {pid}");
+            assert!(named(&|x| x.starts_with("all_reduce")) >= 6, "rank {pid}: the scheduler's rounds");
+        }
+        let ck = format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 3\n", dir.join("ck").display());
+        train_on(n, &mk(&format!("{ck}{sched_cfg}")), &RunOptions { stop_after: Some(3), ..quiet() });
+        let resume = RunOptions { resume: Some(dir.join("ck").join("step-00000003")), quiet: true, ..Default::default() };
+        for (how, extra) in [("scheduled", sched_cfg), ("plain", "")] {
+            let resumed = train_on(n, &mk(extra), &resume);
+            let d = max_diff(&resumed[0].params, &sched[0].params);
+            assert!(resumed[0].params == sched[0].params, "{how} DDP resumed from step 3 vs uninterrupted: max difference {d}");
         }
     }
+    std::fs::remove_dir_all(&dir).unwrap();
     // What cannot wait for every gradient is refused up front.
     let bad = Config::parse(
         "[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n[optim]\nclip_grad_norm = 1.0\n[ddp]\nschedule = {}\n",
