@@ -433,38 +433,10 @@ pub fn run_with(
     let (tx, rx): (SyncSender<Trajectory>, Receiver<Trajectory>) = sync_channel(cfg.queue.max(1));
     let stop = Arc::new(AtomicBool::new(false));
     let (steps, dropped) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    let mut listener = None;
-    if let Some(r) = remote {
-        let (tx, published, stop, steps, dropped, unroll) =
-            (tx.clone(), published.clone(), stop.clone(), steps.clone(), dropped.clone(), cfg.unroll);
-        let handler: kolo_ps::net::HandlerOf<ImpalaProtocol> = Arc::new(move |_: &mut kolo_ps::net::ConnState, req: ActorReq, _| {
-            if stop.load(Ordering::Relaxed) {
-                return LearnerResp::Stop;
-            }
-            let have = match req {
-                ActorReq::Hello => None,
-                ActorReq::Trajectory(t) => {
-                    if t.actions.len() != unroll {
-                        return LearnerResp::Error(format!("a trajectory of {} steps, the learner unrolls {unroll}", t.actions.len()));
-                    }
-                    steps.fetch_add(unroll as u64, Ordering::Relaxed);
-                    let v = t.version;
-                    offer(&tx, t, &dropped);
-                    Some(v)
-                }
-            };
-            let latest = published.read().unwrap_or_else(|p| p.into_inner()).clone();
-            if have == Some(latest.0) {
-                LearnerResp::Ack
-            } else {
-                LearnerResp::Params { version: latest.0, params: latest.1.clone() }
-            }
-        });
-        let l = kolo_ps::net::Listener::start_with::<ImpalaProtocol>(r.listen, r.token, "impala", handler)
-            .map_err(|e| TrainError::Other(format!("impala learner on {}: {e}", r.listen)))?;
-        (r.spawn)(&l.addr.to_string())?;
-        listener = Some(l);
-    }
+    let listener = match remote {
+        Some(r) => Some(serve_actors(r, cfg.unroll, &tx, &published, &stop, &steps, &dropped)?),
+        None => None,
+    };
     let local_actors = if listener.is_some() { 0 } else { cfg.actors };
     let actors: Vec<_> = (0..local_actors)
         .map(|id| {
@@ -479,89 +451,15 @@ pub fn run_with(
     drop(tx);
     let mut opt = Optimizer::new(OptimizerSpec::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false }, numel);
     let t0 = Instant::now();
-    let (mut learner_steps, mut episodes, mut solved_at, mut max_lag, mut lag_sum, mut lag_n) = (0u64, 0u64, None, 0u64, 0u64, 0u64);
-    let mut rejected = 0u64;
-    let mut recent: std::collections::VecDeque<f32> = Default::default();
-    let mean = |r: &std::collections::VecDeque<f32>| {
-        if r.is_empty() {
-            0.0
-        } else {
-            r.iter().map(|&x| f64::from(x)).sum::<f64>() / r.len() as f64
-        }
-    };
+    let (mut learner_steps, mut solved_at, mut rejected) = (0u64, None, 0u64);
+    let mut seen = Seen::default();
     let te = kolo_tensor::TensorError::from;
     let mut grads = vec![0f32; numel];
     let result = (|| -> Result<(), TrainError> {
         loop {
-            let mut batch = Vec::with_capacity(cfg.batch);
-            while batch.len() < cfg.batch {
-                // A deadline: actor processes that all died must not hang the learner.
-                let t = rx
-                    .recv_timeout(std::time::Duration::from_secs(60))
-                    .map_err(|e| TrainError::Other(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?;
-                // One broken or hostile actor must not stop the learner: drop and count.
-                if let Err(why) = t.check(cfg.unroll, obs_len, a, learner_steps) {
-                    rejected += 1;
-                    if rejected.is_power_of_two() {
-                        kolo_base::eline!("impala learner: dropped a malformed trajectory ({why}); {rejected} so far");
-                    }
-                    continue;
-                }
-                batch.push(t);
-            }
-            for t in &batch {
-                for r in &t.finished {
-                    episodes += 1;
-                    recent.push_back(*r);
-                    if recent.len() > 100 {
-                        recent.pop_front();
-                    }
-                }
-                let lag = learner_steps - t.version;
-                max_lag = max_lag.max(lag);
-                lag_sum += lag;
-                lag_n += 1;
-            }
-            // Forward all observations (with the bootstrap ones) at once.
-            let rows = cfg.batch * (cfg.unroll + 1);
-            let data: Vec<f32> = batch.iter().flat_map(|t| t.obs.iter().copied()).collect();
-            let out = model.forward(&Input::Images { data, n: rows, c: 1, h: 1, w: obs_len }, &PlainView)?;
-            let logits = out.narrow(1, 0, a).map_err(te)?.contiguous().map_err(te)?;
-            let values = out.narrow(1, a, 1).map_err(te)?.squeeze(1).map_err(te)?.contiguous().map_err(te)?;
-            let log_probs = kolo_tensor::ops::log_softmax_last(&logits)?;
-            let lp_host: Vec<f32> = log_probs.flatten_all().map_err(te)?.to_vec1().map_err(te)?;
-            let v_host: Vec<f32> = values.to_vec1().map_err(te)?;
-            // V-trace targets and advantages per trajectory (constants for the gradient).
-            let (mut idx, mut vs, mut adv, mut rows_used) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for (b, t) in batch.iter().enumerate() {
-                let base = b * (cfg.unroll + 1);
-                let target: Vec<f64> = (0..cfg.unroll).map(|s| f64::from(lp_host[(base + s) * a + t.actions[s]])).collect();
-                let log_rhos: Vec<f64> = target.iter().zip(&t.behaviour_logp).map(|(p, m)| p - f64::from(*m)).collect();
-                let discounts: Vec<f64> = t.dones.iter().map(|&d| if d { 0.0 } else { cfg.gamma }).collect();
-                let rewards: Vec<f64> = t.rewards.iter().map(|&r| f64::from(r)).collect();
-                let v: Vec<f64> = (0..cfg.unroll).map(|s| f64::from(v_host[base + s])).collect();
-                let vt = vtrace(&log_rhos, &discounts, &rewards, &v, f64::from(v_host[base + cfg.unroll]), cfg.rho_bar, cfg.c_bar);
-                for s in 0..cfg.unroll {
-                    idx.push(((base + s) * a + t.actions[s]) as u32);
-                    rows_used.push((base + s) as u32);
-                    vs.push(vt.vs[s] as f32);
-                    adv.push(vt.advantages[s] as f32);
-                }
-            }
-            let n = idx.len();
-            let dev = kolo_tensor::Device::Cpu;
-            let picked = log_probs.flatten_all().map_err(te)?.index_select(&Tensor::from_vec(idx, n, &dev).map_err(te)?, 0).map_err(te)?;
-            let rows_t = Tensor::from_vec(rows_used, n, &dev).map_err(te)?;
-            let v_used = values.index_select(&rows_t, 0).map_err(te)?;
-            let adv_t = Tensor::from_vec(adv, n, &dev).map_err(te)?;
-            let vs_t = Tensor::from_vec(vs, n, &dev).map_err(te)?;
-            let pg = (picked * &adv_t).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
-            let value_loss =
-                ((v_used - vs_t).map_err(te)?.sqr().map_err(te)?.mean_all().map_err(te)? * (0.5 * cfg.baseline)).map_err(te)?;
-            let lp_rows = log_probs.index_select(&rows_t, 0).map_err(te)?;
-            let entropy =
-                (lp_rows.exp().map_err(te)? * &lp_rows).map_err(te)?.sum(1).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
-            let loss = ((pg + value_loss).map_err(te)? - (entropy * cfg.entropy).map_err(te)?).map_err(te)?;
+            let batch = next_batch(cfg, &rx, (obs_len, a), learner_steps, &mut rejected)?;
+            seen.note(&batch, learner_steps);
+            let loss = vtrace_loss(cfg, &model, &batch, obs_len, a)?;
             let g = loss.backward().map_err(te)?;
             model.params().grads_into(&g, &mut grads)?;
             let f = clip_factor(kolo_base::sum_of_squares(&grads).sqrt(), cfg.clip_norm);
@@ -570,12 +468,12 @@ pub fn run_with(
             learner_steps += 1;
             *published.write().unwrap_or_else(|p| p.into_inner()) = Arc::new((learner_steps, model.params().to_flat()?));
             let learned = learner_steps * (cfg.batch * cfg.unroll) as u64;
-            let m = mean(&recent);
+            let m = seen.mean_return();
             if learner_steps.is_multiple_of(50) {
                 on_progress(learned, m);
             }
             if let Some(target) = cfg.target {
-                if recent.len() == 100 && m >= target && solved_at.is_none() {
+                if seen.recent.len() == 100 && m >= target && solved_at.is_none() {
                     solved_at = Some(learned);
                     return Ok(());
                 }
@@ -602,16 +500,167 @@ pub fn run_with(
         env_steps,
         learned_steps: learner_steps * (cfg.batch * cfg.unroll) as u64,
         learner_steps,
-        episodes,
-        mean_return: mean(&recent),
+        episodes: seen.episodes,
+        mean_return: seen.mean_return(),
         solved_at,
         secs,
         env_steps_per_s: env_steps as f64 / secs.max(1e-9),
         dropped: dropped.load(Ordering::Relaxed),
         rejected,
-        max_lag,
-        mean_lag: lag_sum as f64 / lag_n.max(1) as f64,
+        max_lag: seen.max_lag,
+        mean_lag: seen.lag_sum as f64 / seen.lag_n.max(1) as f64,
     })
+}
+
+/// The learner's next batch of well-formed trajectories (malformed ones dropped and counted).
+fn next_batch(
+    cfg: &ImpalaConfig,
+    rx: &Receiver<Trajectory>,
+    (obs_len, a): (usize, usize),
+    learner_steps: u64,
+    rejected: &mut u64,
+) -> Result<Vec<Trajectory>, TrainError> {
+    let mut batch = Vec::with_capacity(cfg.batch);
+    while batch.len() < cfg.batch {
+        // A deadline: actor processes that all died must not hang the learner.
+        let t = rx
+            .recv_timeout(std::time::Duration::from_secs(60))
+            .map_err(|e| TrainError::Other(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?;
+        // One broken or hostile actor must not stop the learner: drop and count.
+        if let Err(why) = t.check(cfg.unroll, obs_len, a, learner_steps) {
+            *rejected += 1;
+            if rejected.is_power_of_two() {
+                kolo_base::eline!("impala learner: dropped a malformed trajectory ({why}); {rejected} so far");
+            }
+            continue;
+        }
+        batch.push(t);
+    }
+    Ok(batch)
+}
+
+/// What the learner has seen: finished episodes (the last 100 returns) and the policy lag of
+/// the trajectories (learner steps between the acting parameters and the learning ones).
+#[derive(Default)]
+struct Seen {
+    episodes: u64,
+    recent: std::collections::VecDeque<f32>,
+    max_lag: u64,
+    lag_sum: u64,
+    lag_n: u64,
+}
+
+impl Seen {
+    fn note(&mut self, batch: &[Trajectory], learner_steps: u64) {
+        for t in batch {
+            for r in &t.finished {
+                self.episodes += 1;
+                self.recent.push_back(*r);
+                if self.recent.len() > 100 {
+                    self.recent.pop_front();
+                }
+            }
+            let lag = learner_steps - t.version;
+            self.max_lag = self.max_lag.max(lag);
+            self.lag_sum += lag;
+            self.lag_n += 1;
+        }
+    }
+
+    /// The mean return of the last (up to 100) episodes.
+    fn mean_return(&self) -> f64 {
+        if self.recent.is_empty() {
+            0.0
+        } else {
+            self.recent.iter().map(|&x| f64::from(x)).sum::<f64>() / self.recent.len() as f64
+        }
+    }
+}
+
+/// The learner's end of actor processes: each trajectory goes into the queue (dropped and
+/// counted when it is full), each reply carries the newest parameters unless the actor has them.
+fn serve_actors(
+    r: RemoteActors<'_>,
+    unroll: usize,
+    tx: &SyncSender<Trajectory>,
+    published: &Published,
+    stop: &Arc<AtomicBool>,
+    steps: &Arc<AtomicU64>,
+    dropped: &Arc<AtomicU64>,
+) -> Result<kolo_ps::net::Listener, TrainError> {
+    let (tx, published, stop, steps, dropped) = (tx.clone(), published.clone(), stop.clone(), steps.clone(), dropped.clone());
+    let handler: kolo_ps::net::HandlerOf<ImpalaProtocol> = Arc::new(move |_: &mut kolo_ps::net::ConnState, req: ActorReq, _| {
+        if stop.load(Ordering::Relaxed) {
+            return LearnerResp::Stop;
+        }
+        let have = match req {
+            ActorReq::Hello => None,
+            ActorReq::Trajectory(t) => {
+                if t.actions.len() != unroll {
+                    return LearnerResp::Error(format!("a trajectory of {} steps, the learner unrolls {unroll}", t.actions.len()));
+                }
+                steps.fetch_add(unroll as u64, Ordering::Relaxed);
+                let v = t.version;
+                offer(&tx, t, &dropped);
+                Some(v)
+            }
+        };
+        let latest = published.read().unwrap_or_else(|p| p.into_inner()).clone();
+        if have == Some(latest.0) {
+            LearnerResp::Ack
+        } else {
+            LearnerResp::Params { version: latest.0, params: latest.1.clone() }
+        }
+    });
+    let l = kolo_ps::net::Listener::start_with::<ImpalaProtocol>(r.listen, r.token, "impala", handler)
+        .map_err(|e| TrainError::Other(format!("impala learner on {}: {e}", r.listen)))?;
+    (r.spawn)(&l.addr.to_string())?;
+    Ok(l)
+}
+
+/// The learner's loss on a batch of trajectories: V-trace policy gradient, value regression
+/// to the V-trace targets (weighted by `baseline`) and an entropy bonus.
+fn vtrace_loss(cfg: &ImpalaConfig, model: &Mlp, batch: &[Trajectory], obs_len: usize, a: usize) -> Result<Tensor, TrainError> {
+    let te = kolo_tensor::TensorError::from;
+    // Forward all observations (with the bootstrap ones) at once.
+    let rows = cfg.batch * (cfg.unroll + 1);
+    let data: Vec<f32> = batch.iter().flat_map(|t| t.obs.iter().copied()).collect();
+    let out = model.forward(&Input::Images { data, n: rows, c: 1, h: 1, w: obs_len }, &PlainView)?;
+    let logits = out.narrow(1, 0, a).map_err(te)?.contiguous().map_err(te)?;
+    let values = out.narrow(1, a, 1).map_err(te)?.squeeze(1).map_err(te)?.contiguous().map_err(te)?;
+    let log_probs = kolo_tensor::ops::log_softmax_last(&logits)?;
+    let lp_host: Vec<f32> = log_probs.flatten_all().map_err(te)?.to_vec1().map_err(te)?;
+    let v_host: Vec<f32> = values.to_vec1().map_err(te)?;
+    // V-trace targets and advantages per trajectory (constants for the gradient).
+    let (mut idx, mut vs, mut adv, mut rows_used) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (b, t) in batch.iter().enumerate() {
+        let base = b * (cfg.unroll + 1);
+        let target: Vec<f64> = (0..cfg.unroll).map(|s| f64::from(lp_host[(base + s) * a + t.actions[s]])).collect();
+        let log_rhos: Vec<f64> = target.iter().zip(&t.behaviour_logp).map(|(p, m)| p - f64::from(*m)).collect();
+        let discounts: Vec<f64> = t.dones.iter().map(|&d| if d { 0.0 } else { cfg.gamma }).collect();
+        let rewards: Vec<f64> = t.rewards.iter().map(|&r| f64::from(r)).collect();
+        let v: Vec<f64> = (0..cfg.unroll).map(|s| f64::from(v_host[base + s])).collect();
+        let vt = vtrace(&log_rhos, &discounts, &rewards, &v, f64::from(v_host[base + cfg.unroll]), cfg.rho_bar, cfg.c_bar);
+        for s in 0..cfg.unroll {
+            idx.push(((base + s) * a + t.actions[s]) as u32);
+            rows_used.push((base + s) as u32);
+            vs.push(vt.vs[s] as f32);
+            adv.push(vt.advantages[s] as f32);
+        }
+    }
+    let n = idx.len();
+    let dev = kolo_tensor::Device::Cpu;
+    let picked = log_probs.flatten_all().map_err(te)?.index_select(&Tensor::from_vec(idx, n, &dev).map_err(te)?, 0).map_err(te)?;
+    let rows_t = Tensor::from_vec(rows_used, n, &dev).map_err(te)?;
+    let v_used = values.index_select(&rows_t, 0).map_err(te)?;
+    let adv_t = Tensor::from_vec(adv, n, &dev).map_err(te)?;
+    let vs_t = Tensor::from_vec(vs, n, &dev).map_err(te)?;
+    let pg = (picked * &adv_t).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
+    let value_loss = ((v_used - vs_t).map_err(te)?.sqr().map_err(te)?.mean_all().map_err(te)? * (0.5 * cfg.baseline)).map_err(te)?;
+    let lp_rows = log_probs.index_select(&rows_t, 0).map_err(te)?;
+    let entropy = (lp_rows.exp().map_err(te)? * &lp_rows).map_err(te)?.sum(1).map_err(te)?.mean_all().map_err(te)?.neg().map_err(te)?;
+    let loss = ((pg + value_loss).map_err(te)? - (entropy * cfg.entropy).map_err(te)?).map_err(te)?;
+    Ok(loss)
 }
 
 #[cfg(test)]
