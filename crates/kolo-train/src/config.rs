@@ -674,32 +674,13 @@ fn default_prefetch() -> usize {
 /// until it does (issue #16). Shown as the setting that selects it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SeparateLoop {
-    ParameterServer,
     /// PipeDream-2BW: one plan with activations always in flight.
     TwoBw,
-}
-
-impl SeparateLoop {
-    /// Whether it reports through the driver's `Reporter` (metrics, TensorBoard, JSON lines).
-    pub fn reports(self) -> bool {
-        self != SeparateLoop::ParameterServer
-    }
-
-    /// Whether it keeps its optimizer state where `optim.offload_dir` puts it.
-    pub fn offloads(self) -> bool {
-        self == SeparateLoop::TwoBw
-    }
-
-    /// Whether it applies `optim.reference_batch` (the linear scaling rule).
-    pub fn scales_lr(self) -> bool {
-        matches!(self, SeparateLoop::ParameterServer | SeparateLoop::TwoBw)
-    }
 }
 
 impl std::fmt::Display for SeparateLoop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
-            SeparateLoop::ParameterServer => "train.strategy = \"ps\"",
             SeparateLoop::TwoBw => "pipeline.schedule = \"2bw\"",
         })
     }
@@ -720,9 +701,7 @@ impl Config {
     /// The loop of its own this config runs in (`None`: a strategy on the driver).
     /// `--resume` and the features it lacks ([`SeparateLoop`]) are refused there.
     pub fn separate_loop(&self) -> Option<SeparateLoop> {
-        if self.train.strategy == Strategy::Ps {
-            Some(SeparateLoop::ParameterServer)
-        } else if self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
+        if self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
             Some(SeparateLoop::TwoBw)
         } else {
             None
@@ -1052,8 +1031,9 @@ impl Config {
                 || self.ddp.local_sgd.is_some()
                 || self.train.precision != Precision::F32
                 || self.train.checkpoint_dir.is_some()
+                || self.optim.offload_dir.is_some()
             {
-                return Err("train.strategy = \"ps\" trains in f32 without [ddp] options (zero_stage, compression, local_sgd) and keeps its state on the servers (no train.checkpoint_dir)".into());
+                return Err("train.strategy = \"ps\" trains in f32 without [ddp] options (zero_stage, compression, local_sgd) and keeps its state, the optimizer's included, on the servers (no train.checkpoint_dir or optim.offload_dir)".into());
             }
         }
         Ok(())
@@ -1064,28 +1044,10 @@ impl Config {
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
         }
-        if let Some(which) = self.separate_loop() {
-            // Only the DDP/ZeRO loop (tensor parallelism included) has all of these so far; the
-            // other loops refuse what they lack rather than ignore it (issue #16).
-            let reports = which.reports();
-            let set: Vec<&str> = [
-                ("train.json_log", self.train.json_log.is_some() && !reports),
-                ("train.metrics_port", self.train.metrics_port.is_some() && !reports),
-                ("train.tensorboard_dir", self.train.tensorboard_dir.is_some() && !reports),
-                ("train.timeline_dir", self.train.timeline_dir.is_some()),
-                ("optim.offload_dir", self.optim.offload_dir.is_some() && !which.offloads()),
-                ("optim.reference_batch", self.optim.reference_batch.is_some() && !which.scales_lr()),
-            ]
-            .into_iter()
-            .filter_map(|(name, on)| on.then_some(name))
-            .collect();
-            if !set.is_empty() {
-                let verb = if set.len() == 1 { "is" } else { "are" };
-                return Err(format!(
-                    "{} {verb} not supported with {which} yet (DDP/ZeRO training, with or without mesh.tp, has them)",
-                    set.join(", ")
-                ));
-            }
+        if let Some(which) = self.separate_loop().filter(|_| self.train.timeline_dir.is_some()) {
+            // It reports through the driver's Reporter and offloads and scales like the driver;
+            // its one stream over the whole run has no per-step spans to draw yet (issue #16).
+            return Err(format!("train.timeline_dir is not supported with {which} yet (the strategies on the driver have it)"));
         }
         Ok(())
     }

@@ -539,6 +539,7 @@ impl Strategy for DataParallel<'_> {
             loss_scale: self.scaler.as_ref().map(LossScaler::scale),
             moe,
             pipeline_bubble: None,
+            ps: None,
         })
     }
 }

@@ -10,7 +10,8 @@
 //! The strategies on the driver: `data_parallel` (DDP, ZeRO-1/2/3, tensor parallelism, local
 //! SGD, deterministic and f16 training), `scheduled_ddp` (ByteScheduler-ordered DDP),
 //! `sequence_parallel`, `expert_parallel` and the flushed pipelines (`pipeline::Flushed`:
-//! GPipe, 1F1B). PipeDream-2BW and parameter-server workers still run loops of their own.
+//! GPipe, 1F1B) and `ps_worker` (parameter-server workers, [`Job::Alone`]). PipeDream-2BW still
+//! runs a loop of its own.
 
 use crate::checkpointing::{PendingSave, Resumed};
 use crate::config::{Config, DataKind};
@@ -66,6 +67,8 @@ pub struct Finish {
     pub moe: Option<kolo_tensor::models::MoeLoad>,
     /// Pipelines: the mean measured bubble (idle share of the stages).
     pub pipeline_bubble: Option<f64>,
+    /// Parameter-server workers: what this worker pushed and pulled.
+    pub ps: Option<kolo_ps::PushStats>,
 }
 
 /// A checkpoint to write.
@@ -262,20 +265,39 @@ pub(crate) fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize)
 /// Where a run starts: the resumed checkpoint (its path and state) or step 0.
 pub type Start = Option<(PathBuf, Resumed)>;
 
-/// Runs `s` from `start` to the end of the run (or `opts.stop_after`). `job`: every rank of
-/// the run (the timeline's files are merged over it); `heap_before`: live heap bytes after the
+/// The processes of a run, as the driver sees them.
+#[derive(Clone, Copy)]
+pub enum Job<'a> {
+    /// Every rank of the run, on one communicator (the timeline's files are merged over it).
+    Ranks(&'a dyn Communicator),
+    /// A process that shares no communicator with the others (a parameter-server worker: one
+    /// that dies must not stop the rest), by its number. It writes its own timeline file.
+    Alone(usize),
+}
+
+impl Job<'_> {
+    fn rank(&self) -> usize {
+        match self {
+            Job::Ranks(c) => c.rank().get(),
+            Job::Alone(r) => *r,
+        }
+    }
+}
+
+/// Runs `s` from `start` to the end of the run (or `opts.stop_after`). `job`: the processes of
+/// the run; `heap_before`: live heap bytes after the
 /// data was loaded, before the model existed.
 pub fn drive(
     cfg: &Config,
     opts: &RunOptions,
-    job: &dyn Communicator,
+    job: Job<'_>,
     data: &Data,
     heap_before: Option<usize>,
     s: &mut dyn Strategy,
     start: Start,
 ) -> Result<Summary, TrainError> {
     let tc = &cfg.train;
-    let global_rank = job.rank().get();
+    let global_rank = job.rank();
     let replica = s.replica();
     let global_batch = cfg.data.batch_size * replica.1 * tc.grad_accum as usize;
     let base_lr = cfg.optim.reference_batch.map_or(cfg.optim.lr, |r| scaled_lr(cfg.optim.lr, global_batch, r));
@@ -370,7 +392,7 @@ pub fn drive(
         heap: HeapReport::between(heap_before, heap_after),
         skipped_steps: f.skipped_steps,
         loss_scale: f.loss_scale,
-        ps: None,
+        ps: f.ps,
         pipeline_bubble: f.pipeline_bubble,
         moe: f.moe,
         batch_split: batches.split().map(<[usize]>::to_vec),
@@ -437,12 +459,14 @@ fn record_spans(tl: &mut crate::timeline::Timeline, step: u64, t0: Instant, out:
     }
 }
 
-/// Every rank writes its trace file into `dir`; rank 0 merges them into `trace.json`.
-fn write_timeline(tl: &crate::timeline::Timeline, dir: &Path, job: &dyn Communicator, say: bool) -> Result<(), TrainError> {
-    let (rank, world) = (job.rank().get(), job.world_size().get());
+/// Every rank writes its trace file into `dir`; rank 0 merges them into `trace.json` (a process
+/// alone only writes its own: `kolo ps run` merges the workers' files when they are done).
+fn write_timeline(tl: &crate::timeline::Timeline, dir: &Path, job: Job<'_>, say: bool) -> Result<(), TrainError> {
     let io = |e: std::io::Error| TrainError::Other(format!("train.timeline_dir {}: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(io)?;
-    tl.write(&dir.join(format!("trace-rank{rank}.json"))).map_err(io)?;
+    tl.write(&dir.join(format!("trace-rank{}.json", job.rank()))).map_err(io)?;
+    let Job::Ranks(job) = job else { return Ok(()) };
+    let (rank, world) = (job.rank().get(), job.world_size().get());
     job.barrier()?;
     if rank == 0 {
         let files: Vec<PathBuf> = (0..world).map(|r| dir.join(format!("trace-rank{r}.json"))).collect();

@@ -222,6 +222,6 @@ impl Strategy for ExpertParallel<'_> {
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
         let moe = reduce_load(self.gpt.take_moe_load(), &*self.comm)?;
         let states = crate::trainer::replicated_states(self.grads.len(), &self.opt);
-        Ok(Finish { params: self.whole_params()?, states, skipped_steps: 0, loss_scale: None, moe, pipeline_bubble: None })
+        Ok(Finish { params: self.whole_params()?, states, skipped_steps: 0, loss_scale: None, moe, pipeline_bubble: None, ps: None })
     }
 }

@@ -447,6 +447,7 @@ impl Strategy for Flushed<'_> {
             loss_scale: None,
             moe: None,
             pipeline_bubble: Some(bubble),
+            ps: None,
         })
     }
 }

@@ -10,17 +10,21 @@
 //! last, possibly half-acknowledged push is resent: the servers drop duplicates). Under BSP the
 //! result is bit-identical to a run in which nobody died.
 
+use crate::checkpointing::PendingSave;
 use crate::config::{Config, PsConsistency};
-use crate::data::Dataset;
-use crate::trainer::{evaluate, load_data, peak_rss, replica_batches, sample_text, spec_string, RunOptions, StateBytes, Summary};
+use crate::data::{CharVocab, Dataset};
+use crate::driver::{Batches, Finish, SaveAt, StepCtx, StepOut, Strategy};
+use crate::trainer::{
+    evaluate, lead_say, load_data, replica_batches, sample_text, spec_string, Data, Eval, RunOptions, StateBytes, Summary,
+};
 use crate::TrainError;
 use kolo_base::WorldSize;
-use kolo_comm::LocalComm;
+use kolo_comm::{Communicator, LocalComm};
 use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares};
 use kolo_ps::client::ClientOptions;
 use kolo_ps::{JobSpec, PsClient, SignificantlyModified};
 use kolo_rendezvous::JobToken;
-use kolo_tensor::{build_model, Model, ModelSpec, PlainView};
+use kolo_tensor::{build_model, Batch, Model, ModelSpec, PlainView};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -34,149 +38,357 @@ pub struct PsWorker {
     pub token: JobToken,
 }
 
-pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, TrainError> {
-    let (rank, world) = (w.worker, w.workers);
-    let lead = rank == 0 && !opts.quiet;
-    let say = |m: &str| {
-        if lead {
-            kolo_base::eline!("{m}");
-        }
-    };
-    let tc = &cfg.train;
-    let pc = &cfg.ps;
-    let data = load_data(cfg, rank)?;
-    let spec = cfg.model_spec(data.vocab_size);
-    let model = build_model(&spec, tc.seed)?;
-    let numel = model.params().numel();
-    let coordinator = pc.coordinator.clone().unwrap_or_else(|| w.coordinator.clone());
-    let mut client = connect(cfg, &coordinator, &w.token, numel, rank, world)?;
-    if rank == 0 {
-        // Every worker builds the same initial model from the seed; worker 0's copy seeds the servers.
-        client.init(&model.params().to_flat()?)?;
-    }
-    say(&format!(
-        "kolo train (parameter servers at {coordinator}, {} server(s) so far): {numel} params, {} on {world} worker(s), {:?}{}, ranges of {} values, replication {}, data: {}",
-        client.membership().servers.len(),
-        spec_string(&spec),
-        pc.consistency(),
-        if pc.consistency == PsConsistency::Async { format!(" (pull every {} steps, push every {})", pc.fetch_every, pc.push_every) } else { String::new() },
-        pc.chunk,
-        pc.replication,
-        data.train.describe()
-    ));
-    if client.membership().servers.len() <= pc.replication as usize {
-        say(&format!("warning: ps.replication = {} needs {} servers to keep that many copies; with {} server(s) each range has {} copy/copies until more servers join", pc.replication, pc.replication + 1, client.membership().servers.len(), client.membership().servers.len()));
-    }
-    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
+/// A parameter-server worker on the driver: every step pulls, computes the gradient of this
+/// worker's batches and pushes it. Workers share no communicator (one that dies must not stop
+/// the others): the driver's log windows average this worker's own loss, and worker 0
+/// evaluates (mid-run: the parameters it last pulled; at the end: the final ones).
+pub struct PsStrategy<'a> {
+    cfg: &'a Config,
+    /// A communicator of this worker alone.
+    alone: Box<dyn Communicator>,
+    me: (usize, usize),
+    spec: ModelSpec,
+    w: Worker,
+    coordinator: String,
+    token: JobToken,
+    /// Test hook: this worker vanishes at this step (returns an error; no goodbye).
+    die_at: Option<u64>,
+    end: u64,
+    /// Adoption of dead workers' shards, stopped and joined before the final pull.
+    done: Arc<AtomicBool>,
+    watcher: Option<JoinHandle<()>>,
+    adopted: Arc<Mutex<Vec<Adopted>>>,
+    adopted_shards: Vec<usize>,
+    /// The final parameters were pulled (every worker's last push applied, under BSP).
+    settled: bool,
+    quiet: bool,
+}
 
-    // Adoption: take over the shards of workers the coordinator declares dead.
-    let done = Arc::new(AtomicBool::new(false));
-    let adopted: Arc<Mutex<Vec<Adopted>>> = Arc::default();
-    let watcher = {
-        let (done, adopted, cfg, spec, train, coordinator, token) =
-            (done.clone(), adopted.clone(), cfg.clone(), spec.clone(), data.train.clone(), coordinator.clone(), w.token.clone());
-        let opts = RunOptions { quiet: opts.quiet, ..RunOptions::default() };
-        std::thread::Builder::new()
-            .name("kolo-ps-adopt".into())
-            .spawn(move || {
-                while !done.load(Ordering::SeqCst) {
-                    std::thread::sleep(Duration::from_millis(200));
-                    let Ok(m) = kolo_ps::coord::membership(&coordinator, &token, Duration::from_secs(5)) else { continue };
-                    for dead in m.dead_workers {
-                        if dead as usize >= world || dead as usize == rank || done.load(Ordering::SeqCst) {
-                            continue;
-                        }
-                        if let Ok(true) = kolo_ps::coord::adopt(&coordinator, &token, dead, rank as u32, Duration::from_secs(5)) {
-                            kolo_base::eline!("worker {rank}: worker {dead} is dead; training its data shard from its last step");
-                            let (cfg, spec, train, coordinator, token, opts) =
-                                (cfg.clone(), spec.clone(), train.clone(), coordinator.clone(), token.clone(), opts.clone());
-                            let h = std::thread::spawn(move || {
-                                adopt_shard(&cfg, &spec, train, &coordinator, &token, dead as usize, world, end, &opts)
-                            });
-                            adopted.lock().unwrap_or_else(|p| p.into_inner()).push((dead as usize, h));
-                        }
-                    }
-                }
-            })
-            .map_err(|e| TrainError::Other(e.to_string()))?
-    };
-    let out = train_loop(cfg, &*model, &mut client, data.train.clone(), rank, world, 0, end, opts, &say);
-    done.store(true, Ordering::SeqCst);
-    let _ = watcher.join();
-    let out = out?;
-    let mut adopted_shards = Vec::new();
-    for (shard, h) in adopted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
-        h.join().map_err(|_| TrainError::Other(format!("worker {rank}: the thread training worker {shard}'s shard panicked")))??;
-        adopted_shards.push(shard);
-    }
-    let is_async = pc.consistency == PsConsistency::Async;
-    // The final parameters: every push of every worker applied (BSP), or whatever the servers
-    // hold when this worker is done (bounded delay waits for the slowest within τ; async none).
-    let mut flat = vec![0f32; numel];
-    client.pull(if is_async { out.pushes } else { end }, &mut flat)?;
-    model.params().load(&flat)?;
-    let mut eval = None;
-    let mut sample = None;
-    if rank == 0 && end == tc.steps {
-        let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
-        let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
-        let e = evaluate(&*model, &PlainView, &*data.eval, &local, cfg.data.batch_size, limit, false, &|| Ok(()))?;
-        say(&format!(
-            "final eval on {} examples: loss {:.4}{}",
-            e.examples,
-            e.loss,
-            e.accuracy.map_or(String::new(), |a| format!(", accuracy {:.2}%", a * 100.0))
-        ));
-        eval = Some(e);
-        if let (Some(v), ModelSpec::Gpt(g)) = (&data.vocab, &spec) {
-            if tc.sample_chars > 0 {
-                let s = sample_text(&*model, &PlainView, v, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))?;
-                say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", tc.sample_chars, tc.sample_temperature));
-                sample = Some(s);
-            }
+/// Trains this parameter-server worker to the end of the run (the driver's loop, without
+/// checkpoints: the state lives on the servers).
+pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, TrainError> {
+    let data = load_data(cfg, w.worker)?;
+    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
+    let mut s = PsStrategy::new(cfg, w, &data, opts)?;
+    // The worker's death hook is the strategy's (an error, so that in-process tests survive).
+    let opts = RunOptions { die_at: None, ..opts.clone() };
+    crate::driver::drive(cfg, &opts, crate::driver::Job::Alone(w.worker), &data, heap_before, &mut s, None)
+}
+
+impl<'a> PsStrategy<'a> {
+    fn new(cfg: &'a Config, w: &PsWorker, data: &Data, opts: &RunOptions) -> Result<PsStrategy<'a>, TrainError> {
+        let (rank, world) = (w.worker, w.workers);
+        let say = lead_say(rank == 0 && !opts.quiet);
+        let (tc, pc) = (&cfg.train, &cfg.ps);
+        let spec = cfg.model_spec(data.vocab_size);
+        let coordinator = pc.coordinator.clone().unwrap_or_else(|| w.coordinator.clone());
+        let mut worker = Worker::connect(cfg, &spec, &coordinator, &w.token, rank, world)?;
+        let numel = worker.flat.len();
+        if rank == 0 {
+            // Every worker builds the same initial model from the seed; worker 0's copy seeds the servers.
+            worker.client.init(&worker.model.params().to_flat()?)?;
         }
-    }
-    let stats = client.stats().clone();
-    if stats.values_sent < stats.values_total {
+        let servers = worker.client.membership().servers.len();
         say(&format!(
-            "significantly-modified filter: sent {} of {} gradient values ({:.1}% saved)",
-            stats.values_sent,
-            stats.values_total,
-            100.0 * (1.0 - stats.values_sent as f64 / stats.values_total.max(1) as f64)
+            "kolo train (parameter servers at {coordinator}, {servers} server(s) so far): {numel} params, {} on {world} worker(s), {:?}{}, ranges of {} values, replication {}, data: {}",
+            spec_string(&spec),
+            pc.consistency(),
+            if pc.consistency == PsConsistency::Async { format!(" (pull every {} steps, push every {})", pc.fetch_every, pc.push_every) } else { String::new() },
+            pc.chunk,
+            pc.replication,
+            data.train.describe()
         ));
+        if servers <= pc.replication as usize {
+            say(&format!("warning: ps.replication = {} needs {} servers to keep that many copies; with {servers} server(s) each range has {servers} copy/copies until more servers join", pc.replication, pc.replication + 1));
+        }
+        let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
+        let (done, adopted): (Arc<AtomicBool>, Arc<Mutex<Vec<Adopted>>>) = Default::default();
+        let watcher = watch_for_the_dead(cfg, &spec, data.train.clone(), (&coordinator, &w.token), (rank, world), end, (&done, &adopted))?;
+        Ok(PsStrategy {
+            cfg,
+            alone: Box::new(LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0)),
+            quiet: opts.quiet,
+            me: (rank, world),
+            spec,
+            w: worker,
+            coordinator,
+            token: w.token.clone(),
+            die_at: opts.die_at.filter(|d| d.0 == rank).map(|d| d.1),
+            end,
+            done,
+            watcher: Some(watcher),
+            adopted,
+            adopted_shards: Vec::new(),
+            settled: false,
+        })
     }
-    if !adopted_shards.is_empty() {
-        kolo_base::eline!("worker {rank}: also trained the shard(s) of dead worker(s) {adopted_shards:?}");
+
+    /// At the end of the run: stops adopting, waits for the adopted shards, then pulls the final
+    /// parameters (BSP: every push of every worker applied; bounded delay: within τ of the
+    /// slowest; async: whatever the servers hold when this worker is done).
+    fn settle(&mut self) -> Result<(), TrainError> {
+        if self.settled {
+            return Ok(());
+        }
+        self.done.store(true, Ordering::SeqCst);
+        if let Some(h) = self.watcher.take() {
+            let _ = h.join();
+        }
+        let rank = self.me.0;
+        for (shard, h) in self.adopted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            h.join().map_err(|_| TrainError::Other(format!("worker {rank}: the thread training worker {shard}'s shard panicked")))??;
+            self.adopted_shards.push(shard);
+        }
+        let clock = if self.cfg.ps.consistency == PsConsistency::Async { self.w.pushes } else { self.end };
+        self.w.client.pull(clock, &mut self.w.flat)?;
+        self.w.model.params().load(&self.w.flat)?;
+        self.settled = true;
+        Ok(())
     }
-    let _ = kolo_ps::coord::worker_done(&coordinator, &w.token, rank as u32, Duration::from_secs(5));
-    Ok(Summary {
-        steps_done: end,
-        last_loss: out.last_loss,
-        eval,
-        step_ms: out.step_ms,
-        comm_wait_ms: out.wait_ms,
-        comm_bytes: out.comm_bytes,
-        straggler: None,
-        hidden_fraction: 0.0,
-        params: flat,
-        sample,
-        checkpoint: None,
-        states: StateBytes { params: numel as u64 * 4, grads: 3 * numel as u64 * 4, optimizer: 0, offloaded: false },
-        peak_rss: peak_rss(),
-        heap: None,
-        skipped_steps: 0,
-        loss_scale: None,
-        ps: Some(stats),
-        pipeline_bubble: None,
-        moe: None,
-        batch_split: None,
-    })
+
+    /// Whether the run's steps are all done (evaluation then reads the final parameters).
+    fn at_end(&self, steps_done: u64) -> bool {
+        steps_done >= self.end
+    }
+}
+
+impl Drop for PsStrategy<'_> {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Strategy for PsStrategy<'_> {
+    fn comm(&self) -> &dyn Communicator {
+        &*self.alone
+    }
+
+    fn replica(&self) -> (usize, usize) {
+        self.me
+    }
+
+    fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
+        if self.die_at == Some(ctx.step) {
+            // Test hook: this worker vanishes (no goodbye; its heartbeats stop with its client).
+            return Err(TrainError::Other(format!("worker {} died at step {} (test hook)", self.me.0, ctx.step)));
+        }
+        let mut out = self.w.step(self.cfg, ctx, &mut || data.next_batch())?;
+        out.note = format!(
+            " | {:.1} ms in push/pull | lead over the slowest worker up to {} step(s)",
+            out.rec.wait_ms.unwrap_or(0.0),
+            self.w.client.stats().max_lead
+        );
+        Ok(out)
+    }
+
+    fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
+        let steps_done = self.w.steps_done;
+        if self.at_end(steps_done) {
+            self.settle()?;
+        }
+        if self.me.0 != 0 {
+            return Ok(None);
+        }
+        evaluate(&*self.w.model, &PlainView, ds, &*self.alone, self.cfg.data.batch_size, max_batches, false, &|| Ok(())).map(Some)
+    }
+
+    fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
+        self.settle()?;
+        let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
+        if self.me.0 != 0 {
+            return Ok(None);
+        }
+        let tc = &self.cfg.train;
+        sample_text(&*self.w.model, &PlainView, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(())).map(Some)
+    }
+
+    fn save(&mut self, _at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        // Refused at config validation; kept as an error should a caller get past it.
+        Err(TrainError::Config("train.strategy = \"ps\" keeps its state on the servers (no train.checkpoint_dir)".into()))
+    }
+
+    fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
+        self.settle()?;
+        let rank = self.me.0;
+        let say = lead_say(rank == 0 && !self.quiet);
+        let stats = self.w.client.stats().clone();
+        if stats.values_sent < stats.values_total {
+            say(&format!(
+                "significantly-modified filter: sent {} of {} gradient values ({:.1}% saved)",
+                stats.values_sent,
+                stats.values_total,
+                100.0 * (1.0 - stats.values_sent as f64 / stats.values_total.max(1) as f64)
+            ));
+        }
+        if !self.adopted_shards.is_empty() {
+            kolo_base::eline!("worker {rank}: also trained the shard(s) of dead worker(s) {:?}", self.adopted_shards);
+        }
+        let _ = kolo_ps::coord::worker_done(&self.coordinator, &self.token, rank as u32, Duration::from_secs(5));
+        let numel = self.w.flat.len() as u64;
+        Ok(Finish {
+            params: self.w.flat.clone(),
+            // The pulled parameters, and the gradient, micro-batch and accumulation buffers.
+            states: StateBytes { params: numel * 4, grads: 3 * numel * 4, optimizer: 0, offloaded: false },
+            skipped_steps: 0,
+            loss_scale: None,
+            moe: None,
+            pipeline_bubble: None,
+            ps: Some(stats),
+        })
+    }
 }
 
 /// A dead worker's shard being trained on another thread of this worker.
 type Adopted = (usize, JoinHandle<Result<u64, TrainError>>);
 
+/// Adoption: a thread that asks the coordinator for dead workers and takes over the data shard
+/// of each one it is granted, until `done`.
+#[allow(clippy::too_many_arguments)]
+fn watch_for_the_dead(
+    cfg: &Config,
+    spec: &ModelSpec,
+    train: Arc<dyn Dataset>,
+    (coordinator, token): (&str, &JobToken),
+    (rank, world): (usize, usize),
+    end: u64,
+    (done, adopted): (&Arc<AtomicBool>, &Arc<Mutex<Vec<Adopted>>>),
+) -> Result<JoinHandle<()>, TrainError> {
+    let (done, adopted, cfg, spec, coordinator, token) =
+        (done.clone(), adopted.clone(), cfg.clone(), spec.clone(), coordinator.to_string(), token.clone());
+    std::thread::Builder::new()
+        .name("kolo-ps-adopt".into())
+        .spawn(move || {
+            while !done.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(200));
+                let Ok(m) = kolo_ps::coord::membership(&coordinator, &token, Duration::from_secs(5)) else { continue };
+                for dead in m.dead_workers {
+                    if dead as usize >= world || dead as usize == rank || done.load(Ordering::SeqCst) {
+                        continue;
+                    }
+                    if let Ok(true) = kolo_ps::coord::adopt(&coordinator, &token, dead, rank as u32, Duration::from_secs(5)) {
+                        kolo_base::eline!("worker {rank}: worker {dead} is dead; training its data shard from its last step");
+                        let (cfg, spec, train, coordinator, token) =
+                            (cfg.clone(), spec.clone(), train.clone(), coordinator.clone(), token.clone());
+                        let h =
+                            std::thread::spawn(move || adopt_shard(&cfg, &spec, train, &coordinator, &token, dead as usize, world, end));
+                        adopted.lock().unwrap_or_else(|p| p.into_inner()).push((dead as usize, h));
+                    }
+                }
+            }
+        })
+        .map_err(|e| TrainError::Other(e.to_string()))
+}
+
+/// One logical worker's pull, gradient and push, and what it holds between steps.
+struct Worker {
+    model: Box<dyn Model>,
+    client: PsClient,
+    filter: Option<SignificantlyModified>,
+    /// The pulled parameters; the step's gradient, one micro-batch's, and the accumulated
+    /// pushes (Downpour pushes every `push_every` steps).
+    flat: Vec<f32>,
+    grads: Vec<f32>,
+    micro: Vec<f32>,
+    acc: Vec<f32>,
+    /// Pushes made (the clock under async).
+    pushes: u64,
+    steps_done: u64,
+}
+
+impl Worker {
+    /// Builds the model and connects as logical worker `worker` of `workers`.
+    fn connect(
+        cfg: &Config,
+        spec: &ModelSpec,
+        coordinator: &str,
+        token: &JobToken,
+        worker: usize,
+        workers: usize,
+    ) -> Result<Worker, TrainError> {
+        let model = build_model(spec, cfg.train.seed)?;
+        let numel = model.params().numel();
+        let client = connect(cfg, coordinator, token, numel, worker, workers)?;
+        let pc = &cfg.ps;
+        Ok(Worker {
+            model,
+            client,
+            filter: (pc.filter_threshold > 0.0).then(|| SignificantlyModified::new(pc.filter_threshold)),
+            flat: vec![0f32; numel],
+            grads: vec![0f32; numel],
+            micro: vec![0f32; numel],
+            acc: vec![0f32; numel],
+            pushes: 0,
+            steps_done: 0,
+        })
+    }
+
+    /// Step `ctx.step`: pull (every `fetch_every` steps under async), the gradient over
+    /// `grad_accum` batches from `next`, clipping, push (every `push_every` steps under async).
+    fn step(&mut self, cfg: &Config, ctx: &StepCtx, next: &mut dyn FnMut() -> Result<Batch, TrainError>) -> Result<StepOut, TrainError> {
+        let (tc, pc) = (&cfg.train, &cfg.ps);
+        let is_async = pc.consistency == PsConsistency::Async;
+        let te = kolo_tensor::TensorError::from;
+        let step = ctx.step;
+        let mut out = StepOut::default();
+        let mut waited = Duration::ZERO;
+        if !is_async || step.is_multiple_of(pc.fetch_every) {
+            let t = Instant::now();
+            self.client.pull(if is_async { self.pushes } else { step }, &mut self.flat)?;
+            self.model.params().load(&self.flat)?;
+            waited += t.elapsed();
+            out.comm_spans.push(("pull".into(), t, Instant::now()));
+        }
+        self.grads.fill(0.0);
+        let mut loss_sum = 0f64;
+        for _ in 0..tc.grad_accum {
+            let batch = next()?;
+            let loss = (self.model.loss(&batch, &PlainView)? * (1.0 / tc.grad_accum as f64)).map_err(te)?;
+            loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+            let g = loss.backward().map_err(te)?;
+            self.model.params().grads_into(&g, &mut self.micro)?;
+            self.grads.iter_mut().zip(&self.micro).for_each(|(a, b)| *a += b);
+        }
+        if let Some(max) = cfg.optim.clip_grad_norm {
+            // Each worker clips the gradient it pushes (the servers never see a global one).
+            let f = clip_factor(sum_of_squares(&self.grads).sqrt(), max);
+            self.grads.iter_mut().for_each(|g| *g *= f);
+        }
+        out.backward_end = Some(Instant::now());
+        self.acc.iter_mut().zip(&self.grads).for_each(|(a, g)| *a += g);
+        let before = self.client.stats().bytes_out;
+        if !is_async || (step + 1).is_multiple_of(pc.push_every) {
+            let t = Instant::now();
+            let filter = self.filter.as_mut().map(|f| f as &mut dyn kolo_ps::Filter);
+            self.client.push(if is_async { self.pushes } else { step }, ctx.lr, &self.acc, filter)?;
+            waited += t.elapsed();
+            out.comm_spans.push(("push".into(), t, Instant::now()));
+            self.pushes += 1;
+            self.acc.fill(0.0);
+        }
+        self.steps_done = step + 1;
+        out.loss = loss_sum;
+        out.rec.comm_bytes = Some((self.client.stats().bytes_out - before) as usize);
+        out.rec.wait_ms = Some(waited.as_secs_f64() * 1e3);
+        // Pulls and pushes block the step: nothing of them is hidden.
+        out.rec.hidden = Some(0.0);
+        Ok(out)
+    }
+}
+
 fn connect(cfg: &Config, coordinator: &str, token: &JobToken, numel: usize, worker: usize, workers: usize) -> Result<PsClient, TrainError> {
+    Ok(PsClient::connect(client_options(cfg, coordinator, token, numel, worker, workers, Some(Duration::from_millis(250))))?)
+}
+
+/// How a worker (or, without heartbeats, an observer) of this job connects.
+fn client_options(
+    cfg: &Config,
+    coordinator: &str,
+    token: &JobToken,
+    numel: usize,
+    worker: usize,
+    workers: usize,
+    heartbeat: Option<Duration>,
+) -> ClientOptions {
     let pc = &cfg.ps;
     let job = JobSpec {
         len: numel as u64,
@@ -187,18 +399,19 @@ fn connect(cfg: &Config, coordinator: &str, token: &JobToken, numel: usize, work
         consistency: pc.consistency(),
         optimizer: cfg.optimizer(),
     };
-    Ok(PsClient::connect(ClientOptions {
+    ClientOptions {
         coordinator: coordinator.to_string(),
         token: token.clone(),
         job,
         worker: worker as u32,
         min_servers: pc.servers,
         timeout: Duration::from_secs_f64(pc.timeout_secs),
-        heartbeat: Some(Duration::from_millis(250)),
-    })?)
+        heartbeat,
+    }
 }
 
-/// Trains dead worker `shard`'s data shard from its clock to `end` (a survivor's second thread).
+/// Trains dead worker `shard`'s data shard from its clock to `end` (a survivor's second thread,
+/// silent: the driver's reports are this worker's own shard's).
 #[allow(clippy::too_many_arguments)]
 fn adopt_shard(
     cfg: &Config,
@@ -209,119 +422,24 @@ fn adopt_shard(
     shard: usize,
     workers: usize,
     end: u64,
-    opts: &RunOptions,
 ) -> Result<u64, TrainError> {
-    let model = build_model(spec, cfg.train.seed)?;
-    let numel = model.params().numel();
-    let mut client = connect(cfg, coordinator, token, numel, shard, workers)?;
+    let mut w = Worker::connect(cfg, spec, coordinator, token, shard, workers)?;
     // The dead worker is the slowest: its clock is the slowest clock the servers report.
-    let clock = client.pull(0, &mut vec![0f32; numel])?;
-    let start = if cfg.ps.consistency == PsConsistency::Async { clock * cfg.ps.push_every } else { clock };
-    let out = train_loop(cfg, &*model, &mut client, train, shard, workers, start.min(end), end, opts, &|_| {})?;
-    let _ = kolo_ps::coord::worker_done(coordinator, token, shard as u32, Duration::from_secs(5));
-    Ok(out.pushes)
-}
-
-struct LoopOut {
-    step_ms: Vec<f64>,
-    wait_ms: Vec<f64>,
-    comm_bytes: Vec<usize>,
-    last_loss: f64,
-    pushes: u64,
-}
-
-/// Steps `start..end` of logical worker `shard`: pull, gradient on the shard's batches, push.
-#[allow(clippy::too_many_arguments)]
-fn train_loop(
-    cfg: &Config,
-    model: &dyn Model,
-    client: &mut PsClient,
-    train: Arc<dyn Dataset>,
-    shard: usize,
-    workers: usize,
-    start: u64,
-    end: u64,
-    opts: &RunOptions,
-    say: &dyn Fn(&str),
-) -> Result<LoopOut, TrainError> {
+    let clock = w.client.pull(0, &mut vec![0f32; w.flat.len()])?;
+    let is_async = cfg.ps.consistency == PsConsistency::Async;
+    let start = (if is_async { clock * cfg.ps.push_every } else { clock }).min(end);
+    w.pushes = if is_async { start / cfg.ps.push_every } else { start };
     let tc = &cfg.train;
-    let pc = &cfg.ps;
-    let numel = model.params().numel();
     let batches = replica_batches(cfg, train, shard, workers, start * tc.grad_accum)?;
     let global_batch = cfg.data.batch_size * workers * tc.grad_accum as usize;
     let base_lr = cfg.optim.reference_batch.map_or(cfg.optim.lr, |r| scaled_lr(cfg.optim.lr, global_batch, r));
-    let is_async = pc.consistency == PsConsistency::Async;
-    let mut filter = (pc.filter_threshold > 0.0).then(|| SignificantlyModified::new(pc.filter_threshold));
-    let mut flat = vec![0f32; numel];
-    let (mut grads, mut micro, mut acc) = (vec![0f32; numel], vec![0f32; numel], vec![0f32; numel]);
-    let mut out = LoopOut {
-        step_ms: Vec::new(),
-        wait_ms: Vec::new(),
-        comm_bytes: Vec::new(),
-        last_loss: f64::NAN,
-        pushes: if is_async { start / pc.push_every } else { start },
-    };
-    let te = kolo_tensor::TensorError::from;
     for step in start..end {
-        if opts.die_at == Some((shard, step)) {
-            // Test hook: this worker vanishes (no goodbye; its heartbeats stop with its client).
-            return Err(TrainError::Other(format!("worker {shard} died at step {step} (test hook)")));
-        }
-        let t0 = Instant::now();
-        if let Some((r, ms)) = opts.slow_rank {
-            if r == shard {
-                std::thread::sleep(Duration::from_millis(ms));
-            }
-        }
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
-        let mut waited = Duration::ZERO;
-        if !is_async || step % pc.fetch_every == 0 {
-            let t = Instant::now();
-            client.pull(if is_async { out.pushes } else { step }, &mut flat)?;
-            model.params().load(&flat)?;
-            waited += t.elapsed();
-        }
-        grads.fill(0.0);
-        let mut loss_sum = 0f64;
-        for _ in 0..tc.grad_accum {
-            let (_, batch) = batches.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?;
-            let loss = (model.loss(&batch, &PlainView)? * (1.0 / tc.grad_accum as f64)).map_err(te)?;
-            loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-            let g = loss.backward().map_err(te)?;
-            model.params().grads_into(&g, &mut micro)?;
-            grads.iter_mut().zip(&micro).for_each(|(a, b)| *a += b);
-        }
-        if let Some(max) = cfg.optim.clip_grad_norm {
-            // Each worker clips the gradient it pushes (the servers never see a global one).
-            let f = clip_factor(sum_of_squares(&grads).sqrt(), max);
-            grads.iter_mut().for_each(|g| *g *= f);
-        }
-        acc.iter_mut().zip(&grads).for_each(|(a, g)| *a += g);
-        let before = client.stats().bytes_out;
-        if !is_async || (step + 1) % pc.push_every == 0 {
-            let t = Instant::now();
-            client.push(if is_async { out.pushes } else { step }, lr, &acc, filter.as_mut().map(|f| f as &mut dyn kolo_ps::Filter))?;
-            waited += t.elapsed();
-            out.pushes += 1;
-            acc.fill(0.0);
-        }
-        out.comm_bytes.push((client.stats().bytes_out - before) as usize);
-        out.last_loss = loss_sum;
-        out.step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
-        out.wait_ms.push(waited.as_secs_f64() * 1e3);
-        let done = step + 1;
-        if tc.log_every > 0 && (done % tc.log_every == 0 || done == end) {
-            say(&format!(
-                "step {done}/{} loss {:.4} lr {lr:.3e} | {:.1} ms/step, {:.1} ms of it in push/pull | lead over the slowest worker up to {} step(s)",
-                tc.steps,
-                out.last_loss,
-                out.step_ms.last().copied().unwrap_or(0.0),
-                out.wait_ms.last().copied().unwrap_or(0.0),
-                client.stats().max_lead
-            ));
-        }
+        let mut next = || batches.recv().map(|b| b.1).map_err(|_| TrainError::Other("the prefetch thread stopped".into()));
+        w.step(cfg, &StepCtx { step, lr }, &mut next)?;
     }
-    Ok(out)
+    let _ = kolo_ps::coord::worker_done(coordinator, token, shard as u32, Duration::from_secs(5));
+    Ok(w.pushes)
 }
 
 /// Another worker group on the same servers: every `every`, pull the current parameters (no
@@ -345,25 +463,7 @@ pub fn run_ps_eval(
     let spec = cfg.model_spec(data.vocab_size);
     let model = build_model(&spec, cfg.train.seed)?;
     let numel = model.params().numel();
-    let pc = &cfg.ps;
-    let job = JobSpec {
-        len: numel as u64,
-        chunk: pc.chunk,
-        workers: workers as u32,
-        replication: pc.replication,
-        backup: pc.backup_workers,
-        consistency: pc.consistency(),
-        optimizer: cfg.optimizer(),
-    };
-    let mut client = PsClient::observer(ClientOptions {
-        coordinator: coordinator.to_string(),
-        token: token.clone(),
-        job,
-        worker: 0,
-        min_servers: pc.servers,
-        timeout: Duration::from_secs_f64(pc.timeout_secs),
-        heartbeat: None,
-    })?;
+    let mut client = PsClient::observer(client_options(cfg, coordinator, token, numel, 0, workers, None))?;
     let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
     let limit = if data.vocab.is_some() { cfg.train.eval_batches } else { 0 };
     let t0 = Instant::now();

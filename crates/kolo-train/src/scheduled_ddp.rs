@@ -337,7 +337,7 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
         let _stop = StopOnDrop(&sched);
         let mut s =
             ScheduledDdp { cfg, comm: comm.clone(), model: &*model, spec, sched: sched.clone(), worker: Some(worker), meta, started: 0 };
-        crate::driver::drive(cfg, opts, &*comm, &data, heap_before, &mut s, start)
+        crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), &data, heap_before, &mut s, start)
     })
 }
 
@@ -435,6 +435,6 @@ impl Strategy for ScheduledDdp<'_, '_> {
         let opt = self.sched.opt();
         // The hooks' gradient buffer and the scheduler's reduced copy: two gradients' worth.
         let states = StateBytes { grads: params.len() as u64 * 8, ..replicated_states(params.len(), &opt) };
-        Ok(Finish { params, states, skipped_steps: 0, loss_scale: None, moe: None, pipeline_bubble: None })
+        Ok(Finish { params, states, skipped_steps: 0, loss_scale: None, moe: None, pipeline_bubble: None, ps: None })
     }
 }

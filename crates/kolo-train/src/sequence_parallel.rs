@@ -188,6 +188,7 @@ impl Strategy for SequenceParallel<'_> {
             loss_scale: None,
             moe: None,
             pipeline_bubble: None,
+            ps: None,
         })
     }
 }

@@ -463,7 +463,9 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         let heap_before = kolo_base::alloc::stats().map(|h| h.live);
         Ok((data, heap_before))
     };
-    let drive = |data: &Data, heap, s: &mut dyn Strategy, from| crate::driver::drive(cfg, opts, &*comm, data, heap, s, from);
+    let drive = |data: &Data, heap, s: &mut dyn Strategy, from| {
+        crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), data, heap, s, from)
+    };
     if mesh.ep > 1 {
         let m = kolo_comm::DeviceMesh::new(&*comm, &[("rep", mesh.dp / mesh.ep), ("ep", mesh.ep)])?;
         let g = |a: &str| m.group(a).expect("axis").clone();

@@ -261,5 +261,15 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
     if !out.success() {
         eprint!("{}", out.summary());
     }
+    if let Some(dir) = &cfg.train.timeline_dir {
+        // Workers share no communicator, so each wrote its own trace; merge those that exist.
+        let dir = PathBuf::from(dir);
+        let files: Vec<PathBuf> = (0..a.workers).map(|w| dir.join(format!("trace-rank{w}.json"))).filter(|p| p.exists()).collect();
+        if !files.is_empty() {
+            let merged = dir.join("trace.json");
+            kolo_train::timeline::merge(&files, &merged).map_err(|e| anyhow::anyhow!("train.timeline_dir {}: {e}", dir.display()))?;
+            kolo_base::eline!("timeline: {} (open in https://ui.perfetto.dev)", merged.display());
+        }
+    }
     Ok(out.exit_code())
 }

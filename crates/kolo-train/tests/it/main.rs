@@ -324,26 +324,15 @@ fn bad_inputs_give_clear_errors() {
         let e = err(&format!("{base}{section}"));
         assert!(e.contains(&format!("{field} is out of range")), "{field}: {e}");
     }
-    // Features only the DDP/ZeRO loop has are refused, not ignored, by the other loops (#16).
+    // What a strategy cannot do is refused, not ignored (#16). Parameter-server workers run on
+    // the driver, with its reports; their optimizer state lives on the servers.
     let gpt = "[model]\nkind = \"gpt\"\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 8\n";
     let two_bw = format!("{gpt}[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n");
-    let loops = [("train.strategy = \"ps\"", format!("{base}[train]\nstrategy = \"ps\"\n"))];
-    for (which, cfg) in &loops {
-        for (feature, line) in [
-            ("train.json_log", "[train]\njson_log = \"x\"\n"),
-            ("train.metrics_port", "[train]\nmetrics_port = 9400\n"),
-            ("train.tensorboard_dir", "[train]\ntensorboard_dir = \"x\"\n"),
-            ("optim.offload_dir", "[optim]\noffload_dir = \"x\"\n"),
-        ] {
-            // Merge the line into the config's own section when it has one.
-            let text = match (cfg.find(&line[..line.find('\n').unwrap() + 1]), line.split_once('\n')) {
-                (Some(_), Some((head, rest))) => cfg.replacen(&format!("{head}\n"), &format!("{head}\n{rest}"), 1),
-                _ => format!("{cfg}{line}"),
-            };
-            let e = err(&text);
-            assert!(e.contains(feature) && e.contains(which) && e.contains("not supported"), "{which} + {feature}: {e}");
-        }
-    }
+    let ps = format!("{base}[train]\nstrategy = \"ps\"\n");
+    let reports = "json_log = \"x\"\nmetrics_port = 9400\ntensorboard_dir = \"y\"\ntimeline_dir = \"z\"\neval_every = 5\n";
+    assert!(Config::parse(&format!("{ps}{reports}[optim]\nreference_batch = 32\n"), "t").is_ok());
+    let e = err(&format!("{ps}[optim]\noffload_dir = \"x\"\n"));
+    assert!(e.contains("optim.offload_dir") && e.contains("train.strategy = \"ps\""), "{e}");
     // The loops that report through the driver's Reporter take the logs and refuse only what
     // they still lack.
     assert!(Config::parse(&format!("{two_bw}[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\n"), "t").is_ok());
@@ -916,16 +905,48 @@ fn ps_dead_workers_shard_is_taken_over_and_bsp_ends_bitwise_equal() {
 /// BSP through two servers equals synchronous DDP bit for bit: the servers average the two
 /// workers' gradients in worker order (a + b, then / 2, as the all-reduce does) and apply the
 /// same optimizer code to each range.
+///
+/// The workers run on the driver (#16), with its reports on: each worker writes its own JSON
+/// lines, TensorBoard scalars and trace (pull and push spans); worker 0 evaluates every 2 steps
+/// (the parameters it last pulled) and at the end (the final ones).
 #[test]
 fn ps_bsp_matches_ddp_bitwise() {
+    let dir = std::env::temp_dir().join(format!("kolo-ps-driver-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
     let opt = "[optim]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n[train]\nsteps = 5\nlog_every = 1\n";
     let ddp = train_on(2, &mnist_cfg(opt, 24), &quiet());
     let c = ps_cluster(2);
-    let ps_cfg = mnist_cfg(&format!("{opt}strategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 4000\nservers = 2\n"), 24);
+    let reports = format!(
+        "eval_every = 2\njson_log = \"{0}/log-{{rank}}.jsonl\"\ntensorboard_dir = \"{0}/tb\"\ntimeline_dir = \"{0}/tl\"\n",
+        dir.display()
+    );
+    let ps_cfg = mnist_cfg(&format!("{opt}{reports}strategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 4000\nservers = 2\n"), 24);
     let ps = train_ps(&c, 2, &ps_cfg, &quiet());
     assert_eq!(ps[0].params, ps[1].params);
     assert_eq!(max_diff(&ps[0].params, &ddp[0].params), 0.0, "BSP parameter server vs DDP");
     assert!(ps[0].ps.as_ref().unwrap().bytes_out > 0);
+    assert!(ps[0].eval.is_some() && ps[1].eval.is_none(), "worker 0 evaluates");
+    // The final evaluation reads the final parameters (worker 0 alone, DDP sharded over 2 ranks).
+    let (a, b) = (ps[0].eval.as_ref().unwrap().loss, ddp[0].eval.as_ref().unwrap().loss);
+    assert!((a - b).abs() < 1e-6, "final eval: parameter server {a} vs DDP {b}");
+    for w in 0..2usize {
+        let log = std::fs::read_to_string(dir.join(format!("log-{w}.jsonl"))).unwrap();
+        let lines: Vec<serde_json::Value> = log.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 5, "worker {w}: {log}");
+        assert!(lines.iter().all(|l| l["rank"] == w && l["comm_bytes"].as_u64().unwrap() > 0), "worker {w}: {log}");
+        let doc: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tl").join(format!("trace-rank{w}.json"))).unwrap()).unwrap();
+        let ev = doc["traceEvents"].as_array().unwrap();
+        for span in ["pull", "push", "forward + backward"] {
+            assert_eq!(ev.iter().filter(|e| e["pid"] == w && e["name"] == span).count(), 5, "worker {w}: {span}");
+        }
+    }
+    let tb = dir.join("tb").join("rank0");
+    let file = std::fs::read_dir(&tb).unwrap().next().unwrap().unwrap().path();
+    let evals: Vec<i64> =
+        kolo_train::tensorboard::read_scalars(&file).unwrap().iter().filter(|x| x.0 == "eval/loss").map(|x| x.1).collect();
+    assert_eq!(evals, vec![2, 4, 5]);
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

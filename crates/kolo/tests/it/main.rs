@@ -659,18 +659,24 @@ fn launcher_forwards_sigterm_and_reports_it() {
     assert!(t.contains("stopped by the launcher"), "{t}");
 }
 
-/// `kolo ps run`: coordinator, server processes and worker processes on localhost.
+/// `kolo ps run`: coordinator, server processes and worker processes on localhost. Each
+/// worker writes its own trace; `kolo ps run` merges them when the workers are done.
 #[test]
 fn ps_run_trains_mnist_through_server_processes() {
     let dir = std::env::temp_dir().join(format!("kolo-ps-run-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("ps.toml");
     let data = kolo_testkit::files::mnist_dir();
-    std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"adagrad\"\nlr = 0.02\n[train]\nsteps = 150\nlog_every = 50\nstrategy = \"ps\"\n[ps]\nconsistency = \"bounded\"\nstaleness = 2\nchunk = 10000\nreplication = 1\n", data.display())).unwrap();
+    std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"adagrad\"\nlr = 0.02\n[train]\nsteps = 150\nlog_every = 50\nstrategy = \"ps\"\ntimeline_dir = \"{}\"\n[ps]\nconsistency = \"bounded\"\nstaleness = 2\nchunk = 10000\nreplication = 1\n", data.display(), dir.join("tl").display())).unwrap();
     let o = run(&["ps", "run", "-n", "2", "--servers", "2", "--config", cfg.to_str().unwrap()], &[]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("server 1 joined"), "{t}");
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("tl").join("trace.json")).unwrap()).unwrap();
+    let ev = doc["traceEvents"].as_array().unwrap();
+    for w in 0..2 {
+        assert_eq!(ev.iter().filter(|e| e["pid"] == w && e["name"] == "push").count(), 150, "worker {w}");
+    }
     let acc: f64 = t
         .split("accuracy ")
         .nth(1)
