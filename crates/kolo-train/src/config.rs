@@ -980,9 +980,6 @@ impl Config {
                             .into(),
                     );
                 }
-                if self.train.checkpoint_dir.is_some() && self.pipeline.is_some() {
-                    return Err("checkpoints (train.checkpoint_dir) of a [pipeline] with mesh.tp > 1 are not supported yet".into());
-                }
             }
         }
         Ok(())

@@ -254,11 +254,16 @@ impl StageSetup<'_> {
     /// This stage's parameters as a shard plan (whole parameters, packed in stage order): the
     /// layout of its optimizer state, for checkpoints.
     fn shard_plan(&self) -> ShardPlan {
+        self.plan_of(&self.ranges)
+    }
+
+    /// This stage's parameters, of the flat `ranges` (in stage order), as a shard plan.
+    fn plan_of(&self, ranges: &[std::ops::Range<usize>]) -> ShardPlan {
         let mut at = 0;
         let segments = self
             .own
             .iter()
-            .zip(&self.ranges)
+            .zip(ranges)
             .map(|(&param, r)| {
                 let s = Segment { param, within: 0..r.len(), shard_offset: at };
                 at += r.len();
@@ -267,6 +272,37 @@ impl StageSetup<'_> {
             .collect();
         ShardPlan { world: self.comm.world_size(), rank: self.comm.rank(), pieces: Vec::new(), segments, len: at }
     }
+
+    /// Under tensor parallelism: the whole (unsplit) model and the flat ranges of this stage's
+    /// parameters in it (checkpoints hold whole tensors under the whole model's names).
+    fn whole_model(&self, gcfg: &GptConfig, gpt: &Gpt) -> Result<(Gpt, Vec<std::ops::Range<usize>>), TrainError> {
+        let whole = Gpt::new(gcfg.clone(), &mut Rng::new(self.cfg.train.seed))?;
+        let mut ranges = Vec::with_capacity(self.own.len());
+        for &i in &self.own {
+            let (w, l) = (whole.params().get(i), gpt.params().get(i));
+            if w.name != l.name {
+                return Err(TrainError::Other(format!("parameter {i} is {} in the whole model and {} in the split one", w.name, l.name)));
+            }
+            ranges.push(w.range.clone());
+        }
+        Ok((whole, ranges))
+    }
+}
+
+/// Packs `ranges` of `flat` in order.
+fn pack(flat: &[f32], ranges: &[std::ops::Range<usize>]) -> Vec<f32> {
+    ranges.iter().flat_map(|r| flat[r.clone()].iter().copied()).collect()
+}
+
+/// The inverse of [`pack`]: `packed` spread over `ranges` of a zeroed vector of `len` values.
+fn unpack(packed: &[f32], ranges: &[std::ops::Range<usize>], len: usize) -> Vec<f32> {
+    let mut out = vec![0f32; len];
+    let mut at = 0;
+    for r in ranges {
+        out[r.clone()].copy_from_slice(&packed[at..at + r.len()]);
+        at += r.len();
+    }
+    out
 }
 
 /// PipeDream-2BW (`pipeline.schedule = "2bw"`): `comm` is the pipeline group (rank = stage),
@@ -361,6 +397,9 @@ impl<'a> Flushed<'a> {
         let (gpt, mut setup, schedule) = build_stage(cfg, comm, dp, tp, &gcfg, cfg.train.steps, lead)?;
         let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), dp.world_size().get(), 0);
         let start = match resume {
+            Some(path) if setup.tp.is_some() => {
+                Some((path.to_path_buf(), load_tensor_parallel_stage(path, &mut setup, &gcfg, &gpt, &meta)?))
+            }
             Some(path) => {
                 let mut flat = vec![0f32; gpt.params().numel()];
                 let all: Vec<_> = gpt.params().iter().map(|p| p.range.clone()).collect();
@@ -375,6 +414,78 @@ impl<'a> Flushed<'a> {
             Flushed { setup, gpt: Arc::new(gpt), gcfg, schedule, global_rank, quiet: opts.quiet, bubbles: Vec::new(), peak_live: 0, meta };
         Ok((s, start))
     }
+}
+
+impl Flushed<'_> {
+    /// Under tensor parallelism each tensor-parallel group puts its stage's layers (values and
+    /// optimizer state) together into whole tensors, and its first member writes them as the
+    /// stage's shard of the whole model.
+    fn save_tensor_parallel(
+        &self,
+        at: SaveAt<'_>,
+        tp: &dyn GroupSum,
+        meta: &std::collections::BTreeMap<String, String>,
+    ) -> Result<PendingSave, TrainError> {
+        let setup = &self.setup;
+        let (whole, ranges) = setup.whole_model(&self.gcfg, &self.gpt)?;
+        let local_len = self.gpt.params().numel();
+        // Packed stage values in the split layout -> packed values in the whole one.
+        let put_together = |packed: &[f32]| -> Result<Vec<f32>, TrainError> {
+            let mine = unpack(packed, &setup.ranges, local_len);
+            let mut full = self.gpt.tensor_parallel_pieces(&mine).ok_or_else(|| TrainError::Other("not a split model".into()))??;
+            tp.sum(&mut full).map_err(TrainError::Other)?;
+            Ok(pack(&full, &ranges))
+        };
+        let master = put_together(&pack(&self.gpt.params().to_flat()?, &setup.ranges))?;
+        let states = setup.opt.state().into_iter().map(|(name, v)| Ok((name, put_together(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
+        if tp.rank() != 0 {
+            return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
+        }
+        let mut opt = Optimizer::new(setup.cfg.optimizer(), master.len());
+        opt.load_state(setup.opt.steps(), &states).map_err(TrainError::Other)?;
+        let plan = setup.plan_of(&ranges);
+        save_checkpoint(
+            at.dir,
+            at.step,
+            whole.params(),
+            &master,
+            &opt,
+            Some(&plan),
+            setup.comm,
+            at.pos,
+            meta,
+            Vec::new(),
+            at.background,
+            at.crash,
+        )
+    }
+}
+
+/// Loads this stage's layers and their optimizer state from a checkpoint of whole tensors into
+/// a tensor-parallel stage (the inverse of `Flushed::save_tensor_parallel`).
+fn load_tensor_parallel_stage(
+    path: &Path,
+    setup: &mut StageSetup<'_>,
+    gcfg: &GptConfig,
+    gpt: &Gpt,
+    meta: &std::collections::BTreeMap<String, String>,
+) -> Result<crate::checkpointing::Resumed, TrainError> {
+    let (whole, ranges) = setup.whole_model(gcfg, gpt)?;
+    let mut full = vec![0f32; whole.params().numel()];
+    let plan = setup.plan_of(&ranges);
+    let mut whole_opt = Optimizer::new(setup.cfg.optimizer(), plan.len);
+    let all: Vec<_> = whole.params().iter().map(|p| p.range.clone()).collect();
+    let r = load_checkpoint(path, whole.params(), &mut full, &mut whole_opt, Some(&plan), &all, meta)?;
+    let local =
+        |v: &[f32]| gpt.tensor_parallel_local(v).ok_or_else(|| TrainError::Other("not a split model".into()))?.map_err(TrainError::from);
+    gpt.params().load(&local(&full)?)?;
+    let states = whole_opt
+        .state()
+        .into_iter()
+        .map(|(name, v)| Ok((name, pack(&local(&unpack(v, &ranges, full.len()))?, &setup.ranges))))
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    setup.opt.load_state(whole_opt.steps(), &states).map_err(TrainError::Other)?;
+    Ok(r)
 }
 
 impl Strategy for Flushed<'_> {
@@ -418,17 +529,17 @@ impl Strategy for Flushed<'_> {
         (self.global_rank == 0).then(|| crate::trainer::sample_alone(self.setup.cfg, &self.gcfg, &flat, vocab)).transpose()
     }
 
-    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        if self.setup.tp.is_some() {
-            return Err(TrainError::Config("checkpoints of a pipeline with mesh.tp > 1 are not supported yet".into()));
-        }
+    fn save(&mut self, mut at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
         // The first replica's stages write their own layers (each a shard of whole tensors);
         // the other replicas hold the same values.
         if self.setup.dp.rank().get() != 0 {
             return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
         }
         let mut meta = self.meta.clone();
-        meta.extend(at.meta);
+        meta.extend(std::mem::take(&mut at.meta));
+        if let Some(tp) = self.setup.tp.clone() {
+            return self.save_tensor_parallel(at, &*tp, &meta);
+        }
         let plan = self.setup.shard_plan();
         let values = self.gpt.params().to_flat()?;
         let master: Vec<f32> = self.setup.ranges.iter().flat_map(|r| values[r.clone()].iter().copied()).collect();
