@@ -86,6 +86,23 @@ pub struct SaveAt<'a> {
     pub crash: bool,
 }
 
+impl SaveAt<'_> {
+    /// Writes a model every rank of `comm` holds whole, with its optimizer (rank 0 writes; the
+    /// checkpoint is plain DDP's): `meta` is the strategy's, the driver's is added.
+    pub fn replicated(
+        self,
+        meta: &BTreeMap<String, String>,
+        params: &kolo_tensor::ParamSet,
+        opt: &kolo_optim::Optimizer,
+        comm: &dyn Communicator,
+    ) -> Result<PendingSave, TrainError> {
+        let mut meta = meta.clone();
+        meta.extend(self.meta);
+        let (dir, step, pos) = (self.dir, self.step, self.pos);
+        crate::checkpointing::save_checkpoint(dir, step, params, &[], opt, None, comm, pos, &meta, Vec::new(), self.background, self.crash)
+    }
+}
+
 /// One way of training a model on many ranks. Every method is called on every rank at the
 /// same points of the run, so each may use collectives.
 pub trait Strategy {

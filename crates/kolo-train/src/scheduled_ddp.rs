@@ -20,7 +20,7 @@
 //! state and the parameters are then the same as plain DDP's, so checkpoints are plain DDP's
 //! (rank 0 writes them) and continue under either.
 
-use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
+use crate::checkpointing::{load_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, StepCtx, StepOut, Strategy};
@@ -408,23 +408,8 @@ impl Strategy for ScheduledDdp<'_, '_> {
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
         self.settle()?;
-        let mut meta = self.meta.clone();
-        meta.extend(at.meta);
         let opt = self.sched.opt();
-        save_checkpoint(
-            at.dir,
-            at.step,
-            self.model.params(),
-            &[],
-            &opt,
-            None,
-            &*self.comm,
-            at.pos,
-            &meta,
-            Vec::new(),
-            at.background,
-            at.crash,
-        )
+        at.replicated(&self.meta, self.model.params(), &opt, &*self.comm)
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {

@@ -6,7 +6,7 @@
 //! Every rank holds the whole model and optimizer state, so checkpoints are DDP's (rank 0
 //! writes them) and continue under DDP, or under another sequence split, as well.
 
-use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
+use crate::checkpointing::{load_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
@@ -161,22 +161,7 @@ impl Strategy for SequenceParallel<'_> {
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        let mut meta = self.meta.clone();
-        meta.extend(at.meta);
-        save_checkpoint(
-            at.dir,
-            at.step,
-            self.gpt.params(),
-            &[],
-            &self.opt,
-            None,
-            &*self.comm,
-            at.pos,
-            &meta,
-            Vec::new(),
-            at.background,
-            at.crash,
-        )
+        at.replicated(&self.meta, self.gpt.params(), &self.opt, &*self.comm)
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
