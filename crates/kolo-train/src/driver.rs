@@ -460,7 +460,7 @@ fn test_hooks(opts: &RunOptions, rank: usize, step: u64) {
 /// A step on the timeline: its collectives on the communication thread; forward and backward,
 /// then waiting and the update, on the compute thread (the whole step when the strategy does
 /// not tell when backward ended).
-fn record_spans(tl: &mut crate::timeline::Timeline, step: u64, t0: Instant, out: &StepOut) {
+pub fn record_spans(tl: &mut crate::timeline::Timeline, step: u64, t0: Instant, out: &StepOut) {
     use crate::timeline::{COMM, COMPUTE};
     let args = || serde_json::json!({ "step": step });
     for (name, a, b) in &out.comm_spans {
@@ -478,7 +478,7 @@ fn record_spans(tl: &mut crate::timeline::Timeline, step: u64, t0: Instant, out:
 
 /// Every rank writes its trace file into `dir`; rank 0 merges them into `trace.json` (a process
 /// alone only writes its own: `kolo ps run` merges the workers' files when they are done).
-fn write_timeline(tl: &crate::timeline::Timeline, dir: &Path, job: Job<'_>, say: bool) -> Result<(), TrainError> {
+pub fn write_timeline(tl: &crate::timeline::Timeline, dir: &Path, job: Job<'_>, say: bool) -> Result<(), TrainError> {
     let io = |e: std::io::Error| TrainError::Other(format!("train.timeline_dir {}: {e}", dir.display()));
     std::fs::create_dir_all(dir).map_err(io)?;
     tl.write(&dir.join(format!("trace-rank{}.json", job.rank()))).map_err(io)?;

@@ -276,15 +276,17 @@ fn gradients_are_handed_out_last_layer_first() {
 }
 
 /// The `[train]` table's logging and checkpoints work for a user model: a JSON line per log
-/// window carrying the window's mean loss, TensorBoard events, and a checkpoint every
-/// `checkpoint_every` steps plus the last.
+/// window carrying the window's mean loss, TensorBoard events, a timeline, and a checkpoint
+/// every `checkpoint_every` steps (written in the background) plus the last; the learning
+/// rate follows `reference_batch` (8 examples per step against a reference of 4: doubled).
 #[test]
 fn logs_metrics_and_periodic_checkpoints() {
     let dist = world_of_one();
     let dir = std::env::temp_dir().join(format!("kolo-lib-logs-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let toml = format!(
-        "[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 5\nlog_every = 2\ncheckpoint_every = 2\ncheckpoint_dir = \"{0}/ck\"\njson_log = \"{0}/log-{{rank}}.jsonl\"\ntensorboard_dir = \"{0}/tb\"\n[data]\nbatch_size = 8\n",
+        "[optim]\nkind = \"sgd\"\nlr = 0.1\nreference_batch = 4\n[train]\nsteps = 5\nlog_every = 2\ncheckpoint_every = 2\ncheckpoint_dir = \"{0}/ck\"\n\
+         checkpoint_background = true\njson_log = \"{0}/log-{{rank}}.jsonl\"\ntensorboard_dir = \"{0}/tb\"\ntimeline_dir = \"{0}/tl\"\n[data]\nbatch_size = 8\n",
         dir.display()
     );
     let s = small();
@@ -301,10 +303,19 @@ fn logs_metrics_and_periodic_checkpoints() {
     for (l, want) in lines.iter().zip([(losses[0] + losses[1]) / 2.0, (losses[2] + losses[3]) / 2.0, losses[4]]) {
         assert!((l["loss"].as_f64().unwrap() - want).abs() < 1e-6, "{l} vs {want}");
         assert!(l["samples_per_s"].as_f64().unwrap() > 0.0, "{l}");
+        assert!((l["lr"].as_f64().unwrap() - 0.2).abs() < 1e-7, "{l}");
     }
+    let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("tl/trace.json")).unwrap()).unwrap();
+    let names: Vec<&str> = doc["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    assert_eq!(names.iter().filter(|n| **n == "forward + backward").count(), 5);
+    assert!(names.iter().filter(|n| n.starts_with("bucket ")).count() >= 5, "{names:?}");
     let mut cks: Vec<String> = std::fs::read_dir(dir.join("ck")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     cks.sort();
     assert_eq!(cks, ["step-00000002", "step-00000004", "step-00000005"]);
+    // The background write of step 4 is complete and loads.
+    let c = small();
+    let mut again = Trainer::new(&c.varmap, &dist, opts(&toml)).unwrap();
+    assert_eq!(again.resume(dir.join("ck/step-00000004")).unwrap(), 4);
     assert!(std::fs::read_dir(dir.join("tb/rank0")).unwrap().next().is_some(), "no TensorBoard events");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -14,10 +14,14 @@ use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
 use kolo_optim::{clip_factor, lr_at, Buffer, Optimizer};
 use kolo_tensor::ParamSet;
-use kolo_train::checkpointing::{compression_pieces, load_checkpoint, resolve_checkpoint, restore_compression, save_checkpoint};
+use kolo_train::checkpointing::{
+    compression_pieces, load_checkpoint, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
+};
 use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
+use kolo_train::driver::{record_spans, write_timeline, Job, StepOut};
 use kolo_train::report::{Reporter, StepRecord};
 use kolo_train::sampler::Position;
+use kolo_train::timeline::Timeline;
 use kolo_train::TrainError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -34,8 +38,8 @@ pub struct TrainOptions {
     /// Buckets, deadline, ZeRO stage (0, 1 or 2) and gradient compression.
     pub ddp: DdpSettings,
     /// Steps, gradient accumulation, logging (`log_every`, `progress`, `json_log`,
-    /// `tensorboard_dir`, `metrics_port`) and checkpoints (`checkpoint_dir`,
-    /// `checkpoint_every`).
+    /// `tensorboard_dir`, `metrics_port`, `timeline_dir`) and checkpoints (`checkpoint_dir`,
+    /// `checkpoint_every`, `checkpoint_background`).
     pub train: TrainConfig,
     /// What a micro-batch holds, for throughput in the logs.
     pub data: DataOptions,
@@ -84,7 +88,10 @@ impl TrainOptions {
             (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every (the trainer does not own the batch)"),
             (d.skip_sync, "ddp.skip_sync"),
             (d.check_collectives, "ddp.check_collectives (wrap the communicator with kolo_comm::Checked instead)"),
-            (self.optim.reference_batch.is_some(), "optim.reference_batch (scale the learning rate yourself)"),
+            (
+                self.optim.reference_batch.is_some() && self.data.batch_size == 0,
+                "optim.reference_batch without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
+            ),
             (self.train.grad_accum == 0, "train.grad_accum = 0 (at least 1)"),
             (self.train.precision != Precision::F32, "train.precision other than f32 (compute in bf16 by casting inside your model)"),
             (
@@ -94,8 +101,6 @@ impl TrainOptions {
             (self.train.strategy != Strategy::Ddp, "train.strategy = \"ps\""),
             (self.train.seed != 0, "train.seed (seed your model before building it: dist.device().set_seed(..))"),
             (self.train.eval_every != 0, "train.eval_every (evaluate in your loop)"),
-            (self.train.timeline_dir.is_some(), "train.timeline_dir"),
-            (self.train.checkpoint_background, "train.checkpoint_background"),
             (
                 self.train.sample_chars != 200 || self.train.sample_temperature != 0.8,
                 "train.sample_* (generation belongs to the built-in GPT)",
@@ -162,6 +167,10 @@ pub struct Trainer {
     /// This rank's loss summed over the optimizer steps of the current log window (each the
     /// mean of its micro-steps), and how many.
     window_loss: (f64, u64),
+    /// `train.timeline_dir`: this rank's spans, written (and merged by rank 0) at the last step.
+    timeline: Option<Timeline>,
+    /// `train.checkpoint_background`: the checkpoint still being written.
+    saving: Option<PendingSave>,
 }
 
 /// Orders names as a person would: digit runs compare as numbers (`layers.2` before
@@ -256,7 +265,6 @@ impl Trainer {
             opt,
             zero,
             master,
-            opts,
             steps: 0,
             micro: 0,
             local,
@@ -265,6 +273,9 @@ impl Trainer {
             report,
             step_start: None,
             window_loss: (0.0, 0),
+            timeline: opts.train.timeline_dir.as_ref().map(|_| Timeline::new(dist.rank())),
+            saving: None,
+            opts,
         })
     }
 
@@ -320,6 +331,7 @@ impl Trainer {
             })
         }
         .map_err(|e| failure.take().unwrap_or_else(|| e.into()))?;
+        let backward_end = Instant::now();
         self.window_loss.0 += f64::from(value) / accum as f64;
         if !sync {
             self.ddp.accumulate(&self.local);
@@ -355,15 +367,20 @@ impl Trainer {
         self.micro = 0;
         self.steps += 1;
         self.step_start = None;
-        self.after_step(t0, &stats, lr)?;
+        self.after_step(t0, backward_end, &stats, lr)?;
         Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, stats.hidden_fraction())) })
     }
 
     /// After an optimizer step: the report (and, at log steps, the collective window: every
     /// rank reaches the same steps), and the periodic and final checkpoints.
-    fn after_step(&mut self, t0: Instant, stats: &kolo_ddp::SyncStats, lr: f32) -> anyhow::Result<()> {
+    fn after_step(&mut self, t0: Instant, backward_end: Instant, stats: &kolo_ddp::SyncStats, lr: f32) -> anyhow::Result<()> {
         let (done, end) = (self.steps, self.opts.train.steps);
         self.window_loss.1 += 1;
+        if let Some(tl) = self.timeline.as_mut() {
+            let comm_spans = stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
+            let out = StepOut { backward_end: Some(backward_end), comm_spans, ..Default::default() };
+            record_spans(tl, done - 1, t0, &out);
+        }
         if let Some(r) = self.report.as_mut() {
             let rec = StepRecord {
                 step_ms: t0.elapsed().as_secs_f64() * 1e3,
@@ -384,10 +401,25 @@ impl Trainer {
         let t = &self.opts.train;
         if let Some(dir) = t.checkpoint_dir.clone() {
             if (t.checkpoint_every > 0 && done.is_multiple_of(t.checkpoint_every)) || done == end {
-                let p = self.save(&dir)?;
-                if let Some(r) = &self.report {
-                    r.log(&format!("step {done}: checkpoint {}", p.display()));
+                if let Some(prev) = self.saving.take() {
+                    prev.wait()?;
                 }
+                let background = t.checkpoint_background && done != end;
+                let p = self.write_checkpoint(Path::new(&dir), background)?;
+                if let Some(r) = &self.report {
+                    let how = if background { " (writing in the background)" } else { "" };
+                    r.log(&format!("step {done}: checkpoint {}{how}", p.target.display()));
+                }
+                if background {
+                    self.saving = Some(p);
+                } else {
+                    p.wait()?;
+                }
+            }
+        }
+        if done == end {
+            if let (Some(tl), Some(dir)) = (&self.timeline, &self.opts.train.timeline_dir) {
+                write_timeline(tl, Path::new(dir), Job::Ranks(&*self.comm), self.comm.rank().get() == 0)?;
             }
         }
         Ok(())
@@ -410,7 +442,10 @@ impl Trainer {
     /// The learning rate of the next optimizer step (warm-up, then the schedule).
     pub fn lr(&self) -> f32 {
         let o = &self.opts.optim;
-        lr_at(o.lr, &o.schedule(), o.warmup_steps, self.opts.train.steps, self.steps)
+        // `optim.reference_batch`: the linear scaling rule for the global batch.
+        let global = self.opts.data.batch_size * self.comm.world_size().get() * self.opts.train.grad_accum.max(1) as usize;
+        let base = o.reference_batch.map_or(o.lr, |r| kolo_optim::scaled_lr(o.lr, global, r));
+        lr_at(base, &o.schedule(), o.warmup_steps, self.opts.train.steps, self.steps)
     }
 
     /// Optimizer steps done (restored by [`Trainer::resume`]).
@@ -437,15 +472,25 @@ impl Trainer {
     /// Collective: writes a checkpoint of the parameters and optimizer state as
     /// `dir/step-NNNNNNNN` (each rank its shard under ZeRO; rank 0 commits it atomically once
     /// every shard is on disk). It reloads at any world size and ZeRO stage.
-    pub fn save(&self, dir: impl AsRef<Path>) -> anyhow::Result<PathBuf> {
+    pub fn save(&mut self, dir: impl AsRef<Path>) -> anyhow::Result<PathBuf> {
         if self.micro != 0 {
             anyhow::bail!("save: {} micro-steps of an accumulation are pending; save after the step that completes it", self.micro);
         }
+        // A background write of `checkpoint_every` ends first (its commit is the older step).
+        if let Some(prev) = self.saving.take() {
+            prev.wait()?;
+        }
+        Ok(self.write_checkpoint(dir.as_ref(), false)?.wait()?)
+    }
+
+    /// Starts writing a checkpoint (on a thread of its own with `background`; the values are
+    /// copied first, so training may go on).
+    fn write_checkpoint(&self, dir: &Path, background: bool) -> anyhow::Result<PendingSave> {
         let (own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
         let mut meta = self.meta.clone();
         meta.extend(codec_meta);
-        let pending = save_checkpoint(
-            dir.as_ref(),
+        Ok(save_checkpoint(
+            dir,
             self.steps,
             &self.params,
             self.master.as_slice(),
@@ -455,10 +500,9 @@ impl Trainer {
             self.data_pos,
             &meta,
             own,
+            background,
             false,
-            false,
-        )?;
-        Ok(pending.wait()?)
+        )?)
     }
 
     /// Loads a checkpoint written by [`Trainer::save`] (a `step-*` directory, or the directory
