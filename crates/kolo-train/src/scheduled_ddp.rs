@@ -16,7 +16,7 @@
 //!
 //! On the driver ([`ScheduledDdp`]): a step returns when backward ends, its exchange and
 //! updates still running; evaluation, sampling, checkpoints and the end first wait until every
-//! parameter has the updates of every step begun ([`ScheduledDdp::settle`]). The optimizer
+//! parameter has the updates of every step begun (`ScheduledDdp::settle`). The optimizer
 //! state and the parameters are then the same as plain DDP's, so checkpoints are plain DDP's
 //! (rank 0 writes them) and continue under either.
 
