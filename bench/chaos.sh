@@ -8,6 +8,8 @@
 #                rank 0's open descriptors before / at most / after, and whether the job finished
 #   ps-kill      SIGKILL of one of 3 parameter servers 4 s into a BSP run (replication 1): the run's
 #                rc, its time against an uninterrupted run, and whether the final model is the same
+#   coord-restart  the same job with a coordinator process of its own, SIGKILLed 4 s in and started
+#                again on its address 2 s later: rc, time, same final model, the recovered epoch
 #   sigstop      SIGSTOP of rank 2 of 4 (collective deadline 10 s): time until the launcher exits,
 #                and whether every survivor and the launcher name rank 2
 #   wrong-token  rank 1 started with another job's token: time until rank 0 reports the refusal
@@ -96,6 +98,46 @@ ref=$(grep -o 'final eval.*' "$dir/ps-ref.log" | tail -1)
 got=$(grep -o 'final eval.*' "$dir/ps-kill.log" | tail -1)
 same=$([ -n "$got" ] && [ "$got" = "$ref" ] && echo "the same final model (0 acknowledged updates lost)" || echo "a different final model: '$got' vs '$ref'")
 echo "ps-kill: rc $rc in $t_kill s (uninterrupted: rc $rc_ref in $t_ref s); $same; $(grep -c 'missed its heartbeats' "$dir/ps-kill.log") server(s) declared dead"
+
+# --- coord-restart -------------------------------------------------------------------------
+# coord_job NAME KILL: coordinator, 3 servers and 2 workers as processes of their own (the
+# workers are `kolo train` ranks told the coordinator's address); with KILL=1 the coordinator is
+# SIGKILLed 4 s in and a new one started on the same address 2 s later.
+coord_job() {
+  local addr tok coord job t0 i
+  addr="127.0.0.1:$(free_port)"
+  tok=$(printf 'c%.0s' {1..32})
+  export KOLO_JOB_TOKEN=$tok
+  $K ps coordinator --listen "$addr" --dead-after 6 > "$dir/$1-coord.log" 2>&1 &
+  coord=$!
+  for i in 1 2 3; do $K ps serve --coordinator "$addr" > "$dir/$1-s$i.log" 2>&1 & done
+  t0=$(now)
+  for i in 0 1; do
+    RANK=$i WORLD_SIZE=2 KOLO_PS_COORDINATOR=$addr KOLO_PS_SERVERS=3 $K train --config "$dir/ps.toml" > "$dir/$1-w$i.log" 2>&1 &
+    eval "w$i=\$!"
+  done
+  if [ "$2" = 1 ]; then
+    sleep 4
+    kill -9 "$coord"
+    wait "$coord" 2> /dev/null || true
+    sleep 2
+    $K ps coordinator --listen "$addr" --dead-after 6 >> "$dir/$1-coord.log" 2>&1 &
+    coord=$!
+  fi
+  wait "$w0" && rc=0 || rc=$?
+  wait "$w1" || rc=$((rc + $?))
+  took=$(secs "$t0" "$(now)")
+  $K ps shutdown --coordinator "$addr" > /dev/null 2>&1 || true
+  wait "$coord" 2> /dev/null || true
+  unset KOLO_JOB_TOKEN
+}
+coord_job coord-ref 0
+rc_ref=$rc t_ref=$took
+coord_job coord-kill 1
+ref=$(grep -o 'final eval.*' "$dir/coord-ref-w0.log" | tail -1)
+got=$(grep -o 'final eval.*' "$dir/coord-kill-w0.log" | tail -1)
+same=$([ -n "$got" ] && [ "$got" = "$ref" ] && echo "the same final model" || echo "a different final model: '$got' vs '$ref'")
+echo "coord-restart: rc $rc in $took s (uninterrupted: rc $rc_ref in $t_ref s); $same; new coordinator: $(grep -m1 -io 'recovered.*' "$dir/coord-kill-coord.log" | cut -c1-120)"
 
 # --- sigstop -------------------------------------------------------------------------------
 mnist_mlp "$dir/hang.toml" "$mnist" 1000 "progress = false"
