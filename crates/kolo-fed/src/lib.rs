@@ -6,9 +6,11 @@
 //!   example-weighted averaging, secure aggregation.
 //! - [`client`]: a client's connection: join, wait for a round, send an update.
 //! - [`secure`]: pairwise masking with X25519 key agreement and fixed-point sums.
+//! - [`identity`]: clients' signing keys and the roster, against a server substituting keys.
 //! - [`wire`]: the messages, decoded totally (hostile bytes are errors, never panics).
 
 pub mod client;
+pub mod identity;
 pub mod secure;
 pub mod server;
 pub mod wire;
@@ -38,6 +40,9 @@ pub struct FedSpec {
     pub seed: u64,
     /// Values in the model.
     pub numel: usize,
+    /// The clients' identities (secure aggregation against a server that substitutes keys):
+    /// a client joins only with its key signed by the identity listed for its id.
+    pub roster: Option<identity::Roster>,
 }
 
 impl FedSpec {

@@ -7,9 +7,9 @@
 //!
 //! Threat model: an honest-but-curious server and eavesdroppers learn only the sum of a cohort
 //! of at least [`MIN_COHORT`] clients (each client checks its cohort: [`check_cohort`]); a
-//! client can submit only under the id its connection joined with. Not defended: a server that
-//! hands a client public keys of its own making (it can then remove that client's masks) —
-//! that needs client identity keys known out of band, which Kolo does not have yet.
+//! client can submit only under the id its connection joined with. A server that hands a client
+//! public keys of its own making (to remove that client's masks) is caught when the job has
+//! client identities ([`crate::identity`]): every key is then signed by its member.
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;

@@ -35,6 +35,8 @@ pub struct RoundReport {
 
 struct Client {
     public: Option<[u8; 32]>,
+    /// Its identity's signature of `public` (jobs with a roster).
+    sig: Option<[u8; 64]>,
 }
 
 #[derive(Default)]
@@ -135,9 +137,19 @@ fn handle(shared: &Shared, conn: &mut ConnState, req: Req) -> Resp {
         _ => {}
     }
     match req {
-        Req::Join { examples, public, id } => {
+        Req::Join { examples, public, id, sig } => {
             if spec.secure && public.is_none() {
                 return Resp::Error("this job uses secure aggregation: join with a public key".into());
+            }
+            if let Some(roster) = &spec.roster {
+                let (Some(i), Some(k), Some(s)) = (id, public, sig) else {
+                    return Resp::Error(
+                        "this job has a roster of client identities: join with an id, a public key and its signature".into(),
+                    );
+                };
+                if let Err(e) = roster.verify(i, &k, &s) {
+                    return Resp::Error(format!("join refused: {e}"));
+                }
             }
             if examples == 0 || examples > MAX_CLIENT_EXAMPLES {
                 return Resp::Error(format!("a client needs between 1 and {MAX_CLIENT_EXAMPLES} training examples, not {examples}"));
@@ -148,7 +160,7 @@ fn handle(shared: &Shared, conn: &mut ConnState, req: Req) -> Resp {
                 Some(i) => i,
                 None => (0..).find(|i| !st.clients.contains_key(i)).expect("a free id"),
             };
-            st.clients.insert(id, Client { public });
+            st.clients.insert(id, Client { public, sig });
             conn.client = Some(id);
             shared.cv.notify_all();
             Resp::Joined { id, numel: spec.numel as u64, secure: spec.secure }
@@ -172,7 +184,11 @@ fn handle(shared: &Shared, conn: &mut ConnState, req: Req) -> Resp {
                     } else {
                         Vec::new()
                     };
-                    return Resp::Train { round: st.round, attempt: st.attempt, params: st.global.clone(), cohort };
+                    let sigs = match &spec.roster {
+                        Some(_) if spec.secure => st.cohort.iter().map(|&c| st.clients[&c].sig.expect("checked at join")).collect(),
+                        _ => Vec::new(),
+                    };
+                    return Resp::Train { round: st.round, attempt: st.attempt, params: st.global.clone(), cohort, sigs };
                 }
                 let now = Instant::now();
                 if now >= deadline {

@@ -93,11 +93,14 @@ fn a_connection_cannot_act_for_another_client() {
     };
     let m = error(rogue.call(&Req::Update { id: 0, round: 0, attempt: 0, examples: 10, update: Update::Masked(vec![0; 2]) }).unwrap());
     assert!(m.contains("client 0: join on this connection first"), "{m}");
-    let Resp::Joined { id, .. } = rogue.call(&Req::Join { examples: 10, public: Some([4; 32]), id: None }).unwrap() else { panic!() };
+    let Resp::Joined { id, .. } = rogue.call(&Req::Join { examples: 10, public: Some([4; 32]), id: None, sig: None }).unwrap() else {
+        panic!()
+    };
     let m = error(rogue.call(&Req::Update { id: 0, round: 0, attempt: 0, examples: 10, update: Update::Masked(vec![0; 2]) }).unwrap());
     assert_eq!(m, format!("client 0: this connection joined as client {id}"));
     assert!(error(rogue.call(&Req::Poll { id: 1 }).unwrap()).contains("joined as client"));
-    assert!(error(rogue.call(&Req::Join { examples: 1, public: Some([5; 32]), id: None }).unwrap()).contains("already joined as client"));
+    assert!(error(rogue.call(&Req::Join { examples: 1, public: Some([5; 32]), id: None, sig: None }).unwrap())
+        .contains("already joined as client"));
     drop(rogue);
     let workers: Vec<_> = tasks
         .drain(..)
@@ -119,8 +122,8 @@ fn a_connection_cannot_act_for_another_client() {
 #[test]
 fn messages_round_trip_and_garbage_is_an_error() {
     let reqs = [
-        Req::Join { examples: 60, public: Some([9; 32]), id: Some(4) },
-        Req::Join { examples: 1, public: None, id: None },
+        Req::Join { examples: 60, public: Some([9; 32]), id: Some(4), sig: Some([7; 64]) },
+        Req::Join { examples: 1, public: None, id: None, sig: None },
         Req::Poll { id: 4 },
         Req::Bye { id: 2 },
         Req::Update { id: 1, round: 2, attempt: 1, examples: 5, update: Update::Plain(vec![1.0, -2.5]) },
@@ -136,7 +139,7 @@ fn messages_round_trip_and_garbage_is_an_error() {
     let resps = [
         Resp::Joined { id: 3, numel: 10, secure: true },
         Resp::Wait,
-        Resp::Train { round: 1, attempt: 0, params: vec![0.5; 3], cohort: vec![(0, [1; 32]), (2, [2; 32])] },
+        Resp::Train { round: 1, attempt: 0, params: vec![0.5; 3], cohort: vec![(0, [1; 32]), (2, [2; 32])], sigs: vec![[3; 64], [4; 64]] },
         Resp::Done { rounds: 4, params: vec![1.0] },
         Resp::Ack { taken: false, why: "late".into() },
         Resp::Error("no".into()),
@@ -145,7 +148,7 @@ fn messages_round_trip_and_garbage_is_an_error() {
         assert_eq!(&Resp::decode(&r.encode()).unwrap(), r);
     }
     // A cohort that claims more members than the message holds.
-    let mut b = Resp::Train { round: 0, attempt: 0, params: vec![], cohort: vec![] }.encode();
+    let mut b = Resp::Train { round: 0, attempt: 0, params: vec![], cohort: vec![], sigs: vec![] }.encode();
     let n = b.len();
     b[n - 8..].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(Resp::decode(&b).is_err());
@@ -162,21 +165,33 @@ fn spec(numel: usize, secure: bool, per_round: usize) -> FedSpec {
         secure,
         seed: 1,
         numel,
+        roster: None,
     }
 }
 
+/// Identities for clients 0..n in a fresh directory (through the files `kolo fed keygen` writes).
+fn identities(n: u32, tag: &str) -> (std::path::PathBuf, identity::Roster) {
+    let dir = std::env::temp_dir().join(format!("kolo-fed-ids-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    identity::generate(&dir, n).unwrap();
+    let roster = identity::Roster::load(&dir.join("roster.txt")).unwrap();
+    (dir, roster)
+}
+
 /// Three clients over real TCP, each "training" by adding its id+1 to every parameter: the
-/// server moves the model by the example-weighted mean (plain and secure give the same model).
+/// server moves the model by the example-weighted mean (plain, secure, and secure with signed
+/// keys give the same model).
 #[test]
 fn rounds_average_updates_weighted_by_examples() {
-    for secure in [false, true] {
+    for (secure, signed) in [(false, false), (true, false), (true, true)] {
         let token = JobToken::generate();
         let reports = Arc::new(Mutex::new(Vec::new()));
         let r2 = reports.clone();
+        let (dir, roster) = identities(3, "rounds");
         let server = FedServer::start(
             "127.0.0.1:0",
             token.clone(),
-            spec(4, secure, 3),
+            FedSpec { roster: signed.then(|| roster.clone()), ..spec(4, secure, 3) },
             vec![0.0; 4],
             Box::new(move |r, g| r2.lock().unwrap().push((r.clone(), g.to_vec()))),
         )
@@ -185,9 +200,10 @@ fn rounds_average_updates_weighted_by_examples() {
         let clients: Vec<_> = (0..3u64)
             .map(|c| {
                 let (addr, token) = (addr.clone(), token.clone());
+                let me = signed.then(|| (identity::Identity::load(&dir, c as u32).unwrap(), roster.clone()));
                 std::thread::spawn(move || {
                     let examples = 10 * (c + 1);
-                    let mut fc = FedClient::join(&addr, &token, examples, None, std::time::Duration::from_secs(10)).unwrap();
+                    let mut fc = FedClient::join_as(&addr, &token, examples, None, me, std::time::Duration::from_secs(10)).unwrap();
                     loop {
                         match fc.next_task().unwrap() {
                             Task::Train(t) => {
@@ -210,7 +226,69 @@ fn rounds_average_updates_weighted_by_examples() {
         assert_eq!(rounds.len(), 3);
         assert!(rounds.iter().all(|r| r.used.len() == 3 && r.examples == 60 && r.late.is_empty()));
         assert_eq!(reports.lock().unwrap().len(), 3);
+        let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// With a roster of client identities (#19 item 8): nobody joins as a client whose identity it
+/// lacks, and a server that hands a client a cohort with a key of its own making (to strip that
+/// client's masks) gets no update: the client refuses, unsent, naming the member whose key is
+/// not signed by its identity.
+#[test]
+fn identities_stop_impersonation_and_key_substitution() {
+    let token = JobToken::generate();
+    let (dir, roster) = identities(3, "subst");
+    let server = FedServer::start(
+        "127.0.0.1:0",
+        token.clone(),
+        FedSpec { roster: Some(roster.clone()), ..spec(2, true, 3) },
+        vec![0.0; 2],
+        Box::new(|_, _| {}),
+    )
+    .unwrap();
+    let addr = server.addr.to_string();
+    let t = std::time::Duration::from_secs(10);
+    let impostor = (identity::Identity::generate(0), roster.clone());
+    let e = FedClient::join_as(&addr, &token, 10, None, Some(impostor), t).err().unwrap().to_string();
+    assert!(e.contains("join refused: client 0's key is not signed by client 0's identity"), "{e}");
+    let e = FedClient::join(&addr, &token, 10, Some(1), t).err().unwrap().to_string();
+    assert!(e.contains("join with an id, a public key and its signature"), "{e}");
+    drop(server);
+
+    use kolo_ps::net::{ConnState, HandlerOf, Listener};
+    let updates = Arc::new(Mutex::new(0usize));
+    // The key and signature the client joined with.
+    type Joined = Option<([u8; 32], [u8; 64])>;
+    let joined: Arc<Mutex<Joined>> = Arc::default();
+    let handler: HandlerOf<wire::Fed> = {
+        let (updates, joined) = (updates.clone(), joined.clone());
+        let fake = KeyPair::generate();
+        Arc::new(move |_: &mut ConnState, req: Req, _: usize| match req {
+            Req::Join { public, sig, .. } => {
+                *joined.lock().unwrap() = Some((public.unwrap(), sig.unwrap()));
+                Resp::Joined { id: 0, numel: 2, secure: true }
+            }
+            Req::Poll { .. } => {
+                // The client's own key and signature, and members 1 and 2 under keys the server
+                // made (it has their real keys' signatures only for their real keys).
+                let (mine, my_sig) = joined.lock().unwrap().unwrap();
+                let cohort = vec![(0, mine), (1, fake.public), (2, [9; 32])];
+                Resp::Train { round: 0, attempt: 0, params: vec![0.0; 2], cohort, sigs: vec![my_sig, my_sig, [0; 64]] }
+            }
+            _ => {
+                *updates.lock().unwrap() += 1;
+                Resp::Ack { taken: true, why: String::new() }
+            }
+        })
+    };
+    let listener = Listener::start_with::<wire::Fed>("127.0.0.1:0", token.clone(), "hostile", handler).unwrap();
+    let me = (identity::Identity::load(&dir, 0).unwrap(), roster);
+    let mut fc = FedClient::join_as(&listener.addr.to_string(), &token, 10, None, Some(me), t).unwrap();
+    let Task::Train(task) = fc.next_task().unwrap() else { panic!() };
+    let e = fc.submit(&task, 10, &[1.0, 2.0]).unwrap_err().to_string();
+    assert!(e.contains("client 0, round 0: client 1's key is not signed by client 1's identity (a server substituting keys?)"), "{e}");
+    assert_eq!(*updates.lock().unwrap(), 0, "nothing was sent");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A client that never answers: a plain round goes on without it at the deadline; a secure
@@ -327,7 +405,7 @@ proptest::proptest! {
     #[test]
     fn mutated_valid_messages_never_panic(which in 0usize..5, pos in proptest::prelude::any::<usize>(), byte in proptest::prelude::any::<u8>(), cut in proptest::prelude::any::<usize>(), mode in 0u8..3) {
         let msgs: [Vec<u8>; 5] = [
-            Req::Join { examples: 60, public: Some([9; 32]), id: Some(4) }.encode(),
+            Req::Join { examples: 60, public: Some([9; 32]), id: Some(4), sig: Some([7; 64]) }.encode(),
             Req::Update { id: 1, round: 2, attempt: 1, examples: 5, update: Update::Plain(vec![1.0, -2.5]) }.encode(),
             Req::Update { id: 1, round: 2, attempt: 0, examples: 5, update: Update::Masked(vec![u64::MAX, 3]) }.encode(),
             Resp::Joined { id: 3, numel: 10, secure: true }.encode(),
@@ -355,7 +433,9 @@ fn a_client_refuses_a_small_cohort_from_a_hostile_server() {
         let updates = updates.clone();
         Arc::new(move |_: &mut ConnState, req: Req, _: usize| match req {
             Req::Join { .. } => Resp::Joined { id: 0, numel: 2, secure: true },
-            Req::Poll { .. } => Resp::Train { round: 0, attempt: 0, params: vec![0.0; 2], cohort: vec![(0, [1; 32]), (1, [2; 32])] },
+            Req::Poll { .. } => {
+                Resp::Train { round: 0, attempt: 0, params: vec![0.0; 2], cohort: vec![(0, [1; 32]), (1, [2; 32])], sigs: vec![] }
+            }
             _ => {
                 *updates.lock().unwrap() += 1;
                 Resp::Ack { taken: true, why: String::new() }

@@ -9,8 +9,9 @@ use kolo_ps::PsError;
 pub enum Req {
     /// Join the job with this many training examples (and, for secure aggregation, a public key),
     /// as client `id` when given (its shard number: sampling is then the same in every run),
-    /// else as the next free id.
-    Join { examples: u64, public: Option<[u8; 32]>, id: Option<u32> },
+    /// else as the next free id. `sig`: the client's identity signature of `public`, when the
+    /// job has a roster (`crate::identity`).
+    Join { examples: u64, public: Option<[u8; 32]>, id: Option<u32>, sig: Option<[u8; 64]> },
     /// What should client `id` do now? (The server holds the answer up to a second.)
     Poll { id: u32 },
     /// Client `id`'s update for `(round, attempt)`: trained on `examples` examples.
@@ -38,12 +39,14 @@ pub enum Resp {
     /// Nothing to do yet: poll again.
     Wait,
     /// Train from `params` and send an update for `(round, attempt)`. `cohort` lists the ids and
-    /// public keys of every client of this attempt (secure aggregation; empty otherwise).
+    /// public keys of every client of this attempt (secure aggregation; empty otherwise), and
+    /// `sigs` each one's identity signature of its key (jobs with a roster; empty otherwise).
     Train {
         round: u32,
         attempt: u32,
         params: Vec<f32>,
         cohort: Vec<(u32, [u8; 32])>,
+        sigs: Vec<[u8; 64]>,
     },
     /// The job is over: the final model.
     Done {
@@ -62,7 +65,7 @@ impl Req {
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
         match self {
-            Req::Join { examples, public, id } => {
+            Req::Join { examples, public, id, sig } => {
                 w.u8(1).u64(*examples);
                 match public {
                     Some(k) => w.u8(1).array(k),
@@ -70,6 +73,10 @@ impl Req {
                 };
                 match id {
                     Some(i) => w.u8(1).u32(*i),
+                    None => w.u8(0),
+                };
+                match sig {
+                    Some(s) => w.u8(1).array(s),
                     None => w.u8(0),
                 };
             }
@@ -105,7 +112,12 @@ impl Req {
                     1 => Some(r.u32()?),
                     t => return Err(PsError::Protocol(format!("join: id tag {t}"))),
                 };
-                Req::Join { examples, public, id }
+                let sig = match r.u8()? {
+                    0 => None,
+                    1 => Some(r.array::<64>()?),
+                    t => return Err(PsError::Protocol(format!("join: signature tag {t}"))),
+                };
+                Req::Join { examples, public, id, sig }
             }
             2 => Req::Poll { id: r.u32()? },
             3 => {
@@ -135,10 +147,14 @@ impl Resp {
             Resp::Wait => {
                 w.u8(2);
             }
-            Resp::Train { round, attempt, params, cohort } => {
+            Resp::Train { round, attempt, params, cohort, sigs } => {
                 w.u8(3).u32(*round).u32(*attempt).f32s(params).u64(cohort.len() as u64);
                 for (id, k) in cohort {
                     w.u32(*id).array(k);
+                }
+                w.u64(sigs.len() as u64);
+                for s in sigs {
+                    w.array(s);
                 }
             }
             Resp::Done { rounds, params } => {
@@ -166,7 +182,12 @@ impl Resp {
                     return Err(PsError::Protocol(format!("a cohort of {n} does not fit in the message")));
                 }
                 let cohort = (0..n).map(|_| Ok((r.u32()?, r.array::<32>()?))).collect::<Result<_, PsError>>()?;
-                Resp::Train { round, attempt, params, cohort }
+                let n = r.u64()?;
+                if n > (b.len() / 64) as u64 {
+                    return Err(PsError::Protocol(format!("{n} signatures do not fit in the message")));
+                }
+                let sigs = (0..n).map(|_| r.array::<64>()).collect::<Result<_, PsError>>()?;
+                Resp::Train { round, attempt, params, cohort, sigs }
             }
             4 => Resp::Done { rounds: r.u32()?, params: r.f32s()? },
             5 => Resp::Ack { taken: r.u8()? != 0, why: r.str()? },

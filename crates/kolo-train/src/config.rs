@@ -60,6 +60,12 @@ pub struct FedConfig {
     pub labels_per_client: usize,
     /// At most this many examples per client (default: the whole shard).
     pub examples_per_client: Option<usize>,
+    /// Client identities (`kolo fed keygen --out DIR`): the server reads `DIR/roster.txt`,
+    /// client i `DIR/client-{i}.key` and the roster; each client's masking key is then signed,
+    /// and a client masks only for cohorts whose every key its member signed (secure
+    /// aggregation against a server that substitutes keys). `kolo fed run` makes a fresh set
+    /// for a secure job that names none. Default: none.
+    pub identities: Option<String>,
 }
 
 #[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -7,6 +7,8 @@ use crate::data::{Dataset, Mnist};
 use crate::trainer::{evaluate, Eval};
 use crate::TrainError;
 use kolo_base::Rng;
+/// Client identities (`kolo fed keygen`), for programs that depend on this crate alone.
+pub use kolo_fed::identity;
 use kolo_fed::{FedClient, FedServer, FedSpec, RoundReport, Task};
 use kolo_optim::Optimizer;
 use kolo_rendezvous::JobToken;
@@ -66,7 +68,13 @@ fn spec(cfg: &Config, numel: usize, expect: usize) -> Result<FedSpec, TrainError
         secure: f.secure,
         seed: cfg.train.seed,
         numel,
+        roster: f.identities.as_deref().map(|d| roster(Path::new(d))).transpose()?,
     })
+}
+
+/// The roster of client identities in `dir` (`kolo fed keygen`).
+fn roster(dir: &Path) -> Result<kolo_fed::identity::Roster, TrainError> {
+    kolo_fed::identity::Roster::load(&dir.join("roster.txt")).map_err(|e| TrainError::Config(format!("fed.identities: {e}")))
 }
 
 /// What the server reports at the end.
@@ -94,13 +102,14 @@ pub fn serve(
     let initial = model.params().to_flat()?;
     let s = spec(cfg, initial.len(), expect)?;
     say(&format!(
-        "kolo fed: {} params, {} rounds, {} of {} clients per round, deadline {:.0} s{}",
+        "kolo fed: {} params, {} rounds, {} of {} clients per round, deadline {:.0} s{}{}",
         initial.len(),
         s.rounds,
         s.clients_per_round,
         cfg.fed.as_ref().map_or(0, |f| f.clients),
         s.deadline.as_secs_f64(),
-        if s.secure { ", secure aggregation" } else { "" }
+        if s.secure { ", secure aggregation" } else { "" },
+        s.roster.as_ref().map_or(String::new(), |r| format!(", keys signed by a roster of {} client identities", r.len()))
     ));
     let (tx, rx) = std::sync::mpsc::channel::<(RoundReport, Vec<f32>)>();
     let server = FedServer::start(
@@ -167,9 +176,16 @@ pub fn client(cfg: &Config, addr: &str, token: &JobToken, index: usize, record: 
         shard.truncate(cap);
     }
     let model = initial_model(cfg)?;
-    let mut fc =
-        FedClient::join(addr, token, shard.len() as u64, Some(index as u32), Duration::from_secs_f64(f.round_deadline_secs.max(30.0)))
-            .map_err(|e| TrainError::Other(format!("client {index}: {e}")))?;
+    let me = match f.identities.as_deref().map(Path::new) {
+        Some(d) => Some((
+            kolo_fed::identity::Identity::load(d, index as u32).map_err(|e| TrainError::Config(format!("fed.identities: {e}")))?,
+            roster(d)?,
+        )),
+        None => None,
+    };
+    let timeout = Duration::from_secs_f64(f.round_deadline_secs.max(30.0));
+    let mut fc = FedClient::join_as(addr, token, shard.len() as u64, Some(index as u32), me, timeout)
+        .map_err(|e| TrainError::Other(format!("client {index}: {e}")))?;
     if record {
         fc.record();
     }

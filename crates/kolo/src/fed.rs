@@ -39,6 +39,27 @@ pub enum FedCmd {
         #[arg(long)]
         client: Option<usize>,
     },
+    /// Write client identities for secure aggregation against a server that substitutes keys:
+    /// `client-{i}.key` (one per client, mode 0600: give each client its own) and `roster.txt`
+    /// (every client and the server). Name the directory in `[fed] identities`.
+    Keygen {
+        /// Clients of the job (ids 0..N).
+        #[arg(long)]
+        clients: u32,
+        /// A directory that does not hold identities yet.
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+/// `[fed] identities` from KOLO_FED_IDENTITIES when set (`kolo fed run` hands its fresh set to
+/// the processes it starts this way).
+fn load(config: &std::path::Path) -> anyhow::Result<kolo_train::Config> {
+    let mut cfg = kolo_train::Config::load(config)?;
+    if let (Some(f), Ok(d)) = (cfg.fed.as_mut(), std::env::var("KOLO_FED_IDENTITIES")) {
+        f.identities = Some(d);
+    }
+    Ok(cfg)
 }
 
 fn token() -> anyhow::Result<JobToken> {
@@ -53,15 +74,23 @@ fn say(m: &str) {
 
 pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
     match cmd {
+        FedCmd::Keygen { clients, out } => {
+            kolo_train::fed::identity::generate(&out, clients).map_err(anyhow::Error::msg)?;
+            say(&format!(
+                "kolo fed: identities of clients 0..{clients} in {} (roster.txt for everyone, client-N.key for client N alone)",
+                out.display()
+            ));
+            Ok(0)
+        }
         FedCmd::Serve { config, listen } => {
-            let cfg = kolo_train::Config::load(&config)?;
+            let cfg = load(&config)?;
             let expect = cfg.fed.as_ref().map_or(1, |f| f.clients);
             let s = kolo_train::fed::serve(&cfg, &listen, token()?, expect, |a| kolo_base::eline!("kolo fed: listening on {a}"), &say)?;
             summary(&s);
             Ok(0)
         }
         FedCmd::Client { config, server, client } => {
-            let cfg = kolo_train::Config::load(&config)?;
+            let cfg = load(&config)?;
             let index = match client {
                 Some(c) => c,
                 None => std::env::var("RANK")
@@ -80,8 +109,17 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         FedCmd::Run { config, clients } => {
-            let cfg = kolo_train::Config::load(&config)?;
-            let f = cfg.fed.as_ref().ok_or_else(|| anyhow::anyhow!("{}: no [fed] section", config.display()))?;
+            let mut cfg = load(&config)?;
+            let f = cfg.fed.as_mut().ok_or_else(|| anyhow::anyhow!("{}: no [fed] section", config.display()))?;
+            // A secure job that names no identities gets a fresh set for this run.
+            let fresh =
+                (f.secure && f.identities.is_none()).then(|| std::env::temp_dir().join(format!("kolo-fed-ids-{}", std::process::id())));
+            if let Some(d) = &fresh {
+                let _ = std::fs::remove_dir_all(d);
+                kolo_train::fed::identity::generate(d, f.clients as u32).map_err(anyhow::Error::msg)?;
+                f.identities = Some(d.display().to_string());
+            }
+            let f = cfg.fed.as_ref().expect("checked above");
             let n = clients.unwrap_or(f.clients);
             if n > f.clients {
                 anyhow::bail!("{n} client processes for a job split into {} shards ([fed] clients)", f.clients);
@@ -115,11 +153,19 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
                 "--server".into(),
                 addr.into(),
             ];
+            let env = fresh.iter().map(|d| ("KOLO_FED_IDENTITIES".to_string(), d.display().to_string())).collect();
             let launch =
-                kolo_launch::LaunchConfig { nproc_per_node: n, token: Some(token), program, ..kolo_launch::LaunchConfig::default() };
-            let out = kolo_launch::launch(&launch)?;
+                kolo_launch::LaunchConfig { nproc_per_node: n, token: Some(token), program, env, ..kolo_launch::LaunchConfig::default() };
+            let out = kolo_launch::launch(&launch);
+            if let Some(d) = &fresh {
+                let _ = std::fs::remove_dir_all(d);
+            }
+            let out = out?;
             if !out.success() {
+                // The launcher stopped every client: the server would only wait out its join
+                // deadline for them.
                 eprint!("{}", out.summary());
+                return Ok(out.exit_code());
             }
             let s = server.join().map_err(|_| anyhow::anyhow!("the server thread panicked"))??;
             summary(&s);

@@ -896,7 +896,9 @@ fn elastic_job_goes_on_with_the_survivors_after_a_rank_is_killed() {
 }
 
 /// `kolo fed run`: the server in this process and 4 client processes (non-IID shards, secure
-/// aggregation) finish their rounds; `kolo plan` prints fitting plans and costs a given one.
+/// aggregation with a fresh set of signed client identities) finish their rounds; with
+/// identities from `kolo fed keygen` in `[fed] identities` too, and a client holding another
+/// client's key file is refused at join. `kolo plan` prints fitting plans and costs a given one.
 #[test]
 fn fed_run_and_plan_work_from_the_command_line() {
     let dir = std::env::temp_dir().join(format!("kolo-fed-{}", std::process::id()));
@@ -915,7 +917,23 @@ fn fed_run_and_plan_work_from_the_command_line() {
     let t = text(&o);
     assert!(o.status.success(), "{t}");
     assert!(t.contains("secure aggregation") && t.contains("round 3: 3 client(s)") && t.contains("done: 3 rounds"), "{t}");
+    assert!(t.contains("keys signed by a roster of 4 client identities"), "{t}");
     assert_eq!(t.matches("trained in").count(), 4, "every client reports: {t}");
+    let ids = dir.join("ids");
+    let o = run(&["fed", "keygen", "--clients", "4", "--out", ids.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(ids.join("client-2.key")).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "a client's key is its own");
+    let text_cfg = std::fs::read_to_string(&cfg).unwrap() + &format!("identities = \"{}\"\n", ids.display());
+    std::fs::write(&cfg, &text_cfg).unwrap();
+    let o = run(&["fed", "run", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("done: 3 rounds") && t.contains("roster of 4"), "{t}");
+    // Client 1 holding client 0's key file cannot join as client 1.
+    std::fs::copy(ids.join("client-0.key"), ids.join("client-1.key")).unwrap();
+    let o = run(&["fed", "run", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("client 1's key is not signed by client 1's identity"), "{t}");
     std::fs::remove_dir_all(&dir).unwrap();
     let o = run(&["plan", "--params", "1.3B", "--devices", "64", "--device-memory", "80GiB", "--top", "3"], &[]);
     let t = text(&o);
