@@ -1093,8 +1093,11 @@ fn ps_evaluation_group_reads_the_servers_while_training_runs() {
     assert!(evals.len() >= 2, "{} evaluations", evals.len());
     let last = &evals.last().unwrap().1;
     // The last evaluation ran after both workers finished: it saw the trained parameters
-    // (worker 0's own final evaluation may precede worker 1's last pushes, so not compared bitwise).
-    assert!(last.accuracy.unwrap() > 0.85 && (last.accuracy.unwrap() - train[0].eval.as_ref().unwrap().accuracy.unwrap()).abs() < 0.02);
+    // (untrained: about 0.1). Worker 0's own final evaluation may precede worker 1's last
+    // pushes, and async interleavings differ from run to run (accuracy 0.86..0.89 and
+    // differences up to 0.016 seen on a loaded 2-core machine), so not compared bitwise.
+    let (seen, own) = (last.accuracy.unwrap(), train[0].eval.as_ref().unwrap().accuracy.unwrap());
+    assert!(seen > 0.8 && (seen - own).abs() < 0.04, "evaluation group {seen}, worker 0 {own}");
     assert!(evals[0].1.loss > last.loss);
 }
 
