@@ -2,7 +2,9 @@
 # Chaos: what a hostile or unlucky user does to a running job, one line per scenario with the
 # time to a clear error (or to recovery) and what was lost. Real processes on 127.0.0.1, the
 # release build, the MNIST subset the repository ships.
-#   bash bench/chaos.sh            (about 3 minutes)
+#   bash bench/chaos.sh                   (about 4 minutes)
+#   CHAOS="sigstop partition" bash bench/chaos.sh   (only the scenarios named)
+#   CHAOS_LOGS=DIR bash bench/chaos.sh    (keeps every process's log in DIR)
 # Scenarios:
 #   flood        20,000 junk connections at rank 0's rendezvous store while a 2-rank job trains:
 #                rank 0's open descriptors before / at most / after, and whether the job finished
@@ -12,15 +14,19 @@
 #                again on its address 2 s later: rc, time, same final model, the recovered epoch
 #   sigstop      SIGSTOP of rank 2 of 4 (collective deadline 10 s): time until the launcher exits,
 #                and whether every survivor and the launcher name rank 2
+#   partition    rank 2 of 3 in a network namespace whose link is cut mid-run (root only): time
+#                until the survivors fail, against a collective deadline of 120 s, naming rank 2
 #   wrong-token  rank 1 started with another job's token: time until rank 0 reports the refusal
 #   world-size   rank 0 told 2 ranks, rank 1 told 3: time until rank 0 says so
 #   config       rank 1 with another learning rate: time until a rank names `optim.lr`
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 dir=$(mktemp -d)
-trap 'pkill -P $$ 2>/dev/null || true; rm -rf "$dir"' EXIT
+keep() { [ -z "${CHAOS_LOGS:-}" ] || { mkdir -p "$CHAOS_LOGS" && cp -r "$dir"/. "$CHAOS_LOGS"/; }; }
+trap 'pkill -P $$ 2>/dev/null || true; keep; rm -rf "$dir"' EXIT
 mnist=test-data/mnist
 echo "# chaos: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg), $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 now() { date +%s.%N; }
+want() { [ -z "${CHAOS:-}" ] || [[ " $CHAOS " == *" $1 "* ]]; }
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.2f", b - a }'; }
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 # pid_of_rank R: the `kolo train` or `kolo selftest` process whose environment has RANK=R.
@@ -31,6 +37,7 @@ pid_of_rank() {
 }
 
 # --- flood ---------------------------------------------------------------------------------
+if want flood; then
 mnist_mlp "$dir/mlp.toml" "$mnist" 500 "progress = false"
 sed -i 's/^steps = 200/steps = 15000/; s/^batch_size = 64/batch_size = 16/' "$dir/mlp.toml"
 port=$(free_port)
@@ -80,9 +87,11 @@ fd1=$( (ls "/proc/$p0/fd" 2>/dev/null || true) | wc -l)
 wait $job && rc=0 || rc=$?
 acc=$(grep -o 'accuracy [0-9.]*%' "$dir/flood.log" | tail -1)
 echo "flood: $sent connections in $took s; rank 0 descriptors $fd0 before, at most $most, $fd1 after; job rc $rc after $(secs "$t0" "$(now)") s, final $acc; refusals logged: $(grep -c 'refused' "$dir/flood.log") line(s)"
+fi
 
 # --- ps-kill -------------------------------------------------------------------------------
 sed 's/^steps = 600/steps = 1500/; s/^consistency = "async".*/consistency = "bsp"/; s/^log_every = 100/log_every = 500/' examples/mnist_ps.toml > "$dir/ps.toml"
+if want ps-kill; then
 t0=$(now)
 $K ps run -n 2 --servers 3 --config "$dir/ps.toml" > "$dir/ps-ref.log" 2>&1 && rc_ref=0 || rc_ref=$?
 t_ref=$(secs "$t0" "$(now)")
@@ -98,8 +107,10 @@ ref=$(grep -o 'final eval.*' "$dir/ps-ref.log" | tail -1)
 got=$(grep -o 'final eval.*' "$dir/ps-kill.log" | tail -1)
 same=$([ -n "$got" ] && [ "$got" = "$ref" ] && echo "the same final model (0 acknowledged updates lost)" || echo "a different final model: '$got' vs '$ref'")
 echo "ps-kill: rc $rc in $t_kill s (uninterrupted: rc $rc_ref in $t_ref s); $same; $(grep -c 'missed its heartbeats' "$dir/ps-kill.log") server(s) declared dead"
+fi
 
 # --- coord-restart -------------------------------------------------------------------------
+if want coord-restart; then
 # coord_job NAME KILL: coordinator, 3 servers and 2 workers as processes of their own (the
 # workers are `kolo train` ranks told the coordinator's address); with KILL=1 the coordinator is
 # SIGKILLed 4 s in and a new one started on the same address 2 s later.
@@ -138,8 +149,10 @@ ref=$(grep -o 'final eval.*' "$dir/coord-ref-w0.log" | tail -1)
 got=$(grep -o 'final eval.*' "$dir/coord-kill-w0.log" | tail -1)
 same=$([ -n "$got" ] && [ "$got" = "$ref" ] && echo "the same final model" || echo "a different final model: '$got' vs '$ref'")
 echo "coord-restart: rc $rc in $took s (uninterrupted: rc $rc_ref in $t_ref s); $same; new coordinator: $(grep -m1 -io 'recovered.*' "$dir/coord-kill-coord.log" | cut -c1-120)"
+fi
 
 # --- sigstop -------------------------------------------------------------------------------
+if want sigstop; then
 mnist_mlp "$dir/hang.toml" "$mnist" 1000 "progress = false"
 sed -i 's/^steps = 200/steps = 100000/; s/^batch_size = 64/batch_size = 8/' "$dir/hang.toml"
 printf '[ddp]\ntimeout_secs = 10\n' >> "$dir/hang.toml"
@@ -157,8 +170,55 @@ named=0
 for r in 0 1 3; do grep "\[rank $r\] error" "$dir/hang.log" | grep -q 'rank(s) \[2\]' && named=$((named + 1)); done
 launcher=$(grep -o 'job failed: rank [0-9]*' "$dir/hang.log" | head -1)
 echo "sigstop: first survivor's error $(secs "$t0" "$t_err") s and the launcher's exit $t s after SIGSTOP of rank 2 (deadline 10 s); $named of 3 survivors name rank 2; launcher: '$launcher'"
+fi
+
+# --- partition -----------------------------------------------------------------------------
+# Rank 2 of 3 runs in a network namespace of its own behind a veth pair; 3 s into the run the
+# pair is taken down: no FIN, no RST, the packets simply vanish. Needs root and iproute2 (this
+# machine's kernel has no netem, so packet loss is not simulated).
+partition() {
+  if [ "$(id -u)" != 0 ] || ! command -v ip > /dev/null; then
+    echo "partition: skipped (needs root and iproute2 for a network namespace)"
+    return
+  fi
+  local ns=kolo-chaos-$$ port tok t0 t r
+  ip netns add "$ns"
+  trap 'ip netns del '"$ns"' 2>/dev/null || true; ip link del kchaos0 2>/dev/null || true; pkill -P $$ 2>/dev/null || true; keep; rm -rf "$dir"' EXIT
+  ip link add kchaos0 type veth peer name kchaos1
+  ip link set kchaos1 netns "$ns"
+  ip addr add 10.77.0.1/24 dev kchaos0 && ip link set kchaos0 up
+  ip netns exec "$ns" ip addr add 10.77.0.2/24 dev kchaos1
+  ip netns exec "$ns" ip link set kchaos1 up
+  ip netns exec "$ns" ip link set lo up
+  mnist_mlp "$dir/part.toml" "$mnist" 1000 "progress = false"
+  sed -i 's/^steps = 200/steps = 100000/; s/^batch_size = 64/batch_size = 8/' "$dir/part.toml"
+  printf "[ddp]\ntimeout_secs = ${PART_DEADLINE:-120}\n" >> "$dir/part.toml"
+  port=$(free_port)
+  tok=$(printf 'd%.0s' {1..32})
+  for r in 0 1 2; do
+    local pre=() host=a
+    [ "$r" = 2 ] && pre=(ip netns exec "$ns") host=b
+    RANK=$r WORLD_SIZE=3 MASTER_ADDR=10.77.0.1 MASTER_PORT=$port KOLO_JOB_TOKEN=$tok KOLO_HOST_ID=$host \
+      "${pre[@]}" $K train --config "$dir/part.toml" 2>&1 | while IFS= read -r line; do printf '%s %s\n' "$(now)" "$line"; done > "$dir/part-$r.log" &
+  done
+  until grep -q "step 1000/" "$dir/part-0.log" 2> /dev/null; do sleep 0.2; done
+  t0=$(now)
+  ip netns exec "$ns" ip link set kchaos1 down
+  wait
+  t=$(secs "$t0" "$(now)")
+  local named=0 first=
+  for r in 0 1; do
+    grep -i 'error' "$dir/part-$r.log" | grep -q 'rank 2\|rank(s) \[2\]' && named=$((named + 1))
+    [ -z "$first" ] && first=$(grep -m1 -i 'error' "$dir/part-$r.log" | cut -d' ' -f1)
+  done
+  echo "partition: survivors' first error $(secs "$t0" "${first:-$t0}") s, all ranks exited $t s after the cut (collective deadline ${PART_DEADLINE:-120} s); $named of 2 survivors name rank 2: $(grep -m1 -io 'error.*' "$dir/part-0.log" | cut -c1-150)"
+  ip netns del "$ns"
+  ip link del kchaos0 2> /dev/null || true
+}
+want partition && partition
 
 # --- wrong-token, world-size ---------------------------------------------------------------
+if want wrong-token || want world-size; then
 rendezvous() { # NAME TOKEN1 WORLD1: rank 0 (token aa.., world 2) and rank 1 (TOKEN1, WORLD1)
   local port t0 t
   port=$(free_port)
@@ -174,8 +234,10 @@ rendezvous() { # NAME TOKEN1 WORLD1: rank 0 (token aa.., world 2) and rank 1 (TO
 }
 rendezvous wrong-token "$(printf 'b%.0s' {1..32})" 2
 rendezvous world-size "$(printf 'a%.0s' {1..32})" 3
+fi
 
 # --- config --------------------------------------------------------------------------------
+if want config; then
 for r in 0 1; do
   mnist_mlp "$dir/cfg-$r.toml" "$mnist" 100 "progress = false"
 done
@@ -183,3 +245,4 @@ sed -i 's/^lr = 1e-3/lr = 2e-3/' "$dir/cfg-1.toml"
 t0=$(now)
 $K launch -n 2 -- sh -c "exec $K train --config $dir/cfg-\$RANK.toml" > "$dir/cfg.log" 2>&1 && rc=0 || rc=$?
 echo "config: rc $rc after $(secs "$t0" "$(now)") s: $(grep -m1 -o 'rank 1 differs.*' "$dir/cfg.log" | cut -c1-140)"
+fi

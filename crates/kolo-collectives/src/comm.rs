@@ -3,6 +3,7 @@ use crate::connect::connect_group;
 use crate::engine::{drive, Dir, OpCtx, Xfer};
 use crate::frame::Header;
 use crate::link::Link;
+use crate::liveness::Liveness;
 use kolo_base::{shard_range, ByteSize, DType, Deadline, Rank, WorldSize};
 use kolo_comm::communicator::validate;
 use kolo_comm::{BufMut, BufRef, CommError, Communicator, OpKind, ReduceOp, Scratch, DEFAULT_TIMEOUT};
@@ -84,6 +85,10 @@ pub struct HostCommConfig {
     /// SO_SNDBUF/SO_RCVBUF of TCP links (0: the kernel's autotuning).
     pub tcp_buffer: ByteSize,
     pub shm_dir: String,
+    /// A collective that makes no progress fails, naming the peer, once that peer's heartbeats
+    /// through the store have stopped for this long (see `liveness.rs`); zero turns heartbeats
+    /// off and leaves every stall to `timeout`.
+    pub liveness: Duration,
 }
 
 impl Default for HostCommConfig {
@@ -100,6 +105,7 @@ impl Default for HostCommConfig {
             shm_ring: ByteSize::mib(1),
             tcp_buffer: ByteSize(0),
             shm_dir: "/dev/shm".into(),
+            liveness: Duration::from_secs(10),
         }
     }
 }
@@ -133,6 +139,10 @@ pub struct HostComm {
     hier_scratch: Mutex<Scratch>,
     /// The last collectives, readable while one hangs.
     recorder: crate::recorder::Recorder,
+    /// Heartbeats (none alone, or with `cfg.liveness` zero).
+    live: Option<Arc<Liveness>>,
+    /// Part of a parent group's two-level collectives (see `make_group`).
+    internal: bool,
     _server: Option<Arc<TcpStoreServer>>,
 }
 
@@ -145,6 +155,19 @@ struct Hier {
     cross: Option<Arc<dyn Communicator>>,
     /// Every host has the same number of ranks: use reduce-scatter / all-reduce / all-gather.
     even: bool,
+    /// This group's rank of each member of `local` and of `cross`, in their rank order: their
+    /// errors are reported in this group's numbering (issue #19: a cut host was named by its
+    /// rank in the cross-host group).
+    local_members: Vec<Rank>,
+    cross_members: Vec<Rank>,
+}
+
+impl Hier {
+    /// Renumbers an error of the sub-group whose members are `members` into the parent's
+    /// collective `op` #`seq` at parent rank `rank`.
+    fn lift<'a>(&'a self, members: &'a [Rank], op: OpKind, rank: Rank, seq: u64) -> impl Fn(CommError) -> CommError + 'a {
+        move |e| e.in_parent(op, rank, seq, &|r: Rank| members.get(r.get()).copied().unwrap_or(r))
+    }
 }
 
 impl HostComm {
@@ -175,6 +198,8 @@ impl HostComm {
         }
         let deadline = Deadline::after(cfg.timeout);
         let c = connect_group(&*store, &token, group, rank.get(), n.get(), &cfg, deadline)?;
+        let live =
+            (n.get() > 1 && !cfg.liveness.is_zero()).then(|| Liveness::start(store.clone(), group, rank.get(), n.get(), cfg.liveness));
         let core = Core {
             links: c.links,
             seq: 0,
@@ -197,6 +222,8 @@ impl HostComm {
             hier: Mutex::new(None),
             hier_scratch: Mutex::new(Scratch::default()),
             recorder: Default::default(),
+            live,
+            internal: false,
             cfg,
             _server: server,
         };
@@ -268,11 +295,12 @@ impl HostComm {
         }
         let (host_of, local_idx) = self.host_layout();
         let n_hosts = host_of.iter().max().map_or(0, |m| m + 1);
-        let mut local = None;
+        let (mut local, mut local_members, mut cross_members) = (None, Vec::new(), Vec::new());
         for h in 0..n_hosts {
             let ranks: Vec<Rank> = (0..self.n.get()).filter(|r| host_of[*r] == h).map(Rank).collect();
-            if let Some(g) = self.new_group(&ranks)? {
+            if let Some(g) = self.make_group(&ranks, true)? {
                 local = Some(g);
+                local_members = ranks;
             }
         }
         let sizes: Vec<usize> = (0..n_hosts).map(|h| host_of.iter().filter(|x| **x == h).count()).collect();
@@ -281,19 +309,47 @@ impl HostComm {
         let mut cross = None;
         for i in 0..if even { max_local } else { 1 } {
             let ranks: Vec<Rank> = (0..self.n.get()).filter(|r| local_idx[*r] == i).map(Rank).collect();
-            if let Some(g) = self.new_group(&ranks)? {
+            if let Some(g) = self.make_group(&ranks, true)? {
                 cross = Some(g);
+                cross_members = ranks;
             }
         }
-        let h = Arc::new(Hier { local: local.expect("every rank is on a host"), cross, even });
+        let h = Arc::new(Hier { local: local.expect("every rank is on a host"), cross, even, local_members, cross_members });
         *self.hier.lock().unwrap_or_else(|p| p.into_inner()) = Some(h.clone());
         Ok(h)
     }
 
     /// Two-level all-reduce: reduce within each host (shared memory), all-reduce across hosts
     /// (TCP) on 1/local_size of the data per rank, gather within each host.
-    fn hierarchical_all_reduce(&self, mut buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
+    fn hierarchical_all_reduce(&self, buf: BufMut<'_>, op: ReduceOp) -> Result<(), CommError> {
         let h = self.hier()?;
+        let bytes = buf.bytes().len();
+        self.as_own(OpKind::AllReduce, bytes, |seq| self.two_level_all_reduce(&h, buf, op, seq))
+    }
+
+    /// Runs a two-level collective as one of this group's: numbered, in the flight recorder,
+    /// breaking this group when it fails. `f` gets the sequence number for its errors.
+    fn as_own<T>(&self, op: OpKind, bytes: usize, f: impl FnOnce(u64) -> Result<T, CommError>) -> Result<T, CommError> {
+        let seq = {
+            let mut core = self.lock();
+            if let Some(e) = &core.broken {
+                return Err(e.clone().into_aborted(self.rank));
+            }
+            core.seq += 1;
+            core.seq - 1
+        };
+        self.recorder.start(seq, op, Algorithm::Hierarchical.name(), bytes);
+        let r = f(seq).map_err(|e| self.explain(e));
+        self.recorder.finish(seq, r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        if let Err(e) = &r {
+            self.break_with(&mut self.lock(), e.clone());
+        }
+        r
+    }
+
+    fn two_level_all_reduce(&self, h: &Hier, mut buf: BufMut<'_>, op: ReduceOp, seq: u64) -> Result<(), CommError> {
+        let (local, cross) =
+            (h.lift(&h.local_members, OpKind::AllReduce, self.rank, seq), h.lift(&h.cross_members, OpKind::AllReduce, self.rank, seq));
         let dtype = buf.dtype();
         let inner_op = if op == ReduceOp::Avg { ReduceOp::Sum } else { op };
         let len = buf.len();
@@ -302,15 +358,15 @@ impl HostComm {
             let shard = shard_range(len, local_n, h.local.rank());
             let mut scratch = self.hier_scratch.lock().unwrap_or_else(|p| p.into_inner());
             let mut out = BufMut::from_bytes(dtype, scratch.get(shard.len() * dtype.size_bytes())).expect("whole elements");
-            h.local.reduce_scatter(buf.as_ref(), out.reborrow(), inner_op)?;
-            h.cross.as_ref().expect("every rank has a cross group").all_reduce(out.reborrow(), inner_op)?;
-            h.local.all_gather(out.as_ref(), buf.reborrow())?;
+            h.local.reduce_scatter(buf.as_ref(), out.reborrow(), inner_op).map_err(&local)?;
+            h.cross.as_ref().expect("every rank has a cross group").all_reduce(out.reborrow(), inner_op).map_err(&cross)?;
+            h.local.all_gather(out.as_ref(), buf.reborrow()).map_err(&local)?;
         } else {
-            h.local.reduce(buf.reborrow(), inner_op, Rank(0))?;
+            h.local.reduce(buf.reborrow(), inner_op, Rank(0)).map_err(&local)?;
             if let Some(c) = &h.cross {
-                c.all_reduce(buf.reborrow(), inner_op)?;
+                c.all_reduce(buf.reborrow(), inner_op).map_err(&cross)?;
             }
-            h.local.broadcast(buf.reborrow(), Rank(0))?;
+            h.local.broadcast(buf.reborrow(), Rank(0)).map_err(&local)?;
         }
         kolo_comm::reduce::finish_avg(dtype, op, buf.bytes_mut(), self.n.get());
         Ok(())
@@ -334,9 +390,19 @@ impl HostComm {
     /// having moved nothing, where the layouts do not line up (uneven hosts): the caller then
     /// uses the ring. The decision depends only on the host layout and the length, which every
     /// rank shares, so all ranks take the same path.
-    fn hierarchical_all_gather(&self, input: &BufRef<'_>, mut output: BufMut<'_>) -> Result<bool, CommError> {
+    fn hierarchical_all_gather(&self, input: &BufRef<'_>, output: BufMut<'_>) -> Result<bool, CommError> {
         let h = self.hier()?;
-        let Some(cross) = h.cross.as_ref().filter(|_| h.even) else { return Ok(false) };
+        if h.cross.is_none() || !h.even {
+            return Ok(false);
+        }
+        let bytes = output.bytes().len();
+        self.as_own(OpKind::AllGather, bytes, |seq| self.two_level_all_gather(&h, input, output, seq))
+    }
+
+    fn two_level_all_gather(&self, h: &Hier, input: &BufRef<'_>, mut output: BufMut<'_>, seq: u64) -> Result<bool, CommError> {
+        let cross = h.cross.as_ref().expect("checked by the caller");
+        let (lift_local, lift_cross) =
+            (h.lift(&h.local_members, OpKind::AllGather, self.rank, seq), h.lift(&h.cross_members, OpKind::AllGather, self.rank, seq));
         let (n, len) = (self.n.get(), output.len());
         let (_, local_idx) = self.host_layout();
         let k = h.local.world_size().get();
@@ -360,15 +426,19 @@ impl HostComm {
         }
         let i = local_idx[self.rank.get()];
         let mut mine = vec![0u8; block[i] * esz];
-        cross.all_gather(
-            BufRef::from_bytes(input.dtype(), input.bytes()).expect("whole elements"),
-            BufMut::from_bytes(dtype, &mut mine).expect("whole elements"),
-        )?;
+        cross
+            .all_gather(
+                BufRef::from_bytes(input.dtype(), input.bytes()).expect("whole elements"),
+                BufMut::from_bytes(dtype, &mut mine).expect("whole elements"),
+            )
+            .map_err(lift_cross)?;
         let mut local_major = vec![0u8; len * esz];
-        h.local.all_gather(
-            BufRef::from_bytes(dtype, &mine).expect("whole elements"),
-            BufMut::from_bytes(dtype, &mut local_major).expect("whole elements"),
-        )?;
+        h.local
+            .all_gather(
+                BufRef::from_bytes(dtype, &mine).expect("whole elements"),
+                BufMut::from_bytes(dtype, &mut local_major).expect("whole elements"),
+            )
+            .map_err(lift_local)?;
         // Local-major (local index, then host) to global rank order.
         let out = output.bytes_mut();
         let mut at = 0;
@@ -473,7 +543,7 @@ impl HostComm {
         let root = root.map(|r| r.get() as u32);
         let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin, red, root };
         let Core { links, scratch, big, .. } = &mut *core;
-        let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg };
+        let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg, live: self.live.as_deref() };
         let mut r = f(&mut exec, scratch, big);
         if let Err(CommError::Timeout { missing, .. }) = &mut r {
             // A rank one hop away may only be waiting itself: ask every rank where it is.
@@ -483,6 +553,7 @@ impl HostComm {
                 }
             }
         }
+        let r = r.map_err(|e| self.explain(e));
         self.recorder.finish(seq, r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
         if let Err(e) = &r {
             self.break_with(&mut core, e.clone());
@@ -490,8 +561,82 @@ impl HostComm {
         r
     }
 
+    /// A sub-group of this one. `internal` groups carry out parts of this group's own
+    /// collectives (the two-level ones): their errors are explained and published by this group,
+    /// in its numbering.
+    fn make_group(&self, ranks: &[Rank], internal: bool) -> Result<Option<Arc<dyn Communicator>>, CommError> {
+        validate::group(self.rank, self.n, ranks)?;
+        // Every rank must pass the same list: agree on a hash of it first.
+        let hash = ranks.iter().fold(1469598103934665603u64, |h, r| (h ^ r.get() as u64).wrapping_mul(1099511628211)) as i64;
+        let mut v = [hash, -hash];
+        self.all_reduce_with(BufMut::from(&mut v[..]), ReduceOp::Max, Algorithm::RecursiveDoubling)?;
+        if v[0] != hash || v[1] != -hash {
+            let e = CommError::Mismatch {
+                op: OpKind::NewGroup,
+                rank: self.rank,
+                seq: self.lock().seq,
+                peer: self.rank,
+                ours: format!("new_group({ranks:?})"),
+                theirs: "a different rank list on some rank".into(),
+            };
+            self.break_with(&mut self.lock(), e.clone());
+            return Err(e);
+        }
+        let k = {
+            let mut core = self.lock();
+            core.groups_made += 1;
+            core.groups_made
+        };
+        let Some(pos) = ranks.iter().position(|r| *r == self.rank) else { return Ok(None) };
+        let key = format!("{}.{k}", self.group);
+        let mut cfg = self.cfg.clone();
+        cfg.timeout = self.timeout();
+        let n = WorldSize::new(ranks.len()).expect("validated non-empty");
+        let mut g = HostComm::connect_with_server(self.store.clone(), self.token.clone(), &key, Rank(pos), n, cfg, self._server.clone())?;
+        g.internal = internal;
+        Ok(Some(Arc::new(g)))
+    }
+
+    fn cause_key(&self, rank: Rank) -> String {
+        format!("kolo/cause/{}/{rank}", self.group)
+    }
+
+    /// A peer that closed its links on purpose failed first, and left its reason in the store
+    /// (see [`HostComm::break_with`]): a survivor names that root cause, not only the peer that
+    /// left (issue #19: a rank whose neighbour gave up on a cut host blamed the neighbour).
+    fn explain(&self, e: CommError) -> CommError {
+        if self.internal {
+            return e;
+        }
+        match e {
+            CommError::PeerLost { op, rank, seq, peer, reason }
+                if [crate::engine::CLOSED, "Broken pipe", "Connection reset"].iter().any(|c| reason.contains(c)) =>
+            {
+                let cause = self.store.get(&self.cause_key(peer), Deadline::after(Duration::from_millis(300))).ok();
+                let reason = match cause {
+                    Some(c) => format!("{reason}; it had failed first: {}", String::from_utf8_lossy(&c)),
+                    None => reason,
+                };
+                CommError::PeerLost { op, rank, seq, peer, reason }
+            }
+            e => e,
+        }
+    }
+
+    /// Marks this communicator unusable after a fatal error: the reason goes to the store first
+    /// (for the peers that will see the links close; waiting 200 ms at most), then every link
+    /// is shut.
     fn break_with(&self, core: &mut Core, e: CommError) {
         if e.is_fatal() && core.broken.is_none() {
+            if self.n.get() > 1 && !self.internal {
+                // At most a moment: a rank cut off from the store must not wait on it here.
+                let (store, key, why) = (self.store.clone(), self.cause_key(self.rank), e.to_string());
+                let (tx, rx) = std::sync::mpsc::channel();
+                let _ = std::thread::Builder::new().name("kolo-cause".into()).spawn(move || {
+                    let _ = tx.send(store.set(&key, why.as_bytes()));
+                });
+                let _ = rx.recv_timeout(Duration::from_millis(200));
+            }
             for l in core.links.iter().flatten() {
                 l.shutdown();
             }
@@ -536,7 +681,7 @@ impl HostComm {
         }
         let deadline = Deadline::after(self.timeout());
         let ctx = OpCtx { op, rank: self.rank, seq: first_seq.unwrap_or(0), deadline, spin: self.cfg.spin, red: None, root: None };
-        match drive(&mut core.links, &mut xfers, &ctx) {
+        match drive(&mut core.links, &mut xfers, &ctx, self.live.as_deref()) {
             Ok(()) => {
                 for (p, is_send) in done {
                     if is_send {
@@ -548,6 +693,7 @@ impl HostComm {
                 Ok(())
             }
             Err(e) => {
+                let e = self.explain(e);
                 self.break_with(&mut core, e.clone());
                 Err(e)
             }
@@ -725,34 +871,6 @@ impl Communicator for HostComm {
     }
 
     fn new_group(&self, ranks: &[Rank]) -> Result<Option<Arc<dyn Communicator>>, CommError> {
-        validate::group(self.rank, self.n, ranks)?;
-        // Every rank must pass the same list: agree on a hash of it first.
-        let hash = ranks.iter().fold(1469598103934665603u64, |h, r| (h ^ r.get() as u64).wrapping_mul(1099511628211)) as i64;
-        let mut v = [hash, -hash];
-        self.all_reduce_with(BufMut::from(&mut v[..]), ReduceOp::Max, Algorithm::RecursiveDoubling)?;
-        if v[0] != hash || v[1] != -hash {
-            let e = CommError::Mismatch {
-                op: OpKind::NewGroup,
-                rank: self.rank,
-                seq: self.lock().seq,
-                peer: self.rank,
-                ours: format!("new_group({ranks:?})"),
-                theirs: "a different rank list on some rank".into(),
-            };
-            self.break_with(&mut self.lock(), e.clone());
-            return Err(e);
-        }
-        let k = {
-            let mut core = self.lock();
-            core.groups_made += 1;
-            core.groups_made
-        };
-        let Some(pos) = ranks.iter().position(|r| *r == self.rank) else { return Ok(None) };
-        let key = format!("{}.{k}", self.group);
-        let mut cfg = self.cfg.clone();
-        cfg.timeout = self.timeout();
-        let n = WorldSize::new(ranks.len()).expect("validated non-empty");
-        let g = HostComm::connect_with_server(self.store.clone(), self.token.clone(), &key, Rank(pos), n, cfg, self._server.clone())?;
-        Ok(Some(Arc::new(g)))
+        self.make_group(ranks, false)
     }
 }

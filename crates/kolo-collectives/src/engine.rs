@@ -8,6 +8,7 @@
 
 use crate::frame::{Header, HEADER_LEN};
 use crate::link::Link;
+use crate::liveness::Liveness;
 use kolo_base::{DType, Deadline, Rank};
 use kolo_comm::reduce::reduce_into;
 use kolo_comm::{CommError, OpKind, ReduceOp};
@@ -58,6 +59,9 @@ impl<'a> Xfer<'a> {
     }
 }
 
+/// The reason of a [`CommError::PeerLost`] whose peer closed the link.
+pub(crate) const CLOSED: &str = "its connection closed (the process exited or failed)";
+
 /// Who is running what, for error messages.
 #[derive(Clone, Copy)]
 pub(crate) struct OpCtx {
@@ -76,7 +80,7 @@ pub(crate) struct OpCtx {
 impl OpCtx {
     fn lost(&self, peer: usize, e: std::io::Error) -> CommError {
         let reason = match e.kind() {
-            std::io::ErrorKind::UnexpectedEof => "its connection closed (the process exited or failed)".to_string(),
+            std::io::ErrorKind::UnexpectedEof => CLOSED.to_string(),
             _ => format!("connection error: {e}"),
         };
         CommError::PeerLost { op: self.op, rank: self.rank, seq: self.seq, peer: Rank(peer), reason }
@@ -170,7 +174,19 @@ fn check_header_parts(peer: usize, expect: &Header, raw: &[u8; HEADER_LEN], ctx:
 
 /// Runs every transfer to completion. On error the links are in an unknown state: the caller
 /// must break the communicator.
-pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &OpCtx) -> Result<(), CommError> {
+/// `live`, the communicator's heartbeats, ends a stall on a peer that is gone without a FIN.
+pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &OpCtx, live: Option<&Liveness>) -> Result<(), CommError> {
+    if let Some(l) = live {
+        l.progress();
+    }
+    let r = drive_until_done(links, xfers, ctx, live);
+    if let Some(l) = live {
+        l.finished();
+    }
+    r
+}
+
+fn drive_until_done(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &OpCtx, live: Option<&Liveness>) -> Result<(), CommError> {
     let mut last_progress = Instant::now();
     let mut pollfds: Vec<libc::pollfd> = Vec::new();
     loop {
@@ -186,6 +202,9 @@ pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &Op
         }
         if moved > 0 {
             last_progress = Instant::now();
+            if let Some(l) = live {
+                l.progress();
+            }
         }
         // Checked on every round, moving or spinning: a peer that trickles bytes faster than
         // the spin interval must not stretch the operation past its deadline.
@@ -209,6 +228,11 @@ pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &Op
                 std::thread::yield_now();
             }
             continue;
+        }
+        if let Some((peer, why)) = live.and_then(Liveness::verdict) {
+            let waited_on = xfers.iter().find(|x| !x.finished).map_or(0, |x| x.peer);
+            let peer = peer.unwrap_or(waited_on);
+            return Err(CommError::PeerLost { op: ctx.op, rank: ctx.rank, seq: ctx.seq, peer: Rank(peer), reason: why });
         }
         // Block until a socket is ready. Shared-memory links have no data fd: nap briefly and
         // watch their companion socket so a dead peer is still noticed at once.

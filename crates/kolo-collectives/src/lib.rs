@@ -15,6 +15,7 @@ mod connect;
 mod engine;
 pub mod frame;
 mod link;
+mod liveness;
 pub mod recorder;
 pub(crate) mod shm;
 

@@ -54,7 +54,7 @@ fn recv_with(bytes: &[u8], close: bool) -> CommError {
     let mut dst = vec![0u8; 16];
     let mut tmp = vec![0u8; 64];
     let mut x = [Xfer::new(1, expect(16), Dir::RecvReduce { tmp: &mut tmp, dst: &mut dst, op: ReduceOp::Sum, dtype: DType::F32 })];
-    drive(&mut links, &mut x, &ctx()).unwrap_err()
+    drive(&mut links, &mut x, &ctx(), None).unwrap_err()
 }
 
 #[test]
@@ -115,7 +115,7 @@ fn a_trickling_peer_times_out_at_the_deadline() {
     let c = OpCtx { deadline: Deadline::after(Duration::from_millis(300)), spin: Duration::from_secs(10), ..ctx() };
     let t0 = std::time::Instant::now();
     let mut x = [Xfer::new(1, expect(64), Dir::Recv(&mut dst))];
-    let e = drive(&mut links, &mut x, &c).unwrap_err();
+    let e = drive(&mut links, &mut x, &c, None).unwrap_err();
     let took = t0.elapsed();
     assert!(matches!(&e, CommError::Timeout { missing, .. } if missing == &vec![Rank(1)]), "{e}");
     assert!(took < Duration::from_millis(900), "timed out after {took:?}");
@@ -130,7 +130,7 @@ fn silence_times_out_naming_the_peer() {
     let mut dst = vec![0u8; 4];
     let c = OpCtx { deadline: Deadline::after(Duration::from_millis(100)), ..ctx() };
     let mut x = [Xfer::new(1, expect(4), Dir::Recv(&mut dst))];
-    let e = drive(&mut links, &mut x, &c).unwrap_err();
+    let e = drive(&mut links, &mut x, &c, None).unwrap_err();
     assert!(matches!(&e, CommError::Timeout { missing, .. } if missing == &vec![Rank(1)]), "{e}");
     drop(peer);
 }

@@ -109,6 +109,24 @@ impl CommError {
         }
     }
 
+    /// The error as the parent group reports it, for a failure inside a sub-group that carries
+    /// out part of the parent's collective `op` #`seq`: this rank is `rank`, and every peer is
+    /// renumbered by `parent_of` (the sub-group's ranks to the parent's).
+    pub fn in_parent(self, op: OpKind, rank: Rank, seq: u64, parent_of: &dyn Fn(Rank) -> Rank) -> CommError {
+        match self {
+            CommError::Timeout { waited, missing, .. } => {
+                CommError::Timeout { op, rank, seq, waited, missing: missing.into_iter().map(parent_of).collect() }
+            }
+            CommError::PeerLost { peer, reason, .. } => CommError::PeerLost { op, rank, seq, peer: parent_of(peer), reason },
+            CommError::Mismatch { peer, ours, theirs, .. } => CommError::Mismatch { op, rank, seq, peer: parent_of(peer), ours, theirs },
+            CommError::Protocol { peer, what, .. } => CommError::Protocol { op, rank, seq, peer: parent_of(peer), what },
+            CommError::InvalidArgument { what, .. } => CommError::InvalidArgument { op, rank, what },
+            CommError::Aborted { cause, .. } => CommError::Aborted { rank, cause: Box::new(cause.in_parent(op, rank, seq, parent_of)) },
+            CommError::Setup { what, .. } => CommError::Setup { op, rank, what },
+            e @ CommError::Unsupported { .. } => e,
+        }
+    }
+
     /// The peer whose loss caused this error (or, for a timeout, the one rank that never
     /// arrived), looking through `Aborted`.
     pub fn lost_peer(&self) -> Option<Rank> {

@@ -44,6 +44,13 @@ pub trait Store: Send + Sync {
         }
         Ok(())
     }
+
+    /// The same store over a connection of its own, for a thread that must not queue behind
+    /// this one's long waits (heartbeats). `None` where requests never queue (in memory) or a
+    /// second connection cannot be made: then use this one.
+    fn second_connection(&self) -> Option<Arc<dyn Store>> {
+        None
+    }
 }
 
 /// Puts every key of `inner` under `prefix/`, so that sub-groups can rendezvous independently.
@@ -76,6 +83,10 @@ impl Store for PrefixStore {
     }
     fn delete(&self, key: &str) -> Result<bool, StoreError> {
         self.inner.delete(&self.key(key))
+    }
+    fn second_connection(&self) -> Option<Arc<dyn Store>> {
+        let inner = self.inner.second_connection()?;
+        Some(Arc::new(PrefixStore { prefix: self.prefix.clone(), inner }))
     }
 }
 

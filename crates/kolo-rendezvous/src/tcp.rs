@@ -201,6 +201,7 @@ fn handle(state: &State, req: Request) -> Response {
 /// A client of [`TcpStoreServer`]. One request at a time per client (a mutex serialises them).
 pub struct TcpStore {
     addr: String,
+    token: JobToken,
     stream: Mutex<TcpStream>,
 }
 
@@ -209,7 +210,7 @@ impl TcpStore {
     pub fn connect(addr: &str, token: &JobToken, deadline: Deadline) -> Result<TcpStore, StoreError> {
         loop {
             let last = match Self::try_connect(addr, token) {
-                Ok(stream) => return Ok(TcpStore { addr: addr.to_string(), stream: Mutex::new(stream) }),
+                Ok(stream) => return Ok(TcpStore { addr: addr.to_string(), token: token.clone(), stream: Mutex::new(stream) }),
                 // Turned away before the handshake began (the server is at its limit of
                 // connections in authentication, under a flood): try again.
                 Err(StoreError::Auth { reason, .. }) if reason.starts_with(crate::auth::NO_CHALLENGE) => reason,
@@ -300,5 +301,10 @@ impl Store for TcpStore {
             Response::Bool(b) => Ok(b),
             r => Err(Self::unexpected(r)),
         }
+    }
+
+    fn second_connection(&self) -> Option<Arc<dyn Store>> {
+        let stream = Self::try_connect(&self.addr, &self.token).ok()?;
+        Some(Arc::new(TcpStore { addr: self.addr.clone(), token: self.token.clone(), stream: Mutex::new(stream) }))
     }
 }

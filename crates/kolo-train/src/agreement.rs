@@ -26,6 +26,7 @@ const PER_RANK: &[&str] = &[
     "train.progress",
     "train.device",
     "ddp.timeout_secs",
+    "ddp.liveness_secs",
     "ps.coordinator",
 ];
 

@@ -507,6 +507,10 @@ pub struct DdpConfig {
     pub first_bucket_cap: String,
     /// Deadline of every collective, seconds (default 300).
     pub timeout_secs: f64,
+    /// A collective stalled on a peer whose heartbeats through the store stopped this long
+    /// (stopped process, dead host, cut network) fails at once naming it, before the deadline;
+    /// a peer that is only slow keeps beating. 0 turns heartbeats off. Default 10.
+    pub liveness_secs: f64,
     /// Compare a fingerprint of every collective across ranks (debug; default false).
     pub check_collectives: bool,
     /// Benchmarks only: never all-reduce gradients (each rank trains on its own), to measure
@@ -653,6 +657,7 @@ impl Default for DdpConfig {
             bucket_cap: "25MiB".into(),
             first_bucket_cap: "1MiB".into(),
             timeout_secs: 300.0,
+            liveness_secs: 10.0,
             check_collectives: false,
             skip_sync: false,
             zero_stage: 0,
@@ -791,11 +796,12 @@ impl Config {
             ("optim.min_lr", finite_at_least(f64::from(o.min_lr), 0.0) && o.min_lr <= o.lr),
             ("optim.step_gamma", o.step_gamma.is_finite() && o.step_gamma > 0.0),
             ("ddp.timeout_secs", self.ddp.timeout_secs.is_finite() && self.ddp.timeout_secs > 0.0 && self.ddp.timeout_secs <= 1e6),
+            ("ddp.liveness_secs", finite_at_least(self.ddp.liveness_secs, 0.0) && self.ddp.liveness_secs <= 1e6),
             ("train.sample_temperature", self.train.sample_temperature.is_finite() && self.train.sample_temperature > 0.0),
         ] {
             if !ok {
                 return Err(format!(
-                    "{name} is out of range (weight_decay >= 0; momentum, beta1, beta2 in [0, 1); eps, clip_grad_norm, step_gamma, sample_temperature > 0; 0 <= min_lr <= lr; 0 < timeout_secs <= 1e6, all finite)"
+                    "{name} is out of range (weight_decay >= 0; momentum, beta1, beta2 in [0, 1); eps, clip_grad_norm, step_gamma, sample_temperature > 0; 0 <= min_lr <= lr; 0 < timeout_secs <= 1e6, 0 <= liveness_secs <= 1e6, all finite)"
                 ));
             }
         }

@@ -21,6 +21,11 @@ pub struct CommArgs {
     /// Deadline of every collective, in seconds [default: 300, or ddp.timeout_secs for train].
     #[arg(long)]
     pub timeout: Option<f64>,
+    /// Seconds a peer's heartbeats may stop before a collective stalled on it fails, naming it
+    /// (stopped process, dead host, cut network); 0 turns heartbeats off [default: 10, or
+    /// ddp.liveness_secs for train].
+    #[arg(long)]
+    pub liveness: Option<f64>,
     /// Microseconds to busy-poll without progress before blocking.
     #[arg(long, default_value_t = 200)]
     pub spin_us: u64,
@@ -32,13 +37,20 @@ pub struct CommArgs {
     pub tcp_buffer: ByteSize,
 }
 
+/// Seconds from a flag as a duration: negative or NaN is 0, beyond 10^6 s (infinity too) is
+/// 10^6 s, so no flag value panics.
+fn secs(v: f64) -> Duration {
+    Duration::from_secs_f64(if v >= 0.0 { v.min(1e6) } else { 0.0 })
+}
+
 impl CommArgs {
     pub fn config(&self) -> HostCommConfig {
         HostCommConfig {
             transport: self.transport,
             all_reduce: self.algorithm,
-            timeout: Duration::from_secs_f64(self.timeout.unwrap_or(300.0).max(0.001)),
+            timeout: secs(self.timeout.unwrap_or(300.0)).max(Duration::from_millis(1)),
             spin: Duration::from_micros(self.spin_us),
+            liveness: secs(self.liveness.unwrap_or(10.0)),
             shm_ring: self.shm_ring,
             tcp_buffer: self.tcp_buffer,
             ..HostCommConfig::default()

@@ -101,11 +101,14 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     if let Some(t) = a.comm.timeout {
         cfg.ddp.timeout_secs = t;
     }
+    if let Some(l) = a.comm.liveness {
+        cfg.ddp.liveness_secs = l;
+    }
     // The overrides go through the file's validation: a combination the file would refuse is
     // refused here too, naming the flags.
     cfg.check().map_err(|e| {
         anyhow::anyhow!(
-            "{} with the command-line overrides (--data, --device, --steps, --offload-dir, --zero-stage, --timeout): {e}",
+            "{} with the command-line overrides (--data, --device, --steps, --offload-dir, --zero-stage, --timeout, --liveness): {e}",
             a.config.display()
         )
     })?;
@@ -119,6 +122,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     }
     let mut comm_args = a.comm.clone();
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
+    comm_args.liveness = Some(cfg.ddp.liveness_secs);
     let boot = comm_args.join_any()?;
     match a.plan.as_deref() {
         None => {}

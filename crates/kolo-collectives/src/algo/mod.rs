@@ -52,6 +52,7 @@ pub(crate) struct Exec<'c> {
     pub rank: usize,
     pub n: usize,
     pub alg: Algorithm,
+    pub live: Option<&'c crate::liveness::Liveness>,
 }
 
 impl Exec<'_> {
@@ -83,7 +84,7 @@ impl Exec<'_> {
     }
 
     pub fn run(&mut self, xfers: &mut [Xfer<'_>]) -> Result<(), CommError> {
-        drive(self.links, xfers, &self.ctx)
+        drive(self.links, xfers, &self.ctx, self.live)
     }
 
     pub fn world(&self) -> WorldSize {

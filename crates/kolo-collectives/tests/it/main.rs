@@ -224,6 +224,36 @@ fn dead_peer_fails_every_survivor_quickly() {
     }
 }
 
+/// A rank lost in a two-level all-reduce is named in the group's own numbering, with the
+/// group's sequence number, by every survivor: the ones that lose it inside a sub-group (its
+/// host's group, its cross-host group, where it has another rank number) and the ones that
+/// only see a survivor give up (issue #19: a cut host was named by its cross-group rank).
+#[test]
+fn a_rank_lost_in_a_two_level_all_reduce_is_named_in_the_groups_numbering() {
+    let hosts = ["a", "a", "b", "b"];
+    let comms = group_with(4, |r| HostCommConfig {
+        host_id: Some(hosts[r].to_string()),
+        timeout: Duration::from_secs(20),
+        ..cfg(Transport::Auto, AlgorithmChoice::Hierarchical)
+    });
+    let errs = run_ranks(comms, |r, c| {
+        let mut v = vec![1.0f32; 1000];
+        c.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum).unwrap();
+        assert_eq!(v[999], 4.0);
+        if r == 3 {
+            return None; // leaves: its links close
+        }
+        Some(c.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum).unwrap_err().to_string())
+    });
+    for (r, e) in errs.iter().enumerate().take(3) {
+        let e = e.as_ref().unwrap();
+        // The first all-reduce (#0) set up the sub-groups with collectives of its own.
+        assert!(e.starts_with(&format!("rank {r}: all_reduce #")) && e.contains("rank 3"), "{e}");
+        // Ranks 1 and 2 lose rank 3 directly; it is rank 1 of both sub-groups they share.
+        assert!(r == 0 || e.contains("lost rank 3:"), "{e}");
+    }
+}
+
 #[test]
 fn timeout_names_the_missing_rank() {
     let c = HostCommConfig { timeout: Duration::from_millis(300), ..cfg(Transport::Tcp, AlgorithmChoice::Auto) };

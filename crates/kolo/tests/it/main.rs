@@ -1207,6 +1207,62 @@ fn launched_ranks_with_different_configs_stop_naming_the_field() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A stopped rank (SIGSTOP: no FIN, no RST, as a cut network or a dead host) is named by
+/// every survivor long before the collective deadline: its heartbeats through the store stop
+/// (issue #19). Deadline 120 s, liveness 2 s. A rank that is only slow keeps beating and is left
+/// to the deadline (the test below).
+#[test]
+fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
+    let dir = fresh_dir("stopped");
+    let cfg = dir.join("mlp.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n[train]\nsteps = 1000000\nlog_every = 1000000\nprogress = false\n[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n",
+            kolo_testkit::files::mnist_dir().display()
+        ),
+    )
+    .unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut ranks: Vec<_> = (0..3)
+        .map(|r| {
+            Command::new(KOLO)
+                .args(["train", "--config", cfg.to_str().unwrap()])
+                .envs([("RANK", r.to_string().as_str()), ("WORLD_SIZE", "3"), ("MASTER_PORT", &port), ("KOLO_JOB_TOKEN", &"5e".repeat(16))])
+                .env("RAYON_NUM_THREADS", "1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Training is under way well before this (the ranks join in about a second).
+    std::thread::sleep(Duration::from_secs(4));
+    let stopped = ranks.remove(2);
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(stopped.id() as libc::pid_t, libc::SIGSTOP) }, 0);
+    let t = Instant::now();
+    let errors: Vec<String> = ranks
+        .into_iter()
+        .map(|c| {
+            let o = c.wait_with_output().unwrap();
+            assert!(!o.status.success());
+            String::from_utf8_lossy(&o.stderr).into_owned()
+        })
+        .collect();
+    let took = t.elapsed();
+    let mut stopped = stopped;
+    let _ = stopped.kill();
+    let _ = stopped.wait();
+    for (r, e) in errors.iter().enumerate() {
+        let line = e.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("rank {r}: {e}"));
+        assert!(line.contains(&format!("rank {r}: all_reduce #")) && line.contains("lost rank 2: it sent no heartbeat for 2s"), "{line}");
+    }
+    // Liveness 2 s plus a beat or two of sampling; the deadline is 120 s.
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A hung rank (here one that sleeps a minute in a step) is named, with the operation and its
 /// sequence number, by every survivor's error and by the launcher (issue #19: they said
 /// `all_reduce #0 ... still waiting for rank(s) []` and the launcher blamed rank 3). Ranks one
