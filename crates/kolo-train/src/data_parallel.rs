@@ -143,7 +143,7 @@ impl<'a> DataParallel<'a> {
                 let r = load_checkpoint(path, model.params(), &mut flat, &mut opt, zero.as_ref(), ddp.ranges(), &meta)?;
                 let notes = [
                     restore_compression(&ddp, &r, comm.rank().get(), world)?,
-                    restore_local_model(&r, &mut flat, &mut opt, comm.rank().get(), world)?,
+                    crate::local_sgd::restore_local_model(&r, &mut flat, &mut opt, comm.rank().get(), world)?,
                 ];
                 for note in notes.into_iter().flatten().filter(|_| global_rank == 0 && !opts.quiet) {
                     kolo_base::eline!("{note}");
@@ -517,7 +517,7 @@ impl Strategy for DataParallel<'_> {
         let (mut own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
         meta.extend(codec_meta);
         if self.cfg.ddp.local_sgd.is_some() {
-            own.extend(local_model_pieces(self.model.params(), &self.opt, self.comm.rank().get())?);
+            own.extend(crate::local_sgd::local_model_pieces(self.model.params(), &self.opt, self.comm.rank().get())?);
         }
         let (params, opt, zero, comm) = (self.model.params(), &self.opt, self.zero.as_ref(), &*self.comm);
         let save =
@@ -589,56 +589,6 @@ fn load_tensor_parallel(
     let states = whole_opt.state().into_iter().map(|(name, v)| Ok((name, local(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
     opt.load_state(whole_opt.steps(), &states).map_err(TrainError::Other)?;
     Ok(r)
-}
-
-/// Local SGD: between averagings each replica has its own model and optimizer state, so each
-/// rank writes its own (`state.rank{r}.params`, `state.rank{r}.optim.{name}`) beside the
-/// checkpoint's model (rank 0's).
-fn local_model_pieces(params: &kolo_tensor::ParamSet, opt: &Optimizer, rank: usize) -> Result<Vec<kolo_checkpoint::Piece>, TrainError> {
-    let piece = |name: String, data: Vec<f32>| kolo_checkpoint::Piece { name, shape: vec![data.len()], offset: 0, data };
-    let mut pieces = vec![piece(format!("state.rank{rank}.params"), params.to_flat()?)];
-    pieces.extend(opt.state().into_iter().map(|(name, v)| piece(format!("state.rank{rank}.optim.{name}"), v.to_vec())));
-    Ok(pieces)
-}
-
-/// Restores [`local_model_pieces`] of this rank into `flat` and `opt` when the checkpoint has
-/// them at this world size; at another world size every replica starts from rank 0's model,
-/// and the returned note says so.
-fn restore_local_model(
-    r: &crate::checkpointing::Resumed,
-    flat: &mut [f32],
-    opt: &mut Optimizer,
-    rank: usize,
-    world: usize,
-) -> Result<Option<String>, TrainError> {
-    let Some(own) = r.rank_state.get(&format!("state.rank{rank}.params")) else { return Ok(None) };
-    if r.world_size != world as u64 {
-        return Ok(Some(format!(
-            "local SGD: the replicas' own models were written by {} ranks; on {world} every replica starts from rank 0's",
-            r.world_size
-        )));
-    }
-    if own.len() != flat.len() {
-        return Err(TrainError::Data(format!(
-            "rank {rank}'s own model in the checkpoint has {} values, the model {}",
-            own.len(),
-            flat.len()
-        )));
-    }
-    flat.copy_from_slice(own);
-    let states =
-        opt.spec()
-            .state_names()
-            .iter()
-            .map(|name| {
-                let v = r.rank_state.get(&format!("state.rank{rank}.optim.{name}")).ok_or_else(|| {
-                    TrainError::Data(format!("rank {rank}'s own optimizer state `{name}` is missing from the checkpoint"))
-                })?;
-                Ok((*name, v.clone()))
-            })
-            .collect::<Result<Vec<_>, TrainError>>()?;
-    opt.load_state(opt.steps(), &states).map_err(TrainError::Data)?;
-    Ok(None)
 }
 
 /// Deterministic mode, one micro-step: `batch` cut into pieces of `chunk` examples, each

@@ -30,6 +30,60 @@ pub fn after_update(l: &LocalSgdConfig, step: u64, params: &ParamSet, comm: &dyn
     Ok(flat.len() * 4)
 }
 
+/// Local SGD: between averagings each replica has its own model and optimizer state, so each
+/// rank writes its own (`state.rank{r}.params`, `state.rank{r}.optim.{name}`) beside the
+/// checkpoint's model (rank 0's).
+pub fn local_model_pieces(
+    params: &kolo_tensor::ParamSet,
+    opt: &kolo_optim::Optimizer,
+    rank: usize,
+) -> Result<Vec<kolo_checkpoint::Piece>, TrainError> {
+    let piece = |name: String, data: Vec<f32>| kolo_checkpoint::Piece { name, shape: vec![data.len()], offset: 0, data };
+    let mut pieces = vec![piece(format!("state.rank{rank}.params"), params.to_flat()?)];
+    pieces.extend(opt.state().into_iter().map(|(name, v)| piece(format!("state.rank{rank}.optim.{name}"), v.to_vec())));
+    Ok(pieces)
+}
+
+/// Restores [`local_model_pieces`] of this rank into `flat` and `opt` when the checkpoint has
+/// them at this world size; at another world size every replica starts from rank 0's model,
+/// and the returned note says so.
+pub fn restore_local_model(
+    r: &crate::checkpointing::Resumed,
+    flat: &mut [f32],
+    opt: &mut kolo_optim::Optimizer,
+    rank: usize,
+    world: usize,
+) -> Result<Option<String>, TrainError> {
+    let Some(own) = r.rank_state.get(&format!("state.rank{rank}.params")) else { return Ok(None) };
+    if r.world_size != world as u64 {
+        return Ok(Some(format!(
+            "local SGD: the replicas' own models were written by {} ranks; on {world} every replica starts from rank 0's",
+            r.world_size
+        )));
+    }
+    if own.len() != flat.len() {
+        return Err(TrainError::Data(format!(
+            "rank {rank}'s own model in the checkpoint has {} values, the model {}",
+            own.len(),
+            flat.len()
+        )));
+    }
+    flat.copy_from_slice(own);
+    let states =
+        opt.spec()
+            .state_names()
+            .iter()
+            .map(|name| {
+                let v = r.rank_state.get(&format!("state.rank{rank}.optim.{name}")).ok_or_else(|| {
+                    TrainError::Data(format!("rank {rank}'s own optimizer state `{name}` is missing from the checkpoint"))
+                })?;
+                Ok((*name, v.clone()))
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+    opt.load_state(opt.steps(), &states).map_err(TrainError::Data)?;
+    Ok(None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

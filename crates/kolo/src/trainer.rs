@@ -12,7 +12,7 @@ use candle_core::{DType, Tensor, TensorId};
 use candle_nn::VarMap;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
-use kolo_optim::{clip_factor, lr_at, Buffer, Optimizer};
+use kolo_optim::{clip_factor, lr_at, sum_of_squares, Buffer, Optimizer};
 use kolo_tensor::ParamSet;
 use kolo_train::checkpointing::{
     compression_pieces, load_checkpoint, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
@@ -83,7 +83,14 @@ impl TrainOptions {
         let refused = [
             (d.zero_stage > 2, "ddp.zero_stage = 3 (a user model has no parameter groups to shard yet; use 0, 1 or 2)"),
             (d.deterministic, "ddp.deterministic (the trainer does not own the batch, which it cuts into pieces)"),
-            (d.local_sgd.is_some(), "ddp.local_sgd"),
+            (
+                d.local_sgd.as_ref().is_some_and(|l| l.every == 0 || d.zero_stage != 0 || d.compression.is_some()),
+                "ddp.local_sgd with every = 0, ddp.zero_stage other than 0 or ddp.compression (each replica steps its own whole model)",
+            ),
+            (
+                d.liveness_secs != DdpSettings::default().liveness_secs,
+                "ddp.liveness_secs (the communicator exists before the Trainer: set InitOptions.comm.liveness for kolo::init_with)",
+            ),
             (d.schedule.is_some(), "ddp.schedule (scheduled communication)"),
             (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every (the trainer does not own the batch)"),
             (d.skip_sync, "ddp.skip_sync"),
@@ -287,6 +294,8 @@ impl Trainer {
         let rank = self.comm.rank().get();
         let accum = self.opts.train.grad_accum.max(1);
         let sync = self.micro + 1 >= accum;
+        // Local SGD: past its warm-up no gradient is exchanged; the models are averaged.
+        let local_step = kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps);
         let lr = self.lr();
         let t0 = *self.step_start.get_or_insert_with(Instant::now);
         let loss = loss()?;
@@ -308,7 +317,7 @@ impl Trainer {
                 t.dims()
             )
         };
-        if sync {
+        if sync && !local_step {
             self.ddp.begin_backward();
             let sink = self.ddp.sink();
             scaled.backward_with_hook(&mut |var, grad| {
@@ -337,6 +346,15 @@ impl Trainer {
             self.ddp.accumulate(&self.local);
             self.micro += 1;
             return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None, comm: None });
+        }
+        if local_step {
+            self.ddp.accumulate(&self.local);
+            let (stats, norm) = self.local_update(lr)?;
+            self.micro = 0;
+            self.steps += 1;
+            self.step_start = None;
+            self.after_step(t0, backward_end, &stats, lr)?;
+            return Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, 0.0)) });
         }
         let clip = self.opts.optim.clip_grad_norm;
         let comm = self.comm.clone();
@@ -369,6 +387,29 @@ impl Trainer {
         self.step_start = None;
         self.after_step(t0, backward_end, &stats, lr)?;
         Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, stats.hidden_fraction())) })
+    }
+
+    /// A local SGD step: this rank's own accumulated gradient, clipped by its own norm, is
+    /// applied to its own model; every `local_sgd.every` local steps the models are averaged.
+    fn local_update(&mut self, lr: f32) -> anyhow::Result<(kolo_ddp::SyncStats, Option<f64>)> {
+        let l = self.opts.ddp.local_sgd.clone().expect("a local step has local_sgd");
+        self.ddp.take_accumulated(&mut self.local);
+        let mut norm = None;
+        if let Some(max) = self.opts.optim.clip_grad_norm {
+            let n = sum_of_squares(&self.local).sqrt();
+            norm = Some(n);
+            let f = clip_factor(n, max);
+            self.local.iter_mut().for_each(|g| *g *= f);
+        }
+        let (params, opt, g) = (&self.params, &mut self.opt, &self.local);
+        opt.begin_step();
+        for (i, r) in self.ddp.ranges().iter().enumerate() {
+            params.update_one(i, &mut |v| opt.update(r.start, v, &g[r.clone()], lr))?;
+        }
+        let t = Instant::now();
+        let bytes = kolo_train::local_sgd::after_update(&l, self.steps, &self.params, &*self.comm)?;
+        let stats = kolo_ddp::SyncStats { wait: t.elapsed(), comm: t.elapsed(), bytes, ..Default::default() };
+        Ok((stats, norm))
     }
 
     /// After an optimizer step: the report (and, at log steps, the collective window: every
@@ -486,7 +527,10 @@ impl Trainer {
     /// Starts writing a checkpoint (on a thread of its own with `background`; the values are
     /// copied first, so training may go on).
     fn write_checkpoint(&self, dir: &Path, background: bool) -> anyhow::Result<PendingSave> {
-        let (own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
+        let (mut own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
+        if self.opts.ddp.local_sgd.is_some() {
+            own.extend(kolo_train::local_sgd::local_model_pieces(&self.params, &self.opt, self.comm.rank().get())?);
+        }
         let mut meta = self.meta.clone();
         meta.extend(codec_meta);
         Ok(save_checkpoint(
@@ -512,10 +556,13 @@ impl Trainer {
         let path = resolve_checkpoint(path.as_ref())?;
         let mut flat = vec![0f32; self.params.numel()];
         let r = load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?;
-        if let Some(note) = restore_compression(&self.ddp, &r, self.comm.rank().get(), self.comm.world_size().get())? {
-            if self.comm.rank().get() == 0 {
-                kolo_base::eline!("{note}");
-            }
+        let (rank, world) = (self.comm.rank().get(), self.comm.world_size().get());
+        let mut notes = vec![restore_compression(&self.ddp, &r, rank, world)?];
+        if self.opts.ddp.local_sgd.is_some() {
+            notes.push(kolo_train::local_sgd::restore_local_model(&r, &mut flat, &mut self.opt, rank, world)?);
+        }
+        for note in notes.into_iter().flatten().filter(|_| rank == 0) {
+            kolo_base::eline!("{note}");
         }
         self.params.load(&flat)?;
         if let Some(z) = &self.zero {
@@ -573,5 +620,10 @@ mod tests {
         assert!(e.contains("train.precision"), "{e}");
         let o = super::TrainOptions::from_toml_str("[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\ngrad_accum = 2\n").unwrap();
         assert_eq!((o.optim.lr, o.train.grad_accum), (0.1, 2));
+        let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 1\nlocal_sgd = { every = 4 }\n").unwrap_err().to_string();
+        assert!(e.contains("ddp.local_sgd with every = 0, ddp.zero_stage other than 0"), "{e}");
+        assert!(super::TrainOptions::from_toml_str("[ddp]\nlocal_sgd = { every = 4 }\n").is_ok());
+        let e = super::TrainOptions::from_toml_str("[ddp]\nliveness_secs = 3\n").unwrap_err().to_string();
+        assert!(e.contains("InitOptions.comm.liveness"), "{e}");
     }
 }

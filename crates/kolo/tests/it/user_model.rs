@@ -19,6 +19,7 @@ fn launched_rank() {
     let args: Vec<String> = std::env::var("KOLO_EXAMPLE_ARGS").expect("KOLO_EXAMPLE_ARGS").split(' ').map(String::from).collect();
     match std::env::var("KOLO_EXAMPLE").as_deref() {
         Ok("hf_finetune") => drop(hf_finetune::run(&args).unwrap()),
+        Ok("local_sgd") => local_sgd_rank(&args).unwrap(),
         _ => drop(user_mlp::train(&args).unwrap()),
     }
 }
@@ -115,4 +116,113 @@ fn hugging_face_models_fine_tuned_under_zero_export_what_they_trained() {
         assert!(diff(&start, &reference["logits"]) < 1e-4);
         assert!(diff(&start, &kolo["logits"]) > 1e-2, "{}: fine-tuning did not change the model", model.display());
     }
+}
+
+/// One rank of the local SGD tests: the candle-nn MLP of `user_mlp` (hidden 32) trained with
+/// plain SGD (lr 0.1, no clipping) on 8 MNIST examples per rank and step, under the `[ddp]`
+/// settings in `--ddp` (`;` for newlines); `--steps N` steps in all, stopping after
+/// `--stop-at K` with a checkpoint in `--out`, or resuming from `--resume DIR`. Writes this
+/// rank's parameters to `--out/rank{r}.f32`.
+fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
+    use candle_core::{DType, Tensor};
+    use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
+    use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
+    let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
+    let (steps, stop_at): (u64, u64) = (arg("--steps", "6").parse()?, arg("--stop-at", "0").parse()?);
+    let dist = kolo::init()?;
+    dist.device().set_seed(0)?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
+    let (l1, l2) = (linear(784, 32, vb.pp("fc1"))?, linear(32, 10, vb.pp("fc2"))?);
+    let ddp = arg("--ddp", "").replace(';', "\n");
+    let toml =
+        format!("[optim]\nkind = \"sgd\"\nlr = 0.1\n[ddp]\n{ddp}\n[train]\nsteps = {steps}\nlog_every = 1000\n[data]\nbatch_size = 8\n");
+    let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_toml_str(&toml)?)?;
+    let out = std::path::PathBuf::from(arg("--out", ""));
+    let resume = arg("--resume", "");
+    if !resume.is_empty() {
+        trainer.resume(&resume)?;
+    }
+    let train = Mnist::load(kolo_testkit::files::mnist_dir().as_ref(), "train")?;
+    let cfg =
+        SamplerConfig { len: train.len(), world: dist.world_size(), rank: dist.rank(), batch: 8, seed: 0, shuffle: true, drop_last: true };
+    let mut sampler = Sampler::new(cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
+    while trainer.steps_done() < steps {
+        let idx = sampler.next_batch();
+        let x: Vec<f32> = idx.iter().flat_map(|&i| train.image(i).iter().copied()).collect();
+        let y: Vec<u32> = idx.iter().map(|&i| u32::from(train.labels()[i])).collect();
+        let (x, y) = (Tensor::from_vec(x, (idx.len(), 784), &dist.device())?, Tensor::from_vec(y, idx.len(), &dist.device())?);
+        trainer.step(|| cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y))?;
+        trainer.set_data_position(sampler.position());
+        if trainer.steps_done() == stop_at {
+            trainer.save(out.join("ck"))?;
+            break;
+        }
+    }
+    let flat: Vec<u8> = trainer.flat_params()?.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(out.join(format!("rank{}.f32", dist.rank())), flat)?;
+    Ok(())
+}
+
+/// Runs `local_sgd_rank` on 2 launched processes; returns each rank's parameters.
+fn local_sgd_run(args: &str, out: &std::path::Path) -> Vec<Vec<f32>> {
+    std::fs::create_dir_all(out).unwrap();
+    let me = std::env::current_exe().unwrap();
+    let args = format!("{args} --out {}", out.display());
+    let o = run(
+        &[
+            "launch",
+            "-n",
+            "2",
+            "--",
+            me.to_str().unwrap(),
+            "user_model::launched_rank",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ],
+        &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "local_sgd")],
+    );
+    assert!(o.status.success(), "{args}: {}", text(&o));
+    (0..2)
+        .map(|r| {
+            let b = std::fs::read(out.join(format!("rank{r}.f32"))).unwrap();
+            b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        })
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
+/// Local SGD for a user's model (issue #17): averaging after every SGD step is DDP (the mean of
+/// the replicas' steps is the step on the mean gradient; within f32 rounding), and with a
+/// period of 3 after a warm-up step, a run stopped between averagings (the replicas' models
+/// differ there: each rank checkpoints its own) and resumed ends bitwise where the
+/// uninterrupted run ends, on both ranks.
+#[test]
+fn local_sgd_for_a_users_model_averages_like_ddp_and_resumes_bitwise() {
+    let dir = fresh_dir("user-local-sgd");
+    let ddp = local_sgd_run("--steps 6", &dir.join("ddp"));
+    let every1 = local_sgd_run("--steps 6 --ddp local_sgd={every=1}", &dir.join("every1"));
+    let start = local_sgd_run("--steps 0", &dir.join("start"));
+    assert!(max_diff(&ddp[0], &start[0]) > 1e-2, "the parameters barely moved");
+    for (r, got) in every1.iter().enumerate() {
+        let d = max_diff(got, &ddp[0]);
+        assert!(d < 2e-6, "rank {r}: local SGD averaging every step differs from DDP by {d}");
+    }
+    let period = "--ddp local_sgd={every=3,warmup_steps=1}";
+    let whole = local_sgd_run(&format!("--steps 7 {period}"), &dir.join("whole"));
+    let stopped = local_sgd_run(&format!("--steps 7 --stop-at 5 {period}"), &dir.join("stopped"));
+    assert!(max_diff(&stopped[0], &stopped[1]) > 1e-4, "the replicas agree at the stop: the test would prove nothing");
+    let ck = dir.join("stopped").join("ck");
+    let resumed = local_sgd_run(&format!("--steps 7 {period} --resume {}", ck.display()), &dir.join("resumed"));
+    for (r, (got, want)) in resumed.iter().zip(&whole).enumerate() {
+        assert!(got == want, "rank {r}: the resumed run ends elsewhere (by {})", max_diff(got, want));
+    }
+    assert!(max_diff(&whole[0], &ddp[0]) > 1e-4, "local SGD with a period trains differently from DDP");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
