@@ -77,7 +77,15 @@ impl Liveness {
                 let ours = store.add(&key(&group, rank), 1);
                 live.beat_sent.store(NONE, Ordering::Relaxed);
                 if let Err(e) = ours {
-                    live.set(None, format!("this rank cannot reach the job's store ({e}): its host may be cut off from rank 0's"));
+                    // A closed connection is rank 0's process gone (after failing first, as a
+                    // rank that saw the same silence a moment earlier does); anything else is a
+                    // store this rank cannot reach.
+                    let why = if e.to_string().contains("closed the connection") {
+                        format!("no progress, and the job's store closed its connection ({e}): rank 0, its host, has exited (it may have failed first: see its error)")
+                    } else {
+                        format!("this rank cannot reach the job's store ({e}): its host may be cut off from rank 0's")
+                    };
+                    live.set(None, why);
                     continue;
                 }
                 if !live.stalled_for(beat) {

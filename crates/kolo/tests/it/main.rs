@@ -1254,10 +1254,19 @@ fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
     let mut stopped = stopped;
     let _ = stopped.kill();
     let _ = stopped.wait();
+    // The first survivor to see the silence names it; the other one does too, unless rank 0
+    // (the store's host) failed first and took the store with it: then it says so.
+    let mut from_heartbeats = 0;
     for (r, e) in errors.iter().enumerate() {
         let line = e.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("rank {r}: {e}"));
-        assert!(line.contains(&format!("rank {r}: all_reduce #")) && line.contains("lost rank 2: it sent no heartbeat for 2s"), "{line}");
+        assert!(line.contains(&format!("rank {r}: all_reduce #")) && line.contains("lost rank 2: "), "{line}");
+        if line.contains("lost rank 2: it sent no heartbeat for 2s") {
+            from_heartbeats += 1;
+        } else {
+            assert!(r == 1 && line.contains("the job's store closed its connection"), "{line}");
+        }
     }
+    assert!(from_heartbeats >= 1);
     // Liveness 2 s plus a beat or two of sampling; the deadline is 120 s.
     assert!(took < Duration::from_secs(20), "{took:?}");
     std::fs::remove_dir_all(&dir).unwrap();
