@@ -8,7 +8,7 @@
 
 use crate::filter::Filter;
 use crate::net::Conn;
-use crate::wire::{Keys, Membership, Req, Resp, ServerStats};
+use crate::wire::{Keys, Membership, RangeState, Req, Resp, ServerStats};
 use crate::{mix, Consistency, JobSpec, PsError, Ring};
 use kolo_rendezvous::JobToken;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -51,6 +51,15 @@ pub const OBSERVER: u32 = u32::MAX;
 struct ServerConn {
     conn: Conn,
     sent_lists: HashSet<u64>,
+}
+
+/// The whole table's state at one step ([`PsClient::snapshot`]).
+pub struct Snapshot {
+    pub values: Vec<f32>,
+    /// Optimizer steps taken.
+    pub opt_steps: u64,
+    /// The optimizer's state vectors, in `JobSpec::optimizer`'s state order.
+    pub opt_state: Vec<Vec<f32>>,
 }
 
 pub struct PsClient {
@@ -159,6 +168,83 @@ impl PsClient {
             "init",
             &mut todo,
             &mut |range, epoch, _| Req::Init { job: job.clone(), epoch, range, values: values[job.span(range)].to_vec(), fwd: false },
+            &mut |_, r| match r {
+                Resp::Ok { .. } => Ok(()),
+                other => Err(other),
+            },
+        )
+    }
+
+    /// The whole table's state as a pull for step `clock` sees it (BSP: every worker's steps
+    /// before `clock` applied), for a checkpoint: the values, the optimizer's step count and its
+    /// state vectors (in `JobSpec::optimizer`'s state order), each over the whole table.
+    pub fn snapshot(&mut self, clock: u64) -> Result<Snapshot, PsError> {
+        let job = self.o.job.clone();
+        let n = job.len as usize;
+        let names = job.optimizer.state_names().len();
+        let (mut values, mut opt_state, mut steps) = (vec![0f32; n], vec![vec![0f32; n]; names], None);
+        let mut todo: Vec<u32> = (0..job.ranges()).collect();
+        let mut problem = None;
+        self.rounds("snapshot", &mut todo, &mut |range, epoch, _| Req::Snapshot { epoch, range, clock }, &mut |range, r| match r {
+            Resp::State(st) if st.values.len() == job.span(range).len() && st.opt_state.len() == names => {
+                let span = job.span(range);
+                values[span.clone()].copy_from_slice(&st.values);
+                for (all, part) in opt_state.iter_mut().zip(&st.opt_state) {
+                    if part.len() == span.len() {
+                        all[span.clone()].copy_from_slice(part);
+                    } else {
+                        problem.get_or_insert(format!("range {range}'s optimizer state has {} values, not {}", part.len(), span.len()));
+                    }
+                }
+                if *steps.get_or_insert(st.opt_steps) != st.opt_steps {
+                    problem.get_or_insert(format!("range {range} has taken {} optimizer steps, range 0 {steps:?}", st.opt_steps));
+                }
+                Ok(())
+            }
+            other => Err(other),
+        })?;
+        if let Some(p) = problem {
+            return Err(PsError::Protocol(format!("snapshot for step {clock}: {p}")));
+        }
+        Ok(Snapshot { values, opt_steps: steps.unwrap_or(0), opt_state })
+    }
+
+    /// Replaces every range's state with a checkpoint's (the inverse of
+    /// [`PsClient::snapshot`]): every worker has pushed `clock` steps, none is pending.
+    pub fn restore(&mut self, clock: u64, values: &[f32], opt_steps: u64, opt_state: &[Vec<f32>]) -> Result<(), PsError> {
+        self.check_len(values.len(), "restore")?;
+        let job = self.o.job.clone();
+        if opt_state.len() != job.optimizer.state_names().len() || opt_state.iter().any(|v| v.len() != values.len()) {
+            return Err(PsError::Config(format!(
+                "restore: {} optimizer state vectors of {:?} values, but the servers' optimizer keeps {} of {}",
+                opt_state.len(),
+                opt_state.iter().map(Vec::len).collect::<Vec<_>>(),
+                job.optimizer.state_names().len(),
+                values.len()
+            )));
+        }
+        let workers = job.workers as usize;
+        // One id for the whole restore: a retry of a range the servers already restored (its
+        // answer lost) must not wipe what was pushed since.
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+        let id = mix(now ^ mix(u64::from(std::process::id()) << 32 | u64::from(self.o.worker)) ^ clock);
+        let mut todo: Vec<u32> = (0..job.ranges()).collect();
+        self.rounds(
+            "restore",
+            &mut todo,
+            &mut |range, epoch, _| {
+                let span = job.span(range);
+                let state = RangeState {
+                    values: values[span.clone()].to_vec(),
+                    opt_steps,
+                    opt_state: opt_state.iter().map(|v| v[span.clone()].to_vec()).collect(),
+                    clocks: vec![clock; workers],
+                    pending: vec![None; workers],
+                    vectors: Vec::new(),
+                    vec_seq: 0,
+                };
+                Req::Restore { job: job.clone(), epoch, range, state, id }
+            },
             &mut |_, r| match r {
                 Resp::Ok { .. } => Ok(()),
                 other => Err(other),

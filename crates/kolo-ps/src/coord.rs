@@ -232,6 +232,8 @@ pub(crate) fn name_of(r: &Req) -> &'static str {
         Req::Push { .. } => "Push",
         Req::Pull { .. } => "Pull",
         Req::Transfer { .. } => "Transfer",
+        Req::Snapshot { .. } => "Snapshot",
+        Req::Restore { .. } => "Restore",
         Req::Stats => "Stats",
         Req::Axpby { .. } => "Axpby",
         Req::Dot { .. } => "Dot",

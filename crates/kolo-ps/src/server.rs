@@ -68,6 +68,9 @@ struct Shared {
     timeout: Duration,
     job: Mutex<Option<JobSpec>>,
     ranges: Mutex<HashMap<u32, Slot>>,
+    /// The last checkpoint restore applied to each range (a retried `Restore` is not applied
+    /// twice: it would drop the pushes made since).
+    restores: Mutex<HashMap<u32, u64>>,
     appeared: Condvar,
     view: Mutex<View>,
     epoch: AtomicU64,
@@ -110,6 +113,7 @@ impl Server {
             timeout: o.timeout,
             job: Mutex::new(None),
             ranges: Mutex::new(HashMap::new()),
+            restores: Mutex::new(HashMap::new()),
             appeared: Condvar::new(),
             view: Mutex::new(View {
                 membership: Membership { epoch: 0, servers: Vec::new(), shutdown: false, dead_workers: Vec::new() },
@@ -581,30 +585,68 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             if shared.refuse_transfers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
                 return Err(err(format!("refusing the hand-over of range {range} (fault injection)")));
             }
-            set_job(shared, &job)?;
-            let n = job.span(range).len();
-            if range >= job.ranges()
-                || state.values.len() != n
-                || state.clocks.len() != job.workers as usize
-                || state.vectors.iter().any(|(_, v)| v.len() != n)
-            {
-                return Err(err(format!("hand-over of range {range} does not fit the job")));
-            }
-            let mut opt = Optimizer::new(job.optimizer.clone(), n);
-            let names = job.optimizer.state_names();
-            let bufs: Vec<(&str, Vec<f32>)> = names.iter().copied().zip(state.opt_state).collect();
-            opt.load_state(state.opt_steps, &bufs).map_err(|e| err(format!("hand-over of range {range}: {e}")))?;
-            let mut pending = state.pending;
-            pending.resize(job.workers as usize, None);
-            let vectors = state.vectors.into_iter().collect();
-            let d = RangeData { epoch, values: state.values, opt, clocks: state.clocks, pending, vectors, vec_seq: state.vec_seq };
-            let old = lock(&shared.ranges).insert(range, Arc::new((Mutex::new(d), Condvar::new())));
-            if let Some(old) = old {
-                lock(&old.0).epoch = RETIRED;
-                old.1.notify_all();
-            }
-            shared.appeared.notify_all();
+            install(shared, &job, epoch, range, state, "hand-over")?;
             Ok(Resp::Ok { duplicate: false })
+        }
+        Req::Restore { job, epoch, range, state, id } => {
+            // The chain is the one of the request's epoch (a server that has not caught up
+            // would leave the replicas out).
+            let deadline = Instant::now() + CATCH_UP;
+            while shared.epoch.load(Ordering::SeqCst) < epoch && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let current = shared.epoch.load(Ordering::SeqCst);
+            if current != epoch {
+                return Ok(Resp::WrongEpoch { current });
+            }
+            if lock(&shared.restores).get(&range) == Some(&id) {
+                return Ok(Resp::Ok { duplicate: true });
+            }
+            // Down the chain first, as pushes: no pull reads a state the replicas lack.
+            if let Some(next) = successor(shared, &job, range) {
+                forward(shared, next, &Req::Restore { job: job.clone(), epoch, range, state: state.clone(), id })
+                    .map_err(|e| err(format!("server {me}: replicating the restore of range {range}: {e}")))?;
+            }
+            install(shared, &job, epoch, range, state, "restore")?;
+            lock(&shared.restores).insert(range, id);
+            Ok(Resp::Ok { duplicate: false })
+        }
+        Req::Snapshot { epoch, range, clock } => {
+            let slot = wait_range(shared, range, epoch)?;
+            let job = job_of(shared)?;
+            let deadline = Instant::now() + shared.timeout;
+            let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
+            loop {
+                if d.epoch != epoch {
+                    return Ok(Resp::WrongEpoch { current: shared.epoch.load(Ordering::SeqCst) });
+                }
+                let min = d.clocks.iter().copied().min().unwrap_or(0);
+                match job.consistency.needs(clock) {
+                    Some(need) if min < need => {
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
+                            return Err(err(format!(
+                                "snapshot of range {range} for step {clock}: step {need} of every worker did not arrive"
+                            )));
+                        }
+                        d = slot.1.wait_timeout(d, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
+                    }
+                    _ => break,
+                }
+            }
+            let names = job.optimizer.state_names();
+            let opt = d.opt.state();
+            let opt_state = names.iter().map(|n| opt.iter().find(|(m, _)| m == n).map_or_else(Vec::new, |(_, v)| v.to_vec())).collect();
+            // Gradients already pushed for later steps are not part of the state at `clock`.
+            Ok(Resp::State(Box::new(RangeState {
+                values: d.values.clone(),
+                opt_steps: d.opt.steps(),
+                opt_state,
+                clocks: d.clocks.iter().map(|c| (*c).min(clock)).collect(),
+                pending: vec![None; d.clocks.len()],
+                vectors: d.vectors.iter().map(|(id, v)| (*id, v.clone())).collect(),
+                vec_seq: d.vec_seq,
+            })))
         }
         Req::Push { epoch, range, worker, clock, lr, keys, values, fwd: _ } => {
             let slot = wait_range(shared, range, epoch)?;
@@ -795,4 +837,33 @@ fn apply(d: &mut RangeData, job: &JobSpec, w: usize, clock: u64, lr: f32, grad: 
             0
         }
     }
+}
+
+/// Puts `state` in place of range `range` (a hand-over or a checkpoint's restore), retiring the
+/// old copy so that requests waiting on it look again.
+fn install(shared: &Shared, job: &JobSpec, epoch: u64, range: u32, state: RangeState, what: &str) -> Result<(), Resp> {
+    set_job(shared, job)?;
+    let n = job.span(range).len();
+    if range >= job.ranges()
+        || state.values.len() != n
+        || state.clocks.len() != job.workers as usize
+        || state.vectors.iter().any(|(_, v)| v.len() != n)
+    {
+        return Err(err(format!("{what} of range {range} does not fit the job")));
+    }
+    let mut opt = Optimizer::new(job.optimizer.clone(), n);
+    let names = job.optimizer.state_names();
+    let bufs: Vec<(&str, Vec<f32>)> = names.iter().copied().zip(state.opt_state).collect();
+    opt.load_state(state.opt_steps, &bufs).map_err(|e| err(format!("{what} of range {range}: {e}")))?;
+    let mut pending = state.pending;
+    pending.resize(job.workers as usize, None);
+    let vectors = state.vectors.into_iter().collect();
+    let d = RangeData { epoch, values: state.values, opt, clocks: state.clocks, pending, vectors, vec_seq: state.vec_seq };
+    let old = lock(&shared.ranges).insert(range, Arc::new((Mutex::new(d), Condvar::new())));
+    if let Some(old) = old {
+        lock(&old.0).epoch = RETIRED;
+        old.1.notify_all();
+    }
+    shared.appeared.notify_all();
+    Ok(())
 }

@@ -72,6 +72,23 @@ pub enum Req {
         range: u32,
         state: RangeState,
     },
+    /// Range `range`'s whole state as a pull for step `clock` would see it (BSP: every
+    /// worker's step `clock - 1` applied), for a checkpoint.
+    Snapshot {
+        epoch: u64,
+        range: u32,
+        clock: u64,
+    },
+    /// Replaces range `range`'s state with a checkpoint's on this server and, down the chain,
+    /// on its replicas.
+    Restore {
+        job: JobSpec,
+        epoch: u64,
+        range: u32,
+        state: RangeState,
+        /// The same for every range and retry of one restore (applied once per range).
+        id: u64,
+    },
     /// Counters of this server.
     Stats,
     /// Sandblaster's vector operations on the server's ranges: `dst = a * dst + b * src` over
@@ -174,6 +191,7 @@ pub enum Resp {
     Stats(ServerStats),
     Registered { id: u32, membership: Membership },
     Membership(Membership),
+    State(Box<RangeState>),
 }
 
 fn put_keys(w: &mut Writer, k: &Keys) {
@@ -322,6 +340,16 @@ impl Req {
             Req::Stats => {
                 w.u8(5);
             }
+            Req::Snapshot { epoch, range, clock } => {
+                w.u8(9).u64(*epoch).u32(*range).u64(*clock);
+            }
+            Req::Restore { job, epoch, range, state, id } => {
+                w.u8(10);
+                put_job(&mut w, job);
+                w.u64(*epoch).u32(*range);
+                put_state(&mut w, state);
+                w.u64(*id);
+            }
             Req::Axpby { epoch, range, seq, dst, a, src, b } => {
                 w.u8(6).u64(*epoch).u32(*range).u64(*seq).u32(*dst).f64(*a).u32(*src).f64(*b);
             }
@@ -384,6 +412,8 @@ impl Req {
             3 => Req::Pull { epoch: r.u64()?, range: r.u32()?, worker: r.u32()?, clock: r.u64()?, keys: get_keys(&mut r)? },
             4 => Req::Transfer { job: get_job(&mut r)?, epoch: r.u64()?, range: r.u32()?, state: get_state(&mut r)? },
             5 => Req::Stats,
+            9 => Req::Snapshot { epoch: r.u64()?, range: r.u32()?, clock: r.u64()? },
+            10 => Req::Restore { job: get_job(&mut r)?, epoch: r.u64()?, range: r.u32()?, state: get_state(&mut r)?, id: r.u64()? },
             6 => Req::Axpby { epoch: r.u64()?, range: r.u32()?, seq: r.u64()?, dst: r.u32()?, a: r.f64()?, src: r.u32()?, b: r.f64()? },
             7 => Req::Dot { epoch: r.u64()?, range: r.u32()?, x: r.u32()?, y: r.u32()? },
             8 => Req::Vector { epoch: r.u64()?, range: r.u32()?, id: r.u32()?, values: if r.u8()? == 1 { Some(r.f32s()?) } else { None } },
@@ -446,6 +476,10 @@ impl Resp {
                 w.u8(9);
                 put_membership(&mut w, m);
             }
+            Resp::State(st) => {
+                w.u8(10);
+                put_state(&mut w, st);
+            }
         }
         w.0
     }
@@ -473,6 +507,7 @@ impl Resp {
             }),
             8 => Resp::Registered { id: r.u32()?, membership: get_membership(&mut r)? },
             9 => Resp::Membership(get_membership(&mut r)?),
+            10 => Resp::State(Box::new(get_state(&mut r)?)),
             t => return Err(PsError::Protocol(format!("unknown response code {t}"))),
         };
         r.end()?;

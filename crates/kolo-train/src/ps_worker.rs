@@ -10,17 +10,17 @@
 //! last, possibly half-acknowledged push is resent: the servers drop duplicates). Under BSP the
 //! result is bit-identical to a run in which nobody died.
 
-use crate::checkpointing::PendingSave;
+use crate::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint, PendingSave, Resumed};
 use crate::config::{Config, PsConsistency};
 use crate::data::{CharVocab, Dataset};
-use crate::driver::{Batches, Finish, SaveAt, StepCtx, StepOut, Strategy};
+use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::trainer::{
     evaluate, lead_say, load_data, replica_batches, sample_text, spec_string, Data, Eval, RunOptions, StateBytes, Summary,
 };
 use crate::TrainError;
 use kolo_base::WorldSize;
 use kolo_comm::{Communicator, LocalComm};
-use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares};
+use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Optimizer};
 use kolo_ps::client::ClientOptions;
 use kolo_ps::{JobSpec, PsClient, SignificantlyModified};
 use kolo_rendezvous::JobToken;
@@ -54,6 +54,9 @@ pub struct PsStrategy<'a> {
     /// Test hook: this worker vanishes at this step (returns an error; no goodbye).
     die_at: Option<u64>,
     end: u64,
+    /// The checkpoint metadata (worker 0 writes the servers' state as a data-parallel
+    /// checkpoint of `workers` replicas).
+    meta: std::collections::BTreeMap<String, String>,
     /// Adoption of dead workers' shards, stopped and joined before the final pull.
     done: Arc<AtomicBool>,
     watcher: Option<JoinHandle<()>>,
@@ -69,14 +72,14 @@ pub struct PsStrategy<'a> {
 pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, TrainError> {
     let data = load_data(cfg, w.worker)?;
     let heap_before = kolo_base::alloc::stats().map(|h| h.live);
-    let mut s = PsStrategy::new(cfg, w, &data, opts)?;
+    let (mut s, start) = PsStrategy::new(cfg, w, &data, opts)?;
     // The worker's death hook is the strategy's (an error, so that in-process tests survive).
     let opts = RunOptions { die_at: None, ..opts.clone() };
-    crate::driver::drive(cfg, &opts, crate::driver::Job::Alone(w.worker), &data, heap_before, &mut s, None)
+    crate::driver::drive(cfg, &opts, crate::driver::Job::Alone(w.worker), &data, heap_before, &mut s, start)
 }
 
 impl<'a> PsStrategy<'a> {
-    fn new(cfg: &'a Config, w: &PsWorker, data: &Data, opts: &RunOptions) -> Result<PsStrategy<'a>, TrainError> {
+    fn new(cfg: &'a Config, w: &PsWorker, data: &Data, opts: &RunOptions) -> Result<(PsStrategy<'a>, Start), TrainError> {
         let (rank, world) = (w.worker, w.workers);
         let say = lead_say(rank == 0 && !opts.quiet);
         let (tc, pc) = (&cfg.train, &cfg.ps);
@@ -84,7 +87,12 @@ impl<'a> PsStrategy<'a> {
         let coordinator = pc.coordinator.clone().unwrap_or_else(|| w.coordinator.clone());
         let mut worker = Worker::connect(cfg, &spec, &coordinator, &w.token, rank, world)?;
         let numel = worker.flat.len();
-        if rank == 0 {
+        let meta = checkpoint_meta(cfg, &spec, world, 0);
+        let start = match &opts.resume {
+            Some(p) => Some(worker.resume(cfg, &resolve_checkpoint(p)?, &meta, rank == 0)?),
+            None => None,
+        };
+        if rank == 0 && start.is_none() {
             // Every worker builds the same initial model from the seed; worker 0's copy seeds the servers.
             worker.client.init(&worker.model.params().to_flat()?)?;
         }
@@ -104,7 +112,7 @@ impl<'a> PsStrategy<'a> {
         let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
         let (done, adopted): (Arc<AtomicBool>, Arc<Mutex<Vec<Adopted>>>) = Default::default();
         let watcher = watch_for_the_dead(cfg, &spec, data.train.clone(), (&coordinator, &w.token), (rank, world), end, (&done, &adopted))?;
-        Ok(PsStrategy {
+        let s = PsStrategy {
             cfg,
             alone: Box::new(LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0)),
             quiet: opts.quiet,
@@ -120,7 +128,9 @@ impl<'a> PsStrategy<'a> {
             adopted,
             adopted_shards: Vec::new(),
             settled: false,
-        })
+            meta,
+        };
+        Ok((s, start))
     }
 
     /// At the end of the run: stops adopting, waits for the adopted shards, then pulls the final
@@ -202,9 +212,24 @@ impl Strategy for PsStrategy<'_> {
         sample_text(&*self.w.model, &PlainView, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(())).map(Some)
     }
 
-    fn save(&mut self, _at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        // Refused at config validation; kept as an error should a caller get past it.
-        Err(TrainError::Config("train.strategy = \"ps\" keeps its state on the servers (no train.checkpoint_dir)".into()))
+    /// Worker 0 reads the servers' state once every worker has finished `at.step` steps (BSP)
+    /// and writes it as a data-parallel checkpoint: the whole model and optimizer state, the
+    /// data position, `workers` replicas. It resumes under the parameter servers (on fresh
+    /// servers too) or under DDP/ZeRO. The other workers write nothing.
+    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        if self.me.0 != 0 {
+            return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
+        }
+        let snap = self.w.client.snapshot(at.step)?;
+        let params = self.w.model.params();
+        params.load(&snap.values)?;
+        let spec = self.cfg.optimizer();
+        let mut opt = Optimizer::new(spec.clone(), snap.values.len());
+        let bufs: Vec<(&str, Vec<f32>)> = spec.state_names().iter().copied().zip(snap.opt_state).collect();
+        opt.load_state(snap.opt_steps, &bufs).map_err(TrainError::Data)?;
+        let mut meta = self.meta.clone();
+        meta.extend(at.meta);
+        save_checkpoint(at.dir, at.step, params, &[], &opt, None, &*self.alone, at.pos, &meta, Vec::new(), at.background, at.crash)
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
@@ -320,6 +345,29 @@ impl Worker {
             pushes: 0,
             steps_done: 0,
         })
+    }
+
+    /// Loads checkpoint `path` (any strategy's, of this model and optimizer); `restore`
+    /// (worker 0) puts its parameters and optimizer state on the servers, as every worker's
+    /// state after its step.
+    fn resume(
+        &mut self,
+        cfg: &Config,
+        path: &std::path::Path,
+        meta: &std::collections::BTreeMap<String, String>,
+        restore: bool,
+    ) -> Result<(std::path::PathBuf, Resumed), TrainError> {
+        let params = self.model.params();
+        let ranges: Vec<_> = params.iter().map(|p| p.range.clone()).collect();
+        let mut opt = Optimizer::new(cfg.optimizer(), self.flat.len());
+        let r = load_checkpoint(path, params, &mut self.flat, &mut opt, None, &ranges, meta)?;
+        params.load(&self.flat)?;
+        if restore {
+            let state: Vec<Vec<f32>> = opt.state().into_iter().map(|(_, v)| v.to_vec()).collect();
+            self.client.restore(r.step, &self.flat, opt.steps(), &state)?;
+        }
+        (self.pushes, self.steps_done) = (r.step, r.step);
+        Ok((path.to_path_buf(), r))
     }
 
     /// Step `ctx.step`: pull (every `fetch_every` steps under async), the gradient over

@@ -113,12 +113,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         )
     })?;
     if cfg.train.strategy == kolo_train::config::Strategy::Ps {
-        if a.resume.is_some() {
-            anyhow::bail!(
-                "--resume is not supported with train.strategy = \"ps\": the servers hold the state and no checkpoint is written"
-            );
-        }
-        return run_ps(&cfg, a.stop_after, a.slow_rank);
+        return run_ps(&cfg, a.stop_after, a.slow_rank, a.resume.clone());
     }
     let mut comm_args = a.comm.clone();
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
@@ -236,7 +231,12 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
 
 /// A parameter-server worker: RANK / WORLD_SIZE say which data shard, KOLO_PS_COORDINATOR (or
 /// `[ps] coordinator`) where the job's coordinator listens.
-fn run_ps(cfg: &kolo_train::Config, stop_after: Option<u64>, slow_rank: Option<(usize, u64)>) -> anyhow::Result<i32> {
+fn run_ps(
+    cfg: &kolo_train::Config,
+    stop_after: Option<u64>,
+    slow_rank: Option<(usize, u64)>,
+    resume: Option<PathBuf>,
+) -> anyhow::Result<i32> {
     let var = |k: &str| std::env::var(k).ok();
     let num = |k: &str, d: usize| -> anyhow::Result<usize> {
         var(k).map_or(Ok(d), |v| v.parse().map_err(|_| anyhow::anyhow!("{k}={v} is not a number")))
@@ -256,7 +256,7 @@ fn run_ps(cfg: &kolo_train::Config, stop_after: Option<u64>, slow_rank: Option<(
         cfg.ps.servers = n;
     }
     let me = kolo_train::ps_worker::PsWorker { worker, workers, coordinator, token };
-    let opts = kolo_train::RunOptions { stop_after, slow_rank, ..Default::default() };
+    let opts = kolo_train::RunOptions { stop_after, slow_rank, resume, ..Default::default() };
     let s = kolo_train::ps_worker::run_ps(&cfg, &me, &opts)?;
     if worker == 0 {
         let n = s.step_ms.len();
