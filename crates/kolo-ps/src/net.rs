@@ -101,6 +101,19 @@ impl<P: Protocol> Channel<P> {
 
     fn open(addr: &str, token: &JobToken, timeout: Duration, patient: bool) -> Result<Self, PsError> {
         let deadline = Instant::now() + if patient { timeout } else { Duration::ZERO };
+        loop {
+            match Self::open_one(addr, token, timeout, deadline) {
+                // Turned away before the challenge: the listener is at its limit of
+                // connections in authentication (a flood); a patient client tries again.
+                Err(PsError::Io(m)) if patient && Instant::now() < deadline && m.contains(kolo_rendezvous::auth::NO_CHALLENGE) => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                r => return r,
+            }
+        }
+    }
+
+    fn open_one(addr: &str, token: &JobToken, timeout: Duration, deadline: Instant) -> Result<Self, PsError> {
         let stream = loop {
             let target = addr
                 .to_socket_addrs()

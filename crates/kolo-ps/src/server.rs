@@ -614,26 +614,13 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
         Req::Snapshot { epoch, range, clock } => {
             let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
-            let deadline = Instant::now() + shared.timeout;
-            let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
-            loop {
-                if d.epoch != epoch {
-                    return Ok(Resp::WrongEpoch { current: shared.epoch.load(Ordering::SeqCst) });
-                }
-                let min = d.clocks.iter().copied().min().unwrap_or(0);
-                match job.consistency.needs(clock) {
-                    Some(need) if min < need => {
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
-                            return Err(err(format!(
-                                "snapshot of range {range} for step {clock}: step {need} of every worker did not arrive"
-                            )));
-                        }
-                        d = slot.1.wait_timeout(d, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
-                    }
-                    _ => break,
-                }
-            }
+            let d = settle(shared, &slot, lock(&slot.0), epoch)?;
+            let late = |need: u64, _: &RangeData| {
+                format!("snapshot of range {range} for step {clock}: step {need} of every worker did not arrive")
+            };
+            let Some(d) = wait_for_step(shared, &slot, d, &job, epoch, clock, &late)? else {
+                return Ok(Resp::WrongEpoch { current: shared.epoch.load(Ordering::SeqCst) });
+            };
             let names = job.optimizer.state_names();
             let opt = d.opt.state();
             let opt_state = names.iter().map(|n| opt.iter().find(|(m, _)| m == n).map_or_else(Vec::new, |(_, v)| v.to_vec())).collect();
@@ -702,36 +689,20 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
             let keys = resolve_keys(cs, shared, keys)?;
-            let deadline = Instant::now() + shared.timeout;
-            let mut d = settle(shared, &slot, lock(&slot.0), epoch)?;
-            loop {
-                if d.epoch != epoch {
-                    return Ok(Resp::WrongEpoch { current: shared.epoch.load(Ordering::SeqCst) });
-                }
-                let min = d.clocks.iter().copied().min().unwrap_or(0);
-                match job.consistency.needs(clock) {
-                    Some(need) if min < need => {
-                        let left = deadline.saturating_duration_since(Instant::now());
-                        if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
-                            let behind: Vec<String> = d
-                                .clocks
-                                .iter()
-                                .enumerate()
-                                .filter(|(_, c)| **c < need)
-                                .map(|(w, c)| format!("worker {w} at step {c}"))
-                                .collect();
-                            return Err(err(format!(
-                                "worker {worker}'s pull of range {range} for step {clock} waited {:.1} s for step {need} of every worker ({:?}); behind: {}",
-                                shared.timeout.as_secs_f64(),
-                                job.consistency,
-                                behind.join(", ")
-                            )));
-                        }
-                        d = slot.1.wait_timeout(d, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
-                    }
-                    _ => break,
-                }
-            }
+            let d = settle(shared, &slot, lock(&slot.0), epoch)?;
+            let late = |need: u64, d: &RangeData| {
+                let behind: Vec<String> =
+                    d.clocks.iter().enumerate().filter(|(_, c)| **c < need).map(|(w, c)| format!("worker {w} at step {c}")).collect();
+                format!(
+                    "worker {worker}'s pull of range {range} for step {clock} waited {:.1} s for step {need} of every worker ({:?}); behind: {}",
+                    shared.timeout.as_secs_f64(),
+                    job.consistency,
+                    behind.join(", ")
+                )
+            };
+            let Some(d) = wait_for_step(shared, &slot, d, &job, epoch, clock, &late)? else {
+                return Ok(Resp::WrongEpoch { current: shared.epoch.load(Ordering::SeqCst) });
+            };
             check_keys(&keys, d.values.len(), None).map_err(|e| err(format!("pull of range {range}: {e}")))?;
             let min = d.clocks.iter().copied().min().unwrap_or(0);
             let values = match &keys {
@@ -866,4 +837,35 @@ fn install(shared: &Shared, job: &JobSpec, epoch: u64, range: u32, state: RangeS
     }
     shared.appeared.notify_all();
     Ok(())
+}
+
+/// Waits until every worker's clock on the range reaches what a pull for step `clock` needs
+/// under the job's consistency model (the servers' deadline at most; `late` says what was
+/// missing). `None`: the range moved to another epoch meanwhile.
+fn wait_for_step<'a>(
+    shared: &Shared,
+    slot: &'a Slot,
+    mut d: std::sync::MutexGuard<'a, RangeData>,
+    job: &JobSpec,
+    epoch: u64,
+    clock: u64,
+    late: &dyn Fn(u64, &RangeData) -> String,
+) -> Result<Option<std::sync::MutexGuard<'a, RangeData>>, Resp> {
+    let deadline = Instant::now() + shared.timeout;
+    loop {
+        if d.epoch != epoch {
+            return Ok(None);
+        }
+        let min = d.clocks.iter().copied().min().unwrap_or(0);
+        match job.consistency.needs(clock) {
+            Some(need) if min < need => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() || shared.stop.load(Ordering::SeqCst) {
+                    return Err(err(late(need, &d)));
+                }
+                d = slot.1.wait_timeout(d, left.min(Duration::from_millis(200))).unwrap_or_else(|p| p.into_inner()).0;
+            }
+            _ => return Ok(Some(d)),
+        }
+    }
 }

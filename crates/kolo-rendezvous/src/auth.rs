@@ -83,7 +83,9 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 /// How a handshake that the server hung up on before its challenge begins: a server at its
 /// limit of connections in authentication turns new ones away like that, so the client tries
 /// again until its deadline (a wrong token fails later, at the proofs, and is not retried).
-pub(crate) const NO_CHALLENGE: &str = "no challenge from server";
+/// How a handshake fails when the listener turned the connection away before its challenge
+/// (at its limit of connections in authentication, under a flood): worth another try.
+pub const NO_CHALLENGE: &str = "no challenge from server";
 
 fn auth_err(peer: &str, reason: impl Into<String>) -> StoreError {
     StoreError::Auth { peer: peer.to_string(), reason: reason.into() }

@@ -24,15 +24,29 @@ fn launched_rank() {
     }
 }
 
+/// Runs `launched_rank` as `n` processes under `kolo launch`, playing `example` with `args`.
+fn launch(n: usize, example: &str, args: &str) -> std::process::Output {
+    let me = std::env::current_exe().unwrap();
+    let n = n.to_string();
+    let argv = [
+        "launch",
+        "-n",
+        &n,
+        "--",
+        me.to_str().unwrap(),
+        "user_model::launched_rank",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ];
+    run(&argv, &[("KOLO_EXAMPLE_ARGS", args), ("KOLO_EXAMPLE", example)])
+}
+
 /// Runs the example on `n` launched processes; returns the checkpoint's model tensors.
 fn example(n: usize, args: &str, out: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
-    let me = std::env::current_exe().unwrap();
-    let me = me.to_str().unwrap();
     let args = format!("{args} --data {} --out {}", kolo_testkit::files::mnist_dir().display(), out.display());
-    let o = run(
-        &["launch", "-n", &n.to_string(), "--", me, "user_model::launched_rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"],
-        &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "user_mlp")],
-    );
+    let o = launch(n, "user_mlp", &args);
     assert!(o.status.success(), "{n} ranks, {args}: {}", text(&o));
     let dir = std::fs::read_dir(out).unwrap().next().unwrap().unwrap().path();
     model_tensors(&dir)
@@ -76,28 +90,13 @@ fn hugging_face_models_fine_tuned_under_zero_export_what_they_trained() {
     };
     for (model, zero) in [(kolo_testkit::files::hf_gpt2_tiny(), 1), (kolo_testkit::files::hf_llama_tiny(), 2)] {
         let dir = fresh_dir(&format!("hf-{zero}"));
-        let me = std::env::current_exe().unwrap();
         let args = format!(
             "--model {} --out {} --text {} --steps 6 --batch 2 --seq 16 --zero {zero} --lr 3e-3",
             model.display(),
             dir.display(),
             kolo_testkit::files::shakespeare().display()
         );
-        let o = run(
-            &[
-                "launch",
-                "-n",
-                "2",
-                "--",
-                me.to_str().unwrap(),
-                "user_model::launched_rank",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ],
-            &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "hf_finetune")],
-        );
+        let o = launch(2, "hf_finetune", &args);
         let t = text(&o);
         assert!(o.status.success(), "{t}");
         assert!(t.contains("logits differ from transformers' reference by"), "{t}");
@@ -167,23 +166,8 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
 /// Runs `local_sgd_rank` on 2 launched processes; returns each rank's parameters.
 fn local_sgd_run(args: &str, out: &std::path::Path) -> Vec<Vec<f32>> {
     std::fs::create_dir_all(out).unwrap();
-    let me = std::env::current_exe().unwrap();
     let args = format!("{args} --out {}", out.display());
-    let o = run(
-        &[
-            "launch",
-            "-n",
-            "2",
-            "--",
-            me.to_str().unwrap(),
-            "user_model::launched_rank",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ],
-        &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "local_sgd")],
-    );
+    let o = launch(2, "local_sgd", &args);
     assert!(o.status.success(), "{args}: {}", text(&o));
     (0..2)
         .map(|r| {
