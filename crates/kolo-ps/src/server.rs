@@ -546,12 +546,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                     job.chunk
                 )));
             }
-            let deadline = Instant::now() + CATCH_UP;
-            while shared.epoch.load(Ordering::SeqCst) < epoch && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let current = shared.epoch.load(Ordering::SeqCst);
-            if current != epoch {
+            if let Some(current) = catch_up(shared, epoch) {
                 return Ok(Resp::WrongEpoch { current });
             }
             let existing = lock(&shared.ranges).get(&range).cloned();
@@ -591,12 +586,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
         Req::Restore { job, epoch, range, state, id } => {
             // The chain is the one of the request's epoch (a server that has not caught up
             // would leave the replicas out).
-            let deadline = Instant::now() + CATCH_UP;
-            while shared.epoch.load(Ordering::SeqCst) < epoch && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            let current = shared.epoch.load(Ordering::SeqCst);
-            if current != epoch {
+            if let Some(current) = catch_up(shared, epoch) {
                 return Ok(Resp::WrongEpoch { current });
             }
             if lock(&shared.restores).get(&range) == Some(&id) {
@@ -868,4 +858,15 @@ fn wait_for_step<'a>(
             _ => return Ok(Some(d)),
         }
     }
+}
+
+/// Waits (a moment at most) until this server has caught up to membership `epoch`, so that
+/// the chain it forwards along is that epoch's. `Some(current)`: it is at another epoch.
+fn catch_up(shared: &Shared, epoch: u64) -> Option<u64> {
+    let deadline = Instant::now() + CATCH_UP;
+    while shared.epoch.load(Ordering::SeqCst) < epoch && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let current = shared.epoch.load(Ordering::SeqCst);
+    (current != epoch).then_some(current)
 }
