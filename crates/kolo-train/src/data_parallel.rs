@@ -471,10 +471,6 @@ impl Strategy for DataParallel<'_> {
         &*self.comm
     }
 
-    fn replica(&self) -> (usize, usize) {
-        (self.comm.rank().get(), self.comm.world_size().get())
-    }
-
     fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
         let loss = self.forward_backward(ctx.step, data)?;
         let mut out = StepOut { loss, backward_end: Some(Instant::now()), ..Default::default() };

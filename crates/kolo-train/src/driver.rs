@@ -110,7 +110,10 @@ pub trait Strategy {
     /// data-parallel group, or every rank when each rank sees its own slice of the data).
     fn comm(&self) -> &dyn Communicator;
     /// This rank's data-parallel replica and the number of replicas: how the data is split.
-    fn replica(&self) -> (usize, usize);
+    /// By default `comm`'s rank and size (each rank its own replica).
+    fn replica(&self) -> (usize, usize) {
+        (self.comm().rank().get(), self.comm().world_size().get())
+    }
     /// One optimizer step: forward and backward over the micro-batches it takes from `data`,
     /// the exchange and the update.
     fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError>;

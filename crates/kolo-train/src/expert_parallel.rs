@@ -153,10 +153,6 @@ impl Strategy for ExpertParallel<'_> {
         &*self.comm
     }
 
-    fn replica(&self) -> (usize, usize) {
-        (self.comm.rank().get(), self.comm.world_size().get())
-    }
-
     fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
         let te = kolo_tensor::TensorError::from;
         let (rank, world) = self.replica();

@@ -360,10 +360,6 @@ impl Strategy for ScheduledDdp<'_, '_> {
         &*self.comm
     }
 
-    fn replica(&self) -> (usize, usize) {
-        (self.comm.rank().get(), self.comm.world_size().get())
-    }
-
     fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
         let te = kolo_tensor::TensorError::from;
         let batch = data.next_batch()?;
