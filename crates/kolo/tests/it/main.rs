@@ -1207,6 +1207,18 @@ fn launched_ranks_with_different_configs_stop_naming_the_field() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `dir/mlp.toml`: a 784-32-10 MLP on the shipped MNIST subset, 8 examples per rank, `steps`
+/// steps logged only at the end, `extra` appended.
+fn small_mlp(dir: &std::path::Path, steps: u64, extra: &str) -> std::path::PathBuf {
+    let cfg = dir.join("mlp.toml");
+    let text = format!(
+        "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n[train]\nsteps = {steps}\nlog_every = {steps}\nprogress = false\n{extra}",
+        kolo_testkit::files::mnist_dir().display()
+    );
+    std::fs::write(&cfg, text).unwrap();
+    cfg
+}
+
 /// A stopped rank (SIGSTOP: no FIN, no RST, as a cut network or a dead host) is named by
 /// every survivor long before the collective deadline: its heartbeats through the store stop
 /// (issue #19). Deadline 120 s, liveness 2 s. A rank that is only slow keeps beating and is left
@@ -1214,15 +1226,7 @@ fn launched_ranks_with_different_configs_stop_naming_the_field() {
 #[test]
 fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
     let dir = fresh_dir("stopped");
-    let cfg = dir.join("mlp.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n[train]\nsteps = 1000000\nlog_every = 1000000\nprogress = false\n[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n",
-            kolo_testkit::files::mnist_dir().display()
-        ),
-    )
-    .unwrap();
+    let cfg = small_mlp(&dir, 1_000_000, "[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let mut ranks: Vec<_> = (0..3)
         .map(|r| {
@@ -1279,15 +1283,7 @@ fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
 #[test]
 fn a_hung_rank_is_named_by_every_survivor_and_the_launcher() {
     let dir = fresh_dir("hung");
-    let cfg = dir.join("mlp.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n[train]\nsteps = 1000\nlog_every = 1000\nprogress = false\n",
-            kolo_testkit::files::mnist_dir().display()
-        ),
-    )
-    .unwrap();
+    let cfg = small_mlp(&dir, 1000, "");
     let t = Instant::now();
     let o = run(
         &["launch", "-n", "4", "--", KOLO, "train", "--config", cfg.to_str().unwrap(), "--timeout", "3", "--slow-rank", "2:60000"],
