@@ -66,98 +66,147 @@ pub fn run_stage(
     act_len: usize,
     work: &mut dyn StageWork,
 ) -> Result<StepReport, PipeError> {
-    let k = comm.world_size().get();
-    let s = comm.rank().get();
-    let plan = ops(schedule, k, s, m);
-    let t0 = Instant::now();
-    let ms = |t: Instant| t.duration_since(t0).as_secs_f64() * 1e3;
-    let mut report = StepReport::default();
-    let mut live = 0usize;
-    // An output waiting to be sent: (data, peer, tag).
-    let mut outbox: Option<(Vec<f32>, usize, u32)> = None;
-    for &op in &plan {
-        if let Op::Update(t) = op {
-            if let Some((data, to, tag)) = outbox.take() {
-                comm.send(BufRef::from(&data[..]), Rank(to), tag)?;
-                report.bytes_sent += data.len() * 4;
+    let mut run = StageRun::new(comm, schedule, m, act_len);
+    run.run(comm, work, None)?;
+    run.finish(comm)
+}
+
+/// One stage's plan being run, resumably: [`StageRun::run`] executes ops up to an update and
+/// returns; the next call goes on from there. PipeDream-2BW hands control back to the training
+/// driver after each optimizer step this way, with the next batch's micro-batches still in
+/// flight. Between calls nothing is unsent (an update is entered with the outbox empty), so the
+/// caller may run collectives on other communicators.
+pub struct StageRun {
+    plan: Vec<Op>,
+    next: usize,
+    act_len: usize,
+    t0: Instant,
+    live: usize,
+    /// An output waiting to be sent: (data, peer, tag).
+    outbox: Option<(Vec<f32>, usize, u32)>,
+    report: StepReport,
+}
+
+impl StageRun {
+    /// Stage `comm.rank()`'s plan of `schedule` for `m` micro-batches (activations of
+    /// `act_len` values), not started.
+    pub fn new(comm: &dyn Communicator, schedule: Schedule, m: usize, act_len: usize) -> StageRun {
+        let plan = ops(schedule, comm.world_size().get(), comm.rank().get(), m);
+        StageRun { plan, next: 0, act_len, t0: Instant::now(), live: 0, outbox: None, report: StepReport::default() }
+    }
+
+    /// Whether every op of the plan has run.
+    pub fn is_done(&self) -> bool {
+        self.next == self.plan.len()
+    }
+
+    /// What the stage did so far (its `total_ms` is set by [`StageRun::finish`]).
+    pub fn report(&self) -> &StepReport {
+        &self.report
+    }
+
+    /// Runs ops on `comm` (the pipeline group this run was made for) until `Op::Update(until)`
+    /// has run, or to the end of the plan when `until` is `None`. Returns whether the plan is
+    /// done.
+    pub fn run(&mut self, comm: &dyn Communicator, work: &mut dyn StageWork, until: Option<usize>) -> Result<bool, PipeError> {
+        let k = comm.world_size().get();
+        let s = comm.rank().get();
+        let act_len = self.act_len;
+        let t0 = self.t0;
+        let ms = |t: Instant| t.duration_since(t0).as_secs_f64() * 1e3;
+        while let Some(&op) = self.plan.get(self.next) {
+            self.next += 1;
+            let report = &mut self.report;
+            if let Op::Update(t) = op {
+                if let Some((data, to, tag)) = self.outbox.take() {
+                    comm.send(BufRef::from(&data[..]), Rank(to), tag)?;
+                    report.bytes_sent += data.len() * 4;
+                }
+                let start = Instant::now();
+                work.update(t).map_err(|msg| PipeError::Stage { stage: s, op, msg })?;
+                let end = Instant::now();
+                report.busy_ms += end.duration_since(start).as_secs_f64() * 1e3;
+                report.spans.push((op, ms(start), ms(end)));
+                report.updates.push(ms(end));
+                if until == Some(t) {
+                    return Ok(self.is_done());
+                }
+                continue;
             }
+            // What this op needs from a neighbour.
+            let need = match op {
+                Op::Forward(i) if s > 0 => Some((s - 1, act_tag(i))),
+                Op::Backward(i) if s + 1 < k => Some((s + 1, grad_tag(i))),
+                _ => None,
+            };
+            let received = match (self.outbox.take(), need) {
+                (Some((data, to, tag)), Some((from, rtag))) => {
+                    let mut buf = vec![0f32; act_len];
+                    comm.send_recv(BufRef::from(&data[..]), Rank(to), tag, BufMut::from(&mut buf[..]), Rank(from), rtag)?;
+                    report.bytes_sent += data.len() * 4;
+                    Some(buf)
+                }
+                (Some((data, to, tag)), None) => {
+                    comm.send(BufRef::from(&data[..]), Rank(to), tag)?;
+                    report.bytes_sent += data.len() * 4;
+                    None
+                }
+                (None, Some((from, rtag))) => {
+                    let mut buf = vec![0f32; act_len];
+                    comm.recv(BufMut::from(&mut buf[..]), Rank(from), rtag)?;
+                    Some(buf)
+                }
+                (None, None) => None,
+            };
             let start = Instant::now();
-            work.update(t).map_err(|msg| PipeError::Stage { stage: s, op, msg })?;
+            let fail = |msg: String| PipeError::Stage { stage: s, op, msg };
+            match op {
+                Op::Forward(i) => {
+                    let out = work.forward(i, received).map_err(fail)?;
+                    self.live += 1;
+                    report.max_live = report.max_live.max(self.live);
+                    if s + 1 < k {
+                        if out.len() != act_len {
+                            return Err(fail(format!("produced {} values, the pipeline passes {act_len}", out.len())));
+                        }
+                        self.outbox = Some((out, s + 1, act_tag(i)));
+                    } else {
+                        report.losses.push(out.first().copied().unwrap_or(f32::NAN));
+                    }
+                }
+                Op::Backward(i) => {
+                    let g = work.backward(i, received).map_err(fail)?;
+                    self.live -= 1;
+                    if s > 0 {
+                        if g.len() != act_len {
+                            return Err(fail(format!("produced an input gradient of {} values, expected {act_len}", g.len())));
+                        }
+                        self.outbox = Some((g, s - 1, grad_tag(i)));
+                    }
+                }
+                Op::Update(_) => unreachable!("handled above"),
+            }
             let end = Instant::now();
             report.busy_ms += end.duration_since(start).as_secs_f64() * 1e3;
             report.spans.push((op, ms(start), ms(end)));
-            report.updates.push(ms(end));
-            continue;
         }
-        // What this op needs from a neighbour.
-        let need = match op {
-            Op::Forward(i) if s > 0 => Some((s - 1, act_tag(i))),
-            Op::Backward(i) if s + 1 < k => Some((s + 1, grad_tag(i))),
-            _ => None,
-        };
-        let received = match (outbox.take(), need) {
-            (Some((data, to, tag)), Some((from, rtag))) => {
-                let mut buf = vec![0f32; act_len];
-                comm.send_recv(BufRef::from(&data[..]), Rank(to), tag, BufMut::from(&mut buf[..]), Rank(from), rtag)?;
-                report.bytes_sent += data.len() * 4;
-                Some(buf)
-            }
-            (Some((data, to, tag)), None) => {
-                comm.send(BufRef::from(&data[..]), Rank(to), tag)?;
-                report.bytes_sent += data.len() * 4;
-                None
-            }
-            (None, Some((from, rtag))) => {
-                let mut buf = vec![0f32; act_len];
-                comm.recv(BufMut::from(&mut buf[..]), Rank(from), rtag)?;
-                Some(buf)
-            }
-            (None, None) => None,
-        };
-        let start = Instant::now();
-        let fail = |msg: String| PipeError::Stage { stage: s, op, msg };
-        match op {
-            Op::Forward(i) => {
-                let out = work.forward(i, received).map_err(fail)?;
-                live += 1;
-                report.max_live = report.max_live.max(live);
-                if s + 1 < k {
-                    if out.len() != act_len {
-                        return Err(PipeError::Stage {
-                            stage: s,
-                            op,
-                            msg: format!("produced {} values, the pipeline passes {act_len}", out.len()),
-                        });
-                    }
-                    outbox = Some((out, s + 1, act_tag(i)));
-                } else {
-                    report.losses.push(out.first().copied().unwrap_or(f32::NAN));
-                }
-            }
-            Op::Backward(i) => {
-                let g = work.backward(i, received).map_err(fail)?;
-                live -= 1;
-                if s > 0 {
-                    if g.len() != act_len {
-                        return Err(PipeError::Stage {
-                            stage: s,
-                            op,
-                            msg: format!("produced an input gradient of {} values, expected {act_len}", g.len()),
-                        });
-                    }
-                    outbox = Some((g, s - 1, grad_tag(i)));
-                }
-            }
-            Op::Update(_) => unreachable!("handled above"),
+        match until {
+            Some(t) => Err(PipeError::Stage {
+                stage: s,
+                op: Op::Update(t),
+                msg: "the plan ended before this update (it holds fewer batches)".into(),
+            }),
+            None => Ok(true),
         }
-        let end = Instant::now();
-        report.busy_ms += end.duration_since(start).as_secs_f64() * 1e3;
-        report.spans.push((op, ms(start), ms(end)));
     }
-    if let Some((data, to, tag)) = outbox {
-        comm.send(BufRef::from(&data[..]), Rank(to), tag)?;
-        report.bytes_sent += data.len() * 4;
+
+    /// Sends what is left and returns the report (`total_ms` from [`StageRun::new`]).
+    pub fn finish(mut self, comm: &dyn Communicator) -> Result<StepReport, PipeError> {
+        if let Some((data, to, tag)) = self.outbox.take() {
+            comm.send(BufRef::from(&data[..]), Rank(to), tag)?;
+            self.report.bytes_sent += data.len() * 4;
+        }
+        self.report.total_ms = self.t0.elapsed().as_secs_f64() * 1e3;
+        Ok(self.report)
     }
-    report.total_ms = ms(Instant::now());
-    Ok(report)
 }

@@ -6,7 +6,7 @@
 pub mod exec;
 pub mod schedule;
 
-pub use exec::{run_stage, PipeError, StageWork, StepReport};
+pub use exec::{run_stage, PipeError, StageRun, StageWork, StepReport};
 pub use schedule::{max_in_flight, ops, partition, simulate, theoretical_bubble, weight_version, Op, Schedule};
 
 #[cfg(test)]

@@ -1,6 +1,6 @@
 use super::*;
 use kolo_base::WorldSize;
-use kolo_comm::LocalComm;
+use kolo_comm::{Communicator, LocalComm};
 use kolo_testkit::run_ranks;
 use proptest::prelude::*;
 
@@ -177,5 +177,63 @@ proptest! {
         let streamed = theoretical_bubble(k, m * batches);
         prop_assert!((sim.bubble - streamed).abs() < 1e-9, "2BW bubble {} vs (K-1)/(M*batches+K-1) = {}", sim.bubble, streamed);
         prop_assert!(sim.bubble <= flushed + 1e-12);
+    }
+}
+
+/// [`Scale`] with PipeDream-2BW's updates: each records the batch and the weight gradient
+/// accumulated so far.
+struct Updating(Scale, Vec<(usize, f32)>);
+
+impl StageWork for Updating {
+    fn forward(&mut self, mb: usize, input: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
+        self.0.forward(mb, input)
+    }
+    fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
+        self.0.backward(mb, grad)
+    }
+    fn update(&mut self, t: usize) -> Result<(), String> {
+        self.1.push((t, self.0.grad_w));
+        Ok(())
+    }
+}
+
+/// A 2BW stream run in pieces (stopped after every update, with a collective on a second group
+/// in between, as the training driver does between optimizer steps) does what one run does:
+/// the same updates with the same gradients, the same losses and bytes.
+#[test]
+fn a_stage_run_stopped_at_every_update_equals_one_run() {
+    let n = 64;
+    let ws = [2.0f32, 0.5, 4.0, 0.25];
+    for k in [1usize, 2, 3, 4] {
+        let (m, batches) = (k.max(2), 3);
+        let out = run_ranks(LocalComm::create(WorldSize::new(k).unwrap()), |s, c| {
+            let scale = || Scale { w: ws[s], n, first: s == 0, last: s + 1 == k, inputs: Default::default(), grad_w: 0.0 };
+            let mut whole = Updating(scale(), Vec::new());
+            let one = run_stage(&c, Schedule::TwoBw { batches }, m, n, &mut whole).unwrap();
+            let all: Vec<kolo_base::Rank> = (0..k).map(kolo_base::Rank).collect();
+            let sync = c.new_group(&all).unwrap().unwrap();
+            let mut pieces = Updating(scale(), Vec::new());
+            let mut run = StageRun::new(&c, Schedule::TwoBw { batches }, m, n);
+            for t in 0..batches {
+                assert!(!run.is_done());
+                let done = run.run(&c, &mut pieces, Some(t)).unwrap();
+                assert_eq!(done, t + 1 == batches);
+                assert_eq!(pieces.1.last().map(|u| u.0), Some(t));
+                let mut v = [s as f32];
+                sync.all_reduce(kolo_comm::BufMut::from(&mut v[..]), kolo_comm::ReduceOp::Sum).unwrap();
+                assert_eq!(v[0], (k * (k - 1) / 2) as f32);
+            }
+            let err = run.run(&c, &mut pieces, Some(batches)).unwrap_err().to_string();
+            assert!(err.contains("the plan ended before this update"), "{err}");
+            let piecewise = run.finish(&c).unwrap();
+            (whole.1, pieces.1, one, piecewise)
+        });
+        for (s, (whole, pieces, one, piecewise)) in out.iter().enumerate() {
+            assert_eq!(whole.len(), batches, "k {k} stage {s}");
+            assert_eq!(whole, pieces, "k {k} stage {s}: the updates and their gradients");
+            assert_eq!(one.losses, piecewise.losses);
+            assert_eq!(one.bytes_sent, piecewise.bytes_sent);
+            assert_eq!(one.max_live, piecewise.max_live);
+        }
     }
 }

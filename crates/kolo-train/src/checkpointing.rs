@@ -183,8 +183,9 @@ pub struct Resumed {
     pub batch_split: Option<Vec<usize>>,
     /// The number of data-parallel replicas that wrote it.
     pub world_size: u64,
-    /// Every rank's own state (`state.rank{r}.…` tensors), by name.
-    pub rank_state: BTreeMap<String, Vec<f32>>,
+    /// The strategies' own state (`state.…` tensors: a rank's codec residuals or local-SGD
+    /// model `state.rank{r}.…`, PipeDream-2BW's previous weight version), by name.
+    pub strategy_state: BTreeMap<String, Vec<f32>>,
     /// The metadata it was written with.
     pub meta: BTreeMap<String, String>,
 }
@@ -219,13 +220,13 @@ pub fn restore_compression(ddp: &kolo_ddp::Ddp, r: &Resumed, rank: usize, world:
     let buckets = ddp.plan().len();
     if r.world_size != world as u64 {
         ddp.restore_compression_state(syncs, &vec![Vec::new(); buckets]).ok();
-        let had = r.rank_state.keys().any(|k| k.contains(".codec"));
+        let had = r.strategy_state.keys().any(|k| k.contains(".codec"));
         return Ok(had.then(|| {
             format!("the compression state (error-feedback residuals, PowerSGD factors) was written by {} ranks and restarts from zero on {world}", r.world_size)
         }));
     }
     let states: Vec<Vec<f32>> =
-        (0..buckets).map(|b| r.rank_state.get(&format!("state.rank{rank}.codec{b}")).cloned().unwrap_or_default()).collect();
+        (0..buckets).map(|b| r.strategy_state.get(&format!("state.rank{rank}.codec{b}")).cloned().unwrap_or_default()).collect();
     ddp.restore_compression_state(syncs, &states)?;
     Ok(None)
 }
@@ -329,6 +330,6 @@ pub fn load_checkpoint(
         Some(v) => Some(v.split(',').map(|x| x.parse::<usize>().map_err(|_| parse_err(BATCH_SPLIT_KEY))).collect::<Result<Vec<_>, _>>()?),
         None => None,
     };
-    let rank_state = ck.tensors.iter().filter(|e| e.name.starts_with("state.rank")).map(|e| (e.name.clone(), e.data.clone())).collect();
-    Ok(Resumed { step: num("kolo.step")?, pos, loss_scale, batch_split, world_size: w0, rank_state, meta: ck.meta.clone() })
+    let strategy_state = ck.tensors.iter().filter(|e| e.name.starts_with("state.")).map(|e| (e.name.clone(), e.data.clone())).collect();
+    Ok(Resumed { step: num("kolo.step")?, pos, loss_scale, batch_split, world_size: w0, strategy_state, meta: ck.meta.clone() })
 }

@@ -681,22 +681,6 @@ fn default_prefetch() -> usize {
     2
 }
 
-/// The training loops that do not run on the driver yet (`crate::driver`), and what each lacks
-/// until it does (issue #16). Shown as the setting that selects it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SeparateLoop {
-    /// PipeDream-2BW: one plan with activations always in flight.
-    TwoBw,
-}
-
-impl std::fmt::Display for SeparateLoop {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            SeparateLoop::TwoBw => "pipeline.schedule = \"2bw\"",
-        })
-    }
-}
-
 impl Config {
     pub fn parse(text: &str, origin: &str) -> Result<Config, TrainError> {
         let c: Config = toml::from_str(text).map_err(|e| TrainError::Config(format!("{origin}: {e}")))?;
@@ -707,16 +691,6 @@ impl Config {
     pub fn load(path: &std::path::Path) -> Result<Config, TrainError> {
         let text = std::fs::read_to_string(path).map_err(|e| TrainError::Config(format!("{}: {e}", path.display())))?;
         Config::parse(&text, &path.display().to_string())
-    }
-
-    /// The loop of its own this config runs in (`None`: a strategy on the driver).
-    /// `--resume` and the features it lacks ([`SeparateLoop`]) are refused there.
-    pub fn separate_loop(&self) -> Option<SeparateLoop> {
-        if self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
-            Some(SeparateLoop::TwoBw)
-        } else {
-            None
-        }
     }
 
     /// Checks the whole config again (after a program changed it).
@@ -1054,11 +1028,6 @@ impl Config {
     fn validate_loops(&self) -> Result<(), String> {
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
-        }
-        if let Some(which) = self.separate_loop().filter(|_| self.train.timeline_dir.is_some()) {
-            // It reports through the driver's Reporter and offloads and scales like the driver;
-            // its one stream over the whole run has no per-step spans to draw yet (issue #16).
-            return Err(format!("train.timeline_dir is not supported with {which} yet (the strategies on the driver have it)"));
         }
         Ok(())
     }

@@ -10,8 +10,8 @@
 //! The strategies on the driver: `data_parallel` (DDP, ZeRO-1/2/3, tensor parallelism, local
 //! SGD, deterministic and f16 training), `scheduled_ddp` (ByteScheduler-ordered DDP),
 //! `sequence_parallel`, `expert_parallel` and the flushed pipelines (`pipeline::Flushed`:
-//! GPipe, 1F1B) and `ps_worker` (parameter-server workers, [`Job::Alone`]). PipeDream-2BW still
-//! runs a loop of its own.
+//! GPipe, 1F1B), `pipedream_2bw` (PipeDream-2BW: one stream of batches between drain points,
+//! [`StepCtx::drain_at`]) and `ps_worker` (parameter-server workers, [`Job::Alone`]).
 
 use crate::checkpointing::{PendingSave, Resumed};
 use crate::config::{Config, DataKind};
@@ -35,6 +35,10 @@ pub struct StepCtx {
     pub step: u64,
     /// Its learning rate (schedule, warm-up and batch scaling applied).
     pub lr: f32,
+    /// The next step count (> `step`) at which the driver needs nothing in flight: an
+    /// evaluation, a checkpoint, a batch re-split or the end of the run. A strategy that
+    /// overlaps steps (PipeDream-2BW) drains by then.
+    pub drain_at: u64,
 }
 
 /// What one optimizer step measured.
@@ -342,7 +346,7 @@ pub fn drive(
         let t0 = Instant::now();
         test_hooks(opts, global_rank, step);
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
-        let out = s.step(&StepCtx { step, lr }, &mut batches)?;
+        let out = s.step(&StepCtx { step, lr, drain_at: drain_point(cfg, step, end) }, &mut batches)?;
         if let Some(tl) = timeline.as_mut() {
             record_spans(tl, step, t0, &out);
         }
@@ -417,6 +421,15 @@ pub fn drive(
         moe: f.moe,
         batch_split: batches.split().map(<[usize]>::to_vec),
     })
+}
+
+/// The first step count after `step` at which the driver evaluates, checkpoints, re-splits the
+/// batch or ends (`end`).
+pub fn drain_point(cfg: &Config, step: u64, end: u64) -> u64 {
+    let tc = &cfg.train;
+    let next = |every: u64| step.checked_div(every).map_or(end, |q| (q + 1) * every);
+    let checkpoint_every = if tc.checkpoint_dir.is_some() { tc.checkpoint_every } else { 0 };
+    [next(tc.eval_every), next(checkpoint_every), next(cfg.ddp.dynamic_batch_every), end].into_iter().min().unwrap_or(end)
 }
 
 /// The end of a complete run: the final evaluation (the whole test set for images, 10k for

@@ -54,7 +54,7 @@ pub fn restore_local_model(
     rank: usize,
     world: usize,
 ) -> Result<Option<String>, TrainError> {
-    let Some(own) = r.rank_state.get(&format!("state.rank{rank}.params")) else { return Ok(None) };
+    let Some(own) = r.strategy_state.get(&format!("state.rank{rank}.params")) else { return Ok(None) };
     if r.world_size != world as u64 {
         return Ok(Some(format!(
             "local SGD: the replicas' own models were written by {} ranks; on {world} every replica starts from rank 0's",
@@ -74,7 +74,7 @@ pub fn restore_local_model(
             .state_names()
             .iter()
             .map(|name| {
-                let v = r.rank_state.get(&format!("state.rank{rank}.optim.{name}")).ok_or_else(|| {
+                let v = r.strategy_state.get(&format!("state.rank{rank}.optim.{name}")).ok_or_else(|| {
                     TrainError::Data(format!("rank {rank}'s own optimizer state `{name}` is missing from the checkpoint"))
                 })?;
                 Ok((*name, v.clone()))

@@ -9,22 +9,21 @@
 //! GPipe and 1F1B flush every batch, so they are a [`Strategy`] on the driver ([`Flushed`]):
 //! checkpoints (each stage writes its own layers, whole tensors under the model's names, so a
 //! checkpoint continues under any strategy), evaluation, timelines and the rest come from
-//! there. PipeDream-2BW is one stream of micro-batches over the whole run: it runs its own loop
-//! ([`run_two_bw_pipeline`]).
+//! there. PipeDream-2BW (`crate::pipedream_2bw`) streams batches without flushes, on the same
+//! stage setup.
 
-use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
+use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave, Resumed};
 use crate::config::{Config, PipeSchedule};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use crate::trainer::{
-    evaluate_whole_gpt, gpt_loop_start, lead_say, peak_rss, replica_batches, Data, Eval, RunOptions, StateBytes, Summary,
-};
+use crate::trainer::{Data, Eval, RunOptions, StateBytes};
 use crate::TrainError;
 use kolo_base::{GroupSum, Rng};
+use kolo_checkpoint::Piece;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{Segment, ShardPlan};
-use kolo_optim::{clip_factor, lr_at, Optimizer};
-use kolo_pipe::{partition, run_stage, theoretical_bubble, weight_version, Schedule, StageWork};
+use kolo_optim::{clip_factor, Optimizer};
+use kolo_pipe::{partition, run_stage, theoretical_bubble, Schedule, StageWork};
 use kolo_tensor::models::{Gpt, GptConfig};
 use kolo_tensor::{Batch, GptStage, Input, Model, ModelSpec};
 use std::path::Path;
@@ -55,26 +54,26 @@ pub fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, TrainError> {
 
 /// What every stage of a pipeline run shares: its layers, its parameters and their flat
 /// ranges, the groups, and the optimizer of its own parameters.
-struct StageSetup<'a> {
-    cfg: &'a Config,
-    comm: &'a dyn Communicator,
+pub(crate) struct StageSetup<'a> {
+    pub cfg: &'a Config,
+    pub comm: &'a dyn Communicator,
     /// PipeDream-2BW: a second communicator over the pipeline's ranks for the agreement at
     /// each update, so that it never falls between the activations still streaming on `comm`.
-    sync: Option<Arc<dyn Communicator>>,
-    dp: &'a dyn Communicator,
-    tp: Option<Arc<dyn GroupSum>>,
-    layers: std::ops::Range<usize>,
-    own: Vec<usize>,
-    ranges: Vec<std::ops::Range<usize>>,
-    opt: Optimizer,
-    m: usize,
+    pub sync: Option<Arc<dyn Communicator>>,
+    pub dp: &'a dyn Communicator,
+    pub tp: Option<Arc<dyn GroupSum>>,
+    pub layers: std::ops::Range<usize>,
+    pub own: Vec<usize>,
+    pub ranges: Vec<std::ops::Range<usize>>,
+    pub opt: Optimizer,
+    pub m: usize,
     /// Keep only each micro-batch's stage input; recompute in backward.
-    remat: bool,
+    pub remat: bool,
 }
 
 impl StageSetup<'_> {
     /// Averages this stage's gradients over its data-parallel replicas.
-    fn average(&self, grads: &mut [f32]) -> Result<(), TrainError> {
+    pub(crate) fn average(&self, grads: &mut [f32]) -> Result<(), TrainError> {
         if self.dp.world_size().get() == 1 {
             return Ok(());
         }
@@ -90,7 +89,7 @@ impl StageSetup<'_> {
 
     /// Over the pipeline group: the clipping factor of the global gradient norm, and the batch
     /// loss (`loss_sum`: the last stage's micro-batch losses) averaged over the replicas.
-    fn clip_and_loss(&self, gpt: &Gpt, grads: &[f32], loss_sum: f64) -> Result<(f32, f64), TrainError> {
+    pub(crate) fn clip_and_loss(&self, gpt: &Gpt, grads: &[f32], loss_sum: f64) -> Result<(f32, f64), TrainError> {
         let mut v = [0f64, loss_sum];
         if self.cfg.optim.clip_grad_norm.is_some() {
             // Split parameters summed over the tensor-parallel group, replicated ones once.
@@ -115,7 +114,7 @@ impl StageSetup<'_> {
     }
 
     /// One optimizer step of this stage's parameters of `gpt` with `grads` scaled by `f`.
-    fn step(&mut self, gpt: &Gpt, grads: &[f32], f: f32, lr: f32) -> Result<(), TrainError> {
+    pub(crate) fn step(&mut self, gpt: &Gpt, grads: &[f32], f: f32, lr: f32) -> Result<(), TrainError> {
         self.opt.begin_step();
         let mut at = 0;
         for (&i, r) in self.own.iter().zip(&self.ranges) {
@@ -128,7 +127,7 @@ impl StageSetup<'_> {
     }
 
     /// The idle share of the stages over `total_ms` given this stage's `busy_ms`.
-    fn bubble(&self, busy_ms: f64, total_ms: f64) -> Result<f64, TrainError> {
+    pub(crate) fn bubble(&self, busy_ms: f64, total_ms: f64) -> Result<f64, TrainError> {
         let (stage, k) = (self.comm.rank().get(), self.comm.world_size().get());
         let mut t = vec![0f64; 2 * k];
         t[2 * stage] = busy_ms;
@@ -141,7 +140,7 @@ impl StageSetup<'_> {
 
     /// The whole model on every rank: each stage contributes its own layers' values (under
     /// tensor parallelism first put together within the tensor-parallel group).
-    fn assemble(&self, gpt: &Gpt) -> Result<Vec<f32>, TrainError> {
+    pub(crate) fn assemble(&self, gpt: &Gpt) -> Result<Vec<f32>, TrainError> {
         let mut mine = vec![0f32; gpt.params().numel()];
         let values = gpt.params().to_flat()?;
         for r in &self.ranges {
@@ -229,22 +228,23 @@ fn build_stage<'a>(
 
 impl StageSetup<'_> {
     /// The line at the end of a run: measured and theoretical bubble, activations kept.
-    fn say_bubble(&self, bubble: f64, theory: f64, two_bw: bool, peak_live: usize, lead: bool) {
+    pub(crate) fn say_bubble(&self, bubble: f64, theory: f64, two_bw: bool, peak_live: usize, lead: bool) {
         if lead {
             kolo_base::eline!(
                 "pipeline: mean bubble {:.1}% measured, {:.1}% in theory ((K-1)/(M+K-1){}); at most {peak_live} micro-batch(es) of activations alive on stage 0",
                 bubble * 100.0,
                 theory * 100.0,
-                if two_bw { ", M = every micro-batch of the run: no flush" } else { "" },
+                if two_bw { ", M = every micro-batch between evaluations and checkpoints: no flush between batches" } else { "" },
             );
         }
     }
 
-    /// Model states of this stage: its own parameters and optimizer state, and the gradient of
-    /// the whole model it accumulates into.
-    fn states(&self, gpt: &Gpt) -> StateBytes {
+    /// Model states of this stage: the model's values (a stage builds every layer and trains
+    /// its own; `versions` copies under PipeDream-2BW), its own layers' optimizer state, and the
+    /// gradient of the whole model it accumulates into.
+    pub(crate) fn states(&self, gpt: &Gpt, versions: u64) -> StateBytes {
         StateBytes {
-            params: self.ranges.iter().map(|r| r.len() as u64 * 4).sum(),
+            params: gpt.params().numel() as u64 * 4 * versions,
             grads: gpt.params().numel() as u64 * 4,
             optimizer: self.opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
             offloaded: self.opt.is_offloaded(),
@@ -305,61 +305,228 @@ fn unpack(packed: &[f32], ranges: &[std::ops::Range<usize>], len: usize) -> Vec<
     out
 }
 
-/// PipeDream-2BW (`pipeline.schedule = "2bw"`): `comm` is the pipeline group (rank = stage),
-/// `dp` the data-parallel group of this stage's replicas, `tp` the tensor-parallel group (if
-/// any).
-pub fn run_two_bw_pipeline(
-    cfg: &Config,
-    comm: &dyn Communicator,
-    dp: &dyn Communicator,
+/// Checkpoint name prefix of PipeDream-2BW's previous weight version (whole tensors under the
+/// model's parameter names): the version the first batch after a resume runs on.
+pub(crate) const PREVIOUS_WEIGHTS: &str = "state.previous_weights.";
+
+/// A pipeline stage ready to train: its model, setup, schedule, checkpoint metadata and where
+/// it starts; `previous`: the checkpoint's previous weight version of this stage's layers
+/// (PipeDream-2BW writes it; `None` when resuming from a checkpoint without one), in the
+/// model's flat layout.
+pub(crate) struct BuiltStage<'a> {
+    pub gpt: Gpt,
+    pub setup: StageSetup<'a>,
+    pub gcfg: GptConfig,
+    pub schedule: Schedule,
+    pub meta: std::collections::BTreeMap<String, String>,
+    pub start: Start,
+    pub previous: Option<Vec<f32>>,
+}
+
+/// Builds this rank's stage (`comm`: the pipeline group, rank = stage; `dp`: this stage's
+/// data-parallel replicas; `tp`: its tensor-parallel group, if any) and loads `resume` (every
+/// stage reads the whole model and takes its own layers' optimizer state).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn build_resumed<'a>(
+    cfg: &'a Config,
+    comm: &'a dyn Communicator,
+    dp: &'a dyn Communicator,
     tp: Option<Arc<dyn GroupSum>>,
     global_rank: usize,
+    data: &Data,
+    resume: Option<&Path>,
     opts: &RunOptions,
-) -> Result<Summary, TrainError> {
-    let (dp_rank, dp_size) = (dp.rank().get(), dp.world_size().get());
-    let say = lead_say(global_rank == 0 && !opts.quiet);
-    let tc = &cfg.train;
-    let (data, heap_before_model, gcfg) = gpt_loop_start(cfg, &[comm, dp], dp_rank)?;
-    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
-    let (gpt, mut setup, _) = build_stage(cfg, comm, dp, tp, &gcfg, end, global_rank == 0 && !opts.quiet)?;
-    // Every stage of a replica reads the same batches (the first uses the tokens, the last the
-    // targets); replicas read disjoint shards. Synthetic data is already per replica.
-    let batches = replica_batches(cfg, data.train.clone(), dp_rank, dp_size, 0)?;
-    kolo_base::alloc::reset_peak();
-    let mut report = crate::report::Reporter::new(cfg, global_rank, opts.quiet, cfg.data.batch_size * dp_size, 0)?;
-    let run = run_two_bw(&mut setup, Arc::new(gpt), &batches, end, &mut report)?;
-    report.finish();
-    let flat = setup.assemble(&run.gpt)?;
-    let mut eval = None;
-    let mut sample = None;
-    if global_rank == 0 && end == tc.steps {
-        let (e, s) = evaluate_whole_gpt(cfg, &gcfg, &flat, &data, &say)?;
-        eval = Some(e);
-        sample = s;
+) -> Result<BuiltStage<'a>, TrainError> {
+    let gcfg = crate::trainer::gpt_config(cfg, &[comm, dp], data)?;
+    let lead = global_rank == 0 && !opts.quiet;
+    let (gpt, mut setup, schedule) = build_stage(cfg, comm, dp, tp, &gcfg, cfg.train.steps, lead)?;
+    let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), dp.world_size().get(), 0);
+    let (start, previous) = match resume {
+        Some(path) => {
+            let (r, previous) = setup.load(path, &gcfg, &gpt, &meta)?;
+            (Some((path.to_path_buf(), r)), previous)
+        }
+        None => (None, None),
+    };
+    Ok(BuiltStage { gpt, setup, gcfg, schedule, meta, start, previous })
+}
+
+/// A 2BW checkpoint's previous weight version: `flat` (the loaded model, in the layout
+/// `params` and `ranges` describe) with this stage's parameters (`own`, at `ranges`) replaced
+/// by the checkpoint's; `None` when it holds none (a flushed strategy wrote it).
+fn previous_version(
+    r: &Resumed,
+    params: &kolo_tensor::ParamSet,
+    own: &[usize],
+    ranges: &[std::ops::Range<usize>],
+    flat: &[f32],
+) -> Result<Option<Vec<f32>>, TrainError> {
+    let mut prev = flat.to_vec();
+    for (&i, range) in own.iter().zip(ranges) {
+        let name = &params.get(i).name;
+        let Some(v) = r.strategy_state.get(&format!("{PREVIOUS_WEIGHTS}{name}")) else { return Ok(None) };
+        if v.len() != range.len() {
+            return Err(TrainError::Data(format!(
+                "checkpoint: the previous weight version of `{name}` has {} values, the model {}",
+                v.len(),
+                range.len()
+            )));
+        }
+        prev[range.clone()].copy_from_slice(v);
     }
-    setup.say_bubble(run.bubble, run.theory, true, run.peak_live, global_rank == 0 && !opts.quiet);
-    Ok(Summary {
-        steps_done: end,
-        last_loss: run.last_loss,
-        eval,
-        step_ms: run.step_ms,
-        comm_wait_ms: Vec::new(),
-        comm_bytes: run.comm_bytes,
-        straggler: report.straggler,
-        hidden_fraction: 1.0 - run.bubble,
-        params: flat,
-        sample,
-        checkpoint: None,
-        states: setup.states(&run.gpt),
-        peak_rss: peak_rss(),
-        heap: crate::trainer::HeapReport::between(heap_before_model, run.heap_after),
-        skipped_steps: 0,
-        loss_scale: None,
-        ps: None,
-        pipeline_bubble: Some(run.bubble),
-        moe: None,
-        batch_split: None,
-    })
+    Ok(Some(prev))
+}
+
+impl StageSetup<'_> {
+    /// Loads a checkpoint into this stage: the model (`gpt`, every layer) and its own layers'
+    /// optimizer state; returns it with the previous weight version, if it has one.
+    fn load(
+        &mut self,
+        path: &Path,
+        gcfg: &GptConfig,
+        gpt: &Gpt,
+        meta: &std::collections::BTreeMap<String, String>,
+    ) -> Result<(Resumed, Option<Vec<f32>>), TrainError> {
+        if self.tp.is_some() {
+            return load_tensor_parallel_stage(path, self, gcfg, gpt, meta);
+        }
+        let mut flat = vec![0f32; gpt.params().numel()];
+        let all: Vec<_> = gpt.params().iter().map(|p| p.range.clone()).collect();
+        let plan = self.shard_plan();
+        let r = load_checkpoint(path, gpt.params(), &mut flat, &mut self.opt, Some(&plan), &all, meta)?;
+        gpt.params().load(&flat)?;
+        let previous = previous_version(&r, gpt.params(), &self.own, &self.ranges, &flat)?;
+        Ok((r, previous))
+    }
+
+    /// This stage's parameters of `params` (their values `packed` in stage order, at `ranges`)
+    /// as checkpoint pieces of the previous weight version.
+    fn previous_pieces(&self, params: &kolo_tensor::ParamSet, ranges: &[std::ops::Range<usize>], packed: &[f32]) -> Vec<Piece> {
+        let mut at = 0;
+        self.own
+            .iter()
+            .zip(ranges)
+            .map(|(&i, r)| {
+                let p = params.get(i);
+                let data = packed[at..at + r.len()].to_vec();
+                at += r.len();
+                Piece { name: format!("{PREVIOUS_WEIGHTS}{}", p.name), shape: p.shape.clone(), offset: 0, data }
+            })
+            .collect()
+    }
+
+    /// Writes this stage's layers of `gpt` (and of `previous`, PipeDream-2BW's older weight
+    /// version) with their optimizer state: the first replica's stages each write their own
+    /// layers as a shard of whole tensors; the other replicas hold the same values.
+    pub(crate) fn save_stage(
+        &self,
+        mut at: SaveAt<'_>,
+        gcfg: &GptConfig,
+        gpt: &Gpt,
+        meta: &std::collections::BTreeMap<String, String>,
+        previous: Option<&Gpt>,
+    ) -> Result<PendingSave, TrainError> {
+        if self.dp.rank().get() != 0 {
+            return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
+        }
+        let mut meta = meta.clone();
+        meta.extend(std::mem::take(&mut at.meta));
+        if let Some(tp) = self.tp.clone() {
+            return self.save_tensor_parallel(at, &*tp, gcfg, gpt, &meta, previous);
+        }
+        let plan = self.shard_plan();
+        let master = pack(&gpt.params().to_flat()?, &self.ranges);
+        let own = match previous {
+            Some(p) => self.previous_pieces(gpt.params(), &self.ranges, &pack(&p.params().to_flat()?, &self.ranges)),
+            None => Vec::new(),
+        };
+        let (params, opt, comm) = (gpt.params(), &self.opt, self.comm);
+        save_checkpoint(at.dir, at.step, params, &master, opt, Some(&plan), comm, at.pos, &meta, own, at.background, at.crash)
+    }
+
+    /// Under tensor parallelism each tensor-parallel group puts its stage's layers (values and
+    /// optimizer state) together into whole tensors, and its first member writes them as the
+    /// stage's shard of the whole model.
+    fn save_tensor_parallel(
+        &self,
+        at: SaveAt<'_>,
+        tp: &dyn GroupSum,
+        gcfg: &GptConfig,
+        gpt: &Gpt,
+        meta: &std::collections::BTreeMap<String, String>,
+        previous: Option<&Gpt>,
+    ) -> Result<PendingSave, TrainError> {
+        let (whole, ranges) = self.whole_model(gcfg, gpt)?;
+        let local_len = gpt.params().numel();
+        // Packed stage values in the split layout -> packed values in the whole one.
+        let put_together = |packed: &[f32]| -> Result<Vec<f32>, TrainError> {
+            let mine = unpack(packed, &self.ranges, local_len);
+            let mut full = gpt.tensor_parallel_pieces(&mine).ok_or_else(|| TrainError::Other("not a split model".into()))??;
+            tp.sum(&mut full).map_err(TrainError::Other)?;
+            Ok(pack(&full, &ranges))
+        };
+        let master = put_together(&pack(&gpt.params().to_flat()?, &self.ranges))?;
+        let states = self.opt.state().into_iter().map(|(name, v)| Ok((name, put_together(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
+        let own = match previous {
+            Some(p) => self.previous_pieces(whole.params(), &ranges, &put_together(&pack(&p.params().to_flat()?, &self.ranges))?),
+            None => Vec::new(),
+        };
+        if tp.rank() != 0 {
+            return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
+        }
+        let mut opt = Optimizer::new(self.cfg.optimizer(), master.len());
+        opt.load_state(self.opt.steps(), &states).map_err(TrainError::Other)?;
+        let plan = self.plan_of(&ranges);
+        save_checkpoint(at.dir, at.step, whole.params(), &master, &opt, Some(&plan), self.comm, at.pos, meta, own, at.background, at.crash)
+    }
+
+    /// Loss (and accuracy) of the whole model `gpt` over `ds`, on global rank 0.
+    pub(crate) fn evaluate(
+        &self,
+        gcfg: &GptConfig,
+        gpt: &Gpt,
+        first: bool,
+        ds: &dyn Dataset,
+        max: usize,
+    ) -> Result<Option<Eval>, TrainError> {
+        let flat = self.assemble(gpt)?;
+        first.then(|| crate::trainer::evaluate_alone(self.cfg, gcfg, &flat, ds, max)).transpose()
+    }
+
+    /// Text from the whole model `gpt`, on global rank 0.
+    pub(crate) fn sample(&self, gcfg: &GptConfig, gpt: &Gpt, first: bool, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
+        let flat = self.assemble(gpt)?;
+        first.then(|| crate::trainer::sample_alone(self.cfg, gcfg, &flat, vocab)).transpose()
+    }
+}
+
+/// Loads this stage's layers and their optimizer state from a checkpoint of whole tensors into
+/// a tensor-parallel stage (the inverse of `StageSetup::save_tensor_parallel`), with the
+/// previous weight version if it has one.
+fn load_tensor_parallel_stage(
+    path: &Path,
+    setup: &mut StageSetup<'_>,
+    gcfg: &GptConfig,
+    gpt: &Gpt,
+    meta: &std::collections::BTreeMap<String, String>,
+) -> Result<(Resumed, Option<Vec<f32>>), TrainError> {
+    let (whole, ranges) = setup.whole_model(gcfg, gpt)?;
+    let mut full = vec![0f32; whole.params().numel()];
+    let plan = setup.plan_of(&ranges);
+    let mut whole_opt = Optimizer::new(setup.cfg.optimizer(), plan.len);
+    let all: Vec<_> = whole.params().iter().map(|p| p.range.clone()).collect();
+    let r = load_checkpoint(path, whole.params(), &mut full, &mut whole_opt, Some(&plan), &all, meta)?;
+    let local =
+        |v: &[f32]| gpt.tensor_parallel_local(v).ok_or_else(|| TrainError::Other("not a split model".into()))?.map_err(TrainError::from);
+    gpt.params().load(&local(&full)?)?;
+    let states = whole_opt
+        .state()
+        .into_iter()
+        .map(|(name, v)| Ok((name, pack(&local(&unpack(v, &ranges, full.len()))?, &setup.ranges))))
+        .collect::<Result<Vec<_>, TrainError>>()?;
+    setup.opt.load_state(whole_opt.steps(), &states).map_err(TrainError::Other)?;
+    let previous = previous_version(&r, whole.params(), &setup.own, &ranges, &full)?.map(|p| local(&p)).transpose()?;
+    Ok((r, previous))
 }
 
 /// GPipe and 1F1B on the driver: every batch's micro-batches through the pipeline, a flush,
@@ -379,8 +546,7 @@ pub struct Flushed<'a> {
 
 impl<'a> Flushed<'a> {
     /// `comm`: the pipeline group (rank = stage); `dp`: this stage's data-parallel replicas;
-    /// `tp`: its tensor-parallel group, if any. Loads `resume` (every stage reads the whole
-    /// model and takes its own layers' optimizer state).
+    /// `tp`: its tensor-parallel group, if any. Loads `resume`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         cfg: &'a Config,
@@ -392,100 +558,20 @@ impl<'a> Flushed<'a> {
         resume: Option<&Path>,
         opts: &RunOptions,
     ) -> Result<(Flushed<'a>, Start), TrainError> {
-        let gcfg = crate::trainer::gpt_config(cfg, &[comm, dp], data)?;
-        let lead = global_rank == 0 && !opts.quiet;
-        let (gpt, mut setup, schedule) = build_stage(cfg, comm, dp, tp, &gcfg, cfg.train.steps, lead)?;
-        let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), dp.world_size().get(), 0);
-        let start = match resume {
-            Some(path) if setup.tp.is_some() => {
-                Some((path.to_path_buf(), load_tensor_parallel_stage(path, &mut setup, &gcfg, &gpt, &meta)?))
-            }
-            Some(path) => {
-                let mut flat = vec![0f32; gpt.params().numel()];
-                let all: Vec<_> = gpt.params().iter().map(|p| p.range.clone()).collect();
-                let plan = setup.shard_plan();
-                let r = load_checkpoint(path, gpt.params(), &mut flat, &mut setup.opt, Some(&plan), &all, &meta)?;
-                gpt.params().load(&flat)?;
-                Some((path.to_path_buf(), r))
-            }
-            None => None,
+        let b = build_resumed(cfg, comm, dp, tp, global_rank, data, resume, opts)?;
+        let s = Flushed {
+            setup: b.setup,
+            gpt: Arc::new(b.gpt),
+            gcfg: b.gcfg,
+            schedule: b.schedule,
+            global_rank,
+            quiet: opts.quiet,
+            bubbles: Vec::new(),
+            peak_live: 0,
+            meta: b.meta,
         };
-        let s =
-            Flushed { setup, gpt: Arc::new(gpt), gcfg, schedule, global_rank, quiet: opts.quiet, bubbles: Vec::new(), peak_live: 0, meta };
-        Ok((s, start))
+        Ok((s, b.start))
     }
-}
-
-impl Flushed<'_> {
-    /// Under tensor parallelism each tensor-parallel group puts its stage's layers (values and
-    /// optimizer state) together into whole tensors, and its first member writes them as the
-    /// stage's shard of the whole model.
-    fn save_tensor_parallel(
-        &self,
-        at: SaveAt<'_>,
-        tp: &dyn GroupSum,
-        meta: &std::collections::BTreeMap<String, String>,
-    ) -> Result<PendingSave, TrainError> {
-        let setup = &self.setup;
-        let (whole, ranges) = setup.whole_model(&self.gcfg, &self.gpt)?;
-        let local_len = self.gpt.params().numel();
-        // Packed stage values in the split layout -> packed values in the whole one.
-        let put_together = |packed: &[f32]| -> Result<Vec<f32>, TrainError> {
-            let mine = unpack(packed, &setup.ranges, local_len);
-            let mut full = self.gpt.tensor_parallel_pieces(&mine).ok_or_else(|| TrainError::Other("not a split model".into()))??;
-            tp.sum(&mut full).map_err(TrainError::Other)?;
-            Ok(pack(&full, &ranges))
-        };
-        let master = put_together(&pack(&self.gpt.params().to_flat()?, &setup.ranges))?;
-        let states = setup.opt.state().into_iter().map(|(name, v)| Ok((name, put_together(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
-        if tp.rank() != 0 {
-            return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
-        }
-        let mut opt = Optimizer::new(setup.cfg.optimizer(), master.len());
-        opt.load_state(setup.opt.steps(), &states).map_err(TrainError::Other)?;
-        let plan = setup.plan_of(&ranges);
-        save_checkpoint(
-            at.dir,
-            at.step,
-            whole.params(),
-            &master,
-            &opt,
-            Some(&plan),
-            setup.comm,
-            at.pos,
-            meta,
-            Vec::new(),
-            at.background,
-            at.crash,
-        )
-    }
-}
-
-/// Loads this stage's layers and their optimizer state from a checkpoint of whole tensors into
-/// a tensor-parallel stage (the inverse of `Flushed::save_tensor_parallel`).
-fn load_tensor_parallel_stage(
-    path: &Path,
-    setup: &mut StageSetup<'_>,
-    gcfg: &GptConfig,
-    gpt: &Gpt,
-    meta: &std::collections::BTreeMap<String, String>,
-) -> Result<crate::checkpointing::Resumed, TrainError> {
-    let (whole, ranges) = setup.whole_model(gcfg, gpt)?;
-    let mut full = vec![0f32; whole.params().numel()];
-    let plan = setup.plan_of(&ranges);
-    let mut whole_opt = Optimizer::new(setup.cfg.optimizer(), plan.len);
-    let all: Vec<_> = whole.params().iter().map(|p| p.range.clone()).collect();
-    let r = load_checkpoint(path, whole.params(), &mut full, &mut whole_opt, Some(&plan), &all, meta)?;
-    let local =
-        |v: &[f32]| gpt.tensor_parallel_local(v).ok_or_else(|| TrainError::Other("not a split model".into()))?.map_err(TrainError::from);
-    gpt.params().load(&local(&full)?)?;
-    let states = whole_opt
-        .state()
-        .into_iter()
-        .map(|(name, v)| Ok((name, pack(&local(&unpack(v, &ranges, full.len()))?, &setup.ranges))))
-        .collect::<Result<Vec<_>, TrainError>>()?;
-    setup.opt.load_state(whole_opt.steps(), &states).map_err(TrainError::Other)?;
-    Ok(r)
 }
 
 impl Strategy for Flushed<'_> {
@@ -520,31 +606,15 @@ impl Strategy for Flushed<'_> {
     }
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
-        let flat = self.setup.assemble(&self.gpt)?;
-        (self.global_rank == 0).then(|| crate::trainer::evaluate_alone(self.setup.cfg, &self.gcfg, &flat, ds, max_batches)).transpose()
+        self.setup.evaluate(&self.gcfg, &self.gpt, self.global_rank == 0, ds, max_batches)
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
-        let flat = self.setup.assemble(&self.gpt)?;
-        (self.global_rank == 0).then(|| crate::trainer::sample_alone(self.setup.cfg, &self.gcfg, &flat, vocab)).transpose()
+        self.setup.sample(&self.gcfg, &self.gpt, self.global_rank == 0, vocab)
     }
 
-    fn save(&mut self, mut at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        // The first replica's stages write their own layers (each a shard of whole tensors);
-        // the other replicas hold the same values.
-        if self.setup.dp.rank().get() != 0 {
-            return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
-        }
-        let mut meta = self.meta.clone();
-        meta.extend(std::mem::take(&mut at.meta));
-        if let Some(tp) = self.setup.tp.clone() {
-            return self.save_tensor_parallel(at, &*tp, &meta);
-        }
-        let plan = self.setup.shard_plan();
-        let values = self.gpt.params().to_flat()?;
-        let master: Vec<f32> = self.setup.ranges.iter().flat_map(|r| values[r.clone()].iter().copied()).collect();
-        let (params, opt, comm) = (self.gpt.params(), &self.setup.opt, self.setup.comm);
-        save_checkpoint(at.dir, at.step, params, &master, opt, Some(&plan), comm, at.pos, &meta, Vec::new(), at.background, at.crash)
+    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        self.setup.save_stage(at, &self.gcfg, &self.gpt, &self.meta, None)
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
@@ -553,7 +623,7 @@ impl Strategy for Flushed<'_> {
         self.setup.say_bubble(bubble, theoretical_bubble(k, m), false, self.peak_live, self.global_rank == 0 && !self.quiet);
         Ok(Finish {
             params: self.setup.assemble(&self.gpt)?,
-            states: self.setup.states(&self.gpt),
+            states: self.setup.states(&self.gpt, 1),
             skipped_steps: 0,
             loss_scale: None,
             moe: None,
@@ -561,170 +631,4 @@ impl Strategy for Flushed<'_> {
             ps: None,
         })
     }
-}
-
-/// What a pipeline run's steps produced.
-struct PipeRun {
-    /// The final weights.
-    gpt: Arc<Gpt>,
-    last_loss: f64,
-    step_ms: Vec<f64>,
-    comm_bytes: Vec<usize>,
-    bubble: f64,
-    theory: f64,
-    peak_live: usize,
-    heap_after: Option<kolo_base::alloc::HeapStats>,
-}
-
-type Batches = std::sync::mpsc::Receiver<(crate::sampler::Position, Batch)>;
-
-/// PipeDream-2BW's stage work: batch t runs on weight version max(t - 1, 0); its update makes
-/// version t + 1 from version t and batch t's gradient (W(t+1) = W(t) - step(grad f(W(t-1)))).
-/// A version is a separate copy of the weights, dropped when no micro-batch uses it any more:
-/// two stay alive (double buffering).
-struct TwoBw<'s, 'a> {
-    setup: &'s mut StageSetup<'a>,
-    versions: std::collections::BTreeMap<usize, Arc<Gpt>>,
-    latest: usize,
-    /// Batches in flight on this stage: their micro-batches and accumulated gradients.
-    stages: std::collections::HashMap<usize, GptStage>,
-    batches: &'s Batches,
-    /// The last stage: the sum of each batch's micro-batch losses.
-    losses: std::collections::HashMap<usize, f64>,
-    last_loss: f64,
-    steps: u64,
-    /// Metrics, TensorBoard, JSON lines and the log, one record per update; its windows' loss
-    /// average and straggler exchange run on the agreement group (`setup.sync`).
-    report: &'s mut crate::report::Reporter,
-    last_update: Instant,
-    /// The learning rate before the schedule (`optim.reference_batch` applied).
-    base_lr: f32,
-    epoch: u64,
-}
-
-impl StageWork for TwoBw<'_, '_> {
-    fn forward(&mut self, mb: usize, input: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
-        let m = self.setup.m;
-        let t = mb / m;
-        if !self.stages.contains_key(&t) {
-            let v = weight_version(mb, m);
-            let gpt = self
-                .versions
-                .get(&v)
-                .ok_or_else(|| format!("batch {t} needs weight version {v}, which this stage has not made yet"))?
-                .clone();
-            let (pos, batch) = self.batches.recv().map_err(|_| "the prefetch thread stopped".to_string())?;
-            self.epoch = pos.epoch;
-            let micro = split_batch(&batch, m).map_err(|e| e.to_string())?;
-            self.stages.insert(t, GptStage::new(gpt, self.setup.layers.clone(), micro).rematerialize(self.setup.remat));
-        }
-        let out = self.stages.get_mut(&t).expect("inserted").forward(mb % m, input).map_err(|e| e.to_string())?;
-        if self.setup.layers.end == self.versions[&self.latest].layers() {
-            *self.losses.entry(t).or_default() += f64::from(out[0]);
-        }
-        Ok(out)
-    }
-
-    fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
-        let m = self.setup.m;
-        let stage = self.stages.get_mut(&(mb / m)).ok_or_else(|| format!("backward of micro-batch {mb} before its forward"))?;
-        stage.backward(mb % m, grad).map_err(|e| e.to_string())
-    }
-
-    fn update(&mut self, t: usize) -> Result<(), String> {
-        let mut stage = self.stages.remove(&t).ok_or_else(|| format!("update of batch {t}, which did not run here"))?;
-        let mut grads = std::mem::take(&mut stage.grads);
-        drop(stage);
-        let e = |e: TrainError| e.to_string();
-        self.setup.average(&mut grads).map_err(e)?;
-        let current = self.versions[&self.latest].clone();
-        let (f, loss) = self.setup.clip_and_loss(&current, &grads, self.losses.remove(&t).unwrap_or(0.0)).map_err(e)?;
-        self.last_loss = loss;
-        let cfg = self.setup.cfg;
-        let lr = lr_at(self.base_lr, &cfg.schedule(), cfg.optim.warmup_steps, cfg.train.steps, t as u64);
-        let next = Arc::new(current.fork().map_err(|e| e.to_string())?);
-        self.setup.step(&next, &grads, f, lr).map_err(e)?;
-        self.latest = t + 1;
-        self.versions.insert(t + 1, next);
-        // Batch t + 1 (in flight) runs on version t; older ones are done with.
-        self.versions.retain(|&v, _| v + 1 > t);
-        let done = t as u64 + 1;
-        let now = Instant::now();
-        let step_ms = now.duration_since(self.last_update).as_secs_f64() * 1e3;
-        self.last_update = now;
-        self.report.record(t as u64, crate::report::StepRecord { step_ms, ..Default::default() });
-        if self.report.is_log_step(done, self.steps) {
-            let sync = self.setup.sync.as_deref().ok_or("2BW runs with its agreement group")?;
-            let extra = format!(" (weights version {}, gradient from version {})", t + 1, t.saturating_sub(1));
-            self.report.window(sync, done, loss, lr, self.epoch, &extra).map_err(e)?;
-        }
-        Ok(())
-    }
-}
-
-/// PipeDream-2BW: the whole run is one 1F1B stream without flushes; each stage updates its
-/// weights after its last backward of a batch.
-fn run_two_bw(
-    setup: &mut StageSetup<'_>,
-    gpt: Arc<Gpt>,
-    batches: &Batches,
-    end: u64,
-    report: &mut crate::report::Reporter,
-) -> Result<PipeRun, TrainError> {
-    let cfg = setup.cfg;
-    let global_batch = cfg.data.batch_size * setup.dp.world_size().get();
-    let base_lr = cfg.optim.reference_batch.map_or(cfg.optim.lr, |r| kolo_optim::scaled_lr(cfg.optim.lr, global_batch, r));
-    let (k, m) = (setup.comm.world_size().get(), setup.m);
-    let act_len = {
-        // Hidden states per micro-batch: sequences per micro-batch x tokens x width.
-        let c = gpt.config();
-        cfg_micro(setup.cfg, m) * c.seq * c.d_model
-    };
-    let mut work = TwoBw {
-        setup,
-        versions: [(0, gpt)].into_iter().collect(),
-        latest: 0,
-        stages: Default::default(),
-        batches,
-        losses: Default::default(),
-        last_loss: f64::NAN,
-        steps: end,
-        report,
-        last_update: Instant::now(),
-        base_lr,
-        epoch: 0,
-    };
-    let report = if end == 0 {
-        Default::default()
-    } else {
-        run_stage(work.setup.comm, Schedule::TwoBw { batches: end as usize }, m, act_len, &mut work)
-            .map_err(|e| TrainError::Other(e.to_string()))?
-    };
-    let heap_after = kolo_base::alloc::stats();
-    let gpt = work.versions.remove(&work.latest).expect("the latest version is kept");
-    let last_loss = work.last_loss;
-    let bubble = work.setup.bubble(report.busy_ms, report.total_ms)?;
-    // Step time: between consecutive updates on this stage (the first from the start).
-    let mut step_ms = Vec::with_capacity(report.updates.len());
-    let mut prev = 0.0;
-    for &u in &report.updates {
-        step_ms.push(u - prev);
-        prev = u;
-    }
-    let per_step = report.bytes_sent / (end as usize).max(1);
-    Ok(PipeRun {
-        gpt,
-        last_loss,
-        step_ms,
-        comm_bytes: vec![per_step; end as usize],
-        bubble,
-        theory: theoretical_bubble(k, m * end as usize),
-        peak_live: report.max_live,
-        heap_after,
-    })
-}
-
-/// Sequences per micro-batch.
-fn cfg_micro(cfg: &Config, m: usize) -> usize {
-    cfg.data.batch_size / m
 }

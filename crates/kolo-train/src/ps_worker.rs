@@ -484,7 +484,7 @@ fn adopt_shard(
     for step in start..end {
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
         let mut next = || batches.recv().map(|b| b.1).map_err(|_| TrainError::Other("the prefetch thread stopped".into()));
-        w.step(cfg, &StepCtx { step, lr }, &mut next)?;
+        w.step(cfg, &StepCtx { step, lr, drain_at: end }, &mut next)?;
     }
     let _ = kolo_ps::coord::worker_done(coordinator, token, shard as u32, Duration::from_secs(5));
     Ok(w.pushes)

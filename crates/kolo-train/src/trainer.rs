@@ -92,20 +92,6 @@ pub struct Summary {
     pub batch_split: Option<Vec<usize>>,
 }
 
-/// What the GPT loops with a model of their own (pipeline stages) share at the start: the
-/// config's deadline on each of their groups, the data of replica `data_rank`, the live heap
-/// before the model and the GPT's shape.
-pub(crate) fn gpt_loop_start(
-    cfg: &Config,
-    groups: &[&dyn Communicator],
-    data_rank: usize,
-) -> Result<(Data, Option<usize>, kolo_tensor::models::GptConfig), TrainError> {
-    let data = load_data(cfg, data_rank)?;
-    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
-    let gcfg = gpt_config(cfg, groups, &data)?;
-    Ok((data, heap_before, gcfg))
-}
-
 /// The config's deadline on each of a GPT strategy's `groups`, and the GPT's shape.
 pub(crate) fn gpt_config(cfg: &Config, groups: &[&dyn Communicator], data: &Data) -> Result<kolo_tensor::models::GptConfig, TrainError> {
     let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
@@ -339,28 +325,6 @@ pub(crate) fn evaluate(
     Ok(Eval { loss: v[0] / v[2].max(1.0), accuracy: is_class.then(|| v[1] / v[2].max(1.0)), examples })
 }
 
-/// The final evaluation (and, for text, a sample) of a whole GPT rebuilt in this process from
-/// `flat`: for the parallel modes whose own copy is split (pipeline stages).
-pub(crate) fn evaluate_whole_gpt(
-    cfg: &Config,
-    gcfg: &kolo_tensor::models::GptConfig,
-    flat: &[f32],
-    data: &Data,
-    say: &dyn Fn(&str),
-) -> Result<(Eval, Option<String>), TrainError> {
-    let e = evaluate_alone(cfg, gcfg, flat, &*data.eval, cfg.train.eval_batches)?;
-    say(&format!("final eval on {} examples: loss {:.4}", e.examples, e.loss));
-    let sample = match (&data.vocab, cfg.train.sample_chars > 0) {
-        (Some(v), true) => {
-            let s = sample_alone(cfg, gcfg, flat, v)?;
-            say(&format!("--- sample ({} chars, temperature {}) ---\n{s}\n---", cfg.train.sample_chars, cfg.train.sample_temperature));
-            Some(s)
-        }
-        _ => None,
-    };
-    Ok((e, sample))
-}
-
 /// A whole GPT in this process holding `flat`.
 fn whole_gpt(cfg: &Config, gcfg: &kolo_tensor::models::GptConfig, flat: &[f32]) -> Result<kolo_tensor::models::Gpt, TrainError> {
     let whole = kolo_tensor::models::Gpt::new(gcfg.clone(), &mut Rng::new(cfg.train.seed))?;
@@ -433,8 +397,8 @@ pub(crate) fn sample_text(
 }
 
 /// Trains `cfg` on this rank of `comm`: picks the strategy the config names (data parallel,
-/// with ZeRO and tensor parallelism; scheduled DDP; sequence or expert parallel; pipelines, of
-/// which PipeDream-2BW runs a loop of its own) and runs it to the end.
+/// with ZeRO and tensor parallelism; scheduled DDP; sequence or expert parallel; GPipe, 1F1B or
+/// PipeDream-2BW pipelines) and runs it on the driver to the end.
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
     // Before anything else: every rank was started with the same job.
@@ -444,11 +408,6 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
     // blocks are split over the tp group; stages talk over the pp group.
     let mesh = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
-    if let (Some(which), Some(_)) = (cfg.separate_loop(), &opts.resume) {
-        return Err(TrainError::Config(format!(
-            "resuming (--resume, elastic restarts) is not supported with {which} yet: it writes no checkpoints"
-        )));
-    }
     if cfg.train.strategy == crate::config::Strategy::Ps {
         return Err(TrainError::Config("train.strategy = \"ps\" trains through parameter servers: run it with `kolo ps run` (or `kolo train` with KOLO_PS_COORDINATOR set)".into()));
     }
@@ -490,10 +449,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     };
     if let (Some(pc), Some(pp)) = (&cfg.pipeline, &pp) {
         let tp = tp.map(|c| crate::data_parallel::CommGroup::new(c) as Arc<dyn kolo_base::GroupSum>);
-        if pc.schedule == crate::config::PipeSchedule::TwoBw {
-            return crate::pipeline::run_two_bw_pipeline(cfg, &**pp, &*dp, tp, global_rank, opts);
-        }
         let (data, heap) = start(dp.rank().get())?;
+        if pc.schedule == crate::config::PipeSchedule::TwoBw {
+            let (mut s, from) = crate::pipedream_2bw::TwoBw::new(cfg, &**pp, &*dp, tp, global_rank, &data, resume, opts)?;
+            return drive(&data, heap, &mut s, from);
+        }
         let (mut s, from) = crate::pipeline::Flushed::new(cfg, &**pp, &*dp, tp, global_rank, &data, resume, opts)?;
         return drive(&data, heap, &mut s, from);
     }

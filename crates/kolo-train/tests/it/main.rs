@@ -333,11 +333,8 @@ fn bad_inputs_give_clear_errors() {
     assert!(Config::parse(&format!("{ps}{reports}[optim]\nreference_batch = 32\n"), "t").is_ok());
     let e = err(&format!("{ps}[optim]\noffload_dir = \"x\"\n"));
     assert!(e.contains("optim.offload_dir") && e.contains("train.strategy = \"ps\""), "{e}");
-    // The loops that report through the driver's Reporter take the logs and refuse only what
-    // they still lack.
-    assert!(Config::parse(&format!("{two_bw}[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\n"), "t").is_ok());
-    let e = err(&format!("{two_bw}[train]\ntimeline_dir = \"x\"\n"));
-    assert!(e.contains("train.timeline_dir") && e.contains("pipeline.schedule = \"2bw\""), "{e}");
+    // PipeDream-2BW runs on the driver too: it takes every report, timelines and checkpoints.
+    assert!(Config::parse(&format!("{two_bw}[train]\n{reports}checkpoint_dir = \"c\"\n"), "t").is_ok());
     // Scheduled DDP runs on the driver: it has them all.
     let sched = format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n");
     let all = "[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\ntimeline_dir = \"z\"\ncheckpoint_dir = \"c\"\n\
@@ -345,15 +342,6 @@ fn bad_inputs_give_clear_errors() {
     assert!(Config::parse(&format!("{sched}{all}"), "t").is_ok());
     // PipeDream-2BW keeps its optimizer state where offload_dir says and scales the learning rate.
     assert!(Config::parse(&format!("{two_bw}[optim]\noffload_dir = \"x\"\nreference_batch = 32\n"), "t").is_ok());
-    // --resume in a loop that writes no checkpoints is refused before anything runs.
-    let pipe = Config::parse(&two_bw, "t").unwrap();
-    let resume = RunOptions { resume: Some("/nonexistent/ck".into()), quiet: true, ..Default::default() };
-    let e = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |_, c| run(&pipe, Arc::new(c), &resume).err().unwrap());
-    assert!(
-        e[0].to_string().contains("resuming (--resume, elastic restarts) is not supported with pipeline.schedule = \"2bw\""),
-        "{}",
-        e[0]
-    );
     // Deterministic mode: pieces must divide the per-rank batch; what it cannot make bitwise is refused.
     assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 3\n"))
         .contains("ddp.deterministic_chunk = 3 must divide data.batch_size = 8"));
@@ -1235,6 +1223,51 @@ fn flushed_pipelines_checkpoint_resume_and_evaluate() {
     let one = train_on(1, &mk("", 4), &resume);
     let d = max_diff(&one[0].params, &full[0].params);
     assert!(d < 1e-4, "the pp x tp checkpoint continued in one process: {d}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// PipeDream-2BW on the driver (#16): its stream is drained at every evaluation and checkpoint
+/// and restarted from the two weight versions alive, which changes when work happens but not
+/// what is computed: a run that drains after every step ends bitwise where the undrained one
+/// does. Stopped at step 4 and resumed from its checkpoint (the latest version, the previous
+/// one, the optimizer state, the data position), it ends bitwise where the uninterrupted run
+/// does, over 2 stages, dp 2 x pp 2 and pp 2 x tp 2. Every rank's steps are on the timeline.
+#[test]
+fn pipedream_2bw_drains_checkpoints_and_resumes_bitwise() {
+    let dir = std::env::temp_dir().join(format!("kolo-2bw-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mk = |extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n\
+             [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\n[train]\nsteps = 6\nlog_every = 1\nsample_chars = 0\neval_batches = 2\n\
+             {extra}[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    for (world, mesh) in [(2, ""), (4, "[mesh]\ndp = 2\n"), (4, "[mesh]\ntp = 2\n")] {
+        let tag = format!("{world}{}", mesh.replace(['[', ']', '\n', ' ', '='], ""));
+        let tl = dir.join(format!("tl{tag}"));
+        let full = train_on(world, &mk(&format!("timeline_dir = \"{}\"\n{mesh}", tl.display())), &quiet());
+        if mesh.is_empty() {
+            let drained = train_on(world, &mk("eval_every = 1\n"), &quiet());
+            let d = max_diff(&drained[0].params, &full[0].params);
+            assert!(drained[0].params == full[0].params, "drained after every step vs one stream: max difference {d}");
+            assert!(drained[0].eval.is_some());
+        }
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(tl.join("trace.json")).unwrap()).unwrap();
+        let fb = doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == "forward + backward").count();
+        assert_eq!(fb, 6 * world, "{mesh}: every rank's 6 steps on the timeline");
+        let ck = dir.join(format!("ck{tag}"));
+        let cfg = mk(&format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 2\n{mesh}", ck.display()));
+        train_on(world, &cfg, &RunOptions { stop_after: Some(4), ..quiet() });
+        let resume = RunOptions { resume: Some(ck.join("step-00000004")), quiet: true, ..Default::default() };
+        for (r, s) in train_on(world, &cfg, &resume).iter().enumerate() {
+            let d = max_diff(&s.params, &full[0].params);
+            assert!(s.params == full[0].params, "{mesh} rank {r}: resumed 2BW vs uninterrupted, max difference {d}");
+            assert_eq!(s.last_loss, full[0].last_loss);
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
