@@ -339,7 +339,7 @@ impl PsClient {
         for id in ids {
             let c = self.conn(id)?;
             match c.conn.call(&Req::Stats)? {
-                Resp::Stats(s) => out.push((id, s)),
+                Resp::Stats(s) => out.push((id, *s)),
                 other => return Err(PsError::Protocol(format!("server {id} answered Stats with {other:?}"))),
             }
         }

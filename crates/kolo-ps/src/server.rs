@@ -53,6 +53,9 @@ struct RangeData {
     vectors: BTreeMap<u32, Vec<f32>>,
     /// The number of the last vector operation applied (retries of it are not applied again).
     vec_seq: u64,
+    /// When the first push of each step not yet pushed by every worker reached this range
+    /// (the straggler measure: how long after it the others' pushes arrive).
+    first_push: BTreeMap<u64, Instant>,
 }
 
 type Slot = Arc<(Mutex<RangeData>, Condvar)>;
@@ -166,9 +169,7 @@ impl Server {
     }
 
     pub fn stats(&self) -> ServerStats {
-        let mut s = lock(&self.shared.stats).clone();
-        s.ranges = lock(&self.shared.ranges).len() as u64;
-        s
+        stats_now(&self.shared)
     }
 
     /// Blocks until the coordinator shuts the job down or removes this server; returns why.
@@ -531,11 +532,7 @@ fn handle(shared: &Shared, cs: &mut ConnState, req: Req) -> Resp {
 fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, Resp> {
     let me = shared.id.load(Ordering::SeqCst);
     match req {
-        Req::Stats => {
-            let mut s = lock(&shared.stats).clone();
-            s.ranges = lock(&shared.ranges).len() as u64;
-            Ok(Resp::Stats(s))
-        }
+        Req::Stats => Ok(Resp::Stats(Box::new(stats_now(shared)))),
         Req::Init { job, epoch, range, values, fwd } => {
             set_job(shared, &job)?;
             if range >= job.ranges() || values.len() != job.span(range).len() {
@@ -562,6 +559,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                         pending: vec![None; job.workers as usize],
                         vectors: BTreeMap::new(),
                         vec_seq: 0,
+                        first_push: BTreeMap::new(),
                     };
                     let s: Slot = Arc::new((Mutex::new(d), Condvar::new()));
                     lock(&shared.ranges).entry(range).or_insert(s).clone()
@@ -625,7 +623,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                 vec_seq: d.vec_seq,
             })))
         }
-        Req::Push { epoch, range, worker, clock, lr, keys, values, fwd: _ } => {
+        Req::Push { epoch, range, worker, clock, lr, keys, values, fwd } => {
             let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
             let keys = resolve_keys(cs, shared, keys)?;
@@ -654,6 +652,9 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                 let req = Req::Push { epoch, range, worker, clock, lr, keys, values: values.clone(), fwd: true };
                 forward(shared, next, &req)
                     .map_err(|e| err(format!("server {me}: replicating worker {worker}'s step {clock} of range {range}: {e}")))?;
+            }
+            if !duplicate && !fwd {
+                note_arrival(shared, &mut d, w, clock);
             }
             if !duplicate {
                 let dense = match &keys {
@@ -764,6 +765,50 @@ fn vector(d: &RangeData, id: u32) -> &[f32] {
     }
 }
 
+/// The counters, with the ranges held and how long each worker has been behind right now.
+fn stats_now(shared: &Shared) -> ServerStats {
+    let mut s = lock(&shared.stats).clone();
+    let slots: Vec<Slot> = lock(&shared.ranges).values().cloned().collect();
+    s.ranges = slots.len() as u64;
+    let now = Instant::now();
+    for slot in slots {
+        let d = lock(&slot.0);
+        s.worker_behind_ms.resize(s.worker_behind_ms.len().max(d.clocks.len()), 0.0);
+        // Another worker pushed the step this one has yet to push: behind since then.
+        for (w, c) in d.clocks.iter().enumerate() {
+            // BSP holds a pushed gradient in `pending` until the step is complete.
+            let next = c + u64::from(d.pending.get(w).is_some_and(Option::is_some));
+            if let Some(first) = d.first_push.get(&next) {
+                let ms = now.duration_since(*first).as_secs_f64() * 1e3;
+                s.worker_behind_ms[w] = s.worker_behind_ms[w].max(ms);
+            }
+        }
+    }
+    s
+}
+
+/// Worker `w`'s push of step `clock` reached this range (at its chain's head): adds how long
+/// after the step's first push it came to the worker's lag (the straggler measure in
+/// [`ServerStats`]). Steps every worker has pushed are forgotten.
+fn note_arrival(shared: &Shared, d: &mut RangeData, w: usize, clock: u64) {
+    let now = Instant::now();
+    let first = *d.first_push.entry(clock).or_insert(now);
+    let lag = now.duration_since(first).as_secs_f64() * 1e3;
+    let mut s = lock(&shared.stats);
+    if s.worker_lag_ms.len() < d.clocks.len() {
+        s.worker_lag_ms.resize(d.clocks.len(), 0.0);
+        s.worker_pushes.resize(d.clocks.len(), 0);
+    }
+    s.worker_lag_ms[w] += lag;
+    s.worker_pushes[w] += 1;
+    drop(s);
+    // Every worker's clock is past the steps below the slowest one's: nobody pushes them again.
+    let slowest = d.clocks.iter().enumerate().map(|(i, c)| if i == w { (*c).max(clock + 1) } else { *c }).min().unwrap_or(0);
+    while d.first_push.first_key_value().is_some_and(|(c, _)| *c < slowest) {
+        d.first_push.pop_first();
+    }
+}
+
 /// Applies worker `w`'s gradient for `clock`. BSP keeps it until every worker's is in (all but
 /// `backup` of them with backup workers), then applies their mean (summed in worker order, so
 /// every chain member computes the same bits) and moves every worker's clock on: a late push of
@@ -819,7 +864,16 @@ fn install(shared: &Shared, job: &JobSpec, epoch: u64, range: u32, state: RangeS
     let mut pending = state.pending;
     pending.resize(job.workers as usize, None);
     let vectors = state.vectors.into_iter().collect();
-    let d = RangeData { epoch, values: state.values, opt, clocks: state.clocks, pending, vectors, vec_seq: state.vec_seq };
+    let d = RangeData {
+        epoch,
+        values: state.values,
+        opt,
+        clocks: state.clocks,
+        pending,
+        vectors,
+        vec_seq: state.vec_seq,
+        first_push: BTreeMap::new(),
+    };
     let old = lock(&shared.ranges).insert(range, Arc::new((Mutex::new(d), Condvar::new())));
     if let Some(old) = old {
         lock(&old.0).epoch = RETIRED;

@@ -170,7 +170,7 @@ fn sample_resps() -> Vec<Resp> {
             vectors: vec![(1, vec![0.0; 4])],
             vec_seq: 7,
         })),
-        Resp::Stats(ServerStats {
+        Resp::Stats(Box::new(ServerStats {
             pushes: 1,
             pulls: 2,
             bytes_in: 3,
@@ -181,7 +181,10 @@ fn sample_resps() -> Vec<Resp> {
             key_bytes_saved: 8,
             duplicates: 9,
             skipped: 10,
-        }),
+            worker_lag_ms: vec![0.0, 12.5],
+            worker_pushes: vec![3, 3],
+            worker_behind_ms: vec![4.0, 0.0],
+        })),
         Resp::Registered { id: 2, membership: m.clone() },
         Resp::Membership(m),
     ]

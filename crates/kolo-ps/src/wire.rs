@@ -168,6 +168,13 @@ pub struct ServerStats {
     pub duplicates: u64,
     /// BSP with backup workers: gradients a step went without (late workers), over all ranges.
     pub skipped: u64,
+    /// By worker: milliseconds its pushes reached a range after the first push of the same
+    /// step to that range, summed (the straggler measure), and the pushes counted.
+    pub worker_lag_ms: Vec<f64>,
+    pub worker_pushes: Vec<u64>,
+    /// By worker, now: how long ago another worker pushed the step it has yet to push (the
+    /// longest over the ranges; 0 when it is not behind).
+    pub worker_behind_ms: Vec<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -188,7 +195,7 @@ pub enum Resp {
     UnknownKeys,
     WrongEpoch { current: u64 },
     Error(String),
-    Stats(ServerStats),
+    Stats(Box<ServerStats>),
     Registered { id: u32, membership: Membership },
     Membership(Membership),
     State(Box<RangeState>),
@@ -466,7 +473,10 @@ impl Resp {
                     .u64(s.cached_key_lists)
                     .u64(s.key_bytes_saved)
                     .u64(s.duplicates)
-                    .u64(s.skipped);
+                    .u64(s.skipped)
+                    .u64s(&s.worker_pushes)
+                    .u64s(&s.worker_lag_ms.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                    .u64s(&s.worker_behind_ms.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
             }
             Resp::Registered { id, membership } => {
                 w.u8(8).u32(*id);
@@ -493,7 +503,7 @@ impl Resp {
             4 => Resp::UnknownKeys,
             5 => Resp::WrongEpoch { current: r.u64()? },
             6 => Resp::Error(r.str()?),
-            7 => Resp::Stats(ServerStats {
+            7 => Resp::Stats(Box::new(ServerStats {
                 pushes: r.u64()?,
                 pulls: r.u64()?,
                 bytes_in: r.u64()?,
@@ -504,7 +514,10 @@ impl Resp {
                 key_bytes_saved: r.u64()?,
                 duplicates: r.u64()?,
                 skipped: r.u64()?,
-            }),
+                worker_pushes: r.u64s()?,
+                worker_lag_ms: r.u64s()?.into_iter().map(f64::from_bits).collect(),
+                worker_behind_ms: r.u64s()?.into_iter().map(f64::from_bits).collect(),
+            })),
             8 => Resp::Registered { id: r.u32()?, membership: get_membership(&mut r)? },
             9 => Resp::Membership(get_membership(&mut r)?),
             10 => Resp::State(Box::new(get_state(&mut r)?)),

@@ -127,6 +127,13 @@ pub trait Strategy {
     /// Text generated from the model (the config's length and temperature), where this rank
     /// produces it.
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError>;
+    /// A straggler seen from outside the ranks' own timings, at the end of each log window:
+    /// the rank, how many milliseconds it trails the median rank, and what was measured.
+    /// Parameter-server workers share no communicator, so the servers tell (when each worker's
+    /// pushes arrive).
+    fn straggler(&mut self) -> Result<Option<(usize, f64, String)>, TrainError> {
+        Ok(None)
+    }
     /// Writes the strategy's state: parameters, optimizer and its own loop state.
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError>;
     /// The end of the run, after `steps_run` steps in this process.
@@ -358,6 +365,9 @@ pub fn drive(
         }
         if report.is_log_step(done, end) {
             report.window(s.comm(), done, out.loss, lr, batches.pos.epoch, &out.note)?;
+            if let Some((rank, lag, what)) = s.straggler()? {
+                report.straggler_seen(done, rank, lag, &what);
+            }
         }
         if tc.eval_every > 0 && done.is_multiple_of(tc.eval_every) && done != end {
             if let Some(e) = s.evaluate(&*data.eval, tc.eval_batches)? {

@@ -65,6 +65,38 @@ pub struct PsStrategy<'a> {
     /// The final parameters were pulled (every worker's last push applied, under BSP).
     settled: bool,
     quiet: bool,
+    /// The servers' straggler measure at the last log window, summed over the servers: by
+    /// worker, milliseconds its pushes came after a step's first, and pushes.
+    lag_seen: (Vec<f64>, Vec<u64>),
+}
+
+/// The straggler of a window from the servers' view, by worker: the cumulative lag (ms after a
+/// step's first push) and push counts now and at the window's start, and how long each has been
+/// behind right now. A worker's lag is the larger of its mean lag per push in the window and how
+/// long it is behind now (a worker too slow to push at all in the window still trails); the
+/// straggler is the worker with the largest, by how far it is above the (lower) median
+/// worker's. Workers with neither (done, or dead) are left out; fewer than two left, nobody is
+/// named.
+pub fn window_straggler(lag: &[f64], pushes: &[u64], lag0: &[f64], pushes0: &[u64], behind: &[f64]) -> Option<(usize, f64)> {
+    let at = |v: &[f64], i: usize| v.get(i).copied().unwrap_or(0.0);
+    let mean: Vec<(usize, f64)> = (0..lag.len().min(pushes.len()))
+        .filter_map(|w| {
+            let n = pushes[w].saturating_sub(pushes0.get(w).copied().unwrap_or(0));
+            let mean = (n > 0).then(|| (at(lag, w) - at(lag0, w)) / n as f64);
+            let now = Some(at(behind, w)).filter(|b| *b > 0.0);
+            match (mean, now) {
+                (None, None) => None,
+                (m, b) => Some((w, m.unwrap_or(0.0).max(b.unwrap_or(0.0)))),
+            }
+        })
+        .collect();
+    if mean.len() < 2 {
+        return None;
+    }
+    let (slow, max) = mean.iter().copied().fold((0, f64::MIN), |a, (w, v)| if v > a.1 { (w, v) } else { a });
+    let mut sorted: Vec<f64> = mean.iter().map(|m| m.1).collect();
+    sorted.sort_by(f64::total_cmp);
+    Some((slow, max - sorted[(sorted.len() - 1) / 2]))
 }
 
 /// Trains this parameter-server worker to the end of the run (the driver's loop, without
@@ -128,6 +160,7 @@ impl<'a> PsStrategy<'a> {
             adopted,
             adopted_shards: Vec::new(),
             settled: false,
+            lag_seen: (Vec::new(), Vec::new()),
             meta,
         };
         Ok((s, start))
@@ -189,6 +222,25 @@ impl Strategy for PsStrategy<'_> {
             self.w.client.stats().max_lead
         );
         Ok(out)
+    }
+
+    /// The worker whose pushes reached the servers latest after each step's first push, over
+    /// the window since the last call, and its lag behind the median worker's.
+    fn straggler(&mut self) -> Result<Option<(usize, f64, String)>, TrainError> {
+        let n = self.me.1;
+        let (mut lag, mut pushes, mut behind) = (vec![0f64; n], vec![0u64; n], vec![0f64; n]);
+        for (_, s) in self.w.client.server_stats()? {
+            for (w, (l, p)) in s.worker_lag_ms.iter().zip(&s.worker_pushes).enumerate().take(n) {
+                lag[w] += l;
+                pushes[w] += p;
+            }
+            for (w, b) in s.worker_behind_ms.iter().enumerate().take(n) {
+                behind[w] = behind[w].max(*b);
+            }
+        }
+        let (lag0, pushes0) = std::mem::replace(&mut self.lag_seen, (lag.clone(), pushes.clone()));
+        Ok(window_straggler(&lag, &pushes, &lag0, &pushes0, &behind)
+            .map(|(w, ms)| (w, ms, format!("worker {w}'s pushes reach the servers {ms:.1} ms after the median worker's"))))
     }
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {

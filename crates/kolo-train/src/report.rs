@@ -183,6 +183,21 @@ impl Reporter {
         }
     }
 
+    /// A straggler the strategy saw from outside the ranks' own timings
+    /// ([`crate::driver::Strategy::straggler`]): `rank` trails the median by `lag` ms, `what`
+    /// says how; named, like [`Reporter::window`]'s, when that is over 1 ms and 10 % of the
+    /// window's step time.
+    pub fn straggler_seen(&mut self, done: u64, rank: usize, lag: f64, what: &str) {
+        let n = (self.log_every.max(1) as usize).min(self.step_ms.len());
+        let ms = self.step_ms[self.step_ms.len() - n..].iter().sum::<f64>() / n.max(1) as f64;
+        self.metrics.straggler_rank.set(rank as f64);
+        self.metrics.straggler_lag_seconds.set(lag / 1e3);
+        if lag > 1.0 && lag > 0.1 * ms {
+            self.straggler = Some((rank, lag));
+            self.log(&format!("step {done}: straggler: {what} (steps take {ms:.1} ms)"));
+        }
+    }
+
     /// Whether `done` steps end a log window (every `log_every` steps, and the last step).
     pub fn is_log_step(&self, done: u64, end: u64) -> bool {
         done.is_multiple_of(self.log_every.max(1)) || done == end

@@ -647,7 +647,7 @@ fn local_sgd_averages_models_and_trains_close_to_ddp() {
 }
 
 /// A rank that is slow at its own work (a sleep injected in every step) is named as the
-/// straggler; with equal ranks nobody is.
+/// straggler; with equal ranks nobody is. Parameter-server workers too, from the servers' view.
 #[test]
 fn the_slow_rank_is_named_as_the_straggler() {
     let cfg = mnist_cfg("[train]\nsteps = 6\nlog_every = 3\n", 16);
@@ -665,6 +665,38 @@ fn the_slow_rank_is_named_as_the_straggler() {
         // Threads on 2 cores are not perfectly even: allow noise, never a 40 ms lag.
         assert!(lag < 20.0, "rank {r} named with {lag} ms");
     }
+    // Parameter-server workers share no communicator: the servers see when each worker's
+    // pushes arrive, and every worker names the slow one (BSP and async), whichever it is.
+    for (consistency, slow) in [("bsp", 1), ("bsp", 2), ("async", 1)] {
+        let ps = mnist_cfg(
+            &format!(
+                "[train]\nsteps = 9\nlog_every = 3\nstrategy = \"ps\"\n[ps]\nconsistency = \"{consistency}\"\nchunk = 4000\nservers = 2\n"
+            ),
+            16,
+        );
+        let opts = RunOptions { slow_rank: Some((slow, 40)), ..quiet() };
+        for (w, s) in train_ps(&ps_cluster(2), 3, &ps, &opts).iter().enumerate() {
+            let (r, lag) = s.straggler.unwrap_or_else(|| panic!("{consistency}: worker {w} names no straggler"));
+            assert_eq!(r, slow, "{consistency}: worker {w} names worker {r} ({lag:.1} ms)");
+            // BSP: every step waits for the slow worker, whose pushes come its 40 ms late. Async:
+            // the others run ahead; it is behind by as long as they have run since its step.
+            assert!(lag > if consistency == "bsp" { 20.0 } else { 1.0 }, "{consistency}: lag {lag} ms");
+        }
+    }
+}
+
+/// The parameter servers' straggler arithmetic: the window's mean lag per push, or how long a
+/// worker is behind now when that is more; workers with neither are left out.
+#[test]
+fn ps_window_straggler_takes_the_window_and_the_workers_behind() {
+    use kolo_train::ps_worker::window_straggler;
+    // Worker 2 pushed 4 times in the window, 30 ms late each; the others on time.
+    let named = window_straggler(&[10.0, 12.0, 150.0], &[8, 8, 8], &[10.0, 10.0, 30.0], &[4, 4, 4], &[0.0; 3]);
+    assert_eq!(named, Some((2, 30.0 - 0.5)));
+    // Worker 1 pushed nothing in the window but has been behind for 80 ms.
+    assert_eq!(window_straggler(&[5.0, 0.0, 5.0], &[8, 4, 8], &[0.0; 3], &[4, 4, 4], &[0.0, 80.0, 0.0]).map(|s| s.0), Some(1));
+    // Worker 2 is done (no pushes, not behind): left out; one worker left names nobody.
+    assert_eq!(window_straggler(&[0.0, 0.0, 0.0], &[8, 4, 8], &[0.0; 3], &[4, 4, 8], &[0.0; 3]), None);
 }
 
 /// TensorBoard event files: every rank writes its own run; the records parse back with valid
