@@ -60,6 +60,9 @@ pub struct Snapshot {
     pub opt_steps: u64,
     /// The optimizer's state vectors, in `JobSpec::optimizer`'s state order.
     pub opt_state: Vec<Vec<f32>>,
+    /// By worker: the steps (pushes) it had applied everywhere (the fewest over the ranges).
+    /// Under BSP every worker's is the snapshot's step.
+    pub clocks: Vec<u64>,
 }
 
 pub struct PsClient {
@@ -152,6 +155,11 @@ impl PsClient {
     pub fn worker(&self) -> u32 {
         self.o.worker
     }
+
+    /// The job's number of workers.
+    pub fn workers(&self) -> u32 {
+        self.o.job.workers
+    }
     pub fn stats(&self) -> &PushStats {
         &self.stats
     }
@@ -177,12 +185,19 @@ impl PsClient {
 
     /// The whole table's state as a pull for step `clock` sees it (BSP: every worker's steps
     /// before `clock` applied), for a checkpoint: the values, the optimizer's step count and its
-    /// state vectors (in `JobSpec::optimizer`'s state order), each over the whole table.
+    /// state vectors (in `JobSpec::optimizer`'s state order), each over the whole table, and
+    /// each worker's clock. Without BSP the workers never stop together: each range is read as
+    /// it is when its request arrives (a fuzzy snapshot, as asynchronous parameter servers
+    /// checkpoint), its optimizer step count is the fewest over the ranges, and a worker's
+    /// clock is the fewest steps it had applied on any range (a push that reached only some
+    /// ranges is redone after a restore).
     pub fn snapshot(&mut self, clock: u64) -> Result<Snapshot, PsError> {
         let job = self.o.job.clone();
         let n = job.len as usize;
         let names = job.optimizer.state_names().len();
+        let bsp = job.consistency == crate::Consistency::Bsp;
         let (mut values, mut opt_state, mut steps) = (vec![0f32; n], vec![vec![0f32; n]; names], None);
+        let mut clocks = vec![u64::MAX; job.workers as usize];
         let mut todo: Vec<u32> = (0..job.ranges()).collect();
         let mut problem = None;
         self.rounds("snapshot", &mut todo, &mut |range, epoch, _| Req::Snapshot { epoch, range, clock }, &mut |range, r| match r {
@@ -196,8 +211,15 @@ impl PsClient {
                         problem.get_or_insert(format!("range {range}'s optimizer state has {} values, not {}", part.len(), span.len()));
                     }
                 }
-                if *steps.get_or_insert(st.opt_steps) != st.opt_steps {
-                    problem.get_or_insert(format!("range {range} has taken {} optimizer steps, range 0 {steps:?}", st.opt_steps));
+                let first = *steps.get_or_insert(st.opt_steps);
+                if bsp && first != st.opt_steps {
+                    problem.get_or_insert(format!("range {range} has taken {} optimizer steps, range 0 {first}", st.opt_steps));
+                }
+                steps = Some(first.min(st.opt_steps));
+                if st.clocks.len() == clocks.len() {
+                    clocks.iter_mut().zip(&st.clocks).for_each(|(c, r)| *c = (*c).min(*r));
+                } else {
+                    problem.get_or_insert(format!("range {range} has clocks of {} workers, not {}", st.clocks.len(), clocks.len()));
                 }
                 Ok(())
             }
@@ -206,14 +228,19 @@ impl PsClient {
         if let Some(p) = problem {
             return Err(PsError::Protocol(format!("snapshot for step {clock}: {p}")));
         }
-        Ok(Snapshot { values, opt_steps: steps.unwrap_or(0), opt_state })
+        clocks.iter_mut().filter(|c| **c == u64::MAX).for_each(|c| *c = 0);
+        Ok(Snapshot { values, opt_steps: steps.unwrap_or(0), opt_state, clocks })
     }
 
     /// Replaces every range's state with a checkpoint's (the inverse of
-    /// [`PsClient::snapshot`]): every worker has pushed `clock` steps, none is pending.
-    pub fn restore(&mut self, clock: u64, values: &[f32], opt_steps: u64, opt_state: &[Vec<f32>]) -> Result<(), PsError> {
+    /// [`PsClient::snapshot`]): worker w has pushed `clocks[w]` steps, none is pending.
+    pub fn restore(&mut self, clocks: &[u64], values: &[f32], opt_steps: u64, opt_state: &[Vec<f32>]) -> Result<(), PsError> {
         self.check_len(values.len(), "restore")?;
         let job = self.o.job.clone();
+        if clocks.len() != job.workers as usize {
+            return Err(PsError::Config(format!("restore: clocks of {} workers for a job of {}", clocks.len(), job.workers)));
+        }
+        let clock = clocks.iter().copied().max().unwrap_or(0);
         if opt_state.len() != job.optimizer.state_names().len() || opt_state.iter().any(|v| v.len() != values.len()) {
             return Err(PsError::Config(format!(
                 "restore: {} optimizer state vectors of {:?} values, but the servers' optimizer keeps {} of {}",
@@ -238,7 +265,7 @@ impl PsClient {
                     values: values[span.clone()].to_vec(),
                     opt_steps,
                     opt_state: opt_state.iter().map(|v| v[span.clone()].to_vec()).collect(),
-                    clocks: vec![clock; workers],
+                    clocks: clocks.to_vec(),
                     pending: vec![None; workers],
                     vectors: Vec::new(),
                     vec_seq: 0,

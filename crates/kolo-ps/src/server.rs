@@ -612,12 +612,14 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             let names = job.optimizer.state_names();
             let opt = d.opt.state();
             let opt_state = names.iter().map(|n| opt.iter().find(|(m, _)| m == n).map_or_else(Vec::new, |(_, v)| v.to_vec())).collect();
-            // Gradients already pushed for later steps are not part of the state at `clock`.
+            // BSP: gradients already pushed for later steps are not part of the state at
+            // `clock`. Otherwise every worker's own clock (nobody waits for a step).
+            let bsp = job.consistency == Consistency::Bsp;
             Ok(Resp::State(Box::new(RangeState {
                 values: d.values.clone(),
                 opt_steps: d.opt.steps(),
                 opt_state,
-                clocks: d.clocks.iter().map(|c| (*c).min(clock)).collect(),
+                clocks: d.clocks.iter().map(|c| if bsp { (*c).min(clock) } else { *c }).collect(),
                 pending: vec![None; d.clocks.len()],
                 vectors: d.vectors.iter().map(|(id, v)| (*id, v.clone())).collect(),
                 vec_seq: d.vec_seq,

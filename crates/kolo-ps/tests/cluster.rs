@@ -577,3 +577,43 @@ fn a_failed_hand_over_keeps_the_range_until_it_succeeds() {
     p.pull(10, &mut x).unwrap();
     assert!(x.iter().all(|v| *v == -10.0), "values {:?}... (10 pushes of 1)", &x[..4]);
 }
+
+/// Asynchronous checkpoints: a snapshot holds each worker's own clock (nobody waits for a
+/// step), and a restore on a fresh cluster puts every range back with those clocks: a pull
+/// reads the snapshot's values, a worker's re-push of a step the snapshot holds is dropped as a
+/// duplicate, and its next step applies. Each push subtracts exactly 1 (SGD, lr 1, gradient 1),
+/// so the values count the pushes applied.
+#[test]
+fn async_snapshots_keep_each_workers_clock_and_restore_them() {
+    let n = 50;
+    let j = job(n as u64, 20, 2, 0, Consistency::Async, sgd());
+    let (ones, mut x) = (vec![1.0f32; n], vec![0f32; n]);
+    let c = cluster(2);
+    let mut w0 = client(&c, &j, 0, 2);
+    w0.init(&vec![0.0; n]).unwrap();
+    let mut w1 = client(&c, &j, 1, 2);
+    for t in 0..5 {
+        w0.push(t, 1.0, &ones, None).unwrap();
+    }
+    for t in 0..2 {
+        w1.push(t, 1.0, &ones, None).unwrap();
+    }
+    let snap = w0.snapshot(3).unwrap();
+    assert_eq!(snap.clocks, vec![5, 2], "each worker's pushes, not the snapshot's step");
+    assert!(snap.values.iter().all(|v| *v == -7.0), "{:?}", &snap.values[..3]);
+    assert_eq!(snap.opt_steps, 7);
+
+    let fresh = cluster(2);
+    let mut r0 = client(&fresh, &j, 0, 2);
+    r0.restore(&snap.clocks, &snap.values, snap.opt_steps, &snap.opt_state).unwrap();
+    let mut r1 = client(&fresh, &j, 1, 2);
+    assert_eq!(r1.pull(2, &mut x).unwrap(), 2, "the slowest clock restored is worker 1's");
+    assert!(x.iter().all(|v| *v == -7.0));
+    // Worker 1 redoes its step 1 (already in the snapshot: dropped), then its step 2 applies.
+    r1.push(1, 1.0, &ones, None).unwrap();
+    r1.push(2, 1.0, &ones, None).unwrap();
+    r0.pull(5, &mut x).unwrap();
+    assert!(x.iter().all(|v| *v == -8.0), "{:?}", &x[..3]);
+    let wrong = r0.restore(&[5], &snap.values, snap.opt_steps, &snap.opt_state).unwrap_err().to_string();
+    assert!(wrong.contains("clocks of 1 workers for a job of 2"), "{wrong}");
+}

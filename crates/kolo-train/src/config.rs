@@ -1017,9 +1017,6 @@ impl Config {
             {
                 return Err("train.strategy = \"ps\" trains in f32 without [ddp] options (zero_stage, compression, local_sgd) and keeps its state, the optimizer's included, on the servers (no optim.offload_dir)".into());
             }
-            if self.train.checkpoint_dir.is_some() && p.consistency != PsConsistency::Bsp {
-                return Err("train.checkpoint_dir with train.strategy = \"ps\" needs ps.consistency = \"bsp\" (a checkpoint is the servers' state once every worker finished the same step; async workers never agree on one)".into());
-            }
         }
         Ok(())
     }

@@ -99,6 +99,9 @@ pub fn window_straggler(lag: &[f64], pushes: &[u64], lag0: &[f64], pushes0: &[u6
     Some((slow, max - sorted[(sorted.len() - 1) / 2]))
 }
 
+/// Checkpoint metadata: each worker's clock (pushes applied) when the servers' state was read.
+const CLOCKS_KEY: &str = "kolo.ps_clocks";
+
 /// Trains this parameter-server worker to the end of the run (the driver's loop, without
 /// checkpoints: the state lives on the servers).
 pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, TrainError> {
@@ -121,7 +124,7 @@ impl<'a> PsStrategy<'a> {
         let numel = worker.flat.len();
         let meta = checkpoint_meta(cfg, &spec, world, 0);
         let start = match &opts.resume {
-            Some(p) => Some(worker.resume(cfg, &resolve_checkpoint(p)?, &meta, rank == 0)?),
+            Some(p) => Some(worker.resume(cfg, &resolve_checkpoint(p)?, &meta, rank == 0, data.train.len())?),
             None => None,
         };
         if rank == 0 && start.is_none() {
@@ -264,10 +267,12 @@ impl Strategy for PsStrategy<'_> {
         sample_text(&*self.w.model, &PlainView, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(())).map(Some)
     }
 
-    /// Worker 0 reads the servers' state once every worker has finished `at.step` steps (BSP)
-    /// and writes it as a data-parallel checkpoint: the whole model and optimizer state, the
-    /// data position, `workers` replicas. It resumes under the parameter servers (on fresh
-    /// servers too) or under DDP/ZeRO. The other workers write nothing.
+    /// Worker 0 reads the servers' state once every worker has finished `at.step` steps (BSP;
+    /// asynchronous workers never stop together: then as each range is when asked) and writes
+    /// it as a data-parallel checkpoint: the whole model and optimizer state, the data
+    /// position, `workers` replicas, and each worker's clock (`kolo.ps_clocks`: where each
+    /// resumes). It resumes under the parameter servers (on fresh servers too) or under
+    /// DDP/ZeRO. The other workers write nothing.
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
         if self.me.0 != 0 {
             return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
@@ -281,6 +286,7 @@ impl Strategy for PsStrategy<'_> {
         opt.load_state(snap.opt_steps, &bufs).map_err(TrainError::Data)?;
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
+        meta.insert(CLOCKS_KEY.into(), snap.clocks.iter().map(u64::to_string).collect::<Vec<_>>().join(","));
         save_checkpoint(at.dir, at.step, params, &[], &opt, None, &*self.alone, at.pos, &meta, Vec::new(), at.background, at.crash)
     }
 
@@ -400,25 +406,50 @@ impl Worker {
     }
 
     /// Loads checkpoint `path` (any strategy's, of this model and optimizer); `restore`
-    /// (worker 0) puts its parameters and optimizer state on the servers, as every worker's
-    /// state after its step.
+    /// (worker 0) puts its parameters and optimizer state on the servers with every worker's
+    /// clock (the checkpoint's `kolo.ps_clocks`, or its step for every worker). This worker
+    /// continues from its own clock: its step and data position.
     fn resume(
         &mut self,
         cfg: &Config,
         path: &std::path::Path,
         meta: &std::collections::BTreeMap<String, String>,
         restore: bool,
+        train_len: usize,
     ) -> Result<(std::path::PathBuf, Resumed), TrainError> {
         let params = self.model.params();
         let ranges: Vec<_> = params.iter().map(|p| p.range.clone()).collect();
         let mut opt = Optimizer::new(cfg.optimizer(), self.flat.len());
-        let r = load_checkpoint(path, params, &mut self.flat, &mut opt, None, &ranges, meta)?;
+        let mut r = load_checkpoint(path, params, &mut self.flat, &mut opt, None, &ranges, meta)?;
         params.load(&self.flat)?;
+        let (worker, workers) = (self.client.worker() as usize, self.client.workers() as usize);
+        let push_every = if cfg.ps.consistency == PsConsistency::Async { cfg.ps.push_every.max(1) } else { 1 };
+        let clocks = match r.meta.get(CLOCKS_KEY) {
+            Some(v) => {
+                let c: Vec<u64> = v.split(',').map(str::parse).collect::<Result<_, _>>().map_err(|_| {
+                    TrainError::Data(format!("{}: checkpoint metadata `{CLOCKS_KEY}` = {v:?} is not a list of numbers", path.display()))
+                })?;
+                // Another number of workers: each continues from the slowest one's clock.
+                if c.len() == workers {
+                    c
+                } else {
+                    vec![c.iter().copied().min().unwrap_or(0); workers]
+                }
+            }
+            None => vec![r.step / push_every; workers],
+        };
         if restore {
             let state: Vec<Vec<f32>> = opt.state().into_iter().map(|(_, v)| v.to_vec()).collect();
-            self.client.restore(r.step, &self.flat, opt.steps(), &state)?;
+            self.client.restore(&clocks, &self.flat, opt.steps(), &state)?;
         }
-        (self.pushes, self.steps_done) = (r.step, r.step);
+        let mine = clocks[worker];
+        let step = (mine * push_every).min(cfg.train.steps);
+        if step != r.step {
+            // Its own position in its shard: `step` steps of grad_accum batches.
+            r.pos = crate::trainer::replica_position(cfg, train_len, worker, workers, step * cfg.train.grad_accum);
+            r.step = step;
+        }
+        (self.pushes, self.steps_done) = (mine, step);
         Ok((path.to_path_buf(), r))
     }
 

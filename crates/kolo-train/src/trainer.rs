@@ -166,19 +166,37 @@ pub fn replica_batches(
     dp_size: usize,
     batches_done: u64,
 ) -> Result<Receiver<(Position, Batch)>, TrainError> {
-    let (world, rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (dp_size, dp_rank) };
-    let scfg = SamplerConfig {
-        len: train.len(),
+    let scfg = replica_sampler(cfg, train.len(), dp_rank, dp_size);
+    let pos = position_after(&scfg, batches_done);
+    let sampler = Sampler::new(scfg, pos).map_err(TrainError::Data)?;
+    Ok(crate::driver::prefetch(train, sampler, cfg.data.prefetch))
+}
+
+/// The sampler position after `batches_done` batches of `scfg`.
+fn position_after(scfg: &SamplerConfig, batches_done: u64) -> Position {
+    let bpe = scfg.batches_per_epoch().max(1);
+    Position { epoch: batches_done / bpe, batch: batches_done % bpe }
+}
+
+/// The sampler position of data-parallel replica `rank` of `world` over `len` training
+/// examples after `batches_done` batches.
+pub(crate) fn replica_position(cfg: &Config, len: usize, rank: usize, world: usize, batches_done: u64) -> Position {
+    position_after(&replica_sampler(cfg, len, rank, world), batches_done)
+}
+
+/// The sampler of data-parallel replica `rank` of `world` over `len` examples (synthetic data
+/// is already per replica: it is not sharded again).
+fn replica_sampler(cfg: &Config, len: usize, rank: usize, world: usize) -> SamplerConfig {
+    let (world, rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
+    SamplerConfig {
+        len,
         world,
         rank,
         batch: cfg.data.batch_size,
         seed: cfg.train.seed,
         shuffle: cfg.data.shuffle,
         drop_last: cfg.data.drop_last,
-    };
-    let bpe = scfg.batches_per_epoch().max(1);
-    let sampler = Sampler::new(scfg, Position { epoch: batches_done / bpe, batch: batches_done % bpe }).map_err(TrainError::Data)?;
-    Ok(crate::driver::prefetch(train, sampler, cfg.data.prefetch))
+    }
 }
 
 /// Model states held by one rank between steps, by what they are (the ZeRO paper's split).
@@ -323,6 +341,17 @@ pub(crate) fn evaluate(
     comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
     let examples = v[2] as usize;
     Ok(Eval { loss: v[0] / v[2].max(1.0), accuracy: is_class.then(|| v[1] / v[2].max(1.0)), examples })
+}
+
+/// The config's model holding `params` (flat, as a [`Summary`] has them) evaluated in this
+/// process on the config's whole evaluation set (text: `train.eval_batches` batches).
+pub fn evaluate_params(cfg: &Config, params: &[f32]) -> Result<Eval, TrainError> {
+    let data = load_data(cfg, 0)?;
+    let model = kolo_tensor::build_model(&cfg.model_spec(data.vocab_size), cfg.train.seed)?;
+    model.params().load(params)?;
+    let alone = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0);
+    let limit = if data.vocab.is_some() { cfg.train.eval_batches } else { 0 };
+    evaluate(&*model, &PlainView, &*data.eval, &alone, cfg.data.batch_size, limit, false, &|| Ok(()))
 }
 
 /// A whole GPT in this process holding `flat`.

@@ -905,6 +905,43 @@ fn try_train_ps(c: &PsCluster, workers: usize, cfg: &Config, opts: &RunOptions) 
     })
 }
 
+/// Asynchronous parameter servers checkpoint too (#16): the workers never stop together, so
+/// worker 0 reads each range as it is (a fuzzy snapshot) with every worker's clock. Worker 1
+/// is slow, so at the checkpoint it trails; resumed on fresh servers, each worker continues
+/// from its own clock (the slow one redoes the steps the checkpoint does not hold) and the run
+/// ends as well trained as the uninterrupted one.
+#[test]
+fn ps_async_checkpoints_resume_each_worker_from_its_clock() {
+    let dir = std::env::temp_dir().join(format!("kolo-ps-async-ck-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let cfg = |extra: &str| {
+        mnist_cfg(
+            &format!(
+                "[optim]\nkind = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n[train]\nsteps = 40\nlog_every = 10\nstrategy = \"ps\"\n{extra}\
+                 [ps]\nconsistency = \"async\"\nfetch_every = 2\npush_every = 2\nchunk = 4000\nservers = 2\n"
+            ),
+            16,
+        )
+    };
+    let slow = RunOptions { slow_rank: Some((1, 15)), ..quiet() };
+    let clean = train_ps(&ps_cluster(2), 2, &cfg(""), &slow);
+    let ck = format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 20\n", dir.display());
+    train_ps(&ps_cluster(2), 2, &cfg(&ck), &RunOptions { stop_after: Some(20), ..slow.clone() });
+    let meta = kolo_checkpoint::load_any(&dir.join("step-00000020")).unwrap().meta;
+    let clocks: Vec<u64> = meta["kolo.ps_clocks"].split(',').map(|c| c.parse().unwrap()).collect();
+    assert_eq!(clocks[0], 10, "worker 0 pushed every 2 of its 20 steps");
+    assert!(clocks[1] < clocks[0], "the slow worker trails at the checkpoint: {clocks:?}");
+    let resumed = train_ps(&ps_cluster(2), 2, &cfg(""), &RunOptions { resume: Some(dir.clone()), ..slow.clone() });
+    assert_eq!(resumed[0].step_ms.len(), 20, "worker 0 continues from its step 20");
+    assert_eq!(resumed[1].step_ms.len() as u64, 40 - 2 * clocks[1], "worker 1 from its own clock {}", clocks[1]);
+    // The slow worker finishes last: its final pull holds every push of the run.
+    let acc = |s: &Summary| kolo_train::trainer::evaluate_params(&cfg(""), &s.params).unwrap().accuracy.unwrap();
+    let (a, b) = (acc(&clean[1]), acc(&resumed[1]));
+    eprintln!("async PS, 40 steps: uninterrupted accuracy {a:.4}, stopped at 20 and resumed {b:.4}, clocks at the checkpoint {clocks:?}");
+    assert!(b > a - 0.05, "resumed {b} vs uninterrupted {a}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Parameter-server checkpoints (issue #16): worker 0 writes the servers' state (SGD with
 /// momentum: parameters and momentum, 2 servers, each range replicated once) after step 3 of
 /// 6 as a data-parallel checkpoint. Resumed on fresh servers it ends bitwise where the
