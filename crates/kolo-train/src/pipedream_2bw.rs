@@ -19,10 +19,9 @@ use crate::checkpointing::PendingSave;
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use crate::pipeline::{build_resumed, split_batch, StageSetup};
+use crate::pipeline::{build_resumed, split_batch, StageGroups, StageSetup};
 use crate::trainer::{Data, Eval, RunOptions};
 use crate::TrainError;
-use kolo_base::GroupSum;
 use kolo_comm::Communicator;
 use kolo_pipe::{theoretical_bubble, Schedule, StageRun, StageWork};
 use kolo_tensor::models::{Gpt, GptConfig};
@@ -59,22 +58,18 @@ pub struct TwoBw<'a> {
 }
 
 impl<'a> TwoBw<'a> {
-    /// `comm`: the pipeline group (rank = stage); `dp`: this stage's data-parallel replicas;
-    /// `tp`: its tensor-parallel group, if any. Loads `resume`: the latest weights and the
-    /// previous version (a checkpoint without one, written by a flushed strategy, gives the
-    /// latest for both).
-    #[allow(clippy::too_many_arguments)]
+    /// This rank's stage of `groups`. Loads `resume`: the latest weights and the previous
+    /// version (a checkpoint without one, written by a flushed strategy, gives the latest for
+    /// both).
     pub fn new(
         cfg: &'a Config,
-        comm: &'a dyn Communicator,
-        dp: &'a dyn Communicator,
-        tp: Option<Arc<dyn GroupSum>>,
-        global_rank: usize,
+        groups: StageGroups<'a>,
         data: &Data,
         resume: Option<&Path>,
         opts: &RunOptions,
     ) -> Result<(TwoBw<'a>, Start), TrainError> {
-        let b = build_resumed(cfg, comm, dp, tp, global_rank, data, resume, opts)?;
+        let global_rank = groups.global_rank;
+        let b = build_resumed(cfg, groups, data, resume, opts)?;
         let c = b.gpt.config();
         let act_len = cfg.data.batch_size / b.setup.m * c.seq * c.d_model;
         let latest = b.start.as_ref().map_or(0, |(_, r)| r.step);

@@ -323,20 +323,28 @@ pub(crate) struct BuiltStage<'a> {
     pub previous: Option<Vec<f32>>,
 }
 
-/// Builds this rank's stage (`comm`: the pipeline group, rank = stage; `dp`: this stage's
-/// data-parallel replicas; `tp`: its tensor-parallel group, if any) and loads `resume` (every
-/// stage reads the whole model and takes its own layers' optimizer state).
-#[allow(clippy::too_many_arguments)]
+/// The groups of a pipeline rank.
+pub struct StageGroups<'a> {
+    /// The pipeline group (rank = stage).
+    pub pp: &'a dyn Communicator,
+    /// This stage's data-parallel replicas.
+    pub dp: &'a dyn Communicator,
+    /// Its tensor-parallel group, if any.
+    pub tp: Option<Arc<dyn GroupSum>>,
+    /// This rank in the whole job.
+    pub global_rank: usize,
+}
+
+/// Builds this rank's stage and loads `resume` (every stage reads the whole model and takes
+/// its own layers' optimizer state).
 pub(crate) fn build_resumed<'a>(
     cfg: &'a Config,
-    comm: &'a dyn Communicator,
-    dp: &'a dyn Communicator,
-    tp: Option<Arc<dyn GroupSum>>,
-    global_rank: usize,
+    groups: StageGroups<'a>,
     data: &Data,
     resume: Option<&Path>,
     opts: &RunOptions,
 ) -> Result<BuiltStage<'a>, TrainError> {
+    let StageGroups { pp: comm, dp, tp, global_rank } = groups;
     let gcfg = crate::trainer::gpt_config(cfg, &[comm, dp], data)?;
     let lead = global_rank == 0 && !opts.quiet;
     let (gpt, mut setup, schedule) = build_stage(cfg, comm, dp, tp, &gcfg, cfg.train.steps, lead)?;
@@ -545,20 +553,16 @@ pub struct Flushed<'a> {
 }
 
 impl<'a> Flushed<'a> {
-    /// `comm`: the pipeline group (rank = stage); `dp`: this stage's data-parallel replicas;
-    /// `tp`: its tensor-parallel group, if any. Loads `resume`.
-    #[allow(clippy::too_many_arguments)]
+    /// This rank's stage of `groups`; loads `resume`.
     pub fn new(
         cfg: &'a Config,
-        comm: &'a dyn Communicator,
-        dp: &'a dyn Communicator,
-        tp: Option<Arc<dyn GroupSum>>,
-        global_rank: usize,
+        groups: StageGroups<'a>,
         data: &Data,
         resume: Option<&Path>,
         opts: &RunOptions,
     ) -> Result<(Flushed<'a>, Start), TrainError> {
-        let b = build_resumed(cfg, comm, dp, tp, global_rank, data, resume, opts)?;
+        let global_rank = groups.global_rank;
+        let b = build_resumed(cfg, groups, data, resume, opts)?;
         let s = Flushed {
             setup: b.setup,
             gpt: Arc::new(b.gpt),
