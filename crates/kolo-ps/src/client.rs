@@ -362,15 +362,31 @@ impl PsClient {
     /// Every server's counters, by server id.
     pub fn server_stats(&mut self) -> Result<Vec<(u32, ServerStats)>, PsError> {
         let ids: Vec<u32> = self.membership.servers.iter().map(|(id, _)| *id).collect();
+        ids.into_iter().map(|id| Ok((id, self.stats_of(id)?))).collect()
+    }
+
+    /// The counters of the servers that answer: a server that fails is left out and its
+    /// connection dropped (training's own requests reconnect or fail over), so that a
+    /// monitoring read never stops a worker that a dead server does not stop.
+    pub fn reachable_server_stats(&mut self) -> Vec<(u32, ServerStats)> {
+        let ids: Vec<u32> = self.membership.servers.iter().map(|(id, _)| *id).collect();
         let mut out = Vec::new();
         for id in ids {
-            let c = self.conn(id)?;
-            match c.conn.call(&Req::Stats)? {
-                Resp::Stats(s) => out.push((id, *s)),
-                other => return Err(PsError::Protocol(format!("server {id} answered Stats with {other:?}"))),
+            match self.stats_of(id) {
+                Ok(s) => out.push((id, s)),
+                Err(_) => {
+                    self.conns.remove(&id);
+                }
             }
         }
-        Ok(out)
+        out
+    }
+
+    fn stats_of(&mut self, id: u32) -> Result<ServerStats, PsError> {
+        match self.conn(id)?.conn.call(&Req::Stats)? {
+            Resp::Stats(s) => Ok(*s),
+            other => Err(PsError::Protocol(format!("server {id} answered Stats with {other:?}"))),
+        }
     }
 
     /// Sandblaster: `dst = a * dst + b * src` on every range (vector 0 is the parameters).

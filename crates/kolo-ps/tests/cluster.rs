@@ -205,10 +205,16 @@ fn killing_a_server_loses_no_acknowledged_update() {
                 }
             });
         }
+        // A monitoring client that knew the victim: after the kill its reads of the servers'
+        // counters leave the dead one out instead of failing.
+        let mut watcher = client(&c, &j, 0, 3);
+        assert_eq!(watcher.reachable_server_stats().len(), 3);
         while done.load(std::sync::atomic::Ordering::SeqCst) < 20 {
             std::thread::sleep(Duration::from_millis(1));
         }
         victim.kill();
+        assert!(watcher.server_stats().is_err(), "the victim is still in the watcher's membership");
+        assert_eq!(watcher.reachable_server_stats().len(), 2);
     });
     let mut p = client(&c, &j, 0, 1);
     assert!(p.membership().epoch > 3, "the server was killed after the last push; the test must kill it under load");

@@ -228,11 +228,12 @@ impl Strategy for PsStrategy<'_> {
     }
 
     /// The worker whose pushes reached the servers latest after each step's first push, over
-    /// the window since the last call, and its lag behind the median worker's.
+    /// the window since the last call, and its lag behind the median worker's. Servers that do
+    /// not answer are left out (a killed server must not stop the worker that survives it).
     fn straggler(&mut self) -> Result<Option<(usize, f64, String)>, TrainError> {
         let n = self.me.1;
         let (mut lag, mut pushes, mut behind) = (vec![0f64; n], vec![0u64; n], vec![0f64; n]);
-        for (_, s) in self.w.client.server_stats()? {
+        for (_, s) in self.w.client.reachable_server_stats() {
             for (w, (l, p)) in s.worker_lag_ms.iter().zip(&s.worker_pushes).enumerate().take(n) {
                 lag[w] += l;
                 pushes[w] += p;
