@@ -143,6 +143,10 @@ pub struct HostComm {
     live: Option<Arc<Liveness>>,
     /// Part of a parent group's two-level collectives (see `make_group`).
     internal: bool,
+    /// How long a wait busy-polls before it yields the core each round: none when this host
+    /// runs more ranks than it has cores (the peer being waited for needs the core), as Open
+    /// MPI's `mpi_yield_when_idle` does for oversubscribed runs.
+    pure_spin: Duration,
     _server: Option<Arc<TcpStoreServer>>,
 }
 
@@ -167,6 +171,18 @@ impl Hier {
     /// collective `op` #`seq` at parent rank `rank`.
     fn lift<'a>(&'a self, members: &'a [Rank], op: OpKind, rank: Rank, seq: u64) -> impl Fn(CommError) -> CommError + 'a {
         move |e| e.in_parent(op, rank, seq, &|r: Rank| members.get(r.get()).copied().unwrap_or(r))
+    }
+}
+
+/// The pure busy-poll before a wait yields: 20 µs, or none when the ranks of `rank`'s host (in
+/// `hosts`) outnumber its cores.
+pub(crate) fn pure_spin_for(hosts: &[String], rank: usize) -> Duration {
+    let here = hosts.iter().filter(|h| **h == hosts[rank]).count();
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    if here > cores {
+        Duration::ZERO
+    } else {
+        Duration::from_micros(20)
     }
 }
 
@@ -200,6 +216,7 @@ impl HostComm {
         let c = connect_group(&*store, &token, group, rank.get(), n.get(), &cfg, deadline)?;
         let live =
             (n.get() > 1 && !cfg.liveness.is_zero()).then(|| Liveness::start(store.clone(), group, rank.get(), n.get(), cfg.liveness));
+        let pure_spin = pure_spin_for(&c.hosts, rank.get());
         let core = Core {
             links: c.links,
             seq: 0,
@@ -224,6 +241,7 @@ impl HostComm {
             recorder: Default::default(),
             live,
             internal: false,
+            pure_spin,
             cfg,
             _server: server,
         };
@@ -541,7 +559,16 @@ impl HostComm {
         core.seq += 1;
         self.recorder.start(seq, op, alg.name(), bytes);
         let root = root.map(|r| r.get() as u32);
-        let ctx = OpCtx { op, rank: self.rank, seq, deadline: Deadline::after(self.timeout()), spin: self.cfg.spin, red, root };
+        let ctx = OpCtx {
+            op,
+            rank: self.rank,
+            seq,
+            deadline: Deadline::after(self.timeout()),
+            spin: self.cfg.spin,
+            pure_spin: self.pure_spin,
+            red,
+            root,
+        };
         let Core { links, scratch, big, .. } = &mut *core;
         let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg, live: self.live.as_deref() };
         let mut r = f(&mut exec, scratch, big);
@@ -680,7 +707,16 @@ impl HostComm {
             done.push((p, is_send));
         }
         let deadline = Deadline::after(self.timeout());
-        let ctx = OpCtx { op, rank: self.rank, seq: first_seq.unwrap_or(0), deadline, spin: self.cfg.spin, red: None, root: None };
+        let ctx = OpCtx {
+            op,
+            rank: self.rank,
+            seq: first_seq.unwrap_or(0),
+            deadline,
+            spin: self.cfg.spin,
+            pure_spin: self.pure_spin,
+            red: None,
+            root: None,
+        };
         match drive(&mut core.links, &mut xfers, &ctx, self.live.as_deref()) {
             Ok(()) => {
                 for (p, is_send) in done {

@@ -71,6 +71,8 @@ pub(crate) struct OpCtx {
     pub deadline: Deadline,
     /// How long to busy-poll without progress before blocking.
     pub spin: Duration,
+    /// The first part of `spin` that does not yield the core.
+    pub pure_spin: Duration,
     /// The collective's reduce op and root, carried in every header so ranks that disagree
     /// fail with a mismatch.
     pub red: Option<kolo_comm::ReduceOp>,
@@ -222,7 +224,7 @@ fn drive_until_done(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &Op
             // Pure spinning for a few microseconds catches data that is about to arrive; after
             // that, yield the core each round, so that when ranks outnumber cores the peer we
             // are waiting for gets to run.
-            if idle < Duration::from_micros(20) {
+            if idle < ctx.pure_spin {
                 std::hint::spin_loop();
             } else {
                 std::thread::yield_now();

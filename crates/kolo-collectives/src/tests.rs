@@ -23,6 +23,7 @@ fn ctx() -> OpCtx {
         seq: 3,
         deadline: Deadline::after(Duration::from_secs(5)),
         spin: Duration::from_micros(50),
+        pure_spin: Duration::from_micros(20),
         red: Some(ReduceOp::Sum),
         root: None,
     }
@@ -221,4 +222,20 @@ fn tcp_links_detect_vanished_peers() {
         assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
         assert_eq!(v, want, "option {opt} at level {level}");
     }
+}
+
+/// A wait spins without yielding only while every rank of this host can have a core: more
+/// ranks than cores, and it yields from the start (the peer it waits for needs the core).
+#[test]
+fn waits_yield_at_once_when_a_host_is_oversubscribed() {
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    let host = |h: &str, n: usize| vec![h.to_string(); n];
+    assert_eq!(crate::comm::pure_spin_for(&host("a", 1), 0), Duration::from_micros(20));
+    assert_eq!(crate::comm::pure_spin_for(&host("a", cores), cores - 1), Duration::from_micros(20));
+    assert_eq!(crate::comm::pure_spin_for(&host("a", cores + 1), 0), Duration::ZERO);
+    // Ranks on other hosts do not count against this one's cores.
+    let mut spread = host("a", cores);
+    spread.extend(host("b", cores));
+    assert_eq!(crate::comm::pure_spin_for(&spread, 0), Duration::from_micros(20));
+    assert_eq!(crate::comm::pure_spin_for(&spread, cores), Duration::from_micros(20));
 }
