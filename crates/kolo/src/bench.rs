@@ -228,7 +228,9 @@ fn relaunch_self(n: usize) -> anyhow::Result<i32> {
             args.push(a);
         }
     }
-    let cfg = kolo_launch::LaunchConfig { nproc_per_node: n, program: args, ..Default::default() };
+    // Bound to cores, as Open MPI's ranks are by default: the comparison is like for like, and
+    // a 2-rank all-reduce no longer varies 2x between runs with where the kernel put the ranks.
+    let cfg = kolo_launch::LaunchConfig { nproc_per_node: n, program: args, bind: true, ..Default::default() };
     let out = kolo_launch::launch(&cfg)?;
     if !out.success() {
         eprint!("{}", out.summary());

@@ -158,6 +158,11 @@ struct LaunchArgs {
     /// Elastic job: seconds to wait before each restart.
     #[arg(long, default_value_t = 1.0)]
     restart_backoff: f64,
+    /// Bind each rank to its own share of this process's CPUs (as Open MPI binds to cores),
+    /// unless the ranks outnumber them; each rank sees its CPUs in KOLO_CPUS. Off by default:
+    /// a rank's compute and communication threads then share its cores.
+    #[arg(long)]
+    bind_cores: bool,
     /// The program and its arguments.
     #[arg(last = true, required = true)]
     program: Vec<OsString>,
@@ -184,6 +189,7 @@ fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
         program: a.program,
         grace: Duration::from_secs_f64(a.grace.max(0.0)),
         env: Vec::new(),
+        bind: a.bind_cores,
     };
     if let Some(max) = a.max_nodes {
         if a.nproc_per_node > max {

@@ -420,6 +420,37 @@ fn zero_training_checkpoints_inspects_and_resumes_at_another_world_size() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--bind-cores`: each rank runs on its own cores (the kernel's affinity list of the rank is
+/// what KOLO_CPUS says, and the two ranks' lists do not overlap); without it nobody is bound.
+#[test]
+fn launcher_binds_ranks_to_their_own_cores_when_asked() {
+    let script = "echo cpus=$KOLO_CPUS allowed=$(grep Cpus_allowed_list /proc/self/status | cut -f2)";
+    let o = run(&["launch", "-n", "2", "--bind-cores", "--", "sh", "-c", script], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let mut lists = Vec::new();
+    for r in 0..2 {
+        let line = t.lines().find(|l| l.starts_with(&format!("[rank {r}] cpus="))).unwrap_or_else(|| panic!("{t}"));
+        let (cpus, allowed) = line.split_once(" allowed=").unwrap();
+        let cpus = cpus.rsplit('=').next().unwrap().to_string();
+        // The kernel writes ranges ("0-1"); KOLO_CPUS lists each CPU.
+        let expand = |s: &str| -> Vec<usize> {
+            s.split(',')
+                .flat_map(|p| match p.split_once('-') {
+                    Some((a, b)) => (a.parse().unwrap()..=b.parse().unwrap()).collect::<Vec<usize>>(),
+                    None => vec![p.parse().unwrap()],
+                })
+                .collect()
+        };
+        assert_eq!(expand(&cpus), expand(allowed.trim()), "rank {r}: {line}");
+        lists.push(expand(&cpus));
+    }
+    assert!(lists[0].iter().all(|c| !lists[1].contains(c)), "{lists:?}");
+    let o = run(&["launch", "-n", "2", "--", "sh", "-c", script], &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("[rank 0] cpus= ") && t.contains("[rank 1] cpus= "), "{t}");
+}
+
 /// Without RAYON_NUM_THREADS the launcher shares the host's cores between its ranks (and says
 /// so); a value the user set reaches every rank unchanged.
 #[test]
