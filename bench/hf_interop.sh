@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Hugging Face GPT-2 and Llama in and out, checked in `transformers` (issue #17 item 4):
-#   1. a small random GPT-2 and Llama-style model (test-data/hf/, as shipped) and a GPT-2 of the real 124M
+#   1. a small random GPT-2 and Llama-style model (test-data/hf/, as shipped), a GPT-2 of the real 124M
+#      shape and a Llama of SmolLM-135M's shape
 #      shape (made here in /tmp: 500 MB) load into Kolo with transformers' logits;
 #   2. each is fine-tuned by Kolo (the small ones by 2 processes under ZeRO-1/2, the 124M one by 1
 #      process for 2 steps), exported, loaded by AutoModelForCausalLM.from_pretrained, and its logits
@@ -24,3 +25,7 @@ echo "== GPT-2 124M shape (random, made by transformers), 1 rank, 2 steps of 1 x
 "$PY" test-data/hf/make_gpt2_reference.py "$tmp/124m" 124m 2>/dev/null | tail -1
 $X --model "$tmp/124m" --out "$tmp/124m-ft" --steps 2 --batch 1 --seq 64 2>&1 | grep -E "loaded|exported|step 2/2"
 "$PY" test-data/hf/check_export.py "$tmp/124m-ft" 2>/dev/null
+echo "== Llama-style model of SmolLM-135M's shape (random, made by transformers; tied embeddings, 9 query / 3 key-value heads), 1 rank, 2 steps of 1 x 64 tokens"
+"$PY" test-data/hf/make_llama_reference.py "$tmp/l135m" 135m 2>/dev/null | tail -1
+$X --model "$tmp/l135m" --out "$tmp/l135m-ft" --steps 2 --batch 1 --seq 64 2>&1 | grep -E "loaded|exported|step 2/2"
+"$PY" test-data/hf/check_export.py "$tmp/l135m-ft" 2>/dev/null
