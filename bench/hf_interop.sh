@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Hugging Face GPT-2 and Llama in and out, checked in `transformers` (issue #17 item 4):
 #   1. a small random GPT-2 and Llama-style model (test-data/hf/, as shipped), a GPT-2 of the real 124M
-#      shape and a Llama of SmolLM-135M's shape
-#      shape (made here in /tmp: 500 MB) load into Kolo with transformers' logits;
-#   2. each is fine-tuned by Kolo (the small ones by 2 processes under ZeRO-1/2, the 124M one by 1
+#      shape and a Llama of SmolLM-135M's shape (both made here in /tmp: ~500 MB each) load into Kolo
+#      with transformers' logits;
+#   2. each is fine-tuned by Kolo (the small ones by 2 processes under ZeRO-1/2, the large ones by 1
 #      process for 2 steps), exported, loaded by AutoModelForCausalLM.from_pretrained, and its logits
 #      compared with Kolo's (test-data/hf/check_export.py: fails above 1e-4).
 # Needs a Python with torch and transformers: PYTHON=/path/to/python (default python3).
