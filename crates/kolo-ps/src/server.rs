@@ -53,9 +53,11 @@ struct RangeData {
     vectors: BTreeMap<u32, Vec<f32>>,
     /// The number of the last vector operation applied (retries of it are not applied again).
     vec_seq: u64,
-    /// When the first push of each step not yet pushed by every worker reached this range
-    /// (the straggler measure: how long after it the others' pushes arrive).
+    /// When the first push of each recent step reached this range (the straggler measure:
+    /// how long after it the others' pushes arrive).
     first_push: BTreeMap<u64, Instant>,
+    /// By worker: the last step whose push was timed (a retry is not timed twice).
+    timed: Vec<Option<u64>>,
 }
 
 type Slot = Arc<(Mutex<RangeData>, Condvar)>;
@@ -560,6 +562,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                         vectors: BTreeMap::new(),
                         vec_seq: 0,
                         first_push: BTreeMap::new(),
+                        timed: vec![None; job.workers as usize],
                     };
                     let s: Slot = Arc::new((Mutex::new(d), Condvar::new()));
                     lock(&shared.ranges).entry(range).or_insert(s).clone()
@@ -655,7 +658,9 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                 forward(shared, next, &req)
                     .map_err(|e| err(format!("server {me}: replicating worker {worker}'s step {clock} of range {range}: {e}")))?;
             }
-            if !duplicate && !fwd {
+            if !fwd {
+                // Stale pushes too: with backup workers the late worker's push of a step that
+                // went on without it is dropped, and it is the straggler.
                 note_arrival(shared, &mut d, w, clock);
             }
             if !duplicate {
@@ -777,9 +782,11 @@ fn stats_now(shared: &Shared) -> ServerStats {
         let d = lock(&slot.0);
         s.worker_behind_ms.resize(s.worker_behind_ms.len().max(d.clocks.len()), 0.0);
         // Another worker pushed the step this one has yet to push: behind since then.
-        for (w, c) in d.clocks.iter().enumerate() {
-            // BSP holds a pushed gradient in `pending` until the step is complete.
-            let next = c + u64::from(d.pending.get(w).is_some_and(Option::is_some));
+        for w in 0..d.clocks.len() {
+            // The first step it has not pushed here (with backup workers its clock moves on
+            // without its pushes; BSP holds a pushed gradient in `pending` until the step is
+            // complete: neither clock says it).
+            let next = d.timed.get(w).copied().flatten().map_or(0, |t| t + 1);
             if let Some(first) = d.first_push.get(&next) {
                 let ms = now.duration_since(*first).as_secs_f64() * 1e3;
                 s.worker_behind_ms[w] = s.worker_behind_ms[w].max(ms);
@@ -789,10 +796,22 @@ fn stats_now(shared: &Shared) -> ServerStats {
     s
 }
 
+/// Steps whose first push a range remembers (the latest ones): a late push of a step that BSP
+/// with backup workers completed without it, while the others ran on, still finds its step.
+const REMEMBERED_STEPS: usize = 256;
+
 /// Worker `w`'s push of step `clock` reached this range (at its chain's head): adds how long
 /// after the step's first push it came to the worker's lag (the straggler measure in
-/// [`ServerStats`]). Steps every worker has pushed are forgotten.
+/// [`ServerStats`]), once per worker and step (a retry is not timed again). The first pushes
+/// of the latest [`REMEMBERED_STEPS`] steps are kept.
 fn note_arrival(shared: &Shared, d: &mut RangeData, w: usize, clock: u64) {
+    if d.timed.len() < d.clocks.len() {
+        d.timed.resize(d.clocks.len(), None);
+    }
+    if d.timed[w].is_some_and(|t| t >= clock) {
+        return;
+    }
+    d.timed[w] = Some(clock);
     let now = Instant::now();
     let first = *d.first_push.entry(clock).or_insert(now);
     let lag = now.duration_since(first).as_secs_f64() * 1e3;
@@ -804,9 +823,7 @@ fn note_arrival(shared: &Shared, d: &mut RangeData, w: usize, clock: u64) {
     s.worker_lag_ms[w] += lag;
     s.worker_pushes[w] += 1;
     drop(s);
-    // Every worker's clock is past the steps below the slowest one's: nobody pushes them again.
-    let slowest = d.clocks.iter().enumerate().map(|(i, c)| if i == w { (*c).max(clock + 1) } else { *c }).min().unwrap_or(0);
-    while d.first_push.first_key_value().is_some_and(|(c, _)| *c < slowest) {
+    while d.first_push.len() > REMEMBERED_STEPS {
         d.first_push.pop_first();
     }
 }
@@ -866,6 +883,8 @@ fn install(shared: &Shared, job: &JobSpec, epoch: u64, range: u32, state: RangeS
     let mut pending = state.pending;
     pending.resize(job.workers as usize, None);
     let vectors = state.vectors.into_iter().collect();
+    // A restored or handed-over range: each worker has pushed the steps before its clock.
+    let timed = state.clocks.iter().map(|c| c.checked_sub(1)).collect();
     let d = RangeData {
         epoch,
         values: state.values,
@@ -875,6 +894,7 @@ fn install(shared: &Shared, job: &JobSpec, epoch: u64, range: u32, state: RangeS
         vectors,
         vec_seq: state.vec_seq,
         first_push: BTreeMap::new(),
+        timed,
     };
     let old = lock(&shared.ranges).insert(range, Arc::new((Mutex::new(d), Condvar::new())));
     if let Some(old) = old {
