@@ -16,18 +16,16 @@
 //! (`StageSetup::sync`), never on the pipeline group that carries the activations.
 
 use crate::checkpointing::PendingSave;
-use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use crate::pipeline::{build_resumed, split_batch, StageGroups, StageSetup};
-use crate::trainer::{Data, Eval, RunOptions};
+use crate::pipeline::{split_batch, BuiltStage, StageSetup};
+use crate::trainer::Eval;
 use crate::TrainError;
 use kolo_comm::Communicator;
 use kolo_pipe::{theoretical_bubble, Schedule, StageRun, StageWork};
 use kolo_tensor::models::{Gpt, GptConfig};
 use kolo_tensor::{GptStage, Model};
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -58,20 +56,13 @@ pub struct TwoBw<'a> {
 }
 
 impl<'a> TwoBw<'a> {
-    /// This rank's stage of `groups`. Loads `resume`: the latest weights and the previous
-    /// version (a checkpoint without one, written by a flushed strategy, gives the latest for
-    /// both).
-    pub fn new(
-        cfg: &'a Config,
-        groups: StageGroups<'a>,
-        data: &Data,
-        resume: Option<&Path>,
-        opts: &RunOptions,
-    ) -> Result<(TwoBw<'a>, Start), TrainError> {
-        let global_rank = groups.global_rank;
-        let b = build_resumed(cfg, groups, data, resume, opts)?;
+    /// PipeDream-2BW on a stage `pipeline::build_resumed` made, with the weight versions of
+    /// where it starts: the latest and the previous (a checkpoint without one, written by a
+    /// flushed strategy, gives the latest for both).
+    pub(crate) fn new(b: BuiltStage<'a>) -> Result<(TwoBw<'a>, Start), TrainError> {
+        let (global_rank, quiet) = (b.global_rank, b.quiet);
         let c = b.gpt.config();
-        let act_len = cfg.data.batch_size / b.setup.m * c.seq * c.d_model;
+        let act_len = b.setup.cfg.data.batch_size / b.setup.m * c.seq * c.d_model;
         let latest = b.start.as_ref().map_or(0, |(_, r)| r.step);
         let gpt = Arc::new(b.gpt);
         let mut versions = BTreeMap::from([(latest, gpt.clone())]);
@@ -79,7 +70,7 @@ impl<'a> TwoBw<'a> {
             let previous = gpt.fork()?;
             if let Some(v) = &b.previous {
                 previous.params().load(v)?;
-            } else if global_rank == 0 && !opts.quiet {
+            } else if global_rank == 0 && !quiet {
                 kolo_base::eline!(
                     "the checkpoint holds no previous weight version (a flushed strategy wrote it): batch {latest} runs on version {latest}"
                 );
@@ -101,7 +92,7 @@ impl<'a> TwoBw<'a> {
             streams: 0,
             peak_live: 0,
             global_rank,
-            quiet: opts.quiet,
+            quiet,
             meta: b.meta,
         };
         Ok((s, b.start))

@@ -321,6 +321,9 @@ pub(crate) struct BuiltStage<'a> {
     pub meta: std::collections::BTreeMap<String, String>,
     pub start: Start,
     pub previous: Option<Vec<f32>>,
+    /// This rank in the whole job, and whether it keeps quiet.
+    pub global_rank: usize,
+    pub quiet: bool,
 }
 
 /// The groups of a pipeline rank.
@@ -356,7 +359,7 @@ pub(crate) fn build_resumed<'a>(
         }
         None => (None, None),
     };
-    Ok(BuiltStage { gpt, setup, gcfg, schedule, meta, start, previous })
+    Ok(BuiltStage { gpt, setup, gcfg, schedule, meta, start, previous, global_rank, quiet: opts.quiet })
 }
 
 /// A 2BW checkpoint's previous weight version: `flat` (the loaded model, in the layout
@@ -553,28 +556,20 @@ pub struct Flushed<'a> {
 }
 
 impl<'a> Flushed<'a> {
-    /// This rank's stage of `groups`; loads `resume`.
-    pub fn new(
-        cfg: &'a Config,
-        groups: StageGroups<'a>,
-        data: &Data,
-        resume: Option<&Path>,
-        opts: &RunOptions,
-    ) -> Result<(Flushed<'a>, Start), TrainError> {
-        let global_rank = groups.global_rank;
-        let b = build_resumed(cfg, groups, data, resume, opts)?;
+    /// The flushed pipeline on a stage [`build_resumed`] made, and where it starts.
+    pub(crate) fn new(b: BuiltStage<'a>) -> (Flushed<'a>, Start) {
         let s = Flushed {
             setup: b.setup,
             gpt: Arc::new(b.gpt),
             gcfg: b.gcfg,
             schedule: b.schedule,
-            global_rank,
-            quiet: opts.quiet,
+            global_rank: b.global_rank,
+            quiet: b.quiet,
             bubbles: Vec::new(),
             peak_live: 0,
             meta: b.meta,
         };
-        Ok((s, b.start))
+        (s, b.start)
     }
 }
 

@@ -480,11 +480,12 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         let tp = tp.map(|c| crate::data_parallel::CommGroup::new(c) as Arc<dyn kolo_base::GroupSum>);
         let (data, heap) = start(dp.rank().get())?;
         let groups = crate::pipeline::StageGroups { pp: &**pp, dp: &*dp, tp, global_rank };
+        let stage = crate::pipeline::build_resumed(cfg, groups, &data, resume, opts)?;
         if pc.schedule == crate::config::PipeSchedule::TwoBw {
-            let (mut s, from) = crate::pipedream_2bw::TwoBw::new(cfg, groups, &data, resume, opts)?;
+            let (mut s, from) = crate::pipedream_2bw::TwoBw::new(stage)?;
             return drive(&data, heap, &mut s, from);
         }
-        let (mut s, from) = crate::pipeline::Flushed::new(cfg, groups, &data, resume, opts)?;
+        let (mut s, from) = crate::pipeline::Flushed::new(stage);
         return drive(&data, heap, &mut s, from);
     }
     let (data, heap) = start(dp.rank().get())?;

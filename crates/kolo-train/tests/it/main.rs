@@ -16,6 +16,14 @@ fn mnist_cfg(extra: &str, batch: usize) -> Config {
     Config::parse(&text, "test").unwrap()
 }
 
+/// A path under the temporary directory for this test process (`kolo-{tag}-{pid}`), with
+/// whatever an earlier run left there removed.
+fn scratch_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kolo-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
 fn quiet() -> RunOptions {
     RunOptions { quiet: true, ..Default::default() }
 }
@@ -86,8 +94,7 @@ fn ddp_matches_one_process_gpt_with_accumulation() {
 
 #[test]
 fn interrupted_and_resumed_run_ends_bitwise_equal() {
-    let dir = std::env::temp_dir().join(format!("kolo-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("resume");
     let extra = format!(
         "[optim]\nkind = \"adamw\"\nlr = 1e-3\nschedule = \"cosine\"\nwarmup_steps = 2\n[train]\nsteps = 6\ncheckpoint_every = 3\ncheckpoint_dir = \"{}\"\n",
         dir.display()
@@ -112,8 +119,7 @@ fn interrupted_and_resumed_run_ends_bitwise_equal() {
 #[test]
 fn optimizer_state_of_the_wrong_shape_is_refused_on_resume() {
     use kolo_checkpoint::sharded::{begin, commit, load_any, write_shard, Piece};
-    let dir = std::env::temp_dir().join(format!("kolo-bad-optim-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("bad-optim");
     let cfg = mnist_cfg(
         &format!("[optim]\nkind = \"adam\"\n[train]\nsteps = 2\ncheckpoint_every = 2\ncheckpoint_dir = \"{}\"\n", dir.join("ok").display()),
         8,
@@ -150,8 +156,7 @@ fn optimizer_state_of_the_wrong_shape_is_refused_on_resume() {
 /// equal shares.
 #[test]
 fn resumed_runs_keep_the_loss_scale_and_the_batch_split() {
-    let dir = std::env::temp_dir().join(format!("kolo-resume-state-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("resume-state");
     let ck = |tag: &str| format!("checkpoint_dir = \"{}\"\n", dir.join(tag).display());
     let cfg = mnist_cfg(&format!("[train]\nsteps = 6\nlog_every = 1\nprecision = \"f16\"\ncheckpoint_every = 3\n{}", ck("f16")), 16);
     let inject = RunOptions { inject_inf_at: Some(1), quiet: true, ..Default::default() };
@@ -184,8 +189,7 @@ fn resumed_runs_keep_the_loss_scale_and_the_batch_split() {
 /// world size the state cannot be assigned: the run continues with fresh state.
 #[test]
 fn compressed_runs_resume_with_their_codec_state() {
-    let dir = std::env::temp_dir().join(format!("kolo-codec-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("codec-resume");
     let codecs = [
         "method = \"powersgd\", rank = 2",
         "method = \"topk\", fraction = 0.1, threshold = \"sampled\"",
@@ -225,8 +229,7 @@ fn compressed_runs_resume_with_their_codec_state() {
 /// every replica having restarted from rank 0's model and momentum).
 #[test]
 fn local_sgd_resumes_bitwise_between_averagings() {
-    let dir = std::env::temp_dir().join(format!("kolo-localsgd-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("localsgd-resume");
     let cfg = mnist_cfg(
         &format!(
             "[optim]\nkind = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n[train]\nsteps = 8\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 4\n[ddp]\nlocal_sgd = {{ every = 2, warmup_steps = 1 }}\n",
@@ -358,8 +361,7 @@ fn bad_inputs_give_clear_errors() {
     assert!(matches!(e[0], TrainError::Data(_)) && e[0].to_string().contains("/nonexistent/mnist"), "{}", e[0]);
 
     // A corrupt checkpoint, and one from another model.
-    let dir = std::env::temp_dir().join(format!("kolo-badckpt-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("badckpt");
     let cfg = mnist_cfg(&format!("[train]\nsteps = 1\ncheckpoint_dir = \"{}\"\n", dir.display()), 8);
     let s = train_on(1, &cfg, &quiet());
     let ck = s[0].checkpoint.clone().unwrap();
@@ -412,8 +414,7 @@ fn zero_stages_match_ddp_and_one_process() {
 /// summation order of the gradient average changes with the world size).
 #[test]
 fn zero_checkpoint_resumes_at_other_world_sizes_and_stages() {
-    let dir = std::env::temp_dir().join(format!("kolo-reshard-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("reshard");
     let cfg = |stage: u8, batch: usize| {
         let extra = format!(
             "[optim]\nkind = \"adamw\"\nlr = 1e-3\nclip_grad_norm = 1.0\n[train]\nsteps = 6\ncheckpoint_every = 3\ncheckpoint_dir = \"{}\"\n[ddp]\nzero_stage = {stage}\nbucket_cap = \"64KiB\"\nfirst_bucket_cap = \"8KiB\"\n",
@@ -458,8 +459,7 @@ fn resume_everywhere(dir: &std::path::Path, cases: &[(usize, u8)], cfg: impl Fn(
 /// ZeRO-2 with its master shard offloaded too) and leaves no file behind.
 #[test]
 fn offloaded_optimizer_state_trains_bitwise_like_in_memory() {
-    let dir = std::env::temp_dir().join(format!("kolo-offload-it-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("offload-it");
     for stage in [0, 2] {
         let base = format!("[optim]\nkind = \"adamw\"\nlr = 1e-3\nclip_grad_norm = 1.0\n[train]\nsteps = 4\n[ddp]\nzero_stage = {stage}\n");
         let mem = train_on(2, &mnist_cfg(&base, 16), &quiet());
@@ -486,8 +486,7 @@ fn gpt_cfg(extra: &str, batch: usize) -> Config {
 /// summation order of the gradient average changes with the world size).
 #[test]
 fn zero3_matches_ddp_and_its_checkpoint_resumes_at_other_sizes_and_stages() {
-    let dir = std::env::temp_dir().join(format!("kolo-zero3-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("zero3");
     let opt = "[optim]\nkind = \"adamw\"\nlr = 1e-3\nclip_grad_norm = 1.0\n";
     let train = |steps: u64, ck: bool| {
         let ck = if ck { format!("checkpoint_every = 3\ncheckpoint_dir = \"{}\"\n", dir.display()) } else { String::new() };
@@ -705,8 +704,7 @@ fn ps_window_straggler_takes_the_window_and_the_workers_behind() {
 /// CRCs and hold the training loss at each log step and the final evaluation.
 #[test]
 fn tensorboard_event_files_hold_the_training_curves() {
-    let dir = std::env::temp_dir().join(format!("kolo-tb-it-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("tb-it");
     let cfg = mnist_cfg(&format!("[train]\nsteps = 6\nlog_every = 2\neval_batches = 2\ntensorboard_dir = \"{}\"\n", dir.display()), 16);
     let s = train_on(2, &cfg, &quiet());
     for (r, summary) in s.iter().enumerate() {
@@ -730,8 +728,7 @@ fn tensorboard_event_files_hold_the_training_curves() {
 #[test]
 fn sequence_parallel_and_2bw_runs_write_tensorboard_and_json_logs() {
     for (tag, section) in [("sp", "[mesh]\nsp = 2\n"), ("2bw", "[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n")] {
-        let dir = std::env::temp_dir().join(format!("kolo-{tag}-obs-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = scratch_dir(&format!("{tag}-obs"));
         let cfg = gpt_cfg(
         &format!(
             "[train]\nsteps = 6\nlog_every = 2\neval_batches = 2\nsample_chars = 0\ntensorboard_dir = \"{}\"\njson_log = \"{}/log-{{rank}}.jsonl\"\n{section}",
@@ -768,8 +765,7 @@ fn sequence_parallel_and_2bw_runs_write_tensorboard_and_json_logs() {
 /// checkpoints of whole tensors that resume bitwise and continue under DDP.
 #[test]
 fn sequence_and_expert_parallel_resume_evaluate_and_trace_through_the_driver() {
-    let dir = std::env::temp_dir().join(format!("kolo-driver-sp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("driver-sp");
     let optim = "[optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\nschedule = \"cosine\"\n";
     let train = |extra: &str| format!("{optim}[train]\nsteps = 4\nlog_every = 1\neval_batches = 2\nsample_chars = 0\n{extra}");
     let tb_tl =
@@ -837,8 +833,7 @@ fn sequence_and_expert_parallel_resume_evaluate_and_trace_through_the_driver() {
 /// Chrome trace-event file with a process per rank.
 #[test]
 fn timeline_merges_every_ranks_compute_and_collectives() {
-    let dir = std::env::temp_dir().join(format!("kolo-timeline-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("timeline");
     let cfg = mnist_cfg(
         &format!(
             "[train]\nsteps = 3\ntimeline_dir = \"{}\"\n[ddp]\nbucket_cap = \"256KiB\"\nfirst_bucket_cap = \"64KiB\"\n",
@@ -914,8 +909,7 @@ fn try_train_ps(c: &PsCluster, workers: usize, cfg: &Config, opts: &RunOptions) 
 /// ends as well trained as the uninterrupted one.
 #[test]
 fn ps_async_checkpoints_resume_each_worker_from_its_clock() {
-    let dir = std::env::temp_dir().join(format!("kolo-ps-async-ck-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("ps-async-ck");
     let cfg = |extra: &str| {
         mnist_cfg(
             &format!(
@@ -950,8 +944,7 @@ fn ps_async_checkpoints_resume_each_worker_from_its_clock() {
 /// uninterrupted run ends; resumed under DDP too (BSP parameter servers train bitwise as DDP).
 #[test]
 fn ps_bsp_checkpoints_resume_on_fresh_servers_and_under_ddp_bitwise() {
-    let dir = std::env::temp_dir().join(format!("kolo-ps-ck-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("ps-ck");
     let opt = "[optim]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n[train]\nsteps = 6\n";
     let ps = |extra: &str| {
         mnist_cfg(&format!("{opt}{extra}strategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 4000\nservers = 2\nreplication = 1\n"), 24)
@@ -995,8 +988,7 @@ fn ps_dead_workers_shard_is_taken_over_and_bsp_ends_bitwise_equal() {
 /// (the parameters it last pulled) and at the end (the final ones).
 #[test]
 fn ps_bsp_matches_ddp_bitwise() {
-    let dir = std::env::temp_dir().join(format!("kolo-ps-driver-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("ps-driver");
     let opt = "[optim]\nkind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\n[train]\nsteps = 5\nlog_every = 1\n";
     let ddp = train_on(2, &mnist_cfg(opt, 24), &quiet());
     let c = ps_cluster(2);
@@ -1245,8 +1237,7 @@ fn pipeline_matches_one_process_gpt() {
 /// the runs evaluate every 2 steps and write a timeline.
 #[test]
 fn flushed_pipelines_checkpoint_resume_and_evaluate() {
-    let dir = std::env::temp_dir().join(format!("kolo-pipe-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("pipe-resume");
     let mk = |extra: &str, batch: usize| {
         let text = format!(
             "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
@@ -1305,8 +1296,7 @@ fn flushed_pipelines_checkpoint_resume_and_evaluate() {
 /// does, over 2 stages, dp 2 x pp 2 and pp 2 x tp 2. Every rank's steps are on the timeline.
 #[test]
 fn pipedream_2bw_drains_checkpoints_and_resumes_bitwise() {
-    let dir = std::env::temp_dir().join(format!("kolo-2bw-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("2bw-resume");
     let mk = |extra: &str| {
         let text = format!(
             "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n\
@@ -1349,8 +1339,7 @@ fn pipedream_2bw_drains_checkpoints_and_resumes_bitwise() {
 /// tolerance of tensor parallelism against one process. The timeline has every rank's steps.
 #[test]
 fn tensor_parallel_checkpoints_resume_and_reshard() {
-    let dir = std::env::temp_dir().join(format!("kolo-tp-resume-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("tp-resume");
     let mk = |batch: usize, extra: &str| {
         let text = format!(
             "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
@@ -1496,8 +1485,7 @@ fn sequence_parallel_ring_attention_matches_one_process_gpt() {
 /// with one line per rank.
 #[test]
 fn plot_renders_a_runs_curves_to_png() {
-    let dir = std::env::temp_dir().join(format!("kolo-plot-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("plot");
     let cfg = mnist_cfg(
         &format!(
             "[train]\nsteps = 20\nlog_every = 4\ntensorboard_dir = \"{}\"\njson_log = \"{}\"\n",
@@ -1838,8 +1826,7 @@ fn impala_solves_cartpole_and_the_grid_world() {
 /// plain DDP resumed from the same checkpoint ends there too.
 #[test]
 fn scheduled_ddp_matches_plain_ddp() {
-    let dir = std::env::temp_dir().join(format!("kolo-sched-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = scratch_dir("sched");
     let opt = "[optim]\nkind = \"adamw\"\nlr = 0.01\nweight_decay = 0.01\n[train]\nsteps = 6\nlog_every = 1\n";
     let sched_cfg = "[ddp]\nschedule = { chunk = \"1KiB\", credit = \"3KiB\" }\n";
     for (n, model) in [(2, "gpt"), (3, "mlp")] {
