@@ -194,7 +194,27 @@ pub trait GradSink: Send + Sync {
 /// Sum of squares, accumulated in f64 (pass per-shard sums through an all-reduce for a global
 /// norm). Shared by the optimizers' clipping and the strategies' gradient buffers.
 pub fn sum_of_squares(v: &[f32]) -> f64 {
-    v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum()
+    // Eight interleaved f64 lanes, so the loop vectorises (one serial f64 sum was bound by the
+    // add's latency: 4 % of a GPT-2 124M step for the clipping norm); the order is fixed, so
+    // the result is the same on every run and rank.
+    let mut lanes = [0f64; 8];
+    sum_of_squares_lanes(v, &mut lanes);
+    lanes.iter().sum()
+}
+
+crate::simd_kernel! {
+    fn sum_of_squares_lanes(v: &[f32], lanes: &mut [f64]) {
+        let lanes: &mut [f64; 8] = lanes.try_into().expect("eight lanes");
+        let mut chunks = v.chunks_exact(8);
+        for c in &mut chunks {
+            for (l, x) in lanes.iter_mut().zip(c) {
+                *l += f64::from(*x) * f64::from(*x);
+            }
+        }
+        for (l, x) in lanes.iter_mut().zip(chunks.remainder()) {
+            *l += f64::from(*x) * f64::from(*x);
+        }
+    }
 }
 
 /// Parameters sharded across ranks and materialised group by group (ZeRO-3): a model adapter

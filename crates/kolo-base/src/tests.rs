@@ -109,3 +109,18 @@ fn eline_lines_do_not_interleave_across_processes() {
     }
     assert_eq!(ours.len(), 3 * LINES, "every line arrived");
 }
+
+/// The clipping norm's sum of squares (eight interleaved f64 lanes) equals the plain f64 sum
+/// to rounding, on lengths around the lane count, and is the same on every call.
+#[test]
+fn sum_of_squares_matches_a_plain_f64_sum() {
+    let mut r = Rng::new(3);
+    for n in [0usize, 1, 7, 8, 9, 17, 1001, 65_537] {
+        let v: Vec<f32> = (0..n).map(|_| r.below(1 << 20) as f32 / 4096.0 - 128.0).collect();
+        let plain: f64 = v.iter().map(|x| f64::from(*x) * f64::from(*x)).sum();
+        let got = sum_of_squares(&v);
+        assert!((got - plain).abs() <= 1e-12 * plain.max(1.0), "n={n}: {got} vs {plain}");
+        assert_eq!(got.to_bits(), sum_of_squares(&v).to_bits());
+    }
+    assert_eq!(sum_of_squares(&[3.0, 4.0]), 25.0);
+}

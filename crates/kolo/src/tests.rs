@@ -83,6 +83,107 @@ fn check_receives(what: &str, varmap: &VarMap, x: &Var, f: &dyn Fn(&Tensor) -> c
     }
 }
 
+/// f32 `values` on a wider range, with the inputs where the kernels switch form.
+fn f32_points(n: usize, seed: u64, range: f32) -> Vec<f32> {
+    let mut v: Vec<f32> = values(n, seed).iter().map(|x| *x as f32 * range).collect();
+    v.extend([0.0, -0.0, 0.624, 0.626, -0.624, -0.626, 1e-4, -1e-4, 9.0, -9.0, 30.0, -30.0]);
+    v
+}
+
+/// Kolo's vectorised f32 CPU paths in the vendored candle (exp, tanh, both GELUs and their
+/// one-pass derivatives): values against candle's f64 path (libm) and gradients, taken by
+/// candle's backward in f32, against central finite differences of the f64 values, both
+/// within 5e-7 relative; near zero, where an f32 result is the difference of terms near 1,
+/// within 2e-7 absolute (exp: relative only).
+#[test]
+fn vectorised_unary_ops_match_f64_values_and_finite_differences() {
+    type Op = fn(&Tensor) -> candle_core::Result<Tensor>;
+    let ops: [(&str, Op, f32, f64); 4] = [
+        ("gelu", |x| x.gelu(), 8.0, 2e-7),
+        ("gelu_erf", |x| x.gelu_erf(), 8.0, 2e-7),
+        ("exp", |x| x.exp(), 80.0, 0.0),
+        ("tanh", |x| x.tanh(), 8.0, 2e-7),
+    ];
+    let f64s = |t: &Tensor| t.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    for (name, op, range, floor) in ops {
+        let x = f32_points(1001, 21, range);
+        let w = values(x.len(), 5);
+        let v = Var::from_vec(x.clone(), x.len(), &Device::Cpu).unwrap();
+        let y32 = op(v.as_tensor()).unwrap();
+        let w32 = Tensor::new(&w[..], &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+        let g = (&y32 * w32).unwrap().sum_all().unwrap().backward().unwrap();
+        let (y32, g32) = (f64s(&y32), f64s(g.get(v.as_tensor()).unwrap()));
+        let x64: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
+        let at = |d: f64| {
+            let shifted: Vec<f64> = x64.iter().map(|x| x + d * x.abs().max(1.0)).collect();
+            f64s(&op(&Tensor::new(&shifted[..], &Device::Cpu).unwrap()).unwrap())
+        };
+        let (y64, up, down) = (at(0.0), at(1e-5), at(-1e-5));
+        let close = |a: f64, b: f64| (a - b).abs() <= 5e-7 * b.abs() + floor;
+        for i in 0..x.len() {
+            let fd = (up[i] - down[i]) / (2e-5 * x64[i].abs().max(1.0)) * w[i];
+            assert!(close(y32[i], y64[i]), "{name}({}): f32 {} f64 {}", x[i], y32[i], y64[i]);
+            assert!(close(g32[i], fd), "{name}'({}) * w: f32 backward {} finite differences {fd}", x[i], g32[i]);
+        }
+    }
+    let edges = Tensor::new(&[f32::NEG_INFINITY, -200.0, 200.0, f32::INFINITY][..], &Device::Cpu).unwrap();
+    assert_eq!(edges.exp().unwrap().to_vec1::<f32>().unwrap(), [0.0, 0.0, f32::INFINITY, f32::INFINITY]);
+    assert_eq!(edges.tanh().unwrap().to_vec1::<f32>().unwrap(), [-1.0, -1.0, 1.0, 1.0]);
+}
+
+/// The fused f32 cross-entropy against the f64 composite (log-softmax, gather, mean): loss and
+/// logits' gradient, on odd sizes, both target dtypes, one row and very large logits.
+#[test]
+fn fused_cross_entropy_matches_the_composite() {
+    for (n, c, scale, seed) in [(7usize, 13usize, 3.0f32, 1u64), (1, 2, 1.0, 2), (5, 1031, 10.0, 3), (3, 17, 1e4, 4)] {
+        let x: Vec<f32> = values(n * c, seed).iter().map(|v| *v as f32 * scale).collect();
+        let t: Vec<u32> = (0..n).map(|i| ((i * 7919 + seed as usize) % c) as u32).collect();
+        let loss_and_grad = |dtype: DType, targets: &Tensor| {
+            let v = Var::from_tensor(&Tensor::from_vec(x.clone(), (n, c), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).unwrap();
+            let l = candle_nn::loss::cross_entropy(v.as_tensor(), targets).unwrap();
+            let g = (&l * 0.75).unwrap().backward().unwrap();
+            let grad = g.get(v.as_tensor()).unwrap().to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+            (l.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap(), grad)
+        };
+        let t32 = Tensor::new(&t[..], &Device::Cpu).unwrap();
+        let t64 = t32.to_dtype(DType::I64).unwrap();
+        let (want, want_g) = loss_and_grad(DType::F64, &t32);
+        for targets in [&t32, &t64] {
+            let (got, got_g) = loss_and_grad(DType::F32, targets);
+            assert!((got - want).abs() <= 1e-6 * (1.0 + want.abs()), "n={n} c={c}: loss {got} vs {want}");
+            for (i, (a, b)) in got_g.iter().zip(&want_g).enumerate() {
+                assert!((a - b).abs() <= 1e-6, "n={n} c={c}: d loss / d logit[{i}] {a} vs {b}");
+            }
+        }
+    }
+    let x = Tensor::zeros((2, 5), DType::F32, &Device::Cpu).unwrap();
+    let err = candle_nn::loss::cross_entropy(&x, &Tensor::new(&[1u32, 5], &Device::Cpu).unwrap()).unwrap_err().to_string();
+    assert!(err.contains("target 1 is class 5, outside 0..5"), "{err}");
+}
+
+/// Sums over a block of leading or middle dims (a bias gradient) take the row-wise fast path:
+/// bitwise equal to adding the terms one by one in index order.
+#[test]
+fn sums_over_leading_dims_are_exact_in_index_order() {
+    let (a, b, c) = (3usize, 5usize, 7usize);
+    let x: Vec<f32> = values(a * b * c, 8).iter().map(|v| *v as f32 * 1e3).collect();
+    let t = Tensor::from_vec(x.clone(), (a, b, c), &Device::Cpu).unwrap();
+    let lead = t.sum_keepdim((0, 1)).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut want = vec![0f32; c];
+    for (i, v) in x.iter().enumerate() {
+        want[i % c] += v;
+    }
+    assert_eq!(lead.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    let mid = t.sum_keepdim(1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let mut want = vec![0f32; a * c];
+    for (i, v) in x.iter().enumerate() {
+        want[(i / (b * c)) * c + i % c] += v;
+    }
+    assert_eq!(mid.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    let empty = Tensor::zeros((0, 4), DType::F32, &Device::Cpu).unwrap().sum_keepdim(0).unwrap();
+    assert_eq!(empty.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [0.0; 4]);
+}
+
 fn input(shape: &[usize], seed: u64) -> Var {
     Var::from_vec(values(shape.iter().product(), seed), shape, &Device::Cpu).unwrap()
 }
@@ -116,6 +217,9 @@ fn candle_nn_layers_backpropagate_through_the_hook() {
     check_layer("RmsNorm", &m, &input(&[3, 6], 4), &|x| rms.forward(x));
     let m = vm();
     check_layer("softmax_last_dim", &m, &input(&[3, 7], 5), &|x| candle_nn::ops::softmax_last_dim(x));
+    check_layer("gelu", &m, &input(&[3, 7], 5), &|x| x.affine(3.0, 0.0)?.gelu());
+    check_layer("gelu_erf", &m, &input(&[3, 7], 5), &|x| x.affine(3.0, 0.0)?.gelu_erf());
+    check_layer("tanh", &m, &input(&[3, 7], 5), &|x| x.affine(2.0, 0.0)?.tanh());
     check_layer("softmax", &m, &input(&[3, 7], 5), &|x| candle_nn::ops::softmax(x, D::Minus1));
     let (cos, sin) =
         (Tensor::from_vec(values(8, 11), (4, 2), &Device::Cpu).unwrap(), Tensor::from_vec(values(8, 12), (4, 2), &Device::Cpu).unwrap());

@@ -209,6 +209,7 @@ impl Trainer {
     /// DDP or ZeRO and the optimizer.
     pub fn new(varmap: &VarMap, dist: &Dist, opts: TrainOptions) -> anyhow::Result<Trainer> {
         opts.check()?;
+        kolo_train::trainer::retain_freed_memory();
         let comm = dist.comm().clone();
         let mut vars: Vec<(String, candle_core::Var)> =
             varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();

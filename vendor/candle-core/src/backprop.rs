@@ -16,6 +16,35 @@ fn broadcast_back(arg: &Tensor, node: &Tensor, reduced_dims: &[usize]) -> Result
     }
 }
 
+/// Kolo: `grad * gelu'(arg)` in one pass over f32 CPU tensors (`erf`: the exact form, else the
+/// tanh approximation), instead of the composite's nine to eleven whole-tensor operations and
+/// scalar libm calls; `None` on other devices and dtypes, which keep the composite.
+fn gelu_grad_on_cpu(arg: &Tensor, grad: &Tensor, erf: bool) -> Result<Option<Tensor>> {
+    use crate::{CpuStorage, DType, Storage};
+    if !arg.device().is_cpu() || arg.dtype() != DType::F32 || grad.dtype() != DType::F32 || arg.shape() != grad.shape() {
+        return Ok(None);
+    }
+    let (arg, grad) = (arg.contiguous()?, grad.contiguous()?);
+    let out = {
+        let (xs, xl) = arg.storage_and_layout();
+        let (gs, gl) = grad.storage_and_layout();
+        let (Storage::Cpu(CpuStorage::F32(x)), Storage::Cpu(CpuStorage::F32(g))) = (&*xs, &*gs) else {
+            return Ok(None);
+        };
+        let (Some((x0, x1)), Some((g0, g1))) = (xl.contiguous_offsets(), gl.contiguous_offsets()) else {
+            return Ok(None);
+        };
+        let mut out = vec![0f32; x1 - x0];
+        if erf {
+            crate::cpu::vec_math::gelu_erf_grad_vec(&x[x0..x1], &g[g0..g1], &mut out);
+        } else {
+            crate::cpu::vec_math::gelu_tanh_grad_vec(&x[x0..x1], &g[g0..g1], &mut out);
+        }
+        out
+    };
+    Tensor::from_vec(out, arg.shape(), arg.device()).map(Some)
+}
+
 thread_local! {
     static CANDLE_GRAD_DO_NOT_DETACH: bool = {
         match std::env::var("CANDLE_GRAD_DO_NOT_DETACH") {
@@ -592,6 +621,10 @@ impl Tensor {
                     }
                     Op::Unary(_, UnaryOp::Ceil) => Err(Error::BackwardNotSupported { op: "ceil" })?,
                     Op::Unary(arg, UnaryOp::Gelu) => {
+                        if let Some(g) = gelu_grad_on_cpu(arg, &grad, false)? {
+                            grads.accumulate(arg, &g)?;
+                            continue;
+                        }
                         let sum_grad = grads.or_insert(arg)?;
                         let cube = arg.powf(3.)?;
                         let tanh = (0.0356774 * &cube + (0.797885 * arg)?)?.tanh()?;
@@ -608,6 +641,10 @@ impl Tensor {
                         *sum_grad = sum_grad.add(&(&grad * erf_grad)?)?
                     }
                     Op::Unary(arg, UnaryOp::GeluErf) => {
+                        if let Some(g) = gelu_grad_on_cpu(arg, &grad, true)? {
+                            grads.accumulate(arg, &g)?;
+                            continue;
+                        }
                         let sum_grad = grads.or_insert(arg)?;
                         // d/dx gelu_erf(x) = 0.5 + 0.398942 e^(-x^2/2) x + 0.5 erf(x/sqrt(2))
                         let neg_half_square = (arg.sqr()?.neg()? / 2.)?;

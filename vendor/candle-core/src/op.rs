@@ -561,6 +561,16 @@ macro_rules! unary_op {
             fn f32_vec(xs: &[f32], ys: &mut [f32]) {
                 crate::mkl::$f32_vec(xs, ys)
             }
+            // Kolo: vectorised exp and tanh (crate::cpu::vec_math) where no vendor library is.
+            #[cfg(not(any(feature = "mkl", feature = "accelerate")))]
+            #[inline(always)]
+            fn f32_vec(xs: &[f32], ys: &mut [f32]) {
+                match stringify!($f32_vec) {
+                    "vs_exp" => crate::cpu::vec_math::exp_vec(xs, ys),
+                    "vs_tanh" => crate::cpu::vec_math::tanh_vec(xs, ys),
+                    _ => xs.iter().zip(ys).for_each(|(&x, y)| *y = Self::f32(x)),
+                }
+            }
             #[cfg(feature = "mkl")]
             #[inline(always)]
             fn f64_vec(xs: &[f64], ys: &mut [f64]) {
@@ -666,6 +676,13 @@ impl UnaryOpT for Gelu {
                 ))
     }
     const KERNEL: &'static str = "ugelu";
+
+    // Kolo: vectorised (crate::cpu::vec_math) where no vendor library is.
+    #[cfg(not(any(feature = "mkl", feature = "accelerate")))]
+    #[inline(always)]
+    fn f32_vec(xs: &[f32], ys: &mut [f32]) {
+        crate::cpu::vec_math::gelu_tanh_vec(xs, ys)
+    }
 
     #[cfg(feature = "mkl")]
     #[inline(always)]
@@ -1038,6 +1055,11 @@ impl UnaryOpT for GeluErf {
     #[inline(always)]
     fn f8e4m3(v: f8e4m3) -> f8e4m3 {
         f8e4m3::from_f32(Self::f32(v.to_f32()))
+    }
+    // Kolo: vectorised (crate::cpu::vec_math).
+    #[inline(always)]
+    fn f32_vec(xs: &[f32], ys: &mut [f32]) {
+        crate::cpu::vec_math::gelu_erf_vec(xs, ys)
     }
 }
 

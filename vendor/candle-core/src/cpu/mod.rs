@@ -3,6 +3,7 @@
 pub mod erf;
 pub(crate) mod features;
 pub mod kernels;
+pub mod vec_math;
 
 #[allow(unused)]
 trait Cpu {

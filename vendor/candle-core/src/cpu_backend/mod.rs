@@ -344,6 +344,30 @@ impl ReduceSum<'_> {
                     }
                     return Ok(dst);
                 };
+                // Kolo: the reduced dims form one block [a, b) followed by kept dims (a bias
+                // gradient sums [batch, time] away from [batch, time, features]): add whole rows
+                // of the kept trailing dims, each destination element taking its terms in the
+                // same order as the element-wise loop below, so the sums are bit-identical.
+                let (first, last) = match (self.reduce_dims.first(), self.reduce_dims.last()) {
+                    (Some(&f), Some(&l)) => (f, l),
+                    _ => (1, 0),
+                };
+                if first <= last && last + 1 - first == self.reduce_dims.len() {
+                    let dims = src_l.shape().dims();
+                    let inner: usize = dims[last + 1..].iter().product();
+                    let block: usize = dims[first..=last].iter().product();
+                    if inner > 0 && block > 0 {
+                        for (o, dst_row) in dst.chunks_exact_mut(inner).enumerate() {
+                            for r in 0..block {
+                                let at = (o * block + r) * inner;
+                                for (d, &s) in dst_row.iter_mut().zip(&src[at..at + inner]) {
+                                    *d += s;
+                                }
+                            }
+                        }
+                    }
+                    return Ok(dst);
+                }
                 for (unstr_index, &src) in src.iter().enumerate() {
                     let mut dst_index = unstr_index;
                     // Set the reduce_dims indexes to 0.
