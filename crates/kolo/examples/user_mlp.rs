@@ -4,7 +4,8 @@
 //!   kolo launch -n 2 -- target/release/examples/user_mlp        (2 processes, DDP over TCP/shm)
 //!
 //! Flags: --steps N (300), --batch B per rank (32), --hidden H (128), --lr (1e-3), --optim adamw|sgd,
-//! --zero 0|1|2, --seed S (0), --data DIR (test-data/mnist), --out DIR (checkpoints/user_mlp).
+//! --zero 0|1|2, --precision f32|bf16|f16 (the model's dtype; f32 masters), --seed S (0),
+//! --data DIR (test-data/mnist), --out DIR (checkpoints/user_mlp).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Linear, Module, VarBuilder, VarMap};
@@ -19,10 +20,10 @@ impl Module for Mlp {
 }
 
 /// The examples at `idx` as (images, labels) tensors.
-fn tensors(data: &Mnist, idx: &[usize], dist: &kolo::Dist) -> Result<(Tensor, Tensor)> {
+fn tensors(data: &Mnist, idx: &[usize], dist: &kolo::Dist, dtype: DType) -> Result<(Tensor, Tensor)> {
     let x: Vec<f32> = idx.iter().flat_map(|&i| data.image(i).iter().copied()).collect();
     let y: Vec<u32> = idx.iter().map(|&i| u32::from(data.labels()[i])).collect();
-    Ok((Tensor::from_vec(x, (idx.len(), 784), &dist.device())?, Tensor::from_vec(y, idx.len(), &dist.device())?))
+    Ok((Tensor::from_vec(x, (idx.len(), 784), &dist.device())?.to_dtype(dtype)?, Tensor::from_vec(y, idx.len(), &dist.device())?))
 }
 
 pub fn train(args: &[String]) -> Result<Vec<f32>> {
@@ -31,11 +32,17 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     let dist = kolo::init()?;
     dist.device().set_seed(arg("--seed", "0").parse()?)?; // the same initial weights in every run
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
+    let precision = arg("--precision", "f32");
+    let dtype = match precision.as_str() {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        _ => DType::F32,
+    };
+    let vb = VarBuilder::from_varmap(&varmap, dtype, &dist.device());
     let h: usize = arg("--hidden", "128").parse()?;
     let model = Mlp(linear(784, h, vb.pp("fc1"))?, linear(h, h, vb.pp("fc2"))?, linear(h, 10, vb.pp("fc3"))?);
     let (optim, lr, zero) = (arg("--optim", "adamw"), arg("--lr", "1e-3"), arg("--zero", "0"));
-    let toml = format!("[optim]\nkind = \"{optim}\"\nlr = {lr}\n[ddp]\nzero_stage = {zero}\n[train]\nsteps = {steps}\nlog_every = 50\n[data]\nbatch_size = {batch}\n");
+    let toml = format!("[optim]\nkind = \"{optim}\"\nlr = {lr}\n[ddp]\nzero_stage = {zero}\n[train]\nsteps = {steps}\nlog_every = 50\nprecision = \"{precision}\"\n[data]\nbatch_size = {batch}\n");
     let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_toml_str(&toml)?)?;
     let data = arg("--data", "test-data/mnist");
     let (train, test) = (Mnist::load(data.as_ref(), "train")?, Mnist::load(data.as_ref(), "t10k")?);
@@ -43,10 +50,11 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     let cfg = SamplerConfig { len: train.len(), world, rank, batch, seed: 0, shuffle: true, drop_last: true };
     let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
     for _ in 0..steps {
-        let (x, y) = tensors(&train, &sampler.next_batch(), &dist)?;
-        trainer.step(|| cross_entropy(&model.forward(&x)?, &y))?; // logs every 50 steps: loss, samples/s, ms/step
+        let (x, y) = tensors(&train, &sampler.next_batch(), &dist, dtype)?;
+        // The loss in f32 (as torch's autocast does); logs every 50 steps: loss, samples/s, ms/step.
+        trainer.step(|| cross_entropy(&model.forward(&x)?.to_dtype(DType::F32)?, &y))?;
     }
-    let (x, y) = tensors(&test, &(0..test.len()).collect::<Vec<_>>(), &dist)?;
+    let (x, y) = tensors(&test, &(0..test.len()).collect::<Vec<_>>(), &dist, dtype)?;
     let right = model.forward(&x)?.argmax(1)?.eq(&y)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
     let saved = trainer.save(arg("--out", "checkpoints/user_mlp"))?; // collective: every rank
     if dist.is_main() {

@@ -5,6 +5,7 @@
 use crate::{Dist, TrainOptions, Trainer};
 use candle_core::{DType, Device, Module, Tensor, Var, D};
 use candle_nn::{VarBuilder, VarMap};
+use std::collections::BTreeMap;
 
 fn world_of_one() -> Dist {
     crate::init_with(&crate::InitOptions { backend: crate::dist::Backend::Builtin, ..Default::default() }).unwrap()
@@ -248,28 +249,129 @@ struct Small {
     varmap: VarMap,
     l1: candle_nn::Linear,
     l2: candle_nn::Linear,
+    dtype: DType,
 }
 
 fn small() -> Small {
+    small_in(DType::F32)
+}
+
+/// [`small`] built in `dtype` (mixed precision), from the same starting values (rounded to
+/// bf16 in every dtype, so that they are exact in each).
+fn small_in(dtype: DType) -> Small {
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_varmap(&varmap, dtype, &Device::Cpu);
     let (l1, l2) = (candle_nn::linear(6, 8, vb.pp("l1")).unwrap(), candle_nn::linear(8, 3, vb.pp("l2")).unwrap());
     // The same starting values in every model of the test.
     for (k, v) in varmap.data().lock().unwrap().iter() {
         let seed = k.bytes().map(u64::from).sum::<u64>();
-        v.set(
-            &Tensor::from_vec(values(v.elem_count(), seed).iter().map(|x| *x as f32 * 0.5).collect::<Vec<_>>(), v.shape(), &Device::Cpu)
-                .unwrap(),
-        )
-        .unwrap();
+        let init: Vec<f32> = values(v.elem_count(), seed).iter().map(|x| *x as f32 * 0.5).collect();
+        let init = Tensor::from_vec(init, v.shape(), &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+        v.set(&init.to_dtype(dtype).unwrap()).unwrap();
     }
-    Small { varmap, l1, l2 }
+    Small { varmap, l1, l2, dtype }
 }
 
 impl Small {
+    /// The loss in f32 whatever the model's dtype (as torch's autocast computes losses).
     fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
-        candle_nn::loss::cross_entropy(&self.l2.forward(&self.l1.forward(x)?.tanh()?)?, y)
+        let logits = self.l2.forward(&self.l1.forward(&x.to_dtype(self.dtype)?)?.tanh()?)?;
+        candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, y)
     }
+
+    /// The model's own variables, by name, widened to f32.
+    fn variables(&self) -> BTreeMap<String, Vec<f32>> {
+        let vars = self.varmap.data().lock().unwrap();
+        vars.iter().map(|(k, v)| (k.clone(), v.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap())).collect()
+    }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
+/// Mixed precision (DeepSpeed's bf16 and fp16 modes): a model built in bf16 or f16 trains f32
+/// master weights, and after every step its own variables are the masters rounded to its
+/// dtype. SGD steps here (lr 1e-3) move a weight by about 1e-4, below half a bf16 ulp of most
+/// weights, so bf16 weights updated in place would barely move; the masters follow the f32
+/// run within 3 % of how far it moved.
+#[test]
+fn mixed_precision_steps_f32_masters_and_hands_the_model_their_rounding() {
+    let dist = world_of_one();
+    let sgd = |p: &str| opts(&format!("[optim]\nkind = \"sgd\"\nlr = 1e-3\n[train]\nprecision = \"{p}\"\n"));
+    let run = |dtype: DType, name: &str| {
+        let m = small_in(dtype);
+        let mut t = Trainer::new(&m.varmap, &dist, sgd(name)).unwrap();
+        let start = t.flat_params().unwrap();
+        for s in 0..40 {
+            let (x, y) = batch(8, s % 4);
+            assert!(!t.step(|| m.loss(&x, &y)).unwrap().skipped);
+        }
+        (m, t, start)
+    };
+    let (_, reference, start) = run(DType::F32, "f32");
+    let want = reference.flat_params().unwrap();
+    let moved = max_abs_diff(&want, &start);
+    assert!(moved > 2e-3, "the f32 run barely moved ({moved})");
+    for (dtype, name) in [(DType::BF16, "bf16"), (DType::F16, "f16")] {
+        let (m, t, begin) = run(dtype, name);
+        assert_eq!(begin, start, "{name}: the masters start from the model's values");
+        let got = t.flat_params().unwrap();
+        let d = max_abs_diff(&got, &want);
+        assert!(d < 0.03 * moved, "{name}: masters differ from the f32 run by {d} (it moved {moved})");
+        // The model's variables are the masters rounded to its dtype.
+        let vars = m.variables();
+        let mut at = 0;
+        for (pname, shape) in t.signature() {
+            let n: usize = shape.iter().product();
+            let rounded = Tensor::new(&got[at..at + n], &Device::Cpu).unwrap().to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+            assert_eq!(vars[&pname], rounded.to_vec1::<f32>().unwrap(), "{name}: `{pname}` is not its master rounded");
+            at += n;
+        }
+    }
+    // A model whose dtype is not the precision's is refused by name.
+    let m = small_in(DType::BF16);
+    let e = Trainer::new(&m.varmap, &dist, sgd("f32")).err().unwrap().to_string();
+    assert!(e.contains("parameter `l1.bias` is BF16, but train.precision = F32"), "{e}");
+}
+
+/// f16: an overflowing step is skipped (the parameters stay, the scale is lowered) and the
+/// next one applies; a run stopped, saved and resumed into a fresh model continues bitwise
+/// (the resumed model computes with the restored masters' rounding).
+#[test]
+fn f16_skips_overflowing_steps_and_resumes_bitwise() {
+    let dist = world_of_one();
+    let dir = std::env::temp_dir().join(format!("kolo-f16-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let o = || opts("[optim]\nkind = \"adamw\"\nlr = 1e-2\nclip_grad_norm = 1.0\n[train]\nprecision = \"f16\"\nsteps = 6\n");
+    let m = small_in(DType::F16);
+    let mut t = Trainer::new(&m.varmap, &dist, o()).unwrap();
+    let (x, y) = batch(8, 1);
+    let before = t.flat_params().unwrap();
+    let out = t.step(|| m.loss(&x, &y)? * 1e30).unwrap();
+    assert!(out.stepped && out.skipped, "{out:?}");
+    assert_eq!(t.flat_params().unwrap(), before, "a skipped step changed the parameters");
+    let run = |t: &mut Trainer, m: &Small, steps: std::ops::Range<u64>| {
+        for s in steps {
+            let (x, y) = batch(8, s);
+            assert!(!t.step(|| m.loss(&x, &y)).unwrap().skipped);
+        }
+    };
+    run(&mut t, &m, 1..6);
+    let whole = t.flat_params().unwrap();
+    assert_ne!(whole, before);
+    let m2 = small_in(DType::F16);
+    let mut first = Trainer::new(&m2.varmap, &dist, o()).unwrap();
+    assert!(first.step(|| m2.loss(&x, &y)? * 1e30).unwrap().skipped);
+    run(&mut first, &m2, 1..3);
+    let saved = first.save(&dir).unwrap();
+    let m3 = small_in(DType::F16);
+    let mut resumed = Trainer::new(&m3.varmap, &dist, o()).unwrap();
+    assert_eq!(resumed.resume(&saved).unwrap(), 3);
+    run(&mut resumed, &m3, 3..6);
+    assert_eq!(resumed.flat_params().unwrap(), whole, "the resumed f16 run differs");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn batch(n: usize, seed: u64) -> (Tensor, Tensor) {

@@ -1,5 +1,6 @@
 //! [`Trainer`]: data-parallel training of any candle model whose parameters live in a
-//! `candle_nn::VarMap` (DDP, bucketed and overlapped with backward, or ZeRO-1/2).
+//! `candle_nn::VarMap` (DDP, bucketed and overlapped with backward, or ZeRO-1/2), in f32 or
+//! mixed precision (a bf16/f16 model with f32 master weights).
 //!
 //! The model stays the user's: the trainer adopts the VarMap's variables (their storage is
 //! updated in place, so the model sees every step) and drives one step from a loss closure.
@@ -12,10 +13,10 @@ use candle_core::{DType, Tensor, TensorId};
 use candle_nn::VarMap;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
-use kolo_optim::{clip_factor, lr_at, sum_of_squares, Buffer, Optimizer};
+use kolo_optim::{clip_factor, lr_at, sum_of_squares, Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 use kolo_train::checkpointing::{
-    compression_pieces, load_checkpoint, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
+    compression_pieces, load_checkpoint, loop_state_meta, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
 };
 use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
 use kolo_train::driver::{record_spans, write_timeline, Job, StepOut};
@@ -100,7 +101,10 @@ impl TrainOptions {
                 "optim.reference_batch without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
             ),
             (self.train.grad_accum == 0, "train.grad_accum = 0 (at least 1)"),
-            (self.train.precision != Precision::F32, "train.precision other than f32 (compute in bf16 by casting inside your model)"),
+            (
+                self.train.precision == Precision::F16 && self.ddp.local_sgd.is_some(),
+                "train.precision = \"f16\" with ddp.local_sgd (each replica would need its own loss scale)",
+            ),
             (
                 self.train.device != "cpu",
                 "train.device other than cpu (build the model on its device; GPU training of user models is not there yet)",
@@ -144,13 +148,25 @@ pub struct StepOutput {
     /// When this call stepped: how long the update waited for the gradient buckets after
     /// backward returned, and the share of the communication time that overlapped backward.
     pub comm: Option<(Duration, f64)>,
+    /// `train.precision = "f16"`: this step's gradients overflowed at the current loss scale,
+    /// so the optimizer skipped it (on every rank) and the scale was lowered.
+    pub skipped: bool,
 }
 
 /// Data-parallel training of a candle model held in a `VarMap` (torch's
 /// `DistributedDataParallel` plus the optimizer, or DeepSpeed's engine with ZeRO-1/2).
 pub struct Trainer {
     comm: Arc<dyn Communicator>,
+    /// The parameters the optimizer updates: the model's own f32 variables, or (mixed
+    /// precision) f32 master copies of its bf16/f16 ones.
     params: ParamSet,
+    /// Mixed precision: the model's own bf16/f16 variables, in `params` order, rewritten from
+    /// the masters after every update (empty in f32).
+    model_vars: Vec<candle_core::Var>,
+    /// The dtype the model's variables (and so its computation) are in.
+    compute: DType,
+    /// f16: the dynamic loss scale (torch's `GradScaler`).
+    scaler: Option<LossScaler>,
     /// Variable id to parameter index.
     ids: HashMap<TensorId, usize>,
     ddp: Ddp,
@@ -220,11 +236,33 @@ impl Trainer {
             );
         }
         vars.sort_by_cached_key(|(n, _)| natural_key(n));
+        let compute = match opts.train.precision {
+            Precision::F32 => DType::F32,
+            Precision::Bf16 => DType::BF16,
+            Precision::F16 => DType::F16,
+        };
         let mut params = ParamSet::new();
         let mut ids = HashMap::new();
+        let mut model_vars = Vec::new();
         for (name, var) in vars {
+            if var.dtype() != compute {
+                anyhow::bail!(
+                    "rank {}: parameter `{name}` is {:?}, but train.precision = {:?} trains a model built in {compute:?}: build it with VarBuilder::from_varmap(&varmap, DType::{compute:?}, ..){}",
+                    dist.rank(),
+                    var.dtype(),
+                    opts.train.precision,
+                    if compute == DType::F32 { " or set train.precision to the model's dtype" } else { "" }
+                );
+            }
             ids.insert(var.as_tensor().id(), params.len());
-            params.adopt(&name, var)?;
+            if compute == DType::F32 {
+                params.adopt(&name, var)?;
+            } else {
+                // Mixed precision, as DeepSpeed's bf16/fp16 modes: the optimizer steps f32
+                // masters; the model computes with their bf16/f16 copies.
+                params.adopt(&name, candle_core::Var::from_tensor(&var.as_tensor().to_dtype(DType::F32)?)?)?;
+                model_vars.push(var);
+            }
         }
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
         comm.set_timeout(timeout);
@@ -244,6 +282,7 @@ impl Trainer {
         let mut flat = params.to_flat()?;
         ddp.broadcast_params(&mut flat)?;
         params.load(&flat)?;
+        publish(&params, &model_vars, compute)?;
         let zero = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
         let place = match &opts.optim.offload_dir {
             Some(d) => kolo_optim::Placement::Disk(d.into()),
@@ -263,11 +302,15 @@ impl Trainer {
         // world size; `[data] batch_size` is the per-rank batch it counts in.
         meta.insert("kolo.batch_size".to_string(), opts.data.batch_size.max(1).to_string());
         meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
+        meta.insert("kolo.precision".to_string(), format!("{compute:?}"));
         let local = vec![0f32; params.numel()];
         let report = Some(reporter(&opts, dist.rank(), dist.world_size(), 0)?);
         Ok(Trainer {
             comm,
             params,
+            model_vars,
+            compute,
+            scaler: (compute == DType::F16).then(LossScaler::new),
             ids,
             ddp,
             opt,
@@ -308,7 +351,9 @@ impl Trainer {
             );
         }
         let value = loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
-        let scaled = if accum > 1 { (loss / accum as f64)? } else { loss };
+        // f16: backward runs on the loss times the loss scale; the update divides it out.
+        let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accum as f64;
+        let scaled = if factor != 1.0 { (loss * factor)? } else { loss };
         let mut failure: Option<anyhow::Error> = None;
         let ids = &self.ids;
         let params = &self.params;
@@ -346,35 +391,55 @@ impl Trainer {
         if !sync {
             self.ddp.accumulate(&self.local);
             self.micro += 1;
-            return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None, comm: None });
+            return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None, comm: None, skipped: false });
         }
         if local_step {
             self.ddp.accumulate(&self.local);
             let (stats, norm) = self.local_update(lr)?;
+            publish(&self.params, &self.model_vars, self.compute)?;
             self.micro = 0;
             self.steps += 1;
             self.step_start = None;
             self.after_step(t0, backward_end, &stats, lr)?;
-            return Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, 0.0)) });
+            return Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, 0.0)), skipped: false });
         }
         let clip = self.opts.optim.clip_grad_norm;
         let comm = self.comm.clone();
         let mut norm = None;
+        let scaler = &mut self.scaler;
         let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| -> Result<bool, TrainError> {
-            let Some(max) = clip else { return Ok(true) };
+            if clip.is_none() && scaler.is_none() {
+                return Ok(true);
+            }
             let mut sq = [g.sum_of_squares()];
             if sharded {
                 comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
             }
-            let n = sq[0].sqrt();
-            norm = Some(n);
-            let f = clip_factor(n, max);
+            // f16: every rank sees the same (summed) norm, so all skip or none does.
+            let inv = match scaler.as_mut() {
+                Some(s) => {
+                    let inv = 1.0 / s.scale();
+                    if !s.update(!sq[0].is_finite()) {
+                        return Ok(false);
+                    }
+                    inv
+                }
+                None => 1.0,
+            };
+            let n = sq[0].sqrt() * inv;
+            let f = match clip {
+                Some(max) => {
+                    norm = Some(n);
+                    f64::from(clip_factor(n, max)) * inv
+                }
+                None => inv,
+            };
             if f != 1.0 {
-                g.scale(f);
+                g.scale(f as f32);
             }
             Ok(true)
         };
-        let (stats, _) = kolo_train::update::apply_update(
+        let (stats, applied) = kolo_train::update::apply_update(
             &self.ddp,
             &self.params,
             &mut self.opt,
@@ -383,11 +448,15 @@ impl Trainer {
             lr,
             &mut prepare,
         )?;
+        if applied {
+            publish(&self.params, &self.model_vars, self.compute)?;
+        }
         self.micro = 0;
         self.steps += 1;
         self.step_start = None;
         self.after_step(t0, backward_end, &stats, lr)?;
-        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, stats.hidden_fraction())) })
+        let comm = Some((stats.wait, stats.hidden_fraction()));
+        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm, skipped: !applied })
     }
 
     /// A local SGD step: this rank's own accumulated gradient, clipped by its own norm, is
@@ -429,7 +498,7 @@ impl Trainer {
                 wait_ms: Some(stats.wait.as_secs_f64() * 1e3),
                 comm_bytes: Some(stats.bytes),
                 hidden: Some(stats.hidden_fraction()),
-                skipped_steps: 0,
+                skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped),
             };
             r.record(done, rec);
             if r.is_log_step(done, end) {
@@ -534,6 +603,7 @@ impl Trainer {
         }
         let mut meta = self.meta.clone();
         meta.extend(codec_meta);
+        meta.extend(loop_state_meta(self.scaler.as_ref(), None));
         Ok(save_checkpoint(
             dir,
             self.steps,
@@ -566,6 +636,10 @@ impl Trainer {
             kolo_base::eline!("{note}");
         }
         self.params.load(&flat)?;
+        publish(&self.params, &self.model_vars, self.compute)?;
+        if let (Some(s), Some(state)) = (self.scaler.as_mut(), r.loss_scale) {
+            s.restore(state);
+        }
         if let Some(z) = &self.zero {
             z.gather(self.ddp.ranges(), &flat, self.master.as_mut_slice());
             self.master.release_all();
@@ -580,6 +654,15 @@ impl Trainer {
         self.report = Some(reporter(&self.opts, self.comm.rank().get(), self.comm.world_size().get(), r.step)?);
         Ok(r.step)
     }
+}
+
+/// Mixed precision: rewrites the model's bf16/f16 variables from the f32 masters (nothing in
+/// f32, where the model's variables are the parameters).
+fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -> anyhow::Result<()> {
+    for (i, v) in model_vars.iter().enumerate() {
+        v.set(&params.get(i).var.as_tensor().to_dtype(compute)?)?;
+    }
+    Ok(())
 }
 
 /// The run's reporter: examples per optimizer step over all ranks from `[data] batch_size`.
@@ -617,8 +700,9 @@ mod tests {
         assert!(e.contains("ddp.zero_stage = 3"), "{e}");
         let e = super::TrainOptions::from_toml_str("[optim]\nlearning_rate = 1\n").unwrap_err().to_string();
         assert!(e.contains("learning_rate"), "{e}");
-        let e = super::TrainOptions::from_toml_str("[train]\nprecision = \"bf16\"\n").unwrap_err().to_string();
-        assert!(e.contains("train.precision"), "{e}");
+        let e =
+            super::TrainOptions::from_toml_str("[train]\nprecision = \"f16\"\n[ddp]\nlocal_sgd = { every = 4 }\n").unwrap_err().to_string();
+        assert!(e.contains("train.precision = \"f16\" with ddp.local_sgd"), "{e}");
         let o = super::TrainOptions::from_toml_str("[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\ngrad_accum = 2\n").unwrap();
         assert_eq!((o.optim.lr, o.train.grad_accum), (0.1, 2));
         let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 1\nlocal_sgd = { every = 4 }\n").unwrap_err().to_string();

@@ -1476,6 +1476,13 @@ impl Map2 for MatMul {
     ) -> Result<Vec<T>> {
         use gemm::{gemm, Parallelism};
 
+        // Kolo: bf16 products widen both operands to f32 (exactly) and round the f32 result
+        // (gemm has no bf16 kernel), so bf16 models train on the CPU too.
+        if T::DTYPE == DType::BF16 {
+            let widen = |v: &[T]| v.iter().map(|x| x.to_f64() as f32).collect::<Vec<f32>>();
+            let out = self.f::<f32>(&widen(lhs), lhs_l, &widen(rhs), rhs_l)?;
+            return Ok(out.into_iter().map(|x| T::from_f64(f64::from(x))).collect());
+        }
         match T::DTYPE {
             DType::F16 | DType::F32 | DType::F64 => {}
             _ => Err(Error::UnsupportedDTypeForOp(T::DTYPE, "matmul").bt())?,
