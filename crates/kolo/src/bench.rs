@@ -39,8 +39,6 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 1_000_000)]
         ops: u64,
     },
-    /// Sandblaster L-BFGS on the parameter servers with one slowed worker: time per iteration
-    /// with and without backup tasks, against no slowed worker.
     /// Compute of one device as the planner models it: candle's f32 matmul (GFLOP/s of square
     /// GEMMs per size, the planner's efficiency curve) and elementwise throughput (GB/s moved
     /// by a + b, the planner's memory-bound rate). Threads: RAYON_NUM_THREADS.
@@ -55,12 +53,16 @@ pub enum BenchCmd {
         #[arg(long, default_value_t = 5)]
         trials: usize,
     },
+    /// Sandblaster L-BFGS on the parameter servers with one slowed worker: time per iteration
+    /// with and without backup tasks, against no slowed worker.
     Sandblaster {
+        /// The UCI wine-quality CSV (a header row; quality is the last column).
         #[arg(long, default_value = "test-data/tabular/winequality-red.csv")]
         data: std::path::PathBuf,
         /// Delay of the slowed worker per portion, milliseconds.
         #[arg(long, default_value_t = 50)]
         slow_ms: u64,
+        /// L-BFGS iterations per run.
         #[arg(long, default_value_t = 20)]
         iterations: usize,
     },
