@@ -27,6 +27,7 @@ pub mod dist;
 pub mod hf;
 pub mod tokens;
 mod trainer;
+pub mod zero3;
 
 /// The candle this Kolo is built with (use it to avoid a second copy in your build).
 pub use candle_core;

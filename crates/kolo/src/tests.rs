@@ -457,7 +457,12 @@ fn bad_models_and_losses_are_named() {
     let half = VarMap::new();
     candle_nn::linear(2, 2, VarBuilder::from_varmap(&half, DType::BF16, &Device::Cpu).pp("h")).unwrap();
     let e = Trainer::new(&half, &dist, TrainOptions::default()).err().unwrap().to_string();
-    assert!(e.contains("h.") && e.contains("BF16"), "{e}");
+    assert!(e.contains("h.") && e.contains("BF16"), "{e}"); // ZeRO-3 without the groups the model runs through `Trainer::zero3` is refused by name.
+    let z3 = opts("[ddp]\nzero_stage = 3\n");
+    let e = Trainer::new(&small().varmap, &dist, z3.clone()).err().unwrap().to_string();
+    assert!(e.contains("Trainer::with_zero3_groups"), "{e}");
+    let e = Trainer::with_zero3_groups(&small().varmap, &dist, z3, &["l3."]).err().unwrap().to_string();
+    assert!(e.contains("ZeRO-3 group \"l3.\" matches no parameter"), "{e}");
 }
 
 /// The hook hands out the last layer's gradients before backward reaches the first layer (so

@@ -1,6 +1,7 @@
 //! [`Trainer`]: data-parallel training of any candle model whose parameters live in a
-//! `candle_nn::VarMap` (DDP, bucketed and overlapped with backward, or ZeRO-1/2), in f32 or
-//! mixed precision (a bf16/f16 model with f32 master weights).
+//! `candle_nn::VarMap` (DDP, bucketed and overlapped with backward, ZeRO-1/2, or ZeRO-3 for
+//! the parameter groups the model runs through [`crate::zero3`]), in f32 or mixed precision (a
+//! bf16/f16 model with f32 master weights).
 //!
 //! The model stays the user's: the trainer adopts the VarMap's variables (their storage is
 //! updated in place, so the model sees every step) and drives one step from a loss closure.
@@ -82,7 +83,15 @@ impl TrainOptions {
     pub fn check(&self) -> anyhow::Result<()> {
         let d = &self.ddp;
         let refused = [
-            (d.zero_stage > 2, "ddp.zero_stage = 3 (a user model has no parameter groups to shard yet; use 0, 1 or 2)"),
+            (d.zero_stage > 3, "ddp.zero_stage above 3"),
+            (
+                d.zero_stage == 3
+                    && (self.train.grad_accum > 1
+                        || self.train.precision != Precision::F32
+                        || d.compression.is_some()
+                        || d.local_sgd.is_some()),
+                "ddp.zero_stage = 3 with train.grad_accum > 1, train.precision other than f32, ddp.compression or ddp.local_sgd",
+            ),
             (d.deterministic, "ddp.deterministic (the trainer does not own the batch, which it cuts into pieces)"),
             (
                 d.local_sgd.as_ref().is_some_and(|l| l.every == 0 || d.zero_stage != 0 || d.compression.is_some()),
@@ -167,6 +176,8 @@ pub struct Trainer {
     compute: DType,
     /// f16: the dynamic loss scale (torch's `GradScaler`).
     scaler: Option<LossScaler>,
+    /// ZeRO-3: the sharded groups' handle (their master shard lives in `ddp`).
+    zero3: Option<Arc<crate::zero3::Zero3>>,
     /// Variable id to parameter index.
     ids: HashMap<TensorId, usize>,
     ddp: Ddp,
@@ -222,9 +233,35 @@ fn natural_key(name: &str) -> Vec<(String, u64)> {
 impl Trainer {
     /// Collective: adopts the VarMap's variables (every rank must have built the same model:
     /// names and shapes are compared), makes rank 0's initial values everyone's, and sets up
-    /// DDP or ZeRO and the optimizer.
+    /// DDP or ZeRO-1/2 and the optimizer.
     pub fn new(varmap: &VarMap, dist: &Dist, opts: TrainOptions) -> anyhow::Result<Trainer> {
+        Self::build(varmap, dist, opts, &[])
+    }
+
+    /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`): the parameters whose
+    /// names start with one of `groups` (a block's prefix, such as `"layers.3."`, listed in
+    /// forward order) are sharded over the ranks and taken out of the `VarMap`; the model runs
+    /// each such block through [`Trainer::zero3`]'s [`crate::zero3::Zero3::block`], which
+    /// gathers its values for the forward and again for the backward. The other parameters
+    /// are trained as under ZeRO-2.
+    pub fn with_zero3_groups(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> anyhow::Result<Trainer> {
+        if opts.ddp.zero_stage != 3 || groups.is_empty() {
+            anyhow::bail!(
+                "Trainer::with_zero3_groups needs ddp.zero_stage = 3 and at least one group (got stage {}, {} groups)",
+                opts.ddp.zero_stage,
+                groups.len()
+            );
+        }
+        Self::build(varmap, dist, opts, groups)
+    }
+
+    fn build(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> anyhow::Result<Trainer> {
         opts.check()?;
+        if opts.ddp.zero_stage == 3 && groups.is_empty() {
+            anyhow::bail!(
+                "ddp.zero_stage = 3 shards the parameter groups the model runs through Trainer::zero3: create the trainer with Trainer::with_zero3_groups(&varmap, &dist, opts, &[\"layers.0.\", ..])"
+            );
+        }
         kolo_train::trainer::retain_freed_memory();
         let comm = dist.comm().clone();
         let mut vars: Vec<(String, candle_core::Var)> =
@@ -268,12 +305,14 @@ impl Trainer {
         comm.set_timeout(timeout);
         let (compression, compression_warmup) = opts.ddp.compression().map_err(anyhow::Error::msg)?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
+        let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
+        let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| anyhow::anyhow!("rank {}: {e}", dist.rank()))?;
         let cfg = kolo_ddp::DdpConfig {
             bucket_cap: opts.ddp.bucket_cap().map_err(anyhow::Error::msg)?,
             first_bucket_cap: opts.ddp.first_bucket_cap().map_err(anyhow::Error::msg)?,
             timeout,
             sharding,
-            groups: Vec::new(),
+            groups: plan.clone(),
             compression,
             compression_warmup,
         };
@@ -289,11 +328,26 @@ impl Trainer {
             None => kolo_optim::Placement::Memory,
         };
         let opt = Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)?;
-        let mut master = Buffer::zeros(zero.as_ref().map_or(0, |z| z.len), &place, "master")?;
+        let zero3 = (!plan.is_empty()).then(|| Arc::new(crate::zero3::Zero3::new(ddp.gatherer(), groups, &signature, &plan)));
+        let mut master = Buffer::zeros(if zero3.is_some() { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master")?;
         if let Some(z) = &zero {
-            z.gather(ddp.ranges(), &flat, master.as_mut_slice());
-            master.release_all();
+            if zero3.is_some() {
+                let mut m = vec![0f32; z.len];
+                z.gather(ddp.ranges(), &flat, &mut m);
+                ddp.set_master(m);
+                // The groups live as shards from now on: no whole copy stays in the trainer or
+                // in the user's VarMap.
+                let mut vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+                for &i in plan.iter().flatten() {
+                    vars.remove(&names[i]);
+                    params.release(i)?;
+                }
+            } else {
+                z.gather(ddp.ranges(), &flat, master.as_mut_slice());
+                master.release_all();
+            }
         }
+        drop(flat);
         let mut meta = BTreeMap::new();
         meta.insert("kolo.model".to_string(), model_fingerprint(&signature));
         meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optim.spec()));
@@ -308,6 +362,7 @@ impl Trainer {
         Ok(Trainer {
             comm,
             params,
+            zero3,
             model_vars,
             compute,
             scaler: (compute == DType::F16).then(LossScaler::new),
@@ -569,9 +624,29 @@ impl Trainer {
         self.params.signature()
     }
 
-    /// All parameters, flat, in [`Trainer::signature`] order.
+    /// All parameters, flat, in [`Trainer::signature`] order. Under ZeRO-3 this is a
+    /// collective (the sharded groups are gathered).
     pub fn flat_params(&self) -> anyhow::Result<Vec<f32>> {
-        Ok(self.params.to_flat()?)
+        if self.zero3.is_none() {
+            return Ok(self.params.to_flat()?);
+        }
+        let mut flat = vec![0f32; self.params.numel()];
+        let ranges = self.ddp.ranges();
+        self.ddp.with_master(|m| {
+            self.ddp.all_gather_everything(m, |i, v| {
+                flat[ranges[i].clone()].copy_from_slice(v);
+                Ok::<(), kolo_ddp::DdpError>(())
+            })
+        })?;
+        Ok(flat)
+    }
+
+    /// ZeRO-3: the handle the model runs its sharded blocks through (see
+    /// [`Trainer::with_zero3_groups`]).
+    pub fn zero3(&self) -> anyhow::Result<Arc<crate::zero3::Zero3>> {
+        self.zero3
+            .clone()
+            .ok_or_else(|| anyhow::anyhow!("Trainer::zero3: this trainer has no ZeRO-3 groups (create it with Trainer::with_zero3_groups)"))
     }
 
     /// DDP's buckets: parameter indices (into [`Trainer::signature`]) per bucket, in the order
@@ -604,20 +679,12 @@ impl Trainer {
         let mut meta = self.meta.clone();
         meta.extend(codec_meta);
         meta.extend(loop_state_meta(self.scaler.as_ref(), None));
-        Ok(save_checkpoint(
-            dir,
-            self.steps,
-            &self.params,
-            self.master.as_slice(),
-            &self.opt,
-            self.zero.as_ref(),
-            &*self.comm,
-            self.data_pos,
-            &meta,
-            own,
-            background,
-            false,
-        )?)
+        let save = |master: &[f32]| {
+            let (zero, comm) = (self.zero.as_ref(), &*self.comm);
+            save_checkpoint(dir, self.steps, &self.params, master, &self.opt, zero, comm, self.data_pos, &meta, own, background, false)
+        };
+        // ZeRO-3: this rank's master shard is held by the DDP engine.
+        Ok(if self.zero3.is_some() { self.ddp.with_master(|m| save(m))? } else { save(self.master.as_slice())? })
     }
 
     /// Loads a checkpoint written by [`Trainer::save`] (a `step-*` directory, or the directory
@@ -635,14 +702,22 @@ impl Trainer {
         for note in notes.into_iter().flatten().filter(|_| rank == 0) {
             kolo_base::eline!("{note}");
         }
-        self.params.load(&flat)?;
+        for i in (0..self.params.len()).filter(|&i| self.params.is_resident(i)) {
+            self.params.load_one(i, &flat[self.ddp.ranges()[i].clone()])?;
+        }
         publish(&self.params, &self.model_vars, self.compute)?;
         if let (Some(s), Some(state)) = (self.scaler.as_mut(), r.loss_scale) {
             s.restore(state);
         }
         if let Some(z) = &self.zero {
-            z.gather(self.ddp.ranges(), &flat, self.master.as_mut_slice());
-            self.master.release_all();
+            if self.zero3.is_some() {
+                let mut m = vec![0f32; z.len];
+                z.gather(self.ddp.ranges(), &flat, &mut m);
+                self.ddp.set_master(m);
+            } else {
+                z.gather(self.ddp.ranges(), &flat, self.master.as_mut_slice());
+                self.master.release_all();
+            }
         }
         self.steps = r.step;
         self.data_pos = r.pos;
@@ -696,8 +771,8 @@ mod tests {
 
     #[test]
     fn unsupported_settings_are_named() {
-        let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 3\n").unwrap_err().to_string();
-        assert!(e.contains("ddp.zero_stage = 3"), "{e}");
+        let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 3\n[train]\ngrad_accum = 2\n").unwrap_err().to_string();
+        assert!(e.contains("ddp.zero_stage = 3 with train.grad_accum > 1"), "{e}");
         let e = super::TrainOptions::from_toml_str("[optim]\nlearning_rate = 1\n").unwrap_err().to_string();
         assert!(e.contains("learning_rate"), "{e}");
         let e =

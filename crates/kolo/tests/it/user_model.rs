@@ -149,26 +149,43 @@ fn hugging_face_models_fine_tuned_under_zero_export_what_they_trained() {
     }
 }
 
-/// One rank of the local SGD tests: the candle-nn MLP of `user_mlp` (hidden 32) trained with
-/// plain SGD (lr 0.1, no clipping) on 8 MNIST examples per rank and step, under the `[ddp]`
-/// settings in `--ddp` (`;` for newlines); `--steps N` steps in all, stopping after
-/// `--stop-at K` with a checkpoint in `--out`, or resuming from `--resume DIR`. Writes this
-/// rank's parameters to `--out/rank{r}.f32`.
+/// One rank of the local SGD and ZeRO-3 tests: the candle-nn MLP of `user_mlp` (hidden 32)
+/// trained with plain SGD (lr 0.1, no clipping) on `--batch` (8) MNIST examples per rank and
+/// step, under the `[ddp]` settings in `--ddp` (`;` for newlines); `--steps N`
+/// steps in all, stopping after `--stop-at K` with a checkpoint in `--out`, or resuming from
+/// `--resume DIR`. `--zero3 yes` runs the first layer as a ZeRO-3 block (group `fc1.`). Writes
+/// this rank's parameters to `--out/rank{r}.f32`.
 fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
     use candle_core::{DType, Tensor};
-    use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
+    use candle_nn::{linear, loss::cross_entropy, Linear, Module, VarBuilder, VarMap};
     use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
     let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
     let (steps, stop_at): (u64, u64) = (arg("--steps", "6").parse()?, arg("--stop-at", "0").parse()?);
+    let batch: usize = arg("--batch", "8").parse()?;
     let dist = kolo::init()?;
     dist.device().set_seed(0)?;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
     let (l1, l2) = (linear(784, 32, vb.pp("fc1"))?, linear(32, 10, vb.pp("fc2"))?);
+    let zero3 = arg("--zero3", "no") == "yes";
+    // ZeRO-3: the model keeps no layer for the sharded block (its values are gathered when used).
+    let l1 = (!zero3).then_some(l1);
     let ddp = arg("--ddp", "").replace(';', "\n");
-    let toml =
-        format!("[optim]\nkind = \"sgd\"\nlr = 0.1\n[ddp]\n{ddp}\n[train]\nsteps = {steps}\nlog_every = 1000\n[data]\nbatch_size = 8\n");
-    let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_toml_str(&toml)?)?;
+    let toml = format!(
+        "[optim]\nkind = \"sgd\"\nlr = 0.1\n[ddp]\n{ddp}\n[train]\nsteps = {steps}\nlog_every = 1000\n[data]\nbatch_size = {batch}\n"
+    );
+    let opts = kolo::TrainOptions::from_toml_str(&toml)?;
+    let mut trainer =
+        if zero3 { kolo::Trainer::with_zero3_groups(&varmap, &dist, opts, &["fc1."])? } else { kolo::Trainer::new(&varmap, &dist, opts)? };
+    if zero3 && varmap.data().lock().unwrap().keys().any(|k| k.starts_with("fc1.")) {
+        anyhow::bail!("the ZeRO-3 group is still in the VarMap");
+    }
+    let z = if zero3 { Some(trainer.zero3()?) } else { None };
+    let first = |x: &Tensor| match (&l1, &z) {
+        (Some(l), _) => l.forward(x),
+        (None, Some(z)) => z.block("fc1.", x, |p, x| Linear::new(p["fc1.weight"].clone(), Some(p["fc1.bias"].clone())).forward(x)),
+        (None, None) => unreachable!(),
+    };
     let out = std::path::PathBuf::from(arg("--out", ""));
     let resume = arg("--resume", "");
     if !resume.is_empty() {
@@ -176,14 +193,14 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
     }
     let train = Mnist::load(kolo_testkit::files::mnist_dir().as_ref(), "train")?;
     let cfg =
-        SamplerConfig { len: train.len(), world: dist.world_size(), rank: dist.rank(), batch: 8, seed: 0, shuffle: true, drop_last: true };
+        SamplerConfig { len: train.len(), world: dist.world_size(), rank: dist.rank(), batch, seed: 0, shuffle: true, drop_last: true };
     let mut sampler = Sampler::new(cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
     while trainer.steps_done() < steps {
         let idx = sampler.next_batch();
         let x: Vec<f32> = idx.iter().flat_map(|&i| train.image(i).iter().copied()).collect();
         let y: Vec<u32> = idx.iter().map(|&i| u32::from(train.labels()[i])).collect();
         let (x, y) = (Tensor::from_vec(x, (idx.len(), 784), &dist.device())?, Tensor::from_vec(y, idx.len(), &dist.device())?);
-        trainer.step(|| cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y))?;
+        trainer.step(|| cross_entropy(&l2.forward(&first(&x)?.relu()?)?, &y))?;
         trainer.set_data_position(sampler.position());
         if trainer.steps_done() == stop_at {
             trainer.save(out.join("ck"))?;
@@ -197,11 +214,16 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
 
 /// Runs `local_sgd_rank` on 2 launched processes; returns each rank's parameters.
 fn local_sgd_run(args: &str, out: &std::path::Path) -> Vec<Vec<f32>> {
+    mlp_run(2, args, out)
+}
+
+/// Runs `local_sgd_rank` on `n` launched processes; returns each rank's parameters.
+fn mlp_run(n: usize, args: &str, out: &std::path::Path) -> Vec<Vec<f32>> {
     std::fs::create_dir_all(out).unwrap();
     let args = format!("{args} --out {}", out.display());
-    let o = launch(2, "local_sgd", &args);
+    let o = launch(n, "local_sgd", &args);
     assert!(o.status.success(), "{args}: {}", text(&o));
-    (0..2)
+    (0..n)
         .map(|r| {
             let b = std::fs::read(out.join(format!("rank{r}.f32"))).unwrap();
             b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
@@ -240,5 +262,37 @@ fn local_sgd_for_a_users_model_averages_like_ddp_and_resumes_bitwise() {
         assert!(got == want, "rank {r}: the resumed run ends elsewhere (by {})", max_diff(got, want));
     }
     assert!(max_diff(&whole[0], &ddp[0]) > 1e-4, "local SGD with a period trains differently from DDP");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// ZeRO-3 for a user's model (issue #17): the first layer runs as a ZeRO-3 block (its values
+/// sharded over the ranks and gathered for its forward and again for its backward, which
+/// recomputes it), the second is trained as under ZeRO-2. On 2 and 3 processes it equals one
+/// process of plain DDP with the same global batch after 6 SGD steps (tolerance 2e-6, as for
+/// DDP: f32 reassociation of the per-rank means), every rank gathering the same model. A run
+/// stopped at step 3 and resumed under ZeRO-3 ends bitwise where the whole run ends, and the
+/// same checkpoint resumed by one process of plain DDP ends with the one-process run.
+#[test]
+fn a_users_model_under_zero3_matches_one_process_and_reshards() {
+    let dir = fresh_dir("user-zero3");
+    let z3 = "--ddp zero_stage=3 --zero3 yes";
+    let start = mlp_run(1, "--steps 0 --batch 24", &dir.join("start"));
+    let one = mlp_run(1, "--steps 6 --batch 24", &dir.join("one"));
+    assert!(max_diff(&one[0], &start[0]) > 1e-2, "the parameters barely moved");
+    for n in [2, 3] {
+        let got = mlp_run(n, &format!("--steps 6 --batch {} {z3}", 24 / n), &dir.join(format!("z3-{n}")));
+        for (r, p) in got.iter().enumerate() {
+            let d = max_diff(p, &one[0]);
+            assert!(d < 2e-6, "{n} ranks under ZeRO-3, rank {r}: differs from one process by {d}");
+        }
+    }
+    let whole = mlp_run(2, &format!("--steps 6 --batch 12 {z3}"), &dir.join("whole"));
+    mlp_run(2, &format!("--steps 6 --batch 12 --stop-at 3 {z3}"), &dir.join("stopped"));
+    let ck = dir.join("stopped").join("ck");
+    let resumed = mlp_run(2, &format!("--steps 6 --batch 12 {z3} --resume {}", ck.display()), &dir.join("resumed"));
+    assert!(resumed == whole, "the resumed ZeRO-3 run ends elsewhere (by {})", max_diff(&resumed[0], &whole[0]));
+    let plain = mlp_run(1, &format!("--steps 6 --batch 24 --resume {}", ck.display()), &dir.join("plain"));
+    let d = max_diff(&plain[0], &one[0]);
+    assert!(d < 2e-6, "the ZeRO-3 checkpoint resumed by one process differs by {d}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
