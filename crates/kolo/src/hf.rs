@@ -7,11 +7,13 @@
 //! [`save_pretrained`] writes whole, shaped tensors under those names back out, with the
 //! `format = pt` metadata `transformers` requires.
 
+use crate::zero3::Zero3;
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, LayerNormConfig, VarBuilder, VarMap};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::Arc;
 
 /// `config.json` of a GPT-2 model (the fields Kolo reads; others are kept and written back).
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
@@ -117,6 +119,44 @@ struct Block {
     mlp_proj: Conv1d,
 }
 
+impl Block {
+    /// The block from its parameters by full name (`prefix` is `transformer.h.{i}.`): a ZeRO-3
+    /// block's values exist only while it computes.
+    fn from_params(p: &BTreeMap<String, Tensor>, prefix: &str, eps: f64) -> candle_core::Result<Block> {
+        let get = |name: &str| {
+            p.get(&format!("{prefix}{name}")).cloned().ok_or_else(|| candle_core::Error::Msg(format!("GPT-2 block: no `{prefix}{name}`")))
+        };
+        let ln = |n: &str| Ok::<_, candle_core::Error>(LayerNorm::new(get(&format!("{n}.weight"))?, get(&format!("{n}.bias"))?, eps));
+        let conv = |n: &str| Ok::<_, candle_core::Error>(Conv1d { weight: get(&format!("{n}.weight"))?, bias: get(&format!("{n}.bias"))? });
+        Ok(Block {
+            ln_1: ln("ln_1")?,
+            c_attn: conv("attn.c_attn")?,
+            attn_proj: conv("attn.c_proj")?,
+            ln_2: ln("ln_2")?,
+            c_fc: conv("mlp.c_fc")?,
+            mlp_proj: conv("mlp.c_proj")?,
+        })
+    }
+
+    /// `x` (batch, seq, n_embd) through attention and the MLP, each with its residual.
+    fn forward(&self, x: &Tensor, mask: &Tensor, cfg: &Gpt2Config) -> candle_core::Result<Tensor> {
+        let (b, t, e) = x.dims3()?;
+        let nh = cfg.n_head;
+        let hd = e / nh;
+        let scale = if cfg.scale_attn_weights { 1.0 / (hd as f64).sqrt() } else { 1.0 };
+        let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?;
+        let heads = |i: usize| qkv.narrow(D::Minus1, i * e, e)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
+        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, e))?;
+        let x = (x + self.attn_proj.forward(&y)?)?;
+        let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
+        let h = if cfg.activation_function == "gelu" { h.gelu_erf()? } else { h.gelu()? };
+        x + self.mlp_proj.forward(&h)?
+    }
+}
+
 /// GPT-2 with Hugging Face's parameter names (`GPT2LMHeadModel`), dropout left out.
 pub struct Gpt2 {
     cfg: Gpt2Config,
@@ -124,6 +164,8 @@ pub struct Gpt2 {
     wpe: Embedding,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
+    /// ZeRO-3: the blocks run through the trainer's sharded groups instead of `blocks`.
+    sharded: Option<Arc<Zero3>>,
 }
 
 impl Gpt2 {
@@ -151,7 +193,25 @@ impl Gpt2 {
             wpe: embedding(cfg.n_positions, e, vb.pp("wpe"))?,
             blocks,
             ln_f: ln(vb.pp("ln_f"))?,
+            sharded: None,
         })
+    }
+
+    /// The name prefix of each block (`transformer.h.{i}.`), in forward order: the ZeRO-3
+    /// groups for [`crate::Trainer::with_zero3_groups`].
+    pub fn block_prefixes(&self) -> Vec<String> {
+        (0..self.cfg.n_layer).map(|i| format!("transformer.h.{i}.")).collect()
+    }
+
+    /// ZeRO-3: from now on the blocks run through `z` (whose groups must be
+    /// [`Gpt2::block_prefixes`]) and the model keeps no copy of their values.
+    pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
+        if z.groups() != self.block_prefixes() {
+            bail!("ZeRO-3 groups {:?} are not the GPT-2's blocks {:?}", z.groups(), self.block_prefixes());
+        }
+        self.blocks.clear();
+        self.sharded = Some(z);
+        Ok(())
     }
 
     /// The configuration.
@@ -161,28 +221,26 @@ impl Gpt2 {
 
     /// Logits (batch, seq, vocab) for token ids (batch, seq).
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t) = ids.dims2()?;
+        let (_, t) = ids.dims2()?;
         if t > self.cfg.n_positions {
             candle_core::bail!("sequence of {t} tokens is longer than n_positions {}", self.cfg.n_positions);
         }
-        let (e, nh) = (self.cfg.n_embd, self.cfg.n_head);
-        let hd = e / nh;
         let pos = Tensor::arange(0u32, t as u32, ids.device())?;
         let mut x = self.wte.forward(ids)?.broadcast_add(&self.wpe.forward(&pos)?)?;
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
         let mask = Tensor::from_vec(mask, (t, t), ids.device())?.to_dtype(x.dtype())?;
-        let scale = if self.cfg.scale_attn_weights { 1.0 / (hd as f64).sqrt() } else { 1.0 };
-        for blk in &self.blocks {
-            let qkv = blk.c_attn.forward(&blk.ln_1.forward(&x)?)?;
-            let heads = |i: usize| qkv.narrow(D::Minus1, i * e, e)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
-            let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-            let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
-            let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, e))?;
-            x = (x + blk.attn_proj.forward(&y)?)?;
-            let h = blk.c_fc.forward(&blk.ln_2.forward(&x)?)?;
-            let h = if self.cfg.activation_function == "gelu" { h.gelu_erf()? } else { h.gelu()? };
-            x = (x + blk.mlp_proj.forward(&h)?)?;
+        match &self.sharded {
+            None => {
+                for blk in &self.blocks {
+                    x = blk.forward(&x, &mask, &self.cfg)?;
+                }
+            }
+            Some(z) => {
+                for prefix in self.block_prefixes() {
+                    let (cfg, mask, at) = (self.cfg.clone(), mask.clone(), prefix.clone());
+                    x = z.block(&prefix, &x, move |p, x| Block::from_params(p, &at, cfg.layer_norm_epsilon)?.forward(x, &mask, &cfg))?;
+                }
+            }
         }
         self.ln_f.forward(&x)?.broadcast_matmul(&self.wte.embeddings().t()?)
     }
@@ -240,7 +298,6 @@ pub fn load_weights(varmap: &VarMap, path: &Path) -> anyhow::Result<()> {
 /// under its name, f32, with `format = pt` metadata), as `save_pretrained` does; each file is
 /// written to a temporary name and renamed, so a reader never sees half a file.
 pub fn save_pretrained(dir: &Path, varmap: &VarMap, config: &impl serde::Serialize) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
     let vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(vars.len());
     for (name, var) in vars.iter() {
@@ -248,6 +305,36 @@ pub fn save_pretrained(dir: &Path, varmap: &VarMap, config: &impl serde::Seriali
         tensors.push((name.clone(), var.dims().to_vec(), v.iter().flat_map(|x| x.to_le_bytes()).collect()));
     }
     drop(vars);
+    write_pretrained(dir, tensors, config)
+}
+
+/// As [`save_pretrained`], from a flat copy of the parameters and their `(name, shape)` in
+/// that order ([`crate::Trainer::flat_params`] and [`crate::Trainer::signature`]): the export
+/// of a model whose ZeRO-3 blocks are no longer in its `VarMap`.
+pub fn save_pretrained_flat(
+    dir: &Path,
+    signature: &[(String, Vec<usize>)],
+    flat: &[f32],
+    config: &impl serde::Serialize,
+) -> anyhow::Result<()> {
+    let total: usize = signature.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    if total != flat.len() {
+        bail!("save_pretrained_flat: {} values for parameters of {total}", flat.len());
+    }
+    let mut at = 0;
+    let mut tensors = Vec::with_capacity(signature.len());
+    for (name, shape) in signature {
+        let n: usize = shape.iter().product();
+        tensors.push((name.clone(), shape.clone(), flat[at..at + n].iter().flat_map(|x| x.to_le_bytes()).collect()));
+        at += n;
+    }
+    write_pretrained(dir, tensors, config)
+}
+
+/// Writes `model.safetensors` (whole f32 tensors, `format = pt`) and `config.json`, each
+/// atomically.
+fn write_pretrained(dir: &Path, mut tensors: Vec<(String, Vec<usize>, Vec<u8>)>, config: &impl serde::Serialize) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let views = tensors
         .iter()
@@ -524,6 +611,27 @@ impl CausalLm {
         match self {
             CausalLm::Gpt2(m) => save_pretrained(dir, varmap, m.config()),
             CausalLm::Llama(m) => save_pretrained(dir, varmap, m.config()),
+        }
+    }
+    /// [`save_pretrained_flat`] with this model's `config.json`.
+    pub fn save_pretrained_flat(&self, dir: &Path, signature: &[(String, Vec<usize>)], flat: &[f32]) -> anyhow::Result<()> {
+        match self {
+            CausalLm::Gpt2(m) => save_pretrained_flat(dir, signature, flat, m.config()),
+            CausalLm::Llama(m) => save_pretrained_flat(dir, signature, flat, m.config()),
+        }
+    }
+    /// The ZeRO-3 groups of the model's blocks (GPT-2 only for now).
+    pub fn block_prefixes(&self) -> anyhow::Result<Vec<String>> {
+        match self {
+            CausalLm::Gpt2(m) => Ok(m.block_prefixes()),
+            CausalLm::Llama(_) => bail!("ZeRO-3 blocks of the Llama model are not there yet (GPT-2 has them)"),
+        }
+    }
+    /// ZeRO-3: runs the blocks through `z` from now on (see [`Gpt2::shard_blocks`]).
+    pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
+        match self {
+            CausalLm::Gpt2(m) => m.shard_blocks(z),
+            CausalLm::Llama(_) => bail!("ZeRO-3 blocks of the Llama model are not there yet (GPT-2 has them)"),
         }
     }
 }

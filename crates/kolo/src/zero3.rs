@@ -144,7 +144,15 @@ impl CustomOp2 for BlockOp {
         if let Some(g) = self.next {
             self.gather.prefetch(g);
         }
-        let y = (self.f)(&self.params()?, &x)?.to_dtype(candle_core::DType::F32)?.contiguous()?;
+        // The parameters as variables, as in the backward's recomputation: candle-nn's fused
+        // kernels (which run on untracked inputs) differ from its differentiable compositions
+        // in the last bits, and the recomputed forward must be this forward.
+        let params: BTreeMap<String, Tensor> = self
+            .params()?
+            .into_iter()
+            .map(|(k, t)| Ok((k, Var::from_tensor(&t)?.as_tensor().clone())))
+            .collect::<candle_core::Result<_>>()?;
+        let y = (self.f)(&params, &x)?.detach().to_dtype(candle_core::DType::F32)?.contiguous()?;
         let shape = y.shape().clone();
         Ok((CpuStorage::F32(y.flatten_all()?.to_vec1::<f32>()?), shape))
     }
