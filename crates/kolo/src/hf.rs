@@ -467,6 +467,54 @@ struct LlamaBlock {
     down: candle_nn::Linear,
 }
 
+impl LlamaBlock {
+    /// The block from its parameters by full name (`prefix` is `model.layers.{i}.`), for ZeRO-3.
+    fn from_params(p: &BTreeMap<String, Tensor>, prefix: &str, eps: f64) -> candle_core::Result<LlamaBlock> {
+        let get = |name: &str| {
+            p.get(&format!("{prefix}{name}.weight"))
+                .cloned()
+                .ok_or_else(|| candle_core::Error::Msg(format!("Llama block: no `{prefix}{name}.weight`")))
+        };
+        let lin = |n: &str| Ok::<_, candle_core::Error>(candle_nn::Linear::new(get(n)?, None));
+        Ok(LlamaBlock {
+            input_norm: candle_nn::RmsNorm::new(get("input_layernorm")?, eps),
+            q: lin("self_attn.q_proj")?,
+            k: lin("self_attn.k_proj")?,
+            v: lin("self_attn.v_proj")?,
+            o: lin("self_attn.o_proj")?,
+            post_norm: candle_nn::RmsNorm::new(get("post_attention_layernorm")?, eps),
+            gate: lin("mlp.gate_proj")?,
+            up: lin("mlp.up_proj")?,
+            down: lin("mlp.down_proj")?,
+        })
+    }
+
+    /// `x` (batch, seq, hidden) through grouped-query attention with rotary embeddings (`cos`,
+    /// `sin` cut to the sequence) and the SwiGLU MLP, each with its residual.
+    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor, cfg: &LlamaConfig) -> candle_core::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, kv, hd) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let a = self.input_norm.forward(x)?;
+        let heads = |l: &candle_nn::Linear, n: usize| l.forward(&a)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+        let q = candle_nn::rotary_emb::rope(&heads(&self.q, h)?, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&heads(&self.k, kv)?, cos, sin)?;
+        let v = heads(&self.v, kv)?;
+        // Grouped-query attention: query head j reads key/value head j / (h / kv).
+        let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
+            if kv == h {
+                return Ok(x);
+            }
+            x.unsqueeze(2)?.expand((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(mask)?;
+        let y = candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
+        let x = (x + self.o.forward(&y)?)?;
+        let f = self.post_norm.forward(&x)?;
+        x + self.down.forward(&(self.gate.forward(&f)?.silu()? * self.up.forward(&f)?)?)?
+    }
+}
+
 /// A Llama-style causal language model with Hugging Face's parameter names
 /// (`model.layers.0.self_attn.q_proj.weight`, ...).
 pub struct Llama {
@@ -478,6 +526,8 @@ pub struct Llama {
     /// Rotary tables, (max_position_embeddings, head_dim / 2).
     cos: Tensor,
     sin: Tensor,
+    /// ZeRO-3: the blocks run through the trainer's sharded groups instead of `blocks`.
+    sharded: Option<Arc<Zero3>>,
 }
 
 impl Llama {
@@ -515,7 +565,24 @@ impl Llama {
             lm_head,
             cos: table(f64::cos)?,
             sin: table(f64::sin)?,
+            sharded: None,
         })
+    }
+
+    /// The name prefix of each block (`model.layers.{i}.`), in forward order: the ZeRO-3 groups.
+    pub fn block_prefixes(&self) -> Vec<String> {
+        (0..self.cfg.num_hidden_layers).map(|i| format!("model.layers.{i}.")).collect()
+    }
+
+    /// ZeRO-3: from now on the blocks run through `z` (whose groups must be
+    /// [`Llama::block_prefixes`]) and the model keeps no copy of their values.
+    pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
+        if z.groups() != self.block_prefixes() {
+            bail!("ZeRO-3 groups {:?} are not the Llama's blocks {:?}", z.groups(), self.block_prefixes());
+        }
+        self.blocks.clear();
+        self.sharded = Some(z);
+        Ok(())
     }
 
     /// The configuration.
@@ -525,34 +592,29 @@ impl Llama {
 
     /// Logits (batch, seq, vocab) for token ids (batch, seq).
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (b, t) = ids.dims2()?;
+        let (_, t) = ids.dims2()?;
         if t > self.cfg.max_position_embeddings {
             candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
         }
-        let (h, kv, hd) = (self.cfg.num_attention_heads, self.cfg.kv_heads(), self.cfg.head_dim());
         let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
         let mask = Tensor::from_vec(mask, (t, t), ids.device())?;
         let mut x = self.embed.forward(ids)?;
-        for blk in &self.blocks {
-            let a = blk.input_norm.forward(&x)?;
-            let heads = |l: &candle_nn::Linear, n: usize| l.forward(&a)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
-            let q = candle_nn::rotary_emb::rope(&heads(&blk.q, h)?, &cos, &sin)?;
-            let k = candle_nn::rotary_emb::rope(&heads(&blk.k, kv)?, &cos, &sin)?;
-            let v = heads(&blk.v, kv)?;
-            // Grouped-query attention: query head j reads key/value head j / (h / kv).
-            let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
-                if kv == h {
-                    return Ok(x);
+        match &self.sharded {
+            None => {
+                for blk in &self.blocks {
+                    x = blk.forward(&x, &cos, &sin, &mask, &self.cfg)?;
                 }
-                x.unsqueeze(2)?.expand((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
-            };
-            let (k, v) = (repeat(k)?, repeat(v)?);
-            let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(&mask)?;
-            let y = candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
-            x = (x + blk.o.forward(&y)?)?;
-            let f = blk.post_norm.forward(&x)?;
-            x = (x + blk.down.forward(&(blk.gate.forward(&f)?.silu()? * blk.up.forward(&f)?)?)?)?;
+            }
+            Some(z) => {
+                for prefix in self.block_prefixes() {
+                    let (cfg, at) = (self.cfg.clone(), prefix.clone());
+                    let (cos, sin, mask) = (cos.clone(), sin.clone(), mask.clone());
+                    x = z.block(&prefix, &x, move |p, x| {
+                        LlamaBlock::from_params(p, &at, cfg.rms_norm_eps)?.forward(x, &cos, &sin, &mask, &cfg)
+                    })?;
+                }
+            }
         }
         let x = self.norm.forward(&x)?;
         match &self.lm_head {
@@ -620,18 +682,18 @@ impl CausalLm {
             CausalLm::Llama(m) => save_pretrained_flat(dir, signature, flat, m.config()),
         }
     }
-    /// The ZeRO-3 groups of the model's blocks (GPT-2 only for now).
-    pub fn block_prefixes(&self) -> anyhow::Result<Vec<String>> {
+    /// The ZeRO-3 groups of the model's blocks, in forward order.
+    pub fn block_prefixes(&self) -> Vec<String> {
         match self {
-            CausalLm::Gpt2(m) => Ok(m.block_prefixes()),
-            CausalLm::Llama(_) => bail!("ZeRO-3 blocks of the Llama model are not there yet (GPT-2 has them)"),
+            CausalLm::Gpt2(m) => m.block_prefixes(),
+            CausalLm::Llama(m) => m.block_prefixes(),
         }
     }
     /// ZeRO-3: runs the blocks through `z` from now on (see [`Gpt2::shard_blocks`]).
     pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
         match self {
             CausalLm::Gpt2(m) => m.shard_blocks(z),
-            CausalLm::Llama(_) => bail!("ZeRO-3 blocks of the Llama model are not there yet (GPT-2 has them)"),
+            CausalLm::Llama(m) => m.shard_blocks(z),
         }
     }
 }
