@@ -206,12 +206,8 @@ impl Gpt2 {
     /// ZeRO-3: from now on the blocks run through `z` (whose groups must be
     /// [`Gpt2::block_prefixes`]) and the model keeps no copy of their values.
     pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
-        if z.groups() != self.block_prefixes() {
-            bail!("ZeRO-3 groups {:?} are not the GPT-2's blocks {:?}", z.groups(), self.block_prefixes());
-        }
-        self.blocks.clear();
-        self.sharded = Some(z);
-        Ok(())
+        let prefixes = self.block_prefixes();
+        shard_blocks_into(&mut self.blocks, &mut self.sharded, z, &prefixes, "GPT-2")
     }
 
     /// The configuration.
@@ -249,6 +245,23 @@ impl Gpt2 {
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         next_token_loss(ids, |x| self.forward(x))
     }
+}
+
+/// ZeRO-3: checks that `z`'s groups are the model's blocks (`prefixes`), then drops the
+/// model's own block layers (the last whole copy of their values) and keeps `z` to run them.
+fn shard_blocks_into<B>(
+    blocks: &mut Vec<B>,
+    sharded: &mut Option<Arc<Zero3>>,
+    z: Arc<Zero3>,
+    prefixes: &[String],
+    model: &str,
+) -> anyhow::Result<()> {
+    if z.groups() != prefixes {
+        bail!("ZeRO-3 groups {:?} are not the {model}'s blocks {prefixes:?}", z.groups());
+    }
+    blocks.clear();
+    *sharded = Some(z);
+    Ok(())
 }
 
 /// Mean cross-entropy of predicting token i + 1 of each row of `ids` (batch, seq) from the
@@ -577,12 +590,8 @@ impl Llama {
     /// ZeRO-3: from now on the blocks run through `z` (whose groups must be
     /// [`Llama::block_prefixes`]) and the model keeps no copy of their values.
     pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
-        if z.groups() != self.block_prefixes() {
-            bail!("ZeRO-3 groups {:?} are not the Llama's blocks {:?}", z.groups(), self.block_prefixes());
-        }
-        self.blocks.clear();
-        self.sharded = Some(z);
-        Ok(())
+        let prefixes = self.block_prefixes();
+        shard_blocks_into(&mut self.blocks, &mut self.sharded, z, &prefixes, "Llama")
     }
 
     /// The configuration.
