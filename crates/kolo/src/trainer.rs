@@ -330,24 +330,17 @@ impl Trainer {
         let opt = Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)?;
         let zero3 = (!plan.is_empty()).then(|| Arc::new(crate::zero3::Zero3::new(ddp.gatherer(), groups, &signature, &plan)));
         let mut master = Buffer::zeros(if zero3.is_some() { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master")?;
-        if let Some(z) = &zero {
-            if zero3.is_some() {
-                let mut m = vec![0f32; z.len];
-                z.gather(ddp.ranges(), &flat, &mut m);
-                ddp.set_master(m);
-                // The groups live as shards from now on: no whole copy stays in the trainer or
-                // in the user's VarMap.
-                let mut vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
-                for &i in plan.iter().flatten() {
-                    vars.remove(&names[i]);
-                    params.release(i)?;
-                }
-            } else {
-                z.gather(ddp.ranges(), &flat, master.as_mut_slice());
-                master.release_all();
+        place_master(zero.as_ref(), zero3.is_some(), &ddp, &flat, &mut master);
+        drop(flat);
+        if zero3.is_some() {
+            // The groups live as shards from now on: no whole copy stays in the trainer or in
+            // the user's VarMap.
+            let mut vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+            for &i in plan.iter().flatten() {
+                vars.remove(&names[i]);
+                params.release(i)?;
             }
         }
-        drop(flat);
         let mut meta = BTreeMap::new();
         meta.insert("kolo.model".to_string(), model_fingerprint(&signature));
         meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optim.spec()));
@@ -709,16 +702,7 @@ impl Trainer {
         if let (Some(s), Some(state)) = (self.scaler.as_mut(), r.loss_scale) {
             s.restore(state);
         }
-        if let Some(z) = &self.zero {
-            if self.zero3.is_some() {
-                let mut m = vec![0f32; z.len];
-                z.gather(self.ddp.ranges(), &flat, &mut m);
-                self.ddp.set_master(m);
-            } else {
-                z.gather(self.ddp.ranges(), &flat, self.master.as_mut_slice());
-                self.master.release_all();
-            }
-        }
+        place_master(self.zero.as_ref(), self.zero3.is_some(), &self.ddp, &flat, &mut self.master);
         self.steps = r.step;
         self.data_pos = r.pos;
         self.micro = 0;
@@ -728,6 +712,20 @@ impl Trainer {
         self.report = None;
         self.report = Some(reporter(&self.opts, self.comm.rank().get(), self.comm.world_size().get(), r.step)?);
         Ok(r.step)
+    }
+}
+
+/// ZeRO: this rank's shard of the whole parameters `flat` becomes its master copy, held by the
+/// DDP engine under ZeRO-3 (which gathers groups from it) and in `master` under ZeRO-1/2.
+fn place_master(zero: Option<&ShardPlan>, zero3: bool, ddp: &Ddp, flat: &[f32], master: &mut Buffer) {
+    let Some(z) = zero else { return };
+    if zero3 {
+        let mut m = vec![0f32; z.len];
+        z.gather(ddp.ranges(), flat, &mut m);
+        ddp.set_master(m);
+    } else {
+        z.gather(ddp.ranges(), flat, master.as_mut_slice());
+        master.release_all();
     }
 }
 

@@ -115,8 +115,8 @@ struct BlockOp {
 }
 
 impl BlockOp {
-    /// The group's whole values, as tensors by name.
-    fn params(&self) -> candle_core::Result<BTreeMap<String, Tensor>> {
+    /// The group's whole values, as variables by name (one copy out of the gathered buffer).
+    fn params(&self) -> candle_core::Result<BTreeMap<String, Var>> {
         let full = self
             .gather
             .gather(self.group)
@@ -125,7 +125,7 @@ impl BlockOp {
         let mut out = BTreeMap::new();
         for (name, shape) in self.info.names.iter().zip(&self.info.shapes) {
             let n: usize = shape.iter().product();
-            out.insert(name.clone(), Tensor::from_slice(&full[at..at + n], shape.as_slice(), &Device::Cpu)?);
+            out.insert(name.clone(), Var::from_slice(&full[at..at + n], shape.as_slice(), &Device::Cpu)?);
             at += n;
         }
         Ok(out)
@@ -147,11 +147,7 @@ impl CustomOp2 for BlockOp {
         // The parameters as variables, as in the backward's recomputation: candle-nn's fused
         // kernels (which run on untracked inputs) differ from its differentiable compositions
         // in the last bits, and the recomputed forward must be this forward.
-        let params: BTreeMap<String, Tensor> = self
-            .params()?
-            .into_iter()
-            .map(|(k, t)| Ok((k, Var::from_tensor(&t)?.as_tensor().clone())))
-            .collect::<candle_core::Result<_>>()?;
+        let params: BTreeMap<String, Tensor> = self.params()?.into_iter().map(|(k, v)| (k, v.as_tensor().clone())).collect();
         let y = (self.f)(&params, &x)?.detach().to_dtype(candle_core::DType::F32)?.contiguous()?;
         let shape = y.shape().clone();
         Ok((CpuStorage::F32(y.flatten_all()?.to_vec1::<f32>()?), shape))
@@ -164,8 +160,7 @@ impl CustomOp2 for BlockOp {
         }
         // Recompute the block with its inputs and parameters as variables, then differentiate.
         let x = Var::from_tensor(&x.detach())?;
-        let params: BTreeMap<String, Var> =
-            self.params()?.into_iter().map(|(k, t)| Ok((k, Var::from_tensor(&t)?))).collect::<candle_core::Result<_>>()?;
+        let params = self.params()?;
         let tensors: BTreeMap<String, Tensor> = params.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
         let y = (self.f)(&tensors, x.as_tensor())?.to_dtype(candle_core::DType::F32)?;
         let grads = (y * grad.detach())?.sum_all()?.backward()?;
