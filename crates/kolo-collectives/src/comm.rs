@@ -84,6 +84,12 @@ pub struct HostCommConfig {
     pub shm_ring: ByteSize,
     /// SO_SNDBUF/SO_RCVBUF of TCP links (0: the kernel's autotuning).
     pub tcp_buffer: ByteSize,
+    /// A ring step over TCP sends at most this far ahead of what it has received, so the bytes
+    /// in flight stay in cache (0: unpaced). See `engine.rs`.
+    pub tcp_pace: ByteSize,
+    /// A ring all-reduce of a large buffer runs in pieces of `ranks x ring_piece` bytes, each
+    /// reduced and gathered while it is still in cache (0: whole). See `algo/ring.rs`.
+    pub ring_piece: ByteSize,
     pub shm_dir: String,
     /// A collective that makes no progress fails, naming the peer, once that peer's heartbeats
     /// through the store have stopped for this long (see `liveness.rs`); zero turns heartbeats
@@ -104,6 +110,8 @@ impl Default for HostCommConfig {
             host_id: None,
             shm_ring: ByteSize::mib(1),
             tcp_buffer: ByteSize(0),
+            tcp_pace: ByteSize::kib(128),
+            ring_piece: ByteSize::kib(512),
             shm_dir: "/dev/shm".into(),
             liveness: Duration::from_secs(10),
         }
@@ -568,9 +576,11 @@ impl HostComm {
             pure_spin: self.pure_spin,
             red,
             root,
+            pace: self.cfg.tcp_pace.as_usize(),
         };
         let Core { links, scratch, big, .. } = &mut *core;
-        let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg, live: self.live.as_deref() };
+        let ring_piece = self.cfg.ring_piece.as_usize();
+        let mut exec = Exec { links, ctx, rank: self.rank.get(), n: self.n.get(), alg, live: self.live.as_deref(), ring_piece };
         let mut r = f(&mut exec, scratch, big);
         if let Err(CommError::Timeout { missing, .. }) = &mut r {
             // A rank one hop away may only be waiting itself: ask every rank where it is.
@@ -716,6 +726,7 @@ impl HostComm {
             pure_spin: self.pure_spin,
             red: None,
             root: None,
+            pace: 0,
         };
         match drive(&mut core.links, &mut xfers, &ctx, self.live.as_deref()) {
             Ok(()) => {

@@ -26,6 +26,7 @@ fn ctx() -> OpCtx {
         pure_spin: Duration::from_micros(20),
         red: Some(ReduceOp::Sum),
         root: None,
+        pace: 0,
     }
 }
 

@@ -35,6 +35,14 @@ pub struct CommArgs {
     /// SO_SNDBUF/SO_RCVBUF of TCP links (0: kernel autotuning).
     #[arg(long, default_value = "0")]
     pub tcp_buffer: ByteSize,
+    /// A ring step over TCP sends at most this many bytes ahead of what it has received, so
+    /// the data in flight stays in cache (0: unpaced).
+    #[arg(long, default_value = "128KiB")]
+    pub tcp_pace: ByteSize,
+    /// A large ring all-reduce runs in pieces of (ranks x this) bytes, each finished while it
+    /// is still in cache (0: the whole buffer at once).
+    #[arg(long, default_value = "512KiB")]
+    pub ring_piece: ByteSize,
 }
 
 /// Seconds from a flag as a duration: negative or NaN is 0, beyond 10^6 s (infinity too) is
@@ -53,6 +61,8 @@ impl CommArgs {
             liveness: secs(self.liveness.unwrap_or(10.0)),
             shm_ring: self.shm_ring,
             tcp_buffer: self.tcp_buffer,
+            tcp_pace: self.tcp_pace,
+            ring_piece: self.ring_piece,
             ..HostCommConfig::default()
         }
     }

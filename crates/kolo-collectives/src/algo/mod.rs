@@ -7,7 +7,7 @@ pub(crate) mod pairwise;
 pub(crate) mod ring;
 pub(crate) mod tree;
 
-use crate::engine::{drive, Dir, OpCtx, Xfer};
+use crate::engine::{drive, drive_paced, Dir, OpCtx, Xfer};
 use crate::frame::Header;
 use crate::link::Link;
 use kolo_base::{even_split, DType, WorldSize};
@@ -53,6 +53,9 @@ pub(crate) struct Exec<'c> {
     pub n: usize,
     pub alg: Algorithm,
     pub live: Option<&'c crate::liveness::Liveness>,
+    /// Bytes of each rank's segment in one piece of a ring all-reduce (0: the whole buffer in
+    /// one piece); see `ring::all_reduce`.
+    pub ring_piece: usize,
 }
 
 impl Exec<'_> {
@@ -85,6 +88,11 @@ impl Exec<'_> {
 
     pub fn run(&mut self, xfers: &mut [Xfer<'_>]) -> Result<(), CommError> {
         drive(self.links, xfers, &self.ctx, self.live)
+    }
+
+    /// Runs one ring step, `[send to the right, receive from the left]`, paced over TCP.
+    pub fn run_ring_step(&mut self, xfers: &mut [Xfer<'_>; 2]) -> Result<(), CommError> {
+        drive_paced(self.links, xfers, &self.ctx, self.live)
     }
 
     pub fn world(&self) -> WorldSize {

@@ -95,6 +95,23 @@ fn shm_ring_conformance_with_tiny_ring() {
 }
 
 #[test]
+fn ring_all_reduce_in_pieces_and_paced_conformance() {
+    // Pieces of a few elements per rank (24 bytes: 3 f64, 12 f16, not a whole number of i64 for
+    // 3 ranks' rounding) make every length above a few elements run in many pieces, the last one
+    // short; a pace of 1001 bytes (no whole number of elements of any width but u8) holds every
+    // TCP send back behind its receive many times per step, splitting elements.
+    let pieces = HostCommConfig { ring_piece: kolo_base::ByteSize(24), ..cfg(Transport::Tcp, AlgorithmChoice::Ring) };
+    let paced = HostCommConfig { tcp_pace: kolo_base::ByteSize(1001), ring_piece: kolo_base::ByteSize(0), ..pieces.clone() };
+    for n in [2, 3, 4] {
+        run_ranks(group(n, pieces.clone()), |_, c| conformance(&c, &[0, 1, 13, 97, 1009]));
+        run_ranks(group(n, paced.clone()), |_, c| conformance(&c, &[0, 13, 1009, 65_537]));
+    }
+    // Shared memory is not paced, but runs in pieces too.
+    let shm = HostCommConfig { transport: Transport::Shm, ..pieces };
+    run_ranks(group(3, shm), |_, c| conformance(&c, &[0, 1, 13, 1009]));
+}
+
+#[test]
 fn large_buffers_round_trip_bitwise() {
     // 3 M floats: several MiB per segment, far beyond socket buffers and the shm ring.
     for transport in [Transport::Tcp, Transport::Shm] {
