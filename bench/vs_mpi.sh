@@ -9,7 +9,7 @@ source "$(dirname "$0")/common.sh"
 PY="${PY:-python3}"
 peers="$(realpath ../shared/bench/peers)"
 uptime
-$K bench loopback --size 256MiB --trials 5 2>&1 | tail -2
+$K bench loopback --size 256MiB --trials 5
 sizes="4096 65536 1048576 16777216 268435456"
 for n in 2 4; do
   for t in shm tcp; do
