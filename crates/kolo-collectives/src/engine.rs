@@ -189,7 +189,7 @@ fn check_header_parts(peer: usize, expect: &Header, raw: &[u8; HEADER_LEN], ctx:
 /// must break the communicator.
 /// `live`, the communicator's heartbeats, ends a stall on a peer that is gone without a FIN.
 pub(crate) fn drive(links: &mut [Option<Link>], xfers: &mut [Xfer<'_>], ctx: &OpCtx, live: Option<&Liveness>) -> Result<(), CommError> {
-    drive_with(links, xfers, ctx, live, false)
+    watched(live, || drive_until_done(links, xfers, ctx, live, false))
 }
 
 /// [`drive`] for one ring step, `[send, receive]`: over TCP the send's payload stays at most
@@ -205,20 +205,15 @@ pub(crate) fn drive_paced(
 ) -> Result<(), CommError> {
     let tcp = links[xfers[0].peer].as_ref().is_some_and(|l| !l.is_shm());
     let paced = tcp && ctx.pace > 0 && matches!(xfers[0].dir, Dir::Send(_)) && !matches!(xfers[1].dir, Dir::Send(_));
-    drive_with(links, xfers, ctx, live, paced)
+    watched(live, || drive_until_done(links, xfers, ctx, live, paced))
 }
 
-fn drive_with(
-    links: &mut [Option<Link>],
-    xfers: &mut [Xfer<'_>],
-    ctx: &OpCtx,
-    live: Option<&Liveness>,
-    paced: bool,
-) -> Result<(), CommError> {
+/// Runs `f` as one operation of the heartbeats `live` watch.
+fn watched<T>(live: Option<&Liveness>, f: impl FnOnce() -> T) -> T {
     if let Some(l) = live {
         l.progress();
     }
-    let r = drive_until_done(links, xfers, ctx, live, paced);
+    let r = f();
     if let Some(l) = live {
         l.finished();
     }
