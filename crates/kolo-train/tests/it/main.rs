@@ -905,8 +905,12 @@ fn try_train_ps(c: &PsCluster, workers: usize, cfg: &Config, opts: &RunOptions) 
 /// Asynchronous parameter servers checkpoint too (#16): the workers never stop together, so
 /// worker 0 reads each range as it is (a fuzzy snapshot) with every worker's clock. Worker 1
 /// is slow, so at the checkpoint it trails; resumed on fresh servers, each worker continues
-/// from its own clock (the slow one redoes the steps the checkpoint does not hold) and the run
-/// ends as well trained as the uninterrupted one.
+/// from its own clock (the slow one redoes the steps the checkpoint does not hold), and the run
+/// ends about as well trained as the uninterrupted one. "About": asynchronous training is not
+/// repeatable. The uninterrupted run alone ended at 0.587-0.712 accuracy as the slow worker's
+/// delay went from 0 to 30 ms per step, so the first version's 0.05 tolerance failed on an idle
+/// machine (0.6575 against 0.7120) and on a loaded one (0.6105 against 0.6975); 0.15 covers that
+/// spread. The clocks and step counts are exact.
 #[test]
 fn ps_async_checkpoints_resume_each_worker_from_its_clock() {
     let dir = scratch_dir("ps-async-ck");
@@ -934,7 +938,7 @@ fn ps_async_checkpoints_resume_each_worker_from_its_clock() {
     let acc = |s: &Summary| kolo_train::trainer::evaluate_params(&cfg(""), &s.params).unwrap().accuracy.unwrap();
     let (a, b) = (acc(&clean[1]), acc(&resumed[1]));
     eprintln!("async PS, 40 steps: uninterrupted accuracy {a:.4}, stopped at 20 and resumed {b:.4}, clocks at the checkpoint {clocks:?}");
-    assert!(b > a - 0.05, "resumed {b} vs uninterrupted {a}");
+    assert!(b > a - 0.15, "resumed {b} vs uninterrupted {a}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
