@@ -84,8 +84,9 @@ pub(crate) fn all_reduce(e: &mut Exec<'_>, buf: &mut [u8], dtype: DType, op: Red
 /// runs whole.
 #[allow(clippy::single_range_in_vec_init)] // one piece: a list holding one range is meant
 pub(crate) fn pieces(len: usize, esz: usize, n: usize, piece: usize) -> Vec<std::ops::Range<usize>> {
-    let size = (n * piece / esz).max(n) * esz;
-    if piece == 0 || len <= 2 * size {
+    // Saturating: any setting is accepted, a huge one meaning "whole".
+    let size = (n.saturating_mul(piece) / esz).max(n) * esz;
+    if piece == 0 || len <= size.saturating_mul(2) {
         return vec![0..len];
     }
     (0..len).step_by(size).map(|a| a..(a + size).min(len)).collect()
@@ -137,6 +138,8 @@ mod tests {
         assert_eq!(pieces(100, 4, 3, 10), vec![0..28, 28..56, 56..84, 84..100]);
         // ... and never less than one element per rank.
         assert_eq!(pieces(40, 8, 2, 1), vec![0..16, 16..32, 32..40]);
+        // A setting too large to multiply runs whole instead of overflowing.
+        assert_eq!(pieces(100, 4, 3, usize::MAX), vec![0..100]);
         for (len, esz, n, piece) in [(1_000_003 * 4, 4, 3, 4099), (65_537 * 2, 2, 4, 512), (97 * 8, 8, 2, 24)] {
             let p = pieces(len, esz, n, piece);
             assert_eq!(p[0].start, 0);
