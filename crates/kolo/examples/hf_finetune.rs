@@ -16,7 +16,7 @@
 //! what transformers computes from the export.
 //!
 //! Flags: --steps N (20), --batch B per rank (4), --seq T (32), --lr (1e-3), --zero 0|1|2|3 (3: the
-//! model's blocks are sharded ZeRO-3 groups).
+//! model's blocks are sharded ZeRO-3 groups, the model itself unchanged).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use kolo::data::{Sampler, SamplerConfig};
@@ -29,7 +29,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     let (steps, batch, seq): (u64, usize, usize) =
         (arg("--steps", "20").parse()?, arg("--batch", "4").parse()?, arg("--seq", "32").parse()?);
     let dist = kolo::init()?;
-    let (varmap, mut model) = kolo::hf::load_causal_lm(Path::new(&model_dir), &dist.device())?;
+    let (varmap, model) = kolo::hf::load_causal_lm(Path::new(&model_dir), &dist.device())?;
     let vocab = model.vocab_size() as u32;
     let reference = Path::new(&model_dir).join("reference.safetensors");
     let reference = if reference.exists() { Some(candle_core::safetensors::load(&reference, &dist.device())?) } else { None };
@@ -44,12 +44,10 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         arg("--zero", "0")
     );
     let opts = kolo::TrainOptions::from_toml_str(&toml)?;
-    let zero3 = opts.ddp.zero_stage == 3;
-    let mut trainer = if zero3 {
+    let mut trainer = if opts.ddp.zero_stage == 3 {
+        // The blocks' values live as shards over the ranks, gathered into the model when used.
         let groups = model.block_prefixes();
-        let t = kolo::Trainer::with_zero3_groups(&varmap, &dist, opts, &groups.iter().map(String::as_str).collect::<Vec<_>>())?;
-        model.shard_blocks(t.zero3()?)?; // the blocks' values now live as shards over the ranks
-        t
+        kolo::Trainer::with_zero3_groups(&varmap, &dist, opts, &groups.iter().map(String::as_str).collect::<Vec<_>>())?
     } else {
         kolo::Trainer::new(&varmap, &dist, opts)?
     };
@@ -74,13 +72,10 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         trainer.set_data_position(sampler.position()); // saved with checkpoints: resume mid-shard
     }
     let logits = ids.as_ref().map(|ids| model.forward(ids)).transpose()?;
-    // ZeRO-3: the blocks are gathered (a collective) for the export.
-    let flat = if zero3 { Some(trainer.flat_params()?) } else { None };
+    // ZeRO-3: the whole model is gathered into its variables (a collective) for the export.
+    trainer.unshard()?;
     if dist.is_main() {
-        match &flat {
-            Some(flat) => model.save_pretrained_flat(Path::new(&out), &trainer.signature(), flat)?,
-            None => model.save_pretrained(Path::new(&out), &varmap)?,
-        }
+        model.save_pretrained(Path::new(&out), &varmap)?;
         if let (Some(ids), Some(l)) = (&ids, &logits) {
             let t = [("ids".to_string(), ids.to_dtype(DType::I64)?), ("logits".to_string(), l.clone())];
             candle_core::safetensors::save(&t.into_iter().collect(), Path::new(&out).join("kolo_logits.safetensors"))?;

@@ -7,13 +7,11 @@
 //! [`save_pretrained`] writes whole, shaped tensors under those names back out, with the
 //! `format = pt` metadata `transformers` requires.
 
-use crate::zero3::Zero3;
 use anyhow::{bail, Context};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, LayerNormConfig, VarBuilder, VarMap};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
 
 /// `config.json` of a GPT-2 model (the fields Kolo reads; others are kept and written back).
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
@@ -120,24 +118,6 @@ struct Block {
 }
 
 impl Block {
-    /// The block from its parameters by full name (`prefix` is `transformer.h.{i}.`): a ZeRO-3
-    /// block's values exist only while it computes.
-    fn from_params(p: &BTreeMap<String, Tensor>, prefix: &str, eps: f64) -> candle_core::Result<Block> {
-        let get = |name: &str| {
-            p.get(&format!("{prefix}{name}")).cloned().ok_or_else(|| candle_core::Error::Msg(format!("GPT-2 block: no `{prefix}{name}`")))
-        };
-        let ln = |n: &str| Ok::<_, candle_core::Error>(LayerNorm::new(get(&format!("{n}.weight"))?, get(&format!("{n}.bias"))?, eps));
-        let conv = |n: &str| Ok::<_, candle_core::Error>(Conv1d { weight: get(&format!("{n}.weight"))?, bias: get(&format!("{n}.bias"))? });
-        Ok(Block {
-            ln_1: ln("ln_1")?,
-            c_attn: conv("attn.c_attn")?,
-            attn_proj: conv("attn.c_proj")?,
-            ln_2: ln("ln_2")?,
-            c_fc: conv("mlp.c_fc")?,
-            mlp_proj: conv("mlp.c_proj")?,
-        })
-    }
-
     /// `x` (batch, seq, n_embd) through attention and the MLP, each with its residual.
     fn forward(&self, x: &Tensor, mask: &Tensor, cfg: &Gpt2Config) -> candle_core::Result<Tensor> {
         let (b, t, e) = x.dims3()?;
@@ -164,8 +144,6 @@ pub struct Gpt2 {
     wpe: Embedding,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
-    /// ZeRO-3: the blocks run through the trainer's sharded groups instead of `blocks`.
-    sharded: Option<Arc<Zero3>>,
 }
 
 impl Gpt2 {
@@ -193,7 +171,6 @@ impl Gpt2 {
             wpe: embedding(cfg.n_positions, e, vb.pp("wpe"))?,
             blocks,
             ln_f: ln(vb.pp("ln_f"))?,
-            sharded: None,
         })
     }
 
@@ -201,13 +178,6 @@ impl Gpt2 {
     /// groups for [`crate::Trainer::with_zero3_groups`].
     pub fn block_prefixes(&self) -> Vec<String> {
         (0..self.cfg.n_layer).map(|i| format!("transformer.h.{i}.")).collect()
-    }
-
-    /// ZeRO-3: from now on the blocks run through `z` (whose groups must be
-    /// [`Gpt2::block_prefixes`]) and the model keeps no copy of their values.
-    pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
-        let prefixes = self.block_prefixes();
-        shard_blocks_into(&mut self.blocks, &mut self.sharded, z, &prefixes, "GPT-2")
     }
 
     /// The configuration.
@@ -225,18 +195,8 @@ impl Gpt2 {
         let mut x = self.wte.forward(ids)?.broadcast_add(&self.wpe.forward(&pos)?)?;
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
         let mask = Tensor::from_vec(mask, (t, t), ids.device())?.to_dtype(x.dtype())?;
-        match &self.sharded {
-            None => {
-                for blk in &self.blocks {
-                    x = blk.forward(&x, &mask, &self.cfg)?;
-                }
-            }
-            Some(z) => {
-                for prefix in self.block_prefixes() {
-                    let (cfg, mask, at) = (self.cfg.clone(), mask.clone(), prefix.clone());
-                    x = z.block(&prefix, &x, move |p, x| Block::from_params(p, &at, cfg.layer_norm_epsilon)?.forward(x, &mask, &cfg))?;
-                }
-            }
+        for blk in &self.blocks {
+            x = blk.forward(&x, &mask, &self.cfg)?;
         }
         self.ln_f.forward(&x)?.broadcast_matmul(&self.wte.embeddings().t()?)
     }
@@ -245,23 +205,6 @@ impl Gpt2 {
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         next_token_loss(ids, |x| self.forward(x))
     }
-}
-
-/// ZeRO-3: checks that `z`'s groups are the model's blocks (`prefixes`), then drops the
-/// model's own block layers (the last whole copy of their values) and keeps `z` to run them.
-fn shard_blocks_into<B>(
-    blocks: &mut Vec<B>,
-    sharded: &mut Option<Arc<Zero3>>,
-    z: Arc<Zero3>,
-    prefixes: &[String],
-    model: &str,
-) -> anyhow::Result<()> {
-    if z.groups() != prefixes {
-        bail!("ZeRO-3 groups {:?} are not the {model}'s blocks {prefixes:?}", z.groups());
-    }
-    blocks.clear();
-    *sharded = Some(z);
-    Ok(())
 }
 
 /// Mean cross-entropy of predicting token i + 1 of each row of `ids` (batch, seq) from the
@@ -318,29 +261,6 @@ pub fn save_pretrained(dir: &Path, varmap: &VarMap, config: &impl serde::Seriali
         tensors.push((name.clone(), var.dims().to_vec(), v.iter().flat_map(|x| x.to_le_bytes()).collect()));
     }
     drop(vars);
-    write_pretrained(dir, tensors, config)
-}
-
-/// As [`save_pretrained`], from a flat copy of the parameters and their `(name, shape)` in
-/// that order ([`crate::Trainer::flat_params`] and [`crate::Trainer::signature`]): the export
-/// of a model whose ZeRO-3 blocks are no longer in its `VarMap`.
-pub fn save_pretrained_flat(
-    dir: &Path,
-    signature: &[(String, Vec<usize>)],
-    flat: &[f32],
-    config: &impl serde::Serialize,
-) -> anyhow::Result<()> {
-    let total: usize = signature.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
-    if total != flat.len() {
-        bail!("save_pretrained_flat: {} values for parameters of {total}", flat.len());
-    }
-    let mut at = 0;
-    let mut tensors = Vec::with_capacity(signature.len());
-    for (name, shape) in signature {
-        let n: usize = shape.iter().product();
-        tensors.push((name.clone(), shape.clone(), flat[at..at + n].iter().flat_map(|x| x.to_le_bytes()).collect()));
-        at += n;
-    }
     write_pretrained(dir, tensors, config)
 }
 
@@ -481,27 +401,6 @@ struct LlamaBlock {
 }
 
 impl LlamaBlock {
-    /// The block from its parameters by full name (`prefix` is `model.layers.{i}.`), for ZeRO-3.
-    fn from_params(p: &BTreeMap<String, Tensor>, prefix: &str, eps: f64) -> candle_core::Result<LlamaBlock> {
-        let get = |name: &str| {
-            p.get(&format!("{prefix}{name}.weight"))
-                .cloned()
-                .ok_or_else(|| candle_core::Error::Msg(format!("Llama block: no `{prefix}{name}.weight`")))
-        };
-        let lin = |n: &str| Ok::<_, candle_core::Error>(candle_nn::Linear::new(get(n)?, None));
-        Ok(LlamaBlock {
-            input_norm: candle_nn::RmsNorm::new(get("input_layernorm")?, eps),
-            q: lin("self_attn.q_proj")?,
-            k: lin("self_attn.k_proj")?,
-            v: lin("self_attn.v_proj")?,
-            o: lin("self_attn.o_proj")?,
-            post_norm: candle_nn::RmsNorm::new(get("post_attention_layernorm")?, eps),
-            gate: lin("mlp.gate_proj")?,
-            up: lin("mlp.up_proj")?,
-            down: lin("mlp.down_proj")?,
-        })
-    }
-
     /// `x` (batch, seq, hidden) through grouped-query attention with rotary embeddings (`cos`,
     /// `sin` cut to the sequence) and the SwiGLU MLP, each with its residual.
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor, cfg: &LlamaConfig) -> candle_core::Result<Tensor> {
@@ -539,8 +438,6 @@ pub struct Llama {
     /// Rotary tables, (max_position_embeddings, head_dim / 2).
     cos: Tensor,
     sin: Tensor,
-    /// ZeRO-3: the blocks run through the trainer's sharded groups instead of `blocks`.
-    sharded: Option<Arc<Zero3>>,
 }
 
 impl Llama {
@@ -578,20 +475,12 @@ impl Llama {
             lm_head,
             cos: table(f64::cos)?,
             sin: table(f64::sin)?,
-            sharded: None,
         })
     }
 
     /// The name prefix of each block (`model.layers.{i}.`), in forward order: the ZeRO-3 groups.
     pub fn block_prefixes(&self) -> Vec<String> {
         (0..self.cfg.num_hidden_layers).map(|i| format!("model.layers.{i}.")).collect()
-    }
-
-    /// ZeRO-3: from now on the blocks run through `z` (whose groups must be
-    /// [`Llama::block_prefixes`]) and the model keeps no copy of their values.
-    pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
-        let prefixes = self.block_prefixes();
-        shard_blocks_into(&mut self.blocks, &mut self.sharded, z, &prefixes, "Llama")
     }
 
     /// The configuration.
@@ -609,21 +498,8 @@ impl Llama {
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
         let mask = Tensor::from_vec(mask, (t, t), ids.device())?;
         let mut x = self.embed.forward(ids)?;
-        match &self.sharded {
-            None => {
-                for blk in &self.blocks {
-                    x = blk.forward(&x, &cos, &sin, &mask, &self.cfg)?;
-                }
-            }
-            Some(z) => {
-                for prefix in self.block_prefixes() {
-                    let (cfg, at) = (self.cfg.clone(), prefix.clone());
-                    let (cos, sin, mask) = (cos.clone(), sin.clone(), mask.clone());
-                    x = z.block(&prefix, &x, move |p, x| {
-                        LlamaBlock::from_params(p, &at, cfg.rms_norm_eps)?.forward(x, &cos, &sin, &mask, &cfg)
-                    })?;
-                }
-            }
+        for blk in &self.blocks {
+            x = blk.forward(&x, &cos, &sin, &mask, &self.cfg)?;
         }
         let x = self.norm.forward(&x)?;
         match &self.lm_head {
@@ -684,25 +560,11 @@ impl CausalLm {
             CausalLm::Llama(m) => save_pretrained(dir, varmap, m.config()),
         }
     }
-    /// [`save_pretrained_flat`] with this model's `config.json`.
-    pub fn save_pretrained_flat(&self, dir: &Path, signature: &[(String, Vec<usize>)], flat: &[f32]) -> anyhow::Result<()> {
-        match self {
-            CausalLm::Gpt2(m) => save_pretrained_flat(dir, signature, flat, m.config()),
-            CausalLm::Llama(m) => save_pretrained_flat(dir, signature, flat, m.config()),
-        }
-    }
     /// The ZeRO-3 groups of the model's blocks, in forward order.
     pub fn block_prefixes(&self) -> Vec<String> {
         match self {
             CausalLm::Gpt2(m) => m.block_prefixes(),
             CausalLm::Llama(m) => m.block_prefixes(),
-        }
-    }
-    /// ZeRO-3: runs the blocks through `z` from now on (see [`Gpt2::shard_blocks`]).
-    pub fn shard_blocks(&mut self, z: Arc<Zero3>) -> anyhow::Result<()> {
-        match self {
-            CausalLm::Gpt2(m) => m.shard_blocks(z),
-            CausalLm::Llama(m) => m.shard_blocks(z),
         }
     }
 }

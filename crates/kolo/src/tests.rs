@@ -457,12 +457,130 @@ fn bad_models_and_losses_are_named() {
     let half = VarMap::new();
     candle_nn::linear(2, 2, VarBuilder::from_varmap(&half, DType::BF16, &Device::Cpu).pp("h")).unwrap();
     let e = Trainer::new(&half, &dist, TrainOptions::default()).err().unwrap().to_string();
-    assert!(e.contains("h.") && e.contains("BF16"), "{e}"); // ZeRO-3 without the groups the model runs through `Trainer::zero3` is refused by name.
+    assert!(e.contains("h.") && e.contains("BF16"), "{e}");
+    // ZeRO-3 without groups is refused by name.
     let z3 = opts("[ddp]\nzero_stage = 3\n");
     let e = Trainer::new(&small().varmap, &dist, z3.clone()).err().unwrap().to_string();
     assert!(e.contains("Trainer::with_zero3_groups"), "{e}");
     let e = Trainer::with_zero3_groups(&small().varmap, &dist, z3, &["l3."]).err().unwrap().to_string();
     assert!(e.contains("ZeRO-3 group \"l3.\" matches no parameter"), "{e}");
+}
+
+/// The vendored candle-core's storage hooks (ZeRO-3's mechanism): a hook runs before every
+/// read of its storage through any view (a transpose, a broadcast, a matmul operand, a copy
+/// out), refills a released storage before the operation reads it, and a storage in use is
+/// not released.
+#[test]
+fn storage_hooks_fill_views_and_skip_storage_in_use() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let w = Var::from_vec(vec![1f32, 2., 3., 4., 5., 6.], (2, 3), &Device::Cpu).unwrap();
+    let views = [w.t().unwrap(), w.broadcast_left(2).unwrap(), w.reshape(6).unwrap()];
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (c, held) = (calls.clone(), w.clone());
+    w.set_storage_hook(Some(Arc::new(move || {
+        c.fetch_add(1, Ordering::SeqCst);
+        // Fill the storage with the whole values, as ZeRO-3's gather does (here on every call).
+        if held.try_release_storage().unwrap() {
+            let v = vec![1f32, 2., 3., 4., 5., 6.];
+            held.replace_storage(candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v))).unwrap();
+        }
+    })));
+    assert!(w.try_release_storage().unwrap());
+    let x = Tensor::ones((4, 2), DType::F32, &Device::Cpu).unwrap();
+    let y = x.matmul(&w).unwrap();
+    assert_eq!(y.to_vec2::<f32>().unwrap()[0], vec![5., 7., 9.]);
+    assert!(calls.load(Ordering::SeqCst) >= 1, "the matmul read the storage without the hook");
+    for v in &views {
+        let before = calls.load(Ordering::SeqCst);
+        assert_eq!(v.flatten_all().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap(), 21. * (v.elem_count() / 6) as f32);
+        assert!(calls.load(Ordering::SeqCst) > before, "a view of shape {:?} bypassed the hook", v.dims());
+    }
+    {
+        let (_guard, _) = w.storage_and_layout();
+        assert!(!w.try_release_storage().unwrap(), "a storage being read was released");
+    }
+    w.set_storage_hook(None);
+    let before = calls.load(Ordering::SeqCst);
+    assert_eq!(w.sum_all().unwrap().to_scalar::<f32>().unwrap(), 21.);
+    assert_eq!(calls.load(Ordering::SeqCst), before, "a removed hook still ran");
+    let e = w.replace_storage(candle_core::Storage::Cpu(candle_core::CpuStorage::F32(vec![0.; 5]))).unwrap_err().to_string();
+    assert!(e.contains("5 elements"), "{e}");
+}
+
+/// A four-layer candle-nn MLP, unchanged, for ZeRO-3: its layers keep their own weights.
+struct Deep {
+    varmap: VarMap,
+    layers: Vec<candle_nn::Linear>,
+}
+
+fn deep() -> Deep {
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let dims = [6, 9, 7, 8, 3];
+    let layers = (0..4).map(|i| candle_nn::linear(dims[i], dims[i + 1], vb.pp(format!("l{i}"))).unwrap()).collect();
+    for (k, v) in varmap.data().lock().unwrap().iter() {
+        let seed = k.bytes().map(u64::from).sum::<u64>();
+        let init: Vec<f32> = values(v.elem_count(), seed).iter().map(|x| *x as f32 * 0.5).collect();
+        v.set(&Tensor::from_vec(init, v.shape(), &Device::Cpu).unwrap()).unwrap();
+    }
+    Deep { varmap, layers }
+}
+
+impl Deep {
+    fn loss(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for (i, l) in self.layers.iter().enumerate() {
+            h = l.forward(&h)?;
+            if i < 3 {
+                h = h.tanh()?;
+            }
+        }
+        candle_nn::loss::cross_entropy(&h, y)
+    }
+}
+
+/// ZeRO-3 on an unchanged model (FSDP-style): the layers keep their own variables, which are
+/// emptied and gathered back when read. Three of four layers sharded, AdamW without clipping
+/// (elementwise, so one process of ZeRO-3 equals DDP bitwise): the same parameters after 4
+/// steps, through the trainer and through the model's own variables (after `unshard`).
+/// Between steps no group is whole; a forward outside a step gathers each group once and
+/// leaves at most `KEEP` of them whole.
+#[test]
+fn zero3_trains_an_unchanged_model_as_ddp_does() {
+    let dist = world_of_one();
+    let o = "[optim]\nkind = \"adamw\"\nlr = 0.05\n[train]\nsteps = 4\n";
+    let (a, b) = (deep(), deep());
+    let mut ddp = Trainer::new(&a.varmap, &dist, opts(o)).unwrap();
+    let groups = ["l0.", "l1.", "l2."];
+    let mut z3 = Trainer::with_zero3_groups(&b.varmap, &dist, opts(&format!("{o}[ddp]\nzero_stage = 3\n")), &groups).unwrap();
+    assert_eq!(z3.zero3_stats(), (0, 0), "groups are sharded from the start");
+    for s in 0..4 {
+        let (x, y) = batch(8, s);
+        let l = ddp.step(|| a.loss(&x, &y)).unwrap().loss;
+        assert_eq!(z3.step(|| b.loss(&x, &y)).unwrap().loss, l, "step {s}: the forward differs");
+        assert_eq!(z3.zero3_stats().1, 0, "step {s}: a stale group stayed whole after the update");
+    }
+    assert_eq!(ddp.flat_params().unwrap(), z3.flat_params().unwrap());
+    let (gathers, _) = z3.zero3_stats();
+    assert!(gathers >= 4 * 3, "{gathers} gathers in 4 steps of 3 groups");
+    let (x, y) = batch(8, 9);
+    let eval = b.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap();
+    assert_eq!(eval, a.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap());
+    let (after, whole) = z3.zero3_stats();
+    assert_eq!((after - gathers, whole), (3, crate::zero3::KEEP), "a forward gathers each group once and keeps the last two");
+    z3.unshard().unwrap();
+    assert_eq!(z3.zero3_stats().1, 3);
+    let read = |m: &VarMap| -> BTreeMap<String, Vec<f32>> {
+        m.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.flatten_all().unwrap().to_vec1().unwrap())).collect()
+    };
+    assert_eq!(read(&a.varmap), read(&b.varmap), "the model's own variables hold other values than DDP's");
+    drop(z3);
+    assert_eq!(b.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap(), eval, "the unsharded model outlives its trainer");
+    // Dropped without `unshard`: the sharded layers read as NaN (never as an empty storage).
+    let c = deep();
+    drop(Trainer::with_zero3_groups(&c.varmap, &dist, opts(&format!("{o}[ddp]\nzero_stage = 3\n")), &groups).unwrap());
+    assert!(c.loss(&x, &y).unwrap().to_scalar::<f32>().unwrap().is_nan());
 }
 
 /// The hook hands out the last layer's gradients before backward reaches the first layer (so

@@ -1,7 +1,8 @@
 //! [`Trainer`]: data-parallel training of any candle model whose parameters live in a
 //! `candle_nn::VarMap` (DDP, bucketed and overlapped with backward, ZeRO-1/2, or ZeRO-3 for
-//! the parameter groups the model runs through [`crate::zero3`]), in f32 or mixed precision (a
-//! bf16/f16 model with f32 master weights).
+//! the parameter groups named by prefix, gathered into the unchanged model's variables when
+//! used: [`crate::zero3`]), in f32 or mixed precision (a bf16/f16 model with f32 master
+//! weights).
 //!
 //! The model stays the user's: the trainer adopts the VarMap's variables (their storage is
 //! updated in place, so the model sees every step) and drives one step from a loss closure.
@@ -176,8 +177,9 @@ pub struct Trainer {
     compute: DType,
     /// f16: the dynamic loss scale (torch's `GradScaler`).
     scaler: Option<LossScaler>,
-    /// ZeRO-3: the sharded groups' handle (their master shard lives in `ddp`).
-    zero3: Option<Arc<crate::zero3::Zero3>>,
+    /// ZeRO-3: the sharded groups, filled into the model's variables on use (their master
+    /// shard lives in `ddp`).
+    zero3: Option<crate::zero3::Zero3>,
     /// Variable id to parameter index.
     ids: HashMap<TensorId, usize>,
     ddp: Ddp,
@@ -238,12 +240,17 @@ impl Trainer {
         Self::build(varmap, dist, opts, &[])
     }
 
-    /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`): the parameters whose
-    /// names start with one of `groups` (a block's prefix, such as `"layers.3."`, listed in
-    /// forward order) are sharded over the ranks and taken out of the `VarMap`; the model runs
-    /// each such block through [`Trainer::zero3`]'s [`crate::zero3::Zero3::block`], which
-    /// gathers its values for the forward and again for the backward. The other parameters
-    /// are trained as under ZeRO-2.
+    /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`, torch's FSDP): the
+    /// parameters whose names start with one of `groups` (a block's prefix, such as
+    /// `"model.layers.3."`, listed in forward order) are sharded over the ranks. The model
+    /// stays as it is: each group's whole values are gathered into its own variables when an
+    /// operation first reads one of them (forward, and backward where a gradient needs the
+    /// weights), and freed again once two later groups were used, or at the optimizer step. The
+    /// other parameters are trained as under ZeRO-2.
+    ///
+    /// Reading a sharded variable is a collective: every rank must run the same model code,
+    /// on the training thread. Outside [`Trainer::step`] (evaluation, export), call it on every
+    /// rank too, or gather the whole model first with [`Trainer::unshard`].
     pub fn with_zero3_groups(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> anyhow::Result<Trainer> {
         if opts.ddp.zero_stage != 3 || groups.is_empty() {
             anyhow::bail!(
@@ -259,7 +266,7 @@ impl Trainer {
         opts.check()?;
         if opts.ddp.zero_stage == 3 && groups.is_empty() {
             anyhow::bail!(
-                "ddp.zero_stage = 3 shards the parameter groups the model runs through Trainer::zero3: create the trainer with Trainer::with_zero3_groups(&varmap, &dist, opts, &[\"layers.0.\", ..])"
+                "ddp.zero_stage = 3 shards parameter groups named by prefix: create the trainer with Trainer::with_zero3_groups(&varmap, &dist, opts, &[\"layers.0.\", ..])"
             );
         }
         kolo_train::trainer::retain_freed_memory();
@@ -328,19 +335,21 @@ impl Trainer {
             None => kolo_optim::Placement::Memory,
         };
         let opt = Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)?;
-        let zero3 = (!plan.is_empty()).then(|| Arc::new(crate::zero3::Zero3::new(ddp.gatherer(), groups, &signature, &plan)));
-        let mut master = Buffer::zeros(if zero3.is_some() { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master")?;
-        place_master(zero.as_ref(), zero3.is_some(), &ddp, &flat, &mut master);
+        let sharded = !plan.is_empty();
+        let mut master = Buffer::zeros(if sharded { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master")?;
+        place_master(zero.as_ref(), sharded, &ddp, &flat, &mut master);
         drop(flat);
-        if zero3.is_some() {
-            // The groups live as shards from now on: no whole copy stays in the trainer or in
-            // the user's VarMap.
-            let mut vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+        let zero3 = if sharded {
+            // The groups live as shards from now on: the model's own variables are emptied and
+            // refilled on use; the trainer keeps no handle on their values.
+            let vars = plan.iter().map(|g| g.iter().map(|&i| (names[i].clone(), params.get(i).var.clone())).collect()).collect();
             for &i in plan.iter().flatten() {
-                vars.remove(&names[i]);
                 params.release(i)?;
             }
-        }
+            Some(crate::zero3::Zero3::new(ddp.gatherer(), groups, vars).map_err(|e| anyhow::anyhow!("rank {}: {e}", dist.rank()))?)
+        } else {
+            None
+        };
         let mut meta = BTreeMap::new();
         meta.insert("kolo.model".to_string(), model_fingerprint(&signature));
         meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optim.spec()));
@@ -390,7 +399,15 @@ impl Trainer {
         let local_step = kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps);
         let lr = self.lr();
         let t0 = *self.step_start.get_or_insert_with(Instant::now);
-        let loss = loss()?;
+        if let Some(z) = &self.zero3 {
+            z.take_error()?;
+            z.set_prefetch(true);
+        }
+        let loss = loss();
+        if let Some(z) = &self.zero3 {
+            z.take_error()?;
+        }
+        let loss = loss?;
         if loss.elem_count() != 1 || !loss.dtype().is_float() {
             anyhow::bail!(
                 "rank {rank}: the loss closure returned a {:?} tensor of shape {:?}; return a float scalar (for example `.mean_all()`)",
@@ -434,6 +451,9 @@ impl Trainer {
             })
         }
         .map_err(|e| failure.take().unwrap_or_else(|| e.into()))?;
+        if let Some(z) = &self.zero3 {
+            z.take_error()?;
+        }
         let backward_end = Instant::now();
         self.window_loss.0 += f64::from(value) / accum as f64;
         if !sync {
@@ -498,6 +518,11 @@ impl Trainer {
         )?;
         if applied {
             publish(&self.params, &self.model_vars, self.compute)?;
+        }
+        if let Some(z) = &self.zero3 {
+            // The shards changed: every gathered copy is stale.
+            z.set_prefetch(false);
+            z.release_all()?;
         }
         self.micro = 0;
         self.steps += 1;
@@ -634,12 +659,21 @@ impl Trainer {
         Ok(flat)
     }
 
-    /// ZeRO-3: the handle the model runs its sharded blocks through (see
-    /// [`Trainer::with_zero3_groups`]).
-    pub fn zero3(&self) -> anyhow::Result<Arc<crate::zero3::Zero3>> {
-        self.zero3
-            .clone()
-            .ok_or_else(|| anyhow::anyhow!("Trainer::zero3: this trainer has no ZeRO-3 groups (create it with Trainer::with_zero3_groups)"))
+    /// ZeRO-3: collective; gathers every sharded group into the model's variables and keeps
+    /// them whole until the next optimizer step (so the model can be read freely: an export
+    /// on rank 0, evaluation on some ranks, or use after the trainer is dropped). Nothing
+    /// under other stages.
+    pub fn unshard(&self) -> anyhow::Result<()> {
+        match &self.zero3 {
+            Some(z) => z.gather_all(),
+            None => Ok(()),
+        }
+    }
+
+    /// ZeRO-3: the group gathers done so far, and how many groups hold whole values now
+    /// (`(0, 0)` under other stages).
+    pub fn zero3_stats(&self) -> (u64, usize) {
+        self.zero3.as_ref().map_or((0, 0), |z| z.stats())
     }
 
     /// DDP's buckets: parameter indices (into [`Trainer::signature`]) per bucket, in the order
@@ -703,6 +737,9 @@ impl Trainer {
             s.restore(state);
         }
         place_master(self.zero.as_ref(), self.zero3.is_some(), &self.ddp, &flat, &mut self.master);
+        if let Some(z) = &self.zero3 {
+            z.release_all()?;
+        }
         self.steps = r.step;
         self.data_pos = r.pos;
         self.micro = 0;

@@ -1,21 +1,29 @@
-//! ZeRO-3 for a user's candle model: the parameter groups the user names (by name prefix, one
-//! per block) live only as shards spread over the ranks. A block's values exist whole only
-//! while [`Zero3::block`] computes with them: gathered before its forward and freed after it,
-//! gathered again for its backward, which recomputes the block (as an activation-checkpointed
-//! block does), and the block's gradient goes straight to the reduce-scatter.
+//! ZeRO-3 for an unchanged candle model, as torch's FSDP does it: the parameter groups the user
+//! names (by name prefix, one per block) live as shards spread over the ranks, and the model's
+//! own variables hold their whole values only while they are used.
 //!
-//! candle-nn's layers own their weight tensors, so a sharded block cannot be a layer the model
-//! keeps: the user's model runs the block as a function of its parameters instead (building
-//! candle-nn layers from them inside is cheap), and the [`crate::Trainer`] takes the group's
-//! variables out of the `VarMap`, so that no whole copy stays alive.
+//! Each sharded variable's storage is emptied and given a hook (the vendored candle-core's
+//! `Tensor::set_storage_hook`) that runs before any operation reads it, through the variable
+//! or any view of it. The hook gathers the variable's whole group into the variables' storage
+//! (one all-gather of the group's bucket), so candle-nn and candle-transformers layers that
+//! keep their weights compute with the right values without a line changed. Groups are freed
+//! again least recently used first, so at most [`KEEP`] groups are whole at once: a forward
+//! pass gathers each block as it reaches it, backward gathers it again when it needs the
+//! weights for a gradient (candle keeps the activations: there is no recomputation), and the
+//! optimizer step, which changes the shards, frees every group.
+//!
+//! Gathers are collectives: every rank must read the sharded variables in the same order,
+//! which holds when every rank runs the same model code on the training thread. A sharded
+//! variable read from another thread, or by one rank only, fails the gather at its deadline.
 
-use candle_core::{CpuStorage, CustomOp2, Device, Layout, Shape, Tensor, Var};
+use candle_core::{CpuStorage, Storage, Var};
 use kolo_base::ParamGather;
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-/// A block's computation: its parameters by their `VarMap` names, and the block's input.
-pub type BlockFn = dyn Fn(&BTreeMap<String, Tensor>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync;
+/// How many groups may be whole at once (the one in use and the one before it: a block's
+/// forward often reads the next block's first weight while the previous block's output is
+/// still being combined, as FSDP's default limit of two all-gathers in flight).
+pub const KEEP: usize = 2;
 
 /// The parameter indices (in the trainer's order of `names`) of each group: the parameters
 /// whose names start with the group's prefix. Every prefix must match, and no parameter may
@@ -38,155 +46,254 @@ pub fn plan_groups(names: &[String], prefixes: &[&str]) -> Result<Vec<Vec<usize>
     Ok(groups)
 }
 
-/// One sharded group: its prefix and its parameters' names and shapes, in packing order.
-#[derive(Clone, Debug)]
+/// The groups whose whole values to free when `current` has just been gathered: the least
+/// recently used resident groups beyond the `keep` most recent, `current` among those kept.
+/// `used[g]` is `None` for a group that is not whole, else when it was last read.
+pub fn plan_eviction(used: &[Option<u64>], current: usize, keep: usize) -> Vec<usize> {
+    let mut resident: Vec<(u64, usize)> =
+        used.iter().enumerate().filter(|&(g, u)| g != current && u.is_some()).map(|(g, u)| (u.unwrap_or(0), g)).collect();
+    resident.sort_unstable();
+    let n_free = (resident.len() + 1).saturating_sub(keep.max(1));
+    resident.into_iter().take(n_free).map(|(_, g)| g).collect()
+}
+
+/// One sharded group: its prefix, the model's variables in packing order, and which of them
+/// hold their whole values now.
 struct Group {
     prefix: String,
     names: Vec<String>,
-    shapes: Vec<Vec<usize>>,
+    vars: Vec<Var>,
+    whole: Vec<bool>,
+    /// When the group was last read (`None`: not whole).
+    used: Option<u64>,
 }
 
-/// The handle a model runs its sharded blocks through ([`crate::Trainer::zero3`]). Every rank
-/// must run the same blocks in the same order (each gather is a collective).
-pub struct Zero3 {
-    gather: Arc<dyn ParamGather>,
+struct State {
     groups: Vec<Group>,
-    /// A one-value variable every block also reads, so that candle records the block (and
-    /// calls its backward) even when its input tracks no gradient, as a model's first block's
-    /// input does. It never receives a gradient.
-    anchor: Var,
+    clock: u64,
+    /// The group gathered last (the direction of the pass: a larger group is forward).
+    last: Option<usize>,
+    /// Prefetch the neighbour of each gathered group (only inside a training step, whose update
+    /// completes the gathers left in flight before anything else uses the communicator).
+    prefetch: bool,
+    /// Every group stays whole until the next [`Zero3::release_all`] ([`crate::Trainer::unshard`]).
+    pinned: bool,
+    /// The first failed gather, reported by the trainer.
+    error: Option<String>,
+    /// Gathers done (prefetched or not), for tests and reports.
+    gathers: u64,
+}
+
+struct Inner {
+    gather: Arc<dyn ParamGather>,
+    state: Mutex<State>,
+}
+
+/// The sharded groups of a [`crate::Trainer`] under ZeRO-3.
+pub(crate) struct Zero3 {
+    inner: Arc<Inner>,
 }
 
 impl Zero3 {
-    pub(crate) fn new(gather: Arc<dyn ParamGather>, prefixes: &[&str], sig: &[(String, Vec<usize>)], plan: &[Vec<usize>]) -> Zero3 {
-        let groups = prefixes
-            .iter()
-            .zip(plan)
-            .map(|(p, ids)| Group {
-                prefix: p.to_string(),
-                names: ids.iter().map(|&i| sig[i].0.clone()).collect(),
-                shapes: ids.iter().map(|&i| sig[i].1.clone()).collect(),
-            })
-            .collect();
-        let anchor = Var::zeros(1, candle_core::DType::F32, &Device::Cpu).expect("a one-value CPU variable");
-        Zero3 { gather, groups, anchor }
-    }
-
-    /// The group prefixes, in the order given to the trainer (the forward order: a block's
-    /// forward prefetches the next group, its backward the previous one).
-    pub fn groups(&self) -> Vec<String> {
-        self.groups.iter().map(|g| g.prefix.clone()).collect()
-    }
-
-    /// Runs the block of group `prefix` on `x` (an f32 CPU tensor): `f` receives the group's
-    /// whole parameters by name. Collective. `f` runs again in backward, so it must compute
-    /// the same thing both times (no dropout of its own).
-    pub fn block(
-        &self,
-        prefix: &str,
-        x: &Tensor,
-        f: impl Fn(&BTreeMap<String, Tensor>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
-    ) -> candle_core::Result<Tensor> {
-        let Some(group) = self.groups.iter().position(|g| g.prefix == prefix) else {
-            candle_core::bail!("no ZeRO-3 group \"{prefix}\" (the trainer's groups: {:?})", self.groups())
-        };
-        if !x.device().is_cpu() || x.dtype() != candle_core::DType::F32 {
-            candle_core::bail!("ZeRO-3 block \"{prefix}\": the input must be an f32 CPU tensor, not {:?} on {:?}", x.dtype(), x.device())
+    /// Takes over the model's variables of each group (`groups[g]`: the names and variables of
+    /// group `g` in packing order, under `prefixes[g]`): their storage is freed and filled on
+    /// use.
+    pub(crate) fn new(gather: Arc<dyn ParamGather>, prefixes: &[&str], groups: Vec<Vec<(String, Var)>>) -> anyhow::Result<Zero3> {
+        let mut state = State { groups: Vec::new(), clock: 0, last: None, prefetch: false, pinned: false, error: None, gathers: 0 };
+        for (prefix, members) in prefixes.iter().zip(groups) {
+            for (name, v) in &members {
+                if !v.device().is_cpu() || v.dtype() != candle_core::DType::F32 || !v.is_contiguous() || v.layout().start_offset() != 0 {
+                    anyhow::bail!("ZeRO-3 group \"{prefix}\": parameter `{name}` is not a contiguous f32 CPU variable");
+                }
+            }
+            let n = members.len();
+            let (names, vars) = members.into_iter().unzip();
+            state.groups.push(Group { prefix: prefix.to_string(), names, vars, whole: vec![true; n], used: Some(0) });
         }
-        let op = BlockOp {
-            group,
-            info: self.groups[group].clone(),
-            gather: self.gather.clone(),
-            next: (group + 1 < self.groups.len()).then_some(group + 1),
-            prev: group.checked_sub(1),
-            f: Arc::new(f),
-        };
-        x.contiguous()?.apply_op2_arc(self.anchor.as_tensor(), Arc::new(Box::new(op)))
-    }
-}
-
-struct BlockOp {
-    group: usize,
-    info: Group,
-    gather: Arc<dyn ParamGather>,
-    next: Option<usize>,
-    prev: Option<usize>,
-    f: Arc<BlockFn>,
-}
-
-impl BlockOp {
-    /// The group's whole values, as variables by name (one copy out of the gathered buffer).
-    fn params(&self) -> candle_core::Result<BTreeMap<String, Var>> {
-        let full = self
-            .gather
-            .gather(self.group)
-            .map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of group \"{}\": {e}", self.info.prefix)))?;
-        let mut at = 0;
-        let mut out = BTreeMap::new();
-        for (name, shape) in self.info.names.iter().zip(&self.info.shapes) {
-            let n: usize = shape.iter().product();
-            out.insert(name.clone(), Var::from_slice(&full[at..at + n], shape.as_slice(), &Device::Cpu)?);
-            at += n;
-        }
-        Ok(out)
-    }
-}
-
-impl CustomOp2 for BlockOp {
-    fn name(&self) -> &'static str {
-        "kolo-user-zero3-block"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(v) = storage else { candle_core::bail!("ZeRO-3 block \"{}\": f32 inputs only", self.info.prefix) };
-        let (a, b) = layout.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg("ZeRO-3 block: strided input".into()))?;
-        let x = Tensor::from_slice(&v[a..b], layout.shape(), &Device::Cpu)?;
-        if let Some(g) = self.next {
-            self.gather.prefetch(g);
-        }
-        // The parameters as variables, as in the backward's recomputation: candle-nn's fused
-        // kernels (which run on untracked inputs) differ from its differentiable compositions
-        // in the last bits, and the recomputed forward must be this forward.
-        let params: BTreeMap<String, Tensor> = self.params()?.into_iter().map(|(k, v)| (k, v.as_tensor().clone())).collect();
-        let y = (self.f)(&params, &x)?.detach().to_dtype(candle_core::DType::F32)?.contiguous()?;
-        let shape = y.shape().clone();
-        Ok((CpuStorage::F32(y.flatten_all()?.to_vec1::<f32>()?), shape))
-    }
-
-    fn bwd(&self, x: &Tensor, _anchor: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let wants_x = x.track_op();
-        if let Some(g) = self.prev {
-            self.gather.prefetch(g);
-        }
-        // Recompute the block with its inputs and parameters as variables, then differentiate.
-        let x = Var::from_tensor(&x.detach())?;
-        let params = self.params()?;
-        let tensors: BTreeMap<String, Tensor> = params.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect();
-        let y = (self.f)(&tensors, x.as_tensor())?.to_dtype(candle_core::DType::F32)?;
-        let grads = (y * grad.detach())?.sum_all()?.backward()?;
-        let mut packed = Vec::with_capacity(self.info.shapes.iter().map(|s| s.iter().product::<usize>()).sum());
-        for name in &self.info.names {
-            let v = &params[name];
-            match grads.get(v.as_tensor()) {
-                Some(g) => packed.extend(g.flatten_all()?.to_vec1::<f32>()?),
-                None => packed.extend(std::iter::repeat_n(0f32, v.elem_count())),
+        let inner = Arc::new(Inner { gather, state: Mutex::new(state) });
+        let z = Zero3 { inner };
+        let st = z.inner.lock();
+        for (g, group) in st.groups.iter().enumerate() {
+            for (v, var) in group.vars.iter().enumerate() {
+                let weak = Arc::downgrade(&z.inner);
+                var.set_storage_hook(Some(Arc::new(move || {
+                    if let Some(inner) = weak.upgrade() {
+                        inner.ensure(g, v)
+                    }
+                })));
             }
         }
-        drop(tensors);
-        drop(params);
-        self.gather.group_grad_ready(self.group, &packed);
-        let gx = match grads.get(x.as_tensor()) {
-            Some(g) if wants_x => Some(g.clone()),
-            None if wants_x => Some(x.as_tensor().zeros_like()?),
-            _ => None,
-        };
-        Ok((gx, None))
+        drop(st);
+        z.release_all()?;
+        Ok(z)
     }
+
+    /// Frees every group's whole values (after the optimizer step changed the shards, or a
+    /// resume). Nothing may be reading a sharded variable.
+    pub(crate) fn release_all(&self) -> anyhow::Result<()> {
+        let mut st = self.inner.lock();
+        for g in 0..st.groups.len() {
+            if !release(&mut st.groups[g]) {
+                anyhow::bail!("ZeRO-3 group \"{}\": a variable is still being read and cannot be freed", st.groups[g].prefix);
+            }
+        }
+        st.last = None;
+        st.pinned = false;
+        Ok(())
+    }
+
+    /// Gathers every group and keeps them all whole until [`Zero3::release_all`]. Collective.
+    pub(crate) fn gather_all(&self) -> anyhow::Result<()> {
+        let n = {
+            let mut st = self.inner.lock();
+            st.pinned = true;
+            st.groups.len()
+        };
+        for g in 0..n {
+            let n_vars = self.inner.lock().groups[g].vars.len();
+            for v in 0..n_vars {
+                self.inner.ensure(g, v);
+            }
+        }
+        self.take_error()
+    }
+
+    /// Whether gathers may prefetch the next group (inside a training step).
+    pub(crate) fn set_prefetch(&self, on: bool) {
+        self.inner.lock().prefetch = on;
+    }
+
+    /// The first gather that failed since the last call (a hook cannot fail the operation
+    /// that triggered it; its variables were filled with NaN instead).
+    pub(crate) fn take_error(&self) -> anyhow::Result<()> {
+        match self.inner.lock().error.take() {
+            Some(e) => Err(anyhow::anyhow!(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Gathers done so far, and how many groups are whole now.
+    pub(crate) fn stats(&self) -> (u64, usize) {
+        let st = self.inner.lock();
+        (st.gathers, st.groups.iter().filter(|g| g.used.is_some()).count())
+    }
+}
+
+impl Drop for Zero3 {
+    fn drop(&mut self) {
+        // Whole variables keep their values and lose their hooks. An empty one can no longer be
+        // gathered: should the model read it, its hook says so once and fills it with NaN (an
+        // empty storage must never be read: candle's kernels index it unchecked).
+        for g in &self.inner.lock().groups {
+            for ((name, v), whole) in g.names.iter().zip(&g.vars).zip(&g.whole) {
+                if *whole {
+                    v.set_storage_hook(None);
+                    continue;
+                }
+                let (name, var) = (name.clone(), v.clone());
+                v.set_storage_hook(Some(Arc::new(move || {
+                    kolo_base::eline!(
+                        "kolo: ZeRO-3 parameter `{name}` was read after its Trainer was dropped; its values lived as shards and are gone, so it reads as NaN (call Trainer::unshard before dropping the trainer)"
+                    );
+                    let nan = vec![f32::NAN; var.elem_count()];
+                    if var.replace_storage(Storage::Cpu(CpuStorage::F32(nan))).is_ok() {
+                        var.set_storage_hook(None);
+                    }
+                })));
+            }
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The storage hook of variable `v` of group `g`: gathers the group if that variable is
+    /// not whole, prefetches the neighbour in the pass's direction, and frees the groups
+    /// beyond [`KEEP`].
+    fn ensure(&self, g: usize, v: usize) {
+        let mut st = self.lock();
+        st.clock += 1;
+        let now = st.clock;
+        if st.groups[g].whole[v] {
+            st.groups[g].used = Some(now);
+            return;
+        }
+        let forward = st.last.is_none_or(|l| g >= l);
+        st.last = Some(g);
+        st.gathers += 1;
+        let got = self.gather.gather(g);
+        let group = &mut st.groups[g];
+        let failure = fill(group, got.as_deref().map_err(String::clone));
+        if let Err(e) = failure {
+            let e = format!("ZeRO-3 gather of group \"{}\": {e}", group.prefix);
+            st.error.get_or_insert(e);
+        }
+        st.groups[g].used = Some(now);
+        if st.prefetch && st.error.is_none() {
+            let next = if forward { g + 1 } else { g.wrapping_sub(1) };
+            if next < st.groups.len() && st.groups[next].used.is_none() {
+                self.gather.prefetch(next);
+            }
+        }
+        if !st.pinned {
+            let used: Vec<Option<u64>> = st.groups.iter().map(|g| g.used).collect();
+            for victim in plan_eviction(&used, g, KEEP) {
+                // A variable still being read (an operation holding it while it reads another
+                // group's) stays whole: it holds the right values until the next update.
+                release(&mut st.groups[victim]);
+            }
+        }
+    }
+}
+
+/// Fills the group's variables that are not whole from `full` (the group's packed values), or
+/// with NaN when the gather failed (the operation that triggered it must read something; the
+/// trainer reports the error before any update).
+fn fill(group: &mut Group, full: Result<&[f32], String>) -> Result<(), String> {
+    let total: usize = group.vars.iter().map(|v| v.elem_count()).sum();
+    let (values, failure) = match full {
+        Ok(f) if f.len() == total => (Some(f), Ok(())),
+        Ok(f) => (None, Err(format!("{} values gathered for {total}", f.len()))),
+        Err(e) => (None, Err(e)),
+    };
+    let mut at = 0;
+    for (var, whole) in group.vars.iter().zip(group.whole.iter_mut()) {
+        let n = var.elem_count();
+        if !*whole {
+            let v = values.map_or_else(|| vec![f32::NAN; n], |f| f[at..at + n].to_vec());
+            if let Err(e) = var.replace_storage(Storage::Cpu(CpuStorage::F32(v))) {
+                return Err(e.to_string());
+            }
+            *whole = true;
+        }
+        at += n;
+    }
+    failure
+}
+
+/// Frees the group's whole values; `false` if a variable was being read (it stays whole).
+fn release(group: &mut Group) -> bool {
+    let mut all = true;
+    for (var, whole) in group.vars.iter().zip(group.whole.iter_mut()) {
+        if *whole {
+            match var.try_release_storage() {
+                Ok(true) => *whole = false,
+                _ => all = false,
+            }
+        }
+    }
+    if all {
+        group.used = None;
+    }
+    all
 }
 
 #[cfg(test)]
 mod tests {
-    use super::plan_groups;
+    use super::{plan_eviction, plan_groups};
 
     #[test]
     fn groups_are_the_parameters_under_each_prefix() {
@@ -201,5 +308,19 @@ mod tests {
         assert!(e.contains("\"h.2.\" matches no parameter"), "{e}");
         let e = plan_groups(&names, &["h.1", "h.10."]).unwrap_err();
         assert!(e.contains("`h.10.fc.weight` is in ZeRO-3 groups \"h.1\" and \"h.10.\""), "{e}");
+    }
+
+    #[test]
+    fn the_least_recently_used_groups_beyond_keep_are_freed() {
+        // Groups 0, 2 and 3 whole (3 most recent), 1 just gathered.
+        let used = [Some(5), None, Some(7), Some(9)];
+        assert_eq!(plan_eviction(&used, 1, 2), vec![0, 2]);
+        assert_eq!(plan_eviction(&used, 1, 3), vec![0]);
+        assert_eq!(plan_eviction(&used, 1, 4), Vec::<usize>::new());
+        // keep 0 or 1: only the current group stays.
+        assert_eq!(plan_eviction(&used, 1, 0), vec![0, 2, 3]);
+        assert_eq!(plan_eviction(&[None, None], 0, 2), Vec::<usize>::new());
+        // The current group's own entry never counts against it.
+        assert_eq!(plan_eviction(&[Some(1), Some(2)], 0, 1), vec![1]);
     }
 }

@@ -2759,26 +2759,41 @@ impl Tensor {
 
     /// Acquire read lock on storage and returns guard.
     /// `read_recursive` allows for shared read access.
+    /// (Kolo: every accessor runs the storage's hook first, see `storage_hook.rs`.)
     pub(crate) fn storage(&self) -> StorageRef<'_> {
+        crate::storage_hook::before_access(self.storage_key());
         self.storage.read_recursive()
     }
 
     /// Acquire write lock on storage and returns guard.
     pub(crate) fn storage_mut(&self) -> StorageMutRef<'_> {
+        crate::storage_hook::before_access(self.storage_key());
         self.storage.write()
     }
 
     // If we extend the visibility of this function to be usable outside of this crate, we should
     // make it unsafe.
     pub(crate) fn storage_mut_and_layout(&self) -> (StorageMutRef<'_>, &Layout) {
+        crate::storage_hook::before_access(self.storage_key());
         let storage = self.storage.write();
         (storage, &self.layout)
     }
 
     /// The storage used by this tensor, together with the layout to use to access it safely.
     pub fn storage_and_layout(&self) -> (StorageRef<'_>, &Layout) {
+        crate::storage_hook::before_access(self.storage_key());
         let storage = self.storage.read();
         (storage, &self.layout)
+    }
+
+    /// Kolo: the write guard without the storage's hook (`storage_hook.rs`).
+    pub(crate) fn storage_mut_unhooked(&self) -> StorageMutRef<'_> {
+        self.storage.write()
+    }
+
+    /// Kolo: the write guard without the storage's hook, unless the storage is in use.
+    pub(crate) fn try_storage_mut_unhooked(&self) -> Option<StorageMutRef<'_>> {
+        self.storage.try_write()
     }
 
     /// Unique key for this tensor's storage. Equal keys mean the tensors share the same allocation.
