@@ -34,9 +34,37 @@ pub enum OptimizerSpec {
     },
 }
 
+/// The hyperparameters a parameter group sets for its elements (torch's `param_groups`):
+/// its weight decay, and a factor on the learning rate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Hyper {
+    pub weight_decay: f32,
+    pub lr_scale: f32,
+}
+
 impl OptimizerSpec {
     pub fn adamw(weight_decay: f32) -> OptimizerSpec {
         OptimizerSpec::Adam { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay, decoupled: true }
+    }
+
+    /// The weight decay of this spec.
+    pub fn weight_decay(&self) -> f32 {
+        match *self {
+            OptimizerSpec::Sgd { weight_decay, .. }
+            | OptimizerSpec::Adam { weight_decay, .. }
+            | OptimizerSpec::Adagrad { weight_decay, .. } => weight_decay,
+        }
+    }
+
+    /// This spec with another weight decay.
+    pub fn with_weight_decay(&self, wd: f32) -> OptimizerSpec {
+        let mut s = self.clone();
+        match &mut s {
+            OptimizerSpec::Sgd { weight_decay, .. }
+            | OptimizerSpec::Adam { weight_decay, .. }
+            | OptimizerSpec::Adagrad { weight_decay, .. } => *weight_decay = wd,
+        }
+        s
     }
 
     /// Names of the per-element state buffers this optimizer keeps.
@@ -57,19 +85,46 @@ pub struct Optimizer {
     /// Steps taken so far.
     steps: u64,
     state: Vec<Buffer>,
+    /// Parameter groups: consecutive ranges of the optimizer's elements, in order, tiling them
+    /// all, each with its hyperparameters (empty: the spec's for every element).
+    spans: Vec<(std::ops::Range<usize>, Hyper)>,
 }
 
 impl Optimizer {
     pub fn new(spec: OptimizerSpec, n: usize) -> Optimizer {
         let state = spec.state_names().iter().map(|_| Buffer::Ram(vec![0f32; n])).collect();
-        Optimizer { spec, steps: 0, state }
+        Optimizer { spec, steps: 0, state, spans: Vec::new() }
     }
 
     /// An optimizer whose state lives at `place` (offloaded to files with [`Placement::Disk`]:
     /// each [`Optimizer::update`] pages in the piece it needs and releases it afterwards).
     pub fn with_placement(spec: OptimizerSpec, n: usize, place: &Placement) -> std::io::Result<Optimizer> {
         let state = spec.state_names().iter().map(|name| Buffer::zeros(n, place, name)).collect::<std::io::Result<_>>()?;
-        Ok(Optimizer { spec, steps: 0, state })
+        Ok(Optimizer { spec, steps: 0, state, spans: Vec::new() })
+    }
+
+    /// Gives ranges of the optimizer's `n` elements their own hyperparameters (parameter
+    /// groups): `spans` must be consecutive, start at 0 and end at `n`. Adjacent spans with the
+    /// same hyperparameters are merged.
+    pub fn set_groups(&mut self, n: usize, spans: Vec<(std::ops::Range<usize>, Hyper)>) -> Result<(), String> {
+        let mut at = 0;
+        let mut merged: Vec<(std::ops::Range<usize>, Hyper)> = Vec::with_capacity(spans.len());
+        for (r, h) in spans {
+            if r.start != at || r.end < r.start {
+                return Err(format!("parameter group span {r:?} does not continue at element {at}"));
+            }
+            at = r.end;
+            match merged.last_mut() {
+                Some((last, lh)) if *lh == h => last.end = r.end,
+                _ if r.is_empty() => {}
+                _ => merged.push((r, h)),
+            }
+        }
+        if at != n {
+            return Err(format!("parameter group spans cover {at} of {n} elements"));
+        }
+        self.spans = merged;
+        Ok(())
     }
 
     /// Whether the state is offloaded to files.
@@ -128,7 +183,18 @@ impl Optimizer {
         let n = params.len();
         let t = self.steps.max(1) as i32;
         let mut state: Vec<&mut [f32]> = self.state.iter_mut().map(|v| &mut v.as_mut_slice()[offset..offset + n]).collect();
-        Self::apply(&self.spec, t, &mut state, params, grads, lr);
+        if self.spans.is_empty() {
+            Self::apply(&self.spec, t, &mut state, params, grads, lr);
+        } else {
+            // Each parameter group's part of the range with its own decay and learning rate.
+            let first = self.spans.partition_point(|(r, _)| r.end <= offset);
+            for (r, h) in self.spans[first..].iter().take_while(|(r, _)| r.start < offset + n) {
+                let a = r.start.max(offset) - offset;
+                let b = r.end.min(offset + n) - offset;
+                let mut part: Vec<&mut [f32]> = state.iter_mut().map(|s| &mut s[a..b]).collect();
+                Self::apply(&self.spec.with_weight_decay(h.weight_decay), t, &mut part, &mut params[a..b], &grads[a..b], lr * h.lr_scale);
+            }
+        }
         drop(state);
         for b in &mut self.state {
             b.release(offset..offset + n);

@@ -104,3 +104,46 @@ fn piecewise_update_equals_whole_step() {
         assert_eq!(whole.state(), parts.state());
     }
 }
+
+/// Parameter groups: an optimizer whose spans give three ranges their own weight decay and
+/// learning-rate factor equals three optimizers, one per range with those settings, whatever
+/// pieces the update comes in (pieces that cross span boundaries included), for every rule.
+#[test]
+fn parameter_groups_equal_one_optimizer_per_group() {
+    use crate::{Hyper, Optimizer, OptimizerSpec};
+    let specs = [
+        OptimizerSpec::Sgd { momentum: 0.9, nesterov: true, weight_decay: 0.3 },
+        OptimizerSpec::adamw(0.3),
+        OptimizerSpec::Adam { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.3, decoupled: false },
+        OptimizerSpec::Adagrad { eps: 1e-10, weight_decay: 0.3, lr_decay: 0.01 },
+    ];
+    let groups = [
+        (0..7, Hyper { weight_decay: 0.0, lr_scale: 1.0 }),
+        (7..8, Hyper { weight_decay: 0.3, lr_scale: 2.0 }),
+        (8..23, Hyper { weight_decay: 0.1, lr_scale: 0.5 }),
+    ];
+    for spec in specs {
+        let n = 23;
+        let mut grouped = Optimizer::new(spec.clone(), n);
+        grouped.set_groups(n, groups.to_vec()).unwrap();
+        let mut alone: Vec<Optimizer> =
+            groups.iter().map(|(r, h)| Optimizer::new(spec.with_weight_decay(h.weight_decay), r.len())).collect();
+        let mut p1: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let (mut p2, start) = (p1.clone(), p1.clone());
+        for step in 0..4 {
+            let g: Vec<f32> = (0..n).map(|i| ((i + step) as f32 * 0.91).cos()).collect();
+            grouped.begin_step();
+            for r in [10..23, 0..3, 3..10] {
+                grouped.update(r.start, &mut p1[r.clone()], &g[r], 0.05);
+            }
+            for ((r, h), o) in groups.iter().zip(&mut alone) {
+                o.step(&mut p2[r.clone()], &g[r.clone()], 0.05 * h.lr_scale);
+            }
+        }
+        assert_eq!(p1, p2, "{spec:?}");
+        assert!(p1.iter().zip(&start).all(|(a, b)| a != b), "{spec:?}: an element did not move");
+    }
+    let mut o = Optimizer::new(OptimizerSpec::adamw(0.1), 5);
+    assert!(o.set_groups(5, vec![(0..2, groups[0].1), (3..5, groups[0].1)]).unwrap_err().contains("does not continue at element 2"));
+    assert!(o.set_groups(5, vec![(0..4, groups[0].1)]).unwrap_err().contains("cover 4 of 5"));
+}

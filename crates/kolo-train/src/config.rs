@@ -274,8 +274,18 @@ pub struct OptimConfig {
     pub kind: OptimKind,
     /// Base learning rate (default 1e-3).
     pub lr: f32,
-    /// L2 (sgd, adam, adagrad) or decoupled (adamw) weight decay (default 0).
+    /// L2 (sgd, adam, adagrad) or decoupled (adamw) weight decay (default 0), for parameters
+    /// of two or more dimensions and those of `groups` that do not set their own.
     pub weight_decay: f32,
+    /// Decay parameters of fewer than two dimensions (biases, norm scales) too (default false:
+    /// they are not decayed, as nanoGPT, Hugging Face's Trainer and Megatron leave them).
+    pub decay_1d: bool,
+    /// Parameter groups, as torch's `param_groups`: `groups = [{ match = ["embed"],
+    /// weight_decay = 0.0, lr_scale = 0.5 }]`. A parameter belongs to the first group with a
+    /// `match` string contained in its name; the others follow `weight_decay` and `decay_1d`.
+    /// Under DDP and ZeRO (the library's `Trainer` and `kolo train`), scheduled DDP and tensor
+    /// parallelism; other strategies refuse groups.
+    pub groups: Vec<ParamGroupConfig>,
     /// sgd: momentum (default 0).
     pub momentum: f32,
     /// sgd: Nesterov momentum (default false).
@@ -307,6 +317,8 @@ impl Default for OptimConfig {
             kind: OptimKind::Adamw,
             lr: 1e-3,
             weight_decay: 0.0,
+            decay_1d: false,
+            groups: Vec::new(),
             momentum: 0.0,
             nesterov: false,
             beta1: 0.9,
@@ -322,6 +334,25 @@ impl Default for OptimConfig {
             offload_dir: None,
         }
     }
+}
+
+/// One entry of `[optim] groups`.
+#[derive(Deserialize, Serialize, Debug, Clone, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ParamGroupConfig {
+    /// Strings a parameter's name contains to belong to the group (at least one).
+    #[serde(rename = "match")]
+    pub patterns: Vec<String>,
+    /// The group's weight decay (default `optim.weight_decay`, for vectors too).
+    #[serde(default)]
+    pub weight_decay: Option<f32>,
+    /// A factor on the learning rate (default 1).
+    #[serde(default = "unit_scale")]
+    pub lr_scale: f32,
+}
+
+fn unit_scale() -> f32 {
+    1.0
 }
 
 #[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -1023,6 +1054,20 @@ impl Config {
 
     /// What the loops not on the driver lack (refused, never ignored), and skip_sync under ZeRO.
     fn validate_loops(&self) -> Result<(), String> {
+        for (i, g) in self.optim.groups.iter().enumerate() {
+            let bad_wd = g.weight_decay.is_some_and(|w| !(w.is_finite() && w >= 0.0));
+            if g.patterns.is_empty() || g.patterns.iter().any(String::is_empty) || bad_wd || !(g.lr_scale.is_finite() && g.lr_scale >= 0.0)
+            {
+                return Err(format!(
+                    "optim.groups[{i}]: match needs at least one non-empty string; weight_decay and lr_scale are finite and >= 0"
+                ));
+            }
+        }
+        let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
+        let grouped = self.train.strategy == Strategy::Ddp && self.pipeline.is_none() && m.sp == 1 && m.ep == 1 && self.fed.is_none();
+        if !grouped && crate::param_groups::non_uniform(&self.optim) {
+            return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP or tensor parallelism: pipelines, sequence and expert parallelism, parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
+        }
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());
         }

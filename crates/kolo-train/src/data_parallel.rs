@@ -132,6 +132,8 @@ impl<'a> DataParallel<'a> {
         };
         let mut opt =
             Optimizer::with_placement(cfg.optimizer(), zero.as_ref().map_or(flat.len(), |z| z.len), &place).map_err(offload_err)?;
+        crate::param_groups::apply(&mut opt, &model.params().signature(), ddp.ranges(), zero.as_ref(), &cfg.optim)
+            .map_err(TrainError::Config)?;
         let meta = checkpoint_meta(cfg, &spec, world, sharding.stage());
         // Resume: every rank reads the same file, so every rank continues identically.
         let start = match resume {

@@ -19,6 +19,7 @@ pub mod update;
 
 pub use config::Config;
 pub mod metrics;
+pub mod param_groups;
 pub mod pipedream_2bw;
 pub mod pipeline;
 pub mod plot;

@@ -276,6 +276,7 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     let numel = flat.len();
     let mut opt = optimizer_for(cfg, numel)?;
     let ranges: Vec<Range<usize>> = model.params().iter().map(|p| p.range.clone()).collect();
+    crate::param_groups::apply(&mut opt, &model.params().signature(), &ranges, None, &cfg.optim).map_err(TrainError::Config)?;
     let meta = checkpoint_meta(cfg, &spec, world, 0);
     // Same start everywhere: rank 0's values, as plain DDP, or the checkpoint every rank reads.
     let start = match resume {

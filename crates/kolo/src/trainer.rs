@@ -334,7 +334,9 @@ impl Trainer {
             Some(d) => kolo_optim::Placement::Disk(d.into()),
             None => kolo_optim::Placement::Memory,
         };
-        let opt = Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)?;
+        let mut opt = Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)?;
+        kolo_train::param_groups::apply(&mut opt, &signature, ddp.ranges(), zero.as_ref(), &opts.optim)
+            .map_err(|e| anyhow::anyhow!("rank {}: {e}", dist.rank()))?;
         let sharded = !plan.is_empty();
         let mut master = Buffer::zeros(if sharded { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master")?;
         place_master(zero.as_ref(), sharded, &ddp, &flat, &mut master);
