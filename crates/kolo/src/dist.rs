@@ -2,7 +2,7 @@
 //! torchrun, Slurm or mpirun set (or a world of one when nothing is set).
 
 use kolo_collectives::{bootstrap, Bootstrapped, HostComm, HostCommConfig};
-use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -89,6 +89,44 @@ impl Dist {
         self.comm.all_reduce(BufMut::from(&mut b[..]), ReduceOp::Sum)?;
         Ok(b[0] / self.world_size() as f64)
     }
+
+    /// Collective: every rank's `t` concatenated along the first dimension in rank order (as
+    /// torch's `all_gather` followed by `cat`, or accelerate's `gather_for_metrics` without its
+    /// de-duplication): predictions and labels of an evaluation split over the ranks. Ranks may
+    /// hold different numbers of rows (a last, shorter batch); the other dimensions and the
+    /// dtype must agree. A scalar counts as one row. The result is on `t`'s device.
+    pub fn all_gather(&self, t: &candle_core::Tensor) -> anyhow::Result<candle_core::Tensor> {
+        let t = if t.rank() == 0 { t.reshape(1)? } else { t.clone() };
+        let (rows, rest) = (t.dim(0)?, t.dims()[1..].to_vec());
+        let (bytes, row_bytes) = (tensor_bytes(&t.flatten_all()?)?, t.dtype().size_in_bytes() * rest.iter().product::<usize>());
+        // Every rank's row count, dtype and row shape first: a mismatch fails every rank alike.
+        let (n, rank) = (self.world_size(), self.rank());
+        let mine = [rows as i64, dtype_code(t.dtype()), shape_code(&rest)];
+        let mut all = vec![0i64; 3 * n];
+        self.comm.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut all[..]))?;
+        for (r, d) in all.chunks(3).enumerate() {
+            if d[1] != mine[1] || d[2] != mine[2] {
+                anyhow::bail!(
+                    "rank {rank}: all_gather of a {:?} tensor with rows of shape {rest:?}, but rank {r} holds another dtype or row shape",
+                    t.dtype()
+                );
+            }
+        }
+        let max = all.chunks(3).map(|d| d[0] as usize).max().unwrap_or(0);
+        let mut padded = bytes;
+        padded.resize(max * row_bytes, 0);
+        let mut out = vec![0u8; n * max * row_bytes];
+        self.comm.all_gather(BufRef::from(&padded[..]), BufMut::from(&mut out[..]))?;
+        let mut joined = Vec::with_capacity(out.len());
+        for (r, d) in all.chunks(3).enumerate() {
+            let at = r * max * row_bytes;
+            joined.extend_from_slice(&out[at..at + d[0] as usize * row_bytes]);
+        }
+        let total: usize = all.chunks(3).map(|d| d[0] as usize).sum();
+        let mut shape = vec![total];
+        shape.extend(rest);
+        Ok(candle_core::Tensor::from_raw_buffer(&joined, t.dtype(), &shape, t.device())?)
+    }
 }
 
 /// Joins the job this process was started in, as [`init_with`] with the defaults: MPI when
@@ -161,4 +199,33 @@ fn dump_on_sigusr1(comm: Weak<HostComm>) {
             eprint!("{}", c.flight_record());
         }
     });
+}
+
+/// A contiguous CPU copy of `t`'s values as bytes (little-endian, as candle stores them).
+fn tensor_bytes(t: &candle_core::Tensor) -> anyhow::Result<Vec<u8>> {
+    use candle_core::DType;
+    let t = t.to_device(&candle_core::Device::Cpu)?;
+    fn le<T: Copy>(v: Vec<T>, f: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
+        v.into_iter().flat_map(f).collect()
+    }
+    Ok(match t.dtype() {
+        DType::U8 => t.to_vec1::<u8>()?,
+        DType::U32 => le(t.to_vec1::<u32>()?, |x| x.to_le_bytes().to_vec()),
+        DType::I64 => le(t.to_vec1::<i64>()?, |x| x.to_le_bytes().to_vec()),
+        DType::F32 => le(t.to_vec1::<f32>()?, |x| x.to_le_bytes().to_vec()),
+        DType::F64 => le(t.to_vec1::<f64>()?, |x| x.to_le_bytes().to_vec()),
+        DType::BF16 => le(t.to_vec1::<half::bf16>()?, |x| x.to_le_bytes().to_vec()),
+        DType::F16 => le(t.to_vec1::<half::f16>()?, |x| x.to_le_bytes().to_vec()),
+        d => anyhow::bail!("all_gather: tensors of {d:?} are not supported (u8, u32, i64, f16, bf16, f32, f64)"),
+    })
+}
+
+/// A number for each dtype (compared across ranks).
+fn dtype_code(d: candle_core::DType) -> i64 {
+    d.as_str().bytes().fold(0i64, |h, b| h.wrapping_mul(131).wrapping_add(i64::from(b)))
+}
+
+/// A number for a row shape (compared across ranks).
+fn shape_code(dims: &[usize]) -> i64 {
+    dims.iter().fold(dims.len() as i64, |h, &d| h.wrapping_mul(1_000_003).wrapping_add(d as i64))
 }

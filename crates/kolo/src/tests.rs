@@ -406,6 +406,38 @@ fn accumulation_equals_the_whole_batch() {
     assert_eq!(accum.steps_done(), 3);
 }
 
+/// `backward` and `update` as separate calls (torch's `loss.backward()` and
+/// `optimizer.step()`) train bitwise as the closure form, with accumulation and clipping; an
+/// update before the accumulation is complete, or one backward too many, is refused by name.
+#[test]
+fn split_backward_and_update_equal_the_closure_form() {
+    let dist = world_of_one();
+    let o = "[optim]\nkind = \"adamw\"\nlr = 0.01\nclip_grad_norm = 0.5\n[train]\ngrad_accum = 2\n";
+    let (a, b) = (small(), small());
+    let mut closure = Trainer::new(&a.varmap, &dist, opts(o)).unwrap();
+    let mut split = Trainer::new(&b.varmap, &dist, opts(o)).unwrap();
+    for s in 0..3 {
+        let (x, y) = batch(8, s);
+        let (x1, y1, x2, y2) =
+            (x.narrow(0, 0, 4).unwrap(), y.narrow(0, 0, 4).unwrap(), x.narrow(0, 4, 4).unwrap(), y.narrow(0, 4, 4).unwrap());
+        closure.step(|| a.loss(&x1, &y1)).unwrap();
+        let want = closure.step(|| a.loss(&x2, &y2)).unwrap();
+        split.backward(&b.loss(&x1, &y1).unwrap()).unwrap();
+        if s == 0 {
+            let e = split.update().unwrap_err().to_string();
+            assert!(e.contains("update after 1 of train.grad_accum = 2 backward calls"), "{e}");
+        }
+        split.backward(&b.loss(&x2, &y2).unwrap()).unwrap();
+        if s == 0 {
+            let e = split.backward(&b.loss(&x2, &y2).unwrap()).unwrap_err().to_string();
+            assert!(e.contains("call Trainer::update first"), "{e}");
+        }
+        let got = split.update().unwrap();
+        assert_eq!((got.loss, got.stepped, got.grad_norm), (want.loss, true, want.grad_norm));
+    }
+    assert_eq!(closure.flat_params().unwrap(), split.flat_params().unwrap());
+}
+
 /// Stopping after 3 AdamW steps with clipping, saving, and resuming into a fresh model gives
 /// bitwise the run that never stopped (the optimizer state and step count are restored).
 #[test]

@@ -200,6 +200,9 @@ pub struct Trainer {
     report: Option<Reporter>,
     /// When the current optimizer step's first micro-step began.
     step_start: Option<Instant>,
+    /// When the last backward ended, and its loss.
+    backward_end: Option<Instant>,
+    last_loss: f32,
     /// This rank's loss summed over the optimizer steps of the current log window (each the
     /// mean of its micro-steps), and how many.
     window_loss: (f64, u64),
@@ -382,6 +385,8 @@ impl Trainer {
             data_pos: Position::default(),
             report,
             step_start: None,
+            backward_end: None,
+            last_loss: 0.0,
             window_loss: (0.0, 0),
             timeline: opts.train.timeline_dir.as_ref().map(|_| Timeline::new(dist.rank())),
             saving: None,
@@ -389,18 +394,11 @@ impl Trainer {
         })
     }
 
-    /// One micro-step: runs `loss` (the forward pass; it must return a scalar), backward with
-    /// the gradients going to DDP's buckets as they become final, and, on the last micro-step
-    /// of an accumulation, the optimizer step (clipping to `optim.clip_grad_norm` first).
-    /// Collective on the micro-steps that step.
+    /// One micro-step in one call: runs `loss` (the forward pass; it must return a scalar),
+    /// then [`Trainer::backward`] on it, and on the micro-step that completes an accumulation
+    /// [`Trainer::update`]. Collective on the micro-steps that step.
     pub fn step(&mut self, loss: impl FnOnce() -> candle_core::Result<Tensor>) -> anyhow::Result<StepOutput> {
-        let rank = self.comm.rank().get();
-        let accum = self.opts.train.grad_accum.max(1);
-        let sync = self.micro + 1 >= accum;
-        // Local SGD: past its warm-up no gradient is exchanged; the models are averaged.
-        let local_step = kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps);
-        let lr = self.lr();
-        let t0 = *self.step_start.get_or_insert_with(Instant::now);
+        self.step_start.get_or_insert_with(Instant::now);
         if let Some(z) = &self.zero3 {
             z.take_error()?;
             z.set_prefetch(true);
@@ -409,10 +407,38 @@ impl Trainer {
         if let Some(z) = &self.zero3 {
             z.take_error()?;
         }
-        let loss = loss?;
+        let value = self.backward(&loss?)?;
+        if self.micro < self.opts.train.grad_accum.max(1) {
+            return Ok(StepOutput { loss: value, stepped: false, lr: self.lr(), grad_norm: None, comm: None, skipped: false });
+        }
+        self.update()
+    }
+
+    /// Backward of one micro-step's loss (a float scalar), as torch's `loss.backward()` under
+    /// DDP: the gradients go to DDP's buckets as they become final on the micro-step that
+    /// completes an accumulation (collective: they are reduced while backward runs), and are
+    /// accumulated locally on the others. Returns the loss value. After `train.grad_accum`
+    /// calls, call [`Trainer::update`].
+    pub fn backward(&mut self, loss: &Tensor) -> anyhow::Result<f32> {
+        let rank = self.comm.rank().get();
+        let accum = self.opts.train.grad_accum.max(1);
+        if self.micro >= accum {
+            anyhow::bail!(
+                "rank {rank}: backward called again after {} micro-steps with train.grad_accum = {accum}: call Trainer::update first",
+                self.micro
+            );
+        }
+        let sync = self.micro + 1 == accum;
+        // Local SGD: past its warm-up no gradient is exchanged; the models are averaged.
+        let local_step = kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps);
+        self.step_start.get_or_insert_with(Instant::now);
+        if let Some(z) = &self.zero3 {
+            z.take_error()?;
+            z.set_prefetch(true);
+        }
         if loss.elem_count() != 1 || !loss.dtype().is_float() {
             anyhow::bail!(
-                "rank {rank}: the loss closure returned a {:?} tensor of shape {:?}; return a float scalar (for example `.mean_all()`)",
+                "rank {rank}: the loss is a {:?} tensor of shape {:?}; backward needs a float scalar (for example `.mean_all()`)",
                 loss.dtype(),
                 loss.dims()
             );
@@ -420,7 +446,7 @@ impl Trainer {
         let value = loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
         // f16: backward runs on the loss times the loss scale; the update divides it out.
         let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accum as f64;
-        let scaled = if factor != 1.0 { (loss * factor)? } else { loss };
+        let scaled = if factor != 1.0 { (loss * factor)? } else { loss.clone() };
         let mut failure: Option<anyhow::Error> = None;
         let ids = &self.ids;
         let params = &self.params;
@@ -456,15 +482,33 @@ impl Trainer {
         if let Some(z) = &self.zero3 {
             z.take_error()?;
         }
-        let backward_end = Instant::now();
-        self.window_loss.0 += f64::from(value) / accum as f64;
-        if !sync {
-            self.ddp.accumulate(&self.local);
-            self.micro += 1;
-            return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None, comm: None, skipped: false });
+        if let Some(z) = &self.zero3 {
+            z.take_error()?;
         }
-        if local_step {
+        self.backward_end = Some(Instant::now());
+        self.window_loss.0 += f64::from(value) / accum as f64;
+        self.micro += 1;
+        self.last_loss = value;
+        if !sync || local_step {
             self.ddp.accumulate(&self.local);
+        }
+        Ok(value)
+    }
+
+    /// The optimizer step after `train.grad_accum` calls of [`Trainer::backward`], as torch's
+    /// `optimizer.step()`: waits for the reduced gradients, unscales and clips them, updates
+    /// (this rank's shard under ZeRO, then gathers), and logs and checkpoints as configured.
+    /// Collective.
+    pub fn update(&mut self) -> anyhow::Result<StepOutput> {
+        let accum = self.opts.train.grad_accum.max(1);
+        if self.micro != accum {
+            anyhow::bail!("rank {}: update after {} of train.grad_accum = {accum} backward calls", self.comm.rank().get(), self.micro);
+        }
+        let lr = self.lr();
+        let value = self.last_loss;
+        let t0 = self.step_start.unwrap_or_else(Instant::now);
+        let backward_end = self.backward_end.unwrap_or_else(Instant::now);
+        if kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps) {
             let (stats, norm) = self.local_update(lr)?;
             publish(&self.params, &self.model_vars, self.compute)?;
             self.micro = 0;

@@ -24,6 +24,7 @@ fn launched_rank() {
     match std::env::var("KOLO_EXAMPLE").as_deref() {
         Ok("hf_finetune") => drop(hf_finetune::run(&args).unwrap()),
         Ok("qwen2") => drop(qwen2::run(&args).unwrap()),
+        Ok("all_gather") => all_gather_rank(&args).unwrap(),
         Ok("local_sgd") => local_sgd_rank(&args).unwrap(),
         _ => drop(user_mlp::train(&args).unwrap()),
     }
@@ -343,4 +344,40 @@ fn an_unchanged_candle_transformers_qwen2_under_zero3_matches_one_process() {
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// One rank of the `all_gather` test: rank r holds r + 1 rows of f32 values 100 r + i (rows of
+/// 3; with `--bad yes` rank 1's rows have 4), u32 labels and a bf16 scalar, gathers each and
+/// checks the concatenation in rank order.
+fn all_gather_rank(args: &[String]) -> anyhow::Result<()> {
+    use candle_core::{DType, Device, Tensor};
+    let dist = kolo::init()?;
+    let (r, n) = (dist.rank(), dist.world_size());
+    let width = if args.iter().any(|a| a == "yes") && r == 1 { 4 } else { 3 };
+    let x: Vec<f32> = (0..(r + 1) * width).map(|i| (100 * r + i) as f32).collect();
+    let got = dist.all_gather(&Tensor::from_vec(x, (r + 1, width), &Device::Cpu)?)?;
+    let want: Vec<f32> = (0..n).flat_map(|q| (0..(q + 1) * 3).map(move |i| (100 * q + i) as f32)).collect();
+    anyhow::ensure!(got.dims() == [n * (n + 1) / 2, 3], "shape {:?}", got.dims());
+    anyhow::ensure!(got.flatten_all()?.to_vec1::<f32>()? == want, "values {got}");
+    let labels = dist.all_gather(&Tensor::from_vec(vec![r as u32; r + 1], r + 1, &Device::Cpu)?)?;
+    let want: Vec<u32> = (0..n).flat_map(|q| std::iter::repeat_n(q as u32, q + 1)).collect();
+    anyhow::ensure!(labels.to_vec1::<u32>()? == want, "labels {labels}");
+    let s = dist.all_gather(&Tensor::new(r as f32 + 0.5, &Device::Cpu)?.to_dtype(DType::BF16)?)?;
+    let want: Vec<f32> = (0..n).map(|q| q as f32 + 0.5).collect();
+    anyhow::ensure!(s.dtype() == DType::BF16 && s.to_dtype(DType::F32)?.to_vec1::<f32>()? == want, "scalars {s}");
+    println!("rank {r}: gathered");
+    Ok(())
+}
+
+/// `Dist::all_gather` (issue #31, evaluation metrics): 3 processes holding 1, 2 and 3 rows
+/// each get all 6 in rank order, for f32 rows, u32 labels and bf16 scalars; when rank 1's rows
+/// are wider, every rank fails naming rank 1 instead of hanging or mixing rows.
+#[test]
+fn all_gather_concatenates_uneven_tensors_in_rank_order() {
+    let o = launch(3, "all_gather", "--bad no");
+    let t = text(&o);
+    assert!(o.status.success() && t.matches("gathered").count() == 3, "{t}");
+    let o = launch(3, "all_gather", "--bad yes");
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("but rank 1 holds another dtype or row shape"), "{t}");
 }
