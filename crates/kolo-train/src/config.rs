@@ -336,6 +336,19 @@ impl Default for OptimConfig {
     }
 }
 
+/// `"sgd".parse::<OptimKind>()` and the like: the names the config file uses.
+macro_rules! from_str_as_in_the_file {
+    ($($t:ty),*) => {$(
+        impl std::str::FromStr for $t {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| format!("{s:?}: {e}"))
+            }
+        }
+    )*};
+}
+from_str_as_in_the_file!(OptimKind, ScheduleKind, Precision);
+
 /// One entry of `[optim] groups`.
 #[derive(Deserialize, Serialize, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]

@@ -38,12 +38,13 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         let d = (model.forward(ids)? - &r["logits"])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         println!("loaded {model_dir}: logits differ from transformers' reference by {d:.2e}");
     }
-    let toml = format!(
-        "[optim]\nkind = \"adamw\"\nlr = {}\nclip_grad_norm = 1.0\n[ddp]\nzero_stage = {}\n[train]\nsteps = {steps}\nlog_every = 5\n[data]\nbatch_size = {batch}\ntokens_per_example = {seq}\n",
-        arg("--lr", "1e-3"),
-        arg("--zero", "0")
-    );
-    let opts = kolo::TrainOptions::from_toml_str(&toml)?;
+    let opts = kolo::TrainOptions::new()
+        .optimizer(kolo::options::OptimKind::Adamw, arg("--lr", "1e-3").parse()?)
+        .clip_grad_norm(1.0)
+        .zero_stage(arg("--zero", "0").parse()?)
+        .steps(steps)
+        .log_every(5)
+        .batch(batch, seq);
     let mut trainer = if opts.ddp.zero_stage == 3 {
         // The blocks' values live as shards over the ranks, gathered into the model when used.
         let groups = model.block_prefixes();

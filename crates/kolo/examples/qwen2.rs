@@ -15,6 +15,7 @@ use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::qwen2;
 use kolo::data::{Sampler, SamplerConfig};
+use kolo::options::OptimKind;
 
 /// A small Qwen2 (grouped-query attention: 4 query heads share 2 key/value heads; tied
 /// embeddings, as Qwen2.5-0.5B).
@@ -79,13 +80,17 @@ pub fn run(args: &[String]) -> Result<f64> {
     // Tied output projection: the embedding matrix (the same variable), at every position.
     let embed = vb.get((cfg.vocab_size, cfg.hidden_size), "model.embed_tokens.weight")?;
     hf_init(&varmap)?;
-    let toml = format!(
-        "[optim]\nkind = \"{}\"\nlr = {}\n[ddp]\nzero_stage = {}\n[train]\nsteps = {steps}\nlog_every = 10\n[data]\nbatch_size = {batch}\ntokens_per_example = {seq}\n",
-        arg("--optim", "adamw"),
-        arg("--lr", "3e-3"),
-        arg("--zero", "0")
-    );
-    let opts = kolo::TrainOptions::from_toml_str(&toml)?;
+    let kind = match arg("--optim", "adamw").as_str() {
+        "sgd" => OptimKind::Sgd,
+        "adamw" => OptimKind::Adamw,
+        o => anyhow::bail!("--optim {o}: sgd or adamw"),
+    };
+    let opts = kolo::TrainOptions::new()
+        .optimizer(kind, arg("--lr", "3e-3").parse()?)
+        .zero_stage(arg("--zero", "0").parse()?)
+        .steps(steps)
+        .log_every(10)
+        .batch(batch, seq);
     let mut trainer = if opts.ddp.zero_stage == 3 {
         let layers: Vec<String> = (0..cfg.num_hidden_layers).map(|i| format!("model.layers.{i}.")).collect();
         kolo::Trainer::with_zero3_groups(&varmap, &dist, opts, &layers.iter().map(String::as_str).collect::<Vec<_>>())?

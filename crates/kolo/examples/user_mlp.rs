@@ -41,9 +41,14 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     let vb = VarBuilder::from_varmap(&varmap, dtype, &dist.device());
     let h: usize = arg("--hidden", "128").parse()?;
     let model = Mlp(linear(784, h, vb.pp("fc1"))?, linear(h, h, vb.pp("fc2"))?, linear(h, 10, vb.pp("fc3"))?);
-    let (optim, lr, zero) = (arg("--optim", "adamw"), arg("--lr", "1e-3"), arg("--zero", "0"));
-    let toml = format!("[optim]\nkind = \"{optim}\"\nlr = {lr}\n[ddp]\nzero_stage = {zero}\n[train]\nsteps = {steps}\nlog_every = 50\nprecision = \"{precision}\"\n[data]\nbatch_size = {batch}\n");
-    let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_toml_str(&toml)?)?;
+    let opts = kolo::TrainOptions::new()
+        .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
+        .zero_stage(arg("--zero", "0").parse()?)
+        .steps(steps)
+        .log_every(50)
+        .precision(precision.parse().map_err(anyhow::Error::msg)?)
+        .batch(batch, 1);
+    let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
     let data = arg("--data", "test-data/mnist");
     let (train, test) = (Mnist::load(data.as_ref(), "train")?, Mnist::load(data.as_ref(), "t10k")?);
     let (world, rank) = (dist.world_size(), dist.rank());

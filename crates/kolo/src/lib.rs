@@ -36,5 +36,12 @@ pub use candle_nn;
 pub use dist::{init, init_with, Dist, InitOptions};
 pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 
+/// The types of [`TrainOptions`]' tables (shared with `kolo train`'s config file).
+pub mod options {
+    pub use kolo_train::config::{
+        CompressionConfig, DdpConfig, LocalSgdConfig, OptimConfig, OptimKind, ParamGroupConfig, Precision, ScheduleKind, TrainConfig,
+    };
+}
+
 #[cfg(test)]
 mod tests;

@@ -66,6 +66,92 @@ impl Default for DataOptions {
 }
 
 impl TrainOptions {
+    /// The defaults (AdamW at 1e-3, plain DDP, no clipping), to refine with the methods below:
+    /// `TrainOptions::new().optimizer(OptimKind::Sgd, 0.1).zero_stage(2).steps(100)`. Every
+    /// field is also public, and [`TrainOptions::from_toml`] reads the same settings from the
+    /// tables of `kolo train`'s config. The trainer checks them when it is built.
+    pub fn new() -> TrainOptions {
+        TrainOptions::default()
+    }
+
+    /// The optimizer (`[optim] kind`) and its base learning rate.
+    pub fn optimizer(mut self, kind: crate::options::OptimKind, lr: f32) -> Self {
+        (self.optim.kind, self.optim.lr) = (kind, lr);
+        self
+    }
+
+    /// Weight decay for parameters of two or more dimensions (biases and norm scales stay
+    /// undecayed unless `optim.decay_1d`).
+    pub fn weight_decay(mut self, wd: f32) -> Self {
+        self.optim.weight_decay = wd;
+        self
+    }
+
+    /// A parameter group (torch's `param_groups`): parameters whose name contains one of
+    /// `patterns` (the first group that matches wins) get this weight decay (`None`: the
+    /// default one) and this factor on the learning rate.
+    pub fn param_group(mut self, patterns: &[&str], weight_decay: Option<f32>, lr_scale: f32) -> Self {
+        let patterns = patterns.iter().map(|p| p.to_string()).collect();
+        self.optim.groups.push(crate::options::ParamGroupConfig { patterns, weight_decay, lr_scale });
+        self
+    }
+
+    /// Clips gradients to this global L2 norm.
+    pub fn clip_grad_norm(mut self, max_norm: f64) -> Self {
+        self.optim.clip_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// Linear warm-up over `warmup_steps`, then the schedule (`[optim] schedule`).
+    pub fn schedule(mut self, schedule: crate::options::ScheduleKind, warmup_steps: u64) -> Self {
+        (self.optim.schedule, self.optim.warmup_steps) = (schedule, warmup_steps);
+        self
+    }
+
+    /// ZeRO stage: 0 (DDP), 1, 2 or 3 (the groups of [`Trainer::with_zero3_groups`]).
+    pub fn zero_stage(mut self, stage: u8) -> Self {
+        self.ddp.zero_stage = stage;
+        self
+    }
+
+    /// Optimizer steps in the run (the schedule's length, and when the last checkpoint is
+    /// written).
+    pub fn steps(mut self, steps: u64) -> Self {
+        self.train.steps = steps;
+        self
+    }
+
+    /// Micro-steps per optimizer step (gradient accumulation).
+    pub fn grad_accum(mut self, micro_steps: u64) -> Self {
+        self.train.grad_accum = micro_steps;
+        self
+    }
+
+    /// Mixed precision: the dtype the model is built in (f32 masters).
+    pub fn precision(mut self, precision: crate::options::Precision) -> Self {
+        self.train.precision = precision;
+        self
+    }
+
+    /// A log line every `every` steps (0: none).
+    pub fn log_every(mut self, every: u64) -> Self {
+        self.train.log_every = every;
+        self
+    }
+
+    /// A checkpoint in `dir` every `every` steps and at the end.
+    pub fn checkpoints(mut self, dir: impl Into<String>, every: u64) -> Self {
+        (self.train.checkpoint_dir, self.train.checkpoint_every) = (Some(dir.into()), every);
+        self
+    }
+
+    /// Examples per rank and micro-step, and tokens per example (1 for non-sequence models):
+    /// the throughput in the logs, and the global batch of `optim.reference_batch`.
+    pub fn batch(mut self, batch_size: usize, tokens_per_example: usize) -> Self {
+        self.data = DataOptions { batch_size, tokens_per_example };
+        self
+    }
+
     /// Reads the options from a TOML file (unknown keys are an error).
     pub fn from_toml(path: impl AsRef<Path>) -> anyhow::Result<TrainOptions> {
         let path = path.as_ref();
@@ -848,6 +934,29 @@ mod tests {
         let mut v = vec!["layers.10.w", "layers.2.w", "head", "layers.2.b", "emb"];
         v.sort_by_cached_key(|n| natural_key(n));
         assert_eq!(v, ["emb", "head", "layers.2.b", "layers.2.w", "layers.10.w"]);
+    }
+
+    /// The builder sets what the same TOML sets.
+    #[test]
+    fn the_builder_equals_the_toml() {
+        use crate::options::{OptimKind, Precision, ScheduleKind};
+        let built = super::TrainOptions::new()
+            .optimizer(OptimKind::Sgd, 0.1)
+            .weight_decay(0.01)
+            .param_group(&["embed"], Some(0.0), 0.5)
+            .clip_grad_norm(1.0)
+            .schedule(ScheduleKind::Cosine, 10)
+            .zero_stage(2)
+            .steps(100)
+            .grad_accum(2)
+            .precision(Precision::Bf16)
+            .log_every(5)
+            .checkpoints("ck", 50)
+            .batch(8, 64);
+        let toml = "[optim]\nkind = \"sgd\"\nlr = 0.1\nweight_decay = 0.01\ngroups = [{ match = [\"embed\"], weight_decay = 0.0, lr_scale = 0.5 }]\nclip_grad_norm = 1.0\nschedule = \"cosine\"\nwarmup_steps = 10\n[ddp]\nzero_stage = 2\n[train]\nsteps = 100\ngrad_accum = 2\nprecision = \"bf16\"\nlog_every = 5\ncheckpoint_dir = \"ck\"\ncheckpoint_every = 50\n[data]\nbatch_size = 8\ntokens_per_example = 64\n";
+        let parsed = super::TrainOptions::from_toml_str(toml).unwrap();
+        assert_eq!(toml::to_string(&built).unwrap(), toml::to_string(&parsed).unwrap());
+        built.check().unwrap();
     }
 
     #[test]
