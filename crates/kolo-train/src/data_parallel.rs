@@ -304,16 +304,8 @@ impl<'a> DataParallel<'a> {
     /// local SGD averages the models every so many steps.
     fn local_update(&mut self, step: u64, lr: f32, local_step: bool, out: &mut StepOut) -> Result<(), TrainError> {
         let cfg = self.cfg;
-        self.ddp.take_accumulated(&mut self.micro);
-        if let Some(max) = cfg.optim.clip_grad_norm {
-            let f = clip_factor(sum_of_squares(&self.micro).sqrt(), max);
-            self.micro.iter_mut().for_each(|g| *g *= f);
-        }
-        let (params, opt, micro) = (self.model.params(), &mut self.opt, &self.micro);
-        opt.begin_step();
-        for (i, r) in self.ddp.ranges().iter().enumerate() {
-            params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
-        }
+        let params = self.model.params();
+        crate::update::apply_local(&self.ddp, params, &mut self.opt, &mut self.micro, cfg.optim.clip_grad_norm, lr)?;
         if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
             out.rec.comm_bytes = Some(crate::local_sgd::after_update(l, step, params, &*self.comm)?);
         }
@@ -325,47 +317,16 @@ impl<'a> DataParallel<'a> {
     /// clips the gradients, and steps the optimizer on the model or this rank's shard.
     fn bucket_update(&mut self, step: u64, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
         let cfg = self.cfg;
-        let inject = self.inject_inf_at == Some(step) && self.comm.rank().get() == 0;
-        let (comm, tp, tp_split, scaler) = (&self.comm, &self.tp, &self.tp_split, &mut self.scaler);
-        let clip = |norm: f64| cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(norm, max));
-        // `sharded`: each rank has a piece, so the norm is a sum over ranks.
-        let mut prepare = |g: &mut kolo_ddp::BucketGrads<'_>, sharded: bool| -> Result<bool, TrainError> {
-            if inject {
-                g.scale(f32::INFINITY); // test hook: an overflow on one rank
-            }
-            let inv = scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale());
-            if cfg.optim.clip_grad_norm.is_none() && scaler.is_none() {
-                return Ok(true);
-            }
-            let mut sq = [match (tp_split, tp) {
-                // Tensor parallelism: split parameters summed over the group, replicated ones
-                // counted once (member 0).
-                (Some(split), Some((tg, _))) if cfg.optim.clip_grad_norm.is_some() => {
-                    let mut v = [(0..split.len())
-                        .filter(|&i| split[i] || kolo_base::GroupSum::rank(&**tg) == 0)
-                        .map(|i| kolo_base::sum_of_squares(g.param(i)))
-                        .sum::<f64>() as f32];
-                    kolo_base::GroupSum::sum(&**tg, &mut v).map_err(TrainError::Other)?;
-                    f64::from(v[0])
-                }
-                _ => g.sum_of_squares(),
-            }];
-            if sharded && cfg.optim.clip_grad_norm.is_some() {
-                comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
-            }
-            if let Some(s) = scaler.as_mut() {
-                let mut bad = [u8::from(!sq[0].is_finite())];
-                comm.all_reduce(BufMut::from(&mut bad[..]), ReduceOp::Max)?;
-                if !s.update(bad[0] == 1) {
-                    return Ok(false);
-                }
-            }
-            let f = f64::from(clip(sq[0].sqrt() * inv)) * inv;
-            if f != 1.0 {
-                g.scale(f as f32);
-            }
-            Ok(true)
+        let group = self.tp.as_ref().map(|(g, _)| &**g as &dyn kolo_base::GroupSum);
+        let mut prep = crate::update::GradPrep {
+            comm: &*self.comm,
+            clip: cfg.optim.clip_grad_norm,
+            scaler: self.scaler.as_mut(),
+            tp: self.tp_split.as_deref().zip(group),
+            inject_inf: self.inject_inf_at == Some(step) && self.comm.rank().get() == 0,
+            norm: None,
         };
+        let mut prepare = |g: &mut kolo_ddp::BucketGrads<'_>, sharded: bool| prep.run(g, sharded);
         let params = self.model.params();
         let (stats, _) =
             crate::update::apply_update(&self.ddp, params, &mut self.opt, self.zero.as_ref(), &mut self.master, lr, &mut prepare)?;

@@ -4,8 +4,9 @@
 //! loop and the library's [`Trainer`](../../kolo/struct.Trainer.html) share it.
 
 use crate::TrainError;
+use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding, SyncStats};
-use kolo_optim::{Buffer, Optimizer};
+use kolo_optim::{clip_factor, Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 
 /// Looks at the reduced gradients before the step (the whole gradient, or with `sharded` this
@@ -91,4 +92,92 @@ pub fn apply_update(
         master.release_all();
     }
     Ok((stats, applied))
+}
+
+/// What happens to the reduced gradients before the optimizer step, for the CLI's loop and
+/// the library's `Trainer` alike: f16's loss scale divided out (and a step whose gradients
+/// overflowed on any rank skipped on every rank), then clipping to a global norm.
+pub struct GradPrep<'a> {
+    /// The data-parallel group (sums of a sharded norm, the overflow flag).
+    pub comm: &'a dyn Communicator,
+    /// `optim.clip_grad_norm`.
+    pub clip: Option<f64>,
+    /// f16's dynamic loss scale.
+    pub scaler: Option<&'a mut LossScaler>,
+    /// Tensor parallelism: which parameters are split over the group (their squares are summed
+    /// over it; the replicated ones counted once, by member 0), and the group.
+    pub tp: Option<(&'a [bool], &'a dyn kolo_base::GroupSum)>,
+    /// Test hook: this rank's gradients overflow.
+    pub inject_inf: bool,
+    /// The global gradient norm (before clipping, unscaled) of the last step, when clipping.
+    pub norm: Option<f64>,
+}
+
+impl GradPrep<'_> {
+    /// Unscales, checks and clips `g` (with `sharded`, this rank's pieces only, so the norm is
+    /// a sum over the ranks). `false`: skip the step (an f16 overflow).
+    pub fn run(&mut self, g: &mut BucketGrads<'_>, sharded: bool) -> Result<bool, TrainError> {
+        if self.inject_inf {
+            g.scale(f32::INFINITY);
+        }
+        if self.clip.is_none() && self.scaler.is_none() {
+            return Ok(true);
+        }
+        let inv = self.scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale());
+        let mut sq = [match self.tp {
+            Some((split, group)) if self.clip.is_some() => {
+                let mut v = [(0..split.len())
+                    .filter(|&i| split[i] || group.rank() == 0)
+                    .map(|i| kolo_base::sum_of_squares(g.param(i)))
+                    .sum::<f64>() as f32];
+                group.sum(&mut v).map_err(TrainError::Other)?;
+                f64::from(v[0])
+            }
+            _ => g.sum_of_squares(),
+        }];
+        if sharded && self.clip.is_some() {
+            self.comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
+        }
+        if let Some(s) = self.scaler.as_mut() {
+            // Every rank skips, or none does.
+            let mut bad = [u8::from(!sq[0].is_finite())];
+            self.comm.all_reduce(BufMut::from(&mut bad[..]), ReduceOp::Max)?;
+            if !s.update(bad[0] == 1) {
+                return Ok(false);
+            }
+        }
+        let norm = sq[0].sqrt() * inv;
+        self.norm = self.clip.map(|_| norm);
+        let f = f64::from(self.clip.map_or(1.0, |max| clip_factor(norm, max))) * inv;
+        if f != 1.0 {
+            g.scale(f as f32);
+        }
+        Ok(true)
+    }
+}
+
+/// A local step (local SGD, or no exchange at all): this rank's own accumulated gradient, taken
+/// from the engine into `grads`, clipped by its own norm, updates its own model. Returns that
+/// norm when clipping.
+pub fn apply_local(
+    ddp: &Ddp,
+    params: &ParamSet,
+    opt: &mut Optimizer,
+    grads: &mut [f32],
+    clip: Option<f64>,
+    lr: f32,
+) -> Result<Option<f64>, TrainError> {
+    ddp.take_accumulated(grads);
+    let mut norm = None;
+    if let Some(max) = clip {
+        let n = kolo_base::sum_of_squares(grads).sqrt();
+        norm = Some(n);
+        let f = clip_factor(n, max);
+        grads.iter_mut().for_each(|g| *g *= f);
+    }
+    opt.begin_step();
+    for (i, r) in ddp.ranges().iter().enumerate() {
+        params.update_one(i, &mut |v| opt.update(r.start, v, &grads[r.clone()], lr))?;
+    }
+    Ok(norm)
 }

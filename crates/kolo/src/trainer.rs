@@ -13,9 +13,9 @@
 use crate::Dist;
 use candle_core::{DType, Tensor, TensorId};
 use candle_nn::VarMap;
-use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_comm::Communicator;
 use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
-use kolo_optim::{clip_factor, lr_at, sum_of_squares, Buffer, LossScaler, Optimizer};
+use kolo_optim::{lr_at, Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 use kolo_train::checkpointing::{
     compression_pieces, load_checkpoint, loop_state_meta, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
@@ -25,7 +25,6 @@ use kolo_train::driver::{record_spans, write_timeline, Job, StepOut};
 use kolo_train::report::{Reporter, StepRecord};
 use kolo_train::sampler::Position;
 use kolo_train::timeline::Timeline;
-use kolo_train::TrainError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -603,42 +602,15 @@ impl Trainer {
             self.after_step(t0, backward_end, &stats, lr)?;
             return Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, 0.0)), skipped: false });
         }
-        let clip = self.opts.optim.clip_grad_norm;
-        let comm = self.comm.clone();
-        let mut norm = None;
-        let scaler = &mut self.scaler;
-        let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| -> Result<bool, TrainError> {
-            if clip.is_none() && scaler.is_none() {
-                return Ok(true);
-            }
-            let mut sq = [g.sum_of_squares()];
-            if sharded {
-                comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
-            }
-            // f16: every rank sees the same (summed) norm, so all skip or none does.
-            let inv = match scaler.as_mut() {
-                Some(s) => {
-                    let inv = 1.0 / s.scale();
-                    if !s.update(!sq[0].is_finite()) {
-                        return Ok(false);
-                    }
-                    inv
-                }
-                None => 1.0,
-            };
-            let n = sq[0].sqrt() * inv;
-            let f = match clip {
-                Some(max) => {
-                    norm = Some(n);
-                    f64::from(clip_factor(n, max)) * inv
-                }
-                None => inv,
-            };
-            if f != 1.0 {
-                g.scale(f as f32);
-            }
-            Ok(true)
+        let mut prep = kolo_train::update::GradPrep {
+            comm: &*self.comm,
+            clip: self.opts.optim.clip_grad_norm,
+            scaler: self.scaler.as_mut(),
+            tp: None,
+            inject_inf: false,
+            norm: None,
         };
+        let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| prep.run(g, sharded);
         let (stats, applied) = kolo_train::update::apply_update(
             &self.ddp,
             &self.params,
@@ -648,6 +620,7 @@ impl Trainer {
             lr,
             &mut prepare,
         )?;
+        let norm = prep.norm;
         if applied {
             publish(&self.params, &self.model_vars, self.compute)?;
         }
@@ -668,19 +641,8 @@ impl Trainer {
     /// applied to its own model; every `local_sgd.every` local steps the models are averaged.
     fn local_update(&mut self, lr: f32) -> anyhow::Result<(kolo_ddp::SyncStats, Option<f64>)> {
         let l = self.opts.ddp.local_sgd.clone().expect("a local step has local_sgd");
-        self.ddp.take_accumulated(&mut self.local);
-        let mut norm = None;
-        if let Some(max) = self.opts.optim.clip_grad_norm {
-            let n = sum_of_squares(&self.local).sqrt();
-            norm = Some(n);
-            let f = clip_factor(n, max);
-            self.local.iter_mut().for_each(|g| *g *= f);
-        }
-        let (params, opt, g) = (&self.params, &mut self.opt, &self.local);
-        opt.begin_step();
-        for (i, r) in self.ddp.ranges().iter().enumerate() {
-            params.update_one(i, &mut |v| opt.update(r.start, v, &g[r.clone()], lr))?;
-        }
+        let norm =
+            kolo_train::update::apply_local(&self.ddp, &self.params, &mut self.opt, &mut self.local, self.opts.optim.clip_grad_norm, lr)?;
         let t = Instant::now();
         let bytes = kolo_train::local_sgd::after_update(&l, self.steps, &self.params, &*self.comm)?;
         let stats = kolo_ddp::SyncStats { wait: t.elapsed(), comm: t.elapsed(), bytes, ..Default::default() };
