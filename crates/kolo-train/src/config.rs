@@ -1199,6 +1199,13 @@ impl Config {
 }
 
 impl OptimConfig {
+    /// The base learning rate for a global batch of `global_batch` examples per optimizer step:
+    /// `lr`, scaled by the linear scaling rule when `reference_batch` is set (the CLI's loops
+    /// and the library's `Trainer` alike).
+    pub fn base_lr(&self, global_batch: usize) -> f32 {
+        self.reference_batch.map_or(self.lr, |r| kolo_optim::scaled_lr(self.lr, global_batch, r))
+    }
+
     /// The learning-rate schedule after warm-up.
     pub fn schedule(&self) -> Schedule {
         match self.schedule {

@@ -21,7 +21,7 @@ use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::trainer::{peak_rss, Data, Eval, HeapReport, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_comm::{BufMut, Communicator};
-use kolo_optim::{lr_at, scaled_lr};
+use kolo_optim::lr_at;
 use kolo_tensor::Batch;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -331,7 +331,7 @@ pub fn drive(
     let global_rank = job.rank();
     let replica = s.replica();
     let global_batch = cfg.data.batch_size * replica.1 * tc.grad_accum as usize;
-    let base_lr = cfg.optim.reference_batch.map_or(cfg.optim.lr, |r| scaled_lr(cfg.optim.lr, global_batch, r));
+    let base_lr = cfg.optim.base_lr(global_batch);
     let (first, pos, split) = match start {
         Some((path, r)) => {
             if global_rank == 0 && !opts.quiet {

@@ -20,7 +20,7 @@ use crate::trainer::{
 use crate::TrainError;
 use kolo_base::WorldSize;
 use kolo_comm::{Communicator, LocalComm};
-use kolo_optim::{clip_factor, lr_at, scaled_lr, sum_of_squares, Optimizer};
+use kolo_optim::{clip_factor, lr_at, sum_of_squares, Optimizer};
 use kolo_ps::client::ClientOptions;
 use kolo_ps::{JobSpec, PsClient, SignificantlyModified};
 use kolo_rendezvous::JobToken;
@@ -564,7 +564,7 @@ fn adopt_shard(
     let tc = &cfg.train;
     let batches = replica_batches(cfg, train, shard, workers, start * tc.grad_accum)?;
     let global_batch = cfg.data.batch_size * workers * tc.grad_accum as usize;
-    let base_lr = cfg.optim.reference_batch.map_or(cfg.optim.lr, |r| scaled_lr(cfg.optim.lr, global_batch, r));
+    let base_lr = cfg.optim.base_lr(global_batch);
     for step in start..end {
         let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
         let mut next = || batches.recv().map(|b| b.1).map_err(|_| TrainError::Other("the prefetch thread stopped".into()));

@@ -720,10 +720,8 @@ impl Trainer {
     /// The learning rate of the next optimizer step (warm-up, then the schedule).
     pub fn lr(&self) -> f32 {
         let o = &self.opts.optim;
-        // `optim.reference_batch`: the linear scaling rule for the global batch.
         let global = self.opts.data.batch_size * self.comm.world_size().get() * self.opts.train.grad_accum.max(1) as usize;
-        let base = o.reference_batch.map_or(o.lr, |r| kolo_optim::scaled_lr(o.lr, global, r));
-        lr_at(base, &o.schedule(), o.warmup_steps, self.opts.train.steps, self.steps)
+        lr_at(o.base_lr(global), &o.schedule(), o.warmup_steps, self.opts.train.steps, self.steps)
     }
 
     /// Optimizer steps done (restored by [`Trainer::resume`]).
