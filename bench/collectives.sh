@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-/tmp/kolo-bench-$(date +%Y%m%d-%H%M%S)}"
 mkdir -p "$OUT"
-cargo build --release -p kolo
+cargo build --release -p kolo-cli
 K=target/release/kolo
 $K bench loopback --size 256MiB --trials 5 --json | tee "$OUT/loopback.jsonl"
 for n in 2 4; do

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 R="${1:-3}"
-cargo build --release -p kolo >/dev/null
+cargo build --release -p kolo-cli >/dev/null
 K=target/release/kolo
 export RAYON_NUM_THREADS=1
 

@@ -11,7 +11,7 @@
 source "$(dirname "$0")/common.sh"
 PY="${PYTHON:-python3}"
 "$PY" -c "import torch, transformers" || { echo "hf_interop: $PY has no torch/transformers (set PYTHON)"; exit 1; }
-cargo build --release -p kolo --example hf_finetune >/dev/null
+cargo build --release -p kolo --features hf --example hf_finetune >/dev/null
 X=target/release/examples/hf_finetune
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

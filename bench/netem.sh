@@ -16,7 +16,7 @@ if [ "$(id -u)" != 0 ] || ! ip netns list >/dev/null 2>&1; then
   echo "netem.sh: needs root and network namespaces (ip netns); running on loopback instead is bench/train.sh" >&2
   exit 2
 fi
-cargo build --release -p kolo >/dev/null
+cargo build --release -p kolo-cli >/dev/null
 K=$PWD/target/release/kolo
 TAG=k$$
 cleanup() {

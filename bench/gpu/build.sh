@@ -8,7 +8,7 @@ CUDA=${CUDA_HOME:-/tmp/cuda13}
 T=${CUDA_TARGET_DIR:-target/cuda}
 [ -x "$CUDA/bin/nvcc" ] || bash bench/gpu/cuda-toolkit.sh "$CUDA"
 export PATH=$CUDA/bin:$PATH CUDA_HOME=$CUDA CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
-cargo build --release -p kolo --features cuda,nccl --target-dir "$T"
+cargo build --release -p kolo-cli --features cuda,nccl --target-dir "$T"
 TEST=$(cargo test --release -p kolo-tensor --features cuda --test cuda --no-run --target-dir "$T" --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys; print([m["executable"] for m in map(json.loads, sys.stdin) if m.get("executable") and m["target"]["name"] == "cuda"][-1])')
 env -u CUDA_HOME PATH=${PATH#"$CUDA/bin:"} cargo build --release -p kolo-nccl --features nccl

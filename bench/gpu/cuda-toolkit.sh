@@ -3,7 +3,7 @@
 # GPU): nvcc, its compiler back ends and headers from NVIDIA's pip wheels, plus link stubs for
 # the driver and libraries that candle links (the real ones are found at run time on the GPU
 # machine). Usage: bench/gpu/cuda-toolkit.sh [DIR] (default /tmp/cuda13); then build with
-#   PATH=DIR/bin:$PATH CUDA_HOME=DIR CUDA_COMPUTE_CAP=90 cargo build --release -p kolo --features cuda
+#   PATH=DIR/bin:$PATH CUDA_HOME=DIR CUDA_COMPUTE_CAP=90 cargo build --release -p kolo-cli --features cuda
 set -euo pipefail
 DIR=${1:-/tmp/cuda13}
 W=$(mktemp -d)

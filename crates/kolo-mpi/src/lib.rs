@@ -37,7 +37,7 @@ pub fn world(timeout: Duration) -> Result<Arc<dyn Communicator>, CommError> {
         Err(CommError::Setup {
             op: kolo_comm::OpKind::Setup,
             rank: kolo_base::Rank(0),
-            what: "this kolo was built without the MPI backend: rebuild with `cargo build --release -p kolo --features mpi` (needs libopenmpi-dev and libclang-dev), or use the built-in transport".into(),
+            what: "this kolo was built without the MPI backend: rebuild with `cargo build --release -p kolo-cli --features mpi` (needs libopenmpi-dev and libclang-dev), or use the built-in transport".into(),
         })
     }
 }

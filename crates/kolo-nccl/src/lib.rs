@@ -48,7 +48,7 @@ pub fn connect(boot: &dyn Communicator, device: usize, timeout: Duration) -> Res
         let _ = (device, timeout);
         Err(setup_error(
             boot.rank(),
-            "this kolo was built without the NCCL backend: rebuild with `cargo build --release -p kolo --features nccl` (no CUDA toolkit needed to build; a GPU, its driver and libnccl.so.2 to run), or use the built-in transport".into(),
+            "this kolo was built without the NCCL backend: rebuild with `cargo build --release -p kolo-cli --features nccl` (no CUDA toolkit needed to build; a GPU, its driver and libnccl.so.2 to run), or use the built-in transport".into(),
         ))
     }
 }

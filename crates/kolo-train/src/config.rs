@@ -504,6 +504,7 @@ impl Default for PsConfig {
     }
 }
 
+#[cfg(feature = "ps")]
 impl PsConfig {
     pub fn consistency(&self) -> kolo_ps::Consistency {
         match self.consistency {

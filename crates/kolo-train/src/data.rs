@@ -240,6 +240,7 @@ impl Dataset for Synthetic {
     }
 }
 
+#[cfg(feature = "ps")]
 /// UCI Wine Quality (red) as a sparse binary problem for Hogwild: is the quality at least 6?
 /// Each of the 11 features is cut into `bins` quantile bins (one-hot), and every pair of
 /// features contributes the one-hot cross of their bins: 11 + 55 active coordinates out of

@@ -72,7 +72,7 @@ pub struct Finish {
     /// Pipelines: the mean measured bubble (idle share of the stages).
     pub pipeline_bubble: Option<f64>,
     /// Parameter-server workers: what this worker pushed and pulled.
-    pub ps: Option<kolo_ps::PushStats>,
+    pub ps: Option<crate::PushStats>,
 }
 
 /// A checkpoint to write.

@@ -10,7 +10,9 @@ pub mod data;
 pub mod data_parallel;
 pub mod driver;
 pub mod expert_parallel;
+#[cfg(feature = "fed")]
 pub mod fed;
+#[cfg(feature = "rl")]
 pub mod impala;
 pub mod local_sgd;
 pub mod sampler;
@@ -18,11 +20,20 @@ pub mod trainer;
 pub mod update;
 
 pub use config::Config;
+
+/// A parameter-server worker's push statistics (its run's [`Summary::ps`]); nothing can be
+/// one in a build without the `ps` feature.
+#[cfg(feature = "ps")]
+pub use kolo_ps::PushStats;
+/// A parameter-server worker's push statistics: none in a build without the `ps` feature.
+#[cfg(not(feature = "ps"))]
+pub type PushStats = std::convert::Infallible;
 pub mod metrics;
 pub mod param_groups;
 pub mod pipedream_2bw;
 pub mod pipeline;
 pub mod plot;
+#[cfg(feature = "ps")]
 pub mod ps_worker;
 pub mod report;
 pub mod scheduled_ddp;
@@ -46,6 +57,7 @@ pub enum TrainError {
     Comm(#[from] kolo_comm::CommError),
     #[error(transparent)]
     Checkpoint(#[from] kolo_checkpoint::CheckpointError),
+    #[cfg(feature = "ps")]
     #[error(transparent)]
     Ps(#[from] kolo_ps::PsError),
     #[error("{0}")]

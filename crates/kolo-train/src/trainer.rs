@@ -83,7 +83,7 @@ pub struct Summary {
     pub skipped_steps: u64,
     pub loss_scale: Option<f64>,
     /// Parameter-server runs: what this worker pushed and pulled.
-    pub ps: Option<kolo_ps::PushStats>,
+    pub ps: Option<crate::PushStats>,
     /// Pipeline runs: the mean measured bubble (idle share of the stages).
     pub pipeline_bubble: Option<f64>,
     /// Mixture-of-experts runs: tokens routed per expert over the run, summed over every rank.
@@ -180,6 +180,7 @@ fn position_after(scfg: &SamplerConfig, batches_done: u64) -> Position {
 
 /// The sampler position of data-parallel replica `rank` of `world` over `len` training
 /// examples after `batches_done` batches.
+#[cfg(feature = "ps")]
 pub(crate) fn replica_position(cfg: &Config, len: usize, rank: usize, world: usize, batches_done: u64) -> Position {
     position_after(&replica_sampler(cfg, len, rank, world), batches_done)
 }

@@ -3,7 +3,7 @@
 //! or ZeRO-3 (its decoder layers sharded, gathered into the model's own variables when used).
 //!
 //!   target/release/kolo data prepare data/tinyshakespeare.txt --train-bpe 512 --out target/shards
-//!   cargo build --release -p kolo --example qwen2
+//!   cargo build --release -p kolo --features hf --example qwen2
 //!   target/release/kolo launch -n 2 -- target/release/examples/qwen2 --shards target/shards --zero 3
 //!
 //! Without --shards the text (--text, default data/tinyshakespeare.txt) is read as bytes.

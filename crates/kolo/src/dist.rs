@@ -8,7 +8,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 /// Which library carries the collectives.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Backend {
     /// MPI when this kolo was built with it (`--features mpi`) and mpirun started it, else builtin.
     #[default]
@@ -20,6 +20,20 @@ pub enum Backend {
     /// NVIDIA's NCCL on GPUs (needs a `--features nccl` build, a GPU per rank and libnccl at
     /// run time); the ranks meet over the built-in transport first to share NCCL's id.
     Nccl,
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+    /// `auto`, `builtin`, `mpi` or `nccl`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Backend::Auto),
+            "builtin" => Ok(Backend::Builtin),
+            "mpi" => Ok(Backend::Mpi),
+            "nccl" => Ok(Backend::Nccl),
+            _ => Err(format!("unknown backend `{s}`: expected auto, builtin, mpi or nccl")),
+        }
+    }
 }
 
 /// How [`init_with`] joins the job.

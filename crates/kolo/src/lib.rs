@@ -16,6 +16,10 @@
 //! # Ok(()) }
 //! ```
 //!
+//! Cargo features (none by default: DDP and ZeRO-1/2/3 over TCP and shared memory): `hf`
+//! (Hugging Face checkpoints and tokenizers, token shards), `ps`, `fed`, `rl`, `mpi`, `nccl`,
+//! `cuda`. The `kolo` command is the `kolo-cli` package, a user of this library.
+//!
 //! Build it against Kolo's vendored candle (its `[patch.crates-io]` entries): the trainer
 //! needs the gradient-ready hook of `vendor/candle-core`, and `vendor/candle-nn` makes the
 //! fused softmax, layer norm, RMS norm and rotary kernels pass gradients.
@@ -24,10 +28,23 @@
 
 pub mod data;
 pub mod dist;
+#[cfg(feature = "hf")]
 pub mod hf;
+#[cfg(feature = "hf")]
 pub mod tokens;
 mod trainer;
 pub mod zero3;
+
+/// The parameter server: sharded servers, workers' push and pull, consistency models, Hogwild
+/// (the `ps` feature).
+#[cfg(feature = "ps")]
+pub use kolo_ps as ps;
+/// Federated averaging: the server and clients of `kolo fed` (the `fed` feature).
+#[cfg(feature = "fed")]
+pub use kolo_train::fed;
+/// IMPALA distributed reinforcement learning: actors, the V-trace learner (the `rl` feature).
+#[cfg(feature = "rl")]
+pub use kolo_train::impala as rl;
 
 /// The candle this Kolo is built with (use it to avoid a second copy in your build).
 pub use candle_core;

@@ -3,15 +3,15 @@
 
 use super::{fresh_dir, model_tensors, run, text};
 
-#[path = "../../examples/user_mlp.rs"]
+#[path = "../../../kolo/examples/user_mlp.rs"]
 #[allow(dead_code)]
 mod user_mlp;
 
-#[path = "../../examples/hf_finetune.rs"]
+#[path = "../../../kolo/examples/hf_finetune.rs"]
 #[allow(dead_code)]
 mod hf_finetune;
 
-#[path = "../../examples/qwen2.rs"]
+#[path = "../../../kolo/examples/qwen2.rs"]
 #[allow(dead_code)]
 mod qwen2;
 
@@ -89,7 +89,7 @@ fn a_users_candle_model_under_ddp_and_zero_matches_one_process() {
 /// weights the forward uses (6 % of the movement after 6 steps), so one step is compared.
 /// DDP and ZeRO-2 sum the same two gradients: after 6 steps they are bitwise equal, in bf16
 /// and in f16 (whose dynamic loss scale skips different steps at other batch splits, so f16 is
-/// not compared with one process here; `kolo/src/tests.rs` compares it with f32).
+/// not compared with one process here; `kolo/src/tests/mod.rs` compares it with f32).
 #[test]
 fn a_users_bf16_and_f16_models_under_ddp_and_zero_match() {
     let dir = fresh_dir("user-mlp-half");

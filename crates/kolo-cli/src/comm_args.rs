@@ -9,7 +9,7 @@ pub use kolo::dist::Backend;
 #[derive(clap::Args, Clone, Debug)]
 pub struct CommArgs {
     /// Communication backend: auto, builtin, mpi or nccl.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, default_value = "auto")]
     pub backend: Backend,
     /// Links between ranks on one host: auto (shared memory), tcp, shm.
     #[arg(long, default_value = "auto")]

@@ -1,0 +1,181 @@
+//! Hugging Face checkpoints and token shards (the `hf` feature).
+
+use super::*;
+
+/// The reference ids and the logits `transformers` computed for them.
+fn hf_reference() -> (Tensor, Tensor) {
+    let r = candle_core::safetensors::load(kolo_testkit::files::hf_gpt2_tiny().join("reference.safetensors"), &Device::Cpu).unwrap();
+    (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone())
+}
+
+/// `(name, shape)` of every tensor in `dir/model.safetensors`, sorted.
+fn saved_tensors(dir: &std::path::Path) -> Vec<(String, Vec<usize>)> {
+    let t = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut v: Vec<(String, Vec<usize>)> = t.iter().map(|(k, t)| (k.clone(), t.dims().to_vec())).collect();
+    v.sort();
+    v
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+/// A GPT-2 saved by `transformers` loads into Kolo's candle GPT-2 and gives its logits within
+/// 1e-4 (they reach 10 in magnitude: the reference's parameters carry noise so that every layer
+/// matters); `save_pretrained` writes the same tensor names and shapes back, and they reload to
+/// bitwise the same logits.
+#[test]
+fn hugging_face_gpt2_loads_with_transformers_logits_and_saves_back() {
+    let dir = kolo_testkit::files::hf_gpt2_tiny();
+    let (varmap, model) = crate::hf::load_gpt2(&dir, &Device::Cpu).unwrap();
+    let (ids, want) = hf_reference();
+    let got = model.forward(&ids).unwrap();
+    assert_eq!(got.dims(), want.dims());
+    let d = max_diff(&got, &want);
+    assert!(d < 1e-4, "logits differ from transformers' by {d}");
+    assert!(max_diff(&want, &want.zeros_like().unwrap()) > 1.0, "reference logits too small to tell");
+
+    let out = std::env::temp_dir().join(format!("kolo-hf-save-{}", std::process::id()));
+    crate::hf::save_pretrained(&out, &varmap, model.config()).unwrap();
+    assert_eq!(saved_tensors(&out), saved_tensors(&dir));
+    let (_, again) = crate::hf::load_gpt2(&out, &Device::Cpu).unwrap();
+    assert_eq!(max_diff(&again.forward(&ids).unwrap(), &got), 0.0);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Unsupported Hugging Face options, a missing tensor and a wrong shape are one-line errors
+/// naming them.
+#[test]
+fn hugging_face_checkpoints_that_do_not_fit_are_named() {
+    let src = kolo_testkit::files::hf_gpt2_tiny();
+    let dir = std::env::temp_dir().join(format!("kolo-hf-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let load = |cfg: &str| {
+        std::fs::write(dir.join("config.json"), cfg).unwrap();
+        crate::hf::load_gpt2(&dir, &Device::Cpu).err().map(|e| format!("{e:#}")).unwrap_or_default()
+    };
+    let e = load(&cfg.replace("\"scale_attn_by_inverse_layer_idx\": false", "\"scale_attn_by_inverse_layer_idx\": true"));
+    assert!(e.contains("scale_attn_by_inverse_layer_idx"), "{e}");
+    let e = load(&cfg.replace("\"gelu_new\"", "\"relu\""));
+    assert!(e.contains("activation_function \"relu\""), "{e}");
+    let e = load(&cfg.replace("\"n_layer\": 2", "\"n_layer\": 3"));
+    assert!(e.contains("no tensor `transformer.h.2."), "{e}");
+    let e = load(&cfg.replace("\"n_embd\": 48", "\"n_embd\": 40"));
+    assert!(e.contains("`transformer.h.0.attn.c_attn.bias` has shape [144], the model's is [120]"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `prepare` with a byte-level BPE trained on the text: text files in a directory and one
+/// field of JSON lines become shards whose windows are the documents' tokens in order (each
+/// document then `<|endoftext|>`), decoding back to the documents byte for byte; windows never
+/// cross a shard's end.
+#[test]
+fn text_and_json_lines_become_token_shards_that_decode_back() {
+    use crate::tokens::{prepare, sources, train_bpe, TokenShards};
+    let dir = std::env::temp_dir().join(format!("kolo-tokens-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("corpus/sub")).unwrap();
+    let text = std::fs::read_to_string(kolo_testkit::files::shakespeare()).unwrap();
+    let (a, b) = (&text[..20_000], &text[20_000..33_000]);
+    std::fs::write(dir.join("corpus/a.txt"), a).unwrap();
+    std::fs::write(dir.join("corpus/sub/b.txt"), b).unwrap();
+    let lines = [("first line, \\u00e9t\\u00e9", "x"), ("second: ROMEO", "y")];
+    let jsonl: String = lines.iter().map(|(t, o)| format!("{{\"text\": \"{t}\", \"other\": \"{o}\"}}\n")).collect();
+    std::fs::write(dir.join("corpus/c.jsonl"), &jsonl).unwrap();
+    let tok = train_bpe(&[dir.join("corpus/a.txt")], 300, &dir.join("tokenizer.json")).unwrap();
+    assert_eq!(tok.vocab_size(), 300);
+    let src = sources(&[dir.join("corpus")], Some("text")).unwrap();
+    assert_eq!(src.len(), 3);
+    let p = prepare(&tok, &src, &dir.join("shards"), 1000, &|_| {}).unwrap();
+    assert_eq!(p.documents, 4);
+    assert!(p.shards.len() > 3, "{} shards", p.shards.len());
+    let shards = TokenShards::open(&dir.join("shards")).unwrap();
+    assert_eq!(shards.tokens(), p.tokens);
+    // Windows of one token are the whole stream, in order.
+    let stream: Vec<u32> = (0..shards.windows(1)).map(|i| shards.window(i, 1)[0]).collect();
+    assert_eq!(stream.len() as u64, p.tokens);
+    let eot = tok.tokenizer.token_to_id("<|endoftext|>").unwrap();
+    let docs: Vec<&[u32]> = stream.split(|t| *t == eot).collect();
+    let decode = |ids: &[u32]| tok.tokenizer.decode(ids, false).unwrap();
+    assert_eq!(docs.len(), 5, "4 documents, each followed by <|endoftext|>");
+    assert_eq!(decode(docs[0]), a);
+    assert_eq!((decode(docs[1]).as_str(), decode(docs[2]).as_str()), ("first line, \u{e9}t\u{e9}", "second: ROMEO"));
+    assert_eq!(decode(docs[3]), b);
+    // A window of 7 never crosses a shard's end: every full shard (1000 tokens) gives 142.
+    let last = p.tokens as usize - 1000 * (p.shards.len() - 1);
+    assert_eq!(shards.windows(7), (p.shards.len() - 1) * 142 + last / 7);
+    assert_eq!(shards.window(142, 7), stream[1000..1007].to_vec());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Shards of two tokenizers in one directory, shards checked against another tokenizer or a
+/// model with a smaller embedding, a cut shard and a JSON line without the field: each a
+/// one-line error naming it.
+#[test]
+fn token_shards_that_do_not_fit_are_named() {
+    use crate::tokens::{prepare, sources, train_bpe, TokenShards};
+    let dir = std::env::temp_dir().join(format!("kolo-tokens-bad-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read_to_string(kolo_testkit::files::shakespeare()).unwrap();
+    std::fs::write(dir.join("a.txt"), &text[..8000]).unwrap();
+    let t1 = train_bpe(&[dir.join("a.txt")], 300, &dir.join("t1.json")).unwrap();
+    let t2 = train_bpe(&[dir.join("a.txt")], 280, &dir.join("t2.json")).unwrap();
+    let src = sources(&[dir.join("a.txt")], None).unwrap();
+    prepare(&t1, &src, &dir.join("one"), 100_000, &|_| {}).unwrap();
+    prepare(&t2, &src, &dir.join("two"), 100_000, &|_| {}).unwrap();
+    let shards = TokenShards::open(&dir.join("one")).unwrap();
+    assert!(shards.check(Some(&t1), 300).is_ok());
+    let e = shards.check(Some(&t2), 300).unwrap_err().to_string();
+    assert!(e.contains("another tokenizer"), "{e}");
+    let e = shards.check(None, 96).unwrap_err().to_string();
+    assert!(e.contains("300 tokens") && e.contains("embeds 96"), "{e}");
+    std::fs::copy(dir.join("two/shard-00000.bin"), dir.join("one/shard-00001.bin")).unwrap();
+    let e = TokenShards::open(&dir.join("one")).err().unwrap().to_string();
+    assert!(e.contains("shard-00001.bin: made with another tokenizer"), "{e}");
+    let f = dir.join("one/shard-00001.bin");
+    let bytes = std::fs::read(dir.join("one/shard-00000.bin")).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() - 3]).unwrap();
+    let e = TokenShards::open(&dir.join("one")).err().unwrap().to_string();
+    assert!(e.contains("shard-00001.bin: the header says"), "{e}");
+    std::fs::write(dir.join("b.jsonl"), "{\"text\": \"a\"}\n{\"body\": \"b\"}\n").unwrap();
+    let e =
+        prepare(&t1, &sources(&[dir.join("b.jsonl")], Some("text")).unwrap(), &dir.join("three"), 100, &|_| {}).unwrap_err().to_string();
+    assert!(e.contains("b.jsonl:2: no string field `text`"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A Llama-style model saved by `transformers` (`LlamaForCausalLM`: RMSNorm, rotary
+/// embeddings, SwiGLU, 4 query heads over 2 key/value heads, untied output) gives its logits in
+/// Kolo within 1e-4; it trains (every parameter receives a gradient through the trainer's hook,
+/// and a few SGD steps lower the loss) and saves back under the same names and shapes.
+#[test]
+fn hugging_face_llama_loads_with_transformers_logits_trains_and_saves_back() {
+    let dir = kolo_testkit::files::hf_llama_tiny();
+    let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let (ids, want) = (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone());
+    let (varmap, model) = crate::hf::load_llama(&dir, &Device::Cpu).unwrap();
+    let d = max_diff(&model.forward(&ids).unwrap(), &want);
+    eprintln!("Llama logits: max difference from transformers' {d:.2e}");
+    assert!(d < 1e-4, "logits differ from transformers' by {d}");
+    assert!(max_diff(&want, &want.zeros_like().unwrap()) > 1.0);
+
+    let dist = world_of_one();
+    let mut t = Trainer::new(&varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 0.05\n")).unwrap();
+    let first = t.step(|| model.loss(&ids)).unwrap().loss;
+    for _ in 0..4 {
+        t.step(|| model.loss(&ids)).unwrap();
+    }
+    let last = t.step(|| model.loss(&ids)).unwrap().loss;
+    assert!(last < first - 0.1, "loss {first} -> {last}");
+
+    let out = std::env::temp_dir().join(format!("kolo-llama-save-{}", std::process::id()));
+    crate::hf::save_pretrained(&out, &varmap, model.config()).unwrap();
+    assert_eq!(saved_tensors(&out), saved_tensors(&dir));
+    let (_, again) = crate::hf::load_llama(&out, &Device::Cpu).unwrap();
+    assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0);
+    let _ = std::fs::remove_dir_all(&out);
+}
