@@ -69,11 +69,11 @@ impl CommArgs {
 
     /// Joins the job on the chosen backend (see [`Backend`]).
     pub fn join_any(&self) -> anyhow::Result<kolo::Dist> {
-        kolo::init_with(&kolo::InitOptions { backend: self.backend, comm: self.config() })
+        Ok(kolo::init_with(&kolo::InitOptions { backend: self.backend, comm: self.config() })?)
     }
 
     /// Joins the job this process was launched into (or runs alone) over the built-in transport.
     pub fn join(&self) -> anyhow::Result<Bootstrapped> {
-        kolo::dist::join_builtin(self.config())
+        Ok(kolo::dist::join_builtin(self.config())?)
     }
 }

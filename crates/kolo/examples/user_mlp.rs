@@ -65,7 +65,7 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     if dist.is_main() {
         println!("test accuracy {:.2}% on {} images; checkpoint {}", 100.0 * right / test.len() as f32, test.len(), saved.display());
     }
-    trainer.flat_params()
+    Ok(trainer.flat_params()?)
 }
 
 #[allow(dead_code)]

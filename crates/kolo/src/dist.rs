@@ -1,6 +1,7 @@
 //! Joining a job: the communicator of this process, from the environment that `kolo launch`,
 //! torchrun, Slurm or mpirun set (or a world of one when nothing is set).
 
+use crate::{Error, Result};
 use kolo_collectives::{bootstrap, Bootstrapped, HostComm, HostCommConfig};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -109,10 +110,11 @@ impl Dist {
     /// de-duplication): predictions and labels of an evaluation split over the ranks. Ranks may
     /// hold different numbers of rows (a last, shorter batch); the other dimensions and the
     /// dtype must agree. A scalar counts as one row. The result is on `t`'s device.
-    pub fn all_gather(&self, t: &candle_core::Tensor) -> anyhow::Result<candle_core::Tensor> {
+    pub fn all_gather(&self, t: &candle_core::Tensor) -> Result<candle_core::Tensor> {
         let t = if t.rank() == 0 { t.reshape(1)? } else { t.clone() };
         let (rows, rest) = (t.dim(0)?, t.dims()[1..].to_vec());
-        let (bytes, row_bytes) = (tensor_bytes(&t.flatten_all()?)?, t.dtype().size_in_bytes() * rest.iter().product::<usize>());
+        let (bytes, row_bytes) =
+            (tensor_bytes(&t.flatten_all()?, self.rank())?, t.dtype().size_in_bytes() * rest.iter().product::<usize>());
         // Every rank's row count, dtype and row shape first: a mismatch fails every rank alike.
         let (n, rank) = (self.world_size(), self.rank());
         let mine = [rows as i64, dtype_code(t.dtype()), shape_code(&rest)];
@@ -120,10 +122,11 @@ impl Dist {
         self.comm.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut all[..]))?;
         for (r, d) in all.chunks(3).enumerate() {
             if d[1] != mine[1] || d[2] != mine[2] {
-                anyhow::bail!(
-                    "rank {rank}: all_gather of a {:?} tensor with rows of shape {rest:?}, but rank {r} holds another dtype or row shape",
-                    t.dtype()
-                );
+                return Err(Error::usage(
+                    rank,
+                    "Dist::all_gather",
+                    format!("a {:?} tensor with rows of shape {rest:?}, but rank {r} holds another dtype or row shape", t.dtype()),
+                ));
             }
         }
         let max = all.chunks(3).map(|d| d[0] as usize).max().unwrap_or(0);
@@ -146,14 +149,14 @@ impl Dist {
 /// Joins the job this process was started in, as [`init_with`] with the defaults: MPI when
 /// mpirun started it and this kolo has MPI, else the built-in transport; a 300 s deadline on
 /// every collective.
-pub fn init() -> anyhow::Result<Dist> {
+pub fn init() -> Result<Dist> {
     init_with(&InitOptions::default())
 }
 
 /// Joins the job on the chosen backend. Without launcher variables the process is a world of
 /// one. From then on `SIGUSR1` prints the built-in communicator's flight recorder (its last
 /// collectives, the one in progress marked) to stderr, also while a collective hangs.
-pub fn init_with(o: &InitOptions) -> anyhow::Result<Dist> {
+pub fn init_with(o: &InitOptions) -> Result<Dist> {
     let timeout = o.comm.timeout;
     let mpi = match o.backend {
         Backend::Mpi => true,
@@ -167,7 +170,7 @@ pub fn init_with(o: &InitOptions) -> anyhow::Result<Dist> {
     };
     if mpi {
         let comm = kolo_mpi::world(timeout)?;
-        let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| anyhow::anyhow!(e))?;
+        let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| Error::Join(e.to_string()))?;
         let (local_rank, local_world_size) = env.map_or((0, 1), |e| (e.local_rank, e.local_world_size));
         return Ok(Dist { comm, host: None, local_rank, local_world_size });
     }
@@ -176,8 +179,8 @@ pub fn init_with(o: &InitOptions) -> anyhow::Result<Dist> {
 }
 
 /// Joins over the built-in transport.
-pub fn join_builtin(cfg: HostCommConfig) -> anyhow::Result<Bootstrapped> {
-    let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| anyhow::anyhow!(e))?;
+pub fn join_builtin(cfg: HostCommConfig) -> Result<Bootstrapped> {
+    let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| Error::Join(e.to_string()))?;
     let b = bootstrap(env.as_ref(), cfg)?;
     dump_on_sigusr1(Arc::downgrade(&b.comm));
     Ok(b)
@@ -216,7 +219,7 @@ fn dump_on_sigusr1(comm: Weak<HostComm>) {
 }
 
 /// A contiguous CPU copy of `t`'s values as bytes (little-endian, as candle stores them).
-fn tensor_bytes(t: &candle_core::Tensor) -> anyhow::Result<Vec<u8>> {
+fn tensor_bytes(t: &candle_core::Tensor, rank: usize) -> Result<Vec<u8>> {
     use candle_core::DType;
     let t = t.to_device(&candle_core::Device::Cpu)?;
     fn le<T: Copy>(v: Vec<T>, f: impl Fn(T) -> Vec<u8>) -> Vec<u8> {
@@ -230,7 +233,10 @@ fn tensor_bytes(t: &candle_core::Tensor) -> anyhow::Result<Vec<u8>> {
         DType::F64 => le(t.to_vec1::<f64>()?, |x| x.to_le_bytes().to_vec()),
         DType::BF16 => le(t.to_vec1::<half::bf16>()?, |x| x.to_le_bytes().to_vec()),
         DType::F16 => le(t.to_vec1::<half::f16>()?, |x| x.to_le_bytes().to_vec()),
-        d => anyhow::bail!("all_gather: tensors of {d:?} are not supported (u8, u32, i64, f16, bf16, f32, f64)"),
+        d => {
+            let reason = format!("tensors of {d:?} are not supported (u8, u32, i64, f16, bf16, f32, f64)");
+            return Err(Error::usage(rank, "Dist::all_gather", reason));
+        }
     })
 }
 

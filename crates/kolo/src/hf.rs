@@ -7,7 +7,7 @@
 //! [`save_pretrained`] writes whole, shaped tensors under those names back out, with the
 //! `format = pt` metadata `transformers` requires.
 
-use anyhow::{bail, Context};
+use crate::{Error, Result};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{embedding, layer_norm, Embedding, LayerNorm, LayerNormConfig, VarBuilder, VarMap};
 use std::collections::HashMap;
@@ -58,32 +58,32 @@ fn yes() -> bool {
 
 impl Gpt2Config {
     /// Reads `dir/config.json` and refuses options this implementation does not have.
-    pub fn load(dir: &Path) -> anyhow::Result<Gpt2Config> {
+    pub fn load(dir: &Path) -> Result<Gpt2Config> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
-        let c: Gpt2Config = serde_json::from_str(&text).with_context(|| format!("{}: not a GPT-2 config", path.display()))?;
-        c.check().with_context(|| format!("{}", path.display()))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let c: Gpt2Config = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not a GPT-2 config: {e}")))?;
+        c.check().map_err(|e| Error::file(&path, e))?;
         Ok(c)
     }
 
-    fn check(&self) -> anyhow::Result<()> {
+    fn check(&self) -> std::result::Result<(), String> {
         let flag = |k: &str| self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
         if let Some(t) = self.other.get("model_type").and_then(|v| v.as_str()).filter(|t| *t != "gpt2") {
-            bail!("model_type \"{t}\" is not gpt2");
+            return Err(format!("model_type \"{t}\" is not gpt2"));
         }
         for k in ["scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"] {
             if flag(k) {
-                bail!("unsupported GPT-2 option {k} = true");
+                return Err(format!("unsupported GPT-2 option {k} = true"));
             }
         }
         if !["gelu_new", "gelu_pytorch_tanh", "gelu"].contains(&self.activation_function.as_str()) {
-            bail!("unsupported activation_function \"{}\" (gelu_new, gelu_pytorch_tanh or gelu)", self.activation_function);
+            return Err(format!("unsupported activation_function \"{}\" (gelu_new, gelu_pytorch_tanh or gelu)", self.activation_function));
         }
         if !self.tie_word_embeddings {
-            bail!("unsupported tie_word_embeddings = false (GPT-2's output projection is its token embedding)");
+            return Err("unsupported tie_word_embeddings = false (GPT-2's output projection is its token embedding)".to_string());
         }
         if self.n_head == 0 || !self.n_embd.is_multiple_of(self.n_head) {
-            bail!("n_embd {} is not a multiple of n_head {}", self.n_embd, self.n_head);
+            return Err(format!("n_embd {} is not a multiple of n_head {}", self.n_embd, self.n_head));
         }
         Ok(())
     }
@@ -217,7 +217,7 @@ fn next_token_loss(ids: &Tensor, forward: impl Fn(&Tensor) -> candle_core::Resul
 }
 
 /// Builds a GPT-2 from `dir` (`config.json`, `model.safetensors`) into a new VarMap on `device`.
-pub fn load_gpt2(dir: &Path, device: &Device) -> anyhow::Result<(VarMap, Gpt2)> {
+pub fn load_gpt2(dir: &Path, device: &Device) -> Result<(VarMap, Gpt2)> {
     let cfg = Gpt2Config::load(dir)?;
     let varmap = VarMap::new();
     let model = Gpt2::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
@@ -230,8 +230,8 @@ pub fn load_gpt2(dir: &Path, device: &Device) -> anyhow::Result<(VarMap, Gpt2)> 
 /// `h.0....` for `transformer.h.0....`), converted to the variable's dtype. Every variable must
 /// be there with its shape; the file's other tensors (buffers, a tied output projection) are
 /// ignored.
-pub fn load_weights(varmap: &VarMap, path: &Path) -> anyhow::Result<()> {
-    let file = candle_core::safetensors::load(path, &Device::Cpu).with_context(|| format!("{}", path.display()))?;
+pub fn load_weights(varmap: &VarMap, path: &Path) -> Result<()> {
+    let file = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| Error::file(path, e))?;
     let vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
     let mut names: Vec<&String> = vars.keys().collect();
     names.sort();
@@ -241,9 +241,9 @@ pub fn load_weights(varmap: &VarMap, path: &Path) -> anyhow::Result<()> {
         let t = file
             .get(name)
             .or_else(|| file.get(short))
-            .with_context(|| format!("{}: no tensor `{name}` (the model has {} parameters)", path.display(), vars.len()))?;
+            .ok_or_else(|| Error::file(path, format!("no tensor `{name}` (the model has {} parameters)", vars.len())))?;
         if t.dims() != var.dims() {
-            bail!("{}: tensor `{name}` has shape {:?}, the model's is {:?}", path.display(), t.dims(), var.dims());
+            return Err(Error::file(path, format!("tensor `{name}` has shape {:?}, the model's is {:?}", t.dims(), var.dims())));
         }
         var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
     }
@@ -253,7 +253,7 @@ pub fn load_weights(varmap: &VarMap, path: &Path) -> anyhow::Result<()> {
 /// Writes `dir/config.json` and `dir/model.safetensors` (every variable of `varmap` whole,
 /// under its name, f32, with `format = pt` metadata), as `save_pretrained` does; each file is
 /// written to a temporary name and renamed, so a reader never sees half a file.
-pub fn save_pretrained(dir: &Path, varmap: &VarMap, config: &impl serde::Serialize) -> anyhow::Result<()> {
+pub fn save_pretrained(dir: &Path, varmap: &VarMap, config: &impl serde::Serialize) -> Result<()> {
     let vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(vars.len());
     for (name, var) in vars.iter() {
@@ -266,22 +266,23 @@ pub fn save_pretrained(dir: &Path, varmap: &VarMap, config: &impl serde::Seriali
 
 /// Writes `model.safetensors` (whole f32 tensors, `format = pt`) and `config.json`, each
 /// atomically.
-fn write_pretrained(dir: &Path, mut tensors: Vec<(String, Vec<usize>, Vec<u8>)>, config: &impl serde::Serialize) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("{}", dir.display()))?;
+fn write_pretrained(dir: &Path, mut tensors: Vec<(String, Vec<usize>, Vec<u8>)>, config: &impl serde::Serialize) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let views = tensors
         .iter()
         .map(|(n, s, d)| Ok((n.as_str(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), d)?)))
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
+        .map_err(|e| Error::file(dir.join("model.safetensors"), e))?;
     let meta: HashMap<String, String> = [("format".to_string(), "pt".to_string())].into();
-    let write = |name: &str, bytes: &[u8]| -> anyhow::Result<()> {
+    let write = |name: &str, bytes: &[u8]| -> Result<()> {
         let (tmp, path) = (dir.join(format!(".{name}.tmp")), dir.join(name));
-        std::fs::write(&tmp, bytes).with_context(|| format!("{}", tmp.display()))?;
-        std::fs::rename(&tmp, &path).with_context(|| format!("{}", path.display()))?;
+        std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
         Ok(())
     };
-    write("model.safetensors", &safetensors::serialize(views, Some(meta))?)?;
-    write("config.json", serde_json::to_string_pretty(config)?.as_bytes())?;
+    write("model.safetensors", &safetensors::serialize(views, Some(meta)).map_err(|e| Error::file(dir.join("model.safetensors"), e))?)?;
+    write("config.json", serde_json::to_string_pretty(config).map_err(|e| Error::file(dir.join("config.json"), e))?.as_bytes())?;
     Ok(())
 }
 
@@ -334,39 +335,39 @@ fn default_silu() -> String {
 
 impl LlamaConfig {
     /// Reads `dir/config.json` and refuses options this implementation does not have.
-    pub fn load(dir: &Path) -> anyhow::Result<LlamaConfig> {
+    pub fn load(dir: &Path) -> Result<LlamaConfig> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
-        let c: LlamaConfig = serde_json::from_str(&text).with_context(|| format!("{}: not a Llama config", path.display()))?;
-        c.check().with_context(|| format!("{}", path.display()))?;
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let c: LlamaConfig = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not a Llama config: {e}")))?;
+        c.check().map_err(|e| Error::file(&path, e))?;
         Ok(c)
     }
 
-    fn check(&self) -> anyhow::Result<()> {
+    fn check(&self) -> std::result::Result<(), String> {
         let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
         if let Some(t) = get("model_type").and_then(|v| v.as_str()).filter(|t| *t != "llama") {
-            bail!("model_type \"{t}\" is not llama");
+            return Err(format!("model_type \"{t}\" is not llama"));
         }
         for k in ["attention_bias", "mlp_bias"] {
             if get(k).and_then(serde_json::Value::as_bool).unwrap_or(false) {
-                bail!("unsupported Llama option {k} = true");
+                return Err(format!("unsupported Llama option {k} = true"));
             }
         }
         if get("rope_scaling").is_some() {
-            bail!("unsupported Llama option rope_scaling (only the default rotary embedding)");
+            return Err("unsupported Llama option rope_scaling (only the default rotary embedding)".to_string());
         }
         if let Some(t) = get("rope_parameters").and_then(|p| p.get("rope_type")).and_then(|t| t.as_str()).filter(|t| *t != "default") {
-            bail!("unsupported rope_type \"{t}\" (only \"default\")");
+            return Err(format!("unsupported rope_type \"{t}\" (only \"default\")"));
         }
         if self.hidden_act != "silu" {
-            bail!("unsupported hidden_act \"{}\" (silu)", self.hidden_act);
+            return Err(format!("unsupported hidden_act \"{}\" (silu)", self.hidden_act));
         }
         let (h, kv) = (self.num_attention_heads, self.kv_heads());
         if h == 0 || kv == 0 || !h.is_multiple_of(kv) {
-            bail!("num_attention_heads {h} is not a multiple of num_key_value_heads {kv}");
+            return Err(format!("num_attention_heads {h} is not a multiple of num_key_value_heads {kv}"));
         }
         if !self.head_dim().is_multiple_of(2) {
-            bail!("head_dim {} is odd (rotary embeddings rotate pairs)", self.head_dim());
+            return Err(format!("head_dim {} is odd (rotary embeddings rotate pairs)", self.head_dim()));
         }
         Ok(())
     }
@@ -515,7 +516,7 @@ impl Llama {
 }
 
 /// Builds a Llama-style model from `dir` (`config.json`, `model.safetensors`) into a new VarMap.
-pub fn load_llama(dir: &Path, device: &Device) -> anyhow::Result<(VarMap, Llama)> {
+pub fn load_llama(dir: &Path, device: &Device) -> Result<(VarMap, Llama)> {
     let cfg = LlamaConfig::load(dir)?;
     let varmap = VarMap::new();
     let model = Llama::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
@@ -554,7 +555,7 @@ impl CausalLm {
         }
     }
     /// Writes the model as `save_pretrained` does ([`save_pretrained`] with its config).
-    pub fn save_pretrained(&self, dir: &Path, varmap: &VarMap) -> anyhow::Result<()> {
+    pub fn save_pretrained(&self, dir: &Path, varmap: &VarMap) -> Result<()> {
         match self {
             CausalLm::Gpt2(m) => save_pretrained(dir, varmap, m.config()),
             CausalLm::Llama(m) => save_pretrained(dir, varmap, m.config()),
@@ -571,14 +572,14 @@ impl CausalLm {
 
 /// Loads the causal language model in `dir` (GPT-2 or Llama, by `config.json`'s `model_type`)
 /// into a new VarMap on `device`.
-pub fn load_causal_lm(dir: &Path, device: &Device) -> anyhow::Result<(VarMap, CausalLm)> {
+pub fn load_causal_lm(dir: &Path, device: &Device) -> Result<(VarMap, CausalLm)> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).with_context(|| format!("{}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not JSON", path.display()))?;
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
     match v.get("model_type").and_then(|t| t.as_str()) {
         Some("gpt2") => load_gpt2(dir, device).map(|(v, m)| (v, CausalLm::Gpt2(m))),
         Some("llama") => load_llama(dir, device).map(|(v, m)| (v, CausalLm::Llama(m))),
-        Some(t) => bail!("{}: model_type \"{t}\" is not supported (gpt2, llama)", path.display()),
-        None => bail!("{}: no model_type", path.display()),
+        Some(t) => Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, llama)"))),
+        None => Err(Error::file(&path, "no model_type")),
     }
 }

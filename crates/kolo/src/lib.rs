@@ -28,6 +28,7 @@
 
 pub mod data;
 pub mod dist;
+mod error;
 #[cfg(feature = "hf")]
 pub mod hf;
 #[cfg(feature = "hf")]
@@ -51,6 +52,7 @@ pub use candle_core;
 /// The candle-nn this Kolo is built with.
 pub use candle_nn;
 pub use dist::{init, init_with, Dist, InitOptions};
+pub use error::{Error, Result};
 pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 
 /// The types of [`TrainOptions`]' tables (shared with `kolo train`'s config file).

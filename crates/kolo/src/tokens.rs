@@ -7,7 +7,7 @@
 //! its `tokenizer.json`), zeros. A directory of shards (`shard-00000.bin`, ...) written by one
 //! [`prepare`] shares one tokenizer; [`TokenShards::open`] refuses a mix.
 
-use anyhow::{bail, Context};
+use crate::{Error, Result};
 use rayon::prelude::*;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -44,22 +44,22 @@ impl ShardHeader {
     }
 
     /// Parses and checks a header against the file's length.
-    fn decode(b: &[u8], len: u64, path: &Path) -> anyhow::Result<ShardHeader> {
+    fn decode(b: &[u8], len: u64, path: &Path) -> Result<ShardHeader> {
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
         if b.len() < HEADER || &b[..8] != MAGIC {
-            bail!("{}: not a Kolo token shard (no KOLOTOK1 header)", path.display());
+            return Err(Error::file(path, "not a Kolo token shard (no KOLOTOK1 header)".to_string()));
         }
         if u32_at(8) != VERSION {
-            bail!("{}: token shard format {} (this Kolo reads {VERSION})", path.display(), u32_at(8));
+            return Err(Error::file(path, format!("token shard format {} (this Kolo reads {VERSION})", u32_at(8))));
         }
         let h = ShardHeader { bytes_per_token: u32_at(12), tokens: u64_at(16), vocab_size: u64_at(24), tokenizer: u64_at(32) };
         if !matches!(h.bytes_per_token, 2 | 4) {
-            bail!("{}: {} bytes per token (2 or 4)", path.display(), h.bytes_per_token);
+            return Err(Error::file(path, format!("{} bytes per token (2 or 4)", h.bytes_per_token)));
         }
         let want = h.tokens.checked_mul(u64::from(h.bytes_per_token)).and_then(|n| n.checked_add(HEADER as u64));
         if want != Some(len) {
-            bail!("{}: the header says {} tokens but the file has {len} bytes", path.display(), h.tokens);
+            return Err(Error::file(path, format!("the header says {} tokens but the file has {len} bytes", h.tokens)));
         }
         Ok(h)
     }
@@ -80,9 +80,9 @@ pub struct Tok {
 
 impl Tok {
     /// Loads a `tokenizer.json`.
-    pub fn load(path: &Path) -> anyhow::Result<Tok> {
-        let bytes = std::fs::read(path).with_context(|| format!("{}", path.display()))?;
-        let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    pub fn load(path: &Path) -> Result<Tok> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| Error::file(path, e))?;
         Ok(Tok { tokenizer, fingerprint: fingerprint(&bytes) })
     }
 
@@ -95,13 +95,14 @@ impl Tok {
 /// Trains a byte-level BPE tokenizer (GPT-2's kind: every byte is a token, merges on top) of
 /// `vocab_size` tokens on `files`, with `<|endoftext|>` as its one special token, and writes it
 /// to `out` (`tokenizer.json`).
-pub fn train_bpe(files: &[PathBuf], vocab_size: usize, out: &Path) -> anyhow::Result<Tok> {
+pub fn train_bpe(files: &[PathBuf], vocab_size: usize, out: &Path) -> Result<Tok> {
     use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
     use tokenizers::normalizers::NormalizerWrapper;
     use tokenizers::pre_tokenizers::byte_level::ByteLevel;
     use tokenizers::{AddedToken, TokenizerBuilder};
     if vocab_size < 257 {
-        bail!("a byte-level BPE needs a vocabulary of at least 257 tokens (256 bytes and <|endoftext|>), not {vocab_size}");
+        let reason = format!("a byte-level BPE needs a vocabulary of at least 257 tokens (256 bytes and <|endoftext|>), not {vocab_size}");
+        return Err(Error::setting("--train-bpe", reason));
     }
     let mut trainer = BpeTrainerBuilder::new()
         .show_progress(false)
@@ -117,14 +118,21 @@ pub fn train_bpe(files: &[PathBuf], vocab_size: usize, out: &Path) -> anyhow::Re
         .with_post_processor(Some(ByteLevel::default()))
         .with_decoder(Some(ByteLevel::default()))
         .build()
-        .map_err(|e| anyhow::anyhow!("building the BPE tokenizer: {e}"))?;
+        .map_err(|e| Error::file(out, format!("building the BPE tokenizer: {e}")))?;
     let names = files.iter().map(|f| f.to_string_lossy().into_owned()).collect();
-    tok.train_from_files(&mut trainer, names).map_err(|e| anyhow::anyhow!("training the BPE tokenizer: {e}"))?;
+    tok.train_from_files(&mut trainer, names).map_err(|e| Error::file(out, format!("training the BPE tokenizer: {e}")))?;
     if let Some(d) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(d)?;
+        std::fs::create_dir_all(d).map_err(|e| Error::io(d, e))?;
     }
-    tok.save(out, false).map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+    tok.save(out, false).map_err(|e| Error::file(out, e))?;
     Tok::load(out)
+}
+
+/// The file a source reads.
+fn source_path(s: &Source) -> &Path {
+    match s {
+        Source::Text(p) | Source::JsonLines { path: p, .. } => p,
+    }
 }
 
 /// Where `prepare` reads text: whole files, or one field of each JSON line.
@@ -143,11 +151,11 @@ pub enum Source {
 
 /// The sources under `inputs`: files as they are, directories walked (sorted, hidden entries
 /// skipped); `.jsonl` files read as JSON lines when `field` is given.
-pub fn sources(inputs: &[PathBuf], field: Option<&str>) -> anyhow::Result<Vec<Source>> {
-    fn walk(p: &Path, out: &mut Vec<PathBuf>) -> anyhow::Result<()> {
+pub fn sources(inputs: &[PathBuf], field: Option<&str>) -> Result<Vec<Source>> {
+    fn walk(p: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
         if p.is_dir() {
             let mut entries: Vec<PathBuf> = std::fs::read_dir(p)
-                .with_context(|| format!("{}", p.display()))?
+                .map_err(|e| Error::io(p, e))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|e| !e.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
                 .collect();
@@ -158,7 +166,7 @@ pub fn sources(inputs: &[PathBuf], field: Option<&str>) -> anyhow::Result<Vec<So
         } else if p.is_file() {
             out.push(p.to_path_buf());
         } else {
-            bail!("{}: no such file or directory", p.display());
+            return Err(Error::file(p, "no such file or directory".to_string()));
         }
         Ok(())
     }
@@ -176,20 +184,20 @@ pub fn sources(inputs: &[PathBuf], field: Option<&str>) -> anyhow::Result<Vec<So
 }
 
 /// The documents of one source.
-fn documents(s: &Source) -> anyhow::Result<Vec<String>> {
+fn documents(s: &Source) -> Result<Vec<String>> {
     match s {
-        Source::Text(p) => Ok(vec![std::fs::read_to_string(p).with_context(|| format!("{}: not UTF-8 text", p.display()))?]),
+        Source::Text(p) => Ok(vec![std::fs::read_to_string(p).map_err(|e| Error::file(p, format!("not UTF-8 text: {e}")))?]),
         Source::JsonLines { path, field } => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
             text.lines()
                 .enumerate()
                 .filter(|(_, l)| !l.trim().is_empty())
                 .map(|(i, l)| {
                     let v: serde_json::Value =
-                        serde_json::from_str(l).with_context(|| format!("{}:{}: not a JSON line", path.display(), i + 1))?;
+                        serde_json::from_str(l).map_err(|e| Error::file(path, format!("line {}: not a JSON line: {e}", i + 1)))?;
                     match v.get(field) {
                         Some(serde_json::Value::String(s)) => Ok(s.clone()),
-                        _ => bail!("{}:{}: no string field `{field}`", path.display(), i + 1),
+                        _ => Err(Error::file(path, format!("line {}: no string field `{field}`", i + 1))),
                     }
                 })
                 .collect()
@@ -212,53 +220,50 @@ pub struct Prepared {
 /// tokenizer's `<|endoftext|>` when it has one) and writes shards of at most `shard_tokens`
 /// tokens into `out`, in source order; `progress` is called with the sources done so far. Each
 /// shard is written to a temporary name and renamed.
-pub fn prepare(
-    tok: &Tok,
-    sources: &[Source],
-    out: &Path,
-    shard_tokens: usize,
-    progress: &(dyn Fn(usize) + Sync),
-) -> anyhow::Result<Prepared> {
+pub fn prepare(tok: &Tok, sources: &[Source], out: &Path, shard_tokens: usize, progress: &(dyn Fn(usize) + Sync)) -> Result<Prepared> {
     if shard_tokens == 0 {
-        bail!("shard size must be at least one token");
+        return Err(Error::setting("--shard-tokens", "a shard holds at least one token"));
     }
     let vocab = tok.vocab_size();
     let eot = tok.tokenizer.token_to_id("<|endoftext|>");
     let done = std::sync::atomic::AtomicUsize::new(0);
     let per_source: Vec<(Vec<u32>, usize)> = sources
         .par_iter()
-        .map(|s| -> anyhow::Result<(Vec<u32>, usize)> {
+        .map(|s| -> Result<(Vec<u32>, usize)> {
             let docs = documents(s)?;
             let mut ids = Vec::new();
             for d in &docs {
-                let e = tok.tokenizer.encode(d.as_str(), false).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+                let e = tok.tokenizer.encode(d.as_str(), false).map_err(|e| Error::file(source_path(s), format!("tokenizing: {e}")))?;
                 ids.extend_from_slice(e.get_ids());
                 ids.extend(eot);
             }
             progress(done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1);
             Ok((ids, docs.len()))
         })
-        .collect::<anyhow::Result<_>>()?;
-    std::fs::create_dir_all(out).with_context(|| format!("{}", out.display()))?;
+        .collect::<Result<_>>()?;
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let bytes_per_token: u32 = if vocab <= 1 << 16 { 2 } else { 4 };
     let all = per_source.iter().flat_map(|(ids, _)| ids.iter().copied());
     let mut shards = Vec::new();
     let mut buf: Vec<u32> = Vec::with_capacity(shard_tokens.min(1 << 24));
-    let mut write = |buf: &mut Vec<u32>| -> anyhow::Result<()> {
+    let mut write = |buf: &mut Vec<u32>| -> Result<()> {
         let path = out.join(format!("shard-{:05}.bin", shards.len()));
         let tmp = out.join(format!(".shard-{:05}.tmp", shards.len()));
         let h = ShardHeader { bytes_per_token, tokens: buf.len() as u64, vocab_size: vocab as u64, tokenizer: tok.fingerprint };
-        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("{}", tmp.display()))?);
-        f.write_all(&h.encode())?;
-        for &t in buf.iter() {
-            if bytes_per_token == 2 {
-                f.write_all(&(t as u16).to_le_bytes())?;
-            } else {
-                f.write_all(&t.to_le_bytes())?;
+        let written = || -> std::io::Result<()> {
+            let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+            f.write_all(&h.encode())?;
+            for &t in buf.iter() {
+                if bytes_per_token == 2 {
+                    f.write_all(&(t as u16).to_le_bytes())?;
+                } else {
+                    f.write_all(&t.to_le_bytes())?;
+                }
             }
-        }
-        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
+            f.into_inner().map_err(|e| e.into_error())?.sync_all()
+        };
+        written().map_err(|e| Error::io(&tmp, e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
         shards.push(path);
         buf.clear();
         Ok(())
@@ -279,47 +284,48 @@ pub fn prepare(
 
 /// A directory of token shards, memory-mapped: training windows are read where they lie.
 pub struct TokenShards {
+    dir: PathBuf,
     maps: Vec<(memmap2::Mmap, ShardHeader)>,
     header: ShardHeader,
 }
 
 impl TokenShards {
     /// Maps every `shard-*.bin` in `dir` (sorted) and checks that they share one tokenizer.
-    pub fn open(dir: &Path) -> anyhow::Result<TokenShards> {
+    pub fn open(dir: &Path) -> Result<TokenShards> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .with_context(|| format!("{}", dir.display()))?
+            .map_err(|e| Error::io(dir, e))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("shard-") && n.to_string_lossy().ends_with(".bin")))
             .collect();
         files.sort();
         if files.is_empty() {
-            bail!("{}: no token shards (shard-*.bin); make them with `kolo data prepare`", dir.display());
+            return Err(Error::file(dir, "no token shards (shard-*.bin); make them with `kolo data prepare`".to_string()));
         }
         let mut maps = Vec::with_capacity(files.len());
         for f in &files {
-            let file = std::fs::File::open(f).with_context(|| format!("{}", f.display()))?;
+            let file = std::fs::File::open(f).map_err(|e| Error::io(f, e))?;
             // SAFETY: shards are written once, to a temporary name, and renamed; nothing
             // writes to a shard file after that.
-            let map = unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("{}", f.display()))?;
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(f, e))?;
             let h = ShardHeader::decode(&map[..map.len().min(HEADER)], map.len() as u64, f)?;
             if let Some((_, first)) = maps.first() {
                 let first: &ShardHeader = first;
                 if (h.tokenizer, h.vocab_size) != (first.tokenizer, first.vocab_size) {
-                    bail!(
-                        "{}: made with another tokenizer (fingerprint {:016x}, vocabulary {}) than {} ({:016x}, {})",
-                        f.display(),
+                    let reason = format!(
+                        "made with another tokenizer (fingerprint {:016x}, vocabulary {}) than {} ({:016x}, {})",
                         h.tokenizer,
                         h.vocab_size,
                         files[0].display(),
                         first.tokenizer,
                         first.vocab_size
                     );
+                    return Err(Error::file(f, reason));
                 }
             }
             maps.push((map, h));
         }
         let header = maps[0].1;
-        Ok(TokenShards { maps, header })
+        Ok(TokenShards { dir: dir.to_path_buf(), maps, header })
     }
 
     /// The first shard's header (every shard shares tokenizer and vocabulary).
@@ -334,16 +340,17 @@ impl TokenShards {
 
     /// Refuses shards whose tokenizer is not `tok` or whose ids do not fit a model embedding
     /// `model_vocab` tokens.
-    pub fn check(&self, tok: Option<&Tok>, model_vocab: usize) -> anyhow::Result<()> {
+    pub fn check(&self, tok: Option<&Tok>, model_vocab: usize) -> Result<()> {
         if let Some(t) = tok.filter(|t| t.fingerprint != self.header.tokenizer) {
-            bail!(
+            let reason = format!(
                 "the shards were made with another tokenizer (fingerprint {:016x}; this tokenizer's is {:016x})",
-                self.header.tokenizer,
-                t.fingerprint
+                self.header.tokenizer, t.fingerprint
             );
+            return Err(Error::file(&self.dir, reason));
         }
         if self.header.vocab_size > model_vocab as u64 {
-            bail!("the shards' tokenizer has {} tokens but the model embeds {model_vocab}", self.header.vocab_size);
+            let reason = format!("the shards' tokenizer has {} tokens but the model embeds {model_vocab}", self.header.vocab_size);
+            return Err(Error::file(&self.dir, reason));
         }
         Ok(())
     }

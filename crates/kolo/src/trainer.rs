@@ -10,7 +10,7 @@
 //! (`Tensor::backward_with_hook` in Kolo's vendored candle-core): a bucket starts its all-reduce
 //! as soon as its last gradient is final, while backward continues with earlier layers.
 
-use crate::Dist;
+use crate::{Dist, Error, Result};
 use candle_core::{DType, Tensor, TensorId};
 use candle_nn::VarMap;
 use kolo_comm::Communicator;
@@ -152,78 +152,88 @@ impl TrainOptions {
     }
 
     /// Reads the options from a TOML file (unknown keys are an error).
-    pub fn from_toml(path: impl AsRef<Path>) -> anyhow::Result<TrainOptions> {
+    pub fn from_toml(path: impl AsRef<Path>) -> Result<TrainOptions> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        Self::from_toml_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_toml_str(&text).map_err(|e| match e {
+            Error::File { reason, .. } => Error::file(path, reason),
+            e => e,
+        })
     }
 
     /// Parses the options from TOML text.
-    pub fn from_toml_str(text: &str) -> anyhow::Result<TrainOptions> {
-        let o: TrainOptions = toml::from_str(text)?;
+    pub fn from_toml_str(text: &str) -> Result<TrainOptions> {
+        let o: TrainOptions = toml::from_str(text).map_err(|e| Error::file("<options>", e))?;
         o.check()?;
         Ok(o)
     }
 
-    /// Refuses the settings the trainer cannot honour, naming them.
-    pub fn check(&self) -> anyhow::Result<()> {
+    /// Refuses the settings the trainer cannot honour, naming them ([`Error::Setting`]).
+    pub fn check(&self) -> Result<()> {
         let d = &self.ddp;
         let refused = [
-            (d.zero_stage > 3, "ddp.zero_stage above 3"),
+            (d.zero_stage > 3, "ddp.zero_stage", " above 3"),
             (
                 d.zero_stage == 3
                     && (self.train.grad_accum > 1
                         || self.train.precision != Precision::F32
                         || d.compression.is_some()
                         || d.local_sgd.is_some()),
-                "ddp.zero_stage = 3 with train.grad_accum > 1, train.precision other than f32, ddp.compression or ddp.local_sgd",
+                "ddp.zero_stage",
+                " = 3 with train.grad_accum > 1, train.precision other than f32, ddp.compression or ddp.local_sgd",
             ),
-            (d.deterministic, "ddp.deterministic (the trainer does not own the batch, which it cuts into pieces)"),
+            (d.deterministic, "ddp.deterministic", " (the trainer does not own the batch, which it cuts into pieces)"),
             (
                 d.local_sgd.as_ref().is_some_and(|l| l.every == 0 || d.zero_stage != 0 || d.compression.is_some()),
-                "ddp.local_sgd with every = 0, ddp.zero_stage other than 0 or ddp.compression (each replica steps its own whole model)",
+                "ddp.local_sgd",
+                " with every = 0, ddp.zero_stage other than 0 or ddp.compression (each replica steps its own whole model)",
             ),
             (
                 d.liveness_secs != DdpSettings::default().liveness_secs,
-                "ddp.liveness_secs (the communicator exists before the Trainer: set InitOptions.comm.liveness for kolo::init_with)",
+                "ddp.liveness_secs",
+                " (the communicator exists before the Trainer: set InitOptions.comm.liveness for kolo::init_with)",
             ),
-            (d.schedule.is_some(), "ddp.schedule (scheduled communication)"),
-            (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every (the trainer does not own the batch)"),
-            (d.skip_sync, "ddp.skip_sync"),
-            (d.check_collectives, "ddp.check_collectives (wrap the communicator with kolo_comm::Checked instead)"),
+            (d.schedule.is_some(), "ddp.schedule", " (scheduled communication)"),
+            (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every", " (the trainer does not own the batch)"),
+            (d.skip_sync, "ddp.skip_sync", " (a benchmark setting of kolo train)"),
+            (d.check_collectives, "ddp.check_collectives", " (wrap the communicator with kolo_comm::Checked instead)"),
             (
                 self.optim.reference_batch.is_some() && self.data.batch_size == 0,
-                "optim.reference_batch without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
+                "optim.reference_batch",
+                " without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
             ),
-            (self.train.grad_accum == 0, "train.grad_accum = 0 (at least 1)"),
+            (self.train.grad_accum == 0, "train.grad_accum", " = 0 (at least 1)"),
             (
                 self.train.precision == Precision::F16 && self.ddp.local_sgd.is_some(),
-                "train.precision = \"f16\" with ddp.local_sgd (each replica would need its own loss scale)",
+                "train.precision",
+                " = \"f16\" with ddp.local_sgd (each replica would need its own loss scale)",
             ),
             (
                 self.train.device != "cpu",
-                "train.device other than cpu (build the model on its device; GPU training of user models is not there yet)",
+                "train.device",
+                " other than cpu (build the model on its device; GPU training of user models is not there yet)",
             ),
-            (self.train.strategy != Strategy::Ddp, "train.strategy = \"ps\""),
-            (self.train.seed != 0, "train.seed (seed your model before building it: dist.device().set_seed(..))"),
-            (self.train.eval_every != 0, "train.eval_every (evaluate in your loop)"),
+            (self.train.strategy != Strategy::Ddp, "train.strategy", " = \"ps\""),
+            (self.train.seed != 0, "train.seed", " (seed your model before building it: dist.device().set_seed(..))"),
+            (self.train.eval_every != 0, "train.eval_every", " (evaluate in your loop)"),
             (
                 self.train.sample_chars != 200 || self.train.sample_temperature != 0.8,
-                "train.sample_* (generation belongs to the built-in GPT)",
+                "train.sample_*",
+                " (generation belongs to the built-in GPT)",
             ),
         ];
-        if let Some((_, what)) = refused.iter().find(|(bad, _)| *bad) {
-            anyhow::bail!("kolo::Trainer does not support {what}");
+        if let Some((_, setting, why)) = refused.iter().find(|(bad, _, _)| *bad) {
+            return Err(Error::setting(*setting, format!("kolo::Trainer does not support {setting}{why}")));
         }
         if !(self.optim.lr.is_finite() && self.optim.lr >= 0.0) {
-            anyhow::bail!("optim.lr = {} is not a finite, non-negative number", self.optim.lr);
+            return Err(Error::setting("optim.lr", format!("{} is not a finite, non-negative number", self.optim.lr)));
         }
         if self.optim.clip_grad_norm.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
-            anyhow::bail!("optim.clip_grad_norm must be a positive number");
+            return Err(Error::setting("optim.clip_grad_norm", "must be a positive number"));
         }
-        d.bucket_cap().map_err(anyhow::Error::msg)?;
-        d.first_bucket_cap().map_err(anyhow::Error::msg)?;
-        d.compression().map_err(anyhow::Error::msg)?;
+        d.bucket_cap().map_err(|e| Error::setting("ddp.bucket_cap", e))?;
+        d.first_bucket_cap().map_err(|e| Error::setting("ddp.first_bucket_cap", e))?;
+        d.compression().map_err(|e| Error::setting("ddp.compression", e))?;
         Ok(())
     }
 }
@@ -324,7 +334,7 @@ impl Trainer {
     /// Collective: adopts the VarMap's variables (every rank must have built the same model:
     /// names and shapes are compared), makes rank 0's initial values everyone's, and sets up
     /// DDP or ZeRO-1/2 and the optimizer.
-    pub fn new(varmap: &VarMap, dist: &Dist, opts: TrainOptions) -> anyhow::Result<Trainer> {
+    pub fn new(varmap: &VarMap, dist: &Dist, opts: TrainOptions) -> Result<Trainer> {
         Self::build(varmap, dist, opts, &[])
     }
 
@@ -339,33 +349,38 @@ impl Trainer {
     /// Reading a sharded variable is a collective: every rank must run the same model code,
     /// on the training thread. Outside [`Trainer::step`] (evaluation, export), call it on every
     /// rank too, or gather the whole model first with [`Trainer::unshard`].
-    pub fn with_zero3_groups(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> anyhow::Result<Trainer> {
+    pub fn with_zero3_groups(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
         if opts.ddp.zero_stage != 3 || groups.is_empty() {
-            anyhow::bail!(
-                "Trainer::with_zero3_groups needs ddp.zero_stage = 3 and at least one group (got stage {}, {} groups)",
-                opts.ddp.zero_stage,
-                groups.len()
-            );
+            return Err(Error::setting(
+                "ddp.zero_stage",
+                format!(
+                    "Trainer::with_zero3_groups needs ddp.zero_stage = 3 and at least one group (got stage {}, {} groups)",
+                    opts.ddp.zero_stage,
+                    groups.len()
+                ),
+            ));
         }
         Self::build(varmap, dist, opts, groups)
     }
 
-    fn build(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> anyhow::Result<Trainer> {
+    fn build(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
         opts.check()?;
         if opts.ddp.zero_stage == 3 && groups.is_empty() {
-            anyhow::bail!(
-                "ddp.zero_stage = 3 shards parameter groups named by prefix: create the trainer with Trainer::with_zero3_groups(&varmap, &dist, opts, &[\"layers.0.\", ..])"
-            );
+            return Err(Error::setting(
+                "ddp.zero_stage",
+                "3 shards parameter groups named by prefix: create the trainer with Trainer::with_zero3_groups(&varmap, &dist, opts, &[\"layers.0.\", ..])",
+            ));
         }
         kolo_train::trainer::retain_freed_memory();
         let comm = dist.comm().clone();
         let mut vars: Vec<(String, candle_core::Var)> =
             varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
         if vars.is_empty() {
-            anyhow::bail!(
-                "rank {}: the VarMap holds no parameters: build the model through VarBuilder::from_varmap(&varmap, ..) before creating the Trainer",
-                dist.rank()
-            );
+            return Err(Error::usage(
+                dist.rank(),
+                "Trainer::new",
+                "the VarMap holds no parameters: build the model through VarBuilder::from_varmap(&varmap, ..) before creating the Trainer",
+            ));
         }
         vars.sort_by_cached_key(|(n, _)| natural_key(n));
         let compute = match opts.train.precision {
@@ -378,13 +393,16 @@ impl Trainer {
         let mut model_vars = Vec::new();
         for (name, var) in vars {
             if var.dtype() != compute {
-                anyhow::bail!(
-                    "rank {}: parameter `{name}` is {:?}, but train.precision = {:?} trains a model built in {compute:?}: build it with VarBuilder::from_varmap(&varmap, DType::{compute:?}, ..){}",
+                return Err(Error::usage(
                     dist.rank(),
-                    var.dtype(),
-                    opts.train.precision,
-                    if compute == DType::F32 { " or set train.precision to the model's dtype" } else { "" }
-                );
+                    "Trainer::new",
+                    format!(
+                        "parameter `{name}` is {:?}, but train.precision = {:?} trains a model built in {compute:?}: build it with VarBuilder::from_varmap(&varmap, DType::{compute:?}, ..){}",
+                        var.dtype(),
+                        opts.train.precision,
+                        if compute == DType::F32 { " or set train.precision to the model's dtype" } else { "" }
+                    ),
+                ));
             }
             ids.insert(var.as_tensor().id(), params.len());
             if compute == DType::F32 {
@@ -398,13 +416,13 @@ impl Trainer {
         }
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
         comm.set_timeout(timeout);
-        let (compression, compression_warmup) = opts.ddp.compression().map_err(anyhow::Error::msg)?;
+        let (compression, compression_warmup) = opts.ddp.compression().map_err(|e| Error::setting("ddp.compression", e))?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
         let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
-        let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| anyhow::anyhow!("rank {}: {e}", dist.rank()))?;
+        let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| Error::usage(dist.rank(), "Trainer::with_zero3_groups", e))?;
         let cfg = kolo_ddp::DdpConfig {
-            bucket_cap: opts.ddp.bucket_cap().map_err(anyhow::Error::msg)?,
-            first_bucket_cap: opts.ddp.first_bucket_cap().map_err(anyhow::Error::msg)?,
+            bucket_cap: opts.ddp.bucket_cap().map_err(|e| Error::setting("ddp.bucket_cap", e))?,
+            first_bucket_cap: opts.ddp.first_bucket_cap().map_err(|e| Error::setting("ddp.first_bucket_cap", e))?,
             timeout,
             sharding,
             groups: plan.clone(),
@@ -422,11 +440,13 @@ impl Trainer {
             Some(d) => kolo_optim::Placement::Disk(d.into()),
             None => kolo_optim::Placement::Memory,
         };
-        let mut opt = Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)?;
+        let mut opt =
+            Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place).map_err(Error::Offload)?;
         kolo_train::param_groups::apply(&mut opt, &signature, ddp.ranges(), zero.as_ref(), &opts.optim)
-            .map_err(|e| anyhow::anyhow!("rank {}: {e}", dist.rank()))?;
+            .map_err(|e| Error::setting("optim.groups", e))?;
         let sharded = !plan.is_empty();
-        let mut master = Buffer::zeros(if sharded { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master")?;
+        let mut master =
+            Buffer::zeros(if sharded { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master").map_err(Error::Offload)?;
         place_master(zero.as_ref(), sharded, &ddp, &flat, &mut master);
         drop(flat);
         let zero3 = if sharded {
@@ -436,7 +456,7 @@ impl Trainer {
             for &i in plan.iter().flatten() {
                 params.release(i)?;
             }
-            Some(crate::zero3::Zero3::new(ddp.gatherer(), groups, vars).map_err(|e| anyhow::anyhow!("rank {}: {e}", dist.rank()))?)
+            Some(crate::zero3::Zero3::new(ddp.gatherer(), groups, vars, dist.rank())?)
         } else {
             None
         };
@@ -482,7 +502,7 @@ impl Trainer {
     /// One micro-step in one call: runs `loss` (the forward pass; it must return a scalar),
     /// then [`Trainer::backward`] on it, and on the micro-step that completes an accumulation
     /// [`Trainer::update`]. Collective on the micro-steps that step.
-    pub fn step(&mut self, loss: impl FnOnce() -> candle_core::Result<Tensor>) -> anyhow::Result<StepOutput> {
+    pub fn step(&mut self, loss: impl FnOnce() -> candle_core::Result<Tensor>) -> Result<StepOutput> {
         self.step_start.get_or_insert_with(Instant::now);
         if let Some(z) = &self.zero3 {
             z.take_error()?;
@@ -504,14 +524,15 @@ impl Trainer {
     /// completes an accumulation (collective: they are reduced while backward runs), and are
     /// accumulated locally on the others. Returns the loss value. After `train.grad_accum`
     /// calls, call [`Trainer::update`].
-    pub fn backward(&mut self, loss: &Tensor) -> anyhow::Result<f32> {
+    pub fn backward(&mut self, loss: &Tensor) -> Result<f32> {
         let rank = self.comm.rank().get();
         let accum = self.opts.train.grad_accum.max(1);
         if self.micro >= accum {
-            anyhow::bail!(
-                "rank {rank}: backward called again after {} micro-steps with train.grad_accum = {accum}: call Trainer::update first",
-                self.micro
-            );
+            return Err(Error::usage(
+                rank,
+                "Trainer::backward",
+                format!("called again after {} micro-steps with train.grad_accum = {accum}: call Trainer::update first", self.micro),
+            ));
         }
         let sync = self.micro + 1 == accum;
         // Local SGD: past its warm-up no gradient is exchanged; the models are averaged.
@@ -522,23 +543,31 @@ impl Trainer {
             z.set_prefetch(true);
         }
         if loss.elem_count() != 1 || !loss.dtype().is_float() {
-            anyhow::bail!(
-                "rank {rank}: the loss is a {:?} tensor of shape {:?}; backward needs a float scalar (for example `.mean_all()`)",
-                loss.dtype(),
-                loss.dims()
-            );
+            return Err(Error::usage(
+                rank,
+                "Trainer::backward",
+                format!(
+                    "the loss is a {:?} tensor of shape {:?}; backward needs a float scalar (for example `.mean_all()`)",
+                    loss.dtype(),
+                    loss.dims()
+                ),
+            ));
         }
         let value = loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
         // f16: backward runs on the loss times the loss scale; the update divides it out.
         let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accum as f64;
         let scaled = if factor != 1.0 { (loss * factor)? } else { loss.clone() };
-        let mut failure: Option<anyhow::Error> = None;
+        let mut failure: Option<Error> = None;
         let ids = &self.ids;
         let params = &self.params;
         let unknown = |t: &Tensor| {
-            anyhow::anyhow!(
-                "rank {rank}: a variable of shape {:?} outside the VarMap given to the Trainer received a gradient; Kolo would neither synchronise nor update it (create every parameter through the VarMap's VarBuilder, or detach it)",
-                t.dims()
+            Error::usage(
+                rank,
+                "Trainer::backward",
+                format!(
+                    "a variable of shape {:?} outside the VarMap given to the Trainer received a gradient; Kolo would neither synchronise nor update it (create every parameter through the VarMap's VarBuilder, or detach it)",
+                    t.dims()
+                ),
             )
         };
         if sync && !local_step {
@@ -567,9 +596,6 @@ impl Trainer {
         if let Some(z) = &self.zero3 {
             z.take_error()?;
         }
-        if let Some(z) = &self.zero3 {
-            z.take_error()?;
-        }
         self.backward_end = Some(Instant::now());
         self.window_loss.0 += f64::from(value) / accum as f64;
         self.micro += 1;
@@ -584,10 +610,14 @@ impl Trainer {
     /// `optimizer.step()`: waits for the reduced gradients, unscales and clips them, updates
     /// (this rank's shard under ZeRO, then gathers), and logs and checkpoints as configured.
     /// Collective.
-    pub fn update(&mut self) -> anyhow::Result<StepOutput> {
+    pub fn update(&mut self) -> Result<StepOutput> {
         let accum = self.opts.train.grad_accum.max(1);
         if self.micro != accum {
-            anyhow::bail!("rank {}: update after {} of train.grad_accum = {accum} backward calls", self.comm.rank().get(), self.micro);
+            return Err(Error::usage(
+                self.comm.rank().get(),
+                "Trainer::update",
+                format!("called after {} of train.grad_accum = {accum} backward calls", self.micro),
+            ));
         }
         let lr = self.lr();
         let value = self.last_loss;
@@ -639,7 +669,7 @@ impl Trainer {
 
     /// A local SGD step: this rank's own accumulated gradient, clipped by its own norm, is
     /// applied to its own model; every `local_sgd.every` local steps the models are averaged.
-    fn local_update(&mut self, lr: f32) -> anyhow::Result<(kolo_ddp::SyncStats, Option<f64>)> {
+    fn local_update(&mut self, lr: f32) -> Result<(kolo_ddp::SyncStats, Option<f64>)> {
         let l = self.opts.ddp.local_sgd.clone().expect("a local step has local_sgd");
         let norm =
             kolo_train::update::apply_local(&self.ddp, &self.params, &mut self.opt, &mut self.local, self.opts.optim.clip_grad_norm, lr)?;
@@ -651,7 +681,7 @@ impl Trainer {
 
     /// After an optimizer step: the report (and, at log steps, the collective window: every
     /// rank reaches the same steps), and the periodic and final checkpoints.
-    fn after_step(&mut self, t0: Instant, backward_end: Instant, stats: &kolo_ddp::SyncStats, lr: f32) -> anyhow::Result<()> {
+    fn after_step(&mut self, t0: Instant, backward_end: Instant, stats: &kolo_ddp::SyncStats, lr: f32) -> Result<()> {
         let (done, end) = (self.steps, self.opts.train.steps);
         self.window_loss.1 += 1;
         if let Some(tl) = self.timeline.as_mut() {
@@ -736,7 +766,7 @@ impl Trainer {
 
     /// All parameters, flat, in [`Trainer::signature`] order. Under ZeRO-3 this is a
     /// collective (the sharded groups are gathered).
-    pub fn flat_params(&self) -> anyhow::Result<Vec<f32>> {
+    pub fn flat_params(&self) -> Result<Vec<f32>> {
         if self.zero3.is_none() {
             return Ok(self.params.to_flat()?);
         }
@@ -755,7 +785,7 @@ impl Trainer {
     /// them whole until the next optimizer step (so the model can be read freely: an export
     /// on rank 0, evaluation on some ranks, or use after the trainer is dropped). Nothing
     /// under other stages.
-    pub fn unshard(&self) -> anyhow::Result<()> {
+    pub fn unshard(&self) -> Result<()> {
         match &self.zero3 {
             Some(z) => z.gather_all(),
             None => Ok(()),
@@ -777,9 +807,13 @@ impl Trainer {
     /// Collective: writes a checkpoint of the parameters and optimizer state as
     /// `dir/step-NNNNNNNN` (each rank its shard under ZeRO; rank 0 commits it atomically once
     /// every shard is on disk). It reloads at any world size and ZeRO stage.
-    pub fn save(&mut self, dir: impl AsRef<Path>) -> anyhow::Result<PathBuf> {
+    pub fn save(&mut self, dir: impl AsRef<Path>) -> Result<PathBuf> {
         if self.micro != 0 {
-            anyhow::bail!("save: {} micro-steps of an accumulation are pending; save after the step that completes it", self.micro);
+            return Err(Error::usage(
+                self.comm.rank().get(),
+                "Trainer::save",
+                format!("{} micro-steps of an accumulation are pending; save after the step that completes it", self.micro),
+            ));
         }
         // A background write of `checkpoint_every` ends first (its commit is the older step).
         if let Some(prev) = self.saving.take() {
@@ -790,7 +824,7 @@ impl Trainer {
 
     /// Starts writing a checkpoint (on a thread of its own with `background`; the values are
     /// copied first, so training may go on).
-    fn write_checkpoint(&self, dir: &Path, background: bool) -> anyhow::Result<PendingSave> {
+    fn write_checkpoint(&self, dir: &Path, background: bool) -> Result<PendingSave> {
         let (mut own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
         if self.opts.ddp.local_sgd.is_some() {
             own.extend(kolo_train::local_sgd::local_model_pieces(&self.params, &self.opt, self.comm.rank().get())?);
@@ -809,7 +843,7 @@ impl Trainer {
     /// Loads a checkpoint written by [`Trainer::save`] (a `step-*` directory, or the directory
     /// holding them: the newest complete one is taken) at any world size or ZeRO stage, and
     /// continues from its step. Every rank reads the same files. Returns the step.
-    pub fn resume(&mut self, path: impl AsRef<Path>) -> anyhow::Result<u64> {
+    pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
         let path = resolve_checkpoint(path.as_ref())?;
         let mut flat = vec![0f32; self.params.numel()];
         let r = load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?;
@@ -860,7 +894,7 @@ fn place_master(zero: Option<&ShardPlan>, zero3: bool, ddp: &Ddp, flat: &[f32], 
 
 /// Mixed precision: rewrites the model's bf16/f16 variables from the f32 masters (nothing in
 /// f32, where the model's variables are the parameters).
-fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -> anyhow::Result<()> {
+fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -> Result<()> {
     for (i, v) in model_vars.iter().enumerate() {
         v.set(&params.get(i).var.as_tensor().to_dtype(compute)?)?;
     }
@@ -868,7 +902,7 @@ fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -
 }
 
 /// The run's reporter: examples per optimizer step over all ranks from `[data] batch_size`.
-fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> anyhow::Result<Reporter> {
+fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> Result<Reporter> {
     let global = o.data.batch_size * world * o.train.grad_accum.max(1) as usize;
     Ok(Reporter::for_train(&o.train, o.data.tokens_per_example.max(1), rank, false, global, start)?)
 }
@@ -935,5 +969,20 @@ mod tests {
         assert!(super::TrainOptions::from_toml_str("[ddp]\nlocal_sgd = { every = 4 }\n").is_ok());
         let e = super::TrainOptions::from_toml_str("[ddp]\nliveness_secs = 3\n").unwrap_err().to_string();
         assert!(e.contains("InitOptions.comm.liveness"), "{e}");
+        // The setting is a field of the error, for callers that match on it.
+        for (toml, want) in [
+            ("[ddp]\nzero_stage = 3\n[train]\ngrad_accum = 2\n", "ddp.zero_stage"),
+            ("[ddp]\nliveness_secs = 3\n", "ddp.liveness_secs"),
+            ("[optim]\nlr = -1\n", "optim.lr"),
+            ("[ddp]\nbucket_cap = \"lots\"\n", "ddp.bucket_cap"),
+        ] {
+            match super::TrainOptions::from_toml_str(toml) {
+                Err(crate::Error::Setting { setting, reason }) => {
+                    assert_eq!(setting, want, "{toml}");
+                    assert!(!reason.starts_with(want), "the setting is not repeated at the start: {reason}");
+                }
+                other => panic!("{toml}: expected Error::Setting, got {other:?}"),
+            }
+        }
     }
 }

@@ -16,6 +16,7 @@
 //! which holds when every rank runs the same model code on the training thread. A sharded
 //! variable read from another thread, or by one rank only, fails the gather at its deadline.
 
+use crate::{Error, Result};
 use candle_core::{CpuStorage, Storage, Var};
 use kolo_base::ParamGather;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -92,18 +93,24 @@ struct Inner {
 /// The sharded groups of a [`crate::Trainer`] under ZeRO-3.
 pub(crate) struct Zero3 {
     inner: Arc<Inner>,
+    /// This process's rank, for errors.
+    rank: usize,
 }
 
 impl Zero3 {
     /// Takes over the model's variables of each group (`groups[g]`: the names and variables of
     /// group `g` in packing order, under `prefixes[g]`): their storage is freed and filled on
     /// use.
-    pub(crate) fn new(gather: Arc<dyn ParamGather>, prefixes: &[&str], groups: Vec<Vec<(String, Var)>>) -> anyhow::Result<Zero3> {
+    pub(crate) fn new(gather: Arc<dyn ParamGather>, prefixes: &[&str], groups: Vec<Vec<(String, Var)>>, rank: usize) -> Result<Zero3> {
         let mut state = State { groups: Vec::new(), clock: 0, last: None, prefetch: false, pinned: false, error: None, gathers: 0 };
         for (prefix, members) in prefixes.iter().zip(groups) {
             for (name, v) in &members {
                 if !v.device().is_cpu() || v.dtype() != candle_core::DType::F32 || !v.is_contiguous() || v.layout().start_offset() != 0 {
-                    anyhow::bail!("ZeRO-3 group \"{prefix}\": parameter `{name}` is not a contiguous f32 CPU variable");
+                    return Err(Error::usage(
+                        rank,
+                        "Trainer::with_zero3_groups",
+                        format!("group \"{prefix}\": parameter `{name}` is not a contiguous f32 CPU variable"),
+                    ));
                 }
             }
             let n = members.len();
@@ -111,7 +118,7 @@ impl Zero3 {
             state.groups.push(Group { prefix: prefix.to_string(), names, vars, whole: vec![true; n], used: Some(0) });
         }
         let inner = Arc::new(Inner { gather, state: Mutex::new(state) });
-        let z = Zero3 { inner };
+        let z = Zero3 { inner, rank };
         let st = z.inner.lock();
         for (g, group) in st.groups.iter().enumerate() {
             for (v, var) in group.vars.iter().enumerate() {
@@ -130,11 +137,12 @@ impl Zero3 {
 
     /// Frees every group's whole values (after the optimizer step changed the shards, or a
     /// resume). Nothing may be reading a sharded variable.
-    pub(crate) fn release_all(&self) -> anyhow::Result<()> {
+    pub(crate) fn release_all(&self) -> Result<()> {
         let mut st = self.inner.lock();
         for g in 0..st.groups.len() {
             if !release(&mut st.groups[g]) {
-                anyhow::bail!("ZeRO-3 group \"{}\": a variable is still being read and cannot be freed", st.groups[g].prefix);
+                let reason = format!("group \"{}\": a variable is still being read and cannot be freed", st.groups[g].prefix);
+                return Err(Error::usage(self.rank, "ZeRO-3 release", reason));
             }
         }
         st.last = None;
@@ -143,7 +151,7 @@ impl Zero3 {
     }
 
     /// Gathers every group and keeps them all whole until [`Zero3::release_all`]. Collective.
-    pub(crate) fn gather_all(&self) -> anyhow::Result<()> {
+    pub(crate) fn gather_all(&self) -> Result<()> {
         let n = {
             let mut st = self.inner.lock();
             st.pinned = true;
@@ -165,9 +173,9 @@ impl Zero3 {
 
     /// The first gather that failed since the last call (a hook cannot fail the operation
     /// that triggered it; its variables were filled with NaN instead).
-    pub(crate) fn take_error(&self) -> anyhow::Result<()> {
+    pub(crate) fn take_error(&self) -> Result<()> {
         match self.inner.lock().error.take() {
-            Some(e) => Err(anyhow::anyhow!(e)),
+            Some(e) => Err(Error::usage(self.rank, "ZeRO-3 gather", e)),
             None => Ok(()),
         }
     }
@@ -228,7 +236,7 @@ impl Inner {
         let group = &mut st.groups[g];
         let failure = fill(group, got.as_deref().map_err(String::clone));
         if let Err(e) = failure {
-            let e = format!("ZeRO-3 gather of group \"{}\": {e}", group.prefix);
+            let e = format!("group \"{}\": {e}", group.prefix);
             st.error.get_or_insert(e);
         }
         st.groups[g].used = Some(now);

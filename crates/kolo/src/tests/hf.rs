@@ -144,7 +144,7 @@ fn token_shards_that_do_not_fit_are_named() {
     std::fs::write(dir.join("b.jsonl"), "{\"text\": \"a\"}\n{\"body\": \"b\"}\n").unwrap();
     let e =
         prepare(&t1, &sources(&[dir.join("b.jsonl")], Some("text")).unwrap(), &dir.join("three"), 100, &|_| {}).unwrap_err().to_string();
-    assert!(e.contains("b.jsonl:2: no string field `text`"), "{e}");
+    assert!(e.contains("b.jsonl: line 2: no string field `text`"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

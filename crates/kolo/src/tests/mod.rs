@@ -424,8 +424,10 @@ fn split_backward_and_update_equal_the_closure_form() {
         let want = closure.step(|| a.loss(&x2, &y2)).unwrap();
         split.backward(&b.loss(&x1, &y1).unwrap()).unwrap();
         if s == 0 {
-            let e = split.update().unwrap_err().to_string();
-            assert!(e.contains("update after 1 of train.grad_accum = 2 backward calls"), "{e}");
+            let e = split.update().unwrap_err();
+            assert!(matches!(e, crate::Error::Usage { rank: 0, op: "Trainer::update", .. }), "{e:?}");
+            let e = e.to_string();
+            assert!(e.contains("rank 0: Trainer::update: called after 1 of train.grad_accum = 2 backward calls"), "{e}");
         }
         split.backward(&b.loss(&x2, &y2).unwrap()).unwrap();
         if s == 0 {
