@@ -32,6 +32,59 @@ pub enum OptimizerSpec {
         weight_decay: f32,
         lr_decay: f32,
     },
+    /// A user's own rule ([`UpdateRule`]), with the weight decay it is given.
+    Custom {
+        rule: Custom,
+        weight_decay: f32,
+    },
+}
+
+/// A user's own optimizer: an element-wise update over flat `f32` buffers. Element-wise, so the
+/// same rule updates the whole model (DDP), one rank's shard of it (ZeRO-1/2/3) or one
+/// parameter group's part with its own weight decay and learning rate; its state buffers are
+/// zero at the start, sharded like the parameters, and saved in checkpoints under its names.
+///
+/// ```
+/// /// Lion (Chen et al., 2023): the sign of an interpolated momentum.
+/// struct Lion { beta1: f32, beta2: f32 }
+/// impl kolo_optim::UpdateRule for Lion {
+///     fn describe(&self) -> String { format!("Lion(beta1={}, beta2={})", self.beta1, self.beta2) }
+///     fn state_names(&self) -> &'static [&'static str] { &["exp_avg"] }
+///     fn update(&self, _step: u64, lr: f32, wd: f32, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]]) {
+///         for ((p, g), m) in p.iter_mut().zip(g).zip(state[0].iter_mut()) {
+///             let c = self.beta1 * *m + (1.0 - self.beta1) * g;
+///             *p -= lr * (c.signum() * f32::from(c != 0.0) + wd * *p);
+///             *m = self.beta2 * *m + (1.0 - self.beta2) * g;
+///         }
+///     }
+/// }
+/// ```
+pub trait UpdateRule: Send + Sync {
+    /// The rule and its hyperparameters, as checkpoints record it: a checkpoint written with
+    /// another description is refused on resume.
+    fn describe(&self) -> String;
+    /// Names of the per-element state buffers it keeps (none: `&[]`).
+    fn state_names(&self) -> &'static [&'static str];
+    /// One step over some elements: `step` counts optimizer steps from 1; `lr` and
+    /// `weight_decay` are the elements' group's; `state[k]` is buffer `k` for the same elements.
+    fn update(&self, step: u64, lr: f32, weight_decay: f32, params: &mut [f32], grads: &[f32], state: &mut [&mut [f32]]);
+}
+
+/// A shared [`UpdateRule`] inside an [`OptimizerSpec`] (compared and printed by its
+/// description).
+#[derive(Clone)]
+pub struct Custom(pub std::sync::Arc<dyn UpdateRule>);
+
+impl std::fmt::Debug for Custom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.describe())
+    }
+}
+
+impl PartialEq for Custom {
+    fn eq(&self, other: &Custom) -> bool {
+        self.0.describe() == other.0.describe()
+    }
 }
 
 /// The hyperparameters a parameter group sets for its elements (torch's `param_groups`):
@@ -52,7 +105,8 @@ impl OptimizerSpec {
         match *self {
             OptimizerSpec::Sgd { weight_decay, .. }
             | OptimizerSpec::Adam { weight_decay, .. }
-            | OptimizerSpec::Adagrad { weight_decay, .. } => weight_decay,
+            | OptimizerSpec::Adagrad { weight_decay, .. }
+            | OptimizerSpec::Custom { weight_decay, .. } => weight_decay,
         }
     }
 
@@ -62,7 +116,8 @@ impl OptimizerSpec {
         match &mut s {
             OptimizerSpec::Sgd { weight_decay, .. }
             | OptimizerSpec::Adam { weight_decay, .. }
-            | OptimizerSpec::Adagrad { weight_decay, .. } => *weight_decay = wd,
+            | OptimizerSpec::Adagrad { weight_decay, .. }
+            | OptimizerSpec::Custom { weight_decay, .. } => *weight_decay = wd,
         }
         s
     }
@@ -74,6 +129,7 @@ impl OptimizerSpec {
             OptimizerSpec::Sgd { .. } => &[],
             OptimizerSpec::Adam { .. } => &["exp_avg", "exp_avg_sq"],
             OptimizerSpec::Adagrad { .. } => &["sum"],
+            OptimizerSpec::Custom { rule, .. } => rule.0.state_names(),
         }
     }
 }
@@ -203,6 +259,7 @@ impl Optimizer {
 
     fn apply(spec: &OptimizerSpec, t: i32, state: &mut [&mut [f32]], params: &mut [f32], grads: &[f32], lr: f32) {
         match *spec {
+            OptimizerSpec::Custom { ref rule, weight_decay } => rule.0.update(t as u64, lr, weight_decay, params, grads, state),
             OptimizerSpec::Sgd { momentum, nesterov, weight_decay } => {
                 let first = t == 1;
                 if momentum == 0.0 {

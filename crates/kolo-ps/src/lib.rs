@@ -99,6 +99,12 @@ impl JobSpec {
         if self.chunk == 0 {
             return Err(PsError::Config("chunk must be at least 1".into()));
         }
+        if matches!(self.optimizer, kolo_optim::OptimizerSpec::Custom { .. }) {
+            return Err(PsError::Config(format!(
+                "the optimizer {:?} is a user's update rule: parameter servers run only Kolo's optimizers (sgd, adam, adamw, adagrad)",
+                self.optimizer
+            )));
+        }
         if self.workers == 0 || self.workers > 65_536 {
             return Err(PsError::Config(format!("{} workers (1..=65536)", self.workers)));
         }

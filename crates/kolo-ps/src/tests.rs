@@ -29,6 +29,30 @@ fn spans_tile_the_table() {
     }
 }
 
+/// A user's update rule is code: a job naming one is refused before it reaches a server, and
+/// its encoding does not decode.
+#[test]
+fn a_users_update_rule_is_refused_by_name() {
+    struct Keep;
+    impl kolo_optim::UpdateRule for Keep {
+        fn describe(&self) -> String {
+            "Keep".into()
+        }
+        fn state_names(&self) -> &'static [&'static str] {
+            &[]
+        }
+        fn update(&self, _: u64, _: f32, _: f32, _: &mut [f32], _: &[f32], _: &mut [&mut [f32]]) {}
+    }
+    let rule = kolo_optim::Custom(std::sync::Arc::new(Keep));
+    let j = JobSpec { optimizer: kolo_optim::OptimizerSpec::Custom { rule, weight_decay: 0.0 }, ..job() };
+    let e = j.validate().unwrap_err().to_string();
+    assert!(e.contains("Keep") && e.contains("parameter servers run only Kolo's optimizers"), "{e}");
+    let mut w = crate::codec::Writer::default();
+    crate::wire::put_job(&mut w, &j);
+    let e = crate::wire::get_job(&mut crate::codec::Reader::new(&w.0)).unwrap_err().to_string();
+    assert!(e.contains("unknown optimizer tag 255"), "{e}");
+}
+
 #[test]
 fn ring_chains_are_distinct_and_stable() {
     let ring = Ring::new(&[0, 1, 2, 3]);

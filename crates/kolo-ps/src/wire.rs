@@ -237,6 +237,8 @@ pub(crate) fn put_job(w: &mut Writer, j: &JobSpec) {
             w.u8(1).f32(beta1).f32(beta2).f32(eps).f32(weight_decay).u8(decoupled as u8)
         }
         OptimizerSpec::Adagrad { eps, weight_decay, lr_decay } => w.u8(2).f32(eps).f32(weight_decay).f32(lr_decay),
+        // A user's rule is code, not data: a server cannot run it (`JobSpec::validate` refuses it).
+        OptimizerSpec::Custom { .. } => w.u8(255),
     };
 }
 

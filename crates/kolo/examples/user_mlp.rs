@@ -3,7 +3,7 @@
 //!   cargo run --release --example user_mlp
 //!   kolo launch -n 2 -- target/release/examples/user_mlp        (2 processes, DDP over TCP/shm)
 //!
-//! Flags: --steps N (300), --batch B per rank (32), --hidden H (128), --lr (1e-3), --optim adamw|sgd,
+//! Flags: --steps N (300), --batch B per rank (32), --hidden H (128), --lr (1e-3), --optim adamw|sgd|lion (Lion: an optimizer of this file, `kolo::UpdateRule`),
 //! --zero 0|1|2, --precision f32|bf16|f16 (the model's dtype; f32 masters), --seed S (0),
 //! --data DIR (test-data/mnist), --out DIR (checkpoints/user_mlp).
 use anyhow::Result;
@@ -16,6 +16,36 @@ struct Mlp(Linear, Linear, Linear);
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.2.forward(&self.1.forward(&self.0.forward(x)?.relu()?)?.relu()?)
+    }
+}
+
+/// Lion (Chen et al., 2023), an optimizer Kolo does not ship: the sign of an interpolation of
+/// the momentum and the gradient. Element-wise over flat buffers, so ZeRO shards its state.
+struct Lion {
+    beta1: f32,
+    beta2: f32,
+}
+
+impl kolo::UpdateRule for Lion {
+    fn describe(&self) -> String {
+        format!("Lion(beta1={}, beta2={})", self.beta1, self.beta2)
+    }
+    fn state_names(&self) -> &'static [&'static str] {
+        &["exp_avg"]
+    }
+    fn update(&self, _step: u64, lr: f32, wd: f32, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]]) {
+        for ((p, g), m) in p.iter_mut().zip(g).zip(state[0].iter_mut()) {
+            let c = self.beta1 * *m + (1.0 - self.beta1) * g;
+            let sign = if c > 0.0 {
+                1.0
+            } else if c < 0.0 {
+                -1.0
+            } else {
+                0.0
+            };
+            *p -= lr * (sign + wd * *p);
+            *m = self.beta2 * *m + (1.0 - self.beta2) * g;
+        }
     }
 }
 
@@ -41,13 +71,17 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     let vb = VarBuilder::from_varmap(&varmap, dtype, &dist.device());
     let h: usize = arg("--hidden", "128").parse()?;
     let model = Mlp(linear(784, h, vb.pp("fc1"))?, linear(h, h, vb.pp("fc2"))?, linear(h, 10, vb.pp("fc3"))?);
-    let opts = kolo::TrainOptions::new()
-        .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
+    let (optim, lr) = (arg("--optim", "adamw"), arg("--lr", "1e-3").parse()?);
+    let mut opts = kolo::TrainOptions::new()
         .zero_stage(arg("--zero", "0").parse()?)
         .steps(steps)
         .log_every(50)
         .precision(precision.parse().map_err(anyhow::Error::msg)?)
         .batch(batch, 1);
+    opts = match optim.as_str() {
+        "lion" => opts.lr(lr).update_rule(Lion { beta1: 0.9, beta2: 0.99 }),
+        kind => opts.optimizer(kind.parse().map_err(anyhow::Error::msg)?, lr),
+    };
     let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
     let data = arg("--data", "test-data/mnist");
     let (train, test) = (Mnist::load(data.as_ref(), "train")?, Mnist::load(data.as_ref(), "t10k")?);

@@ -53,6 +53,8 @@ pub use candle_core;
 pub use candle_nn;
 pub use dist::{init, init_with, Dist, InitOptions};
 pub use error::{Error, Result};
+/// A user's own optimizer ([`TrainOptions::update_rule`]).
+pub use kolo_optim::UpdateRule;
 pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 
 /// The types of [`TrainOptions`]' tables (shared with `kolo train`'s config file).

@@ -45,6 +45,10 @@ pub struct TrainOptions {
     pub train: TrainConfig,
     /// What a micro-batch holds, for throughput in the logs.
     pub data: DataOptions,
+    /// A rule of the user's own instead of `optim.kind` ([`TrainOptions::update_rule`]; code,
+    /// so not part of the TOML).
+    #[serde(skip)]
+    pub rule: Option<kolo_optim::Custom>,
 }
 
 /// The `[data]` table of [`TrainOptions`]: the trainer does not see the batches, so the
@@ -77,6 +81,29 @@ impl TrainOptions {
     pub fn optimizer(mut self, kind: crate::options::OptimKind, lr: f32) -> Self {
         (self.optim.kind, self.optim.lr) = (kind, lr);
         self
+    }
+
+    /// The base learning rate (`[optim] lr`), keeping the optimizer.
+    pub fn lr(mut self, lr: f32) -> Self {
+        self.optim.lr = lr;
+        self
+    }
+
+    /// Trains with an optimizer of your own ([`UpdateRule`](crate::UpdateRule): an element-wise
+    /// rule over flat buffers) instead of `optim.kind`. The learning rate (`optim.lr`) and its schedule,
+    /// weight decay, parameter groups, clipping, ZeRO sharding of its state and checkpoints
+    /// apply to it as to Kolo's optimizers.
+    pub fn update_rule(mut self, rule: impl crate::UpdateRule + 'static) -> Self {
+        self.rule = Some(kolo_optim::Custom(Arc::new(rule)));
+        self
+    }
+
+    /// The optimizer these options train with.
+    fn optimizer_spec(&self) -> kolo_optim::OptimizerSpec {
+        match &self.rule {
+            Some(rule) => kolo_optim::OptimizerSpec::Custom { rule: rule.clone(), weight_decay: self.optim.weight_decay },
+            None => self.optim.spec(),
+        }
     }
 
     /// Weight decay for parameters of two or more dimensions (biases and norm scales stay
@@ -440,8 +467,8 @@ impl Trainer {
             Some(d) => kolo_optim::Placement::Disk(d.into()),
             None => kolo_optim::Placement::Memory,
         };
-        let mut opt =
-            Optimizer::with_placement(opts.optim.spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place).map_err(Error::Offload)?;
+        let mut opt = Optimizer::with_placement(opts.optimizer_spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)
+            .map_err(Error::Offload)?;
         kolo_train::param_groups::apply(&mut opt, &signature, ddp.ranges(), zero.as_ref(), &opts.optim)
             .map_err(|e| Error::setting("optim.groups", e))?;
         let sharded = !plan.is_empty();
@@ -462,7 +489,7 @@ impl Trainer {
         };
         let mut meta = BTreeMap::new();
         meta.insert("kolo.model".to_string(), model_fingerprint(&signature));
-        meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optim.spec()));
+        meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optimizer_spec()));
         meta.insert("kolo.world_size".to_string(), dist.world_size().to_string());
         // The sampler's position is rescaled by examples when a checkpoint is resumed at another
         // world size; `[data] batch_size` is the per-rank batch it counts in.

@@ -474,6 +474,96 @@ fn resume_continues_bitwise() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A user's optimizer: SGD with momentum written as torch writes it, as an [`crate::UpdateRule`].
+struct HeavyBall {
+    momentum: f32,
+}
+
+impl crate::UpdateRule for HeavyBall {
+    fn describe(&self) -> String {
+        format!("HeavyBall(momentum={})", self.momentum)
+    }
+    fn state_names(&self) -> &'static [&'static str] {
+        &["velocity"]
+    }
+    fn update(&self, step: u64, lr: f32, wd: f32, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]]) {
+        for ((p, g), b) in p.iter_mut().zip(g).zip(state[0].iter_mut()) {
+            let d = g + wd * *p;
+            *b = if step == 1 { d } else { self.momentum * *b + d };
+            *p -= lr * *b;
+        }
+    }
+}
+
+/// A user's own update rule trains bitwise as Kolo's SGD with the same momentum, under ZeRO-2
+/// with weight decay, a parameter group with its own learning rate and a schedule; its state is
+/// checkpointed under its own name and resumes bitwise; a checkpoint of another optimizer is
+/// refused on resume.
+#[test]
+fn a_users_update_rule_trains_as_the_built_in_one() {
+    let dist = world_of_one();
+    let dir = std::env::temp_dir().join(format!("kolo-lib-rule-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let base = || {
+        let mut o = TrainOptions::new()
+            .optimizer(crate::options::OptimKind::Sgd, 0.2)
+            .weight_decay(0.1)
+            .param_group(&["l2."], None, 0.5)
+            .schedule(crate::options::ScheduleKind::Cosine, 2)
+            .zero_stage(2)
+            .steps(6);
+        o.optim.momentum = 0.9;
+        o
+    };
+    let (a, b, c) = (small(), small(), small());
+    let mut builtin = Trainer::new(&a.varmap, &dist, base()).unwrap();
+    let mut mine = Trainer::new(&b.varmap, &dist, base().update_rule(HeavyBall { momentum: 0.9 })).unwrap();
+    for s in 0..3 {
+        let (x, y) = batch(8, s);
+        builtin.step(|| a.loss(&x, &y)).unwrap();
+        mine.step(|| b.loss(&x, &y)).unwrap();
+    }
+    assert_eq!(builtin.flat_params().unwrap(), mine.flat_params().unwrap(), "after 3 steps");
+    let saved = mine.save(&dir).unwrap();
+    let names: Vec<String> = saved_names(&saved);
+    assert!(names.iter().any(|n| n.contains("velocity")), "no `velocity` state in the checkpoint: {names:?}");
+    let mut resumed = Trainer::new(&c.varmap, &dist, base().update_rule(HeavyBall { momentum: 0.9 })).unwrap();
+    assert_eq!(resumed.resume(&saved).unwrap(), 3);
+    for s in 3..6 {
+        let (x, y) = batch(8, s);
+        builtin.step(|| a.loss(&x, &y)).unwrap();
+        resumed.step(|| c.loss(&x, &y)).unwrap();
+    }
+    let (p, q) = (builtin.flat_params().unwrap(), resumed.flat_params().unwrap());
+    assert_eq!(p, q, "after 6 steps, resumed at 3");
+    assert!(max_abs_diff(&p, &small_params()) > 1e-2, "nothing moved");
+    let d = small();
+    let mut other = Trainer::new(&d.varmap, &dist, base().update_rule(HeavyBall { momentum: 0.5 })).unwrap();
+    let e = other.resume(&saved).unwrap_err().to_string();
+    assert!(e.contains("HeavyBall(momentum=0.9)") && e.contains("HeavyBall(momentum=0.5)"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The tensor names in a checkpoint directory's files.
+fn saved_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names = Vec::new();
+    for f in std::fs::read_dir(dir).unwrap() {
+        let path = f.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let bytes = std::fs::read(&path).unwrap();
+            let t = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+            names.extend(t.names().into_iter().map(str::to_string));
+        }
+    }
+    names
+}
+
+/// The starting values of [`small`], flat in the trainer's order.
+fn small_params() -> Vec<f32> {
+    let s = small();
+    Trainer::new(&s.varmap, &world_of_one(), TrainOptions::default()).unwrap().flat_params().unwrap()
+}
+
 /// Bad input gives one error naming what is wrong.
 #[test]
 fn bad_models_and_losses_are_named() {
