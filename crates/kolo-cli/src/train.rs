@@ -144,7 +144,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     let mut resume = a.resume.clone();
     if round > 0 && resume.is_none() {
         let lead = boot.comm().rank().get() == 0;
-        match cfg.train.checkpoint_dir.as_ref().and_then(|d| kolo_train::trainer::newest_checkpoint(std::path::Path::new(d))) {
+        match cfg.train.checkpoint_dir.as_ref().and_then(|d| kolo_train::run::newest_checkpoint(std::path::Path::new(d))) {
             Some(p) => {
                 if lead {
                     kolo_base::eline!("elastic restart {round} on {} ranks: resuming from {}", boot.comm().world_size().get(), p.display());

@@ -1079,7 +1079,7 @@ impl Config {
         }
         let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
         let grouped = self.train.strategy == Strategy::Ddp && self.pipeline.is_none() && m.sp == 1 && m.ep == 1 && self.fed.is_none();
-        if !grouped && crate::param_groups::non_uniform(&self.optim) {
+        if !grouped && self.optim.non_uniform() {
             return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP or tensor parallelism: pipelines, sequence and expert parallelism, parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
         }
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
@@ -1200,6 +1200,12 @@ impl Config {
 }
 
 impl OptimConfig {
+    /// Whether some parameter gets other hyperparameters than the spec's (strategies without
+    /// parameter groups refuse such settings).
+    pub fn non_uniform(&self) -> bool {
+        !self.groups.is_empty() || (self.weight_decay != 0.0 && !self.decay_1d)
+    }
+
     /// The base learning rate for a global batch of `global_batch` examples per optimizer step:
     /// `lr`, scaled by the linear scaling rule when `reference_batch` is set (the CLI's loops
     /// and the library's `Trainer` alike).

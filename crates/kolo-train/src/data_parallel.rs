@@ -8,7 +8,9 @@ use crate::checkpointing::{compression_pieces, load_checkpoint, loop_state_meta,
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use crate::trainer::{evaluate, sample_text, spec_string, Data, Eval, RunOptions, StateBytes};
+use crate::eval::{evaluate, sample_text};
+use crate::setup::{spec_string, Data};
+use crate::summary::{Eval, RunOptions, StateBytes};
 use crate::TrainError;
 use kolo_base::Rng;
 use kolo_comm::{BufMut, Communicator, ReduceOp};

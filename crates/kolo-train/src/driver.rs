@@ -18,14 +18,15 @@ use crate::config::{Config, DataKind};
 use crate::data::{CharVocab, Dataset};
 use crate::report::{Reporter, StepRecord};
 use crate::sampler::{Position, Sampler, SamplerConfig};
-use crate::trainer::{peak_rss, Data, Eval, HeapReport, RunOptions, StateBytes, Summary};
+use crate::setup::Data;
+use crate::summary::{peak_rss, Eval, HeapReport, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_comm::{BufMut, Communicator};
 use kolo_optim::lr_at;
 use kolo_tensor::Batch;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -145,7 +146,7 @@ pub trait Strategy {
 /// world, whose change rescales the data position).
 pub fn checkpoint_meta(cfg: &Config, spec: &kolo_tensor::ModelSpec, replicas: usize, zero_stage: u8) -> BTreeMap<String, String> {
     [
-        ("kolo.model", crate::trainer::spec_string(spec)),
+        ("kolo.model", crate::setup::spec_string(spec)),
         ("kolo.optimizer", format!("{:?}", cfg.optimizer())),
         ("kolo.world_size", replicas.to_string()),
         ("kolo.batch_size", cfg.data.batch_size.to_string()),
@@ -215,7 +216,7 @@ impl Batches {
             Source::Dynamic { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split }
         } else {
             let sampler = Sampler::new(scfg, pos).map_err(TrainError::Data)?;
-            Source::Prefetched(prefetch(train.clone(), sampler, cfg.data.prefetch))
+            Source::Prefetched(crate::setup::prefetch(train.clone(), sampler, cfg.data.prefetch))
         };
         Ok(Batches { train, source, pos, rank, slow_ms_per_example: None })
     }
@@ -275,22 +276,6 @@ impl Batches {
         }
         Ok(())
     }
-}
-
-/// Prepares batches on a background thread, each with the sampler position after it.
-pub(crate) fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize) -> Receiver<(Position, Batch)> {
-    let (tx, rx) = sync_channel(depth.max(1));
-    std::thread::Builder::new()
-        .name("kolo-prefetch".into())
-        .spawn(move || loop {
-            let idx = sampler.next_batch();
-            let b = ds.batch(&idx);
-            if tx.send((sampler.position(), b)).is_err() {
-                return;
-            }
-        })
-        .expect("spawning the prefetch thread");
-    rx
 }
 
 /// Where a run starts: the resumed checkpoint (its path and state) or step 0.

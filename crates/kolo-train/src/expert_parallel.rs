@@ -11,7 +11,8 @@ use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use crate::trainer::{optimizer_step, Data, Eval, RunOptions};
+use crate::setup::{optimizer_step, Data};
+use crate::summary::{Eval, RunOptions};
 use crate::TrainError;
 use kolo_base::{Exchange, Rng};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
@@ -76,12 +77,12 @@ impl<'a> ExpertParallel<'a> {
         opts: &RunOptions,
     ) -> Result<(ExpertParallel<'a>, Start), TrainError> {
         let (rank, world) = (comm.rank().get(), comm.world_size().get());
-        let gcfg = crate::trainer::gpt_config(cfg, &[&*comm, &*ep, &*rep], data)?;
+        let gcfg = crate::setup::gpt_config(cfg, &[&*comm, &*ep, &*rep], data)?;
         let ep_size = ep.world_size().get();
         let gpt = Gpt::new_expert_parallel(gcfg.clone(), &mut Rng::new(cfg.train.seed), Arc::new(CommExchange(ep)))?;
         let expert = gpt.expert_params().expect("an expert-parallel model");
         let numel = gpt.params().numel();
-        let mut opt = crate::trainer::optimizer_for(cfg, numel)?;
+        let mut opt = crate::setup::optimizer_for(cfg, numel)?;
         let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), world, 0);
         let start = match resume {
             Some(path) => {
@@ -192,13 +193,13 @@ impl Strategy for ExpertParallel<'_> {
         // Whole sequences, with every expert, on rank 0.
         let flat = self.whole_params()?;
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::trainer::evaluate_alone(self.cfg, &self.gcfg, &flat, ds, max_batches)).transpose()
+        lead.then(|| crate::eval::evaluate_alone(self.cfg, &self.gcfg, &flat, ds, max_batches)).transpose()
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let flat = self.whole_params()?;
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::trainer::sample_alone(self.cfg, &self.gcfg, &flat, vocab)).transpose()
+        lead.then(|| crate::eval::sample_alone(self.cfg, &self.gcfg, &flat, vocab)).transpose()
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
@@ -217,7 +218,7 @@ impl Strategy for ExpertParallel<'_> {
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
         let moe = reduce_load(self.gpt.take_moe_load(), &*self.comm)?;
-        let states = crate::trainer::replicated_states(self.grads.len(), &self.opt);
+        let states = crate::summary::replicated_states(self.grads.len(), &self.opt);
         Ok(Finish { params: self.whole_params()?, states, skipped_steps: 0, loss_scale: None, moe, pipeline_bubble: None, ps: None })
     }
 }

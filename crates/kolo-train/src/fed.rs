@@ -4,7 +4,8 @@
 
 use crate::config::{Config, FedSplit};
 use crate::data::{Dataset, Mnist};
-use crate::trainer::{evaluate, Eval};
+use crate::eval::evaluate;
+use crate::summary::Eval;
 use crate::TrainError;
 use kolo_base::Rng;
 /// Client identities (`kolo fed keygen`), for programs that depend on this crate alone.
@@ -209,7 +210,7 @@ pub fn client(cfg: &Config, addr: &str, token: &JobToken, index: usize, record: 
                         let b = train.batch(chunk);
                         let g = model.loss(&b, &PlainView)?.backward().map_err(te)?;
                         model.params().grads_into(&g, &mut grads)?;
-                        crate::trainer::optimizer_step(model.params(), &mut opt, &grads, cfg.optim.lr)?;
+                        crate::setup::optimizer_step(model.params(), &mut opt, &grads, cfg.optim.lr)?;
                     }
                 }
                 let delta: Vec<f32> = model.params().to_flat()?.iter().zip(&t.params).map(|(a, b)| a - b).collect();

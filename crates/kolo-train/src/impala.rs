@@ -464,7 +464,7 @@ pub fn run_with(
             model.params().grads_into(&g, &mut grads)?;
             let f = clip_factor(kolo_base::sum_of_squares(&grads).sqrt(), cfg.clip_norm);
             grads.iter_mut().for_each(|g| *g *= f);
-            crate::trainer::optimizer_step(model.params(), &mut opt, &grads, cfg.lr)?;
+            crate::setup::optimizer_step(model.params(), &mut opt, &grads, cfg.lr)?;
             learner_steps += 1;
             *published.write().unwrap_or_else(|p| p.into_inner()) = Arc::new((learner_steps, model.params().to_flat()?));
             let learned = learner_steps * (cfg.batch * cfg.unroll) as u64;

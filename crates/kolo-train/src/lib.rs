@@ -1,4 +1,4 @@
-//! Kolo's training: [`trainer::run`] picks the strategy a config names and hands it to the one
+//! Kolo's training: [`run::run`] picks the strategy a config names and hands it to the one
 //! training loop, [`driver`]; each strategy (`data_parallel`, `sequence_parallel`,
 //! `expert_parallel`) implements [`driver::Strategy`].
 
@@ -9,6 +9,7 @@ pub mod config;
 pub mod data;
 pub mod data_parallel;
 pub mod driver;
+pub mod eval;
 pub mod expert_parallel;
 #[cfg(feature = "fed")]
 pub mod fed;
@@ -16,7 +17,6 @@ pub mod fed;
 pub mod impala;
 pub mod local_sgd;
 pub mod sampler;
-pub mod trainer;
 pub mod update;
 
 pub use config::Config;
@@ -36,11 +36,15 @@ pub mod plot;
 #[cfg(feature = "ps")]
 pub mod ps_worker;
 pub mod report;
+pub mod run;
 pub mod scheduled_ddp;
 pub mod sequence_parallel;
+pub mod setup;
+pub mod summary;
 pub mod tensorboard;
 pub mod timeline;
-pub use trainer::{peak_rss, run, Eval, HeapReport, RunOptions, StateBytes, Summary};
+pub use run::run;
+pub use summary::{peak_rss, Eval, HeapReport, RunOptions, StateBytes, Summary};
 
 #[non_exhaustive]
 #[derive(Debug, thiserror::Error)]

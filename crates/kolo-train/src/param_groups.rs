@@ -60,12 +60,6 @@ pub fn apply(
     opt.set_groups(n, spans(&hypers, ranges, zero))
 }
 
-/// Whether `o` gives some parameter other hyperparameters than the spec's (strategies without
-/// parameter groups refuse such settings).
-pub fn non_uniform(o: &OptimConfig) -> bool {
-    !o.groups.is_empty() || (o.weight_decay != 0.0 && !o.decay_1d)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

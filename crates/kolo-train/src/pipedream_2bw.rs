@@ -19,7 +19,7 @@ use crate::checkpointing::PendingSave;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::pipeline::{split_batch, BuiltStage, StageSetup};
-use crate::trainer::Eval;
+use crate::summary::Eval;
 use crate::TrainError;
 use kolo_comm::Communicator;
 use kolo_pipe::{theoretical_bubble, Schedule, StageRun, StageWork};

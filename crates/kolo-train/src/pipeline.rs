@@ -16,7 +16,8 @@ use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave, Resume
 use crate::config::{Config, PipeSchedule};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use crate::trainer::{Data, Eval, RunOptions, StateBytes};
+use crate::setup::Data;
+use crate::summary::{Eval, RunOptions, StateBytes};
 use crate::TrainError;
 use kolo_base::{GroupSum, Rng};
 use kolo_checkpoint::Piece;
@@ -198,7 +199,7 @@ fn build_stage<'a>(
     let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
     let ranges: Vec<std::ops::Range<usize>> = own.iter().map(|&i| gpt.params().get(i).range.clone()).collect();
     let own_len: usize = ranges.iter().map(|r| r.len()).sum();
-    let opt = crate::trainer::optimizer_for(cfg, own_len)?;
+    let opt = crate::setup::optimizer_for(cfg, own_len)?;
     if lead {
         kolo_base::eline!(
             "kolo train (pipeline): GPT {} params in {k} stages {:?} (layers: 0 = embedding, 1..={} blocks, {} = head) x {} data-parallel replicas x {} tensor-parallel ranks, {m} micro-batches of {}, {:?}; theoretical bubble {:.1}%",
@@ -348,7 +349,7 @@ pub(crate) fn build_resumed<'a>(
     opts: &RunOptions,
 ) -> Result<BuiltStage<'a>, TrainError> {
     let StageGroups { pp: comm, dp, tp, global_rank } = groups;
-    let gcfg = crate::trainer::gpt_config(cfg, &[comm, dp], data)?;
+    let gcfg = crate::setup::gpt_config(cfg, &[comm, dp], data)?;
     let lead = global_rank == 0 && !opts.quiet;
     let (gpt, mut setup, schedule) = build_stage(cfg, comm, dp, tp, &gcfg, cfg.train.steps, lead)?;
     let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), dp.world_size().get(), 0);
@@ -501,13 +502,13 @@ impl StageSetup<'_> {
         max: usize,
     ) -> Result<Option<Eval>, TrainError> {
         let flat = self.assemble(gpt)?;
-        first.then(|| crate::trainer::evaluate_alone(self.cfg, gcfg, &flat, ds, max)).transpose()
+        first.then(|| crate::eval::evaluate_alone(self.cfg, gcfg, &flat, ds, max)).transpose()
     }
 
     /// Text from the whole model `gpt`, on global rank 0.
     pub(crate) fn sample(&self, gcfg: &GptConfig, gpt: &Gpt, first: bool, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let flat = self.assemble(gpt)?;
-        first.then(|| crate::trainer::sample_alone(self.cfg, gcfg, &flat, vocab)).transpose()
+        first.then(|| crate::eval::sample_alone(self.cfg, gcfg, &flat, vocab)).transpose()
     }
 }
 

@@ -14,9 +14,9 @@ use crate::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint,
 use crate::config::{Config, PsConsistency};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use crate::trainer::{
-    evaluate, lead_say, load_data, replica_batches, sample_text, spec_string, Data, Eval, RunOptions, StateBytes, Summary,
-};
+use crate::eval::{evaluate, sample_text};
+use crate::setup::{lead_say, load_data, replica_batches, spec_string, Data};
+use crate::summary::{Eval, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::WorldSize;
 use kolo_comm::{Communicator, LocalComm};
@@ -447,7 +447,7 @@ impl Worker {
         let step = (mine * push_every).min(cfg.train.steps);
         if step != r.step {
             // Its own position in its shard: `step` steps of grad_accum batches.
-            r.pos = crate::trainer::replica_position(cfg, train_len, worker, workers, step * cfg.train.grad_accum);
+            r.pos = crate::setup::replica_position(cfg, train_len, worker, workers, step * cfg.train.grad_accum);
             r.step = step;
         }
         (self.pushes, self.steps_done) = (mine, step);
@@ -585,7 +585,7 @@ pub fn run_ps_eval(
     every: Duration,
     stop: &dyn Fn() -> bool,
     quiet: bool,
-) -> Result<Vec<(f64, crate::trainer::Eval)>, TrainError> {
+) -> Result<Vec<(f64, crate::summary::Eval)>, TrainError> {
     let say = |m: &str| {
         if !quiet {
             kolo_base::eline!("{m}");

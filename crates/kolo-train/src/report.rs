@@ -7,7 +7,7 @@
 //! collectives.
 
 use crate::config::{Config, ModelKind, TrainConfig};
-use crate::trainer::{peak_rss, Eval};
+use crate::summary::{peak_rss, Eval};
 use crate::TrainError;
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
 use std::io::Write;

@@ -24,9 +24,9 @@ use crate::checkpointing::{load_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, StepCtx, StepOut, Strategy};
-use crate::trainer::{
-    evaluate, lead_say, load_data, optimizer_for, replicated_states, sample_text, spec_string, Eval, RunOptions, StateBytes, Summary,
-};
+use crate::eval::{evaluate, sample_text};
+use crate::setup::{lead_say, load_data, optimizer_for, spec_string};
+use crate::summary::{replicated_states, Eval, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::GradSink;
 use kolo_comm::{BufMut, Communicator, ReduceOp};

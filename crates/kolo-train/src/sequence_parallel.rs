@@ -10,7 +10,8 @@ use crate::checkpointing::{load_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use crate::trainer::{optimizer_step, Data, Eval, RunOptions};
+use crate::setup::{optimizer_step, Data};
+use crate::summary::{Eval, RunOptions};
 use crate::TrainError;
 use kolo_base::{Rank, RingShift, Rng};
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
@@ -86,12 +87,12 @@ impl<'a> SequenceParallel<'a> {
         resume: Option<&Path>,
         opts: &RunOptions,
     ) -> Result<(SequenceParallel<'a>, Start), TrainError> {
-        let gcfg = crate::trainer::gpt_config(cfg, &[&*comm, &*sp], data)?;
+        let gcfg = crate::setup::gpt_config(cfg, &[&*comm, &*sp], data)?;
         let chunk = (sp.rank().get(), sp.world_size().get());
         let mut gpt = Gpt::new(gcfg.clone(), &mut Rng::new(cfg.train.seed))?;
         gpt.set_sequence_parallel(Arc::new(CommRing(sp)))?;
         let numel = gpt.params().numel();
-        let mut opt = crate::trainer::optimizer_for(cfg, numel)?;
+        let mut opt = crate::setup::optimizer_for(cfg, numel)?;
         let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), replica.1, 0);
         let start = match resume {
             Some(path) => {
@@ -152,12 +153,12 @@ impl Strategy for SequenceParallel<'_> {
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         // Whole sequences, with an unsplit copy of the model, on rank 0.
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::trainer::evaluate_alone(self.cfg, &self.gcfg, &self.gpt.params().to_flat()?, ds, max_batches)).transpose()
+        lead.then(|| crate::eval::evaluate_alone(self.cfg, &self.gcfg, &self.gpt.params().to_flat()?, ds, max_batches)).transpose()
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::trainer::sample_alone(self.cfg, &self.gcfg, &self.gpt.params().to_flat()?, vocab)).transpose()
+        lead.then(|| crate::eval::sample_alone(self.cfg, &self.gcfg, &self.gpt.params().to_flat()?, vocab)).transpose()
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
@@ -167,7 +168,7 @@ impl Strategy for SequenceParallel<'_> {
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
         let params = self.gpt.params().to_flat()?;
         Ok(Finish {
-            states: crate::trainer::replicated_states(params.len(), &self.opt),
+            states: crate::summary::replicated_states(params.len(), &self.opt),
             params,
             skipped_steps: 0,
             loss_scale: None,

@@ -398,7 +398,7 @@ impl Trainer {
                 "3 shards parameter groups named by prefix: create the trainer with Trainer::with_zero3_groups(&varmap, &dist, opts, &[\"layers.0.\", ..])",
             ));
         }
-        kolo_train::trainer::retain_freed_memory();
+        kolo_train::summary::retain_freed_memory();
         let comm = dist.comm().clone();
         let mut vars: Vec<(String, candle_core::Var)> =
             varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();

@@ -1,0 +1,95 @@
+//! The entry point of `kolo train`'s training: [`run`] picks the strategy the config names and
+//! hands it to the one training loop, `crate::driver`.
+
+pub use crate::checkpointing::newest_checkpoint;
+use crate::checkpointing::resolve_checkpoint;
+use crate::config::Config;
+use crate::driver::Strategy;
+use crate::setup::{load_data, Data};
+use crate::summary::{retain_freed_memory, RunOptions, Summary};
+use crate::TrainError;
+use kolo_comm::Communicator;
+use std::sync::Arc;
+
+/// Trains `cfg` on this rank of `comm`: picks the strategy the config names (data parallel,
+/// with ZeRO and tensor parallelism; scheduled DDP; sequence or expert parallel; GPipe, 1F1B or
+/// PipeDream-2BW pipelines) and runs it on the driver to the end.
+pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
+    let global_rank = comm.rank().get();
+    retain_freed_memory();
+    // Before anything else: every rank was started with the same job.
+    crate::agreement::check_same_job(cfg, &*comm)?;
+    select_device(cfg)?;
+    // The mesh: pipeline stages (pp) of data-parallel replicas (dp) of tensor-parallel groups
+    // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
+    // blocks are split over the tp group; stages talk over the pp group.
+    let mesh = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+    if cfg.train.strategy == crate::config::Strategy::Ps {
+        return Err(TrainError::Config("train.strategy = \"ps\" trains through parameter servers: run it with `kolo ps run` (or `kolo train` with KOLO_PS_COORDINATOR set)".into()));
+    }
+    let resume = opts.resume.as_deref().map(resolve_checkpoint).transpose()?;
+    let resume = resume.as_deref();
+    if cfg.ddp.schedule.is_some() {
+        return crate::scheduled_ddp::run_scheduled(cfg, comm, opts, resume);
+    }
+    // Loads the data of replica `data_rank`, builds the strategy and drives it.
+    let start = |data_rank: usize| -> Result<(Data, Option<usize>), TrainError> {
+        let data = load_data(cfg, data_rank)?;
+        let heap_before = kolo_base::alloc::stats().map(|h| h.live);
+        Ok((data, heap_before))
+    };
+    let drive = |data: &Data, heap, s: &mut dyn Strategy, from| {
+        crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), data, heap, s, from)
+    };
+    if mesh.ep > 1 {
+        let m = kolo_comm::DeviceMesh::new(&*comm, &[("rep", mesh.dp / mesh.ep), ("ep", mesh.ep)])?;
+        let g = |a: &str| m.group(a).expect("axis").clone();
+        let (data, heap) = start(global_rank)?;
+        let (mut s, from) = crate::expert_parallel::ExpertParallel::new(cfg, comm.clone(), g("ep"), g("rep"), &data, resume, opts)?;
+        return drive(&data, heap, &mut s, from);
+    }
+    if mesh.sp > 1 {
+        let m = kolo_comm::DeviceMesh::new(&*comm, &[("dp", mesh.dp), ("sp", mesh.sp)])?;
+        let (sp, dp_rank) = (m.group("sp").expect("axis").clone(), m.coord("dp").expect("axis"));
+        let (data, heap) = start(dp_rank)?;
+        let (mut s, from) =
+            crate::sequence_parallel::SequenceParallel::new(cfg, comm.clone(), sp, (dp_rank, mesh.dp), &data, resume, opts)?;
+        return drive(&data, heap, &mut s, from);
+    }
+    let (dp, tp, pp) = if mesh.tp > 1 || cfg.pipeline.is_some() {
+        let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
+        let g = |a: &str| m.group(a).expect("axis").clone();
+        (g("dp"), (mesh.tp > 1).then(|| g("tp")), Some(g("pp")))
+    } else {
+        (comm.clone(), None, None)
+    };
+    if let (Some(pc), Some(pp)) = (&cfg.pipeline, &pp) {
+        let tp = tp.map(|c| crate::data_parallel::CommGroup::new(c) as Arc<dyn kolo_base::GroupSum>);
+        let (data, heap) = start(dp.rank().get())?;
+        let groups = crate::pipeline::StageGroups { pp: &**pp, dp: &*dp, tp, global_rank };
+        let stage = crate::pipeline::build_resumed(cfg, groups, &data, resume, opts)?;
+        if pc.schedule == crate::config::PipeSchedule::TwoBw {
+            let (mut s, from) = crate::pipedream_2bw::TwoBw::new(stage)?;
+            return drive(&data, heap, &mut s, from);
+        }
+        let (mut s, from) = crate::pipeline::Flushed::new(stage);
+        return drive(&data, heap, &mut s, from);
+    }
+    let (data, heap) = start(dp.rank().get())?;
+    let (mut s, from) = crate::data_parallel::DataParallel::new(cfg, dp, tp, global_rank, &data, resume, opts)?;
+    drive(&data, heap, &mut s, from)
+}
+
+/// `train.device`: `cuda` alone is one GPU per local rank (torchrun's LOCAL_RANK convention).
+fn select_device(cfg: &Config) -> Result<(), TrainError> {
+    if cfg.train.device == "cpu" {
+        return Ok(());
+    }
+    let name = match cfg.train.device.as_str() {
+        "cuda" => format!("cuda:{}", std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(0)),
+        d => d.to_string(),
+    };
+    let dev = kolo_tensor::parse_device(&name).map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
+    kolo_tensor::set_device(dev);
+    Ok(())
+}

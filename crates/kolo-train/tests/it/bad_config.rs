@@ -1,0 +1,105 @@
+//! Settings that cannot run are refused before training, naming the setting and the rank.
+
+use super::*;
+
+/// Ranks started with different settings stop at start-up naming the field (issue #19: a
+/// different lr or n_head trained to the end with rc 0 while the replicas diverged); settings
+/// that may differ per rank (the data path) do not.
+#[test]
+fn ranks_with_different_settings_refuse_to_start() {
+    let cfgs = [mnist_cfg("", 8), mnist_cfg("[optim]\nlr = 0.01\n", 8)];
+    let errs = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| run(&cfgs[r], Arc::new(c), &quiet()).err().unwrap());
+    assert!(errs[0].to_string().contains("rank 1 differs from rank 0 first at `optim.lr`"), "{}", errs[0]);
+    assert!(errs[1].to_string().contains("this rank (1) has optim.lr = 0.01"), "{}", errs[1]);
+    let mut same = mnist_cfg("[train]\nsteps = 1\n", 8);
+    let mut other_path = same.clone();
+    other_path.data.path = Some(format!("{}/", kolo_testkit::files::mnist_dir().display()));
+    same.train.progress = false;
+    let cfgs = [same, other_path];
+    let ok = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| run(&cfgs[r], Arc::new(c), &quiet()).is_ok());
+    assert_eq!(ok, vec![true, true]);
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let err = |text: &str| Config::parse(text, "cfg.toml").unwrap_err().to_string();
+    let base = "[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"x\"\nbatch_size = 8\n";
+    assert!(err(&format!("{base}[train]\nstepz = 3\n")).contains("unknown field `stepz`"));
+    assert!(err("[model]\nkind = \"transformer\"\n").contains("unknown variant `transformer`"));
+    assert!(err("[model]\nkind = \"gpt\"\nhidden = [3]\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 1\n")
+        .contains("model.hidden applies to kind = \"mlp\" only"));
+    assert!(err("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\nbatch_size = 8\n").contains("data.path is required"));
+    assert!(err(&format!("{base}[ddp]\nbucket_cap = \"lots\"\n")).contains("ddp.bucket_cap"));
+    assert!(err(&format!("{base}[ddp]\nzero_stage = 4\n")).contains("ddp.zero_stage must be 0, 1, 2 or 3, not 4"));
+    assert!(err(&format!("{base}[ddp]\nzero_stage = 3\n")).contains("shards the GPT's blocks"));
+    assert!(err(&format!("{base}[ddp]\nzero_stage = 1\ncompression = {{ method = \"powersgd\" }}\n"))
+        .contains("ddp.compression needs ddp.zero_stage = 0"));
+    assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"gzip\" }}\n")).contains("unknown variant `gzip`"));
+    assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"topk\", fraction = 1.5 }}\n")).contains("fraction must be in (0, 1]"));
+    assert!(err(&format!("{base}[ddp]\nzero_stage = 1\nskip_sync = true\n")).contains("needs ddp.zero_stage = 0"));
+    // Numbers that would train wrongly or never time out are refused, naming the field (#19).
+    for (field, section) in [
+        ("optim.clip_grad_norm", "[optim]\nclip_grad_norm = -1.0\n"),
+        ("optim.beta2", "[optim]\nbeta2 = 1.0\n"),
+        ("optim.eps", "[optim]\neps = -1e-8\n"),
+        ("optim.momentum", "[optim]\nkind = \"sgd\"\nmomentum = -0.5\n"),
+        ("optim.min_lr", "[optim]\nmin_lr = -0.1\n"),
+        ("optim.weight_decay", "[optim]\nweight_decay = nan\n"),
+        ("ddp.timeout_secs", "[ddp]\ntimeout_secs = inf\n"),
+        ("ddp.timeout_secs", "[ddp]\ntimeout_secs = 0.0\n"),
+    ] {
+        let e = err(&format!("{base}{section}"));
+        assert!(e.contains(&format!("{field} is out of range")), "{field}: {e}");
+    }
+    // What a strategy cannot do is refused, not ignored (#16). Parameter-server workers run on
+    // the driver, with its reports; their optimizer state lives on the servers.
+    let gpt = "[model]\nkind = \"gpt\"\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 8\n";
+    let two_bw = format!("{gpt}[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n");
+    let ps = format!("{base}[train]\nstrategy = \"ps\"\n");
+    let reports = "json_log = \"x\"\nmetrics_port = 9400\ntensorboard_dir = \"y\"\ntimeline_dir = \"z\"\neval_every = 5\n";
+    assert!(Config::parse(&format!("{ps}{reports}[optim]\nreference_batch = 32\n"), "t").is_ok());
+    let e = err(&format!("{ps}[optim]\noffload_dir = \"x\"\n"));
+    assert!(e.contains("optim.offload_dir") && e.contains("train.strategy = \"ps\""), "{e}");
+    // PipeDream-2BW runs on the driver too: it takes every report, timelines and checkpoints.
+    assert!(Config::parse(&format!("{two_bw}[train]\n{reports}checkpoint_dir = \"c\"\n"), "t").is_ok());
+    // Scheduled DDP runs on the driver: it has them all.
+    let sched = format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n");
+    let all = "[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\ntimeline_dir = \"z\"\ncheckpoint_dir = \"c\"\n\
+               [optim]\noffload_dir = \"o\"\nreference_batch = 32\n";
+    assert!(Config::parse(&format!("{sched}{all}"), "t").is_ok());
+    // PipeDream-2BW keeps its optimizer state where offload_dir says and scales the learning rate.
+    assert!(Config::parse(&format!("{two_bw}[optim]\noffload_dir = \"x\"\nreference_batch = 32\n"), "t").is_ok());
+    // Deterministic mode: pieces must divide the per-rank batch; what it cannot make bitwise is refused.
+    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 3\n"))
+        .contains("ddp.deterministic_chunk = 3 must divide data.batch_size = 8"));
+    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ndeterministic_chunk = 0\n")).contains("must divide"));
+    assert!(err(&format!("{base}[ddp]\ndeterministic = true\ncompression = {{ method = \"fp16\" }}\n"))
+        .contains("ddp.deterministic runs DDP or ZeRO-1/2"));
+    assert!(err(&format!("{base}[train]\nprecision = \"f16\"\n[ddp]\ndeterministic = true\n"))
+        .contains("ddp.deterministic runs DDP or ZeRO-1/2"));
+
+    // A missing dataset.
+    let cfg =
+        Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"/nonexistent/mnist\"\nbatch_size = 8\n", "t").unwrap();
+    let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| run(&cfg, Arc::new(c), &quiet()).err().unwrap());
+    assert!(matches!(e[0], TrainError::Data(_)) && e[0].to_string().contains("/nonexistent/mnist"), "{}", e[0]);
+
+    // A corrupt checkpoint, and one from another model.
+    let dir = scratch_dir("badckpt");
+    let cfg = mnist_cfg(&format!("[train]\nsteps = 1\ncheckpoint_dir = \"{}\"\n", dir.display()), 8);
+    let s = train_on(1, &cfg, &quiet());
+    let ck = s[0].checkpoint.clone().unwrap();
+    let mut other = mnist_cfg("[train]\nsteps = 1\n", 8);
+    other.model.hidden = Some(vec![16]);
+    let opts = RunOptions { resume: Some(ck.clone()), quiet: true, ..Default::default() };
+    let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| run(&other, Arc::new(c), &opts).err().unwrap());
+    assert!(e[0].to_string().contains("kolo.model"), "{}", e[0]);
+    let shard = ck.join("shard-00000-of-00001.safetensors");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let last = bytes.len() - 5;
+    bytes[last] ^= 0xff;
+    std::fs::write(&shard, bytes).unwrap();
+    let e = run_ranks(LocalComm::create(WorldSize::new(1).unwrap()), |_, c| run(&cfg, Arc::new(c), &opts).err().unwrap());
+    assert!(e[0].to_string().contains("corrupt"), "{}", e[0]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,126 @@
+//! Expert parallelism (mixture of experts) against one process and DDP, and its refused settings.
+
+use super::*;
+
+/// Expert parallelism, one step by hand: W ranks each hold 4 / W experts and route their own
+/// shard's tokens through two all-to-alls; the assembled gradient (shared parameters averaged,
+/// each expert's divided by W) equals one process computing the mean of the W shards' losses
+/// with every expert local (top-1 and top-2, with tokens dropped by the capacity).
+#[test]
+fn expert_parallel_gradients_match_one_process() {
+    use kolo_base::Rng;
+    use kolo_comm::{BufMut, ReduceOp};
+    use kolo_tensor::models::{Gpt, GptConfig, MoeConfig};
+    use kolo_tensor::{Batch, Input, Model, PlainView};
+    for (world, k, cf) in [(2, 1, 1.0), (4, 2, 1.25), (2, 2, 0.5)] {
+        let cfg = GptConfig {
+            vocab: 13,
+            seq: 8,
+            d_model: 16,
+            n_head: 2,
+            n_layer: 2,
+            moe: Some(MoeConfig { experts: 4, top_k: k, capacity_factor: cf, aux_weight: 0.01 }),
+        };
+        let shard = |r: usize| -> Batch {
+            let mut g = Rng::new(100 + r as u64);
+            let n = 2 * cfg.seq;
+            Batch {
+                input: Input::Tokens { ids: (0..n).map(|_| g.below(13) as u32).collect(), b: 2, t: cfg.seq },
+                targets: (0..n).map(|_| g.below(13) as u32).collect(),
+            }
+        };
+        // One process: the mean of the shards' losses.
+        let one = Gpt::new(cfg.clone(), &mut Rng::new(5)).unwrap();
+        let losses: Vec<kolo_tensor::Tensor> =
+            (0..world).map(|r| (one.loss(&shard(r), &PlainView).unwrap() / world as f64).unwrap()).collect();
+        let total = losses.iter().skip(1).fold(losses[0].clone(), |t, l| t.add(l).unwrap());
+        let grads = total.backward().unwrap();
+        let mut want = vec![0f32; one.params().numel()];
+        one.params().grads_into(&grads, &mut want).unwrap();
+        let want_load = one.take_moe_load().unwrap();
+        let got = run_ranks(LocalComm::create(WorldSize::new(world).unwrap()), |r, c| {
+            let comm: Arc<dyn Communicator> = Arc::new(c);
+            let gpt =
+                Gpt::new_expert_parallel(cfg.clone(), &mut Rng::new(5), Arc::new(kolo_train::expert_parallel::CommExchange(comm.clone())))
+                    .unwrap();
+            let loss = gpt.loss(&shard(r), &PlainView).unwrap();
+            let g = loss.backward().unwrap();
+            let mut local = vec![0f32; gpt.params().numel()];
+            gpt.params().grads_into(&g, &mut local).unwrap();
+            let expert = gpt.expert_params().unwrap();
+            for (i, p) in gpt.params().iter().enumerate() {
+                if expert[i] {
+                    local[p.range.clone()].iter_mut().for_each(|x| *x /= world as f32);
+                }
+            }
+            let mut shared = vec![0f32; gpt.full_numel()];
+            gpt.ep_pieces_into(&local, &mut shared, false, true).unwrap();
+            comm.all_reduce(BufMut::from(&mut shared[..]), ReduceOp::Avg).unwrap();
+            let mut experts = vec![0f32; gpt.full_numel()];
+            gpt.ep_pieces_into(&local, &mut experts, true, false).unwrap();
+            comm.all_reduce(BufMut::from(&mut experts[..]), ReduceOp::Sum).unwrap();
+            (shared.iter().zip(&experts).map(|(a, b)| a + b).collect::<Vec<f32>>(), gpt.take_moe_load().unwrap())
+        });
+        let (g0, l0) = &got[0];
+        let d = max_diff(g0, &want);
+        assert!(d < 1e-5, "world {world}, top-{k}: max gradient difference {d}");
+        // Every rank routed its own tokens: the loads add up to the one process's.
+        let mut load = vec![0u64; 4];
+        let mut dropped = 0;
+        for (_, l) in &got {
+            load.iter_mut().zip(&l.load).for_each(|(a, b)| *a += b);
+            dropped += l.dropped;
+        }
+        assert_eq!((load, dropped), (want_load.load.clone(), want_load.dropped), "world {world}, top-{k}");
+        assert_eq!(l0.load.len(), 4);
+        if cf < 1.0 {
+            assert!(want_load.dropped > 0);
+        }
+    }
+}
+
+/// Expert-parallel training (ep 2 and 4 on as many ranks, and dp 4 x ep 2) follows DDP with
+/// every expert on every rank over the same ranks, and reports the per-expert load.
+#[test]
+fn expert_parallel_training_matches_ddp_with_replicated_experts() {
+    for (world, ep) in [(2, 2), (4, 4), (4, 2)] {
+        let ddp = train_on(world, &moe_cfg(8 / world, ""), &quiet());
+        let ranks = train_on(world, &moe_cfg(8 / world, &format!("[mesh]\nep = {ep}\n")), &quiet());
+        for s in &ranks {
+            assert_eq!(s.params, ranks[0].params, "ep {ep}: every rank assembles the same model");
+        }
+        assert_eq!(ranks[0].params.len(), ddp[0].params.len());
+        assert!(ranks[0].states.params < ddp[0].states.params, "ep {ep}: each rank holds a share of the experts");
+        let d = max_diff(&ranks[0].params, &ddp[0].params);
+        assert!(d < 1e-4, "world {world}, ep {ep}: max parameter difference {d}");
+        assert!(
+            (ranks[0].last_loss - ddp[0].last_loss).abs() < 1e-4,
+            "world {world} ep {ep}: loss {} vs {}",
+            ranks[0].last_loss,
+            ddp[0].last_loss
+        );
+        let (a, b) = (ranks[0].moe.as_ref().unwrap(), ddp[0].moe.as_ref().unwrap());
+        assert_eq!(a, b, "ep {ep}: the same routing");
+        // 3 steps x 8 sequences x 16 tokens x 2 layers, top-1.
+        assert_eq!(a.assigned, 3 * 8 * 16 * 2);
+        assert!(ranks[0].eval.is_some());
+    }
+}
+
+/// Mixture-of-experts settings that cannot work are refused with the field's name.
+#[test]
+fn bad_moe_settings_are_refused() {
+    let try_parse = |extra_model: &str, rest: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n{extra_model}\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n{rest}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").err().map(|e| e.to_string()).unwrap_or_default()
+    };
+    assert!(try_parse("experts = 4\ntop_k = 3", "").contains("top_k"));
+    assert!(try_parse("experts = 0", "").contains("experts"));
+    assert!(try_parse("experts = 4\ncapacity_factor = 0.0", "").contains("capacity_factor"));
+    assert!(try_parse("experts = 3", "[mesh]\nep = 2\n").contains("multiple of mesh.ep"));
+    assert!(try_parse("", "[mesh]\nep = 2\n").contains("set model.experts"));
+    assert!(try_parse("experts = 4", "[mesh]\ntp = 2\n").contains("without tp"));
+}

@@ -1,0 +1,217 @@
+//! Pipeline parallelism (GPipe, 1F1B, PipeDream-2BW) against one process, its checkpoints and evaluation.
+
+use super::*;
+
+/// Pipeline parallelism: the GPT cut into 2 and 4 stages (ranks), batches of 8 sequences as 4
+/// micro-batches, GPipe and 1F1B (with and without re-materialization), follows the one-process
+/// run. Not bitwise: each micro-batch's
+/// mean loss is scaled by 1/4 and the gradients are summed over micro-batches, while one
+/// process averages over 8 sequences at once (f32 reassociation).
+#[test]
+fn pipeline_matches_one_process_gpt() {
+    for optim in SPLIT_OPTIMIZERS {
+        let mk = |extra: &str| {
+            let text = format!(
+                "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 8\n\
+                 {optim}[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n{extra}",
+                kolo_testkit::files::shakespeare().display()
+            );
+            Config::parse(&text, "test").unwrap()
+        };
+        let one = &train_on(1, &mk(""), &quiet())[0];
+        for k in [2, 4] {
+            for schedule in ["gpipe", "1f1b"] {
+                let ranks = train_on(k, &mk(&format!("[pipeline]\nmicro_batches = 4\nschedule = \"{schedule}\"\n")), &quiet());
+                for s in &ranks {
+                    assert_eq!(s.params, ranks[0].params, "every stage assembles the same model");
+                }
+                let d = max_diff(&ranks[0].params, &one.params);
+                assert!(d < 1e-4, "{k} stages, {schedule}, {optim}: max parameter difference {d}");
+                assert!(
+                    (ranks[0].last_loss - one.last_loss).abs() < 1e-4,
+                    "{k} stages {schedule}: loss {} vs {}",
+                    ranks[0].last_loss,
+                    one.last_loss
+                );
+                let bubble = ranks[0].pipeline_bubble.unwrap();
+                assert!((0.0..1.0).contains(&bubble));
+                // Re-materialization recomputes the same forward in backward: bitwise the same run.
+                let remat = train_on(
+                    k,
+                    &mk(&format!("[pipeline]\nmicro_batches = 4\nschedule = \"{schedule}\"\nrematerialize = true\n")),
+                    &quiet(),
+                );
+                assert_eq!(remat[0].params, ranks[0].params, "{k} stages {schedule}: re-materialized run");
+            }
+        }
+    }
+}
+
+/// Flushed pipelines run on the driver (#16): a 1F1B run over 2 stages, and over dp 2 x pp 2,
+/// stopped at step 2 and resumed from its checkpoint (each stage wrote its own layers and their
+/// optimizer state) ends bitwise where the uninterrupted run does; the checkpoint continues
+/// under DDP on the same replicas within 1e-4 (the tolerance of pipeline against one process);
+/// the runs evaluate every 2 steps and write a timeline.
+#[test]
+fn flushed_pipelines_checkpoint_resume_and_evaluate() {
+    let dir = scratch_dir("pipe-resume");
+    let mk = |extra: &str, batch: usize| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+             [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\n[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n{extra}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let pipe = "[pipeline]\nmicro_batches = 2\nschedule = \"1f1b\"\n";
+    for (world, mesh) in [(2, ""), (4, "[mesh]\ndp = 2\n")] {
+        let ck = dir.join(format!("w{world}"));
+        let tl = dir.join(format!("tl{world}"));
+        let extra = |more: &str| format!("eval_every = 2\n{more}{pipe}{mesh}");
+        let full = train_on(world, &mk(&extra(&format!("timeline_dir = \"{}\"\n", tl.display())), 4), &quiet());
+        let cfg = mk(&extra(&format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 2\n", ck.display())), 4);
+        train_on(world, &cfg, &RunOptions { stop_after: Some(2), ..quiet() });
+        let resume = RunOptions { resume: Some(ck.join("step-00000002")), quiet: true, ..Default::default() };
+        let resumed = train_on(world, &cfg, &resume);
+        for (r, s) in resumed.iter().enumerate() {
+            let d = max_diff(&s.params, &full[0].params);
+            assert!(s.params == full[0].params, "world {world}, rank {r}: resumed pipeline vs uninterrupted, max difference {d}");
+        }
+        assert!(full[0].eval.is_some() && full[0].pipeline_bubble.is_some());
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(tl.join("trace.json")).unwrap()).unwrap();
+        let fb = doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == "forward + backward").count();
+        assert_eq!(fb, 4 * world, "every rank's 4 steps on the timeline");
+        let replicas = world / 2;
+        let ddp = train_on(replicas, &mk("", 4), &resume);
+        let d = max_diff(&ddp[0].params, &full[0].params);
+        assert!(d < 1e-4, "world {world}: the pipeline's checkpoint continued under DDP: {d}");
+    }
+    // pp 2 x tp 2: each tensor-parallel group puts its stage's layers and optimizer state
+    // together into whole tensors; resumed, the run ends bitwise where the uninterrupted one
+    // does, and one process continues the same checkpoint within 1e-4.
+    let ck = dir.join("pp-tp");
+    let tp = "[mesh]\ntp = 2\n";
+    let full = train_on(4, &mk(&format!("{pipe}{tp}"), 4), &quiet());
+    let cfg = mk(&format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 2\n{pipe}{tp}", ck.display()), 4);
+    train_on(4, &cfg, &RunOptions { stop_after: Some(2), ..quiet() });
+    let resume = RunOptions { resume: Some(ck.join("step-00000002")), quiet: true, ..Default::default() };
+    for (r, s) in train_on(4, &cfg, &resume).iter().enumerate() {
+        let d = max_diff(&s.params, &full[0].params);
+        assert!(s.params == full[0].params, "pp 2 x tp 2, rank {r}: resumed vs uninterrupted, max difference {d}");
+    }
+    let one = train_on(1, &mk("", 4), &resume);
+    let d = max_diff(&one[0].params, &full[0].params);
+    assert!(d < 1e-4, "the pp x tp checkpoint continued in one process: {d}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// PipeDream-2BW on the driver (#16): its stream is drained at every evaluation and checkpoint
+/// and restarted from the two weight versions alive, which changes when work happens but not
+/// what is computed: a run that drains after every step ends bitwise where the undrained one
+/// does. Stopped at step 4 and resumed from its checkpoint (the latest version, the previous
+/// one, the optimizer state, the data position), it ends bitwise where the uninterrupted run
+/// does, over 2 stages, dp 2 x pp 2 and pp 2 x tp 2. Every rank's steps are on the timeline.
+#[test]
+fn pipedream_2bw_drains_checkpoints_and_resumes_bitwise() {
+    let dir = scratch_dir("2bw-resume");
+    let mk = |extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n\
+             [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\n[train]\nsteps = 6\nlog_every = 1\nsample_chars = 0\neval_batches = 2\n\
+             {extra}[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    for (world, mesh) in [(2, ""), (4, "[mesh]\ndp = 2\n"), (4, "[mesh]\ntp = 2\n")] {
+        let tag = format!("{world}{}", mesh.replace(['[', ']', '\n', ' ', '='], ""));
+        let tl = dir.join(format!("tl{tag}"));
+        let full = train_on(world, &mk(&format!("timeline_dir = \"{}\"\n{mesh}", tl.display())), &quiet());
+        if mesh.is_empty() {
+            let drained = train_on(world, &mk("eval_every = 1\n"), &quiet());
+            let d = max_diff(&drained[0].params, &full[0].params);
+            assert!(drained[0].params == full[0].params, "drained after every step vs one stream: max difference {d}");
+            assert!(drained[0].eval.is_some());
+        }
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(tl.join("trace.json")).unwrap()).unwrap();
+        let fb = doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == "forward + backward").count();
+        assert_eq!(fb, 6 * world, "{mesh}: every rank's 6 steps on the timeline");
+        let ck = dir.join(format!("ck{tag}"));
+        let cfg = mk(&format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 2\n{mesh}", ck.display()));
+        train_on(world, &cfg, &RunOptions { stop_after: Some(4), ..quiet() });
+        let resume = RunOptions { resume: Some(ck.join("step-00000004")), quiet: true, ..Default::default() };
+        for (r, s) in train_on(world, &cfg, &resume).iter().enumerate() {
+            let d = max_diff(&s.params, &full[0].params);
+            assert!(s.params == full[0].params, "{mesh} rank {r}: resumed 2BW vs uninterrupted, max difference {d}");
+            assert_eq!(s.last_loss, full[0].last_loss);
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// PipeDream-2BW against its definition, computed in one process: batch t's gradient is taken
+/// at weight version max(t - 1, 0) and applied to version t (W(t+1) = W(t) - step(grad
+/// f(W(t-1)))), with AdamW and clipping by the global norm. Pipelines of 2 and 4 stages (and
+/// 2 stages x 2 tensor-parallel ranks) without flushes follow it; a flushed 1F1B run does not
+/// (the delay is real).
+#[test]
+fn pipedream_2bw_follows_its_weight_version_semantics() {
+    use kolo_base::Rng;
+    use kolo_optim::{clip_factor, lr_at, sum_of_squares, Optimizer};
+    use kolo_tensor::models::Gpt;
+    use kolo_tensor::{Model, ModelSpec, PlainView};
+    let mk = |extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 8\n\
+             [optim]\nkind = \"adamw\"\nlr = 0.003\nclip_grad_norm = 0.05\n[train]\nsteps = 5\nsample_chars = 0\neval_batches = 2\n{extra}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    // The definition, in one process.
+    let cfg = mk("");
+    let data = kolo_train::setup::load_data(&cfg, 0).unwrap();
+    let batches = kolo_train::setup::replica_batches(&cfg, data.train.clone(), 0, 1, 0).unwrap();
+    let ModelSpec::Gpt(g) = cfg.model_spec(data.vocab_size) else { unreachable!() };
+    let gpt = Gpt::new(g, &mut Rng::new(cfg.train.seed)).unwrap();
+    let n = gpt.params().numel();
+    let mut opt = Optimizer::new(cfg.optimizer(), n);
+    let mut previous = gpt.params().to_flat().unwrap();
+    for t in 0..cfg.train.steps {
+        let current = gpt.params().to_flat().unwrap();
+        gpt.params().load(&previous).unwrap();
+        let (_, batch) = batches.recv().unwrap();
+        let grads = gpt.loss(&batch, &PlainView).unwrap().backward().unwrap();
+        let mut g = vec![0f32; n];
+        gpt.params().grads_into(&grads, &mut g).unwrap();
+        gpt.params().load(&current).unwrap();
+        let f = clip_factor(sum_of_squares(&g).sqrt(), 0.05);
+        g.iter_mut().for_each(|x| *x *= f);
+        let lr = lr_at(cfg.optim.lr, &cfg.schedule(), cfg.optim.warmup_steps, cfg.train.steps, t);
+        opt.begin_step();
+        for i in 0..gpt.params().len() {
+            let r = gpt.params().get(i).range.clone();
+            gpt.params().update_one(i, &mut |p| opt.update(r.start, p, &g[r.clone()], lr)).unwrap();
+        }
+        previous = current;
+    }
+    let want = gpt.params().to_flat().unwrap();
+    for (world, extra) in [(2, ""), (4, ""), (4, "[mesh]\ntp = 2\npp = 2\n")] {
+        let cfg = mk(&format!("[pipeline]\nmicro_batches = 4\nschedule = \"2bw\"\n{extra}"));
+        let ranks = train_on(world, &cfg, &quiet());
+        for s in &ranks {
+            assert_eq!(s.params, ranks[0].params, "world {world} {extra}: every rank assembles the same model");
+        }
+        let d = max_diff(&ranks[0].params, &want);
+        assert!(d < 1e-4, "world {world} {extra}: 2BW differs from its definition by {d}");
+        assert_eq!(ranks[0].step_ms.len(), 5);
+    }
+    let flushed = &train_on(2, &mk("[pipeline]\nmicro_batches = 4\n"), &quiet())[0];
+    assert!(max_diff(&flushed.params, &want) > 1e-4, "1F1B (flushed) applies each gradient to the weights it was computed on");
+    // Too few micro-batches for the version to exist in time: refused.
+    let few = mk("[pipeline]\nmicro_batches = 2\nschedule = \"2bw\"\n");
+    let errs = run_ranks(LocalComm::create(WorldSize::new(4).unwrap()), |_, c| {
+        run(&few, Arc::new(c) as Arc<dyn Communicator>, &quiet()).err().map(|e| e.to_string())
+    });
+    assert!(errs[0].as_deref().unwrap_or("").contains("micro-batches"), "{errs:?}");
+}

@@ -1,0 +1,224 @@
+//! Tensor and sequence parallelism and their meshes against one process, checkpoints that reshard.
+
+use super::*;
+
+/// The driver's features reach the strategies that used to run loops of their own (#16).
+/// Sequence parallelism (dp 2 x sp 2): a run stopped at step 2 and resumed from its checkpoint
+/// ends bitwise where the uninterrupted run does; the same checkpoint continues under plain DDP
+/// on 2 ranks (same replicas, so the same batches) to within 1e-4 of it; evaluation every 2
+/// steps and the timeline are written. Expert parallelism: evaluation, the timeline, and
+/// checkpoints of whole tensors that resume bitwise and continue under DDP.
+#[test]
+fn sequence_and_expert_parallel_resume_evaluate_and_trace_through_the_driver() {
+    let dir = scratch_dir("driver-sp");
+    let optim = "[optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\nschedule = \"cosine\"\n";
+    let train = |extra: &str| format!("{optim}[train]\nsteps = 4\nlog_every = 1\neval_batches = 2\nsample_chars = 0\n{extra}");
+    let tb_tl =
+        format!("eval_every = 2\ntensorboard_dir = \"{}\"\ntimeline_dir = \"{}\"\n", dir.join("tb").display(), dir.join("tl").display());
+    let sp = "[mesh]\nsp = 2\n";
+    let full = train_on(4, &gpt_cfg(&format!("{}{sp}", train(&tb_tl)), 4), &quiet());
+    let ck = format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 2\n", dir.join("ck").display());
+    let cfg = gpt_cfg(&format!("{}{sp}", train(&ck)), 4);
+    train_on(4, &cfg, &RunOptions { stop_after: Some(2), ..quiet() });
+    let resume = RunOptions { resume: Some(dir.join("ck").join("step-00000002")), quiet: true, ..Default::default() };
+    let resumed = train_on(4, &cfg, &resume);
+    for (r, s) in resumed.iter().enumerate() {
+        let d = max_diff(&s.params, &full[0].params);
+        assert!(s.params == full[0].params, "rank {r}: resumed sequence-parallel run vs uninterrupted: max difference {d}");
+        assert_eq!(s.last_loss, full[0].last_loss);
+    }
+    let ddp = train_on(2, &gpt_cfg(&train(""), 4), &resume);
+    let d = max_diff(&ddp[0].params, &full[0].params);
+    assert!(d < 1e-4, "sequence-parallel checkpoint continued under DDP: {d}");
+
+    // Rank 0 evaluated at step 2 (mid-run) and 4 (the end); every rank's steps are on the trace.
+    let tb = dir.join("tb").join("rank0");
+    let file = std::fs::read_dir(&tb).unwrap().next().unwrap().unwrap().path();
+    let evals: Vec<i64> =
+        kolo_train::tensorboard::read_scalars(&file).unwrap().iter().filter(|x| x.0 == "eval/loss").map(|x| x.1).collect();
+    assert_eq!(evals, vec![2, 4]);
+    let trace = |d: &std::path::Path| -> Vec<serde_json::Value> {
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(d.join("trace.json")).unwrap()).unwrap();
+        doc["traceEvents"].as_array().unwrap().clone()
+    };
+    let count = |ev: &[serde_json::Value], pid: usize, name: &str| ev.iter().filter(|e| e["pid"] == pid && e["name"] == name).count();
+    let ev = trace(&dir.join("tl"));
+    for pid in 0..4 {
+        assert_eq!(count(&ev, pid, "forward + backward"), 4, "rank {pid}");
+        assert_eq!(count(&ev, pid, "all_reduce gradients"), 4, "rank {pid}");
+    }
+
+    let tl = dir.join("tl-ep");
+    let cfg = moe_cfg(4, &format!("eval_every = 2\ntimeline_dir = \"{}\"\n[mesh]\nep = 2\n", tl.display()));
+    let s = train_on(2, &cfg, &quiet());
+    assert!(s[0].eval.is_some() && s[1].eval.is_none(), "rank 0 evaluates the assembled model");
+    let ev = trace(&tl);
+    for pid in 0..2 {
+        assert_eq!(count(&ev, pid, "all_reduce gradients"), 3, "rank {pid}");
+    }
+    // Expert parallelism checkpoints whole tensors: stopped at step 2 and resumed, it ends
+    // bitwise where the uninterrupted run does; under DDP with every expert on every rank the
+    // same checkpoint continues within 1e-4 (the tolerance of expert parallelism against DDP).
+    let ck = dir.join("ck-ep");
+    let cfg = moe_cfg(4, &format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 2\n[mesh]\nep = 2\n", ck.display()));
+    train_on(2, &cfg, &RunOptions { stop_after: Some(2), ..quiet() });
+    let resume = RunOptions { resume: Some(ck.join("step-00000002")), quiet: true, ..Default::default() };
+    let resumed = train_on(2, &cfg, &resume);
+    for (r, x) in resumed.iter().enumerate() {
+        let d = max_diff(&x.params, &s[0].params);
+        assert!(x.params == s[0].params, "rank {r}: resumed expert-parallel run vs uninterrupted, max difference {d}");
+    }
+    let ddp = train_on(2, &moe_cfg(4, ""), &resume);
+    let d = max_diff(&ddp[0].params, &s[0].params);
+    assert!(d < 1e-4, "the expert-parallel checkpoint continued under DDP: {d}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Tensor-parallel checkpoints (#16): each group assembles whole tensors (parameters and
+/// optimizer state) and writes them under the whole model's names. A run stopped at step 2 and
+/// resumed ends bitwise where the uninterrupted one does (tp 2, and dp 2 x tp 2); the same
+/// checkpoint continues at another tensor-parallel size (one process; tp 4) within 1e-4, the
+/// tolerance of tensor parallelism against one process. The timeline has every rank's steps.
+#[test]
+fn tensor_parallel_checkpoints_resume_and_reshard() {
+    let dir = scratch_dir("tp-resume");
+    let mk = |batch: usize, extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+             [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\n[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n{extra}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    for (world, mesh, batch, other) in [(2, "[mesh]\ntp = 2\n", 8, (1, "", 8)), (4, "[mesh]\ntp = 2\n", 4, (4, "[mesh]\ntp = 4\n", 8))] {
+        let ck = dir.join(format!("w{world}"));
+        let tl = dir.join(format!("tl{world}"));
+        let full = train_on(world, &mk(batch, &format!("timeline_dir = \"{}\"\n{mesh}", tl.display())), &quiet());
+        let cfg = mk(batch, &format!("checkpoint_dir = \"{}\"\ncheckpoint_every = 2\n{mesh}", ck.display()));
+        train_on(world, &cfg, &RunOptions { stop_after: Some(2), ..quiet() });
+        let resume = RunOptions { resume: Some(ck.join("step-00000002")), quiet: true, ..Default::default() };
+        let resumed = train_on(world, &cfg, &resume);
+        for (r, s) in resumed.iter().enumerate() {
+            let d = max_diff(&s.params, &full[0].params);
+            assert!(
+                s.params == full[0].params,
+                "world {world}, rank {r}: resumed tensor-parallel run vs uninterrupted, max difference {d}"
+            );
+        }
+        let (n, mesh2, batch2) = other;
+        let moved = train_on(n, &mk(batch2, mesh2), &resume);
+        let d = max_diff(&moved[0].params, &full[0].params);
+        assert!(d < 1e-4, "world {world}: the checkpoint continued on {n} rank(s) {mesh2:?}: {d}");
+        let doc: serde_json::Value = serde_json::from_slice(&std::fs::read(tl.join("trace.json")).unwrap()).unwrap();
+        let fb = doc["traceEvents"].as_array().unwrap().iter().filter(|e| e["name"] == "forward + backward").count();
+        assert_eq!(fb, 4 * world, "every rank's 4 steps on the timeline");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Megatron tensor parallelism: each block's heads and MLP split over 2 and 4 ranks, and
+/// dp 2 x tp 2 on 4 ranks, follow the one-process run (one all-reduce per block forward and
+/// backward replaces the full matmuls: f32 reassociation only).
+#[test]
+fn tensor_parallel_matches_one_process_gpt() {
+    for optim in SPLIT_OPTIMIZERS {
+        let mk = |batch: usize, extra: &str| {
+            let text = format!(
+                "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+                 {optim}[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n{extra}",
+                kolo_testkit::files::shakespeare().display()
+            );
+            Config::parse(&text, "test").unwrap()
+        };
+        let one = &train_on(1, &mk(8, ""), &quiet())[0];
+        for (world, tp, batch) in [(2, 2, 8), (4, 4, 8), (4, 2, 4)] {
+            let ranks = train_on(world, &mk(batch, &format!("[mesh]\ntp = {tp}\n")), &quiet());
+            for s in &ranks {
+                assert_eq!(s.params.len(), one.params.len(), "every rank assembles the whole model");
+                assert_eq!(s.params, ranks[0].params);
+            }
+            // Each rank holds its pieces only: the blocks' big matrices split tp ways.
+            assert!(
+                ranks[0].states.params * 10 < one.states.params * 9,
+                "tp {tp}: {} vs {} bytes of parameters",
+                ranks[0].states.params,
+                one.states.params
+            );
+            let d = max_diff(&ranks[0].params, &one.params);
+            assert!(d < 1e-4, "world {world}, tp {tp}, {optim}: max parameter difference {d}");
+            assert!(
+                (ranks[0].last_loss - one.last_loss).abs() < 1e-4,
+                "world {world} tp {tp}: loss {} vs {}",
+                ranks[0].last_loss,
+                one.last_loss
+            );
+        }
+    }
+}
+
+/// 3D parallelism: every mesh (dp x tp x pp) that fits in 2 and 4 ranks trains the GPT like one
+/// process with the same global batch (8 sequences), with gradient clipping active (the norm
+/// counts split parameters over the tensor-parallel group and replicated ones once).
+#[test]
+fn every_mesh_in_four_ranks_matches_one_process_gpt() {
+    for optim in [format!("{}clip_grad_norm = 0.05\n", SPLIT_OPTIMIZERS[0]), SPLIT_OPTIMIZERS[1].to_string()] {
+        let mk = |batch: usize, extra: &str| {
+            let text = format!(
+                "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+                 {optim}[train]\nsteps = 3\nsample_chars = 0\neval_batches = 2\n{extra}",
+                kolo_testkit::files::shakespeare().display()
+            );
+            Config::parse(&text, "test").unwrap()
+        };
+        let one = &train_on(1, &mk(8, ""), &quiet())[0];
+        for (dp, tp, pp) in [(1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4), (1, 4, 1), (4, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1)] {
+            let world = dp * tp * pp;
+            let pipe = if pp > 1 { "[pipeline]\nmicro_batches = 2\n" } else { "" };
+            let cfg = mk(8 / dp, &format!("[mesh]\ndp = {dp}\ntp = {tp}\npp = {pp}\n{pipe}"));
+            let ranks = train_on(world, &cfg, &quiet());
+            for s in &ranks {
+                assert_eq!(s.params, ranks[0].params, "dp {dp} tp {tp} pp {pp}: every rank assembles the same model");
+            }
+            let d = max_diff(&ranks[0].params, &one.params);
+            assert!(d < 1e-4, "dp {dp} tp {tp} pp {pp}, {optim}: max parameter difference {d}");
+            assert!(
+                (ranks[0].last_loss - one.last_loss).abs() < 1e-4,
+                "dp {dp} tp {tp} pp {pp}: loss {} vs {}",
+                ranks[0].last_loss,
+                one.last_loss
+            );
+        }
+    }
+}
+
+/// Sequence parallelism: every sequence split into 2 or 4 chunks on as many ranks (ring
+/// attention; key/value blocks passed around with the running softmax, gradients passed back),
+/// and dp 2 x sp 2, train like one process.
+#[test]
+fn sequence_parallel_ring_attention_matches_one_process_gpt() {
+    for optim in [format!("{}clip_grad_norm = 0.05\n", SPLIT_OPTIMIZERS[0]), SPLIT_OPTIMIZERS[1].to_string()] {
+        let mk = |batch: usize, extra: &str| {
+            let text = format!(
+                "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+                 {optim}[train]\nsteps = 3\nsample_chars = 0\neval_batches = 2\n{extra}",
+                kolo_testkit::files::shakespeare().display()
+            );
+            Config::parse(&text, "test").unwrap()
+        };
+        let one = &train_on(1, &mk(8, ""), &quiet())[0];
+        for (world, sp, batch) in [(2, 2, 8), (4, 4, 8), (4, 2, 4)] {
+            let ranks = train_on(world, &mk(batch, &format!("[mesh]\nsp = {sp}\n")), &quiet());
+            for s in &ranks {
+                assert_eq!(s.params, ranks[0].params);
+            }
+            let d = max_diff(&ranks[0].params, &one.params);
+            assert!(d < 1e-4, "world {world}, sp {sp}, {optim}: max parameter difference {d}");
+            assert!(
+                (ranks[0].last_loss - one.last_loss).abs() < 1e-4,
+                "world {world} sp {sp}: loss {} vs {}",
+                ranks[0].last_loss,
+                one.last_loss
+            );
+        }
+    }
+}
