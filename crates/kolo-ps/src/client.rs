@@ -623,9 +623,6 @@ impl PsClient {
                 std::thread::sleep(Duration::from_millis(20));
                 self.refresh(None)?;
             }
-            if std::env::var_os("KOLO_PS_DEBUG").is_some() {
-                kolo_base::eline!("DEBUG worker {} {what} round at epoch {epoch}: {} to retry, refresh {refresh:?}, later {later}, problem {last_problem}, {:?} since start", self.o.worker, retry.len(), (Instant::now() + self.o.timeout).saturating_duration_since(deadline));
-            }
             *todo = retry;
         }
         Ok(())
