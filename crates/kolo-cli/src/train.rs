@@ -81,37 +81,7 @@ fn parse_slow_rank(s: &str) -> Result<(usize, u64), String> {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
-    let mut cfg = kolo_train::Config::load(&a.config)?;
-    if let Some(d) = a.data {
-        cfg.data.path = Some(d);
-    }
-    if let Some(d) = &a.device {
-        cfg.train.device = d.clone();
-    }
-    if let Some(s) = a.steps {
-        cfg.train.steps = s;
-    }
-    if let Some(d) = a.offload_dir {
-        cfg.optim.offload_dir = Some(d);
-    }
-    if let Some(z) = a.zero_stage {
-        cfg.ddp.zero_stage = z;
-    }
-    // One deadline for setup and every collective: --timeout if given, else the config's.
-    if let Some(t) = a.comm.timeout {
-        cfg.ddp.timeout_secs = t;
-    }
-    if let Some(l) = a.comm.liveness {
-        cfg.ddp.liveness_secs = l;
-    }
-    // The overrides go through the file's validation: a combination the file would refuse is
-    // refused here too, naming the flags.
-    cfg.check().map_err(|e| {
-        anyhow::anyhow!(
-            "{} with the command-line overrides (--data, --device, --steps, --offload-dir, --zero-stage, --timeout, --liveness): {e}",
-            a.config.display()
-        )
-    })?;
+    let mut cfg = load_config(&a)?;
     if cfg.train.strategy == kolo_train::config::Strategy::Ps {
         return run_ps(&cfg, a.stop_after, a.slow_rank, a.resume.clone());
     }
@@ -177,56 +147,97 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         }
     })?;
     if boot.comm().rank().get() == 0 {
-        let n = s.step_ms.len();
-        let tail = &s.step_ms[n.saturating_sub(n / 2).min(n)..];
-        let mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
-        let overlap = match s.pipeline_bubble {
-            Some(b) => format!("pipeline bubble {:.1}%", b * 100.0),
-            None if cfg.ddp.schedule.is_some() => {
-                let w = &s.comm_wait_ms[s.comm_wait_ms.len() / 2..];
-                format!(
-                    "{:.0}% of gradient communication hidden behind compute (forward waited {:.1} ms/step for updates)",
-                    s.hidden_fraction * 100.0,
-                    w.iter().sum::<f64>() / w.len().max(1) as f64
-                )
-            }
-            None => format!("{:.0}% of gradient all-reduce hidden behind backward", s.hidden_fraction * 100.0),
-        };
-        kolo_base::eline!("done: {} steps, last loss {:.4}, {:.1} ms/step (second half), {overlap}", s.steps_done, s.last_loss, mean);
-        if let Some(m) = &s.moe {
-            kolo_base::eline!(
-                "experts: tokens routed per expert {:?} (coefficient of variation {:.3}), {:.2}% of assignments dropped by the capacity",
-                m.load,
-                m.cv(),
-                m.dropped_fraction() * 100.0
-            );
-        }
-        let mb = |b: u64| b as f64 / 1e6;
-        if let Some(bytes) = s.comm_bytes.last() {
-            let what = if s.pipeline_bubble.is_some() { "activations and their gradients sent by rank 0" } else { "gradient traffic" };
-            kolo_base::eline!("{what}: {:.3} MB per step per rank (last step)", *bytes as f64 / 1e6);
-        }
-        kolo_base::eline!(
-            "memory per rank: model states {:.1} MB (params {:.1} + grads {:.1} + optimizer {:.1}{}), peak RSS {}",
-            mb(s.states.total()),
-            mb(s.states.params),
-            mb(s.states.grads),
-            mb(s.states.optimizer),
-            if s.states.offloaded { " offloaded to files" } else { "" },
-            s.peak_rss.map_or("unknown".to_string(), |b| format!("{:.1} MB", mb(b)))
-        );
-        if let Some(h) = s.heap {
-            kolo_base::eline!(
-                "heap per rank: {:.1} MB before the model, {:.1} MB between steps (+{:.1} MB: model states and caches), peak {:.1} MB (+{:.1} MB transient)",
-                mb(h.before_model as u64),
-                mb(h.between_steps as u64),
-                mb(h.between_steps.saturating_sub(h.before_model) as u64),
-                mb(h.peak as u64),
-                mb(h.peak.saturating_sub(h.between_steps) as u64)
-            );
-        }
+        report(&cfg, &s);
     }
     Ok(0)
+}
+
+/// The config file with the command line's overrides, validated together.
+fn load_config(a: &TrainArgs) -> anyhow::Result<kolo_train::Config> {
+    let mut cfg = kolo_train::Config::load(&a.config)?;
+    if let Some(d) = a.data.clone() {
+        cfg.data.path = Some(d);
+    }
+    if let Some(d) = &a.device {
+        cfg.train.device = d.clone();
+    }
+    if let Some(s) = a.steps {
+        cfg.train.steps = s;
+    }
+    if let Some(d) = a.offload_dir.clone() {
+        cfg.optim.offload_dir = Some(d);
+    }
+    if let Some(z) = a.zero_stage {
+        cfg.ddp.zero_stage = z;
+    }
+    // One deadline for setup and every collective: --timeout if given, else the config's.
+    if let Some(t) = a.comm.timeout {
+        cfg.ddp.timeout_secs = t;
+    }
+    if let Some(l) = a.comm.liveness {
+        cfg.ddp.liveness_secs = l;
+    }
+    // The overrides go through the file's validation: a combination the file would refuse is
+    // refused here too, naming the flags.
+    cfg.check().map_err(|e| {
+        anyhow::anyhow!(
+            "{} with the command-line overrides (--data, --device, --steps, --offload-dir, --zero-stage, --timeout, --liveness): {e}",
+            a.config.display()
+        )
+    })?;
+    Ok(cfg)
+}
+
+/// The lead rank's closing lines: steps, loss, step time and overlap, experts, traffic, memory.
+fn report(cfg: &kolo_train::Config, s: &kolo_train::Summary) {
+    let n = s.step_ms.len();
+    let tail = &s.step_ms[n.saturating_sub(n / 2).min(n)..];
+    let mean = tail.iter().sum::<f64>() / tail.len().max(1) as f64;
+    let overlap = match s.pipeline_bubble {
+        Some(b) => format!("pipeline bubble {:.1}%", b * 100.0),
+        None if cfg.ddp.schedule.is_some() => {
+            let w = &s.comm_wait_ms[s.comm_wait_ms.len() / 2..];
+            format!(
+                "{:.0}% of gradient communication hidden behind compute (forward waited {:.1} ms/step for updates)",
+                s.hidden_fraction * 100.0,
+                w.iter().sum::<f64>() / w.len().max(1) as f64
+            )
+        }
+        None => format!("{:.0}% of gradient all-reduce hidden behind backward", s.hidden_fraction * 100.0),
+    };
+    kolo_base::eline!("done: {} steps, last loss {:.4}, {:.1} ms/step (second half), {overlap}", s.steps_done, s.last_loss, mean);
+    if let Some(m) = &s.moe {
+        kolo_base::eline!(
+            "experts: tokens routed per expert {:?} (coefficient of variation {:.3}), {:.2}% of assignments dropped by the capacity",
+            m.load,
+            m.cv(),
+            m.dropped_fraction() * 100.0
+        );
+    }
+    let mb = |b: u64| b as f64 / 1e6;
+    if let Some(bytes) = s.comm_bytes.last() {
+        let what = if s.pipeline_bubble.is_some() { "activations and their gradients sent by rank 0" } else { "gradient traffic" };
+        kolo_base::eline!("{what}: {:.3} MB per step per rank (last step)", *bytes as f64 / 1e6);
+    }
+    kolo_base::eline!(
+        "memory per rank: model states {:.1} MB (params {:.1} + grads {:.1} + optimizer {:.1}{}), peak RSS {}",
+        mb(s.states.total()),
+        mb(s.states.params),
+        mb(s.states.grads),
+        mb(s.states.optimizer),
+        if s.states.offloaded { " offloaded to files" } else { "" },
+        s.peak_rss.map_or("unknown".to_string(), |b| format!("{:.1} MB", mb(b)))
+    );
+    if let Some(h) = s.heap {
+        kolo_base::eline!(
+            "heap per rank: {:.1} MB before the model, {:.1} MB between steps (+{:.1} MB: model states and caches), peak {:.1} MB (+{:.1} MB transient)",
+            mb(h.before_model as u64),
+            mb(h.between_steps as u64),
+            mb(h.between_steps.saturating_sub(h.before_model) as u64),
+            mb(h.peak as u64),
+            mb(h.peak.saturating_sub(h.between_steps) as u64)
+        );
+    }
 }
 
 /// A parameter-server worker: RANK / WORLD_SIZE say which data shard, KOLO_PS_COORDINATOR (or

@@ -102,13 +102,7 @@ impl<'a> DataParallel<'a> {
         let world = comm.world_size().get();
         let tp = tp.map(|c| (CommGroup::new(c.clone()), c));
         let spec = cfg.model_spec(data.vocab_size);
-        let mut model = match (&tp, &spec) {
-            (Some((g, _)), ModelSpec::Gpt(gc)) => {
-                Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(gc.clone(), &mut Rng::new(tc.seed), g.clone())?) as Box<dyn Model>
-            }
-            _ => build_model(&spec, tc.seed)?,
-        };
-        model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
+        let mut model = dp_model(cfg, &spec, tp.as_ref().map(|(g, _)| g.clone()))?;
         let tp_split = model.tensor_parallel_split();
         let sharding = cfg.sharding().map_err(TrainError::Config)?;
         let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
@@ -158,19 +152,7 @@ impl<'a> DataParallel<'a> {
         };
         model.params().load(&flat)?;
         let zero3 = sharding == Sharding::Parameters;
-        let mut master =
-            Buffer::zeros(if zero3 { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master").map_err(offload_err)?;
-        if let Some(z) = &zero {
-            if zero3 {
-                let mut m = vec![0f32; z.len];
-                z.gather(ddp.ranges(), &flat, &mut m);
-                ddp.set_master(m);
-                model.shard_groups(ddp.gatherer())?;
-            } else {
-                z.gather(ddp.ranges(), &flat, master.as_mut_slice());
-                master.release_all();
-            }
-        }
+        let master = zero_master(zero.as_ref(), zero3, &ddp, &mut *model, &flat, &place, &offload_err)?;
         let numel = flat.len();
         drop(flat);
         let keeps_micro = tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic;
@@ -503,6 +485,47 @@ impl Strategy for DataParallel<'_> {
             ps: None,
         })
     }
+}
+
+/// The model the config names, its tensor-parallel split over `tp` when there is one, with the
+/// configured activation checkpointing.
+fn dp_model(cfg: &Config, spec: &ModelSpec, tp: Option<Arc<CommGroup>>) -> Result<Box<dyn Model>, TrainError> {
+    let seed = cfg.train.seed;
+    let mut model = match (tp, spec) {
+        (Some(g), ModelSpec::Gpt(gc)) => {
+            Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(gc.clone(), &mut Rng::new(seed), g)?) as Box<dyn Model>
+        }
+        _ => build_model(spec, seed)?,
+    };
+    model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
+    Ok(model)
+}
+
+/// ZeRO's f32 master of this rank's shard, cut from the whole `flat` values: in a buffer at
+/// `place` (ZeRO-1/2), or handed to the engine with the model's groups sharded (ZeRO-3, whose
+/// returned buffer is empty); empty without ZeRO.
+fn zero_master(
+    zero: Option<&ShardPlan>,
+    zero3: bool,
+    ddp: &Ddp,
+    model: &mut dyn Model,
+    flat: &[f32],
+    place: &kolo_optim::Placement,
+    offload_err: &dyn Fn(std::io::Error) -> TrainError,
+) -> Result<Buffer, TrainError> {
+    let mut master = Buffer::zeros(if zero3 { 0 } else { zero.map_or(0, |z| z.len) }, place, "master").map_err(offload_err)?;
+    if let Some(z) = zero {
+        if zero3 {
+            let mut m = vec![0f32; z.len];
+            z.gather(ddp.ranges(), flat, &mut m);
+            ddp.set_master(m);
+            model.shard_groups(ddp.gatherer())?;
+        } else {
+            z.gather(ddp.ranges(), flat, master.as_mut_slice());
+            master.release_all();
+        }
+    }
+    Ok(master)
 }
 
 /// The start line of a data-parallel run.

@@ -400,47 +400,7 @@ impl Trainer {
         }
         kolo_train::summary::retain_freed_memory();
         let comm = dist.comm().clone();
-        let mut vars: Vec<(String, candle_core::Var)> =
-            varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
-        if vars.is_empty() {
-            return Err(Error::usage(
-                dist.rank(),
-                "Trainer::new",
-                "the VarMap holds no parameters: build the model through VarBuilder::from_varmap(&varmap, ..) before creating the Trainer",
-            ));
-        }
-        vars.sort_by_cached_key(|(n, _)| natural_key(n));
-        let compute = match opts.train.precision {
-            Precision::F32 => DType::F32,
-            Precision::Bf16 => DType::BF16,
-            Precision::F16 => DType::F16,
-        };
-        let mut params = ParamSet::new();
-        let mut ids = HashMap::new();
-        let mut model_vars = Vec::new();
-        for (name, var) in vars {
-            if var.dtype() != compute {
-                return Err(Error::usage(
-                    dist.rank(),
-                    "Trainer::new",
-                    format!(
-                        "parameter `{name}` is {:?}, but train.precision = {:?} trains a model built in {compute:?}: build it with VarBuilder::from_varmap(&varmap, DType::{compute:?}, ..){}",
-                        var.dtype(),
-                        opts.train.precision,
-                        if compute == DType::F32 { " or set train.precision to the model's dtype" } else { "" }
-                    ),
-                ));
-            }
-            ids.insert(var.as_tensor().id(), params.len());
-            if compute == DType::F32 {
-                params.adopt(&name, var)?;
-            } else {
-                // Mixed precision, as DeepSpeed's bf16/fp16 modes: the optimizer steps f32
-                // masters; the model computes with their bf16/f16 copies.
-                params.adopt(&name, candle_core::Var::from_tensor(&var.as_tensor().to_dtype(DType::F32)?)?)?;
-                model_vars.push(var);
-            }
-        }
+        let (mut params, ids, model_vars, compute) = adopt(varmap, dist.rank(), opts.train.precision)?;
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
         comm.set_timeout(timeout);
         let (compression, compression_warmup) = opts.ddp.compression().map_err(|e| Error::setting("ddp.compression", e))?;
@@ -917,6 +877,56 @@ fn place_master(zero: Option<&ShardPlan>, zero3: bool, ddp: &Ddp, flat: &[f32], 
         z.gather(ddp.ranges(), flat, master.as_mut_slice());
         master.release_all();
     }
+}
+
+/// The VarMap's variables in natural name order as the trainer's parameters (f32 masters of a
+/// bf16/f16 model), their ids, the model's own variables of a mixed-precision model, and the
+/// dtype the model computes in.
+type Adopted = (ParamSet, HashMap<TensorId, usize>, Vec<candle_core::Var>, DType);
+
+fn adopt(varmap: &VarMap, rank: usize, precision: Precision) -> Result<Adopted> {
+    let mut vars: Vec<(String, candle_core::Var)> =
+        varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    if vars.is_empty() {
+        return Err(Error::usage(
+            rank,
+            "Trainer::new",
+            "the VarMap holds no parameters: build the model through VarBuilder::from_varmap(&varmap, ..) before creating the Trainer",
+        ));
+    }
+    vars.sort_by_cached_key(|(n, _)| natural_key(n));
+    let compute = match precision {
+        Precision::F32 => DType::F32,
+        Precision::Bf16 => DType::BF16,
+        Precision::F16 => DType::F16,
+    };
+    let mut params = ParamSet::new();
+    let mut ids = HashMap::new();
+    let mut model_vars = Vec::new();
+    for (name, var) in vars {
+        if var.dtype() != compute {
+            return Err(Error::usage(
+                rank,
+                "Trainer::new",
+                format!(
+                    "parameter `{name}` is {:?}, but train.precision = {:?} trains a model built in {compute:?}: build it with VarBuilder::from_varmap(&varmap, DType::{compute:?}, ..){}",
+                    var.dtype(),
+                    precision,
+                    if compute == DType::F32 { " or set train.precision to the model's dtype" } else { "" }
+                ),
+            ));
+        }
+        ids.insert(var.as_tensor().id(), params.len());
+        if compute == DType::F32 {
+            params.adopt(&name, var)?;
+        } else {
+            // Mixed precision, as DeepSpeed's bf16/fp16 modes: the optimizer steps f32
+            // masters; the model computes with their bf16/f16 copies.
+            params.adopt(&name, candle_core::Var::from_tensor(&var.as_tensor().to_dtype(DType::F32)?)?)?;
+            model_vars.push(var);
+        }
+    }
+    Ok((params, ids, model_vars, compute))
 }
 
 /// Mixed precision: rewrites the model's bf16/f16 variables from the f32 masters (nothing in
