@@ -245,7 +245,7 @@ fn impala(
     actor_of: Option<String>,
     actor_id: usize,
 ) -> anyhow::Result<i32> {
-    use kolo_train::impala::{EnvKind, ImpalaConfig};
+    use kolo_rl::impala::{EnvKind, ImpalaConfig};
     let kind = match env {
         "cartpole" => EnvKind::CartPole,
         "grid" => EnvKind::Grid,
@@ -265,7 +265,7 @@ fn impala(
             &std::env::var("KOLO_JOB_TOKEN").map_err(|_| anyhow::anyhow!("KOLO_JOB_TOKEN is not set"))?,
         )
         .map_err(|e| anyhow::anyhow!("KOLO_JOB_TOKEN: {e}"))?;
-        let steps = kolo_train::impala::actor_process(&cfg, &addr, &token, actor_id)?;
+        let steps = kolo_rl::impala::actor_process(&cfg, &addr, &token, actor_id)?;
         // One write, so that lines of several actor processes do not interleave.
         let line = format!("actor {actor_id}: {steps} environment steps\n");
         std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes())?;
@@ -274,21 +274,21 @@ fn impala(
     let token = kolo_rendezvous::JobToken::generate();
     let mut children: Vec<std::process::Child> = Vec::new();
     let exe = std::env::current_exe()?;
-    let mut spawn = |addr: &str| -> Result<(), kolo_train::TrainError> {
+    let mut spawn = |addr: &str| -> Result<(), kolo_rl::impala::ImpalaError> {
         for id in 0..actors {
             let child = std::process::Command::new(&exe)
                 .args(["impala", "--env", env, "--seed", &seed.to_string(), "--actor-of", addr, "--actor-id", &id.to_string()])
                 .env("KOLO_JOB_TOKEN", token.to_hex())
                 .stdin(std::process::Stdio::null())
                 .spawn()
-                .map_err(|e| kolo_train::TrainError::Other(format!("starting actor {id}: {e}")))?;
+                .map_err(|e| kolo_rl::impala::ImpalaError::Failed(format!("starting actor {id}: {e}")))?;
             children.push(child);
         }
         Ok(())
     };
-    let remote = processes.then(|| kolo_train::impala::RemoteActors { listen: "127.0.0.1:0", token: token.clone(), spawn: &mut spawn });
+    let remote = processes.then(|| kolo_rl::impala::RemoteActors { listen: "127.0.0.1:0", token: token.clone(), spawn: &mut spawn });
     let t0 = std::time::Instant::now();
-    let r = kolo_train::impala::run_with(&cfg, remote, &mut |steps, mean| {
+    let r = kolo_rl::impala::run_with(&cfg, remote, &mut |steps, mean| {
         kolo_base::eline!("{:>7.1} s  {steps:>9} env steps  mean return (100 episodes) {mean:.1}", t0.elapsed().as_secs_f64())
     })?;
     kolo_base::eline!(

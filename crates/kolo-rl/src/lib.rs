@@ -3,6 +3,7 @@
 //! evaluation on the learner's flat parameters (an MLP, laid out as `kolo_tensor`'s).
 
 pub mod env;
+pub mod impala;
 pub mod policy;
 pub mod vtrace;
 

@@ -13,8 +13,6 @@ pub mod eval;
 pub mod expert_parallel;
 #[cfg(feature = "fed")]
 pub mod fed;
-#[cfg(feature = "rl")]
-pub mod impala;
 pub mod local_sgd;
 pub mod sampler;
 pub mod update;

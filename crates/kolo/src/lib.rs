@@ -40,12 +40,13 @@ pub mod zero3;
 /// (the `ps` feature).
 #[cfg(feature = "ps")]
 pub use kolo_ps as ps;
+/// Reinforcement learning: environments, V-trace, IMPALA's actors and learner (the `rl`
+/// feature).
+#[cfg(feature = "rl")]
+pub use kolo_rl as rl;
 /// Federated averaging: the server and clients of `kolo fed` (the `fed` feature).
 #[cfg(feature = "fed")]
 pub use kolo_train::fed;
-/// IMPALA distributed reinforcement learning: actors, the V-trace learner (the `rl` feature).
-#[cfg(feature = "rl")]
-pub use kolo_train::impala as rl;
 
 /// The candle this Kolo is built with (use it to avoid a second copy in your build).
 pub use candle_core;

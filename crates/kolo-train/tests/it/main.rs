@@ -11,8 +11,6 @@ mod bad_config;
 mod ddp;
 #[cfg(feature = "fed")]
 mod fed;
-#[cfg(feature = "rl")]
-mod impala;
 mod moe;
 mod observability;
 mod pipeline;

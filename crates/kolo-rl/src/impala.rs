@@ -8,16 +8,32 @@
 //! on the flat parameters (kolo-rl, no tensors); the learner computes the loss and its gradient
 //! with kolo-tensor: -rho_s log pi(a_s|x_s) A_s + (baseline / 2) (v_s - V(x_s))^2 - entropy.
 
-use crate::TrainError;
+use crate::{policy, vtrace, CartPole, Env, GridWorld};
 use kolo_base::Rng;
 use kolo_optim::{clip_factor, Optimizer, OptimizerSpec};
-use kolo_rl::{policy, vtrace, CartPole, Env, GridWorld};
 use kolo_tensor::models::Mlp;
 use kolo_tensor::{Input, Model, PlainView, Tensor};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, RwLock};
 use std::time::Instant;
+
+/// Why an IMPALA run failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ImpalaError {
+    /// A setting that cannot run.
+    #[error("impala: {0}")]
+    Config(String),
+    /// An actor or the learner failed (names which and why).
+    #[error("{0}")]
+    Failed(String),
+    /// The learner's tensors.
+    #[error(transparent)]
+    Tensor(#[from] kolo_tensor::TensorError),
+    /// The channel between actors and the learner.
+    #[error(transparent)]
+    Ps(#[from] kolo_ps::PsError),
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EnvKind {
@@ -370,8 +386,8 @@ kolo_ps::protocol!(
 /// An actor process: connects to the learner at `addr`, unrolls with the newest policy it has
 /// and sends each trajectory; a newer policy comes back with the answer. Never waits for the
 /// learner beyond the round trip. Returns the environment steps it took.
-pub fn actor_process(cfg: &ImpalaConfig, addr: &str, token: &kolo_rendezvous::JobToken, id: usize) -> Result<u64, TrainError> {
-    let e = |e: kolo_ps::PsError| TrainError::Other(format!("actor {id}: {e}"));
+pub fn actor_process(cfg: &ImpalaConfig, addr: &str, token: &kolo_rendezvous::JobToken, id: usize) -> Result<u64, ImpalaError> {
+    let e = |e: kolo_ps::PsError| ImpalaError::Failed(format!("actor {id}: {e}"));
     let mut conn = kolo_ps::net::Channel::<ImpalaProtocol>::connect(addr, token, std::time::Duration::from_secs(30)).map_err(e)?;
     let probe = cfg.env.make();
     let mut sizes = vec![probe.obs_len()];
@@ -381,7 +397,7 @@ pub fn actor_process(cfg: &ImpalaConfig, addr: &str, token: &kolo_rendezvous::Jo
     let (mut version, mut params) = match conn.call(&ActorReq::Hello).map_err(e)? {
         LearnerResp::Params { version, params } => (version, params),
         LearnerResp::Stop => return Ok(0),
-        other => return Err(TrainError::Other(format!("actor {id}: the learner answered {other:?}"))),
+        other => return Err(ImpalaError::Failed(format!("actor {id}: the learner answered {other:?}"))),
     };
     let mut steps = 0;
     loop {
@@ -394,7 +410,7 @@ pub fn actor_process(cfg: &ImpalaConfig, addr: &str, token: &kolo_rendezvous::Jo
             }
             LearnerResp::Ack => {}
             LearnerResp::Stop => return Ok(steps),
-            LearnerResp::Error(m) => return Err(TrainError::Other(format!("actor {id}: the learner refused: {m}"))),
+            LearnerResp::Error(m) => return Err(ImpalaError::Failed(format!("actor {id}: the learner refused: {m}"))),
         }
     }
 }
@@ -404,12 +420,12 @@ pub fn actor_process(cfg: &ImpalaConfig, addr: &str, token: &kolo_rendezvous::Jo
 pub struct RemoteActors<'a> {
     pub listen: &'a str,
     pub token: kolo_rendezvous::JobToken,
-    pub spawn: &'a mut dyn FnMut(&str) -> Result<(), TrainError>,
+    pub spawn: &'a mut dyn FnMut(&str) -> Result<(), ImpalaError>,
 }
 
 /// Runs IMPALA until `max_env_steps` learned from or the target; `on_progress` sees (learned
 /// env steps, mean return). Actors are threads of this process.
-pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<ImpalaReport, TrainError> {
+pub fn run(cfg: &ImpalaConfig, on_progress: &mut dyn FnMut(u64, f64)) -> Result<ImpalaReport, ImpalaError> {
     run_with(cfg, None, on_progress)
 }
 
@@ -418,9 +434,9 @@ pub fn run_with(
     cfg: &ImpalaConfig,
     remote: Option<RemoteActors<'_>>,
     on_progress: &mut dyn FnMut(u64, f64),
-) -> Result<ImpalaReport, TrainError> {
+) -> Result<ImpalaReport, ImpalaError> {
     if cfg.actors == 0 || cfg.unroll == 0 || cfg.batch == 0 {
-        return Err(TrainError::Config("impala: actors, unroll and batch must be at least 1".into()));
+        return Err(ImpalaError::Config("impala: actors, unroll and batch must be at least 1".into()));
     }
     let probe = cfg.env.make();
     let (obs_len, a) = (probe.obs_len(), probe.actions());
@@ -455,7 +471,7 @@ pub fn run_with(
     let mut seen = Seen::default();
     let te = kolo_tensor::TensorError::from;
     let mut grads = vec![0f32; numel];
-    let result = (|| -> Result<(), TrainError> {
+    let result = (|| -> Result<(), ImpalaError> {
         loop {
             let batch = next_batch(cfg, &rx, (obs_len, a), learner_steps, &mut rejected)?;
             seen.note(&batch, learner_steps);
@@ -464,7 +480,11 @@ pub fn run_with(
             model.params().grads_into(&g, &mut grads)?;
             let f = clip_factor(kolo_base::sum_of_squares(&grads).sqrt(), cfg.clip_norm);
             grads.iter_mut().for_each(|g| *g *= f);
-            crate::setup::optimizer_step(model.params(), &mut opt, &grads, cfg.lr)?;
+            opt.begin_step();
+            for i in 0..model.params().len() {
+                let r = model.params().get(i).range.clone();
+                model.params().update_one(i, &mut |p| opt.update(r.start, p, &grads[r.clone()], cfg.lr))?;
+            }
             learner_steps += 1;
             *published.write().unwrap_or_else(|p| p.into_inner()) = Arc::new((learner_steps, model.params().to_flat()?));
             let learned = learner_steps * (cfg.batch * cfg.unroll) as u64;
@@ -519,13 +539,13 @@ fn next_batch(
     (obs_len, a): (usize, usize),
     learner_steps: u64,
     rejected: &mut u64,
-) -> Result<Vec<Trajectory>, TrainError> {
+) -> Result<Vec<Trajectory>, ImpalaError> {
     let mut batch = Vec::with_capacity(cfg.batch);
     while batch.len() < cfg.batch {
         // A deadline: actor processes that all died must not hang the learner.
         let t = rx
             .recv_timeout(std::time::Duration::from_secs(60))
-            .map_err(|e| TrainError::Other(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?;
+            .map_err(|e| ImpalaError::Failed(format!("no trajectory from any actor for 60 s ({e}): every actor stopped?")))?;
         // One broken or hostile actor must not stop the learner: drop and count.
         if let Err(why) = t.check(cfg.unroll, obs_len, a, learner_steps) {
             *rejected += 1;
@@ -587,7 +607,7 @@ fn serve_actors(
     stop: &Arc<AtomicBool>,
     steps: &Arc<AtomicU64>,
     dropped: &Arc<AtomicU64>,
-) -> Result<kolo_ps::net::Listener, TrainError> {
+) -> Result<kolo_ps::net::Listener, ImpalaError> {
     let (tx, published, stop, steps, dropped) = (tx.clone(), published.clone(), stop.clone(), steps.clone(), dropped.clone());
     let handler: kolo_ps::net::HandlerOf<ImpalaProtocol> = Arc::new(move |_: &mut kolo_ps::net::ConnState, req: ActorReq, _| {
         if stop.load(Ordering::Relaxed) {
@@ -613,14 +633,14 @@ fn serve_actors(
         }
     });
     let l = kolo_ps::net::Listener::start_with::<ImpalaProtocol>(r.listen, r.token, "impala", handler)
-        .map_err(|e| TrainError::Other(format!("impala learner on {}: {e}", r.listen)))?;
+        .map_err(|e| ImpalaError::Failed(format!("impala learner on {}: {e}", r.listen)))?;
     (r.spawn)(&l.addr.to_string())?;
     Ok(l)
 }
 
 /// The learner's loss on a batch of trajectories: V-trace policy gradient, value regression
 /// to the V-trace targets (weighted by `baseline`) and an entropy bonus.
-fn vtrace_loss(cfg: &ImpalaConfig, model: &Mlp, batch: &[Trajectory], obs_len: usize, a: usize) -> Result<Tensor, TrainError> {
+fn vtrace_loss(cfg: &ImpalaConfig, model: &Mlp, batch: &[Trajectory], obs_len: usize, a: usize) -> Result<Tensor, ImpalaError> {
     let te = kolo_tensor::TensorError::from;
     // Forward all observations (with the bootstrap ones) at once.
     let rows = cfg.batch * (cfg.unroll + 1);

@@ -6,7 +6,7 @@
 /// measured: 0.23-0.60 M). The 5 x 5 grid world is solved too.
 #[test]
 fn impala_solves_cartpole_and_the_grid_world() {
-    use kolo_train::impala::{run as impala, EnvKind, ImpalaConfig};
+    use kolo_rl::impala::{run as impala, EnvKind, ImpalaConfig};
     let r = impala(&ImpalaConfig { max_env_steps: 1_500_000, ..ImpalaConfig::cartpole(2) }, &mut |_, _| {}).unwrap();
     assert!(r.solved_at.is_some() && r.mean_return >= 195.0, "CartPole not solved: {r:?}");
     assert!(r.max_lag >= 1 && r.mean_lag > 0.0, "the actors' policies lagged the learner's: {r:?}");
