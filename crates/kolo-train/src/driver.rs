@@ -14,7 +14,7 @@
 //! [`StepCtx::drain_at`]) and `ps_worker` (parameter-server workers, [`Job::Alone`]).
 
 use crate::checkpointing::{PendingSave, Resumed};
-use crate::config::{Config, DataKind};
+use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::report::{Reporter, StepRecord};
 use crate::sampler::{Position, Sampler, SamplerConfig};
@@ -184,17 +184,7 @@ impl Batches {
         pos: Position,
         split: Option<Vec<usize>>,
     ) -> Result<Batches, TrainError> {
-        // Synthetic data is already per rank (seeded by rank): it is not sharded again.
-        let (world, r) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (replicas, rank) };
-        let scfg = SamplerConfig {
-            len: train.len(),
-            world,
-            rank: r,
-            batch: cfg.data.batch_size,
-            seed: cfg.train.seed,
-            shuffle: cfg.data.shuffle,
-            drop_last: cfg.data.drop_last,
-        };
+        let scfg = crate::setup::replica_sampler(cfg, train.len(), rank, replicas);
         // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
         // the shares change during the run, so nothing is prefetched. Deterministic mode takes
         // the same contiguous slices (equal shares, never re-split): a piece of the global batch

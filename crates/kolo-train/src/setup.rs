@@ -96,8 +96,8 @@ pub(crate) fn replica_position(cfg: &Config, len: usize, rank: usize, world: usi
 }
 
 /// The sampler of data-parallel replica `rank` of `world` over `len` examples (synthetic data
-/// is already per replica: it is not sharded again).
-fn replica_sampler(cfg: &Config, len: usize, rank: usize, world: usize) -> SamplerConfig {
+/// is already per replica, seeded by rank: it is not sharded again).
+pub(crate) fn replica_sampler(cfg: &Config, len: usize, rank: usize, world: usize) -> SamplerConfig {
     let (world, rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
     SamplerConfig {
         len,

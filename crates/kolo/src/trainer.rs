@@ -188,6 +188,22 @@ impl TrainOptions {
         })
     }
 
+    /// The trainer's tables of a `kolo train` config file (`[optim]`, `[ddp]`, `[train]` and
+    /// `[data]`'s `batch_size`), so one file configures both; its `[model]` and the rest of
+    /// `[data]` describe Kolo's built-in models and datasets, which your program replaces.
+    /// Checked as [`TrainOptions::from_toml`] is.
+    pub fn from_train_config(cfg: &kolo_train::Config) -> Result<TrainOptions> {
+        let o = TrainOptions {
+            optim: cfg.optim.clone(),
+            ddp: cfg.ddp.clone(),
+            train: cfg.train.clone(),
+            data: DataOptions { batch_size: cfg.data.batch_size, tokens_per_example: DataOptions::default().tokens_per_example },
+            rule: None,
+        };
+        o.check()?;
+        Ok(o)
+    }
+
     /// Parses the options from TOML text.
     pub fn from_toml_str(text: &str) -> Result<TrainOptions> {
         let o: TrainOptions = toml::from_str(text).map_err(|e| Error::file("<options>", e))?;
