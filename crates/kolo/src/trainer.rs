@@ -211,26 +211,19 @@ impl TrainOptions {
         Ok(o)
     }
 
-    /// Refuses the settings the trainer cannot honour, naming them ([`Error::Setting`]).
+    /// Refuses the settings the trainer cannot honour, naming them ([`Error::Setting`]): first
+    /// those only `kolo train` can run (it owns the batch, the model or the communicator), then
+    /// the tables' own rules, checked by the same code and with the same messages as `kolo
+    /// train`'s.
     pub fn check(&self) -> Result<()> {
         let d = &self.ddp;
-        let refused = [
-            (d.zero_stage > 3, "ddp.zero_stage", " above 3"),
+        let only_kolo_train = [
             (
-                d.zero_stage == 3
-                    && (self.train.grad_accum > 1
-                        || self.train.precision != Precision::F32
-                        || d.compression.is_some()
-                        || d.local_sgd.is_some()),
+                d.zero_stage == 3 && self.train.precision != Precision::F32,
                 "ddp.zero_stage",
-                " = 3 with train.grad_accum > 1, train.precision other than f32, ddp.compression or ddp.local_sgd",
+                " = 3 with train.precision other than f32 (the library's ZeRO-3 gathers f32 variables)",
             ),
             (d.deterministic, "ddp.deterministic", " (the trainer does not own the batch, which it cuts into pieces)"),
-            (
-                d.local_sgd.as_ref().is_some_and(|l| l.every == 0 || d.zero_stage != 0 || d.compression.is_some()),
-                "ddp.local_sgd",
-                " with every = 0, ddp.zero_stage other than 0 or ddp.compression (each replica steps its own whole model)",
-            ),
             (
                 d.liveness_secs != DdpSettings::default().liveness_secs,
                 "ddp.liveness_secs",
@@ -244,12 +237,6 @@ impl TrainOptions {
                 self.optim.reference_batch.is_some() && self.data.batch_size == 0,
                 "optim.reference_batch",
                 " without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
-            ),
-            (self.train.grad_accum == 0, "train.grad_accum", " = 0 (at least 1)"),
-            (
-                self.train.precision == Precision::F16 && self.ddp.local_sgd.is_some(),
-                "train.precision",
-                " = \"f16\" with ddp.local_sgd (each replica would need its own loss scale)",
             ),
             (
                 self.train.device != "cpu",
@@ -265,19 +252,28 @@ impl TrainOptions {
                 " (generation belongs to the built-in GPT)",
             ),
         ];
-        if let Some((_, setting, why)) = refused.iter().find(|(bad, _, _)| *bad) {
+        if let Some((_, setting, why)) = only_kolo_train.iter().find(|(bad, _, _)| *bad) {
             return Err(Error::setting(*setting, format!("kolo::Trainer does not support {setting}{why}")));
         }
-        if !(self.optim.lr.is_finite() && self.optim.lr >= 0.0) {
-            return Err(Error::setting("optim.lr", format!("{} is not a finite, non-negative number", self.optim.lr)));
-        }
-        if self.optim.clip_grad_norm.is_some_and(|c| !(c.is_finite() && c > 0.0)) {
-            return Err(Error::setting("optim.clip_grad_norm", "must be a positive number"));
-        }
-        d.bucket_cap().map_err(|e| Error::setting("ddp.bucket_cap", e))?;
-        d.first_bucket_cap().map_err(|e| Error::setting("ddp.first_bucket_cap", e))?;
-        d.compression().map_err(|e| Error::setting("ddp.compression", e))?;
-        Ok(())
+        self.as_train_config()?.check().map_err(|e| {
+            let text = e.to_string();
+            let reason = text.strip_prefix("config error: ").unwrap_or(&text).to_string();
+            let setting: String = reason.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '.').collect();
+            Error::setting(if setting.contains('.') { setting } else { "options".into() }, reason)
+        })
+    }
+
+    /// These options as a `kolo train` config of a stand-in model and data, for its checks
+    /// (`train.steps` may be 0 here: the loop is the caller's).
+    fn as_train_config(&self) -> Result<kolo_train::Config> {
+        let mut cfg =
+            kolo_train::Config::parse("[model]\nkind = \"gpt\"\n[data]\nkind = \"synthetic\"\nbatch_size = 1\n", "kolo::TrainOptions")?;
+        cfg.optim = self.optim.clone();
+        cfg.ddp = self.ddp.clone();
+        cfg.train = self.train.clone();
+        cfg.train.steps = cfg.train.steps.max(1);
+        cfg.data.batch_size = self.data.batch_size.max(1);
+        Ok(cfg)
     }
 }
 
@@ -1006,19 +1002,47 @@ mod tests {
         built.check().unwrap();
     }
 
+    /// A setting both `kolo train` and the library refuse is refused with the same message: the
+    /// library's check is `kolo train`'s for the tables they share.
+    #[test]
+    fn settings_both_refuse_have_one_message() {
+        let cli = |tables: &str| {
+            let text = format!("[model]\nkind = \"gpt\"\n[data]\nkind = \"synthetic\"\nbatch_size = 4\n{tables}");
+            kolo_train::Config::parse(&text, "test").unwrap_err().to_string()
+        };
+        for tables in [
+            "[ddp]\nzero_stage = 3\n[train]\ngrad_accum = 2\n",
+            "[ddp]\nzero_stage = 3\ncompression = { method = \"fp16\" }\n",
+            "[ddp]\nzero_stage = 1\nlocal_sgd = { every = 4 }\n",
+            "[train]\nprecision = \"f16\"\n[ddp]\nlocal_sgd = { every = 4 }\n",
+            "[ddp]\nzero_stage = 4\n",
+            "[optim]\nlr = -1\n",
+            "[optim]\nbeta2 = 1.0\n",
+            "[optim]\ngroups = [{ match = [] }]\n",
+            "[ddp]\nbucket_cap = \"lots\"\n",
+        ] {
+            let lib = match super::TrainOptions::from_toml_str(tables) {
+                Err(crate::Error::Setting { reason, .. }) => reason,
+                other => panic!("{tables}: the library did not refuse it: {other:?}"),
+            };
+            let cli = cli(tables);
+            assert!(cli.ends_with(&lib), "{tables}: kolo train says {cli:?}, the library {lib:?}");
+        }
+    }
+
     #[test]
     fn unsupported_settings_are_named() {
         let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 3\n[train]\ngrad_accum = 2\n").unwrap_err().to_string();
-        assert!(e.contains("ddp.zero_stage = 3 with train.grad_accum > 1"), "{e}");
+        assert!(e.contains("ddp.zero_stage = 3 needs train.grad_accum = 1"), "{e}");
         let e = super::TrainOptions::from_toml_str("[optim]\nlearning_rate = 1\n").unwrap_err().to_string();
         assert!(e.contains("learning_rate"), "{e}");
         let e =
             super::TrainOptions::from_toml_str("[train]\nprecision = \"f16\"\n[ddp]\nlocal_sgd = { every = 4 }\n").unwrap_err().to_string();
-        assert!(e.contains("train.precision = \"f16\" with ddp.local_sgd"), "{e}");
+        assert!(e.contains("train.precision = \"f16\" (loss scaling) does not combine with ddp.local_sgd"), "{e}");
         let o = super::TrainOptions::from_toml_str("[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\ngrad_accum = 2\n").unwrap();
         assert_eq!((o.optim.lr, o.train.grad_accum), (0.1, 2));
         let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 1\nlocal_sgd = { every = 4 }\n").unwrap_err().to_string();
-        assert!(e.contains("ddp.local_sgd with every = 0, ddp.zero_stage other than 0"), "{e}");
+        assert!(e.contains("ddp.local_sgd needs every >= 1, ddp.zero_stage = 0 and no ddp.compression"), "{e}");
         assert!(super::TrainOptions::from_toml_str("[ddp]\nlocal_sgd = { every = 4 }\n").is_ok());
         let e = super::TrainOptions::from_toml_str("[ddp]\nliveness_secs = 3\n").unwrap_err().to_string();
         assert!(e.contains("InitOptions.comm.liveness"), "{e}");
@@ -1032,7 +1056,7 @@ mod tests {
             match super::TrainOptions::from_toml_str(toml) {
                 Err(crate::Error::Setting { setting, reason }) => {
                     assert_eq!(setting, want, "{toml}");
-                    assert!(!reason.starts_with(want), "the setting is not repeated at the start: {reason}");
+                    assert!(!reason.starts_with(&format!("{want}: ")), "the setting is not repeated at the start: {reason}");
                 }
                 other => panic!("{toml}: expected Error::Setting, got {other:?}"),
             }
