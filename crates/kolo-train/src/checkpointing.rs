@@ -333,3 +333,15 @@ pub fn load_checkpoint(
     let strategy_state = ck.tensors.iter().filter(|e| e.name.starts_with("state.")).map(|e| (e.name.clone(), e.data.clone())).collect();
     Ok(Resumed { step: num("kolo.step")?, pos, loss_scale, batch_split, world_size: w0, strategy_state, meta: ck.meta.clone() })
 }
+
+/// The directory of the checkpoint due after step `done` of `end` (`train.checkpoint_every`
+/// steps, and the last step), if one is due: the cadence of `kolo train`'s driver and the
+/// library's trainer.
+pub fn due(tc: &crate::config::TrainConfig, done: u64, end: u64) -> Option<&str> {
+    tc.checkpoint_dir.as_deref().filter(|_| (tc.checkpoint_every > 0 && done.is_multiple_of(tc.checkpoint_every)) || done == end)
+}
+
+/// The log line of a checkpoint written after step `done`.
+pub fn saved_line(done: u64, target: &Path, background: bool) -> String {
+    format!("step {done}: checkpoint {}{}", target.display(), if background { " (writing in the background)" } else { "" })
+}

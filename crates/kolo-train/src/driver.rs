@@ -349,9 +349,7 @@ pub fn drive(
                 report.eval(done, &e, false);
             }
         }
-        if let Some(dir) =
-            tc.checkpoint_dir.as_deref().filter(|_| (tc.checkpoint_every > 0 && done.is_multiple_of(tc.checkpoint_every)) || done == end)
-        {
+        if let Some(dir) = crate::checkpointing::due(tc, done, end) {
             if let Some(prev) = saving.take() {
                 checkpoint = Some(prev.wait()?);
             }
@@ -360,11 +358,7 @@ pub fn drive(
             let meta = crate::checkpointing::loop_state_meta(None, split);
             let crash = opts.crash_during_save == Some(done);
             let p = s.save(SaveAt { dir: Path::new(dir), step: done, pos: batches.position(), meta, background, crash })?;
-            report.log(&format!(
-                "step {done}: checkpoint {}{}",
-                p.target.display(),
-                if background { " (writing in the background)" } else { "" }
-            ));
+            report.log(&crate::checkpointing::saved_line(done, &p.target, background));
             saving = Some(p);
         }
     }

@@ -705,23 +705,19 @@ impl Trainer {
                 r.finish();
             }
         }
-        let t = &self.opts.train;
-        if let Some(dir) = t.checkpoint_dir.clone() {
-            if (t.checkpoint_every > 0 && done.is_multiple_of(t.checkpoint_every)) || done == end {
-                if let Some(prev) = self.saving.take() {
-                    prev.wait()?;
-                }
-                let background = t.checkpoint_background && done != end;
-                let p = self.write_checkpoint(Path::new(&dir), background)?;
-                if let Some(r) = &self.report {
-                    let how = if background { " (writing in the background)" } else { "" };
-                    r.log(&format!("step {done}: checkpoint {}{how}", p.target.display()));
-                }
-                if background {
-                    self.saving = Some(p);
-                } else {
-                    p.wait()?;
-                }
+        if let Some(dir) = kolo_train::checkpointing::due(&self.opts.train, done, end).map(str::to_string) {
+            if let Some(prev) = self.saving.take() {
+                prev.wait()?;
+            }
+            let background = self.opts.train.checkpoint_background && done != end;
+            let p = self.write_checkpoint(Path::new(&dir), background)?;
+            if let Some(r) = &self.report {
+                r.log(&kolo_train::checkpointing::saved_line(done, &p.target, background));
+            }
+            if background {
+                self.saving = Some(p);
+            } else {
+                p.wait()?;
             }
         }
         if done == end {
