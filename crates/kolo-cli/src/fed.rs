@@ -75,7 +75,7 @@ fn say(m: &str) {
 pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
     match cmd {
         FedCmd::Keygen { clients, out } => {
-            kolo_train::fed::identity::generate(&out, clients).map_err(anyhow::Error::msg)?;
+            kolo_fed::identity::generate(&out, clients).map_err(anyhow::Error::msg)?;
             say(&format!(
                 "kolo fed: identities of clients 0..{clients} in {} (roster.txt for everyone, client-N.key for client N alone)",
                 out.display()
@@ -85,7 +85,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
         FedCmd::Serve { config, listen } => {
             let cfg = load(&config)?;
             let expect = cfg.fed.as_ref().map_or(1, |f| f.clients);
-            let s = kolo_train::fed::serve(&cfg, &listen, token()?, expect, |a| kolo_base::eline!("kolo fed: listening on {a}"), &say)?;
+            let s = kolo_fed::job::serve(&cfg, &listen, token()?, expect, |a| kolo_base::eline!("kolo fed: listening on {a}"), &say)?;
             summary(&s);
             Ok(0)
         }
@@ -98,7 +98,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
                     .and_then(|r| r.parse().ok())
                     .ok_or_else(|| anyhow::anyhow!("kolo fed client needs --client (or RANK)"))?,
             };
-            let r = kolo_train::fed::client(&cfg, &server, &token()?, index, false)?;
+            let r = kolo_fed::job::client(&cfg, &server, &token()?, index, false)?;
             kolo_base::eline!(
                 "client {index}: trained in {} round(s) on {} examples; sent {:.2} MB, received {:.2} MB",
                 r.rounds_trained,
@@ -116,7 +116,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
                 (f.secure && f.identities.is_none()).then(|| std::env::temp_dir().join(format!("kolo-fed-ids-{}", std::process::id())));
             if let Some(d) = &fresh {
                 let _ = std::fs::remove_dir_all(d);
-                kolo_train::fed::identity::generate(d, f.clients as u32).map_err(anyhow::Error::msg)?;
+                kolo_fed::identity::generate(d, f.clients as u32).map_err(anyhow::Error::msg)?;
                 f.identities = Some(d.display().to_string());
             }
             let f = cfg.fed.as_ref().expect("checked above");
@@ -131,7 +131,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
             let (tx, rx) = std::sync::mpsc::channel();
             let (cfg2, tok) = (cfg.clone(), token.clone());
             let server = std::thread::spawn(move || {
-                kolo_train::fed::serve(&cfg2, "127.0.0.1:0", tok, n, |a| tx.send(a.to_string()).expect("main waits"), &say)
+                kolo_fed::job::serve(&cfg2, "127.0.0.1:0", tok, n, |a| tx.send(a.to_string()).expect("main waits"), &say)
             });
             let addr = match rx.recv() {
                 Ok(a) => a,
@@ -174,7 +174,7 @@ pub fn run(cmd: FedCmd) -> anyhow::Result<i32> {
     }
 }
 
-fn summary(s: &kolo_train::fed::FedSummary) {
+fn summary(s: &kolo_fed::job::FedSummary) {
     if let Some(e) = s.evals.last() {
         let late: usize = s.rounds.iter().map(|r| r.late.len()).sum();
         kolo_base::eline!(

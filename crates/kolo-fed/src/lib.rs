@@ -11,6 +11,7 @@
 
 pub mod client;
 pub mod identity;
+pub mod job;
 pub mod secure;
 pub mod server;
 pub mod wire;

@@ -18,7 +18,7 @@ use kolo_tensor::{Input, Model, PlainView};
 /// batch without counting it, and `settle` runs after every forward (it completes the gathers
 /// a forward leaves in flight, before this function's own collective).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn evaluate(
+pub fn evaluate(
     model: &dyn Model,
     view: &dyn kolo_tensor::ParamView,
     ds: &dyn Dataset,

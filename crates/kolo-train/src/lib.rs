@@ -11,8 +11,6 @@ pub mod data_parallel;
 pub mod driver;
 pub mod eval;
 pub mod expert_parallel;
-#[cfg(feature = "fed")]
-pub mod fed;
 pub mod local_sgd;
 pub mod sampler;
 pub mod update;

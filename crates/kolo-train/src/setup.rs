@@ -42,7 +42,7 @@ pub(crate) fn lead_say(lead: bool) -> impl Fn(&str) {
 }
 
 /// One optimizer step of every parameter of `params` (whole flat layout) with `grads`.
-pub(crate) fn optimizer_step(params: &kolo_tensor::ParamSet, opt: &mut Optimizer, grads: &[f32], lr: f32) -> Result<(), TrainError> {
+pub fn optimizer_step(params: &kolo_tensor::ParamSet, opt: &mut Optimizer, grads: &[f32], lr: f32) -> Result<(), TrainError> {
     opt.begin_step();
     for i in 0..params.len() {
         let r = params.get(i).range.clone();

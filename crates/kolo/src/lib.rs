@@ -36,6 +36,10 @@ pub mod tokens;
 mod trainer;
 pub mod zero3;
 
+/// Federated averaging: rounds, secure aggregation, and the server and clients of `kolo fed`
+/// (the `fed` feature).
+#[cfg(feature = "fed")]
+pub use kolo_fed as fed;
 /// The parameter server: sharded servers, workers' push and pull, consistency models, Hogwild
 /// (the `ps` feature).
 #[cfg(feature = "ps")]
@@ -44,9 +48,6 @@ pub use kolo_ps as ps;
 /// feature).
 #[cfg(feature = "rl")]
 pub use kolo_rl as rl;
-/// Federated averaging: the server and clients of `kolo fed` (the `fed` feature).
-#[cfg(feature = "fed")]
-pub use kolo_train::fed;
 
 /// The candle this Kolo is built with (use it to avoid a second copy in your build).
 pub use candle_core;

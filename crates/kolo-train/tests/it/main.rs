@@ -9,8 +9,6 @@ use std::sync::Arc;
 
 mod bad_config;
 mod ddp;
-#[cfg(feature = "fed")]
-mod fed;
 mod moe;
 mod observability;
 mod pipeline;

@@ -1,19 +1,32 @@
-//! Federated averaging on non-IID MNIST, with no raw data leaving a client.
+//! The `kolo fed` job: federated averaging on non-IID MNIST, with no raw data leaving a client.
 
-use super::*;
+use kolo_train::Config;
 
-fn fed_job(cfg: &Config, clients: usize) -> (kolo_train::fed::FedSummary, Vec<kolo_train::fed::ClientReport>) {
+fn mnist_cfg(extra: &str, batch: usize) -> Config {
+    let text = format!(
+        "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = {batch}\nprefetch = 2\n{extra}",
+        kolo_testkit::files::mnist_dir().display()
+    );
+    Config::parse(&text, "test").unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn fed_job(cfg: &Config, clients: usize) -> (kolo_fed::job::FedSummary, Vec<kolo_fed::job::ClientReport>) {
     let token = kolo_rendezvous::JobToken::generate();
     let (tx, rx) = std::sync::mpsc::channel();
     let (c2, t2) = (cfg.clone(), token.clone());
     let server = std::thread::spawn(move || {
-        kolo_train::fed::serve(&c2, "127.0.0.1:0", t2, clients, |a| tx.send(a.to_string()).unwrap(), &|_| {}).unwrap()
+        kolo_fed::job::serve(&c2, "127.0.0.1:0", t2, clients, |a| tx.send(a.to_string()).unwrap(), &|_| {}).unwrap()
     });
     let addr = rx.recv().unwrap();
     let handles: Vec<_> = (0..clients)
         .map(|i| {
             let (cfg, addr, token) = (cfg.clone(), addr.clone(), token.clone());
-            std::thread::spawn(move || kolo_train::fed::client(&cfg, &addr, &token, i, true).unwrap())
+            std::thread::spawn(move || kolo_fed::job::client(&cfg, &addr, &token, i, true).unwrap())
         })
         .collect();
     let reports = handles.into_iter().map(|h| h.join().unwrap()).collect();
@@ -57,7 +70,7 @@ fn fedavg_learns_non_iid_mnist_and_raw_data_never_leaves_a_client() {
         let digits: std::collections::BTreeSet<u8> = r.shard.iter().map(|&e| data.labels()[e]).collect();
         assert!(digits.len() <= 4, "client {i} holds digits {digits:?}: not the non-IID split (2 shards, each within at most 2 digits)");
         for &ex in r.shard.iter().step_by(15) {
-            assert!(!kolo_train::fed::contains_example(&r.sent, data.image(ex)), "client {i} sent the bytes of example {ex}");
+            assert!(!kolo_fed::job::contains_example(&r.sent, data.image(ex)), "client {i} sent the bytes of example {ex}");
         }
     }
     let (secure, _) = fed_job(&mnist_cfg(&text(true), 20), 6);

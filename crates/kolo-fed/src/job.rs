@@ -1,19 +1,19 @@
-//! Federated averaging on MNIST (`[fed]`): the split of the training set into client shards
-//! (IID or by label), a client's local training, and the server with per-round evaluation.
-//! The protocol, sampling, deadlines and secure aggregation live in `kolo-fed`.
+//! The `kolo fed` job: federated averaging of Kolo's MNIST models as a `kolo train` config's
+//! `[fed]` table describes it: the split of the training set into client shards (IID or by
+//! label), a client's local training, and the server with per-round evaluation. The protocol,
+//! sampling, deadlines and secure aggregation are this crate's other modules.
 
-use crate::config::{Config, FedSplit};
-use crate::data::{Dataset, Mnist};
-use crate::eval::evaluate;
-use crate::summary::Eval;
-use crate::TrainError;
-use kolo_base::Rng;
 /// Client identities (`kolo fed keygen`), for programs that depend on this crate alone.
-pub use kolo_fed::identity;
-use kolo_fed::{FedClient, FedServer, FedSpec, RoundReport, Task};
+use crate::{FedClient, FedServer, FedSpec, RoundReport, Task};
+use kolo_base::Rng;
 use kolo_optim::Optimizer;
 use kolo_rendezvous::JobToken;
 use kolo_tensor::{build_model, Model, PlainView};
+use kolo_train::config::{Config, FedSplit};
+use kolo_train::data::{Dataset, Mnist};
+use kolo_train::eval::evaluate;
+use kolo_train::summary::Eval;
+use kolo_train::TrainError;
 use std::path::Path;
 use std::time::Duration;
 
@@ -74,8 +74,8 @@ fn spec(cfg: &Config, numel: usize, expect: usize) -> Result<FedSpec, TrainError
 }
 
 /// The roster of client identities in `dir` (`kolo fed keygen`).
-fn roster(dir: &Path) -> Result<kolo_fed::identity::Roster, TrainError> {
-    kolo_fed::identity::Roster::load(&dir.join("roster.txt")).map_err(|e| TrainError::Config(format!("fed.identities: {e}")))
+fn roster(dir: &Path) -> Result<crate::identity::Roster, TrainError> {
+    crate::identity::Roster::load(&dir.join("roster.txt")).map_err(|e| TrainError::Config(format!("fed.identities: {e}")))
 }
 
 /// What the server reports at the end.
@@ -179,7 +179,7 @@ pub fn client(cfg: &Config, addr: &str, token: &JobToken, index: usize, record: 
     let model = initial_model(cfg)?;
     let me = match f.identities.as_deref().map(Path::new) {
         Some(d) => Some((
-            kolo_fed::identity::Identity::load(d, index as u32).map_err(|e| TrainError::Config(format!("fed.identities: {e}")))?,
+            crate::identity::Identity::load(d, index as u32).map_err(|e| TrainError::Config(format!("fed.identities: {e}")))?,
             roster(d)?,
         )),
         None => None,
@@ -210,7 +210,7 @@ pub fn client(cfg: &Config, addr: &str, token: &JobToken, index: usize, record: 
                         let b = train.batch(chunk);
                         let g = model.loss(&b, &PlainView)?.backward().map_err(te)?;
                         model.params().grads_into(&g, &mut grads)?;
-                        crate::setup::optimizer_step(model.params(), &mut opt, &grads, cfg.optim.lr)?;
+                        kolo_train::setup::optimizer_step(model.params(), &mut opt, &grads, cfg.optim.lr)?;
                     }
                 }
                 let delta: Vec<f32> = model.params().to_flat()?.iter().zip(&t.params).map(|(a, b)| a - b).collect();
