@@ -5,6 +5,7 @@ mod comm_args;
 mod data_cmd;
 mod fed;
 mod plan;
+mod plot;
 mod ps;
 mod selftest;
 mod train;
@@ -350,7 +351,7 @@ fn main() {
         Cmd::Inspect { checkpoint } => inspect(&checkpoint),
         Cmd::Plot { run_dir, out } => (|| {
             let out = out.unwrap_or_else(|| run_dir.clone());
-            for (path, lines) in kolo_train::plot::plot_run(&run_dir, &out).map_err(anyhow::Error::msg)? {
+            for (path, lines) in plot::plot_run(&run_dir, &out).map_err(anyhow::Error::msg)? {
                 println!("{}: {lines}", path.display());
             }
             Ok(0)

@@ -28,7 +28,6 @@ pub mod metrics;
 pub mod param_groups;
 pub mod pipedream_2bw;
 pub mod pipeline;
-pub mod plot;
 #[cfg(feature = "ps")]
 pub mod ps_worker;
 pub mod report;

@@ -1331,3 +1331,43 @@ fn a_hung_rank_is_named_by_every_survivor_and_the_launcher() {
     assert!(text.contains("job failed: rank 2"), "{text}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `kolo plot`: the TensorBoard files and JSON-lines logs of a 2-rank `kolo train` run become
+/// loss and throughput PNGs with one line per rank; a directory without a run is an error.
+#[test]
+fn plot_renders_a_runs_curves_to_png() {
+    let dir = fresh_dir("plot");
+    let cfg = dir.join("mlp.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 16\n\
+             [train]\nsteps = 20\nlog_every = 4\ntensorboard_dir = \"{}\"\njson_log = \"{}\"\n",
+            kolo_testkit::files::mnist_dir().display(),
+            dir.join("tb").display(),
+            dir.join("log-{rank}.jsonl").display()
+        ),
+    )
+    .unwrap();
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = run(&["plot", dir.to_str().unwrap(), "--out", dir.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout).to_string();
+    let pngs: Vec<&str> = out.lines().filter(|l| l.contains(".png: ")).collect();
+    assert_eq!(pngs.len(), 2, "{out}");
+    for line in pngs {
+        assert!(line.contains("rank0 (5 points)") && line.contains("tb/rank1 (5 points)"), "{line}");
+        let path = line.split(".png: ").next().unwrap().to_string() + ".png";
+        let dec = png::Decoder::new(std::fs::File::open(&path).unwrap());
+        let mut reader = dec.read_info().unwrap();
+        let mut buf = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut buf).unwrap();
+        assert_eq!((info.width, info.height), (800, 480));
+        // The first line's colour is drawn.
+        assert!(buf.chunks(3).any(|p| p == [31, 119, 180]), "{path}: no curve drawn");
+    }
+    let o = run(&["plot", dir.join("tb/rank0/none").to_str().unwrap()], &[]);
+    assert!(!o.status.success(), "a directory without a run plotted: {}", text(&o));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -133,33 +133,3 @@ fn timeline_merges_every_ranks_compute_and_collectives() {
     assert!(ev.iter().any(|e| e["ph"] == "M" && e["args"]["name"] == "rank 1"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
-
-/// `kolo plot`: a run's TensorBoard files and JSON-lines logs become loss and throughput PNGs
-/// with one line per rank.
-#[test]
-fn plot_renders_a_runs_curves_to_png() {
-    let dir = scratch_dir("plot");
-    let cfg = mnist_cfg(
-        &format!(
-            "[train]\nsteps = 20\nlog_every = 4\ntensorboard_dir = \"{}\"\njson_log = \"{}\"\n",
-            dir.join("tb").display(),
-            dir.join("log-{rank}.jsonl").display()
-        ),
-        16,
-    );
-    train_on(2, &cfg, &quiet());
-    let written = kolo_train::plot::plot_run(&dir, &dir).unwrap();
-    assert_eq!(written.len(), 2, "{written:?}");
-    for (path, lines) in &written {
-        assert!(lines.contains("rank0 (5 points)") && lines.contains("tb/rank1 (5 points)"), "{lines}");
-        let dec = png::Decoder::new(std::fs::File::open(path).unwrap());
-        let mut reader = dec.read_info().unwrap();
-        let mut buf = vec![0; reader.output_buffer_size()];
-        let info = reader.next_frame(&mut buf).unwrap();
-        assert_eq!((info.width, info.height), (800, 480));
-        // The first line's colour is drawn.
-        assert!(buf.chunks(3).any(|p| p == [31, 119, 180]), "{}: no curve drawn", path.display());
-    }
-    assert!(kolo_train::plot::plot_run(&dir.join("tb/rank0/none"), &dir).is_err());
-    std::fs::remove_dir_all(&dir).unwrap();
-}

@@ -45,7 +45,7 @@ pub fn collect(dir: &Path) -> Result<Curves, String> {
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| name.to_string());
         if name.starts_with("events.out.tfevents") {
-            for (tag, step, v) in crate::tensorboard::read_scalars(f)? {
+            for (tag, step, v) in kolo_train::tensorboard::read_scalars(f)? {
                 match tag.as_str() {
                     "train/loss" => add("loss", line.clone(), step as f64, f64::from(v)),
                     "train/samples_per_s" => add("samples/s", line.clone(), step as f64, f64::from(v)),
