@@ -10,7 +10,7 @@
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -89,16 +89,23 @@ impl Metrics {
 /// The exposition format's content type.
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Scrapes answered at once; more connections are closed (an idle or slow client holds one
-/// handler for at most [`REQUEST_DEADLINE`]).
+/// Scrapes answered at once. A connection beyond them evicts the oldest one still sending its
+/// request (an idle or trickling client); a scrape whose request arrives takes microseconds, so
+/// trickling clients cannot keep real scrapes out. Handlers never exceed twice this.
 const MAX_SCRAPES: usize = 16;
 /// The whole request (request line and headers) must arrive within this.
 const REQUEST_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+/// The most a request (request line and headers) may hold; more is not read.
+const MAX_REQUEST: u64 = 16 * 1024;
+
+/// The connections still sending their request, oldest first, by handler number.
+type Pending = Arc<std::sync::Mutex<std::collections::VecDeque<(u64, std::net::TcpStream)>>>;
 
 /// Serves `metrics` at `http://addr/metrics` on a background thread until the returned guard
-/// is dropped. Each scrape runs on its own short-lived thread under a total read deadline, so
-/// idle or trickling connections cannot delay the others (issue #19: ten idle connections
-/// delayed a scrape by 19 s when they were served one after another).
+/// is dropped. Each scrape runs on its own short-lived thread under a total read deadline and a
+/// size limit, so idle, trickling or flooding connections cannot delay the others or grow the
+/// process (issues #19 and #34: ten idle connections delayed a scrape by 19 s; one connection
+/// sending 1.5 GB without a newline grew rank 0 by 1.5 GB).
 pub fn serve(metrics: Arc<Metrics>, addr: &str) -> std::io::Result<Server> {
     let listener = TcpListener::bind(addr)?;
     listener.set_nonblocking(true)?;
@@ -106,21 +113,38 @@ pub fn serve(metrics: Arc<Metrics>, addr: &str) -> std::io::Result<Server> {
     let stop = Arc::new(AtomicBool::new(false));
     let s = stop.clone();
     let active = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let pending: Pending = Arc::default();
     let thread = std::thread::Builder::new().name("kolo-metrics".into()).spawn(move || {
+        let mut next_id = 0u64;
         while !s.load(Relaxed) {
             match listener.accept() {
                 Ok((conn, _)) => {
                     if active.load(Relaxed) >= MAX_SCRAPES {
+                        // Evict the oldest connection still sending its request.
+                        let oldest = pending.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                        if let Some((_, c)) = oldest {
+                            let _ = c.shutdown(std::net::Shutdown::Both);
+                        }
+                    }
+                    if active.load(Relaxed) >= 2 * MAX_SCRAPES {
                         continue; // closed by the drop
                     }
+                    let (id, watch) = (next_id, conn.try_clone());
+                    next_id += 1;
+                    if let Ok(w) = watch {
+                        pending.lock().unwrap_or_else(|p| p.into_inner()).push_back((id, w));
+                    }
                     active.fetch_add(1, Relaxed);
-                    let (metrics, active2) = (metrics.clone(), active.clone());
+                    let (metrics, active2, pending2) = (metrics.clone(), active.clone(), pending.clone());
                     let spawned = std::thread::Builder::new().name("kolo-scrape".into()).spawn(move || {
-                        answer(conn, &metrics);
+                        let done_reading = || pending2.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
+                        answer(conn, &metrics, &done_reading);
+                        done_reading();
                         active2.fetch_sub(1, Relaxed);
                     });
                     if spawned.is_err() {
                         active.fetch_sub(1, Relaxed);
+                        pending.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(std::time::Duration::from_millis(20)),
@@ -132,30 +156,32 @@ pub fn serve(metrics: Arc<Metrics>, addr: &str) -> std::io::Result<Server> {
 }
 
 /// Reads one request within [`REQUEST_DEADLINE`] (in total, however slowly it trickles) and
-/// answers it.
-fn answer(conn: std::net::TcpStream, metrics: &Metrics) {
+/// [`MAX_REQUEST`] bytes, tells `done_reading`, and answers it.
+fn answer(conn: std::net::TcpStream, metrics: &Metrics, done_reading: &dyn Fn()) {
     let deadline = std::time::Instant::now() + REQUEST_DEADLINE;
     let _ = conn.set_nonblocking(false);
-    let mut r = BufReader::new(&conn);
+    let mut r = BufReader::new(Read::take(&conn, MAX_REQUEST));
     let mut read_line = |buf: &mut String| -> Option<usize> {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() || conn.set_read_timeout(Some(left)).is_err() {
             return None;
         }
-        r.read_line(buf).ok()
+        r.read_line(buf).ok().filter(|n| *n > 0 && buf.ends_with('\n'))
     };
     let mut line = String::new();
     if read_line(&mut line).is_none() {
         return;
     }
-    // Drain the headers.
+    // Drain the headers, up to the blank line.
     let mut h = String::new();
-    while read_line(&mut h).is_some_and(|n| n > 2) {
-        if h.len() > 64 * 1024 {
-            return;
+    loop {
+        match read_line(&mut h) {
+            Some(n) if n > 2 => h.clear(),
+            Some(_) => break,
+            None => return, // cut short, too long or too slow: no answer
         }
-        h.clear();
     }
+    done_reading();
     let ok = line.starts_with("GET /metrics ") || line.starts_with("GET / ");
     let (status, body) = if ok { ("200 OK", metrics.render()) } else { ("404 Not Found", "try /metrics\n".to_string()) };
     let _ = conn.set_write_timeout(Some(REQUEST_DEADLINE));
@@ -183,7 +209,6 @@ impl Drop for Server {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Read;
 
     fn get(addr: SocketAddr, path: &str) -> String {
         let mut c = std::net::TcpStream::connect(addr).unwrap();
@@ -207,6 +232,46 @@ mod tests {
         assert!(resp.starts_with("HTTP/1.1 200 OK"), "{resp}");
         assert!(t.elapsed() < std::time::Duration::from_millis(1500), "{:?}", t.elapsed());
         drop(idle);
+    }
+
+    /// Trickling clients cannot keep scrapes out (issue #34: 16 connections sending a byte a
+    /// second made every scrape fail): with every handler taken by one, a scrape evicts the
+    /// oldest and is answered.
+    #[test]
+    fn trickling_connections_do_not_keep_a_scrape_out() {
+        let server = serve(Metrics::new(0), "127.0.0.1:0").unwrap();
+        let trickle: Vec<std::net::TcpStream> = (0..2 * MAX_SCRAPES)
+            .map(|_| {
+                let mut c = std::net::TcpStream::connect(server.addr).unwrap();
+                c.write_all(b"G").unwrap();
+                c
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        for _ in 0..3 {
+            let resp = get(server.addr, "/metrics");
+            assert!(resp.starts_with("HTTP/1.1 200 OK"), "a scrape was refused: {resp:?}");
+        }
+        drop(trickle);
+    }
+
+    /// A request that never ends its line is read no further than [`MAX_REQUEST`] bytes (issue
+    /// #34: 1.5 GB without a newline grew the process by as much): the server stops reading and
+    /// closes, so the sender's writes fail long before 64 MiB.
+    #[test]
+    fn an_endless_request_line_is_cut_off() {
+        let server = serve(Metrics::new(0), "127.0.0.1:0").unwrap();
+        let mut c = std::net::TcpStream::connect(server.addr).unwrap();
+        c.set_write_timeout(Some(std::time::Duration::from_secs(10))).unwrap();
+        let chunk = vec![b'a'; 1 << 20];
+        let mut sent = 0usize;
+        while sent < 64 << 20 {
+            match c.write(&chunk) {
+                Ok(n) => sent += n,
+                Err(_) => break,
+            }
+        }
+        assert!(sent < 64 << 20, "the server read {sent} bytes of one request line");
     }
 
     /// The endpoint answers over real TCP in the OpenMetrics format: HELP and TYPE lines, then
