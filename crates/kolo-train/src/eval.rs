@@ -70,7 +70,7 @@ pub fn evaluate(
     Ok(Eval { loss: v[0] / v[2].max(1.0), accuracy: is_class.then(|| v[1] / v[2].max(1.0)), examples })
 }
 
-/// The config's model holding `params` (flat, as a [`Summary`] has them) evaluated in this
+/// The config's model holding `params` (flat, as a [`Summary`](crate::Summary) has them) evaluated in this
 /// process on the config's whole evaluation set (text: `train.eval_batches` batches).
 pub fn evaluate_params(cfg: &Config, params: &[f32]) -> Result<Eval, TrainError> {
     let data = load_data(cfg, 0)?;

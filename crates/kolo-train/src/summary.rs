@@ -139,7 +139,7 @@ pub fn peak_rss() -> Option<u64> {
 /// `munmap` and maps it afresh, so each step page-faulted its whole working set in again (16 %
 /// of a GPT-2 124M step on the CPU). With no `mmap` for blocks and no trimming, freed blocks
 /// are reused; resident memory stays at its peak, as under torch's caching allocators. Called
-/// by [`run`] and by the `kolo` library's trainer.
+/// by [`run`](crate::run::run) and by the `kolo` library's trainer.
 pub fn retain_freed_memory() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
