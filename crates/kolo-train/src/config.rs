@@ -788,6 +788,11 @@ impl Config {
                 return Err("model.hidden widths must be positive".into());
             }
         }
+        for (name, v) in [("model.seq", m.seq), ("model.d_model", m.d_model), ("model.n_head", m.n_head), ("model.n_layer", m.n_layer)] {
+            if v == Some(0) {
+                return Err(format!("{name} must be at least 1"));
+            }
+        }
         if let (Some(d), Some(h)) = (m.d_model, m.n_head) {
             if h == 0 || d % h != 0 {
                 return Err(format!("model.d_model {d} must be divisible by model.n_head {h}"));
@@ -1241,11 +1246,11 @@ impl OptimConfig {
 
 impl DdpConfig {
     pub fn bucket_cap(&self) -> Result<ByteSize, String> {
-        self.bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.bucket_cap: {e}"))
+        positive_size("ddp.bucket_cap", &self.bucket_cap)
     }
 
     pub fn first_bucket_cap(&self) -> Result<ByteSize, String> {
-        self.first_bucket_cap.parse::<ByteSize>().map_err(|e| format!("ddp.first_bucket_cap: {e}"))
+        positive_size("ddp.first_bucket_cap", &self.first_bucket_cap)
     }
 
     /// The gradient codec and its warm-up steps.
@@ -1273,4 +1278,13 @@ impl DdpConfig {
         };
         Ok((m, c.warmup_steps))
     }
+}
+
+/// A byte size of at least one byte (a bucket of 0 bytes would hold no gradient).
+fn positive_size(setting: &str, text: &str) -> Result<ByteSize, String> {
+    let size = text.parse::<ByteSize>().map_err(|e| format!("{setting}: {e}"))?;
+    if size.bytes() == 0 {
+        return Err(format!("{setting}: \"{text}\" is empty; a bucket holds at least one byte"));
+    }
+    Ok(size)
 }

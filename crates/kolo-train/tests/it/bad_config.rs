@@ -30,6 +30,14 @@ fn bad_inputs_give_clear_errors() {
         .contains("model.hidden applies to kind = \"mlp\" only"));
     assert!(err("[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\nbatch_size = 8\n").contains("data.path is required"));
     assert!(err(&format!("{base}[ddp]\nbucket_cap = \"lots\"\n")).contains("ddp.bucket_cap"));
+    // Sizes and shapes of zero (issue #34: accepted, then failing or dividing by zero later).
+    assert!(err(&format!("{base}[ddp]\nbucket_cap = \"0B\"\n")).contains("ddp.bucket_cap: \"0B\" is empty"));
+    assert!(err(&format!("{base}[ddp]\nfirst_bucket_cap = \"0\"\n")).contains("ddp.first_bucket_cap: \"0\" is empty"));
+    let text = "[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 8\n";
+    for field in ["seq", "d_model", "n_head", "n_layer"] {
+        let e = err(&format!("[model]\nkind = \"gpt\"\n{field} = 0\n{text}"));
+        assert!(e.contains(&format!("model.{field} must be at least 1")), "{field}: {e}");
+    }
     assert!(err(&format!("{base}[ddp]\nzero_stage = 4\n")).contains("ddp.zero_stage must be 0, 1, 2 or 3, not 4"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 3\n")).contains("shards the GPT's blocks"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 1\ncompression = {{ method = \"powersgd\" }}\n"))
