@@ -143,9 +143,9 @@ impl Canvas {
         let mut enc = png::Encoder::new(std::io::BufWriter::new(f), W as u32, H as u32);
         enc.set_color(png::ColorType::Rgb);
         enc.set_depth(png::BitDepth::Eight);
-        let mut w = enc.write_header().map_err(|e| e.to_string())?;
+        let mut w = enc.write_header().map_err(|e| format!("{}: {e}", path.display()))?;
         let data: Vec<u8> = self.px.iter().flatten().copied().collect();
-        w.write_image_data(&data).map_err(|e| e.to_string())
+        w.write_image_data(&data).map_err(|e| format!("{}: {e}", path.display()))
     }
 }
 
@@ -220,7 +220,7 @@ pub fn render(title: &str, lines: &BTreeMap<String, Vec<(f64, f64)>>, path: &Pat
         y1 = y1.max(y);
     }
     if !x0.is_finite() {
-        return Err(format!("{title}: no points"));
+        return Err(format!("{}: {title}: no points", path.display()));
     }
     if x1 <= x0 {
         x1 = x0 + 1.0;

@@ -148,8 +148,8 @@ fn fields(mut b: &[u8]) -> Result<Vec<Field<'_>>, String> {
 /// Reads an event file back: every record's CRCs checked; returns `(tag, step, value)` of its
 /// scalars, and fails on anything malformed.
 pub fn read_scalars(path: &Path) -> Result<Vec<(String, i64, f32)>, String> {
-    let data = std::fs::read(path).map_err(|e| e.to_string())?;
-    parse_scalars(&data)
+    let data = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    parse_scalars(&data).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// [`read_scalars`] on the bytes of an event file (untrusted: never panics).

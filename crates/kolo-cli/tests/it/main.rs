@@ -1369,5 +1369,12 @@ fn plot_renders_a_runs_curves_to_png() {
     }
     let o = run(&["plot", dir.join("tb/rank0/none").to_str().unwrap()], &[]);
     assert!(!o.status.success(), "a directory without a run plotted: {}", text(&o));
+    // A damaged event file is named (issue #34: the error omitted the file).
+    let bad = dir.join("bad");
+    std::fs::create_dir_all(&bad).unwrap();
+    std::fs::write(bad.join("events.out.tfevents.1.x"), b"not an event file at all").unwrap();
+    let o = run(&["plot", bad.to_str().unwrap()], &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("events.out.tfevents.1.x:"), "{}", text(&o));
     std::fs::remove_dir_all(&dir).unwrap();
 }
