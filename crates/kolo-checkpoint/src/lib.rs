@@ -135,8 +135,25 @@ pub fn load(path: &Path) -> Result<Checkpoint, CheckpointError> {
 
 /// [`load`], also returning the verified checksum.
 pub(crate) fn load_verified(path: &Path) -> Result<(Checkpoint, String), CheckpointError> {
-    let blob = std::fs::read(path).map_err(|source| CheckpointError::Io { path: path.to_path_buf(), source })?;
+    let blob = read_regular(path)?;
     verify_blob(path, &blob)
+}
+
+/// The bytes of the regular file at `path`, no more than its size when opened. Anything else
+/// (a device such as `/dev/zero`, a FIFO, a socket, a directory) is refused before it is opened:
+/// reading one would never end or would block (issue #34).
+pub(crate) fn read_regular(path: &Path) -> Result<Vec<u8>, CheckpointError> {
+    use std::io::Read;
+    let io = |source| CheckpointError::Io { path: path.to_path_buf(), source };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        let what = format!("not a regular file ({:?}); a checkpoint is a file or a directory of them", meta.file_type());
+        return Err(CheckpointError::Corrupt { path: path.to_path_buf(), what });
+    }
+    let f = std::fs::File::open(path).map_err(io)?;
+    let mut blob = Vec::with_capacity(meta.len() as usize);
+    f.take(meta.len()).read_to_end(&mut blob).map_err(io)?;
+    Ok(blob)
 }
 
 /// Parses and verifies the bytes of a checkpoint file (`path` names it in errors). The bytes
