@@ -110,6 +110,43 @@ pub fn check_same_job(cfg: &Config, comm: &dyn Communicator) -> Result<(), Train
     Err(TrainError::Config(format!("the ranks were started with different settings: {}", lines.join("; "))))
 }
 
+/// What a rank starts from, as the ranks compare it: -1 fresh, the step of a `step-N`
+/// checkpoint, or -2 for a checkpoint whose name carries no step.
+fn start_code(resume: Option<&std::path::Path>) -> i64 {
+    let Some(p) = resume else { return -1 };
+    let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let num = name.strip_prefix("step-").map(|n| n.strip_suffix(".safetensors").unwrap_or(n));
+    num.and_then(|n| n.parse::<i64>().ok()).unwrap_or(-2)
+}
+
+/// Every rank starts from the same point (issue #34: `--resume` given to one rank only failed
+/// later as `collective mismatch: barrier #26 ... all_reduce #26`): the ranks all-gather where
+/// they start and, if they differ, every rank fails naming each rank's start.
+pub fn check_same_start(resume: Option<&std::path::Path>, comm: &dyn Communicator) -> Result<(), TrainError> {
+    let (rank, n) = (comm.rank().get(), comm.world_size().get());
+    if n == 1 {
+        return Ok(());
+    }
+    let mine = [start_code(resume)];
+    let mut all = vec![0i64; n];
+    comm.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut all[..]))?;
+    if all.iter().all(|s| *s == all[0]) {
+        return Ok(());
+    }
+    let say = |s: i64| match s {
+        -1 => "starts fresh".to_string(),
+        -2 => "resumes from a checkpoint".to_string(),
+        s => format!("resumes from step {s}"),
+    };
+    let each: Vec<String> = all.iter().enumerate().map(|(r, s)| format!("rank {r} {}", say(*s))).collect();
+    let here = resume.map_or(String::new(), |p| format!(" ({})", p.display()));
+    Err(TrainError::Config(format!(
+        "the ranks start from different points: {}; this rank ({rank}) {}{here}. Give every rank the same --resume",
+        each.join(", "),
+        say(mine[0])
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

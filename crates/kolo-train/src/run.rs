@@ -29,6 +29,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     }
     let resume = opts.resume.as_deref().map(resolve_checkpoint).transpose()?;
     let resume = resume.as_deref();
+    crate::agreement::check_same_start(resume, &*comm)?;
     if cfg.ddp.schedule.is_some() {
         return crate::scheduled_ddp::run_scheduled(cfg, comm, opts, resume);
     }

@@ -24,6 +24,24 @@ fn interrupted_and_resumed_run_ends_bitwise_equal() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Ranks told to start from different points fail at once, every rank naming each rank's
+/// start (issue #34: `--resume` on one rank only failed later as a collective mismatch).
+#[test]
+fn ranks_resuming_from_different_points_are_named() {
+    let dir = scratch_dir("resume-one");
+    let cfg = mnist_cfg(&format!("[train]\nsteps = 2\ncheckpoint_every = 2\ncheckpoint_dir = \"{}\"\n", dir.display()), 8);
+    train_on(2, &cfg, &quiet());
+    let opts = [quiet(), RunOptions { resume: Some(dir.clone()), quiet: true, ..Default::default() }];
+    let errs = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| {
+        run(&cfg, Arc::new(c) as Arc<dyn Communicator>, &opts[r]).err().map(|e| e.to_string())
+    });
+    for (r, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or_else(|| panic!("rank {r} trained"));
+        assert!(e.contains("rank 0 starts fresh, rank 1 resumes from step 2"), "rank {r}: {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A checkpoint whose optimizer state has another shape than its parameter is refused on
 /// resume with the tensor named (issue #19: the lengths went unchecked into a copy, a panic).
 #[test]
