@@ -293,6 +293,25 @@ fn uninvited_and_misconfigured_ranks_are_refused() {
     );
     assert!(t.elapsed() < Duration::from_millis(2500), "took {:?}", t.elapsed());
 
+    // Two processes claiming the same rank: every process fails, naming the duplicate (issue
+    // #34: only the duplicate failed while the others waited out their deadline).
+    let port = free_port();
+    let tok = "dd".repeat(16);
+    let t = Instant::now();
+    let outs = spawn_ranks(
+        ["0", "1", "1"]
+            .iter()
+            .map(|r| {
+                env(&[("RANK", r.to_string()), ("WORLD_SIZE", "3".into()), ("MASTER_PORT", port.clone()), ("KOLO_JOB_TOKEN", tok.clone())])
+            })
+            .collect(),
+        &["selftest", "--iters", "2", "--timeout", "3"],
+    );
+    for (i, o) in outs.iter().enumerate() {
+        assert!(!o.status.success() && text(o).contains("rank 1"), "process {i}: {}", text(o));
+    }
+    assert!(t.elapsed() < Duration::from_millis(2500), "took {:?}: {}", t.elapsed(), text(&outs[0]));
+
     // Without a token a multi-rank job does not start.
     let o = run(&["selftest"], &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_PORT", "1")]);
     assert!(text(&o).contains("no job token"), "{}", text(&o));
