@@ -393,12 +393,26 @@ pub fn load_any(path: &Path) -> Result<Checkpoint, CheckpointError> {
 }
 
 /// A human-readable listing (`kolo inspect`): metadata, files, tensors with shapes and shards.
+/// `""` when every value is finite, else how many are NaN or infinite and in which tensors (a
+/// diverged run's checkpoint verifies, but must not be mistaken for a usable one).
+fn non_finite_note(ck: &Checkpoint) -> String {
+    let bad: Vec<(&str, usize)> =
+        ck.tensors.iter().map(|t| (t.name.as_str(), t.data.iter().filter(|v| !v.is_finite()).count())).filter(|(_, n)| *n > 0).collect();
+    if bad.is_empty() {
+        return String::new();
+    }
+    let total: usize = bad.iter().map(|(_, n)| n).sum();
+    let names: Vec<String> = bad.iter().take(3).map(|(t, n)| format!("`{t}` {n}")).collect();
+    let more = if bad.len() > 3 { format!(" and {} more tensors", bad.len() - 3) } else { String::new() };
+    format!(", but {total} values are NaN or infinite: {}{more}", names.join(", "))
+}
+
 pub fn describe(path: &Path) -> Result<String, CheckpointError> {
     use std::fmt::Write;
     let mut s = String::new();
     if !path.is_dir() {
         let (ck, sha) = load_verified(path)?;
-        let _ = writeln!(s, "{} (single file, sha256 {sha}, verified)", path.display());
+        let _ = writeln!(s, "{} (single file, sha256 {sha}, verified{})", path.display(), non_finite_note(&ck));
         for (k, v) in &ck.meta {
             let _ = writeln!(s, "  meta {k} = {v}");
         }
@@ -410,7 +424,7 @@ pub fn describe(path: &Path) -> Result<String, CheckpointError> {
     let m = read_manifest(path)?;
     // Verify every file too: inspecting should tell whether the checkpoint would load.
     let verdict = match load_dir(path) {
-        Ok(_) => "verified".to_string(),
+        Ok(ck) => format!("verified{}", non_finite_note(&ck)),
         Err(e) => format!("DOES NOT LOAD: {e}"),
     };
     let total: usize = m.tensors.iter().map(|t| t.shape.iter().product::<usize>()).sum();
@@ -438,6 +452,25 @@ pub fn describe(path: &Path) -> Result<String, CheckpointError> {
 
 #[cfg(test)]
 mod tests {
+
+    /// `kolo inspect` says when a checkpoint verifies but holds NaN or infinite values (issue
+    /// #34: a diverged run's checkpoint was reported as `verified` only).
+    #[test]
+    fn describe_counts_non_finite_values() {
+        let dir = std::env::temp_dir().join(format!("kolo-ckpt-nan-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let entry = |name: &str, data: Vec<f32>| Entry { name: name.into(), shape: vec![data.len()], data };
+        let good = dir.join("good.safetensors");
+        save(&good, &Checkpoint { tensors: vec![entry("w", vec![1.0, 2.0])], meta: Default::default() }).unwrap();
+        assert!(describe(&good).unwrap().contains("verified)"), "{}", describe(&good).unwrap());
+        let bad = dir.join("bad.safetensors");
+        let tensors = vec![entry("w", vec![1.0, f32::NAN, f32::INFINITY]), entry("b", vec![f32::NAN])];
+        save(&bad, &Checkpoint { tensors, meta: Default::default() }).unwrap();
+        let d = describe(&bad).unwrap();
+        assert!(d.contains("verified, but 3 values are NaN or infinite: `w` 2, `b` 1") || d.contains("`b` 1, `w` 2"), "{d}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// What is not a regular file is refused at once by name (issue #34: `kolo inspect
     /// /dev/zero` read 7.1 GB in 8 s; a FIFO hung it): a device, a FIFO with no writer, and a

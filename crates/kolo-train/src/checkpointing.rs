@@ -135,6 +135,7 @@ pub fn save_checkpoint(
         any[0] == 1
     };
     pieces.extend(own);
+    refuse_non_finite(&pieces, step, &target, comm)?;
     let writers = if zero.is_some() || every_rank { world } else { 1 };
     let mut meta = meta_base.clone();
     meta.insert("kolo.step".into(), step.to_string());
@@ -172,6 +173,30 @@ pub fn save_checkpoint(
     }
     comm.barrier()?;
     Ok(PendingSave { target, thread: None })
+}
+
+/// Fails every rank, before anything is written, when a value of the checkpoint is NaN or
+/// infinite on any rank (issue #34: a diverged GPT's checkpoints were committed with 1,859,139 of
+/// 1,859,907 values non-finite, and an elastic restart would have resumed from them). The
+/// staging directory is removed, so the newest complete checkpoint stays the one to resume.
+fn refuse_non_finite(pieces: &[Piece], step: u64, target: &Path, comm: &dyn Communicator) -> Result<(), TrainError> {
+    let mine = pieces.iter().map(|p| p.data.iter().filter(|v| !v.is_finite()).count()).sum::<usize>();
+    let first = pieces.iter().find(|p| p.data.iter().any(|v| !v.is_finite())).map(|p| p.name.clone());
+    let mut counts = [mine as f64, pieces.iter().map(|p| p.data.len()).sum::<usize>() as f64];
+    comm.all_reduce(kolo_comm::BufMut::from(&mut counts[..]), kolo_comm::ReduceOp::Sum)?;
+    if counts[0] == 0.0 {
+        return Ok(());
+    }
+    if comm.rank().get() == 0 {
+        let _ = std::fs::remove_dir_all(kolo_checkpoint::sharded::staging_dir(target));
+    }
+    let here = first.map_or(String::new(), |n| format!("; on this rank first in `{n}`"));
+    Err(TrainError::Data(format!(
+        "step {step}: {} of the {} values to checkpoint are NaN or infinite{here}: the run diverged, and {} is not written (the newest complete checkpoint is the one to resume)",
+        counts[0] as u64,
+        counts[1] as u64,
+        target.display()
+    )))
 }
 
 pub struct Resumed {

@@ -174,3 +174,42 @@ fn local_sgd_resumes_bitwise_between_averagings() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A diverging run stops (issue #34: `lr = 1e6` trained to NaN with rc 0, and a GPT's
+/// checkpoints were committed nearly all NaN): with logging every step, every rank fails at the
+/// first step whose averaged loss is not finite, naming it; with rarer logs, the first
+/// checkpoint holding a NaN or infinite value is refused on every rank and not committed, so
+/// every committed checkpoint, the newest included, is finite.
+#[test]
+fn a_diverging_run_stops_and_commits_no_non_finite_checkpoint() {
+    let dir = scratch_dir("diverge");
+    let sgd = "[optim]\nkind = \"sgd\"\nlr = 1e6\n";
+    let cfg = mnist_cfg(&format!("{sgd}[train]\nsteps = 12\nlog_every = 1\n"), 16);
+    let errs = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |_, c| {
+        run(&cfg, Arc::new(c) as Arc<dyn Communicator>, &quiet()).err().map(|e| e.to_string())
+    });
+    for (r, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or_else(|| panic!("rank {r} trained to the end"));
+        assert!(e.contains("the loss averaged over the ranks is") && e.contains("the run diverged"), "rank {r}: {e}");
+    }
+    assert_eq!(errs[0], errs[1], "the ranks stopped at different steps");
+    let ck = dir.join("ck");
+    let cfg =
+        mnist_cfg(&format!("{sgd}[train]\nsteps = 12\nlog_every = 100\ncheckpoint_every = 1\ncheckpoint_dir = \"{}\"\n", ck.display()), 16);
+    let errs = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |_, c| {
+        run(&cfg, Arc::new(c) as Arc<dyn Communicator>, &quiet()).err().map(|e| e.to_string())
+    });
+    for (r, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or_else(|| panic!("rank {r} trained to the end"));
+        assert!(e.contains("values to checkpoint are NaN or infinite"), "rank {r}: {e}");
+    }
+    let mut committed = 0;
+    for entry in std::fs::read_dir(&ck).unwrap() {
+        let path = entry.unwrap().path();
+        let loaded = kolo_checkpoint::sharded::load_any(&path).unwrap_or_else(|e| panic!("{} is left behind: {e}", path.display()));
+        assert!(loaded.tensors.iter().all(|t| t.data.iter().all(|v| v.is_finite())), "{} holds non-finite values", path.display());
+        committed += 1;
+    }
+    assert!(committed >= 1, "no checkpoint before the divergence: the test would prove nothing");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
