@@ -5,7 +5,10 @@
 //! else u32) behind a 64-byte header: magic `KOLOTOK1`, format version (u32), bytes per token
 //! (u32), tokens (u64), vocabulary size (u64), a fingerprint of the tokenizer (u64, FNV-1a of
 //! its `tokenizer.json`), zeros. A directory of shards (`shard-00000.bin`, ...) written by one
-//! [`prepare`] shares one tokenizer; [`TokenShards::open`] refuses a mix.
+//! [`prepare`] shares one tokenizer and ends with `manifest.json`, written last (the shards,
+//! their token counts and SHA-256, the tokenizer): [`TokenShards::open`] reads only a directory
+//! whose manifest is complete and whose shards match it, so an interrupted `prepare` or a stale
+//! shard is refused instead of trained on.
 
 use crate::{Error, Result};
 use rayon::prelude::*;
@@ -17,6 +20,30 @@ const MAGIC: &[u8; 8] = b"KOLOTOK1";
 const VERSION: u32 = 1;
 /// Bytes before the first token.
 pub const HEADER: usize = 64;
+
+/// The file [`prepare`] writes last, naming the shards it wrote.
+pub const MANIFEST: &str = "manifest.json";
+const MANIFEST_FORMAT: &str = "kolo-token-shards";
+
+/// `manifest.json`: the shards of one [`prepare`], in order.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Manifest {
+    format: String,
+    version: u32,
+    /// FNV-1a of the tokenizer's `tokenizer.json`, hexadecimal.
+    tokenizer: String,
+    vocab_size: u64,
+    tokens: u64,
+    documents: usize,
+    shards: Vec<ManifestShard>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ManifestShard {
+    file: String,
+    tokens: u64,
+    sha256: String,
+}
 
 /// What a shard's header says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -230,7 +257,8 @@ pub fn prepare(tok: &Tok, sources: &[Source], out: &Path, shard_tokens: usize, p
     let per_source: Vec<(Vec<u32>, usize)> = sources
         .par_iter()
         .map(|s| -> Result<(Vec<u32>, usize)> {
-            let docs = documents(s)?;
+            // An empty document adds nothing, not even its end-of-text token.
+            let docs: Vec<String> = documents(s)?.into_iter().filter(|d| !d.is_empty()).collect();
             let mut ids = Vec::new();
             for d in &docs {
                 let e = tok.tokenizer.encode(d.as_str(), false).map_err(|e| Error::file(source_path(s), format!("tokenizing: {e}")))?;
@@ -241,37 +269,62 @@ pub fn prepare(tok: &Tok, sources: &[Source], out: &Path, shard_tokens: usize, p
             Ok((ids, docs.len()))
         })
         .collect::<Result<_>>()?;
+    let tokens: u64 = per_source.iter().map(|(ids, _)| ids.len() as u64).sum();
+    if tokens == 0 {
+        return Err(Error::file(out, "the inputs hold no text: no token shards written"));
+    }
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let earlier: Vec<String> = std::fs::read_dir(out)
+        .map_err(|e| Error::io(out, e))?
+        .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+        .filter(|n| n == MANIFEST || (n.starts_with("shard-") && n.ends_with(".bin")) || n.starts_with(".shard-"))
+        .collect();
+    if !earlier.is_empty() {
+        let reason = format!(
+            "holds the shards of an earlier prepare ({} files, {}): choose an empty directory or remove them",
+            earlier.len(),
+            earlier.iter().take(3).cloned().collect::<Vec<_>>().join(", ")
+        );
+        return Err(Error::file(out, reason));
+    }
     let bytes_per_token: u32 = if vocab <= 1 << 16 { 2 } else { 4 };
     let all = per_source.iter().flat_map(|(ids, _)| ids.iter().copied());
-    let mut shards = Vec::new();
+    let (mut shards, mut listed) = (Vec::new(), Vec::new());
     let mut buf: Vec<u32> = Vec::with_capacity(shard_tokens.min(1 << 24));
     let mut write = |buf: &mut Vec<u32>| -> Result<()> {
         let path = out.join(format!("shard-{:05}.bin", shards.len()));
         let tmp = out.join(format!(".shard-{:05}.tmp", shards.len()));
         let h = ShardHeader { bytes_per_token, tokens: buf.len() as u64, vocab_size: vocab as u64, tokenizer: tok.fingerprint };
-        let written = || -> std::io::Result<()> {
+        // Streamed to the file and the hash together.
+        let written = || -> std::io::Result<String> {
+            use sha2::Digest;
+            let mut hash = sha2::Sha256::new();
             let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-            f.write_all(&h.encode())?;
+            let mut put = |b: &[u8]| -> std::io::Result<()> {
+                hash.update(b);
+                f.write_all(b)
+            };
+            put(&h.encode())?;
             for &t in buf.iter() {
                 if bytes_per_token == 2 {
-                    f.write_all(&(t as u16).to_le_bytes())?;
+                    put(&(t as u16).to_le_bytes())?;
                 } else {
-                    f.write_all(&t.to_le_bytes())?;
+                    put(&t.to_le_bytes())?;
                 }
             }
-            f.into_inner().map_err(|e| e.into_error())?.sync_all()
+            f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+            Ok(hash.finalize().iter().map(|b| format!("{b:02x}")).collect())
         };
-        written().map_err(|e| Error::io(&tmp, e))?;
+        let sha256 = written().map_err(|e| Error::io(&tmp, e))?;
         std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
+        let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        listed.push(ManifestShard { file, tokens: buf.len() as u64, sha256 });
         shards.push(path);
         buf.clear();
         Ok(())
     };
-    let mut tokens = 0u64;
     for t in all {
         buf.push(t);
-        tokens += 1;
         if buf.len() == shard_tokens {
             write(&mut buf)?;
         }
@@ -279,7 +332,35 @@ pub fn prepare(tok: &Tok, sources: &[Source], out: &Path, shard_tokens: usize, p
     if !buf.is_empty() {
         write(&mut buf)?;
     }
-    Ok(Prepared { shards, tokens, documents: per_source.iter().map(|(_, d)| d).sum() })
+    let documents = per_source.iter().map(|(_, d)| d).sum();
+    let manifest = Manifest {
+        format: MANIFEST_FORMAT.into(),
+        version: VERSION,
+        tokenizer: format!("{:016x}", tok.fingerprint),
+        vocab_size: vocab as u64,
+        tokens,
+        documents,
+        shards: listed,
+    };
+    let text = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::file(out.join(MANIFEST), e))?;
+    write_durably(&out.join(".manifest.json.tmp"), &out.join(MANIFEST), &text)?;
+    Ok(Prepared { shards, tokens, documents })
+}
+
+/// Writes `bytes` to `tmp`, syncs it and renames it to `path`.
+fn write_durably(tmp: &Path, path: &Path, bytes: &[u8]) -> Result<()> {
+    let written = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    };
+    written().map_err(|e| Error::io(tmp, e))?;
+    std::fs::rename(tmp, path).map_err(|e| Error::io(path, e))
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// A directory of token shards, memory-mapped: training windows are read where they lie.
@@ -290,37 +371,52 @@ pub struct TokenShards {
 }
 
 impl TokenShards {
-    /// Maps every `shard-*.bin` in `dir` (sorted) and checks that they share one tokenizer.
+    /// Maps the shards `dir/manifest.json` lists, after checking each against it (its length,
+    /// header and SHA-256). A directory without a complete manifest (an interrupted or older
+    /// `prepare`) is refused; shards it does not list are not read.
     pub fn open(dir: &Path) -> Result<TokenShards> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| Error::io(dir, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("shard-") && n.to_string_lossy().ends_with(".bin")))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(Error::file(dir, "no token shards (shard-*.bin); make them with `kolo data prepare`".to_string()));
+        let mpath = dir.join(MANIFEST);
+        let meta = std::fs::metadata(&mpath).map_err(|e| {
+            let why = format!(
+                "no {MANIFEST} ({e}): not a complete `kolo data prepare` output (interrupted, or by an older Kolo); prepare it again"
+            );
+            Error::file(dir, why)
+        })?;
+        if !meta.is_file() || meta.len() > 64 << 20 {
+            return Err(Error::file(&mpath, "not a manifest (not a regular file of at most 64 MiB)"));
         }
-        let mut maps = Vec::with_capacity(files.len());
-        for f in &files {
-            let file = std::fs::File::open(f).map_err(|e| Error::io(f, e))?;
+        let text = std::fs::read(&mpath).map_err(|e| Error::io(&mpath, e))?;
+        let m: Manifest = serde_json::from_slice(&text).map_err(|e| Error::file(&mpath, e))?;
+        if m.format != MANIFEST_FORMAT || m.version != VERSION || m.shards.is_empty() {
+            let why = format!(
+                "format {} version {} with {} shards (this Kolo reads {MANIFEST_FORMAT} version {VERSION})",
+                m.format,
+                m.version,
+                m.shards.len()
+            );
+            return Err(Error::file(&mpath, why));
+        }
+        let mut maps = Vec::with_capacity(m.shards.len());
+        for s in &m.shards {
+            if s.file.contains('/') || s.file.contains('\\') || s.file.starts_with('.') {
+                return Err(Error::file(&mpath, format!("shard name `{}` is not a file of the directory", s.file)));
+            }
+            let f = dir.join(&s.file);
+            let file = std::fs::File::open(&f).map_err(|e| Error::io(&f, e))?;
             // SAFETY: shards are written once, to a temporary name, and renamed; nothing
             // writes to a shard file after that.
-            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(f, e))?;
-            let h = ShardHeader::decode(&map[..map.len().min(HEADER)], map.len() as u64, f)?;
-            if let Some((_, first)) = maps.first() {
-                let first: &ShardHeader = first;
-                if (h.tokenizer, h.vocab_size) != (first.tokenizer, first.vocab_size) {
-                    let reason = format!(
-                        "made with another tokenizer (fingerprint {:016x}, vocabulary {}) than {} ({:016x}, {})",
-                        h.tokenizer,
-                        h.vocab_size,
-                        files[0].display(),
-                        first.tokenizer,
-                        first.vocab_size
-                    );
-                    return Err(Error::file(f, reason));
-                }
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&f, e))?;
+            let h = ShardHeader::decode(&map[..map.len().min(HEADER)], map.len() as u64, &f)?;
+            let fits = h.tokens == s.tokens && format!("{:016x}", h.tokenizer) == m.tokenizer && h.vocab_size == m.vocab_size;
+            if !fits {
+                let reason = format!(
+                    "made with another tokenizer or holding other tokens than {MANIFEST} lists (fingerprint {:016x}, vocabulary {}, {} tokens; listed: {}, {}, {})",
+                    h.tokenizer, h.vocab_size, h.tokens, m.tokenizer, m.vocab_size, s.tokens
+                );
+                return Err(Error::file(&f, reason));
+            }
+            if sha256_hex(&map) != s.sha256 {
+                return Err(Error::file(&f, format!("its SHA-256 is not the one {MANIFEST} lists: the shard changed after prepare")));
             }
             maps.push((map, h));
         }

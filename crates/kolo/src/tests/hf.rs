@@ -133,14 +133,38 @@ fn token_shards_that_do_not_fit_are_named() {
     assert!(e.contains("another tokenizer"), "{e}");
     let e = shards.check(None, 96).unwrap_err().to_string();
     assert!(e.contains("300 tokens") && e.contains("embeds 96"), "{e}");
+    // A shard its manifest does not list is not read (issue #34: stale shards of an earlier,
+    // larger prepare were trained on).
+    let tokens = shards.tokens();
     std::fs::copy(dir.join("two/shard-00000.bin"), dir.join("one/shard-00001.bin")).unwrap();
+    assert_eq!(TokenShards::open(&dir.join("one")).unwrap().tokens(), tokens);
+    // A listed shard replaced, cut short or changed in one byte is named.
+    let f = dir.join("one/shard-00000.bin");
+    let good = std::fs::read(&f).unwrap();
+    std::fs::copy(dir.join("two/shard-00000.bin"), &f).unwrap();
     let e = TokenShards::open(&dir.join("one")).err().unwrap().to_string();
-    assert!(e.contains("shard-00001.bin: made with another tokenizer"), "{e}");
-    let f = dir.join("one/shard-00001.bin");
-    let bytes = std::fs::read(dir.join("one/shard-00000.bin")).unwrap();
-    std::fs::write(&f, &bytes[..bytes.len() - 3]).unwrap();
+    assert!(e.contains("shard-00000.bin: made with another tokenizer or holding other tokens"), "{e}");
+    std::fs::write(&f, &good[..good.len() - 3]).unwrap();
     let e = TokenShards::open(&dir.join("one")).err().unwrap().to_string();
-    assert!(e.contains("shard-00001.bin: the header says"), "{e}");
+    assert!(e.contains("shard-00000.bin: the header says"), "{e}");
+    let mut flipped = good.clone();
+    *flipped.last_mut().unwrap() ^= 1;
+    std::fs::write(&f, &flipped).unwrap();
+    let e = TokenShards::open(&dir.join("one")).err().unwrap().to_string();
+    assert!(e.contains("shard-00000.bin: its SHA-256 is not the one manifest.json lists"), "{e}");
+    std::fs::write(&f, &good).unwrap();
+    assert!(TokenShards::open(&dir.join("one")).is_ok());
+    // An interrupted prepare (no manifest) is refused; so is preparing over earlier shards, and
+    // an input without text.
+    std::fs::remove_file(dir.join("one/manifest.json")).unwrap();
+    let e = TokenShards::open(&dir.join("one")).err().unwrap().to_string();
+    assert!(e.contains("no manifest.json") && e.contains("not a complete `kolo data prepare` output"), "{e}");
+    let e = prepare(&t1, &src, &dir.join("two"), 100_000, &|_| {}).unwrap_err().to_string();
+    assert!(e.contains("holds the shards of an earlier prepare"), "{e}");
+    std::fs::write(dir.join("empty.txt"), "").unwrap();
+    let e = prepare(&t1, &sources(&[dir.join("empty.txt")], None).unwrap(), &dir.join("four"), 100, &|_| {}).unwrap_err().to_string();
+    assert!(e.contains("the inputs hold no text"), "{e}");
+    assert!(!dir.join("four").exists(), "an empty prepare left a directory");
     std::fs::write(dir.join("b.jsonl"), "{\"text\": \"a\"}\n{\"body\": \"b\"}\n").unwrap();
     let e =
         prepare(&t1, &sources(&[dir.join("b.jsonl")], Some("text")).unwrap(), &dir.join("three"), 100, &|_| {}).unwrap_err().to_string();
