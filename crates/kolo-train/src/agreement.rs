@@ -147,6 +147,58 @@ pub fn check_same_start(resume: Option<&std::path::Path>, comm: &dyn Communicato
     )))
 }
 
+/// A fingerprint of the data a rank trains and evaluates on: the splits' sizes, the
+/// vocabulary size and the contents of up to 64 examples spread over each split (FNV-1a).
+pub fn data_fingerprint(data: &crate::setup::Data) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for b in bytes {
+            h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    eat(&(data.vocab_size as u64).to_le_bytes());
+    for ds in [&data.train, &data.eval] {
+        let n = ds.len();
+        eat(&(n as u64).to_le_bytes());
+        let idx: Vec<usize> = (0..n.min(64)).map(|k| k * n / n.min(64)).collect();
+        if idx.is_empty() {
+            continue;
+        }
+        let b = ds.batch(&idx);
+        match &b.input {
+            kolo_tensor::Input::Images { data, .. } => data.iter().for_each(|x| eat(&x.to_bits().to_le_bytes())),
+            kolo_tensor::Input::Tokens { ids, .. } => ids.iter().for_each(|x| eat(&x.to_le_bytes())),
+        }
+        b.targets.iter().for_each(|t| eat(&t.to_le_bytes()));
+    }
+    h
+}
+
+/// Every rank reads the same data (issue #34: `data.path` may differ per rank, and a rank
+/// reading a corpus with shifted ids of the same vocabulary size trained silently): the ranks
+/// all-gather [`data_fingerprint`] and, if they differ, every rank fails naming the ranks whose
+/// data is not rank 0's. Synthetic data is generated per rank and not compared.
+pub fn check_same_data(cfg: &Config, data: &crate::setup::Data, comm: &dyn Communicator) -> Result<(), TrainError> {
+    let n = comm.world_size().get();
+    if n == 1 || cfg.data.kind == crate::config::DataKind::Synthetic {
+        return Ok(());
+    }
+    let mine = [data_fingerprint(data) as i64];
+    let mut all = vec![0i64; n];
+    comm.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut all[..]))?;
+    let other: Vec<String> = all.iter().enumerate().filter(|(_, f)| **f != all[0]).map(|(r, _)| format!("rank {r}")).collect();
+    if other.is_empty() {
+        return Ok(());
+    }
+    Err(TrainError::Data(format!(
+        "{} read other data than rank 0 (the contents of data.path differ; this rank ({}) has {} training examples, fingerprint {:016x}): every rank must read the same corpus",
+        other.join(", "),
+        comm.rank().get(),
+        data.train.len(),
+        mine[0] as u64
+    )))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

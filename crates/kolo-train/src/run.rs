@@ -36,6 +36,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
     // Loads the data of replica `data_rank`, builds the strategy and drives it.
     let start = |data_rank: usize| -> Result<(Data, Option<usize>), TrainError> {
         let data = load_data(cfg, data_rank)?;
+        crate::agreement::check_same_data(cfg, &data, &*comm)?;
         let heap_before = kolo_base::alloc::stats().map(|h| h.live);
         Ok((data, heap_before))
     };

@@ -20,6 +20,40 @@ fn ranks_with_different_settings_refuse_to_start() {
     assert_eq!(ok, vec![true, true]);
 }
 
+/// Ranks reading different corpora stop at start-up (issue #34: `data.path` may differ per
+/// rank, and a corpus with shifted ids of the same vocabulary trained silently): rank 1 reads
+/// the same characters rotated by one position, and every rank fails naming rank 1.
+#[test]
+fn ranks_reading_different_data_refuse_to_start() {
+    let dir = scratch_dir("other-data");
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = std::fs::read(kolo_testkit::files::shakespeare()).unwrap();
+    let text = &text[..20_000];
+    let mut rotated = text[1..].to_vec();
+    rotated.push(text[0]);
+    let (a, b) = (dir.join("a.txt"), dir.join("b.txt"));
+    std::fs::write(&a, text).unwrap();
+    std::fs::write(&b, &rotated).unwrap();
+    let cfg = |path: &std::path::Path| {
+        let t = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 16\nn_head = 2\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n[train]\nsteps = 2\n",
+            path.display()
+        );
+        Config::parse(&t, "test").unwrap()
+    };
+    let same = [cfg(&a), cfg(&a)];
+    let ok = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| run(&same[r], Arc::new(c), &quiet()).is_ok());
+    assert_eq!(ok, vec![true, true], "the same corpus was refused");
+    let cfgs = [cfg(&a), cfg(&b)];
+    let errs =
+        run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| run(&cfgs[r], Arc::new(c), &quiet()).err().map(|e| e.to_string()));
+    for (r, e) in errs.iter().enumerate() {
+        let e = e.as_deref().unwrap_or_else(|| panic!("rank {r} trained on other data"));
+        assert!(e.contains("rank 1 read other data than rank 0"), "rank {r}: {e}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn bad_inputs_give_clear_errors() {
     let err = |text: &str| Config::parse(text, "cfg.toml").unwrap_err().to_string();
