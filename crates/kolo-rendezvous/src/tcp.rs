@@ -15,8 +15,10 @@ use std::time::Duration;
 
 const PURPOSE: &str = "store";
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Connections that may be in their handshake at once; more are closed at once (a flood of
-/// unauthenticated connections must not exhaust threads or descriptors).
+/// Connections that may be in their handshake at once. A connection beyond them evicts the
+/// oldest one still in its handshake (a slow or idle client: a rank's handshake takes
+/// milliseconds), and handshakes are capped at twice this, so a flood of unauthenticated or
+/// trickling connections exhausts neither threads nor descriptors nor the ranks' way in.
 const MAX_UNAUTHENTICATED: usize = 64;
 /// Longest a single server-side `get` may block; clients loop for longer deadlines.
 const MAX_SERVER_WAIT: Duration = Duration::from_secs(60);
@@ -78,10 +80,18 @@ impl Drop for TcpStoreServer {
 fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: Arc<AtomicBool>, conns: Conns) {
     let handshaking = Arc::new(AtomicUsize::new(0));
     let (next_id, turned_away) = (AtomicU64::new(0), AtomicU64::new(0));
+    // The connections in their handshake, oldest first.
+    let pending: Arc<Mutex<std::collections::VecDeque<(u64, TcpStream)>>> = Arc::default();
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer)) => {
                 if handshaking.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
+                    let oldest = pending.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                    if let Some((_, c)) = oldest {
+                        let _ = c.shutdown(Shutdown::Both);
+                    }
+                }
+                if handshaking.load(Ordering::SeqCst) >= 2 * MAX_UNAUTHENTICATED {
                     // Closed at once (dropped); reported at powers of two, not per connection.
                     let n = turned_away.fetch_add(1, Ordering::Relaxed) + 1;
                     if n.is_power_of_two() {
@@ -95,15 +105,22 @@ fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: 
                 if let Ok(c) = stream.try_clone() {
                     conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, c);
                 }
+                if let Ok(c) = stream.try_clone() {
+                    pending.lock().unwrap_or_else(|p| p.into_inner()).push_back((id, c));
+                }
                 handshaking.fetch_add(1, Ordering::SeqCst);
-                let (token, state, stop, mine, hs) = (token.clone(), state.clone(), stop.clone(), conns.clone(), handshaking.clone());
+                let (token, state, stop, mine, hs, waiting) =
+                    (token.clone(), state.clone(), stop.clone(), conns.clone(), handshaking.clone(), pending.clone());
                 let spawned = std::thread::Builder::new().name("kolo-store-conn".into()).spawn(move || {
-                    serve(stream, peer, &token, &state, &stop, &hs);
+                    let handshake_over = || waiting.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
+                    serve(stream, peer, &token, &state, &stop, &hs, &handshake_over);
+                    handshake_over();
                     mine.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                 });
                 if spawned.is_err() {
                     handshaking.fetch_sub(1, Ordering::SeqCst);
                     conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                    pending.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
@@ -115,13 +132,25 @@ fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: 
     }
 }
 
-fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, state: &State, stop: &AtomicBool, handshaking: &AtomicUsize) {
+#[allow(clippy::too_many_arguments)]
+fn serve(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    token: &JobToken,
+    state: &State,
+    stop: &AtomicBool,
+    handshaking: &AtomicUsize,
+    handshake_over: &dyn Fn(),
+) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-    let hs = server_handshake(&mut stream, token, Some(PURPOSE), &peer.to_string());
+    // One deadline for the whole handshake, however slowly its bytes trickle in (issue #34: a
+    // byte every 5 s kept a per-read deadline of 10 s from ever firing).
+    let mut timed = WholeDeadline { stream: &mut stream, deadline: std::time::Instant::now() + HANDSHAKE_TIMEOUT };
+    let hs = server_handshake(&mut timed, token, Some(PURPOSE), &peer.to_string());
     handshaking.fetch_sub(1, Ordering::SeqCst);
+    handshake_over();
     if let Err(e) = hs {
         // Logged once (it was printed twice), and under a flood only at powers of two.
         let n = state.refused.fetch_add(1, Ordering::Relaxed) + 1;
@@ -161,6 +190,32 @@ fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, state: &Stat
         if write_frame(&mut stream, &resp.encode()).is_err() {
             return;
         }
+    }
+}
+
+/// A stream whose reads share one deadline: each read may take only what is left of it.
+struct WholeDeadline<'a> {
+    stream: &'a mut TcpStream,
+    deadline: std::time::Instant,
+}
+
+impl io::Read for WholeDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, format!("the handshake took longer than {HANDSHAKE_TIMEOUT:?}")));
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
+}
+
+impl io::Write for WholeDeadline<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.stream.write(buf)
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
     }
 }
 
@@ -208,6 +263,7 @@ pub struct TcpStore {
 impl TcpStore {
     /// Connects, retrying until `deadline` while the server is not up yet, and authenticates.
     pub fn connect(addr: &str, token: &JobToken, deadline: Deadline) -> Result<TcpStore, StoreError> {
+        let (start, mut said) = (std::time::Instant::now(), false);
         loop {
             let last = match Self::try_connect(addr, token) {
                 Ok(stream) => return Ok(TcpStore { addr: addr.to_string(), token: token.clone(), stream: Mutex::new(stream) }),
@@ -223,6 +279,13 @@ impl TcpStore {
                     addr: addr.to_string(),
                     reason: format!("gave up after {:?}: {last}", deadline.budget()),
                 });
+            }
+            if !said && start.elapsed() > Duration::from_secs(5) {
+                said = true;
+                kolo_base::eline!(
+                    "kolo: still waiting to join the store at {addr} after 5 s ({last}); retrying for {:?} more",
+                    deadline.remaining()
+                );
             }
             std::thread::sleep(Duration::from_millis(20).min(deadline.remaining()));
         }

@@ -226,6 +226,29 @@ fn a_connection_flood_leaves_no_descriptors_behind() {
     assert_eq!(again.get("k", secs(5)).unwrap(), b"v");
 }
 
+/// Connections that trickle their hello cannot keep a rank out (issue #34: 70 connections
+/// sending a byte every 5 s kept rank 1 from joining for ~98 s): with more of them than may
+/// authenticate at once, a real client still joins within 3 s, evicting the oldest.
+#[test]
+fn trickling_hellos_do_not_keep_a_rank_out() {
+    use std::io::Write;
+    let token = JobToken::generate();
+    let server = TcpStoreServer::start("127.0.0.1:0", token.clone()).unwrap();
+    let addr = server.local_addr();
+    let trickle: Vec<std::net::TcpStream> = (0..70)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(b"K").unwrap();
+            s
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let store = TcpStore::connect(&addr.to_string(), &token, secs(3)).expect("a rank joins past trickling connections");
+    store.set("k", b"v").unwrap();
+    assert_eq!(store.get("k", secs(3)).unwrap(), b"v");
+    drop(trickle);
+}
+
 proptest! {
     /// Valid store messages mutated (a byte changed, cut short, or grown) decode or fail, never
     /// panic (issue #19: random bytes alone rarely pass the first tag).
