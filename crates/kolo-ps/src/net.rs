@@ -5,18 +5,20 @@
 use crate::wire::{Req, Resp};
 use crate::PsError;
 use kolo_rendezvous::auth::{client_handshake, server_handshake};
+use kolo_rendezvous::handshakes::{Handshakes, WholeDeadline};
 use kolo_rendezvous::wire::{read_frame, write_frame};
 use kolo_rendezvous::JobToken;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub const PURPOSE: &str = "ps";
 const HANDSHAKE: Duration = Duration::from_secs(10);
-/// Connections that may be in their handshake at once; more are closed at once.
+/// Connections in their handshake before a new one evicts the oldest (see
+/// `kolo_rendezvous::handshakes`).
 const MAX_UNAUTHENTICATED: usize = 64;
 
 /// Open connections by id (a clone each, so [`Listener::kill`] can cut them); a connection
@@ -203,34 +205,34 @@ impl Listener {
         let conns: Conns = Arc::new(Mutex::new(std::collections::HashMap::new()));
         let acceptor = {
             let (stop, conns, name) = (stop.clone(), conns.clone(), name.to_string());
-            let handshaking = Arc::new(AtomicUsize::new(0));
+            let handshakes = Arc::new(Handshakes::new(MAX_UNAUTHENTICATED));
             let refused = Arc::new(AtomicU64::new(0));
             let (mut next_id, mut turned_away) = (0u64, 0u64);
             std::thread::Builder::new().name(format!("kolo-{name}")).spawn(move || {
                 while !stop.load(Ordering::SeqCst) {
                     match listener.accept() {
                         Ok((stream, peer)) => {
-                            if handshaking.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
+                            let id = next_id;
+                            next_id += 1;
+                            if !handshakes.admit(id, &stream) {
                                 turned_away += 1;
                                 if turned_away.is_power_of_two() {
-                                    kolo_base::eline!("kolo {name}: {MAX_UNAUTHENTICATED} connections are authenticating; turned away {turned_away} so far (latest {peer})");
+                                    let at_once = 2 * MAX_UNAUTHENTICATED;
+                                    kolo_base::eline!("kolo {name}: {at_once} connections are authenticating; turned away {turned_away} so far (latest {peer})");
                                 }
                                 continue; // closed by the drop
                             }
-                            let id = next_id;
-                            next_id += 1;
                             if let Ok(c) = stream.try_clone() {
                                 conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, c);
                             }
-                            handshaking.fetch_add(1, Ordering::SeqCst);
                             let (token, handle, stop, name) = (token.clone(), handle.clone(), stop.clone(), name.clone());
-                            let (mine, hs, refused) = (conns.clone(), handshaking.clone(), refused.clone());
+                            let (mine, hs, refused) = (conns.clone(), handshakes.clone(), refused.clone());
                             let spawned = std::thread::Builder::new().name(format!("kolo-{name}-conn")).spawn(move || {
-                                serve::<P>(stream, peer, &token, &*handle, &stop, &name, &hs, &refused);
+                                serve::<P>(stream, peer, &token, &*handle, &stop, &name, &|| hs.done(id), &refused);
                                 mine.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                             });
                             if spawned.is_err() {
-                                handshaking.fetch_sub(1, Ordering::SeqCst);
+                                handshakes.done(id);
                                 conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                             }
                         }
@@ -272,15 +274,15 @@ fn serve<P: Protocol>(
     handle: &(dyn Fn(&mut ConnState, P::Req, usize) -> P::Resp + Send + Sync),
     stop: &AtomicBool,
     name: &str,
-    handshaking: &AtomicUsize,
+    handshake_over: &dyn Fn(),
     refused: &AtomicU64,
 ) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
-    let _ = stream.set_read_timeout(Some(HANDSHAKE));
     let _ = stream.set_write_timeout(Some(HANDSHAKE));
-    let hs = server_handshake(&mut stream, token, Some(P::PURPOSE), &peer.to_string());
-    handshaking.fetch_sub(1, Ordering::SeqCst);
+    // One deadline for the whole handshake, however slowly it trickles in.
+    let hs = server_handshake(&mut WholeDeadline::new(&mut stream, HANDSHAKE), token, Some(P::PURPOSE), &peer.to_string());
+    handshake_over();
     if let Err(e) = hs {
         // Under a flood, reported at powers of two rather than once per connection.
         let n = refused.fetch_add(1, Ordering::Relaxed) + 1;

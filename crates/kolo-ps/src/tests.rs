@@ -286,6 +286,30 @@ fn significantly_modified_filter_keeps_the_rest_as_residual() {
     assert_eq!(f.counts(), (8, 3));
 }
 
+/// Connections that trickle their hello cannot keep a worker out of a parameter server (issue
+/// #34: the store and these listeners turned new connections away while slow hellos held every
+/// slot): with 70 of them open, a worker connects within 3 s, evicting the oldest.
+#[test]
+fn trickling_hellos_do_not_keep_a_worker_out() {
+    use std::io::Write;
+    let token = kolo_rendezvous::JobToken::generate();
+    let handler: crate::net::Handler = std::sync::Arc::new(|_, _, _| Resp::Error("no service here".into()));
+    let listener = crate::net::Listener::start("127.0.0.1:0", token.clone(), "trickle-test", handler).unwrap();
+    let trickle: Vec<std::net::TcpStream> = (0..70)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(listener.addr).unwrap();
+            s.write_all(b"K").unwrap();
+            s
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut c =
+        crate::net::Conn::connect(&listener.addr.to_string(), &token, std::time::Duration::from_secs(3)).expect("a worker connects");
+    let r = c.call(&Req::Pull { epoch: 0, range: 0, worker: 0, clock: 0, keys: Keys::All }).unwrap();
+    assert!(matches!(r, Resp::Error(ref m) if m == "no service here"), "{r:?}");
+    drop(trickle);
+}
+
 /// A flood of connections that never authenticate leaves a parameter-server (or FedAvg)
 /// listener's descriptor count flat and the listener serving (issue #19: 2000 connections
 /// took a server from 15 to 2018 open files).

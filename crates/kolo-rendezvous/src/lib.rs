@@ -12,6 +12,7 @@
 pub mod auth;
 pub mod env;
 mod error;
+pub mod handshakes;
 mod memory;
 mod tcp;
 pub mod wire;

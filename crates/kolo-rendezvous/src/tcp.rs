@@ -1,6 +1,7 @@
 //! The TCP store: a server thread hosted by rank 0 and a client per rank.
 
 use crate::auth::{client_handshake, server_handshake, JobToken};
+use crate::handshakes::{Handshakes, WholeDeadline};
 use crate::memory::add_to;
 use crate::wire::{read_frame, write_frame, Request, Response};
 use crate::{Store, StoreError};
@@ -8,7 +9,7 @@ use kolo_base::Deadline;
 use std::collections::HashMap;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -78,49 +79,34 @@ impl Drop for TcpStoreServer {
 }
 
 fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: Arc<AtomicBool>, conns: Conns) {
-    let handshaking = Arc::new(AtomicUsize::new(0));
+    let handshakes = Arc::new(Handshakes::new(MAX_UNAUTHENTICATED));
     let (next_id, turned_away) = (AtomicU64::new(0), AtomicU64::new(0));
-    // The connections in their handshake, oldest first.
-    let pending: Arc<Mutex<std::collections::VecDeque<(u64, TcpStream)>>> = Arc::default();
     while !stop.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((stream, peer)) => {
-                if handshaking.load(Ordering::SeqCst) >= MAX_UNAUTHENTICATED {
-                    let oldest = pending.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
-                    if let Some((_, c)) = oldest {
-                        let _ = c.shutdown(Shutdown::Both);
-                    }
-                }
-                if handshaking.load(Ordering::SeqCst) >= 2 * MAX_UNAUTHENTICATED {
+                let id = next_id.fetch_add(1, Ordering::Relaxed);
+                if !handshakes.admit(id, &stream) {
                     // Closed at once (dropped); reported at powers of two, not per connection.
                     let n = turned_away.fetch_add(1, Ordering::Relaxed) + 1;
                     if n.is_power_of_two() {
                         kolo_base::eline!(
-                            "kolo store: {MAX_UNAUTHENTICATED} connections are authenticating; turned away {n} so far (latest {peer})"
+                            "kolo store: {} connections are authenticating; turned away {n} so far (latest {peer})",
+                            2 * MAX_UNAUTHENTICATED
                         );
                     }
                     continue;
                 }
-                let id = next_id.fetch_add(1, Ordering::Relaxed);
                 if let Ok(c) = stream.try_clone() {
                     conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, c);
                 }
-                if let Ok(c) = stream.try_clone() {
-                    pending.lock().unwrap_or_else(|p| p.into_inner()).push_back((id, c));
-                }
-                handshaking.fetch_add(1, Ordering::SeqCst);
-                let (token, state, stop, mine, hs, waiting) =
-                    (token.clone(), state.clone(), stop.clone(), conns.clone(), handshaking.clone(), pending.clone());
+                let (token, state, stop, mine, hs) = (token.clone(), state.clone(), stop.clone(), conns.clone(), handshakes.clone());
                 let spawned = std::thread::Builder::new().name("kolo-store-conn".into()).spawn(move || {
-                    let handshake_over = || waiting.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
-                    serve(stream, peer, &token, &state, &stop, &hs, &handshake_over);
-                    handshake_over();
+                    serve(stream, peer, &token, &state, &stop, &|| hs.done(id));
                     mine.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                 });
                 if spawned.is_err() {
-                    handshaking.fetch_sub(1, Ordering::SeqCst);
+                    handshakes.done(id);
                     conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                    pending.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
                 }
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
@@ -132,24 +118,13 @@ fn accept_loop(listener: TcpListener, token: JobToken, state: Arc<State>, stop: 
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn serve(
-    mut stream: TcpStream,
-    peer: SocketAddr,
-    token: &JobToken,
-    state: &State,
-    stop: &AtomicBool,
-    handshaking: &AtomicUsize,
-    handshake_over: &dyn Fn(),
-) {
+/// Serves one connection: its handshake (under one deadline; `handshake_over` when it ends,
+/// either way), then requests until it closes.
+fn serve(mut stream: TcpStream, peer: SocketAddr, token: &JobToken, state: &State, stop: &AtomicBool, handshake_over: &dyn Fn()) {
     let _ = stream.set_nonblocking(false);
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(Some(HANDSHAKE_TIMEOUT));
-    // One deadline for the whole handshake, however slowly its bytes trickle in (issue #34: a
-    // byte every 5 s kept a per-read deadline of 10 s from ever firing).
-    let mut timed = WholeDeadline { stream: &mut stream, deadline: std::time::Instant::now() + HANDSHAKE_TIMEOUT };
-    let hs = server_handshake(&mut timed, token, Some(PURPOSE), &peer.to_string());
-    handshaking.fetch_sub(1, Ordering::SeqCst);
+    let hs = server_handshake(&mut WholeDeadline::new(&mut stream, HANDSHAKE_TIMEOUT), token, Some(PURPOSE), &peer.to_string());
     handshake_over();
     if let Err(e) = hs {
         // Logged once (it was printed twice), and under a flood only at powers of two.
@@ -190,32 +165,6 @@ fn serve(
         if write_frame(&mut stream, &resp.encode()).is_err() {
             return;
         }
-    }
-}
-
-/// A stream whose reads share one deadline: each read may take only what is left of it.
-struct WholeDeadline<'a> {
-    stream: &'a mut TcpStream,
-    deadline: std::time::Instant,
-}
-
-impl io::Read for WholeDeadline<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(std::time::Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, format!("the handshake took longer than {HANDSHAKE_TIMEOUT:?}")));
-        }
-        self.stream.set_read_timeout(Some(left))?;
-        self.stream.read(buf)
-    }
-}
-
-impl io::Write for WholeDeadline<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.stream.write(buf)
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        self.stream.flush()
     }
 }
 
