@@ -210,28 +210,6 @@ pub fn sources(inputs: &[PathBuf], field: Option<&str>) -> Result<Vec<Source>> {
         .collect())
 }
 
-/// The documents of one source.
-fn documents(s: &Source) -> Result<Vec<String>> {
-    match s {
-        Source::Text(p) => Ok(vec![std::fs::read_to_string(p).map_err(|e| Error::file(p, format!("not UTF-8 text: {e}")))?]),
-        Source::JsonLines { path, field } => {
-            let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-            text.lines()
-                .enumerate()
-                .filter(|(_, l)| !l.trim().is_empty())
-                .map(|(i, l)| {
-                    let v: serde_json::Value =
-                        serde_json::from_str(l).map_err(|e| Error::file(path, format!("line {}: not a JSON line: {e}", i + 1)))?;
-                    match v.get(field) {
-                        Some(serde_json::Value::String(s)) => Ok(s.clone()),
-                        _ => Err(Error::file(path, format!("line {}: no string field `{field}`", i + 1))),
-                    }
-                })
-                .collect()
-        }
-    }
-}
-
 /// What [`prepare`] wrote.
 #[derive(Clone, Debug)]
 pub struct Prepared {
@@ -243,58 +221,195 @@ pub struct Prepared {
     pub documents: usize,
 }
 
-/// Tokenizes `sources` in parallel (a thread pool over the sources; each document ends with the
-/// tokenizer's `<|endoftext|>` when it has one) and writes shards of at most `shard_tokens`
-/// tokens into `out`, in source order; `progress` is called with the sources done so far. Each
-/// shard is written to a temporary name and renamed.
+/// Tokenizes `sources` and writes shards of at most `shard_tokens` tokens into `out`, in source
+/// order (each document ends with the tokenizer's `<|endoftext|>` when it has one; an empty
+/// document adds nothing); `progress` is called with the sources done so far. Memory does not
+/// grow with the input (issue #34: one 50 MB line took 8.4 GB): files are read in blocks of
+/// [`PIECE`] bytes cut after a newline where there is one, [`BATCH`] pieces are tokenized in
+/// parallel at a time, and shards are written as they fill. Each shard is written to a
+/// temporary name and renamed; `manifest.json` comes last.
 pub fn prepare(tok: &Tok, sources: &[Source], out: &Path, shard_tokens: usize, progress: &(dyn Fn(usize) + Sync)) -> Result<Prepared> {
     if shard_tokens == 0 {
         return Err(Error::setting("--shard-tokens", "a shard holds at least one token"));
     }
-    let vocab = tok.vocab_size();
+    refuse_earlier_shards(out)?;
+    let mut w = ShardWriter::new(tok, out, shard_tokens);
     let eot = tok.tokenizer.token_to_id("<|endoftext|>");
-    let done = std::sync::atomic::AtomicUsize::new(0);
-    let per_source: Vec<(Vec<u32>, usize)> = sources
-        .par_iter()
-        .map(|s| -> Result<(Vec<u32>, usize)> {
-            // An empty document adds nothing, not even its end-of-text token.
-            let docs: Vec<String> = documents(s)?.into_iter().filter(|d| !d.is_empty()).collect();
-            let mut ids = Vec::new();
-            for d in &docs {
-                let e = tok.tokenizer.encode(d.as_str(), false).map_err(|e| Error::file(source_path(s), format!("tokenizing: {e}")))?;
-                ids.extend_from_slice(e.get_ids());
-                ids.extend(eot);
+    let mut batch: Vec<Piece> = Vec::with_capacity(BATCH);
+    let mut documents = 0usize;
+    let mut flush = |batch: &mut Vec<Piece>, w: &mut ShardWriter, s: &Source| -> Result<()> {
+        let texts: Vec<&str> = batch.iter().filter_map(|p| if let Piece::Text(t) = p { Some(t.as_str()) } else { None }).collect();
+        let ids: Vec<Vec<u32>> = texts
+            .par_iter()
+            .map(|t| tok.tokenizer.encode(*t, false).map(|e| e.get_ids().to_vec()))
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| Error::file(source_path(s), format!("tokenizing: {e}")))?;
+        let mut next = ids.into_iter();
+        for p in batch.drain(..) {
+            match p {
+                Piece::Text(_) => w.push(&next.next().unwrap_or_default())?,
+                Piece::End => {
+                    documents += 1;
+                    w.push(eot.as_slice())?;
+                }
             }
-            progress(done.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1);
-            Ok((ids, docs.len()))
-        })
-        .collect::<Result<_>>()?;
-    let tokens: u64 = per_source.iter().map(|(ids, _)| ids.len() as u64).sum();
-    if tokens == 0 {
-        return Err(Error::file(out, "the inputs hold no text: no token shards written"));
+        }
+        Ok(())
+    };
+    for (n, s) in sources.iter().enumerate() {
+        pieces(s, &mut |p| {
+            batch.push(p);
+            if batch.len() >= BATCH {
+                flush(&mut batch, &mut w, s)?;
+            }
+            Ok(())
+        })?;
+        flush(&mut batch, &mut w, s)?;
+        progress(n + 1);
     }
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
-    let earlier: Vec<String> = std::fs::read_dir(out)
-        .map_err(|e| Error::io(out, e))?
+    w.finish(documents)
+}
+
+/// Bytes of text tokenized as one piece.
+pub const PIECE: usize = 256 * 1024;
+/// Pieces tokenized in parallel at a time.
+pub const BATCH: usize = 16;
+
+/// A document's text, a piece at a time, and its end.
+enum Piece {
+    Text(String),
+    End,
+}
+
+/// Hands `emit` the pieces of every non-empty document of `s`, in order.
+fn pieces(s: &Source, emit: &mut dyn FnMut(Piece) -> Result<()>) -> Result<()> {
+    use std::io::{BufRead, Read};
+    match s {
+        Source::Text(p) => {
+            let f = std::fs::File::open(p).map_err(|e| Error::io(p, e))?;
+            let mut r = std::io::BufReader::with_capacity(PIECE, f);
+            let (mut carry, mut any) = (Vec::new(), false);
+            loop {
+                let mut block = std::mem::take(&mut carry);
+                let got = (&mut r).take(PIECE as u64).read_to_end(&mut block).map_err(|e| Error::io(p, e))?;
+                let last = got == 0;
+                // Cut after the last newline, else before a UTF-8 sequence's first byte.
+                let cut = if last {
+                    block.len()
+                } else {
+                    match block.iter().rposition(|b| *b == b'\n') {
+                        Some(i) => i + 1,
+                        None => block.iter().rposition(|b| (*b & 0xC0) != 0x80).filter(|i| *i > 0).unwrap_or(block.len()),
+                    }
+                };
+                carry = block.split_off(cut);
+                if !block.is_empty() {
+                    let text = String::from_utf8(block).map_err(|e| Error::file(p, format!("not UTF-8 text: {e}")))?;
+                    any = true;
+                    emit(Piece::Text(text))?;
+                }
+                if last {
+                    break;
+                }
+            }
+            if any {
+                emit(Piece::End)?;
+            }
+        }
+        Source::JsonLines { path, field } => {
+            let f = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+            for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
+                let line = line.map_err(|e| Error::file(path, format!("line {}: {e}", i + 1)))?;
+                if line.trim().is_empty() {
+                    continue;
+                }
+                let v: serde_json::Value =
+                    serde_json::from_str(&line).map_err(|e| Error::file(path, format!("line {}: not a JSON line: {e}", i + 1)))?;
+                let Some(serde_json::Value::String(text)) = v.get(field) else {
+                    return Err(Error::file(path, format!("line {}: no string field `{field}`", i + 1)));
+                };
+                if text.is_empty() {
+                    continue;
+                }
+                let mut rest = text.as_str();
+                while !rest.is_empty() {
+                    let mut cut = rest.len().min(PIECE);
+                    while !rest.is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    emit(Piece::Text(rest[..cut].to_string()))?;
+                    rest = &rest[cut..];
+                }
+                emit(Piece::End)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses an output directory that holds the shards of an earlier prepare.
+fn refuse_earlier_shards(out: &Path) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(out) else { return Ok(()) };
+    let earlier: Vec<String> = entries
         .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
         .filter(|n| n == MANIFEST || (n.starts_with("shard-") && n.ends_with(".bin")) || n.starts_with(".shard-"))
         .collect();
-    if !earlier.is_empty() {
-        let reason = format!(
-            "holds the shards of an earlier prepare ({} files, {}): choose an empty directory or remove them",
-            earlier.len(),
-            earlier.iter().take(3).cloned().collect::<Vec<_>>().join(", ")
-        );
-        return Err(Error::file(out, reason));
+    if earlier.is_empty() {
+        return Ok(());
     }
-    let bytes_per_token: u32 = if vocab <= 1 << 16 { 2 } else { 4 };
-    let all = per_source.iter().flat_map(|(ids, _)| ids.iter().copied());
-    let (mut shards, mut listed) = (Vec::new(), Vec::new());
-    let mut buf: Vec<u32> = Vec::with_capacity(shard_tokens.min(1 << 24));
-    let mut write = |buf: &mut Vec<u32>| -> Result<()> {
-        let path = out.join(format!("shard-{:05}.bin", shards.len()));
-        let tmp = out.join(format!(".shard-{:05}.tmp", shards.len()));
-        let h = ShardHeader { bytes_per_token, tokens: buf.len() as u64, vocab_size: vocab as u64, tokenizer: tok.fingerprint };
+    let reason = format!(
+        "holds the shards of an earlier prepare ({} files, {}): choose an empty directory or remove them",
+        earlier.len(),
+        earlier.iter().take(3).cloned().collect::<Vec<_>>().join(", ")
+    );
+    Err(Error::file(out, reason))
+}
+
+/// Shards written as tokens arrive, and the manifest at the end.
+struct ShardWriter<'a> {
+    tok: &'a Tok,
+    out: &'a Path,
+    shard_tokens: usize,
+    bytes_per_token: u32,
+    buf: Vec<u32>,
+    shards: Vec<PathBuf>,
+    listed: Vec<ManifestShard>,
+    tokens: u64,
+}
+
+impl<'a> ShardWriter<'a> {
+    fn new(tok: &'a Tok, out: &'a Path, shard_tokens: usize) -> ShardWriter<'a> {
+        let bytes_per_token = if tok.vocab_size() <= 1 << 16 { 2 } else { 4 };
+        let buf = Vec::with_capacity(shard_tokens.min(1 << 24));
+        ShardWriter { tok, out, shard_tokens, bytes_per_token, buf, shards: Vec::new(), listed: Vec::new(), tokens: 0 }
+    }
+
+    fn push(&mut self, ids: &[u32]) -> Result<()> {
+        for &t in ids {
+            self.buf.push(t);
+            self.tokens += 1;
+            if self.buf.len() == self.shard_tokens {
+                self.write()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the buffered tokens as the next shard.
+    fn write(&mut self) -> Result<()> {
+        if self.shards.is_empty() {
+            std::fs::create_dir_all(self.out).map_err(|e| Error::io(self.out, e))?;
+        }
+        let (bpt, n) = (self.bytes_per_token, self.shards.len());
+        let path = self.out.join(format!("shard-{n:05}.bin"));
+        let tmp = self.out.join(format!(".shard-{n:05}.tmp"));
+        let h = ShardHeader {
+            bytes_per_token: bpt,
+            tokens: self.buf.len() as u64,
+            vocab_size: self.tok.vocab_size() as u64,
+            tokenizer: self.tok.fingerprint,
+        };
+        let buf = &self.buf;
         // Streamed to the file and the hash together.
         let written = || -> std::io::Result<String> {
             use sha2::Digest;
@@ -306,7 +421,7 @@ pub fn prepare(tok: &Tok, sources: &[Source], out: &Path, shard_tokens: usize, p
             };
             put(&h.encode())?;
             for &t in buf.iter() {
-                if bytes_per_token == 2 {
+                if bpt == 2 {
                     put(&(t as u16).to_le_bytes())?;
                 } else {
                     put(&t.to_le_bytes())?;
@@ -317,34 +432,33 @@ pub fn prepare(tok: &Tok, sources: &[Source], out: &Path, shard_tokens: usize, p
         };
         let sha256 = written().map_err(|e| Error::io(&tmp, e))?;
         std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))?;
-        let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        listed.push(ManifestShard { file, tokens: buf.len() as u64, sha256 });
-        shards.push(path);
-        buf.clear();
+        self.listed.push(ManifestShard { file: format!("shard-{n:05}.bin"), tokens: self.buf.len() as u64, sha256 });
+        self.shards.push(path);
+        self.buf.clear();
         Ok(())
-    };
-    for t in all {
-        buf.push(t);
-        if buf.len() == shard_tokens {
-            write(&mut buf)?;
+    }
+
+    /// Writes the last shard and the manifest.
+    fn finish(mut self, documents: usize) -> Result<Prepared> {
+        if self.tokens == 0 {
+            return Err(Error::file(self.out, "the inputs hold no text: no token shards written"));
         }
+        if !self.buf.is_empty() {
+            self.write()?;
+        }
+        let manifest = Manifest {
+            format: MANIFEST_FORMAT.into(),
+            version: VERSION,
+            tokenizer: format!("{:016x}", self.tok.fingerprint),
+            vocab_size: self.tok.vocab_size() as u64,
+            tokens: self.tokens,
+            documents,
+            shards: std::mem::take(&mut self.listed),
+        };
+        let text = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::file(self.out.join(MANIFEST), e))?;
+        write_durably(&self.out.join(".manifest.json.tmp"), &self.out.join(MANIFEST), &text)?;
+        Ok(Prepared { shards: self.shards, tokens: self.tokens, documents })
     }
-    if !buf.is_empty() {
-        write(&mut buf)?;
-    }
-    let documents = per_source.iter().map(|(_, d)| d).sum();
-    let manifest = Manifest {
-        format: MANIFEST_FORMAT.into(),
-        version: VERSION,
-        tokenizer: format!("{:016x}", tok.fingerprint),
-        vocab_size: vocab as u64,
-        tokens,
-        documents,
-        shards: listed,
-    };
-    let text = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::file(out.join(MANIFEST), e))?;
-    write_durably(&out.join(".manifest.json.tmp"), &out.join(MANIFEST), &text)?;
-    Ok(Prepared { shards, tokens, documents })
 }
 
 /// Writes `bytes` to `tmp`, syncs it and renames it to `path`.
