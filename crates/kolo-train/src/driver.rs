@@ -340,13 +340,8 @@ pub fn drive(
         }
         if report.is_log_step(done, end) {
             report.window(s.comm(), done, out.loss, lr, batches.pos.epoch, &out.note)?;
-            // Every rank sees the same averaged loss, so every rank stops at the same step. f16's
-            // loss scaler skips overflowing steps by itself.
-            if !report.last_loss.is_finite() && cfg.train.precision != crate::config::Precision::F16 {
-                return Err(TrainError::Data(format!(
-                    "step {done}: the loss averaged over the ranks is {}: the run diverged (lower optim.lr, set optim.clip_grad_norm, or train in bf16)",
-                    report.last_loss
-                )));
+            if let Some(why) = report.diverged(done, cfg.train.precision) {
+                return Err(TrainError::Data(why));
             }
             if let Some((rank, lag, what)) = s.straggler()? {
                 report.straggler_seen(done, rank, lag, &what);

@@ -207,6 +207,18 @@ impl Reporter {
     /// rank's), throughput, the straggler (the rank whose own work per step is slowest, named
     /// when it is 10 % and 1 ms behind the median), the log line (with `extra` appended),
     /// TensorBoard and JSON.
+    /// After [`Reporter::window`]: the error that stops a diverged run, when the loss averaged
+    /// over the ranks is NaN or infinite (the same value on every rank, so every rank stops at
+    /// the same step). f16's loss scaler skips such steps by itself.
+    pub fn diverged(&self, done: u64, precision: crate::config::Precision) -> Option<String> {
+        (!self.last_loss.is_finite() && precision != crate::config::Precision::F16).then(|| {
+            format!(
+                "step {done}: the loss averaged over the ranks is {}: the run diverged (lower optim.lr, set optim.clip_grad_norm, or train in bf16)",
+                self.last_loss
+            )
+        })
+    }
+
     pub fn window(&mut self, comm: &dyn Communicator, done: u64, loss: f64, lr: f32, epoch: u64, extra: &str) -> Result<(), TrainError> {
         let world = comm.world_size().get();
         let mut l = [loss];

@@ -700,6 +700,9 @@ impl Trainer {
             if r.is_log_step(done, end) {
                 let (sum, n) = std::mem::take(&mut self.window_loss);
                 r.window(&*self.comm, done, sum / n.max(1) as f64, lr, 0, "")?;
+                if let Some(why) = r.diverged(done, self.opts.train.precision) {
+                    return Err(Error::usage(self.comm.rank().get(), "Trainer::update", why));
+                }
             }
             if done == end {
                 r.finish();

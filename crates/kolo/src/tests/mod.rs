@@ -564,6 +564,34 @@ fn small_params() -> Vec<f32> {
     Trainer::new(&s.varmap, &world_of_one(), TrainOptions::default()).unwrap().flat_params().unwrap()
 }
 
+/// A diverging run stops (issue #34): SGD at lr 1e38 with a log every step fails at the first
+/// step whose loss is not finite, naming it; a checkpoint of non-finite values is not written.
+#[test]
+fn a_diverging_run_stops_with_the_step_named() {
+    let dist = world_of_one();
+    let dir = std::env::temp_dir().join(format!("kolo-lib-diverge-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let s = small();
+    let o = TrainOptions::new().optimizer(crate::options::OptimKind::Sgd, 1e38).log_every(1).steps(50);
+    let mut t = Trainer::new(&s.varmap, &dist, o).unwrap();
+    let mut stopped = None;
+    for step in 0..50 {
+        let (x, y) = batch(8, step);
+        if let Err(e) = t.step(|| s.loss(&x, &y)) {
+            stopped = Some(e.to_string());
+            break;
+        }
+    }
+    let e = stopped.expect("trained 50 steps at lr 1e38 without stopping");
+    assert!(e.contains("Trainer::update: step") && e.contains("the run diverged"), "{e}");
+    // What is saved now is finite, or refused (the loss can overflow before the weights do).
+    match t.save(&dir) {
+        Ok(_) => assert!(t.flat_params().unwrap().iter().all(|v| v.is_finite())),
+        Err(e) => assert!(e.to_string().contains("values to checkpoint are NaN or infinite"), "{e}"),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Bad input gives one error naming what is wrong.
 #[test]
 fn bad_models_and_losses_are_named() {
