@@ -4,9 +4,10 @@ use std::path::PathBuf;
 
 #[derive(clap::Subcommand)]
 pub enum DataCmd {
-    /// Tokenize text files, directories (walked) and JSON-lines files (one field) in parallel
-    /// into memory-mapped token shards (a 64-byte header, then u16 or u32 ids) that training
-    /// streams without loading them whole (`kolo::tokens::TokenShards`).
+    /// Tokenize text files, directories (walked) and JSON-lines files (one field), a 256 KiB
+    /// piece at a time in parallel, into memory-mapped token shards (a 64-byte header, then u16
+    /// or u32 ids) that training streams without loading them whole
+    /// (`kolo::tokens::TokenShards`); manifest.json, written last, lists them with checksums.
     Prepare(PrepareArgs),
 }
 
@@ -15,7 +16,8 @@ pub struct PrepareArgs {
     /// Files and directories to read.
     #[arg(required = true)]
     inputs: Vec<PathBuf>,
-    /// Where the shards go (shard-00000.bin, ...).
+    /// Where the shards go (shard-00000.bin, ..., manifest.json); it must not hold shards of an
+    /// earlier prepare.
     #[arg(short, long)]
     out: PathBuf,
     /// A Hugging Face tokenizer.json to tokenize with.
