@@ -80,3 +80,43 @@ impl DeviceMesh {
         &self.shape
     }
 }
+
+/// A group's communicator as a model sees it ([`kolo_base::GroupSum`]: summing f32 buffers,
+/// as Megatron's f and g operators do), counting its all-reduces and their bytes.
+pub struct SumGroup {
+    comm: Arc<dyn Communicator>,
+    calls: std::sync::atomic::AtomicU64,
+    bytes: std::sync::atomic::AtomicU64,
+}
+
+impl SumGroup {
+    pub fn new(comm: Arc<dyn Communicator>) -> Arc<SumGroup> {
+        Arc::new(SumGroup { comm, calls: Default::default(), bytes: Default::default() })
+    }
+
+    /// The communicator it sums over.
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.comm
+    }
+
+    /// All-reduces so far, and their bytes.
+    pub fn traffic(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.calls.load(Relaxed), self.bytes.load(Relaxed))
+    }
+}
+
+impl kolo_base::GroupSum for SumGroup {
+    fn rank(&self) -> usize {
+        self.comm.rank().get()
+    }
+    fn size(&self) -> usize {
+        self.comm.world_size().get()
+    }
+    fn sum(&self, buf: &mut [f32]) -> Result<(), String> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.calls.fetch_add(1, Relaxed);
+        self.bytes.fetch_add(buf.len() as u64 * 4, Relaxed);
+        self.comm.all_reduce(crate::BufMut::from(buf), crate::ReduceOp::Sum).map_err(|e| e.to_string())
+    }
+}

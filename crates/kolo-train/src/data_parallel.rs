@@ -13,45 +13,17 @@ use crate::setup::{spec_string, Data};
 use crate::summary::{Eval, RunOptions, StateBytes};
 use crate::TrainError;
 use kolo_base::Rng;
-use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_comm::{BufMut, Communicator, ReduceOp, SumGroup};
 use kolo_ddp::{Ddp, DdpConfig, ShardPlan, Sharding};
 use kolo_optim::{clip_factor, sum_of_squares, Buffer, LossScaler, Optimizer};
 use kolo_tensor::{build_model, Batch, HookedView, Model, ModelSpec, ParamView, PlainView};
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// All-reduces of the vocabulary-parallel embedding, head and cross-entropy per micro-step.
 const VOCAB_PARALLEL_REDUCES: usize = 5;
-
-/// A tensor-parallel group as the model adapter sees it, counting its all-reduces.
-pub(crate) struct CommGroup {
-    comm: Arc<dyn Communicator>,
-    calls: AtomicU64,
-    bytes: AtomicU64,
-}
-
-impl CommGroup {
-    pub(crate) fn new(comm: Arc<dyn Communicator>) -> Arc<CommGroup> {
-        Arc::new(CommGroup { comm, calls: AtomicU64::new(0), bytes: AtomicU64::new(0) })
-    }
-}
-
-impl kolo_base::GroupSum for CommGroup {
-    fn rank(&self) -> usize {
-        self.comm.rank().get()
-    }
-    fn size(&self) -> usize {
-        self.comm.world_size().get()
-    }
-    fn sum(&self, buf: &mut [f32]) -> Result<(), String> {
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        self.bytes.fetch_add(buf.len() as u64 * 4, Ordering::Relaxed);
-        self.comm.all_reduce(BufMut::from(buf), ReduceOp::Sum).map_err(|e| e.to_string())
-    }
-}
 
 pub struct DataParallel<'a> {
     cfg: &'a Config,
@@ -77,7 +49,7 @@ pub struct DataParallel<'a> {
     hooked: HookedView,
     /// Tensor parallelism: the group (counting its all-reduces), its communicator, and which
     /// parameters are split over it.
-    tp: Option<(Arc<CommGroup>, Arc<dyn Communicator>)>,
+    tp: Option<(Arc<SumGroup>, Arc<dyn Communicator>)>,
     tp_split: Option<Vec<bool>>,
     meta: BTreeMap<String, String>,
     numel: usize,
@@ -100,7 +72,7 @@ impl<'a> DataParallel<'a> {
         let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
         comm.set_timeout(timeout);
         let world = comm.world_size().get();
-        let tp = tp.map(|c| (CommGroup::new(c.clone()), c));
+        let tp = tp.map(|c| (SumGroup::new(c.clone()), c));
         let spec = cfg.model_spec(data.vocab_size);
         let mut model = dp_model(cfg, &spec, tp.as_ref().map(|(g, _)| g.clone()))?;
         let tp_split = model.tensor_parallel_split();
@@ -400,8 +372,8 @@ impl<'a> DataParallel<'a> {
             return;
         }
         let steps = steps_run.max(1) * self.cfg.train.grad_accum;
-        let calls = g.calls.load(Ordering::Relaxed) as f64 / steps as f64;
-        let mb = g.bytes.load(Ordering::Relaxed) as f64 / steps as f64 / 1e6;
+        let (calls, bytes) = g.traffic();
+        let (calls, mb) = (calls as f64 / steps as f64, bytes as f64 / steps as f64 / 1e6);
         // Outside the blocks: the vocabulary-parallel embedding (1, forward), head (1, backward)
         // and cross-entropy (3: maxima, sums of exponentials, target logits).
         kolo_base::eline!(
@@ -489,7 +461,7 @@ impl Strategy for DataParallel<'_> {
 
 /// The model the config names, its tensor-parallel split over `tp` when there is one, with the
 /// configured activation checkpointing.
-fn dp_model(cfg: &Config, spec: &ModelSpec, tp: Option<Arc<CommGroup>>) -> Result<Box<dyn Model>, TrainError> {
+fn dp_model(cfg: &Config, spec: &ModelSpec, tp: Option<Arc<SumGroup>>) -> Result<Box<dyn Model>, TrainError> {
     let seed = cfg.train.seed;
     let mut model = match (tp, spec) {
         (Some(g), ModelSpec::Gpt(gc)) => {

@@ -66,7 +66,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
         (comm.clone(), None, None)
     };
     if let (Some(pc), Some(pp)) = (&cfg.pipeline, &pp) {
-        let tp = tp.map(|c| crate::data_parallel::CommGroup::new(c) as Arc<dyn kolo_base::GroupSum>);
+        let tp = tp.map(|c| kolo_comm::SumGroup::new(c) as Arc<dyn kolo_base::GroupSum>);
         let (data, heap) = start(dp.rank().get())?;
         let groups = crate::pipeline::StageGroups { pp: &**pp, dp: &*dp, tp, global_rank };
         let stage = crate::pipeline::build_resumed(cfg, groups, &data, resume, opts)?;

@@ -31,8 +31,10 @@ pub mod dist;
 mod error;
 #[cfg(feature = "hf")]
 pub mod hf;
+mod mesh;
 #[cfg(feature = "hf")]
 pub mod tokens;
+pub mod tp;
 mod trainer;
 pub mod zero3;
 
@@ -57,6 +59,7 @@ pub use dist::{init, init_with, Dist, InitOptions};
 pub use error::{Error, Result};
 /// A user's own optimizer ([`TrainOptions::update_rule`]).
 pub use kolo_optim::UpdateRule;
+pub use mesh::Mesh;
 pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 
 /// The types of [`TrainOptions`]' tables (shared with `kolo train`'s config file).

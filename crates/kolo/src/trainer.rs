@@ -344,6 +344,33 @@ pub struct Trainer {
     timeline: Option<Timeline>,
     /// `train.checkpoint_background`: the checkpoint still being written.
     saving: Option<PendingSave>,
+    /// This process's rank in the job (the data-parallel group's may differ).
+    rank: usize,
+    /// Tensor parallelism: the group, and how the model is split over it.
+    tp: Option<TpState>,
+}
+
+/// Where a trainer runs: its data-parallel group, this process's rank in the job, and the
+/// tensor-parallel group when the model is split over one.
+struct Place {
+    comm: Arc<dyn Communicator>,
+    rank: usize,
+    tp: Option<crate::tp::TensorParallel>,
+}
+
+impl Place {
+    fn of(dist: &Dist) -> Place {
+        Place { comm: dist.comm().clone(), rank: dist.rank(), tp: None }
+    }
+}
+
+/// A model split over a tensor-parallel group.
+struct TpState {
+    group: crate::tp::TensorParallel,
+    sum: Arc<dyn kolo_base::GroupSum>,
+    /// Per parameter: whether it is split.
+    split: Vec<bool>,
+    layout: crate::tp::WholeLayout,
 }
 
 /// Orders names as a person would: digit runs compare as numbers (`layers.2` before
@@ -374,7 +401,18 @@ impl Trainer {
     /// names and shapes are compared), makes rank 0's initial values everyone's, and sets up
     /// DDP or ZeRO-1/2 and the optimizer.
     pub fn new(varmap: &VarMap, dist: &Dist, opts: TrainOptions) -> Result<Trainer> {
-        Self::build(varmap, dist, opts, &[])
+        Self::build(varmap, Place::of(dist), opts, &[])
+    }
+
+    /// Collective: as [`Trainer::new`] for a model split by [`crate::tp`]'s layers over
+    /// `mesh`'s `tp` group: DDP runs over its `dp` group (the ranks holding the same pieces),
+    /// the gradient norm that clipping uses sums the split pieces over the `tp` group, and
+    /// checkpoints hold whole tensors (they resume at any `dp x tp`, or in one process without
+    /// the mesh). The parameters every member holds whole start as member 0's. ZeRO, local SGD,
+    /// gradient compression and mixed precision are refused with tensor parallelism so far.
+    pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
+        let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
+        Self::build(varmap, Place { comm: mesh.dp().clone(), rank: mesh.rank(), tp }, opts, &[])
     }
 
     /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`, torch's FSDP): the
@@ -399,10 +437,10 @@ impl Trainer {
                 ),
             ));
         }
-        Self::build(varmap, dist, opts, groups)
+        Self::build(varmap, Place::of(dist), opts, groups)
     }
 
-    fn build(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
+    fn build(varmap: &VarMap, place: Place, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
         opts.check()?;
         if opts.ddp.zero_stage == 3 && groups.is_empty() {
             return Err(Error::setting(
@@ -411,14 +449,15 @@ impl Trainer {
             ));
         }
         kolo_train::summary::retain_freed_memory();
-        let comm = dist.comm().clone();
-        let (mut params, ids, model_vars, compute) = adopt(varmap, dist.rank(), opts.train.precision)?;
+        let (comm, rank) = (place.comm.clone(), place.rank);
+        let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
+        let (tp, whole_signature) = tensor_parallel(&place, &params, &ids, &opts, groups)?;
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
         comm.set_timeout(timeout);
         let (compression, compression_warmup) = opts.ddp.compression().map_err(|e| Error::setting("ddp.compression", e))?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
         let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
-        let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| Error::usage(dist.rank(), "Trainer::with_zero3_groups", e))?;
+        let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| Error::usage(rank, "Trainer::with_zero3_groups", e))?;
         let cfg = kolo_ddp::DdpConfig {
             bucket_cap: opts.ddp.bucket_cap().map_err(|e| Error::setting("ddp.bucket_cap", e))?,
             first_bucket_cap: opts.ddp.first_bucket_cap().map_err(|e| Error::setting("ddp.first_bucket_cap", e))?,
@@ -455,21 +494,21 @@ impl Trainer {
             for &i in plan.iter().flatten() {
                 params.release(i)?;
             }
-            Some(crate::zero3::Zero3::new(ddp.gatherer(), groups, vars, dist.rank())?)
+            Some(crate::zero3::Zero3::new(ddp.gatherer(), groups, vars, rank)?)
         } else {
             None
         };
         let mut meta = BTreeMap::new();
-        meta.insert("kolo.model".to_string(), model_fingerprint(&signature));
+        meta.insert("kolo.model".to_string(), model_fingerprint(&whole_signature));
         meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optimizer_spec()));
-        meta.insert("kolo.world_size".to_string(), dist.world_size().to_string());
+        meta.insert("kolo.world_size".to_string(), comm.world_size().get().to_string());
         // The sampler's position is rescaled by examples when a checkpoint is resumed at another
         // world size; `[data] batch_size` is the per-rank batch it counts in.
         meta.insert("kolo.batch_size".to_string(), opts.data.batch_size.max(1).to_string());
         meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
         meta.insert("kolo.precision".to_string(), format!("{compute:?}"));
         let local = vec![0f32; params.numel()];
-        let report = Some(reporter(&opts, dist.rank(), dist.world_size(), 0)?);
+        let report = Some(reporter(&opts, rank, comm.world_size().get(), 0)?);
         Ok(Trainer {
             comm,
             params,
@@ -492,7 +531,9 @@ impl Trainer {
             backward_end: None,
             last_loss: 0.0,
             window_loss: (0.0, 0),
-            timeline: opts.train.timeline_dir.as_ref().map(|_| Timeline::new(dist.rank())),
+            timeline: opts.train.timeline_dir.as_ref().map(|_| Timeline::new(rank)),
+            rank,
+            tp,
             saving: None,
             opts,
         })
@@ -635,7 +676,7 @@ impl Trainer {
             comm: &*self.comm,
             clip: self.opts.optim.clip_grad_norm,
             scaler: self.scaler.as_mut(),
-            tp: None,
+            tp: self.tp.as_ref().map(|t| (&t.split[..], &*t.sum)),
             inject_inf: false,
             norm: None,
         };
@@ -823,6 +864,9 @@ impl Trainer {
     /// Starts writing a checkpoint (on a thread of its own with `background`; the values are
     /// copied first, so training may go on).
     fn write_checkpoint(&self, dir: &Path, background: bool) -> Result<PendingSave> {
+        if let Some(t) = &self.tp {
+            return self.write_whole(t, dir, background);
+        }
         let (mut own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
         if self.opts.ddp.local_sgd.is_some() {
             own.extend(kolo_train::local_sgd::local_model_pieces(&self.params, &self.opt, self.comm.rank().get())?);
@@ -838,13 +882,58 @@ impl Trainer {
         Ok(if self.zero3.is_some() { self.ddp.with_master(|m| save(m))? } else { save(self.master.as_slice())? })
     }
 
+    /// Tensor parallelism: the group assembles whole tensors (parameters and optimizer state)
+    /// and its member 0 in each data-parallel replica writes them as DDP would, under the
+    /// model's names; the others wait for it unless the write is in the background.
+    fn write_whole(&self, t: &TpState, dir: &Path, background: bool) -> Result<PendingSave> {
+        let values = t.layout.gather(&self.params.to_flat()?, &t.group)?;
+        let mut states = Vec::new();
+        for (name, v) in self.opt.state() {
+            states.push((name, t.layout.gather(v, &t.group)?));
+        }
+        let mut saved = PendingSave { target: dir.join(format!("step-{:08}", self.steps)), thread: None };
+        if t.group.rank() == 0 {
+            let whole = t.layout.param_set(&values)?;
+            let mut opt = Optimizer::new(self.opt.spec().clone(), values.len());
+            opt.load_state(self.opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::save", e))?;
+            let mut meta = self.meta.clone();
+            meta.extend(loop_state_meta(self.scaler.as_ref(), None));
+            let (comm, pos) = (&*self.comm, self.data_pos);
+            saved = save_checkpoint(dir, self.steps, &whole, &[], &opt, None, comm, pos, &meta, Vec::new(), background, false)?;
+        }
+        if !background {
+            saved = PendingSave { target: saved.wait()?, thread: None };
+            t.group.comm().barrier()?;
+        }
+        Ok(saved)
+    }
+
+    /// Tensor parallelism: reads a checkpoint of whole tensors into this member's pieces
+    /// (`flat`, the trainer's layout) and optimizer state.
+    fn load_whole(&mut self, path: &Path, flat: &mut Vec<f32>) -> Result<kolo_train::checkpointing::Resumed> {
+        let t = self.tp.as_ref().expect("called under tensor parallelism");
+        let whole = t.layout.param_set(&vec![0f32; t.layout.numel])?;
+        let mut full = vec![0f32; t.layout.numel];
+        let mut opt = Optimizer::new(self.opt.spec().clone(), full.len());
+        let ranges: Vec<_> = whole.iter().map(|p| p.range.clone()).collect();
+        let r = load_checkpoint(path, &whole, &mut full, &mut opt, None, &ranges, &self.meta)?;
+        *flat = t.layout.local(&full);
+        let states: Vec<(&str, Vec<f32>)> = opt.state().into_iter().map(|(n, v)| (n, t.layout.local(v))).collect();
+        self.opt.load_state(opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::resume", e))?;
+        Ok(r)
+    }
+
     /// Loads a checkpoint written by [`Trainer::save`] (a `step-*` directory, or the directory
     /// holding them: the newest complete one is taken) at any world size or ZeRO stage, and
     /// continues from its step. Every rank reads the same files. Returns the step.
     pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
         let path = resolve_checkpoint(path.as_ref())?;
         let mut flat = vec![0f32; self.params.numel()];
-        let r = load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?;
+        let r = if self.tp.is_some() {
+            self.load_whole(&path, &mut flat)?
+        } else {
+            load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?
+        };
         let (rank, world) = (self.comm.rank().get(), self.comm.world_size().get());
         let mut notes = vec![restore_compression(&self.ddp, &r, rank, world)?];
         if self.opts.ddp.local_sgd.is_some() {
@@ -871,7 +960,7 @@ impl Trainer {
         self.window_loss = (0.0, 0);
         // The report restarts at the resumed step (its endpoint and files are reopened).
         self.report = None;
-        self.report = Some(reporter(&self.opts, self.comm.rank().get(), self.comm.world_size().get(), r.step)?);
+        self.report = Some(reporter(&self.opts, self.rank, self.comm.world_size().get(), r.step)?);
         Ok(r.step)
     }
 }
@@ -953,6 +1042,69 @@ fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -
 fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> Result<Reporter> {
     let global = o.data.batch_size * world * o.train.grad_accum.max(1) as usize;
     Ok(Reporter::for_train(&o.train, o.data.tokens_per_example.max(1), rank, false, global, start)?)
+}
+
+/// Tensor parallelism's setup, collective over its group: refuses what it does not support
+/// yet, checks that every member splits the same whole model, and makes member 0's values of
+/// the parameters every member holds whole everyone's. Without a group, a split model is
+/// refused (DDP would sum different pieces). Returns the state and the whole model's
+/// signature (the checkpoints' model).
+fn tensor_parallel(
+    place: &Place,
+    params: &ParamSet,
+    ids: &HashMap<TensorId, usize>,
+    opts: &TrainOptions,
+    groups: &[&str],
+) -> Result<(Option<TpState>, Signature)> {
+    let layout = crate::tp::WholeLayout::new(params, ids);
+    let signature = layout.signature.clone();
+    let Some(group) = place.tp.clone() else {
+        if let Some(name) = layout.any_split() {
+            return Err(Error::usage(
+                place.rank,
+                "Trainer::new",
+                format!("`{name}` is split by kolo::tp layers over a tensor-parallel group: create the trainer with Trainer::with_mesh(&varmap, &mesh, opts) (plain DDP would sum different pieces)"),
+            ));
+        }
+        return Ok((None, signature));
+    };
+    let unsupported = [
+        (opts.ddp.zero_stage != 0 || !groups.is_empty(), "ddp.zero_stage", "other than 0"),
+        (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", ""),
+        (opts.ddp.compression.is_some(), "ddp.compression", ""),
+        (opts.train.precision != Precision::F32, "train.precision", "other than f32"),
+    ];
+    if let Some((_, setting, what)) = unsupported.iter().find(|u| u.0) {
+        return Err(Error::setting(
+            *setting,
+            format!("{setting} {what} with tensor parallelism (Trainer::with_mesh) is not supported yet").replace("  ", " "),
+        ));
+    }
+    let mine = [fingerprint_hash(&signature)];
+    let mut all = vec![0i64; group.size()];
+    group.comm().all_gather(kolo_comm::BufRef::from(&mine[..]), kolo_comm::BufMut::from(&mut all[..]))?;
+    if let Some(other) = all.iter().position(|h| *h != mine[0]) {
+        return Err(Error::usage(
+            place.rank,
+            "Trainer::with_mesh",
+            format!(
+                "tensor-parallel member {other} splits another model ({}; names and whole shapes differ)",
+                model_fingerprint(&signature)
+            ),
+        ));
+    }
+    crate::tp::broadcast_whole(params, &layout, &group)?;
+    let state = TpState { sum: group.sum(), split: layout.split_flags(), group, layout };
+    Ok((Some(state), signature))
+}
+
+/// Parameters as `(name, shape)`.
+type Signature = Vec<(String, Vec<usize>)>;
+
+/// [`model_fingerprint`]'s hash as one number (to compare across ranks).
+fn fingerprint_hash(sig: &[(String, Vec<usize>)]) -> i64 {
+    let text = model_fingerprint(sig);
+    (text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)) >> 1) as i64
 }
 
 /// A short text that changes with any parameter's name or shape (checkpoint compatibility).

@@ -27,12 +27,14 @@ fn launched_rank() {
         Ok("all_gather") => all_gather_rank(&args).unwrap(),
         Ok("local_sgd") => local_sgd_rank(&args).unwrap(),
         Ok("builtin") => builtin_rank(&args).unwrap(),
+        Ok("tp_blocks") => super::tensor_parallel::blocks_rank(&args).unwrap(),
+        Ok("user_tp") => drop(super::tensor_parallel::user_tp::train(&args).unwrap()),
         _ => drop(user_mlp::train(&args).unwrap()),
     }
 }
 
 /// Runs `launched_rank` as `n` processes under `kolo launch`, playing `example` with `args`.
-fn launch(n: usize, example: &str, args: &str) -> std::process::Output {
+pub(crate) fn launch(n: usize, example: &str, args: &str) -> std::process::Output {
     let me = std::env::current_exe().unwrap();
     let n = n.to_string();
     let argv = [

@@ -5,7 +5,7 @@ mod gpt;
 mod mlp;
 pub mod moe;
 mod ring;
-pub(crate) mod tp;
+pub mod tp;
 
 pub use cnn::Cnn;
 pub use gpt::{Gpt, GptConfig, StageInput};

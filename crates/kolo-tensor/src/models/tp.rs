@@ -32,9 +32,9 @@ fn summed(group: &dyn GroupSum, t: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// f: identity forward, all-reduce of the gradient backward (before a column-parallel layer).
-pub(crate) struct CopyToGroup(pub Arc<dyn GroupSum>);
+pub struct CopyToGroup(pub Arc<dyn GroupSum>);
 /// g: all-reduce forward, identity backward (after a row-parallel layer).
-pub(crate) struct ReduceFromGroup(pub Arc<dyn GroupSum>);
+pub struct ReduceFromGroup(pub Arc<dyn GroupSum>);
 
 impl CustomOp1 for CopyToGroup {
     fn name(&self) -> &'static str {
@@ -62,6 +62,68 @@ impl CustomOp1 for ReduceFromGroup {
     }
 }
 
+/// The last dimension `k` of a contiguous input and the number of rows before it.
+fn rows_and_width(layout: &Layout) -> candle_core::Result<(usize, usize)> {
+    let k = layout.shape().dims().last().copied().unwrap_or(1);
+    Ok((layout.shape().elem_count().checked_div(k).unwrap_or(0), k))
+}
+
+/// All-gather along the last dimension: forward concatenates the members' `(.., k)` in member
+/// order into `(.., k p)`; backward keeps this member's slice of the gradient (Megatron's
+/// `gather_from_tensor_model_parallel_region`).
+pub struct GatherFromGroup(pub Arc<dyn GroupSum>);
+/// Forward keeps this member's slice of the last dimension (which must split evenly); backward
+/// gathers the members' gradients (Megatron's `scatter_to_tensor_model_parallel_region`).
+pub struct ScatterToGroup(pub Arc<dyn GroupSum>);
+
+impl CustomOp1 for GatherFromGroup {
+    fn name(&self) -> &'static str {
+        "kolo-tp-gather"
+    }
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let v = storage_vec(storage, layout)?;
+        let ((rows, k), (r, p)) = (rows_and_width(layout)?, (self.0.rank(), self.0.size()));
+        let mut out = vec![0f32; rows * k * p];
+        for (i, row) in v.chunks_exact(k.max(1)).enumerate().take(rows) {
+            out[i * k * p + r * k..i * k * p + (r + 1) * k].copy_from_slice(row);
+        }
+        self.0.sum(&mut out).map_err(|e| candle_core::Error::Msg(format!("tensor-parallel all-gather: {e}")))?;
+        let mut dims = layout.shape().dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last *= p;
+        }
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let d = grad.rank().saturating_sub(1);
+        let k = grad.dim(d)? / self.0.size();
+        Ok(Some(grad.narrow(d, self.0.rank() * k, k)?.contiguous()?))
+    }
+}
+
+impl CustomOp1 for ScatterToGroup {
+    fn name(&self) -> &'static str {
+        "kolo-tp-scatter"
+    }
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let v = storage_vec(storage, layout)?;
+        let ((rows, width), (r, p)) = (rows_and_width(layout)?, (self.0.rank(), self.0.size()));
+        if !width.is_multiple_of(p) {
+            candle_core::bail!("kolo tensor parallel: a last dimension of {width} does not split into {p} equal parts");
+        }
+        let k = width / p;
+        let out: Vec<f32> = (0..rows).flat_map(|i| v[i * width + r * k..i * width + (r + 1) * k].iter().copied()).collect();
+        let mut dims = layout.shape().dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = k;
+        }
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+    fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(grad.contiguous()?.apply_op1(GatherFromGroup(self.0.clone()))?))
+    }
+}
+
 /// How one parameter is cut across the group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Cut {
@@ -80,7 +142,7 @@ pub(crate) enum Cut {
 
 /// Member `r`'s range of a vocabulary of `v` split over `p`: the first `v % p` members hold
 /// one entry more.
-pub(crate) fn vocab_range(v: usize, p: usize, r: usize) -> std::ops::Range<usize> {
+pub fn vocab_range(v: usize, p: usize, r: usize) -> std::ops::Range<usize> {
     let (base, extra) = (v / p, v % p);
     let start = r * base + r.min(extra);
     start..start + base + usize::from(r < extra)
@@ -187,7 +249,7 @@ fn group_err(e: String) -> TensorError {
 /// The vocabulary-parallel token embedding: rows of `wte` (this member's `range` of the
 /// vocabulary) for the ids in range, zeros for the others, summed over the group (g). Returns
 /// (n, c) for the n ids.
-pub(crate) fn embed(ids: &[u32], wte: &Tensor, range: std::ops::Range<usize>, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
+pub fn embed(ids: &[u32], wte: &Tensor, range: std::ops::Range<usize>, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
     let n = ids.len();
     let local: Vec<u32> = ids.iter().map(|&i| if range.contains(&(i as usize)) { (i as usize - range.start) as u32 } else { 0 }).collect();
     let mask: Vec<f32> = ids.iter().map(|&i| if range.contains(&(i as usize)) { 1.0 } else { 0.0 }).collect();
@@ -211,7 +273,7 @@ fn gather_rows(vals: &[f32], group: &dyn GroupSum) -> Result<Vec<f32>> {
 /// `targets`, identical on every member: the global row maximum (constant), the sum of
 /// exponentials and the target logit are each summed over the group; backward of each sum is
 /// the identity, so every member's logits get their part of the gradient.
-pub(crate) fn vocab_parallel_cross_entropy(
+pub fn vocab_parallel_cross_entropy(
     logits: &Tensor,
     targets: &[u32],
     range: std::ops::Range<usize>,

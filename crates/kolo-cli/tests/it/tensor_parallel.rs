@@ -1,0 +1,211 @@
+//! Tensor parallelism for a user's own candle model (issue #32): `kolo::tp`'s layers against
+//! the whole layers they split, and the `user_tp` example under `tp` and `dp x tp` meshes
+//! against one process of candle-nn's own layers, by real processes under `kolo launch`.
+
+use super::user_model::launch;
+use super::{fresh_dir, model_tensors, text};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+#[path = "../../../kolo/examples/user_tp.rs"]
+#[allow(dead_code)]
+pub mod user_tp;
+
+/// Deterministic values of a whole tensor: the same in every process, no two alike.
+fn values(shape: &[usize], seed: f32) -> candle_core::Tensor {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37 + seed).sin() * 0.5).collect();
+    candle_core::Tensor::from_vec(v, shape, &candle_core::Device::Cpu).unwrap()
+}
+
+fn max_diff(a: &candle_core::Tensor, b: &candle_core::Tensor) -> anyhow::Result<f32> {
+    anyhow::ensure!(a.dims() == b.dims(), "shapes {:?} and {:?}", a.dims(), b.dims());
+    Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+}
+
+/// One rank of [`tensor_parallel_layers_equal_the_whole_layers_forward_and_backward`]: every
+/// member builds `kolo::tp`'s layers over a group of all ranks from whole weights in a
+/// safetensors file (through `kolo::tp::load_safetensors`), runs a forward and a backward,
+/// and compares the output, the input's gradient and its pieces' gradients with the whole
+/// layers computed here with plain candle ops. With `--misuse yes` it creates a plain trainer
+/// for the split model instead, which must fail.
+pub fn blocks_rank(args: &[String]) -> anyhow::Result<()> {
+    use candle_core::{Module, Tensor, Var};
+    use candle_nn::{VarBuilder, VarMap};
+    use kolo::tp::{vocab_parallel_cross_entropy, ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding};
+    let dir = std::path::PathBuf::from(&args[1]);
+    let dist = kolo::init()?;
+    let mesh = kolo::Mesh::new(&dist, &[("tp", dist.world_size())])?;
+    let tp = mesh.tp();
+    // Odd sizes: 7 inputs, 6 hidden features (2 and 3 members), 5 outputs, a vocabulary of 11.
+    let whole: BTreeMap<&str, Tensor> = [
+        ("col.weight", values(&[6, 7], 0.1)),
+        ("col.bias", values(&[6], 0.2)),
+        ("row.weight", values(&[5, 6], 0.3)),
+        ("row.bias", values(&[5], 0.4)),
+        ("emb.weight", values(&[11, 5], 0.5)),
+    ]
+    .into_iter()
+    .collect();
+    let file = dir.join(format!("whole-{}.safetensors", dist.rank()));
+    candle_core::safetensors::save(&whole.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(), &file)?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dist.device());
+    let (col, row) = (ColumnParallelLinear::new(7, 6, true, vb.pp("col"), tp)?, RowParallelLinear::new(6, 5, true, vb.pp("row"), tp)?);
+    let emb = VocabParallelEmbedding::new(11, 5, vb.pp("emb"), tp)?;
+    anyhow::ensure!(kolo::tp::load_safetensors(&varmap, &[&file])? == 5, "five variables loaded");
+    if args.iter().any(|a| a == "--misuse") {
+        let e = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::default()).err().expect("a plain trainer refuses a split model");
+        println!("rank {}: refused: {e}", dist.rank());
+        return Ok(());
+    }
+    let var = |name: &str| varmap.data().lock().unwrap()[name].clone();
+    let piece_of = |name: &str, t: &Tensor| -> anyhow::Result<Tensor> {
+        let s = kolo::tp::split_of(var(name).as_tensor()).expect("a split variable");
+        Ok(t.narrow(s.dim, s.start, s.len)?)
+    };
+    let x = Var::from_tensor(&values(&[4, 3, 7], 0.6))?;
+    let c = values(&[4, 3, 5], 0.7);
+    // The whole layers, with plain candle ops.
+    let wv: BTreeMap<&str, Var> = whole.iter().map(|(k, v)| (*k, Var::from_tensor(v).unwrap())).collect();
+    let xr = Var::from_tensor(x.as_tensor())?;
+    let h = xr.broadcast_matmul(&wv["col.weight"].t()?)?.broadcast_add(&wv["col.bias"])?.gelu_erf()?;
+    let y_ref = h.broadcast_matmul(&wv["row.weight"].t()?)?.broadcast_add(&wv["row.bias"])?;
+    let g_ref = (&y_ref * &c)?.sum_all()?.backward()?;
+    for gathered in [false, true] {
+        // Split hidden features, or (gathered) whole ones handed to a row layer that keeps its own.
+        let y = if gathered {
+            let (col, row) = (col.clone().gathered(), row.clone().whole_input());
+            row.forward(&col.forward(&x)?.gelu_erf()?)?
+        } else {
+            row.forward(&col.forward(&x)?.gelu_erf()?)?
+        };
+        let g = (&y * &c)?.sum_all()?.backward()?;
+        let grad = |t: &Tensor| g.get(t).cloned().ok_or_else(|| anyhow::anyhow!("no gradient"));
+        let checks = [
+            ("output", max_diff(&y, &y_ref)?),
+            ("input's gradient", max_diff(&grad(&x)?, g_ref.get(&xr).unwrap())?),
+            ("col.weight", max_diff(&grad(&var("col.weight"))?, &piece_of("col.weight", g_ref.get(&wv["col.weight"]).unwrap())?)?),
+            ("col.bias", max_diff(&grad(&var("col.bias"))?, &piece_of("col.bias", g_ref.get(&wv["col.bias"]).unwrap())?)?),
+            ("row.weight", max_diff(&grad(&var("row.weight"))?, &piece_of("row.weight", g_ref.get(&wv["row.weight"]).unwrap())?)?),
+            ("row.bias", max_diff(&grad(&var("row.bias"))?, g_ref.get(&wv["row.bias"]).unwrap())?),
+        ];
+        for (what, d) in checks {
+            anyhow::ensure!(d < 1e-5, "rank {} (gathered {gathered}): {what} differs from the whole layers' by {d}", dist.rank());
+        }
+    }
+    // The vocabulary-parallel embedding and cross-entropy, 11 classes over 2 or 3 members.
+    let ids = Tensor::from_vec(vec![0u32, 10, 3, 7, 5, 5, 1, 9, 2, 6], (2, 5), &dist.device())?;
+    let c2 = values(&[2, 5, 5], 0.8);
+    let e_ref = wv["emb.weight"].embedding(&ids.flatten_all()?)?.reshape((2, 5, 5))?;
+    let ge_ref = (&e_ref * &c2)?.sum_all()?.backward()?;
+    let e = emb.forward(&ids)?;
+    let ge = (&e * &c2)?.sum_all()?.backward()?;
+    let want = piece_of("emb.weight", ge_ref.get(&wv["emb.weight"]).unwrap())?;
+    anyhow::ensure!(max_diff(&e, &e_ref)? < 1e-6, "embedding output");
+    anyhow::ensure!(max_diff(ge.get(&var("emb.weight")).unwrap(), &want)? < 1e-6, "embedding gradient");
+    let logits = Var::from_tensor(&(values(&[8, 11], 0.9) * 4.0)?)?;
+    let targets = Tensor::from_vec(vec![0u32, 10, 4, 5, 6, 3, 9, 1], 8, &dist.device())?;
+    let l_ref = candle_nn::loss::cross_entropy(&logits, &targets)?;
+    let gl_ref = l_ref.backward()?;
+    let range = emb.range();
+    let mine = Var::from_tensor(&logits.narrow(1, range.start, range.len())?)?;
+    let l = vocab_parallel_cross_entropy(&mine, &targets, 11, tp)?;
+    let gl = l.backward()?;
+    let dl = (l.to_scalar::<f32>()? - l_ref.to_scalar::<f32>()?).abs();
+    let dg = max_diff(gl.get(&mine).unwrap(), &gl_ref.get(&logits).unwrap().narrow(1, range.start, range.len())?)?;
+    anyhow::ensure!(dl < 1e-5 && dg < 1e-6, "vocabulary-parallel cross-entropy: loss off by {dl}, gradient by {dg}");
+    println!("rank {}: the split layers equal the whole ones", dist.rank());
+    Ok(())
+}
+
+/// `kolo::tp`'s column- and row-parallel linear layers (with split and with gathered
+/// activations), vocabulary-parallel embedding and cross-entropy on 2 and 3 processes: the
+/// output, the input's gradient and each member's gradient pieces equal the whole layers'
+/// within 1e-5 (odd sizes: 7 inputs, 5 outputs, a vocabulary of 11 that does not split
+/// evenly). A plain `Trainer::new` refuses the split model, naming `Trainer::with_mesh`.
+#[test]
+fn tensor_parallel_layers_equal_the_whole_layers_forward_and_backward() {
+    for n in [2, 3] {
+        let dir = fresh_dir(&format!("tp-blocks-{n}"));
+        let o = launch(n, "tp_blocks", &format!("--dir {}", dir.display()));
+        let t = text(&o);
+        assert!(o.status.success() && t.matches("equal the whole ones").count() == n, "{n} ranks: {t}");
+    }
+    let dir = fresh_dir("tp-misuse");
+    let o = launch(2, "tp_blocks", &format!("--dir {} --misuse", dir.display()));
+    let t = text(&o);
+    assert!(o.status.success() && t.matches("create the trainer with Trainer::with_mesh").count() == 2, "{t}");
+}
+
+/// Runs the `user_tp` example on `n` processes with `args`; returns its checkpoint's tensors.
+fn user_tp(n: usize, args: &str, out: &Path) -> BTreeMap<String, Vec<f32>> {
+    let args = format!("{args} --data {} --out {}", kolo_testkit::files::mnist_dir().display(), out.display());
+    let o = launch(n, "user_tp", &args);
+    assert!(o.status.success(), "{n} ranks, {args}: {}", text(&o));
+    model_tensors(&std::fs::read_dir(out).unwrap().next().unwrap().unwrap().path())
+}
+
+fn worst(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> (String, f32) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    a.iter()
+        .map(|(k, v)| (k.clone(), v.iter().zip(&b[k]).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)))
+        .fold((String::new(), 0f32), |m, d| if d.1 > m.1 { d } else { m })
+}
+
+/// The whole initial weights of the `user_tp` MLP (hidden 48), written by one process.
+fn initial_weights(dir: &Path) -> String {
+    let init = dir.join("init.safetensors");
+    let o = launch(1, "user_tp", &format!("--plain yes --hidden 48 --save-init {}", init.display()));
+    assert!(o.status.success(), "{}", text(&o));
+    init.display().to_string()
+}
+
+/// The user's MLP with a column- and a row-parallel layer, from the same whole initial
+/// weights, after 6 steps on the same global batches of 24 MNIST images: under tp 2, tp 3 and
+/// dp 2 x tp 2 (4 processes) it equals one process of candle-nn's own layers within 2e-6
+/// (SGD, lr 0.1, no clipping; the row layer's partial products are summed in another order),
+/// and under tp 2 with AdamW and the gradient norm clipped to 0.5 (every step clips, so a
+/// norm that forgot the other member's pieces would show) within 1e-5. The parameters moved by
+/// more than 1e-2, so the comparison sees the training.
+#[test]
+fn a_users_model_under_tp_and_dp_x_tp_matches_one_process() {
+    let dir = fresh_dir("user-tp");
+    let init = initial_weights(&dir);
+    let sgd = format!("--init {init} --hidden 48 --steps 6 --batch 24 --optim sgd --lr 0.1");
+    let start = user_tp(1, &format!("--init {init} --hidden 48 --steps 0 --plain yes"), &dir.join("start"));
+    let one = user_tp(1, &format!("{sgd} --plain yes"), &dir.join("one"));
+    assert_eq!(one.len(), 6, "fc1..fc3 weight and bias: {:?}", one.keys());
+    let (_, moved) = worst(&one, &start);
+    assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
+    for (n, mesh) in [(2, "--tp 2"), (3, "--tp 3"), (4, "--dp 2 --tp 2")] {
+        let got = user_tp(n, &format!("{sgd} {mesh}"), &dir.join(format!("n{n}")));
+        let (k, d) = worst(&one, &got);
+        assert!(d < 2e-6, "{mesh}: `{k}` differs from one process by {d}");
+    }
+    let adamw = format!("--init {init} --hidden 48 --steps 6 --batch 24 --optim adamw --lr 1e-2 --clip 0.5");
+    let one = user_tp(1, &format!("{adamw} --plain yes"), &dir.join("adamw-one"));
+    let got = user_tp(2, &format!("{adamw} --tp 2"), &dir.join("adamw-tp2"));
+    let (k, d) = worst(&one, &got);
+    assert!(d < 1e-5, "AdamW, clipped: `{k}` differs from one process by {d}");
+}
+
+/// A checkpoint written under tp 2 holds whole tensors under the model's names: one process of
+/// candle-nn's layers resumes it at step 3 and ends where the uninterrupted one-process run
+/// ends; and a one-process checkpoint resumes under dp 2 x tp 2 (4 processes) as well. AdamW,
+/// so the optimizer state crosses too.
+#[test]
+fn a_tensor_parallel_checkpoint_resumes_in_one_process_and_the_other_way() {
+    let dir = fresh_dir("user-tp-resume");
+    let init = initial_weights(&dir);
+    let run = format!("--init {init} --hidden 48 --steps 6 --batch 24 --optim adamw --lr 1e-2");
+    let one = user_tp(1, &format!("{run} --plain yes"), &dir.join("one"));
+    user_tp(2, &format!("{run} --tp 2 --stop-at 3"), &dir.join("tp-half"));
+    let resumed = user_tp(1, &format!("{run} --plain yes --resume {}", dir.join("tp-half").display()), &dir.join("one-end"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 1e-5, "tp 2 to one process: `{k}` differs from the uninterrupted run by {d}");
+    user_tp(1, &format!("{run} --plain yes --stop-at 3"), &dir.join("one-half"));
+    let resumed = user_tp(4, &format!("{run} --dp 2 --tp 2 --resume {}", dir.join("one-half").display()), &dir.join("mesh-end"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 1e-5, "one process to dp 2 x tp 2: `{k}` differs from the uninterrupted run by {d}");
+}

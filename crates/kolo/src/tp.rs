@@ -1,0 +1,488 @@
+//! Tensor parallelism for your own candle model: Megatron-LM's layers as candle modules
+//! (torchtitan's `ColwiseParallel` and `RowwiseParallel`), built from a `VarBuilder` like
+//! `candle_nn::linear`, each holding only this rank's piece of the whole weight.
+//!
+//! A column-parallel layer splits the output features: the input is whole on every member
+//! (Megatron's f operator: identity forward, all-reduce of the input's gradient backward) and
+//! the output stays split. A row-parallel layer splits the input features: it takes that split
+//! output, and its partial products are summed over the group (the g operator: all-reduce
+//! forward, identity backward). A column-parallel layer followed by a row-parallel one (an MLP,
+//! or attention with its heads split) costs one all-reduce forward and one backward.
+//!
+//! ```no_run
+//! use candle_nn::{Module, VarBuilder, VarMap};
+//! use kolo::tp::{ColumnParallelLinear, RowParallelLinear};
+//! # fn main() -> kolo::Result<()> {
+//! let dist = kolo::init()?;
+//! let mesh = kolo::Mesh::new(&dist, &[("dp", 1), ("tp", dist.world_size())])?;
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dist.device());
+//! let up = ColumnParallelLinear::new(784, 256, true, vb.pp("fc1"), mesh.tp())?;
+//! let down = RowParallelLinear::new(256, 10, true, vb.pp("fc2"), mesh.tp())?;
+//! let mut trainer = kolo::Trainer::with_mesh(&varmap, &mesh, kolo::TrainOptions::default())?;
+//! # let (x, y) = (candle_core::Tensor::zeros((8, 784), candle_core::DType::F32, &dist.device())?,
+//! #               candle_core::Tensor::zeros(8, candle_core::DType::U32, &dist.device())?);
+//! trainer.step(|| candle_nn::loss::cross_entropy(&down.forward(&up.forward(&x)?.relu()?)?, &y))?;
+//! # Ok(()) }
+//! ```
+//!
+//! The variables keep the whole model's names; Kolo remembers how each was cut
+//! ([`split_of`]), so [`load_safetensors`] fills them from a file of whole tensors (a Hugging
+//! Face checkpoint, or a one-process run's `VarMap::save`) and the trainer's checkpoints hold
+//! whole tensors that load in one process or at another tensor-parallel size.
+//!
+//! Computation in f32 on the CPU so far.
+
+use crate::{Error, Result};
+use candle_core::{Module, Tensor, TensorId};
+use candle_nn::{Init, VarBuilder, VarMap};
+use kolo_base::GroupSum;
+use kolo_comm::{Communicator, SumGroup};
+use kolo_tensor::models::tp::{
+    embed, vocab_parallel_cross_entropy as vocab_ce, vocab_range, CopyToGroup, GatherFromGroup, ReduceFromGroup, ScatterToGroup,
+};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+/// A tensor-parallel group ([`crate::Mesh::tp`]): the ranks that each hold one piece of every
+/// split layer and see the same batches.
+#[derive(Clone)]
+pub struct TensorParallel {
+    group: Arc<SumGroup>,
+}
+
+impl std::fmt::Debug for TensorParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TensorParallel {{ rank: {}, size: {} }}", self.rank(), self.size())
+    }
+}
+
+impl TensorParallel {
+    /// The group of `comm`'s ranks.
+    pub fn new(comm: Arc<dyn Communicator>) -> TensorParallel {
+        TensorParallel { group: SumGroup::new(comm) }
+    }
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.group.comm().rank().get()
+    }
+    /// The group's size.
+    pub fn size(&self) -> usize {
+        self.group.comm().world_size().get()
+    }
+    /// The group's communicator.
+    pub fn comm(&self) -> &Arc<dyn Communicator> {
+        self.group.comm()
+    }
+    /// All-reduces the layers made so far, and their bytes (activations forward, their
+    /// gradients backward).
+    pub fn traffic(&self) -> (u64, u64) {
+        self.group.traffic()
+    }
+    pub(crate) fn sum(&self) -> Arc<dyn GroupSum> {
+        self.group.clone()
+    }
+}
+
+/// How a variable made by this module's layers was cut from the whole tensor: the whole
+/// shape, and the range `start..start + len` of dimension `dim` this rank holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Split {
+    /// The whole tensor's shape.
+    pub whole: Vec<usize>,
+    /// The dimension that is cut.
+    pub dim: usize,
+    /// Where this rank's piece starts along `dim`.
+    pub start: usize,
+    /// Its length along `dim`.
+    pub len: usize,
+}
+
+impl Split {
+    /// For each element of the piece (row-major), its index in the whole tensor (row-major).
+    pub fn whole_indices(&self) -> impl Iterator<Item = usize> + '_ {
+        let outer: usize = self.whole[..self.dim].iter().product();
+        let inner: usize = self.whole[self.dim + 1..].iter().product();
+        let n = self.whole[self.dim];
+        (0..outer).flat_map(move |o| (0..self.len).flat_map(move |j| (0..inner).map(move |i| (o * n + self.start + j) * inner + i)))
+    }
+}
+
+/// The split variables of this process, by id (a variable's id outlives no process).
+static SPLITS: Mutex<Option<HashMap<TensorId, Split>>> = Mutex::new(None);
+
+fn remember(t: &Tensor, s: Split) {
+    SPLITS.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashMap::new).insert(t.id(), s);
+}
+
+/// How `t` was cut, when it is a variable made by one of this module's layers.
+pub fn split_of(t: &Tensor) -> Option<Split> {
+    SPLITS.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|m| m.get(&t.id()).cloned())
+}
+
+/// This rank's piece of `name` under `vb`: a new (or the VarMap's) variable of the piece's
+/// shape, or the piece cut from a whole tensor where `vb` reads a file.
+fn piece(vb: &VarBuilder, name: &str, whole: &[usize], dim: usize, range: Range<usize>, init: Init) -> candle_core::Result<Tensor> {
+    if let Ok(t) = vb.get_unchecked(name) {
+        if t.dims() == whole {
+            return t.narrow(dim, range.start, range.len());
+        }
+    }
+    let mut shape = whole.to_vec();
+    shape[dim] = range.len();
+    let t = vb.get_with_hints(shape, name, init)?;
+    if t.is_variable() {
+        remember(&t, Split { whole: whole.to_vec(), dim, start: range.start, len: range.len() });
+    }
+    Ok(t)
+}
+
+/// candle-nn's initialisation of a linear layer's weight (Kaiming normal), from the whole
+/// layer's fan-in: the pieces of one whole layer are drawn from the same distribution.
+fn weight_init(in_dim: usize) -> Init {
+    Init::Randn { mean: 0.0, stdev: (2.0 / in_dim.max(1) as f64).sqrt() }
+}
+
+/// candle-nn's initialisation of a linear layer's bias.
+fn bias_init(in_dim: usize) -> Init {
+    let bound = 1.0 / (in_dim.max(1) as f64).sqrt();
+    Init::Uniform { lo: -bound, up: bound }
+}
+
+/// The range of `n` that member `r` of `p` holds, when `n` splits evenly.
+fn even(what: &str, layer: &str, n: usize, tp: &TensorParallel) -> candle_core::Result<Range<usize>> {
+    let p = tp.size();
+    if !n.is_multiple_of(p) {
+        candle_core::bail!("{layer} `{what}`: {n} does not split into {p} equal tensor-parallel parts");
+    }
+    let k = n / p;
+    Ok(tp.rank() * k..(tp.rank() + 1) * k)
+}
+
+/// A linear layer whose output features are split over the group (Megatron's
+/// `ColumnParallelLinear`): weight `(out / tp, in)`, bias `out / tp`. Its input is whole; its
+/// output is this member's features, or all of them with [`ColumnParallelLinear::gathered`].
+#[derive(Clone, Debug)]
+pub struct ColumnParallelLinear {
+    inner: candle_nn::Linear,
+    tp: TensorParallel,
+    gather: bool,
+}
+
+impl ColumnParallelLinear {
+    /// The layer `in_dim -> out_dim` (`out_dim` must be a multiple of the group's size) with
+    /// its variables `weight` and `bias` under `vb`, initialised as `candle_nn::linear`'s.
+    pub fn new(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
+        let range = even(&vb.prefix(), "ColumnParallelLinear", out_dim, tp)?;
+        let w = piece(&vb, "weight", &[out_dim, in_dim], 0, range.clone(), weight_init(in_dim))?;
+        let b = if bias { Some(piece(&vb, "bias", &[out_dim], 0, range, bias_init(in_dim))?) } else { None };
+        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false })
+    }
+
+    /// The same layer returning every member's output features (an all-gather forward, this
+    /// member's slice of the gradient backward), as Megatron's `gather_output = True`.
+    pub fn gathered(mut self) -> Self {
+        self.gather = true;
+        self
+    }
+
+    /// This member's piece of the weight.
+    pub fn weight(&self) -> &Tensor {
+        self.inner.weight()
+    }
+}
+
+impl Module for ColumnParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.tp.size() == 1 {
+            return self.inner.forward(x);
+        }
+        let y = self.inner.forward(&x.contiguous()?.apply_op1(CopyToGroup(self.tp.sum()))?)?;
+        if self.gather {
+            return y.contiguous()?.apply_op1(GatherFromGroup(self.tp.sum()));
+        }
+        Ok(y)
+    }
+}
+
+/// A linear layer whose input features are split over the group (Megatron's
+/// `RowParallelLinear`): weight `(out, in / tp)`, the bias whole (added once, after the sum).
+/// Its input is this member's features (a [`ColumnParallelLinear`]'s output), or the whole
+/// input with [`RowParallelLinear::whole_input`]; its output is whole on every member.
+#[derive(Clone, Debug)]
+pub struct RowParallelLinear {
+    weight: candle_nn::Linear,
+    bias: Option<Tensor>,
+    tp: TensorParallel,
+    scatter: bool,
+}
+
+impl RowParallelLinear {
+    /// The layer `in_dim -> out_dim` (`in_dim` must be a multiple of the group's size) with
+    /// its variables `weight` and `bias` under `vb`, initialised as `candle_nn::linear`'s.
+    pub fn new(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
+        let range = even(&vb.prefix(), "RowParallelLinear", in_dim, tp)?;
+        let w = piece(&vb, "weight", &[out_dim, in_dim], 1, range, weight_init(in_dim))?;
+        let bias = if bias { Some(vb.get_with_hints(out_dim, "bias", bias_init(in_dim))?) } else { None };
+        Ok(RowParallelLinear { weight: candle_nn::Linear::new(w, None), bias, tp: tp.clone(), scatter: false })
+    }
+
+    /// The same layer taking the whole input, of which it keeps this member's features
+    /// (Megatron's `input_is_parallel = False`).
+    pub fn whole_input(mut self) -> Self {
+        self.scatter = true;
+        self
+    }
+
+    /// This member's piece of the weight.
+    pub fn weight(&self) -> &Tensor {
+        self.weight.weight()
+    }
+}
+
+impl Module for RowParallelLinear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let y = if self.tp.size() == 1 {
+            self.weight.forward(x)?
+        } else {
+            let x = if self.scatter { x.contiguous()?.apply_op1(ScatterToGroup(self.tp.sum()))? } else { x.clone() };
+            self.weight.forward(&x)?.contiguous()?.apply_op1(ReduceFromGroup(self.tp.sum()))?
+        };
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// A token embedding whose vocabulary is split over the group (Megatron's
+/// `VocabParallelEmbedding`): each member holds a contiguous range of the rows (the first
+/// `vocab % tp` members one more), looks up the ids in its range and the rows are summed over
+/// the group. Takes ids of any shape; returns them with a last dimension of `hidden`.
+#[derive(Clone, Debug)]
+pub struct VocabParallelEmbedding {
+    weight: Tensor,
+    range: Range<usize>,
+    hidden: usize,
+    tp: TensorParallel,
+}
+
+impl VocabParallelEmbedding {
+    /// The embedding of `vocab` ids into `hidden` features with its variable `weight` under
+    /// `vb`, initialised as `candle_nn::embedding`'s.
+    pub fn new(vocab: usize, hidden: usize, vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
+        let range = vocab_range(vocab, tp.size(), tp.rank());
+        let weight = piece(&vb, "weight", &[vocab, hidden], 0, range.clone(), Init::Randn { mean: 0.0, stdev: 1.0 })?;
+        Ok(VocabParallelEmbedding { weight, range, hidden, tp: tp.clone() })
+    }
+
+    /// The ids whose rows this member holds.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+}
+
+impl Module for VocabParallelEmbedding {
+    fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let flat = ids.flatten_all()?.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?;
+        let e = embed(&flat, &self.weight, self.range.clone(), &self.tp.sum()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let mut shape = ids.dims().to_vec();
+        shape.push(self.hidden);
+        e.reshape(shape)
+    }
+}
+
+/// The mean cross-entropy of logits whose vocabulary is split over the group (a
+/// [`ColumnParallelLinear`] head's output: `(.., vocab / tp)`, this member's range of the
+/// `vocab` classes) against `targets` (class ids, one per row of `logits`), equal on every
+/// member, without gathering the logits (Megatron's `vocab_parallel_cross_entropy`: three small
+/// all-reduces of per-row values).
+pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, vocab: usize, tp: &TensorParallel) -> candle_core::Result<Tensor> {
+    let width = logits.dims().last().copied().unwrap_or(0);
+    let range = vocab_range(vocab, tp.size(), tp.rank());
+    if width != range.len() {
+        candle_core::bail!(
+            "vocab_parallel_cross_entropy: logits of width {width}, but member {} of {} holds {} of the {vocab} classes",
+            tp.rank(),
+            tp.size(),
+            range.len()
+        );
+    }
+    let rows = logits.reshape(((), width))?;
+    let t = targets.flatten_all()?.to_dtype(candle_core::DType::U32)?.to_vec1::<u32>()?;
+    if let Some(bad) = t.iter().find(|&&c| c as usize >= vocab) {
+        candle_core::bail!("vocab_parallel_cross_entropy: target {bad} is outside the vocabulary of {vocab}");
+    }
+    vocab_ce(&rows, &t, range, &tp.sum()).map_err(|e| candle_core::Error::Msg(e.to_string()))
+}
+
+/// Fills every variable of `varmap` from safetensors `files` of whole tensors under the same
+/// names (a Hugging Face checkpoint, a `VarMap::save`): this rank's piece of a split variable,
+/// the whole tensor of the others, converted to the variable's dtype. Fails naming the
+/// variables the files lack or hold in another shape. Returns how many were filled.
+pub fn load_safetensors(varmap: &VarMap, files: &[impl AsRef<Path>]) -> Result<usize> {
+    let first = files.first().map(|f| f.as_ref().to_path_buf()).unwrap_or_default();
+    // SAFETY: the files are mapped read-only and must not change while they are read, as for
+    // candle's own `VarBuilder::from_mmaped_safetensors`.
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(files) }.map_err(|e| Error::file(&first, e))?;
+    let vars: Vec<(String, candle_core::Var)> =
+        varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    let mut missing = Vec::new();
+    for (name, var) in &vars {
+        let Ok(t) = st.load(name, var.device()) else {
+            missing.push(name.clone());
+            continue;
+        };
+        let t = match split_of(var.as_tensor()) {
+            Some(s) if t.dims() == s.whole => t.narrow(s.dim, s.start, s.len)?,
+            _ => t,
+        };
+        if t.dims() != var.dims() {
+            return Err(Error::file(&first, format!("`{name}` is {:?} in the files, the model's variable is {:?}", t.dims(), var.dims())));
+        }
+        var.set(&t.to_dtype(var.dtype())?)?;
+    }
+    if !missing.is_empty() {
+        missing.sort();
+        return Err(Error::file(&first, format!("lacks {} of the model's variables: {}", missing.len(), missing.join(", "))));
+    }
+    Ok(vars.len())
+}
+
+/// The trainer's view of a model with split variables: which of its parameters are split, and
+/// the whole model's layout (checkpoints hold whole tensors under the model's names).
+pub(crate) struct WholeLayout {
+    /// Per parameter (the trainer's order): how it is cut, `None` when every member holds it whole.
+    splits: Vec<Option<Split>>,
+    /// Per parameter: where it starts in the whole model's flat layout, and its local range.
+    at: Vec<(usize, Range<usize>)>,
+    /// The whole model's parameters, `(name, shape)`.
+    pub(crate) signature: Vec<(String, Vec<usize>)>,
+    pub(crate) numel: usize,
+}
+
+impl WholeLayout {
+    /// The layout of `params`, given each parameter's variable id (`ids`: id to index).
+    /// A variable made by a layer of a group of one is not split.
+    pub(crate) fn new(params: &kolo_tensor::ParamSet, ids: &HashMap<TensorId, usize>) -> WholeLayout {
+        let mut splits = vec![None; params.len()];
+        for (id, &i) in ids {
+            let s = SPLITS.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|m| m.get(id).cloned());
+            splits[i] = s.filter(|s| s.len != s.whole[s.dim]);
+        }
+        let (mut at, mut signature, mut numel) = (Vec::new(), Vec::new(), 0);
+        for (p, s) in params.iter().zip(&splits) {
+            let shape = s.as_ref().map_or_else(|| p.shape.clone(), |s| s.whole.clone());
+            at.push((numel, p.range.clone()));
+            numel += shape.iter().product::<usize>();
+            signature.push((p.name.clone(), shape));
+        }
+        WholeLayout { splits, at, signature, numel }
+    }
+
+    /// Whether any parameter is split.
+    pub(crate) fn any_split(&self) -> Option<&str> {
+        self.splits.iter().zip(&self.signature).find(|(s, _)| s.is_some()).map(|(_, (n, _))| n.as_str())
+    }
+
+    /// Per parameter: whether it is split (the gradient norm sums split pieces over the group).
+    pub(crate) fn split_flags(&self) -> Vec<bool> {
+        self.splits.iter().map(Option::is_some).collect()
+    }
+
+    /// Collective over `tp`: the whole model's values from every member's `local` values (in
+    /// the trainer's flat layout): each member places its pieces, member 0 the whole
+    /// parameters, and the group sums.
+    pub(crate) fn gather(&self, local: &[f32], tp: &TensorParallel) -> Result<Vec<f32>> {
+        let mut whole = vec![0f32; self.numel];
+        for ((start, range), split) in self.at.iter().zip(&self.splits) {
+            let v = &local[range.clone()];
+            match split {
+                Some(s) => s.whole_indices().zip(v).for_each(|(k, x)| whole[start + k] = *x),
+                None if tp.rank() == 0 => whole[*start..start + v.len()].copy_from_slice(v),
+                None => {}
+            }
+        }
+        tp.comm().all_reduce(kolo_comm::BufMut::from(&mut whole[..]), kolo_comm::ReduceOp::Sum)?;
+        Ok(whole)
+    }
+
+    /// This member's values (the trainer's flat layout) of the whole model's `whole`.
+    pub(crate) fn local(&self, whole: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; self.at.last().map_or(0, |(_, r)| r.end)];
+        for ((start, range), split) in self.at.iter().zip(&self.splits) {
+            match split {
+                Some(s) => out[range.clone()].iter_mut().zip(s.whole_indices()).for_each(|(x, k)| *x = whole[start + k]),
+                None => out[range.clone()].copy_from_slice(&whole[*start..start + range.len()]),
+            }
+        }
+        out
+    }
+
+    /// The whole model as parameters of their whole shapes holding `whole`.
+    pub(crate) fn param_set(&self, whole: &[f32]) -> Result<kolo_tensor::ParamSet> {
+        let mut ps = kolo_tensor::ParamSet::new();
+        let mut at = 0;
+        for (name, shape) in &self.signature {
+            let n: usize = shape.iter().product();
+            ps.add(name, shape, whole[at..at + n].to_vec())?;
+            at += n;
+        }
+        Ok(ps)
+    }
+}
+
+/// Collective over `tp`: member 0's values of the parameters every member holds whole (norms,
+/// row-parallel biases, unsplit layers) become everyone's, as DDP's first broadcast does.
+pub(crate) fn broadcast_whole(params: &kolo_tensor::ParamSet, layout: &WholeLayout, tp: &TensorParallel) -> Result<()> {
+    let whole: Vec<usize> = (0..params.len()).filter(|&i| layout.splits[i].is_none()).collect();
+    let mut buf: Vec<f32> = Vec::new();
+    let flat = params.to_flat()?;
+    for &i in &whole {
+        buf.extend_from_slice(&flat[layout.at[i].1.clone()]);
+    }
+    tp.comm().broadcast(kolo_comm::BufMut::from(&mut buf[..]), kolo_base::Rank(0))?;
+    let mut at = 0;
+    for &i in &whole {
+        let n = layout.at[i].1.len();
+        params.load_one(i, &buf[at..at + n])?;
+        at += n;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Split;
+
+    /// The piece's elements map to the whole tensor's: rows 2..4 of a 5 x 3 matrix, columns
+    /// 1..3 of a 2 x 4 one, the middle of a 2 x 3 x 2 block along its middle dimension.
+    #[test]
+    fn a_piece_maps_to_its_place_in_the_whole_tensor() {
+        let rows = Split { whole: vec![5, 3], dim: 0, start: 2, len: 2 };
+        assert_eq!(rows.whole_indices().collect::<Vec<_>>(), [6, 7, 8, 9, 10, 11]);
+        let cols = Split { whole: vec![2, 4], dim: 1, start: 1, len: 2 };
+        assert_eq!(cols.whole_indices().collect::<Vec<_>>(), [1, 2, 5, 6]);
+        let mid = Split { whole: vec![2, 3, 2], dim: 1, start: 1, len: 1 };
+        assert_eq!(mid.whole_indices().collect::<Vec<_>>(), [2, 3, 8, 9]);
+        let empty = Split { whole: vec![0, 4], dim: 1, start: 0, len: 2 };
+        assert_eq!(empty.whole_indices().count(), 0);
+    }
+
+    /// A mesh that does not cover the job, or names an axis a user's model cannot be split
+    /// along yet, is a one-line error naming the numbers.
+    #[test]
+    fn a_mesh_must_cover_the_job_with_known_axes() {
+        let dist = crate::init().unwrap();
+        let e = crate::Mesh::new(&dist, &[("dp", 2), ("tp", 2)]).unwrap_err().to_string();
+        assert_eq!(e, "mesh: dp 2 x tp 2 = 4 ranks, but the job has 1");
+        let e = crate::Mesh::new(&dist, &[("pp", 1)]).unwrap_err().to_string();
+        assert!(e.starts_with("mesh: axis `pp`: a user's model is split along `dp` and `tp` so far"), "{e}");
+        let e = crate::Mesh::new(&dist, &[("tp", 1), ("dp", 1)]).unwrap_err().to_string();
+        assert!(e.contains("`dp` before `tp`"), "{e}");
+        let m = crate::Mesh::new(&dist, &[("tp", 1)]).unwrap();
+        assert_eq!((m.size("dp"), m.size("tp"), m.tp().size(), m.dp().world_size().get()), (1, 1, 1, 1));
+    }
+}
