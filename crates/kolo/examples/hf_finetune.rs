@@ -15,8 +15,10 @@
 //! to `OUT/kolo_logits.safetensors` for `test-data/hf/check_export.py OUT` to compare with
 //! what transformers computes from the export.
 //!
-//! Flags: --steps N (20), --batch B per rank (4), --seq T (32), --lr (1e-3), --zero 0|1|2|3 (3: the
-//! model's blocks are sharded ZeRO-3 groups, the model itself unchanged).
+//! Flags: --steps N (20), --batch B per data-parallel rank (4), --seq T (32), --optim adamw|sgd,
+//! --lr (1e-3), --clip C (1.0; `none`), --zero 0|1|2|3 (3: the model's blocks are sharded
+//! ZeRO-3 groups, the model itself unchanged), --tp T (1: a Llama split over T ranks, heads,
+//! MLP and vocabulary; the ranks form a dp x tp mesh) and --dp D (ranks / T).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use kolo::data::{Sampler, SamplerConfig};
@@ -29,23 +31,33 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     let (steps, batch, seq): (u64, usize, usize) =
         (arg("--steps", "20").parse()?, arg("--batch", "4").parse()?, arg("--seq", "32").parse()?);
     let dist = kolo::init()?;
-    let (varmap, model) = kolo::hf::load_causal_lm(Path::new(&model_dir), &dist.device())?;
+    let tp: usize = arg("--tp", "1").parse()?;
+    let mesh = kolo::Mesh::new(&dist, &[("dp", dist.world_size() / tp.max(1)), ("tp", tp)])?;
+    // Each member of a tensor-parallel group reads its pieces of every split tensor.
+    let (varmap, model) = kolo::hf::load_causal_lm_split(Path::new(&model_dir), &dist.device(), Some(mesh.tp()))?;
     let vocab = model.vocab_size() as u32;
     let reference = Path::new(&model_dir).join("reference.safetensors");
     let reference = if reference.exists() { Some(candle_core::safetensors::load(&reference, &dist.device())?) } else { None };
     let ids = reference.as_ref().map(|r| r["ids"].to_dtype(DType::U32)).transpose()?;
-    if let (Some(r), Some(ids), true) = (&reference, &ids, dist.is_main()) {
+    if let (Some(r), Some(ids)) = (&reference, &ids) {
+        // A split model's whole logits are gathered over its group: every rank computes them.
         let d = (model.forward(ids)? - &r["logits"])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-        println!("loaded {model_dir}: logits differ from transformers' reference by {d:.2e}");
+        if dist.is_main() {
+            println!("loaded {model_dir}: logits differ from transformers' reference by {d:.2e}");
+        }
     }
-    let opts = kolo::TrainOptions::new()
-        .optimizer(kolo::options::OptimKind::Adamw, arg("--lr", "1e-3").parse()?)
-        .clip_grad_norm(1.0)
+    let mut opts = kolo::TrainOptions::new()
+        .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
         .zero_stage(arg("--zero", "0").parse()?)
         .steps(steps)
         .log_every(5)
         .batch(batch, seq);
-    let mut trainer = if opts.ddp.zero_stage == 3 {
+    if let Ok(c) = arg("--clip", "1.0").parse() {
+        opts = opts.clip_grad_norm(c);
+    }
+    let mut trainer = if tp > 1 {
+        kolo::Trainer::with_mesh(&varmap, &mesh, opts)?
+    } else if opts.ddp.zero_stage == 3 {
         // The blocks' values live as shards over the ranks, gathered into the model when used.
         let groups = model.block_prefixes();
         kolo::Trainer::with_zero3_groups(&varmap, &dist, opts, &groups.iter().map(String::as_str).collect::<Vec<_>>())?
@@ -64,7 +76,9 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     };
     let windows = shards.as_ref().map_or(text.len() / (seq + 1), |s| s.windows(seq + 1));
     let window = |w: usize| shards.as_ref().map_or_else(|| text[w * (seq + 1)..(w + 1) * (seq + 1)].to_vec(), |s| s.window(w, seq + 1));
-    let cfg = SamplerConfig { len: windows, world: dist.world_size(), rank: dist.rank(), batch, seed: 0, shuffle: true, drop_last: true };
+    // The members of a tensor-parallel group read the same windows; the replicas their own.
+    let (world, rank) = (mesh.size("dp"), mesh.coord("dp"));
+    let cfg = SamplerConfig { len: windows, world, rank, batch, seed: 0, shuffle: true, drop_last: true };
     let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
     for _ in 0..steps {
         let rows: Vec<u32> = sampler.next_batch().iter().flat_map(|&w| window(w)).collect();
@@ -75,13 +89,15 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     let logits = ids.as_ref().map(|ids| model.forward(ids)).transpose()?;
     // ZeRO-3: the whole model is gathered into its variables (a collective) for the export.
     trainer.unshard()?;
+    // Tensor parallelism: the whole tensors put together from every member's pieces.
+    let whole = if tp > 1 { Some(kolo::tp::whole_varmap(&varmap, mesh.tp())?) } else { None };
     if dist.is_main() {
-        model.save_pretrained(Path::new(&out), &varmap)?;
+        model.save_pretrained(Path::new(&out), whole.as_ref().unwrap_or(&varmap))?;
         if let (Some(ids), Some(l)) = (&ids, &logits) {
             let t = [("ids".to_string(), ids.to_dtype(DType::I64)?), ("logits".to_string(), l.clone())];
             candle_core::safetensors::save(&t.into_iter().collect(), Path::new(&out).join("kolo_logits.safetensors"))?;
         }
-        println!("exported {out} (config.json, model.safetensors) after {steps} steps on {} ranks", dist.world_size());
+        println!("exported {out} (config.json, model.safetensors) after {steps} steps on {} ranks ({mesh:?})", dist.world_size());
     }
     dist.barrier()?;
     Ok(logits)

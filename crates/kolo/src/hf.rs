@@ -242,6 +242,8 @@ pub fn load_weights(varmap: &VarMap, path: &Path) -> Result<()> {
             .get(name)
             .or_else(|| file.get(short))
             .ok_or_else(|| Error::file(path, format!("no tensor `{name}` (the model has {} parameters)", vars.len())))?;
+        // Split over a tensor-parallel group: this rank's piece of the whole tensor.
+        let t = crate::tp::fit(var, t.clone())?;
         if t.dims() != var.dims() {
             return Err(Error::file(path, format!("tensor `{name}` has shape {:?}, the model's is {:?}", t.dims(), var.dims())));
         }
@@ -389,16 +391,21 @@ impl LlamaConfig {
     }
 }
 
+/// A linear layer of a block: candle-nn's, or one split over a tensor-parallel group.
+type Layer = Box<dyn Module + Send + Sync>;
+
 struct LlamaBlock {
     input_norm: candle_nn::RmsNorm,
-    q: candle_nn::Linear,
-    k: candle_nn::Linear,
-    v: candle_nn::Linear,
-    o: candle_nn::Linear,
+    q: Layer,
+    k: Layer,
+    v: Layer,
+    o: Layer,
     post_norm: candle_nn::RmsNorm,
-    gate: candle_nn::Linear,
-    up: candle_nn::Linear,
-    down: candle_nn::Linear,
+    gate: Layer,
+    up: Layer,
+    down: Layer,
+    /// Query and key/value heads on this rank (all of them, or this member's share).
+    heads: (usize, usize),
 }
 
 impl LlamaBlock {
@@ -406,9 +413,9 @@ impl LlamaBlock {
     /// `sin` cut to the sequence) and the SwiGLU MLP, each with its residual.
     fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor, cfg: &LlamaConfig) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let (h, kv, hd) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let ((h, kv), hd) = (self.heads, cfg.head_dim());
         let a = self.input_norm.forward(x)?;
-        let heads = |l: &candle_nn::Linear, n: usize| l.forward(&a)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+        let heads = |l: &Layer, n: usize| l.forward(&a)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
         let q = candle_nn::rotary_emb::rope(&heads(&self.q, h)?, cos, sin)?;
         let k = candle_nn::rotary_emb::rope(&heads(&self.k, kv)?, cos, sin)?;
         let v = heads(&self.v, kv)?;
@@ -432,20 +439,66 @@ impl LlamaBlock {
 /// (`model.layers.0.self_attn.q_proj.weight`, ...).
 pub struct Llama {
     cfg: LlamaConfig,
-    embed: Embedding,
+    embed: LlamaEmbedding,
     blocks: Vec<LlamaBlock>,
     norm: candle_nn::RmsNorm,
-    lm_head: Option<candle_nn::Linear>,
+    lm_head: Option<Layer>,
+    /// The tensor-parallel group the model is split over (`None`: whole).
+    tp: Option<crate::tp::TensorParallel>,
     /// Rotary tables, (max_position_embeddings, head_dim / 2).
     cos: Tensor,
     sin: Tensor,
 }
 
+/// The token embedding: candle-nn's, or split by vocabulary over a tensor-parallel group.
+enum LlamaEmbedding {
+    Whole(Embedding),
+    Split(crate::tp::VocabParallelEmbedding),
+}
+
 impl Llama {
     /// Builds the model's variables through `vb`.
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Llama> {
+        Self::build(cfg, vb, None)
+    }
+
+    /// Builds the model split over the tensor-parallel group `tp` (Megatron-LM's layout): each
+    /// member holds its share of the query and key/value heads (q, k and v column-parallel,
+    /// the output projection row-parallel), of the MLP (gate and up column-, down
+    /// row-parallel) and of the vocabulary (embedding and output layer); the norms are whole.
+    /// The heads, key/value heads and MLP width must be multiples of the group's size. Its
+    /// variables keep Hugging Face's names; [`load_weights`] fills each member's pieces from a
+    /// checkpoint, and `kolo::tp::whole_varmap` puts them together for [`save_pretrained`].
+    /// Train it with `Trainer::with_mesh`.
+    pub fn new_split(cfg: &LlamaConfig, vb: VarBuilder, tp: &crate::tp::TensorParallel) -> candle_core::Result<Llama> {
+        let p = tp.size();
+        let (h, kv, inter) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.intermediate_size);
+        if !h.is_multiple_of(p) || !kv.is_multiple_of(p) || !inter.is_multiple_of(p) {
+            candle_core::bail!(
+                "Llama over {p} tensor-parallel ranks: num_attention_heads {h}, num_key_value_heads {kv} and intermediate_size {inter} must each be a multiple of {p}"
+            );
+        }
+        Self::build(cfg, vb, Some(tp))
+    }
+
+    fn build(cfg: &LlamaConfig, vb: VarBuilder, tp: Option<&crate::tp::TensorParallel>) -> candle_core::Result<Llama> {
+        use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
         use candle_nn::{linear_no_bias as lin, rms_norm};
         let (e, hd, h, kv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.kv_heads());
+        let tp = tp.filter(|t| t.size() > 1);
+        let p = tp.map_or(1, |t| t.size());
+        let col = |i: usize, o: usize, vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match tp {
+                Some(t) => Box::new(Col::new(i, o, false, vb, t)?),
+                None => Box::new(lin(i, o, vb)?),
+            })
+        };
+        let row = |i: usize, o: usize, vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match tp {
+                Some(t) => Box::new(Row::new(i, o, false, vb, t)?),
+                None => Box::new(lin(i, o, vb)?),
+            })
+        };
         let m = vb.pp("model");
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
@@ -453,27 +506,37 @@ impl Llama {
             let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
             blocks.push(LlamaBlock {
                 input_norm: rms_norm(e, cfg.rms_norm_eps, b.pp("input_layernorm"))?,
-                q: lin(e, h * hd, a.pp("q_proj"))?,
-                k: lin(e, kv * hd, a.pp("k_proj"))?,
-                v: lin(e, kv * hd, a.pp("v_proj"))?,
-                o: lin(h * hd, e, a.pp("o_proj"))?,
+                q: col(e, h * hd, a.pp("q_proj"))?,
+                k: col(e, kv * hd, a.pp("k_proj"))?,
+                v: col(e, kv * hd, a.pp("v_proj"))?,
+                o: row(h * hd, e, a.pp("o_proj"))?,
                 post_norm: rms_norm(e, cfg.rms_norm_eps, b.pp("post_attention_layernorm"))?,
-                gate: lin(e, cfg.intermediate_size, f.pp("gate_proj"))?,
-                up: lin(e, cfg.intermediate_size, f.pp("up_proj"))?,
-                down: lin(cfg.intermediate_size, e, f.pp("down_proj"))?,
+                gate: col(e, cfg.intermediate_size, f.pp("gate_proj"))?,
+                up: col(e, cfg.intermediate_size, f.pp("up_proj"))?,
+                down: row(cfg.intermediate_size, e, f.pp("down_proj"))?,
+                heads: (h / p, kv / p),
             });
         }
-        let lm_head = if cfg.tie_word_embeddings { None } else { Some(lin(e, cfg.vocab_size, vb.pp("lm_head"))?) };
+        let lm_head: Option<Layer> = match (cfg.tie_word_embeddings, tp) {
+            (true, _) => None,
+            (false, Some(t)) => Some(Box::new(Col::lm_head(e, cfg.vocab_size, vb.pp("lm_head"), t)?)),
+            (false, None) => Some(Box::new(lin(e, cfg.vocab_size, vb.pp("lm_head"))?)),
+        };
+        let embed = match tp {
+            Some(t) => LlamaEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_tokens"), t)?),
+            None => LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?),
+        };
         let (n, half) = (cfg.max_position_embeddings, hd / 2);
         let theta = cfg.rope_theta();
         let angles: Vec<f64> = (0..n).flat_map(|p| (0..half).map(move |i| p as f64 / theta.powf(2.0 * i as f64 / hd as f64))).collect();
         let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, half), vb.device());
         Ok(Llama {
             cfg: cfg.clone(),
-            embed: embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?,
+            embed,
             blocks,
             norm: rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?,
             lm_head,
+            tp: tp.cloned(),
             cos: table(f64::cos)?,
             sin: table(f64::sin)?,
         })
@@ -489,8 +552,19 @@ impl Llama {
         &self.cfg
     }
 
-    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    /// Logits (batch, seq, vocab) for token ids (batch, seq). Split over a tensor-parallel
+    /// group, every member gets the whole logits (a collective; not differentiable: train
+    /// with [`Llama::loss`], or [`Llama::local_logits`] and `kolo::tp::vocab_parallel_cross_entropy`).
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.local_logits(ids)?;
+        match &self.tp {
+            Some(t) => crate::tp::gather_vocab(&logits, self.cfg.vocab_size, t),
+            None => Ok(logits),
+        }
+    }
+
+    /// Logits (batch, seq, this rank's vocabulary range: all of it when the model is whole).
+    pub fn local_logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let (_, t) = ids.dims2()?;
         if t > self.cfg.max_position_embeddings {
             candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
@@ -498,28 +572,46 @@ impl Llama {
         let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
         let mask = Tensor::from_vec(mask, (t, t), ids.device())?;
-        let mut x = self.embed.forward(ids)?;
+        let mut x = match &self.embed {
+            LlamaEmbedding::Whole(e) => e.forward(ids)?,
+            LlamaEmbedding::Split(e) => e.forward(ids)?,
+        };
         for blk in &self.blocks {
             x = blk.forward(&x, &cos, &sin, &mask, &self.cfg)?;
         }
         let x = self.norm.forward(&x)?;
-        match &self.lm_head {
-            Some(l) => l.forward(&x),
-            None => x.broadcast_matmul(&self.embed.embeddings().t()?),
+        match (&self.lm_head, &self.embed) {
+            (Some(l), _) => l.forward(&x),
+            (None, LlamaEmbedding::Whole(e)) => x.broadcast_matmul(&e.embeddings().t()?),
+            (None, LlamaEmbedding::Split(e)) => e.tied_logits(&x),
         }
     }
 
-    /// Mean next-token cross-entropy of `ids` (batch, seq).
+    /// Mean next-token cross-entropy of `ids` (batch, seq); split over a tensor-parallel group,
+    /// Megatron's vocabulary-parallel cross-entropy (the logits are never gathered).
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        next_token_loss(ids, |x| self.forward(x))
+        let Some(tp) = &self.tp else { return next_token_loss(ids, |x| self.forward(x)) };
+        let t = ids.dim(1)?;
+        let logits = self.local_logits(&ids.narrow(1, 0, t - 1)?)?;
+        crate::tp::vocab_parallel_cross_entropy(&logits, &ids.narrow(1, 1, t - 1)?, self.cfg.vocab_size, tp)
     }
 }
 
 /// Builds a Llama-style model from `dir` (`config.json`, `model.safetensors`) into a new VarMap.
 pub fn load_llama(dir: &Path, device: &Device) -> Result<(VarMap, Llama)> {
+    load_llama_split(dir, device, None)
+}
+
+/// As [`load_llama`], split over `tp` when given ([`Llama::new_split`]): each rank keeps its
+/// pieces of the checkpoint's tensors.
+fn load_llama_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, Llama)> {
     let cfg = LlamaConfig::load(dir)?;
     let varmap = VarMap::new();
-    let model = Llama::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let model = match tp {
+        Some(t) => Llama::new_split(&cfg, vb, t).map_err(|e| Error::file(dir.join("config.json"), e))?,
+        None => Llama::new(&cfg, vb)?,
+    };
     load_weights(&varmap, &dir.join("model.safetensors"))?;
     Ok((varmap, model))
 }
@@ -573,12 +665,23 @@ impl CausalLm {
 /// Loads the causal language model in `dir` (GPT-2 or Llama, by `config.json`'s `model_type`)
 /// into a new VarMap on `device`.
 pub fn load_causal_lm(dir: &Path, device: &Device) -> Result<(VarMap, CausalLm)> {
+    load_causal_lm_split(dir, device, None)
+}
+
+/// As [`load_causal_lm`], split over the tensor-parallel group `tp` when it has more than one
+/// rank (a Llama, [`Llama::new_split`]; GPT-2 is not split yet): each rank keeps its pieces.
+/// Train it with `Trainer::with_mesh`; `kolo::tp::whole_varmap` gathers it for an export.
+pub fn load_causal_lm_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, CausalLm)> {
+    let tp = tp.filter(|t| t.size() > 1);
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
     match v.get("model_type").and_then(|t| t.as_str()) {
+        Some("gpt2") if tp.is_some() => {
+            Err(Error::file(&path, "GPT-2 under tensor parallelism is not supported yet (a Llama is; GPT-2 trains under DDP and ZeRO)"))
+        }
         Some("gpt2") => load_gpt2(dir, device).map(|(v, m)| (v, CausalLm::Gpt2(m))),
-        Some("llama") => load_llama(dir, device).map(|(v, m)| (v, CausalLm::Llama(m))),
+        Some("llama") => load_llama_split(dir, device, tp).map(|(v, m)| (v, CausalLm::Llama(m))),
         Some(t) => Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, llama)"))),
         None => Err(Error::file(&path, "no model_type")),
     }

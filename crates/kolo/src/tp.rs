@@ -39,7 +39,8 @@ use candle_nn::{Init, VarBuilder, VarMap};
 use kolo_base::GroupSum;
 use kolo_comm::{Communicator, SumGroup};
 use kolo_tensor::models::tp::{
-    embed, vocab_parallel_cross_entropy as vocab_ce, vocab_range, CopyToGroup, GatherFromGroup, ReduceFromGroup, ScatterToGroup,
+    embed, gather_logits, vocab_parallel_cross_entropy as vocab_ce, vocab_range, CopyToGroup, GatherFromGroup, ReduceFromGroup,
+    ScatterToGroup,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -169,6 +170,8 @@ pub struct ColumnParallelLinear {
     inner: candle_nn::Linear,
     tp: TensorParallel,
     gather: bool,
+    /// Whether every member holds as many features (an uneven vocabulary split does not).
+    even: bool,
 }
 
 impl ColumnParallelLinear {
@@ -178,7 +181,17 @@ impl ColumnParallelLinear {
         let range = even(&vb.prefix(), "ColumnParallelLinear", out_dim, tp)?;
         let w = piece(&vb, "weight", &[out_dim, in_dim], 0, range.clone(), weight_init(in_dim))?;
         let b = if bias { Some(piece(&vb, "bias", &[out_dim], 0, range, bias_init(in_dim))?) } else { None };
-        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false })
+        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true })
+    }
+
+    /// A language model's output layer `in_dim -> vocab`, without bias, its vocabulary split
+    /// as [`VocabParallelEmbedding`] splits it (any size): its output is this member's range of
+    /// the logits, for [`vocab_parallel_cross_entropy`] or [`gather_vocab`].
+    pub fn lm_head(in_dim: usize, vocab: usize, vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
+        let range = vocab_range(vocab, tp.size(), tp.rank());
+        let w = piece(&vb, "weight", &[vocab, in_dim], 0, range, weight_init(in_dim))?;
+        let even = vocab.is_multiple_of(tp.size());
+        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, None), tp: tp.clone(), gather: false, even })
     }
 
     /// The same layer returning every member's output features (an all-gather forward, this
@@ -201,6 +214,9 @@ impl Module for ColumnParallelLinear {
         }
         let y = self.inner.forward(&x.contiguous()?.apply_op1(CopyToGroup(self.tp.sum()))?)?;
         if self.gather {
+            if !self.even {
+                candle_core::bail!("ColumnParallelLinear::gathered: the members hold unequal numbers of features (use gather_vocab)");
+            }
             return y.contiguous()?.apply_op1(GatherFromGroup(self.tp.sum()));
         }
         Ok(y)
@@ -282,6 +298,28 @@ impl VocabParallelEmbedding {
     pub fn range(&self) -> Range<usize> {
         self.range.clone()
     }
+
+    /// The output layer tied to this embedding (`tie_word_embeddings`): this member's range of
+    /// the logits, `x` times its rows transposed (the input's gradient summed over the group).
+    pub fn tied_logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let x = if self.tp.size() == 1 { x.clone() } else { x.contiguous()?.apply_op1(CopyToGroup(self.tp.sum()))? };
+        x.broadcast_matmul(&self.weight.t()?)
+    }
+}
+
+/// The whole logits `(.., vocab)` on every member from each member's range `(.., range)`
+/// (evaluation, generation; not differentiable). Collective over `tp`.
+pub fn gather_vocab(logits: &Tensor, vocab: usize, tp: &TensorParallel) -> candle_core::Result<Tensor> {
+    if tp.size() == 1 {
+        return Ok(logits.clone());
+    }
+    let width = logits.dims().last().copied().unwrap_or(0);
+    let whole = gather_logits(&logits.reshape(((), width))?, vocab, &*tp.sum()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let mut shape = logits.dims().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = vocab;
+    }
+    whole.reshape(shape)
 }
 
 impl Module for VocabParallelEmbedding {
@@ -318,6 +356,38 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, vocab: us
     vocab_ce(&rows, &t, range, &tp.sum()).map_err(|e| candle_core::Error::Msg(e.to_string()))
 }
 
+/// `t`, a tensor read for `var`: this rank's piece of it when `var` is split and `t` is whole.
+pub(crate) fn fit(var: &candle_core::Var, t: Tensor) -> candle_core::Result<Tensor> {
+    match split_of(var.as_tensor()) {
+        Some(s) if t.dims() == s.whole => t.narrow(s.dim, s.start, s.len),
+        _ => Ok(t),
+    }
+}
+
+/// Collective over `tp`: a VarMap of whole tensors under the same names (the split variables
+/// put together from every member's piece; the others copied), for an export such as
+/// `kolo::hf::CausalLm::save_pretrained` from one rank.
+pub fn whole_varmap(varmap: &VarMap, tp: &TensorParallel) -> Result<VarMap> {
+    let mut vars: Vec<(String, candle_core::Var)> =
+        varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let out = VarMap::new();
+    for (name, var) in vars {
+        let t = match split_of(var.as_tensor()).filter(|s| s.len != s.whole[s.dim]) {
+            Some(s) => {
+                let mut whole = vec![0f32; s.whole.iter().product()];
+                let local = var.as_tensor().to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                s.whole_indices().zip(&local).for_each(|(k, v)| whole[k] = *v);
+                tp.comm().all_reduce(kolo_comm::BufMut::from(&mut whole[..]), kolo_comm::ReduceOp::Sum)?;
+                Tensor::from_vec(whole, s.whole.clone(), var.device())?.to_dtype(var.dtype())?
+            }
+            None => var.as_tensor().copy()?,
+        };
+        out.data().lock().unwrap_or_else(|p| p.into_inner()).insert(name, candle_core::Var::from_tensor(&t)?);
+    }
+    Ok(out)
+}
+
 /// Fills every variable of `varmap` from safetensors `files` of whole tensors under the same
 /// names (a Hugging Face checkpoint, a `VarMap::save`): this rank's piece of a split variable,
 /// the whole tensor of the others, converted to the variable's dtype. Fails naming the
@@ -335,10 +405,7 @@ pub fn load_safetensors(varmap: &VarMap, files: &[impl AsRef<Path>]) -> Result<u
             missing.push(name.clone());
             continue;
         };
-        let t = match split_of(var.as_tensor()) {
-            Some(s) if t.dims() == s.whole => t.narrow(s.dim, s.start, s.len)?,
-            _ => t,
-        };
+        let t = fit(var, t)?;
         if t.dims() != var.dims() {
             return Err(Error::file(&first, format!("`{name}` is {:?} in the files, the model's variable is {:?}", t.dims(), var.dims())));
         }

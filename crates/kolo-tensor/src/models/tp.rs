@@ -303,7 +303,7 @@ pub fn vocab_parallel_cross_entropy(
 
 /// The whole logits (n, v) from every member's vocabulary range (evaluation and sampling; not
 /// differentiable).
-pub(crate) fn gather_logits(logits: &Tensor, v: usize, group: &dyn GroupSum) -> Result<Tensor> {
+pub fn gather_logits(logits: &Tensor, v: usize, group: &dyn GroupSum) -> Result<Tensor> {
     let (n, _) = logits.dims2()?;
     let range = vocab_range(v, group.size(), group.rank());
     let local = logits.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;

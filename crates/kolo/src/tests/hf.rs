@@ -230,3 +230,31 @@ fn hugging_face_llama_loads_with_transformers_logits_trains_and_saves_back() {
     assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0);
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Splitting a Hugging Face model over a tensor-parallel group it does not fit is a one-line
+/// error naming the numbers: the tiny Llama's 4 query and 2 key/value heads over 3 ranks, and
+/// GPT-2 (not split yet) over 2. In-process groups of threads (`LocalComm`); each rank checks.
+#[test]
+fn hugging_face_models_that_do_not_split_are_named() {
+    use kolo_comm::{Communicator, LocalComm};
+    for (n, dir, want) in [
+        (
+            3,
+            kolo_testkit::files::hf_llama_tiny(),
+            "num_attention_heads 4, num_key_value_heads 2 and intermediate_size 80 must each be a multiple of 3",
+        ),
+        (2, kolo_testkit::files::hf_gpt2_tiny(), "GPT-2 under tensor parallelism is not supported yet"),
+    ] {
+        let ranks = LocalComm::create(kolo_base::WorldSize::new(n).unwrap());
+        std::thread::scope(|s| {
+            for c in ranks {
+                let dir = dir.clone();
+                s.spawn(move || {
+                    let tp = crate::tp::TensorParallel::new(std::sync::Arc::new(c) as std::sync::Arc<dyn Communicator>);
+                    let e = crate::hf::load_causal_lm_split(&dir, &Device::Cpu, Some(&tp)).err().expect("refused").to_string();
+                    assert!(e.contains(want) && e.contains("config.json"), "{e}");
+                });
+            }
+        });
+    }
+}
