@@ -231,19 +231,23 @@ pub fn load_gpt2(dir: &Path, device: &Device) -> Result<(VarMap, Gpt2)> {
 /// be there with its shape; the file's other tensors (buffers, a tied output projection) are
 /// ignored.
 pub fn load_weights(varmap: &VarMap, path: &Path) -> Result<()> {
-    let file = candle_core::safetensors::load(path, &Device::Cpu).map_err(|e| Error::file(path, e))?;
+    // Mapped, and read one tensor at a time: a rank holding pieces of a split model never
+    // holds the whole checkpoint.
+    // SAFETY: the file is mapped read-only and must not change while it is read, as for
+    // candle's own `VarBuilder::from_mmaped_safetensors`.
+    let file = unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(|e| Error::file(path, e))?;
     let vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
     let mut names: Vec<&String> = vars.keys().collect();
     names.sort();
     for name in names {
         let var = &vars[name];
         let short = name.split_once('.').map_or(name.as_str(), |(_, rest)| rest);
-        let t = file
-            .get(name)
-            .or_else(|| file.get(short))
-            .ok_or_else(|| Error::file(path, format!("no tensor `{name}` (the model has {} parameters)", vars.len())))?;
-        // Split over a tensor-parallel group: this rank's piece of the whole tensor.
-        let t = crate::tp::fit(var, t.clone())?;
+        // Split over a tensor-parallel group: only this rank's piece of the tensor is read.
+        let t = match crate::tp::read_for(&file, name, var)? {
+            Some(t) => t,
+            None => crate::tp::read_for(&file, short, var)?
+                .ok_or_else(|| Error::file(path, format!("no tensor `{name}` (the model has {} parameters)", vars.len())))?,
+        };
         if t.dims() != var.dims() {
             return Err(Error::file(path, format!("tensor `{name}` has shape {:?}, the model's is {:?}", t.dims(), var.dims())));
         }

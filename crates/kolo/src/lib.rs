@@ -32,6 +32,7 @@ mod error;
 #[cfg(feature = "hf")]
 pub mod hf;
 mod mesh;
+pub mod pp;
 #[cfg(feature = "hf")]
 pub mod tokens;
 pub mod tp;

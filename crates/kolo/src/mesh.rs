@@ -1,6 +1,7 @@
 //! [`Mesh`]: the job's ranks as a grid of named axes (torch's `init_device_mesh`), one
-//! communicator per axis: `dp` (data parallelism: DDP over the ranks that hold the same
-//! tensor-parallel piece) and `tp` (tensor parallelism: [`crate::tp`]'s layers split over it).
+//! communicator per axis: `pp` (pipeline parallelism: [`crate::pp`], each coordinate a stage
+//! holding its own layers), `dp` (data parallelism: DDP over the ranks that hold the same
+//! parameters) and `tp` (tensor parallelism: [`crate::tp`]'s layers split over it).
 
 use crate::tp::TensorParallel;
 use crate::{Dist, Error, Result};
@@ -8,11 +9,11 @@ use kolo_comm::{Communicator, DeviceMesh};
 use std::sync::Arc;
 
 /// The axes a user's model can be split along so far.
-const AXES: [&str; 2] = ["dp", "tp"];
+const AXES: [&str; 3] = ["pp", "dp", "tp"];
 
-/// The ranks as a `dp x tp` grid, laid out as Megatron does: `tp` varies fastest, so the
+/// The ranks as a `pp x dp x tp` grid, laid out as Megatron does: `tp` varies fastest, so the
 /// members of a tensor-parallel group are consecutive ranks (one host, where the per-layer
-/// all-reduces are cheapest).
+/// all-reduces are cheapest), and `pp` slowest.
 ///
 /// ```no_run
 /// # fn main() -> kolo::Result<()> {
@@ -23,50 +24,59 @@ const AXES: [&str; 2] = ["dp", "tp"];
 /// ```
 pub struct Mesh {
     global_rank: usize,
-    sizes: [usize; 2],
-    coords: [usize; 2],
+    sizes: [usize; 3],
+    coords: [usize; 3],
+    pp: Arc<dyn Communicator>,
     dp: Arc<dyn Communicator>,
     tp: TensorParallel,
+    world: Arc<dyn Communicator>,
 }
 
 impl std::fmt::Debug for Mesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Mesh {{ rank: {}, dp: {}, tp: {} }}", self.global_rank, self.sizes[0], self.sizes[1])
+        let [pp, dp, tp] = self.sizes;
+        write!(f, "Mesh {{ rank: {}, pp: {pp}, dp: {dp}, tp: {tp} }}", self.global_rank)
     }
 }
 
 impl Mesh {
-    /// Collective over `dist`: the grid of `axes` (name and size; `dp` and `tp`, in that order
-    /// when both are given; one left out has size 1). Their product must be the world size.
+    /// Collective over `dist`: the grid of `axes` (name and size: `pp`, `dp` and `tp`, in that
+    /// order; one left out has size 1). Their product must be the world size.
     pub fn new(dist: &Dist, axes: &[(&str, usize)]) -> Result<Mesh> {
-        let mut sizes = [1usize; 2];
+        let mut sizes = [1usize; 3];
         let mut seen = Vec::new();
         for (name, size) in axes {
             let Some(i) = AXES.iter().position(|a| a == name) else {
                 return Err(Error::setting(
                     "mesh",
                     format!(
-                        "axis `{name}`: a user's model is split along `dp` and `tp` so far (pipeline, sequence and expert parallelism: kolo train's built-in GPT)"
+                        "axis `{name}`: a user's model is split along `pp`, `dp` and `tp` so far (sequence and expert parallelism: kolo train's built-in GPT)"
                     ),
                 ));
             };
             if seen.last().is_some_and(|&j| j >= i) {
-                return Err(Error::setting("mesh", format!("axes {axes:?}: name each once, `dp` before `tp` (tp varies fastest)")));
+                return Err(Error::setting("mesh", format!("axes {axes:?}: name each once, in the order pp, dp, tp (tp varies fastest)")));
             }
             seen.push(i);
             sizes[i] = *size;
         }
         let world = dist.world_size();
-        if sizes.contains(&0) || sizes[0] * sizes[1] != world {
-            return Err(Error::setting(
-                "mesh",
-                format!("dp {} x tp {} = {} ranks, but the job has {world}", sizes[0], sizes[1], sizes[0] * sizes[1]),
-            ));
+        let [pp, dp, tp] = sizes;
+        if sizes.contains(&0) || pp * dp * tp != world {
+            return Err(Error::setting("mesh", format!("pp {pp} x dp {dp} x tp {tp} = {} ranks, but the job has {world}", pp * dp * tp)));
         }
-        let m = DeviceMesh::new(&**dist.comm(), &[("dp", sizes[0]), ("tp", sizes[1])])?;
-        let group = |a: &str| m.group(a).cloned().expect("both axes exist");
-        let coords = [m.coord("dp").unwrap_or(0), m.coord("tp").unwrap_or(0)];
-        Ok(Mesh { global_rank: dist.rank(), sizes, coords, dp: group("dp"), tp: TensorParallel::new(group("tp")) })
+        let m = DeviceMesh::new(&**dist.comm(), &[("pp", pp), ("dp", dp), ("tp", tp)])?;
+        let group = |a: &str| m.group(a).cloned().expect("every axis exists");
+        let coords = AXES.map(|a| m.coord(a).unwrap_or(0));
+        Ok(Mesh {
+            global_rank: dist.rank(),
+            sizes,
+            coords,
+            pp: group("pp"),
+            dp: group("dp"),
+            tp: TensorParallel::new(group("tp")),
+            world: dist.comm().clone(),
+        })
     }
 
     /// This process's rank in the job.
@@ -74,7 +84,7 @@ impl Mesh {
         self.global_rank
     }
 
-    /// The size of `axis` (`dp` or `tp`; 1 for any other name).
+    /// The size of `axis` (`pp`, `dp` or `tp`; 1 for any other name).
     pub fn size(&self, axis: &str) -> usize {
         AXES.iter().position(|a| *a == axis).map_or(1, |i| self.sizes[i])
     }
@@ -84,8 +94,19 @@ impl Mesh {
         AXES.iter().position(|a| *a == axis).map_or(0, |i| self.coords[i])
     }
 
-    /// The data-parallel group: the ranks holding the same tensor-parallel piece. Each feeds
-    /// its own batches; the members of a tensor-parallel group feed the same ones.
+    /// The pipeline group: one rank per stage, in stage order ([`crate::pp`]).
+    pub fn pp(&self) -> &Arc<dyn Communicator> {
+        &self.pp
+    }
+
+    /// The whole job's communicator.
+    pub fn world(&self) -> &Arc<dyn Communicator> {
+        &self.world
+    }
+
+    /// The data-parallel group: the ranks holding the same parameters (the same stage and
+    /// tensor-parallel piece). Each feeds its own batches; the members of a tensor-parallel
+    /// group feed the same ones.
     pub fn dp(&self) -> &Arc<dyn Communicator> {
         &self.dp
     }

@@ -356,12 +356,39 @@ pub fn vocab_parallel_cross_entropy(logits: &Tensor, targets: &Tensor, vocab: us
     vocab_ce(&rows, &t, range, &tp.sum()).map_err(|e| candle_core::Error::Msg(e.to_string()))
 }
 
-/// `t`, a tensor read for `var`: this rank's piece of it when `var` is split and `t` is whole.
-pub(crate) fn fit(var: &candle_core::Var, t: Tensor) -> candle_core::Result<Tensor> {
-    match split_of(var.as_tensor()) {
-        Some(s) if t.dims() == s.whole => t.narrow(s.dim, s.start, s.len),
-        _ => Ok(t),
-    }
+/// The tensor `name` of mapped safetensors files, read for `var`: only this rank's piece of it
+/// (the bytes of its slice, nothing else) when `var` is split and the file holds it whole.
+/// `None` when the files lack it.
+pub(crate) fn read_for(
+    st: &candle_core::safetensors::MmapedSafetensors,
+    name: &str,
+    var: &candle_core::Var,
+) -> candle_core::Result<Option<Tensor>> {
+    use safetensors::slice::TensorIndexer;
+    use std::ops::Bound;
+    let Ok(view) = st.get(name) else { return Ok(None) };
+    let Some(s) = split_of(var.as_tensor()).filter(|s| view.shape() == s.whole) else {
+        return st.load(name, var.device()).map(Some);
+    };
+    let one = std::num::NonZeroUsize::MIN;
+    let index: Vec<TensorIndexer> = (0..s.whole.len())
+        .map(|d| match d == s.dim {
+            true => TensorIndexer::Narrow(Bound::Included(s.start), Bound::Excluded(s.start + s.len), one),
+            false => TensorIndexer::Narrow(Bound::Unbounded, Bound::Unbounded, one),
+        })
+        .collect();
+    let pieces = view.sliced_data(&index).map_err(|e| candle_core::Error::Msg(format!("`{name}`: {e:?}")))?;
+    let bytes: Vec<u8> = pieces.flat_map(|c| c.iter().copied()).collect();
+    let dtype = match view.dtype() {
+        safetensors::Dtype::F32 => candle_core::DType::F32,
+        safetensors::Dtype::F16 => candle_core::DType::F16,
+        safetensors::Dtype::BF16 => candle_core::DType::BF16,
+        safetensors::Dtype::F64 => candle_core::DType::F64,
+        d => candle_core::bail!("`{name}`: a {d:?} tensor cannot fill a parameter"),
+    };
+    let mut shape = s.whole.clone();
+    shape[s.dim] = s.len;
+    Tensor::from_raw_buffer(&bytes, dtype, &shape, var.device()).map(Some)
 }
 
 /// Collective over `tp`: a VarMap of whole tensors under the same names (the split variables
@@ -401,11 +428,10 @@ pub fn load_safetensors(varmap: &VarMap, files: &[impl AsRef<Path>]) -> Result<u
         varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
     let mut missing = Vec::new();
     for (name, var) in &vars {
-        let Ok(t) = st.load(name, var.device()) else {
+        let Some(t) = read_for(&st, name, var)? else {
             missing.push(name.clone());
             continue;
         };
-        let t = fit(var, t)?;
         if t.dims() != var.dims() {
             return Err(Error::file(&first, format!("`{name}` is {:?} in the files, the model's variable is {:?}", t.dims(), var.dims())));
         }
@@ -418,65 +444,101 @@ pub fn load_safetensors(varmap: &VarMap, files: &[impl AsRef<Path>]) -> Result<u
     Ok(vars.len())
 }
 
-/// The trainer's view of a model with split variables: which of its parameters are split, and
-/// the whole model's layout (checkpoints hold whole tensors under the model's names).
+/// The trainer's view of a model split over ranks, by tensor parallelism (its variables cut
+/// into pieces) or pipeline stages (each stage holding its own variables): the whole model's
+/// layout, which checkpoints hold under the model's names, and where this rank's parameters lie
+/// in it.
 pub(crate) struct WholeLayout {
-    /// Per parameter (the trainer's order): how it is cut, `None` when every member holds it whole.
+    /// Per local parameter (the trainer's order): how it is cut, `None` when held whole.
     splits: Vec<Option<Split>>,
-    /// Per parameter: where it starts in the whole model's flat layout, and its local range.
+    /// Per local parameter: where it starts in the whole model's flat layout, and its local range.
     at: Vec<(usize, Range<usize>)>,
-    /// The whole model's parameters, `(name, shape)`.
+    /// Per local parameter: its name.
+    names: Vec<String>,
+    /// The whole model's parameters, `(name, shape)`, in the order one process would have them.
     pub(crate) signature: Vec<(String, Vec<usize>)>,
     pub(crate) numel: usize,
+    /// The groups the whole model is spread over.
+    tp: Option<TensorParallel>,
+    pp: Option<Arc<dyn Communicator>>,
 }
 
 impl WholeLayout {
-    /// The layout of `params`, given each parameter's variable id (`ids`: id to index).
-    /// A variable made by a layer of a group of one is not split.
-    pub(crate) fn new(params: &kolo_tensor::ParamSet, ids: &HashMap<TensorId, usize>) -> WholeLayout {
+    /// The layout of `params`, given each parameter's variable id (`ids`: id to index) and
+    /// the order one process keeps parameters in (`order`: a sort key of a name). A variable
+    /// made by a layer of a group of one is not split. Over pipeline stages (`pp`), collective:
+    /// the stages' parameters together, each name on one stage.
+    pub(crate) fn new(
+        params: &kolo_tensor::ParamSet,
+        ids: &HashMap<TensorId, usize>,
+        tp: Option<TensorParallel>,
+        pp: Option<Arc<dyn Communicator>>,
+        order: impl Fn(&str) -> Vec<(String, u64)>,
+    ) -> Result<WholeLayout> {
         let mut splits = vec![None; params.len()];
         for (id, &i) in ids {
             let s = SPLITS.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|m| m.get(id).cloned());
             splits[i] = s.filter(|s| s.len != s.whole[s.dim]);
         }
-        let (mut at, mut signature, mut numel) = (Vec::new(), Vec::new(), 0);
-        for (p, s) in params.iter().zip(&splits) {
-            let shape = s.as_ref().map_or_else(|| p.shape.clone(), |s| s.whole.clone());
-            at.push((numel, p.range.clone()));
+        let mine: Vec<(String, Vec<usize>)> = params
+            .iter()
+            .zip(&splits)
+            .map(|(p, s)| (p.name.clone(), s.as_ref().map_or_else(|| p.shape.clone(), |s| s.whole.clone())))
+            .collect();
+        let mut signature = match &pp {
+            Some(pp) => stages_signature(&**pp, &mine)?,
+            None => mine.clone(),
+        };
+        signature.sort_by_cached_key(|(n, _)| order(n));
+        let mut offset = HashMap::new();
+        let mut numel = 0;
+        for (name, shape) in &signature {
+            offset.insert(name.clone(), numel);
             numel += shape.iter().product::<usize>();
-            signature.push((p.name.clone(), shape));
         }
-        WholeLayout { splits, at, signature, numel }
+        let at = params.iter().map(|p| (offset[&p.name], p.range.clone())).collect();
+        let names = params.iter().map(|p| p.name.clone()).collect();
+        Ok(WholeLayout { splits, at, names, signature, numel, tp, pp })
     }
 
-    /// Whether any parameter is split.
+    /// A parameter of this rank that is split over a tensor-parallel group.
     pub(crate) fn any_split(&self) -> Option<&str> {
-        self.splits.iter().zip(&self.signature).find(|(s, _)| s.is_some()).map(|(_, (n, _))| n.as_str())
+        self.splits.iter().zip(&self.names).find(|(s, _)| s.is_some()).map(|(_, n)| n.as_str())
     }
 
-    /// Per parameter: whether it is split (the gradient norm sums split pieces over the group).
+    /// Per parameter: whether its square counts on every rank of the norm's group (a
+    /// tensor-parallel piece, or any parameter of a pipeline stage) rather than once.
     pub(crate) fn split_flags(&self) -> Vec<bool> {
-        self.splits.iter().map(Option::is_some).collect()
+        self.splits.iter().map(|s| s.is_some() || self.pp.is_some()).collect()
     }
 
-    /// Collective over `tp`: the whole model's values from every member's `local` values (in
-    /// the trainer's flat layout): each member places its pieces, member 0 the whole
-    /// parameters, and the group sums.
-    pub(crate) fn gather(&self, local: &[f32], tp: &TensorParallel) -> Result<Vec<f32>> {
+    /// Collective over the groups: the whole model's values from every rank's `local` values
+    /// (in the trainer's flat layout): each rank places its pieces (member 0 of a
+    /// tensor-parallel group its whole parameters), and the groups sum.
+    pub(crate) fn gather(&self, local: &[f32]) -> Result<Vec<f32>> {
         let mut whole = vec![0f32; self.numel];
+        let lead = self.tp.as_ref().is_none_or(|t| t.rank() == 0);
         for ((start, range), split) in self.at.iter().zip(&self.splits) {
             let v = &local[range.clone()];
             match split {
                 Some(s) => s.whole_indices().zip(v).for_each(|(k, x)| whole[start + k] = *x),
-                None if tp.rank() == 0 => whole[*start..start + v.len()].copy_from_slice(v),
+                None if lead => whole[*start..start + v.len()].copy_from_slice(v),
                 None => {}
             }
         }
-        tp.comm().all_reduce(kolo_comm::BufMut::from(&mut whole[..]), kolo_comm::ReduceOp::Sum)?;
+        for comm in self.tp.as_ref().map(|t| t.comm()).into_iter().chain(self.pp.as_ref()) {
+            comm.all_reduce(kolo_comm::BufMut::from(&mut whole[..]), kolo_comm::ReduceOp::Sum)?;
+        }
         Ok(whole)
     }
 
-    /// This member's values (the trainer's flat layout) of the whole model's `whole`.
+    /// Whether this rank writes the whole model (member 0 of its tensor-parallel group, on
+    /// the first stage).
+    pub(crate) fn writes(&self) -> bool {
+        self.tp.as_ref().is_none_or(|t| t.rank() == 0) && self.pp.as_ref().is_none_or(|p| p.rank().get() == 0)
+    }
+
+    /// This rank's values (the trainer's flat layout) of the whole model's `whole`.
     pub(crate) fn local(&self, whole: &[f32]) -> Vec<f32> {
         let mut out = vec![0f32; self.at.last().map_or(0, |(_, r)| r.end)];
         for ((start, range), split) in self.at.iter().zip(&self.splits) {
@@ -499,25 +561,57 @@ impl WholeLayout {
         }
         Ok(ps)
     }
+
+    /// Collective over the tensor-parallel group: member 0's values of the parameters every
+    /// member holds whole (norms, row-parallel biases, unsplit layers) become everyone's, as
+    /// DDP's first broadcast does.
+    pub(crate) fn broadcast_whole(&self, params: &kolo_tensor::ParamSet) -> Result<()> {
+        let Some(tp) = &self.tp else { return Ok(()) };
+        let whole: Vec<usize> = (0..params.len()).filter(|&i| self.splits[i].is_none()).collect();
+        let flat = params.to_flat()?;
+        let mut buf: Vec<f32> = whole.iter().flat_map(|&i| flat[self.at[i].1.clone()].iter().copied()).collect();
+        tp.comm().broadcast(kolo_comm::BufMut::from(&mut buf[..]), kolo_base::Rank(0))?;
+        let mut at = 0;
+        for &i in &whole {
+            let n = self.at[i].1.len();
+            params.load_one(i, &buf[at..at + n])?;
+            at += n;
+        }
+        Ok(())
+    }
 }
 
-/// Collective over `tp`: member 0's values of the parameters every member holds whole (norms,
-/// row-parallel biases, unsplit layers) become everyone's, as DDP's first broadcast does.
-pub(crate) fn broadcast_whole(params: &kolo_tensor::ParamSet, layout: &WholeLayout, tp: &TensorParallel) -> Result<()> {
-    let whole: Vec<usize> = (0..params.len()).filter(|&i| layout.splits[i].is_none()).collect();
-    let mut buf: Vec<f32> = Vec::new();
-    let flat = params.to_flat()?;
-    for &i in &whole {
-        buf.extend_from_slice(&flat[layout.at[i].1.clone()]);
+/// Collective over the pipeline group: every stage's parameters `(name, whole shape)`, each
+/// name on exactly one stage.
+fn stages_signature(pp: &dyn Communicator, mine: &[(String, Vec<usize>)]) -> Result<Vec<(String, Vec<usize>)>> {
+    let text: String =
+        mine.iter().map(|(n, s)| format!("{n}\t{}\n", s.iter().map(usize::to_string).collect::<Vec<_>>().join(","))).collect();
+    let k = pp.world_size().get();
+    let mut lens = vec![0i64; k];
+    pp.all_gather(kolo_comm::BufRef::from(&[text.len() as i64][..]), kolo_comm::BufMut::from(&mut lens[..]))?;
+    let max = lens.iter().copied().max().unwrap_or(0).max(0) as usize;
+    let mut padded = text.into_bytes();
+    padded.resize(max, 0);
+    let mut all = vec![0u8; max * k];
+    pp.all_gather(kolo_comm::BufRef::from(&padded[..]), kolo_comm::BufMut::from(&mut all[..]))?;
+    let mut out: Vec<(String, Vec<usize>)> = Vec::new();
+    let mut owner: HashMap<String, usize> = HashMap::new();
+    for (stage, chunk) in all.chunks(max.max(1)).take(k).enumerate() {
+        let text = String::from_utf8_lossy(&chunk[..lens[stage].max(0) as usize]).into_owned();
+        for line in text.lines() {
+            let (name, dims) = line.split_once('\t').unwrap_or((line, ""));
+            if let Some(first) = owner.insert(name.to_string(), stage) {
+                return Err(Error::usage(
+                    pp.rank().get(),
+                    "Trainer::with_mesh",
+                    format!("`{name}` is a parameter of pipeline stages {first} and {stage}: build each layer on one stage only"),
+                ));
+            }
+            let shape = dims.split(',').filter(|d| !d.is_empty()).map(|d| d.parse().unwrap_or(0)).collect();
+            out.push((name.to_string(), shape));
+        }
     }
-    tp.comm().broadcast(kolo_comm::BufMut::from(&mut buf[..]), kolo_base::Rank(0))?;
-    let mut at = 0;
-    for &i in &whole {
-        let n = layout.at[i].1.len();
-        params.load_one(i, &buf[at..at + n])?;
-        at += n;
-    }
-    Ok(())
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -544,11 +638,11 @@ mod tests {
     fn a_mesh_must_cover_the_job_with_known_axes() {
         let dist = crate::init().unwrap();
         let e = crate::Mesh::new(&dist, &[("dp", 2), ("tp", 2)]).unwrap_err().to_string();
-        assert_eq!(e, "mesh: dp 2 x tp 2 = 4 ranks, but the job has 1");
-        let e = crate::Mesh::new(&dist, &[("pp", 1)]).unwrap_err().to_string();
-        assert!(e.starts_with("mesh: axis `pp`: a user's model is split along `dp` and `tp` so far"), "{e}");
+        assert_eq!(e, "mesh: pp 1 x dp 2 x tp 2 = 4 ranks, but the job has 1");
+        let e = crate::Mesh::new(&dist, &[("sp", 1)]).unwrap_err().to_string();
+        assert!(e.starts_with("mesh: axis `sp`: a user's model is split along `pp`, `dp` and `tp` so far"), "{e}");
         let e = crate::Mesh::new(&dist, &[("tp", 1), ("dp", 1)]).unwrap_err().to_string();
-        assert!(e.contains("`dp` before `tp`"), "{e}");
+        assert!(e.contains("in the order pp, dp, tp"), "{e}");
         let m = crate::Mesh::new(&dist, &[("tp", 1)]).unwrap();
         assert_eq!((m.size("dp"), m.size("tp"), m.tp().size(), m.dp().world_size().get()), (1, 1, 1, 1));
     }

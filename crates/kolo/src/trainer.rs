@@ -346,8 +346,8 @@ pub struct Trainer {
     saving: Option<PendingSave>,
     /// This process's rank in the job (the data-parallel group's may differ).
     rank: usize,
-    /// Tensor parallelism: the group, and how the model is split over it.
-    tp: Option<TpState>,
+    /// Tensor or pipeline parallelism: how the model is spread over ranks.
+    spread: Option<Spread>,
 }
 
 /// Where a trainer runs: its data-parallel group, this process's rank in the job, and the
@@ -356,21 +356,27 @@ struct Place {
     comm: Arc<dyn Communicator>,
     rank: usize,
     tp: Option<crate::tp::TensorParallel>,
+    pp: Option<Arc<dyn Communicator>>,
+    world: Arc<dyn Communicator>,
 }
 
 impl Place {
     fn of(dist: &Dist) -> Place {
-        Place { comm: dist.comm().clone(), rank: dist.rank(), tp: None }
+        Place { comm: dist.comm().clone(), rank: dist.rank(), tp: None, pp: None, world: dist.comm().clone() }
     }
 }
 
-/// A model split over a tensor-parallel group.
-struct TpState {
-    group: crate::tp::TensorParallel,
-    sum: Arc<dyn kolo_base::GroupSum>,
-    /// Per parameter: whether it is split.
-    split: Vec<bool>,
+/// A model spread over ranks beyond data parallelism: split by tensor parallelism, or cut
+/// into pipeline stages.
+struct Spread {
     layout: crate::tp::WholeLayout,
+    /// The group whose sum of squares makes the clipping norm (tp or pp), and per parameter
+    /// whether its square counts on every member (else once, on member 0).
+    norm: (Arc<dyn kolo_base::GroupSum>, Vec<bool>),
+    /// The pipeline group, when the model is cut into stages.
+    pp: Option<Arc<dyn Communicator>>,
+    /// Every rank of the job (the end of a checkpoint).
+    world: Arc<dyn Communicator>,
 }
 
 /// Orders names as a person would: digit runs compare as numbers (`layers.2` before
@@ -412,7 +418,9 @@ impl Trainer {
     /// gradient compression and mixed precision are refused with tensor parallelism so far.
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
         let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
-        Self::build(varmap, Place { comm: mesh.dp().clone(), rank: mesh.rank(), tp }, opts, &[])
+        let pp = (mesh.size("pp") > 1).then(|| mesh.pp().clone());
+        let place = Place { comm: mesh.dp().clone(), rank: mesh.rank(), tp, pp, world: mesh.world().clone() };
+        Self::build(varmap, place, opts, &[])
     }
 
     /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`, torch's FSDP): the
@@ -451,7 +459,7 @@ impl Trainer {
         kolo_train::summary::retain_freed_memory();
         let (comm, rank) = (place.comm.clone(), place.rank);
         let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
-        let (tp, whole_signature) = tensor_parallel(&place, &params, &ids, &opts, groups)?;
+        let (spread, whole_signature) = spread(&place, &params, &ids, &opts, groups)?;
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
         comm.set_timeout(timeout);
         let (compression, compression_warmup) = opts.ddp.compression().map_err(|e| Error::setting("ddp.compression", e))?;
@@ -533,7 +541,7 @@ impl Trainer {
             window_loss: (0.0, 0),
             timeline: opts.train.timeline_dir.as_ref().map(|_| Timeline::new(rank)),
             rank,
-            tp,
+            spread,
             saving: None,
             opts,
         })
@@ -565,6 +573,24 @@ impl Trainer {
     /// accumulated locally on the others. Returns the loss value. After `train.grad_accum`
     /// calls, call [`Trainer::update`].
     pub fn backward(&mut self, loss: &Tensor) -> Result<f32> {
+        let accum = self.opts.train.grad_accum.max(1);
+        // f16: backward runs on the loss times the loss scale; the update divides it out.
+        let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accum as f64;
+        let (value, _) = self.backward_with(loss, factor, None)?;
+        self.window_loss.0 += f64::from(value) / accum as f64;
+        self.last_loss = value;
+        Ok(value)
+    }
+
+    /// [`Trainer::backward`] of `loss` times `factor`, without the loss's bookkeeping; the
+    /// gradient of `capture` (a stage's input, outside the VarMap) is returned instead of
+    /// refused. A pipeline stage's backward ([`crate::pp`]).
+    pub(crate) fn backward_with(
+        &mut self,
+        loss: &Tensor,
+        factor: f64,
+        capture: Option<&candle_core::Var>,
+    ) -> Result<(f32, Option<Tensor>)> {
         let rank = self.comm.rank().get();
         let accum = self.opts.train.grad_accum.max(1);
         if self.micro >= accum {
@@ -594,10 +620,10 @@ impl Trainer {
             ));
         }
         let value = loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
-        // f16: backward runs on the loss times the loss scale; the update divides it out.
-        let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accum as f64;
         let scaled = if factor != 1.0 { (loss * factor)? } else { loss.clone() };
         let mut failure: Option<Error> = None;
+        let mut captured: Option<Tensor> = None;
+        let capture_id = capture.map(|v| v.as_tensor().id());
         let ids = &self.ids;
         let params = &self.params;
         let unknown = |t: &Tensor| {
@@ -614,6 +640,10 @@ impl Trainer {
             self.ddp.begin_backward();
             let sink = self.ddp.sink();
             scaled.backward_with_hook(&mut |var, grad| {
+                if Some(var.id()) == capture_id {
+                    captured = Some(grad);
+                    return Ok(());
+                }
                 let Some(&i) = ids.get(&var.id()) else {
                     failure.get_or_insert(unknown(var));
                     return Err(candle_core::Error::Msg("kolo: gradient of a variable outside the VarMap".into()));
@@ -624,6 +654,10 @@ impl Trainer {
             let local = &mut self.local;
             local.iter_mut().for_each(|g| *g = 0.0);
             scaled.backward_with_hook(&mut |var, grad| {
+                if Some(var.id()) == capture_id {
+                    captured = Some(grad);
+                    return Ok(());
+                }
                 let Some(&i) = ids.get(&var.id()) else {
                     failure.get_or_insert(unknown(var));
                     return Err(candle_core::Error::Msg("kolo: gradient of a variable outside the VarMap".into()));
@@ -637,13 +671,28 @@ impl Trainer {
             z.take_error()?;
         }
         self.backward_end = Some(Instant::now());
-        self.window_loss.0 += f64::from(value) / accum as f64;
         self.micro += 1;
-        self.last_loss = value;
         if !sync || local_step {
             self.ddp.accumulate(&self.local);
         }
-        Ok(value)
+        Ok((value, captured))
+    }
+
+    /// This process's rank in the job.
+    pub(crate) fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Pipeline parallelism ([`crate::pp`]): the pipeline group, and micro-batches per step.
+    pub(crate) fn pipeline(&self) -> Option<(&Arc<dyn Communicator>, u64)> {
+        self.spread.as_ref().and_then(|s| s.pp.as_ref()).map(|pp| (pp, self.opts.train.grad_accum.max(1)))
+    }
+
+    /// Pipeline parallelism: the step's loss (the mean over its micro-batches, from the last
+    /// stage), for the step's output and the log.
+    pub(crate) fn set_step_loss(&mut self, loss: f32) {
+        self.window_loss.0 += f64::from(loss);
+        self.last_loss = loss;
     }
 
     /// The optimizer step after `train.grad_accum` calls of [`Trainer::backward`], as torch's
@@ -676,7 +725,7 @@ impl Trainer {
             comm: &*self.comm,
             clip: self.opts.optim.clip_grad_norm,
             scaler: self.scaler.as_mut(),
-            tp: self.tp.as_ref().map(|t| (&t.split[..], &*t.sum)),
+            tp: self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0)),
             inject_inf: false,
             norm: None,
         };
@@ -864,8 +913,8 @@ impl Trainer {
     /// Starts writing a checkpoint (on a thread of its own with `background`; the values are
     /// copied first, so training may go on).
     fn write_checkpoint(&self, dir: &Path, background: bool) -> Result<PendingSave> {
-        if let Some(t) = &self.tp {
-            return self.write_whole(t, dir, background);
+        if let Some(s) = &self.spread {
+            return self.write_whole(s, dir, background);
         }
         let (mut own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
         if self.opts.ddp.local_sgd.is_some() {
@@ -885,15 +934,15 @@ impl Trainer {
     /// Tensor parallelism: the group assembles whole tensors (parameters and optimizer state)
     /// and its member 0 in each data-parallel replica writes them as DDP would, under the
     /// model's names; the others wait for it unless the write is in the background.
-    fn write_whole(&self, t: &TpState, dir: &Path, background: bool) -> Result<PendingSave> {
-        let values = t.layout.gather(&self.params.to_flat()?, &t.group)?;
+    fn write_whole(&self, s: &Spread, dir: &Path, background: bool) -> Result<PendingSave> {
+        let values = s.layout.gather(&self.params.to_flat()?)?;
         let mut states = Vec::new();
         for (name, v) in self.opt.state() {
-            states.push((name, t.layout.gather(v, &t.group)?));
+            states.push((name, s.layout.gather(v)?));
         }
         let mut saved = PendingSave { target: dir.join(format!("step-{:08}", self.steps)), thread: None };
-        if t.group.rank() == 0 {
-            let whole = t.layout.param_set(&values)?;
+        if s.layout.writes() {
+            let whole = s.layout.param_set(&values)?;
             let mut opt = Optimizer::new(self.opt.spec().clone(), values.len());
             opt.load_state(self.opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::save", e))?;
             let mut meta = self.meta.clone();
@@ -903,7 +952,7 @@ impl Trainer {
         }
         if !background {
             saved = PendingSave { target: saved.wait()?, thread: None };
-            t.group.comm().barrier()?;
+            s.world.barrier()?;
         }
         Ok(saved)
     }
@@ -911,7 +960,7 @@ impl Trainer {
     /// Tensor parallelism: reads a checkpoint of whole tensors into this member's pieces
     /// (`flat`, the trainer's layout) and optimizer state.
     fn load_whole(&mut self, path: &Path, flat: &mut Vec<f32>) -> Result<kolo_train::checkpointing::Resumed> {
-        let t = self.tp.as_ref().expect("called under tensor parallelism");
+        let t = self.spread.as_ref().expect("called for a spread model");
         let whole = t.layout.param_set(&vec![0f32; t.layout.numel])?;
         let mut full = vec![0f32; t.layout.numel];
         let mut opt = Optimizer::new(self.opt.spec().clone(), full.len());
@@ -929,7 +978,7 @@ impl Trainer {
     pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
         let path = resolve_checkpoint(path.as_ref())?;
         let mut flat = vec![0f32; self.params.numel()];
-        let r = if self.tp.is_some() {
+        let r = if self.spread.is_some() {
             self.load_whole(&path, &mut flat)?
         } else {
             load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?
@@ -1044,21 +1093,22 @@ fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> Result<R
     Ok(Reporter::for_train(&o.train, o.data.tokens_per_example.max(1), rank, false, global, start)?)
 }
 
-/// Tensor parallelism's setup, collective over its group: refuses what it does not support
-/// yet, checks that every member splits the same whole model, and makes member 0's values of
-/// the parameters every member holds whole everyone's. Without a group, a split model is
-/// refused (DDP would sum different pieces). Returns the state and the whole model's
-/// signature (the checkpoints' model).
-fn tensor_parallel(
+/// Tensor and pipeline parallelism's setup, collective over their groups: the whole model's
+/// layout (over pipeline stages: every stage's parameters), refusals of what is not supported
+/// yet, a check that every member of a tensor-parallel group splits the same whole model, and
+/// member 0's values of the parameters every member holds whole made everyone's. Without
+/// either, a split model is refused (DDP would sum different pieces). Returns the state and
+/// the whole model's signature (the checkpoints' model).
+fn spread(
     place: &Place,
     params: &ParamSet,
     ids: &HashMap<TensorId, usize>,
     opts: &TrainOptions,
     groups: &[&str],
-) -> Result<(Option<TpState>, Signature)> {
-    let layout = crate::tp::WholeLayout::new(params, ids);
+) -> Result<(Option<Spread>, Signature)> {
+    let layout = crate::tp::WholeLayout::new(params, ids, place.tp.clone(), place.pp.clone(), natural_key)?;
     let signature = layout.signature.clone();
-    let Some(group) = place.tp.clone() else {
+    if place.tp.is_none() && place.pp.is_none() {
         if let Some(name) = layout.any_split() {
             return Err(Error::usage(
                 place.rank,
@@ -1067,35 +1117,41 @@ fn tensor_parallel(
             ));
         }
         return Ok((None, signature));
-    };
+    }
     let unsupported = [
-        (opts.ddp.zero_stage != 0 || !groups.is_empty(), "ddp.zero_stage", "other than 0"),
-        (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", ""),
-        (opts.ddp.compression.is_some(), "ddp.compression", ""),
-        (opts.train.precision != Precision::F32, "train.precision", "other than f32"),
+        (place.tp.is_some() && place.pp.is_some(), "mesh", "tp and pp together"),
+        (opts.ddp.zero_stage != 0 || !groups.is_empty(), "ddp.zero_stage", "ZeRO"),
+        (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", "local SGD"),
+        (opts.ddp.compression.is_some(), "ddp.compression", "gradient compression"),
+        (opts.train.precision != Precision::F32, "train.precision", "mixed precision"),
     ];
     if let Some((_, setting, what)) = unsupported.iter().find(|u| u.0) {
-        return Err(Error::setting(
-            *setting,
-            format!("{setting} {what} with tensor parallelism (Trainer::with_mesh) is not supported yet").replace("  ", " "),
-        ));
+        let reason = format!("{what} with tensor or pipeline parallelism (Trainer::with_mesh) is not supported yet");
+        return Err(Error::setting(*setting, reason));
     }
-    let mine = [fingerprint_hash(&signature)];
-    let mut all = vec![0i64; group.size()];
-    group.comm().all_gather(kolo_comm::BufRef::from(&mine[..]), kolo_comm::BufMut::from(&mut all[..]))?;
-    if let Some(other) = all.iter().position(|h| *h != mine[0]) {
-        return Err(Error::usage(
-            place.rank,
-            "Trainer::with_mesh",
-            format!(
-                "tensor-parallel member {other} splits another model ({}; names and whole shapes differ)",
-                model_fingerprint(&signature)
-            ),
-        ));
+    if let Some(tp) = &place.tp {
+        let mine = [fingerprint_hash(&signature)];
+        let mut all = vec![0i64; tp.size()];
+        tp.comm().all_gather(kolo_comm::BufRef::from(&mine[..]), kolo_comm::BufMut::from(&mut all[..]))?;
+        if let Some(other) = all.iter().position(|h| *h != mine[0]) {
+            return Err(Error::usage(
+                place.rank,
+                "Trainer::with_mesh",
+                format!(
+                    "tensor-parallel member {other} splits another model ({}; names and whole shapes differ)",
+                    model_fingerprint(&signature)
+                ),
+            ));
+        }
+        layout.broadcast_whole(params)?;
     }
-    crate::tp::broadcast_whole(params, &layout, &group)?;
-    let state = TpState { sum: group.sum(), split: layout.split_flags(), group, layout };
-    Ok((Some(state), signature))
+    let group: Arc<dyn kolo_base::GroupSum> = match (&place.tp, &place.pp) {
+        (Some(t), _) => t.sum(),
+        (None, Some(p)) => kolo_comm::SumGroup::new(p.clone()),
+        (None, None) => unreachable!("handled above"),
+    };
+    let norm = (group, layout.split_flags());
+    Ok((Some(Spread { layout, norm, pp: place.pp.clone(), world: place.world.clone() }), signature))
 }
 
 /// Parameters as `(name, shape)`.

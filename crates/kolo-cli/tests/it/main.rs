@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 const KOLO: &str = env!("CARGO_BIN_EXE_kolo");
 
-mod tensor_parallel;
+mod model_parallel;
 mod user_model;
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {

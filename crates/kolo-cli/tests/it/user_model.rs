@@ -27,8 +27,8 @@ fn launched_rank() {
         Ok("all_gather") => all_gather_rank(&args).unwrap(),
         Ok("local_sgd") => local_sgd_rank(&args).unwrap(),
         Ok("builtin") => builtin_rank(&args).unwrap(),
-        Ok("tp_blocks") => super::tensor_parallel::blocks_rank(&args).unwrap(),
-        Ok("user_tp") => drop(super::tensor_parallel::user_tp::train(&args).unwrap()),
+        Ok("tp_blocks") => super::model_parallel::blocks_rank(&args).unwrap(),
+        Ok("user_mesh") => drop(super::model_parallel::user_mesh::train(&args).unwrap()),
         _ => drop(user_mlp::train(&args).unwrap()),
     }
 }

@@ -1,5 +1,5 @@
-//! Tensor parallelism for a user's own candle model (issue #32): `kolo::tp`'s layers against
-//! the whole layers they split, and the `user_tp` example under `tp` and `dp x tp` meshes
+//! Model parallelism for a user's own candle model (issue #32): `kolo::tp`'s layers against
+//! the whole layers they split, and the `user_mesh` example under `tp` and `dp x tp` meshes
 //! against one process of candle-nn's own layers, by real processes under `kolo launch`.
 
 use super::user_model::launch;
@@ -7,9 +7,9 @@ use super::{fresh_dir, model_tensors, text};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-#[path = "../../../kolo/examples/user_tp.rs"]
+#[path = "../../../kolo/examples/user_mesh.rs"]
 #[allow(dead_code)]
-pub mod user_tp;
+pub mod user_mesh;
 
 /// Deterministic values of a whole tensor: the same in every process, no two alike.
 fn values(shape: &[usize], seed: f32) -> candle_core::Tensor {
@@ -138,10 +138,10 @@ fn tensor_parallel_layers_equal_the_whole_layers_forward_and_backward() {
     assert!(o.status.success() && t.matches("create the trainer with Trainer::with_mesh").count() == 2, "{t}");
 }
 
-/// Runs the `user_tp` example on `n` processes with `args`; returns its checkpoint's tensors.
-fn user_tp(n: usize, args: &str, out: &Path) -> BTreeMap<String, Vec<f32>> {
+/// Runs the `user_mesh` example on `n` processes with `args`; returns its checkpoint's tensors.
+fn user_mesh(n: usize, args: &str, out: &Path) -> BTreeMap<String, Vec<f32>> {
     let args = format!("{args} --data {} --out {}", kolo_testkit::files::mnist_dir().display(), out.display());
-    let o = launch(n, "user_tp", &args);
+    let o = launch(n, "user_mesh", &args);
     assert!(o.status.success(), "{n} ranks, {args}: {}", text(&o));
     model_tensors(&std::fs::read_dir(out).unwrap().next().unwrap().unwrap().path())
 }
@@ -153,10 +153,10 @@ fn worst(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> (Str
         .fold((String::new(), 0f32), |m, d| if d.1 > m.1 { d } else { m })
 }
 
-/// The whole initial weights of the `user_tp` MLP (hidden 48), written by one process.
+/// The whole initial weights of the `user_mesh` MLP (hidden 48), written by one process.
 fn initial_weights(dir: &Path) -> String {
     let init = dir.join("init.safetensors");
-    let o = launch(1, "user_tp", &format!("--plain yes --hidden 48 --save-init {}", init.display()));
+    let o = launch(1, "user_mesh", &format!("--plain yes --hidden 48 --save-init {}", init.display()));
     assert!(o.status.success(), "{}", text(&o));
     init.display().to_string()
 }
@@ -173,42 +173,51 @@ fn a_users_model_under_tp_and_dp_x_tp_matches_one_process() {
     let dir = fresh_dir("user-tp");
     let init = initial_weights(&dir);
     let sgd = format!("--init {init} --hidden 48 --steps 6 --batch 24 --optim sgd --lr 0.1");
-    let start = user_tp(1, &format!("--init {init} --hidden 48 --steps 0 --plain yes"), &dir.join("start"));
-    let one = user_tp(1, &format!("{sgd} --plain yes"), &dir.join("one"));
+    let start = user_mesh(1, &format!("--init {init} --hidden 48 --steps 0 --plain yes"), &dir.join("start"));
+    let one = user_mesh(1, &format!("{sgd} --plain yes"), &dir.join("one"));
     assert_eq!(one.len(), 6, "fc1..fc3 weight and bias: {:?}", one.keys());
     let (_, moved) = worst(&one, &start);
     assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
     for (n, mesh) in [(2, "--tp 2"), (3, "--tp 3"), (4, "--dp 2 --tp 2")] {
-        let got = user_tp(n, &format!("{sgd} {mesh}"), &dir.join(format!("n{n}")));
+        let got = user_mesh(n, &format!("{sgd} {mesh}"), &dir.join(format!("n{n}")));
         let (k, d) = worst(&one, &got);
         assert!(d < 2e-6, "{mesh}: `{k}` differs from one process by {d}");
     }
     let adamw = format!("--init {init} --hidden 48 --steps 6 --batch 24 --optim adamw --lr 1e-2 --clip 0.5");
-    let one = user_tp(1, &format!("{adamw} --plain yes"), &dir.join("adamw-one"));
-    let got = user_tp(2, &format!("{adamw} --tp 2"), &dir.join("adamw-tp2"));
+    let one = user_mesh(1, &format!("{adamw} --plain yes"), &dir.join("adamw-one"));
+    let got = user_mesh(2, &format!("{adamw} --tp 2"), &dir.join("adamw-tp2"));
     let (k, d) = worst(&one, &got);
     eprintln!("AdamW: {d} ({k})");
     assert!(d < 2e-5, "AdamW, clipped: `{k}` differs from one process by {d}");
 }
 
-/// A checkpoint written under tp 2 holds whole tensors under the model's names: one process of
-/// candle-nn's layers resumes it at step 3 and ends where the uninterrupted one-process run
-/// ends; and a one-process checkpoint resumes under dp 2 x tp 2 (4 processes) as well. AdamW,
-/// so the optimizer state crosses too.
+/// A checkpoint written under tp 2 or over 2 pipeline stages holds whole tensors under the
+/// model's names: one process of candle-nn's layers resumes it at step 3 and ends where the
+/// uninterrupted one-process run ends (within 1e-5); and a one-process checkpoint resumes under
+/// dp 2 x tp 2 (4 processes) and over 3 stages as well. AdamW, so the optimizer state crosses
+/// too.
 #[test]
-fn a_tensor_parallel_checkpoint_resumes_in_one_process_and_the_other_way() {
+fn model_parallel_checkpoints_resume_in_one_process_and_the_other_way() {
     let dir = fresh_dir("user-tp-resume");
     let init = initial_weights(&dir);
     let run = format!("--init {init} --hidden 48 --steps 6 --batch 24 --optim adamw --lr 1e-2");
-    let one = user_tp(1, &format!("{run} --plain yes"), &dir.join("one"));
-    user_tp(2, &format!("{run} --tp 2 --stop-at 3"), &dir.join("tp-half"));
-    let resumed = user_tp(1, &format!("{run} --plain yes --resume {}", dir.join("tp-half").display()), &dir.join("one-end"));
+    let one = user_mesh(1, &format!("{run} --plain yes"), &dir.join("one"));
+    user_mesh(2, &format!("{run} --tp 2 --stop-at 3"), &dir.join("tp-half"));
+    let resumed = user_mesh(1, &format!("{run} --plain yes --resume {}", dir.join("tp-half").display()), &dir.join("one-end"));
     let (k, d) = worst(&one, &resumed);
     assert!(d < 1e-5, "tp 2 to one process: `{k}` differs from the uninterrupted run by {d}");
-    user_tp(1, &format!("{run} --plain yes --stop-at 3"), &dir.join("one-half"));
-    let resumed = user_tp(4, &format!("{run} --dp 2 --tp 2 --resume {}", dir.join("one-half").display()), &dir.join("mesh-end"));
+    user_mesh(1, &format!("{run} --plain yes --stop-at 3"), &dir.join("one-half"));
+    let resumed = user_mesh(4, &format!("{run} --dp 2 --tp 2 --resume {}", dir.join("one-half").display()), &dir.join("mesh-end"));
     let (k, d) = worst(&one, &resumed);
     assert!(d < 1e-5, "one process to dp 2 x tp 2: `{k}` differs from the uninterrupted run by {d}");
+    // Pipeline stages: 2 stages to one process, and one process to 3 stages.
+    user_mesh(2, &format!("{run} --pp 2 --stop-at 3"), &dir.join("pp-half"));
+    let resumed = user_mesh(1, &format!("{run} --plain yes --resume {}", dir.join("pp-half").display()), &dir.join("pp-one-end"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 1e-5, "pp 2 to one process: `{k}` differs from the uninterrupted run by {d}");
+    let resumed = user_mesh(3, &format!("{run} --pp 3 --micro 4 --resume {}", dir.join("one-half").display()), &dir.join("pp3-end"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 1e-5, "one process to pp 3: `{k}` differs from the uninterrupted run by {d}");
 }
 
 /// Fine-tunes the tiny Hugging Face Llama (4 query and 2 key/value heads, MLP 80, vocabulary
@@ -287,4 +296,42 @@ fn a_hugging_face_llama_under_tp_and_dp_x_tp_matches_one_process() {
     let (k, d) = worst_tensor(&one, &got);
     eprintln!("AdamW: {d} ({k})");
     assert!(d < 1e-4, "AdamW: `{k}` differs from one process by {d}");
+}
+
+/// The user's MLP cut into pipeline stages (`kolo::pp`: each stage builds only its layers),
+/// from the same whole initial weights, after 6 steps on the same global batches of 24 MNIST
+/// images equals one process of candle-nn's own layers: 2 stages under GPipe with 2
+/// micro-batches, 3 stages (a layer each) under 1F1B with 4, and 2 stages x dp 2 (4
+/// processes), with SGD within 2e-6 (micro-batches sum their gradients in another order); and
+/// with the gradient norm clipped to 0.05 (every step clips: a norm of one stage's gradients
+/// alone would show) within 2e-6. Every stage logs the step's loss.
+#[test]
+fn a_users_model_in_pipeline_stages_matches_one_process() {
+    let dir = fresh_dir("user-pp");
+    let init = initial_weights(&dir);
+    for (what, tag, opt) in [("SGD", "sgd", "--optim sgd --lr 0.1"), ("clipped SGD", "clip", "--optim sgd --lr 0.1 --clip 0.05")] {
+        let run = format!("--init {init} --hidden 48 --steps 6 --batch 24 {opt}");
+        let one = user_mesh(1, &format!("{run} --plain yes"), &dir.join(format!("one-{tag}")));
+        for (n, mesh) in [(2, "--pp 2 --schedule gpipe --micro 2"), (3, "--pp 3 --micro 4"), (4, "--pp 2 --dp 2 --micro 2")] {
+            let got = user_mesh(n, &format!("{run} {mesh}"), &dir.join(format!("n{n}-{tag}")));
+            let (k, d) = worst(&one, &got);
+            assert!(d < 2e-6, "{what}, {mesh}: `{k}` differs from one process by {d}");
+        }
+    }
+}
+
+/// What a mesh cannot run is a one-line error on every rank, naming it: more pipeline stages
+/// than layers, tensor and pipeline parallelism together, ZeRO with a pipeline.
+#[test]
+fn model_parallel_settings_it_cannot_run_are_refused() {
+    let data = kolo_testkit::files::mnist_dir();
+    for (n, args, want) in [
+        (4, "--pp 4", "mesh: 3 layers cannot be cut into 4 pipeline stages"),
+        (4, "--pp 2 --tp 2", "mesh: tp and pp together with tensor or pipeline parallelism (Trainer::with_mesh) is not supported yet"),
+        (3, "--pp 3 --zero 1", "ddp.zero_stage: ZeRO with tensor or pipeline parallelism"),
+    ] {
+        let o = launch(n, "user_mesh", &format!("{args} --steps 1 --batch 24 --data {}", data.display()));
+        let t = text(&o);
+        assert!(!o.status.success() && t.contains(want), "{args}: {t}");
+    }
 }

@@ -1,0 +1,171 @@
+//! Your own candle model on a `pp x dp x tp` mesh: an MLP on MNIST whose first layer is
+//! column-parallel and second row-parallel over the `tp` group (Megatron-style tensor
+//! parallelism: one all-reduce forward, one backward), whose three layers are cut into
+//! pipeline stages over the `pp` group (GPipe or 1F1B over micro-batches), and which is
+//! replicated over the `dp` group (DDP).
+//!
+//!   kolo launch -n 2 -- target/release/examples/user_mesh --tp 2             (tensor parallel)
+//!   kolo launch -n 4 -- target/release/examples/user_mesh --dp 2 --tp 2     (dp 2 x tp 2)
+//!   kolo launch -n 3 -- target/release/examples/user_mesh --pp 3            (3 pipeline stages)
+//!
+//! Flags: --pp P (1), --dp D (1), --tp T (ranks / P / D), --micro M micro-batches per step
+//! (pipelines; 2), --schedule gpipe|1f1b, --steps N (200), --batch B per optimizer step over
+//! all ranks (64; each data-parallel replica takes B / D), --hidden H (256),
+//! --optim adamw|sgd, --lr (1e-3), --clip C (none), --init FILE (start from whole weights in
+//! a safetensors file), --save-init FILE (write the whole initial weights there and stop),
+//! --zero S (0), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
+//! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh).
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
+use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
+use kolo::tp::{ColumnParallelLinear, RowParallelLinear};
+
+/// The layers of the MLP 784 -> H -> H -> 10 that this rank's pipeline stage holds: the
+/// first two split over the tensor-parallel group, or (`--plain`) candle-nn's own.
+pub struct Mlp {
+    layers: Vec<(usize, Box<dyn Module>)>,
+}
+
+const LAYERS: usize = 3;
+
+impl Mlp {
+    pub fn new(vb: VarBuilder, hidden: usize, mesh: &kolo::Mesh, plain: bool) -> Result<Mlp> {
+        let mut layers: Vec<(usize, Box<dyn Module>)> = Vec::new();
+        for i in kolo::pp::stage_layers(LAYERS, mesh)? {
+            let vb = vb.pp(format!("fc{}", i + 1));
+            let l: Box<dyn Module> = match (i, plain) {
+                (0, false) => Box::new(ColumnParallelLinear::new(784, hidden, true, vb, mesh.tp())?),
+                (1, false) => Box::new(RowParallelLinear::new(hidden, hidden, true, vb, mesh.tp())?),
+                (0, true) => Box::new(linear(784, hidden, vb)?),
+                (1, true) => Box::new(linear(hidden, hidden, vb)?),
+                _ => Box::new(linear(hidden, 10, vb)?),
+            };
+            layers.push((i, l));
+        }
+        Ok(Mlp { layers })
+    }
+
+    /// Whether this stage ends with the model's output.
+    pub fn is_last(&self) -> bool {
+        self.layers.last().is_some_and(|(i, _)| i + 1 == LAYERS)
+    }
+}
+
+impl Module for Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let mut h = x.clone();
+        for (i, l) in &self.layers {
+            h = l.forward(&h)?;
+            if i + 1 < LAYERS {
+                h = h.relu()?;
+            }
+        }
+        Ok(h)
+    }
+}
+
+/// The examples at `idx` as (images, labels) tensors.
+fn tensors(data: &Mnist, idx: &[usize]) -> Result<(Tensor, Tensor)> {
+    let x: Vec<f32> = idx.iter().flat_map(|&i| data.image(i).iter().copied()).collect();
+    let y: Vec<u32> = idx.iter().map(|&i| u32::from(data.labels()[i])).collect();
+    let dev = kolo::candle_core::Device::Cpu;
+    Ok((Tensor::from_vec(x, (idx.len(), 784), &dev)?, Tensor::from_vec(y, idx.len(), &dev)?))
+}
+
+/// Trains as the flags say; returns where the last checkpoint went.
+pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
+    let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
+    let (steps, batch, hidden): (u64, usize, usize) =
+        (arg("--steps", "200").parse()?, arg("--batch", "64").parse()?, arg("--hidden", "256").parse()?);
+    let dist = kolo::init()?;
+    dist.device().set_seed(0)?;
+    let (pp, dp): (usize, usize) = (arg("--pp", "1").parse()?, arg("--dp", "1").parse()?);
+    let tp: usize = arg("--tp", &(dist.world_size() / (pp * dp).max(1)).to_string()).parse()?;
+    let plain = arg("--plain", "no") == "yes";
+    let mesh = kolo::Mesh::new(&dist, &[("pp", pp), ("dp", dp), ("tp", tp)])?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
+    let model = Mlp::new(vb, hidden, &mesh, plain)?;
+    let save_init = arg("--save-init", "");
+    if !save_init.is_empty() {
+        varmap.save(&save_init)?; // one process, --plain: the whole initial weights
+        return Ok(save_init.into());
+    }
+    let init = arg("--init", "");
+    if !init.is_empty() {
+        kolo::tp::load_safetensors(&varmap, &[&init])?; // each rank reads its pieces
+    }
+    let micro: usize = if pp > 1 { arg("--micro", "2").parse()? } else { 1 };
+    let mut opts = kolo::TrainOptions::new()
+        .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
+        .zero_stage(arg("--zero", "0").parse()?)
+        .steps(steps)
+        .grad_accum(micro as u64)
+        .log_every(50)
+        .batch(batch / dp, 1);
+    if let Ok(c) = arg("--clip", "none").parse() {
+        opts = opts.clip_grad_norm(c);
+    }
+    let mut trainer = kolo::Trainer::with_mesh(&varmap, &mesh, opts)?;
+    let resume = arg("--resume", "");
+    if !resume.is_empty() {
+        trainer.resume(&resume)?;
+    }
+    let schedule = if arg("--schedule", "1f1b") == "gpipe" { kolo::pp::Schedule::GPipe } else { kolo::pp::Schedule::OneFOneB };
+    let per_micro = batch / dp / micro;
+    let pipe = kolo::pp::Pipeline::new(schedule, &[per_micro, hidden])?;
+    let data = arg("--data", "test-data/mnist");
+    let train = Mnist::load(data.as_ref(), "train")?;
+    // The stages and the members of a tensor-parallel group read the same batches; the
+    // replicas their own.
+    let cfg = SamplerConfig {
+        len: train.len(),
+        world: mesh.size("dp"),
+        rank: mesh.coord("dp"),
+        batch: batch / dp,
+        seed: 0,
+        shuffle: true,
+        drop_last: true,
+    };
+    let mut sampler = Sampler::new(cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
+    let (out, stop_at) = (arg("--out", "checkpoints/user_mesh"), arg("--stop-at", "0").parse::<u64>()?);
+    while trainer.steps_done() < steps {
+        let (x, y) = tensors(&train, &sampler.next_batch())?;
+        if pp > 1 {
+            pipe.step(&mut trainer, |mb, input| {
+                let h = match input {
+                    Some(h) => model.forward(h)?,
+                    None => model.forward(&x.narrow(0, mb * per_micro, per_micro)?)?,
+                };
+                if model.is_last() {
+                    cross_entropy(&h, &y.narrow(0, mb * per_micro, per_micro)?)
+                } else {
+                    Ok(h)
+                }
+            })?;
+        } else {
+            trainer.step(|| cross_entropy(&model.forward(&x)?, &y))?;
+        }
+        trainer.set_data_position(sampler.position());
+        if trainer.steps_done() == stop_at {
+            break;
+        }
+    }
+    let saved = trainer.save(&out)?; // whole tensors, loadable in one process
+    if dist.is_main() {
+        let (calls, bytes) = mesh.tp().traffic();
+        println!(
+            "{mesh:?}: {} steps; tensor-parallel all-reduces {calls} ({:.2} MB); checkpoint {}",
+            trainer.steps_done(),
+            bytes as f64 / 1e6,
+            saved.display()
+        );
+    }
+    Ok(saved)
+}
+
+#[allow(dead_code)]
+fn main() -> Result<()> {
+    train(&std::env::args().collect::<Vec<_>>()).map(|_| ())
+}
