@@ -19,6 +19,7 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
 use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
+use kolo::pp::partition;
 use kolo::tp::{ColumnParallelLinear, RowParallelLinear};
 
 /// The layers of the MLP 784 -> H -> H -> 10 that this rank's pipeline stage holds: the
@@ -114,7 +115,12 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     }
     let schedule = if arg("--schedule", "1f1b") == "gpipe" { kolo::pp::Schedule::GPipe } else { kolo::pp::Schedule::OneFOneB };
     let per_micro = batch / dp / micro;
-    let pipe = kolo::pp::Pipeline::new(schedule, &[per_micro, hidden])?;
+    // Between stages travel (micro-batch, features): the first layer's output is split over
+    // the tensor-parallel group (column-parallel), the second's whole. Every stage boundary
+    // must carry the first one's shape (a mismatch is an error naming both shapes).
+    let first_stage_end = if pp > 1 { partition(&[1.0; LAYERS], pp)[0].end } else { LAYERS };
+    let width = if first_stage_end == 1 && !plain { hidden / tp } else { hidden };
+    let pipe = kolo::pp::Pipeline::new(schedule, &[per_micro, width])?;
     let data = arg("--data", "test-data/mnist");
     let train = Mnist::load(data.as_ref(), "train")?;
     // The stages and the members of a tensor-parallel group read the same batches; the

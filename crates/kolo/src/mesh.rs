@@ -29,6 +29,7 @@ pub struct Mesh {
     pp: Arc<dyn Communicator>,
     dp: Arc<dyn Communicator>,
     tp: TensorParallel,
+    model: Arc<dyn Communicator>,
     world: Arc<dyn Communicator>,
 }
 
@@ -75,6 +76,8 @@ impl Mesh {
             pp: group("pp"),
             dp: group("dp"),
             tp: TensorParallel::new(group("tp")),
+            // The ranks of one replica (the same dp coordinate), ordered by rank.
+            model: kolo_comm::split(&**dist.comm(), Some(coords[1] as u32), dist.rank() as u32)?.expect("every rank has a color"),
             world: dist.comm().clone(),
         })
     }
@@ -97,6 +100,12 @@ impl Mesh {
     /// The pipeline group: one rank per stage, in stage order ([`crate::pp`]).
     pub fn pp(&self) -> &Arc<dyn Communicator> {
         &self.pp
+    }
+
+    /// The model-parallel group (Megatron's): the ranks that together hold one replica of the
+    /// model, every stage and tensor-parallel piece of it (the same `dp` coordinate).
+    pub fn model_parallel(&self) -> &Arc<dyn Communicator> {
+        &self.model
     }
 
     /// The whole job's communicator.

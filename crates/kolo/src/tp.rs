@@ -506,10 +506,12 @@ impl WholeLayout {
         self.splits.iter().zip(&self.names).find(|(s, _)| s.is_some()).map(|(_, n)| n.as_str())
     }
 
-    /// Per parameter: whether its square counts on every rank of the norm's group (a
-    /// tensor-parallel piece, or any parameter of a pipeline stage) rather than once.
+    /// Per parameter: whether this rank counts its square in the norm summed over the
+    /// model-parallel group: its tensor-parallel pieces, and its parameters held whole when it is
+    /// member 0 of its tensor-parallel group (each stage's own parameters count on its stage).
     pub(crate) fn split_flags(&self) -> Vec<bool> {
-        self.splits.iter().map(|s| s.is_some() || self.pp.is_some()).collect()
+        let lead = self.tp.as_ref().is_none_or(|t| t.rank() == 0);
+        self.splits.iter().map(|s| s.is_some() || lead).collect()
     }
 
     /// Collective over the groups: the whole model's values from every rank's `local` values

@@ -357,12 +357,14 @@ struct Place {
     rank: usize,
     tp: Option<crate::tp::TensorParallel>,
     pp: Option<Arc<dyn Communicator>>,
+    /// The ranks of one replica (every stage and piece), when there are several.
+    model: Option<Arc<dyn Communicator>>,
     world: Arc<dyn Communicator>,
 }
 
 impl Place {
     fn of(dist: &Dist) -> Place {
-        Place { comm: dist.comm().clone(), rank: dist.rank(), tp: None, pp: None, world: dist.comm().clone() }
+        Place { comm: dist.comm().clone(), rank: dist.rank(), tp: None, pp: None, model: None, world: dist.comm().clone() }
     }
 }
 
@@ -419,7 +421,8 @@ impl Trainer {
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
         let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
         let pp = (mesh.size("pp") > 1).then(|| mesh.pp().clone());
-        let place = Place { comm: mesh.dp().clone(), rank: mesh.rank(), tp, pp, world: mesh.world().clone() };
+        let model = (tp.is_some() || pp.is_some()).then(|| mesh.model_parallel().clone());
+        let place = Place { comm: mesh.dp().clone(), rank: mesh.rank(), tp, pp, model, world: mesh.world().clone() };
         Self::build(varmap, place, opts, &[])
     }
 
@@ -1119,7 +1122,6 @@ fn spread(
         return Ok((None, signature));
     }
     let unsupported = [
-        (place.tp.is_some() && place.pp.is_some(), "mesh", "tp and pp together"),
         (opts.ddp.zero_stage != 0 || !groups.is_empty(), "ddp.zero_stage", "ZeRO"),
         (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", "local SGD"),
         (opts.ddp.compression.is_some(), "ddp.compression", "gradient compression"),
@@ -1145,12 +1147,9 @@ fn spread(
         }
         layout.broadcast_whole(params)?;
     }
-    let group: Arc<dyn kolo_base::GroupSum> = match (&place.tp, &place.pp) {
-        (Some(t), _) => t.sum(),
-        (None, Some(p)) => kolo_comm::SumGroup::new(p.clone()),
-        (None, None) => unreachable!("handled above"),
-    };
-    let norm = (group, layout.split_flags());
+    // The clipping norm: every piece and stage of a replica, summed over its ranks.
+    let model = place.model.clone().expect("a model-parallel group with tp or pp");
+    let norm: (Arc<dyn kolo_base::GroupSum>, Vec<bool>) = (kolo_comm::SumGroup::new(model), layout.split_flags());
     Ok((Some(Spread { layout, norm, pp: place.pp.clone(), world: place.world.clone() }), signature))
 }
 

@@ -218,6 +218,11 @@ fn model_parallel_checkpoints_resume_in_one_process_and_the_other_way() {
     let resumed = user_mesh(3, &format!("{run} --pp 3 --micro 4 --resume {}", dir.join("one-half").display()), &dir.join("pp3-end"));
     let (k, d) = worst(&one, &resumed);
     assert!(d < 1e-5, "one process to pp 3: `{k}` differs from the uninterrupted run by {d}");
+    // pp 2 x tp 2 to one process.
+    user_mesh(4, &format!("{run} --pp 2 --tp 2 --stop-at 3"), &dir.join("3d-half"));
+    let resumed = user_mesh(1, &format!("{run} --plain yes --resume {}", dir.join("3d-half").display()), &dir.join("3d-one-end"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 1e-5, "pp 2 x tp 2 to one process: `{k}` differs from the uninterrupted run by {d}");
 }
 
 /// Fine-tunes the tiny Hugging Face Llama (4 query and 2 key/value heads, MLP 80, vocabulary
@@ -301,10 +306,11 @@ fn a_hugging_face_llama_under_tp_and_dp_x_tp_matches_one_process() {
 /// The user's MLP cut into pipeline stages (`kolo::pp`: each stage builds only its layers),
 /// from the same whole initial weights, after 6 steps on the same global batches of 24 MNIST
 /// images equals one process of candle-nn's own layers: 2 stages under GPipe with 2
-/// micro-batches, 3 stages (a layer each) under 1F1B with 4, and 2 stages x dp 2 (4
-/// processes), with SGD within 2e-6 (micro-batches sum their gradients in another order); and
-/// with the gradient norm clipped to 0.05 (every step clips: a norm of one stage's gradients
-/// alone would show) within 2e-6. Every stage logs the step's loss.
+/// micro-batches, 3 stages (a layer each) under 1F1B with 4, 2 stages x dp 2 and 2 stages x
+/// tp 2 (4 processes: the first stage's layers split over 2 ranks, the second's whole on
+/// both), with SGD within 2e-6 (micro-batches sum their gradients in another order); and with
+/// the gradient norm clipped to 0.05 (every step clips: a norm of one stage's gradients alone,
+/// or one that counted the second stage's whole layer twice, would show) within 2e-6.
 #[test]
 fn a_users_model_in_pipeline_stages_matches_one_process() {
     let dir = fresh_dir("user-pp");
@@ -312,7 +318,12 @@ fn a_users_model_in_pipeline_stages_matches_one_process() {
     for (what, tag, opt) in [("SGD", "sgd", "--optim sgd --lr 0.1"), ("clipped SGD", "clip", "--optim sgd --lr 0.1 --clip 0.05")] {
         let run = format!("--init {init} --hidden 48 --steps 6 --batch 24 {opt}");
         let one = user_mesh(1, &format!("{run} --plain yes"), &dir.join(format!("one-{tag}")));
-        for (n, mesh) in [(2, "--pp 2 --schedule gpipe --micro 2"), (3, "--pp 3 --micro 4"), (4, "--pp 2 --dp 2 --micro 2")] {
+        for (n, mesh) in [
+            (2, "--pp 2 --schedule gpipe --micro 2"),
+            (3, "--pp 3 --micro 4"),
+            (4, "--pp 2 --dp 2 --micro 2"),
+            (4, "--pp 2 --tp 2 --micro 2"),
+        ] {
             let got = user_mesh(n, &format!("{run} {mesh}"), &dir.join(format!("n{n}-{tag}")));
             let (k, d) = worst(&one, &got);
             assert!(d < 2e-6, "{what}, {mesh}: `{k}` differs from one process by {d}");
@@ -321,13 +332,14 @@ fn a_users_model_in_pipeline_stages_matches_one_process() {
 }
 
 /// What a mesh cannot run is a one-line error on every rank, naming it: more pipeline stages
-/// than layers, tensor and pipeline parallelism together, ZeRO with a pipeline.
+/// than layers, a layer that does not split over the tensor-parallel group, ZeRO with a
+/// pipeline.
 #[test]
 fn model_parallel_settings_it_cannot_run_are_refused() {
     let data = kolo_testkit::files::mnist_dir();
     for (n, args, want) in [
         (4, "--pp 4", "mesh: 3 layers cannot be cut into 4 pipeline stages"),
-        (4, "--pp 2 --tp 2", "mesh: tp and pp together with tensor or pipeline parallelism (Trainer::with_mesh) is not supported yet"),
+        (4, "--pp 2 --tp 2 --hidden 47", "ColumnParallelLinear `fc1`: 47 does not split into 2 equal tensor-parallel parts"),
         (3, "--pp 3 --zero 1", "ddp.zero_stage: ZeRO with tensor or pipeline parallelism"),
     ] {
         let o = launch(n, "user_mesh", &format!("{args} --steps 1 --batch 24 --data {}", data.display()));
