@@ -22,7 +22,7 @@ pub use communicator::{split, Communicator, Fingerprint, DEFAULT_TIMEOUT};
 pub use error::{CommError, OpKind};
 pub use half::{bf16, f16};
 pub use local::LocalComm;
-pub use mesh::{DeviceMesh, SumGroup};
+pub use mesh::{DeviceMesh, Ring, SumGroup};
 pub use pending::{AsyncComm, Pending};
 pub use reduce::ReduceOp;
 

@@ -120,3 +120,29 @@ impl kolo_base::GroupSum for SumGroup {
         self.comm.all_reduce(crate::BufMut::from(buf), crate::ReduceOp::Sum).map_err(|e| e.to_string())
     }
 }
+
+/// A group's communicator as a ring ([`kolo_base::RingShift`]: each member sends to the next
+/// and receives from the previous at once), as ring attention passes key/value blocks.
+pub struct Ring(pub Arc<dyn Communicator>);
+
+/// The tag of a ring's messages.
+const RING_TAG: u32 = 0x5E9;
+
+impl kolo_base::RingShift for Ring {
+    fn rank(&self) -> usize {
+        self.0.rank().get()
+    }
+    fn size(&self) -> usize {
+        self.0.world_size().get()
+    }
+    fn shift(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
+        let (r, n) = (self.rank(), self.size());
+        if n == 1 {
+            recv.copy_from_slice(send);
+            return Ok(());
+        }
+        self.0
+            .send_recv(crate::BufRef::from(send), Rank((r + 1) % n), RING_TAG, crate::BufMut::from(recv), Rank((r + n - 1) % n), RING_TAG)
+            .map_err(|e| e.to_string())
+    }
+}

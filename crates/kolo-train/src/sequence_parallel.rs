@@ -13,8 +13,8 @@ use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, St
 use crate::setup::{optimizer_step, Data};
 use crate::summary::{Eval, RunOptions};
 use crate::TrainError;
-use kolo_base::{Rank, RingShift, Rng};
-use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
+use kolo_base::Rng;
+use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_optim::{clip_factor, sum_of_squares, Optimizer};
 use kolo_tensor::models::{Gpt, GptConfig};
 use kolo_tensor::{Batch, Input, Model, ModelSpec, PlainView};
@@ -22,30 +22,6 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
-
-/// The sequence-parallel group as a ring.
-struct CommRing(Arc<dyn Communicator>);
-
-const RING_TAG: u32 = 0x5E9;
-
-impl RingShift for CommRing {
-    fn rank(&self) -> usize {
-        self.0.rank().get()
-    }
-    fn size(&self) -> usize {
-        self.0.world_size().get()
-    }
-    fn shift(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
-        let (r, n) = (self.rank(), self.size());
-        if n == 1 {
-            recv.copy_from_slice(send);
-            return Ok(());
-        }
-        self.0
-            .send_recv(BufRef::from(send), Rank((r + 1) % n), RING_TAG, BufMut::from(recv), Rank((r + n - 1) % n), RING_TAG)
-            .map_err(|e| e.to_string())
-    }
-}
 
 /// Chunk `r` of `n` of every sequence of a batch (tokens and targets).
 pub fn sequence_chunk(batch: &Batch, r: usize, n: usize) -> Result<Batch, TrainError> {
@@ -90,7 +66,7 @@ impl<'a> SequenceParallel<'a> {
         let gcfg = crate::setup::gpt_config(cfg, &[&*comm, &*sp], data)?;
         let chunk = (sp.rank().get(), sp.world_size().get());
         let mut gpt = Gpt::new(gcfg.clone(), &mut Rng::new(cfg.train.seed))?;
-        gpt.set_sequence_parallel(Arc::new(CommRing(sp)))?;
+        gpt.set_sequence_parallel(Arc::new(kolo_comm::Ring(sp)))?;
         let numel = gpt.params().numel();
         let mut opt = crate::setup::optimizer_for(cfg, numel)?;
         let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), replica.1, 0);

@@ -18,7 +18,10 @@
 //! Flags: --steps N (20), --batch B per data-parallel rank (4), --seq T (32), --optim adamw|sgd,
 //! --lr (1e-3), --clip C (1.0; `none`), --zero 0|1|2|3 (3: the model's blocks are sharded
 //! ZeRO-3 groups, the model itself unchanged), --tp T (1: a Llama split over T ranks, heads,
-//! MLP and vocabulary; the ranks form a dp x tp mesh) and --dp D (ranks / T).
+//! MLP and vocabulary), --pp P (1: a Llama's blocks cut into P pipeline stages, run over
+//! --micro M micro-batches, 2, with --schedule gpipe|1f1b); the ranks form a pp x dp x tp
+//! mesh, dp = ranks / (P S T), --sp S (1: a Llama run on S chunks of every sequence, ring
+//! attention).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use kolo::data::{Sampler, SamplerConfig};
@@ -31,22 +34,25 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     let (steps, batch, seq): (u64, usize, usize) =
         (arg("--steps", "20").parse()?, arg("--batch", "4").parse()?, arg("--seq", "32").parse()?);
     let dist = kolo::init()?;
-    let tp: usize = arg("--tp", "1").parse()?;
-    let mesh = kolo::Mesh::new(&dist, &[("dp", dist.world_size() / tp.max(1)), ("tp", tp)])?;
-    // Each member of a tensor-parallel group reads its pieces of every split tensor.
-    let (varmap, model) = kolo::hf::load_causal_lm_split(Path::new(&model_dir), &dist.device(), Some(mesh.tp()))?;
+    let (tp, pp, sp): (usize, usize, usize) = (arg("--tp", "1").parse()?, arg("--pp", "1").parse()?, arg("--sp", "1").parse()?);
+    let dp = dist.world_size() / (tp * pp * sp).max(1);
+    let mesh = kolo::Mesh::new(&dist, &[("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp)])?;
+    // Each rank reads its stage's tensors, and its pieces of every split one.
+    let (varmap, model) = kolo::hf::load_causal_lm_parallel(Path::new(&model_dir), &dist.device(), &mesh)?;
     let vocab = model.vocab_size() as u32;
     let reference = Path::new(&model_dir).join("reference.safetensors");
     let reference = if reference.exists() { Some(candle_core::safetensors::load(&reference, &dist.device())?) } else { None };
     let ids = reference.as_ref().map(|r| r["ids"].to_dtype(DType::U32)).transpose()?;
-    if let (Some(r), Some(ids)) = (&reference, &ids) {
+    if let (Some(r), Some(ids), 1) = (&reference, &ids, pp * sp) {
         // A split model's whole logits are gathered over its group: every rank computes them.
         let d = (model.forward(ids)? - &r["logits"])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         if dist.is_main() {
             println!("loaded {model_dir}: logits differ from transformers' reference by {d:.2e}");
         }
     }
+    let micro: usize = if pp > 1 { arg("--micro", "2").parse()? } else { 1 };
     let mut opts = kolo::TrainOptions::new()
+        .grad_accum(micro as u64)
         .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
         .zero_stage(arg("--zero", "0").parse()?)
         .steps(steps)
@@ -55,7 +61,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     if let Ok(c) = arg("--clip", "1.0").parse() {
         opts = opts.clip_grad_norm(c);
     }
-    let mut trainer = if tp > 1 {
+    let mut trainer = if tp > 1 || pp > 1 || sp > 1 {
         kolo::Trainer::with_mesh(&varmap, &mesh, opts)?
     } else if opts.ddp.zero_stage == 3 {
         // The blocks' values live as shards over the ranks, gathered into the model when used.
@@ -80,19 +86,40 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     let (world, rank) = (mesh.size("dp"), mesh.coord("dp"));
     let cfg = SamplerConfig { len: windows, world, rank, batch, seed: 0, shuffle: true, drop_last: true };
     let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
+    let schedule = if arg("--schedule", "1f1b") == "gpipe" { kolo::pp::Schedule::GPipe } else { kolo::pp::Schedule::OneFOneB };
+    let per_micro = batch / micro;
+    let pipe = kolo::pp::Pipeline::new(schedule, &[per_micro, seq / sp, model.hidden_size()])?;
     for _ in 0..steps {
         let rows: Vec<u32> = sampler.next_batch().iter().flat_map(|&w| window(w)).collect();
         let x = Tensor::from_vec(rows, (batch, seq + 1), &dist.device())?;
-        trainer.step(|| model.loss(&x))?;
+        if pp > 1 {
+            // Each stage runs its blocks on micro-batch `mb`; the last returns its loss.
+            pipe.step(&mut trainer, |mb, input| model.pipeline_stage(input, &x.narrow(0, mb * per_micro, per_micro)?))?;
+        } else {
+            trainer.step(|| model.loss(&x))?;
+        }
         trainer.set_data_position(sampler.position()); // saved with checkpoints: resume mid-shard
     }
-    let logits = ids.as_ref().map(|ids| model.forward(ids)).transpose()?;
+    if let (Some(b), true) = (pipe.bubble(), pp > 1 && mesh.coord("dp") == 0 && mesh.coord("tp") == 0) {
+        let (k, m) = (pp as f64, micro as f64);
+        println!(
+            "pipeline stage {}: bubble {:.1}% (GPipe/1F1B ideal {:.1}%)",
+            mesh.coord("pp"),
+            100.0 * b,
+            100.0 * (k - 1.0) / (m + k - 1.0)
+        );
+    }
+    // A pipeline's stages hold parts of the model: its logits come from the export below.
+    let mut logits = ids.as_ref().filter(|_| pp * sp == 1).map(|ids| model.forward(ids)).transpose()?;
     // ZeRO-3: the whole model is gathered into its variables (a collective) for the export.
     trainer.unshard()?;
-    // Tensor parallelism: the whole tensors put together from every member's pieces.
-    let whole = if tp > 1 { Some(kolo::tp::whole_varmap(&varmap, mesh.tp())?) } else { None };
+    // Tensor and pipeline parallelism: the whole tensors put together from every rank's.
+    let whole = if tp > 1 || pp > 1 { mesh.whole_varmap(&varmap)? } else { None };
     if dist.is_main() {
         model.save_pretrained(Path::new(&out), whole.as_ref().unwrap_or(&varmap))?;
+        if let (Some(ids), true) = (&ids, pp * sp > 1) {
+            logits = Some(kolo::hf::load_causal_lm(Path::new(&out), &dist.device())?.1.forward(ids)?);
+        }
         if let (Some(ids), Some(l)) = (&ids, &logits) {
             let t = [("ids".to_string(), ids.to_dtype(DType::I64)?), ("logits".to_string(), l.clone())];
             candle_core::safetensors::save(&t.into_iter().collect(), Path::new(&out).join("kolo_logits.safetensors"))?;

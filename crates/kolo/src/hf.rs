@@ -415,7 +415,13 @@ struct LlamaBlock {
 impl LlamaBlock {
     /// `x` (batch, seq, hidden) through grouped-query attention with rotary embeddings (`cos`,
     /// `sin` cut to the sequence) and the SwiGLU MLP, each with its residual.
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor, cfg: &LlamaConfig) -> candle_core::Result<Tensor> {
+    fn forward(
+        &self,
+        x: &Tensor,
+        (cos, sin, mask): (&Tensor, &Tensor, &Tensor),
+        cfg: &LlamaConfig,
+        sp: Option<&crate::sp::SequenceParallel>,
+    ) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let ((h, kv), hd) = (self.heads, cfg.head_dim());
         let a = self.input_norm.forward(x)?;
@@ -431,8 +437,15 @@ impl LlamaBlock {
             x.unsqueeze(2)?.expand((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(mask)?;
-        let y = candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
+        let y = match sp {
+            // Sequence parallelism: this chunk's queries over every earlier chunk's keys.
+            Some(sp) => crate::sp::ring_attention(&q, &k, &v, sp)?,
+            None => {
+                let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(mask)?;
+                candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?
+            }
+        };
+        let y = y.transpose(1, 2)?.reshape((b, t, h * hd))?;
         let x = (x + self.o.forward(&y)?)?;
         let f = self.post_norm.forward(&x)?;
         x + self.down.forward(&(self.gate.forward(&f)?.silu()? * self.up.forward(&f)?)?)?
@@ -443,12 +456,18 @@ impl LlamaBlock {
 /// (`model.layers.0.self_attn.q_proj.weight`, ...).
 pub struct Llama {
     cfg: LlamaConfig,
-    embed: LlamaEmbedding,
+    /// The blocks this rank holds (all of them, or a pipeline stage's).
+    layers: std::ops::Range<usize>,
+    /// On the first stage.
+    embed: Option<LlamaEmbedding>,
     blocks: Vec<LlamaBlock>,
-    norm: candle_nn::RmsNorm,
+    /// On the last stage.
+    norm: Option<candle_nn::RmsNorm>,
     lm_head: Option<Layer>,
     /// The tensor-parallel group the model is split over (`None`: whole).
     tp: Option<crate::tp::TensorParallel>,
+    /// The sequence-parallel group whose chunks of every sequence this model runs on.
+    sp: Option<crate::sp::SequenceParallel>,
     /// Rotary tables, (max_position_embeddings, head_dim / 2).
     cos: Tensor,
     sin: Tensor,
@@ -463,7 +482,19 @@ enum LlamaEmbedding {
 impl Llama {
     /// Builds the model's variables through `vb`.
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Llama> {
-        Self::build(cfg, vb, None)
+        Self::build(cfg, vb, None, 0..cfg.num_hidden_layers)
+    }
+
+    /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (by
+    /// `kolo::pp::stage_layers`; [`Llama::new_stage`]), split over its `tp` group, running on
+    /// its `sp` chunk of every sequence (attention by `kolo::sp::ring_attention`, rotary
+    /// positions from the chunk's offset). Train it with `Trainer::with_mesh`:
+    /// [`Llama::loss`], or [`Llama::pipeline_stage`] in a pipeline.
+    pub fn new_parallel(cfg: &LlamaConfig, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Llama> {
+        let layers = crate::pp::stage_layers(cfg.num_hidden_layers, mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let mut m = Self::build(cfg, vb, Some(mesh.tp()), layers)?;
+        m.sp = (mesh.sp().size() > 1).then(|| mesh.sp().clone());
+        Ok(m)
     }
 
     /// Builds the model split over the tensor-parallel group `tp` (Megatron-LM's layout): each
@@ -472,25 +503,48 @@ impl Llama {
     /// row-parallel) and of the vocabulary (embedding and output layer); the norms are whole.
     /// The heads, key/value heads and MLP width must be multiples of the group's size. Its
     /// variables keep Hugging Face's names; [`load_weights`] fills each member's pieces from a
-    /// checkpoint, and `kolo::tp::whole_varmap` puts them together for [`save_pretrained`].
+    /// checkpoint, and `Mesh::whole_varmap` puts them together for [`save_pretrained`].
     /// Train it with `Trainer::with_mesh`.
     pub fn new_split(cfg: &LlamaConfig, vb: VarBuilder, tp: &crate::tp::TensorParallel) -> candle_core::Result<Llama> {
-        let p = tp.size();
-        let (h, kv, inter) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.intermediate_size);
-        if !h.is_multiple_of(p) || !kv.is_multiple_of(p) || !inter.is_multiple_of(p) {
-            candle_core::bail!(
-                "Llama over {p} tensor-parallel ranks: num_attention_heads {h}, num_key_value_heads {kv} and intermediate_size {inter} must each be a multiple of {p}"
-            );
-        }
-        Self::build(cfg, vb, Some(tp))
+        Self::build(cfg, vb, Some(tp), 0..cfg.num_hidden_layers)
     }
 
-    fn build(cfg: &LlamaConfig, vb: VarBuilder, tp: Option<&crate::tp::TensorParallel>) -> candle_core::Result<Llama> {
+    /// Builds one pipeline stage of the model (`kolo::pp`): the blocks `layers` (their Hugging
+    /// Face names unchanged), the embedding on the first stage and the final norm and output
+    /// layer on the last, split over `tp` when given (as [`Llama::new_split`]). Run it with
+    /// [`Llama::pipeline_stage`]. An output layer tied to the embedding cannot span stages yet.
+    pub fn new_stage(
+        cfg: &LlamaConfig,
+        vb: VarBuilder,
+        tp: Option<&crate::tp::TensorParallel>,
+        layers: std::ops::Range<usize>,
+    ) -> candle_core::Result<Llama> {
+        Self::build(cfg, vb, tp, layers)
+    }
+
+    fn build(
+        cfg: &LlamaConfig,
+        vb: VarBuilder,
+        tp: Option<&crate::tp::TensorParallel>,
+        layers: std::ops::Range<usize>,
+    ) -> candle_core::Result<Llama> {
         use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
         use candle_nn::{linear_no_bias as lin, rms_norm};
         let (e, hd, h, kv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.kv_heads());
         let tp = tp.filter(|t| t.size() > 1);
         let p = tp.map_or(1, |t| t.size());
+        let (inter, n) = (cfg.intermediate_size, cfg.num_hidden_layers);
+        if !h.is_multiple_of(p) || !kv.is_multiple_of(p) || !inter.is_multiple_of(p) {
+            candle_core::bail!(
+                "Llama over {p} tensor-parallel ranks: num_attention_heads {h}, num_key_value_heads {kv} and intermediate_size {inter} must each be a multiple of {p}"
+            );
+        }
+        if layers.start >= layers.end || layers.end > n {
+            candle_core::bail!("pipeline stage of layers {layers:?}: the model has {n}");
+        }
+        if cfg.tie_word_embeddings && (layers.start != 0 || layers.end != n) {
+            candle_core::bail!("tie_word_embeddings = true across pipeline stages (the embedding on the first, the output layer on the last) is not supported yet");
+        }
         let col = |i: usize, o: usize, vb: VarBuilder| -> candle_core::Result<Layer> {
             Ok(match tp {
                 Some(t) => Box::new(Col::new(i, o, false, vb, t)?),
@@ -504,8 +558,9 @@ impl Llama {
             })
         };
         let m = vb.pp("model");
-        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
+        let (first, last) = (layers.start == 0, layers.end == cfg.num_hidden_layers);
+        let mut blocks = Vec::with_capacity(layers.len());
+        for i in layers.clone() {
             let b = m.pp(format!("layers.{i}"));
             let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
             blocks.push(LlamaBlock {
@@ -521,14 +576,15 @@ impl Llama {
                 heads: (h / p, kv / p),
             });
         }
-        let lm_head: Option<Layer> = match (cfg.tie_word_embeddings, tp) {
+        let lm_head: Option<Layer> = match (cfg.tie_word_embeddings || !last, tp) {
             (true, _) => None,
             (false, Some(t)) => Some(Box::new(Col::lm_head(e, cfg.vocab_size, vb.pp("lm_head"), t)?)),
             (false, None) => Some(Box::new(lin(e, cfg.vocab_size, vb.pp("lm_head"))?)),
         };
         let embed = match tp {
-            Some(t) => LlamaEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_tokens"), t)?),
-            None => LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?),
+            _ if !first => None,
+            Some(t) => Some(LlamaEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_tokens"), t)?)),
+            None => Some(LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?)),
         };
         let (n, half) = (cfg.max_position_embeddings, hd / 2);
         let theta = cfg.rope_theta();
@@ -536,19 +592,22 @@ impl Llama {
         let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, half), vb.device());
         Ok(Llama {
             cfg: cfg.clone(),
+            layers,
             embed,
             blocks,
-            norm: rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?,
+            norm: if last { Some(rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?) } else { None },
             lm_head,
             tp: tp.cloned(),
+            sp: None,
             cos: table(f64::cos)?,
             sin: table(f64::sin)?,
         })
     }
 
-    /// The name prefix of each block (`model.layers.{i}.`), in forward order: the ZeRO-3 groups.
+    /// The name prefix of each block this rank holds (`model.layers.{i}.`), in forward order:
+    /// the ZeRO-3 groups.
     pub fn block_prefixes(&self) -> Vec<String> {
-        (0..self.cfg.num_hidden_layers).map(|i| format!("model.layers.{i}.")).collect()
+        self.layers.clone().map(|i| format!("model.layers.{i}.")).collect()
     }
 
     /// The configuration.
@@ -569,35 +628,94 @@ impl Llama {
 
     /// Logits (batch, seq, this rank's vocabulary range: all of it when the model is whole).
     pub fn local_logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (_, t) = ids.dims2()?;
-        if t > self.cfg.max_position_embeddings {
-            candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
+        if self.layers != (0..self.cfg.num_hidden_layers) {
+            candle_core::bail!("this rank holds the pipeline stage of layers {:?}: run it with Llama::pipeline_stage", self.layers);
         }
-        let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
+        if self.sp.is_some() {
+            candle_core::bail!("a sequence-parallel model runs on its chunk of each sequence: train and evaluate with Llama::loss");
+        }
+        self.head(&self.blocks(&self.embed(ids)?)?)
+    }
+
+    /// The first stage's token embedding of `ids` (batch, seq).
+    fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.embed {
+            Some(LlamaEmbedding::Whole(e)) => e.forward(ids),
+            Some(LlamaEmbedding::Split(e)) => e.forward(ids),
+            None => candle_core::bail!("the embedding is on the first pipeline stage, not layers {:?}", self.layers),
+        }
+    }
+
+    /// This rank's blocks on the hidden states `x` (batch, seq or this rank's chunk of it,
+    /// hidden).
+    fn blocks(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let t = x.dim(1)?;
+        // A sequence-parallel chunk's positions start at its offset.
+        let from = self.sp.as_ref().map_or(0, |sp| sp.rank() * t);
+        if from + t > self.cfg.max_position_embeddings {
+            candle_core::bail!(
+                "sequence of {} tokens is longer than max_position_embeddings {}",
+                from + t,
+                self.cfg.max_position_embeddings
+            );
+        }
+        let (cos, sin) = (self.cos.narrow(0, from, t)?.contiguous()?, self.sin.narrow(0, from, t)?.contiguous()?);
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-        let mask = Tensor::from_vec(mask, (t, t), ids.device())?;
-        let mut x = match &self.embed {
-            LlamaEmbedding::Whole(e) => e.forward(ids)?,
-            LlamaEmbedding::Split(e) => e.forward(ids)?,
-        };
+        let mask = Tensor::from_vec(mask, (t, t), x.device())?;
+        let mut x = x.clone();
         for blk in &self.blocks {
-            x = blk.forward(&x, &cos, &sin, &mask, &self.cfg)?;
+            x = blk.forward(&x, (&cos, &sin, &mask), &self.cfg, self.sp.as_ref())?;
         }
-        let x = self.norm.forward(&x)?;
+        Ok(x)
+    }
+
+    /// The last stage's final norm and output layer: logits of this rank's vocabulary range.
+    fn head(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let Some(norm) = &self.norm else {
+            candle_core::bail!("the output layer is on the last pipeline stage, not layers {:?}", self.layers);
+        };
+        let x = norm.forward(x)?;
         match (&self.lm_head, &self.embed) {
             (Some(l), _) => l.forward(&x),
-            (None, LlamaEmbedding::Whole(e)) => x.broadcast_matmul(&e.embeddings().t()?),
-            (None, LlamaEmbedding::Split(e)) => e.tied_logits(&x),
+            (None, Some(LlamaEmbedding::Whole(e))) => x.broadcast_matmul(&e.embeddings().t()?),
+            (None, Some(LlamaEmbedding::Split(e))) => e.tied_logits(&x),
+            (None, None) => candle_core::bail!("a tied output layer without its embedding"),
+        }
+    }
+
+    /// This rank's pipeline stage (`kolo::pp::Pipeline::step`'s closure) on the micro-batch
+    /// `windows` (batch, seq + 1) of token ids: the first stage embeds `windows[:, ..seq]`, the
+    /// others take the previous stage's hidden states `input` (batch, seq, hidden); the last
+    /// stage returns the mean next-token cross-entropy against `windows[:, 1..]`
+    /// (vocabulary-parallel when split), the others their hidden states.
+    pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
+        let t = windows.dim(1)? - 1;
+        // Sequence parallelism: this rank's chunk of the inputs and of the targets.
+        let chunk = |x: Tensor| match &self.sp {
+            Some(sp) => sp.chunk(&x, 1),
+            None => Ok(x),
+        };
+        let x = match input {
+            Some(x) => x.clone(),
+            None => self.embed(&chunk(windows.narrow(1, 0, t)?)?)?,
+        };
+        let x = self.blocks(&x)?;
+        if self.norm.is_none() {
+            return Ok(x);
+        }
+        let logits = self.head(&x)?;
+        let targets = chunk(windows.narrow(1, 1, t)?)?;
+        match &self.tp {
+            Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, self.cfg.vocab_size, tp),
+            None => candle_nn::loss::cross_entropy(&logits.reshape(((), self.cfg.vocab_size))?, &targets.flatten_all()?),
         }
     }
 
     /// Mean next-token cross-entropy of `ids` (batch, seq); split over a tensor-parallel group,
-    /// Megatron's vocabulary-parallel cross-entropy (the logits are never gathered).
+    /// Megatron's vocabulary-parallel cross-entropy (the logits are never gathered); over a
+    /// sequence-parallel group, the mean over this rank's chunk.
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let Some(tp) = &self.tp else { return next_token_loss(ids, |x| self.forward(x)) };
-        let t = ids.dim(1)?;
-        let logits = self.local_logits(&ids.narrow(1, 0, t - 1)?)?;
-        crate::tp::vocab_parallel_cross_entropy(&logits, &ids.narrow(1, 1, t - 1)?, self.cfg.vocab_size, tp)
+        self.pipeline_stage(None, ids)
     }
 }
 
@@ -609,13 +727,25 @@ pub fn load_llama(dir: &Path, device: &Device) -> Result<(VarMap, Llama)> {
 /// As [`load_llama`], split over `tp` when given ([`Llama::new_split`]): each rank keeps its
 /// pieces of the checkpoint's tensors.
 fn load_llama_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, Llama)> {
+    load_llama_stage(dir, device, tp, None)
+}
+
+/// As [`load_llama_split`], or this rank's part of the model for `mesh` when given
+/// ([`Llama::new_parallel`]).
+fn load_llama_stage(
+    dir: &Path,
+    device: &Device,
+    tp: Option<&crate::tp::TensorParallel>,
+    mesh: Option<&crate::Mesh>,
+) -> Result<(VarMap, Llama)> {
     let cfg = LlamaConfig::load(dir)?;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
-    let model = match tp {
-        Some(t) => Llama::new_split(&cfg, vb, t).map_err(|e| Error::file(dir.join("config.json"), e))?,
-        None => Llama::new(&cfg, vb)?,
-    };
+    let model = match mesh {
+        Some(m) => Llama::new_parallel(&cfg, vb, m),
+        None => Llama::new_stage(&cfg, vb, tp, 0..cfg.num_hidden_layers),
+    }
+    .map_err(|e| Error::file(dir.join("config.json"), e))?;
     load_weights(&varmap, &dir.join("model.safetensors"))?;
     Ok((varmap, model))
 }
@@ -643,6 +773,13 @@ impl CausalLm {
             CausalLm::Llama(m) => m.loss(ids),
         }
     }
+    /// Width of the hidden states between blocks (what a pipeline stage hands the next).
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            CausalLm::Gpt2(m) => m.config().n_embd,
+            CausalLm::Llama(m) => m.config().hidden_size,
+        }
+    }
     /// Tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
         match self {
@@ -657,12 +794,38 @@ impl CausalLm {
             CausalLm::Llama(m) => save_pretrained(dir, varmap, m.config()),
         }
     }
+    /// This rank's pipeline stage on the micro-batch `windows` ([`Llama::pipeline_stage`]).
+    pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            CausalLm::Gpt2(_) => candle_core::bail!("GPT-2 in pipeline stages is not supported yet (a Llama is)"),
+            CausalLm::Llama(m) => m.pipeline_stage(input, windows),
+        }
+    }
     /// The ZeRO-3 groups of the model's blocks, in forward order.
     pub fn block_prefixes(&self) -> Vec<String> {
         match self {
             CausalLm::Gpt2(m) => m.block_prefixes(),
             CausalLm::Llama(m) => m.block_prefixes(),
         }
+    }
+}
+
+/// Loads this rank's part of the causal language model in `dir` for `mesh`
+/// ([`Llama::new_parallel`]: a Llama's blocks of this rank's pipeline stage, split over the
+/// mesh's `tp` group, on its `sp` chunk of each sequence); each rank reads only its pieces of
+/// the checkpoint. GPT-2 takes none of these yet. Train it with `Trainer::with_mesh`, a pipeline's stages with
+/// [`CausalLm::pipeline_stage`]; `Mesh::whole_varmap` puts it together for an export.
+pub fn load_causal_lm_parallel(dir: &Path, device: &Device, mesh: &crate::Mesh) -> Result<(VarMap, CausalLm)> {
+    let tp = (mesh.tp().size() > 1).then(|| mesh.tp());
+    if mesh.size("pp") == 1 && mesh.size("sp") == 1 {
+        return load_causal_lm_split(dir, device, tp);
+    }
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
+    match v.get("model_type").and_then(|t| t.as_str()) {
+        Some("llama") => load_llama_stage(dir, device, tp, Some(mesh)).map(|(v, m)| (v, CausalLm::Llama(m))),
+        t => Err(Error::file(&path, format!("model_type {t:?} in pipeline stages or sequence chunks is not supported yet (a Llama is)"))),
     }
 }
 
@@ -674,7 +837,7 @@ pub fn load_causal_lm(dir: &Path, device: &Device) -> Result<(VarMap, CausalLm)>
 
 /// As [`load_causal_lm`], split over the tensor-parallel group `tp` when it has more than one
 /// rank (a Llama, [`Llama::new_split`]; GPT-2 is not split yet): each rank keeps its pieces.
-/// Train it with `Trainer::with_mesh`; `kolo::tp::whole_varmap` gathers it for an export.
+/// Train it with `Trainer::with_mesh`; `Mesh::whole_varmap` gathers it for an export.
 pub fn load_causal_lm_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, CausalLm)> {
     let tp = tp.filter(|t| t.size() > 1);
     let path = dir.join("config.json");

@@ -33,6 +33,7 @@ mod error;
 pub mod hf;
 mod mesh;
 pub mod pp;
+pub mod sp;
 #[cfg(feature = "hf")]
 pub mod tokens;
 pub mod tp;

@@ -1,7 +1,9 @@
 //! [`Mesh`]: the job's ranks as a grid of named axes (torch's `init_device_mesh`), one
 //! communicator per axis: `pp` (pipeline parallelism: [`crate::pp`], each coordinate a stage
-//! holding its own layers), `dp` (data parallelism: DDP over the ranks that hold the same
-//! parameters) and `tp` (tensor parallelism: [`crate::tp`]'s layers split over it).
+//! holding its own layers), `dp` (data parallelism: each coordinate its own batches), `sp`
+//! (sequence parallelism: [`crate::sp`], each coordinate a chunk of every sequence) and `tp`
+//! (tensor parallelism: [`crate::tp`]'s layers split over it). Gradients are averaged over the
+//! ranks holding the same parameters, `dp x sp`.
 
 use crate::tp::TensorParallel;
 use crate::{Dist, Error, Result};
@@ -9,9 +11,9 @@ use kolo_comm::{Communicator, DeviceMesh};
 use std::sync::Arc;
 
 /// The axes a user's model can be split along so far.
-const AXES: [&str; 3] = ["pp", "dp", "tp"];
+const AXES: [&str; 4] = ["pp", "dp", "sp", "tp"];
 
-/// The ranks as a `pp x dp x tp` grid, laid out as Megatron does: `tp` varies fastest, so the
+/// The ranks as a `pp x dp x sp x tp` grid, laid out as Megatron does: `tp` varies fastest, so the
 /// members of a tensor-parallel group are consecutive ranks (one host, where the per-layer
 /// all-reduces are cheapest), and `pp` slowest.
 ///
@@ -24,60 +26,75 @@ const AXES: [&str; 3] = ["pp", "dp", "tp"];
 /// ```
 pub struct Mesh {
     global_rank: usize,
-    sizes: [usize; 3],
-    coords: [usize; 3],
+    sizes: [usize; 4],
+    coords: [usize; 4],
     pp: Arc<dyn Communicator>,
     dp: Arc<dyn Communicator>,
+    sp: crate::sp::SequenceParallel,
     tp: TensorParallel,
+    /// The ranks holding the same parameters: `dp x sp`.
+    replicas: Arc<dyn Communicator>,
     model: Arc<dyn Communicator>,
     world: Arc<dyn Communicator>,
 }
 
 impl std::fmt::Debug for Mesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let [pp, dp, tp] = self.sizes;
-        write!(f, "Mesh {{ rank: {}, pp: {pp}, dp: {dp}, tp: {tp} }}", self.global_rank)
+        let [pp, dp, sp, tp] = self.sizes;
+        write!(f, "Mesh {{ rank: {}, pp: {pp}, dp: {dp}, sp: {sp}, tp: {tp} }}", self.global_rank)
     }
 }
 
 impl Mesh {
-    /// Collective over `dist`: the grid of `axes` (name and size: `pp`, `dp` and `tp`, in that
-    /// order; one left out has size 1). Their product must be the world size.
+    /// Collective over `dist`: the grid of `axes` (name and size: `pp`, `dp`, `sp` and `tp`,
+    /// in that order; one left out has size 1). Their product must be the world size.
     pub fn new(dist: &Dist, axes: &[(&str, usize)]) -> Result<Mesh> {
-        let mut sizes = [1usize; 3];
+        let mut sizes = [1usize; 4];
         let mut seen = Vec::new();
         for (name, size) in axes {
             let Some(i) = AXES.iter().position(|a| a == name) else {
                 return Err(Error::setting(
                     "mesh",
                     format!(
-                        "axis `{name}`: a user's model is split along `pp`, `dp` and `tp` so far (sequence and expert parallelism: kolo train's built-in GPT)"
+                        "axis `{name}`: a user's model is split along `pp`, `dp`, `sp` and `tp` so far (expert parallelism: kolo train's built-in GPT)"
                     ),
                 ));
             };
             if seen.last().is_some_and(|&j| j >= i) {
-                return Err(Error::setting("mesh", format!("axes {axes:?}: name each once, in the order pp, dp, tp (tp varies fastest)")));
+                return Err(Error::setting(
+                    "mesh",
+                    format!("axes {axes:?}: name each once, in the order pp, dp, sp, tp (tp varies fastest)"),
+                ));
             }
             seen.push(i);
             sizes[i] = *size;
         }
         let world = dist.world_size();
-        let [pp, dp, tp] = sizes;
-        if sizes.contains(&0) || pp * dp * tp != world {
-            return Err(Error::setting("mesh", format!("pp {pp} x dp {dp} x tp {tp} = {} ranks, but the job has {world}", pp * dp * tp)));
+        let [pp, dp, sp, tp] = sizes;
+        if sizes.contains(&0) || pp * dp * sp * tp != world {
+            return Err(Error::setting(
+                "mesh",
+                format!("pp {pp} x dp {dp} x sp {sp} x tp {tp} = {} ranks, but the job has {world}", pp * dp * sp * tp),
+            ));
         }
-        let m = DeviceMesh::new(&**dist.comm(), &[("pp", pp), ("dp", dp), ("tp", tp)])?;
+        let m = DeviceMesh::new(&**dist.comm(), &[("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp)])?;
         let group = |a: &str| m.group(a).cloned().expect("every axis exists");
         let coords = AXES.map(|a| m.coord(a).unwrap_or(0));
+        let split = |color: usize| -> Result<Arc<dyn Communicator>> {
+            Ok(kolo_comm::split(&**dist.comm(), Some(color as u32), dist.rank() as u32)?.expect("every rank has a color"))
+        };
         Ok(Mesh {
             global_rank: dist.rank(),
             sizes,
             coords,
             pp: group("pp"),
             dp: group("dp"),
+            sp: crate::sp::SequenceParallel::new(group("sp")),
             tp: TensorParallel::new(group("tp")),
-            // The ranks of one replica (the same dp coordinate), ordered by rank.
-            model: kolo_comm::split(&**dist.comm(), Some(coords[1] as u32), dist.rank() as u32)?.expect("every rank has a color"),
+            // The same stage and piece: dp x sp (the dp group itself without sp).
+            replicas: if sp > 1 { split(coords[0] * tp + coords[3])? } else { group("dp") },
+            // The ranks of one replica (the same dp and sp coordinates), ordered by rank.
+            model: split(coords[1] * sp + coords[2])?,
             world: dist.comm().clone(),
         })
     }
@@ -87,7 +104,7 @@ impl Mesh {
         self.global_rank
     }
 
-    /// The size of `axis` (`pp`, `dp` or `tp`; 1 for any other name).
+    /// The size of `axis` (`pp`, `dp`, `sp` or `tp`; 1 for any other name).
     pub fn size(&self, axis: &str) -> usize {
         AXES.iter().position(|a| *a == axis).map_or(1, |i| self.sizes[i])
     }
@@ -102,10 +119,52 @@ impl Mesh {
         &self.pp
     }
 
+    /// The sequence-parallel group, for [`crate::sp`]'s ring attention.
+    pub fn sp(&self) -> &crate::sp::SequenceParallel {
+        &self.sp
+    }
+
+    /// The ranks holding the same parameters (the same stage and tensor-parallel piece): the
+    /// `dp x sp` group over which the trainer averages gradients.
+    pub fn replicas(&self) -> &Arc<dyn Communicator> {
+        &self.replicas
+    }
+
     /// The model-parallel group (Megatron's): the ranks that together hold one replica of the
-    /// model, every stage and tensor-parallel piece of it (the same `dp` coordinate).
+    /// model, every stage and tensor-parallel piece of it (the same `dp` and `sp` coordinates).
     pub fn model_parallel(&self) -> &Arc<dyn Communicator> {
         &self.model
+    }
+
+    /// Collective over the model-parallel group: on its first rank (the first stage's member 0
+    /// of its tensor-parallel group), a VarMap of the whole model's tensors under their names:
+    /// each split variable put together from its tensor-parallel pieces, every pipeline
+    /// stage's variables sent to it; `None` on the others. For an export such as
+    /// `kolo::hf::CausalLm::save_pretrained` from that rank.
+    pub fn whole_varmap(&self, varmap: &candle_nn::VarMap) -> Result<Option<candle_nn::VarMap>> {
+        let Some(stage) = crate::tp::whole_varmap(varmap, &self.tp)? else { return Ok(None) };
+        let (s, k) = (self.coords[0], self.sizes[0]);
+        if s > 0 {
+            // This stage's tensors, as safetensors bytes, to the first stage.
+            let tensors: Vec<(String, candle_core::Tensor)> =
+                stage.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+            let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
+                .map_err(|e| Error::usage(self.global_rank, "Mesh::whole_varmap", e.to_string()))?;
+            self.pp.send(kolo_comm::BufRef::from(&[bytes.len() as i64][..]), kolo_base::Rank(0), 1)?;
+            self.pp.send(kolo_comm::BufRef::from(&bytes[..]), kolo_base::Rank(0), 2)?;
+            return Ok(None);
+        }
+        for from in 1..k {
+            let mut len = [0i64];
+            self.pp.recv(kolo_comm::BufMut::from(&mut len[..]), kolo_base::Rank(from), 1)?;
+            let mut bytes = vec![0u8; len[0] as usize];
+            self.pp.recv(kolo_comm::BufMut::from(&mut bytes[..]), kolo_base::Rank(from), 2)?;
+            let mut data = stage.data().lock().unwrap_or_else(|p| p.into_inner());
+            for (name, t) in candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)? {
+                data.insert(name, candle_core::Var::from_tensor(&t)?);
+            }
+        }
+        Ok(Some(stage))
     }
 
     /// The whole job's communicator.

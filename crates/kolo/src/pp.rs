@@ -54,10 +54,12 @@ pub fn stage_layers(layers: usize, mesh: &Mesh) -> Result<Range<usize>> {
 
 /// How a pipeline runs a step: the schedule, and the shape of the activation one stage hands
 /// the next for one micro-batch (the same for every micro-batch and stage boundary).
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Pipeline {
     schedule: Schedule,
     shape: Vec<usize>,
+    /// This stage's busy and total milliseconds, summed over the steps so far.
+    time: std::sync::Mutex<(f64, f64)>,
 }
 
 impl Pipeline {
@@ -66,7 +68,15 @@ impl Pipeline {
         if matches!(schedule, Schedule::TwoBw { .. }) {
             return Err(Error::setting("pipeline.schedule", "PipeDream-2BW is kolo train's built-in GPT's so far (GPipe and 1F1B here)"));
         }
-        Ok(Pipeline { schedule, shape: shape.to_vec() })
+        Ok(Pipeline { schedule, shape: shape.to_vec(), time: Default::default() })
+    }
+
+    /// The share of this stage's step time spent waiting rather than computing, over the steps
+    /// so far (the pipeline bubble, with the communication's own time; GPipe and 1F1B's ideal
+    /// is (stages - 1) / (micro-batches + stages - 1)).
+    pub fn bubble(&self) -> Option<f64> {
+        let (busy, total) = *self.time.lock().unwrap_or_else(|p| p.into_inner());
+        (total > 0.0).then(|| 1.0 - busy / total)
     }
 
     /// Collective over the mesh: one optimizer step of `train.grad_accum` micro-batches.
@@ -97,6 +107,11 @@ impl Pipeline {
             return Err(e);
         }
         let report = run.map_err(|e| Error::usage(work.trainer.rank(), "Pipeline::step", e.to_string()))?;
+        {
+            let mut t = self.time.lock().unwrap_or_else(|p| p.into_inner());
+            t.0 += report.busy_ms;
+            t.1 += report.total_ms;
+        }
         // The step's loss, from the last stage to every stage.
         let mut loss = [report.losses.iter().map(|l| f64::from(*l)).sum::<f64>() / m as f64];
         pp.broadcast(BufMut::from(&mut loss[..]), kolo_base::Rank(k - 1))?;

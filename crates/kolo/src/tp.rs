@@ -391,13 +391,14 @@ pub(crate) fn read_for(
     Tensor::from_raw_buffer(&bytes, dtype, &shape, var.device()).map(Some)
 }
 
-/// Collective over `tp`: a VarMap of whole tensors under the same names (the split variables
-/// put together from every member's piece; the others copied), for an export such as
-/// `kolo::hf::CausalLm::save_pretrained` from one rank.
-pub fn whole_varmap(varmap: &VarMap, tp: &TensorParallel) -> Result<VarMap> {
+/// Collective over `tp`: on member 0, a VarMap of whole tensors under the same names (the
+/// split variables put together from every member's piece, reduced to it; the others copied);
+/// `None` on the other members. `Mesh::whole_varmap` adds the other pipeline stages'.
+pub(crate) fn whole_varmap(varmap: &VarMap, tp: &TensorParallel) -> Result<Option<VarMap>> {
     let mut vars: Vec<(String, candle_core::Var)> =
         varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
     vars.sort_by(|a, b| a.0.cmp(&b.0));
+    let lead = tp.rank() == 0;
     let out = VarMap::new();
     for (name, var) in vars {
         let t = match split_of(var.as_tensor()).filter(|s| s.len != s.whole[s.dim]) {
@@ -405,14 +406,18 @@ pub fn whole_varmap(varmap: &VarMap, tp: &TensorParallel) -> Result<VarMap> {
                 let mut whole = vec![0f32; s.whole.iter().product()];
                 let local = var.as_tensor().to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                 s.whole_indices().zip(&local).for_each(|(k, v)| whole[k] = *v);
-                tp.comm().all_reduce(kolo_comm::BufMut::from(&mut whole[..]), kolo_comm::ReduceOp::Sum)?;
+                tp.comm().reduce(kolo_comm::BufMut::from(&mut whole[..]), kolo_comm::ReduceOp::Sum, kolo_base::Rank(0))?;
+                if !lead {
+                    continue;
+                }
                 Tensor::from_vec(whole, s.whole.clone(), var.device())?.to_dtype(var.dtype())?
             }
-            None => var.as_tensor().copy()?,
+            None if lead => var.as_tensor().copy()?,
+            None => continue,
         };
         out.data().lock().unwrap_or_else(|p| p.into_inner()).insert(name, candle_core::Var::from_tensor(&t)?);
     }
-    Ok(out)
+    Ok(lead.then_some(out))
 }
 
 /// Fills every variable of `varmap` from safetensors `files` of whole tensors under the same
@@ -640,11 +645,11 @@ mod tests {
     fn a_mesh_must_cover_the_job_with_known_axes() {
         let dist = crate::init().unwrap();
         let e = crate::Mesh::new(&dist, &[("dp", 2), ("tp", 2)]).unwrap_err().to_string();
-        assert_eq!(e, "mesh: pp 1 x dp 2 x tp 2 = 4 ranks, but the job has 1");
-        let e = crate::Mesh::new(&dist, &[("sp", 1)]).unwrap_err().to_string();
-        assert!(e.starts_with("mesh: axis `sp`: a user's model is split along `pp`, `dp` and `tp` so far"), "{e}");
+        assert_eq!(e, "mesh: pp 1 x dp 2 x sp 1 x tp 2 = 4 ranks, but the job has 1");
+        let e = crate::Mesh::new(&dist, &[("ep", 1)]).unwrap_err().to_string();
+        assert!(e.starts_with("mesh: axis `ep`: a user's model is split along `pp`, `dp`, `sp` and `tp` so far"), "{e}");
         let e = crate::Mesh::new(&dist, &[("tp", 1), ("dp", 1)]).unwrap_err().to_string();
-        assert!(e.contains("in the order pp, dp, tp"), "{e}");
+        assert!(e.contains("in the order pp, dp, sp, tp"), "{e}");
         let m = crate::Mesh::new(&dist, &[("tp", 1)]).unwrap();
         assert_eq!((m.size("dp"), m.size("tp"), m.tp().size(), m.dp().world_size().get()), (1, 1, 1, 1));
     }

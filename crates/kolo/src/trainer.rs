@@ -413,7 +413,8 @@ impl Trainer {
     }
 
     /// Collective: as [`Trainer::new`] for a model split by [`crate::tp`]'s layers over
-    /// `mesh`'s `tp` group: DDP runs over its `dp` group (the ranks holding the same pieces),
+    /// `mesh`'s `tp` group, cut into [`crate::pp`]'s stages, or run on [`crate::sp`]'s sequence
+    /// chunks: DDP runs over the ranks holding the same parameters (`dp x sp`),
     /// the gradient norm that clipping uses sums the split pieces over the `tp` group, and
     /// checkpoints hold whole tensors (they resume at any `dp x tp`, or in one process without
     /// the mesh). The parameters every member holds whole start as member 0's. ZeRO, local SGD,
@@ -422,7 +423,7 @@ impl Trainer {
         let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
         let pp = (mesh.size("pp") > 1).then(|| mesh.pp().clone());
         let model = (tp.is_some() || pp.is_some()).then(|| mesh.model_parallel().clone());
-        let place = Place { comm: mesh.dp().clone(), rank: mesh.rank(), tp, pp, model, world: mesh.world().clone() };
+        let place = Place { comm: mesh.replicas().clone(), rank: mesh.rank(), tp, pp, model, world: mesh.world().clone() };
         Self::build(varmap, place, opts, &[])
     }
 

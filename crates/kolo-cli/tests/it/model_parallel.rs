@@ -115,14 +115,39 @@ pub fn blocks_rank(args: &[String]) -> anyhow::Result<()> {
     let dl = (l.to_scalar::<f32>()? - l_ref.to_scalar::<f32>()?).abs();
     let dg = max_diff(gl.get(&mine).unwrap(), &gl_ref.get(&logits).unwrap().narrow(1, range.start, range.len())?)?;
     anyhow::ensure!(dl < 1e-5 && dg < 1e-6, "vocabulary-parallel cross-entropy: loss off by {dl}, gradient by {dg}");
+    // Ring attention over a sequence of 6 (2 or 3 chunks) against causal attention of the
+    // whole sequence: this rank's rows of the output and of q's, k's and v's gradients.
+    let sp = kolo::sp::SequenceParallel::new(dist.comm().clone());
+    let (qw, kw, vw) = (
+        Var::from_tensor(&values(&[2, 2, 6, 4], 1.1))?,
+        Var::from_tensor(&values(&[2, 2, 6, 4], 1.2))?,
+        Var::from_tensor(&values(&[2, 2, 6, 4], 1.3))?,
+    );
+    let mask: Vec<f32> = (0..36).map(|i| if i % 6 > i / 6 { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let att = (qw.matmul(&kw.t()?)? * 0.5)?.broadcast_add(&Tensor::from_vec(mask, (6, 6), &dist.device())?)?;
+    let y_ref = candle_nn::ops::softmax_last_dim(&att)?.matmul(&vw)?;
+    let c3 = values(&[2, 2, 6, 4], 1.4);
+    let g_ref = (&y_ref * &c3)?.sum_all()?.backward()?;
+    let (q, k, v) = (Var::from_tensor(&sp.chunk(&qw, 2)?)?, Var::from_tensor(&sp.chunk(&kw, 2)?)?, Var::from_tensor(&sp.chunk(&vw, 2)?)?);
+    let y = kolo::sp::ring_attention(&q, &k, &v, &sp)?;
+    let g = (&y * &sp.chunk(&c3, 2)?)?.sum_all()?.backward()?;
+    let checks = [
+        ("output", max_diff(&y, &sp.chunk(&y_ref, 2)?)?),
+        ("q's gradient", max_diff(g.get(&q).unwrap(), &sp.chunk(g_ref.get(&qw).unwrap(), 2)?)?),
+        ("k's gradient", max_diff(g.get(&k).unwrap(), &sp.chunk(g_ref.get(&kw).unwrap(), 2)?)?),
+        ("v's gradient", max_diff(g.get(&v).unwrap(), &sp.chunk(g_ref.get(&vw).unwrap(), 2)?)?),
+    ];
+    for (what, d) in checks {
+        anyhow::ensure!(d < 1e-5, "rank {}: ring attention's {what} differs from whole causal attention's by {d}", dist.rank());
+    }
     println!("rank {}: the split layers equal the whole ones", dist.rank());
     Ok(())
 }
 
 /// `kolo::tp`'s column- and row-parallel linear layers (with split and with gathered
-/// activations), vocabulary-parallel embedding and cross-entropy on 2 and 3 processes: the
-/// output, the input's gradient and each member's gradient pieces equal the whole layers'
-/// within 1e-5 (odd sizes: 7 inputs, 5 outputs, a vocabulary of 11 that does not split
+/// activations), vocabulary-parallel embedding and cross-entropy, and `kolo::sp`'s ring
+/// attention (a sequence of 6 in 2 or 3 chunks) on 2 and 3 processes: the output, the inputs'
+/// gradients and each member's gradient pieces equal the whole layers' within 1e-5 (odd sizes: 7 inputs, 5 outputs, a vocabulary of 11 that does not split
 /// evenly). A plain `Trainer::new` refuses the split model, naming `Trainer::with_mesh`.
 #[test]
 fn tensor_parallel_layers_equal_the_whole_layers_forward_and_backward() {
@@ -260,15 +285,17 @@ fn worst_tensor(a: &BTreeMap<String, candle_core::Tensor>, b: &BTreeMap<String, 
         .fold((String::new(), 0f32), |m, d| if d.1 > m.1 { d } else { m })
 }
 
-/// The Hugging Face Llama split by `kolo::hf::load_causal_lm_split` (heads, key/value heads,
-/// MLP and vocabulary over the group; each rank loads its pieces of the checkpoint) and
-/// fine-tuned for 6 steps on the same global batches of 4 windows exports the same
-/// `model.safetensors` as one process: under tp 2 (2 processes) and dp 2 x tp 2 (4) with SGD
-/// and no clipping within 1e-5, under tp 2 with AdamW and the norm clipped to 0.05 (every step
+/// The Hugging Face Llama split by `kolo::hf::load_causal_lm_parallel` (heads, key/value
+/// heads, MLP and vocabulary over the `tp` group, its 2 blocks over the `pp` stages; each rank
+/// loads only its pieces of the checkpoint) and fine-tuned for 6 steps on the same global
+/// batches of 4 windows exports the same `model.safetensors` as one process: under tp 2 (2
+/// processes), dp 2 x tp 2 (4), pp 2 (2, 1F1B over 2 micro-batches), sp 2 (2: each rank 8 of
+/// the 16 positions, ring attention), sp 2 x tp 2 (4) and pp 2 x tp 2 (4, GPipe over 4) with
+/// SGD and no clipping within 2e-5, under tp 2 with AdamW and the norm clipped to 0.05 (every step
 /// clips) within 1e-5. Each export, loaded back whole, computes the logits the split model
 /// computed. The parameters moved by more than 1e-2.
 #[test]
-fn a_hugging_face_llama_under_tp_and_dp_x_tp_matches_one_process() {
+fn a_hugging_face_llama_on_a_mesh_matches_one_process() {
     let dir = fresh_dir("hf-llama-tp");
     let sgd = "--optim sgd --lr 0.05 --clip none";
     let (one, one_logits) = llama(1, &format!("{sgd} --batch 4"), &dir.join("one"));
@@ -279,7 +306,14 @@ fn a_hugging_face_llama_under_tp_and_dp_x_tp_matches_one_process() {
     let moved = moved.fold(0f32, f32::max);
     assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
     eprintln!("moved {moved}");
-    for (n, args) in [(2, format!("{sgd} --batch 4 --tp 2")), (4, format!("{sgd} --batch 2 --tp 2"))] {
+    for (n, args) in [
+        (2, format!("{sgd} --batch 4 --tp 2")),
+        (4, format!("{sgd} --batch 2 --tp 2")),
+        (2, format!("{sgd} --batch 4 --pp 2 --micro 2")),
+        (2, format!("{sgd} --batch 4 --sp 2")),
+        (4, format!("{sgd} --batch 4 --sp 2 --tp 2")),
+        (4, format!("{sgd} --batch 4 --pp 2 --tp 2 --micro 4 --schedule gpipe")),
+    ] {
         let (got, logits) = llama(n, &args, &dir.join(format!("n{n}")));
         let (k, d) = worst_tensor(&one, &got);
         assert!(d < 2e-5, "{n} ranks, {args}: `{k}` differs from one process by {d}");

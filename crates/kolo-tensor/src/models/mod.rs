@@ -4,7 +4,7 @@ mod cnn;
 mod gpt;
 mod mlp;
 pub mod moe;
-mod ring;
+pub mod ring;
 pub mod tp;
 
 pub use cnn::Cnn;

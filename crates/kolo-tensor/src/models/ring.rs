@@ -10,7 +10,7 @@ use kolo_base::RingShift;
 use std::sync::{Arc, Mutex};
 
 /// `attention(q, k, v)` over the ring for tensors of shape (b, h, t_chunk, d).
-pub(crate) struct RingAttention {
+pub struct RingAttention {
     pub ring: Arc<dyn RingShift>,
     pub scale: f32,
     /// The forward's log-sum-exp per query row, kept for the backward.
@@ -18,7 +18,7 @@ pub(crate) struct RingAttention {
 }
 
 impl RingAttention {
-    pub(crate) fn new(ring: Arc<dyn RingShift>, scale: f32) -> RingAttention {
+    pub fn new(ring: Arc<dyn RingShift>, scale: f32) -> RingAttention {
         RingAttention { ring, scale, lse: Mutex::new(Vec::new()) }
     }
 }
