@@ -378,6 +378,21 @@ impl LlamaConfig {
         Ok(())
     }
 
+    /// Each block's share of a forward pass, for cutting pipeline stages: its multiply-adds per
+    /// token (projections and MLP), the last block also the output layer's (hidden x
+    /// vocabulary, as much as several blocks at a large vocabulary). The embedding's lookup
+    /// costs next to nothing.
+    pub fn block_costs(&self) -> Vec<f64> {
+        let (e, hd, inter) = (self.hidden_size as f64, self.head_dim() as f64, self.intermediate_size as f64);
+        let (h, kv) = (self.num_attention_heads as f64, self.kv_heads() as f64);
+        let block = e * hd * (2.0 * h + 2.0 * kv) + 3.0 * e * inter;
+        let mut costs = vec![block; self.num_hidden_layers];
+        if let Some(last) = costs.last_mut() {
+            *last += e * self.vocab_size as f64;
+        }
+        costs
+    }
+
     /// Key/value heads.
     pub fn kv_heads(&self) -> usize {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
@@ -485,13 +500,13 @@ impl Llama {
         Self::build(cfg, vb, None, 0..cfg.num_hidden_layers)
     }
 
-    /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (by
-    /// `kolo::pp::stage_layers`; [`Llama::new_stage`]), split over its `tp` group, running on
+    /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut by
+    /// [`LlamaConfig::block_costs`] with `kolo::pp::stage_layers_by`; [`Llama::new_stage`]), split over its `tp` group, running on
     /// its `sp` chunk of every sequence (attention by `kolo::sp::ring_attention`, rotary
     /// positions from the chunk's offset). Train it with `Trainer::with_mesh`:
     /// [`Llama::loss`], or [`Llama::pipeline_stage`] in a pipeline.
     pub fn new_parallel(cfg: &LlamaConfig, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Llama> {
-        let layers = crate::pp::stage_layers(cfg.num_hidden_layers, mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let layers = crate::pp::stage_layers_by(&cfg.block_costs(), mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let mut m = Self::build(cfg, vb, Some(mesh.tp()), layers)?;
         m.sp = (mesh.sp().size() > 1).then(|| mesh.sp().clone());
         Ok(m)

@@ -52,6 +52,20 @@ pub fn stage_layers(layers: usize, mesh: &Mesh) -> Result<Range<usize>> {
     Ok(partition(&vec![1.0; layers], k)[mesh.coord("pp")].clone())
 }
 
+/// The layers of this rank's stage when layer `i` costs `costs[i]` (time, or parameters):
+/// contiguous ranges whose largest total is as small as it can be (kolo-pipe's
+/// [`partition`]), so that no stage keeps the others waiting more than it must.
+pub fn stage_layers_by(costs: &[f64], mesh: &Mesh) -> Result<Range<usize>> {
+    let k = mesh.size("pp");
+    if costs.len() < k {
+        return Err(Error::setting("mesh", format!("{} layers cannot be cut into {k} pipeline stages", costs.len())));
+    }
+    if let Some(bad) = costs.iter().find(|c| !c.is_finite() || **c < 0.0) {
+        return Err(Error::setting("mesh", format!("a layer's cost must be finite and not negative, not {bad}")));
+    }
+    Ok(partition(costs, k)[mesh.coord("pp")].clone())
+}
+
 /// How a pipeline runs a step: the schedule, and the shape of the activation one stage hands
 /// the next for one micro-batch (the same for every micro-batch and stage boundary).
 #[derive(Debug)]
