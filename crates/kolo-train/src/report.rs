@@ -237,11 +237,14 @@ impl Reporter {
         let recent = &self.step_ms[self.step_ms.len().saturating_sub(n as usize)..];
         let ms = recent.iter().sum::<f64>() / recent.len().max(1) as f64;
         let own = &self.compute_ms[self.compute_ms.len().saturating_sub(n as usize)..];
-        let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64];
-        let mut all = vec![0f64; world];
-        comm.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut all))?;
+        // Each rank's own work and its rank in the job (`comm` may be a group of it: the
+        // data-parallel ranks of a mesh), so the straggler is named as the job knows it.
+        let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64, self.global_rank as f64];
+        let mut pairs = vec![0f64; 2 * world];
+        comm.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut pairs))?;
+        let all: Vec<f64> = pairs.chunks(2).map(|p| p[0]).collect();
         if world > 1 {
-            let (slow, max) = all.iter().copied().enumerate().fold((0, f64::MIN), |a, (r, v)| if v > a.1 { (r, v) } else { a });
+            let (slow, max) = pairs.chunks(2).fold((0, f64::MIN), |a, p| if p[0] > a.1 { (p[1] as usize, p[0]) } else { a });
             let mut sorted = all.clone();
             sorted.sort_by(f64::total_cmp);
             // The lower median: with 2 ranks the slow one is compared with the other.

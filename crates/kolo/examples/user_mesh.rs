@@ -14,7 +14,8 @@
 //! --optim adamw|sgd, --lr (1e-3), --clip C (none), --init FILE (start from whole weights in
 //! a safetensors file), --save-init FILE (write the whole initial weights there and stop),
 //! --zero S (0), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
-//! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh).
+//! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh),
+//! --slow-rank R (that rank's forward takes 5 ms longer: a straggler for the log to name).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
@@ -136,6 +137,12 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     };
     let mut sampler = Sampler::new(cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
     let (out, stop_at) = (arg("--out", "checkpoints/user_mesh"), arg("--stop-at", "0").parse::<u64>()?);
+    let slow = arg("--slow-rank", "none").parse::<usize>().ok() == Some(dist.rank());
+    let lag = || {
+        if slow {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
     while trainer.steps_done() < steps {
         let (x, y) = tensors(&train, &sampler.next_batch())?;
         if pp > 1 {
@@ -151,7 +158,10 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
                 }
             })?;
         } else {
-            trainer.step(|| cross_entropy(&model.forward(&x)?, &y))?;
+            trainer.step(|| {
+                lag();
+                cross_entropy(&model.forward(&x)?, &y)
+            })?;
         }
         trainer.set_data_position(sampler.position());
         if trainer.steps_done() == stop_at {

@@ -381,3 +381,16 @@ fn model_parallel_settings_it_cannot_run_are_refused() {
         assert!(!o.status.success() && t.contains(want), "{args}: {t}");
     }
 }
+
+/// The log names a straggler by its rank in the job, also when the ranks compared are a
+/// data-parallel group of a mesh: under dp 2 x tp 2 rank 0 compares itself with rank 2 (its
+/// group's other member, the data-parallel rank 1); rank 2 made slow is named rank 2.
+#[test]
+fn a_straggler_on_a_mesh_is_named_by_its_rank_in_the_job() {
+    let data = kolo_testkit::files::mnist_dir();
+    let dir = fresh_dir("mesh-straggler");
+    let args = format!("--dp 2 --tp 2 --hidden 48 --steps 20 --batch 24 --slow-rank 2 --data {} --out {}", data.display(), dir.display());
+    let o = launch(4, "user_mesh", &args);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("step 20: straggler: rank 2 computes"), "{t}");
+}
