@@ -29,8 +29,9 @@
 //! The step's loss (the mean over its micro-batches) reaches every stage. Checkpoints hold the
 //! whole model's tensors under their names: a pipeline's resumes in one process or over
 //! another number of stages. Stages may hold [`crate::tp`]'s split layers (a `pp x dp x tp`
-//! mesh); the clipping norm sums over every stage and piece. Each stage computes in f32; ZeRO,
-//! local SGD, compression and mixed precision are refused with a pipeline so far.
+//! mesh); the clipping norm sums over every stage and piece. Each stage computes in f32;
+//! ZeRO-1/2 shard each stage's optimizer state over its `dp` group; ZeRO-3, local SGD,
+//! compression and mixed precision are refused with a pipeline so far.
 
 use crate::{Error, Mesh, Result, StepOutput, Trainer};
 use candle_core::{DType, Tensor, Var};

@@ -417,11 +417,18 @@ impl Trainer {
     /// chunks: DDP runs over the ranks holding the same parameters (`dp x sp`),
     /// the gradient norm that clipping uses sums the split pieces over the `tp` group, and
     /// checkpoints hold whole tensors (they resume at any `dp x tp`, or in one process without
-    /// the mesh). The parameters every member holds whole start as member 0's. ZeRO, local SGD,
-    /// gradient compression and mixed precision are refused with tensor parallelism so far.
+    /// the mesh). The parameters every member holds whole start as member 0's. ZeRO-1/2 shard
+    /// the optimizer state over the data-parallel group; ZeRO-3, local SGD, gradient
+    /// compression and mixed precision are refused with a mesh so far.
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
         let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
         let pp = (mesh.size("pp") > 1).then(|| mesh.pp().clone());
+        if opts.ddp.zero_stage == 3 && (tp.is_some() || pp.is_some() || mesh.size("sp") > 1) {
+            return Err(Error::setting(
+                "ddp.zero_stage",
+                "ZeRO-3 with tensor, pipeline or sequence parallelism (Trainer::with_mesh) is not supported yet (ZeRO-1 and 2 are)",
+            ));
+        }
         let model = (tp.is_some() || pp.is_some()).then(|| mesh.model_parallel().clone());
         let place = Place { comm: mesh.replicas().clone(), rank: mesh.rank(), tp, pp, model, world: mesh.world().clone() };
         Self::build(varmap, place, opts, &[])
@@ -942,7 +949,7 @@ impl Trainer {
         let values = s.layout.gather(&self.params.to_flat()?)?;
         let mut states = Vec::new();
         for (name, v) in self.opt.state() {
-            states.push((name, s.layout.gather(v)?));
+            states.push((name, s.layout.gather(&self.unshard_state(v)?)?));
         }
         let mut saved = PendingSave { target: dir.join(format!("step-{:08}", self.steps)), thread: None };
         if s.layout.writes() {
@@ -961,6 +968,25 @@ impl Trainer {
         Ok(saved)
     }
 
+    /// ZeRO-1/2: collective over the data-parallel group; an optimizer state buffer of this
+    /// rank's shard spread over the trainer's flat layout, every rank's shard in place (each
+    /// element lives on one rank, so a sum puts them together). Without ZeRO, `v` as it is.
+    fn unshard_state(&self, v: &[f32]) -> Result<Vec<f32>> {
+        let Some(z) = &self.zero else { return Ok(v.to_vec()) };
+        let mut flat = vec![0f32; self.params.numel()];
+        z.scatter(self.ddp.ranges(), v, &mut flat);
+        self.comm.all_reduce(kolo_comm::BufMut::from(&mut flat[..]), kolo_comm::ReduceOp::Sum)?;
+        Ok(flat)
+    }
+
+    /// ZeRO-1/2: this rank's shard of a state buffer in the trainer's flat layout.
+    fn shard_state(&self, flat: Vec<f32>) -> Vec<f32> {
+        let Some(z) = &self.zero else { return flat };
+        let mut shard = vec![0f32; z.len];
+        z.gather(self.ddp.ranges(), &flat, &mut shard);
+        shard
+    }
+
     /// Tensor parallelism: reads a checkpoint of whole tensors into this member's pieces
     /// (`flat`, the trainer's layout) and optimizer state.
     fn load_whole(&mut self, path: &Path, flat: &mut Vec<f32>) -> Result<kolo_train::checkpointing::Resumed> {
@@ -971,7 +997,7 @@ impl Trainer {
         let ranges: Vec<_> = whole.iter().map(|p| p.range.clone()).collect();
         let r = load_checkpoint(path, &whole, &mut full, &mut opt, None, &ranges, &self.meta)?;
         *flat = t.layout.local(&full);
-        let states: Vec<(&str, Vec<f32>)> = opt.state().into_iter().map(|(n, v)| (n, t.layout.local(v))).collect();
+        let states: Vec<(&str, Vec<f32>)> = opt.state().into_iter().map(|(n, v)| (n, self.shard_state(t.layout.local(v)))).collect();
         self.opt.load_state(opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::resume", e))?;
         Ok(r)
     }
@@ -1123,7 +1149,7 @@ fn spread(
         return Ok((None, signature));
     }
     let unsupported = [
-        (opts.ddp.zero_stage != 0 || !groups.is_empty(), "ddp.zero_stage", "ZeRO"),
+        (opts.ddp.zero_stage == 3 || !groups.is_empty(), "ddp.zero_stage", "ZeRO-3"),
         (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", "local SGD"),
         (opts.ddp.compression.is_some(), "ddp.compression", "gradient compression"),
         (opts.train.precision != Precision::F32, "train.precision", "mixed precision"),

@@ -203,7 +203,7 @@ fn a_users_model_under_tp_and_dp_x_tp_matches_one_process() {
     assert_eq!(one.len(), 6, "fc1..fc3 weight and bias: {:?}", one.keys());
     let (_, moved) = worst(&one, &start);
     assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
-    for (n, mesh) in [(2, "--tp 2"), (3, "--tp 3"), (4, "--dp 2 --tp 2")] {
+    for (n, mesh) in [(2, "--tp 2"), (3, "--tp 3"), (4, "--dp 2 --tp 2"), (4, "--dp 2 --tp 2 --zero 2")] {
         let got = user_mesh(n, &format!("{sgd} {mesh}"), &dir.join(format!("n{n}")));
         let (k, d) = worst(&one, &got);
         assert!(d < 2e-6, "{mesh}: `{k}` differs from one process by {d}");
@@ -243,6 +243,16 @@ fn model_parallel_checkpoints_resume_in_one_process_and_the_other_way() {
     let resumed = user_mesh(3, &format!("{run} --pp 3 --micro 4 --resume {}", dir.join("one-half").display()), &dir.join("pp3-end"));
     let (k, d) = worst(&one, &resumed);
     assert!(d < 1e-5, "one process to pp 3: `{k}` differs from the uninterrupted run by {d}");
+    // dp 2 x tp 2 under ZeRO-1 (each rank holds half its piece's optimizer state) to one
+    // process, and back under ZeRO-2 with 2 stages x dp 2.
+    user_mesh(4, &format!("{run} --dp 2 --tp 2 --zero 1 --stop-at 3"), &dir.join("zero-half"));
+    let resumed = user_mesh(1, &format!("{run} --plain yes --resume {}", dir.join("zero-half").display()), &dir.join("zero-one-end"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 1e-5, "dp 2 x tp 2 under ZeRO-1 to one process: `{k}` differs from the uninterrupted run by {d}");
+    let resumed =
+        user_mesh(4, &format!("{run} --pp 2 --dp 2 --zero 2 --resume {}", dir.join("one-half").display()), &dir.join("zero-pp-end"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 1e-5, "one process to pp 2 x dp 2 under ZeRO-2: `{k}` differs from the uninterrupted run by {d}");
     // pp 2 x tp 2 to one process.
     user_mesh(4, &format!("{run} --pp 2 --tp 2 --stop-at 3"), &dir.join("3d-half"));
     let resumed = user_mesh(1, &format!("{run} --plain yes --resume {}", dir.join("3d-half").display()), &dir.join("3d-one-end"));
@@ -374,7 +384,11 @@ fn model_parallel_settings_it_cannot_run_are_refused() {
     for (n, args, want) in [
         (4, "--pp 4", "mesh: 3 layers cannot be cut into 4 pipeline stages"),
         (4, "--pp 2 --tp 2 --hidden 47", "ColumnParallelLinear `fc1`: 47 does not split into 2 equal tensor-parallel parts"),
-        (3, "--pp 3 --zero 1", "ddp.zero_stage: ZeRO with tensor or pipeline parallelism"),
+        (
+            3,
+            "--pp 3 --micro 1 --zero 3",
+            "ddp.zero_stage: ZeRO-3 with tensor, pipeline or sequence parallelism (Trainer::with_mesh) is not supported yet",
+        ),
     ] {
         let o = launch(n, "user_mesh", &format!("{args} --steps 1 --batch 24 --data {}", data.display()));
         let t = text(&o);
