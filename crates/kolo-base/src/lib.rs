@@ -278,3 +278,12 @@ macro_rules! eline {
         let _ = ::std::io::stderr().lock().write_all(line.as_bytes());
     }};
 }
+
+/// The memory the kernel could give this process now without swapping (`MemAvailable` of
+/// `/proc/meminfo`), in bytes; `None` where that file does not say.
+pub fn mem_available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

@@ -1178,6 +1178,35 @@ impl Config {
         }
     }
 
+    /// Bytes one rank's micro-batch of `data.batch_size` examples certainly needs: its input,
+    /// the activations backward keeps and the logits (a lower bound; the model, its
+    /// gradients and the optimizer's state come on top).
+    pub fn batch_memory_floor(&self, vocab: usize) -> u64 {
+        let per_example = match self.model_spec(vocab) {
+            ModelSpec::Mlp { input, hidden, classes } => input + hidden.iter().sum::<usize>() + classes,
+            ModelSpec::Cnn { classes, .. } => 784 + classes,
+            ModelSpec::Gpt(g) => g.seq * (g.d_model * (g.n_layer + 1) + g.vocab),
+        };
+        (self.data.batch_size as u64).saturating_mul(per_example as u64).saturating_mul(4)
+    }
+
+    /// Refuses a batch whose [`Config::batch_memory_floor`] exceeds the memory this machine has
+    /// available (`available`, bytes), before anything that size is allocated: an allocation
+    /// that fails aborts the process.
+    pub fn check_batch_memory(&self, vocab: usize, available: Option<u64>) -> Result<(), String> {
+        let (need, Some(have)) = (self.batch_memory_floor(vocab), available) else { return Ok(()) };
+        if need <= have {
+            return Ok(());
+        }
+        let gb = |b: u64| b as f64 / 1e9;
+        Err(format!(
+            "data.batch_size = {}: one micro-batch needs at least {:.1} GB (its input, activations and logits) but this machine has {:.1} GB available: lower data.batch_size (train.grad_accum keeps the examples per step)",
+            self.data.batch_size,
+            gb(need),
+            gb(have)
+        ))
+    }
+
     pub fn optimizer(&self) -> OptimizerSpec {
         self.optim.spec()
     }

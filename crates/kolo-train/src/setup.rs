@@ -121,8 +121,11 @@ pub struct Data {
 /// Loads `[data]` (rank `rank` of the run, for synthetic data).
 pub fn load_data(cfg: &Config, rank: usize) -> Result<Data, TrainError> {
     let d = &cfg.data;
+    // Before a dataset or batch of that size exists (a failed allocation aborts).
+    let fits = |vocab: usize| cfg.check_batch_memory(vocab, kolo_base::mem_available()).map_err(TrainError::Config);
     match d.kind {
         DataKind::Mnist => {
+            fits(10)?;
             let dir = PathBuf::from(d.path.as_deref().unwrap_or_default());
             if !dir.is_dir() {
                 return Err(TrainError::Data(format!(
@@ -147,10 +150,12 @@ pub fn load_data(cfg: &Config, rank: usize) -> Result<Data, TrainError> {
             })?;
             let name = path.to_string();
             let vocab = CharVocab::from_text(&text);
+            fits(vocab.len())?;
             let (train, eval) = text_split(&text, &vocab, seq.min(text.len() / 4).max(1), d.train_fraction, &name)?;
             Ok(Data { train: Arc::new(train), eval: Arc::new(eval), vocab_size: vocab.len(), vocab: Some(vocab) })
         }
         DataKind::Synthetic => {
+            fits(if cfg.model.kind == crate::config::ModelKind::Gpt { 65 } else { 10 })?;
             let n = d.synthetic_examples.unwrap_or(d.batch_size);
             let seed = 1234 + rank as u64;
             let ds: Arc<dyn Dataset> = match cfg.model.kind {

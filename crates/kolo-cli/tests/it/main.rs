@@ -375,6 +375,37 @@ fn launched_training_runs_end_to_end_and_missing_data_is_an_error() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A batch too large for this machine is a config error on every rank, estimated before
+/// anything that size is allocated (issue #34 item 10: a failed allocation aborted the process
+/// with SIGABRT and a backtrace): synthetic MLP batches of 10^12 examples, and a GPT batch whose
+/// logits alone would not fit.
+#[test]
+fn a_batch_too_large_for_memory_is_a_config_error() {
+    let dir = fresh_dir("huge-batch");
+    let cfg = dir.join("huge.toml");
+    for (job, batch) in [
+        ("[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\n".to_string(), "1000000000000"),
+        (
+            format!(
+                "[model]\nkind = \"gpt\"\nseq = 64\nd_model = 32\nn_head = 2\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"{}\"\n",
+                shakespeare()
+            ),
+            "100000000000",
+        ),
+    ] {
+        std::fs::write(&cfg, format!("{job}batch_size = {batch}\n[train]\nsteps = 2\n")).unwrap();
+        let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+        let t = text(&o);
+        assert!(!o.status.success() && !t.contains("memory allocation") && !t.contains("signal"), "{t}");
+        for r in 0..2 {
+            assert!(
+                t.contains(&format!("[rank {r}] error: config error: data.batch_size = {batch}: one micro-batch needs at least")),
+                "{t}"
+            );
+        }
+    }
+}
+
 /// An empty directory of this test process's, named by `tag`.
 fn fresh_dir(tag: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("kolo-{tag}-{}", std::process::id()));

@@ -145,3 +145,25 @@ fn bad_inputs_give_clear_errors() {
     assert!(e[0].to_string().contains("corrupt"), "{}", e[0]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The memory a micro-batch certainly needs is estimated from the model and the batch, and a
+/// batch that exceeds what the machine has available is refused naming both (issue #34).
+#[test]
+fn a_batch_is_checked_against_the_memory_available() {
+    let mlp =
+        Config::parse("[model]\nkind = \"mlp\"\nhidden = [512, 512]\n[data]\nkind = \"synthetic\"\nbatch_size = 1000\n", "m.toml").unwrap();
+    // 1000 x (784 + 512 + 512 + 10) floats.
+    assert_eq!(mlp.batch_memory_floor(10), 1000 * 1818 * 4);
+    assert!(mlp.check_batch_memory(10, Some(8 << 30)).is_ok());
+    assert!(mlp.check_batch_memory(10, None).is_ok(), "unknown memory: not refused");
+    let e = mlp.check_batch_memory(10, Some(1 << 20)).unwrap_err();
+    assert!(e.starts_with("data.batch_size = 1000: one micro-batch needs at least 0.0 GB") && e.contains("0.0 GB available"), "{e}");
+    let gpt = Config::parse(
+        "[model]\nkind = \"gpt\"\nseq = 128\nd_model = 64\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"x\"\nbatch_size = 100000\n",
+        "g.toml",
+    )
+    .unwrap();
+    // 100000 x 128 positions x (64 x 3 + 65) floats: 13.2 GB.
+    assert_eq!(gpt.batch_memory_floor(65), 100_000 * 128 * (64 * 3 + 65) * 4);
+    assert!(gpt.check_batch_memory(65, Some(8 << 30)).unwrap_err().contains("needs at least 13.2 GB"));
+}
