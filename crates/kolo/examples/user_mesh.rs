@@ -15,7 +15,8 @@
 //! a safetensors file), --save-init FILE (write the whole initial weights there and stop),
 //! --zero S (0), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
 //! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh),
-//! --slow-rank R (that rank's forward takes 5 ms longer: a straggler for the log to name).
+//! --slow-rank R (that rank's forward takes 5 ms longer: a straggler for the log to name),
+//! --resume-only R (only that rank resumes: a mistake the trainer must name).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
@@ -111,7 +112,9 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     }
     let mut trainer = kolo::Trainer::with_mesh(&varmap, &mesh, opts)?;
     let resume = arg("--resume", "");
-    if !resume.is_empty() {
+    // --resume-only R: a mistake on purpose, only rank R resumes (the trainer refuses it).
+    let only = arg("--resume-only", "none").parse::<usize>().ok();
+    if !resume.is_empty() && only.is_none_or(|r| r == dist.rank()) {
         trainer.resume(&resume)?;
     }
     let schedule = if arg("--schedule", "1f1b") == "gpipe" { kolo::pp::Schedule::GPipe } else { kolo::pp::Schedule::OneFOneB };

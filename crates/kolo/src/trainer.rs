@@ -348,6 +348,9 @@ pub struct Trainer {
     rank: usize,
     /// Tensor or pipeline parallelism: how the model is spread over ranks.
     spread: Option<Spread>,
+    /// Every rank of the job, and whether they agreed on the step they started from.
+    world: Arc<dyn Communicator>,
+    start_agreed: bool,
 }
 
 /// Where a trainer runs: its data-parallel group, this process's rank in the job, and the
@@ -468,7 +471,7 @@ impl Trainer {
             ));
         }
         kolo_train::summary::retain_freed_memory();
-        let (comm, rank) = (place.comm.clone(), place.rank);
+        let (comm, rank, world) = (place.comm.clone(), place.rank, place.world.clone());
         let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
         let (spread, whole_signature) = spread(&place, &params, &ids, &opts, groups)?;
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
@@ -553,6 +556,8 @@ impl Trainer {
             timeline: opts.train.timeline_dir.as_ref().map(|_| Timeline::new(rank)),
             rank,
             spread,
+            world,
+            start_agreed: false,
             saving: None,
             opts,
         })
@@ -729,6 +734,7 @@ impl Trainer {
             self.micro = 0;
             self.steps += 1;
             self.step_start = None;
+            self.agree_on_start()?;
             self.after_step(t0, backward_end, &stats, lr)?;
             return Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, 0.0)), skipped: false });
         }
@@ -762,9 +768,35 @@ impl Trainer {
         self.micro = 0;
         self.steps += 1;
         self.step_start = None;
+        self.agree_on_start()?;
         self.after_step(t0, backward_end, &stats, lr)?;
         let comm = Some((stats.wait, stats.hidden_fraction()));
         Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm, skipped: !applied })
+    }
+
+    /// Collective over the job, after the first step of a run (and of a resume), before any
+    /// report or checkpoint: every rank began at the same step. A rank that resumed a
+    /// checkpoint the others did not (or another one) would otherwise train on silently, its
+    /// model apart from theirs.
+    fn agree_on_start(&mut self) -> Result<()> {
+        if self.start_agreed {
+            return Ok(());
+        }
+        let mine = [self.steps as i64 - 1];
+        let mut all = vec![0i64; self.world.world_size().get()];
+        self.world.all_gather(kolo_comm::BufRef::from(&mine[..]), kolo_comm::BufMut::from(&mut all[..]))?;
+        if let Some((r, s)) = all.iter().enumerate().find(|(_, s)| **s != mine[0]) {
+            return Err(Error::usage(
+                self.rank,
+                "Trainer::update",
+                format!(
+                    "rank {r} started at step {s}, this rank at step {}: call Trainer::resume with the same checkpoint on every rank, or on none",
+                    mine[0]
+                ),
+            ));
+        }
+        self.start_agreed = true;
+        Ok(())
     }
 
     /// A local SGD step: this rank's own accumulated gradient, clipped by its own norm, is
@@ -1035,6 +1067,7 @@ impl Trainer {
         self.steps = r.step;
         self.data_pos = r.pos;
         self.micro = 0;
+        self.start_agreed = false;
         self.step_start = None;
         self.window_loss = (0.0, 0);
         // The report restarts at the resumed step (its endpoint and files are reopened).

@@ -408,3 +408,22 @@ fn a_straggler_on_a_mesh_is_named_by_its_rank_in_the_job() {
     let t = text(&o);
     assert!(o.status.success() && t.contains("step 20: straggler: rank 2 computes"), "{t}");
 }
+
+/// A checkpoint resumed on one rank only is refused on every rank at the first step, naming
+/// both steps (issue #34 item 10: the ranks trained on apart, or failed later with a
+/// collective mismatch), before any report or checkpoint.
+#[test]
+fn a_resume_on_one_rank_only_is_named() {
+    let data = kolo_testkit::files::mnist_dir();
+    let dir = fresh_dir("resume-one");
+    let run = format!("--dp 2 --hidden 48 --steps 6 --batch 24 --data {}", data.display());
+    let o = launch(2, "user_mesh", &format!("{run} --stop-at 3 --out {}", dir.join("half").display()));
+    assert!(o.status.success(), "{}", text(&o));
+    let args = format!("{run} --resume {} --resume-only 1 --out {}", dir.join("half").display(), dir.join("end").display());
+    let o = launch(2, "user_mesh", &args);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("rank 0: Trainer::update: rank 1 started at step 3, this rank at step 0"), "{t}");
+    assert!(t.contains("rank 1: Trainer::update: rank 0 started at step 0, this rank at step 3"), "{t}");
+    assert!(!dir.join("end").exists(), "nothing was written");
+}
