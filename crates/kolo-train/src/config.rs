@@ -434,6 +434,20 @@ pub struct TrainConfig {
     /// `ddp` (default: all-reduce, ZeRO; see `[ddp]`) or `ps` (parameter servers; see `[ps]`,
     /// start with `kolo ps run`).
     pub strategy: Strategy,
+    /// What a step whose gradients hold a NaN or an infinity does: `stop` (default: the run
+    /// stops at the next log step whose loss, averaged over the ranks, is not finite) or
+    /// `skip` (every rank skips the step, leaving the parameters and optimizer state alone,
+    /// and training goes on; the skipped steps are counted, as f16's overflows are).
+    pub on_nonfinite: OnNonFinite,
+}
+
+/// `[train] on_nonfinite`.
+#[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    #[default]
+    Stop,
+    Skip,
 }
 
 #[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -538,6 +552,7 @@ impl Default for TrainConfig {
             progress: true,
             device: "cpu".into(),
             strategy: Strategy::Ddp,
+            on_nonfinite: OnNonFinite::Stop,
         }
     }
 }
@@ -1086,6 +1101,11 @@ impl Config {
         let grouped = self.train.strategy == Strategy::Ddp && self.pipeline.is_none() && m.sp == 1 && m.ep == 1 && self.fed.is_none();
         if !grouped && self.optim.non_uniform() {
             return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP or tensor parallelism: pipelines, sequence and expert parallelism, parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
+        }
+        let plain =
+            grouped && self.ddp.schedule.is_none() && !self.ddp.deterministic && self.ddp.local_sgd.is_none() && !self.ddp.skip_sync;
+        if self.train.on_nonfinite == OnNonFinite::Skip && !plain {
+            return Err("train.on_nonfinite = \"skip\" needs the data-parallel loop (DDP, ZeRO, tensor parallelism): deterministic mode, local SGD, skip_sync, scheduled DDP, pipelines, sequence and expert parallelism, parameter servers and federated averaging stop on a non-finite loss".into());
         }
         if self.sharding()? != kolo_ddp::Sharding::None && self.ddp.skip_sync {
             return Err("ddp.skip_sync (a benchmark mode without gradient exchange) needs ddp.zero_stage = 0".into());

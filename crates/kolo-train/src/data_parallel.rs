@@ -54,6 +54,8 @@ pub struct DataParallel<'a> {
     meta: BTreeMap<String, String>,
     numel: usize,
     inject_inf_at: Option<u64>,
+    /// `train.on_nonfinite = "skip"`: the steps skipped so far.
+    nonfinite_skipped: u64,
 }
 
 impl<'a> DataParallel<'a> {
@@ -160,6 +162,7 @@ impl<'a> DataParallel<'a> {
             meta,
             numel,
             inject_inf_at: opts.inject_inf_at,
+            nonfinite_skipped: 0,
             ddp,
         };
         Ok((s, start))
@@ -280,12 +283,17 @@ impl<'a> DataParallel<'a> {
             scaler: self.scaler.as_mut(),
             tp: self.tp_split.as_deref().zip(group),
             inject_inf: self.inject_inf_at == Some(step) && self.comm.rank().get() == 0,
+            skip_nonfinite: cfg.train.on_nonfinite == crate::config::OnNonFinite::Skip,
             norm: None,
         };
         let mut prepare = |g: &mut kolo_ddp::BucketGrads<'_>, sharded: bool| prep.run(g, sharded);
         let params = self.model.params();
-        let (stats, _) =
+        let (stats, applied) =
             crate::update::apply_update(&self.ddp, params, &mut self.opt, self.zero.as_ref(), &mut self.master, lr, &mut prepare)?;
+        // f16's scaler counts its own skipped steps.
+        if !applied && cfg.train.precision != crate::config::Precision::F16 {
+            self.nonfinite_skipped += 1;
+        }
         out.comm_spans = stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
         out.rec.wait_ms = Some(stats.wait.as_secs_f64() * 1e3);
         out.rec.hidden = Some(stats.hidden_fraction());
@@ -401,7 +409,7 @@ impl Strategy for DataParallel<'_> {
         } else {
             self.bucket_update(ctx.step, ctx.lr, &mut out)?;
         }
-        out.rec.skipped_steps = self.scaler.as_ref().map_or(0, LossScaler::skipped);
+        out.rec.skipped_steps = self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped;
         Ok(out)
     }
 
@@ -450,7 +458,7 @@ impl Strategy for DataParallel<'_> {
         Ok(Finish {
             params: self.whole_params()?,
             states: self.states(),
-            skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped),
+            skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped,
             loss_scale: self.scaler.as_ref().map(LossScaler::scale),
             moe,
             pipeline_bubble: None,

@@ -340,7 +340,7 @@ pub fn drive(
         }
         if report.is_log_step(done, end) {
             report.window(s.comm(), done, out.loss, lr, batches.pos.epoch, &out.note)?;
-            if let Some(why) = report.diverged(done, cfg.train.precision) {
+            if let Some(why) = report.diverged(done, &cfg.train) {
                 return Err(TrainError::Data(why));
             }
             if let Some((rank, lag, what)) = s.straggler()? {

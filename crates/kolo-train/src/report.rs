@@ -210,10 +210,12 @@ impl Reporter {
     /// After [`Reporter::window`]: the error that stops a diverged run, when the loss averaged
     /// over the ranks is NaN or infinite (the same value on every rank, so every rank stops at
     /// the same step). f16's loss scaler skips such steps by itself.
-    pub fn diverged(&self, done: u64, precision: crate::config::Precision) -> Option<String> {
-        (!self.last_loss.is_finite() && precision != crate::config::Precision::F16).then(|| {
+    /// With `train.on_nonfinite = "skip"` the run goes on: its non-finite steps were skipped.
+    pub fn diverged(&self, done: u64, tc: &crate::config::TrainConfig) -> Option<String> {
+        let stops = tc.precision != crate::config::Precision::F16 && tc.on_nonfinite == crate::config::OnNonFinite::Stop;
+        (!self.last_loss.is_finite() && stops).then(|| {
             format!(
-                "step {done}: the loss averaged over the ranks is {}: the run diverged (lower optim.lr, set optim.clip_grad_norm, or train in bf16)",
+                "step {done}: the loss averaged over the ranks is {}: the run diverged (lower optim.lr, set optim.clip_grad_norm, train in bf16, or skip such steps with train.on_nonfinite = \"skip\")",
                 self.last_loss
             )
         })

@@ -109,6 +109,9 @@ pub struct GradPrep<'a> {
     pub tp: Option<(&'a [bool], &'a dyn kolo_base::GroupSum)>,
     /// Test hook: this rank's gradients overflow.
     pub inject_inf: bool,
+    /// `train.on_nonfinite = "skip"`: a step whose gradients hold a NaN or an infinity on any
+    /// rank is skipped on every rank.
+    pub skip_nonfinite: bool,
     /// The global gradient norm (before clipping, unscaled) of the last step, when clipping.
     pub norm: Option<f64>,
 }
@@ -120,7 +123,7 @@ impl GradPrep<'_> {
         if self.inject_inf {
             g.scale(f32::INFINITY);
         }
-        if self.clip.is_none() && self.scaler.is_none() {
+        if self.clip.is_none() && self.scaler.is_none() && !self.skip_nonfinite {
             return Ok(true);
         }
         let inv = self.scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale());
@@ -138,11 +141,21 @@ impl GradPrep<'_> {
         if sharded && self.clip.is_some() {
             self.comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
         }
-        if let Some(s) = self.scaler.as_mut() {
-            // Every rank skips, or none does.
+        if self.scaler.is_some() || self.skip_nonfinite {
+            // Every rank skips, or none does (a tensor-parallel group's members too: each
+            // looked at its own pieces).
             let mut bad = [u8::from(!sq[0].is_finite())];
             self.comm.all_reduce(BufMut::from(&mut bad[..]), ReduceOp::Max)?;
-            if !s.update(bad[0] == 1) {
+            if let Some((_, group)) = self.tp.filter(|_| self.clip.is_none()) {
+                let mut any = [f32::from(bad[0])];
+                group.sum(&mut any).map_err(TrainError::Other)?;
+                bad[0] = u8::from(any[0] > 0.0);
+            }
+            let skip = match self.scaler.as_mut() {
+                Some(s) => !s.update(bad[0] == 1),
+                None => bad[0] == 1,
+            };
+            if skip {
                 return Ok(false);
             }
         }

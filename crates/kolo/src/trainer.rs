@@ -351,6 +351,8 @@ pub struct Trainer {
     /// Every rank of the job, and whether they agreed on the step they started from.
     world: Arc<dyn Communicator>,
     start_agreed: bool,
+    /// `train.on_nonfinite = "skip"`: the steps skipped so far.
+    nonfinite_skipped: u64,
 }
 
 /// Where a trainer runs: its data-parallel group, this process's rank in the job, and the
@@ -558,6 +560,7 @@ impl Trainer {
             spread,
             world,
             start_agreed: false,
+            nonfinite_skipped: 0,
             saving: None,
             opts,
         })
@@ -744,6 +747,7 @@ impl Trainer {
             scaler: self.scaler.as_mut(),
             tp: self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0)),
             inject_inf: false,
+            skip_nonfinite: self.opts.train.on_nonfinite == kolo_train::config::OnNonFinite::Skip,
             norm: None,
         };
         let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| prep.run(g, sharded);
@@ -759,6 +763,8 @@ impl Trainer {
         let norm = prep.norm;
         if applied {
             publish(&self.params, &self.model_vars, self.compute)?;
+        } else if self.scaler.is_none() {
+            self.nonfinite_skipped += 1;
         }
         if let Some(z) = &self.zero3 {
             // The shards changed: every gathered copy is stale.
@@ -827,13 +833,13 @@ impl Trainer {
                 wait_ms: Some(stats.wait.as_secs_f64() * 1e3),
                 comm_bytes: Some(stats.bytes),
                 hidden: Some(stats.hidden_fraction()),
-                skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped),
+                skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped,
             };
             r.record(done, rec);
             if r.is_log_step(done, end) {
                 let (sum, n) = std::mem::take(&mut self.window_loss);
                 r.window(&*self.comm, done, sum / n.max(1) as f64, lr, 0, "")?;
-                if let Some(why) = r.diverged(done, self.opts.train.precision) {
+                if let Some(why) = r.diverged(done, &self.opts.train) {
                     return Err(Error::usage(self.comm.rank().get(), "Trainer::update", why));
                 }
             }

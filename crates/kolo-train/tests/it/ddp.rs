@@ -321,3 +321,46 @@ fn freed_memory_stays_in_the_process_during_training() {
     let again = cycle();
     assert!(again < 1000, "a reused 48 MiB block page-faulted {again} times");
 }
+
+/// `[train] on_nonfinite = "skip"` (issue #34 item 2): a step whose gradients hold an infinity
+/// on one rank (the injection hook, rank 0, step 1) is skipped on every rank, under DDP and
+/// ZeRO-2, in f32: it is counted, and the run that skipped step 1 ends its step 1 with the
+/// parameters of a clean run stopped after step 0; training goes on to the end. Without the
+/// setting the same injection stops the run at the next log step, naming the setting.
+#[test]
+fn a_non_finite_step_is_skipped_on_every_rank_when_asked() {
+    for stage in [0, 2] {
+        let cfg = |extra: &str| {
+            mnist_cfg(
+                &format!("[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 3\nlog_every = 1\n{extra}[ddp]\nzero_stage = {stage}\n"),
+                16,
+            )
+        };
+        let skip = cfg("on_nonfinite = \"skip\"\n");
+        let inject = |stop_after| RunOptions { inject_inf_at: Some(1), stop_after, quiet: true, ..Default::default() };
+        let s = &train_on(2, &skip, &inject(None))[0];
+        assert_eq!(s.skipped_steps, 1, "ZeRO-{stage}");
+        assert!(s.last_loss.is_finite() && s.params.iter().all(|v| v.is_finite()));
+        let a = &train_on(2, &skip, &inject(Some(2)))[0];
+        let b = &train_on(2, &skip, &RunOptions { stop_after: Some(1), quiet: true, ..Default::default() })[0];
+        assert_eq!(a.params, b.params, "ZeRO-{stage}: the skipped step left the parameters alone");
+        let stop = cfg("");
+        let errs = run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |_, c| {
+            run(&stop, Arc::new(c) as Arc<dyn Communicator>, &inject(None)).err().map(|e| e.to_string())
+        });
+        for e in errs {
+            let e = e.expect("the run stops");
+            assert!(e.contains("the run diverged") && e.contains("train.on_nonfinite = \"skip\""), "{e}");
+        }
+    }
+    let e = Config::parse(
+        &format!(
+            "[model]\nkind = \"mlp\"\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n[train]\non_nonfinite = \"skip\"\n[ddp]\ndeterministic = true\n",
+            kolo_testkit::files::mnist_dir().display()
+        ),
+        "cfg.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("train.on_nonfinite = \"skip\" needs the data-parallel loop"), "{e}");
+}

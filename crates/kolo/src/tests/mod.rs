@@ -844,3 +844,27 @@ fn logs_metrics_and_periodic_checkpoints() {
 
 #[cfg(feature = "hf")]
 mod hf;
+
+/// `train.on_nonfinite = "skip"` in the library: a step whose loss (so every gradient) is NaN
+/// is skipped (`StepOutput::skipped`), the parameters and the optimizer stay as they were, and
+/// the steps around it train; without the setting the same NaN stops the run at its log step.
+#[test]
+fn a_non_finite_step_is_skipped_by_the_library_when_asked() {
+    let dist = world_of_one();
+    let m = small();
+    let sgd = "[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 3\nlog_every = 1\n";
+    let mut t = Trainer::new(&m.varmap, &dist, opts(&format!("{sgd}on_nonfinite = \"skip\"\n"))).unwrap();
+    let (x, y) = batch(8, 0);
+    assert!(!t.step(|| m.loss(&x, &y)).unwrap().skipped);
+    let after_first = t.flat_params().unwrap();
+    let out = t.step(|| m.loss(&x, &y)? * f64::NAN).unwrap();
+    assert!(out.skipped && out.stepped);
+    assert_eq!(t.flat_params().unwrap(), after_first, "the skipped step left the parameters alone");
+    assert!(!t.step(|| m.loss(&x, &y)).unwrap().skipped);
+    assert!(t.flat_params().unwrap().iter().all(|v| v.is_finite()) && t.flat_params().unwrap() != after_first);
+    let m = small();
+    let mut t = Trainer::new(&m.varmap, &dist, opts(sgd)).unwrap();
+    t.step(|| m.loss(&x, &y)).unwrap();
+    let e = t.step(|| m.loss(&x, &y)? * f64::NAN).unwrap_err().to_string();
+    assert!(e.contains("the run diverged"), "{e}");
+}
