@@ -351,6 +351,8 @@ pub struct Trainer {
     /// Every rank of the job, and whether they agreed on the step they started from.
     world: Arc<dyn Communicator>,
     start_agreed: bool,
+    /// Replicas reading their own batches (the global batch, the checkpoint's world size).
+    data_replicas: usize,
     /// `train.on_nonfinite = "skip"`: the steps skipped so far.
     nonfinite_skipped: u64,
 }
@@ -365,11 +367,14 @@ struct Place {
     /// The ranks of one replica (every stage and piece), when there are several.
     model: Option<Arc<dyn Communicator>>,
     world: Arc<dyn Communicator>,
+    /// Replicas reading their own batches (a mesh's `dp`; its `sp` ranks share theirs).
+    data_replicas: usize,
 }
 
 impl Place {
     fn of(dist: &Dist) -> Place {
-        Place { comm: dist.comm().clone(), rank: dist.rank(), tp: None, pp: None, model: None, world: dist.comm().clone() }
+        let data_replicas = dist.world_size();
+        Place { comm: dist.comm().clone(), rank: dist.rank(), tp: None, pp: None, model: None, world: dist.comm().clone(), data_replicas }
     }
 }
 
@@ -435,7 +440,8 @@ impl Trainer {
             ));
         }
         let model = (tp.is_some() || pp.is_some()).then(|| mesh.model_parallel().clone());
-        let place = Place { comm: mesh.replicas().clone(), rank: mesh.rank(), tp, pp, model, world: mesh.world().clone() };
+        let (comm, world, data_replicas) = (mesh.replicas().clone(), mesh.world().clone(), mesh.size("dp"));
+        let place = Place { comm, rank: mesh.rank(), tp, pp, model, world, data_replicas };
         Self::build(varmap, place, opts, &[])
     }
 
@@ -473,7 +479,7 @@ impl Trainer {
             ));
         }
         kolo_train::summary::retain_freed_memory();
-        let (comm, rank, world) = (place.comm.clone(), place.rank, place.world.clone());
+        let (comm, rank, world, data_replicas) = (place.comm.clone(), place.rank, place.world.clone(), place.data_replicas);
         let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
         let (spread, whole_signature) = spread(&place, &params, &ids, &opts, groups)?;
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
@@ -525,14 +531,14 @@ impl Trainer {
         let mut meta = BTreeMap::new();
         meta.insert("kolo.model".to_string(), model_fingerprint(&whole_signature));
         meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optimizer_spec()));
-        meta.insert("kolo.world_size".to_string(), comm.world_size().get().to_string());
+        meta.insert("kolo.world_size".to_string(), data_replicas.to_string());
         // The sampler's position is rescaled by examples when a checkpoint is resumed at another
         // world size; `[data] batch_size` is the per-rank batch it counts in.
         meta.insert("kolo.batch_size".to_string(), opts.data.batch_size.max(1).to_string());
         meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
         meta.insert("kolo.precision".to_string(), format!("{compute:?}"));
         let local = vec![0f32; params.numel()];
-        let report = Some(reporter(&opts, rank, comm.world_size().get(), 0)?);
+        let report = Some(reporter(&opts, rank, data_replicas, 0)?);
         Ok(Trainer {
             comm,
             params,
@@ -560,6 +566,7 @@ impl Trainer {
             spread,
             world,
             start_agreed: false,
+            data_replicas,
             nonfinite_skipped: 0,
             saving: None,
             opts,
@@ -887,7 +894,7 @@ impl Trainer {
     /// The learning rate of the next optimizer step (warm-up, then the schedule).
     pub fn lr(&self) -> f32 {
         let o = &self.opts.optim;
-        let global = self.opts.data.batch_size * self.comm.world_size().get() * self.opts.train.grad_accum.max(1) as usize;
+        let global = self.opts.data.batch_size * self.data_replicas * self.opts.train.grad_accum.max(1) as usize;
         lr_at(o.base_lr(global), &o.schedule(), o.warmup_steps, self.opts.train.steps, self.steps)
     }
 
@@ -1078,7 +1085,7 @@ impl Trainer {
         self.window_loss = (0.0, 0);
         // The report restarts at the resumed step (its endpoint and files are reopened).
         self.report = None;
-        self.report = Some(reporter(&self.opts, self.rank, self.comm.world_size().get(), r.step)?);
+        self.report = Some(reporter(&self.opts, self.rank, self.data_replicas, r.step)?);
         Ok(r.step)
     }
 }
