@@ -51,3 +51,10 @@ pub fn hf_gpt2_tiny() -> PathBuf {
 pub fn hf_llama_tiny() -> PathBuf {
     repo_root().join("test-data/hf/llama-tiny")
 }
+
+/// A tiny model of a Llama-style architecture beside Llama (`qwen2`, `mistral` or `llama3`)
+/// saved by `transformers`, with its logits, in `test-data/hf/{arch}-tiny`
+/// (`make_family_reference.py`, which says what each exercises).
+pub fn hf_tiny(arch: &str) -> PathBuf {
+    repo_root().join(format!("test-data/hf/{arch}-tiny"))
+}

@@ -1,19 +1,22 @@
-//! Fine-tune a Hugging Face causal language model (GPT-2 or Llama) under Kolo's DDP or ZeRO and
-//! export it for `transformers`.
+//! Fine-tune a Hugging Face causal language model (GPT-2, or a Llama-style model: Llama, Llama 3,
+//! Mistral, Qwen2) under Kolo's DDP, ZeRO or a model-parallel mesh and export it for `transformers`.
 //!
 //!   cargo run --release --example hf_finetune -- --model DIR --out DIR
 //!   kolo launch -n 2 -- target/release/examples/hf_finetune --model DIR --out DIR --zero 1
 //!
-//! DIR holds `config.json` and `model.safetensors` as `save_pretrained` writes them (default:
-//! test-data/hf/gpt2-tiny, a small random GPT-2 made by transformers; test-data/hf/llama-tiny is
-//! a Llama-style one). The text (--text,
+//! DIR holds `config.json` and `model.safetensors` (or the shards of
+//! `model.safetensors.index.json`) as `save_pretrained` writes them (default:
+//! test-data/hf/gpt2-tiny, a small random GPT-2 made by transformers; test-data/hf/llama-tiny,
+//! qwen2-tiny, mistral-tiny and llama3-tiny are Llama-style ones). The text (--text,
 //! default data/tinyshakespeare.txt) is cut into windows of --seq + 1 tokens, a token being a
 //! byte of the text modulo the vocabulary; with --shards SHARDS the windows come from token
 //! shards that `kolo data prepare` wrote with the model's tokenizer. When DIR has
 //! `reference.safetensors` (token ids and transformers' logits for them), the loaded model's
-//! logits are compared with it first, and the exported model's logits on those ids are written
-//! to `OUT/kolo_logits.safetensors` for `test-data/hf/check_export.py OUT` to compare with
-//! what transformers computes from the export.
+//! logits are compared with it first, and the exported model's logits on those ids (Kolo's,
+//! from the files it wrote) are written to `OUT/kolo_logits.safetensors` for
+//! `test-data/hf/check_export.py OUT` to compare with what transformers computes from the
+//! export. The export is written in --dtype f32|bf16|f16 (f32), in files of at most
+//! --max-shard-size BYTES (one file).
 //!
 //! Flags: --steps N (20), --batch B per data-parallel rank (4), --seq T (32), --optim adamw|sgd,
 //! --lr (1e-3), --clip C (1.0; `none`), --zero 0|1|2|3 (3: the model's blocks are sharded
@@ -109,22 +112,30 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
             100.0 * (k - 1.0) / (m + k - 1.0)
         );
     }
-    // A pipeline's stages hold parts of the model: its logits come from the export below.
-    let mut logits = ids.as_ref().filter(|_| pp * sp == 1).map(|ids| model.forward(ids)).transpose()?;
+    let mut logits = None;
     // ZeRO-3: the whole model is gathered into its variables (a collective) for the export.
     trainer.unshard()?;
     // Tensor and pipeline parallelism: the whole tensors put together from every rank's.
     let whole = if tp > 1 || pp > 1 { mesh.whole_varmap(&varmap)? } else { None };
     if dist.is_main() {
-        model.save_pretrained(Path::new(&out), whole.as_ref().unwrap_or(&varmap))?;
-        if let (Some(ids), true) = (&ids, pp * sp > 1) {
+        let dtype = match arg("--dtype", "f32").as_str() {
+            "f32" => DType::F32,
+            "bf16" => DType::BF16,
+            "f16" => DType::F16,
+            d => anyhow::bail!("--dtype {d}: f32, bf16 or f16"),
+        };
+        let max_shard_size = args.iter().any(|a| a == "--max-shard-size").then(|| arg("--max-shard-size", "").parse()).transpose()?;
+        let save = kolo::hf::SaveOptions { dtype, max_shard_size };
+        model.save_pretrained_with(Path::new(&out), whole.as_ref().unwrap_or(&varmap), &save)?;
+        // The logits of what was written (a pipeline's stages, a bf16 export, hold less).
+        if let Some(ids) = &ids {
             logits = Some(kolo::hf::load_causal_lm(Path::new(&out), &dist.device())?.1.forward(ids)?);
         }
         if let (Some(ids), Some(l)) = (&ids, &logits) {
             let t = [("ids".to_string(), ids.to_dtype(DType::I64)?), ("logits".to_string(), l.clone())];
             candle_core::safetensors::save(&t.into_iter().collect(), Path::new(&out).join("kolo_logits.safetensors"))?;
         }
-        println!("exported {out} (config.json, model.safetensors) after {steps} steps on {} ranks ({mesh:?})", dist.world_size());
+        println!("exported {out} ({dtype:?}) after {steps} steps on {} ranks ({mesh:?})", dist.world_size());
     }
     dist.barrier()?;
     Ok(logits)

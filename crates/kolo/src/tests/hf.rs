@@ -258,3 +258,205 @@ fn hugging_face_models_that_do_not_split_are_named() {
         });
     }
 }
+
+/// Copies the checkpoint directory `src` to a fresh temporary directory named after `what`.
+fn copy_checkpoint(src: &std::path::Path, what: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("kolo-hf-{what}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(src).unwrap().flatten() {
+        std::fs::copy(f.path(), dir.join(f.file_name())).unwrap();
+    }
+    dir
+}
+
+/// The reference ids and logits of a checkpoint made by `transformers`.
+fn reference(dir: &std::path::Path) -> (Tensor, Tensor) {
+    let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone())
+}
+
+/// Qwen2 (q/k/v biases, tied embeddings, a sliding window on its second layer only), Mistral
+/// (a sliding window of 5 over 16 tokens) and Llama 3's rotary scaling, each saved by
+/// `transformers`, give its logits within 1e-4 and leave nothing unused. Each feature matters:
+/// the same checkpoint with the feature's config key taken out gives logits off by more than
+/// 0.05 (so the reference could not pass without it). Each trains (a few SGD steps lower the
+/// loss) and saves back to the same logits bitwise.
+#[test]
+fn qwen2_mistral_and_llama3_load_with_transformers_logits_and_train() {
+    for (arch, without) in [
+        (
+            "qwen2",
+            vec![
+                ("\"use_sliding_window\": true", "\"use_sliding_window\": false"),
+                ("\"full_attention\",\n    \"sliding_attention\"", "\"full_attention\",\n    \"full_attention\""),
+            ],
+        ),
+        ("mistral", vec![("\"sliding_window\": 5", "\"sliding_window\": null")]),
+        ("llama3", vec![("\"rope_type\": \"llama3\"", "\"rope_type\": \"default\"")]),
+    ] {
+        let dir = kolo_testkit::files::hf_tiny(arch);
+        let (ids, want) = reference(&dir);
+        let (varmap, model) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+        let d = max_diff(&model.forward(&ids).unwrap(), &want);
+        eprintln!("{arch}: logits differ from transformers' by {d:.2e}");
+        assert!(d < 1e-4, "{arch}: logits differ from transformers' by {d}");
+        assert!(model.load_report().is_empty(), "{arch}: {}", model.load_report());
+
+        let plain = copy_checkpoint(&dir, &format!("{arch}-plain"));
+        let mut cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        for (a, b) in &without {
+            assert!(cfg.contains(a), "{arch}: {a} not in the config");
+            cfg = cfg.replace(a, b);
+        }
+        std::fs::write(plain.join("config.json"), cfg).unwrap();
+        let (_, plain_model) = crate::hf::load_causal_lm(&plain, &Device::Cpu).unwrap();
+        let off = max_diff(&plain_model.forward(&ids).unwrap(), &want);
+        assert!(off > 0.05, "{arch}: without its feature the logits are only {off} off");
+        let _ = std::fs::remove_dir_all(&plain);
+
+        let dist = world_of_one();
+        let mut t = Trainer::new(&varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 0.05\n")).unwrap();
+        let first = t.step(|| model.loss(&ids)).unwrap().loss;
+        for _ in 0..3 {
+            t.step(|| model.loss(&ids)).unwrap();
+        }
+        let last = t.step(|| model.loss(&ids)).unwrap().loss;
+        assert!(last < first - 0.1, "{arch}: loss {first} -> {last}");
+        let out = std::env::temp_dir().join(format!("kolo-hf-{arch}-save-{}", std::process::id()));
+        model.save_pretrained(&out, &varmap).unwrap();
+        assert_eq!(saved_tensors(&out), saved_tensors(&dir), "{arch}");
+        // The same config.json, key for key (no `"head_dim": null` that transformers would read).
+        let json = |d: &std::path::Path| {
+            serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
+        };
+        assert_eq!(json(&out), json(&dir), "{arch}");
+        let (_, again) = crate::hf::load_causal_lm(&out, &Device::Cpu).unwrap();
+        assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0, "{arch}");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
+/// A checkpoint saved in shards of at most 40 KB (`model-0000i-of-0000n.safetensors` and the
+/// index) and in bf16 loads back: f32 shards bitwise, bf16 within bf16's rounding, with
+/// `config.json` stating the dtype written. A shard the index names that is missing, a tensor
+/// the index puts in the wrong file, a tensor of the wrong dtype and a tokenizer-sized mistake
+/// are one-line errors naming the file and the tensor; an extra tensor and an unknown config
+/// key are reported, not ignored; saving again in one file removes the old shards.
+#[test]
+fn sharded_and_bf16_checkpoints_round_trip_and_name_what_is_wrong() {
+    let src = kolo_testkit::files::hf_llama_tiny();
+    let (ids, want) = reference(&src);
+    let (varmap, model) = crate::hf::load_causal_lm(&src, &Device::Cpu).unwrap();
+    let logits = model.forward(&ids).unwrap();
+    let dir = std::env::temp_dir().join(format!("kolo-hf-shards-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let opts = crate::hf::SaveOptions { max_shard_size: Some(40_000), ..Default::default() };
+    model.save_pretrained_with(&dir, &varmap, &opts).unwrap();
+    let mut files: Vec<String> = std::fs::read_dir(&dir).unwrap().flatten().map(|f| f.file_name().to_string_lossy().into_owned()).collect();
+    files.sort();
+    let n = files.iter().filter(|f| f.starts_with("model-")).count();
+    assert!(n >= 4, "{files:?}");
+    assert!(
+        files.contains(&format!("model-00001-of-{n:05}.safetensors")) && files.contains(&"model.safetensors.index.json".into()),
+        "{files:?}"
+    );
+    assert!(!files.contains(&"model.safetensors".into()), "{files:?}");
+    for f in files.iter().filter(|f| f.starts_with("model-")) {
+        let len = std::fs::metadata(dir.join(f)).unwrap().len();
+        // 40 KB of tensors, or one tensor larger than that (the 96 x 48 embedding is 18 KB).
+        assert!(len < 41_000, "{f}: {len} bytes");
+    }
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap()).unwrap();
+    assert_eq!(index["weight_map"].as_object().unwrap().len(), varmap.all_vars().len());
+    let (_, again) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+    assert_eq!(max_diff(&again.forward(&ids).unwrap(), &logits), 0.0);
+    assert!(again.load_report().is_empty(), "{}", again.load_report());
+
+    // Each shard the index names must be there.
+    let moved = dir.join("moved.safetensors");
+    std::fs::rename(dir.join(format!("model-00002-of-{n:05}.safetensors")), &moved).unwrap();
+    let e = crate::hf::load_causal_lm(&dir, &Device::Cpu).err().unwrap().to_string();
+    assert!(
+        e.contains("model.safetensors.index.json") && e.contains(&format!("model-00002-of-{n:05}.safetensors")) && e.contains("is missing"),
+        "{e}"
+    );
+    std::fs::rename(&moved, dir.join(format!("model-00002-of-{n:05}.safetensors"))).unwrap();
+    // An index that puts a tensor in the wrong file.
+    let text = std::fs::read_to_string(dir.join("model.safetensors.index.json")).unwrap();
+    let wrong = text.replacen(
+        &format!("\"model.norm.weight\": \"model-{n:05}-of-{n:05}.safetensors\""),
+        &format!("\"model.norm.weight\": \"model-00001-of-{n:05}.safetensors\""),
+        1,
+    );
+    assert_ne!(wrong, text, "model.norm.weight is not in the last shard: {text}");
+    std::fs::write(dir.join("model.safetensors.index.json"), &wrong).unwrap();
+    let e = crate::hf::load_causal_lm(&dir, &Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains(&format!("model-00001-of-{n:05}.safetensors")) && e.contains("no tensor `model.norm.weight`"), "{e}");
+    std::fs::write(dir.join("model.safetensors.index.json"), &text).unwrap();
+
+    // bf16 in one file: the config says so, and the values are bf16's rounding of the model's.
+    model.save_pretrained_with(&dir, &varmap, &crate::hf::SaveOptions { dtype: DType::BF16, max_shard_size: None }).unwrap();
+    let left: Vec<String> = std::fs::read_dir(&dir).unwrap().flatten().map(|f| f.file_name().to_string_lossy().into_owned()).collect();
+    assert!(left.iter().all(|f| !f.starts_with("model-") && f != "model.safetensors.index.json"), "old shards left: {left:?}");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["dtype"], "bfloat16");
+    let st = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
+    assert!(st.values().all(|t| t.dtype() == DType::BF16));
+    let (bf_vars, bf) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+    let rounded = varmap.data().lock().unwrap().get("model.layers.0.mlp.up_proj.weight").unwrap().to_dtype(DType::BF16).unwrap();
+    let back = bf_vars.data().lock().unwrap().get("model.layers.0.mlp.up_proj.weight").unwrap().to_dtype(DType::BF16).unwrap();
+    assert_eq!(max_diff(&rounded.to_dtype(DType::F32).unwrap(), &back.to_dtype(DType::F32).unwrap()), 0.0);
+    let d = max_diff(&bf.forward(&ids).unwrap(), &want);
+    assert!(d > 1e-4 && d < 0.5, "bf16 weights: logits {d} off");
+
+    // An extra tensor and an unknown config key are reported; a tensor of the wrong dtype is refused.
+    let mut tensors = candle_core::safetensors::load(src.join("model.safetensors"), &Device::Cpu).unwrap();
+    tensors.insert("model.layers.0.self_attn.rotary_emb.inv_freq".into(), Tensor::zeros(6, DType::F32, &Device::Cpu).unwrap());
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    let cfg = std::fs::read_to_string(src.join("config.json"))
+        .unwrap()
+        .replace("\"vocab_size\": 96", "\"vocab_size\": 96,\n  \"fancy_new_option\": 3");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    let (_, m) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+    assert_eq!(m.load_report().unused_tensors, ["model.layers.0.self_attn.rotary_emb.inv_freq"]);
+    assert_eq!(m.load_report().unknown_keys, ["fancy_new_option"]);
+    tensors.insert("model.norm.weight".into(), Tensor::zeros(48, DType::I64, &Device::Cpu).unwrap());
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+    let e = crate::hf::load_causal_lm(&dir, &Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("model.safetensors") && e.contains("`model.norm.weight` is I64"), "{e}");
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    let e = crate::hf::load_causal_lm(&dir, &Device::Cpu).err().unwrap().to_string();
+    assert!(e.contains("no model.safetensors or model.safetensors.index.json"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Options that change the arithmetic and are not implemented are refused by name, never
+/// ignored: other rotary scalings, partial rotary embeddings, unknown layer types, biases where
+/// the architecture has none.
+#[test]
+fn llama_family_options_not_implemented_are_refused() {
+    let src = kolo_testkit::files::hf_tiny("llama3");
+    let dir = copy_checkpoint(&src, "refused");
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let load = |cfg: &str| {
+        std::fs::write(dir.join("config.json"), cfg).unwrap();
+        crate::hf::load_causal_lm(&dir, &Device::Cpu).err().map(|e| e.to_string()).unwrap_or_default()
+    };
+    let e = load(&cfg.replace("\"llama3\"", "\"yarn\""));
+    assert!(e.contains("config.json") && e.contains("unsupported rope_type \"yarn\""), "{e}");
+    let e = load(&cfg.replace("\"factor\": 8.0,", "\"factor\": 8.0, \"partial_rotary_factor\": 0.5,"));
+    assert!(e.contains("partial_rotary_factor"), "{e}");
+    let e = load(&cfg.replace("\"low_freq_factor\": 1.0,", ""));
+    assert!(e.contains("rope parameter low_freq_factor missing"), "{e}");
+    let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"mistral\", \"attention_bias\": true"));
+    assert!(e.contains("attention_bias = true is not an option of mistral"), "{e}");
+    let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma\""));
+    assert!(e.contains("model_type \"gemma\" is not supported (gpt2, llama, mistral, qwen2)"), "{e}");
+    let q = std::fs::read_to_string(kolo_testkit::files::hf_tiny("qwen2").join("config.json")).unwrap();
+    std::fs::copy(kolo_testkit::files::hf_tiny("qwen2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let e = load(&q.replace("\"sliding_attention\"", "\"chunked_attention\""));
+    assert!(e.contains("unsupported layer type \"chunked_attention\""), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

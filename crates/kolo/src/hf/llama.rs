@@ -1,0 +1,635 @@
+//! Llama-style models (`LlamaForCausalLM`) with Hugging Face's parameter names.
+
+use super::files::{LoadReport, Weights};
+use crate::{Error, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
+use std::path::Path;
+
+/// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
+/// embeddings, a SwiGLU MLP and grouped-query attention.
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+pub struct LlamaConfig {
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Transformer blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention; default: as many as query heads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_key_value_heads: Option<usize>,
+    /// Width of a head (default hidden_size / num_attention_heads).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// Epsilon of the RMS norms.
+    #[serde(default = "default_rms_eps")]
+    pub rms_norm_eps: f64,
+    /// Longest sequence the rotary tables cover.
+    #[serde(default = "default_max_positions")]
+    pub max_position_embeddings: usize,
+    /// The MLP's gate activation (`silu`).
+    #[serde(default = "default_silu")]
+    pub hidden_act: String,
+    /// Whether the output projection is the token embedding.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Every other field of the file (rotary parameters among them), written back unchanged.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+fn default_rms_eps() -> f64 {
+    1e-6
+}
+fn default_max_positions() -> usize {
+    2048
+}
+fn default_silu() -> String {
+    "silu".into()
+}
+
+impl LlamaConfig {
+    /// Reads `dir/config.json` and refuses options this implementation does not have.
+    pub fn load(dir: &Path) -> Result<LlamaConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let c: LlamaConfig = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not a Llama config: {e}")))?;
+        c.check().map_err(|e| Error::file(&path, e))?;
+        Ok(c)
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        let t = self.model_type();
+        if !["llama", "mistral", "qwen2"].contains(&t) {
+            return Err(format!("model_type \"{t}\" is not a Llama-style model (llama, mistral, qwen2)"));
+        }
+        if t != "llama" {
+            for k in ["attention_bias", "mlp_bias"] {
+                if self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false) {
+                    return Err(format!("{k} = true is not an option of {t}"));
+                }
+            }
+        }
+        self.inv_freq()?;
+        self.layer_windows()?;
+        if self.hidden_act != "silu" {
+            return Err(format!("unsupported hidden_act \"{}\" (silu)", self.hidden_act));
+        }
+        let (h, kv) = (self.num_attention_heads, self.kv_heads());
+        if h == 0 || kv == 0 || !h.is_multiple_of(kv) {
+            return Err(format!("num_attention_heads {h} is not a multiple of num_key_value_heads {kv}"));
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            return Err(format!("head_dim {} is odd (rotary embeddings rotate pairs)", self.head_dim()));
+        }
+        Ok(())
+    }
+
+    /// `llama`, `mistral` or `qwen2` (`config.json`'s `model_type`; `llama` when absent).
+    pub fn model_type(&self) -> &str {
+        self.other.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama")
+    }
+
+    /// Which projections carry a bias: (q, k and v; o; the MLP's). Llama: `attention_bias` (all
+    /// four attention projections) and `mlp_bias`; Qwen2: q, k and v; Mistral: none.
+    pub fn biases(&self) -> (bool, bool, bool) {
+        let flag = |k: &str| self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
+        match self.model_type() {
+            "qwen2" => (true, false, false),
+            "mistral" => (false, false, false),
+            _ => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
+        }
+    }
+
+    /// Each layer's attention window (`None`: every earlier token): query i sees keys
+    /// `i - window + 1 ..= i`, as `transformers`' sliding-window mask. From `layer_types` when the
+    /// file has it (`full_attention` / `sliding_attention`), else Mistral's `sliding_window` on
+    /// every layer, Qwen2's on the layers from `max_window_layers` when `use_sliding_window`.
+    pub fn layer_windows(&self) -> std::result::Result<Vec<Option<usize>>, String> {
+        let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
+        let window = match get("sliding_window") {
+            None => None,
+            Some(w) => Some(w.as_u64().filter(|w| *w > 0).ok_or(format!("sliding_window {w} is not a positive integer"))? as usize),
+        };
+        let n = self.num_hidden_layers;
+        if let Some(types) = get("layer_types") {
+            let types = types.as_array().filter(|t| t.len() == n).ok_or(format!("layer_types is not a list of {n} layer types"))?;
+            return types
+                .iter()
+                .map(|t| match (t.as_str(), window) {
+                    (Some("full_attention"), _) => Ok(None),
+                    (Some("sliding_attention"), Some(w)) => Ok(Some(w)),
+                    (Some("sliding_attention"), None) => Err("layer_types has sliding_attention without a sliding_window".to_string()),
+                    _ => Err(format!("unsupported layer type {t} (full_attention, sliding_attention)")),
+                })
+                .collect();
+        }
+        Ok(match self.model_type() {
+            "mistral" => vec![window; n],
+            "qwen2" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
+                let from = get("max_window_layers").and_then(|v| v.as_u64()).unwrap_or(n as u64) as usize;
+                (0..n).map(|i| if i >= from { window } else { None }).collect()
+            }
+            _ => vec![None; n],
+        })
+    }
+
+    /// The rotary embedding's inverse frequencies (head_dim / 2 of them): `theta^(-2i/d)`, or
+    /// scaled as `rope_type` says: `linear` (divided by `factor`) or `llama3` (Llama 3.1's
+    /// wavelength-dependent scaling). Read from `rope_parameters` (transformers 5) or
+    /// `rope_scaling` (4); other rope types are refused.
+    pub fn inv_freq(&self) -> std::result::Result<Vec<f64>, String> {
+        let params = ["rope_parameters", "rope_scaling"].iter().find_map(|k| self.other.get(*k).filter(|v| v.is_object()));
+        let field = |k: &str| params.and_then(|p| p.get(k)).and_then(serde_json::Value::as_f64);
+        let need = |k: &str| field(k).ok_or(format!("rope parameter {k} missing"));
+        let kind = params.and_then(|p| p.get("rope_type").or(p.get("type"))).and_then(|t| t.as_str()).unwrap_or("default");
+        if field("partial_rotary_factor").is_some_and(|f| f != 1.0) {
+            return Err("unsupported rope parameter partial_rotary_factor (the whole head rotates)".into());
+        }
+        let hd = self.head_dim() as f64;
+        let base: Vec<f64> = (0..self.head_dim() / 2).map(|i| 1.0 / self.rope_theta().powf(2.0 * i as f64 / hd)).collect();
+        match kind {
+            "default" => Ok(base),
+            "linear" => {
+                let f = need("factor")?;
+                Ok(base.iter().map(|x| x / f).collect())
+            }
+            "llama3" => {
+                let (f, lo, hi) = (need("factor")?, need("low_freq_factor")?, need("high_freq_factor")?);
+                let old = need("original_max_position_embeddings")?;
+                let (lo_wave, hi_wave) = (old / lo, old / hi);
+                Ok(base
+                    .iter()
+                    .map(|&x| {
+                        let wave = 2.0 * std::f64::consts::PI / x;
+                        if wave < hi_wave {
+                            x
+                        } else if wave > lo_wave {
+                            x / f
+                        } else {
+                            let smooth = (old / wave - lo) / (hi - lo);
+                            (1.0 - smooth) * x / f + smooth * x
+                        }
+                    })
+                    .collect())
+            }
+            t => Err(format!("unsupported rope_type \"{t}\" (default, linear, llama3)")),
+        }
+    }
+
+    /// `config.json` keys this implementation neither reads nor knows to leave the arithmetic
+    /// unchanged (dropout among the latter: Kolo trains without it), for the load report.
+    pub fn unknown_keys(&self) -> Vec<String> {
+        const READ: &[&str] = &[
+            "model_type",
+            "rope_parameters",
+            "rope_scaling",
+            "rope_theta",
+            "attention_bias",
+            "mlp_bias",
+            "sliding_window",
+            "layer_types",
+            "use_sliding_window",
+            "max_window_layers",
+        ];
+        self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
+    }
+
+    /// Each block's share of a forward pass, for cutting pipeline stages: its multiply-adds per
+    /// token (projections and MLP), the last block also the output layer's (hidden x
+    /// vocabulary, as much as several blocks at a large vocabulary). The embedding's lookup
+    /// costs next to nothing.
+    pub fn block_costs(&self) -> Vec<f64> {
+        let (e, hd, inter) = (self.hidden_size as f64, self.head_dim() as f64, self.intermediate_size as f64);
+        let (h, kv) = (self.num_attention_heads as f64, self.kv_heads() as f64);
+        let block = e * hd * (2.0 * h + 2.0 * kv) + 3.0 * e * inter;
+        let mut costs = vec![block; self.num_hidden_layers];
+        if let Some(last) = costs.last_mut() {
+            *last += e * self.vocab_size as f64;
+        }
+        costs
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Width of a head.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The rotary base: `rope_parameters.rope_theta` (transformers 5), else `rope_theta`, else 10000.
+    pub fn rope_theta(&self) -> f64 {
+        let get = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_f64);
+        get(self.other.get("rope_parameters").and_then(|p| p.get("rope_theta"))).or(get(self.other.get("rope_theta"))).unwrap_or(10_000.0)
+    }
+}
+
+/// A linear layer of a block: candle-nn's, or one split over a tensor-parallel group.
+type Layer = Box<dyn Module + Send + Sync>;
+
+struct LlamaBlock {
+    input_norm: candle_nn::RmsNorm,
+    q: Layer,
+    k: Layer,
+    v: Layer,
+    o: Layer,
+    post_norm: candle_nn::RmsNorm,
+    gate: Layer,
+    up: Layer,
+    down: Layer,
+    /// Query and key/value heads on this rank (all of them, or this member's share).
+    heads: (usize, usize),
+    /// The attention window (`None`: every earlier token).
+    window: Option<usize>,
+}
+
+impl LlamaBlock {
+    /// `x` (batch, seq, hidden) through grouped-query attention with rotary embeddings (`cos`,
+    /// `sin` cut to the sequence) and the SwiGLU MLP, each with its residual.
+    fn forward(
+        &self,
+        x: &Tensor,
+        (cos, sin, masks): (&Tensor, &Tensor, &[(Option<usize>, Tensor)]),
+        cfg: &LlamaConfig,
+        sp: Option<&crate::sp::SequenceParallel>,
+    ) -> candle_core::Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let ((h, kv), hd) = (self.heads, cfg.head_dim());
+        let a = self.input_norm.forward(x)?;
+        let heads = |l: &Layer, n: usize| l.forward(&a)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+        let q = candle_nn::rotary_emb::rope(&heads(&self.q, h)?, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope(&heads(&self.k, kv)?, cos, sin)?;
+        let v = heads(&self.v, kv)?;
+        // Grouped-query attention: query head j reads key/value head j / (h / kv).
+        let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
+            if kv == h {
+                return Ok(x);
+            }
+            x.unsqueeze(2)?.expand((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let y = match sp {
+            // Sequence parallelism: this chunk's queries over every earlier chunk's keys.
+            Some(sp) => crate::sp::ring_attention(&q, &k, &v, sp)?,
+            None => {
+                let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
+                let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(mask)?;
+                candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?
+            }
+        };
+        let y = y.transpose(1, 2)?.reshape((b, t, h * hd))?;
+        let x = (x + self.o.forward(&y)?)?;
+        let f = self.post_norm.forward(&x)?;
+        x + self.down.forward(&(self.gate.forward(&f)?.silu()? * self.up.forward(&f)?)?)?
+    }
+}
+
+/// A Llama-style causal language model with Hugging Face's parameter names
+/// (`model.layers.0.self_attn.q_proj.weight`, ...).
+pub struct Llama {
+    cfg: LlamaConfig,
+    /// The blocks this rank holds (all of them, or a pipeline stage's).
+    layers: std::ops::Range<usize>,
+    /// On the first stage.
+    embed: Option<LlamaEmbedding>,
+    blocks: Vec<LlamaBlock>,
+    /// On the last stage.
+    norm: Option<candle_nn::RmsNorm>,
+    lm_head: Option<Layer>,
+    /// The tensor-parallel group the model is split over (`None`: whole).
+    tp: Option<crate::tp::TensorParallel>,
+    /// The sequence-parallel group whose chunks of every sequence this model runs on.
+    sp: Option<crate::sp::SequenceParallel>,
+    /// Rotary tables, (max_position_embeddings, head_dim / 2).
+    cos: Tensor,
+    sin: Tensor,
+    /// What loading left unused (empty for a model not loaded from files).
+    report: LoadReport,
+}
+
+/// The token embedding: candle-nn's, or split by vocabulary over a tensor-parallel group.
+enum LlamaEmbedding {
+    Whole(Embedding),
+    Split(crate::tp::VocabParallelEmbedding),
+}
+
+impl Llama {
+    /// Builds the model's variables through `vb`.
+    pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Llama> {
+        Self::build(cfg, vb, None, 0..cfg.num_hidden_layers)
+    }
+
+    /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut by
+    /// [`LlamaConfig::block_costs`] with `kolo::pp::stage_layers_by`; [`Llama::new_stage`]), split over its `tp` group, running on
+    /// its `sp` chunk of every sequence (attention by `kolo::sp::ring_attention`, rotary
+    /// positions from the chunk's offset). Train it with `Trainer::with_mesh`:
+    /// [`Llama::loss`], or [`Llama::pipeline_stage`] in a pipeline.
+    pub fn new_parallel(cfg: &LlamaConfig, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Llama> {
+        let layers = crate::pp::stage_layers_by(&cfg.block_costs(), mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        if mesh.sp().size() > 1 && cfg.layer_windows().map_err(candle_core::Error::Msg)?.iter().any(Option::is_some) {
+            candle_core::bail!(
+                "sliding-window attention over {} sequence-parallel ranks is not supported (ring attention sees every earlier chunk)",
+                mesh.sp().size()
+            );
+        }
+        let mut m = Self::build(cfg, vb, Some(mesh.tp()), layers)?;
+        m.sp = (mesh.sp().size() > 1).then(|| mesh.sp().clone());
+        Ok(m)
+    }
+
+    /// Builds the model split over the tensor-parallel group `tp` (Megatron-LM's layout): each
+    /// member holds its share of the query and key/value heads (q, k and v column-parallel,
+    /// the output projection row-parallel), of the MLP (gate and up column-, down
+    /// row-parallel) and of the vocabulary (embedding and output layer); the norms are whole.
+    /// The heads, key/value heads and MLP width must be multiples of the group's size. Its
+    /// variables keep Hugging Face's names; [`load_weights`] fills each member's pieces from a
+    /// checkpoint, and `Mesh::whole_varmap` puts them together for [`save_pretrained`].
+    /// Train it with `Trainer::with_mesh`.
+    pub fn new_split(cfg: &LlamaConfig, vb: VarBuilder, tp: &crate::tp::TensorParallel) -> candle_core::Result<Llama> {
+        Self::build(cfg, vb, Some(tp), 0..cfg.num_hidden_layers)
+    }
+
+    /// Builds one pipeline stage of the model (`kolo::pp`): the blocks `layers` (their Hugging
+    /// Face names unchanged), the embedding on the first stage and the final norm and output
+    /// layer on the last, split over `tp` when given (as [`Llama::new_split`]). Run it with
+    /// [`Llama::pipeline_stage`]. An output layer tied to the embedding cannot span stages yet.
+    pub fn new_stage(
+        cfg: &LlamaConfig,
+        vb: VarBuilder,
+        tp: Option<&crate::tp::TensorParallel>,
+        layers: std::ops::Range<usize>,
+    ) -> candle_core::Result<Llama> {
+        Self::build(cfg, vb, tp, layers)
+    }
+
+    fn build(
+        cfg: &LlamaConfig,
+        vb: VarBuilder,
+        tp: Option<&crate::tp::TensorParallel>,
+        layers: std::ops::Range<usize>,
+    ) -> candle_core::Result<Llama> {
+        use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
+        use candle_nn::{linear_no_bias as lin, rms_norm};
+        let (e, hd, h, kv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.kv_heads());
+        let tp = tp.filter(|t| t.size() > 1);
+        let p = tp.map_or(1, |t| t.size());
+        let (inter, n) = (cfg.intermediate_size, cfg.num_hidden_layers);
+        if !h.is_multiple_of(p) || !kv.is_multiple_of(p) || !inter.is_multiple_of(p) {
+            candle_core::bail!(
+                "Llama over {p} tensor-parallel ranks: num_attention_heads {h}, num_key_value_heads {kv} and intermediate_size {inter} must each be a multiple of {p}"
+            );
+        }
+        if layers.start >= layers.end || layers.end > n {
+            candle_core::bail!("pipeline stage of layers {layers:?}: the model has {n}");
+        }
+        if cfg.tie_word_embeddings && (layers.start != 0 || layers.end != n) {
+            candle_core::bail!("tie_word_embeddings = true across pipeline stages (the embedding on the first, the output layer on the last) is not supported yet");
+        }
+        let windows = cfg.layer_windows().map_err(candle_core::Error::Msg)?;
+        let linear = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match bias {
+                true => Box::new(candle_nn::linear(i, o, vb)?),
+                false => Box::new(lin(i, o, vb)?),
+            })
+        };
+        let col = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match tp {
+                Some(t) => Box::new(Col::new(i, o, bias, vb, t)?),
+                None => linear(i, o, bias, vb)?,
+            })
+        };
+        let row = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match tp {
+                Some(t) => Box::new(Row::new(i, o, bias, vb, t)?),
+                None => linear(i, o, bias, vb)?,
+            })
+        };
+        let (qkv_bias, o_bias, mlp_bias) = cfg.biases();
+        let m = vb.pp("model");
+        let (first, last) = (layers.start == 0, layers.end == cfg.num_hidden_layers);
+        let mut blocks = Vec::with_capacity(layers.len());
+        for i in layers.clone() {
+            let b = m.pp(format!("layers.{i}"));
+            let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
+            blocks.push(LlamaBlock {
+                input_norm: rms_norm(e, cfg.rms_norm_eps, b.pp("input_layernorm"))?,
+                q: col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
+                k: col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
+                v: col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
+                o: row(h * hd, e, o_bias, a.pp("o_proj"))?,
+                post_norm: rms_norm(e, cfg.rms_norm_eps, b.pp("post_attention_layernorm"))?,
+                gate: col(e, cfg.intermediate_size, mlp_bias, f.pp("gate_proj"))?,
+                up: col(e, cfg.intermediate_size, mlp_bias, f.pp("up_proj"))?,
+                down: row(cfg.intermediate_size, e, mlp_bias, f.pp("down_proj"))?,
+                heads: (h / p, kv / p),
+                window: windows[i],
+            });
+        }
+        let lm_head: Option<Layer> = match (cfg.tie_word_embeddings || !last, tp) {
+            (true, _) => None,
+            (false, Some(t)) => Some(Box::new(Col::lm_head(e, cfg.vocab_size, vb.pp("lm_head"), t)?)),
+            (false, None) => Some(Box::new(lin(e, cfg.vocab_size, vb.pp("lm_head"))?)),
+        };
+        let embed = match tp {
+            _ if !first => None,
+            Some(t) => Some(LlamaEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_tokens"), t)?)),
+            None => Some(LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?)),
+        };
+        let (n, half) = (cfg.max_position_embeddings, hd / 2);
+        let inv_freq = cfg.inv_freq().map_err(candle_core::Error::Msg)?;
+        let angles: Vec<f64> = (0..n).flat_map(|p| inv_freq.iter().map(move |f| p as f64 * f)).collect();
+        let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, half), vb.device());
+        Ok(Llama {
+            cfg: cfg.clone(),
+            layers,
+            embed,
+            blocks,
+            norm: if last { Some(rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?) } else { None },
+            lm_head,
+            tp: tp.cloned(),
+            sp: None,
+            cos: table(f64::cos)?,
+            sin: table(f64::sin)?,
+            report: LoadReport::default(),
+        })
+    }
+
+    /// The name prefix of each block this rank holds (`model.layers.{i}.`), in forward order:
+    /// the ZeRO-3 groups.
+    pub fn block_prefixes(&self) -> Vec<String> {
+        self.layers.clone().map(|i| format!("model.layers.{i}.")).collect()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// What loading the checkpoint left unused (tensors, `config.json` keys).
+    pub fn load_report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// Whether the checkpoint tensor `name` belongs to a part of the model another pipeline
+    /// stage holds, or is the output layer a tied model leaves out.
+    fn elsewhere(&self, name: &str) -> bool {
+        let last = self.layers.end == self.cfg.num_hidden_layers;
+        if let Some(i) = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok()) {
+            return !self.layers.contains(&i);
+        }
+        match name {
+            "model.embed_tokens.weight" => self.embed.is_none(),
+            "model.norm.weight" => !last,
+            "lm_head.weight" => !last || self.cfg.tie_word_embeddings,
+            _ => false,
+        }
+    }
+
+    /// Logits (batch, seq, vocab) for token ids (batch, seq). Split over a tensor-parallel
+    /// group, every member gets the whole logits (a collective; not differentiable: train
+    /// with [`Llama::loss`], or [`Llama::local_logits`] and `kolo::tp::vocab_parallel_cross_entropy`).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.local_logits(ids)?;
+        match &self.tp {
+            Some(t) => crate::tp::gather_vocab(&logits, self.cfg.vocab_size, t),
+            None => Ok(logits),
+        }
+    }
+
+    /// Logits (batch, seq, this rank's vocabulary range: all of it when the model is whole).
+    pub fn local_logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        if self.layers != (0..self.cfg.num_hidden_layers) {
+            candle_core::bail!("this rank holds the pipeline stage of layers {:?}: run it with Llama::pipeline_stage", self.layers);
+        }
+        if self.sp.is_some() {
+            candle_core::bail!("a sequence-parallel model runs on its chunk of each sequence: train and evaluate with Llama::loss");
+        }
+        self.head(&self.blocks(&self.embed(ids)?)?)
+    }
+
+    /// The first stage's token embedding of `ids` (batch, seq).
+    fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.embed {
+            Some(LlamaEmbedding::Whole(e)) => e.forward(ids),
+            Some(LlamaEmbedding::Split(e)) => e.forward(ids),
+            None => candle_core::bail!("the embedding is on the first pipeline stage, not layers {:?}", self.layers),
+        }
+    }
+
+    /// This rank's blocks on the hidden states `x` (batch, seq or this rank's chunk of it,
+    /// hidden).
+    fn blocks(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let t = x.dim(1)?;
+        // A sequence-parallel chunk's positions start at its offset.
+        let from = self.sp.as_ref().map_or(0, |sp| sp.rank() * t);
+        if from + t > self.cfg.max_position_embeddings {
+            candle_core::bail!(
+                "sequence of {} tokens is longer than max_position_embeddings {}",
+                from + t,
+                self.cfg.max_position_embeddings
+            );
+        }
+        let (cos, sin) = (self.cos.narrow(0, from, t)?.contiguous()?, self.sin.narrow(0, from, t)?.contiguous()?);
+        // Causal masks, one per attention window the blocks use: query i sees key j <= i, and
+        // with a window w only j > i - w.
+        let mut masks: Vec<(Option<usize>, Tensor)> = Vec::new();
+        for w in self.blocks.iter().map(|b| b.window) {
+            if masks.iter().all(|(have, _)| *have != w) {
+                let seen = |q: usize, k: usize| k <= q && w.is_none_or(|w| k + w > q);
+                let mask: Vec<f32> = (0..t * t).map(|i| if seen(i / t, i % t) { 0.0 } else { f32::NEG_INFINITY }).collect();
+                masks.push((w, Tensor::from_vec(mask, (t, t), x.device())?));
+            }
+        }
+        let mut x = x.clone();
+        for blk in &self.blocks {
+            x = blk.forward(&x, (&cos, &sin, &masks), &self.cfg, self.sp.as_ref())?;
+        }
+        Ok(x)
+    }
+
+    /// The last stage's final norm and output layer: logits of this rank's vocabulary range.
+    fn head(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let Some(norm) = &self.norm else {
+            candle_core::bail!("the output layer is on the last pipeline stage, not layers {:?}", self.layers);
+        };
+        let x = norm.forward(x)?;
+        match (&self.lm_head, &self.embed) {
+            (Some(l), _) => l.forward(&x),
+            (None, Some(LlamaEmbedding::Whole(e))) => x.broadcast_matmul(&e.embeddings().t()?),
+            (None, Some(LlamaEmbedding::Split(e))) => e.tied_logits(&x),
+            (None, None) => candle_core::bail!("a tied output layer without its embedding"),
+        }
+    }
+
+    /// This rank's pipeline stage (`kolo::pp::Pipeline::step`'s closure) on the micro-batch
+    /// `windows` (batch, seq + 1) of token ids: the first stage embeds `windows[:, ..seq]`, the
+    /// others take the previous stage's hidden states `input` (batch, seq, hidden); the last
+    /// stage returns the mean next-token cross-entropy against `windows[:, 1..]`
+    /// (vocabulary-parallel when split), the others their hidden states.
+    pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
+        let t = windows.dim(1)? - 1;
+        // Sequence parallelism: this rank's chunk of the inputs and of the targets.
+        let chunk = |x: Tensor| match &self.sp {
+            Some(sp) => sp.chunk(&x, 1),
+            None => Ok(x),
+        };
+        let x = match input {
+            Some(x) => x.clone(),
+            None => self.embed(&chunk(windows.narrow(1, 0, t)?)?)?,
+        };
+        let x = self.blocks(&x)?;
+        if self.norm.is_none() {
+            return Ok(x);
+        }
+        let logits = self.head(&x)?;
+        let targets = chunk(windows.narrow(1, 1, t)?)?;
+        match &self.tp {
+            Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, self.cfg.vocab_size, tp),
+            None => candle_nn::loss::cross_entropy(&logits.reshape(((), self.cfg.vocab_size))?, &targets.flatten_all()?),
+        }
+    }
+
+    /// Mean next-token cross-entropy of `ids` (batch, seq); split over a tensor-parallel group,
+    /// Megatron's vocabulary-parallel cross-entropy (the logits are never gathered); over a
+    /// sequence-parallel group, the mean over this rank's chunk.
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        self.pipeline_stage(None, ids)
+    }
+}
+
+/// Builds a Llama-style model from `dir` (`config.json`, and `model.safetensors` or the shards of
+/// `model.safetensors.index.json`) into a new VarMap.
+pub fn load_llama(dir: &Path, device: &Device) -> Result<(VarMap, Llama)> {
+    load_llama_stage(dir, device, None, None)
+}
+
+/// Builds this rank's part of the model in `dir`: split over `tp` when given
+/// ([`Llama::new_split`]), or its part for `mesh` ([`Llama::new_parallel`]); each rank reads only
+/// its pieces of the checkpoint's tensors.
+pub(super) fn load_llama_stage(
+    dir: &Path,
+    device: &Device,
+    tp: Option<&crate::tp::TensorParallel>,
+    mesh: Option<&crate::Mesh>,
+) -> Result<(VarMap, Llama)> {
+    let cfg = LlamaConfig::load(dir)?;
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let model = match mesh {
+        Some(m) => Llama::new_parallel(&cfg, vb, m),
+        None => Llama::new_stage(&cfg, vb, tp, 0..cfg.num_hidden_layers),
+    }
+    .map_err(|e| Error::file(dir.join("config.json"), e))?;
+    let mut model = model;
+    let unused_tensors = Weights::open(dir)?.fill(&varmap, &|n| model.elsewhere(n))?;
+    model.report = LoadReport { unused_tensors, unknown_keys: cfg.unknown_keys() };
+    Ok((varmap, model))
+}

@@ -1,0 +1,178 @@
+//! Hugging Face checkpoints in and out: a directory with `config.json` and `model.safetensors`,
+//! as `transformers`' `save_pretrained` writes it.
+//!
+//! [`Gpt2`] is GPT-2 (`GPT2LMHeadModel`) written with candle-nn over a `VarMap` whose names
+//! are Hugging Face's (`transformer.h.0.attn.c_attn.weight`, ...), so it trains under
+//! [`Trainer`](crate::Trainer) like any user model, [`load_weights`] fills it from a checkpoint and
+//! [`save_pretrained`] writes whole, shaped tensors under those names back out, with the
+//! `format = pt` metadata `transformers` requires.
+
+mod files;
+mod gpt2;
+mod llama;
+
+pub use files::{load_weights, save_pretrained, save_pretrained_with, LoadReport, SaveOptions};
+pub use gpt2::{load_gpt2, Gpt2, Gpt2Config};
+use llama::load_llama_stage;
+pub use llama::{load_llama, Llama, LlamaConfig};
+
+/// `config.json` keys of every architecture that leave a training step's arithmetic unchanged:
+/// bookkeeping, generation defaults, and dropout (Kolo trains without it).
+pub(crate) const HARMLESS_KEYS: &[&str] = &[
+    "_name_or_path",
+    "architectures",
+    "dtype",
+    "torch_dtype",
+    "transformers_version",
+    "use_cache",
+    "initializer_range",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "attention_dropout",
+    "pretraining_tp",
+    "id2label",
+    "label2id",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "problem_type",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "tie_word_embeddings",
+    "max_length",
+    "tokenizer_class",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
+];
+
+use crate::{Error, Result};
+use candle_core::{Device, Tensor};
+use candle_nn::VarMap;
+use std::path::Path;
+
+/// A Hugging Face causal language model Kolo can load: chosen by `config.json`'s `model_type`.
+pub enum CausalLm {
+    /// `gpt2`.
+    Gpt2(Gpt2),
+    /// `llama`.
+    Llama(Llama),
+}
+
+impl CausalLm {
+    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            CausalLm::Gpt2(m) => m.forward(ids),
+            CausalLm::Llama(m) => m.forward(ids),
+        }
+    }
+    /// Mean next-token cross-entropy of `ids` (batch, seq).
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            CausalLm::Gpt2(m) => m.loss(ids),
+            CausalLm::Llama(m) => m.loss(ids),
+        }
+    }
+    /// Width of the hidden states between blocks (what a pipeline stage hands the next).
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            CausalLm::Gpt2(m) => m.config().n_embd,
+            CausalLm::Llama(m) => m.config().hidden_size,
+        }
+    }
+    /// Tokens in the vocabulary.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            CausalLm::Gpt2(m) => m.config().vocab_size,
+            CausalLm::Llama(m) => m.config().vocab_size,
+        }
+    }
+    /// Writes the model as `save_pretrained` does ([`save_pretrained`] with its config).
+    pub fn save_pretrained(&self, dir: &Path, varmap: &VarMap) -> Result<()> {
+        self.save_pretrained_with(dir, varmap, &SaveOptions::default())
+    }
+    /// Writes the model as [`save_pretrained_with`] does: a dtype, shards of a largest size.
+    pub fn save_pretrained_with(&self, dir: &Path, varmap: &VarMap, opts: &SaveOptions) -> Result<()> {
+        match self {
+            CausalLm::Gpt2(m) => save_pretrained_with(dir, varmap, m.config(), opts),
+            CausalLm::Llama(m) => save_pretrained_with(dir, varmap, m.config(), opts),
+        }
+    }
+    /// What loading the checkpoint left unused: tensors no parameter took, `config.json` keys
+    /// not read (the loaders also print it when it is not empty, as `transformers` does).
+    pub fn load_report(&self) -> &LoadReport {
+        match self {
+            CausalLm::Gpt2(m) => m.load_report(),
+            CausalLm::Llama(m) => m.load_report(),
+        }
+    }
+    /// This rank's pipeline stage on the micro-batch `windows` ([`Llama::pipeline_stage`]).
+    pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            CausalLm::Gpt2(_) => candle_core::bail!("GPT-2 in pipeline stages is not supported yet (a Llama is)"),
+            CausalLm::Llama(m) => m.pipeline_stage(input, windows),
+        }
+    }
+    /// The ZeRO-3 groups of the model's blocks, in forward order.
+    pub fn block_prefixes(&self) -> Vec<String> {
+        match self {
+            CausalLm::Gpt2(m) => m.block_prefixes(),
+            CausalLm::Llama(m) => m.block_prefixes(),
+        }
+    }
+}
+
+/// Loads this rank's part of the causal language model in `dir` for `mesh`
+/// ([`Llama::new_parallel`]: a Llama-style model's blocks of this rank's pipeline stage, split
+/// over the mesh's `tp` group, on its `sp` chunk of each sequence); each rank reads only its
+/// pieces of the checkpoint. GPT-2 takes none of these yet. Train it with `Trainer::with_mesh`,
+/// a pipeline's stages with [`CausalLm::pipeline_stage`]; `Mesh::whole_varmap` puts it together
+/// for an export.
+pub fn load_causal_lm_parallel(dir: &Path, device: &Device, mesh: &crate::Mesh) -> Result<(VarMap, CausalLm)> {
+    let staged = mesh.size("pp") > 1 || mesh.size("sp") > 1;
+    load(dir, device, Some(mesh.tp()), staged.then_some(mesh))
+}
+
+/// Loads the causal language model in `dir` (by `config.json`'s `model_type`: `gpt2`, or the
+/// Llama-style `llama`, `mistral` and `qwen2`) into a new VarMap on `device`. The weights are
+/// `model.safetensors` or the shards `model.safetensors.index.json` names. What the checkpoint
+/// holds that the model does not read is printed and kept ([`CausalLm::load_report`]).
+pub fn load_causal_lm(dir: &Path, device: &Device) -> Result<(VarMap, CausalLm)> {
+    load(dir, device, None, None)
+}
+
+/// As [`load_causal_lm`], split over the tensor-parallel group `tp` when it has more than one
+/// rank (a Llama-style model, [`Llama::new_split`]; GPT-2 is not split yet): each rank keeps
+/// its pieces. Train it with `Trainer::with_mesh`; `Mesh::whole_varmap` gathers it for an export.
+pub fn load_causal_lm_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, CausalLm)> {
+    load(dir, device, tp, None)
+}
+
+/// The loaders' one path: `mesh` when the model is cut into pipeline stages or sequence chunks.
+fn load(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>, mesh: Option<&crate::Mesh>) -> Result<(VarMap, CausalLm)> {
+    let tp = tp.filter(|t| t.size() > 1);
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
+    let (varmap, model) = match v.get("model_type").and_then(|t| t.as_str()) {
+        Some("gpt2") if tp.is_some() => {
+            return Err(Error::file(
+                &path,
+                "GPT-2 under tensor parallelism is not supported yet (a Llama-style model is; GPT-2 trains under DDP and ZeRO)",
+            ))
+        }
+        Some("gpt2") if mesh.is_some() => {
+            return Err(Error::file(&path, "GPT-2 in pipeline stages or sequence chunks is not supported yet (a Llama-style model is)"))
+        }
+        Some("gpt2") => load_gpt2(dir, device).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
+        Some("llama" | "mistral" | "qwen2") => load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?,
+        Some(t) => return Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, llama, mistral, qwen2)"))),
+        None => return Err(Error::file(&path, "no model_type")),
+    };
+    if !model.load_report().is_empty() {
+        eprintln!("kolo::hf: {}: {}", dir.display(), model.load_report());
+    }
+    Ok((varmap, model))
+}

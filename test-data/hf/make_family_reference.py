@@ -1,0 +1,65 @@
+"""Regenerates Kolo's references for the Llama-style architectures beside Llama itself:
+test-data/hf/{qwen2,mistral,llama3}-tiny.
+
+    python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]     (ARCH: qwen2, mistral, llama3)
+
+Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
+noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
+`save_pretrained`, and its logits on fixed token ids (2 x 16) in reference.safetensors ("ids"
+int64, "logits" f32). What each exercises:
+  qwen2   Qwen2ForCausalLM: q/k/v biases, tied embeddings, rope_theta 1e6, and a sliding window
+          of 6 on the layers from max_window_layers = 1 (layer 0 full, layer 1 windowed);
+  mistral MistralForCausalLM: sliding_window 5 on every layer, shorter than the 16 tokens;
+  llama3  LlamaForCausalLM with rope_type "llama3" (factor 8, original context 16, so the
+          scaling changes every rotary frequency but the highest).
+With `qwen2 OUT 0.5b` the model has Qwen2.5-0.5B's shape (vocabulary 151936, 24 layers of 896,
+14 query heads sharing 2 key/value heads, MLP 4864, tied embeddings, no sliding window: 494M
+parameters, 2 GB, not shipped: bench/hf_interop.sh makes it in /tmp), with noise of std 0.02.
+"""
+import sys
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+arch = sys.argv[1]
+out = sys.argv[2] if len(sys.argv) > 2 else f"test-data/hf/{arch}-tiny"
+torch.manual_seed(0)
+common = dict(
+    vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+    pad_token_id=None,
+)
+noise = 0.3
+if arch == "qwen2" and sys.argv[3:] == ["0.5b"]:
+    cfg, noise = transformers.Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, use_sliding_window=False, bos_token_id=151643,
+        eos_token_id=151643, pad_token_id=None), 0.02
+    model = transformers.Qwen2ForCausalLM
+elif arch == "qwen2":
+    cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                   use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    model = transformers.Qwen2ForCausalLM
+elif arch == "mistral":
+    cfg = transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=5)
+    model = transformers.MistralForCausalLM
+elif arch == "llama3":
+    cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})
+    model = transformers.LlamaForCausalLM
+else:
+    sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3)")
+cfg._attn_implementation = "eager"
+model = model(cfg).eval()
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(torch.randn_like(p) * noise)
+model.save_pretrained(out, safe_serialization=True)
+ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+with torch.no_grad():
+    logits = model(ids).logits
+save_file({"ids": ids.to(torch.int64), "logits": logits.float().contiguous()}, f"{out}/reference.safetensors")
+print(f"{out}: logits {tuple(logits.shape)}, max |logit| {logits.abs().max().item():.3f}, transformers {transformers.__version__}")
