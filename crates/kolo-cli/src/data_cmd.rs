@@ -20,7 +20,7 @@ pub struct PrepareArgs {
     /// earlier prepare.
     #[arg(short, long)]
     out: PathBuf,
-    /// A Hugging Face tokenizer.json to tokenize with.
+    /// A Hugging Face tokenizer.json to tokenize with, or a model directory holding one.
     #[arg(long, conflicts_with = "train_bpe")]
     tokenizer: Option<PathBuf>,
     /// Instead: train a byte-level BPE of this many tokens on the inputs first (written to

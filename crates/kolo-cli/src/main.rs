@@ -107,6 +107,22 @@ enum Cmd {
         #[arg(short, long)]
         out: Option<PathBuf>,
     },
+    /// Write the model of a checkpoint to a directory `transformers` loads: `--hf OUT` for a
+    /// checkpoint of a Hugging Face fine-tuning job (`kolo train` with `[model] hf = DIR`),
+    /// written at any world size and mesh.
+    Export {
+        /// The directory to write (config.json and the weights).
+        #[arg(long, value_name = "OUT")]
+        hf: PathBuf,
+        /// A checkpoint directory (`step-N`), or a directory of them (the newest complete one).
+        checkpoint: PathBuf,
+        /// The weights' dtype: f32, bf16 or f16 (config.json says which).
+        #[arg(long, default_value = "f32")]
+        dtype: String,
+        /// Largest weights file in bytes: above it, shards and model.safetensors.index.json.
+        #[arg(long)]
+        max_shard_size: Option<u64>,
+    },
     /// List a checkpoint's metadata, files, tensors, shapes and shards, and verify its checksums.
     Inspect {
         /// A checkpoint directory (or a single-file checkpoint).
@@ -349,6 +365,12 @@ fn main() {
         Cmd::Bench(b) => bench::run(b),
         Cmd::Selftest(s) => selftest::run(s),
         Cmd::Inspect { checkpoint } => inspect(&checkpoint),
+        Cmd::Export { hf, checkpoint, dtype, max_shard_size } => (|| {
+            let opts = kolo::hf::SaveOptions { dtype: kolo::hf::finetune::export_dtype(&dtype)?, max_shard_size };
+            kolo::hf::export_checkpoint(&checkpoint, &hf, &opts)?;
+            println!("exported {} to {} ({dtype})", checkpoint.display(), hf.display());
+            Ok(0)
+        })(),
         Cmd::Plot { run_dir, out } => (|| {
             let out = out.unwrap_or_else(|| run_dir.clone());
             for (path, lines) in plot::plot_run(&run_dir, &out).map_err(anyhow::Error::msg)? {

@@ -59,6 +59,56 @@ pub struct TrainArgs {
     comm: CommArgs,
 }
 
+/// `kolo train` of a config whose `[model]` names a Hugging Face model directory (`hf`): the
+/// library's fine-tuning job (`kolo::hf::FineTune`) on this rank, its checkpoints resumable at
+/// any world size (`--resume`, or the newest one after an elastic restart) and exported with
+/// `kolo export --hf`.
+fn run_hf(a: &TrainArgs, text: &str) -> anyhow::Result<i32> {
+    let mut cfg = kolo::hf::FineTuneConfig::from_toml_str(text, &a.config)?;
+    let refused = [
+        (a.plan.is_some(), "--plan"),
+        (a.offload_dir.is_some(), "--offload-dir"),
+        (a.data.is_some(), "--data (set data.shards)"),
+        (a.device.as_deref().is_some_and(|d| d != "cpu"), "--device other than cpu"),
+        (a.kill_at.is_some() || a.slow_rank.is_some() || a.slow_per_example.is_some() || a.crash_during_save.is_some(), "fault injection"),
+    ];
+    if let Some((_, flag)) = refused.iter().find(|(on, _)| *on) {
+        anyhow::bail!("{flag} is not supported for a Hugging Face model ([model] hf) yet");
+    }
+    if let Some(s) = a.steps {
+        cfg.train.steps = s;
+    }
+    if let Some(z) = a.zero_stage {
+        cfg.ddp.zero_stage = z;
+    }
+    let steps = a.stop_after.map_or(cfg.train.steps, |s| s.min(cfg.train.steps));
+    let mut comm_args = a.comm.clone();
+    comm_args.timeout = Some(a.comm.timeout.unwrap_or(cfg.ddp.timeout_secs));
+    comm_args.liveness = Some(a.comm.liveness.unwrap_or(cfg.ddp.liveness_secs));
+    let dist = comm_args.join_any()?;
+    let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let resume = a.resume.clone().or_else(|| {
+        let dir = cfg.train.checkpoint_dir.as_ref().filter(|_| round > 0)?;
+        let p = kolo_train::run::newest_checkpoint(std::path::Path::new(dir))?;
+        if dist.is_main() {
+            kolo_base::eline!("elastic restart {round} on {} ranks: resuming from {}", dist.world_size(), p.display());
+        }
+        Some(p)
+    });
+    let total = cfg.train.steps;
+    let mut ft = kolo::hf::FineTune::new(&dist, cfg)?;
+    ft.run_until(resume.as_deref(), steps)?;
+    if steps == total {
+        if let Some((dir, opts)) = ft.export_options()? {
+            ft.export(&dir, &opts)?;
+            if dist.is_main() {
+                kolo_base::eline!("exported {} ({:?})", dir.display(), opts.dtype);
+            }
+        }
+    }
+    Ok(0)
+}
+
 /// MemTotal from /proc/meminfo, bytes.
 fn machine_memory() -> anyhow::Result<f64> {
     let text = std::fs::read_to_string("/proc/meminfo").map_err(|e| anyhow::anyhow!("/proc/meminfo: {e} (pass --device-memory)"))?;
@@ -81,6 +131,10 @@ fn parse_slow_rank(s: &str) -> Result<(usize, u64), String> {
 }
 
 pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
+    let text = std::fs::read_to_string(&a.config).map_err(|e| anyhow::anyhow!("{}: {e}", a.config.display()))?;
+    if toml::from_str::<toml::Value>(&text).ok().and_then(|v| v.get("model")?.get("hf").cloned()).is_some() {
+        return run_hf(&a, &text);
+    }
     let mut cfg = load_config(&a)?;
     if cfg.train.strategy == kolo_train::config::Strategy::Ps {
         return run_ps(&cfg, a.stop_after, a.slow_rank, a.resume.clone());

@@ -27,7 +27,9 @@
 //! attention).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
-use kolo::data::{Sampler, SamplerConfig};
+use kolo::hf::finetune::{HfData, HfModel};
+use kolo::hf::{FineTune, FineTuneConfig};
+use kolo::options::{MeshConfig, PipeSchedule, PipelineConfig};
 use std::path::Path;
 
 /// Runs the example; returns the exported model's logits on the reference ids (when there are some).
@@ -38,95 +40,59 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         (arg("--steps", "20").parse()?, arg("--batch", "4").parse()?, arg("--seq", "32").parse()?);
     let dist = kolo::init()?;
     let (tp, pp, sp): (usize, usize, usize) = (arg("--tp", "1").parse()?, arg("--pp", "1").parse()?, arg("--sp", "1").parse()?);
-    let dp = dist.world_size() / (tp * pp * sp).max(1);
-    let mesh = kolo::Mesh::new(&dist, &[("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp)])?;
+    let mut opts = kolo::TrainOptions::new()
+        .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
+        .zero_stage(arg("--zero", "0").parse()?)
+        .steps(steps)
+        .log_every(5);
+    if let Ok(c) = arg("--clip", "1.0").parse() {
+        opts = opts.clip_grad_norm(c);
+    }
+    // The job `kolo train` runs for a config with `[model] hf = DIR`, here from flags.
+    let has = |k: &str| args.iter().any(|a| a == k);
+    let schedule = if arg("--schedule", "1f1b") == "gpipe" { PipeSchedule::GPipe } else { PipeSchedule::OneFOneB };
+    let cfg = FineTuneConfig {
+        model: HfModel { hf: model_dir.clone().into() },
+        data: HfData {
+            // Token shards from `kolo data prepare` (their tokenizer must fit the model's
+            // embedding), or, as a stand-in, the text's bytes modulo the vocabulary.
+            shards: has("--shards").then(|| arg("--shards", "").into()),
+            text: (!has("--shards")).then(|| arg("--text", "data/tinyshakespeare.txt").into()),
+            batch_size: batch,
+            seq,
+            eval_fraction: arg("--eval-fraction", "0").parse()?,
+        },
+        mesh: Some(MeshConfig { tp, pp: Some(pp), dp: None, sp, ep: 1 }),
+        pipeline: Some(PipelineConfig { micro_batches: arg("--micro", "2").parse()?, schedule, rematerialize: false }),
+        optim: opts.optim,
+        ddp: opts.ddp,
+        train: opts.train,
+        export: None,
+    };
     // Each rank reads its stage's tensors, and its pieces of every split one.
-    let (varmap, model) = kolo::hf::load_causal_lm_parallel(Path::new(&model_dir), &dist.device(), &mesh)?;
-    let vocab = model.vocab_size() as u32;
+    let mut ft = FineTune::new(&dist, cfg)?;
     let reference = Path::new(&model_dir).join("reference.safetensors");
     let reference = if reference.exists() { Some(candle_core::safetensors::load(&reference, &dist.device())?) } else { None };
     let ids = reference.as_ref().map(|r| r["ids"].to_dtype(DType::U32)).transpose()?;
     if let (Some(r), Some(ids), 1) = (&reference, &ids, pp * sp) {
         // A split model's whole logits are gathered over its group: every rank computes them.
-        let d = (model.forward(ids)? - &r["logits"])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let d = (ft.model().forward(ids)? - &r["logits"])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         if dist.is_main() {
             println!("loaded {model_dir}: logits differ from transformers' reference by {d:.2e}");
         }
     }
-    let micro: usize = if pp > 1 { arg("--micro", "2").parse()? } else { 1 };
-    let mut opts = kolo::TrainOptions::new()
-        .grad_accum(micro as u64)
-        .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
-        .zero_stage(arg("--zero", "0").parse()?)
-        .steps(steps)
-        .log_every(5)
-        .batch(batch, seq);
-    if let Ok(c) = arg("--clip", "1.0").parse() {
-        opts = opts.clip_grad_norm(c);
-    }
-    let mut trainer = if tp > 1 || pp > 1 || sp > 1 {
-        kolo::Trainer::with_mesh(&varmap, &mesh, opts)?
-    } else if opts.ddp.zero_stage == 3 {
-        // The blocks' values live as shards over the ranks, gathered into the model when used.
-        let groups = model.block_prefixes();
-        kolo::Trainer::with_zero3_groups(&varmap, &dist, opts, &groups.iter().map(String::as_str).collect::<Vec<_>>())?
-    } else {
-        kolo::Trainer::new(&varmap, &dist, opts)?
+    ft.run(None)?;
+    let dtype = match arg("--dtype", "f32").as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        d => anyhow::bail!("--dtype {d}: f32, bf16 or f16"),
     };
-    // Token shards from `kolo data prepare` (their tokenizer must fit the model's embedding),
-    // or, as a stand-in, the text's bytes modulo the vocabulary.
-    let shards = args.iter().any(|a| a == "--shards").then(|| kolo::tokens::TokenShards::open(arg("--shards", "").as_ref())).transpose()?;
-    if let Some(s) = &shards {
-        s.check(None, vocab as usize)?;
-    }
-    let text: Vec<u32> = match &shards {
-        Some(_) => Vec::new(),
-        None => std::fs::read(arg("--text", "data/tinyshakespeare.txt"))?.iter().map(|b| u32::from(*b) % vocab).collect(),
-    };
-    let windows = shards.as_ref().map_or(text.len() / (seq + 1), |s| s.windows(seq + 1));
-    let window = |w: usize| shards.as_ref().map_or_else(|| text[w * (seq + 1)..(w + 1) * (seq + 1)].to_vec(), |s| s.window(w, seq + 1));
-    // The members of a tensor-parallel group read the same windows; the replicas their own.
-    let (world, rank) = (mesh.size("dp"), mesh.coord("dp"));
-    let cfg = SamplerConfig { len: windows, world, rank, batch, seed: 0, shuffle: true, drop_last: true };
-    let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
-    let schedule = if arg("--schedule", "1f1b") == "gpipe" { kolo::pp::Schedule::GPipe } else { kolo::pp::Schedule::OneFOneB };
-    let per_micro = batch / micro;
-    let pipe = kolo::pp::Pipeline::new(schedule, &[per_micro, seq / sp, model.hidden_size()])?;
-    for _ in 0..steps {
-        let rows: Vec<u32> = sampler.next_batch().iter().flat_map(|&w| window(w)).collect();
-        let x = Tensor::from_vec(rows, (batch, seq + 1), &dist.device())?;
-        if pp > 1 {
-            // Each stage runs its blocks on micro-batch `mb`; the last returns its loss.
-            pipe.step(&mut trainer, |mb, input| model.pipeline_stage(input, &x.narrow(0, mb * per_micro, per_micro)?))?;
-        } else {
-            trainer.step(|| model.loss(&x))?;
-        }
-        trainer.set_data_position(sampler.position()); // saved with checkpoints: resume mid-shard
-    }
-    if let (Some(b), true) = (pipe.bubble(), pp > 1 && mesh.coord("dp") == 0 && mesh.coord("tp") == 0) {
-        let (k, m) = (pp as f64, micro as f64);
-        println!(
-            "pipeline stage {}: bubble {:.1}% (GPipe/1F1B ideal {:.1}%)",
-            mesh.coord("pp"),
-            100.0 * b,
-            100.0 * (k - 1.0) / (m + k - 1.0)
-        );
-    }
+    let max_shard_size = has("--max-shard-size").then(|| arg("--max-shard-size", "").parse()).transpose()?;
+    // ZeRO-3 shards and model-parallel pieces are gathered into the whole model first.
+    ft.export(Path::new(&out), &kolo::hf::SaveOptions { dtype, max_shard_size })?;
     let mut logits = None;
-    // ZeRO-3: the whole model is gathered into its variables (a collective) for the export.
-    trainer.unshard()?;
-    // Tensor and pipeline parallelism: the whole tensors put together from every rank's.
-    let whole = if tp > 1 || pp > 1 { mesh.whole_varmap(&varmap)? } else { None };
     if dist.is_main() {
-        let dtype = match arg("--dtype", "f32").as_str() {
-            "f32" => DType::F32,
-            "bf16" => DType::BF16,
-            "f16" => DType::F16,
-            d => anyhow::bail!("--dtype {d}: f32, bf16 or f16"),
-        };
-        let max_shard_size = args.iter().any(|a| a == "--max-shard-size").then(|| arg("--max-shard-size", "").parse()).transpose()?;
-        let save = kolo::hf::SaveOptions { dtype, max_shard_size };
-        model.save_pretrained_with(Path::new(&out), whole.as_ref().unwrap_or(&varmap), &save)?;
         // The logits of what was written (a pipeline's stages, a bf16 export, hold less).
         if let Some(ids) = &ids {
             logits = Some(kolo::hf::load_causal_lm(Path::new(&out), &dist.device())?.1.forward(ids)?);
@@ -135,7 +101,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
             let t = [("ids".to_string(), ids.to_dtype(DType::I64)?), ("logits".to_string(), l.clone())];
             candle_core::safetensors::save(&t.into_iter().collect(), Path::new(&out).join("kolo_logits.safetensors"))?;
         }
-        println!("exported {out} ({dtype:?}) after {steps} steps on {} ranks ({mesh:?})", dist.world_size());
+        println!("exported {out} ({dtype:?}) after {steps} steps on {} ranks ({:?})", dist.world_size(), ft.mesh());
     }
     dist.barrier()?;
     Ok(logits)

@@ -105,6 +105,7 @@ pub fn run(args: &[String]) -> Result<f64> {
     let mut last = 0.0;
     while trainer.steps_done() < steps {
         let rows: Vec<u32> = sampler.next_batch().iter().flat_map(|&w| window(w)).collect();
+        trainer.set_data_position(sampler.position()); // before the step, whose checkpoint carries it
         let ids = Tensor::from_vec(rows, (batch, seq + 1), &dist.device())?;
         let (x, y) = (ids.narrow(1, 0, seq)?, ids.narrow(1, 1, seq)?);
         let out = trainer.step(|| {
@@ -113,7 +114,6 @@ pub fn run(args: &[String]) -> Result<f64> {
             let logits = h.broadcast_matmul(&embed.t()?)?;
             candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &y.flatten_all()?)
         })?;
-        trainer.set_data_position(sampler.position());
         last = dist.mean(f64::from(out.loss))?;
     }
     if args.iter().any(|a| a == "--params") {

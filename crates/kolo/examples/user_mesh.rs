@@ -148,6 +148,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     };
     while trainer.steps_done() < steps {
         let (x, y) = tensors(&train, &sampler.next_batch())?;
+        trainer.set_data_position(sampler.position()); // before the step, whose checkpoint carries it
         if pp > 1 {
             pipe.step(&mut trainer, |mb, input| {
                 let h = match input {
@@ -166,7 +167,6 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
                 cross_entropy(&model.forward(&x)?, &y)
             })?;
         }
-        trainer.set_data_position(sampler.position());
         if trainer.steps_done() == stop_at {
             break;
         }

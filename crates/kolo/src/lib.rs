@@ -67,8 +67,8 @@ pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 /// The types of [`TrainOptions`]' tables (shared with `kolo train`'s config file).
 pub mod options {
     pub use kolo_train::config::{
-        CompressionConfig, Config, DdpConfig, LocalSgdConfig, OptimConfig, OptimKind, ParamGroupConfig, Precision, ScheduleKind,
-        TrainConfig,
+        CompressionConfig, Config, DdpConfig, LocalSgdConfig, MeshConfig, OptimConfig, OptimKind, ParamGroupConfig, PipeSchedule,
+        PipelineConfig, Precision, ScheduleKind, TrainConfig,
     };
 }
 

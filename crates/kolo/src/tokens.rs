@@ -106,8 +106,10 @@ pub struct Tok {
 }
 
 impl Tok {
-    /// Loads a `tokenizer.json`.
+    /// Loads a `tokenizer.json`, or the one in a model directory.
     pub fn load(path: &Path) -> Result<Tok> {
+        let file = path.join("tokenizer.json");
+        let path = if path.is_dir() { file.as_path() } else { path };
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
         let tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| Error::file(path, e))?;
         Ok(Tok { tokenizer, fingerprint: fingerprint(&bytes) })

@@ -877,9 +877,26 @@ impl Trainer {
         Ok(())
     }
 
+    /// Stores `value` under `key` in the metadata of every checkpoint this trainer writes from
+    /// now on (`kolo inspect` lists it): what a later reader needs beside the tensors, such as the
+    /// model's configuration (`kolo export --hf` reads a fine-tuning job's). Keys beginning with
+    /// `kolo.` are the trainer's own and are refused.
+    pub fn set_checkpoint_meta(&mut self, key: &str, value: &str) -> Result<()> {
+        if key.starts_with("kolo.") {
+            return Err(Error::Usage {
+                rank: self.comm.rank().get(),
+                op: "Trainer::set_checkpoint_meta",
+                reason: format!("`{key}`: keys beginning with `kolo.` are the trainer's own"),
+            });
+        }
+        self.meta.insert(key.to_string(), value.to_string());
+        Ok(())
+    }
+
     /// Records where the data sampler is (`kolo::data::Sampler::position`), so that the next
     /// checkpoint carries it and a resumed run continues with the next batch, also in the
-    /// middle of a token shard.
+    /// middle of a token shard. Call it after drawing a step's batch and before
+    /// [`Trainer::step`]: the checkpoints of `checkpoint_every` are written inside the step.
     pub fn set_data_position(&mut self, p: Position) {
         self.data_pos = p;
     }

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 const KOLO: &str = env!("CARGO_BIN_EXE_kolo");
 
+mod hf_job;
 mod model_parallel;
 mod user_model;
 

@@ -228,8 +228,8 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
         let x: Vec<f32> = idx.iter().flat_map(|&i| train.image(i).iter().copied()).collect();
         let y: Vec<u32> = idx.iter().map(|&i| u32::from(train.labels()[i])).collect();
         let (x, y) = (Tensor::from_vec(x, (idx.len(), 784), &dist.device())?, Tensor::from_vec(y, idx.len(), &dist.device())?);
-        trainer.step(|| cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y))?;
         trainer.set_data_position(sampler.position());
+        trainer.step(|| cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y))?;
         if trainer.steps_done() == stop_at {
             trainer.save(out.join("ck"))?;
             break;

@@ -284,7 +284,10 @@ pub fn save_pretrained_with(dir: &Path, varmap: &VarMap, config: &impl serde::Se
 /// larger than `max` alone in its file), as `transformers` does: one range per file.
 pub(crate) fn plan_shards(sizes: &[u64], max: Option<u64>) -> Vec<std::ops::Range<usize>> {
     #[allow(clippy::single_range_in_vec_init)] // one file holding every tensor
-    let Some(max) = max else { return vec![0..sizes.len()] };
+    let Some(max) = max
+    else {
+        return vec![0..sizes.len()];
+    };
     let (mut out, mut start, mut bytes) = (Vec::new(), 0, 0u64);
     for (i, &s) in sizes.iter().enumerate() {
         if i > start && bytes + s > max {

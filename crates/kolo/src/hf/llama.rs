@@ -350,8 +350,8 @@ impl Llama {
     /// the output projection row-parallel), of the MLP (gate and up column-, down
     /// row-parallel) and of the vocabulary (embedding and output layer); the norms are whole.
     /// The heads, key/value heads and MLP width must be multiples of the group's size. Its
-    /// variables keep Hugging Face's names; [`load_weights`] fills each member's pieces from a
-    /// checkpoint, and `Mesh::whole_varmap` puts them together for [`save_pretrained`].
+    /// variables keep Hugging Face's names; [`load_weights`](super::load_weights) fills each member's pieces from a
+    /// checkpoint, and `Mesh::whole_varmap` puts them together for [`save_pretrained`](super::save_pretrained).
     /// Train it with `Trainer::with_mesh`.
     pub fn new_split(cfg: &LlamaConfig, vb: VarBuilder, tp: &crate::tp::TensorParallel) -> candle_core::Result<Llama> {
         Self::build(cfg, vb, Some(tp), 0..cfg.num_hidden_layers)

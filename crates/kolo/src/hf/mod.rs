@@ -8,10 +8,12 @@
 //! `format = pt` metadata `transformers` requires.
 
 mod files;
+pub mod finetune;
 mod gpt2;
 mod llama;
 
 pub use files::{load_weights, save_pretrained, save_pretrained_with, LoadReport, SaveOptions};
+pub use finetune::{export_checkpoint, FineTune, FineTuneConfig};
 pub use gpt2::{load_gpt2, Gpt2, Gpt2Config};
 use llama::load_llama_stage;
 pub use llama::{load_llama, Llama, LlamaConfig};

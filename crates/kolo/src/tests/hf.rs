@@ -460,3 +460,39 @@ fn llama_family_options_not_implemented_are_refused() {
     assert!(e.contains("unsupported layer type \"chunked_attention\""), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A fine-tuning job's evaluation is the mean loss over its held-out windows, the last
+/// `eval_fraction` of the data, in batches in order (the last one shorter): computed here by hand
+/// from the same windows and the model, with the job's `evaluate` in a world of one.
+#[test]
+fn fine_tuning_evaluation_is_the_mean_loss_of_the_held_out_windows() {
+    let dir = std::env::temp_dir().join(format!("kolo-hf-eval-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let text = dir.join("part.txt");
+    let corpus = std::fs::read(kolo_testkit::files::shakespeare()).unwrap();
+    std::fs::write(&text, &corpus[..10_000]).unwrap();
+    let toml = format!(
+        "[model]\nhf = \"{}\"\n[data]\ntext = \"{}\"\nbatch_size = 4\nseq = 24\neval_fraction = 0.1\n[train]\nsteps = 1\neval_batches = 0\n",
+        kolo_testkit::files::hf_llama_tiny().display(),
+        text.display()
+    );
+    let cfg = crate::hf::FineTuneConfig::from_toml_str(&toml, &dir.join("job.toml")).unwrap();
+    let ft = crate::hf::FineTune::new(&world_of_one(), cfg).unwrap();
+    // 10,000 bytes make 400 windows of 25 tokens; the last 40 are held out: 10 batches of 4.
+    let tokens: Vec<u32> = corpus[..10_000].iter().map(|b| u32::from(*b) % 96).collect();
+    let mut sum = 0.0;
+    for b in 0..10 {
+        let ids: Vec<u32> = (0..4).flat_map(|r| tokens[(360 + 4 * b + r) * 25..(361 + 4 * b + r) * 25].to_vec()).collect();
+        let ids = Tensor::from_vec(ids, (4, 25), &Device::Cpu).unwrap();
+        sum += f64::from(ft.model().loss(&ids).unwrap().to_scalar::<f32>().unwrap());
+    }
+    let got = ft.evaluate().unwrap().unwrap();
+    assert!((got - sum / 10.0).abs() < 1e-6, "evaluate {got}, by hand {}", sum / 10.0);
+    let e = crate::hf::FineTuneConfig::from_toml_str(&toml.replace("eval_fraction = 0.1", "eval_fraction = 1.5"), &dir.join("job.toml"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("job.toml") && e.contains("data.eval_fraction 1.5 is not in [0, 1)"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,159 @@
+//! `kolo train` fine-tuning a Hugging Face model from a config (`[model] hf = DIR`): token shards
+//! made by `kolo data prepare` with the model directory's tokenizer, real processes under
+//! `kolo launch`, checkpoints resumed, and `kolo export --hf`.
+
+use super::{fresh_dir, model_tensors, run, text, KOLO};
+use std::path::{Path, PathBuf};
+
+/// Token shards of the first 60 kB of the shipped corpus, tokenized by the tiny Qwen2's
+/// character-level tokenizer.json.
+fn shards(dir: &Path) -> PathBuf {
+    let corpus = std::fs::read_to_string(kolo_testkit::files::shakespeare()).unwrap();
+    let part = dir.join("part.txt");
+    std::fs::write(&part, &corpus[..60_000]).unwrap();
+    let out = dir.join("shards");
+    let model = kolo_testkit::files::hf_tiny("qwen2");
+    let o = run(&["data", "prepare", part.to_str().unwrap(), "--tokenizer", model.to_str().unwrap(), "-o", out.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    out
+}
+
+/// A fine-tuning job of the tiny Qwen2 (q/k/v biases, tied embeddings, a windowed layer) with
+/// plain SGD and no clipping, so a wrong gradient scale shows: `batch` sequences of 24 tokens
+/// per replica, 8 steps, checkpoints every 4, evaluation every 4.
+fn job(dir: &Path, tag: &str, shards: &Path, batch: usize, extra: &str) -> (PathBuf, PathBuf) {
+    let (cfg, ck) = (dir.join(format!("{tag}.toml")), dir.join(format!("ck-{tag}")));
+    let toml = format!(
+        "[model]\nhf = \"{}\"\n[data]\nshards = \"{}\"\nbatch_size = {batch}\nseq = 24\neval_fraction = 0.05\n\
+         [optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 8\nlog_every = 4\neval_every = 4\neval_batches = 4\n\
+         checkpoint_dir = \"{}\"\ncheckpoint_every = 4\n{extra}",
+        kolo_testkit::files::hf_tiny("qwen2").display(),
+        shards.display(),
+        ck.display()
+    );
+    std::fs::write(&cfg, toml).unwrap();
+    (cfg, ck)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// The three commands of the README on the tiny Qwen2: `kolo data prepare` with the model's
+/// tokenizer, `kolo train` on 2 processes (DDP), `kolo export --hf`. Checked:
+/// - 2 processes of 4 sequences equal 1 process of 8 after 8 SGD steps within 2e-5 (the
+///   parameters moved by more than 0.05, so an idle or halved step would show);
+/// - stopped after 4 steps and resumed from the checkpoint, the run ends bitwise where the
+///   uninterrupted one does (parameters, and the data position: the same batches follow);
+/// - the held-out evaluation runs at steps 4 and 8 and its loss falls;
+/// - `kolo export --hf` of the last checkpoint writes the bytes the job's `[export]` wrote, in
+///   bf16 too (config.json says so), and the export loads back with the checkpoint's values.
+#[test]
+fn hf_fine_tuning_job_matches_one_process_resumes_and_exports() {
+    let dir = fresh_dir("hf-job");
+    let shards = shards(&dir);
+    let one = job(&dir, "one", &shards, 8, "");
+    let o = run(&["train", "--config", one.0.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let export = dir.join("export");
+    let two = job(&dir, "two", &shards, 4, &format!("[export]\ndir = \"{}\"\n", export.display()));
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", two.0.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    let evals: Vec<f64> =
+        t.lines().filter_map(|l| l.split("eval loss ").nth(1)).map(|l| l.split_whitespace().next().unwrap().parse().unwrap()).collect();
+    assert_eq!(evals.len(), 2, "{t}");
+    assert!(evals[1] < evals[0] && evals[1].is_finite(), "eval losses {evals:?}");
+
+    let (a, b) = (model_tensors(&one.1.join("step-00000008")), model_tensors(&two.1.join("step-00000008")));
+    let start = model_tensors(&one.1.join("step-00000004"));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let moved = a.iter().map(|(k, v)| max_diff(v, &start[k])).fold(0.0, f32::max);
+    assert!(moved > 0.05, "the parameters moved by {moved} only");
+    for (k, v) in &a {
+        let d = max_diff(v, &b[k]);
+        assert!(d < 2e-5, "{k}: 2 processes differ from 1 by {d}");
+    }
+
+    // Stopped at 4, resumed from the newest checkpoint: bitwise the uninterrupted run.
+    let resumed = job(&dir, "resumed", &shards, 4, "");
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", resumed.0.to_str().unwrap(), "--stop-after", "4"], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(!resumed.1.join("step-00000008").exists());
+    let ck4 = resumed.1.join("step-00000004");
+    let o =
+        run(&["launch", "-n", "2", "--", KOLO, "train", "--config", resumed.0.to_str().unwrap(), "--resume", ck4.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let c = model_tensors(&resumed.1.join("step-00000008"));
+    for (k, v) in &b {
+        assert_eq!(max_diff(v, &c[k]), 0.0, "{k}: the resumed run differs");
+    }
+
+    // kolo export --hf: the bytes of the job's own export, and a bf16 one that says so.
+    let again = dir.join("again");
+    let o = run(&["export", "--hf", again.to_str().unwrap(), two.1.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(std::fs::read(again.join("model.safetensors")).unwrap(), std::fs::read(export.join("model.safetensors")).unwrap());
+    let bf16 = dir.join("bf16");
+    let o = run(&["export", "--hf", bf16.to_str().unwrap(), two.1.to_str().unwrap(), "--dtype", "bf16", "--max-shard-size", "60000"], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(bf16.join("config.json")).unwrap()).unwrap();
+    assert_eq!((cfg["dtype"].as_str(), cfg["model_type"].as_str()), (Some("bfloat16"), Some("qwen2")));
+    assert!(bf16.join("model.safetensors.index.json").exists());
+    let dev = candle_core::Device::Cpu;
+    let (vars, _) = kolo::hf::load_causal_lm(&export, &dev).unwrap();
+    let vars = vars.data().lock().unwrap();
+    for (k, v) in &b {
+        let got = vars[k.strip_prefix("model.").unwrap()].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(max_diff(v, &got), 0.0, "{k}: the export differs from the checkpoint");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A fine-tuning job that cannot run says why in one line: data given twice, a tokenizer whose
+/// vocabulary is larger than the embedding, a flag the job does not take, a checkpoint of
+/// another kind given to `kolo export --hf`.
+#[test]
+fn hf_fine_tuning_jobs_that_cannot_run_are_named() {
+    let dir = fresh_dir("hf-job-bad");
+    let shards = shards(&dir);
+    let (cfg, _) = job(&dir, "both", &shards, 4, "");
+    let both = std::fs::read_to_string(&cfg).unwrap().replace("[data]\n", "[data]\ntext = \"x.txt\"\n");
+    std::fs::write(&cfg, both).unwrap();
+    let o = run(&["train", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("[data] needs one of shards") && t.contains("both.toml"), "{t}");
+
+    // Shards of the GPT-2 byte-level BPE (259 tokens) for a model of 96.
+    let big = dir.join("big");
+    let corpus = dir.join("part.txt");
+    let o = run(&["data", "prepare", corpus.to_str().unwrap(), "--train-bpe", "259", "-o", big.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let (cfg, _) = job(&dir, "big", &big, 4, "");
+    let o = run(&["train", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("259") && t.contains("96"), "{t}");
+
+    let (cfg, _) = job(&dir, "flag", &shards, 4, "");
+    let o = run(&["train", "--config", cfg.to_str().unwrap(), "--plan", "auto"], &[]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("--plan is not supported for a Hugging Face model"), "{t}");
+
+    let gpt = dir.join("gpt.toml");
+    std::fs::write(
+        &gpt,
+        format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 1\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 2\n\
+             [train]\nsteps = 1\nsample_chars = 0\ncheckpoint_every = 1\ncheckpoint_dir = \"{}\"\n",
+            corpus.display(),
+            dir.join("ck-gpt").display()
+        ),
+    )
+    .unwrap();
+    let o = run(&["train", "--config", gpt.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let o = run(&["export", "--hf", dir.join("x").to_str().unwrap(), dir.join("ck-gpt").to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("no `hf.config` metadata"), "{t}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,446 @@
+//! Fine-tuning a Hugging Face causal language model end to end: what `kolo train` runs for a
+//! config with `[model] hf = "DIR"`, and what the `hf_finetune` example drives from its flags.
+//!
+//! ```toml
+//! [model]
+//! hf = "test-data/hf/llama-tiny"        # config.json, model.safetensors (or an index), tokenizer.json
+//! [data]
+//! shards = "data/llama-shards"          # token shards from `kolo data prepare --tokenizer DIR`
+//! batch_size = 4                        # sequences per data-parallel replica and step
+//! seq = 32                              # tokens per sequence
+//! eval_fraction = 0.1                   # the shards' last windows, held out for evaluation
+//! [mesh]                                # optional: tp, pp, sp (dp: the rest of the world)
+//! tp = 2
+//! [pipeline]                            # with pp > 1
+//! micro_batches = 2
+//! [optim]                               # [optim], [ddp] and [train] as for kolo train
+//! kind = "adamw"
+//! lr = 1e-3
+//! [train]
+//! steps = 100
+//! eval_every = 20
+//! checkpoint_dir = "checkpoints/llama"
+//! checkpoint_every = 50
+//! [export]                              # optional: written at the end (kolo export --hf does it later)
+//! dir = "out/llama-finetuned"
+//! dtype = "bf16"
+//! ```
+
+use super::{load_causal_lm_parallel, CausalLm, SaveOptions};
+use crate::data::{Sampler, SamplerConfig};
+use crate::options::{DdpConfig, OptimConfig, TrainConfig};
+use crate::{Dist, Error, Mesh, Result, TrainOptions, Trainer};
+use candle_core::{DType, Tensor};
+use candle_nn::VarMap;
+use kolo_comm::{BufMut, ReduceOp};
+use kolo_train::config::{MeshConfig, PipeSchedule, PipelineConfig};
+use std::path::{Path, PathBuf};
+
+/// The checkpoint metadata key holding the model's `config.json`, so that `kolo export --hf`
+/// needs only the checkpoint.
+pub const CONFIG_META: &str = "hf.config";
+
+/// A fine-tuning job: the TOML of `kolo train --config` when `[model]` names `hf`.
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FineTuneConfig {
+    /// `hf`: the model's directory.
+    pub model: HfModel,
+    /// The token windows and the held-out split.
+    pub data: HfData,
+    /// `tp`, `pp`, `sp` (and `dp`, else the rest of the world); `ep` is not for these models.
+    pub mesh: Option<MeshConfig>,
+    /// Micro-batches and schedule (`gpipe` or `1f1b`) when `mesh.pp` > 1.
+    pub pipeline: Option<PipelineConfig>,
+    /// As `kolo train`'s.
+    #[serde(default)]
+    pub optim: OptimConfig,
+    /// As `kolo train`'s (ZeRO stage 0-3; 3 only without a mesh).
+    #[serde(default)]
+    pub ddp: DdpConfig,
+    /// As `kolo train`'s: steps, logging, checkpoints; `eval_every` and `eval_batches` for the
+    /// held-out split; `seed` for the data order.
+    #[serde(default)]
+    pub train: TrainConfig,
+    /// Where to write the fine-tuned model at the end, as `transformers` reads it.
+    pub export: Option<HfExport>,
+}
+
+/// `[model]` of a fine-tuning job.
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HfModel {
+    /// The Hugging Face model directory.
+    pub hf: PathBuf,
+}
+
+/// `[data]` of a fine-tuning job: windows of `seq + 1` tokens.
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HfData {
+    /// Token shards written by `kolo data prepare` with the model's tokenizer.
+    pub shards: Option<PathBuf>,
+    /// Instead, a text file whose bytes modulo the vocabulary are the tokens (a stand-in for a
+    /// model without a tokenizer).
+    pub text: Option<PathBuf>,
+    /// Sequences per data-parallel replica and step.
+    pub batch_size: usize,
+    /// Tokens per sequence (each window holds one more, the last target).
+    pub seq: usize,
+    /// Fraction of the windows, the last ones, held out for evaluation (default 0.1; 0: none).
+    #[serde(default = "default_eval_fraction")]
+    pub eval_fraction: f64,
+}
+
+fn default_eval_fraction() -> f64 {
+    0.1
+}
+
+/// `[export]` of a fine-tuning job.
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct HfExport {
+    /// The directory to write (`config.json`, the weights).
+    pub dir: PathBuf,
+    /// `f32` (default), `bf16` or `f16`.
+    #[serde(default = "default_dtype")]
+    pub dtype: String,
+    /// Largest weights file in bytes (default: one file).
+    pub max_shard_size: Option<u64>,
+}
+
+fn default_dtype() -> String {
+    "f32".into()
+}
+
+/// The dtype an export names: `f32`, `bf16` or `f16`.
+pub fn export_dtype(name: &str) -> Result<DType> {
+    match name {
+        "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "float16" => Ok(DType::F16),
+        d => Err(Error::setting("export.dtype", format!("\"{d}\" is not f32, bf16 or f16"))),
+    }
+}
+
+impl FineTuneConfig {
+    /// Reads a fine-tuning job from TOML text (`path` names it in errors).
+    pub fn from_toml_str(text: &str, path: &Path) -> Result<FineTuneConfig> {
+        let cfg: FineTuneConfig = toml::from_str(text).map_err(|e| Error::file(path, e))?;
+        cfg.check().map_err(|e| Error::file(path, e))?;
+        Ok(cfg)
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        let d = &self.data;
+        if d.shards.is_some() == d.text.is_some() {
+            return Err("[data] needs one of shards (token shards from `kolo data prepare`) or text".into());
+        }
+        if d.batch_size == 0 || d.seq == 0 {
+            return Err(format!("data.batch_size {} and data.seq {} must be positive", d.batch_size, d.seq));
+        }
+        if !(0.0..1.0).contains(&d.eval_fraction) {
+            return Err(format!("data.eval_fraction {} is not in [0, 1)", d.eval_fraction));
+        }
+        if self.mesh.as_ref().is_some_and(|m| m.ep != 1) {
+            return Err("mesh.ep: expert parallelism is for models with experts (a Hugging Face model here has none)".into());
+        }
+        let (pp, micro) = (self.pp(), self.micro_batches());
+        if pp > 1 && self.train.eval_every > 0 {
+            return Err("train.eval_every with pipeline stages (mesh.pp > 1) is not supported yet: evaluate the export".into());
+        }
+        if pp > 1 && self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
+            return Err("pipeline.schedule = \"2bw\" is not supported for Hugging Face models (gpipe, 1f1b)".into());
+        }
+        if !d.batch_size.is_multiple_of(micro) {
+            return Err(format!("data.batch_size {} is not a multiple of pipeline.micro_batches {micro}", d.batch_size));
+        }
+        if let Some(e) = &self.export {
+            export_dtype(&e.dtype).map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    fn pp(&self) -> usize {
+        self.mesh.as_ref().and_then(|m| m.pp).unwrap_or(1)
+    }
+
+    fn micro_batches(&self) -> usize {
+        match (self.pp(), &self.pipeline) {
+            (1, _) => 1,
+            (_, Some(p)) => p.micro_batches.max(1),
+            (_, None) => 2,
+        }
+    }
+
+    /// The trainer's options: the job's `[optim]`, `[ddp]` and `[train]`, less what the job's
+    /// own loop does (evaluation, the data order's seed), and the micro-batches of a pipeline
+    /// as gradient accumulation.
+    fn train_options(&self) -> TrainOptions {
+        let mut train = self.train.clone();
+        (train.eval_every, train.eval_batches, train.seed) = (0, TrainConfig::default().eval_batches, 0);
+        if self.pp() > 1 {
+            train.grad_accum = self.micro_batches() as u64;
+        }
+        let mut opts = TrainOptions { optim: self.optim.clone(), ddp: self.ddp.clone(), train, ..Default::default() };
+        opts.data.batch_size = self.data.batch_size;
+        opts.data.tokens_per_example = self.data.seq;
+        opts
+    }
+}
+
+/// The windows of a job's data: token shards or a text's bytes.
+enum Windows {
+    Shards(crate::tokens::TokenShards),
+    Text(Vec<u32>),
+}
+
+impl Windows {
+    fn count(&self, len: usize) -> usize {
+        match self {
+            Windows::Shards(s) => s.windows(len),
+            Windows::Text(t) => t.len() / len,
+        }
+    }
+    fn get(&self, i: usize, len: usize) -> Vec<u32> {
+        match self {
+            Windows::Shards(s) => s.window(i, len),
+            Windows::Text(t) => t[i * len..(i + 1) * len].to_vec(),
+        }
+    }
+}
+
+/// A fine-tuning job built on this rank: the model's part for the mesh, its trainer and data.
+/// [`FineTune::run`] trains, evaluates and checkpoints; [`FineTune::export`] writes the model.
+pub struct FineTune {
+    cfg: FineTuneConfig,
+    dist: Dist,
+    mesh: Mesh,
+    varmap: VarMap,
+    model: CausalLm,
+    trainer: Trainer,
+    windows: Windows,
+    /// Windows `0..train` train, `train..` are held out.
+    train: usize,
+}
+
+impl FineTune {
+    /// Loads this rank's part of the model for the job's mesh (each rank reads only its pieces)
+    /// and builds the trainer (ZeRO-3 over the model's blocks when `ddp.zero_stage = 3`).
+    pub fn new(dist: &Dist, cfg: FineTuneConfig) -> Result<FineTune> {
+        cfg.check().map_err(|e| Error::setting("fine-tuning job", e))?;
+        let m = cfg.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
+        let (tp, pp, sp) = (m.tp, m.pp.unwrap_or(1), m.sp);
+        let dp = m.dp.unwrap_or(dist.world_size() / (tp * pp * sp).max(1));
+        let mesh = Mesh::new(dist, &[("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp)])?;
+        let (varmap, model) = load_causal_lm_parallel(&cfg.model.hf, &dist.device(), &mesh)?;
+        let opts = cfg.train_options();
+        let trainer = if tp * pp * sp > 1 {
+            Trainer::with_mesh(&varmap, &mesh, opts)?
+        } else if opts.ddp.zero_stage == 3 {
+            // The blocks' values live as shards over the ranks, gathered into the model when used.
+            let groups = model.block_prefixes();
+            Trainer::with_zero3_groups(&varmap, dist, opts, &groups.iter().map(String::as_str).collect::<Vec<_>>())?
+        } else {
+            Trainer::new(&varmap, dist, opts)?
+        };
+        let vocab = model.vocab_size();
+        let windows = match (&cfg.data.shards, &cfg.data.text) {
+            (Some(dir), _) => {
+                let s = crate::tokens::TokenShards::open(dir)?;
+                s.check(None, vocab)?;
+                Windows::Shards(s)
+            }
+            (None, Some(path)) => {
+                let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+                Windows::Text(bytes.iter().map(|b| u32::from(*b) % vocab as u32).collect())
+            }
+            (None, None) => unreachable!("checked"),
+        };
+        let n = windows.count(cfg.data.seq + 1);
+        let held = (n as f64 * cfg.data.eval_fraction).ceil() as usize;
+        let train = n - held.min(n);
+        let need = cfg.data.batch_size * dp;
+        if train < need {
+            return Err(Error::setting(
+                "data",
+                format!("{n} windows of {} tokens leave {train} to train on, fewer than a global batch of {need}", cfg.data.seq + 1),
+            ));
+        }
+        let mut ft = FineTune { cfg, dist: dist.clone(), mesh, varmap, model, trainer, windows, train };
+        let config = serde_json::to_string(&ft.model_config()).expect("a config serializes");
+        ft.trainer.set_checkpoint_meta(CONFIG_META, &config)?;
+        Ok(ft)
+    }
+
+    /// The model's `config.json`, as an export writes it.
+    fn model_config(&self) -> serde_json::Value {
+        match &self.model {
+            CausalLm::Gpt2(m) => serde_json::to_value(m.config()),
+            CausalLm::Llama(m) => serde_json::to_value(m.config()),
+        }
+        .expect("a config serializes")
+    }
+
+    /// This rank's part of the model.
+    pub fn model(&self) -> &CausalLm {
+        &self.model
+    }
+
+    /// The trainer (for its step count, learning rate, checkpoints).
+    pub fn trainer(&mut self) -> &mut Trainer {
+        &mut self.trainer
+    }
+
+    /// The mesh the job runs on.
+    pub fn mesh(&self) -> &Mesh {
+        &self.mesh
+    }
+
+    /// Trains `train.steps` steps (from the checkpoint `resume` when given: parameters,
+    /// optimizer, step and the data position, at any world size), evaluating the held-out
+    /// windows every `train.eval_every` steps and at the end; returns the last evaluation's
+    /// mean loss (`None` without held-out windows).
+    pub fn run(&mut self, resume: Option<&Path>) -> Result<Option<f64>> {
+        self.run_until(resume, self.cfg.train.steps)
+    }
+
+    /// As [`FineTune::run`], stopping after `stop` steps in all as if interrupted (the
+    /// checkpoints due by then are written).
+    pub fn run_until(&mut self, resume: Option<&Path>, stop: u64) -> Result<Option<f64>> {
+        if let Some(p) = resume {
+            self.trainer.resume(p)?;
+        }
+        let (batch, seq, micro) = (self.cfg.data.batch_size, self.cfg.data.seq, self.cfg.micro_batches());
+        let (dp, rank) = (self.mesh.size("dp"), self.mesh.coord("dp"));
+        // The members of a model-parallel group read the same windows; the replicas their own.
+        let sampler_cfg =
+            SamplerConfig { len: self.train, world: dp, rank, batch, seed: self.cfg.train.seed, shuffle: true, drop_last: true };
+        let mut sampler = Sampler::new(sampler_cfg, self.trainer.data_position()).map_err(|e| Error::setting("data", e))?;
+        let pp = self.mesh.size("pp");
+        let per_micro = batch / micro;
+        let schedule = match self.cfg.pipeline.as_ref().map(|p| p.schedule) {
+            Some(PipeSchedule::GPipe) => crate::pp::Schedule::GPipe,
+            _ => crate::pp::Schedule::OneFOneB,
+        };
+        let pipe = crate::pp::Pipeline::new(schedule, &[per_micro, seq / self.mesh.size("sp"), self.model.hidden_size()])?;
+        let (steps, every) = (self.cfg.train.steps, self.cfg.train.eval_every);
+        let mut eval = None;
+        while self.trainer.steps_done() < steps.min(stop) {
+            let x = self.batch(&sampler.next_batch(), seq)?;
+            // Before the step: a checkpoint the step writes resumes with the next batch.
+            self.trainer.set_data_position(sampler.position());
+            let model = &self.model;
+            if pp > 1 {
+                // Each stage runs its blocks on micro-batch `mb`; the last returns its loss.
+                pipe.step(&mut self.trainer, |mb, input| model.pipeline_stage(input, &x.narrow(0, mb * per_micro, per_micro)?))?;
+            } else {
+                self.trainer.step(|| model.loss(&x))?;
+            }
+            let done = self.trainer.steps_done();
+            if pp == 1 && ((every > 0 && done.is_multiple_of(every)) || done == steps) {
+                eval = self.evaluate()?;
+                if let (Some(l), true) = (eval, self.dist.is_main()) {
+                    kolo_base::eline!("step {done}/{steps} eval loss {l:.4} (perplexity {:.2})", l.exp());
+                }
+            }
+        }
+        if let (Some(b), true) = (pipe.bubble(), pp > 1 && self.mesh.coord("dp") == 0 && self.mesh.coord("tp") == 0) {
+            let (k, m) = (pp as f64, micro as f64);
+            kolo_base::eline!(
+                "pipeline stage {}: bubble {:.1}% (GPipe/1F1B ideal {:.1}%)",
+                self.mesh.coord("pp"),
+                100.0 * b,
+                100.0 * (k - 1.0) / (m + k - 1.0)
+            );
+        }
+        Ok(eval)
+    }
+
+    /// The windows `rows` as a (rows, seq + 1) batch of token ids.
+    fn batch(&self, rows: &[usize], seq: usize) -> Result<Tensor> {
+        let ids: Vec<u32> = rows.iter().flat_map(|&w| self.windows.get(w, seq + 1)).collect();
+        Ok(Tensor::from_vec(ids, (rows.len(), seq + 1), &self.dist.device())?)
+    }
+
+    /// Collective over the job: the mean loss over `train.eval_batches` batches of the held-out
+    /// windows (in order, dealt over the data-parallel replicas; a sequence-parallel group's
+    /// chunks averaged), `None` when nothing is held out.
+    pub fn evaluate(&self) -> Result<Option<f64>> {
+        let (batch, seq) = (self.cfg.data.batch_size, self.cfg.data.seq);
+        let held = self.windows.count(seq + 1) - self.train;
+        if held == 0 || self.mesh.size("pp") > 1 {
+            return Ok(None);
+        }
+        let (dp, rank) = (self.mesh.size("dp"), self.mesh.coord("dp"));
+        let batches = held.div_ceil(batch);
+        let want = match self.cfg.train.eval_batches {
+            0 => batches,
+            n => n.min(batches),
+        };
+        // Every replica runs as many batches (some twice when they do not divide), so that the
+        // collectives inside a split model's forward line up.
+        let mine = want.div_ceil(dp);
+        let mut sum = 0.0;
+        for i in 0..mine {
+            let b = (i * dp + rank) % batches;
+            let rows: Vec<usize> = (b * batch..((b + 1) * batch).min(held)).map(|w| self.train + w).collect();
+            sum += f64::from(self.model.loss(&self.batch(&rows, seq)?)?.to_scalar::<f32>()?);
+        }
+        let mut v = [sum / mine as f64];
+        self.mesh.replicas().all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
+        Ok(Some(v[0] / self.mesh.replicas().world_size().get() as f64))
+    }
+
+    /// Collective: writes the whole fine-tuned model to `dir` as `transformers` reads it (the
+    /// `[export]` dtype and shard size when `opts` is `None`); ZeRO-3 shards and model-parallel
+    /// pieces are gathered first.
+    pub fn export(&self, dir: &Path, opts: &SaveOptions) -> Result<()> {
+        self.trainer.unshard()?;
+        let split = self.mesh.size("tp") * self.mesh.size("pp") > 1;
+        let whole = if split { self.mesh.whole_varmap(&self.varmap)? } else { None };
+        if self.dist.is_main() {
+            self.model.save_pretrained_with(dir, whole.as_ref().unwrap_or(&self.varmap), opts)?;
+        }
+        self.dist.barrier()?;
+        Ok(())
+    }
+
+    /// The `[export]` of the job, if it has one: where and how to write the model at the end.
+    pub fn export_options(&self) -> Result<Option<(PathBuf, SaveOptions)>> {
+        self.cfg
+            .export
+            .as_ref()
+            .map(|e| Ok((e.dir.clone(), SaveOptions { dtype: export_dtype(&e.dtype)?, max_shard_size: e.max_shard_size })))
+            .transpose()
+    }
+}
+
+/// `kolo export --hf`: writes the model of a checkpoint that a fine-tuning job wrote (at any
+/// world size and mesh: checkpoints hold whole tensors) to `out` as `transformers` reads it,
+/// with the `config.json` the job stored in the checkpoint.
+pub fn export_checkpoint(checkpoint: &Path, out: &Path, opts: &SaveOptions) -> Result<()> {
+    let path = kolo_train::checkpointing::resolve_checkpoint(checkpoint)?;
+    let ck = kolo_checkpoint::load_any(&path).map_err(kolo_train::TrainError::from)?;
+    let config = ck.meta.get(CONFIG_META).ok_or_else(|| {
+        Error::file(
+            &path,
+            format!("no `{CONFIG_META}` metadata: not a checkpoint of a Hugging Face fine-tuning job (kolo train with [model] hf)"),
+        )
+    })?;
+    let config: serde_json::Value = serde_json::from_str(config).map_err(|e| Error::file(&path, format!("`{CONFIG_META}`: {e}")))?;
+    let varmap = VarMap::new();
+    {
+        let mut vars = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+        for e in &ck.tensors {
+            if let Some(name) = e.name.strip_prefix("model.") {
+                let t = Tensor::from_slice(&e.data, e.shape.as_slice(), &candle_core::Device::Cpu)?;
+                vars.insert(name.to_string(), candle_core::Var::from_tensor(&t)?);
+            }
+        }
+    }
+    if varmap.all_vars().is_empty() {
+        return Err(Error::file(&path, "the checkpoint holds no model tensors"));
+    }
+    super::save_pretrained_with(out, &varmap, &config, opts)
+}
