@@ -1,4 +1,4 @@
-"""The torch side of bench/hf_speed.sh (issue #17 item 5): a Hugging Face GPT2LMHeadModel from
+"""The torch side of bench/hf_speed.sh (issue #17 item 5): a Hugging Face causal language model (AutoModelForCausalLM) from
 MODEL_DIR (config.json + model.safetensors, the same files Kolo loads) trained with AdamW
 (lr 1e-3, clipping at 1.0) under torch DDP on gloo, one thread per rank, on random tokens of
 batch x seq per rank. Prints tokens/s over the steps after the first WARMUP, summed over ranks.
@@ -20,7 +20,7 @@ def rank_main(rank, world, model_dir, batch, seq, steps, warmup, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = transformers.GPT2LMHeadModel.from_pretrained(model_dir).train()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -1,7 +1,7 @@
 """Regenerates Kolo's references for the Llama-style architectures beside Llama itself:
 test-data/hf/{qwen2,mistral,llama3}-tiny.
 
-    python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]     (ARCH: qwen2, mistral, llama3)
+    python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]     (ARCH: qwen2, mistral, llama3, gemma, phi3)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -11,7 +11,11 @@ int64, "logits" f32). What each exercises:
           of 6 on the layers from max_window_layers = 1 (layer 0 full, layer 1 windowed);
   mistral MistralForCausalLM: sliding_window 5 on every layer, shorter than the 16 tokens;
   llama3  LlamaForCausalLM with rope_type "llama3" (factor 8, original context 16, so the
-          scaling changes every rotary frequency but the highest).
+          scaling changes every rotary frequency but the highest);
+  gemma   GemmaForCausalLM: norms scaled by 1 + weight, embeddings by sqrt(hidden), GeGLU
+          (gelu_pytorch_tanh), heads of 16 wider than hidden / heads, tied embeddings;
+  phi3    Phi3ForCausalLM: fused qkv_proj and gate_up_proj, a partial rotary embedding (0.5 of
+          each head), sliding_window 6.
 With `qwen2 OUT 0.5b` the model has Qwen2.5-0.5B's shape (vocabulary 151936, 24 layers of 896,
 14 query heads sharing 2 key/value heads, MLP 4864, tied embeddings, no sliding window: 494M
 parameters, 2 GB, not shipped: bench/hf_interop.sh makes it in /tmp), with noise of std 0.02.
@@ -50,8 +54,15 @@ elif arch == "llama3":
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16})
     model = transformers.LlamaForCausalLM
+elif arch == "gemma":
+    cfg = transformers.GemmaConfig(**common | {"head_dim": 16}, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh")
+    model = transformers.GemmaForCausalLM
+elif arch == "phi3":
+    cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, sliding_window=6,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+    model = transformers.Phi3ForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3)")
+    sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3, gemma, phi3)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 with torch.no_grad():

@@ -6,6 +6,9 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
 use std::path::Path;
 
+/// The `model_type`s built by [`Llama`].
+pub const FAMILY: &[&str] = &["llama", "mistral", "qwen2", "gemma", "phi3"];
+
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
@@ -65,10 +68,13 @@ impl LlamaConfig {
 
     fn check(&self) -> std::result::Result<(), String> {
         let t = self.model_type();
-        if !["llama", "mistral", "qwen2"].contains(&t) {
-            return Err(format!("model_type \"{t}\" is not a Llama-style model (llama, mistral, qwen2)"));
+        if !FAMILY.contains(&t) {
+            return Err(format!("model_type \"{t}\" is not a Llama-style model ({})", FAMILY.join(", ")));
         }
-        if t != "llama" {
+        if self.other.get("use_bidirectional_attention").and_then(serde_json::Value::as_bool).unwrap_or(false) {
+            return Err("use_bidirectional_attention = true is not supported (causal attention only)".into());
+        }
+        if t != "llama" && t != "gemma" {
             for k in ["attention_bias", "mlp_bias"] {
                 if self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false) {
                     return Err(format!("{k} = true is not an option of {t}"));
@@ -77,8 +83,11 @@ impl LlamaConfig {
         }
         self.inv_freq()?;
         self.layer_windows()?;
-        if self.hidden_act != "silu" {
-            return Err(format!("unsupported hidden_act \"{}\" (silu)", self.hidden_act));
+        if !["silu", "gelu_pytorch_tanh", "gelu_new", "gelu"].contains(&self.activation()) {
+            return Err(format!("unsupported hidden_act \"{}\" (silu, gelu_pytorch_tanh, gelu)", self.activation()));
+        }
+        if !self.rotary_dim().is_multiple_of(2) || self.rotary_dim() == 0 {
+            return Err(format!("rotary dimension {} (head_dim x partial_rotary_factor) is not a positive even number", self.rotary_dim()));
         }
         let (h, kv) = (self.num_attention_heads, self.kv_heads());
         if h == 0 || kv == 0 || !h.is_multiple_of(kv) {
@@ -90,7 +99,8 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// `llama`, `mistral` or `qwen2` (`config.json`'s `model_type`; `llama` when absent).
+    /// `llama`, `mistral`, `qwen2`, `gemma` or `phi3` (`config.json`'s `model_type`; `llama`
+    /// when absent).
     pub fn model_type(&self) -> &str {
         self.other.get("model_type").and_then(|v| v.as_str()).unwrap_or("llama")
     }
@@ -101,9 +111,38 @@ impl LlamaConfig {
         let flag = |k: &str| self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
         match self.model_type() {
             "qwen2" => (true, false, false),
-            "mistral" => (false, false, false),
+            "mistral" | "phi3" => (false, false, false),
+            "gemma" => (flag("attention_bias"), flag("attention_bias"), false),
             _ => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
         }
+    }
+
+    /// The MLP's activation: `hidden_act` (Gemma's older configs: `hidden_activation`).
+    pub fn activation(&self) -> &str {
+        self.other.get("hidden_activation").and_then(|v| v.as_str()).unwrap_or(&self.hidden_act)
+    }
+
+    /// Phi-3 keeps q, k and v in one projection (`qkv_proj`) and gate and up in another
+    /// (`gate_up_proj`).
+    pub fn fused(&self) -> bool {
+        self.model_type() == "phi3"
+    }
+
+    /// Gemma scales its RMS norms by `1 + weight` and its embeddings by sqrt(hidden_size).
+    fn gemma(&self) -> bool {
+        self.model_type() == "gemma"
+    }
+
+    /// Dimensions of a head that rotate: `head_dim x partial_rotary_factor` (Phi-3's
+    /// `rope_parameters` may set it; the rest pass through unrotated).
+    pub fn rotary_dim(&self) -> usize {
+        let params = ["rope_parameters", "rope_scaling"].iter().find_map(|k| self.other.get(*k).filter(|v| v.is_object()));
+        let factor = params
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .or(self.other.get("partial_rotary_factor"))
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or(1.0);
+        (self.head_dim() as f64 * factor) as usize
     }
 
     /// Each layer's attention window (`None`: every earlier token): query i sees keys
@@ -130,7 +169,7 @@ impl LlamaConfig {
                 .collect();
         }
         Ok(match self.model_type() {
-            "mistral" => vec![window; n],
+            "mistral" | "phi3" => vec![window; n],
             "qwen2" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
                 let from = get("max_window_layers").and_then(|v| v.as_u64()).unwrap_or(n as u64) as usize;
                 (0..n).map(|i| if i >= from { window } else { None }).collect()
@@ -139,7 +178,7 @@ impl LlamaConfig {
         })
     }
 
-    /// The rotary embedding's inverse frequencies (head_dim / 2 of them): `theta^(-2i/d)`, or
+    /// The rotary embedding's inverse frequencies (rotary_dim / 2 of them): `theta^(-2i/d)`, or
     /// scaled as `rope_type` says: `linear` (divided by `factor`) or `llama3` (Llama 3.1's
     /// wavelength-dependent scaling). Read from `rope_parameters` (transformers 5) or
     /// `rope_scaling` (4); other rope types are refused.
@@ -148,11 +187,8 @@ impl LlamaConfig {
         let field = |k: &str| params.and_then(|p| p.get(k)).and_then(serde_json::Value::as_f64);
         let need = |k: &str| field(k).ok_or(format!("rope parameter {k} missing"));
         let kind = params.and_then(|p| p.get("rope_type").or(p.get("type"))).and_then(|t| t.as_str()).unwrap_or("default");
-        if field("partial_rotary_factor").is_some_and(|f| f != 1.0) {
-            return Err("unsupported rope parameter partial_rotary_factor (the whole head rotates)".into());
-        }
-        let hd = self.head_dim() as f64;
-        let base: Vec<f64> = (0..self.head_dim() / 2).map(|i| 1.0 / self.rope_theta().powf(2.0 * i as f64 / hd)).collect();
+        let dim = self.rotary_dim() as f64;
+        let base: Vec<f64> = (0..self.rotary_dim() / 2).map(|i| 1.0 / self.rope_theta().powf(2.0 * i as f64 / dim)).collect();
         match kind {
             "default" => Ok(base),
             "linear" => {
@@ -196,6 +232,12 @@ impl LlamaConfig {
             "layer_types",
             "use_sliding_window",
             "max_window_layers",
+            "hidden_activation",
+            "partial_rotary_factor",
+            "use_bidirectional_attention",
+            "embd_pdrop",
+            "resid_pdrop",
+            "original_max_position_embeddings",
         ];
         self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
     }
@@ -235,15 +277,46 @@ impl LlamaConfig {
 /// A linear layer of a block: candle-nn's, or one split over a tensor-parallel group.
 type Layer = Box<dyn Module + Send + Sync>;
 
+/// An RMS norm scaling by `weight` (Llama) or `1 + weight` (Gemma).
+struct Norm {
+    weight: Tensor,
+    plus_one: bool,
+    eps: f32,
+}
+
+impl Norm {
+    fn new(n: usize, cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Norm> {
+        let plus_one = cfg.gemma();
+        let init = candle_nn::Init::Const(if plus_one { 0.0 } else { 1.0 });
+        Ok(Norm { weight: vb.get_with_hints(n, "weight", init)?, plus_one, eps: cfg.rms_norm_eps as f32 })
+    }
+}
+
+impl Module for Norm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let w = if self.plus_one { (&self.weight + 1.0)? } else { self.weight.clone() };
+        candle_nn::ops::rms_norm(&x.contiguous()?, &w, self.eps)
+    }
+}
+
+/// The attention's input projections: q, k and v apart, or in one (Phi-3's `qkv_proj`).
+enum Qkv {
+    Apart(Layer, Layer, Layer),
+    Fused(Layer),
+}
+
+/// The gated MLP's input projections: gate and up apart, or in one (Phi-3's `gate_up_proj`).
+enum GateUp {
+    Apart(Layer, Layer),
+    Fused(Layer),
+}
+
 struct LlamaBlock {
-    input_norm: candle_nn::RmsNorm,
-    q: Layer,
-    k: Layer,
-    v: Layer,
+    input_norm: Norm,
+    qkv: Qkv,
     o: Layer,
-    post_norm: candle_nn::RmsNorm,
-    gate: Layer,
-    up: Layer,
+    post_norm: Norm,
+    gate_up: GateUp,
     down: Layer,
     /// Query and key/value heads on this rank (all of them, or this member's share).
     heads: (usize, usize),
@@ -264,10 +337,26 @@ impl LlamaBlock {
         let (b, t, _) = x.dims3()?;
         let ((h, kv), hd) = (self.heads, cfg.head_dim());
         let a = self.input_norm.forward(x)?;
-        let heads = |l: &Layer, n: usize| l.forward(&a)?.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
-        let q = candle_nn::rotary_emb::rope(&heads(&self.q, h)?, cos, sin)?;
-        let k = candle_nn::rotary_emb::rope(&heads(&self.k, kv)?, cos, sin)?;
-        let v = heads(&self.v, kv)?;
+        let heads = |y: Tensor, n: usize| y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+        let (q, k, v) = match &self.qkv {
+            Qkv::Apart(q, k, v) => (q.forward(&a)?, k.forward(&a)?, v.forward(&a)?),
+            Qkv::Fused(l) => {
+                let y = l.forward(&a)?;
+                (y.narrow(2, 0, h * hd)?, y.narrow(2, h * hd, kv * hd)?, y.narrow(2, (h + kv) * hd, kv * hd)?)
+            }
+        };
+        // Rotary embeddings on the first `rotary_dim` dimensions of each head.
+        let rotary = |x: Tensor| -> candle_core::Result<Tensor> {
+            let r = 2 * cos.dim(1)?;
+            if r == hd {
+                return candle_nn::rotary_emb::rope(&x, cos, sin);
+            }
+            let turned = candle_nn::rotary_emb::rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
+            Tensor::cat(&[&turned, &x.narrow(3, r, hd - r)?], 3)
+        };
+        let q = rotary(heads(q, h)?)?;
+        let k = rotary(heads(k, kv)?)?;
+        let v = heads(v, kv)?;
         // Grouped-query attention: query head j reads key/value head j / (h / kv).
         let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
             if kv == h {
@@ -288,7 +377,20 @@ impl LlamaBlock {
         let y = y.transpose(1, 2)?.reshape((b, t, h * hd))?;
         let x = (x + self.o.forward(&y)?)?;
         let f = self.post_norm.forward(&x)?;
-        x + self.down.forward(&(self.gate.forward(&f)?.silu()? * self.up.forward(&f)?)?)?
+        let (gate, up) = match &self.gate_up {
+            GateUp::Apart(g, u) => (g.forward(&f)?, u.forward(&f)?),
+            GateUp::Fused(l) => {
+                let y = l.forward(&f)?;
+                let n = y.dim(2)? / 2;
+                (y.narrow(2, 0, n)?, y.narrow(2, n, n)?)
+            }
+        };
+        let gate = match cfg.activation() {
+            "silu" => gate.silu()?,
+            "gelu" => gate.gelu_erf()?,
+            _ => gate.gelu()?, // gelu_pytorch_tanh, gelu_new: the tanh approximation
+        };
+        x + self.down.forward(&(gate * up)?)?
     }
 }
 
@@ -302,7 +404,7 @@ pub struct Llama {
     embed: Option<LlamaEmbedding>,
     blocks: Vec<LlamaBlock>,
     /// On the last stage.
-    norm: Option<candle_nn::RmsNorm>,
+    norm: Option<Norm>,
     lm_head: Option<Layer>,
     /// The tensor-parallel group the model is split over (`None`: whole).
     tp: Option<crate::tp::TensorParallel>,
@@ -377,7 +479,7 @@ impl Llama {
         layers: std::ops::Range<usize>,
     ) -> candle_core::Result<Llama> {
         use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
-        use candle_nn::{linear_no_bias as lin, rms_norm};
+        use candle_nn::linear_no_bias as lin;
         let (e, hd, h, kv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.kv_heads());
         let tp = tp.filter(|t| t.size() > 1);
         let p = tp.map_or(1, |t| t.size());
@@ -389,6 +491,12 @@ impl Llama {
         }
         if layers.start >= layers.end || layers.end > n {
             candle_core::bail!("pipeline stage of layers {layers:?}: the model has {n}");
+        }
+        if p > 1 && cfg.fused() {
+            candle_core::bail!(
+                "{} over {p} tensor-parallel ranks: its fused qkv_proj and gate_up_proj cannot be split yet",
+                cfg.model_type()
+            );
         }
         if cfg.tie_word_embeddings && (layers.start != 0 || layers.end != n) {
             candle_core::bail!("tie_word_embeddings = true across pipeline stages (the embedding on the first, the output layer on the last) is not supported yet");
@@ -419,16 +527,28 @@ impl Llama {
         for i in layers.clone() {
             let b = m.pp(format!("layers.{i}"));
             let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
+            let (qkv, gate_up) = if cfg.fused() {
+                (
+                    Qkv::Fused(linear(e, (h + 2 * kv) * hd, qkv_bias, a.pp("qkv_proj"))?),
+                    GateUp::Fused(linear(e, 2 * inter, mlp_bias, f.pp("gate_up_proj"))?),
+                )
+            } else {
+                (
+                    Qkv::Apart(
+                        col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
+                        col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
+                        col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
+                    ),
+                    GateUp::Apart(col(e, inter, mlp_bias, f.pp("gate_proj"))?, col(e, inter, mlp_bias, f.pp("up_proj"))?),
+                )
+            };
             blocks.push(LlamaBlock {
-                input_norm: rms_norm(e, cfg.rms_norm_eps, b.pp("input_layernorm"))?,
-                q: col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
-                k: col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
-                v: col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
+                input_norm: Norm::new(e, cfg, b.pp("input_layernorm"))?,
+                qkv,
                 o: row(h * hd, e, o_bias, a.pp("o_proj"))?,
-                post_norm: rms_norm(e, cfg.rms_norm_eps, b.pp("post_attention_layernorm"))?,
-                gate: col(e, cfg.intermediate_size, mlp_bias, f.pp("gate_proj"))?,
-                up: col(e, cfg.intermediate_size, mlp_bias, f.pp("up_proj"))?,
-                down: row(cfg.intermediate_size, e, mlp_bias, f.pp("down_proj"))?,
+                post_norm: Norm::new(e, cfg, b.pp("post_attention_layernorm"))?,
+                gate_up,
+                down: row(inter, e, mlp_bias, f.pp("down_proj"))?,
                 heads: (h / p, kv / p),
                 window: windows[i],
             });
@@ -443,7 +563,7 @@ impl Llama {
             Some(t) => Some(LlamaEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_tokens"), t)?)),
             None => Some(LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?)),
         };
-        let (n, half) = (cfg.max_position_embeddings, hd / 2);
+        let (n, half) = (cfg.max_position_embeddings, cfg.rotary_dim() / 2);
         let inv_freq = cfg.inv_freq().map_err(candle_core::Error::Msg)?;
         let angles: Vec<f64> = (0..n).flat_map(|p| inv_freq.iter().map(move |f| p as f64 * f)).collect();
         let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, half), vb.device());
@@ -452,7 +572,7 @@ impl Llama {
             layers,
             embed,
             blocks,
-            norm: if last { Some(rms_norm(e, cfg.rms_norm_eps, m.pp("norm"))?) } else { None },
+            norm: if last { Some(Norm::new(e, cfg, m.pp("norm"))?) } else { None },
             lm_head,
             tp: tp.cloned(),
             sp: None,
@@ -517,10 +637,15 @@ impl Llama {
 
     /// The first stage's token embedding of `ids` (batch, seq).
     fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        match &self.embed {
-            Some(LlamaEmbedding::Whole(e)) => e.forward(ids),
-            Some(LlamaEmbedding::Split(e)) => e.forward(ids),
+        let x = match &self.embed {
+            Some(LlamaEmbedding::Whole(e)) => e.forward(ids)?,
+            Some(LlamaEmbedding::Split(e)) => e.forward(ids)?,
             None => candle_core::bail!("the embedding is on the first pipeline stage, not layers {:?}", self.layers),
+        };
+        // Gemma: embeddings times sqrt(hidden_size), rounded to the embedding's dtype first.
+        match self.cfg.gemma() {
+            true => x * f64::from((self.cfg.hidden_size as f64).sqrt() as f32),
+            false => Ok(x),
         }
     }
 

@@ -16,7 +16,7 @@ pub use files::{load_weights, save_pretrained, save_pretrained_with, LoadReport,
 pub use finetune::{export_checkpoint, FineTune, FineTuneConfig};
 pub use gpt2::{load_gpt2, Gpt2, Gpt2Config};
 use llama::load_llama_stage;
-pub use llama::{load_llama, Llama, LlamaConfig};
+pub use llama::{load_llama, Llama, LlamaConfig, FAMILY};
 
 /// `config.json` keys of every architecture that leave a training step's arithmetic unchanged:
 /// bookkeeping, generation defaults, and dropout (Kolo trains without it).
@@ -138,7 +138,7 @@ pub fn load_causal_lm_parallel(dir: &Path, device: &Device, mesh: &crate::Mesh) 
 }
 
 /// Loads the causal language model in `dir` (by `config.json`'s `model_type`: `gpt2`, or the
-/// Llama-style `llama`, `mistral` and `qwen2`) into a new VarMap on `device`. The weights are
+/// Llama-style `llama`, `mistral`, `qwen2`, `gemma` and `phi3`) into a new VarMap on `device`. The weights are
 /// `model.safetensors` or the shards `model.safetensors.index.json` names. What the checkpoint
 /// holds that the model does not read is printed and kept ([`CausalLm::load_report`]).
 pub fn load_causal_lm(dir: &Path, device: &Device) -> Result<(VarMap, CausalLm)> {
@@ -169,8 +169,8 @@ fn load(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>, mes
             return Err(Error::file(&path, "GPT-2 in pipeline stages or sequence chunks is not supported yet (a Llama-style model is)"))
         }
         Some("gpt2") => load_gpt2(dir, device).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
-        Some("llama" | "mistral" | "qwen2") => load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?,
-        Some(t) => return Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, llama, mistral, qwen2)"))),
+        Some(t) if llama::FAMILY.contains(&t) => load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?,
+        Some(t) => return Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, {})", llama::FAMILY.join(", ")))),
         None => return Err(Error::file(&path, "no model_type")),
     };
     if !model.load_report().is_empty() {

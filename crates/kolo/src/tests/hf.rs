@@ -244,6 +244,11 @@ fn hugging_face_models_that_do_not_split_are_named() {
             "num_attention_heads 4, num_key_value_heads 2 and intermediate_size 80 must each be a multiple of 3",
         ),
         (2, kolo_testkit::files::hf_gpt2_tiny(), "GPT-2 under tensor parallelism is not supported yet"),
+        (
+            2,
+            kolo_testkit::files::hf_tiny("phi3"),
+            "phi3 over 2 tensor-parallel ranks: its fused qkv_proj and gate_up_proj cannot be split yet",
+        ),
     ] {
         let ranks = LocalComm::create(kolo_base::WorldSize::new(n).unwrap());
         std::thread::scope(|s| {
@@ -277,13 +282,15 @@ fn reference(dir: &std::path::Path) -> (Tensor, Tensor) {
 }
 
 /// Qwen2 (q/k/v biases, tied embeddings, a sliding window on its second layer only), Mistral
-/// (a sliding window of 5 over 16 tokens) and Llama 3's rotary scaling, each saved by
+/// (a sliding window of 5 over 16 tokens), Llama 3's rotary scaling, Gemma (norms of 1 + weight,
+/// scaled embeddings, GeGLU, wide heads) and Phi-3 (fused projections, half of each head
+/// rotated, a sliding window), each saved by
 /// `transformers`, give its logits within 1e-4 and leave nothing unused. Each feature matters:
 /// the same checkpoint with the feature's config key taken out gives logits off by more than
 /// 0.05 (so the reference could not pass without it). Each trains (a few SGD steps lower the
 /// loss) and saves back to the same logits bitwise.
 #[test]
-fn qwen2_mistral_and_llama3_load_with_transformers_logits_and_train() {
+fn llama_family_architectures_load_with_transformers_logits_and_train() {
     for (arch, without) in [
         (
             "qwen2",
@@ -294,6 +301,10 @@ fn qwen2_mistral_and_llama3_load_with_transformers_logits_and_train() {
         ),
         ("mistral", vec![("\"sliding_window\": 5", "\"sliding_window\": null")]),
         ("llama3", vec![("\"rope_type\": \"llama3\"", "\"rope_type\": \"default\"")]),
+        // Without its norms of 1 + weight and its embedding scale, Gemma is a Llama.
+        ("gemma", vec![("\"model_type\": \"gemma\"", "\"model_type\": \"llama\"")]),
+        ("phi3", vec![("\"partial_rotary_factor\": 0.5", "\"partial_rotary_factor\": 1.0")]),
+        ("phi3", vec![("\"sliding_window\": 6", "\"sliding_window\": null")]),
     ] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let (ids, want) = reference(&dir);
@@ -433,8 +444,8 @@ fn sharded_and_bf16_checkpoints_round_trip_and_name_what_is_wrong() {
 }
 
 /// Options that change the arithmetic and are not implemented are refused by name, never
-/// ignored: other rotary scalings, partial rotary embeddings, unknown layer types, biases where
-/// the architecture has none.
+/// ignored: other rotary scalings, a partial rotary embedding that does not turn whole pairs,
+/// unknown layer types, biases where the architecture has none, another architecture.
 #[test]
 fn llama_family_options_not_implemented_are_refused() {
     let src = kolo_testkit::files::hf_tiny("llama3");
@@ -446,14 +457,15 @@ fn llama_family_options_not_implemented_are_refused() {
     };
     let e = load(&cfg.replace("\"llama3\"", "\"yarn\""));
     assert!(e.contains("config.json") && e.contains("unsupported rope_type \"yarn\""), "{e}");
-    let e = load(&cfg.replace("\"factor\": 8.0,", "\"factor\": 8.0, \"partial_rotary_factor\": 0.5,"));
-    assert!(e.contains("partial_rotary_factor"), "{e}");
+    // 0.3 of a head of 12 is 3.6 dimensions: rotary embeddings turn pairs.
+    let e = load(&cfg.replace("\"factor\": 8.0,", "\"factor\": 8.0, \"partial_rotary_factor\": 0.3,"));
+    assert!(e.contains("rotary dimension 3 (head_dim x partial_rotary_factor) is not a positive even number"), "{e}");
     let e = load(&cfg.replace("\"low_freq_factor\": 1.0,", ""));
     assert!(e.contains("rope parameter low_freq_factor missing"), "{e}");
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"mistral\", \"attention_bias\": true"));
     assert!(e.contains("attention_bias = true is not an option of mistral"), "{e}");
-    let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma\""));
-    assert!(e.contains("model_type \"gemma\" is not supported (gpt2, llama, mistral, qwen2)"), "{e}");
+    let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma2\""));
+    assert!(e.contains("model_type \"gemma2\" is not supported (gpt2, llama, mistral, qwen2, gemma, phi3)"), "{e}");
     let q = std::fs::read_to_string(kolo_testkit::files::hf_tiny("qwen2").join("config.json")).unwrap();
     std::fs::copy(kolo_testkit::files::hf_tiny("qwen2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let e = load(&q.replace("\"sliding_attention\"", "\"chunked_attention\""));
