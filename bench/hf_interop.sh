@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hugging Face GPT-2 and Llama-style models in and out, checked in `transformers` (issues #17, #33):
-#   1. small random GPT-2, Llama, Qwen2, Mistral, Llama 3, Gemma and Phi-3 models (test-data/hf/), a
+#   1. small random GPT-2, Llama, Qwen2, Mistral, Llama 3, Gemma, Phi-3 and GPT-NeoX models (test-data/hf/), a
 #      GPT-2 of the real 124M shape, a Llama of SmolLM-135M's shape (~500 MB each) and a Qwen2 of
 #      Qwen2.5-0.5B's shape (2 GB; all three made here in /tmp) load into Kolo with transformers' logits;
 #   2. each is fine-tuned by Kolo (the small ones by 2 processes under ZeRO-1/2, the large ones by 1
@@ -37,6 +37,9 @@ $K launch -n 2 -- $X --model test-data/hf/gemma-tiny --out "$tmp/gemma" --steps 
 echo "== Phi-3 (test-data/hf/phi3-tiny: fused projections, half of each head rotated, sliding window 6), 2 ranks, ZeRO-3, 30 steps"
 $K launch -n 2 -- $X --model test-data/hf/phi3-tiny --out "$tmp/phi3" --steps 30 --zero 3 2>&1 | grep -E "loaded|exported|step 30/30"
 "$PY" test-data/hf/check_export.py "$tmp/phi3" 2>/dev/null
+echo "== GPT-NeoX (test-data/hf/neox-tiny: parallel residual, a quarter of each head rotated), 2 ranks, ZeRO-1, 30 steps"
+$K launch -n 2 -- $X --model test-data/hf/neox-tiny --out "$tmp/neox" --steps 30 --zero 1 2>&1 | grep -E "loaded|exported|step 30/30"
+"$PY" test-data/hf/check_export.py "$tmp/neox" 2>/dev/null
 echo "== GPT-2 124M shape (random, made by transformers), 1 rank, 2 steps of 1 x 64 tokens"
 "$PY" test-data/hf/make_gpt2_reference.py "$tmp/124m" 124m 2>/dev/null | tail -1
 $X --model "$tmp/124m" --out "$tmp/124m-ft" --steps 2 --batch 1 --seq 64 2>&1 | grep -E "loaded|exported|step 2/2"

@@ -1,7 +1,7 @@
 """Regenerates Kolo's references for the Llama-style architectures beside Llama itself:
 test-data/hf/{qwen2,mistral,llama3}-tiny.
 
-    python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]     (ARCH: qwen2, mistral, llama3, gemma, phi3)
+    python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]     (ARCH: qwen2, mistral, llama3, gemma, phi3, gpt_neox)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -15,7 +15,9 @@ int64, "logits" f32). What each exercises:
   gemma   GemmaForCausalLM: norms scaled by 1 + weight, embeddings by sqrt(hidden), GeGLU
           (gelu_pytorch_tanh), heads of 16 wider than hidden / heads, tied embeddings;
   phi3    Phi3ForCausalLM: fused qkv_proj and gate_up_proj, a partial rotary embedding (0.5 of
-          each head), sliding_window 6.
+          each head), sliding_window 6;
+  gpt_neox GPTNeoXForCausalLM: layer norms with biases, query_key_value laid out head by head,
+          a quarter of each head of 16 rotated, parallel residual, GELU, an untied embed_out.
 With `qwen2 OUT 0.5b` the model has Qwen2.5-0.5B's shape (vocabulary 151936, 24 layers of 896,
 14 query heads sharing 2 key/value heads, MLP 4864, tied embeddings, no sliding window: 494M
 parameters, 2 GB, not shipped: bench/hf_interop.sh makes it in /tmp), with noise of std 0.02.
@@ -61,8 +63,13 @@ elif arch == "phi3":
     cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, sliding_window=6,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     model = transformers.Phi3ForCausalLM
+elif arch == "gpt_neox":
+    # Heads of 16, so that a quarter of each (4 dimensions) turns whole pairs.
+    cfg = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
+                                     | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
+    model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3, gemma, phi3)")
+    sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3, gemma, phi3, gpt_neox)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 with torch.no_grad():

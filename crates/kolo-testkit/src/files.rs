@@ -52,7 +52,7 @@ pub fn hf_llama_tiny() -> PathBuf {
     repo_root().join("test-data/hf/llama-tiny")
 }
 
-/// A tiny model of a Llama-style architecture beside Llama (`qwen2`, `mistral` or `llama3`)
+/// A tiny model of another architecture (`qwen2`, `mistral`, `llama3`, `gemma`, `phi3`, `neox`)
 /// saved by `transformers`, with its logits, in `test-data/hf/{arch}-tiny`
 /// (`make_family_reference.py`, which says what each exercises).
 pub fn hf_tiny(arch: &str) -> PathBuf {

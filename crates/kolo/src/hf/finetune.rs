@@ -278,6 +278,7 @@ impl FineTune {
         match &self.model {
             CausalLm::Gpt2(m) => serde_json::to_value(m.config()),
             CausalLm::Llama(m) => serde_json::to_value(m.config()),
+            CausalLm::GptNeox(m) => serde_json::to_value(m.config()),
         }
         .expect("a config serializes")
     }

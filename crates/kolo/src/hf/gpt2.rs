@@ -232,7 +232,7 @@ impl Gpt2 {
 
 /// Mean cross-entropy of predicting token i + 1 of each row of `ids` (batch, seq) from the
 /// logits `forward` gives for tokens 0..seq - 1.
-fn next_token_loss(ids: &Tensor, forward: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
+pub(super) fn next_token_loss(ids: &Tensor, forward: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
     let t = ids.dim(1)?;
     let logits = forward(&ids.narrow(1, 0, t - 1)?)?;
     let v = logits.dim(D::Minus1)?;

@@ -277,6 +277,24 @@ impl LlamaConfig {
 /// A linear layer of a block: candle-nn's, or one split over a tensor-parallel group.
 type Layer = Box<dyn Module + Send + Sync>;
 
+/// Rotary embeddings (`rotate_half`'s layout) on the first `2 x cos.dim(1)` dimensions of each
+/// head of `x` (batch, heads, seq, head_dim); the others pass unchanged.
+pub(super) fn rotate(x: Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    let (hd, r) = (x.dim(3)?, 2 * cos.dim(1)?);
+    if r == hd {
+        return candle_nn::rotary_emb::rope(&x, cos, sin);
+    }
+    let turned = candle_nn::rotary_emb::rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
+    Tensor::cat(&[&turned, &x.narrow(3, r, hd - r)?], 3)
+}
+
+/// Scaled dot-product attention of `q` over `k` and `v` (batch, heads, seq, head_dim) with the
+/// additive `mask` (seq, seq).
+pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
+    let att = (q.matmul(&k.t()?)? / (q.dim(3)? as f64).sqrt())?.broadcast_add(mask)?;
+    candle_nn::ops::softmax_last_dim(&att)?.matmul(v)
+}
+
 /// An RMS norm scaling by `weight` (Llama) or `1 + weight` (Gemma).
 struct Norm {
     weight: Tensor,
@@ -345,17 +363,8 @@ impl LlamaBlock {
                 (y.narrow(2, 0, h * hd)?, y.narrow(2, h * hd, kv * hd)?, y.narrow(2, (h + kv) * hd, kv * hd)?)
             }
         };
-        // Rotary embeddings on the first `rotary_dim` dimensions of each head.
-        let rotary = |x: Tensor| -> candle_core::Result<Tensor> {
-            let r = 2 * cos.dim(1)?;
-            if r == hd {
-                return candle_nn::rotary_emb::rope(&x, cos, sin);
-            }
-            let turned = candle_nn::rotary_emb::rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
-            Tensor::cat(&[&turned, &x.narrow(3, r, hd - r)?], 3)
-        };
-        let q = rotary(heads(q, h)?)?;
-        let k = rotary(heads(k, kv)?)?;
+        let q = rotate(heads(q, h)?, cos, sin)?;
+        let k = rotate(heads(k, kv)?, cos, sin)?;
         let v = heads(v, kv)?;
         // Grouped-query attention: query head j reads key/value head j / (h / kv).
         let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
@@ -370,8 +379,7 @@ impl LlamaBlock {
             Some(sp) => crate::sp::ring_attention(&q, &k, &v, sp)?,
             None => {
                 let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
-                let att = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?.broadcast_add(mask)?;
-                candle_nn::ops::softmax_last_dim(&att)?.matmul(&v)?
+                attend(&q, &k, &v, mask)?
             }
         };
         let y = y.transpose(1, 2)?.reshape((b, t, h * hd))?;

@@ -11,12 +11,14 @@ mod files;
 pub mod finetune;
 mod gpt2;
 mod llama;
+mod neox;
 
 pub use files::{load_weights, save_pretrained, save_pretrained_with, LoadReport, SaveOptions};
 pub use finetune::{export_checkpoint, FineTune, FineTuneConfig};
 pub use gpt2::{load_gpt2, Gpt2, Gpt2Config};
 use llama::load_llama_stage;
 pub use llama::{load_llama, Llama, LlamaConfig, FAMILY};
+pub use neox::{load_neox, GptNeox, NeoxConfig};
 
 /// `config.json` keys of every architecture that leave a training step's arithmetic unchanged:
 /// bookkeeping, generation defaults, and dropout (Kolo trains without it).
@@ -58,8 +60,10 @@ use std::path::Path;
 pub enum CausalLm {
     /// `gpt2`.
     Gpt2(Gpt2),
-    /// `llama`.
+    /// `llama`, `mistral`, `qwen2`, `gemma`, `phi3` ([`FAMILY`]).
     Llama(Llama),
+    /// `gpt_neox`.
+    GptNeox(GptNeox),
 }
 
 impl CausalLm {
@@ -68,6 +72,7 @@ impl CausalLm {
         match self {
             CausalLm::Gpt2(m) => m.forward(ids),
             CausalLm::Llama(m) => m.forward(ids),
+            CausalLm::GptNeox(m) => m.forward(ids),
         }
     }
     /// Mean next-token cross-entropy of `ids` (batch, seq).
@@ -75,6 +80,7 @@ impl CausalLm {
         match self {
             CausalLm::Gpt2(m) => m.loss(ids),
             CausalLm::Llama(m) => m.loss(ids),
+            CausalLm::GptNeox(m) => m.loss(ids),
         }
     }
     /// Width of the hidden states between blocks (what a pipeline stage hands the next).
@@ -82,6 +88,7 @@ impl CausalLm {
         match self {
             CausalLm::Gpt2(m) => m.config().n_embd,
             CausalLm::Llama(m) => m.config().hidden_size,
+            CausalLm::GptNeox(m) => m.config().hidden_size,
         }
     }
     /// Tokens in the vocabulary.
@@ -89,6 +96,7 @@ impl CausalLm {
         match self {
             CausalLm::Gpt2(m) => m.config().vocab_size,
             CausalLm::Llama(m) => m.config().vocab_size,
+            CausalLm::GptNeox(m) => m.config().vocab_size,
         }
     }
     /// Writes the model as `save_pretrained` does ([`save_pretrained`] with its config).
@@ -100,6 +108,7 @@ impl CausalLm {
         match self {
             CausalLm::Gpt2(m) => save_pretrained_with(dir, varmap, m.config(), opts),
             CausalLm::Llama(m) => save_pretrained_with(dir, varmap, m.config(), opts),
+            CausalLm::GptNeox(m) => save_pretrained_with(dir, varmap, m.config(), opts),
         }
     }
     /// What loading the checkpoint left unused: tensors no parameter took, `config.json` keys
@@ -108,12 +117,15 @@ impl CausalLm {
         match self {
             CausalLm::Gpt2(m) => m.load_report(),
             CausalLm::Llama(m) => m.load_report(),
+            CausalLm::GptNeox(m) => m.load_report(),
         }
     }
     /// This rank's pipeline stage on the micro-batch `windows` ([`Llama::pipeline_stage`]).
     pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
         match self {
-            CausalLm::Gpt2(_) => candle_core::bail!("GPT-2 in pipeline stages is not supported yet (a Llama is)"),
+            CausalLm::Gpt2(_) | CausalLm::GptNeox(_) => {
+                candle_core::bail!("GPT-2 and GPT-NeoX in pipeline stages are not supported yet (a Llama-style model is)")
+            }
             CausalLm::Llama(m) => m.pipeline_stage(input, windows),
         }
     }
@@ -122,6 +134,7 @@ impl CausalLm {
         match self {
             CausalLm::Gpt2(m) => m.block_prefixes(),
             CausalLm::Llama(m) => m.block_prefixes(),
+            CausalLm::GptNeox(m) => m.block_prefixes(),
         }
     }
 }
@@ -169,8 +182,17 @@ fn load(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>, mes
             return Err(Error::file(&path, "GPT-2 in pipeline stages or sequence chunks is not supported yet (a Llama-style model is)"))
         }
         Some("gpt2") => load_gpt2(dir, device).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
+        Some("gpt_neox") if tp.is_some() || mesh.is_some() => {
+            return Err(Error::file(
+                &path,
+                "GPT-NeoX under tensor, pipeline or sequence parallelism is not supported yet (it trains under DDP and ZeRO)",
+            ))
+        }
+        Some("gpt_neox") => load_neox(dir, device).map(|(v, m)| (v, CausalLm::GptNeox(m)))?,
         Some(t) if llama::FAMILY.contains(&t) => load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?,
-        Some(t) => return Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, {})", llama::FAMILY.join(", ")))),
+        Some(t) => {
+            return Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, gpt_neox, {})", llama::FAMILY.join(", "))))
+        }
         None => return Err(Error::file(&path, "no model_type")),
     };
     if !model.load_report().is_empty() {

@@ -244,6 +244,7 @@ fn hugging_face_models_that_do_not_split_are_named() {
             "num_attention_heads 4, num_key_value_heads 2 and intermediate_size 80 must each be a multiple of 3",
         ),
         (2, kolo_testkit::files::hf_gpt2_tiny(), "GPT-2 under tensor parallelism is not supported yet"),
+        (2, kolo_testkit::files::hf_tiny("neox"), "GPT-NeoX under tensor, pipeline or sequence parallelism is not supported yet"),
         (
             2,
             kolo_testkit::files::hf_tiny("phi3"),
@@ -283,14 +284,14 @@ fn reference(dir: &std::path::Path) -> (Tensor, Tensor) {
 
 /// Qwen2 (q/k/v biases, tied embeddings, a sliding window on its second layer only), Mistral
 /// (a sliding window of 5 over 16 tokens), Llama 3's rotary scaling, Gemma (norms of 1 + weight,
-/// scaled embeddings, GeGLU, wide heads) and Phi-3 (fused projections, half of each head
-/// rotated, a sliding window), each saved by
+/// scaled embeddings, GeGLU, wide heads), Phi-3 (fused projections, half of each head rotated, a
+/// sliding window) and GPT-NeoX (parallel residual, a quarter of each head rotated), each saved by
 /// `transformers`, give its logits within 1e-4 and leave nothing unused. Each feature matters:
 /// the same checkpoint with the feature's config key taken out gives logits off by more than
 /// 0.05 (so the reference could not pass without it). Each trains (a few SGD steps lower the
 /// loss) and saves back to the same logits bitwise.
 #[test]
-fn llama_family_architectures_load_with_transformers_logits_and_train() {
+fn architectures_load_with_transformers_logits_and_train() {
     for (arch, without) in [
         (
             "qwen2",
@@ -305,6 +306,8 @@ fn llama_family_architectures_load_with_transformers_logits_and_train() {
         ("gemma", vec![("\"model_type\": \"gemma\"", "\"model_type\": \"llama\"")]),
         ("phi3", vec![("\"partial_rotary_factor\": 0.5", "\"partial_rotary_factor\": 1.0")]),
         ("phi3", vec![("\"sliding_window\": 6", "\"sliding_window\": null")]),
+        ("neox", vec![("\"use_parallel_residual\": true", "\"use_parallel_residual\": false")]),
+        ("neox", vec![("\"partial_rotary_factor\": 0.25", "\"partial_rotary_factor\": 0.5")]),
     ] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let (ids, want) = reference(&dir);
@@ -465,7 +468,7 @@ fn llama_family_options_not_implemented_are_refused() {
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"mistral\", \"attention_bias\": true"));
     assert!(e.contains("attention_bias = true is not an option of mistral"), "{e}");
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma2\""));
-    assert!(e.contains("model_type \"gemma2\" is not supported (gpt2, llama, mistral, qwen2, gemma, phi3)"), "{e}");
+    assert!(e.contains("model_type \"gemma2\" is not supported (gpt2, gpt_neox, llama, mistral, qwen2, gemma, phi3)"), "{e}");
     let q = std::fs::read_to_string(kolo_testkit::files::hf_tiny("qwen2").join("config.json")).unwrap();
     std::fs::copy(kolo_testkit::files::hf_tiny("qwen2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let e = load(&q.replace("\"sliding_attention\"", "\"chunked_attention\""));

@@ -1,0 +1,265 @@
+//! GPT-NeoX (`GPTNeoXForCausalLM`: Pythia, GPT-NeoX-20B) with Hugging Face's parameter names:
+//! layer norms with biases, one `query_key_value` projection laid out head by head, rotary
+//! embeddings on part of each head, and the attention and the MLP reading the same input
+//! (`use_parallel_residual`).
+
+use super::files::{LoadReport, Weights};
+use super::llama::{attend, rotate};
+use crate::{Error, Result};
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{embedding, layer_norm, linear, linear_no_bias, Embedding, LayerNorm, LayerNormConfig, Linear, VarBuilder, VarMap};
+use std::path::Path;
+
+/// `config.json` of a GPT-NeoX model (the fields Kolo reads; others are kept and written back).
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+pub struct NeoxConfig {
+    /// Tokens in the vocabulary.
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Transformer blocks.
+    pub num_hidden_layers: usize,
+    /// Attention heads.
+    pub num_attention_heads: usize,
+    /// Epsilon of the layer norms.
+    #[serde(default = "default_eps")]
+    pub layer_norm_eps: f64,
+    /// Longest sequence the rotary tables cover.
+    pub max_position_embeddings: usize,
+    /// The MLP's activation (`gelu`, or the tanh approximation `gelu_new`, `gelu_pytorch_tanh`).
+    #[serde(default = "default_gelu")]
+    pub hidden_act: String,
+    /// Attention and MLP both read the block's input, and both outputs join the residual.
+    #[serde(default = "yes")]
+    pub use_parallel_residual: bool,
+    /// Whether the output projection is the token embedding.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Every other field of the file (rotary parameters among them), written back unchanged.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, serde_json::Value>,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_gelu() -> String {
+    "gelu".into()
+}
+fn yes() -> bool {
+    true
+}
+
+impl NeoxConfig {
+    /// Reads `dir/config.json` and refuses options this implementation does not have.
+    pub fn load(dir: &Path) -> Result<NeoxConfig> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+        let c: NeoxConfig = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not a GPT-NeoX config: {e}")))?;
+        c.check().map_err(|e| Error::file(&path, e))?;
+        Ok(c)
+    }
+
+    fn check(&self) -> std::result::Result<(), String> {
+        let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
+        if let Some(t) = get("model_type").and_then(|v| v.as_str()).filter(|t| *t != "gpt_neox") {
+            return Err(format!("model_type \"{t}\" is not gpt_neox"));
+        }
+        if get("attention_bias").and_then(serde_json::Value::as_bool) == Some(false) {
+            return Err("attention_bias = false is not supported (GPT-NeoX's attention projections carry biases)".into());
+        }
+        if let Some(t) = self.rope().get("rope_type").and_then(|t| t.as_str()).filter(|t| *t != "default") {
+            return Err(format!("unsupported rope_type \"{t}\" (default)"));
+        }
+        if !["gelu", "gelu_new", "gelu_pytorch_tanh"].contains(&self.hidden_act.as_str()) {
+            return Err(format!("unsupported hidden_act \"{}\" (gelu, gelu_new, gelu_pytorch_tanh)", self.hidden_act));
+        }
+        let h = self.num_attention_heads;
+        if h == 0 || !self.hidden_size.is_multiple_of(h) {
+            return Err(format!("hidden_size {} is not a multiple of num_attention_heads {h}", self.hidden_size));
+        }
+        let r = self.rotary_dim();
+        if r == 0 || !r.is_multiple_of(2) {
+            return Err(format!("rotary dimension {r} (head size x partial_rotary_factor) is not a positive even number"));
+        }
+        Ok(())
+    }
+
+    /// The rotary parameters: `rope_parameters` (transformers 5), else the top-level fields of
+    /// older files (`rotary_pct`, `rotary_emb_base`).
+    fn rope(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut p = self.other.get("rope_parameters").and_then(|p| p.as_object()).cloned().unwrap_or_default();
+        for (old, new) in [("rotary_pct", "partial_rotary_factor"), ("rotary_emb_base", "rope_theta"), ("rope_theta", "rope_theta")] {
+            if let (Some(v), false) = (self.other.get(old), p.contains_key(new)) {
+                p.insert(new.into(), v.clone());
+            }
+        }
+        p
+    }
+
+    /// Width of a head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads.max(1)
+    }
+
+    /// Dimensions of a head that rotate (GPT-NeoX's default: a quarter).
+    pub fn rotary_dim(&self) -> usize {
+        let f = self.rope().get("partial_rotary_factor").and_then(serde_json::Value::as_f64).unwrap_or(0.25);
+        (self.head_dim() as f64 * f) as usize
+    }
+
+    /// `config.json` keys this implementation neither reads nor knows to leave the arithmetic
+    /// unchanged, for the load report.
+    pub fn unknown_keys(&self) -> Vec<String> {
+        const READ: &[&str] = &[
+            "model_type",
+            "rope_parameters",
+            "rotary_pct",
+            "rotary_emb_base",
+            "rope_theta",
+            "attention_bias",
+            "hidden_dropout",
+            "classifier_dropout",
+            "is_decoder",
+            "use_cache",
+        ];
+        self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
+    }
+}
+
+struct NeoxBlock {
+    input_norm: LayerNorm,
+    qkv: Linear,
+    dense: Linear,
+    post_norm: LayerNorm,
+    up: Linear,
+    down: Linear,
+}
+
+impl NeoxBlock {
+    fn forward(&self, x: &Tensor, (cos, sin, mask): (&Tensor, &Tensor, &Tensor), cfg: &NeoxConfig) -> candle_core::Result<Tensor> {
+        let (b, t, e) = x.dims3()?;
+        let (h, hd) = (cfg.num_attention_heads, cfg.head_dim());
+        // Laid out head by head: each head's q, k and v side by side.
+        let qkv = self.qkv.forward(&self.input_norm.forward(x)?)?.reshape((b, t, h, 3 * hd))?.transpose(1, 2)?;
+        let part = |i: usize| qkv.narrow(3, i * hd, hd)?.contiguous();
+        let (q, k, v) = (rotate(part(0)?, cos, sin)?, rotate(part(1)?, cos, sin)?, part(2)?);
+        let y = attend(&q, &k, &v, mask)?.transpose(1, 2)?.reshape((b, t, e))?;
+        let attn = self.dense.forward(&y)?;
+        let mlp = |x: &Tensor| -> candle_core::Result<Tensor> {
+            let u = self.up.forward(&self.post_norm.forward(x)?)?;
+            let u = if cfg.hidden_act == "gelu" { u.gelu_erf()? } else { u.gelu()? };
+            self.down.forward(&u)
+        };
+        if cfg.use_parallel_residual {
+            (x + &attn)? + mlp(x)?
+        } else {
+            let x = (x + attn)?;
+            &x + mlp(&x)?
+        }
+    }
+}
+
+/// GPT-NeoX with Hugging Face's parameter names (`gpt_neox.layers.0.attention.query_key_value.weight`,
+/// ...), dropout left out.
+pub struct GptNeox {
+    cfg: NeoxConfig,
+    embed: Embedding,
+    blocks: Vec<NeoxBlock>,
+    norm: LayerNorm,
+    lm_head: Option<Linear>,
+    cos: Tensor,
+    sin: Tensor,
+    report: LoadReport,
+}
+
+impl GptNeox {
+    /// Builds the model's variables through `vb`.
+    pub fn new(cfg: &NeoxConfig, vb: VarBuilder) -> candle_core::Result<GptNeox> {
+        let (e, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        let ln = |vb: VarBuilder| layer_norm(e, LayerNormConfig { eps: cfg.layer_norm_eps, ..Default::default() }, vb);
+        let m = vb.pp("gpt_neox");
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let b = m.pp(format!("layers.{i}"));
+            blocks.push(NeoxBlock {
+                input_norm: ln(b.pp("input_layernorm"))?,
+                qkv: linear(e, 3 * e, b.pp("attention.query_key_value"))?,
+                dense: linear(e, e, b.pp("attention.dense"))?,
+                post_norm: ln(b.pp("post_attention_layernorm"))?,
+                up: linear(e, inter, b.pp("mlp.dense_h_to_4h"))?,
+                down: linear(inter, e, b.pp("mlp.dense_4h_to_h"))?,
+            });
+        }
+        let (n, r) = (cfg.max_position_embeddings, cfg.rotary_dim());
+        let theta = cfg.rope().get("rope_theta").and_then(serde_json::Value::as_f64).unwrap_or(10_000.0);
+        let angles: Vec<f64> = (0..n).flat_map(|p| (0..r / 2).map(move |i| p as f64 / theta.powf(2.0 * i as f64 / r as f64))).collect();
+        let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, r / 2), vb.device());
+        Ok(GptNeox {
+            cfg: cfg.clone(),
+            embed: embedding(cfg.vocab_size, e, m.pp("embed_in"))?,
+            blocks,
+            norm: ln(m.pp("final_layer_norm"))?,
+            lm_head: if cfg.tie_word_embeddings { None } else { Some(linear_no_bias(e, cfg.vocab_size, vb.pp("embed_out"))?) },
+            cos: table(f64::cos)?,
+            sin: table(f64::sin)?,
+            report: LoadReport::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &NeoxConfig {
+        &self.cfg
+    }
+
+    /// What loading the checkpoint left unused (tensors, `config.json` keys).
+    pub fn load_report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The name prefix of each block (`gpt_neox.layers.{i}.`), in forward order: the ZeRO-3 groups.
+    pub fn block_prefixes(&self) -> Vec<String> {
+        (0..self.cfg.num_hidden_layers).map(|i| format!("gpt_neox.layers.{i}.")).collect()
+    }
+
+    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let t = ids.dim(1)?;
+        if t > self.cfg.max_position_embeddings {
+            candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
+        }
+        let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(mask, (t, t), ids.device())?;
+        let mut x = self.embed.forward(ids)?;
+        for blk in &self.blocks {
+            x = blk.forward(&x, (&cos, &sin, &mask), &self.cfg)?;
+        }
+        let x = self.norm.forward(&x)?;
+        match &self.lm_head {
+            Some(l) => l.forward(&x),
+            None => x.broadcast_matmul(&self.embed.embeddings().t()?),
+        }
+    }
+
+    /// Mean next-token cross-entropy of `ids` (batch, seq).
+    pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        super::gpt2::next_token_loss(ids, |x| self.forward(x))
+    }
+}
+
+/// Builds a GPT-NeoX from `dir` into a new VarMap on `device` (its output layer is
+/// `embed_out.weight`, as checkpoints and `transformers` name it).
+pub fn load_neox(dir: &Path, device: &Device) -> Result<(VarMap, GptNeox)> {
+    let cfg = NeoxConfig::load(dir)?;
+    let varmap = VarMap::new();
+    let mut model = GptNeox::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+    let weights = Weights::open(dir)?;
+    // A tied output layer is the embedding; the rotary tables are buffers.
+    let skip = |n: &str| (cfg.tie_word_embeddings && n == "embed_out.weight") || n.ends_with(".rotary_emb.inv_freq");
+    let unused_tensors = weights.fill(&varmap, &skip)?;
+    model.report = LoadReport { unused_tensors, unknown_keys: cfg.unknown_keys() };
+    Ok((varmap, model))
+}
