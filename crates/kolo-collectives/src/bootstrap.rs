@@ -85,6 +85,7 @@ pub fn bootstrap(env: Option<&LaunchEnv>, mut cfg: HostCommConfig) -> Result<Boo
             cfg.advertise_ip = ip;
         }
     }
-    let comm = HostComm::connect_with_server(store, token, "w", Rank(rank), n, cfg, server)?;
+    // Rank 0 hosts the job's store (its heartbeats' silence is its own).
+    let comm = HostComm::connect_with_server(store, token, "w", Rank(rank), n, cfg, server, Some(0))?;
     Ok(Bootstrapped { comm: Arc::new(comm), local_rank: env.local_rank, local_world_size: env.local_world_size })
 }

@@ -151,6 +151,9 @@ pub struct HostComm {
     live: Option<Arc<Liveness>>,
     /// Part of a parent group's two-level collectives (see `make_group`).
     internal: bool,
+    /// The member whose process hosts the job's store (the job's rank 0), in this group's
+    /// numbering; `None` when it is not a member or not known (a store the caller brought).
+    store_host: Option<usize>,
     /// How long a wait busy-polls before it yields the core each round: none when this host
     /// runs more ranks than it has cores (the peer being waited for needs the core), as Open
     /// MPI's `mpi_yield_when_idle` does for oversubscribed runs.
@@ -205,9 +208,12 @@ impl HostComm {
         n: WorldSize,
         cfg: HostCommConfig,
     ) -> Result<HostComm, CommError> {
-        Self::connect_with_server(store, token, group, rank, n, cfg, None)
+        Self::connect_with_server(store, token, group, rank, n, cfg, None, None)
     }
 
+    /// As [`HostComm::connect`], keeping the store's server alive with the communicator (on the
+    /// rank that hosts it) and knowing which member hosts it (`store_host`, for the heartbeats).
+    #[allow(clippy::too_many_arguments)] // crate-internal: connect's six plus the store's two facts
     pub(crate) fn connect_with_server(
         store: Arc<dyn Store>,
         token: JobToken,
@@ -216,14 +222,15 @@ impl HostComm {
         n: WorldSize,
         cfg: HostCommConfig,
         server: Option<Arc<TcpStoreServer>>,
+        store_host: Option<usize>,
     ) -> Result<HostComm, CommError> {
         if !n.contains(rank) {
             return Err(CommError::Setup { op: OpKind::Setup, rank, what: format!("rank {rank} is not below the world size {n}") });
         }
         let deadline = Deadline::after(cfg.timeout);
         let c = connect_group(&*store, &token, group, rank.get(), n.get(), &cfg, deadline)?;
-        let live =
-            (n.get() > 1 && !cfg.liveness.is_zero()).then(|| Liveness::start(store.clone(), group, rank.get(), n.get(), cfg.liveness));
+        let live = (n.get() > 1 && !cfg.liveness.is_zero())
+            .then(|| Liveness::start(store.clone(), group, rank.get(), n.get(), cfg.liveness, store_host));
         let pure_spin = pure_spin_for(&c.hosts, rank.get());
         let core = Core {
             links: c.links,
@@ -249,6 +256,7 @@ impl HostComm {
             recorder: Default::default(),
             live,
             internal: false,
+            store_host,
             pure_spin,
             cfg,
             _server: server,
@@ -629,7 +637,9 @@ impl HostComm {
         let mut cfg = self.cfg.clone();
         cfg.timeout = self.timeout();
         let n = WorldSize::new(ranks.len()).expect("validated non-empty");
-        let mut g = HostComm::connect_with_server(self.store.clone(), self.token.clone(), &key, Rank(pos), n, cfg, self._server.clone())?;
+        let host = self.store_host.and_then(|h| ranks.iter().position(|r| r.get() == h));
+        let mut g =
+            HostComm::connect_with_server(self.store.clone(), self.token.clone(), &key, Rank(pos), n, cfg, self._server.clone(), host)?;
         g.internal = internal;
         Ok(Some(Arc::new(g)))
     }
@@ -649,10 +659,14 @@ impl HostComm {
             CommError::PeerLost { op, rank, seq, peer, reason }
                 if [crate::engine::CLOSED, "Broken pipe", "Connection reset"].iter().any(|c| reason.contains(c)) =>
             {
-                let cause = self.store.get(&self.cause_key(peer), Deadline::after(Duration::from_millis(300))).ok();
+                let cause = self.store.get(&self.cause_key(peer), Deadline::after(Duration::from_millis(300)));
                 let reason = match cause {
-                    Some(c) => format!("{reason}; it had failed first: {}", String::from_utf8_lossy(&c)),
-                    None => reason,
+                    Ok(c) => format!("{reason}; it had failed first: {}", String::from_utf8_lossy(&c)),
+                    // The store went with its host: the peer most likely left because of it.
+                    Err(e) if e.to_string().contains("closed the connection") && self.store_host.is_some_and(|h| h != peer.get()) => {
+                        format!("{reason}; its reason is lost with the job's store, whose host, rank 0's process, has exited: rank 0 most likely failed first")
+                    }
+                    Err(_) => reason,
                 };
                 CommError::PeerLost { op, rank, seq, peer, reason }
             }

@@ -37,6 +37,8 @@ pub(crate) struct Liveness {
     /// When the heartbeat now in the store's hands was sent; `NONE` between beats.
     beat_sent: AtomicU64,
     verdict: Mutex<Option<Verdict>>,
+    /// The member hosting the store: to blame when the store stops answering.
+    store_host: Option<usize>,
     _stop: Sender<()>,
 }
 
@@ -47,8 +49,9 @@ fn key(group: &str, rank: usize) -> String {
 impl Liveness {
     /// Starts the heartbeat thread of `rank` in a group of `n`. `window` is how long a peer may
     /// stay silent; the thread beats 4 times per window (at most once a second) and ends when the
-    /// returned value is dropped.
-    pub fn start(store: Arc<dyn Store>, group: &str, rank: usize, n: usize, window: Duration) -> Arc<Liveness> {
+    /// returned value is dropped. `store_host` is the member whose process hosts the store (the
+    /// job's rank 0), if it is one: a store that stops answering is that member stopped.
+    pub fn start(store: Arc<dyn Store>, group: &str, rank: usize, n: usize, window: Duration, store_host: Option<usize>) -> Arc<Liveness> {
         let (stop, stopped) = mpsc::channel::<()>();
         let live = Arc::new(Liveness {
             start: Instant::now(),
@@ -56,6 +59,7 @@ impl Liveness {
             stalled_since: AtomicU64::new(NONE),
             beat_sent: AtomicU64::new(NONE),
             verdict: Mutex::new(None),
+            store_host: store_host.filter(|&h| h != rank && h < n),
             _stop: stop,
         });
         let beat = (window / 4).clamp(Duration::from_millis(50), Duration::from_secs(1));
@@ -162,9 +166,11 @@ impl Liveness {
         }
         let sent = self.beat_sent.load(Ordering::Relaxed);
         if sent != NONE && self.now().saturating_sub(sent) >= self.window.as_millis() as u64 {
+            // The store's host is a member: its process stopped (or its host went silent), and
+            // it is the one to blame, not the peer this collective happens to wait on.
             return Some((
-                None,
-                format!("the job's store has not answered this rank's heartbeat for {:?}: its host (rank 0's) is stopped, dead or cut off from this rank", self.window),
+                self.store_host,
+                format!("the job's store has not answered this rank's heartbeat for {:?}: its host (rank 0's process) is stopped, dead or cut off from this rank", self.window),
             ));
         }
         None

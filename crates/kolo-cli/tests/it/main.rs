@@ -1312,6 +1312,84 @@ fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A SIGSTOPped rank 0, whose process also hosts the job's store, is named by every survivor
+/// (issue #34 item 6: the store's silence was blamed on whichever peer a collective waited on, so
+/// the launcher named rank 1 in one run and rank 2 in another), within the liveness window.
+#[test]
+fn a_stopped_rank_0_is_named_by_every_survivor() {
+    let dir = fresh_dir("stopped0");
+    let cfg = small_mlp(&dir, 1_000_000, "[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut ranks: Vec<_> = (0..3)
+        .map(|r| {
+            Command::new(KOLO)
+                .args(["train", "--config", cfg.to_str().unwrap()])
+                .envs([("RANK", r.to_string().as_str()), ("WORLD_SIZE", "3"), ("MASTER_PORT", &port), ("KOLO_JOB_TOKEN", &"5e".repeat(16))])
+                .env("RAYON_NUM_THREADS", "1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(4));
+    let mut stopped = ranks.remove(0);
+    // SAFETY: kill(2) on our own child's pid.
+    assert_eq!(unsafe { libc::kill(stopped.id() as libc::pid_t, libc::SIGSTOP) }, 0);
+    let t = Instant::now();
+    let errors: Vec<String> =
+        ranks.into_iter().map(|c| String::from_utf8_lossy(&c.wait_with_output().unwrap().stderr).into_owned()).collect();
+    let took = t.elapsed();
+    let _ = stopped.kill();
+    let _ = stopped.wait();
+    for (i, e) in errors.iter().enumerate() {
+        let r = i + 1;
+        let line = e.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("rank {r}: {e}"));
+        assert!(line.contains(&format!("rank {r}: ")) && line.contains("lost rank 0: "), "rank {r}: {line}");
+    }
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A SIGKILLed rank 0 is named by every survivor (issue #34 item 6: a rank whose neighbour left
+/// because rank 0 had died named the neighbour, since the reason it left went with rank 0's store).
+#[test]
+fn a_killed_rank_0_is_named_by_every_survivor() {
+    let dir = fresh_dir("killed0");
+    let cfg = small_mlp(&dir, 1_000_000, "[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+    let mut ranks: Vec<_> = (0..3)
+        .map(|r| {
+            Command::new(KOLO)
+                .args(["train", "--config", cfg.to_str().unwrap()])
+                .envs([("RANK", r.to_string().as_str()), ("WORLD_SIZE", "3"), ("MASTER_PORT", &port), ("KOLO_JOB_TOKEN", &"5e".repeat(16))])
+                .env("RAYON_NUM_THREADS", "1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(4));
+    let mut stopped = ranks.remove(0);
+    stopped.kill().unwrap();
+    let t = Instant::now();
+    let errors: Vec<String> =
+        ranks.into_iter().map(|c| String::from_utf8_lossy(&c.wait_with_output().unwrap().stderr).into_owned()).collect();
+    let took = t.elapsed();
+    let _ = stopped.kill();
+    let _ = stopped.wait();
+    for (i, e) in errors.iter().enumerate() {
+        let r = i + 1;
+        let line = e.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("rank {r}: {e}"));
+        // Its own peer, or a neighbour that left because of it, whose reason went with the store.
+        let named = line.contains("lost rank 0: ") || line.contains("rank 0 most likely failed first");
+        assert!(line.contains(&format!("rank {r}: ")) && named, "rank {r}: {line}");
+    }
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A hung rank (here one that sleeps a minute in a step) is named, with the operation and its
 /// sequence number, by every survivor's error and by the launcher (issue #19: they said
 /// `all_reduce #0 ... still waiting for rank(s) []` and the launcher blamed rank 3). Ranks one
