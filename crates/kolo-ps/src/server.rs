@@ -15,7 +15,7 @@ use crate::wire::{Keys, Membership, RangeState, Req, Resp, ServerStats};
 use crate::{Consistency, JobSpec, PsError, Ring};
 use kolo_optim::Optimizer;
 use kolo_rendezvous::JobToken;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -87,6 +87,13 @@ struct Shared {
     stranded: Mutex<BTreeMap<u32, Vec<u32>>>,
     /// Incoming hand-overs still to refuse (fault injection).
     refuse_transfers: AtomicU32,
+    /// Ranges that came to this server in a membership change that removed every server of
+    /// their previous chain: nobody can hand them over, and requests for them fail at once
+    /// with this reason instead of waiting for the deadline.
+    lost: Mutex<HashMap<u32, String>>,
+    /// Ranges this server should hold but does not yet, and every server that could still hand
+    /// each over (gathered over consecutive membership changes).
+    awaited: Mutex<HashMap<u32, BTreeSet<u32>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -129,6 +136,8 @@ impl Server {
             stats: Mutex::new(ServerStats::default()),
             stop: AtomicBool::new(false),
             stranded: Mutex::new(BTreeMap::new()),
+            lost: Mutex::new(HashMap::new()),
+            awaited: Mutex::new(HashMap::new()),
             refuse_transfers: AtomicU32::new(o.refuse_transfers),
         });
         let handler = {
@@ -285,17 +294,52 @@ fn reconfigure(shared: &Shared, m: Membership) {
     let me = shared.id.load(Ordering::SeqCst);
     let ids: Vec<u32> = m.servers.iter().map(|(id, _)| *id).collect();
     let new_ring = Ring::new(&ids);
-    let (old_ring, epoch) = {
+    let (old_ring, epoch, next) = {
         let mut v = lock(&shared.view);
         if m.epoch <= v.membership.epoch && v.membership.epoch != 0 {
             return;
         }
+        let next = m.epoch == v.membership.epoch + 1 && !v.membership.servers.is_empty();
         let old = std::mem::replace(&mut v.ring, new_ring.clone());
         v.membership = m.clone();
-        (old, m.epoch)
+        (old, m.epoch, next)
     };
     shared.epoch.store(epoch, Ordering::SeqCst);
     let Some(job) = lock(&shared.job).clone() else { return };
+    {
+        // A range that belongs here but has not arrived waits for a hand-over from the servers
+        // that held it: from its previous chain, gathered over consecutive changes (across
+        // skipped epochs it may have moved through a server this one never heard of, so the
+        // record starts over). When all of them are gone, nobody can send it: it is lost.
+        let held = lock(&shared.ranges);
+        let mut awaited = lock(&shared.awaited);
+        let mut lost = lock(&shared.lost);
+        if !next {
+            awaited.clear();
+        }
+        let mut newly = Vec::new();
+        awaited.retain(|r, _| !held.contains_key(r));
+        for r in (0..job.ranges()).filter(|r| !held.contains_key(r) && new_ring.chain(*r, job.replication).contains(&me)) {
+            let from = awaited.entry(r).or_default();
+            if next {
+                from.extend(old_ring.chain(r, job.replication).into_iter().filter(|s| *s != me));
+            }
+            if next && !from.is_empty() && from.iter().all(|s| !ids.contains(s)) && !lost.contains_key(&r) {
+                let names: Vec<String> = from.iter().map(|s| s.to_string()).collect();
+                let why = format!(
+                    "range {r} lost: server(s) {} (its whole chain at replication {}) are gone; restart the job from a checkpoint, with more replication to survive this",
+                    names.join(" and "),
+                    job.replication
+                );
+                newly.push(r);
+                lost.insert(r, why);
+            }
+        }
+        if let Some(first) = newly.first() {
+            let more = if newly.len() > 1 { format!(" (and {} more range(s) the same way)", newly.len() - 1) } else { String::new() };
+            kolo_base::eline!("kolo ps server {me}: {}{more}", lost[first]);
+        }
+    }
     let slots: Vec<(u32, Slot)> = lock(&shared.ranges).iter().map(|(r, s)| (*r, s.clone())).collect();
     let mut dropped = Vec::new();
     for (r, slot) in slots {
@@ -429,6 +473,9 @@ fn wait_range(shared: &Shared, range: u32, epoch: u64) -> Result<Slot, Resp> {
     loop {
         if let Some(s) = map.get(&range) {
             return Ok(s.clone());
+        }
+        if let Some(why) = lock(&shared.lost).get(&range) {
+            return Err(err(format!("server {me}: {why}")));
         }
         let current = shared.epoch.load(Ordering::SeqCst);
         if epoch < current {
@@ -568,6 +615,7 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
                     lock(&shared.ranges).entry(range).or_insert(s).clone()
                 }
             };
+            lock(&shared.lost).remove(&range); // initialised again: no longer lost
             shared.appeared.notify_all();
             let _d = lock(&slot.0);
             if let Some(next) = successor(shared, &job, range) {
