@@ -60,6 +60,19 @@ pub struct PlanArgs {
     /// Cost one plan instead of searching: dp=2,tp=1,pp=1,zero=0,micro=8[,ckpt].
     #[arg(long)]
     evaluate: Option<String>,
+    /// Write the plan as a job to run: DIR/train.toml (a `kolo train` config of Kolo's GPT with
+    /// the plan's [mesh], [pipeline], ZeRO stage, batch and activation checkpointing),
+    /// DIR/launch.sh (`kolo launch` on one node: NODE_RANK, MASTER_ADDR, MASTER_PORT and
+    /// KOLO_TOKEN_FILE from the environment) and DIR/job.sbatch (Slurm: every node at once).
+    /// The fastest plan Kolo runs, or the --evaluate one.
+    #[arg(long, value_name = "DIR")]
+    emit: Option<std::path::PathBuf>,
+    /// With --emit: the training text the config names.
+    #[arg(long, default_value = "data/tinyshakespeare.txt")]
+    data: String,
+    /// With --emit: optimizer steps the config runs.
+    #[arg(long, default_value_t = 1000)]
+    steps: u64,
 }
 
 fn bandwidth_bytes(s: &str) -> anyhow::Result<f64> {
@@ -285,6 +298,24 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         a.global_batch
     );
     let memory = c.device.memory;
+    if let Some(dir) = &a.emit {
+        let (p, e) = match &a.evaluate {
+            Some(spec) => {
+                let p = parse_plan(spec)?;
+                let e = estimate(&m, &c, &p, a.global_batch, precision)
+                    .ok_or_else(|| anyhow::anyhow!("{spec}: not a plan for {} devices", c.devices()))?;
+                (p, e)
+            }
+            None => match kolo_train::autoplan::runnable_plans(&m, &c, a.global_batch, precision).into_iter().next() {
+                Some(pe) => pe,
+                None => anyhow::bail!("no plan that Kolo's GPT runs fits in {:.1} GiB per device", memory / 1024f64.powi(3)),
+            },
+        };
+        println!("{}", row(1, &p, &e));
+        emit(dir, &a, &m, &c, &p, &e)?;
+        println!("wrote {0}/train.toml, {0}/launch.sh and {0}/job.sbatch", dir.display());
+        return Ok(0);
+    }
     if let Some(spec) = &a.evaluate {
         let p = parse_plan(spec)?;
         match estimate(&m, &c, &p, a.global_batch, precision) {
@@ -311,4 +342,103 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         println!("{}", row(i + 1, p, e));
     }
     Ok(0)
+}
+
+/// Writes plan `p` as a runnable job in `dir` (see `--emit`).
+fn emit(dir: &std::path::Path, a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow::Result<()> {
+    let precision = match a.precision.as_str() {
+        "f32" => "f32",
+        "f16" => "f16",
+        _ => "bf16",
+    };
+    // The data path as the ranks will see it: absolute when it exists here.
+    let data = std::fs::canonicalize(&a.data).map_or(a.data.clone(), |p| p.display().to_string());
+    let base = format!(
+        "[model]\nkind = \"gpt\"\nseq = {}\nd_model = {}\nn_head = {}\nn_layer = {}\n[data]\nkind = \"text\"\npath = {data:?}\nbatch_size = 1\n\
+         [train]\nsteps = {}\nprecision = \"{precision}\"\n{}",
+        m.seq,
+        m.d_model,
+        m.heads,
+        m.layers,
+        a.steps,
+        // A GPU cluster's ranks each take the GPU of their local rank.
+        if c.device.name.to_lowercase().contains("cpu") { "" } else { "device = \"cuda\"\n" }
+    );
+    let mut cfg = kolo_train::Config::parse(&base, "the emitted plan")?;
+    kolo_train::autoplan::apply(&mut cfg, p, e, a.global_batch, m.layers)
+        .map_err(|err| anyhow::anyhow!("this plan is not one Kolo's GPT runs: {err}"))?;
+    // The config as a user would write it: the base and what the plan sets, nothing defaulted.
+    let mut text = base.replace("batch_size = 1\n", &format!("batch_size = {}\n", cfg.data.batch_size));
+    if !cfg.model.checkpoint_blocks.is_empty() {
+        text = text.replace("[data]\n", &format!("checkpoint_blocks = {:?}\n[data]\n", cfg.model.checkpoint_blocks));
+    }
+    if cfg.train.grad_accum > 1 {
+        text += &format!("grad_accum = {}\n", cfg.train.grad_accum);
+    }
+    text += &format!("[ddp]\nzero_stage = {}\n", cfg.ddp.zero_stage);
+    if let Some(mesh) = &cfg.mesh {
+        text += &format!("[mesh]\ndp = {}\ntp = {}\npp = {}\n", mesh.dp.unwrap_or(1), mesh.tp, mesh.pp.unwrap_or(1));
+    }
+    if let Some(pipe) = &cfg.pipeline {
+        text += &format!("[pipeline]\nmicro_batches = {}\nschedule = \"1f1b\"\n", pipe.micro_batches);
+    }
+    // What is written must read back as the plan.
+    let back = kolo_train::Config::parse(&text, "the emitted plan")?;
+    let shape = |c: &kolo_train::Config| {
+        let mesh = c.mesh.as_ref().map(|m| (m.dp, m.tp, m.pp));
+        (
+            c.data.batch_size,
+            c.train.grad_accum,
+            c.ddp.zero_stage,
+            c.model.checkpoint_blocks.len(),
+            mesh,
+            c.pipeline.as_ref().map(|p| p.micro_batches),
+        )
+    };
+    anyhow::ensure!(shape(&back) == shape(&cfg), "the emitted config does not read back as the plan");
+    let (nodes, per_node) = (c.nodes, c.devices() / c.nodes.max(1));
+    let summary = format!(
+        "dp {} x tp {} x pp {}, ZeRO-{}, micro-batches of {}{}, on {nodes} node(s) x {per_node} {}: predicted {:.4} s/step, MFU {:.1}%, {:.2} GiB per device",
+        p.dp,
+        p.tp,
+        p.pp,
+        p.zero,
+        p.micro_batch,
+        if p.checkpoint { ", activation checkpointing" } else { "" },
+        c.device.name,
+        e.step_s,
+        e.mfu() * 100.0,
+        e.memory() / 1024f64.powi(3)
+    );
+    std::fs::create_dir_all(dir).map_err(|err| anyhow::anyhow!("{}: {err}", dir.display()))?;
+    let write = |name: &str, text: String| -> anyhow::Result<()> {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|err| anyhow::anyhow!("{}: {err}", path.display()))
+    };
+    write(
+        "train.toml",
+        format!(
+            "# kolo plan's choice: {summary}.\n# The planner costed a vocabulary of {}; Kolo's built-in GPT takes its vocabulary from the data.\n# Run: bash launch.sh (one node) or sbatch job.sbatch (Slurm).\n{text}",
+            m.vocab
+        ),
+    )?;
+    // One node: a free port unless MASTER_PORT says; several: the same port and token everywhere.
+    let port = if nodes > 1 { "--master-port \"${MASTER_PORT:-29500}\"" } else { "${MASTER_PORT:+--master-port \"$MASTER_PORT\"}" };
+    let token =
+        if nodes > 1 { " --token-file \"${KOLO_TOKEN_FILE:?a multi-node job needs the same token file on every node}\"" } else { "" };
+    write(
+        "launch.sh",
+        format!(
+            "#!/usr/bin/env bash\n# kolo plan's choice: {summary}.\n# On each of the {nodes} node(s): NODE_RANK=i MASTER_ADDR=node-0-host [MASTER_PORT=29500] [KOLO_TOKEN_FILE=...] bash launch.sh\nset -euo pipefail\nexec \"${{KOLO:-kolo}}\" launch --nnodes {nodes} --node-rank \"${{NODE_RANK:-0}}\" --nproc-per-node {per_node} --master-addr \"${{MASTER_ADDR:-127.0.0.1}}\" {port}{token} -- \"${{KOLO:-kolo}}\" train --config \"$(dirname \"$0\")/train.toml\" \"$@\"\n"
+        ),
+    )?;
+    write(
+        "job.sbatch",
+        format!(
+            "#!/usr/bin/env bash\n# kolo plan's choice: {summary}.\n#SBATCH --job-name=kolo-plan\n#SBATCH --nodes={nodes}\n#SBATCH --ntasks-per-node=1\n#SBATCH --exclusive\n{}set -euo pipefail\ncd \"${{SLURM_SUBMIT_DIR:-.}}\"\nexport MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\nexport MASTER_PORT=${{MASTER_PORT:-29500}}\n# One token for the whole job, on the shared file system.\nexport KOLO_TOKEN_FILE=${{KOLO_TOKEN_FILE:-$PWD/.kolo-token-$SLURM_JOB_ID}}\n[ -f \"$KOLO_TOKEN_FILE\" ] || (umask 077; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n' > \"$KOLO_TOKEN_FILE\")\nsrun --ntasks-per-node=1 bash -c 'NODE_RANK=$SLURM_NODEID exec bash {}/launch.sh'\n",
+            if c.device.name.to_lowercase().contains("cpu") || per_node == 0 { String::new() } else { format!("#SBATCH --gpus-per-node={per_node}\n") },
+            std::fs::canonicalize(dir).map_or(dir.display().to_string(), |p| p.display().to_string())
+        ),
+    )?;
+    Ok(())
 }

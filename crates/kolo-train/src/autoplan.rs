@@ -4,7 +4,7 @@
 
 use crate::config::{Config, MeshConfig, ModelKind, PipeSchedule, PipelineConfig};
 use crate::TrainError;
-use kolo_plan::{search, Cluster, Gpt, Precision, Space};
+use kolo_plan::{search, Cluster, Estimate, Gpt, Plan, Precision, Space};
 
 /// Chooses a plan for `world` ranks of `memory` bytes each and writes it into `cfg`; returns a
 /// line describing it. The global batch stays data.batch_size x world.
@@ -27,24 +27,50 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
     let mut c = Cluster::preset("this-machine", 1).map_err(TrainError::Config)?;
     (c.devices_per_node, c.device.memory) = (world, memory);
     let global = cfg.data.batch_size * world;
-    // What Kolo runs: ZeRO only with plain data parallelism, activation checkpointing without
-    // tp or pp, tp up to the vocabulary.
-    let space = Space { zero_with_model_parallel: false, ..Space::default() };
-    let plans = search(&m, &c, global, Precision::F32, &space);
-    // Kolo's ZeRO-3 recomputes every block in backward: it is costed with checkpointing.
-    // Without a pipeline, micro-batches are gradient accumulation (not under ZeRO-3).
-    let accumulates = |p: &kolo_plan::Plan| p.pp == 1 && p.micro_batch * p.dp < global;
-    let Some((p, e)) = plans
-        .into_iter()
-        .find(|(p, _)| !(p.checkpoint && p.tp * p.pp > 1) && (p.zero != 3 || (p.checkpoint && !accumulates(p))) && p.pp <= m.layers)
-    else {
+    let Some((p, e)) = runnable_plans(&m, &c, global, Precision::F32).into_iter().next() else {
         return Err(TrainError::Config(format!(
             "plan auto: no plan for this GPT fits in {:.2} GiB per rank on {world} ranks",
             memory / 1024f64.powi(3)
         )));
     };
+    apply(cfg, &p, &e, global, m.layers)?;
+    let accumulates = p.pp == 1 && p.micro_batch * p.dp < global;
+    Ok(format!(
+        "plan auto: dp {} x tp {} x pp {}, ZeRO-{}, {} sequences per replica{}{}{}; predicted {:.1} ms/step, {:.1} MB per rank (of {:.1} MB)",
+        p.dp,
+        p.tp,
+        p.pp,
+        p.zero,
+        global / p.dp,
+        if p.pp > 1 { format!(" in {} micro-batches", e.micro_batches) } else { String::new() },
+        if accumulates { format!(" ({} accumulated micro-batches of {})", e.micro_batches, p.micro_batch) } else { String::new() },
+        if p.checkpoint && p.zero != 3 { ", activation checkpointing" } else { "" },
+        e.step_s * 1e3,
+        e.memory() / 1e6,
+        memory / 1e6
+    ))
+}
+
+/// The plans the planner's search finds for `m` on `c` that Kolo's GPT can run, fastest first:
+/// ZeRO only with plain data parallelism, activation checkpointing without tp or pp, ZeRO-3
+/// (which recomputes every block in backward, so costed with checkpointing) without gradient
+/// accumulation, no more stages than layers.
+pub fn runnable_plans(m: &Gpt, c: &Cluster, global: usize, precision: Precision) -> Vec<(Plan, Estimate)> {
+    let space = Space { zero_with_model_parallel: false, ..Space::default() };
+    let accumulates = |p: &Plan| p.pp == 1 && p.micro_batch * p.dp < global;
+    search(m, c, global, precision, &space)
+        .into_iter()
+        .filter(|(p, _)| !(p.checkpoint && p.tp * p.pp > 1) && (p.zero != 3 || (p.checkpoint && !accumulates(p))) && p.pp <= m.layers)
+        .collect()
+}
+
+/// Writes plan `p` (estimated as `e`, for a global batch of `global` sequences of a GPT of
+/// `layers` blocks) into `cfg`: batch per replica or accumulated micro-batches, ZeRO stage,
+/// `[mesh]`, `[pipeline]` (1F1B) and activation checkpointing; the result is checked.
+pub fn apply(cfg: &mut Config, p: &Plan, e: &Estimate, global: usize, layers: usize) -> Result<(), TrainError> {
+    let accumulates = |p: &Plan| p.pp == 1 && p.micro_batch * p.dp < global;
     cfg.data.batch_size = global / p.dp;
-    if accumulates(&p) {
+    if accumulates(p) {
         cfg.data.batch_size = p.micro_batch;
         cfg.train.grad_accum = e.micro_batches as u64;
     }
@@ -56,23 +82,9 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
         cfg.pipeline = Some(PipelineConfig { micro_batches: e.micro_batches, schedule: PipeSchedule::OneFOneB, rematerialize: false });
     }
     if p.checkpoint && p.zero != 3 {
-        cfg.model.checkpoint_blocks = (0..m.layers).collect();
+        cfg.model.checkpoint_blocks = (0..layers).collect();
     }
-    cfg.check()?;
-    Ok(format!(
-        "plan auto: dp {} x tp {} x pp {}, ZeRO-{}, {} sequences per replica{}{}{}; predicted {:.1} ms/step, {:.1} MB per rank (of {:.1} MB)",
-        p.dp,
-        p.tp,
-        p.pp,
-        p.zero,
-        global / p.dp,
-        if p.pp > 1 { format!(" in {} micro-batches", e.micro_batches) } else { String::new() },
-        if accumulates(&p) { format!(" ({} accumulated micro-batches of {})", e.micro_batches, p.micro_batch) } else { String::new() },
-        if p.checkpoint && p.zero != 3 { ", activation checkpointing" } else { "" },
-        e.step_s * 1e3,
-        e.memory() / 1e6,
-        memory / 1e6
-    ))
+    cfg.check()
 }
 
 #[cfg(test)]
