@@ -22,8 +22,8 @@ pub struct PlanArgs {
     #[arg(long)]
     vocab: Option<usize>,
     /// Devices in the job (whole nodes of the cluster, or part of one node).
-    #[arg(long)]
-    devices: usize,
+    #[arg(long, required_unless_present = "show_cluster")]
+    devices: Option<usize>,
     /// The cluster: a preset (dgx-a100, dgx-h100, this-machine) or a TOML file describing
     /// one (print a preset with --show-cluster to start from).
     #[arg(long, default_value = "dgx-a100")]
@@ -268,7 +268,8 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         print!("{}", cluster_toml(&c));
         return Ok(0);
     }
-    let c = c.with_devices(a.devices).map_err(|e| anyhow::anyhow!("--devices {}: {e}", a.devices))?;
+    let devices = a.devices.expect("clap requires --devices without --show-cluster");
+    let c = c.with_devices(devices).map_err(|e| anyhow::anyhow!("--devices {devices}: {e}"))?;
     let mut m = match &a.params {
         Some(p) => Gpt::with_params(parse_quantity(p).map_err(anyhow::Error::msg)?),
         None => Gpt { layers: 12, d_model: 768, heads: 12, seq: 1024, vocab: 50257 },

@@ -10,7 +10,8 @@
 //!   FLOPs forward), attention's score and value GEMMs (4 b s^2 h / t) and the logits
 //!   (2 b s h V / t), each at the device's peak times its measured efficiency for the GEMM's
 //!   size ([`Device::efficiency`]); the memory-bound operations move the layer's activations
-//!   (Korthikanti et al.'s s b h (34 + 5 a s / h) values) twice at the device's memory
+//!   (Korthikanti et al.'s s b h (10 + 24/t + 5 a s / (h t)) values, without sequence
+//!   parallelism) twice at the device's memory
 //!   bandwidth. Backward costs twice forward; activation checkpointing runs forward again;
 //! - **pipeline** (1F1B): (m + pp - 1) slots of the slowest stage (the last: its layers and the
 //!   logits) for m micro-batches, the bubble being the pp - 1 extra slots;
@@ -196,8 +197,19 @@ pub fn state_bytes(params: f64, zero: u8, dp: usize, precision: Precision) -> (f
     (p * params, g * params, o * params)
 }
 
-/// Activation bytes of one layer for one micro-batch of `b` sequences (values of `value_bytes`).
+/// Activation bytes of one layer for one micro-batch of `b` sequences (values of `value_bytes`)
+/// on one rank of a `tp`-way group without sequence parallelism (Korthikanti et al. 2022, eq. 2:
+/// `s b h (10 + 24/t + 5 a s / (h t))` in 2-byte values): the layer norms' and dropouts'
+/// activations stay whole on every rank, as in Kolo's tensor parallelism and the published runs
+/// this is checked against (Megatron-LM 2021, BLOOM, MT-NLG).
 pub fn layer_activation_bytes(m: &Gpt, b: usize, tp: usize, value_bytes: f64) -> f64 {
+    let (s, h, a, t) = (m.seq as f64, m.d_model as f64, m.heads as f64, tp.max(1) as f64);
+    s * b as f64 * h * (10.0 + 24.0 / t + 5.0 * a * s / (h * t)) * (value_bytes / 2.0)
+}
+
+/// As [`layer_activation_bytes`] with Megatron's sequence parallelism (eq. 4: `s b h (34 +
+/// 5 a s / h) / t`): the layer norms' and dropouts' activations are split over the group too.
+pub fn layer_activation_bytes_sp(m: &Gpt, b: usize, tp: usize, value_bytes: f64) -> f64 {
     let (s, h, a) = (m.seq as f64, m.d_model as f64, m.heads as f64);
     s * b as f64 * h * (34.0 + 5.0 * a * s / h) * (value_bytes / 2.0) / tp.max(1) as f64
 }

@@ -250,3 +250,21 @@ fn quantities_parse_with_their_units() {
     assert!(parse_quantity("lots").is_err());
     assert!(parse_quantity("3 parsecs").is_err());
 }
+
+/// The activations of a layer without sequence parallelism (what Kolo's tensor parallelism and
+/// the published runs do) keep the layer norms' and dropouts' share whole on every rank: the
+/// same as with it at t = 1, 1.26x of it for BLOOM-176B's layer at its t = 4 and 1.71x for
+/// MT-NLG 530B's at t = 8 (issue #37: the planner used the sequence-parallel formula for them).
+#[test]
+fn activations_without_sequence_parallelism_keep_the_norms_whole() {
+    let bloom = Gpt { layers: 70, d_model: 14336, heads: 112, seq: 2048, vocab: 250880 };
+    let mtnlg = Gpt { layers: 105, d_model: 20480, heads: 128, seq: 2048, vocab: 51200 };
+    let ratio = |m: &Gpt, t| layer_activation_bytes(m, 1, t, 2.0) / layer_activation_bytes_sp(m, 1, t, 2.0);
+    assert!((ratio(&bloom, 1) - 1.0).abs() < 1e-12);
+    assert!((ratio(&bloom, 4) - 1.26).abs() < 0.01, "{}", ratio(&bloom, 4));
+    assert!((ratio(&mtnlg, 8) - 1.71).abs() < 0.01, "{}", ratio(&mtnlg, 8));
+    // Korthikanti et al.'s eq. 2 for MT-NLG's layer at t = 8, one sequence, 2-byte values:
+    // s b h (10 + 24/8 + 5 a s / (8 h)) = 2048 x 20480 x (13 + 8).
+    let want = 2048.0 * 20480.0 * 21.0;
+    assert!((layer_activation_bytes(&mtnlg, 1, 8, 2.0) - want).abs() < 1.0);
+}
