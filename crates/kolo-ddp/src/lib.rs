@@ -592,6 +592,19 @@ impl BucketGrads<'_> {
         &self.bufs[b][off..off + self.ddp.shared.ranges[i].len()]
     }
 
+    /// Parameter `i`'s gradient, to change (whole buckets only).
+    pub fn param_mut(&mut self, i: usize) -> &mut [f32] {
+        assert!(!self.pieces, "BucketGrads::param_mut: only this rank's pieces are here");
+        let (b, off) = self.ddp.shared.slot[i];
+        let n = self.ddp.shared.ranges[i].len();
+        &mut self.bufs[b][off..off + n]
+    }
+
+    /// Whether whole buckets are here (not only this rank's ZeRO-2 pieces).
+    pub fn whole(&self) -> bool {
+        !self.pieces
+    }
+
     /// This rank's piece of bucket `b` (ZeRO-2), the gradients of `ShardPlan::pieces[b]`.
     pub fn piece(&self, b: usize) -> &[f32] {
         assert!(self.pieces, "BucketGrads::piece: these are whole buckets");

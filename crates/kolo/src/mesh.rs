@@ -161,7 +161,11 @@ impl Mesh {
             self.pp.recv(kolo_comm::BufMut::from(&mut bytes[..]), kolo_base::Rank(from), 2)?;
             let mut data = stage.data().lock().unwrap_or_else(|p| p.into_inner());
             for (name, t) in candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)? {
-                data.insert(name, candle_core::Var::from_tensor(&t)?);
+                // A parameter tied across stages (an output layer that is the embedding) is
+                // the same on each: the first stage's stays.
+                if let std::collections::hash_map::Entry::Vacant(e) = data.entry(name) {
+                    e.insert(candle_core::Var::from_tensor(&t)?);
+                }
             }
         }
         Ok(Some(stage))

@@ -466,6 +466,12 @@ pub(crate) struct WholeLayout {
     /// The groups the whole model is spread over.
     tp: Option<TensorParallel>,
     pp: Option<Arc<dyn Communicator>>,
+    /// Per local parameter: a copy of a parameter tied across pipeline stages, held by an
+    /// earlier stage too (which owns it: checkpoints, the norm and exports take that one).
+    copies: Vec<bool>,
+    /// The parameters tied across stages, the same list on every stage: `(name, elements of
+    /// this rank's piece)`, and where this rank holds each (its local index).
+    tied: Vec<(String, usize, Option<usize>)>,
 }
 
 impl WholeLayout {
@@ -490,10 +496,14 @@ impl WholeLayout {
             .zip(&splits)
             .map(|(p, s)| (p.name.clone(), s.as_ref().map_or_else(|| p.shape.clone(), |s| s.whole.clone())))
             .collect();
-        let mut signature = match &pp {
-            Some(pp) => stages_signature(&**pp, &mine)?,
-            None => mine.clone(),
+        let local_numel: Vec<usize> = params.iter().map(|p| p.range.len()).collect();
+        let (mut signature, owners) = match &pp {
+            Some(pp) => stages_signature(&**pp, &mine, &local_numel)?,
+            None => (mine.clone(), Vec::new()),
         };
+        let stage = pp.as_ref().map_or(0, |p| p.rank().get());
+        let copies = params.iter().map(|p| owners.iter().any(|(n, owner, _)| *n == p.name && *owner != stage)).collect();
+        let tied = owners.into_iter().map(|(n, _, len)| (n.clone(), len, params.iter().position(|p| p.name == n))).collect();
         signature.sort_by_cached_key(|(n, _)| order(n));
         let mut offset = HashMap::new();
         let mut numel = 0;
@@ -503,7 +513,67 @@ impl WholeLayout {
         }
         let at = params.iter().map(|p| (offset[&p.name], p.range.clone())).collect();
         let names = params.iter().map(|p| p.name.clone()).collect();
-        Ok(WholeLayout { splits, at, names, signature, numel, tp, pp })
+        Ok(WholeLayout { splits, at, names, signature, numel, tp, pp, copies, tied })
+    }
+
+    /// Parameters tied across pipeline stages (the same on every stage).
+    pub(crate) fn has_tied(&self) -> bool {
+        !self.tied.is_empty()
+    }
+
+    /// Collective over the pipeline group: every stage holding a tied parameter gets the sum of
+    /// their values of `get(i)` (each stage's part of its gradient), through `set(i, sum)`.
+    fn sum_tied(&self, mut get: impl FnMut(usize) -> Vec<f32>, mut set: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
+        let Some(pp) = &self.pp else { return Ok(()) };
+        let mut buf = vec![0f32; self.tied.iter().map(|(_, n, _)| n).sum()];
+        let mut at = 0;
+        for (_, n, local) in &self.tied {
+            if let Some(i) = local {
+                buf[at..at + n].copy_from_slice(&get(*i));
+            }
+            at += n;
+        }
+        pp.all_reduce(kolo_comm::BufMut::from(&mut buf[..]), kolo_comm::ReduceOp::Sum)?;
+        let mut at = 0;
+        for (_, n, local) in &self.tied {
+            if let Some(i) = local {
+                set(*i, &buf[at..at + n])?;
+            }
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Collective over the pipeline group: a tied parameter's gradient becomes the sum of every
+    /// stage's part (Megatron's embedding all-reduce), the same on each.
+    pub(crate) fn reduce_tied(&self, grads: &mut kolo_ddp::BucketGrads<'_>) -> std::result::Result<(), kolo_train::TrainError> {
+        if !grads.whole() {
+            return Err(kolo_train::TrainError::Config("ZeRO-2 with a parameter tied across pipeline stages is not supported yet".into()));
+        }
+        let grads = std::cell::RefCell::new(grads);
+        self.sum_tied(
+            |i| grads.borrow().param(i).to_vec(),
+            |i, v| {
+                grads.borrow_mut().param_mut(i).copy_from_slice(v);
+                Ok(())
+            },
+        )
+        .map_err(|e| match e {
+            Error::Comm(c) => kolo_train::TrainError::Comm(c),
+            e => kolo_train::TrainError::Other(e.to_string()),
+        })
+    }
+
+    /// Collective over the pipeline group: each copy of a tied parameter takes the value its
+    /// owner (the first stage holding it) has.
+    pub(crate) fn init_tied(&self, params: &kolo_tensor::ParamSet) -> Result<()> {
+        let flat = params.to_flat()?;
+        let copies = &self.copies;
+        let at = &self.at;
+        self.sum_tied(
+            |i| if copies[i] { vec![0.0; at[i].1.len()] } else { flat[at[i].1.clone()].to_vec() },
+            |i, v| Ok(params.load_one(i, v)?),
+        )
     }
 
     /// A parameter of this rank that is split over a tensor-parallel group.
@@ -516,7 +586,7 @@ impl WholeLayout {
     /// member 0 of its tensor-parallel group (each stage's own parameters count on its stage).
     pub(crate) fn split_flags(&self) -> Vec<bool> {
         let lead = self.tp.as_ref().is_none_or(|t| t.rank() == 0);
-        self.splits.iter().map(|s| s.is_some() || lead).collect()
+        self.splits.iter().zip(&self.copies).map(|(s, copy)| (s.is_some() || lead) && !copy).collect()
     }
 
     /// Collective over the groups: the whole model's values from every rank's `local` values
@@ -525,7 +595,10 @@ impl WholeLayout {
     pub(crate) fn gather(&self, local: &[f32]) -> Result<Vec<f32>> {
         let mut whole = vec![0f32; self.numel];
         let lead = self.tp.as_ref().is_none_or(|t| t.rank() == 0);
-        for ((start, range), split) in self.at.iter().zip(&self.splits) {
+        for (((start, range), split), copy) in self.at.iter().zip(&self.splits).zip(&self.copies) {
+            if *copy {
+                continue; // the owner's stage places it
+            }
             let v = &local[range.clone()];
             match split {
                 Some(s) => s.whole_indices().zip(v).for_each(|(k, x)| whole[start + k] = *x),
@@ -588,11 +661,19 @@ impl WholeLayout {
     }
 }
 
+/// The tied parameters of [`stages_signature`]: `(name, owner stage, elements of a piece)`.
+type Tied = Vec<(String, usize, usize)>;
+
 /// Collective over the pipeline group: every stage's parameters `(name, whole shape)`, each
-/// name on exactly one stage.
-fn stages_signature(pp: &dyn Communicator, mine: &[(String, Vec<usize>)]) -> Result<Vec<(String, Vec<usize>)>> {
-    let text: String =
-        mine.iter().map(|(n, s)| format!("{n}\t{}\n", s.iter().map(usize::to_string).collect::<Vec<_>>().join(","))).collect();
+/// name once, and those several stages hold (tied, as an output layer that is the embedding):
+/// the first stage holding one owns it. A name on several stages must have the same shape and
+/// piece on each.
+fn stages_signature(pp: &dyn Communicator, mine: &[(String, Vec<usize>)], local: &[usize]) -> Result<(Vec<(String, Vec<usize>)>, Tied)> {
+    let text: String = mine
+        .iter()
+        .zip(local)
+        .map(|((n, s), k)| format!("{n}\t{}\t{k}\n", s.iter().map(usize::to_string).collect::<Vec<_>>().join(",")))
+        .collect();
     let k = pp.world_size().get();
     let mut lens = vec![0i64; k];
     pp.all_gather(kolo_comm::BufRef::from(&[text.len() as i64][..]), kolo_comm::BufMut::from(&mut lens[..]))?;
@@ -602,23 +683,38 @@ fn stages_signature(pp: &dyn Communicator, mine: &[(String, Vec<usize>)]) -> Res
     let mut all = vec![0u8; max * k];
     pp.all_gather(kolo_comm::BufRef::from(&padded[..]), kolo_comm::BufMut::from(&mut all[..]))?;
     let mut out: Vec<(String, Vec<usize>)> = Vec::new();
-    let mut owner: HashMap<String, usize> = HashMap::new();
+    let mut owner: HashMap<String, (usize, Vec<usize>, usize)> = HashMap::new();
+    let mut tied: Tied = Vec::new();
     for (stage, chunk) in all.chunks(max.max(1)).take(k).enumerate() {
         let text = String::from_utf8_lossy(&chunk[..lens[stage].max(0) as usize]).into_owned();
         for line in text.lines() {
-            let (name, dims) = line.split_once('\t').unwrap_or((line, ""));
-            if let Some(first) = owner.insert(name.to_string(), stage) {
-                return Err(Error::usage(
-                    pp.rank().get(),
-                    "Trainer::with_mesh",
-                    format!("`{name}` is a parameter of pipeline stages {first} and {stage}: build each layer on one stage only"),
-                ));
+            let mut fields = line.split('\t');
+            let (name, dims, piece) = (fields.next().unwrap_or(""), fields.next().unwrap_or(""), fields.next().unwrap_or("0"));
+            let shape: Vec<usize> = dims.split(',').filter(|d| !d.is_empty()).map(|d| d.parse().unwrap_or(0)).collect();
+            let piece: usize = piece.parse().unwrap_or(0);
+            match owner.get(name) {
+                Some((first, s, p)) if *s == shape && *p == piece => {
+                    // Tied: one parameter, the first stage's, with copies on later ones.
+                    if !tied.iter().any(|(n, _, _)| n == name) {
+                        tied.push((name.to_string(), *first, piece));
+                    }
+                }
+                Some((first, s, _)) => {
+                    return Err(Error::usage(
+                        pp.rank().get(),
+                        "Trainer::with_mesh",
+                        format!("`{name}` is a parameter of pipeline stages {first} ({s:?}) and {stage} ({shape:?}): a parameter two stages share (tied) must be the same there"),
+                    ))
+                }
+                None => {
+                    owner.insert(name.to_string(), (stage, shape.clone(), piece));
+                    out.push((name.to_string(), shape));
+                }
             }
-            let shape = dims.split(',').filter(|d| !d.is_empty()).map(|d| d.parse().unwrap_or(0)).collect();
-            out.push((name.to_string(), shape));
         }
     }
-    Ok(out)
+    tied.sort();
+    Ok((out, tied))
 }
 
 #[cfg(test)]

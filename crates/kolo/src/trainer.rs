@@ -757,7 +757,14 @@ impl Trainer {
             skip_nonfinite: self.opts.train.on_nonfinite == kolo_train::config::OnNonFinite::Skip,
             norm: None,
         };
-        let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| prep.run(g, sharded);
+        // Parameters tied across pipeline stages: each stage's part of their gradient summed.
+        let tied = self.spread.as_ref().map(|s| &s.layout).filter(|l| l.has_tied());
+        let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| {
+            if let Some(layout) = tied {
+                layout.reduce_tied(g)?;
+            }
+            prep.run(g, sharded)
+        };
         let (stats, applied) = kolo_train::update::apply_update(
             &self.ddp,
             &self.params,
@@ -1236,6 +1243,16 @@ fn spread(
             ));
         }
         layout.broadcast_whole(params)?;
+    }
+    if layout.has_tied() {
+        if opts.ddp.zero_stage >= 2 {
+            return Err(Error::setting(
+                "ddp.zero_stage",
+                "ZeRO-2 with a parameter tied across pipeline stages (an output layer that is the embedding) is not supported yet: use 0 or 1",
+            ));
+        }
+        // Each stage's copy starts from the first stage's values.
+        layout.init_tied(params)?;
     }
     // The clipping norm: every piece and stage of a replica, summed over its ranks.
     let model = place.model.clone().expect("a model-parallel group with tp or pp");

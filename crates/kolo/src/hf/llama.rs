@@ -470,7 +470,8 @@ impl Llama {
     /// Builds one pipeline stage of the model (`kolo::pp`): the blocks `layers` (their Hugging
     /// Face names unchanged), the embedding on the first stage and the final norm and output
     /// layer on the last, split over `tp` when given (as [`Llama::new_split`]). Run it with
-    /// [`Llama::pipeline_stage`]. An output layer tied to the embedding cannot span stages yet.
+    /// [`Llama::pipeline_stage`]. An output layer tied to the embedding is a copy of it on the last
+    /// stage, kept equal to the first stage's by the trainer (their gradients summed).
     pub fn new_stage(
         cfg: &LlamaConfig,
         vb: VarBuilder,
@@ -505,9 +506,6 @@ impl Llama {
                 "{} over {p} tensor-parallel ranks: its fused qkv_proj and gate_up_proj cannot be split yet",
                 cfg.model_type()
             );
-        }
-        if cfg.tie_word_embeddings && (layers.start != 0 || layers.end != n) {
-            candle_core::bail!("tie_word_embeddings = true across pipeline stages (the embedding on the first, the output layer on the last) is not supported yet");
         }
         let windows = cfg.layer_windows().map_err(candle_core::Error::Msg)?;
         let linear = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
@@ -566,8 +564,10 @@ impl Llama {
             (false, Some(t)) => Some(Box::new(Col::lm_head(e, cfg.vocab_size, vb.pp("lm_head"), t)?)),
             (false, None) => Some(Box::new(lin(e, cfg.vocab_size, vb.pp("lm_head"))?)),
         };
+        // A tied output layer is the embedding: the last stage holds a copy of it, which the
+        // trainer keeps equal to the first stage's (their gradients summed, Megatron's way).
         let embed = match tp {
-            _ if !first => None,
+            _ if !first && !(last && cfg.tie_word_embeddings) => None,
             Some(t) => Some(LlamaEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_tokens"), t)?)),
             None => Some(LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?)),
         };
@@ -646,9 +646,10 @@ impl Llama {
     /// The first stage's token embedding of `ids` (batch, seq).
     fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let x = match &self.embed {
+            _ if self.layers.start != 0 => candle_core::bail!("the embedding is on the first pipeline stage, not layers {:?}", self.layers),
             Some(LlamaEmbedding::Whole(e)) => e.forward(ids)?,
             Some(LlamaEmbedding::Split(e)) => e.forward(ids)?,
-            None => candle_core::bail!("the embedding is on the first pipeline stage, not layers {:?}", self.layers),
+            None => candle_core::bail!("no embedding on the first stage"),
         };
         // Gemma: embeddings times sqrt(hidden_size), rounded to the embedding's dtype first.
         match self.cfg.gemma() {
