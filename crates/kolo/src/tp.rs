@@ -663,12 +663,14 @@ impl WholeLayout {
 
 /// The tied parameters of [`stages_signature`]: `(name, owner stage, elements of a piece)`.
 type Tied = Vec<(String, usize, usize)>;
+/// The whole model's parameters, `(name, whole shape)`.
+type Signature = Vec<(String, Vec<usize>)>;
 
 /// Collective over the pipeline group: every stage's parameters `(name, whole shape)`, each
 /// name once, and those several stages hold (tied, as an output layer that is the embedding):
 /// the first stage holding one owns it. A name on several stages must have the same shape and
 /// piece on each.
-fn stages_signature(pp: &dyn Communicator, mine: &[(String, Vec<usize>)], local: &[usize]) -> Result<(Vec<(String, Vec<usize>)>, Tied)> {
+fn stages_signature(pp: &dyn Communicator, mine: &[(String, Vec<usize>)], local: &[usize]) -> Result<(Signature, Tied)> {
     let text: String = mine
         .iter()
         .zip(local)

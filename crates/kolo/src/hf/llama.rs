@@ -567,7 +567,7 @@ impl Llama {
         // A tied output layer is the embedding: the last stage holds a copy of it, which the
         // trainer keeps equal to the first stage's (their gradients summed, Megatron's way).
         let embed = match tp {
-            _ if !first && !(last && cfg.tie_word_embeddings) => None,
+            _ if !(first || last && cfg.tie_word_embeddings) => None,
             Some(t) => Some(LlamaEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_tokens"), t)?)),
             None => Some(LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?)),
         };
