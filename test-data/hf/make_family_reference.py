@@ -22,11 +22,14 @@ With `qwen2 OUT 0.5b` the model has Qwen2.5-0.5B's shape (vocabulary 151936, 24 
 14 query heads sharing 2 key/value heads, MLP 4864, tied embeddings, no sliding window: 494M
 parameters, 2 GB, not shipped: bench/hf_interop.sh makes it in /tmp), with noise of std 0.02.
 """
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import transformers
-from safetensors.torch import save_file
+from reference_common import save_reference
 
 arch = sys.argv[1]
 out = sys.argv[2] if len(sys.argv) > 2 else f"test-data/hf/{arch}-tiny"
@@ -72,12 +75,4 @@ else:
     sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3, gemma, phi3, gpt_neox)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
-with torch.no_grad():
-    for p in model.parameters():
-        p.add_(torch.randn_like(p) * noise)
-model.save_pretrained(out, safe_serialization=True)
-ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-with torch.no_grad():
-    logits = model(ids).logits
-save_file({"ids": ids.to(torch.int64), "logits": logits.float().contiguous()}, f"{out}/reference.safetensors")
-print(f"{out}: logits {tuple(logits.shape)}, max |logit| {logits.abs().max().item():.3f}, transformers {transformers.__version__}")
+save_reference(model, cfg, out, noise)

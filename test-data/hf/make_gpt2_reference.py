@@ -11,11 +11,14 @@ logits on fixed token ids go to reference.safetensors ("ids" int64, "logits" f32
 With `124m` the model has GPT-2's real shape (vocab 50257, 1024 positions, 12 layers of 768,
 12 heads; 500 MB, not shipped: bench/hf_interop.sh makes it in /tmp).
 """
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import transformers
-from safetensors.torch import save_file
+from reference_common import save_reference
 
 out = sys.argv[1] if len(sys.argv) > 1 else "test-data/hf/gpt2-tiny"
 torch.manual_seed(0)
@@ -25,12 +28,4 @@ if sys.argv[2:] == ["124m"]:
 else:
     cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=48, n_layer=2, n_head=4, bos_token_id=95, eos_token_id=95)
 model = transformers.GPT2LMHeadModel(cfg).eval()
-with torch.no_grad():
-    for p in model.parameters():
-        p.add_(torch.randn_like(p) * noise)
-model.save_pretrained(out, safe_serialization=True)
-ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-with torch.no_grad():
-    logits = model(ids).logits
-save_file({"ids": ids.to(torch.int64), "logits": logits.float().contiguous()}, f"{out}/reference.safetensors")
-print(f"{out}: logits {tuple(logits.shape)}, max |logit| {logits.abs().max().item():.3f}, transformers {transformers.__version__}, torch {torch.__version__}")
+save_reference(model, cfg, out, noise)

@@ -13,11 +13,14 @@ With `135m` the model has the shape of a published Llama-architecture model, Smo
 tied input and output embeddings: 135M parameters, 540 MB, not shipped: bench/hf_interop.sh
 makes it in /tmp), with noise of std 0.02 (30 noisy layers amplify f32 rounding).
 """
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
 import transformers
-from safetensors.torch import save_file
+from reference_common import save_reference
 
 out = sys.argv[1] if len(sys.argv) > 1 else "test-data/hf/llama-tiny"
 torch.manual_seed(0)
@@ -35,12 +38,4 @@ else:
         bos_token_id=1, eos_token_id=2, pad_token_id=None,
     )
 model = transformers.LlamaForCausalLM(cfg).eval()
-with torch.no_grad():
-    for p in model.parameters():
-        p.add_(torch.randn_like(p) * noise)
-model.save_pretrained(out, safe_serialization=True)
-ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
-with torch.no_grad():
-    logits = model(ids).logits
-save_file({"ids": ids.to(torch.int64), "logits": logits.float().contiguous()}, f"{out}/reference.safetensors")
-print(f"{out}: logits {tuple(logits.shape)}, max |logit| {logits.abs().max().item():.3f}, transformers {transformers.__version__}")
+save_reference(model, cfg, out, noise)

@@ -1255,16 +1255,10 @@ fn small_mlp(dir: &std::path::Path, steps: u64, extra: &str) -> std::path::PathB
     cfg
 }
 
-/// A stopped rank (SIGSTOP: no FIN, no RST, as a cut network or a dead host) is named by
-/// every survivor long before the collective deadline: its heartbeats through the store stop
-/// (issue #19). Deadline 120 s, liveness 2 s. A rank that is only slow keeps beating and is left
-/// to the deadline (the test below).
-#[test]
-fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
-    let dir = fresh_dir("stopped");
-    let cfg = small_mlp(&dir, 1_000_000, "[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n");
+/// Three ranks of `kolo train --config cfg` started directly (no launcher), stderr piped.
+fn three_ranks(cfg: &std::path::Path) -> Vec<std::process::Child> {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let mut ranks: Vec<_> = (0..3)
+    (0..3)
         .map(|r| {
             Command::new(KOLO)
                 .args(["train", "--config", cfg.to_str().unwrap()])
@@ -1275,7 +1269,18 @@ fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
                 .spawn()
                 .unwrap()
         })
-        .collect();
+        .collect()
+}
+
+/// A stopped rank (SIGSTOP: no FIN, no RST, as a cut network or a dead host) is named by
+/// every survivor long before the collective deadline: its heartbeats through the store stop
+/// (issue #19). Deadline 120 s, liveness 2 s. A rank that is only slow keeps beating and is left
+/// to the deadline (the test below).
+#[test]
+fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
+    let dir = fresh_dir("stopped");
+    let cfg = small_mlp(&dir, 1_000_000, "[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n");
+    let mut ranks = three_ranks(&cfg);
     // Training is under way well before this (the ranks join in about a second).
     std::thread::sleep(Duration::from_secs(4));
     let stopped = ranks.remove(2);
@@ -1371,82 +1376,38 @@ fn planned_jobs_are_emitted_and_run() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A SIGSTOPped rank 0, whose process also hosts the job's store, is named by every survivor
-/// (issue #34 item 6: the store's silence was blamed on whichever peer a collective waited on, so
-/// the launcher named rank 1 in one run and rank 2 in another), within the liveness window.
+/// A SIGSTOPped or SIGKILLed rank 0, whose process also hosts the job's store, is named by
+/// every survivor within the liveness window (issue #34 item 6): stopped, the store's silence
+/// was blamed on whichever peer a collective waited on (the launcher named rank 1 in one run and
+/// rank 2 in another); killed, a rank whose neighbour left because of it named the neighbour,
+/// since the reason the neighbour left went with rank 0's store.
 #[test]
-fn a_stopped_rank_0_is_named_by_every_survivor() {
-    let dir = fresh_dir("stopped0");
-    let cfg = small_mlp(&dir, 1_000_000, "[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let mut ranks: Vec<_> = (0..3)
-        .map(|r| {
-            Command::new(KOLO)
-                .args(["train", "--config", cfg.to_str().unwrap()])
-                .envs([("RANK", r.to_string().as_str()), ("WORLD_SIZE", "3"), ("MASTER_PORT", &port), ("KOLO_JOB_TOKEN", &"5e".repeat(16))])
-                .env("RAYON_NUM_THREADS", "1")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    std::thread::sleep(Duration::from_secs(4));
-    let mut stopped = ranks.remove(0);
-    // SAFETY: kill(2) on our own child's pid.
-    assert_eq!(unsafe { libc::kill(stopped.id() as libc::pid_t, libc::SIGSTOP) }, 0);
-    let t = Instant::now();
-    let errors: Vec<String> =
-        ranks.into_iter().map(|c| String::from_utf8_lossy(&c.wait_with_output().unwrap().stderr).into_owned()).collect();
-    let took = t.elapsed();
-    let _ = stopped.kill();
-    let _ = stopped.wait();
-    for (i, e) in errors.iter().enumerate() {
-        let r = i + 1;
-        let line = e.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("rank {r}: {e}"));
-        assert!(line.contains(&format!("rank {r}: ")) && line.contains("lost rank 0: "), "rank {r}: {line}");
+fn a_stopped_or_killed_rank_0_is_named_by_every_survivor() {
+    for (signal, tag) in [(libc::SIGSTOP, "stopped0"), (libc::SIGKILL, "killed0")] {
+        let dir = fresh_dir(tag);
+        let cfg = small_mlp(&dir, 1_000_000, "[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n");
+        let mut ranks = three_ranks(&cfg);
+        std::thread::sleep(Duration::from_secs(4));
+        let mut victim = ranks.remove(0);
+        // SAFETY: kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(victim.id() as libc::pid_t, signal) }, 0);
+        let t = Instant::now();
+        let errors: Vec<String> =
+            ranks.into_iter().map(|c| String::from_utf8_lossy(&c.wait_with_output().unwrap().stderr).into_owned()).collect();
+        let took = t.elapsed();
+        let _ = victim.kill();
+        let _ = victim.wait();
+        for (i, e) in errors.iter().enumerate() {
+            let r = i + 1;
+            let line = e.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("{tag}: rank {r}: {e}"));
+            // Its own peer, or (killed) a neighbour that left because of it, whose reason went
+            // with the store.
+            let named = line.contains("lost rank 0: ") || (signal == libc::SIGKILL && line.contains("rank 0 most likely failed first"));
+            assert!(line.contains(&format!("rank {r}: ")) && named, "{tag}: rank {r}: {line}");
+        }
+        assert!(took < Duration::from_secs(20), "{tag}: {took:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
-    assert!(took < Duration::from_secs(20), "{took:?}");
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// A SIGKILLed rank 0 is named by every survivor (issue #34 item 6: a rank whose neighbour left
-/// because rank 0 had died named the neighbour, since the reason it left went with rank 0's store).
-#[test]
-fn a_killed_rank_0_is_named_by_every_survivor() {
-    let dir = fresh_dir("killed0");
-    let cfg = small_mlp(&dir, 1_000_000, "[ddp]\ntimeout_secs = 120\nliveness_secs = 2\n");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
-    let mut ranks: Vec<_> = (0..3)
-        .map(|r| {
-            Command::new(KOLO)
-                .args(["train", "--config", cfg.to_str().unwrap()])
-                .envs([("RANK", r.to_string().as_str()), ("WORLD_SIZE", "3"), ("MASTER_PORT", &port), ("KOLO_JOB_TOKEN", &"5e".repeat(16))])
-                .env("RAYON_NUM_THREADS", "1")
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    std::thread::sleep(Duration::from_secs(4));
-    let mut stopped = ranks.remove(0);
-    stopped.kill().unwrap();
-    let t = Instant::now();
-    let errors: Vec<String> =
-        ranks.into_iter().map(|c| String::from_utf8_lossy(&c.wait_with_output().unwrap().stderr).into_owned()).collect();
-    let took = t.elapsed();
-    let _ = stopped.kill();
-    let _ = stopped.wait();
-    for (i, e) in errors.iter().enumerate() {
-        let r = i + 1;
-        let line = e.lines().find(|l| l.starts_with("error:")).unwrap_or_else(|| panic!("rank {r}: {e}"));
-        // Its own peer, or a neighbour that left because of it, whose reason went with the store.
-        let named = line.contains("lost rank 0: ") || line.contains("rank 0 most likely failed first");
-        assert!(line.contains(&format!("rank {r}: ")) && named, "rank {r}: {line}");
-    }
-    assert!(took < Duration::from_secs(20), "{took:?}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A hung rank (here one that sleeps a minute in a step) is named, with the operation and its
