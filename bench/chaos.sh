@@ -12,6 +12,9 @@
 #                rc, its time against an uninterrupted run, and whether the final model is the same
 #   coord-restart  the same job with a coordinator process of its own, SIGKILLed 4 s in and started
 #                again on its address 2 s later: rc, time, same final model, the recovered epoch
+#   ps-pause     SIGSTOP of one of 3 parameter servers for 15 s under the BSP job (dead after 6 s),
+#                then SIGCONT, 3 tries: how many end with rc 0, and the first error of the others
+#                (issue #34 item 4: a paused server that comes back can wedge the job)
 #   sigstop      SIGSTOP of rank 2 of 4 (collective deadline 10 s): time until the launcher exits,
 #                and whether every survivor and the launcher name rank 2
 #   partition    rank 2 of 3 in a network namespace whose link is cut mid-run (root only): time
@@ -149,6 +152,35 @@ ref=$(grep -o 'final eval.*' "$dir/coord-ref-w0.log" | tail -1)
 got=$(grep -o 'final eval.*' "$dir/coord-kill-w0.log" | tail -1)
 same=$([ -n "$got" ] && [ "$got" = "$ref" ] && echo "the same final model" || echo "a different final model: '$got' vs '$ref'")
 echo "coord-restart: rc $rc in $took s (uninterrupted: rc $rc_ref in $t_ref s); $same; new coordinator: $(grep -m1 -io 'recovered.*' "$dir/coord-kill-coord.log" | cut -c1-120)"
+fi
+
+# --- ps-pause ------------------------------------------------------------------------------
+if want ps-pause; then
+ok=0 first=""
+for try in 1 2 3; do
+  addr="127.0.0.1:$(free_port)"
+  export KOLO_JOB_TOKEN=$(printf 'p%.0s' {1..32})
+  $K ps coordinator --listen "$addr" --dead-after 6 > "$dir/pause$try-coord.log" 2>&1 &
+  coord=$!
+  servers=()
+  for i in 1 2 3; do $K ps serve --coordinator "$addr" --heartbeat-ms 100 > "$dir/pause$try-s$i.log" 2>&1 & servers+=($!); done
+  sleep 1
+  for i in 0 1; do
+    RANK=$i WORLD_SIZE=2 KOLO_PS_COORDINATOR=$addr $K train --config "$dir/ps.toml" --steps 1500 > "$dir/pause$try-w$i.log" 2>&1 &
+    eval "w$i=\$!"
+  done
+  sleep 4
+  kill -STOP "${servers[1]}"; sleep 15; kill -CONT "${servers[1]}"
+  wait "$w0" && rc=0 || rc=$?
+  wait "$w1" || rc=$((rc + $?))
+  if [ "$rc" = 0 ]; then ok=$((ok + 1)); elif [ -z "$first" ]; then first=$(grep -h -m1 -o 'answered Push with Error.*' "$dir/pause$try-w0.log" "$dir/pause$try-w1.log" | head -1 | cut -c1-160); fi
+  $K ps shutdown --coordinator "$addr" > /dev/null 2>&1 || true
+  sleep 1
+  kill "$coord" "${servers[@]}" 2> /dev/null || true
+  wait "$coord" "${servers[@]}" 2> /dev/null || true
+  unset KOLO_JOB_TOKEN
+done
+echo "ps-pause: $ok of 3 runs finished after a 15 s SIGSTOP of a server${first:+; first failure: $first}"
 fi
 
 # --- sigstop -------------------------------------------------------------------------------

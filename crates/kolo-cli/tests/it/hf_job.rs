@@ -94,6 +94,10 @@ fn hf_fine_tuning_job_matches_one_process_resumes_and_exports() {
     let o = run(&["export", "--hf", again.to_str().unwrap(), two.1.to_str().unwrap()], &[]);
     assert!(o.status.success(), "{}", text(&o));
     assert_eq!(std::fs::read(again.join("model.safetensors")).unwrap(), std::fs::read(export.join("model.safetensors")).unwrap());
+    // Both carry the model's tokenizer, so the export is a complete model directory.
+    let tokenizer = std::fs::read(kolo_testkit::files::hf_tiny("qwen2").join("tokenizer.json")).unwrap();
+    assert_eq!(std::fs::read(again.join("tokenizer.json")).unwrap(), tokenizer);
+    assert_eq!(std::fs::read(export.join("tokenizer.json")).unwrap(), tokenizer);
     let bf16 = dir.join("bf16");
     let o = run(&["export", "--hf", bf16.to_str().unwrap(), two.1.to_str().unwrap(), "--dtype", "bf16", "--max-shard-size", "60000"], &[]);
     assert!(o.status.success(), "{}", text(&o));

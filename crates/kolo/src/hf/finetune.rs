@@ -39,6 +39,24 @@ use std::path::{Path, PathBuf};
 /// The checkpoint metadata key holding the model's `config.json`, so that `kolo export --hf`
 /// needs only the checkpoint.
 pub const CONFIG_META: &str = "hf.config";
+/// The checkpoint metadata key holding the model directory the job started from, whose
+/// tokenizer files an export copies.
+pub const DIR_META: &str = "hf.dir";
+
+/// The files beside a model's weights that an export carries over (tokenizer, generation).
+const COMPANIONS: &[&str] =
+    &["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt", "generation_config.json"];
+
+/// Copies `from`'s tokenizer and generation files that exist into `to`.
+fn copy_companions(from: &Path, to: &Path) -> Result<()> {
+    for name in COMPANIONS {
+        let src = from.join(name);
+        if src.is_file() {
+            std::fs::copy(&src, to.join(name)).map_err(|e| Error::io(&src, e))?;
+        }
+    }
+    Ok(())
+}
 
 /// A fine-tuning job: the TOML of `kolo train --config` when `[model]` names `hf`.
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
@@ -270,6 +288,8 @@ impl FineTune {
         let mut ft = FineTune { cfg, dist: dist.clone(), mesh, varmap, model, trainer, windows, train };
         let config = serde_json::to_string(&ft.model_config()).expect("a config serializes");
         ft.trainer.set_checkpoint_meta(CONFIG_META, &config)?;
+        let from = std::fs::canonicalize(&ft.cfg.model.hf).unwrap_or_else(|_| ft.cfg.model.hf.clone());
+        ft.trainer.set_checkpoint_meta(DIR_META, &from.display().to_string())?;
         Ok(ft)
     }
 
@@ -393,8 +413,8 @@ impl FineTune {
         Ok(Some(v[0] / self.mesh.replicas().world_size().get() as f64))
     }
 
-    /// Collective: writes the whole fine-tuned model to `dir` as `transformers` reads it (the
-    /// `[export]` dtype and shard size when `opts` is `None`); ZeRO-3 shards and model-parallel
+    /// Collective: writes the whole fine-tuned model to `dir` as `transformers` reads it, with
+    /// the model directory's tokenizer and generation files; ZeRO-3 shards and model-parallel
     /// pieces are gathered first.
     pub fn export(&self, dir: &Path, opts: &SaveOptions) -> Result<()> {
         self.trainer.unshard()?;
@@ -402,6 +422,7 @@ impl FineTune {
         let whole = if split { self.mesh.whole_varmap(&self.varmap)? } else { None };
         if self.dist.is_main() {
             self.model.save_pretrained_with(dir, whole.as_ref().unwrap_or(&self.varmap), opts)?;
+            copy_companions(&self.cfg.model.hf, dir)?;
         }
         self.dist.barrier()?;
         Ok(())
@@ -443,5 +464,10 @@ pub fn export_checkpoint(checkpoint: &Path, out: &Path, opts: &SaveOptions) -> R
     if varmap.all_vars().is_empty() {
         return Err(Error::file(&path, "the checkpoint holds no model tensors"));
     }
-    super::save_pretrained_with(out, &varmap, &config, opts)
+    super::save_pretrained_with(out, &varmap, &config, opts)?;
+    // The tokenizer of the model the job started from, when that directory is still there.
+    match ck.meta.get(DIR_META).map(Path::new).filter(|d| d.is_dir()) {
+        Some(from) => copy_companions(from, out),
+        None => Ok(()),
+    }
 }
