@@ -159,7 +159,7 @@ if want ps-pause; then
 ok=0 first=""
 for try in 1 2 3; do
   addr="127.0.0.1:$(free_port)"
-  export KOLO_JOB_TOKEN=$(printf 'p%.0s' {1..32})
+  export KOLO_JOB_TOKEN=$(printf 'd%.0s' {1..32})
   $K ps coordinator --listen "$addr" --dead-after 6 > "$dir/pause$try-coord.log" 2>&1 &
   coord=$!
   servers=()
