@@ -46,6 +46,8 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// - stopped after 4 steps and resumed from the checkpoint, the run ends bitwise where the
 ///   uninterrupted one does (parameters, and the data position: the same batches follow);
 /// - the held-out evaluation runs at steps 4 and 8 and its loss falls;
+/// - 2 pipeline stages (the tied embedding copied to the second) train as 1 process within 2e-5
+///   and evaluate through the stages to its eval losses (4 decimals);
 /// - `kolo export --hf` of the last checkpoint writes the bytes the job's `[export]` wrote, in
 ///   bf16 too (config.json says so), and the export loads back with the checkpoint's values.
 #[test]
@@ -54,7 +56,11 @@ fn hf_fine_tuning_job_matches_one_process_resumes_and_exports() {
     let shards = shards(&dir);
     let one = job(&dir, "one", &shards, 8, "");
     let o = run(&["train", "--config", one.0.to_str().unwrap()], &[]);
-    assert!(o.status.success(), "{}", text(&o));
+    let one_log = text(&o);
+    assert!(o.status.success(), "{one_log}");
+    let evals_of = |t: &str| -> Vec<String> {
+        t.lines().filter_map(|l| l.split("eval loss ").nth(1)).map(|l| l.split_whitespace().next().unwrap().to_string()).collect()
+    };
     let export = dir.join("export");
     let two = job(&dir, "two", &shards, 4, &format!("[export]\ndir = \"{}\"\n", export.display()));
     let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", two.0.to_str().unwrap()], &[]);
@@ -73,6 +79,20 @@ fn hf_fine_tuning_job_matches_one_process_resumes_and_exports() {
     for (k, v) in &a {
         let d = max_diff(v, &b[k]);
         assert!(d < 2e-5, "{k}: 2 processes differ from 1 by {d}");
+    }
+
+    // Pipeline stages (2, the tied embedding's copy on the second): the same training, and the
+    // held-out evaluation through the stages gives the one process's losses.
+    let piped = job(&dir, "piped", &shards, 8, "[mesh]\npp = 2\n[pipeline]\nmicro_batches = 2\n");
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", piped.0.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert_eq!(evals_of(&t), evals_of(&one_log), "{t}");
+    assert_eq!(evals_of(&one_log).len(), 2, "{one_log}");
+    let p = model_tensors(&piped.1.join("step-00000008"));
+    for (k, v) in &a {
+        let d = max_diff(v, &p[k]);
+        assert!(d < 2e-5, "{k}: 2 pipeline stages differ from 1 process by {d}");
     }
 
     // Stopped at 4, resumed from the newest checkpoint: bitwise the uninterrupted run.

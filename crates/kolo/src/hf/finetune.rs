@@ -164,9 +164,6 @@ impl FineTuneConfig {
             return Err("mesh.ep: expert parallelism is for models with experts (a Hugging Face model here has none)".into());
         }
         let (pp, micro) = (self.pp(), self.micro_batches());
-        if pp > 1 && self.train.eval_every > 0 {
-            return Err("train.eval_every with pipeline stages (mesh.pp > 1) is not supported yet: evaluate the export".into());
-        }
         if pp > 1 && self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
             return Err("pipeline.schedule = \"2bw\" is not supported for Hugging Face models (gpipe, 1f1b)".into());
         }
@@ -359,7 +356,7 @@ impl FineTune {
                 self.trainer.step(|| model.loss(&x))?;
             }
             let done = self.trainer.steps_done();
-            if pp == 1 && ((every > 0 && done.is_multiple_of(every)) || done == steps) {
+            if (every > 0 && done.is_multiple_of(every)) || done == steps {
                 eval = self.evaluate()?;
                 if let (Some(l), true) = (eval, self.dist.is_main()) {
                     kolo_base::eline!("step {done}/{steps} eval loss {l:.4} (perplexity {:.2})", l.exp());
@@ -386,11 +383,12 @@ impl FineTune {
 
     /// Collective over the job: the mean loss over `train.eval_batches` batches of the held-out
     /// windows (in order, dealt over the data-parallel replicas; a sequence-parallel group's
-    /// chunks averaged), `None` when nothing is held out.
+    /// chunks averaged; forward only, through the pipeline's stages in turn), `None` when
+    /// nothing is held out.
     pub fn evaluate(&self) -> Result<Option<f64>> {
         let (batch, seq) = (self.cfg.data.batch_size, self.cfg.data.seq);
         let held = self.windows.count(seq + 1) - self.train;
-        if held == 0 || self.mesh.size("pp") > 1 {
+        if held == 0 {
             return Ok(None);
         }
         let (dp, rank) = (self.mesh.size("dp"), self.mesh.coord("dp"));
@@ -406,11 +404,42 @@ impl FineTune {
         for i in 0..mine {
             let b = (i * dp + rank) % batches;
             let rows: Vec<usize> = (b * batch..((b + 1) * batch).min(held)).map(|w| self.train + w).collect();
-            sum += f64::from(self.model.loss(&self.batch(&rows, seq)?)?.to_scalar::<f32>()?);
+            sum += self.stage_loss(&self.batch(&rows, seq)?)?;
         }
         let mut v = [sum / mine as f64];
         self.mesh.replicas().all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
+        // The last stage's mean is everyone's.
+        let pp = self.mesh.pp();
+        let last = kolo_base::Rank(pp.world_size().get() - 1);
+        pp.broadcast(BufMut::from(&mut v[..]), last)?;
         Ok(Some(v[0] / self.mesh.replicas().world_size().get() as f64))
+    }
+
+    /// The loss of the windows `x` (rows, seq + 1) without a gradient: the whole model's, or
+    /// through the pipeline's stages in turn (each stage's hidden states sent to the next);
+    /// on the stages before the last it is 0.
+    fn stage_loss(&self, x: &Tensor) -> Result<f64> {
+        let pp = self.mesh.pp();
+        let (k, s) = (pp.world_size().get(), pp.rank().get());
+        if k == 1 {
+            return Ok(f64::from(self.model.loss(x)?.to_scalar::<f32>()?));
+        }
+        let shape = (x.dim(0)?, self.cfg.data.seq / self.mesh.size("sp"), self.model.hidden_size());
+        let input = match s {
+            0 => None,
+            _ => {
+                let mut h = vec![0f32; shape.0 * shape.1 * shape.2];
+                pp.recv(BufMut::from(&mut h[..]), kolo_base::Rank(s - 1), 7)?;
+                Some(Tensor::from_vec(h, shape, &self.dist.device())?)
+            }
+        };
+        let out = self.model.pipeline_stage(input.as_ref(), x)?;
+        if s + 1 < k {
+            let h = out.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+            pp.send(kolo_comm::BufRef::from(&h[..]), kolo_base::Rank(s + 1), 7)?;
+            return Ok(0.0);
+        }
+        Ok(f64::from(out.to_scalar::<f32>()?))
     }
 
     /// Collective: writes the whole fine-tuned model to `dir` as `transformers` reads it, with
