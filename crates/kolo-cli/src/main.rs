@@ -50,6 +50,8 @@ enum Cmd {
     Launch(LaunchArgs),
     /// Train a model from a TOML config, alone or under `kolo launch` (DDP and ZeRO; pipeline (GPipe, 1F1B, 2BW),
     /// tensor, sequence and expert parallelism per `[mesh]`; parameter servers with `strategy = "ps"`).
+    /// A config whose `[model]` names a Hugging Face directory (`hf = "DIR"`) fine-tunes that model
+    /// on token shards (see examples/hf_llama.toml).
     Train(train::TrainArgs),
     /// Data preparation: `kolo data prepare` tokenizes text into token shards.
     #[command(subcommand)]

@@ -1,11 +1,16 @@
-//! Hugging Face checkpoints in and out: a directory with `config.json` and `model.safetensors`,
-//! as `transformers`' `save_pretrained` writes it.
+//! Hugging Face checkpoints in and out: a directory with `config.json` and `model.safetensors`
+//! (or the shards `model.safetensors.index.json` names), as `transformers`' `save_pretrained`
+//! writes it.
 //!
-//! [`Gpt2`] is GPT-2 (`GPT2LMHeadModel`) written with candle-nn over a `VarMap` whose names
-//! are Hugging Face's (`transformer.h.0.attn.c_attn.weight`, ...), so it trains under
-//! [`Trainer`](crate::Trainer) like any user model, [`load_weights`] fills it from a checkpoint and
-//! [`save_pretrained`] writes whole, shaped tensors under those names back out, with the
-//! `format = pt` metadata `transformers` requires.
+//! The models are written with candle-nn over a `VarMap` whose names are Hugging Face's
+//! (`model.layers.0.self_attn.q_proj.weight`, ...), so they train under
+//! [`Trainer`](crate::Trainer) like any user model: [`Gpt2`] (`gpt2`), [`GptNeox`]
+//! (`gpt_neox`) and [`Llama`] for the Llama family ([`FAMILY`]: `llama` with Llama 3's rotary
+//! scaling, `mistral`, `qwen2`, `gemma`, `phi3`), which also splits over a [`crate::Mesh`].
+//! [`load_causal_lm`] picks one by `config.json`'s `model_type`, refusing by name what changes
+//! the arithmetic and is not implemented; [`save_pretrained_with`] writes whole, shaped tensors
+//! under those names back out, with the `format = pt` metadata `transformers` requires.
+//! [`FineTune`] is `kolo train`'s job for a config whose `[model]` names `hf`.
 
 mod files;
 pub mod finetune;
