@@ -20,7 +20,7 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
         d_model: md.d_model.unwrap_or(256),
         heads: md.n_head.unwrap_or(4),
         seq: md.seq.unwrap_or(128),
-        vocab: 256,
+        vocab: text_vocab(cfg),
     };
     // This machine's measured constants (the planner's `this-machine` preset), the world's
     // ranks on one host over loopback.
@@ -36,7 +36,7 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
     apply(cfg, &p, &e, global, m.layers)?;
     let accumulates = p.pp == 1 && p.micro_batch * p.dp < global;
     Ok(format!(
-        "plan auto: dp {} x tp {} x pp {}, ZeRO-{}, {} sequences per replica{}{}{}; predicted {:.1} ms/step, {:.1} MB per rank (of {:.1} MB)",
+        "plan auto: dp {} x tp {} x pp {}, ZeRO-{}, {} sequences per replica{}{}{}, vocabulary {}; predicted {:.1} ms/step, {:.1} MB per rank (of {:.1} MB)",
         p.dp,
         p.tp,
         p.pp,
@@ -45,10 +45,18 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
         if p.pp > 1 { format!(" in {} micro-batches", e.micro_batches) } else { String::new() },
         if accumulates { format!(" ({} accumulated micro-batches of {})", e.micro_batches, p.micro_batch) } else { String::new() },
         if p.checkpoint && p.zero != 3 { ", activation checkpointing" } else { "" },
+        m.vocab,
         e.step_s * 1e3,
         e.memory() / 1e6,
         memory / 1e6
     ))
+}
+
+/// The vocabulary the GPT will have: the distinct bytes of its text (the character vocabulary
+/// the text data builds), or 256 when the text cannot be read here.
+fn text_vocab(cfg: &Config) -> usize {
+    let text = (cfg.data.kind == crate::config::DataKind::Text).then_some(cfg.data.path.as_ref()).flatten();
+    text.and_then(|p| std::fs::read(p).ok()).map_or(256, |t| crate::data::CharVocab::from_text(&t).len().max(1))
 }
 
 /// The plans the planner's search finds for `m` on `c` that Kolo's GPT can run, fastest first:
@@ -118,6 +126,15 @@ mod tests {
         assert_eq!(c.data.batch_size * dp * c.train.grad_accum as usize, 16, "the global batch stays 16: {line}");
         assert_eq!(dp * tp * pp, 2);
         assert!(apply_plan(&mut gpt(), 2, 1e6).unwrap_err().to_string().contains("no plan"));
+        // A text GPT is planned with its corpus's vocabulary (the shipped one: 65 characters).
+        let corpus = format!("{}/../../data/tinyshakespeare.txt", env!("CARGO_MANIFEST_DIR"));
+        let mut text = Config::parse(
+            &format!("[model]\nkind = \"gpt\"\nseq = 128\nd_model = 256\nn_head = 4\nn_layer = 4\n[data]\nkind = \"text\"\npath = {corpus:?}\nbatch_size = 8\n"),
+            "t",
+        )
+        .unwrap();
+        assert!(apply_plan(&mut text, 2, 2e9).unwrap().contains(", vocabulary 65;"));
+        assert!(apply_plan(&mut gpt(), 2, 2e9).unwrap().contains(", vocabulary 256;"));
         let mut mlp = Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n", "t").unwrap();
         assert!(apply_plan(&mut mlp, 2, 1e9).unwrap().contains("data parallelism"));
     }
