@@ -187,13 +187,13 @@ fn load(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>, mes
             return Err(Error::file(&path, "GPT-2 in pipeline stages or sequence chunks is not supported yet (a Llama-style model is)"))
         }
         Some("gpt2") => load_gpt2(dir, device).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
-        Some("gpt_neox") if tp.is_some() || mesh.is_some() => {
+        Some("gpt_neox") if mesh.is_some() => {
             return Err(Error::file(
                 &path,
-                "GPT-NeoX under tensor, pipeline or sequence parallelism is not supported yet (it trains under DDP and ZeRO)",
+                "GPT-NeoX in pipeline stages or sequence chunks is not supported yet (it trains under DDP, ZeRO and tensor parallelism)",
             ))
         }
-        Some("gpt_neox") => load_neox(dir, device).map(|(v, m)| (v, CausalLm::GptNeox(m)))?,
+        Some("gpt_neox") => neox::load_neox_split(dir, device, tp).map(|(v, m)| (v, CausalLm::GptNeox(m)))?,
         Some(t) if llama::FAMILY.contains(&t) => load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?,
         Some(t) => {
             return Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, gpt_neox, {})", llama::FAMILY.join(", "))))

@@ -7,7 +7,10 @@ use super::files::{LoadReport, Weights};
 use super::llama::{attend, rotate};
 use crate::{Error, Result};
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{embedding, layer_norm, linear, linear_no_bias, Embedding, LayerNorm, LayerNormConfig, Linear, VarBuilder, VarMap};
+use candle_nn::{embedding, layer_norm, linear, linear_no_bias, Embedding, LayerNorm, LayerNormConfig, VarBuilder, VarMap};
+
+/// A linear layer: candle-nn's, or one split over a tensor-parallel group.
+type Layer = Box<dyn Module + Send + Sync>;
 use std::path::Path;
 
 /// `config.json` of a GPT-NeoX model (the fields Kolo reads; others are kept and written back).
@@ -131,22 +134,24 @@ impl NeoxConfig {
 
 struct NeoxBlock {
     input_norm: LayerNorm,
-    qkv: Linear,
-    dense: Linear,
+    qkv: Layer,
+    dense: Layer,
     post_norm: LayerNorm,
-    up: Linear,
-    down: Linear,
+    up: Layer,
+    down: Layer,
+    /// Heads on this rank (all of them, or this member's share).
+    heads: usize,
 }
 
 impl NeoxBlock {
     fn forward(&self, x: &Tensor, (cos, sin, mask): (&Tensor, &Tensor, &Tensor), cfg: &NeoxConfig) -> candle_core::Result<Tensor> {
-        let (b, t, e) = x.dims3()?;
-        let (h, hd) = (cfg.num_attention_heads, cfg.head_dim());
+        let (b, t, _) = x.dims3()?;
+        let (h, hd) = (self.heads, cfg.head_dim());
         // Laid out head by head: each head's q, k and v side by side.
         let qkv = self.qkv.forward(&self.input_norm.forward(x)?)?.reshape((b, t, h, 3 * hd))?.transpose(1, 2)?;
         let part = |i: usize| qkv.narrow(3, i * hd, hd)?.contiguous();
         let (q, k, v) = (rotate(part(0)?, cos, sin)?, rotate(part(1)?, cos, sin)?, part(2)?);
-        let y = attend(&q, &k, &v, mask)?.transpose(1, 2)?.reshape((b, t, e))?;
+        let y = attend(&q, &k, &v, mask)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
         let attn = self.dense.forward(&y)?;
         let mlp = |x: &Tensor| -> candle_core::Result<Tensor> {
             let u = self.up.forward(&self.post_norm.forward(x)?)?;
@@ -166,19 +171,56 @@ impl NeoxBlock {
 /// ...), dropout left out.
 pub struct GptNeox {
     cfg: NeoxConfig,
-    embed: Embedding,
+    embed: NeoxEmbedding,
     blocks: Vec<NeoxBlock>,
     norm: LayerNorm,
-    lm_head: Option<Linear>,
+    lm_head: Option<Layer>,
+    /// The tensor-parallel group the model is split over (`None`: whole).
+    tp: Option<crate::tp::TensorParallel>,
     cos: Tensor,
     sin: Tensor,
     report: LoadReport,
 }
 
+/// The token embedding: candle-nn's, or split by vocabulary over a tensor-parallel group.
+enum NeoxEmbedding {
+    Whole(Embedding),
+    Split(crate::tp::VocabParallelEmbedding),
+}
+
 impl GptNeox {
     /// Builds the model's variables through `vb`.
     pub fn new(cfg: &NeoxConfig, vb: VarBuilder) -> candle_core::Result<GptNeox> {
-        let (e, inter) = (cfg.hidden_size, cfg.intermediate_size);
+        Self::new_split(cfg, vb, None)
+    }
+
+    /// Builds the model split over the tensor-parallel group `tp` when given (Megatron's layout):
+    /// `query_key_value` column-parallel (its rows are laid out head by head, so each member's
+    /// rows are its heads' q, k and v), `dense` row-parallel, the MLP's `dense_h_to_4h` column-
+    /// and `dense_4h_to_h` row-parallel, the embedding and `embed_out` by vocabulary; the layer
+    /// norms whole. The heads and MLP width must be multiples of the group's size.
+    pub fn new_split(cfg: &NeoxConfig, vb: VarBuilder, tp: Option<&crate::tp::TensorParallel>) -> candle_core::Result<GptNeox> {
+        use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
+        let tp = tp.filter(|t| t.size() > 1);
+        let p = tp.map_or(1, |t| t.size());
+        let (e, inter, h) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads);
+        if !h.is_multiple_of(p) || !inter.is_multiple_of(p) {
+            candle_core::bail!(
+                "GPT-NeoX over {p} tensor-parallel ranks: num_attention_heads {h} and intermediate_size {inter} must each be a multiple of {p}"
+            );
+        }
+        let col = |i: usize, o: usize, vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match tp {
+                Some(t) => Box::new(Col::new(i, o, true, vb, t)?),
+                None => Box::new(linear(i, o, vb)?),
+            })
+        };
+        let row = |i: usize, o: usize, vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match tp {
+                Some(t) => Box::new(Row::new(i, o, true, vb, t)?),
+                None => Box::new(linear(i, o, vb)?),
+            })
+        };
         let ln = |vb: VarBuilder| layer_norm(e, LayerNormConfig { eps: cfg.layer_norm_eps, ..Default::default() }, vb);
         let m = vb.pp("gpt_neox");
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
@@ -186,11 +228,12 @@ impl GptNeox {
             let b = m.pp(format!("layers.{i}"));
             blocks.push(NeoxBlock {
                 input_norm: ln(b.pp("input_layernorm"))?,
-                qkv: linear(e, 3 * e, b.pp("attention.query_key_value"))?,
-                dense: linear(e, e, b.pp("attention.dense"))?,
+                qkv: col(e, 3 * e, b.pp("attention.query_key_value"))?,
+                dense: row(e, e, b.pp("attention.dense"))?,
                 post_norm: ln(b.pp("post_attention_layernorm"))?,
-                up: linear(e, inter, b.pp("mlp.dense_h_to_4h"))?,
-                down: linear(inter, e, b.pp("mlp.dense_4h_to_h"))?,
+                up: col(e, inter, b.pp("mlp.dense_h_to_4h"))?,
+                down: row(inter, e, b.pp("mlp.dense_4h_to_h"))?,
+                heads: h / p,
             });
         }
         let (n, r) = (cfg.max_position_embeddings, cfg.rotary_dim());
@@ -199,10 +242,18 @@ impl GptNeox {
         let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, r / 2), vb.device());
         Ok(GptNeox {
             cfg: cfg.clone(),
-            embed: embedding(cfg.vocab_size, e, m.pp("embed_in"))?,
+            embed: match tp {
+                Some(t) => NeoxEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_in"), t)?),
+                None => NeoxEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_in"))?),
+            },
             blocks,
             norm: ln(m.pp("final_layer_norm"))?,
-            lm_head: if cfg.tie_word_embeddings { None } else { Some(linear_no_bias(e, cfg.vocab_size, vb.pp("embed_out"))?) },
+            lm_head: match (cfg.tie_word_embeddings, tp) {
+                (true, _) => None,
+                (false, Some(t)) => Some(Box::new(Col::lm_head(e, cfg.vocab_size, vb.pp("embed_out"), t)?)),
+                (false, None) => Some(Box::new(linear_no_bias(e, cfg.vocab_size, vb.pp("embed_out"))?)),
+            },
+            tp: tp.cloned(),
             cos: table(f64::cos)?,
             sin: table(f64::sin)?,
             report: LoadReport::default(),
@@ -224,8 +275,18 @@ impl GptNeox {
         (0..self.cfg.num_hidden_layers).map(|i| format!("gpt_neox.layers.{i}.")).collect()
     }
 
-    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    /// Logits (batch, seq, vocab) for token ids (batch, seq). Split over a tensor-parallel
+    /// group, every member gets the whole logits (a collective; train with [`GptNeox::loss`]).
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let logits = self.local_logits(ids)?;
+        match &self.tp {
+            Some(t) => crate::tp::gather_vocab(&logits, self.cfg.vocab_size, t),
+            None => Ok(logits),
+        }
+    }
+
+    /// Logits (batch, seq, this rank's vocabulary range: all of it when the model is whole).
+    fn local_logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let t = ids.dim(1)?;
         if t > self.cfg.max_position_embeddings {
             candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
@@ -233,29 +294,47 @@ impl GptNeox {
         let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
         let mask = Tensor::from_vec(mask, (t, t), ids.device())?;
-        let mut x = self.embed.forward(ids)?;
+        let mut x = match &self.embed {
+            NeoxEmbedding::Whole(e) => e.forward(ids)?,
+            NeoxEmbedding::Split(e) => e.forward(ids)?,
+        };
         for blk in &self.blocks {
             x = blk.forward(&x, (&cos, &sin, &mask), &self.cfg)?;
         }
         let x = self.norm.forward(&x)?;
-        match &self.lm_head {
-            Some(l) => l.forward(&x),
-            None => x.broadcast_matmul(&self.embed.embeddings().t()?),
+        match (&self.lm_head, &self.embed) {
+            (Some(l), _) => l.forward(&x),
+            (None, NeoxEmbedding::Whole(e)) => x.broadcast_matmul(&e.embeddings().t()?),
+            (None, NeoxEmbedding::Split(e)) => e.tied_logits(&x),
         }
     }
 
-    /// Mean next-token cross-entropy of `ids` (batch, seq).
+    /// Mean next-token cross-entropy of `ids` (batch, seq); split over a tensor-parallel group,
+    /// the vocabulary-parallel cross-entropy (the logits are never gathered).
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        super::gpt2::next_token_loss(ids, |x| self.forward(x))
+        let t = ids.dim(1)?;
+        let logits = self.local_logits(&ids.narrow(1, 0, t - 1)?)?;
+        let targets = ids.narrow(1, 1, t - 1)?;
+        match &self.tp {
+            Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, self.cfg.vocab_size, tp),
+            None => candle_nn::loss::cross_entropy(&logits.reshape(((), self.cfg.vocab_size))?, &targets.flatten_all()?),
+        }
     }
 }
 
 /// Builds a GPT-NeoX from `dir` into a new VarMap on `device` (its output layer is
 /// `embed_out.weight`, as checkpoints and `transformers` name it).
 pub fn load_neox(dir: &Path, device: &Device) -> Result<(VarMap, GptNeox)> {
+    load_neox_split(dir, device, None)
+}
+
+/// As [`load_neox`], split over `tp` when given ([`GptNeox::new_split`]): each rank reads only
+/// its pieces of the checkpoint's tensors.
+pub(super) fn load_neox_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, GptNeox)> {
     let cfg = NeoxConfig::load(dir)?;
     let varmap = VarMap::new();
-    let mut model = GptNeox::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
+    let mut model = GptNeox::new_split(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device), tp)
+        .map_err(|e| Error::file(dir.join("config.json"), e))?;
     let weights = Weights::open(dir)?;
     // A tied output layer is the embedding; the rotary tables are buffers.
     let skip = |n: &str| (cfg.tie_word_embeddings && n == "embed_out.weight") || n.ends_with(".rotary_emb.inv_freq");

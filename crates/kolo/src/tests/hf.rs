@@ -244,7 +244,11 @@ fn hugging_face_models_that_do_not_split_are_named() {
             "num_attention_heads 4, num_key_value_heads 2 and intermediate_size 80 must each be a multiple of 3",
         ),
         (2, kolo_testkit::files::hf_gpt2_tiny(), "GPT-2 under tensor parallelism is not supported yet"),
-        (2, kolo_testkit::files::hf_tiny("neox"), "GPT-NeoX under tensor, pipeline or sequence parallelism is not supported yet"),
+        (
+            3,
+            kolo_testkit::files::hf_tiny("neox"),
+            "GPT-NeoX over 3 tensor-parallel ranks: num_attention_heads 4 and intermediate_size 80 must each be a multiple of 3",
+        ),
         (
             2,
             kolo_testkit::files::hf_tiny("phi3"),
