@@ -88,26 +88,37 @@ impl TensorParallel {
 }
 
 /// How a variable made by this module's layers was cut from the whole tensor: the whole
-/// shape, and the range `start..start + len` of dimension `dim` this rank holds.
+/// shape, and the ranges of dimension `dim` this rank holds, in order (one range; one per
+/// section of a fused layer, as Phi-3's q, k and v rows in one `qkv_proj`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Split {
     /// The whole tensor's shape.
     pub whole: Vec<usize>,
     /// The dimension that is cut.
     pub dim: usize,
-    /// Where this rank's piece starts along `dim`.
-    pub start: usize,
-    /// Its length along `dim`.
-    pub len: usize,
+    /// The ranges along `dim` this rank's piece holds, one after the other.
+    pub ranges: Vec<Range<usize>>,
 }
 
 impl Split {
+    /// The piece's length along `dim`.
+    pub fn len(&self) -> usize {
+        self.ranges.iter().map(|r| r.len()).sum()
+    }
+
+    /// Whether the piece is the whole tensor.
+    pub fn is_whole(&self) -> bool {
+        self.len() == self.whole[self.dim]
+    }
+
     /// For each element of the piece (row-major), its index in the whole tensor (row-major).
     pub fn whole_indices(&self) -> impl Iterator<Item = usize> + '_ {
         let outer: usize = self.whole[..self.dim].iter().product();
         let inner: usize = self.whole[self.dim + 1..].iter().product();
         let n = self.whole[self.dim];
-        (0..outer).flat_map(move |o| (0..self.len).flat_map(move |j| (0..inner).map(move |i| (o * n + self.start + j) * inner + i)))
+        (0..outer).flat_map(move |o| {
+            self.ranges.iter().flat_map(move |r| r.clone().flat_map(move |j| (0..inner).map(move |i| (o * n + j) * inner + i)))
+        })
     }
 }
 
@@ -126,16 +137,22 @@ pub fn split_of(t: &Tensor) -> Option<Split> {
 /// This rank's piece of `name` under `vb`: a new (or the VarMap's) variable of the piece's
 /// shape, or the piece cut from a whole tensor where `vb` reads a file.
 fn piece(vb: &VarBuilder, name: &str, whole: &[usize], dim: usize, range: Range<usize>, init: Init) -> candle_core::Result<Tensor> {
+    pieces(vb, name, whole, dim, vec![range], init)
+}
+
+/// As [`piece`], the piece made of several `ranges` of `dim`, one after the other.
+fn pieces(vb: &VarBuilder, name: &str, whole: &[usize], dim: usize, ranges: Vec<Range<usize>>, init: Init) -> candle_core::Result<Tensor> {
     if let Ok(t) = vb.get_unchecked(name) {
         if t.dims() == whole {
-            return t.narrow(dim, range.start, range.len());
+            let parts = ranges.iter().map(|r| t.narrow(dim, r.start, r.len())).collect::<candle_core::Result<Vec<_>>>()?;
+            return Tensor::cat(&parts, dim);
         }
     }
     let mut shape = whole.to_vec();
-    shape[dim] = range.len();
+    shape[dim] = ranges.iter().map(|r| r.len()).sum();
     let t = vb.get_with_hints(shape, name, init)?;
     if t.is_variable() {
-        remember(&t, Split { whole: whole.to_vec(), dim, start: range.start, len: range.len() });
+        remember(&t, Split { whole: whole.to_vec(), dim, ranges });
     }
     Ok(t)
 }
@@ -181,6 +198,26 @@ impl ColumnParallelLinear {
         let range = even(&vb.prefix(), "ColumnParallelLinear", out_dim, tp)?;
         let w = piece(&vb, "weight", &[out_dim, in_dim], 0, range.clone(), weight_init(in_dim))?;
         let b = if bias { Some(piece(&vb, "bias", &[out_dim], 0, range, bias_init(in_dim))?) } else { None };
+        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true })
+    }
+
+    /// A fused layer `in_dim -> sum(sections)` whose output features are `sections` laid end to
+    /// end (Phi-3's `qkv_proj`: q, k and v; its `gate_up_proj`: gate and up), each split over
+    /// the group: this member's output is its share of every section, in order. Each section
+    /// must be a multiple of the group's size.
+    pub fn sections(in_dim: usize, sections: &[usize], bias: bool, vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
+        let (p, r) = (tp.size(), tp.rank());
+        let mut ranges = Vec::with_capacity(sections.len());
+        let mut at = 0;
+        for &s in sections {
+            if !s.is_multiple_of(p) {
+                candle_core::bail!("{}: a section of {s} output features cannot be split over {p} ranks", vb.prefix());
+            }
+            ranges.push(at + r * s / p..at + (r + 1) * s / p);
+            at += s;
+        }
+        let w = pieces(&vb, "weight", &[at, in_dim], 0, ranges.clone(), weight_init(in_dim))?;
+        let b = if bias { Some(pieces(&vb, "bias", &[at], 0, ranges, bias_init(in_dim))?) } else { None };
         Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true })
     }
 
@@ -371,14 +408,6 @@ pub(crate) fn read_for(
         return st.load(name, var.device()).map(Some);
     };
     let one = std::num::NonZeroUsize::MIN;
-    let index: Vec<TensorIndexer> = (0..s.whole.len())
-        .map(|d| match d == s.dim {
-            true => TensorIndexer::Narrow(Bound::Included(s.start), Bound::Excluded(s.start + s.len), one),
-            false => TensorIndexer::Narrow(Bound::Unbounded, Bound::Unbounded, one),
-        })
-        .collect();
-    let pieces = view.sliced_data(&index).map_err(|e| candle_core::Error::Msg(format!("`{name}`: {e:?}")))?;
-    let bytes: Vec<u8> = pieces.flat_map(|c| c.iter().copied()).collect();
     let dtype = match view.dtype() {
         safetensors::Dtype::F32 => candle_core::DType::F32,
         safetensors::Dtype::F16 => candle_core::DType::F16,
@@ -386,9 +415,22 @@ pub(crate) fn read_for(
         safetensors::Dtype::F64 => candle_core::DType::F64,
         d => candle_core::bail!("`{name}`: a {d:?} tensor cannot fill a parameter"),
     };
-    let mut shape = s.whole.clone();
-    shape[s.dim] = s.len;
-    Tensor::from_raw_buffer(&bytes, dtype, &shape, var.device()).map(Some)
+    // Each range's slice read on its own, then laid end to end along the cut dimension.
+    let mut parts = Vec::with_capacity(s.ranges.len());
+    for r in &s.ranges {
+        let index: Vec<TensorIndexer> = (0..s.whole.len())
+            .map(|d| match d == s.dim {
+                true => TensorIndexer::Narrow(Bound::Included(r.start), Bound::Excluded(r.end), one),
+                false => TensorIndexer::Narrow(Bound::Unbounded, Bound::Unbounded, one),
+            })
+            .collect();
+        let chunks = view.sliced_data(&index).map_err(|e| candle_core::Error::Msg(format!("`{name}`: {e:?}")))?;
+        let bytes: Vec<u8> = chunks.flat_map(|c| c.iter().copied()).collect();
+        let mut shape = s.whole.clone();
+        shape[s.dim] = r.len();
+        parts.push(Tensor::from_raw_buffer(&bytes, dtype, &shape, var.device())?);
+    }
+    Tensor::cat(&parts, s.dim).map(Some)
 }
 
 /// Collective over `tp`: on member 0, a VarMap of whole tensors under the same names (the
@@ -401,7 +443,7 @@ pub(crate) fn whole_varmap(varmap: &VarMap, tp: &TensorParallel) -> Result<Optio
     let lead = tp.rank() == 0;
     let out = VarMap::new();
     for (name, var) in vars {
-        let t = match split_of(var.as_tensor()).filter(|s| s.len != s.whole[s.dim]) {
+        let t = match split_of(var.as_tensor()).filter(|s| !s.is_whole()) {
             Some(s) => {
                 let mut whole = vec![0f32; s.whole.iter().product()];
                 let local = var.as_tensor().to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
@@ -489,7 +531,7 @@ impl WholeLayout {
         let mut splits = vec![None; params.len()];
         for (id, &i) in ids {
             let s = SPLITS.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|m| m.get(id).cloned());
-            splits[i] = s.filter(|s| s.len != s.whole[s.dim]);
+            splits[i] = s.filter(|s| !s.is_whole());
         }
         let mine: Vec<(String, Vec<usize>)> = params
             .iter()
@@ -727,13 +769,17 @@ mod tests {
     /// 1..3 of a 2 x 4 one, the middle of a 2 x 3 x 2 block along its middle dimension.
     #[test]
     fn a_piece_maps_to_its_place_in_the_whole_tensor() {
-        let rows = Split { whole: vec![5, 3], dim: 0, start: 2, len: 2 };
+        let rows = Split { whole: vec![5, 3], dim: 0, ranges: vec![2..4] };
         assert_eq!(rows.whole_indices().collect::<Vec<_>>(), [6, 7, 8, 9, 10, 11]);
-        let cols = Split { whole: vec![2, 4], dim: 1, start: 1, len: 2 };
+        let cols = Split { whole: vec![2, 4], dim: 1, ranges: vec![1..3] };
         assert_eq!(cols.whole_indices().collect::<Vec<_>>(), [1, 2, 5, 6]);
-        let mid = Split { whole: vec![2, 3, 2], dim: 1, start: 1, len: 1 };
+        let mid = Split { whole: vec![2, 3, 2], dim: 1, ranges: vec![1..2] };
         assert_eq!(mid.whole_indices().collect::<Vec<_>>(), [2, 3, 8, 9]);
-        let empty = Split { whole: vec![0, 4], dim: 1, start: 0, len: 2 };
+        let empty = Split { whole: vec![0, 4], dim: 1, ranges: vec![0..2] };
+        // A fused layer's rows in three sections of 2, member 1 of 2: the second row of each.
+        let fused = Split { whole: vec![6, 2], dim: 0, ranges: vec![1..2, 3..4, 5..6] };
+        assert_eq!(fused.whole_indices().collect::<Vec<_>>(), [2, 3, 6, 7, 10, 11]);
+        assert!(!fused.is_whole() && fused.len() == 3);
         assert_eq!(empty.whole_indices().count(), 0);
     }
 

@@ -501,12 +501,6 @@ impl Llama {
         if layers.start >= layers.end || layers.end > n {
             candle_core::bail!("pipeline stage of layers {layers:?}: the model has {n}");
         }
-        if p > 1 && cfg.fused() {
-            candle_core::bail!(
-                "{} over {p} tensor-parallel ranks: its fused qkv_proj and gate_up_proj cannot be split yet",
-                cfg.model_type()
-            );
-        }
         let windows = cfg.layer_windows().map_err(candle_core::Error::Msg)?;
         let linear = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
             Ok(match bias {
@@ -533,10 +527,17 @@ impl Llama {
         for i in layers.clone() {
             let b = m.pp(format!("layers.{i}"));
             let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
+            // Fused (Phi-3): over tp, each member's share of every section (q, k, v; gate, up).
+            let fused = |sections: &[usize], bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
+                Ok(match tp {
+                    Some(t) => Box::new(Col::sections(e, sections, bias, vb, t)?),
+                    None => linear(e, sections.iter().sum(), bias, vb)?,
+                })
+            };
             let (qkv, gate_up) = if cfg.fused() {
                 (
-                    Qkv::Fused(linear(e, (h + 2 * kv) * hd, qkv_bias, a.pp("qkv_proj"))?),
-                    GateUp::Fused(linear(e, 2 * inter, mlp_bias, f.pp("gate_up_proj"))?),
+                    Qkv::Fused(fused(&[h * hd, kv * hd, kv * hd], qkv_bias, a.pp("qkv_proj"))?),
+                    GateUp::Fused(fused(&[inter, inter], mlp_bias, f.pp("gate_up_proj"))?),
                 )
             } else {
                 (
