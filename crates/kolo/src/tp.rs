@@ -106,6 +106,11 @@ impl Split {
         self.ranges.iter().map(|r| r.len()).sum()
     }
 
+    /// Whether the piece holds nothing along `dim`.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// Whether the piece is the whole tensor.
     pub fn is_whole(&self) -> bool {
         self.len() == self.whole[self.dim]
