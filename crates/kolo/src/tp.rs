@@ -773,6 +773,7 @@ mod tests {
     /// The piece's elements map to the whole tensor's: rows 2..4 of a 5 x 3 matrix, columns
     /// 1..3 of a 2 x 4 one, the middle of a 2 x 3 x 2 block along its middle dimension.
     #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one range: the usual split
     fn a_piece_maps_to_its_place_in_the_whole_tensor() {
         let rows = Split { whole: vec![5, 3], dim: 0, ranges: vec![2..4] };
         assert_eq!(rows.whole_indices().collect::<Vec<_>>(), [6, 7, 8, 9, 10, 11]);
