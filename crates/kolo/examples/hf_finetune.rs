@@ -82,12 +82,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         }
     }
     ft.run(None)?;
-    let dtype = match arg("--dtype", "f32").as_str() {
-        "f32" => DType::F32,
-        "bf16" => DType::BF16,
-        "f16" => DType::F16,
-        d => anyhow::bail!("--dtype {d}: f32, bf16 or f16"),
-    };
+    let dtype = kolo::hf::finetune::export_dtype(&arg("--dtype", "f32"))?;
     let max_shard_size = has("--max-shard-size").then(|| arg("--max-shard-size", "").parse()).transpose()?;
     // ZeRO-3 shards and model-parallel pieces are gathered into the whole model first.
     ft.export(Path::new(&out), &kolo::hf::SaveOptions { dtype, max_shard_size })?;

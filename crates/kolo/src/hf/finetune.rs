@@ -283,21 +283,11 @@ impl FineTune {
             ));
         }
         let mut ft = FineTune { cfg, dist: dist.clone(), mesh, varmap, model, trainer, windows, train };
-        let config = serde_json::to_string(&ft.model_config()).expect("a config serializes");
+        let config = ft.model.config_json().to_string();
         ft.trainer.set_checkpoint_meta(CONFIG_META, &config)?;
         let from = std::fs::canonicalize(&ft.cfg.model.hf).unwrap_or_else(|_| ft.cfg.model.hf.clone());
         ft.trainer.set_checkpoint_meta(DIR_META, &from.display().to_string())?;
         Ok(ft)
-    }
-
-    /// The model's `config.json`, as an export writes it.
-    fn model_config(&self) -> serde_json::Value {
-        match &self.model {
-            CausalLm::Gpt2(m) => serde_json::to_value(m.config()),
-            CausalLm::Llama(m) => serde_json::to_value(m.config()),
-            CausalLm::GptNeox(m) => serde_json::to_value(m.config()),
-        }
-        .expect("a config serializes")
     }
 
     /// This rank's part of the model.

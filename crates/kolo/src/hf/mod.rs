@@ -110,11 +110,17 @@ impl CausalLm {
     }
     /// Writes the model as [`save_pretrained_with`] does: a dtype, shards of a largest size.
     pub fn save_pretrained_with(&self, dir: &Path, varmap: &VarMap, opts: &SaveOptions) -> Result<()> {
+        save_pretrained_with(dir, varmap, &self.config_json(), opts)
+    }
+    /// The model's `config.json`, as an export writes it (every field of the file it was
+    /// loaded from).
+    pub fn config_json(&self) -> serde_json::Value {
         match self {
-            CausalLm::Gpt2(m) => save_pretrained_with(dir, varmap, m.config(), opts),
-            CausalLm::Llama(m) => save_pretrained_with(dir, varmap, m.config(), opts),
-            CausalLm::GptNeox(m) => save_pretrained_with(dir, varmap, m.config(), opts),
+            CausalLm::Gpt2(m) => serde_json::to_value(m.config()),
+            CausalLm::Llama(m) => serde_json::to_value(m.config()),
+            CausalLm::GptNeox(m) => serde_json::to_value(m.config()),
         }
+        .expect("a config serializes")
     }
     /// What loading the checkpoint left unused: tensors no parameter took, `config.json` keys
     /// not read (the loaders also print it when it is not empty, as `transformers` does).
