@@ -32,6 +32,8 @@ struct State {
     servers: BTreeMap<u32, (String, Instant)>,
     workers: BTreeMap<u32, Instant>,
     dead_workers: Vec<u32>,
+    /// Servers declared dead for silence (see [`Membership::dead_servers`]).
+    dead_servers: Vec<u32>,
     /// Dead workers whose shard another worker took over, and by whom.
     adopted: BTreeMap<u32, u32>,
     finished: Vec<u32>,
@@ -45,6 +47,7 @@ impl State {
             servers: self.servers.iter().map(|(id, (a, _))| (*id, a.clone())).collect(),
             shutdown: self.shutdown,
             dead_workers: self.dead_workers.clone(),
+            dead_servers: self.dead_servers.clone(),
         }
     }
 }
@@ -81,6 +84,7 @@ impl Coordinator {
                     let dead: Vec<u32> = s.servers.iter().filter(|(_, (_, t))| now - *t > dead_after).map(|(id, _)| *id).collect();
                     for id in &dead {
                         let (addr, _) = s.servers.remove(id).expect("listed");
+                        s.dead_servers.push(*id);
                         kolo_base::eline!(
                             "kolo ps coordinator: server {id} ({addr}) missed its heartbeats for {:.1} s: removed, its ranges fail over",
                             dead_after.as_secs_f64()

@@ -128,7 +128,13 @@ impl Server {
             restores: Mutex::new(HashMap::new()),
             appeared: Condvar::new(),
             view: Mutex::new(View {
-                membership: Membership { epoch: 0, servers: Vec::new(), shutdown: false, dead_workers: Vec::new() },
+                membership: Membership {
+                    epoch: 0,
+                    servers: Vec::new(),
+                    shutdown: false,
+                    dead_workers: Vec::new(),
+                    dead_servers: Vec::new(),
+                },
                 ring: Ring::new(&[]),
             }),
             epoch: AtomicU64::new(0),
@@ -254,6 +260,7 @@ fn beat_loop(
                     m
                 };
                 let listed = m.servers.iter().any(|(id, _)| *id == me);
+                let declared_dead = m.dead_servers.contains(&me);
                 if m.epoch < *seen {
                     continue; // still recovering: keep the last membership
                 }
@@ -263,9 +270,14 @@ fn beat_loop(
                 }
                 if !listed {
                     shared.stop.store(true, Ordering::SeqCst);
-                    return Err(PsError::Server(format!(
-                        "server {me} is no longer a member (removed, or declared dead after missing heartbeats); its ranges were handed on"
-                    )));
+                    return Err(PsError::Server(if declared_dead {
+                        format!(
+                            "server {me} was declared dead after missing its heartbeats (stopped or cut off): the job went on without it, \
+                             so its copies are stale and it hands nothing on; its ranges' replicas took over"
+                        )
+                    } else {
+                        format!("server {me} was removed from the job; its ranges were handed on")
+                    }));
                 }
             }
             Ok(other) => return Err(PsError::Protocol(format!("coordinator answered a heartbeat with {other:?}"))),
@@ -306,6 +318,13 @@ fn reconfigure(shared: &Shared, m: Membership) {
     };
     shared.epoch.store(epoch, Ordering::SeqCst);
     let Some(job) = lock(&shared.job).clone() else { return };
+    if m.dead_servers.contains(&me) {
+        // Declared dead while alive (stopped, or cut off from the coordinator): the survivors
+        // handed this server's ranges on and the job went on without it, so every copy here
+        // is older than theirs. Handing one on would overwrite a newer replica (#34 item 4).
+        retire_all(shared);
+        return;
+    }
     {
         // A range that belongs here but has not arrived waits for a hand-over from the servers
         // that held it: from its previous chain, gathered over consecutive changes (across
@@ -376,6 +395,17 @@ fn reconfigure(shared: &Shared, m: Membership) {
     for r in dropped {
         map.remove(&r);
     }
+}
+
+/// Retires every range this server holds, handing none on: waiters give up, requests are
+/// refused with `WrongEpoch`.
+fn retire_all(shared: &Shared) {
+    let slots: Vec<Slot> = lock(&shared.ranges).drain().map(|(_, s)| s).collect();
+    for slot in slots {
+        lock(&slot.0).epoch = RETIRED;
+        slot.1.notify_all();
+    }
+    lock(&shared.stranded).clear();
 }
 
 /// Sends range `r`'s whole state (`d`) to server `to` as a `Transfer` at `epoch`.
@@ -628,6 +658,9 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
         Req::Transfer { job, epoch, range, state } => {
             if shared.refuse_transfers.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok() {
                 return Err(err(format!("refusing the hand-over of range {range} (fault injection)")));
+            }
+            if let Some(why) = stale_hand_over(shared, epoch, range, &state) {
+                return Err(err(format!("server {me}: {why}")));
             }
             install(shared, &job, epoch, range, state, "hand-over")?;
             Ok(Resp::Ok { duplicate: false })
@@ -910,6 +943,27 @@ fn apply(d: &mut RangeData, job: &JobSpec, w: usize, clock: u64, lr: f32, grad: 
             0
         }
     }
+}
+
+/// Why a hand-over of `range` at `epoch` must not replace the copy held here, if it must not:
+/// this copy is at the same epoch and ahead of it for some worker (a later step, or the same
+/// step with the push held), or in its vector operations. Only one server hands a range on per
+/// epoch, so such a hand-over comes from a server whose copy went stale meanwhile.
+fn stale_hand_over(shared: &Shared, epoch: u64, range: u32, state: &RangeState) -> Option<String> {
+    let slot = lock(&shared.ranges).get(&range).cloned()?;
+    let d = lock(&slot.0);
+    if d.epoch != epoch || state.clocks.len() != d.clocks.len() {
+        return None;
+    }
+    let held = |p: Option<&Option<Vec<f32>>>| p.is_some_and(|p| p.is_some());
+    let behind = (0..d.clocks.len()).find(|&w| (state.clocks[w], held(state.pending.get(w))) < (d.clocks[w], held(d.pending.get(w))));
+    if behind.is_none() && state.vec_seq >= d.vec_seq {
+        return None;
+    }
+    Some(format!(
+        "refusing a stale hand-over of range {range} at epoch {epoch}: it is at steps {:?} (vector operation {}), the copy here at {:?} ({})",
+        state.clocks, state.vec_seq, d.clocks, d.vec_seq
+    ))
 }
 
 /// Puts `state` in place of range `range` (a hand-over or a checkpoint's restore), retiring the

@@ -170,6 +170,7 @@ fn sample_reqs() -> Vec<Req> {
                 servers: vec![(0, "127.0.0.1:9".into()), (1, "127.0.0.1:10".into())],
                 shutdown: false,
                 dead_workers: vec![2],
+                dead_servers: vec![3],
             },
         },
     ]
@@ -177,7 +178,13 @@ fn sample_reqs() -> Vec<Req> {
 
 /// One of every response.
 fn sample_resps() -> Vec<Resp> {
-    let m = Membership { epoch: 4, servers: vec![(0, "a:1".into()), (2, "b:2".into())], shutdown: false, dead_workers: vec![1] };
+    let m = Membership {
+        epoch: 4,
+        servers: vec![(0, "a:1".into()), (2, "b:2".into())],
+        shutdown: false,
+        dead_workers: vec![1],
+        dead_servers: vec![1, 5],
+    };
     vec![
         Resp::Ok { duplicate: true },
         Resp::Values { min_clock: 3, values: vec![1.0, 2.0] },

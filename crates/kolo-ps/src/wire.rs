@@ -185,6 +185,10 @@ pub struct Membership {
     pub shutdown: bool,
     /// Workers the coordinator has not heard from within its deadline.
     pub dead_workers: Vec<u32>,
+    /// Servers the coordinator declared dead for missed heartbeats (never those removed on
+    /// request). Such a server may still be alive (stopped, or cut off): its copies are older
+    /// than the survivors', so when it hears this it hands nothing on (#34 item 4).
+    pub dead_servers: Vec<u32>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -310,6 +314,7 @@ fn put_membership(w: &mut Writer, m: &Membership) {
     }
     w.u8(m.shutdown as u8);
     w.u32s(&m.dead_workers);
+    w.u32s(&m.dead_servers);
 }
 
 fn get_membership(r: &mut Reader) -> Result<Membership, PsError> {
@@ -319,7 +324,7 @@ fn get_membership(r: &mut Reader) -> Result<Membership, PsError> {
         return Err(PsError::Protocol(format!("{n} servers in a membership (at most 4096)")));
     }
     let servers = (0..n).map(|_| Ok((r.u32()?, r.str()?))).collect::<Result<_, PsError>>()?;
-    Ok(Membership { epoch, servers, shutdown: r.u8()? != 0, dead_workers: r.u32s()? })
+    Ok(Membership { epoch, servers, shutdown: r.u8()? != 0, dead_workers: r.u32s()?, dead_servers: r.u32s()? })
 }
 
 impl Req {

@@ -7,6 +7,7 @@ const KOLO: &str = env!("CARGO_BIN_EXE_kolo");
 
 mod hf_job;
 mod model_parallel;
+mod ps_pause;
 mod user_model;
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> Output {
