@@ -20,8 +20,8 @@
 //!
 //! Flags: --steps N (20), --batch B per data-parallel rank (4), --seq T (32), --optim adamw|sgd,
 //! --lr (1e-3), --clip C (1.0; `none`), --zero 0|1|2|3 (3: the model's blocks are sharded
-//! ZeRO-3 groups, the model itself unchanged), --tp T (1: a Llama split over T ranks, heads,
-//! MLP and vocabulary), --pp P (1: a Llama's blocks cut into P pipeline stages, run over
+//! ZeRO-3 groups, the model itself unchanged), --tp T (1: the model split over T ranks, heads,
+//! MLP and vocabulary), --pp P (1: the model's blocks cut into P pipeline stages, run over
 //! --micro M micro-batches, 2, with --schedule gpipe|1f1b); the ranks form a pp x dp x tp
 //! mesh, dp = ranks / (P S T), --sp S (1: a Llama run on S chunks of every sequence, ring
 //! attention).

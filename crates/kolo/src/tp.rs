@@ -184,6 +184,21 @@ fn even(what: &str, layer: &str, n: usize, tp: &TensorParallel) -> candle_core::
     Ok(tp.rank() * k..(tp.rank() + 1) * k)
 }
 
+/// This member's range of each of `sections` (output features laid end to end), in order.
+fn section_ranges(vb: &VarBuilder, sections: &[usize], tp: &TensorParallel) -> candle_core::Result<Vec<Range<usize>>> {
+    let (p, r) = (tp.size(), tp.rank());
+    let mut ranges = Vec::with_capacity(sections.len());
+    let mut at = 0;
+    for &s in sections {
+        if !s.is_multiple_of(p) {
+            candle_core::bail!("{}: a section of {s} output features cannot be split over {p} ranks", vb.prefix());
+        }
+        ranges.push(at + r * s / p..at + (r + 1) * s / p);
+        at += s;
+    }
+    Ok(ranges)
+}
+
 /// A linear layer whose output features are split over the group (Megatron's
 /// `ColumnParallelLinear`): weight `(out / tp, in)`, bias `out / tp`. Its input is whole; its
 /// output is this member's features, or all of them with [`ColumnParallelLinear::gathered`].
@@ -211,19 +226,22 @@ impl ColumnParallelLinear {
     /// the group: this member's output is its share of every section, in order. Each section
     /// must be a multiple of the group's size.
     pub fn sections(in_dim: usize, sections: &[usize], bias: bool, vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
-        let (p, r) = (tp.size(), tp.rank());
-        let mut ranges = Vec::with_capacity(sections.len());
-        let mut at = 0;
-        for &s in sections {
-            if !s.is_multiple_of(p) {
-                candle_core::bail!("{}: a section of {s} output features cannot be split over {p} ranks", vb.prefix());
-            }
-            ranges.push(at + r * s / p..at + (r + 1) * s / p);
-            at += s;
-        }
+        let ranges = section_ranges(&vb, sections, tp)?;
+        let at = sections.iter().sum();
         let w = pieces(&vb, "weight", &[at, in_dim], 0, ranges.clone(), weight_init(in_dim))?;
         let b = if bias { Some(pieces(&vb, "bias", &[at], 0, ranges, bias_init(in_dim))?) } else { None };
         Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true })
+    }
+
+    /// As [`ColumnParallelLinear::sections`] for a layer stored in Hugging Face's `Conv1D`
+    /// layout (GPT-2's `c_attn` with sections q, k and v, its `c_fc` with one): weight
+    /// `(in, out)`, so the piece is cut along dimension 1 of the stored tensor, and a bias.
+    pub fn conv1d(in_dim: usize, sections: &[usize], vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
+        let ranges = section_ranges(&vb, sections, tp)?;
+        let at = sections.iter().sum();
+        let w = pieces(&vb, "weight", &[in_dim, at], 1, ranges.clone(), weight_init(in_dim))?;
+        let b = pieces(&vb, "bias", &[at], 0, ranges, bias_init(in_dim))?;
+        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w.t()?, Some(b)), tp: tp.clone(), gather: false, even: true })
     }
 
     /// A language model's output layer `in_dim -> vocab`, without bias, its vocabulary split
@@ -285,6 +303,15 @@ impl RowParallelLinear {
         let w = piece(&vb, "weight", &[out_dim, in_dim], 1, range, weight_init(in_dim))?;
         let bias = if bias { Some(vb.get_with_hints(out_dim, "bias", bias_init(in_dim))?) } else { None };
         Ok(RowParallelLinear { weight: candle_nn::Linear::new(w, None), bias, tp: tp.clone(), scatter: false })
+    }
+
+    /// As [`RowParallelLinear::new`] for a layer stored in Hugging Face's `Conv1D` layout
+    /// (GPT-2's `c_proj`s): weight `(in, out)`, cut along dimension 0, and a bias.
+    pub fn conv1d(in_dim: usize, out_dim: usize, vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
+        let range = even(&vb.prefix(), "RowParallelLinear", in_dim, tp)?;
+        let w = piece(&vb, "weight", &[in_dim, out_dim], 0, range, weight_init(in_dim))?;
+        let bias = Some(vb.get_with_hints(out_dim, "bias", bias_init(in_dim))?);
+        Ok(RowParallelLinear { weight: candle_nn::Linear::new(w.t()?, None), bias, tp: tp.clone(), scatter: false })
     }
 
     /// The same layer taking the whole input, of which it keeps this member's features

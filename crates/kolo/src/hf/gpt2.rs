@@ -81,6 +81,17 @@ impl Gpt2Config {
         self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
     }
 
+    /// Each block's share of a forward pass, for cutting pipeline stages: its multiply-adds per
+    /// token (attention's projections and the MLP), the last block also the output layer's.
+    pub fn block_costs(&self) -> Vec<f64> {
+        let (e, inner) = (self.n_embd as f64, self.n_inner.unwrap_or(4 * self.n_embd) as f64);
+        let mut costs = vec![4.0 * e * e + 2.0 * e * inner; self.n_layer];
+        if let Some(last) = costs.last_mut() {
+            *last += e * self.vocab_size as f64;
+        }
+        costs
+    }
+
     fn check(&self) -> std::result::Result<(), String> {
         let flag = |k: &str| self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
         if let Some(t) = self.other.get("model_type").and_then(|v| v.as_str()).filter(|t| *t != "gpt2") {
@@ -118,33 +129,40 @@ impl Conv1d {
             bias: vb.get_with_hints(out, "bias", candle_nn::Init::Const(0.0))?,
         })
     }
+}
+
+impl Module for Conv1d {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         x.broadcast_matmul(&self.weight)?.broadcast_add(&self.bias)
     }
 }
 
+type Layer = Box<dyn Module + Send + Sync>;
+
 struct Block {
     ln_1: LayerNorm,
-    c_attn: Conv1d,
-    attn_proj: Conv1d,
+    c_attn: Layer,
+    attn_proj: Layer,
     ln_2: LayerNorm,
-    c_fc: Conv1d,
-    mlp_proj: Conv1d,
+    c_fc: Layer,
+    mlp_proj: Layer,
+    /// Heads on this rank (all of them, or this member's share).
+    heads: usize,
 }
 
 impl Block {
     /// `x` (batch, seq, n_embd) through attention and the MLP, each with its residual.
     fn forward(&self, x: &Tensor, mask: &Tensor, cfg: &Gpt2Config) -> candle_core::Result<Tensor> {
-        let (b, t, e) = x.dims3()?;
-        let nh = cfg.n_head;
-        let hd = e / nh;
+        let (b, t, _) = x.dims3()?;
+        let (nh, hd) = (self.heads, cfg.n_embd / cfg.n_head);
+        let w = nh * hd;
         let scale = if cfg.scale_attn_weights { 1.0 / (hd as f64).sqrt() } else { 1.0 };
         let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?;
-        let heads = |i: usize| qkv.narrow(D::Minus1, i * e, e)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
+        let heads = |i: usize| qkv.narrow(D::Minus1, i * w, w)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
         let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, e))?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
         let x = (x + self.attn_proj.forward(&y)?)?;
         let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
         let h = if cfg.activation_function == "gelu" { h.gelu_erf()? } else { h.gelu()? };
@@ -152,13 +170,27 @@ impl Block {
     }
 }
 
-/// GPT-2 with Hugging Face's parameter names (`GPT2LMHeadModel`), dropout left out.
+/// The token embedding: candle-nn's, or split by vocabulary over a tensor-parallel group.
+enum Gpt2Embedding {
+    Whole(Embedding),
+    Split(crate::tp::VocabParallelEmbedding),
+}
+
+/// GPT-2 with Hugging Face's parameter names (`GPT2LMHeadModel`), dropout left out: whole, or
+/// this rank's part of it (a pipeline stage's blocks, split over a tensor-parallel group).
 pub struct Gpt2 {
     cfg: Gpt2Config,
-    wte: Embedding,
-    wpe: Embedding,
+    /// The blocks this rank holds (all of them, or a pipeline stage's).
+    layers: std::ops::Range<usize>,
+    /// On the first stage, and (the tied output layer) on the last.
+    wte: Option<Gpt2Embedding>,
+    /// On the first stage.
+    wpe: Option<Embedding>,
     blocks: Vec<Block>,
-    ln_f: LayerNorm,
+    /// On the last stage.
+    ln_f: Option<LayerNorm>,
+    /// The tensor-parallel group the model is split over (`None`: whole).
+    tp: Option<crate::tp::TensorParallel>,
     /// What loading left unused (empty for a model not loaded from files).
     report: LoadReport,
 }
@@ -167,35 +199,98 @@ impl Gpt2 {
     /// Builds the model's variables through `vb` (under `transformer.`), randomly initialised
     /// as `transformers` does (normal 0.02, layer norms 1 and 0).
     pub fn new(cfg: &Gpt2Config, vb: VarBuilder) -> candle_core::Result<Gpt2> {
+        Self::new_stage(cfg, vb, None, 0..cfg.n_layer)
+    }
+
+    /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut
+    /// by [`Gpt2Config::block_costs`]), split over its `tp` group ([`Gpt2::new_stage`]). GPT-2
+    /// does not run on sequence chunks (`sp`). Train it with `Trainer::with_mesh`:
+    /// [`Gpt2::loss`], or [`Gpt2::pipeline_stage`] in a pipeline.
+    pub fn new_parallel(cfg: &Gpt2Config, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Gpt2> {
+        if mesh.sp().size() > 1 {
+            candle_core::bail!("GPT-2 over {} sequence-parallel ranks is not supported (a Llama-style model is)", mesh.sp().size());
+        }
+        let layers = crate::pp::stage_layers_by(&cfg.block_costs(), mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        Self::new_stage(cfg, vb, Some(mesh.tp()), layers)
+    }
+
+    /// Builds one pipeline stage of the model (`kolo::pp`): the blocks `layers` (their Hugging
+    /// Face names unchanged), the embeddings on the first stage and the final norm on the last,
+    /// split over `tp` when given (Megatron's layout: `c_attn` column-parallel by sections, so
+    /// each member holds its heads' q, k and v; `attn.c_proj` row-parallel; the MLP's `c_fc`
+    /// column- and `c_proj` row-parallel, all cut from the `Conv1D` layout's (in, out) tensors;
+    /// the token embedding by vocabulary; `wpe` and the layer norms whole). The output layer is
+    /// the token embedding: the last stage holds a copy of it, which the trainer keeps equal to
+    /// the first stage's (their gradients summed). The heads and the MLP width must be
+    /// multiples of the group's size.
+    pub fn new_stage(
+        cfg: &Gpt2Config,
+        vb: VarBuilder,
+        tp: Option<&crate::tp::TensorParallel>,
+        layers: std::ops::Range<usize>,
+    ) -> candle_core::Result<Gpt2> {
+        use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
         let vb = vb.pp("transformer");
-        let (e, inner) = (cfg.n_embd, cfg.n_inner.unwrap_or(4 * cfg.n_embd));
+        let tp = tp.filter(|t| t.size() > 1);
+        let p = tp.map_or(1, |t| t.size());
+        let (e, inner, n) = (cfg.n_embd, cfg.n_inner.unwrap_or(4 * cfg.n_embd), cfg.n_layer);
+        if !cfg.n_head.is_multiple_of(p) || !inner.is_multiple_of(p) {
+            candle_core::bail!(
+                "GPT-2 over {p} tensor-parallel ranks: n_head {} and the MLP width {inner} must each be a multiple of {p}",
+                cfg.n_head
+            );
+        }
+        if layers.start >= layers.end || layers.end > n {
+            candle_core::bail!("pipeline stage of layers {layers:?}: the model has {n}");
+        }
+        let col = |sections: &[usize], vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match tp {
+                Some(t) => Box::new(Col::conv1d(e, sections, vb, t)?),
+                None => Box::new(Conv1d::new(e, sections.iter().sum(), vb)?),
+            })
+        };
+        let row = |i: usize, vb: VarBuilder| -> candle_core::Result<Layer> {
+            Ok(match tp {
+                Some(t) => Box::new(Row::conv1d(i, e, vb, t)?),
+                None => Box::new(Conv1d::new(i, e, vb)?),
+            })
+        };
         let ln = |vb: VarBuilder| layer_norm(e, LayerNormConfig { eps: cfg.layer_norm_epsilon, ..Default::default() }, vb);
-        let mut blocks = Vec::with_capacity(cfg.n_layer);
-        for i in 0..cfg.n_layer {
+        let (first, last) = (layers.start == 0, layers.end == n);
+        let mut blocks = Vec::with_capacity(layers.len());
+        for i in layers.clone() {
             let b = vb.pp(format!("h.{i}"));
             blocks.push(Block {
                 ln_1: ln(b.pp("ln_1"))?,
-                c_attn: Conv1d::new(e, 3 * e, b.pp("attn.c_attn"))?,
-                attn_proj: Conv1d::new(e, e, b.pp("attn.c_proj"))?,
+                c_attn: col(&[e, e, e], b.pp("attn.c_attn"))?,
+                attn_proj: row(e, b.pp("attn.c_proj"))?,
                 ln_2: ln(b.pp("ln_2"))?,
-                c_fc: Conv1d::new(e, inner, b.pp("mlp.c_fc"))?,
-                mlp_proj: Conv1d::new(inner, e, b.pp("mlp.c_proj"))?,
+                c_fc: col(&[inner], b.pp("mlp.c_fc"))?,
+                mlp_proj: row(inner, b.pp("mlp.c_proj"))?,
+                heads: cfg.n_head / p,
             });
         }
+        let wte = match tp {
+            _ if !(first || last) => None,
+            Some(t) => Some(Gpt2Embedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, vb.pp("wte"), t)?)),
+            None => Some(Gpt2Embedding::Whole(embedding(cfg.vocab_size, e, vb.pp("wte"))?)),
+        };
         Ok(Gpt2 {
             cfg: cfg.clone(),
-            wte: embedding(cfg.vocab_size, e, vb.pp("wte"))?,
-            wpe: embedding(cfg.n_positions, e, vb.pp("wpe"))?,
+            layers,
+            wte,
+            wpe: if first { Some(embedding(cfg.n_positions, e, vb.pp("wpe"))?) } else { None },
             blocks,
-            ln_f: ln(vb.pp("ln_f"))?,
+            ln_f: if last { Some(ln(vb.pp("ln_f"))?) } else { None },
+            tp: tp.cloned(),
             report: LoadReport::default(),
         })
     }
 
-    /// The name prefix of each block (`transformer.h.{i}.`), in forward order: the ZeRO-3
-    /// groups for [`crate::Trainer::with_zero3_groups`].
+    /// The name prefix of each block this rank holds (`transformer.h.{i}.`), in forward order:
+    /// the ZeRO-3 groups for [`crate::Trainer::with_zero3_groups`].
     pub fn block_prefixes(&self) -> Vec<String> {
-        (0..self.cfg.n_layer).map(|i| format!("transformer.h.{i}.")).collect()
+        self.layers.clone().map(|i| format!("transformer.h.{i}.")).collect()
     }
 
     /// The configuration.
@@ -208,45 +303,131 @@ impl Gpt2 {
         &self.report
     }
 
-    /// Logits (batch, seq, vocab) for token ids (batch, seq).
+    /// Whether the checkpoint tensor `name` belongs to a part of the model another pipeline
+    /// stage holds, or is not a parameter (the tied output layer, old attention-mask buffers).
+    fn elsewhere(&self, name: &str) -> bool {
+        if name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") || name == "lm_head.weight" {
+            return true;
+        }
+        let name = name.strip_prefix("transformer.").unwrap_or(name);
+        if let Some(i) = name.strip_prefix("h.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok()) {
+            return !self.layers.contains(&i);
+        }
+        match name {
+            "wte.weight" => self.wte.is_none(),
+            "wpe.weight" => self.wpe.is_none(),
+            "ln_f.weight" | "ln_f.bias" => self.ln_f.is_none(),
+            _ => false,
+        }
+    }
+
+    /// Logits (batch, seq, vocab) for token ids (batch, seq). Split over a tensor-parallel
+    /// group, every member gets the whole logits (a collective; train with [`Gpt2::loss`]).
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let (_, t) = ids.dims2()?;
+        if self.layers != (0..self.cfg.n_layer) {
+            candle_core::bail!("this rank holds the pipeline stage of layers {:?}: run it with Gpt2::pipeline_stage", self.layers);
+        }
+        let logits = self.head(&self.blocks(&self.embed(ids)?)?)?;
+        match &self.tp {
+            Some(t) => crate::tp::gather_vocab(&logits, self.cfg.vocab_size, t),
+            None => Ok(logits),
+        }
+    }
+
+    /// The first stage's token and position embeddings of `ids` (batch, seq).
+    fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let t = ids.dim(1)?;
         if t > self.cfg.n_positions {
             candle_core::bail!("sequence of {t} tokens is longer than n_positions {}", self.cfg.n_positions);
         }
+        let (Some(wte), Some(wpe)) = (&self.wte, &self.wpe) else {
+            candle_core::bail!("the embeddings are on the first pipeline stage, not layers {:?}", self.layers);
+        };
         let pos = Tensor::arange(0u32, t as u32, ids.device())?;
-        let mut x = self.wte.forward(ids)?.broadcast_add(&self.wpe.forward(&pos)?)?;
+        let tokens = match wte {
+            Gpt2Embedding::Whole(e) => e.forward(ids)?,
+            Gpt2Embedding::Split(e) => e.forward(ids)?,
+        };
+        tokens.broadcast_add(&wpe.forward(&pos)?)
+    }
+
+    /// This rank's blocks on the hidden states `x` (batch, seq, n_embd).
+    fn blocks(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let t = x.dim(1)?;
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-        let mask = Tensor::from_vec(mask, (t, t), ids.device())?.to_dtype(x.dtype())?;
+        let mask = Tensor::from_vec(mask, (t, t), x.device())?.to_dtype(x.dtype())?;
+        let mut x = x.clone();
         for blk in &self.blocks {
             x = blk.forward(&x, &mask, &self.cfg)?;
         }
-        self.ln_f.forward(&x)?.broadcast_matmul(&self.wte.embeddings().t()?)
+        Ok(x)
     }
 
-    /// Mean next-token cross-entropy of `ids` (batch, seq): position i predicts token i + 1.
+    /// The last stage's final norm and the tied output layer: logits of this rank's vocabulary
+    /// range.
+    fn head(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let (Some(ln_f), Some(wte)) = (&self.ln_f, &self.wte) else {
+            candle_core::bail!("the output layer is on the last pipeline stage, not layers {:?}", self.layers);
+        };
+        let x = ln_f.forward(x)?;
+        match wte {
+            Gpt2Embedding::Whole(e) => x.broadcast_matmul(&e.embeddings().t()?),
+            Gpt2Embedding::Split(e) => e.tied_logits(&x),
+        }
+    }
+
+    /// This rank's pipeline stage (`kolo::pp::Pipeline::step`'s closure) on the micro-batch
+    /// `windows` (batch, seq + 1) of token ids: the first stage embeds `windows[:, ..seq]`, the
+    /// others take the previous stage's hidden states `input` (batch, seq, n_embd); the last
+    /// stage returns the mean next-token cross-entropy against `windows[:, 1..]`
+    /// (vocabulary-parallel when split), the others their hidden states.
+    pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
+        let t = windows.dim(1)? - 1;
+        let x = match input {
+            Some(x) => x.clone(),
+            None => self.embed(&windows.narrow(1, 0, t)?)?,
+        };
+        let x = self.blocks(&x)?;
+        if self.ln_f.is_none() {
+            return Ok(x);
+        }
+        let logits = self.head(&x)?;
+        let targets = windows.narrow(1, 1, t)?;
+        match &self.tp {
+            Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, self.cfg.vocab_size, tp),
+            None => candle_nn::loss::cross_entropy(&logits.reshape(((), self.cfg.vocab_size))?, &targets.flatten_all()?),
+        }
+    }
+
+    /// Mean next-token cross-entropy of `ids` (batch, seq): position i predicts token i + 1;
+    /// split over a tensor-parallel group, the vocabulary-parallel cross-entropy.
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        next_token_loss(ids, |x| self.forward(x))
+        self.pipeline_stage(None, ids)
     }
-}
-
-/// Mean cross-entropy of predicting token i + 1 of each row of `ids` (batch, seq) from the
-/// logits `forward` gives for tokens 0..seq - 1.
-pub(super) fn next_token_loss(ids: &Tensor, forward: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> candle_core::Result<Tensor> {
-    let t = ids.dim(1)?;
-    let logits = forward(&ids.narrow(1, 0, t - 1)?)?;
-    let v = logits.dim(D::Minus1)?;
-    candle_nn::loss::cross_entropy(&logits.reshape(((), v))?, &ids.narrow(1, 1, t - 1)?.flatten_all()?)
 }
 
 /// Builds a GPT-2 from `dir` (`config.json`, `model.safetensors`) into a new VarMap on `device`.
 pub fn load_gpt2(dir: &Path, device: &Device) -> Result<(VarMap, Gpt2)> {
+    load_gpt2_stage(dir, device, None, None)
+}
+
+/// Builds this rank's part of the GPT-2 in `dir`: split over `tp` when given, or its part for
+/// `mesh` ([`Gpt2::new_parallel`]); each rank reads only its pieces of the checkpoint.
+pub(super) fn load_gpt2_stage(
+    dir: &Path,
+    device: &Device,
+    tp: Option<&crate::tp::TensorParallel>,
+    mesh: Option<&crate::Mesh>,
+) -> Result<(VarMap, Gpt2)> {
     let cfg = Gpt2Config::load(dir)?;
     let varmap = VarMap::new();
-    let mut model = Gpt2::new(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device))?;
-    // Older checkpoints keep the attention mask as buffers, and the output projection is tied.
-    let buffer = |n: &str| n.ends_with(".attn.bias") || n.ends_with(".attn.masked_bias") || n == "lm_head.weight";
-    let unused_tensors = Weights::open(dir)?.fill(&varmap, &buffer)?;
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let mut model = match mesh {
+        Some(m) => Gpt2::new_parallel(&cfg, vb, m),
+        None => Gpt2::new_stage(&cfg, vb, tp, 0..cfg.n_layer),
+    }
+    .map_err(|e| Error::file(dir.join("config.json"), e))?;
+    let unused_tensors = Weights::open(dir)?.fill(&varmap, &|n| model.elsewhere(n))?;
     model.report = LoadReport { unused_tensors, unknown_keys: cfg.unknown_keys() };
     Ok((varmap, model))
 }

@@ -134,9 +134,10 @@ impl CausalLm {
     /// This rank's pipeline stage on the micro-batch `windows` ([`Llama::pipeline_stage`]).
     pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
         match self {
-            CausalLm::Gpt2(_) | CausalLm::GptNeox(_) => {
-                candle_core::bail!("GPT-2 and GPT-NeoX in pipeline stages are not supported yet (a Llama-style model is)")
+            CausalLm::GptNeox(_) => {
+                candle_core::bail!("GPT-NeoX in pipeline stages is not supported yet (GPT-2 and a Llama-style model are)")
             }
+            CausalLm::Gpt2(m) => m.pipeline_stage(input, windows),
             CausalLm::Llama(m) => m.pipeline_stage(input, windows),
         }
     }
@@ -152,8 +153,9 @@ impl CausalLm {
 
 /// Loads this rank's part of the causal language model in `dir` for `mesh`
 /// ([`Llama::new_parallel`]: a Llama-style model's blocks of this rank's pipeline stage, split
-/// over the mesh's `tp` group, on its `sp` chunk of each sequence); each rank reads only its
-/// pieces of the checkpoint. GPT-2 takes none of these yet. Train it with `Trainer::with_mesh`,
+/// over the mesh's `tp` group, on its `sp` chunk of each sequence; [`Gpt2::new_parallel`]: the
+/// same without `sp`; GPT-NeoX over `tp` only); each rank reads only its pieces of the
+/// checkpoint. Train it with `Trainer::with_mesh`,
 /// a pipeline's stages with [`CausalLm::pipeline_stage`]; `Mesh::whole_varmap` puts it together
 /// for an export.
 pub fn load_causal_lm_parallel(dir: &Path, device: &Device, mesh: &crate::Mesh) -> Result<(VarMap, CausalLm)> {
@@ -170,7 +172,7 @@ pub fn load_causal_lm(dir: &Path, device: &Device) -> Result<(VarMap, CausalLm)>
 }
 
 /// As [`load_causal_lm`], split over the tensor-parallel group `tp` when it has more than one
-/// rank (a Llama-style model, [`Llama::new_split`]; GPT-2 is not split yet): each rank keeps
+/// rank ([`Llama::new_split`], [`Gpt2::new_stage`], [`GptNeox::new_split`]): each rank keeps
 /// its pieces. Train it with `Trainer::with_mesh`; `Mesh::whole_varmap` gathers it for an export.
 pub fn load_causal_lm_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, CausalLm)> {
     load(dir, device, tp, None)
@@ -183,16 +185,7 @@ fn load(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>, mes
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
     let (varmap, model) = match v.get("model_type").and_then(|t| t.as_str()) {
-        Some("gpt2") if tp.is_some() => {
-            return Err(Error::file(
-                &path,
-                "GPT-2 under tensor parallelism is not supported yet (a Llama-style model is; GPT-2 trains under DDP and ZeRO)",
-            ))
-        }
-        Some("gpt2") if mesh.is_some() => {
-            return Err(Error::file(&path, "GPT-2 in pipeline stages or sequence chunks is not supported yet (a Llama-style model is)"))
-        }
-        Some("gpt2") => load_gpt2(dir, device).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
+        Some("gpt2") => gpt2::load_gpt2_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
         Some("gpt_neox") if mesh.is_some() => {
             return Err(Error::file(
                 &path,

@@ -233,7 +233,7 @@ fn hugging_face_llama_loads_with_transformers_logits_trains_and_saves_back() {
 
 /// Splitting a Hugging Face model over a tensor-parallel group it does not fit is a one-line
 /// error naming the numbers: the tiny Llama's 4 query and 2 key/value heads over 3 ranks, and
-/// GPT-2 (not split yet) over 2. In-process groups of threads (`LocalComm`); each rank checks.
+/// GPT-2's 4 heads over 3. In-process groups of threads (`LocalComm`); each rank checks.
 #[test]
 fn hugging_face_models_that_do_not_split_are_named() {
     use kolo_comm::{Communicator, LocalComm};
@@ -243,7 +243,11 @@ fn hugging_face_models_that_do_not_split_are_named() {
             kolo_testkit::files::hf_llama_tiny(),
             "num_attention_heads 4, num_key_value_heads 2 and intermediate_size 80 must each be a multiple of 3",
         ),
-        (2, kolo_testkit::files::hf_gpt2_tiny(), "GPT-2 under tensor parallelism is not supported yet"),
+        (
+            3,
+            kolo_testkit::files::hf_gpt2_tiny(),
+            "GPT-2 over 3 tensor-parallel ranks: n_head 4 and the MLP width 192 must each be a multiple of 3",
+        ),
         (
             3,
             kolo_testkit::files::hf_tiny("neox"),
