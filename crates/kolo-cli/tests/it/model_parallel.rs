@@ -480,14 +480,23 @@ fn a_tied_output_layer_spans_pipeline_stages() {
 
 /// GPT-NeoX split over a tensor-parallel group (its head-by-head `query_key_value` and the MLP's
 /// first layer column-parallel, `dense` and the MLP's second row-parallel, embedding and
-/// `embed_out` by vocabulary) fine-tuned for 6 steps exports the tensors of one process within
-/// 2e-5: tp 2 and dp 2 x tp 2 with SGD, and tp 2 with the norm clipped to 0.05.
+/// `embed_out` by vocabulary) and cut into pipeline stages fine-tuned for 6 steps exports the
+/// tensors of one process within 2e-5: tp 2, dp 2 x tp 2, pp 2 (1F1B over 2 micro-batches) and
+/// pp 2 x tp 2 with SGD, and tp 2 with the norm clipped to 0.05.
 #[test]
-fn gpt_neox_under_tensor_parallelism_matches_one_process() {
+fn gpt_neox_under_tensor_and_pipeline_parallelism_matches_one_process() {
     let dir = fresh_dir("hf-neox-tp");
     let model = kolo_testkit::files::hf_tiny("neox");
     for (run, cases) in [
-        ("--optim sgd --lr 0.05 --clip none", vec![(2, "--batch 4 --tp 2"), (4, "--batch 2 --tp 2")]),
+        (
+            "--optim sgd --lr 0.05 --clip none",
+            vec![
+                (2, "--batch 4 --tp 2"),
+                (4, "--batch 2 --tp 2"),
+                (2, "--batch 4 --pp 2 --micro 2"),
+                (4, "--batch 4 --tp 2 --pp 2 --micro 2"),
+            ],
+        ),
         ("--optim sgd --lr 0.05 --clip 0.05", vec![(2, "--batch 4 --tp 2")]),
     ] {
         let (one, _) = hf_model(&model, 1, &format!("{run} --batch 4"), &dir.join("one"));

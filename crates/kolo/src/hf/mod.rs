@@ -134,9 +134,7 @@ impl CausalLm {
     /// This rank's pipeline stage on the micro-batch `windows` ([`Llama::pipeline_stage`]).
     pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
         match self {
-            CausalLm::GptNeox(_) => {
-                candle_core::bail!("GPT-NeoX in pipeline stages is not supported yet (GPT-2 and a Llama-style model are)")
-            }
+            CausalLm::GptNeox(m) => m.pipeline_stage(input, windows),
             CausalLm::Gpt2(m) => m.pipeline_stage(input, windows),
             CausalLm::Llama(m) => m.pipeline_stage(input, windows),
         }
@@ -153,8 +151,8 @@ impl CausalLm {
 
 /// Loads this rank's part of the causal language model in `dir` for `mesh`
 /// ([`Llama::new_parallel`]: a Llama-style model's blocks of this rank's pipeline stage, split
-/// over the mesh's `tp` group, on its `sp` chunk of each sequence; [`Gpt2::new_parallel`]: the
-/// same without `sp`; GPT-NeoX over `tp` only); each rank reads only its pieces of the
+/// over the mesh's `tp` group, on its `sp` chunk of each sequence; [`Gpt2::new_parallel`] and
+/// [`GptNeox::new_parallel`]: the same without `sp`); each rank reads only its pieces of the
 /// checkpoint. Train it with `Trainer::with_mesh`,
 /// a pipeline's stages with [`CausalLm::pipeline_stage`]; `Mesh::whole_varmap` puts it together
 /// for an export.
@@ -186,13 +184,7 @@ fn load(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>, mes
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
     let (varmap, model) = match v.get("model_type").and_then(|t| t.as_str()) {
         Some("gpt2") => gpt2::load_gpt2_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
-        Some("gpt_neox") if mesh.is_some() => {
-            return Err(Error::file(
-                &path,
-                "GPT-NeoX in pipeline stages or sequence chunks is not supported yet (it trains under DDP, ZeRO and tensor parallelism)",
-            ))
-        }
-        Some("gpt_neox") => neox::load_neox_split(dir, device, tp).map(|(v, m)| (v, CausalLm::GptNeox(m)))?,
+        Some("gpt_neox") => neox::load_neox_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::GptNeox(m)))?,
         Some(t) if llama::FAMILY.contains(&t) => load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?,
         Some(t) => {
             return Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, gpt_neox, {})", llama::FAMILY.join(", "))))

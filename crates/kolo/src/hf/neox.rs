@@ -102,6 +102,17 @@ impl NeoxConfig {
         p
     }
 
+    /// Each block's share of a forward pass, for cutting pipeline stages: its multiply-adds per
+    /// token (attention's projections and the MLP), the last block also the output layer's.
+    pub fn block_costs(&self) -> Vec<f64> {
+        let (e, inter) = (self.hidden_size as f64, self.intermediate_size as f64);
+        let mut costs = vec![4.0 * e * e + 2.0 * e * inter; self.num_hidden_layers];
+        if let Some(last) = costs.last_mut() {
+            *last += e * self.vocab_size as f64;
+        }
+        costs
+    }
+
     /// Width of a head.
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads.max(1)
@@ -171,9 +182,14 @@ impl NeoxBlock {
 /// ...), dropout left out.
 pub struct GptNeox {
     cfg: NeoxConfig,
-    embed: NeoxEmbedding,
+    /// The blocks this rank holds (all of them, or a pipeline stage's).
+    layers: std::ops::Range<usize>,
+    /// On the first stage (and, tied as the output layer, on the last).
+    embed: Option<NeoxEmbedding>,
     blocks: Vec<NeoxBlock>,
-    norm: LayerNorm,
+    /// On the last stage.
+    norm: Option<LayerNorm>,
+    /// On the last stage, unless tied to the embedding.
     lm_head: Option<Layer>,
     /// The tensor-parallel group the model is split over (`None`: whole).
     tp: Option<crate::tp::TensorParallel>,
@@ -194,12 +210,37 @@ impl GptNeox {
         Self::new_split(cfg, vb, None)
     }
 
+    /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut
+    /// by [`NeoxConfig::block_costs`]), split over its `tp` group ([`GptNeox::new_stage`]).
+    /// GPT-NeoX does not run on sequence chunks (`sp`). Train it with `Trainer::with_mesh`:
+    /// [`GptNeox::loss`], or [`GptNeox::pipeline_stage`] in a pipeline.
+    pub fn new_parallel(cfg: &NeoxConfig, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<GptNeox> {
+        if mesh.sp().size() > 1 {
+            candle_core::bail!("GPT-NeoX over {} sequence-parallel ranks is not supported (a Llama-style model is)", mesh.sp().size());
+        }
+        let layers = crate::pp::stage_layers_by(&cfg.block_costs(), mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        Self::new_stage(cfg, vb, Some(mesh.tp()), layers)
+    }
+
     /// Builds the model split over the tensor-parallel group `tp` when given (Megatron's layout):
     /// `query_key_value` column-parallel (its rows are laid out head by head, so each member's
     /// rows are its heads' q, k and v), `dense` row-parallel, the MLP's `dense_h_to_4h` column-
     /// and `dense_4h_to_h` row-parallel, the embedding and `embed_out` by vocabulary; the layer
     /// norms whole. The heads and MLP width must be multiples of the group's size.
     pub fn new_split(cfg: &NeoxConfig, vb: VarBuilder, tp: Option<&crate::tp::TensorParallel>) -> candle_core::Result<GptNeox> {
+        Self::new_stage(cfg, vb, tp, 0..cfg.num_hidden_layers)
+    }
+
+    /// Builds one pipeline stage of the model (`kolo::pp`): the blocks `layers` (their Hugging
+    /// Face names unchanged), the embedding on the first stage and the final norm and output
+    /// layer on the last (a tied output layer: a copy of the embedding there, kept equal to the
+    /// first stage's by the trainer), split over `tp` when given ([`GptNeox::new_split`]).
+    pub fn new_stage(
+        cfg: &NeoxConfig,
+        vb: VarBuilder,
+        tp: Option<&crate::tp::TensorParallel>,
+        layers: std::ops::Range<usize>,
+    ) -> candle_core::Result<GptNeox> {
         use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
         let tp = tp.filter(|t| t.size() > 1);
         let p = tp.map_or(1, |t| t.size());
@@ -209,6 +250,10 @@ impl GptNeox {
                 "GPT-NeoX over {p} tensor-parallel ranks: num_attention_heads {h} and intermediate_size {inter} must each be a multiple of {p}"
             );
         }
+        if layers.start >= layers.end || layers.end > cfg.num_hidden_layers {
+            candle_core::bail!("pipeline stage of layers {layers:?}: the model has {}", cfg.num_hidden_layers);
+        }
+        let (first, last) = (layers.start == 0, layers.end == cfg.num_hidden_layers);
         let col = |i: usize, o: usize, vb: VarBuilder| -> candle_core::Result<Layer> {
             Ok(match tp {
                 Some(t) => Box::new(Col::new(i, o, true, vb, t)?),
@@ -223,8 +268,8 @@ impl GptNeox {
         };
         let ln = |vb: VarBuilder| layer_norm(e, LayerNormConfig { eps: cfg.layer_norm_eps, ..Default::default() }, vb);
         let m = vb.pp("gpt_neox");
-        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
+        let mut blocks = Vec::with_capacity(layers.len());
+        for i in layers.clone() {
             let b = m.pp(format!("layers.{i}"));
             blocks.push(NeoxBlock {
                 input_norm: ln(b.pp("input_layernorm"))?,
@@ -242,13 +287,15 @@ impl GptNeox {
         let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, r / 2), vb.device());
         Ok(GptNeox {
             cfg: cfg.clone(),
+            layers,
             embed: match tp {
-                Some(t) => NeoxEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_in"), t)?),
-                None => NeoxEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_in"))?),
+                _ if !(first || last && cfg.tie_word_embeddings) => None,
+                Some(t) => Some(NeoxEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_in"), t)?)),
+                None => Some(NeoxEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_in"))?)),
             },
             blocks,
-            norm: ln(m.pp("final_layer_norm"))?,
-            lm_head: match (cfg.tie_word_embeddings, tp) {
+            norm: if last { Some(ln(m.pp("final_layer_norm"))?) } else { None },
+            lm_head: match (cfg.tie_word_embeddings || !last, tp) {
                 (true, _) => None,
                 (false, Some(t)) => Some(Box::new(Col::lm_head(e, cfg.vocab_size, vb.pp("embed_out"), t)?)),
                 (false, None) => Some(Box::new(linear_no_bias(e, cfg.vocab_size, vb.pp("embed_out"))?)),
@@ -270,75 +317,135 @@ impl GptNeox {
         &self.report
     }
 
-    /// The name prefix of each block (`gpt_neox.layers.{i}.`), in forward order: the ZeRO-3 groups.
+    /// The name prefix of each block this rank holds (`gpt_neox.layers.{i}.`), in forward
+    /// order: the ZeRO-3 groups.
     pub fn block_prefixes(&self) -> Vec<String> {
-        (0..self.cfg.num_hidden_layers).map(|i| format!("gpt_neox.layers.{i}.")).collect()
+        self.layers.clone().map(|i| format!("gpt_neox.layers.{i}.")).collect()
+    }
+
+    /// Whether the checkpoint tensor `name` belongs to a part of the model another pipeline
+    /// stage holds, or is not a parameter (a tied output layer, the rotary tables).
+    fn elsewhere(&self, name: &str) -> bool {
+        let last = self.layers.end == self.cfg.num_hidden_layers;
+        if name.ends_with(".rotary_emb.inv_freq") || (self.cfg.tie_word_embeddings && name == "embed_out.weight") {
+            return true;
+        }
+        if let Some(i) = name.strip_prefix("gpt_neox.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok()) {
+            return !self.layers.contains(&i);
+        }
+        match name {
+            "gpt_neox.embed_in.weight" => self.embed.is_none(),
+            "gpt_neox.final_layer_norm.weight" | "gpt_neox.final_layer_norm.bias" | "embed_out.weight" => !last,
+            _ => false,
+        }
     }
 
     /// Logits (batch, seq, vocab) for token ids (batch, seq). Split over a tensor-parallel
     /// group, every member gets the whole logits (a collective; train with [`GptNeox::loss`]).
     pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let logits = self.local_logits(ids)?;
+        if self.layers != (0..self.cfg.num_hidden_layers) {
+            candle_core::bail!("this rank holds the pipeline stage of layers {:?}: run it with GptNeox::pipeline_stage", self.layers);
+        }
+        let logits = self.head(&self.blocks(&self.embed(ids)?)?)?;
         match &self.tp {
             Some(t) => crate::tp::gather_vocab(&logits, self.cfg.vocab_size, t),
             None => Ok(logits),
         }
     }
 
-    /// Logits (batch, seq, this rank's vocabulary range: all of it when the model is whole).
-    fn local_logits(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let t = ids.dim(1)?;
+    /// The first stage's token embedding of `ids` (batch, seq).
+    fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.embed {
+            _ if self.layers.start != 0 => candle_core::bail!("the embedding is on the first pipeline stage, not layers {:?}", self.layers),
+            Some(NeoxEmbedding::Whole(e)) => e.forward(ids),
+            Some(NeoxEmbedding::Split(e)) => e.forward(ids),
+            None => candle_core::bail!("no embedding on the first stage"),
+        }
+    }
+
+    /// This rank's blocks on the hidden states `x` (batch, seq, hidden).
+    fn blocks(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let t = x.dim(1)?;
         if t > self.cfg.max_position_embeddings {
             candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
         }
         let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
         let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-        let mask = Tensor::from_vec(mask, (t, t), ids.device())?;
-        let mut x = match &self.embed {
-            NeoxEmbedding::Whole(e) => e.forward(ids)?,
-            NeoxEmbedding::Split(e) => e.forward(ids)?,
-        };
+        let mask = Tensor::from_vec(mask, (t, t), x.device())?;
+        let mut x = x.clone();
         for blk in &self.blocks {
             x = blk.forward(&x, (&cos, &sin, &mask), &self.cfg)?;
         }
-        let x = self.norm.forward(&x)?;
+        Ok(x)
+    }
+
+    /// The last stage's final norm and output layer: logits of this rank's vocabulary range.
+    fn head(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let Some(norm) = &self.norm else {
+            candle_core::bail!("the output layer is on the last pipeline stage, not layers {:?}", self.layers);
+        };
+        let x = norm.forward(x)?;
         match (&self.lm_head, &self.embed) {
             (Some(l), _) => l.forward(&x),
-            (None, NeoxEmbedding::Whole(e)) => x.broadcast_matmul(&e.embeddings().t()?),
-            (None, NeoxEmbedding::Split(e)) => e.tied_logits(&x),
+            (None, Some(NeoxEmbedding::Whole(e))) => x.broadcast_matmul(&e.embeddings().t()?),
+            (None, Some(NeoxEmbedding::Split(e))) => e.tied_logits(&x),
+            (None, None) => candle_core::bail!("a tied output layer without its embedding"),
+        }
+    }
+
+    /// This rank's pipeline stage (`kolo::pp::Pipeline::step`'s closure) on the micro-batch
+    /// `windows` (batch, seq + 1) of token ids: the first stage embeds `windows[:, ..seq]`, the
+    /// others take the previous stage's hidden states `input` (batch, seq, hidden); the last
+    /// stage returns the mean next-token cross-entropy against `windows[:, 1..]`
+    /// (vocabulary-parallel when split), the others their hidden states.
+    pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
+        let t = windows.dim(1)? - 1;
+        let x = match input {
+            Some(x) => x.clone(),
+            None => self.embed(&windows.narrow(1, 0, t)?)?,
+        };
+        let x = self.blocks(&x)?;
+        if self.norm.is_none() {
+            return Ok(x);
+        }
+        let logits = self.head(&x)?;
+        let targets = windows.narrow(1, 1, t)?;
+        match &self.tp {
+            Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, self.cfg.vocab_size, tp),
+            None => candle_nn::loss::cross_entropy(&logits.reshape(((), self.cfg.vocab_size))?, &targets.flatten_all()?),
         }
     }
 
     /// Mean next-token cross-entropy of `ids` (batch, seq); split over a tensor-parallel group,
     /// the vocabulary-parallel cross-entropy (the logits are never gathered).
     pub fn loss(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
-        let t = ids.dim(1)?;
-        let logits = self.local_logits(&ids.narrow(1, 0, t - 1)?)?;
-        let targets = ids.narrow(1, 1, t - 1)?;
-        match &self.tp {
-            Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, self.cfg.vocab_size, tp),
-            None => candle_nn::loss::cross_entropy(&logits.reshape(((), self.cfg.vocab_size))?, &targets.flatten_all()?),
-        }
+        self.pipeline_stage(None, ids)
     }
 }
 
 /// Builds a GPT-NeoX from `dir` into a new VarMap on `device` (its output layer is
 /// `embed_out.weight`, as checkpoints and `transformers` name it).
 pub fn load_neox(dir: &Path, device: &Device) -> Result<(VarMap, GptNeox)> {
-    load_neox_split(dir, device, None)
+    load_neox_stage(dir, device, None, None)
 }
 
-/// As [`load_neox`], split over `tp` when given ([`GptNeox::new_split`]): each rank reads only
-/// its pieces of the checkpoint's tensors.
-pub(super) fn load_neox_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, GptNeox)> {
+/// As [`load_neox`], split over `tp` when given ([`GptNeox::new_split`]), or this rank's part
+/// for `mesh` ([`GptNeox::new_parallel`]): each rank reads only its pieces of the checkpoint.
+pub(super) fn load_neox_stage(
+    dir: &Path,
+    device: &Device,
+    tp: Option<&crate::tp::TensorParallel>,
+    mesh: Option<&crate::Mesh>,
+) -> Result<(VarMap, GptNeox)> {
     let cfg = NeoxConfig::load(dir)?;
     let varmap = VarMap::new();
-    let mut model = GptNeox::new_split(&cfg, VarBuilder::from_varmap(&varmap, DType::F32, device), tp)
-        .map_err(|e| Error::file(dir.join("config.json"), e))?;
-    let weights = Weights::open(dir)?;
-    // A tied output layer is the embedding; the rotary tables are buffers.
-    let skip = |n: &str| (cfg.tie_word_embeddings && n == "embed_out.weight") || n.ends_with(".rotary_emb.inv_freq");
-    let unused_tensors = weights.fill(&varmap, &skip)?;
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let mut model = match mesh {
+        Some(m) => GptNeox::new_parallel(&cfg, vb, m),
+        None => GptNeox::new_split(&cfg, vb, tp),
+    }
+    .map_err(|e| Error::file(dir.join("config.json"), e))?;
+    let unused_tensors = Weights::open(dir)?.fill(&varmap, &|n| model.elsewhere(n))?;
     model.report = LoadReport { unused_tensors, unknown_keys: cfg.unknown_keys() };
     Ok((varmap, model))
 }
