@@ -28,6 +28,7 @@
 
 pub mod data;
 pub mod dist;
+pub mod ep;
 mod error;
 #[cfg(feature = "hf")]
 pub mod hf;

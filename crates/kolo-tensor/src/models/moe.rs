@@ -195,16 +195,16 @@ impl CustomOp1 for AllToAllRows {
     }
 }
 
-fn u32s(v: impl IntoIterator<Item = usize>) -> Result<Tensor> {
+fn u32s(v: impl IntoIterator<Item = usize>, device: &Device) -> Result<Tensor> {
     let v: Vec<u32> = v.into_iter().map(|x| x as u32).collect();
     let n = v.len();
-    Ok(Tensor::from_vec(v, n, &Device::Cpu)?)
+    Ok(Tensor::from_vec(v, n, device)?)
 }
 
 /// The MoE feed-forward of one block on `hdn` (b, t, c): `gate` (experts, c) and this rank's
-/// experts `local` (each fc weight, fc bias, fc_out weight, fc_out bias), the first of which is
-/// expert `first`. Returns the layer's output (b, t, c), its auxiliary loss (a scalar, already
-/// weighted) and the routing.
+/// experts `local` (each fc weight, fc bias, fc_out weight, fc_out bias): the built-in GPT's
+/// experts through [`moe_layer`]. Returns the layer's output (b, t, c), its auxiliary loss (a
+/// scalar, already weighted) and the routing.
 pub(crate) fn moe_forward(
     hdn: &Tensor,
     gate: &Tensor,
@@ -213,21 +213,46 @@ pub(crate) fn moe_forward(
     ex: Option<&Arc<dyn Exchange>>,
 ) -> Result<(Tensor, Tensor, Routing)> {
     let (b, t, c) = hdn.dims3()?;
-    let n = b * t;
+    let expert = |l: usize, x: &Tensor| -> Result<Tensor> {
+        let ps = &local[l];
+        let h = crate::fused::gelu_erf(&crate::ops::linear(x, &ps[0], &ps[1])?)?;
+        crate::ops::linear(&h, &ps[2], &ps[3])
+    };
+    let (out, aux, routing) = moe_layer(&hdn.reshape((b * t, c))?, gate, local.len(), &expert, cfg, ex)?;
+    Ok((out.reshape((b, t, c))?, aux, routing))
+}
+
+/// One mixture-of-experts layer on the tokens `x` (n, c), the routing group of this rank:
+/// `gate` (experts, c) scores them (softmax), each token goes to its top-k experts within their
+/// capacity ([`route`]), `local` experts live on this rank (the whole layer's experts dealt out
+/// in equal consecutive runs over the exchange's members; all of them without one) and
+/// `expert(l, rows)` applies this rank's `l`-th expert to the rows sent to it (from every member,
+/// through a differentiable all-to-all), and the outputs come back weighted by the gate.
+/// Returns the output (n, c), the auxiliary load-balancing loss (a scalar, already weighted)
+/// and the routing.
+pub fn moe_layer(
+    x: &Tensor,
+    gate: &Tensor,
+    local: usize,
+    expert: &dyn Fn(usize, &Tensor) -> Result<Tensor>,
+    cfg: &MoeConfig,
+    ex: Option<&Arc<dyn Exchange>>,
+) -> Result<(Tensor, Tensor, Routing)> {
+    let (n, c) = x.dims2()?;
     let e = cfg.experts;
     let k = cfg.top_k;
-    let x = hdn.reshape((n, c))?;
+    let device = x.device().clone();
     let probs = crate::ops::softmax_last(&x.matmul(&gate.t()?)?)?;
     let flat_probs = probs.flatten_all()?;
     let pv = flat_probs.to_vec1::<f32>()?;
     let routing = route(&pv, n, e, k, capacity(n, e, k, cfg.capacity_factor));
-    let tokens = u32s(routing.kept.iter().map(|&(tok, _)| tok))?;
+    let tokens = u32s(routing.kept.iter().map(|&(tok, _)| tok), &device)?;
     // Combine weights: the gate probability of each kept assignment (GShard: divided by the
     // sum over the token's top-k).
-    let mut w = flat_probs.index_select(&u32s(routing.kept.iter().map(|&(tok, x)| tok * e + x))?, 0)?;
+    let mut w = flat_probs.index_select(&u32s(routing.kept.iter().map(|&(tok, x)| tok * e + x), &device)?, 0)?;
     if k > 1 {
         let top = flat_probs
-            .index_select(&u32s(routing.choices.iter().enumerate().map(|(i, &x)| (i / k) * e + x))?, 0)?
+            .index_select(&u32s(routing.choices.iter().enumerate().map(|(i, &x)| (i / k) * e + x), &device)?, 0)?
             .reshape((n, k))?
             .sum(1)?;
         w = (w / top.index_select(&tokens, 0)?)?;
@@ -235,8 +260,8 @@ pub(crate) fn moe_forward(
     let dispatched = x.index_select(&tokens, 0)?;
     let p = ex.map_or(1, |g| g.size());
     let el = e / p;
-    if local.len() != el {
-        return Err(TensorError::Input(format!("{} local experts, expected {el} ({e} over {p} ranks)", local.len())));
+    if local != el {
+        return Err(TensorError::Input(format!("{local} local experts, expected {el} ({e} over {p} ranks)")));
     }
     // Rows per (source, local expert) this rank receives.
     let (recv, per_source): (Tensor, Vec<Vec<usize>>) = match ex {
@@ -263,14 +288,13 @@ pub(crate) fn moe_forward(
         }
     }
     let mut outs = Vec::with_capacity(el);
-    for (l, ps) in local.iter().enumerate() {
+    for (l, rows) in rows_of.iter().enumerate() {
         let xl = if p == 1 {
-            recv.narrow(0, rows_of[l].first().copied().unwrap_or(0), rows_of[l].len())?
+            recv.narrow(0, rows.first().copied().unwrap_or(0), rows.len())?
         } else {
-            recv.index_select(&u32s(rows_of[l].iter().copied())?, 0)?
+            recv.index_select(&u32s(rows.iter().copied(), &device)?, 0)?
         };
-        let h = crate::fused::gelu_erf(&crate::ops::linear(&xl, &ps[0], &ps[1])?)?;
-        outs.push(crate::ops::linear(&h, &ps[2], &ps[3])?);
+        outs.push(expert(l, &xl)?);
     }
     let mut y = Tensor::cat(&outs, 0)?;
     if p > 1 {
@@ -279,7 +303,7 @@ pub(crate) fn moe_forward(
         for (pos, &row) in rows_of.iter().flatten().enumerate() {
             inverse[row] = pos;
         }
-        y = y.index_select(&u32s(inverse)?, 0)?;
+        y = y.index_select(&u32s(inverse, &device)?, 0)?;
     }
     let back = match ex {
         Some(g) if p > 1 => {
@@ -290,13 +314,13 @@ pub(crate) fn moe_forward(
         _ => y,
     };
     let weighted = back.broadcast_mul(&w.unsqueeze(1)?)?;
-    let out = Tensor::zeros((n, c), DType::F32, &Device::Cpu)?.index_add(&tokens, &weighted, 0)?.reshape((b, t, c))?;
+    let out = Tensor::zeros((n, c), DType::F32, &device)?.index_add(&tokens, &weighted, 0)?;
     // Auxiliary load-balancing loss.
     let mut f = vec![0f32; e];
     for tok in 0..n {
         f[routing.choices[tok * k]] += 1.0 / n as f32;
     }
-    let f = Tensor::from_vec(f, e, &Device::Cpu)?;
+    let f = Tensor::from_vec(f, e, &device)?;
     let aux = (probs.mean(0)?.mul(&f)?.sum_all()? * (cfg.aux_weight * e as f64))?;
     Ok((out, aux, routing))
 }

@@ -868,3 +868,4 @@ fn a_non_finite_step_is_skipped_by_the_library_when_asked() {
     let e = t.step(|| m.loss(&x, &y)? * f64::NAN).unwrap_err().to_string();
     assert!(e.contains("the run diverged"), "{e}");
 }
+mod ep;

@@ -1,0 +1,139 @@
+//! Expert parallelism for your own candle model: a mixture-of-experts layer ([`MoeLayer`]) whose
+//! experts are your own candle modules, dealt out over an expert-parallel group
+//! ([`ExpertParallel`]). A learned gate scores each token (softmax over the experts) and sends it
+//! to its top-k experts within their capacity (Switch with k = 1, GShard and Mixtral with k = 2:
+//! the two probabilities renormalised); the tokens travel to the rank holding their expert and
+//! back with two all-to-alls, both differentiable, so an expert's gradient sums every token any
+//! member routed to it. The layer also returns Switch's auxiliary load-balancing loss.
+//!
+//! ```no_run
+//! # use candle_core::{Module, Tensor};
+//! # use candle_nn::{VarBuilder, VarMap};
+//! # fn main() -> kolo::Result<()> {
+//! let dist = kolo::init()?;
+//! let ep = kolo::ep::ExpertParallel::new(dist.comm().clone()); // 8 experts over every rank
+//! let cfg = kolo::ep::MoeConfig { experts: 8, top_k: 2, capacity_factor: 4.0, aux_weight: 0.01 };
+//! let varmap = VarMap::new();
+//! let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dist.device());
+//! // Any module per expert; this rank builds only its own (`experts.{j}.` for j in its run).
+//! let moe = kolo::ep::MoeLayer::new(64, cfg, vb.pp("moe"), Some(&ep), |vb| candle_nn::linear(64, 64, vb))?;
+//! # let x = Tensor::zeros((2, 16, 64), candle_core::DType::F32, &dist.device())?;
+//! let (y, aux_loss) = moe.forward(&x)?; // y has x's shape; add aux_loss to the loss
+//! # let _ = (y, aux_loss); Ok(()) }
+//! ```
+//!
+//! Capacity: each expert takes at most `ceil(capacity_factor x tokens x top_k / experts)` of the
+//! tokens one rank routes in one call; assignments beyond it are dropped (that share of the token
+//! passes the layer as zero, its residual unchanged). `capacity_factor >= experts / top_k` never
+//! drops a token (Mixtral's dropless routing).
+
+use candle_core::{Module, Tensor};
+use candle_nn::VarBuilder;
+use kolo_base::Exchange;
+use kolo_comm::Communicator;
+pub use kolo_tensor::models::moe::{MoeConfig, MoeLoad, Routing};
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+/// An expert-parallel group: its members each hold an equal, consecutive run of every MoE
+/// layer's experts, member `r` the `r`-th run.
+#[derive(Clone)]
+pub struct ExpertParallel {
+    ex: Arc<dyn Exchange>,
+}
+
+impl std::fmt::Debug for ExpertParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ExpertParallel {{ rank: {}, size: {} }}", self.rank(), self.size())
+    }
+}
+
+impl ExpertParallel {
+    /// The group of `comm`'s ranks.
+    pub fn new(comm: Arc<dyn Communicator>) -> ExpertParallel {
+        ExpertParallel { ex: Arc::new(kolo_train::expert_parallel::CommExchange(comm)) }
+    }
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.ex.rank()
+    }
+    /// The group's size.
+    pub fn size(&self) -> usize {
+        self.ex.size()
+    }
+    /// The experts member `rank` holds of a layer of `experts` (which must split evenly).
+    pub fn experts_of(&self, experts: usize, rank: usize) -> candle_core::Result<Range<usize>> {
+        let p = self.size();
+        if experts == 0 || !experts.is_multiple_of(p) {
+            candle_core::bail!("{experts} experts cannot be dealt out evenly over {p} expert-parallel ranks");
+        }
+        let k = experts / p;
+        Ok(rank * k..(rank + 1) * k)
+    }
+}
+
+/// A mixture-of-experts layer (see the [module](self)): the gate `gate.weight` (experts, hidden)
+/// and this rank's experts `experts.{j}.` under the `VarBuilder` it was built from (Mixtral's
+/// `block_sparse_moe` names with Mixtral's experts).
+pub struct MoeLayer<E> {
+    gate: candle_nn::Linear,
+    experts: Vec<E>,
+    held: Range<usize>,
+    cfg: MoeConfig,
+    ep: Option<ExpertParallel>,
+    load: Mutex<MoeLoad>,
+}
+
+impl<E: Module> MoeLayer<E> {
+    /// The layer on `hidden` features: the gate, and the experts this rank holds (all of them
+    /// without `ep`), each built by `expert` from its own `VarBuilder` (`experts.{j}`, `j` the
+    /// expert's index in the whole layer). `cfg.experts` must split evenly over `ep`.
+    pub fn new(
+        hidden: usize,
+        cfg: MoeConfig,
+        vb: VarBuilder,
+        ep: Option<&ExpertParallel>,
+        expert: impl Fn(VarBuilder) -> candle_core::Result<E>,
+    ) -> candle_core::Result<Self> {
+        cfg.check().map_err(candle_core::Error::Msg)?;
+        let held = match ep {
+            Some(g) => g.experts_of(cfg.experts, g.rank())?,
+            None => 0..cfg.experts,
+        };
+        let gate = candle_nn::linear_no_bias(hidden, cfg.experts, vb.pp("gate"))?;
+        let experts = held.clone().map(|j| expert(vb.pp("experts").pp(j))).collect::<candle_core::Result<Vec<E>>>()?;
+        Ok(MoeLayer { gate, experts, held, cfg, ep: ep.cloned(), load: Mutex::new(MoeLoad::default()) })
+    }
+
+    /// The experts this rank holds (their indices in the whole layer).
+    pub fn held(&self) -> Range<usize> {
+        self.held.clone()
+    }
+
+    /// The routing rules.
+    pub fn config(&self) -> &MoeConfig {
+        &self.cfg
+    }
+
+    /// The layer on `x` (..., hidden): every token through its experts, weighted by the gate.
+    /// Returns the output (`x`'s shape) and the auxiliary load-balancing loss (a scalar, already
+    /// times `aux_weight`). Collective over the expert-parallel group: every member calls it
+    /// the same number of times.
+    pub fn forward(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let dims = x.dims().to_vec();
+        let hidden = *dims.last().unwrap_or(&0);
+        let flat = x.reshape(((), hidden))?;
+        let expert = |l: usize, rows: &Tensor| -> kolo_tensor::Result<Tensor> { Ok(self.experts[l].forward(rows)?) };
+        let ex = self.ep.as_ref().map(|g| &g.ex);
+        let (y, aux, routing) = kolo_tensor::models::moe::moe_layer(&flat, self.gate.weight(), self.experts.len(), &expert, &self.cfg, ex)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        self.load.lock().unwrap_or_else(|p| p.into_inner()).add(&routing);
+        Ok((y.reshape(dims)?, aux))
+    }
+
+    /// The routing counts since the last call (assignments kept per expert of the whole layer,
+    /// dropped by the capacity, made): this rank's tokens only.
+    pub fn take_load(&self) -> MoeLoad {
+        std::mem::take(&mut *self.load.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
