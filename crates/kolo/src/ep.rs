@@ -117,16 +117,38 @@ impl<E: Module> MoeLayer<E> {
 
     /// The layer on `x` (..., hidden): every token through its experts, weighted by the gate.
     /// Returns the output (`x`'s shape) and the auxiliary load-balancing loss (a scalar, already
-    /// times `aux_weight`). Collective over the expert-parallel group: every member calls it
-    /// the same number of times.
+    /// times `aux_weight`): add it to the loss, also with `aux_weight` 0, since it carries the
+    /// experts no token reached this call (with zero gradients: the trainer wants a gradient for
+    /// every parameter). Collective over the expert-parallel group: every member calls it the
+    /// same number of times.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let dims = x.dims().to_vec();
         let hidden = *dims.last().unwrap_or(&0);
         let flat = x.reshape(((), hidden))?;
-        let expert = |l: usize, rows: &Tensor| -> kolo_tensor::Result<Tensor> { Ok(self.experts[l].forward(rows)?) };
+        let idle = std::cell::RefCell::new(Vec::new());
+        let expert = |l: usize, rows: &Tensor| -> kolo_tensor::Result<Tensor> {
+            if rows.dim(0)? == 0 {
+                // Not run on no rows: candle's backward through an empty product can leave a
+                // weight without a gradient.
+                idle.borrow_mut().push(l);
+                return Ok(rows.clone());
+            }
+            Ok(self.experts[l].forward(rows)?)
+        };
         let ex = self.ep.as_ref().map(|g| &g.ex);
-        let (y, aux, routing) = kolo_tensor::models::moe::moe_layer(&flat, self.gate.weight(), self.experts.len(), &expert, &self.cfg, ex)
-            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let (y, mut aux, routing) =
+            kolo_tensor::models::moe::moe_layer(&flat, self.gate.weight(), self.experts.len(), &expert, &self.cfg, ex)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        // An expert no token reached this time still takes part in the loss, with a gradient of
+        // zeros (the trainer, as torch's DDP, wants every parameter's gradient each step): its
+        // output on one row of zeros, times 0, joins the auxiliary loss.
+        for l in idle.into_inner() {
+            let dummy = self.experts[l].forward(&Tensor::zeros((1, hidden), flat.dtype(), flat.device())?)?;
+            // Times a zero tensor: candle's backward skips a multiplication by the constant 0.
+            let zero = Tensor::zeros((), dummy.dtype(), dummy.device())?;
+            let keep = dummy.sum_all()?.mul(&zero)?.to_dtype(aux.dtype())?;
+            aux = (aux + keep)?;
+        }
         self.load.lock().unwrap_or_else(|p| p.into_inner()).add(&routing);
         Ok((y.reshape(dims)?, aux))
     }

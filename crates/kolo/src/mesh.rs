@@ -1,19 +1,21 @@
 //! [`Mesh`]: the job's ranks as a grid of named axes (torch's `init_device_mesh`), one
 //! communicator per axis: `pp` (pipeline parallelism: [`crate::pp`], each coordinate a stage
 //! holding its own layers), `dp` (data parallelism: each coordinate its own batches), `sp`
-//! (sequence parallelism: [`crate::sp`], each coordinate a chunk of every sequence) and `tp`
-//! (tensor parallelism: [`crate::tp`]'s layers split over it). Gradients are averaged over the
-//! ranks holding the same parameters, `dp x sp`.
+//! (sequence parallelism: [`crate::sp`], each coordinate a chunk of every sequence), `tp`
+//! (tensor parallelism: [`crate::tp`]'s layers split over it) and `ep` (expert parallelism:
+//! [`crate::ep`]'s experts dealt out over it, each coordinate also its own batches). Gradients
+//! are averaged over the ranks holding the same parameters (`dp x sp`; the parameters outside
+//! the experts over `dp x ep x sp`).
 
 use crate::tp::TensorParallel;
 use crate::{Dist, Error, Result};
 use kolo_comm::{Communicator, DeviceMesh};
 use std::sync::Arc;
 
-/// The axes a user's model can be split along so far.
-const AXES: [&str; 4] = ["pp", "dp", "sp", "tp"];
+/// The axes a user's model can be split along, slowest first.
+const AXES: [&str; 5] = ["pp", "dp", "ep", "sp", "tp"];
 
-/// The ranks as a `pp x dp x sp x tp` grid, laid out as Megatron does: `tp` varies fastest, so the
+/// The ranks as a `pp x dp x ep x sp x tp` grid, laid out as Megatron does: `tp` varies fastest, so the
 /// members of a tensor-parallel group are consecutive ranks (one host, where the per-layer
 /// all-reduces are cheapest), and `pp` slowest.
 ///
@@ -26,13 +28,14 @@ const AXES: [&str; 4] = ["pp", "dp", "sp", "tp"];
 /// ```
 pub struct Mesh {
     global_rank: usize,
-    sizes: [usize; 4],
-    coords: [usize; 4],
+    sizes: [usize; 5],
+    coords: [usize; 5],
     pp: Arc<dyn Communicator>,
     dp: Arc<dyn Communicator>,
+    ep: Arc<dyn Communicator>,
     sp: crate::sp::SequenceParallel,
     tp: TensorParallel,
-    /// The ranks holding the same parameters: `dp x sp`.
+    /// The ranks holding the same parameters: `dp x sp` (the same stage, experts and piece).
     replicas: Arc<dyn Communicator>,
     model: Arc<dyn Communicator>,
     world: Arc<dyn Communicator>,
@@ -40,44 +43,42 @@ pub struct Mesh {
 
 impl std::fmt::Debug for Mesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let [pp, dp, sp, tp] = self.sizes;
-        write!(f, "Mesh {{ rank: {}, pp: {pp}, dp: {dp}, sp: {sp}, tp: {tp} }}", self.global_rank)
+        let [pp, dp, ep, sp, tp] = self.sizes;
+        write!(f, "Mesh {{ rank: {}, pp: {pp}, dp: {dp}, ep: {ep}, sp: {sp}, tp: {tp} }}", self.global_rank)
     }
 }
 
 impl Mesh {
-    /// Collective over `dist`: the grid of `axes` (name and size: `pp`, `dp`, `sp` and `tp`,
-    /// in that order; one left out has size 1). Their product must be the world size.
+    /// Collective over `dist`: the grid of `axes` (name and size: `pp`, `dp`, `ep`, `sp` and
+    /// `tp`, in that order; one left out has size 1). Their product must be the world size.
     pub fn new(dist: &Dist, axes: &[(&str, usize)]) -> Result<Mesh> {
-        let mut sizes = [1usize; 4];
+        let mut sizes = [1usize; 5];
         let mut seen = Vec::new();
         for (name, size) in axes {
             let Some(i) = AXES.iter().position(|a| a == name) else {
                 return Err(Error::setting(
                     "mesh",
-                    format!(
-                        "axis `{name}`: a user's model is split along `pp`, `dp`, `sp` and `tp` so far (expert parallelism: kolo train's built-in GPT)"
-                    ),
+                    format!("axis `{name}`: a user's model is split along `pp`, `dp`, `ep`, `sp` and `tp`"),
                 ));
             };
             if seen.last().is_some_and(|&j| j >= i) {
                 return Err(Error::setting(
                     "mesh",
-                    format!("axes {axes:?}: name each once, in the order pp, dp, sp, tp (tp varies fastest)"),
+                    format!("axes {axes:?}: name each once, in the order pp, dp, ep, sp, tp (tp varies fastest)"),
                 ));
             }
             seen.push(i);
             sizes[i] = *size;
         }
         let world = dist.world_size();
-        let [pp, dp, sp, tp] = sizes;
-        if sizes.contains(&0) || pp * dp * sp * tp != world {
+        let [pp, dp, ep, sp, tp] = sizes;
+        if sizes.contains(&0) || pp * dp * ep * sp * tp != world {
             return Err(Error::setting(
                 "mesh",
-                format!("pp {pp} x dp {dp} x sp {sp} x tp {tp} = {} ranks, but the job has {world}", pp * dp * sp * tp),
+                format!("pp {pp} x dp {dp} x ep {ep} x sp {sp} x tp {tp} = {} ranks, but the job has {world}", pp * dp * ep * sp * tp),
             ));
         }
-        let m = DeviceMesh::new(&**dist.comm(), &[("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp)])?;
+        let m = DeviceMesh::new(&**dist.comm(), &[("pp", pp), ("dp", dp), ("ep", ep), ("sp", sp), ("tp", tp)])?;
         let group = |a: &str| m.group(a).cloned().expect("every axis exists");
         let coords = AXES.map(|a| m.coord(a).unwrap_or(0));
         let split = |color: usize| -> Result<Arc<dyn Communicator>> {
@@ -89,12 +90,14 @@ impl Mesh {
             coords,
             pp: group("pp"),
             dp: group("dp"),
+            ep: group("ep"),
             sp: crate::sp::SequenceParallel::new(group("sp")),
             tp: TensorParallel::new(group("tp")),
-            // The same stage and piece: dp x sp (the dp group itself without sp).
-            replicas: if sp > 1 { split(coords[0] * tp + coords[3])? } else { group("dp") },
-            // The ranks of one replica (the same dp and sp coordinates), ordered by rank.
-            model: split(coords[1] * sp + coords[2])?,
+            // The same stage, experts and piece: dp x sp (the dp group itself without sp).
+            replicas: if sp > 1 { split((coords[0] * ep + coords[2]) * tp + coords[4])? } else { group("dp") },
+            // The ranks of one replica (the same dp and sp coordinates: every stage, run of
+            // experts and piece), ordered by rank.
+            model: split(coords[1] * sp + coords[3])?,
             world: dist.comm().clone(),
         })
     }
@@ -117,6 +120,17 @@ impl Mesh {
     /// The pipeline group: one rank per stage, in stage order ([`crate::pp`]).
     pub fn pp(&self) -> &Arc<dyn Communicator> {
         &self.pp
+    }
+
+    /// The expert-parallel group, for [`crate::ep`]'s layers: its members hold different
+    /// experts and read their own batches.
+    pub fn ep(&self) -> crate::ep::ExpertParallel {
+        crate::ep::ExpertParallel::new(self.ep.clone())
+    }
+
+    /// The expert-parallel group's communicator.
+    pub(crate) fn ep_comm(&self) -> &Arc<dyn Communicator> {
+        &self.ep
     }
 
     /// The sequence-parallel group, for [`crate::sp`]'s ring attention.

@@ -822,11 +822,11 @@ mod tests {
     fn a_mesh_must_cover_the_job_with_known_axes() {
         let dist = crate::init().unwrap();
         let e = crate::Mesh::new(&dist, &[("dp", 2), ("tp", 2)]).unwrap_err().to_string();
-        assert_eq!(e, "mesh: pp 1 x dp 2 x sp 1 x tp 2 = 4 ranks, but the job has 1");
-        let e = crate::Mesh::new(&dist, &[("ep", 1)]).unwrap_err().to_string();
-        assert!(e.starts_with("mesh: axis `ep`: a user's model is split along `pp`, `dp`, `sp` and `tp` so far"), "{e}");
+        assert_eq!(e, "mesh: pp 1 x dp 2 x ep 1 x sp 1 x tp 2 = 4 ranks, but the job has 1");
+        let e = crate::Mesh::new(&dist, &[("cp", 1)]).unwrap_err().to_string();
+        assert!(e.starts_with("mesh: axis `cp`: a user's model is split along `pp`, `dp`, `ep`, `sp` and `tp`"), "{e}");
         let e = crate::Mesh::new(&dist, &[("tp", 1), ("dp", 1)]).unwrap_err().to_string();
-        assert!(e.contains("in the order pp, dp, sp, tp"), "{e}");
+        assert!(e.contains("in the order pp, dp, ep, sp, tp"), "{e}");
         let m = crate::Mesh::new(&dist, &[("tp", 1)]).unwrap();
         assert_eq!((m.size("dp"), m.size("tp"), m.tp().size(), m.dp().world_size().get()), (1, 1, 1, 1));
     }

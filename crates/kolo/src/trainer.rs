@@ -364,6 +364,8 @@ struct Place {
     rank: usize,
     tp: Option<crate::tp::TensorParallel>,
     pp: Option<Arc<dyn Communicator>>,
+    /// The expert-parallel group, when the model's experts are dealt out over one.
+    ep: Option<Arc<dyn Communicator>>,
     /// The ranks of one replica (every stage and piece), when there are several.
     model: Option<Arc<dyn Communicator>>,
     world: Arc<dyn Communicator>,
@@ -374,7 +376,8 @@ struct Place {
 impl Place {
     fn of(dist: &Dist) -> Place {
         let data_replicas = dist.world_size();
-        Place { comm: dist.comm().clone(), rank: dist.rank(), tp: None, pp: None, model: None, world: dist.comm().clone(), data_replicas }
+        let comm = dist.comm().clone();
+        Place { comm: comm.clone(), rank: dist.rank(), tp: None, pp: None, ep: None, model: None, world: comm, data_replicas }
     }
 }
 
@@ -387,6 +390,10 @@ struct Spread {
     norm: (Arc<dyn kolo_base::GroupSum>, Vec<bool>),
     /// The pipeline group, when the model is cut into stages.
     pp: Option<Arc<dyn Communicator>>,
+    /// The expert-parallel group's size (1: none): its members are data-parallel replicas
+    /// whose shared parameters' gradients the layout sums (as a tied parameter's over
+    /// stages), so every gradient is divided by it.
+    ep: usize,
     /// Every rank of the job (the end of a checkpoint).
     world: Arc<dyn Communicator>,
 }
@@ -427,21 +434,31 @@ impl Trainer {
     /// chunks: DDP runs over the ranks holding the same parameters (`dp x sp`),
     /// the gradient norm that clipping uses sums the split pieces over the `tp` group, and
     /// checkpoints hold whole tensors (they resume at any `dp x tp`, or in one process without
-    /// the mesh). The parameters every member holds whole start as member 0's. ZeRO-1/2 shard
+    /// the mesh). Over an `ep` group ([`crate::ep`]'s experts dealt out, `dp x ep` only so far)
+    /// each member is a data-parallel replica for the parameters they all hold and keeps its
+    /// own experts, whose gradients already sum every member's tokens. The parameters every member holds whole start as member 0's. ZeRO-1/2 shard
     /// the optimizer state over the data-parallel group; ZeRO-3, local SGD, gradient
     /// compression and mixed precision are refused with a mesh so far.
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
         let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
         let pp = (mesh.size("pp") > 1).then(|| mesh.pp().clone());
-        if opts.ddp.zero_stage == 3 && (tp.is_some() || pp.is_some() || mesh.size("sp") > 1) {
+        let ep = (mesh.size("ep") > 1).then(|| mesh.ep_comm().clone());
+        if opts.ddp.zero_stage == 3 && (tp.is_some() || pp.is_some() || ep.is_some() || mesh.size("sp") > 1) {
             return Err(Error::setting(
                 "ddp.zero_stage",
-                "ZeRO-3 with tensor, pipeline or sequence parallelism (Trainer::with_mesh) is not supported yet (ZeRO-1 and 2 are)",
+                "ZeRO-3 with tensor, pipeline, expert or sequence parallelism (Trainer::with_mesh) is not supported yet (ZeRO-1 and 2 are)",
             ));
         }
-        let model = (tp.is_some() || pp.is_some()).then(|| mesh.model_parallel().clone());
-        let (comm, world, data_replicas) = (mesh.replicas().clone(), mesh.world().clone(), mesh.size("dp"));
-        let place = Place { comm, rank: mesh.rank(), tp, pp, model, world, data_replicas };
+        if ep.is_some() && (tp.is_some() || pp.is_some() || mesh.size("sp") > 1) {
+            return Err(Error::setting(
+                "mesh",
+                format!("{mesh:?}: expert parallelism with tensor, pipeline or sequence parallelism is not supported yet (dp x ep is)"),
+            ));
+        }
+        let model = (tp.is_some() || pp.is_some() || ep.is_some()).then(|| mesh.model_parallel().clone());
+        // The members of an expert-parallel group read their own batches.
+        let (comm, world, data_replicas) = (mesh.replicas().clone(), mesh.world().clone(), mesh.size("dp") * mesh.size("ep"));
+        let place = Place { comm, rank: mesh.rank(), tp, pp, ep, model, world, data_replicas };
         Self::build(varmap, place, opts, &[])
     }
 
@@ -759,9 +776,16 @@ impl Trainer {
         };
         // Parameters tied across pipeline stages: each stage's part of their gradient summed.
         let tied = self.spread.as_ref().map(|s| &s.layout).filter(|l| l.has_tied());
+        // Expert parallelism: the shared parameters' gradients were summed over the group's
+        // replicas, the experts' hold every member's tokens: both are the group's size times the
+        // mean over the job's replicas.
+        let ep = self.spread.as_ref().map_or(1, |s| s.ep);
         let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| {
             if let Some(layout) = tied {
                 layout.reduce_tied(g)?;
+            }
+            if ep > 1 {
+                g.scale(1.0 / ep as f32);
             }
             prep.run(g, sharded)
         };
@@ -1206,9 +1230,13 @@ fn spread(
     opts: &TrainOptions,
     groups: &[&str],
 ) -> Result<(Option<Spread>, Signature)> {
-    let layout = crate::tp::WholeLayout::new(params, ids, place.tp.clone(), place.pp.clone(), natural_key)?;
+    // An expert-parallel group is laid out as pipeline stages are: each member holds its own
+    // experts, and the parameters every member holds are tied (gradients summed, checkpoints
+    // and the norm taking member 0's).
+    let stages = place.pp.clone().or_else(|| place.ep.clone());
+    let layout = crate::tp::WholeLayout::new(params, ids, place.tp.clone(), stages, natural_key)?;
     let signature = layout.signature.clone();
-    if place.tp.is_none() && place.pp.is_none() {
+    if place.tp.is_none() && place.pp.is_none() && place.ep.is_none() {
         if let Some(name) = layout.any_split() {
             return Err(Error::usage(
                 place.rank,
@@ -1225,7 +1253,7 @@ fn spread(
         (opts.train.precision != Precision::F32, "train.precision", "mixed precision"),
     ];
     if let Some((_, setting, what)) = unsupported.iter().find(|u| u.0) {
-        let reason = format!("{what} with tensor or pipeline parallelism (Trainer::with_mesh) is not supported yet");
+        let reason = format!("{what} with tensor, pipeline or expert parallelism (Trainer::with_mesh) is not supported yet");
         return Err(Error::setting(*setting, reason));
     }
     if let Some(tp) = &place.tp {
@@ -1248,16 +1276,17 @@ fn spread(
         if opts.ddp.zero_stage >= 2 {
             return Err(Error::setting(
                 "ddp.zero_stage",
-                "ZeRO-2 with a parameter tied across pipeline stages (an output layer that is the embedding) is not supported yet: use 0 or 1",
+                "ZeRO-2 with a parameter tied across pipeline stages (an output layer that is the embedding) or shared by an expert-parallel group is not supported yet: use 0 or 1",
             ));
         }
         // Each stage's copy starts from the first stage's values.
         layout.init_tied(params)?;
     }
     // The clipping norm: every piece and stage of a replica, summed over its ranks.
-    let model = place.model.clone().expect("a model-parallel group with tp or pp");
+    let model = place.model.clone().expect("a model-parallel group with tp, pp or ep");
     let norm: (Arc<dyn kolo_base::GroupSum>, Vec<bool>) = (kolo_comm::SumGroup::new(model), layout.split_flags());
-    Ok((Some(Spread { layout, norm, pp: place.pp.clone(), world: place.world.clone() }), signature))
+    let ep = place.ep.as_ref().map_or(1, |e| e.world_size().get());
+    Ok((Some(Spread { layout, norm, pp: place.pp.clone(), ep, world: place.world.clone() }), signature))
 }
 
 /// Parameters as `(name, shape)`.

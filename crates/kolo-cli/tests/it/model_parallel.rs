@@ -7,6 +7,10 @@ use super::{fresh_dir, model_tensors, text};
 use std::collections::BTreeMap;
 use std::path::Path;
 
+#[path = "../../../kolo/examples/user_moe.rs"]
+#[allow(dead_code)]
+pub mod user_moe;
+
 #[path = "../../../kolo/examples/user_mesh.rs"]
 #[allow(dead_code)]
 pub mod user_mesh;
@@ -217,6 +221,78 @@ fn a_users_model_under_tp_and_dp_x_tp_matches_one_process() {
     assert!(d < 2e-5, "AdamW, clipped: `{k}` differs from one process by {d}");
 }
 
+/// The one checkpoint in `out`.
+fn dir_of(out: &Path) -> std::path::PathBuf {
+    std::fs::read_dir(out).unwrap().next().unwrap().unwrap().path()
+}
+
+/// Runs the `user_moe` example on `n` processes with `args`; returns its checkpoint's tensors.
+fn user_moe(n: usize, args: &str, out: &Path) -> BTreeMap<String, Vec<f32>> {
+    let args = format!("{args} --data {} --out {}", kolo_testkit::files::mnist_dir().display(), out.display());
+    let o = launch(n, "user_moe", &args);
+    assert!(o.status.success(), "{n} ranks, {args}: {}", text(&o));
+    model_tensors(&std::fs::read_dir(out).unwrap().next().unwrap().unwrap().path())
+}
+
+/// A user's model with a mixture-of-experts layer (4 SwiGLU experts of its own, top-2 gate,
+/// dropless capacity), from the same whole initial weights, after 6 steps on the same global
+/// batches of 16 MNIST images: with its experts over ep 2 (2 processes), dp 2 x ep 2 (4) and
+/// ep 4 (4: one expert each) it equals one process holding every expert within 2e-5 (SGD,
+/// no clipping), and under ep 2 with the norm clipped to 0.05 (every step clips: a norm that
+/// counted the gate twice, or forgot the other rank's experts, would show) and with ZeRO-1 as
+/// well; AdamW under ep 2 with ZeRO-1 equals it without. The checkpoints hold every expert,
+/// under the model's names. The parameters moved by more than 1e-2.
+#[test]
+fn a_users_moe_under_expert_parallelism_matches_one_process() {
+    let dir = fresh_dir("user-moe");
+    let init = dir.join("init.safetensors").display().to_string();
+    let o = launch(1, "user_moe", &format!("--hidden 24 --save-init {init}"));
+    assert!(o.status.success(), "{}", text(&o));
+    let sgd = format!("--init {init} --hidden 24 --steps 6 --batch 16 --optim sgd --lr 0.01 --aux 0");
+    let start = user_moe(1, &format!("--init {init} --hidden 24 --steps 0"), &dir.join("start"));
+    let one = user_moe(1, &sgd, &dir.join("one"));
+    assert_eq!(one.len(), 4 + 1 + 4 * 3, "fc1, fc2, the gate and 4 experts: {:?}", one.keys());
+    let (_, moved) = worst(&one, &start);
+    assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
+    for (n, mesh) in [(2, "--ep 2"), (4, "--dp 2 --ep 2"), (4, "--ep 4")] {
+        let got = user_moe(n, &format!("{sgd} {mesh}"), &dir.join(format!("n{n}")));
+        let (k, d) = worst(&one, &got);
+        assert!(d < 2e-5, "{mesh}: `{k}` differs from one process by {d}");
+        eprintln!("SGD {mesh}: within {d} (`{k}`)");
+    }
+    // Clipped (every step clips, so a norm that counted the gate twice or missed the other
+    // rank's experts would show), and under ZeRO-1.
+    for run in ["--optim sgd --lr 0.01 --clip 0.05", "--optim sgd --lr 0.01 --zero 1"] {
+        let run = format!("--init {init} --hidden 24 --steps 6 --batch 16 --aux 0 {run}");
+        let one = user_moe(1, &run, &dir.join("one-again"));
+        let got = user_moe(2, &format!("{run} --ep 2"), &dir.join("ep2-again"));
+        let (k, d) = worst(&one, &got);
+        eprintln!("{run} --ep 2: within {d} ({k})");
+        assert!(d < 2e-5, "{run}: `{k}` differs from one process by {d}");
+    }
+    // AdamW (with the load-balancing loss on): ZeRO-1's sharded optimizer state equals the
+    // whole one's under ep 2. Against one process AdamW is not compared: its first steps move
+    // each element by about lr whatever the gradient's size, so the rounding noise of a
+    // gradient near zero (a dead unit's) flips whole steps (6.8e-4 seen at lr 1e-3).
+    let adamw = format!("--init {init} --hidden 24 --steps 6 --batch 16 --optim adamw --lr 1e-3 --aux 0.01 --ep 2");
+    let whole = user_moe(2, &adamw, &dir.join("adamw"));
+    let sharded = user_moe(2, &format!("{adamw} --zero 1"), &dir.join("adamw-zero1"));
+    let (k, d) = worst(&whole, &sharded);
+    assert!(d < 1e-6, "AdamW under ep 2, ZeRO-1 against none: `{k}` differs by {d}");
+    // A checkpoint of ep 2 (each rank holding half the experts) resumes in one process, and
+    // one of a single process under dp 2 x ep 2: both end where the uninterrupted run does.
+    let split = dir.join("stopped-ep2");
+    user_moe(2, &format!("{sgd} --ep 2 --stop-at 3"), &split);
+    let resumed = user_moe(1, &format!("{sgd} --resume {}", dir_of(&split).display()), &dir.join("resumed-one"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 2e-5, "ep 2 stopped at 3, resumed in one process: `{k}` differs by {d}");
+    let whole = dir.join("stopped-one");
+    user_moe(1, &format!("{sgd} --stop-at 3"), &whole);
+    let resumed = user_moe(4, &format!("{sgd} --dp 2 --ep 2 --resume {}", dir_of(&whole).display()), &dir.join("resumed-ep"));
+    let (k, d) = worst(&one, &resumed);
+    assert!(d < 2e-5, "one process stopped at 3, resumed under dp 2 x ep 2: `{k}` differs by {d}");
+}
+
 /// A checkpoint written under tp 2 or over 2 pipeline stages holds whole tensors under the
 /// model's names: one process of candle-nn's layers resumes it at step 3 and ends where the
 /// uninterrupted one-process run ends (within 1e-5); and a one-process checkpoint resumes under
@@ -393,12 +469,20 @@ fn model_parallel_settings_it_cannot_run_are_refused() {
         (
             3,
             "--pp 3 --micro 1 --zero 3",
-            "ddp.zero_stage: ZeRO-3 with tensor, pipeline or sequence parallelism (Trainer::with_mesh) is not supported yet",
+            "ddp.zero_stage: ZeRO-3 with tensor, pipeline, expert or sequence parallelism (Trainer::with_mesh) is not supported yet",
         ),
     ] {
         let o = launch(n, "user_mesh", &format!("{args} --steps 1 --batch 24 --data {}", data.display()));
         let t = text(&o);
         assert!(!o.status.success() && t.contains(want), "{args}: {t}");
+    }
+    for (n, args, want) in [
+        (4, "--ep 4 --experts 6", "6 experts cannot be dealt out evenly over 4 expert-parallel ranks"),
+        (2, "--ep 2 --zero 2", "ZeRO-2 with a parameter tied across pipeline stages (an output layer that is the embedding) or shared by an expert-parallel group"),
+    ] {
+        let o = launch(n, "user_moe", &format!("{args} --steps 1 --batch 24 --data {}", data.display()));
+        let t = text(&o);
+        assert!(!o.status.success() && t.matches(want).count() >= n, "{args}: every rank should say it: {t}");
     }
 }
 

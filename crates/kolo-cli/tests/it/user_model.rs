@@ -29,6 +29,7 @@ fn launched_rank() {
         Ok("builtin") => builtin_rank(&args).unwrap(),
         Ok("tp_blocks") => super::model_parallel::blocks_rank(&args).unwrap(),
         Ok("user_mesh") => drop(super::model_parallel::user_mesh::train(&args).unwrap()),
+        Ok("user_moe") => drop(super::model_parallel::user_moe::train(&args).unwrap()),
         _ => drop(user_mlp::train(&args).unwrap()),
     }
 }

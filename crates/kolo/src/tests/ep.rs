@@ -148,3 +148,27 @@ fn experts_that_do_not_split_are_named() {
         }
     });
 }
+
+/// Experts that no token reaches in a call still get a gradient, of zeros (the trainer wants
+/// one for every parameter each step; candle would give none): 2 tokens, top-1, 6 experts.
+#[test]
+fn experts_no_token_reached_get_zero_gradients() {
+    let vars = VarMap::new();
+    let cfg = MoeConfig { experts: 6, top_k: 1, capacity_factor: 6.0, aux_weight: 0.0 };
+    let layer = MoeLayer::new(HIDDEN, cfg, VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu), None, swiglu).unwrap();
+    fill(&vars);
+    let x = input(0).0.as_tensor().narrow(1, 0, 2).unwrap();
+    let (y, aux) = layer.forward(&x).unwrap();
+    let g = (y.sum_all().unwrap() + aux).unwrap().backward().unwrap();
+    let load = layer.take_load();
+    assert!(load.load.iter().filter(|l| **l == 0).count() >= 4, "{load:?}");
+    for (name, var) in vars.data().lock().unwrap().iter() {
+        let grad = g.get(var.as_tensor()).unwrap_or_else(|| panic!("`{name}` has no gradient"));
+        let expert = name.strip_prefix("experts.").and_then(|r| r.split('.').next()).map(|j| j.parse::<usize>().unwrap());
+        let norm = grad.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        match expert {
+            Some(j) if load.load[j] == 0 => assert_eq!(norm, 0.0, "`{name}`: an idle expert's gradient"),
+            _ => assert!(norm > 0.0, "`{name}`: no gradient"),
+        }
+    }
+}
