@@ -41,6 +41,8 @@ tiny llama-tiny "RMSNorm, rotary, SwiGLU, GQA" --zero 2
 tiny qwen2-tiny "q/k/v biases, tied embeddings, a windowed layer; exported in bf16" --zero 2 --dtype bf16
 tiny mistral-tiny "sliding window 5 over 32 tokens; exported in shards of 40 kB" --tp 2 --max-shard-size 40000
 tiny llama3-tiny "rope_type llama3" --pp 2
+tiny llama-yarn-tiny "rope_type yarn (factor 4)" --tp 2
+tiny phi3-longrope-tiny "rope_type longrope, 32 tokens beyond the original context of 8" --zero 1
 tiny gemma-tiny "norms of 1 + weight, scaled embeddings, GeGLU" --tp 2
 tiny phi3-tiny "fused projections, half of each head rotated, sliding window 6" --zero 3
 tiny neox-tiny "parallel residual, a quarter of each head rotated" --zero 1

@@ -1,7 +1,8 @@
 """Regenerates Kolo's references for the Llama-style architectures beside Llama itself:
 test-data/hf/{qwen2,mistral,llama3}-tiny.
 
-    python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]     (ARCH: qwen2, mistral, llama3, gemma, phi3, gpt_neox)
+    python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]
+    (ARCH: qwen2, mistral, llama3, gemma, phi3, gpt_neox, llama_yarn, phi3_longrope)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -66,13 +67,30 @@ elif arch == "phi3":
     cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, sliding_window=6,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
     model = transformers.Phi3ForCausalLM
+elif arch == "llama_yarn":
+    # YaRN (Qwen2.5's and DeepSeek's long-context rotary scaling): frequencies between the
+    # extrapolated and the interpolated ones by a ramp over the dimensions, cos and sin scaled
+    # by the attention factor (0.1 ln 4 + 1).
+    cfg = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16})
+    model = transformers.LlamaForCausalLM
+elif arch == "phi3_longrope":
+    # LongRoPE (Phi-3 128k): a factor per rotary frequency, the long set for sequences beyond
+    # original_max_position_embeddings (8 here, the reference's 16 tokens beyond it), and cos and
+    # sin scaled by sqrt(1 + ln(64 / 8) / ln 8).
+    half = 48 // 4 // 2 // 2
+    cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, original_max_position_embeddings=8, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+        "short_factor": [1.0 + 0.25 * i for i in range(half)], "long_factor": [1.5 + 2.0 * i for i in range(half)],
+        "original_max_position_embeddings": 8})
+    model = transformers.Phi3ForCausalLM
 elif arch == "gpt_neox":
     # Heads of 16, so that a quarter of each (4 dimensions) turns whole pairs.
     cfg = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3, gemma, phi3, gpt_neox)")
+    sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3, gemma, phi3, gpt_neox, llama_yarn, phi3_longrope)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 save_reference(model, cfg, out, noise)

@@ -178,43 +178,118 @@ impl LlamaConfig {
         })
     }
 
-    /// The rotary embedding's inverse frequencies (rotary_dim / 2 of them): `theta^(-2i/d)`, or
-    /// scaled as `rope_type` says: `linear` (divided by `factor`) or `llama3` (Llama 3.1's
-    /// wavelength-dependent scaling). Read from `rope_parameters` (transformers 5) or
-    /// `rope_scaling` (4); other rope types are refused.
+    /// The rotary embedding's inverse frequencies for sequences within the original context
+    /// ([`LlamaConfig::rope`]'s `inv_freq`).
     pub fn inv_freq(&self) -> std::result::Result<Vec<f64>, String> {
+        Ok(self.rope()?.inv_freq)
+    }
+
+    /// The rotary embedding as `rope_type` says (read from `rope_parameters`, transformers 5, or
+    /// `rope_scaling`, 4): `default` (`theta^(-2i/d)`), `linear` (divided by `factor`), `llama3`
+    /// (Llama 3.1's wavelength-dependent scaling), `yarn` (YaRN: between the interpolated and
+    /// the extrapolated frequencies by a ramp over the dimensions, cos and sin times an
+    /// attention factor), `longrope` (LongRoPE, Phi-3 128k: a factor per frequency, the long set
+    /// for sequences beyond `original_max_position_embeddings`, and an attention factor) and
+    /// `dynamic` (NTK scaling that changes only beyond the original context: refused there).
+    /// Other rope types are refused by name.
+    pub fn rope(&self) -> std::result::Result<Rope, String> {
         let params = ["rope_parameters", "rope_scaling"].iter().find_map(|k| self.other.get(*k).filter(|v| v.is_object()));
         let field = |k: &str| params.and_then(|p| p.get(k)).and_then(serde_json::Value::as_f64);
         let need = |k: &str| field(k).ok_or(format!("rope parameter {k} missing"));
         let kind = params.and_then(|p| p.get("rope_type").or(p.get("type"))).and_then(|t| t.as_str()).unwrap_or("default");
         let dim = self.rotary_dim() as f64;
-        let base: Vec<f64> = (0..self.rotary_dim() / 2).map(|i| 1.0 / self.rope_theta().powf(2.0 * i as f64 / dim)).collect();
+        let theta = self.rope_theta();
+        let pos: Vec<f64> = (0..self.rotary_dim() / 2).map(|i| theta.powf(2.0 * i as f64 / dim)).collect();
+        let base: Vec<f64> = pos.iter().map(|p| 1.0 / p).collect();
+        let plain = |inv_freq| Ok(Rope { inv_freq, attention: 1.0, long: None, within: None });
+        // The original context: the rope parameters', else the config's top-level field (Phi-3).
+        let original = || {
+            field("original_max_position_embeddings")
+                .or(self.other.get("original_max_position_embeddings").and_then(serde_json::Value::as_f64))
+                .ok_or("rope parameter original_max_position_embeddings missing".to_string())
+        };
         match kind {
-            "default" => Ok(base),
+            "default" => plain(base),
             "linear" => {
                 let f = need("factor")?;
-                Ok(base.iter().map(|x| x / f).collect())
+                plain(base.iter().map(|x| x / f).collect())
             }
+            "dynamic" => Ok(Rope { inv_freq: base, attention: 1.0, long: None, within: Some(original()? as usize) }),
             "llama3" => {
                 let (f, lo, hi) = (need("factor")?, need("low_freq_factor")?, need("high_freq_factor")?);
                 let old = need("original_max_position_embeddings")?;
                 let (lo_wave, hi_wave) = (old / lo, old / hi);
-                Ok(base
-                    .iter()
-                    .map(|&x| {
-                        let wave = 2.0 * std::f64::consts::PI / x;
-                        if wave < hi_wave {
-                            x
-                        } else if wave > lo_wave {
-                            x / f
-                        } else {
-                            let smooth = (old / wave - lo) / (hi - lo);
-                            (1.0 - smooth) * x / f + smooth * x
-                        }
-                    })
-                    .collect())
+                plain(
+                    base.iter()
+                        .map(|&x| {
+                            let wave = 2.0 * std::f64::consts::PI / x;
+                            if wave < hi_wave {
+                                x
+                            } else if wave > lo_wave {
+                                x / f
+                            } else {
+                                let smooth = (old / wave - lo) / (hi - lo);
+                                (1.0 - smooth) * x / f + smooth * x
+                            }
+                        })
+                        .collect(),
+                )
             }
-            t => Err(format!("unsupported rope_type \"{t}\" (default, linear, llama3)")),
+            "yarn" => {
+                let old = original()?;
+                let f = field("factor").unwrap_or(self.max_position_embeddings as f64 / old);
+                let mscale = |s: f64, m: f64| if s <= 1.0 { 1.0 } else { 0.1 * m * s.ln() + 1.0 };
+                let attention = match (field("attention_factor"), field("mscale"), field("mscale_all_dim")) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(f, m) / mscale(f, all),
+                    _ => mscale(f, 1.0),
+                };
+                let (fast, slow) = (field("beta_fast").unwrap_or(32.0), field("beta_slow").unwrap_or(1.0));
+                let truncate = params.and_then(|p| p.get("truncate")).and_then(serde_json::Value::as_bool).unwrap_or(true);
+                let at = |rotations: f64| dim * (old / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln());
+                let (mut low, mut high) = (at(fast), at(slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
+                }
+                let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                let inv_freq = pos
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| {
+                        let extrapolate = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        (1.0 / (f * p)) * (1.0 - extrapolate) + (1.0 / p) * extrapolate
+                    })
+                    .collect();
+                Ok(Rope { inv_freq, attention, long: None, within: None })
+            }
+            "longrope" => {
+                let old = original()?;
+                let factors = |k: &str| -> std::result::Result<Vec<f64>, String> {
+                    let v: Vec<f64> = params
+                        .and_then(|p| p.get(k))
+                        .and_then(|v| v.as_array())
+                        .ok_or(format!("rope parameter {k} missing"))?
+                        .iter()
+                        .filter_map(serde_json::Value::as_f64)
+                        .collect();
+                    if v.len() != pos.len() {
+                        return Err(format!("rope parameter {k} has {} factors, the rotary embedding {} frequencies", v.len(), pos.len()));
+                    }
+                    Ok(pos.iter().zip(v).map(|(p, f)| 1.0 / (f * p)).collect())
+                };
+                let f = field("factor").unwrap_or(self.max_position_embeddings as f64 / old);
+                let attention = field("attention_factor").unwrap_or(if f <= 1.0 { 1.0 } else { (1.0 + f.ln() / old.ln()).sqrt() });
+                Ok(Rope {
+                    inv_freq: factors("short_factor")?,
+                    attention,
+                    long: Some((old as usize, factors("long_factor")?)),
+                    within: None,
+                })
+            }
+            t => Err(format!("unsupported rope_type \"{t}\" (default, linear, llama3, yarn, longrope, dynamic)")),
         }
     }
 
@@ -276,6 +351,20 @@ impl LlamaConfig {
 
 /// A linear layer of a block: candle-nn's, or one split over a tensor-parallel group.
 type Layer = Box<dyn Module + Send + Sync>;
+
+/// A rotary embedding's frequencies ([`LlamaConfig::rope`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    /// Inverse frequencies, rotary_dim / 2 of them, for sequences within the original context.
+    pub inv_freq: Vec<f64>,
+    /// What cos and sin are multiplied by (YaRN's and LongRoPE's attention factor; else 1).
+    pub attention: f64,
+    /// LongRoPE: the original context, and the inverse frequencies for sequences longer than it.
+    pub long: Option<(usize, Vec<f64>)>,
+    /// Dynamic NTK scaling: the original context, beyond which the frequencies would change
+    /// with the sequence's length (refused).
+    pub within: Option<usize>,
+}
 
 /// Rotary embeddings (`rotate_half`'s layout) on the first `2 x cos.dim(1)` dimensions of each
 /// head of `x` (batch, heads, seq, head_dim); the others pass unchanged.
@@ -418,9 +507,13 @@ pub struct Llama {
     tp: Option<crate::tp::TensorParallel>,
     /// The sequence-parallel group whose chunks of every sequence this model runs on.
     sp: Option<crate::sp::SequenceParallel>,
-    /// Rotary tables, (max_position_embeddings, head_dim / 2).
+    /// Rotary tables, (max_position_embeddings, rotary_dim / 2).
     cos: Tensor,
     sin: Tensor,
+    /// LongRoPE: the original context, and the tables for sequences longer than it.
+    long: Option<(usize, (Tensor, Tensor))>,
+    /// Dynamic NTK scaling: the original context, beyond which it is refused.
+    within: Option<usize>,
     /// What loading left unused (empty for a model not loaded from files).
     report: LoadReport,
 }
@@ -573,9 +666,21 @@ impl Llama {
             None => Some(LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?)),
         };
         let (n, half) = (cfg.max_position_embeddings, cfg.rotary_dim() / 2);
-        let inv_freq = cfg.inv_freq().map_err(candle_core::Error::Msg)?;
-        let angles: Vec<f64> = (0..n).flat_map(|p| inv_freq.iter().map(move |f| p as f64 * f)).collect();
-        let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, half), vb.device());
+        let rope = cfg.rope().map_err(candle_core::Error::Msg)?;
+        // cos and sin of every position's angles, times the attention factor.
+        let tables = |inv_freq: &[f64]| -> candle_core::Result<(Tensor, Tensor)> {
+            let angles: Vec<f64> = (0..n).flat_map(|p| inv_freq.iter().map(move |f| p as f64 * f)).collect();
+            let table = |f: fn(f64) -> f64| {
+                let v: Vec<f32> = angles.iter().map(|a| (f(*a) * rope.attention) as f32).collect();
+                Tensor::from_vec(v, (n, half), vb.device())
+            };
+            Ok((table(f64::cos)?, table(f64::sin)?))
+        };
+        let (cos, sin) = tables(&rope.inv_freq)?;
+        let long = match &rope.long {
+            Some((original, inv_freq)) => Some((*original, tables(inv_freq)?)),
+            None => None,
+        };
         Ok(Llama {
             cfg: cfg.clone(),
             layers,
@@ -585,8 +690,10 @@ impl Llama {
             lm_head,
             tp: tp.cloned(),
             sp: None,
-            cos: table(f64::cos)?,
-            sin: table(f64::sin)?,
+            cos,
+            sin,
+            long,
+            within: rope.within,
             report: LoadReport::default(),
         })
     }
@@ -672,7 +779,18 @@ impl Llama {
                 self.cfg.max_position_embeddings
             );
         }
-        let (cos, sin) = (self.cos.narrow(0, from, t)?.contiguous()?, self.sin.narrow(0, from, t)?.contiguous()?);
+        // The whole sequence's length (every chunk's, under sequence parallelism).
+        let seq = self.sp.as_ref().map_or(t, |sp| sp.size() * t);
+        if let Some(original) = self.within.filter(|o| seq > *o) {
+            candle_core::bail!(
+                "sequence of {seq} tokens beyond the original context of {original}: dynamic NTK rotary scaling changes its frequencies with the length there (not supported)"
+            );
+        }
+        let (cos, sin) = match &self.long {
+            Some((original, long)) if seq > *original => (&long.0, &long.1),
+            _ => (&self.cos, &self.sin),
+        };
+        let (cos, sin) = (cos.narrow(0, from, t)?.contiguous()?, sin.narrow(0, from, t)?.contiguous()?);
         // Causal masks, one per attention window the blocks use: query i sees key j <= i, and
         // with a window w only j > i - w.
         let mut masks: Vec<(Option<usize>, Tensor)> = Vec::new();

@@ -22,7 +22,7 @@ pub use files::{load_weights, save_pretrained, save_pretrained_with, LoadReport,
 pub use finetune::{export_checkpoint, FineTune, FineTuneConfig};
 pub use gpt2::{load_gpt2, Gpt2, Gpt2Config};
 use llama::load_llama_stage;
-pub use llama::{load_llama, Llama, LlamaConfig, FAMILY};
+pub use llama::{load_llama, Llama, LlamaConfig, Rope, FAMILY};
 pub use neox::{load_neox, GptNeox, NeoxConfig};
 
 /// `config.json` keys of every architecture that leave a training step's arithmetic unchanged:

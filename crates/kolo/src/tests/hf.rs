@@ -312,6 +312,11 @@ fn architectures_load_with_transformers_logits_and_train() {
         ("phi3", vec![("\"sliding_window\": 6", "\"sliding_window\": null")]),
         ("neox", vec![("\"use_parallel_residual\": true", "\"use_parallel_residual\": false")]),
         ("neox", vec![("\"partial_rotary_factor\": 0.25", "\"partial_rotary_factor\": 0.5")]),
+        ("llama-yarn", vec![("\"rope_type\": \"yarn\"", "\"rope_type\": \"default\"")]),
+        // Its 16 tokens are beyond the original context of 8: the long factors and the
+        // attention factor; within a context of 32, the short ones and none.
+        ("phi3-longrope", vec![("\"original_max_position_embeddings\": 8", "\"original_max_position_embeddings\": 32")]),
+        ("phi3-longrope", vec![("\"rope_type\": \"longrope\"", "\"rope_type\": \"default\"")]),
     ] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let (ids, want) = reference(&dir);
@@ -451,7 +456,8 @@ fn sharded_and_bf16_checkpoints_round_trip_and_name_what_is_wrong() {
 }
 
 /// Options that change the arithmetic and are not implemented are refused by name, never
-/// ignored: other rotary scalings, a partial rotary embedding that does not turn whole pairs,
+/// ignored: other rotary scalings (and dynamic NTK scaling beyond the original context), a
+/// partial rotary embedding that does not turn whole pairs,
 /// unknown layer types, biases where the architecture has none, another architecture.
 #[test]
 fn llama_family_options_not_implemented_are_refused() {
@@ -462,8 +468,21 @@ fn llama_family_options_not_implemented_are_refused() {
         std::fs::write(dir.join("config.json"), cfg).unwrap();
         crate::hf::load_causal_lm(&dir, &Device::Cpu).err().map(|e| e.to_string()).unwrap_or_default()
     };
-    let e = load(&cfg.replace("\"llama3\"", "\"yarn\""));
-    assert!(e.contains("config.json") && e.contains("unsupported rope_type \"yarn\""), "{e}");
+    let e = load(&cfg.replace("\"llama3\"", "\"proportional\""));
+    assert!(e.contains("config.json") && e.contains("unsupported rope_type \"proportional\""), "{e}");
+    // Dynamic NTK scaling loads (within the original context it is the plain rotary
+    // embedding) and refuses a longer sequence, where its frequencies would change.
+    std::fs::write(
+        dir.join("config.json"),
+        cfg.replace("\"llama3\"", "\"dynamic\"")
+            .replace("\"original_max_position_embeddings\": 16", "\"original_max_position_embeddings\": 8"),
+    )
+    .unwrap();
+    let (_, model) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+    let (ids, _) = reference(&src);
+    let e = model.forward(&ids).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("sequence of 16 tokens beyond the original context of 8: dynamic NTK"), "{e}");
+    assert!(model.forward(&ids.narrow(1, 0, 8).unwrap()).is_ok());
     // 0.3 of a head of 12 is 3.6 dimensions: rotary embeddings turn pairs.
     let e = load(&cfg.replace("\"factor\": 8.0,", "\"factor\": 8.0, \"partial_rotary_factor\": 0.3,"));
     assert!(e.contains("rotary dimension 3 (head_dim x partial_rotary_factor) is not a positive even number"), "{e}");
