@@ -7,7 +7,7 @@ use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
 use std::path::Path;
 
 /// The `model_type`s built by [`Llama`].
-pub const FAMILY: &[&str] = &["llama", "mistral", "qwen2", "gemma", "phi3"];
+pub const FAMILY: &[&str] = &["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3"];
 
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
@@ -35,9 +35,10 @@ pub struct LlamaConfig {
     /// Longest sequence the rotary tables cover.
     #[serde(default = "default_max_positions")]
     pub max_position_embeddings: usize,
-    /// The MLP's gate activation (`silu`).
-    #[serde(default = "default_silu")]
-    pub hidden_act: String,
+    /// The MLP's gate activation (`silu` when the file names none: neither this nor Gemma's
+    /// `hidden_activation`; [`LlamaConfig::activation`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_act: Option<String>,
     /// Whether the output projection is the token embedding.
     #[serde(default)]
     pub tie_word_embeddings: bool,
@@ -51,9 +52,6 @@ fn default_rms_eps() -> f64 {
 }
 fn default_max_positions() -> usize {
     2048
-}
-fn default_silu() -> String {
-    "silu".into()
 }
 
 impl LlamaConfig {
@@ -83,6 +81,9 @@ impl LlamaConfig {
         }
         self.inv_freq()?;
         self.layer_windows()?;
+        for k in ["query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"] {
+            self.positive(k)?;
+        }
         if !["silu", "gelu_pytorch_tanh", "gelu_new", "gelu"].contains(&self.activation()) {
             return Err(format!("unsupported hidden_act \"{}\" (silu, gelu_pytorch_tanh, gelu)", self.activation()));
         }
@@ -112,14 +113,14 @@ impl LlamaConfig {
         match self.model_type() {
             "qwen2" => (true, false, false),
             "mistral" | "phi3" => (false, false, false),
-            "gemma" => (flag("attention_bias"), flag("attention_bias"), false),
+            "gemma" | "gemma2" => (flag("attention_bias"), flag("attention_bias"), false),
             _ => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
         }
     }
 
     /// The MLP's activation: `hidden_act` (Gemma's older configs: `hidden_activation`).
     pub fn activation(&self) -> &str {
-        self.other.get("hidden_activation").and_then(|v| v.as_str()).unwrap_or(&self.hidden_act)
+        self.other.get("hidden_activation").and_then(|v| v.as_str()).or(self.hidden_act.as_deref()).unwrap_or("silu")
     }
 
     /// Phi-3 keeps q, k and v in one projection (`qkv_proj`) and gate and up in another
@@ -128,9 +129,36 @@ impl LlamaConfig {
         self.model_type() == "phi3"
     }
 
-    /// Gemma scales its RMS norms by `1 + weight` and its embeddings by sqrt(hidden_size).
+    /// Gemma (and Gemma 2) scales its RMS norms by `1 + weight` and its embeddings by
+    /// sqrt(hidden_size).
     fn gemma(&self) -> bool {
-        self.model_type() == "gemma"
+        matches!(self.model_type(), "gemma" | "gemma2")
+    }
+
+    /// Gemma 2 normalises the attention's and the MLP's outputs too (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`; the MLP's input by `pre_feedforward_layernorm`).
+    fn sandwich(&self) -> bool {
+        self.model_type() == "gemma2"
+    }
+
+    /// A positive number in `key`, or `None` when the file has none (or null).
+    fn positive(&self, key: &str) -> std::result::Result<Option<f64>, String> {
+        match self.other.get(key).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => v.as_f64().filter(|x| x.is_finite() && *x > 0.0).map(Some).ok_or(format!("{key} {v} is not a positive number")),
+        }
+    }
+
+    /// What attention scores are multiplied by: 1 / sqrt(`query_pre_attn_scalar`) (Gemma 2),
+    /// else 1 / sqrt(head_dim).
+    pub fn attention_scale(&self) -> f64 {
+        let s = self.positive("query_pre_attn_scalar").ok().flatten().unwrap_or(self.head_dim() as f64);
+        1.0 / s.sqrt()
+    }
+
+    /// Gemma 2's soft caps: attention scores and logits become `cap x tanh(x / cap)`.
+    pub fn softcaps(&self) -> (Option<f64>, Option<f64>) {
+        (self.positive("attn_logit_softcapping").ok().flatten(), self.positive("final_logit_softcapping").ok().flatten())
     }
 
     /// Dimensions of a head that rotate: `head_dim x partial_rotary_factor` (Phi-3's
@@ -313,6 +341,9 @@ impl LlamaConfig {
             "embd_pdrop",
             "resid_pdrop",
             "original_max_position_embeddings",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
         ];
         self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
     }
@@ -380,8 +411,24 @@ pub(super) fn rotate(x: Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Resu
 /// Scaled dot-product attention of `q` over `k` and `v` (batch, heads, seq, head_dim) with the
 /// additive `mask` (seq, seq).
 pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-    let att = (q.matmul(&k.t()?)? / (q.dim(3)? as f64).sqrt())?.broadcast_add(mask)?;
-    candle_nn::ops::softmax_last_dim(&att)?.matmul(v)
+    attend_scaled(q, k, v, mask, 1.0 / (q.dim(3)? as f64).sqrt(), None)
+}
+
+/// [`attend`] with the scores multiplied by `scale` and, with `softcap`, capped as Gemma 2 caps
+/// them (`cap x tanh(score / cap)`) before the mask.
+pub(super) fn attend_scaled(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+    softcap: Option<f64>,
+) -> candle_core::Result<Tensor> {
+    let mut att = (q.matmul(&k.t()?)? * scale)?;
+    if let Some(cap) = softcap {
+        att = ((att / cap)?.tanh()? * cap)?;
+    }
+    candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)?.matmul(v)
 }
 
 /// An RMS norm scaling by `weight` (Llama) or `1 + weight` (Gemma).
@@ -422,7 +469,11 @@ struct LlamaBlock {
     input_norm: Norm,
     qkv: Qkv,
     o: Layer,
+    /// The MLP's input norm (Llama's `post_attention_layernorm`, Gemma 2's
+    /// `pre_feedforward_layernorm`).
     post_norm: Norm,
+    /// Gemma 2: the norms of the attention's and the MLP's outputs.
+    out_norms: Option<(Norm, Norm)>,
     gate_up: GateUp,
     down: Layer,
     /// Query and key/value heads on this rank (all of them, or this member's share).
@@ -468,11 +519,15 @@ impl LlamaBlock {
             Some(sp) => crate::sp::ring_attention(&q, &k, &v, sp)?,
             None => {
                 let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
-                attend(&q, &k, &v, mask)?
+                attend_scaled(&q, &k, &v, mask, cfg.attention_scale(), cfg.softcaps().0)?
             }
         };
         let y = y.transpose(1, 2)?.reshape((b, t, h * hd))?;
-        let x = (x + self.o.forward(&y)?)?;
+        let y = self.o.forward(&y)?;
+        let x = match &self.out_norms {
+            Some((attn, _)) => (x + attn.forward(&y)?)?,
+            None => (x + y)?,
+        };
         let f = self.post_norm.forward(&x)?;
         let (gate, up) = match &self.gate_up {
             GateUp::Apart(g, u) => (g.forward(&f)?, u.forward(&f)?),
@@ -487,7 +542,11 @@ impl LlamaBlock {
             "gelu" => gate.gelu_erf()?,
             _ => gate.gelu()?, // gelu_pytorch_tanh, gelu_new: the tanh approximation
         };
-        x + self.down.forward(&(gate * up)?)?
+        let y = self.down.forward(&(gate * up)?)?;
+        match &self.out_norms {
+            Some((_, mlp)) => x + mlp.forward(&y)?,
+            None => x + y,
+        }
     }
 }
 
@@ -537,6 +596,12 @@ impl Llama {
     /// [`Llama::loss`], or [`Llama::pipeline_stage`] in a pipeline.
     pub fn new_parallel(cfg: &LlamaConfig, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Llama> {
         let layers = crate::pp::stage_layers_by(&cfg.block_costs(), mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        if mesh.sp().size() > 1 && cfg.softcaps().0.is_some() {
+            candle_core::bail!(
+                "soft-capped attention scores over {} sequence-parallel ranks are not supported (ring attention does not cap them)",
+                mesh.sp().size()
+            );
+        }
         if mesh.sp().size() > 1 && cfg.layer_windows().map_err(candle_core::Error::Msg)?.iter().any(Option::is_some) {
             candle_core::bail!(
                 "sliding-window attention over {} sequence-parallel ranks is not supported (ring attention sees every earlier chunk)",
@@ -646,7 +711,13 @@ impl Llama {
                 input_norm: Norm::new(e, cfg, b.pp("input_layernorm"))?,
                 qkv,
                 o: row(h * hd, e, o_bias, a.pp("o_proj"))?,
-                post_norm: Norm::new(e, cfg, b.pp("post_attention_layernorm"))?,
+                post_norm: Norm::new(e, cfg, b.pp(if cfg.sandwich() { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
+                out_norms: match cfg.sandwich() {
+                    true => {
+                        Some((Norm::new(e, cfg, b.pp("post_attention_layernorm"))?, Norm::new(e, cfg, b.pp("post_feedforward_layernorm"))?))
+                    }
+                    false => None,
+                },
                 gate_up,
                 down: row(inter, e, mlp_bias, f.pp("down_proj"))?,
                 heads: (h / p, kv / p),
@@ -814,11 +885,16 @@ impl Llama {
             candle_core::bail!("the output layer is on the last pipeline stage, not layers {:?}", self.layers);
         };
         let x = norm.forward(x)?;
-        match (&self.lm_head, &self.embed) {
-            (Some(l), _) => l.forward(&x),
-            (None, Some(LlamaEmbedding::Whole(e))) => x.broadcast_matmul(&e.embeddings().t()?),
-            (None, Some(LlamaEmbedding::Split(e))) => e.tied_logits(&x),
+        let logits = match (&self.lm_head, &self.embed) {
+            (Some(l), _) => l.forward(&x)?,
+            (None, Some(LlamaEmbedding::Whole(e))) => x.broadcast_matmul(&e.embeddings().t()?)?,
+            (None, Some(LlamaEmbedding::Split(e))) => e.tied_logits(&x)?,
             (None, None) => candle_core::bail!("a tied output layer without its embedding"),
+        };
+        // Gemma 2 caps the logits (element by element: a vocabulary-parallel piece alike).
+        match self.cfg.softcaps().1 {
+            Some(cap) => (logits / cap)?.tanh()? * cap,
+            None => Ok(logits),
         }
     }
 

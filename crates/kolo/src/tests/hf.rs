@@ -312,6 +312,10 @@ fn architectures_load_with_transformers_logits_and_train() {
         ("phi3", vec![("\"sliding_window\": 6", "\"sliding_window\": null")]),
         ("neox", vec![("\"use_parallel_residual\": true", "\"use_parallel_residual\": false")]),
         ("neox", vec![("\"partial_rotary_factor\": 0.25", "\"partial_rotary_factor\": 0.5")]),
+        ("gemma2", vec![("\"attn_logit_softcapping\": 2.0", "\"attn_logit_softcapping\": null")]),
+        ("gemma2", vec![("\"final_logit_softcapping\": 5.0", "\"final_logit_softcapping\": null")]),
+        ("gemma2", vec![("\"query_pre_attn_scalar\": 24", "\"query_pre_attn_scalar\": 16")]),
+        ("gemma2", vec![("\"sliding_window\": 6", "\"sliding_window\": 16")]),
         ("llama-yarn", vec![("\"rope_type\": \"yarn\"", "\"rope_type\": \"default\"")]),
         // Its 16 tokens are beyond the original context of 8: the long factors and the
         // attention factor; within a context of 32, the short ones and none.
@@ -490,8 +494,8 @@ fn llama_family_options_not_implemented_are_refused() {
     assert!(e.contains("rope parameter low_freq_factor missing"), "{e}");
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"mistral\", \"attention_bias\": true"));
     assert!(e.contains("attention_bias = true is not an option of mistral"), "{e}");
-    let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma2\""));
-    assert!(e.contains("model_type \"gemma2\" is not supported (gpt2, gpt_neox, llama, mistral, qwen2, gemma, phi3)"), "{e}");
+    let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3\""));
+    assert!(e.contains("model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, qwen2, gemma, gemma2, phi3)"), "{e}");
     let q = std::fs::read_to_string(kolo_testkit::files::hf_tiny("qwen2").join("config.json")).unwrap();
     std::fs::copy(kolo_testkit::files::hf_tiny("qwen2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let e = load(&q.replace("\"sliding_attention\"", "\"chunked_attention\""));
