@@ -2,7 +2,7 @@
 test-data/hf/{qwen2,mistral,llama3}-tiny.
 
     python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]
-    (ARCH: qwen2, mistral, llama3, gemma, gemma2, phi3, gpt_neox, llama_yarn, phi3_longrope)
+    (ARCH: qwen2, qwen3, mistral, llama3, gemma, gemma2, phi3, gpt_neox, llama_yarn, phi3_longrope)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -15,6 +15,7 @@ int64, "logits" f32). What each exercises:
           scaling changes every rotary frequency but the highest);
   gemma   GemmaForCausalLM: norms scaled by 1 + weight, embeddings by sqrt(hidden), GeGLU
           (gelu_pytorch_tanh), heads of 16 wider than hidden / heads, tied embeddings;
+  qwen3   Qwen3ForCausalLM: an RMS norm on each query and key head before the rotary embedding;
   gemma2  Gemma2ForCausalLM: gemma's features, norms around the attention and the MLP, soft-capped
           attention scores (2) and logits (5), query_pre_attn_scalar 24, a window on layer 0;
   phi3    Phi3ForCausalLM: fused qkv_proj and gate_up_proj, a partial rotary embedding (0.5 of
@@ -65,6 +66,12 @@ elif arch == "llama3":
 elif arch == "gemma":
     cfg = transformers.GemmaConfig(**common | {"head_dim": 16}, tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh")
     model = transformers.GemmaForCausalLM
+elif arch == "qwen3":
+    # Qwen3: an RMS norm on every query and key head (q_norm, k_norm) before the rotary
+    # embedding, heads of 16 wider than hidden / heads, no biases, tied embeddings.
+    cfg = transformers.Qwen3Config(**common | {"head_dim": 16}, tie_word_embeddings=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    model = transformers.Qwen3ForCausalLM
 elif arch == "gemma2":
     # Gemma 2: Gemma's norms and embedding scale, a norm before and after both the attention and
     # the MLP, attention scores soft-capped (2: small, so that it matters here) and scaled by
@@ -101,7 +108,7 @@ elif arch == "gpt_neox":
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, mistral, llama3, gemma, gemma2, phi3, gpt_neox, llama_yarn, phi3_longrope)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, phi3, gpt_neox, llama_yarn, phi3_longrope)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 save_reference(model, cfg, out, noise)

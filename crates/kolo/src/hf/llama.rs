@@ -7,7 +7,7 @@ use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
 use std::path::Path;
 
 /// The `model_type`s built by [`Llama`].
-pub const FAMILY: &[&str] = &["llama", "mistral", "qwen2", "gemma", "gemma2", "phi3"];
+pub const FAMILY: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"];
 
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
@@ -135,6 +135,12 @@ impl LlamaConfig {
         matches!(self.model_type(), "gemma" | "gemma2")
     }
 
+    /// Qwen3 normalises every query and key head (`q_norm`, `k_norm`) before the rotary
+    /// embedding.
+    fn head_norms(&self) -> bool {
+        self.model_type() == "qwen3"
+    }
+
     /// Gemma 2 normalises the attention's and the MLP's outputs too (`post_attention_layernorm`,
     /// `post_feedforward_layernorm`; the MLP's input by `pre_feedforward_layernorm`).
     fn sandwich(&self) -> bool {
@@ -198,7 +204,7 @@ impl LlamaConfig {
         }
         Ok(match self.model_type() {
             "mistral" | "phi3" => vec![window; n],
-            "qwen2" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
+            "qwen2" | "qwen3" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
                 let from = get("max_window_layers").and_then(|v| v.as_u64()).unwrap_or(n as u64) as usize;
                 (0..n).map(|i| if i >= from { window } else { None }).collect()
             }
@@ -474,6 +480,8 @@ struct LlamaBlock {
     post_norm: Norm,
     /// Gemma 2: the norms of the attention's and the MLP's outputs.
     out_norms: Option<(Norm, Norm)>,
+    /// Qwen3: the norms of every query and key head.
+    head_norms: Option<(Norm, Norm)>,
     gate_up: GateUp,
     down: Layer,
     /// Query and key/value heads on this rank (all of them, or this member's share).
@@ -503,8 +511,13 @@ impl LlamaBlock {
                 (y.narrow(2, 0, h * hd)?, y.narrow(2, h * hd, kv * hd)?, y.narrow(2, (h + kv) * hd, kv * hd)?)
             }
         };
-        let q = rotate(heads(q, h)?, cos, sin)?;
-        let k = rotate(heads(k, kv)?, cos, sin)?;
+        let (q, k) = (heads(q, h)?, heads(k, kv)?);
+        let (q, k) = match &self.head_norms {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
+        let q = rotate(q, cos, sin)?;
+        let k = rotate(k, cos, sin)?;
         let v = heads(v, kv)?;
         // Grouped-query attention: query head j reads key/value head j / (h / kv).
         let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
@@ -712,6 +725,10 @@ impl Llama {
                 qkv,
                 o: row(h * hd, e, o_bias, a.pp("o_proj"))?,
                 post_norm: Norm::new(e, cfg, b.pp(if cfg.sandwich() { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
+                head_norms: match cfg.head_norms() {
+                    true => Some((Norm::new(hd, cfg, a.pp("q_norm"))?, Norm::new(hd, cfg, a.pp("k_norm"))?)),
+                    false => None,
+                },
                 out_norms: match cfg.sandwich() {
                     true => {
                         Some((Norm::new(e, cfg, b.pp("post_attention_layernorm"))?, Norm::new(e, cfg, b.pp("post_feedforward_layernorm"))?))

@@ -312,6 +312,9 @@ fn architectures_load_with_transformers_logits_and_train() {
         ("phi3", vec![("\"sliding_window\": 6", "\"sliding_window\": null")]),
         ("neox", vec![("\"use_parallel_residual\": true", "\"use_parallel_residual\": false")]),
         ("neox", vec![("\"partial_rotary_factor\": 0.25", "\"partial_rotary_factor\": 0.5")]),
+        // Without its head norms (as a Qwen2, no biases in the file) Qwen3 reads q_norm and
+        // k_norm as unused tensors and computes other logits.
+        ("qwen3", vec![("\"model_type\": \"qwen3\"", "\"model_type\": \"llama\"")]),
         ("gemma2", vec![("\"attn_logit_softcapping\": 2.0", "\"attn_logit_softcapping\": null")]),
         ("gemma2", vec![("\"final_logit_softcapping\": 5.0", "\"final_logit_softcapping\": null")]),
         ("gemma2", vec![("\"query_pre_attn_scalar\": 24", "\"query_pre_attn_scalar\": 16")]),
@@ -495,7 +498,10 @@ fn llama_family_options_not_implemented_are_refused() {
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"mistral\", \"attention_bias\": true"));
     assert!(e.contains("attention_bias = true is not an option of mistral"), "{e}");
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3\""));
-    assert!(e.contains("model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, qwen2, gemma, gemma2, phi3)"), "{e}");
+    assert!(
+        e.contains("model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, qwen2, qwen3, gemma, gemma2, phi3)"),
+        "{e}"
+    );
     let q = std::fs::read_to_string(kolo_testkit::files::hf_tiny("qwen2").join("config.json")).unwrap();
     std::fs::copy(kolo_testkit::files::hf_tiny("qwen2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let e = load(&q.replace("\"sliding_attention\"", "\"chunked_attention\""));
