@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hugging Face GPT-2 and Llama-style models in and out, checked in `transformers` (issues #17, #33):
-#   1. small random GPT-2, Llama, Qwen2, Qwen3, Mistral, Llama 3, Gemma, Gemma 2, Phi-3 and GPT-NeoX models (test-data/hf/), a
+#   1. small random GPT-2, Llama, Qwen2, Qwen3, Mistral, Llama 3, Gemma, Gemma 2, Gemma 3, Phi-3 and GPT-NeoX models (test-data/hf/), a
 #      GPT-2 of the real 124M shape, a Llama of SmolLM-135M's shape (~500 MB each) and a Qwen2 of
 #      Qwen2.5-0.5B's shape (2 GB; all three made here in /tmp) load into Kolo with transformers' logits;
 #   2. each is fine-tuned by Kolo (the small ones by 2 processes under ZeRO-1/2, the large ones by 1
@@ -45,6 +45,7 @@ tiny llama-yarn-tiny "rope_type yarn (factor 4)" --tp 2
 tiny phi3-longrope-tiny "rope_type longrope, 32 tokens beyond the original context of 8" --zero 1
 tiny gemma-tiny "norms of 1 + weight, scaled embeddings, GeGLU" --tp 2
 tiny qwen3-tiny "Qwen3: an RMS norm on each query and key head" --tp 2
+tiny gemma3-tiny "Gemma 3 (text): head norms, a rotary embedding per layer type" --pp 2
 tiny gemma2-tiny "Gemma 2: norms around attention and MLP, soft-capped scores and logits" --tp 2
 tiny phi3-tiny "fused projections, half of each head rotated, sliding window 6" --zero 3
 tiny neox-tiny "parallel residual, a quarter of each head rotated" --zero 1

@@ -2,7 +2,7 @@
 test-data/hf/{qwen2,mistral,llama3}-tiny.
 
     python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]
-    (ARCH: qwen2, qwen3, mistral, llama3, gemma, gemma2, phi3, gpt_neox, llama_yarn, phi3_longrope)
+    (ARCH: qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -18,6 +18,7 @@ int64, "logits" f32). What each exercises:
   qwen3   Qwen3ForCausalLM: an RMS norm on each query and key head before the rotary embedding;
   gemma2  Gemma2ForCausalLM: gemma's features, norms around the attention and the MLP, soft-capped
           attention scores (2) and logits (5), query_pre_attn_scalar 24, a window on layer 0;
+  gemma3  Gemma3ForCausalLM (text): head norms, a rotary embedding per layer type (3 layers);
   phi3    Phi3ForCausalLM: fused qkv_proj and gate_up_proj, a partial rotary embedding (0.5 of
           each head), sliding_window 6;
   gpt_neox GPTNeoXForCausalLM: layer norms with biases, query_key_value laid out head by head,
@@ -81,6 +82,16 @@ elif arch == "gemma2":
                                     query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
                                     sliding_window=6)
     model = transformers.Gemma2ForCausalLM
+elif arch == "gemma3":
+    # Gemma 3 (text): Gemma 2's norms and scalar, an RMS norm (1 + weight) on each query and key
+    # head, no soft caps, and a rotary embedding per layer type: base 10000 on the sliding layers
+    # (layers 0 and 2, window 6), base 1e6 with linear scaling by 8 on the full one (layer 1).
+    cfg = transformers.Gemma3TextConfig(**common | {"head_dim": 16, "num_hidden_layers": 3}, tie_word_embeddings=True,
+                                        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=6,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
+    model = transformers.Gemma3ForCausalLM
 elif arch == "phi3":
     cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, sliding_window=6,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
@@ -108,7 +119,7 @@ elif arch == "gpt_neox":
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, phi3, gpt_neox, llama_yarn, phi3_longrope)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 save_reference(model, cfg, out, noise)

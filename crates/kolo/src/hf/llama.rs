@@ -7,7 +7,7 @@ use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
 use std::path::Path;
 
 /// The `model_type`s built by [`Llama`].
-pub const FAMILY: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3"];
+pub const FAMILY: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"];
 
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
@@ -80,6 +80,10 @@ impl LlamaConfig {
             }
         }
         self.inv_freq()?;
+        if t == "gemma3_text" {
+            self.rope_of("full_attention")?;
+            self.rope_of("sliding_attention")?;
+        }
         self.layer_windows()?;
         for k in ["query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"] {
             self.positive(k)?;
@@ -113,7 +117,7 @@ impl LlamaConfig {
         match self.model_type() {
             "qwen2" => (true, false, false),
             "mistral" | "phi3" => (false, false, false),
-            "gemma" | "gemma2" => (flag("attention_bias"), flag("attention_bias"), false),
+            "gemma" | "gemma2" | "gemma3_text" => (flag("attention_bias"), flag("attention_bias"), false),
             _ => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
         }
     }
@@ -132,19 +136,19 @@ impl LlamaConfig {
     /// Gemma (and Gemma 2) scales its RMS norms by `1 + weight` and its embeddings by
     /// sqrt(hidden_size).
     fn gemma(&self) -> bool {
-        matches!(self.model_type(), "gemma" | "gemma2")
+        matches!(self.model_type(), "gemma" | "gemma2" | "gemma3_text")
     }
 
     /// Qwen3 normalises every query and key head (`q_norm`, `k_norm`) before the rotary
     /// embedding.
     fn head_norms(&self) -> bool {
-        self.model_type() == "qwen3"
+        matches!(self.model_type(), "qwen3" | "gemma3_text")
     }
 
     /// Gemma 2 normalises the attention's and the MLP's outputs too (`post_attention_layernorm`,
     /// `post_feedforward_layernorm`; the MLP's input by `pre_feedforward_layernorm`).
     fn sandwich(&self) -> bool {
-        self.model_type() == "gemma2"
+        matches!(self.model_type(), "gemma2" | "gemma3_text")
     }
 
     /// A positive number in `key`, or `None` when the file has none (or null).
@@ -204,6 +208,11 @@ impl LlamaConfig {
         }
         Ok(match self.model_type() {
             "mistral" | "phi3" => vec![window; n],
+            // Gemma 3's older files: every `sliding_window_pattern`-th layer full, the others windowed.
+            "gemma3_text" => {
+                let every = get("sliding_window_pattern").and_then(|v| v.as_u64()).unwrap_or(6).max(1) as usize;
+                (0..n).map(|i| if (i + 1) % every == 0 { None } else { window }).collect()
+            }
             "qwen2" | "qwen3" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
                 let from = get("max_window_layers").and_then(|v| v.as_u64()).unwrap_or(n as u64) as usize;
                 (0..n).map(|i| if i >= from { window } else { None }).collect()
@@ -228,11 +237,42 @@ impl LlamaConfig {
     /// Other rope types are refused by name.
     pub fn rope(&self) -> std::result::Result<Rope, String> {
         let params = ["rope_parameters", "rope_scaling"].iter().find_map(|k| self.other.get(*k).filter(|v| v.is_object()));
+        self.rope_with(params.and_then(|p| p.as_object()), self.rope_theta())
+    }
+
+    /// The rotary embedding of the layers of `layer_type` (`full_attention`,
+    /// `sliding_attention`): Gemma 3 gives each its own (`rope_parameters` keyed by layer type;
+    /// older files: `rope_local_base_freq` on the sliding layers, `rope_theta` and `rope_scaling`
+    /// on the full ones); the others one for all ([`LlamaConfig::rope`]).
+    pub fn rope_of(&self, layer_type: &str) -> std::result::Result<Rope, String> {
+        if self.model_type() != "gemma3_text" {
+            return self.rope();
+        }
+        let nested = self.other.get("rope_parameters").and_then(|p| p.get(layer_type)).and_then(|p| p.as_object());
+        let theta_of = |p: Option<&serde_json::Map<String, serde_json::Value>>, default: f64| {
+            p.and_then(|p| p.get("rope_theta")).and_then(serde_json::Value::as_f64).unwrap_or(default)
+        };
+        match (nested, layer_type) {
+            (Some(p), "sliding_attention") => self.rope_with(Some(p), theta_of(Some(p), 10_000.0)),
+            (Some(p), _) => self.rope_with(Some(p), theta_of(Some(p), 1_000_000.0)),
+            (None, "sliding_attention") => {
+                let local = self.other.get("rope_local_base_freq").and_then(serde_json::Value::as_f64).unwrap_or(10_000.0);
+                self.rope_with(None, local)
+            }
+            (None, _) => {
+                let scaling = self.other.get("rope_scaling").and_then(|p| p.as_object());
+                let theta = self.other.get("rope_theta").and_then(serde_json::Value::as_f64).unwrap_or(1_000_000.0);
+                self.rope_with(scaling, theta)
+            }
+        }
+    }
+
+    /// [`LlamaConfig::rope`] for the rope parameters `params` and the base `theta`.
+    fn rope_with(&self, params: Option<&serde_json::Map<String, serde_json::Value>>, theta: f64) -> std::result::Result<Rope, String> {
         let field = |k: &str| params.and_then(|p| p.get(k)).and_then(serde_json::Value::as_f64);
         let need = |k: &str| field(k).ok_or(format!("rope parameter {k} missing"));
         let kind = params.and_then(|p| p.get("rope_type").or(p.get("type"))).and_then(|t| t.as_str()).unwrap_or("default");
         let dim = self.rotary_dim() as f64;
-        let theta = self.rope_theta();
         let pos: Vec<f64> = (0..self.rotary_dim() / 2).map(|i| theta.powf(2.0 * i as f64 / dim)).collect();
         let base: Vec<f64> = pos.iter().map(|p| 1.0 / p).collect();
         let plain = |inv_freq| Ok(Rope { inv_freq, attention: 1.0, long: None, within: None });
@@ -350,6 +390,9 @@ impl LlamaConfig {
             "query_pre_attn_scalar",
             "attn_logit_softcapping",
             "final_logit_softcapping",
+            "rope_local_base_freq",
+            "sliding_window_pattern",
+            "_sliding_window_pattern",
         ];
         self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
     }
@@ -401,6 +444,51 @@ pub struct Rope {
     /// Dynamic NTK scaling: the original context, beyond which the frequencies would change
     /// with the sequence's length (refused).
     pub within: Option<usize>,
+}
+
+/// A rotary embedding's cos and sin tables (times its attention factor) for every position:
+/// LongRoPE's long ones too, and dynamic scaling's limit.
+struct RopeTables {
+    cos: Tensor,
+    sin: Tensor,
+    /// LongRoPE: the original context, and the tables for sequences longer than it.
+    long: Option<(usize, (Tensor, Tensor))>,
+    /// Dynamic NTK scaling: the original context, beyond which it is refused.
+    within: Option<usize>,
+}
+
+impl RopeTables {
+    fn new(rope: &Rope, positions: usize, device: &candle_core::Device) -> candle_core::Result<RopeTables> {
+        let half = rope.inv_freq.len();
+        let tables = |inv_freq: &[f64]| -> candle_core::Result<(Tensor, Tensor)> {
+            let angles: Vec<f64> = (0..positions).flat_map(|p| inv_freq.iter().map(move |f| p as f64 * f)).collect();
+            let table = |f: fn(f64) -> f64| {
+                let v: Vec<f32> = angles.iter().map(|a| (f(*a) * rope.attention) as f32).collect();
+                Tensor::from_vec(v, (positions, half), device)
+            };
+            Ok((table(f64::cos)?, table(f64::sin)?))
+        };
+        let (cos, sin) = tables(&rope.inv_freq)?;
+        let long = match &rope.long {
+            Some((original, inv_freq)) => Some((*original, tables(inv_freq)?)),
+            None => None,
+        };
+        Ok(RopeTables { cos, sin, long, within: rope.within })
+    }
+
+    /// cos and sin of positions `from..from + t` of a sequence of `seq` tokens.
+    fn cut(&self, seq: usize, from: usize, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        if let Some(original) = self.within.filter(|o| seq > *o) {
+            candle_core::bail!(
+                "sequence of {seq} tokens beyond the original context of {original}: dynamic NTK rotary scaling changes its frequencies with the length there (not supported)"
+            );
+        }
+        let (cos, sin) = match &self.long {
+            Some((original, long)) if seq > *original => (&long.0, &long.1),
+            _ => (&self.cos, &self.sin),
+        };
+        Ok((cos.narrow(0, from, t)?.contiguous()?, sin.narrow(0, from, t)?.contiguous()?))
+    }
 }
 
 /// Rotary embeddings (`rotate_half`'s layout) on the first `2 x cos.dim(1)` dimensions of each
@@ -488,6 +576,8 @@ struct LlamaBlock {
     heads: (usize, usize),
     /// The attention window (`None`: every earlier token).
     window: Option<usize>,
+    /// Which of the model's rotary tables it uses (Gemma 3: 1 on a sliding layer).
+    rope: usize,
 }
 
 impl LlamaBlock {
@@ -579,13 +669,9 @@ pub struct Llama {
     tp: Option<crate::tp::TensorParallel>,
     /// The sequence-parallel group whose chunks of every sequence this model runs on.
     sp: Option<crate::sp::SequenceParallel>,
-    /// Rotary tables, (max_position_embeddings, rotary_dim / 2).
-    cos: Tensor,
-    sin: Tensor,
-    /// LongRoPE: the original context, and the tables for sequences longer than it.
-    long: Option<(usize, (Tensor, Tensor))>,
-    /// Dynamic NTK scaling: the original context, beyond which it is refused.
-    within: Option<usize>,
+    /// Rotary tables: one, or (Gemma 3) one per layer type, full then sliding; each block
+    /// names its own.
+    ropes: Vec<RopeTables>,
     /// What loading left unused (empty for a model not loaded from files).
     report: LoadReport,
 }
@@ -739,6 +825,7 @@ impl Llama {
                 down: row(inter, e, mlp_bias, f.pp("down_proj"))?,
                 heads: (h / p, kv / p),
                 window: windows[i],
+                rope: usize::from(cfg.model_type() == "gemma3_text" && windows[i].is_some()),
             });
         }
         let lm_head: Option<Layer> = match (cfg.tie_word_embeddings || !last, tp) {
@@ -753,22 +840,14 @@ impl Llama {
             Some(t) => Some(LlamaEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_tokens"), t)?)),
             None => Some(LlamaEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_tokens"))?)),
         };
-        let (n, half) = (cfg.max_position_embeddings, cfg.rotary_dim() / 2);
-        let rope = cfg.rope().map_err(candle_core::Error::Msg)?;
-        // cos and sin of every position's angles, times the attention factor.
-        let tables = |inv_freq: &[f64]| -> candle_core::Result<(Tensor, Tensor)> {
-            let angles: Vec<f64> = (0..n).flat_map(|p| inv_freq.iter().map(move |f| p as f64 * f)).collect();
-            let table = |f: fn(f64) -> f64| {
-                let v: Vec<f32> = angles.iter().map(|a| (f(*a) * rope.attention) as f32).collect();
-                Tensor::from_vec(v, (n, half), vb.device())
-            };
-            Ok((table(f64::cos)?, table(f64::sin)?))
+        let ropes = match cfg.model_type() {
+            "gemma3_text" => vec![cfg.rope_of("full_attention"), cfg.rope_of("sliding_attention")],
+            _ => vec![cfg.rope()],
         };
-        let (cos, sin) = tables(&rope.inv_freq)?;
-        let long = match &rope.long {
-            Some((original, inv_freq)) => Some((*original, tables(inv_freq)?)),
-            None => None,
-        };
+        let ropes = ropes
+            .into_iter()
+            .map(|r| RopeTables::new(&r.map_err(candle_core::Error::Msg)?, cfg.max_position_embeddings, vb.device()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Llama {
             cfg: cfg.clone(),
             layers,
@@ -778,10 +857,7 @@ impl Llama {
             lm_head,
             tp: tp.cloned(),
             sp: None,
-            cos,
-            sin,
-            long,
-            within: rope.within,
+            ropes,
             report: LoadReport::default(),
         })
     }
@@ -869,16 +945,7 @@ impl Llama {
         }
         // The whole sequence's length (every chunk's, under sequence parallelism).
         let seq = self.sp.as_ref().map_or(t, |sp| sp.size() * t);
-        if let Some(original) = self.within.filter(|o| seq > *o) {
-            candle_core::bail!(
-                "sequence of {seq} tokens beyond the original context of {original}: dynamic NTK rotary scaling changes its frequencies with the length there (not supported)"
-            );
-        }
-        let (cos, sin) = match &self.long {
-            Some((original, long)) if seq > *original => (&long.0, &long.1),
-            _ => (&self.cos, &self.sin),
-        };
-        let (cos, sin) = (cos.narrow(0, from, t)?.contiguous()?, sin.narrow(0, from, t)?.contiguous()?);
+        let tables = self.ropes.iter().map(|r| r.cut(seq, from, t)).collect::<candle_core::Result<Vec<_>>>()?;
         // Causal masks, one per attention window the blocks use: query i sees key j <= i, and
         // with a window w only j > i - w.
         let mut masks: Vec<(Option<usize>, Tensor)> = Vec::new();
@@ -891,7 +958,8 @@ impl Llama {
         }
         let mut x = x.clone();
         for blk in &self.blocks {
-            x = blk.forward(&x, (&cos, &sin, &masks), &self.cfg, self.sp.as_ref())?;
+            let (cos, sin) = &tables[blk.rope];
+            x = blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref())?;
         }
         Ok(x)
     }

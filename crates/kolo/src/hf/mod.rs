@@ -6,7 +6,7 @@
 //! (`model.layers.0.self_attn.q_proj.weight`, ...), so they train under
 //! [`Trainer`](crate::Trainer) like any user model: [`Gpt2`] (`gpt2`), [`GptNeox`]
 //! (`gpt_neox`) and [`Llama`] for the Llama family ([`FAMILY`]: `llama` with Llama 3's, YaRN and
-//! LongRoPE rotary scaling, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `phi3`), which also splits over a [`crate::Mesh`].
+//! LongRoPE rotary scaling, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3`), which also splits over a [`crate::Mesh`].
 //! [`load_causal_lm`] picks one by `config.json`'s `model_type`, refusing by name what changes
 //! the arithmetic and is not implemented; [`save_pretrained_with`] writes whole, shaped tensors
 //! under those names back out, with the `format = pt` metadata `transformers` requires.
@@ -65,7 +65,7 @@ use std::path::Path;
 pub enum CausalLm {
     /// `gpt2`.
     Gpt2(Gpt2),
-    /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `phi3` ([`FAMILY`]).
+    /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3` ([`FAMILY`]).
     Llama(Llama),
     /// `gpt_neox`.
     GptNeox(GptNeox),

@@ -315,6 +315,11 @@ fn architectures_load_with_transformers_logits_and_train() {
         // Without its head norms (as a Qwen2, no biases in the file) Qwen3 reads q_norm and
         // k_norm as unused tensors and computes other logits.
         ("qwen3", vec![("\"model_type\": \"qwen3\"", "\"model_type\": \"llama\"")]),
+        // Gemma 3: each layer type's own rotary embedding (the full layer's scaled by 8), and
+        // the head norms (as a Gemma 2 they are left unused).
+        ("gemma3", vec![("\"rope_type\": \"linear\"", "\"rope_type\": \"default\"")]),
+        ("gemma3", vec![("\"rope_theta\": 10000.0", "\"rope_theta\": 1000000.0")]),
+        ("gemma3", vec![("\"model_type\": \"gemma3_text\"", "\"model_type\": \"gemma2\"")]),
         ("gemma2", vec![("\"attn_logit_softcapping\": 2.0", "\"attn_logit_softcapping\": null")]),
         ("gemma2", vec![("\"final_logit_softcapping\": 5.0", "\"final_logit_softcapping\": null")]),
         ("gemma2", vec![("\"query_pre_attn_scalar\": 24", "\"query_pre_attn_scalar\": 16")]),
@@ -499,7 +504,9 @@ fn llama_family_options_not_implemented_are_refused() {
     assert!(e.contains("attention_bias = true is not an option of mistral"), "{e}");
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3\""));
     assert!(
-        e.contains("model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, qwen2, qwen3, gemma, gemma2, phi3)"),
+        e.contains(
+            "model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3)"
+        ),
         "{e}"
     );
     let q = std::fs::read_to_string(kolo_testkit::files::hf_tiny("qwen2").join("config.json")).unwrap();
