@@ -951,9 +951,7 @@ impl Llama {
         let mut masks: Vec<(Option<usize>, Tensor)> = Vec::new();
         for w in self.blocks.iter().map(|b| b.window) {
             if masks.iter().all(|(have, _)| *have != w) {
-                let seen = |q: usize, k: usize| k <= q && w.is_none_or(|w| k + w > q);
-                let mask: Vec<f32> = (0..t * t).map(|i| if seen(i / t, i % t) { 0.0 } else { f32::NEG_INFINITY }).collect();
-                masks.push((w, Tensor::from_vec(mask, (t, t), x.device())?));
+                masks.push((w, super::causal_mask(t, w, x.device())?));
             }
         }
         let mut x = x.clone();
@@ -989,26 +987,21 @@ impl Llama {
     /// stage returns the mean next-token cross-entropy against `windows[:, 1..]`
     /// (vocabulary-parallel when split), the others their hidden states.
     pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
-        let t = windows.dim(1)? - 1;
         // Sequence parallelism: this rank's chunk of the inputs and of the targets.
         let chunk = |x: Tensor| match &self.sp {
             Some(sp) => sp.chunk(&x, 1),
             None => Ok(x),
         };
-        let x = match input {
-            Some(x) => x.clone(),
-            None => self.embed(&chunk(windows.narrow(1, 0, t)?)?)?,
+        let head = |x: &Tensor| self.head(x);
+        let parts = super::StageParts {
+            embed: &|ids| self.embed(ids),
+            blocks: &|x| self.blocks(x),
+            head: self.norm.as_ref().map(|_| &head as super::Part<'_>),
+            chunk: &chunk,
+            vocab: self.cfg.vocab_size,
+            tp: self.tp.as_ref(),
         };
-        let x = self.blocks(&x)?;
-        if self.norm.is_none() {
-            return Ok(x);
-        }
-        let logits = self.head(&x)?;
-        let targets = chunk(windows.narrow(1, 1, t)?)?;
-        match &self.tp {
-            Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, self.cfg.vocab_size, tp),
-            None => candle_nn::loss::cross_entropy(&logits.reshape(((), self.cfg.vocab_size))?, &targets.flatten_all()?),
-        }
+        super::run_stage(parts, input, windows)
     }
 
     /// Mean next-token cross-entropy of `ids` (batch, seq); split over a tensor-parallel group,

@@ -149,6 +149,52 @@ impl CausalLm {
     }
 }
 
+/// The additive causal mask (t, t) of attention: query i sees key j <= i (with a `window` w,
+/// only j > i - w), 0 where it sees and minus infinity elsewhere.
+pub(super) fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> candle_core::Result<Tensor> {
+    let seen = |q: usize, k: usize| k <= q && window.is_none_or(|w| k + w > q);
+    let mask: Vec<f32> = (0..t * t).map(|i| if seen(i / t, i % t) { 0.0 } else { f32::NEG_INFINITY }).collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
+/// A part of a model as a function of tensors.
+pub(super) type Part<'a> = &'a dyn Fn(&Tensor) -> candle_core::Result<Tensor>;
+
+/// One architecture's parts of a pipeline stage, for [`run_stage`].
+pub(super) struct StageParts<'a> {
+    /// The first stage's embedding of token ids.
+    pub embed: Part<'a>,
+    /// This rank's blocks on hidden states.
+    pub blocks: Part<'a>,
+    /// The last stage's final norm and output layer (`None` on the other stages).
+    pub head: Option<Part<'a>>,
+    /// This rank's part of a sequence (its sequence-parallel chunk; the identity without one).
+    pub chunk: &'a dyn Fn(Tensor) -> candle_core::Result<Tensor>,
+    pub vocab: usize,
+    pub tp: Option<&'a crate::tp::TensorParallel>,
+}
+
+/// A pipeline stage of a causal language model on the micro-batch `windows` (batch, seq + 1)
+/// of token ids, the same for every architecture: the first stage embeds `windows[:, ..seq]`,
+/// the others take the previous stage's hidden states `input`; the last stage returns the mean
+/// next-token cross-entropy against `windows[:, 1..]` (vocabulary-parallel over `tp`), the
+/// others their hidden states.
+pub(super) fn run_stage(parts: StageParts<'_>, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
+    let t = windows.dim(1)? - 1;
+    let x = match input {
+        Some(x) => x.clone(),
+        None => (parts.embed)(&(parts.chunk)(windows.narrow(1, 0, t)?)?)?,
+    };
+    let x = (parts.blocks)(&x)?;
+    let Some(head) = parts.head else { return Ok(x) };
+    let logits = head(&x)?;
+    let targets = (parts.chunk)(windows.narrow(1, 1, t)?)?;
+    match parts.tp {
+        Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, parts.vocab, tp),
+        None => candle_nn::loss::cross_entropy(&logits.reshape(((), parts.vocab))?, &targets.flatten_all()?),
+    }
+}
+
 /// Loads this rank's part of the causal language model in `dir` for `mesh`
 /// ([`Llama::new_parallel`]: a Llama-style model's blocks of this rank's pipeline stage, split
 /// over the mesh's `tp` group, on its `sp` chunk of each sequence; [`Gpt2::new_parallel`] and

@@ -370,8 +370,7 @@ impl GptNeox {
             candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
         }
         let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
-        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-        let mask = Tensor::from_vec(mask, (t, t), x.device())?;
+        let mask = super::causal_mask(t, None, x.device())?;
         let mut x = x.clone();
         for blk in &self.blocks {
             x = blk.forward(&x, (&cos, &sin, &mask), &self.cfg)?;
@@ -399,21 +398,16 @@ impl GptNeox {
     /// stage returns the mean next-token cross-entropy against `windows[:, 1..]`
     /// (vocabulary-parallel when split), the others their hidden states.
     pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
-        let t = windows.dim(1)? - 1;
-        let x = match input {
-            Some(x) => x.clone(),
-            None => self.embed(&windows.narrow(1, 0, t)?)?,
+        let head = |x: &Tensor| self.head(x);
+        let parts = super::StageParts {
+            embed: &|ids| self.embed(ids),
+            blocks: &|x| self.blocks(x),
+            head: self.norm.as_ref().map(|_| &head as super::Part<'_>),
+            chunk: &Ok,
+            vocab: self.cfg.vocab_size,
+            tp: self.tp.as_ref(),
         };
-        let x = self.blocks(&x)?;
-        if self.norm.is_none() {
-            return Ok(x);
-        }
-        let logits = self.head(&x)?;
-        let targets = windows.narrow(1, 1, t)?;
-        match &self.tp {
-            Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, self.cfg.vocab_size, tp),
-            None => candle_nn::loss::cross_entropy(&logits.reshape(((), self.cfg.vocab_size))?, &targets.flatten_all()?),
-        }
+        super::run_stage(parts, input, windows)
     }
 
     /// Mean next-token cross-entropy of `ids` (batch, seq); split over a tensor-parallel group,
