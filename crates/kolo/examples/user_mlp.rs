@@ -49,11 +49,10 @@ impl kolo::UpdateRule for Lion {
     }
 }
 
-/// The examples at `idx` as (images, labels) tensors.
+/// The examples at `idx` as (images, labels) tensors, the images in `dtype`.
 fn tensors(data: &Mnist, idx: &[usize], dist: &kolo::Dist, dtype: DType) -> Result<(Tensor, Tensor)> {
-    let x: Vec<f32> = idx.iter().flat_map(|&i| data.image(i).iter().copied()).collect();
-    let y: Vec<u32> = idx.iter().map(|&i| u32::from(data.labels()[i])).collect();
-    Ok((Tensor::from_vec(x, (idx.len(), 784), &dist.device())?.to_dtype(dtype)?, Tensor::from_vec(y, idx.len(), &dist.device())?))
+    let (x, y) = kolo::data::mnist_tensors(data, idx, &dist.device())?;
+    Ok((x.to_dtype(dtype)?, y))
 }
 
 pub fn train(args: &[String]) -> Result<Vec<f32>> {

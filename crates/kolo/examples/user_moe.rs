@@ -59,14 +59,6 @@ impl MoeMlp {
     }
 }
 
-/// The examples at `idx` as (images, labels) tensors.
-fn tensors(data: &Mnist, idx: &[usize]) -> Result<(Tensor, Tensor)> {
-    let x: Vec<f32> = idx.iter().flat_map(|&i| data.image(i).iter().copied()).collect();
-    let y: Vec<u32> = idx.iter().map(|&i| u32::from(data.labels()[i])).collect();
-    let dev = kolo::candle_core::Device::Cpu;
-    Ok((Tensor::from_vec(x, (idx.len(), 784), &dev)?, Tensor::from_vec(y, idx.len(), &dev)?))
-}
-
 /// Trains as the flags say; returns where the last checkpoint went.
 pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
@@ -131,7 +123,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     let mut sampler = Sampler::new(cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
     let stop_at: u64 = arg("--stop-at", "0").parse()?;
     while trainer.steps_done() < steps {
-        let (x, y) = tensors(&train, &sampler.next_batch())?;
+        let (x, y) = kolo::data::mnist_tensors(&train, &sampler.next_batch(), &dist.device())?;
         trainer.set_data_position(sampler.position()); // before the step, whose checkpoint carries it
         trainer.step(|| {
             let (logits, aux) = model.forward(&x)?;
