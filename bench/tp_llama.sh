@@ -9,7 +9,7 @@
 # an untied output layer (a tied one cannot span stages yet; 163M parameters): one process, DDP
 # over 2 and 2 pipeline stages (1F1B over 2 micro-batches) on G windows. Per rank: the peak
 # resident memory (/usr/bin/time), the step time of steps 6..10 from the log, each stage's bubble.
-#   bash bench/tp_llama.sh [G] [T]
+#   [PYTHON=/opt/peers-venv/bin/python] bash bench/tp_llama.sh [R] [G] [T]   (PYTHON: also torch's tp 3)
 source "$(dirname "$0")/common.sh"
 G="${2:-3}"; T="${3:-64}"
 cargo build --release -p kolo --features hf --example hf_finetune >/dev/null
@@ -55,6 +55,12 @@ run() { # MODEL NAME N ARGS...
 run 135m "one process, batch $G" 1 --batch "$G"
 run 135m "DDP, 3 ranks x batch $((G / 3))" 3 --batch "$((G / 3))"
 run 135m "tp 3, batch $G" 3 --batch "$G" --tp 3
+# torch's tensor parallelism on the same files, when PYTHON has torch and transformers
+# (bench/torch_tp_llama.py: the blocks split Megatron's way, the embedding and head whole).
+if [ -n "${PYTHON:-}" ] && "$PYTHON" -c 'import torch, transformers' 2>/dev/null; then
+  echo "== torch tp 3 (torch.distributed.tensor.parallel over gloo), batch $G"
+  OMP_NUM_THREADS=1 "$(dirname "$PYTHON")/torchrun" --nproc_per_node 3 bench/torch_tp_llama.py "$tmp/135m" "$G" "$T" 10 2>&1 | grep "torch tp" | sed 's/^/  /'
+fi
 P=$(( G / 3 * 2 ))   # the pipeline's global batch: 2 micro-batches
 run 135m-untied "untied: one process, batch $P" 1 --batch "$P"
 run 135m-untied "untied: DDP, 2 ranks x batch $((P / 2))" 2 --batch "$((P / 2))"
