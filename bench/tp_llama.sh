@@ -9,7 +9,7 @@
 # an untied output layer (a tied one cannot span stages yet; 163M parameters): one process, DDP
 # over 2 and 2 pipeline stages (1F1B over 2 micro-batches) on G windows. Per rank: the peak
 # resident memory (/usr/bin/time), the step time of steps 6..10 from the log, each stage's bubble.
-#   [PYTHON=/opt/peers-venv/bin/python] bash bench/tp_llama.sh [R] [G] [T]   (PYTHON: also torch's tp 3)
+#   [PYTHON=/opt/peers-venv/bin/python] bash bench/tp_llama.sh [R] [G] [T]   (PYTHON: also torch's tp 3 and pp 2)
 source "$(dirname "$0")/common.sh"
 G="${2:-3}"; T="${3:-64}"
 cargo build --release -p kolo --features hf --example hf_finetune >/dev/null
@@ -65,4 +65,8 @@ P=$(( G / 3 * 2 ))   # the pipeline's global batch: 2 micro-batches
 run 135m-untied "untied: one process, batch $P" 1 --batch "$P"
 run 135m-untied "untied: DDP, 2 ranks x batch $((P / 2))" 2 --batch "$((P / 2))"
 run 135m-untied "untied: pp 2 (1F1B, 2 micro-batches), batch $P" 2 --batch "$P" --pp 2 --micro 2
+if [ -n "${PYTHON:-}" ] && "$PYTHON" -c 'import torch, transformers' 2>/dev/null; then
+  echo "== untied: torch pp 2 (torch.distributed.pipelining, 1F1B, 2 micro-batches), batch $P"
+  OMP_NUM_THREADS=1 "$(dirname "$PYTHON")/torchrun" --nproc_per_node 2 bench/torch_pp_llama.py "$tmp/135m-untied" "$P" "$T" 10 2 2>&1 | grep "torch pp" | sed 's/^/  /'
+fi
 uptime
