@@ -273,7 +273,7 @@ fn beat_loop(
                     return Err(PsError::Server(if declared_dead {
                         format!(
                             "server {me} was declared dead after missing its heartbeats (stopped or cut off): the job went on without it, \
-                             so its copies are stale and it hands nothing on; its ranges' replicas took over"
+                             its ranges' replicas took over, and its own copies of those, stale now, were not handed on"
                         )
                     } else {
                         format!("server {me} was removed from the job; its ranges were handed on")
@@ -319,11 +319,13 @@ fn reconfigure(shared: &Shared, m: Membership) {
     shared.epoch.store(epoch, Ordering::SeqCst);
     let Some(job) = lock(&shared.job).clone() else { return };
     if m.dead_servers.contains(&me) {
-        // Declared dead while alive (stopped, or cut off from the coordinator): the survivors
-        // handed this server's ranges on and the job went on without it, so every copy here
-        // is older than theirs. Handing one on would overwrite a newer replica (#34 item 4).
-        retire_all(shared);
-        return;
+        // Declared dead while alive (stopped, or cut off from the coordinator): where another
+        // member of a range's chain survived, it handed the range on and the job went on
+        // without this server, so the copy here is older than theirs: handing it on would
+        // overwrite a newer replica (#34 item 4). It is retired. A range this server alone
+        // held (no replica) went nowhere meanwhile (its new holder reports it lost): this copy
+        // is the only one, and is handed on below as a live server's would be.
+        retire_stale(shared, &job, &old_ring, &ids);
     }
     {
         // A range that belongs here but has not arrived waits for a hand-over from the servers
@@ -397,15 +399,28 @@ fn reconfigure(shared: &Shared, m: Membership) {
     }
 }
 
-/// Retires every range this server holds, handing none on: waiters give up, requests are
-/// refused with `WrongEpoch`.
-fn retire_all(shared: &Shared) {
-    let slots: Vec<Slot> = lock(&shared.ranges).drain().map(|(_, s)| s).collect();
-    for slot in slots {
+/// Retires the ranges this server holds whose previous chain (`old`) has a member among the
+/// servers `alive` other than this one, handing none on: waiters give up, requests are refused
+/// with `WrongEpoch`.
+fn retire_stale(shared: &Shared, job: &JobSpec, old: &Ring, alive: &[u32]) {
+    let me = shared.id.load(Ordering::SeqCst);
+    let stale: Vec<(u32, Slot)> = {
+        let mut map = lock(&shared.ranges);
+        let rs: Vec<u32> =
+            map.keys().copied().filter(|r| old.chain(*r, job.replication).iter().any(|s| *s != me && alive.contains(s))).collect();
+        rs.into_iter().map(|r| (r, map.remove(&r).expect("listed"))).collect()
+    };
+    for (r, slot) in &stale {
         lock(&slot.0).epoch = RETIRED;
         slot.1.notify_all();
+        lock(&shared.stranded).remove(r);
     }
-    lock(&shared.stranded).clear();
+    if !stale.is_empty() {
+        kolo_base::eline!(
+            "kolo ps server {me}: declared dead; {} range(s) its replicas took over retired here, not handed on (stale)",
+            stale.len()
+        );
+    }
 }
 
 /// Sends range `r`'s whole state (`d`) to server `to` as a `Transfer` at `epoch`.
