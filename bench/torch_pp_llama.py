@@ -9,7 +9,7 @@ mean ms/step of steps 6..STEPS and every rank's peak resident memory.
 
     torchrun --nproc_per_node 2 bench/torch_pp_llama.py MODEL_DIR [G] [T] [STEPS] [M]
 """
-import resource
+import os
 import sys
 import time
 
@@ -18,6 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_common import clip, report  # noqa: E402
 
 model_dir = sys.argv[1]
 G, T, steps, M = (int(a) for a in (sys.argv[2:] + ["2", "64", "10", "2"][len(sys.argv) - 2:])[:4])
@@ -78,20 +81,9 @@ for step in range(1, steps + 1):
         schedule.step(target=ids[:, 1:])
     else:
         schedule.step()
-    sq = torch.stack([p.grad.pow(2).sum() for p in stage_mod.parameters() if p.grad is not None]).sum()
-    dist.all_reduce(sq)
-    coef = min(1.0, 1.0 / (sq.sqrt().item() + 1e-6))
-    for p in stage_mod.parameters():
-        if p.grad is not None:
-            p.grad.mul_(coef)
+    clip(stage_mod.parameters(), 1.0)  # each stage's own parameters, squares summed over the stages
     opt.step()
     opt.zero_grad()
     times.append(time.perf_counter() - t0)
-rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6])
-all_rss = [torch.zeros(1) for _ in range(world)]
-dist.all_gather(all_rss, rss)
-if rank == 0:
-    late = times[5:] or times
-    print(f"torch pp {world} (1F1B, {M} micro-batches, blocks {cuts}): {1e3 * sum(late) / len(late):.0f} ms/step (steps 6..{steps}), "
-          f"peak RSS per rank {' / '.join(f'{r.item():.2f}' for r in all_rss)} GB, torch {torch.__version__}")
+report(f"torch pp {world} (1F1B, {M} micro-batches, blocks {cuts})", times, steps)
 dist.destroy_process_group()

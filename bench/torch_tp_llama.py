@@ -9,7 +9,7 @@ every rank's peak resident memory.
 
     torchrun --nproc_per_node 3 bench/torch_tp_llama.py MODEL_DIR [G] [T] [STEPS]
 """
-import resource
+import os
 import sys
 import time
 
@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from torch_common import clip, report  # noqa: E402
 
 model_dir = sys.argv[1]
 G, T, steps = (int(a) for a in (sys.argv[2:] + ["3", "64", "10"][len(sys.argv) - 2:])[:3])
@@ -37,23 +40,6 @@ for layer in model.model.layers:
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
 vocab = model.config.vocab_size
 
-
-def clip(model, max_norm):
-    # clip_grad_norm_ refuses parameters that are partly DTensors (the split projections) and
-    # partly plain tensors (the whole embedding and norms): the squares of the split pieces are
-    # summed over the group, the whole ones counted once, as Megatron's clipping does.
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    split = torch.zeros(())
-    whole = torch.zeros(())
-    for g in grads:
-        if isinstance(g, torch.distributed.tensor.DTensor):
-            split += g.to_local().pow(2).sum()
-        else:
-            whole += g.pow(2).sum()
-    dist.all_reduce(split)
-    coef = min(1.0, max_norm / ((split + whole).sqrt().item() + 1e-6))
-    for g in grads:
-        g.mul_(coef)
 ids = torch.randint(0, vocab, (G, T + 1), generator=torch.Generator().manual_seed(0))
 times = []
 for step in range(1, steps + 1):
@@ -61,15 +47,11 @@ for step in range(1, steps + 1):
     logits = model(ids[:, :-1]).logits
     loss = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
     loss.backward()
-    clip(model, 1.0)
+    # The split projections' squares summed over the group, the whole layers' counted once
+    # (clip_grad_norm_ refuses a model that is partly DTensor).
+    clip(model.parameters(), 1.0, split=lambda g: isinstance(g, torch.distributed.tensor.DTensor))
     opt.step()
     opt.zero_grad()
     times.append(time.perf_counter() - t0)
-rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6])
-all_rss = [torch.zeros(1) for _ in range(world)]
-dist.all_gather(all_rss, rss)
-if rank == 0:
-    late = times[5:] or times
-    print(f"torch tp {world}: loss at step {steps} {loss.item():.4f}, {1e3 * sum(late) / len(late):.0f} ms/step (steps 6..{steps}), "
-          f"peak RSS per rank {' / '.join(f'{r.item():.2f}' for r in all_rss)} GB, torch {torch.__version__}")
+report(f"torch tp {world}: loss at step {steps} {loss.item():.4f}", times, steps)
 dist.destroy_process_group()
