@@ -14,7 +14,7 @@ tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
 tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
 tok.decoder = decoders.Fuse()
 tok.add_special_tokens(["<|endoftext|>"])
-for name in ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "mistral-tiny", "llama3-tiny"]:
+for name in ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "mistral-tiny", "llama3-tiny", "mixtral-tiny"]:
     tok.save(f"test-data/hf/{name}/tokenizer.json")
 enc = tok.encode("First Citizen:\nBefore we proceed")
 assert tok.decode(enc.ids) == "First Citizen:\nBefore we proceed", tok.decode(enc.ids)

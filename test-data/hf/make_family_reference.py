@@ -21,6 +21,8 @@ int64, "logits" f32). What each exercises:
   gemma3  Gemma3ForCausalLM (text): head norms, a rotary embedding per layer type (3 layers);
   phi3    Phi3ForCausalLM: fused qkv_proj and gate_up_proj, a partial rotary embedding (0.5 of
           each head), sliding_window 6;
+  mixtral MixtralForCausalLM: 4 SwiGLU experts per layer, top 2, and the load-balancing loss
+          (reference.safetensors also holds "loss" and "aux_loss" on ids[:, :-1] -> ids[:, 1:]);
   gpt_neox GPTNeoXForCausalLM: layer norms with biases, query_key_value laid out head by head,
           a quarter of each head of 16 rotated, parallel residual, GELU, an untied embed_out.
 With `qwen2 OUT 0.5b` the model has Qwen2.5-0.5B's shape (vocabulary 151936, 24 layers of 896,
@@ -113,13 +115,28 @@ elif arch == "phi3_longrope":
         "short_factor": [1.0 + 0.25 * i for i in range(half)], "long_factor": [1.5 + 2.0 * i for i in range(half)],
         "original_max_position_embeddings": 8})
     model = transformers.Phi3ForCausalLM
+elif arch == "mixtral":
+    # Mixtral: every MLP a mixture of 4 SwiGLU experts (block_sparse_moe.experts.{j}.w1/w2/w3),
+    # each token through its top 2 by the router's softmax, the two weights renormalised; the
+    # router's load-balancing loss (over every layer's tokens at once) weighs 0.05 in the loss.
+    cfg = transformers.MixtralConfig(**common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                                     output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0)
+    model = transformers.MixtralForCausalLM
+
+    def extra(model, ids):
+        # The training loss on ids[:, :-1] predicting ids[:, 1:]: cross-entropy plus the
+        # weighted load-balancing loss ("loss"), and that auxiliary loss alone ("aux_loss").
+        out = model(ids[:, :-1], output_router_logits=True)
+        ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+        loss = ce + cfg.router_aux_loss_coef * out.aux_loss
+        return {"loss": loss.float().reshape(1), "aux_loss": out.aux_loss.float().reshape(1)}
 elif arch == "gpt_neox":
     # Heads of 16, so that a quarter of each (4 dimensions) turns whole pairs.
     cfg = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
-save_reference(model, cfg, out, noise)
+save_reference(model, cfg, out, noise, extra=globals().get("extra"))

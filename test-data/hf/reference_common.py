@@ -6,7 +6,8 @@ import transformers
 from safetensors.torch import save_file
 
 
-def save_reference(model, cfg, out, noise):
+def save_reference(model, cfg, out, noise, extra=None):
+    """`extra(model, ids)`, when given, returns more tensors for reference.safetensors."""
     model = model.eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -15,6 +16,10 @@ def save_reference(model, cfg, out, noise):
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids).logits
-    save_file({"ids": ids.to(torch.int64), "logits": logits.float().contiguous()}, f"{out}/reference.safetensors")
+    tensors = {"ids": ids.to(torch.int64), "logits": logits.float().contiguous()}
+    if extra is not None:
+        with torch.no_grad():
+            tensors |= extra(model, ids)
+    save_file(tensors, f"{out}/reference.safetensors")
     print(f"{out}: logits {tuple(logits.shape)}, max |logit| {logits.abs().max().item():.3f}, "
           f"transformers {transformers.__version__}, torch {torch.__version__}")

@@ -1,5 +1,5 @@
-//! Fine-tune a Hugging Face causal language model (GPT-2, or a Llama-style model: Llama, Llama 3,
-//! Mistral, Qwen2) under Kolo's DDP, ZeRO or a model-parallel mesh and export it for `transformers`.
+//! Fine-tune a Hugging Face causal language model (GPT-2, GPT-NeoX, or a Llama-style model:
+//! Llama, Llama 3, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Phi-3) under Kolo's DDP, ZeRO or a model-parallel mesh and export it for `transformers`.
 //!
 //!   cargo run --release --example hf_finetune -- --model DIR --out DIR
 //!   kolo launch -n 2 -- target/release/examples/hf_finetune --model DIR --out DIR --zero 1
@@ -22,9 +22,10 @@
 //! --lr (1e-3), --clip C (1.0; `none`), --zero 0|1|2|3 (3: the model's blocks are sharded
 //! ZeRO-3 groups, the model itself unchanged), --tp T (1: the model split over T ranks, heads,
 //! MLP and vocabulary), --pp P (1: the model's blocks cut into P pipeline stages, run over
-//! --micro M micro-batches, 2, with --schedule gpipe|1f1b); the ranks form a pp x dp x tp
-//! mesh, dp = ranks / (P S T), --sp S (1: a Llama run on S chunks of every sequence, ring
-//! attention).
+//! --micro M micro-batches, 2, with --schedule gpipe|1f1b); the ranks form a pp x dp x ep x sp x tp
+//! mesh, dp = ranks / (P E S T), --sp S (1: a Llama run on S chunks of every sequence, ring
+//! attention), --ep E (1: Mixtral's experts dealt out over E ranks, each reading its own
+//! batches: test-data/hf/mixtral-tiny).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use kolo::hf::finetune::{HfData, HfModel};
@@ -40,6 +41,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         (arg("--steps", "20").parse()?, arg("--batch", "4").parse()?, arg("--seq", "32").parse()?);
     let dist = kolo::init()?;
     let (tp, pp, sp): (usize, usize, usize) = (arg("--tp", "1").parse()?, arg("--pp", "1").parse()?, arg("--sp", "1").parse()?);
+    let ep: usize = arg("--ep", "1").parse()?;
     let mut opts = kolo::TrainOptions::new()
         .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
         .zero_stage(arg("--zero", "0").parse()?)
@@ -62,7 +64,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
             seq,
             eval_fraction: arg("--eval-fraction", "0").parse()?,
         },
-        mesh: Some(MeshConfig { tp, pp: Some(pp), dp: None, sp, ep: 1 }),
+        mesh: Some(MeshConfig { tp, pp: Some(pp), dp: None, sp, ep }),
         pipeline: Some(PipelineConfig { micro_batches: arg("--micro", "2").parse()?, schedule, rematerialize: false }),
         optim: opts.optim,
         ddp: opts.ddp,

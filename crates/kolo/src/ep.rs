@@ -72,6 +72,19 @@ impl ExpertParallel {
     }
 }
 
+/// What [`MoeLayer::forward_routed`] returns.
+pub struct MoeForward {
+    /// The layer's output (the input's shape).
+    pub output: Tensor,
+    /// As [`MoeLayer::forward`]'s auxiliary loss: add it to the loss.
+    pub aux: Tensor,
+    /// The gate's softmax over the experts (tokens, experts), differentiable.
+    pub probs: Tensor,
+    /// Each token's `top_k` chosen experts, best first (tokens x top_k, row-major), before the
+    /// capacity drops any.
+    pub choices: Vec<usize>,
+}
+
 /// A mixture-of-experts layer (see the [module](self)): the gate `gate.weight` (experts, hidden)
 /// and this rank's experts `experts.{j}.` under the `VarBuilder` it was built from (Mixtral's
 /// `block_sparse_moe` names with Mixtral's experts).
@@ -122,6 +135,14 @@ impl<E: Module> MoeLayer<E> {
     /// every parameter). Collective over the expert-parallel group: every member calls it the
     /// same number of times.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let r = self.forward_routed(x)?;
+        Ok((r.output, r.aux))
+    }
+
+    /// As [`MoeLayer::forward`], also returning the gate's probabilities and each token's
+    /// choices: for a model whose auxiliary loss is its own (Mixtral's, over every layer's
+    /// tokens at once).
+    pub fn forward_routed(&self, x: &Tensor) -> candle_core::Result<MoeForward> {
         let dims = x.dims().to_vec();
         let hidden = *dims.last().unwrap_or(&0);
         let flat = x.reshape(((), hidden))?;
@@ -136,9 +157,9 @@ impl<E: Module> MoeLayer<E> {
             Ok(self.experts[l].forward(rows)?)
         };
         let ex = self.ep.as_ref().map(|g| &g.ex);
-        let (y, mut aux, routing) =
-            kolo_tensor::models::moe::moe_layer(&flat, self.gate.weight(), self.experts.len(), &expert, &self.cfg, ex)
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let m = kolo_tensor::models::moe::moe_layer(&flat, self.gate.weight(), self.experts.len(), &expert, &self.cfg, ex)
+            .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let mut aux = m.aux;
         // An expert no token reached this time still takes part in the loss, with a gradient of
         // zeros (the trainer, as torch's DDP, wants every parameter's gradient each step): its
         // output on one row of zeros, times 0, joins the auxiliary loss.
@@ -149,8 +170,8 @@ impl<E: Module> MoeLayer<E> {
             let keep = dummy.sum_all()?.mul(&zero)?.to_dtype(aux.dtype())?;
             aux = (aux + keep)?;
         }
-        self.load.lock().unwrap_or_else(|p| p.into_inner()).add(&routing);
-        Ok((y.reshape(dims)?, aux))
+        self.load.lock().unwrap_or_else(|p| p.into_inner()).add(&m.routing);
+        Ok(MoeForward { output: m.out.reshape(dims)?, aux, probs: m.probs, choices: m.routing.choices })
     }
 
     /// The routing counts since the last call (assignments kept per expert of the whole layer,

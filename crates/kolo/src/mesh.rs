@@ -151,38 +151,47 @@ impl Mesh {
     }
 
     /// Collective over the model-parallel group: on its first rank (the first stage's member 0
-    /// of its tensor-parallel group), a VarMap of the whole model's tensors under their names:
-    /// each split variable put together from its tensor-parallel pieces, every pipeline
-    /// stage's variables sent to it; `None` on the others. For an export such as
+    /// of its tensor-parallel group and of its expert-parallel group), a VarMap of the whole
+    /// model's tensors under their names: each split variable put together from its
+    /// tensor-parallel pieces, every pipeline stage's variables and every expert-parallel
+    /// member's experts sent to it; `None` on the others. For an export such as
     /// `kolo::hf::CausalLm::save_pretrained` from that rank.
     pub fn whole_varmap(&self, varmap: &candle_nn::VarMap) -> Result<Option<candle_nn::VarMap>> {
         let Some(stage) = crate::tp::whole_varmap(varmap, &self.tp)? else { return Ok(None) };
-        let (s, k) = (self.coords[0], self.sizes[0]);
-        if s > 0 {
-            // This stage's tensors, as safetensors bytes, to the first stage.
+        let Some(model) = self.gather_to_first(&self.pp, stage)? else { return Ok(None) };
+        self.gather_to_first(&self.ep, model)
+    }
+
+    /// Collective over `group` (whose members hold different variables, and the same values of
+    /// any they share): its first member gets every member's variables in `mine`; `None` on the
+    /// others.
+    fn gather_to_first(&self, group: &Arc<dyn Communicator>, mine: candle_nn::VarMap) -> Result<Option<candle_nn::VarMap>> {
+        let (me, k) = (group.rank().get(), group.world_size().get());
+        if me > 0 {
+            // This member's tensors, as safetensors bytes, to the first.
             let tensors: Vec<(String, candle_core::Tensor)> =
-                stage.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
+                mine.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.as_tensor().clone())).collect();
             let bytes = safetensors::serialize(tensors.iter().map(|(n, t)| (n.as_str(), t)), None)
                 .map_err(|e| Error::usage(self.global_rank, "Mesh::whole_varmap", e.to_string()))?;
-            self.pp.send(kolo_comm::BufRef::from(&[bytes.len() as i64][..]), kolo_base::Rank(0), 1)?;
-            self.pp.send(kolo_comm::BufRef::from(&bytes[..]), kolo_base::Rank(0), 2)?;
+            group.send(kolo_comm::BufRef::from(&[bytes.len() as i64][..]), kolo_base::Rank(0), 1)?;
+            group.send(kolo_comm::BufRef::from(&bytes[..]), kolo_base::Rank(0), 2)?;
             return Ok(None);
         }
         for from in 1..k {
             let mut len = [0i64];
-            self.pp.recv(kolo_comm::BufMut::from(&mut len[..]), kolo_base::Rank(from), 1)?;
+            group.recv(kolo_comm::BufMut::from(&mut len[..]), kolo_base::Rank(from), 1)?;
             let mut bytes = vec![0u8; len[0] as usize];
-            self.pp.recv(kolo_comm::BufMut::from(&mut bytes[..]), kolo_base::Rank(from), 2)?;
-            let mut data = stage.data().lock().unwrap_or_else(|p| p.into_inner());
+            group.recv(kolo_comm::BufMut::from(&mut bytes[..]), kolo_base::Rank(from), 2)?;
+            let mut data = mine.data().lock().unwrap_or_else(|p| p.into_inner());
             for (name, t) in candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu)? {
-                // A parameter tied across stages (an output layer that is the embedding) is
-                // the same on each: the first stage's stays.
+                // A parameter held by several (an output layer tied to the embedding on two
+                // stages, the attention beside the experts) is the same on each: the first's stays.
                 if let std::collections::hash_map::Entry::Vacant(e) = data.entry(name) {
                     e.insert(candle_core::Var::from_tensor(&t)?);
                 }
             }
         }
-        Ok(Some(stage))
+        Ok(Some(mine))
     }
 
     /// The whole job's communicator.

@@ -135,7 +135,8 @@ fn hf_fine_tuning_job_matches_one_process_resumes_and_exports() {
 }
 
 /// A fine-tuning job that cannot run says why in one line: data given twice, a tokenizer whose
-/// vocabulary is larger than the embedding, a flag the job does not take, a checkpoint of
+/// vocabulary is larger than the embedding, expert parallelism for a model without experts, a
+/// flag the job does not take, a checkpoint of
 /// another kind given to `kolo export --hf`.
 #[test]
 fn hf_fine_tuning_jobs_that_cannot_run_are_named() {
@@ -157,6 +158,15 @@ fn hf_fine_tuning_jobs_that_cannot_run_are_named() {
     let o = run(&["train", "--config", cfg.to_str().unwrap()], &[]);
     let t = text(&o);
     assert!(!o.status.success() && t.contains("259") && t.contains("96"), "{t}");
+
+    // Experts dealt out over 2 ranks, for a model without experts.
+    let (cfg, _) = job(&dir, "ep", &shards, 4, "[mesh]\nep = 2\n");
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(
+        !o.status.success() && t.contains("mesh.ep") && t.contains("expert parallelism over 2 ranks is for models with experts"),
+        "{t}"
+    );
 
     let (cfg, _) = job(&dir, "flag", &shards, 4, "");
     let o = run(&["train", "--config", cfg.to_str().unwrap(), "--plan", "auto"], &[]);

@@ -218,8 +218,8 @@ pub(crate) fn moe_forward(
         let h = crate::fused::gelu_erf(&crate::ops::linear(x, &ps[0], &ps[1])?)?;
         crate::ops::linear(&h, &ps[2], &ps[3])
     };
-    let (out, aux, routing) = moe_layer(&hdn.reshape((b * t, c))?, gate, local.len(), &expert, cfg, ex)?;
-    Ok((out.reshape((b, t, c))?, aux, routing))
+    let m = moe_layer(&hdn.reshape((b * t, c))?, gate, local.len(), &expert, cfg, ex)?;
+    Ok((m.out.reshape((b, t, c))?, m.aux, m.routing))
 }
 
 /// One mixture-of-experts layer on the tokens `x` (n, c), the routing group of this rank:
@@ -228,8 +228,8 @@ pub(crate) fn moe_forward(
 /// in equal consecutive runs over the exchange's members; all of them without one) and
 /// `expert(l, rows)` applies this rank's `l`-th expert to the rows sent to it (from every member,
 /// through a differentiable all-to-all), and the outputs come back weighted by the gate.
-/// Returns the output (n, c), the auxiliary load-balancing loss (a scalar, already weighted)
-/// and the routing.
+/// Returns the output (n, c), the auxiliary load-balancing loss (a scalar, already weighted),
+/// the routing and the gate's probabilities.
 pub fn moe_layer(
     x: &Tensor,
     gate: &Tensor,
@@ -237,7 +237,7 @@ pub fn moe_layer(
     expert: &dyn Fn(usize, &Tensor) -> Result<Tensor>,
     cfg: &MoeConfig,
     ex: Option<&Arc<dyn Exchange>>,
-) -> Result<(Tensor, Tensor, Routing)> {
+) -> Result<MoeOut> {
     let (n, c) = x.dims2()?;
     let e = cfg.experts;
     let k = cfg.top_k;
@@ -322,5 +322,18 @@ pub fn moe_layer(
     }
     let f = Tensor::from_vec(f, e, &device)?;
     let aux = (probs.mean(0)?.mul(&f)?.sum_all()? * (cfg.aux_weight * e as f64))?;
-    Ok((out, aux, routing))
+    Ok(MoeOut { out, aux, routing, probs })
+}
+
+/// What [`moe_layer`] returns.
+pub struct MoeOut {
+    /// The layer's output (n, c).
+    pub out: Tensor,
+    /// Switch's auxiliary load-balancing loss, times `aux_weight` (a scalar).
+    pub aux: Tensor,
+    /// Which experts each token chose, and which of those assignments were kept.
+    pub routing: Routing,
+    /// The gate's softmax over the experts (n, experts), differentiable: for a model's own
+    /// auxiliary losses (Mixtral's is over every layer's tokens at once).
+    pub probs: Tensor,
 }

@@ -9,7 +9,7 @@
 //! batch_size = 4                        # sequences per data-parallel replica and step
 //! seq = 32                              # tokens per sequence
 //! eval_fraction = 0.1                   # the shards' last windows, held out for evaluation
-//! [mesh]                                # optional: tp, pp, sp (dp: the rest of the world)
+//! [mesh]                                # optional: tp, pp, sp, ep (Mixtral; dp: the rest)
 //! tp = 2
 //! [pipeline]                            # with pp > 1
 //! micro_batches = 2
@@ -66,7 +66,8 @@ pub struct FineTuneConfig {
     pub model: HfModel,
     /// The token windows and the held-out split.
     pub data: HfData,
-    /// `tp`, `pp`, `sp` (and `dp`, else the rest of the world); `ep` is not for these models.
+    /// `tp`, `pp`, `sp`, `ep` (a model with experts: Mixtral; not with tp, pp or sp yet) and `dp`
+    /// (else the rest of the world).
     pub mesh: Option<MeshConfig>,
     /// Micro-batches and schedule (`gpipe` or `1f1b`) when `mesh.pp` > 1.
     pub pipeline: Option<PipelineConfig>,
@@ -160,9 +161,6 @@ impl FineTuneConfig {
         if !(0.0..1.0).contains(&d.eval_fraction) {
             return Err(format!("data.eval_fraction {} is not in [0, 1)", d.eval_fraction));
         }
-        if self.mesh.as_ref().is_some_and(|m| m.ep != 1) {
-            return Err("mesh.ep: expert parallelism is for models with experts (a Hugging Face model here has none)".into());
-        }
         let (pp, micro) = (self.pp(), self.micro_batches());
         if pp > 1 && self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
             return Err("pipeline.schedule = \"2bw\" is not supported for Hugging Face models (gpipe, 1f1b)".into());
@@ -245,12 +243,18 @@ impl FineTune {
     pub fn new(dist: &Dist, cfg: FineTuneConfig) -> Result<FineTune> {
         cfg.check().map_err(|e| Error::setting("fine-tuning job", e))?;
         let m = cfg.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
-        let (tp, pp, sp) = (m.tp, m.pp.unwrap_or(1), m.sp);
-        let dp = m.dp.unwrap_or(dist.world_size() / (tp * pp * sp).max(1));
-        let mesh = Mesh::new(dist, &[("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp)])?;
+        let (tp, pp, sp, ep) = (m.tp, m.pp.unwrap_or(1), m.sp, m.ep);
+        let dp = m.dp.unwrap_or(dist.world_size() / (tp * pp * sp * ep).max(1));
+        let mesh = Mesh::new(dist, &[("pp", pp), ("dp", dp), ("ep", ep), ("sp", sp), ("tp", tp)])?;
         let (varmap, model) = load_causal_lm_parallel(&cfg.model.hf, &dist.device(), &mesh)?;
+        if ep > 1 && model.experts().is_none() {
+            return Err(Error::setting(
+                "mesh.ep",
+                format!("expert parallelism over {ep} ranks is for models with experts (mixtral); {} has none", cfg.model.hf.display()),
+            ));
+        }
         let opts = cfg.train_options();
-        let trainer = if tp * pp * sp > 1 {
+        let trainer = if tp * pp * sp * ep > 1 {
             Trainer::with_mesh(&varmap, &mesh, opts)?
         } else if opts.ddp.zero_stage == 3 {
             // The blocks' values live as shards over the ranks, gathered into the model when used.
@@ -275,7 +279,7 @@ impl FineTune {
         let n = windows.count(cfg.data.seq + 1);
         let held = (n as f64 * cfg.data.eval_fraction).ceil() as usize;
         let train = n - held.min(n);
-        let need = cfg.data.batch_size * dp;
+        let need = cfg.data.batch_size * dp * ep;
         if train < need {
             return Err(Error::setting(
                 "data",
@@ -305,6 +309,14 @@ impl FineTune {
         &self.mesh
     }
 
+    /// The ranks that read their own windows (`dp x ep`: the members of an expert-parallel
+    /// group hold different experts and train on different tokens), and this rank's index among
+    /// them; the members of a tensor-parallel, pipeline or sequence-parallel group read the same.
+    fn data_replicas(&self) -> (usize, usize) {
+        let ep = self.mesh.size("ep");
+        (self.mesh.size("dp") * ep, self.mesh.coord("dp") * ep + self.mesh.coord("ep"))
+    }
+
     /// Trains `train.steps` steps (from the checkpoint `resume` when given: parameters,
     /// optimizer, step and the data position, at any world size), evaluating the held-out
     /// windows every `train.eval_every` steps and at the end; returns the last evaluation's
@@ -320,7 +332,7 @@ impl FineTune {
             self.trainer.resume(p)?;
         }
         let (batch, seq, micro) = (self.cfg.data.batch_size, self.cfg.data.seq, self.cfg.micro_batches());
-        let (dp, rank) = (self.mesh.size("dp"), self.mesh.coord("dp"));
+        let (dp, rank) = self.data_replicas();
         // The members of a model-parallel group read the same windows; the replicas their own.
         let sampler_cfg =
             SamplerConfig { len: self.train, world: dp, rank, batch, seed: self.cfg.train.seed, shuffle: true, drop_last: true };
@@ -381,7 +393,7 @@ impl FineTune {
         if held == 0 {
             return Ok(None);
         }
-        let (dp, rank) = (self.mesh.size("dp"), self.mesh.coord("dp"));
+        let (dp, rank) = self.data_replicas();
         let batches = held.div_ceil(batch);
         let want = match self.cfg.train.eval_batches {
             0 => batches,
@@ -397,12 +409,15 @@ impl FineTune {
             sum += self.stage_loss(&self.batch(&rows, seq)?)?;
         }
         let mut v = [sum / mine as f64];
-        self.mesh.replicas().all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
+        // Over the replicas (dp x sp); with experts dealt out, over dp x ep (the whole job: ep
+        // runs with neither tp, pp nor sp).
+        let group = if self.mesh.size("ep") > 1 { self.mesh.world() } else { self.mesh.replicas() };
+        group.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
         // The last stage's mean is everyone's.
         let pp = self.mesh.pp();
         let last = kolo_base::Rank(pp.world_size().get() - 1);
         pp.broadcast(BufMut::from(&mut v[..]), last)?;
-        Ok(Some(v[0] / self.mesh.replicas().world_size().get() as f64))
+        Ok(Some(v[0] / group.world_size().get() as f64))
     }
 
     /// The loss of the windows `x` (rows, seq + 1) without a gradient: the whole model's, or
@@ -437,7 +452,7 @@ impl FineTune {
     /// pieces are gathered first.
     pub fn export(&self, dir: &Path, opts: &SaveOptions) -> Result<()> {
         self.trainer.unshard()?;
-        let split = self.mesh.size("tp") * self.mesh.size("pp") > 1;
+        let split = self.mesh.size("tp") * self.mesh.size("pp") * self.mesh.size("ep") > 1;
         let whole = if split { self.mesh.whole_varmap(&self.varmap)? } else { None };
         if self.dist.is_main() {
             self.model.save_pretrained_with(dir, whole.as_ref().unwrap_or(&self.varmap), opts)?;

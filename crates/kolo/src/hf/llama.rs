@@ -7,7 +7,7 @@ use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
 use std::path::Path;
 
 /// The `model_type`s built by [`Llama`].
-pub const FAMILY: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"];
+pub const FAMILY: &[&str] = &["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"];
 
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
@@ -85,6 +85,7 @@ impl LlamaConfig {
             self.rope_of("sliding_attention")?;
         }
         self.layer_windows()?;
+        self.check_experts()?;
         for k in ["query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"] {
             self.positive(k)?;
         }
@@ -116,7 +117,7 @@ impl LlamaConfig {
         let flag = |k: &str| self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
         match self.model_type() {
             "qwen2" => (true, false, false),
-            "mistral" | "phi3" => (false, false, false),
+            "mistral" | "mixtral" | "phi3" => (false, false, false),
             "gemma" | "gemma2" | "gemma3_text" => (flag("attention_bias"), flag("attention_bias"), false),
             _ => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
         }
@@ -207,7 +208,7 @@ impl LlamaConfig {
                 .collect();
         }
         Ok(match self.model_type() {
-            "mistral" | "phi3" => vec![window; n],
+            "mistral" | "mixtral" | "phi3" => vec![window; n],
             // Gemma 3's older files: every `sliding_window_pattern`-th layer full, the others windowed.
             "gemma3_text" => {
                 let every = get("sliding_window_pattern").and_then(|v| v.as_u64()).unwrap_or(6).max(1) as usize;
@@ -393,18 +394,63 @@ impl LlamaConfig {
             "rope_local_base_freq",
             "sliding_window_pattern",
             "_sliding_window_pattern",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "router_aux_loss_coef",
+            "output_router_logits",
+            "router_jitter_noise",
         ];
         self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
     }
 
+    /// Mixtral's mixture of experts in every block (`None` for the other types): its routing
+    /// ([`crate::ep::MoeConfig`]: `num_local_experts`, `num_experts_per_tok`, dropless) and the
+    /// weight of its load-balancing loss (`router_aux_loss_coef` when `output_router_logits`,
+    /// as `transformers` adds it to the loss, else 0).
+    pub fn experts(&self) -> Option<(crate::ep::MoeConfig, f64)> {
+        if self.model_type() != "mixtral" {
+            return None;
+        }
+        let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
+        let experts = get("num_local_experts").and_then(serde_json::Value::as_u64).unwrap_or(8) as usize;
+        let top_k = get("num_experts_per_tok").and_then(serde_json::Value::as_u64).unwrap_or(2) as usize;
+        let coef = get("router_aux_loss_coef").and_then(serde_json::Value::as_f64).unwrap_or(0.001);
+        let on = get("output_router_logits").and_then(serde_json::Value::as_bool).unwrap_or(false);
+        // A capacity of experts / top_k times the fair share is every token: nothing dropped.
+        let routing = crate::ep::MoeConfig { experts, top_k, capacity_factor: experts as f64 / top_k.max(1) as f64, aux_weight: 0.0 };
+        Some((routing, if on { coef } else { 0.0 }))
+    }
+
+    fn check_experts(&self) -> std::result::Result<(), String> {
+        let Some((m, coef)) = self.experts() else { return Ok(()) };
+        if m.top_k != 2 || m.experts < 2 {
+            return Err(format!(
+                "num_experts_per_tok {} of num_local_experts {}: only 2 of at least 2 experts is supported (Mixtral's)",
+                m.top_k, m.experts
+            ));
+        }
+        if !(coef.is_finite() && coef >= 0.0) {
+            return Err(format!("router_aux_loss_coef {coef} is not a number >= 0"));
+        }
+        let jitter = self.other.get("router_jitter_noise").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
+        if jitter != 0.0 {
+            return Err(format!("router_jitter_noise = {jitter} (random noise on the router's input in training) is not supported"));
+        }
+        Ok(())
+    }
+
     /// Each block's share of a forward pass, for cutting pipeline stages: its multiply-adds per
-    /// token (projections and MLP), the last block also the output layer's (hidden x
-    /// vocabulary, as much as several blocks at a large vocabulary). The embedding's lookup
-    /// costs next to nothing.
+    /// token (projections and MLP: a mixture of experts' gate and the `top_k` experts a token
+    /// runs through), the last block also the output layer's (hidden x vocabulary, as much as
+    /// several blocks at a large vocabulary). The embedding's lookup costs next to nothing.
     pub fn block_costs(&self) -> Vec<f64> {
         let (e, hd, inter) = (self.hidden_size as f64, self.head_dim() as f64, self.intermediate_size as f64);
         let (h, kv) = (self.num_attention_heads as f64, self.kv_heads() as f64);
-        let block = e * hd * (2.0 * h + 2.0 * kv) + 3.0 * e * inter;
+        let mlp = match self.experts() {
+            Some((m, _)) => e * m.experts as f64 + m.top_k as f64 * 3.0 * e * inter,
+            None => 3.0 * e * inter,
+        };
+        let block = e * hd * (2.0 * h + 2.0 * kv) + mlp;
         let mut costs = vec![block; self.num_hidden_layers];
         if let Some(last) = costs.last_mut() {
             *last += e * self.vocab_size as f64;
@@ -559,6 +605,84 @@ enum GateUp {
     Fused(Layer),
 }
 
+/// A block's feed-forward part: the gated MLP, or (Mixtral) a mixture of gated-MLP experts.
+enum Ffn {
+    Dense { gate_up: GateUp, down: Layer },
+    Experts(crate::ep::MoeLayer<Expert>),
+}
+
+/// One of Mixtral's experts: `w2(act(w1 x) * w3 x)`.
+struct Expert {
+    w1: candle_nn::Linear,
+    w3: candle_nn::Linear,
+    w2: candle_nn::Linear,
+    act: String,
+}
+
+impl Module for Expert {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.w2.forward(&(activate(self.w1.forward(x)?, &self.act)? * self.w3.forward(x)?)?)
+    }
+}
+
+/// The gated MLP's activation by `hidden_act`'s name.
+fn activate(gate: Tensor, act: &str) -> candle_core::Result<Tensor> {
+    match act {
+        "silu" => gate.silu(),
+        "gelu" => gate.gelu_erf(),
+        _ => gate.gelu(), // gelu_pytorch_tanh, gelu_new: the tanh approximation
+    }
+}
+
+/// Mixtral's load-balancing loss (`transformers`' `load_balancing_loss_func`), gathered block by
+/// block: over every layer's tokens at once, `experts x sum_e (share of the top-k choices that
+/// went to e) x (mean gate probability of e)`.
+#[derive(Default)]
+struct Router {
+    /// Per expert: the gate's probabilities summed over every layer's tokens.
+    probs: Option<Tensor>,
+    /// Per expert: the top-k choices that named it.
+    chosen: Vec<f32>,
+    /// Tokens routed, over every layer.
+    rows: usize,
+    /// The layers' own auxiliary terms (zero, carrying the experts no token reached).
+    carry: Option<Tensor>,
+}
+
+impl Router {
+    fn add(&mut self, r: crate::ep::MoeForward) -> candle_core::Result<()> {
+        let (n, e) = r.probs.dims2()?;
+        let sum = r.probs.sum(0)?;
+        self.probs = Some(match self.probs.take() {
+            Some(p) => (p + sum)?,
+            None => sum,
+        });
+        self.chosen.resize(e, 0.0);
+        for &c in &r.choices {
+            self.chosen[c] += 1.0;
+        }
+        self.rows += n;
+        self.carry = Some(match self.carry.take() {
+            Some(c) => (c + r.aux)?,
+            None => r.aux,
+        });
+        Ok(())
+    }
+
+    /// The weighted loss (`None` without experts).
+    fn loss(self, coef: f64) -> candle_core::Result<Option<Tensor>> {
+        let (Some(probs), Some(carry)) = (self.probs, self.carry) else { return Ok(None) };
+        if coef == 0.0 || self.rows == 0 {
+            return Ok(Some(carry));
+        }
+        let rows = self.rows as f64;
+        let e = self.chosen.len();
+        let share = Tensor::from_vec(self.chosen, e, probs.device())?;
+        let balance = (probs.mul(&share)?.sum_all()? * (coef * e as f64 / (rows * rows)))?;
+        Ok(Some((carry + balance)?))
+    }
+}
+
 struct LlamaBlock {
     input_norm: Norm,
     qkv: Qkv,
@@ -570,8 +694,7 @@ struct LlamaBlock {
     out_norms: Option<(Norm, Norm)>,
     /// Qwen3: the norms of every query and key head.
     head_norms: Option<(Norm, Norm)>,
-    gate_up: GateUp,
-    down: Layer,
+    ffn: Ffn,
     /// Query and key/value heads on this rank (all of them, or this member's share).
     heads: (usize, usize),
     /// The attention window (`None`: every earlier token).
@@ -582,13 +705,15 @@ struct LlamaBlock {
 
 impl LlamaBlock {
     /// `x` (batch, seq, hidden) through grouped-query attention with rotary embeddings (`cos`,
-    /// `sin` cut to the sequence) and the SwiGLU MLP, each with its residual.
+    /// `sin` cut to the sequence) and the SwiGLU MLP (or its experts, whose routing goes to
+    /// `router`), each with its residual.
     fn forward(
         &self,
         x: &Tensor,
         (cos, sin, masks): (&Tensor, &Tensor, &[(Option<usize>, Tensor)]),
         cfg: &LlamaConfig,
         sp: Option<&crate::sp::SequenceParallel>,
+        router: &mut Router,
     ) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let ((h, kv), hd) = (self.heads, cfg.head_dim());
@@ -632,20 +757,25 @@ impl LlamaBlock {
             None => (x + y)?,
         };
         let f = self.post_norm.forward(&x)?;
-        let (gate, up) = match &self.gate_up {
-            GateUp::Apart(g, u) => (g.forward(&f)?, u.forward(&f)?),
-            GateUp::Fused(l) => {
-                let y = l.forward(&f)?;
-                let n = y.dim(2)? / 2;
-                (y.narrow(2, 0, n)?, y.narrow(2, n, n)?)
+        let y = match &self.ffn {
+            Ffn::Dense { gate_up, down } => {
+                let (gate, up) = match gate_up {
+                    GateUp::Apart(g, u) => (g.forward(&f)?, u.forward(&f)?),
+                    GateUp::Fused(l) => {
+                        let y = l.forward(&f)?;
+                        let n = y.dim(2)? / 2;
+                        (y.narrow(2, 0, n)?, y.narrow(2, n, n)?)
+                    }
+                };
+                down.forward(&(activate(gate, cfg.activation())? * up)?)?
+            }
+            Ffn::Experts(moe) => {
+                let mut r = moe.forward_routed(&f)?;
+                let y = std::mem::replace(&mut r.output, Tensor::zeros((), f.dtype(), f.device())?);
+                router.add(r)?;
+                y
             }
         };
-        let gate = match cfg.activation() {
-            "silu" => gate.silu()?,
-            "gelu" => gate.gelu_erf()?,
-            _ => gate.gelu()?, // gelu_pytorch_tanh, gelu_new: the tanh approximation
-        };
-        let y = self.down.forward(&(gate * up)?)?;
         match &self.out_norms {
             Some((_, mlp)) => x + mlp.forward(&y)?,
             None => x + y,
@@ -672,6 +802,9 @@ pub struct Llama {
     /// Rotary tables: one, or (Gemma 3) one per layer type, full then sliding; each block
     /// names its own.
     ropes: Vec<RopeTables>,
+    /// Mixtral: the experts of every layer this rank holds (all of them without an
+    /// expert-parallel group).
+    experts_held: Option<std::ops::Range<usize>>,
     /// What loading left unused (empty for a model not loaded from files).
     report: LoadReport,
 }
@@ -685,14 +818,15 @@ enum LlamaEmbedding {
 impl Llama {
     /// Builds the model's variables through `vb`.
     pub fn new(cfg: &LlamaConfig, vb: VarBuilder) -> candle_core::Result<Llama> {
-        Self::build(cfg, vb, None, 0..cfg.num_hidden_layers)
+        Self::build(cfg, vb, None, 0..cfg.num_hidden_layers, None)
     }
 
     /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut by
     /// [`LlamaConfig::block_costs`] with `kolo::pp::stage_layers_by`; [`Llama::new_stage`]), split over its `tp` group, running on
     /// its `sp` chunk of every sequence (attention by `kolo::sp::ring_attention`, rotary
-    /// positions from the chunk's offset). Train it with `Trainer::with_mesh`:
-    /// [`Llama::loss`], or [`Llama::pipeline_stage`] in a pipeline.
+    /// positions from the chunk's offset), its experts (Mixtral) dealt out over its `ep` group.
+    /// Train it with `Trainer::with_mesh`: [`Llama::loss`], or [`Llama::pipeline_stage`] in a
+    /// pipeline.
     pub fn new_parallel(cfg: &LlamaConfig, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Llama> {
         let layers = crate::pp::stage_layers_by(&cfg.block_costs(), mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         if mesh.sp().size() > 1 && cfg.softcaps().0.is_some() {
@@ -707,7 +841,11 @@ impl Llama {
                 mesh.sp().size()
             );
         }
-        let mut m = Self::build(cfg, vb, Some(mesh.tp()), layers)?;
+        if cfg.experts().is_some() && mesh.sp().size() > 1 {
+            candle_core::bail!("a mixture of experts over {} sequence-parallel ranks is not supported yet", mesh.sp().size());
+        }
+        let ep = (mesh.size("ep") > 1).then(|| mesh.ep());
+        let mut m = Self::build(cfg, vb, Some(mesh.tp()), layers, ep.as_ref())?;
         m.sp = (mesh.sp().size() > 1).then(|| mesh.sp().clone());
         Ok(m)
     }
@@ -721,7 +859,16 @@ impl Llama {
     /// checkpoint, and `Mesh::whole_varmap` puts them together for [`save_pretrained`](super::save_pretrained).
     /// Train it with `Trainer::with_mesh`.
     pub fn new_split(cfg: &LlamaConfig, vb: VarBuilder, tp: &crate::tp::TensorParallel) -> candle_core::Result<Llama> {
-        Self::build(cfg, vb, Some(tp), 0..cfg.num_hidden_layers)
+        Self::build(cfg, vb, Some(tp), 0..cfg.num_hidden_layers, None)
+    }
+
+    /// Builds the model with Mixtral's experts dealt out over the expert-parallel group `ep`
+    /// (each member holds an equal run of every layer's experts, `experts.{j}` for j in its run;
+    /// the rest whole on every member): each member routes its own tokens, which travel to
+    /// their experts' member and back ([`crate::ep::MoeLayer`]). [`Llama::new_parallel`] does
+    /// the same for a mesh's `ep` axis; train it with `Trainer::with_mesh`.
+    pub fn new_experts(cfg: &LlamaConfig, vb: VarBuilder, ep: &crate::ep::ExpertParallel) -> candle_core::Result<Llama> {
+        Self::build(cfg, vb, None, 0..cfg.num_hidden_layers, Some(ep))
     }
 
     /// Builds one pipeline stage of the model (`kolo::pp`): the blocks `layers` (their Hugging
@@ -735,7 +882,7 @@ impl Llama {
         tp: Option<&crate::tp::TensorParallel>,
         layers: std::ops::Range<usize>,
     ) -> candle_core::Result<Llama> {
-        Self::build(cfg, vb, tp, layers)
+        Self::build(cfg, vb, tp, layers, None)
     }
 
     fn build(
@@ -743,6 +890,7 @@ impl Llama {
         vb: VarBuilder,
         tp: Option<&crate::tp::TensorParallel>,
         layers: std::ops::Range<usize>,
+        ep: Option<&crate::ep::ExpertParallel>,
     ) -> candle_core::Result<Llama> {
         use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
         use candle_nn::linear_no_bias as lin;
@@ -759,6 +907,13 @@ impl Llama {
             candle_core::bail!("pipeline stage of layers {layers:?}: the model has {n}");
         }
         let windows = cfg.layer_windows().map_err(candle_core::Error::Msg)?;
+        let experts = cfg.experts();
+        if experts.is_some() && tp.is_some() {
+            candle_core::bail!("Mixtral's experts over {p} tensor-parallel ranks are not supported yet (deal them out with mesh.ep)");
+        }
+        if experts.is_some() && layers != (0..n) {
+            candle_core::bail!("Mixtral in pipeline stages (layers {layers:?} of {n}) is not supported yet");
+        }
         let linear = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
             Ok(match bias {
                 true => Box::new(candle_nn::linear(i, o, vb)?),
@@ -791,20 +946,30 @@ impl Llama {
                     None => linear(e, sections.iter().sum(), bias, vb)?,
                 })
             };
-            let (qkv, gate_up) = if cfg.fused() {
-                (
-                    Qkv::Fused(fused(&[h * hd, kv * hd, kv * hd], qkv_bias, a.pp("qkv_proj"))?),
-                    GateUp::Fused(fused(&[inter, inter], mlp_bias, f.pp("gate_up_proj"))?),
-                )
-            } else {
-                (
-                    Qkv::Apart(
-                        col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
-                        col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
-                        col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
-                    ),
-                    GateUp::Apart(col(e, inter, mlp_bias, f.pp("gate_proj"))?, col(e, inter, mlp_bias, f.pp("up_proj"))?),
-                )
+            let qkv = match cfg.fused() {
+                true => Qkv::Fused(fused(&[h * hd, kv * hd, kv * hd], qkv_bias, a.pp("qkv_proj"))?),
+                false => Qkv::Apart(
+                    col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
+                    col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
+                    col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
+                ),
+            };
+            let ffn = match &experts {
+                Some((routing, _)) => Ffn::Experts(crate::ep::MoeLayer::new(e, routing.clone(), b.pp("block_sparse_moe"), ep, |vb| {
+                    Ok(Expert {
+                        w1: lin(e, inter, vb.pp("w1"))?,
+                        w3: lin(e, inter, vb.pp("w3"))?,
+                        w2: lin(inter, e, vb.pp("w2"))?,
+                        act: cfg.activation().to_string(),
+                    })
+                })?),
+                None => Ffn::Dense {
+                    gate_up: match cfg.fused() {
+                        true => GateUp::Fused(fused(&[inter, inter], mlp_bias, f.pp("gate_up_proj"))?),
+                        false => GateUp::Apart(col(e, inter, mlp_bias, f.pp("gate_proj"))?, col(e, inter, mlp_bias, f.pp("up_proj"))?),
+                    },
+                    down: row(inter, e, mlp_bias, f.pp("down_proj"))?,
+                },
             };
             blocks.push(LlamaBlock {
                 input_norm: Norm::new(e, cfg, b.pp("input_layernorm"))?,
@@ -821,8 +986,7 @@ impl Llama {
                     }
                     false => None,
                 },
-                gate_up,
-                down: row(inter, e, mlp_bias, f.pp("down_proj"))?,
+                ffn,
                 heads: (h / p, kv / p),
                 window: windows[i],
                 rope: usize::from(cfg.model_type() == "gemma3_text" && windows[i].is_some()),
@@ -858,6 +1022,11 @@ impl Llama {
             tp: tp.cloned(),
             sp: None,
             ropes,
+            experts_held: match (&experts, ep) {
+                (None, _) => None,
+                (Some((r, _)), Some(g)) => Some(g.experts_of(r.experts, g.rank())?),
+                (Some((r, _)), None) => Some(0..r.experts),
+            },
             report: LoadReport::default(),
         })
     }
@@ -882,8 +1051,12 @@ impl Llama {
     /// stage holds, or is the output layer a tied model leaves out.
     fn elsewhere(&self, name: &str) -> bool {
         let last = self.layers.end == self.cfg.num_hidden_layers;
-        if let Some(i) = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()).and_then(|i| i.parse::<usize>().ok()) {
-            return !self.layers.contains(&i);
+        if let Some((i, rest)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) {
+            let Ok(i) = i.parse::<usize>() else { return false };
+            // Under expert parallelism another rank holds the other experts.
+            let expert = rest.strip_prefix("block_sparse_moe.experts.").and_then(|r| r.split('.').next()).and_then(|j| j.parse().ok());
+            let other_expert = matches!((expert, &self.experts_held), (Some(j), Some(held)) if !held.contains(&j));
+            return !self.layers.contains(&i) || other_expert;
         }
         match name {
             "model.embed_tokens.weight" => self.embed.is_none(),
@@ -933,6 +1106,12 @@ impl Llama {
     /// This rank's blocks on the hidden states `x` (batch, seq or this rank's chunk of it,
     /// hidden).
     fn blocks(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(self.blocks_routed(x)?.0)
+    }
+
+    /// [`Llama::blocks`], and Mixtral's weighted load-balancing loss over them (`None` without
+    /// experts): add it to the loss.
+    fn blocks_routed(&self, x: &Tensor) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let t = x.dim(1)?;
         // A sequence-parallel chunk's positions start at its offset.
         let from = self.sp.as_ref().map_or(0, |sp| sp.rank() * t);
@@ -955,11 +1134,12 @@ impl Llama {
             }
         }
         let mut x = x.clone();
+        let mut router = Router::default();
         for blk in &self.blocks {
             let (cos, sin) = &tables[blk.rope];
-            x = blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref())?;
+            x = blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref(), &mut router)?;
         }
-        Ok(x)
+        Ok((x, router.loss(self.cfg.experts().map_or(0.0, |(_, coef)| coef))?))
     }
 
     /// The last stage's final norm and output layer: logits of this rank's vocabulary range.
@@ -993,15 +1173,26 @@ impl Llama {
             None => Ok(x),
         };
         let head = |x: &Tensor| self.head(x);
+        // Mixtral's load-balancing loss joins the loss (its blocks are never a pipeline stage).
+        let aux = std::cell::RefCell::new(None);
+        let blocks = |x: &Tensor| {
+            let (y, a) = self.blocks_routed(x)?;
+            *aux.borrow_mut() = a;
+            Ok(y)
+        };
         let parts = super::StageParts {
             embed: &|ids| self.embed(ids),
-            blocks: &|x| self.blocks(x),
+            blocks: &blocks,
             head: self.norm.as_ref().map(|_| &head as super::Part<'_>),
             chunk: &chunk,
             vocab: self.cfg.vocab_size,
             tp: self.tp.as_ref(),
         };
-        super::run_stage(parts, input, windows)
+        let loss = super::run_stage(parts, input, windows)?;
+        match aux.into_inner() {
+            Some(a) => loss + a,
+            None => Ok(loss),
+        }
     }
 
     /// Mean next-token cross-entropy of `ids` (batch, seq); split over a tensor-parallel group,

@@ -6,7 +6,8 @@
 //! (`model.layers.0.self_attn.q_proj.weight`, ...), so they train under
 //! [`Trainer`](crate::Trainer) like any user model: [`Gpt2`] (`gpt2`), [`GptNeox`]
 //! (`gpt_neox`) and [`Llama`] for the Llama family ([`FAMILY`]: `llama` with Llama 3's, YaRN and
-//! LongRoPE rotary scaling, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3`), which also splits over a [`crate::Mesh`].
+//! LongRoPE rotary scaling, `mistral`, `mixtral` (its experts through [`crate::ep::MoeLayer`]),
+//! `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3`), which also splits over a [`crate::Mesh`].
 //! [`load_causal_lm`] picks one by `config.json`'s `model_type`, refusing by name what changes
 //! the arithmetic and is not implemented; [`save_pretrained_with`] writes whole, shaped tensors
 //! under those names back out, with the `format = pt` metadata `transformers` requires.
@@ -65,7 +66,7 @@ use std::path::Path;
 pub enum CausalLm {
     /// `gpt2`.
     Gpt2(Gpt2),
-    /// `llama`, `mistral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3` ([`FAMILY`]).
+    /// `llama`, `mistral`, `mixtral`, `qwen2`, `qwen3`, `gemma`, `gemma2`, `gemma3_text`, `phi3` ([`FAMILY`]).
     Llama(Llama),
     /// `gpt_neox`.
     GptNeox(GptNeox),
@@ -139,6 +140,14 @@ impl CausalLm {
             CausalLm::Llama(m) => m.pipeline_stage(input, windows),
         }
     }
+    /// Experts per mixture-of-experts layer (Mixtral's `num_local_experts`); `None` for a model
+    /// without experts.
+    pub fn experts(&self) -> Option<usize> {
+        match self {
+            CausalLm::Llama(m) => m.config().experts().map(|(r, _)| r.experts),
+            CausalLm::Gpt2(_) | CausalLm::GptNeox(_) => None,
+        }
+    }
     /// The ZeRO-3 groups of the model's blocks, in forward order.
     pub fn block_prefixes(&self) -> Vec<String> {
         match self {
@@ -197,18 +206,19 @@ pub(super) fn run_stage(parts: StageParts<'_>, input: Option<&Tensor>, windows: 
 
 /// Loads this rank's part of the causal language model in `dir` for `mesh`
 /// ([`Llama::new_parallel`]: a Llama-style model's blocks of this rank's pipeline stage, split
-/// over the mesh's `tp` group, on its `sp` chunk of each sequence; [`Gpt2::new_parallel`] and
+/// over the mesh's `tp` group, on its `sp` chunk of each sequence, Mixtral's experts dealt out
+/// over its `ep` group; [`Gpt2::new_parallel`] and
 /// [`GptNeox::new_parallel`]: the same without `sp`); each rank reads only its pieces of the
 /// checkpoint. Train it with `Trainer::with_mesh`,
 /// a pipeline's stages with [`CausalLm::pipeline_stage`]; `Mesh::whole_varmap` puts it together
 /// for an export.
 pub fn load_causal_lm_parallel(dir: &Path, device: &Device, mesh: &crate::Mesh) -> Result<(VarMap, CausalLm)> {
-    let staged = mesh.size("pp") > 1 || mesh.size("sp") > 1;
+    let staged = mesh.size("pp") > 1 || mesh.size("sp") > 1 || mesh.size("ep") > 1;
     load(dir, device, Some(mesh.tp()), staged.then_some(mesh))
 }
 
 /// Loads the causal language model in `dir` (by `config.json`'s `model_type`: `gpt2`, or the
-/// Llama-style `llama`, `mistral`, `qwen2`, `gemma` and `phi3`) into a new VarMap on `device`. The weights are
+/// Llama-style ones of [`FAMILY`]) into a new VarMap on `device`. The weights are
 /// `model.safetensors` or the shards `model.safetensors.index.json` names. What the checkpoint
 /// holds that the model does not read is printed and kept ([`CausalLm::load_report`]).
 pub fn load_causal_lm(dir: &Path, device: &Device) -> Result<(VarMap, CausalLm)> {

@@ -372,6 +372,125 @@ fn architectures_load_with_transformers_logits_and_train() {
     }
 }
 
+/// Mixtral saved by `transformers` (4 SwiGLU experts per layer, each token through its top 2, the
+/// two gate weights renormalised) gives its logits within 1e-4, and its training loss, with the
+/// load-balancing loss over every layer's tokens at once weighted 0.05 (`output_router_logits`),
+/// within 1e-5 of `transformers`' (whose `aux_loss` is 2.21: the weighted term is 0.11). With
+/// `output_router_logits` false the loss drops exactly that term, as in `transformers`. It trains,
+/// every expert receiving a gradient, saves back to the same tensors and logits, and what it
+/// cannot do is refused by name: another top-k, router jitter, experts over tensor-parallel
+/// ranks.
+#[test]
+fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
+    let dir = kolo_testkit::files::hf_tiny("mixtral");
+    let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let (ids, want) = (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone());
+    let scalar = |t: &Tensor| f64::from(t.flatten_all().unwrap().get(0).unwrap().to_scalar::<f32>().unwrap());
+    let (want_loss, hf_aux) = (scalar(&r["loss"]), scalar(&r["aux_loss"]));
+    let (varmap, model) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+    assert!(model.load_report().is_empty(), "{}", model.load_report());
+    let d = max_diff(&model.forward(&ids).unwrap(), &want);
+    eprintln!("mixtral: logits differ from transformers' by {d:.2e}");
+    assert!(d < 1e-4, "mixtral: logits differ from transformers' by {d}");
+    let loss = f64::from(model.loss(&ids).unwrap().to_scalar::<f32>().unwrap());
+    eprintln!("mixtral: loss {loss:.6} (transformers {want_loss:.6}, aux {hf_aux:.4})");
+    assert!((loss - want_loss).abs() < 1e-5, "loss {loss}, transformers' {want_loss}");
+
+    let plain = copy_checkpoint(&dir, "mixtral-plain");
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    assert!(cfg.contains("\"output_router_logits\": true"));
+    std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false")).unwrap();
+    let (_, no_aux) = crate::hf::load_causal_lm(&plain, &Device::Cpu).unwrap();
+    let ce = f64::from(no_aux.loss(&ids).unwrap().to_scalar::<f32>().unwrap());
+    assert!((loss - ce - 0.05 * hf_aux).abs() < 1e-5, "loss {loss} - cross-entropy {ce} is not 0.05 x {hf_aux}");
+    for (from, to, why) in [
+        ("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 1", "num_experts_per_tok 1 of num_local_experts 4: only 2"),
+        ("\"router_jitter_noise\": 0.0", "\"router_jitter_noise\": 0.01", "router_jitter_noise = 0.01"),
+    ] {
+        std::fs::write(plain.join("config.json"), cfg.replace(from, to)).unwrap();
+        let e = crate::hf::load_causal_lm(&plain, &Device::Cpu).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains(why) && e.contains("config.json"), "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&plain);
+    let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
+    std::thread::scope(|s| {
+        for c in ranks {
+            let dir = dir.clone();
+            s.spawn(move || {
+                let tp = crate::tp::TensorParallel::new(std::sync::Arc::new(c) as std::sync::Arc<dyn kolo_comm::Communicator>);
+                let e = crate::hf::load_causal_lm_split(&dir, &Device::Cpu, Some(&tp)).err().expect("refused").to_string();
+                assert!(e.contains("Mixtral's experts over 2 tensor-parallel ranks are not supported yet"), "{e}");
+            });
+        }
+    });
+
+    let dist = world_of_one();
+    let mut t = Trainer::new(&varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 0.05\n")).unwrap();
+    let before: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect();
+    let first = t.step(|| model.loss(&ids)).unwrap().loss;
+    for _ in 0..3 {
+        t.step(|| model.loss(&ids)).unwrap();
+    }
+    let last = t.step(|| model.loss(&ids)).unwrap().loss;
+    assert!(last < first - 0.1, "mixtral: loss {first} -> {last}");
+    let moved = varmap.all_vars().iter().zip(&before).filter(|(v, b)| max_diff(v.as_tensor(), b) > 0.0).count();
+    assert_eq!(moved, varmap.all_vars().len(), "every parameter, each expert's among them, moves");
+    let out = std::env::temp_dir().join(format!("kolo-hf-mixtral-save-{}", std::process::id()));
+    model.save_pretrained(&out, &varmap).unwrap();
+    assert_eq!(saved_tensors(&out), saved_tensors(&dir));
+    let (_, again) = crate::hf::load_causal_lm(&out, &Device::Cpu).unwrap();
+    assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0);
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Mixtral with its experts dealt out over 2 in-process ranks (`Llama::new_experts`): each rank
+/// holds only its 2 of every layer's 4 experts (the checkpoint's other experts are what it
+/// leaves unused), and on the same ids both compute `transformers`' logits within 1e-4 and its
+/// loss within 1e-5, the tokens travelling to the other rank's experts and back.
+#[test]
+fn mixtral_experts_dealt_out_over_two_ranks_compute_the_whole_model() {
+    let dir = kolo_testkit::files::hf_tiny("mixtral");
+    let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let (ids, want) = (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone());
+    let want_loss = r["loss"].flatten_all().unwrap().get(0).unwrap().to_scalar::<f32>().unwrap();
+    let cfg = crate::hf::LlamaConfig::load(&dir).unwrap();
+    let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
+    std::thread::scope(|s| {
+        for c in ranks {
+            let (dir, cfg, ids, want) = (dir.clone(), cfg.clone(), ids.clone(), want.clone());
+            s.spawn(move || {
+                let ep = crate::ep::ExpertParallel::new(std::sync::Arc::new(c) as std::sync::Arc<dyn kolo_comm::Communicator>);
+                let varmap = candle_nn::VarMap::new();
+                let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+                let model = crate::hf::Llama::new_experts(&cfg, vb, &ep).unwrap();
+                let report = crate::hf::load_weights(&varmap, &dir).unwrap();
+                let (mine, other) = if ep.rank() == 0 { ([0, 1], [2, 3]) } else { ([2, 3], [0, 1]) };
+                let mut held: Vec<String> = varmap.data().lock().unwrap().keys().filter(|k| k.contains(".experts.")).cloned().collect();
+                held.sort();
+                let named = |js: [usize; 2]| {
+                    let mut v: Vec<String> = (0..2)
+                        .flat_map(|l| {
+                            js.iter().flat_map(move |j| {
+                                ["w1", "w2", "w3"].map(|w| format!("model.layers.{l}.block_sparse_moe.experts.{j}.{w}.weight"))
+                            })
+                        })
+                        .collect();
+                    v.sort();
+                    v
+                };
+                assert_eq!(held, named(mine), "rank {}", ep.rank());
+                let mut unused = report.unused_tensors.clone();
+                unused.sort();
+                assert_eq!(unused, named(other), "rank {}", ep.rank());
+                let d = max_diff(&model.forward(&ids).unwrap(), &want);
+                assert!(d < 1e-4, "rank {}: logits differ from transformers' by {d}", ep.rank());
+                let loss = model.loss(&ids).unwrap().to_scalar::<f32>().unwrap();
+                assert!((loss - want_loss).abs() < 1e-5, "rank {}: loss {loss}, transformers' {want_loss}", ep.rank());
+            });
+        }
+    });
+}
+
 /// A checkpoint saved in shards of at most 40 KB (`model-0000i-of-0000n.safetensors` and the
 /// index) and in bf16 loads back: f32 shards bitwise, bf16 within bf16's rounding, with
 /// `config.json` stating the dtype written. A shard the index names that is missing, a tensor
@@ -505,7 +624,7 @@ fn llama_family_options_not_implemented_are_refused() {
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3\""));
     assert!(
         e.contains(
-            "model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3)"
+            "model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3)"
         ),
         "{e}"
     );
