@@ -23,6 +23,8 @@ int64, "logits" f32). What each exercises:
           each head), sliding_window 6;
   mixtral MixtralForCausalLM: 4 SwiGLU experts per layer, top 2, and the load-balancing loss
           (reference.safetensors also holds "loss" and "aux_loss" on ids[:, :-1] -> ids[:, 1:]);
+  qwen3_moe Qwen3MoeForCausalLM: 8 experts of width 24 on layers 0 and 2, top 3 not
+          renormalised, a dense layer 1 (mlp_only_layers), with "loss" and "aux_loss" as mixtral;
   gpt_neox GPTNeoXForCausalLM: layer norms with biases, query_key_value laid out head by head,
           a quarter of each head of 16 rotated, parallel residual, GELU, an untied embed_out.
 With `qwen2 OUT 0.5b` the model has Qwen2.5-0.5B's shape (vocabulary 151936, 24 layers of 896,
@@ -47,6 +49,17 @@ common = dict(
     pad_token_id=None,
 )
 noise = 0.3
+
+
+def moe_loss(model, ids):
+    """A mixture of experts' training loss on ids[:, :-1] predicting ids[:, 1:]: cross-entropy
+    plus the weighted load-balancing loss ("loss"), and that auxiliary loss alone ("aux_loss")."""
+    out = model(ids[:, :-1], output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+    loss = ce + cfg.router_aux_loss_coef * out.aux_loss
+    return {"loss": loss.float().reshape(1), "aux_loss": out.aux_loss.float().reshape(1)}
+
+
 if arch == "qwen2" and sys.argv[3:] == ["0.5b"]:
     cfg, noise = transformers.Qwen2Config(
         vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -122,21 +135,24 @@ elif arch == "mixtral":
     cfg = transformers.MixtralConfig(**common, tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
                                      output_router_logits=True, router_aux_loss_coef=0.05, router_jitter_noise=0.0)
     model = transformers.MixtralForCausalLM
-
-    def extra(model, ids):
-        # The training loss on ids[:, :-1] predicting ids[:, 1:]: cross-entropy plus the
-        # weighted load-balancing loss ("loss"), and that auxiliary loss alone ("aux_loss").
-        out = model(ids[:, :-1], output_router_logits=True)
-        ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
-        loss = ce + cfg.router_aux_loss_coef * out.aux_loss
-        return {"loss": loss.float().reshape(1), "aux_loss": out.aux_loss.float().reshape(1)}
+    extra = moe_loss
+elif arch == "qwen3_moe":
+    # Qwen3-MoE: Qwen3's head norms, and on layers 0 and 2 a mixture of 8 SwiGLU experts of width
+    # 24 (mlp.experts.{j}.gate_proj/up_proj/down_proj), each token through its top 3 weighted by
+    # the router's probabilities as they are (norm_topk_prob false); layer 1 a dense MLP of 80
+    # (mlp_only_layers); the load-balancing loss weighs 0.05.
+    cfg = transformers.Qwen3MoeConfig(**common | {"head_dim": 16, "num_hidden_layers": 3}, tie_word_embeddings=False,
+                                      moe_intermediate_size=24, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                                      mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.05)
+    model = transformers.Qwen3MoeForCausalLM
+    extra = moe_loss
 elif arch == "gpt_neox":
     # Heads of 16, so that a quarter of each (4 dimensions) turns whole pairs.
     cfg = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 save_reference(model, cfg, out, noise, extra=globals().get("extra"))

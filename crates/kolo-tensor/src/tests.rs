@@ -301,7 +301,7 @@ mod moe {
             d_model: 16,
             n_head: 2,
             n_layer: 2,
-            moe: Some(MoeConfig { experts, top_k, capacity_factor, aux_weight: 0.01 }),
+            moe: Some(MoeConfig { experts, top_k, renormalize: top_k > 1, capacity_factor, aux_weight: 0.01 }),
         }
     }
 

@@ -190,7 +190,8 @@ pub struct ModelConfig {
     /// gpt: mixture of experts — every block's MLP becomes this many expert MLPs behind a
     /// learned gate (Switch/GShard). Default none (dense MLPs).
     pub experts: Option<usize>,
-    /// gpt with experts: experts per token, 1 (Switch) or 2 (GShard). Default 1.
+    /// gpt with experts: experts per token, 1 (Switch) to `experts`; above 1 their gate
+    /// probabilities are renormalised over the top k (GShard). Default 1.
     #[serde(default = "one")]
     pub top_k: usize,
     /// gpt with experts: each expert takes at most ceil(factor x tokens x top_k / experts) of
@@ -963,6 +964,7 @@ impl Config {
             kolo_tensor::models::MoeConfig {
                 experts: x,
                 top_k: md.top_k,
+                renormalize: md.top_k > 1,
                 capacity_factor: md.capacity_factor,
                 aux_weight: md.aux_loss_weight,
             }
@@ -1191,6 +1193,7 @@ impl Config {
                 moe: m.experts.map(|experts| kolo_tensor::models::MoeConfig {
                     experts,
                     top_k: m.top_k,
+                    renormalize: m.top_k > 1,
                     capacity_factor: m.capacity_factor,
                     aux_weight: m.aux_loss_weight,
                 }),

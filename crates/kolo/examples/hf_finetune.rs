@@ -1,5 +1,5 @@
 //! Fine-tune a Hugging Face causal language model (GPT-2, GPT-NeoX, or a Llama-style model:
-//! Llama, Llama 3, Mistral, Mixtral, Qwen2, Qwen3, Gemma, Phi-3) under Kolo's DDP, ZeRO or a model-parallel mesh and export it for `transformers`.
+//! Llama, Llama 3, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma, Phi-3) under Kolo's DDP, ZeRO or a model-parallel mesh and export it for `transformers`.
 //!
 //!   cargo run --release --example hf_finetune -- --model DIR --out DIR
 //!   kolo launch -n 2 -- target/release/examples/hf_finetune --model DIR --out DIR --zero 1
@@ -24,8 +24,8 @@
 //! MLP and vocabulary), --pp P (1: the model's blocks cut into P pipeline stages, run over
 //! --micro M micro-batches, 2, with --schedule gpipe|1f1b); the ranks form a pp x dp x ep x sp x tp
 //! mesh, dp = ranks / (P E S T), --sp S (1: a Llama run on S chunks of every sequence, ring
-//! attention), --ep E (1: Mixtral's experts dealt out over E ranks, each reading its own
-//! batches: test-data/hf/mixtral-tiny).
+//! attention), --ep E (1: Mixtral's or Qwen3-MoE's experts dealt out over E ranks, each
+//! reading its own batches: test-data/hf/mixtral-tiny, qwen3-moe-tiny).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use kolo::hf::finetune::{HfData, HfModel};

@@ -73,6 +73,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     let cfg = MoeConfig {
         experts,
         top_k,
+        renormalize: top_k > 1,
         capacity_factor: arg("--capacity", &(experts as f64 / top_k as f64).to_string()).parse()?,
         aux_weight: arg("--aux", "0.01").parse()?,
     };

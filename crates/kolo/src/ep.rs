@@ -12,7 +12,7 @@
 //! # fn main() -> kolo::Result<()> {
 //! let dist = kolo::init()?;
 //! let ep = kolo::ep::ExpertParallel::new(dist.comm().clone()); // 8 experts over every rank
-//! let cfg = kolo::ep::MoeConfig { experts: 8, top_k: 2, capacity_factor: 4.0, aux_weight: 0.01 };
+//! let cfg = kolo::ep::MoeConfig { experts: 8, top_k: 2, renormalize: true, capacity_factor: 4.0, aux_weight: 0.01 };
 //! let varmap = VarMap::new();
 //! let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dist.device());
 //! // Any module per expert; this rank builds only its own (`experts.{j}.` for j in its run).

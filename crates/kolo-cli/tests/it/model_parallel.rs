@@ -429,40 +429,48 @@ fn a_hugging_face_llama_on_a_mesh_matches_one_process() {
     assert!(d < 1e-4, "AdamW: `{k}` differs from one process by {d}");
 }
 
-/// Mixtral (4 experts per layer, top 2) fine-tuned with its experts dealt out by
-/// `kolo::hf::load_causal_lm_parallel` (each rank loads only its experts' tensors) exports the
-/// same `model.safetensors` as one process holding every expert after 6 SGD steps on the same
-/// global batches of 4 windows: over ep 2 (2 processes) and dp 2 x ep 2 (4), without the
-/// load-balancing loss (within 2e-5). That loss is each rank's over its own tokens, as under
-/// torch's DDP, so with it (weight 0.05) and the norm clipped to 0.05 (every step clips) ep 2
-/// equals dp 2 (every rank holding every expert). The exports, gathered from every rank's
-/// experts, compute the logits the split model computed.
+/// Mixtral (4 experts per layer, top 2) and Qwen3-MoE (8 experts of width 24 on 2 of its 3
+/// layers, top 3) fine-tuned with their experts dealt out by `kolo::hf::load_causal_lm_parallel`
+/// (each rank loads only its experts' tensors) export the same `model.safetensors` as one
+/// process holding every expert after 6 SGD steps on the same global batches of 4 windows: over
+/// ep 2 (2 processes; Mixtral also dp 2 x ep 2, 4), without the load-balancing loss (within
+/// 2e-5). That loss is each rank's over its own tokens, as under torch's DDP, so with it (weight
+/// 0.05) and the norm clipped to 0.05 (every step clips) Mixtral under ep 2 equals dp 2 (every
+/// rank holding every expert). The exports, gathered from every rank's experts, compute the
+/// logits the split model computed.
 #[test]
 fn mixtral_with_its_experts_dealt_out_matches_one_process() {
     let dir = fresh_dir("hf-mixtral-ep");
-    let src = kolo_testkit::files::hf_tiny("mixtral");
-    let plain = dir.join("no-aux");
-    std::fs::create_dir_all(&plain).unwrap();
-    for f in std::fs::read_dir(&src).unwrap().flatten() {
-        std::fs::copy(f.path(), plain.join(f.file_name())).unwrap();
-    }
-    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
-    assert!(cfg.contains("\"output_router_logits\": true"));
-    std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false")).unwrap();
     let sgd = "--optim sgd --lr 0.05 --clip none";
-    let (one, _) = hf_model(&plain, 1, &format!("{sgd} --batch 4"), &dir.join("one"));
     let dev = candle_core::Device::Cpu;
-    let start: BTreeMap<String, candle_core::Tensor> =
-        candle_core::safetensors::load(src.join("model.safetensors"), &dev).unwrap().into_iter().collect();
-    let moved = one.iter().map(|(k, v)| worst_tensor(&[(k.clone(), v.clone())].into(), &[(k.clone(), start[k].clone())].into()).1);
-    let moved = moved.fold(0f32, f32::max);
-    assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
-    for (n, args) in [(2, format!("{sgd} --batch 2 --ep 2")), (4, format!("{sgd} --batch 1 --ep 2"))] {
-        let (got, _) = hf_model(&plain, n, &args, &dir.join(format!("n{n}")));
-        let (k, d) = worst_tensor(&one, &got);
-        eprintln!("{n} ranks, {args}: parameters within {d} (`{k}`)");
-        assert!(d < 2e-5, "{n} ranks, {args}: `{k}` differs from one process by {d}");
+    for (arch, meshes) in [
+        ("mixtral", vec![(2, format!("{sgd} --batch 2 --ep 2")), (4, format!("{sgd} --batch 1 --ep 2"))]),
+        ("qwen3-moe", vec![(2, format!("{sgd} --batch 2 --ep 2"))]),
+    ] {
+        let src = kolo_testkit::files::hf_tiny(arch);
+        let plain = dir.join(format!("{arch}-no-aux"));
+        std::fs::create_dir_all(&plain).unwrap();
+        for f in std::fs::read_dir(&src).unwrap().flatten() {
+            std::fs::copy(f.path(), plain.join(f.file_name())).unwrap();
+        }
+        let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+        assert!(cfg.contains("\"output_router_logits\": true"));
+        std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false"))
+            .unwrap();
+        let (one, _) = hf_model(&plain, 1, &format!("{sgd} --batch 4"), &dir.join(format!("{arch}-one")));
+        let start: BTreeMap<String, candle_core::Tensor> =
+            candle_core::safetensors::load(src.join("model.safetensors"), &dev).unwrap().into_iter().collect();
+        let moved = one.iter().map(|(k, v)| worst_tensor(&[(k.clone(), v.clone())].into(), &[(k.clone(), start[k].clone())].into()).1);
+        let moved = moved.fold(0f32, f32::max);
+        assert!(moved > 1e-2, "{arch}: the parameters barely moved ({moved}): the comparison would prove nothing");
+        for (n, args) in meshes {
+            let (got, _) = hf_model(&plain, n, &args, &dir.join(format!("{arch}-n{n}")));
+            let (k, d) = worst_tensor(&one, &got);
+            eprintln!("{arch}, {n} ranks, {args}: parameters within {d} (`{k}`)");
+            assert!(d < 2e-5, "{arch}, {n} ranks, {args}: `{k}` differs from one process by {d}");
+        }
     }
+    let src = kolo_testkit::files::hf_tiny("mixtral");
     let clipped = "--optim sgd --lr 0.05 --clip 0.05 --batch 2";
     let (dp, _) = hf_model(&src, 2, clipped, &dir.join("aux-dp2"));
     let (ep, _) = hf_model(&src, 2, &format!("{clipped} --ep 2"), &dir.join("aux-ep2"));

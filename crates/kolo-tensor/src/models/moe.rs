@@ -24,8 +24,12 @@ use std::sync::Arc;
 pub struct MoeConfig {
     /// Experts per MoE layer.
     pub experts: usize,
-    /// Experts per token: 1 or 2.
+    /// Experts per token (at most `experts`).
     pub top_k: usize,
+    /// Whether a token's top-k gate probabilities are divided by their sum before they weigh
+    /// the experts' outputs (GShard, Mixtral, Qwen3-MoE's `norm_topk_prob`); without, the
+    /// probabilities weigh them as they are (Switch with k = 1, Qwen2-MoE).
+    pub renormalize: bool,
     /// Capacity factor: each expert takes up to ceil(factor x tokens x k / experts) tokens.
     pub capacity_factor: f64,
     /// Weight of the auxiliary load-balancing loss (0: none).
@@ -33,14 +37,14 @@ pub struct MoeConfig {
 }
 
 impl MoeConfig {
-    /// At least one expert, k of 1 or 2 (at most the experts), a positive capacity factor and a
-    /// weight that is not negative.
+    /// At least one expert, k of 1 to the experts, a positive capacity factor and a weight that
+    /// is not negative.
     pub fn check(&self) -> std::result::Result<(), String> {
         let positive = self.capacity_factor.is_finite() && self.capacity_factor > 0.0;
         let weight_ok = self.aux_weight.is_finite() && self.aux_weight >= 0.0;
-        if self.experts == 0 || !(1..=2).contains(&self.top_k) || self.top_k > self.experts || !positive || !weight_ok {
+        if self.experts == 0 || self.top_k == 0 || self.top_k > self.experts || !positive || !weight_ok {
             return Err(format!(
-                "mixture of experts: experts must be at least 1, top_k 1 or 2 (at most experts), capacity_factor > 0, aux_loss_weight >= 0 (got experts {}, top_k {}, capacity_factor {}, aux_loss_weight {})",
+                "mixture of experts: experts must be at least 1, top_k from 1 to experts, capacity_factor > 0, aux_loss_weight >= 0 (got experts {}, top_k {}, capacity_factor {}, aux_loss_weight {})",
                 self.experts, self.top_k, self.capacity_factor, self.aux_weight
             ));
         }
@@ -247,10 +251,10 @@ pub fn moe_layer(
     let pv = flat_probs.to_vec1::<f32>()?;
     let routing = route(&pv, n, e, k, capacity(n, e, k, cfg.capacity_factor));
     let tokens = u32s(routing.kept.iter().map(|&(tok, _)| tok), &device)?;
-    // Combine weights: the gate probability of each kept assignment (GShard: divided by the
-    // sum over the token's top-k).
+    // Combine weights: the gate probability of each kept assignment (renormalised: divided by
+    // the sum over the token's top-k).
     let mut w = flat_probs.index_select(&u32s(routing.kept.iter().map(|&(tok, x)| tok * e + x), &device)?, 0)?;
-    if k > 1 {
+    if cfg.renormalize {
         let top = flat_probs
             .index_select(&u32s(routing.choices.iter().enumerate().map(|(i, &x)| (i / k) * e + x), &device)?, 0)?
             .reshape((n, k))?

@@ -19,7 +19,7 @@ fn expert_parallel_gradients_match_one_process() {
             d_model: 16,
             n_head: 2,
             n_layer: 2,
-            moe: Some(MoeConfig { experts: 4, top_k: k, capacity_factor: cf, aux_weight: 0.01 }),
+            moe: Some(MoeConfig { experts: 4, top_k: k, renormalize: k > 1, capacity_factor: cf, aux_weight: 0.01 }),
         };
         let shard = |r: usize| -> Batch {
             let mut g = Rng::new(100 + r as u64);
@@ -117,7 +117,8 @@ fn bad_moe_settings_are_refused() {
         );
         Config::parse(&text, "test").err().map(|e| e.to_string()).unwrap_or_default()
     };
-    assert!(try_parse("experts = 4\ntop_k = 3", "").contains("top_k"));
+    assert!(try_parse("experts = 4\ntop_k = 5", "").contains("top_k from 1 to experts"));
+    assert!(try_parse("experts = 4\ntop_k = 0", "").contains("top_k"));
     assert!(try_parse("experts = 0", "").contains("experts"));
     assert!(try_parse("experts = 4\ncapacity_factor = 0.0", "").contains("capacity_factor"));
     assert!(try_parse("experts = 3", "[mesh]\nep = 2\n").contains("multiple of mesh.ep"));

@@ -9,7 +9,7 @@
 //! batch_size = 4                        # sequences per data-parallel replica and step
 //! seq = 32                              # tokens per sequence
 //! eval_fraction = 0.1                   # the shards' last windows, held out for evaluation
-//! [mesh]                                # optional: tp, pp, sp, ep (Mixtral; dp: the rest)
+//! [mesh]                                # optional: tp, pp, sp, ep (MoE models; dp: the rest)
 //! tp = 2
 //! [pipeline]                            # with pp > 1
 //! micro_batches = 2
@@ -66,7 +66,7 @@ pub struct FineTuneConfig {
     pub model: HfModel,
     /// The token windows and the held-out split.
     pub data: HfData,
-    /// `tp`, `pp`, `sp`, `ep` (a model with experts: Mixtral; not with tp, pp or sp yet) and `dp`
+    /// `tp`, `pp`, `sp`, `ep` (a model with experts: Mixtral, Qwen3-MoE; not with tp, pp or sp yet) and `dp`
     /// (else the rest of the world).
     pub mesh: Option<MeshConfig>,
     /// Micro-batches and schedule (`gpipe` or `1f1b`) when `mesh.pp` > 1.
@@ -250,7 +250,10 @@ impl FineTune {
         if ep > 1 && model.experts().is_none() {
             return Err(Error::setting(
                 "mesh.ep",
-                format!("expert parallelism over {ep} ranks is for models with experts (mixtral); {} has none", cfg.model.hf.display()),
+                format!(
+                    "expert parallelism over {ep} ranks is for models with experts (mixtral, qwen3_moe); {} has none",
+                    cfg.model.hf.display()
+                ),
             ));
         }
         let opts = cfg.train_options();

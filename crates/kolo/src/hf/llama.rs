@@ -7,7 +7,7 @@ use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
 use std::path::Path;
 
 /// The `model_type`s built by [`Llama`].
-pub const FAMILY: &[&str] = &["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"];
+pub const FAMILY: &[&str] = &["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3"];
 
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
@@ -143,7 +143,7 @@ impl LlamaConfig {
     /// Qwen3 normalises every query and key head (`q_norm`, `k_norm`) before the rotary
     /// embedding.
     fn head_norms(&self) -> bool {
-        matches!(self.model_type(), "qwen3" | "gemma3_text")
+        matches!(self.model_type(), "qwen3" | "qwen3_moe" | "gemma3_text")
     }
 
     /// Gemma 2 normalises the attention's and the MLP's outputs too (`post_attention_layernorm`,
@@ -214,7 +214,7 @@ impl LlamaConfig {
                 let every = get("sliding_window_pattern").and_then(|v| v.as_u64()).unwrap_or(6).max(1) as usize;
                 (0..n).map(|i| if (i + 1) % every == 0 { None } else { window }).collect()
             }
-            "qwen2" | "qwen3" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
+            "qwen2" | "qwen3" | "qwen3_moe" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
                 let from = get("max_window_layers").and_then(|v| v.as_u64()).unwrap_or(n as u64) as usize;
                 (0..n).map(|i| if i >= from { window } else { None }).collect()
             }
@@ -395,6 +395,11 @@ impl LlamaConfig {
             "sliding_window_pattern",
             "_sliding_window_pattern",
             "num_local_experts",
+            "num_experts",
+            "moe_intermediate_size",
+            "norm_topk_prob",
+            "decoder_sparse_step",
+            "mlp_only_layers",
             "num_experts_per_tok",
             "router_aux_loss_coef",
             "output_router_logits",
@@ -403,31 +408,73 @@ impl LlamaConfig {
         self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
     }
 
-    /// Mixtral's mixture of experts in every block (`None` for the other types): its routing
-    /// ([`crate::ep::MoeConfig`]: `num_local_experts`, `num_experts_per_tok`, dropless) and the
-    /// weight of its load-balancing loss (`router_aux_loss_coef` when `output_router_logits`,
-    /// as `transformers` adds it to the loss, else 0).
+    /// The mixture of experts of Mixtral (every block) and Qwen3-MoE (the blocks of
+    /// [`LlamaConfig::sparse_layer`]); `None` for the other types: its routing
+    /// ([`crate::ep::MoeConfig`]: `num_local_experts` (or `num_experts`), `num_experts_per_tok`,
+    /// renormalised top-k weights for Mixtral and by `norm_topk_prob` for Qwen3-MoE, dropless)
+    /// and the weight of its load-balancing loss (`router_aux_loss_coef` when
+    /// `output_router_logits`, as `transformers` adds it to the loss, else 0).
     pub fn experts(&self) -> Option<(crate::ep::MoeConfig, f64)> {
-        if self.model_type() != "mixtral" {
-            return None;
-        }
         let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
-        let experts = get("num_local_experts").and_then(serde_json::Value::as_u64).unwrap_or(8) as usize;
-        let top_k = get("num_experts_per_tok").and_then(serde_json::Value::as_u64).unwrap_or(2) as usize;
+        let count = |k: &str| get(k).and_then(serde_json::Value::as_u64).map(|v| v as usize);
+        let (experts, top_k, renormalize) = match self.model_type() {
+            "mixtral" => (count("num_local_experts").unwrap_or(8), count("num_experts_per_tok").unwrap_or(2), true),
+            "qwen3_moe" => (
+                count("num_local_experts").or(count("num_experts")).unwrap_or(128),
+                count("num_experts_per_tok").unwrap_or(8),
+                get("norm_topk_prob").and_then(serde_json::Value::as_bool).unwrap_or(false),
+            ),
+            _ => return None,
+        };
         let coef = get("router_aux_loss_coef").and_then(serde_json::Value::as_f64).unwrap_or(0.001);
         let on = get("output_router_logits").and_then(serde_json::Value::as_bool).unwrap_or(false);
         // A capacity of experts / top_k times the fair share is every token: nothing dropped.
-        let routing = crate::ep::MoeConfig { experts, top_k, capacity_factor: experts as f64 / top_k.max(1) as f64, aux_weight: 0.0 };
+        let capacity_factor = experts as f64 / top_k.max(1) as f64;
+        let routing = crate::ep::MoeConfig { experts, top_k, renormalize, capacity_factor, aux_weight: 0.0 };
         Some((routing, if on { coef } else { 0.0 }))
+    }
+
+    /// Whether block `i` is a mixture of experts: every block of Mixtral; Qwen3-MoE's every
+    /// `decoder_sparse_step`-th block but those `mlp_only_layers` lists.
+    pub fn sparse_layer(&self, i: usize) -> bool {
+        let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
+        match self.model_type() {
+            "mixtral" => true,
+            "qwen3_moe" => {
+                let step = get("decoder_sparse_step").and_then(serde_json::Value::as_u64).unwrap_or(1).max(1) as usize;
+                let dense =
+                    get("mlp_only_layers").and_then(|v| v.as_array()).is_some_and(|l| l.iter().any(|x| x.as_u64() == Some(i as u64)));
+                self.experts().is_some_and(|(m, _)| m.experts > 0) && (i + 1).is_multiple_of(step) && !dense
+            }
+            _ => false,
+        }
+    }
+
+    /// The width of an expert's MLP (Qwen3-MoE's `moe_intermediate_size`; Mixtral's experts are
+    /// `intermediate_size` wide).
+    fn expert_width(&self) -> usize {
+        match self.model_type() {
+            "qwen3_moe" => {
+                self.other.get("moe_intermediate_size").and_then(serde_json::Value::as_u64).map_or(self.intermediate_size, |w| w as usize)
+            }
+            _ => self.intermediate_size,
+        }
+    }
+
+    /// Where a sparse block keeps its mixture of experts, and its experts' projections' names
+    /// (gate, up, down): Mixtral's `block_sparse_moe.experts.{j}.w1/w3/w2`, Qwen3-MoE's
+    /// `mlp.experts.{j}.gate_proj/up_proj/down_proj`.
+    fn expert_names(&self) -> (&'static str, [&'static str; 3]) {
+        match self.model_type() {
+            "mixtral" => ("block_sparse_moe", ["w1", "w3", "w2"]),
+            _ => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+        }
     }
 
     fn check_experts(&self) -> std::result::Result<(), String> {
         let Some((m, coef)) = self.experts() else { return Ok(()) };
-        if m.top_k != 2 || m.experts < 2 {
-            return Err(format!(
-                "num_experts_per_tok {} of num_local_experts {}: only 2 of at least 2 experts is supported (Mixtral's)",
-                m.top_k, m.experts
-            ));
+        if m.top_k == 0 || m.top_k > m.experts {
+            return Err(format!("num_experts_per_tok {} of {} experts: it must be from 1 to the experts", m.top_k, m.experts));
         }
         if !(coef.is_finite() && coef >= 0.0) {
             return Err(format!("router_aux_loss_coef {coef} is not a number >= 0"));
@@ -435,6 +482,12 @@ impl LlamaConfig {
         let jitter = self.other.get("router_jitter_noise").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
         if jitter != 0.0 {
             return Err(format!("router_jitter_noise = {jitter} (random noise on the router's input in training) is not supported"));
+        }
+        if let Some(l) = self.other.get("mlp_only_layers").filter(|v| !v.is_null()) {
+            let ok = l.as_array().is_some_and(|a| a.iter().all(|x| x.as_u64().is_some_and(|i| (i as usize) < self.num_hidden_layers)));
+            if !ok {
+                return Err(format!("mlp_only_layers {l} is not a list of layers below {}", self.num_hidden_layers));
+            }
         }
         Ok(())
     }
@@ -446,12 +499,13 @@ impl LlamaConfig {
     pub fn block_costs(&self) -> Vec<f64> {
         let (e, hd, inter) = (self.hidden_size as f64, self.head_dim() as f64, self.intermediate_size as f64);
         let (h, kv) = (self.num_attention_heads as f64, self.kv_heads() as f64);
-        let mlp = match self.experts() {
-            Some((m, _)) => e * m.experts as f64 + m.top_k as f64 * 3.0 * e * inter,
-            None => 3.0 * e * inter,
+        let sparse = match self.experts() {
+            Some((m, _)) => e * m.experts as f64 + m.top_k as f64 * 3.0 * e * self.expert_width() as f64,
+            None => 0.0,
         };
-        let block = e * hd * (2.0 * h + 2.0 * kv) + mlp;
-        let mut costs = vec![block; self.num_hidden_layers];
+        let attention = e * hd * (2.0 * h + 2.0 * kv);
+        let mut costs: Vec<f64> =
+            (0..self.num_hidden_layers).map(|i| attention + if self.sparse_layer(i) { sparse } else { 3.0 * e * inter }).collect();
         if let Some(last) = costs.last_mut() {
             *last += e * self.vocab_size as f64;
         }
@@ -605,13 +659,13 @@ enum GateUp {
     Fused(Layer),
 }
 
-/// A block's feed-forward part: the gated MLP, or (Mixtral) a mixture of gated-MLP experts.
+/// A block's feed-forward part: the gated MLP, or (Mixtral, Qwen3-MoE) a mixture of gated-MLP experts.
 enum Ffn {
     Dense { gate_up: GateUp, down: Layer },
     Experts(crate::ep::MoeLayer<Expert>),
 }
 
-/// One of Mixtral's experts: `w2(act(w1 x) * w3 x)`.
+/// One expert: `down(act(gate x) * up x)` (Mixtral names them w2, w1, w3).
 struct Expert {
     w1: candle_nn::Linear,
     w3: candle_nn::Linear,
@@ -634,7 +688,7 @@ fn activate(gate: Tensor, act: &str) -> candle_core::Result<Tensor> {
     }
 }
 
-/// Mixtral's load-balancing loss (`transformers`' `load_balancing_loss_func`), gathered block by
+/// The load-balancing loss of Mixtral and Qwen3-MoE (`transformers`' `load_balancing_loss_func`), gathered block by
 /// block: over every layer's tokens at once, `experts x sum_e (share of the top-k choices that
 /// went to e) x (mean gate probability of e)`.
 #[derive(Default)]
@@ -802,7 +856,7 @@ pub struct Llama {
     /// Rotary tables: one, or (Gemma 3) one per layer type, full then sliding; each block
     /// names its own.
     ropes: Vec<RopeTables>,
-    /// Mixtral: the experts of every layer this rank holds (all of them without an
+    /// Mixtral, Qwen3-MoE: the experts of every layer this rank holds (all of them without an
     /// expert-parallel group).
     experts_held: Option<std::ops::Range<usize>>,
     /// What loading left unused (empty for a model not loaded from files).
@@ -824,7 +878,7 @@ impl Llama {
     /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut by
     /// [`LlamaConfig::block_costs`] with `kolo::pp::stage_layers_by`; [`Llama::new_stage`]), split over its `tp` group, running on
     /// its `sp` chunk of every sequence (attention by `kolo::sp::ring_attention`, rotary
-    /// positions from the chunk's offset), its experts (Mixtral) dealt out over its `ep` group.
+    /// positions from the chunk's offset), its experts (Mixtral, Qwen3-MoE) dealt out over its `ep` group.
     /// Train it with `Trainer::with_mesh`: [`Llama::loss`], or [`Llama::pipeline_stage`] in a
     /// pipeline.
     pub fn new_parallel(cfg: &LlamaConfig, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Llama> {
@@ -862,7 +916,7 @@ impl Llama {
         Self::build(cfg, vb, Some(tp), 0..cfg.num_hidden_layers, None)
     }
 
-    /// Builds the model with Mixtral's experts dealt out over the expert-parallel group `ep`
+    /// Builds the model with its experts (Mixtral, Qwen3-MoE) dealt out over the expert-parallel group `ep`
     /// (each member holds an equal run of every layer's experts, `experts.{j}` for j in its run;
     /// the rest whole on every member): each member routes its own tokens, which travel to
     /// their experts' member and back ([`crate::ep::MoeLayer`]). [`Llama::new_parallel`] does
@@ -909,10 +963,10 @@ impl Llama {
         let windows = cfg.layer_windows().map_err(candle_core::Error::Msg)?;
         let experts = cfg.experts();
         if experts.is_some() && tp.is_some() {
-            candle_core::bail!("Mixtral's experts over {p} tensor-parallel ranks are not supported yet (deal them out with mesh.ep)");
+            candle_core::bail!("experts over {p} tensor-parallel ranks are not supported yet (deal them out with mesh.ep)");
         }
         if experts.is_some() && layers != (0..n) {
-            candle_core::bail!("Mixtral in pipeline stages (layers {layers:?} of {n}) is not supported yet");
+            candle_core::bail!("a mixture of experts in pipeline stages (layers {layers:?} of {n}) is not supported yet");
         }
         let linear = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
             Ok(match bias {
@@ -955,15 +1009,18 @@ impl Llama {
                 ),
             };
             let ffn = match &experts {
-                Some((routing, _)) => Ffn::Experts(crate::ep::MoeLayer::new(e, routing.clone(), b.pp("block_sparse_moe"), ep, |vb| {
-                    Ok(Expert {
-                        w1: lin(e, inter, vb.pp("w1"))?,
-                        w3: lin(e, inter, vb.pp("w3"))?,
-                        w2: lin(inter, e, vb.pp("w2"))?,
-                        act: cfg.activation().to_string(),
-                    })
-                })?),
-                None => Ffn::Dense {
+                Some((routing, _)) if cfg.sparse_layer(i) => {
+                    let ((block, [gate, up, down]), width) = (cfg.expert_names(), cfg.expert_width());
+                    Ffn::Experts(crate::ep::MoeLayer::new(e, routing.clone(), b.pp(block), ep, |vb| {
+                        Ok(Expert {
+                            w1: lin(e, width, vb.pp(gate))?,
+                            w3: lin(e, width, vb.pp(up))?,
+                            w2: lin(width, e, vb.pp(down))?,
+                            act: cfg.activation().to_string(),
+                        })
+                    })?)
+                }
+                _ => Ffn::Dense {
                     gate_up: match cfg.fused() {
                         true => GateUp::Fused(fused(&[inter, inter], mlp_bias, f.pp("gate_up_proj"))?),
                         false => GateUp::Apart(col(e, inter, mlp_bias, f.pp("gate_proj"))?, col(e, inter, mlp_bias, f.pp("up_proj"))?),
@@ -1054,7 +1111,8 @@ impl Llama {
         if let Some((i, rest)) = name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')) {
             let Ok(i) = i.parse::<usize>() else { return false };
             // Under expert parallelism another rank holds the other experts.
-            let expert = rest.strip_prefix("block_sparse_moe.experts.").and_then(|r| r.split('.').next()).and_then(|j| j.parse().ok());
+            let experts = format!("{}.experts.", self.cfg.expert_names().0);
+            let expert = rest.strip_prefix(experts.as_str()).and_then(|r| r.split('.').next()).and_then(|j| j.parse().ok());
             let other_expert = matches!((expert, &self.experts_held), (Some(j), Some(held)) if !held.contains(&j));
             return !self.layers.contains(&i) || other_expert;
         }
@@ -1109,7 +1167,7 @@ impl Llama {
         Ok(self.blocks_routed(x)?.0)
     }
 
-    /// [`Llama::blocks`], and Mixtral's weighted load-balancing loss over them (`None` without
+    /// [`Llama::blocks`], and the weighted load-balancing loss over them (`None` without
     /// experts): add it to the loss.
     fn blocks_routed(&self, x: &Tensor) -> candle_core::Result<(Tensor, Option<Tensor>)> {
         let t = x.dim(1)?;
@@ -1173,7 +1231,7 @@ impl Llama {
             None => Ok(x),
         };
         let head = |x: &Tensor| self.head(x);
-        // Mixtral's load-balancing loss joins the loss (its blocks are never a pipeline stage).
+        // The load-balancing loss joins the loss (its blocks are never a pipeline stage).
         let aux = std::cell::RefCell::new(None);
         let blocks = |x: &Tensor| {
             let (y, a) = self.blocks_routed(x)?;

@@ -329,6 +329,9 @@ fn architectures_load_with_transformers_logits_and_train() {
         // attention factor; within a context of 32, the short ones and none.
         ("phi3-longrope", vec![("\"original_max_position_embeddings\": 8", "\"original_max_position_embeddings\": 32")]),
         ("phi3-longrope", vec![("\"rope_type\": \"longrope\"", "\"rope_type\": \"default\"")]),
+        // Qwen3-MoE's top 3 of 8 experts weighted by their probabilities as they are, not
+        // renormalised (Mixtral's way).
+        ("qwen3-moe", vec![("\"norm_topk_prob\": false", "\"norm_topk_prob\": true")]),
     ] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let (ids, want) = reference(&dir);
@@ -373,38 +376,49 @@ fn architectures_load_with_transformers_logits_and_train() {
 }
 
 /// Mixtral saved by `transformers` (4 SwiGLU experts per layer, each token through its top 2, the
-/// two gate weights renormalised) gives its logits within 1e-4, and its training loss, with the
-/// load-balancing loss over every layer's tokens at once weighted 0.05 (`output_router_logits`),
-/// within 1e-5 of `transformers`' (whose `aux_loss` is 2.21: the weighted term is 0.11). With
-/// `output_router_logits` false the loss drops exactly that term, as in `transformers`. It trains,
-/// every expert receiving a gradient, saves back to the same tensors and logits, and what it
-/// cannot do is refused by name: another top-k, router jitter, experts over tensor-parallel
-/// ranks.
+/// two gate weights renormalised) and Qwen3-MoE (8 experts on layers 0 and 2, top 3 not
+/// renormalised, a dense layer 1) give their logits within 1e-4, and their training loss, with
+/// the load-balancing loss over every sparse layer's tokens at once weighted 0.05
+/// (`output_router_logits`), within 1e-5 of `transformers'` (whose `aux_loss` is 2.21 for Mixtral:
+/// the weighted term is 0.11). With `output_router_logits` false the loss drops exactly that term,
+/// as in `transformers`. Mixtral trains, every expert receiving a gradient, saves back to the
+/// same tensors and logits, and what it cannot do is refused by name: a top-k above the experts,
+/// router jitter, experts over tensor-parallel ranks.
 #[test]
 fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
+    let scalar = |t: &Tensor| f64::from(t.flatten_all().unwrap().get(0).unwrap().to_scalar::<f32>().unwrap());
+    for arch in ["mixtral", "qwen3-moe"] {
+        let dir = kolo_testkit::files::hf_tiny(arch);
+        let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+        let (ids, want) = (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone());
+        let (want_loss, hf_aux) = (scalar(&r["loss"]), scalar(&r["aux_loss"]));
+        let (_, model) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+        assert!(model.load_report().is_empty(), "{arch}: {}", model.load_report());
+        let d = max_diff(&model.forward(&ids).unwrap(), &want);
+        eprintln!("{arch}: logits differ from transformers' by {d:.2e}");
+        assert!(d < 1e-4, "{arch}: logits differ from transformers' by {d}");
+        let loss = f64::from(model.loss(&ids).unwrap().to_scalar::<f32>().unwrap());
+        eprintln!("{arch}: loss {loss:.6} (transformers {want_loss:.6}, aux {hf_aux:.4})");
+        assert!((loss - want_loss).abs() < 1e-5, "{arch}: loss {loss}, transformers' {want_loss}");
+
+        let plain = copy_checkpoint(&dir, &format!("{arch}-plain"));
+        let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        assert!(cfg.contains("\"output_router_logits\": true"));
+        std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false"))
+            .unwrap();
+        let (_, no_aux) = crate::hf::load_causal_lm(&plain, &Device::Cpu).unwrap();
+        let ce = f64::from(no_aux.loss(&ids).unwrap().to_scalar::<f32>().unwrap());
+        assert!((loss - ce - 0.05 * hf_aux).abs() < 1e-5, "{arch}: loss {loss} - cross-entropy {ce} is not 0.05 x {hf_aux}");
+        let _ = std::fs::remove_dir_all(&plain);
+    }
     let dir = kolo_testkit::files::hf_tiny("mixtral");
     let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
-    let (ids, want) = (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone());
-    let scalar = |t: &Tensor| f64::from(t.flatten_all().unwrap().get(0).unwrap().to_scalar::<f32>().unwrap());
-    let (want_loss, hf_aux) = (scalar(&r["loss"]), scalar(&r["aux_loss"]));
+    let ids = r["ids"].to_dtype(DType::U32).unwrap();
     let (varmap, model) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
-    assert!(model.load_report().is_empty(), "{}", model.load_report());
-    let d = max_diff(&model.forward(&ids).unwrap(), &want);
-    eprintln!("mixtral: logits differ from transformers' by {d:.2e}");
-    assert!(d < 1e-4, "mixtral: logits differ from transformers' by {d}");
-    let loss = f64::from(model.loss(&ids).unwrap().to_scalar::<f32>().unwrap());
-    eprintln!("mixtral: loss {loss:.6} (transformers {want_loss:.6}, aux {hf_aux:.4})");
-    assert!((loss - want_loss).abs() < 1e-5, "loss {loss}, transformers' {want_loss}");
-
-    let plain = copy_checkpoint(&dir, "mixtral-plain");
+    let plain = copy_checkpoint(&dir, "mixtral-refused");
     let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap();
-    assert!(cfg.contains("\"output_router_logits\": true"));
-    std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false")).unwrap();
-    let (_, no_aux) = crate::hf::load_causal_lm(&plain, &Device::Cpu).unwrap();
-    let ce = f64::from(no_aux.loss(&ids).unwrap().to_scalar::<f32>().unwrap());
-    assert!((loss - ce - 0.05 * hf_aux).abs() < 1e-5, "loss {loss} - cross-entropy {ce} is not 0.05 x {hf_aux}");
     for (from, to, why) in [
-        ("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 1", "num_experts_per_tok 1 of num_local_experts 4: only 2"),
+        ("\"num_experts_per_tok\": 2", "\"num_experts_per_tok\": 5", "num_experts_per_tok 5 of 4 experts"),
         ("\"router_jitter_noise\": 0.0", "\"router_jitter_noise\": 0.01", "router_jitter_noise = 0.01"),
     ] {
         std::fs::write(plain.join("config.json"), cfg.replace(from, to)).unwrap();
@@ -419,7 +433,7 @@ fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
             s.spawn(move || {
                 let tp = crate::tp::TensorParallel::new(std::sync::Arc::new(c) as std::sync::Arc<dyn kolo_comm::Communicator>);
                 let e = crate::hf::load_causal_lm_split(&dir, &Device::Cpu, Some(&tp)).err().expect("refused").to_string();
-                assert!(e.contains("Mixtral's experts over 2 tensor-parallel ranks are not supported yet"), "{e}");
+                assert!(e.contains("experts over 2 tensor-parallel ranks are not supported yet"), "{e}");
             });
         }
     });
@@ -624,7 +638,7 @@ fn llama_family_options_not_implemented_are_refused() {
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3\""));
     assert!(
         e.contains(
-            "model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3, gemma, gemma2, gemma3_text, phi3)"
+            "model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3)"
         ),
         "{e}"
     );
