@@ -4,7 +4,8 @@ use kolo_plan::{estimate, parse_quantity, search, Cluster, Device, Estimate, Gpt
 
 #[derive(clap::Args)]
 pub struct PlanArgs {
-    /// The model family (only `gpt`).
+    /// The model family (only `gpt`: a decoder-only transformer, GPT-, Llama- or
+    /// Mixtral-style by the shape flags or --hf).
     #[arg(long, default_value = "gpt")]
     model: String,
     /// Parameters, e.g. 1.3B or 125M: picks the GPT-3 family shape nearest to it (2048-token
@@ -21,6 +22,31 @@ pub struct PlanArgs {
     seq: Option<usize>,
     #[arg(long)]
     vocab: Option<usize>,
+    /// Plan the model of a Hugging Face directory: its config.json (GPT-2, GPT-NeoX, the Llama
+    /// family, Mixtral's and Qwen3-MoE's experts) gives the shape; --seq defaults to its
+    /// max_position_embeddings, at most 4096. The shape flags override it.
+    #[arg(long, value_name = "DIR", conflicts_with = "params")]
+    hf: Option<std::path::PathBuf>,
+    /// Key/value heads (grouped-query attention; default: --heads).
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    /// Width of a head (default d_model / heads).
+    #[arg(long)]
+    head_dim: Option<usize>,
+    /// Width of the MLP, of each expert's with --experts (default 4 d_model).
+    #[arg(long)]
+    ffn: Option<usize>,
+    /// A Llama-style block: a gated MLP (SwiGLU), RMS norms, no biases, rotary positions.
+    #[arg(long)]
+    gated: bool,
+    /// The output layer is the token embedding.
+    #[arg(long)]
+    tied: bool,
+    /// Experts per MLP (a mixture of experts; 1: dense), each token through --top-k of them.
+    #[arg(long)]
+    experts: Option<usize>,
+    #[arg(long)]
+    top_k: Option<usize>,
     /// Devices in the job (whole nodes of the cluster, or part of one node).
     #[arg(long, required_unless_present = "show_cluster")]
     devices: Option<usize>,
@@ -270,24 +296,24 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
     }
     let devices = a.devices.expect("clap requires --devices without --show-cluster");
     let c = c.with_devices(devices).map_err(|e| anyhow::anyhow!("--devices {devices}: {e}"))?;
-    let mut m = match &a.params {
-        Some(p) => Gpt::with_params(parse_quantity(p).map_err(anyhow::Error::msg)?),
-        None => Gpt { layers: 12, d_model: 768, heads: 12, seq: 1024, vocab: 50257 },
-    };
-    m.layers = a.layers.unwrap_or(m.layers);
-    m.d_model = a.d_model.unwrap_or(m.d_model);
-    m.heads = a.heads.unwrap_or(m.heads);
-    m.seq = a.seq.unwrap_or(m.seq);
-    m.vocab = a.vocab.unwrap_or(m.vocab);
+    let m = model(&a)?;
     let precision = Precision::parse(&a.precision).map_err(|e| anyhow::anyhow!("--precision: {e}"))?;
     println!(
-        "GPT: {} layers, d_model {}, {} heads, seq {}, vocab {} = {:.3} B parameters; {} nodes x {} {} ({:.1} GiB, peak {:.1} TFLOP/s in {}), intra-node {:.1} GB/s, inter-node {:.1} GB/s per device; {} sequences per step",
+        "{}: {} layers, d_model {}, {} heads ({} key/value) of {}, MLP {}{}{}{}, seq {}, vocab {} = {} parameters ({} active); {} nodes x {} {} ({:.1} GiB, peak {:.1} TFLOP/s in {}), intra-node {:.1} GB/s, inter-node {:.1} GB/s per device; {} sequences per step",
+        if m.gated { "Llama-style" } else { "GPT" },
         m.layers,
         m.d_model,
         m.heads,
+        m.kv_heads,
+        m.head_dim,
+        m.ffn,
+        if m.gated { " gated" } else { "" },
+        if m.experts > 1 { format!(" x {} experts (top {})", m.experts, m.top_k) } else { String::new() },
+        if m.tied { ", tied embeddings" } else { "" },
         m.seq,
         m.vocab,
-        m.params() / 1e9,
+        count(m.params()),
+        count(m.active_params()),
         c.nodes,
         c.devices_per_node,
         c.device.name,
@@ -299,6 +325,12 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         a.global_batch
     );
     let memory = c.device.memory;
+    if let (Some(_), Some(hf)) = (&a.emit, &a.hf) {
+        anyhow::bail!(
+            "--emit writes a job of Kolo's GPT; for {} put the plan's mesh and ZeRO stage in its fine-tuning config ([mesh], [ddp] zero_stage)",
+            hf.display()
+        );
+    }
     if let Some(dir) = &a.emit {
         let (p, e) = match &a.evaluate {
             Some(spec) => {
@@ -343,6 +375,97 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         println!("{}", row(i + 1, p, e));
     }
     Ok(0)
+}
+
+/// A parameter count as people write it: 1.3149 B, 124.440 M, 98304.
+fn count(x: f64) -> String {
+    match x {
+        x if x >= 1e9 => format!("{:.4} B", x / 1e9),
+        x if x >= 1e6 => format!("{:.3} M", x / 1e6),
+        x => format!("{x:.0}"),
+    }
+}
+
+/// The model to plan: a GPT-3 family shape by `--params`, a Hugging Face directory's by `--hf`,
+/// or GPT-2 small's; then the shape flags.
+fn model(a: &PlanArgs) -> anyhow::Result<Gpt> {
+    let mut m = match (&a.params, &a.hf) {
+        (Some(p), _) => Gpt::with_params(parse_quantity(p).map_err(anyhow::Error::msg)?),
+        (None, Some(dir)) => hf_model(dir, a.seq)?,
+        (None, None) => Gpt::gpt_style(12, 768, 12, 1024, 50257),
+    };
+    if a.hf.is_none() && (a.layers.is_some() || a.d_model.is_some() || a.heads.is_some()) {
+        // A GPT-style shape of the given sizes: its head width, key/value heads and MLP follow.
+        m = Gpt {
+            tied: m.tied,
+            ..Gpt::gpt_style(a.layers.unwrap_or(m.layers), a.d_model.unwrap_or(m.d_model), a.heads.unwrap_or(m.heads), m.seq, m.vocab)
+        };
+    }
+    m.layers = a.layers.unwrap_or(m.layers);
+    m.d_model = a.d_model.unwrap_or(m.d_model);
+    m.heads = a.heads.unwrap_or(m.heads);
+    m.seq = a.seq.unwrap_or(m.seq);
+    m.vocab = a.vocab.unwrap_or(m.vocab);
+    m.kv_heads = a.kv_heads.unwrap_or(m.kv_heads);
+    m.head_dim = a.head_dim.unwrap_or(m.head_dim);
+    m.ffn = a.ffn.unwrap_or(m.ffn);
+    m.experts = a.experts.unwrap_or(m.experts);
+    m.top_k = a.top_k.unwrap_or(if a.experts.is_some() { 2.min(m.experts) } else { m.top_k });
+    if a.gated {
+        (m.gated, m.learned_positions) = (true, false);
+    }
+    m.tied |= a.tied;
+    let ok = m.layers > 0 && m.d_model > 0 && m.heads > 0 && m.kv_heads > 0 && m.heads.is_multiple_of(m.kv_heads);
+    anyhow::ensure!(
+        ok && m.head_dim > 0 && m.ffn > 0 && m.experts > 0 && (1..=m.experts).contains(&m.top_k),
+        "the model's shape: {} heads over {} key/value heads, head width {}, MLP {}, top {} of {} experts (each positive, the heads a multiple of the key/value heads, top-k at most the experts)",
+        m.heads,
+        m.kv_heads,
+        m.head_dim,
+        m.ffn,
+        m.top_k,
+        m.experts
+    );
+    Ok(m)
+}
+
+/// The shape of the Hugging Face model whose `config.json` is in `dir`, at `seq` tokens (default
+/// its context, at most 4096).
+fn hf_model(dir: &std::path::Path, seq: Option<usize>) -> anyhow::Result<Gpt> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("--hf {}: {e}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--hf {}: not JSON: {e}", path.display()))?;
+    let get = |keys: &[&str]| keys.iter().find_map(|k| v.get(*k).and_then(serde_json::Value::as_u64)).map(|x| x as usize);
+    let need = |keys: &[&str]| get(keys).ok_or_else(|| anyhow::anyhow!("--hf {}: no {}", path.display(), keys.join(" or ")));
+    let flag = |k: &str| v.get(k).and_then(serde_json::Value::as_bool);
+    let kind = v.get("model_type").and_then(|t| t.as_str()).unwrap_or("");
+    let layers = need(&["num_hidden_layers", "n_layer"])?;
+    let d_model = need(&["hidden_size", "n_embd"])?;
+    let heads = need(&["num_attention_heads", "n_head"])?;
+    let context = need(&["max_position_embeddings", "n_positions"])?;
+    let vocab = need(&["vocab_size"])?;
+    let mut m = Gpt::gpt_style(layers, d_model, heads, seq.unwrap_or(context.min(4096)), vocab);
+    m.head_dim = get(&["head_dim"]).unwrap_or(d_model / heads.max(1));
+    m.kv_heads = get(&["num_key_value_heads"]).unwrap_or(heads);
+    match kind {
+        "gpt2" => {
+            m.ffn = get(&["n_inner"]).unwrap_or(4 * d_model);
+            m.tied = true;
+        }
+        "gpt_neox" => {
+            m.ffn = need(&["intermediate_size"])?;
+            (m.tied, m.learned_positions) = (flag("tie_word_embeddings").unwrap_or(false), false);
+        }
+        _ if kolo::hf::FAMILY.contains(&kind) => {
+            m.ffn = get(&["moe_intermediate_size"]).filter(|_| kind == "qwen3_moe").map_or_else(|| need(&["intermediate_size"]), Ok)?;
+            (m.gated, m.learned_positions, m.tied) = (true, false, flag("tie_word_embeddings").unwrap_or(false));
+            if let Some(x) = get(&["num_local_experts", "num_experts"]).filter(|_| matches!(kind, "mixtral" | "qwen3_moe")) {
+                (m.experts, m.top_k) = (x, get(&["num_experts_per_tok"]).unwrap_or(2));
+            }
+        }
+        t => anyhow::bail!("--hf {}: model_type \"{t}\" (gpt2, gpt_neox, {})", path.display(), kolo::hf::FAMILY.join(", ")),
+    }
+    Ok(m)
 }
 
 /// Writes plan `p` as a runnable job in `dir` (see `--emit`).

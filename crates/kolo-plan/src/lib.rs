@@ -1,5 +1,5 @@
 //! The automatic parallelism planner (Alpa-style search over a cost model, without Alpa's ILP):
-//! for a GPT on a cluster ([`Cluster`]: devices per node, intra- and inter-node links, peak
+//! for a decoder-only transformer ([`Gpt`]: GPT-, Llama- or Mixtral-style) on a cluster ([`Cluster`]: devices per node, intra- and inter-node links, peak
 //! FLOP/s per precision, memory, measured GEMM efficiency), every way to split the devices
 //! into data (dp), tensor (tp) and pipeline (pp) parallel groups, with each ZeRO stage,
 //! micro-batch size and with or without activation checkpointing, is costed by [`estimate`];
@@ -7,7 +7,8 @@
 //!
 //! The cost model, per training step of `global_batch` sequences, on one device:
 //! - **compute**, per layer and micro-batch of b sequences: the dense GEMMs (24 b s h^2 / t
-//!   FLOPs forward), attention's score and value GEMMs (4 b s^2 h / t) and the logits
+//!   FLOPs forward GPT-style; projections with grouped-query attention's narrower k and v, and
+//!   a gated MLP's three matrices of its width for each of the top-k experts otherwise), attention's score and value GEMMs (4 b s^2 h / t) and the logits
 //!   (2 b s h V / t), each at the device's peak times its measured efficiency for the GEMM's
 //!   size ([`Device::efficiency`]); the memory-bound operations move the layer's activations
 //!   (Korthikanti et al.'s s b h (10 + 24/t + 5 a s / (h t)) values, without sequence
@@ -35,21 +36,118 @@
 mod cluster;
 pub use cluster::{Cluster, Device, Link, Precision, PRESETS};
 
-/// A GPT's shape.
+/// A decoder-only transformer's shape: GPT-style (learned positions, layer norms, biases, a
+/// 4h GELU MLP) by [`Gpt::gpt_style`], and Llama-, Mistral- and Mixtral-style ones by its fields
+/// (grouped-query attention, a gated MLP of any width, tied embeddings, a mixture of experts).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Gpt {
     pub layers: usize,
     pub d_model: usize,
+    /// Query heads.
     pub heads: usize,
     pub seq: usize,
     pub vocab: usize,
+    /// Key/value heads (grouped-query attention; `heads` for multi-head attention).
+    pub kv_heads: usize,
+    /// Width of a head (d_model / heads in GPT; wider in Gemma and Qwen3).
+    pub head_dim: usize,
+    /// Width of the MLP (of each expert's MLP): 4 d_model in GPT.
+    pub ffn: usize,
+    /// A Llama-style block: a gated MLP (SwiGLU: gate, up and down), RMS norms, no biases
+    /// (GPT-style: two matrices with biases, layer norms).
+    pub gated: bool,
+    /// The output layer is the token embedding (no matrix of its own).
+    pub tied: bool,
+    /// Learned position embeddings (GPT's; rotary embeddings have no parameters).
+    pub learned_positions: bool,
+    /// Experts per MLP (1: a dense MLP) and the experts each token runs through.
+    pub experts: usize,
+    pub top_k: usize,
 }
 
 impl Gpt {
-    /// Parameters: per block 12 h^2 + 13 h, embeddings (V + s) h, final norm and head V h + V + 2h.
+    /// A GPT-style shape (Kolo's built-in GPT, GPT-2/3, Megatron-LM's): multi-head attention,
+    /// a 4h MLP, learned positions, an output layer of its own with a bias.
+    pub fn gpt_style(layers: usize, d_model: usize, heads: usize, seq: usize, vocab: usize) -> Gpt {
+        Gpt {
+            layers,
+            d_model,
+            heads,
+            seq,
+            vocab,
+            kv_heads: heads,
+            head_dim: d_model / heads.max(1),
+            ffn: 4 * d_model,
+            gated: false,
+            tied: false,
+            learned_positions: true,
+            experts: 1,
+            top_k: 1,
+        }
+    }
+
+    /// The widths of the queries and of the keys (each of keys and values), over d_model:
+    /// (1, 1) GPT-style.
+    fn widths(&self) -> (f64, f64) {
+        let h = self.d_model.max(1) as f64;
+        ((self.heads * self.head_dim) as f64 / h, (self.kv_heads * self.head_dim) as f64 / h)
+    }
+
+    /// Matrices of the MLP (3 gated, 2 not).
+    fn mlp_matrices(&self) -> f64 {
+        if self.gated {
+            3.0
+        } else {
+            2.0
+        }
+    }
+
+    /// Parameters: per block the attention's projections (q and o h x heads x head_dim each, k
+    /// and v h x kv_heads x head_dim each), the MLP's matrices (h x ffn each, per expert) and a router (h x experts)
+    /// when there are experts, biases (GPT-style: q, k, v, o, and the MLP's) and norms (2h
+    /// layer norms, h RMS norms, each); embeddings V h (and s h learned positions); the
+    /// output layer V h (and GPT's V bias) unless tied; the final norm. GPT-style: per block
+    /// 12 h^2 + 13 h, embeddings (V + s) h, final norm and head V h + V + 2h.
     pub fn params(&self) -> f64 {
-        let (l, h, s, v) = (self.layers as f64, self.d_model as f64, self.seq as f64, self.vocab as f64);
-        l * (12.0 * h * h + 13.0 * h) + (v + s) * h + 2.0 * h + v * h + v
+        let (l, h, s, v, f) = (self.layers as f64, self.d_model as f64, self.seq as f64, self.vocab as f64, self.ffn as f64);
+        let (x, (q, k)) = (self.experts.max(1) as f64, self.widths());
+        let norm = if self.gated { h } else { 2.0 * h };
+        let router = if self.experts > 1 { h * x } else { 0.0 };
+        let biases = if self.gated { 0.0 } else { h * (q + 2.0 * k + 1.0) + (f + h) * x };
+        let block = self.block_matrices() + router + biases + 2.0 * norm;
+        let embeddings = v * h + if self.learned_positions { s * h } else { 0.0 };
+        let head = if self.tied { 0.0 } else { v * h + if self.gated { 0.0 } else { v } };
+        l * block + embeddings + head + norm
+    }
+
+    /// One block's weight matrices: the attention's projections and every expert's MLP
+    /// matrices (GPT-style 12 h^2).
+    pub fn block_matrices(&self) -> f64 {
+        let (h, f, (q, k)) = (self.d_model as f64, self.ffn as f64, self.widths());
+        2.0 * h * h * (q + k) + self.mlp_matrices() * h * f * self.experts.max(1) as f64
+    }
+
+    /// Parameters a token runs through: [`Gpt::params`] less the experts it does not use.
+    pub fn active_params(&self) -> f64 {
+        let idle = self.experts.saturating_sub(self.top_k) as f64;
+        let per_expert =
+            self.mlp_matrices() * self.d_model as f64 * self.ffn as f64 + if self.gated { 0.0 } else { (self.ffn + self.d_model) as f64 };
+        self.params() - self.layers as f64 * idle * per_expert
+    }
+
+    /// Forward FLOPs per token of one block's matrix products outside attention's scores:
+    /// the projections and the MLP's matrices for the top-k experts, and the router.
+    /// GPT-style: 24 h^2.
+    fn dense_flops_per_token(&self) -> f64 {
+        let (h, f, (q, k)) = (self.d_model as f64, self.ffn as f64, self.widths());
+        let router = if self.experts > 1 { 2.0 * h * self.experts as f64 } else { 0.0 };
+        4.0 * h * h * (q + k) + 2.0 * self.mlp_matrices() * h * f * self.top_k.max(1) as f64 + router
+    }
+
+    /// Forward FLOPs per token of attention's scores and values over `s` positions: 4 s x
+    /// heads x head_dim (4 s h GPT-style).
+    fn attention_flops_per_token(&self) -> f64 {
+        4.0 * self.seq as f64 * (self.heads * self.head_dim) as f64
     }
 
     /// The GPT-3 family shape (Brown et al., table 2.1) nearest to `params` parameters, with a
@@ -65,24 +163,40 @@ impl Gpt {
             (40, 5140, 40),
             (96, 12288, 96),
         ];
-        let shapes = FAMILY.iter().map(|&(layers, d_model, heads)| Gpt { layers, d_model, heads, seq: 2048, vocab: 50257 });
+        let shapes = FAMILY.iter().map(|&(layers, d_model, heads)| Gpt::gpt_style(layers, d_model, heads, 2048, 50257));
         shapes
             .min_by(|a, b| (a.params().ln() - params.ln()).abs().total_cmp(&(b.params().ln() - params.ln()).abs()))
             .expect("non-empty family")
     }
 
-    /// FLOPs of forward and backward for `sequences` sequences (Narayanan et al., eq. 3).
+    /// FLOPs of forward and backward for `sequences` sequences: three times the forward's
+    /// matrix products, per token each block's [`Gpt::dense_flops_per_token`] and attention's
+    /// scores and values (4 s h), and the logits (2 h V). GPT-style this is Narayanan et al.'s
+    /// eq. 3, 72 B s L h^2 (1 + s / 6h + V / 12hL).
     pub fn step_flops(&self, sequences: f64) -> f64 {
         let (l, h, s, v) = (self.layers as f64, self.d_model as f64, self.seq as f64, self.vocab as f64);
-        72.0 * sequences * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * l))
+        3.0 * sequences * s * (l * (self.dense_flops_per_token() + self.attention_flops_per_token()) + 2.0 * h * v)
     }
 
     /// FLOPs activation checkpointing adds: the blocks' forward once more (the logits are not
-    /// recomputed), so that step + recompute is Narayanan et al.'s 96 B s L h^2 (1 + s / 6h +
-    /// V / 16hL).
+    /// recomputed), so that GPT-style step + recompute is Narayanan et al.'s 96 B s L h^2 (1 +
+    /// s / 6h + V / 16hL).
     pub fn recompute_flops(&self, sequences: f64) -> f64 {
-        let (l, h, s) = (self.layers as f64, self.d_model as f64, self.seq as f64);
-        24.0 * sequences * s * l * h * h * (1.0 + s / (6.0 * h))
+        let (l, s) = (self.layers as f64, self.seq as f64);
+        sequences * s * l * (self.dense_flops_per_token() + self.attention_flops_per_token())
+    }
+
+    /// One block's activations per token and hidden value, in 2-byte values (Korthikanti et
+    /// al.'s accounting): (kept whole on every tensor-parallel rank without sequence
+    /// parallelism: the norms' inputs 4, the attention's and the MLP's inputs 2 each, the
+    /// dropout masks 2; split over the group: q and the output projection's input 2 each, k and
+    /// v 2 each (times their widths over d_model), and the MLP's inner activations, 4 ffn/h (gated
+    /// 8 ffn/h) times the experts a token visits). GPT-style: (10, 24), the paper's s b h (10 +
+    /// 24/t).
+    fn activation_terms(&self) -> (f64, f64) {
+        let (h, f, (q, k)) = (self.d_model as f64, self.ffn as f64, self.widths());
+        let inner = if self.gated { 8.0 } else { 4.0 } * f / h * self.top_k.max(1) as f64;
+        (10.0, 4.0 * q + 4.0 * k + inner)
     }
 }
 
@@ -199,29 +313,32 @@ pub fn state_bytes(params: f64, zero: u8, dp: usize, precision: Precision) -> (f
 
 /// Activation bytes of one layer for one micro-batch of `b` sequences (values of `value_bytes`)
 /// on one rank of a `tp`-way group without sequence parallelism (Korthikanti et al. 2022, eq. 2:
-/// `s b h (10 + 24/t + 5 a s / (h t))` in 2-byte values): the layer norms' and dropouts'
+/// `s b h (10 + 24/t + 5 a s / (h t))` in 2-byte values for a GPT-style block; the 24 is
+/// [`Gpt`]'s attention and MLP terms for other shapes): the layer norms' and dropouts'
 /// activations stay whole on every rank, as in Kolo's tensor parallelism and the published runs
 /// this is checked against (Megatron-LM 2021, BLOOM, MT-NLG).
 pub fn layer_activation_bytes(m: &Gpt, b: usize, tp: usize, value_bytes: f64) -> f64 {
     let (s, h, a, t) = (m.seq as f64, m.d_model as f64, m.heads as f64, tp.max(1) as f64);
-    s * b as f64 * h * (10.0 + 24.0 / t + 5.0 * a * s / (h * t)) * (value_bytes / 2.0)
+    let (whole, split) = m.activation_terms();
+    s * b as f64 * h * (whole + split / t + 5.0 * a * s / (h * t)) * (value_bytes / 2.0)
 }
 
 /// As [`layer_activation_bytes`] with Megatron's sequence parallelism (eq. 4: `s b h (34 +
 /// 5 a s / h) / t`): the layer norms' and dropouts' activations are split over the group too.
 pub fn layer_activation_bytes_sp(m: &Gpt, b: usize, tp: usize, value_bytes: f64) -> f64 {
     let (s, h, a) = (m.seq as f64, m.d_model as f64, m.heads as f64);
-    s * b as f64 * h * (34.0 + 5.0 * a * s / h) * (value_bytes / 2.0) / tp.max(1) as f64
+    let (whole, split) = m.activation_terms();
+    s * b as f64 * h * (whole + split + 5.0 * a * s / h) * (value_bytes / 2.0) / tp.max(1) as f64
 }
 
 /// Seconds of one layer's forward for a micro-batch of `b` sequences on one device of a
 /// tp-way group: GEMMs at their measured efficiency, memory-bound operations at the memory
 /// bandwidth.
 pub fn layer_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Precision) -> f64 {
-    let (s, h, a, t) = (m.seq as f64, m.d_model as f64, m.heads as f64, tp as f64);
+    let (s, h, t) = (m.seq as f64, m.d_model as f64, tp as f64);
     let tokens = b as f64 * s;
-    let dense = d.gemm_s(24.0 * tokens * h * h / t, (tokens, 3.0 * h / t, h), precision);
-    let attention = d.gemm_s(4.0 * tokens * s * h / t, (s, s, h / a), precision);
+    let dense = d.gemm_s(m.dense_flops_per_token() * tokens / t, (tokens, 3.0 * h / t, h), precision);
+    let attention = d.gemm_s(tokens * m.attention_flops_per_token() / t, (s, s, m.head_dim as f64), precision);
     let memory = 2.0 * layer_activation_bytes(m, b, tp, precision.value_bytes()) / d.mem_bandwidth;
     dense + attention + memory
 }
@@ -237,7 +354,8 @@ pub fn logits_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Pre
 pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precision: Precision) -> Option<Estimate> {
     let Plan { dp, tp, pp, zero, micro_batch, checkpoint } = *plan;
     let devices = c.devices();
-    if dp * tp * pp != devices || micro_batch == 0 || pp > m.layers || !m.heads.is_multiple_of(tp) || !global_batch.is_multiple_of(dp) {
+    let splits = m.heads.is_multiple_of(tp) && m.kv_heads.is_multiple_of(tp);
+    if dp * tp * pp != devices || micro_batch == 0 || pp > m.layers || !splits || !global_batch.is_multiple_of(dp) {
         return None;
     }
     let per_replica = global_batch / dp;
@@ -273,7 +391,7 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
 
     let (params, grads, optimizer) = state_bytes(stage_params, zero, dp, precision);
     // ZeRO-3: a layer's gathered parameters and gradients, two layers at a time (prefetch).
-    let gathered_layer = if zero >= 3 { 4.0 * vb * 12.0 * h * h / tp as f64 } else { 0.0 };
+    let gathered_layer = if zero >= 3 { 4.0 * vb * m.block_matrices() / tp as f64 } else { 0.0 };
     let in_flight = pp.min(mb) as f64;
     let per_layer = layer_activation_bytes(m, micro_batch, tp, vb) * c.activation_factor;
     let activations =

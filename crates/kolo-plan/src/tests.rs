@@ -1,7 +1,7 @@
 use super::*;
 
 fn bench_gpt() -> Gpt {
-    Gpt { layers: 4, d_model: 256, heads: 4, seq: 128, vocab: 65 }
+    Gpt::gpt_style(4, 256, 4, 128, 65)
 }
 
 fn this_machine(devices: usize) -> Cluster {
@@ -16,7 +16,7 @@ fn parameter_counts_match_the_models() {
     assert!((g.params() / 1.3e9 - 1.0).abs() < 0.1, "{}", g.params());
     assert_eq!(Gpt::with_params(175e9).layers, 96);
     // Step + recomputation is Narayanan et al.'s 96 B s l h^2 (1 + s/6h + V/16lh).
-    let m = Gpt { layers: 96, d_model: 12288, heads: 96, seq: 2048, vocab: 51200 };
+    let m = Gpt::gpt_style(96, 12288, 96, 2048, 51200);
     let (l, h, s, v) = (96.0, 12288.0, 2048.0, 51200.0);
     let paper = 96.0 * 1536.0 * s * l * h * h * (1.0 + s / (6.0 * h) + v / (16.0 * l * h));
     assert!(((m.step_flops(1536.0) + m.recompute_flops(1536.0)) / paper - 1.0).abs() < 1e-12);
@@ -93,7 +93,7 @@ const MEGATRON_TABLE_1: [MegatronRow; 10] = [
 
 /// The best micro-batch for the paper's tp x pp x dp with recomputation.
 fn megatron_row(heads: usize, d_model: usize, layers: usize, tp: usize, pp: usize, gpus: usize, batch: usize) -> (Plan, Estimate) {
-    let m = Gpt { layers, d_model, heads, seq: 2048, vocab: 51200 };
+    let m = Gpt::gpt_style(layers, d_model, heads, 2048, 51200);
     let c = Cluster { overlap_dp: false, ..Cluster::preset("dgx-a100", gpus / 8).unwrap() };
     let dp = gpus / (tp * pp);
     [1, 2, 4, 8]
@@ -195,7 +195,7 @@ fn links_follow_the_node_boundaries() {
     // One member per node (dp over tp = 8): the device's own NIC.
     assert_eq!(c.group_link(4, 8).bandwidth, c.inter.bandwidth);
     assert_eq!(c.group_link(2, 2), c.intra);
-    let m = Gpt { layers: 32, d_model: 8192, heads: 64, seq: 2048, vocab: 51200 };
+    let m = Gpt::gpt_style(32, 8192, 64, 2048, 51200);
     let plan = |tp| Plan { dp: 32 / tp, tp, pp: 1, zero: 1, micro_batch: 1, checkpoint: true };
     let t8 = estimate(&m, &c, &plan(8), 64, Precision::Mixed).unwrap();
     let t16 = estimate(&m, &c, &plan(16), 64, Precision::Mixed).unwrap();
@@ -210,7 +210,7 @@ fn links_follow_the_node_boundaries() {
 /// Table 1, more here), within 20%.
 #[test]
 fn gpt3_175b_on_1024_a100s() {
-    let m = Gpt { layers: 96, d_model: 12288, heads: 96, seq: 2048, vocab: 51200 };
+    let m = Gpt::gpt_style(96, 12288, 96, 2048, 51200);
     let c = Cluster { overlap_dp: false, ..Cluster::preset("dgx-a100", 128).unwrap() };
     let space = Space { zero_stages: vec![0], micro_batches: vec![1, 2, 4], checkpoint: vec![true], ..Space::default() };
     let plans = search(&m, &c, 1536, Precision::Mixed, &space);
@@ -257,8 +257,8 @@ fn quantities_parse_with_their_units() {
 /// MT-NLG 530B's at t = 8 (issue #37: the planner used the sequence-parallel formula for them).
 #[test]
 fn activations_without_sequence_parallelism_keep_the_norms_whole() {
-    let bloom = Gpt { layers: 70, d_model: 14336, heads: 112, seq: 2048, vocab: 250880 };
-    let mtnlg = Gpt { layers: 105, d_model: 20480, heads: 128, seq: 2048, vocab: 51200 };
+    let bloom = Gpt::gpt_style(70, 14336, 112, 2048, 250880);
+    let mtnlg = Gpt::gpt_style(105, 20480, 128, 2048, 51200);
     let ratio = |m: &Gpt, t| layer_activation_bytes(m, 1, t, 2.0) / layer_activation_bytes_sp(m, 1, t, 2.0);
     assert!((ratio(&bloom, 1) - 1.0).abs() < 1e-12);
     assert!((ratio(&bloom, 4) - 1.26).abs() < 0.01, "{}", ratio(&bloom, 4));
@@ -267,4 +267,68 @@ fn activations_without_sequence_parallelism_keep_the_norms_whole() {
     // s b h (10 + 24/8 + 5 a s / (8 h)) = 2048 x 20480 x (13 + 8).
     let want = 2048.0 * 20480.0 * 21.0;
     assert!((layer_activation_bytes(&mtnlg, 1, 8, 2.0) - want).abs() < 1.0);
+}
+
+/// A Llama-style shape (`gated`, no biases, rotary positions).
+#[allow(clippy::too_many_arguments)]
+fn llama(layers: usize, h: usize, heads: usize, kv: usize, ffn: usize, vocab: usize, tied: bool, experts: (usize, usize)) -> Gpt {
+    Gpt {
+        kv_heads: kv,
+        ffn,
+        gated: true,
+        tied,
+        learned_positions: false,
+        experts: experts.0,
+        top_k: experts.1,
+        ..Gpt::gpt_style(layers, h, heads, 4096, vocab)
+    }
+}
+
+/// The model description counts the parameters of published models it was not written from
+/// (their model cards' or `transformers`' counts): Llama-2-7B (multi-head, SwiGLU 11008,
+/// untied) 6.738 B, Mistral-7B (8 key/value heads, 14336) 7.242 B, Mixtral-8x7B 46.70 B with
+/// 12.88 B active (2 of 8 experts), SmolLM-135M (tied, 3 of 9 key/value heads) 134.5 M, and
+/// GPT-2 (tied, learned positions, biases) 124.4 M; within 0.1 %. A GPT-style shape keeps
+/// Narayanan et al.'s FLOPs formula exactly, and a Llama's training FLOPs are 6 x its
+/// non-embedding parameters per token plus attention's and the logits' (Kaplan et al.).
+#[test]
+fn the_model_description_counts_published_models() {
+    let cases = [
+        ("Llama-2-7B", llama(32, 4096, 32, 32, 11008, 32000, false, (1, 1)), 6.738e9),
+        ("Mistral-7B", llama(32, 4096, 32, 8, 14336, 32000, false, (1, 1)), 7.2417e9),
+        ("Mixtral-8x7B", llama(32, 4096, 32, 8, 14336, 32000, false, (8, 2)), 46.7028e9),
+        ("SmolLM-135M", llama(30, 576, 9, 3, 1536, 49152, true, (1, 1)), 134.515e6),
+        ("GPT-2", Gpt { tied: true, ..Gpt::gpt_style(12, 768, 12, 1024, 50257) }, 124.44e6),
+    ];
+    for (name, m, want) in cases {
+        let got = m.params();
+        assert!((got / want - 1.0).abs() < 1e-3, "{name}: {got:.4e} parameters, published {want:.4e}");
+    }
+    let mixtral = cases[2].1;
+    assert!((mixtral.active_params() / 12.879e9 - 1.0).abs() < 1e-3, "Mixtral active {:.4e}", mixtral.active_params());
+    let g = Gpt::gpt_style(24, 2048, 16, 2048, 51200);
+    let (b, l, h, s, v) = (8.0, 24.0, 2048.0, 2048.0, 51200.0);
+    let narayanan = 72.0 * b * s * l * h * h * (1.0 + s / (6.0 * h) + v / (12.0 * h * l));
+    assert!((g.step_flops(8.0) / narayanan - 1.0).abs() < 1e-12);
+    let m = cases[1].1;
+    // Less the embedding, the output layer and every norm (they do no matrix products).
+    let non_embedding = m.params() - 2.0 * 32000.0 * 4096.0 - 4096.0 - 32.0 * 2.0 * 4096.0;
+    let kaplan = 6.0 * non_embedding + 12.0 * 32.0 * 4096.0 * 4096.0 + 6.0 * 4096.0 * 32000.0;
+    let per_token = m.step_flops(1.0) / 4096.0;
+    assert!((per_token / kaplan - 1.0).abs() < 1e-12, "{per_token:.6e} vs {kaplan:.6e}");
+}
+
+/// Grouped-query attention and a gated MLP change the activations by the widths they have:
+/// Mistral-7B's k and v are a quarter of q, its MLP 3.5 h wide and gated; per layer, token and
+/// hidden value (2-byte values, no tensor parallelism) 10 + 2 + 2 + 2 x 0.25 x 2 + 8 x 3.5 = 43
+/// against GPT's 34, and a Mixtral token visiting 2 experts keeps its MLP's twice.
+#[test]
+fn activations_follow_the_attention_and_mlp_widths() {
+    let m = llama(32, 4096, 32, 8, 14336, 32000, false, (1, 1));
+    let per = |m: &Gpt| layer_activation_bytes(m, 1, 1, 2.0) / (4096.0 * 4096.0) - 5.0 * 32.0 * 4096.0 / 4096.0;
+    assert!((per(&m) - 43.0).abs() < 1e-9, "{}", per(&m));
+    let gpt = Gpt::gpt_style(32, 4096, 32, 4096, 32000);
+    assert!((per(&gpt) - 34.0).abs() < 1e-9, "{}", per(&gpt));
+    let mixtral = Gpt { experts: 8, top_k: 2, ..m };
+    assert!((per(&mixtral) - 43.0 - 28.0).abs() < 1e-9, "{}", per(&mixtral));
 }

@@ -15,13 +15,8 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
         ));
     }
     let md = &cfg.model;
-    let m = Gpt {
-        layers: md.n_layer.unwrap_or(4),
-        d_model: md.d_model.unwrap_or(256),
-        heads: md.n_head.unwrap_or(4),
-        seq: md.seq.unwrap_or(128),
-        vocab: text_vocab(cfg),
-    };
+    let m =
+        Gpt::gpt_style(md.n_layer.unwrap_or(4), md.d_model.unwrap_or(256), md.n_head.unwrap_or(4), md.seq.unwrap_or(128), text_vocab(cfg));
     // This machine's measured constants (the planner's `this-machine` preset), the world's
     // ranks on one host over loopback.
     let mut c = Cluster::preset("this-machine", 1).map_err(TrainError::Config)?;

@@ -1321,6 +1321,35 @@ fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
 /// `kolo plan --emit` writes the chosen plan as a job that runs (issue #37 item 3): the
 /// searched plan for Kolo's GPT on this machine's 2 ranks, and a pipeline plan given with
 /// --evaluate, each run for 2 steps by the emitted launch.sh; the config carries the plan's
+/// `kolo plan --hf DIR` describes a Hugging Face model from its config.json (grouped-query
+/// attention, head widths, gated MLPs, tied embeddings, experts): its parameter count equals
+/// the tensors the checkpoint holds within 0.5 % for every shipped architecture it describes
+/// (Qwen2's q/k/v biases and Qwen3's head norms are not counted: a few hundred of ~10^5); it
+/// plans them, and refuses to emit a GPT job for them.
+#[test]
+fn plans_describe_hugging_face_models() {
+    for arch in ["gpt2", "neox", "llama", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "phi3"] {
+        let dir = kolo_testkit::files::hf_tiny(arch);
+        let held: usize = candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap()
+            .values()
+            .map(|t| t.elem_count())
+            .sum();
+        let o = run(&["plan", "--hf", dir.to_str().unwrap(), "--devices", "2", "--cluster", "this-machine", "--top", "1"], &[]);
+        let t = text(&o);
+        assert!(o.status.success() && t.contains("  1  dp"), "{arch}: {t}");
+        let counted: f64 = t.split(" = ").nth(1).and_then(|r| r.split(" parameters").next()).and_then(|n| n.parse().ok()).unwrap_or(0.0);
+        let off = (counted / held as f64 - 1.0).abs();
+        eprintln!("{arch}: planner {counted}, checkpoint {held} ({:.3} %)", 100.0 * off);
+        assert!(off < 5e-3, "{arch}: the planner counts {counted} parameters, the checkpoint holds {held}: {t}");
+    }
+    let mixtral = kolo_testkit::files::hf_tiny("mixtral");
+    let o = run(&["plan", "--hf", mixtral.to_str().unwrap(), "--devices", "2", "--cluster", "this-machine"], &[]);
+    assert!(text(&o).contains("MLP 80 gated x 4 experts (top 2)"), "{}", text(&o));
+    let o = run(&["plan", "--hf", mixtral.to_str().unwrap(), "--devices", "2", "--cluster", "this-machine", "--emit", "/tmp/x"], &[]);
+    assert!(!o.status.success() && text(&o).contains("--emit writes a job of Kolo's GPT"), "{}", text(&o));
+}
+
 /// mesh, pipeline, batch and ZeRO stage, and a 64-GPU plan's scripts span 8 nodes with one token.
 #[test]
 fn planned_jobs_are_emitted_and_run() {
