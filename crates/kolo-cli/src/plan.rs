@@ -50,8 +50,9 @@ pub struct PlanArgs {
     /// Devices in the job (whole nodes of the cluster, or part of one node).
     #[arg(long, required_unless_present = "show_cluster")]
     devices: Option<usize>,
-    /// The cluster: a preset (dgx-a100, dgx-h100, this-machine) or a TOML file describing
-    /// one (print a preset with --show-cluster to start from).
+    /// The cluster: a preset (dgx-a100, dgx-h100, this-machine), `measured` (this machine with
+    /// its CPU measured now, about a second: one rank's threads) or a TOML file describing one
+    /// (print a preset with --show-cluster to start from).
     #[arg(long, default_value = "dgx-a100")]
     cluster: String,
     /// Override the devices per node.
@@ -269,12 +270,17 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
     if a.model != "gpt" {
         anyhow::bail!("kolo plan models GPTs (--model gpt)");
     }
-    let mut c = if PRESETS.contains(&a.cluster.as_str()) {
+    let mut c = if a.cluster == "measured" {
+        // This machine, its CPU measured now (the preset's links and runtime constants).
+        let mut c = Cluster::preset("this-machine", 1).map_err(anyhow::Error::msg)?;
+        c.device = kolo_train::autoplan::measure_device()?;
+        c
+    } else if PRESETS.contains(&a.cluster.as_str()) {
         Cluster::preset(&a.cluster, 1).map_err(anyhow::Error::msg)?
     } else if std::path::Path::new(&a.cluster).exists() {
         load_cluster(&a.cluster)?
     } else {
-        anyhow::bail!("--cluster {}: neither a preset ({}) nor a file", a.cluster, PRESETS.join(", "));
+        anyhow::bail!("--cluster {}: neither a preset ({}, measured) nor a file", a.cluster, PRESETS.join(", "));
     };
     if let Some(n) = a.devices_per_node {
         anyhow::ensure!(n > 0, "--devices-per-node must be at least 1");

@@ -49,7 +49,9 @@ pub struct TrainArgs {
     #[arg(long, hide = true, value_parser = parse_slow_per_example)]
     slow_per_example: Option<(usize, f64)>,
     /// `auto`: the planner picks dp x tp x pp, the ZeRO stage, micro-batches and activation
-    /// checkpointing for this world size (GPT configs without their own [mesh]/[pipeline]).
+    /// checkpointing for this world size (GPT configs without their own [mesh]/[pipeline]), on
+    /// this machine's CPU as every rank measures it at start (about a second, averaged over the
+    /// ranks).
     #[arg(long)]
     plan: Option<String>,
     /// Memory per rank for --plan auto, e.g. 2GiB (default: this machine's memory / ranks).
@@ -151,7 +153,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
                 Some(m) => kolo_plan::parse_quantity(m).map_err(anyhow::Error::msg)?,
                 None => machine_memory()? / world as f64,
             };
-            let line = kolo_train::autoplan::apply_plan(&mut cfg, world, memory)?;
+            let device = measured_device(&**boot.comm())?;
+            let line = kolo_train::autoplan::apply_plan(&mut cfg, world, memory, &device)?;
             if boot.comm().rank().get() == 0 {
                 kolo_base::eline!("{line}");
             }
@@ -340,4 +343,19 @@ fn run_ps(
         );
     }
     Ok(0)
+}
+
+/// This machine's CPU for the planner: measured by every rank at once (they share the cores as
+/// training will), the figures averaged over the ranks so that every rank plans the same.
+fn measured_device(comm: &dyn Communicator) -> anyhow::Result<kolo_plan::Device> {
+    let mut d = kolo_train::autoplan::measure_device()?;
+    let mut v: Vec<f64> = [d.peak_f32, d.mem_bandwidth].into_iter().chain(d.gemm_efficiency.iter().map(|e| e.1)).collect();
+    comm.all_reduce(kolo_comm::BufMut::from(&mut v[..]), kolo_comm::ReduceOp::Sum)?;
+    let n = comm.world_size().get() as f64;
+    (d.peak_f32, d.mem_bandwidth) = (v[0] / n, v[1] / n);
+    d.peak_16 = d.peak_f32;
+    for (e, s) in d.gemm_efficiency.iter_mut().zip(&v[2..]) {
+        e.1 = s / n;
+    }
+    Ok(d)
 }

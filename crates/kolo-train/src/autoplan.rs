@@ -6,9 +6,54 @@ use crate::config::{Config, MeshConfig, ModelKind, PipeSchedule, PipelineConfig}
 use crate::TrainError;
 use kolo_plan::{search, Cluster, Estimate, Gpt, Plan, Precision, Space};
 
-/// Chooses a plan for `world` ranks of `memory` bytes each and writes it into `cfg`; returns a
-/// line describing it. The global batch stays data.batch_size x world.
-pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String, TrainError> {
+/// This machine's CPU as the planner sees it, measured now (about a second) by the kernels a
+/// rank runs: candle's f32 matrix product of n x n x n at n = 64 ... 512 (each rate's best of
+/// three 50 ms runs; the peak is the best rate, the efficiency curve each size's share of it) and
+/// `a + b` over 32 MB as the memory-bound operations' bandwidth. The `this-machine` preset's
+/// figures (another machine's, 2026-11-24) are only the fallback. With several ranks on the
+/// machine, run it on every rank at once (they share the cores as training will) and average.
+pub fn measure_device() -> Result<kolo_plan::Device, TrainError> {
+    use candle_core::{Device, Tensor};
+    let te = |e: candle_core::Error| TrainError::Config(format!("measuring this machine: {e}"));
+    let best = |f: &dyn Fn() -> candle_core::Result<()>| -> candle_core::Result<f64> {
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let (t, mut reps) = (std::time::Instant::now(), 0u32);
+            while reps == 0 || t.elapsed().as_secs_f64() < 0.05 {
+                f()?;
+                reps += 1;
+            }
+            best = best.min(t.elapsed().as_secs_f64() / f64::from(reps));
+        }
+        Ok(best)
+    };
+    let mut rates = Vec::new();
+    for n in [64usize, 128, 256, 512] {
+        let a = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu).map_err(te)?;
+        let b = Tensor::randn(0f32, 1.0, (n, n), &Device::Cpu).map_err(te)?;
+        let s = best(&|| a.matmul(&b).map(|_| ())).map_err(te)?;
+        rates.push((n as f64, 2.0 * (n as f64).powi(3) / s));
+    }
+    let len = 8usize << 20;
+    let a = Tensor::randn(0f32, 1.0, (len / 1024, 1024), &Device::Cpu).map_err(te)?;
+    let s = best(&|| (&a + &a).map(|_| ())).map_err(te)?;
+    let peak = rates.iter().map(|r| r.1).fold(0.0, f64::max);
+    let mut d = Cluster::preset("this-machine", 1).map_err(TrainError::Config)?.device;
+    if !(peak.is_finite() && peak > 0.0 && s > 0.0) {
+        return Ok(d);
+    }
+    d.name = "CPU (measured at start, candle f32)".into();
+    (d.peak_f32, d.peak_16, d.mem_bandwidth) = (peak, peak, 12.0 * len as f64 / s);
+    d.gemm_efficiency = rates.iter().map(|&(n, r)| (n, r / peak)).collect();
+    // Beyond the largest size measured the rate stays the peak.
+    d.gemm_efficiency.push((4096.0, 1.0));
+    Ok(d)
+}
+
+/// Chooses a plan for `world` ranks of `memory` bytes each on this machine (its CPU as `device`
+/// describes it, [`measure_device`]) and writes it into `cfg`; returns a line describing it. The
+/// global batch stays data.batch_size x world.
+pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64, device: &kolo_plan::Device) -> Result<String, TrainError> {
     if cfg.model.kind != ModelKind::Gpt || cfg.model.experts.is_some() || cfg.mesh.is_some() || cfg.pipeline.is_some() {
         return Ok(format!(
             "plan auto: data parallelism on {world} ranks (the planner plans dense GPTs without a [mesh] or [pipeline] of their own)"
@@ -17,9 +62,10 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
     let md = &cfg.model;
     let m =
         Gpt::gpt_style(md.n_layer.unwrap_or(4), md.d_model.unwrap_or(256), md.n_head.unwrap_or(4), md.seq.unwrap_or(128), text_vocab(cfg));
-    // This machine's measured constants (the planner's `this-machine` preset), the world's
-    // ranks on one host over loopback.
+    // This machine (the `this-machine` preset's links and runtime constants, the CPU as
+    // measured), the world's ranks on one host over loopback.
     let mut c = Cluster::preset("this-machine", 1).map_err(TrainError::Config)?;
+    c.device = device.clone();
     (c.devices_per_node, c.device.memory) = (world, memory);
     let global = cfg.data.batch_size * world;
     let Some((p, e)) = runnable_plans(&m, &c, global, Precision::F32).into_iter().next() else {
@@ -31,7 +77,7 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
     apply(cfg, &p, &e, global, m.layers)?;
     let accumulates = p.pp == 1 && p.micro_batch * p.dp < global;
     Ok(format!(
-        "plan auto: dp {} x tp {} x pp {}, ZeRO-{}, {} sequences per replica{}{}{}, vocabulary {}; predicted {:.1} ms/step, {:.1} MB per rank (of {:.1} MB)",
+        "plan auto: dp {} x tp {} x pp {}, ZeRO-{}, {} sequences per replica{}{}{}, vocabulary {}; predicted {:.1} ms/step, {:.1} MB per rank (of {:.1} MB) on {} GFLOP/s per rank at its best, {:.1} GB/s",
         p.dp,
         p.tp,
         p.pp,
@@ -43,7 +89,9 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64) -> Result<String,
         m.vocab,
         e.step_s * 1e3,
         e.memory() / 1e6,
-        memory / 1e6
+        memory / 1e6,
+        (c.device.peak_f32 / 1e9).round(),
+        c.device.mem_bandwidth / 1e9
     ))
 }
 
@@ -94,6 +142,23 @@ pub fn apply(cfg: &mut Config, p: &Plan, e: &Estimate, global: usize, layers: us
 mod tests {
     use super::*;
 
+    fn preset() -> kolo_plan::Device {
+        Cluster::preset("this-machine", 1).unwrap().device
+    }
+
+    /// The measured CPU: a peak between 1 GFLOP/s and 10 TFLOP/s (a core of any CPU of the
+    /// last decade, with all its threads), an efficiency curve ascending in size within (0, 1]
+    /// reaching 1, and a memory-bound rate between 0.1 and 1000 GB/s.
+    #[test]
+    fn this_machine_is_measured() {
+        let d = measure_device().unwrap();
+        assert!(d.name.contains("measured"), "{}", d.name);
+        assert!(d.peak_f32 > 1e9 && d.peak_f32 < 1e13, "{}", d.peak_f32);
+        assert!(d.mem_bandwidth > 1e8 && d.mem_bandwidth < 1e12, "{}", d.mem_bandwidth);
+        assert!(d.gemm_efficiency.windows(2).all(|w| w[0].0 < w[1].0));
+        assert!(d.gemm_efficiency.iter().all(|&(_, e)| e > 0.0 && e <= 1.0) && d.gemm_efficiency.iter().any(|&(_, e)| e == 1.0));
+    }
+
     fn gpt() -> Config {
         Config::parse(
             "[model]\nkind = \"gpt\"\nseq = 128\nd_model = 256\nn_head = 4\nn_layer = 4\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n",
@@ -108,11 +173,11 @@ mod tests {
     #[test]
     fn auto_plans_follow_the_memory() {
         let mut c = gpt();
-        let line = apply_plan(&mut c, 2, 2e9).unwrap();
+        let line = apply_plan(&mut c, 2, 2e9, &preset()).unwrap();
         assert_eq!((c.ddp.zero_stage, c.data.batch_size * c.train.grad_accum as usize), (0, 8), "{line}");
         assert!(c.mesh.is_none() && line.contains("dp 2 x tp 1 x pp 1"));
         let mut c = gpt();
-        let line = apply_plan(&mut c, 2, 90e6).unwrap();
+        let line = apply_plan(&mut c, 2, 90e6, &preset()).unwrap();
         assert!(
             c.ddp.zero_stage > 0 || c.mesh.is_some() || c.train.grad_accum > 1,
             "90 MB cannot hold DDP at 8 sequences per rank (~225 MB): {line}"
@@ -120,7 +185,7 @@ mod tests {
         let (dp, tp, pp) = c.mesh.as_ref().map_or((2, 1, 1), |m| (m.dp.unwrap(), m.tp, m.pp.unwrap()));
         assert_eq!(c.data.batch_size * dp * c.train.grad_accum as usize, 16, "the global batch stays 16: {line}");
         assert_eq!(dp * tp * pp, 2);
-        assert!(apply_plan(&mut gpt(), 2, 1e6).unwrap_err().to_string().contains("no plan"));
+        assert!(apply_plan(&mut gpt(), 2, 1e6, &preset()).unwrap_err().to_string().contains("no plan"));
         // A text GPT is planned with its corpus's vocabulary (the shipped one: 65 characters).
         let corpus = format!("{}/../../data/tinyshakespeare.txt", env!("CARGO_MANIFEST_DIR"));
         let mut text = Config::parse(
@@ -128,9 +193,9 @@ mod tests {
             "t",
         )
         .unwrap();
-        assert!(apply_plan(&mut text, 2, 2e9).unwrap().contains(", vocabulary 65;"));
-        assert!(apply_plan(&mut gpt(), 2, 2e9).unwrap().contains(", vocabulary 256;"));
+        assert!(apply_plan(&mut text, 2, 2e9, &preset()).unwrap().contains(", vocabulary 65;"));
+        assert!(apply_plan(&mut gpt(), 2, 2e9, &preset()).unwrap().contains(", vocabulary 256;"));
         let mut mlp = Config::parse("[model]\nkind = \"mlp\"\n[data]\nkind = \"synthetic\"\nbatch_size = 8\n", "t").unwrap();
-        assert!(apply_plan(&mut mlp, 2, 1e9).unwrap().contains("data parallelism"));
+        assert!(apply_plan(&mut mlp, 2, 1e9, &preset()).unwrap().contains("data parallelism"));
     }
 }

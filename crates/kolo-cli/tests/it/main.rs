@@ -1318,9 +1318,31 @@ fn a_stopped_rank_is_named_from_its_missing_heartbeats_before_the_deadline() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `kolo plan --emit` writes the chosen plan as a job that runs (issue #37 item 3): the
-/// searched plan for Kolo's GPT on this machine's 2 ranks, and a pipeline plan given with
-/// --evaluate, each run for 2 steps by the emitted launch.sh; the config carries the plan's
+/// `kolo train --plan auto` plans on this machine as its ranks measure it at start (the CPU's
+/// matrix products and memory-bound rate, averaged over the ranks so that all plan alike) and
+/// trains the plan on 2 processes; `kolo plan --cluster measured` costs the same model on it.
+#[test]
+fn auto_plans_measure_this_machine_at_start() {
+    let dir = fresh_dir("plan-auto");
+    let cfg = dir.join("gpt.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[model]\nkind = \"gpt\"\nseq = 32\nd_model = 64\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = {:?}\nbatch_size = 4\n[train]\nsteps = 2\nsample_chars = 0\n",
+            kolo_testkit::files::shakespeare().display().to_string()
+        ),
+    )
+    .unwrap();
+    let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap(), "--plan", "auto"], &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("plan auto: dp") && t.contains("GFLOP/s per rank at its best"), "{t}");
+    let args = ["plan", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32", "--vocab", "65", "--devices", "2"];
+    let o = run(&[&args[..], &["--cluster", "measured", "--global-batch", "8", "--precision", "f32"]].concat(), &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("CPU (measured at start, candle f32)") && t.contains("  1  dp"), "{t}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `kolo plan --hf DIR` describes a Hugging Face model from its config.json (grouped-query
 /// attention, head widths, gated MLPs, tied embeddings, experts): its parameter count equals
 /// the tensors the checkpoint holds within 0.5 % for every shipped architecture it describes
@@ -1350,6 +1372,9 @@ fn plans_describe_hugging_face_models() {
     assert!(!o.status.success() && text(&o).contains("--emit writes a job of Kolo's GPT"), "{}", text(&o));
 }
 
+/// `kolo plan --emit` writes the chosen plan as a job that runs (issue #37 item 3): the
+/// searched plan for Kolo's GPT on this machine's 2 ranks, and a pipeline plan given with
+/// --evaluate, each run for 2 steps by the emitted launch.sh; the config carries the plan's
 /// mesh, pipeline, batch and ZeRO stage, and a 64-GPU plan's scripts span 8 nodes with one token.
 #[test]
 fn planned_jobs_are_emitted_and_run() {
