@@ -14,6 +14,9 @@
 //!   (Korthikanti et al.'s s b h (10 + 24/t + 5 a s / (h t)) values, without sequence
 //!   parallelism) twice at the device's memory
 //!   bandwidth. Backward costs twice forward; activation checkpointing runs forward again;
+//!   a runtime of flat gradient buffers (Kolo's DDP) also adds each accumulated micro-batch's
+//!   gradients but the last into the accumulation buffer (12 bytes a parameter at the
+//!   memory-bound rate);
 //! - **pipeline** (1F1B): (m + pp - 1) slots of the slowest stage (the last: its layers and the
 //!   logits) for m micro-batches, the bubble being the pp - 1 extra slots;
 //! - **communication**, alpha-beta per collective on the link its group runs on
@@ -240,7 +243,8 @@ impl Memory {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Estimate {
     pub step_s: f64,
-    /// Forward, backward and recomputation of the m micro-batches on the slowest stage.
+    /// Forward, backward and recomputation of the m micro-batches on the slowest stage (and, for
+    /// a runtime of flat gradient buffers, adding each micro-batch's gradients to the others').
     pub compute_s: f64,
     pub bubble_s: f64,
     pub tp_s: f64,
@@ -377,13 +381,20 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let slot_tp = layers_per_stage * all_reduces * all_reduce_s(act_values * vb, tp, tp_link);
     let pp_link = c.group_link(pp, tp * dp);
     let slot_pp = if pp > 1 { 2.0 * (pp_link.latency + act_values * vb / tp as f64 / pp_link.bandwidth) } else { 0.0 };
-    let compute_s = mb as f64 * slot_compute;
+    let stage_params = m.params() / (tp * pp) as f64;
+    // Gradient accumulation in a runtime that keeps gradients in flat f32 buffers (Kolo's DDP:
+    // `param_copy_bytes` > 0) adds every micro-batch's but the last into the accumulation
+    // buffer: the gradient read and the buffer read and written, 12 bytes a parameter at the
+    // memory-bound rate. A pipeline's stages accumulate inside the executor (not costed: Kolo's
+    // pipeline runs are within 7 % without it).
+    let flat = c.param_copy_bytes > 0.0 && pp == 1;
+    let accumulate = if flat { (mb - 1) as f64 * 12.0 * stage_params / c.device.mem_bandwidth } else { 0.0 };
+    let compute_s = mb as f64 * slot_compute + accumulate;
     let bubble_s = (pp - 1) as f64 * slot_compute;
     let slots = (mb + pp - 1) as f64;
     let tp_s = slots * slot_tp;
     let pp_s = slots * slot_pp;
 
-    let stage_params = m.params() / (tp * pp) as f64;
     let volume = if zero >= 3 { 1.5 } else { 1.0 };
     let dp_s = volume * all_reduce_s(stage_params * vb, dp, c.group_link(dp, tp));
     // Buckets overlap backward (2/3 of the compute); at least the last bucket is exposed.
