@@ -46,6 +46,7 @@ tiny phi3-longrope-tiny "rope_type longrope, 32 tokens beyond the original conte
 tiny gemma-tiny "norms of 1 + weight, scaled embeddings, GeGLU" --tp 2
 tiny qwen3-tiny "Qwen3: an RMS norm on each query and key head" --tp 2
 tiny gemma3-tiny "Gemma 3 (text): head norms, a rotary embedding per layer type" --pp 2
+tiny gemma3-mm-tiny "Gemma 3 with a vision tower: its text model, exported as gemma3_text" --tp 2
 tiny gemma2-tiny "Gemma 2: norms around attention and MLP, soft-capped scores and logits" --tp 2
 tiny phi3-tiny "fused projections, half of each head rotated, sliding window 6" --zero 3
 tiny neox-tiny "parallel residual, a quarter of each head rotated" --zero 1

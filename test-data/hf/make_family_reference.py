@@ -19,6 +19,8 @@ int64, "logits" f32). What each exercises:
   gemma2  Gemma2ForCausalLM: gemma's features, norms around the attention and the MLP, soft-capped
           attention scores (2) and logits (5), query_pre_attn_scalar 24, a window on layer 0;
   gemma3  Gemma3ForCausalLM (text): head norms, a rotary embedding per layer type (3 layers);
+  gemma3_mm Gemma3ForConditionalGeneration: gemma3's text model beside a tiny vision tower
+          (the multimodal checkpoints' layout); text-only reference ids;
   phi3    Phi3ForCausalLM: fused qkv_proj and gate_up_proj, a partial rotary embedding (0.5 of
           each head), sliding_window 6;
   mixtral MixtralForCausalLM: 4 SwiGLU experts per layer, top 2, and the load-balancing loss
@@ -107,6 +109,21 @@ elif arch == "gemma3":
                                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
     model = transformers.Gemma3ForCausalLM
+elif arch == "gemma3_mm":
+    # Gemma 3 with a vision tower (Gemma3ForConditionalGeneration, model_type gemma3, as the 4B,
+    # 12B and 27B checkpoints are): gemma3's text model under language_model.*, a one-layer
+    # SigLIP vision tower and the projector beside it. The reference is text only (ids below the
+    # image tokens 93-95).
+    text = common | {"head_dim": 16, "num_hidden_layers": 3, "tie_word_embeddings": True, "hidden_activation": "gelu_pytorch_tanh",
+                     "query_pre_attn_scalar": 24, "sliding_window": 6,
+                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=95,
+                                    boi_token_index=93, eoi_token_index=94)
+    model = transformers.Gemma3ForConditionalGeneration
+    ids_below = 93
 elif arch == "phi3":
     cfg = transformers.Phi3Config(**common, tie_word_embeddings=False, sliding_window=6,
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
@@ -152,7 +169,7 @@ elif arch == "gpt_neox":
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, gemma3_mm)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
-save_reference(model, cfg, out, noise, extra=globals().get("extra"))
+save_reference(model, cfg, out, noise, extra=globals().get("extra"), ids_below=globals().get("ids_below"))

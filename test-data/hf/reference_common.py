@@ -6,14 +6,15 @@ import transformers
 from safetensors.torch import save_file
 
 
-def save_reference(model, cfg, out, noise, extra=None):
-    """`extra(model, ids)`, when given, returns more tensors for reference.safetensors."""
+def save_reference(model, cfg, out, noise, extra=None, ids_below=None):
+    """`extra(model, ids)`, when given, returns more tensors for reference.safetensors; the ids
+    are below `ids_below` (default the vocabulary's size)."""
     model = model.eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * noise)
     model.save_pretrained(out, safe_serialization=True)
-    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, ids_below or cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = model(ids).logits
     tensors = {"ids": ids.to(torch.int64), "logits": logits.float().contiguous()}

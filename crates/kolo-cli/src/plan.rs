@@ -267,6 +267,14 @@ fn cluster_toml(c: &Cluster) -> String {
 }
 
 pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
+    // A table for the terminal or a pipe: `kolo plan ... | head` ends quietly when the reader
+    // stops, as other command-line tools do, instead of panicking on the broken pipe. (Only
+    // here: the training commands keep SIGPIPE ignored, so that a dead peer's socket is an
+    // error naming it.)
+    // SAFETY: setting a signal's disposition to the default before any thread of ours writes.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     if a.model != "gpt" {
         anyhow::bail!("kolo plan models GPTs (--model gpt)");
     }
@@ -441,6 +449,11 @@ fn hf_model(dir: &std::path::Path, seq: Option<usize>) -> anyhow::Result<Gpt> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("--hf {}: {e}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("--hf {}: not JSON: {e}", path.display()))?;
+    // A Gemma 3 with a vision tower: its text model (what Kolo trains).
+    let v = match v.get("model_type").and_then(|t| t.as_str()) {
+        Some("gemma3") => v.get("text_config").cloned().unwrap_or(v),
+        _ => v,
+    };
     let get = |keys: &[&str]| keys.iter().find_map(|k| v.get(*k).and_then(serde_json::Value::as_u64)).map(|x| x as usize);
     let need = |keys: &[&str]| get(keys).ok_or_else(|| anyhow::anyhow!("--hf {}: no {}", path.display(), keys.join(" or ")));
     let flag = |k: &str| v.get(k).and_then(serde_json::Value::as_bool);

@@ -62,6 +62,9 @@ pub(crate) struct Weights {
     files: Vec<(PathBuf, MmapedSafetensors)>,
     /// Each tensor's file (an index into `files`).
     map: BTreeMap<String, usize>,
+    /// What the checkpoint's names put before the model's (`language_model.` for the text
+    /// model of a Gemma 3 with a vision tower); empty for most.
+    prefix: String,
 }
 
 impl Weights {
@@ -84,7 +87,7 @@ impl Weights {
             // candle's own `VarBuilder::from_mmaped_safetensors`.
             let file = unsafe { MmapedSafetensors::new(&path) }.map_err(|e| Error::file(&path, e))?;
             let map = file.tensors().into_iter().map(|(n, _)| (n, 0)).collect();
-            return Ok(Weights { files: vec![(path, file)], map });
+            return Ok(Weights { files: vec![(path, file)], map, prefix: String::new() });
         }
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         let index: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
@@ -124,7 +127,18 @@ impl Weights {
             }
             map.insert(name.clone(), i);
         }
-        Ok(Weights { files, map })
+        Ok(Weights { files, map, prefix: String::new() })
+    }
+
+    /// Every tensor's name.
+    pub(crate) fn names(&self) -> impl Iterator<Item = &String> {
+        self.map.keys()
+    }
+
+    /// The same files, for a model whose variables are the tensors named `prefix` + their name.
+    pub(crate) fn under(mut self, prefix: &str) -> Weights {
+        self.prefix = prefix.to_string();
+        self
     }
 
     /// Sets every variable of `varmap` by name (see [`load_weights`]); returns the tensors no
@@ -137,13 +151,15 @@ impl Weights {
         for name in names {
             let var = &vars[name];
             let short = name.split_once('.').map_or(name.as_str(), |(_, rest)| rest);
-            let key = if self.map.contains_key(name.as_str()) { name.as_str() } else { short };
+            let full = format!("{}{name}", self.prefix);
+            let key = if self.map.contains_key(&full) { full } else { format!("{}{short}", self.prefix) };
+            let key = key.as_str();
             let Some(&i) = self.map.get(key) else {
                 let where_ = match self.files.as_slice() {
                     [(one, _)] => one.clone(),
                     _ => self.files.first().and_then(|(p, _)| p.parent()).map_or(PathBuf::from(INDEX), |d| d.join(INDEX)),
                 };
-                return Err(Error::file(where_, format!("no tensor `{name}` (the model has {} parameters)", vars.len())));
+                return Err(Error::file(where_, format!("no tensor `{}{name}` (the model has {} parameters)", self.prefix, vars.len())));
             };
             let (file, st) = (&self.files[i].0, &self.files[i].1);
             let view = st.get(key).map_err(|e| Error::file(file, e))?;

@@ -55,13 +55,29 @@ fn default_max_positions() -> usize {
 }
 
 impl LlamaConfig {
-    /// Reads `dir/config.json` and refuses options this implementation does not have.
+    /// Reads `dir/config.json` and refuses options this implementation does not have. A Gemma 3
+    /// with a vision tower (`gemma3`, `Gemma3ForConditionalGeneration`) gives its text model's
+    /// `text_config` (`gemma3_text`).
     pub fn load(dir: &Path) -> Result<LlamaConfig> {
+        Ok(Self::load_text_model(dir)?.0)
+    }
+
+    /// [`LlamaConfig::load`], and what the checkpoint's tensor names put before the text
+    /// model's (`language_model.` for a Gemma 3 with a vision tower, else nothing).
+    pub(super) fn load_text_model(dir: &Path) -> Result<(LlamaConfig, &'static str)> {
         let path = dir.join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-        let c: LlamaConfig = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not a Llama config: {e}")))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
+        let (v, prefix) = match v.get("model_type").and_then(|t| t.as_str()) {
+            Some("gemma3") => match v.get("text_config") {
+                Some(t) if t.get("model_type").and_then(|m| m.as_str()) == Some("gemma3_text") => (t.clone(), "language_model."),
+                _ => return Err(Error::file(&path, "a gemma3 config without a text_config of model_type gemma3_text")),
+            },
+            _ => (v, ""),
+        };
+        let c: LlamaConfig = serde_json::from_value(v).map_err(|e| Error::file(&path, format!("not a Llama config: {e}")))?;
         c.check().map_err(|e| Error::file(&path, e))?;
-        Ok(c)
+        Ok((c, prefix))
     }
 
     fn check(&self) -> std::result::Result<(), String> {
@@ -1276,7 +1292,7 @@ pub(super) fn load_llama_stage(
     tp: Option<&crate::tp::TensorParallel>,
     mesh: Option<&crate::Mesh>,
 ) -> Result<(VarMap, Llama)> {
-    let cfg = LlamaConfig::load(dir)?;
+    let (cfg, prefix) = LlamaConfig::load_text_model(dir)?;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
     let model = match mesh {
@@ -1285,7 +1301,14 @@ pub(super) fn load_llama_stage(
     }
     .map_err(|e| Error::file(dir.join("config.json"), e))?;
     let mut model = model;
-    let unused_tensors = Weights::open(dir)?.fill(&varmap, &|n| model.elsewhere(n))?;
+    // A Gemma 3 with a vision tower: its text model is trained and exported alone (as
+    // `gemma3_text`); the vision tower and the projector stay in the checkpoint.
+    let text_model = |n: &str| n.strip_prefix(prefix).is_none_or(|n| model.elsewhere(n));
+    let unused_tensors = Weights::open(dir)?.under(prefix).fill(&varmap, &text_model)?;
+    if !prefix.is_empty() {
+        let aside = Weights::open(dir)?.names().filter(|n| !n.starts_with(prefix)).count();
+        eprintln!("kolo::hf: {}: the text model of a Gemma 3 with a vision tower ({aside} tensors left aside)", dir.display());
+    }
     model.report = LoadReport { unused_tensors, unknown_keys: cfg.unknown_keys() };
     Ok((varmap, model))
 }

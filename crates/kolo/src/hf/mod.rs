@@ -241,9 +241,15 @@ fn load(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>, mes
     let (varmap, model) = match v.get("model_type").and_then(|t| t.as_str()) {
         Some("gpt2") => gpt2::load_gpt2_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
         Some("gpt_neox") => neox::load_neox_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::GptNeox(m)))?,
-        Some(t) if llama::FAMILY.contains(&t) => load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?,
+        // Gemma 3 with a vision tower: its text model.
+        Some(t) if llama::FAMILY.contains(&t) || t == "gemma3" => {
+            load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?
+        }
         Some(t) => {
-            return Err(Error::file(&path, format!("model_type \"{t}\" is not supported (gpt2, gpt_neox, {})", llama::FAMILY.join(", "))))
+            return Err(Error::file(
+                &path,
+                format!("model_type \"{t}\" is not supported (gpt2, gpt_neox, {}, gemma3)", llama::FAMILY.join(", ")),
+            ))
         }
         None => return Err(Error::file(&path, "no model_type")),
     };

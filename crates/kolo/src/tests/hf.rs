@@ -505,6 +505,45 @@ fn mixtral_experts_dealt_out_over_two_ranks_compute_the_whole_model() {
     });
 }
 
+/// A Gemma 3 with a vision tower (`gemma3`: `Gemma3ForConditionalGeneration`, the layout of the
+/// 4B, 12B and 27B checkpoints) loads as its text model (`text_config`, the tensors under
+/// `language_model.`; the vision tower and projector left aside, not reported unused) with
+/// `transformers`' text-only logits within 1e-4, trains, and exports as `gemma3_text` that loads
+/// back to the same logits bitwise. A `gemma3` config without its text model is named.
+#[test]
+fn a_gemma3_with_a_vision_tower_trains_as_its_text_model() {
+    let dir = kolo_testkit::files::hf_tiny("gemma3-mm");
+    let (ids, want) = reference(&dir);
+    let (varmap, model) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+    assert!(model.load_report().is_empty(), "{}", model.load_report());
+    let d = max_diff(&model.forward(&ids).unwrap(), &want);
+    eprintln!("gemma3 with a vision tower: logits differ from transformers' by {d:.2e}");
+    assert!(d < 1e-4, "logits differ from transformers' by {d}");
+    assert!(varmap.all_vars().len() < candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap().len());
+    let dist = world_of_one();
+    let mut t = Trainer::new(&varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 0.05\n")).unwrap();
+    let first = t.step(|| model.loss(&ids)).unwrap().loss;
+    for _ in 0..3 {
+        t.step(|| model.loss(&ids)).unwrap();
+    }
+    let last = t.step(|| model.loss(&ids)).unwrap().loss;
+    assert!(last < first - 0.1, "loss {first} -> {last}");
+    let out = std::env::temp_dir().join(format!("kolo-hf-gemma3-mm-save-{}", std::process::id()));
+    model.save_pretrained(&out, &varmap).unwrap();
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"].as_str(), Some("gemma3_text"));
+    let (_, again) = crate::hf::load_causal_lm(&out, &Device::Cpu).unwrap();
+    assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0);
+    let _ = std::fs::remove_dir_all(&out);
+    let bare = copy_checkpoint(&dir, "gemma3-mm-bare");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    c.as_object_mut().unwrap().remove("text_config");
+    std::fs::write(bare.join("config.json"), c.to_string()).unwrap();
+    let e = crate::hf::load_causal_lm(&bare, &Device::Cpu).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("a gemma3 config without a text_config of model_type gemma3_text") && e.contains("config.json"), "{e}");
+    let _ = std::fs::remove_dir_all(&bare);
+}
+
 /// A checkpoint saved in shards of at most 40 KB (`model-0000i-of-0000n.safetensors` and the
 /// index) and in bf16 loads back: f32 shards bitwise, bf16 within bf16's rounding, with
 /// `config.json` stating the dtype written. A shard the index names that is missing, a tensor
@@ -635,10 +674,10 @@ fn llama_family_options_not_implemented_are_refused() {
     assert!(e.contains("rope parameter low_freq_factor missing"), "{e}");
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"mistral\", \"attention_bias\": true"));
     assert!(e.contains("attention_bias = true is not an option of mistral"), "{e}");
-    let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3\""));
+    let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3n\""));
     assert!(
         e.contains(
-            "model_type \"gemma3\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3)"
+            "model_type \"gemma3n\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3, gemma3)"
         ),
         "{e}"
     );
