@@ -286,6 +286,29 @@ fn reference(dir: &std::path::Path) -> (Tensor, Tensor) {
     (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone())
 }
 
+/// Five SGD steps (lr 0.05) of `model`'s loss on `ids` through the trainer in a world of one
+/// lower it by more than 0.1.
+fn sgd_lowers_the_loss(varmap: &candle_nn::VarMap, model: &crate::hf::CausalLm, ids: &Tensor, what: &str) {
+    let dist = world_of_one();
+    let mut t = Trainer::new(varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 0.05\n")).unwrap();
+    let first = t.step(|| model.loss(ids)).unwrap().loss;
+    for _ in 0..3 {
+        t.step(|| model.loss(ids)).unwrap();
+    }
+    let last = t.step(|| model.loss(ids)).unwrap().loss;
+    assert!(last < first - 0.1, "{what}: loss {first} -> {last}");
+}
+
+/// Saves `model` to a fresh directory named after `what`, loads it back and checks the same
+/// logits on `ids` bitwise; returns the directory (the caller removes it).
+fn saves_back(varmap: &candle_nn::VarMap, model: &crate::hf::CausalLm, ids: &Tensor, what: &str) -> std::path::PathBuf {
+    let out = std::env::temp_dir().join(format!("kolo-hf-{what}-save-{}", std::process::id()));
+    model.save_pretrained(&out, varmap).unwrap();
+    let (_, again) = crate::hf::load_causal_lm(&out, &Device::Cpu).unwrap();
+    assert_eq!(max_diff(&again.forward(ids).unwrap(), &model.forward(ids).unwrap()), 0.0, "{what}");
+    out
+}
+
 /// Qwen2 (q/k/v biases, tied embeddings, a sliding window on its second layer only), Mistral
 /// (a sliding window of 5 over 16 tokens), Llama 3's rotary scaling, Gemma (norms of 1 + weight,
 /// scaled embeddings, GeGLU, wide heads), Phi-3 (fused projections, half of each head rotated, a
@@ -353,24 +376,14 @@ fn architectures_load_with_transformers_logits_and_train() {
         assert!(off > 0.05, "{arch}: without its feature the logits are only {off} off");
         let _ = std::fs::remove_dir_all(&plain);
 
-        let dist = world_of_one();
-        let mut t = Trainer::new(&varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 0.05\n")).unwrap();
-        let first = t.step(|| model.loss(&ids)).unwrap().loss;
-        for _ in 0..3 {
-            t.step(|| model.loss(&ids)).unwrap();
-        }
-        let last = t.step(|| model.loss(&ids)).unwrap().loss;
-        assert!(last < first - 0.1, "{arch}: loss {first} -> {last}");
-        let out = std::env::temp_dir().join(format!("kolo-hf-{arch}-save-{}", std::process::id()));
-        model.save_pretrained(&out, &varmap).unwrap();
+        sgd_lowers_the_loss(&varmap, &model, &ids, arch);
+        let out = saves_back(&varmap, &model, &ids, arch);
         assert_eq!(saved_tensors(&out), saved_tensors(&dir), "{arch}");
         // The same config.json, key for key (no `"head_dim": null` that transformers would read).
         let json = |d: &std::path::Path| {
             serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
         };
         assert_eq!(json(&out), json(&dir), "{arch}");
-        let (_, again) = crate::hf::load_causal_lm(&out, &Device::Cpu).unwrap();
-        assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0, "{arch}");
         let _ = std::fs::remove_dir_all(&out);
     }
 }
@@ -438,22 +451,12 @@ fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
         }
     });
 
-    let dist = world_of_one();
-    let mut t = Trainer::new(&varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 0.05\n")).unwrap();
     let before: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect();
-    let first = t.step(|| model.loss(&ids)).unwrap().loss;
-    for _ in 0..3 {
-        t.step(|| model.loss(&ids)).unwrap();
-    }
-    let last = t.step(|| model.loss(&ids)).unwrap().loss;
-    assert!(last < first - 0.1, "mixtral: loss {first} -> {last}");
+    sgd_lowers_the_loss(&varmap, &model, &ids, "mixtral");
     let moved = varmap.all_vars().iter().zip(&before).filter(|(v, b)| max_diff(v.as_tensor(), b) > 0.0).count();
     assert_eq!(moved, varmap.all_vars().len(), "every parameter, each expert's among them, moves");
-    let out = std::env::temp_dir().join(format!("kolo-hf-mixtral-save-{}", std::process::id()));
-    model.save_pretrained(&out, &varmap).unwrap();
+    let out = saves_back(&varmap, &model, &ids, "mixtral");
     assert_eq!(saved_tensors(&out), saved_tensors(&dir));
-    let (_, again) = crate::hf::load_causal_lm(&out, &Device::Cpu).unwrap();
-    assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0);
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -520,20 +523,10 @@ fn a_gemma3_with_a_vision_tower_trains_as_its_text_model() {
     eprintln!("gemma3 with a vision tower: logits differ from transformers' by {d:.2e}");
     assert!(d < 1e-4, "logits differ from transformers' by {d}");
     assert!(varmap.all_vars().len() < candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap().len());
-    let dist = world_of_one();
-    let mut t = Trainer::new(&varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 0.05\n")).unwrap();
-    let first = t.step(|| model.loss(&ids)).unwrap().loss;
-    for _ in 0..3 {
-        t.step(|| model.loss(&ids)).unwrap();
-    }
-    let last = t.step(|| model.loss(&ids)).unwrap().loss;
-    assert!(last < first - 0.1, "loss {first} -> {last}");
-    let out = std::env::temp_dir().join(format!("kolo-hf-gemma3-mm-save-{}", std::process::id()));
-    model.save_pretrained(&out, &varmap).unwrap();
+    sgd_lowers_the_loss(&varmap, &model, &ids, "gemma3 with a vision tower");
+    let out = saves_back(&varmap, &model, &ids, "gemma3-mm");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["model_type"].as_str(), Some("gemma3_text"));
-    let (_, again) = crate::hf::load_causal_lm(&out, &Device::Cpu).unwrap();
-    assert_eq!(max_diff(&again.forward(&ids).unwrap(), &model.forward(&ids).unwrap()), 0.0);
     let _ = std::fs::remove_dir_all(&out);
     let bare = copy_checkpoint(&dir, "gemma3-mm-bare");
     let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
