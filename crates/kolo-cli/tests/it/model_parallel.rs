@@ -433,8 +433,9 @@ fn a_hugging_face_llama_on_a_mesh_matches_one_process() {
 /// layers, top 3) fine-tuned with their experts dealt out by `kolo::hf::load_causal_lm_parallel`
 /// (each rank loads only its experts' tensors) export the same `model.safetensors` as one
 /// process holding every expert after 6 SGD steps on the same global batches of 4 windows: over
-/// ep 2 (2 processes; Mixtral also dp 2 x ep 2, 4), without the load-balancing loss (within
-/// 2e-5). That loss is each rank's over its own tokens, as under torch's DDP, so with it (weight
+/// ep 2 (2 processes; Mixtral also dp 2 x ep 2, 4, and in 2 pipeline stages under 1F1B, its
+/// idle experts' zero gradients carried through the hidden states), without the load-balancing
+/// loss (within 2e-5). That loss is each rank's over its own tokens, as under torch's DDP, so with it (weight
 /// 0.05) and the norm clipped to 0.05 (every step clips) Mixtral under ep 2 equals dp 2 (every
 /// rank holding every expert). The exports, gathered from every rank's experts, compute the
 /// logits the split model computed.
@@ -444,7 +445,14 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
     let sgd = "--optim sgd --lr 0.05 --clip none";
     let dev = candle_core::Device::Cpu;
     for (arch, meshes) in [
-        ("mixtral", vec![(2, format!("{sgd} --batch 2 --ep 2")), (4, format!("{sgd} --batch 1 --ep 2"))]),
+        (
+            "mixtral",
+            vec![
+                (2, format!("{sgd} --batch 2 --ep 2")),
+                (4, format!("{sgd} --batch 1 --ep 2")),
+                (2, format!("{sgd} --batch 4 --pp 2 --micro 2")),
+            ],
+        ),
         ("qwen3-moe", vec![(2, format!("{sgd} --batch 2 --ep 2"))]),
     ] {
         let src = kolo_testkit::files::hf_tiny(arch);

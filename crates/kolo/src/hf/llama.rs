@@ -981,8 +981,10 @@ impl Llama {
         if experts.is_some() && tp.is_some() {
             candle_core::bail!("experts over {p} tensor-parallel ranks are not supported yet (deal them out with mesh.ep)");
         }
-        if experts.is_some() && layers != (0..n) {
-            candle_core::bail!("a mixture of experts in pipeline stages (layers {layers:?} of {n}) is not supported yet");
+        if experts.as_ref().is_some_and(|(_, coef)| *coef > 0.0) && layers != (0..n) {
+            candle_core::bail!(
+                "a load-balancing loss over every layer's tokens at once (output_router_logits) cannot be split over pipeline stages (layers {layers:?} of {n}); set output_router_logits false"
+            );
         }
         let linear = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
             Ok(match bias {
@@ -1247,7 +1249,10 @@ impl Llama {
             None => Ok(x),
         };
         let head = |x: &Tensor| self.head(x);
-        // The load-balancing loss joins the loss (its blocks are never a pipeline stage).
+        // The load-balancing loss joins the loss. On a stage before the last (only without the
+        // loss's weight: it is then the zero that carries the experts no token reached) it joins
+        // the hidden states, adding 0 to their values and giving those experts their zero
+        // gradients.
         let aux = std::cell::RefCell::new(None);
         let blocks = |x: &Tensor| {
             let (y, a) = self.blocks_routed(x)?;
@@ -1262,10 +1267,10 @@ impl Llama {
             vocab: self.cfg.vocab_size,
             tp: self.tp.as_ref(),
         };
-        let loss = super::run_stage(parts, input, windows)?;
+        let out = super::run_stage(parts, input, windows)?;
         match aux.into_inner() {
-            Some(a) => loss + a,
-            None => Ok(loss),
+            Some(a) => out.broadcast_add(&a),
+            None => Ok(out),
         }
     }
 

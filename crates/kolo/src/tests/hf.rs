@@ -438,6 +438,31 @@ fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
         let e = crate::hf::load_causal_lm(&plain, &Device::Cpu).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains(why) && e.contains("config.json"), "{e}");
     }
+    // Pipeline stages: the load-balancing loss over every layer at once does not split.
+    let stage = |cfg: &crate::hf::LlamaConfig| {
+        let vb = candle_nn::VarBuilder::from_varmap(&candle_nn::VarMap::new(), DType::F32, &Device::Cpu);
+        crate::hf::Llama::new_stage(cfg, vb, None, 0..1).err().map(|e| e.to_string()).unwrap_or_default()
+    };
+    let mut c = crate::hf::LlamaConfig::load(&dir).unwrap();
+    assert!(stage(&c).contains("cannot be split over pipeline stages (layers 0..1 of 2)"), "{}", stage(&c));
+    c.other.insert("output_router_logits".into(), false.into());
+    assert_eq!(stage(&c), "");
+    // Without it, a first stage whose gate sends every token to experts 0 and 1 (all scores
+    // equal: ties go to the lower index) still gives experts 2 and 3 their gradients, zeros,
+    // through its hidden states, which keep their values.
+    let vars = candle_nn::VarMap::new();
+    let first = crate::hf::Llama::new_stage(&c, candle_nn::VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu), None, 0..1).unwrap();
+    crate::hf::load_weights(&vars, &dir).unwrap();
+    vars.data().lock().unwrap()["model.layers.0.block_sparse_moe.gate.weight"]
+        .set(&Tensor::zeros((4, 48), DType::F32, &Device::Cpu).unwrap())
+        .unwrap();
+    let hidden = first.pipeline_stage(None, &ids).unwrap();
+    let grads = (&hidden * 1.5).unwrap().sum_all().unwrap().backward().unwrap();
+    for (name, v) in vars.data().lock().unwrap().iter() {
+        let g = grads.get(v.as_tensor()).unwrap_or_else(|| panic!("`{name}` has no gradient"));
+        let idle = name.contains(".experts.2.") || name.contains(".experts.3.");
+        assert_eq!(max_diff(g, &g.zeros_like().unwrap()) == 0.0, idle, "`{name}`");
+    }
     let _ = std::fs::remove_dir_all(&plain);
     let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
     std::thread::scope(|s| {
