@@ -435,9 +435,10 @@ fn a_hugging_face_llama_on_a_mesh_matches_one_process() {
 /// process holding every expert after 6 SGD steps on the same global batches of 4 windows: over
 /// ep 2 (2 processes; Mixtral also dp 2 x ep 2, 4, and in 2 pipeline stages under 1F1B, its
 /// idle experts' zero gradients carried through the hidden states), without the load-balancing
-/// loss (within 2e-5). That loss is each rank's over its own tokens, as under torch's DDP, so with it (weight
-/// 0.05) and the norm clipped to 0.05 (every step clips) Mixtral under ep 2 equals dp 2 (every
-/// rank holding every expert). The exports, gathered from every rank's experts, compute the
+/// loss (within 2e-5). With that loss (weight 0.05) Mixtral with each expert's width split over
+/// tp 2 equals one process (within 2e-5). The loss is each rank's over its own tokens, as under
+/// torch's DDP, so with it and the norm clipped to 0.05 (every step clips) Mixtral under ep 2
+/// equals dp 2 (every rank holding every expert). The exports, gathered from every rank's experts, compute the
 /// logits the split model computed.
 #[test]
 fn mixtral_with_its_experts_dealt_out_matches_one_process() {
@@ -479,6 +480,14 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
         }
     }
     let src = kolo_testkit::files::hf_tiny("mixtral");
+    // With the load-balancing loss: each expert's width split over tp 2 (every rank routing the
+    // same tokens, so the loss is one process's).
+    let with_aux = kolo_testkit::files::hf_tiny("mixtral");
+    let (one, _) = hf_model(&with_aux, 1, &format!("{sgd} --batch 4"), &dir.join("aux-one"));
+    let (tp, _) = hf_model(&with_aux, 2, &format!("{sgd} --batch 4 --tp 2"), &dir.join("aux-tp2"));
+    let (k, d) = worst_tensor(&one, &tp);
+    eprintln!("with the load-balancing loss: tp 2 within {d} of one process (`{k}`)");
+    assert!(d < 2e-5, "with the load-balancing loss: `{k}` differs under tp 2 from one process by {d}");
     let clipped = "--optim sgd --lr 0.05 --clip 0.05 --batch 2";
     let (dp, _) = hf_model(&src, 2, clipped, &dir.join("aux-dp2"));
     let (ep, _) = hf_model(&src, 2, &format!("{clipped} --ep 2"), &dir.join("aux-ep2"));

@@ -681,11 +681,14 @@ enum Ffn {
     Experts(crate::ep::MoeLayer<Expert>),
 }
 
-/// One expert: `down(act(gate x) * up x)` (Mixtral names them w2, w1, w3).
+/// One expert: `down(act(gate x) * up x)` (Mixtral names them w2, w1, w3); over a
+/// tensor-parallel group, gate and up column-parallel and down row-parallel (Megatron's expert
+/// tensor parallelism: every member routes the same tokens and computes its share of each
+/// expert's width).
 struct Expert {
-    w1: candle_nn::Linear,
-    w3: candle_nn::Linear,
-    w2: candle_nn::Linear,
+    w1: Layer,
+    w3: Layer,
+    w2: Layer,
     act: String,
 }
 
@@ -978,8 +981,8 @@ impl Llama {
         }
         let windows = cfg.layer_windows().map_err(candle_core::Error::Msg)?;
         let experts = cfg.experts();
-        if experts.is_some() && tp.is_some() {
-            candle_core::bail!("experts over {p} tensor-parallel ranks are not supported yet (deal them out with mesh.ep)");
+        if let Some(w) = experts.as_ref().map(|_| cfg.expert_width()).filter(|w| !w.is_multiple_of(p)) {
+            candle_core::bail!("experts of width {w} over {p} tensor-parallel ranks: the width must be a multiple of {p}");
         }
         if experts.as_ref().is_some_and(|(_, coef)| *coef > 0.0) && layers != (0..n) {
             candle_core::bail!(
@@ -1031,9 +1034,9 @@ impl Llama {
                     let ((block, [gate, up, down]), width) = (cfg.expert_names(), cfg.expert_width());
                     Ffn::Experts(crate::ep::MoeLayer::new(e, routing.clone(), b.pp(block), ep, |vb| {
                         Ok(Expert {
-                            w1: lin(e, width, vb.pp(gate))?,
-                            w3: lin(e, width, vb.pp(up))?,
-                            w2: lin(width, e, vb.pp(down))?,
+                            w1: col(e, width, false, vb.pp(gate))?,
+                            w3: col(e, width, false, vb.pp(up))?,
+                            w2: row(width, e, false, vb.pp(down))?,
                             act: cfg.activation().to_string(),
                         })
                     })?)

@@ -395,8 +395,8 @@ fn architectures_load_with_transformers_logits_and_train() {
 /// (`output_router_logits`), within 1e-5 of `transformers'` (whose `aux_loss` is 2.21 for Mixtral:
 /// the weighted term is 0.11). With `output_router_logits` false the loss drops exactly that term,
 /// as in `transformers`. Mixtral trains, every expert receiving a gradient, saves back to the
-/// same tensors and logits, and what it cannot do is refused by name: a top-k above the experts,
-/// router jitter, experts over tensor-parallel ranks.
+/// same tensors and logits, also computes them over 2 tensor-parallel ranks (each expert's width
+/// split), and what it cannot do is refused by name: a top-k above the experts, router jitter.
 #[test]
 fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
     let scalar = |t: &Tensor| f64::from(t.flatten_all().unwrap().get(0).unwrap().to_scalar::<f32>().unwrap());
@@ -464,18 +464,23 @@ fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
         assert_eq!(max_diff(g, &g.zeros_like().unwrap()) == 0.0, idle, "`{name}`");
     }
     let _ = std::fs::remove_dir_all(&plain);
+    // Over 2 tensor-parallel ranks (each expert's width split, every rank routing the same
+    // tokens): the same logits and loss on each.
+    let want_loss = scalar(&r["loss"]) as f32;
     let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
     std::thread::scope(|s| {
         for c in ranks {
-            let dir = dir.clone();
+            let (dir, ids, want) = (dir.clone(), ids.clone(), r["logits"].clone());
             s.spawn(move || {
                 let tp = crate::tp::TensorParallel::new(std::sync::Arc::new(c) as std::sync::Arc<dyn kolo_comm::Communicator>);
-                let e = crate::hf::load_causal_lm_split(&dir, &Device::Cpu, Some(&tp)).err().expect("refused").to_string();
-                assert!(e.contains("experts over 2 tensor-parallel ranks are not supported yet"), "{e}");
+                let (_, split) = crate::hf::load_causal_lm_split(&dir, &Device::Cpu, Some(&tp)).unwrap();
+                let d = max_diff(&split.forward(&ids).unwrap(), &want);
+                assert!(d < 1e-4, "tp rank {}: logits differ from transformers' by {d}", tp.rank());
+                let loss = split.loss(&ids).unwrap().to_scalar::<f32>().unwrap();
+                assert!((loss - want_loss).abs() < 1e-5, "tp rank {}: loss {loss}, transformers' {want_loss}", tp.rank());
             });
         }
     });
-
     let before: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect();
     sgd_lowers_the_loss(&varmap, &model, &ids, "mixtral");
     let moved = varmap.all_vars().iter().zip(&before).filter(|(v, b)| max_diff(v.as_tensor(), b) > 0.0).count();
