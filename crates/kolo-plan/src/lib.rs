@@ -173,7 +173,7 @@ impl Gpt {
     }
 
     /// FLOPs of forward and backward for `sequences` sequences: three times the forward's
-    /// matrix products, per token each block's [`Gpt::dense_flops_per_token`] and attention's
+    /// matrix products, per token each block's projections, MLP and router and attention's
     /// scores and values (4 s h), and the logits (2 h V). GPT-style this is Narayanan et al.'s
     /// eq. 3, 72 B s L h^2 (1 + s / 6h + V / 12hL).
     pub fn step_flops(&self, sequences: f64) -> f64 {
