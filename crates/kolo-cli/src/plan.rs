@@ -87,14 +87,16 @@ pub struct PlanArgs {
     /// Cost one plan instead of searching: dp=2,tp=1,pp=1,zero=0,micro=8[,ckpt].
     #[arg(long)]
     evaluate: Option<String>,
-    /// Write the plan as a job to run: DIR/train.toml (a `kolo train` config of Kolo's GPT with
-    /// the plan's [mesh], [pipeline], ZeRO stage, batch and activation checkpointing),
+    /// Write the plan as a job to run: DIR/train.toml (a `kolo train` config of Kolo's GPT, or
+    /// with --hf the model's fine-tuning job, with the plan's [mesh], [pipeline], ZeRO stage,
+    /// batch and activation checkpointing),
     /// DIR/launch.sh (`kolo launch` on one node: NODE_RANK, MASTER_ADDR, MASTER_PORT and
     /// KOLO_TOKEN_FILE from the environment) and DIR/job.sbatch (Slurm: every node at once).
-    /// The fastest plan Kolo runs, or the --evaluate one.
+    /// The fastest plan the job runs, or the --evaluate one.
     #[arg(long, value_name = "DIR")]
     emit: Option<std::path::PathBuf>,
-    /// With --emit: the training text the config names.
+    /// With --emit: the training text the config names (with --hf: a text, or a directory of
+    /// token shards from `kolo data prepare --tokenizer DIR`).
     #[arg(long, default_value = "data/tinyshakespeare.txt")]
     data: String,
     /// With --emit: optimizer steps the config runs.
@@ -339,12 +341,6 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         a.global_batch
     );
     let memory = c.device.memory;
-    if let (Some(_), Some(hf)) = (&a.emit, &a.hf) {
-        anyhow::bail!(
-            "--emit writes a job of Kolo's GPT; for {} put the plan's mesh and ZeRO stage in its fine-tuning config ([mesh], [ddp] zero_stage)",
-            hf.display()
-        );
-    }
     if let Some(dir) = &a.emit {
         let (p, e) = match &a.evaluate {
             Some(spec) => {
@@ -352,6 +348,13 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
                 let e = estimate(&m, &c, &p, a.global_batch, precision)
                     .ok_or_else(|| anyhow::anyhow!("{spec}: not a plan for {} devices", c.devices()))?;
                 (p, e)
+            }
+            None if a.hf.is_some() => {
+                let plans = search(&m, &c, a.global_batch, precision, &Space::default());
+                match plans.into_iter().find(|(p, _)| hf_refuses(p, a.global_batch).is_none()) {
+                    Some(pe) => pe,
+                    None => anyhow::bail!("no plan that the fine-tuning job runs fits in {:.1} GiB per device", memory / 1024f64.powi(3)),
+                }
             }
             None => match kolo_train::autoplan::runnable_plans(&m, &c, a.global_batch, precision).into_iter().next() {
                 Some(pe) => pe,
@@ -487,8 +490,62 @@ fn hf_model(dir: &std::path::Path, seq: Option<usize>) -> anyhow::Result<Gpt> {
     Ok(m)
 }
 
-/// Writes plan `p` as a runnable job in `dir` (see `--emit`).
+/// Writes plan `p` as a runnable job in `dir` (see `--emit`): Kolo's GPT, or the fine-tuning job
+/// of the `--hf` model.
 fn emit(dir: &std::path::Path, a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow::Result<()> {
+    let (text, note) = match &a.hf {
+        Some(hf) => (hf_job(hf, a, m, p, e)?, String::new()),
+        None => (
+            gpt_job(a, m, c, p, e)?,
+            format!("# The planner costed a vocabulary of {}; Kolo's built-in GPT takes its vocabulary from the data.\n", m.vocab),
+        ),
+    };
+    let (nodes, per_node) = (c.nodes, c.devices() / c.nodes.max(1));
+    let summary = format!(
+        "dp {} x tp {} x pp {}, ZeRO-{}, micro-batches of {}{}, on {nodes} node(s) x {per_node} {}: predicted {:.4} s/step, MFU {:.1}%, {:.2} GiB per device",
+        p.dp,
+        p.tp,
+        p.pp,
+        p.zero,
+        p.micro_batch,
+        if p.checkpoint { ", activation checkpointing" } else { "" },
+        c.device.name,
+        e.step_s,
+        e.mfu() * 100.0,
+        e.memory() / 1024f64.powi(3)
+    );
+    std::fs::create_dir_all(dir).map_err(|err| anyhow::anyhow!("{}: {err}", dir.display()))?;
+    let write = |name: &str, text: String| -> anyhow::Result<()> {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|err| anyhow::anyhow!("{}: {err}", path.display()))
+    };
+    write(
+        "train.toml",
+        format!("# kolo plan's choice: {summary}.\n{note}# Run: bash launch.sh (one node) or sbatch job.sbatch (Slurm).\n{text}"),
+    )?;
+    // One node: a free port unless MASTER_PORT says; several: the same port and token everywhere.
+    let port = if nodes > 1 { "--master-port \"${MASTER_PORT:-29500}\"" } else { "${MASTER_PORT:+--master-port \"$MASTER_PORT\"}" };
+    let token =
+        if nodes > 1 { " --token-file \"${KOLO_TOKEN_FILE:?a multi-node job needs the same token file on every node}\"" } else { "" };
+    write(
+        "launch.sh",
+        format!(
+            "#!/usr/bin/env bash\n# kolo plan's choice: {summary}.\n# On each of the {nodes} node(s): NODE_RANK=i MASTER_ADDR=node-0-host [MASTER_PORT=29500] [KOLO_TOKEN_FILE=...] bash launch.sh\nset -euo pipefail\nexec \"${{KOLO:-kolo}}\" launch --nnodes {nodes} --node-rank \"${{NODE_RANK:-0}}\" --nproc-per-node {per_node} --master-addr \"${{MASTER_ADDR:-127.0.0.1}}\" {port}{token} -- \"${{KOLO:-kolo}}\" train --config \"$(dirname \"$0\")/train.toml\" \"$@\"\n"
+        ),
+    )?;
+    write(
+        "job.sbatch",
+        format!(
+            "#!/usr/bin/env bash\n# kolo plan's choice: {summary}.\n#SBATCH --job-name=kolo-plan\n#SBATCH --nodes={nodes}\n#SBATCH --ntasks-per-node=1\n#SBATCH --exclusive\n{}set -euo pipefail\ncd \"${{SLURM_SUBMIT_DIR:-.}}\"\nexport MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\nexport MASTER_PORT=${{MASTER_PORT:-29500}}\n# One token for the whole job, on the shared file system.\nexport KOLO_TOKEN_FILE=${{KOLO_TOKEN_FILE:-$PWD/.kolo-token-$SLURM_JOB_ID}}\n[ -f \"$KOLO_TOKEN_FILE\" ] || (umask 077; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n' > \"$KOLO_TOKEN_FILE\")\nsrun --ntasks-per-node=1 bash -c 'NODE_RANK=$SLURM_NODEID exec bash {}/launch.sh'\n",
+            if c.device.name.to_lowercase().contains("cpu") || per_node == 0 { String::new() } else { format!("#SBATCH --gpus-per-node={per_node}\n") },
+            std::fs::canonicalize(dir).map_or(dir.display().to_string(), |p| p.display().to_string())
+        ),
+    )?;
+    Ok(())
+}
+
+/// Plan `p` as a `kolo train` config of Kolo's GPT, read back before it is returned.
+fn gpt_job(a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow::Result<String> {
     let precision = match a.precision.as_str() {
         "f32" => "f32",
         "f16" => "f16",
@@ -539,49 +596,46 @@ fn emit(dir: &std::path::Path, a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: 
         )
     };
     anyhow::ensure!(shape(&back) == shape(&cfg), "the emitted config does not read back as the plan");
-    let (nodes, per_node) = (c.nodes, c.devices() / c.nodes.max(1));
-    let summary = format!(
-        "dp {} x tp {} x pp {}, ZeRO-{}, micro-batches of {}{}, on {nodes} node(s) x {per_node} {}: predicted {:.4} s/step, MFU {:.1}%, {:.2} GiB per device",
-        p.dp,
-        p.tp,
-        p.pp,
-        p.zero,
-        p.micro_batch,
-        if p.checkpoint { ", activation checkpointing" } else { "" },
-        c.device.name,
-        e.step_s,
-        e.mfu() * 100.0,
-        e.memory() / 1024f64.powi(3)
+    Ok(text)
+}
+
+/// Why plan `p` (for `global` sequences a step) is not one a Hugging Face fine-tuning job runs:
+/// it has no activation checkpointing nor accumulated micro-batches outside a pipeline, and
+/// ZeRO-3 only without a mesh.
+fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
+    if p.checkpoint {
+        return Some("it recomputes activations, which the fine-tuning job does not".into());
+    }
+    if p.pp == 1 && p.micro_batch * p.dp != global {
+        return Some(format!("it accumulates micro-batches of {} outside a pipeline", p.micro_batch));
+    }
+    (p.zero == 3 && p.tp * p.pp > 1).then(|| "ZeRO-3 runs without a mesh only".to_string())
+}
+
+/// Plan `p` as the fine-tuning job of the Hugging Face model in `hf` (`kolo train`'s `[model]
+/// hf`): token shards (a directory) or a text (a file) from `--data`, the plan's batch, ZeRO
+/// stage, `[mesh]` and `[pipeline]`; read back as a job before it is returned.
+fn hf_job(hf: &std::path::Path, a: &PlanArgs, m: &Gpt, p: &Plan, e: &Estimate) -> anyhow::Result<String> {
+    if let Some(why) = hf_refuses(p, a.global_batch) {
+        anyhow::bail!("this plan is not one the Hugging Face fine-tuning job runs: {why}");
+    }
+    let abs = |s: &std::path::Path| std::fs::canonicalize(s).map_or(s.display().to_string(), |p| p.display().to_string());
+    let data = std::path::Path::new(&a.data);
+    let source = if data.is_dir() { format!("shards = {:?}", abs(data)) } else { format!("text = {:?}", abs(data)) };
+    let mut text = format!(
+        "[model]\nhf = {:?}\n[data]\n{source}\nbatch_size = {}\nseq = {}\n[train]\nsteps = {}\n[ddp]\nzero_stage = {}\n",
+        abs(hf),
+        a.global_batch / p.dp,
+        m.seq,
+        a.steps,
+        p.zero
     );
-    std::fs::create_dir_all(dir).map_err(|err| anyhow::anyhow!("{}: {err}", dir.display()))?;
-    let write = |name: &str, text: String| -> anyhow::Result<()> {
-        let path = dir.join(name);
-        std::fs::write(&path, text).map_err(|err| anyhow::anyhow!("{}: {err}", path.display()))
-    };
-    write(
-        "train.toml",
-        format!(
-            "# kolo plan's choice: {summary}.\n# The planner costed a vocabulary of {}; Kolo's built-in GPT takes its vocabulary from the data.\n# Run: bash launch.sh (one node) or sbatch job.sbatch (Slurm).\n{text}",
-            m.vocab
-        ),
-    )?;
-    // One node: a free port unless MASTER_PORT says; several: the same port and token everywhere.
-    let port = if nodes > 1 { "--master-port \"${MASTER_PORT:-29500}\"" } else { "${MASTER_PORT:+--master-port \"$MASTER_PORT\"}" };
-    let token =
-        if nodes > 1 { " --token-file \"${KOLO_TOKEN_FILE:?a multi-node job needs the same token file on every node}\"" } else { "" };
-    write(
-        "launch.sh",
-        format!(
-            "#!/usr/bin/env bash\n# kolo plan's choice: {summary}.\n# On each of the {nodes} node(s): NODE_RANK=i MASTER_ADDR=node-0-host [MASTER_PORT=29500] [KOLO_TOKEN_FILE=...] bash launch.sh\nset -euo pipefail\nexec \"${{KOLO:-kolo}}\" launch --nnodes {nodes} --node-rank \"${{NODE_RANK:-0}}\" --nproc-per-node {per_node} --master-addr \"${{MASTER_ADDR:-127.0.0.1}}\" {port}{token} -- \"${{KOLO:-kolo}}\" train --config \"$(dirname \"$0\")/train.toml\" \"$@\"\n"
-        ),
-    )?;
-    write(
-        "job.sbatch",
-        format!(
-            "#!/usr/bin/env bash\n# kolo plan's choice: {summary}.\n#SBATCH --job-name=kolo-plan\n#SBATCH --nodes={nodes}\n#SBATCH --ntasks-per-node=1\n#SBATCH --exclusive\n{}set -euo pipefail\ncd \"${{SLURM_SUBMIT_DIR:-.}}\"\nexport MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1)\nexport MASTER_PORT=${{MASTER_PORT:-29500}}\n# One token for the whole job, on the shared file system.\nexport KOLO_TOKEN_FILE=${{KOLO_TOKEN_FILE:-$PWD/.kolo-token-$SLURM_JOB_ID}}\n[ -f \"$KOLO_TOKEN_FILE\" ] || (umask 077; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n' > \"$KOLO_TOKEN_FILE\")\nsrun --ntasks-per-node=1 bash -c 'NODE_RANK=$SLURM_NODEID exec bash {}/launch.sh'\n",
-            if c.device.name.to_lowercase().contains("cpu") || per_node == 0 { String::new() } else { format!("#SBATCH --gpus-per-node={per_node}\n") },
-            std::fs::canonicalize(dir).map_or(dir.display().to_string(), |p| p.display().to_string())
-        ),
-    )?;
-    Ok(())
+    if p.tp * p.pp > 1 {
+        text += &format!("[mesh]\ndp = {}\ntp = {}\npp = {}\n", p.dp, p.tp, p.pp);
+    }
+    if p.pp > 1 {
+        text += &format!("[pipeline]\nmicro_batches = {}\nschedule = \"1f1b\"\n", e.micro_batches);
+    }
+    kolo::hf::FineTuneConfig::from_toml_str(&text, std::path::Path::new("the emitted plan"))?;
+    Ok(text)
 }

@@ -1347,8 +1347,8 @@ fn auto_plans_measure_this_machine_at_start() {
 /// attention, head widths, gated MLPs, tied embeddings, experts): its parameter count equals
 /// the tensors the checkpoint holds within 1 % for every shipped architecture it describes
 /// (Qwen2's q/k/v biases, Qwen3's and Gemma 3's head norms and Gemma 2's and 3's extra norms are
-/// not counted: a few hundred of ~10^5, at most 0.6 %); it
-/// plans them, and refuses to emit a GPT job for them.
+/// not counted: a few hundred of ~10^5, at most 0.6 %); it plans them, and `--emit` writes the
+/// model's fine-tuning job, which runs (a plan it cannot run is named).
 #[test]
 fn plans_describe_hugging_face_models() {
     for arch in ["gpt2", "neox", "llama", "mistral", "mixtral", "gemma", "gemma2", "gemma3", "qwen2", "qwen3", "phi3"] {
@@ -1369,8 +1369,29 @@ fn plans_describe_hugging_face_models() {
     let mixtral = kolo_testkit::files::hf_tiny("mixtral");
     let o = run(&["plan", "--hf", mixtral.to_str().unwrap(), "--devices", "2", "--cluster", "this-machine"], &[]);
     assert!(text(&o).contains("MLP 80 gated x 4 experts (top 2)"), "{}", text(&o));
-    let o = run(&["plan", "--hf", mixtral.to_str().unwrap(), "--devices", "2", "--cluster", "this-machine", "--emit", "/tmp/x"], &[]);
-    assert!(!o.status.success() && text(&o).contains("--emit writes a job of Kolo's GPT"), "{}", text(&o));
+    // The fine-tuning job a plan for the tiny Llama emits runs: tp 2 given, and the searched one.
+    let dir = fresh_dir("plan-hf-emit");
+    let llama = kolo_testkit::files::hf_llama_tiny();
+    let data = kolo_testkit::files::shakespeare().display().to_string();
+    let base = ["plan", "--hf", llama.to_str().unwrap(), "--seq", "16", "--devices", "2", "--cluster", "this-machine"];
+    let job = ["--global-batch", "4", "--precision", "f32", "--steps", "2", "--data", &data];
+    for (tag, extra) in [("tp", vec!["--evaluate", "tp=2,micro=4"]), ("searched", vec![])] {
+        let out = dir.join(tag);
+        let o = run(&[&base[..], &job[..], &extra[..], &["--emit", out.to_str().unwrap()]].concat(), &[]);
+        assert!(o.status.success(), "{tag}: {}", text(&o));
+        let toml = std::fs::read_to_string(out.join("train.toml")).unwrap();
+        assert!(toml.contains("[model]\nhf = ") && toml.contains("seq = 16"), "{tag}: {toml}");
+        if tag == "tp" {
+            assert!(toml.contains("[mesh]\ndp = 1\ntp = 2\npp = 1\n"), "{toml}");
+        }
+        let o = Command::new("bash").arg(out.join("launch.sh")).env("KOLO", KOLO).output().unwrap();
+        let t = text(&o);
+        assert!(o.status.success() && t.contains("step 2/2"), "{tag}: {t}");
+    }
+    // A plan the job cannot run is named: micro-batches accumulated outside a pipeline.
+    let o = run(&[&base[..], &job[..], &["--evaluate", "dp=2,micro=1", "--emit", dir.join("acc").to_str().unwrap()]].concat(), &[]);
+    assert!(!o.status.success() && text(&o).contains("it accumulates micro-batches of 1 outside a pipeline"), "{}", text(&o));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `kolo plan --emit` writes the chosen plan as a job that runs (issue #37 item 3): the
