@@ -1,6 +1,6 @@
 //! `kolo plan`: the parallelism planner's search, printed as a table of the best plans.
 
-use kolo_plan::{estimate, parse_quantity, search, Cluster, Device, Estimate, Gpt, Link, Plan, Precision, Space, PRESETS};
+use kolo_plan::{estimate, parse_quantity, search, Cluster, Device, Estimate, Gpt, Link, Plan, Precision, Recompute, Space, PRESETS};
 
 #[derive(clap::Args)]
 pub struct PlanArgs {
@@ -23,7 +23,8 @@ pub struct PlanArgs {
     #[arg(long)]
     vocab: Option<usize>,
     /// Plan the model of a Hugging Face directory: its config.json (GPT-2, GPT-NeoX, the Llama
-    /// family, Mixtral's and Qwen3-MoE's experts) gives the shape; --seq defaults to its
+    /// family, Mixtral's and Qwen3-MoE's experts, Gemma 3's text model beside its vision
+    /// tower) gives the shape; --seq defaults to its
     /// max_position_embeddings, at most 4096. The shape flags override it.
     #[arg(long, value_name = "DIR", conflicts_with = "params")]
     hf: Option<std::path::PathBuf>,
@@ -50,7 +51,7 @@ pub struct PlanArgs {
     /// Devices in the job (whole nodes of the cluster, or part of one node).
     #[arg(long, required_unless_present = "show_cluster")]
     devices: Option<usize>,
-    /// The cluster: a preset (dgx-a100, dgx-h100, this-machine), `measured` (this machine with
+    /// The cluster: a preset (dgx-a100, dgx-h100, dgx-h200, this-machine), `measured` (this machine with
     /// its CPU measured now, about a second: one rank's threads) or a TOML file describing one
     /// (print a preset with --show-cluster to start from).
     #[arg(long, default_value = "dgx-a100")]
@@ -71,6 +72,21 @@ pub struct PlanArgs {
     /// (Megatron-LM 2021 did not overlap it).
     #[arg(long)]
     no_overlap_dp: bool,
+    /// Whether the runtime's attention is fused, flash-style (its s x s scores never in memory,
+    /// computed again in backward): the cluster's setting by default (the H100 and H200 presets
+    /// yes, dgx-a100 and this machine no).
+    #[arg(long, value_name = "BOOL")]
+    fused_attention: Option<bool>,
+    /// Recomputation the search may choose, comma-separated: none, selective (attention's core),
+    /// full (activation checkpointing). Default: all three (selective only without fused attention).
+    #[arg(long, value_delimiter = ',', default_value = "none,selective,full")]
+    recompute: Vec<String>,
+    /// ZeRO stages the search may choose, comma-separated (0: plain data parallelism).
+    #[arg(long, value_delimiter = ',', default_value = "0,1,2,3")]
+    zero: Vec<u8>,
+    /// Micro-batch sizes (sequences) the search may choose, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    micro: Vec<usize>,
     /// Print the cluster description as TOML (a file for --cluster) and exit.
     #[arg(long)]
     show_cluster: bool,
@@ -84,7 +100,8 @@ pub struct PlanArgs {
     /// Plans to print.
     #[arg(long, default_value_t = 8)]
     top: usize,
-    /// Cost one plan instead of searching: dp=2,tp=1,pp=1,zero=0,micro=8[,ckpt].
+    /// Cost one plan instead of searching: dp=2,tp=1,pp=1,zero=0,micro=8[,recompute=none|selective|full]
+    /// (`ckpt` for recompute=full).
     #[arg(long)]
     evaluate: Option<String>,
     /// Write the plan as a job to run: DIR/train.toml (a `kolo train` config of Kolo's GPT, or
@@ -110,13 +127,17 @@ fn bandwidth_bytes(s: &str) -> anyhow::Result<f64> {
 }
 
 fn parse_plan(s: &str) -> anyhow::Result<Plan> {
-    let mut p = Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 1, checkpoint: false };
+    let mut p = Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 1, recompute: Recompute::None };
     for part in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
         if part == "ckpt" {
-            p.checkpoint = true;
+            p.recompute = Recompute::Full;
             continue;
         }
         let (k, v) = part.split_once('=').ok_or_else(|| anyhow::anyhow!("--evaluate: `{part}` is not key=value"))?;
+        if k == "recompute" {
+            p.recompute = Recompute::parse(v).map_err(|e| anyhow::anyhow!("--evaluate: {e}"))?;
+            continue;
+        }
         let n: usize = v.parse().map_err(|_| anyhow::anyhow!("--evaluate: `{v}` is not a number"))?;
         match k {
             "dp" => p.dp = n,
@@ -124,7 +145,7 @@ fn parse_plan(s: &str) -> anyhow::Result<Plan> {
             "pp" => p.pp = n,
             "zero" => p.zero = n as u8,
             "micro" => p.micro_batch = n,
-            _ => anyhow::bail!("--evaluate: unknown key `{k}` (dp, tp, pp, zero, micro, ckpt)"),
+            _ => anyhow::bail!("--evaluate: unknown key `{k}` (dp, tp, pp, zero, micro, recompute, ckpt)"),
         }
     }
     Ok(p)
@@ -134,14 +155,18 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
     let gib = |b: f64| b / 1024f64.powi(3);
     let m = &e.memory;
     format!(
-        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + dp {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
+        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + dp {:.4} + optimizer {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
         p.dp,
         p.tp,
         p.pp,
         p.zero,
         p.micro_batch,
         e.micro_batches,
-        if p.checkpoint { " ckpt" } else { "     " },
+        match p.recompute {
+            Recompute::None => "     ",
+            Recompute::Selective => " sel ",
+            Recompute::Full => " ckpt",
+        },
         e.step_s,
         e.model_flops_per_device() / 1e12,
         e.mfu() * 100.0,
@@ -150,6 +175,7 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
         e.tp_s,
         e.pp_s,
         e.dp_exposed_s,
+        e.optimizer_s,
         gib(e.memory()),
         gib(m.params),
         gib(m.grads),
@@ -170,6 +196,10 @@ struct ClusterFile {
     param_copy_bytes: f64,
     #[serde(default = "yes")]
     overlap_dp: bool,
+    #[serde(default)]
+    fused_attention: bool,
+    #[serde(default)]
+    layer_overhead_us: f64,
     device: DeviceFile,
     intra: LinkFile,
     inter: LinkFile,
@@ -183,6 +213,8 @@ struct DeviceFile {
     peak_f32: String,
     peak_16: String,
     mem_bandwidth: String,
+    /// Default: mem_bandwidth.
+    update_bandwidth: Option<String>,
     gemm_efficiency: Vec<(f64, f64)>,
 }
 
@@ -224,6 +256,9 @@ fn load_cluster(path: &str) -> anyhow::Result<Cluster> {
     if f.devices_per_node == 0 {
         anyhow::bail!("--cluster {path}: devices_per_node must be at least 1");
     }
+    if !(f.activation_factor > 0.0 && f.param_copy_bytes >= 0.0 && f.layer_overhead_us >= 0.0) {
+        anyhow::bail!("--cluster {path}: activation_factor must be positive, param_copy_bytes and layer_overhead_us not negative");
+    }
     Ok(Cluster {
         device: Device {
             name: d.name.clone(),
@@ -231,6 +266,7 @@ fn load_cluster(path: &str) -> anyhow::Result<Cluster> {
             peak_f32: quantity("device.peak_f32", &d.peak_f32)?,
             peak_16: quantity("device.peak_16", &d.peak_16)?,
             mem_bandwidth: bandwidth_bytes(&d.mem_bandwidth)?,
+            update_bandwidth: bandwidth_bytes(d.update_bandwidth.as_ref().unwrap_or(&d.mem_bandwidth))?,
             gemm_efficiency: pts.clone(),
         },
         devices_per_node: f.devices_per_node,
@@ -240,6 +276,8 @@ fn load_cluster(path: &str) -> anyhow::Result<Cluster> {
         activation_factor: f.activation_factor,
         param_copy_bytes: f.param_copy_bytes,
         overlap_dp: f.overlap_dp,
+        fused_attention: f.fused_attention,
+        layer_overhead_s: f.layer_overhead_us * 1e-6,
     })
 }
 
@@ -248,18 +286,21 @@ fn cluster_toml(c: &Cluster) -> String {
     let d = &c.device;
     let pts: Vec<String> = d.gemm_efficiency.iter().map(|(n, e)| format!("[{n}, {e}]")).collect();
     format!(
-        "# {} x {} per node\ndevices_per_node = {}\nactivation_factor = {}\nparam_copy_bytes = {}\noverlap_dp = {}\n\n[device]\nname = \"{}\"\nmemory = \"{}GiB\"\npeak_f32 = \"{}GFLOPS\"\npeak_16 = \"{}GFLOPS\"\nmem_bandwidth = \"{}GB\"\n# (n, fraction of peak) of square n x n x n GEMMs\ngemm_efficiency = [{}]\n\n[intra]\nbandwidth = \"{}GB\"\nlatency_us = {}\n\n[inter]\nbandwidth = \"{}GB\"\nlatency_us = {}\n",
+        "# {} x {} per node\ndevices_per_node = {}\nactivation_factor = {}\nparam_copy_bytes = {}\noverlap_dp = {}\nfused_attention = {}\nlayer_overhead_us = {}\n\n[device]\nname = \"{}\"\nmemory = \"{}GiB\"\npeak_f32 = \"{}GFLOPS\"\npeak_16 = \"{}GFLOPS\"\nmem_bandwidth = \"{}GB\"\nupdate_bandwidth = \"{}GB\"\n# (n, fraction of peak) of square n x n x n GEMMs\ngemm_efficiency = [{}]\n\n[intra]\nbandwidth = \"{}GB\"\nlatency_us = {}\n\n[inter]\nbandwidth = \"{}GB\"\nlatency_us = {}\n",
         d.name,
         c.devices_per_node,
         c.devices_per_node,
         c.activation_factor,
         c.param_copy_bytes,
         c.overlap_dp,
+        c.fused_attention,
+        c.layer_overhead_s * 1e6,
         d.name,
         d.memory / 1024f64.powi(3),
         d.peak_f32 / 1e9,
         d.peak_16 / 1e9,
         d.mem_bandwidth / 1e9,
+        d.update_bandwidth / 1e9,
         pts.join(", "),
         c.intra.bandwidth / 1e9,
         c.intra.latency * 1e6,
@@ -306,6 +347,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         c.inter.bandwidth = bandwidth_bytes(b)?;
     }
     c.overlap_dp &= !a.no_overlap_dp;
+    c.fused_attention = a.fused_attention.unwrap_or(c.fused_attention);
     if a.show_cluster {
         print!("{}", cluster_toml(&c));
         return Ok(0);
@@ -314,6 +356,12 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
     let c = c.with_devices(devices).map_err(|e| anyhow::anyhow!("--devices {devices}: {e}"))?;
     let m = model(&a)?;
     let precision = Precision::parse(&a.precision).map_err(|e| anyhow::anyhow!("--precision: {e}"))?;
+    let space = space(&a)?;
+    if c.fused_attention && space.recompute == [Recompute::Selective] {
+        anyhow::bail!(
+            "--recompute selective: this cluster's attention is fused (its scores are never kept), so selective recomputation is none; pin none or full, or pass --fused-attention false"
+        );
+    }
     println!(
         "{}: {} layers, d_model {}, {} heads ({} key/value) of {}, MLP {}{}{}{}, seq {}, vocab {} = {} parameters ({} active); {} nodes x {} {} ({:.1} GiB, peak {:.1} TFLOP/s in {}), intra-node {:.1} GB/s, inter-node {:.1} GB/s per device; {} sequences per step",
         if m.gated { "Llama-style" } else { "GPT" },
@@ -350,7 +398,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
                 (p, e)
             }
             None if a.hf.is_some() => {
-                let plans = search(&m, &c, a.global_batch, precision, &Space::default());
+                let plans = search(&m, &c, a.global_batch, precision, &space);
                 match plans.into_iter().find(|(p, _)| hf_refuses(p, a.global_batch).is_none()) {
                     Some(pe) => pe,
                     None => anyhow::bail!("no plan that the fine-tuning job runs fits in {:.1} GiB per device", memory / 1024f64.powi(3)),
@@ -382,7 +430,7 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
             ),
         }
     }
-    let plans = search(&m, &c, a.global_batch, precision, &Space::default());
+    let plans = search(&m, &c, a.global_batch, precision, &space);
     if plans.is_empty() {
         println!("no plan fits in {:.1} GiB per device", memory / 1024f64.powi(3));
         return Ok(1);
@@ -392,6 +440,19 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
         println!("{}", row(i + 1, p, e));
     }
     Ok(0)
+}
+
+/// The plans `--recompute`, `--zero` and `--micro` let the search choose.
+fn space(a: &PlanArgs) -> anyhow::Result<Space> {
+    let recompute = a.recompute.iter().map(|r| Recompute::parse(r.trim())).collect::<Result<Vec<_>, _>>();
+    let recompute = recompute.map_err(|e| anyhow::anyhow!("--recompute: {e}"))?;
+    if let Some(z) = a.zero.iter().find(|z| **z > 3) {
+        anyhow::bail!("--zero: stage {z} (0, 1, 2 or 3)");
+    }
+    if a.micro.contains(&0) {
+        anyhow::bail!("--micro: a micro-batch of 0 sequences");
+    }
+    Ok(Space { zero_stages: a.zero.clone(), micro_batches: a.micro.clone(), recompute, ..Space::default() })
 }
 
 /// A parameter count as people write it: 1.3149 B, 124.440 M, 98304.
@@ -508,7 +569,11 @@ fn emit(dir: &std::path::Path, a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: 
         p.pp,
         p.zero,
         p.micro_batch,
-        if p.checkpoint { ", activation checkpointing" } else { "" },
+        match p.recompute {
+            Recompute::None => "",
+            Recompute::Selective => ", selective recomputation",
+            Recompute::Full => ", activation checkpointing",
+        },
         c.device.name,
         e.step_s,
         e.mfu() * 100.0,
@@ -603,7 +668,7 @@ fn gpt_job(a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow
 /// it has no activation checkpointing nor accumulated micro-batches outside a pipeline, and
 /// ZeRO-3 only without a mesh.
 fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
-    if p.checkpoint {
+    if p.recompute != Recompute::None {
         return Some("it recomputes activations, which the fine-tuning job does not".into());
     }
     if p.pp == 1 && p.micro_batch * p.dp != global {

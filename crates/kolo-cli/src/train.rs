@@ -349,12 +349,13 @@ fn run_ps(
 /// training will), the figures averaged over the ranks so that every rank plans the same.
 fn measured_device(comm: &dyn Communicator) -> anyhow::Result<kolo_plan::Device> {
     let mut d = kolo_train::autoplan::measure_device()?;
-    let mut v: Vec<f64> = [d.peak_f32, d.mem_bandwidth].into_iter().chain(d.gemm_efficiency.iter().map(|e| e.1)).collect();
+    let mut v: Vec<f64> =
+        [d.peak_f32, d.mem_bandwidth, d.update_bandwidth].into_iter().chain(d.gemm_efficiency.iter().map(|e| e.1)).collect();
     comm.all_reduce(kolo_comm::BufMut::from(&mut v[..]), kolo_comm::ReduceOp::Sum)?;
     let n = comm.world_size().get() as f64;
-    (d.peak_f32, d.mem_bandwidth) = (v[0] / n, v[1] / n);
+    (d.peak_f32, d.mem_bandwidth, d.update_bandwidth) = (v[0] / n, v[1] / n, v[2] / n);
     d.peak_16 = d.peak_f32;
-    for (e, s) in d.gemm_efficiency.iter_mut().zip(&v[2..]) {
+    for (e, s) in d.gemm_efficiency.iter_mut().zip(&v[3..]) {
         e.1 = s / n;
     }
     Ok(d)

@@ -44,6 +44,11 @@ pub struct Device {
     pub peak_16: f64,
     /// Bytes/s the memory-bound operations (norms, softmax, activations, dropout) move.
     pub mem_bandwidth: f64,
+    /// Bytes/s the optimizer's in-place update streams through its flat buffers (parameters,
+    /// gradients, moments). A GPU's fused Adam runs at the memory bandwidth; on a CPU, where
+    /// `mem_bandwidth` is candle's allocating operations' rate, a vectorised loop over buffers
+    /// the caches partly hold runs several times faster.
+    pub update_bandwidth: f64,
     /// Measured GEMM efficiency: (n, fraction of peak) for square n x n x n GEMMs, n ascending.
     /// Other shapes are costed as the square GEMM of equal work (n = cbrt(M N K)),
     /// interpolated in log n and clamped at both ends.
@@ -109,6 +114,19 @@ pub struct Cluster {
     /// Whether the data-parallel gradient reduction overlaps backward (Kolo's buckets, PyTorch
     /// DDP) or runs after it (Megatron-LM 2021).
     pub overlap_dp: bool,
+    /// Whether the runtime's attention is fused, flash-style (FlashAttention, PyTorch's SDPA,
+    /// Transformer Engine): the s x s scores never reach memory, neither kept for backward nor
+    /// moved by a softmax kernel, and backward computes them again (5 matrix products of
+    /// attention's against the 4 of an unfused backward). Not so for Megatron-LM 2021, BLOOM,
+    /// MT-NLG or Kolo's CPU runtime.
+    pub fused_attention: bool,
+    /// Seconds a layer's forward costs beyond its GEMMs and memory traffic: an eager runtime's
+    /// kernel launches and small kernels (norms in f32, rotary embeddings, casts) that do not
+    /// fill the device. Backward counts twice, recomputation once more. 0 in the presets
+    /// (Megatron-LM's fused kernels at the published runs' sizes; Kolo's CPU runtime); fitted
+    /// for a runtime from one run (docs/benchmarks.md: transformers on torch eager, 0.53 ms on
+    /// an H200).
+    pub layer_overhead_s: f64,
 }
 
 /// A100-SXM4 80 GB: bf16 dense peak 312 TFLOP/s (at the 1410 MHz boost clock), f32 19.5;
@@ -122,6 +140,7 @@ fn a100() -> Device {
         peak_f32: 19.5e12,
         peak_16: 312e12,
         mem_bandwidth: 2.039e12,
+        update_bandwidth: 2.039e12,
         gemm_efficiency: [(256.0, 0.04), (512.0, 0.20), (1024.0, 0.50), (2048.0, 0.72), (4096.0, 0.81), (8192.0, 0.87)]
             .map(|(n, e)| (n, e * 1305.0 / 1410.0))
             .to_vec(),
@@ -137,14 +156,21 @@ fn h100() -> Device {
         peak_f32: 67e12,
         peak_16: 989e12,
         mem_bandwidth: 3.35e12,
+        update_bandwidth: 3.35e12,
         gemm_efficiency: vec![(256.0, 0.02), (512.0, 0.10), (1024.0, 0.30), (2048.0, 0.55), (4096.0, 0.68), (8192.0, 0.74)],
     }
+}
+
+/// H200-SXM 141 GB: the H100's compute (and so its GEMM curve) with HBM3e of 141 GB (about
+/// 140 GiB usable) at 4.8 TB/s.
+fn h200() -> Device {
+    Device { name: "H200-SXM-141GB".into(), memory: 140.0 * GIB, mem_bandwidth: 4.8e12, update_bandwidth: 4.8e12, ..h100() }
 }
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
 /// The presets [`Cluster::preset`] knows.
-pub const PRESETS: [&str; 3] = ["dgx-a100", "dgx-h100", "this-machine"];
+pub const PRESETS: [&str; 4] = ["dgx-a100", "dgx-h100", "dgx-h200", "this-machine"];
 
 impl Cluster {
     /// Kolo on this kind of CPU: activation factor and hook copies measured (docs/benchmarks.md:
@@ -161,14 +187,17 @@ impl Cluster {
     /// - `dgx-a100`: 8 A100-80GB per node; NVLink 3 through NVSwitch, 230 GB/s all-reduce
     ///   busbw (nccl-tests on a DGX A100); 8 HDR InfiniBand NICs of 200 Gb/s, one per GPU,
     ///   23 GB/s each achieved.
-    /// - `dgx-h100`: 8 H100-80GB per node; NVLink 4, 360 GB/s busbw; 8 NDR NICs of 400 Gb/s.
+    ///   Unfused attention (the published A100 runs it is checked against kept their scores).
+    /// - `dgx-h100`: 8 H100-80GB per node; NVLink 4, 360 GB/s busbw; 8 NDR NICs of 400 Gb/s;
+    ///   fused (flash) attention, as every H100 training stack runs it.
+    /// - `dgx-h200`: the same with H200s (141 GB, 4.8 TB/s).
     /// - `this-machine`: the 2-core CI machine, one rank per core: candle's f32 GEMM measured
     ///   by `kolo bench compute` with one thread (peak = the best GEMM rate, 220 GFLOP/s),
     ///   memory-bound operations 8.3 GB/s (a + b, measured alike), loopback TCP between
     ///   ranks 1.5 GB/s; Kolo's CPU runtime constants. Nodes beyond one are other machines of its kind on a 10 Gb/s network.
     pub fn preset(name: &str, nodes: usize) -> Result<Cluster, String> {
         let nodes = nodes.max(1);
-        let gpu = |device, intra: f64, nic: f64| Cluster {
+        let gpu = |device, intra: f64, nic: f64, fused_attention| Cluster {
             device,
             devices_per_node: 8,
             nodes,
@@ -177,10 +206,13 @@ impl Cluster {
             activation_factor: 1.0,
             param_copy_bytes: 0.0,
             overlap_dp: true,
+            fused_attention,
+            layer_overhead_s: 0.0,
         };
         match name {
-            "dgx-a100" => Ok(gpu(a100(), 230e9, 23e9)),
-            "dgx-h100" => Ok(gpu(h100(), 360e9, 45e9)),
+            "dgx-a100" => Ok(gpu(a100(), 230e9, 23e9, false)),
+            "dgx-h100" => Ok(gpu(h100(), 360e9, 45e9, true)),
+            "dgx-h200" => Ok(gpu(h200(), 360e9, 45e9, true)),
             "this-machine" => Ok(Cluster {
                 device: Device {
                     name: "CPU core (candle f32)".into(),
@@ -190,6 +222,9 @@ impl Cluster {
                     // kolo bench compute: a + b moves 8.3 GB/s on one core (candle's other
                     // memory-bound operations range from 0.5, gelu, to 29, a row sum).
                     mem_bandwidth: 8.3e9,
+                    // Kolo's AdamW over 3.2 M parameters, one thread: 1.7-1.8 ms a step, 50-52
+                    // GB/s at 28 bytes a parameter (AMD EPYC CI machine, 2026-11-26).
+                    update_bandwidth: 50e9,
                     // kolo bench compute (RAYON_NUM_THREADS=1), 2026-11-24: 170, 201, 221, 215,
                     // 215, 219 GFLOP/s at n = 64 ... 2048.
                     gemm_efficiency: vec![(64.0, 0.77), (128.0, 0.91), (256.0, 1.0), (2048.0, 1.0)],
@@ -201,6 +236,8 @@ impl Cluster {
                 activation_factor: Cluster::KOLO_CPU_ACTIVATIONS,
                 param_copy_bytes: Cluster::KOLO_PARAM_COPY,
                 overlap_dp: true,
+                fused_attention: false,
+                layer_overhead_s: 0.0,
             }),
             other => Err(format!("cluster preset `{other}`: one of {}", PRESETS.join(", "))),
         }

@@ -2,7 +2,7 @@
 //! for a decoder-only transformer ([`Gpt`]: GPT-, Llama- or Mixtral-style) on a cluster ([`Cluster`]: devices per node, intra- and inter-node links, peak
 //! FLOP/s per precision, memory, measured GEMM efficiency), every way to split the devices
 //! into data (dp), tensor (tp) and pipeline (pp) parallel groups, with each ZeRO stage,
-//! micro-batch size and with or without activation checkpointing, is costed by [`estimate`];
+//! micro-batch size and recomputation (none, selective, full: [`Recompute`]), is costed by [`estimate`];
 //! [`search`] returns the plans that fit in memory, fastest first.
 //!
 //! The cost model, per training step of `global_batch` sequences, on one device:
@@ -13,7 +13,10 @@
 //!   size ([`Device::efficiency`]); the memory-bound operations move the layer's activations
 //!   (Korthikanti et al.'s s b h (10 + 24/t + 5 a s / (h t)) values, without sequence
 //!   parallelism) twice at the device's memory
-//!   bandwidth. Backward costs twice forward; activation checkpointing runs forward again;
+//!   bandwidth ([`LayerTime`]). Backward costs twice forward; activation checkpointing runs
+//!   forward again, selective recomputation attention's core; a runtime with fused attention
+//!   ([`Cluster::fused_attention`]) never moves the scores through memory and computes them
+//!   again in backward;
 //!   a runtime of flat gradient buffers (Kolo's DDP) also adds each accumulated micro-batch's
 //!   gradients but the last into the accumulation buffer (12 bytes a parameter at the
 //!   memory-bound rate);
@@ -24,13 +27,21 @@
 //!   parallelism 2 all-reduces of b s h values per layer forward, 2 backward, 2 more when
 //!   recomputing; pipeline one activation and one gradient of b s h / t values per slot and
 //!   stage boundary; data parallelism one all-reduce of the stage's gradients (ZeRO-1/2:
-//!   reduce-scatter + all-gather, the same volume; ZeRO-3: 1.5x), overlapped with backward
-//!   when [`Cluster::overlap_dp`];
+//!   reduce-scatter + all-gather, the same volume, the all-gather after the optimizer step;
+//!   ZeRO-3: 1.5x), overlapped with backward when [`Cluster::overlap_dp`] (ZeRO-1/2's
+//!   all-gather never);
 //! - **memory** per device ([`state_bytes`]): parameters, gradients and optimizer states per
-//!   precision and ZeRO stage, divided over tp x pp; activations of the layers of a stage for
-//!   the micro-batches in flight on the first stage (min(pp, m)); with checkpointing only each
-//!   layer's input is kept, plus one layer's full activations. Two runtime constants scale this
-//!   for an implementation ([`Cluster::activation_factor`], per-parameter copies).
+//!   precision and ZeRO stage, for the largest stage's parameters over tp (whole layers per
+//!   stage, the embeddings on the first, the output layer on the last); activations of the
+//!   layers of a stage for the micro-batches in flight on the first stage (min(pp, m)), or one
+//!   micro-batch and the loss's logits on the last ([`logits_bytes`]), whichever is more; with
+//!   checkpointing only each layer's input is kept, plus one layer's full activations; without
+//!   the scores under selective recomputation or fused attention ([`scores_bytes`]). Two
+//!   runtime constants scale this for an implementation ([`Cluster::activation_factor`],
+//!   per-parameter copies).
+//!
+//! - **optimizer**: Adam's update of the device's parameters (its shard under ZeRO), memory-bound
+//!   ([`optimizer_bytes`] at [`Device::update_bandwidth`]).
 //!
 //! Reported: step time, model TFLOP/s per device (the FLOPs the model needs, 72 B s L h^2
 //! (1 + s / 6h + V / 12hL), Narayanan et al.), hardware TFLOP/s (with the recomputation, as
@@ -112,15 +123,51 @@ impl Gpt {
     /// output layer V h (and GPT's V bias) unless tied; the final norm. GPT-style: per block
     /// 12 h^2 + 13 h, embeddings (V + s) h, final norm and head V h + V + 2h.
     pub fn params(&self) -> f64 {
-        let (l, h, s, v, f) = (self.layers as f64, self.d_model as f64, self.seq as f64, self.vocab as f64, self.ffn as f64);
+        self.layers as f64 * self.block_params() + self.embedding_params() + self.head_params()
+    }
+
+    /// One block's parameters: its matrices, router, biases and norms.
+    pub fn block_params(&self) -> f64 {
+        let (h, f) = (self.d_model as f64, self.ffn as f64);
         let (x, (q, k)) = (self.experts.max(1) as f64, self.widths());
-        let norm = if self.gated { h } else { 2.0 * h };
         let router = if self.experts > 1 { h * x } else { 0.0 };
         let biases = if self.gated { 0.0 } else { h * (q + 2.0 * k + 1.0) + (f + h) * x };
-        let block = self.block_matrices() + router + biases + 2.0 * norm;
-        let embeddings = v * h + if self.learned_positions { s * h } else { 0.0 };
-        let head = if self.tied { 0.0 } else { v * h + if self.gated { 0.0 } else { v } };
-        l * block + embeddings + head + norm
+        self.block_matrices() + router + biases + 2.0 * self.norm_params()
+    }
+
+    /// One norm's parameters (a layer norm's scale and bias, an RMS norm's scale).
+    fn norm_params(&self) -> f64 {
+        if self.gated {
+            self.d_model as f64
+        } else {
+            2.0 * self.d_model as f64
+        }
+    }
+
+    /// The token embedding (and learned positions): the first pipeline stage's.
+    pub fn embedding_params(&self) -> f64 {
+        let (h, s, v) = (self.d_model as f64, self.seq as f64, self.vocab as f64);
+        v * h + if self.learned_positions { s * h } else { 0.0 }
+    }
+
+    /// The final norm and the output layer unless tied: the last pipeline stage's.
+    pub fn head_params(&self) -> f64 {
+        let (h, v) = (self.d_model as f64, self.vocab as f64);
+        self.norm_params() + if self.tied { 0.0 } else { v * h + if self.gated { 0.0 } else { v } }
+    }
+
+    /// Parameters of the largest of `pp` pipeline stages of whole layers (ceil(L / pp) blocks
+    /// on every stage, as Kolo and Megatron-LM cut them): the first adds the embeddings, the
+    /// last the final norm and output layer, and a copy of the embedding when it is tied and
+    /// the stages are several (Megatron-LM keeps one on each end and all-reduces their
+    /// gradients).
+    pub fn largest_stage_params(&self, pp: usize) -> f64 {
+        if pp <= 1 {
+            return self.params();
+        }
+        let blocks = (self.layers as f64 / pp as f64).ceil() * self.block_params();
+        let tied_copy = if self.tied { self.vocab as f64 * self.d_model as f64 } else { 0.0 };
+        (blocks + self.embedding_params()).max(blocks + self.head_params() + tied_copy)
     }
 
     /// One block's weight matrices: the attention's projections and every expert's MLP
@@ -189,6 +236,11 @@ impl Gpt {
         sequences * s * l * (self.dense_flops_per_token() + self.attention_flops_per_token())
     }
 
+    /// FLOPs selective recomputation adds: attention's score and value products once more.
+    pub fn selective_recompute_flops(&self, sequences: f64) -> f64 {
+        sequences * self.seq as f64 * self.layers as f64 * self.attention_flops_per_token()
+    }
+
     /// One block's activations per token and hidden value, in 2-byte values (Korthikanti et
     /// al.'s accounting): (kept whole on every tensor-parallel rank without sequence
     /// parallelism: the norms' inputs 4, the attention's and the MLP's inputs 2 each, the
@@ -203,6 +255,41 @@ impl Gpt {
     }
 }
 
+/// What backward computes again instead of keeping from forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Recompute {
+    /// Every activation kept.
+    None,
+    /// Korthikanti et al.'s selective recomputation: attention's core (scores, softmax, the
+    /// product with the values) runs again in backward, so its s x s scores are never kept.
+    /// The same as `None` for a runtime with fused attention, which never keeps them.
+    Selective,
+    /// Activation checkpointing: each layer keeps only its input and runs forward again.
+    Full,
+}
+
+impl Recompute {
+    pub const ALL: [Recompute; 3] = [Recompute::None, Recompute::Selective, Recompute::Full];
+
+    /// `none`, `selective` or `full`.
+    pub fn parse(s: &str) -> Result<Recompute, String> {
+        match s {
+            "none" => Ok(Recompute::None),
+            "selective" => Ok(Recompute::Selective),
+            "full" => Ok(Recompute::Full),
+            r => Err(format!("recomputation `{r}`: none, selective or full")),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        }
+    }
+}
+
 /// One way to run the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Plan {
@@ -213,7 +300,7 @@ pub struct Plan {
     pub zero: u8,
     /// Sequences per micro-batch (per data-parallel replica).
     pub micro_batch: usize,
-    pub checkpoint: bool,
+    pub recompute: Recompute,
 }
 
 /// Bytes per device, by what holds them.
@@ -251,6 +338,9 @@ pub struct Estimate {
     pub pp_s: f64,
     /// Data-parallel gradient communication not hidden behind backward.
     pub dp_exposed_s: f64,
+    /// Adam's update of the parameters this device updates (its ZeRO shard under ZeRO-1/2/3):
+    /// memory-bound, [`optimizer_bytes`] a parameter.
+    pub optimizer_s: f64,
     pub memory: Memory,
     pub micro_batches: usize,
     /// The model's FLOPs per step (no recomputation), over all devices.
@@ -315,6 +405,16 @@ pub fn state_bytes(params: f64, zero: u8, dp: usize, precision: Precision) -> (f
     (p * params, g * params, o * params)
 }
 
+/// Bytes Adam's update moves per parameter: it reads the f32 parameter, gradient and two
+/// moments and writes the parameter and the moments (28 bytes); in mixed precision it also
+/// writes the 2-byte copy forward uses (30).
+pub fn optimizer_bytes(precision: Precision) -> f64 {
+    match precision {
+        Precision::F32 => 28.0,
+        Precision::Mixed => 30.0,
+    }
+}
+
 /// Activation bytes of one layer for one micro-batch of `b` sequences (values of `value_bytes`)
 /// on one rank of a `tp`-way group without sequence parallelism (Korthikanti et al. 2022, eq. 2:
 /// `s b h (10 + 24/t + 5 a s / (h t))` in 2-byte values for a GPT-style block; the 24 is
@@ -327,6 +427,20 @@ pub fn layer_activation_bytes(m: &Gpt, b: usize, tp: usize, value_bytes: f64) ->
     s * b as f64 * h * (whole + split / t + 5.0 * a * s / (h * t)) * (value_bytes / 2.0)
 }
 
+/// The part of [`layer_activation_bytes`] that is attention's s x s scores (the softmax's input
+/// and output and the dropout mask: `s b h 5 a s / (h t)`), which selective recomputation and
+/// fused attention do not keep.
+pub fn scores_bytes(m: &Gpt, b: usize, tp: usize, value_bytes: f64) -> f64 {
+    let (s, a, t) = (m.seq as f64, m.heads as f64, tp.max(1) as f64);
+    s * b as f64 * 5.0 * a * s / t * (value_bytes / 2.0)
+}
+
+/// Bytes the loss keeps on the last stage for one micro-batch: the logits (`s b V / t` values)
+/// and the f32 softmax cross-entropy keeps for backward (Korthikanti et al.'s 4 s b V / t).
+pub fn logits_bytes(m: &Gpt, b: usize, tp: usize, value_bytes: f64) -> f64 {
+    (m.seq * b) as f64 * m.vocab as f64 / tp.max(1) as f64 * (value_bytes + 4.0)
+}
+
 /// As [`layer_activation_bytes`] with Megatron's sequence parallelism (eq. 4: `s b h (34 +
 /// 5 a s / h) / t`): the layer norms' and dropouts' activations are split over the group too.
 pub fn layer_activation_bytes_sp(m: &Gpt, b: usize, tp: usize, value_bytes: f64) -> f64 {
@@ -335,16 +449,52 @@ pub fn layer_activation_bytes_sp(m: &Gpt, b: usize, tp: usize, value_bytes: f64)
     s * b as f64 * h * (whole + split + 5.0 * a * s / h) * (value_bytes / 2.0) / tp.max(1) as f64
 }
 
-/// Seconds of one layer's forward for a micro-batch of `b` sequences on one device of a
-/// tp-way group: GEMMs at their measured efficiency, memory-bound operations at the memory
-/// bandwidth.
-pub fn layer_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Precision) -> f64 {
-    let (s, h, t) = (m.seq as f64, m.d_model as f64, tp as f64);
-    let tokens = b as f64 * s;
-    let dense = d.gemm_s(m.dense_flops_per_token() * tokens / t, (tokens, 3.0 * h / t, h), precision);
-    let attention = d.gemm_s(tokens * m.attention_flops_per_token() / t, (s, s, m.head_dim as f64), precision);
-    let memory = 2.0 * layer_activation_bytes(m, b, tp, precision.value_bytes()) / d.mem_bandwidth;
-    dense + attention + memory
+/// Seconds of one layer for a micro-batch of `b` sequences on one device of a tp-way group:
+/// GEMMs at their measured efficiency, memory-bound operations (moving the layer's activations
+/// twice) at the memory bandwidth.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerTime {
+    /// The projections' and MLP's GEMMs.
+    pub dense: f64,
+    /// Attention's score and value GEMMs.
+    pub attention: f64,
+    /// Memory-bound operations on everything but the scores.
+    pub memory: f64,
+    /// Memory-bound operations on the scores (softmax, mask, dropout): none when fused.
+    pub scores: f64,
+    /// The runtime's fixed cost per layer ([`Cluster::layer_overhead_s`]).
+    pub overhead: f64,
+}
+
+impl LayerTime {
+    pub fn new(m: &Gpt, c: &Cluster, b: usize, tp: usize, precision: Precision) -> LayerTime {
+        let (d, vb) = (&c.device, precision.value_bytes());
+        let (s, h, t) = (m.seq as f64, m.d_model as f64, tp as f64);
+        let tokens = b as f64 * s;
+        let dense = d.gemm_s(m.dense_flops_per_token() * tokens / t, (tokens, 3.0 * h / t, h), precision);
+        let attention = d.gemm_s(tokens * m.attention_flops_per_token() / t, (s, s, m.head_dim as f64), precision);
+        let scores = if c.fused_attention { 0.0 } else { scores_bytes(m, b, tp, vb) };
+        let rest = layer_activation_bytes(m, b, tp, vb) - scores_bytes(m, b, tp, vb);
+        let (memory, scores) = (2.0 * rest / d.mem_bandwidth, 2.0 * scores / d.mem_bandwidth);
+        LayerTime { dense, attention, memory, scores, overhead: c.layer_overhead_s }
+    }
+
+    pub fn forward(&self) -> f64 {
+        self.dense + self.attention + self.memory + self.scores + self.overhead
+    }
+
+    /// Forward, backward (twice forward; fused attention's backward computes the scores again,
+    /// half its forward GEMMs more) and what `recompute` runs again.
+    pub fn step(&self, recompute: Recompute, fused_attention: bool) -> f64 {
+        let flash = if fused_attention { 0.5 * self.attention } else { 0.0 };
+        let again = match recompute {
+            Recompute::None => 0.0,
+            Recompute::Selective if fused_attention => 0.0,
+            Recompute::Selective => self.attention + self.scores,
+            Recompute::Full => self.forward(),
+        };
+        3.0 * self.forward() + flash + again
+    }
 }
 
 /// Seconds of the logits' forward for `b` sequences on one device of a tp-way group.
@@ -356,7 +506,7 @@ pub fn logits_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Pre
 
 /// The cost of `plan` for `global_batch` sequences per step.
 pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precision: Precision) -> Option<Estimate> {
-    let Plan { dp, tp, pp, zero, micro_batch, checkpoint } = *plan;
+    let Plan { dp, tp, pp, zero, micro_batch, recompute } = *plan;
     let devices = c.devices();
     let splits = m.heads.is_multiple_of(tp) && m.kv_heads.is_multiple_of(tp);
     if dp * tp * pp != devices || micro_batch == 0 || pp > m.layers || !splits || !global_batch.is_multiple_of(dp) {
@@ -373,15 +523,15 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let act_values = micro_batch as f64 * s * h;
 
     // One micro-batch on the last (slowest) stage: forward, backward (2x), recomputation.
-    let layer = layer_forward_s(m, &c.device, micro_batch, tp, precision);
-    let passes = if checkpoint { 4.0 } else { 3.0 };
-    let slot_compute = layers_per_stage * layer * passes + 3.0 * logits_forward_s(m, &c.device, micro_batch, tp, precision);
+    let checkpoint = recompute == Recompute::Full;
+    let layer = LayerTime::new(m, c, micro_batch, tp, precision).step(recompute, c.fused_attention);
+    let slot_compute = layers_per_stage * layer + 3.0 * logits_forward_s(m, &c.device, micro_batch, tp, precision);
     let tp_link = c.group_link(tp, 1);
     let all_reduces = if checkpoint { 6.0 } else { 4.0 };
     let slot_tp = layers_per_stage * all_reduces * all_reduce_s(act_values * vb, tp, tp_link);
     let pp_link = c.group_link(pp, tp * dp);
     let slot_pp = if pp > 1 { 2.0 * (pp_link.latency + act_values * vb / tp as f64 / pp_link.bandwidth) } else { 0.0 };
-    let stage_params = m.params() / (tp * pp) as f64;
+    let stage_params = m.largest_stage_params(pp) / tp as f64;
     // Gradient accumulation in a runtime that keeps gradients in flat f32 buffers (Kolo's DDP:
     // `param_copy_bytes` > 0) adds every micro-batch's but the last into the accumulation
     // buffer: the gradient read and the buffer read and written, 12 bytes a parameter at the
@@ -398,25 +548,48 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let volume = if zero >= 3 { 1.5 } else { 1.0 };
     let dp_s = volume * all_reduce_s(stage_params * vb, dp, c.group_link(dp, tp));
     // Buckets overlap backward (2/3 of the compute); at least the last bucket is exposed.
-    let dp_exposed_s = if c.overlap_dp { (dp_s - compute_s * 2.0 / 3.0).max(dp_s * 0.1) } else { dp_s };
+    // ZeRO-1/2's all-gather of the updated shards (half the volume) follows the optimizer step
+    // and overlaps nothing; ZeRO-3's gathers are prefetched during forward and backward.
+    let after_step = if zero == 1 || zero == 2 { dp_s / 2.0 } else { 0.0 };
+    let overlapped = dp_s - after_step;
+    let exposed = if c.overlap_dp { (overlapped - compute_s * 2.0 / 3.0).max(overlapped * 0.1) } else { overlapped };
+    let dp_exposed_s = exposed + after_step;
 
+    let updated = if zero >= 1 { stage_params / dp as f64 } else { stage_params };
+    let optimizer_s = updated * optimizer_bytes(precision) / c.device.update_bandwidth;
     let (params, grads, optimizer) = state_bytes(stage_params, zero, dp, precision);
     // ZeRO-3: a layer's gathered parameters and gradients, two layers at a time (prefetch).
     let gathered_layer = if zero >= 3 { 4.0 * vb * m.block_matrices() / tp as f64 } else { 0.0 };
-    let in_flight = pp.min(mb) as f64;
-    let per_layer = layer_activation_bytes(m, micro_batch, tp, vb) * c.activation_factor;
-    let activations =
-        if checkpoint { layers_per_stage * in_flight * act_values * vb + per_layer } else { layers_per_stage * in_flight * per_layer };
+    // The first stage keeps the most micro-batches (min(pp, m)); the last keeps one and the
+    // loss's logits.
+    let scores = scores_bytes(m, micro_batch, tp, vb) * c.activation_factor;
+    let full = layer_activation_bytes(m, micro_batch, tp, vb) * c.activation_factor;
+    let whole_layer = if c.fused_attention { full - scores } else { full };
+    let kept_layer = match recompute {
+        Recompute::None => whole_layer,
+        Recompute::Selective => full - scores,
+        Recompute::Full => act_values * vb,
+    };
+    let rerun = if checkpoint { whole_layer } else { 0.0 };
+    let stage_activations = |in_flight: usize| layers_per_stage * in_flight as f64 * kept_layer + rerun;
+    let last = stage_activations(1) + logits_bytes(m, micro_batch, tp, vb);
+    let activations = if pp == 1 { last } else { stage_activations(pp.min(mb)).max(last) };
     let runtime = gathered_layer + if zero >= 3 { 0.0 } else { stage_params * c.param_copy_bytes };
     let model_flops = m.step_flops(global_batch as f64);
-    let recompute = if checkpoint { m.recompute_flops(global_batch as f64) } else { 0.0 };
+    let recompute = match recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective if c.fused_attention => 0.0,
+        Recompute::Selective => m.selective_recompute_flops(global_batch as f64),
+        Recompute::Full => m.recompute_flops(global_batch as f64),
+    };
     Some(Estimate {
-        step_s: compute_s + bubble_s + tp_s + pp_s + dp_exposed_s,
+        step_s: compute_s + bubble_s + tp_s + pp_s + dp_exposed_s + optimizer_s,
         compute_s,
         bubble_s,
         tp_s,
         pp_s,
         dp_exposed_s,
+        optimizer_s,
         memory: Memory { params, grads, optimizer, activations, runtime },
         micro_batches: mb,
         model_flops,
@@ -431,7 +604,8 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
 pub struct Space {
     pub zero_stages: Vec<u8>,
     pub micro_batches: Vec<usize>,
-    pub checkpoint: Vec<bool>,
+    /// Selective recomputation is skipped on a runtime with fused attention (where it is `None`).
+    pub recompute: Vec<Recompute>,
     /// Whether ZeRO may combine with tp or pp (Kolo's own runs: not yet).
     pub zero_with_model_parallel: bool,
 }
@@ -441,7 +615,7 @@ impl Default for Space {
         Space {
             zero_stages: vec![0, 1, 2, 3],
             micro_batches: vec![1, 2, 4, 8, 16, 32],
-            checkpoint: vec![false, true],
+            recompute: Recompute::ALL.to_vec(),
             zero_with_model_parallel: true,
         }
     }
@@ -459,8 +633,11 @@ pub fn search(m: &Gpt, c: &Cluster, global_batch: usize, precision: Precision, s
                     continue;
                 }
                 for &micro_batch in &space.micro_batches {
-                    for &checkpoint in &space.checkpoint {
-                        let plan = Plan { dp, tp, pp, zero, micro_batch, checkpoint };
+                    for &recompute in &space.recompute {
+                        if recompute == Recompute::Selective && c.fused_attention {
+                            continue;
+                        }
+                        let plan = Plan { dp, tp, pp, zero, micro_batch, recompute };
                         if let Some(e) = estimate(m, c, &plan, global_batch, precision) {
                             if e.memory() <= c.device.memory {
                                 out.push((plan, e));

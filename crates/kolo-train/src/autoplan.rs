@@ -4,12 +4,13 @@
 
 use crate::config::{Config, MeshConfig, ModelKind, PipeSchedule, PipelineConfig};
 use crate::TrainError;
-use kolo_plan::{search, Cluster, Estimate, Gpt, Plan, Precision, Space};
+use kolo_plan::{search, Cluster, Estimate, Gpt, Plan, Precision, Recompute, Space};
 
 /// This machine's CPU as the planner sees it, measured now (about a second) by the kernels a
 /// rank runs: candle's f32 matrix product of n x n x n at n = 64 ... 512 (each rate's best of
 /// three 50 ms runs; the peak is the best rate, the efficiency curve each size's share of it) and
-/// `a + b` over 32 MB as the memory-bound operations' bandwidth. The `this-machine` preset's
+/// `a + b` over 32 MB as the memory-bound operations' bandwidth, Kolo's AdamW step over 4 Mi
+/// parameters as the optimizer's. The `this-machine` preset's
 /// figures (another machine's, 2026-11-24) are only the fallback. With several ranks on the
 /// machine, run it on every rank at once (they share the cores as training will) and average.
 pub fn measure_device() -> Result<kolo_plan::Device, TrainError> {
@@ -37,13 +38,24 @@ pub fn measure_device() -> Result<kolo_plan::Device, TrainError> {
     let len = 8usize << 20;
     let a = Tensor::randn(0f32, 1.0, (len / 1024, 1024), &Device::Cpu).map_err(te)?;
     let s = best(&|| (&a + &a).map(|_| ())).map_err(te)?;
+    // Kolo's AdamW over 4 Mi parameters in place (its optimizer's step).
+    let n = 4usize << 20;
+    let opt = std::sync::Mutex::new(kolo_optim::Optimizer::new(kolo_optim::OptimizerSpec::adamw(0.1), n));
+    let (p, g) = (std::sync::Mutex::new(vec![0.5f32; n]), vec![1e-3f32; n]);
+    let step = || -> candle_core::Result<()> {
+        let mut p = p.lock().unwrap_or_else(|e| e.into_inner());
+        opt.lock().unwrap_or_else(|e| e.into_inner()).step(&mut p, &g, 1e-4);
+        Ok(())
+    };
+    let update = best(&step).map_err(te)?;
     let peak = rates.iter().map(|r| r.1).fold(0.0, f64::max);
     let mut d = Cluster::preset("this-machine", 1).map_err(TrainError::Config)?.device;
-    if !(peak.is_finite() && peak > 0.0 && s > 0.0) {
+    if !(peak.is_finite() && peak > 0.0 && s > 0.0 && update > 0.0) {
         return Ok(d);
     }
     d.name = "CPU (measured at start, candle f32)".into();
     (d.peak_f32, d.peak_16, d.mem_bandwidth) = (peak, peak, 12.0 * len as f64 / s);
+    d.update_bandwidth = kolo_plan::optimizer_bytes(kolo_plan::Precision::F32) * n as f64 / update;
     d.gemm_efficiency = rates.iter().map(|&(n, r)| (n, r / peak)).collect();
     // Beyond the largest size measured the rate stays the peak.
     d.gemm_efficiency.push((4096.0, 1.0));
@@ -85,7 +97,7 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64, device: &kolo_pla
         global / p.dp,
         if p.pp > 1 { format!(" in {} micro-batches", e.micro_batches) } else { String::new() },
         if accumulates { format!(" ({} accumulated micro-batches of {})", e.micro_batches, p.micro_batch) } else { String::new() },
-        if p.checkpoint && p.zero != 3 { ", activation checkpointing" } else { "" },
+        if p.recompute == Recompute::Full && p.zero != 3 { ", activation checkpointing" } else { "" },
         m.vocab,
         e.step_s * 1e3,
         e.memory() / 1e6,
@@ -103,15 +115,16 @@ fn text_vocab(cfg: &Config) -> usize {
 }
 
 /// The plans the planner's search finds for `m` on `c` that Kolo's GPT can run, fastest first:
-/// ZeRO only with plain data parallelism, activation checkpointing without tp or pp, ZeRO-3
-/// (which recomputes every block in backward, so costed with checkpointing) without gradient
-/// accumulation, no more stages than layers.
+/// ZeRO only with plain data parallelism, activation checkpointing (full, not selective
+/// recomputation) without tp or pp, ZeRO-3 (which recomputes every block in backward, so
+/// costed with checkpointing) without gradient accumulation, no more stages than layers.
 pub fn runnable_plans(m: &Gpt, c: &Cluster, global: usize, precision: Precision) -> Vec<(Plan, Estimate)> {
-    let space = Space { zero_with_model_parallel: false, ..Space::default() };
+    let space = Space { zero_with_model_parallel: false, recompute: vec![Recompute::None, Recompute::Full], ..Space::default() };
+    let checkpoint = |p: &Plan| p.recompute == Recompute::Full;
     let accumulates = |p: &Plan| p.pp == 1 && p.micro_batch * p.dp < global;
     search(m, c, global, precision, &space)
         .into_iter()
-        .filter(|(p, _)| !(p.checkpoint && p.tp * p.pp > 1) && (p.zero != 3 || (p.checkpoint && !accumulates(p))) && p.pp <= m.layers)
+        .filter(|(p, _)| !(checkpoint(p) && p.tp * p.pp > 1) && (p.zero != 3 || (checkpoint(p) && !accumulates(p))) && p.pp <= m.layers)
         .collect()
 }
 
@@ -132,8 +145,14 @@ pub fn apply(cfg: &mut Config, p: &Plan, e: &Estimate, global: usize, layers: us
     if p.pp > 1 {
         cfg.pipeline = Some(PipelineConfig { micro_batches: e.micro_batches, schedule: PipeSchedule::OneFOneB, rematerialize: false });
     }
-    if p.checkpoint && p.zero != 3 {
-        cfg.model.checkpoint_blocks = (0..layers).collect();
+    match p.recompute {
+        Recompute::Full if p.zero != 3 => cfg.model.checkpoint_blocks = (0..layers).collect(),
+        Recompute::Selective => {
+            return Err(TrainError::Config(
+                "selective recomputation: Kolo's GPT recomputes whole blocks (checkpoint_blocks) or nothing".into(),
+            ))
+        }
+        _ => {}
     }
     cfg.check()
 }
@@ -148,13 +167,15 @@ mod tests {
 
     /// The measured CPU: a peak between 1 GFLOP/s and 10 TFLOP/s (a core of any CPU of the
     /// last decade, with all its threads), an efficiency curve ascending in size within (0, 1]
-    /// reaching 1, and a memory-bound rate between 0.1 and 1000 GB/s.
+    /// reaching 1, and memory-bound and optimizer rates between 0.1 and 1000 GB/s.
     #[test]
     fn this_machine_is_measured() {
         let d = measure_device().unwrap();
         assert!(d.name.contains("measured"), "{}", d.name);
         assert!(d.peak_f32 > 1e9 && d.peak_f32 < 1e13, "{}", d.peak_f32);
         assert!(d.mem_bandwidth > 1e8 && d.mem_bandwidth < 1e12, "{}", d.mem_bandwidth);
+        assert!(d.update_bandwidth > 1e8 && d.update_bandwidth < 1e12, "{}", d.update_bandwidth);
+        assert!(d.update_bandwidth != Cluster::preset("this-machine", 1).unwrap().device.update_bandwidth, "the preset's, not measured");
         assert!(d.gemm_efficiency.windows(2).all(|w| w[0].0 < w[1].0));
         assert!(d.gemm_efficiency.iter().all(|&(_, e)| e > 0.0 && e <= 1.0) && d.gemm_efficiency.iter().any(|&(_, e)| e == 1.0));
     }

@@ -1042,6 +1042,23 @@ fn fed_run_and_plan_work_from_the_command_line() {
     let o = run(&[&eval[..], &["--cluster", file.to_str().unwrap()]].concat(), &[]);
     assert!(!o.status.success() && text(&o).contains("n ascending"), "{}", text(&o));
     std::fs::remove_file(&file).unwrap();
+    // The search's choices can be pinned: recomputation, ZeRO stages, micro-batches.
+    let pinned =
+        ["plan", "--params", "1.3B", "--devices", "64", "--top", "50", "--recompute", "selective", "--zero", "0,1", "--micro", "2"];
+    let o = run(&pinned, &[]);
+    let t = text(&o);
+    let rows: Vec<&str> = t.lines().filter(|l| l.contains("  dp ")).collect();
+    assert!(o.status.success() && !rows.is_empty(), "{t}");
+    assert!(rows.iter().all(|r| r.contains(" sel ") && (r.contains("ZeRO-0") || r.contains("ZeRO-1")) && r.contains("micro   2 x")), "{t}");
+    // On an H200 cluster, where attention is fused, there is no selective recomputation to pin.
+    let o = run(&[&pinned[..], &["--cluster", "dgx-h200"]].concat(), &[]);
+    assert!(!o.status.success() && text(&o).contains("--recompute selective: this cluster's attention is fused"), "{}", text(&o));
+    let o = run(&[&pinned[..], &["--cluster", "dgx-h200", "--fused-attention", "false"]].concat(), &[]);
+    assert!(o.status.success() && text(&o).contains(" sel "), "{}", text(&o));
+    let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--recompute", "some"], &[]);
+    assert!(!o.status.success() && text(&o).contains("--recompute: recomputation `some`: none, selective or full"), "{}", text(&o));
+    let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "dp=8,micro=4,recompute=selective"], &[]);
+    assert!(o.status.success() && text(&o).contains(" sel "), "{}", text(&o));
 }
 
 /// IMPALA with actor processes: 2 `kolo impala` actor processes talk to the learner over
