@@ -52,7 +52,7 @@ enum Cmd {
     /// tensor, sequence and expert parallelism per `[mesh]`; parameter servers with `strategy = "ps"`).
     /// A config whose `[model]` names a Hugging Face directory (`hf = "DIR"`) fine-tunes that model
     /// on token shards (see examples/hf_llama.toml).
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Data preparation: `kolo data prepare` tokenizes text into token shards.
     #[command(subcommand)]
     Data(data_cmd::DataCmd),
@@ -65,7 +65,7 @@ enum Cmd {
     /// measured efficiency, memory-bound work, collectives on intra- or inter-node links,
     /// memory per precision, pipeline bubble) and prints the fastest plans that fit, with
     /// TFLOP/s per device, MFU and memory per device.
-    Plan(plan::PlanArgs),
+    Plan(Box<plan::PlanArgs>),
     /// IMPALA: actors (threads, or processes with --processes) run CartPole (or a grid world) with the newest policy they have and
     /// never wait; the learner batches their trajectories and corrects the policy lag with
     /// V-trace. Stops when the mean return of 100 episodes reaches the target.
@@ -356,11 +356,11 @@ fn main() {
     }
     let r = match cli.cmd {
         Cmd::Launch(a) => launch(a),
-        Cmd::Train(t) => train::run(t),
+        Cmd::Train(t) => train::run(*t),
         Cmd::Ps(p) => ps::run(p),
         Cmd::Data(d) => data_cmd::run(d),
         Cmd::Fed(f) => fed::run(f),
-        Cmd::Plan(p) => plan::run(p),
+        Cmd::Plan(p) => plan::run(*p),
         Cmd::Impala { env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id } => {
             impala(&env, actors, max_steps, no_stop, seed, lr, batch, processes, actor_of, actor_id)
         }

@@ -1,6 +1,8 @@
 //! `kolo plan`: the parallelism planner's search, printed as a table of the best plans.
 
-use kolo_plan::{estimate, parse_quantity, search, Cluster, Device, Estimate, Gpt, Link, Plan, Precision, Recompute, Space, PRESETS};
+use kolo_plan::{
+    estimate, parse_quantity, search, Cluster, Device, Estimate, Gpt, Link, Plan, Precision, Recompute, Schedule, Space, PRESETS,
+};
 
 #[derive(clap::Args)]
 pub struct PlanArgs {
@@ -87,6 +89,17 @@ pub struct PlanArgs {
     /// Micro-batch sizes (sequences) the search may choose, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
     micro: Vec<usize>,
+    /// Pipeline schedules the search may choose, comma-separated: 1f1b, interleaved:V (V model
+    /// chunks a device), 2bw (PipeDream-2BW: no bubble, weights one update stale; only when
+    /// asked for).
+    #[arg(long, value_delimiter = ',', default_value = "1f1b,interleaved:2,interleaved:4")]
+    schedule: Vec<String>,
+    /// Megatron sequence parallelism with tensor parallelism, comma-separated: false, true.
+    #[arg(long, value_delimiter = ',', default_value = "false,true")]
+    seq_parallel: Vec<bool>,
+    /// Sequences per step given as tokens instead (divided by --seq; it must divide).
+    #[arg(long, conflicts_with = "global_batch")]
+    global_batch_tokens: Option<String>,
     /// Print the cluster description as TOML (a file for --cluster) and exit.
     #[arg(long)]
     show_cluster: bool,
@@ -101,7 +114,8 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 8)]
     top: usize,
     /// Cost one plan instead of searching: dp=2,tp=1,pp=1,zero=0,micro=8[,recompute=none|selective|full]
-    /// (`ckpt` for recompute=full).
+    /// [,schedule=1f1b|interleaved:V|2bw][,sp] (`ckpt` for recompute=full, `sp` for Megatron
+    /// sequence parallelism).
     #[arg(long)]
     evaluate: Option<String>,
     /// Write the plan as a job to run: DIR/train.toml (a `kolo train` config of Kolo's GPT, or
@@ -127,15 +141,23 @@ fn bandwidth_bytes(s: &str) -> anyhow::Result<f64> {
 }
 
 fn parse_plan(s: &str) -> anyhow::Result<Plan> {
-    let mut p = Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 1, recompute: Recompute::None };
+    let mut p = Plan::new(1, 1, 1, 0, 1);
     for part in s.split(',').map(str::trim).filter(|x| !x.is_empty()) {
-        if part == "ckpt" {
-            p.recompute = Recompute::Full;
+        match part {
+            "ckpt" => p.recompute = Recompute::Full,
+            "sp" => p.seq_parallel = true,
+            _ => {}
+        }
+        if part == "ckpt" || part == "sp" {
             continue;
         }
         let (k, v) = part.split_once('=').ok_or_else(|| anyhow::anyhow!("--evaluate: `{part}` is not key=value"))?;
         if k == "recompute" {
             p.recompute = Recompute::parse(v).map_err(|e| anyhow::anyhow!("--evaluate: {e}"))?;
+            continue;
+        }
+        if k == "schedule" {
+            p.schedule = Schedule::parse(v).map_err(|e| anyhow::anyhow!("--evaluate: {e}"))?;
             continue;
         }
         let n: usize = v.parse().map_err(|_| anyhow::anyhow!("--evaluate: `{v}` is not a number"))?;
@@ -145,7 +167,7 @@ fn parse_plan(s: &str) -> anyhow::Result<Plan> {
             "pp" => p.pp = n,
             "zero" => p.zero = n as u8,
             "micro" => p.micro_batch = n,
-            _ => anyhow::bail!("--evaluate: unknown key `{k}` (dp, tp, pp, zero, micro, recompute, ckpt)"),
+            _ => anyhow::bail!("--evaluate: unknown key `{k}` (dp, tp, pp, zero, micro, recompute, schedule, ckpt, sp)"),
         }
     }
     Ok(p)
@@ -155,7 +177,7 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
     let gib = |b: f64| b / 1024f64.powi(3);
     let m = &e.memory;
     format!(
-        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + dp {:.4} + optimizer {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
+        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + dp {:.4} + optimizer {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
         p.dp,
         p.tp,
         p.pp,
@@ -166,6 +188,10 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
             Recompute::None => "     ",
             Recompute::Selective => " sel ",
             Recompute::Full => " ckpt",
+        },
+        match (p.schedule, p.seq_parallel) {
+            (Schedule::OneFOneB, false) => String::new(),
+            (s, sp) => format!(" {}{}", if p.pp > 1 { s.name() } else { String::new() }, if sp { " sp" } else { "" }),
         },
         e.step_s,
         e.model_flops_per_device() / 1e12,
@@ -309,7 +335,7 @@ fn cluster_toml(c: &Cluster) -> String {
     )
 }
 
-pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
+pub fn run(mut a: PlanArgs) -> anyhow::Result<i32> {
     // A table for the terminal or a pipe: `kolo plan ... | head` ends quietly when the reader
     // stops, as other command-line tools do, instead of panicking on the broken pipe. (Only
     // here: the training commands keep SIGPIPE ignored, so that a dead peer's socket is an
@@ -355,6 +381,14 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
     let devices = a.devices.expect("clap requires --devices without --show-cluster");
     let c = c.with_devices(devices).map_err(|e| anyhow::anyhow!("--devices {devices}: {e}"))?;
     let m = model(&a)?;
+    if let Some(t) = &a.global_batch_tokens {
+        let tokens = parse_quantity(t).map_err(|e| anyhow::anyhow!("--global-batch-tokens: {e}"))?;
+        let sequences = tokens / m.seq as f64;
+        if !(sequences >= 1.0 && sequences.fract() == 0.0) {
+            anyhow::bail!("--global-batch-tokens {t}: {tokens} tokens are not whole sequences of {}", m.seq);
+        }
+        a.global_batch = sequences as usize;
+    }
     let precision = Precision::parse(&a.precision).map_err(|e| anyhow::anyhow!("--precision: {e}"))?;
     let space = space(&a)?;
     if c.fused_attention && space.recompute == [Recompute::Selective] {
@@ -446,13 +480,22 @@ pub fn run(a: PlanArgs) -> anyhow::Result<i32> {
 fn space(a: &PlanArgs) -> anyhow::Result<Space> {
     let recompute = a.recompute.iter().map(|r| Recompute::parse(r.trim())).collect::<Result<Vec<_>, _>>();
     let recompute = recompute.map_err(|e| anyhow::anyhow!("--recompute: {e}"))?;
+    let schedules = a.schedule.iter().map(|s| Schedule::parse(s.trim())).collect::<Result<Vec<_>, _>>();
+    let schedules = schedules.map_err(|e| anyhow::anyhow!("--schedule: {e}"))?;
     if let Some(z) = a.zero.iter().find(|z| **z > 3) {
         anyhow::bail!("--zero: stage {z} (0, 1, 2 or 3)");
     }
     if a.micro.contains(&0) {
         anyhow::bail!("--micro: a micro-batch of 0 sequences");
     }
-    Ok(Space { zero_stages: a.zero.clone(), micro_batches: a.micro.clone(), recompute, ..Space::default() })
+    Ok(Space {
+        zero_stages: a.zero.clone(),
+        micro_batches: a.micro.clone(),
+        recompute,
+        schedules,
+        seq_parallel: a.seq_parallel.clone(),
+        ..Space::default()
+    })
 }
 
 /// A parameter count as people write it: 1.3149 B, 124.440 M, 98304.
@@ -645,7 +688,8 @@ fn gpt_job(a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow
         text += &format!("[mesh]\ndp = {}\ntp = {}\npp = {}\n", mesh.dp.unwrap_or(1), mesh.tp, mesh.pp.unwrap_or(1));
     }
     if let Some(pipe) = &cfg.pipeline {
-        text += &format!("[pipeline]\nmicro_batches = {}\nschedule = \"1f1b\"\n", pipe.micro_batches);
+        let schedule = if pipe.schedule == kolo_train::config::PipeSchedule::TwoBw { "2bw" } else { "1f1b" };
+        text += &format!("[pipeline]\nmicro_batches = {}\nschedule = \"{schedule}\"\n", pipe.micro_batches);
     }
     // What is written must read back as the plan.
     let back = kolo_train::Config::parse(&text, "the emitted plan")?;
@@ -657,7 +701,7 @@ fn gpt_job(a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow
             c.ddp.zero_stage,
             c.model.checkpoint_blocks.len(),
             mesh,
-            c.pipeline.as_ref().map(|p| p.micro_batches),
+            c.pipeline.as_ref().map(|p| (p.micro_batches, p.schedule)),
         )
     };
     anyhow::ensure!(shape(&back) == shape(&cfg), "the emitted config does not read back as the plan");
@@ -670,6 +714,12 @@ fn gpt_job(a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow
 fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
     if p.recompute != Recompute::None {
         return Some("it recomputes activations, which the fine-tuning job does not".into());
+    }
+    if p.seq_parallel {
+        return Some("it uses Megatron sequence parallelism, which Kolo's tensor parallelism does not".into());
+    }
+    if p.pp > 1 && p.schedule != Schedule::OneFOneB {
+        return Some(format!("its pipeline schedule is {}; the fine-tuning job runs 1f1b", p.schedule.name()));
     }
     if p.pp == 1 && p.micro_batch * p.dp != global {
         return Some(format!("it accumulates micro-batches of {} outside a pipeline", p.micro_batch));

@@ -20,8 +20,10 @@
 //!   a runtime of flat gradient buffers (Kolo's DDP) also adds each accumulated micro-batch's
 //!   gradients but the last into the accumulation buffer (12 bytes a parameter at the
 //!   memory-bound rate);
-//! - **pipeline** (1F1B): (m + pp - 1) slots of the slowest stage (the last: its layers and the
-//!   logits) for m micro-batches, the bubble being the pp - 1 extra slots;
+//! - **pipeline** ([`Schedule`]): (m + pp - 1) slots of the slowest stage (the last: its layers
+//!   and the logits) for m micro-batches under 1F1B, the bubble being the pp - 1 extra slots;
+//!   (pp - 1) / v of them interleaved over v chunks (v times the stage-to-stage traffic); none
+//!   under PipeDream-2BW (a second version of the stage's weights kept instead);
 //! - **communication**, alpha-beta per collective on the link its group runs on
 //!   ([`Cluster::group_link`]; ranks ordered tp, then dp, then pp, as Megatron-LM does): tensor
 //!   parallelism 2 all-reduces of b s h values per layer forward, 2 backward, 2 more when
@@ -36,7 +38,8 @@
 //!   layers of a stage for the micro-batches in flight on the first stage (min(pp, m)), or one
 //!   micro-batch and the loss's logits on the last ([`logits_bytes`]), whichever is more; with
 //!   checkpointing only each layer's input is kept, plus one layer's full activations; without
-//!   the scores under selective recomputation or fused attention ([`scores_bytes`]). Two
+//!   the scores under selective recomputation or fused attention ([`scores_bytes`]); with
+//!   Megatron's sequence parallelism the whole-kept part split over tp too. Two
 //!   runtime constants scale this for an implementation ([`Cluster::activation_factor`],
 //!   per-parameter copies).
 //!
@@ -290,6 +293,44 @@ impl Recompute {
     }
 }
 
+/// How pipeline stages take turns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Schedule {
+    /// One forward, one backward (PipeDream-Flush, Megatron-LM's default): a bubble of pp - 1
+    /// slots a step; the first stage keeps min(pp, m) micro-batches.
+    OneFOneB,
+    /// Megatron-LM's interleaved 1F1B with `v` model chunks per device (layers divisible by pp
+    /// x v, micro-batches by pp): the bubble shrinks v times, the activations sent between stages
+    /// grow v times, and the first stage keeps 1 + (pp - 1) / (pp v) times 1F1B's activations.
+    Interleaved(usize),
+    /// PipeDream-2BW: no flush between steps, so no bubble once the pipeline is full; each
+    /// stage keeps a second version of its weights (a gradient is computed on the weights one
+    /// update behind those it is applied to).
+    TwoBw,
+}
+
+impl Schedule {
+    /// `1f1b`, `interleaved:V` or `2bw`.
+    pub fn parse(s: &str) -> Result<Schedule, String> {
+        match s {
+            "1f1b" => Ok(Schedule::OneFOneB),
+            "2bw" => Ok(Schedule::TwoBw),
+            _ => match s.strip_prefix("interleaved:").map(str::parse::<usize>) {
+                Some(Ok(v)) if v >= 2 => Ok(Schedule::Interleaved(v)),
+                _ => Err(format!("pipeline schedule `{s}`: 1f1b, interleaved:V (V >= 2 chunks a device) or 2bw")),
+            },
+        }
+    }
+
+    pub fn name(self) -> String {
+        match self {
+            Schedule::OneFOneB => "1f1b".into(),
+            Schedule::Interleaved(v) => format!("interleaved:{v}"),
+            Schedule::TwoBw => "2bw".into(),
+        }
+    }
+}
+
 /// One way to run the job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Plan {
@@ -301,6 +342,20 @@ pub struct Plan {
     /// Sequences per micro-batch (per data-parallel replica).
     pub micro_batch: usize,
     pub recompute: Recompute,
+    /// The pipeline's schedule (1F1B without stages).
+    pub schedule: Schedule,
+    /// Megatron's sequence parallelism over the tensor-parallel group: the norms' and dropouts'
+    /// activations split by the sequence too (all-gather and reduce-scatter in place of each
+    /// all-reduce, the same volume). Only with tp > 1.
+    pub seq_parallel: bool,
+}
+
+impl Plan {
+    /// dp x tp x pp with ZeRO-`zero`, micro-batches of `micro_batch` sequences, no
+    /// recomputation, 1F1B, no sequence parallelism.
+    pub fn new(dp: usize, tp: usize, pp: usize, zero: u8, micro_batch: usize) -> Plan {
+        Plan { dp, tp, pp, zero, micro_batch, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }
+    }
 }
 
 /// Bytes per device, by what holds them.
@@ -467,14 +522,16 @@ pub struct LayerTime {
 }
 
 impl LayerTime {
-    pub fn new(m: &Gpt, c: &Cluster, b: usize, tp: usize, precision: Precision) -> LayerTime {
+    /// With `seq_parallel`, the activations kept whole on every tensor-parallel rank are split
+    /// too ([`layer_activation_bytes_sp`]).
+    pub fn new(m: &Gpt, c: &Cluster, b: usize, tp: usize, seq_parallel: bool, precision: Precision) -> LayerTime {
         let (d, vb) = (&c.device, precision.value_bytes());
         let (s, h, t) = (m.seq as f64, m.d_model as f64, tp as f64);
         let tokens = b as f64 * s;
         let dense = d.gemm_s(m.dense_flops_per_token() * tokens / t, (tokens, 3.0 * h / t, h), precision);
         let attention = d.gemm_s(tokens * m.attention_flops_per_token() / t, (s, s, m.head_dim as f64), precision);
         let scores = if c.fused_attention { 0.0 } else { scores_bytes(m, b, tp, vb) };
-        let rest = layer_activation_bytes(m, b, tp, vb) - scores_bytes(m, b, tp, vb);
+        let rest = layer_bytes(m, b, tp, seq_parallel, vb) - scores_bytes(m, b, tp, vb);
         let (memory, scores) = (2.0 * rest / d.mem_bandwidth, 2.0 * scores / d.mem_bandwidth);
         LayerTime { dense, attention, memory, scores, overhead: c.layer_overhead_s }
     }
@@ -497,6 +554,15 @@ impl LayerTime {
     }
 }
 
+/// [`layer_activation_bytes`], or [`layer_activation_bytes_sp`] with sequence parallelism.
+fn layer_bytes(m: &Gpt, b: usize, tp: usize, seq_parallel: bool, value_bytes: f64) -> f64 {
+    if seq_parallel {
+        layer_activation_bytes_sp(m, b, tp, value_bytes)
+    } else {
+        layer_activation_bytes(m, b, tp, value_bytes)
+    }
+}
+
 /// Seconds of the logits' forward for `b` sequences on one device of a tp-way group.
 pub fn logits_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Precision) -> f64 {
     let (s, h, v, t) = (m.seq as f64, m.d_model as f64, m.vocab as f64, tp as f64);
@@ -506,17 +572,24 @@ pub fn logits_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Pre
 
 /// The cost of `plan` for `global_batch` sequences per step.
 pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precision: Precision) -> Option<Estimate> {
-    let Plan { dp, tp, pp, zero, micro_batch, recompute } = *plan;
+    let Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, seq_parallel } = *plan;
     let devices = c.devices();
     let splits = m.heads.is_multiple_of(tp) && m.kv_heads.is_multiple_of(tp);
     if dp * tp * pp != devices || micro_batch == 0 || pp > m.layers || !splits || !global_batch.is_multiple_of(dp) {
         return None;
     }
     let per_replica = global_batch / dp;
-    if !per_replica.is_multiple_of(micro_batch) {
+    if !per_replica.is_multiple_of(micro_batch) || (seq_parallel && tp == 1) || (schedule != Schedule::OneFOneB && pp == 1) {
         return None;
     }
     let mb = per_replica / micro_batch;
+    // Interleaving needs whole chunks of layers on every device and whole rounds of pp
+    // micro-batches.
+    let chunks = match schedule {
+        Schedule::Interleaved(v) if v < 2 || !m.layers.is_multiple_of(pp * v) || !mb.is_multiple_of(pp) => return None,
+        Schedule::Interleaved(v) => v,
+        _ => 1,
+    };
     let vb = precision.value_bytes();
     let (s, h) = (m.seq as f64, m.d_model as f64);
     let layers_per_stage = (m.layers as f64 / pp as f64).ceil();
@@ -524,13 +597,13 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
 
     // One micro-batch on the last (slowest) stage: forward, backward (2x), recomputation.
     let checkpoint = recompute == Recompute::Full;
-    let layer = LayerTime::new(m, c, micro_batch, tp, precision).step(recompute, c.fused_attention);
+    let layer = LayerTime::new(m, c, micro_batch, tp, seq_parallel, precision).step(recompute, c.fused_attention);
     let slot_compute = layers_per_stage * layer + 3.0 * logits_forward_s(m, &c.device, micro_batch, tp, precision);
     let tp_link = c.group_link(tp, 1);
     let all_reduces = if checkpoint { 6.0 } else { 4.0 };
     let slot_tp = layers_per_stage * all_reduces * all_reduce_s(act_values * vb, tp, tp_link);
     let pp_link = c.group_link(pp, tp * dp);
-    let slot_pp = if pp > 1 { 2.0 * (pp_link.latency + act_values * vb / tp as f64 / pp_link.bandwidth) } else { 0.0 };
+    let slot_pp = if pp > 1 { 2.0 * chunks as f64 * (pp_link.latency + act_values * vb / tp as f64 / pp_link.bandwidth) } else { 0.0 };
     let stage_params = m.largest_stage_params(pp) / tp as f64;
     // Gradient accumulation in a runtime that keeps gradients in flat f32 buffers (Kolo's DDP:
     // `param_copy_bytes` > 0) adds every micro-batch's but the last into the accumulation
@@ -540,8 +613,13 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let flat = c.param_copy_bytes > 0.0 && pp == 1;
     let accumulate = if flat { (mb - 1) as f64 * 12.0 * stage_params / c.device.mem_bandwidth } else { 0.0 };
     let compute_s = mb as f64 * slot_compute + accumulate;
-    let bubble_s = (pp - 1) as f64 * slot_compute;
-    let slots = (mb + pp - 1) as f64;
+    let bubble_slots = match schedule {
+        Schedule::OneFOneB => (pp - 1) as f64,
+        Schedule::Interleaved(v) => (pp - 1) as f64 / v as f64,
+        Schedule::TwoBw => 0.0,
+    };
+    let bubble_s = bubble_slots * slot_compute;
+    let slots = mb as f64 + bubble_slots;
     let tp_s = slots * slot_tp;
     let pp_s = slots * slot_pp;
 
@@ -563,7 +641,7 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     // The first stage keeps the most micro-batches (min(pp, m)); the last keeps one and the
     // loss's logits.
     let scores = scores_bytes(m, micro_batch, tp, vb) * c.activation_factor;
-    let full = layer_activation_bytes(m, micro_batch, tp, vb) * c.activation_factor;
+    let full = layer_bytes(m, micro_batch, tp, seq_parallel, vb) * c.activation_factor;
     let whole_layer = if c.fused_attention { full - scores } else { full };
     let kept_layer = match recompute {
         Recompute::None => whole_layer,
@@ -571,10 +649,13 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
         Recompute::Full => act_values * vb,
     };
     let rerun = if checkpoint { whole_layer } else { 0.0 };
-    let stage_activations = |in_flight: usize| layers_per_stage * in_flight as f64 * kept_layer + rerun;
-    let last = stage_activations(1) + logits_bytes(m, micro_batch, tp, vb);
-    let activations = if pp == 1 { last } else { stage_activations(pp.min(mb)).max(last) };
-    let runtime = gathered_layer + if zero >= 3 { 0.0 } else { stage_params * c.param_copy_bytes };
+    let stage_activations = |in_flight: f64| layers_per_stage * in_flight * kept_layer + rerun;
+    let last = stage_activations(1.0) + logits_bytes(m, micro_batch, tp, vb);
+    let interleaving = if chunks > 1 { 1.0 + (pp - 1) as f64 / (pp * chunks) as f64 } else { 1.0 };
+    let activations = if pp == 1 { last } else { stage_activations(pp.min(mb) as f64 * interleaving).max(last) };
+    // PipeDream-2BW keeps the weights of the previous update beside the current ones.
+    let second_version = if schedule == Schedule::TwoBw { stage_params * vb } else { 0.0 };
+    let runtime = gathered_layer + second_version + if zero >= 3 { 0.0 } else { stage_params * c.param_copy_bytes };
     let model_flops = m.step_flops(global_batch as f64);
     let recompute = match recompute {
         Recompute::None => 0.0,
@@ -606,6 +687,11 @@ pub struct Space {
     pub micro_batches: Vec<usize>,
     /// Selective recomputation is skipped on a runtime with fused attention (where it is `None`).
     pub recompute: Vec<Recompute>,
+    /// Pipeline schedules (with pp > 1). The default leaves PipeDream-2BW out: it trains on
+    /// weights one update stale, which a user asks for.
+    pub schedules: Vec<Schedule>,
+    /// Sequence parallelism off and on (with tp > 1).
+    pub seq_parallel: Vec<bool>,
     /// Whether ZeRO may combine with tp or pp (Kolo's own runs: not yet).
     pub zero_with_model_parallel: bool,
 }
@@ -616,6 +702,8 @@ impl Default for Space {
             zero_stages: vec![0, 1, 2, 3],
             micro_batches: vec![1, 2, 4, 8, 16, 32],
             recompute: Recompute::ALL.to_vec(),
+            schedules: vec![Schedule::OneFOneB, Schedule::Interleaved(2), Schedule::Interleaved(4)],
+            seq_parallel: vec![false, true],
             zero_with_model_parallel: true,
         }
     }
@@ -637,10 +725,14 @@ pub fn search(m: &Gpt, c: &Cluster, global_batch: usize, precision: Precision, s
                         if recompute == Recompute::Selective && c.fused_attention {
                             continue;
                         }
-                        let plan = Plan { dp, tp, pp, zero, micro_batch, recompute };
-                        if let Some(e) = estimate(m, c, &plan, global_batch, precision) {
-                            if e.memory() <= c.device.memory {
-                                out.push((plan, e));
+                        let schedules: &[Schedule] = if pp > 1 { &space.schedules } else { &[Schedule::OneFOneB] };
+                        let sp: &[bool] = if tp > 1 { &space.seq_parallel } else { &[false] };
+                        for (&schedule, &seq_parallel) in schedules.iter().flat_map(|s| sp.iter().map(move |q| (s, q))) {
+                            let plan = Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, seq_parallel };
+                            if let Some(e) = estimate(m, c, &plan, global_batch, precision) {
+                                if e.memory() <= c.device.memory {
+                                    out.push((plan, e));
+                                }
                             }
                         }
                     }

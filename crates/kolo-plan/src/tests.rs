@@ -99,7 +99,8 @@ fn megatron_row(heads: usize, d_model: usize, layers: usize, tp: usize, pp: usiz
     [1, 2, 4, 8]
         .into_iter()
         .filter_map(|micro_batch| {
-            let plan = Plan { dp, tp, pp, zero: 0, micro_batch, recompute: Recompute::Full };
+            let plan =
+                Plan { dp, tp, pp, zero: 0, micro_batch, recompute: Recompute::Full, schedule: Schedule::OneFOneB, seq_parallel: false };
             estimate(&m, &c, &plan, batch, Precision::Mixed).filter(|e| e.memory() <= c.device.memory).map(|e| (plan, e))
         })
         .min_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s))
@@ -136,13 +137,13 @@ fn predictions_match_kolo_runs_on_this_machine() {
     let m = bench_gpt();
     #[rustfmt::skip]
     let runs: [(&str, usize, Plan, f64, Option<f64>); 7] = [
-        ("1 process", 1, Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 16, recompute: Recompute::None }, 288.3, Some(262.5)),
-        ("DDP", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 0, micro_batch: 8, recompute: Recompute::None }, 156.3, Some(165.1)),
-        ("ZeRO-1", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 1, micro_batch: 8, recompute: Recompute::None }, 160.2, Some(158.7)),
-        ("ZeRO-2", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 2, micro_batch: 8, recompute: Recompute::None }, 161.9, Some(165.0)),
-        ("ZeRO-3", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 3, micro_batch: 8, recompute: Recompute::Full }, 209.9, None),
-        ("tp 2", 2, Plan { dp: 1, tp: 2, pp: 1, zero: 0, micro_batch: 16, recompute: Recompute::None }, 203.7, None),
-        ("pp 2", 2, Plan { dp: 1, tp: 1, pp: 2, zero: 0, micro_batch: 2, recompute: Recompute::None }, 175.7, None),
+        ("1 process", 1, Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 16, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 288.3, Some(262.5)),
+        ("DDP", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 0, micro_batch: 8, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 156.3, Some(165.1)),
+        ("ZeRO-1", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 1, micro_batch: 8, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 160.2, Some(158.7)),
+        ("ZeRO-2", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 2, micro_batch: 8, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 161.9, Some(165.0)),
+        ("ZeRO-3", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 3, micro_batch: 8, recompute: Recompute::Full, schedule: Schedule::OneFOneB, seq_parallel: false }, 209.9, None),
+        ("tp 2", 2, Plan { dp: 1, tp: 2, pp: 1, zero: 0, micro_batch: 16, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 203.7, None),
+        ("pp 2", 2, Plan { dp: 1, tp: 1, pp: 2, zero: 0, micro_batch: 2, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 175.7, None),
     ];
     for (name, devices, plan, ms, mb) in runs {
         let e = estimate(&m, &this_machine(devices), &plan, 16, Precision::F32).unwrap();
@@ -159,7 +160,16 @@ fn predictions_match_kolo_runs_on_this_machine() {
 fn estimates_add_up_and_respect_the_constraints() {
     let m = bench_gpt();
     let c = Cluster { activation_factor: 1.0, param_copy_bytes: 0.0, ..Cluster::preset("dgx-a100", 1).unwrap().with_devices(4).unwrap() };
-    let plan = |dp, tp, pp, micro_batch| Plan { dp, tp, pp, zero: 0, micro_batch, recompute: Recompute::None };
+    let plan = |dp, tp, pp, micro_batch| Plan {
+        dp,
+        tp,
+        pp,
+        zero: 0,
+        micro_batch,
+        recompute: Recompute::None,
+        schedule: Schedule::OneFOneB,
+        seq_parallel: false,
+    };
     let f32 = Precision::F32;
     let ddp = estimate(&m, &c, &plan(4, 1, 1, 4), 16, f32).unwrap();
     assert_eq!((ddp.tp_s, ddp.pp_s, ddp.bubble_s), (0.0, 0.0, 0.0));
@@ -198,7 +208,16 @@ fn links_follow_the_node_boundaries() {
     assert_eq!(c.group_link(4, 8).bandwidth, c.inter.bandwidth);
     assert_eq!(c.group_link(2, 2), c.intra);
     let m = Gpt::gpt_style(32, 8192, 64, 2048, 51200);
-    let plan = |tp| Plan { dp: 32 / tp, tp, pp: 1, zero: 1, micro_batch: 1, recompute: Recompute::Full };
+    let plan = |tp| Plan {
+        dp: 32 / tp,
+        tp,
+        pp: 1,
+        zero: 1,
+        micro_batch: 1,
+        recompute: Recompute::Full,
+        schedule: Schedule::OneFOneB,
+        seq_parallel: false,
+    };
     let t8 = estimate(&m, &c, &plan(8), 64, Precision::Mixed).unwrap();
     let t16 = estimate(&m, &c, &plan(16), 64, Precision::Mixed).unwrap();
     assert!(t16.tp_s > 3.0 * t8.tp_s, "tp 16 {} s vs tp 8 {} s", t16.tp_s, t8.tp_s);
@@ -214,7 +233,14 @@ fn links_follow_the_node_boundaries() {
 fn gpt3_175b_on_1024_a100s() {
     let m = Gpt::gpt_style(96, 12288, 96, 2048, 51200);
     let c = Cluster { overlap_dp: false, ..Cluster::preset("dgx-a100", 128).unwrap() };
-    let space = Space { zero_stages: vec![0], micro_batches: vec![1, 2, 4], recompute: vec![Recompute::Full], ..Space::default() };
+    let space = Space {
+        zero_stages: vec![0],
+        micro_batches: vec![1, 2, 4],
+        recompute: vec![Recompute::Full],
+        schedules: vec![Schedule::OneFOneB],
+        seq_parallel: vec![false],
+        ..Space::default()
+    };
     let plans = search(&m, &c, 1536, Precision::Mixed, &space);
     let (best, e) = plans[0];
     assert!(best.tp <= 8, "tensor parallelism across nodes: {best:?}");
@@ -348,7 +374,16 @@ fn measured_machine_predicts_runs_it_was_not_fitted_to() {
     c.device.mem_bandwidth = 5.5e9;
     c.device.gemm_efficiency = vec![(64.0, 0.875), (128.0, 0.97), (256.0, 1.0), (4096.0, 1.0)];
     let m = bench_gpt();
-    let plan = |dp, tp, pp, micro_batch| Plan { dp, tp, pp, zero: 0, micro_batch, recompute: Recompute::None };
+    let plan = |dp, tp, pp, micro_batch| Plan {
+        dp,
+        tp,
+        pp,
+        zero: 0,
+        micro_batch,
+        recompute: Recompute::None,
+        schedule: Schedule::OneFOneB,
+        seq_parallel: false,
+    };
     let runs = [
         ("dp 2", plan(2, 1, 1, 8), 278.0),
         ("dp 2, 8 x 1", plan(2, 1, 1, 1), 325.0),
@@ -374,7 +409,8 @@ fn measured_machine_predicts_runs_it_was_not_fitted_to() {
 fn selective_recomputation_and_fused_attention_drop_the_scores() {
     let m = Gpt::gpt_style(24, 2048, 16, 2048, 50257);
     let unfused = Cluster::preset("dgx-a100", 1).unwrap().with_devices(1).unwrap();
-    let plan = |recompute| Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 2, recompute };
+    let plan =
+        |recompute| Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 2, recompute, schedule: Schedule::OneFOneB, seq_parallel: false };
     let at = |c: &Cluster, r| estimate(&m, c, &plan(r), 2, Precision::Mixed).unwrap();
     let (none, sel, full) = (at(&unfused, Recompute::None), at(&unfused, Recompute::Selective), at(&unfused, Recompute::Full));
     let scores = 24.0 * scores_bytes(&m, 2, 1, 2.0);
@@ -387,8 +423,8 @@ fn selective_recomputation_and_fused_attention_drop_the_scores() {
     assert_eq!(f_none, f_sel);
     assert_eq!(f_none.memory.activations, sel.memory.activations);
     // Backward's extra score products cost less than the scores' memory traffic saved here.
-    let layer = LayerTime::new(&m, &unfused, 2, 1, Precision::Mixed);
-    let fused_layer = LayerTime::new(&m, &fused, 2, 1, Precision::Mixed);
+    let layer = LayerTime::new(&m, &unfused, 2, 1, false, Precision::Mixed);
+    let fused_layer = LayerTime::new(&m, &fused, 2, 1, false, Precision::Mixed);
     assert_eq!(fused_layer.scores, 0.0);
     let gap = layer.step(Recompute::None, false) - fused_layer.step(Recompute::None, true);
     assert!((gap - (3.0 * layer.scores - 0.5 * layer.attention)).abs() < 1e-12);
@@ -413,13 +449,43 @@ fn stages_hold_their_embeddings_and_the_last_the_logits() {
     assert_eq!(three, 11.0 * llama.block_params() + llama.head_params(), "ceil(32 / 3) = 11 blocks");
     // The memory of a pipeline of 2 on 2 devices: the largest stage's states.
     let c = Cluster::preset("dgx-a100", 1).unwrap().with_devices(2).unwrap();
-    let e = estimate(&llama, &c, &Plan { dp: 1, tp: 1, pp: 2, zero: 0, micro_batch: 1, recompute: Recompute::Full }, 8, Precision::Mixed)
-        .unwrap();
+    let e = estimate(
+        &llama,
+        &c,
+        &Plan {
+            dp: 1,
+            tp: 1,
+            pp: 2,
+            zero: 0,
+            micro_batch: 1,
+            recompute: Recompute::Full,
+            schedule: Schedule::OneFOneB,
+            seq_parallel: false,
+        },
+        8,
+        Precision::Mixed,
+    )
+    .unwrap();
     assert!((e.memory.params - 2.0 * llama.largest_stage_params(2)).abs() < 1.0);
     // One micro-batch on one device: its layers and the f32 logits of 4096 tokens x 32000.
     let one = Cluster::preset("dgx-a100", 1).unwrap().with_devices(1).unwrap();
-    let e = estimate(&llama, &one, &Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 1, recompute: Recompute::None }, 1, Precision::Mixed)
-        .unwrap();
+    let e = estimate(
+        &llama,
+        &one,
+        &Plan {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            zero: 0,
+            micro_batch: 1,
+            recompute: Recompute::None,
+            schedule: Schedule::OneFOneB,
+            seq_parallel: false,
+        },
+        1,
+        Precision::Mixed,
+    )
+    .unwrap();
     let want = 32.0 * layer_activation_bytes(&llama, 1, 1, 2.0) + 4096.0 * 32000.0 * 6.0;
     assert!((e.memory.activations - want).abs() < 1.0, "{} vs {want}", e.memory.activations);
 }
@@ -430,7 +496,16 @@ fn stages_hold_their_embeddings_and_the_last_the_logits() {
 fn the_optimizer_step_and_the_zero_all_gather_are_costed() {
     let m = Gpt::with_params(1.3e9);
     let c = Cluster::preset("dgx-a100", 1).unwrap();
-    let plan = |zero| Plan { dp: 8, tp: 1, pp: 1, zero, micro_batch: 4, recompute: Recompute::None };
+    let plan = |zero| Plan {
+        dp: 8,
+        tp: 1,
+        pp: 1,
+        zero,
+        micro_batch: 4,
+        recompute: Recompute::None,
+        schedule: Schedule::OneFOneB,
+        seq_parallel: false,
+    };
     let at = |zero| estimate(&m, &c, &plan(zero), 64, Precision::Mixed).unwrap();
     let (ddp, z1) = (at(0), at(1));
     assert!((ddp.optimizer_s - m.params() * 30.0 / c.device.update_bandwidth).abs() < 1e-12);
@@ -474,7 +549,14 @@ fn llama_shapes_on_an_h200_follow_one_calibration_run() {
         (l1, 8, Recompute::Full, 0.41706, 40.16),
     ];
     for (i, (m, b, recompute, step, peak)) in runs.into_iter().enumerate() {
-        let e = estimate(&m, &c, &Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: b, recompute }, b, Precision::Mixed).unwrap();
+        let e = estimate(
+            &m,
+            &c,
+            &Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: b, recompute, schedule: Schedule::OneFOneB, seq_parallel: false },
+            b,
+            Precision::Mixed,
+        )
+        .unwrap();
         let (t, mem) = (e.step_s / step - 1.0, e.memory() / 1024f64.powi(3) / peak - 1.0);
         eprintln!("{} layers x {}, micro {b}, {recompute:?}: step {:+.1} %, memory {:+.1} %", m.layers, m.d_model, 100.0 * t, 100.0 * mem);
         let bound = if i == 0 { 0.005 } else { 0.10 };
@@ -485,4 +567,51 @@ fn llama_shapes_on_an_h200_follow_one_calibration_run() {
             e.memory() / 1024f64.powi(3)
         );
     }
+}
+
+/// Interleaving v chunks per device cuts the bubble v times, sends v times the activations
+/// between stages and keeps 1 + (pp - 1) / (pp v) times 1F1B's activations on the first stage;
+/// PipeDream-2BW has no bubble and keeps a second version of the stage's weights; Megatron's
+/// sequence parallelism splits the activations kept whole on every tensor-parallel rank.
+#[test]
+fn schedules_and_sequence_parallelism_are_costed() {
+    let m = Gpt::gpt_style(32, 4096, 32, 2048, 51200);
+    let c = Cluster::preset("dgx-a100", 2).unwrap();
+    let base = Plan { recompute: Recompute::Full, ..Plan::new(2, 2, 4, 0, 1) };
+    let at = |p: Plan| estimate(&m, &c, &p, 64, Precision::Mixed).unwrap();
+    let one = at(base);
+    let two = at(Plan { schedule: Schedule::Interleaved(2), ..base });
+    assert!((two.bubble_s - one.bubble_s / 2.0).abs() < 1e-12, "{} vs {}", two.bubble_s, one.bubble_s);
+    let slot_pp = |e: &Estimate| e.pp_s / (e.micro_batches as f64 + e.bubble_s / (e.compute_s / e.micro_batches as f64));
+    assert!((slot_pp(&two) / slot_pp(&one) - 2.0).abs() < 1e-9, "twice the stage-to-stage traffic a slot");
+    let layer_in = 8.0 * 2048.0 * 4096.0 * 2.0; // the stage's layers' kept inputs a micro-batch
+    let kept = |e: &Estimate| e.memory.activations - layer_activation_bytes(&m, 1, 2, 2.0);
+    assert!((kept(&one) - 4.0 * layer_in).abs() < 1.0, "1F1B: 4 micro-batches in flight");
+    assert!((kept(&two) - 4.0 * (1.0 + 3.0 / 8.0) * layer_in).abs() < 1.0, "interleaved: 1 + (p - 1) / (p v) times");
+    assert!(
+        estimate(&m, &c, &Plan { schedule: Schedule::Interleaved(3), ..base }, 64, Precision::Mixed).is_none(),
+        "32 layers in 12 chunks"
+    );
+    assert!(
+        estimate(&m, &c, &Plan { schedule: Schedule::Interleaved(2), ..base }, 12, Precision::Mixed).is_none(),
+        "6 micro-batches in rounds of 4"
+    );
+    let bw = at(Plan { schedule: Schedule::TwoBw, ..base });
+    assert_eq!(bw.bubble_s, 0.0);
+    assert!((bw.memory.runtime - one.memory.runtime - 2.0 * m.largest_stage_params(4) / 2.0).abs() < 1.0);
+    assert!(
+        estimate(&m, &c, &Plan { schedule: Schedule::TwoBw, ..Plan::new(16, 1, 1, 0, 1) }, 64, Precision::Mixed).is_none(),
+        "no stages"
+    );
+    // Sequence parallelism: Korthikanti's s b h (34 + 5 a s / h) / t against (10 + 24 / t + ...).
+    let keep_all = Plan { recompute: Recompute::None, ..base };
+    let (plain, sp) = (at(keep_all), at(Plan { seq_parallel: true, ..keep_all }));
+    let per_layer = layer_activation_bytes(&m, 1, 2, 2.0) - layer_activation_bytes_sp(&m, 1, 2, 2.0);
+    assert!((plain.memory.activations - sp.memory.activations - 8.0 * 4.0 * per_layer).abs() < 1.0);
+    assert!(sp.compute_s < plain.compute_s, "less memory traffic");
+    assert!(estimate(&m, &c, &Plan { seq_parallel: true, ..Plan::new(16, 1, 1, 0, 1) }, 64, Precision::Mixed).is_none(), "no tp");
+    for s in ["1f1b", "interleaved:2", "2bw"] {
+        assert_eq!(Schedule::parse(s).unwrap().name(), s);
+    }
+    assert!(Schedule::parse("interleaved:1").is_err() && Schedule::parse("zb").is_err());
 }

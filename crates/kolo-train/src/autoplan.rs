@@ -4,7 +4,7 @@
 
 use crate::config::{Config, MeshConfig, ModelKind, PipeSchedule, PipelineConfig};
 use crate::TrainError;
-use kolo_plan::{search, Cluster, Estimate, Gpt, Plan, Precision, Recompute, Space};
+use kolo_plan::{search, Cluster, Estimate, Gpt, Plan, Precision, Recompute, Schedule, Space};
 
 /// This machine's CPU as the planner sees it, measured now (about a second) by the kernels a
 /// rank runs: candle's f32 matrix product of n x n x n at n = 64 ... 512 (each rate's best of
@@ -119,7 +119,13 @@ fn text_vocab(cfg: &Config) -> usize {
 /// recomputation) without tp or pp, ZeRO-3 (which recomputes every block in backward, so
 /// costed with checkpointing) without gradient accumulation, no more stages than layers.
 pub fn runnable_plans(m: &Gpt, c: &Cluster, global: usize, precision: Precision) -> Vec<(Plan, Estimate)> {
-    let space = Space { zero_with_model_parallel: false, recompute: vec![Recompute::None, Recompute::Full], ..Space::default() };
+    let space = Space {
+        zero_with_model_parallel: false,
+        recompute: vec![Recompute::None, Recompute::Full],
+        schedules: vec![Schedule::OneFOneB],
+        seq_parallel: vec![false],
+        ..Space::default()
+    };
     let checkpoint = |p: &Plan| p.recompute == Recompute::Full;
     let accumulates = |p: &Plan| p.pp == 1 && p.micro_batch * p.dp < global;
     search(m, c, global, precision, &space)
@@ -142,8 +148,22 @@ pub fn apply(cfg: &mut Config, p: &Plan, e: &Estimate, global: usize, layers: us
     if p.tp * p.pp > 1 {
         cfg.mesh = Some(MeshConfig { tp: p.tp, pp: Some(p.pp), dp: Some(p.dp), sp: 1, ep: 1 });
     }
+    if p.seq_parallel {
+        return Err(TrainError::Config(
+            "Megatron sequence parallelism: Kolo's tensor parallelism keeps the norms' activations whole".into(),
+        ));
+    }
     if p.pp > 1 {
-        cfg.pipeline = Some(PipelineConfig { micro_batches: e.micro_batches, schedule: PipeSchedule::OneFOneB, rematerialize: false });
+        let schedule = match p.schedule {
+            Schedule::OneFOneB => PipeSchedule::OneFOneB,
+            Schedule::TwoBw => PipeSchedule::TwoBw,
+            Schedule::Interleaved(v) => {
+                return Err(TrainError::Config(format!(
+                    "the interleaved schedule ({v} chunks a rank): Kolo's pipeline runs gpipe, 1f1b or 2bw"
+                )))
+            }
+        };
+        cfg.pipeline = Some(PipelineConfig { micro_batches: e.micro_batches, schedule, rematerialize: false });
     }
     match p.recompute {
         Recompute::Full if p.zero != 3 => cfg.model.checkpoint_blocks = (0..layers).collect(),

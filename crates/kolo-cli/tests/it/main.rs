@@ -1059,6 +1059,19 @@ fn fed_run_and_plan_work_from_the_command_line() {
     assert!(!o.status.success() && text(&o).contains("--recompute: recomputation `some`: none, selective or full"), "{}", text(&o));
     let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "dp=8,micro=4,recompute=selective"], &[]);
     assert!(o.status.success() && text(&o).contains(" sel "), "{}", text(&o));
+    // Schedules and sequence parallelism: pinned, evaluated; the batch given in tokens.
+    let o = run(&["plan", "--params", "1.3B", "--devices", "64", "--top", "20", "--schedule", "2bw", "--seq-parallel", "true"], &[]);
+    let t = text(&o);
+    let rows: Vec<&str> = t.lines().filter(|l| l.contains("  dp ")).collect();
+    // (A pin applies where it means something: sequence parallelism with tp, a schedule with pp.)
+    assert!(o.status.success() && rows.iter().any(|r| r.contains(" 2bw")) && rows.iter().any(|r| r.contains(" sp")), "{t}");
+    assert!(rows.iter().all(|r| (r.contains("tp  1") || r.contains(" sp")) && (r.contains("pp  1") || r.contains(" 2bw"))), "{t}");
+    let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "tp=2,pp=4,micro=1,schedule=interleaved:2,sp"], &[]);
+    assert!(o.status.success() && text(&o).contains(" interleaved:2 sp"), "{}", text(&o));
+    let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--global-batch-tokens", "1048576", "--top", "1"], &[]);
+    assert!(o.status.success() && text(&o).contains("; 512 sequences per step"), "{}", text(&o));
+    let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--global-batch-tokens", "1000000"], &[]);
+    assert!(!o.status.success() && text(&o).contains("are not whole sequences of 2048"), "{}", text(&o));
 }
 
 /// IMPALA with actor processes: 2 `kolo impala` actor processes talk to the learner over
@@ -1447,6 +1460,18 @@ fn planned_jobs_are_emitted_and_run() {
     assert!(piped.contains("[mesh]\ndp = 1\ntp = 1\npp = 2\n") && piped.contains("[pipeline]\nmicro_batches = 4\n"), "{piped}");
     let log = launch(&dir.join("piped"));
     assert!(log.contains("done: 2 steps") && log.contains("bubble"), "{log}");
+    // PipeDream-2BW, asked for, is emitted as such and runs; an interleaved schedule is refused.
+    let bw = plan(&dir.join("2bw"), &["--evaluate", "pp=2,micro=2,schedule=2bw"]);
+    assert!(bw.contains("[pipeline]\nmicro_batches = 4\nschedule = \"2bw\"\n"), "{bw}");
+    assert!(launch(&dir.join("2bw")).contains("done: 2 steps"));
+    let o = run(
+        &["plan", "--layers", "4", "--d-model", "64", "--heads", "2", "--seq", "32", "--devices", "2", "--cluster", "this-machine"]
+            .into_iter()
+            .chain(["--global-batch", "8", "--emit", dir.join("no").to_str().unwrap(), "--evaluate", "pp=2,micro=2,schedule=interleaved:2"])
+            .collect::<Vec<_>>(),
+        &[],
+    );
+    assert!(!o.status.success() && text(&o).contains("the interleaved schedule (2 chunks a rank)"), "{}", text(&o));
     // Not a plan Kolo runs (activation checkpointing with tensor parallelism): refused by name.
     let o = run(
         &["plan", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32", "--devices", "2", "--cluster", "this-machine"]
