@@ -99,8 +99,7 @@ fn megatron_row(heads: usize, d_model: usize, layers: usize, tp: usize, pp: usiz
     [1, 2, 4, 8]
         .into_iter()
         .filter_map(|micro_batch| {
-            let plan =
-                Plan { dp, tp, pp, zero: 0, micro_batch, recompute: Recompute::Full, schedule: Schedule::OneFOneB, seq_parallel: false };
+            let plan = Plan { recompute: Recompute::Full, ..Plan::new(dp, tp, pp, 0, micro_batch) };
             estimate(&m, &c, &plan, batch, Precision::Mixed).filter(|e| e.memory() <= c.device.memory).map(|e| (plan, e))
         })
         .min_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s))
@@ -137,13 +136,13 @@ fn predictions_match_kolo_runs_on_this_machine() {
     let m = bench_gpt();
     #[rustfmt::skip]
     let runs: [(&str, usize, Plan, f64, Option<f64>); 7] = [
-        ("1 process", 1, Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 16, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 288.3, Some(262.5)),
-        ("DDP", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 0, micro_batch: 8, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 156.3, Some(165.1)),
-        ("ZeRO-1", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 1, micro_batch: 8, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 160.2, Some(158.7)),
-        ("ZeRO-2", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 2, micro_batch: 8, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 161.9, Some(165.0)),
-        ("ZeRO-3", 2, Plan { dp: 2, tp: 1, pp: 1, zero: 3, micro_batch: 8, recompute: Recompute::Full, schedule: Schedule::OneFOneB, seq_parallel: false }, 209.9, None),
-        ("tp 2", 2, Plan { dp: 1, tp: 2, pp: 1, zero: 0, micro_batch: 16, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 203.7, None),
-        ("pp 2", 2, Plan { dp: 1, tp: 1, pp: 2, zero: 0, micro_batch: 2, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }, 175.7, None),
+        ("1 process", 1, Plan::new(1, 1, 1, 0, 16), 288.3, Some(262.5)),
+        ("DDP", 2, Plan::new(2, 1, 1, 0, 8), 156.3, Some(165.1)),
+        ("ZeRO-1", 2, Plan::new(2, 1, 1, 1, 8), 160.2, Some(158.7)),
+        ("ZeRO-2", 2, Plan::new(2, 1, 1, 2, 8), 161.9, Some(165.0)),
+        ("ZeRO-3", 2, Plan { recompute: Recompute::Full, ..Plan::new(2, 1, 1, 3, 8) }, 209.9, None),
+        ("tp 2", 2, Plan::new(1, 2, 1, 0, 16), 203.7, None),
+        ("pp 2", 2, Plan::new(1, 1, 2, 0, 2), 175.7, None),
     ];
     for (name, devices, plan, ms, mb) in runs {
         let e = estimate(&m, &this_machine(devices), &plan, 16, Precision::F32).unwrap();
@@ -160,16 +159,7 @@ fn predictions_match_kolo_runs_on_this_machine() {
 fn estimates_add_up_and_respect_the_constraints() {
     let m = bench_gpt();
     let c = Cluster { activation_factor: 1.0, param_copy_bytes: 0.0, ..Cluster::preset("dgx-a100", 1).unwrap().with_devices(4).unwrap() };
-    let plan = |dp, tp, pp, micro_batch| Plan {
-        dp,
-        tp,
-        pp,
-        zero: 0,
-        micro_batch,
-        recompute: Recompute::None,
-        schedule: Schedule::OneFOneB,
-        seq_parallel: false,
-    };
+    let plan = |dp, tp, pp, micro_batch| Plan::new(dp, tp, pp, 0, micro_batch);
     let f32 = Precision::F32;
     let ddp = estimate(&m, &c, &plan(4, 1, 1, 4), 16, f32).unwrap();
     assert_eq!((ddp.tp_s, ddp.pp_s, ddp.bubble_s), (0.0, 0.0, 0.0));
@@ -208,16 +198,7 @@ fn links_follow_the_node_boundaries() {
     assert_eq!(c.group_link(4, 8).bandwidth, c.inter.bandwidth);
     assert_eq!(c.group_link(2, 2), c.intra);
     let m = Gpt::gpt_style(32, 8192, 64, 2048, 51200);
-    let plan = |tp| Plan {
-        dp: 32 / tp,
-        tp,
-        pp: 1,
-        zero: 1,
-        micro_batch: 1,
-        recompute: Recompute::Full,
-        schedule: Schedule::OneFOneB,
-        seq_parallel: false,
-    };
+    let plan = |tp| Plan { recompute: Recompute::Full, ..Plan::new(32 / tp, tp, 1, 1, 1) };
     let t8 = estimate(&m, &c, &plan(8), 64, Precision::Mixed).unwrap();
     let t16 = estimate(&m, &c, &plan(16), 64, Precision::Mixed).unwrap();
     assert!(t16.tp_s > 3.0 * t8.tp_s, "tp 16 {} s vs tp 8 {} s", t16.tp_s, t8.tp_s);
@@ -374,16 +355,7 @@ fn measured_machine_predicts_runs_it_was_not_fitted_to() {
     c.device.mem_bandwidth = 5.5e9;
     c.device.gemm_efficiency = vec![(64.0, 0.875), (128.0, 0.97), (256.0, 1.0), (4096.0, 1.0)];
     let m = bench_gpt();
-    let plan = |dp, tp, pp, micro_batch| Plan {
-        dp,
-        tp,
-        pp,
-        zero: 0,
-        micro_batch,
-        recompute: Recompute::None,
-        schedule: Schedule::OneFOneB,
-        seq_parallel: false,
-    };
+    let plan = |dp, tp, pp, micro_batch| Plan::new(dp, tp, pp, 0, micro_batch);
     let runs = [
         ("dp 2", plan(2, 1, 1, 8), 278.0),
         ("dp 2, 8 x 1", plan(2, 1, 1, 1), 325.0),
@@ -409,8 +381,7 @@ fn measured_machine_predicts_runs_it_was_not_fitted_to() {
 fn selective_recomputation_and_fused_attention_drop_the_scores() {
     let m = Gpt::gpt_style(24, 2048, 16, 2048, 50257);
     let unfused = Cluster::preset("dgx-a100", 1).unwrap().with_devices(1).unwrap();
-    let plan =
-        |recompute| Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: 2, recompute, schedule: Schedule::OneFOneB, seq_parallel: false };
+    let plan = |recompute| Plan { recompute, ..Plan::new(1, 1, 1, 0, 2) };
     let at = |c: &Cluster, r| estimate(&m, c, &plan(r), 2, Precision::Mixed).unwrap();
     let (none, sel, full) = (at(&unfused, Recompute::None), at(&unfused, Recompute::Selective), at(&unfused, Recompute::Full));
     let scores = 24.0 * scores_bytes(&m, 2, 1, 2.0);
@@ -449,43 +420,11 @@ fn stages_hold_their_embeddings_and_the_last_the_logits() {
     assert_eq!(three, 11.0 * llama.block_params() + llama.head_params(), "ceil(32 / 3) = 11 blocks");
     // The memory of a pipeline of 2 on 2 devices: the largest stage's states.
     let c = Cluster::preset("dgx-a100", 1).unwrap().with_devices(2).unwrap();
-    let e = estimate(
-        &llama,
-        &c,
-        &Plan {
-            dp: 1,
-            tp: 1,
-            pp: 2,
-            zero: 0,
-            micro_batch: 1,
-            recompute: Recompute::Full,
-            schedule: Schedule::OneFOneB,
-            seq_parallel: false,
-        },
-        8,
-        Precision::Mixed,
-    )
-    .unwrap();
+    let e = estimate(&llama, &c, &Plan { recompute: Recompute::Full, ..Plan::new(1, 1, 2, 0, 1) }, 8, Precision::Mixed).unwrap();
     assert!((e.memory.params - 2.0 * llama.largest_stage_params(2)).abs() < 1.0);
     // One micro-batch on one device: its layers and the f32 logits of 4096 tokens x 32000.
     let one = Cluster::preset("dgx-a100", 1).unwrap().with_devices(1).unwrap();
-    let e = estimate(
-        &llama,
-        &one,
-        &Plan {
-            dp: 1,
-            tp: 1,
-            pp: 1,
-            zero: 0,
-            micro_batch: 1,
-            recompute: Recompute::None,
-            schedule: Schedule::OneFOneB,
-            seq_parallel: false,
-        },
-        1,
-        Precision::Mixed,
-    )
-    .unwrap();
+    let e = estimate(&llama, &one, &Plan::new(1, 1, 1, 0, 1), 1, Precision::Mixed).unwrap();
     let want = 32.0 * layer_activation_bytes(&llama, 1, 1, 2.0) + 4096.0 * 32000.0 * 6.0;
     assert!((e.memory.activations - want).abs() < 1.0, "{} vs {want}", e.memory.activations);
 }
@@ -496,16 +435,7 @@ fn stages_hold_their_embeddings_and_the_last_the_logits() {
 fn the_optimizer_step_and_the_zero_all_gather_are_costed() {
     let m = Gpt::with_params(1.3e9);
     let c = Cluster::preset("dgx-a100", 1).unwrap();
-    let plan = |zero| Plan {
-        dp: 8,
-        tp: 1,
-        pp: 1,
-        zero,
-        micro_batch: 4,
-        recompute: Recompute::None,
-        schedule: Schedule::OneFOneB,
-        seq_parallel: false,
-    };
+    let plan = |zero| Plan::new(8, 1, 1, zero, 4);
     let at = |zero| estimate(&m, &c, &plan(zero), 64, Precision::Mixed).unwrap();
     let (ddp, z1) = (at(0), at(1));
     assert!((ddp.optimizer_s - m.params() * 30.0 / c.device.update_bandwidth).abs() < 1e-12);
@@ -549,14 +479,7 @@ fn llama_shapes_on_an_h200_follow_one_calibration_run() {
         (l1, 8, Recompute::Full, 0.41706, 40.16),
     ];
     for (i, (m, b, recompute, step, peak)) in runs.into_iter().enumerate() {
-        let e = estimate(
-            &m,
-            &c,
-            &Plan { dp: 1, tp: 1, pp: 1, zero: 0, micro_batch: b, recompute, schedule: Schedule::OneFOneB, seq_parallel: false },
-            b,
-            Precision::Mixed,
-        )
-        .unwrap();
+        let e = estimate(&m, &c, &Plan { recompute, ..Plan::new(1, 1, 1, 0, b) }, b, Precision::Mixed).unwrap();
         let (t, mem) = (e.step_s / step - 1.0, e.memory() / 1024f64.powi(3) / peak - 1.0);
         eprintln!("{} layers x {}, micro {b}, {recompute:?}: step {:+.1} %, memory {:+.1} %", m.layers, m.d_model, 100.0 * t, 100.0 * mem);
         let bound = if i == 0 { 0.005 } else { 0.10 };

@@ -1464,22 +1464,16 @@ fn planned_jobs_are_emitted_and_run() {
     let bw = plan(&dir.join("2bw"), &["--evaluate", "pp=2,micro=2,schedule=2bw"]);
     assert!(bw.contains("[pipeline]\nmicro_batches = 4\nschedule = \"2bw\"\n"), "{bw}");
     assert!(launch(&dir.join("2bw")).contains("done: 2 steps"));
-    let o = run(
-        &["plan", "--layers", "4", "--d-model", "64", "--heads", "2", "--seq", "32", "--devices", "2", "--cluster", "this-machine"]
-            .into_iter()
-            .chain(["--global-batch", "8", "--emit", dir.join("no").to_str().unwrap(), "--evaluate", "pp=2,micro=2,schedule=interleaved:2"])
-            .collect::<Vec<_>>(),
-        &[],
-    );
+    let refused = |layers: &str, evaluate: &str| {
+        let no = dir.join("no");
+        let args =
+            ["plan", "--layers", layers, "--d-model", "64", "--heads", "2", "--seq", "32", "--devices", "2", "--cluster", "this-machine"];
+        run(&[&args[..], &["--global-batch", "8", "--emit", no.to_str().unwrap(), "--evaluate", evaluate]].concat(), &[])
+    };
+    let o = refused("4", "pp=2,micro=2,schedule=interleaved:2");
     assert!(!o.status.success() && text(&o).contains("the interleaved schedule (2 chunks a rank)"), "{}", text(&o));
     // Not a plan Kolo runs (activation checkpointing with tensor parallelism): refused by name.
-    let o = run(
-        &["plan", "--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32", "--devices", "2", "--cluster", "this-machine"]
-            .into_iter()
-            .chain(["--global-batch", "8", "--emit", dir.join("no").to_str().unwrap(), "--evaluate", "dp=1,tp=2,pp=1,micro=8,ckpt"])
-            .collect::<Vec<_>>(),
-        &[],
-    );
+    let o = refused("2", "dp=1,tp=2,pp=1,micro=8,ckpt");
     let t = text(&o);
     assert!(!o.status.success() && t.contains("this plan is not one Kolo's GPT runs") && t.contains("activation checkpointing"), "{t}");
     let big = dir.join("big");
