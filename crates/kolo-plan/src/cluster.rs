@@ -120,9 +120,9 @@ pub struct Cluster {
     /// attention's against the 4 of an unfused backward). Not so for Megatron-LM 2021, BLOOM,
     /// MT-NLG or Kolo's CPU runtime.
     pub fused_attention: bool,
-    /// Seconds a layer's forward costs beyond its GEMMs and memory traffic: an eager runtime's
-    /// kernel launches and small kernels (norms in f32, rotary embeddings, casts) that do not
-    /// fill the device. Backward counts twice, recomputation once more. 0 in the presets
+    /// Seconds a layer's forward costs beyond its GEMMs and memory traffic: the kernels an
+    /// eager runtime runs besides (norms in f32, rotary embeddings, casts), and launches where
+    /// kernels are too short to hide them. Backward counts twice, recomputation once more. 0 in the presets
     /// (Megatron-LM's fused kernels at the published runs' sizes; Kolo's CPU runtime); fitted
     /// for a runtime from one run (docs/benchmarks.md: transformers on torch eager, 0.53 ms on
     /// an H200).
