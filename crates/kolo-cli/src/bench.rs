@@ -119,6 +119,13 @@ pub struct CollArgs {
     /// Start this many local ranks (when not already under a launcher).
     #[arg(short = 'n', long = "nproc", default_value_t = 1)]
     nproc: usize,
+    /// Measure the all-reduce algorithms (doubling, halving, ring, tree) at each size, in turn
+    /// within every trial, and write their crossovers for this world size and link kind into
+    /// FILE (other tables in it kept): a size takes the fastest algorithm unless the built-in
+    /// choice is within 5 % of it. Pass the file to a job with --tuning FILE. E.g. `kolo bench
+    /// collectives -n 2 --min 1KiB --max 16MiB --factor 2 --tune tuning.toml`.
+    #[arg(long, value_name = "FILE")]
+    tune: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -375,12 +382,105 @@ fn measure<T: Element>(comm: &dyn Communicator, a: &CollArgs, bytes: usize) -> a
     Ok(Row { bytes, count, iters, times_us, ok })
 }
 
+/// Seconds of one all-reduce of `bytes` (f32) with `alg`: back-to-back ops for about
+/// `trial_secs`, the slowest rank's mean.
+fn time_all_reduce(
+    host: &kolo_collectives::HostComm,
+    alg: kolo_collectives::Algorithm,
+    v: &mut [f32],
+    trial_secs: f64,
+) -> anyhow::Result<f64> {
+    let comm: &dyn Communicator = host;
+    host.all_reduce_using(BufMut::from(&mut *v), ReduceOp::Sum, alg)?; // warm-up
+    comm.barrier()?;
+    let t = Instant::now();
+    host.all_reduce_using(BufMut::from(&mut *v), ReduceOp::Sum, alg)?;
+    let one = max_over_ranks(comm, t.elapsed().as_secs_f64())?;
+    let iters = ((trial_secs / one.max(1e-7)).ceil() as usize).clamp(3, 100_000);
+    comm.barrier()?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        host.all_reduce_using(BufMut::from(&mut *v), ReduceOp::Sum, alg)?;
+    }
+    max_over_ranks(comm, t.elapsed().as_secs_f64() / iters as f64)
+}
+
+/// `kolo bench collectives --tune FILE`: see [`CollArgs::tune`].
+fn tune(host: &kolo_collectives::HostComm, a: &CollArgs, path: &std::path::Path) -> anyhow::Result<i32> {
+    use kolo_collectives::{Algorithm, TuneTable, Tuning};
+    let comm: &dyn Communicator = host;
+    let (n, me) = (comm.world_size().get(), comm.rank().get());
+    anyhow::ensure!(n > 1, "--tune needs at least 2 ranks (-n 2, or under kolo launch)");
+    anyhow::ensure!(host.hosts().iter().all(|h| *h == host.hosts()[0]), "--tune measures the ranks of one host");
+    let links = host.link_kind().ok_or_else(|| anyhow::anyhow!("--tune: the ranks' links are mixed (shared memory and TCP)"))?;
+    // Read (and so check) the file before measuring.
+    let mut tuning = match std::fs::read_to_string(path) {
+        Ok(text) => Tuning::parse(&text, &path.display().to_string()).map_err(anyhow::Error::msg)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Tuning::default(),
+        Err(e) => anyhow::bail!("{}: {e}", path.display()),
+    };
+    let algs = [Algorithm::RecursiveDoubling, Algorithm::HalvingDoubling, Algorithm::Ring, Algorithm::Tree];
+    if me == 0 {
+        println!("# kolo bench collectives --tune: all_reduce f32 on {n} ranks over {}, {} trials of ~{}s per algorithm and size, the algorithms in turn within each trial; load {}", links.name(), a.trials, a.trial_secs, loadavg());
+        println!(
+            "{:>12} {}  {:>9}  {:>9}",
+            "bytes",
+            algs.map(|x| format!("{:>10}", format!("{}_us", x.name()))).join(" "),
+            "built-in",
+            "chosen"
+        );
+    }
+    let mut measured = Vec::new();
+    let mut size = a.min.as_usize().max(4);
+    while size <= a.max.as_usize() {
+        let mut v = vec![0f32; size / 4];
+        let mut times = vec![Vec::new(); algs.len()];
+        for _ in 0..a.trials.max(1) {
+            for (i, &alg) in algs.iter().enumerate() {
+                times[i].push(time_all_reduce(host, alg, &mut v, a.trial_secs)?);
+            }
+        }
+        let row: Vec<(Algorithm, f64)> = algs.iter().zip(times.iter_mut()).map(|(&alg, t)| (alg, median(t))).collect();
+        measured.push(((size / 4 * 4) as u64, row));
+        size = size.saturating_mul(a.factor.max(2) as usize);
+    }
+    let builtin = |bytes: u64| host.builtin_all_reduce(bytes as usize);
+    let table = TuneTable::from_measurements(n, links, &measured, builtin, 0.05).map_err(anyhow::Error::msg)?;
+    if me == 0 {
+        for (bytes, row) in &measured {
+            let us: Vec<String> = row.iter().map(|(_, s)| format!("{:>10.2}", s * 1e6)).collect();
+            println!("{bytes:>12} {}  {:>9}  {:>9}", us.join(" "), builtin(*bytes).name(), table.pick(*bytes).name());
+        }
+        tuning.insert(table).map_err(anyhow::Error::msg)?;
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|m| m.trim().to_string()))
+            .unwrap_or_else(|| "unknown CPU".into());
+        let when = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let header = format!(
+            "Written by `kolo bench collectives --tune` on {} ({cpu}, {} cores) at unix time {when}.\nEach table: buffers up to `bytes` use `algo`; beyond the last row, its algorithm.\nRead by kolo train / kolo bench collectives --tuning FILE (every rank the same file).",
+            kolo_collectives::default_host_id().split('#').next().unwrap_or("this host"),
+            num_cpus()
+        );
+        let tmp = path.with_extension("toml.tmp");
+        std::fs::write(&tmp, tuning.to_toml(&header)).map_err(|e| anyhow::anyhow!("{}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        println!("wrote the {n}-rank {} table to {}", links.name(), path.display());
+    }
+    comm.barrier()?;
+    Ok(0)
+}
+
 fn collectives(a: CollArgs) -> anyhow::Result<i32> {
     let under_launcher = kolo_rendezvous::discover(std::env::vars()).map_err(|e| anyhow::anyhow!(e))?.is_some();
     if !under_launcher && a.nproc > 1 {
         return relaunch_self(a.nproc);
     }
     let b = a.comm.join_any()?;
+    if let Some(path) = &a.tune {
+        let host = b.host().ok_or_else(|| anyhow::anyhow!("--tune measures the built-in backend's algorithms (--backend builtin)"))?;
+        return tune(host, &a, path);
+    }
     let comm: &dyn Communicator = &**b.comm();
     let n = comm.world_size().get();
     let me = comm.rank().get();
@@ -391,8 +491,9 @@ fn collectives(a: CollArgs) -> anyhow::Result<i32> {
         None => format!("the {} library", comm.backend()),
     };
     if me == 0 && !a.json {
+        let tuned = if b.host().is_some_and(|h| h.tuned()) { " following the tuning table for this world and links" } else { "" };
         println!(
-            "# kolo bench collectives: {} {} on {} rank(s), transport {:?} ({links}), algorithm {:?}",
+            "# kolo bench collectives: {} {} on {} rank(s), transport {:?} ({links}), algorithm {:?}{tuned}",
             a.op, a.dtype, n, a.comm.transport, a.comm.algorithm
         );
         println!("# {} trials of back-to-back ops (~{}s each); time = median over trials of the slowest rank", a.trials, a.trial_secs);
@@ -603,8 +704,40 @@ fn loopback(a: LoopArgs) -> anyhow::Result<i32> {
             best[1] / 2.0
         );
         println!("memcpy, 1 thread, {}: {:.2} GB/s [{:.2}..{:.2}]", a.size, cp_m, cp[0], cp[cp.len() - 1]);
+        copy_by_offset();
     }
     Ok(0)
+}
+
+/// 64 KiB copies at (destination - source) offsets modulo 4096, best of 2000: the C library's
+/// memcpy against the copy the shared-memory rings use (`kolo_collectives::copy`), which shows
+/// whether this CPU has the `rep movsb` aliasing cliff (AMD Zen: 1-15 bytes).
+fn copy_by_offset() {
+    let n = 64 << 10;
+    let src: Vec<u8> = (0..n + 8192).map(|i| i as u8).collect();
+    let mut dst = vec![0u8; n + 8192];
+    let base = |p: *const u8| (4096 - p as usize % 4096) % 4096;
+    let (s0, d0) = (base(src.as_ptr()), base(dst.as_ptr()));
+    let rate = |f: &mut dyn FnMut(&mut [u8], &[u8]), off: usize, dst: &mut Vec<u8>| {
+        let mut best = f64::INFINITY;
+        for _ in 0..2000 {
+            let t = Instant::now();
+            f(&mut dst[d0 + off..d0 + off + n], &src[s0..s0 + n]);
+            std::hint::black_box(&mut *dst);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        n as f64 / best / 1e9
+    };
+    let offsets = [0usize, 4, 8, 12, 16, 20, 40, 72, 1032, 4092];
+    let mut libc_row = String::new();
+    let mut kolo_row = String::new();
+    for off in offsets {
+        libc_row += &format!(" {:>6.1}", rate(&mut |d, s| d.copy_from_slice(s), off, &mut dst));
+        kolo_row += &format!(" {:>6.1}", rate(&mut |d, s| kolo_collectives::copy::copy_slice(d, s), off, &mut dst));
+    }
+    println!("64 KiB copies, GB/s by (dst - src) mod 4096: {}", offsets.map(|o| format!("{o:>6}")).join(" "));
+    println!("  {:<39}{libc_row}", "the C library's memcpy");
+    println!("  {:<39}{kolo_row}", "the shared-memory rings' copy");
 }
 
 fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {

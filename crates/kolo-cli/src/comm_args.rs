@@ -1,8 +1,18 @@
 //! Communicator flags shared by the subcommands that join a job.
 
 use kolo_base::ByteSize;
-use kolo_collectives::{AlgorithmChoice, Bootstrapped, HostCommConfig, Transport};
+use kolo_collectives::{AlgorithmChoice, Bootstrapped, HostCommConfig, Transport, Tuning};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// A tuning file read when the flags are parsed (so a bad file fails before joining the job).
+#[derive(Clone, Debug)]
+pub struct TuningFile(pub Arc<Tuning>);
+
+fn tuning_file(path: &str) -> Result<TuningFile, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    Ok(TuningFile(Arc::new(Tuning::parse(&text, path)?)))
+}
 
 pub use kolo::dist::Backend;
 
@@ -43,6 +53,11 @@ pub struct CommArgs {
     /// is still in cache (0: the whole buffer at once).
     #[arg(long, default_value = "512KiB")]
     pub ring_piece: ByteSize,
+    /// All-reduce crossovers measured on this machine (`kolo bench collectives --tune FILE`):
+    /// with --algo auto, a table for the job's world size and links picks the algorithm by
+    /// size; the built-in thresholds otherwise. Every rank must read the same file.
+    #[arg(long, value_name = "FILE", value_parser = tuning_file)]
+    pub tuning: Option<TuningFile>,
 }
 
 /// Seconds from a flag as a duration: negative or NaN is 0, beyond 10^6 s (infinity too) is
@@ -63,6 +78,7 @@ impl CommArgs {
             tcp_buffer: self.tcp_buffer,
             tcp_pace: self.tcp_pace,
             ring_piece: self.ring_piece,
+            tuning: self.tuning.as_ref().map(|t| t.0.clone()),
             ..HostCommConfig::default()
         }
     }

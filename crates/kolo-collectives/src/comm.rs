@@ -69,7 +69,8 @@ pub struct HostCommConfig {
     pub timeout: Duration,
     pub transport: Transport,
     pub all_reduce: AlgorithmChoice,
-    /// Buffers up to this size use recursive doubling under `Auto`.
+    /// Buffers up to this size use recursive doubling under `Auto` (without a tuning table
+    /// that covers the group).
     pub small_message: ByteSize,
     /// Buffers up to this size use Rabenseifner's halving-doubling under `Auto` (more than 2
     /// ranks); larger ones the ring.
@@ -95,6 +96,10 @@ pub struct HostCommConfig {
     /// through the store have stopped for this long (see `liveness.rs`); zero turns heartbeats
     /// off and leaves every stall to `timeout`.
     pub liveness: Duration,
+    /// Crossovers measured on this machine (`kolo bench collectives --tune`): `Auto` follows a
+    /// table for the group's world size and link kind, the thresholds above otherwise. Every
+    /// member must hold the same tables (checked when the group connects).
+    pub tuning: Option<Arc<crate::tuning::Tuning>>,
 }
 
 impl Default for HostCommConfig {
@@ -114,6 +119,7 @@ impl Default for HostCommConfig {
             ring_piece: ByteSize::kib(512),
             shm_dir: "/dev/shm".into(),
             liveness: Duration::from_secs(10),
+            tuning: None,
         }
     }
 }
@@ -158,6 +164,8 @@ pub struct HostComm {
     /// runs more ranks than it has cores (the peer being waited for needs the core), as Open
     /// MPI's `mpi_yield_when_idle` does for oversubscribed runs.
     pure_spin: Duration,
+    /// Every peer over shared memory, or every peer over TCP (what a tuning table is keyed by).
+    link_kind: Option<crate::tuning::LinkKind>,
     _server: Option<Arc<TcpStoreServer>>,
 }
 
@@ -232,6 +240,12 @@ impl HostComm {
         let live = (n.get() > 1 && !cfg.liveness.is_zero())
             .then(|| Liveness::start(store.clone(), group, rank.get(), n.get(), cfg.liveness, store_host));
         let pure_spin = pure_spin_for(&c.hosts, rank.get());
+        let shm = c.links.iter().filter(|l| l.as_ref().is_some_and(Link::is_shm)).count();
+        let link_kind = match shm {
+            s if s + 1 == n.get() => Some(crate::tuning::LinkKind::Shm),
+            0 => Some(crate::tuning::LinkKind::Tcp),
+            _ => None,
+        };
         let core = Core {
             links: c.links,
             seq: 0,
@@ -258,6 +272,7 @@ impl HostComm {
             internal: false,
             store_host,
             pure_spin,
+            link_kind,
             cfg,
             _server: server,
         };
@@ -277,9 +292,26 @@ impl HostComm {
         core.links.iter().enumerate().filter(|(_, l)| l.as_ref().is_some_and(Link::is_shm)).map(|(i, _)| Rank(i)).collect()
     }
 
-    /// The algorithm `Auto` picks: recursive doubling for small buffers (latency-bound), the
-    /// ring for large ones (bandwidth-bound).
+    /// The algorithm `Auto` picks: a tuning table's that covers this group (one host, every
+    /// peer over the same kind of link, its world size), else recursive doubling for small
+    /// buffers (latency-bound), Rabenseifner's halving for medium ones on more than 2 ranks,
+    /// two levels across hosts, the ring for large ones (bandwidth-bound).
     pub fn pick_all_reduce(&self, bytes: usize) -> Algorithm {
+        let tuned = match (&self.cfg.tuning, self.link_kind) {
+            (Some(t), Some(links)) if self.cfg.all_reduce == AlgorithmChoice::Auto && !self.multi_host() => {
+                t.pick(self.n.get(), links, bytes as u64)
+            }
+            _ => None,
+        };
+        if let Some(alg) = tuned {
+            return alg;
+        }
+        self.builtin_all_reduce(bytes)
+    }
+
+    /// The algorithm the configured choice and the built-in thresholds give, without a tuning
+    /// table (what a table's rows are measured against).
+    pub fn builtin_all_reduce(&self, bytes: usize) -> Algorithm {
         match self.cfg.all_reduce {
             AlgorithmChoice::Ring => Algorithm::Ring,
             AlgorithmChoice::RecursiveDoubling => Algorithm::RecursiveDoubling,
@@ -479,11 +511,29 @@ impl HostComm {
         for m in &members {
             for &r in m {
                 let sh = shard_range(len, self.n, Rank(r));
-                out[sh.start * esz..sh.end * esz].copy_from_slice(&local_major[at..at + sh.len() * esz]);
+                crate::copy::copy_slice(&mut out[sh.start * esz..sh.end * esz], &local_major[at..at + sh.len() * esz]);
                 at += sh.len() * esz;
             }
         }
         Ok(true)
+    }
+
+    /// All-reduce with `alg`, whatever the configured choice (every member must pass the same):
+    /// what `kolo bench collectives --tune` times each algorithm with.
+    pub fn all_reduce_using(&self, buf: BufMut<'_>, op: ReduceOp, alg: Algorithm) -> Result<(), CommError> {
+        self.all_reduce_with(buf, op, alg)
+    }
+
+    /// Whether `Auto` follows a tuning table here (one covers this group).
+    pub fn tuned(&self) -> bool {
+        self.cfg.all_reduce == AlgorithmChoice::Auto
+            && !self.multi_host()
+            && self.link_kind.is_some_and(|l| self.cfg.tuning.as_ref().is_some_and(|t| t.pick(self.n.get(), l, 0).is_some()))
+    }
+
+    /// How this group's peers are linked, if all alike.
+    pub fn link_kind(&self) -> Option<crate::tuning::LinkKind> {
+        self.link_kind
     }
 
     /// All-reduce with a given algorithm (internal collectives pin theirs, so that setting up
@@ -801,7 +851,7 @@ impl Communicator for HostComm {
             } else {
                 // Non-roots keep their input: partial sums go to scratch.
                 let acc = a.get(bytes.len());
-                acc.copy_from_slice(bytes);
+                crate::copy::copy_slice(acc, bytes);
                 tree::reduce(e, acc, dtype, op, root.get(), b)
             }
         })
@@ -824,7 +874,7 @@ impl Communicator for HostComm {
         let dtype = input.dtype();
         let esz = dtype.size_bytes();
         let own = shard_range(output.len(), self.n, self.rank);
-        output.bytes_mut()[own.start * esz..own.end * esz].copy_from_slice(input.bytes());
+        crate::copy::copy_slice(&mut output.bytes_mut()[own.start * esz..own.end * esz], input.bytes());
         if self.n.get() == 1 {
             return Ok(());
         }
@@ -839,7 +889,7 @@ impl Communicator for HostComm {
         validate::reduce_scatter(self.rank, self.n, &input, &output)?;
         let dtype = input.dtype();
         if self.n.get() == 1 {
-            output.bytes_mut().copy_from_slice(input.bytes());
+            crate::copy::copy_slice(output.bytes_mut(), input.bytes());
             return Ok(());
         }
         let esz = dtype.size_bytes();
@@ -847,11 +897,11 @@ impl Communicator for HostComm {
         let out = output.bytes_mut();
         self.run((OpKind::ReduceScatter, Some(op), None), Algorithm::Ring, input.bytes().len(), |e, s, big| {
             let acc = big.get(input.bytes().len());
-            acc.copy_from_slice(input.bytes());
+            crate::copy::copy_slice(acc, input.bytes());
             ring::reduce_scatter(e, acc, dtype, op, &mut s[0])?;
             let mine = &mut acc[own.start * esz..own.end * esz];
             kolo_comm::reduce::finish_avg(dtype, op, mine, e.n);
-            out.copy_from_slice(mine);
+            crate::copy::copy_slice(out, mine);
             Ok(())
         })
     }
@@ -889,7 +939,7 @@ impl Communicator for HostComm {
         let (send, recv) = (ranges(send_counts), ranges(recv_counts));
         let out = output.bytes_mut();
         if self.n.get() == 1 {
-            out.copy_from_slice(input.bytes());
+            crate::copy::copy_slice(out, input.bytes());
             return Ok(());
         }
         self.run((OpKind::AllToAll, None, None), Algorithm::Pairwise, input.bytes().len(), |e, _, _| {

@@ -54,7 +54,9 @@ pub(crate) fn connect_group(
     let addr = listener.local_addr().map_err(|e| err(e.to_string()))?;
     let host = cfg.host_id.clone().unwrap_or_else(default_host_id);
     let key = |r: usize| format!("{group}/peer/{r}");
-    store.set(&key(rank), format!("{addr} {host}").as_bytes()).map_err(|e| err(e.to_string()))?;
+    // Each member's record: its address, its tuning table's digest ("-": none), its host id.
+    let tuning = cfg.tuning.as_ref().map_or_else(|| "-".to_string(), |t| t.digest());
+    store.set(&key(rank), format!("{addr} {tuning} {host}").as_bytes()).map_err(|e| err(e.to_string()))?;
 
     let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     let (lower, higher): (Vec<usize>, Vec<usize>) = (0..n).filter(|r| *r != rank).partition(|r| *r < rank);
@@ -87,7 +89,19 @@ pub(crate) fn connect_group(
     for r in 0..n {
         let rec = store.get(&key(r), deadline).map_err(|e| err(e.to_string()))?;
         let rec = String::from_utf8_lossy(&rec).into_owned();
-        hosts.push(rec.split_once(' ').map(|x| x.1.to_string()).unwrap_or_default());
+        let mut fields = rec.splitn(3, ' ').skip(1);
+        let (theirs, host) = (fields.next().unwrap_or_default(), fields.next().unwrap_or_default());
+        // Members that follow different tuning tables could pick different algorithms for the
+        // same all-reduce: refuse at once, naming who differs.
+        if theirs != tuning {
+            let name = |d: &str| if d == "-" { "no tuning table".to_string() } else { format!("tuning table {d}") };
+            return Err(err(format!(
+                "rank {r} has {} and rank {rank} {}: every rank must read the same --tuning file",
+                name(theirs),
+                name(&tuning)
+            )));
+        }
+        hosts.push(host.to_string());
     }
 
     let mut links: Vec<Option<Link>> = (0..n).map(|_| None).collect();

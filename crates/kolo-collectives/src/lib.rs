@@ -7,22 +7,26 @@
 //! * `algo`: ring, recursive doubling, binomial tree, pairwise all-to-all, dissemination barrier.
 //! * `connect`: listens, authenticates and connects a group's full mesh through the store.
 //! * [`bootstrap`]: from a [`LaunchEnv`](kolo_rendezvous::LaunchEnv) to a ready communicator.
+//! * [`tuning`]: all-reduce crossovers measured on the machine, which `Auto` follows.
 
 mod algo;
 mod bootstrap;
 mod comm;
 mod connect;
+pub mod copy;
 mod engine;
 pub mod frame;
 mod link;
 mod liveness;
 pub mod recorder;
 pub(crate) mod shm;
+pub mod tuning;
 
 pub use algo::Algorithm;
 pub use bootstrap::{bootstrap, Bootstrapped};
 pub use comm::{AlgorithmChoice, HostComm, HostCommConfig, Transport};
 pub use connect::default_host_id;
+pub use tuning::{LinkKind, TuneTable, Tuning};
 
 #[cfg(test)]
 mod tests;

@@ -101,8 +101,8 @@ impl Ring {
         // SAFETY: [pos, pos+first) and [0, n-first) lie inside the data area; the reader does not
         // touch bytes between tail and tail+capacity that are past head, which is where we write.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.data().add(pos), first);
-            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.data(), n - first);
+            crate::copy::copy(self.data().add(pos), src.as_ptr(), first);
+            crate::copy::copy(self.data(), src.as_ptr().add(first), n - first);
         }
         self.mine += n as u64;
         self.head().store(self.mine, Ordering::Release);
@@ -126,8 +126,8 @@ impl Ring {
         // SAFETY: the bytes [tail, tail+n) were published by the writer's release store of head,
         // which our acquire load observed; the writer will not overwrite them until we advance tail.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data().add(pos), dst.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data(), dst.as_mut_ptr().add(first), n - first);
+            crate::copy::copy(dst.as_mut_ptr(), self.data().add(pos), first);
+            crate::copy::copy(dst.as_mut_ptr().add(first), self.data(), n - first);
         }
         self.mine += n as u64;
         self.tail().store(self.mine, Ordering::Release);

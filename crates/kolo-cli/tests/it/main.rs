@@ -86,6 +86,34 @@ fn launched_bench_checks_every_op_over_tcp_and_shm() {
     }
 }
 
+/// `--tune` measures the algorithms on 3 launched ranks and writes their crossovers (a table for
+/// 3 ranks over shared memory, other tables in the file kept); a job given the file with
+/// `--tuning` follows it (every size checked), and a broken file fails before joining, named.
+#[test]
+fn collectives_are_tuned_on_this_machine_and_followed() {
+    let dir = fresh_dir("tune");
+    let file = dir.join("tuning.toml");
+    let other = "[[all_reduce]]\nworld = 7\nlinks = \"tcp\"\nrows = [[1024, \"tree\"]]\n";
+    std::fs::write(&file, other).unwrap();
+    let small = ["--min", "4KiB", "--max", "64KiB", "--factor", "4", "--trials", "1", "--trial-secs", "0.005", "--timeout", "60"];
+    let f = file.to_str().unwrap();
+    let o = run(&[&["launch", "-n", "3", "--", KOLO, "bench", "collectives", "--tune", f][..], &small[..]].concat(), &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.contains("wrote the 3-rank shm table"), "{t}");
+    let tuning = kolo_collectives::Tuning::parse(&std::fs::read_to_string(&file).unwrap(), f).unwrap();
+    assert!(tuning.pick(3, kolo_collectives::LinkKind::Shm, 4096).is_some(), "{tuning:?}");
+    assert_eq!(tuning.pick(7, kolo_collectives::LinkKind::Tcp, 1), Some(kolo_collectives::Algorithm::Tree), "kept");
+    let o = run(&[&["launch", "-n", "3", "--", KOLO, "bench", "collectives", "--tuning", f][..], &small[..]].concat(), &[]);
+    let t = text(&o);
+    assert!(o.status.success() && t.matches(" ok").count() == 3 && !t.contains("WRONG"), "{t}");
+    assert!(t.contains("algorithm Auto following the tuning table for this world and links"), "{t}");
+    std::fs::write(&file, "[[all_reduce]]\nworld = 3\nlinks = \"shm\"\nrows = [[1024, \"fastest\"]]\n").unwrap();
+    let o = run(&["bench", "collectives", "--tuning", f], &[]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains(&format!("{f}: algorithm `fastest`")), "{t}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn killed_rank_fails_the_job_with_a_summary_and_survivors_report_it() {
     for mode in ["kill", "exit"] {

@@ -26,7 +26,7 @@ pub(crate) fn all_reduce(
             let partner = unfold_rank(n, v ^ mask);
             // The send must see this round's input while the receive folds into `buf`.
             let snap = send_scratch.get(len);
-            snap.copy_from_slice(buf);
+            crate::copy::copy_slice(snap, buf);
             let mut x = [e.send(partner, step, Some(dtype), snap), e.recv_reduce(partner, step, dtype, op, tmp, buf)];
             e.run(&mut x)?;
             mask <<= 1;

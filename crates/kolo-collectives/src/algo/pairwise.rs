@@ -15,7 +15,7 @@ pub(crate) fn all_to_all(
     dtype: DType,
 ) -> Result<(), CommError> {
     let (n, r) = (e.n, e.rank);
-    output[recv[r].clone()].copy_from_slice(&input[send[r].clone()]);
+    crate::copy::copy_slice(&mut output[recv[r].clone()], &input[send[r].clone()]);
     for s in 1..n {
         let to = (r + s) % n;
         let from = (r + n - s) % n;

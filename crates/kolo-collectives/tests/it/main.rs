@@ -331,3 +331,56 @@ fn send_recv_exchanges_large_buffers_both_ways() {
         });
     }
 }
+
+/// A tuning table for the group's world size and link kind decides `Auto`'s algorithm by size
+/// (the flight recorder names the one each all-reduce ran); other worlds, other link kinds and
+/// an explicit algorithm ignore it; the results stay exact (integer-valued sums).
+#[test]
+fn a_tuning_table_picks_auto_s_algorithm() {
+    use kolo_collectives::{Algorithm, LinkKind, TuneTable, Tuning};
+    let mut t = Tuning::default();
+    t.insert(TuneTable { world: 3, links: LinkKind::Shm, rows: vec![(65536, Algorithm::Tree), (1 << 20, Algorithm::Ring)] }).unwrap();
+    t.insert(TuneTable { world: 2, links: LinkKind::Shm, rows: vec![(1 << 20, Algorithm::Tree)] }).unwrap();
+    let tuning = Some(Arc::new(t));
+    // The algorithm of the last all-reduce in each rank's flight record, and the sum's check.
+    let run = |n: usize, transport, alg, floats: usize, tuning: Option<Arc<Tuning>>| -> Vec<String> {
+        let comms = group(n, HostCommConfig { tuning, ..cfg(transport, alg) });
+        run_ranks(comms, |r, c| {
+            let mut v: Vec<f32> = (0..floats).map(|i| ((i * 7 + r * 13) % 97) as f32).collect();
+            c.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum).unwrap();
+            let want = |i: usize| (0..n).map(|q| ((i * 7 + q * 13) % 97) as f32).sum::<f32>();
+            assert!(v.iter().enumerate().all(|(i, x)| *x == want(i)), "rank {r}: a wrong sum");
+            let record = c.flight_record();
+            let last = record.lines().rfind(|l| l.contains("all_reduce")).unwrap_or_default().to_string();
+            ["doubling", "halving", "ring", "tree"].into_iter().find(|a| last.contains(a)).unwrap_or("?").to_string()
+        })
+    };
+    let all = |v: Vec<String>, want: &str| assert!(v.iter().all(|a| a == want), "{v:?}, expected {want}");
+    all(run(3, Transport::Shm, AlgorithmChoice::Auto, 16384, tuning.clone()), "tree");
+    all(run(3, Transport::Shm, AlgorithmChoice::Auto, 32768, tuning.clone()), "ring");
+    all(run(3, Transport::Shm, AlgorithmChoice::Auto, 16384, None), "doubling");
+    all(run(3, Transport::Tcp, AlgorithmChoice::Auto, 16384, tuning.clone()), "doubling");
+    all(run(2, Transport::Shm, AlgorithmChoice::Auto, 32768, tuning.clone()), "tree");
+    all(run(4, Transport::Shm, AlgorithmChoice::Auto, 16384, tuning.clone()), "doubling");
+    all(run(3, Transport::Shm, AlgorithmChoice::Ring, 16384, tuning), "ring");
+}
+
+/// Members that read different tuning tables (or one none) could choose different algorithms
+/// for one all-reduce: the group refuses to form, naming the rank that differs.
+#[test]
+fn ranks_with_different_tuning_tables_refuse_to_connect() {
+    use kolo_collectives::{Algorithm, LinkKind, TuneTable, Tuning};
+    let mut t = Tuning::default();
+    t.insert(TuneTable { world: 2, links: LinkKind::Shm, rows: vec![(1 << 20, Algorithm::Tree)] }).unwrap();
+    let digest = t.digest();
+    let tuning = Arc::new(t);
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+    let token = JobToken::generate();
+    let errs = run_ranks(vec![0usize, 1], |r, _| {
+        let c = HostCommConfig { tuning: (r == 0).then(|| tuning.clone()), ..cfg(Transport::Shm, AlgorithmChoice::Auto) };
+        HostComm::connect(store.clone(), token.clone(), "t", Rank(r), WorldSize::new(2).unwrap(), c).err().map(|e| e.to_string())
+    });
+    let want = format!("rank 0 has tuning table {digest} and rank 1 no tuning table: every rank must read the same --tuning file");
+    assert!(errs[1].as_deref().is_some_and(|e| e.contains(&want)), "{errs:?}");
+    assert!(errs[0].as_deref().is_some_and(|e| e.contains("rank 1 has no tuning table and rank 0 tuning table")), "{errs:?}");
+}
