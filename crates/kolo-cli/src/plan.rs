@@ -97,6 +97,10 @@ pub struct PlanArgs {
     /// Megatron sequence parallelism with tensor parallelism, comma-separated: false, true.
     #[arg(long, value_delimiter = ',', default_value = "false,true")]
     seq_parallel: Vec<bool>,
+    /// Expert-parallel degrees the search may choose for a model with experts, comma-separated
+    /// (each must divide the experts and dp: the experts are dealt out over ep of the dp replicas).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    ep: Vec<usize>,
     /// Sequences per step given as tokens instead (divided by --seq; it must divide).
     #[arg(long, conflicts_with = "global_batch")]
     global_batch_tokens: Option<String>,
@@ -114,8 +118,8 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 8)]
     top: usize,
     /// Cost one plan instead of searching: dp=2,tp=1,pp=1,zero=0,micro=8[,recompute=none|selective|full]
-    /// [,schedule=1f1b|interleaved:V|2bw][,sp] (`ckpt` for recompute=full, `sp` for Megatron
-    /// sequence parallelism).
+    /// [,schedule=1f1b|interleaved:V|2bw][,ep=E][,sp] (`ckpt` for recompute=full, `sp` for
+    /// Megatron sequence parallelism; ep: the experts over E of the dp replicas).
     #[arg(long)]
     evaluate: Option<String>,
     /// Write the plan as a job to run: DIR/train.toml (a `kolo train` config of Kolo's GPT, or
@@ -167,7 +171,8 @@ fn parse_plan(s: &str) -> anyhow::Result<Plan> {
             "pp" => p.pp = n,
             "zero" => p.zero = n as u8,
             "micro" => p.micro_batch = n,
-            _ => anyhow::bail!("--evaluate: unknown key `{k}` (dp, tp, pp, zero, micro, recompute, schedule, ckpt, sp)"),
+            "ep" => p.ep = n,
+            _ => anyhow::bail!("--evaluate: unknown key `{k}` (dp, tp, pp, zero, micro, ep, recompute, schedule, ckpt, sp)"),
         }
     }
     Ok(p)
@@ -177,7 +182,7 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
     let gib = |b: f64| b / 1024f64.powi(3);
     let m = &e.memory;
     format!(
-        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + dp {:.4} + optimizer {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
+        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + ep {:.4} + dp {:.4} + optimizer {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
         p.dp,
         p.tp,
         p.pp,
@@ -189,9 +194,14 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
             Recompute::Selective => " sel ",
             Recompute::Full => " ckpt",
         },
-        match (p.schedule, p.seq_parallel) {
-            (Schedule::OneFOneB, false) => String::new(),
-            (s, sp) => format!(" {}{}", if p.pp > 1 { s.name() } else { String::new() }, if sp { " sp" } else { "" }),
+        match (p.schedule, p.seq_parallel, p.ep) {
+            (Schedule::OneFOneB, false, 1) => String::new(),
+            (s, sp, ep) => format!(
+                " {}{}{}",
+                if p.pp > 1 { s.name() } else { String::new() },
+                if sp { " sp" } else { "" },
+                if ep > 1 { format!(" ep {ep}") } else { String::new() }
+            ),
         },
         e.step_s,
         e.model_flops_per_device() / 1e12,
@@ -200,6 +210,7 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
         e.bubble_s,
         e.tp_s,
         e.pp_s,
+        e.ep_s,
         e.dp_exposed_s,
         e.optimizer_s,
         gib(e.memory()),
@@ -494,6 +505,7 @@ fn space(a: &PlanArgs) -> anyhow::Result<Space> {
         recompute,
         schedules,
         seq_parallel: a.seq_parallel.clone(),
+        ep: a.ep.clone(),
         ..Space::default()
     })
 }
@@ -709,7 +721,8 @@ fn gpt_job(a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow
 }
 
 /// Why plan `p` (for `global` sequences a step) is not one a Hugging Face fine-tuning job runs:
-/// it has no activation checkpointing nor accumulated micro-batches outside a pipeline, and
+/// it has no recomputation, sequence parallelism or schedule but 1F1B, no accumulated
+/// micro-batches outside a pipeline, experts dealt out only beside dp with ZeRO-0/1, and
 /// ZeRO-3 only without a mesh.
 fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
     if p.recompute != Recompute::None {
@@ -724,7 +737,16 @@ fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
     if p.pp == 1 && p.micro_batch * p.dp != global {
         return Some(format!("it accumulates micro-batches of {} outside a pipeline", p.micro_batch));
     }
-    (p.zero == 3 && p.tp * p.pp > 1).then(|| "ZeRO-3 runs without a mesh only".to_string())
+    if p.ep > 1 && p.tp * p.pp > 1 {
+        return Some("it deals the experts out beside tensor or pipeline parallelism (the fine-tuning job runs dp x ep)".into());
+    }
+    if p.ep > 1 && p.zero >= 2 {
+        return Some(format!(
+            "ZeRO-{} with the experts dealt out (the parameters an expert-parallel group shares take ZeRO-0 or 1)",
+            p.zero
+        ));
+    }
+    (p.zero == 3 && p.tp * p.pp * p.ep > 1).then(|| "ZeRO-3 runs without a mesh only".to_string())
 }
 
 /// Plan `p` as the fine-tuning job of the Hugging Face model in `hf` (`kolo train`'s `[model]
@@ -745,8 +767,12 @@ fn hf_job(hf: &std::path::Path, a: &PlanArgs, m: &Gpt, p: &Plan, e: &Estimate) -
         a.steps,
         p.zero
     );
-    if p.tp * p.pp > 1 {
-        text += &format!("[mesh]\ndp = {}\ntp = {}\npp = {}\n", p.dp, p.tp, p.pp);
+    if p.tp * p.pp * p.ep > 1 {
+        // Kolo's mesh counts ep beside dp: the plan's dp replicas are dp / ep x ep.
+        text += &format!("[mesh]\ndp = {}\ntp = {}\npp = {}\n", p.dp / p.ep, p.tp, p.pp);
+        if p.ep > 1 {
+            text += &format!("ep = {}\n", p.ep);
+        }
     }
     if p.pp > 1 {
         text += &format!("[pipeline]\nmicro_batches = {}\nschedule = \"1f1b\"\n", e.micro_batches);

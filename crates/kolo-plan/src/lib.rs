@@ -43,6 +43,10 @@
 //!   runtime constants scale this for an implementation ([`Cluster::activation_factor`],
 //!   per-parameter copies).
 //!
+//! - **experts** ([`Plan::ep`]): a stage's expert matrices dealt out over ep of the dp
+//!   replicas (their states sharded by ZeRO over the dp / ep replicas that hold the same
+//!   experts, their gradients reduced over those), two all-to-alls of the micro-batch's tokens
+//!   x top-k rows per MoE layer forward and two backward;
 //! - **optimizer**: Adam's update of the device's parameters (its shard under ZeRO), memory-bound
 //!   ([`optimizer_bytes`] at [`Device::update_bandwidth`]).
 //!
@@ -178,6 +182,17 @@ impl Gpt {
     pub fn block_matrices(&self) -> f64 {
         let (h, f, (q, k)) = (self.d_model as f64, self.ffn as f64, self.widths());
         2.0 * h * h * (q + k) + self.mlp_matrices() * h * f * self.experts.max(1) as f64
+    }
+
+    /// One block's expert parameters (every expert's MLP matrices and biases; 0 for a dense
+    /// MLP): what expert parallelism deals out.
+    pub fn expert_block_params(&self) -> f64 {
+        if self.experts <= 1 {
+            return 0.0;
+        }
+        let (h, f) = (self.d_model as f64, self.ffn as f64);
+        let per_expert = self.mlp_matrices() * h * f + if self.gated { 0.0 } else { f + h };
+        per_expert * self.experts as f64
     }
 
     /// Parameters a token runs through: [`Gpt::params`] less the experts it does not use.
@@ -344,6 +359,11 @@ pub struct Plan {
     pub recompute: Recompute,
     /// The pipeline's schedule (1F1B without stages).
     pub schedule: Schedule,
+    /// Expert parallelism: the experts dealt out over `ep` of the `dp` data-parallel replicas
+    /// (which still take their own batches, as in Kolo's mesh, DeepSpeed-MoE and Megatron);
+    /// each MoE layer sends its tokens to their experts' ranks and back (an all-to-all each way,
+    /// forward and backward). 1: every rank holds every expert.
+    pub ep: usize,
     /// Megatron's sequence parallelism over the tensor-parallel group: the norms' and dropouts'
     /// activations split by the sequence too (all-gather and reduce-scatter in place of each
     /// all-reduce, the same volume). Only with tp > 1.
@@ -354,7 +374,7 @@ impl Plan {
     /// dp x tp x pp with ZeRO-`zero`, micro-batches of `micro_batch` sequences, no
     /// recomputation, 1F1B, no sequence parallelism.
     pub fn new(dp: usize, tp: usize, pp: usize, zero: u8, micro_batch: usize) -> Plan {
-        Plan { dp, tp, pp, zero, micro_batch, recompute: Recompute::None, schedule: Schedule::OneFOneB, seq_parallel: false }
+        Plan { dp, tp, pp, zero, micro_batch, recompute: Recompute::None, schedule: Schedule::OneFOneB, ep: 1, seq_parallel: false }
     }
 }
 
@@ -391,6 +411,8 @@ pub struct Estimate {
     pub bubble_s: f64,
     pub tp_s: f64,
     pub pp_s: f64,
+    /// Expert parallelism's all-to-alls.
+    pub ep_s: f64,
     /// Data-parallel gradient communication not hidden behind backward.
     pub dp_exposed_s: f64,
     /// Adam's update of the parameters this device updates (its ZeRO shard under ZeRO-1/2/3):
@@ -572,10 +594,14 @@ pub fn logits_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Pre
 
 /// The cost of `plan` for `global_batch` sequences per step.
 pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precision: Precision) -> Option<Estimate> {
-    let Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, seq_parallel } = *plan;
+    let Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, ep, seq_parallel } = *plan;
     let devices = c.devices();
     let splits = m.heads.is_multiple_of(tp) && m.kv_heads.is_multiple_of(tp);
     if dp * tp * pp != devices || micro_batch == 0 || pp > m.layers || !splits || !global_batch.is_multiple_of(dp) {
+        return None;
+    }
+    let experts_split = ep == 1 || (m.experts > 1 && m.experts.is_multiple_of(ep) && dp.is_multiple_of(ep));
+    if ep == 0 || !experts_split {
         return None;
     }
     let per_replica = global_batch / dp;
@@ -604,7 +630,10 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let slot_tp = layers_per_stage * all_reduces * all_reduce_s(act_values * vb, tp, tp_link);
     let pp_link = c.group_link(pp, tp * dp);
     let slot_pp = if pp > 1 { 2.0 * chunks as f64 * (pp_link.latency + act_values * vb / tp as f64 / pp_link.bandwidth) } else { 0.0 };
-    let stage_params = m.largest_stage_params(pp) / tp as f64;
+    // A stage's expert parameters, dealt out over ep; the rest replicated over dp.
+    let stage_experts = layers_per_stage * m.expert_block_params() / tp as f64;
+    let stage_params = m.largest_stage_params(pp) / tp as f64 - stage_experts * (1.0 - 1.0 / ep as f64);
+    let (own_experts, dense_params) = (stage_experts / ep as f64, stage_params - stage_experts / ep as f64);
     // Gradient accumulation in a runtime that keeps gradients in flat f32 buffers (Kolo's DDP:
     // `param_copy_bytes` > 0) adds every micro-batch's but the last into the accumulation
     // buffer: the gradient read and the buffer read and written, 12 bytes a parameter at the
@@ -622,9 +651,21 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let slots = mb as f64 + bubble_slots;
     let tp_s = slots * slot_tp;
     let pp_s = slots * slot_pp;
+    // Each MoE layer's tokens go to their experts' ranks and come back: two all-to-alls forward,
+    // two backward, two more recomputing; each carries the micro-batch's tokens x top-k rows.
+    let ep_s = if ep > 1 {
+        let link = c.group_link(ep, tp);
+        let bytes = act_values * m.top_k.max(1) as f64 * vb / tp as f64;
+        let one = (ep - 1) as f64 * link.latency + bytes * (ep - 1) as f64 / ep as f64 / link.bandwidth;
+        mb as f64 * layers_per_stage * if checkpoint { 6.0 } else { 4.0 } * one
+    } else {
+        0.0
+    };
 
     let volume = if zero >= 3 { 1.5 } else { 1.0 };
-    let dp_s = volume * all_reduce_s(stage_params * vb, dp, c.group_link(dp, tp));
+    // The experts' gradients are reduced over the dp / ep replicas that hold the same experts.
+    let expert_reduce = if own_experts > 0.0 { all_reduce_s(own_experts * vb, dp / ep, c.group_link(dp / ep, tp * ep)) } else { 0.0 };
+    let dp_s = volume * (all_reduce_s(dense_params * vb, dp, c.group_link(dp, tp)) + expert_reduce);
     // Buckets overlap backward (2/3 of the compute); at least the last bucket is exposed.
     // ZeRO-1/2's all-gather of the updated shards (half the volume) follows the optimizer step
     // and overlaps nothing; ZeRO-3's gathers are prefetched during forward and backward.
@@ -633,9 +674,10 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let exposed = if c.overlap_dp { (overlapped - compute_s * 2.0 / 3.0).max(overlapped * 0.1) } else { overlapped };
     let dp_exposed_s = exposed + after_step;
 
-    let updated = if zero >= 1 { stage_params / dp as f64 } else { stage_params };
+    let updated = if zero >= 1 { dense_params / dp as f64 + own_experts / (dp / ep) as f64 } else { stage_params };
     let optimizer_s = updated * optimizer_bytes(precision) / c.device.update_bandwidth;
-    let (params, grads, optimizer) = state_bytes(stage_params, zero, dp, precision);
+    let (dense, experts) = (state_bytes(dense_params, zero, dp, precision), state_bytes(own_experts, zero, dp / ep, precision));
+    let (params, grads, optimizer) = (dense.0 + experts.0, dense.1 + experts.1, dense.2 + experts.2);
     // ZeRO-3: a layer's gathered parameters and gradients, two layers at a time (prefetch).
     let gathered_layer = if zero >= 3 { 4.0 * vb * m.block_matrices() / tp as f64 } else { 0.0 };
     // The first stage keeps the most micro-batches (min(pp, m)); the last keeps one and the
@@ -664,11 +706,12 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
         Recompute::Full => m.recompute_flops(global_batch as f64),
     };
     Some(Estimate {
-        step_s: compute_s + bubble_s + tp_s + pp_s + dp_exposed_s + optimizer_s,
+        step_s: compute_s + bubble_s + tp_s + pp_s + ep_s + dp_exposed_s + optimizer_s,
         compute_s,
         bubble_s,
         tp_s,
         pp_s,
+        ep_s,
         dp_exposed_s,
         optimizer_s,
         memory: Memory { params, grads, optimizer, activations, runtime },
@@ -692,6 +735,8 @@ pub struct Space {
     pub schedules: Vec<Schedule>,
     /// Sequence parallelism off and on (with tp > 1).
     pub seq_parallel: Vec<bool>,
+    /// Expert-parallel degrees (for a model with experts; each dividing dp and the experts).
+    pub ep: Vec<usize>,
     /// Whether ZeRO may combine with tp or pp (Kolo's own runs: not yet).
     pub zero_with_model_parallel: bool,
 }
@@ -704,6 +749,7 @@ impl Default for Space {
             recompute: Recompute::ALL.to_vec(),
             schedules: vec![Schedule::OneFOneB, Schedule::Interleaved(2), Schedule::Interleaved(4)],
             seq_parallel: vec![false, true],
+            ep: vec![1, 2, 4, 8, 16, 32, 64],
             zero_with_model_parallel: true,
         }
     }
@@ -727,11 +773,14 @@ pub fn search(m: &Gpt, c: &Cluster, global_batch: usize, precision: Precision, s
                         }
                         let schedules: &[Schedule] = if pp > 1 { &space.schedules } else { &[Schedule::OneFOneB] };
                         let sp: &[bool] = if tp > 1 { &space.seq_parallel } else { &[false] };
+                        let eps: Vec<usize> = if m.experts > 1 { space.ep.clone() } else { vec![1] };
                         for (&schedule, &seq_parallel) in schedules.iter().flat_map(|s| sp.iter().map(move |q| (s, q))) {
-                            let plan = Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, seq_parallel };
-                            if let Some(e) = estimate(m, c, &plan, global_batch, precision) {
-                                if e.memory() <= c.device.memory {
-                                    out.push((plan, e));
+                            for &ep in &eps {
+                                let plan = Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, ep, seq_parallel };
+                                if let Some(e) = estimate(m, c, &plan, global_batch, precision) {
+                                    if e.memory() <= c.device.memory {
+                                        out.push((plan, e));
+                                    }
                                 }
                             }
                         }

@@ -538,3 +538,46 @@ fn schedules_and_sequence_parallelism_are_costed() {
     }
     assert!(Schedule::parse("interleaved:1").is_err() && Schedule::parse("zb").is_err());
 }
+
+/// Expert parallelism deals a stage's experts out over ep of the dp replicas: each holds 1/ep
+/// of them (their states sharded over the dp / ep replicas that share them), pays two
+/// all-to-alls of its tokens x top-k rows per MoE layer each way, and reduces the experts'
+/// gradients over dp / ep replicas only. Degrees that split neither the experts nor dp, or a
+/// dense model, are not plans.
+#[test]
+fn expert_parallelism_deals_the_experts_out() {
+    let mixtral = Gpt {
+        kv_heads: 8,
+        head_dim: 128,
+        ffn: 14336,
+        gated: true,
+        learned_positions: false,
+        experts: 8,
+        top_k: 2,
+        ..Gpt::gpt_style(32, 4096, 32, 4096, 32000)
+    };
+    let c = Cluster::preset("dgx-a100", 8).unwrap();
+    let at = |ep, zero| estimate(&mixtral, &c, &Plan { ep, ..Plan::new(64, 1, 1, zero, 1) }, 64, Precision::Mixed);
+    let (one, eight) = (at(1, 0).unwrap(), at(8, 0).unwrap());
+    let experts = 32.0 * mixtral.expert_block_params();
+    assert!((one.memory.params / 2.0 - mixtral.params()).abs() < 1.0);
+    assert!((eight.memory.params / 2.0 - (mixtral.params() - experts * 7.0 / 8.0)).abs() < 1.0, "1/8 of the experts each");
+    assert_eq!(one.ep_s, 0.0);
+    let link = c.group_link(8, 1);
+    let a2a = 7.0 * link.latency + 4096.0 * 4096.0 * 2.0 * 2.0 * 7.0 / 8.0 / link.bandwidth;
+    assert!((eight.ep_s - 32.0 * 4.0 * a2a).abs() < 1e-9, "{} vs {}", eight.ep_s, 32.0 * 4.0 * a2a);
+    assert!(eight.dp_exposed_s < one.dp_exposed_s, "the experts' gradients go to 8 replicas, not 64");
+    // ZeRO-1 shards the experts' states over the 8 replicas that share them.
+    let z1 = at(8, 1).unwrap();
+    let (dense, own) = (mixtral.params() - experts, experts / 8.0);
+    assert!((z1.memory.optimizer - (12.0 * dense / 64.0 + 12.0 * own / 8.0)).abs() < 1.0);
+    assert!(at(3, 0).is_none() && at(128, 0).is_none(), "3 does not split 8 experts; 128 is more than dp");
+    let dense_model = Gpt { experts: 1, top_k: 1, ..mixtral };
+    assert!(estimate(&dense_model, &c, &Plan { ep: 2, ..Plan::new(64, 1, 1, 0, 1) }, 64, Precision::Mixed).is_none());
+    // On two nodes (747 GB of model states in all), the search finds plans that deal the
+    // experts out, and every plan that fits shards something.
+    let nodes = Cluster::preset("dgx-a100", 2).unwrap();
+    let plans = search(&mixtral, &nodes, 64, Precision::Mixed, &Space::default());
+    assert!(plans.iter().any(|(p, _)| p.ep > 1), "no expert-parallel plan fits");
+    assert!(plans.iter().all(|(p, _)| p.ep > 1 || p.zero > 0 || p.tp * p.pp > 1));
+}

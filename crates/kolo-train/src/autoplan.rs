@@ -124,6 +124,7 @@ pub fn runnable_plans(m: &Gpt, c: &Cluster, global: usize, precision: Precision)
         recompute: vec![Recompute::None, Recompute::Full],
         schedules: vec![Schedule::OneFOneB],
         seq_parallel: vec![false],
+        ep: vec![1],
         ..Space::default()
     };
     let checkpoint = |p: &Plan| p.recompute == Recompute::Full;
@@ -152,6 +153,9 @@ pub fn apply(cfg: &mut Config, p: &Plan, e: &Estimate, global: usize, layers: us
         return Err(TrainError::Config(
             "Megatron sequence parallelism: Kolo's tensor parallelism keeps the norms' activations whole".into(),
         ));
+    }
+    if p.ep > 1 {
+        return Err(TrainError::Config(format!("expert parallelism (ep {}): Kolo's built-in GPT here has no experts to deal out", p.ep)));
     }
     if p.pp > 1 {
         let schedule = match p.schedule {

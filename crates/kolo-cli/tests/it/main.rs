@@ -1446,6 +1446,19 @@ fn plans_describe_hugging_face_models() {
         let t = text(&o);
         assert!(o.status.success() && t.contains("step 2/2"), "{tag}: {t}");
     }
+    // Mixtral with its experts dealt out over the 2 replicas: [mesh] ep, and it runs.
+    let mixtral = kolo_testkit::files::hf_tiny("mixtral");
+    let out = dir.join("ep");
+    let args = ["plan", "--hf", mixtral.to_str().unwrap(), "--seq", "16", "--devices", "2", "--cluster", "this-machine"];
+    let o = run(&[&args[..], &job[..], &["--evaluate", "dp=2,ep=2,micro=2", "--emit", out.to_str().unwrap()]].concat(), &[]);
+    assert!(o.status.success() && text(&o).contains(" ep 2"), "{}", text(&o));
+    let toml = std::fs::read_to_string(out.join("train.toml")).unwrap();
+    assert!(toml.contains("[mesh]\ndp = 1\ntp = 1\npp = 1\nep = 2\n"), "{toml}");
+    let o = Command::new("bash").arg(out.join("launch.sh")).env("KOLO", KOLO).output().unwrap();
+    assert!(o.status.success() && text(&o).contains("step 2/2"), "{}", text(&o));
+    let o =
+        run(&[&args[..], &job[..], &["--evaluate", "dp=2,ep=2,micro=2,zero=2", "--emit", dir.join("ep2").to_str().unwrap()]].concat(), &[]);
+    assert!(!o.status.success() && text(&o).contains("ZeRO-2 with the experts dealt out"), "{}", text(&o));
     // A plan the job cannot run is named: micro-batches accumulated outside a pipeline.
     let o = run(&[&base[..], &job[..], &["--evaluate", "dp=2,micro=1", "--emit", dir.join("acc").to_str().unwrap()]].concat(), &[]);
     assert!(!o.status.success() && text(&o).contains("it accumulates micro-batches of 1 outside a pipeline"), "{}", text(&o));
