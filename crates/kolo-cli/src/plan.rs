@@ -101,6 +101,10 @@ pub struct PlanArgs {
     /// (each must divide the experts and dp: the experts are dealt out over ep of the dp replicas).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     ep: Vec<usize>,
+    /// Context-parallel degrees (ring attention: each sequence split over cp ranks; Kolo's
+    /// `[mesh] sp`), comma-separated; each must divide --seq.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    cp: Vec<usize>,
     /// Sequences per step given as tokens instead (divided by --seq; it must divide).
     #[arg(long, conflicts_with = "global_batch")]
     global_batch_tokens: Option<String>,
@@ -118,8 +122,9 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 8)]
     top: usize,
     /// Cost one plan instead of searching: dp=2,tp=1,pp=1,zero=0,micro=8[,recompute=none|selective|full]
-    /// [,schedule=1f1b|interleaved:V|2bw][,ep=E][,sp] (`ckpt` for recompute=full, `sp` for
-    /// Megatron sequence parallelism; ep: the experts over E of the dp replicas).
+    /// [,schedule=1f1b|interleaved:V|2bw][,ep=E][,cp=C][,sp] (`ckpt` for recompute=full, `sp`
+    /// for Megatron sequence parallelism; ep: the experts over E of the dp replicas; cp: each
+    /// sequence over C ranks, dp x tp x pp x cp devices).
     #[arg(long)]
     evaluate: Option<String>,
     /// Write the plan as a job to run: DIR/train.toml (a `kolo train` config of Kolo's GPT, or
@@ -172,7 +177,8 @@ fn parse_plan(s: &str) -> anyhow::Result<Plan> {
             "zero" => p.zero = n as u8,
             "micro" => p.micro_batch = n,
             "ep" => p.ep = n,
-            _ => anyhow::bail!("--evaluate: unknown key `{k}` (dp, tp, pp, zero, micro, ep, recompute, schedule, ckpt, sp)"),
+            "cp" => p.cp = n,
+            _ => anyhow::bail!("--evaluate: unknown key `{k}` (dp, tp, pp, zero, micro, ep, cp, recompute, schedule, ckpt, sp)"),
         }
     }
     Ok(p)
@@ -182,7 +188,7 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
     let gib = |b: f64| b / 1024f64.powi(3);
     let m = &e.memory;
     format!(
-        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + ep {:.4} + dp {:.4} + optimizer {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
+        "{i:>3}  dp {:>4} tp {:>2} pp {:>2}  ZeRO-{}  micro {:>3} x {:>4}{}{}  {:>9.4} s  {:>7.2} TFLOP/s  MFU {:>5.1}%  (compute {:.4} + bubble {:.4} + tp {:.4} + pp {:.4} + ep {:.4} + cp {:.4} + dp {:.4} + optimizer {:.4})  memory {:>8.3} GiB (params {:.3} + grads {:.3} + optimizer {:.3} + activations {:.3} + runtime {:.3})",
         p.dp,
         p.tp,
         p.pp,
@@ -194,13 +200,14 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
             Recompute::Selective => " sel ",
             Recompute::Full => " ckpt",
         },
-        match (p.schedule, p.seq_parallel, p.ep) {
-            (Schedule::OneFOneB, false, 1) => String::new(),
-            (s, sp, ep) => format!(
-                " {}{}{}",
+        match (p.schedule, p.seq_parallel, p.ep, p.cp) {
+            (Schedule::OneFOneB, false, 1, 1) => String::new(),
+            (s, sp, ep, cp) => format!(
+                " {}{}{}{}",
                 if p.pp > 1 { s.name() } else { String::new() },
                 if sp { " sp" } else { "" },
-                if ep > 1 { format!(" ep {ep}") } else { String::new() }
+                if ep > 1 { format!(" ep {ep}") } else { String::new() },
+                if cp > 1 { format!(" cp {cp}") } else { String::new() }
             ),
         },
         e.step_s,
@@ -211,6 +218,7 @@ fn row(i: usize, p: &Plan, e: &Estimate) -> String {
         e.tp_s,
         e.pp_s,
         e.ep_s,
+        e.cp_s,
         e.dp_exposed_s,
         e.optimizer_s,
         gib(e.memory()),
@@ -506,6 +514,7 @@ fn space(a: &PlanArgs) -> anyhow::Result<Space> {
         schedules,
         seq_parallel: a.seq_parallel.clone(),
         ep: a.ep.clone(),
+        cp: a.cp.clone(),
         ..Space::default()
     })
 }
@@ -737,6 +746,9 @@ fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
     if p.pp == 1 && p.micro_batch * p.dp != global {
         return Some(format!("it accumulates micro-batches of {} outside a pipeline", p.micro_batch));
     }
+    if p.cp > 1 && p.tp * p.pp * p.ep > 1 {
+        return Some("it splits the sequence beside tensor, pipeline or expert parallelism (the fine-tuning job runs dp x sp)".into());
+    }
     if p.ep > 1 && p.tp * p.pp > 1 {
         return Some("it deals the experts out beside tensor or pipeline parallelism (the fine-tuning job runs dp x ep)".into());
     }
@@ -746,7 +758,7 @@ fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
             p.zero
         ));
     }
-    (p.zero == 3 && p.tp * p.pp * p.ep > 1).then(|| "ZeRO-3 runs without a mesh only".to_string())
+    (p.zero == 3 && p.tp * p.pp * p.ep * p.cp > 1).then(|| "ZeRO-3 runs without a mesh only".to_string())
 }
 
 /// Plan `p` as the fine-tuning job of the Hugging Face model in `hf` (`kolo train`'s `[model]
@@ -767,11 +779,15 @@ fn hf_job(hf: &std::path::Path, a: &PlanArgs, m: &Gpt, p: &Plan, e: &Estimate) -
         a.steps,
         p.zero
     );
-    if p.tp * p.pp * p.ep > 1 {
-        // Kolo's mesh counts ep beside dp: the plan's dp replicas are dp / ep x ep.
+    if p.tp * p.pp * p.ep * p.cp > 1 {
+        // Kolo's mesh counts ep beside dp (the plan's dp replicas are dp / ep x ep), and calls
+        // context parallelism sp.
         text += &format!("[mesh]\ndp = {}\ntp = {}\npp = {}\n", p.dp / p.ep, p.tp, p.pp);
         if p.ep > 1 {
             text += &format!("ep = {}\n", p.ep);
+        }
+        if p.cp > 1 {
+            text += &format!("sp = {}\n", p.cp);
         }
     }
     if p.pp > 1 {

@@ -364,6 +364,10 @@ pub struct Plan {
     /// each MoE layer sends its tokens to their experts' ranks and back (an all-to-all each way,
     /// forward and backward). 1: every rank holds every expert.
     pub ep: usize,
+    /// Context parallelism (Kolo's `sp`: ring attention): each sequence's tokens split over
+    /// `cp` ranks, which pass the keys and values around a ring in every attention layer and
+    /// share the parameters (their gradients reduced over dp x cp). Devices are dp x tp x pp x cp.
+    pub cp: usize,
     /// Megatron's sequence parallelism over the tensor-parallel group: the norms' and dropouts'
     /// activations split by the sequence too (all-gather and reduce-scatter in place of each
     /// all-reduce, the same volume). Only with tp > 1.
@@ -374,7 +378,7 @@ impl Plan {
     /// dp x tp x pp with ZeRO-`zero`, micro-batches of `micro_batch` sequences, no
     /// recomputation, 1F1B, no sequence parallelism.
     pub fn new(dp: usize, tp: usize, pp: usize, zero: u8, micro_batch: usize) -> Plan {
-        Plan { dp, tp, pp, zero, micro_batch, recompute: Recompute::None, schedule: Schedule::OneFOneB, ep: 1, seq_parallel: false }
+        Plan { dp, tp, pp, zero, micro_batch, recompute: Recompute::None, schedule: Schedule::OneFOneB, ep: 1, cp: 1, seq_parallel: false }
     }
 }
 
@@ -413,6 +417,8 @@ pub struct Estimate {
     pub pp_s: f64,
     /// Expert parallelism's all-to-alls.
     pub ep_s: f64,
+    /// Context parallelism's keys and values passed around the ring.
+    pub cp_s: f64,
     /// Data-parallel gradient communication not hidden behind backward.
     pub dp_exposed_s: f64,
     /// Adam's update of the parameters this device updates (its ZeRO shard under ZeRO-1/2/3):
@@ -545,15 +551,16 @@ pub struct LayerTime {
 
 impl LayerTime {
     /// With `seq_parallel`, the activations kept whole on every tensor-parallel rank are split
-    /// too ([`layer_activation_bytes_sp`]).
-    pub fn new(m: &Gpt, c: &Cluster, b: usize, tp: usize, seq_parallel: bool, precision: Precision) -> LayerTime {
+    /// too ([`layer_activation_bytes_sp`]); with context parallelism over `cp` ranks, this rank
+    /// has s / cp of each sequence's tokens, whose queries meet all s keys.
+    pub fn new(m: &Gpt, c: &Cluster, b: usize, tp: usize, cp: usize, seq_parallel: bool, precision: Precision) -> LayerTime {
         let (d, vb) = (&c.device, precision.value_bytes());
-        let (s, h, t) = (m.seq as f64, m.d_model as f64, tp as f64);
-        let tokens = b as f64 * s;
+        let (s, h, t, cp) = (m.seq as f64, m.d_model as f64, tp as f64, cp.max(1) as f64);
+        let tokens = b as f64 * s / cp;
         let dense = d.gemm_s(m.dense_flops_per_token() * tokens / t, (tokens, 3.0 * h / t, h), precision);
-        let attention = d.gemm_s(tokens * m.attention_flops_per_token() / t, (s, s, m.head_dim as f64), precision);
-        let scores = if c.fused_attention { 0.0 } else { scores_bytes(m, b, tp, vb) };
-        let rest = layer_bytes(m, b, tp, seq_parallel, vb) - scores_bytes(m, b, tp, vb);
+        let attention = d.gemm_s(tokens * m.attention_flops_per_token() / t, (s / cp, s, m.head_dim as f64), precision);
+        let scores = if c.fused_attention { 0.0 } else { scores_bytes(m, b, tp, vb) / cp };
+        let rest = (layer_bytes(m, b, tp, seq_parallel, vb) - scores_bytes(m, b, tp, vb)) / cp;
         let (memory, scores) = (2.0 * rest / d.mem_bandwidth, 2.0 * scores / d.mem_bandwidth);
         LayerTime { dense, attention, memory, scores, overhead: c.layer_overhead_s }
     }
@@ -585,19 +592,27 @@ fn layer_bytes(m: &Gpt, b: usize, tp: usize, seq_parallel: bool, value_bytes: f6
     }
 }
 
-/// Seconds of the logits' forward for `b` sequences on one device of a tp-way group.
-pub fn logits_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, precision: Precision) -> f64 {
+/// Seconds of the logits' forward for `b` sequences (s / cp tokens of each) on one device of a
+/// tp-way group.
+pub fn logits_forward_s(m: &Gpt, d: &Device, b: usize, tp: usize, cp: usize, precision: Precision) -> f64 {
     let (s, h, v, t) = (m.seq as f64, m.d_model as f64, m.vocab as f64, tp as f64);
-    let tokens = b as f64 * s;
+    let tokens = b as f64 * s / cp.max(1) as f64;
     d.gemm_s(2.0 * tokens * h * v / t, (tokens, v / t, h), precision)
 }
 
 /// The cost of `plan` for `global_batch` sequences per step.
 pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precision: Precision) -> Option<Estimate> {
-    let Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, ep, seq_parallel } = *plan;
+    let Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, ep, cp, seq_parallel } = *plan;
     let devices = c.devices();
     let splits = m.heads.is_multiple_of(tp) && m.kv_heads.is_multiple_of(tp);
-    if dp * tp * pp != devices || micro_batch == 0 || pp > m.layers || !splits || !global_batch.is_multiple_of(dp) {
+    if cp == 0
+        || !m.seq.is_multiple_of(cp)
+        || dp * tp * pp * cp != devices
+        || micro_batch == 0
+        || pp > m.layers
+        || !splits
+        || !global_batch.is_multiple_of(dp)
+    {
         return None;
     }
     let experts_split = ep == 1 || (m.experts > 1 && m.experts.is_multiple_of(ep) && dp.is_multiple_of(ep));
@@ -619,16 +634,19 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let vb = precision.value_bytes();
     let (s, h) = (m.seq as f64, m.d_model as f64);
     let layers_per_stage = (m.layers as f64 / pp as f64).ceil();
-    let act_values = micro_batch as f64 * s * h;
+    let act_values = micro_batch as f64 * s / cp as f64 * h;
+    // The ranks that hold the same parameters: the data-parallel replicas and, within each,
+    // the context-parallel ones (ranks ordered tp, cp, dp, pp).
+    let replicas = dp * cp;
 
     // One micro-batch on the last (slowest) stage: forward, backward (2x), recomputation.
     let checkpoint = recompute == Recompute::Full;
-    let layer = LayerTime::new(m, c, micro_batch, tp, seq_parallel, precision).step(recompute, c.fused_attention);
-    let slot_compute = layers_per_stage * layer + 3.0 * logits_forward_s(m, &c.device, micro_batch, tp, precision);
+    let layer = LayerTime::new(m, c, micro_batch, tp, cp, seq_parallel, precision).step(recompute, c.fused_attention);
+    let slot_compute = layers_per_stage * layer + 3.0 * logits_forward_s(m, &c.device, micro_batch, tp, cp, precision);
     let tp_link = c.group_link(tp, 1);
     let all_reduces = if checkpoint { 6.0 } else { 4.0 };
     let slot_tp = layers_per_stage * all_reduces * all_reduce_s(act_values * vb, tp, tp_link);
-    let pp_link = c.group_link(pp, tp * dp);
+    let pp_link = c.group_link(pp, tp * replicas);
     let slot_pp = if pp > 1 { 2.0 * chunks as f64 * (pp_link.latency + act_values * vb / tp as f64 / pp_link.bandwidth) } else { 0.0 };
     // A stage's expert parameters, dealt out over ep; the rest replicated over dp.
     let stage_experts = layers_per_stage * m.expert_block_params() / tp as f64;
@@ -651,10 +669,21 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let slots = mb as f64 + bubble_slots;
     let tp_s = slots * slot_tp;
     let pp_s = slots * slot_pp;
+    // Ring attention: every layer passes this rank's keys and values (s / cp tokens of the
+    // key/value heads) cp - 1 steps around the ring forward; backward passes them again with
+    // their gradients (twice), recomputation once more. Not overlapped with the attention.
+    let cp_s = if cp > 1 {
+        let link = c.group_link(cp, tp);
+        let kv = 2.0 * act_values * (m.kv_heads * m.head_dim) as f64 / h * vb / tp as f64;
+        let forward = (cp - 1) as f64 * (link.latency + kv / link.bandwidth);
+        mb as f64 * layers_per_stage * if checkpoint { 4.0 } else { 3.0 } * forward
+    } else {
+        0.0
+    };
     // Each MoE layer's tokens go to their experts' ranks and come back: two all-to-alls forward,
     // two backward, two more recomputing; each carries the micro-batch's tokens x top-k rows.
     let ep_s = if ep > 1 {
-        let link = c.group_link(ep, tp);
+        let link = c.group_link(ep, tp * cp);
         let bytes = act_values * m.top_k.max(1) as f64 * vb / tp as f64;
         let one = (ep - 1) as f64 * link.latency + bytes * (ep - 1) as f64 / ep as f64 / link.bandwidth;
         mb as f64 * layers_per_stage * if checkpoint { 6.0 } else { 4.0 } * one
@@ -664,8 +693,9 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
 
     let volume = if zero >= 3 { 1.5 } else { 1.0 };
     // The experts' gradients are reduced over the dp / ep replicas that hold the same experts.
-    let expert_reduce = if own_experts > 0.0 { all_reduce_s(own_experts * vb, dp / ep, c.group_link(dp / ep, tp * ep)) } else { 0.0 };
-    let dp_s = volume * (all_reduce_s(dense_params * vb, dp, c.group_link(dp, tp)) + expert_reduce);
+    let expert_reduce =
+        if own_experts > 0.0 { all_reduce_s(own_experts * vb, replicas / ep, c.group_link(replicas / ep, tp * ep)) } else { 0.0 };
+    let dp_s = volume * (all_reduce_s(dense_params * vb, replicas, c.group_link(replicas, tp)) + expert_reduce);
     // Buckets overlap backward (2/3 of the compute); at least the last bucket is exposed.
     // ZeRO-1/2's all-gather of the updated shards (half the volume) follows the optimizer step
     // and overlaps nothing; ZeRO-3's gathers are prefetched during forward and backward.
@@ -674,16 +704,16 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let exposed = if c.overlap_dp { (overlapped - compute_s * 2.0 / 3.0).max(overlapped * 0.1) } else { overlapped };
     let dp_exposed_s = exposed + after_step;
 
-    let updated = if zero >= 1 { dense_params / dp as f64 + own_experts / (dp / ep) as f64 } else { stage_params };
+    let updated = if zero >= 1 { dense_params / replicas as f64 + own_experts / (replicas / ep) as f64 } else { stage_params };
     let optimizer_s = updated * optimizer_bytes(precision) / c.device.update_bandwidth;
-    let (dense, experts) = (state_bytes(dense_params, zero, dp, precision), state_bytes(own_experts, zero, dp / ep, precision));
+    let (dense, experts) = (state_bytes(dense_params, zero, replicas, precision), state_bytes(own_experts, zero, replicas / ep, precision));
     let (params, grads, optimizer) = (dense.0 + experts.0, dense.1 + experts.1, dense.2 + experts.2);
     // ZeRO-3: a layer's gathered parameters and gradients, two layers at a time (prefetch).
     let gathered_layer = if zero >= 3 { 4.0 * vb * m.block_matrices() / tp as f64 } else { 0.0 };
     // The first stage keeps the most micro-batches (min(pp, m)); the last keeps one and the
     // loss's logits.
-    let scores = scores_bytes(m, micro_batch, tp, vb) * c.activation_factor;
-    let full = layer_bytes(m, micro_batch, tp, seq_parallel, vb) * c.activation_factor;
+    let scores = scores_bytes(m, micro_batch, tp, vb) * c.activation_factor / cp as f64;
+    let full = layer_bytes(m, micro_batch, tp, seq_parallel, vb) * c.activation_factor / cp as f64;
     let whole_layer = if c.fused_attention { full - scores } else { full };
     let kept_layer = match recompute {
         Recompute::None => whole_layer,
@@ -692,7 +722,7 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     };
     let rerun = if checkpoint { whole_layer } else { 0.0 };
     let stage_activations = |in_flight: f64| layers_per_stage * in_flight * kept_layer + rerun;
-    let last = stage_activations(1.0) + logits_bytes(m, micro_batch, tp, vb);
+    let last = stage_activations(1.0) + logits_bytes(m, micro_batch, tp, vb) / cp as f64;
     let interleaving = if chunks > 1 { 1.0 + (pp - 1) as f64 / (pp * chunks) as f64 } else { 1.0 };
     let activations = if pp == 1 { last } else { stage_activations(pp.min(mb) as f64 * interleaving).max(last) };
     // PipeDream-2BW keeps the weights of the previous update beside the current ones.
@@ -706,12 +736,13 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
         Recompute::Full => m.recompute_flops(global_batch as f64),
     };
     Some(Estimate {
-        step_s: compute_s + bubble_s + tp_s + pp_s + ep_s + dp_exposed_s + optimizer_s,
+        step_s: compute_s + bubble_s + tp_s + pp_s + ep_s + cp_s + dp_exposed_s + optimizer_s,
         compute_s,
         bubble_s,
         tp_s,
         pp_s,
         ep_s,
+        cp_s,
         dp_exposed_s,
         optimizer_s,
         memory: Memory { params, grads, optimizer, activations, runtime },
@@ -737,6 +768,8 @@ pub struct Space {
     pub seq_parallel: Vec<bool>,
     /// Expert-parallel degrees (for a model with experts; each dividing dp and the experts).
     pub ep: Vec<usize>,
+    /// Context-parallel degrees (each dividing the sequence).
+    pub cp: Vec<usize>,
     /// Whether ZeRO may combine with tp or pp (Kolo's own runs: not yet).
     pub zero_with_model_parallel: bool,
 }
@@ -750,6 +783,7 @@ impl Default for Space {
             schedules: vec![Schedule::OneFOneB, Schedule::Interleaved(2), Schedule::Interleaved(4)],
             seq_parallel: vec![false, true],
             ep: vec![1, 2, 4, 8, 16, 32, 64],
+            cp: vec![1, 2, 4, 8],
             zero_with_model_parallel: true,
         }
     }
@@ -758,30 +792,46 @@ impl Default for Space {
 /// Every plan of `space` that fits in the devices' memory, fastest first.
 pub fn search(m: &Gpt, c: &Cluster, global_batch: usize, precision: Precision, space: &Space) -> Vec<(Plan, Estimate)> {
     let mut out = Vec::new();
-    let n = c.devices();
-    for tp in (1..=n).filter(|t| n.is_multiple_of(*t)) {
-        for pp in (1..=n / tp).filter(|p| (n / tp).is_multiple_of(*p)) {
-            let dp = n / (tp * pp);
-            for &zero in &space.zero_stages {
-                if zero > 0 && (dp == 1 || (!space.zero_with_model_parallel && tp * pp > 1)) {
-                    continue;
-                }
-                for &micro_batch in &space.micro_batches {
-                    for &recompute in &space.recompute {
-                        if recompute == Recompute::Selective && c.fused_attention {
-                            continue;
-                        }
-                        let schedules: &[Schedule] = if pp > 1 { &space.schedules } else { &[Schedule::OneFOneB] };
-                        let sp: &[bool] = if tp > 1 { &space.seq_parallel } else { &[false] };
-                        let eps: Vec<usize> = if m.experts > 1 { space.ep.clone() } else { vec![1] };
-                        for (&schedule, &seq_parallel) in schedules.iter().flat_map(|s| sp.iter().map(move |q| (s, q))) {
-                            for &ep in &eps {
-                                let plan = Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, ep, seq_parallel };
-                                if let Some(e) = estimate(m, c, &plan, global_batch, precision) {
-                                    if e.memory() <= c.device.memory {
-                                        out.push((plan, e));
-                                    }
-                                }
+    for plan in candidates(m, c.devices(), space) {
+        if plan.recompute == Recompute::Selective && c.fused_attention {
+            continue;
+        }
+        if let Some(e) = estimate(m, c, &plan, global_batch, precision) {
+            if e.memory() <= c.device.memory {
+                out.push((plan, e));
+            }
+        }
+    }
+    out.sort_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s));
+    out
+}
+
+/// The plans of `space` for `n` devices: every cp x tp x pp x dp split, and for each the ZeRO
+/// stages (with more than one replica), micro-batches, recomputations, schedules (with
+/// stages), sequence parallelism (with tp) and expert-parallel degrees (for experts).
+fn candidates(m: &Gpt, n: usize, space: &Space) -> Vec<Plan> {
+    let divides = |a: usize| move |d: &usize| a.is_multiple_of(*d);
+    let mut shapes = Vec::new();
+    for cp in space.cp.iter().copied().filter(|c| *c > 0).filter(divides(n)) {
+        for tp in (1..=n / cp).filter(divides(n / cp)) {
+            for pp in (1..=n / (cp * tp)).filter(divides(n / (cp * tp))) {
+                shapes.push((n / (cp * tp * pp), tp, pp, cp));
+            }
+        }
+    }
+    let mut plans = Vec::new();
+    for (dp, tp, pp, cp) in shapes {
+        let zeros = space.zero_stages.iter().filter(|&&z| z == 0 || (dp * cp > 1 && (space.zero_with_model_parallel || tp * pp == 1)));
+        let schedules: &[Schedule] = if pp > 1 { &space.schedules } else { &[Schedule::OneFOneB] };
+        let sps: &[bool] = if tp > 1 { &space.seq_parallel } else { &[false] };
+        let eps: &[usize] = if m.experts > 1 { &space.ep } else { &[1] };
+        for &zero in zeros {
+            for &micro_batch in &space.micro_batches {
+                for &recompute in &space.recompute {
+                    for &schedule in schedules {
+                        for &seq_parallel in sps {
+                            for &ep in eps {
+                                plans.push(Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, ep, cp, seq_parallel });
                             }
                         }
                     }
@@ -789,8 +839,7 @@ pub fn search(m: &Gpt, c: &Cluster, global_batch: usize, precision: Precision, s
             }
         }
     }
-    out.sort_by(|a, b| a.1.step_s.total_cmp(&b.1.step_s));
-    out
+    plans
 }
 
 /// Parses sizes like "80GiB", "24GB", "512MiB", "1.3B", "125M", "100Gbps" into a number (bytes,

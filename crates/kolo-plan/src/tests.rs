@@ -394,8 +394,8 @@ fn selective_recomputation_and_fused_attention_drop_the_scores() {
     assert_eq!(f_none, f_sel);
     assert_eq!(f_none.memory.activations, sel.memory.activations);
     // Backward's extra score products cost less than the scores' memory traffic saved here.
-    let layer = LayerTime::new(&m, &unfused, 2, 1, false, Precision::Mixed);
-    let fused_layer = LayerTime::new(&m, &fused, 2, 1, false, Precision::Mixed);
+    let layer = LayerTime::new(&m, &unfused, 2, 1, 1, false, Precision::Mixed);
+    let fused_layer = LayerTime::new(&m, &fused, 2, 1, 1, false, Precision::Mixed);
     assert_eq!(fused_layer.scores, 0.0);
     let gap = layer.step(Recompute::None, false) - fused_layer.step(Recompute::None, true);
     assert!((gap - (3.0 * layer.scores - 0.5 * layer.attention)).abs() < 1e-12);
@@ -580,4 +580,41 @@ fn expert_parallelism_deals_the_experts_out() {
     let plans = search(&mixtral, &nodes, 64, Precision::Mixed, &Space::default());
     assert!(plans.iter().any(|(p, _)| p.ep > 1), "no expert-parallel plan fits");
     assert!(plans.iter().all(|(p, _)| p.ep > 1 || p.zero > 0 || p.tp * p.pp > 1));
+}
+
+/// Context parallelism (ring attention) splits each sequence over cp ranks: a rank keeps and
+/// computes for s / cp tokens (whose queries meet all s keys), passes its keys and values cp - 1
+/// steps around the ring in every layer (three times with backward), and shares the
+/// parameters with its ring, so ZeRO shards and gradients span dp x cp. A sequence that does not
+/// split, or devices that are not dp x tp x pp x cp, are not plans.
+#[test]
+fn context_parallelism_splits_the_sequence() {
+    let llama = Gpt {
+        kv_heads: 8,
+        head_dim: 128,
+        ffn: 14336,
+        gated: true,
+        learned_positions: false,
+        ..Gpt::gpt_style(32, 4096, 32, 32768, 128256)
+    };
+    let one = Cluster::preset("dgx-a100", 1).unwrap().with_devices(1).unwrap();
+    let eight = Cluster::preset("dgx-a100", 1).unwrap();
+    let alone = estimate(&llama, &one, &Plan::new(1, 1, 1, 0, 1), 1, Precision::Mixed).unwrap();
+    let ring = estimate(&llama, &eight, &Plan { cp: 8, ..Plan::new(1, 1, 1, 0, 1) }, 1, Precision::Mixed).unwrap();
+    assert!((ring.memory.activations - alone.memory.activations / 8.0).abs() < 1.0, "an eighth of the tokens' activations");
+    assert!(ring.compute_s < alone.compute_s / 7.0 && ring.compute_s > alone.compute_s / 9.0, "{} vs {}", ring.compute_s, alone.compute_s);
+    let link = eight.group_link(8, 1);
+    let kv = 2.0 * 4096.0 * 1024.0 * 2.0; // keys and values of 4096 tokens x 1024, bf16
+    let want = 32.0 * 3.0 * 7.0 * (link.latency + kv / link.bandwidth);
+    assert!((ring.cp_s - want).abs() < 1e-9, "{} vs {want}", ring.cp_s);
+    assert_eq!(alone.cp_s, 0.0);
+    // ZeRO-1 over the 8 ranks of the ring: the optimizer states an eighth each.
+    let z1 = estimate(&llama, &eight, &Plan { cp: 8, ..Plan::new(1, 1, 1, 1, 1) }, 1, Precision::Mixed).unwrap();
+    assert!((z1.memory.optimizer - 12.0 * llama.params() / 8.0).abs() < 1.0);
+    let odd = Gpt { seq: 32769, ..llama };
+    assert!(estimate(&odd, &eight, &Plan { cp: 8, ..Plan::new(1, 1, 1, 0, 1) }, 1, Precision::Mixed).is_none());
+    assert!(estimate(&llama, &eight, &Plan { cp: 4, ..Plan::new(1, 1, 1, 0, 1) }, 1, Precision::Mixed).is_none(), "4 of 8 devices");
+    // A long sequence that fits no single device: the search splits it.
+    let plans = search(&llama, &eight, 8, Precision::Mixed, &Space { cp: vec![1, 2, 4, 8], ..Space::default() });
+    assert!(plans.iter().any(|(p, _)| p.cp > 1), "no context-parallel plan fits");
 }

@@ -125,6 +125,7 @@ pub fn runnable_plans(m: &Gpt, c: &Cluster, global: usize, precision: Precision)
         schedules: vec![Schedule::OneFOneB],
         seq_parallel: vec![false],
         ep: vec![1],
+        cp: vec![1],
         ..Space::default()
     };
     let checkpoint = |p: &Plan| p.recompute == Recompute::Full;
@@ -156,6 +157,12 @@ pub fn apply(cfg: &mut Config, p: &Plan, e: &Estimate, global: usize, layers: us
     }
     if p.ep > 1 {
         return Err(TrainError::Config(format!("expert parallelism (ep {}): Kolo's built-in GPT here has no experts to deal out", p.ep)));
+    }
+    if p.cp > 1 {
+        return Err(TrainError::Config(format!(
+            "context parallelism (cp {}): Kolo's GPT runs ring attention as its own strategy ([mesh] sp), not beside this plan's",
+            p.cp
+        )));
     }
     if p.pp > 1 {
         let schedule = match p.schedule {

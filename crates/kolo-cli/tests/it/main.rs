@@ -1433,7 +1433,7 @@ fn plans_describe_hugging_face_models() {
     let data = kolo_testkit::files::shakespeare().display().to_string();
     let base = ["plan", "--hf", llama.to_str().unwrap(), "--seq", "16", "--devices", "2", "--cluster", "this-machine"];
     let job = ["--global-batch", "4", "--precision", "f32", "--steps", "2", "--data", &data];
-    for (tag, extra) in [("tp", vec!["--evaluate", "tp=2,micro=4"]), ("searched", vec![])] {
+    for (tag, extra) in [("tp", vec!["--evaluate", "tp=2,micro=4"]), ("cp", vec!["--evaluate", "cp=2,micro=4"]), ("searched", vec![])] {
         let out = dir.join(tag);
         let o = run(&[&base[..], &job[..], &extra[..], &["--emit", out.to_str().unwrap()]].concat(), &[]);
         assert!(o.status.success(), "{tag}: {}", text(&o));
@@ -1441,6 +1441,9 @@ fn plans_describe_hugging_face_models() {
         assert!(toml.contains("[model]\nhf = ") && toml.contains("seq = 16"), "{tag}: {toml}");
         if tag == "tp" {
             assert!(toml.contains("[mesh]\ndp = 1\ntp = 2\npp = 1\n"), "{toml}");
+        }
+        if tag == "cp" {
+            assert!(toml.contains("[mesh]\ndp = 1\ntp = 1\npp = 1\nsp = 2\n"), "{toml}");
         }
         let o = Command::new("bash").arg(out.join("launch.sh")).env("KOLO", KOLO).output().unwrap();
         let t = text(&o);
