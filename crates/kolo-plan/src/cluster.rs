@@ -53,6 +53,9 @@ pub struct Device {
     /// Other shapes are costed as the square GEMM of equal work (n = cbrt(M N K)),
     /// interpolated in log n and clamped at both ends.
     pub gemm_efficiency: Vec<(f64, f64)>,
+    /// The best model FLOPs utilisation published for a training run on this device, and where
+    /// (`kolo plan` says so when its pick predicts more).
+    pub published_mfu: Option<(f64, String)>,
 }
 
 impl Device {
@@ -144,6 +147,10 @@ fn a100() -> Device {
         gemm_efficiency: [(256.0, 0.04), (512.0, 0.20), (1024.0, 0.50), (2048.0, 0.72), (4096.0, 0.81), (8192.0, 0.87)]
             .map(|(n, e)| (n, e * 1305.0 / 1410.0))
             .to_vec(),
+        published_mfu: Some((
+            0.563,
+            "Korthikanti et al. 2022, GPT-3 175B on A100s with selective recomputation and sequence parallelism".into(),
+        )),
     }
 }
 
@@ -158,6 +165,7 @@ fn h100() -> Device {
         mem_bandwidth: 3.35e12,
         update_bandwidth: 3.35e12,
         gemm_efficiency: vec![(256.0, 0.02), (512.0, 0.10), (1024.0, 0.30), (2048.0, 0.55), (4096.0, 0.68), (8192.0, 0.74)],
+        published_mfu: Some((0.43, "Llama 3 405B on 16k H100s (Meta 2024: 38-43 % BF16 MFU)".into())),
     }
 }
 
@@ -228,6 +236,7 @@ impl Cluster {
                     // kolo bench compute (RAYON_NUM_THREADS=1), 2026-11-24: 170, 201, 221, 215,
                     // 215, 219 GFLOP/s at n = 64 ... 2048.
                     gemm_efficiency: vec![(64.0, 0.77), (128.0, 0.91), (256.0, 1.0), (2048.0, 1.0)],
+                    published_mfu: None,
                 },
                 devices_per_node: 2,
                 nodes,

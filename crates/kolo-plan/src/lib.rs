@@ -30,8 +30,9 @@
 //!   recomputing; pipeline one activation and one gradient of b s h / t values per slot and
 //!   stage boundary; data parallelism one all-reduce of the stage's gradients (ZeRO-1/2:
 //!   reduce-scatter + all-gather, the same volume, the all-gather after the optimizer step;
-//!   ZeRO-3: 1.5x), overlapped with backward when [`Cluster::overlap_dp`] (ZeRO-1/2's
-//!   all-gather never);
+//!   ZeRO-3: 1.5x for every micro-batch, which gathers the parameters twice and reduce-scatters
+//!   its gradients), overlapped with backward when [`Cluster::overlap_dp`] (ZeRO-3's with the
+//!   whole compute; ZeRO-1/2's all-gather never);
 //! - **memory** per device ([`state_bytes`]): parameters, gradients and optimizer states per
 //!   precision and ZeRO stage, for the largest stage's parameters over tp (whole layers per
 //!   stage, the embeddings on the first, the output layer on the last); activations of the
@@ -691,17 +692,22 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
         0.0
     };
 
-    let volume = if zero >= 3 { 1.5 } else { 1.0 };
+    // ZeRO-3 keeps no whole parameters nor gradients between micro-batches: each one gathers
+    // the parameters for forward and again for backward and reduce-scatters its gradients
+    // (1.5 all-reduces' volume a micro-batch, as DeepSpeed's stage 3 does with accumulation).
+    let volume = if zero >= 3 { 1.5 * mb as f64 } else { 1.0 };
     // The experts' gradients are reduced over the dp / ep replicas that hold the same experts.
     let expert_reduce =
         if own_experts > 0.0 { all_reduce_s(own_experts * vb, replicas / ep, c.group_link(replicas / ep, tp * ep)) } else { 0.0 };
     let dp_s = volume * (all_reduce_s(dense_params * vb, replicas, c.group_link(replicas, tp)) + expert_reduce);
     // Buckets overlap backward (2/3 of the compute); at least the last bucket is exposed.
     // ZeRO-1/2's all-gather of the updated shards (half the volume) follows the optimizer step
-    // and overlaps nothing; ZeRO-3's gathers are prefetched during forward and backward.
+    // and overlaps nothing; ZeRO-3's gathers are prefetched during forward and backward (all of
+    // the compute).
     let after_step = if zero == 1 || zero == 2 { dp_s / 2.0 } else { 0.0 };
     let overlapped = dp_s - after_step;
-    let exposed = if c.overlap_dp { (overlapped - compute_s * 2.0 / 3.0).max(overlapped * 0.1) } else { overlapped };
+    let window = if zero >= 3 { compute_s } else { compute_s * 2.0 / 3.0 };
+    let exposed = if c.overlap_dp { (overlapped - window).max(overlapped * 0.1) } else { overlapped };
     let dp_exposed_s = exposed + after_step;
 
     let updated = if zero >= 1 { dense_params / replicas as f64 + own_experts / (replicas / ep) as f64 } else { stage_params };

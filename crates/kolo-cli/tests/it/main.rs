@@ -1096,6 +1096,11 @@ fn fed_run_and_plan_work_from_the_command_line() {
     assert!(rows.iter().all(|r| (r.contains("tp  1") || r.contains(" sp")) && (r.contains("pp  1") || r.contains(" 2bw"))), "{t}");
     let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--evaluate", "tp=2,pp=4,micro=1,schedule=interleaved:2,sp"], &[]);
     assert!(o.status.success() && text(&o).contains(" interleaved:2 sp"), "{}", text(&o));
+    // A pick above the best MFU published for the device says so, and where that figure is from.
+    let o = run(&["plan", "--params", "175B", "--devices", "1024", "--global-batch", "1536", "--top", "1"], &[]);
+    let t = text(&o);
+    let mfu: f64 = t.split("MFU").nth(1).and_then(|r| r.split('%').next()).and_then(|v| v.trim().parse().ok()).unwrap_or(0.0);
+    assert_eq!(mfu > 56.3, t.contains("is above the best published on this device, 56.3 % (Korthikanti et al. 2022"), "{t}");
     let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--global-batch-tokens", "1048576", "--top", "1"], &[]);
     assert!(o.status.success() && text(&o).contains("; 512 sequences per step"), "{}", text(&o));
     let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--global-batch-tokens", "1000000"], &[]);
