@@ -245,6 +245,8 @@ struct ClusterFile {
     fused_attention: bool,
     #[serde(default)]
     layer_overhead_us: f64,
+    #[serde(default)]
+    cores_per_node: usize,
     device: DeviceFile,
     intra: LinkFile,
     inter: LinkFile,
@@ -326,6 +328,7 @@ fn load_cluster(path: &str) -> anyhow::Result<Cluster> {
         overlap_dp: f.overlap_dp,
         fused_attention: f.fused_attention,
         layer_overhead_s: f.layer_overhead_us * 1e-6,
+        cores_per_node: f.cores_per_node,
     })
 }
 
@@ -334,7 +337,7 @@ fn cluster_toml(c: &Cluster) -> String {
     let d = &c.device;
     let pts: Vec<String> = d.gemm_efficiency.iter().map(|(n, e)| format!("[{n}, {e}]")).collect();
     format!(
-        "# {} x {} per node\ndevices_per_node = {}\nactivation_factor = {}\nparam_copy_bytes = {}\noverlap_dp = {}\nfused_attention = {}\nlayer_overhead_us = {}\n\n[device]\nname = \"{}\"\nmemory = \"{}GiB\"\npeak_f32 = \"{}GFLOPS\"\npeak_16 = \"{}GFLOPS\"\nmem_bandwidth = \"{}GB\"\nupdate_bandwidth = \"{}GB\"\n# (n, fraction of peak) of square n x n x n GEMMs\ngemm_efficiency = [{}]\n{}\n[intra]\nbandwidth = \"{}GB\"\nlatency_us = {}\n\n[inter]\nbandwidth = \"{}GB\"\nlatency_us = {}\n",
+        "# {} x {} per node\ndevices_per_node = {}\nactivation_factor = {}\nparam_copy_bytes = {}\noverlap_dp = {}\nfused_attention = {}\nlayer_overhead_us = {}\n# compute units the node's devices share (0: each its own)\ncores_per_node = {}\n\n[device]\nname = \"{}\"\nmemory = \"{}GiB\"\npeak_f32 = \"{}GFLOPS\"\npeak_16 = \"{}GFLOPS\"\nmem_bandwidth = \"{}GB\"\nupdate_bandwidth = \"{}GB\"\n# (n, fraction of peak) of square n x n x n GEMMs\ngemm_efficiency = [{}]\n{}\n[intra]\nbandwidth = \"{}GB\"\nlatency_us = {}\n\n[inter]\nbandwidth = \"{}GB\"\nlatency_us = {}\n",
         d.name,
         c.devices_per_node,
         c.devices_per_node,
@@ -343,6 +346,7 @@ fn cluster_toml(c: &Cluster) -> String {
         c.overlap_dp,
         c.fused_attention,
         c.layer_overhead_s * 1e6,
+        c.cores_per_node,
         d.name,
         d.memory / 1024f64.powi(3),
         d.peak_f32 / 1e9,
@@ -374,6 +378,7 @@ pub fn run(mut a: PlanArgs) -> anyhow::Result<i32> {
         // This machine, its CPU measured now (the preset's links and runtime constants).
         let mut c = Cluster::preset("this-machine", 1).map_err(anyhow::Error::msg)?;
         c.device = kolo_train::autoplan::measure_device()?;
+        c.cores_per_node = std::thread::available_parallelism().map_or(1, |n| n.get());
         c
     } else if PRESETS.contains(&a.cluster.as_str()) {
         Cluster::preset(&a.cluster, 1).map_err(anyhow::Error::msg)?

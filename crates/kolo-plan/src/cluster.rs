@@ -130,6 +130,11 @@ pub struct Cluster {
     /// for a runtime from one run (docs/benchmarks.md: transformers on torch eager, 0.53 ms on
     /// an H200).
     pub layer_overhead_s: f64,
+    /// Compute units a node's devices share (a CPU's cores; 0: every device its own, as GPUs).
+    /// With more ranks on a node than cores, a rank idle in the pipeline's bubble leaves its core
+    /// to the ranks it shares it with, so the bubble costs the node nothing; the device's rates
+    /// are then those measured with every rank running at once.
+    pub cores_per_node: usize,
 }
 
 /// A100-SXM4 80 GB: bf16 dense peak 312 TFLOP/s (at the 1410 MHz boost clock), f32 19.5;
@@ -216,6 +221,7 @@ impl Cluster {
             overlap_dp: true,
             fused_attention,
             layer_overhead_s: 0.0,
+            cores_per_node: 0,
         };
         match name {
             "dgx-a100" => Ok(gpu(a100(), 230e9, 23e9, false)),
@@ -247,6 +253,7 @@ impl Cluster {
                 overlap_dp: true,
                 fused_attention: false,
                 layer_overhead_s: 0.0,
+                cores_per_node: 2,
             }),
             other => Err(format!("cluster preset `{other}`: one of {}", PRESETS.join(", "))),
         }

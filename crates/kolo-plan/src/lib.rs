@@ -667,6 +667,8 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
         Schedule::TwoBw => 0.0,
     };
     let bubble_s = bubble_slots * slot_compute;
+    // Ranks sharing cores: a rank's bubble runs the others (see `Cluster::cores_per_node`).
+    let oversubscribed = c.cores_per_node > 0 && c.devices_per_node > c.cores_per_node;
     let slots = mb as f64 + bubble_slots;
     let tp_s = slots * slot_tp;
     let pp_s = slots * slot_pp;
@@ -742,7 +744,7 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
         Recompute::Full => m.recompute_flops(global_batch as f64),
     };
     Some(Estimate {
-        step_s: compute_s + bubble_s + tp_s + pp_s + ep_s + cp_s + dp_exposed_s + optimizer_s,
+        step_s: compute_s + if oversubscribed { 0.0 } else { bubble_s } + tp_s + pp_s + ep_s + cp_s + dp_exposed_s + optimizer_s,
         compute_s,
         bubble_s,
         tp_s,

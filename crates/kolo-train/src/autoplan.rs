@@ -79,6 +79,7 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64, device: &kolo_pla
     let mut c = Cluster::preset("this-machine", 1).map_err(TrainError::Config)?;
     c.device = device.clone();
     (c.devices_per_node, c.device.memory) = (world, memory);
+    c.cores_per_node = std::thread::available_parallelism().map_or(1, |n| n.get());
     let global = cfg.data.batch_size * world;
     let Some((p, e)) = runnable_plans(&m, &c, global, Precision::F32).into_iter().next() else {
         return Err(TrainError::Config(format!(
