@@ -51,8 +51,11 @@ pub struct PlanArgs {
     #[arg(long)]
     top_k: Option<usize>,
     /// Devices in the job (whole nodes of the cluster, or part of one node).
-    #[arg(long, required_unless_present = "show_cluster")]
+    #[arg(long, required_unless_present_any = ["show_cluster", "nodes"], conflicts_with = "nodes")]
     devices: Option<usize>,
+    /// Nodes in the job, each with the cluster's devices per node (instead of --devices).
+    #[arg(long)]
+    nodes: Option<usize>,
     /// The cluster: a preset (dgx-a100, dgx-h100, dgx-h200, this-machine), `measured` (this machine with
     /// its CPU measured now, about a second: one rank's threads) or a TOML file describing one
     /// (print a preset with --show-cluster to start from).
@@ -114,8 +117,9 @@ pub struct PlanArgs {
     /// Sequences per training step.
     #[arg(long, default_value_t = 512)]
     global_batch: usize,
-    /// bf16/f16 (mixed precision: 2-byte values, f32 master weights and Adam, the bf16 peak)
-    /// or f32 (Kolo's default).
+    /// bf16/f16 (mixed precision: 2-byte values, f32 master weights and Adam, the bf16 peak),
+    /// fp8 (the matrix products at the device's FP8 peak, the rest as bf16; H100/H200) or f32
+    /// (Kolo's default).
     #[arg(long, default_value = "bf16")]
     precision: String,
     /// Plans to print.
@@ -259,6 +263,8 @@ struct DeviceFile {
     memory: String,
     peak_f32: String,
     peak_16: String,
+    /// Peak FP8 FLOP/s, where the device has FP8 tensor cores.
+    peak_8: Option<String>,
     mem_bandwidth: String,
     /// Default: mem_bandwidth.
     update_bandwidth: Option<String>,
@@ -314,6 +320,7 @@ fn load_cluster(path: &str) -> anyhow::Result<Cluster> {
             memory: quantity("device.memory", &d.memory)?,
             peak_f32: quantity("device.peak_f32", &d.peak_f32)?,
             peak_16: quantity("device.peak_16", &d.peak_16)?,
+            peak_8: d.peak_8.as_deref().map(|p| quantity("device.peak_8", p)).transpose()?,
             mem_bandwidth: bandwidth_bytes(&d.mem_bandwidth)?,
             update_bandwidth: bandwidth_bytes(d.update_bandwidth.as_ref().unwrap_or(&d.mem_bandwidth))?,
             gemm_efficiency: pts.clone(),
@@ -337,7 +344,7 @@ fn cluster_toml(c: &Cluster) -> String {
     let d = &c.device;
     let pts: Vec<String> = d.gemm_efficiency.iter().map(|(n, e)| format!("[{n}, {e}]")).collect();
     format!(
-        "# {} x {} per node\ndevices_per_node = {}\nactivation_factor = {}\nparam_copy_bytes = {}\noverlap_dp = {}\nfused_attention = {}\nlayer_overhead_us = {}\n# compute units the node's devices share (0: each its own)\ncores_per_node = {}\n\n[device]\nname = \"{}\"\nmemory = \"{}GiB\"\npeak_f32 = \"{}GFLOPS\"\npeak_16 = \"{}GFLOPS\"\nmem_bandwidth = \"{}GB\"\nupdate_bandwidth = \"{}GB\"\n# (n, fraction of peak) of square n x n x n GEMMs\ngemm_efficiency = [{}]\n{}\n[intra]\nbandwidth = \"{}GB\"\nlatency_us = {}\n\n[inter]\nbandwidth = \"{}GB\"\nlatency_us = {}\n",
+        "# {} x {} per node\ndevices_per_node = {}\nactivation_factor = {}\nparam_copy_bytes = {}\noverlap_dp = {}\nfused_attention = {}\nlayer_overhead_us = {}\n# compute units the node's devices share (0: each its own)\ncores_per_node = {}\n\n[device]\nname = \"{}\"\nmemory = \"{}GiB\"\npeak_f32 = \"{}GFLOPS\"\npeak_16 = \"{}GFLOPS\"\n{}mem_bandwidth = \"{}GB\"\nupdate_bandwidth = \"{}GB\"\n# (n, fraction of peak) of square n x n x n GEMMs\ngemm_efficiency = [{}]\n{}\n[intra]\nbandwidth = \"{}GB\"\nlatency_us = {}\n\n[inter]\nbandwidth = \"{}GB\"\nlatency_us = {}\n",
         d.name,
         c.devices_per_node,
         c.devices_per_node,
@@ -351,6 +358,7 @@ fn cluster_toml(c: &Cluster) -> String {
         d.memory / 1024f64.powi(3),
         d.peak_f32 / 1e9,
         d.peak_16 / 1e9,
+        d.peak_8.map_or(String::new(), |p| format!("peak_8 = \"{}GFLOPS\"\n", p / 1e9)),
         d.mem_bandwidth / 1e9,
         d.update_bandwidth / 1e9,
         pts.join(", "),
@@ -406,7 +414,14 @@ pub fn run(mut a: PlanArgs) -> anyhow::Result<i32> {
         print!("{}", cluster_toml(&c));
         return Ok(0);
     }
-    let devices = a.devices.expect("clap requires --devices without --show-cluster");
+    let devices = match (a.devices, a.nodes) {
+        (Some(d), _) => d,
+        (None, Some(n)) => n * c.devices_per_node,
+        (None, None) => unreachable!("clap requires --devices or --nodes without --show-cluster"),
+    };
+    if precision_is_fp8(&a.precision) && c.device.peak_8.is_none() {
+        anyhow::bail!("--precision fp8: the {} has no FP8 rate (peak_8 in a cluster file gives one)", c.device.name);
+    }
     let c = c.with_devices(devices).map_err(|e| anyhow::anyhow!("--devices {devices}: {e}"))?;
     let m = model(&a)?;
     if let Some(t) = &a.global_batch_tokens {
@@ -502,7 +517,8 @@ pub fn run(mut a: PlanArgs) -> anyhow::Result<i32> {
         println!("{}", row(i + 1, p, e));
     }
     if let (Some((best, source)), Some((_, e))) = (&c.device.published_mfu, plans.first()) {
-        if e.mfu() > *best {
+        // (The published figures are bf16 ones; an fp8 plan's MFU is over the FP8 peak.)
+        if e.mfu() > *best && precision != Precision::Fp8 {
             println!(
                 "note: the fastest plan's predicted MFU, {:.1} %, is above the best published on this device, {:.1} % ({source}). The model costs the GEMMs at the device's efficiency curve, memory traffic and communication, and was within 2-11 % of Megatron-LM's runs with full recomputation; kernels and overheads it does not see (fused-kernel gaps, stragglers, the optimizer's launches) have kept published runs lower: take the published figure as the nearer bound.",
                 e.mfu() * 100.0,
@@ -511,6 +527,10 @@ pub fn run(mut a: PlanArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(0)
+}
+
+fn precision_is_fp8(p: &str) -> bool {
+    p == "fp8"
 }
 
 /// The plans `--recompute`, `--zero` and `--micro` let the search choose.
@@ -636,6 +656,9 @@ fn hf_model(dir: &std::path::Path, seq: Option<usize>) -> anyhow::Result<Gpt> {
 /// Writes plan `p` as a runnable job in `dir` (see `--emit`): Kolo's GPT, or the fine-tuning job
 /// of the `--hf` model.
 fn emit(dir: &std::path::Path, a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow::Result<()> {
+    if precision_is_fp8(&a.precision) {
+        anyhow::bail!("--emit: Kolo trains in f32, bf16 or f16; an fp8 plan is for a runtime with FP8 matrix products");
+    }
     let (text, note) = match &a.hf {
         Some(hf) => (hf_job(hf, a, m, p, e)?, String::new()),
         None => (

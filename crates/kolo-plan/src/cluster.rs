@@ -12,6 +12,9 @@ pub enum Precision {
     /// parameters, gradients and activations, 12 bytes of optimizer state per parameter
     /// (master copy, momentum, variance).
     Mixed,
+    /// FP8 matrix products (Transformer Engine's recipe) on top of [`Precision::Mixed`]: the
+    /// GEMMs at the device's FP8 peak, activations, gradients and states as in mixed precision.
+    Fp8,
 }
 
 impl Precision {
@@ -19,7 +22,7 @@ impl Precision {
     pub fn value_bytes(self) -> f64 {
         match self {
             Precision::F32 => 4.0,
-            Precision::Mixed => 2.0,
+            Precision::Mixed | Precision::Fp8 => 2.0,
         }
     }
 
@@ -28,7 +31,8 @@ impl Precision {
         match s {
             "f32" => Ok(Precision::F32),
             "bf16" | "f16" | "mixed" => Ok(Precision::Mixed),
-            p => Err(format!("precision `{p}`: f32, or bf16/f16 (mixed precision)")),
+            "fp8" => Ok(Precision::Fp8),
+            p => Err(format!("precision `{p}`: f32, bf16/f16 (mixed precision) or fp8")),
         }
     }
 }
@@ -42,6 +46,8 @@ pub struct Device {
     /// Peak dense FLOP/s in f32 and in bf16/f16 (tensor cores where there are any).
     pub peak_f32: f64,
     pub peak_16: f64,
+    /// Peak dense FP8 FLOP/s, where the device has FP8 tensor cores.
+    pub peak_8: Option<f64>,
     /// Bytes/s the memory-bound operations (norms, softmax, activations, dropout) move.
     pub mem_bandwidth: f64,
     /// Bytes/s the optimizer's in-place update streams through its flat buffers (parameters,
@@ -64,6 +70,8 @@ impl Device {
         match p {
             Precision::F32 => self.peak_f32,
             Precision::Mixed => self.peak_16,
+            // A device without FP8 has no FP8 rate: plans in fp8 are not plans there.
+            Precision::Fp8 => self.peak_8.unwrap_or(0.0),
         }
     }
 
@@ -147,6 +155,7 @@ fn a100() -> Device {
         memory: 80.0 * GIB,
         peak_f32: 19.5e12,
         peak_16: 312e12,
+        peak_8: None,
         mem_bandwidth: 2.039e12,
         update_bandwidth: 2.039e12,
         gemm_efficiency: [(256.0, 0.04), (512.0, 0.20), (1024.0, 0.50), (2048.0, 0.72), (4096.0, 0.81), (8192.0, 0.87)]
@@ -167,6 +176,7 @@ fn h100() -> Device {
         memory: 80.0 * GIB,
         peak_f32: 67e12,
         peak_16: 989e12,
+        peak_8: Some(1979e12),
         mem_bandwidth: 3.35e12,
         update_bandwidth: 3.35e12,
         gemm_efficiency: vec![(256.0, 0.02), (512.0, 0.10), (1024.0, 0.30), (2048.0, 0.55), (4096.0, 0.68), (8192.0, 0.74)],
@@ -233,6 +243,7 @@ impl Cluster {
                     memory: 4.0 * GIB,
                     peak_f32: 220e9,
                     peak_16: 220e9,
+                    peak_8: None,
                     // kolo bench compute: a + b moves 8.3 GB/s on one core (candle's other
                     // memory-bound operations range from 0.5, gelu, to 29, a row sum).
                     mem_bandwidth: 8.3e9,

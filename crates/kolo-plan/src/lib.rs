@@ -478,7 +478,7 @@ pub fn state_bytes(params: f64, zero: u8, dp: usize, precision: Precision) -> (f
     let v = precision.value_bytes();
     let (optim, sharded_optim) = match precision {
         Precision::F32 => (8.0, 12.0),
-        Precision::Mixed => (12.0, 12.0),
+        Precision::Mixed | Precision::Fp8 => (12.0, 12.0),
     };
     let (p, g, o) = match zero {
         0 => (v, v, optim),
@@ -495,7 +495,7 @@ pub fn state_bytes(params: f64, zero: u8, dp: usize, precision: Precision) -> (f
 pub fn optimizer_bytes(precision: Precision) -> f64 {
     match precision {
         Precision::F32 => 28.0,
-        Precision::Mixed => 30.0,
+        Precision::Mixed | Precision::Fp8 => 30.0,
     }
 }
 
@@ -606,7 +606,8 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let Plan { dp, tp, pp, zero, micro_batch, recompute, schedule, ep, cp, seq_parallel } = *plan;
     let devices = c.devices();
     let splits = m.heads.is_multiple_of(tp) && m.kv_heads.is_multiple_of(tp);
-    if cp == 0
+    if c.device.peak(precision) <= 0.0
+        || cp == 0
         || !m.seq.is_multiple_of(cp)
         || dp * tp * pp * cp != devices
         || micro_batch == 0

@@ -652,3 +652,21 @@ fn four_ranks_on_two_cores_follow_the_measured_machine() {
     let piped = estimate(&m, &alone, &Plan::new(2, 1, 2, 0, 4), 16, Precision::F32).unwrap().step_s * 1e3;
     assert!(piped / 287.0 > 1.4, "with a core each, the bubble is paid: {piped:.1} ms");
 }
+
+/// FP8 runs the matrix products at the device's FP8 peak and keeps everything else as mixed
+/// precision does; a device without FP8 has no fp8 plans.
+#[test]
+fn fp8_is_planned_where_the_device_has_it() {
+    let m = Gpt::with_params(6.7e9);
+    let h100 = Cluster::preset("dgx-h100", 2).unwrap();
+    let plan = Plan::new(16, 1, 1, 1, 4);
+    let (bf16, fp8) =
+        (estimate(&m, &h100, &plan, 512, Precision::Mixed).unwrap(), estimate(&m, &h100, &plan, 512, Precision::Fp8).unwrap());
+    assert!(fp8.compute_s < bf16.compute_s * 0.75, "{} vs {}", fp8.compute_s, bf16.compute_s);
+    assert_eq!(fp8.memory, bf16.memory);
+    assert_eq!(fp8.peak, 1979e12);
+    assert_eq!(Precision::parse("fp8"), Ok(Precision::Fp8));
+    let a100 = Cluster::preset("dgx-a100", 2).unwrap();
+    assert!(estimate(&m, &a100, &plan, 512, Precision::Fp8).is_none());
+    assert!(search(&m, &a100, 512, Precision::Fp8, &Space::default()).is_empty());
+}

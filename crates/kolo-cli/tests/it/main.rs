@@ -1103,6 +1103,11 @@ fn fed_run_and_plan_work_from_the_command_line() {
     assert_eq!(mfu > 56.3, t.contains("is above the best published on this device, 56.3 % (Korthikanti et al. 2022"), "{t}");
     let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--global-batch-tokens", "1048576", "--top", "1"], &[]);
     assert!(o.status.success() && text(&o).contains("; 512 sequences per step"), "{}", text(&o));
+    // Nodes instead of devices; FP8 where the device has it, named where it does not.
+    let o = run(&["plan", "--params", "7B", "--nodes", "2", "--cluster", "dgx-h100", "--precision", "fp8", "--top", "1"], &[]);
+    assert!(o.status.success() && text(&o).contains("2 nodes x 8 H100"), "{}", text(&o));
+    let o = run(&["plan", "--params", "7B", "--nodes", "2", "--precision", "fp8"], &[]);
+    assert!(!o.status.success() && text(&o).contains("--precision fp8: the A100-SXM4-80GB has no FP8 rate"), "{}", text(&o));
     let o = run(&["plan", "--params", "1.3B", "--devices", "8", "--global-batch-tokens", "1000000"], &[]);
     assert!(!o.status.success() && text(&o).contains("are not whole sequences of 2048"), "{}", text(&o));
 }
