@@ -28,7 +28,8 @@
 //!   ([`Cluster::group_link`]; ranks ordered tp, then dp, then pp, as Megatron-LM does): tensor
 //!   parallelism 2 all-reduces of b s h values per layer forward, 2 backward, 2 more when
 //!   recomputing; pipeline one activation and one gradient of b s h / t values per slot and
-//!   stage boundary; data parallelism one all-reduce of the stage's gradients (ZeRO-1/2:
+//!   stage boundary, and a tied embedding's gradients summed between the first and the last
+//!   stage; data parallelism one all-reduce of the stage's gradients (ZeRO-1/2:
 //!   reduce-scatter + all-gather, the same volume, the all-gather after the optimizer step;
 //!   ZeRO-3: 1.5x for every micro-batch, which gathers the parameters twice and reduce-scatters
 //!   its gradients), overlapped with backward when [`Cluster::overlap_dp`] (ZeRO-3's with the
@@ -672,7 +673,14 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let oversubscribed = c.cores_per_node > 0 && c.devices_per_node > c.cores_per_node;
     let slots = mb as f64 + bubble_slots;
     let tp_s = slots * slot_tp;
-    let pp_s = slots * slot_pp;
+    // A tied embedding lives on the first and the last stage; their two gradients are summed
+    // after backward (Megatron-LM's embedding all-reduce), across the pipeline's span.
+    let tied_s = if m.tied && pp > 1 {
+        all_reduce_s(m.vocab as f64 * h / tp as f64 * vb, 2, c.group_link(2, (pp - 1) * tp * replicas))
+    } else {
+        0.0
+    };
+    let pp_s = slots * slot_pp + tied_s;
     // Ring attention: every layer passes this rank's keys and values (s / cp tokens of the
     // key/value heads) cp - 1 steps around the ring forward; backward passes them again with
     // their gradients (twice), recomputation once more. Not overlapped with the attention.

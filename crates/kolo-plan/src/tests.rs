@@ -670,3 +670,18 @@ fn fp8_is_planned_where_the_device_has_it() {
     assert!(estimate(&m, &a100, &plan, 512, Precision::Fp8).is_none());
     assert!(search(&m, &a100, 512, Precision::Fp8, &Space::default()).is_empty());
 }
+
+/// A tied embedding's two copies (first and last stage) have their gradients summed after
+/// backward: one all-reduce of V x h values between the two ends of the pipeline.
+#[test]
+fn tied_embeddings_are_reduced_between_the_end_stages() {
+    let untied = Gpt { gated: true, learned_positions: false, ..Gpt::gpt_style(32, 4096, 32, 4096, 128256) };
+    let tied = Gpt { tied: true, ..untied };
+    let c = Cluster::preset("dgx-a100", 2).unwrap();
+    let plan = Plan { recompute: Recompute::Full, ..Plan::new(2, 1, 8, 1, 1) };
+    let at = |m: &Gpt| estimate(m, &c, &plan, 64, Precision::Mixed).unwrap();
+    let want = all_reduce_s(128256.0 * 4096.0 * 2.0, 2, c.group_link(2, 7 * 2));
+    assert!((at(&tied).pp_s - at(&untied).pp_s - want).abs() < 1e-12, "{} vs {want}", at(&tied).pp_s - at(&untied).pp_s);
+    let one_stage = Plan::new(16, 1, 1, 1, 1);
+    assert_eq!(estimate(&tied, &c, &one_stage, 64, Precision::Mixed).unwrap().pp_s, 0.0);
+}
