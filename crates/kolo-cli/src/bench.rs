@@ -359,50 +359,50 @@ fn once<T: Element>(comm: &dyn Communicator, op: &str, b: &mut Bufs<T>) -> anyho
     Ok(())
 }
 
+/// Times `op` as nccl-tests do: a warm-up, one timed call to size the trials, then `trials`
+/// trials of back-to-back calls lasting about `trial_secs`; returns the calls per trial and each
+/// trial's seconds per call on the slowest rank.
+fn timed_trials(
+    comm: &dyn Communicator,
+    trial_secs: f64,
+    trials: usize,
+    mut op: impl FnMut() -> anyhow::Result<()>,
+) -> anyhow::Result<(usize, Vec<f64>)> {
+    op()?; // warm-up
+    comm.barrier()?;
+    let t = Instant::now();
+    op()?;
+    let one = max_over_ranks(comm, t.elapsed().as_secs_f64())?;
+    let iters = ((trial_secs / one.max(1e-7)).ceil() as usize).clamp(3, 100_000);
+    let mut times = Vec::with_capacity(trials);
+    for _ in 0..trials {
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            op()?;
+        }
+        times.push(max_over_ranks(comm, t.elapsed().as_secs_f64() / iters as f64)?);
+    }
+    Ok((iters, times))
+}
+
 fn measure<T: Element>(comm: &dyn Communicator, a: &CollArgs, bytes: usize) -> anyhow::Result<Row> {
     let count = bytes / T::DTYPE.size_bytes();
     let ok = check::<T>(comm, &a.op, count)?;
     let mut bufs = make_bufs::<T>(comm, &a.op, count);
-    once(comm, &a.op, &mut bufs)?; // warm-up
-    comm.barrier()?;
-    let t = Instant::now();
-    once(comm, &a.op, &mut bufs)?;
-    let one = max_over_ranks(comm, t.elapsed().as_secs_f64())?;
-    let iters = ((a.trial_secs / one.max(1e-7)).ceil() as usize).clamp(3, 100_000);
-    let mut times_us = Vec::with_capacity(a.trials);
-    for _ in 0..a.trials {
-        comm.barrier()?;
-        let t = Instant::now();
-        for _ in 0..iters {
-            once(comm, &a.op, &mut bufs)?;
-        }
-        let per_op = t.elapsed().as_secs_f64() / iters as f64;
-        times_us.push(max_over_ranks(comm, per_op)? * 1e6);
-    }
-    Ok(Row { bytes, count, iters, times_us, ok })
+    let (iters, times) = timed_trials(comm, a.trial_secs, a.trials, || once(comm, &a.op, &mut bufs))?;
+    Ok(Row { bytes, count, iters, times_us: times.iter().map(|t| t * 1e6).collect(), ok })
 }
 
-/// Seconds of one all-reduce of `bytes` (f32) with `alg`: back-to-back ops for about
-/// `trial_secs`, the slowest rank's mean.
+/// Seconds of one all-reduce of `v` (f32) with `alg`: one trial of [`timed_trials`].
 fn time_all_reduce(
     host: &kolo_collectives::HostComm,
     alg: kolo_collectives::Algorithm,
     v: &mut [f32],
     trial_secs: f64,
 ) -> anyhow::Result<f64> {
-    let comm: &dyn Communicator = host;
-    host.all_reduce_using(BufMut::from(&mut *v), ReduceOp::Sum, alg)?; // warm-up
-    comm.barrier()?;
-    let t = Instant::now();
-    host.all_reduce_using(BufMut::from(&mut *v), ReduceOp::Sum, alg)?;
-    let one = max_over_ranks(comm, t.elapsed().as_secs_f64())?;
-    let iters = ((trial_secs / one.max(1e-7)).ceil() as usize).clamp(3, 100_000);
-    comm.barrier()?;
-    let t = Instant::now();
-    for _ in 0..iters {
-        host.all_reduce_using(BufMut::from(&mut *v), ReduceOp::Sum, alg)?;
-    }
-    max_over_ranks(comm, t.elapsed().as_secs_f64() / iters as f64)
+    let op = || host.all_reduce_using(BufMut::from(&mut *v), ReduceOp::Sum, alg).map_err(anyhow::Error::from);
+    Ok(timed_trials(host, trial_secs, 1, op)?.1[0])
 }
 
 /// `kolo bench collectives --tune FILE`: see [`CollArgs::tune`].
