@@ -754,6 +754,7 @@ fn ps_bench(a: PsArgs) -> anyhow::Result<i32> {
                 timeout: Duration::from_secs(120),
                 heartbeat: Duration::from_millis(500),
                 refuse_transfers: 0,
+                reconfigure_delay: std::time::Duration::ZERO,
             })
         })
         .collect::<Result<_, _>>()?;
@@ -862,6 +863,7 @@ fn sandblaster_bench(path: &std::path::Path, slow_ms: u64, iterations: usize) ->
                     timeout: Duration::from_secs(60),
                     heartbeat: Duration::from_millis(500),
                     refuse_transfers: 0,
+                    reconfigure_delay: std::time::Duration::ZERO,
                 })
             })
             .collect::<Result<_, _>>()?;

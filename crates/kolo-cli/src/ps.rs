@@ -124,6 +124,7 @@ pub fn run(cmd: PsCmd) -> anyhow::Result<i32> {
                 timeout: Duration::from_secs_f64(a.timeout),
                 heartbeat: Duration::from_millis(a.heartbeat_ms.max(1)),
                 refuse_transfers: 0,
+                reconfigure_delay: std::time::Duration::ZERO,
             })?;
             kolo_base::eline!("kolo ps server {} listening on {}", s.id(), s.addr());
             s.wait()?;

@@ -41,6 +41,10 @@ pub struct ServerOptions {
     pub heartbeat: Duration,
     /// Fault injection for tests: refuse this many incoming range hand-overs. 0 in use.
     pub refuse_transfers: u32,
+    /// Fault injection for tests: on a change from a membership it knew, wait this long
+    /// between taking the new epoch and handing ranges on (a slow server; requests at the new
+    /// epoch arrive meanwhile). Zero in use.
+    pub reconfigure_delay: Duration,
 }
 
 struct RangeData {
@@ -87,6 +91,9 @@ struct Shared {
     stranded: Mutex<BTreeMap<u32, Vec<u32>>>,
     /// Incoming hand-overs still to refuse (fault injection).
     refuse_transfers: AtomicU32,
+    reconfigure_delay: Duration,
+    /// Ranges handed on to another server (sent and acknowledged).
+    hand_overs: AtomicU64,
     /// Ranges that came to this server in a membership change that removed every server of
     /// their previous chain: nobody can hand them over, and requests for them fail at once
     /// with this reason instead of waiting for the deadline.
@@ -145,6 +152,8 @@ impl Server {
             lost: Mutex::new(HashMap::new()),
             awaited: Mutex::new(HashMap::new()),
             refuse_transfers: AtomicU32::new(o.refuse_transfers),
+            reconfigure_delay: o.reconfigure_delay,
+            hand_overs: AtomicU64::new(0),
         });
         let handler = {
             let shared = shared.clone();
@@ -187,6 +196,11 @@ impl Server {
 
     pub fn stats(&self) -> ServerStats {
         stats_now(&self.shared)
+    }
+
+    /// How many ranges this server has handed on to another (membership changes).
+    pub fn hand_overs(&self) -> u64 {
+        self.shared.hand_overs.load(Ordering::SeqCst)
     }
 
     /// Blocks until the coordinator shuts the job down or removes this server; returns why.
@@ -317,6 +331,9 @@ fn reconfigure(shared: &Shared, m: Membership) {
         (old, m.epoch, next)
     };
     shared.epoch.store(epoch, Ordering::SeqCst);
+    if next && !shared.reconfigure_delay.is_zero() {
+        std::thread::sleep(shared.reconfigure_delay);
+    }
     let Some(job) = lock(&shared.job).clone() else { return };
     if m.dead_servers.contains(&me) {
         // Declared dead while alive (stopped, or cut off from the coordinator): where another
@@ -365,6 +382,14 @@ fn reconfigure(shared: &Shared, m: Membership) {
     let mut dropped = Vec::new();
     for (r, slot) in slots {
         let mut d = lock(&slot.0);
+        if d.epoch >= epoch && d.epoch != RETIRED {
+            // Created (Init) or installed (hand-over, restore) at this epoch once the epoch was
+            // taken above: placed by the new chains already. Handing it on as if the old ring
+            // held it would send a Transfer to the head that may be forwarding this very range
+            // here with its own copy locked, each waiting for the other until the timeouts (a
+            // worker's init failed so, with 3 servers joining as the job started).
+            continue;
+        }
         let old_chain = old_ring.chain(r, job.replication);
         let new_chain = new_ring.chain(r, job.replication);
         let sender = old_chain.iter().copied().find(|s| ids.contains(s) || *s == me);
@@ -434,7 +459,9 @@ fn hand_over(shared: &Shared, job: &JobSpec, epoch: u64, r: u32, d: &RangeData, 
         vectors: d.vectors.iter().map(|(id, v)| (*id, v.clone())).collect(),
         vec_seq: d.vec_seq,
     };
-    forward(shared, to, &Req::Transfer { job: job.clone(), epoch, range: r, state })
+    forward(shared, to, &Req::Transfer { job: job.clone(), epoch, range: r, state })?;
+    shared.hand_overs.fetch_add(1, Ordering::SeqCst);
+    Ok(())
 }
 
 /// Retries the hand-overs that failed (ranges kept here meanwhile, not served): to the

@@ -23,6 +23,11 @@ fn cluster(n: usize) -> Cluster {
 }
 
 fn add_server(coord: &Coordinator, token: &JobToken) -> Server {
+    slow_server(coord, token, Duration::ZERO)
+}
+
+/// A server that waits `delay` between taking a new membership's epoch and handing ranges on.
+fn slow_server(coord: &Coordinator, token: &JobToken, delay: Duration) -> Server {
     Server::start(ServerOptions {
         listen: "127.0.0.1:0".into(),
         coordinator: coord.addr().to_string(),
@@ -30,6 +35,7 @@ fn add_server(coord: &Coordinator, token: &JobToken) -> Server {
         timeout: TIMEOUT,
         heartbeat: Duration::from_millis(50),
         refuse_transfers: 0,
+        reconfigure_delay: delay,
     })
     .unwrap()
 }
@@ -255,6 +261,38 @@ fn adding_a_server_moves_ranges_to_it_while_training_runs() {
     assert!(s.pushes > 0, "the new server took no pushes");
 }
 
+/// Ranges initialised at a new membership's epoch, while the older servers are still applying
+/// it, are already where the new chains put them: nobody hands them on. (They were handed on as
+/// if the old ring held them; a replica doing so locked its copy and sent it to the head that
+/// was forwarding it the same range with the head's copy locked, and both waited until the
+/// timeouts: a `kolo ps` job's init failed after 30 s when 3 servers joined as it started.)
+#[test]
+fn ranges_initialised_during_a_membership_change_stay_put() {
+    let token = JobToken::generate();
+    let coord = Coordinator::start("127.0.0.1:0", token.clone(), Duration::from_millis(600)).unwrap();
+    let delay = Duration::from_secs(2);
+    let mut servers: Vec<Server> = (0..2).map(|_| slow_server(&coord, &token, delay)).collect();
+    // Let the first two settle on their 2-server membership before the third joins.
+    std::thread::sleep(delay + Duration::from_millis(300));
+    servers.push(add_server(&coord, &token));
+    let c = Cluster { coord, servers, token };
+    let j = job(3000, 30, 1, 1, Consistency::Bsp, sgd());
+    let mut p = client(&c, &j, 0, 3);
+    let t0 = Instant::now();
+    let init: Vec<f32> = (0..3000).map(|i| i as f32).collect();
+    p.init(&init).unwrap();
+    assert!(t0.elapsed() < delay, "the init took {:?}: not inside the older servers' membership change", t0.elapsed());
+    // Past the older servers' delay: they have applied the membership.
+    std::thread::sleep(delay + Duration::from_millis(500));
+    let moved: Vec<u64> = c.servers.iter().map(|s| s.hand_overs()).collect();
+    assert_eq!(moved, vec![0, 0, 0], "ranges created at the new epoch were handed on");
+    let total: u64 = c.servers.iter().map(|s| s.stats().ranges).sum();
+    assert_eq!(total, 2 * 100, "100 ranges, each on a chain of 2");
+    let mut x = vec![0f32; 3000];
+    p.pull(0, &mut x).unwrap();
+    assert_eq!(x, init);
+}
+
 #[test]
 fn removing_a_server_hands_its_ranges_on() {
     let c = cluster(3);
@@ -349,6 +387,7 @@ fn a_bsp_pull_names_the_worker_that_never_pushed() {
         timeout: Duration::from_millis(500),
         heartbeat: Duration::from_millis(50),
         refuse_transfers: 0,
+        reconfigure_delay: Duration::ZERO,
     })
     .unwrap();
     let j = job(10, 10, 2, 0, Consistency::Bsp, sgd());
@@ -568,6 +607,7 @@ fn a_failed_hand_over_keeps_the_range_until_it_succeeds() {
         timeout: TIMEOUT,
         heartbeat: Duration::from_millis(50),
         refuse_transfers: 30,
+        reconfigure_delay: Duration::ZERO,
     })
     .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -891,12 +891,15 @@ fn ps_cluster_run(cfg: &std::path::Path, kill_at: Option<u64>) -> String {
     let w0 = reader.join().unwrap();
     run(&["ps", "shutdown", "--coordinator", &coord_addr], &[("KOLO_JOB_TOKEN", token)]);
     let c = coord.wait_with_output().unwrap();
-    for s in servers.into_iter().chain(victim) {
-        let _ = s.wait_with_output();
+    let mut st = String::new();
+    for (i, s) in servers.into_iter().chain(victim).enumerate() {
+        if let Ok(o) = s.wait_with_output() {
+            st += &format!("--- server process {i}\n{}\n", text(&o));
+        }
     }
     let ct = text(&c);
     for o in &outs {
-        assert!(o.status.success(), "{}\n--- worker 0\n{w0}\n--- coordinator\n{ct}", text(o));
+        assert!(o.status.success(), "{}\n--- worker 0\n{w0}\n--- coordinator\n{ct}\n{st}", text(o));
     }
     format!("{w0}\n--- coordinator\n{ct}")
 }

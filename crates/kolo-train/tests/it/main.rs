@@ -92,6 +92,7 @@ fn ps_cluster_with(servers: usize, dead_after: std::time::Duration) -> PsCluster
                 timeout: std::time::Duration::from_secs(30),
                 heartbeat: std::time::Duration::from_millis(100),
                 refuse_transfers: 0,
+                reconfigure_delay: std::time::Duration::ZERO,
             })
             .unwrap()
         })
