@@ -13,7 +13,8 @@
 //! all ranks (64; each data-parallel replica takes B / D), --hidden H (256),
 //! --optim adamw|sgd, --lr (1e-3), --clip C (none), --init FILE (start from whole weights in
 //! a safetensors file), --save-init FILE (write the whole initial weights there and stop),
-//! --zero S (0), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
+//! --zero S (0), --precision f32|bf16|f16 (f32: mixed precision builds the model in bf16 or
+//! f16 over f32 masters; the loss is taken in f32), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
 //! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh),
 //! --slow-rank R (that rank's forward takes 5 ms longer: a straggler for the log to name),
 //! --resume-only R (only that rank resumes: a mistake the trainer must name).
@@ -79,8 +80,14 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     let tp: usize = arg("--tp", &(dist.world_size() / (pp * dp).max(1)).to_string()).parse()?;
     let plain = arg("--plain", "no") == "yes";
     let mesh = kolo::Mesh::new(&dist, &[("pp", pp), ("dp", dp), ("tp", tp)])?;
+    let precision: kolo::options::Precision = arg("--precision", "f32").parse().map_err(anyhow::Error::msg)?;
+    let dtype = match precision {
+        kolo::options::Precision::F32 => DType::F32,
+        kolo::options::Precision::Bf16 => DType::BF16,
+        kolo::options::Precision::F16 => DType::F16,
+    };
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
+    let vb = VarBuilder::from_varmap(&varmap, dtype, &dist.device());
     let model = Mlp::new(vb, hidden, &mesh, plain)?;
     let save_init = arg("--save-init", "");
     if !save_init.is_empty() {
@@ -96,6 +103,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
         .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
         .zero_stage(arg("--zero", "0").parse()?)
         .steps(steps)
+        .precision(precision)
         .grad_accum(micro as u64)
         .log_every(50)
         .batch(batch / dp, 1);
@@ -140,6 +148,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     };
     while trainer.steps_done() < steps {
         let (x, y) = kolo::data::mnist_tensors(&train, &sampler.next_batch(), &dist.device())?;
+        let x = x.to_dtype(dtype)?;
         trainer.set_data_position(sampler.position()); // before the step, whose checkpoint carries it
         if pp > 1 {
             pipe.step(&mut trainer, |mb, input| {
@@ -148,7 +157,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
                     None => model.forward(&x.narrow(0, mb * per_micro, per_micro)?)?,
                 };
                 if model.is_last() {
-                    cross_entropy(&h, &y.narrow(0, mb * per_micro, per_micro)?)
+                    cross_entropy(&h.to_dtype(DType::F32)?, &y.narrow(0, mb * per_micro, per_micro)?)
                 } else {
                     Ok(h)
                 }
@@ -156,7 +165,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
         } else {
             trainer.step(|| {
                 lag();
-                cross_entropy(&model.forward(&x)?, &y)
+                cross_entropy(&model.forward(&x)?.to_dtype(DType::F32)?, &y)
             })?;
         }
         if trainer.steps_done() == stop_at {

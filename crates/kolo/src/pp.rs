@@ -29,9 +29,11 @@
 //! The step's loss (the mean over its micro-batches) reaches every stage. Checkpoints hold the
 //! whole model's tensors under their names: a pipeline's resumes in one process or over
 //! another number of stages. Stages may hold [`crate::tp`]'s split layers (a `pp x dp x tp`
-//! mesh); the clipping norm sums over every stage and piece. Each stage computes in f32;
-//! ZeRO-1/2 shard each stage's optimizer state over its `dp` group; ZeRO-3, local SGD,
-//! compression and mixed precision are refused with a pipeline so far.
+//! mesh); the clipping norm sums over every stage and piece. Each stage computes in its model's
+//! dtype (mixed precision: bf16/f16 layers over f32 masters, activations and their gradients
+//! travel between stages as f32, f16's loss scale carried by them); ZeRO-1/2 shard each
+//! stage's optimizer state over its `dp` group; ZeRO-3, local SGD and compression are refused
+//! with a pipeline so far.
 
 use crate::{Error, Mesh, Result, StepOutput, Trainer};
 use candle_core::{DType, Tensor, Var};
@@ -161,8 +163,11 @@ impl<F: FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>> Work<'_, F
     }
 
     fn forward_inner(&mut self, mb: usize, input: Option<Vec<f32>>) -> Result<Vec<f32>> {
+        // Activations travel as f32; a mixed-precision stage takes them in its model's dtype.
         let x = match (input, self.first) {
-            (Some(v), false) => Some(Var::from_vec(v, self.shape, &kolo_tensor::device())?),
+            (Some(v), false) => {
+                Some(Var::from_tensor(&Tensor::from_vec(v, self.shape, &kolo_tensor::device())?.to_dtype(self.trainer.compute_dtype())?)?)
+            }
             _ => None,
         };
         let out = (self.stage)(mb, x.as_ref().map(|v| v.as_tensor()))?;
@@ -199,10 +204,10 @@ impl<F: FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>> Work<'_, F
             .saved
             .remove(&mb)
             .ok_or_else(|| Error::usage(self.trainer.rank(), "Pipeline::step", format!("micro-batch {mb} ran backward before forward")))?;
-        // The last stage starts from its loss (a mean over the step's micro-batches); the
-        // others from the gradient of their output, which already carries that factor.
+        // The last stage starts from its loss (a mean over the step's micro-batches, times f16's
+        // loss scale); the others from the gradient of their output, which carries both.
         let (loss, factor) = match grad {
-            None => (out, 1.0 / self.m as f64),
+            None => (out, self.trainer.loss_scale() / self.m as f64),
             Some(g) => ((out.to_dtype(DType::F32)? * Tensor::from_vec(g, self.shape, out.device())?)?.sum_all()?, 1.0),
         };
         let (_, captured) = self.trainer.backward_with(&loss, factor, x.as_ref())?;

@@ -71,14 +71,16 @@ impl SequenceParallel {
 }
 
 /// Causal attention of this member's queries over the keys and values of its own and every
-/// earlier member's chunk: `q`, `k` and `v` are (batch, heads, chunk, head dim) in f32 (key
-/// and value heads repeated to the query heads), scaled by 1 / sqrt(head dim). Collective over
-/// the group, in forward and backward.
+/// earlier member's chunk: `q`, `k` and `v` are (batch, heads, chunk, head dim) (key and value
+/// heads repeated to the query heads), scaled by 1 / sqrt(head dim). Computed in f32 (bf16 and
+/// f16 inputs are widened, the output rounded back to their dtype once, as flash attention
+/// accumulates). Collective over the group, in forward and backward.
 pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, sp: &SequenceParallel) -> candle_core::Result<Tensor> {
     let d = q.dim(3)?;
     if k.dims() != q.dims() || v.dims() != q.dims() {
         candle_core::bail!("ring_attention: q {:?}, k {:?} and v {:?} must have one shape", q.dims(), k.dims(), v.dims());
     }
     let scale = 1.0 / (d as f32).sqrt();
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, RingAttention::new(sp.ring.clone(), scale))
+    let f32 = |t: &Tensor| t.to_dtype(candle_core::DType::F32)?.contiguous();
+    f32(q)?.apply_op3(&f32(k)?, &f32(v)?, RingAttention::new(sp.ring.clone(), scale))?.to_dtype(q.dtype())
 }

@@ -436,9 +436,13 @@ impl Trainer {
     /// checkpoints hold whole tensors (they resume at any `dp x tp`, or in one process without
     /// the mesh). Over an `ep` group ([`crate::ep`]'s experts dealt out, `dp x ep` only so far)
     /// each member is a data-parallel replica for the parameters they all hold and keeps its
-    /// own experts, whose gradients already sum every member's tokens. The parameters every member holds whole start as member 0's. ZeRO-1/2 shard
-    /// the optimizer state over the data-parallel group; ZeRO-3, local SGD, gradient
-    /// compression and mixed precision are refused with a mesh so far.
+    /// own experts, whose gradients already sum every member's tokens. The parameters every
+    /// member holds whole start as member 0's. ZeRO-1/2 shard the optimizer state over the
+    /// data-parallel group. Mixed precision (`train.precision = "bf16"` or `"f16"`, the model
+    /// built in that dtype) works on every axis: the layers' collectives move and sum f32 and
+    /// round once to the model's dtype, the masters are f32, and f16's overflow check skips a
+    /// step on every rank of the mesh or none. ZeRO-3, local SGD and gradient compression are
+    /// refused with a mesh so far.
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
         let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
         let pp = (mesh.size("pp") > 1).then(|| mesh.pp().clone());
@@ -724,6 +728,16 @@ impl Trainer {
     /// This process's rank in the job.
     pub(crate) fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// The dtype the model computes in (bf16/f16 under mixed precision).
+    pub(crate) fn compute_dtype(&self) -> DType {
+        self.compute
+    }
+
+    /// f16's current loss scale (1 otherwise): what a backward multiplies the loss by.
+    pub(crate) fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
     }
 
     /// Pipeline parallelism ([`crate::pp`]): the pipeline group, and micro-batches per step.
@@ -1250,7 +1264,6 @@ fn spread(
         (opts.ddp.zero_stage == 3 || !groups.is_empty(), "ddp.zero_stage", "ZeRO-3"),
         (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", "local SGD"),
         (opts.ddp.compression.is_some(), "ddp.compression", "gradient compression"),
-        (opts.train.precision != Precision::F32, "train.precision", "mixed precision"),
     ];
     if let Some((_, setting, what)) = unsupported.iter().find(|u| u.0) {
         let reason = format!("{what} with tensor, pipeline or expert parallelism (Trainer::with_mesh) is not supported yet");

@@ -181,21 +181,17 @@ impl CustomOp1 for AllToAllRows {
         "kolo-moe-all-to-all"
     }
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CpuStorage::F32(v) = storage else { return Err(cmsg("f32 only")) };
-        if !layout.is_contiguous() {
-            return Err(cmsg("input must be contiguous"));
-        }
-        let s = layout.start_offset();
-        let data = &v[s..s + layout.shape().elem_count()];
-        let out = exchange_rows(&*self.ex, data, &self.send, &self.recv, self.width)?;
+        // bf16/f16 rows travel as f32 (exact both ways).
+        let (data, dtype) = super::tp::storage_vec(storage, layout)?;
+        let out = exchange_rows(&*self.ex, &data, &self.send, &self.recv, self.width)?;
         let rows = self.recv.iter().sum::<usize>();
-        Ok((CpuStorage::F32(out), Shape::from((rows, self.width))))
+        Ok((super::tp::storage_of(out, dtype), Shape::from((rows, self.width))))
     }
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let g = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let g = grad.contiguous()?.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
         let back = exchange_rows(&*self.ex, &g, &self.recv, &self.send, self.width)?;
         let rows = self.send.iter().sum::<usize>();
-        Ok(Some(Tensor::from_vec(back, (rows, self.width), grad.device())?))
+        Ok(Some(Tensor::from_vec(back, (rows, self.width), grad.device())?.to_dtype(grad.dtype())?))
     }
 }
 

@@ -10,25 +10,43 @@
 //! maxima, sums of exponentials and target logits with three small all-reduces.
 
 use crate::{ParamSet, Result, TensorError};
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 use kolo_base::GroupSum;
 use std::sync::Arc;
 
-fn storage_vec(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Vec<f32>> {
-    let CpuStorage::F32(v) = storage else {
-        return Err(candle_core::Error::Msg("kolo tensor parallel: f32 only".into()));
-    };
+/// A contiguous f32, bf16 or f16 input's values in f32 (mixed precision: the collectives move
+/// and sum f32, and each result is rounded to the input's dtype once), and that dtype.
+pub(crate) fn storage_vec(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(Vec<f32>, DType)> {
     if !layout.is_contiguous() {
         return Err(candle_core::Error::Msg("kolo tensor parallel: inputs must be contiguous".into()));
     }
-    let s = layout.start_offset();
-    Ok(v[s..s + layout.shape().elem_count()].to_vec())
+    let r = layout.start_offset()..layout.start_offset() + layout.shape().elem_count();
+    Ok(match storage {
+        CpuStorage::F32(v) => (v[r].to_vec(), DType::F32),
+        CpuStorage::BF16(v) => (v[r].iter().map(|x| x.to_f32()).collect(), DType::BF16),
+        CpuStorage::F16(v) => (v[r].iter().map(|x| x.to_f32()).collect(), DType::F16),
+        other => {
+            return Err(candle_core::Error::Msg(format!(
+                "kolo tensor parallel: f32, bf16 or f16, not {:?}",
+                candle_core::backend::BackendStorage::dtype(other)
+            )))
+        }
+    })
+}
+
+/// `v` as a storage of `dtype` (f32, bf16 or f16, as [`storage_vec`] read it).
+pub(crate) fn storage_of(v: Vec<f32>, dtype: DType) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(half::f16::from_f32).collect()),
+        _ => CpuStorage::F32(v),
+    }
 }
 
 fn summed(group: &dyn GroupSum, t: &Tensor) -> candle_core::Result<Tensor> {
-    let mut v = t.flatten_all()?.to_vec1::<f32>()?;
+    let mut v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
     group.sum(&mut v).map_err(|e| candle_core::Error::Msg(format!("tensor-parallel all-reduce: {e}")))?;
-    Tensor::from_vec(v, t.shape(), t.device())
+    Tensor::from_vec(v, t.shape(), t.device())?.to_dtype(t.dtype())
 }
 
 /// f: identity forward, all-reduce of the gradient backward (before a column-parallel layer).
@@ -41,7 +59,8 @@ impl CustomOp1 for CopyToGroup {
         "kolo-tp-f"
     }
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        Ok((CpuStorage::F32(storage_vec(storage, layout)?), layout.shape().clone()))
+        let (v, dtype) = storage_vec(storage, layout)?;
+        Ok((storage_of(v, dtype), layout.shape().clone()))
     }
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(summed(&*self.0, grad)?))
@@ -53,9 +72,9 @@ impl CustomOp1 for ReduceFromGroup {
         "kolo-tp-g"
     }
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let mut v = storage_vec(storage, layout)?;
+        let (mut v, dtype) = storage_vec(storage, layout)?;
         self.0.sum(&mut v).map_err(|e| candle_core::Error::Msg(format!("tensor-parallel all-reduce: {e}")))?;
-        Ok((CpuStorage::F32(v), layout.shape().clone()))
+        Ok((storage_of(v, dtype), layout.shape().clone()))
     }
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(grad.clone()))
@@ -81,7 +100,7 @@ impl CustomOp1 for GatherFromGroup {
         "kolo-tp-gather"
     }
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let v = storage_vec(storage, layout)?;
+        let (v, dtype) = storage_vec(storage, layout)?;
         let ((rows, k), (r, p)) = (rows_and_width(layout)?, (self.0.rank(), self.0.size()));
         let mut out = vec![0f32; rows * k * p];
         for (i, row) in v.chunks_exact(k.max(1)).enumerate().take(rows) {
@@ -92,7 +111,7 @@ impl CustomOp1 for GatherFromGroup {
         if let Some(last) = dims.last_mut() {
             *last *= p;
         }
-        Ok((CpuStorage::F32(out), Shape::from(dims)))
+        Ok((storage_of(out, dtype), Shape::from(dims)))
     }
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let d = grad.rank().saturating_sub(1);
@@ -106,7 +125,7 @@ impl CustomOp1 for ScatterToGroup {
         "kolo-tp-scatter"
     }
     fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let v = storage_vec(storage, layout)?;
+        let (v, dtype) = storage_vec(storage, layout)?;
         let ((rows, width), (r, p)) = (rows_and_width(layout)?, (self.0.rank(), self.0.size()));
         if !width.is_multiple_of(p) {
             candle_core::bail!("kolo tensor parallel: a last dimension of {width} does not split into {p} equal parts");
@@ -117,7 +136,7 @@ impl CustomOp1 for ScatterToGroup {
         if let Some(last) = dims.last_mut() {
             *last = k;
         }
-        Ok((CpuStorage::F32(out), Shape::from(dims)))
+        Ok((storage_of(out, dtype), Shape::from(dims)))
     }
     fn bwd(&self, _arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         Ok(Some(grad.contiguous()?.apply_op1(GatherFromGroup(self.0.clone()))?))
@@ -254,7 +273,7 @@ pub fn embed(ids: &[u32], wte: &Tensor, range: std::ops::Range<usize>, group: &A
     let local: Vec<u32> = ids.iter().map(|&i| if range.contains(&(i as usize)) { (i as usize - range.start) as u32 } else { 0 }).collect();
     let mask: Vec<f32> = ids.iter().map(|&i| if range.contains(&(i as usize)) { 1.0 } else { 0.0 }).collect();
     let rows = wte.index_select(&Tensor::from_vec(local, n, wte.device())?, 0)?;
-    let e = rows.broadcast_mul(&Tensor::from_vec(mask, (n, 1), wte.device())?)?;
+    let e = rows.broadcast_mul(&Tensor::from_vec(mask, (n, 1), wte.device())?.to_dtype(wte.dtype())?)?;
     Ok(e.contiguous()?.apply_op1(ReduceFromGroup(group.clone()))?)
 }
 
