@@ -378,6 +378,17 @@ pub enum Precision {
     F16,
 }
 
+impl Precision {
+    /// The dtype a model trained at this precision is built in (its masters stay f32).
+    pub fn dtype(self) -> candle_core::DType {
+        match self {
+            Precision::F32 => candle_core::DType::F32,
+            Precision::Bf16 => candle_core::DType::BF16,
+            Precision::F16 => candle_core::DType::F16,
+        }
+    }
+}
+
 /// `[train]`
 #[derive(Deserialize, Serialize, Debug, Clone)]
 #[serde(deny_unknown_fields, default)]

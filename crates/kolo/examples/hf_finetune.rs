@@ -15,7 +15,10 @@
 //! logits are compared with it first, and the exported model's logits on those ids (Kolo's,
 //! from the files it wrote) are written to `OUT/kolo_logits.safetensors` for
 //! `test-data/hf/check_export.py OUT` to compare with what transformers computes from the
-//! export. The export is written in --dtype f32|bf16|f16 (f32), in files of at most
+//! export. --precision f32|bf16|f16 (f32) trains the model in that dtype over f32 masters
+//! (mixed precision); --checkpoint DIR writes the trainer's checkpoint at the last step (the f32
+//! masters; the export holds the model's own weights). The export is written in --dtype
+//! f32|bf16|f16 (f32), in files of at most
 //! --max-shard-size BYTES (one file).
 //!
 //! Flags: --steps N (20), --batch B per data-parallel rank (4), --seq T (32), --optim adamw|sgd,
@@ -46,9 +49,14 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         .optimizer(arg("--optim", "adamw").parse().map_err(anyhow::Error::msg)?, arg("--lr", "1e-3").parse()?)
         .zero_stage(arg("--zero", "0").parse()?)
         .steps(steps)
+        .precision(arg("--precision", "f32").parse().map_err(anyhow::Error::msg)?)
         .log_every(5);
     if let Ok(c) = arg("--clip", "1.0").parse() {
         opts = opts.clip_grad_norm(c);
+    }
+    if args.iter().any(|a| a == "--checkpoint") {
+        // The trainer's checkpoint at the last step: whole tensors, f32 masters under mixed precision.
+        opts = opts.checkpoints(arg("--checkpoint", ""), steps);
     }
     // The job `kolo train` runs for a config with `[model] hf = DIR`, here from flags.
     let has = |k: &str| args.iter().any(|a| a == k);
@@ -78,7 +86,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     let ids = reference.as_ref().map(|r| r["ids"].to_dtype(DType::U32)).transpose()?;
     if let (Some(r), Some(ids), 1) = (&reference, &ids, pp * sp) {
         // A split model's whole logits are gathered over its group: every rank computes them.
-        let d = (ft.model().forward(ids)? - &r["logits"])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        let d = (ft.model().forward(ids)?.to_dtype(DType::F32)? - &r["logits"])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
         if dist.is_main() {
             println!("loaded {model_dir}: logits differ from transformers' reference by {d:.2e}");
         }

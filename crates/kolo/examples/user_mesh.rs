@@ -81,11 +81,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     let plain = arg("--plain", "no") == "yes";
     let mesh = kolo::Mesh::new(&dist, &[("pp", pp), ("dp", dp), ("tp", tp)])?;
     let precision: kolo::options::Precision = arg("--precision", "f32").parse().map_err(anyhow::Error::msg)?;
-    let dtype = match precision {
-        kolo::options::Precision::F32 => DType::F32,
-        kolo::options::Precision::Bf16 => DType::BF16,
-        kolo::options::Precision::F16 => DType::F16,
-    };
+    let dtype = precision.dtype();
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, dtype, &dist.device());
     let model = Mlp::new(vb, hidden, &mesh, plain)?;

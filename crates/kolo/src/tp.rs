@@ -383,7 +383,9 @@ pub fn gather_vocab(logits: &Tensor, vocab: usize, tp: &TensorParallel) -> candl
         return Ok(logits.clone());
     }
     let width = logits.dims().last().copied().unwrap_or(0);
-    let whole = gather_logits(&logits.reshape(((), width))?, vocab, &*tp.sum()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let whole = gather_logits(&logits.reshape(((), width))?, vocab, &*tp.sum())
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+        .to_dtype(logits.dtype())?;
     let mut shape = logits.dims().to_vec();
     if let Some(last) = shape.last_mut() {
         *last = vocab;

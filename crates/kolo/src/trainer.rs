@@ -1182,11 +1182,7 @@ fn adopt(varmap: &VarMap, rank: usize, precision: Precision) -> Result<Adopted> 
         ));
     }
     vars.sort_by_cached_key(|(n, _)| natural_key(n));
-    let compute = match precision {
-        Precision::F32 => DType::F32,
-        Precision::Bf16 => DType::BF16,
-        Precision::F16 => DType::F16,
-    };
+    let compute = precision.dtype();
     let mut params = ParamSet::new();
     let mut ids = HashMap::new();
     let mut model_vars = Vec::new();

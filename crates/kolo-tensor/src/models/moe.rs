@@ -242,7 +242,9 @@ pub fn moe_layer(
     let e = cfg.experts;
     let k = cfg.top_k;
     let device = x.device().clone();
-    let probs = crate::ops::softmax_last(&x.matmul(&gate.t()?)?)?;
+    // The gate's probabilities in f32 whatever the tokens' dtype (as Mixtral's router in
+    // `transformers`); the combine weights are rounded to the tokens' dtype.
+    let probs = crate::ops::softmax_last(&x.matmul(&gate.t()?)?.to_dtype(DType::F32)?)?;
     let flat_probs = probs.flatten_all()?;
     let pv = flat_probs.to_vec1::<f32>()?;
     let routing = route(&pv, n, e, k, capacity(n, e, k, cfg.capacity_factor));
@@ -313,8 +315,8 @@ pub fn moe_layer(
         }
         _ => y,
     };
-    let weighted = back.broadcast_mul(&w.unsqueeze(1)?)?;
-    let out = Tensor::zeros((n, c), DType::F32, &device)?.index_add(&tokens, &weighted, 0)?;
+    let weighted = back.broadcast_mul(&w.unsqueeze(1)?.to_dtype(x.dtype())?)?;
+    let out = Tensor::zeros((n, c), x.dtype(), &device)?.index_add(&tokens, &weighted, 0)?;
     // Auxiliary load-balancing loss.
     let mut f = vec![0f32; e];
     for tok in 0..n {

@@ -246,7 +246,8 @@ impl FineTune {
         let (tp, pp, sp, ep) = (m.tp, m.pp.unwrap_or(1), m.sp, m.ep);
         let dp = m.dp.unwrap_or(dist.world_size() / (tp * pp * sp * ep).max(1));
         let mesh = Mesh::new(dist, &[("pp", pp), ("dp", dp), ("ep", ep), ("sp", sp), ("tp", tp)])?;
-        let (varmap, model) = load_causal_lm_parallel(&cfg.model.hf, &dist.device(), &mesh)?;
+        // Mixed precision: the model in bf16/f16, the trainer's masters in f32.
+        let (varmap, model) = load_causal_lm_parallel(&cfg.model.hf, &dist.device(), &mesh, cfg.train.precision.dtype())?;
         if ep > 1 && model.experts().is_none() {
             return Err(Error::setting(
                 "mesh.ep",

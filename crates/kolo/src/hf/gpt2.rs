@@ -161,7 +161,7 @@ impl Block {
         let heads = |i: usize| qkv.narrow(D::Minus1, i * w, w)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
         let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let att = super::softmax_f32(&att)?;
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
         let x = (x + self.attn_proj.forward(&y)?)?;
         let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
@@ -354,7 +354,7 @@ impl Gpt2 {
     /// This rank's blocks on the hidden states `x` (batch, seq, n_embd).
     fn blocks(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let t = x.dim(1)?;
-        let mask = super::causal_mask(t, None, x.device())?.to_dtype(x.dtype())?;
+        let mask = super::causal_mask(t, None, x.device(), x.dtype())?;
         let mut x = x.clone();
         for blk in &self.blocks {
             x = blk.forward(&x, &mask, &self.cfg)?;
@@ -402,7 +402,7 @@ impl Gpt2 {
 
 /// Builds a GPT-2 from `dir` (`config.json`, `model.safetensors`) into a new VarMap on `device`.
 pub fn load_gpt2(dir: &Path, device: &Device) -> Result<(VarMap, Gpt2)> {
-    load_gpt2_stage(dir, device, None, None)
+    load_gpt2_stage(dir, device, None, None, DType::F32)
 }
 
 /// Builds this rank's part of the GPT-2 in `dir`: split over `tp` when given, or its part for
@@ -412,10 +412,11 @@ pub(super) fn load_gpt2_stage(
     device: &Device,
     tp: Option<&crate::tp::TensorParallel>,
     mesh: Option<&crate::Mesh>,
+    dtype: DType,
 ) -> Result<(VarMap, Gpt2)> {
     let cfg = Gpt2Config::load(dir)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
     let mut model = match mesh {
         Some(m) => Gpt2::new_parallel(&cfg, vb, m),
         None => Gpt2::new_stage(&cfg, vb, tp, 0..cfg.n_layer),

@@ -574,13 +574,15 @@ struct RopeTables {
 }
 
 impl RopeTables {
-    fn new(rope: &Rope, positions: usize, device: &candle_core::Device) -> candle_core::Result<RopeTables> {
+    /// The tables in `dtype` (computed in f64, rounded once, as `transformers` casts its f32
+    /// ones to the hidden states' dtype).
+    fn new(rope: &Rope, positions: usize, device: &candle_core::Device, dtype: DType) -> candle_core::Result<RopeTables> {
         let half = rope.inv_freq.len();
         let tables = |inv_freq: &[f64]| -> candle_core::Result<(Tensor, Tensor)> {
             let angles: Vec<f64> = (0..positions).flat_map(|p| inv_freq.iter().map(move |f| p as f64 * f)).collect();
             let table = |f: fn(f64) -> f64| {
                 let v: Vec<f32> = angles.iter().map(|a| (f(*a) * rope.attention) as f32).collect();
-                Tensor::from_vec(v, (positions, half), device)
+                Tensor::from_vec(v, (positions, half), device)?.to_dtype(dtype)
             };
             Ok((table(f64::cos)?, table(f64::sin)?))
         };
@@ -638,7 +640,7 @@ pub(super) fn attend_scaled(
     if let Some(cap) = softcap {
         att = ((att / cap)?.tanh()? * cap)?;
     }
-    candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)?.matmul(v)
+    super::softmax_f32(&att.broadcast_add(mask)?)?.matmul(v)
 }
 
 /// An RMS norm scaling by `weight` (Llama) or `1 + weight` (Gemma).
@@ -1088,7 +1090,7 @@ impl Llama {
         };
         let ropes = ropes
             .into_iter()
-            .map(|r| RopeTables::new(&r.map_err(candle_core::Error::Msg)?, cfg.max_position_embeddings, vb.device()))
+            .map(|r| RopeTables::new(&r.map_err(candle_core::Error::Msg)?, cfg.max_position_embeddings, vb.device(), vb.dtype()))
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Llama {
             cfg: cfg.clone(),
@@ -1209,7 +1211,7 @@ impl Llama {
         let mut masks: Vec<(Option<usize>, Tensor)> = Vec::new();
         for w in self.blocks.iter().map(|b| b.window) {
             if masks.iter().all(|(have, _)| *have != w) {
-                masks.push((w, super::causal_mask(t, w, x.device())?));
+                masks.push((w, super::causal_mask(t, w, x.device(), x.dtype())?));
             }
         }
         let mut x = x.clone();
@@ -1288,7 +1290,7 @@ impl Llama {
 /// Builds a Llama-style model from `dir` (`config.json`, and `model.safetensors` or the shards of
 /// `model.safetensors.index.json`) into a new VarMap.
 pub fn load_llama(dir: &Path, device: &Device) -> Result<(VarMap, Llama)> {
-    load_llama_stage(dir, device, None, None)
+    load_llama_stage(dir, device, None, None, DType::F32)
 }
 
 /// Builds this rank's part of the model in `dir`: split over `tp` when given
@@ -1299,10 +1301,11 @@ pub(super) fn load_llama_stage(
     device: &Device,
     tp: Option<&crate::tp::TensorParallel>,
     mesh: Option<&crate::Mesh>,
+    dtype: DType,
 ) -> Result<(VarMap, Llama)> {
     let (cfg, prefix) = LlamaConfig::load_text_model(dir)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
     let model = match mesh {
         Some(m) => Llama::new_parallel(&cfg, vb, m),
         None => Llama::new_stage(&cfg, vb, tp, 0..cfg.num_hidden_layers),

@@ -58,7 +58,7 @@ pub(crate) const HARMLESS_KEYS: &[&str] = &[
 ];
 
 use crate::{Error, Result};
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use std::path::Path;
 
@@ -158,12 +158,21 @@ impl CausalLm {
     }
 }
 
-/// The additive causal mask (t, t) of attention: query i sees key j <= i (with a `window` w,
-/// only j > i - w), 0 where it sees and minus infinity elsewhere.
-pub(super) fn causal_mask(t: usize, window: Option<usize>, device: &Device) -> candle_core::Result<Tensor> {
+/// The additive causal mask (t, t) of attention in `dtype`: query i sees key j <= i (with a
+/// `window` w, only j > i - w), 0 where it sees and minus infinity elsewhere.
+pub(super) fn causal_mask(t: usize, window: Option<usize>, device: &Device, dtype: DType) -> candle_core::Result<Tensor> {
     let seen = |q: usize, k: usize| k <= q && window.is_none_or(|w| k + w > q);
     let mask: Vec<f32> = (0..t * t).map(|i| if seen(i / t, i % t) { 0.0 } else { f32::NEG_INFINITY }).collect();
-    Tensor::from_vec(mask, (t, t), device)
+    Tensor::from_vec(mask, (t, t), device)?.to_dtype(dtype)
+}
+
+/// Softmax over the last dimension of attention scores, in f32 whatever their dtype (as
+/// `transformers`' eager attention: `softmax(.., dtype=torch.float32).to(query.dtype)`).
+pub(super) fn softmax_f32(scores: &Tensor) -> candle_core::Result<Tensor> {
+    match scores.dtype() {
+        DType::F32 => candle_nn::ops::softmax_last_dim(scores),
+        d => candle_nn::ops::softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(d),
+    }
 }
 
 /// A part of a model as a function of tensors.
@@ -198,13 +207,16 @@ pub(super) fn run_stage(parts: StageParts<'_>, input: Option<&Tensor>, windows: 
     let Some(head) = parts.head else { return Ok(x) };
     let logits = head(&x)?;
     let targets = (parts.chunk)(windows.narrow(1, 1, t)?)?;
+    // The loss in f32 whatever the model's dtype (as `transformers` upcasts the logits).
     match parts.tp {
         Some(tp) => crate::tp::vocab_parallel_cross_entropy(&logits, &targets, parts.vocab, tp),
-        None => candle_nn::loss::cross_entropy(&logits.reshape(((), parts.vocab))?, &targets.flatten_all()?),
+        None => candle_nn::loss::cross_entropy(&logits.reshape(((), parts.vocab))?.to_dtype(DType::F32)?, &targets.flatten_all()?),
     }
 }
 
-/// Loads this rank's part of the causal language model in `dir` for `mesh`
+/// Loads this rank's part of the causal language model in `dir` for `mesh`, its parameters in
+/// `dtype` (f32; bf16 or f16 for mixed precision, `train.precision`: the trainer keeps f32
+/// masters)
 /// ([`Llama::new_parallel`]: a Llama-style model's blocks of this rank's pipeline stage, split
 /// over the mesh's `tp` group, on its `sp` chunk of each sequence, Mixtral's experts dealt out
 /// over its `ep` group; [`Gpt2::new_parallel`] and
@@ -212,9 +224,9 @@ pub(super) fn run_stage(parts: StageParts<'_>, input: Option<&Tensor>, windows: 
 /// checkpoint. Train it with `Trainer::with_mesh`,
 /// a pipeline's stages with [`CausalLm::pipeline_stage`]; `Mesh::whole_varmap` puts it together
 /// for an export.
-pub fn load_causal_lm_parallel(dir: &Path, device: &Device, mesh: &crate::Mesh) -> Result<(VarMap, CausalLm)> {
+pub fn load_causal_lm_parallel(dir: &Path, device: &Device, mesh: &crate::Mesh, dtype: DType) -> Result<(VarMap, CausalLm)> {
     let staged = mesh.size("pp") > 1 || mesh.size("sp") > 1 || mesh.size("ep") > 1;
-    load(dir, device, Some(mesh.tp()), staged.then_some(mesh))
+    load(dir, device, Some(mesh.tp()), staged.then_some(mesh), dtype)
 }
 
 /// Loads the causal language model in `dir` (by `config.json`'s `model_type`: `gpt2`, or the
@@ -222,28 +234,34 @@ pub fn load_causal_lm_parallel(dir: &Path, device: &Device, mesh: &crate::Mesh) 
 /// `model.safetensors` or the shards `model.safetensors.index.json` names. What the checkpoint
 /// holds that the model does not read is printed and kept ([`CausalLm::load_report`]).
 pub fn load_causal_lm(dir: &Path, device: &Device) -> Result<(VarMap, CausalLm)> {
-    load(dir, device, None, None)
+    load(dir, device, None, None, DType::F32)
 }
 
 /// As [`load_causal_lm`], split over the tensor-parallel group `tp` when it has more than one
 /// rank ([`Llama::new_split`], [`Gpt2::new_stage`], [`GptNeox::new_split`]): each rank keeps
 /// its pieces. Train it with `Trainer::with_mesh`; `Mesh::whole_varmap` gathers it for an export.
 pub fn load_causal_lm_split(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>) -> Result<(VarMap, CausalLm)> {
-    load(dir, device, tp, None)
+    load(dir, device, tp, None, DType::F32)
 }
 
 /// The loaders' one path: `mesh` when the model is cut into pipeline stages or sequence chunks.
-fn load(dir: &Path, device: &Device, tp: Option<&crate::tp::TensorParallel>, mesh: Option<&crate::Mesh>) -> Result<(VarMap, CausalLm)> {
+fn load(
+    dir: &Path,
+    device: &Device,
+    tp: Option<&crate::tp::TensorParallel>,
+    mesh: Option<&crate::Mesh>,
+    dtype: DType,
+) -> Result<(VarMap, CausalLm)> {
     let tp = tp.filter(|t| t.size() > 1);
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::file(&path, format!("not JSON: {e}")))?;
     let (varmap, model) = match v.get("model_type").and_then(|t| t.as_str()) {
-        Some("gpt2") => gpt2::load_gpt2_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
-        Some("gpt_neox") => neox::load_neox_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::GptNeox(m)))?,
+        Some("gpt2") => gpt2::load_gpt2_stage(dir, device, tp, mesh, dtype).map(|(v, m)| (v, CausalLm::Gpt2(m)))?,
+        Some("gpt_neox") => neox::load_neox_stage(dir, device, tp, mesh, dtype).map(|(v, m)| (v, CausalLm::GptNeox(m)))?,
         // Gemma 3 with a vision tower: its text model.
         Some(t) if llama::FAMILY.contains(&t) || t == "gemma3" => {
-            load_llama_stage(dir, device, tp, mesh).map(|(v, m)| (v, CausalLm::Llama(m)))?
+            load_llama_stage(dir, device, tp, mesh, dtype).map(|(v, m)| (v, CausalLm::Llama(m)))?
         }
         Some(t) => {
             return Err(Error::file(

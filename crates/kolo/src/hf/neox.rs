@@ -284,7 +284,9 @@ impl GptNeox {
         let (n, r) = (cfg.max_position_embeddings, cfg.rotary_dim());
         let theta = cfg.rope().get("rope_theta").and_then(serde_json::Value::as_f64).unwrap_or(10_000.0);
         let angles: Vec<f64> = (0..n).flat_map(|p| (0..r / 2).map(move |i| p as f64 / theta.powf(2.0 * i as f64 / r as f64))).collect();
-        let table = |f: fn(f64) -> f64| Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, r / 2), vb.device());
+        let table = |f: fn(f64) -> f64| {
+            Tensor::from_vec(angles.iter().map(|a| f(*a) as f32).collect::<Vec<_>>(), (n, r / 2), vb.device())?.to_dtype(vb.dtype())
+        };
         Ok(GptNeox {
             cfg: cfg.clone(),
             layers,
@@ -370,7 +372,7 @@ impl GptNeox {
             candle_core::bail!("sequence of {t} tokens is longer than max_position_embeddings {}", self.cfg.max_position_embeddings);
         }
         let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
-        let mask = super::causal_mask(t, None, x.device())?;
+        let mask = super::causal_mask(t, None, x.device(), x.dtype())?;
         let mut x = x.clone();
         for blk in &self.blocks {
             x = blk.forward(&x, (&cos, &sin, &mask), &self.cfg)?;
@@ -420,7 +422,7 @@ impl GptNeox {
 /// Builds a GPT-NeoX from `dir` into a new VarMap on `device` (its output layer is
 /// `embed_out.weight`, as checkpoints and `transformers` name it).
 pub fn load_neox(dir: &Path, device: &Device) -> Result<(VarMap, GptNeox)> {
-    load_neox_stage(dir, device, None, None)
+    load_neox_stage(dir, device, None, None, DType::F32)
 }
 
 /// As [`load_neox`], split over `tp` when given ([`GptNeox::new_split`]), or this rank's part
@@ -430,10 +432,11 @@ pub(super) fn load_neox_stage(
     device: &Device,
     tp: Option<&crate::tp::TensorParallel>,
     mesh: Option<&crate::Mesh>,
+    dtype: DType,
 ) -> Result<(VarMap, GptNeox)> {
     let cfg = NeoxConfig::load(dir)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, device);
+    let vb = VarBuilder::from_varmap(&varmap, dtype, device);
     let mut model = match mesh {
         Some(m) => GptNeox::new_parallel(&cfg, vb, m),
         None => GptNeox::new_split(&cfg, vb, tp),
