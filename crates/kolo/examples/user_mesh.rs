@@ -13,7 +13,7 @@
 //! all ranks (64; each data-parallel replica takes B / D), --hidden H (256),
 //! --optim adamw|sgd, --lr (1e-3), --clip C (none), --init FILE (start from whole weights in
 //! a safetensors file), --save-init FILE (write the whole initial weights there and stop),
-//! --zero S (0), --precision f32|bf16|f16 (f32: mixed precision builds the model in bf16 or
+//! --zero S (0; 3 shards each of this stage's layers over the data-parallel group), --precision f32|bf16|f16 (f32: mixed precision builds the model in bf16 or
 //! f16 over f32 masters; the loss is taken in f32), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
 //! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh),
 //! --slow-rank R (that rank's forward takes 5 ms longer: a straggler for the log to name),
@@ -106,7 +106,13 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     if let Ok(c) = arg("--clip", "none").parse() {
         opts = opts.clip_grad_norm(c);
     }
-    let mut trainer = kolo::Trainer::with_mesh(&varmap, &mesh, opts)?;
+    let mut trainer = if arg("--zero", "0") == "3" {
+        // ZeRO-3 (FSDP) over the data-parallel group: this stage's layers, each a group.
+        let groups: Vec<String> = kolo::pp::stage_layers(LAYERS, &mesh)?.map(|i| format!("fc{}.", i + 1)).collect();
+        kolo::Trainer::with_mesh_zero3_groups(&varmap, &mesh, opts, &groups.iter().map(String::as_str).collect::<Vec<_>>())?
+    } else {
+        kolo::Trainer::with_mesh(&varmap, &mesh, opts)?
+    };
     let resume = arg("--resume", "");
     // --resume-only R: a mistake on purpose, only rank R resumes (the trainer refuses it).
     let only = arg("--resume-only", "none").parse::<usize>().ok();

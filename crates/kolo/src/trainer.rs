@@ -441,16 +441,49 @@ impl Trainer {
     /// data-parallel group. Mixed precision (`train.precision = "bf16"` or `"f16"`, the model
     /// built in that dtype) works on every axis: the layers' collectives move and sum f32 and
     /// round once to the model's dtype, the masters are f32, and f16's overflow check skips a
-    /// step on every rank of the mesh or none. ZeRO-3, local SGD and gradient compression are
-    /// refused with a mesh so far.
+    /// step on every rank of the mesh or none. ZeRO-3 takes its groups
+    /// ([`Trainer::with_mesh_zero3_groups`]); local SGD and gradient compression are refused
+    /// with a mesh so far.
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
+        Self::build(varmap, Self::mesh_place(mesh, &opts, false)?, opts, &[])
+    }
+
+    /// Collective: as [`Trainer::with_mesh`] under ZeRO-3 (`ddp.zero_stage = 3`: FSDP beside
+    /// tensor parallelism, torchtitan's 2D): each rank's parameters whose names start with one
+    /// of `groups` (its blocks' prefixes; under `tp` these hold its pieces) are sharded over its
+    /// data-parallel group and gathered into the model's variables when read, as
+    /// [`Trainer::with_zero3_groups`] does without a mesh. The gradient norm, checkpoints (whole
+    /// tensors) and resumes work as under ZeRO-1/2. Not with pipeline, expert or sequence
+    /// parallelism yet.
+    pub fn with_mesh_zero3_groups(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
+        if opts.ddp.zero_stage != 3 || groups.is_empty() {
+            return Err(Error::setting(
+                "ddp.zero_stage",
+                format!(
+                    "Trainer::with_mesh_zero3_groups needs ddp.zero_stage = 3 and at least one group (got stage {}, {} groups)",
+                    opts.ddp.zero_stage,
+                    groups.len()
+                ),
+            ));
+        }
+        Self::build(varmap, Self::mesh_place(mesh, &opts, true)?, opts, groups)
+    }
+
+    /// Where a mesh puts this rank's model, and the combinations refused so far.
+    fn mesh_place(mesh: &crate::Mesh, opts: &TrainOptions, zero3_groups: bool) -> Result<Place> {
         let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
         let pp = (mesh.size("pp") > 1).then(|| mesh.pp().clone());
         let ep = (mesh.size("ep") > 1).then(|| mesh.ep_comm().clone());
-        if opts.ddp.zero_stage == 3 && (tp.is_some() || pp.is_some() || ep.is_some() || mesh.size("sp") > 1) {
+        if opts.ddp.zero_stage == 3 && (pp.is_some() || ep.is_some() || mesh.size("sp") > 1) {
             return Err(Error::setting(
                 "ddp.zero_stage",
-                "ZeRO-3 with tensor, pipeline, expert or sequence parallelism (Trainer::with_mesh) is not supported yet (ZeRO-1 and 2 are)",
+                "ZeRO-3 with pipeline, expert or sequence parallelism is not supported yet (a pipeline accumulates its micro-batches' gradients, which ZeRO-3 does not yet; with tensor parallelism it works, and ZeRO-1 and 2 with every axis)",
+            ));
+        }
+        if opts.ddp.zero_stage == 3 && !zero3_groups && tp.is_some() {
+            return Err(Error::setting(
+                "ddp.zero_stage",
+                "3 on a mesh shards this rank's parameter groups named by prefix: create the trainer with Trainer::with_mesh_zero3_groups(&varmap, &mesh, opts, &[\"layers.0.\", ..])",
             ));
         }
         if ep.is_some() && (tp.is_some() || pp.is_some() || mesh.size("sp") > 1) {
@@ -462,8 +495,7 @@ impl Trainer {
         let model = (tp.is_some() || pp.is_some() || ep.is_some()).then(|| mesh.model_parallel().clone());
         // The members of an expert-parallel group read their own batches.
         let (comm, world, data_replicas) = (mesh.replicas().clone(), mesh.world().clone(), mesh.size("dp") * mesh.size("ep"));
-        let place = Place { comm, rank: mesh.rank(), tp, pp, ep, model, world, data_replicas };
-        Self::build(varmap, place, opts, &[])
+        Ok(Place { comm, rank: mesh.rank(), tp, pp, ep, model, world, data_replicas })
     }
 
     /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`, torch's FSDP): the
@@ -1053,7 +1085,8 @@ impl Trainer {
     /// and its member 0 in each data-parallel replica writes them as DDP would, under the
     /// model's names; the others wait for it unless the write is in the background.
     fn write_whole(&self, s: &Spread, dir: &Path, background: bool) -> Result<PendingSave> {
-        let values = s.layout.gather(&self.params.to_flat()?)?;
+        // ZeRO-3: this rank's pieces gathered from the data-parallel group's shards first.
+        let values = s.layout.gather(&self.flat_params()?)?;
         let mut states = Vec::new();
         for (name, v) in self.opt.state() {
             states.push((name, s.layout.gather(&self.unshard_state(v)?)?));
@@ -1257,7 +1290,7 @@ fn spread(
         return Ok((None, signature));
     }
     let unsupported = [
-        (opts.ddp.zero_stage == 3 || !groups.is_empty(), "ddp.zero_stage", "ZeRO-3"),
+        ((opts.ddp.zero_stage == 3 || !groups.is_empty()) && place.ep.is_some(), "ddp.zero_stage", "ZeRO-3"),
         (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", "local SGD"),
         (opts.ddp.compression.is_some(), "ddp.compression", "gradient compression"),
     ];

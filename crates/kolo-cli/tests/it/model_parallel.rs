@@ -193,7 +193,9 @@ fn initial_weights(dir: &Path) -> String {
 
 /// The user's MLP with a column- and a row-parallel layer, from the same whole initial
 /// weights, after 6 steps on the same global batches of 24 MNIST images: under tp 2, tp 3 and
-/// dp 2 x tp 2 (4 processes) it equals one process of candle-nn's own layers within 2e-6
+/// dp 2 x tp 2 (4 processes, also under ZeRO-2, and under ZeRO-3 with each layer's pieces
+/// sharded over the data-parallel group) it equals one process of candle-nn's own layers
+/// within 2e-6
 /// (SGD, lr 0.1, no clipping; the row layer's partial products are summed in another order),
 /// and under tp 2 with AdamW and the gradient norm clipped to 0.5 (every step clips, so a
 /// norm that forgot the other member's pieces would show) within 1e-5. The parameters moved by
@@ -208,7 +210,7 @@ fn a_users_model_under_tp_and_dp_x_tp_matches_one_process() {
     assert_eq!(one.len(), 6, "fc1..fc3 weight and bias: {:?}", one.keys());
     let (_, moved) = worst(&one, &start);
     assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
-    for (n, mesh) in [(2, "--tp 2"), (3, "--tp 3"), (4, "--dp 2 --tp 2"), (4, "--dp 2 --tp 2 --zero 2")] {
+    for (n, mesh) in [(2, "--tp 2"), (3, "--tp 3"), (4, "--dp 2 --tp 2"), (4, "--dp 2 --tp 2 --zero 2"), (4, "--dp 2 --tp 2 --zero 3")] {
         let got = user_mesh(n, &format!("{sgd} {mesh}"), &dir.join(format!("n{n}")));
         let (k, d) = worst(&one, &got);
         assert!(d < 2e-6, "{mesh}: `{k}` differs from one process by {d}");
