@@ -258,12 +258,16 @@ impl FineTune {
             ));
         }
         let opts = cfg.train_options();
-        let trainer = if tp * pp * sp * ep > 1 {
+        // ZeRO-3: the blocks' values (this rank's pieces of them on a mesh) live as shards over
+        // the data-parallel ranks, gathered into the model when used.
+        let groups = model.block_prefixes();
+        let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+        let trainer = if tp * pp * sp * ep > 1 && opts.ddp.zero_stage == 3 {
+            Trainer::with_mesh_zero3_groups(&varmap, &mesh, opts, &groups)?
+        } else if tp * pp * sp * ep > 1 {
             Trainer::with_mesh(&varmap, &mesh, opts)?
         } else if opts.ddp.zero_stage == 3 {
-            // The blocks' values live as shards over the ranks, gathered into the model when used.
-            let groups = model.block_prefixes();
-            Trainer::with_zero3_groups(&varmap, dist, opts, &groups.iter().map(String::as_str).collect::<Vec<_>>())?
+            Trainer::with_zero3_groups(&varmap, dist, opts, &groups)?
         } else {
             Trainer::new(&varmap, dist, opts)?
         };
