@@ -32,8 +32,9 @@
 //! mesh); the clipping norm sums over every stage and piece. Each stage computes in its model's
 //! dtype (mixed precision: bf16/f16 layers over f32 masters, activations and their gradients
 //! travel between stages as f32, f16's loss scale carried by them); ZeRO-1/2 shard each
-//! stage's optimizer state over its `dp` group; ZeRO-3, local SGD and compression are refused
-//! with a pipeline so far.
+//! stage's optimizer state over its `dp` group, ZeRO-3 its layers' values
+//! (`Trainer::with_mesh_zero3_groups`); local SGD and compression are refused with a pipeline
+//! so far.
 
 use crate::{Error, Mesh, Result, StepOutput, Trainer};
 use candle_core::{DType, Tensor, Var};

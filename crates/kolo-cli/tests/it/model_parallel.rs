@@ -194,8 +194,8 @@ fn initial_weights(dir: &Path) -> String {
 /// The user's MLP with a column- and a row-parallel layer, from the same whole initial
 /// weights, after 6 steps on the same global batches of 24 MNIST images: under tp 2, tp 3 and
 /// dp 2 x tp 2 (4 processes, also under ZeRO-2, and under ZeRO-3 with each layer's pieces
-/// sharded over the data-parallel group) it equals one process of candle-nn's own layers
-/// within 2e-6
+/// sharded over the data-parallel group), and 2 pipeline stages x dp 2 under ZeRO-3 (1F1B over
+/// 2 micro-batches, accumulated) it equals one process of candle-nn's own layers within 2e-6
 /// (SGD, lr 0.1, no clipping; the row layer's partial products are summed in another order),
 /// and under tp 2 with AdamW and the gradient norm clipped to 0.5 (every step clips, so a
 /// norm that forgot the other member's pieces would show) within 1e-5. The parameters moved by
@@ -210,7 +210,14 @@ fn a_users_model_under_tp_and_dp_x_tp_matches_one_process() {
     assert_eq!(one.len(), 6, "fc1..fc3 weight and bias: {:?}", one.keys());
     let (_, moved) = worst(&one, &start);
     assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
-    for (n, mesh) in [(2, "--tp 2"), (3, "--tp 3"), (4, "--dp 2 --tp 2"), (4, "--dp 2 --tp 2 --zero 2"), (4, "--dp 2 --tp 2 --zero 3")] {
+    for (n, mesh) in [
+        (2, "--tp 2"),
+        (3, "--tp 3"),
+        (4, "--dp 2 --tp 2"),
+        (4, "--dp 2 --tp 2 --zero 2"),
+        (4, "--dp 2 --tp 2 --zero 3"),
+        (4, "--pp 2 --dp 2 --zero 3 --micro 2"),
+    ] {
         let got = user_mesh(n, &format!("{sgd} {mesh}"), &dir.join(format!("n{n}")));
         let (k, d) = worst(&one, &got);
         assert!(d < 2e-6, "{mesh}: `{k}` differs from one process by {d}");
