@@ -430,7 +430,8 @@ fn worst_tensor(a: &BTreeMap<String, candle_core::Tensor>, b: &BTreeMap<String, 
 /// heads, MLP and vocabulary over the `tp` group, its 2 blocks over the `pp` stages; each rank
 /// loads only its pieces of the checkpoint) and fine-tuned for 6 steps on the same global
 /// batches of 4 windows exports the same `model.safetensors` as one process: under tp 2 (2
-/// processes), dp 2 x tp 2 (4; also under ZeRO-3, the blocks' pieces sharded over dp), pp 2 (2, 1F1B over 2 micro-batches), sp 2 (2: each rank 8 of
+/// processes), dp 2 x tp 2 (4; also under ZeRO-3, the blocks' pieces sharded over dp), pp 2 x
+/// dp 2 under ZeRO-3 (4, each stage's blocks sharded, 2 micro-batches accumulated), pp 2 (2, 1F1B over 2 micro-batches), sp 2 (2: each rank 8 of
 /// the 16 positions, ring attention), sp 2 x tp 2 (4) and pp 2 x tp 2 (4, GPipe over 4) with
 /// SGD and no clipping within 2e-5, under tp 2 with AdamW and the norm clipped to 0.05 (every step
 /// clips) within 1e-5. Each export, loaded back whole, computes the logits the split model
@@ -451,6 +452,7 @@ fn a_hugging_face_llama_on_a_mesh_matches_one_process() {
         (2, format!("{sgd} --batch 4 --tp 2")),
         (4, format!("{sgd} --batch 2 --tp 2")),
         (4, format!("{sgd} --batch 2 --tp 2 --zero 3")),
+        (4, format!("{sgd} --batch 2 --pp 2 --micro 2 --zero 3")),
         (2, format!("{sgd} --batch 4 --pp 2 --micro 2")),
         (2, format!("{sgd} --batch 4 --sp 2")),
         (4, format!("{sgd} --batch 4 --sp 2 --tp 2")),
