@@ -218,11 +218,6 @@ impl TrainOptions {
     pub fn check(&self) -> Result<()> {
         let d = &self.ddp;
         let only_kolo_train = [
-            (
-                d.zero_stage == 3 && self.train.precision != Precision::F32,
-                "ddp.zero_stage",
-                " = 3 with train.precision other than f32 (the library's ZeRO-3 gathers f32 variables)",
-            ),
             (d.deterministic, "ddp.deterministic", " (the trainer does not own the batch, which it cuts into pieces)"),
             (
                 d.liveness_secs != DdpSettings::default().liveness_secs,
@@ -579,7 +574,10 @@ impl Trainer {
         let zero3 = if sharded {
             // The groups live as shards from now on: the model's own variables are emptied and
             // refilled on use; the trainer keeps no handle on their values.
-            let vars = plan.iter().map(|g| g.iter().map(|&i| (names[i].clone(), params.get(i).var.clone())).collect()).collect();
+            // Mixed precision: the model's bf16/f16 variables are gathered into (the f32 masters
+            // live as the shards alone).
+            let var = |i: usize| if model_vars.is_empty() { params.get(i).var.clone() } else { model_vars[i].clone() };
+            let vars = plan.iter().map(|g| g.iter().map(|&i| (names[i].clone(), var(i))).collect()).collect();
             for &i in plan.iter().flatten() {
                 params.release(i)?;
             }
@@ -1252,9 +1250,10 @@ fn adopt(varmap: &VarMap, rank: usize, precision: Precision) -> Result<Adopted> 
 }
 
 /// Mixed precision: rewrites the model's bf16/f16 variables from the f32 masters (nothing in
-/// f32, where the model's variables are the parameters).
+/// f32, where the model's variables are the parameters). ZeRO-3's sharded groups are left out:
+/// their masters live as shards, gathered and rounded into the model's variables when read.
 fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -> Result<()> {
-    for (i, v) in model_vars.iter().enumerate() {
+    for (i, v) in model_vars.iter().enumerate().filter(|(i, _)| params.is_resident(*i)) {
         v.set(&params.get(i).var.as_tensor().to_dtype(compute)?)?;
     }
     Ok(())

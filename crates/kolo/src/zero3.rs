@@ -17,7 +17,7 @@
 //! variable read from another thread, or by one rank only, fails the gather at its deadline.
 
 use crate::{Error, Result};
-use candle_core::{CpuStorage, Storage, Var};
+use candle_core::{CpuStorage, DType, Storage, Var};
 use kolo_base::ParamGather;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -105,11 +105,12 @@ impl Zero3 {
         let mut state = State { groups: Vec::new(), clock: 0, last: None, prefetch: false, pinned: false, error: None, gathers: 0 };
         for (prefix, members) in prefixes.iter().zip(groups) {
             for (name, v) in &members {
-                if !v.device().is_cpu() || v.dtype() != candle_core::DType::F32 || !v.is_contiguous() || v.layout().start_offset() != 0 {
+                let float = matches!(v.dtype(), DType::F32 | DType::BF16 | DType::F16);
+                if !v.device().is_cpu() || !float || !v.is_contiguous() || v.layout().start_offset() != 0 {
                     return Err(Error::usage(
                         rank,
                         "Trainer::with_zero3_groups",
-                        format!("group \"{prefix}\": parameter `{name}` is not a contiguous f32 CPU variable"),
+                        format!("group \"{prefix}\": parameter `{name}` is not a contiguous f32, bf16 or f16 CPU variable"),
                     ));
                 }
             }
@@ -204,7 +205,7 @@ impl Drop for Zero3 {
                         "kolo: ZeRO-3 parameter `{name}` was read after its Trainer was dropped; its values lived as shards and are gone, so it reads as NaN (call Trainer::unshard before dropping the trainer)"
                     );
                     let nan = vec![f32::NAN; var.elem_count()];
-                    if var.replace_storage(Storage::Cpu(CpuStorage::F32(nan))).is_ok() {
+                    if var.replace_storage(Storage::Cpu(storage_in(var.dtype(), nan))).is_ok() {
                         var.set_storage_hook(None);
                     }
                 })));
@@ -272,7 +273,7 @@ fn fill(group: &mut Group, full: Result<&[f32], String>) -> Result<(), String> {
         let n = var.elem_count();
         if !*whole {
             let v = values.map_or_else(|| vec![f32::NAN; n], |f| f[at..at + n].to_vec());
-            if let Err(e) = var.replace_storage(Storage::Cpu(CpuStorage::F32(v))) {
+            if let Err(e) = var.replace_storage(Storage::Cpu(storage_in(var.dtype(), v))) {
                 return Err(e.to_string());
             }
             *whole = true;
@@ -280,6 +281,16 @@ fn fill(group: &mut Group, full: Result<&[f32], String>) -> Result<(), String> {
         at += n;
     }
     failure
+}
+
+/// The f32 values `v` in a variable of `dtype`: a mixed-precision model's bf16/f16 variables
+/// are filled with their f32 masters rounded once, as the trainer publishes them.
+fn storage_in(dtype: DType, v: Vec<f32>) -> CpuStorage {
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(half::f16::from_f32).collect()),
+        _ => CpuStorage::F32(v),
+    }
 }
 
 /// Frees the group's whole values; `false` if a variable was being read (it stays whole).

@@ -190,8 +190,8 @@ fn hugging_face_models_fine_tuned_under_zero_export_what_they_trained() {
 /// step, under the `[ddp]` settings in `--ddp` (`;` for newlines); `--steps N`
 /// steps in all, stopping after `--stop-at K` with a checkpoint in `--out`, or resuming from
 /// `--resume DIR`. `--zero3 yes` shards the first layer as a ZeRO-3 group (`fc1.`); `--accum K`
-/// (1) accumulates K micro-batches of `--batch` per step. Writes this rank's parameters to
-/// `--out/rank{r}.f32`.
+/// (1) accumulates K micro-batches of `--batch` per step; `--precision bf16|f16` builds the
+/// model in that dtype (f32 masters). Writes this rank's parameters to `--out/rank{r}.f32`.
 fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
     use candle_core::{DType, Tensor};
     use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
@@ -200,17 +200,18 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
     let (steps, stop_at): (u64, u64) = (arg("--steps", "6").parse()?, arg("--stop-at", "0").parse()?);
     let batch: usize = arg("--batch", "8").parse()?;
     let accum: u64 = arg("--accum", "1").parse()?;
+    let precision: kolo::options::Precision = arg("--precision", "f32").parse().map_err(anyhow::Error::msg)?;
     let dist = kolo::init()?;
     dist.device().set_seed(0)?;
     let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
+    let vb = VarBuilder::from_varmap(&varmap, precision.dtype(), &dist.device());
     let (l1, l2) = (linear(784, 32, vb.pp("fc1"))?, linear(32, 10, vb.pp("fc2"))?);
     let zero3 = arg("--zero3", "no") == "yes";
     let ddp = arg("--ddp", "").replace(';', "\n");
     let toml = format!(
         "[optim]\nkind = \"sgd\"\nlr = 0.1\n[ddp]\n{ddp}\n[train]\nsteps = {steps}\ngrad_accum = {accum}\nlog_every = 1000\n[data]\nbatch_size = {batch}\n"
     );
-    let opts = kolo::TrainOptions::from_toml_str(&toml)?;
+    let opts = kolo::TrainOptions::from_toml_str(&toml)?.precision(precision);
     let mut trainer =
         if zero3 { kolo::Trainer::with_zero3_groups(&varmap, &dist, opts, &["fc1."])? } else { kolo::Trainer::new(&varmap, &dist, opts)? };
     // ZeRO-3: the model is unchanged; its first layer's values are gathered into it when used.
@@ -231,8 +232,9 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
         let x: Vec<f32> = idx.iter().flat_map(|&i| train.image(i).iter().copied()).collect();
         let y: Vec<u32> = idx.iter().map(|&i| u32::from(train.labels()[i])).collect();
         let (x, y) = (Tensor::from_vec(x, (idx.len(), 784), &dist.device())?, Tensor::from_vec(y, idx.len(), &dist.device())?);
+        let x = x.to_dtype(precision.dtype())?;
         trainer.set_data_position(sampler.position());
-        trainer.step(|| cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?, &y))?;
+        trainer.step(|| cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?.to_dtype(DType::F32)?, &y))?;
         if stop_at > 0 && trainer.steps_done() == stop_at {
             trainer.save(out.join("ck"))?;
             break;
@@ -332,9 +334,10 @@ fn a_users_model_under_zero3_matches_one_process_and_reshards() {
 /// keep their gradients whole on each rank, the last reduce-scatters their sum): 2 processes,
 /// 2 and 3 micro-batches of 6 per step, 6 SGD steps, bitwise equal to ZeRO-2 with the same
 /// accumulation (the same reduce-scatters of the same sums; the gathered values are the
-/// shards' exact copies), and the parameters moved.
+/// shards' exact copies), and the parameters moved. The same in bf16 and f16 (a model built in
+/// that dtype over f32 masters).
 #[test]
-fn zero3_with_gradient_accumulation_equals_zero2() {
+fn zero3_with_gradient_accumulation_and_mixed_precision_equals_zero2() {
     let dir = fresh_dir("user-zero3-accum");
     let start = mlp_run(2, "--steps 0 --batch 6", &dir.join("start"));
     for accum in [2, 3] {
@@ -344,6 +347,17 @@ fn zero3_with_gradient_accumulation_equals_zero2() {
         assert!(max_diff(&z2[0], &start[0]) > 1e-2, "the parameters barely moved");
         for r in 0..2 {
             assert!(z3[r] == z2[r], "accumulation {accum}, rank {r}: ZeRO-3 differs from ZeRO-2 by {}", max_diff(&z3[r], &z2[r]));
+        }
+    }
+    // Mixed precision: the gathered f32 masters are rounded into the model's bf16/f16
+    // variables as the trainer publishes them under ZeRO-2 (f16 with its loss scale).
+    for precision in ["bf16", "f16"] {
+        let base = format!("--steps 6 --batch 6 --accum 2 --precision {precision}");
+        let z2 = mlp_run(2, &format!("{base} --ddp zero_stage=2"), &dir.join(format!("z2-{precision}")));
+        let z3 = mlp_run(2, &format!("{base} --ddp zero_stage=3 --zero3 yes"), &dir.join(format!("z3-{precision}")));
+        assert!(max_diff(&z2[0], &start[0]) > 1e-2, "{precision}: the parameters barely moved");
+        for r in 0..2 {
+            assert!(z3[r] == z2[r], "{precision}, rank {r}: ZeRO-3 differs from ZeRO-2 by {}", max_diff(&z3[r], &z2[r]));
         }
     }
     std::fs::remove_dir_all(&dir).unwrap();
