@@ -554,7 +554,8 @@ fn a_hugging_face_llama_in_bf16_on_a_mesh_matches_one_process() {
 /// layers, top 3) fine-tuned with their experts dealt out by `kolo::hf::load_causal_lm_parallel`
 /// (each rank loads only its experts' tensors) export the same `model.safetensors` as one
 /// process holding every expert after 6 SGD steps on the same global batches of 4 windows: over
-/// ep 2 (2 processes; Mixtral also dp 2 x ep 2, 4, and in 2 pipeline stages under 1F1B, its
+/// ep 2 (2 processes; Mixtral also dp 2 x ep 2, 4, ep 2 x tp 2, 4, within 5e-5, each of its
+/// experts dealt out over ep and its width split over tp, and in 2 pipeline stages under 1F1B, its
 /// idle experts' zero gradients carried through the hidden states), without the load-balancing
 /// loss (within 2e-5). With that loss (weight 0.05) Mixtral with each expert's width split over
 /// tp 2 equals one process (within 2e-5). The loss is each rank's over its own tokens, as under
@@ -572,6 +573,7 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
             vec![
                 (2, format!("{sgd} --batch 2 --ep 2")),
                 (4, format!("{sgd} --batch 1 --ep 2")),
+                (4, format!("{sgd} --batch 2 --ep 2 --tp 2")),
                 (2, format!("{sgd} --batch 4 --pp 2 --micro 2")),
             ],
         ),
@@ -597,7 +599,9 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
             let (got, _) = hf_model(&plain, n, &args, &dir.join(format!("{arch}-n{n}")));
             let (k, d) = worst_tensor(&one, &got);
             eprintln!("{arch}, {n} ranks, {args}: parameters within {d} (`{k}`)");
-            assert!(d < 2e-5, "{arch}, {n} ranks, {args}: `{k}` differs from one process by {d}");
+            // ep x tp reassociates the most (the row-parallel sums and the all-to-all): 1.7e-5.
+            let bound = if args.contains("--tp") { 5e-5 } else { 2e-5 };
+            assert!(d < bound, "{arch}, {n} ranks, {args}: `{k}` differs from one process by {d}");
         }
     }
     let src = kolo_testkit::files::hf_tiny("mixtral");
