@@ -539,27 +539,38 @@ pub(crate) struct WholeLayout {
     /// The whole model's parameters, `(name, shape)`, in the order one process would have them.
     pub(crate) signature: Vec<(String, Vec<usize>)>,
     pub(crate) numel: usize,
-    /// The groups the whole model is spread over.
+    /// The groups the whole model is spread over: tensor parallelism, then the groups whose
+    /// members hold different parameters (an expert-parallel group's experts, then the
+    /// pipeline's stages), innermost first.
     tp: Option<TensorParallel>,
-    pp: Option<Arc<dyn Communicator>>,
-    /// Per local parameter: a copy of a parameter tied across pipeline stages, held by an
-    /// earlier stage too (which owns it: checkpoints, the norm and exports take that one).
+    levels: Vec<Level>,
+    /// Per local parameter: a copy of a parameter another member of one of the levels holds
+    /// too and owns (checkpoints, the norm and exports take that one).
     copies: Vec<bool>,
-    /// The parameters tied across stages, the same list on every stage: `(name, elements of
-    /// this rank's piece)`, and where this rank holds each (its local index).
+}
+
+/// One group of [`WholeLayout`] whose members hold different parameters.
+struct Level {
+    comm: Arc<dyn Communicator>,
+    /// Per local parameter: a copy here of a parameter an earlier member owns.
+    copies: Vec<bool>,
+    /// The parameters several members hold (tied across stages; held by every member of an
+    /// expert-parallel group), the same list on every member: `(name, elements of this rank's
+    /// piece)`, and where this rank holds each (its local index).
     tied: Vec<(String, usize, Option<usize>)>,
 }
 
 impl WholeLayout {
     /// The layout of `params`, given each parameter's variable id (`ids`: id to index) and
     /// the order one process keeps parameters in (`order`: a sort key of a name). A variable
-    /// made by a layer of a group of one is not split. Over pipeline stages (`pp`), collective:
-    /// the stages' parameters together, each name on one stage.
+    /// made by a layer of a group of one is not split. Over `stages` (groups whose members hold
+    /// different parameters, innermost first: an expert-parallel group, then the pipeline),
+    /// collective: the members' parameters together, each name once.
     pub(crate) fn new(
         params: &kolo_tensor::ParamSet,
         ids: &HashMap<TensorId, usize>,
         tp: Option<TensorParallel>,
-        pp: Option<Arc<dyn Communicator>>,
+        stages: Vec<Arc<dyn Communicator>>,
         order: impl Fn(&str) -> Vec<(String, u64)>,
     ) -> Result<WholeLayout> {
         let mut splits = vec![None; params.len()];
@@ -572,14 +583,22 @@ impl WholeLayout {
             .zip(&splits)
             .map(|(p, s)| (p.name.clone(), s.as_ref().map_or_else(|| p.shape.clone(), |s| s.whole.clone())))
             .collect();
-        let local_numel: Vec<usize> = params.iter().map(|p| p.range.len()).collect();
-        let (mut signature, owners) = match &pp {
-            Some(pp) => stages_signature(&**pp, &mine, &local_numel)?,
-            None => (mine.clone(), Vec::new()),
-        };
-        let stage = pp.as_ref().map_or(0, |p| p.rank().get());
-        let copies = params.iter().map(|p| owners.iter().any(|(n, owner, _)| *n == p.name && *owner != stage)).collect();
-        let tied = owners.into_iter().map(|(n, _, len)| (n.clone(), len, params.iter().position(|p| p.name == n))).collect();
+        let local_numel: HashMap<&str, usize> = params.iter().map(|p| (p.name.as_str(), p.range.len())).collect();
+        let mut signature = mine;
+        let mut levels = Vec::new();
+        let mut copies = vec![false; params.len()];
+        for comm in stages {
+            // A name this rank does not hold (another member's, one level in) counts whole.
+            let pieces: Vec<usize> =
+                signature.iter().map(|(n, s)| local_numel.get(n.as_str()).copied().unwrap_or(s.iter().product())).collect();
+            let (next, owners) = stages_signature(&*comm, &signature, &pieces)?;
+            let me = comm.rank().get();
+            let here: Vec<bool> = params.iter().map(|p| owners.iter().any(|(n, owner, _)| *n == p.name && *owner != me)).collect();
+            copies.iter_mut().zip(&here).for_each(|(c, h)| *c |= *h);
+            let tied = owners.into_iter().map(|(n, _, len)| (n.clone(), len, params.iter().position(|p| p.name == n))).collect();
+            levels.push(Level { comm, copies: here, tied });
+            signature = next;
+        }
         signature.sort_by_cached_key(|(n, _)| order(n));
         let mut offset = HashMap::new();
         let mut numel = 0;
@@ -589,29 +608,32 @@ impl WholeLayout {
         }
         let at = params.iter().map(|p| (offset[&p.name], p.range.clone())).collect();
         let names = params.iter().map(|p| p.name.clone()).collect();
-        Ok(WholeLayout { splits, at, names, signature, numel, tp, pp, copies, tied })
+        Ok(WholeLayout { splits, at, names, signature, numel, tp, levels, copies })
     }
 
-    /// Parameters tied across pipeline stages (the same on every stage).
+    /// Parameters tied across pipeline stages, or held by every member of an expert-parallel
+    /// group (the same on every member).
     pub(crate) fn has_tied(&self) -> bool {
-        !self.tied.is_empty()
+        self.levels.iter().any(|l| !l.tied.is_empty())
     }
 
-    /// Collective over the pipeline group: every stage holding a tied parameter gets the sum of
-    /// their values of `get(i)` (each stage's part of its gradient), through `set(i, sum)`.
-    fn sum_tied(&self, mut get: impl FnMut(usize) -> Vec<f32>, mut set: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
-        let Some(pp) = &self.pp else { return Ok(()) };
-        let mut buf = vec![0f32; self.tied.iter().map(|(_, n, _)| n).sum()];
+    /// Collective over `level`'s group: every member holding a tied parameter gets the sum of
+    /// their values of `get(i)` (each member's part of its gradient), through `set(i, sum)`.
+    fn sum_tied(level: &Level, mut get: impl FnMut(usize) -> Vec<f32>, mut set: impl FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
+        if level.tied.is_empty() {
+            return Ok(());
+        }
+        let mut buf = vec![0f32; level.tied.iter().map(|(_, n, _)| n).sum()];
         let mut at = 0;
-        for (_, n, local) in &self.tied {
+        for (_, n, local) in &level.tied {
             if let Some(i) = local {
                 buf[at..at + n].copy_from_slice(&get(*i));
             }
             at += n;
         }
-        pp.all_reduce(kolo_comm::BufMut::from(&mut buf[..]), kolo_comm::ReduceOp::Sum)?;
+        level.comm.all_reduce(kolo_comm::BufMut::from(&mut buf[..]), kolo_comm::ReduceOp::Sum)?;
         let mut at = 0;
-        for (_, n, local) in &self.tied {
+        for (_, n, local) in &level.tied {
             if let Some(i) = local {
                 set(*i, &buf[at..at + n])?;
             }
@@ -627,29 +649,38 @@ impl WholeLayout {
             return Err(kolo_train::TrainError::Config("ZeRO-2 with a parameter tied across pipeline stages is not supported yet".into()));
         }
         let grads = std::cell::RefCell::new(grads);
-        self.sum_tied(
-            |i| grads.borrow().param(i).to_vec(),
-            |i, v| {
-                grads.borrow_mut().param_mut(i).copy_from_slice(v);
-                Ok(())
-            },
-        )
-        .map_err(|e| match e {
-            Error::Comm(c) => kolo_train::TrainError::Comm(c),
-            e => kolo_train::TrainError::Other(e.to_string()),
-        })
+        // Level by level: an expert-parallel group's sum first, then the pipeline's.
+        for level in &self.levels {
+            Self::sum_tied(
+                level,
+                |i| grads.borrow().param(i).to_vec(),
+                |i, v| {
+                    grads.borrow_mut().param_mut(i).copy_from_slice(v);
+                    Ok(())
+                },
+            )
+            .map_err(|e| match e {
+                Error::Comm(c) => kolo_train::TrainError::Comm(c),
+                e => kolo_train::TrainError::Other(e.to_string()),
+            })?;
+        }
+        Ok(())
     }
 
     /// Collective over the pipeline group: each copy of a tied parameter takes the value its
     /// owner (the first stage holding it) has.
     pub(crate) fn init_tied(&self, params: &kolo_tensor::ParamSet) -> Result<()> {
-        let flat = params.to_flat()?;
-        let copies = &self.copies;
         let at = &self.at;
-        self.sum_tied(
-            |i| if copies[i] { vec![0.0; at[i].1.len()] } else { flat[at[i].1.clone()].to_vec() },
-            |i, v| Ok(params.load_one(i, v)?),
-        )
+        for level in &self.levels {
+            let flat = params.to_flat()?;
+            let copies = &level.copies;
+            Self::sum_tied(
+                level,
+                |i| if copies[i] { vec![0.0; at[i].1.len()] } else { flat[at[i].1.clone()].to_vec() },
+                |i, v| Ok(params.load_one(i, v)?),
+            )?;
+        }
+        Ok(())
     }
 
     /// A parameter of this rank that is split over a tensor-parallel group.
@@ -682,7 +713,7 @@ impl WholeLayout {
                 None => {}
             }
         }
-        for comm in self.tp.as_ref().map(|t| t.comm()).into_iter().chain(self.pp.as_ref()) {
+        for comm in self.tp.as_ref().map(|t| t.comm()).into_iter().chain(self.levels.iter().map(|l| &l.comm)) {
             comm.all_reduce(kolo_comm::BufMut::from(&mut whole[..]), kolo_comm::ReduceOp::Sum)?;
         }
         Ok(whole)
@@ -691,7 +722,7 @@ impl WholeLayout {
     /// Whether this rank writes the whole model (member 0 of its tensor-parallel group, on
     /// the first stage).
     pub(crate) fn writes(&self) -> bool {
-        self.tp.as_ref().is_none_or(|t| t.rank() == 0) && self.pp.as_ref().is_none_or(|p| p.rank().get() == 0)
+        self.tp.as_ref().is_none_or(|t| t.rank() == 0) && self.levels.iter().all(|l| l.comm.rank().get() == 0)
     }
 
     /// This rank's values (the trainer's flat layout) of the whole model's `whole`.

@@ -434,8 +434,8 @@ impl Trainer {
     /// chunks: DDP runs over the ranks holding the same parameters (`dp x sp`),
     /// the gradient norm that clipping uses sums the split pieces over the `tp` group, and
     /// checkpoints hold whole tensors (they resume at any `dp x tp`, or in one process without
-    /// the mesh). Over an `ep` group ([`crate::ep`]'s experts dealt out; `dp x ep x tp`, not yet
-    /// with `pp` or `sp`)
+    /// the mesh). Over an `ep` group ([`crate::ep`]'s experts dealt out; with `tp` and `pp`, not
+    /// yet with `sp`)
     /// each member is a data-parallel replica for the parameters they all hold and keeps its
     /// own experts, whose gradients already sum every member's tokens. The parameters every
     /// member holds whole start as member 0's. ZeRO-1/2 shard the optimizer state over the
@@ -488,10 +488,10 @@ impl Trainer {
                 "3 on a mesh shards this rank's parameter groups named by prefix: create the trainer with Trainer::with_mesh_zero3_groups(&varmap, &mesh, opts, &[\"layers.0.\", ..])",
             ));
         }
-        if ep.is_some() && (pp.is_some() || mesh.size("sp") > 1) {
+        if ep.is_some() && mesh.size("sp") > 1 {
             return Err(Error::setting(
                 "mesh",
-                format!("{mesh:?}: expert parallelism with pipeline or sequence parallelism is not supported yet (dp x ep x tp is)"),
+                format!("{mesh:?}: expert parallelism with sequence parallelism is not supported yet (pp x dp x ep x tp is)"),
             ));
         }
         let model = (tp.is_some() || pp.is_some() || ep.is_some()).then(|| mesh.model_parallel().clone());
@@ -1282,7 +1282,7 @@ fn spread(
     // An expert-parallel group is laid out as pipeline stages are: each member holds its own
     // experts, and the parameters every member holds are tied (gradients summed, checkpoints
     // and the norm taking member 0's).
-    let stages = place.pp.clone().or_else(|| place.ep.clone());
+    let stages = place.ep.iter().chain(&place.pp).cloned().collect();
     let layout = crate::tp::WholeLayout::new(params, ids, place.tp.clone(), stages, natural_key)?;
     let signature = layout.signature.clone();
     if place.tp.is_none() && place.pp.is_none() && place.ep.is_none() {
