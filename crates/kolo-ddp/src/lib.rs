@@ -605,6 +605,37 @@ impl BucketGrads<'_> {
         !self.pieces
     }
 
+    /// ZeRO-2/3: the part of parameter `i`'s gradient in this rank's piece of its bucket: where
+    /// that part starts within the parameter, and its values (empty when the piece holds none
+    /// of it). With whole buckets, all of it from 0.
+    pub fn param_part_mut(&mut self, i: usize) -> (usize, &mut [f32]) {
+        let (b, at, range) = self.part(i);
+        (at, &mut self.bufs[b][range])
+    }
+
+    /// [`BucketGrads::param_part_mut`]'s values, to read (the gradient norm of ZeRO-2/3 on a
+    /// mesh sums each rank's parts).
+    pub fn param_part(&self, i: usize) -> &[f32] {
+        let (b, _, range) = self.part(i);
+        &self.bufs[b][range]
+    }
+
+    /// Where parameter `i`'s part is: its bucket, the part's start within the parameter, and
+    /// its range in the bucket's buffer here.
+    fn part(&self, i: usize) -> (usize, usize, std::ops::Range<usize>) {
+        let (b, off) = self.ddp.shared.slot[i];
+        let n = self.ddp.shared.ranges[i].len();
+        if !self.pieces {
+            return (b, 0, off..off + n);
+        }
+        let own = &self.ddp.shared.shard.pieces[b].in_bucket;
+        let (lo, hi) = (own.start.max(off), own.end.min(off + n));
+        if lo >= hi {
+            return (b, 0, 0..0);
+        }
+        (b, lo - off, lo - own.start..hi - own.start)
+    }
+
     /// This rank's piece of bucket `b` (ZeRO-2), the gradients of `ShardPlan::pieces[b]`.
     pub fn piece(&self, b: usize) -> &[f32] {
         assert!(self.pieces, "BucketGrads::piece: these are whole buckets");

@@ -131,7 +131,7 @@ impl GradPrep<'_> {
             Some((split, group)) if self.clip.is_some() => {
                 let mut v = [(0..split.len())
                     .filter(|&i| split[i] || group.rank() == 0)
-                    .map(|i| kolo_base::sum_of_squares(g.param(i)))
+                    .map(|i| kolo_base::sum_of_squares(g.param_part(i)))
                     .sum::<f64>() as f32];
                 group.sum(&mut v).map_err(TrainError::Other)?;
                 f64::from(v[0])

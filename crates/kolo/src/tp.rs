@@ -642,27 +642,67 @@ impl WholeLayout {
         Ok(())
     }
 
-    /// Collective over the pipeline group: a tied parameter's gradient becomes the sum of every
-    /// stage's part (Megatron's embedding all-reduce), the same on each.
+    /// Collective over each level's group: a tied parameter's gradient becomes the sum of every
+    /// member's part (Megatron's embedding all-reduce over the pipeline; the parameters every
+    /// member of an expert-parallel group holds), the same on each. Under ZeRO-2/3 (this rank's
+    /// pieces only) the members must hold the same part of each tied parameter, as the members
+    /// of an expert-parallel group do (their layouts match); pipeline stages whose shards of a
+    /// tied embedding differ are refused by name.
     pub(crate) fn reduce_tied(&self, grads: &mut kolo_ddp::BucketGrads<'_>) -> std::result::Result<(), kolo_train::TrainError> {
-        if !grads.whole() {
-            return Err(kolo_train::TrainError::Config("ZeRO-2 with a parameter tied across pipeline stages is not supported yet".into()));
-        }
-        let grads = std::cell::RefCell::new(grads);
-        // Level by level: an expert-parallel group's sum first, then the pipeline's.
-        for level in &self.levels {
-            Self::sum_tied(
-                level,
-                |i| grads.borrow().param(i).to_vec(),
-                |i, v| {
-                    grads.borrow_mut().param_mut(i).copy_from_slice(v);
-                    Ok(())
-                },
-            )
-            .map_err(|e| match e {
-                Error::Comm(c) => kolo_train::TrainError::Comm(c),
-                e => kolo_train::TrainError::Other(e.to_string()),
-            })?;
+        let train_err = |e: Error| match e {
+            Error::Comm(c) => kolo_train::TrainError::Comm(c),
+            e => kolo_train::TrainError::Other(e.to_string()),
+        };
+        for level in self.levels.iter().filter(|l| !l.tied.is_empty()) {
+            if grads.whole() {
+                let grads = std::cell::RefCell::new(&mut *grads);
+                Self::sum_tied(
+                    level,
+                    |i| grads.borrow_mut().param_part_mut(i).1.to_vec(),
+                    |i, v| {
+                        grads.borrow_mut().param_part_mut(i).1.copy_from_slice(v);
+                        Ok(())
+                    },
+                )
+                .map_err(train_err)?;
+                continue;
+            }
+            // This rank's part of each tied parameter: (start in the parameter, length).
+            let parts: Vec<(usize, usize)> = level
+                .tied
+                .iter()
+                .map(|(_, _, local)| {
+                    local.map_or((0, 0), |i| {
+                        let (at, v) = grads.param_part_mut(i);
+                        (at, v.len())
+                    })
+                })
+                .collect();
+            let mine: Vec<i64> = parts.iter().flat_map(|&(a, n)| [a as i64, n as i64]).collect();
+            let (mut hi, mut lo) = (mine.clone(), mine.iter().map(|x| -x).collect::<Vec<i64>>());
+            level.comm.all_reduce(kolo_comm::BufMut::from(&mut hi[..]), kolo_comm::ReduceOp::Max)?;
+            level.comm.all_reduce(kolo_comm::BufMut::from(&mut lo[..]), kolo_comm::ReduceOp::Max)?;
+            if hi != mine || lo.iter().zip(&mine).any(|(l, m)| -l != *m) {
+                return Err(kolo_train::TrainError::Config(
+                    "ZeRO-2/3 with a parameter tied across pipeline stages (an output layer that is the embedding) whose shards differ between the stages is not supported yet: use ZeRO-1".into(),
+                ));
+            }
+            let mut buf: Vec<f32> = Vec::with_capacity(parts.iter().map(|p| p.1).sum());
+            for (_, _, local) in &level.tied {
+                if let Some(i) = local {
+                    buf.extend_from_slice(grads.param_part_mut(*i).1);
+                }
+            }
+            level.comm.all_reduce(kolo_comm::BufMut::from(&mut buf[..]), kolo_comm::ReduceOp::Sum)?;
+            let mut at = 0;
+            for (_, _, local) in &level.tied {
+                if let Some(i) = local {
+                    let part = grads.param_part_mut(*i).1;
+                    let n = part.len();
+                    part.copy_from_slice(&buf[at..at + n]);
+                    at += n;
+                }
+            }
         }
         Ok(())
     }

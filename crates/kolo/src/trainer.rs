@@ -455,8 +455,8 @@ impl Trainer {
     /// data-parallel group and gathered into the model's variables when read, as
     /// [`Trainer::with_zero3_groups`] does without a mesh. The gradient norm, checkpoints (whole
     /// tensors) and resumes work as under ZeRO-1/2; a pipeline's micro-batches accumulate (whole
-    /// gradients until the last micro-batch, as torch FSDP's `no_sync()`). Not with expert or
-    /// sequence parallelism yet.
+    /// gradients until the last micro-batch, as torch FSDP's `no_sync()`); every axis of the mesh
+    /// takes it.
     pub fn with_mesh_zero3_groups(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
         if opts.ddp.zero_stage != 3 || groups.is_empty() {
             return Err(Error::setting(
@@ -476,13 +476,7 @@ impl Trainer {
         let tp = (mesh.tp().size() > 1).then(|| mesh.tp().clone());
         let pp = (mesh.size("pp") > 1).then(|| mesh.pp().clone());
         let ep = (mesh.size("ep") > 1).then(|| mesh.ep_comm().clone());
-        if opts.ddp.zero_stage == 3 && (ep.is_some() || mesh.size("sp") > 1) {
-            return Err(Error::setting(
-                "ddp.zero_stage",
-                "ZeRO-3 with expert or sequence parallelism is not supported yet (with tensor and pipeline parallelism it works, and ZeRO-1 and 2 with every axis)",
-            ));
-        }
-        if opts.ddp.zero_stage == 3 && !zero3_groups && (tp.is_some() || pp.is_some()) {
+        if opts.ddp.zero_stage == 3 && !zero3_groups && (tp.is_some() || pp.is_some() || ep.is_some() || mesh.size("sp") > 1) {
             return Err(Error::setting(
                 "ddp.zero_stage",
                 "3 on a mesh shards this rank's parameter groups named by prefix: create the trainer with Trainer::with_mesh_zero3_groups(&varmap, &mesh, opts, &[\"layers.0.\", ..])",
@@ -536,7 +530,7 @@ impl Trainer {
         kolo_train::summary::retain_freed_memory();
         let (comm, rank, world, data_replicas) = (place.comm.clone(), place.rank, place.world.clone(), place.data_replicas);
         let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
-        let (spread, whole_signature) = spread(&place, &params, &ids, &opts, groups)?;
+        let (spread, whole_signature) = spread(&place, &params, &ids, &opts)?;
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
         comm.set_timeout(timeout);
         let (compression, compression_warmup) = opts.ddp.compression().map_err(|e| Error::setting("ddp.compression", e))?;
@@ -1272,13 +1266,7 @@ fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> Result<R
 /// member 0's values of the parameters every member holds whole made everyone's. Without
 /// either, a split model is refused (DDP would sum different pieces). Returns the state and
 /// the whole model's signature (the checkpoints' model).
-fn spread(
-    place: &Place,
-    params: &ParamSet,
-    ids: &HashMap<TensorId, usize>,
-    opts: &TrainOptions,
-    groups: &[&str],
-) -> Result<(Option<Spread>, Signature)> {
+fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts: &TrainOptions) -> Result<(Option<Spread>, Signature)> {
     // An expert-parallel group is laid out as pipeline stages are: each member holds its own
     // experts, and the parameters every member holds are tied (gradients summed, checkpoints
     // and the norm taking member 0's).
@@ -1296,7 +1284,6 @@ fn spread(
         return Ok((None, signature));
     }
     let unsupported = [
-        ((opts.ddp.zero_stage == 3 || !groups.is_empty()) && place.ep.is_some(), "ddp.zero_stage", "ZeRO-3"),
         (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", "local SGD"),
         (opts.ddp.compression.is_some(), "ddp.compression", "gradient compression"),
     ];
@@ -1321,13 +1308,8 @@ fn spread(
         layout.broadcast_whole(params)?;
     }
     if layout.has_tied() {
-        if opts.ddp.zero_stage >= 2 {
-            return Err(Error::setting(
-                "ddp.zero_stage",
-                "ZeRO-2 with a parameter tied across pipeline stages (an output layer that is the embedding) or shared by an expert-parallel group is not supported yet: use 0 or 1",
-            ));
-        }
-        // Each stage's copy starts from the first stage's values.
+        // Each stage's copy starts from the first stage's values (under ZeRO-2/3 the stages
+        // must shard a tied parameter alike: `WholeLayout::reduce_tied` checks it).
         layout.init_tied(params)?;
     }
     // The clipping norm: every piece and stage of a replica, summed over its ranks.
