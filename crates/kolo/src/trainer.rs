@@ -20,7 +20,7 @@ use kolo_tensor::ParamSet;
 use kolo_train::checkpointing::{
     compression_pieces, load_checkpoint, loop_state_meta, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
 };
-use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
+use kolo_train::config::{CompressionMethod, DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
 use kolo_train::driver::{record_spans, write_timeline, Job, StepOut};
 use kolo_train::report::{Reporter, StepRecord};
 use kolo_train::sampler::Position;
@@ -1285,7 +1285,11 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
     }
     let unsupported = [
         (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", "local SGD"),
-        (opts.ddp.compression.is_some(), "ddp.compression", "gradient compression"),
+        (
+            opts.ddp.compression.as_ref().is_some_and(|c| !matches!(c.method, CompressionMethod::Fp16 | CompressionMethod::Bf16)),
+            "ddp.compression",
+            "gradient compression other than fp16/bf16 (its error-feedback state is each rank's own, and a mesh's checkpoints hold whole tensors)",
+        ),
     ];
     if let Some((_, setting, what)) = unsupported.iter().find(|u| u.0) {
         let reason = format!("{what} with tensor, pipeline or expert parallelism (Trainer::with_mesh) is not supported yet");

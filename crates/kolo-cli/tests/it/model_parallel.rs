@@ -222,6 +222,16 @@ fn a_users_model_under_tp_and_dp_x_tp_matches_one_process() {
         let (k, d) = worst(&one, &got);
         assert!(d < 2e-6, "{mesh}: `{k}` differs from one process by {d}");
     }
+    // The data-parallel all-reduce in fp16: dp 2 x tp 2 equals dp 2 of candle-nn's layers
+    // under the same compression within 2e-5 (6.1e-6 seen: a row-parallel sum's last f32 bit
+    // can flip a value's fp16 rounding), a hundredth of what compression itself changes
+    // (3.5e-3 from the uncompressed run).
+    let plain_dp = user_mesh(2, &format!("{sgd} --plain yes --dp 2"), &dir.join("plain-dp2"));
+    let fp16_dp = user_mesh(2, &format!("{sgd} --plain yes --dp 2 --compression fp16"), &dir.join("fp16-dp2"));
+    let got = user_mesh(4, &format!("{sgd} --dp 2 --tp 2 --compression fp16"), &dir.join("fp16-n4"));
+    let ((k, d), (_, apart)) = (worst(&fp16_dp, &got), worst(&fp16_dp, &plain_dp));
+    eprintln!("fp16 compression: dp 2 x tp 2 within {d} (`{k}`) of dp 2; compressed against not: {apart}");
+    assert!(d < 2e-5 && apart > 100.0 * d.max(1e-7), "fp16 compression: `{k}` differs by {d} (compressed against not: {apart})");
     let adamw = format!("--init {init} --hidden 48 --steps 6 --batch 24 --optim adamw --lr 1e-2 --clip 0.5");
     let one = user_mesh(1, &format!("{adamw} --plain yes"), &dir.join("adamw-one"));
     let got = user_mesh(2, &format!("{adamw} --tp 2"), &dir.join("adamw-tp2"));
@@ -670,6 +680,7 @@ fn model_parallel_settings_it_cannot_run_are_refused() {
     for (n, args, want) in [
         (4, "--pp 4", "mesh: 3 layers cannot be cut into 4 pipeline stages"),
         (4, "--pp 2 --tp 2 --hidden 47", "ColumnParallelLinear `fc1`: 47 does not split into 2 equal tensor-parallel parts"),
+        (4, "--dp 2 --tp 2 --compression powersgd", "ddp.compression: gradient compression other than fp16/bf16"),
     ] {
         let o = launch(n, "user_mesh", &format!("{args} --steps 1 --batch 24 --data {}", data.display()));
         let t = text(&o);
