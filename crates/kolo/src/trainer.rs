@@ -443,8 +443,8 @@ impl Trainer {
     /// built in that dtype) works on every axis: the layers' collectives move and sum f32 and
     /// round once to the model's dtype, the masters are f32, and f16's overflow check skips a
     /// step on every rank of the mesh or none. ZeRO-3 takes its groups
-    /// ([`Trainer::with_mesh_zero3_groups`]); local SGD and gradient compression are refused
-    /// with a mesh so far.
+    /// ([`Trainer::with_mesh_zero3_groups`]); gradient compression in fp16/bf16 works; local SGD
+    /// and codecs with per-rank state are refused with a mesh so far.
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
         Self::build(varmap, Self::mesh_place(mesh, &opts, false)?, opts, &[])
     }
