@@ -398,6 +398,17 @@ struct Spread {
     world: Arc<dyn Communicator>,
 }
 
+/// A ZeRO-3 constructor (`call`) needs `ddp.zero_stage = 3` and at least one group.
+fn zero3_call(call: &str, opts: &TrainOptions, groups: &[&str]) -> Result<()> {
+    if opts.ddp.zero_stage != 3 || groups.is_empty() {
+        return Err(Error::setting(
+            "ddp.zero_stage",
+            format!("{call} needs ddp.zero_stage = 3 and at least one group (got stage {}, {} groups)", opts.ddp.zero_stage, groups.len()),
+        ));
+    }
+    Ok(())
+}
+
 /// Orders names as a person would: digit runs compare as numbers (`layers.2` before
 /// `layers.10`), so the flat layout follows the model's layers and DDP's buckets, filled from
 /// the end of that layout, follow backward.
@@ -458,16 +469,7 @@ impl Trainer {
     /// gradients until the last micro-batch, as torch FSDP's `no_sync()`); every axis of the mesh
     /// takes it.
     pub fn with_mesh_zero3_groups(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
-        if opts.ddp.zero_stage != 3 || groups.is_empty() {
-            return Err(Error::setting(
-                "ddp.zero_stage",
-                format!(
-                    "Trainer::with_mesh_zero3_groups needs ddp.zero_stage = 3 and at least one group (got stage {}, {} groups)",
-                    opts.ddp.zero_stage,
-                    groups.len()
-                ),
-            ));
-        }
+        zero3_call("Trainer::with_mesh_zero3_groups", &opts, groups)?;
         Self::build(varmap, Self::mesh_place(mesh, &opts, true)?, opts, groups)
     }
 
@@ -506,16 +508,7 @@ impl Trainer {
     /// on the training thread. Outside [`Trainer::step`] (evaluation, export), call it on every
     /// rank too, or gather the whole model first with [`Trainer::unshard`].
     pub fn with_zero3_groups(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
-        if opts.ddp.zero_stage != 3 || groups.is_empty() {
-            return Err(Error::setting(
-                "ddp.zero_stage",
-                format!(
-                    "Trainer::with_zero3_groups needs ddp.zero_stage = 3 and at least one group (got stage {}, {} groups)",
-                    opts.ddp.zero_stage,
-                    groups.len()
-                ),
-            ));
-        }
+        zero3_call("Trainer::with_zero3_groups", &opts, groups)?;
         Self::build(varmap, Place::of(dist), opts, groups)
     }
 
