@@ -16,7 +16,7 @@
 //! --compression fp16|bf16 (the data-parallel all-reduce in 2 bytes), --zero S (0; 3 shards each of this stage's layers over the data-parallel group), --precision f32|bf16|f16 (f32: mixed precision builds the model in bf16 or
 //! f16 over f32 masters; the loss is taken in f32), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
 //! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh),
-//! --slow-rank R (that rank's forward takes 5 ms longer: a straggler for the log to name),
+//! --slow-rank R (that rank's forward takes 30 ms longer: a straggler for the log to name),
 //! --resume-only R (only that rank resumes: a mistake the trainer must name).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
@@ -150,7 +150,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     let slow = arg("--slow-rank", "none").parse::<usize>().ok() == Some(dist.rank());
     let lag = || {
         if slow {
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            std::thread::sleep(std::time::Duration::from_millis(30));
         }
     };
     while trainer.steps_done() < steps {
