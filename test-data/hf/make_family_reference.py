@@ -2,7 +2,8 @@
 test-data/hf/{qwen2,mistral,llama3}-tiny.
 
     python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]
-    (ARCH: qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope)
+    (ARCH: qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, gemma3_mm, phi3, gpt_neox, llama_yarn,
+    phi3_longrope, mixtral, qwen3_moe, qwen2_moe)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -27,6 +28,9 @@ int64, "logits" f32). What each exercises:
           (reference.safetensors also holds "loss" and "aux_loss" on ids[:, :-1] -> ids[:, 1:]);
   qwen3_moe Qwen3MoeForCausalLM: 8 experts of width 24 on layers 0 and 2, top 3 not
           renormalised, a dense layer 1 (mlp_only_layers), with "loss" and "aux_loss" as mixtral;
+  qwen2_moe Qwen2MoeForCausalLM: q/k/v biases, 8 experts of width 24 (top 3) beside a shared
+          expert of 32 gated by a sigmoid per token on layers 0 and 2, a dense layer 1, a
+          window of 6 on layers 0 and 2, with "loss" and "aux_loss" as mixtral;
   gpt_neox GPTNeoXForCausalLM: layer norms with biases, query_key_value laid out head by head,
           a quarter of each head of 16 rotated, parallel residual, GELU, an untied embed_out.
 With `qwen2 OUT 0.5b` the model has Qwen2.5-0.5B's shape (vocabulary 151936, 24 layers of 896,
@@ -163,13 +167,26 @@ elif arch == "qwen3_moe":
                                       mlp_only_layers=[1], output_router_logits=True, router_aux_loss_coef=0.05)
     model = transformers.Qwen3MoeForCausalLM
     extra = moe_loss
+elif arch == "qwen2_moe":
+    # Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v biases, on layers 0 and 2 a mixture of 8
+    # SwiGLU experts of width 24 (top 3 not renormalised) beside a shared expert of width 32
+    # (mlp.shared_expert.*) weighted per token by sigmoid(mlp.shared_expert_gate x); layer 1 a
+    # dense MLP of 80 (mlp_only_layers); a window of 6 on layers 0 and 2 (layer_types, as
+    # transformers 5 derives them from max_window_layers); the load-balancing loss weighs 0.05.
+    cfg = transformers.Qwen2MoeConfig(**common | {"num_hidden_layers": 3}, tie_word_embeddings=False,
+                                      moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=8,
+                                      num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+                                      use_sliding_window=True, sliding_window=6, max_window_layers=3,
+                                      output_router_logits=True, router_aux_loss_coef=0.05)
+    model = transformers.Qwen2MoeForCausalLM
+    extra = moe_loss
 elif arch == "gpt_neox":
     # Heads of 16, so that a quarter of each (4 dimensions) turns whole pairs.
     cfg = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, gemma3_mm)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, qwen2_moe, gemma3_mm)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 save_reference(model, cfg, out, noise, extra=globals().get("extra"), ids_below=globals().get("ids_below"))

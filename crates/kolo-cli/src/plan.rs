@@ -642,10 +642,17 @@ fn hf_model(dir: &std::path::Path, seq: Option<usize>) -> anyhow::Result<Gpt> {
             (m.tied, m.learned_positions) = (flag("tie_word_embeddings").unwrap_or(false), false);
         }
         _ if kolo::hf::FAMILY.contains(&kind) => {
-            m.ffn = get(&["moe_intermediate_size"]).filter(|_| kind == "qwen3_moe").map_or_else(|| need(&["intermediate_size"]), Ok)?;
+            let qwen_moe = matches!(kind, "qwen2_moe" | "qwen3_moe");
+            m.ffn = get(&["moe_intermediate_size"]).filter(|_| qwen_moe).map_or_else(|| need(&["intermediate_size"]), Ok)?;
             (m.gated, m.learned_positions, m.tied) = (true, false, flag("tie_word_embeddings").unwrap_or(false));
-            if let Some(x) = get(&["num_local_experts", "num_experts"]).filter(|_| matches!(kind, "mixtral" | "qwen3_moe")) {
+            if let Some(x) = get(&["num_local_experts", "num_experts"]).filter(|_| qwen_moe || kind == "mixtral") {
                 (m.experts, m.top_k) = (x, get(&["num_experts_per_tok"]).unwrap_or(2));
+                // Qwen2-MoE's shared expert: as many more experts of the routed width, which
+                // every token runs through (Qwen1.5-MoE's 5632 = 4 x 1408).
+                if let Some(w) = get(&["shared_expert_intermediate_size"]).filter(|w| kind == "qwen2_moe" && *w > 0) {
+                    let more = w.div_ceil(m.ffn.max(1));
+                    (m.experts, m.top_k) = (m.experts + more, m.top_k + more);
+                }
             }
         }
         t => anyhow::bail!("--hf {}: model_type \"{t}\" (gpt2, gpt_neox, {})", path.display(), kolo::hf::FAMILY.join(", ")),

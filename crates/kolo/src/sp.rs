@@ -64,6 +64,14 @@ impl SequenceParallel {
         }
         t.narrow(dim, self.rank() * (n / p), n / p)
     }
+    /// Collective over the group: `v` summed element by element over every member (counts
+    /// each member gathered over its own chunk; no gradient).
+    pub fn sum(&self, v: &mut [f32]) -> candle_core::Result<()> {
+        self.ring
+            .0
+            .all_reduce(kolo_comm::BufMut::from(v), kolo_comm::ReduceOp::Sum)
+            .map_err(|e| candle_core::Error::Msg(format!("sequence-parallel sum: {e}")))
+    }
     /// Where this member's chunk of a sequence of `len` starts (its first position).
     pub fn offset(&self, len: usize) -> usize {
         self.rank() * (len / self.size())

@@ -7,7 +7,8 @@ use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
 use std::path::Path;
 
 /// The `model_type`s built by [`Llama`].
-pub const FAMILY: &[&str] = &["llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3"];
+pub const FAMILY: &[&str] =
+    &["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3"];
 
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
@@ -133,6 +134,7 @@ impl LlamaConfig {
         let flag = |k: &str| self.other.get(k).and_then(serde_json::Value::as_bool).unwrap_or(false);
         match self.model_type() {
             "qwen2" => (true, false, false),
+            "qwen2_moe" => (self.other.get("qkv_bias").and_then(serde_json::Value::as_bool).unwrap_or(true), false, false),
             "mistral" | "mixtral" | "phi3" => (false, false, false),
             "gemma" | "gemma2" | "gemma3_text" => (flag("attention_bias"), flag("attention_bias"), false),
             _ => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
@@ -229,6 +231,14 @@ impl LlamaConfig {
             "gemma3_text" => {
                 let every = get("sliding_window_pattern").and_then(|v| v.as_u64()).unwrap_or(6).max(1) as usize;
                 (0..n).map(|i| if (i + 1) % every == 0 { None } else { window }).collect()
+            }
+            // transformers 5 writes Qwen2-MoE's layer_types (its own rule: the even layers below
+            // max_window_layers); a file without them is refused rather than guessed.
+            "qwen2_moe" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
+                return Err(
+                    "use_sliding_window without layer_types: say which layers are windowed (layer_types, as transformers 5 writes it)"
+                        .into(),
+                )
             }
             "qwen2" | "qwen3" | "qwen3_moe" if get("use_sliding_window").and_then(|v| v.as_bool()).unwrap_or(false) => {
                 let from = get("max_window_layers").and_then(|v| v.as_u64()).unwrap_or(n as u64) as usize;
@@ -413,6 +423,8 @@ impl LlamaConfig {
             "num_local_experts",
             "num_experts",
             "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "qkv_bias",
             "norm_topk_prob",
             "decoder_sparse_step",
             "mlp_only_layers",
@@ -424,10 +436,10 @@ impl LlamaConfig {
         self.other.keys().filter(|k| !READ.contains(&k.as_str()) && !super::HARMLESS_KEYS.contains(&k.as_str())).cloned().collect()
     }
 
-    /// The mixture of experts of Mixtral (every block) and Qwen3-MoE (the blocks of
+    /// The mixture of experts of Mixtral (every block), Qwen2-MoE and Qwen3-MoE (the blocks of
     /// [`LlamaConfig::sparse_layer`]); `None` for the other types: its routing
     /// ([`crate::ep::MoeConfig`]: `num_local_experts` (or `num_experts`), `num_experts_per_tok`,
-    /// renormalised top-k weights for Mixtral and by `norm_topk_prob` for Qwen3-MoE, dropless)
+    /// renormalised top-k weights for Mixtral and by `norm_topk_prob` for the Qwens, dropless)
     /// and the weight of its load-balancing loss (`router_aux_loss_coef` when
     /// `output_router_logits`, as `transformers` adds it to the loss, else 0).
     pub fn experts(&self) -> Option<(crate::ep::MoeConfig, f64)> {
@@ -435,9 +447,9 @@ impl LlamaConfig {
         let count = |k: &str| get(k).and_then(serde_json::Value::as_u64).map(|v| v as usize);
         let (experts, top_k, renormalize) = match self.model_type() {
             "mixtral" => (count("num_local_experts").unwrap_or(8), count("num_experts_per_tok").unwrap_or(2), true),
-            "qwen3_moe" => (
-                count("num_local_experts").or(count("num_experts")).unwrap_or(128),
-                count("num_experts_per_tok").unwrap_or(8),
+            "qwen2_moe" | "qwen3_moe" => (
+                count("num_local_experts").or(count("num_experts")).unwrap_or(if self.model_type() == "qwen2_moe" { 60 } else { 128 }),
+                count("num_experts_per_tok").unwrap_or(if self.model_type() == "qwen2_moe" { 4 } else { 8 }),
                 get("norm_topk_prob").and_then(serde_json::Value::as_bool).unwrap_or(false),
             ),
             _ => return None,
@@ -450,13 +462,13 @@ impl LlamaConfig {
         Some((routing, if on { coef } else { 0.0 }))
     }
 
-    /// Whether block `i` is a mixture of experts: every block of Mixtral; Qwen3-MoE's every
+    /// Whether block `i` is a mixture of experts: every block of Mixtral; the Qwens' every
     /// `decoder_sparse_step`-th block but those `mlp_only_layers` lists.
     pub fn sparse_layer(&self, i: usize) -> bool {
         let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
         match self.model_type() {
             "mixtral" => true,
-            "qwen3_moe" => {
+            "qwen2_moe" | "qwen3_moe" => {
                 let step = get("decoder_sparse_step").and_then(serde_json::Value::as_u64).unwrap_or(1).max(1) as usize;
                 let dense =
                     get("mlp_only_layers").and_then(|v| v.as_array()).is_some_and(|l| l.iter().any(|x| x.as_u64() == Some(i as u64)));
@@ -466,15 +478,23 @@ impl LlamaConfig {
         }
     }
 
-    /// The width of an expert's MLP (Qwen3-MoE's `moe_intermediate_size`; Mixtral's experts are
+    /// The width of an expert's MLP (the Qwens' `moe_intermediate_size`; Mixtral's experts are
     /// `intermediate_size` wide).
     fn expert_width(&self) -> usize {
         match self.model_type() {
-            "qwen3_moe" => {
+            "qwen2_moe" | "qwen3_moe" => {
                 self.other.get("moe_intermediate_size").and_then(serde_json::Value::as_u64).map_or(self.intermediate_size, |w| w as usize)
             }
             _ => self.intermediate_size,
         }
+    }
+
+    /// Qwen2-MoE's shared expert beside the routed ones: its width
+    /// (`shared_expert_intermediate_size`; 0: none), `None` for the other types.
+    pub fn shared_expert_width(&self) -> Option<usize> {
+        (self.model_type() == "qwen2_moe")
+            .then(|| self.other.get("shared_expert_intermediate_size").and_then(serde_json::Value::as_u64).map_or(5632, |w| w as usize))
+            .filter(|w| *w > 0)
     }
 
     /// Where a sparse block keeps its mixture of experts, and its experts' projections' names
@@ -516,7 +536,10 @@ impl LlamaConfig {
         let (e, hd, inter) = (self.hidden_size as f64, self.head_dim() as f64, self.intermediate_size as f64);
         let (h, kv) = (self.num_attention_heads as f64, self.kv_heads() as f64);
         let sparse = match self.experts() {
-            Some((m, _)) => e * m.experts as f64 + m.top_k as f64 * 3.0 * e * self.expert_width() as f64,
+            Some((m, _)) => {
+                let shared = self.shared_expert_width().map_or(0.0, |w| e + 3.0 * e * w as f64);
+                e * m.experts as f64 + m.top_k as f64 * 3.0 * e * self.expert_width() as f64 + shared
+            }
             None => 0.0,
         };
         let attention = e * hd * (2.0 * h + 2.0 * kv);
@@ -677,10 +700,12 @@ enum GateUp {
     Fused(Layer),
 }
 
-/// A block's feed-forward part: the gated MLP, or (Mixtral, Qwen3-MoE) a mixture of gated-MLP experts.
+/// A block's feed-forward part: the gated MLP, or (Mixtral, the Qwens' MoE) a mixture of
+/// gated-MLP experts, with (Qwen2-MoE) a shared expert every token runs through, weighted by
+/// `sigmoid(gate x)`.
 enum Ffn {
     Dense { gate_up: GateUp, down: Layer },
-    Experts(crate::ep::MoeLayer<Expert>),
+    Experts { moe: crate::ep::MoeLayer<Expert>, shared: Option<(Expert, Layer)> },
 }
 
 /// One expert: `down(act(gate x) * up x)` (Mixtral names them w2, w1, w3); over a
@@ -744,16 +769,30 @@ impl Router {
         Ok(())
     }
 
-    /// The weighted loss (`None` without experts).
-    fn loss(self, coef: f64) -> candle_core::Result<Option<Tensor>> {
+    /// The weighted loss (`None` without experts). Over a sequence-parallel group `sp` the
+    /// tokens are every member's chunks: the choices and token counts are summed over the
+    /// group (constants), and each member's term is its own probabilities against those,
+    /// times the group's size, so that the members' mean (their gradients are averaged) is the
+    /// whole sequence's loss and its gradient.
+    fn loss(mut self, coef: f64, sp: Option<&crate::sp::SequenceParallel>) -> candle_core::Result<Option<Tensor>> {
         let (Some(probs), Some(carry)) = (self.probs, self.carry) else { return Ok(None) };
-        if coef == 0.0 || self.rows == 0 {
+        if coef == 0.0 {
             return Ok(Some(carry));
         }
-        let rows = self.rows as f64;
+        let mut rows = self.rows as f64;
         let e = self.chosen.len();
+        let mut members = 1.0;
+        if let Some(sp) = sp {
+            self.chosen.push(self.rows as f32);
+            sp.sum(&mut self.chosen)?;
+            rows = f64::from(self.chosen.pop().unwrap_or(0.0));
+            members = sp.size() as f64;
+        }
+        if rows == 0.0 {
+            return Ok(Some(carry));
+        }
         let share = Tensor::from_vec(self.chosen, e, probs.device())?;
-        let balance = (probs.mul(&share)?.sum_all()? * (coef * e as f64 / (rows * rows)))?;
+        let balance = (probs.mul(&share)?.sum_all()? * (members * coef * e as f64 / (rows * rows)))?;
         Ok(Some((carry + balance)?))
     }
 }
@@ -844,11 +883,16 @@ impl LlamaBlock {
                 };
                 down.forward(&(activate(gate, cfg.activation())? * up)?)?
             }
-            Ffn::Experts(moe) => {
+            Ffn::Experts { moe, shared } => {
                 let mut r = moe.forward_routed(&f)?;
                 let y = std::mem::replace(&mut r.output, Tensor::zeros((), f.dtype(), f.device())?);
                 router.add(r)?;
-                y
+                match shared {
+                    // Over tp the shared expert is split as a dense MLP (whole output on every
+                    // member) and its gate is whole.
+                    Some((mlp, gate)) => (y + candle_nn::ops::sigmoid(&gate.forward(&f)?)?.broadcast_mul(&mlp.forward(&f)?)?)?,
+                    None => y,
+                }
             }
         };
         match &self.out_norms {
@@ -916,8 +960,12 @@ impl Llama {
                 mesh.sp().size()
             );
         }
-        if cfg.experts().is_some() && mesh.sp().size() > 1 {
-            candle_core::bail!("a mixture of experts over {} sequence-parallel ranks is not supported yet", mesh.sp().size());
+        if cfg.experts().is_some() && mesh.sp().size() > 1 && mesh.size("ep") > 1 {
+            candle_core::bail!(
+                "experts dealt out over {} expert-parallel ranks beside {} sequence-parallel ranks are not supported yet (experts with either alone are)",
+                mesh.size("ep"),
+                mesh.sp().size()
+            );
         }
         let ep = (mesh.size("ep") > 1).then(|| mesh.ep());
         let mut m = Self::build(cfg, vb, Some(mesh.tp()), layers, ep.as_ref())?;
@@ -983,7 +1031,8 @@ impl Llama {
         }
         let windows = cfg.layer_windows().map_err(candle_core::Error::Msg)?;
         let experts = cfg.experts();
-        if let Some(w) = experts.as_ref().map(|_| cfg.expert_width()).filter(|w| !w.is_multiple_of(p)) {
+        let widths = experts.as_ref().map(|_| cfg.expert_width()).into_iter().chain(cfg.shared_expert_width());
+        if let Some(w) = widths.filter(|w| !w.is_multiple_of(p)).next() {
             candle_core::bail!("experts of width {w} over {p} tensor-parallel ranks: the width must be a multiple of {p}");
         }
         if experts.as_ref().is_some_and(|(_, coef)| *coef > 0.0) && layers != (0..n) {
@@ -1034,14 +1083,19 @@ impl Llama {
             let ffn = match &experts {
                 Some((routing, _)) if cfg.sparse_layer(i) => {
                     let ((block, [gate, up, down]), width) = (cfg.expert_names(), cfg.expert_width());
-                    Ffn::Experts(crate::ep::MoeLayer::new(e, routing.clone(), b.pp(block), ep, |vb| {
+                    let expert = |width: usize, vb: VarBuilder| -> candle_core::Result<Expert> {
                         Ok(Expert {
                             w1: col(e, width, false, vb.pp(gate))?,
                             w3: col(e, width, false, vb.pp(up))?,
                             w2: row(width, e, false, vb.pp(down))?,
                             act: cfg.activation().to_string(),
                         })
-                    })?)
+                    };
+                    let shared = match cfg.shared_expert_width() {
+                        Some(w) => Some((expert(w, f.pp("shared_expert"))?, linear(e, 1, false, f.pp("shared_expert_gate"))?)),
+                        None => None,
+                    };
+                    Ffn::Experts { moe: crate::ep::MoeLayer::new(e, routing.clone(), b.pp(block), ep, |vb| expert(width, vb))?, shared }
                 }
                 _ => Ffn::Dense {
                     gate_up: match cfg.fused() {
@@ -1220,7 +1274,7 @@ impl Llama {
             let (cos, sin) = &tables[blk.rope];
             x = blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref(), &mut router)?;
         }
-        Ok((x, router.loss(self.cfg.experts().map_or(0.0, |(_, coef)| coef))?))
+        Ok((x, router.loss(self.cfg.experts().map_or(0.0, |(_, coef)| coef), self.sp.as_ref())?))
     }
 
     /// The last stage's final norm and output layer: logits of this rank's vocabulary range.

@@ -355,6 +355,8 @@ fn architectures_load_with_transformers_logits_and_train() {
         // Qwen3-MoE's top 3 of 8 experts weighted by their probabilities as they are, not
         // renormalised (Mixtral's way).
         ("qwen3-moe", vec![("\"norm_topk_prob\": false", "\"norm_topk_prob\": true")]),
+        // Qwen2-MoE's window of 6 on layers 0 and 2 (layer_types), over 16 tokens.
+        ("qwen2-moe", vec![("\"sliding_window\": 6", "\"sliding_window\": 16")]),
     ] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let (ids, want) = reference(&dir);
@@ -389,18 +391,20 @@ fn architectures_load_with_transformers_logits_and_train() {
 }
 
 /// Mixtral saved by `transformers` (4 SwiGLU experts per layer, each token through its top 2, the
-/// two gate weights renormalised) and Qwen3-MoE (8 experts on layers 0 and 2, top 3 not
-/// renormalised, a dense layer 1) give their logits within 1e-4, and their training loss, with
+/// two gate weights renormalised), Qwen3-MoE (8 experts on layers 0 and 2, top 3 not
+/// renormalised, a dense layer 1) and Qwen2-MoE (as Qwen3-MoE, with q/k/v biases and a shared
+/// expert beside the routed ones, weighted per token by a sigmoid gate) give their logits within
+/// 1e-4, and their training loss, with
 /// the load-balancing loss over every sparse layer's tokens at once weighted 0.05
 /// (`output_router_logits`), within 1e-5 of `transformers'` (whose `aux_loss` is 2.21 for Mixtral:
 /// the weighted term is 0.11). With `output_router_logits` false the loss drops exactly that term,
 /// as in `transformers`. Mixtral trains, every expert receiving a gradient, saves back to the
 /// same tensors and logits, also computes them over 2 tensor-parallel ranks (each expert's width
-/// split), and what it cannot do is refused by name: a top-k above the experts, router jitter.
+/// split; as does Qwen2-MoE, its shared expert split as a dense MLP), and what it cannot do is refused by name: a top-k above the experts, router jitter.
 #[test]
 fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
     let scalar = |t: &Tensor| f64::from(t.flatten_all().unwrap().get(0).unwrap().to_scalar::<f32>().unwrap());
-    for arch in ["mixtral", "qwen3-moe"] {
+    for arch in ["mixtral", "qwen3-moe", "qwen2-moe"] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
         let (ids, want) = (r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone());
@@ -465,22 +469,27 @@ fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
     }
     let _ = std::fs::remove_dir_all(&plain);
     // Over 2 tensor-parallel ranks (each expert's width split, every rank routing the same
-    // tokens): the same logits and loss on each.
-    let want_loss = scalar(&r["loss"]) as f32;
-    let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
-    std::thread::scope(|s| {
-        for c in ranks {
-            let (dir, ids, want) = (dir.clone(), ids.clone(), r["logits"].clone());
-            s.spawn(move || {
-                let tp = crate::tp::TensorParallel::new(std::sync::Arc::new(c) as std::sync::Arc<dyn kolo_comm::Communicator>);
-                let (_, split) = crate::hf::load_causal_lm_split(&dir, &Device::Cpu, Some(&tp)).unwrap();
-                let d = max_diff(&split.forward(&ids).unwrap(), &want);
-                assert!(d < 1e-4, "tp rank {}: logits differ from transformers' by {d}", tp.rank());
-                let loss = split.loss(&ids).unwrap().to_scalar::<f32>().unwrap();
-                assert!((loss - want_loss).abs() < 1e-5, "tp rank {}: loss {loss}, transformers' {want_loss}", tp.rank());
-            });
-        }
-    });
+    // tokens; Qwen2-MoE's shared expert split as a dense MLP, its gate whole): the same logits
+    // and loss on each.
+    for arch in ["mixtral", "qwen2-moe"] {
+        let dir = kolo_testkit::files::hf_tiny(arch);
+        let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+        let want_loss = scalar(&r["loss"]) as f32;
+        let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
+        std::thread::scope(|s| {
+            for c in ranks {
+                let (dir, ids, want) = (dir.clone(), r["ids"].to_dtype(DType::U32).unwrap(), r["logits"].clone());
+                s.spawn(move || {
+                    let tp = crate::tp::TensorParallel::new(std::sync::Arc::new(c) as std::sync::Arc<dyn kolo_comm::Communicator>);
+                    let (_, split) = crate::hf::load_causal_lm_split(&dir, &Device::Cpu, Some(&tp)).unwrap();
+                    let d = max_diff(&split.forward(&ids).unwrap(), &want);
+                    assert!(d < 1e-4, "{arch}, tp rank {}: logits differ from transformers' by {d}", tp.rank());
+                    let loss = split.loss(&ids).unwrap().to_scalar::<f32>().unwrap();
+                    assert!((loss - want_loss).abs() < 1e-5, "{arch}, tp rank {}: loss {loss}, transformers' {want_loss}", tp.rank());
+                });
+            }
+        });
+    }
     let before: Vec<Tensor> = varmap.all_vars().iter().map(|v| v.as_tensor().copy().unwrap()).collect();
     sgd_lowers_the_loss(&varmap, &model, &ids, "mixtral");
     let moved = varmap.all_vars().iter().zip(&before).filter(|(v, b)| max_diff(v.as_tensor(), b) > 0.0).count();
@@ -700,7 +709,7 @@ fn llama_family_options_not_implemented_are_refused() {
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3n\""));
     assert!(
         e.contains(
-            "model_type \"gemma3n\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3, gemma3)"
+            "model_type \"gemma3n\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3, gemma3)"
         ),
         "{e}"
     );
