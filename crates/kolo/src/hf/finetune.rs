@@ -417,15 +417,19 @@ impl FineTune {
             sum += self.stage_loss(&self.batch(&rows, seq)?)?;
         }
         let mut v = [sum / mine as f64];
-        // Over the replicas (dp x sp); with experts dealt out, over dp x ep (the whole job: ep
-        // runs with neither tp, pp nor sp).
-        let group = if self.mesh.size("ep") > 1 { self.mesh.world() } else { self.mesh.replicas() };
+        // The mean over the last stage's ranks: its replicas (dp x sp); with experts dealt out,
+        // every rank of the job, the earlier stages adding their 0 (the members of a
+        // tensor-parallel group count once each, with the same loss).
+        let pp = self.mesh.pp();
+        let stages = pp.world_size().get();
+        let (group, ranks) = match self.mesh.size("ep") {
+            1 => (self.mesh.replicas(), self.mesh.replicas().world_size().get()),
+            _ => (self.mesh.world(), self.mesh.world().world_size().get() / stages),
+        };
         group.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
         // The last stage's mean is everyone's.
-        let pp = self.mesh.pp();
-        let last = kolo_base::Rank(pp.world_size().get() - 1);
-        pp.broadcast(BufMut::from(&mut v[..]), last)?;
-        Ok(Some(v[0] / group.world_size().get() as f64))
+        pp.broadcast(BufMut::from(&mut v[..]), kolo_base::Rank(stages - 1))?;
+        Ok(Some(v[0] / ranks as f64))
     }
 
     /// The loss of the windows `x` (rows, seq + 1) without a gradient: the whole model's, or
