@@ -445,9 +445,8 @@ impl Trainer {
     /// chunks: DDP runs over the ranks holding the same parameters (`dp x sp`),
     /// the gradient norm that clipping uses sums the split pieces over the `tp` group, and
     /// checkpoints hold whole tensors (they resume at any `dp x tp`, or in one process without
-    /// the mesh). Over an `ep` group ([`crate::ep`]'s experts dealt out; with `tp` and `pp`, not
-    /// yet with `sp`)
-    /// each member is a data-parallel replica for the parameters they all hold and keeps its
+    /// the mesh). Over an `ep` group ([`crate::ep`]'s experts dealt out; with `tp`, `pp` and `sp`
+    /// too) each member is a data-parallel replica for the parameters they all hold and keeps its
     /// own experts, whose gradients already sum every member's tokens. The parameters every
     /// member holds whole start as member 0's. ZeRO-1/2 shard the optimizer state over the
     /// data-parallel group. Mixed precision (`train.precision = "bf16"` or `"f16"`, the model
@@ -482,12 +481,6 @@ impl Trainer {
             return Err(Error::setting(
                 "ddp.zero_stage",
                 "3 on a mesh shards this rank's parameter groups named by prefix: create the trainer with Trainer::with_mesh_zero3_groups(&varmap, &mesh, opts, &[\"layers.0.\", ..])",
-            ));
-        }
-        if ep.is_some() && mesh.size("sp") > 1 {
-            return Err(Error::setting(
-                "mesh",
-                format!("{mesh:?}: expert parallelism with sequence parallelism is not supported yet (pp x dp x ep x tp is)"),
             ));
         }
         let model = (tp.is_some() || pp.is_some() || ep.is_some()).then(|| mesh.model_parallel().clone());

@@ -960,13 +960,6 @@ impl Llama {
                 mesh.sp().size()
             );
         }
-        if cfg.experts().is_some() && mesh.sp().size() > 1 && mesh.size("ep") > 1 {
-            candle_core::bail!(
-                "experts dealt out over {} expert-parallel ranks beside {} sequence-parallel ranks are not supported yet (experts with either alone are)",
-                mesh.size("ep"),
-                mesh.sp().size()
-            );
-        }
         let ep = (mesh.size("ep") > 1).then(|| mesh.ep());
         let mut m = Self::build(cfg, vb, Some(mesh.tp()), layers, ep.as_ref())?;
         m.sp = (mesh.sp().size() > 1).then(|| mesh.sp().clone());
