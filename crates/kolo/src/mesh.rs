@@ -37,6 +37,10 @@ pub struct Mesh {
     tp: TensorParallel,
     /// The ranks holding the same parameters: `dp x sp` (the same stage, experts and piece).
     replicas: Arc<dyn Communicator>,
+    /// With pipeline stages: every stage's replicas (`pp x dp x sp`, the same experts and
+    /// piece), where ZeRO's shards of a tied embedding are summed when the stages cut it apart
+    /// differently.
+    stage_replicas: Option<Arc<dyn Communicator>>,
     model: Arc<dyn Communicator>,
     world: Arc<dyn Communicator>,
 }
@@ -98,6 +102,7 @@ impl Mesh {
             // The ranks of one replica (the same dp and sp coordinates: every stage, run of
             // experts and piece), ordered by rank.
             model: split(coords[1] * sp + coords[3])?,
+            stage_replicas: if pp > 1 { Some(split(coords[2] * tp + coords[4])?) } else { None },
             world: dist.comm().clone(),
         })
     }
@@ -142,6 +147,12 @@ impl Mesh {
     /// `dp x sp` group over which the trainer averages gradients.
     pub fn replicas(&self) -> &Arc<dyn Communicator> {
         &self.replicas
+    }
+
+    /// With pipeline stages, every stage's replicas (`pp x dp x sp`: the same experts and
+    /// tensor-parallel piece); `None` without.
+    pub(crate) fn stage_replicas(&self) -> Option<&Arc<dyn Communicator>> {
+        self.stage_replicas.as_ref()
     }
 
     /// The model-parallel group (Megatron's): the ranks that together hold one replica of the

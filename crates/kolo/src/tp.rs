@@ -552,6 +552,10 @@ pub(crate) struct WholeLayout {
 /// One group of [`WholeLayout`] whose members hold different parameters.
 struct Level {
     comm: Arc<dyn Communicator>,
+    /// The level's group times the data-parallel replicas of each member (`pp x dp x sp` for
+    /// the pipeline), where ZeRO's shards of a tied parameter are summed when the members
+    /// hold different parts of it.
+    wide: Option<Arc<dyn Communicator>>,
     /// Per local parameter: a copy here of a parameter an earlier member owns.
     copies: Vec<bool>,
     /// The parameters several members hold (tied across stages; held by every member of an
@@ -564,13 +568,14 @@ impl WholeLayout {
     /// The layout of `params`, given each parameter's variable id (`ids`: id to index) and
     /// the order one process keeps parameters in (`order`: a sort key of a name). A variable
     /// made by a layer of a group of one is not split. Over `stages` (groups whose members hold
-    /// different parameters, innermost first: an expert-parallel group, then the pipeline),
-    /// collective: the members' parameters together, each name once.
+    /// different parameters, innermost first: an expert-parallel group, then the pipeline, each
+    /// with its members' replicas together when known), collective: the members' parameters
+    /// together, each name once.
     pub(crate) fn new(
         params: &kolo_tensor::ParamSet,
         ids: &HashMap<TensorId, usize>,
         tp: Option<TensorParallel>,
-        stages: Vec<Arc<dyn Communicator>>,
+        stages: Vec<(Arc<dyn Communicator>, Option<Arc<dyn Communicator>>)>,
         order: impl Fn(&str) -> Vec<(String, u64)>,
     ) -> Result<WholeLayout> {
         let mut splits = vec![None; params.len()];
@@ -587,7 +592,7 @@ impl WholeLayout {
         let mut signature = mine;
         let mut levels = Vec::new();
         let mut copies = vec![false; params.len()];
-        for comm in stages {
+        for (comm, wide) in stages {
             // A name this rank does not hold (another member's, one level in) counts whole.
             let pieces: Vec<usize> =
                 signature.iter().map(|(n, s)| local_numel.get(n.as_str()).copied().unwrap_or(s.iter().product())).collect();
@@ -596,7 +601,7 @@ impl WholeLayout {
             let here: Vec<bool> = params.iter().map(|p| owners.iter().any(|(n, owner, _)| *n == p.name && *owner != me)).collect();
             copies.iter_mut().zip(&here).for_each(|(c, h)| *c |= *h);
             let tied = owners.into_iter().map(|(n, _, len)| (n.clone(), len, params.iter().position(|p| p.name == n))).collect();
-            levels.push(Level { comm, copies: here, tied });
+            levels.push(Level { comm, wide, copies: here, tied });
             signature = next;
         }
         signature.sort_by_cached_key(|(n, _)| order(n));
@@ -645,9 +650,11 @@ impl WholeLayout {
     /// Collective over each level's group: a tied parameter's gradient becomes the sum of every
     /// member's part (Megatron's embedding all-reduce over the pipeline; the parameters every
     /// member of an expert-parallel group holds), the same on each. Under ZeRO-2/3 (this rank's
-    /// pieces only) the members must hold the same part of each tied parameter, as the members
-    /// of an expert-parallel group do (their layouts match); pipeline stages whose shards of a
-    /// tied embedding differ are refused by name.
+    /// pieces only) members holding the same part of each tied parameter (the members of an
+    /// expert-parallel group: their layouts match) sum their parts over the level's group;
+    /// pipeline stages that cut a tied embedding into different shards (their sizes differ)
+    /// sum it whole over every stage's replicas, each rank adding its part and zeros elsewhere
+    /// (on each stage every element is in exactly one replica's shard).
     pub(crate) fn reduce_tied(&self, grads: &mut kolo_ddp::BucketGrads<'_>) -> std::result::Result<(), kolo_train::TrainError> {
         let train_err = |e: Error| match e {
             Error::Comm(c) => kolo_train::TrainError::Comm(c),
@@ -682,9 +689,18 @@ impl WholeLayout {
             let (mut hi, mut lo) = (mine.clone(), mine.iter().map(|x| -x).collect::<Vec<i64>>());
             level.comm.all_reduce(kolo_comm::BufMut::from(&mut hi[..]), kolo_comm::ReduceOp::Max)?;
             level.comm.all_reduce(kolo_comm::BufMut::from(&mut lo[..]), kolo_comm::ReduceOp::Max)?;
-            if hi != mine || lo.iter().zip(&mine).any(|(l, m)| -l != *m) {
+            let differ = hi != mine || lo.iter().zip(&mine).any(|(l, m)| -l != *m);
+            if let Some(wide) = &level.wide {
+                // Every replica of every stage takes the same way.
+                let mut any = [u8::from(differ)];
+                wide.all_reduce(kolo_comm::BufMut::from(&mut any[..]), kolo_comm::ReduceOp::Max)?;
+                if any[0] > 0 {
+                    Self::sum_tied_whole(level, wide, &parts, grads)?;
+                    continue;
+                }
+            } else if differ {
                 return Err(kolo_train::TrainError::Config(
-                    "ZeRO-2/3 with a parameter tied across pipeline stages (an output layer that is the embedding) whose shards differ between the stages is not supported yet: use ZeRO-1".into(),
+                    "ZeRO-2/3 with a parameter several members of a group hold whose shards differ between them (and no group of their replicas to sum it over) is not supported: use ZeRO-1".into(),
                 ));
             }
             let mut buf: Vec<f32> = Vec::with_capacity(parts.iter().map(|p| p.1).sum());
@@ -703,6 +719,34 @@ impl WholeLayout {
                     at += n;
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Collective over `wide` (the level's members and their replicas): each tied parameter's
+    /// gradient summed whole, every rank adding its part (`parts`: start and length in the
+    /// parameter) at its place and zeros elsewhere, then taking its part of the sum back.
+    fn sum_tied_whole(
+        level: &Level,
+        wide: &Arc<dyn Communicator>,
+        parts: &[(usize, usize)],
+        grads: &mut kolo_ddp::BucketGrads<'_>,
+    ) -> std::result::Result<(), kolo_train::TrainError> {
+        let mut buf = vec![0f32; level.tied.iter().map(|(_, n, _)| n).sum()];
+        let mut at = 0;
+        for ((_, n, local), &(start, len)) in level.tied.iter().zip(parts) {
+            if let Some(i) = local {
+                buf[at + start..at + start + len].copy_from_slice(grads.param_part_mut(*i).1);
+            }
+            at += n;
+        }
+        wide.all_reduce(kolo_comm::BufMut::from(&mut buf[..]), kolo_comm::ReduceOp::Sum)?;
+        let mut at = 0;
+        for ((_, n, local), &(start, len)) in level.tied.iter().zip(parts) {
+            if let Some(i) = local {
+                grads.param_part_mut(*i).1.copy_from_slice(&buf[at + start..at + start + len]);
+            }
+            at += n;
         }
         Ok(())
     }

@@ -364,6 +364,8 @@ struct Place {
     rank: usize,
     tp: Option<crate::tp::TensorParallel>,
     pp: Option<Arc<dyn Communicator>>,
+    /// With `pp`: every stage's replicas (`Mesh::stage_replicas`).
+    stage_replicas: Option<Arc<dyn Communicator>>,
     /// The expert-parallel group, when the model's experts are dealt out over one.
     ep: Option<Arc<dyn Communicator>>,
     /// The ranks of one replica (every stage and piece), when there are several.
@@ -377,7 +379,17 @@ impl Place {
     fn of(dist: &Dist) -> Place {
         let data_replicas = dist.world_size();
         let comm = dist.comm().clone();
-        Place { comm: comm.clone(), rank: dist.rank(), tp: None, pp: None, ep: None, model: None, world: comm, data_replicas }
+        Place {
+            comm: comm.clone(),
+            rank: dist.rank(),
+            tp: None,
+            pp: None,
+            stage_replicas: None,
+            ep: None,
+            model: None,
+            world: comm,
+            data_replicas,
+        }
     }
 }
 
@@ -486,7 +498,8 @@ impl Trainer {
         let model = (tp.is_some() || pp.is_some() || ep.is_some()).then(|| mesh.model_parallel().clone());
         // The members of an expert-parallel group read their own batches.
         let (comm, world, data_replicas) = (mesh.replicas().clone(), mesh.world().clone(), mesh.size("dp") * mesh.size("ep"));
-        Ok(Place { comm, rank: mesh.rank(), tp, pp, ep, model, world, data_replicas })
+        let stage_replicas = pp.as_ref().and(mesh.stage_replicas().cloned());
+        Ok(Place { comm, rank: mesh.rank(), tp, pp, stage_replicas, ep, model, world, data_replicas })
     }
 
     /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`, torch's FSDP): the
@@ -1256,7 +1269,8 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
     // An expert-parallel group is laid out as pipeline stages are: each member holds its own
     // experts, and the parameters every member holds are tied (gradients summed, checkpoints
     // and the norm taking member 0's).
-    let stages = place.ep.iter().chain(&place.pp).cloned().collect();
+    let stages =
+        place.ep.iter().map(|e| (e.clone(), None)).chain(place.pp.iter().map(|p| (p.clone(), place.stage_replicas.clone()))).collect();
     let layout = crate::tp::WholeLayout::new(params, ids, place.tp.clone(), stages, natural_key)?;
     let signature = layout.signature.clone();
     if place.tp.is_none() && place.pp.is_none() && place.ep.is_none() {

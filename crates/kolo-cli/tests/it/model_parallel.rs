@@ -5,7 +5,7 @@
 use super::user_model::launch;
 use super::{fresh_dir, model_tensors, text};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 #[path = "../../../kolo/examples/user_moe.rs"]
 #[allow(dead_code)]
@@ -795,7 +795,9 @@ fn a_resume_on_one_rank_only_is_named() {
 /// keeps the copy equal (Megatron's embedding group). Fine-tuned for 6 steps under pp 2 (SGD,
 /// no clipping; and clipped to 0.05, so a norm that counted the copy twice would show), pp 2 x
 /// tp 2 and pp 2 under ZeRO-1, and dp 2 x pp 2 under ZeRO-2 (clipped), it exports the same
-/// tensors as one process within 2e-5; the export holds the embedding once.
+/// tensors as one process within 2e-5; the export holds the embedding once. With a vocabulary
+/// of 2000 (the embedding most of each stage, the stages' ZeRO shards cutting it at different
+/// places) dp 2 x pp 2 under ZeRO-2 and ZeRO-3 does too.
 #[test]
 fn a_tied_output_layer_spans_pipeline_stages() {
     let dir = fresh_dir("hf-tied-pp");
@@ -819,15 +821,59 @@ fn a_tied_output_layer_spans_pipeline_stages() {
         }
     }
     // ZeRO-2 over dp 2 x pp 2, clipped: each stage's piece of the tied embedding's gradient is
-    // summed with the other stage's (their shards of it match here; were they to differ, the
-    // step is refused by name).
+    // summed with the other stage's (their shards of it match here).
     let run = "--optim sgd --lr 0.05 --clip 0.05";
     let (one, _) = hf_model(&model, 1, &format!("{run} --batch 4"), &dir.join("one-z2"));
     let (got, _) = hf_model(&model, 4, &format!("{run} --batch 2 --pp 2 --micro 2 --zero 2"), &dir.join("z2"));
     let (k, d) = worst_tensor(&one, &got);
     eprintln!("4 ranks, {run} dp 2 x pp 2 ZeRO-2: parameters within {d} (`{k}`)");
     assert!(d < 2e-5, "dp 2 x pp 2 under ZeRO-2: `{k}` differs from one process by {d}");
+    // With a vocabulary of 2000 the embedding (96,000 values) is most of each stage, whose
+    // sizes differ (the last also holds the final norm): the two data-parallel ranks of each
+    // stage cut it at different places, so its gradient is summed whole over both stages'
+    // replicas (it was refused: "shards differ between the stages").
+    // Without clipping a stage that kept its own part of the gradient is off by 0.074 (5.2e-6
+    // with the sum); clipped to 0.05, by 2.4e-4 (6e-8).
+    let big = large_vocabulary_copy(&model, 2000, &dir.join("qwen2-v2000"));
+    for (run, zeros) in [("--optim sgd --lr 0.05 --clip none", vec![2]), (run, vec![2, 3])] {
+        let (one, _) = hf_model(&big, 1, &format!("{run} --batch 4"), &dir.join("one-v2000"));
+        for zero in zeros {
+            let (got, _) =
+                hf_model(&big, 4, &format!("{run} --batch 2 --pp 2 --micro 2 --zero {zero}"), &dir.join(format!("v2000-z{zero}")));
+            let (k, d) = worst_tensor(&one, &got);
+            eprintln!("vocabulary 2000, {run}, dp 2 x pp 2 ZeRO-{zero}: parameters within {d} (`{k}`)");
+            assert!(d < 2e-5, "vocabulary 2000, {run}, dp 2 x pp 2 under ZeRO-{zero}: `{k}` differs from one process by {d}");
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A copy of the tied Hugging Face model in `src` with a vocabulary of `vocab`: its embedding
+/// grown by rows of fixed values (0.3 sin(i)), `config.json`'s `vocab_size` changed, and
+/// `reference.safetensors` holding the reference ids and the copy's own logits on them.
+fn large_vocabulary_copy(src: &Path, vocab: usize, out: &Path) -> PathBuf {
+    let dev = candle_core::Device::Cpu;
+    std::fs::create_dir_all(out).unwrap();
+    for f in ["tokenizer.json", "generation_config.json"] {
+        std::fs::copy(src.join(f), out.join(f)).unwrap();
+    }
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    let (key, old) = ("\"vocab_size\": ", cfg.split("\"vocab_size\": ").nth(1).unwrap().split([',', '\n']).next().unwrap().trim());
+    std::fs::write(out.join("config.json"), cfg.replace(&format!("{key}{old}"), &format!("{key}{vocab}"))).unwrap();
+    let mut tensors = candle_core::safetensors::load(src.join("model.safetensors"), &dev).unwrap();
+    let e = tensors["model.embed_tokens.weight"].clone();
+    let (rows, width) = e.dims2().unwrap();
+    let more: Vec<f32> = (0..(vocab - rows) * width).map(|i| 0.3 * (i as f32).sin()).collect();
+    let more = candle_core::Tensor::from_vec(more, (vocab - rows, width), &dev).unwrap();
+    tensors.insert("model.embed_tokens.weight".into(), candle_core::Tensor::cat(&[&e, &more], 0).unwrap());
+    candle_core::safetensors::save(&tensors, out.join("model.safetensors")).unwrap();
+    let ids = candle_core::safetensors::load(src.join("reference.safetensors"), &dev).unwrap()["ids"].clone();
+    let (_, model) = kolo::hf::load_causal_lm(out, &dev).unwrap();
+    let logits = model.forward(&ids.to_dtype(candle_core::DType::U32).unwrap()).unwrap();
+    let reference: std::collections::HashMap<String, candle_core::Tensor> =
+        [("ids".to_string(), ids), ("logits".to_string(), logits)].into();
+    candle_core::safetensors::save(&reference, out.join("reference.safetensors")).unwrap();
+    out.to_path_buf()
 }
 
 /// GPT-NeoX split over a tensor-parallel group (its head-by-head `query_key_value` and the MLP's
