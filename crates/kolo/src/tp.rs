@@ -564,6 +564,9 @@ struct Level {
     tied: Vec<(String, usize, Option<usize>)>,
 }
 
+/// A level's group, and its members' replicas together when known ([`Level::wide`]).
+pub(crate) type StageGroup = (Arc<dyn Communicator>, Option<Arc<dyn Communicator>>);
+
 impl WholeLayout {
     /// The layout of `params`, given each parameter's variable id (`ids`: id to index) and
     /// the order one process keeps parameters in (`order`: a sort key of a name). A variable
@@ -575,7 +578,7 @@ impl WholeLayout {
         params: &kolo_tensor::ParamSet,
         ids: &HashMap<TensorId, usize>,
         tp: Option<TensorParallel>,
-        stages: Vec<(Arc<dyn Communicator>, Option<Arc<dyn Communicator>>)>,
+        stages: Vec<StageGroup>,
         order: impl Fn(&str) -> Vec<(String, u64)>,
     ) -> Result<WholeLayout> {
         let mut splits = vec![None; params.len()];

@@ -1024,8 +1024,8 @@ impl Llama {
         }
         let windows = cfg.layer_windows().map_err(candle_core::Error::Msg)?;
         let experts = cfg.experts();
-        let widths = experts.as_ref().map(|_| cfg.expert_width()).into_iter().chain(cfg.shared_expert_width());
-        if let Some(w) = widths.filter(|w| !w.is_multiple_of(p)).next() {
+        let mut widths = experts.as_ref().map(|_| cfg.expert_width()).into_iter().chain(cfg.shared_expert_width());
+        if let Some(w) = widths.find(|w| !w.is_multiple_of(p)) {
             candle_core::bail!("experts of width {w} over {p} tensor-parallel ranks: the width must be a multiple of {p}");
         }
         if experts.as_ref().is_some_and(|(_, coef)| *coef > 0.0) && layers != (0..n) {
