@@ -3,7 +3,7 @@ test-data/hf/{qwen2,mistral,llama3}-tiny.
 
     python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]
     (ARCH: qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, gemma3_mm, phi3, gpt_neox, llama_yarn,
-    phi3_longrope, mixtral, qwen3_moe, qwen2_moe)
+    phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -180,13 +180,37 @@ elif arch == "qwen2_moe":
                                       output_router_logits=True, router_aux_loss_coef=0.05)
     model = transformers.Qwen2MoeForCausalLM
     extra = moe_loss
+elif arch == "deepseek_v2":
+    # DeepSeek-V2 (V2-Lite's layout): multi-head latent attention (queries through a rank-24
+    # LoRA q_a_proj / q_a_layernorm / q_b_proj, keys and values through the rank-16 latent of
+    # kv_a_proj_with_mqa, its norm and kv_b_proj; heads of 8 unrotated + 4 rotated query/key
+    # dimensions and 6 value dimensions; the 4 rotated ones as interleaved pairs, one rotated key
+    # shared by every head), YaRN (factor 4 over an original 16, mscale = mscale_all_dim =
+    # 0.707: the scores scaled by mscale^2); layer 0 a dense MLP of 80 (first_k_dense_replace),
+    # layers 1 and 2 a mixture of 8 experts of width 12 (softmax, top 3 greedy, not
+    # renormalised, times routed_scaling_factor 2.5) beside 2 shared experts (one MLP of 24).
+    cfg = transformers.DeepseekV2Config(**common | {"num_hidden_layers": 3, "num_key_value_heads": 4}, tie_word_embeddings=False,
+                                        q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                        n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=12,
+                                        first_k_dense_replace=1, routed_scaling_factor=2.5, topk_method="greedy",
+                                        norm_topk_prob=False,
+                                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                         "original_max_position_embeddings": 16, "mscale": 0.707,
+                                                         "mscale_all_dim": 0.707})
+    model = transformers.DeepseekV2ForCausalLM
+
+    def extra(model, ids):
+        """The training loss on ids[:, :-1] -> ids[:, 1:] (transformers adds no balance term)."""
+        out = model(ids[:, :-1])
+        ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+        return {"loss": ce.float().reshape(1)}
 elif arch == "gpt_neox":
     # Heads of 16, so that a quarter of each (4 dimensions) turns whole pairs.
     cfg = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, qwen2_moe, gemma3_mm)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2, gemma3_mm)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 save_reference(model, cfg, out, noise, extra=globals().get("extra"), ids_below=globals().get("ids_below"))

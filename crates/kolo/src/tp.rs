@@ -283,6 +283,17 @@ impl Module for ColumnParallelLinear {
     }
 }
 
+/// Megatron's `f` on `x`, a tensor every member holds whole that feeds this member's share of
+/// the work: the same `x` forward, its gradient summed over the group backward (so a
+/// parameter every member holds whole before it gets every member's part of the gradient).
+#[cfg(feature = "hf")]
+pub(crate) fn copy_to_group(x: &Tensor, tp: Option<&TensorParallel>) -> candle_core::Result<Tensor> {
+    match tp.filter(|t| t.size() > 1) {
+        Some(t) => x.contiguous()?.apply_op1(CopyToGroup(t.sum())),
+        None => Ok(x.clone()),
+    }
+}
+
 /// A linear layer whose input features are split over the group (Megatron's
 /// `RowParallelLinear`): weight `(out, in / tp)`, the bias whole (added once, after the sum).
 /// Its input is this member's features (a [`ColumnParallelLinear`]'s output), or the whole

@@ -615,6 +615,17 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
             format!("{gentle} --batch 4"),
             vec![(2, format!("{gentle} --batch 2 --ep 2")), (4, format!("{gentle} --batch 2 --ep 2 --tp 2"))],
         ),
+        // DeepSeek-V2: latent attention split by heads over tp, its shared experts held by every
+        // ep member, its routed sum scaled; no load-balancing term (transformers adds none).
+        (
+            "deepseek-v2",
+            format!("{gentle} --batch 4"),
+            vec![
+                (2, format!("{gentle} --batch 2 --ep 2")),
+                (4, format!("{gentle} --batch 2 --ep 2 --tp 2")),
+                (2, format!("{gentle} --batch 4 --pp 2 --micro 2")),
+            ],
+        ),
     ] {
         let src = kolo_testkit::files::hf_tiny(arch);
         let plain = dir.join(format!("{arch}-no-aux"));
@@ -623,7 +634,7 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
             std::fs::copy(f.path(), plain.join(f.file_name())).unwrap();
         }
         let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
-        assert!(cfg.contains("\"output_router_logits\": true"));
+        assert!(cfg.contains("\"output_router_logits\": true") || arch == "deepseek-v2");
         std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false"))
             .unwrap();
         let (one, _) = hf_model(&plain, 1, &one_args, &dir.join(format!("{arch}-one")));

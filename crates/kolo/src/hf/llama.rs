@@ -8,7 +8,7 @@ use std::path::Path;
 
 /// The `model_type`s built by [`Llama`].
 pub const FAMILY: &[&str] =
-    &["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3"];
+    &["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3", "deepseek_v2"];
 
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
@@ -135,6 +135,8 @@ impl LlamaConfig {
         match self.model_type() {
             "qwen2" => (true, false, false),
             "qwen2_moe" => (self.other.get("qkv_bias").and_then(serde_json::Value::as_bool).unwrap_or(true), false, false),
+            // DeepSeek: attention_bias on q_a_proj, kv_a_proj_with_mqa and o_proj.
+            "deepseek_v2" => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
             "mistral" | "mixtral" | "phi3" => (false, false, false),
             "gemma" | "gemma2" | "gemma3_text" => (flag("attention_bias"), flag("attention_bias"), false),
             _ => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
@@ -181,8 +183,35 @@ impl LlamaConfig {
     /// What attention scores are multiplied by: 1 / sqrt(`query_pre_attn_scalar`) (Gemma 2),
     /// else 1 / sqrt(head_dim).
     pub fn attention_scale(&self) -> f64 {
+        if let Some(m) = self.mla() {
+            // DeepSeek: 1 / sqrt(the query/key head), times YaRN's mscale(factor, mscale_all_dim)^2.
+            let params = ["rope_parameters", "rope_scaling"].iter().find_map(|k| self.other.get(*k).filter(|v| v.is_object()));
+            let field = |k: &str| params.and_then(|p| p.get(k)).and_then(serde_json::Value::as_f64);
+            let kind = params.and_then(|p| p.get("rope_type").or(p.get("type"))).and_then(|t| t.as_str()).unwrap_or("default");
+            let m_all = match (kind, field("mscale_all_dim"), field("factor")) {
+                ("default", _, _) => 1.0,
+                (_, Some(all), Some(f)) if all != 0.0 && f > 1.0 => 0.1 * all * f.ln() + 1.0,
+                _ => 1.0,
+            };
+            return m_all * m_all / ((m.nope + m.rope) as f64).sqrt();
+        }
         let s = self.positive("query_pre_attn_scalar").ok().flatten().unwrap_or(self.head_dim() as f64);
         1.0 / s.sqrt()
+    }
+
+    /// DeepSeek's multi-head latent attention (`deepseek_v2`): its ranks and head widths.
+    pub fn mla(&self) -> Option<MlaDims> {
+        if self.model_type() != "deepseek_v2" {
+            return None;
+        }
+        let count = |k: &str, default: usize| self.other.get(k).and_then(serde_json::Value::as_u64).map_or(default, |v| v as usize);
+        Some(MlaDims {
+            q_rank: self.other.get("q_lora_rank").and_then(serde_json::Value::as_u64).map(|v| v as usize),
+            kv_rank: count("kv_lora_rank", 512),
+            nope: count("qk_nope_head_dim", 128),
+            rope: count("qk_rope_head_dim", 64),
+            v: count("v_head_dim", 128),
+        })
     }
 
     /// Gemma 2's soft caps: attention scores and logits become `cap x tanh(x / cap)`.
@@ -425,6 +454,19 @@ impl LlamaConfig {
             "moe_intermediate_size",
             "shared_expert_intermediate_size",
             "qkv_bias",
+            "q_lora_rank",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "qk_rope_head_dim",
+            "qk_head_dim",
+            "v_head_dim",
+            "n_routed_experts",
+            "n_shared_experts",
+            "routed_scaling_factor",
+            "topk_method",
+            "n_group",
+            "topk_group",
+            "first_k_dense_replace",
             "norm_topk_prob",
             "decoder_sparse_step",
             "mlp_only_layers",
@@ -452,10 +494,16 @@ impl LlamaConfig {
                 count("num_experts_per_tok").unwrap_or(if self.model_type() == "qwen2_moe" { 4 } else { 8 }),
                 get("norm_topk_prob").and_then(serde_json::Value::as_bool).unwrap_or(false),
             ),
+            "deepseek_v2" => (
+                count("n_routed_experts").unwrap_or(64),
+                count("num_experts_per_tok").unwrap_or(6),
+                get("norm_topk_prob").and_then(serde_json::Value::as_bool).unwrap_or(false),
+            ),
             _ => return None,
         };
         let coef = get("router_aux_loss_coef").and_then(serde_json::Value::as_f64).unwrap_or(0.001);
-        let on = get("output_router_logits").and_then(serde_json::Value::as_bool).unwrap_or(false);
+        // transformers adds no load-balancing loss to DeepSeek-V2's.
+        let on = get("output_router_logits").and_then(serde_json::Value::as_bool).unwrap_or(false) && self.model_type() != "deepseek_v2";
         // A capacity of experts / top_k times the fair share is every token: nothing dropped.
         let capacity_factor = experts as f64 / top_k.max(1) as f64;
         let routing = crate::ep::MoeConfig { experts, top_k, renormalize, capacity_factor, aux_weight: 0.0 };
@@ -468,6 +516,10 @@ impl LlamaConfig {
         let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
         match self.model_type() {
             "mixtral" => true,
+            "deepseek_v2" => {
+                let dense = get("first_k_dense_replace").and_then(serde_json::Value::as_u64).unwrap_or(0) as usize;
+                self.experts().is_some_and(|(m, _)| m.experts > 0) && i >= dense
+            }
             "qwen2_moe" | "qwen3_moe" => {
                 let step = get("decoder_sparse_step").and_then(serde_json::Value::as_u64).unwrap_or(1).max(1) as usize;
                 let dense =
@@ -482,19 +534,42 @@ impl LlamaConfig {
     /// `intermediate_size` wide).
     fn expert_width(&self) -> usize {
         match self.model_type() {
-            "qwen2_moe" | "qwen3_moe" => {
+            "qwen2_moe" | "qwen3_moe" | "deepseek_v2" => {
                 self.other.get("moe_intermediate_size").and_then(serde_json::Value::as_u64).map_or(self.intermediate_size, |w| w as usize)
             }
             _ => self.intermediate_size,
         }
     }
 
-    /// Qwen2-MoE's shared expert beside the routed ones: its width
-    /// (`shared_expert_intermediate_size`; 0: none), `None` for the other types.
+    /// The shared expert beside the routed ones, every token through it: its width (Qwen2-MoE's
+    /// `shared_expert_intermediate_size`; DeepSeek's `n_shared_experts` experts as one MLP of
+    /// that many times `moe_intermediate_size`), `None` for none.
     pub fn shared_expert_width(&self) -> Option<usize> {
-        (self.model_type() == "qwen2_moe")
-            .then(|| self.other.get("shared_expert_intermediate_size").and_then(serde_json::Value::as_u64).map_or(5632, |w| w as usize))
-            .filter(|w| *w > 0)
+        let get = |k: &str| self.other.get(k).and_then(serde_json::Value::as_u64).map(|w| w as usize);
+        match self.model_type() {
+            "qwen2_moe" => Some(get("shared_expert_intermediate_size").unwrap_or(5632)),
+            "deepseek_v2" => Some(get("n_shared_experts").unwrap_or(2) * self.expert_width()),
+            _ => None,
+        }
+        .filter(|w| *w > 0)
+    }
+
+    /// Where the shared expert's MLP is (`mlp.shared_expert`, DeepSeek's `mlp.shared_experts`),
+    /// and whether a per-token gate weighs it (Qwen2-MoE's `mlp.shared_expert_gate`).
+    fn shared_expert_names(&self) -> (&'static str, bool) {
+        match self.model_type() {
+            "deepseek_v2" => ("shared_experts", false),
+            _ => ("shared_expert", true),
+        }
+    }
+
+    /// What the routed experts' weighted sum is multiplied by (DeepSeek's
+    /// `routed_scaling_factor`; 1 for the others).
+    fn routed_scale(&self) -> f64 {
+        match self.model_type() {
+            "deepseek_v2" => self.other.get("routed_scaling_factor").and_then(serde_json::Value::as_f64).unwrap_or(1.0),
+            _ => 1.0,
+        }
     }
 
     /// Where a sparse block keeps its mixture of experts, and its experts' projections' names
@@ -514,6 +589,9 @@ impl LlamaConfig {
         }
         if !(coef.is_finite() && coef >= 0.0) {
             return Err(format!("router_aux_loss_coef {coef} is not a number >= 0"));
+        }
+        if let Some(method) = self.other.get("topk_method").and_then(|v| v.as_str()).filter(|m| *m != "greedy") {
+            return Err(format!("topk_method \"{method}\" (routing within groups of experts) is not supported (greedy)"));
         }
         let jitter = self.other.get("router_jitter_noise").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
         if jitter != 0.0 {
@@ -542,7 +620,14 @@ impl LlamaConfig {
             }
             None => 0.0,
         };
-        let attention = e * hd * (2.0 * h + 2.0 * kv);
+        let attention = match self.mla() {
+            Some(m) => {
+                let (qk, rank) = ((m.nope + m.rope) as f64, m.kv_rank as f64);
+                let q = m.q_rank.map_or(e * h * qk, |r| e * r as f64 + r as f64 * h * qk);
+                q + e * (rank + m.rope as f64) + rank * h * (m.nope + m.v) as f64 + h * m.v as f64 * e
+            }
+            None => e * hd * (2.0 * h + 2.0 * kv),
+        };
         let mut costs: Vec<f64> =
             (0..self.num_hidden_layers).map(|i| attention + if self.sparse_layer(i) { sparse } else { 3.0 * e * inter }).collect();
         if let Some(last) = costs.last_mut() {
@@ -570,6 +655,21 @@ impl LlamaConfig {
 
 /// A linear layer of a block: candle-nn's, or one split over a tensor-parallel group.
 type Layer = Box<dyn Module + Send + Sync>;
+
+/// DeepSeek's multi-head latent attention's shape ([`LlamaConfig::mla`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MlaDims {
+    /// The queries' low-rank projection (`q_lora_rank`; `None`: one `q_proj`).
+    pub q_rank: Option<usize>,
+    /// The keys' and values' shared latent (`kv_lora_rank`).
+    pub kv_rank: usize,
+    /// Per head: query/key dimensions without the rotary embedding (`qk_nope_head_dim`).
+    pub nope: usize,
+    /// Per head: query/key dimensions with it (`qk_rope_head_dim`; the key's shared by every head).
+    pub rope: usize,
+    /// Per head: value dimensions (`v_head_dim`).
+    pub v: usize,
+}
 
 /// A rotary embedding's frequencies ([`LlamaConfig::rope`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -688,10 +788,54 @@ impl Module for Norm {
     }
 }
 
-/// The attention's input projections: q, k and v apart, or in one (Phi-3's `qkv_proj`).
+/// The attention's input projections: q, k and v apart, or in one (Phi-3's `qkv_proj`), or
+/// DeepSeek's latent attention.
 enum Qkv {
     Apart(Layer, Layer, Layer),
     Fused(Layer),
+    Mla(Mla),
+}
+
+/// DeepSeek's multi-head latent attention's projections: the queries (one `q_proj`, or
+/// `q_b_proj(norm(q_a_proj x))`), the keys' and values' latent with the shared rotated key
+/// (`kv_a_proj_with_mqa`), its norm, and the latent to every head's key and value (`kv_b_proj`).
+/// Over tp the heads split (`q_proj`/`q_b_proj` and `kv_b_proj` column-parallel), the
+/// latent's projections and norms whole on every member.
+struct Mla {
+    dims: MlaDims,
+    /// The tensor-parallel group: the shared rotated key feeds this member's heads only, so
+    /// its gradient is summed over the group (Megatron's `f`).
+    tp: Option<crate::tp::TensorParallel>,
+    q: Layer,
+    q_a: Option<(Layer, Norm)>,
+    kv_a: Layer,
+    kv_norm: Norm,
+    kv_b: Layer,
+}
+
+impl Mla {
+    /// Queries, keys (batch, heads, seq, nope + rope) and values (batch, heads, seq, v) of the
+    /// normed input `a` (batch, seq, hidden), `h` heads on this rank; the rotated dimensions
+    /// turned as interleaved pairs (DeepSeek's complex layout) by `cos`, `sin`.
+    fn qkv(&self, a: &Tensor, h: usize, cos: &Tensor, sin: &Tensor) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = a.dims3()?;
+        let MlaDims { kv_rank, nope, rope, v, .. } = self.dims;
+        let q = match &self.q_a {
+            Some((q_a, norm)) => self.q.forward(&norm.forward(&q_a.forward(a)?)?)?,
+            None => self.q.forward(a)?,
+        };
+        let q = q.reshape((b, t, h, nope + rope))?.transpose(1, 2)?;
+        let q_pe = candle_nn::rotary_emb::rope_i(&q.narrow(3, nope, rope)?.contiguous()?, cos, sin)?;
+        let q = Tensor::cat(&[&q.narrow(3, 0, nope)?, &q_pe], 3)?.contiguous()?;
+        let latent = self.kv_a.forward(a)?;
+        let k_pe = crate::tp::copy_to_group(&latent.narrow(2, kv_rank, rope)?, self.tp.as_ref())?;
+        let k_pe = k_pe.reshape((b, 1, t, rope))?.contiguous()?;
+        let k_pe = candle_nn::rotary_emb::rope_i(&k_pe, cos, sin)?.expand((b, h, t, rope))?;
+        let kv = self.kv_b.forward(&self.kv_norm.forward(&latent.narrow(2, 0, kv_rank)?)?)?;
+        let kv = kv.reshape((b, t, h, nope + v))?.transpose(1, 2)?;
+        let k = Tensor::cat(&[&kv.narrow(3, 0, nope)?, &k_pe], 3)?.contiguous()?;
+        Ok((q, k, kv.narrow(3, nope, v)?.contiguous()?))
+    }
 }
 
 /// The gated MLP's input projections: gate and up apart, or in one (Phi-3's `gate_up_proj`).
@@ -700,12 +844,13 @@ enum GateUp {
     Fused(Layer),
 }
 
-/// A block's feed-forward part: the gated MLP, or (Mixtral, the Qwens' MoE) a mixture of
-/// gated-MLP experts, with (Qwen2-MoE) a shared expert every token runs through, weighted by
-/// `sigmoid(gate x)`.
+/// A block's feed-forward part: the gated MLP, or (Mixtral, the Qwens' MoE, DeepSeek) a
+/// mixture of gated-MLP experts (their weighted sum times `scale`: DeepSeek's
+/// `routed_scaling_factor`), with (Qwen2-MoE, DeepSeek) a shared expert every token runs
+/// through, weighted by `sigmoid(gate x)` when it has a gate (Qwen2-MoE).
 enum Ffn {
     Dense { gate_up: GateUp, down: Layer },
-    Experts { moe: crate::ep::MoeLayer<Expert>, shared: Option<(Expert, Layer)> },
+    Experts { moe: crate::ep::MoeLayer<Expert>, shared: Option<Box<(Expert, Option<Layer>)>>, scale: f64 },
 }
 
 /// One expert: `down(act(gate x) * up x)` (Mixtral names them w2, w1, w3); over a
@@ -833,12 +978,20 @@ impl LlamaBlock {
         let ((h, kv), hd) = (self.heads, cfg.head_dim());
         let a = self.input_norm.forward(x)?;
         let heads = |y: Tensor, n: usize| y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
+        if let Qkv::Mla(mla) = &self.qkv {
+            let (q, k, v) = mla.qkv(&a, h, cos, sin)?;
+            let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
+            let y = attend_scaled(&q, &k, &v, mask, cfg.attention_scale(), None)?;
+            let y = self.o.forward(&y.transpose(1, 2)?.reshape((b, t, h * mla.dims.v))?)?;
+            return self.feed_forward((x + y)?, cfg, router);
+        }
         let (q, k, v) = match &self.qkv {
             Qkv::Apart(q, k, v) => (q.forward(&a)?, k.forward(&a)?, v.forward(&a)?),
             Qkv::Fused(l) => {
                 let y = l.forward(&a)?;
                 (y.narrow(2, 0, h * hd)?, y.narrow(2, h * hd, kv * hd)?, y.narrow(2, (h + kv) * hd, kv * hd)?)
             }
+            Qkv::Mla(_) => candle_core::bail!("latent attention runs apart"),
         };
         let (q, k) = (heads(q, h)?, heads(k, kv)?);
         let (q, k) = match &self.head_norms {
@@ -870,6 +1023,12 @@ impl LlamaBlock {
             Some((attn, _)) => (x + attn.forward(&y)?)?,
             None => (x + y)?,
         };
+        self.feed_forward(x, cfg, router)
+    }
+
+    /// `x` after attention through the MLP (or its experts, whose routing goes to `router`),
+    /// with its residual.
+    fn feed_forward(&self, x: Tensor, cfg: &LlamaConfig, router: &mut Router) -> candle_core::Result<Tensor> {
         let f = self.post_norm.forward(&x)?;
         let y = match &self.ffn {
             Ffn::Dense { gate_up, down } => {
@@ -883,14 +1042,16 @@ impl LlamaBlock {
                 };
                 down.forward(&(activate(gate, cfg.activation())? * up)?)?
             }
-            Ffn::Experts { moe, shared } => {
+            Ffn::Experts { moe, shared, scale } => {
                 let mut r = moe.forward_routed(&f)?;
                 let y = std::mem::replace(&mut r.output, Tensor::zeros((), f.dtype(), f.device())?);
                 router.add(r)?;
-                match shared {
+                let y = if *scale != 1.0 { (y * *scale)? } else { y };
+                match shared.as_deref() {
                     // Over tp the shared expert is split as a dense MLP (whole output on every
                     // member) and its gate is whole.
-                    Some((mlp, gate)) => (y + candle_nn::ops::sigmoid(&gate.forward(&f)?)?.broadcast_mul(&mlp.forward(&f)?)?)?,
+                    Some((mlp, Some(gate))) => (y + candle_nn::ops::sigmoid(&gate.forward(&f)?)?.broadcast_mul(&mlp.forward(&f)?)?)?,
+                    Some((mlp, None)) => (y + mlp.forward(&f)?)?,
                     None => y,
                 }
             }
@@ -943,7 +1104,8 @@ impl Llama {
     /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut by
     /// [`LlamaConfig::block_costs`] with `kolo::pp::stage_layers_by`; [`Llama::new_stage`]), split over its `tp` group, running on
     /// its `sp` chunk of every sequence (attention by `kolo::sp::ring_attention`, rotary
-    /// positions from the chunk's offset), its experts (Mixtral, Qwen3-MoE) dealt out over its `ep` group.
+    /// positions from the chunk's offset; not DeepSeek's latent attention), its experts
+    /// (Mixtral, the Qwens' MoE, DeepSeek) dealt out over its `ep` group.
     /// Train it with `Trainer::with_mesh`: [`Llama::loss`], or [`Llama::pipeline_stage`] in a
     /// pipeline.
     pub fn new_parallel(cfg: &LlamaConfig, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Llama> {
@@ -957,6 +1119,12 @@ impl Llama {
         if mesh.sp().size() > 1 && cfg.layer_windows().map_err(candle_core::Error::Msg)?.iter().any(Option::is_some) {
             candle_core::bail!(
                 "sliding-window attention over {} sequence-parallel ranks is not supported (ring attention sees every earlier chunk)",
+                mesh.sp().size()
+            );
+        }
+        if mesh.sp().size() > 1 && cfg.mla().is_some() {
+            candle_core::bail!(
+                "latent attention over {} sequence-parallel ranks is not supported (its values are narrower than its queries and keys; ring attention takes one width)",
                 mesh.sp().size()
             );
         }
@@ -1065,9 +1233,24 @@ impl Llama {
                     None => linear(e, sections.iter().sum(), bias, vb)?,
                 })
             };
-            let qkv = match cfg.fused() {
-                true => Qkv::Fused(fused(&[h * hd, kv * hd, kv * hd], qkv_bias, a.pp("qkv_proj"))?),
-                false => Qkv::Apart(
+            let qkv = match (cfg.mla(), cfg.fused()) {
+                (Some(m), _) => Qkv::Mla(Mla {
+                    dims: m,
+                    tp: tp.cloned(),
+                    q: match m.q_rank {
+                        Some(r) => col(r, h * (m.nope + m.rope), false, a.pp("q_b_proj"))?,
+                        None => col(e, h * (m.nope + m.rope), false, a.pp("q_proj"))?,
+                    },
+                    q_a: match m.q_rank {
+                        Some(r) => Some((linear(e, r, qkv_bias, a.pp("q_a_proj"))?, Norm::new(r, cfg, a.pp("q_a_layernorm"))?)),
+                        None => None,
+                    },
+                    kv_a: linear(e, m.kv_rank + m.rope, qkv_bias, a.pp("kv_a_proj_with_mqa"))?,
+                    kv_norm: Norm::new(m.kv_rank, cfg, a.pp("kv_a_layernorm"))?,
+                    kv_b: col(m.kv_rank, h * (m.nope + m.v), false, a.pp("kv_b_proj"))?,
+                }),
+                (None, true) => Qkv::Fused(fused(&[h * hd, kv * hd, kv * hd], qkv_bias, a.pp("qkv_proj"))?),
+                (None, false) => Qkv::Apart(
                     col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
                     col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
                     col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
@@ -1084,11 +1267,16 @@ impl Llama {
                             act: cfg.activation().to_string(),
                         })
                     };
+                    let (name, gated) = cfg.shared_expert_names();
                     let shared = match cfg.shared_expert_width() {
-                        Some(w) => Some((expert(w, f.pp("shared_expert"))?, linear(e, 1, false, f.pp("shared_expert_gate"))?)),
+                        Some(w) => Some(Box::new((
+                            expert(w, f.pp(name))?,
+                            if gated { Some(linear(e, 1, false, f.pp(format!("{name}_gate")))?) } else { None },
+                        ))),
                         None => None,
                     };
-                    Ffn::Experts { moe: crate::ep::MoeLayer::new(e, routing.clone(), b.pp(block), ep, |vb| expert(width, vb))?, shared }
+                    let moe = crate::ep::MoeLayer::new(e, routing.clone(), b.pp(block), ep, |vb| expert(width, vb))?;
+                    Ffn::Experts { moe, shared, scale: cfg.routed_scale() }
                 }
                 _ => Ffn::Dense {
                     gate_up: match cfg.fused() {
@@ -1101,7 +1289,7 @@ impl Llama {
             blocks.push(LlamaBlock {
                 input_norm: Norm::new(e, cfg, b.pp("input_layernorm"))?,
                 qkv,
-                o: row(h * hd, e, o_bias, a.pp("o_proj"))?,
+                o: row(cfg.mla().map_or(h * hd, |m| h * m.v), e, o_bias, a.pp("o_proj"))?,
                 post_norm: Norm::new(e, cfg, b.pp(if cfg.sandwich() { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
                 head_norms: match cfg.head_norms() {
                     true => Some((Norm::new(hd, cfg, a.pp("q_norm"))?, Norm::new(hd, cfg, a.pp("k_norm"))?)),

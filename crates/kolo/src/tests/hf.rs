@@ -357,6 +357,9 @@ fn architectures_load_with_transformers_logits_and_train() {
         ("qwen3-moe", vec![("\"norm_topk_prob\": false", "\"norm_topk_prob\": true")]),
         // Qwen2-MoE's window of 6 on layers 0 and 2 (layer_types), over 16 tokens.
         ("qwen2-moe", vec![("\"sliding_window\": 6", "\"sliding_window\": 16")]),
+        // DeepSeek-V2: the routed experts' sum times 2.5; the scores times YaRN's mscale^2.
+        ("deepseek-v2", vec![("\"routed_scaling_factor\": 2.5", "\"routed_scaling_factor\": 1.0")]),
+        ("deepseek-v2", vec![("\"mscale_all_dim\": 0.707", "\"mscale_all_dim\": 0.0")]),
     ] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let (ids, want) = reference(&dir);
@@ -469,9 +472,9 @@ fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
     }
     let _ = std::fs::remove_dir_all(&plain);
     // Over 2 tensor-parallel ranks (each expert's width split, every rank routing the same
-    // tokens; Qwen2-MoE's shared expert split as a dense MLP, its gate whole): the same logits
-    // and loss on each.
-    for arch in ["mixtral", "qwen2-moe"] {
+    // tokens; Qwen2-MoE's shared expert split as a dense MLP, its gate whole; DeepSeek's latent
+    // attention by heads, the latent's projections whole): the same logits and loss on each.
+    for arch in ["mixtral", "qwen2-moe", "deepseek-v2"] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
         let want_loss = scalar(&r["loss"]) as f32;
@@ -709,7 +712,7 @@ fn llama_family_options_not_implemented_are_refused() {
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3n\""));
     assert!(
         e.contains(
-            "model_type \"gemma3n\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3, gemma3)"
+            "model_type \"gemma3n\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3, deepseek_v2, gemma3)"
         ),
         "{e}"
     );
@@ -717,6 +720,14 @@ fn llama_family_options_not_implemented_are_refused() {
     std::fs::copy(kolo_testkit::files::hf_tiny("qwen2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let e = load(&q.replace("\"sliding_attention\"", "\"chunked_attention\""));
     assert!(e.contains("unsupported layer type \"chunked_attention\""), "{e}");
+    // DeepSeek-V2's routing within groups of experts (the 236B model's).
+    let d = std::fs::read_to_string(kolo_testkit::files::hf_tiny("deepseek-v2").join("config.json")).unwrap();
+    std::fs::copy(kolo_testkit::files::hf_tiny("deepseek-v2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let e = load(&d.replace("\"greedy\"", "\"group_limited_greedy\""));
+    assert!(
+        e.contains("config.json") && e.contains("topk_method \"group_limited_greedy\" (routing within groups of experts) is not supported"),
+        "{e}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
