@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hugging Face GPT-2 and Llama-style models in and out, checked in `transformers` (issues #17, #33):
-#   1. small random GPT-2, Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, Mistral, Mixtral, Llama 3, Gemma, Gemma 2, Gemma 3, Phi-3 and GPT-NeoX models (test-data/hf/), a
+#   1. small random GPT-2, Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2, DeepSeek-V3, Mistral, Mixtral, Llama 3, Gemma, Gemma 2, Gemma 3, Phi-3 and GPT-NeoX models (test-data/hf/), a
 #      GPT-2 of the real 124M shape, a Llama of SmolLM-135M's shape (~500 MB each) and a Qwen2 of
 #      Qwen2.5-0.5B's shape (2 GB; all three made here in /tmp) load into Kolo with transformers' logits;
 #   2. each is fine-tuned by Kolo (the small ones by 2 processes under ZeRO-1/2, the large ones by 1
@@ -54,6 +54,7 @@ tiny mixtral-tiny "Mixtral: 4 experts, top 2, the load-balancing loss; experts d
 tiny qwen3-moe-tiny "Qwen3-MoE: 8 experts on 2 of 3 layers, top 3 not renormalised; experts over ep 2" --ep 2
 tiny qwen2-moe-tiny "Qwen2-MoE: a shared expert beside 8 routed ones, q/k/v biases, windows on layers 0 and 2; experts over ep 2" --ep 2
 tiny deepseek-v2-tiny "DeepSeek-V2: latent attention, YaRN with mscale, 8 routed experts scaled by 2.5 beside 2 shared; split over tp 2" --tp 2
+tiny deepseek-v3-tiny "DeepSeek-V3: sigmoid routing with a selection bias within the best 2 of 4 groups; experts over ep 2, AdamW" --ep 2 --optim adamw
 shape 124m "GPT-2 124M shape (random, made by transformers)" test-data/hf/make_gpt2_reference.py "$tmp/124m" 124m --
 shape l135m "Llama-style model of SmolLM-135M's shape (tied embeddings, 9 query / 3 key-value heads)" \
   test-data/hf/make_llama_reference.py "$tmp/l135m" 135m --

@@ -3,7 +3,7 @@ test-data/hf/{qwen2,mistral,llama3}-tiny.
 
     python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]
     (ARCH: qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, gemma3_mm, phi3, gpt_neox, llama_yarn,
-    phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2)
+    phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2, deepseek_v3)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -204,13 +204,41 @@ elif arch == "deepseek_v2":
         out = model(ids[:, :-1])
         ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
         return {"loss": ce.float().reshape(1)}
+elif arch == "deepseek_v3":
+    # DeepSeek-V3 (and Kimi K2's layout): V2's latent attention with queries through one q_proj
+    # (no q_lora_rank) and the plain rotary embedding; layer 0 a dense MLP of 80, layers 1 and
+    # 2 8 routed experts of width 12 in 4 groups: each token's experts scored by a sigmoid,
+    # chosen (top 3) by sigmoid + e_score_correction_bias (set here to N(0, 0.2): a buffer, which
+    # the noise does not reach) among its best 2 groups (each scored by its top two), weighted
+    # by the sigmoids renormalised (norm_topk_prob) times 2.5, beside one shared expert.
+    cfg = transformers.DeepseekV3Config(**common | {"num_hidden_layers": 3, "num_key_value_heads": 4}, tie_word_embeddings=False,
+                                        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                        n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+                                        moe_intermediate_size=12, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                        norm_topk_prob=True, rope_interleave=True,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = transformers.DeepseekV3ForCausalLM
+
+    def post(model):
+        g = torch.Generator().manual_seed(3)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(0.2 * torch.randn(8, generator=g))
+
+    def extra(model, ids):
+        """The training loss on ids[:, :-1] -> ids[:, 1:] (transformers adds no balance term)."""
+        out = model(ids[:, :-1])
+        ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg.vocab_size), ids[:, 1:].reshape(-1))
+        return {"loss": ce.float().reshape(1)}
 elif arch == "gpt_neox":
     # Heads of 16, so that a quarter of each (4 dimensions) turns whole pairs.
     cfg = transformers.GPTNeoXConfig(**{k: v for k, v in common.items() if k not in ("num_key_value_heads", "rms_norm_eps")}
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2, gemma3_mm)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2, deepseek_v3, gemma3_mm)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
+if "post" in globals():
+    with torch.no_grad():
+        post(model)
 save_reference(model, cfg, out, noise, extra=globals().get("extra"), ids_below=globals().get("ids_below"))

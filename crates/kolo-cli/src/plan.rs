@@ -642,14 +642,14 @@ fn hf_model(dir: &std::path::Path, seq: Option<usize>) -> anyhow::Result<Gpt> {
             (m.tied, m.learned_positions) = (flag("tie_word_embeddings").unwrap_or(false), false);
         }
         _ if kolo::hf::FAMILY.contains(&kind) => {
-            let qwen_moe = matches!(kind, "qwen2_moe" | "qwen3_moe" | "deepseek_v2");
+            let qwen_moe = matches!(kind, "qwen2_moe" | "qwen3_moe" | "deepseek_v2" | "deepseek_v3");
             m.ffn = get(&["moe_intermediate_size"]).filter(|_| qwen_moe).map_or_else(|| need(&["intermediate_size"]), Ok)?;
             (m.gated, m.learned_positions, m.tied) = (true, false, flag("tie_word_embeddings").unwrap_or(false));
             if let Some(x) = get(&["num_local_experts", "num_experts", "n_routed_experts"]).filter(|_| qwen_moe || kind == "mixtral") {
                 (m.experts, m.top_k) = (x, get(&["num_experts_per_tok"]).unwrap_or(2));
                 // DeepSeek's shared experts: each of the routed width, every token through them
                 // (its latent attention is costed as plain multi-head attention).
-                if let Some(n) = get(&["n_shared_experts"]).filter(|n| kind == "deepseek_v2" && *n > 0) {
+                if let Some(n) = get(&["n_shared_experts"]).filter(|n| kind.starts_with("deepseek") && *n > 0) {
                     (m.experts, m.top_k) = (m.experts + n, m.top_k + n);
                 }
                 // Qwen2-MoE's shared expert: as many more experts of the routed width, which

@@ -301,7 +301,15 @@ mod moe {
             d_model: 16,
             n_head: 2,
             n_layer: 2,
-            moe: Some(MoeConfig { experts, top_k, renormalize: top_k > 1, capacity_factor, aux_weight: 0.01 }),
+            moe: Some(MoeConfig {
+                experts,
+                top_k,
+                renormalize: top_k > 1,
+                capacity_factor,
+                aux_weight: 0.01,
+                scoring: Default::default(),
+                groups: None,
+            }),
         }
     }
 
@@ -332,6 +340,43 @@ mod moe {
         assert_eq!(capacity(10, 4, 2, 1.0), 5);
         assert_eq!(capacity(1, 64, 1, 1.0), 1, "at least one slot");
         assert_eq!(capacity(0, 4, 1, 1.0), 0);
+    }
+
+    /// DeepSeek's group-limited routing: 6 experts in 3 groups of 2, one token, top 2 within
+    /// the best 2 groups; V2's rule scores a group by its best expert, V3's by the sum of its
+    /// two best (after the selection bias), and the bias changes the choice, not the scores.
+    #[test]
+    fn group_limited_routing_chooses_within_the_best_groups() {
+        use crate::models::moe::{route_within, ExpertGroups, MoeConfig, Scoring};
+        let g = |top_groups| ExpertGroups { groups: 3, top_groups };
+        // Groups {0, 1}, {2, 3}, {4, 5}: best experts 0.9, 0.5, 0.6; sums of two 0.9, 1.0, 1.05.
+        let scores = [0.9, 0.0, 0.5, 0.5, 0.6, 0.45];
+        let r = route_within(&scores, None, None, 1, 6, 2, 10);
+        assert_eq!(r.choices, vec![0, 4], "without groups: the two best");
+        let r = route_within(&scores, None, Some((g(1), false)), 1, 6, 2, 10);
+        assert_eq!(r.choices, vec![0, 1], "by best expert, the best group: group 0");
+        let r = route_within(&scores, None, Some((g(2), true)), 1, 6, 2, 10);
+        assert_eq!(r.choices, vec![4, 2], "by the sum of two, the best 2 groups: 2 and 1");
+        // A bias of +0.3 on expert 1 lifts group 0 (sum 1.2) above group 1: experts 0 and 4.
+        let bias = [0.0, 0.3, 0.0, 0.0, 0.0, 0.0];
+        let r = route_within(&scores, Some(&bias), Some((g(2), true)), 1, 6, 2, 10);
+        assert_eq!(r.choices, vec![0, 4]);
+        let cfg = |groups, top_groups, scoring| MoeConfig {
+            experts: 6,
+            top_k: 2,
+            renormalize: true,
+            capacity_factor: 1.0,
+            aux_weight: 0.0,
+            scoring,
+            groups: Some(ExpertGroups { groups, top_groups }),
+        };
+        assert!(cfg(3, 2, Scoring::Sigmoid).check().is_ok());
+        for (groups, top, scoring) in
+            [(4, 2, Scoring::Softmax), (6, 1, Scoring::Sigmoid), (3, 0, Scoring::Softmax), (6, 1, Scoring::Softmax)]
+        {
+            let e = cfg(groups, top, scoring).check().unwrap_err();
+            assert!(e.contains("the groups must split the experts evenly"), "{groups} groups, best {top}: {e}");
+        }
     }
 
     #[test]

@@ -978,6 +978,8 @@ impl Config {
                 renormalize: md.top_k > 1,
                 capacity_factor: md.capacity_factor,
                 aux_weight: md.aux_loss_weight,
+                scoring: Default::default(),
+                groups: None,
             }
             .check()
             .map_err(|e| format!("model: {e}"))?;
@@ -1207,6 +1209,8 @@ impl Config {
                     renormalize: m.top_k > 1,
                     capacity_factor: m.capacity_factor,
                     aux_weight: m.aux_loss_weight,
+                    scoring: Default::default(),
+                    groups: None,
                 }),
             }),
         }

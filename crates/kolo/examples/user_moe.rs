@@ -76,6 +76,8 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
         renormalize: top_k > 1,
         capacity_factor: arg("--capacity", &(experts as f64 / top_k as f64).to_string()).parse()?,
         aux_weight: arg("--aux", "0.01").parse()?,
+        scoring: Default::default(),
+        groups: None,
     };
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());

@@ -12,7 +12,7 @@
 //! # fn main() -> kolo::Result<()> {
 //! let dist = kolo::init()?;
 //! let ep = kolo::ep::ExpertParallel::new(dist.comm().clone()); // 8 experts over every rank
-//! let cfg = kolo::ep::MoeConfig { experts: 8, top_k: 2, renormalize: true, capacity_factor: 4.0, aux_weight: 0.01 };
+//! let cfg = kolo::ep::MoeConfig { experts: 8, top_k: 2, renormalize: true, capacity_factor: 4.0, aux_weight: 0.01, scoring: Default::default(), groups: None };
 //! let varmap = VarMap::new();
 //! let vb = VarBuilder::from_varmap(&varmap, candle_core::DType::F32, &dist.device());
 //! // Any module per expert; this rank builds only its own (`experts.{j}.` for j in its run).
@@ -31,7 +31,7 @@ use candle_core::{Module, Tensor};
 use candle_nn::VarBuilder;
 use kolo_base::Exchange;
 use kolo_comm::Communicator;
-pub use kolo_tensor::models::moe::{MoeConfig, MoeLoad, Routing};
+pub use kolo_tensor::models::moe::{ExpertGroups, MoeConfig, MoeLoad, Routing, Scoring};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
@@ -90,6 +90,9 @@ pub struct MoeForward {
 /// `block_sparse_moe` names with Mixtral's experts).
 pub struct MoeLayer<E> {
     gate: candle_nn::Linear,
+    /// [`Scoring::Sigmoid`]'s selection bias (`gate.e_score_correction_bias`): read, never
+    /// trained (its gradient is zero).
+    bias: Option<Tensor>,
     experts: Vec<E>,
     held: Range<usize>,
     cfg: MoeConfig,
@@ -114,8 +117,12 @@ impl<E: Module> MoeLayer<E> {
             None => 0..cfg.experts,
         };
         let gate = candle_nn::linear_no_bias(hidden, cfg.experts, vb.pp("gate"))?;
+        let bias = match cfg.scoring {
+            Scoring::Sigmoid => Some(vb.pp("gate").get_with_hints(cfg.experts, "e_score_correction_bias", candle_nn::Init::Const(0.0))?),
+            Scoring::Softmax => None,
+        };
         let experts = held.clone().map(|j| expert(vb.pp("experts").pp(j))).collect::<candle_core::Result<Vec<E>>>()?;
-        Ok(MoeLayer { gate, experts, held, cfg, ep: ep.cloned(), load: Mutex::new(MoeLoad::default()) })
+        Ok(MoeLayer { gate, bias, experts, held, cfg, ep: ep.cloned(), load: Mutex::new(MoeLoad::default()) })
     }
 
     /// The experts this rank holds (their indices in the whole layer).
@@ -157,9 +164,16 @@ impl<E: Module> MoeLayer<E> {
             Ok(self.experts[l].forward(rows)?)
         };
         let ex = self.ep.as_ref().map(|g| &g.ex);
-        let m = kolo_tensor::models::moe::moe_layer(&flat, self.gate.weight(), self.experts.len(), &expert, &self.cfg, ex)
+        let bias = self.bias.as_ref().map(|b| b.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()).transpose()?;
+        let m = kolo_tensor::models::moe::moe_layer(&flat, self.gate.weight(), bias.as_deref(), self.experts.len(), &expert, &self.cfg, ex)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let mut aux = m.aux;
+        if let Some(b) = &self.bias {
+            // The selection bias is a parameter of the VarMap (so that it loads and exports)
+            // but not trained: a gradient of zeros (candle skips a product with the constant 0).
+            let zero = Tensor::zeros((), b.dtype(), b.device())?;
+            aux = (&aux + b.sum_all()?.mul(&zero)?.to_dtype(aux.dtype())?)?;
+        }
         // An expert no token reached this time still takes part in the loss, with a gradient of
         // zeros (the trainer, as torch's DDP, wants every parameter's gradient each step): its
         // output on one row of zeros, times 0, joins the auxiliary loss.

@@ -626,6 +626,12 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
                 (2, format!("{gentle} --batch 4 --pp 2 --micro 2")),
             ],
         ),
+        // DeepSeek-V3: sigmoid routing within groups, a selection bias no gradient moves.
+        (
+            "deepseek-v3",
+            format!("{gentle} --batch 4"),
+            vec![(2, format!("{gentle} --batch 2 --ep 2")), (4, format!("{gentle} --batch 2 --ep 2 --tp 2"))],
+        ),
     ] {
         let src = kolo_testkit::files::hf_tiny(arch);
         let plain = dir.join(format!("{arch}-no-aux"));
@@ -634,7 +640,7 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
             std::fs::copy(f.path(), plain.join(f.file_name())).unwrap();
         }
         let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
-        assert!(cfg.contains("\"output_router_logits\": true") || arch == "deepseek-v2");
+        assert!(cfg.contains("\"output_router_logits\": true") || arch.starts_with("deepseek"));
         std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false"))
             .unwrap();
         let (one, _) = hf_model(&plain, 1, &one_args, &dir.join(format!("{arch}-one")));
@@ -643,6 +649,14 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
         let moved = one.iter().map(|(k, v)| worst_tensor(&[(k.clone(), v.clone())].into(), &[(k.clone(), start[k].clone())].into()).1);
         let moved = moved.fold(0f32, f32::max);
         assert!(moved > 1e-2, "{arch}: the parameters barely moved ({moved}): the comparison would prove nothing");
+        if arch == "deepseek-v3" {
+            // The selection bias is read, never trained: AdamW (with its weight decay) leaves it.
+            let (adam, _) = hf_model(&plain, 1, "--optim adamw --lr 0.01 --clip 1.0 --batch 4", &dir.join("deepseek-v3-adamw"));
+            for (k, v) in adam.iter().filter(|(k, _)| k.ends_with("e_score_correction_bias")) {
+                let d = worst_tensor(&[(k.clone(), v.clone())].into(), &[(k.clone(), start[k].clone())].into()).1;
+                assert_eq!(d, 0.0, "`{k}` moved by {d} under AdamW");
+            }
+        }
         for (n, args) in meshes {
             let (got, _) = hf_model(&plain, n, &args, &dir.join(format!("{arch}-n{n}")));
             let (k, d) = worst_tensor(&one, &got);

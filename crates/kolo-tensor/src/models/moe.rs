@@ -34,6 +34,32 @@ pub struct MoeConfig {
     pub capacity_factor: f64,
     /// Weight of the auxiliary load-balancing loss (0: none).
     pub aux_weight: f64,
+    /// How the gate scores the experts (softmax, or DeepSeek-V3's sigmoid).
+    pub scoring: Scoring,
+    /// DeepSeek's group-limited routing: the experts in `groups` equal consecutive groups, a
+    /// token's top k taken within its best `top_groups` groups only (`None`: among them all).
+    pub groups: Option<ExpertGroups>,
+}
+
+/// How a gate scores the experts and picks a token's top k.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Scoring {
+    /// A softmax over the experts; the top k by probability, which weighs each (Switch,
+    /// GShard, Mixtral, the Qwens, DeepSeek-V2). A group's score is its best expert's.
+    #[default]
+    Softmax,
+    /// DeepSeek-V3's: a sigmoid per expert; the top k by sigmoid plus a per-expert selection
+    /// bias (its `e_score_correction_bias`, which gradients do not train), weighted by the
+    /// sigmoids themselves. A group's score is the sum of its best two (biased) scores.
+    Sigmoid,
+}
+
+/// Group-limited routing ([`MoeConfig::groups`]): `n_group` and `topk_group` in DeepSeek's
+/// configs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExpertGroups {
+    pub groups: usize,
+    pub top_groups: usize,
 }
 
 impl MoeConfig {
@@ -47,6 +73,16 @@ impl MoeConfig {
                 "mixture of experts: experts must be at least 1, top_k from 1 to experts, capacity_factor > 0, aux_loss_weight >= 0 (got experts {}, top_k {}, capacity_factor {}, aux_loss_weight {})",
                 self.experts, self.top_k, self.capacity_factor, self.aux_weight
             ));
+        }
+        if let Some(g) = self.groups {
+            let per = if g.groups > 0 && self.experts.is_multiple_of(g.groups) { self.experts / g.groups } else { 0 };
+            let least = if self.scoring == Scoring::Sigmoid { 2 } else { 1 };
+            if per < least || g.top_groups == 0 || g.top_groups > g.groups || g.top_groups * per < self.top_k {
+                return Err(format!(
+                    "mixture of experts: {} experts in {} groups, the best {} of them, top {}: the groups must split the experts evenly (at least {least} each), and the chosen groups hold at least top_k experts",
+                    self.experts, g.groups, g.top_groups, self.top_k
+                ));
+            }
         }
         Ok(())
     }
@@ -77,12 +113,52 @@ pub struct Routing {
 /// top-`k` experts (ties to the lower index), first choices of every token placed before any
 /// second choice, each expert taking at most `cap` tokens.
 pub fn route(probs: &[f32], n: usize, e: usize, k: usize, cap: usize) -> Routing {
+    route_within(probs, None, None, n, e, k, cap)
+}
+
+/// [`route`] choosing by `scores` plus a per-expert selection `bias` (DeepSeek-V3's), and with
+/// `groups` only among the experts of each token's best groups (a group scored by its best
+/// score, or with `groups.1` by the sum of its best two: DeepSeek-V2's and V3's rules).
+pub fn route_within(
+    scores: &[f32],
+    bias: Option<&[f32]>,
+    groups: Option<(ExpertGroups, bool)>,
+    n: usize,
+    e: usize,
+    k: usize,
+    cap: usize,
+) -> Routing {
     let mut choices = Vec::with_capacity(n * k);
     for t in 0..n {
-        let row = &probs[t * e..(t + 1) * e];
-        let mut order: Vec<usize> = (0..e).collect();
-        order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-        choices.extend_from_slice(&order[..k.min(e)]);
+        let mut row = scores[t * e..(t + 1) * e].to_vec();
+        if let Some(b) = bias {
+            row.iter_mut().zip(b).for_each(|(s, b)| *s += b);
+        }
+        let best = |idx: &mut Vec<usize>, row: &[f32]| idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+        let mut allowed = vec![true; e];
+        if let Some((g, top_two)) = groups {
+            let per = e / g.groups.max(1);
+            let group_score: Vec<f32> = (0..g.groups)
+                .map(|j| {
+                    let mut v: Vec<f32> = row[j * per..(j + 1) * per].to_vec();
+                    v.sort_by(|a, b| b.total_cmp(a));
+                    if top_two {
+                        v.iter().take(2).sum()
+                    } else {
+                        v[0]
+                    }
+                })
+                .collect();
+            let mut order: Vec<usize> = (0..g.groups).collect();
+            best(&mut order, &group_score);
+            allowed = vec![false; e];
+            for &j in &order[..g.top_groups.min(g.groups)] {
+                allowed[j * per..(j + 1) * per].iter_mut().for_each(|a| *a = true);
+            }
+        }
+        let mut order: Vec<usize> = (0..e).filter(|&x| allowed[x]).collect();
+        best(&mut order, &row);
+        choices.extend_from_slice(&order[..k.min(order.len())]);
     }
     let k = k.min(e);
     let mut per_expert: Vec<Vec<usize>> = vec![Vec::new(); e];
@@ -218,13 +294,13 @@ pub(crate) fn moe_forward(
         let h = crate::fused::gelu_erf(&crate::ops::linear(x, &ps[0], &ps[1])?)?;
         crate::ops::linear(&h, &ps[2], &ps[3])
     };
-    let m = moe_layer(&hdn.reshape((b * t, c))?, gate, local.len(), &expert, cfg, ex)?;
+    let m = moe_layer(&hdn.reshape((b * t, c))?, gate, None, local.len(), &expert, cfg, ex)?;
     Ok((m.out.reshape((b, t, c))?, m.aux, m.routing))
 }
 
 /// One mixture-of-experts layer on the tokens `x` (n, c), the routing group of this rank:
-/// `gate` (experts, c) scores them (softmax), each token goes to its top-k experts within their
-/// capacity ([`route`]), `local` experts live on this rank (the whole layer's experts dealt out
+/// `gate` (experts, c) scores them ([`MoeConfig::scoring`]; with `bias` added for the choice
+/// only), each token goes to its top-k experts within their capacity ([`route_within`]), `local` experts live on this rank (the whole layer's experts dealt out
 /// in equal consecutive runs over the exchange's members; all of them without one) and
 /// `expert(l, rows)` applies this rank's `l`-th expert to the rows sent to it (from every member,
 /// through a differentiable all-to-all), and the outputs come back weighted by the gate.
@@ -233,6 +309,7 @@ pub(crate) fn moe_forward(
 pub fn moe_layer(
     x: &Tensor,
     gate: &Tensor,
+    bias: Option<&[f32]>,
     local: usize,
     expert: &dyn Fn(usize, &Tensor) -> Result<Tensor>,
     cfg: &MoeConfig,
@@ -244,10 +321,15 @@ pub fn moe_layer(
     let device = x.device().clone();
     // The gate's probabilities in f32 whatever the tokens' dtype (as Mixtral's router in
     // `transformers`); the combine weights are rounded to the tokens' dtype.
-    let probs = crate::ops::softmax_last(&x.matmul(&gate.t()?)?.to_dtype(DType::F32)?)?;
+    let logits = x.matmul(&gate.t()?)?.to_dtype(DType::F32)?;
+    let probs = match cfg.scoring {
+        Scoring::Softmax => crate::ops::softmax_last(&logits)?,
+        Scoring::Sigmoid => (logits.neg()?.exp()? + 1.0)?.recip()?,
+    };
     let flat_probs = probs.flatten_all()?;
     let pv = flat_probs.to_vec1::<f32>()?;
-    let routing = route(&pv, n, e, k, capacity(n, e, k, cfg.capacity_factor));
+    let groups = cfg.groups.map(|g| (g, cfg.scoring == Scoring::Sigmoid));
+    let routing = route_within(&pv, bias, groups, n, e, k, capacity(n, e, k, cfg.capacity_factor));
     let tokens = u32s(routing.kept.iter().map(|&(tok, _)| tok), &device)?;
     // Combine weights: the gate probability of each kept assignment (renormalised: divided by
     // the sum over the token's top-k).
@@ -257,6 +339,8 @@ pub fn moe_layer(
             .index_select(&u32s(routing.choices.iter().enumerate().map(|(i, &x)| (i / k) * e + x), &device)?, 0)?
             .reshape((n, k))?
             .sum(1)?;
+        // DeepSeek-V3 adds 1e-20 to the sum of its sigmoids (a softmax's top k is never 0).
+        let top = if cfg.scoring == Scoring::Sigmoid { (top + 1e-20)? } else { top };
         w = (w / top.index_select(&tokens, 0)?)?;
     }
     let dispatched = x.index_select(&tokens, 0)?;

@@ -19,7 +19,15 @@ fn expert_parallel_gradients_match_one_process() {
             d_model: 16,
             n_head: 2,
             n_layer: 2,
-            moe: Some(MoeConfig { experts: 4, top_k: k, renormalize: k > 1, capacity_factor: cf, aux_weight: 0.01 }),
+            moe: Some(MoeConfig {
+                experts: 4,
+                top_k: k,
+                renormalize: k > 1,
+                capacity_factor: cf,
+                aux_weight: 0.01,
+                scoring: Default::default(),
+                groups: None,
+            }),
         };
         let shard = |r: usize| -> Batch {
             let mut g = Rng::new(100 + r as u64);

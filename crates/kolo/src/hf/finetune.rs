@@ -66,7 +66,7 @@ pub struct FineTuneConfig {
     pub model: HfModel,
     /// The token windows and the held-out split.
     pub data: HfData,
-    /// `tp`, `pp`, `sp`, `ep` (a model with experts: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2; with tp, pp and sp too) and `dp`
+    /// `tp`, `pp`, `sp`, `ep` (a model with experts: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3; with tp, pp and sp too) and `dp`
     /// (else the rest of the world).
     pub mesh: Option<MeshConfig>,
     /// Micro-batches and schedule (`gpipe` or `1f1b`) when `mesh.pp` > 1.
@@ -252,7 +252,7 @@ impl FineTune {
             return Err(Error::setting(
                 "mesh.ep",
                 format!(
-                    "expert parallelism over {ep} ranks is for models with experts (mixtral, qwen2_moe, qwen3_moe, deepseek_v2); {} has none",
+                    "expert parallelism over {ep} ranks is for models with experts (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3); {} has none",
                     cfg.model.hf.display()
                 ),
             ));

@@ -7,8 +7,21 @@ use candle_nn::{embedding, Embedding, VarBuilder, VarMap};
 use std::path::Path;
 
 /// The `model_type`s built by [`Llama`].
-pub const FAMILY: &[&str] =
-    &["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3", "deepseek_v2"];
+pub const FAMILY: &[&str] = &[
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "deepseek_v2",
+    "deepseek_v3",
+];
 
 /// `config.json` of a Llama-style model (`LlamaForCausalLM`): RMSNorm, rotary position
 /// embeddings, a SwiGLU MLP and grouped-query attention.
@@ -136,7 +149,7 @@ impl LlamaConfig {
             "qwen2" => (true, false, false),
             "qwen2_moe" => (self.other.get("qkv_bias").and_then(serde_json::Value::as_bool).unwrap_or(true), false, false),
             // DeepSeek: attention_bias on q_a_proj, kv_a_proj_with_mqa and o_proj.
-            "deepseek_v2" => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
+            "deepseek_v2" | "deepseek_v3" => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
             "mistral" | "mixtral" | "phi3" => (false, false, false),
             "gemma" | "gemma2" | "gemma3_text" => (flag("attention_bias"), flag("attention_bias"), false),
             _ => (flag("attention_bias"), flag("attention_bias"), flag("mlp_bias")),
@@ -199,9 +212,10 @@ impl LlamaConfig {
         1.0 / s.sqrt()
     }
 
-    /// DeepSeek's multi-head latent attention (`deepseek_v2`): its ranks and head widths.
+    /// DeepSeek's multi-head latent attention (`deepseek_v2`, `deepseek_v3`): its ranks and
+    /// head widths.
     pub fn mla(&self) -> Option<MlaDims> {
-        if self.model_type() != "deepseek_v2" {
+        if !self.deepseek() {
             return None;
         }
         let count = |k: &str, default: usize| self.other.get(k).and_then(serde_json::Value::as_u64).map_or(default, |v| v as usize);
@@ -211,7 +225,14 @@ impl LlamaConfig {
             nope: count("qk_nope_head_dim", 128),
             rope: count("qk_rope_head_dim", 64),
             v: count("v_head_dim", 128),
+            // V2 rotates interleaved pairs; V3 as `rope_interleave` says (its default).
+            interleaved: self.model_type() == "deepseek_v2" || self.other.get("rope_interleave").and_then(|v| v.as_bool()).unwrap_or(true),
         })
+    }
+
+    /// DeepSeek-V2 or V3.
+    fn deepseek(&self) -> bool {
+        matches!(self.model_type(), "deepseek_v2" | "deepseek_v3")
     }
 
     /// Gemma 2's soft caps: attention scores and logits become `cap x tanh(x / cap)`.
@@ -467,6 +488,9 @@ impl LlamaConfig {
             "n_group",
             "topk_group",
             "first_k_dense_replace",
+            "rope_interleave",
+            "num_mtp_layers",
+            "num_nextn_predict_layers",
             "norm_topk_prob",
             "decoder_sparse_step",
             "mlp_only_layers",
@@ -499,14 +523,28 @@ impl LlamaConfig {
                 count("num_experts_per_tok").unwrap_or(6),
                 get("norm_topk_prob").and_then(serde_json::Value::as_bool).unwrap_or(false),
             ),
+            "deepseek_v3" => (
+                count("n_routed_experts").unwrap_or(256),
+                count("num_experts_per_tok").unwrap_or(8),
+                get("norm_topk_prob").and_then(serde_json::Value::as_bool).unwrap_or(true),
+            ),
             _ => return None,
+        };
+        // DeepSeek-V3: sigmoid scores chosen with a selection bias within the best topk_group of
+        // n_group groups.
+        let (scoring, groups) = match self.model_type() {
+            "deepseek_v3" => {
+                let g = crate::ep::ExpertGroups { groups: count("n_group").unwrap_or(8), top_groups: count("topk_group").unwrap_or(4) };
+                (crate::ep::Scoring::Sigmoid, Some(g))
+            }
+            _ => (crate::ep::Scoring::Softmax, None),
         };
         let coef = get("router_aux_loss_coef").and_then(serde_json::Value::as_f64).unwrap_or(0.001);
         // transformers adds no load-balancing loss to DeepSeek-V2's.
-        let on = get("output_router_logits").and_then(serde_json::Value::as_bool).unwrap_or(false) && self.model_type() != "deepseek_v2";
+        let on = get("output_router_logits").and_then(serde_json::Value::as_bool).unwrap_or(false) && !self.deepseek();
         // A capacity of experts / top_k times the fair share is every token: nothing dropped.
         let capacity_factor = experts as f64 / top_k.max(1) as f64;
-        let routing = crate::ep::MoeConfig { experts, top_k, renormalize, capacity_factor, aux_weight: 0.0 };
+        let routing = crate::ep::MoeConfig { experts, top_k, renormalize, capacity_factor, aux_weight: 0.0, scoring, groups };
         Some((routing, if on { coef } else { 0.0 }))
     }
 
@@ -516,7 +554,7 @@ impl LlamaConfig {
         let get = |k: &str| self.other.get(k).filter(|v| !v.is_null());
         match self.model_type() {
             "mixtral" => true,
-            "deepseek_v2" => {
+            "deepseek_v2" | "deepseek_v3" => {
                 let dense = get("first_k_dense_replace").and_then(serde_json::Value::as_u64).unwrap_or(0) as usize;
                 self.experts().is_some_and(|(m, _)| m.experts > 0) && i >= dense
             }
@@ -534,7 +572,7 @@ impl LlamaConfig {
     /// `intermediate_size` wide).
     fn expert_width(&self) -> usize {
         match self.model_type() {
-            "qwen2_moe" | "qwen3_moe" | "deepseek_v2" => {
+            "qwen2_moe" | "qwen3_moe" | "deepseek_v2" | "deepseek_v3" => {
                 self.other.get("moe_intermediate_size").and_then(serde_json::Value::as_u64).map_or(self.intermediate_size, |w| w as usize)
             }
             _ => self.intermediate_size,
@@ -549,6 +587,7 @@ impl LlamaConfig {
         match self.model_type() {
             "qwen2_moe" => Some(get("shared_expert_intermediate_size").unwrap_or(5632)),
             "deepseek_v2" => Some(get("n_shared_experts").unwrap_or(2) * self.expert_width()),
+            "deepseek_v3" => Some(get("n_shared_experts").unwrap_or(1) * self.expert_width()),
             _ => None,
         }
         .filter(|w| *w > 0)
@@ -558,7 +597,7 @@ impl LlamaConfig {
     /// and whether a per-token gate weighs it (Qwen2-MoE's `mlp.shared_expert_gate`).
     fn shared_expert_names(&self) -> (&'static str, bool) {
         match self.model_type() {
-            "deepseek_v2" => ("shared_experts", false),
+            "deepseek_v2" | "deepseek_v3" => ("shared_experts", false),
             _ => ("shared_expert", true),
         }
     }
@@ -568,6 +607,7 @@ impl LlamaConfig {
     fn routed_scale(&self) -> f64 {
         match self.model_type() {
             "deepseek_v2" => self.other.get("routed_scaling_factor").and_then(serde_json::Value::as_f64).unwrap_or(1.0),
+            "deepseek_v3" => self.other.get("routed_scaling_factor").and_then(serde_json::Value::as_f64).unwrap_or(2.5),
             _ => 1.0,
         }
     }
@@ -587,10 +627,13 @@ impl LlamaConfig {
         if m.top_k == 0 || m.top_k > m.experts {
             return Err(format!("num_experts_per_tok {} of {} experts: it must be from 1 to the experts", m.top_k, m.experts));
         }
+        if let Some(g) = m.groups {
+            m.check().map_err(|e| format!("n_group {} and topk_group {}: {e}", g.groups, g.top_groups))?;
+        }
         if !(coef.is_finite() && coef >= 0.0) {
             return Err(format!("router_aux_loss_coef {coef} is not a number >= 0"));
         }
-        if let Some(method) = self.other.get("topk_method").and_then(|v| v.as_str()).filter(|m| *m != "greedy") {
+        if let Some(method) = self.other.get("topk_method").and_then(|v| v.as_str()).filter(|m| *m != "greedy" && *m != "noaux_tc") {
             return Err(format!("topk_method \"{method}\" (routing within groups of experts) is not supported (greedy)"));
         }
         let jitter = self.other.get("router_jitter_noise").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
@@ -669,6 +712,9 @@ pub struct MlaDims {
     pub rope: usize,
     /// Per head: value dimensions (`v_head_dim`).
     pub v: usize,
+    /// Whether the rotated dimensions turn as interleaved pairs (DeepSeek's complex layout), or
+    /// as the first half with the second (`rotate_half`).
+    pub interleaved: bool,
 }
 
 /// A rotary embedding's frequencies ([`LlamaConfig::rope`]).
@@ -825,12 +871,16 @@ impl Mla {
             None => self.q.forward(a)?,
         };
         let q = q.reshape((b, t, h, nope + rope))?.transpose(1, 2)?;
-        let q_pe = candle_nn::rotary_emb::rope_i(&q.narrow(3, nope, rope)?.contiguous()?, cos, sin)?;
+        let turn = |x: &Tensor| match self.dims.interleaved {
+            true => candle_nn::rotary_emb::rope_i(x, cos, sin),
+            false => candle_nn::rotary_emb::rope(x, cos, sin),
+        };
+        let q_pe = turn(&q.narrow(3, nope, rope)?.contiguous()?)?;
         let q = Tensor::cat(&[&q.narrow(3, 0, nope)?, &q_pe], 3)?.contiguous()?;
         let latent = self.kv_a.forward(a)?;
         let k_pe = crate::tp::copy_to_group(&latent.narrow(2, kv_rank, rope)?, self.tp.as_ref())?;
         let k_pe = k_pe.reshape((b, 1, t, rope))?.contiguous()?;
-        let k_pe = candle_nn::rotary_emb::rope_i(&k_pe, cos, sin)?.expand((b, h, t, rope))?;
+        let k_pe = turn(&k_pe)?.expand((b, h, t, rope))?;
         let kv = self.kv_b.forward(&self.kv_norm.forward(&latent.narrow(2, 0, kv_rank)?)?)?;
         let kv = kv.reshape((b, t, h, nope + v))?.transpose(1, 2)?;
         let k = Tensor::cat(&[&kv.narrow(3, 0, nope)?, &k_pe], 3)?.contiguous()?;

@@ -7,7 +7,7 @@
 //! [`Trainer`](crate::Trainer) like any user model: [`Gpt2`] (`gpt2`), [`GptNeox`]
 //! (`gpt_neox`) and [`Llama`] for the Llama family ([`FAMILY`]: `llama` with Llama 3's, YaRN and
 //! LongRoPE rotary scaling, `mistral`, `mixtral` (its experts through [`crate::ep::MoeLayer`]),
-//! `qwen2`, `qwen2_moe` (with its shared expert), `qwen3`, `qwen3_moe`, `deepseek_v2` (latent attention), `gemma`, `gemma2`, `gemma3_text`, `phi3`), which also splits over a [`crate::Mesh`].
+//! `qwen2`, `qwen2_moe` (with its shared expert), `qwen3`, `qwen3_moe`, `deepseek_v2`, `deepseek_v3` (latent attention), `gemma`, `gemma2`, `gemma3_text`, `phi3`), which also splits over a [`crate::Mesh`].
 //! [`load_causal_lm`] picks one by `config.json`'s `model_type`, refusing by name what changes
 //! the arithmetic and is not implemented; [`save_pretrained_with`] writes whole, shaped tensors
 //! under those names back out, with the `format = pt` metadata `transformers` requires.
@@ -66,7 +66,7 @@ use std::path::Path;
 pub enum CausalLm {
     /// `gpt2`.
     Gpt2(Gpt2),
-    /// `llama`, `mistral`, `mixtral`, `qwen2`, `qwen2_moe`, `qwen3`, `qwen3_moe`, `deepseek_v2`, `gemma`, `gemma2`, `gemma3_text`, `phi3` ([`FAMILY`]).
+    /// `llama`, `mistral`, `mixtral`, `qwen2`, `qwen2_moe`, `qwen3`, `qwen3_moe`, `deepseek_v2`, `deepseek_v3`, `gemma`, `gemma2`, `gemma3_text`, `phi3` ([`FAMILY`]).
     Llama(Llama),
     /// `gpt_neox`.
     GptNeox(GptNeox),

@@ -35,7 +35,7 @@ fn swiglu(vb: VarBuilder) -> candle_core::Result<SwiGlu> {
 
 fn cfg() -> MoeConfig {
     // Capacity ceil(1.0 x 7 x 2 / 6) = 3 per expert: some assignments are dropped.
-    MoeConfig { experts: 6, top_k: 2, renormalize: true, capacity_factor: 1.0, aux_weight: 0.01 }
+    MoeConfig { experts: 6, top_k: 2, renormalize: true, capacity_factor: 1.0, aux_weight: 0.01, scoring: Default::default(), groups: None }
 }
 
 /// Every variable of `varmap` set to deterministic values drawn by its name.
@@ -154,7 +154,15 @@ fn experts_that_do_not_split_are_named() {
 #[test]
 fn experts_no_token_reached_get_zero_gradients() {
     let vars = VarMap::new();
-    let cfg = MoeConfig { experts: 6, top_k: 1, renormalize: false, capacity_factor: 6.0, aux_weight: 0.0 };
+    let cfg = MoeConfig {
+        experts: 6,
+        top_k: 1,
+        renormalize: false,
+        capacity_factor: 6.0,
+        aux_weight: 0.0,
+        scoring: Default::default(),
+        groups: None,
+    };
     let layer = MoeLayer::new(HIDDEN, cfg, VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu), None, swiglu).unwrap();
     fill(&vars);
     let x = input(0).0.as_tensor().narrow(1, 0, 2).unwrap();

@@ -360,6 +360,8 @@ fn architectures_load_with_transformers_logits_and_train() {
         // DeepSeek-V2: the routed experts' sum times 2.5; the scores times YaRN's mscale^2.
         ("deepseek-v2", vec![("\"routed_scaling_factor\": 2.5", "\"routed_scaling_factor\": 1.0")]),
         ("deepseek-v2", vec![("\"mscale_all_dim\": 0.707", "\"mscale_all_dim\": 0.0")]),
+        // DeepSeek-V3: routing within the best 2 of 4 groups (with 1 group, among all 8).
+        ("deepseek-v3", vec![("\"n_group\": 4", "\"n_group\": 1"), ("\"topk_group\": 2", "\"topk_group\": 1")]),
     ] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let (ids, want) = reference(&dir);
@@ -474,7 +476,7 @@ fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
     // Over 2 tensor-parallel ranks (each expert's width split, every rank routing the same
     // tokens; Qwen2-MoE's shared expert split as a dense MLP, its gate whole; DeepSeek's latent
     // attention by heads, the latent's projections whole): the same logits and loss on each.
-    for arch in ["mixtral", "qwen2-moe", "deepseek-v2"] {
+    for arch in ["mixtral", "qwen2-moe", "deepseek-v2", "deepseek-v3"] {
         let dir = kolo_testkit::files::hf_tiny(arch);
         let r = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
         let want_loss = scalar(&r["loss"]) as f32;
@@ -712,7 +714,7 @@ fn llama_family_options_not_implemented_are_refused() {
     let e = load(&cfg.replace("\"model_type\": \"llama\"", "\"model_type\": \"gemma3n\""));
     assert!(
         e.contains(
-            "model_type \"gemma3n\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3, deepseek_v2, gemma3)"
+            "model_type \"gemma3n\" is not supported (gpt2, gpt_neox, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, gemma, gemma2, gemma3_text, phi3, deepseek_v2, deepseek_v3, gemma3)"
         ),
         "{e}"
     );
@@ -728,6 +730,11 @@ fn llama_family_options_not_implemented_are_refused() {
         e.contains("config.json") && e.contains("topk_method \"group_limited_greedy\" (routing within groups of experts) is not supported"),
         "{e}"
     );
+    // DeepSeek-V3's groups must split its 8 experts evenly, two or more each.
+    let d = std::fs::read_to_string(kolo_testkit::files::hf_tiny("deepseek-v3").join("config.json")).unwrap();
+    std::fs::copy(kolo_testkit::files::hf_tiny("deepseek-v3").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+    let e = load(&d.replace("\"n_group\": 4", "\"n_group\": 3"));
+    assert!(e.contains("config.json") && e.contains("n_group 3 and topk_group 2: mixture of experts: 8 experts in 3 groups"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
