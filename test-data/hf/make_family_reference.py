@@ -3,7 +3,7 @@ test-data/hf/{qwen2,mistral,llama3}-tiny.
 
     python test-data/hf/make_family_reference.py ARCH [OUT_DIR] [0.5b]
     (ARCH: qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, gemma3_mm, phi3, gpt_neox, llama_yarn,
-    phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2, deepseek_v3)
+    phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2, deepseek_v2_groups, deepseek_v3)
 
 Each is a tiny model of the architecture, built offline by `transformers` from a fixed seed with
 noise (std 0.3) added to every parameter so that every layer matters to the logits, saved with
@@ -180,7 +180,7 @@ elif arch == "qwen2_moe":
                                       output_router_logits=True, router_aux_loss_coef=0.05)
     model = transformers.Qwen2MoeForCausalLM
     extra = moe_loss
-elif arch == "deepseek_v2":
+elif arch in ("deepseek_v2", "deepseek_v2_groups"):
     # DeepSeek-V2 (V2-Lite's layout): multi-head latent attention (queries through a rank-24
     # LoRA q_a_proj / q_a_layernorm / q_b_proj, keys and values through the rank-16 latent of
     # kv_a_proj_with_mqa, its norm and kv_b_proj; heads of 8 unrotated + 4 rotated query/key
@@ -192,8 +192,11 @@ elif arch == "deepseek_v2":
     cfg = transformers.DeepseekV2Config(**common | {"num_hidden_layers": 3, "num_key_value_heads": 4}, tie_word_embeddings=False,
                                         q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                                         n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=12,
-                                        first_k_dense_replace=1, routed_scaling_factor=2.5, topk_method="greedy",
-                                        norm_topk_prob=False,
+                                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=False,
+                                        # deepseek_v2_groups: the 236B model's routing, each token's
+                                        # top 3 within the 2 of 4 groups holding its best experts.
+                                        **({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}
+                                           if arch == "deepseek_v2_groups" else {"topk_method": "greedy"}),
                                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                          "original_max_position_embeddings": 16, "mscale": 0.707,
                                                          "mscale_all_dim": 0.707})
@@ -235,7 +238,7 @@ elif arch == "gpt_neox":
                                      | {"hidden_size": 64}, tie_word_embeddings=False, use_parallel_residual=True)
     model = transformers.GPTNeoXForCausalLM
 else:
-    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2, deepseek_v3, gemma3_mm)")
+    sys.exit(f"unknown architecture {arch} (qwen2, qwen3, mistral, llama3, gemma, gemma2, gemma3, phi3, gpt_neox, llama_yarn, phi3_longrope, mixtral, qwen3_moe, qwen2_moe, deepseek_v2, deepseek_v2_groups, deepseek_v3, gemma3_mm)")
 cfg._attn_implementation = "eager"
 model = model(cfg).eval()
 if "post" in globals():

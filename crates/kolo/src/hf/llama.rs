@@ -532,11 +532,14 @@ impl LlamaConfig {
         };
         // DeepSeek-V3: sigmoid scores chosen with a selection bias within the best topk_group of
         // n_group groups.
-        let (scoring, groups) = match self.model_type() {
-            "deepseek_v3" => {
-                let g = crate::ep::ExpertGroups { groups: count("n_group").unwrap_or(8), top_groups: count("topk_group").unwrap_or(4) };
-                (crate::ep::Scoring::Sigmoid, Some(g))
-            }
+        // DeepSeek-V2's group_limited_greedy: softmax scores within the best groups.
+        let grouped = |groups, top| crate::ep::ExpertGroups {
+            groups: count("n_group").unwrap_or(groups),
+            top_groups: count("topk_group").unwrap_or(top),
+        };
+        let (scoring, groups) = match (self.model_type(), get("topk_method").and_then(|m| m.as_str())) {
+            ("deepseek_v3", _) => (crate::ep::Scoring::Sigmoid, Some(grouped(8, 4))),
+            ("deepseek_v2", Some("group_limited_greedy")) => (crate::ep::Scoring::Softmax, Some(grouped(8, 3))),
             _ => (crate::ep::Scoring::Softmax, None),
         };
         let coef = get("router_aux_loss_coef").and_then(serde_json::Value::as_f64).unwrap_or(0.001);
@@ -633,8 +636,9 @@ impl LlamaConfig {
         if !(coef.is_finite() && coef >= 0.0) {
             return Err(format!("router_aux_loss_coef {coef} is not a number >= 0"));
         }
-        if let Some(method) = self.other.get("topk_method").and_then(|v| v.as_str()).filter(|m| *m != "greedy" && *m != "noaux_tc") {
-            return Err(format!("topk_method \"{method}\" (routing within groups of experts) is not supported (greedy)"));
+        let methods: &[&str] = if self.model_type() == "deepseek_v3" { &["noaux_tc"] } else { &["greedy", "group_limited_greedy"] };
+        if let Some(method) = self.other.get("topk_method").and_then(|v| v.as_str()).filter(|m| !methods.contains(m)) {
+            return Err(format!("topk_method \"{method}\" is not {}'s ({})", self.model_type(), methods.join(", ")));
         }
         let jitter = self.other.get("router_jitter_noise").and_then(serde_json::Value::as_f64).unwrap_or(0.0);
         if jitter != 0.0 {

@@ -360,6 +360,8 @@ fn architectures_load_with_transformers_logits_and_train() {
         // DeepSeek-V2: the routed experts' sum times 2.5; the scores times YaRN's mscale^2.
         ("deepseek-v2", vec![("\"routed_scaling_factor\": 2.5", "\"routed_scaling_factor\": 1.0")]),
         ("deepseek-v2", vec![("\"mscale_all_dim\": 0.707", "\"mscale_all_dim\": 0.0")]),
+        // DeepSeek-V2's group_limited_greedy (the 236B model's): within the best 2 of 4 groups.
+        ("deepseek-v2-groups", vec![("\"group_limited_greedy\"", "\"greedy\"")]),
         // DeepSeek-V3: routing within the best 2 of 4 groups (with 1 group, among all 8).
         ("deepseek-v3", vec![("\"n_group\": 4", "\"n_group\": 1"), ("\"topk_group\": 2", "\"topk_group\": 1")]),
     ] {
@@ -722,14 +724,11 @@ fn llama_family_options_not_implemented_are_refused() {
     std::fs::copy(kolo_testkit::files::hf_tiny("qwen2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
     let e = load(&q.replace("\"sliding_attention\"", "\"chunked_attention\""));
     assert!(e.contains("unsupported layer type \"chunked_attention\""), "{e}");
-    // DeepSeek-V2's routing within groups of experts (the 236B model's).
+    // A routing method that is not DeepSeek-V2's (V3's).
     let d = std::fs::read_to_string(kolo_testkit::files::hf_tiny("deepseek-v2").join("config.json")).unwrap();
     std::fs::copy(kolo_testkit::files::hf_tiny("deepseek-v2").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
-    let e = load(&d.replace("\"greedy\"", "\"group_limited_greedy\""));
-    assert!(
-        e.contains("config.json") && e.contains("topk_method \"group_limited_greedy\" (routing within groups of experts) is not supported"),
-        "{e}"
-    );
+    let e = load(&d.replace("\"greedy\"", "\"noaux_tc\""));
+    assert!(e.contains("config.json") && e.contains("topk_method \"noaux_tc\" is not deepseek_v2's (greedy, group_limited_greedy)"), "{e}");
     // DeepSeek-V3's groups must split its 8 experts evenly, two or more each.
     let d = std::fs::read_to_string(kolo_testkit::files::hf_tiny("deepseek-v3").join("config.json")).unwrap();
     std::fs::copy(kolo_testkit::files::hf_tiny("deepseek-v3").join("model.safetensors"), dir.join("model.safetensors")).unwrap();
