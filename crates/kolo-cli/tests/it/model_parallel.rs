@@ -624,6 +624,9 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
                 (2, format!("{gentle} --batch 2 --ep 2")),
                 (4, format!("{gentle} --batch 2 --ep 2 --tp 2")),
                 (2, format!("{gentle} --batch 4 --pp 2 --micro 2")),
+                // Ring attention: the values padded to the queries' width, the scores scaled
+                // by YaRN's mscale^2 (through the queries).
+                (2, format!("{gentle} --batch 4 --sp 2")),
             ],
         ),
         // DeepSeek-V3: sigmoid routing within groups, a selection bias no gradient moves.

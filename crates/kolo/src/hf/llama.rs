@@ -793,6 +793,15 @@ pub(super) fn rotate(x: Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Resu
     Tensor::cat(&[&turned, &x.narrow(3, r, hd - r)?], 3)
 }
 
+/// [`crate::sp::ring_attention`] (which scales the scores by 1 / sqrt(head_dim)) with the scores
+/// scaled by `scale` instead: the queries multiplied by `scale x sqrt(head_dim)` first (Gemma's
+/// `query_pre_attn_scalar`, DeepSeek's mscale).
+fn ring_attention_scaled(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, sp: &crate::sp::SequenceParallel) -> candle_core::Result<Tensor> {
+    let by = scale * (q.dim(3)? as f64).sqrt();
+    let q = if (by - 1.0).abs() > 1e-12 { (q * by)? } else { q.clone() };
+    crate::sp::ring_attention(&q, k, v, sp)
+}
+
 /// Scaled dot-product attention of `q` over `k` and `v` (batch, heads, seq, head_dim) with the
 /// additive `mask` (seq, seq).
 pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
@@ -1034,8 +1043,25 @@ impl LlamaBlock {
         let heads = |y: Tensor, n: usize| y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
         if let Qkv::Mla(mla) = &self.qkv {
             let (q, k, v) = mla.qkv(&a, h, cos, sin)?;
-            let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
-            let y = attend_scaled(&q, &k, &v, mask, cfg.attention_scale(), None)?;
+            let y = match sp {
+                // Ring attention takes one head width: the values padded with zeros to the
+                // queries' (their weighted sums padded alike), the padding cut off after.
+                Some(sp) => {
+                    let (qk, vd) = (q.dim(3)?, v.dim(3)?);
+                    let padded = match qk.checked_sub(vd) {
+                        Some(0) => v.clone(),
+                        Some(more) => Tensor::cat(&[&v, &Tensor::zeros((b, h, t, more), v.dtype(), v.device())?], 3)?,
+                        None => {
+                            candle_core::bail!("latent attention over sequence-parallel ranks: values of {vd} wider than the queries' {qk}")
+                        }
+                    };
+                    ring_attention_scaled(&q, &k, &padded, cfg.attention_scale(), sp)?.narrow(3, 0, vd)?
+                }
+                None => {
+                    let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
+                    attend_scaled(&q, &k, &v, mask, cfg.attention_scale(), None)?
+                }
+            };
             let y = self.o.forward(&y.transpose(1, 2)?.reshape((b, t, h * mla.dims.v))?)?;
             return self.feed_forward((x + y)?, cfg, router);
         }
@@ -1065,7 +1091,7 @@ impl LlamaBlock {
         let (k, v) = (repeat(k)?, repeat(v)?);
         let y = match sp {
             // Sequence parallelism: this chunk's queries over every earlier chunk's keys.
-            Some(sp) => crate::sp::ring_attention(&q, &k, &v, sp)?,
+            Some(sp) => ring_attention_scaled(&q, &k, &v, cfg.attention_scale(), sp)?,
             None => {
                 let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
                 attend_scaled(&q, &k, &v, mask, cfg.attention_scale(), cfg.softcaps().0)?
@@ -1158,7 +1184,7 @@ impl Llama {
     /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut by
     /// [`LlamaConfig::block_costs`] with `kolo::pp::stage_layers_by`; [`Llama::new_stage`]), split over its `tp` group, running on
     /// its `sp` chunk of every sequence (attention by `kolo::sp::ring_attention`, rotary
-    /// positions from the chunk's offset; not DeepSeek's latent attention), its experts
+    /// positions from the chunk's offset; DeepSeek's values padded to the queries' width), its experts
     /// (Mixtral, the Qwens' MoE, DeepSeek) dealt out over its `ep` group.
     /// Train it with `Trainer::with_mesh`: [`Llama::loss`], or [`Llama::pipeline_stage`] in a
     /// pipeline.
@@ -1173,12 +1199,6 @@ impl Llama {
         if mesh.sp().size() > 1 && cfg.layer_windows().map_err(candle_core::Error::Msg)?.iter().any(Option::is_some) {
             candle_core::bail!(
                 "sliding-window attention over {} sequence-parallel ranks is not supported (ring attention sees every earlier chunk)",
-                mesh.sp().size()
-            );
-        }
-        if mesh.sp().size() > 1 && cfg.mla().is_some() {
-            candle_core::bail!(
-                "latent attention over {} sequence-parallel ranks is not supported (its values are narrower than its queries and keys; ring attention takes one width)",
                 mesh.sp().size()
             );
         }
