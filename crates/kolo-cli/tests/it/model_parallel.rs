@@ -637,15 +637,7 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
         ),
     ] {
         let src = kolo_testkit::files::hf_tiny(arch);
-        let plain = dir.join(format!("{arch}-no-aux"));
-        std::fs::create_dir_all(&plain).unwrap();
-        for f in std::fs::read_dir(&src).unwrap().flatten() {
-            std::fs::copy(f.path(), plain.join(f.file_name())).unwrap();
-        }
-        let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
-        assert!(cfg.contains("\"output_router_logits\": true") || arch.starts_with("deepseek"));
-        std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false"))
-            .unwrap();
+        let plain = without_balance_loss(&src, &dir.join(format!("{arch}-no-aux")));
         let (one, _) = hf_model(&plain, 1, &one_args, &dir.join(format!("{arch}-one")));
         let start: BTreeMap<String, candle_core::Tensor> =
             candle_core::safetensors::load(src.join("model.safetensors"), &dev).unwrap().into_iter().collect();
@@ -700,20 +692,26 @@ fn mixtral_with_its_experts_dealt_out_matches_one_process() {
     assert!(d < 2e-5, "with the load-balancing loss, clipped: `{k}` differs under ep 2 x sp 2 from dp 2 by {d}");
 }
 
+/// A copy in `out` of the Hugging Face model in `src` with `output_router_logits` false (no
+/// load-balancing term in the loss; DeepSeek's has none to begin with).
+fn without_balance_loss(src: &Path, out: &Path) -> PathBuf {
+    std::fs::create_dir_all(out).unwrap();
+    for f in std::fs::read_dir(src).unwrap().flatten() {
+        std::fs::copy(f.path(), out.join(f.file_name())).unwrap();
+    }
+    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
+    assert!(cfg.contains("\"output_router_logits\": true") || cfg.contains("\"model_type\": \"deepseek"), "{}", src.display());
+    std::fs::write(out.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false")).unwrap();
+    out.to_path_buf()
+}
+
 /// The held-out loss of Mixtral fine-tuned with its experts dealt out over ep 2 in 2 pipeline
 /// stages is the mean over the last stage's ranks, as with dp 2 in 2 stages (the two trainings
 /// end within 6e-6): it was half of it, the first stage's zeros counted as losses.
 #[test]
 fn held_out_loss_with_experts_over_pipeline_stages_is_the_mean() {
     let dir = fresh_dir("hf-ep-pp-eval");
-    let plain = dir.join("mixtral-no-aux");
-    std::fs::create_dir_all(&plain).unwrap();
-    let src = kolo_testkit::files::hf_tiny("mixtral");
-    for f in std::fs::read_dir(&src).unwrap().flatten() {
-        std::fs::copy(f.path(), plain.join(f.file_name())).unwrap();
-    }
-    let cfg = std::fs::read_to_string(src.join("config.json")).unwrap();
-    std::fs::write(plain.join("config.json"), cfg.replace("\"output_router_logits\": true", "\"output_router_logits\": false")).unwrap();
+    let plain = without_balance_loss(&kolo_testkit::files::hf_tiny("mixtral"), &dir.join("mixtral-no-aux"));
     let eval = |mesh: &str| -> f64 {
         let args = format!(
             "--optim sgd --lr 0.05 --clip none --batch 2 --steps 6 --seq 16 --eval-fraction 0.1 {mesh} --model {} --out {} --text {}",
