@@ -17,7 +17,7 @@
 //! `test-data/hf/check_export.py OUT` to compare with what transformers computes from the
 //! export. --precision f32|bf16|f16 (f32) trains the model in that dtype over f32 masters
 //! (mixed precision); --checkpoint DIR writes the trainer's checkpoint at the last step (the f32
-//! masters; the export holds the model's own weights). The export is written in --dtype
+//! masters, which the export holds too). The export is written in --dtype
 //! f32|bf16|f16 (f32), in files of at most
 //! --max-shard-size BYTES (one file).
 //!

@@ -134,6 +134,13 @@ fn remember(t: &Tensor, s: Split) {
     SPLITS.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashMap::new).insert(t.id(), s);
 }
 
+/// Records `new` as cut the way `like` is (a copy of a split variable in another dtype).
+pub(crate) fn remember_like(new: &Tensor, like: &Tensor) {
+    if let Some(s) = split_of(like) {
+        remember(new, s);
+    }
+}
+
 /// How `t` was cut, when it is a variable made by one of this module's layers.
 pub fn split_of(t: &Tensor) -> Option<Split> {
     SPLITS.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|m| m.get(&t.id()).cloned())

@@ -1017,6 +1017,34 @@ impl Trainer {
         Ok(flat)
     }
 
+    /// Mixed precision (`train.precision` bf16 or f16): collective under ZeRO-3; a VarMap of the
+    /// f32 master weights under the names of `varmap` (the model's own, in its compute dtype),
+    /// each cut over tensor parallelism as the model's variable is, so that
+    /// [`crate::Mesh::whole_varmap`] puts them together. An export from it holds the weights
+    /// the optimizer keeps, as torch FSDP's mixed-precision `state_dict` does, not their
+    /// rounding. `None` when the model computes in f32 (its variables are the masters).
+    pub fn master_varmap(&self, varmap: &VarMap) -> Result<Option<VarMap>> {
+        if self.compute == DType::F32 {
+            return Ok(None);
+        }
+        let flat = self.flat_params()?;
+        let ranges = self.ddp.ranges();
+        let masters = VarMap::new();
+        {
+            let own = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+            let mut out = masters.data().lock().unwrap_or_else(|p| p.into_inner());
+            for (i, p) in self.params.iter().enumerate() {
+                let t = Tensor::from_slice(&flat[ranges[i].clone()], p.shape.as_slice(), &kolo_tensor::device())?;
+                let v = candle_core::Var::from_tensor(&t)?;
+                if let Some(model) = own.get(&p.name) {
+                    crate::tp::remember_like(v.as_tensor(), model.as_tensor());
+                }
+                out.insert(p.name.clone(), v);
+            }
+        }
+        Ok(Some(masters))
+    }
+
     /// ZeRO-3: collective; gathers every sharded group into the model's variables and keeps
     /// them whole until the next optimizer step (so the model can be read freely: an export
     /// on rank 0, evaluation on some ranks, or use after the trainer is dropped). Nothing

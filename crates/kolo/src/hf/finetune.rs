@@ -461,13 +461,16 @@ impl FineTune {
 
     /// Collective: writes the whole fine-tuned model to `dir` as `transformers` reads it, with
     /// the model directory's tokenizer and generation files; ZeRO-3 shards and model-parallel
-    /// pieces are gathered first.
+    /// pieces are gathered first. Under mixed precision the f32 master weights are written (in
+    /// `opts.dtype`), not the model's rounded copy.
     pub fn export(&self, dir: &Path, opts: &SaveOptions) -> Result<()> {
         self.trainer.unshard()?;
+        let masters = self.trainer.master_varmap(&self.varmap)?;
+        let own = masters.as_ref().unwrap_or(&self.varmap);
         let split = self.mesh.size("tp") * self.mesh.size("pp") * self.mesh.size("ep") > 1;
-        let whole = if split { self.mesh.whole_varmap(&self.varmap)? } else { None };
+        let whole = if split { self.mesh.whole_varmap(own)? } else { None };
         if self.dist.is_main() {
-            self.model.save_pretrained_with(dir, whole.as_ref().unwrap_or(&self.varmap), opts)?;
+            self.model.save_pretrained_with(dir, whole.as_ref().unwrap_or(own), opts)?;
             copy_companions(&self.cfg.model.hf, dir)?;
         }
         self.dist.barrier()?;
