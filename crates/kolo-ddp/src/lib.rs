@@ -193,6 +193,8 @@ struct Inner {
     inflight: Vec<Option<Pending<Timed>>>,
     /// Locally accumulated gradients of no-sync micro-steps, if any.
     accum: Option<Vec<f32>>,
+    /// [`Ddp::set_no_sync`]: hooked gradients go to `accum` instead of the buckets.
+    no_sync: bool,
     seen: Vec<bool>,
     backward_started: Option<Instant>,
 }
@@ -343,6 +345,7 @@ impl Ddp {
             remaining: plan.iter().map(|b| b.params.len()).collect(),
             inflight: plan.iter().map(|_| None).collect(),
             accum: None,
+            no_sync: false,
             seen: vec![false; numels.len()],
             backward_started: None,
         };
@@ -418,6 +421,14 @@ impl Ddp {
             Some(a) => a.iter_mut().zip(grads).for_each(|(a, g)| *a += g),
             None => inner.accum = Some(grads.to_vec()),
         }
+    }
+
+    /// While on, gradients the hook delivers ([`GradSink::grad_ready`]) are added to the local
+    /// accumulator instead of their buckets (torch FSDP's `no_sync()`): for a model whose
+    /// gradients only reach the hook, as ZeRO-3's gathered blocks do. The next hooked backward
+    /// with it off folds them in.
+    pub fn set_no_sync(&self, on: bool) {
+        self.shared.lock().no_sync = on;
     }
 
     /// Moves the locally accumulated gradients into `grads` without communicating (benchmarks
@@ -677,6 +688,12 @@ impl GradSink for Shared {
         let mut inner = self.lock();
         let (b, off) = self.slot[idx];
         let range = self.ranges[idx].clone();
+        if inner.no_sync {
+            let numel = self.ranges.iter().map(|r| r.end).max().unwrap_or(0);
+            let a = inner.accum.get_or_insert_with(|| vec![0f32; numel]);
+            a[range].iter_mut().zip(grad).for_each(|(a, g)| *a += g);
+            return;
+        }
         let Inner { buffers, pieces, accum, remaining, seen, inflight, codecs, syncs, .. } = &mut *inner;
         if buffers[b].is_none() {
             if inflight[b].is_some() {

@@ -176,14 +176,35 @@ impl ParamGather for Shared {
     fn group_grad_ready(&self, group: usize, grad: &[f32]) {
         let Some(&b) = self.group_bucket.get(group) else { return };
         let mut inner = self.lock();
-        let Inner { pieces, remaining, seen, inflight, .. } = &mut *inner;
-        if inflight[b].is_some() || grad.len() != self.plan[b].numel {
-            return; // a second gradient in one pass, or a wrong size: finish reports the bucket
+        if grad.len() != self.plan[b].numel {
+            return; // a wrong size: finish reports the bucket
+        }
+        // Each parameter of the group: where it is in the model's flat layout and in `grad`.
+        let places = || self.plan[b].params.iter().map(|&p| (self.ranges[p].clone(), self.slot[p].1));
+        if inner.no_sync {
+            // A no-sync micro-step (Ddp::set_no_sync): the group's gradient joins the local
+            // accumulator, which the synchronised micro-step's gradient carries.
+            let numel = self.ranges.iter().map(|r| r.end).max().unwrap_or(0);
+            let a = inner.accum.get_or_insert_with(|| vec![0f32; numel]);
+            for (r, off) in places() {
+                a[r.clone()].iter_mut().zip(&grad[off..off + r.len()]).for_each(|(a, g)| *a += g);
+            }
+            return;
+        }
+        let Inner { pieces, remaining, seen, inflight, accum, .. } = &mut *inner;
+        if inflight[b].is_some() {
+            return; // a second gradient in one pass: finish reports the bucket
+        }
+        let mut grad = grad.to_vec();
+        if let Some(a) = accum.as_ref() {
+            for (r, off) in places() {
+                grad[off..off + r.len()].iter_mut().zip(&a[r]).for_each(|(g, a)| *g += a);
+            }
         }
         for &p in &self.plan[b].params {
             seen[p] = true;
         }
         remaining[b] = 0;
-        inflight[b] = Some(self.submit_bucket(b, grad.to_vec(), pieces, None));
+        inflight[b] = Some(self.submit_bucket(b, grad, pieces, None));
     }
 }

@@ -1144,15 +1144,8 @@ impl Config {
     pub fn sharding(&self) -> Result<kolo_ddp::Sharding, String> {
         let s = self.ddp.zero_stage;
         let sharding = kolo_ddp::Sharding::from_stage(s).ok_or_else(|| format!("ddp.zero_stage must be 0, 1, 2 or 3, not {s}"))?;
-        if sharding == kolo_ddp::Sharding::Parameters {
-            if self.model.kind != ModelKind::Gpt {
-                return Err("ddp.zero_stage = 3 shards the GPT's blocks; use 0, 1 or 2 for mlp and cnn".into());
-            }
-            if self.train.grad_accum != 1 {
-                return Err(
-                    "ddp.zero_stage = 3 needs train.grad_accum = 1 (gradient accumulation under ZeRO-3 is not supported yet)".into()
-                );
-            }
+        if sharding == kolo_ddp::Sharding::Parameters && self.model.kind != ModelKind::Gpt {
+            return Err("ddp.zero_stage = 3 shards the GPT's blocks; use 0, 1 or 2 for mlp and cnn".into());
         }
         Ok(sharding)
     }

@@ -202,6 +202,17 @@ impl<'a> DataParallel<'a> {
                     exact,
                     (rank, step),
                 )? / tc.grad_accum as f64;
+            } else if self.zero3 && m + 1 < tc.grad_accum {
+                // ZeRO-3: the blocks' gradients only reach the hook (their values are gathered
+                // per use), so a no-sync micro-step runs hooked with the hook accumulating.
+                self.ddp.set_no_sync(true);
+                let loss = (self.model.loss(&batch, &self.hooked)? * scale).map_err(te);
+                let done = loss.and_then(|loss| {
+                    loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+                    (loss * loss_scale).map_err(te)?.backward().map_err(te)
+                });
+                self.ddp.set_no_sync(false);
+                done?;
             } else if m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step {
                 // No-sync micro-step: gradients stay local.
                 let loss = (self.model.loss(&batch, &*self.eval_view)? * scale).map_err(te)?;

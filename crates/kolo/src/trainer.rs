@@ -268,11 +268,6 @@ impl TrainOptions {
         cfg.train = self.train.clone();
         cfg.train.steps = cfg.train.steps.max(1);
         cfg.data.batch_size = self.data.batch_size.max(1);
-        if cfg.ddp.zero_stage == 3 {
-            // The library accumulates under ZeRO-3 (FSDP's no_sync: whole gradients on each rank
-            // until the last micro-step); kolo train's built-in GPT does not yet.
-            cfg.train.grad_accum = 1;
-        }
         Ok(cfg)
     }
 }
@@ -1435,7 +1430,7 @@ mod tests {
 
     #[test]
     fn unsupported_settings_are_named() {
-        // The library accumulates under ZeRO-3; kolo train's built-in GPT does not yet.
+        // ZeRO-3 accumulates (FSDP's no_sync), in the library as in kolo train.
         assert!(super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 3\n[train]\ngrad_accum = 2\n").is_ok());
         let e = super::TrainOptions::from_toml_str("[optim]\nlearning_rate = 1\n").unwrap_err().to_string();
         assert!(e.contains("learning_rate"), "{e}");
