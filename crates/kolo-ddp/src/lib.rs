@@ -205,6 +205,8 @@ struct Shared {
     /// For parameter i: (bucket, offset inside the bucket).
     slot: Vec<(usize, usize)>,
     ranges: Vec<Range<usize>>,
+    /// Values in the model's flat layout (the end of the last range).
+    numel: usize,
     /// This rank's pieces of the buckets (used when sharding).
     shard: ShardPlan,
     reduce_scatter: bool,
@@ -355,6 +357,7 @@ impl Ddp {
             comm: AsyncComm::new(comm),
             plan,
             slot,
+            numel: ranges.iter().map(|r| r.end).max().unwrap_or(0),
             ranges,
             shard,
             reduce_scatter,
@@ -689,9 +692,7 @@ impl GradSink for Shared {
         let (b, off) = self.slot[idx];
         let range = self.ranges[idx].clone();
         if inner.no_sync {
-            let numel = self.ranges.iter().map(|r| r.end).max().unwrap_or(0);
-            let a = inner.accum.get_or_insert_with(|| vec![0f32; numel]);
-            a[range].iter_mut().zip(grad).for_each(|(a, g)| *a += g);
+            self.accumulate_into(&mut inner, range, grad);
             return;
         }
         let Inner { buffers, pieces, accum, remaining, seen, inflight, codecs, syncs, .. } = &mut *inner;
@@ -720,6 +721,13 @@ impl GradSink for Shared {
 }
 
 impl Shared {
+    /// A no-sync micro-step's gradient of the flat range `range`, added to the local
+    /// accumulator ([`Ddp::set_no_sync`]).
+    fn accumulate_into(&self, inner: &mut Inner, range: Range<usize>, grad: &[f32]) {
+        let a = inner.accum.get_or_insert_with(|| vec![0f32; self.numel]);
+        a[range].iter_mut().zip(grad).for_each(|(a, g)| *a += g);
+    }
+
     /// Queues bucket `b`'s collective: all-reduce, or in-place reduce-scatter keeping this
     /// rank's piece.
     fn submit_bucket(

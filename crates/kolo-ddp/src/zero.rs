@@ -184,10 +184,9 @@ impl ParamGather for Shared {
         if inner.no_sync {
             // A no-sync micro-step (Ddp::set_no_sync): the group's gradient joins the local
             // accumulator, which the synchronised micro-step's gradient carries.
-            let numel = self.ranges.iter().map(|r| r.end).max().unwrap_or(0);
-            let a = inner.accum.get_or_insert_with(|| vec![0f32; numel]);
             for (r, off) in places() {
-                a[r.clone()].iter_mut().zip(&grad[off..off + r.len()]).for_each(|(a, g)| *a += g);
+                let n = r.len();
+                self.accumulate_into(&mut inner, r, &grad[off..off + n]);
             }
             return;
         }

@@ -574,6 +574,9 @@ struct Level {
     /// the pipeline), where ZeRO's shards of a tied parameter are summed when the members
     /// hold different parts of it.
     wide: Option<Arc<dyn Communicator>>,
+    /// Under ZeRO-2/3, whether the members' shards of the tied parameters differ (the tied
+    /// gradients then sum whole over `wide`): fixed by the layout, agreed on at the first step.
+    shards_differ: std::sync::OnceLock<bool>,
     /// Per local parameter: a copy here of a parameter an earlier member owns.
     copies: Vec<bool>,
     /// The parameters several members hold (tied across stages; held by every member of an
@@ -622,7 +625,7 @@ impl WholeLayout {
             let here: Vec<bool> = params.iter().map(|p| owners.iter().any(|(n, owner, _)| *n == p.name && *owner != me)).collect();
             copies.iter_mut().zip(&here).for_each(|(c, h)| *c |= *h);
             let tied = owners.into_iter().map(|(n, _, len)| (n.clone(), len, params.iter().position(|p| p.name == n))).collect();
-            levels.push(Level { comm, wide, copies: here, tied });
+            levels.push(Level { comm, wide, shards_differ: std::sync::OnceLock::new(), copies: here, tied });
             signature = next;
         }
         signature.sort_by_cached_key(|(n, _)| order(n));
@@ -706,23 +709,23 @@ impl WholeLayout {
                     })
                 })
                 .collect();
-            let mine: Vec<i64> = parts.iter().flat_map(|&(a, n)| [a as i64, n as i64]).collect();
-            let (mut hi, mut lo) = (mine.clone(), mine.iter().map(|x| -x).collect::<Vec<i64>>());
-            level.comm.all_reduce(kolo_comm::BufMut::from(&mut hi[..]), kolo_comm::ReduceOp::Max)?;
-            level.comm.all_reduce(kolo_comm::BufMut::from(&mut lo[..]), kolo_comm::ReduceOp::Max)?;
-            let differ = hi != mine || lo.iter().zip(&mine).any(|(l, m)| -l != *m);
-            if let Some(wide) = &level.wide {
-                // Every replica of every stage takes the same way.
-                let mut any = [u8::from(differ)];
-                wide.all_reduce(kolo_comm::BufMut::from(&mut any[..]), kolo_comm::ReduceOp::Max)?;
-                if any[0] > 0 {
-                    Self::sum_tied_whole(level, wide, &parts, grads)?;
-                    continue;
+            let differ = match level.shards_differ.get() {
+                Some(d) => *d,
+                None => {
+                    let d = Self::shards_differ(level, &parts)?;
+                    *level.shards_differ.get_or_init(|| d)
                 }
-            } else if differ {
-                return Err(kolo_train::TrainError::Config(
-                    "ZeRO-2/3 with a parameter several members of a group hold whose shards differ between them (and no group of their replicas to sum it over) is not supported: use ZeRO-1".into(),
-                ));
+            };
+            if differ {
+                match &level.wide {
+                    Some(wide) => Self::sum_tied_whole(level, wide, &parts, grads)?,
+                    None => {
+                        return Err(kolo_train::TrainError::Config(
+                            "ZeRO-2/3 with a parameter several members of a group hold whose shards differ between them (and no group of their replicas to sum it over) is not supported: use ZeRO-1".into(),
+                        ))
+                    }
+                }
+                continue;
             }
             let mut buf: Vec<f32> = Vec::with_capacity(parts.iter().map(|p| p.1).sum());
             for (_, _, local) in &level.tied {
@@ -742,6 +745,21 @@ impl WholeLayout {
             }
         }
         Ok(())
+    }
+
+    /// Collective over `level`'s group (and its `wide` group): whether any member holds other
+    /// parts (`parts`: start and length of this rank's shard of each tied parameter) than the
+    /// others; with `wide`, any in any replica, so that every rank takes the same way.
+    fn shards_differ(level: &Level, parts: &[(usize, usize)]) -> std::result::Result<bool, kolo_train::TrainError> {
+        let mine: Vec<i64> = parts.iter().flat_map(|&(a, n)| [a as i64, n as i64]).collect();
+        let (mut hi, mut lo) = (mine.clone(), mine.iter().map(|x| -x).collect::<Vec<i64>>());
+        level.comm.all_reduce(kolo_comm::BufMut::from(&mut hi[..]), kolo_comm::ReduceOp::Max)?;
+        level.comm.all_reduce(kolo_comm::BufMut::from(&mut lo[..]), kolo_comm::ReduceOp::Max)?;
+        let differ = hi != mine || lo.iter().zip(&mine).any(|(l, m)| -l != *m);
+        let Some(wide) = &level.wide else { return Ok(differ) };
+        let mut any = [u8::from(differ)];
+        wide.all_reduce(kolo_comm::BufMut::from(&mut any[..]), kolo_comm::ReduceOp::Max)?;
+        Ok(any[0] > 0)
     }
 
     /// Collective over `wide` (the level's members and their replicas): each tied parameter's
