@@ -351,7 +351,7 @@ impl FineTune {
             Some(PipeSchedule::GPipe) => crate::pp::Schedule::GPipe,
             _ => crate::pp::Schedule::OneFOneB,
         };
-        let pipe = crate::pp::Pipeline::new(schedule, &[per_micro, seq / self.mesh.size("sp"), self.model.hidden_size()])?;
+        let pipe = crate::pp::Pipeline::new(schedule, &self.model.stage_activation(per_micro, seq / self.mesh.size("sp")))?;
         let (steps, every) = (self.cfg.train.steps, self.cfg.train.eval_every);
         let mut eval = None;
         while self.trainer.steps_done() < steps.min(stop) {
@@ -441,13 +441,13 @@ impl FineTune {
         if k == 1 {
             return Ok(f64::from(self.model.loss(x)?.to_scalar::<f32>()?));
         }
-        let shape = (x.dim(0)?, self.cfg.data.seq / self.mesh.size("sp"), self.model.hidden_size());
+        let shape = self.model.stage_activation(x.dim(0)?, self.cfg.data.seq / self.mesh.size("sp"));
         let input = match s {
             0 => None,
             _ => {
-                let mut h = vec![0f32; shape.0 * shape.1 * shape.2];
+                let mut h = vec![0f32; shape.iter().product()];
                 pp.recv(BufMut::from(&mut h[..]), kolo_base::Rank(s - 1), 7)?;
-                Some(Tensor::from_vec(h, shape, &self.dist.device())?)
+                Some(Tensor::from_vec(h, shape, &self.dist.device())?.to_dtype(self.trainer.compute_dtype())?)
             }
         };
         let out = self.model.pipeline_stage(input.as_ref(), x)?;

@@ -957,12 +957,57 @@ struct Router {
     carry: Option<Tensor>,
 }
 
+/// A count in a pipeline's router tail: base-256 digits, each exact in bf16 and f16 (activations
+/// travel between stages in the model's dtype).
+const TAIL_DIGITS: usize = 3;
+
 impl Router {
+    /// Floats of a router tail for `e` experts ([`Router::tail`]).
+    fn tail_len(e: usize) -> usize {
+        e + (e + 1) * TAIL_DIGITS
+    }
+
+    /// What the stages after this one need to finish the loss over every layer's tokens, as a
+    /// vector that rides after the hidden states a stage hands the next: the probabilities
+    /// summed so far (per expert, carrying their gradient back), then the choices per expert
+    /// and the tokens routed (constants, as base-256 digits). The carry stays with the stage.
+    fn tail(&self, e: usize, dtype: DType, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+        let probs = match &self.probs {
+            Some(p) => p.to_dtype(dtype)?,
+            None => Tensor::zeros(e, dtype, device)?,
+        };
+        let mut counts = Vec::with_capacity((e + 1) * TAIL_DIGITS);
+        let chosen = (0..e).map(|i| self.chosen.get(i).copied().unwrap_or(0.0) as u64);
+        for c in chosen.chain([self.rows as u64]) {
+            if c >= 1 << (8 * TAIL_DIGITS) {
+                candle_core::bail!(
+                    "a pipeline stage's router tail holds counts below 2^{}, not {c}: use smaller micro-batches",
+                    8 * TAIL_DIGITS
+                );
+            }
+            counts.extend((0..TAIL_DIGITS).map(|d| ((c >> (8 * d)) & 255) as f32));
+        }
+        let counts = Tensor::from_vec(counts, (e + 1) * TAIL_DIGITS, device)?.to_dtype(dtype)?;
+        Tensor::cat(&[&probs, &counts], 0)
+    }
+
+    /// The router the stage before this one handed on ([`Router::tail`]).
+    fn from_tail(tail: &Tensor, e: usize) -> candle_core::Result<Router> {
+        if tail.dims() != [Self::tail_len(e)] {
+            candle_core::bail!("a router tail of {:?} floats; {e} experts take {}", tail.dims(), Self::tail_len(e));
+        }
+        let digits = tail.narrow(0, e, (e + 1) * TAIL_DIGITS)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let mut counts = digits.chunks(TAIL_DIGITS).map(|d| d.iter().rev().fold(0u64, |n, &x| n * 256 + x as u64));
+        let chosen: Vec<f32> = counts.by_ref().take(e).map(|c| c as f32).collect();
+        let rows = counts.next().unwrap_or(0) as usize;
+        Ok(Router { probs: Some(tail.narrow(0, 0, e)?), chosen, rows, carry: None })
+    }
+
     fn add(&mut self, r: crate::ep::MoeForward) -> candle_core::Result<()> {
         let (n, e) = r.probs.dims2()?;
         let sum = r.probs.sum(0)?;
         self.probs = Some(match self.probs.take() {
-            Some(p) => (p + sum)?,
+            Some(p) => (p.to_dtype(sum.dtype())? + sum)?,
             None => sum,
         });
         self.chosen.resize(e, 0.0);
@@ -1270,11 +1315,6 @@ impl Llama {
         if let Some(w) = widths.find(|w| !w.is_multiple_of(p)) {
             candle_core::bail!("experts of width {w} over {p} tensor-parallel ranks: the width must be a multiple of {p}");
         }
-        if experts.as_ref().is_some_and(|(_, coef)| *coef > 0.0) && layers != (0..n) {
-            candle_core::bail!(
-                "a load-balancing loss over every layer's tokens at once (output_router_logits) cannot be split over pipeline stages (layers {layers:?} of {n}); set output_router_logits false"
-            );
-        }
         let linear = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
             Ok(match bias {
                 true => Box::new(candle_nn::linear(i, o, vb)?),
@@ -1502,6 +1542,36 @@ impl Llama {
     /// [`Llama::blocks`], and the weighted load-balancing loss over them (`None` without
     /// experts): add it to the loss.
     fn blocks_routed(&self, x: &Tensor) -> candle_core::Result<(Tensor, Option<Tensor>)> {
+        let mut router = Router::default();
+        let y = self.blocks_with(x, &mut router)?;
+        Ok((y, router.loss(self.balance_weight(), self.sp.as_ref())?))
+    }
+
+    /// The weight of the load-balancing loss (0 without it or without experts).
+    fn balance_weight(&self) -> f64 {
+        self.cfg.experts().map_or(0.0, |(_, coef)| coef)
+    }
+
+    /// Whether the load-balancing loss spans pipeline stages: its counts and probabilities ride
+    /// between them after the hidden states ([`Router::tail`]).
+    fn balance_across_stages(&self) -> bool {
+        self.balance_weight() > 0.0 && self.layers != (0..self.cfg.num_hidden_layers)
+    }
+
+    /// The activation this rank's pipeline stage hands the next for a micro-batch of `rows`
+    /// sequences (or their sequence-parallel chunks) of `t` tokens: the hidden states (rows, t,
+    /// hidden); with a load-balancing loss over stages, flattened and followed by the router's
+    /// tail.
+    pub fn stage_activation(&self, rows: usize, t: usize) -> Vec<usize> {
+        let h = self.cfg.hidden_size;
+        match (self.balance_across_stages(), self.cfg.experts()) {
+            (true, Some((r, _))) => vec![rows * t * h + Router::tail_len(r.experts)],
+            _ => vec![rows, t, h],
+        }
+    }
+
+    /// [`Llama::blocks`], their routing added to `router`.
+    fn blocks_with(&self, x: &Tensor, router: &mut Router) -> candle_core::Result<Tensor> {
         let t = x.dim(1)?;
         // A sequence-parallel chunk's positions start at its offset.
         let from = self.sp.as_ref().map_or(0, |sp| sp.rank() * t);
@@ -1524,12 +1594,11 @@ impl Llama {
             }
         }
         let mut x = x.clone();
-        let mut router = Router::default();
         for blk in &self.blocks {
             let (cos, sin) = &tables[blk.rope];
-            x = blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref(), &mut router)?;
+            x = blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref(), router)?;
         }
-        Ok((x, router.loss(self.cfg.experts().map_or(0.0, |(_, coef)| coef), self.sp.as_ref())?))
+        Ok(x)
     }
 
     /// The last stage's final norm and output layer: logits of this rank's vocabulary range.
@@ -1555,7 +1624,9 @@ impl Llama {
     /// `windows` (batch, seq + 1) of token ids: the first stage embeds `windows[:, ..seq]`, the
     /// others take the previous stage's hidden states `input` (batch, seq, hidden); the last
     /// stage returns the mean next-token cross-entropy against `windows[:, 1..]`
-    /// (vocabulary-parallel when split), the others their hidden states.
+    /// (vocabulary-parallel when split), the others their hidden states. With a load-balancing
+    /// loss the stages pass [`Llama::stage_activation`]'s flat vector instead: the hidden
+    /// states, then the routing so far, so that the last stage's loss is one process's.
     pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
         // Sequence parallelism: this rank's chunk of the inputs and of the targets.
         let chunk = |x: Tensor| match &self.sp {
@@ -1563,14 +1634,34 @@ impl Llama {
             None => Ok(x),
         };
         let head = |x: &Tensor| self.head(x);
-        // The load-balancing loss joins the loss. On a stage before the last (only without the
-        // loss's weight: it is then the zero that carries the experts no token reached) it joins
-        // the hidden states, adding 0 to their values and giving those experts their zero
-        // gradients.
-        let aux = std::cell::RefCell::new(None);
+        // The load-balancing loss joins the loss. It counts every layer's tokens at once, so
+        // over pipeline stages each stage hands the next its router's tail after the hidden
+        // states (the probabilities summed so far, whose gradient the later stages send back,
+        // and the counts) and the last stage adds the loss over every layer. A stage's carry
+        // (the zero that gives the experts no token reached their zero gradients) joins its
+        // output.
+        let across = self.balance_across_stages();
+        let experts = self.cfg.experts().map_or(0, |(r, _)| r.experts);
+        let (input, router) = match input {
+            Some(x) if across => {
+                let hidden = x.elem_count() - Router::tail_len(experts);
+                let h = self.cfg.hidden_size;
+                let rows = windows.dim(0)?;
+                let hx = x.narrow(0, 0, hidden)?.reshape((rows, hidden / (rows * h), h))?;
+                (Some(hx), Router::from_tail(&x.narrow(0, hidden, Router::tail_len(experts))?, experts)?)
+            }
+            x => (x.cloned(), Router::default()),
+        };
+        let last = self.norm.is_some();
+        let (router, aux) = (std::cell::RefCell::new(router), std::cell::RefCell::new(None));
         let blocks = |x: &Tensor| {
-            let (y, a) = self.blocks_routed(x)?;
-            *aux.borrow_mut() = a;
+            let mut r = router.borrow_mut();
+            let y = self.blocks_with(x, &mut r)?;
+            if last || !across {
+                *aux.borrow_mut() = std::mem::take(&mut *r).loss(self.balance_weight(), self.sp.as_ref())?;
+            } else {
+                *aux.borrow_mut() = r.carry.take();
+            }
             Ok(y)
         };
         let parts = super::StageParts {
@@ -1581,9 +1672,14 @@ impl Llama {
             vocab: self.cfg.vocab_size,
             tp: self.tp.as_ref(),
         };
-        let out = super::run_stage(parts, input, windows)?;
+        let out = super::run_stage(parts, input.as_ref(), windows)?;
+        let out = match across && !last {
+            true => Tensor::cat(&[&out.flatten_all()?, &router.into_inner().tail(experts, out.dtype(), out.device())?], 0)?,
+            false => out,
+        };
         match aux.into_inner() {
-            Some(a) => out.broadcast_add(&a),
+            // In the hidden states' dtype on a mixed-precision stage before the last.
+            Some(a) => out.broadcast_add(&a.to_dtype(out.dtype())?),
             None => Ok(out),
         }
     }

@@ -140,6 +140,16 @@ impl CausalLm {
             CausalLm::Llama(m) => m.pipeline_stage(input, windows),
         }
     }
+    /// The shape of the activation this rank's pipeline stage hands the next for a micro-batch
+    /// of `rows` sequences (or their sequence-parallel chunks) of `t` tokens: the hidden states
+    /// (rows, t, hidden), or ([`Llama::stage_activation`]) with a load-balancing loss over the
+    /// stages, those flattened and followed by the routing so far.
+    pub fn stage_activation(&self, rows: usize, t: usize) -> Vec<usize> {
+        match self {
+            CausalLm::Llama(m) => m.stage_activation(rows, t),
+            CausalLm::Gpt2(_) | CausalLm::GptNeox(_) => vec![rows, t, self.hidden_size()],
+        }
+    }
     /// Experts per mixture-of-experts layer (Mixtral's and Qwen3-MoE's `num_local_experts`); `None` for a model
     /// without experts.
     pub fn experts(&self) -> Option<usize> {

@@ -407,7 +407,9 @@ fn architectures_load_with_transformers_logits_and_train() {
 /// the weighted term is 0.11). With `output_router_logits` false the loss drops exactly that term,
 /// as in `transformers`. Mixtral trains, every expert receiving a gradient, saves back to the
 /// same tensors and logits, also computes them over 2 tensor-parallel ranks (each expert's width
-/// split; as does Qwen2-MoE, its shared expert split as a dense MLP), and what it cannot do is refused by name: a top-k above the experts, router jitter.
+/// split; as does Qwen2-MoE, its shared expert split as a dense MLP), runs as two pipeline stages
+/// in turn with the whole model's loss and gradients (within 1e-6; the load-balancing loss's
+/// routing handed on after the hidden states), and what it cannot do is refused by name: a top-k above the experts, router jitter.
 #[test]
 fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
     let scalar = |t: &Tensor| f64::from(t.flatten_all().unwrap().get(0).unwrap().to_scalar::<f32>().unwrap());
@@ -449,15 +451,35 @@ fn mixtral_loads_with_transformers_logits_and_loss_and_trains() {
         let e = crate::hf::load_causal_lm(&plain, &Device::Cpu).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains(why) && e.contains("config.json"), "{e}");
     }
-    // Pipeline stages: the load-balancing loss over every layer at once does not split.
-    let stage = |cfg: &crate::hf::LlamaConfig| {
-        let vb = candle_nn::VarBuilder::from_varmap(&candle_nn::VarMap::new(), DType::F32, &Device::Cpu);
-        crate::hf::Llama::new_stage(cfg, vb, None, 0..1).err().map(|e| e.to_string()).unwrap_or_default()
-    };
+    // Pipeline stages: the load-balancing loss counts every layer's tokens at once, so the
+    // first stage hands the second its routing after its hidden states (a flat vector of
+    // `stage_activation`'s length); the two in turn give the whole model's loss and gradients.
     let mut c = crate::hf::LlamaConfig::load(&dir).unwrap();
-    assert!(stage(&c).contains("cannot be split over pipeline stages (layers 0..1 of 2)"), "{}", stage(&c));
+    let stage = |layers: std::ops::Range<usize>| {
+        let vars = candle_nn::VarMap::new();
+        let m = crate::hf::Llama::new_stage(&c, candle_nn::VarBuilder::from_varmap(&vars, DType::F32, &Device::Cpu), None, layers).unwrap();
+        crate::hf::load_weights(&vars, &dir).unwrap();
+        (vars, m)
+    };
+    let ((vars0, first), (vars1, second)) = (stage(0..1), stage(1..2));
+    let (b, t) = (ids.dim(0).unwrap(), ids.dim(1).unwrap() - 1);
+    let handed = first.pipeline_stage(None, &ids).unwrap();
+    assert_eq!(handed.dims(), first.stage_activation(b, t), "the first stage's activation");
+    assert_eq!(first.stage_activation(b, t), [b * t * 48 + 4 + 5 * 3], "hidden states, 4 probabilities, 4 + 1 counts of 3 digits");
+    let staged = second.pipeline_stage(Some(&handed), &ids).unwrap();
+    let whole = model.loss(&ids).unwrap();
+    let (l0, l1) = (whole.to_scalar::<f32>().unwrap(), staged.to_scalar::<f32>().unwrap());
+    assert!((l0 - l1).abs() < 1e-6, "two stages' loss {l1}, the whole model's {l0}");
+    let (g0, g1) = (whole.backward().unwrap(), staged.backward().unwrap());
+    let whole_vars = varmap.data().lock().unwrap();
+    for (name, v) in vars0.data().lock().unwrap().iter().chain(vars1.data().lock().unwrap().iter()) {
+        let want = g0.get(whole_vars[name].as_tensor()).unwrap_or_else(|| panic!("`{name}`: no gradient in the whole model"));
+        let d = max_diff(g1.get(v.as_tensor()).unwrap_or_else(|| panic!("`{name}` has no gradient over the stages")), want);
+        assert!(d < 1e-6, "`{name}`: the stages' gradient differs from the whole model's by {d}");
+    }
+    drop(whole_vars);
     c.other.insert("output_router_logits".into(), false.into());
-    assert_eq!(stage(&c), "");
+    assert_eq!(c.experts().unwrap().1, 0.0);
     // Without it, a first stage whose gate sends every token to experts 0 and 1 (all scores
     // equal: ties go to the lower index) still gives experts 2 and 3 their gradients, zeros,
     // through its hidden states, which keep their values.
