@@ -61,6 +61,15 @@ impl std::fmt::Debug for Dist {
     }
 }
 
+#[cfg(test)]
+impl Dist {
+    /// A rank of an in-process group (threads as ranks), for the crate's tests.
+    pub(crate) fn of_comm(comm: Arc<dyn Communicator>) -> Dist {
+        let (local_rank, local_world_size) = (comm.rank().get(), comm.world_size().get());
+        Dist { comm, host: None, local_rank, local_world_size }
+    }
+}
+
 impl Dist {
     /// This process's rank, 0-based.
     pub fn rank(&self) -> usize {

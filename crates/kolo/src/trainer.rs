@@ -1040,6 +1040,52 @@ impl Trainer {
         Ok(Some(masters))
     }
 
+    /// Sets the value of the model's variable `var` outside the optimizer (torch's `with
+    /// torch.no_grad(): p.copy_(value)`), wherever the trainer keeps it: the variable itself,
+    /// the f32 master of a mixed-precision model (the variable gets its rounding), this rank's
+    /// ZeRO-1/2 master shard, or ZeRO-3's shard (the group is gathered from it when next read).
+    /// The optimizer's state is left as it is. Not collective, but every rank holding the
+    /// parameter must set it to the same value, or the replicas part. Call it between steps, or
+    /// between [`Trainer::backward`] and [`Trainer::update`] (the update then starts from the
+    /// new value, and the checkpoint that step writes holds it): a selection bias moved by the
+    /// routing counts of the step (DeepSeek-V3's), a tied copy refreshed, a weight projected.
+    pub fn set_param(&mut self, var: &candle_core::Var, value: &Tensor) -> Result<()> {
+        let op = "Trainer::set_param";
+        let Some(&i) = self.ids.get(&var.as_tensor().id()) else {
+            return Err(Error::usage(self.rank, op, "the variable is not one of this trainer's parameters (a VarMap variable it adopted)"));
+        };
+        let p = self.params.get(i);
+        if value.dims() != p.shape.as_slice() {
+            return Err(Error::usage(self.rank, op, format!("`{}` is {:?}; the value is {:?}", p.name, p.shape, value.dims())));
+        }
+        let values = value.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        if let Some(z) = &self.zero {
+            let write = |m: &mut [f32]| {
+                for s in z.segments.iter().filter(|s| s.param == i) {
+                    m[s.shard_offset..s.shard_offset + s.within.len()].copy_from_slice(&values[s.within.clone()]);
+                }
+            };
+            if self.zero3.is_some() {
+                self.ddp.with_master(write);
+            } else {
+                write(self.master.as_mut_slice());
+                for s in z.segments.iter().filter(|s| s.param == i) {
+                    self.master.release(s.shard_offset..s.shard_offset + s.within.len());
+                }
+            }
+        }
+        if self.params.is_resident(i) {
+            self.params.load_one(i, &values)?;
+            if let Some(v) = self.model_vars.get(i) {
+                v.set(&self.params.get(i).var.as_tensor().to_dtype(self.compute)?)?;
+            }
+        } else if var.elem_count() == values.len() {
+            // ZeRO-3: its group is gathered now; the copy is refreshed as a gather would fill it.
+            var.set(&value.to_dtype(var.dtype())?)?;
+        }
+        Ok(())
+    }
+
     /// ZeRO-3: collective; gathers every sharded group into the model's variables and keeps
     /// them whole until the next optimizer step (so the model can be read freely: an export
     /// on rank 0, evaluation on some ranks, or use after the trainer is dropped). Nothing
