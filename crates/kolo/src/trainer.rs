@@ -1043,14 +1043,26 @@ impl Trainer {
     /// Sets the value of the model's variable `var` outside the optimizer (torch's `with
     /// torch.no_grad(): p.copy_(value)`), wherever the trainer keeps it: the variable itself,
     /// the f32 master of a mixed-precision model (the variable gets its rounding), this rank's
-    /// ZeRO-1/2 master shard, or ZeRO-3's shard (the group is gathered from it when next read).
+    /// ZeRO-1/2 master shard, or ZeRO-3's shard (and the gathered copy when its group is whole).
     /// The optimizer's state is left as it is. Not collective, but every rank holding the
     /// parameter must set it to the same value, or the replicas part. Call it between steps, or
     /// between [`Trainer::backward`] and [`Trainer::update`] (the update then starts from the
-    /// new value, and the checkpoint that step writes holds it): a selection bias moved by the
-    /// routing counts of the step (DeepSeek-V3's), a tied copy refreshed, a weight projected.
+    /// new value, and the checkpoint that step writes holds it): a tied copy refreshed, a
+    /// weight projected.
     pub fn set_param(&mut self, var: &candle_core::Var, value: &Tensor) -> Result<()> {
-        let op = "Trainer::set_param";
+        self.write_param("Trainer::set_param", var, value, false)
+    }
+
+    /// As [`Trainer::set_param`], adding `delta` to the parameter's value where the trainer keeps
+    /// it (the f32 master under mixed precision, so that steps below the model dtype's
+    /// resolution add up): a selection bias moved by the step's routing counts (DeepSeek-V3's).
+    /// A ZeRO-3 group gathered at the time is released, to be gathered again from the shards
+    /// when next read.
+    pub fn add_to_param(&mut self, var: &candle_core::Var, delta: &Tensor) -> Result<()> {
+        self.write_param("Trainer::add_to_param", var, delta, true)
+    }
+
+    fn write_param(&mut self, op: &'static str, var: &candle_core::Var, value: &Tensor, add: bool) -> Result<()> {
         let Some(&i) = self.ids.get(&var.as_tensor().id()) else {
             return Err(Error::usage(self.rank, op, "the variable is not one of this trainer's parameters (a VarMap variable it adopted)"));
         };
@@ -1059,10 +1071,14 @@ impl Trainer {
             return Err(Error::usage(self.rank, op, format!("`{}` is {:?}; the value is {:?}", p.name, p.shape, value.dims())));
         }
         let values = value.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let apply = |dst: &mut [f32], src: &[f32]| match add {
+            true => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s),
+            false => dst.copy_from_slice(src),
+        };
         if let Some(z) = &self.zero {
             let write = |m: &mut [f32]| {
                 for s in z.segments.iter().filter(|s| s.param == i) {
-                    m[s.shard_offset..s.shard_offset + s.within.len()].copy_from_slice(&values[s.within.clone()]);
+                    apply(&mut m[s.shard_offset..s.shard_offset + s.within.len()], &values[s.within.clone()]);
                 }
             };
             if self.zero3.is_some() {
@@ -1075,13 +1091,18 @@ impl Trainer {
             }
         }
         if self.params.is_resident(i) {
-            self.params.load_one(i, &values)?;
+            self.params.update_one(i, &mut |v| apply(v, &values))?;
             if let Some(v) = self.model_vars.get(i) {
                 v.set(&self.params.get(i).var.as_tensor().to_dtype(self.compute)?)?;
             }
         } else if var.elem_count() == values.len() {
-            // ZeRO-3: its group is gathered now; the copy is refreshed as a gather would fill it.
-            var.set(&value.to_dtype(var.dtype())?)?;
+            // ZeRO-3 with the group gathered now: the copy set as a gather would fill it, or,
+            // for a sum the copy's rounding cannot hold, dropped to be gathered again.
+            match (add, &self.zero3) {
+                (false, _) => var.set(&value.to_dtype(var.dtype())?)?,
+                (true, Some(z)) => z.release_all()?,
+                (true, None) => {}
+            }
         }
         Ok(())
     }

@@ -440,22 +440,22 @@ fn split_backward_and_update_equal_the_closure_form() {
     assert_eq!(closure.flat_params().unwrap(), split.flat_params().unwrap());
 }
 
-/// `Trainer::set_param` between `backward` and `update` (torch's `p.copy_(v)` under `no_grad`)
-/// reaches wherever the trainer keeps the value: on 2 ranks (threads, the same batches on
-/// both) under plain DDP, ZeRO-1, ZeRO-2 (each rank's master shard holding a part of `l1.weight`)
-/// and ZeRO-3 (groups `l1.`, `l2.`, gathered at the time), the update steps from the new values
-/// and the run ends bitwise where one process ends that sets its f32 variables directly (and
-/// ZeRO-3's copy of a group gathered between steps takes the value too). In
-/// bf16 the f32 master takes the value exactly and the model its rounding. A variable the
-/// trainer does not hold, or a value of another shape, is refused by name.
+/// `Trainer::set_param` and `Trainer::add_to_param` between `backward` and `update` (torch's
+/// `p.copy_(v)` and `p.add_(d)` under `no_grad`) reach wherever the trainer keeps the value: on
+/// 2 ranks (threads, the same batches on both) under plain DDP, ZeRO-1, ZeRO-2 (each rank's
+/// master shard holding a part of `l1.weight`) and ZeRO-3 (groups `l1.`, `l2.`, gathered at the
+/// time), the update steps from the new values and the run ends bitwise where one process ends
+/// that sets its f32 variables directly; ZeRO-3's copy of a group gathered between steps takes a
+/// set value, and is gathered again after an addition. In bf16 the f32 master takes the value
+/// exactly and the model its rounding, and ten additions of 1e-4 (below half a bf16 ulp of 0.2)
+/// add up in the master. A variable the trainer does not hold, or a value of another shape, is
+/// refused by name.
 #[test]
-fn set_param_reaches_wherever_the_trainer_keeps_the_value() {
+fn set_param_and_add_to_param_reach_wherever_the_trainer_keeps_the_value() {
     let sgd = "[optim]\nkind = \"sgd\"\nlr = 0.5\n[ddp]\nbucket_cap = \"64B\"\n";
-    let new_value = |v: &Var, at: f64| {
-        Tensor::arange(0f32, v.elem_count() as f32, &Device::Cpu).unwrap().affine(0.01, at).unwrap().reshape(v.shape()).unwrap()
-    };
+    let new_value = |v: &Var, at: f64| Tensor::arange(0f32, v.elem_count() as f32, &Device::Cpu).unwrap().affine(0.01, at).unwrap().reshape(v.shape()).unwrap();
     let chosen = ["l1.weight", "l2.bias"];
-    // Three steps; after the second's backward, the chosen parameters are set.
+    // Three steps; after the second's backward, the chosen parameters are set (or added to).
     let run = |t: &mut Trainer, m: &Small, set: &mut dyn FnMut(&mut Trainer, &Var, &Tensor)| {
         for s in 0..3 {
             let (x, y) = batch(8, s);
@@ -470,63 +470,92 @@ fn set_param_reaches_wherever_the_trainer_keeps_the_value() {
         }
         t.flat_params().unwrap()
     };
-    let one = small();
-    let mut t = Trainer::new(&one.varmap, &world_of_one(), opts(sgd)).unwrap();
-    let want = run(&mut t, &one, &mut |_, v, value| v.set(value).unwrap());
     let untouched = {
         let m = small();
         let mut t = Trainer::new(&m.varmap, &world_of_one(), opts(sgd)).unwrap();
         run(&mut t, &m, &mut |_, _, _| ())
     };
-    assert!(max_abs_diff(&want, &untouched) > 0.1, "setting the values changed nothing");
-    for (what, extra) in [("DDP", ""), ("ZeRO-1", "zero_stage = 1\n"), ("ZeRO-2", "zero_stage = 2\n"), ("ZeRO-3", "zero_stage = 3\n")] {
-        let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
-        let got: Vec<Vec<f32>> = std::thread::scope(|s| {
-            let handles: Vec<_> = ranks
-                .into_iter()
-                .map(|c| {
-                    s.spawn(move || {
-                        let dist = Dist::of_comm(std::sync::Arc::new(c));
-                        let m = small();
-                        let o = opts(&format!("{sgd}{extra}"));
-                        let mut t = match extra.contains('3') {
-                            true => Trainer::with_zero3_groups(&m.varmap, &dist, o, &["l1.", "l2."]).unwrap(),
-                            false => Trainer::new(&m.varmap, &dist, o).unwrap(),
-                        };
-                        let flat = run(&mut t, &m, &mut |t, v, value| t.set_param(v, value).unwrap());
-                        if extra.contains('3') {
-                            // Between steps, with the groups gathered (kept whole until the next
-                            // step): the gathered copy is refreshed too.
-                            t.unshard().unwrap();
-                            let v = m.varmap.data().lock().unwrap()["l2.bias"].clone();
-                            t.set_param(&v, &Tensor::new(&[0.5f32, 0.25, 0.125], &Device::Cpu).unwrap()).unwrap();
-                            assert_eq!(v.to_vec1::<f32>().unwrap(), [0.5, 0.25, 0.125], "ZeRO-3: the gathered copy");
-                        }
-                        flat
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect()
+    for add in [false, true] {
+        let one = small();
+        let mut t = Trainer::new(&one.varmap, &world_of_one(), opts(sgd)).unwrap();
+        let want = run(&mut t, &one, &mut |_, v, value| match add {
+            true => v.set(&(v.as_tensor() + value).unwrap()).unwrap(),
+            false => v.set(value).unwrap(),
         });
-        for (r, g) in got.iter().enumerate() {
-            assert_eq!(max_abs_diff(g, &want), 0.0, "{what}, rank {r}: the run differs from one process that set its variables");
+        assert!(max_abs_diff(&want, &untouched) > 0.1, "setting the values changed nothing");
+        for (what, extra) in
+            [("DDP", ""), ("ZeRO-1", "zero_stage = 1\n"), ("ZeRO-2", "zero_stage = 2\n"), ("ZeRO-3", "zero_stage = 3\n")]
+        {
+            let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
+            let got: Vec<Vec<f32>> = std::thread::scope(|s| {
+                let handles: Vec<_> = ranks
+                    .into_iter()
+                    .map(|c| {
+                        s.spawn(move || {
+                            let dist = Dist::of_comm(std::sync::Arc::new(c));
+                            let m = small();
+                            let o = opts(&format!("{sgd}{extra}"));
+                            let mut t = match extra.contains('3') {
+                                true => Trainer::with_zero3_groups(&m.varmap, &dist, o, &["l1.", "l2."]).unwrap(),
+                                false => Trainer::new(&m.varmap, &dist, o).unwrap(),
+                            };
+                            let flat = run(&mut t, &m, &mut |t, v, value| match add {
+                                true => t.add_to_param(v, value).unwrap(),
+                                false => t.set_param(v, value).unwrap(),
+                            });
+                            if extra.contains('3') {
+                                // Between steps, with the groups gathered (kept whole until the
+                                // next step).
+                                t.unshard().unwrap();
+                                let v = m.varmap.data().lock().unwrap()["l2.bias"].clone();
+                                let before = v.to_vec1::<f32>().unwrap();
+                                let value = Tensor::new(&[0.5f32, 0.25, 0.125], &Device::Cpu).unwrap();
+                                let want: Vec<f32> = match add {
+                                    true => before.iter().zip([0.5f32, 0.25, 0.125]).map(|(b, d)| b + d).collect(),
+                                    false => vec![0.5, 0.25, 0.125],
+                                };
+                                match add {
+                                    true => t.add_to_param(&v, &value).unwrap(),
+                                    false => t.set_param(&v, &value).unwrap(),
+                                }
+                                t.unshard().unwrap();
+                                assert_eq!(v.to_vec1::<f32>().unwrap(), want, "ZeRO-3: the gathered copy");
+                            }
+                            flat
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (r, g) in got.iter().enumerate() {
+                assert_eq!(max_abs_diff(g, &want), 0.0, "{what}, rank {r}, add {add}: the run differs from one process that set its variables");
+            }
         }
     }
     // bf16: the master takes the value, the model its rounding.
     let m = small_in(DType::BF16);
     let mut t = Trainer::new(&m.varmap, &world_of_one(), opts(&format!("{sgd}[train]\nprecision = \"bf16\"\n"))).unwrap();
     let v = m.varmap.data().lock().unwrap()["l2.bias"].clone();
+    let master = |t: &Trainer| {
+        let masters = t.master_varmap(&m.varmap).unwrap().unwrap();
+        let b = masters.data().lock().unwrap()["l2.bias"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        b
+    };
     let value = Tensor::new(&[0.1f32, 0.2, 1.0 / 3.0], &Device::Cpu).unwrap();
     t.set_param(&v, &value).unwrap();
-    let masters = t.master_varmap(&m.varmap).unwrap().unwrap();
-    let master = masters.data().lock().unwrap()["l2.bias"].flatten_all().unwrap().to_vec1::<f32>().unwrap();
-    assert_eq!(master, [0.1, 0.2, 1.0 / 3.0]);
+    assert_eq!(master(&t), [0.1, 0.2, 1.0 / 3.0]);
     let rounded = value.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap();
     assert_eq!(v.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap(), rounded);
+    for _ in 0..10 {
+        t.add_to_param(&v, &Tensor::new(&[0f32, 1e-4, 0.0], &Device::Cpu).unwrap()).unwrap();
+    }
+    let b = master(&t)[1];
+    assert!((b - 0.201).abs() < 1e-6, "ten additions of 1e-4 to 0.2 in the master: {b}");
+    assert!(v.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()[1] > rounded[1], "the model's rounding follows the master");
     let e = t.set_param(&Var::new(&[1f32], &Device::Cpu).unwrap(), &value).unwrap_err().to_string();
     assert!(e.contains("Trainer::set_param: the variable is not one of this trainer's parameters"), "{e}");
-    let e = t.set_param(&v, &value.narrow(0, 0, 2).unwrap()).unwrap_err().to_string();
-    assert!(e.contains("`l2.bias` is [3]; the value is [2]"), "{e}");
+    let e = t.add_to_param(&v, &value.narrow(0, 0, 2).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("Trainer::add_to_param: `l2.bias` is [3]; the value is [2]"), "{e}");
 }
 
 /// Stopping after 3 AdamW steps with clipping, saving, and resuming into a fresh model gives
