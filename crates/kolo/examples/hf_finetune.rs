@@ -28,7 +28,9 @@
 //! --micro M micro-batches, 2, with --schedule gpipe|1f1b); the ranks form a pp x dp x ep x sp x tp
 //! mesh, dp = ranks / (P E S T), --sp S (1: a Llama run on S chunks of every sequence, ring
 //! attention), --ep E (1: Mixtral's or Qwen3-MoE's experts dealt out over E ranks, each
-//! reading its own batches: test-data/hf/mixtral-tiny, qwen3-moe-tiny).
+//! reading its own batches: test-data/hf/mixtral-tiny, qwen3-moe-tiny), --expert-bias-rate R
+//! (0: DeepSeek-V3's selection biases moved by R after each step towards the experts given
+//! fewer than the mean of the step's tokens; test-data/hf/deepseek-v3-tiny).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use kolo::hf::finetune::{HfData, HfModel};
@@ -62,7 +64,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     let has = |k: &str| args.iter().any(|a| a == k);
     let schedule = if arg("--schedule", "1f1b") == "gpipe" { PipeSchedule::GPipe } else { PipeSchedule::OneFOneB };
     let cfg = FineTuneConfig {
-        model: HfModel { hf: model_dir.clone().into() },
+        model: HfModel { hf: model_dir.clone().into(), expert_bias_rate: arg("--expert-bias-rate", "0").parse()? },
         data: HfData {
             // Token shards from `kolo data prepare` (their tokenizer must fit the model's
             // embedding), or, as a stand-in, the text's bytes modulo the vocabulary.

@@ -193,4 +193,94 @@ impl<E: Module> MoeLayer<E> {
     pub fn take_load(&self) -> MoeLoad {
         std::mem::take(&mut *self.load.lock().unwrap_or_else(|p| p.into_inner()))
     }
+
+    /// [`Scoring::Sigmoid`]'s selection bias (`gate.e_score_correction_bias`), the variable
+    /// [`update_expert_bias`] moves; `None` with softmax scoring.
+    pub fn selection_bias(&self) -> Option<candle_core::Var> {
+        self.bias.as_ref().and_then(|b| candle_core::Var::from_tensor(b).ok())
+    }
+}
+
+/// DeepSeek-V3's balancing without an auxiliary loss (Megatron-Core's
+/// `moe_router_enable_expert_bias`): the change to each expert's selection bias after a step
+/// whose routing kept `counts[e]` assignments for expert `e` (summed over every rank routing
+/// tokens through the layer): `+rate` for an expert below the mean count, `-rate` above it, 0
+/// at it. Pure.
+pub fn expert_bias_step(counts: &[f64], rate: f64) -> Vec<f64> {
+    let mean = counts.iter().sum::<f64>() / counts.len().max(1) as f64;
+    counts
+        .iter()
+        .map(|&c| {
+            if c < mean {
+                rate
+            } else if c > mean {
+                -rate
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// DeepSeek-V3's balancing without an auxiliary loss over a job: moves MoE layers' selection
+/// biases by [`expert_bias_step`] from the counts their routing kept since the last update
+/// ([`MoeLayer::take_load`]), summed over every rank. It counts on a communicator of its own,
+/// split from the job's, because the trainer's gradient buckets may still be in flight on
+/// theirs when it runs (after the step's backward passes, before the update).
+pub struct ExpertBias {
+    comm: Arc<dyn Communicator>,
+    rate: f64,
+}
+
+impl ExpertBias {
+    /// Collective over `world` (every rank of the job): the balancing at `rate` (DeepSeek-V3's
+    /// 0.001) with its own communicator.
+    pub fn new(world: &dyn Communicator, rate: f64) -> crate::Result<ExpertBias> {
+        if !(rate > 0.0 && rate.is_finite()) {
+            return Err(crate::Error::setting("expert_bias_rate", format!("{rate} is not a number > 0")));
+        }
+        let comm = kolo_comm::split(world, Some(0), world.rank().get() as u32)?.expect("every rank has a color");
+        Ok(ExpertBias { comm, rate })
+    }
+
+    /// Collective over the job: every rank calls it after the step's backward passes and before
+    /// [`crate::Trainer::update`] (as [`crate::Trainer::step_then`]'s `before_update`).
+    /// `layers` pairs each of this rank's MoE layers that has a selection bias with its index
+    /// among the `total` such layers of the whole model (pipeline stages fill their own
+    /// layers' rows; members of a tensor-parallel group, which route the same tokens, only
+    /// scale every count alike, which leaves the signs). The biases change through
+    /// [`crate::Trainer::add_to_param`], so that checkpoints, ZeRO shards and f32 masters hold
+    /// them.
+    pub fn update<E: Module>(&self, layers: &[(usize, &MoeLayer<E>)], total: usize, trainer: &mut crate::Trainer) -> crate::Result<()> {
+        let rank = self.comm.rank().get();
+        let experts = layers.first().map_or(0, |(_, l)| l.cfg.experts);
+        let mut width = [experts as i64];
+        self.comm.all_reduce(kolo_comm::BufMut::from(&mut width[..]), kolo_comm::ReduceOp::Max)?;
+        let e = width[0] as usize;
+        let mut counts = vec![0f64; total * e];
+        for &(i, layer) in layers {
+            let load = layer.take_load().load;
+            if i >= total || layer.cfg.experts != e || layer.bias.is_none() {
+                return Err(crate::Error::usage(
+                    rank,
+                    "ExpertBias::update",
+                    format!(
+                        "layer {i} of {total}: {} experts (the model's layers have {e}), selection bias {}",
+                        layer.cfg.experts,
+                        layer.bias.is_some()
+                    ),
+                ));
+            }
+            for (c, l) in counts[i * e..(i + 1) * e].iter_mut().zip(load) {
+                *c = l as f64;
+            }
+        }
+        self.comm.all_reduce(kolo_comm::BufMut::from(&mut counts[..]), kolo_comm::ReduceOp::Sum)?;
+        for &(i, layer) in layers {
+            let Some(var) = layer.selection_bias() else { continue };
+            let delta: Vec<f32> = expert_bias_step(&counts[i * e..(i + 1) * e], self.rate).into_iter().map(|d| d as f32).collect();
+            trainer.add_to_param(&var, &Tensor::from_vec(delta, e, var.device())?)?;
+        }
+        Ok(())
+    }
 }

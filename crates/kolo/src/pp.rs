@@ -108,6 +108,17 @@ impl Pipeline {
         trainer: &mut Trainer,
         stage: impl FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>,
     ) -> Result<StepOutput> {
+        self.step_then(trainer, stage, |_| Ok(()))
+    }
+
+    /// As [`Pipeline::step`], running `before_update` on the trainer after the micro-batches'
+    /// backward passes and before the update (as [`Trainer::step_then`]).
+    pub fn step_then(
+        &self,
+        trainer: &mut Trainer,
+        stage: impl FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>,
+        before_update: impl FnOnce(&mut Trainer) -> Result<()>,
+    ) -> Result<StepOutput> {
         let Some((pp, m)) = trainer.pipeline() else {
             return Err(Error::usage(
                 0,
@@ -134,6 +145,7 @@ impl Pipeline {
         let mut loss = [report.losses.iter().map(|l| f64::from(*l)).sum::<f64>() / m as f64];
         pp.broadcast(BufMut::from(&mut loss[..]), kolo_base::Rank(k - 1))?;
         work.trainer.set_step_loss(loss[0] as f32);
+        before_update(work.trainer)?;
         work.trainer.update()
     }
 }

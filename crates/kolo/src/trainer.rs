@@ -623,6 +623,17 @@ impl Trainer {
     /// then [`Trainer::backward`] on it, and on the micro-step that completes an accumulation
     /// [`Trainer::update`]. Collective on the micro-steps that step.
     pub fn step(&mut self, loss: impl FnOnce() -> candle_core::Result<Tensor>) -> Result<StepOutput> {
+        self.step_then(loss, |_| Ok(()))
+    }
+
+    /// As [`Trainer::step`], running `before_update` on the trainer between the last micro-step's
+    /// backward and the update (where [`Trainer::set_param`] and [`Trainer::add_to_param`]
+    /// change what the update starts from and the step's checkpoint holds).
+    pub fn step_then(
+        &mut self,
+        loss: impl FnOnce() -> candle_core::Result<Tensor>,
+        before_update: impl FnOnce(&mut Trainer) -> Result<()>,
+    ) -> Result<StepOutput> {
         self.step_start.get_or_insert_with(Instant::now);
         if let Some(z) = &self.zero3 {
             z.take_error()?;
@@ -636,6 +647,7 @@ impl Trainer {
         if self.micro < self.opts.train.grad_accum.max(1) {
             return Ok(StepOutput { loss: value, stepped: false, lr: self.lr(), grad_norm: None, comm: None, skipped: false });
         }
+        before_update(self)?;
         self.update()
     }
 

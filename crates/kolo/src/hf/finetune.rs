@@ -91,6 +91,13 @@ pub struct FineTuneConfig {
 pub struct HfModel {
     /// The Hugging Face model directory.
     pub hf: PathBuf,
+    /// DeepSeek-V3's balancing without an auxiliary loss: after every step's backward passes,
+    /// each MoE layer's selection bias (`e_score_correction_bias`) moves by this much towards
+    /// the experts that were given fewer than the mean of the step's tokens, over every rank
+    /// (the paper's 0.001; 0, the default, leaves it, as `transformers` does). Only for a model
+    /// with a selection bias.
+    #[serde(default)]
+    pub expert_bias_rate: f64,
 }
 
 /// `[data]` of a fine-tuning job: windows of `seq + 1` tokens.
@@ -157,6 +164,9 @@ impl FineTuneConfig {
         }
         if d.batch_size == 0 || d.seq == 0 {
             return Err(format!("data.batch_size {} and data.seq {} must be positive", d.batch_size, d.seq));
+        }
+        if !(self.model.expert_bias_rate >= 0.0 && self.model.expert_bias_rate.is_finite()) {
+            return Err(format!("model.expert_bias_rate {} is not a number >= 0", self.model.expert_bias_rate));
         }
         if !(0.0..1.0).contains(&d.eval_fraction) {
             return Err(format!("data.eval_fraction {} is not in [0, 1)", d.eval_fraction));
@@ -235,6 +245,8 @@ pub struct FineTune {
     windows: Windows,
     /// Windows `0..train` train, `train..` are held out.
     train: usize,
+    /// `model.expert_bias_rate` > 0: DeepSeek-V3's balancing, on its own communicator.
+    balance: Option<crate::ep::ExpertBias>,
 }
 
 impl FineTune {
@@ -254,6 +266,16 @@ impl FineTune {
                 format!(
                     "expert parallelism over {ep} ranks is for models with experts (mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3); {} has none",
                     cfg.model.hf.display()
+                ),
+            ));
+        }
+        if cfg.model.expert_bias_rate > 0.0 && !model.has_selection_bias() {
+            return Err(Error::setting(
+                "model.expert_bias_rate",
+                format!(
+                    "{}: the model has no selection bias to move (DeepSeek-V3's e_score_correction_bias; its model_type is {})",
+                    cfg.model.hf.display(),
+                    model.config_json()["model_type"]
                 ),
             ));
         }
@@ -294,7 +316,9 @@ impl FineTune {
                 format!("{n} windows of {} tokens leave {train} to train on, fewer than a global batch of {need}", cfg.data.seq + 1),
             ));
         }
-        let mut ft = FineTune { cfg, dist: dist.clone(), mesh, varmap, model, trainer, windows, train };
+        let rate = cfg.model.expert_bias_rate;
+        let balance = (rate > 0.0).then(|| crate::ep::ExpertBias::new(&**dist.comm(), rate)).transpose()?;
+        let mut ft = FineTune { cfg, dist: dist.clone(), mesh, varmap, model, trainer, windows, train, balance };
         let config = ft.model.config_json().to_string();
         ft.trainer.set_checkpoint_meta(CONFIG_META, &config)?;
         let from = std::fs::canonicalize(&ft.cfg.model.hf).unwrap_or_else(|_| ft.cfg.model.hf.clone());
@@ -359,11 +383,22 @@ impl FineTune {
             // Before the step: a checkpoint the step writes resumes with the next batch.
             self.trainer.set_data_position(sampler.position());
             let model = &self.model;
+            // DeepSeek-V3: the selection biases move by the step's routing counts, before the
+            // update (so that the step's checkpoint holds them).
+            if self.balance.is_some() {
+                model.forget_expert_load();
+            }
+            let bias = self.balance.as_ref();
+            let balance = |t: &mut Trainer| match bias {
+                Some(b) => model.update_expert_bias(b, t),
+                None => Ok(()),
+            };
             if pp > 1 {
                 // Each stage runs its blocks on micro-batch `mb`; the last returns its loss.
-                pipe.step(&mut self.trainer, |mb, input| model.pipeline_stage(input, &x.narrow(0, mb * per_micro, per_micro)?))?;
+                let stage = |mb, input: Option<&Tensor>| model.pipeline_stage(input, &x.narrow(0, mb * per_micro, per_micro)?);
+                pipe.step_then(&mut self.trainer, stage, balance)?;
             } else {
-                self.trainer.step(|| model.loss(&x))?;
+                self.trainer.step_then(|| model.loss(&x), balance)?;
             }
             let done = self.trainer.steps_done();
             if (every > 0 && done.is_multiple_of(every)) || done == steps {

@@ -1471,6 +1471,44 @@ impl Llama {
         &self.cfg
     }
 
+    /// Whether the experts are chosen with a selection bias (DeepSeek-V3's
+    /// `e_score_correction_bias`), which [`Llama::update_expert_bias`] moves.
+    pub fn has_selection_bias(&self) -> bool {
+        self.cfg.experts().is_some_and(|(r, _)| r.scoring == crate::ep::Scoring::Sigmoid)
+    }
+
+    /// DeepSeek-V3's balancing without an auxiliary loss ([`crate::ep::ExpertBias::update`]):
+    /// collective over the job, every rank calling it after the step's backward passes and
+    /// before the update; each MoE layer's selection bias moves by the rate towards the experts
+    /// its routing kept fewer than the mean of, over the job's tokens since the last call.
+    /// Nothing without a selection bias.
+    pub fn update_expert_bias(&self, balance: &crate::ep::ExpertBias, trainer: &mut crate::Trainer) -> Result<()> {
+        if !self.has_selection_bias() {
+            return Ok(());
+        }
+        let sparse: Vec<usize> = (0..self.cfg.num_hidden_layers).filter(|&i| self.cfg.sparse_layer(i)).collect();
+        let mine: Vec<(usize, &crate::ep::MoeLayer<Expert>)> = self
+            .blocks
+            .iter()
+            .zip(self.layers.clone())
+            .filter_map(|(b, i)| match &b.ffn {
+                Ffn::Experts { moe, .. } => Some((sparse.iter().position(|&s| s == i)?, moe)),
+                Ffn::Dense { .. } => None,
+            })
+            .collect();
+        balance.update(&mine, sparse.len(), trainer)
+    }
+
+    /// Forgets the routing counts of the forward passes so far (an evaluation's), so that
+    /// [`Llama::update_expert_bias`] counts only the training step's.
+    pub fn forget_expert_load(&self) {
+        for b in &self.blocks {
+            if let Ffn::Experts { moe, .. } = &b.ffn {
+                moe.take_load();
+            }
+        }
+    }
+
     /// What loading the checkpoint left unused (tensors, `config.json` keys).
     pub fn load_report(&self) -> &LoadReport {
         &self.report

@@ -150,6 +150,23 @@ impl CausalLm {
             CausalLm::Gpt2(_) | CausalLm::GptNeox(_) => vec![rows, t, self.hidden_size()],
         }
     }
+    /// Whether the experts are chosen with a selection bias ([`Llama::has_selection_bias`]).
+    pub fn has_selection_bias(&self) -> bool {
+        matches!(self, CausalLm::Llama(m) if m.has_selection_bias())
+    }
+    /// [`Llama::update_expert_bias`]; nothing for a model without a selection bias.
+    pub fn update_expert_bias(&self, balance: &crate::ep::ExpertBias, trainer: &mut crate::Trainer) -> Result<()> {
+        match self {
+            CausalLm::Llama(m) => m.update_expert_bias(balance, trainer),
+            CausalLm::Gpt2(_) | CausalLm::GptNeox(_) => Ok(()),
+        }
+    }
+    /// [`Llama::forget_expert_load`].
+    pub fn forget_expert_load(&self) {
+        if let CausalLm::Llama(m) = self {
+            m.forget_expert_load();
+        }
+    }
     /// Experts per mixture-of-experts layer (Mixtral's and Qwen3-MoE's `num_local_experts`); `None` for a model
     /// without experts.
     pub fn experts(&self) -> Option<usize> {

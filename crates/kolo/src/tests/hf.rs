@@ -794,3 +794,62 @@ fn fine_tuning_evaluation_is_the_mean_loss_of_the_held_out_windows() {
     assert!(e.contains("job.toml") && e.contains("data.eval_fraction 1.5 is not in [0, 1)"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// DeepSeek-V3's balancing without an auxiliary loss: after a step on the reference ids, each
+/// MoE layer's selection bias has moved by +0.001 for the experts `transformers`' routing of
+/// those tokens gave fewer than the mean of the layer's choices and -0.001 for those given more
+/// (`expert_counts.safetensors`, made by `test-data/hf/make_expert_counts.py`: the counts are
+/// transformers', not Kolo's own), exactly, in f32; the pure rule on its own, with an expert at
+/// the mean left alone. The counts of a forward pass before the step (an evaluation's) are
+/// forgotten, not added.
+#[test]
+fn deepseek_v3_selection_biases_move_towards_balance_by_transformers_counts() {
+    assert_eq!(crate::ep::expert_bias_step(&[3.0, 1.0, 2.0, 2.0], 0.5), [-0.5, 0.5, 0.0, 0.0]);
+    let dir = kolo_testkit::files::hf_tiny("deepseek-v3");
+    let (ids, _) = reference(&dir);
+    let counts =
+        candle_core::safetensors::load(dir.join("expert_counts.safetensors"), &Device::Cpu).unwrap()["counts"].to_vec2::<f32>().unwrap();
+    let (varmap, model) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+    assert!(model.has_selection_bias());
+    let biases = |what: &str| -> Vec<Vec<f32>> {
+        let vars = varmap.data().lock().unwrap();
+        let mut names: Vec<&String> = vars.keys().filter(|k| k.ends_with("e_score_correction_bias")).collect();
+        names.sort();
+        assert_eq!(names.len(), counts.len(), "{what}: one bias per MoE layer");
+        names.iter().map(|k| vars[*k].to_vec1::<f32>().unwrap()).collect()
+    };
+    let before = biases("before");
+    let dist = super::world_of_one();
+    let opts = crate::TrainOptions::from_toml_str("[optim]\nkind = \"sgd\"\nlr = 0.01\n").unwrap();
+    let mut t = crate::Trainer::new(&varmap, &dist, opts).unwrap();
+    // An evaluation's forward pass on other tokens, then forgotten.
+    model.loss(&ids.narrow(1, 0, 5).unwrap()).unwrap();
+    model.forget_expert_load();
+    let balance = crate::ep::ExpertBias::new(&**dist.comm(), 0.001).unwrap();
+    t.step_then(|| model.loss(&ids), |t| model.update_expert_bias(&balance, t)).unwrap();
+    for (l, ((after, before), counts)) in biases("after").iter().zip(&before).zip(&counts).enumerate() {
+        let mean = counts.iter().sum::<f32>() / counts.len() as f32;
+        for (e, ((a, b), c)) in after.iter().zip(before).zip(counts).enumerate() {
+            let want = if *c < mean {
+                b + 0.001f32
+            } else if *c > mean {
+                b - 0.001f32
+            } else {
+                *b
+            };
+            assert_eq!(*a, want, "layer {l}, expert {e}: {c} of the choices (mean {mean}): bias {b} became {a}");
+        }
+    }
+    // A model without a selection bias is refused the setting by name.
+    let cfg = crate::hf::FineTuneConfig::from_toml_str(
+        &format!(
+            "[model]\nhf = \"{}\"\nexpert_bias_rate = 0.001\n[data]\ntext = \"{}\"\nbatch_size = 2\nseq = 8\n",
+            kolo_testkit::files::hf_tiny("mixtral").display(),
+            kolo_testkit::files::shakespeare().display()
+        ),
+        std::path::Path::new("job.toml"),
+    )
+    .unwrap();
+    let e = crate::hf::FineTune::new(&dist, cfg).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("model.expert_bias_rate") && e.contains("no selection bias") && e.contains("mixtral"), "{e}");
+}

@@ -453,7 +453,9 @@ fn split_backward_and_update_equal_the_closure_form() {
 #[test]
 fn set_param_and_add_to_param_reach_wherever_the_trainer_keeps_the_value() {
     let sgd = "[optim]\nkind = \"sgd\"\nlr = 0.5\n[ddp]\nbucket_cap = \"64B\"\n";
-    let new_value = |v: &Var, at: f64| Tensor::arange(0f32, v.elem_count() as f32, &Device::Cpu).unwrap().affine(0.01, at).unwrap().reshape(v.shape()).unwrap();
+    let new_value = |v: &Var, at: f64| {
+        Tensor::arange(0f32, v.elem_count() as f32, &Device::Cpu).unwrap().affine(0.01, at).unwrap().reshape(v.shape()).unwrap()
+    };
     let chosen = ["l1.weight", "l2.bias"];
     // Three steps; after the second's backward, the chosen parameters are set (or added to).
     let run = |t: &mut Trainer, m: &Small, set: &mut dyn FnMut(&mut Trainer, &Var, &Tensor)| {
@@ -483,9 +485,7 @@ fn set_param_and_add_to_param_reach_wherever_the_trainer_keeps_the_value() {
             false => v.set(value).unwrap(),
         });
         assert!(max_abs_diff(&want, &untouched) > 0.1, "setting the values changed nothing");
-        for (what, extra) in
-            [("DDP", ""), ("ZeRO-1", "zero_stage = 1\n"), ("ZeRO-2", "zero_stage = 2\n"), ("ZeRO-3", "zero_stage = 3\n")]
-        {
+        for (what, extra) in [("DDP", ""), ("ZeRO-1", "zero_stage = 1\n"), ("ZeRO-2", "zero_stage = 2\n"), ("ZeRO-3", "zero_stage = 3\n")] {
             let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
             let got: Vec<Vec<f32>> = std::thread::scope(|s| {
                 let handles: Vec<_> = ranks
@@ -528,7 +528,11 @@ fn set_param_and_add_to_param_reach_wherever_the_trainer_keeps_the_value() {
                 handles.into_iter().map(|h| h.join().unwrap()).collect()
             });
             for (r, g) in got.iter().enumerate() {
-                assert_eq!(max_abs_diff(g, &want), 0.0, "{what}, rank {r}, add {add}: the run differs from one process that set its variables");
+                assert_eq!(
+                    max_abs_diff(g, &want),
+                    0.0,
+                    "{what}, rank {r}, add {add}: the run differs from one process that set its variables"
+                );
             }
         }
     }
