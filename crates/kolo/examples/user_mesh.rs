@@ -17,6 +17,9 @@
 //! f16 over f32 masters; the loss is taken in f32), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
 //! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh),
 //! --slow-rank R (that rank's forward takes 30 ms longer: a straggler for the log to name),
+//! --schedule 2bw (PipeDream-2BW, `Pipeline::step_stream`) with --stream N (steps per stream;
+//! the whole run), --two-bw N (one process: 2BW's updates by hand in streams of N, the
+//! reference),
 //! --resume-only R (only that rank resumes: a mistake the trainer must name).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
@@ -124,7 +127,13 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     if !resume.is_empty() && only.is_none_or(|r| r == dist.rank()) {
         trainer.resume(&resume)?;
     }
-    let schedule = if arg("--schedule", "1f1b") == "gpipe" { kolo::pp::Schedule::GPipe } else { kolo::pp::Schedule::OneFOneB };
+    // PipeDream-2BW: streams of at most --stream steps (and to the end of the run).
+    let stream: usize = arg("--stream", "1000000").parse()?;
+    let schedule = match arg("--schedule", "1f1b").as_str() {
+        "gpipe" => kolo::pp::Schedule::GPipe,
+        "2bw" => kolo::pp::Schedule::TwoBw { batches: stream },
+        _ => kolo::pp::Schedule::OneFOneB,
+    };
     let per_micro = batch / dp / micro;
     // Between stages travel (micro-batch, features): the first layer's output is split over
     // the tensor-parallel group (column-parallel), the second's whole. Every stage boundary
@@ -153,8 +162,70 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
             std::thread::sleep(std::time::Duration::from_millis(30));
         }
     };
+    if pp > 1 && matches!(schedule, kolo::pp::Schedule::TwoBw { .. }) {
+        // The stream asks for the next step's micro-batches before this step's update: the
+        // batches are read ahead, by step. This step's is read before the call, so that the
+        // data position a checkpoint (at a stream's end) carries is after it.
+        let ahead = std::cell::RefCell::new(std::collections::BTreeMap::new());
+        let read = |t: u64, sampler: &mut Sampler| -> candle_core::Result<(Tensor, Tensor)> {
+            let mut ahead = ahead.borrow_mut();
+            if let std::collections::btree_map::Entry::Vacant(e) = ahead.entry(t) {
+                let (x, y) = kolo::data::mnist_tensors(&train, &sampler.next_batch(), &dist.device()).map_err(candle_core::Error::wrap)?;
+                e.insert((x.to_dtype(dtype)?, y));
+            }
+            Ok(ahead[&t].clone())
+        };
+        let sampler = std::cell::RefCell::new(sampler);
+        while trainer.steps_done() < steps {
+            let t = trainer.steps_done();
+            read(t, &mut sampler.borrow_mut())?;
+            trainer.set_data_position(sampler.borrow().position());
+            pipe.step_stream(&mut trainer, |step, mb, input| {
+                let (x, y) = read(step, &mut sampler.borrow_mut())?;
+                let h = match input {
+                    Some(h) => model.forward(h)?,
+                    None => model.forward(&x.narrow(0, mb * per_micro, per_micro)?)?,
+                };
+                match model.is_last() {
+                    true => cross_entropy(&h.to_dtype(DType::F32)?, &y.narrow(0, mb * per_micro, per_micro)?),
+                    false => Ok(h),
+                }
+            })?;
+            ahead.borrow_mut().remove(&t);
+            if trainer.steps_done() == stop_at {
+                break;
+            }
+        }
+        return finish(&mut trainer, &mesh, &dist, &out);
+    }
+    // --two-bw N: one process computing PipeDream-2BW's updates by hand (the reference): in
+    // streams of N steps, step t's gradient on the weights before step t - 1's update (the
+    // stream's first on the latest), applied to the latest weights.
+    let two_bw = arg("--two-bw", "0").parse::<u64>()?;
+    let vars: Vec<candle_core::Var> = {
+        let data = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
+        data.values().cloned().collect()
+    };
+    let mut previous: Option<Vec<Tensor>> = None;
     while trainer.steps_done() < steps {
         let (x, y) = kolo::data::mnist_tensors(&train, &sampler.next_batch(), &dist.device())?;
+        if two_bw > 0 && pp == 1 {
+            let t = trainer.steps_done();
+            if t.is_multiple_of(two_bw) {
+                previous = None;
+            }
+            let latest: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<_>>()?;
+            for (v, p) in vars.iter().zip(previous.iter().flatten()) {
+                v.set(p)?;
+            }
+            trainer.backward(&cross_entropy(&model.forward(&x.to_dtype(dtype)?)?.to_dtype(DType::F32)?, &y)?)?;
+            for (v, l) in vars.iter().zip(&latest) {
+                trainer.set_param(v, l)?;
+            }
+            trainer.update()?;
+            previous = Some(latest);
+            continue;
+        }
         let x = x.to_dtype(dtype)?;
         trainer.set_data_position(sampler.position()); // before the step, whose checkpoint carries it
         if pp > 1 {
@@ -179,7 +250,12 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
             break;
         }
     }
-    let saved = trainer.save(&out)?; // whole tensors, loadable in one process
+    finish(&mut trainer, &mesh, &dist, &out)
+}
+
+/// Writes the last checkpoint; returns where it went.
+fn finish(trainer: &mut kolo::Trainer, mesh: &kolo::Mesh, dist: &kolo::Dist, out: &str) -> Result<std::path::PathBuf> {
+    let saved = trainer.save(out)?; // whole tensors, loadable in one process
     if dist.is_main() {
         let (calls, bytes) = mesh.tp().traffic();
         println!(

@@ -195,7 +195,7 @@ impl<E: Module> MoeLayer<E> {
     }
 
     /// [`Scoring::Sigmoid`]'s selection bias (`gate.e_score_correction_bias`), the variable
-    /// [`update_expert_bias`] moves; `None` with softmax scoring.
+    /// [`ExpertBias::update`] moves; `None` with softmax scoring.
     pub fn selection_bias(&self) -> Option<candle_core::Var> {
         self.bias.as_ref().and_then(|b| candle_core::Var::from_tensor(b).ok())
     }

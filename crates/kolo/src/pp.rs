@@ -1,5 +1,6 @@
 //! Pipeline parallelism for your own candle model (GPipe and 1F1B, as torch's
-//! `torch.distributed.pipelining` and DeepSpeed's `PipelineModule`): the ranks along a
+//! `torch.distributed.pipelining` and DeepSpeed's `PipelineModule`, and PipeDream-2BW through
+//! [`Pipeline::step_stream`]): the ranks along a
 //! [`Mesh`]'s `pp` axis are stages; each builds only its own layers (the whole model's names
 //! unchanged, [`stage_layers`] says which) and runs them in one closure, and [`Pipeline::step`]
 //! moves every micro-batch's activations forward and their gradients back between stages in
@@ -38,10 +39,11 @@
 
 use crate::{Error, Mesh, Result, StepOutput, Trainer};
 use candle_core::{DType, Tensor, Var};
-use kolo_comm::BufMut;
+use kolo_comm::{BufMut, Communicator};
 use kolo_pipe::StageWork;
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 pub use kolo_pipe::schedule::partition;
 pub use kolo_pipe::Schedule;
@@ -72,21 +74,41 @@ pub fn stage_layers_by(costs: &[f64], mesh: &Mesh) -> Result<Range<usize>> {
 
 /// How a pipeline runs a step: the schedule, and the shape of the activation one stage hands
 /// the next for one micro-batch (the same for every micro-batch and stage boundary).
-#[derive(Debug)]
 pub struct Pipeline {
     schedule: Schedule,
     shape: Vec<usize>,
     /// This stage's busy and total milliseconds, summed over the steps so far.
     time: std::sync::Mutex<(f64, f64)>,
+    /// PipeDream-2BW: the open stream, and the stages' own group for the step's loss (the
+    /// pipeline group carries the stream's activations).
+    stream: std::sync::Mutex<(Option<Stream>, Option<Sync>)>,
+}
+
+/// The stages' own group beside the pipeline group.
+type Sync = Arc<dyn Communicator>;
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pipeline {{ schedule: {:?}, shape: {:?}, in_flight: {} }}", self.schedule, self.shape, self.in_flight())
+    }
 }
 
 impl Pipeline {
-    /// A pipeline of `schedule` (GPipe or 1F1B) passing activations of `shape`.
+    /// A pipeline of `schedule` passing activations of `shape`: GPipe and 1F1B run through
+    /// [`Pipeline::step`]; PipeDream-2BW (`Schedule::TwoBw { batches }`: streams of at most
+    /// `batches` steps) through [`Pipeline::step_stream`].
     pub fn new(schedule: Schedule, shape: &[usize]) -> Result<Pipeline> {
-        if matches!(schedule, Schedule::TwoBw { .. }) {
-            return Err(Error::setting("pipeline.schedule", "PipeDream-2BW is kolo train's built-in GPT's so far (GPipe and 1F1B here)"));
+        if matches!(schedule, Schedule::TwoBw { batches: 0 }) {
+            return Err(Error::setting("pipeline.schedule", "PipeDream-2BW's streams need batches >= 1"));
         }
-        Ok(Pipeline { schedule, shape: shape.to_vec(), time: Default::default() })
+        Ok(Pipeline { schedule, shape: shape.to_vec(), time: Default::default(), stream: Default::default() })
+    }
+
+    /// PipeDream-2BW: whether a stream has batches in flight. Evaluate, save or change the
+    /// model only when none has (a stream ends at the trainer's checkpoints and last step, and
+    /// after `batches` steps).
+    pub fn in_flight(&self) -> bool {
+        self.stream.lock().unwrap_or_else(|p| p.into_inner()).0.is_some()
     }
 
     /// The share of this stage's step time spent waiting rather than computing, over the steps
@@ -119,6 +141,13 @@ impl Pipeline {
         stage: impl FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>,
         before_update: impl FnOnce(&mut Trainer) -> Result<()>,
     ) -> Result<StepOutput> {
+        if let Schedule::TwoBw { .. } = self.schedule {
+            return Err(Error::usage(
+                trainer.rank(),
+                "Pipeline::step",
+                "a PipeDream-2BW pipeline runs its steps with Pipeline::step_stream",
+            ));
+        }
         let Some((pp, m)) = trainer.pipeline() else {
             return Err(Error::usage(
                 0,
@@ -147,6 +176,207 @@ impl Pipeline {
         work.trainer.set_step_loss(loss[0] as f32);
         before_update(work.trainer)?;
         work.trainer.update()
+    }
+}
+
+/// PipeDream-2BW's open stream on this stage: the executor's run, and the weights.
+struct Stream {
+    run: kolo_pipe::StageRun,
+    state: StreamState,
+}
+
+struct StreamState {
+    /// The step of the stream's first batch.
+    start: u64,
+    /// Weight versions by number (the weights after that many steps), as the model's
+    /// variables' values: the latest, and the one the batch in flight runs on.
+    versions: std::collections::BTreeMap<u64, Vec<Tensor>>,
+    /// The version the model's variables hold now.
+    loaded: u64,
+    /// The last stage: the sum of each batch's micro-batch losses.
+    losses: HashMap<u64, f64>,
+    /// The micro-batches forwarded and not yet backwarded, between calls ([`Work`]'s).
+    saved: HashMap<usize, (Option<Var>, Tensor)>,
+}
+
+impl Pipeline {
+    /// PipeDream-2BW (Narayanan et al. 2021; `kolo train`'s `pipeline.schedule = "2bw"`), for
+    /// your own model. Collective over the mesh: one optimizer step, without a flush between
+    /// steps: the batches flow through the stages as one 1F1B stream, batch t running forward
+    /// and backward on the weights after step t - 1 while step t's update makes the next ones
+    /// from the latest (W(t+1) = W(t) - step(grad f(W(t-1)))): two weight versions per stage, and
+    /// no bubble between steps. The call returns after this stage's update of step t, with
+    /// the next batch's first micro-batches possibly in flight; the next call goes on.
+    /// `stage(step, mb, input)` is [`Pipeline::step`]'s closure with the step the micro-batch
+    /// belongs to (this call's or the next one's: read that step's data). A stream ends at
+    /// the trainer's next checkpoint, its last step, or after the pipeline's `batches` steps;
+    /// the next begins from the latest weights (its first batch runs on them). While a stream
+    /// is open ([`Pipeline::in_flight`]) evaluate nothing and change no weight. Each stage
+    /// keeps a copy of its variables per version (of its dtype; ZeRO-3, whose groups are
+    /// emptied, and parameters tied across stages are refused).
+    pub fn step_stream(
+        &self,
+        trainer: &mut Trainer,
+        mut stage: impl FnMut(u64, usize, Option<&Tensor>) -> candle_core::Result<Tensor>,
+    ) -> Result<StepOutput> {
+        let op = "Pipeline::step_stream";
+        let Schedule::TwoBw { batches } = self.schedule else {
+            return Err(Error::usage(
+                trainer.rank(),
+                op,
+                format!("the pipeline's schedule is {:?}: run it with Pipeline::step", self.schedule),
+            ));
+        };
+        let Some((pp, m)) = trainer.pipeline() else {
+            return Err(Error::usage(
+                trainer.rank(),
+                op,
+                "the trainer has no pipeline: create it with Trainer::with_mesh over a mesh whose pp axis is larger than 1",
+            ));
+        };
+        let pp = pp.clone();
+        let Some(vars) = trainer.compute_vars() else {
+            return Err(Error::usage(
+                trainer.rank(),
+                op,
+                "PipeDream-2BW keeps two versions of each stage's weights; ZeRO-3 empties them between uses",
+            ));
+        };
+        if trainer.has_tied() {
+            return Err(Error::usage(
+                trainer.rank(),
+                op,
+                "PipeDream-2BW with parameters tied across stages or expert-parallel ranks is not supported",
+            ));
+        }
+        let mut held = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let (open, sync) = &mut *held;
+        if sync.is_none() {
+            // Collective over the pipeline group, between streams.
+            *sync = Some(kolo_comm::split(&*pp, Some(0), pp.rank().get() as u32)?.expect("every stage has a color"));
+        }
+        let sync = sync.clone().expect("made above");
+        let (s, k) = (pp.rank().get(), pp.world_size().get());
+        let mut st = match open.take() {
+            Some(st) => st,
+            None => {
+                let n = trainer.steps_to_drain(batches as u64);
+                let start = trainer.steps_done();
+                let now = vars.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<Vec<_>>>()?;
+                let run = kolo_pipe::StageRun::new(&*pp, Schedule::TwoBw { batches: n as usize }, m as usize, self.shape.iter().product());
+                let state =
+                    StreamState { start, versions: [(start, now)].into(), loaded: start, losses: HashMap::new(), saved: HashMap::new() };
+                Stream { run, state }
+            }
+        };
+        let (start, mu) = (st.state.start, m as usize);
+        let inner = Work {
+            trainer,
+            stage: |mb: usize, input: Option<&Tensor>| stage(start + (mb / mu) as u64, mb % mu, input),
+            shape: &self.shape,
+            first: s == 0,
+            last: s + 1 == k,
+            m,
+            saved: std::mem::take(&mut st.state.saved),
+            failure: None,
+        };
+        let until = (inner.trainer.steps_done() - start) as usize;
+        let mut work = StreamWork { inner, st: &mut st.state, vars, sync: &*sync, out: None };
+        let ran = st.run.run(&*pp, &mut work, Some(until));
+        work.st.saved = std::mem::take(&mut work.inner.saved);
+        if let Some(e) = work.inner.failure.take() {
+            return Err(e);
+        }
+        let done = ran.map_err(|e| Error::usage(work.inner.trainer.rank(), op, e.to_string()))?;
+        let out = work
+            .out
+            .take()
+            .ok_or_else(|| Error::usage(work.inner.trainer.rank(), op, format!("step {}: no update ran", start + until as u64)))?;
+        if done {
+            let report = st.run.finish(&*pp).map_err(|e| Error::usage(work.inner.trainer.rank(), op, e.to_string()))?;
+            let mut t = self.time.lock().unwrap_or_else(|p| p.into_inner());
+            t.0 += report.busy_ms;
+            t.1 += report.total_ms;
+        } else {
+            *open = Some(st);
+        }
+        Ok(out)
+    }
+}
+
+/// One call's share of a PipeDream-2BW stream: [`Work`] on the weight version of each
+/// micro-batch's batch, and the updates.
+struct StreamWork<'s, 'a, F> {
+    inner: Work<'a, F>,
+    st: &'s mut StreamState,
+    /// The model's variables, in the trainer's parameter order.
+    vars: Vec<Var>,
+    sync: &'s dyn Communicator,
+    out: Option<StepOutput>,
+}
+
+impl<F: FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>> StreamWork<'_, '_, F> {
+    /// The step of stream micro-batch `mb`.
+    fn batch_of(&self, mb: usize) -> u64 {
+        self.st.start + (mb as u64 / self.inner.m)
+    }
+
+    /// Puts weight version `v` into the model's variables.
+    fn load(&mut self, v: u64) -> Result<()> {
+        if self.st.loaded != v {
+            let values = self.st.versions.get(&v).ok_or_else(|| {
+                Error::usage(self.inner.trainer.rank(), "Pipeline::step_stream", format!("weight version {v} is not held on this stage"))
+            })?;
+            for (var, value) in self.vars.iter().zip(values) {
+                var.set(value)?;
+            }
+            self.st.loaded = v;
+        }
+        Ok(())
+    }
+
+    /// Batch `t` runs on the weights after step t - 1 (the stream's first on those it began with).
+    fn version_of(&self, t: u64) -> u64 {
+        t.saturating_sub(1).max(self.st.start)
+    }
+
+    fn update_inner(&mut self, b: usize) -> Result<()> {
+        let t = self.st.start + b as u64;
+        let latest = *self.st.versions.keys().next_back().unwrap_or(&t);
+        self.load(latest)?;
+        // The step's loss, from the last stage over the stages' own group.
+        let mut loss = [self.st.losses.remove(&t).unwrap_or(0.0) / self.inner.m as f64];
+        let k = self.sync.world_size().get();
+        self.sync.broadcast(BufMut::from(&mut loss[..]), kolo_base::Rank(k - 1))?;
+        self.inner.trainer.set_step_loss(loss[0] as f32);
+        self.out = Some(self.inner.trainer.update()?);
+        let now = self.vars.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<Vec<_>>>()?;
+        self.st.versions.insert(t + 1, now);
+        self.st.loaded = t + 1;
+        // Batch t + 1 (in flight) runs on version t; older ones are done with.
+        self.st.versions.retain(|&v, _| v >= t);
+        Ok(())
+    }
+}
+
+impl<F: FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>> StageWork for StreamWork<'_, '_, F> {
+    fn forward(&mut self, mb: usize, input: Option<Vec<f32>>) -> std::result::Result<Vec<f32>, String> {
+        let t = self.batch_of(mb);
+        let v = self.version_of(t);
+        self.load(v).map_err(|e| self.inner.fail(e))?;
+        let out = self.inner.forward(mb, input)?;
+        if self.inner.last {
+            *self.st.losses.entry(t).or_default() += f64::from(out[0]);
+        }
+        Ok(out)
+    }
+    fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> std::result::Result<Vec<f32>, String> {
+        let v = self.version_of(self.batch_of(mb));
+        self.load(v).map_err(|e| self.inner.fail(e))?;
+        self.inner.backward(mb, grad)
+    }
+    fn update(&mut self, b: usize) -> std::result::Result<(), String> {
+        self.update_inner(b).map_err(|e| self.inner.fail(e))
     }
 }
 

@@ -782,6 +782,29 @@ impl Trainer {
         self.spread.as_ref().and_then(|s| s.pp.as_ref()).map(|pp| (pp, self.opts.train.grad_accum.max(1)))
     }
 
+    /// PipeDream-2BW: how many steps from now a stream may run before it must drain: to the
+    /// next checkpoint due or the last step, at most `most`.
+    pub(crate) fn steps_to_drain(&self, most: u64) -> u64 {
+        let (done, end) = (self.steps, self.opts.train.steps);
+        (1..=most).find(|n| done + n == end || kolo_train::checkpointing::due(&self.opts.train, done + n, end).is_some()).unwrap_or(most)
+    }
+
+    /// The variables the model computes with (its bf16/f16 ones under mixed precision), in
+    /// parameter order; `None` under ZeRO-3, whose groups are emptied between uses.
+    pub(crate) fn compute_vars(&self) -> Option<Vec<candle_core::Var>> {
+        match (&self.zero3, self.model_vars.is_empty()) {
+            (Some(_), _) => None,
+            (None, true) => Some((0..self.params.len()).map(|i| self.params.get(i).var.clone()).collect()),
+            (None, false) => Some(self.model_vars.clone()),
+        }
+    }
+
+    /// Whether parameters are tied across pipeline stages or expert-parallel members (their
+    /// gradients summed over those groups in the update).
+    pub(crate) fn has_tied(&self) -> bool {
+        self.spread.as_ref().is_some_and(|s| s.layout.has_tied())
+    }
+
     /// Pipeline parallelism: the step's loss (the mean over its micro-batches, from the last
     /// stage), for the step's output and the log.
     pub(crate) fn set_step_loss(&mut self, loss: f32) {
