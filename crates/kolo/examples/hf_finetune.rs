@@ -25,7 +25,8 @@
 //! --lr (1e-3), --clip C (1.0; `none`), --zero 0|1|2|3 (3: the model's blocks are sharded
 //! ZeRO-3 groups, the model itself unchanged), --tp T (1: the model split over T ranks, heads,
 //! MLP and vocabulary), --pp P (1: the model's blocks cut into P pipeline stages, run over
-//! --micro M micro-batches, 2, with --schedule gpipe|1f1b); the ranks form a pp x dp x ep x sp x tp
+//! --micro M micro-batches, 2, with --schedule gpipe|1f1b|2bw: PipeDream-2BW, streams draining
+//! at each evaluation, --eval-every N); the ranks form a pp x dp x ep x sp x tp
 //! mesh, dp = ranks / (P E S T), --sp S (1: a Llama run on S chunks of every sequence, ring
 //! attention), --ep E (1: Mixtral's or Qwen3-MoE's experts dealt out over E ranks, each
 //! reading its own batches: test-data/hf/mixtral-tiny, qwen3-moe-tiny), --expert-bias-rate R
@@ -56,13 +57,19 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
     if let Ok(c) = arg("--clip", "1.0").parse() {
         opts = opts.clip_grad_norm(c);
     }
+    // Held-out evaluation every N steps (and at the end; a PipeDream-2BW stream drains there).
+    opts.train.eval_every = arg("--eval-every", "0").parse()?;
     if args.iter().any(|a| a == "--checkpoint") {
         // The trainer's checkpoint at the last step: whole tensors, f32 masters under mixed precision.
         opts = opts.checkpoints(arg("--checkpoint", ""), steps);
     }
     // The job `kolo train` runs for a config with `[model] hf = DIR`, here from flags.
     let has = |k: &str| args.iter().any(|a| a == k);
-    let schedule = if arg("--schedule", "1f1b") == "gpipe" { PipeSchedule::GPipe } else { PipeSchedule::OneFOneB };
+    let schedule = match arg("--schedule", "1f1b").as_str() {
+        "gpipe" => PipeSchedule::GPipe,
+        "2bw" => PipeSchedule::TwoBw,
+        _ => PipeSchedule::OneFOneB,
+    };
     let cfg = FineTuneConfig {
         model: HfModel { hf: model_dir.clone().into(), expert_bias_rate: arg("--expert-bias-rate", "0").parse()? },
         data: HfData {

@@ -209,11 +209,13 @@ impl Pipeline {
     /// the next batch's first micro-batches possibly in flight; the next call goes on.
     /// `stage(step, mb, input)` is [`Pipeline::step`]'s closure with the step the micro-batch
     /// belongs to (this call's or the next one's: read that step's data). A stream ends at
-    /// the trainer's next checkpoint, its last step, or after the pipeline's `batches` steps;
-    /// the next begins from the latest weights (its first batch runs on them). While a stream
+    /// the trainer's next checkpoint, its last step, and every multiple of the schedule's
+    /// `batches` steps (evaluate there); the next begins from the latest weights (its first
+    /// batch runs on them). While a stream
     /// is open ([`Pipeline::in_flight`]) evaluate nothing and change no weight. Each stage
     /// keeps a copy of its variables per version (of its dtype; ZeRO-3, whose groups are
-    /// emptied, and parameters tied across stages are refused).
+    /// emptied, is refused). Parameters tied across stages (an output layer tied to the
+    /// embedding) have their gradients summed in the update as under 1F1B.
     pub fn step_stream(
         &self,
         trainer: &mut Trainer,
@@ -242,13 +244,6 @@ impl Pipeline {
                 "PipeDream-2BW keeps two versions of each stage's weights; ZeRO-3 empties them between uses",
             ));
         };
-        if trainer.has_tied() {
-            return Err(Error::usage(
-                trainer.rank(),
-                op,
-                "PipeDream-2BW with parameters tied across stages or expert-parallel ranks is not supported",
-            ));
-        }
         let mut held = self.stream.lock().unwrap_or_else(|p| p.into_inner());
         let (open, sync) = &mut *held;
         if sync.is_none() {
@@ -260,8 +255,8 @@ impl Pipeline {
         let mut st = match open.take() {
             Some(st) => st,
             None => {
-                let n = trainer.steps_to_drain(batches as u64);
                 let start = trainer.steps_done();
+                let n = trainer.steps_to_drain(batches as u64 - start % batches as u64);
                 let now = vars.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<Vec<_>>>()?;
                 let run = kolo_pipe::StageRun::new(&*pp, Schedule::TwoBw { batches: n as usize }, m as usize, self.shape.iter().product());
                 let state =

@@ -799,12 +799,6 @@ impl Trainer {
         }
     }
 
-    /// Whether parameters are tied across pipeline stages or expert-parallel members (their
-    /// gradients summed over those groups in the update).
-    pub(crate) fn has_tied(&self) -> bool {
-        self.spread.as_ref().is_some_and(|s| s.layout.has_tied())
-    }
-
     /// Pipeline parallelism: the step's loss (the mean over its micro-batches, from the last
     /// stage), for the step's output and the log.
     pub(crate) fn set_step_loss(&mut self, loss: f32) {
@@ -1394,8 +1388,14 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
     // An expert-parallel group is laid out as pipeline stages are: each member holds its own
     // experts, and the parameters every member holds are tied (gradients summed, checkpoints
     // and the norm taking member 0's).
-    let stages =
-        place.ep.iter().map(|e| (e.clone(), None)).chain(place.pp.iter().map(|p| (p.clone(), place.stage_replicas.clone()))).collect();
+    // Over pipeline stages the layout reduces tied parameters and assembles checkpoints on a
+    // group of its own: the pipeline group carries activations, which PipeDream-2BW's stream
+    // keeps in flight across an update.
+    let stages_own = match &place.pp {
+        Some(p) => Some(kolo_comm::split(&**p, Some(0), p.rank().get() as u32)?.expect("every stage has a color")),
+        None => None,
+    };
+    let stages = place.ep.iter().map(|e| (e.clone(), None)).chain(stages_own.map(|p| (p, place.stage_replicas.clone()))).collect();
     let layout = crate::tp::WholeLayout::new(params, ids, place.tp.clone(), stages, natural_key)?;
     let signature = layout.signature.clone();
     if place.tp.is_none() && place.pp.is_none() && place.ep.is_none() {

@@ -172,8 +172,8 @@ impl FineTuneConfig {
             return Err(format!("data.eval_fraction {} is not in [0, 1)", d.eval_fraction));
         }
         let (pp, micro) = (self.pp(), self.micro_batches());
-        if pp > 1 && self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) {
-            return Err("pipeline.schedule = \"2bw\" is not supported for Hugging Face models (gpipe, 1f1b)".into());
+        if pp > 1 && self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw) && self.model.expert_bias_rate > 0.0 {
+            return Err("model.expert_bias_rate with pipeline.schedule = \"2bw\" (a stream routes the next step's tokens before this step's update) is not supported".into());
         }
         if !d.batch_size.is_multiple_of(micro) {
             return Err(format!("data.batch_size {} is not a multiple of pipeline.micro_batches {micro}", d.batch_size));
@@ -213,6 +213,12 @@ impl FineTuneConfig {
 }
 
 /// The windows of a job's data: token shards or a text's bytes.
+/// The windows `rows` of `windows` as a (rows, seq + 1) batch of token ids.
+fn window_batch(windows: &Windows, rows: &[usize], seq: usize, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+    let ids: Vec<u32> = rows.iter().flat_map(|&w| windows.get(w, seq + 1)).collect();
+    Tensor::from_vec(ids, (rows.len(), seq + 1), device)
+}
+
 enum Windows {
     Shards(crate::tokens::TokenShards),
     Text(Vec<u32>),
@@ -371,15 +377,24 @@ impl FineTune {
         let mut sampler = Sampler::new(sampler_cfg, self.trainer.data_position()).map_err(|e| Error::setting("data", e))?;
         let pp = self.mesh.size("pp");
         let per_micro = batch / micro;
+        let (steps, every) = (self.cfg.train.steps, self.cfg.train.eval_every);
         let schedule = match self.cfg.pipeline.as_ref().map(|p| p.schedule) {
             Some(PipeSchedule::GPipe) => crate::pp::Schedule::GPipe,
+            // Streams drain at every evaluation.
+            Some(PipeSchedule::TwoBw) => crate::pp::Schedule::TwoBw { batches: if every > 0 { every } else { steps.max(1) } as usize },
             _ => crate::pp::Schedule::OneFOneB,
         };
         let pipe = crate::pp::Pipeline::new(schedule, &self.model.stage_activation(per_micro, seq / self.mesh.size("sp")))?;
-        let (steps, every) = (self.cfg.train.steps, self.cfg.train.eval_every);
         let mut eval = None;
+        // PipeDream-2BW asks for the next step's micro-batches before this step's update: the
+        // batches are read ahead, by step.
+        let mut ahead: std::collections::BTreeMap<u64, Tensor> = Default::default();
         while self.trainer.steps_done() < steps.min(stop) {
-            let x = self.batch(&sampler.next_batch(), seq)?;
+            let t = self.trainer.steps_done();
+            let x = match ahead.remove(&t) {
+                Some(x) => x,
+                None => self.batch(&sampler.next_batch(), seq)?,
+            };
             // Before the step: a checkpoint the step writes resumes with the next batch.
             self.trainer.set_data_position(sampler.position());
             let model = &self.model;
@@ -393,7 +408,25 @@ impl FineTune {
                 Some(b) => model.update_expert_bias(b, t),
                 None => Ok(()),
             };
-            if pp > 1 {
+            if let (true, crate::pp::Schedule::TwoBw { .. }) = (pp > 1, schedule) {
+                let (windows, device) = (&self.windows, self.dist.device());
+                let ahead = std::cell::RefCell::new(&mut ahead);
+                let sampler = std::cell::RefCell::new(&mut sampler);
+                let stage = |step: u64, mb: usize, input: Option<&Tensor>| {
+                    let next = match step == t {
+                        true => x.clone(),
+                        false => {
+                            let mut ahead = ahead.borrow_mut();
+                            if let std::collections::btree_map::Entry::Vacant(e) = ahead.entry(step) {
+                                e.insert(window_batch(windows, &sampler.borrow_mut().next_batch(), seq, &device)?);
+                            }
+                            ahead[&step].clone()
+                        }
+                    };
+                    model.pipeline_stage(input, &next.narrow(0, mb * per_micro, per_micro)?)
+                };
+                pipe.step_stream(&mut self.trainer, stage)?;
+            } else if pp > 1 {
                 // Each stage runs its blocks on micro-batch `mb`; the last returns its loss.
                 let stage = |mb, input: Option<&Tensor>| model.pipeline_stage(input, &x.narrow(0, mb * per_micro, per_micro)?);
                 pipe.step_then(&mut self.trainer, stage, balance)?;
@@ -422,8 +455,7 @@ impl FineTune {
 
     /// The windows `rows` as a (rows, seq + 1) batch of token ids.
     fn batch(&self, rows: &[usize], seq: usize) -> Result<Tensor> {
-        let ids: Vec<u32> = rows.iter().flat_map(|&w| self.windows.get(w, seq + 1)).collect();
-        Ok(Tensor::from_vec(ids, (rows.len(), seq + 1), &self.dist.device())?)
+        Ok(window_batch(&self.windows, rows, seq, &self.dist.device())?)
     }
 
     /// Collective over the job: the mean loss over `train.eval_batches` batches of the held-out
