@@ -98,6 +98,8 @@ pub struct MoeLayer<E> {
     cfg: MoeConfig,
     ep: Option<ExpertParallel>,
     load: Mutex<MoeLoad>,
+    /// The sequence-parallel group whose members route the chunks of the same sequences.
+    sp: Option<crate::sp::SequenceParallel>,
 }
 
 impl<E: Module> MoeLayer<E> {
@@ -122,7 +124,18 @@ impl<E: Module> MoeLayer<E> {
             Scoring::Softmax => None,
         };
         let experts = held.clone().map(|j| expert(vb.pp("experts").pp(j))).collect::<candle_core::Result<Vec<E>>>()?;
-        Ok(MoeLayer { gate, bias, experts, held, cfg, ep: ep.cloned(), load: Mutex::new(MoeLoad::default()) })
+        Ok(MoeLayer { gate, bias, experts, held, cfg, ep: ep.cloned(), load: Mutex::new(MoeLoad::default()), sp: None })
+    }
+
+    /// The layer on a sequence-parallel group's chunks of the same sequences
+    /// ([`crate::sp::SequenceParallel::chunk`]): the auxiliary loss is the whole sequences',
+    /// its first-choice counts summed over the group (constants; collective in every forward),
+    /// each member's term its own gate probabilities against them, times the group's size, so
+    /// that the members' mean (the trainer averages their gradients) is the whole loss. Without
+    /// it each member's loss would be its chunk's, another function of the tokens.
+    pub fn over_sequence(mut self, sp: &crate::sp::SequenceParallel) -> Self {
+        self.sp = (sp.size() > 1).then(|| sp.clone());
+        self
     }
 
     /// The experts this rank holds (their indices in the whole layer).
@@ -167,7 +180,10 @@ impl<E: Module> MoeLayer<E> {
         let bias = self.bias.as_ref().map(|b| b.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()).transpose()?;
         let m = kolo_tensor::models::moe::moe_layer(&flat, self.gate.weight(), bias.as_deref(), self.experts.len(), &expert, &self.cfg, ex)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        let mut aux = m.aux;
+        let mut aux = match &self.sp {
+            Some(sp) => self.sequence_aux(sp, &m.probs, &m.routing.choices)?,
+            None => m.aux,
+        };
         if let Some(b) = &self.bias {
             // The selection bias is a parameter of the VarMap (so that it loads and exports)
             // but not trained: a gradient of zeros (candle skips a product with the constant 0).
@@ -186,6 +202,25 @@ impl<E: Module> MoeLayer<E> {
         }
         self.load.lock().unwrap_or_else(|p| p.into_inner()).add(&m.routing);
         Ok(MoeForward { output: m.out.reshape(dims)?, aux, probs: m.probs, choices: m.routing.choices })
+    }
+
+    /// Switch's auxiliary loss over the whole sequences a sequence-parallel group holds the
+    /// chunks of ([`MoeLayer::over_sequence`]).
+    fn sequence_aux(&self, sp: &crate::sp::SequenceParallel, probs: &Tensor, choices: &[usize]) -> candle_core::Result<Tensor> {
+        let (n, e) = probs.dims2()?;
+        let k = self.cfg.top_k;
+        let mut counts = vec![0f32; e + 1];
+        for tok in 0..n {
+            counts[choices[tok * k]] += 1.0;
+        }
+        counts[e] = n as f32;
+        sp.sum(&mut counts)?;
+        let tokens = f64::from(counts.pop().unwrap_or(0.0));
+        if tokens == 0.0 {
+            return probs.sum_all()?.affine(0.0, 0.0);
+        }
+        let first = Tensor::from_vec(counts, e, probs.device())?.to_dtype(probs.dtype())?;
+        probs.sum(0)?.mul(&first)?.sum_all()? * (self.cfg.aux_weight * e as f64 * sp.size() as f64 / (tokens * tokens))
     }
 
     /// The routing counts since the last call (assignments kept per expert of the whole layer,

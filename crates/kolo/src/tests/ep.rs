@@ -180,3 +180,59 @@ fn experts_no_token_reached_get_zero_gradients() {
         }
     }
 }
+
+/// A user's `MoeLayer` over a sequence-parallel group (`over_sequence`: 2 threads, each routing
+/// its chunk of 7 of the 14 tokens of one sequence): the mean of the members' auxiliary losses
+/// is the whole sequence's (one layer on the 14 tokens), and so is the mean of their gradients
+/// of the gate, within 1e-6. Without it each chunk's loss is its own (the mean parts from the
+/// whole by more than 1e-4).
+#[test]
+fn a_moe_layer_over_sequence_chunks_has_the_whole_sequences_auxiliary_loss() {
+    let cfg = MoeConfig { capacity_factor: 3.0, aux_weight: 0.5, ..cfg() };
+    let whole_x = Tensor::cat(&[input(0).0.as_tensor(), input(1).0.as_tensor()], 1).unwrap();
+    let build = |sp: Option<&crate::sp::SequenceParallel>| {
+        let varmap = VarMap::new();
+        let layer = MoeLayer::new(HIDDEN, cfg.clone(), VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu), None, swiglu).unwrap();
+        fill(&varmap);
+        (
+            varmap,
+            match sp {
+                Some(sp) => layer.over_sequence(sp),
+                None => layer,
+            },
+        )
+    };
+    let aux_and_gate_grad = |varmap: &VarMap, layer: &MoeLayer<SwiGlu>, x: &Tensor| {
+        let (_, aux) = layer.forward(x).unwrap();
+        let g = aux.backward().unwrap();
+        let gate = varmap.data().lock().unwrap()["gate.weight"].clone();
+        (aux.to_scalar::<f32>().unwrap(), g.get(gate.as_tensor()).unwrap().clone())
+    };
+    let (varmap, layer) = build(None);
+    let (want, want_grad) = aux_and_gate_grad(&varmap, &layer, &whole_x);
+    for over in [true, false] {
+        let ranks = LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
+        let got: Vec<(f32, Tensor)> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|c| {
+                    let x = whole_x.narrow(1, c.rank().get() * TOKENS, TOKENS).unwrap();
+                    s.spawn(move || {
+                        let sp = crate::sp::SequenceParallel::new(std::sync::Arc::new(c));
+                        let (varmap, layer) = build(over.then_some(&sp));
+                        aux_and_gate_grad(&varmap, &layer, &x)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mean = (got[0].0 + got[1].0) / 2.0;
+        let grad = ((&got[0].1 + &got[1].1).unwrap() / 2.0).unwrap();
+        let (d, dg) = ((mean - want).abs(), max_diff(&grad, &want_grad));
+        if over {
+            assert!(d < 1e-6 && dg < 1e-6, "over the sequence: aux {mean} against {want}, gate gradient off by {dg}");
+        } else {
+            assert!(d > 1e-4, "per chunk the mean aux {mean} equals the whole's {want}: the test would prove nothing");
+        }
+    }
+}
