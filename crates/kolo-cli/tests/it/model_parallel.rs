@@ -874,7 +874,7 @@ fn a_users_model_in_pipeline_stages_matches_one_process() {
 /// swapped to the previous version for the backward pass, the latest put back with
 /// `Trainer::set_param` for the update) within 1e-6: in 2 stages (one stream, and streams of 3
 /// steps, each starting from the latest weights), 3 stages over 4 micro-batches, 2 stages x
-/// dp 2 and 2 stages x tp 2; with AdamW and the norm clipped to 0.05 (every step clips: the
+/// dp 2 (also under ZeRO-2) and 2 stages x tp 2; with AdamW and the norm clipped to 0.05 (every step clips: the
 /// norm is taken over both stages inside the stream) under 2 stages x dp 2 within 5e-6
 /// (8e-7 measured). The rule is not plain SGD's: the two runs part by more than 1e-2. Stopped
 /// after 3 steps (a stream's end) and resumed, it ends bitwise where the run that never
@@ -894,6 +894,7 @@ fn a_users_model_under_pipedream_2bw_matches_its_rule_by_hand() {
         (2, "--pp 2 --stream 3", &streams_of_3),
         (3, "--pp 3 --micro 4", &by_hand),
         (4, "--pp 2 --dp 2", &by_hand),
+        (4, "--pp 2 --dp 2 --zero 2", &by_hand),
         (4, "--pp 2 --tp 2", &by_hand),
     ] {
         let got = user_mesh(n, &format!("{sgd} {mesh} --schedule 2bw"), &dir.join(mesh.replace([' ', '-'], "")));
