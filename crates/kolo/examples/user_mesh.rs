@@ -196,7 +196,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
                 break;
             }
         }
-        return finish(&mut trainer, &mesh, &dist, &out);
+        return finish(&mut trainer, &mesh, &dist, &out, pipe.bubble());
     }
     // --two-bw N: one process computing PipeDream-2BW's updates by hand (the reference): in
     // streams of N steps, step t's gradient on the weights before step t - 1's update (the
@@ -250,11 +250,14 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
             break;
         }
     }
-    finish(&mut trainer, &mesh, &dist, &out)
+    finish(&mut trainer, &mesh, &dist, &out, pipe.bubble())
 }
 
 /// Writes the last checkpoint; returns where it went.
-fn finish(trainer: &mut kolo::Trainer, mesh: &kolo::Mesh, dist: &kolo::Dist, out: &str) -> Result<std::path::PathBuf> {
+fn finish(trainer: &mut kolo::Trainer, mesh: &kolo::Mesh, dist: &kolo::Dist, out: &str, bubble: Option<f64>) -> Result<std::path::PathBuf> {
+    if let (Some(b), 0, 0) = (bubble, mesh.coord("dp"), mesh.coord("tp")) {
+        println!("pipeline stage {}: bubble {:.1}% of its step time", mesh.coord("pp"), 100.0 * b);
+    }
     let saved = trainer.save(out)?; // whole tensors, loadable in one process
     if dist.is_main() {
         let (calls, bytes) = mesh.tp().traffic();
