@@ -782,6 +782,24 @@ fn deepseek_v3_selection_biases_move_alike_on_every_mesh() {
     }
 }
 
+/// `hf_finetune` on the tiny `arch` model over `n` ranks with `args` (first: they win over the
+/// defaults after them, 6 steps of 16 tokens with 10 % of the windows held out), exporting
+/// under `dir`: the exported tensors and the log.
+fn finetune_tiny(dir: &Path, arch: &str, n: usize, args: &str) -> (BTreeMap<String, candle_core::Tensor>, String) {
+    let out = dir.join(format!("{arch}-{n}-{}", args.replace([' ', '-', '.'], "")));
+    let args = format!(
+        "{args} --steps 6 --seq 16 --eval-fraction 0.1 --model {} --out {} --text {}",
+        kolo_testkit::files::hf_tiny(arch).display(),
+        out.display(),
+        kolo_testkit::files::shakespeare().display()
+    );
+    let o = launch(n, "hf_finetune", &args);
+    let t = text(&o);
+    assert!(o.status.success(), "{arch}, {n} ranks, {args}: {t}");
+    let tensors = candle_core::safetensors::load(out.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    (tensors.into_iter().collect(), t)
+}
+
 /// The held-out loss `hf_finetune` printed after its 6th step (`what` names the run).
 fn held_out_loss(t: &str, what: &str) -> f64 {
     let at = t.find("step 6/6 eval loss ").unwrap_or_else(|| panic!("{what}: no held-out loss: {t}")) + "step 6/6 eval loss ".len();
@@ -804,18 +822,8 @@ fn held_out_loss(t: &str, what: &str) -> f64 {
 fn a_load_balancing_loss_over_pipeline_stages_matches_one_process() {
     let dir = fresh_dir("hf-aux-pp");
     let run = |arch: &str, n: usize, args: &str| -> (BTreeMap<String, candle_core::Tensor>, f64) {
-        let out = dir.join(format!("{arch}-{n}-{}", args.replace([' ', '-', '.'], "")));
-        let args = format!(
-            "--optim sgd --lr 0.05 {args} --steps 6 --seq 16 --eval-fraction 0.1 --model {} --out {} --text {}",
-            kolo_testkit::files::hf_tiny(arch).display(),
-            out.display(),
-            kolo_testkit::files::shakespeare().display()
-        );
-        let o = launch(n, "hf_finetune", &args);
-        let t = text(&o);
-        assert!(o.status.success(), "{arch}, {n} ranks, {args}: {t}");
-        let dev = candle_core::Device::Cpu;
-        (candle_core::safetensors::load(out.join("model.safetensors"), &dev).unwrap().into_iter().collect(), held_out_loss(&t, &args))
+        let (tensors, t) = finetune_tiny(&dir, arch, n, &format!("--optim sgd --lr 0.05 {args}"));
+        (tensors, held_out_loss(&t, args))
     };
     for (arch, (m, reference), (n, mesh)) in
         [("mixtral", (1, ""), (2, "--pp 2")), ("qwen3-moe", (1, ""), (3, "--pp 3")), ("mixtral", (2, "--sp 2"), (4, "--pp 2 --sp 2"))]
@@ -930,19 +938,9 @@ fn a_users_model_under_pipedream_2bw_matches_its_rule_by_hand() {
 fn a_hugging_face_model_under_pipedream_2bw_matches_1f1b_stream_by_stream() {
     let dir = fresh_dir("hf-2bw");
     let run = |arch: &str, n: usize, args: &str| -> (BTreeMap<String, candle_core::Tensor>, String) {
-        let out = dir.join(format!("{arch}-{n}-{}", args.replace([' ', '-', '.'], "")));
-        let args = format!(
-            "{args} --optim sgd --lr 0.05 --clip none --batch 4 --pp 2 --micro 2 --steps 6 --seq 16 --eval-fraction 0.1 --model {} --out {} --text {}",
-            kolo_testkit::files::hf_tiny(arch).display(),
-            out.display(),
-            kolo_testkit::files::shakespeare().display()
-        );
-        let o = launch(n, "hf_finetune", &args);
-        let t = text(&o);
-        assert!(o.status.success(), "{arch}, {n} ranks, {args}: {t}");
-        let evals: Vec<String> = t.lines().filter(|l| l.contains(" eval loss ")).map(str::to_string).collect();
-        let dev = candle_core::Device::Cpu;
-        (candle_core::safetensors::load(out.join("model.safetensors"), &dev).unwrap().into_iter().collect(), evals.join("\n"))
+        let (tensors, t) = finetune_tiny(&dir, arch, n, &format!("{args} --optim sgd --lr 0.05 --clip none --batch 4 --pp 2 --micro 2"));
+        let evals: Vec<&str> = t.lines().filter(|l| l.contains(" eval loss ")).collect();
+        (tensors, evals.join("\n"))
     };
     let (one_f, one_f_evals) = run("llama", 2, "--eval-every 1");
     let (streams_of_one, evals) = run("llama", 2, "--eval-every 1 --schedule 2bw");
