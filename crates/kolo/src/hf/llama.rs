@@ -1214,6 +1214,149 @@ pub struct Llama {
     report: LoadReport,
 }
 
+/// How a rank builds its blocks' layers: whole, or split over its tensor-parallel group
+/// (column-parallel in, row-parallel out, Megatron's pairs), experts dealt out over `ep`.
+struct Parts<'a> {
+    cfg: &'a LlamaConfig,
+    tp: Option<&'a crate::tp::TensorParallel>,
+    ep: Option<&'a crate::ep::ExpertParallel>,
+}
+
+impl Parts<'_> {
+    /// A whole linear layer (candle-nn's), with or without a bias.
+    fn linear(&self, i: usize, o: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
+        Ok(match bias {
+            true => Box::new(candle_nn::linear(i, o, vb)?),
+            false => Box::new(candle_nn::linear_no_bias(i, o, vb)?),
+        })
+    }
+
+    /// Column-parallel over `tp` (each member a share of the outputs).
+    fn col(&self, i: usize, o: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
+        Ok(match self.tp {
+            Some(t) => Box::new(crate::tp::ColumnParallelLinear::new(i, o, bias, vb, t)?),
+            None => self.linear(i, o, bias, vb)?,
+        })
+    }
+
+    /// Row-parallel over `tp` (each member a share of the inputs, the products summed).
+    fn row(&self, i: usize, o: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
+        Ok(match self.tp {
+            Some(t) => Box::new(crate::tp::RowParallelLinear::new(i, o, bias, vb, t)?),
+            None => self.linear(i, o, bias, vb)?,
+        })
+    }
+
+    /// Fused sections (Phi-3's qkv and gate/up): over tp, each member's share of every section.
+    fn fused(&self, sections: &[usize], bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
+        let e = self.cfg.hidden_size;
+        Ok(match self.tp {
+            Some(t) => Box::new(crate::tp::ColumnParallelLinear::sections(e, sections, bias, vb, t)?),
+            None => self.linear(e, sections.iter().sum(), bias, vb)?,
+        })
+    }
+
+    /// The attention's input projections under `a` (`self_attn`).
+    fn qkv(&self, a: &VarBuilder) -> candle_core::Result<Qkv> {
+        let cfg = self.cfg;
+        let (e, hd, h, kv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.kv_heads());
+        let qkv_bias = cfg.biases().0;
+        Ok(match (cfg.mla(), cfg.fused()) {
+            (Some(m), _) => Qkv::Mla(Mla {
+                dims: m,
+                tp: self.tp.cloned(),
+                q: match m.q_rank {
+                    Some(r) => self.col(r, h * (m.nope + m.rope), false, a.pp("q_b_proj"))?,
+                    None => self.col(e, h * (m.nope + m.rope), false, a.pp("q_proj"))?,
+                },
+                q_a: match m.q_rank {
+                    Some(r) => Some((self.linear(e, r, qkv_bias, a.pp("q_a_proj"))?, Norm::new(r, cfg, a.pp("q_a_layernorm"))?)),
+                    None => None,
+                },
+                kv_a: self.linear(e, m.kv_rank + m.rope, qkv_bias, a.pp("kv_a_proj_with_mqa"))?,
+                kv_norm: Norm::new(m.kv_rank, cfg, a.pp("kv_a_layernorm"))?,
+                kv_b: self.col(m.kv_rank, h * (m.nope + m.v), false, a.pp("kv_b_proj"))?,
+            }),
+            (None, true) => Qkv::Fused(self.fused(&[h * hd, kv * hd, kv * hd], qkv_bias, a.pp("qkv_proj"))?),
+            (None, false) => Qkv::Apart(
+                self.col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
+                self.col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
+                self.col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
+            ),
+        })
+    }
+
+    /// One gated-MLP expert of `width` under `vb`, by the model's names for its projections.
+    fn expert(&self, width: usize, [gate, up, down]: [&str; 3], vb: VarBuilder) -> candle_core::Result<Expert> {
+        let e = self.cfg.hidden_size;
+        Ok(Expert {
+            w1: self.col(e, width, false, vb.pp(gate))?,
+            w3: self.col(e, width, false, vb.pp(up))?,
+            w2: self.row(width, e, false, vb.pp(down))?,
+            act: self.cfg.activation().to_string(),
+        })
+    }
+
+    /// Block `i`'s feed-forward part under `b` (the block) and `f` (its `mlp`): its experts
+    /// (and shared expert) on a sparse layer, else the gated MLP.
+    fn ffn(&self, i: usize, b: &VarBuilder, f: &VarBuilder) -> candle_core::Result<Ffn> {
+        let cfg = self.cfg;
+        let (e, inter, mlp_bias) = (cfg.hidden_size, cfg.intermediate_size, cfg.biases().2);
+        Ok(match cfg.experts() {
+            Some((routing, _)) if cfg.sparse_layer(i) => {
+                let ((block, names), width) = (cfg.expert_names(), cfg.expert_width());
+                let (name, gated) = cfg.shared_expert_names();
+                let shared = match cfg.shared_expert_width() {
+                    Some(w) => Some(Box::new((
+                        self.expert(w, names, f.pp(name))?,
+                        if gated { Some(self.linear(e, 1, false, f.pp(format!("{name}_gate")))?) } else { None },
+                    ))),
+                    None => None,
+                };
+                let moe = crate::ep::MoeLayer::new(e, routing, b.pp(block), self.ep, |vb| self.expert(width, names, vb))?;
+                Ffn::Experts { moe, shared, scale: cfg.routed_scale() }
+            }
+            _ => Ffn::Dense {
+                gate_up: match cfg.fused() {
+                    true => GateUp::Fused(self.fused(&[inter, inter], mlp_bias, f.pp("gate_up_proj"))?),
+                    false => {
+                        GateUp::Apart(self.col(e, inter, mlp_bias, f.pp("gate_proj"))?, self.col(e, inter, mlp_bias, f.pp("up_proj"))?)
+                    }
+                },
+                down: self.row(inter, e, mlp_bias, f.pp("down_proj"))?,
+            },
+        })
+    }
+
+    /// Block `i` under `b` (`model.layers.{i}`), attending within `window`.
+    fn block(&self, i: usize, b: VarBuilder, window: Option<usize>) -> candle_core::Result<LlamaBlock> {
+        let cfg = self.cfg;
+        let (e, hd, h, kv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.kv_heads());
+        let p = self.tp.map_or(1, |t| t.size());
+        let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
+        Ok(LlamaBlock {
+            input_norm: Norm::new(e, cfg, b.pp("input_layernorm"))?,
+            qkv: self.qkv(&a)?,
+            o: self.row(cfg.mla().map_or(h * hd, |m| h * m.v), e, cfg.biases().1, a.pp("o_proj"))?,
+            post_norm: Norm::new(e, cfg, b.pp(if cfg.sandwich() { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
+            head_norms: match cfg.head_norms() {
+                true => Some((Norm::new(hd, cfg, a.pp("q_norm"))?, Norm::new(hd, cfg, a.pp("k_norm"))?)),
+                false => None,
+            },
+            out_norms: match cfg.sandwich() {
+                true => {
+                    Some((Norm::new(e, cfg, b.pp("post_attention_layernorm"))?, Norm::new(e, cfg, b.pp("post_feedforward_layernorm"))?))
+                }
+                false => None,
+            },
+            ffn: self.ffn(i, &b, &f)?,
+            heads: (h / p, kv / p),
+            window,
+            rope: usize::from(cfg.model_type() == "gemma3_text" && window.is_some()),
+        })
+    }
+}
+
 /// The token embedding: candle-nn's, or split by vocabulary over a tensor-parallel group.
 enum LlamaEmbedding {
     Whole(Embedding),
@@ -1295,9 +1438,9 @@ impl Llama {
         layers: std::ops::Range<usize>,
         ep: Option<&crate::ep::ExpertParallel>,
     ) -> candle_core::Result<Llama> {
-        use crate::tp::{ColumnParallelLinear as Col, RowParallelLinear as Row};
+        use crate::tp::ColumnParallelLinear as Col;
         use candle_nn::linear_no_bias as lin;
-        let (e, hd, h, kv) = (cfg.hidden_size, cfg.head_dim(), cfg.num_attention_heads, cfg.kv_heads());
+        let (e, h, kv) = (cfg.hidden_size, cfg.num_attention_heads, cfg.kv_heads());
         let tp = tp.filter(|t| t.size() > 1);
         let p = tp.map_or(1, |t| t.size());
         let (inter, n) = (cfg.intermediate_size, cfg.num_hidden_layers);
@@ -1315,112 +1458,11 @@ impl Llama {
         if let Some(w) = widths.find(|w| !w.is_multiple_of(p)) {
             candle_core::bail!("experts of width {w} over {p} tensor-parallel ranks: the width must be a multiple of {p}");
         }
-        let linear = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
-            Ok(match bias {
-                true => Box::new(candle_nn::linear(i, o, vb)?),
-                false => Box::new(lin(i, o, vb)?),
-            })
-        };
-        let col = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
-            Ok(match tp {
-                Some(t) => Box::new(Col::new(i, o, bias, vb, t)?),
-                None => linear(i, o, bias, vb)?,
-            })
-        };
-        let row = |i: usize, o: usize, bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
-            Ok(match tp {
-                Some(t) => Box::new(Row::new(i, o, bias, vb, t)?),
-                None => linear(i, o, bias, vb)?,
-            })
-        };
-        let (qkv_bias, o_bias, mlp_bias) = cfg.biases();
         let m = vb.pp("model");
         let (first, last) = (layers.start == 0, layers.end == cfg.num_hidden_layers);
-        let mut blocks = Vec::with_capacity(layers.len());
-        for i in layers.clone() {
-            let b = m.pp(format!("layers.{i}"));
-            let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
-            // Fused (Phi-3): over tp, each member's share of every section (q, k, v; gate, up).
-            let fused = |sections: &[usize], bias: bool, vb: VarBuilder| -> candle_core::Result<Layer> {
-                Ok(match tp {
-                    Some(t) => Box::new(Col::sections(e, sections, bias, vb, t)?),
-                    None => linear(e, sections.iter().sum(), bias, vb)?,
-                })
-            };
-            let qkv = match (cfg.mla(), cfg.fused()) {
-                (Some(m), _) => Qkv::Mla(Mla {
-                    dims: m,
-                    tp: tp.cloned(),
-                    q: match m.q_rank {
-                        Some(r) => col(r, h * (m.nope + m.rope), false, a.pp("q_b_proj"))?,
-                        None => col(e, h * (m.nope + m.rope), false, a.pp("q_proj"))?,
-                    },
-                    q_a: match m.q_rank {
-                        Some(r) => Some((linear(e, r, qkv_bias, a.pp("q_a_proj"))?, Norm::new(r, cfg, a.pp("q_a_layernorm"))?)),
-                        None => None,
-                    },
-                    kv_a: linear(e, m.kv_rank + m.rope, qkv_bias, a.pp("kv_a_proj_with_mqa"))?,
-                    kv_norm: Norm::new(m.kv_rank, cfg, a.pp("kv_a_layernorm"))?,
-                    kv_b: col(m.kv_rank, h * (m.nope + m.v), false, a.pp("kv_b_proj"))?,
-                }),
-                (None, true) => Qkv::Fused(fused(&[h * hd, kv * hd, kv * hd], qkv_bias, a.pp("qkv_proj"))?),
-                (None, false) => Qkv::Apart(
-                    col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
-                    col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
-                    col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
-                ),
-            };
-            let ffn = match &experts {
-                Some((routing, _)) if cfg.sparse_layer(i) => {
-                    let ((block, [gate, up, down]), width) = (cfg.expert_names(), cfg.expert_width());
-                    let expert = |width: usize, vb: VarBuilder| -> candle_core::Result<Expert> {
-                        Ok(Expert {
-                            w1: col(e, width, false, vb.pp(gate))?,
-                            w3: col(e, width, false, vb.pp(up))?,
-                            w2: row(width, e, false, vb.pp(down))?,
-                            act: cfg.activation().to_string(),
-                        })
-                    };
-                    let (name, gated) = cfg.shared_expert_names();
-                    let shared = match cfg.shared_expert_width() {
-                        Some(w) => Some(Box::new((
-                            expert(w, f.pp(name))?,
-                            if gated { Some(linear(e, 1, false, f.pp(format!("{name}_gate")))?) } else { None },
-                        ))),
-                        None => None,
-                    };
-                    let moe = crate::ep::MoeLayer::new(e, routing.clone(), b.pp(block), ep, |vb| expert(width, vb))?;
-                    Ffn::Experts { moe, shared, scale: cfg.routed_scale() }
-                }
-                _ => Ffn::Dense {
-                    gate_up: match cfg.fused() {
-                        true => GateUp::Fused(fused(&[inter, inter], mlp_bias, f.pp("gate_up_proj"))?),
-                        false => GateUp::Apart(col(e, inter, mlp_bias, f.pp("gate_proj"))?, col(e, inter, mlp_bias, f.pp("up_proj"))?),
-                    },
-                    down: row(inter, e, mlp_bias, f.pp("down_proj"))?,
-                },
-            };
-            blocks.push(LlamaBlock {
-                input_norm: Norm::new(e, cfg, b.pp("input_layernorm"))?,
-                qkv,
-                o: row(cfg.mla().map_or(h * hd, |m| h * m.v), e, o_bias, a.pp("o_proj"))?,
-                post_norm: Norm::new(e, cfg, b.pp(if cfg.sandwich() { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
-                head_norms: match cfg.head_norms() {
-                    true => Some((Norm::new(hd, cfg, a.pp("q_norm"))?, Norm::new(hd, cfg, a.pp("k_norm"))?)),
-                    false => None,
-                },
-                out_norms: match cfg.sandwich() {
-                    true => {
-                        Some((Norm::new(e, cfg, b.pp("post_attention_layernorm"))?, Norm::new(e, cfg, b.pp("post_feedforward_layernorm"))?))
-                    }
-                    false => None,
-                },
-                ffn,
-                heads: (h / p, kv / p),
-                window: windows[i],
-                rope: usize::from(cfg.model_type() == "gemma3_text" && windows[i].is_some()),
-            });
-        }
+        let parts = Parts { cfg, tp, ep };
+        let blocks =
+            layers.clone().map(|i| parts.block(i, m.pp(format!("layers.{i}")), windows[i])).collect::<candle_core::Result<Vec<_>>>()?;
         let lm_head: Option<Layer> = match (cfg.tie_word_embeddings || !last, tp) {
             (true, _) => None,
             (false, Some(t)) => Some(Box::new(Col::lm_head(e, cfg.vocab_size, vb.pp("lm_head"), t)?)),
