@@ -227,7 +227,6 @@ impl TrainOptions {
             (d.schedule.is_some(), "ddp.schedule", " (scheduled communication)"),
             (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every", " (the trainer does not own the batch)"),
             (d.skip_sync, "ddp.skip_sync", " (a benchmark setting of kolo train)"),
-            (d.check_collectives, "ddp.check_collectives", " (wrap the communicator with kolo_comm::Checked instead)"),
             (
                 self.optim.reference_batch.is_some() && self.data.batch_size == 0,
                 "optim.reference_batch",
@@ -522,7 +521,13 @@ impl Trainer {
             ));
         }
         kolo_train::summary::retain_freed_memory();
-        let (comm, rank, world, data_replicas) = (place.comm.clone(), place.rank, place.world.clone(), place.data_replicas);
+        let (rank, mut place) = (place.rank, place);
+        if opts.ddp.check_collectives {
+            // Every collective of the data-parallel group fingerprinted and compared across its
+            // ranks first (kolo train's `ddp.check_collectives`): a mismatch fails naming both.
+            place.comm = Arc::new(kolo_comm::Checked::new(place.comm.clone()));
+        }
+        let (comm, world, data_replicas) = (place.comm.clone(), place.world.clone(), place.data_replicas);
         let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
         let (spread, whole_signature) = spread(&place, &params, &ids, &opts)?;
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));

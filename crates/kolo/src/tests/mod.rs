@@ -991,3 +991,54 @@ fn a_non_finite_step_is_skipped_by_the_library_when_asked() {
     assert!(e.contains("the run diverged"), "{e}");
 }
 mod ep;
+
+/// `ddp.check_collectives` (kolo train's debugging setting) works from the library: on 2
+/// thread-ranks it trains bitwise as without it, and when the ranks bucket their gradients
+/// differently (rank 1 with buckets of 64 bytes), so that their all-reduces differ in
+/// size, the update fails on both (a collective mismatch, or on the rank still reducing its next
+/// bucket the other's departure), each naming the other rank, instead of summing misaligned
+/// buffers.
+#[test]
+fn checked_collectives_train_alike_and_name_a_mismatch() {
+    let sgd = "[optim]\nkind = \"sgd\"\nlr = 0.5\n";
+    let run = |toml: [String; 2]| -> Vec<Result<Vec<f32>, String>> {
+        let ranks = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(2).unwrap());
+        std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .zip(toml.clone())
+                .map(|(c, t)| {
+                    s.spawn(move || -> Result<Vec<f32>, String> {
+                        let dist = Dist::of_comm(std::sync::Arc::new(c));
+                        let m = small();
+                        let mut t = Trainer::new(&m.varmap, &dist, opts(&t)).map_err(|e| e.to_string())?;
+                        for s in 0..2 {
+                            let (x, y) = batch(8, s);
+                            t.step(|| m.loss(&x, &y)).map_err(|e| e.to_string())?;
+                        }
+                        t.flat_params().map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let checked = format!("{sgd}[ddp]\ncheck_collectives = true\n");
+    let plain = run([sgd.to_string(), sgd.to_string()]);
+    let with = run([checked.clone(), checked.clone()]);
+    assert_eq!(plain[0].as_ref().unwrap(), with[0].as_ref().unwrap(), "checked collectives changed the training");
+    let apart = run([checked.clone(), format!("{checked}bucket_cap = \"64B\"\nfirst_bucket_cap = \"64B\"\n")]);
+    let errors: Vec<&String> = apart
+        .iter()
+        .enumerate()
+        .map(|(r, got)| got.as_ref().err().unwrap_or_else(|| panic!("rank {r}: differently bucketed ranks trained on")))
+        .collect();
+    // The first to compare names the mismatch; its peer may fail on its next bucket, naming the
+    // rank that left.
+    // Checked's fingerprints name the call's number ("as call #4"); the transport's own check
+    // would not.
+    assert!(errors.iter().any(|e| e.contains("collective mismatch") && e.contains("as call #")), "{errors:?}");
+    for (r, e) in errors.iter().enumerate() {
+        assert!(e.contains(&format!("rank {}", 1 - r)), "rank {r} does not name the other rank: {e}");
+    }
+}
