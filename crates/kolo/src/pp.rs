@@ -89,7 +89,9 @@ type Sync = Arc<dyn Communicator>;
 
 impl std::fmt::Debug for Pipeline {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Pipeline {{ schedule: {:?}, shape: {:?}, in_flight: {} }}", self.schedule, self.shape, self.in_flight())
+        // `try_lock`: a closure inside `step_stream` may print the pipeline it runs in.
+        let in_flight = self.stream.try_lock().map(|s| s.0.is_some().to_string()).unwrap_or_else(|_| "running".into());
+        write!(f, "Pipeline {{ schedule: {:?}, shape: {:?}, in_flight: {in_flight} }}", self.schedule, self.shape)
     }
 }
 
