@@ -171,19 +171,29 @@ impl GradPrep<'_> {
 
 /// A local step (local SGD, or no exchange at all): this rank's own accumulated gradient, taken
 /// from the engine into `grads`, clipped by its own norm, updates its own model. Returns that
-/// norm when clipping.
+/// norm when clipping. With `group` (a model split over ranks: which parameters are split, and
+/// the ranks of one replica) the norm is the replica's, as [`GradPrep`]'s.
 pub fn apply_local(
     ddp: &Ddp,
     params: &ParamSet,
     opt: &mut Optimizer,
     grads: &mut [f32],
     clip: Option<f64>,
+    group: Option<(&[bool], &dyn kolo_base::GroupSum)>,
     lr: f32,
 ) -> Result<Option<f64>, TrainError> {
     ddp.take_accumulated(grads);
     let mut norm = None;
     if let Some(max) = clip {
-        let n = kolo_base::sum_of_squares(grads).sqrt();
+        let n = match group {
+            Some((split, group)) => {
+                let mine = ddp.ranges().iter().enumerate().filter(|&(i, _)| split[i] || group.rank() == 0);
+                let mut v = [mine.map(|(_, r)| kolo_base::sum_of_squares(&grads[r.clone()])).sum::<f64>() as f32];
+                group.sum(&mut v).map_err(TrainError::Other)?;
+                f64::from(v[0]).sqrt()
+            }
+            None => kolo_base::sum_of_squares(grads).sqrt(),
+        };
         norm = Some(n);
         let f = clip_factor(n, max);
         grads.iter_mut().for_each(|g| *g *= f);

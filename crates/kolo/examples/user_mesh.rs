@@ -13,7 +13,8 @@
 //! all ranks (64; each data-parallel replica takes B / D), --hidden H (256),
 //! --optim adamw|sgd, --lr (1e-3), --clip C (none), --init FILE (start from whole weights in
 //! a safetensors file), --save-init FILE (write the whole initial weights there and stop),
-//! --compression fp16|bf16 (the data-parallel all-reduce in 2 bytes), --zero S (0; 3 shards each of this stage's layers over the data-parallel group), --precision f32|bf16|f16 (f32: mixed precision builds the model in bf16 or
+//! --compression fp16|bf16 (the data-parallel all-reduce in 2 bytes), --local-sgd N (local SGD:
+//! the replicas' models averaged every N steps), --zero S (0; 3 shards each of this stage's layers over the data-parallel group), --precision f32|bf16|f16 (f32: mixed precision builds the model in bf16 or
 //! f16 over f32 masters; the loss is taken in f32), --plain yes (one process, candle-nn's own layers: the reference), --stop-at K,
 //! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh),
 //! --slow-rank R (that rank's forward takes 30 ms longer: a straggler for the log to name),
@@ -108,6 +109,11 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
         .batch(batch / dp, 1);
     if let Ok(c) = arg("--clip", "none").parse() {
         opts = opts.clip_grad_norm(c);
+    }
+    if args.iter().any(|a| a == "--local-sgd") {
+        // Each data-parallel replica steps alone; the replicas' models are averaged every N steps.
+        let c = format!("[ddp]\nlocal_sgd = {{ every = {} }}\n", arg("--local-sgd", "4"));
+        opts.ddp.local_sgd = kolo::TrainOptions::from_toml_str(&c)?.ddp.local_sgd;
     }
     if args.iter().any(|a| a == "--compression") {
         // The data-parallel all-reduce in 2 bytes a value (torch's fp16_compress_hook).

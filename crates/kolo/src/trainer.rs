@@ -920,8 +920,10 @@ impl Trainer {
     /// applied to its own model; every `local_sgd.every` local steps the models are averaged.
     fn local_update(&mut self, lr: f32) -> Result<(kolo_ddp::SyncStats, Option<f64>)> {
         let l = self.opts.ddp.local_sgd.clone().expect("a local step has local_sgd");
-        let norm =
-            kolo_train::update::apply_local(&self.ddp, &self.params, &mut self.opt, &mut self.local, self.opts.optim.clip_grad_norm, lr)?;
+        // On a mesh the norm sums every piece and stage of this replica.
+        let group = self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0));
+        let clip = self.opts.optim.clip_grad_norm;
+        let norm = kolo_train::update::apply_local(&self.ddp, &self.params, &mut self.opt, &mut self.local, clip, group, lr)?;
         let t = Instant::now();
         let bytes = kolo_train::local_sgd::after_update(&l, self.steps, &self.params, &*self.comm)?;
         let stats = kolo_ddp::SyncStats { wait: t.elapsed(), comm: t.elapsed(), bytes, ..Default::default() };
@@ -1221,7 +1223,12 @@ impl Trainer {
             let mut meta = self.meta.clone();
             meta.extend(loop_state_meta(self.scaler.as_ref(), None));
             let (comm, pos) = (&*self.comm, self.data_pos);
-            saved = save_checkpoint(dir, self.steps, &whole, &[], &opt, None, comm, pos, &meta, Vec::new(), background, false)?;
+            // Local SGD: each replica's own whole model and optimizer state beside replica 0's.
+            let own = match self.opts.ddp.local_sgd {
+                Some(_) => kolo_train::local_sgd::local_model_pieces(&whole, &opt, comm.rank().get())?,
+                None => Vec::new(),
+            };
+            saved = save_checkpoint(dir, self.steps, &whole, &[], &opt, None, comm, pos, &meta, own, background, false)?;
         }
         if !background {
             saved = PendingSave { target: saved.wait()?, thread: None };
@@ -1258,6 +1265,16 @@ impl Trainer {
         let mut opt = Optimizer::new(self.opt.spec().clone(), full.len());
         let ranges: Vec<_> = whole.iter().map(|p| p.range.clone()).collect();
         let r = load_checkpoint(path, &whole, &mut full, &mut opt, None, &ranges, &self.meta)?;
+        if self.opts.ddp.local_sgd.is_some() {
+            // Local SGD: this replica's own whole model and optimizer state (by its index in
+            // the data-parallel group), cut into this member's pieces below.
+            let (dp, world) = (self.comm.rank().get(), self.comm.world_size().get());
+            if let Some(note) = kolo_train::local_sgd::restore_local_model(&r, &mut full, &mut opt, dp, world)? {
+                if self.rank == 0 {
+                    kolo_base::eline!("{note}");
+                }
+            }
+        }
         *flat = t.layout.local(&full);
         let states: Vec<(&str, Vec<f32>)> = opt.state().into_iter().map(|(n, v)| (n, self.shard_state(t.layout.local(v)))).collect();
         self.opt.load_state(opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::resume", e))?;
@@ -1277,7 +1294,7 @@ impl Trainer {
         };
         let (rank, world) = (self.comm.rank().get(), self.comm.world_size().get());
         let mut notes = vec![restore_compression(&self.ddp, &r, rank, world)?];
-        if self.opts.ddp.local_sgd.is_some() {
+        if self.opts.ddp.local_sgd.is_some() && self.spread.is_none() {
             notes.push(kolo_train::local_sgd::restore_local_model(&r, &mut flat, &mut self.opt, rank, world)?);
         }
         for note in notes.into_iter().flatten().filter(|_| rank == 0) {
@@ -1413,8 +1430,12 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
         }
         return Ok((None, signature));
     }
+    // Local SGD: each data-parallel replica (its stages and pieces) steps alone between
+    // averagings; sequence-parallel members share a replica's steps, expert-parallel members
+    // and tied copies need their gradients summed every step.
+    let sp_or_ep = place.comm.world_size().get() != place.data_replicas || place.ep.is_some();
     let unsupported = [
-        (opts.ddp.local_sgd.is_some(), "ddp.local_sgd", "local SGD"),
+        (opts.ddp.local_sgd.is_some() && (sp_or_ep || layout.has_tied()), "ddp.local_sgd", "local SGD with sequence or expert parallelism, or with parameters tied across stages"),
         (
             opts.ddp.compression.as_ref().is_some_and(|c| !matches!(c.method, CompressionMethod::Fp16 | CompressionMethod::Bf16)),
             "ddp.compression",
@@ -1422,7 +1443,7 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
         ),
     ];
     if let Some((_, setting, what)) = unsupported.iter().find(|u| u.0) {
-        let reason = format!("{what} with tensor, pipeline or expert parallelism (Trainer::with_mesh) is not supported yet");
+        let reason = format!("{what} on a mesh (Trainer::with_mesh) is not supported yet");
         return Err(Error::setting(*setting, reason));
     }
     if let Some(tp) = &place.tp {
