@@ -222,12 +222,18 @@ const DDP_SYNCS_KEY: &str = "kolo.ddp_syncs";
 /// residuals, factors, counters: `state.rank{r}.codec{b}`) and its metadata (the warm-up
 /// counter, the same on every rank).
 pub fn compression_pieces(ddp: &kolo_ddp::Ddp, rank: usize) -> Result<(Vec<Piece>, BTreeMap<String, String>), TrainError> {
+    compression_pieces_of(ddp, &format!("rank{rank}"))
+}
+
+/// [`compression_pieces`] under `state.{owner}.codec{b}` (a mesh's rank names its replica and
+/// its place in the replica).
+pub fn compression_pieces_of(ddp: &kolo_ddp::Ddp, owner: &str) -> Result<(Vec<Piece>, BTreeMap<String, String>), TrainError> {
     let (syncs, states) = ddp.compression_state()?;
     let pieces = states
         .into_iter()
         .enumerate()
         .filter(|(_, v)| !v.is_empty())
-        .map(|(b, v)| Piece { name: format!("state.rank{rank}.codec{b}"), shape: vec![v.len()], offset: 0, data: v })
+        .map(|(b, v)| Piece { name: format!("state.{owner}.codec{b}"), shape: vec![v.len()], offset: 0, data: v })
         .collect();
     Ok((pieces, BTreeMap::from([(DDP_SYNCS_KEY.to_string(), syncs.to_string())])))
 }
@@ -236,6 +242,19 @@ pub fn compression_pieces(ddp: &kolo_ddp::Ddp, rank: usize) -> Result<(Vec<Piece
 /// rank's own: at another world size they cannot be assigned, so compression restarts from
 /// zero state (the warm-up counter is kept) and the returned note says so.
 pub fn restore_compression(ddp: &kolo_ddp::Ddp, r: &Resumed, rank: usize, world: usize) -> Result<Option<String>, TrainError> {
+    let other = (r.world_size != world as u64).then(|| format!("{} ranks", r.world_size));
+    restore_compression_of(ddp, r, &format!("rank{rank}"), other.as_deref(), world)
+}
+
+/// [`restore_compression`] from `state.{owner}.codec{b}`; `other`: the layout the checkpoint was
+/// written by when it is not this run's (the state then restarts from zero, and the note says so).
+pub fn restore_compression_of(
+    ddp: &kolo_ddp::Ddp,
+    r: &Resumed,
+    owner: &str,
+    other: Option<&str>,
+    world: usize,
+) -> Result<Option<String>, TrainError> {
     let syncs = match r.meta.get(DDP_SYNCS_KEY) {
         Some(v) => {
             v.parse::<u64>().map_err(|_| TrainError::Data(format!("checkpoint metadata `{DDP_SYNCS_KEY}` = {v:?} is not a number")))?
@@ -243,15 +262,15 @@ pub fn restore_compression(ddp: &kolo_ddp::Ddp, r: &Resumed, rank: usize, world:
         None => r.step,
     };
     let buckets = ddp.plan().len();
-    if r.world_size != world as u64 {
+    if let Some(other) = other {
         ddp.restore_compression_state(syncs, &vec![Vec::new(); buckets]).ok();
         let had = r.strategy_state.keys().any(|k| k.contains(".codec"));
         return Ok(had.then(|| {
-            format!("the compression state (error-feedback residuals, PowerSGD factors) was written by {} ranks and restarts from zero on {world}", r.world_size)
+            format!("the compression state (error-feedback residuals, PowerSGD factors) was written by {other} and restarts from zero on {world}")
         }));
     }
     let states: Vec<Vec<f32>> =
-        (0..buckets).map(|b| r.strategy_state.get(&format!("state.rank{rank}.codec{b}")).cloned().unwrap_or_default()).collect();
+        (0..buckets).map(|b| r.strategy_state.get(&format!("state.{owner}.codec{b}")).cloned().unwrap_or_default()).collect();
     ddp.restore_compression_state(syncs, &states)?;
     Ok(None)
 }

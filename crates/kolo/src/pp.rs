@@ -35,8 +35,8 @@
 //! travel between stages as f32, f16's loss scale carried by them); ZeRO-1/2 shard each
 //! stage's optimizer state over its `dp` group, ZeRO-3 its layers' values
 //! (`Trainer::with_mesh_zero3_groups`); local SGD averages each stage over its `dp` group
-//! (without parameters tied across stages); compression other than fp16/bf16 is refused with
-//! a pipeline so far.
+//! (without parameters tied across stages); a gradient codec compresses each rank's own
+//! buckets.
 
 use crate::{Error, Mesh, Result, StepOutput, Trainer};
 use candle_core::{DType, Tensor, Var};

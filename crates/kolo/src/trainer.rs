@@ -20,7 +20,7 @@ use kolo_tensor::ParamSet;
 use kolo_train::checkpointing::{
     compression_pieces, load_checkpoint, loop_state_meta, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
 };
-use kolo_train::config::{CompressionMethod, DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
+use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
 use kolo_train::driver::{record_spans, write_timeline, Job, StepOut};
 use kolo_train::report::{Reporter, StepRecord};
 use kolo_train::sampler::Position;
@@ -402,6 +402,8 @@ struct Spread {
     ep: usize,
     /// Every rank of the job (the end of a checkpoint).
     world: Arc<dyn Communicator>,
+    /// The ranks of one replica (every stage and piece): the codec state goes to its writer.
+    model: Arc<dyn Communicator>,
 }
 
 /// A ZeRO-3 constructor (`call`) needs `ddp.zero_stage = 3` and at least one group.
@@ -1209,6 +1211,7 @@ impl Trainer {
     /// and its member 0 in each data-parallel replica writes them as DDP would, under the
     /// model's names; the others wait for it unless the write is in the background.
     fn write_whole(&self, s: &Spread, dir: &Path, background: bool) -> Result<PendingSave> {
+        let (codec, codec_meta) = self.replica_codec_state(s)?;
         // ZeRO-3: this rank's pieces gathered from the data-parallel group's shards first.
         let values = s.layout.gather(&self.flat_params()?)?;
         let mut states = Vec::new();
@@ -1222,12 +1225,14 @@ impl Trainer {
             opt.load_state(self.opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::save", e))?;
             let mut meta = self.meta.clone();
             meta.extend(loop_state_meta(self.scaler.as_ref(), None));
+            meta.extend(codec_meta);
             let (comm, pos) = (&*self.comm, self.data_pos);
             // Local SGD: each replica's own whole model and optimizer state beside replica 0's.
-            let own = match self.opts.ddp.local_sgd {
+            let mut own = match self.opts.ddp.local_sgd {
                 Some(_) => kolo_train::local_sgd::local_model_pieces(&whole, &opt, comm.rank().get())?,
                 None => Vec::new(),
             };
+            own.extend(codec);
             saved = save_checkpoint(dir, self.steps, &whole, &[], &opt, None, comm, pos, &meta, own, background, false)?;
         }
         if !background {
@@ -1254,6 +1259,62 @@ impl Trainer {
         let mut shard = vec![0f32; z.len];
         z.gather(self.ddp.ranges(), &flat, &mut shard);
         shard
+    }
+
+    /// Gradient compression on a mesh: every rank's codec state (error-feedback residuals,
+    /// PowerSGD factors: its own buckets') gathered to its replica's writer, named
+    /// `state.rank{replica}.model{place}.codec{bucket}`, and the metadata (the codec's sync count,
+    /// the replica's size). Collective over the replica's ranks; nothing without a codec state.
+    fn replica_codec_state(&self, s: &Spread) -> Result<(Vec<kolo_checkpoint::Piece>, BTreeMap<String, String>)> {
+        let (_, mut meta) = kolo_train::checkpointing::compression_pieces_of(&self.ddp, "")?;
+        let (_, states) = self.ddp.compression_state()?;
+        let m = &*s.model;
+        let size = m.world_size().get();
+        meta.insert(CODEC_MESH_KEY.to_string(), size.to_string());
+        // What each rank's state fits: its parameters' pieces and its buckets.
+        let mine = [self.codec_layout_hash()];
+        let mut layouts = vec![0i64; size];
+        m.all_gather(kolo_comm::BufRef::from(&mine[..]), kolo_comm::BufMut::from(&mut layouts[..]))?;
+        for (r, h) in layouts.iter().enumerate() {
+            meta.insert(format!("{CODEC_LAYOUT_KEY}.model{r}"), h.to_string());
+        }
+        // Buckets and their lengths, then the values, each padded to the longest rank's.
+        let mut most = [states.len() as i64];
+        m.all_reduce(kolo_comm::BufMut::from(&mut most[..]), kolo_comm::ReduceOp::Max)?;
+        let mut lens = states.iter().map(|v| v.len() as i64).collect::<Vec<_>>();
+        lens.resize(most[0] as usize, 0);
+        let mut all_lens = vec![0i64; lens.len() * size];
+        m.all_gather(kolo_comm::BufRef::from(&lens[..]), kolo_comm::BufMut::from(&mut all_lens[..]))?;
+        let widest = all_lens.chunks(lens.len().max(1)).map(|l| l.iter().sum::<i64>()).max().unwrap_or(0) as usize;
+        if widest == 0 {
+            return Ok((Vec::new(), meta));
+        }
+        let mut mine: Vec<f32> = states.concat();
+        mine.resize(widest, 0.0);
+        let mut all = vec![0f32; widest * size];
+        m.all_gather(kolo_comm::BufRef::from(&mine[..]), kolo_comm::BufMut::from(&mut all[..]))?;
+        let replica = self.comm.rank().get();
+        let mut pieces = Vec::new();
+        for (r, (lens, data)) in all_lens.chunks(lens.len().max(1)).zip(all.chunks(widest)).enumerate() {
+            let mut at = 0;
+            for (b, &len) in lens.iter().enumerate() {
+                let len = len as usize;
+                if len > 0 {
+                    let name = format!("state.rank{replica}.model{r}.codec{b}");
+                    pieces.push(kolo_checkpoint::Piece { name, shape: vec![len], offset: 0, data: data[at..at + len].to_vec() });
+                }
+                at += len;
+            }
+        }
+        Ok((pieces, meta))
+    }
+
+    /// A hash of what this rank's codec state is laid out by: its parameters (names, the
+    /// shapes of its pieces) and its gradient buckets.
+    fn codec_layout_hash(&self) -> i64 {
+        let mut sig = self.params.signature();
+        sig.extend(self.ddp.plan().iter().enumerate().map(|(b, k)| (format!("bucket{b}"), vec![k.numel])));
+        fingerprint_hash(&sig)
     }
 
     /// Tensor parallelism: reads a checkpoint of whole tensors into this member's pieces
@@ -1293,11 +1354,29 @@ impl Trainer {
             load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?
         };
         let (rank, world) = (self.comm.rank().get(), self.comm.world_size().get());
-        let mut notes = vec![restore_compression(&self.ddp, &r, rank, world)?];
+        let mut notes = vec![match &self.spread {
+            // A mesh: this rank's codec state by its replica and its place in the replica,
+            // when the checkpoint's replicas were laid out as this run's.
+            Some(s) => {
+                let size = s.model.world_size().get();
+                let layout = r.meta.get(&format!("{CODEC_LAYOUT_KEY}.model{}", s.model.rank().get()));
+                let other = match (r.world_size == world as u64, r.meta.get(CODEC_MESH_KEY)) {
+                    (false, _) => Some(format!("{} replicas", r.world_size)),
+                    (true, Some(m)) if *m != size.to_string() => Some(format!("replicas of {m} ranks")),
+                    (true, Some(_)) if layout != Some(&self.codec_layout_hash().to_string()) => {
+                        Some("another cut of the model over the replica's ranks".to_string())
+                    }
+                    _ => None,
+                };
+                let owner = format!("rank{rank}.model{}", s.model.rank().get());
+                kolo_train::checkpointing::restore_compression_of(&self.ddp, &r, &owner, other.as_deref(), world)?
+            }
+            None => restore_compression(&self.ddp, &r, rank, world)?,
+        }];
         if self.opts.ddp.local_sgd.is_some() && self.spread.is_none() {
             notes.push(kolo_train::local_sgd::restore_local_model(&r, &mut flat, &mut self.opt, rank, world)?);
         }
-        for note in notes.into_iter().flatten().filter(|_| rank == 0) {
+        for note in notes.into_iter().flatten().filter(|_| self.rank == 0) {
             kolo_base::eline!("{note}");
         }
         for i in (0..self.params.len()).filter(|&i| self.params.is_resident(i)) {
@@ -1323,6 +1402,11 @@ impl Trainer {
         Ok(r.step)
     }
 }
+
+/// Checkpoint metadata: the ranks of one replica whose codec states a mesh's checkpoint holds.
+const CODEC_MESH_KEY: &str = "kolo.codec_replica_ranks";
+/// Checkpoint metadata: per rank of a replica (`.model{r}`), the layout its codec state fits.
+const CODEC_LAYOUT_KEY: &str = "kolo.codec_layout";
 
 /// ZeRO: this rank's shard of the whole parameters `flat` becomes its master copy, held by the
 /// DDP engine under ZeRO-3 (which gathers groups from it) and in `master` under ZeRO-1/2.
@@ -1434,14 +1518,11 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
     // averagings; sequence-parallel members share a replica's steps, expert-parallel members
     // and tied copies need their gradients summed every step.
     let sp_or_ep = place.comm.world_size().get() != place.data_replicas || place.ep.is_some();
-    let unsupported = [
-        (opts.ddp.local_sgd.is_some() && (sp_or_ep || layout.has_tied()), "ddp.local_sgd", "local SGD with sequence or expert parallelism, or with parameters tied across stages"),
-        (
-            opts.ddp.compression.as_ref().is_some_and(|c| !matches!(c.method, CompressionMethod::Fp16 | CompressionMethod::Bf16)),
-            "ddp.compression",
-            "gradient compression other than fp16/bf16 (its error-feedback state is each rank's own, and a mesh's checkpoints hold whole tensors)",
-        ),
-    ];
+    let unsupported = [(
+        opts.ddp.local_sgd.is_some() && (sp_or_ep || layout.has_tied()),
+        "ddp.local_sgd",
+        "local SGD with sequence or expert parallelism, or with parameters tied across stages",
+    )];
     if let Some((_, setting, what)) = unsupported.iter().find(|u| u.0) {
         let reason = format!("{what} on a mesh (Trainer::with_mesh) is not supported yet");
         return Err(Error::setting(*setting, reason));
@@ -1469,9 +1550,9 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
     }
     // The clipping norm: every piece and stage of a replica, summed over its ranks.
     let model = place.model.clone().expect("a model-parallel group with tp, pp or ep");
-    let norm: (Arc<dyn kolo_base::GroupSum>, Vec<bool>) = (kolo_comm::SumGroup::new(model), layout.split_flags());
+    let norm: (Arc<dyn kolo_base::GroupSum>, Vec<bool>) = (kolo_comm::SumGroup::new(model.clone()), layout.split_flags());
     let ep = place.ep.as_ref().map_or(1, |e| e.world_size().get());
-    Ok((Some(Spread { layout, norm, pp: place.pp.clone(), ep, world: place.world.clone() }), signature))
+    Ok((Some(Spread { layout, norm, pp: place.pp.clone(), ep, world: place.world.clone(), model }), signature))
 }
 
 /// Parameters as `(name, shape)`.
