@@ -467,37 +467,57 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// One path (issue #31): Kolo's built-in MLP trained by `kolo train` and by a program that
 /// builds the same model and trains it through the library's `Trainer`, from the same config
 /// file, on 2 processes, end with bitwise the same parameters after 6 AdamW steps with weight
-/// decay, a cosine schedule, gradient accumulation and clipping, under DDP and ZeRO-2. (Two
-/// ranks: a sum of two is exact in any order, so the buckets' layouts cannot differ in result.)
+/// decay, a cosine schedule, gradient accumulation and clipping, under DDP, ZeRO-1, ZeRO-2, the
+/// all-reduce in fp16, PowerSGD (its error feedback), local SGD (averaging every 2 steps) and
+/// checked collectives. (Two ranks: a sum of two is exact in any order, so the buckets' layouts
+/// cannot differ in result.)
 #[test]
 fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
     let dir = fresh_dir("one-path");
     std::fs::create_dir_all(&dir).unwrap();
-    for zero in [0, 2] {
-        let config = dir.join(format!("mlp-z{zero}.toml"));
-        let cli = dir.join(format!("cli-z{zero}"));
+    let mut plain = None;
+    for (tag, ddp) in [
+        ("z0", "zero_stage = 0"),
+        ("z1", "zero_stage = 1"),
+        ("z2", "zero_stage = 2"),
+        ("fp16", "compression = { method = \"fp16\", warmup_steps = 0 }"),
+        ("powersgd", "compression = { method = \"powersgd\", warmup_steps = 1 }"),
+        ("local-sgd", "local_sgd = { every = 2 }"),
+        ("checked", "check_collectives = true"),
+    ] {
+        let config = dir.join(format!("mlp-{tag}.toml"));
+        let cli = dir.join(format!("cli-{tag}"));
         std::fs::write(
             &config,
             format!(
                 "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n\
                  [optim]\nkind = \"adamw\"\nlr = 0.003\nweight_decay = 0.1\nclip_grad_norm = 0.5\nschedule = \"cosine\"\nwarmup_steps = 2\n\
-                 [ddp]\nzero_stage = {zero}\n[train]\nsteps = 6\ngrad_accum = 2\nlog_every = 3\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 6\n",
+                 [ddp]\n{ddp}\n[train]\nsteps = 6\ngrad_accum = 2\nlog_every = 3\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 6\n",
                 kolo_testkit::files::mnist_dir().display(),
                 cli.display()
             ),
         )
         .unwrap();
         let o = run(&["launch", "-n", "2", "--", super::KOLO, "train", "--config", config.to_str().unwrap()], &[]);
-        assert!(o.status.success(), "kolo train, ZeRO-{zero}: {}", text(&o));
-        let lib = dir.join(format!("lib-z{zero}"));
+        assert!(o.status.success(), "kolo train, {tag}: {}", text(&o));
+        let lib = dir.join(format!("lib-{tag}"));
         let o = launch(2, "builtin", &format!("{} {}", config.display(), lib.display()));
-        assert!(o.status.success(), "library, ZeRO-{zero}: {}", text(&o));
+        assert!(o.status.success(), "library, {tag}: {}", text(&o));
         let step_dir = |d: &std::path::Path| std::fs::read_dir(d).unwrap().next().unwrap().unwrap().path();
         let (by_cli, by_lib) = (model_tensors(&step_dir(&cli)), model_tensors(&step_dir(&lib)));
-        assert_eq!(by_cli.keys().collect::<Vec<_>>(), by_lib.keys().collect::<Vec<_>>(), "ZeRO-{zero}: parameter names");
+        assert_eq!(by_cli.keys().collect::<Vec<_>>(), by_lib.keys().collect::<Vec<_>>(), "{tag}: parameter names");
         for (k, v) in &by_cli {
             let d = v.iter().zip(&by_lib[k]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(v == &by_lib[k], "ZeRO-{zero}: `{k}` differs between kolo train and the library by up to {d}");
+            assert!(v == &by_lib[k], "{tag}: `{k}` differs between kolo train and the library by up to {d}");
+        }
+        // The lossy and local settings change the training (so both sides applied them).
+        match tag {
+            "z0" => plain = Some(by_cli),
+            "fp16" | "powersgd" | "local-sgd" => {
+                let plain = plain.as_ref().expect("z0 runs first");
+                assert!(plain.iter().any(|(k, v)| v != &by_cli[k]), "{tag} trained exactly as plain DDP: the setting was not applied");
+            }
+            _ => {}
         }
     }
 }
