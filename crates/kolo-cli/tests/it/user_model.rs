@@ -444,7 +444,11 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     for p in model.params().iter() {
         varmap.data().lock().unwrap().insert(p.name.clone(), p.var.clone());
     }
-    let mut trainer = kolo::Trainer::new(&varmap, &dist, kolo::TrainOptions::from_train_config(&cfg)?)?;
+    let mut opts = kolo::TrainOptions::from_train_config(&cfg)?;
+    // The config's checkpoints are kolo train's: the library's run saves to `out` alone (it
+    // overwrote kolo train's checkpoint once, and the comparison compared the library with itself).
+    opts.train.checkpoint_dir = None;
+    let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
     let train = kolo::data::Mnist::load(std::path::Path::new(cfg.data.path.as_deref().unwrap()), "train")?;
     let scfg = kolo::data::SamplerConfig {
         len: kolo::data::Dataset::len(&train),
