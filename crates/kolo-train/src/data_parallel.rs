@@ -275,7 +275,7 @@ impl<'a> DataParallel<'a> {
     fn local_update(&mut self, step: u64, lr: f32, local_step: bool, out: &mut StepOut) -> Result<(), TrainError> {
         let cfg = self.cfg;
         let params = self.model.params();
-        crate::update::apply_local(&self.ddp, params, &mut self.opt, &mut self.micro, cfg.optim.clip_grad_norm, None, lr)?;
+        crate::update::apply_local(&self.ddp, params, &mut self.opt, &mut self.micro, cfg.optim.clip_grad_norm, None, None, lr)?;
         if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
             out.rec.comm_bytes = Some(crate::local_sgd::after_update(l, step, params, &*self.comm)?);
         }

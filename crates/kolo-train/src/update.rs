@@ -172,7 +172,10 @@ impl GradPrep<'_> {
 /// A local step (local SGD, or no exchange at all): this rank's own accumulated gradient, taken
 /// from the engine into `grads`, clipped by its own norm, updates its own model. Returns that
 /// norm when clipping. With `group` (a model split over ranks: which parameters are split, and
-/// the ranks of one replica) the norm is the replica's, as [`GradPrep`]'s.
+/// the ranks of one replica) the norm is the replica's, as [`GradPrep`]'s; with `sp` (a
+/// sequence-parallel group, whose members hold the chunks of the same sequences) the gradients
+/// are averaged over it first.
+#[allow(clippy::too_many_arguments)]
 pub fn apply_local(
     ddp: &Ddp,
     params: &ParamSet,
@@ -180,9 +183,13 @@ pub fn apply_local(
     grads: &mut [f32],
     clip: Option<f64>,
     group: Option<(&[bool], &dyn kolo_base::GroupSum)>,
+    sp: Option<&dyn Communicator>,
     lr: f32,
 ) -> Result<Option<f64>, TrainError> {
     ddp.take_accumulated(grads);
+    if let Some(sp) = sp {
+        sp.all_reduce(BufMut::from(&mut grads[..]), ReduceOp::Avg)?;
+    }
     let mut norm = None;
     if let Some(max) = clip {
         let n = match group {

@@ -26,7 +26,8 @@
 //! ZeRO-3 groups, the model itself unchanged), --tp T (1: the model split over T ranks, heads,
 //! MLP and vocabulary), --pp P (1: the model's blocks cut into P pipeline stages, run over
 //! --micro M micro-batches, 2, with --schedule gpipe|1f1b|2bw: PipeDream-2BW, streams draining
-//! at each evaluation, --eval-every N); the ranks form a pp x dp x ep x sp x tp
+//! at each evaluation, --eval-every N), --local-sgd N (the data-parallel replicas' models
+//! averaged every N steps); the ranks form a pp x dp x ep x sp x tp
 //! mesh, dp = ranks / (P E S T), --sp S (1: a Llama run on S chunks of every sequence, ring
 //! attention), --ep E (1: Mixtral's or Qwen3-MoE's experts dealt out over E ranks, each
 //! reading its own batches: test-data/hf/mixtral-tiny, qwen3-moe-tiny), --expert-bias-rate R
@@ -56,6 +57,11 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         .log_every(5);
     if let Ok(c) = arg("--clip", "1.0").parse() {
         opts = opts.clip_grad_norm(c);
+    }
+    if args.iter().any(|a| a == "--local-sgd") {
+        // Local SGD: each data-parallel replica steps alone, the models averaged every N steps.
+        let c = format!("[ddp]\nlocal_sgd = {{ every = {} }}\n", arg("--local-sgd", "4"));
+        opts.ddp.local_sgd = kolo::TrainOptions::from_toml_str(&c)?.ddp.local_sgd;
     }
     // Held-out evaluation every N steps (and at the end; a PipeDream-2BW stream drains there).
     opts.train.eval_every = arg("--eval-every", "0").parse()?;

@@ -56,6 +56,10 @@ impl SequenceParallel {
     pub fn size(&self) -> usize {
         self.ring.0.world_size().get()
     }
+    /// The group's communicator.
+    pub(crate) fn comm(&self) -> &Arc<dyn Communicator> {
+        &self.ring.0
+    }
     /// This member's chunk of `t` along `dim` (a sequence dimension that must split evenly).
     pub fn chunk(&self, t: &Tensor, dim: usize) -> candle_core::Result<Tensor> {
         let (n, p) = (t.dim(dim)?, self.size());

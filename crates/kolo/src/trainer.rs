@@ -349,6 +349,8 @@ pub struct Trainer {
     data_replicas: usize,
     /// `train.on_nonfinite = "skip"`: the steps skipped so far.
     nonfinite_skipped: u64,
+    /// The sequence-parallel group: a local SGD step averages its members' gradients.
+    sp: Option<Arc<dyn Communicator>>,
 }
 
 /// Where a trainer runs: its data-parallel group, this process's rank in the job, and the
@@ -364,6 +366,8 @@ struct Place {
     ep: Option<Arc<dyn Communicator>>,
     /// The ranks of one replica (every stage and piece), when there are several.
     model: Option<Arc<dyn Communicator>>,
+    /// The sequence-parallel group (the chunks of the same sequences), when there is one.
+    sp: Option<Arc<dyn Communicator>>,
     world: Arc<dyn Communicator>,
     /// Replicas reading their own batches (a mesh's `dp`; its `sp` ranks share theirs).
     data_replicas: usize,
@@ -381,6 +385,7 @@ impl Place {
             stage_replicas: None,
             ep: None,
             model: None,
+            sp: None,
             world: comm,
             data_replicas,
         }
@@ -495,7 +500,8 @@ impl Trainer {
         // The members of an expert-parallel group read their own batches.
         let (comm, world, data_replicas) = (mesh.replicas().clone(), mesh.world().clone(), mesh.size("dp") * mesh.size("ep"));
         let stage_replicas = pp.as_ref().and(mesh.stage_replicas().cloned());
-        Ok(Place { comm, rank: mesh.rank(), tp, pp, stage_replicas, ep, model, world, data_replicas })
+        let sp = (mesh.size("sp") > 1).then(|| mesh.sp().comm().clone());
+        Ok(Place { comm, rank: mesh.rank(), tp, pp, stage_replicas, ep, model, sp, world, data_replicas })
     }
 
     /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`, torch's FSDP): the
@@ -530,6 +536,7 @@ impl Trainer {
             place.comm = Arc::new(kolo_comm::Checked::new(place.comm.clone()));
         }
         let (comm, world, data_replicas) = (place.comm.clone(), place.world.clone(), place.data_replicas);
+        let place_sp = place.sp.clone();
         let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
         let (spread, whole_signature) = spread(&place, &params, &ids, &opts)?;
         let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
@@ -621,6 +628,7 @@ impl Trainer {
             start_agreed: false,
             data_replicas,
             nonfinite_skipped: 0,
+            sp: place_sp,
             saving: None,
             opts,
         })
@@ -925,7 +933,8 @@ impl Trainer {
         // On a mesh the norm sums every piece and stage of this replica.
         let group = self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0));
         let clip = self.opts.optim.clip_grad_norm;
-        let norm = kolo_train::update::apply_local(&self.ddp, &self.params, &mut self.opt, &mut self.local, clip, group, lr)?;
+        let sp = self.sp.as_deref();
+        let norm = kolo_train::update::apply_local(&self.ddp, &self.params, &mut self.opt, &mut self.local, clip, group, sp, lr)?;
         let t = Instant::now();
         let bytes = kolo_train::local_sgd::after_update(&l, self.steps, &self.params, &*self.comm)?;
         let stats = kolo_ddp::SyncStats { wait: t.elapsed(), comm: t.elapsed(), bytes, ..Default::default() };
@@ -1515,17 +1524,12 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
         return Ok((None, signature));
     }
     // Local SGD: each data-parallel replica (its stages and pieces) steps alone between
-    // averagings; sequence-parallel members share a replica's steps, expert-parallel members
-    // and tied copies need their gradients summed every step.
-    let sp_or_ep = place.comm.world_size().get() != place.data_replicas || place.ep.is_some();
-    let unsupported = [(
-        opts.ddp.local_sgd.is_some() && (sp_or_ep || layout.has_tied()),
-        "ddp.local_sgd",
-        "local SGD with sequence or expert parallelism, or with parameters tied across stages",
-    )];
-    if let Some((_, setting, what)) = unsupported.iter().find(|u| u.0) {
-        let reason = format!("{what} on a mesh (Trainer::with_mesh) is not supported yet");
-        return Err(Error::setting(*setting, reason));
+    // averagings (its sequence-parallel members averaging their gradients every step);
+    // expert-parallel members and tied copies need their gradients summed every step.
+    if opts.ddp.local_sgd.is_some() && (place.ep.is_some() || layout.has_tied()) {
+        let reason =
+            "local SGD with expert parallelism, or with parameters tied across stages, on a mesh (Trainer::with_mesh) is not supported yet";
+        return Err(Error::setting("ddp.local_sgd", reason));
     }
     if let Some(tp) = &place.tp {
         let mine = [fingerprint_hash(&signature)];

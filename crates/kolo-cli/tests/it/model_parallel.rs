@@ -1019,6 +1019,47 @@ fn local_sgd_on_a_mesh_matches_local_sgd_of_the_whole_model() {
     );
 }
 
+/// Local SGD with sequence parallelism (the tiny Hugging Face Llama, averaging every 4 of 6 SGD
+/// steps): the two members of a sequence-parallel group hold one replica, so a local step
+/// averages their gradients; dp 2 x sp 2 then ends where dp 2 on whole sequences ends,
+/// replica 0's model and replica 1's own (kept by both of its sp members, bitwise alike)
+/// within 5e-5 (ring attention reassociates: 7.9e-6 measured), while local SGD parts from DDP
+/// by more than 1e-2. Without the average each sp member stepped on its own chunk.
+#[test]
+fn local_sgd_with_sequence_parallelism_keeps_a_replica_whole() {
+    let dir = fresh_dir("hf-local-sgd-sp");
+    let run = |n: usize, args: &str, tag: &str| -> BTreeMap<String, Vec<f32>> {
+        let out = dir.join(tag);
+        let args = format!(
+            "{args} --optim sgd --lr 0.05 --clip none --batch 2 --steps 6 --seq 16 --model {} --out {} --checkpoint {} --text {}",
+            kolo_testkit::files::hf_llama_tiny().display(),
+            out.display(),
+            out.join("ck").display(),
+            kolo_testkit::files::shakespeare().display()
+        );
+        let o = launch(n, "hf_finetune", &args);
+        assert!(o.status.success(), "{n} ranks, {args}: {}", text(&o));
+        let ck = kolo_checkpoint::sharded::load_any(&dir_of(&out.join("ck"))).unwrap();
+        ck.tensors.into_iter().filter(|e| e.name.starts_with("model.") || e.name.contains(".params")).map(|e| (e.name, e.data)).collect()
+    };
+    let dp = run(2, "--dp 2 --local-sgd 4", "dp2");
+    let ddp = run(2, "--dp 2", "ddp");
+    let models =
+        |m: &BTreeMap<String, Vec<f32>>| m.iter().filter(|(k, _)| k.starts_with("model.")).map(|(k, v)| (k.clone(), v.clone())).collect();
+    let (k, d) = worst(&models(&dp), &models(&ddp));
+    assert!(d > 1e-2, "local SGD parts from DDP by only {d} (`{k}`)");
+    let sp = run(4, "--dp 2 --sp 2 --local-sgd 4", "dp2-sp2");
+    let (k, d) = worst(&models(&dp), &models(&sp));
+    eprintln!("local SGD, dp 2 x sp 2: replica 0 within {d} of dp 2 (`{k}`)");
+    assert!(d < 5e-5, "local SGD, dp 2 x sp 2: replica 0's `{k}` differs from dp 2's by {d}");
+    // The data-parallel group of dp 2 x sp 2 orders its ranks (dp, sp): replica 1 is ranks 2, 3.
+    let own = |m: &BTreeMap<String, Vec<f32>>, r: usize| m[&format!("state.rank{r}.params")].clone();
+    assert_eq!(own(&sp, 2), own(&sp, 3), "the two sp members of replica 1 hold different models");
+    let d = own(&dp, 1).iter().zip(own(&sp, 2)).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    eprintln!("local SGD, dp 2 x sp 2: replica 1 within {d} of dp 2");
+    assert!(d < 5e-5, "local SGD, dp 2 x sp 2: replica 1's own model differs from dp 2's by {d}");
+}
+
 /// Gradient compression whose state is each rank's own, on a mesh: PowerSGD (rank 1) over
 /// dp 2 x tp 2 and top-k over 2 stages x dp 2 (each rank compressing its own buckets), stopped
 /// after 3 steps and resumed, end bitwise where the runs that never stopped end: the checkpoint
