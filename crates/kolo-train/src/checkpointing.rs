@@ -235,7 +235,12 @@ pub fn compression_pieces_of(ddp: &kolo_ddp::Ddp, owner: &str) -> Result<(Vec<Pi
         .filter(|(_, v)| !v.is_empty())
         .map(|(b, v)| Piece { name: format!("state.{owner}.codec{b}"), shape: vec![v.len()], offset: 0, data: v })
         .collect();
-    Ok((pieces, BTreeMap::from([(DDP_SYNCS_KEY.to_string(), syncs.to_string())])))
+    Ok((pieces, codec_meta(syncs)))
+}
+
+/// The checkpoint metadata of the codec state: how many gradient exchanges it has seen.
+pub fn codec_meta(syncs: u64) -> BTreeMap<String, String> {
+    BTreeMap::from([(DDP_SYNCS_KEY.to_string(), syncs.to_string())])
 }
 
 /// Restores [`compression_pieces`] on rank `rank` of `world`. Residuals and factors are each

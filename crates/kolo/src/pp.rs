@@ -98,8 +98,8 @@ impl std::fmt::Debug for Pipeline {
 
 impl Pipeline {
     /// A pipeline of `schedule` passing activations of `shape`: GPipe and 1F1B run through
-    /// [`Pipeline::step`]; PipeDream-2BW (`Schedule::TwoBw { batches }`: streams of at most
-    /// `batches` steps) through [`Pipeline::step_stream`].
+    /// [`Pipeline::step`]; PipeDream-2BW (`Schedule::TwoBw { batches }`: streams that drain at
+    /// every multiple of `batches` steps) through [`Pipeline::step_stream`].
     pub fn new(schedule: Schedule, shape: &[usize]) -> Result<Pipeline> {
         if matches!(schedule, Schedule::TwoBw { batches: 0 }) {
             return Err(Error::setting("pipeline.schedule", "PipeDream-2BW's streams need batches >= 1"));
@@ -109,7 +109,7 @@ impl Pipeline {
 
     /// PipeDream-2BW: whether a stream has batches in flight. Evaluate, save or change the
     /// model only when none has (a stream ends at the trainer's checkpoints and last step, and
-    /// after `batches` steps).
+    /// at every multiple of `batches` steps).
     pub fn in_flight(&self) -> bool {
         self.stream.lock().unwrap_or_else(|p| p.into_inner()).0.is_some()
     }

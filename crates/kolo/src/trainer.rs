@@ -1275,8 +1275,8 @@ impl Trainer {
     /// `state.rank{replica}.model{place}.codec{bucket}`, and the metadata (the codec's sync count,
     /// the replica's size). Collective over the replica's ranks; nothing without a codec state.
     fn replica_codec_state(&self, s: &Spread) -> Result<(Vec<kolo_checkpoint::Piece>, BTreeMap<String, String>)> {
-        let (_, mut meta) = kolo_train::checkpointing::compression_pieces_of(&self.ddp, "")?;
-        let (_, states) = self.ddp.compression_state()?;
+        let (syncs, states) = self.ddp.compression_state()?;
+        let mut meta = kolo_train::checkpointing::codec_meta(syncs);
         let m = &*s.model;
         let size = m.world_size().get();
         meta.insert(CODEC_MESH_KEY.to_string(), size.to_string());
