@@ -1,8 +1,9 @@
 //! Fused operators with hand-written backward passes over contiguous f32 slices.
 //!
-//! candle builds bias adds, layer norm, masked softmax and GELU out of many small ops, and their
-//! backward passes reduce over leading dimensions with strided loops; together they cost more
-//! than the matmuls in a GPT step. Each op here does one pass forward and one or two passes
+//! candle builds bias adds, layer norm, masked softmax and GELU (the GPT's), RMS norm, SwiGLU's
+//! `silu(gate) * up` and rotary embeddings (Llama's) out of many small ops, and their backward
+//! passes reduce over leading dimensions with strided loops; together they cost more than the
+//! matmuls in a GPT step and a fifth of a Llama's. Each op here does one pass forward and one or two passes
 //! backward, row by row. `tests.rs` checks each against the composite candle formulation.
 //! Half-precision inputs (mixed-precision training) are computed in f32 and cast back, as
 //! autocast does for norms and softmax.
@@ -427,4 +428,232 @@ pub fn gelu_erf(x: &Tensor) -> CResult<Tensor> {
         return r;
     }
     x.contiguous()?.apply_op1_arc(std::sync::Arc::new(Box::new(GeluErf)))
+}
+
+/// RMS norm over the last dimension, scaled by a weight (Llama's `RMSNorm`:
+/// `w * x / sqrt(mean(x^2) + eps)`).
+struct RmsNorm {
+    eps: f32,
+}
+
+/// `1 / sqrt(mean(x^2) + eps)` of one row.
+#[inline(always)]
+fn rms_inv(x: &[f32], eps: f32) -> f32 {
+    1.0 / (lanes_sum(x.len(), |i| x[i] * x[i]) / x.len() as f32 + eps).sqrt()
+}
+
+simd_kernel! {
+    /// RMS norm of each row of `x` (rows of `w.len()`), scaled by `w`.
+    fn rms_norm_fwd(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+        let c = w.len();
+        for (row, o) in x.chunks_exact(c).zip(out.chunks_exact_mut(c)) {
+            let r = rms_inv(row, eps);
+            for j in 0..c {
+                o[j] = row[j] * r * w[j];
+            }
+        }
+    }
+}
+
+simd_kernel! {
+    /// RMS norm backward: `dx` per row, `dw` accumulated over the rows in order.
+    fn rms_norm_bwd(x: &[f32], dy: &[f32], w: &[f32], eps: f32, dx: &mut [f32], dw: &mut [f32]) {
+        let c = w.len();
+        for ((xr, dyr), dxr) in x.chunks_exact(c).zip(dy.chunks_exact(c)).zip(dx.chunks_exact_mut(c)) {
+            let r = rms_inv(xr, eps);
+            // d/dx_j of sum_k dy_k w_k x_k r = r dy_j w_j - x_j r^3 mean_k(dy_k w_k x_k).
+            let k = lanes_sum(c, |j| dyr[j] * w[j] * xr[j]) / c as f32 * r * r * r;
+            for j in 0..c {
+                dw[j] += dyr[j] * xr[j] * r;
+                dxr[j] = r * dyr[j] * w[j] - xr[j] * k;
+            }
+        }
+    }
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "kolo-rms-norm"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (x, w) = (slice(s1, l1)?, slice(s2, l2)?);
+        if last_dim(l1) != w.len() {
+            return Err(err("rms norm: the weight's length differs from the last dimension"));
+        }
+        let mut out = uninit(x.len());
+        rms_norm_fwd(x, w, self.eps, &mut out);
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let weight = with_data(w, |s| s.to_vec())?;
+        let (dx, dw) = with_data(x, |xd| {
+            with_data(grad, |dy| {
+                let mut dx = uninit(xd.len());
+                let mut dw = vec![0f32; weight.len()];
+                rms_norm_bwd(xd, dy, &weight, self.eps, &mut dx, &mut dw);
+                (dx, dw)
+            })
+        })??;
+        Ok((Some(Tensor::from_vec(dx, x.shape(), &Device::Cpu)?), Some(Tensor::from_vec(dw, w.shape(), &Device::Cpu)?)))
+    }
+}
+
+/// Llama's RMS norm of `x` over its last dimension, scaled by `w`. In f32 one fused pass each
+/// way; in bf16/f16 as `transformers` computes it: normalised in f32, rounded to the input's
+/// dtype, then multiplied by the weight in that dtype. Off the CPU, candle's composite ops.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
+    let dt = x.dtype();
+    if !x.device().is_cpu() || !matches!(dt, DType::F32 | DType::BF16 | DType::F16) {
+        let x32 = x.to_dtype(DType::F32)?;
+        let ms = x32.sqr()?.mean_keepdim(candle_core::D::Minus1)?;
+        return x32.broadcast_div(&(ms + eps)?.sqrt()?)?.to_dtype(dt)?.broadcast_mul(w);
+    }
+    if dt != DType::F32 {
+        let ones = Tensor::ones(w.elem_count(), DType::F32, &Device::Cpu)?;
+        return rms_norm(&x.to_dtype(DType::F32)?, &ones, eps)?.to_dtype(dt)?.broadcast_mul(w);
+    }
+    x.contiguous()?.apply_op2_arc(&w.to_dtype(DType::F32)?.contiguous()?, std::sync::Arc::new(Box::new(RmsNorm { eps: eps as f32 })))
+}
+
+/// SwiGLU's product `silu(gate) * up` (the gated MLP of Llama, Mistral, Qwen).
+struct SiluMul;
+
+/// The logistic function through [`exp_f32`] (vectorises; `1 / (1 + e^-x)`).
+#[inline(always)]
+fn sigmoid_f32(x: f32) -> f32 {
+    1.0 / (1.0 + exp_f32(-x))
+}
+
+simd_kernel! {
+    /// `out = silu(g) * u`.
+    fn silu_mul_fwd(g: &[f32], u: &[f32], out: &mut [f32]) {
+        for ((o, &a), &b) in out.iter_mut().zip(g).zip(u) {
+            *o = a * sigmoid_f32(a) * b;
+        }
+    }
+}
+
+simd_kernel! {
+    /// Backward of [`silu_mul_fwd`]: `dg = dy u s (1 + g (1 - s))`, `du = dy g s` (s = sigmoid(g)).
+    fn silu_mul_bwd(g: &[f32], u: &[f32], dy: &[f32], dg: &mut [f32], du: &mut [f32]) {
+        for i in 0..g.len() {
+            let s = sigmoid_f32(g[i]);
+            dg[i] = dy[i] * u[i] * s * (1.0 + g[i] * (1.0 - s));
+            du[i] = dy[i] * g[i] * s;
+        }
+    }
+}
+
+impl CustomOp2 for SiluMul {
+    fn name(&self) -> &'static str {
+        "kolo-silu-mul"
+    }
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (g, u) = (slice(s1, l1)?, slice(s2, l2)?);
+        if l1.shape() != l2.shape() {
+            return Err(err("silu_mul: the gate and the up projection differ in shape"));
+        }
+        let mut out = uninit(g.len());
+        silu_mul_fwd(g, u, &mut out);
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+    fn bwd(&self, g: &Tensor, u: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let (dg, du) = with_data(g, |gs| {
+            with_data(u, |us| {
+                with_data(grad, |dy| {
+                    let (mut dg, mut du) = (uninit(gs.len()), uninit(gs.len()));
+                    silu_mul_bwd(gs, us, dy, &mut dg, &mut du);
+                    (dg, du)
+                })
+            })
+        })???;
+        Ok((Some(Tensor::from_vec(dg, g.shape(), &Device::Cpu)?), Some(Tensor::from_vec(du, u.shape(), &Device::Cpu)?)))
+    }
+}
+
+/// `silu(gate) * up` in one pass each way for f32 on the CPU; candle's ops otherwise.
+pub fn silu_mul(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
+    if !gate.device().is_cpu() || gate.dtype() != DType::F32 || up.dtype() != DType::F32 {
+        return gate.silu()? * up;
+    }
+    gate.contiguous()?.apply_op2_arc(&up.contiguous()?, std::sync::Arc::new(Box::new(SiluMul)))
+}
+
+/// Rotary position embedding in `rotate_half`'s layout (the first half of each head's
+/// dimensions paired with the second): `x * cos + rotate_half(x) * sin` over (.., t, d) with
+/// `cos`, `sin` of (t, d / 2).
+struct Rope;
+
+simd_kernel! {
+    /// Rows of `2 h` (`h = cos.len() / t`), row r at position `r % t`, rotated by `sign * angle`.
+    fn rope_rows(x: &[f32], cos: &[f32], sin: &[f32], t: usize, sign: f32, out: &mut [f32]) {
+        let h = cos.len() / t;
+        for (r, (xr, o)) in x.chunks_exact(2 * h).zip(out.chunks_exact_mut(2 * h)).enumerate() {
+            let p = (r % t) * h;
+            let (c, s) = (&cos[p..p + h], &sin[p..p + h]);
+            let (a, b) = xr.split_at(h);
+            let (oa, ob) = o.split_at_mut(h);
+            for i in 0..h {
+                oa[i] = a[i] * c[i] - b[i] * (sign * s[i]);
+                ob[i] = b[i] * c[i] + a[i] * (sign * s[i]);
+            }
+        }
+    }
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "kolo-rope"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (x, c, s) = (slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
+        let dims = l1.shape().dims();
+        let t = dims.len().checked_sub(2).map(|i| dims[i]).ok_or_else(|| err("rope: x needs (.., t, d)"))?;
+        if c.len() != s.len() || c.len() * 2 != t * last_dim(l1) {
+            return Err(err("rope: cos and sin must be (t, d / 2) for x of (.., t, d)"));
+        }
+        let mut out = uninit(x.len());
+        rope_rows(x, c, s, t, 1.0, &mut out);
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+    fn bwd(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // A rotation's transpose is the rotation by the opposite angle.
+        let t = x.dim(x.rank() - 2)?;
+        let dx = with_data(cos, |c| {
+            with_data(sin, |s| {
+                with_data(grad, |dy| {
+                    let mut dx = uninit(dy.len());
+                    rope_rows(dy, c, s, t, -1.0, &mut dx);
+                    dx
+                })
+            })
+        })???;
+        Ok((Some(Tensor::from_vec(dx, x.shape(), &Device::Cpu)?), None, None))
+    }
+}
+
+/// [`Rope`] on `x` (.., t, d) with tables `cos`, `sin` (t, d / 2) as constants: one pass each
+/// way for f32 on the CPU. `None` where it does not apply (another dtype or device, tables that
+/// need a gradient): the caller's composite ops then.
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<CResult<Tensor>> {
+    let all_f32 = [x, cos, sin].iter().all(|t| t.dtype() == DType::F32);
+    if !x.device().is_cpu() || !all_f32 || cos.track_op() || sin.track_op() || x.rank() < 2 {
+        return None;
+    }
+    Some((|| x.contiguous()?.apply_op3_arc(&cos.contiguous()?, &sin.contiguous()?, std::sync::Arc::new(Box::new(Rope))))())
 }

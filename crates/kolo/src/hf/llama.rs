@@ -787,7 +787,8 @@ impl RopeTables {
 pub(super) fn rotate(x: Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
     let (hd, r) = (x.dim(3)?, 2 * cos.dim(1)?);
     if r == hd {
-        return candle_nn::rotary_emb::rope(&x, cos, sin);
+        // One pass each way in f32 on the CPU; candle's ops otherwise.
+        return kolo_tensor::fused::rope(&x, cos, sin).unwrap_or_else(|| candle_nn::rotary_emb::rope(&x, cos, sin));
     }
     let turned = candle_nn::rotary_emb::rope(&x.narrow(3, 0, r)?.contiguous()?, cos, sin)?;
     Tensor::cat(&[&turned, &x.narrow(3, r, hd - r)?], 3)
@@ -802,27 +803,50 @@ fn ring_attention_scaled(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, sp: &cr
     crate::sp::ring_attention(&q, k, v, sp)
 }
 
+/// An attention mask: the additive (seq, seq) tensor, and whether it is the plain causal one
+/// (`causal_mask(t, None)`), which the fused softmax applies by itself.
+#[derive(Clone, Copy)]
+pub(super) struct Mask<'a> {
+    pub add: &'a Tensor,
+    pub causal: bool,
+}
+
 /// Scaled dot-product attention of `q` over `k` and `v` (batch, heads, seq, head_dim) with the
-/// additive `mask` (seq, seq).
+/// plain causal `mask` (`causal_mask(t, None)`).
 pub(super) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> candle_core::Result<Tensor> {
-    attend_scaled(q, k, v, mask, 1.0 / (q.dim(3)? as f64).sqrt(), None)
+    attend_scaled(q, k, v, Mask { add: mask, causal: true }, 1.0 / (q.dim(3)? as f64).sqrt(), None)
 }
 
 /// [`attend`] with the scores multiplied by `scale` and, with `softcap`, capped as Gemma 2 caps
-/// them (`cap x tanh(score / cap)`) before the mask.
+/// them (`cap x tanh(score / cap)`) before the mask. `k` and `v` may have fewer heads than `q`
+/// (grouped-query attention: query head j reads key/value head j / (heads / kv heads)): each
+/// key/value head's queries are multiplied as one matrix, with no copies of the keys and values.
 pub(super) fn attend_scaled(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    mask: &Tensor,
+    mask: Mask<'_>,
     scale: f64,
     softcap: Option<f64>,
 ) -> candle_core::Result<Tensor> {
-    let mut att = (q.matmul(&k.t()?)? * scale)?;
-    if let Some(cap) = softcap {
-        att = ((att / cap)?.tanh()? * cap)?;
+    let (b, h, t, d) = q.dims4()?;
+    let (kv, tk) = (k.dim(1)?, k.dim(2)?);
+    if kv == 0 || !h.is_multiple_of(kv) {
+        candle_core::bail!("attention: {h} query heads do not share {kv} key/value heads evenly");
     }
-    super::softmax_f32(&att.broadcast_add(mask)?)?.matmul(v)
+    let g = h / kv;
+    let att = q.contiguous()?.reshape((b, kv, g * t, d))?.matmul(&k.t()?)?.reshape((b, h, t, tk))?;
+    let probs = if mask.causal && softcap.is_none() && t == tk && att.dtype() == DType::F32 && att.device().is_cpu() {
+        // Scale, causal mask and softmax in one pass each way.
+        kolo_tensor::fused::causal_softmax(&att, scale)?
+    } else {
+        let mut att = (att * scale)?;
+        if let Some(cap) = softcap {
+            att = ((att / cap)?.tanh()? * cap)?;
+        }
+        super::softmax_f32(&att.broadcast_add(mask.add)?)?
+    };
+    probs.reshape((b, kv, g * t, tk))?.matmul(v)?.reshape((b, h, t, v.dim(3)?))
 }
 
 /// An RMS norm scaling by `weight` (Llama) or `1 + weight` (Gemma).
@@ -843,7 +867,7 @@ impl Norm {
 impl Module for Norm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let w = if self.plus_one { (&self.weight + 1.0)? } else { self.weight.clone() };
-        candle_nn::ops::rms_norm(&x.contiguous()?, &w, self.eps)
+        kolo_tensor::fused::rms_norm(x, &w, self.eps as f64)
     }
 }
 
@@ -929,7 +953,15 @@ struct Expert {
 
 impl Module for Expert {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.w2.forward(&(activate(self.w1.forward(x)?, &self.act)? * self.w3.forward(x)?)?)
+        self.w2.forward(&gated(self.w1.forward(x)?, self.w3.forward(x)?, &self.act)?)
+    }
+}
+
+/// The gated MLP's `act(gate) * up` (SwiGLU's product fused on the CPU in f32).
+fn gated(gate: Tensor, up: Tensor, act: &str) -> candle_core::Result<Tensor> {
+    match act {
+        "silu" => kolo_tensor::fused::silu_mul(&gate, &up),
+        _ => activate(gate, act)? * up,
     }
 }
 
@@ -1071,6 +1103,12 @@ struct LlamaBlock {
 }
 
 impl LlamaBlock {
+    /// This block's attention mask among the model's (one per window).
+    fn mask<'a>(&self, masks: &'a [(Option<usize>, Tensor)]) -> Mask<'a> {
+        let add = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
+        Mask { add, causal: self.window.is_none() }
+    }
+
     /// `x` (batch, seq, hidden) through grouped-query attention with rotary embeddings (`cos`,
     /// `sin` cut to the sequence) and the SwiGLU MLP (or its experts, whose routing goes to
     /// `router`), each with its residual.
@@ -1102,10 +1140,7 @@ impl LlamaBlock {
                     };
                     ring_attention_scaled(&q, &k, &padded, cfg.attention_scale(), sp)?.narrow(3, 0, vd)?
                 }
-                None => {
-                    let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
-                    attend_scaled(&q, &k, &v, mask, cfg.attention_scale(), None)?
-                }
+                None => attend_scaled(&q, &k, &v, self.mask(masks), cfg.attention_scale(), None)?,
             };
             let y = self.o.forward(&y.transpose(1, 2)?.reshape((b, t, h * mla.dims.v))?)?;
             return self.feed_forward((x + y)?, cfg, router);
@@ -1126,21 +1161,18 @@ impl LlamaBlock {
         let q = rotate(q, cos, sin)?;
         let k = rotate(k, cos, sin)?;
         let v = heads(v, kv)?;
-        // Grouped-query attention: query head j reads key/value head j / (h / kv).
+        // Grouped-query attention: query head j reads key/value head j / (h / kv) (the ring
+        // takes one key/value head per query head; `attend_scaled` groups the queries).
         let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
             if kv == h {
                 return Ok(x);
             }
             x.unsqueeze(2)?.expand((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
         };
-        let (k, v) = (repeat(k)?, repeat(v)?);
         let y = match sp {
             // Sequence parallelism: this chunk's queries over every earlier chunk's keys.
-            Some(sp) => ring_attention_scaled(&q, &k, &v, cfg.attention_scale(), sp)?,
-            None => {
-                let mask = &masks.iter().find(|(w, _)| *w == self.window).expect("a mask for every window").1;
-                attend_scaled(&q, &k, &v, mask, cfg.attention_scale(), cfg.softcaps().0)?
-            }
+            Some(sp) => ring_attention_scaled(&q, &repeat(k)?, &repeat(v)?, cfg.attention_scale(), sp)?,
+            None => attend_scaled(&q, &k, &v, self.mask(masks), cfg.attention_scale(), cfg.softcaps().0)?,
         };
         let y = y.transpose(1, 2)?.reshape((b, t, h * hd))?;
         let y = self.o.forward(&y)?;
@@ -1165,7 +1197,7 @@ impl LlamaBlock {
                         (y.narrow(2, 0, n)?, y.narrow(2, n, n)?)
                     }
                 };
-                down.forward(&(activate(gate, cfg.activation())? * up)?)?
+                down.forward(&gated(gate, up, cfg.activation())?)?
             }
             Ffn::Experts { moe, shared, scale } => {
                 let mut r = moe.forward_routed(&f)?;

@@ -185,6 +185,57 @@ fn sums_over_leading_dims_are_exact_in_index_order() {
     assert_eq!(empty.flatten_all().unwrap().to_vec1::<f32>().unwrap(), [0.0; 4]);
 }
 
+/// Kolo's candle patch for a matmul whose right operand is a transposed view (`x.matmul(&w.t())`,
+/// `q.matmul(&k.t())`): the gradients equal the f64 products, and every variable, whichever way
+/// it entered a product, receives a contiguous gradient (from the store and through the hook).
+#[test]
+fn transposed_matmul_operands_get_contiguous_gradients_of_the_right_values() {
+    let t = |v: Vec<f64>, shape: &[usize]| Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    let f64s = |x: &Tensor| x.to_dtype(DType::F64).unwrap().flatten_all().unwrap().to_vec1::<f64>().unwrap();
+    let check = |what: &str, got: &Tensor, want: &[f64]| {
+        assert!(got.is_contiguous(), "{what}: a strided gradient");
+        let got = f64s(got);
+        assert_eq!(got.len(), want.len(), "{what}");
+        let d = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(d < 1e-5, "{what}: max difference {d}");
+    };
+    // Batches (b) of (m x k) by the transpose of (n x k), a weighted sum as the loss: d loss / d y
+    // = m. The reference gradients: dx[i][l] = sum_j m[i][j] w[j][l], dw[j][l] = sum_i m[i][j] x[i][l].
+    for (b, (mm, k, n)) in [(1usize, (7usize, 5usize, 3usize)), (6, (7, 4, 6))] {
+        let (xv, wv, mv) = (values(b * mm * k, 1), values(b * n * k, 2), values(b * mm * n, 3));
+        let shape = |r: usize, c: usize| if b == 1 { vec![r, c] } else { vec![2, 3, r, c] };
+        let (x, w) = (Var::from_tensor(&t(xv.clone(), &shape(mm, k))).unwrap(), Var::from_tensor(&t(wv.clone(), &shape(n, k))).unwrap());
+        let y = x.matmul(&w.t().unwrap()).unwrap();
+        let loss = (y * t(mv.clone(), &shape(mm, n))).unwrap().sum_all().unwrap();
+        let (mut dx, mut dw) = (vec![0f64; b * mm * k], vec![0f64; b * n * k]);
+        for p in 0..b {
+            for (i, j, l) in (0..mm).flat_map(|i| (0..n).flat_map(move |j| (0..k).map(move |l| (i, j, l)))) {
+                let m = mv[p * mm * n + i * n + j];
+                dx[p * mm * k + i * k + l] += m * wv[p * n * k + j * k + l];
+                dw[p * n * k + j * k + l] += m * xv[p * mm * k + i * k + l];
+            }
+        }
+        let grads = loss.backward().unwrap();
+        check(&format!("{b} batch(es): dx"), grads.get(&x).unwrap(), &dx);
+        check(&format!("{b} batch(es): dw"), grads.get(&w).unwrap(), &dw);
+        let mut seen = 0;
+        loss.backward_with_hook(&mut |v, g| {
+            check(&format!("{b} batch(es): the hook's gradient"), &g, if v.id() == w.id() { &dw } else { &dx });
+            seen += 1;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(seen, 2);
+    }
+    // A variable entering as a transposed left operand gets a contiguous gradient too.
+    let (av, bv, mv) = (values(5 * 7, 4), values(5 * 3, 5), values(7 * 3, 6));
+    let (a, bm) = (Var::from_tensor(&t(av, &[5, 7])).unwrap(), Var::from_tensor(&t(bv.clone(), &[5, 3])).unwrap());
+    let loss = (a.t().unwrap().matmul(&bm).unwrap() * t(mv.clone(), &[7, 3])).unwrap().sum_all().unwrap();
+    // da[l][i] = sum_j m[i][j] b[l][j].
+    let da: Vec<f64> = (0..5 * 7).map(|e| (0..3).map(|j| mv[(e % 7) * 3 + j] * bv[(e / 7) * 3 + j]).sum()).collect();
+    check("transposed left operand", loss.backward().unwrap().get(&a).unwrap(), &da);
+}
+
 fn input(shape: &[usize], seed: u64) -> Var {
     Var::from_vec(values(shape.iter().product(), seed), shape, &Device::Cpu).unwrap()
 }
