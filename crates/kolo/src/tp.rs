@@ -39,8 +39,7 @@ use candle_nn::{Init, VarBuilder, VarMap};
 use kolo_base::GroupSum;
 use kolo_comm::{Communicator, SumGroup};
 use kolo_tensor::models::tp::{
-    embed, gather_logits, vocab_parallel_cross_entropy as vocab_ce, vocab_range, CopyToGroup, GatherFromGroup, ReduceFromGroup,
-    ScatterToGroup,
+    embed, gather_logits, vocab_parallel_cross_entropy as vocab_ce, vocab_range, CopyToGroup, GatherFromGroup, ScatterToGroup,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -209,11 +208,30 @@ fn section_ranges(vb: &VarBuilder, sections: &[usize], tp: &TensorParallel) -> c
 /// A linear layer whose output features are split over the group (Megatron's
 /// `ColumnParallelLinear`): weight `(out / tp, in)`, bias `out / tp`. Its input is whole; its
 /// output is this member's features, or all of them with [`ColumnParallelLinear::gathered`].
+///
+/// Several layers reading the same input (attention's q, k and v; SwiGLU's gate and up) should
+/// share one `f` (Megatron applies it once per block section): build them
+/// [`ColumnParallelLinear::input_copied`] and hand each the output of [`copy_to_group`] on the
+/// input. Otherwise each applies its own: a copy of the input kept per layer for backward and
+/// an all-reduce of the input's gradient per layer instead of one.
+///
+/// ```no_run
+/// # fn demo(x: &candle_core::Tensor, vb: candle_nn::VarBuilder, tp: &kolo::tp::TensorParallel) -> candle_core::Result<()> {
+/// use candle_core::Module;
+/// use kolo::tp::{copy_to_group, ColumnParallelLinear};
+/// let q = ColumnParallelLinear::new(256, 256, false, vb.pp("q_proj"), tp)?.input_copied();
+/// let k = ColumnParallelLinear::new(256, 128, false, vb.pp("k_proj"), tp)?.input_copied();
+/// let x = copy_to_group(x, Some(tp))?; // one f for both
+/// let (q, k) = (q.forward(&x)?, k.forward(&x)?);
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct ColumnParallelLinear {
     inner: candle_nn::Linear,
     tp: TensorParallel,
     gather: bool,
+    /// The input is already `f`'s output ([`copy_to_group`]).
+    copied: bool,
     /// Whether every member holds as many features (an uneven vocabulary split does not).
     even: bool,
 }
@@ -225,7 +243,7 @@ impl ColumnParallelLinear {
         let range = even(&vb.prefix(), "ColumnParallelLinear", out_dim, tp)?;
         let w = piece(&vb, "weight", &[out_dim, in_dim], 0, range.clone(), weight_init(in_dim))?;
         let b = if bias { Some(piece(&vb, "bias", &[out_dim], 0, range, bias_init(in_dim))?) } else { None };
-        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true })
+        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true, copied: false })
     }
 
     /// A fused layer `in_dim -> sum(sections)` whose output features are `sections` laid end to
@@ -237,7 +255,7 @@ impl ColumnParallelLinear {
         let at = sections.iter().sum();
         let w = pieces(&vb, "weight", &[at, in_dim], 0, ranges.clone(), weight_init(in_dim))?;
         let b = if bias { Some(pieces(&vb, "bias", &[at], 0, ranges, bias_init(in_dim))?) } else { None };
-        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true })
+        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true, copied: false })
     }
 
     /// As [`ColumnParallelLinear::sections`] for a layer stored in Hugging Face's `Conv1D`
@@ -248,7 +266,13 @@ impl ColumnParallelLinear {
         let at = sections.iter().sum();
         let w = pieces(&vb, "weight", &[in_dim, at], 1, ranges.clone(), weight_init(in_dim))?;
         let b = pieces(&vb, "bias", &[at], 0, ranges, bias_init(in_dim))?;
-        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w.t()?, Some(b)), tp: tp.clone(), gather: false, even: true })
+        Ok(ColumnParallelLinear {
+            inner: candle_nn::Linear::new(w.t()?, Some(b)),
+            tp: tp.clone(),
+            gather: false,
+            even: true,
+            copied: false,
+        })
     }
 
     /// A language model's output layer `in_dim -> vocab`, without bias, its vocabulary split
@@ -258,7 +282,14 @@ impl ColumnParallelLinear {
         let range = vocab_range(vocab, tp.size(), tp.rank());
         let w = piece(&vb, "weight", &[vocab, in_dim], 0, range, weight_init(in_dim))?;
         let even = vocab.is_multiple_of(tp.size());
-        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, None), tp: tp.clone(), gather: false, even })
+        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, None), tp: tp.clone(), gather: false, even, copied: false })
+    }
+
+    /// The same layer taking an input that is already Megatron's `f` output ([`copy_to_group`],
+    /// applied once for several layers that read the same tensor): it applies none of its own.
+    pub fn input_copied(mut self) -> Self {
+        self.copied = true;
+        self
     }
 
     /// The same layer returning every member's output features (an all-gather forward, this
@@ -279,7 +310,10 @@ impl Module for ColumnParallelLinear {
         if self.tp.size() == 1 {
             return self.inner.forward(x);
         }
-        let y = self.inner.forward(&x.contiguous()?.apply_op1(CopyToGroup(self.tp.sum()))?)?;
+        let y = match self.copied {
+            true => self.inner.forward(x)?,
+            false => self.inner.forward(&x.contiguous()?.apply_op1(CopyToGroup(self.tp.sum()))?)?,
+        };
         if self.gather {
             if !self.even {
                 candle_core::bail!("ColumnParallelLinear::gathered: the members hold unequal numbers of features (use gather_vocab)");
@@ -293,8 +327,9 @@ impl Module for ColumnParallelLinear {
 /// Megatron's `f` on `x`, a tensor every member holds whole that feeds this member's share of
 /// the work: the same `x` forward, its gradient summed over the group backward (so a
 /// parameter every member holds whole before it gets every member's part of the gradient).
-#[cfg(feature = "hf")]
-pub(crate) fn copy_to_group(x: &Tensor, tp: Option<&TensorParallel>) -> candle_core::Result<Tensor> {
+/// Only split layers may read its output (a layer every member holds whole would have its
+/// identical gradient summed `tp` times); the identity without a group or with one member.
+pub fn copy_to_group(x: &Tensor, tp: Option<&TensorParallel>) -> candle_core::Result<Tensor> {
     match tp.filter(|t| t.size() > 1) {
         Some(t) => x.contiguous()?.apply_op1(CopyToGroup(t.sum())),
         None => Ok(x.clone()),
@@ -351,7 +386,8 @@ impl Module for RowParallelLinear {
             self.weight.forward(x)?
         } else {
             let x = if self.scatter { x.contiguous()?.apply_op1(ScatterToGroup(self.tp.sum()))? } else { x.clone() };
-            self.weight.forward(&x)?.contiguous()?.apply_op1(ReduceFromGroup(self.tp.sum()))?
+            // g in place: no copy of the partial product kept for backward.
+            kolo_tensor::models::tp::reduce_in_place(&self.weight.forward(&x)?, &self.tp.sum())?
         };
         match &self.bias {
             Some(b) => y.broadcast_add(b),

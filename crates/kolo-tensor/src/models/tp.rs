@@ -49,6 +49,52 @@ fn summed(group: &dyn GroupSum, t: &Tensor) -> candle_core::Result<Tensor> {
     Tensor::from_vec(v, t.shape(), t.device())?.to_dtype(t.dtype())
 }
 
+/// g summed in place ([`reduce_in_place`]).
+struct ReduceInPlace(Arc<dyn GroupSum>);
+
+impl candle_core::InplaceOp1 for ReduceInPlace {
+    fn name(&self) -> &'static str {
+        "kolo-tp-g-in-place"
+    }
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> candle_core::Result<()> {
+        let Some((a, b)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("kolo tensor parallel: inputs must be contiguous".into()));
+        };
+        let sum = |v: &mut [f32]| self.0.sum(v).map_err(|e| candle_core::Error::Msg(format!("tensor-parallel all-reduce: {e}")));
+        // As `ReduceFromGroup`: summed in f32, a half-precision result rounded once.
+        match storage {
+            CpuStorage::F32(v) => sum(&mut v[a..b]),
+            CpuStorage::BF16(v) => {
+                let mut f: Vec<f32> = v[a..b].iter().map(|x| x.to_f32()).collect();
+                sum(&mut f)?;
+                v[a..b].iter_mut().zip(f).for_each(|(o, x)| *o = half::bf16::from_f32(x));
+                Ok(())
+            }
+            CpuStorage::F16(v) => {
+                let mut f: Vec<f32> = v[a..b].iter().map(|x| x.to_f32()).collect();
+                sum(&mut f)?;
+                v[a..b].iter_mut().zip(f).for_each(|(o, x)| *o = half::f16::from_f32(x));
+                Ok(())
+            }
+            other => Err(candle_core::Error::Msg(format!(
+                "kolo tensor parallel: f32, bf16 or f16, not {:?}",
+                candle_core::backend::BackendStorage::dtype(other)
+            ))),
+        }
+    }
+}
+
+/// Megatron's g on a row-parallel product's fresh output `y`: summed over the group in place,
+/// so `y` keeps its place in the graph (g's backward is the identity) and backward keeps no
+/// second copy of the partial product ([`ReduceFromGroup`] keeps its input alive). Only for a
+/// tensor nothing has read yet: whatever read it before sees the sum afterwards. The same bits
+/// as [`ReduceFromGroup`].
+pub fn reduce_in_place(y: &Tensor, group: &Arc<dyn GroupSum>) -> candle_core::Result<Tensor> {
+    let y = y.contiguous()?;
+    y.inplace_op1(&ReduceInPlace(group.clone()))?;
+    Ok(y)
+}
+
 /// f: identity forward, all-reduce of the gradient backward (before a column-parallel layer).
 pub struct CopyToGroup(pub Arc<dyn GroupSum>);
 /// g: all-reduce forward, identity backward (after a row-parallel layer).
@@ -248,7 +294,7 @@ pub(crate) fn shard_params(full: &ParamSet, cuts: &[Cut], r: usize, p: usize) ->
 pub(crate) fn block_forward_tp(x: &Tensor, p: &[Tensor], h: usize, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
     use crate::ops::{layer_norm, linear};
     let f = |t: &Tensor| -> Result<Tensor> { Ok(t.contiguous()?.apply_op1(CopyToGroup(group.clone()))?) };
-    let g = |t: &Tensor| -> Result<Tensor> { Ok(t.contiguous()?.apply_op1(ReduceFromGroup(group.clone()))?) };
+    let g = |t: &Tensor| -> Result<Tensor> { Ok(reduce_in_place(t, group)?) };
     let no_bias = |w: &Tensor, x: &Tensor| -> Result<Tensor> {
         let (b, t, i) = x.dims3()?;
         Ok(x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, w.dim(0)?))?)

@@ -1083,6 +1083,8 @@ impl Router {
 }
 
 struct LlamaBlock {
+    /// The tensor-parallel group its split layers are split over (`None`: whole).
+    tp: Option<crate::tp::TensorParallel>,
     input_norm: Norm,
     qkv: Qkv,
     o: Layer,
@@ -1145,10 +1147,15 @@ impl LlamaBlock {
             let y = self.o.forward(&y.transpose(1, 2)?.reshape((b, t, h * mla.dims.v))?)?;
             return self.feed_forward((x + y)?, cfg, router);
         }
+        // One `f` for the split projections that read the normed input (they are built
+        // `input_copied`).
         let (q, k, v) = match &self.qkv {
-            Qkv::Apart(q, k, v) => (q.forward(&a)?, k.forward(&a)?, v.forward(&a)?),
+            Qkv::Apart(q, k, v) => {
+                let a = crate::tp::copy_to_group(&a, self.tp.as_ref())?;
+                (q.forward(&a)?, k.forward(&a)?, v.forward(&a)?)
+            }
             Qkv::Fused(l) => {
-                let y = l.forward(&a)?;
+                let y = l.forward(&crate::tp::copy_to_group(&a, self.tp.as_ref())?)?;
                 (y.narrow(2, 0, h * hd)?, y.narrow(2, h * hd, kv * hd)?, y.narrow(2, (h + kv) * hd, kv * hd)?)
             }
             Qkv::Mla(_) => candle_core::bail!("latent attention runs apart"),
@@ -1189,6 +1196,7 @@ impl LlamaBlock {
         let f = self.post_norm.forward(&x)?;
         let y = match &self.ffn {
             Ffn::Dense { gate_up, down } => {
+                let f = crate::tp::copy_to_group(&f, self.tp.as_ref())?;
                 let (gate, up) = match gate_up {
                     GateUp::Apart(g, u) => (g.forward(&f)?, u.forward(&f)?),
                     GateUp::Fused(l) => {
@@ -1279,11 +1287,21 @@ impl Parts<'_> {
         })
     }
 
-    /// Fused sections (Phi-3's qkv and gate/up): over tp, each member's share of every section.
+    /// [`Parts::col`] reading `f`'s output, which the block applies once for the layers that
+    /// share an input (q, k and v; gate and up: `LlamaBlock::forward` and `feed_forward`).
+    fn col_copied(&self, i: usize, o: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
+        Ok(match self.tp {
+            Some(t) => Box::new(crate::tp::ColumnParallelLinear::new(i, o, bias, vb, t)?.input_copied()),
+            None => self.linear(i, o, bias, vb)?,
+        })
+    }
+
+    /// Fused sections (Phi-3's qkv and gate/up): over tp, each member's share of every section,
+    /// reading `f`'s output as [`Parts::col_copied`].
     fn fused(&self, sections: &[usize], bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
         let e = self.cfg.hidden_size;
         Ok(match self.tp {
-            Some(t) => Box::new(crate::tp::ColumnParallelLinear::sections(e, sections, bias, vb, t)?),
+            Some(t) => Box::new(crate::tp::ColumnParallelLinear::sections(e, sections, bias, vb, t)?.input_copied()),
             None => self.linear(e, sections.iter().sum(), bias, vb)?,
         })
     }
@@ -1311,9 +1329,9 @@ impl Parts<'_> {
             }),
             (None, true) => Qkv::Fused(self.fused(&[h * hd, kv * hd, kv * hd], qkv_bias, a.pp("qkv_proj"))?),
             (None, false) => Qkv::Apart(
-                self.col(e, h * hd, qkv_bias, a.pp("q_proj"))?,
-                self.col(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
-                self.col(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
+                self.col_copied(e, h * hd, qkv_bias, a.pp("q_proj"))?,
+                self.col_copied(e, kv * hd, qkv_bias, a.pp("k_proj"))?,
+                self.col_copied(e, kv * hd, qkv_bias, a.pp("v_proj"))?,
             ),
         })
     }
@@ -1351,9 +1369,10 @@ impl Parts<'_> {
             _ => Ffn::Dense {
                 gate_up: match cfg.fused() {
                     true => GateUp::Fused(self.fused(&[inter, inter], mlp_bias, f.pp("gate_up_proj"))?),
-                    false => {
-                        GateUp::Apart(self.col(e, inter, mlp_bias, f.pp("gate_proj"))?, self.col(e, inter, mlp_bias, f.pp("up_proj"))?)
-                    }
+                    false => GateUp::Apart(
+                        self.col_copied(e, inter, mlp_bias, f.pp("gate_proj"))?,
+                        self.col_copied(e, inter, mlp_bias, f.pp("up_proj"))?,
+                    ),
                 },
                 down: self.row(inter, e, mlp_bias, f.pp("down_proj"))?,
             },
@@ -1367,6 +1386,7 @@ impl Parts<'_> {
         let p = self.tp.map_or(1, |t| t.size());
         let (a, f) = (b.pp("self_attn"), b.pp("mlp"));
         Ok(LlamaBlock {
+            tp: self.tp.cloned(),
             input_norm: Norm::new(e, cfg, b.pp("input_layernorm"))?,
             qkv: self.qkv(&a)?,
             o: self.row(cfg.mla().map_or(h * hd, |m| h * m.v), e, cfg.biases().1, a.pp("o_proj"))?,
