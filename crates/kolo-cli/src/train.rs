@@ -98,8 +98,13 @@ fn run_hf(a: &TrainArgs, text: &str) -> anyhow::Result<i32> {
         Some(p)
     });
     let total = cfg.train.steps;
+    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
     let mut ft = kolo::hf::FineTune::new(&dist, cfg)?;
     ft.run_until(resume.as_deref(), steps)?;
+    // As the built-in models' summary: the live heap before the model, after the steps, and its peak.
+    if let (true, Some(h)) = (dist.is_main(), kolo_train::summary::HeapReport::between(heap_before, kolo_base::alloc::stats())) {
+        print_heap(&h);
+    }
     if steps == total {
         if let Some((dir, opts)) = ft.export_options()? {
             ft.export(&dir, &opts)?;
@@ -286,15 +291,21 @@ fn report(cfg: &kolo_train::Config, s: &kolo_train::Summary) {
         s.peak_rss.map_or("unknown".to_string(), |b| format!("{:.1} MB", mb(b)))
     );
     if let Some(h) = s.heap {
-        kolo_base::eline!(
-            "heap per rank: {:.1} MB before the model, {:.1} MB between steps (+{:.1} MB: model states and caches), peak {:.1} MB (+{:.1} MB transient)",
-            mb(h.before_model as u64),
-            mb(h.between_steps as u64),
-            mb(h.between_steps.saturating_sub(h.before_model) as u64),
-            mb(h.peak as u64),
-            mb(h.peak.saturating_sub(h.between_steps) as u64)
-        );
+        print_heap(&h);
     }
+}
+
+/// The heap line of a run's summary (the `kolo` binary counts its allocations).
+fn print_heap(h: &kolo_train::summary::HeapReport) {
+    let mb = |b: usize| b as f64 / 1e6;
+    kolo_base::eline!(
+        "heap per rank: {:.1} MB before the model, {:.1} MB between steps (+{:.1} MB: model states and caches), peak {:.1} MB (+{:.1} MB transient)",
+        mb(h.before_model),
+        mb(h.between_steps),
+        mb(h.between_steps.saturating_sub(h.before_model)),
+        mb(h.peak),
+        mb(h.peak.saturating_sub(h.between_steps))
+    );
 }
 
 /// A parameter-server worker: RANK / WORLD_SIZE say which data shard, KOLO_PS_COORDINATOR (or

@@ -161,6 +161,9 @@ impl Pipeline {
         let pp = pp.clone();
         let (s, k) = (pp.rank().get(), pp.world_size().get());
         let act_len = self.shape.iter().product();
+        // The step's time counts from here: a stage's first backward may come after every
+        // forward of the schedule and the wait for the next stage.
+        trainer.mark_step_start();
         let mut work =
             Work { trainer, stage, shape: &self.shape, first: s == 0, last: s + 1 == k, m, saved: HashMap::new(), failure: None };
         let run = kolo_pipe::run_stage(&*pp, self.schedule, m as usize, act_len, &mut work);

@@ -1025,6 +1025,12 @@ impl Trainer {
         self.data_pos
     }
 
+    /// Starts the current step's clock now unless it runs already (the step's first
+    /// `backward` starts it otherwise): a pipeline's step begins with its forwards.
+    pub(crate) fn mark_step_start(&mut self) {
+        self.step_start.get_or_insert_with(Instant::now);
+    }
+
     /// The learning rate of the next optimizer step (warm-up, then the schedule).
     pub fn lr(&self) -> f32 {
         let o = &self.opts.optim;

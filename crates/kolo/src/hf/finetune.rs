@@ -199,14 +199,17 @@ impl FineTuneConfig {
     /// The trainer's options: the job's `[optim]`, `[ddp]` and `[train]`, less what the job's
     /// own loop does (evaluation, the data order's seed), and the micro-batches of a pipeline
     /// as gradient accumulation.
-    fn train_options(&self) -> TrainOptions {
+    pub(crate) fn train_options(&self) -> TrainOptions {
         let mut train = self.train.clone();
         (train.eval_every, train.eval_batches, train.seed) = (0, TrainConfig::default().eval_batches, 0);
         if self.pp() > 1 {
             train.grad_accum = self.micro_batches() as u64;
         }
         let mut opts = TrainOptions { optim: self.optim.clone(), ddp: self.ddp.clone(), train, ..Default::default() };
-        opts.data.batch_size = self.data.batch_size;
+        // The trainer counts `batch_size` per micro-step (its global batch, for throughput and
+        // `optim.reference_batch`'s learning rate, is batch_size x replicas x grad_accum): a
+        // pipeline's micro-batch.
+        opts.data.batch_size = self.data.batch_size / self.micro_batches().max(1);
         opts.data.tokens_per_example = self.data.seq;
         opts
     }

@@ -795,6 +795,26 @@ fn fine_tuning_evaluation_is_the_mean_loss_of_the_held_out_windows() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A fine-tuning job hands its trainer the batch per micro-step: under pipeline stages the
+/// micro-batch, so the trainer's global batch (throughput, `optim.reference_batch`'s learning
+/// rate) is the job's `batch_size x dp`, not `micro_batches` times it (it was: the pipeline's
+/// runs reported twice their tokens/s, and a reference batch scaled the rate twice).
+#[test]
+fn a_pipelined_fine_tuning_job_counts_its_batch_once() {
+    let toml = |mesh: &str| {
+        format!(
+            "[model]\nhf = \"{}\"\n[data]\ntext = \"x.txt\"\nbatch_size = 8\nseq = 16\n[optim]\nlr = 0.01\nreference_batch = 16\n[train]\nsteps = 1\n{mesh}",
+            kolo_testkit::files::hf_llama_tiny().display()
+        )
+    };
+    for (mesh, micro) in [("", 1), ("[mesh]\ndp = 2\npp = 2\n[pipeline]\nmicro_batches = 4\n", 4), ("[mesh]\npp = 2\n", 2)] {
+        let cfg = crate::hf::FineTuneConfig::from_toml_str(&toml(mesh), std::path::Path::new("job.toml")).unwrap();
+        let o = cfg.train_options();
+        assert_eq!(o.train.grad_accum, micro, "{mesh}");
+        assert_eq!(o.data.batch_size * o.train.grad_accum as usize, 8, "{mesh}: the replica's batch per step");
+    }
+}
+
 /// DeepSeek-V3's balancing without an auxiliary loss: after a step on the reference ids, each
 /// MoE layer's selection bias has moved by +0.001 for the experts `transformers`' routing of
 /// those tokens gave fewer than the mean of the layer's choices and -0.001 for those given more
