@@ -647,7 +647,8 @@ impl CustomOp3 for Rope {
     }
 }
 
-/// [`Rope`] on `x` (.., t, d) with tables `cos`, `sin` (t, d / 2) as constants: one pass each
+/// The rotary embedding (`rotate_half`'s layout: `x * cos + rotate_half(x) * sin`) on `x`
+/// (.., t, d) with tables `cos`, `sin` (t, d / 2) as constants: one pass each
 /// way for f32 on the CPU. `None` where it does not apply (another dtype or device, tables that
 /// need a gradient): the caller's composite ops then.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Option<CResult<Tensor>> {
