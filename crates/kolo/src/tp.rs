@@ -237,13 +237,18 @@ pub struct ColumnParallelLinear {
 }
 
 impl ColumnParallelLinear {
+    /// `inner` (this member's piece) over `tp`, applying its own `f`, its output not gathered.
+    fn of(inner: candle_nn::Linear, tp: &TensorParallel, even: bool) -> Self {
+        ColumnParallelLinear { inner, tp: tp.clone(), gather: false, even, copied: false }
+    }
+
     /// The layer `in_dim -> out_dim` (`out_dim` must be a multiple of the group's size) with
     /// its variables `weight` and `bias` under `vb`, initialised as `candle_nn::linear`'s.
     pub fn new(in_dim: usize, out_dim: usize, bias: bool, vb: VarBuilder, tp: &TensorParallel) -> candle_core::Result<Self> {
         let range = even(&vb.prefix(), "ColumnParallelLinear", out_dim, tp)?;
         let w = piece(&vb, "weight", &[out_dim, in_dim], 0, range.clone(), weight_init(in_dim))?;
         let b = if bias { Some(piece(&vb, "bias", &[out_dim], 0, range, bias_init(in_dim))?) } else { None };
-        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true, copied: false })
+        Ok(Self::of(candle_nn::Linear::new(w, b), tp, true))
     }
 
     /// A fused layer `in_dim -> sum(sections)` whose output features are `sections` laid end to
@@ -255,7 +260,7 @@ impl ColumnParallelLinear {
         let at = sections.iter().sum();
         let w = pieces(&vb, "weight", &[at, in_dim], 0, ranges.clone(), weight_init(in_dim))?;
         let b = if bias { Some(pieces(&vb, "bias", &[at], 0, ranges, bias_init(in_dim))?) } else { None };
-        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, b), tp: tp.clone(), gather: false, even: true, copied: false })
+        Ok(Self::of(candle_nn::Linear::new(w, b), tp, true))
     }
 
     /// As [`ColumnParallelLinear::sections`] for a layer stored in Hugging Face's `Conv1D`
@@ -266,13 +271,7 @@ impl ColumnParallelLinear {
         let at = sections.iter().sum();
         let w = pieces(&vb, "weight", &[in_dim, at], 1, ranges.clone(), weight_init(in_dim))?;
         let b = pieces(&vb, "bias", &[at], 0, ranges, bias_init(in_dim))?;
-        Ok(ColumnParallelLinear {
-            inner: candle_nn::Linear::new(w.t()?, Some(b)),
-            tp: tp.clone(),
-            gather: false,
-            even: true,
-            copied: false,
-        })
+        Ok(Self::of(candle_nn::Linear::new(w.t()?, Some(b)), tp, true))
     }
 
     /// A language model's output layer `in_dim -> vocab`, without bias, its vocabulary split
@@ -282,7 +281,7 @@ impl ColumnParallelLinear {
         let range = vocab_range(vocab, tp.size(), tp.rank());
         let w = piece(&vb, "weight", &[vocab, in_dim], 0, range, weight_init(in_dim))?;
         let even = vocab.is_multiple_of(tp.size());
-        Ok(ColumnParallelLinear { inner: candle_nn::Linear::new(w, None), tp: tp.clone(), gather: false, even, copied: false })
+        Ok(Self::of(candle_nn::Linear::new(w, None), tp, even))
     }
 
     /// The same layer taking an input that is already Megatron's `f` output ([`copy_to_group`],

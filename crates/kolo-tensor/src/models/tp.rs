@@ -62,20 +62,21 @@ impl candle_core::InplaceOp1 for ReduceInPlace {
         };
         let sum = |v: &mut [f32]| self.0.sum(v).map_err(|e| candle_core::Error::Msg(format!("tensor-parallel all-reduce: {e}")));
         // As `ReduceFromGroup`: summed in f32, a half-precision result rounded once.
+        fn widened<T: Copy>(
+            v: &mut [T],
+            to: fn(T) -> f32,
+            back: fn(f32) -> T,
+            sum: impl Fn(&mut [f32]) -> candle_core::Result<()>,
+        ) -> candle_core::Result<()> {
+            let mut f: Vec<f32> = v.iter().map(|x| to(*x)).collect();
+            sum(&mut f)?;
+            v.iter_mut().zip(f).for_each(|(o, x)| *o = back(x));
+            Ok(())
+        }
         match storage {
             CpuStorage::F32(v) => sum(&mut v[a..b]),
-            CpuStorage::BF16(v) => {
-                let mut f: Vec<f32> = v[a..b].iter().map(|x| x.to_f32()).collect();
-                sum(&mut f)?;
-                v[a..b].iter_mut().zip(f).for_each(|(o, x)| *o = half::bf16::from_f32(x));
-                Ok(())
-            }
-            CpuStorage::F16(v) => {
-                let mut f: Vec<f32> = v[a..b].iter().map(|x| x.to_f32()).collect();
-                sum(&mut f)?;
-                v[a..b].iter_mut().zip(f).for_each(|(o, x)| *o = half::f16::from_f32(x));
-                Ok(())
-            }
+            CpuStorage::BF16(v) => widened(&mut v[a..b], half::bf16::to_f32, half::bf16::from_f32, sum),
+            CpuStorage::F16(v) => widened(&mut v[a..b], half::f16::to_f32, half::f16::from_f32, sum),
             other => Err(candle_core::Error::Msg(format!(
                 "kolo tensor parallel: f32, bf16 or f16, not {:?}",
                 candle_core::backend::BackendStorage::dtype(other)

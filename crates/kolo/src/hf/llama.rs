@@ -1273,8 +1273,21 @@ impl Parts<'_> {
 
     /// Column-parallel over `tp` (each member a share of the outputs).
     fn col(&self, i: usize, o: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
+        self.column(i, o, bias, vb, false)
+    }
+
+    /// [`Parts::col`] reading `f`'s output, which the block applies once for the layers that
+    /// share an input (q, k and v; gate and up: `LlamaBlock::forward` and `feed_forward`).
+    fn col_copied(&self, i: usize, o: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
+        self.column(i, o, bias, vb, true)
+    }
+
+    fn column(&self, i: usize, o: usize, bias: bool, vb: VarBuilder, copied: bool) -> candle_core::Result<Layer> {
         Ok(match self.tp {
-            Some(t) => Box::new(crate::tp::ColumnParallelLinear::new(i, o, bias, vb, t)?),
+            Some(t) => {
+                let l = crate::tp::ColumnParallelLinear::new(i, o, bias, vb, t)?;
+                Box::new(if copied { l.input_copied() } else { l })
+            }
             None => self.linear(i, o, bias, vb)?,
         })
     }
@@ -1283,15 +1296,6 @@ impl Parts<'_> {
     fn row(&self, i: usize, o: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
         Ok(match self.tp {
             Some(t) => Box::new(crate::tp::RowParallelLinear::new(i, o, bias, vb, t)?),
-            None => self.linear(i, o, bias, vb)?,
-        })
-    }
-
-    /// [`Parts::col`] reading `f`'s output, which the block applies once for the layers that
-    /// share an input (q, k and v; gate and up: `LlamaBlock::forward` and `feed_forward`).
-    fn col_copied(&self, i: usize, o: usize, bias: bool, vb: VarBuilder) -> candle_core::Result<Layer> {
-        Ok(match self.tp {
-            Some(t) => Box::new(crate::tp::ColumnParallelLinear::new(i, o, bias, vb, t)?.input_copied()),
             None => self.linear(i, o, bias, vb)?,
         })
     }
