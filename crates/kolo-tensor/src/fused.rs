@@ -128,9 +128,12 @@ pub fn bias_add(y: &Tensor, b: &Tensor) -> CResult<Tensor> {
     y.contiguous()?.apply_op2_arc(&b.contiguous()?, std::sync::Arc::new(Box::new(BiasAdd)))
 }
 
-/// Layer norm over the last dimension with affine gamma, beta.
+/// Layer norm over the last dimension with affine gamma, beta; with a tensor-parallel group,
+/// its output also goes through Megatron's f (the gradient arriving in backward is summed over
+/// the group first), without f's copy of the output.
 struct LayerNorm {
     eps: f32,
+    group: Option<std::sync::Arc<dyn kolo_base::GroupSum>>,
 }
 
 /// Sum of `f(i)` for i in 0..n, in 8 independent lanes (so that it vectorises; a single running
@@ -227,7 +230,10 @@ impl CustomOp3 for LayerNorm {
         let c = g.elem_count();
         let gamma = with_data(g, |s| s.to_vec())?;
         let xs = x.contiguous()?;
-        let gs = grad.contiguous()?;
+        let gs = match &self.group {
+            Some(group) => crate::models::tp::summed(&**group, grad)?,
+            None => grad.contiguous()?,
+        };
         let (dx, dg, db) = with_data(&xs, |xd| {
             with_data(&gs, |dy| {
                 let mut dx = uninit(xd.len());
@@ -253,7 +259,92 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64) -> CResul
     if let Some(r) = in_f32([x, gamma, beta], |[x, g, b]| layer_norm(&x, &g, &b, eps)) {
         return r;
     }
-    x.contiguous()?.apply_op3_arc(&gamma.contiguous()?, &beta.contiguous()?, std::sync::Arc::new(Box::new(LayerNorm { eps: eps as f32 })))
+    x.contiguous()?.apply_op3_arc(
+        &gamma.contiguous()?,
+        &beta.contiguous()?,
+        std::sync::Arc::new(Box::new(LayerNorm { eps: eps as f32, group: None })),
+    )
+}
+
+/// Megatron's f applied to [`layer_norm`]'s output, as one operation (f32 on the CPU): the
+/// same values, and in backward the same sum of the incoming gradient over `group` before the
+/// norm's own backward, without keeping f's copy of the normalised activations. Other devices
+/// and dtypes: the norm, then f ([`crate::models::tp::CopyToGroup`]).
+pub fn layer_norm_copied(
+    x: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f64,
+    group: &std::sync::Arc<dyn kolo_base::GroupSum>,
+) -> CResult<Tensor> {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return layer_norm(x, gamma, beta, eps)?.contiguous()?.apply_op1(crate::models::tp::CopyToGroup(group.clone()));
+    }
+    let op = LayerNorm { eps: eps as f32, group: Some(group.clone()) };
+    x.contiguous()?.apply_op3_arc(&gamma.contiguous()?, &beta.contiguous()?, std::sync::Arc::new(Box::new(op)))
+}
+
+/// `x + y + b` (`b` broadcast over the rows), summed in that order (`x + (y + b)`) as one
+/// operation on f32 CPU tensors: a residual connection around a row-parallel layer whose bias is
+/// added after the group's sum, keeping one output in the graph instead of two.
+struct ResidualBiasAdd;
+
+simd_kernel! {
+    /// `out = x + (y + b)` with `b` added to every row.
+    fn residual_bias_add_fwd(x: &[f32], y: &[f32], b: &[f32], out: &mut [f32]) {
+        let c = b.len();
+        for ((xr, yr), o) in x.chunks_exact(c).zip(y.chunks_exact(c)).zip(out.chunks_exact_mut(c)) {
+            for j in 0..c {
+                o[j] = xr[j] + (yr[j] + b[j]);
+            }
+        }
+    }
+}
+
+impl CustomOp3 for ResidualBiasAdd {
+    fn name(&self) -> &'static str {
+        "kolo-residual-bias-add"
+    }
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (x, y, b) = (slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
+        if l1.shape() != l2.shape() || last_dim(l1) != b.len() {
+            return Err(err("residual bias add: shapes differ"));
+        }
+        let mut out = uninit(x.len());
+        residual_bias_add_fwd(x, y, b, &mut out);
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _y: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let db = with_data(grad, |g| {
+            let mut acc = vec![0f32; b.elem_count()];
+            column_sums(g, &mut acc);
+            acc
+        })?;
+        Ok((Some(grad.clone()), Some(grad.clone()), Some(Tensor::from_vec(db, b.shape(), &Device::Cpu)?)))
+    }
+}
+
+/// `x + (y + b)`, `b` broadcast over the rows of `y` ([`ResidualBiasAdd`] for f32 on the CPU).
+pub fn residual_bias_add(x: &Tensor, y: &Tensor, b: &Tensor) -> CResult<Tensor> {
+    if !x.device().is_cpu() || [x, y, b].iter().any(|t| t.dtype() != DType::F32) {
+        return x + y.broadcast_add(b)?;
+    }
+    x.contiguous()?.apply_op3_arc(&y.contiguous()?, &b.contiguous()?, std::sync::Arc::new(Box::new(ResidualBiasAdd)))
 }
 
 /// Softmax over the last dimension of `scale * x` where row `r` (query position `r % t` of a
@@ -432,8 +523,10 @@ pub fn gelu_erf(x: &Tensor) -> CResult<Tensor> {
 
 /// RMS norm over the last dimension, scaled by a weight (Llama's `RMSNorm`:
 /// `w * x / sqrt(mean(x^2) + eps)`).
+/// With a tensor-parallel group, Megatron's f folded in as for [`LayerNorm`].
 struct RmsNorm {
     eps: f32,
+    group: Option<std::sync::Arc<dyn kolo_base::GroupSum>>,
 }
 
 /// `1 / sqrt(mean(x^2) + eps)` of one row.
@@ -486,6 +579,10 @@ impl CustomOp2 for RmsNorm {
     }
     fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<(Option<Tensor>, Option<Tensor>)> {
         let weight = with_data(w, |s| s.to_vec())?;
+        let grad = match &self.group {
+            Some(group) => &crate::models::tp::summed(&**group, grad)?,
+            None => grad,
+        };
         let (dx, dw) = with_data(x, |xd| {
             with_data(grad, |dy| {
                 let mut dx = uninit(xd.len());
@@ -512,7 +609,18 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
         let ones = Tensor::ones(w.elem_count(), DType::F32, &Device::Cpu)?;
         return rms_norm(&x.to_dtype(DType::F32)?, &ones, eps)?.to_dtype(dt)?.broadcast_mul(w);
     }
-    x.contiguous()?.apply_op2_arc(&w.to_dtype(DType::F32)?.contiguous()?, std::sync::Arc::new(Box::new(RmsNorm { eps: eps as f32 })))
+    let op = RmsNorm { eps: eps as f32, group: None };
+    x.contiguous()?.apply_op2_arc(&w.to_dtype(DType::F32)?.contiguous()?, std::sync::Arc::new(Box::new(op)))
+}
+
+/// Megatron's f applied to [`rms_norm`]'s output as one operation (f32 on the CPU), as
+/// [`layer_norm_copied`] for the layer norm. Otherwise the norm, then f.
+pub fn rms_norm_copied(x: &Tensor, w: &Tensor, eps: f64, group: &std::sync::Arc<dyn kolo_base::GroupSum>) -> CResult<Tensor> {
+    if !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return rms_norm(x, w, eps)?.contiguous()?.apply_op1(crate::models::tp::CopyToGroup(group.clone()));
+    }
+    let op = RmsNorm { eps: eps as f32, group: Some(group.clone()) };
+    x.contiguous()?.apply_op2_arc(&w.to_dtype(DType::F32)?.contiguous()?, std::sync::Arc::new(Box::new(op)))
 }
 
 /// SwiGLU's product `silu(gate) * up` (the gated MLP of Llama, Mistral, Qwen).

@@ -519,6 +519,103 @@ mod moe {
     }
 }
 
+/// The tensor-parallel block's fused operations equal the f and g they replace, bit for bit:
+/// the norms with f folded in (`layer_norm_copied`, `rms_norm_copied`) against the norm
+/// followed by `CopyToGroup`,
+/// and the residual with the replicated bias (`residual_bias_add`) against `x + (y + b)`. The
+/// group stands for a second member whose gradient differs from this one's (its sum adds a
+/// fixed vector), so a backward that skips the sum, or sums twice, fails.
+#[test]
+fn tensor_parallel_fused_ops_equal_f_and_g() {
+    use candle_core::{Device, Var};
+    use std::sync::Arc;
+    struct OtherMember(Vec<f32>);
+    impl kolo_base::GroupSum for OtherMember {
+        fn rank(&self) -> usize {
+            0
+        }
+        fn size(&self) -> usize {
+            2
+        }
+        fn sum(&self, buf: &mut [f32]) -> std::result::Result<(), String> {
+            buf.iter_mut().zip(self.0.iter().cycle()).for_each(|(b, o)| *b += o);
+            Ok(())
+        }
+    }
+    let mut r = Rng::new(7);
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| r.normal() as f32).collect() };
+    let (rows, c) = (3 * 5, 11);
+    let group: Arc<dyn kolo_base::GroupSum> = Arc::new(OtherMember(rand(rows * c)));
+    let same = |a: &Tensor, b: &Tensor, what: &str| {
+        let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+        let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(a.len(), b.len(), "{what}: lengths");
+        if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+            panic!("{what}: element {i} is {} against {}", a[i], b[i]);
+        }
+    };
+    let x = Var::from_vec(rand(rows * c), (3, 5, c), &Device::Cpu).unwrap();
+    let g = Var::from_vec(rand(c), c, &Device::Cpu).unwrap();
+    let b = Var::from_vec(rand(c), c, &Device::Cpu).unwrap();
+    let w = Tensor::from_vec(rand(rows * c), (3, 5, c), &Device::Cpu).unwrap();
+    let fused = crate::fused::layer_norm_copied(&x, &g, &b, 1e-5, &group).unwrap();
+    let plain = crate::fused::layer_norm(&x, &g, &b, 1e-5).unwrap().apply_op1(crate::models::tp::CopyToGroup(group.clone())).unwrap();
+    same(&fused, &plain, "norm and f forward");
+    let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gp = (plain * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (v, n) in [(&x, "dx"), (&g, "dgamma"), (&b, "dbeta")] {
+        same(gf.get(v).unwrap(), gp.get(v).unwrap(), n);
+    }
+    let fused = crate::fused::rms_norm_copied(&x, &g, 1e-5, &group).unwrap();
+    let plain = crate::fused::rms_norm(&x, &g, 1e-5).unwrap().apply_op1(crate::models::tp::CopyToGroup(group.clone())).unwrap();
+    same(&fused, &plain, "RMS norm and f forward");
+    let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gp = (plain * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (v, n) in [(&x, "RMS dx"), (&g, "RMS dweight")] {
+        same(gf.get(v).unwrap(), gp.get(v).unwrap(), n);
+    }
+    let y = Var::from_vec(rand(rows * c), (3, 5, c), &Device::Cpu).unwrap();
+    let fused = crate::fused::residual_bias_add(&x, &y, &b).unwrap();
+    let plain = (x.as_tensor() + y.broadcast_add(&b).unwrap()).unwrap();
+    same(&fused, &plain, "residual bias add forward");
+    let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let gp = (plain * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (v, n) in [(&x, "dx"), (&y, "dy")] {
+        same(gf.get(v).unwrap(), gp.get(v).unwrap(), n);
+    }
+    // The bias's gradient: candle sums the broadcast rows in its own order.
+    let (db, dp): (Vec<f32>, Vec<f32>) = (gf.get(&b).unwrap().to_vec1().unwrap(), gp.get(&b).unwrap().to_vec1().unwrap());
+    assert!(db.iter().zip(&dp).all(|(a, b)| (a - b).abs() < 1e-5), "dbias: {db:?} against {dp:?}");
+}
+
+/// A tensor-parallel member's index map, kept as runs, gathers and scatters exactly as the
+/// element-by-element map it replaces, for every cut of odd shapes and over partial ranges.
+#[test]
+fn index_runs_equal_the_element_map() {
+    use crate::models::tp::{piece, Cut};
+    use crate::models::IndexRuns;
+    let shapes: [(&[usize], Cut); 5] =
+        [(&[7, 6], Cut::Cols), (&[12, 5], Cut::Rows { blocks: 3 }), (&[13], Cut::Vocab), (&[9, 4], Cut::Vocab), (&[5, 3], Cut::Whole)];
+    let whole: Vec<f32> = (0..(42 + 60 + 13 + 36 + 15)).map(|i| i as f32 * 0.5 - 3.0).collect();
+    for r in 0..2 {
+        let (mut runs, mut map, mut at) = (IndexRuns::default(), Vec::new(), 0);
+        for (shape, cut) in shapes {
+            let idx: Vec<usize> = piece(shape, cut, r, 2).unwrap().into_iter().map(|k| k + at).collect();
+            runs.extend(idx.iter().copied());
+            map.extend(idx);
+            at += shape.iter().product::<usize>();
+        }
+        let local: Vec<f32> = map.iter().map(|&k| whole[k]).collect();
+        assert_eq!(runs.gather(&whole), local, "member {r}: gather");
+        for range in [0..local.len(), 0..0, 3..17, 20..local.len(), 5..6] {
+            let (mut got, mut want) = (vec![0f32; whole.len()], vec![0f32; whole.len()]);
+            runs.scatter(&local, range.clone(), &mut got);
+            range.clone().for_each(|k| want[map[k]] = local[k]);
+            assert_eq!(got, want, "member {r}: scatter {range:?}");
+        }
+    }
+}
+
 /// The vocabulary splits into contiguous ranges covering it once, the first v % p one longer.
 #[test]
 fn vocabulary_ranges_cover_the_vocabulary_once() {

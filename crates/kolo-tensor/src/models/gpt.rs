@@ -96,7 +96,7 @@ pub struct Gpt {
 struct ExpertParallel {
     group: Arc<dyn kolo_base::Exchange>,
     /// For each local value, its index in the whole model's flat layout.
-    map: Vec<usize>,
+    map: super::IndexRuns,
     /// Per local parameter: whether it belongs to an expert.
     expert: Vec<bool>,
     full_len: usize,
@@ -106,7 +106,7 @@ struct ExpertParallel {
 struct TensorParallel {
     group: Arc<dyn kolo_base::GroupSum>,
     cuts: Vec<super::tp::Cut>,
-    map: Vec<usize>,
+    map: super::IndexRuns,
     full_len: usize,
 }
 
@@ -471,9 +471,7 @@ impl Gpt {
             if tp.cuts[i] == super::tp::Cut::Whole && tp.group.rank() != 0 {
                 continue;
             }
-            for k in p.range.clone() {
-                out[tp.map[k]] = local[k];
-            }
+            tp.map.scatter(local, p.range.clone(), out);
         }
         Ok(())
     }
@@ -562,7 +560,7 @@ impl Model for Gpt {
         if full.len() != tp.full_len {
             return Some(Err(TensorError::Input(format!("{} values for a model of {}", full.len(), tp.full_len))));
         }
-        Some(Ok(tp.map.iter().map(|&k| full[k]).collect()))
+        Some(Ok(tp.map.gather(full)))
     }
 
     fn param_groups(&self) -> Vec<Vec<usize>> {
@@ -667,7 +665,7 @@ impl Gpt {
         }
         let mut params = ParamSet::new();
         let mut new_id = vec![usize::MAX; full.params.len()];
-        let (mut map, mut expert) = (Vec::new(), Vec::new());
+        let (mut map, mut expert) = (super::IndexRuns::default(), Vec::new());
         for (i, p) in full.params.iter().enumerate() {
             if keep[i] {
                 new_id[i] = params.add(&p.name, &p.shape, values[p.range.clone()].to_vec())?;
@@ -711,9 +709,6 @@ impl Gpt {
         })
     }
 
-    /// Under expert parallelism: writes `local` (this member's values) into `out`, the whole
-    /// model's flat layout: its experts when `experts`, the parameters outside the experts when
-    /// `shared`, so that a sum over the ranks that write each part assembles the whole model.
     /// Under expert parallelism: this rank's values (its shared parameters and its experts)
     /// taken from the whole model's flat layout `full` (the inverse of [`Gpt::ep_pieces_into`]:
     /// a checkpoint of whole tensors loaded into an expert-parallel model).
@@ -722,16 +717,17 @@ impl Gpt {
         if full.len() != ep.full_len {
             return Err(TensorError::Input(format!("{} values for a model of {}", full.len(), ep.full_len)));
         }
-        Ok(ep.map.iter().map(|&k| full[k]).collect())
+        Ok(ep.map.gather(full))
     }
 
+    /// Under expert parallelism: writes `local` (this member's values) into `out`, the whole
+    /// model's flat layout: its experts when `experts`, the parameters outside the experts when
+    /// `shared`, so that a sum over the ranks that write each part assembles the whole model.
     pub fn ep_pieces_into(&self, local: &[f32], out: &mut [f32], experts: bool, shared: bool) -> Result<()> {
         let Some(ep) = &self.ep else { return Err(TensorError::Input("not an expert-parallel model".into())) };
         for (i, p) in self.params.iter().enumerate() {
             if (ep.expert[i] && experts) || (!ep.expert[i] && shared) {
-                for k in p.range.clone() {
-                    out[ep.map[k]] = local[k];
-                }
+                ep.map.scatter(local, p.range.clone(), out);
             }
         }
         Ok(())

@@ -17,6 +17,51 @@ use crate::{ParamSet, ParamView, Result, TensorError};
 use candle_core::Tensor;
 use kolo_base::Rng;
 
+/// Where each value of a piece of a model (a tensor- or expert-parallel member's parameters, in
+/// their flat order) lives in the whole model's flat layout: runs of consecutive indices, so that
+/// the map costs a few words per row or tensor instead of eight bytes per parameter.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct IndexRuns {
+    /// (local start, whole-model start, length), in local order.
+    runs: Vec<(usize, usize, usize)>,
+    len: usize,
+}
+
+impl IndexRuns {
+    /// Appends the whole-model indices of the next local values.
+    pub(crate) fn extend(&mut self, whole: impl IntoIterator<Item = usize>) {
+        for k in whole {
+            match self.runs.last_mut() {
+                Some((_, start, n)) if *start + *n == k => *n += 1,
+                _ => self.runs.push((self.len, k, 1)),
+            }
+            self.len += 1;
+        }
+    }
+
+    /// The local values taken from the whole model's flat layout `whole`.
+    pub(crate) fn gather(&self, whole: &[f32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.len);
+        for &(_, start, n) in &self.runs {
+            out.extend_from_slice(&whole[start..start + n]);
+        }
+        out
+    }
+
+    /// Writes the local values `local[range]` to their places in `out` (the whole layout).
+    pub(crate) fn scatter(&self, local: &[f32], range: std::ops::Range<usize>, out: &mut [f32]) {
+        // The first run that ends after `range.start`.
+        let first = self.runs.partition_point(|&(l, _, n)| l + n <= range.start);
+        for &(l, w, n) in &self.runs[first..] {
+            if l >= range.end {
+                break;
+            }
+            let (a, b) = (l.max(range.start), (l + n).min(range.end));
+            out[w + a - l..w + b - l].copy_from_slice(&local[a..b]);
+        }
+    }
+}
+
 /// A model's input batch.
 #[derive(Clone, Debug)]
 pub enum Input {

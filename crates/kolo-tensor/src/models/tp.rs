@@ -43,7 +43,7 @@ pub(crate) fn storage_of(v: Vec<f32>, dtype: DType) -> CpuStorage {
     }
 }
 
-fn summed(group: &dyn GroupSum, t: &Tensor) -> candle_core::Result<Tensor> {
+pub(crate) fn summed(group: &dyn GroupSum, t: &Tensor) -> candle_core::Result<Tensor> {
     let mut v = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
     group.sum(&mut v).map_err(|e| candle_core::Error::Msg(format!("tensor-parallel all-reduce: {e}")))?;
     Tensor::from_vec(v, t.shape(), t.device())?.to_dtype(t.dtype())
@@ -278,10 +278,10 @@ pub(crate) fn piece_shape(shape: &[usize], cut: Cut, r: usize, p: usize) -> Vec<
 /// Rebuilds `full` (a whole model's `ParamSet`) as member `r`'s tensor-parallel piece, given
 /// each parameter's cut; returns the pieces and, for each local element, its index in the
 /// full model's flat layout.
-pub(crate) fn shard_params(full: &ParamSet, cuts: &[Cut], r: usize, p: usize) -> Result<(ParamSet, Vec<usize>)> {
+pub(crate) fn shard_params(full: &ParamSet, cuts: &[Cut], r: usize, p: usize) -> Result<(ParamSet, super::IndexRuns)> {
     let values = full.to_flat()?;
     let mut local = ParamSet::new();
-    let mut map = Vec::new();
+    let mut map = super::IndexRuns::default();
     for (i, param) in full.iter().enumerate() {
         let idx = piece(&param.shape, cuts[i], r, p)?;
         let v: Vec<f32> = idx.iter().map(|&k| values[param.range.start + k]).collect();
@@ -293,19 +293,21 @@ pub(crate) fn shard_params(full: &ParamSet, cuts: &[Cut], r: usize, p: usize) ->
 
 /// One pre-norm block with this member's pieces `p` of the parameters and `h` local heads.
 pub(crate) fn block_forward_tp(x: &Tensor, p: &[Tensor], h: usize, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
-    use crate::ops::{layer_norm, linear};
-    let f = |t: &Tensor| -> Result<Tensor> { Ok(t.contiguous()?.apply_op1(CopyToGroup(group.clone()))?) };
-    let g = |t: &Tensor| -> Result<Tensor> { Ok(reduce_in_place(t, group)?) };
-    let no_bias = |w: &Tensor, x: &Tensor| -> Result<Tensor> {
-        let (b, t, i) = x.dims3()?;
-        Ok(x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, w.dim(0)?))?)
+    use crate::fused::{layer_norm_copied, residual_bias_add};
+    use crate::ops::linear;
+    // g, then the replicated bias and the residual in one operation.
+    let row_parallel = |x: &Tensor, w: &Tensor, bias: &Tensor, y: &Tensor| -> Result<Tensor> {
+        let (b, t, i) = y.dims3()?;
+        let partial = y.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, w.dim(0)?))?;
+        Ok(residual_bias_add(x, &reduce_in_place(&partial, group)?, bias)?)
     };
-    let hdn = f(&layer_norm(x, &p[0], &p[1], 1e-5)?)?;
+    // Each norm's output goes through f as part of the norm (f's backward sum, no copy).
+    let hdn = layer_norm_copied(x, &p[0], &p[1], 1e-5, group)?;
     let y = super::gpt::self_attention(&hdn, &p[2], &p[3], h)?;
-    let x = (x + g(&no_bias(&p[4], &y)?)?.broadcast_add(&p[5])?)?;
-    let hdn = f(&layer_norm(&x, &p[6], &p[7], 1e-5)?)?;
+    let x = row_parallel(x, &p[4], &p[5], &y)?;
+    let hdn = layer_norm_copied(&x, &p[6], &p[7], 1e-5, group)?;
     let m = crate::fused::gelu_erf(&linear(&hdn, &p[8], &p[9])?)?;
-    Ok((&x + g(&no_bias(&p[10], &m)?)?.broadcast_add(&p[11])?)?)
+    row_parallel(&x, &p[10], &p[11], &m)
 }
 
 fn group_err(e: String) -> TensorError {
@@ -321,7 +323,8 @@ pub fn embed(ids: &[u32], wte: &Tensor, range: std::ops::Range<usize>, group: &A
     let mask: Vec<f32> = ids.iter().map(|&i| if range.contains(&(i as usize)) { 1.0 } else { 0.0 }).collect();
     let rows = wte.index_select(&Tensor::from_vec(local, n, wte.device())?, 0)?;
     let e = rows.broadcast_mul(&Tensor::from_vec(mask, (n, 1), wte.device())?.to_dtype(wte.dtype())?)?;
-    Ok(e.contiguous()?.apply_op1(ReduceFromGroup(group.clone()))?)
+    // A fresh product nothing has read: summed in place, backward keeps no second copy.
+    Ok(reduce_in_place(&e, group)?)
 }
 
 /// One value per row of every member, gathered with a sum: member r fills column r.

@@ -864,10 +864,28 @@ impl Norm {
     }
 }
 
+impl Norm {
+    fn scale(&self) -> candle_core::Result<Tensor> {
+        if self.plus_one {
+            &self.weight + 1.0
+        } else {
+            Ok(self.weight.clone())
+        }
+    }
+
+    /// The norm's output through Megatron's `f` ([`crate::tp::copy_to_group`]) for split layers
+    /// that read nothing else: in f32 on the CPU one operation, without `f`'s copy.
+    fn forward_copied(&self, x: &Tensor, tp: Option<&crate::tp::TensorParallel>) -> candle_core::Result<Tensor> {
+        match tp.filter(|t| t.size() > 1) {
+            Some(t) => kolo_tensor::fused::rms_norm_copied(x, &self.scale()?, self.eps as f64, &t.sum()),
+            None => self.forward(x),
+        }
+    }
+}
+
 impl Module for Norm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let w = if self.plus_one { (&self.weight + 1.0)? } else { self.weight.clone() };
-        kolo_tensor::fused::rms_norm(x, &w, self.eps as f64)
+        kolo_tensor::fused::rms_norm(x, &self.scale()?, self.eps as f64)
     }
 }
 
@@ -1124,9 +1142,9 @@ impl LlamaBlock {
     ) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let ((h, kv), hd) = (self.heads, cfg.head_dim());
-        let a = self.input_norm.forward(x)?;
         let heads = |y: Tensor, n: usize| y.reshape((b, t, n, hd))?.transpose(1, 2)?.contiguous();
         if let Qkv::Mla(mla) = &self.qkv {
+            let a = self.input_norm.forward(x)?;
             let (q, k, v) = mla.qkv(&a, h, cos, sin)?;
             let y = match sp {
                 // Ring attention takes one head width: the values padded with zeros to the
@@ -1147,15 +1165,13 @@ impl LlamaBlock {
             let y = self.o.forward(&y.transpose(1, 2)?.reshape((b, t, h * mla.dims.v))?)?;
             return self.feed_forward((x + y)?, cfg, router);
         }
-        // One `f` for the split projections that read the normed input (they are built
-        // `input_copied`).
+        // One `f`, folded into the norm, for the split projections that read the normed input
+        // (they are built `input_copied`).
+        let a = self.input_norm.forward_copied(x, self.tp.as_ref())?;
         let (q, k, v) = match &self.qkv {
-            Qkv::Apart(q, k, v) => {
-                let a = crate::tp::copy_to_group(&a, self.tp.as_ref())?;
-                (q.forward(&a)?, k.forward(&a)?, v.forward(&a)?)
-            }
+            Qkv::Apart(q, k, v) => (q.forward(&a)?, k.forward(&a)?, v.forward(&a)?),
             Qkv::Fused(l) => {
-                let y = l.forward(&crate::tp::copy_to_group(&a, self.tp.as_ref())?)?;
+                let y = l.forward(&a)?;
                 (y.narrow(2, 0, h * hd)?, y.narrow(2, h * hd, kv * hd)?, y.narrow(2, (h + kv) * hd, kv * hd)?)
             }
             Qkv::Mla(_) => candle_core::bail!("latent attention runs apart"),
@@ -1193,10 +1209,10 @@ impl LlamaBlock {
     /// `x` after attention through the MLP (or its experts, whose routing goes to `router`),
     /// with its residual.
     fn feed_forward(&self, x: Tensor, cfg: &LlamaConfig, router: &mut Router) -> candle_core::Result<Tensor> {
-        let f = self.post_norm.forward(&x)?;
         let y = match &self.ffn {
             Ffn::Dense { gate_up, down } => {
-                let f = crate::tp::copy_to_group(&f, self.tp.as_ref())?;
+                // The split gate and up read only `f`'s output: one `f`, folded into the norm.
+                let f = self.post_norm.forward_copied(&x, self.tp.as_ref())?;
                 let (gate, up) = match gate_up {
                     GateUp::Apart(g, u) => (g.forward(&f)?, u.forward(&f)?),
                     GateUp::Fused(l) => {
@@ -1208,6 +1224,7 @@ impl LlamaBlock {
                 down.forward(&gated(gate, up, cfg.activation())?)?
             }
             Ffn::Experts { moe, shared, scale } => {
+                let f = self.post_norm.forward(&x)?;
                 let mut r = moe.forward_routed(&f)?;
                 let y = std::mem::replace(&mut r.output, Tensor::zeros((), f.dtype(), f.device())?);
                 router.add(r)?;
