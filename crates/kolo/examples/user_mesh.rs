@@ -54,6 +54,11 @@ impl Mlp {
         Ok(Mlp { layers })
     }
 
+    /// The indices of this stage's layers.
+    pub fn layer_ids(&self) -> Vec<usize> {
+        self.layers.iter().map(|(i, _)| *i).collect()
+    }
+
     /// Whether this stage ends with the model's output.
     pub fn is_last(&self) -> bool {
         self.layers.last().is_some_and(|(i, _)| i + 1 == LAYERS)
@@ -202,7 +207,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
                 break;
             }
         }
-        return finish(&mut trainer, &mesh, &dist, &out, pipe.bubble());
+        return finish(&mut trainer, &mesh, &dist, &out, pipe.bubble().map(|b| (b, model.layer_ids())));
     }
     // --two-bw N: one process computing PipeDream-2BW's updates by hand (the reference): in
     // streams of N steps, step t's gradient on the weights before step t - 1's update (the
@@ -256,13 +261,19 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
             break;
         }
     }
-    finish(&mut trainer, &mesh, &dist, &out, pipe.bubble())
+    finish(&mut trainer, &mesh, &dist, &out, pipe.bubble().map(|b| (b, model.layer_ids())))
 }
 
 /// Writes the last checkpoint; returns where it went.
-fn finish(trainer: &mut kolo::Trainer, mesh: &kolo::Mesh, dist: &kolo::Dist, out: &str, bubble: Option<f64>) -> Result<std::path::PathBuf> {
-    if let (Some(b), 0, 0) = (bubble, mesh.coord("dp"), mesh.coord("tp")) {
-        println!("pipeline stage {}: bubble {:.1}% of its step time", mesh.coord("pp"), 100.0 * b);
+fn finish(
+    trainer: &mut kolo::Trainer,
+    mesh: &kolo::Mesh,
+    dist: &kolo::Dist,
+    out: &str,
+    bubble: Option<(f64, Vec<usize>)>,
+) -> Result<std::path::PathBuf> {
+    if let (Some((b, layers)), 0, 0) = (bubble, mesh.coord("dp"), mesh.coord("tp")) {
+        println!("pipeline stage {} (layers {layers:?}): bubble {:.1}% of its step time", mesh.coord("pp"), 100.0 * b);
     }
     let saved = trainer.save(out)?; // whole tensors, loadable in one process
     if dist.is_main() {

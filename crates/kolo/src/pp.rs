@@ -50,7 +50,8 @@ pub use kolo_pipe::schedule::partition;
 pub use kolo_pipe::Schedule;
 
 /// The layers `0..layers` of this rank's stage: contiguous ranges as even as the count allows
-/// (earlier stages take the remainder). For stages balanced by cost, cut with [`partition`].
+/// (where counts must differ, later stages take the extra layers: 3 layers in 2 stages are
+/// `[0]` and `[1, 2]`). For stages balanced by cost, [`stage_layers_by`].
 pub fn stage_layers(layers: usize, mesh: &Mesh) -> Result<Range<usize>> {
     let k = mesh.size("pp");
     if layers < k {
