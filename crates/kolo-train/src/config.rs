@@ -1253,10 +1253,7 @@ impl Config {
 
     /// Where optimizer state goes.
     pub fn placement(&self) -> kolo_optim::Placement {
-        match &self.optim.offload_dir {
-            Some(d) => kolo_optim::Placement::Disk(d.into()),
-            None => kolo_optim::Placement::Memory,
-        }
+        self.optim.placement()
     }
 
     pub fn schedule(&self) -> Schedule {
@@ -1265,6 +1262,15 @@ impl Config {
 }
 
 impl OptimConfig {
+    /// Where the optimizer's state (and ZeRO's master shard) lives: memory, or files under
+    /// `offload_dir`.
+    pub fn placement(&self) -> kolo_optim::Placement {
+        match &self.offload_dir {
+            Some(d) => kolo_optim::Placement::Disk(d.into()),
+            None => kolo_optim::Placement::Memory,
+        }
+    }
+
     /// Whether some parameter gets other hyperparameters than the spec's (strategies without
     /// parameter groups refuse such settings).
     pub fn non_uniform(&self) -> bool {
@@ -1305,6 +1311,11 @@ impl OptimConfig {
 }
 
 impl DdpConfig {
+    /// The deadline of every collective (`timeout_secs`, at least a millisecond).
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.timeout_secs.max(0.001))
+    }
+
     pub fn bucket_cap(&self) -> Result<ByteSize, String> {
         positive_size("ddp.bucket_cap", &self.bucket_cap)
     }

@@ -11,10 +11,11 @@ use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, St
 use crate::eval::{evaluate, sample_text};
 use crate::setup::{spec_string, Data};
 use crate::summary::{Eval, RunOptions, StateBytes};
+use crate::update::Engine;
 use crate::TrainError;
 use kolo_base::Rng;
 use kolo_comm::{BufMut, Communicator, ReduceOp, SumGroup};
-use kolo_ddp::{Ddp, DdpConfig, ShardPlan, Sharding};
+use kolo_ddp::{Ddp, ShardPlan, Sharding};
 use kolo_optim::{clip_factor, sum_of_squares, Buffer, LossScaler, Optimizer};
 use kolo_tensor::{build_model, Batch, HookedView, Model, ModelSpec, ParamView, PlainView};
 use std::collections::BTreeMap;
@@ -71,8 +72,7 @@ impl<'a> DataParallel<'a> {
         opts: &RunOptions,
     ) -> Result<(DataParallel<'a>, Start), TrainError> {
         let tc = &cfg.train;
-        let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
-        comm.set_timeout(timeout);
+        comm.set_timeout(cfg.ddp.timeout());
         let world = comm.world_size().get();
         let tp = tp.map(|c| (SumGroup::new(c.clone()), c));
         let spec = cfg.model_spec(data.vocab_size);
@@ -80,30 +80,11 @@ impl<'a> DataParallel<'a> {
         let tp_split = model.tensor_parallel_split();
         let sharding = cfg.sharding().map_err(TrainError::Config)?;
         let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
-        let (compression, compression_warmup) = cfg.compression().map_err(TrainError::Config)?;
-        let ddp_cfg = DdpConfig {
-            bucket_cap: cfg.bucket_cap().map_err(TrainError::Config)?,
-            first_bucket_cap: cfg.first_bucket_cap().map_err(TrainError::Config)?,
-            timeout,
-            sharding,
-            groups,
-            compression,
-            compression_warmup,
-        };
-        let ddp = Ddp::new(comm.clone(), &model.params().signature(), ddp_cfg)?;
+        let Engine { ddp, zero, mut opt } =
+            Engine::build(comm.clone(), &model.params().signature(), &cfg.ddp, &cfg.optim, cfg.optimizer(), sharding, groups)?;
         // `flat` is needed only until the model holds its starting values (broadcast, resume).
         let mut flat = model.params().to_flat()?;
         ddp.broadcast_params(&mut flat)?;
-        // Under ZeRO the optimizer (and its state) covers this rank's shard only.
-        let zero: Option<ShardPlan> = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
-        let place = cfg.placement();
-        let offload_err = |e: std::io::Error| {
-            TrainError::Config(format!("optim.offload_dir {:?}: {e}", cfg.optim.offload_dir.as_deref().unwrap_or_default()))
-        };
-        let mut opt =
-            Optimizer::with_placement(cfg.optimizer(), zero.as_ref().map_or(flat.len(), |z| z.len), &place).map_err(offload_err)?;
-        crate::param_groups::apply(&mut opt, &model.params().signature(), ddp.ranges(), zero.as_ref(), &cfg.optim)
-            .map_err(TrainError::Config)?;
         let meta = checkpoint_meta(cfg, &spec, world, sharding.stage());
         // Resume: every rank reads the same file, so every rank continues identically.
         let start = match resume {
@@ -126,7 +107,10 @@ impl<'a> DataParallel<'a> {
         };
         model.params().load(&flat)?;
         let zero3 = sharding == Sharding::Parameters;
-        let master = zero_master(zero.as_ref(), zero3, &ddp, &mut *model, &flat, &place, &offload_err)?;
+        let master = Engine::master(&ddp, zero.as_ref(), &flat, &cfg.optim)?;
+        if zero3 {
+            model.shard_groups(ddp.gatherer())?;
+        }
         let numel = flat.len();
         drop(flat);
         let keeps_micro = tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic;
@@ -495,30 +479,6 @@ fn dp_model(cfg: &Config, spec: &ModelSpec, tp: Option<Arc<SumGroup>>) -> Result
 /// ZeRO's f32 master of this rank's shard, cut from the whole `flat` values: in a buffer at
 /// `place` (ZeRO-1/2), or handed to the engine with the model's groups sharded (ZeRO-3, whose
 /// returned buffer is empty); empty without ZeRO.
-fn zero_master(
-    zero: Option<&ShardPlan>,
-    zero3: bool,
-    ddp: &Ddp,
-    model: &mut dyn Model,
-    flat: &[f32],
-    place: &kolo_optim::Placement,
-    offload_err: &dyn Fn(std::io::Error) -> TrainError,
-) -> Result<Buffer, TrainError> {
-    let mut master = Buffer::zeros(if zero3 { 0 } else { zero.map_or(0, |z| z.len) }, place, "master").map_err(offload_err)?;
-    if let Some(z) = zero {
-        if zero3 {
-            let mut m = vec![0f32; z.len];
-            z.gather(ddp.ranges(), flat, &mut m);
-            ddp.set_master(m);
-            model.shard_groups(ddp.gatherer())?;
-        } else {
-            z.gather(ddp.ranges(), flat, master.as_mut_slice());
-            master.release_all();
-        }
-    }
-    Ok(master)
-}
-
 /// The start line of a data-parallel run.
 fn announce(cfg: &Config, model: &dyn Model, spec: &ModelSpec, ddp: &Ddp, zero: Option<&ShardPlan>, data: &Data) {
     let (tc, world, numel) = (&cfg.train, ddp.comm().world_size().get(), model.params().numel());

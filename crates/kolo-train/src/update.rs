@@ -9,6 +9,100 @@ use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding, SyncStats};
 use kolo_optim::{clip_factor, Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 
+/// The data-parallel engine and optimizer of a run, built one way for `kolo train`'s
+/// data-parallel strategy and the library's `Trainer` from their `[ddp]` and `[optim]` tables.
+pub struct Engine {
+    pub ddp: Ddp,
+    /// ZeRO-1/2/3: this rank's shard plan.
+    pub zero: Option<ShardPlan>,
+    /// The optimizer over the whole model, or over this rank's shard under ZeRO, with the
+    /// parameter groups' weight decay and learning-rate scales.
+    pub opt: Optimizer,
+}
+
+/// Why an [`Engine`] could not be built.
+#[derive(Debug)]
+pub enum EngineError {
+    /// A setting (its name) and what is wrong with it.
+    Setting(&'static str, String),
+    /// `optim.offload_dir` (the directory) could not hold the optimizer's state.
+    Offload(String, std::io::Error),
+    Ddp(kolo_ddp::DdpError),
+}
+
+impl From<EngineError> for TrainError {
+    fn from(e: EngineError) -> TrainError {
+        match e {
+            EngineError::Setting(_, reason) => TrainError::Config(reason),
+            EngineError::Offload(dir, e) => TrainError::Config(format!("optim.offload_dir {dir:?}: {e}")),
+            EngineError::Ddp(e) => TrainError::Ddp(e),
+        }
+    }
+}
+
+impl Engine {
+    /// The DDP engine over `comm` for parameters of `signature` (rank 0's signature checked
+    /// on every rank) with `ddp`'s buckets, deadline and gradient codec, sharded as `sharding`
+    /// (ZeRO-3: the parameter groups `groups`), and the optimizer `spec` with `optim`'s
+    /// parameter groups and placement. Collective.
+    pub fn build(
+        comm: std::sync::Arc<dyn Communicator>,
+        signature: &[(String, Vec<usize>)],
+        ddp: &crate::config::DdpConfig,
+        optim: &crate::config::OptimConfig,
+        spec: kolo_optim::OptimizerSpec,
+        sharding: Sharding,
+        groups: Vec<Vec<usize>>,
+    ) -> Result<Engine, EngineError> {
+        let setting = |name: &'static str| move |reason: String| EngineError::Setting(name, reason);
+        let timeout = ddp.timeout();
+        comm.set_timeout(timeout);
+        let (compression, compression_warmup) = ddp.compression().map_err(setting("ddp.compression"))?;
+        let cfg = kolo_ddp::DdpConfig {
+            bucket_cap: ddp.bucket_cap().map_err(setting("ddp.bucket_cap"))?,
+            first_bucket_cap: ddp.first_bucket_cap().map_err(setting("ddp.first_bucket_cap"))?,
+            timeout,
+            sharding,
+            groups,
+            compression,
+            compression_warmup,
+        };
+        let engine = Ddp::new(comm, signature, cfg).map_err(EngineError::Ddp)?;
+        let zero = (sharding != Sharding::None).then(|| engine.shard_plan().clone());
+        let numel: usize = signature.iter().map(|(_, shape)| shape.iter().product::<usize>()).sum();
+        let offload = |e| EngineError::Offload(optim.offload_dir.clone().unwrap_or_default(), e);
+        let mut opt = Optimizer::with_placement(spec, zero.as_ref().map_or(numel, |z| z.len), &optim.placement()).map_err(offload)?;
+        crate::param_groups::apply(&mut opt, signature, engine.ranges(), zero.as_ref(), optim).map_err(setting("optim.groups"))?;
+        Ok(Engine { ddp: engine, zero, opt })
+    }
+
+    /// ZeRO-1/2: this rank's master copy of its shard (`zero`) of the whole model's values
+    /// `flat`, where `optim.offload_dir` puts it. ZeRO-3: `ddp` keeps the shard (the buffer is
+    /// empty). Otherwise empty.
+    pub fn master(ddp: &Ddp, zero: Option<&ShardPlan>, flat: &[f32], optim: &crate::config::OptimConfig) -> Result<Buffer, EngineError> {
+        let zero3 = ddp.sharding() == Sharding::Parameters;
+        let len = if zero3 { 0 } else { zero.map_or(0, |z| z.len) };
+        let mut master = Buffer::zeros(len, &optim.placement(), "master")
+            .map_err(|e| EngineError::Offload(optim.offload_dir.clone().unwrap_or_default(), e))?;
+        Engine::place_master(ddp, zero, flat, &mut master);
+        Ok(master)
+    }
+
+    /// [`Engine::master`]'s values written again (a resume): this rank's shard of `flat` into
+    /// `master` (ZeRO-1/2) or into `ddp` (ZeRO-3).
+    pub fn place_master(ddp: &Ddp, zero: Option<&ShardPlan>, flat: &[f32], master: &mut Buffer) {
+        let Some(z) = zero else { return };
+        if ddp.sharding() == Sharding::Parameters {
+            let mut m = vec![0f32; z.len];
+            z.gather(ddp.ranges(), flat, &mut m);
+            ddp.set_master(m);
+        } else {
+            z.gather(ddp.ranges(), flat, master.as_mut_slice());
+            master.release_all();
+        }
+    }
+}
+
 /// Looks at the reduced gradients before the step (the whole gradient, or with `sharded` this
 /// rank's pieces only): scales them in place for unscaling and clipping; `false` skips the step
 /// (an f16 overflow).

@@ -75,6 +75,17 @@ pub enum Error {
 /// The library's result.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+impl From<kolo_train::update::EngineError> for Error {
+    fn from(e: kolo_train::update::EngineError) -> Error {
+        use kolo_train::update::EngineError as E;
+        match e {
+            E::Setting(setting, reason) => Error::setting(setting, reason),
+            E::Offload(_, e) => Error::Offload(e),
+            E::Ddp(e) => Error::Ddp(e),
+        }
+    }
+}
+
 impl Error {
     /// An [`Error::Setting`] (a reason that starts with the setting's name loses it).
     pub(crate) fn setting(setting: impl Into<String>, reason: impl Into<String>) -> Error {

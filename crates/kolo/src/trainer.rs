@@ -539,40 +539,25 @@ impl Trainer {
         let place_sp = place.sp.clone();
         let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
         let (spread, whole_signature) = spread(&place, &params, &ids, &opts)?;
-        let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
-        comm.set_timeout(timeout);
-        let (compression, compression_warmup) = opts.ddp.compression().map_err(|e| Error::setting("ddp.compression", e))?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
         let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
         let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| Error::usage(rank, "Trainer::with_zero3_groups", e))?;
-        let cfg = kolo_ddp::DdpConfig {
-            bucket_cap: opts.ddp.bucket_cap().map_err(|e| Error::setting("ddp.bucket_cap", e))?,
-            first_bucket_cap: opts.ddp.first_bucket_cap().map_err(|e| Error::setting("ddp.first_bucket_cap", e))?,
-            timeout,
-            sharding,
-            groups: plan.clone(),
-            compression,
-            compression_warmup,
-        };
         let signature = params.signature();
-        let ddp = Ddp::new(comm.clone(), &signature, cfg)?;
+        let kolo_train::update::Engine { ddp, zero, opt } = kolo_train::update::Engine::build(
+            comm.clone(),
+            &signature,
+            &opts.ddp,
+            &opts.optim,
+            opts.optimizer_spec(),
+            sharding,
+            plan.clone(),
+        )?;
         let mut flat = params.to_flat()?;
         ddp.broadcast_params(&mut flat)?;
         params.load(&flat)?;
         publish(&params, &model_vars, compute)?;
-        let zero = (sharding != Sharding::None).then(|| ddp.shard_plan().clone());
-        let place = match &opts.optim.offload_dir {
-            Some(d) => kolo_optim::Placement::Disk(d.into()),
-            None => kolo_optim::Placement::Memory,
-        };
-        let mut opt = Optimizer::with_placement(opts.optimizer_spec(), zero.as_ref().map_or(flat.len(), |z| z.len), &place)
-            .map_err(Error::Offload)?;
-        kolo_train::param_groups::apply(&mut opt, &signature, ddp.ranges(), zero.as_ref(), &opts.optim)
-            .map_err(|e| Error::setting("optim.groups", e))?;
         let sharded = !plan.is_empty();
-        let mut master =
-            Buffer::zeros(if sharded { 0 } else { zero.as_ref().map_or(0, |z| z.len) }, &place, "master").map_err(Error::Offload)?;
-        place_master(zero.as_ref(), sharded, &ddp, &flat, &mut master);
+        let master = kolo_train::update::Engine::master(&ddp, zero.as_ref(), &flat, &opts.optim)?;
         drop(flat);
         let zero3 = if sharded {
             // The groups live as shards from now on: the model's own variables are emptied and
@@ -1401,7 +1386,7 @@ impl Trainer {
         if let (Some(s), Some(state)) = (self.scaler.as_mut(), r.loss_scale) {
             s.restore(state);
         }
-        place_master(self.zero.as_ref(), self.zero3.is_some(), &self.ddp, &flat, &mut self.master);
+        kolo_train::update::Engine::place_master(&self.ddp, self.zero.as_ref(), &flat, &mut self.master);
         if let Some(z) = &self.zero3 {
             z.release_all()?;
         }
@@ -1425,18 +1410,6 @@ const CODEC_LAYOUT_KEY: &str = "kolo.codec_layout";
 
 /// ZeRO: this rank's shard of the whole parameters `flat` becomes its master copy, held by the
 /// DDP engine under ZeRO-3 (which gathers groups from it) and in `master` under ZeRO-1/2.
-fn place_master(zero: Option<&ShardPlan>, zero3: bool, ddp: &Ddp, flat: &[f32], master: &mut Buffer) {
-    let Some(z) = zero else { return };
-    if zero3 {
-        let mut m = vec![0f32; z.len];
-        z.gather(ddp.ranges(), flat, &mut m);
-        ddp.set_master(m);
-    } else {
-        z.gather(ddp.ranges(), flat, master.as_mut_slice());
-        master.release_all();
-    }
-}
-
 /// The VarMap's variables in natural name order as the trainer's parameters (f32 masters of a
 /// bf16/f16 model), their ids, the model's own variables of a mixed-precision model, and the
 /// dtype the model computes in.
