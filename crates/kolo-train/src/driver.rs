@@ -13,6 +13,7 @@
 //! GPipe, 1F1B), `pipedream_2bw` (PipeDream-2BW: one stream of batches between drain points,
 //! [`StepCtx::drain_at`]) and `ps_worker` (parameter-server workers, [`Job::Alone`]).
 
+use crate::cadence::{Cadence, Window};
 use crate::checkpointing::{PendingSave, Resumed};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
@@ -318,10 +319,10 @@ pub fn drive(
     };
     let mut batches = Batches::new(cfg, data.train.clone(), replica, pos, split)?;
     batches.slow_ms_per_example = opts.slow_per_example.filter(|s| s.0 == global_rank).map(|s| s.1);
-    let mut report = Reporter::new(cfg, global_rank, opts.quiet, global_batch, first)?;
+    let mut cadence = Cadence::new(Reporter::new(cfg, global_rank, opts.quiet, global_batch, first)?);
     let mut timeline = tc.timeline_dir.as_ref().map(|_| crate::timeline::Timeline::new(global_rank));
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
-    let (mut saving, mut checkpoint): (Option<PendingSave>, Option<PathBuf>) = (None, None);
+    let mut checkpoint: Option<PathBuf> = None;
     kolo_base::alloc::reset_peak();
     let mut heap_after = None;
     for step in first..end {
@@ -333,41 +334,37 @@ pub fn drive(
             record_spans(tl, step, t0, &out);
         }
         heap_after = kolo_base::alloc::stats();
-        report.record(step, StepRecord { step_ms: t0.elapsed().as_secs_f64() * 1e3, ..out.rec });
         let done = step + 1;
+        cadence.record(done, StepRecord { step_ms: t0.elapsed().as_secs_f64() * 1e3, ..out.rec });
         if cfg.ddp.dynamic_batch_every > 0 && done.is_multiple_of(cfg.ddp.dynamic_batch_every) {
-            batches.resplit(cfg.ddp.dynamic_batch_every as usize, &report, s.comm(), done)?;
+            batches.resplit(cfg.ddp.dynamic_batch_every as usize, &cadence.report, s.comm(), done)?;
         }
-        if report.is_log_step(done, end) {
-            report.window(s.comm(), done, out.loss, lr, batches.pos.epoch, &out.note)?;
-            if let Some(why) = report.diverged(done, &cfg.train) {
-                return Err(TrainError::Data(why));
+        match cadence.end_window(s.comm(), done, end, out.loss, lr, batches.pos.epoch, &out.note, tc)? {
+            Window::Diverged(why) => return Err(TrainError::Data(why)),
+            Window::Logged => {
+                if let Some((rank, lag, what)) = s.straggler()? {
+                    cadence.report.straggler_seen(done, rank, lag, &what);
+                }
             }
-            if let Some((rank, lag, what)) = s.straggler()? {
-                report.straggler_seen(done, rank, lag, &what);
-            }
+            Window::Open => {}
         }
         if tc.eval_every > 0 && done.is_multiple_of(tc.eval_every) && done != end {
             if let Some(e) = s.evaluate(&*data.eval, tc.eval_batches)? {
-                report.eval(done, &e, false);
+                cadence.report.eval(done, &e, false);
             }
         }
-        if let Some(dir) = crate::checkpointing::due(tc, done, end) {
-            if let Some(prev) = saving.take() {
-                checkpoint = Some(prev.wait()?);
-            }
+        if let Some((dir, previous)) = cadence.checkpoint_due(tc, done, end)? {
+            checkpoint = previous.or(checkpoint);
             let background = tc.checkpoint_background && opts.crash_during_save.is_none();
             let split = batches.split().filter(|_| cfg.ddp.dynamic_batch_every > 0);
             let meta = crate::checkpointing::loop_state_meta(None, split);
             let crash = opts.crash_during_save == Some(done);
-            let p = s.save(SaveAt { dir: Path::new(dir), step: done, pos: batches.position(), meta, background, crash })?;
-            report.log(&crate::checkpointing::saved_line(done, &p.target, background));
-            saving = Some(p);
+            let p = s.save(SaveAt { dir: &dir, step: done, pos: batches.position(), meta, background, crash })?;
+            cadence.saving(done, p, background);
         }
     }
-    if let Some(prev) = saving.take() {
-        let background = prev.thread.is_some();
-        checkpoint = Some(prev.wait()?);
+    if let Some((path, background)) = cadence.settle()? {
+        checkpoint = Some(path);
         if background {
             // Every rank's writer has finished (and rank 0 committed) before anyone reports done.
             s.comm().barrier()?;
@@ -376,6 +373,7 @@ pub fn drive(
     if let (Some(tl), Some(d)) = (&timeline, &tc.timeline_dir) {
         write_timeline(tl, Path::new(d), job, global_rank == 0 && !opts.quiet)?;
     }
+    let mut report = cadence.report;
     report.finish();
     let (eval, sample) =
         if end == tc.steps { final_eval(cfg, data, s, &mut report, global_rank == 0 && !opts.quiet)? } else { (None, None) };

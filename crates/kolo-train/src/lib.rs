@@ -4,6 +4,7 @@
 
 pub mod agreement;
 pub mod autoplan;
+pub mod cadence;
 pub mod checkpointing;
 pub mod config;
 pub mod data;

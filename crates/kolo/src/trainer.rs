@@ -17,6 +17,7 @@ use kolo_comm::Communicator;
 use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
 use kolo_optim::{lr_at, Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
+use kolo_train::cadence::{Cadence, Window};
 use kolo_train::checkpointing::{
     compression_pieces, load_checkpoint, loop_state_meta, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
 };
@@ -324,20 +325,18 @@ pub struct Trainer {
     meta: BTreeMap<String, String>,
     /// Where the user's sampler is, saved with every checkpoint (see [`Trainer::set_data_position`]).
     data_pos: Position,
-    /// Logs, progress bar, metrics, TensorBoard and JSON lines (recreated on resume).
-    report: Option<Reporter>,
+    /// Logs, progress bar, metrics, TensorBoard and JSON lines (recreated on resume), and the
+    /// checkpoint in flight (`train.checkpoint_background`): `kolo train`'s own.
+    cadence: Option<Cadence>,
     /// When the current optimizer step's first micro-step began.
     step_start: Option<Instant>,
     /// When the last backward ended, and its loss.
     backward_end: Option<Instant>,
     last_loss: f32,
-    /// This rank's loss summed over the optimizer steps of the current log window (each the
-    /// mean of its micro-steps), and how many.
-    window_loss: (f64, u64),
+    /// This rank's loss of the current optimizer step: the mean of its micro-steps' (the log's).
+    step_loss: f64,
     /// `train.timeline_dir`: this rank's spans, written (and merged by rank 0) at the last step.
     timeline: Option<Timeline>,
-    /// `train.checkpoint_background`: the checkpoint still being written.
-    saving: Option<PendingSave>,
     /// This process's rank in the job (the data-parallel group's may differ).
     rank: usize,
     /// Tensor or pipeline parallelism: how the model is spread over ranks.
@@ -583,7 +582,7 @@ impl Trainer {
         meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
         meta.insert("kolo.precision".to_string(), format!("{compute:?}"));
         let local = vec![0f32; params.numel()];
-        let report = Some(reporter(&opts, rank, data_replicas, 0)?);
+        let cadence = Some(Cadence::new(reporter(&opts, rank, data_replicas, 0)?));
         Ok(Trainer {
             comm,
             params,
@@ -601,11 +600,11 @@ impl Trainer {
             local,
             meta,
             data_pos: Position::default(),
-            report,
+            cadence,
             step_start: None,
             backward_end: None,
             last_loss: 0.0,
-            window_loss: (0.0, 0),
+            step_loss: 0.0,
             timeline: opts.train.timeline_dir.as_ref().map(|_| Timeline::new(rank)),
             rank,
             spread,
@@ -614,7 +613,6 @@ impl Trainer {
             data_replicas,
             nonfinite_skipped: 0,
             sp: place_sp,
-            saving: None,
             opts,
         })
     }
@@ -661,7 +659,7 @@ impl Trainer {
         // f16: backward runs on the loss times the loss scale; the update divides it out.
         let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accum as f64;
         let (value, _) = self.backward_with(loss, factor, None)?;
-        self.window_loss.0 += f64::from(value) / accum as f64;
+        self.step_loss += f64::from(value) / accum as f64;
         self.last_loss = value;
         Ok(value)
     }
@@ -802,7 +800,7 @@ impl Trainer {
     /// Pipeline parallelism: the step's loss (the mean over its micro-batches, from the last
     /// stage), for the step's output and the log.
     pub(crate) fn set_step_loss(&mut self, loss: f32) {
-        self.window_loss.0 += f64::from(loss);
+        self.step_loss = f64::from(loss);
         self.last_loss = loss;
     }
 
@@ -930,45 +928,35 @@ impl Trainer {
     /// rank reaches the same steps), and the periodic and final checkpoints.
     fn after_step(&mut self, t0: Instant, backward_end: Instant, stats: &kolo_ddp::SyncStats, lr: f32) -> Result<()> {
         let (done, end) = (self.steps, self.opts.train.steps);
-        self.window_loss.1 += 1;
+        let loss = std::mem::take(&mut self.step_loss);
         if let Some(tl) = self.timeline.as_mut() {
             let comm_spans = stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
             let out = StepOut { backward_end: Some(backward_end), comm_spans, ..Default::default() };
             record_spans(tl, done - 1, t0, &out);
         }
-        if let Some(r) = self.report.as_mut() {
-            let rec = StepRecord {
-                step_ms: t0.elapsed().as_secs_f64() * 1e3,
-                wait_ms: Some(stats.wait.as_secs_f64() * 1e3),
-                comm_bytes: Some(stats.bytes),
-                hidden: Some(stats.hidden_fraction()),
-                skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped,
-            };
-            r.record(done, rec);
-            if r.is_log_step(done, end) {
-                let (sum, n) = std::mem::take(&mut self.window_loss);
-                r.window(&*self.comm, done, sum / n.max(1) as f64, lr, 0, "")?;
-                if let Some(why) = r.diverged(done, &self.opts.train) {
-                    return Err(Error::usage(self.comm.rank().get(), "Trainer::update", why));
-                }
-            }
-            if done == end {
-                r.finish();
-            }
+        let Some(c) = self.cadence.as_mut() else { return Ok(()) };
+        let rec = StepRecord {
+            step_ms: t0.elapsed().as_secs_f64() * 1e3,
+            wait_ms: Some(stats.wait.as_secs_f64() * 1e3),
+            comm_bytes: Some(stats.bytes),
+            hidden: Some(stats.hidden_fraction()),
+            skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped,
+        };
+        c.record(done, rec);
+        if let Window::Diverged(why) = c.end_window(&*self.comm, done, end, loss, lr, 0, "", &self.opts.train)? {
+            return Err(Error::usage(self.comm.rank().get(), "Trainer::update", why));
         }
-        if let Some(dir) = kolo_train::checkpointing::due(&self.opts.train, done, end).map(str::to_string) {
-            if let Some(prev) = self.saving.take() {
-                prev.wait()?;
-            }
+        if done == end {
+            c.report.finish();
+        }
+        if let Some((dir, _)) = c.checkpoint_due(&self.opts.train, done, end)? {
+            // The last step's checkpoint is written before the call returns.
             let background = self.opts.train.checkpoint_background && done != end;
-            let p = self.write_checkpoint(Path::new(&dir), background)?;
-            if let Some(r) = &self.report {
-                r.log(&kolo_train::checkpointing::saved_line(done, &p.target, background));
-            }
-            if background {
-                self.saving = Some(p);
-            } else {
-                p.wait()?;
+            let p = self.write_checkpoint(&dir, background)?;
+            let c = self.cadence.as_mut().expect("the cadence is there");
+            c.saving(done, p, background);
+            if !background {
+                c.settle()?;
             }
         }
         if done == end {
@@ -1180,8 +1168,8 @@ impl Trainer {
             ));
         }
         // A background write of `checkpoint_every` ends first (its commit is the older step).
-        if let Some(prev) = self.saving.take() {
-            prev.wait()?;
+        if let Some(c) = self.cadence.as_mut() {
+            c.settle()?;
         }
         Ok(self.write_checkpoint(dir.as_ref(), false)?.wait()?)
     }
@@ -1395,10 +1383,12 @@ impl Trainer {
         self.micro = 0;
         self.start_agreed = false;
         self.step_start = None;
-        self.window_loss = (0.0, 0);
+        self.step_loss = 0.0;
         // The report restarts at the resumed step (its endpoint and files are reopened).
-        self.report = None;
-        self.report = Some(reporter(&self.opts, self.rank, self.data_replicas, r.step)?);
+        if let Some(mut c) = self.cadence.take() {
+            c.settle()?;
+        }
+        self.cadence = Some(Cadence::new(reporter(&self.opts, self.rank, self.data_replicas, r.step)?));
         Ok(r.step)
     }
 }

@@ -473,8 +473,8 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// file, on 2 processes, end with bitwise the same parameters after 6 AdamW steps with weight
 /// decay, a cosine schedule, gradient accumulation and clipping, under DDP, ZeRO-1, ZeRO-2, the
 /// all-reduce in fp16, PowerSGD (its error feedback), local SGD (averaging every 2 steps) and
-/// checked collectives. (Two ranks: a sum of two is exact in any order, so the buckets' layouts
-/// cannot differ in result.)
+/// checked collectives, and log the same loss at the same steps. (Two ranks: a sum of two is
+/// exact in any order, so the buckets' layouts cannot differ in result.)
 #[test]
 fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
     let dir = fresh_dir("one-path");
@@ -504,9 +504,19 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         .unwrap();
         let o = run(&["launch", "-n", "2", "--", super::KOLO, "train", "--config", config.to_str().unwrap()], &[]);
         assert!(o.status.success(), "kolo train, {tag}: {}", text(&o));
+        let cli_log = text(&o);
         let lib = dir.join(format!("lib-{tag}"));
         let o = launch(2, "builtin", &format!("{} {}", config.display(), lib.display()));
         assert!(o.status.success(), "library, {tag}: {}", text(&o));
+        // Both log the same windows with the same loss (the step's, averaged over the ranks).
+        let windows = |log: &str| -> Vec<String> {
+            log.lines()
+                .filter(|l| l.contains(" loss ") && !l.contains("eval"))
+                .filter_map(|l| Some(l[l.find("] step ")? + 2..].split(" |").next()?.to_string()))
+                .collect()
+        };
+        assert_eq!(windows(&cli_log).len(), 2, "{tag}: kolo train's log windows: {cli_log}");
+        assert_eq!(windows(&cli_log), windows(&text(&o)), "{tag}: the logs of kolo train and the library differ");
         let step_dir = |d: &std::path::Path| std::fs::read_dir(d).unwrap().next().unwrap().unwrap().path();
         let (by_cli, by_lib) = (model_tensors(&step_dir(&cli)), model_tensors(&step_dir(&lib)));
         assert_eq!(by_cli.keys().collect::<Vec<_>>(), by_lib.keys().collect::<Vec<_>>(), "{tag}: parameter names");
