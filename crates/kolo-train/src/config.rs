@@ -1284,6 +1284,13 @@ impl OptimConfig {
         self.reference_batch.map_or(self.lr, |r| kolo_optim::scaled_lr(self.lr, global_batch, r))
     }
 
+    /// The learning rate of optimizer step `step` (0-based) of a run of `total` steps whose
+    /// global batch is `global_batch` examples: the base rate ([`OptimConfig::base_lr`]),
+    /// warmed up over `warmup_steps`, then the schedule. Every loop's learning rate.
+    pub fn lr_of_step(&self, global_batch: usize, total: u64, step: u64) -> f32 {
+        kolo_optim::lr_at(self.base_lr(global_batch), &self.schedule(), self.warmup_steps, total, step)
+    }
+
     /// The learning-rate schedule after warm-up.
     pub fn schedule(&self) -> Schedule {
         match self.schedule {
@@ -1308,6 +1315,12 @@ impl OptimConfig {
             OptimKind::Adagrad => OptimizerSpec::Adagrad { eps: o.eps.unwrap_or(1e-10), weight_decay: o.weight_decay, lr_decay: 0.0 },
         }
     }
+}
+
+/// Examples per optimizer step over the job: `per_replica` examples per micro-batch on each
+/// of `replicas` data-parallel replicas, `grad_accum` micro-batches a step.
+pub fn global_batch(per_replica: usize, replicas: usize, grad_accum: u64) -> usize {
+    per_replica * replicas * grad_accum.max(1) as usize
 }
 
 impl DdpConfig {

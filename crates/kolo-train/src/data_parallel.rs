@@ -486,7 +486,7 @@ fn announce(cfg: &Config, model: &dyn Model, spec: &ModelSpec, ddp: &Ddp, zero: 
         "kolo train: {} params, {} on {world} rank(s), global batch {} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
         numel,
         spec_string(spec),
-        cfg.data.batch_size * world * tc.grad_accum as usize,
+        crate::config::global_batch(cfg.data.batch_size, world, tc.grad_accum),
         cfg.data.batch_size,
         tc.grad_accum,
         ddp.plan().len(),

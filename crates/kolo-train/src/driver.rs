@@ -23,7 +23,6 @@ use crate::setup::Data;
 use crate::summary::{peak_rss, Eval, HeapReport, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_comm::{BufMut, Communicator};
-use kolo_optim::lr_at;
 use kolo_tensor::Batch;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -306,8 +305,7 @@ pub fn drive(
     let tc = &cfg.train;
     let global_rank = job.rank();
     let replica = s.replica();
-    let global_batch = cfg.data.batch_size * replica.1 * tc.grad_accum as usize;
-    let base_lr = cfg.optim.base_lr(global_batch);
+    let global_batch = crate::config::global_batch(cfg.data.batch_size, replica.1, tc.grad_accum);
     let (first, pos, split) = match start {
         Some((path, r)) => {
             if global_rank == 0 && !opts.quiet {
@@ -328,7 +326,7 @@ pub fn drive(
     for step in first..end {
         let t0 = Instant::now();
         test_hooks(opts, global_rank, step);
-        let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
+        let lr = cfg.optim.lr_of_step(global_batch, tc.steps, step);
         let out = s.step(&StepCtx { step, lr, drain_at: drain_point(cfg, step, end) }, &mut batches)?;
         if let Some(tl) = timeline.as_mut() {
             record_spans(tl, step, t0, &out);

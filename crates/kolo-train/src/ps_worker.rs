@@ -20,7 +20,7 @@ use crate::summary::{Eval, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::WorldSize;
 use kolo_comm::{Communicator, LocalComm};
-use kolo_optim::{clip_factor, lr_at, sum_of_squares, Optimizer};
+use kolo_optim::{clip_factor, sum_of_squares, Optimizer};
 use kolo_ps::client::ClientOptions;
 use kolo_ps::{JobSpec, PsClient, SignificantlyModified};
 use kolo_rendezvous::JobToken;
@@ -563,10 +563,9 @@ fn adopt_shard(
     w.pushes = if is_async { start / cfg.ps.push_every } else { start };
     let tc = &cfg.train;
     let batches = replica_batches(cfg, train, shard, workers, start * tc.grad_accum)?;
-    let global_batch = cfg.data.batch_size * workers * tc.grad_accum as usize;
-    let base_lr = cfg.optim.base_lr(global_batch);
+    let global_batch = crate::config::global_batch(cfg.data.batch_size, workers, tc.grad_accum);
     for step in start..end {
-        let lr = lr_at(base_lr, &cfg.schedule(), cfg.optim.warmup_steps, tc.steps, step);
+        let lr = cfg.optim.lr_of_step(global_batch, tc.steps, step);
         let mut next = || batches.recv().map(|b| b.1).map_err(|_| TrainError::Other("the prefetch thread stopped".into()));
         w.step(cfg, &StepCtx { step, lr, drain_at: end }, &mut next)?;
     }

@@ -15,7 +15,7 @@ use candle_core::{DType, Tensor, TensorId};
 use candle_nn::VarMap;
 use kolo_comm::Communicator;
 use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
-use kolo_optim::{lr_at, Buffer, LossScaler, Optimizer};
+use kolo_optim::{Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 use kolo_train::cadence::{Cadence, Window};
 use kolo_train::checkpointing::{
@@ -1006,9 +1006,8 @@ impl Trainer {
 
     /// The learning rate of the next optimizer step (warm-up, then the schedule).
     pub fn lr(&self) -> f32 {
-        let o = &self.opts.optim;
-        let global = self.opts.data.batch_size * self.data_replicas * self.opts.train.grad_accum.max(1) as usize;
-        lr_at(o.base_lr(global), &o.schedule(), o.warmup_steps, self.opts.train.steps, self.steps)
+        let global = kolo_train::config::global_batch(self.opts.data.batch_size, self.data_replicas, self.opts.train.grad_accum);
+        self.opts.optim.lr_of_step(global, self.opts.train.steps, self.steps)
     }
 
     /// Optimizer steps done (restored by [`Trainer::resume`]).
@@ -1458,7 +1457,7 @@ fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -
 
 /// The run's reporter: examples per optimizer step over all ranks from `[data] batch_size`.
 fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> Result<Reporter> {
-    let global = o.data.batch_size * world * o.train.grad_accum.max(1) as usize;
+    let global = kolo_train::config::global_batch(o.data.batch_size, world, o.train.grad_accum);
     Ok(Reporter::for_train(&o.train, o.data.tokens_per_example.max(1), rank, false, global, start)?)
 }
 
