@@ -4,7 +4,7 @@
 //! here, since they share the model, the buckets and the update: gradient accumulation, local
 //! SGD, deterministic (fixed-point) summation and f16 training with a dynamic loss scale.
 
-use crate::checkpointing::{compression_pieces, load_checkpoint, loop_state_meta, restore_compression, save_checkpoint, PendingSave};
+use crate::checkpointing::{load_checkpoint, restore_compression, save_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
@@ -431,20 +431,16 @@ impl Strategy for DataParallel<'_> {
         }
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
-        meta.extend(loop_state_meta(self.scaler.as_ref(), None));
-        let (mut own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
-        meta.extend(codec_meta);
-        if self.cfg.ddp.local_sgd.is_some() {
-            own.extend(crate::local_sgd::local_model_pieces(self.model.params(), &self.opt, self.comm.rank().get())?);
-        }
-        let (params, opt, zero, comm) = (self.model.params(), &self.opt, self.zero.as_ref(), &*self.comm);
-        let save =
-            |master: &[f32]| save_checkpoint(at.dir, at.step, params, master, opt, zero, comm, at.pos, &meta, own, at.background, at.crash);
-        if self.zero3 {
-            self.ddp.with_master(|m| save(m))
-        } else {
-            save(self.master.as_slice())
-        }
+        let replica = crate::update::Replica {
+            ddp: &self.ddp,
+            params: self.model.params(),
+            opt: &self.opt,
+            zero: self.zero.as_ref(),
+            master: &self.master,
+            scaler: self.scaler.as_ref(),
+            local_sgd: self.cfg.ddp.local_sgd.is_some(),
+        };
+        replica.save(at.dir, at.step, at.pos, meta, at.background, at.crash)
     }
 
     fn finish(&mut self, steps_run: u64) -> Result<Finish, TrainError> {

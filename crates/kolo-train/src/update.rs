@@ -103,6 +103,69 @@ impl Engine {
     }
 }
 
+/// What a data-parallel checkpoint holds of one rank (plain DDP: the whole model from rank 0;
+/// ZeRO: this rank's shard, from `master` or, under ZeRO-3, from the engine): the same for
+/// `kolo train`'s data-parallel strategy and the library's `Trainer`.
+pub struct Replica<'a> {
+    pub ddp: &'a Ddp,
+    pub params: &'a ParamSet,
+    pub opt: &'a Optimizer,
+    pub zero: Option<&'a ShardPlan>,
+    /// ZeRO-1/2's master shard.
+    pub master: &'a Buffer,
+    /// f16's loss scale.
+    pub scaler: Option<&'a LossScaler>,
+    /// Local SGD: each rank's own model and optimizer state go in too.
+    pub local_sgd: bool,
+}
+
+impl Replica<'_> {
+    /// Writes the checkpoint of step `step` under `dir` (collective over the data-parallel
+    /// group): `meta` plus the loss scale and the gradient codec's state, each rank's own codec
+    /// state and (local SGD) model, the sampler's `pos`; in the background with `background`.
+    /// `crash`: a test's crash in the middle of the write.
+    pub fn save(
+        &self,
+        dir: &std::path::Path,
+        step: u64,
+        pos: crate::sampler::Position,
+        mut meta: std::collections::BTreeMap<String, String>,
+        background: bool,
+        crash: bool,
+    ) -> Result<crate::checkpointing::PendingSave, TrainError> {
+        let comm = self.ddp.comm();
+        let rank = comm.rank().get();
+        let (mut own, codec_meta) = crate::checkpointing::compression_pieces(self.ddp, rank)?;
+        meta.extend(codec_meta);
+        meta.extend(crate::checkpointing::loop_state_meta(self.scaler, None));
+        if self.local_sgd {
+            own.extend(crate::local_sgd::local_model_pieces(self.params, self.opt, rank)?);
+        }
+        let save = |master: &[f32]| {
+            crate::checkpointing::save_checkpoint(
+                dir,
+                step,
+                self.params,
+                master,
+                self.opt,
+                self.zero,
+                &**comm,
+                pos,
+                &meta,
+                own,
+                background,
+                crash,
+            )
+        };
+        // ZeRO-3: this rank's master shard is held by the DDP engine.
+        if self.ddp.sharding() == Sharding::Parameters {
+            self.ddp.with_master(|m| save(m))
+        } else {
+            save(self.master.as_slice())
+        }
+    }
+}
+
 /// Looks at the reduced gradients before the step (the whole gradient, or with `sharded` this
 /// rank's pieces only): scales them in place for unscaling and clipping; `false` skips the step
 /// (an f16 overflow).

@@ -18,9 +18,7 @@ use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
 use kolo_optim::{Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 use kolo_train::cadence::{Cadence, Window};
-use kolo_train::checkpointing::{
-    compression_pieces, load_checkpoint, loop_state_meta, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave,
-};
+use kolo_train::checkpointing::{load_checkpoint, loop_state_meta, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave};
 use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
 use kolo_train::driver::{record_spans, write_timeline, Job, StepOut};
 use kolo_train::report::{Reporter, StepRecord};
@@ -227,7 +225,6 @@ impl TrainOptions {
             ),
             (d.schedule.is_some(), "ddp.schedule", " (scheduled communication)"),
             (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every", " (the trainer does not own the batch)"),
-            (d.skip_sync, "ddp.skip_sync", " (a benchmark setting of kolo train)"),
             (
                 self.optim.reference_batch.is_some() && self.data.batch_size == 0,
                 "optim.reference_batch",
@@ -684,7 +681,7 @@ impl Trainer {
         }
         let sync = self.micro + 1 == accum;
         // Local SGD: past its warm-up no gradient is exchanged; the models are averaged.
-        let local_step = kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps);
+        let local_step = self.local_step();
         self.step_start.get_or_insert_with(Instant::now);
         if let Some(z) = &self.zero3 {
             z.take_error()?;
@@ -821,7 +818,7 @@ impl Trainer {
         let value = self.last_loss;
         let t0 = self.step_start.unwrap_or_else(Instant::now);
         let backward_end = self.backward_end.unwrap_or_else(Instant::now);
-        if kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps) {
+        if self.local_step() {
             let (stats, norm) = self.local_update(lr)?;
             publish(&self.params, &self.model_vars, self.compute)?;
             self.micro = 0;
@@ -909,17 +906,27 @@ impl Trainer {
         Ok(())
     }
 
-    /// A local SGD step: this rank's own accumulated gradient, clipped by its own norm, is
-    /// applied to its own model; every `local_sgd.every` local steps the models are averaged.
+    /// Whether this optimizer step exchanges no gradient: a local SGD step past its warm-up, or
+    /// every step under `ddp.skip_sync` (kolo train's benchmark mode without the exchange).
+    fn local_step(&self) -> bool {
+        self.opts.ddp.skip_sync || kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps)
+    }
+
+    /// A local step: this rank's own accumulated gradient, clipped by its own norm, is applied
+    /// to its own model; under local SGD every `local_sgd.every` local steps the models are
+    /// averaged.
     fn local_update(&mut self, lr: f32) -> Result<(kolo_ddp::SyncStats, Option<f64>)> {
-        let l = self.opts.ddp.local_sgd.clone().expect("a local step has local_sgd");
+        let averaging = self.opts.ddp.local_sgd.clone().filter(|l| kolo_train::local_sgd::is_local(Some(l), self.steps));
         // On a mesh the norm sums every piece and stage of this replica.
         let group = self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0));
         let clip = self.opts.optim.clip_grad_norm;
         let sp = self.sp.as_deref();
         let norm = kolo_train::update::apply_local(&self.ddp, &self.params, &mut self.opt, &mut self.local, clip, group, sp, lr)?;
         let t = Instant::now();
-        let bytes = kolo_train::local_sgd::after_update(&l, self.steps, &self.params, &*self.comm)?;
+        let bytes = match averaging {
+            Some(l) => kolo_train::local_sgd::after_update(&l, self.steps, &self.params, &*self.comm)?,
+            None => 0,
+        };
         let stats = kolo_ddp::SyncStats { wait: t.elapsed(), comm: t.elapsed(), bytes, ..Default::default() };
         Ok((stats, norm))
     }
@@ -1179,19 +1186,16 @@ impl Trainer {
         if let Some(s) = &self.spread {
             return self.write_whole(s, dir, background);
         }
-        let (mut own, codec_meta) = compression_pieces(&self.ddp, self.comm.rank().get())?;
-        if self.opts.ddp.local_sgd.is_some() {
-            own.extend(kolo_train::local_sgd::local_model_pieces(&self.params, &self.opt, self.comm.rank().get())?);
-        }
-        let mut meta = self.meta.clone();
-        meta.extend(codec_meta);
-        meta.extend(loop_state_meta(self.scaler.as_ref(), None));
-        let save = |master: &[f32]| {
-            let (zero, comm) = (self.zero.as_ref(), &*self.comm);
-            save_checkpoint(dir, self.steps, &self.params, master, &self.opt, zero, comm, self.data_pos, &meta, own, background, false)
+        let replica = kolo_train::update::Replica {
+            ddp: &self.ddp,
+            params: &self.params,
+            opt: &self.opt,
+            zero: self.zero.as_ref(),
+            master: &self.master,
+            scaler: self.scaler.as_ref(),
+            local_sgd: self.opts.ddp.local_sgd.is_some(),
         };
-        // ZeRO-3: this rank's master shard is held by the DDP engine.
-        Ok(if self.zero3.is_some() { self.ddp.with_master(|m| save(m))? } else { save(self.master.as_slice())? })
+        Ok(replica.save(dir, self.steps, self.data_pos, self.meta.clone(), background, false)?)
     }
 
     /// Tensor parallelism: the group assembles whole tensors (parameters and optimizer state)

@@ -472,8 +472,8 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// builds the same model and trains it through the library's `Trainer`, from the same config
 /// file, on 2 processes, end with bitwise the same parameters after 6 AdamW steps with weight
 /// decay, a cosine schedule, gradient accumulation and clipping, under DDP, ZeRO-1, ZeRO-2, the
-/// all-reduce in fp16, PowerSGD (its error feedback), local SGD (averaging every 2 steps) and
-/// checked collectives, and log the same loss at the same steps. (Two ranks: a sum of two is
+/// all-reduce in fp16, PowerSGD (its error feedback), local SGD (averaging every 2 steps),
+/// no exchange at all (`skip_sync`) and checked collectives, and log the same loss at the same steps. (Two ranks: a sum of two is
 /// exact in any order, so the buckets' layouts cannot differ in result.)
 #[test]
 fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
@@ -487,6 +487,7 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         ("fp16", "compression = { method = \"fp16\", warmup_steps = 0 }"),
         ("powersgd", "compression = { method = \"powersgd\", warmup_steps = 1 }"),
         ("local-sgd", "local_sgd = { every = 2 }"),
+        ("skip-sync", "skip_sync = true"),
         ("checked", "check_collectives = true"),
     ] {
         let config = dir.join(format!("mlp-{tag}.toml"));
@@ -527,7 +528,7 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         // The lossy and local settings change the training (so both sides applied them).
         match tag {
             "z0" => plain = Some(by_cli),
-            "fp16" | "powersgd" | "local-sgd" => {
+            "fp16" | "powersgd" | "local-sgd" | "skip-sync" => {
                 let plain = plain.as_ref().expect("z0 runs first");
                 assert!(plain.iter().any(|(k, v)| v != &by_cli[k]), "{tag} trained exactly as plain DDP: the setting was not applied");
             }
