@@ -298,6 +298,25 @@ pub fn loop_state_meta(scaler: Option<&LossScaler>, split: Option<&[usize]>) -> 
     m
 }
 
+/// The metadata key of [`model_signature`].
+pub const SIGNATURE_KEY: &str = "kolo.signature";
+
+/// A short text that changes with any parameter's name or shape and not with their order:
+/// the same for a model whichever loop wrote the checkpoint (`kolo train` lays the built-in
+/// models out as they are built, the library's `Trainer` by name).
+pub fn model_signature(sig: &[(String, Vec<usize>)]) -> String {
+    let mut sorted: Vec<&(String, Vec<usize>)> = sig.iter().collect();
+    sorted.sort();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for (n, s) in sorted {
+        for b in format!("{n}{s:?};").bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    let numel: usize = sig.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    format!("{} tensors, {numel} values, fnv1a {h:016x}", sig.len())
+}
+
 /// Loads a checkpoint written at any world size and ZeRO stage: whole tensors are assembled,
 /// then this rank takes the parameters (all of them) and its optimizer state (all of it, or its
 /// shard under ZeRO).
@@ -313,7 +332,21 @@ pub fn load_checkpoint(
     let ck = kolo_checkpoint::load_any(path)?;
     let incompatible =
         |what: String| TrainError::Checkpoint(kolo_checkpoint::CheckpointError::Incompatible { path: path.to_path_buf(), what });
+    // Where both sides name the model by its parameters, that decides: a checkpoint of a
+    // built-in model continues in the library's Trainer and the other way round.
+    if let (Some(theirs), Some(ours)) = (ck.meta.get(SIGNATURE_KEY), meta_base.get(SIGNATURE_KEY)) {
+        if theirs != ours {
+            let model = ck.meta(path, "kolo.model")?;
+            return Err(incompatible(format!(
+                "it was written for kolo.model = {model} ({theirs}), this run has {} ({ours})",
+                meta_base["kolo.model"]
+            )));
+        }
+    }
     for key in ["kolo.model", "kolo.optimizer"] {
+        if key == "kolo.model" && ck.meta.contains_key(SIGNATURE_KEY) && meta_base.contains_key(SIGNATURE_KEY) {
+            continue;
+        }
         let theirs = ck.meta(path, key)?;
         if theirs != meta_base[key] {
             return Err(incompatible(format!("it was written for {key} = {theirs}, this run has {}", meta_base[key])));

@@ -4,14 +4,14 @@
 //! here, since they share the model, the buckets and the update: gradient accumulation, local
 //! SGD, deterministic (fixed-point) summation and f16 training with a dynamic loss scale.
 
-use crate::checkpointing::{load_checkpoint, restore_compression, save_checkpoint, PendingSave};
+use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::eval::{evaluate, sample_text};
 use crate::setup::{spec_string, Data};
 use crate::summary::{Eval, RunOptions, StateBytes};
-use crate::update::Engine;
+use crate::update::{load_replica, Engine};
 use crate::TrainError;
 use kolo_base::Rng;
 use kolo_comm::{BufMut, Communicator, ReduceOp, SumGroup};
@@ -85,7 +85,13 @@ impl<'a> DataParallel<'a> {
         // `flat` is needed only until the model holds its starting values (broadcast, resume).
         let mut flat = model.params().to_flat()?;
         ddp.broadcast_params(&mut flat)?;
-        let meta = checkpoint_meta(cfg, &spec, world, sharding.stage());
+        let mut meta = checkpoint_meta(cfg, &spec, world, sharding.stage());
+        if tp.is_none() {
+            // The model by its parameters, as the library's Trainer names it: either continues
+            // the other's checkpoints.
+            let sig = crate::checkpointing::model_signature(&model.params().signature());
+            meta.insert(crate::checkpointing::SIGNATURE_KEY.to_string(), sig);
+        }
         // Resume: every rank reads the same file, so every rank continues identically.
         let start = match resume {
             Some(path) if tp.is_some() => {
@@ -93,12 +99,9 @@ impl<'a> DataParallel<'a> {
                 Some((path.to_path_buf(), r))
             }
             Some(path) => {
-                let r = load_checkpoint(path, model.params(), &mut flat, &mut opt, zero.as_ref(), ddp.ranges(), &meta)?;
-                let notes = [
-                    restore_compression(&ddp, &r, comm.rank().get(), world)?,
-                    crate::local_sgd::restore_local_model(&r, &mut flat, &mut opt, comm.rank().get(), world)?,
-                ];
-                for note in notes.into_iter().flatten().filter(|_| global_rank == 0 && !opts.quiet) {
+                let local_sgd = cfg.ddp.local_sgd.is_some();
+                let (r, notes) = load_replica(path, &ddp, model.params(), &mut flat, &mut opt, zero.as_ref(), &meta, local_sgd)?;
+                for note in notes.iter().filter(|_| global_rank == 0 && !opts.quiet) {
                     kolo_base::eline!("{note}");
                 }
                 Some((path.to_path_buf(), r))

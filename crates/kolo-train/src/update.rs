@@ -166,6 +166,33 @@ impl Replica<'_> {
     }
 }
 
+/// Loads a data-parallel checkpoint (written by [`Replica::save`], at any world size or ZeRO
+/// stage) into this rank: the model's values into `flat` (the whole flat layout), the
+/// optimizer's state (this rank's shard under ZeRO), the gradient codec's state, and under
+/// local SGD (`local_sgd`) this rank's own model and optimizer state. Without local SGD every
+/// replica starts from the checkpoint's model, even one written under local SGD (DDP needs
+/// its replicas equal). Returns what was read and the notes for the log. The same for `kolo
+/// train`'s data-parallel strategy and the library's `Trainer`.
+#[allow(clippy::too_many_arguments)]
+pub fn load_replica(
+    path: &std::path::Path,
+    ddp: &Ddp,
+    params: &ParamSet,
+    flat: &mut [f32],
+    opt: &mut Optimizer,
+    zero: Option<&ShardPlan>,
+    meta: &std::collections::BTreeMap<String, String>,
+    local_sgd: bool,
+) -> Result<(crate::checkpointing::Resumed, Vec<String>), TrainError> {
+    let r = crate::checkpointing::load_checkpoint(path, params, flat, opt, zero, ddp.ranges(), meta)?;
+    let (rank, world) = (ddp.comm().rank().get(), ddp.comm().world_size().get());
+    let mut notes = vec![crate::checkpointing::restore_compression(ddp, &r, rank, world)?];
+    if local_sgd {
+        notes.push(crate::local_sgd::restore_local_model(&r, flat, opt, rank, world)?);
+    }
+    Ok((r, notes.into_iter().flatten().collect()))
+}
+
 /// Looks at the reduced gradients before the step (the whole gradient, or with `sharded` this
 /// rank's pieces only): scales them in place for unscaling and clipping; `false` skips the step
 /// (an f16 overflow).

@@ -18,7 +18,7 @@ use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
 use kolo_optim::{Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 use kolo_train::cadence::{Cadence, Window};
-use kolo_train::checkpointing::{load_checkpoint, loop_state_meta, resolve_checkpoint, restore_compression, save_checkpoint, PendingSave};
+use kolo_train::checkpointing::{load_checkpoint, loop_state_meta, resolve_checkpoint, save_checkpoint, PendingSave};
 use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strategy, TrainConfig};
 use kolo_train::driver::{record_spans, write_timeline, Job, StepOut};
 use kolo_train::report::{Reporter, StepRecord};
@@ -571,6 +571,7 @@ impl Trainer {
         };
         let mut meta = BTreeMap::new();
         meta.insert("kolo.model".to_string(), model_fingerprint(&whole_signature));
+        meta.insert(kolo_train::checkpointing::SIGNATURE_KEY.to_string(), kolo_train::checkpointing::model_signature(&whole_signature));
         meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optimizer_spec()));
         meta.insert("kolo.world_size".to_string(), data_replicas.to_string());
         // The sampler's position is rescaled by examples when a checkpoint is resumed at another
@@ -1333,41 +1334,44 @@ impl Trainer {
         Ok(r)
     }
 
+    /// On a mesh: this rank's codec state by its replica and its place in the replica, when the
+    /// checkpoint's replicas were laid out as this run's (a note says why not otherwise).
+    fn restore_spread_codec(&self, r: &kolo_train::checkpointing::Resumed) -> Result<Option<String>> {
+        let s = self.spread.as_ref().expect("called for a spread model");
+        let (rank, world) = (self.comm.rank().get(), self.comm.world_size().get());
+        let size = s.model.world_size().get();
+        let layout = r.meta.get(&format!("{CODEC_LAYOUT_KEY}.model{}", s.model.rank().get()));
+        let other = match (r.world_size == world as u64, r.meta.get(CODEC_MESH_KEY)) {
+            (false, _) => Some(format!("{} replicas", r.world_size)),
+            (true, Some(m)) if *m != size.to_string() => Some(format!("replicas of {m} ranks")),
+            (true, Some(_)) if layout != Some(&self.codec_layout_hash().to_string()) => {
+                Some("another cut of the model over the replica's ranks".to_string())
+            }
+            _ => None,
+        };
+        let owner = format!("rank{rank}.model{}", s.model.rank().get());
+        Ok(kolo_train::checkpointing::restore_compression_of(&self.ddp, r, &owner, other.as_deref(), world)?)
+    }
+
     /// Loads a checkpoint written by [`Trainer::save`] (a `step-*` directory, or the directory
     /// holding them: the newest complete one is taken) at any world size or ZeRO stage, and
     /// continues from its step. Every rank reads the same files. Returns the step.
     pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
         let path = resolve_checkpoint(path.as_ref())?;
         let mut flat = vec![0f32; self.params.numel()];
-        let r = if self.spread.is_some() {
-            self.load_whole(&path, &mut flat)?
-        } else {
-            load_checkpoint(&path, &self.params, &mut flat, &mut self.opt, self.zero.as_ref(), self.ddp.ranges(), &self.meta)?
-        };
-        let (rank, world) = (self.comm.rank().get(), self.comm.world_size().get());
-        let mut notes = vec![match &self.spread {
-            // A mesh: this rank's codec state by its replica and its place in the replica,
-            // when the checkpoint's replicas were laid out as this run's.
-            Some(s) => {
-                let size = s.model.world_size().get();
-                let layout = r.meta.get(&format!("{CODEC_LAYOUT_KEY}.model{}", s.model.rank().get()));
-                let other = match (r.world_size == world as u64, r.meta.get(CODEC_MESH_KEY)) {
-                    (false, _) => Some(format!("{} replicas", r.world_size)),
-                    (true, Some(m)) if *m != size.to_string() => Some(format!("replicas of {m} ranks")),
-                    (true, Some(_)) if layout != Some(&self.codec_layout_hash().to_string()) => {
-                        Some("another cut of the model over the replica's ranks".to_string())
-                    }
-                    _ => None,
-                };
-                let owner = format!("rank{rank}.model{}", s.model.rank().get());
-                kolo_train::checkpointing::restore_compression_of(&self.ddp, &r, &owner, other.as_deref(), world)?
+        let (r, notes) = match &self.spread {
+            Some(_) => {
+                let r = self.load_whole(&path, &mut flat)?;
+                let note = self.restore_spread_codec(&r)?;
+                (r, note.into_iter().collect())
             }
-            None => restore_compression(&self.ddp, &r, rank, world)?,
-        }];
-        if self.opts.ddp.local_sgd.is_some() && self.spread.is_none() {
-            notes.push(kolo_train::local_sgd::restore_local_model(&r, &mut flat, &mut self.opt, rank, world)?);
-        }
-        for note in notes.into_iter().flatten().filter(|_| self.rank == 0) {
+            None => {
+                let local_sgd = self.opts.ddp.local_sgd.is_some();
+                let (params, zero) = (&self.params, self.zero.as_ref());
+                kolo_train::update::load_replica(&path, &self.ddp, params, &mut flat, &mut self.opt, zero, &self.meta, local_sgd)?
+            }
+        };
+        for note in notes.iter().filter(|_| self.rank == 0) {
             kolo_base::eline!("{note}");
         }
         for i in (0..self.params.len()).filter(|&i| self.params.is_resident(i)) {

@@ -433,7 +433,8 @@ fn all_gather_concatenates_uneven_tensors_in_rank_order() {
 
 /// One launched rank of [`kolo_train_and_the_library_train_a_built_in_model_bitwise_alike`]:
 /// the MLP that a `kolo train` config describes, built with kolo-tensor, trained by the library's
-/// `Trainer` from the same file's tables, on the same MNIST batches, and saved to `args[1]`.
+/// `Trainer` from the same file's tables, on the same MNIST batches, and saved to `args[1]`;
+/// from the checkpoint `args[2]` when given.
 fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     use kolo_tensor::PlainView;
     let (config, out) = (std::path::Path::new(&args[0]), &args[1]);
@@ -449,6 +450,9 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     // overwrote kolo train's checkpoint once, and the comparison compared the library with itself).
     opts.train.checkpoint_dir = None;
     let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
+    if let Some(from) = args.get(2) {
+        trainer.resume(from)?;
+    }
     let train = kolo::data::Mnist::load(std::path::Path::new(cfg.data.path.as_deref().unwrap()), "train")?;
     let scfg = kolo::data::SamplerConfig {
         len: kolo::data::Dataset::len(&train),
@@ -459,8 +463,8 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         shuffle: true,
         drop_last: true,
     };
-    let mut sampler = kolo::data::Sampler::new(scfg, Default::default()).map_err(anyhow::Error::msg)?;
-    for _ in 0..cfg.train.steps * cfg.train.grad_accum {
+    let mut sampler = kolo::data::Sampler::new(scfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
+    for _ in 0..(cfg.train.steps - trainer.steps_done()) * cfg.train.grad_accum {
         let batch = kolo::data::Dataset::batch(&train, &sampler.next_batch());
         trainer.step(|| model.loss(&batch, &PlainView).map_err(|e| candle_core::Error::Msg(e.to_string())))?;
     }
@@ -535,4 +539,43 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
             _ => {}
         }
     }
+}
+
+/// One path, across the loops: a checkpoint `kolo train` wrote of its built-in MLP (2 ranks,
+/// ZeRO-1, step 3 of 6) continues in the library's `Trainer` (on 2 ranks and on 3), and the
+/// library's run ends bitwise where `kolo train`'s uninterrupted one does on 2 ranks. Both name
+/// the model by its parameters' names and shapes (`kolo.signature`): before, `kolo train`
+/// named it by its spec and the library by its variables, and each refused the other's
+/// checkpoints.
+#[test]
+fn a_kolo_train_checkpoint_continues_in_the_library() {
+    let dir = fresh_dir("cross-resume");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (config, cli) = (dir.join("mlp.toml"), dir.join("cli"));
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n\
+             [optim]\nkind = \"adamw\"\nlr = 0.003\nweight_decay = 0.1\nclip_grad_norm = 0.5\nschedule = \"cosine\"\nwarmup_steps = 2\n\
+             [ddp]\nzero_stage = 1\n[train]\nsteps = 6\ngrad_accum = 2\nlog_every = 3\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 3\n",
+            kolo_testkit::files::mnist_dir().display(),
+            cli.display()
+        ),
+    )
+    .unwrap();
+    let o = run(&["launch", "-n", "2", "--", super::KOLO, "train", "--config", config.to_str().unwrap()], &[]);
+    assert!(o.status.success(), "kolo train: {}", text(&o));
+    let lib = dir.join("lib");
+    let o = launch(2, "builtin", &format!("{} {} {}", config.display(), lib.display(), cli.join("step-00000003").display()));
+    assert!(o.status.success(), "the library resuming kolo train's checkpoint: {}", text(&o));
+    let step_dir = |d: &std::path::Path| std::fs::read_dir(d).unwrap().next().unwrap().unwrap().path();
+    let (by_cli, by_lib) = (model_tensors(&cli.join("step-00000006")), model_tensors(&step_dir(&lib)));
+    assert_eq!(by_cli.keys().collect::<Vec<_>>(), by_lib.keys().collect::<Vec<_>>(), "parameter names");
+    for (k, v) in &by_cli {
+        let d = v.iter().zip(&by_lib[k]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(v == &by_lib[k], "`{k}` differs between kolo train's uninterrupted run and the library's continuation by up to {d}");
+    }
+    // At another world size it continues too (the sampler's position rescaled by examples).
+    let o = launch(3, "builtin", &format!("{} {} {}", config.display(), dir.join("lib3").display(), cli.join("step-00000003").display()));
+    assert!(o.status.success(), "the library resuming kolo train's checkpoint on 3 ranks: {}", text(&o));
 }

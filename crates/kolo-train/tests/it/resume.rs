@@ -175,6 +175,28 @@ fn local_sgd_resumes_bitwise_between_averagings() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A local-SGD checkpoint written between averagings and resumed without local SGD: every
+/// replica starts from the checkpoint's model, so plain DDP's replicas are equal and stay
+/// equal (before: `kolo train` gave each rank back its own model, and the replicas trained on
+/// apart unnoticed; the library's `Trainer` already started them alike).
+#[test]
+fn a_local_sgd_checkpoint_resumed_as_plain_ddp_starts_every_replica_alike() {
+    let dir = scratch_dir("localsgd-to-ddp");
+    let tables = |ddp: &str| {
+        format!(
+            "[optim]\nkind = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n[train]\nsteps = 8\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 4\n{ddp}",
+            dir.display()
+        )
+    };
+    let local = train_on(2, &mnist_cfg(&tables("[ddp]\nlocal_sgd = { every = 2, warmup_steps = 1 }\n"), 16), &quiet());
+    assert!(local[0].params != local[1].params, "the replicas' models did not differ: the test would prove nothing");
+    let resume = RunOptions { resume: Some(dir.join("step-00000004")), quiet: true, ..Default::default() };
+    let ddp = train_on(2, &mnist_cfg(&tables(""), 16), &resume);
+    let d = max_diff(&ddp[0].params, &ddp[1].params);
+    assert!(ddp[0].params == ddp[1].params, "plain DDP resumed from a local-SGD checkpoint: the replicas differ by up to {d}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A diverging run stops (issue #34: `lr = 1e6` trained to NaN with rc 0, and a GPT's
 /// checkpoints were committed nearly all NaN): with logging every step, every rank fails at the
 /// first step whose averaged loss is not finite, naming it; with rarer logs, the first
