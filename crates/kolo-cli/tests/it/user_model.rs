@@ -434,7 +434,8 @@ fn all_gather_concatenates_uneven_tensors_in_rank_order() {
 /// One launched rank of [`kolo_train_and_the_library_train_a_built_in_model_bitwise_alike`]:
 /// the MLP that a `kolo train` config describes, built with kolo-tensor, trained by the library's
 /// `Trainer` from the same file's tables, on the same MNIST batches, and saved to `args[1]`;
-/// from the checkpoint `args[2]` when given.
+/// from the checkpoint `args[2]` when given (`-`: none), stopping after `args[3]` steps when
+/// given.
 fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     use kolo_tensor::PlainView;
     let (config, out) = (std::path::Path::new(&args[0]), &args[1]);
@@ -450,9 +451,10 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     // overwrote kolo train's checkpoint once, and the comparison compared the library with itself).
     opts.train.checkpoint_dir = None;
     let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
-    if let Some(from) = args.get(2) {
+    if let Some(from) = args.get(2).filter(|a| *a != "-") {
         trainer.resume(from)?;
     }
+    let stop = args.get(3).map_or(Ok(cfg.train.steps), |s| s.parse::<u64>())?;
     let train = kolo::data::Mnist::load(std::path::Path::new(cfg.data.path.as_deref().unwrap()), "train")?;
     let scfg = kolo::data::SamplerConfig {
         len: kolo::data::Dataset::len(&train),
@@ -464,10 +466,11 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         drop_last: true,
     };
     let mut sampler = kolo::data::Sampler::new(scfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
-    for _ in 0..(cfg.train.steps - trainer.steps_done()) * cfg.train.grad_accum {
+    for _ in 0..(stop - trainer.steps_done()) * cfg.train.grad_accum {
         let batch = kolo::data::Dataset::batch(&train, &sampler.next_batch());
         trainer.step(|| model.loss(&batch, &PlainView).map_err(|e| candle_core::Error::Msg(e.to_string())))?;
     }
+    trainer.set_data_position(sampler.position());
     trainer.save(out)?;
     Ok(())
 }
@@ -543,7 +546,8 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
 
 /// One path, across the loops: a checkpoint `kolo train` wrote of its built-in MLP (2 ranks,
 /// ZeRO-1, step 3 of 6) continues in the library's `Trainer` (on 2 ranks and on 3), and the
-/// library's run ends bitwise where `kolo train`'s uninterrupted one does on 2 ranks. Both name
+/// library's run ends bitwise where `kolo train`'s uninterrupted one does on 2 ranks; the
+/// library's own step-3 checkpoint continued by `kolo train` ends there too. Both name
 /// the model by its parameters' names and shapes (`kolo.signature`): before, `kolo train`
 /// named it by its spec and the library by its variables, and each refused the other's
 /// checkpoints.
@@ -578,4 +582,25 @@ fn a_kolo_train_checkpoint_continues_in_the_library() {
     // At another world size it continues too (the sampler's position rescaled by examples).
     let o = launch(3, "builtin", &format!("{} {} {}", config.display(), dir.join("lib3").display(), cli.join("step-00000003").display()));
     assert!(o.status.success(), "the library resuming kolo train's checkpoint on 3 ranks: {}", text(&o));
+    // The other way round: the library's step-3 checkpoint continued by `kolo train`.
+    let (lib3, resumed) = (dir.join("lib-first-half"), dir.join("cli-second-half"));
+    let o = launch(2, "builtin", &format!("{} {} - 3", config.display(), lib3.display()));
+    assert!(o.status.success(), "the library's first half: {}", text(&o));
+    let second = dir.join("mlp-second-half.toml");
+    std::fs::write(&second, std::fs::read_to_string(&config).unwrap().replace(&cli.display().to_string(), &resumed.display().to_string()))
+        .unwrap();
+    let from = lib3.join("step-00000003");
+    let o = run(
+        &["launch", "-n", "2", "--", super::KOLO, "train", "--config", second.to_str().unwrap(), "--resume", from.to_str().unwrap()],
+        &[],
+    );
+    assert!(o.status.success(), "kolo train resuming the library's checkpoint: {}", text(&o));
+    let by_resumed = model_tensors(&resumed.join("step-00000006"));
+    for (k, v) in &by_cli {
+        let d = v.iter().zip(&by_resumed[k]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(
+            v == &by_resumed[k],
+            "`{k}` differs between kolo train's uninterrupted run and its continuation of the library's by up to {d}"
+        );
+    }
 }
