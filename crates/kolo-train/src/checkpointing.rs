@@ -307,14 +307,21 @@ pub const SIGNATURE_KEY: &str = "kolo.signature";
 pub fn model_signature(sig: &[(String, Vec<usize>)]) -> String {
     let mut sorted: Vec<&(String, Vec<usize>)> = sig.iter().collect();
     sorted.sort();
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for (n, s) in sorted {
+    signature_text(sorted)
+}
+
+/// `N tensors, M values, fnv1a H` of `sig` in the order given (FNV-1a over each
+/// `name[shape];`): [`model_signature`] sorts first, the library's `kolo.model` does not.
+pub fn signature_text<'a>(sig: impl IntoIterator<Item = &'a (String, Vec<usize>)>) -> String {
+    let (mut h, mut tensors, mut numel) = (0xcbf2_9ce4_8422_2325u64, 0, 0usize);
+    for (n, s) in sig {
         for b in format!("{n}{s:?};").bytes() {
             h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
         }
+        tensors += 1;
+        numel += s.iter().product::<usize>();
     }
-    let numel: usize = sig.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
-    format!("{} tensors, {numel} values, fnv1a {h:016x}", sig.len())
+    format!("{tensors} tensors, {numel} values, fnv1a {h:016x}")
 }
 
 /// Loads a checkpoint written at any world size and ZeRO stage: whole tensors are assembled,

@@ -1546,19 +1546,24 @@ fn fingerprint_hash(sig: &[(String, Vec<usize>)]) -> i64 {
 
 /// A short text that changes with any parameter's name or shape (checkpoint compatibility).
 fn model_fingerprint(sig: &[(String, Vec<usize>)]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for (n, s) in sig {
-        for b in format!("{n}{s:?};").bytes() {
-            h = (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    let numel: usize = sig.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
-    format!("varmap: {} tensors, {numel} values, fnv1a {h:016x}", sig.len())
+    format!("varmap: {}", kolo_train::checkpointing::signature_text(sig))
 }
 
 #[cfg(test)]
 mod tests {
     use super::natural_key;
+
+    /// The library's `kolo.model` of existing checkpoints keeps its text (its loader compares
+    /// it where a checkpoint has no `kolo.signature`); the value is FNV-1a computed apart.
+    #[test]
+    fn the_model_fingerprint_keeps_its_text() {
+        let sig = [("a".to_string(), vec![2, 3]), ("b".to_string(), vec![5])];
+        assert_eq!(super::model_fingerprint(&sig), "varmap: 2 tensors, 11 values, fnv1a 001bf0402f6ae3fc");
+        // The signature does not depend on the order, the fingerprint does.
+        let swapped = [sig[1].clone(), sig[0].clone()];
+        assert_eq!(kolo_train::checkpointing::model_signature(&sig), kolo_train::checkpointing::model_signature(&swapped));
+        assert_ne!(super::model_fingerprint(&sig), super::model_fingerprint(&swapped));
+    }
 
     #[test]
     fn names_sort_by_their_numbers() {
