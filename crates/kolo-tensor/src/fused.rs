@@ -339,7 +339,8 @@ impl CustomOp3 for ResidualBiasAdd {
     }
 }
 
-/// `x + (y + b)`, `b` broadcast over the rows of `y` ([`ResidualBiasAdd`] for f32 on the CPU).
+/// `x + (y + b)`, `b` broadcast over the rows of `y`: one fused operation (one output in the
+/// graph) for f32 on the CPU, candle's two otherwise.
 pub fn residual_bias_add(x: &Tensor, y: &Tensor, b: &Tensor) -> CResult<Tensor> {
     if !x.device().is_cpu() || [x, y, b].iter().any(|t| t.dtype() != DType::F32) {
         return x + y.broadcast_add(b)?;
