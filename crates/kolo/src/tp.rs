@@ -212,7 +212,8 @@ fn section_ranges(vb: &VarBuilder, sections: &[usize], tp: &TensorParallel) -> c
 /// Several layers reading the same input (attention's q, k and v; SwiGLU's gate and up) should
 /// share one `f` (Megatron applies it once per block section): build them
 /// [`ColumnParallelLinear::input_copied`] and hand each the output of [`copy_to_group`] on the
-/// input. Otherwise each applies its own: a copy of the input kept per layer for backward and
+/// input (or, after a norm, of [`rms_norm_copied`] / [`layer_norm_copied`], which save `f`'s
+/// copy too). Otherwise each applies its own: a copy of the input kept per layer for backward and
 /// an all-reduce of the input's gradient per layer instead of one.
 ///
 /// ```no_run
@@ -332,6 +333,28 @@ pub fn copy_to_group(x: &Tensor, tp: Option<&TensorParallel>) -> candle_core::Re
     match tp.filter(|t| t.size() > 1) {
         Some(t) => x.contiguous()?.apply_op1(CopyToGroup(t.sum())),
         None => Ok(x.clone()),
+    }
+}
+
+/// RMS norm of `x` over its last dimension, scaled by `weight`, then Megatron's `f`
+/// ([`copy_to_group`]) as one operation: for a norm whose output feeds only split layers built
+/// [`ColumnParallelLinear::input_copied`] (a Llama block's q/k/v, or gate and up). The same
+/// values and gradients as the norm followed by `copy_to_group`, without the copy of the
+/// normed activations that backward would keep (f32 on the CPU; elsewhere the two steps).
+/// Without a group, or with one member, the plain norm.
+pub fn rms_norm_copied(x: &Tensor, weight: &Tensor, eps: f64, tp: Option<&TensorParallel>) -> candle_core::Result<Tensor> {
+    match tp.filter(|t| t.size() > 1) {
+        Some(t) => kolo_tensor::fused::rms_norm_copied(x, weight, eps, &t.sum()),
+        None => kolo_tensor::fused::rms_norm(x, weight, eps),
+    }
+}
+
+/// Layer norm (affine `gamma`, `beta`) followed by Megatron's `f` as one operation, as
+/// [`rms_norm_copied`] for the RMS norm (a GPT-2 block's norms before its split layers).
+pub fn layer_norm_copied(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f64, tp: Option<&TensorParallel>) -> candle_core::Result<Tensor> {
+    match tp.filter(|t| t.size() > 1) {
+        Some(t) => kolo_tensor::fused::layer_norm_copied(x, gamma, beta, eps, &t.sum()),
+        None => kolo_tensor::fused::layer_norm(x, gamma, beta, eps),
     }
 }
 

@@ -99,6 +99,32 @@ pub fn blocks_rank(args: &[String]) -> anyhow::Result<()> {
             anyhow::ensure!(d < 1e-5, "rank {} (gathered {gathered}): {what} differs from the whole layers' by {d}", dist.rank());
         }
     }
+    // A norm before the split layer with `f` folded in (`rms_norm_copied`): this member's
+    // output features, and the whole input's and norm weight's gradients (every member holds
+    // the weight whole: its gradient must have every member's part, summed once).
+    let nw = Var::from_tensor(&values(&[7], 1.5))?;
+    let nr = Var::from_tensor(nw.as_tensor())?;
+    let xn = |x: &Tensor, w: &Tensor| -> candle_core::Result<Tensor> {
+        x.broadcast_div(&(x.sqr()?.mean_keepdim(2)? + 1e-5)?.sqrt()?)?.broadcast_mul(w)
+    };
+    let (xr2, cn) = (Var::from_tensor(x.as_tensor())?, values(&[4, 3, 6], 1.6));
+    let yn_ref = xn(&xr2, &nr)?.broadcast_matmul(&wv["col.weight"].t()?)?.broadcast_add(&wv["col.bias"])?;
+    let gn_ref = (&yn_ref * &cn)?.sum_all()?.backward()?;
+    let xs = Var::from_tensor(x.as_tensor())?;
+    let yn = col.clone().input_copied().forward(&kolo::tp::rms_norm_copied(&xs, &nw, 1e-5, Some(tp))?)?;
+    let s = kolo::tp::split_of(var("col.weight").as_tensor()).expect("a split variable");
+    let mine = |t: &Tensor| -> candle_core::Result<Tensor> {
+        Tensor::cat(&s.ranges.iter().map(|r| t.narrow(2, r.start, r.len())).collect::<candle_core::Result<Vec<_>>>()?, 2)
+    };
+    let gn = (&yn * &mine(&cn)?)?.sum_all()?.backward()?;
+    let checks = [
+        ("output", max_diff(&yn, &mine(&yn_ref)?)?),
+        ("input's gradient", max_diff(gn.get(&xs).unwrap(), gn_ref.get(&xr2).unwrap())?),
+        ("norm weight's gradient", max_diff(gn.get(&nw).unwrap(), gn_ref.get(&nr).unwrap())?),
+    ];
+    for (what, d) in checks {
+        anyhow::ensure!(d < 1e-5, "rank {}: the norm with f folded in: {what} differs from the whole layers' by {d}", dist.rank());
+    }
     // The vocabulary-parallel embedding and cross-entropy, 11 classes over 2 or 3 members.
     let ids = Tensor::from_vec(vec![0u32, 10, 3, 7, 5, 5, 1, 9, 2, 6], (2, 5), &dist.device())?;
     let c2 = values(&[2, 5, 5], 0.8);

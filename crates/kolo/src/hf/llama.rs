@@ -876,10 +876,7 @@ impl Norm {
     /// The norm's output through Megatron's `f` ([`crate::tp::copy_to_group`]) for split layers
     /// that read nothing else: in f32 on the CPU one operation, without `f`'s copy.
     fn forward_copied(&self, x: &Tensor, tp: Option<&crate::tp::TensorParallel>) -> candle_core::Result<Tensor> {
-        match tp.filter(|t| t.size() > 1) {
-            Some(t) => kolo_tensor::fused::rms_norm_copied(x, &self.scale()?, self.eps as f64, &t.sum()),
-            None => self.forward(x),
-        }
+        crate::tp::rms_norm_copied(x, &self.scale()?, self.eps as f64, tp)
     }
 }
 
