@@ -65,5 +65,15 @@ pub fn parse_device(name: &str) -> Result<Device> {
     Device::new_cuda(ordinal).map_err(|e| TensorError::Input(format!("device `{name}`: {e}")))
 }
 
+/// Chooses the device this process trains on, by name as `[train] device` spells it, and
+/// returns it: `cpu`, `cuda:N`, or `cuda` alone for GPU `local_rank` (one GPU per rank of a
+/// node, torchrun's `LOCAL_RANK` convention). Models built from now on are placed on it.
+pub fn select_device(name: &str, local_rank: usize) -> Result<Device> {
+    let name = if name == "cuda" { format!("cuda:{local_rank}") } else { name.to_string() };
+    let dev = parse_device(&name)?;
+    set_device(dev.clone());
+    Ok(dev)
+}
+
 #[cfg(test)]
 mod tests;

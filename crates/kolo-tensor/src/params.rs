@@ -115,19 +115,33 @@ impl ParamSet {
         Ok(self.params.len() - 1)
     }
 
-    /// Registers an existing variable (a candle model's own parameter, from its `VarMap`):
-    /// updates write into its storage in place, so the model sees them. It must be an f32,
-    /// contiguous CPU tensor.
+    /// Registers an existing variable (a candle model's own parameter, from its `VarMap`): an
+    /// f32, contiguous tensor. On the CPU, updates write into its storage in place, so the
+    /// model sees them. On a GPU, as for [`ParamSet::add`], the optimizer steps a flat host
+    /// copy and [`ParamSet::sync_device`] writes it into the variable. Every parameter of a set
+    /// lives on the same device.
     pub fn adopt(&mut self, name: &str, var: Var) -> Result<usize> {
         let bad = |what: &str| Err(TensorError::Input(format!("parameter `{name}`: {what}")));
         if var.dtype() != DType::F32 {
             return bad(&format!("is {:?}; Kolo trains f32 parameters (compute in bf16/f16 by casting in the model)", var.dtype()));
         }
-        if !var.device().is_cpu() {
-            return bad("is not on the CPU; parameters of a user model are trained on the CPU for now");
-        }
         if !var.is_contiguous() {
             return bad("is not contiguous");
+        }
+        let gpu = !var.device().is_cpu();
+        if !self.params.is_empty() && gpu != self.host.is_some() {
+            let first = &self.params[0];
+            return bad(&format!(
+                "is on {:?}, `{}` on {:?}: a model trains on one device (build it with one VarBuilder device)",
+                var.device().location(),
+                first.name,
+                first.var.device().location()
+            ));
+        }
+        if gpu {
+            let values = var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+            let h = self.host.get_or_insert_with(Default::default);
+            h.get_mut().unwrap_or_else(|p| p.into_inner()).extend_from_slice(&values);
         }
         let shape = var.dims().to_vec();
         let n = var.elem_count();

@@ -6,9 +6,15 @@
 
 use std::path::PathBuf;
 
-/// The repository root (two levels above this crate's manifest).
+/// The repository root: two levels above this crate's manifest, or, for a test binary copied
+/// to another machine (the GPU checks of `bench/gpu/run.sh`), the directory it runs in.
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    if built.join("test-data").is_dir() {
+        built
+    } else {
+        PathBuf::from(".")
+    }
 }
 
 /// The MNIST subset (10,000 training and 2,000 test images) in `test-data/mnist`.

@@ -869,7 +869,7 @@ impl Config {
                 || !self.model.checkpoint_blocks.is_empty()
                 || self.train.strategy != Strategy::Ddp
             {
-                return Err(format!("train.device = \"{}\" supports plain DDP and ZeRO-1/2 only (no mesh tp/sp/pp/ep, [pipeline], zero_stage 3, checkpoint_blocks or strategy ps yet)", self.train.device));
+                return Err(gpu_refusal(&self.train.device));
             }
         }
         self.bucket_cap()?;
@@ -1315,6 +1315,14 @@ impl OptimConfig {
             OptimKind::Adagrad => OptimizerSpec::Adagrad { eps: o.eps.unwrap_or(1e-10), weight_decay: o.weight_decay, lr_decay: 0.0 },
         }
     }
+}
+
+/// Why a GPU run of a model-parallel, ZeRO-3 or parameter-server job is refused (`kolo train`
+/// and the library say the same).
+pub fn gpu_refusal(device: &str) -> String {
+    format!(
+        "train.device = \"{device}\" supports plain DDP and ZeRO-1/2 only (no mesh tp/sp/pp/ep, [pipeline], zero_stage 3, checkpoint_blocks or strategy ps yet)"
+    )
 }
 
 /// Examples per optimizer step over the job: `per_replica` examples per micro-batch on each

@@ -87,11 +87,7 @@ fn select_device(cfg: &Config) -> Result<(), TrainError> {
     if cfg.train.device == "cpu" {
         return Ok(());
     }
-    let name = match cfg.train.device.as_str() {
-        "cuda" => format!("cuda:{}", std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(0)),
-        d => d.to_string(),
-    };
-    let dev = kolo_tensor::parse_device(&name).map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
-    kolo_tensor::set_device(dev);
+    let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(0);
+    kolo_tensor::select_device(&cfg.train.device, local_rank).map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
     Ok(())
 }

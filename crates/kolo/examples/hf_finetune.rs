@@ -19,7 +19,9 @@
 //! (mixed precision); --checkpoint DIR writes the trainer's checkpoint at the last step (the f32
 //! masters, which the export holds too). The export is written in --dtype
 //! f32|bf16|f16 (f32), in files of at most
-//! --max-shard-size BYTES (one file).
+//! --max-shard-size BYTES (one file). --device cpu|cuda|cuda:N (cpu) loads and trains the model
+//! on that device (cuda: a `--features cuda` build, each rank on the GPU of its local rank;
+//! data parallelism only).
 //!
 //! Flags: --steps N (20), --batch B per data-parallel rank (4), --seq T (32), --optim adamw|sgd,
 //! --lr (1e-3), --clip C (1.0; `none`), --zero 0|1|2|3 (3: the model's blocks are sharded
@@ -54,6 +56,7 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         .zero_stage(arg("--zero", "0").parse()?)
         .steps(steps)
         .precision(arg("--precision", "f32").parse().map_err(anyhow::Error::msg)?)
+        .device(arg("--device", "cpu"))
         .log_every(5);
     if let Ok(c) = arg("--clip", "1.0").parse() {
         opts = opts.clip_grad_norm(c);

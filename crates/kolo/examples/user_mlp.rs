@@ -5,13 +5,20 @@
 //!
 //! Flags: --steps N (300), --batch B per rank (32), --hidden H (128), --lr (1e-3), --optim adamw|sgd|lion (Lion: an optimizer of this file, `kolo::UpdateRule`),
 //! --zero 0|1|2, --precision f32|bf16|f16 (the model's dtype; f32 masters), --seed S (0),
+//! --init FILE (start from these weights, a safetensors file as `VarMap::save` writes),
+//! --device cpu|cuda|cuda:N (cuda: a `--features cuda` build; `cuda` is each rank's own GPU),
 //! --data DIR (test-data/mnist), --out DIR (checkpoints/user_mlp).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Linear, Module, VarBuilder, VarMap};
 use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
 
-struct Mlp(Linear, Linear, Linear);
+pub struct Mlp(Linear, Linear, Linear);
+
+/// The model: 784 -> hidden -> hidden -> 10, ReLU between.
+pub fn mlp(vb: VarBuilder, hidden: usize) -> candle_core::Result<Mlp> {
+    Ok(Mlp(linear(784, hidden, vb.pp("fc1"))?, linear(hidden, hidden, vb.pp("fc2"))?, linear(hidden, 10, vb.pp("fc3"))?))
+}
 
 impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -59,7 +66,8 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
     let (steps, batch): (u64, usize) = (arg("--steps", "300").parse()?, arg("--batch", "32").parse()?);
     let dist = kolo::init()?;
-    dist.device().set_seed(arg("--seed", "0").parse()?)?; // the same initial weights in every run
+    let device = arg("--device", "cpu");
+    dist.use_device(&device)?.set_seed(arg("--seed", "0").parse()?)?; // the same initial weights in every run
     let varmap = VarMap::new();
     let precision = arg("--precision", "f32");
     let dtype = match precision.as_str() {
@@ -69,13 +77,22 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     };
     let vb = VarBuilder::from_varmap(&varmap, dtype, &dist.device());
     let h: usize = arg("--hidden", "128").parse()?;
-    let model = Mlp(linear(784, h, vb.pp("fc1"))?, linear(h, h, vb.pp("fc2"))?, linear(h, 10, vb.pp("fc3"))?);
+    let model = mlp(vb, h)?;
+    if let Some(init) = args.iter().skip_while(|a| *a != "--init").nth(1) {
+        // Onto the model's device, in its dtype.
+        let weights = candle_core::safetensors::load(init, &dist.device())?;
+        for (name, var) in varmap.data().lock().unwrap().iter() {
+            let w = weights.get(name).ok_or_else(|| anyhow::anyhow!("{init} holds no `{name}`"))?;
+            var.set(&w.to_dtype(var.dtype())?)?;
+        }
+    }
     let (optim, lr) = (arg("--optim", "adamw"), arg("--lr", "1e-3").parse()?);
     let mut opts = kolo::TrainOptions::new()
         .zero_stage(arg("--zero", "0").parse()?)
         .steps(steps)
         .log_every(50)
         .precision(precision.parse().map_err(anyhow::Error::msg)?)
+        .device(device)
         .batch(batch, 1);
     opts = match optim.as_str() {
         "lion" => opts.lr(lr).update_rule(Lion { beta1: 0.9, beta2: 0.99 }),

@@ -99,9 +99,19 @@ impl Dist {
     pub fn host(&self) -> Option<&Arc<HostComm>> {
         self.host.as_ref()
     }
-    /// The device this process trains on (the CPU; see `kolo_tensor::set_device`).
+    /// The device this process trains on: the CPU, unless [`Dist::use_device`] chose another.
     pub fn device(&self) -> candle_core::Device {
         kolo_tensor::device()
+    }
+    /// Chooses the device this process trains on (torch's `torch.cuda.set_device`), named as
+    /// `[train] device` names it: `cpu`, `cuda:N`, or `cuda` for the GPU of this rank's
+    /// [`Dist::local_rank`]. Build the model with the device it returns (or [`Dist::device`]
+    /// from then on) and set the same name in `TrainOptions::device`. A GPU needs a build with
+    /// the `cuda` feature; the model's parameters, its forward and backward stay on the GPU,
+    /// and each gradient comes to the host for the collectives and the optimizer, as in `kolo
+    /// train --device cuda`.
+    pub fn use_device(&self, name: &str) -> Result<candle_core::Device> {
+        kolo_tensor::select_device(name, self.local_rank).map_err(|e| Error::usage(self.rank(), "Dist::use_device", e.to_string()))
     }
     /// Collective: waits until every rank has called it.
     pub fn barrier(&self) -> Result<(), kolo_comm::CommError> {

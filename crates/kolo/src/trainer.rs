@@ -158,6 +158,14 @@ impl TrainOptions {
         self
     }
 
+    /// The device the model is on (`[train] device`): `cpu` (the default), `cuda` (each rank's
+    /// GPU, chosen by `Dist::use_device`) or `cuda:N`. The trainer checks that every parameter
+    /// is there.
+    pub fn device(mut self, name: impl Into<String>) -> Self {
+        self.train.device = name.into();
+        self
+    }
+
     /// A log line every `every` steps (0: none).
     pub fn log_every(mut self, every: u64) -> Self {
         self.train.log_every = every;
@@ -229,11 +237,6 @@ impl TrainOptions {
                 self.optim.reference_batch.is_some() && self.data.batch_size == 0,
                 "optim.reference_batch",
                 " without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
-            ),
-            (
-                self.train.device != "cpu",
-                "train.device",
-                " other than cpu (build the model on its device; GPU training of user models is not there yet)",
             ),
             (self.train.strategy != Strategy::Ddp, "train.strategy", " = \"ps\""),
             (self.train.seed != 0, "train.seed", " (seed your model before building it: dist.device().set_seed(..))"),
@@ -533,7 +536,11 @@ impl Trainer {
         }
         let (comm, world, data_replicas) = (place.comm.clone(), place.world.clone(), place.data_replicas);
         let place_sp = place.sp.clone();
-        let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision)?;
+        let model_parallel = place.tp.is_some() || place.pp.is_some() || place.sp.is_some() || place.ep.is_some();
+        if opts.train.device != "cpu" && model_parallel {
+            return Err(Error::setting("train.device", kolo_train::config::gpu_refusal(&opts.train.device)));
+        }
+        let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision, &opts.train.device)?;
         let (spread, whole_signature) = spread(&place, &params, &ids, &opts)?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
         let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
@@ -1125,6 +1132,7 @@ impl Trainer {
         }
         if self.params.is_resident(i) {
             self.params.update_one(i, &mut |v| apply(v, &values))?;
+            self.params.sync_device()?;
             if let Some(v) = self.model_vars.get(i) {
                 v.set(&self.params.get(i).var.as_tensor().to_dtype(self.compute)?)?;
             }
@@ -1412,7 +1420,7 @@ const CODEC_LAYOUT_KEY: &str = "kolo.codec_layout";
 /// dtype the model computes in.
 type Adopted = (ParamSet, HashMap<TensorId, usize>, Vec<candle_core::Var>, DType);
 
-fn adopt(varmap: &VarMap, rank: usize, precision: Precision) -> Result<Adopted> {
+fn adopt(varmap: &VarMap, rank: usize, precision: Precision, device: &str) -> Result<Adopted> {
     let mut vars: Vec<(String, candle_core::Var)> =
         varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
     if vars.is_empty() {
@@ -1428,6 +1436,15 @@ fn adopt(varmap: &VarMap, rank: usize, precision: Precision) -> Result<Adopted> 
     let mut ids = HashMap::new();
     let mut model_vars = Vec::new();
     for (name, var) in vars {
+        if !on_device(device, var.device().location()) {
+            return Err(Error::setting(
+                "train.device",
+                format!(
+                    "is \"{device}\", but the model's parameter `{name}` is on {:?}: build the model on the device that dist.use_device(\"{device}\") returns, or set train.device to where the model is",
+                    var.device().location()
+                ),
+            ));
+        }
         if var.dtype() != compute {
             return Err(Error::usage(
                 rank,
@@ -1453,10 +1470,25 @@ fn adopt(varmap: &VarMap, rank: usize, precision: Precision) -> Result<Adopted> 
     Ok((params, ids, model_vars, compute))
 }
 
-/// Mixed precision: rewrites the model's bf16/f16 variables from the f32 masters (nothing in
-/// f32, where the model's variables are the parameters). ZeRO-3's sharded groups are left out:
+/// Whether a parameter at `loc` is on `train.device`: `cpu`, `cuda` (any GPU: each rank
+/// chose its own with `Dist::use_device`) or `cuda:N`.
+fn on_device(device: &str, loc: candle_core::DeviceLocation) -> bool {
+    use candle_core::DeviceLocation as L;
+    match (device, loc) {
+        ("cpu", L::Cpu) => true,
+        ("cuda", L::Cuda { .. }) => true,
+        (d, L::Cuda { gpu_id }) => d.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) == Some(gpu_id),
+        _ => false,
+    }
+}
+
+/// After the parameters changed: a GPU model's variables get the host values the optimizer
+/// stepped, and under mixed precision the model's bf16/f16 variables are rewritten from the
+/// f32 masters (in f32 on the CPU nothing is left to do: the model's variables are the
+/// parameters). ZeRO-3's sharded groups are left out:
 /// their masters live as shards, gathered and rounded into the model's variables when read.
 fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -> Result<()> {
+    params.sync_device()?;
     for (i, v) in model_vars.iter().enumerate().filter(|(i, _)| params.is_resident(*i)) {
         v.set(&params.get(i).var.as_tensor().to_dtype(compute)?)?;
     }

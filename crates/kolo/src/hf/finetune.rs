@@ -263,6 +263,7 @@ impl FineTune {
     /// and builds the trainer (ZeRO-3 over the model's blocks when `ddp.zero_stage = 3`).
     pub fn new(dist: &Dist, cfg: FineTuneConfig) -> Result<FineTune> {
         cfg.check().map_err(|e| Error::setting("fine-tuning job", e))?;
+        dist.use_device(&cfg.train.device)?; // the model is loaded onto it
         let m = cfg.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
         let (tp, pp, sp, ep) = (m.tp, m.pp.unwrap_or(1), m.sp, m.ep);
         let dp = m.dp.unwrap_or(dist.world_size() / (tp * pp * sp * ep).max(1));

@@ -789,6 +789,17 @@ fn bad_models_and_losses_are_named() {
     assert!(e.contains("Trainer::with_zero3_groups"), "{e}");
     let e = Trainer::with_zero3_groups(&small().varmap, &dist, z3, &["l3."]).err().unwrap().to_string();
     assert!(e.contains("ZeRO-3 group \"l3.\" matches no parameter"), "{e}");
+    // A model elsewhere than train.device says so (a CPU model, a GPU run asked for), and a
+    // GPU run of what trains on the CPU only is refused as kolo train refuses it.
+    for device in ["cuda", "cuda:1"] {
+        let e = Trainer::new(&small().varmap, &dist, TrainOptions::new().device(device)).err().unwrap();
+        let text = e.to_string();
+        assert!(matches!(&e, crate::Error::Setting { setting, .. } if setting == "train.device"), "{e:?}");
+        assert!(text.contains(&format!("is \"{device}\", but the model's parameter `l1.bias` is on Cpu")), "{text}");
+    }
+    let e = Trainer::with_zero3_groups(&small().varmap, &dist, opts("[ddp]\nzero_stage = 3\n").device("cuda"), &["l1."]);
+    let e = e.err().unwrap().to_string();
+    assert!(e.contains("train.device = \"cuda\" supports plain DDP and ZeRO-1/2 only"), "{e}");
 }
 
 /// The vendored candle-core's storage hooks (ZeRO-3's mechanism): a hook runs before every
