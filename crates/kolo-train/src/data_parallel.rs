@@ -11,7 +11,7 @@ use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, St
 use crate::eval::{evaluate, sample_text};
 use crate::setup::{spec_string, Data};
 use crate::summary::{Eval, RunOptions, StateBytes};
-use crate::update::{load_replica, Engine};
+use crate::update::{backward_routed, load_replica, Engine, GradRoute};
 use crate::TrainError;
 use kolo_base::Rng;
 use kolo_comm::{BufMut, Communicator, ReduceOp, SumGroup};
@@ -47,6 +47,9 @@ pub struct DataParallel<'a> {
     /// f16: the dynamic loss scale.
     scaler: Option<LossScaler>,
     eval_view: Box<dyn ParamView>,
+    /// The model's parameters by variable id, where backward hands their gradients.
+    ids: std::collections::HashMap<candle_core::TensorId, usize>,
+    /// ZeRO-3's route for gradients: the groups' values are gathered per use.
     hooked: HookedView,
     /// Tensor parallelism: the group (counting its all-reduces), its communicator, and which
     /// parameters are split over it.
@@ -128,6 +131,7 @@ impl<'a> DataParallel<'a> {
             announce(cfg, &*model, &spec, &ddp, zero.as_ref(), data);
         }
         let hooked = HookedView { sink: ddp.sink(), dtype };
+        let ids = crate::update::param_ids(model.params());
         let s = DataParallel {
             cfg,
             comm,
@@ -143,6 +147,7 @@ impl<'a> DataParallel<'a> {
             exact: cfg.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(numel)),
             scaler,
             eval_view,
+            ids,
             hooked,
             tp,
             tp_split,
@@ -165,8 +170,8 @@ impl<'a> DataParallel<'a> {
     }
 
     /// Forward and backward of the step's micro-batches; only the last one communicates
-    /// (through the hooked view, bucket by bucket as backward produces gradients). Returns the
-    /// mean loss.
+    /// (`update::backward_routed`, bucket by bucket as backward produces gradients, the path
+    /// the library's Trainer takes; ZeRO-3 through the hooked view). Returns the mean loss.
     fn forward_backward(&mut self, step: u64, data: &mut Batches) -> Result<f64, TrainError> {
         let (cfg, tc) = (self.cfg, &self.cfg.train);
         let local_step = crate::local_sgd::is_local(cfg.ddp.local_sgd.as_ref(), step);
@@ -189,32 +194,52 @@ impl<'a> DataParallel<'a> {
                     exact,
                     (rank, step),
                 )? / tc.grad_accum as f64;
-            } else if self.zero3 && m + 1 < tc.grad_accum {
-                // ZeRO-3: the blocks' gradients only reach the hook (their values are gathered
-                // per use), so a no-sync micro-step runs hooked with the hook accumulating.
-                self.ddp.set_no_sync(true);
-                let loss = (self.model.loss(&batch, &self.hooked)? * scale).map_err(te);
-                let done = loss.and_then(|loss| {
-                    loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-                    (loss * loss_scale).map_err(te)?.backward().map_err(te)
-                });
-                self.ddp.set_no_sync(false);
-                done?;
-            } else if m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step {
-                // No-sync micro-step: gradients stay local.
+            } else if self.zero3 {
+                // (ZeRO-3 refuses skip_sync and local SGD.)
+                loss_sum += self.zero3_micro_step(&batch, scale, loss_scale, m + 1 < tc.grad_accum)?;
+            } else {
+                // As the library's Trainer::backward: the micro-step that communicates hands
+                // each gradient to DDP's buckets as backward makes it final; the others keep
+                // theirs local.
+                let communicate = !(m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step);
+                if communicate {
+                    self.ddp.begin_backward();
+                }
                 let loss = (self.model.loss(&batch, &*self.eval_view)? * scale).map_err(te)?;
                 loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-                let g = (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
-                self.model.params().grads_into(&g, &mut self.micro)?;
-                self.ddp.accumulate(&self.micro);
-            } else {
-                self.ddp.begin_backward();
-                let loss = (self.model.loss(&batch, &self.hooked)? * scale).map_err(te)?;
-                loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-                (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
+                let sink = self.ddp.sink();
+                let route = match communicate {
+                    true => GradRoute::Buckets(&*sink),
+                    false => GradRoute::Local(self.model.params(), &mut self.micro),
+                };
+                backward_routed(&(loss * loss_scale).map_err(te)?, &self.ids, route, None)?;
+                if !communicate {
+                    self.ddp.accumulate(&self.micro);
+                }
             }
         }
         Ok(loss_sum)
+    }
+
+    /// A ZeRO-3 micro-step: the groups' values are gathered per use (fresh tensors, not the
+    /// parameters' variables), so their gradients reach DDP through the hooked view, which
+    /// accumulates them on a micro-step that does not communicate. Returns its loss.
+    fn zero3_micro_step(&mut self, batch: &Batch, scale: f64, loss_scale: f64, local: bool) -> Result<f64, TrainError> {
+        let te = kolo_tensor::TensorError::from;
+        match local {
+            true => self.ddp.set_no_sync(true),
+            false => self.ddp.begin_backward(),
+        }
+        let loss = (self.model.loss(batch, &self.hooked)? * scale).map_err(te);
+        let done = loss.and_then(|loss| {
+            let value = f64::from(loss.to_scalar::<f32>().map_err(te)?);
+            (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
+            Ok(value)
+        });
+        if local {
+            self.ddp.set_no_sync(false);
+        }
+        Ok(done?)
     }
 
     /// Deterministic mode's exchange and update: the exact sum over every rank, then the whole

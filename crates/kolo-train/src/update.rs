@@ -9,6 +9,82 @@ use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding, SyncStats};
 use kolo_optim::{clip_factor, Buffer, LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 
+/// Where [`backward_routed`] hands each parameter's gradient.
+pub enum GradRoute<'a> {
+    /// DDP's buckets (`Ddp::sink`), each gradient as backward makes it final: the micro-step
+    /// that communicates (a full bucket's all-reduce overlaps the rest of backward).
+    Buckets(&'a dyn kolo_base::GradSink),
+    /// This flat buffer (zeroed first), at each parameter's range of `ParamSet`: a micro-step
+    /// that keeps its gradients local (accumulation, a local SGD step).
+    Local(&'a ParamSet, &'a mut [f32]),
+}
+
+/// Why [`backward_routed`] failed.
+#[derive(Debug)]
+pub enum RouteError {
+    /// A variable that is not a parameter received a gradient (its shape): Kolo would neither
+    /// synchronise nor update it.
+    Outside(Vec<usize>),
+    Backward(candle_core::Error),
+}
+
+impl From<RouteError> for TrainError {
+    fn from(e: RouteError) -> TrainError {
+        TrainError::Tensor(match e {
+            RouteError::Outside(dims) => {
+                kolo_tensor::TensorError::Input(format!("a variable of shape {dims:?} that is not a parameter received a gradient"))
+            }
+            RouteError::Backward(e) => e.into(),
+        })
+    }
+}
+
+/// Backward of `loss`, each variable's gradient handed on as the reverse walk makes it final
+/// (`Tensor::backward_with_hook`: every op that reads the variable is differentiated by then)
+/// to `route`, by `ids` (a variable's id to its parameter index; a parameter read several times
+/// arrives once, summed). The gradient of `capture` (a pipeline stage's input, not a
+/// parameter) is returned instead. A half-precision gradient is widened to f32, a GPU one
+/// copied to the host. One path for `kolo train`'s data-parallel strategy and the library's
+/// `Trainer`.
+pub fn backward_routed(
+    loss: &kolo_tensor::Tensor,
+    ids: &std::collections::HashMap<candle_core::TensorId, usize>,
+    route: GradRoute<'_>,
+    capture: Option<candle_core::TensorId>,
+) -> Result<Option<kolo_tensor::Tensor>, RouteError> {
+    let mut route = route;
+    if let GradRoute::Local(_, buf) = &mut route {
+        // A parameter the loss does not reach gets no gradient: zero, not the last step's.
+        buf.fill(0.0);
+    }
+    let (mut outside, mut captured) = (None, None);
+    let done = loss.backward_with_hook(&mut |var, grad| {
+        if Some(var.id()) == capture {
+            captured = Some(grad);
+            return Ok(());
+        }
+        let Some(&i) = ids.get(&var.id()) else {
+            outside.get_or_insert(var.dims().to_vec());
+            return Err(candle_core::Error::Msg("kolo: gradient of a variable that is not a parameter".into()));
+        };
+        let deliver = |g: &[f32]| match &mut route {
+            GradRoute::Buckets(sink) => sink.grad_ready(i, g),
+            GradRoute::Local(params, buf) => buf[params.get(i).range.clone()].copy_from_slice(g),
+        };
+        kolo_tensor::with_f32(&grad, deliver).map_err(|e| candle_core::Error::Msg(e.to_string()))
+    });
+    match (done, outside) {
+        (_, Some(dims)) => Err(RouteError::Outside(dims)),
+        (Err(e), None) => Err(RouteError::Backward(e)),
+        (Ok(_), None) => Ok(captured),
+    }
+}
+
+/// The parameters' variable ids to their indices (for [`backward_routed`]).
+pub fn param_ids(params: &ParamSet) -> std::collections::HashMap<candle_core::TensorId, usize> {
+    params.iter().enumerate().map(|(i, p)| (p.var.as_tensor().id(), i)).collect()
+}
+
 /// The data-parallel engine and optimizer of a run, built one way for `kolo train`'s
 /// data-parallel strategy and the library's `Trainer` from their `[ddp]` and `[optim]` tables.
 pub struct Engine {

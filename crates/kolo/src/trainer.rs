@@ -708,52 +708,24 @@ impl Trainer {
         }
         let value = loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
         let scaled = if factor != 1.0 { (loss * factor)? } else { loss.clone() };
-        let mut failure: Option<Error> = None;
-        let mut captured: Option<Tensor> = None;
         let capture_id = capture.map(|v| v.as_tensor().id());
-        let ids = &self.ids;
-        let params = &self.params;
-        let unknown = |t: &Tensor| {
-            Error::usage(
+        use kolo_train::update::{backward_routed, GradRoute, RouteError};
+        let route = if sync && !local_step {
+            self.ddp.begin_backward();
+            GradRoute::Buckets(&*self.ddp.sink())
+        } else {
+            GradRoute::Local(&self.params, &mut self.local)
+        };
+        let captured = backward_routed(&scaled, &self.ids, route, capture_id).map_err(|e| match e {
+            RouteError::Outside(dims) => Error::usage(
                 rank,
                 "Trainer::backward",
                 format!(
-                    "a variable of shape {:?} outside the VarMap given to the Trainer received a gradient; Kolo would neither synchronise nor update it (create every parameter through the VarMap's VarBuilder, or detach it)",
-                    t.dims()
+                    "a variable of shape {dims:?} outside the VarMap given to the Trainer received a gradient; Kolo would neither synchronise nor update it (create every parameter through the VarMap's VarBuilder, or detach it)"
                 ),
-            )
-        };
-        if sync && !local_step {
-            self.ddp.begin_backward();
-            let sink = self.ddp.sink();
-            scaled.backward_with_hook(&mut |var, grad| {
-                if Some(var.id()) == capture_id {
-                    captured = Some(grad);
-                    return Ok(());
-                }
-                let Some(&i) = ids.get(&var.id()) else {
-                    failure.get_or_insert(unknown(var));
-                    return Err(candle_core::Error::Msg("kolo: gradient of a variable outside the VarMap".into()));
-                };
-                kolo_tensor::with_f32(&grad, |g| sink.grad_ready(i, g)).map_err(|e| candle_core::Error::Msg(e.to_string()))
-            })
-        } else {
-            let local = &mut self.local;
-            local.iter_mut().for_each(|g| *g = 0.0);
-            scaled.backward_with_hook(&mut |var, grad| {
-                if Some(var.id()) == capture_id {
-                    captured = Some(grad);
-                    return Ok(());
-                }
-                let Some(&i) = ids.get(&var.id()) else {
-                    failure.get_or_insert(unknown(var));
-                    return Err(candle_core::Error::Msg("kolo: gradient of a variable outside the VarMap".into()));
-                };
-                let r = params.get(i).range.clone();
-                kolo_tensor::with_f32(&grad, |g| local[r].copy_from_slice(g)).map_err(|e| candle_core::Error::Msg(e.to_string()))
-            })
-        }
-        .map_err(|e| failure.take().unwrap_or_else(|| e.into()))?;
+            ),
+            RouteError::Backward(e) => e.into(),
+        })?;
         if let Some(z) = &self.zero3 {
             z.take_error()?;
         }
