@@ -39,7 +39,10 @@ fn ps_workers_name_the_straggler() {
             ),
             16,
         );
-        let opts = RunOptions { slow_rank: Some((slow, 40)), ..quiet() };
+        // 120 ms a step: in async, a fast worker's thread starved by the scheduler for longer
+        // than the slow worker's lead (40 ms a step was not enough in a loaded full-suite run)
+        // sees nobody behind it and names no straggler.
+        let opts = RunOptions { slow_rank: Some((slow, 120)), ..quiet() };
         for (w, s) in train_ps(&ps_cluster(2), 3, &ps, &opts).iter().enumerate() {
             let (r, lag) = s.straggler.unwrap_or_else(|| panic!("{consistency}, {backup} backup: worker {w} names no straggler"));
             assert_eq!(r, slow, "{consistency}, {backup} backup: worker {w} names worker {r} ({lag:.1} ms)");
