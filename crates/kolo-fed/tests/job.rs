@@ -10,10 +10,7 @@ fn mnist_cfg(extra: &str, batch: usize) -> Config {
     Config::parse(&text, "test").unwrap()
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
+use kolo_testkit::max_abs_diff as max_diff;
 
 fn fed_job(cfg: &Config, clients: usize) -> (kolo_fed::job::FedSummary, Vec<kolo_fed::job::ClientReport>) {
     let token = kolo_rendezvous::JobToken::generate();

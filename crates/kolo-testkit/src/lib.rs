@@ -12,6 +12,13 @@
 
 pub mod files;
 
+/// The largest absolute difference between two equally long vectors (parameters or logits of
+/// two runs that should agree); panics on different lengths, which would hide a difference.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "the two vectors differ in length");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+}
+
 use kolo_base::{shard_range, DType, Rank};
 use kolo_comm::{bf16, f16, BufMut, BufRef, Communicator, Element, ReduceOp};
 use std::sync::Arc;

@@ -57,10 +57,7 @@ fn args(common: &str, device: &str, init: &Path, out: &Path) -> Vec<String> {
         .collect()
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
-}
+use kolo_testkit::max_abs_diff as max_diff;
 
 /// One process: the MLP trained on the GPU ends where the same training on the CPU ends.
 /// - f32, SGD (lr 0.1, 20 steps, no clipping: the example sets none): within 1e-4, where the parameters moved by more

@@ -35,9 +35,7 @@ fn job(dir: &Path, tag: &str, shards: &Path, batch: usize, extra: &str) -> (Path
     (cfg, ck)
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
+use kolo_testkit::max_abs_diff as max_diff;
 
 /// The three commands of the README on the tiny Qwen2: `kolo data prepare` with the model's
 /// tokenizer, `kolo train` on 2 processes (DDP), `kolo export --hf`. Checked:

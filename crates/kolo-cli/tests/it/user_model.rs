@@ -264,10 +264,7 @@ fn mlp_run(n: usize, args: &str, out: &std::path::Path) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
-}
+use kolo_testkit::max_abs_diff as max_diff;
 
 /// Local SGD for a user's model (issue #17): averaging after every SGD step is DDP (the mean of
 /// the replicas' steps is the step on the mean gradient; within f32 rounding), and with a

@@ -43,10 +43,7 @@ fn train_on(n: usize, cfg: &Config, opts: &RunOptions) -> Vec<Summary> {
     run_ranks(LocalComm::create(WorldSize::new(n).unwrap()), |_, c| run(cfg, Arc::new(c) as Arc<dyn Communicator>, opts).unwrap())
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
+use kolo_testkit::max_abs_diff as max_diff;
 
 fn gpt_cfg(extra: &str, batch: usize) -> Config {
     let text = format!(

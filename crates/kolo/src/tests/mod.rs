@@ -337,10 +337,7 @@ impl Small {
     }
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
-}
+use kolo_testkit::max_abs_diff;
 
 /// Mixed precision (DeepSpeed's bf16 and fp16 modes): a model built in bf16 or f16 trains f32
 /// master weights, and after every step its own variables are the masters rounded to its
