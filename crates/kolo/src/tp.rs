@@ -39,7 +39,8 @@ use candle_nn::{Init, VarBuilder, VarMap};
 use kolo_base::GroupSum;
 use kolo_comm::{Communicator, SumGroup};
 use kolo_tensor::models::tp::{
-    embed, gather_logits, vocab_parallel_cross_entropy as vocab_ce, vocab_range, CopyToGroup, GatherFromGroup, ScatterToGroup,
+    column_parallel, embed, gather_logits, row_parallel, vocab_parallel_cross_entropy as vocab_ce, vocab_range, CopyToGroup,
+    GatherFromGroup, ScatterToGroup,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -310,10 +311,7 @@ impl Module for ColumnParallelLinear {
         if self.tp.size() == 1 {
             return self.inner.forward(x);
         }
-        let y = match self.copied {
-            true => self.inner.forward(x)?,
-            false => self.inner.forward(&x.contiguous()?.apply_op1(CopyToGroup(self.tp.sum()))?)?,
-        };
+        let y = column_parallel(x, self.inner.weight(), self.inner.bias(), self.copied, &self.tp.sum())?;
         if self.gather {
             if !self.even {
                 candle_core::bail!("ColumnParallelLinear::gathered: the members hold unequal numbers of features (use gather_vocab)");
@@ -404,17 +402,16 @@ impl RowParallelLinear {
 
 impl Module for RowParallelLinear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = if self.tp.size() == 1 {
-            self.weight.forward(x)?
-        } else {
-            let x = if self.scatter { x.contiguous()?.apply_op1(ScatterToGroup(self.tp.sum()))? } else { x.clone() };
-            // g in place: no copy of the partial product kept for backward.
-            kolo_tensor::models::tp::reduce_in_place(&self.weight.forward(&x)?, &self.tp.sum())?
-        };
-        match &self.bias {
-            Some(b) => y.broadcast_add(b),
-            None => Ok(y),
+        if self.tp.size() == 1 {
+            let y = self.weight.forward(x)?;
+            return match &self.bias {
+                Some(b) => y.broadcast_add(b),
+                None => Ok(y),
+            };
         }
+        let x = if self.scatter { x.contiguous()?.apply_op1(ScatterToGroup(self.tp.sum()))? } else { x.clone() };
+        // g in place: no copy of the partial product kept for backward.
+        row_parallel(&x, self.weight.weight(), self.bias.as_ref(), None, &self.tp.sum())
     }
 }
 

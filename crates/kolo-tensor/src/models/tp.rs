@@ -96,6 +96,55 @@ pub fn reduce_in_place(y: &Tensor, group: &Arc<dyn GroupSum>) -> candle_core::Re
     Ok(y)
 }
 
+/// Megatron's column-parallel linear layer on `x`, whole on every member: `f` on `x` (identity
+/// forward, its gradient summed over the group backward) unless `copied` says `x` already is
+/// `f`'s output (a norm with `f` folded in, or one `f` for several layers that read it), then
+/// `x` times this member's rows `w` of the weight, plus its piece `b` of the bias. The output is
+/// this member's share of the features. `kolo::tp::ColumnParallelLinear` and the built-in GPT's
+/// blocks both run it.
+pub fn column_parallel(x: &Tensor, w: &Tensor, b: Option<&Tensor>, copied: bool, group: &Arc<dyn GroupSum>) -> candle_core::Result<Tensor> {
+    let x = if copied || group.size() == 1 { x.clone() } else { x.contiguous()?.apply_op1(CopyToGroup(group.clone()))? };
+    match b {
+        Some(b) => crate::ops::linear(&x, w, b).map_err(|e| candle_core::Error::Msg(e.to_string())),
+        None => rows_times(&x, w),
+    }
+}
+
+/// Megatron's row-parallel linear layer on `x`, this member's share of the input features
+/// (`(.., in / tp)`): the partial product with this member's columns `w` (`(out, in / tp)`) of
+/// the weight, summed over the group in place (`g`, [`reduce_in_place`]), then the whole bias
+/// `b`, added once after the sum, and the `residual` where given (`residual + (y + b)` as one
+/// operation, [`crate::fused::residual_bias_add`]). The output is whole on every member.
+/// `kolo::tp::RowParallelLinear` and the built-in GPT's blocks both run it.
+pub fn row_parallel(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    residual: Option<&Tensor>,
+    group: &Arc<dyn GroupSum>,
+) -> candle_core::Result<Tensor> {
+    let partial = rows_times(x, w)?;
+    let y = if group.size() == 1 { partial } else { reduce_in_place(&partial, group)? };
+    match (residual, b) {
+        (Some(r), Some(b)) => crate::fused::residual_bias_add(r, &y, b),
+        (Some(r), None) => r + y,
+        (None, Some(b)) => y.broadcast_add(b),
+        (None, None) => Ok(y),
+    }
+}
+
+/// `x` (`(.., k)`) times `w` transposed (`w`: `(n, k)`), as one matrix product over all of `x`'s
+/// rows: `(.., n)`.
+fn rows_times(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let k = *dims.last().ok_or_else(|| candle_core::Error::Msg("a linear layer's input has no dimensions".into()))?;
+    let rows = dims[..dims.len() - 1].iter().product::<usize>();
+    let y = x.reshape((rows, k))?.matmul(&w.t()?)?;
+    let mut out = dims;
+    *out.last_mut().expect("not empty") = w.dim(0)?;
+    y.reshape(out)
+}
+
 /// f: identity forward, all-reduce of the gradient backward (before a column-parallel layer).
 pub struct CopyToGroup(pub Arc<dyn GroupSum>);
 /// g: all-reduce forward, identity backward (after a row-parallel layer).
@@ -293,21 +342,18 @@ pub(crate) fn shard_params(full: &ParamSet, cuts: &[Cut], r: usize, p: usize) ->
 
 /// One pre-norm block with this member's pieces `p` of the parameters and `h` local heads.
 pub(crate) fn block_forward_tp(x: &Tensor, p: &[Tensor], h: usize, group: &Arc<dyn GroupSum>) -> Result<Tensor> {
-    use crate::fused::{layer_norm_copied, residual_bias_add};
-    use crate::ops::linear;
-    // g, then the replicated bias and the residual in one operation.
-    let row_parallel = |x: &Tensor, w: &Tensor, bias: &Tensor, y: &Tensor| -> Result<Tensor> {
-        let (b, t, i) = y.dims3()?;
-        let partial = y.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, w.dim(0)?))?;
-        Ok(residual_bias_add(x, &reduce_in_place(&partial, group)?, bias)?)
-    };
-    // Each norm's output goes through f as part of the norm (f's backward sum, no copy).
+    use crate::fused::layer_norm_copied;
+    // The layers of `kolo::tp`, as functions of this member's pieces: each norm's output goes
+    // through f as part of the norm (f's backward sum, no copy), so the column-parallel
+    // layers after it apply none (the q, k and v projection, column-parallel by its weight's
+    // rows, is fused into the attention); the row-parallel ones add their bias and the
+    // residual after g in one operation.
     let hdn = layer_norm_copied(x, &p[0], &p[1], 1e-5, group)?;
     let y = super::gpt::self_attention(&hdn, &p[2], &p[3], h)?;
-    let x = row_parallel(x, &p[4], &p[5], &y)?;
+    let x = row_parallel(&y, &p[4], Some(&p[5]), Some(x), group)?;
     let hdn = layer_norm_copied(&x, &p[6], &p[7], 1e-5, group)?;
-    let m = crate::fused::gelu_erf(&linear(&hdn, &p[8], &p[9])?)?;
-    row_parallel(&x, &p[10], &p[11], &m)
+    let m = crate::fused::gelu_erf(&column_parallel(&hdn, &p[8], Some(&p[9]), true, group)?)?;
+    Ok(row_parallel(&m, &p[10], Some(&p[11]), Some(&x), group)?)
 }
 
 fn group_err(e: String) -> TensorError {
