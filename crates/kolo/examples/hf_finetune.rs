@@ -30,8 +30,8 @@
 //! --micro M micro-batches, 2, with --schedule gpipe|1f1b|2bw: PipeDream-2BW, streams draining
 //! at each evaluation, --eval-every N), --local-sgd N (the data-parallel replicas' models
 //! averaged every N steps); the ranks form a pp x dp x ep x sp x tp
-//! mesh, dp = ranks / (P E S T), --sp S (1: a Llama run on S chunks of every sequence, ring
-//! attention), --ep E (1: Mixtral's or Qwen3-MoE's experts dealt out over E ranks, each
+//! mesh, dp = ranks / (P E S T), --sp S (1: a Llama or GPT-2 run on S chunks of every
+//! sequence, ring attention), --ep E (1: Mixtral's or Qwen3-MoE's experts dealt out over E ranks, each
 //! reading its own batches: test-data/hf/mixtral-tiny, qwen3-moe-tiny), --expert-bias-rate R
 //! (0: DeepSeek-V3's selection biases moved by R after each step towards the experts given
 //! fewer than the mean of the step's tokens; test-data/hf/deepseek-v3-tiny).

@@ -1309,10 +1309,12 @@ fn gpt_neox_under_tensor_and_pipeline_parallelism_matches_one_process() {
 /// GPT-2 split Megatron's way from its `Conv1D` (in, out) tensors (`c_attn` by sections q, k, v
 /// along dimension 1, the `c_proj`s along dimension 0, `wte` by vocabulary) and cut into
 /// pipeline stages (the tied output layer a copy of `wte` on the last stage, their gradients
-/// summed) fine-tuned for 6 SGD steps exports the tensors of one process within 2e-5: tp 2,
-/// pp 2 (1F1B over 2 micro-batches), pp 2 x tp 2 and dp 2 x tp 2.
+/// summed), and run on chunks of every sequence (ring attention, the learned positions from
+/// each chunk's offset), fine-tuned for 6 SGD steps exports the tensors of one process within
+/// 2e-5: tp 2, pp 2 (1F1B over 2 micro-batches), pp 2 x tp 2, dp 2 x tp 2, sp 2, sp 2 x tp 2
+/// and pp 2 x sp 2.
 #[test]
-fn gpt2_under_tensor_and_pipeline_parallelism_matches_one_process() {
+fn gpt2_on_a_mesh_matches_one_process() {
     let dir = fresh_dir("hf-gpt2-mesh");
     let model = kolo_testkit::files::hf_gpt2_tiny();
     let run = "--optim sgd --lr 0.05 --clip none";
@@ -1322,9 +1324,15 @@ fn gpt2_under_tensor_and_pipeline_parallelism_matches_one_process() {
     let moved = one.iter().map(|(k, v)| worst_tensor(&[(k.clone(), v.clone())].into(), &[(k.clone(), start[k].clone())].into()).1);
     let moved = moved.fold(0f32, f32::max);
     assert!(moved > 1e-2, "the parameters barely moved ({moved}): the comparison would prove nothing");
-    for (n, mesh) in
-        [(2, "--batch 4 --tp 2"), (2, "--batch 4 --pp 2 --micro 2"), (4, "--batch 4 --tp 2 --pp 2 --micro 2"), (4, "--batch 2 --tp 2")]
-    {
+    for (n, mesh) in [
+        (2, "--batch 4 --tp 2"),
+        (2, "--batch 4 --pp 2 --micro 2"),
+        (4, "--batch 4 --tp 2 --pp 2 --micro 2"),
+        (4, "--batch 2 --tp 2"),
+        (2, "--batch 4 --sp 2"),
+        (4, "--batch 4 --sp 2 --tp 2"),
+        (4, "--batch 4 --pp 2 --sp 2 --micro 2"),
+    ] {
         let (got, _) = hf_model(&model, n, &format!("{run} {mesh}"), &dir.join(format!("n{n}")));
         let (k, d) = worst_tensor(&one, &got);
         assert!(d < 2e-5, "{n} ranks, {mesh}: `{k}` differs from one process by {d}");

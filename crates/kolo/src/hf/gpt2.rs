@@ -152,7 +152,15 @@ struct Block {
 
 impl Block {
     /// `x` (batch, seq, n_embd) through attention and the MLP, each with its residual.
-    fn forward(&self, x: &Tensor, mask: &Tensor, cfg: &Gpt2Config) -> candle_core::Result<Tensor> {
+    /// Under sequence parallelism `x` is this rank's chunk of every sequence and attention runs
+    /// over the ring (`mask` unused).
+    fn forward(
+        &self,
+        x: &Tensor,
+        mask: &Tensor,
+        cfg: &Gpt2Config,
+        sp: Option<&crate::sp::SequenceParallel>,
+    ) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, hd) = (self.heads, cfg.n_embd / cfg.n_head);
         let w = nh * hd;
@@ -160,9 +168,14 @@ impl Block {
         let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?;
         let heads = |i: usize| qkv.narrow(D::Minus1, i * w, w)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
-        let att = super::softmax_f32(&att)?;
-        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, w))?;
+        let y = match sp {
+            Some(sp) => super::llama::ring_attention_scaled(&q, &k, &v, scale, sp)?,
+            None => {
+                let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
+                super::softmax_f32(&att)?.matmul(&v)?
+            }
+        };
+        let y = y.transpose(1, 2)?.reshape((b, t, w))?;
         let x = (x + self.attn_proj.forward(&y)?)?;
         let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?;
         let h = if cfg.activation_function == "gelu" { h.gelu_erf()? } else { h.gelu()? };
@@ -191,6 +204,9 @@ pub struct Gpt2 {
     ln_f: Option<LayerNorm>,
     /// The tensor-parallel group the model is split over (`None`: whole).
     tp: Option<crate::tp::TensorParallel>,
+    /// The sequence-parallel group whose chunks of every sequence this rank runs on (`None`:
+    /// whole sequences).
+    sp: Option<crate::sp::SequenceParallel>,
     /// What loading left unused (empty for a model not loaded from files).
     report: LoadReport,
 }
@@ -203,15 +219,15 @@ impl Gpt2 {
     }
 
     /// Builds this rank's part of the model for `mesh`: the blocks of its pipeline stage (cut
-    /// by [`Gpt2Config::block_costs`]), split over its `tp` group ([`Gpt2::new_stage`]). GPT-2
-    /// does not run on sequence chunks (`sp`). Train it with `Trainer::with_mesh`:
-    /// [`Gpt2::loss`], or [`Gpt2::pipeline_stage`] in a pipeline.
+    /// by [`Gpt2Config::block_costs`]), split over its `tp` group ([`Gpt2::new_stage`]), on its
+    /// `sp` chunk of every sequence (attention by `kolo::sp::ring_attention`, the learned
+    /// positions from the chunk's offset). Train it with `Trainer::with_mesh`: [`Gpt2::loss`],
+    /// or [`Gpt2::pipeline_stage`] in a pipeline.
     pub fn new_parallel(cfg: &Gpt2Config, vb: VarBuilder, mesh: &crate::Mesh) -> candle_core::Result<Gpt2> {
-        if mesh.sp().size() > 1 {
-            candle_core::bail!("GPT-2 over {} sequence-parallel ranks is not supported (a Llama-style model is)", mesh.sp().size());
-        }
         let layers = crate::pp::stage_layers_by(&cfg.block_costs(), mesh).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        Self::new_stage(cfg, vb, Some(mesh.tp()), layers)
+        let mut m = Self::new_stage(cfg, vb, Some(mesh.tp()), layers)?;
+        m.sp = (mesh.sp().size() > 1).then(|| mesh.sp().clone());
+        Ok(m)
     }
 
     /// Builds one pipeline stage of the model (`kolo::pp`): the blocks `layers` (their Hugging
@@ -283,6 +299,7 @@ impl Gpt2 {
             blocks,
             ln_f: if last { Some(ln(vb.pp("ln_f"))?) } else { None },
             tp: tp.cloned(),
+            sp: None,
             report: LoadReport::default(),
         })
     }
@@ -327,6 +344,9 @@ impl Gpt2 {
         if self.layers != (0..self.cfg.n_layer) {
             candle_core::bail!("this rank holds the pipeline stage of layers {:?}: run it with Gpt2::pipeline_stage", self.layers);
         }
+        if self.sp.is_some() {
+            candle_core::bail!("a sequence-parallel model runs on its chunk of each sequence: train and evaluate with Gpt2::loss");
+        }
         let logits = self.head(&self.blocks(&self.embed(ids)?)?)?;
         match &self.tp {
             Some(t) => crate::tp::gather_vocab(&logits, self.cfg.vocab_size, t),
@@ -334,16 +354,18 @@ impl Gpt2 {
         }
     }
 
-    /// The first stage's token and position embeddings of `ids` (batch, seq).
+    /// The first stage's token and position embeddings of `ids` (batch, seq; under sequence
+    /// parallelism this rank's chunk, whose positions start at its offset).
     fn embed(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
         let t = ids.dim(1)?;
-        if t > self.cfg.n_positions {
-            candle_core::bail!("sequence of {t} tokens is longer than n_positions {}", self.cfg.n_positions);
+        let from = self.sp.as_ref().map_or(0, |sp| sp.rank() * t);
+        if from + t > self.cfg.n_positions {
+            candle_core::bail!("sequence of {} tokens is longer than n_positions {}", from + t, self.cfg.n_positions);
         }
         let (Some(wte), Some(wpe)) = (&self.wte, &self.wpe) else {
             candle_core::bail!("the embeddings are on the first pipeline stage, not layers {:?}", self.layers);
         };
-        let pos = Tensor::arange(0u32, t as u32, ids.device())?;
+        let pos = Tensor::arange(from as u32, (from + t) as u32, ids.device())?;
         let tokens = match wte {
             Gpt2Embedding::Whole(e) => e.forward(ids)?,
             Gpt2Embedding::Split(e) => e.forward(ids)?,
@@ -357,7 +379,7 @@ impl Gpt2 {
         let mask = super::causal_mask(t, None, x.device(), x.dtype())?;
         let mut x = x.clone();
         for blk in &self.blocks {
-            x = blk.forward(&x, &mask, &self.cfg)?;
+            x = blk.forward(&x, &mask, &self.cfg, self.sp.as_ref())?;
         }
         Ok(x)
     }
@@ -382,11 +404,16 @@ impl Gpt2 {
     /// (vocabulary-parallel when split), the others their hidden states.
     pub fn pipeline_stage(&self, input: Option<&Tensor>, windows: &Tensor) -> candle_core::Result<Tensor> {
         let head = |x: &Tensor| self.head(x);
+        // Sequence parallelism: this rank's chunk of the inputs and of the targets.
+        let chunk = |x: Tensor| match &self.sp {
+            Some(sp) => sp.chunk(&x, 1),
+            None => Ok(x),
+        };
         let parts = super::StageParts {
             embed: &|ids| self.embed(ids),
             blocks: &|x| self.blocks(x),
             head: self.ln_f.as_ref().map(|_| &head as super::Part<'_>),
-            chunk: &Ok,
+            chunk: &chunk,
             vocab: self.cfg.vocab_size,
             tp: self.tp.as_ref(),
         };

@@ -797,7 +797,13 @@ pub(super) fn rotate(x: Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Resu
 /// [`crate::sp::ring_attention`] (which scales the scores by 1 / sqrt(head_dim)) with the scores
 /// scaled by `scale` instead: the queries multiplied by `scale x sqrt(head_dim)` first (Gemma's
 /// `query_pre_attn_scalar`, DeepSeek's mscale).
-fn ring_attention_scaled(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, sp: &crate::sp::SequenceParallel) -> candle_core::Result<Tensor> {
+pub(super) fn ring_attention_scaled(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    sp: &crate::sp::SequenceParallel,
+) -> candle_core::Result<Tensor> {
     let by = scale * (q.dim(3)? as f64).sqrt();
     let q = if (by - 1.0).abs() > 1e-12 { (q * by)? } else { q.clone() };
     crate::sp::ring_attention(&q, k, v, sp)

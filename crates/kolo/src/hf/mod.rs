@@ -246,8 +246,8 @@ pub(super) fn run_stage(parts: StageParts<'_>, input: Option<&Tensor>, windows: 
 /// masters)
 /// ([`Llama::new_parallel`]: a Llama-style model's blocks of this rank's pipeline stage, split
 /// over the mesh's `tp` group, on its `sp` chunk of each sequence, Mixtral's experts dealt out
-/// over its `ep` group; [`Gpt2::new_parallel`] and
-/// [`GptNeox::new_parallel`]: the same without `sp`); each rank reads only its pieces of the
+/// over its `ep` group; [`Gpt2::new_parallel`]: the same without experts;
+/// [`GptNeox::new_parallel`]: without `sp` either); each rank reads only its pieces of the
 /// checkpoint. Train it with `Trainer::with_mesh`,
 /// a pipeline's stages with [`CausalLm::pipeline_stage`]; `Mesh::whole_varmap` puts it together
 /// for an export.
