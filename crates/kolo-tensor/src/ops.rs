@@ -14,13 +14,19 @@ pub fn linear(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// [`linear`] from candle primitives: the reference the fused one is tested against, and the
 /// formulation on other devices and dtypes.
 pub fn linear_composite(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    Ok(crate::fused::bias_add(&times_transposed(x, w)?, b)?)
+}
+
+/// `x` (`(.., k)`) times `w` transposed (`w`: `(n, k)`) as one matrix product over all of `x`'s
+/// rows: `(.., n)`. A linear layer without its bias.
+pub fn times_transposed(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     let dims = x.dims().to_vec();
-    let last = *dims.last().expect("linear input has a last dim");
-    let rows: usize = dims[..dims.len() - 1].iter().product();
-    let y = crate::fused::bias_add(&x.reshape((rows, last))?.matmul(&w.t()?)?, b)?;
+    let k = *dims.last().ok_or_else(|| candle_core::Error::Msg("a linear layer's input has no dimensions".into()))?;
+    let rows = dims[..dims.len() - 1].iter().product::<usize>();
+    let y = x.reshape((rows, k))?.matmul(&w.t()?)?;
     let mut out = dims;
-    *out.last_mut().expect("non-empty") = w.dim(0)?;
-    Ok(y.reshape(out)?)
+    *out.last_mut().expect("not empty") = w.dim(0)?;
+    y.reshape(out)
 }
 
 /// Layer norm over the last dimension (fused forward and backward; candle's own drops gradients).

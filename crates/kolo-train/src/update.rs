@@ -14,7 +14,7 @@ pub enum GradRoute<'a> {
     /// DDP's buckets (`Ddp::sink`), each gradient as backward makes it final: the micro-step
     /// that communicates (a full bucket's all-reduce overlaps the rest of backward).
     Buckets(&'a dyn kolo_base::GradSink),
-    /// This flat buffer (zeroed first), at each parameter's range of `ParamSet`: a micro-step
+    /// This flat buffer, at each parameter's range of `ParamSet` (zero where none arrives): a micro-step
     /// that keeps its gradients local (accumulation, a local SGD step).
     Local(&'a ParamSet, &'a mut [f32]),
 }
@@ -53,10 +53,11 @@ pub fn backward_routed(
     capture: Option<candle_core::TensorId>,
 ) -> Result<Option<kolo_tensor::Tensor>, RouteError> {
     let mut route = route;
-    if let GradRoute::Local(_, buf) = &mut route {
-        // A parameter the loss does not reach gets no gradient: zero, not the last step's.
-        buf.fill(0.0);
-    }
+    // Local: which parameters received a gradient (the others are zeroed after the walk).
+    let mut got = match &route {
+        GradRoute::Local(params, _) => vec![false; params.len()],
+        GradRoute::Buckets(_) => Vec::new(),
+    };
     let (mut outside, mut captured) = (None, None);
     let done = loss.backward_with_hook(&mut |var, grad| {
         if Some(var.id()) == capture {
@@ -69,14 +70,25 @@ pub fn backward_routed(
         };
         let deliver = |g: &[f32]| match &mut route {
             GradRoute::Buckets(sink) => sink.grad_ready(i, g),
-            GradRoute::Local(params, buf) => buf[params.get(i).range.clone()].copy_from_slice(g),
+            GradRoute::Local(params, buf) => {
+                buf[params.get(i).range.clone()].copy_from_slice(g);
+                got[i] = true;
+            }
         };
         kolo_tensor::with_f32(&grad, deliver).map_err(|e| candle_core::Error::Msg(e.to_string()))
     });
     match (done, outside) {
         (_, Some(dims)) => Err(RouteError::Outside(dims)),
         (Err(e), None) => Err(RouteError::Backward(e)),
-        (Ok(_), None) => Ok(captured),
+        (Ok(_), None) => {
+            // A parameter the loss does not reach gets no gradient: zero, not the last step's.
+            if let GradRoute::Local(params, buf) = route {
+                for i in got.iter().enumerate().filter(|(_, g)| !**g).map(|(i, _)| i) {
+                    buf[params.get(i).range.clone()].fill(0.0);
+                }
+            }
+            Ok(captured)
+        }
     }
 }
 

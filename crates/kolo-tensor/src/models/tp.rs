@@ -106,7 +106,7 @@ pub fn column_parallel(x: &Tensor, w: &Tensor, b: Option<&Tensor>, copied: bool,
     let x = if copied || group.size() == 1 { x.clone() } else { x.contiguous()?.apply_op1(CopyToGroup(group.clone()))? };
     match b {
         Some(b) => crate::ops::linear(&x, w, b).map_err(|e| candle_core::Error::Msg(e.to_string())),
-        None => rows_times(&x, w),
+        None => crate::ops::times_transposed(&x, w),
     }
 }
 
@@ -123,7 +123,7 @@ pub fn row_parallel(
     residual: Option<&Tensor>,
     group: &Arc<dyn GroupSum>,
 ) -> candle_core::Result<Tensor> {
-    let partial = rows_times(x, w)?;
+    let partial = crate::ops::times_transposed(x, w)?;
     let y = if group.size() == 1 { partial } else { reduce_in_place(&partial, group)? };
     match (residual, b) {
         (Some(r), Some(b)) => crate::fused::residual_bias_add(r, &y, b),
@@ -131,18 +131,6 @@ pub fn row_parallel(
         (None, Some(b)) => y.broadcast_add(b),
         (None, None) => Ok(y),
     }
-}
-
-/// `x` (`(.., k)`) times `w` transposed (`w`: `(n, k)`), as one matrix product over all of `x`'s
-/// rows: `(.., n)`.
-fn rows_times(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-    let dims = x.dims().to_vec();
-    let k = *dims.last().ok_or_else(|| candle_core::Error::Msg("a linear layer's input has no dimensions".into()))?;
-    let rows = dims[..dims.len() - 1].iter().product::<usize>();
-    let y = x.reshape((rows, k))?.matmul(&w.t()?)?;
-    let mut out = dims;
-    *out.last_mut().expect("not empty") = w.dim(0)?;
-    y.reshape(out)
 }
 
 /// f: identity forward, all-reduce of the gradient backward (before a column-parallel layer).

@@ -139,6 +139,13 @@ impl Module for Conv1d {
 
 type Layer = Box<dyn Module + Send + Sync>;
 
+/// How the blocks attend: whole sequences under the causal mask, or this rank's chunks over a
+/// sequence-parallel ring.
+enum Attention<'a> {
+    Masked(Tensor),
+    Ring(&'a crate::sp::SequenceParallel),
+}
+
 struct Block {
     ln_1: LayerNorm,
     c_attn: Layer,
@@ -152,15 +159,8 @@ struct Block {
 
 impl Block {
     /// `x` (batch, seq, n_embd) through attention and the MLP, each with its residual.
-    /// Under sequence parallelism `x` is this rank's chunk of every sequence and attention runs
-    /// over the ring (`mask` unused).
-    fn forward(
-        &self,
-        x: &Tensor,
-        mask: &Tensor,
-        cfg: &Gpt2Config,
-        sp: Option<&crate::sp::SequenceParallel>,
-    ) -> candle_core::Result<Tensor> {
+    /// Under sequence parallelism `x` is this rank's chunk of every sequence.
+    fn forward(&self, x: &Tensor, attention: &Attention<'_>, cfg: &Gpt2Config) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, hd) = (self.heads, cfg.n_embd / cfg.n_head);
         let w = nh * hd;
@@ -168,9 +168,9 @@ impl Block {
         let qkv = self.c_attn.forward(&self.ln_1.forward(x)?)?;
         let heads = |i: usize| qkv.narrow(D::Minus1, i * w, w)?.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous();
         let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-        let y = match sp {
-            Some(sp) => super::llama::ring_attention_scaled(&q, &k, &v, scale, sp)?,
-            None => {
+        let y = match attention {
+            Attention::Ring(sp) => super::llama::ring_attention_scaled(&q, &k, &v, scale, sp)?,
+            Attention::Masked(mask) => {
                 let att = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
                 super::softmax_f32(&att)?.matmul(&v)?
             }
@@ -376,10 +376,14 @@ impl Gpt2 {
     /// This rank's blocks on the hidden states `x` (batch, seq, n_embd).
     fn blocks(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let t = x.dim(1)?;
-        let mask = super::causal_mask(t, None, x.device(), x.dtype())?;
+        // Attention: over the ring on sequence chunks (causal by chunk order), else masked.
+        let attention = match &self.sp {
+            Some(sp) => Attention::Ring(sp),
+            None => Attention::Masked(super::causal_mask(t, None, x.device(), x.dtype())?),
+        };
         let mut x = x.clone();
         for blk in &self.blocks {
-            x = blk.forward(&x, &mask, &self.cfg, self.sp.as_ref())?;
+            x = blk.forward(&x, &attention, &self.cfg)?;
         }
         Ok(x)
     }

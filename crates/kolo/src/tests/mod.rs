@@ -454,6 +454,32 @@ fn accumulation_equals_the_whole_batch() {
     assert_eq!(accum.steps_done(), 3);
 }
 
+/// A parameter one micro-step's loss reaches and the next one's does not (a mixture-of-experts
+/// expert no token chose) accumulates only the gradient it got: the next micro-step hands it
+/// zero, not the earlier micro-step's gradient again.
+#[test]
+fn a_parameter_a_micro_step_does_not_reach_accumulates_nothing_there() {
+    let dist = world_of_one();
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    let (a, b) =
+        (vb.get_with_hints(3, "a", candle_nn::Init::Const(1.0)).unwrap(), vb.get_with_hints(3, "b", candle_nn::Init::Const(1.0)).unwrap());
+    let mut t = Trainer::new(&varmap, &dist, opts("[optim]\nkind = \"sgd\"\nlr = 1.0\n[train]\ngrad_accum = 3\n")).unwrap();
+    let x = Tensor::new(&[1f32, 2.0, 3.0], &Device::Cpu).unwrap();
+    // Micro-steps 1 and 3 reach a and b, micro-step 2 only a (the last one communicates: DDP
+    // refuses a parameter without a gradient there, as torch's DDP does by default).
+    let both = || (&a * &x)?.sum_all()? + (&b * &x)?.sum_all()?;
+    t.step(both).unwrap();
+    t.step(|| (&a * &x)?.sum_all()).unwrap();
+    assert!(t.step(both).unwrap().stepped);
+    // Each loss is divided by grad_accum: a got x three times, b twice.
+    let after = |v: &Tensor| v.to_vec1::<f32>().unwrap();
+    assert_eq!(after(&a), vec![0.0, -1.0, -2.0]);
+    let want: Vec<f32> = [1f32, 2.0, 3.0].iter().map(|x| 1.0 - 2.0 * x / 3.0).collect();
+    let d = max_abs_diff(&after(&b), &want);
+    assert!(d < 1e-6, "b: {:?}, expected {want:?}", after(&b));
+}
+
 /// `backward` and `update` as separate calls (torch's `loss.backward()` and
 /// `optimizer.step()`) train bitwise as the closure form, with accumulation and clipping; an
 /// update before the accumulation is complete, or one backward too many, is refused by name.
