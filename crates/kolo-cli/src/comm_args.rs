@@ -60,20 +60,14 @@ pub struct CommArgs {
     pub tuning: Option<TuningFile>,
 }
 
-/// Seconds from a flag as a duration: negative or NaN is 0, beyond 10^6 s (infinity too) is
-/// 10^6 s, so no flag value panics.
-fn secs(v: f64) -> Duration {
-    Duration::from_secs_f64(if v >= 0.0 { v.min(1e6) } else { 0.0 })
-}
-
 impl CommArgs {
     pub fn config(&self) -> HostCommConfig {
         HostCommConfig {
             transport: self.transport,
             all_reduce: self.algorithm,
-            timeout: secs(self.timeout.unwrap_or(300.0)).max(Duration::from_millis(1)),
+            timeout: kolo::dist::timeout_of(self.timeout.unwrap_or(300.0)),
             spin: Duration::from_micros(self.spin_us),
-            liveness: secs(self.liveness.unwrap_or(10.0)),
+            liveness: kolo::dist::seconds(self.liveness.unwrap_or(10.0)),
             shm_ring: self.shm_ring,
             tcp_buffer: self.tcp_buffer,
             tcp_pace: self.tcp_pace,

@@ -84,9 +84,13 @@ fn run_hf(a: &TrainArgs, text: &str) -> anyhow::Result<i32> {
         cfg.ddp.zero_stage = z;
     }
     let steps = a.stop_after.map_or(cfg.train.steps, |s| s.min(cfg.train.steps));
+    // One deadline for setup and every collective: --timeout if given, else the config's (the
+    // trainer checks that its communicator has the config's).
+    cfg.ddp.timeout_secs = a.comm.timeout.unwrap_or(cfg.ddp.timeout_secs);
+    cfg.ddp.liveness_secs = a.comm.liveness.unwrap_or(cfg.ddp.liveness_secs);
     let mut comm_args = a.comm.clone();
-    comm_args.timeout = Some(a.comm.timeout.unwrap_or(cfg.ddp.timeout_secs));
-    comm_args.liveness = Some(a.comm.liveness.unwrap_or(cfg.ddp.liveness_secs));
+    comm_args.timeout = Some(cfg.ddp.timeout_secs);
+    comm_args.liveness = Some(cfg.ddp.liveness_secs);
     let dist = comm_args.join_any()?;
     let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
     let resume = a.resume.clone().or_else(|| {

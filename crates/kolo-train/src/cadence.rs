@@ -10,6 +10,13 @@ use crate::TrainError;
 use kolo_comm::Communicator;
 use std::path::PathBuf;
 
+/// Whether an evaluation is due after `done` optimizer steps: every `tc.eval_every` steps
+/// (0: never) and after the last one (`tc.steps`), as `kolo train` evaluates (the last one is
+/// its final evaluation).
+pub fn eval_due(tc: &TrainConfig, done: u64) -> bool {
+    done > 0 && ((tc.eval_every > 0 && done.is_multiple_of(tc.eval_every)) || done == tc.steps)
+}
+
 /// The reports and checkpoints of one run.
 pub struct Cadence {
     pub report: Reporter,

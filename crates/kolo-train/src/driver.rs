@@ -13,7 +13,7 @@
 //! GPipe, 1F1B), `pipedream_2bw` (PipeDream-2BW: one stream of batches between drain points,
 //! [`StepCtx::drain_at`]) and `ps_worker` (parameter-server workers, [`Job::Alone`]).
 
-use crate::cadence::{Cadence, Window};
+use crate::cadence::{eval_due, Cadence, Window};
 use crate::checkpointing::{PendingSave, Resumed};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
@@ -346,7 +346,8 @@ pub fn drive(
             }
             Window::Open => {}
         }
-        if tc.eval_every > 0 && done.is_multiple_of(tc.eval_every) && done != end {
+        // The last step's evaluation is the final one, after the loop.
+        if eval_due(tc, done) && done != end {
             if let Some(e) = s.evaluate(&*data.eval, tc.eval_batches)? {
                 cadence.report.eval(done, &e, false);
             }

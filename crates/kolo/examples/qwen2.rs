@@ -14,7 +14,6 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::qwen2;
-use kolo::data::{Sampler, SamplerConfig};
 use kolo::options::OptimKind;
 
 /// A small Qwen2 (grouped-query attention: 4 query heads share 2 key/value heads; tied
@@ -99,9 +98,8 @@ pub fn run(args: &[String]) -> Result<f64> {
     };
     let windows = shards.as_ref().map_or(text.len() / (seq + 1), |s| s.windows(seq + 1));
     let window = |w: usize| shards.as_ref().map_or_else(|| text[w * (seq + 1)..(w + 1) * (seq + 1)].to_vec(), |s| s.window(w, seq + 1));
-    let sampler_cfg =
-        SamplerConfig { len: windows, world: dist.world_size(), rank: dist.rank(), batch, seed: 0, shuffle: true, drop_last: true };
-    let mut sampler = Sampler::new(sampler_cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
+    // Each rank its `batch` windows per step, from where a resumed checkpoint left off.
+    let mut sampler = trainer.sampler(windows)?;
     let mut last = 0.0;
     while trainer.steps_done() < steps {
         let rows: Vec<u32> = sampler.next_batch().iter().flat_map(|&w| window(w)).collect();

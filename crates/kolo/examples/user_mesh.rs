@@ -25,7 +25,7 @@
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
-use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
+use kolo::data::{Dataset, Mnist, Sampler};
 use kolo::pp::partition;
 use kolo::tp::{ColumnParallelLinear, RowParallelLinear};
 
@@ -156,16 +156,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     let train = Mnist::load(data.as_ref(), "train")?;
     // The stages and the members of a tensor-parallel group read the same batches; the
     // replicas their own.
-    let cfg = SamplerConfig {
-        len: train.len(),
-        world: mesh.size("dp"),
-        rank: mesh.coord("dp"),
-        batch: batch / dp,
-        seed: 0,
-        shuffle: true,
-        drop_last: true,
-    };
-    let mut sampler = Sampler::new(cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
+    let mut sampler = trainer.sampler(train.len())?;
     let (out, stop_at) = (arg("--out", "checkpoints/user_mesh"), arg("--stop-at", "0").parse::<u64>()?);
     let slow = arg("--slow-rank", "none").parse::<usize>().ok() == Some(dist.rank());
     let lag = || {

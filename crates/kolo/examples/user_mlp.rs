@@ -7,11 +7,12 @@
 //! --zero 0|1|2, --precision f32|bf16|f16 (the model's dtype; f32 masters), --seed S (0),
 //! --init FILE (start from these weights, a safetensors file as `VarMap::save` writes),
 //! --device cpu|cuda|cuda:N (cuda: a `--features cuda` build; `cuda` is each rank's own GPU),
-//! --data DIR (test-data/mnist), --out DIR (checkpoints/user_mlp).
+//! --eval-every N (0: the test set after the last step only), --data DIR (test-data/mnist),
+//! --out DIR (checkpoints/user_mlp).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Linear, Module, VarBuilder, VarMap};
-use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
+use kolo::data::{Dataset, Mnist};
 
 pub struct Mlp(Linear, Linear, Linear);
 
@@ -93,7 +94,8 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
         .log_every(50)
         .precision(precision.parse().map_err(anyhow::Error::msg)?)
         .device(device)
-        .batch(batch, 1);
+        .batch(batch, 1)
+        .eval_every(arg("--eval-every", "0").parse()?);
     opts = match optim.as_str() {
         "lion" => opts.lr(lr).update_rule(Lion { beta1: 0.9, beta2: 0.99 }),
         kind => opts.optimizer(kind.parse().map_err(anyhow::Error::msg)?, lr),
@@ -101,21 +103,38 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
     let data = arg("--data", "test-data/mnist");
     let (train, test) = (Mnist::load(data.as_ref(), "train")?, Mnist::load(data.as_ref(), "t10k")?);
-    let (world, rank) = (dist.world_size(), dist.rank());
-    let cfg = SamplerConfig { len: train.len(), world, rank, batch, seed: 0, shuffle: true, drop_last: true };
-    let mut sampler = Sampler::new(cfg, Default::default()).map_err(anyhow::Error::msg)?;
+    // Each rank its share of the images, reshuffled every epoch from `train.seed`.
+    let mut sampler = trainer.sampler(train.len())?;
+    let mut eval = None;
     for _ in 0..steps {
         let (x, y) = tensors(&train, &sampler.next_batch(), &dist, dtype)?;
         // The loss in f32 (as torch's autocast does); logs every 50 steps: loss, samples/s, ms/step.
         trainer.step(|| cross_entropy(&model.forward(&x)?.to_dtype(DType::F32)?, &y))?;
+        if trainer.eval_due() {
+            let e = evaluate(&model, &test, &dist, dtype)?;
+            trainer.log_eval(&e); // kolo train's log line, and eval/loss, eval/accuracy in TensorBoard
+            eval = Some(e);
+        }
     }
-    let (x, y) = tensors(&test, &(0..test.len()).collect::<Vec<_>>(), &dist, dtype)?;
-    let right = model.forward(&x)?.argmax(1)?.eq(&y)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
     let saved = trainer.save(arg("--out", "checkpoints/user_mlp"))?; // collective: every rank
-    if dist.is_main() {
-        println!("test accuracy {:.2}% on {} images; checkpoint {}", 100.0 * right / test.len() as f32, test.len(), saved.display());
+    if let (Some(e), true) = (eval, dist.is_main()) {
+        let accuracy = 100.0 * e.accuracy.unwrap_or(0.0);
+        println!("test accuracy {accuracy:.2}% on {} images; checkpoint {}", e.examples, saved.display());
     }
     Ok(trainer.flat_params()?)
+}
+
+/// Collective: the loss and accuracy over the test set, each rank scoring every `world`-th
+/// image from its rank, the sums added over the ranks.
+fn evaluate(model: &Mlp, test: &Mnist, dist: &kolo::Dist, dtype: DType) -> Result<kolo::Eval> {
+    let mine: Vec<usize> = (dist.rank()..test.len()).step_by(dist.world_size()).collect();
+    let (x, y) = tensors(test, &mine, dist, dtype)?;
+    let logits = model.forward(&x)?.to_dtype(DType::F32)?;
+    let right = logits.argmax(1)?.eq(&y)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+    let loss = cross_entropy(&logits, &y)?.to_scalar::<f32>()?;
+    let mut sums = [f64::from(loss) * mine.len() as f64, f64::from(right), mine.len() as f64];
+    dist.sum(&mut sums)?;
+    Ok(kolo::Eval { loss: sums[0] / sums[2], accuracy: Some(sums[1] / sums[2]), examples: sums[2] as usize })
 }
 
 #[allow(dead_code)]

@@ -17,7 +17,7 @@
 use anyhow::Result;
 use candle_core::{DType, Module, Tensor};
 use candle_nn::{linear, linear_no_bias, loss::cross_entropy, VarBuilder, VarMap};
-use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
+use kolo::data::{Dataset, Mnist};
 use kolo::ep::{MoeConfig, MoeLayer};
 
 /// Mixtral's expert: `w2(silu(w1 x) * w3 x)`.
@@ -114,16 +114,7 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     let data = arg("--data", "test-data/mnist");
     let train = Mnist::load(data.as_ref(), "train")?;
     // Every rank is a replica with its own batches: the expert-parallel members too.
-    let cfg = SamplerConfig {
-        len: train.len(),
-        world: replicas,
-        rank: mesh.coord("dp") * ep + mesh.coord("ep"),
-        batch: batch / replicas,
-        seed: 0,
-        shuffle: true,
-        drop_last: true,
-    };
-    let mut sampler = Sampler::new(cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
+    let mut sampler = trainer.sampler(train.len())?;
     let stop_at: u64 = arg("--stop-at", "0").parse()?;
     while trainer.steps_done() < steps {
         let (x, y) = kolo::data::mnist_tensors(&train, &sampler.next_batch(), &dist.device())?;

@@ -53,6 +53,34 @@ pub struct Dist {
     host: Option<Arc<HostComm>>,
     local_rank: usize,
     local_world_size: usize,
+    /// The deadline of every collective and the heartbeat liveness the communicator was
+    /// started with (`None`: made elsewhere, as the crate's in-process test groups).
+    pub(crate) deadlines: Option<Deadlines>,
+}
+
+/// A communicator's deadlines: every collective's timeout, and how long a peer's heartbeats
+/// may stop before a collective stalled on it fails (`ddp.timeout_secs`, `ddp.liveness_secs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Deadlines {
+    pub timeout: Duration,
+    pub liveness: Duration,
+}
+
+impl Deadlines {
+    fn of(c: &HostCommConfig) -> Deadlines {
+        Deadlines { timeout: c.timeout, liveness: c.liveness }
+    }
+}
+
+/// Seconds from a setting or flag as a duration: negative or NaN is 0, beyond 10^6 s (infinity
+/// too) is 10^6 s, so no value panics. A collective's deadline is at least 1 ms.
+pub fn seconds(v: f64) -> Duration {
+    Duration::from_secs_f64(if v >= 0.0 { v.min(1e6) } else { 0.0 })
+}
+
+/// The deadline of every collective from `ddp.timeout_secs` (or `--timeout`).
+pub fn timeout_of(secs: f64) -> Duration {
+    seconds(secs).max(Duration::from_millis(1))
 }
 
 impl std::fmt::Debug for Dist {
@@ -66,7 +94,7 @@ impl Dist {
     /// A rank of an in-process group (threads as ranks), for the crate's tests.
     pub(crate) fn of_comm(comm: Arc<dyn Communicator>) -> Dist {
         let (local_rank, local_world_size) = (comm.rank().get(), comm.world_size().get());
-        Dist { comm, host: None, local_rank, local_world_size }
+        Dist { comm, host: None, local_rank, local_world_size, deadlines: None }
     }
 }
 
@@ -120,8 +148,14 @@ impl Dist {
     /// Collective: the mean of `v` over the ranks (a loss for logging).
     pub fn mean(&self, v: f64) -> Result<f64, kolo_comm::CommError> {
         let mut b = [v];
-        self.comm.all_reduce(BufMut::from(&mut b[..]), ReduceOp::Sum)?;
+        self.sum(&mut b)?;
         Ok(b[0] / self.world_size() as f64)
+    }
+
+    /// Collective: `values` summed element-wise over the ranks, in place (an evaluation's
+    /// loss sum, right answers and example count).
+    pub fn sum(&self, values: &mut [f64]) -> Result<(), kolo_comm::CommError> {
+        self.comm.all_reduce(BufMut::from(values), ReduceOp::Sum)
     }
 
     /// Collective: every rank's `t` concatenated along the first dimension in rank order (as
@@ -177,13 +211,14 @@ pub fn init() -> Result<Dist> {
 /// collectives, the one in progress marked) to stderr, also while a collective hangs.
 pub fn init_with(o: &InitOptions) -> Result<Dist> {
     let timeout = o.comm.timeout;
+    let deadlines = Some(Deadlines::of(&o.comm));
     let mpi = match o.backend {
         Backend::Mpi => true,
         Backend::Builtin => false,
         Backend::Nccl => {
             let b = join_builtin(o.comm.clone())?;
             let comm = kolo_nccl::connect(&*b.comm, kolo_nccl::default_device(), timeout)?;
-            return Ok(Dist { comm, host: None, local_rank: b.local_rank, local_world_size: b.local_world_size });
+            return Ok(Dist { comm, host: None, local_rank: b.local_rank, local_world_size: b.local_world_size, deadlines });
         }
         Backend::Auto => kolo_mpi::AVAILABLE && kolo_mpi::launched_by_mpi(),
     };
@@ -191,10 +226,10 @@ pub fn init_with(o: &InitOptions) -> Result<Dist> {
         let comm = kolo_mpi::world(timeout)?;
         let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| Error::Join(e.to_string()))?;
         let (local_rank, local_world_size) = env.map_or((0, 1), |e| (e.local_rank, e.local_world_size));
-        return Ok(Dist { comm, host: None, local_rank, local_world_size });
+        return Ok(Dist { comm, host: None, local_rank, local_world_size, deadlines });
     }
     let b = join_builtin(o.comm.clone())?;
-    Ok(Dist { comm: b.comm.clone(), host: Some(b.comm), local_rank: b.local_rank, local_world_size: b.local_world_size })
+    Ok(Dist { comm: b.comm.clone(), host: Some(b.comm), local_rank: b.local_rank, local_world_size: b.local_world_size, deadlines })
 }
 
 /// Joins over the built-in transport.

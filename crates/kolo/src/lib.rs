@@ -62,6 +62,8 @@ pub use dist::{init, init_with, Dist, InitOptions};
 pub use error::{Error, Result};
 /// A user's own optimizer ([`TrainOptions::update_rule`]).
 pub use kolo_optim::UpdateRule;
+/// An evaluation's result, as [`Trainer::log_eval`] logs it.
+pub use kolo_train::summary::Eval;
 pub use mesh::Mesh;
 pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 

@@ -43,6 +43,8 @@ pub struct Mesh {
     stage_replicas: Option<Arc<dyn Communicator>>,
     model: Arc<dyn Communicator>,
     world: Arc<dyn Communicator>,
+    /// The job's communicator's deadlines, which the trainer checks its options against.
+    pub(crate) deadlines: Option<crate::dist::Deadlines>,
 }
 
 impl std::fmt::Debug for Mesh {
@@ -104,6 +106,7 @@ impl Mesh {
             model: split(coords[1] * sp + coords[3])?,
             stage_replicas: if pp > 1 { Some(split(coords[2] * tp + coords[4])?) } else { None },
             world: dist.comm().clone(),
+            deadlines: dist.deadlines,
         })
     }
 

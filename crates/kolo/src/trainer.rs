@@ -39,8 +39,9 @@ pub struct TrainOptions {
     /// Buckets, deadline, ZeRO stage (0, 1 or 2) and gradient compression.
     pub ddp: DdpSettings,
     /// Steps, gradient accumulation, logging (`log_every`, `progress`, `json_log`,
-    /// `tensorboard_dir`, `metrics_port`, `timeline_dir`) and checkpoints (`checkpoint_dir`,
-    /// `checkpoint_every`, `checkpoint_background`).
+    /// `tensorboard_dir`, `metrics_port`, `timeline_dir`), checkpoints (`checkpoint_dir`,
+    /// `checkpoint_every`, `checkpoint_background`), the evaluation cadence (`eval_every`:
+    /// [`Trainer::eval_due`]) and the data order's `seed` ([`Trainer::sampler`]).
     pub train: TrainConfig,
     /// What a micro-batch holds, for throughput in the logs.
     pub data: DataOptions,
@@ -51,7 +52,7 @@ pub struct TrainOptions {
 }
 
 /// The `[data]` table of [`TrainOptions`]: the trainer does not see the batches, so the
-/// throughput it logs counts what this says.
+/// throughput it logs counts what this says; [`Trainer::sampler`] deals them as it says.
 #[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataOptions {
@@ -59,11 +60,15 @@ pub struct DataOptions {
     pub batch_size: usize,
     /// Tokens per example (sequence models: the sequence length); 1 logs samples/s.
     pub tokens_per_example: usize,
+    /// [`Trainer::sampler`]: reshuffle every epoch from `train.seed` (default true).
+    pub shuffle: bool,
+    /// [`Trainer::sampler`]: drop each epoch's last incomplete batch (default true).
+    pub drop_last: bool,
 }
 
 impl Default for DataOptions {
     fn default() -> Self {
-        DataOptions { batch_size: 0, tokens_per_example: 1 }
+        DataOptions { batch_size: 0, tokens_per_example: 1, shuffle: true, drop_last: true }
     }
 }
 
@@ -179,10 +184,37 @@ impl TrainOptions {
     }
 
     /// Examples per rank and micro-step, and tokens per example (1 for non-sequence models):
-    /// the throughput in the logs, and the global batch of `optim.reference_batch`.
+    /// the throughput in the logs, the global batch of `optim.reference_batch`, and the batch
+    /// [`Trainer::sampler`] draws.
     pub fn batch(mut self, batch_size: usize, tokens_per_example: usize) -> Self {
-        self.data = DataOptions { batch_size, tokens_per_example };
+        (self.data.batch_size, self.data.tokens_per_example) = (batch_size, tokens_per_example);
         self
+    }
+
+    /// The data order's seed (`train.seed`): [`Trainer::sampler`] shuffles every epoch from it.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.train.seed = seed;
+        self
+    }
+
+    /// An evaluation every `every` steps and after the last ([`Trainer::eval_due`]; 0: only
+    /// after the last).
+    pub fn eval_every(mut self, every: u64) -> Self {
+        self.train.eval_every = every;
+        self
+    }
+
+    /// How to start this job's communicator so that it has `[ddp]`'s deadlines
+    /// (`timeout_secs` for every collective, `liveness_secs` for a stalled peer's heartbeats),
+    /// as `kolo train` starts it: `kolo::init_with(&opts.init_options())`. The trainer checks
+    /// that its communicator has them.
+    pub fn init_options(&self) -> crate::InitOptions {
+        let comm = kolo_collectives::HostCommConfig {
+            timeout: crate::dist::timeout_of(self.ddp.timeout_secs),
+            liveness: crate::dist::seconds(self.ddp.liveness_secs),
+            ..Default::default()
+        };
+        crate::InitOptions { comm, ..Default::default() }
     }
 
     /// Reads the options from a TOML file (unknown keys are an error).
@@ -196,7 +228,7 @@ impl TrainOptions {
     }
 
     /// The trainer's tables of a `kolo train` config file (`[optim]`, `[ddp]`, `[train]` and
-    /// `[data]`'s `batch_size`), so one file configures both; its `[model]` and the rest of
+    /// `[data]`'s `batch_size`, `shuffle` and `drop_last`), so one file configures both; its `[model]` and the rest of
     /// `[data]` describe Kolo's built-in models and datasets, which your program replaces.
     /// Checked as [`TrainOptions::from_toml`] is.
     pub fn from_train_config(cfg: &kolo_train::Config) -> Result<TrainOptions> {
@@ -204,7 +236,12 @@ impl TrainOptions {
             optim: cfg.optim.clone(),
             ddp: cfg.ddp.clone(),
             train: cfg.train.clone(),
-            data: DataOptions { batch_size: cfg.data.batch_size, tokens_per_example: DataOptions::default().tokens_per_example },
+            data: DataOptions {
+                batch_size: cfg.data.batch_size,
+                shuffle: cfg.data.shuffle,
+                drop_last: cfg.data.drop_last,
+                ..DataOptions::default()
+            },
             rule: None,
         };
         o.check()?;
@@ -226,11 +263,6 @@ impl TrainOptions {
         let d = &self.ddp;
         let only_kolo_train = [
             (d.deterministic, "ddp.deterministic", " (the trainer does not own the batch, which it cuts into pieces)"),
-            (
-                d.liveness_secs != DdpSettings::default().liveness_secs,
-                "ddp.liveness_secs",
-                " (the communicator exists before the Trainer: set InitOptions.comm.liveness for kolo::init_with)",
-            ),
             (d.schedule.is_some(), "ddp.schedule", " (scheduled communication)"),
             (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every", " (the trainer does not own the batch)"),
             (
@@ -239,8 +271,6 @@ impl TrainOptions {
                 " without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
             ),
             (self.train.strategy != Strategy::Ddp, "train.strategy", " = \"ps\""),
-            (self.train.seed != 0, "train.seed", " (seed your model before building it: dist.device().set_seed(..))"),
-            (self.train.eval_every != 0, "train.eval_every", " (evaluate in your loop)"),
             (
                 self.train.sample_chars != 200 || self.train.sample_temperature != 0.8,
                 "train.sample_*",
@@ -344,8 +374,10 @@ pub struct Trainer {
     /// Every rank of the job, and whether they agreed on the step they started from.
     world: Arc<dyn Communicator>,
     start_agreed: bool,
-    /// Replicas reading their own batches (the global batch, the checkpoint's world size).
+    /// Replicas reading their own batches (the global batch, the checkpoint's world size), and
+    /// which of them this rank is.
     data_replicas: usize,
+    data_replica: usize,
     /// `train.on_nonfinite = "skip"`: the steps skipped so far.
     nonfinite_skipped: u64,
     /// The sequence-parallel group: a local SGD step averages its members' gradients.
@@ -368,8 +400,12 @@ struct Place {
     /// The sequence-parallel group (the chunks of the same sequences), when there is one.
     sp: Option<Arc<dyn Communicator>>,
     world: Arc<dyn Communicator>,
-    /// Replicas reading their own batches (a mesh's `dp`; its `sp` ranks share theirs).
+    /// Replicas reading their own batches (a mesh's `dp`; its `sp` ranks share theirs), and
+    /// which of them this rank is.
     data_replicas: usize,
+    data_replica: usize,
+    /// The deadlines the job's communicator was started with.
+    deadlines: Option<crate::dist::Deadlines>,
 }
 
 impl Place {
@@ -387,6 +423,8 @@ impl Place {
             sp: None,
             world: comm,
             data_replicas,
+            data_replica: dist.rank(),
+            deadlines: dist.deadlines,
         }
     }
 }
@@ -500,7 +538,9 @@ impl Trainer {
         let (comm, world, data_replicas) = (mesh.replicas().clone(), mesh.world().clone(), mesh.size("dp") * mesh.size("ep"));
         let stage_replicas = pp.as_ref().and(mesh.stage_replicas().cloned());
         let sp = (mesh.size("sp") > 1).then(|| mesh.sp().comm().clone());
-        Ok(Place { comm, rank: mesh.rank(), tp, pp, stage_replicas, ep, model, sp, world, data_replicas })
+        let data_replica = mesh.coord("dp") * mesh.size("ep") + mesh.coord("ep");
+        let deadlines = mesh.deadlines;
+        Ok(Place { comm, rank: mesh.rank(), tp, pp, stage_replicas, ep, model, sp, world, data_replicas, data_replica, deadlines })
     }
 
     /// Collective: as [`Trainer::new`] under ZeRO-3 (`ddp.zero_stage = 3`, torch's FSDP): the
@@ -521,6 +561,7 @@ impl Trainer {
 
     fn build(varmap: &VarMap, place: Place, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
         opts.check()?;
+        check_deadlines(&opts.ddp, place.deadlines)?;
         if opts.ddp.zero_stage == 3 && groups.is_empty() {
             return Err(Error::setting(
                 "ddp.zero_stage",
@@ -534,7 +575,7 @@ impl Trainer {
             // ranks first (kolo train's `ddp.check_collectives`): a mismatch fails naming both.
             place.comm = Arc::new(kolo_comm::Checked::new(place.comm.clone()));
         }
-        let (comm, world, data_replicas) = (place.comm.clone(), place.world.clone(), place.data_replicas);
+        let (comm, world, data_replicas, data_replica) = (place.comm.clone(), place.world.clone(), place.data_replicas, place.data_replica);
         let place_sp = place.sp.clone();
         let model_parallel = place.tp.is_some() || place.pp.is_some() || place.sp.is_some() || place.ep.is_some();
         if opts.train.device != "cpu" && model_parallel {
@@ -616,6 +657,7 @@ impl Trainer {
             world,
             start_agreed: false,
             data_replicas,
+            data_replica,
             nonfinite_skipped: 0,
             sp: place_sp,
             opts,
@@ -983,6 +1025,48 @@ impl Trainer {
     /// is rescaled to the same number of examples of the epoch.
     pub fn data_position(&self) -> Position {
         self.data_pos
+    }
+
+    /// The distributed sampler of this rank's share of `len` examples, as `kolo train` deals
+    /// its data: `[data] batch_size` examples per micro-step, over the trainer's data-parallel
+    /// replicas (a mesh's `dp x ep`: the stages, tensor-parallel pieces and sequence chunks of a
+    /// replica read the same batches), reshuffled every epoch from `train.seed`
+    /// (`data.shuffle`, `data.drop_last`), starting at [`Trainer::data_position`] (where a
+    /// resumed checkpoint left off).
+    pub fn sampler(&self, len: usize) -> Result<crate::data::Sampler> {
+        let d = &self.opts.data;
+        if d.batch_size == 0 {
+            return Err(Error::setting("data.batch_size", "the sampler needs the examples per rank and micro-step: set [data] batch_size"));
+        }
+        let cfg = crate::data::SamplerConfig {
+            len,
+            world: self.data_replicas,
+            rank: self.data_replica,
+            batch: d.batch_size,
+            seed: self.opts.train.seed,
+            shuffle: d.shuffle,
+            drop_last: d.drop_last,
+        };
+        crate::data::Sampler::new(cfg, self.data_pos).map_err(|e| Error::setting("data", e))
+    }
+
+    /// Whether the call that just returned ended an optimizer step after which an evaluation
+    /// is due: every `train.eval_every` steps and after the last (`train.steps`), the steps at
+    /// which `kolo train` evaluates. Evaluate (over `train.eval_batches` batches, say) and
+    /// hand the result to [`Trainer::log_eval`].
+    pub fn eval_due(&self) -> bool {
+        self.micro == 0 && kolo_train::cadence::eval_due(&self.opts.train, self.steps)
+    }
+
+    /// Logs an evaluation of the model after the current step as `kolo train` logs its own
+    /// (the line, and `eval/loss` and `eval/accuracy` in TensorBoard): `e` is the result over
+    /// every rank (`loss` the mean per example), so rank 0's call is the one that counts. After
+    /// the last step it is the final evaluation.
+    pub fn log_eval(&mut self, e: &crate::Eval) {
+        let last = self.steps == self.opts.train.steps;
+        if let Some(c) = self.cadence.as_mut() {
+            c.report.eval(self.steps, e, last);
+        }
     }
 
     /// Starts the current step's clock now unless it runs already (the step's first
@@ -1467,6 +1551,27 @@ fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -
     Ok(())
 }
 
+/// `ddp.timeout_secs` and `ddp.liveness_secs` belong to the communicator, which exists before
+/// the trainer: they must be the ones it was started with (not checked for a communicator made
+/// elsewhere).
+fn check_deadlines(d: &DdpSettings, started: Option<crate::dist::Deadlines>) -> Result<()> {
+    let Some(have) = started else { return Ok(()) };
+    let settings = [
+        ("ddp.timeout_secs", d.timeout_secs, crate::dist::timeout_of(d.timeout_secs), have.timeout),
+        ("ddp.liveness_secs", d.liveness_secs, crate::dist::seconds(d.liveness_secs), have.liveness),
+    ];
+    match settings.into_iter().find(|(_, _, want, have)| want != have) {
+        None => Ok(()),
+        Some((setting, secs, _, have)) => Err(Error::setting(
+            setting,
+            format!(
+                "{secs} s, but this rank's communicator was started with {} s: start it with kolo::init_with(&opts.init_options())",
+                have.as_secs_f64()
+            ),
+        )),
+    }
+}
+
 /// The run's reporter: examples per optimizer step over all ranks from `[data] batch_size`.
 fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> Result<Reporter> {
     let global = kolo_train::config::global_batch(o.data.batch_size, world, o.train.grad_accum);
@@ -1640,12 +1745,12 @@ mod tests {
         let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 1\nlocal_sgd = { every = 4 }\n").unwrap_err().to_string();
         assert!(e.contains("ddp.local_sgd needs every >= 1, ddp.zero_stage = 0 and no ddp.compression"), "{e}");
         assert!(super::TrainOptions::from_toml_str("[ddp]\nlocal_sgd = { every = 4 }\n").is_ok());
-        let e = super::TrainOptions::from_toml_str("[ddp]\nliveness_secs = 3\n").unwrap_err().to_string();
-        assert!(e.contains("InitOptions.comm.liveness"), "{e}");
+        // The communicator's deadlines are options (checked against the communicator's).
+        assert!(super::TrainOptions::from_toml_str("[ddp]\nliveness_secs = 3\ntimeout_secs = 20\n").is_ok());
         // The setting is a field of the error, for callers that match on it.
         for (toml, want) in [
             ("[ddp]\nzero_stage = 4\n", "ddp.zero_stage"),
-            ("[ddp]\nliveness_secs = 3\n", "ddp.liveness_secs"),
+            ("[ddp]\nliveness_secs = -1\n", "ddp.liveness_secs"),
             ("[optim]\nlr = -1\n", "optim.lr"),
             ("[ddp]\nbucket_cap = \"lots\"\n", "ddp.bucket_cap"),
         ] {

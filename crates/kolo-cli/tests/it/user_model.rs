@@ -438,7 +438,7 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     let (config, out) = (std::path::Path::new(&args[0]), &args[1]);
     let cfg = kolo_train::Config::load(config)?;
     let dist = kolo::init()?;
-    let model = kolo_tensor::build_model(&cfg.model_spec(10), 0)?;
+    let model = kolo_tensor::build_model(&cfg.model_spec(10), cfg.train.seed)?;
     let varmap = candle_nn::VarMap::new();
     for p in model.params().iter() {
         varmap.data().lock().unwrap().insert(p.name.clone(), p.var.clone());
@@ -452,20 +452,20 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         trainer.resume(from)?;
     }
     let stop = args.get(3).map_or(Ok(cfg.train.steps), |s| s.parse::<u64>())?;
-    let train = kolo::data::Mnist::load(std::path::Path::new(cfg.data.path.as_deref().unwrap()), "train")?;
-    let scfg = kolo::data::SamplerConfig {
-        len: kolo::data::Dataset::len(&train),
-        world: dist.world_size(),
-        rank: dist.rank(),
-        batch: cfg.data.batch_size,
-        seed: 0,
-        shuffle: true,
-        drop_last: true,
-    };
-    let mut sampler = kolo::data::Sampler::new(scfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
+    let path = std::path::Path::new(cfg.data.path.as_deref().unwrap());
+    let (train, test) = (kolo::data::Mnist::load(path, "train")?, kolo::data::Mnist::load(path, "t10k")?);
+    // The sampler kolo train deals its data with: `[data] batch_size`, shuffled from `train.seed`.
+    let mut sampler = trainer.sampler(kolo::data::Dataset::len(&train))?;
     for _ in 0..(stop - trainer.steps_done()) * cfg.train.grad_accum {
         let batch = kolo::data::Dataset::batch(&train, &sampler.next_batch());
         trainer.step(|| model.loss(&batch, &PlainView).map_err(|e| candle_core::Error::Msg(e.to_string())))?;
+        if trainer.eval_due() {
+            // As kolo train evaluates: `train.eval_batches` batches, the whole test set at the end.
+            let limit = if trainer.steps_done() == cfg.train.steps { 0 } else { cfg.train.eval_batches };
+            let (comm, batch) = (&**dist.comm(), cfg.data.batch_size);
+            let e = kolo_train::eval::evaluate(&*model, &PlainView, &test, comm, batch, limit, false, &|| Ok(()))?;
+            trainer.log_eval(&e);
+        }
     }
     trainer.set_data_position(sampler.position());
     trainer.save(out)?;
@@ -478,21 +478,25 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// decay, a cosine schedule, gradient accumulation and clipping, under DDP, ZeRO-1, ZeRO-2, the
 /// all-reduce in fp16, PowerSGD (its error feedback), local SGD (averaging every 2 steps),
 /// no exchange at all (`skip_sync`) and checked collectives, and log the same loss at the same steps. (Two ranks: a sum of two is
-/// exact in any order, so the buckets' layouts cannot differ in result.)
+/// exact in any order, so the buckets' layouts cannot differ in result.) Both evaluate at the
+/// same steps (`train.eval_every`; the library's program asks `Trainer::eval_due`) and log the
+/// same evaluations; with `train.seed` set, the library's sampler deals the batches in
+/// kolo train's order.
 #[test]
 fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
     let dir = fresh_dir("one-path");
     std::fs::create_dir_all(&dir).unwrap();
     let mut plain = None;
-    for (tag, ddp) in [
-        ("z0", "zero_stage = 0"),
-        ("z1", "zero_stage = 1"),
-        ("z2", "zero_stage = 2"),
-        ("fp16", "compression = { method = \"fp16\", warmup_steps = 0 }"),
-        ("powersgd", "compression = { method = \"powersgd\", warmup_steps = 1 }"),
-        ("local-sgd", "local_sgd = { every = 2 }"),
-        ("skip-sync", "skip_sync = true"),
-        ("checked", "check_collectives = true"),
+    for (tag, ddp, train) in [
+        ("z0", "zero_stage = 0", ""),
+        ("z1", "zero_stage = 1", ""),
+        ("z2", "zero_stage = 2", ""),
+        ("fp16", "compression = { method = \"fp16\", warmup_steps = 0 }", ""),
+        ("powersgd", "compression = { method = \"powersgd\", warmup_steps = 1 }", ""),
+        ("local-sgd", "local_sgd = { every = 2 }", ""),
+        ("skip-sync", "skip_sync = true", ""),
+        ("checked", "check_collectives = true", ""),
+        ("seed-eval", "zero_stage = 1", "seed = 7\neval_every = 3\neval_batches = 4\n"),
     ] {
         let config = dir.join(format!("mlp-{tag}.toml"));
         let cli = dir.join(format!("cli-{tag}"));
@@ -501,7 +505,7 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
             format!(
                 "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n\
                  [optim]\nkind = \"adamw\"\nlr = 0.003\nweight_decay = 0.1\nclip_grad_norm = 0.5\nschedule = \"cosine\"\nwarmup_steps = 2\n\
-                 [ddp]\n{ddp}\n[train]\nsteps = 6\ngrad_accum = 2\nlog_every = 3\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 6\n",
+                 [ddp]\n{ddp}\n[train]\nsteps = 6\ngrad_accum = 2\nlog_every = 3\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 6\n{train}",
                 kolo_testkit::files::mnist_dir().display(),
                 cli.display()
             ),
@@ -522,6 +526,14 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         };
         assert_eq!(windows(&cli_log).len(), 2, "{tag}: kolo train's log windows: {cli_log}");
         assert_eq!(windows(&cli_log), windows(&text(&o)), "{tag}: the logs of kolo train and the library differ");
+        let evals = |log: &str| -> Vec<String> {
+            log.lines()
+                .filter(|l| l.contains("eval loss") || l.contains("final eval"))
+                .map(|l| l[l.rfind("] ").map_or(0, |i| i + 2)..].to_string())
+                .collect()
+        };
+        assert_eq!(evals(&cli_log).len(), if train.is_empty() { 1 } else { 2 }, "{tag}: kolo train's evaluations: {cli_log}");
+        assert_eq!(evals(&cli_log), evals(&text(&o)), "{tag}: kolo train and the library evaluate differently");
         let step_dir = |d: &std::path::Path| std::fs::read_dir(d).unwrap().next().unwrap().unwrap().path();
         let (by_cli, by_lib) = (model_tensors(&step_dir(&cli)), model_tensors(&step_dir(&lib)));
         assert_eq!(by_cli.keys().collect::<Vec<_>>(), by_lib.keys().collect::<Vec<_>>(), "{tag}: parameter names");
@@ -532,7 +544,7 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         // The lossy and local settings change the training (so both sides applied them).
         match tag {
             "z0" => plain = Some(by_cli),
-            "fp16" | "powersgd" | "local-sgd" | "skip-sync" => {
+            "fp16" | "powersgd" | "local-sgd" | "skip-sync" | "seed-eval" => {
                 let plain = plain.as_ref().expect("z0 runs first");
                 assert!(plain.iter().any(|(k, v)| v != &by_cli[k]), "{tag} trained exactly as plain DDP: the setting was not applied");
             }

@@ -196,12 +196,10 @@ impl FineTuneConfig {
         }
     }
 
-    /// The trainer's options: the job's `[optim]`, `[ddp]` and `[train]`, less what the job's
-    /// own loop does (evaluation, the data order's seed), and the micro-batches of a pipeline
-    /// as gradient accumulation.
+    /// The trainer's options: the job's `[optim]`, `[ddp]` and `[train]`, and the
+    /// micro-batches of a pipeline as gradient accumulation.
     pub(crate) fn train_options(&self) -> TrainOptions {
         let mut train = self.train.clone();
-        (train.eval_every, train.eval_batches, train.seed) = (0, TrainConfig::default().eval_batches, 0);
         if self.pp() > 1 {
             train.grad_accum = self.micro_batches() as u64;
         }
@@ -438,7 +436,7 @@ impl FineTune {
                 self.trainer.step_then(|| model.loss(&x), balance)?;
             }
             let done = self.trainer.steps_done();
-            if (every > 0 && done.is_multiple_of(every)) || done == steps {
+            if self.trainer.eval_due() {
                 eval = self.evaluate()?;
                 if let (Some(l), true) = (eval, self.dist.is_main()) {
                     kolo_base::eline!("step {done}/{steps} eval loss {l:.4} (perplexity {:.2})", l.exp());

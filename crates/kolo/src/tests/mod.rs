@@ -1127,3 +1127,81 @@ fn checked_collectives_train_alike_and_name_a_mismatch() {
         assert!(e.contains(&format!("rank {}", 1 - r)), "rank {r} does not name the other rank: {e}");
     }
 }
+
+/// `train.eval_every`: the trainer says an evaluation is due after optimizer steps 2 and 4 of
+/// 5 and after the last, never in the middle of an accumulation; `log_eval` takes it.
+#[test]
+fn evaluations_are_due_every_eval_every_steps_and_at_the_end() {
+    let dist = world_of_one();
+    let m = small();
+    let o = TrainOptions::new().optimizer(crate::options::OptimKind::Sgd, 0.1).steps(5).grad_accum(2).eval_every(2);
+    let mut t = Trainer::new(&m.varmap, &dist, o).unwrap();
+    let mut due = Vec::new();
+    for call in 0..10 {
+        let (x, y) = batch(4, call);
+        t.step(|| m.loss(&x, &y)).unwrap();
+        if t.eval_due() {
+            due.push((call, t.steps_done()));
+            t.log_eval(&crate::Eval { loss: 1.0, accuracy: None, examples: 4 });
+        }
+    }
+    assert_eq!(due, [(3, 2), (7, 4), (9, 5)], "(call, steps done) at which an evaluation was due");
+}
+
+/// `Trainer::sampler` deals `[data] batch_size` examples per micro-step over the replicas,
+/// shuffled from `train.seed` as kolo train's sampler is (`kolo_train::sampler`), and starts
+/// at the data position; without a batch size it is an error naming it.
+#[test]
+fn the_trainers_sampler_is_kolo_trains() {
+    let dist = world_of_one();
+    let m = small();
+    let build = |o: TrainOptions| Trainer::new(&m.varmap, &dist, o.optimizer(crate::options::OptimKind::Sgd, 0.1)).unwrap();
+    let kolo_train = |seed: u64, shuffle: bool| {
+        let cfg = crate::data::SamplerConfig { len: 50, world: 1, rank: 0, batch: 4, seed, shuffle, drop_last: true };
+        let mut s = crate::data::Sampler::new(cfg, Default::default()).unwrap();
+        (0..20).map(|_| s.next_batch()).collect::<Vec<_>>()
+    };
+    let drawn = |t: &Trainer| {
+        let mut s = t.sampler(50).unwrap();
+        (0..20).map(|_| s.next_batch()).collect::<Vec<_>>()
+    };
+    let seeded = build(TrainOptions::new().batch(4, 1).seed(7));
+    assert_eq!(drawn(&seeded), kolo_train(7, true));
+    assert_ne!(drawn(&seeded), kolo_train(0, true), "the seed changes the order");
+    let mut opts = TrainOptions::new().batch(4, 1);
+    opts.data.shuffle = false;
+    assert_eq!(drawn(&build(opts)), kolo_train(0, false));
+    // From the data position set (or resumed): the next batch.
+    let mut t = build(TrainOptions::new().batch(4, 1).seed(7));
+    let mut s = t.sampler(50).unwrap();
+    s.next_batch();
+    t.set_data_position(s.position());
+    assert_eq!(t.sampler(50).unwrap().next_batch(), kolo_train(7, true)[1]);
+    match build(TrainOptions::new()).sampler(50) {
+        Err(crate::Error::Setting { setting, .. }) => assert_eq!(setting, "data.batch_size"),
+        other => panic!("a sampler without a batch size: {other:?}"),
+    }
+}
+
+/// `ddp.timeout_secs` and `ddp.liveness_secs` are the communicator's: a communicator started
+/// from `TrainOptions::init_options` has them, and one started with other deadlines is an
+/// error naming the setting and the way to start it (it was ignored before).
+#[test]
+fn the_communicators_deadlines_are_the_options() {
+    use crate::dist::Backend;
+    for (toml, setting) in [("[ddp]\nliveness_secs = 3\n", "ddp.liveness_secs"), ("[ddp]\ntimeout_secs = 7.5\n", "ddp.timeout_secs")] {
+        let o = opts(toml);
+        let m = small();
+        match Trainer::new(&m.varmap, &world_of_one(), o.clone()) {
+            Err(crate::Error::Setting { setting: s, reason }) => {
+                assert_eq!(s, setting);
+                assert!(reason.contains("kolo::init_with(&opts.init_options())"), "{reason}");
+            }
+            other => panic!("{toml}: a communicator with the default deadlines was taken: {:?}", other.err()),
+        }
+        let started = crate::init_with(&crate::InitOptions { backend: Backend::Builtin, ..o.init_options() }).unwrap();
+        let d = started.deadlines.unwrap();
+        assert_eq!((d.timeout.as_secs_f64(), d.liveness.as_secs_f64()), (o.ddp.timeout_secs, o.ddp.liveness_secs));
+        Trainer::new(&m.varmap, &started, o).unwrap();
+    }
+}
