@@ -350,6 +350,9 @@ macro_rules! from_str_as_in_the_file {
 }
 from_str_as_in_the_file!(OptimKind, ScheduleKind, Precision);
 
+/// What `ddp.deterministic` runs with, for `kolo train` and the library alike.
+pub const DETERMINISTIC_LIMITS: &str = "ddp.deterministic runs DDP or ZeRO-1/2 on real data (mnist or text) on the CPU in f32 or bf16: no zero_stage 3, compression, local_sgd, skip_sync, dynamic_batch_every, schedule, f16, [mesh], [pipeline] or ps";
+
 /// One entry of `[optim] groups`.
 #[derive(Deserialize, Serialize, Debug, Clone, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -942,7 +945,7 @@ impl Config {
                 || m.is_some_and(|m| m.tp > 1 || m.sp > 1 || m.ep > 1 || m.pp.is_some_and(|p| p > 1))
                 || self.train.device != "cpu"
             {
-                return Err("ddp.deterministic runs DDP or ZeRO-1/2 on real data (mnist or text) on the CPU in f32 or bf16: no zero_stage 3, compression, local_sgd, skip_sync, dynamic_batch_every, schedule, f16, [mesh], [pipeline] or ps".into());
+                return Err(DETERMINISTIC_LIMITS.into());
             }
             if self.ddp.deterministic_chunk == 0 || !self.data.batch_size.is_multiple_of(self.ddp.deterministic_chunk) {
                 return Err(format!(

@@ -16,12 +16,12 @@ use crate::TrainError;
 use kolo_base::Rng;
 use kolo_comm::{BufMut, Communicator, ReduceOp, SumGroup};
 use kolo_ddp::{Ddp, ShardPlan, Sharding};
-use kolo_optim::{clip_factor, sum_of_squares, Buffer, LossScaler, Optimizer};
+use kolo_optim::{Buffer, LossScaler, Optimizer};
 use kolo_tensor::{build_model, Batch, HookedView, Model, ModelSpec, ParamView, PlainView};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// All-reduces of the vocabulary-parallel embedding, head and cross-entropy per micro-step.
 const VOCAB_PARALLEL_REDUCES: usize = 5;
@@ -244,41 +244,28 @@ impl<'a> DataParallel<'a> {
 
     /// Deterministic mode's exchange and update: the exact sum over every rank, then the whole
     /// gradient (DDP) or this rank's shard of it (ZeRO-1/2) is applied.
-    fn exact_update(&mut self, lr: f32, data: &Batches, out: &mut StepOut) -> Result<(), TrainError> {
+    fn exact_update(&mut self, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
         let Some(exact) = self.exact.as_mut() else { return Ok(()) };
         // Pieces in the whole step: micro-steps x the global batch / piece size.
-        let global: usize = data.split().map_or(0, |s| s.iter().sum());
+        let global = self.cfg.data.batch_size * self.comm.world_size().get();
         let pieces = self.cfg.train.grad_accum as usize * global / self.cfg.ddp.deterministic_chunk;
-        let (bytes, wait) = exact_all_reduce(&*self.comm, exact, pieces, &mut self.micro)?;
-        if let Some(max) = self.cfg.optim.clip_grad_norm {
-            // The same gradient on every rank, summed in a fixed order: the same factor.
-            let f = clip_factor(sum_of_squares(&self.micro).sqrt(), max);
-            self.micro.iter_mut().for_each(|g| *g *= f);
-        }
-        let (params, ranges, opt, micro) = (self.model.params(), self.ddp.ranges(), &mut self.opt, &self.micro);
-        opt.begin_step();
-        match &self.zero {
-            None => {
-                for (i, r) in ranges.iter().enumerate() {
-                    params.update_one(i, &mut |v| opt.update(r.start, v, &micro[r.clone()], lr))?;
-                }
-            }
-            Some(plan) => {
-                // ZeRO-1/2: every rank has the whole reduced gradient; it updates its shard.
-                for seg in &plan.segments {
-                    let at = seg.shard_offset..seg.shard_offset + seg.within.len();
-                    let g = &micro[ranges[seg.param].clone()][seg.within.clone()];
-                    opt.update(at.start, &mut self.master.as_mut_slice()[at.clone()], g, lr);
-                    self.master.release(at);
-                }
-                self.ddp
-                    .all_gather_params(self.master.as_slice(), |i: usize, v: &[f32]| params.load_one(i, v).map_err(TrainError::from))?;
-                self.master.release_all();
-            }
-        }
-        out.rec.wait_ms = Some(wait.as_secs_f64() * 1e3);
+        let (params, clip) = (self.model.params(), self.cfg.optim.clip_grad_norm);
+        let s = crate::update::apply_exact(
+            &*self.comm,
+            exact,
+            pieces,
+            &self.ddp,
+            self.zero.as_ref(),
+            params,
+            &mut self.opt,
+            &mut self.master,
+            &mut self.micro,
+            clip,
+            lr,
+        )?;
+        out.rec.wait_ms = Some(s.wait.as_secs_f64() * 1e3);
         out.rec.hidden = Some(0.0);
-        out.rec.comm_bytes = Some(bytes);
+        out.rec.comm_bytes = Some(s.bytes);
         Ok(())
     }
 
@@ -426,7 +413,7 @@ impl Strategy for DataParallel<'_> {
         let mut out = StepOut { loss, backward_end: Some(Instant::now()), ..Default::default() };
         let local_step = crate::local_sgd::is_local(self.cfg.ddp.local_sgd.as_ref(), ctx.step);
         if self.exact.is_some() {
-            self.exact_update(ctx.lr, data, &mut out)?;
+            self.exact_update(ctx.lr, &mut out)?;
         } else if self.cfg.ddp.skip_sync || local_step {
             self.local_update(ctx.step, ctx.lr, local_step, &mut out)?;
         } else {
@@ -572,31 +559,7 @@ fn exact_pieces(
         loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
         let g = loss.backward().map_err(te)?;
         model.params().grads_into(&g, grad)?;
-        exact.add(grad).map_err(|e| {
-            TrainError::Other(format!(
-                "rank {}, step {}: gradient element {} is {} (ddp.deterministic sums gradients below 2^24 in magnitude; the run has diverged)",
-                at.0, at.1, e.idx, e.value
-            ))
-        })?;
+        crate::update::add_piece(exact, grad, at)?;
     }
     Ok(loss_sum / pieces.len() as f64)
-}
-
-/// Deterministic mode, the exchange: every rank's exact sum added as integers (an `i64` sum
-/// all-reduce of two lanes per element, so any order gives the same bits), divided by the
-/// number of pieces in the global step, into `grad`. Clears `exact`. Returns the bytes sent
-/// and the time spent.
-fn exact_all_reduce(
-    comm: &dyn Communicator,
-    exact: &mut kolo_ddp::exact::ExactSum,
-    pieces: usize,
-    grad: &mut [f32],
-) -> Result<(usize, Duration), TrainError> {
-    let t = Instant::now();
-    let lanes = exact.lanes_mut();
-    comm.all_reduce(BufMut::from(&mut *lanes), ReduceOp::Sum)?;
-    let bytes = lanes.len() * 8;
-    exact.mean_into(pieces.max(1), grad);
-    exact.clear();
-    Ok((bytes, t.elapsed()))
 }

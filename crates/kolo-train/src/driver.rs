@@ -159,7 +159,7 @@ pub fn checkpoint_meta(cfg: &Config, spec: &kolo_tensor::ModelSpec, replicas: us
 }
 
 /// The training batches of one replica: prefetched on a background thread, or (dynamic batch
-/// sizing, deterministic mode) this rank's slice of each global batch.
+/// sizing) this rank's share of each global batch.
 pub struct Batches {
     train: Arc<dyn Dataset>,
     source: Source,
@@ -187,25 +187,24 @@ impl Batches {
         let scfg = crate::setup::replica_sampler(cfg, train.len(), rank, replicas);
         // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
         // the shares change during the run, so nothing is prefetched. Deterministic mode takes
-        // the same contiguous slices (equal shares, never re-split): a piece of the global batch
-        // then holds the same examples at every world size.
-        let source = if cfg.ddp.dynamic_batch_every > 0 || cfg.ddp.deterministic {
+        // contiguous slices of the global batches too (`Sampler::new_contiguous`, as the
+        // library's `Trainer::sampler`): a piece of the global batch then holds the same
+        // examples at every world size.
+        let source = if cfg.ddp.dynamic_batch_every > 0 {
             let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * replicas, ..scfg };
             // A resumed run continues with the split it was written with (at the same world
             // size and global batch; otherwise from equal shares).
             let split = match split {
-                Some(s)
-                    if s.len() == replicas
-                        && s.iter().sum::<usize>() == cfg.data.batch_size * replicas
-                        && cfg.ddp.dynamic_batch_every > 0 =>
-                {
-                    s
-                }
+                Some(s) if s.len() == replicas && s.iter().sum::<usize>() == cfg.data.batch_size * replicas => s,
                 _ => vec![cfg.data.batch_size; replicas],
             };
             Source::Dynamic { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split }
         } else {
-            let sampler = Sampler::new(scfg, pos).map_err(TrainError::Data)?;
+            let sampler = match cfg.ddp.deterministic {
+                true => Sampler::new_contiguous(scfg, pos),
+                false => Sampler::new(scfg, pos),
+            };
+            let sampler = sampler.map_err(TrainError::Data)?;
             Source::Prefetched(crate::setup::prefetch(train.clone(), sampler, cfg.data.prefetch))
         };
         Ok(Batches { train, source, pos, rank, slow_ms_per_example: None })

@@ -35,6 +35,8 @@ pub struct Sampler {
     cfg: SamplerConfig,
     pos: Position,
     perm: Vec<usize>,
+    /// Rank r takes the contiguous slice `r*B..(r+1)*B` of each global batch.
+    contiguous: bool,
 }
 
 impl SamplerConfig {
@@ -61,10 +63,14 @@ pub fn epoch_permutation(len: usize, seed: u64, epoch: u64, shuffle: bool) -> Ve
     p
 }
 
-/// Rank `rank`'s indices for batch `k` of an epoch with permutation `perm`.
-pub fn batch_indices(cfg: &SamplerConfig, perm: &[usize], k: u64) -> Vec<usize> {
-    let k = k as usize;
-    (0..cfg.batch).map(|j| perm[((k * cfg.batch + j) * cfg.world + cfg.rank) % perm.len()]).collect()
+/// Rank `rank`'s indices for batch `k` of an epoch with permutation `perm`: every `world`-th
+/// index of the global batch, or (`contiguous`) its `rank`-th slice of `batch` indices.
+pub fn batch_indices(cfg: &SamplerConfig, perm: &[usize], k: u64, contiguous: bool) -> Vec<usize> {
+    let (k, (b, w, r)) = (k as usize, (cfg.batch, cfg.world, cfg.rank));
+    match contiguous {
+        false => (0..b).map(|j| perm[((k * b + j) * w + r) % perm.len()]).collect(),
+        true => (0..b).map(|j| perm[(k * b * w + r * b + j) % perm.len()]).collect(),
+    }
 }
 
 impl Sampler {
@@ -79,7 +85,15 @@ impl Sampler {
             ));
         }
         let perm = epoch_permutation(cfg.len, cfg.seed, pos.epoch, cfg.shuffle);
-        Ok(Sampler { cfg, pos, perm })
+        Ok(Sampler { cfg, pos, perm, contiguous: false })
+    }
+
+    /// As [`Sampler::new`], but rank r takes the contiguous slice `r*B..(r+1)*B` of each
+    /// global batch (the same global batches and positions): deterministic mode
+    /// (`ddp.deterministic`) deals so, so that a piece of consecutive examples of a rank's
+    /// batch holds the same examples at every world size.
+    pub fn new_contiguous(cfg: SamplerConfig, pos: Position) -> Result<Sampler, String> {
+        Ok(Sampler { contiguous: true, ..Sampler::new(cfg, pos)? })
     }
 
     pub fn position(&self) -> Position {
@@ -96,7 +110,7 @@ impl Sampler {
             self.pos = Position { epoch: self.pos.epoch + 1, batch: 0 };
             self.perm = epoch_permutation(self.cfg.len, self.cfg.seed, self.pos.epoch, self.cfg.shuffle);
         }
-        let idx = batch_indices(&self.cfg, &self.perm, self.pos.batch);
+        let idx = batch_indices(&self.cfg, &self.perm, self.pos.batch, self.contiguous);
         self.pos.batch += 1;
         idx
     }
@@ -160,6 +174,23 @@ mod tests {
 
     fn cfg(len: usize, world: usize, rank: usize, batch: usize, drop_last: bool) -> SamplerConfig {
         SamplerConfig { len, world, rank, batch, seed: 3, shuffle: true, drop_last }
+    }
+
+    /// Deterministic mode's dealing: rank r's k-th batch is the r-th slice of one process's
+    /// k-th global batch (through an epoch's end, padded or not), at the same positions.
+    #[test]
+    fn contiguous_slices_are_one_processs_global_batches_cut_in_order() {
+        for drop_last in [true, false] {
+            let mut one = Sampler::new(cfg(50, 1, 0, 12, drop_last), Position::default()).unwrap();
+            let mut ranks: Vec<Sampler> =
+                (0..3).map(|r| Sampler::new_contiguous(cfg(50, 3, r, 4, drop_last), Position::default()).unwrap()).collect();
+            for k in 0..10 {
+                let global = one.next_batch();
+                let cut: Vec<usize> = ranks.iter_mut().flat_map(|s| s.next_batch()).collect();
+                assert_eq!(cut, global, "batch {k}, drop_last {drop_last}");
+                assert!(ranks.iter().all(|s| s.position() == one.position()));
+            }
+        }
     }
 
     #[test]

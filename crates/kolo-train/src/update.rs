@@ -483,3 +483,78 @@ pub fn apply_local(
     }
     Ok(norm)
 }
+
+/// Deterministic mode (`ddp.deterministic`), one piece of a micro-batch: its gradient `grad`
+/// (of the piece's own mean loss) added exactly to `exact`. `at` = (rank, step) name a value
+/// beyond the fixed-point range (a diverged run).
+pub fn add_piece(exact: &mut kolo_ddp::exact::ExactSum, grad: &[f32], at: (usize, u64)) -> Result<(), TrainError> {
+    exact.add(grad).map_err(|e| {
+        TrainError::Other(format!(
+            "rank {}, step {}: gradient element {} is {} (ddp.deterministic sums gradients below 2^24 in magnitude; the run has diverged)",
+            at.0, at.1, e.idx, e.value
+        ))
+    })
+}
+
+/// What [`apply_exact`] sent and waited for, and the gradient's norm before clipping.
+pub struct ExactStats {
+    pub bytes: usize,
+    pub wait: std::time::Duration,
+    pub norm: Option<f64>,
+}
+
+/// Deterministic mode's exchange and update, once every piece of the step is in `exact`:
+/// every rank's exact sum added as integers (an `i64` sum all-reduce of two lanes per element,
+/// so any order gives the same bits), divided by `pieces` (the step's pieces over all ranks)
+/// into `grads`, clipped by its norm (the same on every rank), then the optimizer step on the
+/// model, or under ZeRO-1/2 on this rank's master shard, whose new values every rank
+/// gathers. Clears `exact`.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_exact(
+    comm: &dyn Communicator,
+    exact: &mut kolo_ddp::exact::ExactSum,
+    pieces: usize,
+    ddp: &Ddp,
+    zero: Option<&ShardPlan>,
+    params: &ParamSet,
+    opt: &mut Optimizer,
+    master: &mut Buffer,
+    grads: &mut [f32],
+    clip: Option<f64>,
+    lr: f32,
+) -> Result<ExactStats, TrainError> {
+    let t = std::time::Instant::now();
+    let lanes = exact.lanes_mut();
+    comm.all_reduce(BufMut::from(&mut *lanes), ReduceOp::Sum)?;
+    let bytes = lanes.len() * 8;
+    exact.mean_into(pieces.max(1), grads);
+    exact.clear();
+    let wait = t.elapsed();
+    let norm = clip.map(|max| {
+        let n = kolo_base::sum_of_squares(grads).sqrt();
+        let f = clip_factor(n, max);
+        grads.iter_mut().for_each(|g| *g *= f);
+        n
+    });
+    let ranges = ddp.ranges();
+    opt.begin_step();
+    match zero {
+        None => {
+            for (i, r) in ranges.iter().enumerate() {
+                params.update_one(i, &mut |v| opt.update(r.start, v, &grads[r.clone()], lr))?;
+            }
+        }
+        Some(plan) => {
+            // ZeRO-1/2: every rank has the whole reduced gradient; it updates its shard.
+            for seg in &plan.segments {
+                let at = seg.shard_offset..seg.shard_offset + seg.within.len();
+                let g = &grads[ranges[seg.param].clone()][seg.within.clone()];
+                opt.update(at.start, &mut master.as_mut_slice()[at.clone()], g, lr);
+                master.release(at);
+            }
+            ddp.all_gather_params(master.as_slice(), |i: usize, v: &[f32]| params.load_one(i, v).map_err(TrainError::from))?;
+            master.release_all();
+        }
+    }
+    Ok(ExactStats { bytes, wait, norm })
+}

@@ -262,7 +262,6 @@ impl TrainOptions {
     pub fn check(&self) -> Result<()> {
         let d = &self.ddp;
         let only_kolo_train = [
-            (d.deterministic, "ddp.deterministic", " (the trainer does not own the batch, which it cuts into pieces)"),
             (d.schedule.is_some(), "ddp.schedule", " (scheduled communication)"),
             (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every", " (the trainer does not own the batch)"),
             (
@@ -289,10 +288,13 @@ impl TrainOptions {
     }
 
     /// These options as a `kolo train` config of a stand-in model and data, for its checks
-    /// (`train.steps` may be 0 here: the loop is the caller's).
+    /// (`train.steps` may be 0 here: the loop is the caller's). The data is real (a user's),
+    /// not kolo train's per-rank synthetic data.
     fn as_train_config(&self) -> Result<kolo_train::Config> {
-        let mut cfg =
-            kolo_train::Config::parse("[model]\nkind = \"gpt\"\n[data]\nkind = \"synthetic\"\nbatch_size = 1\n", "kolo::TrainOptions")?;
+        let mut cfg = kolo_train::Config::parse(
+            "[model]\nkind = \"gpt\"\n[data]\nkind = \"text\"\npath = \"(the user's)\"\nbatch_size = 1\n",
+            "kolo::TrainOptions",
+        )?;
         cfg.optim = self.optim.clone();
         cfg.ddp = self.ddp.clone();
         cfg.train = self.train.clone();
@@ -352,6 +354,8 @@ pub struct Trainer {
     micro: u64,
     /// Gradients of a no-sync micro-step (flat layout).
     local: Vec<f32>,
+    /// `ddp.deterministic`: the exact (fixed-point) sum of this rank's pieces' gradients.
+    exact: Option<kolo_ddp::exact::ExactSum>,
     meta: BTreeMap<String, String>,
     /// Where the user's sampler is, saved with every checkpoint (see [`Trainer::set_data_position`]).
     data_pos: Position,
@@ -578,6 +582,9 @@ impl Trainer {
         let (comm, world, data_replicas, data_replica) = (place.comm.clone(), place.world.clone(), place.data_replicas, place.data_replica);
         let place_sp = place.sp.clone();
         let model_parallel = place.tp.is_some() || place.pp.is_some() || place.sp.is_some() || place.ep.is_some();
+        if opts.ddp.deterministic && model_parallel {
+            return Err(Error::setting("ddp.deterministic", kolo_train::config::DETERMINISTIC_LIMITS));
+        }
         if opts.train.device != "cpu" && model_parallel {
             return Err(Error::setting("train.device", kolo_train::config::gpu_refusal(&opts.train.device)));
         }
@@ -628,6 +635,7 @@ impl Trainer {
         meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
         meta.insert("kolo.precision".to_string(), format!("{compute:?}"));
         let local = vec![0f32; params.numel()];
+        let exact = opts.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(local.len()));
         let cadence = Some(Cadence::new(reporter(&opts, rank, data_replicas, 0)?));
         Ok(Trainer {
             comm,
@@ -644,6 +652,7 @@ impl Trainer {
             steps: 0,
             micro: 0,
             local,
+            exact,
             meta,
             data_pos: Position::default(),
             cadence,
@@ -696,6 +705,45 @@ impl Trainer {
         self.update()
     }
 
+    /// One micro-step whose micro-batch (`[data] batch_size` examples) is cut into pieces:
+    /// `loss(range)` is the mean loss of examples `range` of it. Under `ddp.deterministic` each
+    /// piece of `ddp.deterministic_chunk` examples gets its own backward, and its gradient is
+    /// summed in fixed point with every other piece of every rank, so the parameters come out
+    /// bitwise the same at any world size for the same global batch (`kolo train`'s
+    /// deterministic mode); otherwise the micro-batch is one piece and this is
+    /// [`Trainer::step`]. Collective on the micro-steps that step.
+    pub fn step_pieces(&mut self, mut loss: impl FnMut(std::ops::Range<usize>) -> candle_core::Result<Tensor>) -> Result<StepOutput> {
+        let batch = self.opts.data.batch_size;
+        if batch == 0 {
+            return Err(Error::setting("data.batch_size", "Trainer::step_pieces cuts [data] batch_size examples into pieces: set it"));
+        }
+        if self.exact.is_none() {
+            return self.step(|| loss(0..batch));
+        }
+        let (rank, accum, chunk) = (self.rank, self.opts.train.grad_accum.max(1), self.opts.ddp.deterministic_chunk);
+        self.step_start.get_or_insert_with(Instant::now);
+        let mut sum = 0f64;
+        for start in (0..batch).step_by(chunk) {
+            let piece = loss(start..start + chunk)?;
+            sum += f64::from(scalar_loss(rank, "Trainer::step_pieces", &piece)?);
+            // Each piece's own gradient, then added exactly.
+            let route = kolo_train::update::GradRoute::Local(&self.params, &mut self.local);
+            kolo_train::update::backward_routed(&piece, &self.ids, route, None)
+                .map_err(|e| route_error(rank, "Trainer::step_pieces", e))?;
+            let exact = self.exact.as_mut().expect("deterministic mode");
+            kolo_train::update::add_piece(exact, &self.local, (rank, self.steps))?;
+        }
+        let value = (sum / (batch / chunk) as f64) as f32;
+        self.backward_end = Some(Instant::now());
+        self.micro += 1;
+        self.step_loss += f64::from(value) / accum as f64;
+        self.last_loss = value;
+        if self.micro < accum {
+            return Ok(StepOutput { loss: value, stepped: false, lr: self.lr(), grad_norm: None, comm: None, skipped: false });
+        }
+        self.update()
+    }
+
     /// Backward of one micro-step's loss (a float scalar), as torch's `loss.backward()` under
     /// DDP: the gradients go to DDP's buckets as they become final on the micro-step that
     /// completes an accumulation (collective: they are reduced while backward runs), and are
@@ -729,6 +777,13 @@ impl Trainer {
                 format!("called again after {} micro-steps with train.grad_accum = {accum}: call Trainer::update first", self.micro),
             ));
         }
+        if self.exact.is_some() {
+            return Err(Error::usage(
+                rank,
+                "Trainer::backward",
+                "ddp.deterministic sums the gradients of pieces of each micro-batch: train with Trainer::step_pieces",
+            ));
+        }
         let sync = self.micro + 1 == accum;
         // Local SGD: past its warm-up no gradient is exchanged; the models are averaged.
         let local_step = self.local_step();
@@ -737,37 +792,17 @@ impl Trainer {
             z.take_error()?;
             z.set_prefetch(true);
         }
-        if loss.elem_count() != 1 || !loss.dtype().is_float() {
-            return Err(Error::usage(
-                rank,
-                "Trainer::backward",
-                format!(
-                    "the loss is a {:?} tensor of shape {:?}; backward needs a float scalar (for example `.mean_all()`)",
-                    loss.dtype(),
-                    loss.dims()
-                ),
-            ));
-        }
-        let value = loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0];
+        let value = scalar_loss(rank, "Trainer::backward", loss)?;
         let scaled = if factor != 1.0 { (loss * factor)? } else { loss.clone() };
         let capture_id = capture.map(|v| v.as_tensor().id());
-        use kolo_train::update::{backward_routed, GradRoute, RouteError};
+        use kolo_train::update::{backward_routed, GradRoute};
         let route = if sync && !local_step {
             self.ddp.begin_backward();
             GradRoute::Buckets(&*self.ddp.sink())
         } else {
             GradRoute::Local(&self.params, &mut self.local)
         };
-        let captured = backward_routed(&scaled, &self.ids, route, capture_id).map_err(|e| match e {
-            RouteError::Outside(dims) => Error::usage(
-                rank,
-                "Trainer::backward",
-                format!(
-                    "a variable of shape {dims:?} outside the VarMap given to the Trainer received a gradient; Kolo would neither synchronise nor update it (create every parameter through the VarMap's VarBuilder, or detach it)"
-                ),
-            ),
-            RouteError::Backward(e) => e.into(),
-        })?;
+        let captured = backward_routed(&scaled, &self.ids, route, capture_id).map_err(|e| route_error(rank, "Trainer::backward", e))?;
         if let Some(z) = &self.zero3 {
             z.take_error()?;
         }
@@ -840,8 +875,11 @@ impl Trainer {
         let value = self.last_loss;
         let t0 = self.step_start.unwrap_or_else(Instant::now);
         let backward_end = self.backward_end.unwrap_or_else(Instant::now);
-        if self.local_step() {
-            let (stats, norm) = self.local_update(lr)?;
+        if self.local_step() || self.exact.is_some() {
+            let (stats, norm) = match self.exact.is_some() {
+                true => self.exact_update(lr)?,
+                false => self.local_update(lr)?,
+            };
             publish(&self.params, &self.model_vars, self.compute)?;
             self.micro = 0;
             self.steps += 1;
@@ -953,6 +991,28 @@ impl Trainer {
         Ok((stats, norm))
     }
 
+    /// `ddp.deterministic`: the pieces of every rank summed exactly, their mean clipped and
+    /// applied (this rank's shard under ZeRO-1/2, then gathered), as `kolo train` does.
+    fn exact_update(&mut self, lr: f32) -> Result<(kolo_ddp::SyncStats, Option<f64>)> {
+        let Some(exact) = self.exact.as_mut() else { return Ok((kolo_ddp::SyncStats::default(), None)) };
+        let per_micro = self.opts.data.batch_size / self.opts.ddp.deterministic_chunk;
+        let pieces = self.opts.train.grad_accum.max(1) as usize * per_micro * self.data_replicas;
+        let s = kolo_train::update::apply_exact(
+            &*self.comm,
+            exact,
+            pieces,
+            &self.ddp,
+            self.zero.as_ref(),
+            &self.params,
+            &mut self.opt,
+            &mut self.master,
+            &mut self.local,
+            self.opts.optim.clip_grad_norm,
+            lr,
+        )?;
+        Ok((kolo_ddp::SyncStats { wait: s.wait, comm: s.wait, bytes: s.bytes, ..Default::default() }, s.norm))
+    }
+
     /// After an optimizer step: the report (and, at log steps, the collective window: every
     /// rank reaches the same steps), and the periodic and final checkpoints.
     fn after_step(&mut self, t0: Instant, backward_end: Instant, stats: &kolo_ddp::SyncStats, lr: f32) -> Result<()> {
@@ -1047,7 +1107,12 @@ impl Trainer {
             shuffle: d.shuffle,
             drop_last: d.drop_last,
         };
-        crate::data::Sampler::new(cfg, self.data_pos).map_err(|e| Error::setting("data", e))
+        // Deterministic mode: contiguous slices of the global batch, as kolo train deals them.
+        let sampler = match self.opts.ddp.deterministic {
+            true => crate::data::Sampler::new_contiguous(cfg, self.data_pos),
+            false => crate::data::Sampler::new(cfg, self.data_pos),
+        };
+        sampler.map_err(|e| Error::setting("data", e))
     }
 
     /// Whether the call that just returned ended an optimizer step after which an evaluation
@@ -1549,6 +1614,36 @@ fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -
         v.set(&params.get(i).var.as_tensor().to_dtype(compute)?)?;
     }
     Ok(())
+}
+
+/// The value of a micro-step's loss, which must be a float scalar (`op` names the call).
+fn scalar_loss(rank: usize, op: &'static str, loss: &Tensor) -> Result<f32> {
+    if loss.elem_count() != 1 || !loss.dtype().is_float() {
+        return Err(Error::usage(
+            rank,
+            op,
+            format!(
+                "the loss is a {:?} tensor of shape {:?}; backward needs a float scalar (for example `.mean_all()`)",
+                loss.dtype(),
+                loss.dims()
+            ),
+        ));
+    }
+    Ok(loss.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?[0])
+}
+
+/// A routed backward's failure, for the call `op`.
+fn route_error(rank: usize, op: &'static str, e: kolo_train::update::RouteError) -> Error {
+    match e {
+        kolo_train::update::RouteError::Outside(dims) => Error::usage(
+            rank,
+            op,
+            format!(
+                "a variable of shape {dims:?} outside the VarMap given to the Trainer received a gradient; Kolo would neither synchronise nor update it (create every parameter through the VarMap's VarBuilder, or detach it)"
+            ),
+        ),
+        kolo_train::update::RouteError::Backward(e) => e.into(),
+    }
 }
 
 /// `ddp.timeout_secs` and `ddp.liveness_secs` belong to the communicator, which exists before

@@ -458,7 +458,12 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     let mut sampler = trainer.sampler(kolo::data::Dataset::len(&train))?;
     for _ in 0..(stop - trainer.steps_done()) * cfg.train.grad_accum {
         let batch = kolo::data::Dataset::batch(&train, &sampler.next_batch());
-        trainer.step(|| model.loss(&batch, &PlainView).map_err(|e| candle_core::Error::Msg(e.to_string())))?;
+        // The micro-batch's examples `r` (under ddp.deterministic a piece of it, else all of it).
+        let loss = |r: std::ops::Range<usize>| {
+            let piece = &batch.chunks(r.len()).expect("whole pieces")[r.start / r.len()];
+            model.loss(piece, &PlainView).map_err(|e| candle_core::Error::Msg(e.to_string()))
+        };
+        trainer.step_pieces(loss)?;
         if trainer.eval_due() {
             // As kolo train evaluates: `train.eval_batches` batches, the whole test set at the end.
             let limit = if trainer.steps_done() == cfg.train.steps { 0 } else { cfg.train.eval_batches };
@@ -481,7 +486,8 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// exact in any order, so the buckets' layouts cannot differ in result.) Both evaluate at the
 /// same steps (`train.eval_every`; the library's program asks `Trainer::eval_due`) and log the
 /// same evaluations; with `train.seed` set, the library's sampler deals the batches in
-/// kolo train's order.
+/// kolo train's order; under `ddp.deterministic` (the library's `Trainer::step_pieces`) each
+/// micro-batch is summed in pieces as kolo train sums it.
 #[test]
 fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
     let dir = fresh_dir("one-path");
@@ -497,6 +503,7 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         ("skip-sync", "skip_sync = true", ""),
         ("checked", "check_collectives = true", ""),
         ("seed-eval", "zero_stage = 1", "seed = 7\neval_every = 3\neval_batches = 4\n"),
+        ("deterministic", "zero_stage = 1\ndeterministic = true\ndeterministic_chunk = 4", ""),
     ] {
         let config = dir.join(format!("mlp-{tag}.toml"));
         let cli = dir.join(format!("cli-{tag}"));
@@ -544,11 +551,51 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         // The lossy and local settings change the training (so both sides applied them).
         match tag {
             "z0" => plain = Some(by_cli),
-            "fp16" | "powersgd" | "local-sgd" | "skip-sync" | "seed-eval" => {
+            "fp16" | "powersgd" | "local-sgd" | "skip-sync" | "seed-eval" | "deterministic" => {
                 let plain = plain.as_ref().expect("z0 runs first");
                 assert!(plain.iter().any(|(k, v)| v != &by_cli[k]), "{tag} trained exactly as plain DDP: the setting was not applied");
             }
             _ => {}
+        }
+    }
+}
+
+/// `ddp.deterministic` from the library (`Trainer::step_pieces`, `Trainer::sampler`): the
+/// built-in MLP trained by the library's program on 1, 2 and 3 processes with the same global
+/// batch of 12 (ZeRO-1 on several; AdamW, clipping, accumulation) ends with bitwise the same
+/// parameters, as `kolo train`'s deterministic mode does.
+#[test]
+fn the_librarys_deterministic_mode_is_bitwise_alike_at_every_world_size() {
+    let dir = fresh_dir("lib-deterministic");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut first: Option<std::collections::BTreeMap<String, Vec<f32>>> = None;
+    for n in [1usize, 2, 3] {
+        let config = dir.join(format!("mlp-{n}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = {}\n\
+                 [optim]\nkind = \"adamw\"\nlr = 0.003\nweight_decay = 0.1\nclip_grad_norm = 0.5\n\
+                 [ddp]\nzero_stage = {}\ndeterministic = true\ndeterministic_chunk = 2\n[train]\nsteps = 5\ngrad_accum = 2\nlog_every = 5\n",
+                kolo_testkit::files::mnist_dir().display(),
+                12 / n,
+                u8::from(n > 1)
+            ),
+        )
+        .unwrap();
+        let out = dir.join(format!("lib-{n}"));
+        let o = launch(n, "builtin", &format!("{} {}", config.display(), out.display()));
+        assert!(o.status.success(), "{n} ranks: {}", text(&o));
+        let step_dir = std::fs::read_dir(&out).unwrap().next().unwrap().unwrap().path();
+        let got = model_tensors(&step_dir);
+        match &first {
+            None => first = Some(got),
+            Some(one) => {
+                for (k, v) in one {
+                    let d = max_diff(v, &got[k]);
+                    assert!(v == &got[k], "`{k}` differs between 1 and {n} processes by up to {d}");
+                }
+            }
         }
     }
 }

@@ -1205,3 +1205,42 @@ fn the_communicators_deadlines_are_the_options() {
         Trainer::new(&m.varmap, &started, o).unwrap();
     }
 }
+
+/// `ddp.deterministic`: the micro-batch is taken in pieces (`Trainer::step_pieces`), whose
+/// exact mean trains as the whole batch does (within f32 rounding); `step` and `backward` name
+/// the call to use instead, and without `[data] batch_size` the pieces are unknown.
+#[test]
+fn deterministic_mode_trains_in_pieces_and_names_the_call() {
+    let dist = world_of_one();
+    let sgd = "[optim]\nkind = \"sgd\"\nlr = 0.5\n[data]\nbatch_size = 8\n";
+    let (a, b) = (small(), small());
+    let mut whole = Trainer::new(&a.varmap, &dist, opts(sgd)).unwrap();
+    let mut pieces = Trainer::new(&b.varmap, &dist, opts(&format!("{sgd}[ddp]\ndeterministic = true\ndeterministic_chunk = 2\n"))).unwrap();
+    for s in 0..3 {
+        let (x, y) = batch(8, s);
+        let w = whole.step_pieces(|r| a.loss(&x.narrow(0, r.start, r.len())?, &y.narrow(0, r.start, r.len())?)).unwrap();
+        let mut seen = Vec::new();
+        let p = pieces
+            .step_pieces(|r| {
+                seen.push(r.clone());
+                b.loss(&x.narrow(0, r.start, r.len())?, &y.narrow(0, r.start, r.len())?)
+            })
+            .unwrap();
+        assert_eq!(seen, [0..2, 2..4, 4..6, 6..8], "the pieces of one micro-batch");
+        assert!(w.stepped && p.stepped && (w.loss - p.loss).abs() < 1e-6, "losses {} and {}", w.loss, p.loss);
+    }
+    let d = max_abs_diff(&whole.flat_params().unwrap(), &pieces.flat_params().unwrap());
+    assert!(d < 1e-6, "pieces and the whole batch differ by {d}");
+    let (x, y) = batch(8, 9);
+    match pieces.step(|| b.loss(&x, &y)) {
+        Err(crate::Error::Usage { op, reason, .. }) => {
+            assert!(op == "Trainer::backward" && reason.contains("Trainer::step_pieces"), "{reason}")
+        }
+        other => panic!("step under ddp.deterministic: {:?}", other.err()),
+    }
+    let mut unsized_ = Trainer::new(&b.varmap, &dist, opts("[ddp]\ndeterministic = true\n")).unwrap();
+    match unsized_.step_pieces(|_| b.loss(&x, &y)) {
+        Err(crate::Error::Setting { setting, .. }) => assert_eq!(setting, "data.batch_size"),
+        other => panic!("step_pieces without a batch size: {:?}", other.err()),
+    }
+}
