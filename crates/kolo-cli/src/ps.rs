@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 pub enum PsCmd {
     /// Start a job on this machine: a coordinator (in this process), SERVERS `kolo ps serve`
     /// processes and WORKERS `kolo train` ranks (under `kolo launch`), then shut the servers
-    /// down when the workers are done. The config must say `[train] strategy = "ps"`.
+    /// down when the workers are done. The config must say `[train] strategy = "ps"`. With
+    /// --exec the workers are a program of yours (`kolo::PsWorker`) instead.
     Run(RunArgs),
     /// A parameter server: registers with the coordinator, serves the key ranges the ring gives
     /// it, replicates writes down each range's chain, and exits when the job shuts down.
@@ -50,14 +51,20 @@ pub struct RunArgs {
     /// enough that a busy machine's scheduling delays are not mistaken for deaths).
     #[arg(long, default_value_t = 10.0)]
     dead_after: f64,
-    /// The training config (`[train] strategy = "ps"`).
+    /// The training config (`[train] strategy = "ps"`); optional with --exec.
+    #[arg(long, required_unless_present = "exec")]
+    config: Option<PathBuf>,
+    /// The arguments after `--` are the worker program and its arguments (a program that
+    /// trains with `kolo::PsWorker`, which reads RANK, WORLD_SIZE, KOLO_PS_COORDINATOR and
+    /// KOLO_JOB_TOKEN), instead of more `kolo train` arguments.
     #[arg(long)]
-    config: PathBuf,
+    exec: bool,
     /// Also run an evaluation worker group that evaluates the servers' parameters every this
     /// many seconds while training runs.
     #[arg(long)]
     eval_every: Option<f64>,
-    /// More `kolo train` arguments (e.g. --steps 100 --data PATH).
+    /// More `kolo train` arguments (e.g. --steps 100 --data PATH), or with --exec the worker
+    /// program and its arguments.
     #[arg(last = true)]
     train_args: Vec<OsString>,
 }
@@ -187,9 +194,17 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
     if a.servers == 0 || a.workers == 0 {
         anyhow::bail!("kolo ps run needs at least one server and one worker");
     }
-    let cfg = kolo_train::Config::load(&a.config)?;
-    if cfg.train.strategy != kolo_train::config::Strategy::Ps {
-        anyhow::bail!("{}: kolo ps run trains through parameter servers; set [train] strategy = \"ps\"", a.config.display());
+    let cfg = a.config.as_ref().map(|p| kolo_train::Config::load(p)).transpose()?;
+    if let (Some(cfg), Some(path)) = (&cfg, &a.config) {
+        if cfg.train.strategy != kolo_train::config::Strategy::Ps {
+            anyhow::bail!("{}: kolo ps run trains through parameter servers; set [train] strategy = \"ps\"", path.display());
+        }
+    }
+    if a.exec && a.train_args.is_empty() {
+        anyhow::bail!("kolo ps run --exec needs the worker program after `--`");
+    }
+    if a.exec && a.eval_every.is_some() {
+        anyhow::bail!("kolo ps run --eval-every evaluates kolo train's built-in model: not with --exec");
     }
     let token = match std::env::var("KOLO_JOB_TOKEN") {
         Ok(_) => token()?,
@@ -222,7 +237,7 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
                     &every.to_string(),
                     "--config",
                 ])
-                .arg(&a.config)
+                .arg(a.config.as_ref().expect("--config without --exec"))
                 .env("KOLO_JOB_TOKEN", token.to_hex())
                 .stdin(Stdio::null())
                 .spawn()
@@ -230,8 +245,15 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
         ),
         None => None,
     };
-    let mut program: Vec<OsString> = vec![exe.into_os_string(), "train".into(), "--config".into(), a.config.into_os_string()];
-    program.extend(a.train_args);
+    let program: Vec<OsString> = match (a.exec, a.config) {
+        (true, _) => a.train_args,
+        (false, Some(config)) => {
+            let mut p = vec![exe.into_os_string(), "train".into(), "--config".into(), config.into_os_string()];
+            p.extend(a.train_args);
+            p
+        }
+        (false, None) => anyhow::bail!("kolo ps run needs --config (or --exec)"),
+    };
     let launch = kolo_launch::LaunchConfig {
         nproc_per_node: a.workers,
         token: Some(token.clone()),
@@ -262,7 +284,7 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
     if !out.success() {
         eprint!("{}", out.summary());
     }
-    if let Some(dir) = &cfg.train.timeline_dir {
+    if let Some(dir) = cfg.as_ref().and_then(|c| c.train.timeline_dir.as_ref()) {
         // Workers share no communicator, so each wrote its own trace; merge those that exist.
         let dir = PathBuf::from(dir);
         let files: Vec<PathBuf> = (0..a.workers).map(|w| dir.join(format!("trace-rank{w}.json"))).filter(|p| p.exists()).collect();

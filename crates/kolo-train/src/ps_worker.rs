@@ -391,7 +391,7 @@ impl Worker {
     ) -> Result<Worker, TrainError> {
         let model = build_model(spec, cfg.train.seed)?;
         let numel = model.params().numel();
-        let client = connect(cfg, coordinator, token, numel, worker, workers)?;
+        let client = connect(&cfg.ps, cfg.optimizer(), coordinator, token, numel, (worker, workers))?;
         let pc = &cfg.ps;
         Ok(Worker {
             model,
@@ -507,21 +507,30 @@ impl Worker {
     }
 }
 
-fn connect(cfg: &Config, coordinator: &str, token: &JobToken, numel: usize, worker: usize, workers: usize) -> Result<PsClient, TrainError> {
-    Ok(PsClient::connect(client_options(cfg, coordinator, token, numel, worker, workers, Some(Duration::from_millis(250))))?)
+/// Connects as worker `me` = (worker, workers) of the job `pc` describes (`optimizer`: the
+/// servers' update of the `numel` values), heartbeating: `kolo train`'s workers and the
+/// library's `kolo::PsWorker`.
+pub fn connect(
+    pc: &crate::config::PsConfig,
+    optimizer: kolo_optim::OptimizerSpec,
+    coordinator: &str,
+    token: &JobToken,
+    numel: usize,
+    me: (usize, usize),
+) -> Result<PsClient, TrainError> {
+    Ok(PsClient::connect(client_options(pc, optimizer, coordinator, token, numel, me, Some(Duration::from_millis(250))))?)
 }
 
 /// How a worker (or, without heartbeats, an observer) of this job connects.
 fn client_options(
-    cfg: &Config,
+    pc: &crate::config::PsConfig,
+    optimizer: kolo_optim::OptimizerSpec,
     coordinator: &str,
     token: &JobToken,
     numel: usize,
-    worker: usize,
-    workers: usize,
+    (worker, workers): (usize, usize),
     heartbeat: Option<Duration>,
 ) -> ClientOptions {
-    let pc = &cfg.ps;
     let job = JobSpec {
         len: numel as u64,
         chunk: pc.chunk,
@@ -529,7 +538,7 @@ fn client_options(
         replication: pc.replication,
         backup: pc.backup_workers,
         consistency: pc.consistency(),
-        optimizer: cfg.optimizer(),
+        optimizer,
     };
     ClientOptions {
         coordinator: coordinator.to_string(),
@@ -594,7 +603,7 @@ pub fn run_ps_eval(
     let spec = cfg.model_spec(data.vocab_size);
     let model = build_model(&spec, cfg.train.seed)?;
     let numel = model.params().numel();
-    let mut client = PsClient::observer(client_options(cfg, coordinator, token, numel, 0, workers, None))?;
+    let mut client = PsClient::observer(client_options(&cfg.ps, cfg.optimizer(), coordinator, token, numel, (0, workers), None))?;
     let local = LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0);
     let limit = if data.vocab.is_some() { cfg.train.eval_batches } else { 0 };
     let t0 = Instant::now();

@@ -70,6 +70,10 @@ pub enum Error {
     /// A candle operation failed (in the model, the loss or the trainer's tensors).
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// The parameter servers failed or did not answer in time ([`crate::PsWorker`]).
+    #[cfg(feature = "ps")]
+    #[error(transparent)]
+    Ps(#[from] kolo_ps::PsError),
 }
 
 /// The library's result.

@@ -34,6 +34,8 @@ mod error;
 pub mod hf;
 mod mesh;
 pub mod pp;
+#[cfg(feature = "ps")]
+mod ps_worker;
 pub mod sp;
 #[cfg(feature = "hf")]
 pub mod tokens;
@@ -65,13 +67,15 @@ pub use kolo_optim::UpdateRule;
 /// An evaluation's result, as [`Trainer::log_eval`] logs it.
 pub use kolo_train::summary::Eval;
 pub use mesh::Mesh;
+#[cfg(feature = "ps")]
+pub use ps_worker::{PsJoin, PsWorker};
 pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 
 /// The types of [`TrainOptions`]' tables (shared with `kolo train`'s config file).
 pub mod options {
     pub use kolo_train::config::{
         CompressionConfig, Config, DdpConfig, LocalSgdConfig, MeshConfig, OptimConfig, OptimKind, ParamGroupConfig, PipeSchedule,
-        PipelineConfig, Precision, ScheduleKind, TrainConfig,
+        PipelineConfig, Precision, PsConfig, PsConsistency, ScheduleKind, Strategy, TrainConfig,
     };
 }
 

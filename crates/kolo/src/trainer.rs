@@ -45,6 +45,9 @@ pub struct TrainOptions {
     pub train: TrainConfig,
     /// What a micro-batch holds, for throughput in the logs.
     pub data: DataOptions,
+    /// A parameter-server job's servers, consistency and key ranges (`strategy = "ps"`,
+    /// trained by [`crate::PsWorker`]).
+    pub ps: kolo_train::config::PsConfig,
     /// A rule of the user's own instead of `optim.kind` ([`TrainOptions::update_rule`]; code,
     /// so not part of the TOML).
     #[serde(skip)]
@@ -191,6 +194,13 @@ impl TrainOptions {
         self
     }
 
+    /// `train.strategy`: `Ddp` (the [`Trainer`]) or `Ps` (parameter servers, [`crate::PsWorker`],
+    /// with the `[ps]` table's settings).
+    pub fn strategy(mut self, strategy: crate::options::Strategy) -> Self {
+        self.train.strategy = strategy;
+        self
+    }
+
     /// The data order's seed (`train.seed`): [`Trainer::sampler`] shuffles every epoch from it.
     pub fn seed(mut self, seed: u64) -> Self {
         self.train.seed = seed;
@@ -227,8 +237,8 @@ impl TrainOptions {
         })
     }
 
-    /// The trainer's tables of a `kolo train` config file (`[optim]`, `[ddp]`, `[train]` and
-    /// `[data]`'s `batch_size`, `shuffle` and `drop_last`), so one file configures both; its `[model]` and the rest of
+    /// The trainer's tables of a `kolo train` config file (`[optim]`, `[ddp]`, `[train]`, `[ps]`
+    /// and `[data]`'s `batch_size`, `shuffle` and `drop_last`), so one file configures both; its `[model]` and the rest of
     /// `[data]` describe Kolo's built-in models and datasets, which your program replaces.
     /// Checked as [`TrainOptions::from_toml`] is.
     pub fn from_train_config(cfg: &kolo_train::Config) -> Result<TrainOptions> {
@@ -242,6 +252,7 @@ impl TrainOptions {
                 drop_last: cfg.data.drop_last,
                 ..DataOptions::default()
             },
+            ps: cfg.ps.clone(),
             rule: None,
         };
         o.check()?;
@@ -269,7 +280,6 @@ impl TrainOptions {
                 "optim.reference_batch",
                 " without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
             ),
-            (self.train.strategy != Strategy::Ddp, "train.strategy", " = \"ps\""),
             (
                 self.train.sample_chars != 200 || self.train.sample_temperature != 0.8,
                 "train.sample_*",
@@ -297,6 +307,7 @@ impl TrainOptions {
         )?;
         cfg.optim = self.optim.clone();
         cfg.ddp = self.ddp.clone();
+        cfg.ps = self.ps.clone();
         cfg.train = self.train.clone();
         cfg.train.steps = cfg.train.steps.max(1);
         cfg.data.batch_size = self.data.batch_size.max(1);
@@ -565,6 +576,12 @@ impl Trainer {
 
     fn build(varmap: &VarMap, place: Place, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
         opts.check()?;
+        if opts.train.strategy == Strategy::Ps {
+            return Err(Error::setting(
+                "train.strategy",
+                "\"ps\" trains through parameter servers: train with kolo::PsWorker::join(&varmap, opts), under `kolo ps run --exec`",
+            ));
+        }
         check_deadlines(&opts.ddp, place.deadlines)?;
         if opts.ddp.zero_stage == 3 && groups.is_empty() {
             return Err(Error::setting(
@@ -1094,25 +1111,7 @@ impl Trainer {
     /// (`data.shuffle`, `data.drop_last`), starting at [`Trainer::data_position`] (where a
     /// resumed checkpoint left off).
     pub fn sampler(&self, len: usize) -> Result<crate::data::Sampler> {
-        let d = &self.opts.data;
-        if d.batch_size == 0 {
-            return Err(Error::setting("data.batch_size", "the sampler needs the examples per rank and micro-step: set [data] batch_size"));
-        }
-        let cfg = crate::data::SamplerConfig {
-            len,
-            world: self.data_replicas,
-            rank: self.data_replica,
-            batch: d.batch_size,
-            seed: self.opts.train.seed,
-            shuffle: d.shuffle,
-            drop_last: d.drop_last,
-        };
-        // Deterministic mode: contiguous slices of the global batch, as kolo train deals them.
-        let sampler = match self.opts.ddp.deterministic {
-            true => crate::data::Sampler::new_contiguous(cfg, self.data_pos),
-            false => crate::data::Sampler::new(cfg, self.data_pos),
-        };
-        sampler.map_err(|e| Error::setting("data", e))
+        replica_sampler(&self.opts, len, (self.data_replica, self.data_replicas), self.data_pos)
     }
 
     /// Whether the call that just returned ended an optimizer step after which an evaluation
@@ -1539,9 +1538,9 @@ const CODEC_LAYOUT_KEY: &str = "kolo.codec_layout";
 /// The VarMap's variables in natural name order as the trainer's parameters (f32 masters of a
 /// bf16/f16 model), their ids, the model's own variables of a mixed-precision model, and the
 /// dtype the model computes in.
-type Adopted = (ParamSet, HashMap<TensorId, usize>, Vec<candle_core::Var>, DType);
+pub(crate) type Adopted = (ParamSet, HashMap<TensorId, usize>, Vec<candle_core::Var>, DType);
 
-fn adopt(varmap: &VarMap, rank: usize, precision: Precision, device: &str) -> Result<Adopted> {
+pub(crate) fn adopt(varmap: &VarMap, rank: usize, precision: Precision, device: &str) -> Result<Adopted> {
     let mut vars: Vec<(String, candle_core::Var)> =
         varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
     if vars.is_empty() {
@@ -1608,7 +1607,7 @@ fn on_device(device: &str, loc: candle_core::DeviceLocation) -> bool {
 /// f32 masters (in f32 on the CPU nothing is left to do: the model's variables are the
 /// parameters). ZeRO-3's sharded groups are left out:
 /// their masters live as shards, gathered and rounded into the model's variables when read.
-fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -> Result<()> {
+pub(crate) fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -> Result<()> {
     params.sync_device()?;
     for (i, v) in model_vars.iter().enumerate().filter(|(i, _)| params.is_resident(*i)) {
         v.set(&params.get(i).var.as_tensor().to_dtype(compute)?)?;
@@ -1616,8 +1615,37 @@ fn publish(params: &ParamSet, model_vars: &[candle_core::Var], compute: DType) -
     Ok(())
 }
 
+/// Replica `rank` of `replicas`'s sampler over `len` examples from `pos`, as `kolo train` deals
+/// its data (see [`Trainer::sampler`]).
+pub(crate) fn replica_sampler(
+    o: &TrainOptions,
+    len: usize,
+    (rank, replicas): (usize, usize),
+    pos: Position,
+) -> Result<crate::data::Sampler> {
+    let d = &o.data;
+    if d.batch_size == 0 {
+        return Err(Error::setting("data.batch_size", "the sampler needs the examples per rank and micro-step: set [data] batch_size"));
+    }
+    let cfg = crate::data::SamplerConfig {
+        len,
+        world: replicas,
+        rank,
+        batch: d.batch_size,
+        seed: o.train.seed,
+        shuffle: d.shuffle,
+        drop_last: d.drop_last,
+    };
+    // Deterministic mode: contiguous slices of the global batch, as kolo train deals them.
+    let sampler = match o.ddp.deterministic {
+        true => crate::data::Sampler::new_contiguous(cfg, pos),
+        false => crate::data::Sampler::new(cfg, pos),
+    };
+    sampler.map_err(|e| Error::setting("data", e))
+}
+
 /// The value of a micro-step's loss, which must be a float scalar (`op` names the call).
-fn scalar_loss(rank: usize, op: &'static str, loss: &Tensor) -> Result<f32> {
+pub(crate) fn scalar_loss(rank: usize, op: &'static str, loss: &Tensor) -> Result<f32> {
     if loss.elem_count() != 1 || !loss.dtype().is_float() {
         return Err(Error::usage(
             rank,
@@ -1633,7 +1661,7 @@ fn scalar_loss(rank: usize, op: &'static str, loss: &Tensor) -> Result<f32> {
 }
 
 /// A routed backward's failure, for the call `op`.
-fn route_error(rank: usize, op: &'static str, e: kolo_train::update::RouteError) -> Error {
+pub(crate) fn route_error(rank: usize, op: &'static str, e: kolo_train::update::RouteError) -> Error {
     match e {
         kolo_train::update::RouteError::Outside(dims) => Error::usage(
             rank,
@@ -1668,7 +1696,7 @@ fn check_deadlines(d: &DdpSettings, started: Option<crate::dist::Deadlines>) -> 
 }
 
 /// The run's reporter: examples per optimizer step over all ranks from `[data] batch_size`.
-fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> Result<Reporter> {
+pub(crate) fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) -> Result<Reporter> {
     let global = kolo_train::config::global_batch(o.data.batch_size, world, o.train.grad_accum);
     Ok(Reporter::for_train(&o.train, o.data.tokens_per_example.max(1), rank, false, global, start)?)
 }

@@ -11,6 +11,11 @@ mod user_mlp;
 #[allow(dead_code)]
 mod hf_finetune;
 
+// It loads `user_mlp.rs` for the model too.
+#[path = "../../../kolo/examples/user_ps.rs"]
+#[allow(dead_code, clippy::duplicate_mod)]
+mod user_ps;
+
 #[path = "../../../kolo/examples/qwen2.rs"]
 #[allow(dead_code)]
 mod qwen2;
@@ -27,6 +32,7 @@ fn launched_rank() {
         Ok("all_gather") => all_gather_rank(&args).unwrap(),
         Ok("local_sgd") => local_sgd_rank(&args).unwrap(),
         Ok("builtin") => builtin_rank(&args).unwrap(),
+        Ok("user_ps") => drop(user_ps::train(&args).unwrap()),
         Ok("tp_blocks") => super::model_parallel::blocks_rank(&args).unwrap(),
         Ok("user_mesh") => drop(super::model_parallel::user_mesh::train(&args).unwrap()),
         Ok("user_moe") => drop(super::model_parallel::user_moe::train(&args).unwrap()),
@@ -597,6 +603,34 @@ fn the_librarys_deterministic_mode_is_bitwise_alike_at_every_world_size() {
                 }
             }
         }
+    }
+}
+
+/// Parameter servers for a user's model (`strategy = "ps"` from the library): `kolo ps run
+/// --exec` starts a coordinator, a server and 2 workers of the `user_ps` example. Under BSP their
+/// final model is bitwise the library's DDP run of the same MLP, data and SGD steps on 2 ranks
+/// (`user_mlp`; a sum of two is exact in any order); the weights moved by more than 1e-2.
+#[test]
+fn a_users_model_trains_through_parameter_servers_as_under_ddp() {
+    let dir = fresh_dir("user-ps");
+    let data = kolo_testkit::files::mnist_dir();
+    let ddp = example(2, "--optim sgd --lr 0.1 --steps 6 --batch 12 --hidden 32", &dir.join("ddp"));
+    let start = example(1, "--optim sgd --lr 0.1 --steps 0 --batch 12 --hidden 32", &dir.join("start"));
+    let out = dir.join("ps.safetensors");
+    let me = std::env::current_exe().unwrap();
+    let args = format!("--steps 6 --batch 12 --hidden 32 --data {} --out {}", data.display(), out.display());
+    let argv = ["ps", "run", "-n", "2", "--servers", "1", "--exec", "--", me.to_str().unwrap()];
+    let rank = ["user_model::launched_rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"];
+    let o = run(&[&argv[..], &rank[..]].concat(), &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "user_ps")]);
+    assert!(o.status.success(), "kolo ps run --exec: {}", text(&o));
+    let ps = candle_core::safetensors::load(&out, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(ps.len(), ddp.len(), "parameters: {:?}", ps.keys().collect::<Vec<_>>());
+    for (name, t) in &ps {
+        let got: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let (want, before) = (&ddp[&format!("model.{name}")], &start[&format!("model.{name}")]);
+        let (d, moved) = (max_diff(&got, want), max_diff(want, before));
+        assert!(got == *want, "`{name}`: parameter servers and DDP differ by up to {d}");
+        assert!(moved > 1e-2 || !name.ends_with("weight"), "`{name}` moved only {moved}");
     }
 }
 

@@ -63,10 +63,12 @@ fn modules_import_each_other_without_a_circle() {
 }
 
 /// Where a library may read the process environment, and what: joining a job (`kolo::init`,
-/// as torch's `env://`), the kernel override, the host identity, detecting mpirun, the GPU of
-/// a rank, the allocator switch. Binaries, the launcher and build scripts read what they like.
-const ENV_READERS: [(&str, &str); 7] = [
+/// as torch's `env://`, and a parameter-server job's worker, `kolo::PsJoin::from_env`), the
+/// kernel override, the host identity, detecting mpirun, the GPU of a rank, the allocator
+/// switch. Binaries, the launcher and build scripts read what they like.
+const ENV_READERS: [(&str, &str); 8] = [
     ("kolo/src/dist.rs", "std::env::vars()"),
+    ("kolo/src/ps_worker.rs", "std::env::var(k)"),
     ("kolo-base/src/simd.rs", "CAPABILITY_ENV"),
     ("kolo-collectives/src/connect.rs", "\"KOLO_HOST_ID\""),
     ("kolo-mpi/src/lib.rs", "\"OMPI_COMM_WORLD_SIZE\""),

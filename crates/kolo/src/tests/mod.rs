@@ -1244,3 +1244,39 @@ fn deterministic_mode_trains_in_pieces_and_names_the_call() {
         other => panic!("step_pieces without a batch size: {:?}", other.err()),
     }
 }
+
+/// `strategy = "ps"`: the `Trainer` (DDP) names `kolo::PsWorker`, and the worker refuses what
+/// it cannot do yet (before it connects to anything), each naming the setting.
+#[test]
+fn parameter_server_settings_name_the_worker_and_its_limits() {
+    let m = small();
+    let ps = || TrainOptions::new().strategy(crate::options::Strategy::Ps);
+    match Trainer::new(&m.varmap, &world_of_one(), ps()) {
+        Err(crate::Error::Setting { setting, reason }) => {
+            assert!(setting == "train.strategy" && reason.contains("kolo::PsWorker"), "{reason}")
+        }
+        other => panic!("the Trainer under strategy = ps: {:?}", other.err()),
+    }
+    #[cfg(feature = "ps")]
+    {
+        let me = crate::PsJoin {
+            worker: 0,
+            workers: 1,
+            coordinator: "127.0.0.1:9".into(),
+            token: kolo_rendezvous::JobToken::generate(),
+            servers: None,
+        };
+        for (opts, want) in [
+            (TrainOptions::new(), "train.strategy"),
+            (ps().checkpoints("ck", 5), "train.checkpoint_dir"),
+            // kolo train's own rule, with its message.
+            (ps().precision(crate::options::Precision::Bf16), "train.strategy"),
+            (ps().device("cuda"), "train.device"),
+        ] {
+            match crate::PsWorker::connect(&m.varmap, opts, me.clone()) {
+                Err(crate::Error::Setting { setting, .. }) => assert_eq!(setting, want),
+                other => panic!("{want}: {:?}", other.err()),
+            }
+        }
+    }
+}

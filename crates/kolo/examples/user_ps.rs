@@ -1,0 +1,59 @@
+//! Your own candle model trained through parameter servers (`[train] strategy = "ps"`): the
+//! MLP of `user_mlp`, each worker on its shard of MNIST, the servers applying SGD.
+//!
+//!   cargo build --release -p kolo-cli && cargo build --release -p kolo --features ps --example user_ps
+//!   target/release/kolo ps run -n 2 --servers 1 --exec -- target/release/examples/user_ps
+//!
+//! Flags: --steps N (200), --batch B per worker (32), --hidden H (128), --lr (0.1),
+//! --consistency bsp|async (bsp: every step waits for every worker's push, as DDP),
+//! --data DIR (test-data/mnist), --out FILE (worker 0 writes the final model there).
+use anyhow::Result;
+use candle_core::{DType, Device};
+use candle_nn::{loss::cross_entropy, Module, VarBuilder, VarMap};
+use kolo::data::{Dataset, Mnist};
+
+#[path = "user_mlp.rs"]
+#[allow(dead_code)]
+mod user_mlp;
+
+/// Trains this worker; returns the final parameters (flat) it pulled from the servers.
+pub fn train(args: &[String]) -> Result<Vec<f32>> {
+    let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
+    let (steps, batch): (u64, usize) = (arg("--steps", "200").parse()?, arg("--batch", "32").parse()?);
+    let device = Device::Cpu;
+    device.set_seed(0)?; // every worker builds the same model; worker 0's values seed the servers
+    let varmap = VarMap::new();
+    let model = user_mlp::mlp(VarBuilder::from_varmap(&varmap, DType::F32, &device), arg("--hidden", "128").parse()?)?;
+    let mut opts = kolo::TrainOptions::new()
+        .optimizer(kolo::options::OptimKind::Sgd, arg("--lr", "0.1").parse()?)
+        .strategy(kolo::options::Strategy::Ps)
+        .steps(steps)
+        .batch(batch, 1)
+        .log_every(50);
+    if arg("--consistency", "bsp") == "async" {
+        opts.ps.consistency = kolo::options::PsConsistency::Async;
+    }
+    // RANK, WORLD_SIZE, the coordinator and the job's token, as `kolo ps run` sets them.
+    let mut worker = kolo::PsWorker::join(&varmap, opts)?;
+    let train = Mnist::load(arg("--data", "test-data/mnist").as_ref(), "train")?;
+    let mut sampler = worker.sampler(train.len())?;
+    while worker.steps_done() < steps {
+        let (x, y) = kolo::data::mnist_tensors(&train, &sampler.next_batch(), &device)?;
+        worker.step(|| cross_entropy(&model.forward(&x)?, &y))?; // pull, forward, backward, push
+    }
+    let flat = worker.finish()?; // the servers' final values, into the model
+    if worker.worker().0 == 0 {
+        let out = arg("--out", "checkpoints/user_ps.safetensors");
+        if let Some(dir) = std::path::Path::new(&out).parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        varmap.save(&out)?;
+        println!("worker 0: {} steps, model written to {out}", worker.steps_done());
+    }
+    Ok(flat)
+}
+
+#[allow(dead_code)]
+fn main() -> Result<()> {
+    train(&std::env::args().collect::<Vec<_>>()).map(|_| ())
+}

@@ -1,0 +1,276 @@
+//! A parameter-server worker for a user's candle model (`[train] strategy = "ps"`, as `kolo
+//! train` runs one for its built-in models): every step pulls the parameters from the servers
+//! into the model's variables, runs the user's forward and backward, and pushes the gradient;
+//! the servers apply the optimizer (Li et al., OSDI 2014; Dean et al.'s Downpour SGD under
+//! `ps.consistency = "async"`). Under BSP the result is DDP's.
+//!
+//! The pieces are `kolo train`'s: the connection and job description
+//! (`kolo_train::ps_worker::connect`), the learning-rate schedule, the sampler, the report and
+//! the micro-step backward (`update::backward_routed`). A job is started by `kolo ps run
+//! --exec -- <your program>`: a coordinator, `ps.servers` server processes and the workers.
+
+use crate::trainer::{adopt, publish, replica_sampler, reporter, route_error, scalar_loss};
+use crate::{Error, Result, StepOutput, TrainOptions};
+use candle_core::{DType, Tensor, TensorId};
+use candle_nn::VarMap;
+use kolo_comm::{Communicator, LocalComm};
+use kolo_ps::{PsClient, SignificantlyModified};
+use kolo_rendezvous::JobToken;
+use kolo_tensor::ParamSet;
+use kolo_train::cadence::{Cadence, Window};
+use kolo_train::config::{PsConsistency, Strategy};
+use kolo_train::report::StepRecord;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Which worker of which parameter-server job this process is.
+#[derive(Clone, Debug)]
+pub struct PsJoin {
+    /// This worker (its data shard).
+    pub worker: usize,
+    /// The number of workers.
+    pub workers: usize,
+    /// The coordinator, `host:port`.
+    pub coordinator: String,
+    /// The job's secret token.
+    pub token: JobToken,
+    /// The servers the job starts (`ps.servers` otherwise): a worker waits for them to join.
+    pub servers: Option<u32>,
+}
+
+impl PsJoin {
+    /// From the variables `kolo ps run` sets: `RANK`, `WORLD_SIZE`, `KOLO_PS_COORDINATOR`
+    /// (unless `coordinator` is given: `[ps] coordinator`), `KOLO_JOB_TOKEN` and
+    /// `KOLO_PS_SERVERS`.
+    pub fn from_env(coordinator: Option<&str>) -> Result<PsJoin> {
+        let var = |k: &str| std::env::var(k).ok();
+        let num = |k: &str, d: usize| var(k).map_or(Ok(d), |v| v.parse().map_err(|_| Error::Join(format!("{k}={v} is not a number"))));
+        let coordinator = coordinator.map(str::to_string).or_else(|| var("KOLO_PS_COORDINATOR")).ok_or_else(|| {
+            Error::Join("a parameter-server worker needs the job's coordinator: start it with `kolo ps run --exec`, or set [ps] coordinator / KOLO_PS_COORDINATOR".into())
+        })?;
+        let token =
+            var("KOLO_JOB_TOKEN").ok_or_else(|| Error::Join("KOLO_JOB_TOKEN is not set (the parameter-server job's token)".into()))?;
+        let token = JobToken::from_hex(&token).map_err(|e| Error::Join(format!("KOLO_JOB_TOKEN: {e}")))?;
+        let servers = var("KOLO_PS_SERVERS")
+            .map(|v| v.parse().map_err(|_| Error::Join(format!("KOLO_PS_SERVERS={v} is not a number"))))
+            .transpose()?;
+        Ok(PsJoin { worker: num("RANK", 0)?, workers: num("WORLD_SIZE", 1)?, coordinator, token, servers })
+    }
+}
+
+/// A worker of a parameter-server job training a candle model held in a `VarMap`: the
+/// counterpart of [`crate::Trainer`] for `strategy = "ps"`. Each [`PsWorker::step`] is one
+/// micro-step of `train.grad_accum`; the one that completes an accumulation pulls (every
+/// `ps.fetch_every` steps under async), clips this worker's gradient and pushes it (every
+/// `ps.push_every` steps under async). Call [`PsWorker::finish`] after the last step: it pulls
+/// the final parameters into the model.
+pub struct PsWorker {
+    client: PsClient,
+    params: ParamSet,
+    ids: HashMap<TensorId, usize>,
+    model_vars: Vec<candle_core::Var>,
+    compute: DType,
+    opts: TrainOptions,
+    me: (usize, usize),
+    coordinator: String,
+    token: JobToken,
+    filter: Option<SignificantlyModified>,
+    /// Pulled parameters; this step's gradient; one micro-step's; the gradients not pushed yet.
+    flat: Vec<f32>,
+    grads: Vec<f32>,
+    micro_grad: Vec<f32>,
+    acc: Vec<f32>,
+    micro: u64,
+    steps: u64,
+    pushes: u64,
+    step_loss: f64,
+    step_start: Option<Instant>,
+    waited: Duration,
+    cadence: Cadence,
+    /// The workers share no communicator: each one's log windows are its own.
+    alone: Box<dyn Communicator>,
+    finished: bool,
+}
+
+impl PsWorker {
+    /// Joins the parameter-server job this process was started in ([`PsJoin::from_env`]).
+    pub fn join(varmap: &VarMap, opts: TrainOptions) -> Result<PsWorker> {
+        let me = PsJoin::from_env(opts.ps.coordinator.as_deref())?;
+        PsWorker::connect(varmap, opts, me)
+    }
+
+    /// Connects as worker `me.worker` of `me.workers` and adopts the VarMap's variables (as
+    /// [`crate::Trainer::new`] does). Worker 0's values seed the servers; every worker starts
+    /// from the servers' values at its first pull.
+    pub fn connect(varmap: &VarMap, mut opts: TrainOptions, me: PsJoin) -> Result<PsWorker> {
+        opts.check()?;
+        if let Some(n) = me.servers {
+            opts.ps.servers = n;
+        }
+        let refuse = |setting: &str, why: &str| Err(Error::setting(setting, why));
+        if opts.train.strategy != Strategy::Ps {
+            return refuse("train.strategy", "kolo::PsWorker trains a parameter-server job: set [train] strategy = \"ps\"");
+        }
+        if opts.rule.is_some() {
+            return refuse(
+                "optim",
+                "the servers apply the optimizer: a rule of your own (TrainOptions::update_rule) is code they do not have",
+            );
+        }
+        if opts.train.checkpoint_dir.is_some() {
+            return refuse(
+                "train.checkpoint_dir",
+                "kolo::PsWorker writes no checkpoints yet (kolo train's parameter-server workers do: worker 0 snapshots the servers)",
+            );
+        }
+        if opts.train.device != "cpu" {
+            return refuse("train.device", "kolo::PsWorker trains on the CPU (the servers hold the parameters in host memory)");
+        }
+        let (params, ids, model_vars, compute) = adopt(varmap, me.worker, opts.train.precision, &opts.train.device)?;
+        let numel = params.numel();
+        let me_pair = (me.worker, me.workers);
+        let mut client = kolo_train::ps_worker::connect(&opts.ps, opts.optim.spec(), &me.coordinator, &me.token, numel, me_pair)?;
+        if me.worker == 0 {
+            client.init(&params.to_flat()?)?;
+        }
+        let cadence = Cadence::new(reporter(&opts, me.worker, me.workers, 0)?);
+        let alone = Box::new(LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0));
+        let filter = (opts.ps.filter_threshold > 0.0).then(|| SignificantlyModified::new(opts.ps.filter_threshold));
+        Ok(PsWorker {
+            client,
+            params,
+            ids,
+            model_vars,
+            compute,
+            me: me_pair,
+            coordinator: me.coordinator,
+            token: me.token,
+            filter,
+            flat: vec![0f32; numel],
+            grads: vec![0f32; numel],
+            micro_grad: vec![0f32; numel],
+            acc: vec![0f32; numel],
+            micro: 0,
+            steps: 0,
+            pushes: 0,
+            step_loss: 0.0,
+            step_start: None,
+            waited: Duration::ZERO,
+            cadence,
+            alone,
+            finished: false,
+            opts,
+        })
+    }
+
+    /// This worker's sampler of `len` examples: its shard, as [`crate::Trainer::sampler`] deals
+    /// a data-parallel replica's (`[data] batch_size`, `train.seed`).
+    pub fn sampler(&self, len: usize) -> Result<crate::data::Sampler> {
+        replica_sampler(&self.opts, len, self.me, Default::default())
+    }
+
+    /// The learning rate of the next push (warm-up, then the schedule over `train.steps`).
+    pub fn lr(&self) -> f32 {
+        let global = kolo_train::config::global_batch(self.opts.data.batch_size, self.me.1, self.opts.train.grad_accum);
+        self.opts.optim.lr_of_step(global, self.opts.train.steps, self.steps)
+    }
+
+    /// This worker's index (its data shard) and the number of workers.
+    pub fn worker(&self) -> (usize, usize) {
+        self.me
+    }
+
+    /// Optimizer steps this worker has done.
+    pub fn steps_done(&self) -> u64 {
+        self.steps
+    }
+
+    fn is_async(&self) -> bool {
+        self.opts.ps.consistency == PsConsistency::Async
+    }
+
+    /// One micro-step: the first of a step pulls, `loss` runs (the forward pass, on the pulled
+    /// parameters), its gradient is added to the step's, and the last micro-step of
+    /// `train.grad_accum` clips and pushes it.
+    pub fn step(&mut self, loss: impl FnOnce() -> candle_core::Result<Tensor>) -> Result<StepOutput> {
+        let (rank, accum) = (self.me.0, self.opts.train.grad_accum.max(1));
+        if self.micro == 0 {
+            self.step_start = Some(Instant::now());
+            if !self.is_async() || self.steps.is_multiple_of(self.opts.ps.fetch_every.max(1)) {
+                let t = Instant::now();
+                let clock = if self.is_async() { self.pushes } else { self.steps };
+                self.client.pull(clock, &mut self.flat)?;
+                self.params.load(&self.flat)?;
+                publish(&self.params, &self.model_vars, self.compute)?;
+                self.waited += t.elapsed();
+            }
+            self.grads.fill(0.0);
+        }
+        let loss = loss()?;
+        let value = scalar_loss(rank, "PsWorker::step", &loss)?;
+        let route = kolo_train::update::GradRoute::Local(&self.params, &mut self.micro_grad);
+        kolo_train::update::backward_routed(&(loss * (1.0 / accum as f64))?, &self.ids, route, None)
+            .map_err(|e| route_error(rank, "PsWorker::step", e))?;
+        self.grads.iter_mut().zip(&self.micro_grad).for_each(|(a, g)| *a += g);
+        self.step_loss += f64::from(value) / accum as f64;
+        self.micro += 1;
+        let lr = self.lr();
+        if self.micro < accum {
+            return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None, comm: None, skipped: false });
+        }
+        let norm = self.opts.optim.clip_grad_norm.map(|max| {
+            // Each worker clips the gradient it pushes (the servers never see a global one).
+            let n = kolo_base::sum_of_squares(&self.grads).sqrt();
+            let f = kolo_optim::clip_factor(n, max);
+            self.grads.iter_mut().for_each(|g| *g *= f);
+            n
+        });
+        self.acc.iter_mut().zip(&self.grads).for_each(|(a, g)| *a += g);
+        let before = self.client.stats().bytes_out;
+        if !self.is_async() || (self.steps + 1).is_multiple_of(self.opts.ps.push_every.max(1)) {
+            let t = Instant::now();
+            let clock = if self.is_async() { self.pushes } else { self.steps };
+            let filter = self.filter.as_mut().map(|f| f as &mut dyn kolo_ps::Filter);
+            self.client.push(clock, lr, &self.acc, filter)?;
+            self.waited += t.elapsed();
+            self.pushes += 1;
+            self.acc.fill(0.0);
+        }
+        self.micro = 0;
+        self.steps += 1;
+        let waited = std::mem::take(&mut self.waited);
+        let rec = StepRecord {
+            step_ms: self.step_start.take().map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3),
+            wait_ms: Some(waited.as_secs_f64() * 1e3),
+            comm_bytes: Some((self.client.stats().bytes_out - before) as usize),
+            // Pulls and pushes block the step: nothing of them is hidden.
+            hidden: Some(0.0),
+            skipped_steps: 0,
+        };
+        let (done, end) = (self.steps, self.opts.train.steps);
+        self.cadence.record(done, rec);
+        let step_loss = std::mem::take(&mut self.step_loss);
+        if let Window::Diverged(why) = self.cadence.end_window(&*self.alone, done, end, step_loss, lr, 0, "", &self.opts.train)? {
+            return Err(Error::usage(rank, "PsWorker::step", why));
+        }
+        if done == end {
+            self.cadence.report.finish();
+        }
+        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((waited, 0.0)), skipped: false })
+    }
+
+    /// After the last step: pulls the final parameters into the model (under BSP every
+    /// worker's last push applied; async: what the servers hold now) and tells the coordinator
+    /// this worker is done. Returns them, flat.
+    pub fn finish(&mut self) -> Result<Vec<f32>> {
+        let clock = if self.is_async() { self.pushes } else { self.steps };
+        self.client.pull(clock, &mut self.flat)?;
+        self.params.load(&self.flat)?;
+        publish(&self.params, &self.model_vars, self.compute)?;
+        if !self.finished {
+            self.finished = true;
+            let _ = kolo_ps::coord::worker_done(&self.coordinator, &self.token, self.me.0 as u32, Duration::from_secs(5));
+        }
+        Ok(self.flat.clone())
+    }
+}
