@@ -350,6 +350,9 @@ macro_rules! from_str_as_in_the_file {
 }
 from_str_as_in_the_file!(OptimKind, ScheduleKind, Precision);
 
+/// What `ddp.dynamic_batch_every` runs with, for `kolo train` and the library alike.
+pub const DYNAMIC_BATCH_LIMITS: &str = "ddp.dynamic_batch_every needs train.grad_accum = 1, real data (mnist or text), plain data parallelism (no [mesh], [pipeline], local SGD, skip_sync or parameter servers)";
+
 /// What `ddp.deterministic` runs with, for `kolo train` and the library alike.
 pub const DETERMINISTIC_LIMITS: &str = "ddp.deterministic runs DDP or ZeRO-1/2 on real data (mnist or text) on the CPU in f32 or bf16: no zero_stage 3, compression, local_sgd, skip_sync, dynamic_batch_every, schedule, f16, [mesh], [pipeline] or ps";
 
@@ -963,7 +966,7 @@ impl Config {
                 || self.pipeline.is_some()
                 || self.train.strategy != Strategy::Ddp)
         {
-            return Err("ddp.dynamic_batch_every needs train.grad_accum = 1, real data (mnist or text), plain data parallelism (no [mesh], [pipeline], local SGD, skip_sync or parameter servers)".into());
+            return Err(DYNAMIC_BATCH_LIMITS.into());
         }
         Ok(())
     }

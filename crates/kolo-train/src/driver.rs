@@ -22,7 +22,7 @@ use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::setup::Data;
 use crate::summary::{peak_rss, Eval, HeapReport, RunOptions, StateBytes, Summary};
 use crate::TrainError;
-use kolo_comm::{BufMut, Communicator};
+use kolo_comm::Communicator;
 use kolo_tensor::Batch;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -171,7 +171,7 @@ pub struct Batches {
 
 enum Source {
     Prefetched(Receiver<(Position, Batch)>),
-    Dynamic { sampler: Sampler, split: Vec<usize> },
+    Dynamic { sampler: Sampler, split: crate::sampler::Shares },
 }
 
 impl Batches {
@@ -198,7 +198,8 @@ impl Batches {
                 Some(s) if s.len() == replicas && s.iter().sum::<usize>() == cfg.data.batch_size * replicas => s,
                 _ => vec![cfg.data.batch_size; replicas],
             };
-            Source::Dynamic { sampler: Sampler::new(global, pos).map_err(TrainError::Data)?, split }
+            let split = Arc::new(std::sync::Mutex::new(split));
+            Source::Dynamic { sampler: Sampler::new_shares(global, pos, split.clone(), rank).map_err(TrainError::Data)?, split }
         } else {
             let sampler = match cfg.ddp.deterministic {
                 true => Sampler::new_contiguous(scfg, pos),
@@ -214,10 +215,9 @@ impl Batches {
     pub fn next_batch(&mut self) -> Result<Batch, TrainError> {
         let (pos, batch) = match &mut self.source {
             Source::Prefetched(rx) => rx.recv().map_err(|_| TrainError::Other("the prefetch thread stopped".into()))?,
-            Source::Dynamic { sampler, split } => {
+            Source::Dynamic { sampler, .. } => {
                 let idx = sampler.next_batch();
-                let from: usize = split[..self.rank].iter().sum();
-                (sampler.position(), self.train.batch(&idx[from..from + split[self.rank]]))
+                (sampler.position(), self.train.batch(&idx))
             }
         };
         self.pos = pos;
@@ -235,9 +235,9 @@ impl Batches {
     }
 
     /// The per-replica shares of each global batch, when every rank slices global batches.
-    pub fn split(&self) -> Option<&[usize]> {
+    pub fn split(&self) -> Option<Vec<usize>> {
         match &self.source {
-            Source::Dynamic { split, .. } => Some(split),
+            Source::Dynamic { split, .. } => Some(split.lock().unwrap_or_else(|p| p.into_inner()).clone()),
             Source::Prefetched(_) => None,
         }
     }
@@ -250,20 +250,8 @@ impl Batches {
     /// Dynamic batch sizing at the end of a window: every rank's time per example over it, and
     /// the new split from them (on every rank of `comm`).
     fn resplit(&mut self, window: usize, report: &Reporter, comm: &dyn Communicator, done: u64) -> Result<(), TrainError> {
-        let Source::Dynamic { split, .. } = &mut self.source else { return Ok(()) };
-        let own = &report.compute_ms[report.compute_ms.len().saturating_sub(window)..];
-        let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64 / split[self.rank].max(1) as f64];
-        let mut all = vec![0f64; split.len()];
-        comm.all_gather(kolo_comm::BufRef::from(&mine[..]), BufMut::from(&mut all))?;
-        let next = crate::sampler::plan_split(split.iter().sum(), &all, 1);
-        if next != *split {
-            report.log(&format!(
-                "step {done}: dynamic batch: per-rank batches {split:?} -> {next:?} (ms per example {:?})",
-                all.iter().map(|t| (t * 1000.0).round() / 1000.0).collect::<Vec<_>>()
-            ));
-            *split = next;
-        }
-        Ok(())
+        let Source::Dynamic { split, .. } = &self.source else { return Ok(()) };
+        crate::sampler::replan(split, self.rank, window, report, comm, done)
     }
 }
 
@@ -355,7 +343,7 @@ pub fn drive(
             checkpoint = previous.or(checkpoint);
             let background = tc.checkpoint_background && opts.crash_during_save.is_none();
             let split = batches.split().filter(|_| cfg.ddp.dynamic_batch_every > 0);
-            let meta = crate::checkpointing::loop_state_meta(None, split);
+            let meta = crate::checkpointing::loop_state_meta(None, split.as_deref());
             let crash = opts.crash_during_save == Some(done);
             let p = s.save(SaveAt { dir: &dir, step: done, pos: batches.position(), meta, background, crash })?;
             cadence.saving(done, p, background);
@@ -397,7 +385,7 @@ pub fn drive(
         ps: f.ps,
         pipeline_bubble: f.pipeline_bubble,
         moe: f.moe,
-        batch_split: batches.split().map(<[usize]>::to_vec),
+        batch_split: batches.split(),
     })
 }
 

@@ -37,7 +37,14 @@ pub struct Sampler {
     perm: Vec<usize>,
     /// Rank r takes the contiguous slice `r*B..(r+1)*B` of each global batch.
     contiguous: bool,
+    /// Dynamic batch sizing: the global batches are cut by these shares (changed by whoever
+    /// re-plans them), and this is replica `.1`'s.
+    shares: Option<(Shares, usize)>,
 }
+
+/// The per-replica shares of each global batch under dynamic batch sizing, shared by the
+/// replica's sampler and the loop that re-plans them ([`plan_split`]).
+pub type Shares = std::sync::Arc<std::sync::Mutex<Vec<usize>>>;
 
 impl SamplerConfig {
     /// Batches per epoch per rank.
@@ -85,7 +92,17 @@ impl Sampler {
             ));
         }
         let perm = epoch_permutation(cfg.len, cfg.seed, pos.epoch, cfg.shuffle);
-        Ok(Sampler { cfg, pos, perm, contiguous: false })
+        Ok(Sampler { cfg, pos, perm, contiguous: false, shares: None })
+    }
+
+    /// Dynamic batch sizing: replica `rank`'s share of each global batch of `global` (a
+    /// world-1 config whose batch is the global batch), the shares read at every batch.
+    pub fn new_shares(global: SamplerConfig, pos: Position, shares: Shares, rank: usize) -> Result<Sampler, String> {
+        let n = shares.lock().unwrap_or_else(|p| p.into_inner()).len();
+        if global.world != 1 || rank >= n {
+            return Err(format!("sampler: replica {rank} of {n} shares of a global batch (world {})", global.world));
+        }
+        Ok(Sampler { shares: Some((shares, rank)), ..Sampler::new(global, pos)? })
     }
 
     /// As [`Sampler::new`], but rank r takes the contiguous slice `r*B..(r+1)*B` of each
@@ -112,8 +129,43 @@ impl Sampler {
         }
         let idx = batch_indices(&self.cfg, &self.perm, self.pos.batch, self.contiguous);
         self.pos.batch += 1;
-        idx
+        match &self.shares {
+            None => idx,
+            Some((shares, r)) => {
+                let split = shares.lock().unwrap_or_else(|p| p.into_inner());
+                let from: usize = split[..*r].iter().sum();
+                idx[from..from + split[*r]].to_vec()
+            }
+        }
     }
+}
+
+/// Dynamic batch sizing at the end of a window of `window` steps after `done` steps, on every
+/// rank of `comm` (replica `rank` is this one): each rank's compute time per example over the
+/// window (`report`'s), gathered, and the shares re-planned from them ([`plan_split`]); a
+/// change is logged. `kolo train`'s driver and the library's `Trainer` call it.
+pub fn replan(
+    shares: &Shares,
+    rank: usize,
+    window: usize,
+    report: &crate::report::Reporter,
+    comm: &dyn kolo_comm::Communicator,
+    done: u64,
+) -> Result<(), crate::TrainError> {
+    let split = shares.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let own = &report.compute_ms[report.compute_ms.len().saturating_sub(window)..];
+    let mine = [own.iter().sum::<f64>() / own.len().max(1) as f64 / split[rank].max(1) as f64];
+    let mut all = vec![0f64; split.len()];
+    comm.all_gather(kolo_comm::BufRef::from(&mine[..]), kolo_comm::BufMut::from(&mut all))?;
+    let next = plan_split(split.iter().sum(), &all, 1);
+    if next != split {
+        report.log(&format!(
+            "step {done}: dynamic batch: per-rank batches {split:?} -> {next:?} (ms per example {:?})",
+            all.iter().map(|t| (t * 1000.0).round() / 1000.0).collect::<Vec<_>>()
+        ));
+        *shares.lock().unwrap_or_else(|p| p.into_inner()) = next;
+    }
+    Ok(())
 }
 
 /// Dynamic batch sizing: splits a global batch of `total` examples over ranks in proportion to
@@ -174,6 +226,27 @@ mod tests {
 
     fn cfg(len: usize, world: usize, rank: usize, batch: usize, drop_last: bool) -> SamplerConfig {
         SamplerConfig { len, world, rank, batch, seed: 3, shuffle: true, drop_last }
+    }
+
+    /// Dynamic batch sizing's dealing: the replicas' shares cut one process's global batches
+    /// in order, and a re-planned split holds from the next batch on.
+    #[test]
+    fn shares_cut_the_global_batches_and_follow_a_new_split() {
+        let shares: Shares = std::sync::Arc::new(std::sync::Mutex::new(vec![6, 6]));
+        let mut one = Sampler::new(cfg(50, 1, 0, 12, true), Position::default()).unwrap();
+        let mut ranks: Vec<Sampler> =
+            (0..2).map(|r| Sampler::new_shares(cfg(50, 1, 0, 12, true), Position::default(), shares.clone(), r).unwrap()).collect();
+        for k in 0..8 {
+            if k == 3 {
+                *shares.lock().unwrap() = vec![9, 3];
+            }
+            let global = one.next_batch();
+            let got: Vec<Vec<usize>> = ranks.iter_mut().map(|s| s.next_batch()).collect();
+            assert_eq!(got[0].len(), if k < 3 { 6 } else { 9 }, "batch {k}");
+            assert_eq!(got.concat(), global, "batch {k}");
+        }
+        assert!(Sampler::new_shares(cfg(50, 2, 0, 6, true), Position::default(), shares.clone(), 0).is_err(), "a per-rank config");
+        assert!(Sampler::new_shares(cfg(50, 1, 0, 12, true), Position::default(), shares, 2).is_err(), "a replica without a share");
     }
 
     /// Deterministic mode's dealing: rank r's k-th batch is the r-th slice of one process's

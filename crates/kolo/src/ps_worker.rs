@@ -166,7 +166,7 @@ impl PsWorker {
     /// This worker's sampler of `len` examples: its shard, as [`crate::Trainer::sampler`] deals
     /// a data-parallel replica's (`[data] batch_size`, `train.seed`).
     pub fn sampler(&self, len: usize) -> Result<crate::data::Sampler> {
-        replica_sampler(&self.opts, len, self.me, Default::default())
+        replica_sampler(&self.opts, len, self.me, Default::default(), None)
     }
 
     /// The learning rate of the next push (warm-up, then the schedule over `train.steps`).

@@ -274,7 +274,6 @@ impl TrainOptions {
         let d = &self.ddp;
         let only_kolo_train = [
             (d.schedule.is_some(), "ddp.schedule", " (scheduled communication)"),
-            (d.dynamic_batch_every != 0, "ddp.dynamic_batch_every", " (the trainer does not own the batch)"),
             (
                 self.optim.reference_batch.is_some() && self.data.batch_size == 0,
                 "optim.reference_batch",
@@ -367,6 +366,9 @@ pub struct Trainer {
     local: Vec<f32>,
     /// `ddp.deterministic`: the exact (fixed-point) sum of this rank's pieces' gradients.
     exact: Option<kolo_ddp::exact::ExactSum>,
+    /// `ddp.dynamic_batch_every`: every replica's share of each global batch (the sampler's
+    /// too), re-planned from the ranks' speeds.
+    shares: Option<kolo_train::sampler::Shares>,
     meta: BTreeMap<String, String>,
     /// Where the user's sampler is, saved with every checkpoint (see [`Trainer::set_data_position`]).
     data_pos: Position,
@@ -602,6 +604,13 @@ impl Trainer {
         if opts.ddp.deterministic && model_parallel {
             return Err(Error::setting("ddp.deterministic", kolo_train::config::DETERMINISTIC_LIMITS));
         }
+        if opts.ddp.dynamic_batch_every > 0 && (model_parallel || opts.data.batch_size == 0) {
+            let why = match model_parallel {
+                true => kolo_train::config::DYNAMIC_BATCH_LIMITS,
+                false => "needs [data] batch_size: the global batch it splits is batch_size x ranks",
+            };
+            return Err(Error::setting("ddp.dynamic_batch_every", why));
+        }
         if opts.train.device != "cpu" && model_parallel {
             return Err(Error::setting("train.device", kolo_train::config::gpu_refusal(&opts.train.device)));
         }
@@ -653,6 +662,7 @@ impl Trainer {
         meta.insert("kolo.precision".to_string(), format!("{compute:?}"));
         let local = vec![0f32; params.numel()];
         let exact = opts.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(local.len()));
+        let shares = (opts.ddp.dynamic_batch_every > 0).then(|| Arc::new(std::sync::Mutex::new(vec![opts.data.batch_size; data_replicas])));
         let cadence = Some(Cadence::new(reporter(&opts, rank, data_replicas, 0)?));
         Ok(Trainer {
             comm,
@@ -670,6 +680,7 @@ impl Trainer {
             micro: 0,
             local,
             exact,
+            shares,
             meta,
             data_pos: Position::default(),
             cadence,
@@ -768,12 +779,22 @@ impl Trainer {
     /// calls, call [`Trainer::update`].
     pub fn backward(&mut self, loss: &Tensor) -> Result<f32> {
         let accum = self.opts.train.grad_accum.max(1);
+        // Dynamic batch sizing: a rank's mean loss weighs by its share of the global batch.
+        let share = self.share();
         // f16: backward runs on the loss times the loss scale; the update divides it out.
-        let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accum as f64;
+        let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) * share / accum as f64;
         let (value, _) = self.backward_with(loss, factor, None)?;
-        self.step_loss += f64::from(value) / accum as f64;
+        self.step_loss += f64::from(value) * share / accum as f64;
         self.last_loss = value;
         Ok(value)
+    }
+
+    /// Dynamic batch sizing: this replica's share of the global batch relative to an equal
+    /// share (1 otherwise), by which its mean loss weighs.
+    fn share(&self) -> f64 {
+        let Some(s) = &self.shares else { return 1.0 };
+        let s = s.lock().unwrap_or_else(|p| p.into_inner());
+        s[self.data_replica] as f64 * s.len() as f64 / s.iter().sum::<usize>().max(1) as f64
     }
 
     /// [`Trainer::backward`] of `loss` times `factor`, without the loss's bookkeeping; the
@@ -1049,6 +1070,11 @@ impl Trainer {
             skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped,
         };
         c.record(done, rec);
+        if let (Some(shares), every) = (&self.shares, self.opts.ddp.dynamic_batch_every) {
+            if done.is_multiple_of(every) {
+                kolo_train::sampler::replan(shares, self.data_replica, every as usize, &c.report, &*self.comm, done)?;
+            }
+        }
         if let Window::Diverged(why) = c.end_window(&*self.comm, done, end, loss, lr, 0, "", &self.opts.train)? {
             return Err(Error::usage(self.comm.rank().get(), "Trainer::update", why));
         }
@@ -1111,7 +1137,7 @@ impl Trainer {
     /// (`data.shuffle`, `data.drop_last`), starting at [`Trainer::data_position`] (where a
     /// resumed checkpoint left off).
     pub fn sampler(&self, len: usize) -> Result<crate::data::Sampler> {
-        replica_sampler(&self.opts, len, (self.data_replica, self.data_replicas), self.data_pos)
+        replica_sampler(&self.opts, len, (self.data_replica, self.data_replicas), self.data_pos, self.shares.as_ref())
     }
 
     /// Whether the call that just returned ended an optimizer step after which an evaluation
@@ -1324,7 +1350,10 @@ impl Trainer {
             scaler: self.scaler.as_ref(),
             local_sgd: self.opts.ddp.local_sgd.is_some(),
         };
-        Ok(replica.save(dir, self.steps, self.data_pos, self.meta.clone(), background, false)?)
+        let mut meta = self.meta.clone();
+        let split = self.shares.as_ref().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone());
+        meta.extend(kolo_train::checkpointing::loop_state_meta(None, split.as_deref()));
+        Ok(replica.save(dir, self.steps, self.data_pos, meta, background, false)?)
     }
 
     /// Tensor parallelism: the group assembles whole tensors (parameters and optimizer state)
@@ -1513,6 +1542,12 @@ impl Trainer {
         if let Some(z) = &self.zero3 {
             z.release_all()?;
         }
+        if let (Some(shares), Some(split)) = (&self.shares, &r.batch_split) {
+            // The split it was written with, at the same world size and global batch.
+            if split.len() == self.data_replicas && split.iter().sum::<usize>() == self.opts.data.batch_size * self.data_replicas {
+                *shares.lock().unwrap_or_else(|p| p.into_inner()) = split.clone();
+            }
+        }
         self.steps = r.step;
         self.data_pos = r.pos;
         self.micro = 0;
@@ -1622,6 +1657,7 @@ pub(crate) fn replica_sampler(
     len: usize,
     (rank, replicas): (usize, usize),
     pos: Position,
+    shares: Option<&kolo_train::sampler::Shares>,
 ) -> Result<crate::data::Sampler> {
     let d = &o.data;
     if d.batch_size == 0 {
@@ -1636,10 +1672,15 @@ pub(crate) fn replica_sampler(
         shuffle: d.shuffle,
         drop_last: d.drop_last,
     };
-    // Deterministic mode: contiguous slices of the global batch, as kolo train deals them.
-    let sampler = match o.ddp.deterministic {
-        true => crate::data::Sampler::new_contiguous(cfg, pos),
-        false => crate::data::Sampler::new(cfg, pos),
+    // Deterministic mode: contiguous slices of the global batch, as kolo train deals them;
+    // dynamic batch sizing: this replica's share of each global batch.
+    let sampler = match (shares, o.ddp.deterministic) {
+        (Some(s), _) => {
+            let global = crate::data::SamplerConfig { world: 1, rank: 0, batch: d.batch_size * replicas, ..cfg };
+            crate::data::Sampler::new_shares(global, pos, s.clone(), rank)
+        }
+        (None, true) => crate::data::Sampler::new_contiguous(cfg, pos),
+        (None, false) => crate::data::Sampler::new(cfg, pos),
     };
     sampler.map_err(|e| Error::setting("data", e))
 }

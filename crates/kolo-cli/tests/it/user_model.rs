@@ -201,7 +201,7 @@ fn hugging_face_models_fine_tuned_under_zero_export_what_they_trained() {
 fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
     use candle_core::{DType, Tensor};
     use candle_nn::{linear, loss::cross_entropy, Module, VarBuilder, VarMap};
-    use kolo::data::{Dataset, Mnist, Sampler, SamplerConfig};
+    use kolo::data::{Dataset, Mnist};
     let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
     let (steps, stop_at): (u64, u64) = (arg("--steps", "6").parse()?, arg("--stop-at", "0").parse()?);
     let batch: usize = arg("--batch", "8").parse()?;
@@ -212,6 +212,11 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, precision.dtype(), &dist.device());
     let (l1, l2) = (linear(784, 32, vb.pp("fc1"))?, linear(32, 10, vb.pp("fc2"))?);
+    // `--slow R:MS`: rank R's forward takes MS milliseconds more per example (a slower device).
+    let slow_ms = match arg("--slow", "none:0").split_once(':') {
+        Some((r, ms)) if r.parse::<usize>().ok() == Some(dist.rank()) => ms.parse::<f64>()?,
+        _ => 0.0,
+    };
     let zero3 = arg("--zero3", "no") == "yes";
     let ddp = arg("--ddp", "").replace(';', "\n");
     let toml = format!(
@@ -230,17 +235,21 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
         trainer.resume(&resume)?;
     }
     let train = Mnist::load(kolo_testkit::files::mnist_dir().as_ref(), "train")?;
-    let cfg =
-        SamplerConfig { len: train.len(), world: dist.world_size(), rank: dist.rank(), batch, seed: 0, shuffle: true, drop_last: true };
-    let mut sampler = Sampler::new(cfg, trainer.data_position()).map_err(anyhow::Error::msg)?;
+    let mut sampler = trainer.sampler(train.len())?;
+    let mut last_batch = 0;
     while trainer.steps_done() < steps {
         let idx = sampler.next_batch();
+        last_batch = idx.len();
+        let lag = std::time::Duration::from_secs_f64(slow_ms * idx.len() as f64 / 1e3);
         let x: Vec<f32> = idx.iter().flat_map(|&i| train.image(i).iter().copied()).collect();
         let y: Vec<u32> = idx.iter().map(|&i| u32::from(train.labels()[i])).collect();
         let (x, y) = (Tensor::from_vec(x, (idx.len(), 784), &dist.device())?, Tensor::from_vec(y, idx.len(), &dist.device())?);
         let x = x.to_dtype(precision.dtype())?;
         trainer.set_data_position(sampler.position());
-        trainer.step(|| cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?.to_dtype(DType::F32)?, &y))?;
+        trainer.step(|| {
+            std::thread::sleep(lag);
+            cross_entropy(&l2.forward(&l1.forward(&x)?.relu()?)?.to_dtype(DType::F32)?, &y)
+        })?;
         if stop_at > 0 && trainer.steps_done() == stop_at {
             trainer.save(out.join("ck"))?;
             break;
@@ -248,6 +257,7 @@ fn local_sgd_rank(args: &[String]) -> anyhow::Result<()> {
     }
     let flat: Vec<u8> = trainer.flat_params()?.iter().flat_map(|v| v.to_le_bytes()).collect();
     std::fs::write(out.join(format!("rank{}.f32", dist.rank())), flat)?;
+    std::fs::write(out.join(format!("rank{}.batch", dist.rank())), last_batch.to_string())?;
     Ok(())
 }
 
@@ -271,6 +281,26 @@ fn mlp_run(n: usize, args: &str, out: &std::path::Path) -> Vec<Vec<f32>> {
 }
 
 use kolo_testkit::max_abs_diff as max_diff;
+
+/// Dynamic batch sizing for a user's model (`ddp.dynamic_batch_every` from the library): rank
+/// 1 of 2 takes 0.4 ms more per example in its forward; every 5 steps the ranks re-split the
+/// global batch of 64 by their measured time per example (the trainer's sampler deals the
+/// shares), so rank 1 ends with clearly fewer examples, and each rank's mean loss weighs by its
+/// share, so training stays one process's with batch 64 (within 2e-5: f32 reassociation).
+#[test]
+fn dynamic_batch_sizing_of_a_users_model_moves_work_off_the_slow_rank() {
+    let dir = fresh_dir("user-dynamic");
+    let one = &mlp_run(1, "--steps 30 --batch 64", &dir.join("one"))[0];
+    let start = &mlp_run(1, "--steps 0 --batch 64", &dir.join("start"))[0];
+    let two = mlp_run(2, "--steps 30 --batch 32 --slow 1:0.4 --ddp dynamic_batch_every=5", &dir.join("two"));
+    let last = |r: usize| std::fs::read_to_string(dir.join("two").join(format!("rank{r}.batch"))).unwrap().parse::<usize>().unwrap();
+    let (b0, b1) = (last(0), last(1));
+    assert_eq!(b0 + b1, 64, "the shares of the global batch");
+    assert!(b1 < 24, "the slow rank should end with fewer examples: {b0} and {b1}");
+    assert_eq!(two[0], two[1], "the ranks hold the same model");
+    let (d, moved) = (max_diff(&two[0], one), max_diff(one, start));
+    assert!(d < 2e-5 && moved > 1e-2, "two ranks with dynamic shares vs one process with batch 64: {d} (moved {moved})");
+}
 
 /// Local SGD for a user's model (issue #17): averaging after every SGD step is DDP (the mean of
 /// the replicas' steps is the step on the mean gradient; within f32 rounding), and with a
