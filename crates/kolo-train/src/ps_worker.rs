@@ -100,7 +100,7 @@ pub fn window_straggler(lag: &[f64], pushes: &[u64], lag0: &[f64], pushes0: &[u6
 }
 
 /// Checkpoint metadata: each worker's clock (pushes applied) when the servers' state was read.
-const CLOCKS_KEY: &str = "kolo.ps_clocks";
+pub const CLOCKS_KEY: &str = "kolo.ps_clocks";
 
 /// Trains this parameter-server worker to the end of the run (the driver's loop, without
 /// checkpoints: the state lives on the servers).
@@ -425,20 +425,7 @@ impl Worker {
         params.load(&self.flat)?;
         let (worker, workers) = (self.client.worker() as usize, self.client.workers() as usize);
         let push_every = if cfg.ps.consistency == PsConsistency::Async { cfg.ps.push_every.max(1) } else { 1 };
-        let clocks = match r.meta.get(CLOCKS_KEY) {
-            Some(v) => {
-                let c: Vec<u64> = v.split(',').map(str::parse).collect::<Result<_, _>>().map_err(|_| {
-                    TrainError::Data(format!("{}: checkpoint metadata `{CLOCKS_KEY}` = {v:?} is not a list of numbers", path.display()))
-                })?;
-                // Another number of workers: each continues from the slowest one's clock.
-                if c.len() == workers {
-                    c
-                } else {
-                    vec![c.iter().copied().min().unwrap_or(0); workers]
-                }
-            }
-            None => vec![r.step / push_every; workers],
-        };
+        let clocks = resumed_clocks(path, &r, workers, push_every)?;
         if restore {
             let state: Vec<Vec<f32>> = opt.state().into_iter().map(|(_, v)| v.to_vec()).collect();
             self.client.restore(&clocks, &self.flat, opt.steps(), &state)?;
@@ -505,6 +492,25 @@ impl Worker {
         out.rec.hidden = Some(0.0);
         Ok(out)
     }
+}
+
+/// Every worker's clock (pushes applied) to restore from checkpoint `r` at `path`: its
+/// `kolo.ps_clocks`, each worker continuing from the slowest one's at another number of
+/// workers; a checkpoint of another strategy gives every worker its step (over `push_every`).
+pub fn resumed_clocks(path: &std::path::Path, r: &Resumed, workers: usize, push_every: u64) -> Result<Vec<u64>, TrainError> {
+    Ok(match r.meta.get(CLOCKS_KEY) {
+        Some(v) => {
+            let c: Vec<u64> = v.split(',').map(str::parse).collect::<Result<_, _>>().map_err(|_| {
+                TrainError::Data(format!("{}: checkpoint metadata `{CLOCKS_KEY}` = {v:?} is not a list of numbers", path.display()))
+            })?;
+            if c.len() == workers {
+                c
+            } else {
+                vec![c.iter().copied().min().unwrap_or(0); workers]
+            }
+        }
+        None => vec![r.step / push_every.max(1); workers],
+    })
 }
 
 /// Connects as worker `me` = (worker, workers) of the job `pc` describes (`optimizer`: the

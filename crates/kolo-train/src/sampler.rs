@@ -47,6 +47,12 @@ pub struct Sampler {
 pub type Shares = std::sync::Arc<std::sync::Mutex<Vec<usize>>>;
 
 impl SamplerConfig {
+    /// The position after `batches_done` batches from the start.
+    pub fn position_after(&self, batches_done: u64) -> Position {
+        let bpe = self.batches_per_epoch().max(1);
+        Position { epoch: batches_done / bpe, batch: batches_done % bpe }
+    }
+
     /// Batches per epoch per rank.
     pub fn batches_per_epoch(&self) -> u64 {
         let global = self.batch * self.world;

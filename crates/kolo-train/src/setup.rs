@@ -61,7 +61,7 @@ pub fn replica_batches(
     batches_done: u64,
 ) -> Result<Receiver<(Position, Batch)>, TrainError> {
     let scfg = replica_sampler(cfg, train.len(), dp_rank, dp_size);
-    let pos = position_after(&scfg, batches_done);
+    let pos = scfg.position_after(batches_done);
     let sampler = Sampler::new(scfg, pos).map_err(TrainError::Data)?;
     Ok(prefetch(train, sampler, cfg.data.prefetch))
 }
@@ -82,17 +82,11 @@ pub(crate) fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize)
     rx
 }
 
-/// The sampler position after `batches_done` batches of `scfg`.
-fn position_after(scfg: &SamplerConfig, batches_done: u64) -> Position {
-    let bpe = scfg.batches_per_epoch().max(1);
-    Position { epoch: batches_done / bpe, batch: batches_done % bpe }
-}
-
 /// The sampler position of data-parallel replica `rank` of `world` over `len` training
 /// examples after `batches_done` batches.
 #[cfg(feature = "ps")]
 pub(crate) fn replica_position(cfg: &Config, len: usize, rank: usize, world: usize, batches_done: u64) -> Position {
-    position_after(&replica_sampler(cfg, len, rank, world), batches_done)
+    replica_sampler(cfg, len, rank, world).position_after(batches_done)
 }
 
 /// The sampler of data-parallel replica `rank` of `world` over `len` examples (synthetic data

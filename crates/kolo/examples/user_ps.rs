@@ -4,8 +4,11 @@
 //!   cargo build --release -p kolo-cli && cargo build --release -p kolo --features ps --example user_ps
 //!   target/release/kolo ps run -n 2 --servers 1 --exec -- target/release/examples/user_ps
 //!
-//! Flags: --steps N (200), --batch B per worker (32), --hidden H (128), --lr (0.1),
+//! Flags: --steps N (200), --batch B per worker (32), --hidden H (128), --optim sgd|adam|adamw|..
+//! (sgd; the servers run it), --lr (0.1),
 //! --consistency bsp|async (bsp: every step waits for every worker's push, as DDP),
+//! --checkpoints DIR and --every N (worker 0 writes the servers' state every N steps),
+//! --resume DIR (onto fresh servers), --stop-at N (stop there, as if interrupted),
 //! --data DIR (test-data/mnist), --out FILE (worker 0 writes the final model there).
 use anyhow::Result;
 use candle_core::{DType, Device};
@@ -25,7 +28,7 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     let varmap = VarMap::new();
     let model = user_mlp::mlp(VarBuilder::from_varmap(&varmap, DType::F32, &device), arg("--hidden", "128").parse()?)?;
     let mut opts = kolo::TrainOptions::new()
-        .optimizer(kolo::options::OptimKind::Sgd, arg("--lr", "0.1").parse()?)
+        .optimizer(arg("--optim", "sgd").parse().map_err(anyhow::Error::msg)?, arg("--lr", "0.1").parse()?)
         .strategy(kolo::options::Strategy::Ps)
         .steps(steps)
         .batch(batch, 1)
@@ -33,13 +36,24 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     if arg("--consistency", "bsp") == "async" {
         opts.ps.consistency = kolo::options::PsConsistency::Async;
     }
+    if let Some(dir) = args.iter().skip_while(|a| *a != "--checkpoints").nth(1) {
+        opts = opts.checkpoints(dir.clone(), arg("--every", "50").parse()?);
+    }
     // RANK, WORLD_SIZE, the coordinator and the job's token, as `kolo ps run` sets them.
     let mut worker = kolo::PsWorker::join(&varmap, opts)?;
+    if let Some(dir) = args.iter().skip_while(|a| *a != "--resume").nth(1) {
+        worker.resume(dir)?; // every worker; worker 0 restores the servers
+    }
     let train = Mnist::load(arg("--data", "test-data/mnist").as_ref(), "train")?;
     let mut sampler = worker.sampler(train.len())?;
-    while worker.steps_done() < steps {
+    let stop: u64 = arg("--stop-at", &steps.to_string()).parse()?;
+    while worker.steps_done() < steps.min(stop) {
         let (x, y) = kolo::data::mnist_tensors(&train, &sampler.next_batch(), &device)?;
+        worker.set_data_position(sampler.position()); // for the checkpoints the step writes
         worker.step(|| cross_entropy(&model.forward(&x)?, &y))?; // pull, forward, backward, push
+    }
+    if stop < steps {
+        return Ok(Vec::new()); // interrupted: the checkpoints written so far hold the run
     }
     let flat = worker.finish()?; // the servers' final values, into the model
     if worker.worker().0 == 0 {

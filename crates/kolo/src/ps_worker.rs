@@ -9,18 +9,22 @@
 //! the micro-step backward (`update::backward_routed`). A job is started by `kolo ps run
 //! --exec -- <your program>`: a coordinator, `ps.servers` server processes and the workers.
 
-use crate::trainer::{adopt, publish, replica_sampler, reporter, route_error, scalar_loss};
+use crate::trainer::{adopt, checkpoint_meta, publish, replica_sampler, reporter, route_error, scalar_loss};
 use crate::{Error, Result, StepOutput, TrainOptions};
 use candle_core::{DType, Tensor, TensorId};
 use candle_nn::VarMap;
 use kolo_comm::{Communicator, LocalComm};
+use kolo_optim::Optimizer;
 use kolo_ps::{PsClient, SignificantlyModified};
 use kolo_rendezvous::JobToken;
 use kolo_tensor::ParamSet;
 use kolo_train::cadence::{Cadence, Window};
+use kolo_train::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint, PendingSave};
 use kolo_train::config::{PsConsistency, Strategy};
 use kolo_train::report::StepRecord;
-use std::collections::HashMap;
+use kolo_train::sampler::Position;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// Which worker of which parameter-server job this process is.
@@ -63,7 +67,11 @@ impl PsJoin {
 /// micro-step of `train.grad_accum`; the one that completes an accumulation pulls (every
 /// `ps.fetch_every` steps under async), clips this worker's gradient and pushes it (every
 /// `ps.push_every` steps under async). Call [`PsWorker::finish`] after the last step: it pulls
-/// the final parameters into the model.
+/// the final parameters into the model. Checkpoints (`train.checkpoint_dir` and
+/// `checkpoint_every`, or [`PsWorker::save`]) are `kolo train`'s for parameter servers: worker
+/// 0 writes the servers' parameters and optimizer state as a data-parallel checkpoint with
+/// every worker's clock; [`PsWorker::resume`] puts them on fresh servers, and the library's
+/// `Trainer` (or `kolo train`) continues them too.
 pub struct PsWorker {
     client: PsClient,
     params: ParamSet,
@@ -87,6 +95,10 @@ pub struct PsWorker {
     step_start: Option<Instant>,
     waited: Duration,
     cadence: Cadence,
+    /// The checkpoints' metadata (the library `Trainer`'s, for `workers` replicas), and where
+    /// the user's sampler is.
+    meta: BTreeMap<String, String>,
+    data_pos: Position,
     /// The workers share no communicator: each one's log windows are its own.
     alone: Box<dyn Communicator>,
     finished: bool,
@@ -117,12 +129,6 @@ impl PsWorker {
                 "the servers apply the optimizer: a rule of your own (TrainOptions::update_rule) is code they do not have",
             );
         }
-        if opts.train.checkpoint_dir.is_some() {
-            return refuse(
-                "train.checkpoint_dir",
-                "kolo::PsWorker writes no checkpoints yet (kolo train's parameter-server workers do: worker 0 snapshots the servers)",
-            );
-        }
         if opts.train.device != "cpu" {
             return refuse("train.device", "kolo::PsWorker trains on the CPU (the servers hold the parameters in host memory)");
         }
@@ -134,6 +140,7 @@ impl PsWorker {
             client.init(&params.to_flat()?)?;
         }
         let cadence = Cadence::new(reporter(&opts, me.worker, me.workers, 0)?);
+        let meta = checkpoint_meta(&params.signature(), &opts, me.workers, 0, compute);
         let alone = Box::new(LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0));
         let filter = (opts.ps.filter_threshold > 0.0).then(|| SignificantlyModified::new(opts.ps.filter_threshold));
         Ok(PsWorker {
@@ -157,6 +164,8 @@ impl PsWorker {
             step_start: None,
             waited: Duration::ZERO,
             cadence,
+            meta,
+            data_pos: Position::default(),
             alone,
             finished: false,
             opts,
@@ -166,7 +175,71 @@ impl PsWorker {
     /// This worker's sampler of `len` examples: its shard, as [`crate::Trainer::sampler`] deals
     /// a data-parallel replica's (`[data] batch_size`, `train.seed`).
     pub fn sampler(&self, len: usize) -> Result<crate::data::Sampler> {
-        replica_sampler(&self.opts, len, self.me, Default::default(), None)
+        // From this worker's own step (a resumed worker continues from its clock).
+        let from = replica_sampler(&self.opts, len, self.me, Position::default(), None)?.config().position_after(self.steps * self.accum());
+        replica_sampler(&self.opts, len, self.me, from, None)
+    }
+
+    /// Records where the sampler is, for the checkpoints worker 0 writes (a `Trainer` that
+    /// continues them starts its sampler there). Call it before [`PsWorker::step`].
+    pub fn set_data_position(&mut self, p: Position) {
+        self.data_pos = p;
+    }
+
+    fn accum(&self) -> u64 {
+        self.opts.train.grad_accum.max(1)
+    }
+
+    /// Writes a checkpoint of the servers' state after the steps done (worker 0; on the others
+    /// it writes nothing): their parameters and optimizer state, as a data-parallel checkpoint
+    /// of `workers` replicas with every worker's clock (under BSP the state after every
+    /// worker's push of those steps; async: each range as it is). Returns the step directory.
+    pub fn save(&mut self, dir: impl AsRef<Path>) -> Result<PathBuf> {
+        Ok(self.write_checkpoint(dir.as_ref())?.target)
+    }
+
+    fn write_checkpoint(&mut self, dir: &Path) -> Result<PendingSave> {
+        let target = dir.join(format!("step-{:08}", self.steps));
+        if self.me.0 != 0 {
+            return Ok(PendingSave { target, thread: None });
+        }
+        let snap = self.client.snapshot(self.steps)?;
+        self.params.load(&snap.values)?;
+        publish(&self.params, &self.model_vars, self.compute)?;
+        let spec = self.opts.optim.spec();
+        let mut opt = Optimizer::new(spec.clone(), snap.values.len());
+        let bufs: Vec<(&str, Vec<f32>)> = spec.state_names().iter().copied().zip(snap.opt_state).collect();
+        opt.load_state(snap.opt_steps, &bufs).map_err(kolo_train::TrainError::Data)?;
+        let mut meta = self.meta.clone();
+        meta.insert(kolo_train::ps_worker::CLOCKS_KEY.into(), snap.clocks.iter().map(u64::to_string).collect::<Vec<_>>().join(","));
+        Ok(save_checkpoint(dir, self.steps, &self.params, &[], &opt, None, &*self.alone, self.data_pos, &meta, Vec::new(), false, false)?)
+    }
+
+    /// Continues from checkpoint `path` (this job's, or a data-parallel one of the same model
+    /// and optimizer): worker 0 puts its parameters and optimizer state on the servers with
+    /// every worker's clock (`kolo.ps_clocks`; another strategy's: its step); each worker
+    /// continues from its own clock (its step; [`PsWorker::sampler`] starts there). Call it on
+    /// every worker, before the first step. Returns this worker's step.
+    pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
+        let path = resolve_checkpoint(path.as_ref())?;
+        let ranges: Vec<_> = self.params.iter().map(|p| p.range.clone()).collect();
+        let mut opt = Optimizer::new(self.opts.optim.spec(), self.flat.len());
+        let r = load_checkpoint(&path, &self.params, &mut self.flat, &mut opt, None, &ranges, &self.meta)?;
+        self.params.load(&self.flat)?;
+        publish(&self.params, &self.model_vars, self.compute)?;
+        let push_every = if self.is_async() { self.opts.ps.push_every.max(1) } else { 1 };
+        let clocks = kolo_train::ps_worker::resumed_clocks(&path, &r, self.me.1, push_every)?;
+        if self.me.0 == 0 {
+            let state: Vec<Vec<f32>> = opt.state().into_iter().map(|(_, v)| v.to_vec()).collect();
+            self.client.restore(&clocks, &self.flat, opt.steps(), &state)?;
+        }
+        self.pushes = clocks[self.me.0];
+        self.steps = (self.pushes * push_every).min(self.opts.train.steps);
+        self.data_pos = r.pos;
+        // The report restarts at the resumed step.
+        let mut before = std::mem::replace(&mut self.cadence, Cadence::new(reporter(&self.opts, self.me.0, self.me.1, self.steps)?));
+        before.settle()?;
+        Ok(self.steps)
     }
 
     /// The learning rate of the next push (warm-up, then the schedule over `train.steps`).
@@ -255,6 +328,11 @@ impl PsWorker {
         }
         if done == end {
             self.cadence.report.finish();
+        }
+        if let Some((dir, _)) = self.cadence.checkpoint_due(&self.opts.train, done, end)? {
+            let p = self.write_checkpoint(&dir)?;
+            self.cadence.saving(done, p, false);
+            self.cadence.settle()?;
         }
         Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((waited, 0.0)), skipped: false })
     }

@@ -106,7 +106,7 @@ impl TrainOptions {
     }
 
     /// The optimizer these options train with.
-    fn optimizer_spec(&self) -> kolo_optim::OptimizerSpec {
+    pub(crate) fn optimizer_spec(&self) -> kolo_optim::OptimizerSpec {
         match &self.rule {
             Some(rule) => kolo_optim::OptimizerSpec::Custom { rule: rule.clone(), weight_decay: self.optim.weight_decay },
             None => self.optim.spec(),
@@ -650,16 +650,7 @@ impl Trainer {
         } else {
             None
         };
-        let mut meta = BTreeMap::new();
-        meta.insert("kolo.model".to_string(), model_fingerprint(&whole_signature));
-        meta.insert(kolo_train::checkpointing::SIGNATURE_KEY.to_string(), kolo_train::checkpointing::model_signature(&whole_signature));
-        meta.insert("kolo.optimizer".to_string(), format!("{:?}", opts.optimizer_spec()));
-        meta.insert("kolo.world_size".to_string(), data_replicas.to_string());
-        // The sampler's position is rescaled by examples when a checkpoint is resumed at another
-        // world size; `[data] batch_size` is the per-rank batch it counts in.
-        meta.insert("kolo.batch_size".to_string(), opts.data.batch_size.max(1).to_string());
-        meta.insert("kolo.zero_stage".to_string(), sharding.stage().to_string());
-        meta.insert("kolo.precision".to_string(), format!("{compute:?}"));
+        let meta = checkpoint_meta(&whole_signature, &opts, data_replicas, sharding.stage(), compute);
         let local = vec![0f32; params.numel()];
         let exact = opts.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(local.len()));
         let shares = (opts.ddp.dynamic_batch_every > 0).then(|| Arc::new(std::sync::Mutex::new(vec![opts.data.batch_size; data_replicas])));
@@ -1818,6 +1809,29 @@ fn fingerprint_hash(sig: &[(String, Vec<usize>)]) -> i64 {
 }
 
 /// A short text that changes with any parameter's name or shape (checkpoint compatibility).
+/// What every checkpoint of the library's writes and checks on load: the model (its parameters'
+/// names and shapes), the optimizer, the data's replicas and per-rank batch (a resume at another
+/// world size rescales the sampler's position by examples), the ZeRO stage and the precision.
+pub(crate) fn checkpoint_meta(
+    signature: &[(String, Vec<usize>)],
+    opts: &TrainOptions,
+    replicas: usize,
+    zero_stage: u8,
+    compute: DType,
+) -> BTreeMap<String, String> {
+    [
+        ("kolo.model".to_string(), model_fingerprint(signature)),
+        (kolo_train::checkpointing::SIGNATURE_KEY.to_string(), kolo_train::checkpointing::model_signature(signature)),
+        ("kolo.optimizer".to_string(), format!("{:?}", opts.optimizer_spec())),
+        ("kolo.world_size".to_string(), replicas.to_string()),
+        ("kolo.batch_size".to_string(), opts.data.batch_size.max(1).to_string()),
+        ("kolo.zero_stage".to_string(), zero_stage.to_string()),
+        ("kolo.precision".to_string(), format!("{compute:?}")),
+    ]
+    .into_iter()
+    .collect()
+}
+
 fn model_fingerprint(sig: &[(String, Vec<usize>)]) -> String {
     format!("varmap: {}", kolo_train::checkpointing::signature_text(sig))
 }

@@ -647,12 +647,7 @@ fn a_users_model_trains_through_parameter_servers_as_under_ddp() {
     let ddp = example(2, "--optim sgd --lr 0.1 --steps 6 --batch 12 --hidden 32", &dir.join("ddp"));
     let start = example(1, "--optim sgd --lr 0.1 --steps 0 --batch 12 --hidden 32", &dir.join("start"));
     let out = dir.join("ps.safetensors");
-    let me = std::env::current_exe().unwrap();
-    let args = format!("--steps 6 --batch 12 --hidden 32 --data {} --out {}", data.display(), out.display());
-    let argv = ["ps", "run", "-n", "2", "--servers", "1", "--exec", "--", me.to_str().unwrap()];
-    let rank = ["user_model::launched_rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"];
-    let o = run(&[&argv[..], &rank[..]].concat(), &[("KOLO_EXAMPLE_ARGS", &args), ("KOLO_EXAMPLE", "user_ps")]);
-    assert!(o.status.success(), "kolo ps run --exec: {}", text(&o));
+    ps_job(&format!("--steps 6 --batch 12 --hidden 32 --data {} --out {}", data.display(), out.display()));
     let ps = candle_core::safetensors::load(&out, &candle_core::Device::Cpu).unwrap();
     assert_eq!(ps.len(), ddp.len(), "parameters: {:?}", ps.keys().collect::<Vec<_>>());
     for (name, t) in &ps {
@@ -661,6 +656,48 @@ fn a_users_model_trains_through_parameter_servers_as_under_ddp() {
         let (d, moved) = (max_diff(&got, want), max_diff(want, before));
         assert!(got == *want, "`{name}`: parameter servers and DDP differ by up to {d}");
         assert!(moved > 1e-2 || !name.ends_with("weight"), "`{name}` moved only {moved}");
+    }
+}
+
+/// Runs a parameter-server job of the `user_ps` example with `args`: `kolo ps run --exec`, one
+/// server and 2 workers.
+fn ps_job(args: &str) {
+    let me = std::env::current_exe().unwrap();
+    let argv = ["ps", "run", "-n", "2", "--servers", "1", "--exec", "--", me.to_str().unwrap()];
+    let rank = ["user_model::launched_rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"];
+    let o = run(&[&argv[..], &rank[..]].concat(), &[("KOLO_EXAMPLE_ARGS", args), ("KOLO_EXAMPLE", "user_ps")]);
+    assert!(o.status.success(), "kolo ps run --exec, {args}: {}", text(&o));
+}
+
+/// A user's model's parameter-server checkpoints (`kolo::PsWorker`): a BSP job with Adam on the
+/// servers stopped after step 3 of 6 (worker 0 wrote the servers' parameters and Adam's moments
+/// at step 3) and resumed by a new job on fresh servers ends bitwise where the uninterrupted
+/// job ends; the step-3 checkpoint is also the
+/// library's own kind (a data-parallel checkpoint of 2 replicas: it names the model by its
+/// parameters, with every worker's clock).
+#[test]
+fn a_users_parameter_server_job_resumes_on_fresh_servers_bitwise() {
+    let dir = fresh_dir("user-ps-resume");
+    let data = kolo_testkit::files::mnist_dir();
+    let common = format!("--steps 6 --batch 12 --hidden 32 --optim adam --lr 0.01 --data {}", data.display());
+    let (full, resumed) = (dir.join("full.safetensors"), dir.join("resumed.safetensors"));
+    ps_job(&format!("{common} --out {}", full.display()));
+    let ck = dir.join("ck");
+    ps_job(&format!("{common} --checkpoints {} --every 3 --stop-at 3", ck.display()));
+    let step3 = ck.join("step-00000003");
+    let meta = kolo_checkpoint::sharded::load_any(&step3).unwrap().meta;
+    assert_eq!(meta.get("kolo.ps_clocks").map(String::as_str), Some("3,3"), "{meta:?}");
+    assert_eq!(meta.get("kolo.world_size").map(String::as_str), Some("2"));
+    assert!(meta.contains_key("kolo.signature"), "{meta:?}");
+    ps_job(&format!("{common} --resume {} --out {}", step3.display(), resumed.display()));
+    let (a, b) = (
+        candle_core::safetensors::load(&full, &candle_core::Device::Cpu).unwrap(),
+        candle_core::safetensors::load(&resumed, &candle_core::Device::Cpu).unwrap(),
+    );
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &a {
+        let (x, y): (Vec<f32>, Vec<f32>) = (t.flatten_all().unwrap().to_vec1().unwrap(), b[name].flatten_all().unwrap().to_vec1().unwrap());
+        assert!(x == y, "`{name}` differs between the uninterrupted job and the resumed one by up to {}", max_diff(&x, &y));
     }
 }
 

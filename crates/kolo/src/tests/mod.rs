@@ -1268,7 +1268,6 @@ fn parameter_server_settings_name_the_worker_and_its_limits() {
         };
         for (opts, want) in [
             (TrainOptions::new(), "train.strategy"),
-            (ps().checkpoints("ck", 5), "train.checkpoint_dir"),
             // kolo train's own rule, with its message.
             (ps().precision(crate::options::Precision::Bf16), "train.strategy"),
             (ps().device("cuda"), "train.device"),
