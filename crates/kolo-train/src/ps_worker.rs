@@ -121,7 +121,7 @@ impl<'a> PsStrategy<'a> {
         let spec = cfg.model_spec(data.vocab_size);
         let coordinator = pc.coordinator.clone().unwrap_or_else(|| w.coordinator.clone());
         let mut worker = Worker::connect(cfg, &spec, &coordinator, &w.token, rank, world)?;
-        let numel = worker.flat.len();
+        let numel = worker.x.flat.len();
         let meta = checkpoint_meta(cfg, &spec, world, 0);
         let start = match &opts.resume {
             Some(p) => Some(worker.resume(cfg, &resolve_checkpoint(p)?, &meta, rank == 0, data.train.len())?),
@@ -129,9 +129,9 @@ impl<'a> PsStrategy<'a> {
         };
         if rank == 0 && start.is_none() {
             // Every worker builds the same initial model from the seed; worker 0's copy seeds the servers.
-            worker.client.init(&worker.model.params().to_flat()?)?;
+            worker.x.client.init(&worker.model.params().to_flat()?)?;
         }
-        let servers = worker.client.membership().servers.len();
+        let servers = worker.x.client.membership().servers.len();
         say(&format!(
             "kolo train (parameter servers at {coordinator}, {servers} server(s) so far): {numel} params, {} on {world} worker(s), {:?}{}, ranges of {} values, replication {}, data: {}",
             spec_string(&spec),
@@ -185,9 +185,9 @@ impl<'a> PsStrategy<'a> {
             h.join().map_err(|_| TrainError::Other(format!("worker {rank}: the thread training worker {shard}'s shard panicked")))??;
             self.adopted_shards.push(shard);
         }
-        let clock = if self.cfg.ps.consistency == PsConsistency::Async { self.w.pushes } else { self.end };
-        self.w.client.pull(clock, &mut self.w.flat)?;
-        self.w.model.params().load(&self.w.flat)?;
+        let clock = self.w.x.final_clock(self.end);
+        self.w.x.client.pull(clock, &mut self.w.x.flat)?;
+        self.w.model.params().load(&self.w.x.flat)?;
         self.settled = true;
         Ok(())
     }
@@ -222,7 +222,7 @@ impl Strategy for PsStrategy<'_> {
         out.note = format!(
             " | {:.1} ms in push/pull | lead over the slowest worker up to {} step(s)",
             out.rec.wait_ms.unwrap_or(0.0),
-            self.w.client.stats().max_lead
+            self.w.x.client.stats().max_lead
         );
         Ok(out)
     }
@@ -233,7 +233,7 @@ impl Strategy for PsStrategy<'_> {
     fn straggler(&mut self) -> Result<Option<(usize, f64, String)>, TrainError> {
         let n = self.me.1;
         let (mut lag, mut pushes, mut behind) = (vec![0f64; n], vec![0u64; n], vec![0f64; n]);
-        for (_, s) in self.w.client.reachable_server_stats() {
+        for (_, s) in self.w.x.client.reachable_server_stats() {
             for (w, (l, p)) in s.worker_lag_ms.iter().zip(&s.worker_pushes).enumerate().take(n) {
                 lag[w] += l;
                 pushes[w] += p;
@@ -278,7 +278,7 @@ impl Strategy for PsStrategy<'_> {
         if self.me.0 != 0 {
             return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
         }
-        let snap = self.w.client.snapshot(at.step)?;
+        let snap = self.w.x.client.snapshot(at.step)?;
         let params = self.w.model.params();
         params.load(&snap.values)?;
         let spec = self.cfg.optimizer();
@@ -295,7 +295,7 @@ impl Strategy for PsStrategy<'_> {
         self.settle()?;
         let rank = self.me.0;
         let say = lead_say(rank == 0 && !self.quiet);
-        let stats = self.w.client.stats().clone();
+        let stats = self.w.x.client.stats().clone();
         if stats.values_sent < stats.values_total {
             say(&format!(
                 "significantly-modified filter: sent {} of {} gradient values ({:.1}% saved)",
@@ -308,9 +308,9 @@ impl Strategy for PsStrategy<'_> {
             kolo_base::eline!("worker {rank}: also trained the shard(s) of dead worker(s) {:?}", self.adopted_shards);
         }
         let _ = kolo_ps::coord::worker_done(&self.coordinator, &self.token, rank as u32, Duration::from_secs(5));
-        let numel = self.w.flat.len() as u64;
+        let numel = self.w.x.flat.len() as u64;
         Ok(Finish {
-            params: self.w.flat.clone(),
+            params: self.w.x.flat.clone(),
             // The pulled parameters, and the gradient, micro-batch and accumulation buffers.
             states: StateBytes { params: numel * 4, grads: 3 * numel * 4, optimizer: 0, offloaded: false },
             skipped_steps: 0,
@@ -363,19 +363,100 @@ fn watch_for_the_dead(
         .map_err(|e| TrainError::Other(e.to_string()))
 }
 
-/// One logical worker's pull, gradient and push, and what it holds between steps.
-struct Worker {
-    model: Box<dyn Model>,
-    client: PsClient,
+/// A worker's side of a step of a parameter-server job, for `kolo train`'s workers and the
+/// library's `kolo::PsWorker`: the pull before the step's first micro-batch and, once the
+/// step's gradient is in `grads`, the worker's own clipping, the accumulation of the steps
+/// between pushes and the push.
+pub struct Exchange {
+    pub client: PsClient,
     filter: Option<SignificantlyModified>,
-    /// The pulled parameters; the step's gradient, one micro-batch's, and the accumulated
-    /// pushes (Downpour pushes every `push_every` steps).
-    flat: Vec<f32>,
-    grads: Vec<f32>,
-    micro: Vec<f32>,
+    /// The pulled parameters; the step's gradient; the gradients not pushed yet (Downpour
+    /// pushes every `push_every` steps).
+    pub flat: Vec<f32>,
+    pub grads: Vec<f32>,
     acc: Vec<f32>,
     /// Pushes made (the clock under async).
-    pushes: u64,
+    pub pushes: u64,
+    is_async: bool,
+    fetch_every: u64,
+    push_every: u64,
+}
+
+/// What [`Exchange::push_step`] did: the gradient's norm before clipping, and the push's span
+/// and bytes when it pushed.
+pub struct Pushed {
+    pub norm: Option<f64>,
+    pub span: Option<(Instant, Instant)>,
+    pub bytes: u64,
+}
+
+impl Exchange {
+    pub fn new(client: PsClient, pc: &crate::config::PsConfig, numel: usize) -> Exchange {
+        Exchange {
+            client,
+            filter: (pc.filter_threshold > 0.0).then(|| SignificantlyModified::new(pc.filter_threshold)),
+            flat: vec![0f32; numel],
+            grads: vec![0f32; numel],
+            acc: vec![0f32; numel],
+            pushes: 0,
+            is_async: pc.consistency == PsConsistency::Async,
+            fetch_every: pc.fetch_every.max(1),
+            push_every: pc.push_every.max(1),
+        }
+    }
+
+    /// Before step `step`: pulls into `flat` when one is due (every step; under async every
+    /// `fetch_every` steps, at the push clock), and clears `grads`. Returns the pull's span.
+    pub fn pull_if_due(&mut self, step: u64) -> Result<Option<(Instant, Instant)>, TrainError> {
+        self.grads.fill(0.0);
+        if self.is_async && !step.is_multiple_of(self.fetch_every) {
+            return Ok(None);
+        }
+        let t = Instant::now();
+        self.client.pull(if self.is_async { self.pushes } else { step }, &mut self.flat)?;
+        Ok(Some((t, Instant::now())))
+    }
+
+    /// After step `step`'s gradient is in `grads`: clipped to `clip` by its own norm (the
+    /// servers never see a global one), added to what is not pushed yet, and pushed with `lr`
+    /// when due (every step; under async every `push_every` steps).
+    pub fn push_step(&mut self, step: u64, lr: f32, clip: Option<f64>) -> Result<Pushed, TrainError> {
+        let norm = clip.map(|max| {
+            let n = sum_of_squares(&self.grads).sqrt();
+            let f = clip_factor(n, max);
+            self.grads.iter_mut().for_each(|g| *g *= f);
+            n
+        });
+        self.acc.iter_mut().zip(&self.grads).for_each(|(a, g)| *a += g);
+        let mut out = Pushed { norm, span: None, bytes: 0 };
+        if !self.is_async || (step + 1).is_multiple_of(self.push_every) {
+            let (t, before) = (Instant::now(), self.client.stats().bytes_out);
+            let filter = self.filter.as_mut().map(|f| f as &mut dyn kolo_ps::Filter);
+            self.client.push(if self.is_async { self.pushes } else { step }, lr, &self.acc, filter)?;
+            (out.span, out.bytes) = (Some((t, Instant::now())), self.client.stats().bytes_out - before);
+            self.pushes += 1;
+            self.acc.fill(0.0);
+        }
+        Ok(out)
+    }
+
+    /// The clock of the final pull after `end` steps: every worker's last push under BSP, this
+    /// worker's pushes under async.
+    pub fn final_clock(&self, end: u64) -> u64 {
+        if self.is_async {
+            self.pushes
+        } else {
+            end
+        }
+    }
+}
+
+/// One logical worker's model, its exchange with the servers, and its steps.
+struct Worker {
+    model: Box<dyn Model>,
+    x: Exchange,
+    /// One micro-batch's gradient.
+    micro: Vec<f32>,
     steps_done: u64,
 }
 
@@ -392,18 +473,7 @@ impl Worker {
         let model = build_model(spec, cfg.train.seed)?;
         let numel = model.params().numel();
         let client = connect(&cfg.ps, cfg.optimizer(), coordinator, token, numel, (worker, workers))?;
-        let pc = &cfg.ps;
-        Ok(Worker {
-            model,
-            client,
-            filter: (pc.filter_threshold > 0.0).then(|| SignificantlyModified::new(pc.filter_threshold)),
-            flat: vec![0f32; numel],
-            grads: vec![0f32; numel],
-            micro: vec![0f32; numel],
-            acc: vec![0f32; numel],
-            pushes: 0,
-            steps_done: 0,
-        })
+        Ok(Worker { model, x: Exchange::new(client, &cfg.ps, numel), micro: vec![0f32; numel], steps_done: 0 })
     }
 
     /// Loads checkpoint `path` (any strategy's, of this model and optimizer); `restore`
@@ -420,15 +490,15 @@ impl Worker {
     ) -> Result<(std::path::PathBuf, Resumed), TrainError> {
         let params = self.model.params();
         let ranges: Vec<_> = params.iter().map(|p| p.range.clone()).collect();
-        let mut opt = Optimizer::new(cfg.optimizer(), self.flat.len());
-        let mut r = load_checkpoint(path, params, &mut self.flat, &mut opt, None, &ranges, meta)?;
-        params.load(&self.flat)?;
-        let (worker, workers) = (self.client.worker() as usize, self.client.workers() as usize);
+        let mut opt = Optimizer::new(cfg.optimizer(), self.x.flat.len());
+        let mut r = load_checkpoint(path, params, &mut self.x.flat, &mut opt, None, &ranges, meta)?;
+        params.load(&self.x.flat)?;
+        let (worker, workers) = (self.x.client.worker() as usize, self.x.client.workers() as usize);
         let push_every = if cfg.ps.consistency == PsConsistency::Async { cfg.ps.push_every.max(1) } else { 1 };
         let clocks = resumed_clocks(path, &r, workers, push_every)?;
         if restore {
             let state: Vec<Vec<f32>> = opt.state().into_iter().map(|(_, v)| v.to_vec()).collect();
-            self.client.restore(&clocks, &self.flat, opt.steps(), &state)?;
+            self.x.client.restore(&clocks, &self.x.flat, opt.steps(), &state)?;
         }
         let mine = clocks[worker];
         let step = (mine * push_every).min(cfg.train.steps);
@@ -437,27 +507,22 @@ impl Worker {
             r.pos = crate::setup::replica_position(cfg, train_len, worker, workers, step * cfg.train.grad_accum);
             r.step = step;
         }
-        (self.pushes, self.steps_done) = (mine, step);
+        (self.x.pushes, self.steps_done) = (mine, step);
         Ok((path.to_path_buf(), r))
     }
 
     /// Step `ctx.step`: pull (every `fetch_every` steps under async), the gradient over
     /// `grad_accum` batches from `next`, clipping, push (every `push_every` steps under async).
     fn step(&mut self, cfg: &Config, ctx: &StepCtx, next: &mut dyn FnMut() -> Result<Batch, TrainError>) -> Result<StepOut, TrainError> {
-        let (tc, pc) = (&cfg.train, &cfg.ps);
-        let is_async = pc.consistency == PsConsistency::Async;
+        let tc = &cfg.train;
         let te = kolo_tensor::TensorError::from;
-        let step = ctx.step;
         let mut out = StepOut::default();
         let mut waited = Duration::ZERO;
-        if !is_async || step.is_multiple_of(pc.fetch_every) {
-            let t = Instant::now();
-            self.client.pull(if is_async { self.pushes } else { step }, &mut self.flat)?;
-            self.model.params().load(&self.flat)?;
-            waited += t.elapsed();
-            out.comm_spans.push(("pull".into(), t, Instant::now()));
+        if let Some((t0, t1)) = self.x.pull_if_due(ctx.step)? {
+            self.model.params().load(&self.x.flat)?;
+            waited += t1 - t0;
+            out.comm_spans.push(("pull".into(), t0, t1));
         }
-        self.grads.fill(0.0);
         let mut loss_sum = 0f64;
         for _ in 0..tc.grad_accum {
             let batch = next()?;
@@ -465,28 +530,17 @@ impl Worker {
             loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
             let g = loss.backward().map_err(te)?;
             self.model.params().grads_into(&g, &mut self.micro)?;
-            self.grads.iter_mut().zip(&self.micro).for_each(|(a, b)| *a += b);
-        }
-        if let Some(max) = cfg.optim.clip_grad_norm {
-            // Each worker clips the gradient it pushes (the servers never see a global one).
-            let f = clip_factor(sum_of_squares(&self.grads).sqrt(), max);
-            self.grads.iter_mut().for_each(|g| *g *= f);
+            self.x.grads.iter_mut().zip(&self.micro).for_each(|(a, b)| *a += b);
         }
         out.backward_end = Some(Instant::now());
-        self.acc.iter_mut().zip(&self.grads).for_each(|(a, g)| *a += g);
-        let before = self.client.stats().bytes_out;
-        if !is_async || (step + 1).is_multiple_of(pc.push_every) {
-            let t = Instant::now();
-            let filter = self.filter.as_mut().map(|f| f as &mut dyn kolo_ps::Filter);
-            self.client.push(if is_async { self.pushes } else { step }, ctx.lr, &self.acc, filter)?;
-            waited += t.elapsed();
-            out.comm_spans.push(("push".into(), t, Instant::now()));
-            self.pushes += 1;
-            self.acc.fill(0.0);
+        let pushed = self.x.push_step(ctx.step, ctx.lr, cfg.optim.clip_grad_norm)?;
+        if let Some((t0, t1)) = pushed.span {
+            waited += t1 - t0;
+            out.comm_spans.push(("push".into(), t0, t1));
         }
-        self.steps_done = step + 1;
+        self.steps_done = ctx.step + 1;
         out.loss = loss_sum;
-        out.rec.comm_bytes = Some((self.client.stats().bytes_out - before) as usize);
+        out.rec.comm_bytes = Some(pushed.bytes as usize);
         out.rec.wait_ms = Some(waited.as_secs_f64() * 1e3);
         // Pulls and pushes block the step: nothing of them is hidden.
         out.rec.hidden = Some(0.0);
@@ -572,10 +626,10 @@ fn adopt_shard(
 ) -> Result<u64, TrainError> {
     let mut w = Worker::connect(cfg, spec, coordinator, token, shard, workers)?;
     // The dead worker is the slowest: its clock is the slowest clock the servers report.
-    let clock = w.client.pull(0, &mut vec![0f32; w.flat.len()])?;
+    let clock = w.x.client.pull(0, &mut vec![0f32; w.x.flat.len()])?;
     let is_async = cfg.ps.consistency == PsConsistency::Async;
     let start = (if is_async { clock * cfg.ps.push_every } else { clock }).min(end);
-    w.pushes = if is_async { start / cfg.ps.push_every } else { start };
+    w.x.pushes = if is_async { start / cfg.ps.push_every } else { start };
     let tc = &cfg.train;
     let batches = replica_batches(cfg, train, shard, workers, start * tc.grad_accum)?;
     let global_batch = crate::config::global_batch(cfg.data.batch_size, workers, tc.grad_accum);
@@ -585,7 +639,7 @@ fn adopt_shard(
         w.step(cfg, &StepCtx { step, lr, drain_at: end }, &mut next)?;
     }
     let _ = kolo_ps::coord::worker_done(coordinator, token, shard as u32, Duration::from_secs(5));
-    Ok(w.pushes)
+    Ok(w.x.pushes)
 }
 
 /// Another worker group on the same servers: every `every`, pull the current parameters (no

@@ -15,12 +15,13 @@ use candle_core::{DType, Tensor, TensorId};
 use candle_nn::VarMap;
 use kolo_comm::{Communicator, LocalComm};
 use kolo_optim::Optimizer;
-use kolo_ps::{PsClient, SignificantlyModified};
+
 use kolo_rendezvous::JobToken;
 use kolo_tensor::ParamSet;
 use kolo_train::cadence::{Cadence, Window};
 use kolo_train::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint, PendingSave};
 use kolo_train::config::{PsConsistency, Strategy};
+use kolo_train::ps_worker::Exchange;
 use kolo_train::report::StepRecord;
 use kolo_train::sampler::Position;
 use std::collections::{BTreeMap, HashMap};
@@ -73,7 +74,8 @@ impl PsJoin {
 /// every worker's clock; [`PsWorker::resume`] puts them on fresh servers, and the library's
 /// `Trainer` (or `kolo train`) continues them too.
 pub struct PsWorker {
-    client: PsClient,
+    /// The pull, the pushes and their buffers (`kolo train`'s workers' own).
+    x: Exchange,
     params: ParamSet,
     ids: HashMap<TensorId, usize>,
     model_vars: Vec<candle_core::Var>,
@@ -82,15 +84,10 @@ pub struct PsWorker {
     me: (usize, usize),
     coordinator: String,
     token: JobToken,
-    filter: Option<SignificantlyModified>,
-    /// Pulled parameters; this step's gradient; one micro-step's; the gradients not pushed yet.
-    flat: Vec<f32>,
-    grads: Vec<f32>,
+    /// One micro-step's gradient.
     micro_grad: Vec<f32>,
-    acc: Vec<f32>,
     micro: u64,
     steps: u64,
-    pushes: u64,
     step_loss: f64,
     step_start: Option<Instant>,
     waited: Duration,
@@ -142,9 +139,8 @@ impl PsWorker {
         let cadence = Cadence::new(reporter(&opts, me.worker, me.workers, 0)?);
         let meta = checkpoint_meta(&params.signature(), &opts, me.workers, 0, compute);
         let alone = Box::new(LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0));
-        let filter = (opts.ps.filter_threshold > 0.0).then(|| SignificantlyModified::new(opts.ps.filter_threshold));
         Ok(PsWorker {
-            client,
+            x: Exchange::new(client, &opts.ps, numel),
             params,
             ids,
             model_vars,
@@ -152,14 +148,9 @@ impl PsWorker {
             me: me_pair,
             coordinator: me.coordinator,
             token: me.token,
-            filter,
-            flat: vec![0f32; numel],
-            grads: vec![0f32; numel],
             micro_grad: vec![0f32; numel],
-            acc: vec![0f32; numel],
             micro: 0,
             steps: 0,
-            pushes: 0,
             step_loss: 0.0,
             step_start: None,
             waited: Duration::ZERO,
@@ -203,7 +194,7 @@ impl PsWorker {
         if self.me.0 != 0 {
             return Ok(PendingSave { target, thread: None });
         }
-        let snap = self.client.snapshot(self.steps)?;
+        let snap = self.x.client.snapshot(self.steps)?;
         self.params.load(&snap.values)?;
         publish(&self.params, &self.model_vars, self.compute)?;
         let spec = self.opts.optim.spec();
@@ -223,18 +214,18 @@ impl PsWorker {
     pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
         let path = resolve_checkpoint(path.as_ref())?;
         let ranges: Vec<_> = self.params.iter().map(|p| p.range.clone()).collect();
-        let mut opt = Optimizer::new(self.opts.optim.spec(), self.flat.len());
-        let r = load_checkpoint(&path, &self.params, &mut self.flat, &mut opt, None, &ranges, &self.meta)?;
-        self.params.load(&self.flat)?;
+        let mut opt = Optimizer::new(self.opts.optim.spec(), self.x.flat.len());
+        let r = load_checkpoint(&path, &self.params, &mut self.x.flat, &mut opt, None, &ranges, &self.meta)?;
+        self.params.load(&self.x.flat)?;
         publish(&self.params, &self.model_vars, self.compute)?;
         let push_every = if self.is_async() { self.opts.ps.push_every.max(1) } else { 1 };
         let clocks = kolo_train::ps_worker::resumed_clocks(&path, &r, self.me.1, push_every)?;
         if self.me.0 == 0 {
             let state: Vec<Vec<f32>> = opt.state().into_iter().map(|(_, v)| v.to_vec()).collect();
-            self.client.restore(&clocks, &self.flat, opt.steps(), &state)?;
+            self.x.client.restore(&clocks, &self.x.flat, opt.steps(), &state)?;
         }
-        self.pushes = clocks[self.me.0];
-        self.steps = (self.pushes * push_every).min(self.opts.train.steps);
+        self.x.pushes = clocks[self.me.0];
+        self.steps = (self.x.pushes * push_every).min(self.opts.train.steps);
         self.data_pos = r.pos;
         // The report restarts at the resumed step.
         let mut before = std::mem::replace(&mut self.cadence, Cadence::new(reporter(&self.opts, self.me.0, self.me.1, self.steps)?));
@@ -269,45 +260,27 @@ impl PsWorker {
         let (rank, accum) = (self.me.0, self.opts.train.grad_accum.max(1));
         if self.micro == 0 {
             self.step_start = Some(Instant::now());
-            if !self.is_async() || self.steps.is_multiple_of(self.opts.ps.fetch_every.max(1)) {
-                let t = Instant::now();
-                let clock = if self.is_async() { self.pushes } else { self.steps };
-                self.client.pull(clock, &mut self.flat)?;
-                self.params.load(&self.flat)?;
+            if let Some((t0, t1)) = self.x.pull_if_due(self.steps)? {
+                self.params.load(&self.x.flat)?;
                 publish(&self.params, &self.model_vars, self.compute)?;
-                self.waited += t.elapsed();
+                self.waited += t1 - t0;
             }
-            self.grads.fill(0.0);
         }
         let loss = loss()?;
         let value = scalar_loss(rank, "PsWorker::step", &loss)?;
         let route = kolo_train::update::GradRoute::Local(&self.params, &mut self.micro_grad);
         kolo_train::update::backward_routed(&(loss * (1.0 / accum as f64))?, &self.ids, route, None)
             .map_err(|e| route_error(rank, "PsWorker::step", e))?;
-        self.grads.iter_mut().zip(&self.micro_grad).for_each(|(a, g)| *a += g);
+        self.x.grads.iter_mut().zip(&self.micro_grad).for_each(|(a, g)| *a += g);
         self.step_loss += f64::from(value) / accum as f64;
         self.micro += 1;
         let lr = self.lr();
         if self.micro < accum {
             return Ok(StepOutput { loss: value, stepped: false, lr, grad_norm: None, comm: None, skipped: false });
         }
-        let norm = self.opts.optim.clip_grad_norm.map(|max| {
-            // Each worker clips the gradient it pushes (the servers never see a global one).
-            let n = kolo_base::sum_of_squares(&self.grads).sqrt();
-            let f = kolo_optim::clip_factor(n, max);
-            self.grads.iter_mut().for_each(|g| *g *= f);
-            n
-        });
-        self.acc.iter_mut().zip(&self.grads).for_each(|(a, g)| *a += g);
-        let before = self.client.stats().bytes_out;
-        if !self.is_async() || (self.steps + 1).is_multiple_of(self.opts.ps.push_every.max(1)) {
-            let t = Instant::now();
-            let clock = if self.is_async() { self.pushes } else { self.steps };
-            let filter = self.filter.as_mut().map(|f| f as &mut dyn kolo_ps::Filter);
-            self.client.push(clock, lr, &self.acc, filter)?;
-            self.waited += t.elapsed();
-            self.pushes += 1;
-            self.acc.fill(0.0);
+        let pushed = self.x.push_step(self.steps, lr, self.opts.optim.clip_grad_norm)?;
+        if let Some((t0, t1)) = pushed.span {
+            self.waited += t1 - t0;
         }
         self.micro = 0;
         self.steps += 1;
@@ -315,7 +288,7 @@ impl PsWorker {
         let rec = StepRecord {
             step_ms: self.step_start.take().map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3),
             wait_ms: Some(waited.as_secs_f64() * 1e3),
-            comm_bytes: Some((self.client.stats().bytes_out - before) as usize),
+            comm_bytes: Some(pushed.bytes as usize),
             // Pulls and pushes block the step: nothing of them is hidden.
             hidden: Some(0.0),
             skipped_steps: 0,
@@ -334,21 +307,21 @@ impl PsWorker {
             self.cadence.saving(done, p, false);
             self.cadence.settle()?;
         }
-        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((waited, 0.0)), skipped: false })
+        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: pushed.norm, comm: Some((waited, 0.0)), skipped: false })
     }
 
     /// After the last step: pulls the final parameters into the model (under BSP every
     /// worker's last push applied; async: what the servers hold now) and tells the coordinator
     /// this worker is done. Returns them, flat.
     pub fn finish(&mut self) -> Result<Vec<f32>> {
-        let clock = if self.is_async() { self.pushes } else { self.steps };
-        self.client.pull(clock, &mut self.flat)?;
-        self.params.load(&self.flat)?;
+        let clock = self.x.final_clock(self.steps);
+        self.x.client.pull(clock, &mut self.x.flat)?;
+        self.params.load(&self.x.flat)?;
         publish(&self.params, &self.model_vars, self.compute)?;
         if !self.finished {
             self.finished = true;
             let _ = kolo_ps::coord::worker_done(&self.coordinator, &self.token, self.me.0 as u32, Duration::from_secs(5));
         }
-        Ok(self.flat.clone())
+        Ok(self.x.flat.clone())
     }
 }
