@@ -577,20 +577,7 @@ impl Trainer {
     }
 
     fn build(varmap: &VarMap, place: Place, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
-        opts.check()?;
-        if opts.train.strategy == Strategy::Ps {
-            return Err(Error::setting(
-                "train.strategy",
-                "\"ps\" trains through parameter servers: train with kolo::PsWorker::join(&varmap, opts), under `kolo ps run --exec`",
-            ));
-        }
-        check_deadlines(&opts.ddp, place.deadlines)?;
-        if opts.ddp.zero_stage == 3 && groups.is_empty() {
-            return Err(Error::setting(
-                "ddp.zero_stage",
-                "3 shards parameter groups named by prefix: create the trainer with Trainer::with_zero3_groups(&varmap, &dist, opts, &[\"layers.0.\", ..])",
-            ));
-        }
+        check_place(&opts, &place, groups)?;
         kolo_train::summary::retain_freed_memory();
         let (rank, mut place) = (place.rank, place);
         if opts.ddp.check_collectives {
@@ -600,20 +587,6 @@ impl Trainer {
         }
         let (comm, world, data_replicas, data_replica) = (place.comm.clone(), place.world.clone(), place.data_replicas, place.data_replica);
         let place_sp = place.sp.clone();
-        let model_parallel = place.tp.is_some() || place.pp.is_some() || place.sp.is_some() || place.ep.is_some();
-        if opts.ddp.deterministic && model_parallel {
-            return Err(Error::setting("ddp.deterministic", kolo_train::config::DETERMINISTIC_LIMITS));
-        }
-        if opts.ddp.dynamic_batch_every > 0 && (model_parallel || opts.data.batch_size == 0) {
-            let why = match model_parallel {
-                true => kolo_train::config::DYNAMIC_BATCH_LIMITS,
-                false => "needs [data] batch_size: the global batch it splits is batch_size x ranks",
-            };
-            return Err(Error::setting("ddp.dynamic_batch_every", why));
-        }
-        if opts.train.device != "cpu" && model_parallel {
-            return Err(Error::setting("train.device", kolo_train::config::gpu_refusal(&opts.train.device)));
-        }
         let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision, &opts.train.device)?;
         let (spread, whole_signature) = spread(&place, &params, &ids, &opts)?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
@@ -1674,6 +1647,41 @@ pub(crate) fn replica_sampler(
         (None, false) => crate::data::Sampler::new(cfg, pos),
     };
     sampler.map_err(|e| Error::setting("data", e))
+}
+
+/// The options' checks (`kolo train`'s rules) and what this place cannot run: parameter
+/// servers (the `PsWorker`'s), a communicator started with other deadlines, ZeRO-3 without
+/// groups, and on a split model deterministic mode, dynamic batches or a GPU.
+fn check_place(opts: &TrainOptions, place: &Place, groups: &[&str]) -> Result<()> {
+    opts.check()?;
+    if opts.train.strategy == Strategy::Ps {
+        return Err(Error::setting(
+            "train.strategy",
+            "\"ps\" trains through parameter servers: train with kolo::PsWorker::join(&varmap, opts), under `kolo ps run --exec`",
+        ));
+    }
+    check_deadlines(&opts.ddp, place.deadlines)?;
+    if opts.ddp.zero_stage == 3 && groups.is_empty() {
+        return Err(Error::setting(
+            "ddp.zero_stage",
+            "3 shards parameter groups named by prefix: create the trainer with Trainer::with_zero3_groups(&varmap, &dist, opts, &[\"layers.0.\", ..])",
+        ));
+    }
+    let model_parallel = place.tp.is_some() || place.pp.is_some() || place.sp.is_some() || place.ep.is_some();
+    if opts.ddp.deterministic && model_parallel {
+        return Err(Error::setting("ddp.deterministic", kolo_train::config::DETERMINISTIC_LIMITS));
+    }
+    if opts.ddp.dynamic_batch_every > 0 && (model_parallel || opts.data.batch_size == 0) {
+        let why = match model_parallel {
+            true => kolo_train::config::DYNAMIC_BATCH_LIMITS,
+            false => "needs [data] batch_size: the global batch it splits is batch_size x ranks",
+        };
+        return Err(Error::setting("ddp.dynamic_batch_every", why));
+    }
+    if opts.train.device != "cpu" && model_parallel {
+        return Err(Error::setting("train.device", kolo_train::config::gpu_refusal(&opts.train.device)));
+    }
+    Ok(())
 }
 
 /// The value of a micro-step's loss, which must be a float scalar (`op` names the call).
