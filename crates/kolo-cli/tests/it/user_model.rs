@@ -302,6 +302,24 @@ fn dynamic_batch_sizing_of_a_users_model_moves_work_off_the_slow_rank() {
     assert!(d < 2e-5 && moved > 1e-2, "two ranks with dynamic shares vs one process with batch 64: {d} (moved {moved})");
 }
 
+/// The split travels in the library's checkpoints: a dynamic run stopped after its re-plan at
+/// step 5 writes the split it trains with (`kolo.batch_split`), and a run resumed from it
+/// (without the slow rank, before its next re-plan at step 10) deals that split, not equal
+/// shares.
+#[test]
+fn a_users_dynamic_split_is_kept_by_its_checkpoints() {
+    let dir = fresh_dir("user-dynamic-resume");
+    let dynamic = "--steps 10 --batch 32 --ddp dynamic_batch_every=5";
+    mlp_run(2, &format!("{dynamic} --slow 1:0.4 --stop-at 5"), &dir.join("first"));
+    let ck = dir.join("first").join("ck").join("step-00000005");
+    let meta = kolo_checkpoint::sharded::load_any(&ck).unwrap().meta;
+    let split: Vec<usize> = meta["kolo.batch_split"].split(',').map(|v| v.parse().unwrap()).collect();
+    assert!(split.iter().sum::<usize>() == 64 && split[1] < 32, "the split written at step 5: {split:?}");
+    mlp_run(2, &format!("{dynamic} --resume {}", ck.display()), &dir.join("second"));
+    let last = |r: usize| std::fs::read_to_string(dir.join("second").join(format!("rank{r}.batch"))).unwrap().parse::<usize>().unwrap();
+    assert_eq!(vec![last(0), last(1)], split, "the resumed run's batches at step 10");
+}
+
 /// Local SGD for a user's model (issue #17): averaging after every SGD step is DDP (the mean of
 /// the replicas' steps is the step on the mean gradient; within f32 rounding), and with a
 /// period of 3 after a warm-up step, a run stopped between averagings (the replicas' models
