@@ -92,6 +92,13 @@ impl InplaceOp1 for InPlace<'_> {
     }
 }
 
+/// Runs `f` on a contiguous f32 CPU variable's values, in place (the tensors sharing its storage
+/// see the change).
+pub fn edit_f32(var: &Var, f: Edit<'_>) -> Result<()> {
+    var.as_tensor().inplace_op1(&InPlace(std::cell::RefCell::new(f)))?;
+    Ok(())
+}
+
 impl ParamSet {
     pub fn new() -> ParamSet {
         ParamSet::default()
@@ -214,9 +221,7 @@ impl ParamSet {
             self.stale.store(true, std::sync::atomic::Ordering::SeqCst);
             return Ok(());
         }
-        let op = InPlace(std::cell::RefCell::new(f));
-        self.params[i].var.as_tensor().inplace_op1(&op)?;
-        Ok(())
+        edit_f32(&self.params[i].var, f)
     }
 
     /// Brings the device's parameters up to date with the host copy (GPU parameters only): one

@@ -44,11 +44,18 @@ struct State {
     grads: Vec<f32>,
     /// Which parameters' gradients of the current step have arrived.
     arrived: Vec<bool>,
+    /// Which parameters' gradients backward delivered in the current step (a parameter the
+    /// loss does not reach gets none: [`Scheduler::end_backward`] names it).
+    got: Vec<bool>,
     /// Updates applied to each parameter (= steps whose update it has).
     updated: Vec<u64>,
-    /// Steps the training thread has begun, and the learning rate of the last one.
+    /// Steps the training thread has begun, and the learning rate of each begun step the
+    /// scheduler has not started (`kolo train` begins step t+1 before the scheduler may have
+    /// woken for step t: one shared rate gave step t the next step's).
     began: u64,
-    lr: f32,
+    lrs: BTreeMap<u64, f32>,
+    /// The step the scheduler runs next (= steps whose rounds it has finished).
+    next: u64,
     /// The scheduler's failure, for the training thread to report.
     error: Option<String>,
     /// The training thread is gone: the scheduler stops at its next wait.
@@ -58,7 +65,7 @@ struct State {
     comm_s: f64,
     wait_s: f64,
     /// The scheduler's collectives since the last step was recorded (for the timeline).
-    spans: Vec<(String, Instant, Instant)>,
+    spans: Spans,
 }
 
 struct Sched {
@@ -108,6 +115,9 @@ impl Sched {
     }
 }
 
+/// Named collectives with when each started and ended (a step's, for the timeline).
+pub type Spans = Vec<(String, Instant, Instant)>;
+
 struct Hooks(Arc<Sched>);
 
 impl GradSink for Hooks {
@@ -116,53 +126,219 @@ impl GradSink for Hooks {
         let r = self.0.ranges[idx].clone();
         g.grads[r].copy_from_slice(grad);
         g.arrived[idx] = true;
+        g.got[idx] = true;
         drop(g);
         self.0.cv.notify_all();
+    }
+}
+
+thread_local! {
+    /// Set on the scheduler thread: its own writes to the variables wait for nothing.
+    static ON_SCHEDULER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is a scheduler's (whose updates a parameter's read hook lets by).
+pub fn on_scheduler_thread() -> bool {
+    ON_SCHEDULER.with(std::cell::Cell::get)
+}
+
+/// Scheduled DDP's exchange for one rank, whoever runs the training thread (`kolo train`'s
+/// built-in models through [`ScheduledDdp`], a user's candle model through `kolo::Trainer`):
+/// the scheduler thread on a group of all ranks of its own, which reduces each step's gradients
+/// in prioritised chunks and updates each parameter (its variable, in place) as soon as its
+/// chunks are reduced. The training thread begins each step ([`Scheduler::begin`]), hands its
+/// gradients over as backward makes them ([`Scheduler::sink`]) and waits for a parameter's
+/// update before it reads it ([`Scheduler::await_update`]).
+pub struct Scheduler {
+    sched: Arc<Sched>,
+    names: Vec<String>,
+    hooks: Arc<Hooks>,
+    thread: Option<std::thread::JoinHandle<Result<(), String>>>,
+}
+
+impl Scheduler {
+    /// Collective over `comm` (its group of all ranks is made here): starts the scheduler for
+    /// `params` (f32 variables on the CPU), whose values every rank already holds alike, with
+    /// `opt` (the parameters' flat layout), `(chunk, credit)` in f32 elements
+    /// ([`Config::comm_schedule`]), from step `first`, every wait bounded by `timeout`.
+    pub fn start(
+        comm: &dyn Communicator,
+        params: &ParamSet,
+        opt: Optimizer,
+        (chunk, credit): (usize, usize),
+        first: u64,
+        timeout: Duration,
+    ) -> Result<Scheduler, TrainError> {
+        let (rank, world) = (comm.rank().get(), comm.world_size().get());
+        let group = comm
+            .new_group(&(0..world).map(kolo_base::Rank).collect::<Vec<_>>())?
+            .ok_or_else(|| TrainError::Other("the scheduler's group left this rank out".into()))?;
+        group.set_timeout(timeout);
+        let ranges: Vec<Range<usize>> = params.iter().map(|p| p.range.clone()).collect();
+        let vars: Vec<candle_core::Var> = params.iter().map(|p| p.var.clone()).collect();
+        let numel = params.numel();
+        let sched = Arc::new(Sched {
+            state: Mutex::new(State {
+                grads: vec![0f32; numel],
+                arrived: vec![false; ranges.len()],
+                got: vec![false; ranges.len()],
+                updated: vec![first; ranges.len()],
+                began: first,
+                lrs: BTreeMap::new(),
+                next: first,
+                error: None,
+                stop: false,
+                comm_s: 0.0,
+                wait_s: 0.0,
+                spans: Vec::new(),
+            }),
+            opt: Mutex::new(opt),
+            cv: Condvar::new(),
+            ranges,
+            timeout,
+            rank,
+        });
+        let s = sched.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("kolo-schedule-{rank}"))
+            .spawn(move || {
+                ON_SCHEDULER.with(|f| f.set(true));
+                let r = schedule_loop(&s, &*group, &vars, (chunk, credit));
+                if let Err(e) = &r {
+                    s.lock().error.get_or_insert_with(|| e.clone());
+                    s.cv.notify_all();
+                }
+                r
+            })
+            .map_err(|e| TrainError::Other(format!("rank {rank}: could not start the scheduler thread: {e}")))?;
+        let names = params.iter().map(|p| p.name.clone()).collect();
+        Ok(Scheduler { hooks: Arc::new(Hooks(sched.clone())), sched, names, thread: Some(thread) })
+    }
+
+    /// Step `step` (0-based) begins with learning rate `lr`: the scheduler takes its gradients.
+    pub fn begin(&self, step: u64, lr: f32) {
+        {
+            let mut g = self.sched.lock();
+            g.began = step + 1;
+            g.lrs.insert(step, lr);
+            g.got.iter_mut().for_each(|x| *x = false);
+        }
+        self.sched.cv.notify_all();
+    }
+
+    /// Backward of the step begun has returned: a parameter it gave no gradient is an error
+    /// naming it (DDP's own), not a wait for a gradient that never comes.
+    pub fn end_backward(&self) -> Result<(), String> {
+        let g = self.sched.lock();
+        let names: Vec<&str> = (0..g.got.len()).filter(|&p| !g.got[p]).map(|p| self.names[p].as_str()).collect();
+        if names.is_empty() {
+            return Ok(());
+        }
+        Err(format!(
+            "rank {}: parameter(s) {names:?} received no gradient in this backward pass; every parameter must take part in the loss",
+            self.sched.rank
+        ))
+    }
+
+    /// Where backward hands each parameter's gradient (by its index) as it becomes final.
+    pub fn sink(&self) -> &dyn GradSink {
+        &*self.hooks
+    }
+
+    /// Waits until parameter `i` has `need` updates (forward of step `need` reads it), or fails
+    /// at the deadline or with the scheduler's error.
+    pub fn await_update(&self, i: usize, need: u64) -> Result<(), String> {
+        let t = Instant::now();
+        let g = self.sched.lock();
+        let mut g = self
+            .sched
+            .wait(g, Some(self.sched.timeout), &|| format!("the update of parameter {i} for step {need}"), |s| s.updated[i] >= need)?;
+        g.wait_s += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Waits until every parameter has the update of every step begun so far (before the model
+    /// is read whole: evaluation, checkpoints, the end).
+    pub fn settle(&self) -> Result<(), String> {
+        let g = self.sched.lock();
+        let began = g.began;
+        let ready = |s: &State| s.next >= s.began && s.updated.iter().all(|&u| u >= s.began);
+        drop(self.sched.wait(g, Some(self.sched.timeout), &|| format!("the update of step {began}"), ready)?);
+        Ok(())
+    }
+
+    /// After [`Scheduler::settle`]: the run goes on from step `step` (a checkpoint resumed).
+    pub fn restart_at(&self, step: u64) {
+        let mut g = self.sched.lock();
+        g.updated.iter_mut().for_each(|u| *u = step);
+        (g.began, g.next) = (step, step);
+        g.lrs.clear();
+    }
+
+    /// The scheduler's failure, if it failed.
+    pub fn error(&self) -> Option<String> {
+        self.sched.lock().error.clone()
+    }
+
+    /// Since the last call: seconds the training thread waited for updates, seconds in gradient
+    /// collectives, and the collectives' spans (for the timeline).
+    pub fn take_times(&self) -> (f64, f64, Spans) {
+        let mut g = self.sched.lock();
+        let out = (g.wait_s, g.comm_s, std::mem::take(&mut g.spans));
+        (g.comm_s, g.wait_s) = (0.0, 0.0);
+        out
+    }
+
+    /// The optimizer (its state and steps): the scheduler's while a step's updates run, so
+    /// settle first to read a step's result.
+    pub fn opt(&self) -> std::sync::MutexGuard<'_, Optimizer> {
+        self.sched.opt()
+    }
+
+    /// The gradients' buffers it keeps (the hooks' and the reduced copy), in bytes.
+    pub fn grad_bytes(&self) -> u64 {
+        self.sched.ranges.last().map_or(0, |r| r.end) as u64 * 8
+    }
+
+    /// Stops the scheduler thread and reports its failure, if it failed.
+    pub fn finish(mut self) -> Result<(), String> {
+        self.stop_and_join()
+    }
+
+    fn stop_and_join(&mut self) -> Result<(), String> {
+        self.sched.lock().stop = true;
+        self.sched.cv.notify_all();
+        match self.thread.take() {
+            Some(t) => t.join().map_err(|_| "the scheduler thread panicked".to_string())?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Scheduler {
+    fn drop(&mut self) {
+        let _ = self.stop_and_join();
     }
 }
 
 /// Hands out parameter `i` once it has `need` updates; gradients go to the scheduler.
-struct AwaitView {
-    sched: Arc<Sched>,
+struct AwaitView<'a> {
+    sched: &'a Scheduler,
     hooked: HookedView,
     need: u64,
 }
 
-impl ParamView for AwaitView {
+impl ParamView for AwaitView<'_> {
     fn get(&self, params: &ParamSet, i: usize) -> kolo_tensor::Result<kolo_tensor::Tensor> {
-        let t = Instant::now();
-        let g = self.sched.lock();
-        let need = self.need;
-        let mut g = self
-            .sched
-            .wait(g, Some(self.sched.timeout), &|| format!("the update of parameter {i} for step {need}"), |s| s.updated[i] >= need)
-            .map_err(kolo_tensor::TensorError::Input)?;
-        g.wait_s += t.elapsed().as_secs_f64();
-        drop(g);
+        self.sched.await_update(i, self.need).map_err(kolo_tensor::TensorError::Input)?;
         self.hooked.get(params, i)
     }
 }
 
-/// Stops the scheduler thread when the training thread leaves (normally or on an error).
-struct StopOnDrop<'a>(&'a Sched);
-
-impl Drop for StopOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.lock().stop = true;
-        self.0.cv.notify_all();
-    }
-}
-
-/// The scheduler thread: steps `start..end`; each begins when the training thread starts its
-/// forward pass (so evaluation and checkpoints between steps take as long as they need) and
-/// runs rounds until every chunk is reduced and every parameter updated.
-fn schedule_loop(
-    sched: &Sched,
-    comm: &dyn Communicator,
-    params: &ParamSet,
-    (chunk, credit): (usize, usize),
-    steps: Range<u64>,
-) -> Result<(), String> {
+/// The scheduler thread, until it is stopped: each step begins when the training thread begins
+/// it (so evaluation and checkpoints between steps take as long as they need) and runs rounds
+/// until every chunk is reduced and every parameter (`vars`, in the layout's order) updated.
+fn schedule_loop(sched: &Sched, comm: &dyn Communicator, vars: &[candle_core::Var], (chunk, credit): (usize, usize)) -> Result<(), String> {
     let numel = sched.ranges.last().map_or(0, |r| r.end);
     let plan = chunk_plan(numel, chunk);
     let pchunks = param_chunks(&sched.ranges, chunk);
@@ -170,10 +346,19 @@ fn schedule_loop(
     let n = comm.world_size().get() as f32;
     let mut packed = Vec::with_capacity(credit.max(chunk));
     let mut reduced = vec![0f32; numel];
-    for step in steps {
+    loop {
         // No deadline here: the training thread's own waits and collectives have theirs, and
         // it sets `stop` when it leaves.
-        let lr = sched.wait(sched.lock(), None, &|| String::new(), |s| s.began > step)?.lr;
+        let (step, lr) = match sched.wait(sched.lock(), None, &|| String::new(), |s| s.began > s.next) {
+            Ok(mut g) => {
+                let step = g.next;
+                let lr =
+                    g.lrs.remove(&step).ok_or_else(|| format!("rank {}: scheduled DDP: no learning rate for step {step}", sched.rank))?;
+                (step, lr)
+            }
+            Err(_) if sched.lock().stop => return Ok(()),
+            Err(e) => return Err(e),
+        };
         let mut done = vec![false; plan.len()];
         let mut left = plan.len();
         let mut updated = vec![false; sched.ranges.len()];
@@ -235,7 +420,7 @@ fn schedule_loop(
             let mut opt = sched.opt();
             for p in newly {
                 let r = sched.ranges[p].clone();
-                params.update_one(p, &mut |v| opt.update(r.start, v, &reduced[r.clone()], lr)).map_err(|e| e.to_string())?;
+                kolo_tensor::edit_f32(&vars[p], &mut |v| opt.update(r.start, v, &reduced[r.clone()], lr)).map_err(|e| e.to_string())?;
                 let mut g = sched.lock();
                 g.arrived[p] = false;
                 g.updated[p] = step + 1;
@@ -243,18 +428,18 @@ fn schedule_loop(
                 sched.cv.notify_all();
             }
         }
+        sched.lock().next = step + 1;
+        sched.cv.notify_all();
     }
-    Ok(())
 }
 
 /// Scheduled DDP on the driver: the training thread's steps, the scheduler thread beside them.
-pub struct ScheduledDdp<'a, 's> {
+pub struct ScheduledDdp<'a> {
     cfg: &'a Config,
     comm: Arc<dyn Communicator>,
-    model: &'a dyn Model,
+    model: Box<dyn Model>,
     spec: ModelSpec,
-    sched: Arc<Sched>,
-    worker: Option<std::thread::ScopedJoinHandle<'s, Result<(), String>>>,
+    sched: Option<Scheduler>,
     meta: BTreeMap<String, String>,
     /// Steps this process has started (the first one's hidden fraction includes the start).
     started: u64,
@@ -289,11 +474,6 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     model.params().load(&flat)?;
     drop(flat);
     let first = start.as_ref().map_or(0, |s| s.1.step);
-    let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
-    let sched_comm = comm
-        .new_group(&(0..world).map(kolo_base::Rank).collect::<Vec<_>>())?
-        .ok_or_else(|| TrainError::Other("the scheduler's group left this rank out".into()))?;
-    sched_comm.set_timeout(timeout);
     lead_say(rank == 0 && !opts.quiet)(&format!(
         "kolo train (scheduled DDP): {numel} params, {} on {world} rank(s), {} chunks of {} KiB, credit {} KiB, data: {}",
         spec_string(&spec),
@@ -302,61 +482,24 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
         credit * 4 / 1024,
         data.train.describe()
     ));
-    let sched = Arc::new(Sched {
-        state: Mutex::new(State {
-            grads: vec![0f32; numel],
-            arrived: vec![false; ranges.len()],
-            updated: vec![first; ranges.len()],
-            began: first,
-            lr: 0.0,
-            error: None,
-            stop: false,
-            comm_s: 0.0,
-            wait_s: 0.0,
-            spans: Vec::new(),
-        }),
-        opt: Mutex::new(opt),
-        cv: Condvar::new(),
-        ranges,
-        timeout,
-        rank,
-    });
-    let params = model.params();
-    std::thread::scope(|sc| {
-        let worker = {
-            let (sched, comm) = (&*sched, &*sched_comm);
-            sc.spawn(move || {
-                let r = schedule_loop(sched, comm, params, (chunk, credit), first..end);
-                if let Err(e) = &r {
-                    sched.lock().error.get_or_insert_with(|| e.clone());
-                    sched.cv.notify_all();
-                }
-                r
-            })
-        };
-        // Stops the scheduler thread however the driver ends (normally or on an error).
-        let _stop = StopOnDrop(&sched);
-        let mut s =
-            ScheduledDdp { cfg, comm: comm.clone(), model: &*model, spec, sched: sched.clone(), worker: Some(worker), meta, started: 0 };
-        crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), &data, heap_before, &mut s, start)
-    })
+    let sched = Scheduler::start(&*comm, model.params(), opt, (chunk, credit), first, timeout)?;
+    let mut s = ScheduledDdp { cfg, comm: comm.clone(), model, spec, sched: Some(sched), meta, started: 0 };
+    crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), &data, heap_before, &mut s, start)
 }
 
-impl ScheduledDdp<'_, '_> {
+impl ScheduledDdp<'_> {
+    fn sched(&self) -> Result<&Scheduler, TrainError> {
+        self.sched.as_ref().ok_or_else(|| TrainError::Other("scheduled DDP finished already".into()))
+    }
+
     /// Waits until every parameter has the update of every step begun so far (before the model
     /// is read whole: evaluation, sampling, checkpoints, the end).
     fn settle(&self) -> Result<(), TrainError> {
-        let g = self.sched.lock();
-        let began = g.began;
-        let g = self
-            .sched
-            .wait(g, Some(self.sched.timeout), &|| format!("the update of step {began}"), |s| s.updated.iter().all(|&u| u >= s.began));
-        drop(g.map_err(TrainError::Other)?);
-        Ok(())
+        self.sched()?.settle().map_err(TrainError::Other)
     }
 }
 
-impl Strategy for ScheduledDdp<'_, '_> {
+impl Strategy for ScheduledDdp<'_> {
     fn comm(&self) -> &dyn Communicator {
         &*self.comm
     }
@@ -364,33 +507,23 @@ impl Strategy for ScheduledDdp<'_, '_> {
     fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
         let te = kolo_tensor::TensorError::from;
         let batch = data.next_batch()?;
-        {
-            let mut g = self.sched.lock();
-            (g.began, g.lr) = (ctx.step + 1, ctx.lr);
-        }
-        self.sched.cv.notify_all();
-        let view = AwaitView { sched: self.sched.clone(), hooked: HookedView::new(Arc::new(Hooks(self.sched.clone()))), need: ctx.step };
+        let sched = self.sched()?;
+        sched.begin(ctx.step, ctx.lr);
+        let view = AwaitView { sched, hooked: HookedView::new(sched.hooks.clone()), need: ctx.step };
         let loss = self.model.loss(&batch, &view)?;
         let local_loss = f64::from(loss.to_scalar::<f32>().map_err(te)?);
         loss.backward().map_err(te)?;
+        sched.end_backward().map_err(TrainError::Other)?;
         let mut out = StepOut { loss: local_loss, backward_end: Some(Instant::now()), ..Default::default() };
-        out.rec.comm_bytes = Some(self.sched.ranges.last().map_or(0, |r| r.end) * 4);
-        // This step's forward waited for the previous step's updates; the communication it did
-        // not wait for was hidden (not counted on the first step, which includes the start).
-        let mut g = self.sched.lock();
-        out.rec.wait_ms = Some(g.wait_s * 1e3);
-        if g.comm_s > 0.0 && self.started > 0 {
-            out.rec.hidden = Some((1.0 - g.wait_s / g.comm_s).clamp(0.0, 1.0));
-        }
-        (g.comm_s, g.wait_s) = (0.0, 0.0);
-        out.comm_spans = std::mem::take(&mut g.spans);
+        out.rec.comm_bytes = Some(self.model.params().numel() * 4);
+        (out.rec.wait_ms, out.rec.hidden, out.comm_spans) = step_times(sched, self.started > 0);
         self.started += 1;
         Ok(out)
     }
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         self.settle()?;
-        evaluate(self.model, &PlainView, ds, &*self.comm, self.cfg.data.batch_size, max_batches, false, &|| Ok(())).map(Some)
+        evaluate(&*self.model, &PlainView, ds, &*self.comm, self.cfg.data.batch_size, max_batches, false, &|| Ok(())).map(Some)
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
@@ -400,23 +533,31 @@ impl Strategy for ScheduledDdp<'_, '_> {
             return Ok(None);
         }
         let tc = &self.cfg.train;
-        sample_text(self.model, &PlainView, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(())).map(Some)
+        sample_text(&*self.model, &PlainView, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(())).map(Some)
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
         self.settle()?;
-        let opt = self.sched.opt();
+        let opt = self.sched()?.opt();
         at.replicated(&self.meta, self.model.params(), &opt, &*self.comm)
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
         self.settle()?;
-        let worker = self.worker.take().ok_or_else(|| TrainError::Other("scheduled DDP finished twice".into()))?;
-        worker.join().map_err(|_| TrainError::Other("the scheduler thread panicked".into()))?.map_err(TrainError::Other)?;
+        let sched = self.sched.take().ok_or_else(|| TrainError::Other("scheduled DDP finished twice".into()))?;
         let params = self.model.params().to_flat()?;
-        let opt = self.sched.opt();
         // The hooks' gradient buffer and the scheduler's reduced copy: two gradients' worth.
-        let states = StateBytes { grads: params.len() as u64 * 8, ..replicated_states(params.len(), &opt) };
+        let states = StateBytes { grads: sched.grad_bytes(), ..replicated_states(params.len(), &sched.opt()) };
+        sched.finish().map_err(TrainError::Other)?;
         Ok(Finish { params, states, skipped_steps: 0, loss_scale: None, moe: None, pipeline_bubble: None, ps: None })
     }
+}
+
+/// A step's times from the scheduler: milliseconds the training thread waited for updates, and
+/// the fraction of the communication it did not wait for (the hidden part; none on a first
+/// step, which includes the start), with the collectives' spans.
+fn step_times(sched: &Scheduler, count_hidden: bool) -> (Option<f64>, Option<f64>, Spans) {
+    let (wait_s, comm_s, spans) = sched.take_times();
+    let hidden = (comm_s > 0.0 && count_hidden).then(|| (1.0 - wait_s / comm_s).clamp(0.0, 1.0));
+    (Some(wait_s * 1e3), hidden, spans)
 }
