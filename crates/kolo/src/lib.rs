@@ -36,6 +36,7 @@ mod mesh;
 pub mod pp;
 #[cfg(feature = "ps")]
 mod ps_worker;
+mod scheduled;
 pub mod sp;
 #[cfg(feature = "hf")]
 pub mod tokens;

@@ -23,6 +23,7 @@ use kolo_train::config::{DdpConfig as DdpSettings, OptimConfig, Precision, Strat
 use kolo_train::driver::{record_spans, write_timeline, Job, StepOut};
 use kolo_train::report::{Reporter, StepRecord};
 use kolo_train::sampler::Position;
+use kolo_train::scheduled_ddp::Spans;
 use kolo_train::timeline::Timeline;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -271,9 +272,7 @@ impl TrainOptions {
     /// the tables' own rules, checked by the same code and with the same messages as `kolo
     /// train`'s.
     pub fn check(&self) -> Result<()> {
-        let d = &self.ddp;
         let only_kolo_train = [
-            (d.schedule.is_some(), "ddp.schedule", " (scheduled communication)"),
             (
                 self.optim.reference_batch.is_some() && self.data.batch_size == 0,
                 "optim.reference_batch",
@@ -399,6 +398,9 @@ pub struct Trainer {
     nonfinite_skipped: u64,
     /// The sequence-parallel group: a local SGD step averages its members' gradients.
     sp: Option<Arc<dyn Communicator>>,
+    /// `ddp.schedule`: the scheduler that reduces and applies each step's gradients after the
+    /// step has returned (the model's reads wait for their parameter's update).
+    scheduled: Option<crate::scheduled::Scheduled>,
 }
 
 /// Where a trainer runs: its data-parallel group, this process's rank in the job, and the
@@ -624,6 +626,13 @@ impl Trainer {
             None
         };
         let meta = checkpoint_meta(&whole_signature, &opts, data_replicas, sharding.stage(), compute);
+        let scheduled = match opts.as_train_config()?.comm_schedule().map_err(|e| Error::setting("ddp.schedule", e))? {
+            Some(plan) => {
+                let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
+                Some(crate::scheduled::Scheduled::start(&*comm, &params, &opt, plan, timeout)?)
+            }
+            None => None,
+        };
         let local = vec![0f32; params.numel()];
         let exact = opts.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(local.len()));
         let shares = (opts.ddp.dynamic_batch_every > 0).then(|| Arc::new(std::sync::Mutex::new(vec![opts.data.batch_size; data_replicas])));
@@ -661,6 +670,7 @@ impl Trainer {
             data_replica,
             nonfinite_skipped: 0,
             sp: place_sp,
+            scheduled,
             opts,
         })
     }
@@ -669,6 +679,10 @@ impl Trainer {
     /// then [`Trainer::backward`] on it, and on the micro-step that completes an accumulation
     /// [`Trainer::update`]. Collective on the micro-steps that step.
     pub fn step(&mut self, loss: impl FnOnce() -> candle_core::Result<Tensor>) -> Result<StepOutput> {
+        if self.scheduled.is_some() {
+            self.backward(&loss()?)?;
+            return self.update();
+        }
         self.step_then(loss, |_| Ok(()))
     }
 
@@ -680,6 +694,13 @@ impl Trainer {
         loss: impl FnOnce() -> candle_core::Result<Tensor>,
         before_update: impl FnOnce(&mut Trainer) -> Result<()>,
     ) -> Result<StepOutput> {
+        if self.scheduled.is_some() {
+            return Err(Error::usage(
+                self.rank,
+                "Trainer::step_then",
+                "under ddp.schedule each parameter is updated as soon as its gradient is reduced, after the step returns: there is no moment between backward and the update",
+            ));
+        }
         self.step_start.get_or_insert_with(Instant::now);
         if let Some(z) = &self.zero3 {
             z.take_error()?;
@@ -798,13 +819,19 @@ impl Trainer {
         let scaled = if factor != 1.0 { (loss * factor)? } else { loss.clone() };
         let capture_id = capture.map(|v| v.as_tensor().id());
         use kolo_train::update::{backward_routed, GradRoute};
-        let route = if sync && !local_step {
+        let lr = self.lr();
+        let route = if let Some(s) = self.scheduled.as_mut() {
+            GradRoute::Buckets(s.begin(&mut self.opt, self.steps, lr)?)
+        } else if sync && !local_step {
             self.ddp.begin_backward();
             GradRoute::Buckets(&*self.ddp.sink())
         } else {
             GradRoute::Local(&self.params, &mut self.local)
         };
         let captured = backward_routed(&scaled, &self.ids, route, capture_id).map_err(|e| route_error(rank, "Trainer::backward", e))?;
+        if let Some(s) = &self.scheduled {
+            s.end_backward()?;
+        }
         if let Some(z) = &self.zero3 {
             z.take_error()?;
         }
@@ -877,6 +904,23 @@ impl Trainer {
         let value = self.last_loss;
         let t0 = self.step_start.unwrap_or_else(Instant::now);
         let backward_end = self.backward_end.unwrap_or_else(Instant::now);
+        if let Some(s) = self.scheduled.as_mut() {
+            // The step's exchange and updates run on: reads of a parameter wait for its update.
+            let (stats, spans) = s.end_step(self.steps + 1, self.params.numel() * 4)?;
+            self.micro = 0;
+            self.steps += 1;
+            self.step_start = None;
+            self.agree_on_start()?;
+            self.after_step(t0, backward_end, &stats, Some(spans), lr)?;
+            return Ok(StepOutput {
+                loss: value,
+                stepped: true,
+                lr,
+                grad_norm: None,
+                comm: Some((stats.wait, stats.hidden_fraction())),
+                skipped: false,
+            });
+        }
         if self.local_step() || self.exact.is_some() {
             let (stats, norm) = match self.exact.is_some() {
                 true => self.exact_update(lr)?,
@@ -887,7 +931,7 @@ impl Trainer {
             self.steps += 1;
             self.step_start = None;
             self.agree_on_start()?;
-            self.after_step(t0, backward_end, &stats, lr)?;
+            self.after_step(t0, backward_end, &stats, None, lr)?;
             return Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, 0.0)), skipped: false });
         }
         let mut prep = kolo_train::update::GradPrep {
@@ -938,7 +982,7 @@ impl Trainer {
         self.steps += 1;
         self.step_start = None;
         self.agree_on_start()?;
-        self.after_step(t0, backward_end, &stats, lr)?;
+        self.after_step(t0, backward_end, &stats, None, lr)?;
         let comm = Some((stats.wait, stats.hidden_fraction()));
         Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm, skipped: !applied })
     }
@@ -1017,11 +1061,12 @@ impl Trainer {
 
     /// After an optimizer step: the report (and, at log steps, the collective window: every
     /// rank reaches the same steps), and the periodic and final checkpoints.
-    fn after_step(&mut self, t0: Instant, backward_end: Instant, stats: &kolo_ddp::SyncStats, lr: f32) -> Result<()> {
+    fn after_step(&mut self, t0: Instant, backward_end: Instant, stats: &kolo_ddp::SyncStats, spans: Option<Spans>, lr: f32) -> Result<()> {
         let (done, end) = (self.steps, self.opts.train.steps);
         let loss = std::mem::take(&mut self.step_loss);
         if let Some(tl) = self.timeline.as_mut() {
-            let comm_spans = stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
+            let buckets = || stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
+            let comm_spans = spans.unwrap_or_else(buckets);
             let out = StepOut { backward_end: Some(backward_end), comm_spans, ..Default::default() };
             record_spans(tl, done - 1, t0, &out);
         }
@@ -1046,6 +1091,7 @@ impl Trainer {
             c.report.finish();
         }
         if let Some((dir, _)) = c.checkpoint_due(&self.opts.train, done, end)? {
+            self.settle_scheduled("Trainer::update")?;
             // The last step's checkpoint is written before the call returns.
             let background = self.opts.train.checkpoint_background && done != end;
             let p = self.write_checkpoint(&dir, background)?;
@@ -1213,6 +1259,7 @@ impl Trainer {
     }
 
     fn write_param(&mut self, op: &'static str, var: &candle_core::Var, value: &Tensor, add: bool) -> Result<()> {
+        self.settle_scheduled(op)?;
         let Some(&i) = self.ids.get(&var.as_tensor().id()) else {
             return Err(Error::usage(self.rank, op, "the variable is not one of this trainer's parameters (a VarMap variable it adopted)"));
         };
@@ -1296,7 +1343,17 @@ impl Trainer {
         if let Some(c) = self.cadence.as_mut() {
             c.settle()?;
         }
+        self.settle_scheduled("Trainer::save")?;
         Ok(self.write_checkpoint(dir.as_ref(), false)?.wait()?)
+    }
+
+    /// `ddp.schedule`: waits until every begun step's update is applied, and takes the
+    /// optimizer back from the scheduler (before the optimizer or a whole model is read).
+    fn settle_scheduled(&mut self, op: &'static str) -> Result<()> {
+        match self.scheduled.as_mut() {
+            Some(s) => s.settle(&mut self.opt, op),
+            None => Ok(()),
+        }
     }
 
     /// Starts writing a checkpoint (on a thread of its own with `background`; the values are
@@ -1478,6 +1535,7 @@ impl Trainer {
     /// holding them: the newest complete one is taken) at any world size or ZeRO stage, and
     /// continues from its step. Every rank reads the same files. Returns the step.
     pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
+        self.settle_scheduled("Trainer::resume")?;
         let path = resolve_checkpoint(path.as_ref())?;
         let mut flat = vec![0f32; self.params.numel()];
         let (r, notes) = match &self.spread {
@@ -1513,6 +1571,9 @@ impl Trainer {
             }
         }
         self.steps = r.step;
+        if let Some(s) = self.scheduled.as_mut() {
+            s.restart_at(r.step);
+        }
         self.data_pos = r.pos;
         self.micro = 0;
         self.start_agreed = false;
@@ -1677,6 +1738,9 @@ fn check_place(opts: &TrainOptions, place: &Place, groups: &[&str]) -> Result<()
             false => "needs [data] batch_size: the global batch it splits is batch_size x ranks",
         };
         return Err(Error::setting("ddp.dynamic_batch_every", why));
+    }
+    if opts.ddp.schedule.is_some() && (model_parallel || !groups.is_empty() || opts.train.device != "cpu") {
+        return Err(Error::setting("ddp.schedule", "runs plain f32 DDP on the CPU: no [mesh], ZeRO-3 groups or GPU"));
     }
     if opts.train.device != "cpu" && model_parallel {
         return Err(Error::setting("train.device", kolo_train::config::gpu_refusal(&opts.train.device)));
@@ -1931,6 +1995,10 @@ mod tests {
         let e = super::TrainOptions::from_toml_str("[ddp]\nzero_stage = 1\nlocal_sgd = { every = 4 }\n").unwrap_err().to_string();
         assert!(e.contains("ddp.local_sgd needs every >= 1, ddp.zero_stage = 0 and no ddp.compression"), "{e}");
         assert!(super::TrainOptions::from_toml_str("[ddp]\nlocal_sgd = { every = 4 }\n").is_ok());
+        // Scheduled communication runs from the library, within kolo train's own limits.
+        assert!(super::TrainOptions::from_toml_str("[ddp]\nschedule = { chunk = \"4KiB\" }\n").is_ok());
+        let e = super::TrainOptions::from_toml_str("[optim]\nclip_grad_norm = 1.0\n[ddp]\nschedule = {}\n").unwrap_err().to_string();
+        assert!(e.contains("ddp.schedule runs plain f32 DDP on the CPU"), "{e}");
         // The communicator's deadlines are options (checked against the communicator's).
         assert!(super::TrainOptions::from_toml_str("[ddp]\nliveness_secs = 3\ntimeout_secs = 20\n").is_ok());
         // The setting is a field of the error, for callers that match on it.

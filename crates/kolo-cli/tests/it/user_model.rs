@@ -491,13 +491,14 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     use kolo_tensor::PlainView;
     let (config, out) = (std::path::Path::new(&args[0]), &args[1]);
     let cfg = kolo_train::Config::load(config)?;
-    let dist = kolo::init()?;
+    let mut opts = kolo::TrainOptions::from_train_config(&cfg)?;
+    // The communicator starts with the config's deadlines (`ddp.timeout_secs`).
+    let dist = kolo::init_with(&opts.init_options())?;
     let model = kolo_tensor::build_model(&cfg.model_spec(10), cfg.train.seed)?;
     let varmap = candle_nn::VarMap::new();
     for p in model.params().iter() {
         varmap.data().lock().unwrap().insert(p.name.clone(), p.var.clone());
     }
-    let mut opts = kolo::TrainOptions::from_train_config(&cfg)?;
     // The config's checkpoints are kolo train's: the library's run saves to `out` alone (it
     // overwrote kolo train's checkpoint once, and the comparison compared the library with itself).
     opts.train.checkpoint_dir = None;
@@ -536,7 +537,9 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// file, on 2 processes, end with bitwise the same parameters after 6 AdamW steps with weight
 /// decay, a cosine schedule, gradient accumulation and clipping, under DDP, ZeRO-1, ZeRO-2, the
 /// all-reduce in fp16, PowerSGD (its error feedback), local SGD (averaging every 2 steps),
-/// no exchange at all (`skip_sync`) and checked collectives, and log the same loss at the same steps. (Two ranks: a sum of two is
+/// no exchange at all (`skip_sync`), checked collectives and scheduled communication
+/// (`ddp.schedule`, without clipping and accumulation, which it refuses; the library's run is
+/// also stopped at step 3 and resumed), and log the same loss at the same steps. (Two ranks: a sum of two is
 /// exact in any order, so the buckets' layouts cannot differ in result.) Both evaluate at the
 /// same steps (`train.eval_every`; the library's program asks `Trainer::eval_due`) and log the
 /// same evaluations; with `train.seed` set, the library's sampler deals the batches in
@@ -558,18 +561,25 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         ("checked", "check_collectives = true", ""),
         ("seed-eval", "zero_stage = 1", "seed = 7\neval_every = 3\neval_batches = 4\n"),
         ("deterministic", "zero_stage = 1\ndeterministic = true\ndeterministic_chunk = 4", ""),
+        ("schedule", "schedule = { chunk = \"1KiB\", credit = \"3KiB\" }\ntimeout_secs = 30", ""),
     ] {
         let config = dir.join(format!("mlp-{tag}.toml"));
         let cli = dir.join(format!("cli-{tag}"));
+        // Scheduled DDP updates each parameter as soon as its own gradient is reduced: no
+        // clipping (a norm over every gradient) and no accumulation.
+        let plain_only = |text: String| match tag {
+            "schedule" => text.replace("clip_grad_norm = 0.5\n", "").replace("grad_accum = 2", "grad_accum = 1"),
+            _ => text,
+        };
         std::fs::write(
             &config,
-            format!(
+            plain_only(format!(
                 "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n\
                  [optim]\nkind = \"adamw\"\nlr = 0.003\nweight_decay = 0.1\nclip_grad_norm = 0.5\nschedule = \"cosine\"\nwarmup_steps = 2\n\
                  [ddp]\n{ddp}\n[train]\nsteps = 6\ngrad_accum = 2\nlog_every = 3\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 6\n{train}",
                 kolo_testkit::files::mnist_dir().display(),
                 cli.display()
-            ),
+            )),
         )
         .unwrap();
         let o = run(&["launch", "-n", "2", "--", super::KOLO, "train", "--config", config.to_str().unwrap()], &[]);
@@ -602,10 +612,24 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
             let d = v.iter().zip(&by_lib[k]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
             assert!(v == &by_lib[k], "{tag}: `{k}` differs between kolo train and the library by up to {d}");
         }
+        if tag == "schedule" {
+            // The library's scheduled run stopped at step 3 (its checkpoint taken after every
+            // update of the step is in) and resumed ends where the uninterrupted one does.
+            let (half, rest) = (dir.join("lib-schedule-half"), dir.join("lib-schedule-rest"));
+            let o = launch(2, "builtin", &format!("{} {} - 3", config.display(), half.display()));
+            assert!(o.status.success(), "library, schedule, steps 1-3: {}", text(&o));
+            let from = half.join("step-00000003");
+            let o = launch(2, "builtin", &format!("{} {} {}", config.display(), rest.display(), from.display()));
+            assert!(o.status.success(), "library, schedule, steps 4-6: {}", text(&o));
+            let by_rest = model_tensors(&step_dir(&rest));
+            for (k, v) in &by_cli {
+                assert!(v == &by_rest[k], "schedule: `{k}` differs after the library's resume by up to {}", max_diff(v, &by_rest[k]));
+            }
+        }
         // The lossy and local settings change the training (so both sides applied them).
         match tag {
             "z0" => plain = Some(by_cli),
-            "fp16" | "powersgd" | "local-sgd" | "skip-sync" | "seed-eval" | "deterministic" => {
+            "fp16" | "powersgd" | "local-sgd" | "skip-sync" | "seed-eval" | "deterministic" | "schedule" => {
                 let plain = plain.as_ref().expect("z0 runs first");
                 assert!(plain.iter().any(|(k, v)| v != &by_cli[k]), "{tag} trained exactly as plain DDP: the setting was not applied");
             }

@@ -514,6 +514,47 @@ fn split_backward_and_update_equal_the_closure_form() {
     assert_eq!(closure.flat_params().unwrap(), split.flat_params().unwrap());
 }
 
+/// `ddp.schedule` from the library (ByteScheduler: a thread of its own reduces each gradient in
+/// chunks and updates each parameter as soon as its chunks are reduced, after the step has
+/// returned): a user's candle model trains bitwise as under plain DDP (AdamW with a cosine
+/// schedule, chunks of 4 values, many rounds per step), because every read of a parameter (the
+/// next forward, the user's own reads of the model's variables right after a step, the trainer's
+/// `flat_params`) waits for that parameter's update. The split `backward`/`update` form trains
+/// the same. `step_then` (there is no moment between backward and the update) and a parameter
+/// the loss does not reach are refused by name.
+#[test]
+fn scheduled_ddp_trains_a_users_model_as_plain_ddp() {
+    let dist = world_of_one();
+    let o = "[optim]\nkind = \"adamw\"\nlr = 0.05\nschedule = \"cosine\"\nwarmup_steps = 2\n[train]\nsteps = 6\n";
+    let scheduled = format!("{o}[ddp]\nschedule = {{ chunk = \"16B\", credit = \"32B\" }}\n");
+    let (a, b, c) = (small(), small(), small());
+    let mut plain = Trainer::new(&a.varmap, &dist, opts(o)).unwrap();
+    let mut sched = Trainer::new(&b.varmap, &dist, opts(&scheduled)).unwrap();
+    let mut split = Trainer::new(&c.varmap, &dist, opts(&scheduled)).unwrap();
+    for s in 0..5 {
+        let (x, y) = batch(8, s);
+        let want = plain.step(|| a.loss(&x, &y)).unwrap();
+        let got = sched.step(|| b.loss(&x, &y)).unwrap();
+        assert_eq!((got.loss, got.stepped, got.lr), (want.loss, true, want.lr), "step {s}");
+        split.backward(&c.loss(&x, &y).unwrap()).unwrap();
+        assert_eq!(split.update().unwrap().loss, want.loss, "split form, step {s}");
+        // The model's own variables, read as soon as the step has returned.
+        assert_eq!(b.variables(), a.variables(), "after step {s}");
+    }
+    assert_eq!(sched.flat_params().unwrap(), plain.flat_params().unwrap());
+    assert_eq!(c.variables(), a.variables());
+    let (x, y) = batch(8, 9);
+    let e = sched.step_then(|| b.loss(&x, &y), |_| Ok(())).unwrap_err().to_string();
+    assert!(e.contains("Trainer::step_then: under ddp.schedule"), "{e}");
+    // A parameter the loss never reaches.
+    let d = small();
+    let vb = VarBuilder::from_varmap(&d.varmap, DType::F32, &Device::Cpu);
+    vb.get_with_hints(3, "spare", candle_nn::Init::Const(1.0)).unwrap();
+    let mut t = Trainer::new(&d.varmap, &dist, opts(&scheduled)).unwrap();
+    let e = t.step(|| d.loss(&x, &y)).unwrap_err().to_string();
+    assert!(e.contains("Trainer::backward") && e.contains("[\"spare\"] received no gradient"), "{e}");
+}
+
 /// `Trainer::set_param` and `Trainer::add_to_param` between `backward` and `update` (torch's
 /// `p.copy_(v)` and `p.add_(d)` under `no_grad`) reach wherever the trainer keeps the value: on
 /// 2 ranks (threads, the same batches on both) under plain DDP, ZeRO-1, ZeRO-2 (each rank's
