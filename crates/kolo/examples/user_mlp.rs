@@ -8,7 +8,8 @@
 //! --init FILE (start from these weights, a safetensors file as `VarMap::save` writes),
 //! --device cpu|cuda|cuda:N (cuda: a `--features cuda` build; `cuda` is each rank's own GPU),
 //! --eval-every N (0: the test set after the last step only), --data DIR (test-data/mnist),
-//! --out DIR (checkpoints/user_mlp).
+//! --comm-schedule CHUNK,CREDIT (scheduled communication, e.g. 256KiB,1MiB: each parameter
+//! updated as soon as its gradient is reduced, under the next forward), --out DIR (checkpoints/user_mlp).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Linear, Module, VarBuilder, VarMap};
@@ -96,6 +97,11 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
         .device(device)
         .batch(batch, 1)
         .eval_every(arg("--eval-every", "0").parse()?);
+    if let Some(plan) = args.iter().skip_while(|a| *a != "--comm-schedule").nth(1) {
+        // Scheduled communication: "CHUNK,CREDIT", e.g. "256KiB,1MiB".
+        let (chunk, credit) = plan.split_once(',').unwrap_or((plan, "1MiB"));
+        opts = opts.scheduled_comm(chunk, credit);
+    }
     opts = match optim.as_str() {
         "lion" => opts.lr(lr).update_rule(Lion { beta1: 0.9, beta2: 0.99 }),
         kind => opts.optimizer(kind.parse().map_err(anyhow::Error::msg)?, lr),

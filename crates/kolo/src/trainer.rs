@@ -142,6 +142,15 @@ impl TrainOptions {
         self
     }
 
+    /// Scheduled communication (`[ddp] schedule`, ByteScheduler): the gradients go in chunks of
+    /// `chunk` bytes ("256KiB"), up to `credit` bytes ("1MiB") per collective, first layers
+    /// first, and each parameter is updated as soon as its own are reduced, under the next
+    /// forward pass. Plain f32 DDP on the CPU (no clipping, accumulation, ZeRO or mesh).
+    pub fn scheduled_comm(mut self, chunk: &str, credit: &str) -> Self {
+        self.ddp.schedule = Some(kolo_train::config::ScheduleConfig { chunk: chunk.into(), credit: credit.into() });
+        self
+    }
+
     /// ZeRO stage: 0 (DDP), 1, 2 or 3 (the groups of [`Trainer::with_zero3_groups`]).
     pub fn zero_stage(mut self, stage: u8) -> Self {
         self.ddp.zero_stage = stage;
@@ -680,6 +689,8 @@ impl Trainer {
     /// [`Trainer::update`]. Collective on the micro-steps that step.
     pub fn step(&mut self, loss: impl FnOnce() -> candle_core::Result<Tensor>) -> Result<StepOutput> {
         if self.scheduled.is_some() {
+            // The step's time includes its forward pass (and its waits for updates).
+            self.step_start.get_or_insert_with(Instant::now);
             self.backward(&loss()?)?;
             return self.update();
         }
@@ -1950,6 +1961,10 @@ mod tests {
             .batch(8, 64);
         let toml = "[optim]\nkind = \"sgd\"\nlr = 0.1\nweight_decay = 0.01\ngroups = [{ match = [\"embed\"], weight_decay = 0.0, lr_scale = 0.5 }]\nclip_grad_norm = 1.0\nschedule = \"cosine\"\nwarmup_steps = 10\n[ddp]\nzero_stage = 2\n[train]\nsteps = 100\ngrad_accum = 2\nprecision = \"bf16\"\nlog_every = 5\ncheckpoint_dir = \"ck\"\ncheckpoint_every = 50\n[data]\nbatch_size = 8\ntokens_per_example = 64\n";
         let parsed = super::TrainOptions::from_toml_str(toml).unwrap();
+        assert_eq!(toml::to_string(&built).unwrap(), toml::to_string(&parsed).unwrap());
+        built.check().unwrap();
+        let built = super::TrainOptions::new().scheduled_comm("64KiB", "256KiB");
+        let parsed = super::TrainOptions::from_toml_str("[ddp]\nschedule = { chunk = \"64KiB\", credit = \"256KiB\" }\n").unwrap();
         assert_eq!(toml::to_string(&built).unwrap(), toml::to_string(&parsed).unwrap());
         built.check().unwrap();
     }
