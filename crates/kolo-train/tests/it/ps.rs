@@ -148,14 +148,16 @@ fn ps_bsp_matches_ddp_bitwise() {
 fn ps_async_downpour_converges_on_mnist() {
     let c = ps_cluster(2);
     let cfg = mnist_cfg(
-        "[optim]\nkind = \"adagrad\"\nlr = 0.05\n[train]\nsteps = 300\nlog_every = 50\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\nfetch_every = 2\npush_every = 2\nchunk = 5000\nservers = 2\nreplication = 1\n",
+        "[optim]\nkind = \"adagrad\"\nlr = 0.05\n[train]\nsteps = 500\nlog_every = 50\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\nfetch_every = 2\npush_every = 2\nchunk = 5000\nservers = 2\nreplication = 1\n",
         32,
     );
     let s = train_ps(&c, 2, &cfg, &quiet());
     let acc = s[0].eval.as_ref().unwrap().accuracy.unwrap();
+    // The interleaving of the two workers' pushes varies the result: at 300 steps it ended at
+    // 86.8-89.1 % (too near the bar, a CI flake); at 500, 88.0-90.1 % with 3 busy loops beside.
     assert!(acc > 0.85, "async Downpour SGD reached only {:.1}% test accuracy", acc * 100.0);
-    // 300 steps, a push every 2: 150 pushes per worker.
-    assert_eq!(s[0].comm_bytes.iter().filter(|b| **b > 0).count(), 150);
+    // 500 steps, a push every 2: 250 pushes per worker.
+    assert_eq!(s[0].comm_bytes.iter().filter(|b| **b > 0).count(), 250);
 }
 
 #[test]
