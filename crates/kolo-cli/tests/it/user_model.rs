@@ -483,8 +483,9 @@ fn all_gather_concatenates_uneven_tensors_in_rank_order() {
 }
 
 /// One launched rank of [`kolo_train_and_the_library_train_a_built_in_model_bitwise_alike`]:
-/// the MLP that a `kolo train` config describes, built with kolo-tensor, trained by the library's
-/// `Trainer` from the same file's tables, on the same MNIST batches, and saved to `args[1]`;
+/// the built-in model that a `kolo train` config describes (MLP, CNN or GPT), built with
+/// kolo-tensor, trained by the library's `Trainer` from the same file's tables, on the same
+/// batches of kolo train's data (MNIST or a text corpus), and saved to `args[1]`;
 /// from the checkpoint `args[2]` when given (`-`: none), stopping after `args[3]` steps when
 /// given.
 fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
@@ -494,7 +495,9 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     let mut opts = kolo::TrainOptions::from_train_config(&cfg)?;
     // The communicator starts with the config's deadlines (`ddp.timeout_secs`).
     let dist = kolo::init_with(&opts.init_options())?;
-    let model = kolo_tensor::build_model(&cfg.model_spec(10), cfg.train.seed)?;
+    // kolo train's data: MNIST, or a text corpus cut into windows of the GPT's length.
+    let data = kolo_train::setup::load_data(&cfg, dist.rank())?;
+    let model = kolo_tensor::build_model(&cfg.model_spec(data.vocab_size), cfg.train.seed)?;
     let varmap = candle_nn::VarMap::new();
     for p in model.params().iter() {
         varmap.data().lock().unwrap().insert(p.name.clone(), p.var.clone());
@@ -507,12 +510,11 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         trainer.resume(from)?;
     }
     let stop = args.get(3).map_or(Ok(cfg.train.steps), |s| s.parse::<u64>())?;
-    let path = std::path::Path::new(cfg.data.path.as_deref().unwrap());
-    let (train, test) = (kolo::data::Mnist::load(path, "train")?, kolo::data::Mnist::load(path, "t10k")?);
+    let (train, test) = (&*data.train, &*data.eval);
     // The sampler kolo train deals its data with: `[data] batch_size`, shuffled from `train.seed`.
-    let mut sampler = trainer.sampler(kolo::data::Dataset::len(&train))?;
+    let mut sampler = trainer.sampler(train.len())?;
     for _ in 0..(stop - trainer.steps_done()) * cfg.train.grad_accum {
-        let batch = kolo::data::Dataset::batch(&train, &sampler.next_batch());
+        let batch = train.batch(&sampler.next_batch());
         // The micro-batch's examples `r` (under ddp.deterministic a piece of it, else all of it).
         let loss = |r: std::ops::Range<usize>| {
             let piece = &batch.chunks(r.len()).expect("whole pieces")[r.start / r.len()];
@@ -520,10 +522,11 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         };
         trainer.step_pieces(loss)?;
         if trainer.eval_due() {
-            // As kolo train evaluates: `train.eval_batches` batches, the whole test set at the end.
-            let limit = if trainer.steps_done() == cfg.train.steps { 0 } else { cfg.train.eval_batches };
+            // As kolo train evaluates: `train.eval_batches` batches, MNIST's whole test set at the end.
+            let whole = trainer.steps_done() == cfg.train.steps && data.vocab.is_none();
+            let limit = if whole { 0 } else { cfg.train.eval_batches };
             let (comm, batch) = (&**dist.comm(), cfg.data.batch_size);
-            let e = kolo_train::eval::evaluate(&*model, &PlainView, &test, comm, batch, limit, false, &|| Ok(()))?;
+            let e = kolo_train::eval::evaluate(&*model, &PlainView, test, comm, batch, limit, false, &|| Ok(()))?;
             trainer.log_eval(&e);
         }
     }
@@ -539,7 +542,9 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// all-reduce in fp16, PowerSGD (its error feedback), local SGD (averaging every 2 steps),
 /// no exchange at all (`skip_sync`), checked collectives and scheduled communication
 /// (`ddp.schedule`, without clipping and accumulation, which it refuses; the library's run is
-/// also stopped at step 3 and resumed), and log the same loss at the same steps. (Two ranks: a sum of two is
+/// also stopped at step 3 and resumed), and log the same loss at the same steps. The other
+/// built-in models too: the CNN under ZeRO-2, the GPT on characters of Shakespeare under DDP,
+/// ZeRO-2 and scheduled communication. (Two ranks: a sum of two is
 /// exact in any order, so the buckets' layouts cannot differ in result.) Both evaluate at the
 /// same steps (`train.eval_every`; the library's program asks `Trainer::eval_due`) and log the
 /// same evaluations; with `train.seed` set, the library's sampler deals the batches in
@@ -562,22 +567,35 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         ("seed-eval", "zero_stage = 1", "seed = 7\neval_every = 3\neval_batches = 4\n"),
         ("deterministic", "zero_stage = 1\ndeterministic = true\ndeterministic_chunk = 4", ""),
         ("schedule", "schedule = { chunk = \"1KiB\", credit = \"3KiB\" }\ntimeout_secs = 30", ""),
+        // The other built-in models: the CNN on MNIST, the GPT on characters of Shakespeare.
+        ("cnn-z2", "zero_stage = 2", ""),
+        ("gpt-z0", "zero_stage = 0", ""),
+        ("gpt-z2", "zero_stage = 2", ""),
+        ("gpt-schedule", "schedule = { chunk = \"1KiB\", credit = \"3KiB\" }\ntimeout_secs = 30", ""),
     ] {
-        let config = dir.join(format!("mlp-{tag}.toml"));
+        let config = dir.join(format!("{tag}.toml"));
         let cli = dir.join(format!("cli-{tag}"));
         // Scheduled DDP updates each parameter as soon as its own gradient is reduced: no
         // clipping (a norm over every gradient) and no accumulation.
-        let plain_only = |text: String| match tag {
-            "schedule" => text.replace("clip_grad_norm = 0.5\n", "").replace("grad_accum = 2", "grad_accum = 1"),
-            _ => text,
+        let plain_only = |text: String| match tag.ends_with("schedule") {
+            true => text.replace("clip_grad_norm = 0.5\n", "").replace("grad_accum = 2", "grad_accum = 1"),
+            false => text,
+        };
+        let (mnist, shakespeare) = (kolo_testkit::files::mnist_dir(), kolo_testkit::files::shakespeare());
+        let model = match tag.split_once('-').map(|m| m.0) {
+            Some("cnn") => format!("[model]\nkind = \"cnn\"\nchannels = [4, 8]\n[data]\nkind = \"mnist\"\npath = \"{}\"", mnist.display()),
+            Some("gpt") => format!(
+                "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"",
+                shakespeare.display()
+            ),
+            _ => format!("[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"", mnist.display()),
         };
         std::fs::write(
             &config,
             plain_only(format!(
-                "[model]\nkind = \"mlp\"\nhidden = [32]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n\
+                "{model}\nbatch_size = 8\n\
                  [optim]\nkind = \"adamw\"\nlr = 0.003\nweight_decay = 0.1\nclip_grad_norm = 0.5\nschedule = \"cosine\"\nwarmup_steps = 2\n\
                  [ddp]\n{ddp}\n[train]\nsteps = 6\ngrad_accum = 2\nlog_every = 3\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 6\n{train}",
-                kolo_testkit::files::mnist_dir().display(),
                 cli.display()
             )),
         )
