@@ -348,7 +348,7 @@ fn reconfigure(shared: &Shared, m: Membership) {
         // A range that belongs here but has not arrived waits for a hand-over from the servers
         // that held it: from its previous chain, gathered over consecutive changes (across
         // skipped epochs it may have moved through a server this one never heard of, so the
-        // record starts over). When all of them are gone, nobody can send it: it is lost.
+        // record starts over). When all of them are dead, nobody can send it: it is lost.
         let held = lock(&shared.ranges);
         let mut awaited = lock(&shared.awaited);
         let mut lost = lock(&shared.lost);
@@ -362,7 +362,11 @@ fn reconfigure(shared: &Shared, m: Membership) {
             if next {
                 from.extend(old_ring.chain(r, job.replication).into_iter().filter(|s| *s != me));
             }
-            if next && !from.is_empty() && from.iter().all(|s| !ids.contains(s)) && !lost.contains_key(&r) {
+            // Gone means declared dead: a server removed on request is alive and hands its
+            // ranges on (declaring them lost failed the requests that reached the new holder
+            // before the hand-over did).
+            let gone = |s: &u32| !ids.contains(s) && m.dead_servers.contains(s);
+            if next && !from.is_empty() && from.iter().all(gone) && !lost.contains_key(&r) {
                 let names: Vec<String> = from.iter().map(|s| s.to_string()).collect();
                 let why = format!(
                     "range {r} lost: server(s) {} (its whole chain at replication {}) are gone; restart the job from a checkpoint, with more replication to survive this",
