@@ -419,7 +419,7 @@ fn final_eval(
     if let Some(v) = data.vocab.as_ref().filter(|_| tc.sample_chars > 0) {
         sample = s.sample(v)?;
         if let Some(text) = sample.as_ref().filter(|_| say) {
-            kolo_base::eline!("--- sample ({} chars, temperature {}) ---\n{text}\n---", tc.sample_chars, tc.sample_temperature);
+            kolo_base::eline!("{}", crate::eval::sample_block(tc, text));
         }
     }
     Ok((eval, sample))

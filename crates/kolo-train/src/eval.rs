@@ -114,7 +114,8 @@ pub(crate) fn sample_alone(
     sample_text(&whole, &PlainView, vocab, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))
 }
 
-/// Generates `n` characters from a text model, starting from a newline.
+/// Generates `n` characters from a text model, starting from a newline ([`sample_ids`] with the
+/// model's forward pass).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn sample_text(
     model: &dyn Model,
@@ -126,21 +127,47 @@ pub(crate) fn sample_text(
     seed: u64,
     settle: &dyn Fn() -> Result<(), TrainError>,
 ) -> Result<String, TrainError> {
-    let mut rng = Rng::new(seed ^ 0x5A5A);
     let start = vocab.encode(b"\n").unwrap_or_else(|_| vec![0]);
-    let mut ids: Vec<u32> = start;
-    for _ in 0..n {
-        let ctx: Vec<u32> = ids[ids.len().saturating_sub(seq)..].to_vec();
+    let ids = sample_ids(&start, n, seq, temperature, seed, &mut |ctx| {
         let t = ctx.len();
-        let logits = model.forward(&Input::Tokens { ids: ctx, b: 1, t }, view)?;
+        let logits = model.forward(&Input::Tokens { ids: ctx.to_vec(), b: 1, t }, view)?;
         settle()?;
-        let last = logits.narrow(0, t - 1, 1).map_err(kolo_tensor::TensorError::from)?;
+        Ok(logits.narrow(0, t - 1, 1).map_err(kolo_tensor::TensorError::from)?)
+    })?;
+    Ok(vocab.decode(&ids))
+}
+
+/// How a sample is logged (`kolo train`'s and the library's `Trainer::log_sample`).
+pub fn sample_block(tc: &crate::config::TrainConfig, text: &str) -> String {
+    format!("--- sample ({} chars, temperature {}) ---\n{text}\n---", tc.sample_chars, tc.sample_temperature)
+}
+
+/// Text sampling from a causal model, `kolo train`'s and the library's (`kolo::Trainer::sample`):
+/// `n` tokens after `start`, each drawn from the softmax of `next_logits(context) / temperature`
+/// (the logits of the context's last position; the context is the last `seq` tokens so far),
+/// with one uniform draw per token from `seed`'s generator. Returns the drawn tokens.
+pub fn sample_ids(
+    start: &[u32],
+    n: usize,
+    seq: usize,
+    temperature: f32,
+    seed: u64,
+    next_logits: &mut dyn FnMut(&[u32]) -> Result<kolo_tensor::Tensor, TrainError>,
+) -> Result<Vec<u32>, TrainError> {
+    let mut rng = Rng::new(seed ^ 0x5A5A);
+    let mut ids: Vec<u32> = start.to_vec();
+    for _ in 0..n {
+        let ctx = &ids[ids.len().saturating_sub(seq.max(1))..];
+        let last = next_logits(ctx)?;
         let scaled = (last / f64::from(temperature.max(1e-3))).map_err(kolo_tensor::TensorError::from)?;
         let probs: Vec<f32> = softmax_last(&scaled)?
             .flatten_all()
             .map_err(kolo_tensor::TensorError::from)?
             .to_vec1()
             .map_err(kolo_tensor::TensorError::from)?;
+        if probs.is_empty() {
+            return Err(TrainError::Data("text sampling: the model returned no logits for the next token".into()));
+        }
         let u = rng.next_f64() as f32;
         let mut acc = 0f32;
         let next = probs.iter().position(|p| {
@@ -149,5 +176,33 @@ pub(crate) fn sample_text(
         });
         ids.push(next.unwrap_or(probs.len() - 1) as u32);
     }
-    Ok(vocab.decode(&ids[1..]))
+    Ok(ids.split_off(start.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sample_ids;
+    use candle_core::{Device, Tensor};
+
+    /// Each token is drawn from the logits of the last `seq` tokens so far: at a temperature
+    /// near 0 the likeliest one (here always the last token plus one), at 1 spread over the
+    /// vocabulary and reproducible from the seed.
+    #[test]
+    fn sampling_draws_from_the_context_by_temperature_and_seed() {
+        let mut contexts = Vec::new();
+        let mut next_of_last = |ctx: &[u32]| {
+            contexts.push(ctx.to_vec());
+            let mut v = vec![0f32; 5];
+            v[((ctx[ctx.len() - 1] + 1) % 5) as usize] = 10.0;
+            Ok(Tensor::new(v, &Device::Cpu).unwrap().unsqueeze(0).unwrap())
+        };
+        let ids = sample_ids(&[0], 7, 3, 0.01, 7, &mut next_of_last).unwrap();
+        assert_eq!(ids, vec![1, 2, 3, 4, 0, 1, 2]);
+        assert_eq!(contexts[..4], [vec![0], vec![0, 1], vec![0, 1, 2], vec![1, 2, 3]]);
+        let mut flat = |_: &[u32]| Ok(Tensor::zeros(5, candle_core::DType::F32, &Device::Cpu).unwrap());
+        let a = sample_ids(&[0], 200, 4, 1.0, 3, &mut flat).unwrap();
+        assert_eq!(a, sample_ids(&[0], 200, 4, 1.0, 3, &mut flat).unwrap());
+        assert_ne!(a, sample_ids(&[0], 200, 4, 1.0, 4, &mut flat).unwrap());
+        assert!((0..5).all(|t| a.iter().filter(|x| **x == t).count() > 20), "{a:?}");
+    }
 }

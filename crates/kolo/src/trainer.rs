@@ -281,18 +281,11 @@ impl TrainOptions {
     /// the tables' own rules, checked by the same code and with the same messages as `kolo
     /// train`'s.
     pub fn check(&self) -> Result<()> {
-        let only_kolo_train = [
-            (
-                self.optim.reference_batch.is_some() && self.data.batch_size == 0,
-                "optim.reference_batch",
-                " without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
-            ),
-            (
-                self.train.sample_chars != 200 || self.train.sample_temperature != 0.8,
-                "train.sample_*",
-                " (generation belongs to the built-in GPT)",
-            ),
-        ];
+        let only_kolo_train = [(
+            self.optim.reference_batch.is_some() && self.data.batch_size == 0,
+            "optim.reference_batch",
+            " without [data] batch_size (the global batch it scales by is batch_size x ranks x grad_accum)",
+        )];
         if let Some((_, setting, why)) = only_kolo_train.iter().find(|(bad, _, _)| *bad) {
             return Err(Error::setting(*setting, format!("kolo::Trainer does not support {setting}{why}")));
         }
@@ -1184,6 +1177,30 @@ impl Trainer {
     /// `backward` starts it otherwise): a pipeline's step begins with its forwards.
     pub(crate) fn mark_step_start(&mut self) {
         self.step_start.get_or_insert_with(Instant::now);
+    }
+
+    /// Text sampling as `kolo train`'s at the end of a text model's run: `train.sample_chars`
+    /// tokens after `start`, each drawn from the softmax of the logits over
+    /// `train.sample_temperature`, seeded by `train.seed`. `next_logits(context)` runs the
+    /// user's model on the last `context_len` tokens so far and returns the logits of the last
+    /// position (vocabulary values, any leading dimensions of size 1). Returns the drawn
+    /// tokens; decode them with the user's tokenizer and log them with [`Trainer::log_sample`].
+    pub fn sample(
+        &self,
+        start: &[u32],
+        context_len: usize,
+        mut next_logits: impl FnMut(&[u32]) -> candle_core::Result<Tensor>,
+    ) -> Result<Vec<u32>> {
+        let tc = &self.opts.train;
+        let mut next = |ctx: &[u32]| next_logits(ctx).map_err(|e| kolo_train::TrainError::Data(format!("text sampling: {e}")));
+        Ok(kolo_train::eval::sample_ids(start, tc.sample_chars, context_len, tc.sample_temperature, tc.seed, &mut next)?)
+    }
+
+    /// Logs a sample (from [`Trainer::sample`], decoded) as `kolo train` does, on rank 0.
+    pub fn log_sample(&self, text: &str) {
+        if self.rank == 0 {
+            kolo_base::eline!("{}", kolo_train::eval::sample_block(&self.opts.train, text));
+        }
     }
 
     /// The learning rate of the next optimizer step (warm-up, then the schedule).

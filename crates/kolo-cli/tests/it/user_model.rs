@@ -530,6 +530,18 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
             trainer.log_eval(&e);
         }
     }
+    if let Some(vocab) = data.vocab.as_ref().filter(|_| trainer.steps_done() == cfg.train.steps && cfg.train.sample_chars > 0) {
+        // As kolo train samples a text model at the end: from a newline, on rank 0.
+        if let (kolo_tensor::ModelSpec::Gpt(g), 0) = (cfg.model_spec(data.vocab_size), dist.rank()) {
+            let next = |ctx: &[u32]| {
+                let input = kolo_tensor::Input::Tokens { ids: ctx.to_vec(), b: 1, t: ctx.len() };
+                let logits = model.forward(&input, &PlainView).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                logits.narrow(0, ctx.len() - 1, 1)
+            };
+            let ids = trainer.sample(&vocab.encode(b"\n")?, g.seq, next)?;
+            trainer.log_sample(&vocab.decode(&ids));
+        }
+    }
     trainer.set_data_position(sampler.position());
     trainer.save(out)?;
     Ok(())
@@ -544,7 +556,8 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// (`ddp.schedule`, without clipping and accumulation, which it refuses; the library's run is
 /// also stopped at step 3 and resumed), and log the same loss at the same steps. The other
 /// built-in models too: the CNN under ZeRO-2, the GPT on characters of Shakespeare under DDP,
-/// ZeRO-2 and scheduled communication. (Two ranks: a sum of two is
+/// ZeRO-2 and scheduled communication, with the same text sampled at the end (`Trainer::sample`;
+/// once with `train.sample_chars` and `sample_temperature` set). (Two ranks: a sum of two is
 /// exact in any order, so the buckets' layouts cannot differ in result.) Both evaluate at the
 /// same steps (`train.eval_every`; the library's program asks `Trainer::eval_due`) and log the
 /// same evaluations; with `train.seed` set, the library's sampler deals the batches in
@@ -569,7 +582,7 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         ("schedule", "schedule = { chunk = \"1KiB\", credit = \"3KiB\" }\ntimeout_secs = 30", ""),
         // The other built-in models: the CNN on MNIST, the GPT on characters of Shakespeare.
         ("cnn-z2", "zero_stage = 2", ""),
-        ("gpt-z0", "zero_stage = 0", ""),
+        ("gpt-z0", "zero_stage = 0", "sample_chars = 60\nsample_temperature = 0.5\n"),
         ("gpt-z2", "zero_stage = 2", ""),
         ("gpt-schedule", "schedule = { chunk = \"1KiB\", credit = \"3KiB\" }\ntimeout_secs = 30", ""),
     ] {
@@ -621,8 +634,17 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
                 .map(|l| l[l.rfind("] ").map_or(0, |i| i + 2)..].to_string())
                 .collect()
         };
-        assert_eq!(evals(&cli_log).len(), if train.is_empty() { 1 } else { 2 }, "{tag}: kolo train's evaluations: {cli_log}");
+        let eval_every = train.contains("eval_every");
+        assert_eq!(evals(&cli_log).len(), if eval_every { 2 } else { 1 }, "{tag}: kolo train's evaluations: {cli_log}");
         assert_eq!(evals(&cli_log), evals(&text(&o)), "{tag}: kolo train and the library evaluate differently");
+        // The text models' sample at the end, rank 0's block of lines.
+        let sample = |log: &str| -> Vec<String> {
+            let body: Vec<&str> = log.lines().filter(|l| l.starts_with("[rank 0] ")).map(|l| &l[9..]).collect();
+            let Some(at) = body.iter().position(|l| l.starts_with("--- sample (")) else { return Vec::new() };
+            body[at..].iter().take_while(|l| **l != "---").map(|l| l.to_string()).collect()
+        };
+        assert_eq!(sample(&cli_log).is_empty(), !tag.starts_with("gpt"), "{tag}: kolo train's sample: {cli_log}");
+        assert_eq!(sample(&cli_log), sample(&text(&o)), "{tag}: kolo train and the library sample differently");
         let step_dir = |d: &std::path::Path| std::fs::read_dir(d).unwrap().next().unwrap().unwrap().path();
         let (by_cli, by_lib) = (model_tensors(&step_dir(&cli)), model_tensors(&step_dir(&lib)));
         assert_eq!(by_cli.keys().collect::<Vec<_>>(), by_lib.keys().collect::<Vec<_>>(), "{tag}: parameter names");
