@@ -688,6 +688,22 @@ pub struct CompressionConfig {
     pub exchange: TopkExchange,
 }
 
+impl CompressionConfig {
+    /// `method` with the file's defaults for the rest (rank 1, fraction 0.01, 16 levels, 10
+    /// uncompressed steps first, exact top-k gathered): change a field with `..` syntax.
+    pub fn new(method: CompressionMethod) -> CompressionConfig {
+        CompressionConfig {
+            method,
+            rank: one(),
+            fraction: one_percent(),
+            levels: sixteen(),
+            warmup_steps: ten(),
+            threshold: TopkThreshold::default(),
+            exchange: TopkExchange::default(),
+        }
+    }
+}
+
 #[derive(Deserialize, Serialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum TopkThreshold {

@@ -75,8 +75,8 @@ pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
 /// The types of [`TrainOptions`]' tables (shared with `kolo train`'s config file).
 pub mod options {
     pub use kolo_train::config::{
-        CompressionConfig, Config, DdpConfig, LocalSgdConfig, MeshConfig, OptimConfig, OptimKind, ParamGroupConfig, PipeSchedule,
-        PipelineConfig, Precision, PsConfig, PsConsistency, ScheduleKind, Strategy, TrainConfig,
+        CompressionConfig, CompressionMethod, Config, DdpConfig, LocalSgdConfig, MeshConfig, OptimConfig, OptimKind, ParamGroupConfig,
+        PipeSchedule, PipelineConfig, Precision, PsConfig, PsConsistency, ScheduleKind, Strategy, TrainConfig,
     };
 }
 

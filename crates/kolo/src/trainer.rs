@@ -151,6 +151,70 @@ impl TrainOptions {
         self
     }
 
+    /// DDP's gradient buckets: `cap` bytes each ("25MiB"), the first one (the last layers',
+    /// reduced while backward is still early) `first_cap` ("1MiB").
+    pub fn buckets(mut self, cap: &str, first_cap: &str) -> Self {
+        (self.ddp.bucket_cap, self.ddp.first_bucket_cap) = (cap.into(), first_cap.into());
+        self
+    }
+
+    /// The communicator's deadlines: a collective waits at most `timeout_secs`, and a peer
+    /// silent for `liveness_secs` (0: no heartbeats) is declared dead. Start the communicator
+    /// with them: `kolo::init_with(&opts.init_options())`.
+    pub fn deadlines(mut self, timeout_secs: f64, liveness_secs: f64) -> Self {
+        (self.ddp.timeout_secs, self.ddp.liveness_secs) = (timeout_secs, liveness_secs);
+        self
+    }
+
+    /// Gradient compression of the all-reduce (`[ddp] compression`), e.g.
+    /// `CompressionConfig { rank: 4, ..CompressionConfig::new(CompressionMethod::Powersgd) }`.
+    pub fn compression(mut self, c: crate::options::CompressionConfig) -> Self {
+        self.ddp.compression = Some(c);
+        self
+    }
+
+    /// Local SGD: past `warmup_steps` of DDP each replica steps on its own gradient and the
+    /// models are averaged every `every` steps.
+    pub fn local_sgd(mut self, every: u64, warmup_steps: u64) -> Self {
+        self.ddp.local_sgd = Some(crate::options::LocalSgdConfig { every, warmup_steps });
+        self
+    }
+
+    /// Deterministic mode: bitwise the same parameters at any world size for the same global
+    /// batch, each micro-batch summed in pieces of `chunk` examples ([`Trainer::step_pieces`]).
+    pub fn deterministic(mut self, chunk: usize) -> Self {
+        (self.ddp.deterministic, self.ddp.deterministic_chunk) = (true, chunk);
+        self
+    }
+
+    /// Dynamic batch sizing: every `every` steps the global batch is split anew by the ranks'
+    /// measured speed ([`Trainer::sampler`] deals each rank its share).
+    pub fn dynamic_batches(mut self, every: u64) -> Self {
+        self.ddp.dynamic_batch_every = every;
+        self
+    }
+
+    /// Every collective of the data-parallel group fingerprinted and compared across its ranks
+    /// first: a rank calling another collective, size or dtype fails naming both.
+    pub fn check_collectives(mut self) -> Self {
+        self.ddp.check_collectives = true;
+        self
+    }
+
+    /// TensorBoard event files under `dir` (a run per rank) and JSON lines to `json_log`
+    /// (`{rank}` replaced), as `kolo train` writes them; `None` leaves either off.
+    pub fn logs(mut self, tensorboard_dir: Option<&str>, json_log: Option<&str>) -> Self {
+        self.train.tensorboard_dir = tensorboard_dir.map(str::to_string);
+        self.train.json_log = json_log.map(str::to_string);
+        self
+    }
+
+    /// Text sampling ([`Trainer::sample`]): `tokens` tokens at `temperature`.
+    pub fn sampling(mut self, tokens: usize, temperature: f32) -> Self {
+        (self.train.sample_chars, self.train.sample_temperature) = (tokens, temperature);
+        self
+    }
+
     /// ZeRO stage: 0 (DDP), 1, 2 or 3 (the groups of [`Trainer::with_zero3_groups`]).
     pub fn zero_stage(mut self, stage: u8) -> Self {
         self.ddp.zero_stage = stage;
@@ -1980,10 +2044,30 @@ mod tests {
         let parsed = super::TrainOptions::from_toml_str(toml).unwrap();
         assert_eq!(toml::to_string(&built).unwrap(), toml::to_string(&parsed).unwrap());
         built.check().unwrap();
-        let built = super::TrainOptions::new().scheduled_comm("64KiB", "256KiB");
-        let parsed = super::TrainOptions::from_toml_str("[ddp]\nschedule = { chunk = \"64KiB\", credit = \"256KiB\" }\n").unwrap();
-        assert_eq!(toml::to_string(&built).unwrap(), toml::to_string(&parsed).unwrap());
-        built.check().unwrap();
+        // The rest of [ddp] and [train], in combinations each valid on its own.
+        use crate::options::{CompressionConfig, CompressionMethod};
+        let powersgd = CompressionConfig { rank: 4, ..CompressionConfig::new(CompressionMethod::Powersgd) };
+        for (built, toml) in [
+            (super::TrainOptions::new().scheduled_comm("64KiB", "256KiB"), "[ddp]\nschedule = { chunk = \"64KiB\", credit = \"256KiB\" }\n"),
+            (
+                super::TrainOptions::new().buckets("4MiB", "512KiB").deadlines(60.0, 5.0).compression(powersgd).check_collectives(),
+                "[ddp]\nbucket_cap = \"4MiB\"\nfirst_bucket_cap = \"512KiB\"\ntimeout_secs = 60\nliveness_secs = 5\ncheck_collectives = true\ncompression = { method = \"powersgd\", rank = 4 }\n",
+            ),
+            (super::TrainOptions::new().local_sgd(4, 10), "[ddp]\nlocal_sgd = { every = 4, warmup_steps = 10 }\n"),
+            (
+                super::TrainOptions::new().batch(12, 1).deterministic(4),
+                "[ddp]\ndeterministic = true\ndeterministic_chunk = 4\n[data]\nbatch_size = 12\ntokens_per_example = 1\n",
+            ),
+            (super::TrainOptions::new().batch(12, 1).dynamic_batches(20), "[ddp]\ndynamic_batch_every = 20\n[data]\nbatch_size = 12\ntokens_per_example = 1\n"),
+            (
+                super::TrainOptions::new().logs(Some("tb"), Some("log-{rank}.jsonl")).sampling(60, 0.5),
+                "[train]\ntensorboard_dir = \"tb\"\njson_log = \"log-{rank}.jsonl\"\nsample_chars = 60\nsample_temperature = 0.5\n",
+            ),
+        ] {
+            let parsed = super::TrainOptions::from_toml_str(toml).unwrap();
+            assert_eq!(toml::to_string(&built).unwrap(), toml::to_string(&parsed).unwrap(), "{toml}");
+            built.check().unwrap();
+        }
     }
 
     /// A setting both `kolo train` and the library refuse is refused with the same message: the
