@@ -66,6 +66,8 @@ struct State {
     wait_s: f64,
     /// The scheduler's collectives since the last step was recorded (for the timeline).
     spans: Spans,
+    /// Steps whose times were taken (the first one's communication includes the start).
+    timed: u64,
 }
 
 struct Sched {
@@ -117,6 +119,35 @@ impl Sched {
 
 /// Named collectives with when each started and ended (a step's, for the timeline).
 pub type Spans = Vec<(String, Instant, Instant)>;
+
+/// One step's communication as the training thread saw it.
+pub struct StepTimes {
+    /// Seconds the training thread waited for updates.
+    pub wait_s: f64,
+    /// Seconds the scheduler spent in gradient collectives.
+    pub comm_s: f64,
+    /// Whether the hidden part counts: not on the first step, whose communication includes the
+    /// start (both `kolo train` and the library report it as none hidden).
+    pub counted: bool,
+    /// The scheduler's collectives (for the timeline).
+    pub spans: Spans,
+}
+
+impl StepTimes {
+    /// Seconds of communication the training thread did not wait for.
+    pub fn hidden_s(&self) -> f64 {
+        if self.counted {
+            (self.comm_s - self.wait_s).max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// The hidden part as a fraction of the communication (none on an uncounted step).
+    pub fn hidden_fraction(&self) -> Option<f64> {
+        (self.comm_s > 0.0 && self.counted).then(|| (self.hidden_s() / self.comm_s).clamp(0.0, 1.0))
+    }
+}
 
 struct Hooks(Arc<Sched>);
 
@@ -191,6 +222,7 @@ impl Scheduler {
                 comm_s: 0.0,
                 wait_s: 0.0,
                 spans: Vec::new(),
+                timed: 0,
             }),
             opt: Mutex::new(opt),
             cv: Condvar::new(),
@@ -280,12 +312,12 @@ impl Scheduler {
         self.sched.lock().error.clone()
     }
 
-    /// Since the last call: seconds the training thread waited for updates, seconds in gradient
-    /// collectives, and the collectives' spans (for the timeline).
-    pub fn take_times(&self) -> (f64, f64, Spans) {
+    /// A step's times, since the last call (see [`StepTimes`]).
+    pub fn take_times(&self) -> StepTimes {
         let mut g = self.sched.lock();
-        let out = (g.wait_s, g.comm_s, std::mem::take(&mut g.spans));
+        let out = StepTimes { wait_s: g.wait_s, comm_s: g.comm_s, counted: g.timed > 0, spans: std::mem::take(&mut g.spans) };
         (g.comm_s, g.wait_s) = (0.0, 0.0);
+        g.timed += 1;
         out
     }
 
@@ -441,8 +473,6 @@ pub struct ScheduledDdp<'a> {
     spec: ModelSpec,
     sched: Option<Scheduler>,
     meta: BTreeMap<String, String>,
-    /// Steps this process has started (the first one's hidden fraction includes the start).
-    started: u64,
 }
 
 /// Trains with scheduled DDP on this rank of `comm`, from `resume` when given.
@@ -483,7 +513,7 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
         data.train.describe()
     ));
     let sched = Scheduler::start(&*comm, model.params(), opt, (chunk, credit), first, timeout)?;
-    let mut s = ScheduledDdp { cfg, comm: comm.clone(), model, spec, sched: Some(sched), meta, started: 0 };
+    let mut s = ScheduledDdp { cfg, comm: comm.clone(), model, spec, sched: Some(sched), meta };
     crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), &data, heap_before, &mut s, start)
 }
 
@@ -516,8 +546,9 @@ impl Strategy for ScheduledDdp<'_> {
         sched.end_backward().map_err(TrainError::Other)?;
         let mut out = StepOut { loss: local_loss, backward_end: Some(Instant::now()), ..Default::default() };
         out.rec.comm_bytes = Some(self.model.params().numel() * 4);
-        (out.rec.wait_ms, out.rec.hidden, out.comm_spans) = step_times(sched, self.started > 0);
-        self.started += 1;
+        let times = sched.take_times();
+        (out.rec.wait_ms, out.rec.hidden) = (Some(times.wait_s * 1e3), times.hidden_fraction());
+        out.comm_spans = times.spans;
         Ok(out)
     }
 
@@ -551,13 +582,4 @@ impl Strategy for ScheduledDdp<'_> {
         sched.finish().map_err(TrainError::Other)?;
         Ok(Finish { params, states, skipped_steps: 0, loss_scale: None, moe: None, pipeline_bubble: None, ps: None })
     }
-}
-
-/// A step's times from the scheduler: milliseconds the training thread waited for updates, and
-/// the fraction of the communication it did not wait for (the hidden part; none on a first
-/// step, which includes the start), with the collectives' spans.
-fn step_times(sched: &Scheduler, count_hidden: bool) -> (Option<f64>, Option<f64>, Spans) {
-    let (wait_s, comm_s, spans) = sched.take_times();
-    let hidden = (comm_s > 0.0 && count_hidden).then(|| (1.0 - wait_s / comm_s).clamp(0.0, 1.0));
-    (Some(wait_s * 1e3), hidden, spans)
 }

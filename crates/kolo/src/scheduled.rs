@@ -29,8 +29,6 @@ pub(crate) struct Scheduled {
     hook_error: Arc<Mutex<Option<String>>>,
     /// The optimizer is the scheduler's (lent at a step's backward, back when settled).
     lent: bool,
-    /// Steps this process has run (the first one's hidden fraction includes the start).
-    started: u64,
     rank: usize,
 }
 
@@ -62,7 +60,7 @@ impl Scheduled {
                 }
             })));
         }
-        Ok(Scheduled { sched, vars, need, hook_error, lent: false, started: 0, rank })
+        Ok(Scheduled { sched, vars, need, hook_error, lent: false, rank })
     }
 
     /// A step's backward begins: the scheduler takes the optimizer (if it has not got it) and
@@ -87,13 +85,11 @@ impl Scheduled {
     pub(crate) fn end_step(&mut self, steps: u64, bytes: usize) -> Result<(kolo_ddp::SyncStats, kolo_train::scheduled_ddp::Spans)> {
         self.need.store(steps, Ordering::SeqCst);
         self.check("Trainer::update")?;
-        let (wait_s, comm_s, spans) = self.sched.take_times();
-        // The first step's communication includes the start: none counted hidden, as kolo train.
-        let hidden = if self.started > 0 { (comm_s - wait_s).max(0.0) } else { 0.0 };
-        self.started += 1;
+        let t = self.sched.take_times();
         let secs = Duration::from_secs_f64;
-        let stats = kolo_ddp::SyncStats { buckets: Vec::new(), wait: secs(wait_s), hidden: secs(hidden), comm: secs(comm_s), bytes };
-        Ok((stats, spans))
+        let stats =
+            kolo_ddp::SyncStats { buckets: Vec::new(), wait: secs(t.wait_s), hidden: secs(t.hidden_s()), comm: secs(t.comm_s), bytes };
+        Ok((stats, t.spans))
     }
 
     /// Waits until every begun step's update is applied and takes the optimizer back.
