@@ -11,12 +11,12 @@ use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, St
 use crate::eval::{evaluate, sample_text};
 use crate::setup::{spec_string, Data};
 use crate::summary::{Eval, RunOptions, StateBytes};
-use crate::update::{backward_routed, load_replica, Engine, GradRoute};
+use crate::update::Engine;
 use crate::TrainError;
 use kolo_base::Rng;
 use kolo_comm::{BufMut, Communicator, ReduceOp, SumGroup};
 use kolo_ddp::{Ddp, ShardPlan, Sharding};
-use kolo_optim::{Buffer, LossScaler, Optimizer};
+use kolo_optim::{LossScaler, Optimizer};
 use kolo_tensor::{build_model, Batch, HookedView, Model, ModelSpec, ParamView, PlainView};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -34,18 +34,10 @@ pub struct DataParallel<'a> {
     quiet: bool,
     model: Box<dyn Model>,
     spec: ModelSpec,
-    ddp: Ddp,
-    zero: Option<ShardPlan>,
+    /// The DDP engine, the optimizer and the step's state (the library's `Trainer` steps its
+    /// own the same way).
+    e: Engine,
     zero3: bool,
-    opt: Optimizer,
-    /// ZeRO-1/2: this rank's master copy of its shard (under ZeRO-3 the DDP engine holds it).
-    master: Buffer,
-    /// Local gradients of no-sync micro-steps, only when there are any.
-    micro: Vec<f32>,
-    /// Deterministic mode: the exact (fixed-point) sum of this rank's pieces' gradients.
-    exact: Option<kolo_ddp::exact::ExactSum>,
-    /// f16: the dynamic loss scale.
-    scaler: Option<LossScaler>,
     eval_view: Box<dyn ParamView>,
     /// The model's parameters by variable id, where backward hands their gradients.
     ids: std::collections::HashMap<candle_core::TensorId, usize>,
@@ -58,8 +50,6 @@ pub struct DataParallel<'a> {
     meta: BTreeMap<String, String>,
     numel: usize,
     inject_inf_at: Option<u64>,
-    /// `train.on_nonfinite = "skip"`: the steps skipped so far.
-    nonfinite_skipped: u64,
 }
 
 impl<'a> DataParallel<'a> {
@@ -83,11 +73,10 @@ impl<'a> DataParallel<'a> {
         let tp_split = model.tensor_parallel_split();
         let sharding = cfg.sharding().map_err(TrainError::Config)?;
         let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
-        let Engine { ddp, zero, mut opt } =
-            Engine::build(comm.clone(), &model.params().signature(), &cfg.ddp, &cfg.optim, cfg.optimizer(), sharding, groups)?;
+        let mut e = Engine::build(comm.clone(), &model.params().signature(), &cfg.ddp, &cfg.optim, cfg.optimizer(), sharding, groups)?;
         // `flat` is needed only until the model holds its starting values (broadcast, resume).
         let mut flat = model.params().to_flat()?;
-        ddp.broadcast_params(&mut flat)?;
+        e.ddp.broadcast_params(&mut flat)?;
         let mut meta = checkpoint_meta(cfg, &spec, world, sharding.stage());
         if tp.is_none() {
             // The model by its parameters, as the library's Trainer names it: either continues
@@ -98,12 +87,12 @@ impl<'a> DataParallel<'a> {
         // Resume: every rank reads the same file, so every rank continues identically.
         let start = match resume {
             Some(path) if tp.is_some() => {
-                let r = load_tensor_parallel(path, &*model, &spec, tc.seed, &mut flat, &mut opt, &meta)?;
+                let r = load_tensor_parallel(path, &*model, &spec, tc.seed, &mut flat, &mut e.opt, &meta)?;
                 Some((path.to_path_buf(), r))
             }
             Some(path) => {
                 let local_sgd = cfg.ddp.local_sgd.is_some();
-                let (r, notes) = load_replica(path, &ddp, model.params(), &mut flat, &mut opt, zero.as_ref(), &meta, local_sgd)?;
+                let (r, notes) = e.load(path, model.params(), &mut flat, &meta, local_sgd)?;
                 for note in notes.iter().filter(|_| global_rank == 0 && !opts.quiet) {
                     kolo_base::eline!("{note}");
                 }
@@ -113,24 +102,26 @@ impl<'a> DataParallel<'a> {
         };
         model.params().load(&flat)?;
         let zero3 = sharding == Sharding::Parameters;
-        let master = Engine::master(&ddp, zero.as_ref(), &flat, &cfg.optim)?;
+        e.set_master(&flat, &cfg.optim)?;
         if zero3 {
-            model.shard_groups(ddp.gatherer())?;
+            model.shard_groups(e.ddp.gatherer())?;
         }
         let numel = flat.len();
         drop(flat);
-        let keeps_micro = tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic;
+        if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic {
+            e.local = vec![0f32; numel];
+        }
         let dtype = cfg.compute_dtype();
-        let mut scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
-        if let (Some(s), Some(state)) = (scaler.as_mut(), start.as_ref().and_then(|s| s.1.loss_scale)) {
+        e.scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
+        if let (Some(s), Some(state)) = (e.scaler.as_mut(), start.as_ref().and_then(|s| s.1.loss_scale)) {
             s.restore(state);
         }
         let eval_view: Box<dyn ParamView> =
             if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };
         if global_rank == 0 && !opts.quiet {
-            announce(cfg, &*model, &spec, &ddp, zero.as_ref(), data);
+            announce(cfg, &*model, &spec, &e.ddp, e.zero.as_ref(), data);
         }
-        let hooked = HookedView { sink: ddp.sink(), dtype };
+        let hooked = HookedView { sink: e.ddp.sink(), dtype };
         let ids = crate::update::param_ids(model.params());
         let s = DataParallel {
             cfg,
@@ -139,13 +130,8 @@ impl<'a> DataParallel<'a> {
             quiet: opts.quiet,
             model,
             spec,
-            zero,
+            e,
             zero3,
-            opt,
-            master,
-            micro: if keeps_micro { vec![0f32; numel] } else { Vec::new() },
-            exact: cfg.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(numel)),
-            scaler,
             eval_view,
             ids,
             hooked,
@@ -154,8 +140,6 @@ impl<'a> DataParallel<'a> {
             meta,
             numel,
             inject_inf_at: opts.inject_inf_at,
-            nonfinite_skipped: 0,
-            ddp,
         };
         Ok((s, start))
     }
@@ -164,7 +148,7 @@ impl<'a> DataParallel<'a> {
     /// itself for a backward), so that the driver's own collectives find the communicator idle.
     fn settle(&self) -> Result<(), TrainError> {
         if self.zero3 {
-            self.ddp.drop_prefetched()?;
+            self.e.ddp.drop_prefetched()?;
         }
         Ok(())
     }
@@ -183,17 +167,9 @@ impl<'a> DataParallel<'a> {
             // Under dynamic batch sizing a rank's mean loss weighs by its share of the batch.
             let scale = data.share() / tc.grad_accum as f64;
             // f16: backward runs on the loss times the loss scale; the step divides it out.
-            let loss_scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
-            if let Some(exact) = self.exact.as_mut() {
-                loss_sum += exact_pieces(
-                    &*self.model,
-                    &batch,
-                    &*self.eval_view,
-                    cfg.ddp.deterministic_chunk,
-                    &mut self.micro,
-                    exact,
-                    (rank, step),
-                )? / tc.grad_accum as f64;
+            let loss_scale = self.e.scaler.as_ref().map_or(1.0, LossScaler::scale);
+            if self.e.exact.is_some() {
+                loss_sum += self.exact_pieces(&batch, (rank, step))? / tc.grad_accum as f64;
             } else if self.zero3 {
                 // (ZeRO-3 refuses skip_sync and local SGD.)
                 loss_sum += self.zero3_micro_step(&batch, scale, loss_scale, m + 1 < tc.grad_accum)?;
@@ -202,23 +178,30 @@ impl<'a> DataParallel<'a> {
                 // each gradient to DDP's buckets as backward makes it final; the others keep
                 // theirs local.
                 let communicate = !(m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step);
-                if communicate {
-                    self.ddp.begin_backward();
-                }
                 let loss = (self.model.loss(&batch, &*self.eval_view)? * scale).map_err(te)?;
                 loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-                let sink = self.ddp.sink();
-                let route = match communicate {
-                    true => GradRoute::Buckets(&*sink),
-                    false => GradRoute::Local(self.model.params(), &mut self.micro),
-                };
-                backward_routed(&(loss * loss_scale).map_err(te)?, &self.ids, route, None)?;
-                if !communicate {
-                    self.ddp.accumulate(&self.micro);
-                }
+                self.e.backward(&(loss * loss_scale).map_err(te)?, &self.ids, self.model.params(), communicate, None)?;
             }
         }
         Ok(loss_sum)
+    }
+
+    /// Deterministic mode, one micro-step: `batch` cut into pieces of `ddp.deterministic_chunk`
+    /// examples, each piece's gradient (of its own mean loss) added to the step's exact sum.
+    /// Returns the mean of the pieces' losses. `at` = (rank, step) for the error.
+    fn exact_pieces(&mut self, batch: &Batch, at: (usize, u64)) -> Result<f64, TrainError> {
+        let te = kolo_tensor::TensorError::from;
+        let chunk = self.cfg.ddp.deterministic_chunk;
+        let pieces = batch.chunks(chunk).ok_or_else(|| {
+            TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len()))
+        })?;
+        let mut loss_sum = 0f64;
+        for piece in &pieces {
+            let loss = self.model.loss(piece, &*self.eval_view)?;
+            loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
+            self.e.backward_piece(&loss, &self.ids, self.model.params(), at)?;
+        }
+        Ok(loss_sum / pieces.len() as f64)
     }
 
     /// A ZeRO-3 micro-step: the groups' values are gathered per use (fresh tensors, not the
@@ -227,8 +210,8 @@ impl<'a> DataParallel<'a> {
     fn zero3_micro_step(&mut self, batch: &Batch, scale: f64, loss_scale: f64, local: bool) -> Result<f64, TrainError> {
         let te = kolo_tensor::TensorError::from;
         match local {
-            true => self.ddp.set_no_sync(true),
-            false => self.ddp.begin_backward(),
+            true => self.e.ddp.set_no_sync(true),
+            false => self.e.ddp.begin_backward(),
         }
         let loss = (self.model.loss(batch, &self.hooked)? * scale).map_err(te);
         let done = loss.and_then(|loss| {
@@ -237,7 +220,7 @@ impl<'a> DataParallel<'a> {
             Ok(value)
         });
         if local {
-            self.ddp.set_no_sync(false);
+            self.e.ddp.set_no_sync(false);
         }
         Ok(done?)
     }
@@ -245,24 +228,10 @@ impl<'a> DataParallel<'a> {
     /// Deterministic mode's exchange and update: the exact sum over every rank, then the whole
     /// gradient (DDP) or this rank's shard of it (ZeRO-1/2) is applied.
     fn exact_update(&mut self, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
-        let Some(exact) = self.exact.as_mut() else { return Ok(()) };
         // Pieces in the whole step: micro-steps x the global batch / piece size.
         let global = self.cfg.data.batch_size * self.comm.world_size().get();
         let pieces = self.cfg.train.grad_accum as usize * global / self.cfg.ddp.deterministic_chunk;
-        let (params, clip) = (self.model.params(), self.cfg.optim.clip_grad_norm);
-        let s = crate::update::apply_exact(
-            &*self.comm,
-            exact,
-            pieces,
-            &self.ddp,
-            self.zero.as_ref(),
-            params,
-            &mut self.opt,
-            &mut self.master,
-            &mut self.micro,
-            clip,
-            lr,
-        )?;
+        let s = self.e.exact_update(self.model.params(), pieces, self.cfg.optim.clip_grad_norm, lr)?;
         out.rec.wait_ms = Some(s.wait.as_secs_f64() * 1e3);
         out.rec.hidden = Some(0.0);
         out.rec.comm_bytes = Some(s.bytes);
@@ -274,7 +243,7 @@ impl<'a> DataParallel<'a> {
     fn local_update(&mut self, step: u64, lr: f32, local_step: bool, out: &mut StepOut) -> Result<(), TrainError> {
         let cfg = self.cfg;
         let params = self.model.params();
-        crate::update::apply_local(&self.ddp, params, &mut self.opt, &mut self.micro, cfg.optim.clip_grad_norm, None, None, lr)?;
+        self.e.local_update(params, cfg.optim.clip_grad_norm, None, None, lr)?;
         if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
             out.rec.comm_bytes = Some(crate::local_sgd::after_update(l, step, params, &*self.comm)?);
         }
@@ -287,23 +256,14 @@ impl<'a> DataParallel<'a> {
     fn bucket_update(&mut self, step: u64, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
         let cfg = self.cfg;
         let group = self.tp.as_ref().map(|(g, _)| &**g as &dyn kolo_base::GroupSum);
-        let mut prep = crate::update::GradPrep {
+        let checks = crate::update::Checks {
             comm: &*self.comm,
             clip: cfg.optim.clip_grad_norm,
-            scaler: self.scaler.as_mut(),
             tp: self.tp_split.as_deref().zip(group),
             inject_inf: self.inject_inf_at == Some(step) && self.comm.rank().get() == 0,
             skip_nonfinite: cfg.train.on_nonfinite == crate::config::OnNonFinite::Skip,
-            norm: None,
         };
-        let mut prepare = |g: &mut kolo_ddp::BucketGrads<'_>, sharded: bool| prep.run(g, sharded);
-        let params = self.model.params();
-        let (stats, applied) =
-            crate::update::apply_update(&self.ddp, params, &mut self.opt, self.zero.as_ref(), &mut self.master, lr, &mut prepare)?;
-        // f16's scaler counts its own skipped steps.
-        if !applied && cfg.train.precision != crate::config::Precision::F16 {
-            self.nonfinite_skipped += 1;
-        }
+        let stats = self.e.update(self.model.params(), lr, checks, &mut |_| Ok(()))?.stats;
         out.comm_spans = stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
         out.rec.wait_ms = Some(stats.wait.as_secs_f64() * 1e3);
         out.rec.hidden = Some(stats.hidden_fraction());
@@ -315,9 +275,9 @@ impl<'a> DataParallel<'a> {
     fn whole_params(&self) -> Result<Vec<f32>, TrainError> {
         if self.zero3 {
             let mut flat = vec![0f32; self.numel];
-            let ranges = self.ddp.ranges();
-            self.ddp.with_master(|m| {
-                self.ddp.all_gather_everything(m, |i, v| {
+            let ranges = self.e.ddp.ranges();
+            self.e.ddp.with_master(|m| {
+                self.e.ddp.all_gather_everything(m, |i, v| {
                     flat[ranges[i].clone()].copy_from_slice(v);
                     Ok::<(), TrainError>(())
                 })
@@ -343,18 +303,18 @@ impl<'a> DataParallel<'a> {
         let bytes = |n: usize| n as u64 * 4;
         let params = self.model.params();
         let resident: usize = (0..params.len()).filter(|&i| params.is_resident(i)).map(|i| params.get(i).range.len()).sum();
-        let grads = if matches!(self.ddp.sharding(), Sharding::Gradients | Sharding::Parameters) {
-            self.ddp.grad_len()
+        let grads = if matches!(self.e.ddp.sharding(), Sharding::Gradients | Sharding::Parameters) {
+            self.e.ddp.grad_len()
         } else {
-            self.ddp.plan().iter().map(|b| b.numel).sum()
+            self.e.ddp.plan().iter().map(|b| b.numel).sum()
         };
         StateBytes {
             params: bytes(resident),
-            grads: bytes(grads + self.micro.len()),
+            grads: bytes(grads + self.e.local.len()),
             optimizer: bytes(
-                self.opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + self.master.len() + self.ddp.with_master(|m| m.len()),
+                self.e.opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + self.e.master.len() + self.e.ddp.with_master(|m| m.len()),
             ),
-            offloaded: self.opt.is_offloaded() || self.master.is_offloaded(),
+            offloaded: self.e.opt.is_offloaded() || self.e.master.is_offloaded(),
         }
     }
 
@@ -369,7 +329,7 @@ impl<'a> DataParallel<'a> {
             Ok(full)
         };
         let values = whole(&self.model.params().to_flat()?)?;
-        let states = self.opt.state().into_iter().map(|(name, v)| Ok((name, whole(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
+        let states = self.e.opt.state().into_iter().map(|(name, v)| Ok((name, whole(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
         if tp.rank().get() != 0 {
             return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
         }
@@ -377,7 +337,7 @@ impl<'a> DataParallel<'a> {
         let gpt = kolo_tensor::models::Gpt::new(gc.clone(), &mut Rng::new(self.cfg.train.seed))?;
         gpt.params().load(&values)?;
         let mut opt = Optimizer::new(self.cfg.optimizer(), values.len());
-        opt.load_state(self.opt.steps(), &states).map_err(TrainError::Other)?;
+        opt.load_state(self.e.opt.steps(), &states).map_err(TrainError::Other)?;
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
         save_checkpoint(at.dir, at.step, gpt.params(), &[], &opt, None, &*self.comm, at.pos, &meta, Vec::new(), at.background, at.crash)
@@ -412,14 +372,14 @@ impl Strategy for DataParallel<'_> {
         let loss = self.forward_backward(ctx.step, data)?;
         let mut out = StepOut { loss, backward_end: Some(Instant::now()), ..Default::default() };
         let local_step = crate::local_sgd::is_local(self.cfg.ddp.local_sgd.as_ref(), ctx.step);
-        if self.exact.is_some() {
+        if self.e.exact.is_some() {
             self.exact_update(ctx.lr, &mut out)?;
         } else if self.cfg.ddp.skip_sync || local_step {
             self.local_update(ctx.step, ctx.lr, local_step, &mut out)?;
         } else {
             self.bucket_update(ctx.step, ctx.lr, &mut out)?;
         }
-        out.rec.skipped_steps = self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped;
+        out.rec.skipped_steps = self.e.skipped_steps();
         Ok(out)
     }
 
@@ -446,15 +406,7 @@ impl Strategy for DataParallel<'_> {
         }
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
-        let replica = crate::update::Replica {
-            ddp: &self.ddp,
-            params: self.model.params(),
-            opt: &self.opt,
-            zero: self.zero.as_ref(),
-            master: &self.master,
-            scaler: self.scaler.as_ref(),
-            local_sgd: self.cfg.ddp.local_sgd.is_some(),
-        };
+        let replica = self.e.replica(self.model.params(), self.cfg.ddp.local_sgd.is_some());
         replica.save(at.dir, at.step, at.pos, meta, at.background, at.crash)
     }
 
@@ -464,8 +416,8 @@ impl Strategy for DataParallel<'_> {
         Ok(Finish {
             params: self.whole_params()?,
             states: self.states(),
-            skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped,
-            loss_scale: self.scaler.as_ref().map(LossScaler::scale),
+            skipped_steps: self.e.skipped_steps(),
+            loss_scale: self.e.scaler.as_ref().map(LossScaler::scale),
             moe,
             pipeline_bubble: None,
             ps: None,
@@ -487,9 +439,6 @@ fn dp_model(cfg: &Config, spec: &ModelSpec, tp: Option<Arc<SumGroup>>) -> Result
     Ok(model)
 }
 
-/// ZeRO's f32 master of this rank's shard, cut from the whole `flat` values: in a buffer at
-/// `place` (ZeRO-1/2), or handed to the engine with the model's groups sharded (ZeRO-3, whose
-/// returned buffer is empty); empty without ZeRO.
 /// The start line of a data-parallel run.
 fn announce(cfg: &Config, model: &dyn Model, spec: &ModelSpec, ddp: &Ddp, zero: Option<&ShardPlan>, data: &Data) {
     let (tc, world, numel) = (&cfg.train, ddp.comm().world_size().get(), model.params().numel());
@@ -535,31 +484,4 @@ fn load_tensor_parallel(
     let states = whole_opt.state().into_iter().map(|(name, v)| Ok((name, local(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
     opt.load_state(whole_opt.steps(), &states).map_err(TrainError::Other)?;
     Ok(r)
-}
-
-/// Deterministic mode, one micro-step: `batch` cut into pieces of `chunk` examples, each
-/// piece's gradient (of its own mean loss) added to `exact`. Returns the mean of the pieces'
-/// losses. `at` = (rank, step) for the error.
-fn exact_pieces(
-    model: &dyn Model,
-    batch: &Batch,
-    view: &dyn ParamView,
-    chunk: usize,
-    grad: &mut [f32],
-    exact: &mut kolo_ddp::exact::ExactSum,
-    at: (usize, u64),
-) -> Result<f64, TrainError> {
-    let te = kolo_tensor::TensorError::from;
-    let pieces = batch.chunks(chunk).ok_or_else(|| {
-        TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len()))
-    })?;
-    let mut loss_sum = 0f64;
-    for piece in &pieces {
-        let loss = model.loss(piece, view)?;
-        loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-        let g = loss.backward().map_err(te)?;
-        model.params().grads_into(&g, grad)?;
-        crate::update::add_piece(exact, grad, at)?;
-    }
-    Ok(loss_sum / pieces.len() as f64)
 }

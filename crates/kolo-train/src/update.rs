@@ -26,6 +26,8 @@ pub enum RouteError {
     /// synchronise nor update it.
     Outside(Vec<usize>),
     Backward(candle_core::Error),
+    /// Deterministic mode: a gradient beyond the exact sum's range (see [`add_piece`]).
+    Diverged(TrainError),
 }
 
 impl From<RouteError> for TrainError {
@@ -35,6 +37,7 @@ impl From<RouteError> for TrainError {
                 kolo_tensor::TensorError::Input(format!("a variable of shape {dims:?} that is not a parameter received a gradient"))
             }
             RouteError::Backward(e) => e.into(),
+            RouteError::Diverged(e) => return e,
         })
     }
 }
@@ -97,8 +100,11 @@ pub fn param_ids(params: &ParamSet) -> std::collections::HashMap<candle_core::Te
     params.iter().enumerate().map(|(i, p)| (p.var.as_tensor().id(), i)).collect()
 }
 
-/// The data-parallel engine and optimizer of a run, built one way for `kolo train`'s
-/// data-parallel strategy and the library's `Trainer` from their `[ddp]` and `[optim]` tables.
+/// The data-parallel engine, the optimizer and the state of a replica's step, built one way
+/// for `kolo train`'s data-parallel strategy and the library's `Trainer` from their `[ddp]` and
+/// `[optim]` tables, and stepped one way: [`Engine::backward`] for every micro-step, then one of
+/// [`Engine::update`] (the buckets' exchange), [`Engine::local_update`] (local SGD, no
+/// exchange) and [`Engine::exact_update`] (deterministic mode, after [`Engine::backward_piece`]).
 pub struct Engine {
     pub ddp: Ddp,
     /// ZeRO-1/2/3: this rank's shard plan.
@@ -106,6 +112,45 @@ pub struct Engine {
     /// The optimizer over the whole model, or over this rank's shard under ZeRO, with the
     /// parameter groups' weight decay and learning-rate scales.
     pub opt: Optimizer,
+    /// ZeRO-1/2: this rank's master copy of its shard (see [`Engine::set_master`]; under
+    /// ZeRO-3 the DDP engine holds it); empty otherwise.
+    pub master: Buffer,
+    /// Gradients of a micro-step that keeps them local (accumulation, local SGD, a piece in
+    /// deterministic mode), in the flat layout; empty when no micro-step does.
+    pub local: Vec<f32>,
+    /// `ddp.deterministic`: the exact (fixed-point) sum of this rank's pieces' gradients.
+    pub exact: Option<kolo_ddp::exact::ExactSum>,
+    /// f16: the dynamic loss scale (torch's `GradScaler`).
+    pub scaler: Option<LossScaler>,
+    /// `train.on_nonfinite = "skip"`: the steps skipped so far.
+    pub nonfinite_skipped: u64,
+}
+
+/// What the reduced gradients are checked and scaled by before an [`Engine::update`].
+#[derive(Clone, Copy)]
+pub struct Checks<'a> {
+    /// The data-parallel group (sums of a sharded norm, the overflow flag).
+    pub comm: &'a dyn Communicator,
+    /// `optim.clip_grad_norm`.
+    pub clip: Option<f64>,
+    /// Tensor parallelism: which parameters are split over the group (their squares are summed
+    /// over it; the replicated ones counted once, by member 0), and the group.
+    pub tp: Option<(&'a [bool], &'a dyn kolo_base::GroupSum)>,
+    /// Test hook: this rank's gradients overflow.
+    pub inject_inf: bool,
+    /// `train.on_nonfinite = "skip"`: a step whose gradients hold a NaN or an infinity on any
+    /// rank is skipped on every rank.
+    pub skip_nonfinite: bool,
+}
+
+/// What an [`Engine::update`] did.
+pub struct Updated {
+    pub stats: SyncStats,
+    /// Whether the optimizer stepped (not when f16's gradients overflowed, or a non-finite
+    /// gradient was skipped).
+    pub applied: bool,
+    /// The global gradient norm before clipping, when clipping.
+    pub norm: Option<f64>,
 }
 
 /// Why an [`Engine`] could not be built.
@@ -161,32 +206,172 @@ impl Engine {
         let offload = |e| EngineError::Offload(optim.offload_dir.clone().unwrap_or_default(), e);
         let mut opt = Optimizer::with_placement(spec, zero.as_ref().map_or(numel, |z| z.len), &optim.placement()).map_err(offload)?;
         crate::param_groups::apply(&mut opt, signature, engine.ranges(), zero.as_ref(), optim).map_err(setting("optim.groups"))?;
-        Ok(Engine { ddp: engine, zero, opt })
+        let exact = ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(numel));
+        let master = Buffer::zeros(0, &kolo_optim::Placement::Memory, "master").map_err(offload)?;
+        Ok(Engine { ddp: engine, zero, opt, master, local: Vec::new(), exact, scaler: None, nonfinite_skipped: 0 })
     }
 
-    /// ZeRO-1/2: this rank's master copy of its shard (`zero`) of the whole model's values
-    /// `flat`, where `optim.offload_dir` puts it. ZeRO-3: `ddp` keeps the shard (the buffer is
-    /// empty). Otherwise empty.
-    pub fn master(ddp: &Ddp, zero: Option<&ShardPlan>, flat: &[f32], optim: &crate::config::OptimConfig) -> Result<Buffer, EngineError> {
-        let zero3 = ddp.sharding() == Sharding::Parameters;
-        let len = if zero3 { 0 } else { zero.map_or(0, |z| z.len) };
-        let mut master = Buffer::zeros(len, &optim.placement(), "master")
+    /// ZeRO-1/2: this rank's master copy of its shard of the whole model's values `flat`, where
+    /// `optim.offload_dir` puts it. ZeRO-3: `ddp` keeps the shard (the buffer stays empty).
+    pub fn set_master(&mut self, flat: &[f32], optim: &crate::config::OptimConfig) -> Result<(), EngineError> {
+        let zero3 = self.ddp.sharding() == Sharding::Parameters;
+        let len = if zero3 { 0 } else { self.zero.as_ref().map_or(0, |z| z.len) };
+        self.master = Buffer::zeros(len, &optim.placement(), "master")
             .map_err(|e| EngineError::Offload(optim.offload_dir.clone().unwrap_or_default(), e))?;
-        Engine::place_master(ddp, zero, flat, &mut master);
-        Ok(master)
+        self.place_master(flat);
+        Ok(())
     }
 
-    /// [`Engine::master`]'s values written again (a resume): this rank's shard of `flat` into
-    /// `master` (ZeRO-1/2) or into `ddp` (ZeRO-3).
-    pub fn place_master(ddp: &Ddp, zero: Option<&ShardPlan>, flat: &[f32], master: &mut Buffer) {
-        let Some(z) = zero else { return };
-        if ddp.sharding() == Sharding::Parameters {
+    /// [`Engine::set_master`]'s values written again (a resume): this rank's shard of `flat`
+    /// into the master buffer (ZeRO-1/2) or into `ddp` (ZeRO-3).
+    pub fn place_master(&mut self, flat: &[f32]) {
+        let Some(z) = &self.zero else { return };
+        if self.ddp.sharding() == Sharding::Parameters {
             let mut m = vec![0f32; z.len];
-            z.gather(ddp.ranges(), flat, &mut m);
-            ddp.set_master(m);
+            z.gather(self.ddp.ranges(), flat, &mut m);
+            self.ddp.set_master(m);
         } else {
-            z.gather(ddp.ranges(), flat, master.as_mut_slice());
-            master.release_all();
+            z.gather(self.ddp.ranges(), flat, self.master.as_mut_slice());
+            self.master.release_all();
+        }
+    }
+
+    /// Backward of one micro-step's `loss` (already scaled for accumulation and f16's loss
+    /// scale): with `communicate` each gradient goes to DDP's buckets as backward makes it
+    /// final (their all-reduces overlap the rest of backward), otherwise into the local
+    /// accumulator. Returns the gradient of `capture` (see [`backward_routed`]).
+    pub fn backward(
+        &mut self,
+        loss: &kolo_tensor::Tensor,
+        ids: &std::collections::HashMap<candle_core::TensorId, usize>,
+        params: &ParamSet,
+        communicate: bool,
+        capture: Option<candle_core::TensorId>,
+    ) -> Result<Option<kolo_tensor::Tensor>, RouteError> {
+        if communicate {
+            self.ddp.begin_backward();
+            return backward_routed(loss, ids, GradRoute::Buckets(&*self.ddp.sink()), capture);
+        }
+        self.local.resize(params.numel(), 0.0);
+        let captured = backward_routed(loss, ids, GradRoute::Local(params, &mut self.local), capture)?;
+        self.ddp.accumulate(&self.local);
+        Ok(captured)
+    }
+
+    /// Deterministic mode, one piece of a micro-batch: the gradient of its own mean `loss`
+    /// added exactly to the step's sum. `at` = (rank, step) for the error.
+    pub fn backward_piece(
+        &mut self,
+        loss: &kolo_tensor::Tensor,
+        ids: &std::collections::HashMap<candle_core::TensorId, usize>,
+        params: &ParamSet,
+        at: (usize, u64),
+    ) -> Result<(), RouteError> {
+        self.local.resize(params.numel(), 0.0);
+        backward_routed(loss, ids, GradRoute::Local(params, &mut self.local), None)?;
+        let exact = self.exact.get_or_insert_with(|| kolo_ddp::exact::ExactSum::new(params.numel()));
+        add_piece(exact, &self.local, at).map_err(RouteError::Diverged)
+    }
+
+    /// The end of a step whose last micro-step communicated: waits for the buckets, checks,
+    /// unscales and clips the gradients (`extra` first sees them, on a mesh), steps the
+    /// optimizer on the model or this rank's shard, and gathers the shards back. Collective.
+    pub fn update(
+        &mut self,
+        params: &ParamSet,
+        lr: f32,
+        checks: Checks<'_>,
+        extra: &mut dyn FnMut(&mut BucketGrads<'_>) -> Result<(), TrainError>,
+    ) -> Result<Updated, TrainError> {
+        let mut prep = GradPrep { checks, scaler: self.scaler.as_mut(), norm: None };
+        let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| {
+            extra(g)?;
+            prep.run(g, sharded)
+        };
+        let (stats, applied) = apply_update(&self.ddp, params, &mut self.opt, self.zero.as_ref(), &mut self.master, lr, &mut prepare)?;
+        let norm = prep.norm;
+        // f16's scaler counts its own skipped steps.
+        if !applied && self.scaler.is_none() {
+            self.nonfinite_skipped += 1;
+        }
+        Ok(Updated { stats, applied, norm })
+    }
+
+    /// A local step (see [`apply_local`]): this rank's accumulated gradient updates its own
+    /// model. Returns the norm when clipping.
+    pub fn local_update(
+        &mut self,
+        params: &ParamSet,
+        clip: Option<f64>,
+        group: Option<(&[bool], &dyn kolo_base::GroupSum)>,
+        sp: Option<&dyn Communicator>,
+        lr: f32,
+    ) -> Result<Option<f64>, TrainError> {
+        self.local.resize(params.numel(), 0.0);
+        apply_local(&self.ddp, params, &mut self.opt, &mut self.local, clip, group, sp, lr)
+    }
+
+    /// Deterministic mode's exchange and update (see [`apply_exact`]) over `pieces` pieces in
+    /// the whole step.
+    pub fn exact_update(&mut self, params: &ParamSet, pieces: usize, clip: Option<f64>, lr: f32) -> Result<ExactStats, TrainError> {
+        self.local.resize(params.numel(), 0.0);
+        let Some(exact) = self.exact.as_mut() else { return Ok(ExactStats { bytes: 0, wait: Default::default(), norm: None }) };
+        let comm = self.ddp.comm().clone();
+        apply_exact(
+            &*comm,
+            exact,
+            pieces,
+            &self.ddp,
+            self.zero.as_ref(),
+            params,
+            &mut self.opt,
+            &mut self.master,
+            &mut self.local,
+            clip,
+            lr,
+        )
+    }
+
+    /// Loads a data-parallel checkpoint (written by [`Replica::save`], at any world size or
+    /// ZeRO stage) into this rank: the model's values into `flat` (the whole flat layout of
+    /// `params`), the optimizer's state (this rank's shard under ZeRO), the gradient codec's
+    /// state, and under local SGD (`local_sgd`) this rank's own model and optimizer state.
+    /// Without local SGD every replica starts from the checkpoint's model, even one written
+    /// under local SGD (DDP needs its replicas equal). Returns what was read and the notes for
+    /// the log.
+    pub fn load(
+        &mut self,
+        path: &std::path::Path,
+        params: &ParamSet,
+        flat: &mut [f32],
+        meta: &std::collections::BTreeMap<String, String>,
+        local_sgd: bool,
+    ) -> Result<(crate::checkpointing::Resumed, Vec<String>), TrainError> {
+        let ddp = &self.ddp;
+        let r = crate::checkpointing::load_checkpoint(path, params, flat, &mut self.opt, self.zero.as_ref(), ddp.ranges(), meta)?;
+        let (rank, world) = (ddp.comm().rank().get(), ddp.comm().world_size().get());
+        let mut notes = vec![crate::checkpointing::restore_compression(ddp, &r, rank, world)?];
+        if local_sgd {
+            notes.push(crate::local_sgd::restore_local_model(&r, flat, &mut self.opt, rank, world)?);
+        }
+        Ok((r, notes.into_iter().flatten().collect()))
+    }
+
+    /// Steps skipped so far: f16's overflows and `train.on_nonfinite = "skip"`'s.
+    pub fn skipped_steps(&self) -> u64 {
+        self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped
+    }
+
+    /// What a checkpoint holds of this rank, for `params` (see [`Replica::save`]).
+    pub fn replica<'a>(&'a self, params: &'a ParamSet, local_sgd: bool) -> Replica<'a> {
+        Replica {
+            ddp: &self.ddp,
+            params,
+            opt: &self.opt,
+            zero: self.zero.as_ref(),
+            master: &self.master,
+            scaler: self.scaler.as_ref(),
+            local_sgd,
         }
     }
 }
@@ -252,33 +437,6 @@ impl Replica<'_> {
             save(self.master.as_slice())
         }
     }
-}
-
-/// Loads a data-parallel checkpoint (written by [`Replica::save`], at any world size or ZeRO
-/// stage) into this rank: the model's values into `flat` (the whole flat layout), the
-/// optimizer's state (this rank's shard under ZeRO), the gradient codec's state, and under
-/// local SGD (`local_sgd`) this rank's own model and optimizer state. Without local SGD every
-/// replica starts from the checkpoint's model, even one written under local SGD (DDP needs
-/// its replicas equal). Returns what was read and the notes for the log. The same for `kolo
-/// train`'s data-parallel strategy and the library's `Trainer`.
-#[allow(clippy::too_many_arguments)]
-pub fn load_replica(
-    path: &std::path::Path,
-    ddp: &Ddp,
-    params: &ParamSet,
-    flat: &mut [f32],
-    opt: &mut Optimizer,
-    zero: Option<&ShardPlan>,
-    meta: &std::collections::BTreeMap<String, String>,
-    local_sgd: bool,
-) -> Result<(crate::checkpointing::Resumed, Vec<String>), TrainError> {
-    let r = crate::checkpointing::load_checkpoint(path, params, flat, opt, zero, ddp.ranges(), meta)?;
-    let (rank, world) = (ddp.comm().rank().get(), ddp.comm().world_size().get());
-    let mut notes = vec![crate::checkpointing::restore_compression(ddp, &r, rank, world)?];
-    if local_sgd {
-        notes.push(crate::local_sgd::restore_local_model(&r, flat, opt, rank, world)?);
-    }
-    Ok((r, notes.into_iter().flatten().collect()))
 }
 
 /// Looks at the reduced gradients before the step (the whole gradient, or with `sharded` this
@@ -366,41 +524,31 @@ pub fn apply_update(
     Ok((stats, applied))
 }
 
-/// What happens to the reduced gradients before the optimizer step, for the CLI's loop and
-/// the library's `Trainer` alike: f16's loss scale divided out (and a step whose gradients
-/// overflowed on any rank skipped on every rank), then clipping to a global norm.
-pub struct GradPrep<'a> {
-    /// The data-parallel group (sums of a sharded norm, the overflow flag).
-    pub comm: &'a dyn Communicator,
-    /// `optim.clip_grad_norm`.
-    pub clip: Option<f64>,
+/// What happens to the reduced gradients before the optimizer step ([`Engine::update`]): f16's
+/// loss scale divided out (and a step whose gradients overflowed on any rank skipped on every
+/// rank), then clipping to a global norm.
+struct GradPrep<'a> {
+    checks: Checks<'a>,
     /// f16's dynamic loss scale.
-    pub scaler: Option<&'a mut LossScaler>,
-    /// Tensor parallelism: which parameters are split over the group (their squares are summed
-    /// over it; the replicated ones counted once, by member 0), and the group.
-    pub tp: Option<(&'a [bool], &'a dyn kolo_base::GroupSum)>,
-    /// Test hook: this rank's gradients overflow.
-    pub inject_inf: bool,
-    /// `train.on_nonfinite = "skip"`: a step whose gradients hold a NaN or an infinity on any
-    /// rank is skipped on every rank.
-    pub skip_nonfinite: bool,
+    scaler: Option<&'a mut LossScaler>,
     /// The global gradient norm (before clipping, unscaled) of the last step, when clipping.
-    pub norm: Option<f64>,
+    norm: Option<f64>,
 }
 
 impl GradPrep<'_> {
     /// Unscales, checks and clips `g` (with `sharded`, this rank's pieces only, so the norm is
     /// a sum over the ranks). `false`: skip the step (an f16 overflow).
-    pub fn run(&mut self, g: &mut BucketGrads<'_>, sharded: bool) -> Result<bool, TrainError> {
-        if self.inject_inf {
+    fn run(&mut self, g: &mut BucketGrads<'_>, sharded: bool) -> Result<bool, TrainError> {
+        let Checks { comm, clip, tp, inject_inf, skip_nonfinite } = self.checks;
+        if inject_inf {
             g.scale(f32::INFINITY);
         }
-        if self.clip.is_none() && self.scaler.is_none() && !self.skip_nonfinite {
+        if clip.is_none() && self.scaler.is_none() && !skip_nonfinite {
             return Ok(true);
         }
         let inv = self.scaler.as_ref().map_or(1.0, |s| 1.0 / s.scale());
-        let mut sq = [match self.tp {
-            Some((split, group)) if self.clip.is_some() => {
+        let mut sq = [match tp {
+            Some((split, group)) if clip.is_some() => {
                 let mut v = [(0..split.len())
                     .filter(|&i| split[i] || group.rank() == 0)
                     .map(|i| kolo_base::sum_of_squares(g.param_part(i)))
@@ -410,15 +558,15 @@ impl GradPrep<'_> {
             }
             _ => g.sum_of_squares(),
         }];
-        if sharded && self.clip.is_some() {
-            self.comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
+        if sharded && clip.is_some() {
+            comm.all_reduce(BufMut::from(&mut sq[..]), ReduceOp::Sum)?;
         }
-        if self.scaler.is_some() || self.skip_nonfinite {
+        if self.scaler.is_some() || skip_nonfinite {
             // Every rank skips, or none does (a tensor-parallel group's members too: each
             // looked at its own pieces).
             let mut bad = [u8::from(!sq[0].is_finite())];
-            self.comm.all_reduce(BufMut::from(&mut bad[..]), ReduceOp::Max)?;
-            if let Some((_, group)) = self.tp.filter(|_| self.clip.is_none()) {
+            comm.all_reduce(BufMut::from(&mut bad[..]), ReduceOp::Max)?;
+            if let Some((_, group)) = tp.filter(|_| clip.is_none()) {
                 let mut any = [f32::from(bad[0])];
                 group.sum(&mut any).map_err(TrainError::Other)?;
                 bad[0] = u8::from(any[0] > 0.0);
@@ -432,8 +580,8 @@ impl GradPrep<'_> {
             }
         }
         let norm = sq[0].sqrt() * inv;
-        self.norm = self.clip.map(|_| norm);
-        let f = f64::from(self.clip.map_or(1.0, |max| clip_factor(norm, max))) * inv;
+        self.norm = clip.map(|_| norm);
+        let f = f64::from(clip.map_or(1.0, |max| clip_factor(norm, max))) * inv;
         if f != 1.0 {
             g.scale(f as f32);
         }
@@ -444,7 +592,7 @@ impl GradPrep<'_> {
 /// A local step (local SGD, or no exchange at all): this rank's own accumulated gradient, taken
 /// from the engine into `grads`, clipped by its own norm, updates its own model. Returns that
 /// norm when clipping. With `group` (a model split over ranks: which parameters are split, and
-/// the ranks of one replica) the norm is the replica's, as [`GradPrep`]'s; with `sp` (a
+/// the ranks of one replica) the norm is the replica's, as [`Engine::update`]'s; with `sp` (a
 /// sequence-parallel group, whose members hold the chunks of the same sequences) the gradients
 /// are averaged over it first.
 #[allow(clippy::too_many_arguments)]

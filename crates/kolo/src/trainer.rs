@@ -14,8 +14,8 @@ use crate::{Dist, Error, Result};
 use candle_core::{DType, Tensor, TensorId};
 use candle_nn::VarMap;
 use kolo_comm::Communicator;
-use kolo_ddp::{BucketGrads, Ddp, ShardPlan, Sharding};
-use kolo_optim::{Buffer, LossScaler, Optimizer};
+use kolo_ddp::{BucketGrads, Sharding};
+use kolo_optim::{LossScaler, Optimizer};
 use kolo_tensor::ParamSet;
 use kolo_train::cadence::{Cadence, Window};
 use kolo_train::checkpointing::{load_checkpoint, loop_state_meta, resolve_checkpoint, save_checkpoint, PendingSave};
@@ -411,26 +411,19 @@ pub struct Trainer {
     model_vars: Vec<candle_core::Var>,
     /// The dtype the model's variables (and so its computation) are in.
     compute: DType,
-    /// f16: the dynamic loss scale (torch's `GradScaler`).
-    scaler: Option<LossScaler>,
     /// ZeRO-3: the sharded groups, filled into the model's variables on use (their master
     /// shard lives in `ddp`).
     zero3: Option<crate::zero3::Zero3>,
     /// Variable id to parameter index.
     ids: HashMap<TensorId, usize>,
-    ddp: Ddp,
-    opt: Optimizer,
-    zero: Option<ShardPlan>,
-    master: Buffer,
+    /// The DDP engine, the optimizer and the step's state (`kolo train`'s data-parallel
+    /// strategy steps its own the same way).
+    e: kolo_train::update::Engine,
     opts: TrainOptions,
     /// Optimizer steps done.
     steps: u64,
     /// Micro-steps done in the current accumulation.
     micro: u64,
-    /// Gradients of a no-sync micro-step (flat layout).
-    local: Vec<f32>,
-    /// `ddp.deterministic`: the exact (fixed-point) sum of this rank's pieces' gradients.
-    exact: Option<kolo_ddp::exact::ExactSum>,
     /// `ddp.dynamic_batch_every`: every replica's share of each global batch (the sampler's
     /// too), re-planned from the ranks' speeds.
     shares: Option<kolo_train::sampler::Shares>,
@@ -460,8 +453,6 @@ pub struct Trainer {
     /// which of them this rank is.
     data_replicas: usize,
     data_replica: usize,
-    /// `train.on_nonfinite = "skip"`: the steps skipped so far.
-    nonfinite_skipped: u64,
     /// The sequence-parallel group: a local SGD step averages its members' gradients.
     sp: Option<Arc<dyn Communicator>>,
     /// `ddp.schedule`: the scheduler that reduces and applies each step's gradients after the
@@ -661,7 +652,7 @@ impl Trainer {
         let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
         let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| Error::usage(rank, "Trainer::with_zero3_groups", e))?;
         let signature = params.signature();
-        let kolo_train::update::Engine { ddp, zero, opt } = kolo_train::update::Engine::build(
+        let mut engine = kolo_train::update::Engine::build(
             comm.clone(),
             &signature,
             &opts.ddp,
@@ -671,11 +662,11 @@ impl Trainer {
             plan.clone(),
         )?;
         let mut flat = params.to_flat()?;
-        ddp.broadcast_params(&mut flat)?;
+        engine.ddp.broadcast_params(&mut flat)?;
         params.load(&flat)?;
         publish(&params, &model_vars, compute)?;
         let sharded = !plan.is_empty();
-        let master = kolo_train::update::Engine::master(&ddp, zero.as_ref(), &flat, &opts.optim)?;
+        engine.set_master(&flat, &opts.optim)?;
         drop(flat);
         let zero3 = if sharded {
             // The groups live as shards from now on: the model's own variables are emptied and
@@ -687,7 +678,7 @@ impl Trainer {
             for &i in plan.iter().flatten() {
                 params.release(i)?;
             }
-            Some(crate::zero3::Zero3::new(ddp.gatherer(), groups, vars, rank)?)
+            Some(crate::zero3::Zero3::new(engine.ddp.gatherer(), groups, vars, rank)?)
         } else {
             None
         };
@@ -695,12 +686,12 @@ impl Trainer {
         let scheduled = match opts.as_train_config()?.comm_schedule().map_err(|e| Error::setting("ddp.schedule", e))? {
             Some(plan) => {
                 let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
-                Some(crate::scheduled::Scheduled::start(&*comm, &params, &opt, plan, timeout)?)
+                Some(crate::scheduled::Scheduled::start(&*comm, &params, &engine.opt, plan, timeout)?)
             }
             None => None,
         };
-        let local = vec![0f32; params.numel()];
-        let exact = opts.ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(local.len()));
+        engine.local = vec![0f32; params.numel()];
+        engine.scaler = (compute == DType::F16).then(LossScaler::new);
         let shares = (opts.ddp.dynamic_batch_every > 0).then(|| Arc::new(std::sync::Mutex::new(vec![opts.data.batch_size; data_replicas])));
         let cadence = Some(Cadence::new(reporter(&opts, rank, data_replicas, 0)?));
         Ok(Trainer {
@@ -709,16 +700,10 @@ impl Trainer {
             zero3,
             model_vars,
             compute,
-            scaler: (compute == DType::F16).then(LossScaler::new),
             ids,
-            ddp,
-            opt,
-            zero,
-            master,
+            e: engine,
             steps: 0,
             micro: 0,
-            local,
-            exact,
             shares,
             meta,
             data_pos: Position::default(),
@@ -734,7 +719,6 @@ impl Trainer {
             start_agreed: false,
             data_replicas,
             data_replica,
-            nonfinite_skipped: 0,
             sp: place_sp,
             scheduled,
             opts,
@@ -798,7 +782,7 @@ impl Trainer {
         if batch == 0 {
             return Err(Error::setting("data.batch_size", "Trainer::step_pieces cuts [data] batch_size examples into pieces: set it"));
         }
-        if self.exact.is_none() {
+        if self.e.exact.is_none() {
             return self.step(|| loss(0..batch));
         }
         let (rank, accum, chunk) = (self.rank, self.opts.train.grad_accum.max(1), self.opts.ddp.deterministic_chunk);
@@ -808,11 +792,9 @@ impl Trainer {
             let piece = loss(start..start + chunk)?;
             sum += f64::from(scalar_loss(rank, "Trainer::step_pieces", &piece)?);
             // Each piece's own gradient, then added exactly.
-            let route = kolo_train::update::GradRoute::Local(&self.params, &mut self.local);
-            kolo_train::update::backward_routed(&piece, &self.ids, route, None)
+            self.e
+                .backward_piece(&piece, &self.ids, &self.params, (rank, self.steps))
                 .map_err(|e| route_error(rank, "Trainer::step_pieces", e))?;
-            let exact = self.exact.as_mut().expect("deterministic mode");
-            kolo_train::update::add_piece(exact, &self.local, (rank, self.steps))?;
         }
         let value = (sum / (batch / chunk) as f64) as f32;
         self.backward_end = Some(Instant::now());
@@ -835,7 +817,7 @@ impl Trainer {
         // Dynamic batch sizing: a rank's mean loss weighs by its share of the global batch.
         let share = self.share();
         // f16: backward runs on the loss times the loss scale; the update divides it out.
-        let factor = self.scaler.as_ref().map_or(1.0, LossScaler::scale) * share / accum as f64;
+        let factor = self.e.scaler.as_ref().map_or(1.0, LossScaler::scale) * share / accum as f64;
         let (value, _) = self.backward_with(loss, factor, None)?;
         self.step_loss += f64::from(value) * share / accum as f64;
         self.last_loss = value;
@@ -868,7 +850,7 @@ impl Trainer {
                 format!("called again after {} micro-steps with train.grad_accum = {accum}: call Trainer::update first", self.micro),
             ));
         }
-        if self.exact.is_some() {
+        if self.e.exact.is_some() {
             return Err(Error::usage(
                 rank,
                 "Trainer::backward",
@@ -886,28 +868,26 @@ impl Trainer {
         let value = scalar_loss(rank, "Trainer::backward", loss)?;
         let scaled = if factor != 1.0 { (loss * factor)? } else { loss.clone() };
         let capture_id = capture.map(|v| v.as_tensor().id());
-        use kolo_train::update::{backward_routed, GradRoute};
         let lr = self.lr();
-        let route = if let Some(s) = self.scheduled.as_mut() {
-            GradRoute::Buckets(s.begin(&mut self.opt, self.steps, lr)?)
-        } else if sync && !local_step {
-            self.ddp.begin_backward();
-            GradRoute::Buckets(&*self.ddp.sink())
-        } else {
-            GradRoute::Local(&self.params, &mut self.local)
-        };
-        let captured = backward_routed(&scaled, &self.ids, route, capture_id).map_err(|e| route_error(rank, "Trainer::backward", e))?;
-        if let Some(s) = &self.scheduled {
-            s.end_backward()?;
+        let captured = match self.scheduled.as_mut() {
+            // Scheduled communication: the scheduler's own buckets.
+            Some(s) => {
+                let route = kolo_train::update::GradRoute::Buckets(s.begin(&mut self.e.opt, self.steps, lr)?);
+                let captured = kolo_train::update::backward_routed(&scaled, &self.ids, route, capture_id);
+                if captured.is_ok() {
+                    // A parameter backward gave no gradient is named (as DDP names it).
+                    s.end_backward()?;
+                }
+                captured
+            }
+            None => self.e.backward(&scaled, &self.ids, &self.params, sync && !local_step, capture_id),
         }
+        .map_err(|e| route_error(rank, "Trainer::backward", e))?;
         if let Some(z) = &self.zero3 {
             z.take_error()?;
         }
         self.backward_end = Some(Instant::now());
         self.micro += 1;
-        if !sync || local_step {
-            self.ddp.accumulate(&self.local);
-        }
         Ok((value, captured))
     }
 
@@ -923,7 +903,7 @@ impl Trainer {
 
     /// f16's current loss scale (1 otherwise): what a backward multiplies the loss by.
     pub(crate) fn loss_scale(&self) -> f64 {
-        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+        self.e.scaler.as_ref().map_or(1.0, LossScaler::scale)
     }
 
     /// Pipeline parallelism ([`crate::pp`]): the pipeline group, and micro-batches per step.
@@ -989,8 +969,8 @@ impl Trainer {
                 skipped: false,
             });
         }
-        if self.local_step() || self.exact.is_some() {
-            let (stats, norm) = match self.exact.is_some() {
+        if self.local_step() || self.e.exact.is_some() {
+            let (stats, norm) = match self.e.exact.is_some() {
                 true => self.exact_update(lr)?,
                 false => self.local_update(lr)?,
             };
@@ -1002,14 +982,12 @@ impl Trainer {
             self.after_step(t0, backward_end, &stats, None, lr)?;
             return Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, 0.0)), skipped: false });
         }
-        let mut prep = kolo_train::update::GradPrep {
+        let checks = kolo_train::update::Checks {
             comm: &*self.comm,
             clip: self.opts.optim.clip_grad_norm,
-            scaler: self.scaler.as_mut(),
             tp: self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0)),
             inject_inf: false,
             skip_nonfinite: self.opts.train.on_nonfinite == kolo_train::config::OnNonFinite::Skip,
-            norm: None,
         };
         // Parameters tied across pipeline stages: each stage's part of their gradient summed.
         let tied = self.spread.as_ref().map(|s| &s.layout).filter(|l| l.has_tied());
@@ -1017,29 +995,18 @@ impl Trainer {
         // replicas, the experts' hold every member's tokens: both are the group's size times the
         // mean over the job's replicas.
         let ep = self.spread.as_ref().map_or(1, |s| s.ep);
-        let mut prepare = |g: &mut BucketGrads<'_>, sharded: bool| {
+        let mut extra = |g: &mut BucketGrads<'_>| {
             if let Some(layout) = tied {
                 layout.reduce_tied(g)?;
             }
             if ep > 1 {
                 g.scale(1.0 / ep as f32);
             }
-            prep.run(g, sharded)
+            Ok(())
         };
-        let (stats, applied) = kolo_train::update::apply_update(
-            &self.ddp,
-            &self.params,
-            &mut self.opt,
-            self.zero.as_ref(),
-            &mut self.master,
-            lr,
-            &mut prepare,
-        )?;
-        let norm = prep.norm;
+        let kolo_train::update::Updated { stats, applied, norm } = self.e.update(&self.params, lr, checks, &mut extra)?;
         if applied {
             publish(&self.params, &self.model_vars, self.compute)?;
-        } else if self.scaler.is_none() {
-            self.nonfinite_skipped += 1;
         }
         if let Some(z) = &self.zero3 {
             // The shards changed: every gathered copy is stale.
@@ -1095,7 +1062,7 @@ impl Trainer {
         let group = self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0));
         let clip = self.opts.optim.clip_grad_norm;
         let sp = self.sp.as_deref();
-        let norm = kolo_train::update::apply_local(&self.ddp, &self.params, &mut self.opt, &mut self.local, clip, group, sp, lr)?;
+        let norm = self.e.local_update(&self.params, clip, group, sp, lr)?;
         let t = Instant::now();
         let bytes = match averaging {
             Some(l) => kolo_train::local_sgd::after_update(&l, self.steps, &self.params, &*self.comm)?,
@@ -1108,22 +1075,9 @@ impl Trainer {
     /// `ddp.deterministic`: the pieces of every rank summed exactly, their mean clipped and
     /// applied (this rank's shard under ZeRO-1/2, then gathered), as `kolo train` does.
     fn exact_update(&mut self, lr: f32) -> Result<(kolo_ddp::SyncStats, Option<f64>)> {
-        let Some(exact) = self.exact.as_mut() else { return Ok((kolo_ddp::SyncStats::default(), None)) };
         let per_micro = self.opts.data.batch_size / self.opts.ddp.deterministic_chunk;
         let pieces = self.opts.train.grad_accum.max(1) as usize * per_micro * self.data_replicas;
-        let s = kolo_train::update::apply_exact(
-            &*self.comm,
-            exact,
-            pieces,
-            &self.ddp,
-            self.zero.as_ref(),
-            &self.params,
-            &mut self.opt,
-            &mut self.master,
-            &mut self.local,
-            self.opts.optim.clip_grad_norm,
-            lr,
-        )?;
+        let s = self.e.exact_update(&self.params, pieces, self.opts.optim.clip_grad_norm, lr)?;
         Ok((kolo_ddp::SyncStats { wait: s.wait, comm: s.wait, bytes: s.bytes, ..Default::default() }, s.norm))
     }
 
@@ -1144,7 +1098,7 @@ impl Trainer {
             wait_ms: Some(stats.wait.as_secs_f64() * 1e3),
             comm_bytes: Some(stats.bytes),
             hidden: Some(stats.hidden_fraction()),
-            skipped_steps: self.scaler.as_ref().map_or(0, LossScaler::skipped) + self.nonfinite_skipped,
+            skipped_steps: self.e.skipped_steps(),
         };
         c.record(done, rec);
         if let (Some(shares), every) = (&self.shares, self.opts.ddp.dynamic_batch_every) {
@@ -1290,9 +1244,9 @@ impl Trainer {
             return Ok(self.params.to_flat()?);
         }
         let mut flat = vec![0f32; self.params.numel()];
-        let ranges = self.ddp.ranges();
-        self.ddp.with_master(|m| {
-            self.ddp.all_gather_everything(m, |i, v| {
+        let ranges = self.e.ddp.ranges();
+        self.e.ddp.with_master(|m| {
+            self.e.ddp.all_gather_everything(m, |i, v| {
                 flat[ranges[i].clone()].copy_from_slice(v);
                 Ok::<(), kolo_ddp::DdpError>(())
             })
@@ -1311,7 +1265,7 @@ impl Trainer {
             return Ok(None);
         }
         let flat = self.flat_params()?;
-        let ranges = self.ddp.ranges();
+        let ranges = self.e.ddp.ranges();
         let masters = VarMap::new();
         {
             let own = varmap.data().lock().unwrap_or_else(|p| p.into_inner());
@@ -1364,18 +1318,18 @@ impl Trainer {
             true => dst.iter_mut().zip(src).for_each(|(d, s)| *d += s),
             false => dst.copy_from_slice(src),
         };
-        if let Some(z) = &self.zero {
+        if let Some(z) = &self.e.zero {
             let write = |m: &mut [f32]| {
                 for s in z.segments.iter().filter(|s| s.param == i) {
                     apply(&mut m[s.shard_offset..s.shard_offset + s.within.len()], &values[s.within.clone()]);
                 }
             };
             if self.zero3.is_some() {
-                self.ddp.with_master(write);
+                self.e.ddp.with_master(write);
             } else {
-                write(self.master.as_mut_slice());
+                write(self.e.master.as_mut_slice());
                 for s in z.segments.iter().filter(|s| s.param == i) {
-                    self.master.release(s.shard_offset..s.shard_offset + s.within.len());
+                    self.e.master.release(s.shard_offset..s.shard_offset + s.within.len());
                 }
             }
         }
@@ -1417,7 +1371,7 @@ impl Trainer {
     /// DDP's buckets: parameter indices (into [`Trainer::signature`]) per bucket, in the order
     /// they are communicated.
     pub fn buckets(&self) -> Vec<Vec<usize>> {
-        self.ddp.plan().iter().map(|b| b.params.clone()).collect()
+        self.e.ddp.plan().iter().map(|b| b.params.clone()).collect()
     }
 
     /// Collective: writes a checkpoint of the parameters and optimizer state as
@@ -1443,7 +1397,7 @@ impl Trainer {
     /// optimizer back from the scheduler (before the optimizer or a whole model is read).
     fn settle_scheduled(&mut self, op: &'static str) -> Result<()> {
         match self.scheduled.as_mut() {
-            Some(s) => s.settle(&mut self.opt, op),
+            Some(s) => s.settle(&mut self.e.opt, op),
             None => Ok(()),
         }
     }
@@ -1454,15 +1408,7 @@ impl Trainer {
         if let Some(s) = &self.spread {
             return self.write_whole(s, dir, background);
         }
-        let replica = kolo_train::update::Replica {
-            ddp: &self.ddp,
-            params: &self.params,
-            opt: &self.opt,
-            zero: self.zero.as_ref(),
-            master: &self.master,
-            scaler: self.scaler.as_ref(),
-            local_sgd: self.opts.ddp.local_sgd.is_some(),
-        };
+        let replica = self.e.replica(&self.params, self.opts.ddp.local_sgd.is_some());
         let mut meta = self.meta.clone();
         let split = self.shares.as_ref().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone());
         meta.extend(kolo_train::checkpointing::loop_state_meta(None, split.as_deref()));
@@ -1477,16 +1423,16 @@ impl Trainer {
         // ZeRO-3: this rank's pieces gathered from the data-parallel group's shards first.
         let values = s.layout.gather(&self.flat_params()?)?;
         let mut states = Vec::new();
-        for (name, v) in self.opt.state() {
+        for (name, v) in self.e.opt.state() {
             states.push((name, s.layout.gather(&self.unshard_state(v)?)?));
         }
         let mut saved = PendingSave { target: dir.join(format!("step-{:08}", self.steps)), thread: None };
         if s.layout.writes() {
             let whole = s.layout.param_set(&values)?;
-            let mut opt = Optimizer::new(self.opt.spec().clone(), values.len());
-            opt.load_state(self.opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::save", e))?;
+            let mut opt = Optimizer::new(self.e.opt.spec().clone(), values.len());
+            opt.load_state(self.e.opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::save", e))?;
             let mut meta = self.meta.clone();
-            meta.extend(loop_state_meta(self.scaler.as_ref(), None));
+            meta.extend(loop_state_meta(self.e.scaler.as_ref(), None));
             meta.extend(codec_meta);
             let (comm, pos) = (&*self.comm, self.data_pos);
             // Local SGD: each replica's own whole model and optimizer state beside replica 0's.
@@ -1508,18 +1454,18 @@ impl Trainer {
     /// rank's shard spread over the trainer's flat layout, every rank's shard in place (each
     /// element lives on one rank, so a sum puts them together). Without ZeRO, `v` as it is.
     fn unshard_state(&self, v: &[f32]) -> Result<Vec<f32>> {
-        let Some(z) = &self.zero else { return Ok(v.to_vec()) };
+        let Some(z) = &self.e.zero else { return Ok(v.to_vec()) };
         let mut flat = vec![0f32; self.params.numel()];
-        z.scatter(self.ddp.ranges(), v, &mut flat);
+        z.scatter(self.e.ddp.ranges(), v, &mut flat);
         self.comm.all_reduce(kolo_comm::BufMut::from(&mut flat[..]), kolo_comm::ReduceOp::Sum)?;
         Ok(flat)
     }
 
     /// ZeRO-1/2: this rank's shard of a state buffer in the trainer's flat layout.
     fn shard_state(&self, flat: Vec<f32>) -> Vec<f32> {
-        let Some(z) = &self.zero else { return flat };
+        let Some(z) = &self.e.zero else { return flat };
         let mut shard = vec![0f32; z.len];
-        z.gather(self.ddp.ranges(), &flat, &mut shard);
+        z.gather(self.e.ddp.ranges(), &flat, &mut shard);
         shard
     }
 
@@ -1528,7 +1474,7 @@ impl Trainer {
     /// `state.rank{replica}.model{place}.codec{bucket}`, and the metadata (the codec's sync count,
     /// the replica's size). Collective over the replica's ranks; nothing without a codec state.
     fn replica_codec_state(&self, s: &Spread) -> Result<(Vec<kolo_checkpoint::Piece>, BTreeMap<String, String>)> {
-        let (syncs, states) = self.ddp.compression_state()?;
+        let (syncs, states) = self.e.ddp.compression_state()?;
         let mut meta = kolo_train::checkpointing::codec_meta(syncs);
         let m = &*s.model;
         let size = m.world_size().get();
@@ -1575,7 +1521,7 @@ impl Trainer {
     /// shapes of its pieces) and its gradient buckets.
     fn codec_layout_hash(&self) -> i64 {
         let mut sig = self.params.signature();
-        sig.extend(self.ddp.plan().iter().enumerate().map(|(b, k)| (format!("bucket{b}"), vec![k.numel])));
+        sig.extend(self.e.ddp.plan().iter().enumerate().map(|(b, k)| (format!("bucket{b}"), vec![k.numel])));
         fingerprint_hash(&sig)
     }
 
@@ -1585,7 +1531,7 @@ impl Trainer {
         let t = self.spread.as_ref().expect("called for a spread model");
         let whole = t.layout.param_set(&vec![0f32; t.layout.numel])?;
         let mut full = vec![0f32; t.layout.numel];
-        let mut opt = Optimizer::new(self.opt.spec().clone(), full.len());
+        let mut opt = Optimizer::new(self.e.opt.spec().clone(), full.len());
         let ranges: Vec<_> = whole.iter().map(|p| p.range.clone()).collect();
         let r = load_checkpoint(path, &whole, &mut full, &mut opt, None, &ranges, &self.meta)?;
         if self.opts.ddp.local_sgd.is_some() {
@@ -1600,7 +1546,7 @@ impl Trainer {
         }
         *flat = t.layout.local(&full);
         let states: Vec<(&str, Vec<f32>)> = opt.state().into_iter().map(|(n, v)| (n, self.shard_state(t.layout.local(v)))).collect();
-        self.opt.load_state(opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::resume", e))?;
+        self.e.opt.load_state(opt.steps(), &states).map_err(|e| Error::usage(self.rank, "Trainer::resume", e))?;
         Ok(r)
     }
 
@@ -1620,7 +1566,7 @@ impl Trainer {
             _ => None,
         };
         let owner = format!("rank{rank}.model{}", s.model.rank().get());
-        Ok(kolo_train::checkpointing::restore_compression_of(&self.ddp, r, &owner, other.as_deref(), world)?)
+        Ok(kolo_train::checkpointing::restore_compression_of(&self.e.ddp, r, &owner, other.as_deref(), world)?)
     }
 
     /// Loads a checkpoint written by [`Trainer::save`] (a `step-*` directory, or the directory
@@ -1638,21 +1584,20 @@ impl Trainer {
             }
             None => {
                 let local_sgd = self.opts.ddp.local_sgd.is_some();
-                let (params, zero) = (&self.params, self.zero.as_ref());
-                kolo_train::update::load_replica(&path, &self.ddp, params, &mut flat, &mut self.opt, zero, &self.meta, local_sgd)?
+                self.e.load(&path, &self.params, &mut flat, &self.meta, local_sgd)?
             }
         };
         for note in notes.iter().filter(|_| self.rank == 0) {
             kolo_base::eline!("{note}");
         }
         for i in (0..self.params.len()).filter(|&i| self.params.is_resident(i)) {
-            self.params.load_one(i, &flat[self.ddp.ranges()[i].clone()])?;
+            self.params.load_one(i, &flat[self.e.ddp.ranges()[i].clone()])?;
         }
         publish(&self.params, &self.model_vars, self.compute)?;
-        if let (Some(s), Some(state)) = (self.scaler.as_mut(), r.loss_scale) {
+        if let (Some(s), Some(state)) = (self.e.scaler.as_mut(), r.loss_scale) {
             s.restore(state);
         }
-        kolo_train::update::Engine::place_master(&self.ddp, self.zero.as_ref(), &flat, &mut self.master);
+        self.e.place_master(&flat);
         if let Some(z) = &self.zero3 {
             z.release_all()?;
         }
@@ -1867,6 +1812,7 @@ pub(crate) fn route_error(rank: usize, op: &'static str, e: kolo_train::update::
             ),
         ),
         kolo_train::update::RouteError::Backward(e) => e.into(),
+        kolo_train::update::RouteError::Diverged(e) => e.into(),
     }
 }
 
