@@ -74,9 +74,9 @@ impl<'a> DataParallel<'a> {
         let sharding = cfg.sharding().map_err(TrainError::Config)?;
         let groups = if sharding == Sharding::Parameters { model.param_groups() } else { Vec::new() };
         let mut e = Engine::build(comm.clone(), &model.params().signature(), &cfg.ddp, &cfg.optim, cfg.optimizer(), sharding, groups)?;
-        // `flat` is needed only until the model holds its starting values (broadcast, resume).
-        let mut flat = model.params().to_flat()?;
-        e.ddp.broadcast_params(&mut flat)?;
+        e.start(model.params(), &cfg.optim)?;
+        let dtype = cfg.compute_dtype();
+        e.scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
         let mut meta = checkpoint_meta(cfg, &spec, world, sharding.stage());
         if tp.is_none() {
             // The model by its parameters, as the library's Trainer names it: either continues
@@ -87,12 +87,13 @@ impl<'a> DataParallel<'a> {
         // Resume: every rank reads the same file, so every rank continues identically.
         let start = match resume {
             Some(path) if tp.is_some() => {
+                let mut flat = vec![0f32; model.params().numel()];
                 let r = load_tensor_parallel(path, &*model, &spec, tc.seed, &mut flat, &mut e.opt, &meta)?;
+                e.set_values(model.params(), &flat, r.loss_scale)?;
                 Some((path.to_path_buf(), r))
             }
             Some(path) => {
-                let local_sgd = cfg.ddp.local_sgd.is_some();
-                let (r, notes) = e.load(path, model.params(), &mut flat, &meta, local_sgd)?;
+                let (r, notes) = e.resume(path, model.params(), &meta, cfg.ddp.local_sgd.is_some())?;
                 for note in notes.iter().filter(|_| global_rank == 0 && !opts.quiet) {
                     kolo_base::eline!("{note}");
                 }
@@ -100,21 +101,13 @@ impl<'a> DataParallel<'a> {
             }
             None => None,
         };
-        model.params().load(&flat)?;
         let zero3 = sharding == Sharding::Parameters;
-        e.set_master(&flat, &cfg.optim)?;
         if zero3 {
             model.shard_groups(e.ddp.gatherer())?;
         }
-        let numel = flat.len();
-        drop(flat);
+        let numel = model.params().numel();
         if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic {
             e.local = vec![0f32; numel];
-        }
-        let dtype = cfg.compute_dtype();
-        e.scaler = (dtype == kolo_tensor::CandleDType::F16).then(LossScaler::new);
-        if let (Some(s), Some(state)) = (e.scaler.as_mut(), start.as_ref().and_then(|s| s.1.loss_scale)) {
-            s.restore(state);
         }
         let eval_view: Box<dyn ParamView> =
             if dtype == kolo_tensor::CandleDType::F32 { Box::new(PlainView) } else { Box::new(kolo_tensor::CastView(dtype)) };

@@ -211,6 +211,44 @@ impl Engine {
         Ok(Engine { ddp: engine, zero, opt, master, local: Vec::new(), exact, scaler: None, nonfinite_skipped: 0 })
     }
 
+    /// Collective: `params` take rank 0's values on every rank, and ZeRO's master shard is cut
+    /// from them ([`Engine::set_master`]).
+    pub fn start(&mut self, params: &ParamSet, optim: &crate::config::OptimConfig) -> Result<(), TrainError> {
+        let mut flat = params.to_flat()?;
+        self.ddp.broadcast_params(&mut flat)?;
+        params.load(&flat)?;
+        Ok(self.set_master(&flat, optim)?)
+    }
+
+    /// A checkpoint's values `flat` (the whole flat layout) and f16 `loss_scale` taken on: into
+    /// the parameters that are resident (not a ZeRO-3 group's, whose shard is the master),
+    /// the loss scaler and ZeRO's master shard.
+    pub fn set_values(&mut self, params: &ParamSet, flat: &[f32], loss_scale: Option<(f64, u64, u64)>) -> Result<(), TrainError> {
+        for i in (0..params.len()).filter(|&i| params.is_resident(i)) {
+            params.load_one(i, &flat[self.ddp.ranges()[i].clone()])?;
+        }
+        if let (Some(s), Some(state)) = (self.scaler.as_mut(), loss_scale) {
+            s.restore(state);
+        }
+        self.place_master(flat);
+        Ok(())
+    }
+
+    /// [`Engine::load`] then [`Engine::set_values`]: this rank continues a data-parallel
+    /// checkpoint. Returns what was read and the notes for the log.
+    pub fn resume(
+        &mut self,
+        path: &std::path::Path,
+        params: &ParamSet,
+        meta: &std::collections::BTreeMap<String, String>,
+        local_sgd: bool,
+    ) -> Result<(crate::checkpointing::Resumed, Vec<String>), TrainError> {
+        let mut flat = vec![0f32; params.numel()];
+        let (r, notes) = self.load(path, params, &mut flat, meta, local_sgd)?;
+        self.set_values(params, &flat, r.loss_scale)?;
+        Ok((r, notes))
+    }
+
     /// ZeRO-1/2: this rank's master copy of its shard of the whole model's values `flat`, where
     /// `optim.offload_dir` puts it. ZeRO-3: `ddp` keeps the shard (the buffer stays empty).
     pub fn set_master(&mut self, flat: &[f32], optim: &crate::config::OptimConfig) -> Result<(), EngineError> {

@@ -661,13 +661,9 @@ impl Trainer {
             sharding,
             plan.clone(),
         )?;
-        let mut flat = params.to_flat()?;
-        engine.ddp.broadcast_params(&mut flat)?;
-        params.load(&flat)?;
+        engine.start(&params, &opts.optim)?;
         publish(&params, &model_vars, compute)?;
         let sharded = !plan.is_empty();
-        engine.set_master(&flat, &opts.optim)?;
-        drop(flat);
         let zero3 = if sharded {
             // The groups live as shards from now on: the model's own variables are emptied and
             // refilled on use; the trainer keeps no handle on their values.
@@ -1575,29 +1571,20 @@ impl Trainer {
     pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
         self.settle_scheduled("Trainer::resume")?;
         let path = resolve_checkpoint(path.as_ref())?;
-        let mut flat = vec![0f32; self.params.numel()];
         let (r, notes) = match &self.spread {
             Some(_) => {
+                let mut flat = vec![0f32; self.params.numel()];
                 let r = self.load_whole(&path, &mut flat)?;
                 let note = self.restore_spread_codec(&r)?;
+                self.e.set_values(&self.params, &flat, r.loss_scale)?;
                 (r, note.into_iter().collect())
             }
-            None => {
-                let local_sgd = self.opts.ddp.local_sgd.is_some();
-                self.e.load(&path, &self.params, &mut flat, &self.meta, local_sgd)?
-            }
+            None => self.e.resume(&path, &self.params, &self.meta, self.opts.ddp.local_sgd.is_some())?,
         };
         for note in notes.iter().filter(|_| self.rank == 0) {
             kolo_base::eline!("{note}");
         }
-        for i in (0..self.params.len()).filter(|&i| self.params.is_resident(i)) {
-            self.params.load_one(i, &flat[self.e.ddp.ranges()[i].clone()])?;
-        }
         publish(&self.params, &self.model_vars, self.compute)?;
-        if let (Some(s), Some(state)) = (self.e.scaler.as_mut(), r.loss_scale) {
-            s.restore(state);
-        }
-        self.e.place_master(&flat);
         if let Some(z) = &self.zero3 {
             z.release_all()?;
         }
@@ -1630,8 +1617,6 @@ const CODEC_MESH_KEY: &str = "kolo.codec_replica_ranks";
 /// Checkpoint metadata: per rank of a replica (`.model{r}`), the layout its codec state fits.
 const CODEC_LAYOUT_KEY: &str = "kolo.codec_layout";
 
-/// ZeRO: this rank's shard of the whole parameters `flat` becomes its master copy, held by the
-/// DDP engine under ZeRO-3 (which gathers groups from it) and in `master` under ZeRO-1/2.
 /// The VarMap's variables in natural name order as the trainer's parameters (f32 masters of a
 /// bf16/f16 model), their ids, the model's own variables of a mixed-precision model, and the
 /// dtype the model computes in.
