@@ -150,8 +150,7 @@ impl<'a> DataParallel<'a> {
     /// (`update::backward_routed`, bucket by bucket as backward produces gradients, the path
     /// the library's Trainer takes; ZeRO-3 through the hooked view). Returns the mean loss.
     fn forward_backward(&mut self, step: u64, data: &mut Batches) -> Result<f64, TrainError> {
-        let (cfg, tc) = (self.cfg, &self.cfg.train);
-        let local_step = crate::local_sgd::is_local(cfg.ddp.local_sgd.as_ref(), step);
+        let tc = &self.cfg.train;
         let te = kolo_tensor::TensorError::from;
         let rank = self.comm.rank().get();
         let mut loss_sum = 0f64;
@@ -170,7 +169,7 @@ impl<'a> DataParallel<'a> {
                 // As the library's Trainer::backward: the micro-step that communicates hands
                 // each gradient to DDP's buckets as backward makes it final; the others keep
                 // theirs local.
-                let communicate = !(m + 1 < tc.grad_accum || cfg.ddp.skip_sync || local_step);
+                let communicate = self.e.communicates(m + 1 == tc.grad_accum, step);
                 let loss = (self.model.loss(&batch, &*self.eval_view)? * scale).map_err(te)?;
                 loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
                 self.e.backward(&(loss * loss_scale).map_err(te)?, &self.ids, self.model.params(), communicate, None)?;
@@ -218,35 +217,9 @@ impl<'a> DataParallel<'a> {
         Ok(done?)
     }
 
-    /// Deterministic mode's exchange and update: the exact sum over every rank, then the whole
-    /// gradient (DDP) or this rank's shard of it (ZeRO-1/2) is applied.
-    fn exact_update(&mut self, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
-        // Pieces in the whole step: micro-steps x the global batch / piece size.
-        let global = self.cfg.data.batch_size * self.comm.world_size().get();
-        let pieces = self.cfg.train.grad_accum as usize * global / self.cfg.ddp.deterministic_chunk;
-        let s = self.e.exact_update(self.model.params(), pieces, self.cfg.optim.clip_grad_norm, lr)?;
-        out.rec.wait_ms = Some(s.wait.as_secs_f64() * 1e3);
-        out.rec.hidden = Some(0.0);
-        out.rec.comm_bytes = Some(s.bytes);
-        Ok(())
-    }
-
-    /// Local SGD (or the no-sync benchmark mode): the local gradients are applied as they are;
-    /// local SGD averages the models every so many steps.
-    fn local_update(&mut self, step: u64, lr: f32, local_step: bool, out: &mut StepOut) -> Result<(), TrainError> {
-        let cfg = self.cfg;
-        let params = self.model.params();
-        self.e.local_update(params, cfg.optim.clip_grad_norm, None, None, lr)?;
-        if let Some(l) = cfg.ddp.local_sgd.as_ref().filter(|_| local_step) {
-            out.rec.comm_bytes = Some(crate::local_sgd::after_update(l, step, params, &*self.comm)?);
-        }
-        Ok(())
-    }
-
-    /// The overlapped exchange's end and the update: waits for the last buckets, checks (f16:
-    /// every rank agrees whether any gradient overflowed; such a step is skipped), unscales and
-    /// clips the gradients, and steps the optimizer on the model or this rank's shard.
-    fn bucket_update(&mut self, step: u64, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
+    /// The step's end (`Engine::update`: the buckets, a local step or deterministic mode's
+    /// exact sum) and its record.
+    fn end_step(&mut self, step: u64, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
         let cfg = self.cfg;
         let group = self.tp.as_ref().map(|(g, _)| &**g as &dyn kolo_base::GroupSum);
         let checks = crate::update::Checks {
@@ -256,10 +229,20 @@ impl<'a> DataParallel<'a> {
             inject_inf: self.inject_inf_at == Some(step) && self.comm.rank().get() == 0,
             skip_nonfinite: cfg.train.on_nonfinite == crate::config::OnNonFinite::Skip,
         };
-        let stats = self.e.update(self.model.params(), lr, checks, &mut |_| Ok(()))?.stats;
+        // Deterministic mode: pieces in the whole step (micro-steps x the global batch / piece size).
+        let global = cfg.data.batch_size * self.comm.world_size().get();
+        let pieces = cfg.train.grad_accum as usize * global / cfg.ddp.deterministic_chunk.max(1);
+        let local = self.e.is_local_step(step) && self.e.exact.is_none();
+        let end = crate::update::StepEnd { step, lr, checks, pieces, sp: None };
+        let stats = self.e.update(self.model.params(), &end, &mut |_| Ok(()))?.stats;
+        if local {
+            // A local step waits for nothing; local SGD's averaging is its traffic.
+            out.rec.comm_bytes = cfg.ddp.local_sgd.is_some().then_some(stats.bytes);
+            return Ok(());
+        }
         out.comm_spans = stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
         out.rec.wait_ms = Some(stats.wait.as_secs_f64() * 1e3);
-        out.rec.hidden = Some(stats.hidden_fraction());
+        out.rec.hidden = Some(if self.e.exact.is_some() { 0.0 } else { stats.hidden_fraction() });
         out.rec.comm_bytes = Some(stats.bytes);
         Ok(())
     }
@@ -364,14 +347,7 @@ impl Strategy for DataParallel<'_> {
     fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
         let loss = self.forward_backward(ctx.step, data)?;
         let mut out = StepOut { loss, backward_end: Some(Instant::now()), ..Default::default() };
-        let local_step = crate::local_sgd::is_local(self.cfg.ddp.local_sgd.as_ref(), ctx.step);
-        if self.e.exact.is_some() {
-            self.exact_update(ctx.lr, &mut out)?;
-        } else if self.cfg.ddp.skip_sync || local_step {
-            self.local_update(ctx.step, ctx.lr, local_step, &mut out)?;
-        } else {
-            self.bucket_update(ctx.step, ctx.lr, &mut out)?;
-        }
+        self.end_step(ctx.step, ctx.lr, &mut out)?;
         out.rec.skipped_steps = self.e.skipped_steps();
         Ok(out)
     }

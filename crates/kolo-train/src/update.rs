@@ -102,9 +102,10 @@ pub fn param_ids(params: &ParamSet) -> std::collections::HashMap<candle_core::Te
 
 /// The data-parallel engine, the optimizer and the state of a replica's step, built one way
 /// for `kolo train`'s data-parallel strategy and the library's `Trainer` from their `[ddp]` and
-/// `[optim]` tables, and stepped one way: [`Engine::backward`] for every micro-step, then one of
-/// [`Engine::update`] (the buckets' exchange), [`Engine::local_update`] (local SGD, no
-/// exchange) and [`Engine::exact_update`] (deterministic mode, after [`Engine::backward_piece`]).
+/// `[optim]` tables, and stepped one way: [`Engine::backward`] for every micro-step
+/// ([`Engine::backward_piece`] for each piece in deterministic mode), then [`Engine::update`],
+/// which ends the step as its settings say: the buckets' exchange, a local step (local SGD,
+/// `skip_sync`) or deterministic mode's exact sum.
 pub struct Engine {
     pub ddp: Ddp,
     /// ZeRO-1/2/3: this rank's shard plan.
@@ -124,6 +125,9 @@ pub struct Engine {
     pub scaler: Option<LossScaler>,
     /// `train.on_nonfinite = "skip"`: the steps skipped so far.
     pub nonfinite_skipped: u64,
+    /// `ddp.skip_sync` and `ddp.local_sgd`: which steps exchange no gradient.
+    skip_sync: bool,
+    local_sgd: Option<crate::config::LocalSgdConfig>,
 }
 
 /// What the reduced gradients are checked and scaled by before an [`Engine::update`].
@@ -143,9 +147,25 @@ pub struct Checks<'a> {
     pub skip_nonfinite: bool,
 }
 
+/// How a step ends ([`Engine::update`]).
+pub struct StepEnd<'a> {
+    /// The optimizer step (0-based: the steps done before it) and its learning rate.
+    pub step: u64,
+    pub lr: f32,
+    pub checks: Checks<'a>,
+    /// Deterministic mode: the pieces of the whole step over every rank.
+    pub pieces: usize,
+    /// A sequence-parallel group, whose members hold chunks of the same sequences: a local
+    /// step averages their gradients first.
+    pub sp: Option<&'a dyn Communicator>,
+}
+
 /// What an [`Engine::update`] did.
 pub struct Updated {
     pub stats: SyncStats,
+    /// Whether the exchange ran beside backward (the buckets'), so that `stats`' hidden
+    /// fraction means something; a local or exact step's exchange follows backward.
+    pub overlapped: bool,
     /// Whether the optimizer stepped (not when f16's gradients overflowed, or a non-finite
     /// gradient was skipped).
     pub applied: bool,
@@ -208,7 +228,8 @@ impl Engine {
         crate::param_groups::apply(&mut opt, signature, engine.ranges(), zero.as_ref(), optim).map_err(setting("optim.groups"))?;
         let exact = ddp.deterministic.then(|| kolo_ddp::exact::ExactSum::new(numel));
         let master = Buffer::zeros(0, &kolo_optim::Placement::Memory, "master").map_err(offload)?;
-        Ok(Engine { ddp: engine, zero, opt, master, local: Vec::new(), exact, scaler: None, nonfinite_skipped: 0 })
+        let (skip_sync, local_sgd) = (ddp.skip_sync, ddp.local_sgd.clone());
+        Ok(Engine { ddp: engine, zero, opt, master, local: Vec::new(), exact, scaler: None, nonfinite_skipped: 0, skip_sync, local_sgd })
     }
 
     /// Collective: `params` take rank 0's values on every rank, and ZeRO's master shard is cut
@@ -311,10 +332,52 @@ impl Engine {
         add_piece(exact, &self.local, at).map_err(RouteError::Diverged)
     }
 
-    /// The end of a step whose last micro-step communicated: waits for the buckets, checks,
-    /// unscales and clips the gradients (`extra` first sees them, on a mesh), steps the
+    /// Whether optimizer step `step` (0-based) exchanges no gradient: every step under
+    /// `ddp.skip_sync` (a benchmark mode), a local SGD step past its warm-up.
+    pub fn is_local_step(&self, step: u64) -> bool {
+        self.skip_sync || crate::local_sgd::is_local(self.local_sgd.as_ref(), step)
+    }
+
+    /// Whether the last micro-step of optimizer step `step` hands its gradients to the buckets
+    /// (the others, and a local step's, are accumulated locally).
+    pub fn communicates(&self, last_micro: bool, step: u64) -> bool {
+        last_micro && !self.is_local_step(step) && self.exact.is_none()
+    }
+
+    /// The end of an optimizer step, after its micro-steps' backward. Deterministic mode: every
+    /// rank's pieces summed exactly, clipped and applied. A local step: this rank's accumulated
+    /// gradient, clipped by its own norm (the replica's under `checks.tp`), updates its own
+    /// model, and local SGD averages the models when due. Otherwise the buckets: waits for them,
+    /// checks, unscales and clips the gradients (`extra` first sees them, on a mesh), steps the
     /// optimizer on the model or this rank's shard, and gathers the shards back. Collective.
     pub fn update(
+        &mut self,
+        params: &ParamSet,
+        end: &StepEnd<'_>,
+        extra: &mut dyn FnMut(&mut BucketGrads<'_>) -> Result<(), TrainError>,
+    ) -> Result<Updated, TrainError> {
+        let (step, lr, clip) = (end.step, end.lr, end.checks.clip);
+        let stats = |wait: std::time::Duration, bytes: usize| SyncStats { wait, comm: wait, bytes, ..Default::default() };
+        if self.exact.is_some() {
+            let s = self.exact_update(params, end.pieces, clip, lr)?;
+            return Ok(Updated { stats: stats(s.wait, s.bytes), overlapped: false, applied: true, norm: s.norm });
+        }
+        if self.is_local_step(step) {
+            let norm = self.local_update(params, clip, end.checks.tp, end.sp, lr)?;
+            let t = std::time::Instant::now();
+            let bytes = match self.local_sgd.as_ref() {
+                Some(l) if crate::local_sgd::is_local(Some(l), step) => {
+                    crate::local_sgd::after_update(l, step, params, &**self.ddp.comm())?
+                }
+                _ => 0,
+            };
+            return Ok(Updated { stats: stats(t.elapsed(), bytes), overlapped: false, applied: true, norm });
+        }
+        self.bucket_update(params, lr, end.checks, extra)
+    }
+
+    /// [`Engine::update`] of a step whose last micro-step communicated.
+    fn bucket_update(
         &mut self,
         params: &ParamSet,
         lr: f32,
@@ -332,12 +395,12 @@ impl Engine {
         if !applied && self.scaler.is_none() {
             self.nonfinite_skipped += 1;
         }
-        Ok(Updated { stats, applied, norm })
+        Ok(Updated { stats, overlapped: true, applied, norm })
     }
 
     /// A local step (see [`apply_local`]): this rank's accumulated gradient updates its own
     /// model. Returns the norm when clipping.
-    pub fn local_update(
+    fn local_update(
         &mut self,
         params: &ParamSet,
         clip: Option<f64>,
@@ -351,7 +414,7 @@ impl Engine {
 
     /// Deterministic mode's exchange and update (see [`apply_exact`]) over `pieces` pieces in
     /// the whole step.
-    pub fn exact_update(&mut self, params: &ParamSet, pieces: usize, clip: Option<f64>, lr: f32) -> Result<ExactStats, TrainError> {
+    fn exact_update(&mut self, params: &ParamSet, pieces: usize, clip: Option<f64>, lr: f32) -> Result<ExactStats, TrainError> {
         self.local.resize(params.numel(), 0.0);
         let Some(exact) = self.exact.as_mut() else { return Ok(ExactStats { bytes: 0, wait: Default::default(), norm: None }) };
         let comm = self.ddp.comm().clone();

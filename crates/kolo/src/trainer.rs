@@ -853,9 +853,9 @@ impl Trainer {
                 "ddp.deterministic sums the gradients of pieces of each micro-batch: train with Trainer::step_pieces",
             ));
         }
-        let sync = self.micro + 1 == accum;
-        // Local SGD: past its warm-up no gradient is exchanged; the models are averaged.
-        let local_step = self.local_step();
+        // The last micro-step hands its gradients to the buckets, unless the step is local
+        // (local SGD past its warm-up, skip_sync: the models are averaged instead, or not at all).
+        let communicate = self.e.communicates(self.micro + 1 == accum, self.steps);
         self.step_start.get_or_insert_with(Instant::now);
         if let Some(z) = &self.zero3 {
             z.take_error()?;
@@ -876,7 +876,7 @@ impl Trainer {
                 }
                 captured
             }
-            None => self.e.backward(&scaled, &self.ids, &self.params, sync && !local_step, capture_id),
+            None => self.e.backward(&scaled, &self.ids, &self.params, communicate, capture_id),
         }
         .map_err(|e| route_error(rank, "Trainer::backward", e))?;
         if let Some(z) = &self.zero3 {
@@ -948,39 +948,31 @@ impl Trainer {
         let value = self.last_loss;
         let t0 = self.step_start.unwrap_or_else(Instant::now);
         let backward_end = self.backward_end.unwrap_or_else(Instant::now);
-        if let Some(s) = self.scheduled.as_mut() {
-            // The step's exchange and updates run on: reads of a parameter wait for its update.
-            let (stats, spans) = s.end_step(self.steps + 1, self.params.numel() * 4)?;
-            self.micro = 0;
-            self.steps += 1;
-            self.step_start = None;
-            self.agree_on_start()?;
-            self.after_step(t0, backward_end, &stats, Some(spans), lr)?;
-            return Ok(StepOutput {
-                loss: value,
-                stepped: true,
-                lr,
-                grad_norm: None,
-                comm: Some((stats.wait, stats.hidden_fraction())),
-                skipped: false,
-            });
-        }
-        if self.local_step() || self.e.exact.is_some() {
-            let (stats, norm) = match self.e.exact.is_some() {
-                true => self.exact_update(lr)?,
-                false => self.local_update(lr)?,
-            };
-            publish(&self.params, &self.model_vars, self.compute)?;
-            self.micro = 0;
-            self.steps += 1;
-            self.step_start = None;
-            self.agree_on_start()?;
-            self.after_step(t0, backward_end, &stats, None, lr)?;
-            return Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm: Some((stats.wait, 0.0)), skipped: false });
-        }
+        let (u, spans) = match self.scheduled.as_mut() {
+            Some(s) => {
+                // The step's exchange and updates run on: reads of a parameter wait for its update.
+                let (stats, spans) = s.end_step(self.steps + 1, self.params.numel() * 4)?;
+                (kolo_train::update::Updated { stats, overlapped: true, applied: true, norm: None }, Some(spans))
+            }
+            None => (self.end_step(accum, lr)?, None),
+        };
+        self.micro = 0;
+        self.steps += 1;
+        self.step_start = None;
+        self.agree_on_start()?;
+        self.after_step(t0, backward_end, &u.stats, spans, lr)?;
+        let comm = Some((u.stats.wait, if u.overlapped { u.stats.hidden_fraction() } else { 0.0 }));
+        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: u.norm, comm, skipped: !u.applied })
+    }
+
+    /// [`Trainer::update`] without scheduled communication: the engine ends the step (the
+    /// buckets, a local step or deterministic mode's exact sum), the model's own variables take
+    /// the new values, and ZeRO-3's gathered copies are dropped.
+    fn end_step(&mut self, accum: u64, lr: f32) -> Result<kolo_train::update::Updated> {
         let checks = kolo_train::update::Checks {
             comm: &*self.comm,
             clip: self.opts.optim.clip_grad_norm,
+            // On a mesh the norm sums every piece and stage of this replica.
             tp: self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0)),
             inject_inf: false,
             skip_nonfinite: self.opts.train.on_nonfinite == kolo_train::config::OnNonFinite::Skip,
@@ -1000,8 +992,12 @@ impl Trainer {
             }
             Ok(())
         };
-        let kolo_train::update::Updated { stats, applied, norm } = self.e.update(&self.params, lr, checks, &mut extra)?;
-        if applied {
+        // Deterministic mode: the pieces of the whole step over every replica.
+        let per_micro = self.opts.data.batch_size / self.opts.ddp.deterministic_chunk.max(1);
+        let pieces = accum as usize * per_micro * self.data_replicas;
+        let end = kolo_train::update::StepEnd { step: self.steps, lr, checks, pieces, sp: self.sp.as_deref() };
+        let u = self.e.update(&self.params, &end, &mut extra)?;
+        if u.applied {
             publish(&self.params, &self.model_vars, self.compute)?;
         }
         if let Some(z) = &self.zero3 {
@@ -1009,13 +1005,7 @@ impl Trainer {
             z.set_prefetch(false);
             z.release_all()?;
         }
-        self.micro = 0;
-        self.steps += 1;
-        self.step_start = None;
-        self.agree_on_start()?;
-        self.after_step(t0, backward_end, &stats, None, lr)?;
-        let comm = Some((stats.wait, stats.hidden_fraction()));
-        Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: norm, comm, skipped: !applied })
+        Ok(u)
     }
 
     /// Collective over the job, after the first step of a run (and of a resume), before any
@@ -1041,40 +1031,6 @@ impl Trainer {
         }
         self.start_agreed = true;
         Ok(())
-    }
-
-    /// Whether this optimizer step exchanges no gradient: a local SGD step past its warm-up, or
-    /// every step under `ddp.skip_sync` (kolo train's benchmark mode without the exchange).
-    fn local_step(&self) -> bool {
-        self.opts.ddp.skip_sync || kolo_train::local_sgd::is_local(self.opts.ddp.local_sgd.as_ref(), self.steps)
-    }
-
-    /// A local step: this rank's own accumulated gradient, clipped by its own norm, is applied
-    /// to its own model; under local SGD every `local_sgd.every` local steps the models are
-    /// averaged.
-    fn local_update(&mut self, lr: f32) -> Result<(kolo_ddp::SyncStats, Option<f64>)> {
-        let averaging = self.opts.ddp.local_sgd.clone().filter(|l| kolo_train::local_sgd::is_local(Some(l), self.steps));
-        // On a mesh the norm sums every piece and stage of this replica.
-        let group = self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0));
-        let clip = self.opts.optim.clip_grad_norm;
-        let sp = self.sp.as_deref();
-        let norm = self.e.local_update(&self.params, clip, group, sp, lr)?;
-        let t = Instant::now();
-        let bytes = match averaging {
-            Some(l) => kolo_train::local_sgd::after_update(&l, self.steps, &self.params, &*self.comm)?,
-            None => 0,
-        };
-        let stats = kolo_ddp::SyncStats { wait: t.elapsed(), comm: t.elapsed(), bytes, ..Default::default() };
-        Ok((stats, norm))
-    }
-
-    /// `ddp.deterministic`: the pieces of every rank summed exactly, their mean clipped and
-    /// applied (this rank's shard under ZeRO-1/2, then gathered), as `kolo train` does.
-    fn exact_update(&mut self, lr: f32) -> Result<(kolo_ddp::SyncStats, Option<f64>)> {
-        let per_micro = self.opts.data.batch_size / self.opts.ddp.deterministic_chunk;
-        let pieces = self.opts.train.grad_accum.max(1) as usize * per_micro * self.data_replicas;
-        let s = self.e.exact_update(&self.params, pieces, self.opts.optim.clip_grad_norm, lr)?;
-        Ok((kolo_ddp::SyncStats { wait: s.wait, comm: s.wait, bytes: s.bytes, ..Default::default() }, s.norm))
     }
 
     /// After an optimizer step: the report (and, at log steps, the collective window: every
