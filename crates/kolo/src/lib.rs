@@ -33,6 +33,7 @@ mod error;
 #[cfg(feature = "hf")]
 pub mod hf;
 mod mesh;
+pub mod options;
 pub mod pp;
 #[cfg(feature = "ps")]
 mod ps_worker;
@@ -68,17 +69,10 @@ pub use kolo_optim::UpdateRule;
 /// An evaluation's result, as [`Trainer::log_eval`] logs it.
 pub use kolo_train::summary::Eval;
 pub use mesh::Mesh;
+pub use options::{DataOptions, TrainOptions};
 #[cfg(feature = "ps")]
 pub use ps_worker::{PsJoin, PsWorker};
-pub use trainer::{DataOptions, StepOutput, TrainOptions, Trainer};
-
-/// The types of [`TrainOptions`]' tables (shared with `kolo train`'s config file).
-pub mod options {
-    pub use kolo_train::config::{
-        CompressionConfig, CompressionMethod, Config, DdpConfig, LocalSgdConfig, MeshConfig, OptimConfig, OptimKind, ParamGroupConfig,
-        PipeSchedule, PipelineConfig, Precision, PsConfig, PsConsistency, ScheduleKind, Strategy, TrainConfig,
-    };
-}
+pub use trainer::{StepOutput, Trainer};
 
 #[cfg(test)]
 mod tests;
