@@ -481,7 +481,7 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     let tc = &cfg.train;
     let (chunk, credit) =
         cfg.comm_schedule().map_err(TrainError::Config)?.ok_or_else(|| TrainError::Config("ddp.schedule is not set".into()))?;
-    let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
+    let timeout = cfg.ddp.timeout();
     comm.set_timeout(timeout);
     let data = load_data(cfg, rank)?;
     let heap_before = kolo_base::alloc::stats().map(|h| h.live);

@@ -12,11 +12,10 @@ use std::path::PathBuf;
 use std::sync::mpsc::sync_channel;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// The config's deadline on each of a GPT strategy's `groups`, and the GPT's shape.
 pub(crate) fn gpt_config(cfg: &Config, groups: &[&dyn Communicator], data: &Data) -> Result<kolo_tensor::models::GptConfig, TrainError> {
-    let timeout = Duration::from_secs_f64(cfg.ddp.timeout_secs.max(0.001));
+    let timeout = cfg.ddp.timeout();
     for g in groups {
         g.set_timeout(timeout);
     }

@@ -332,7 +332,7 @@ impl Trainer {
         let meta = checkpoint_meta(&whole_signature, &opts, data_replicas, sharding.stage(), compute);
         let scheduled = match opts.as_train_config()?.comm_schedule().map_err(|e| Error::setting("ddp.schedule", e))? {
             Some(plan) => {
-                let timeout = Duration::from_secs_f64(opts.ddp.timeout_secs.max(0.001));
+                let timeout = opts.ddp.timeout();
                 Some(crate::scheduled::Scheduled::start(&*comm, &params, &engine.opt, plan, timeout)?)
             }
             None => None,
