@@ -18,7 +18,7 @@ use crate::checkpointing::{PendingSave, Resumed};
 use crate::config::Config;
 use crate::data::{CharVocab, Dataset};
 use crate::report::{Reporter, StepRecord};
-use crate::sampler::{Position, Sampler, SamplerConfig};
+use crate::sampler::{Position, Sampler};
 use crate::setup::Data;
 use crate::summary::{peak_rss, Eval, HeapReport, RunOptions, StateBytes, Summary};
 use crate::TrainError;
@@ -185,28 +185,18 @@ impl Batches {
         split: Option<Vec<usize>>,
     ) -> Result<Batches, TrainError> {
         let scfg = crate::setup::replica_sampler(cfg, train.len(), rank, replicas);
+        let batch = cfg.data.batch_size;
         // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
-        // the shares change during the run, so nothing is prefetched. Deterministic mode takes
-        // contiguous slices of the global batches too (`Sampler::new_contiguous`, as the
-        // library's `Trainer::sampler`): a piece of the global batch then holds the same
-        // examples at every world size.
-        let source = if cfg.ddp.dynamic_batch_every > 0 {
-            let global = SamplerConfig { world: 1, rank: 0, batch: cfg.data.batch_size * replicas, ..scfg };
-            // A resumed run continues with the split it was written with (at the same world
-            // size and global batch; otherwise from equal shares).
-            let split = match split {
-                Some(s) if s.len() == replicas && s.iter().sum::<usize>() == cfg.data.batch_size * replicas => s,
-                _ => vec![cfg.data.batch_size; replicas],
-            };
-            let split = Arc::new(std::sync::Mutex::new(split));
-            Source::Dynamic { sampler: Sampler::new_shares(global, pos, split.clone(), rank).map_err(TrainError::Data)?, split }
-        } else {
-            let sampler = match cfg.ddp.deterministic {
-                true => Sampler::new_contiguous(scfg, pos),
-                false => Sampler::new(scfg, pos),
-            };
-            let sampler = sampler.map_err(TrainError::Data)?;
-            Source::Prefetched(crate::setup::prefetch(train.clone(), sampler, cfg.data.prefetch))
+        // the shares change during the run, so nothing is prefetched. A resumed run continues
+        // with the split it was written with.
+        let shares = (cfg.ddp.dynamic_batch_every > 0).then(|| {
+            let split = crate::sampler::resumed_split(split.as_deref(), batch, replicas).unwrap_or_else(|| vec![batch; replicas]);
+            Arc::new(std::sync::Mutex::new(split))
+        });
+        let sampler = Sampler::for_replica(scfg, pos, cfg.ddp.deterministic, shares.as_ref()).map_err(TrainError::Data)?;
+        let source = match shares {
+            Some(split) => Source::Dynamic { sampler, split },
+            None => Source::Prefetched(crate::setup::prefetch(train.clone(), sampler, cfg.data.prefetch)),
         };
         Ok(Batches { train, source, pos, rank, slow_ms_per_example: None })
     }

@@ -46,6 +46,13 @@ pub struct Sampler {
 /// replica's sampler and the loop that re-plans them ([`plan_split`]).
 pub type Shares = std::sync::Arc<std::sync::Mutex<Vec<usize>>>;
 
+/// Dynamic batch sizing, on resume: the per-replica split a checkpoint was `written` with, when
+/// it fits `replicas` replicas of `batch` examples each (the same world size and global
+/// batch); `None` otherwise (the run starts again from equal shares).
+pub fn resumed_split(written: Option<&[usize]>, batch: usize, replicas: usize) -> Option<Vec<usize>> {
+    written.filter(|s| s.len() == replicas && s.iter().sum::<usize>() == batch * replicas).map(<[usize]>::to_vec)
+}
+
 impl SamplerConfig {
     /// The position after `batches_done` batches from the start.
     pub fn position_after(&self, batches_done: u64) -> Position {
@@ -117,6 +124,22 @@ impl Sampler {
     /// batch holds the same examples at every world size.
     pub fn new_contiguous(cfg: SamplerConfig, pos: Position) -> Result<Sampler, String> {
         Ok(Sampler { contiguous: true, ..Sampler::new(cfg, pos)? })
+    }
+
+    /// How `kolo train` and the library's `Trainer::sampler` deal replica `cfg.rank` of
+    /// `cfg.world` its batches from `pos`: with `shares` (dynamic batch sizing) its share of each
+    /// global batch, read at every batch; in deterministic mode the contiguous slices of the
+    /// global batches (a piece of the global batch then holds the same examples at every world
+    /// size); otherwise strided.
+    pub fn for_replica(cfg: SamplerConfig, pos: Position, deterministic: bool, shares: Option<&Shares>) -> Result<Sampler, String> {
+        match (shares, deterministic) {
+            (Some(s), _) => {
+                let global = SamplerConfig { world: 1, rank: 0, batch: cfg.batch * cfg.world, ..cfg };
+                Sampler::new_shares(global, pos, s.clone(), cfg.rank)
+            }
+            (None, true) => Sampler::new_contiguous(cfg, pos),
+            (None, false) => Sampler::new(cfg, pos),
+        }
     }
 
     pub fn position(&self) -> Position {
@@ -215,6 +238,35 @@ pub fn plan_split(total: usize, per_example_ms: &[f64], min: usize) -> Vec<usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A checkpoint's split is taken on only where it fits the run: the same replicas and the
+    /// same global batch.
+    #[test]
+    fn a_resumed_split_is_taken_only_where_it_fits() {
+        assert_eq!(resumed_split(Some(&[5, 11]), 8, 2), Some(vec![5, 11]));
+        assert_eq!(resumed_split(Some(&[12, 12]), 8, 3), None, "another world size, the same global batch");
+        assert_eq!(resumed_split(Some(&[5, 10]), 8, 2), None, "another global batch");
+        assert_eq!(resumed_split(None, 8, 2), None);
+    }
+
+    /// `for_replica` deals as its settings say: strided, contiguous slices (deterministic
+    /// mode), or a share of each global batch (dynamic batch sizing); every mode covers each
+    /// global batch once over the replicas.
+    #[test]
+    fn replicas_are_dealt_strided_contiguous_or_by_share() {
+        let cfg = |rank| SamplerConfig { len: 40, world: 2, rank, batch: 4, seed: 3, shuffle: true, drop_last: true };
+        let next = |det: bool, shares: Option<&Shares>, rank| {
+            Sampler::for_replica(cfg(rank), Position::default(), det, shares).unwrap().next_batch()
+        };
+        let global = Sampler::new(SamplerConfig { world: 1, rank: 0, batch: 8, ..cfg(0) }, Position::default()).unwrap().next_batch();
+        let strided: Vec<usize> = (0..4).flat_map(|j| [next(false, None, 0)[j], next(false, None, 1)[j]]).collect();
+        assert_eq!(strided, global);
+        assert_eq!([next(true, None, 0), next(true, None, 1)].concat(), global);
+        let shares: Shares = std::sync::Arc::new(std::sync::Mutex::new(vec![3, 5]));
+        let (a, b) = (next(false, Some(&shares), 0), next(false, Some(&shares), 1));
+        assert_eq!((a.len(), b.len()), (3, 5));
+        assert_eq!([a, b].concat(), global);
+    }
 
     #[test]
     fn dynamic_split_follows_speed_and_keeps_the_total() {

@@ -1195,11 +1195,9 @@ impl Trainer {
         if let Some(z) = &self.zero3 {
             z.release_all()?;
         }
-        if let (Some(shares), Some(split)) = (&self.shares, &r.batch_split) {
-            // The split it was written with, at the same world size and global batch.
-            if split.len() == self.data_replicas && split.iter().sum::<usize>() == self.opts.data.batch_size * self.data_replicas {
-                *shares.lock().unwrap_or_else(|p| p.into_inner()) = split.clone();
-            }
+        let split = kolo_train::sampler::resumed_split(r.batch_split.as_deref(), self.opts.data.batch_size, self.data_replicas);
+        if let (Some(shares), Some(split)) = (&self.shares, split) {
+            *shares.lock().unwrap_or_else(|p| p.into_inner()) = split;
         }
         self.steps = r.step;
         if let Some(s) = self.scheduled.as_mut() {
@@ -1326,17 +1324,9 @@ pub(crate) fn replica_sampler(
         shuffle: d.shuffle,
         drop_last: d.drop_last,
     };
-    // Deterministic mode: contiguous slices of the global batch, as kolo train deals them;
-    // dynamic batch sizing: this replica's share of each global batch.
-    let sampler = match (shares, o.ddp.deterministic) {
-        (Some(s), _) => {
-            let global = crate::data::SamplerConfig { world: 1, rank: 0, batch: d.batch_size * replicas, ..cfg };
-            crate::data::Sampler::new_shares(global, pos, s.clone(), rank)
-        }
-        (None, true) => crate::data::Sampler::new_contiguous(cfg, pos),
-        (None, false) => crate::data::Sampler::new(cfg, pos),
-    };
-    sampler.map_err(|e| Error::setting("data", e))
+    // As kolo train deals them: contiguous slices in deterministic mode, a share of each global
+    // batch under dynamic batch sizing.
+    crate::data::Sampler::for_replica(cfg, pos, o.ddp.deterministic, shares).map_err(|e| Error::setting("data", e))
 }
 
 /// The options' checks (`kolo train`'s rules) and what this place cannot run: parameter
