@@ -4,33 +4,19 @@
 
 use super::*;
 
+/// 3 launched ranks of `kolo selftest` whose rank 1 fails after 3 collectives in `mode` (kill,
+/// exit, hang), with the launcher's `grace` and the collectives' `timeout` (seconds).
+fn failing_selftest(grace: &str, mode: &str, timeout: &str) -> Output {
+    let selftest = ["selftest", "--fail-rank", "1", "--fail-after", "3", "--fail-mode", mode, "--iters", "100000", "--timeout", timeout];
+    let args: Vec<&str> = ["launch", "-n", "3", "--grace", grace, "--", KOLO].into_iter().chain(selftest).collect();
+    run(&args, &[])
+}
+
 #[test]
 fn killed_rank_fails_the_job_with_a_summary_and_survivors_report_it() {
     for mode in ["kill", "exit"] {
         let t0 = Instant::now();
-        let o = run(
-            &[
-                "launch",
-                "-n",
-                "3",
-                "--grace",
-                "20",
-                "--",
-                KOLO,
-                "selftest",
-                "--fail-rank",
-                "1",
-                "--fail-after",
-                "3",
-                "--fail-mode",
-                mode,
-                "--iters",
-                "100000",
-                "--timeout",
-                "120",
-            ],
-            &[],
-        );
+        let o = failing_selftest("20", mode, "120");
         let t = text(&o);
         assert!(!o.status.success(), "{t}");
         assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}: {t}", t0.elapsed());
@@ -59,29 +45,7 @@ fn killed_rank_fails_the_job_with_a_summary_and_survivors_report_it() {
 #[test]
 fn a_hung_rank_is_named_by_every_other_rank_within_the_deadline() {
     let t0 = Instant::now();
-    let o = run(
-        &[
-            "launch",
-            "-n",
-            "3",
-            "--grace",
-            "1",
-            "--",
-            KOLO,
-            "selftest",
-            "--fail-rank",
-            "1",
-            "--fail-after",
-            "3",
-            "--fail-mode",
-            "hang",
-            "--iters",
-            "100000",
-            "--timeout",
-            "2",
-        ],
-        &[],
-    );
+    let o = failing_selftest("1", "hang", "2");
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(t0.elapsed() < Duration::from_secs(20), "took {:?}: {t}", t0.elapsed());

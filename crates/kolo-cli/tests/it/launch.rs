@@ -96,44 +96,34 @@ fn launcher_rejects_bad_configurations() {
 #[test]
 fn open_mpi_and_slurm_variables_are_understood() {
     let token = "00112233445566778899aabbccddeeff".to_string();
-    let port = free_port();
-    let outs = spawn_ranks(
-        (0..2)
-            .map(|r| {
-                env(&[
-                    ("OMPI_COMM_WORLD_RANK", r.to_string()),
-                    ("OMPI_COMM_WORLD_SIZE", "2".into()),
-                    ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()),
-                    ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
-                    ("MASTER_PORT", port.clone()),
-                    ("KOLO_JOB_TOKEN", token.clone()),
-                ])
-            })
-            .collect(),
-        &["selftest", "--iters", "5", "--timeout", "30"],
-    );
-    for o in &outs {
-        assert!(o.status.success(), "{}", text(o));
-    }
-    let port = free_port();
-    let outs = spawn_ranks(
-        (0..2)
-            .map(|r| {
-                env(&[
-                    ("SLURM_PROCID", r.to_string()),
-                    ("SLURM_NTASKS", "2".into()),
-                    ("SLURM_LOCALID", r.to_string()),
-                    ("SLURM_NNODES", "1".into()),
-                    ("MASTER_ADDR", "127.0.0.1".into()),
-                    ("MASTER_PORT", port.clone()),
-                    ("KOLO_JOB_TOKEN", token.clone()),
-                ])
-            })
-            .collect(),
-        &["selftest", "--iters", "5", "--timeout", "30"],
-    );
-    for o in &outs {
-        assert!(o.status.success(), "{}", text(o));
+    let ompi = |r: usize| -> Vec<(&str, String)> {
+        vec![
+            ("OMPI_COMM_WORLD_RANK", r.to_string()),
+            ("OMPI_COMM_WORLD_SIZE", "2".into()),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", r.to_string()),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2".into()),
+        ]
+    };
+    let slurm = |r: usize| -> Vec<(&str, String)> {
+        vec![
+            ("SLURM_PROCID", r.to_string()),
+            ("SLURM_NTASKS", "2".into()),
+            ("SLURM_LOCALID", r.to_string()),
+            ("SLURM_NNODES", "1".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+        ]
+    };
+    for launcher in [&ompi as &dyn Fn(usize) -> Vec<(&'static str, String)>, &slurm] {
+        let port = free_port();
+        let rank_env = |r: usize| {
+            let mut vars = launcher(r);
+            vars.extend([("MASTER_PORT", port.clone()), ("KOLO_JOB_TOKEN", token.clone())]);
+            env(&vars)
+        };
+        let outs = spawn_ranks((0..2).map(rank_env).collect(), &["selftest", "--iters", "5", "--timeout", "30"]);
+        for o in &outs {
+            assert!(o.status.success(), "{}", text(o));
+        }
     }
 }
 
