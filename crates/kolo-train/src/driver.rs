@@ -184,7 +184,7 @@ impl Batches {
         pos: Position,
         split: Option<Vec<usize>>,
     ) -> Result<Batches, TrainError> {
-        let scfg = crate::setup::replica_sampler(cfg, train.len(), rank, replicas);
+        let scfg = crate::setup::replica_sampler(&cfg.data, cfg.train.seed, train.len(), rank, replicas);
         let batch = cfg.data.batch_size;
         // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
         // the shares change during the run, so nothing is prefetched. A resumed run continues

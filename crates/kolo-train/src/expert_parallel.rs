@@ -82,7 +82,7 @@ impl<'a> ExpertParallel<'a> {
         let gpt = Gpt::new_expert_parallel(gcfg.clone(), &mut Rng::new(cfg.train.seed), Arc::new(CommExchange(ep)))?;
         let expert = gpt.expert_params().expect("an expert-parallel model");
         let numel = gpt.params().numel();
-        let mut opt = crate::setup::optimizer_for(cfg, numel)?;
+        let mut opt = crate::setup::optimizer_for(&cfg.optim, numel)?;
         let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), world, 0);
         let start = match resume {
             Some(path) => {

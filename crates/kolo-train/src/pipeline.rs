@@ -199,7 +199,7 @@ fn build_stage<'a>(
     let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
     let ranges: Vec<std::ops::Range<usize>> = own.iter().map(|&i| gpt.params().get(i).range.clone()).collect();
     let own_len: usize = ranges.iter().map(|r| r.len()).sum();
-    let opt = crate::setup::optimizer_for(cfg, own_len)?;
+    let opt = crate::setup::optimizer_for(&cfg.optim, own_len)?;
     if lead {
         kolo_base::eline!(
             "kolo train (pipeline): GPT {} params in {k} stages {:?} (layers: 0 = embedding, 1..={} blocks, {} = head) x {} data-parallel replicas x {} tensor-parallel ranks, {m} micro-batches of {}, {:?}; theoretical bubble {:.1}%",

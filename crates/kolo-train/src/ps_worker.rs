@@ -504,7 +504,7 @@ impl Worker {
         let step = (mine * push_every).min(cfg.train.steps);
         if step != r.step {
             // Its own position in its shard: `step` steps of grad_accum batches.
-            r.pos = crate::setup::replica_position(cfg, train_len, worker, workers, step * cfg.train.grad_accum);
+            r.pos = crate::setup::replica_position(&cfg.data, cfg.train.seed, train_len, worker, workers, step * cfg.train.grad_accum);
             r.step = step;
         }
         (self.x.pushes, self.steps_done) = (mine, step);
@@ -631,7 +631,7 @@ fn adopt_shard(
     let start = (if is_async { clock * cfg.ps.push_every } else { clock }).min(end);
     w.x.pushes = if is_async { start / cfg.ps.push_every } else { start };
     let tc = &cfg.train;
-    let batches = replica_batches(cfg, train, shard, workers, start * tc.grad_accum)?;
+    let batches = replica_batches(&cfg.data, tc.seed, train, shard, workers, start * tc.grad_accum)?;
     let global_batch = crate::config::global_batch(cfg.data.batch_size, workers, tc.grad_accum);
     for step in start..end {
         let lr = cfg.optim.lr_of_step(global_batch, tc.steps, step);

@@ -489,7 +489,7 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
     let model = build_model(&spec, tc.seed)?;
     let mut flat = model.params().to_flat()?;
     let numel = flat.len();
-    let mut opt = optimizer_for(cfg, numel)?;
+    let mut opt = optimizer_for(&cfg.optim, numel)?;
     let ranges: Vec<Range<usize>> = model.params().iter().map(|p| p.range.clone()).collect();
     crate::param_groups::apply(&mut opt, &model.params().signature(), &ranges, None, &cfg.optim).map_err(TrainError::Config)?;
     let meta = checkpoint_meta(cfg, &spec, world, 0);

@@ -68,7 +68,7 @@ impl<'a> SequenceParallel<'a> {
         let mut gpt = Gpt::new(gcfg.clone(), &mut Rng::new(cfg.train.seed))?;
         gpt.set_sequence_parallel(Arc::new(kolo_comm::Ring(sp)))?;
         let numel = gpt.params().numel();
-        let mut opt = crate::setup::optimizer_for(cfg, numel)?;
+        let mut opt = crate::setup::optimizer_for(&cfg.optim, numel)?;
         let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), replica.1, 0);
         let start = match resume {
             Some(path) => {

@@ -1,7 +1,7 @@
 //! What every strategy builds from the config: the datasets ([`load_data`]), each replica's
 //! batches and sampler position, the optimizer, the GPT's shape.
 
-use crate::config::{Config, DataKind};
+use crate::config::{Config, DataConfig, DataKind, OptimConfig};
 use crate::data::{text_split, CharVocab, Dataset, Mnist, Synthetic};
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::TrainError;
@@ -25,10 +25,11 @@ pub(crate) fn gpt_config(cfg: &Config, groups: &[&dyn Communicator], data: &Data
     Ok(gcfg)
 }
 
-/// The optimizer over `numel` values, its state where `optim.offload_dir` puts it.
-pub(crate) fn optimizer_for(cfg: &Config, numel: usize) -> Result<Optimizer, TrainError> {
-    Optimizer::with_placement(cfg.optimizer(), numel, &cfg.placement())
-        .map_err(|e| TrainError::Config(format!("optim.offload_dir {:?}: {e}", cfg.optim.offload_dir.as_deref().unwrap_or_default())))
+/// The optimizer `[optim]` describes over `numel` values, its state where `optim.offload_dir`
+/// puts it.
+pub(crate) fn optimizer_for(optim: &OptimConfig, numel: usize) -> Result<Optimizer, TrainError> {
+    Optimizer::with_placement(optim.spec(), numel, &optim.placement())
+        .map_err(|e| TrainError::Config(format!("optim.offload_dir {:?}: {e}", optim.offload_dir.as_deref().unwrap_or_default())))
 }
 
 /// Prints on the lead rank only.
@@ -53,16 +54,17 @@ pub fn optimizer_step(params: &kolo_tensor::ParamSet, opt: &mut Optimizer, grads
 /// The batches of data-parallel replica `dp_rank` of `dp_size`, from the batch after the first
 /// `batches_done` (prefetched). Synthetic data is already per replica: it is not sharded again.
 pub fn replica_batches(
-    cfg: &Config,
+    data: &DataConfig,
+    seed: u64,
     train: Arc<dyn Dataset>,
     dp_rank: usize,
     dp_size: usize,
     batches_done: u64,
 ) -> Result<Receiver<(Position, Batch)>, TrainError> {
-    let scfg = replica_sampler(cfg, train.len(), dp_rank, dp_size);
+    let scfg = replica_sampler(data, seed, train.len(), dp_rank, dp_size);
     let pos = scfg.position_after(batches_done);
     let sampler = Sampler::new(scfg, pos).map_err(TrainError::Data)?;
-    Ok(prefetch(train, sampler, cfg.data.prefetch))
+    Ok(prefetch(train, sampler, data.prefetch))
 }
 
 /// Prepares batches on a background thread, each with the sampler position after it.
@@ -84,23 +86,15 @@ pub(crate) fn prefetch(ds: Arc<dyn Dataset>, mut sampler: Sampler, depth: usize)
 /// The sampler position of data-parallel replica `rank` of `world` over `len` training
 /// examples after `batches_done` batches.
 #[cfg(feature = "ps")]
-pub(crate) fn replica_position(cfg: &Config, len: usize, rank: usize, world: usize, batches_done: u64) -> Position {
-    replica_sampler(cfg, len, rank, world).position_after(batches_done)
+pub(crate) fn replica_position(data: &DataConfig, seed: u64, len: usize, rank: usize, world: usize, batches_done: u64) -> Position {
+    replica_sampler(data, seed, len, rank, world).position_after(batches_done)
 }
 
 /// The sampler of data-parallel replica `rank` of `world` over `len` examples (synthetic data
 /// is already per replica, seeded by rank: it is not sharded again).
-pub(crate) fn replica_sampler(cfg: &Config, len: usize, rank: usize, world: usize) -> SamplerConfig {
-    let (world, rank) = if cfg.data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
-    SamplerConfig {
-        len,
-        world,
-        rank,
-        batch: cfg.data.batch_size,
-        seed: cfg.train.seed,
-        shuffle: cfg.data.shuffle,
-        drop_last: cfg.data.drop_last,
-    }
+pub(crate) fn replica_sampler(data: &DataConfig, seed: u64, len: usize, rank: usize, world: usize) -> SamplerConfig {
+    let (world, rank) = if data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
+    SamplerConfig { len, world, rank, batch: data.batch_size, seed, shuffle: data.shuffle, drop_last: data.drop_last }
 }
 
 /// A run's datasets, as `[data]` describes them.
