@@ -1,7 +1,7 @@
 //! Evaluation of the built-in models (loss and accuracy over the evaluation split, combined
 //! across ranks) and text sampling from the GPT.
 
-use crate::config::Config;
+use crate::config::{Config, TrainConfig};
 use crate::data::{CharVocab, Dataset};
 use crate::setup::load_data;
 use crate::summary::Eval;
@@ -81,9 +81,10 @@ pub fn evaluate_params(cfg: &Config, params: &[f32]) -> Result<Eval, TrainError>
     evaluate(&*model, &PlainView, &*data.eval, &alone, cfg.data.batch_size, limit, false, &|| Ok(()))
 }
 
-/// A whole GPT in this process holding `flat`.
-fn whole_gpt(cfg: &Config, gcfg: &kolo_tensor::models::GptConfig, flat: &[f32]) -> Result<kolo_tensor::models::Gpt, TrainError> {
-    let whole = kolo_tensor::models::Gpt::new(gcfg.clone(), &mut Rng::new(cfg.train.seed))?;
+/// A whole GPT in this process holding `flat` (every parameter: the initialisation's draw is
+/// overwritten).
+fn whole_gpt(gcfg: &kolo_tensor::models::GptConfig, flat: &[f32]) -> Result<kolo_tensor::models::Gpt, TrainError> {
+    let whole = kolo_tensor::models::Gpt::new(gcfg.clone(), &mut Rng::new(0))?;
     whole.params().load(flat)?;
     Ok(whole)
 }
@@ -91,26 +92,25 @@ fn whole_gpt(cfg: &Config, gcfg: &kolo_tensor::models::GptConfig, flat: &[f32]) 
 /// Loss over at most `max_batches` batches of `ds` of a whole GPT holding `flat`, in this
 /// process alone (the strategies whose own model is split or chunked evaluate on one rank).
 pub(crate) fn evaluate_alone(
-    cfg: &Config,
+    batch_size: usize,
     gcfg: &kolo_tensor::models::GptConfig,
     flat: &[f32],
     ds: &dyn Dataset,
     max_batches: usize,
 ) -> Result<Eval, TrainError> {
-    let whole = whole_gpt(cfg, gcfg, flat)?;
+    let whole = whole_gpt(gcfg, flat)?;
     let local = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0);
-    evaluate(&whole, &PlainView, ds, &local, cfg.data.batch_size, max_batches, false, &|| Ok(()))
+    evaluate(&whole, &PlainView, ds, &local, batch_size, max_batches, false, &|| Ok(()))
 }
 
-/// A sample (the config's length and temperature) of a whole GPT holding `flat`.
+/// A sample (`[train]`'s length, temperature and seed) of a whole GPT holding `flat`.
 pub(crate) fn sample_alone(
-    cfg: &Config,
+    tc: &TrainConfig,
     gcfg: &kolo_tensor::models::GptConfig,
     flat: &[f32],
     vocab: &CharVocab,
 ) -> Result<String, TrainError> {
-    let whole = whole_gpt(cfg, gcfg, flat)?;
-    let tc = &cfg.train;
+    let whole = whole_gpt(gcfg, flat)?;
     sample_text(&whole, &PlainView, vocab, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))
 }
 

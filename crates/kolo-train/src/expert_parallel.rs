@@ -193,13 +193,13 @@ impl Strategy for ExpertParallel<'_> {
         // Whole sequences, with every expert, on rank 0.
         let flat = self.whole_params()?;
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::eval::evaluate_alone(self.cfg, &self.gcfg, &flat, ds, max_batches)).transpose()
+        lead.then(|| crate::eval::evaluate_alone(self.cfg.data.batch_size, &self.gcfg, &flat, ds, max_batches)).transpose()
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let flat = self.whole_params()?;
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::eval::sample_alone(self.cfg, &self.gcfg, &flat, vocab)).transpose()
+        lead.then(|| crate::eval::sample_alone(&self.cfg.train, &self.gcfg, &flat, vocab)).transpose()
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {

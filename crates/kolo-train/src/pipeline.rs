@@ -502,13 +502,13 @@ impl StageSetup<'_> {
         max: usize,
     ) -> Result<Option<Eval>, TrainError> {
         let flat = self.assemble(gpt)?;
-        first.then(|| crate::eval::evaluate_alone(self.cfg, gcfg, &flat, ds, max)).transpose()
+        first.then(|| crate::eval::evaluate_alone(self.cfg.data.batch_size, gcfg, &flat, ds, max)).transpose()
     }
 
     /// Text from the whole model `gpt`, on global rank 0.
     pub(crate) fn sample(&self, gcfg: &GptConfig, gpt: &Gpt, first: bool, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let flat = self.assemble(gpt)?;
-        first.then(|| crate::eval::sample_alone(self.cfg, gcfg, &flat, vocab)).transpose()
+        first.then(|| crate::eval::sample_alone(&self.cfg.train, gcfg, &flat, vocab)).transpose()
     }
 }
 

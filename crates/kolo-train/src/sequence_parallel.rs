@@ -129,12 +129,13 @@ impl Strategy for SequenceParallel<'_> {
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         // Whole sequences, with an unsplit copy of the model, on rank 0.
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::eval::evaluate_alone(self.cfg, &self.gcfg, &self.gpt.params().to_flat()?, ds, max_batches)).transpose()
+        lead.then(|| crate::eval::evaluate_alone(self.cfg.data.batch_size, &self.gcfg, &self.gpt.params().to_flat()?, ds, max_batches))
+            .transpose()
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::eval::sample_alone(self.cfg, &self.gcfg, &self.gpt.params().to_flat()?, vocab)).transpose()
+        lead.then(|| crate::eval::sample_alone(&self.cfg.train, &self.gcfg, &self.gpt.params().to_flat()?, vocab)).transpose()
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
