@@ -209,6 +209,7 @@ fn launch(a: LaunchArgs) -> anyhow::Result<i32> {
         grace: Duration::from_secs_f64(a.grace.max(0.0)),
         env: Vec::new(),
         bind: a.bind_cores,
+        keep_going: false,
     };
     if let Some(max) = a.max_nodes {
         if a.nproc_per_node > max {

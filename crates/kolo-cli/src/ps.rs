@@ -4,6 +4,7 @@
 use kolo_ps::server::ServerOptions;
 use kolo_ps::{Coordinator, Server};
 use kolo_rendezvous::JobToken;
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -14,7 +15,9 @@ pub enum PsCmd {
     /// Start a job on this machine: a coordinator (in this process), SERVERS `kolo ps serve`
     /// processes and WORKERS `kolo train` ranks (under `kolo launch`), then shut the servers
     /// down when the workers are done. The config must say `[train] strategy = "ps"`. With
-    /// --exec the workers are a program of yours (`kolo::PsWorker`) instead.
+    /// --exec the workers are a program of yours (`kolo::PsWorker`) instead. A worker that dies
+    /// does not stop the others: after --dead-after a survivor trains its data shard from its
+    /// last step, and the job succeeds when every dead worker's shard was taken over.
     Run(RunArgs),
     /// A parameter server: registers with the coordinator, serves the key ranges the ring gives
     /// it, replicates writes down each range's chain, and exits when the job shuts down.
@@ -259,9 +262,12 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
         token: Some(token.clone()),
         program,
         env: vec![("KOLO_PS_COORDINATOR".into(), addr.clone()), ("KOLO_PS_SERVERS".into(), a.servers.to_string())],
+        // A dead worker's shard is taken over by a survivor: the others run on.
+        keep_going: true,
         ..kolo_launch::LaunchConfig::default()
     };
     let out = kolo_launch::launch(&launch);
+    let adopted = coord.adopted();
     coord.shutdown();
     if let Some(mut e) = evaluator {
         let _ = e.wait();
@@ -281,8 +287,20 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
         }
     }
     let out = out?;
+    let mut code = out.exit_code();
     if !out.success() {
-        eprint!("{}", out.summary());
+        match out.interrupted_by.is_none().then(|| shards_taken_over(&out.ranks, &adopted)).flatten() {
+            Some(taken) => {
+                for (dead, by) in taken {
+                    let r = out.ranks.iter().find(|r| r.rank == dead).expect("a failed rank");
+                    kolo_base::eline!("kolo ps run: worker {dead} {}; worker {by} trained its data shard to the end", r.describe());
+                }
+                eprint!("{}", out.rank_lines());
+                kolo_base::eline!("kolo ps run: the job completed: every data shard was trained");
+                code = 0;
+            }
+            None => eprint!("{}", out.summary()),
+        }
     }
     if let Some(dir) = cfg.as_ref().and_then(|c| c.train.timeline_dir.as_ref()) {
         // Workers share no communicator, so each wrote its own trace; merge those that exist.
@@ -294,5 +312,37 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
             kolo_base::eline!("timeline: {} (open in https://ui.perfetto.dev)", merged.display());
         }
     }
-    Ok(out.exit_code())
+    Ok(code)
+}
+
+/// Whether a parameter-server job whose workers `ranks` ended trained every data shard anyway:
+/// each failed worker's shard taken over (`adopted`: dead worker -> the worker that trained
+/// it) by a worker that ended well. Returns (dead, adopter) for each failed worker.
+fn shards_taken_over(ranks: &[kolo_launch::RankReport], adopted: &BTreeMap<u32, u32>) -> Option<Vec<(usize, u32)>> {
+    let ok = |w: usize| ranks.iter().any(|r| r.rank == w && r.end == kolo_launch::RankEnd::Exited(0));
+    ranks
+        .iter()
+        .filter(|r| r.end != kolo_launch::RankEnd::Exited(0))
+        .map(|r| adopted.get(&(r.rank as u32)).filter(|&&by| ok(by as usize)).map(|&by| (r.rank, by)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kolo_launch::{RankEnd, RankReport};
+
+    #[test]
+    fn a_job_with_a_dead_worker_succeeds_only_when_a_surviving_worker_trained_its_shard() {
+        let rank = |rank: usize, end: RankEnd| RankReport { rank, pid: 1, end, elapsed: Duration::ZERO, error: None };
+        let ranks = [rank(0, RankEnd::Exited(0)), rank(1, RankEnd::Exited(0)), rank(2, RankEnd::Exited(1))];
+        assert_eq!(shards_taken_over(&ranks, &BTreeMap::from([(2, 0)])), Some(vec![(2, 0)]));
+        // Nobody took it over, or the adopter failed too.
+        assert_eq!(shards_taken_over(&ranks, &BTreeMap::new()), None);
+        let two_dead = [rank(0, RankEnd::Signalled(9)), rank(1, RankEnd::Exited(0)), rank(2, RankEnd::Exited(1))];
+        assert_eq!(shards_taken_over(&two_dead, &BTreeMap::from([(2, 0)])), None);
+        assert_eq!(shards_taken_over(&two_dead, &BTreeMap::from([(2, 0), (0, 1)])), None, "worker 0 died with worker 2's shard");
+        assert_eq!(shards_taken_over(&two_dead, &BTreeMap::from([(2, 1), (0, 1)])), Some(vec![(0, 1), (2, 1)]));
+        assert_eq!(shards_taken_over(&ranks[..2], &BTreeMap::new()), Some(vec![]));
+    }
 }

@@ -41,7 +41,7 @@ pub struct TrainArgs {
     #[arg(long, hide = true, value_parser = parse_slow_rank)]
     slow_rank: Option<(usize, u64)>,
     /// RANK:STEP makes that rank SIGKILL itself at that step, in the first round of a job only
-    /// (elastic-training tests and benchmarks).
+    /// (elastic-training tests and benchmarks); a parameter-server worker fails there instead.
     #[arg(long, hide = true, value_parser = parse_slow_rank)]
     kill_at: Option<(usize, u64)>,
     /// RANK:MS makes that rank sleep MS milliseconds per example of its batch every step (a
@@ -148,7 +148,14 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
     }
     let mut cfg = load_config(&a)?;
     if cfg.train.strategy == kolo_train::config::Strategy::Ps {
-        return run_ps(&cfg, a.stop_after, a.slow_rank, a.resume.clone());
+        let opts = kolo_train::RunOptions {
+            stop_after: a.stop_after,
+            slow_rank: a.slow_rank,
+            die_at: a.kill_at,
+            resume: a.resume.clone(),
+            ..Default::default()
+        };
+        return run_ps(&cfg, opts);
     }
     let mut comm_args = a.comm.clone();
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
@@ -314,12 +321,9 @@ fn print_heap(h: &kolo_train::summary::HeapReport) {
 
 /// A parameter-server worker: RANK / WORLD_SIZE say which data shard, KOLO_PS_COORDINATOR (or
 /// `[ps] coordinator`) where the job's coordinator listens.
-fn run_ps(
-    cfg: &kolo_train::Config,
-    stop_after: Option<u64>,
-    slow_rank: Option<(usize, u64)>,
-    resume: Option<PathBuf>,
-) -> anyhow::Result<i32> {
+/// `opts` carries `--stop-after`, `--resume` and the fault injection (`--kill-at`: that worker
+/// fails at that step, and a survivor takes over its data shard).
+fn run_ps(cfg: &kolo_train::Config, opts: kolo_train::RunOptions) -> anyhow::Result<i32> {
     let var = |k: &str| std::env::var(k).ok();
     let num = |k: &str, d: usize| -> anyhow::Result<usize> {
         var(k).map_or(Ok(d), |v| v.parse().map_err(|_| anyhow::anyhow!("{k}={v} is not a number")))
@@ -339,7 +343,6 @@ fn run_ps(
         cfg.ps.servers = n;
     }
     let me = kolo_train::ps_worker::PsWorker { worker, workers, coordinator, token };
-    let opts = kolo_train::RunOptions { stop_after, slow_rank, resume, ..Default::default() };
     let s = kolo_train::ps_worker::run_ps(&cfg, &me, &opts)?;
     if worker == 0 {
         let n = s.step_ms.len();

@@ -8,6 +8,8 @@
 //! prefixed with `[rank N]`. SIGINT/SIGTERM are forwarded. When a rank fails, the others get
 //! `grace` to notice and exit on their own (their communicators fail fast when a peer dies),
 //! then SIGTERM, then SIGKILL; the launcher exits non-zero with a summary of who failed and how.
+//! With [`LaunchConfig::keep_going`] (a parameter-server job, whose workers share no
+//! communicator and take over a dead worker's data shard) the others run on to their own end.
 //!
 //! Which rank failed *first* is not knowable from exit order alone: when a rank exits, its
 //! sockets close before its parent is told, so a survivor can notice, fail and be reaped first.
@@ -60,6 +62,10 @@ pub struct LaunchConfig {
     /// its one core with the compute thread (GPT step +2%); the collectives benchmark binds
     /// (run-to-run spread of a 2-rank all-reduce from 2x to 2%).
     pub bind: bool,
+    /// A failed rank does not stop the others: they run to their own end (a parameter-server
+    /// job's workers share no communicator, and a survivor takes over a dead worker's data
+    /// shard). The outcome still names the failure.
+    pub keep_going: bool,
 }
 
 impl Default for LaunchConfig {
@@ -75,6 +81,7 @@ impl Default for LaunchConfig {
             grace: Duration::from_secs(5),
             env: Vec::new(),
             bind: false,
+            keep_going: false,
         }
     }
 }
@@ -150,13 +157,6 @@ impl Outcome {
 
     pub fn summary(&self) -> String {
         let mut s = String::new();
-        let describe = |r: &RankReport| match &r.end {
-            RankEnd::Exited(0) => "exited normally".to_string(),
-            RankEnd::Exited(c) => format!("exited with status {c}"),
-            RankEnd::Signalled(sig) => format!("was killed by signal {sig} ({})", signal_name(*sig)),
-            RankEnd::Stopped => "was stopped by the launcher".to_string(),
-        };
-        let error_of = |r: &RankReport| r.error.as_ref().map(|e| format!(": {}", e.first_line())).unwrap_or_default();
         if let Some(f) = self.first_failure {
             let r = self.ranks.iter().find(|r| r.rank == f).expect("reported");
             let hung = if r.end == RankEnd::Stopped { " (the other ranks were waiting for it: hung?)" } else { "" };
@@ -164,17 +164,36 @@ impl Outcome {
                 "kolo launch: job failed: rank {} (pid {}) {} after {:.1}s{}{hung}\n",
                 r.rank,
                 r.pid,
-                describe(r),
+                r.describe(),
                 r.elapsed.as_secs_f64(),
-                error_of(r)
+                r.error_line()
             ));
         } else if let Some(sig) = self.interrupted_by {
             s.push_str(&format!("kolo launch: interrupted by signal {sig} ({}); stopped all ranks\n", signal_name(sig)));
         }
-        for r in &self.ranks {
-            s.push_str(&format!("  rank {:>3} pid {:>7}: {}{}\n", r.rank, r.pid, describe(r), error_of(r)));
+        s + &self.rank_lines()
+    }
+
+    /// One line per rank: how it ended, and the first line of its error.
+    pub fn rank_lines(&self) -> String {
+        self.ranks.iter().map(|r| format!("  rank {:>3} pid {:>7}: {}{}\n", r.rank, r.pid, r.describe(), r.error_line())).collect()
+    }
+}
+
+impl RankReport {
+    /// How the rank ended, in words.
+    pub fn describe(&self) -> String {
+        match &self.end {
+            RankEnd::Exited(0) => "exited normally".to_string(),
+            RankEnd::Exited(c) => format!("exited with status {c}"),
+            RankEnd::Signalled(sig) => format!("was killed by signal {sig} ({})", signal_name(*sig)),
+            RankEnd::Stopped => "was stopped by the launcher".to_string(),
         }
-        s
+    }
+
+    /// ": " and the first line of the error the rank recorded, if any.
+    fn error_line(&self) -> String {
+        self.error.as_ref().map(|e| format!(": {}", e.first_line())).unwrap_or_default()
     }
 }
 
@@ -516,7 +535,7 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
             done[i] = Some(RankReport { rank: *rank, pid: pids[i], end, elapsed: at.duration_since(*started), error });
             if failed {
                 failed_in_order.push(i);
-                if stop_at.is_none() && interrupted_by.is_none() {
+                if stop_at.is_none() && interrupted_by.is_none() && !cfg.keep_going {
                     stop_at = Some((Instant::now() + cfg.grace, libc::SIGTERM));
                 }
             }

@@ -119,6 +119,11 @@ impl Coordinator {
         self.shared.state.lock().unwrap_or_else(|p| p.into_inner()).membership()
     }
 
+    /// The dead workers whose data shard another worker took over, and by whom.
+    pub fn adopted(&self) -> BTreeMap<u32, u32> {
+        self.shared.state.lock().unwrap_or_else(|p| p.into_inner()).adopted.clone()
+    }
+
     /// Tells every server (at its next heartbeat) to exit.
     pub fn shutdown(&self) {
         let mut s = self.shared.state.lock().unwrap_or_else(|p| p.into_inner());

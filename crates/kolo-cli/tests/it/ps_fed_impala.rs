@@ -31,6 +31,43 @@ fn ps_run_trains_mnist_through_server_processes() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A worker process of a `kolo ps run` job fails at step 4 of 700 (`--kill-at 2:4`): the
+/// launcher lets the other workers run on (for longer than its 5 s grace after a failure), the coordinator declares the dead one lost after
+/// 0.8 s of silence, a survivor trains its data shard from its last step, and `kolo ps run`
+/// succeeds, naming the failure and who took the shard over. Under BSP the servers' final
+/// state (worker 0's checkpoint: the parameters and Adam's moments) is bitwise the
+/// uninterrupted job's. Before, the launcher stopped every worker when one failed, so no
+/// shard was ever taken over in a real job.
+#[test]
+fn a_ps_job_whose_worker_dies_trains_its_shard_on_a_survivor_to_the_same_bits() {
+    let dir = fresh_dir("ps-dead-worker");
+    let data = kolo_testkit::files::mnist_dir();
+    let job = |name: &str, extra: &[&str]| {
+        let cfg = dir.join(format!("{name}.toml"));
+        std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 16\n[optim]\nkind = \"adam\"\nlr = 0.01\n[train]\nsteps = 700\nlog_every = 100\nstrategy = \"ps\"\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 700\n[ps]\nconsistency = \"bsp\"\nchunk = 3000\nservers = 2\nreplication = 1\n", data.display(), dir.join(name).display())).unwrap();
+        let args = [&["ps", "run", "-n", "3", "--servers", "2", "--dead-after", "0.8", "--config", cfg.to_str().unwrap()], extra].concat();
+        let o = run(&args, &[("RAYON_NUM_THREADS", "1")]);
+        let t = text(&o);
+        assert!(o.status.success(), "{name}: {t}");
+        (t, model_and_state(&dir.join(name).join("step-00000700")))
+    };
+    let (_, clean) = job("clean", &[]);
+    let (t, dead) = job("dead", &["--", "--kill-at", "2:4"]);
+    assert!(t.contains("worker 2 died at step 4"), "{t}");
+    assert!(t.contains("kolo ps run: worker 2 exited with status 1; worker "), "{t}");
+    assert!(t.contains("trained its data shard to the end") && t.contains("every data shard was trained"), "{t}");
+    assert_eq!(clean.len(), dead.len());
+    for (k, v) in &clean {
+        assert!(v == &dead[k], "`{k}` differs from the uninterrupted job's by up to {}", kolo_testkit::max_abs_diff(v, &dead[k]));
+    }
+}
+
+/// Every tensor of a checkpoint (the model and the optimizer's state), by name.
+fn model_and_state(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let ck = kolo_checkpoint::sharded::load_any(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    ck.tensors.into_iter().map(|e| (e.name, e.data)).collect()
+}
+
 /// A `kolo ps serve` process killed with SIGKILL in the middle of a BSP run: its ranges fail
 /// over to their replicas, the workers route by the new membership and finish, and no
 /// acknowledged update is lost: the model is bit-identical to an uninterrupted run's (the same
