@@ -58,9 +58,7 @@ pub struct PsStrategy<'a> {
     /// checkpoint of `workers` replicas).
     meta: std::collections::BTreeMap<String, String>,
     /// Adoption of dead workers' shards, stopped and joined before the final pull.
-    done: Arc<AtomicBool>,
-    watcher: Option<JoinHandle<()>>,
-    adopted: Arc<Mutex<Vec<Adopted>>>,
+    adoption: Adoption,
     adopted_shards: Vec<usize>,
     /// The final parameters were pulled (every worker's last push applied, under BSP).
     settled: bool,
@@ -145,8 +143,12 @@ impl<'a> PsStrategy<'a> {
             say(&format!("warning: ps.replication = {} needs {} servers to keep that many copies; with {servers} server(s) each range has {servers} copy/copies until more servers join", pc.replication, pc.replication + 1));
         }
         let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
-        let (done, adopted): (Arc<AtomicBool>, Arc<Mutex<Vec<Adopted>>>) = Default::default();
-        let watcher = watch_for_the_dead(cfg, &spec, data.train.clone(), (&coordinator, &w.token), (rank, world), end, (&done, &adopted))?;
+        let take_over: TakeOver = {
+            let (cfg, spec, train, coordinator, token) =
+                (cfg.clone(), spec.clone(), data.train.clone(), coordinator.clone(), w.token.clone());
+            Arc::new(move |dead| adopt_shard(&cfg, &spec, train.clone(), &coordinator, &token, dead, world, end))
+        };
+        let adoption = Adoption::start(&coordinator, &w.token, (rank, world), take_over)?;
         let s = PsStrategy {
             cfg,
             alone: Box::new(LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0)),
@@ -158,9 +160,7 @@ impl<'a> PsStrategy<'a> {
             token: w.token.clone(),
             die_at: opts.die_at.filter(|d| d.0 == rank).map(|d| d.1),
             end,
-            done,
-            watcher: Some(watcher),
-            adopted,
+            adoption,
             adopted_shards: Vec::new(),
             settled: false,
             lag_seen: (Vec::new(), Vec::new()),
@@ -176,15 +176,7 @@ impl<'a> PsStrategy<'a> {
         if self.settled {
             return Ok(());
         }
-        self.done.store(true, Ordering::SeqCst);
-        if let Some(h) = self.watcher.take() {
-            let _ = h.join();
-        }
-        let rank = self.me.0;
-        for (shard, h) in self.adopted.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
-            h.join().map_err(|_| TrainError::Other(format!("worker {rank}: the thread training worker {shard}'s shard panicked")))??;
-            self.adopted_shards.push(shard);
-        }
+        self.adopted_shards = self.adoption.finish(self.me.0)?;
         let clock = self.w.x.final_clock(self.end);
         self.w.x.client.pull(clock, &mut self.w.x.flat)?;
         self.w.model.params().load(&self.w.x.flat)?;
@@ -195,12 +187,6 @@ impl<'a> PsStrategy<'a> {
     /// Whether the run's steps are all done (evaluation then reads the final parameters).
     fn at_end(&self, steps_done: u64) -> bool {
         steps_done >= self.end
-    }
-}
-
-impl Drop for PsStrategy<'_> {
-    fn drop(&mut self) {
-        self.done.store(true, Ordering::SeqCst);
     }
 }
 
@@ -322,45 +308,70 @@ impl Strategy for PsStrategy<'_> {
     }
 }
 
-/// A dead worker's shard being trained on another thread of this worker.
-type Adopted = (usize, JoinHandle<Result<u64, TrainError>>);
+/// What a worker does with a dead worker's shard it was granted: trains it to the end (on a
+/// thread of its own).
+pub type TakeOver = Arc<dyn Fn(usize) -> Result<(), TrainError> + Send + Sync>;
 
-/// Adoption: a thread that asks the coordinator for dead workers and takes over the data shard
-/// of each one it is granted, until `done`.
-#[allow(clippy::too_many_arguments)]
-fn watch_for_the_dead(
-    cfg: &Config,
-    spec: &ModelSpec,
-    train: Arc<dyn Dataset>,
-    (coordinator, token): (&str, &JobToken),
-    (rank, world): (usize, usize),
-    end: u64,
-    (done, adopted): (&Arc<AtomicBool>, &Arc<Mutex<Vec<Adopted>>>),
-) -> Result<JoinHandle<()>, TrainError> {
-    let (done, adopted, cfg, spec, coordinator, token) =
-        (done.clone(), adopted.clone(), cfg.clone(), spec.clone(), coordinator.to_string(), token.clone());
-    std::thread::Builder::new()
-        .name("kolo-ps-adopt".into())
-        .spawn(move || {
-            while !done.load(Ordering::SeqCst) {
-                std::thread::sleep(Duration::from_millis(200));
-                let Ok(m) = kolo_ps::coord::membership(&coordinator, &token, Duration::from_secs(5)) else { continue };
-                for dead in m.dead_workers {
-                    if dead as usize >= world || dead as usize == rank || done.load(Ordering::SeqCst) {
-                        continue;
-                    }
-                    if let Ok(true) = kolo_ps::coord::adopt(&coordinator, &token, dead, rank as u32, Duration::from_secs(5)) {
-                        kolo_base::eline!("worker {rank}: worker {dead} is dead; training its data shard from its last step");
-                        let (cfg, spec, train, coordinator, token) =
-                            (cfg.clone(), spec.clone(), train.clone(), coordinator.clone(), token.clone());
-                        let h =
-                            std::thread::spawn(move || adopt_shard(&cfg, &spec, train, &coordinator, &token, dead as usize, world, end));
-                        adopted.lock().unwrap_or_else(|p| p.into_inner()).push((dead as usize, h));
+/// Adoption of dead workers' data shards (`kolo train`'s workers and `kolo::PsWorker`): a
+/// thread asks the coordinator for dead workers every 200 ms and, for each one the coordinator
+/// grants this worker, runs [`TakeOver`] on a new thread, until [`Adoption::finish`].
+pub struct Adoption {
+    done: Arc<AtomicBool>,
+    watcher: Option<JoinHandle<()>>,
+    taken: Arc<Mutex<Vec<Taken>>>,
+}
+
+/// A dead worker's shard being trained on a thread of this worker.
+type Taken = (usize, JoinHandle<Result<(), TrainError>>);
+
+impl Adoption {
+    /// Starts watching for dead workers of the `world` workers on behalf of worker `rank`.
+    pub fn start(coordinator: &str, token: &JobToken, (rank, world): (usize, usize), take_over: TakeOver) -> Result<Adoption, TrainError> {
+        let (done, taken): (Arc<AtomicBool>, Arc<Mutex<Vec<_>>>) = Default::default();
+        let (stop, list, coordinator, token) = (done.clone(), taken.clone(), coordinator.to_string(), token.clone());
+        let watcher = std::thread::Builder::new()
+            .name("kolo-ps-adopt".into())
+            .spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(200));
+                    let Ok(m) = kolo_ps::coord::membership(&coordinator, &token, Duration::from_secs(5)) else { continue };
+                    for dead in m.dead_workers.into_iter().map(|d| d as usize) {
+                        if dead >= world || dead == rank || stop.load(Ordering::SeqCst) {
+                            continue;
+                        }
+                        if let Ok(true) = kolo_ps::coord::adopt(&coordinator, &token, dead as u32, rank as u32, Duration::from_secs(5)) {
+                            kolo_base::eline!("worker {rank}: worker {dead} is dead; training its data shard from its last step");
+                            let f = take_over.clone();
+                            let h = std::thread::spawn(move || f(dead));
+                            list.lock().unwrap_or_else(|p| p.into_inner()).push((dead, h));
+                        }
                     }
                 }
-            }
-        })
-        .map_err(|e| TrainError::Other(e.to_string()))
+            })
+            .map_err(|e| TrainError::Other(e.to_string()))?;
+        Ok(Adoption { done, watcher: Some(watcher), taken })
+    }
+
+    /// Stops watching and waits for every shard taken over to be trained to the end. Returns
+    /// their workers; the first that failed is the error.
+    pub fn finish(&mut self, rank: usize) -> Result<Vec<usize>, TrainError> {
+        self.done.store(true, Ordering::SeqCst);
+        if let Some(h) = self.watcher.take() {
+            let _ = h.join();
+        }
+        let mut shards = Vec::new();
+        for (shard, h) in self.taken.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            h.join().map_err(|_| TrainError::Other(format!("worker {rank}: the thread training worker {shard}'s shard panicked")))??;
+            shards.push(shard);
+        }
+        Ok(shards)
+    }
+}
+
+impl Drop for Adoption {
+    fn drop(&mut self) {
+        self.done.store(true, Ordering::SeqCst);
+    }
 }
 
 /// A worker's side of a step of a parameter-server job, for `kolo train`'s workers and the
@@ -442,6 +453,15 @@ impl Exchange {
 
     /// The clock of the final pull after `end` steps: every worker's last push under BSP, this
     /// worker's pushes under async.
+    /// A dead worker's shard taken over: continues from its clock, the slowest clock the servers
+    /// report (a dead worker is the slowest). Returns the step to start at (at most `end`).
+    pub fn take_over(&mut self, end: u64) -> Result<u64, TrainError> {
+        let clock = self.client.pull(0, &mut vec![0f32; self.flat.len()])?;
+        let start = (if self.is_async { clock * self.push_every } else { clock }).min(end);
+        self.pushes = if self.is_async { start / self.push_every } else { start };
+        Ok(start)
+    }
+
     pub fn final_clock(&self, end: u64) -> u64 {
         if self.is_async {
             self.pushes
@@ -623,13 +643,9 @@ fn adopt_shard(
     shard: usize,
     workers: usize,
     end: u64,
-) -> Result<u64, TrainError> {
+) -> Result<(), TrainError> {
     let mut w = Worker::connect(cfg, spec, coordinator, token, shard, workers)?;
-    // The dead worker is the slowest: its clock is the slowest clock the servers report.
-    let clock = w.x.client.pull(0, &mut vec![0f32; w.x.flat.len()])?;
-    let is_async = cfg.ps.consistency == PsConsistency::Async;
-    let start = (if is_async { clock * cfg.ps.push_every } else { clock }).min(end);
-    w.x.pushes = if is_async { start / cfg.ps.push_every } else { start };
+    let start = w.x.take_over(end)?;
     let tc = &cfg.train;
     let batches = replica_batches(&cfg.data, tc.seed, train, shard, workers, start * tc.grad_accum)?;
     let global_batch = crate::config::global_batch(cfg.data.batch_size, workers, tc.grad_accum);
@@ -639,7 +655,7 @@ fn adopt_shard(
         w.step(cfg, &StepCtx { step, lr, drain_at: end }, &mut next)?;
     }
     let _ = kolo_ps::coord::worker_done(coordinator, token, shard as u32, Duration::from_secs(5));
-    Ok(w.x.pushes)
+    Ok(())
 }
 
 /// Another worker group on the same servers: every `every`, pull the current parameters (no

@@ -41,6 +41,10 @@ pub struct PsJoin {
     pub token: JobToken,
     /// The servers the job starts (`ps.servers` otherwise): a worker waits for them to join.
     pub servers: Option<u32>,
+    /// This process trains the shard of dead worker `worker`, taken over by a survivor
+    /// ([`PsWorker::take_over_dead_workers`]): it starts from that worker's clock, does not
+    /// seed the servers and reports nothing.
+    pub taken_over: bool,
 }
 
 impl PsJoin {
@@ -59,7 +63,7 @@ impl PsJoin {
         let servers = var("KOLO_PS_SERVERS")
             .map(|v| v.parse().map_err(|_| Error::Join(format!("KOLO_PS_SERVERS={v} is not a number"))))
             .transpose()?;
-        Ok(PsJoin { worker: num("RANK", 0)?, workers: num("WORLD_SIZE", 1)?, coordinator, token, servers })
+        Ok(PsJoin { worker: num("RANK", 0)?, workers: num("WORLD_SIZE", 1)?, coordinator, token, servers, taken_over: false })
     }
 }
 
@@ -72,7 +76,9 @@ impl PsJoin {
 /// `checkpoint_every`, or [`PsWorker::save`]) are `kolo train`'s for parameter servers: worker
 /// 0 writes the servers' parameters and optimizer state as a data-parallel checkpoint with
 /// every worker's clock; [`PsWorker::resume`] puts them on fresh servers, and the library's
-/// `Trainer` (or `kolo train`) continues them too.
+/// `Trainer` (or `kolo train`) continues them too. A worker that dies is declared dead by the
+/// coordinator; with [`PsWorker::take_over_dead_workers`] a survivor trains its data shard to
+/// the end (under BSP the job ends bitwise where it would have).
 pub struct PsWorker {
     /// The pull, the pushes and their buffers (`kolo train`'s workers' own).
     x: Exchange,
@@ -99,6 +105,8 @@ pub struct PsWorker {
     /// The workers share no communicator: each one's log windows are its own.
     alone: Box<dyn Communicator>,
     finished: bool,
+    /// The watch for dead workers whose shards this worker trains, joined by [`PsWorker::finish`].
+    adoption: Option<kolo_train::ps_worker::Adoption>,
 }
 
 impl PsWorker {
@@ -133,14 +141,20 @@ impl PsWorker {
         let numel = params.numel();
         let me_pair = (me.worker, me.workers);
         let mut client = kolo_train::ps_worker::connect(&opts.ps, opts.optim.spec(), &me.coordinator, &me.token, numel, me_pair)?;
-        if me.worker == 0 {
+        if me.worker == 0 && !me.taken_over {
             client.init(&params.to_flat()?)?;
         }
-        let cadence = Cadence::new(reporter(&opts, me.worker, me.workers, 0)?);
+        let mut x = Exchange::new(client, &opts.ps, numel);
+        // A dead worker's shard goes on from its clock, silently (the survivor's reports are its own).
+        let steps = if me.taken_over { x.take_over(opts.train.steps)? } else { 0 };
+        let cadence = Cadence::new(match me.taken_over {
+            true => silent_reporter(&opts, me.worker, me.workers, steps)?,
+            false => reporter(&opts, me.worker, me.workers, 0)?,
+        });
         let meta = checkpoint_meta(&params.signature(), &opts, me.workers, 0, compute);
         let alone = Box::new(LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0));
         Ok(PsWorker {
-            x: Exchange::new(client, &opts.ps, numel),
+            x,
             params,
             ids,
             model_vars,
@@ -150,7 +164,7 @@ impl PsWorker {
             token: me.token,
             micro_grad: vec![0f32; numel],
             micro: 0,
-            steps: 0,
+            steps,
             step_loss: 0.0,
             step_start: None,
             waited: Duration::ZERO,
@@ -159,8 +173,44 @@ impl PsWorker {
             data_pos: Position::default(),
             alone,
             finished: false,
+            adoption: None,
             opts,
         })
+    }
+
+    /// Trains the data shard of every worker that dies from now on and that the coordinator
+    /// grants this worker (one survivor per dead worker), each on a thread of its own, from the
+    /// dead worker's clock to `train.steps`: `train` gets the dead worker's [`PsJoin`] (its
+    /// `worker`, `taken_over` set) and trains it as this program trains its own worker: builds
+    /// the model, [`PsWorker::connect`]s with that join, steps until
+    /// [`PsWorker::steps_done`] reaches `train.steps` on [`PsWorker::sampler`]'s batches, and
+    /// calls [`PsWorker::finish`]. Its model must be a model of its own (a second `VarMap`):
+    /// the pulls write into it. [`PsWorker::finish`] on this worker waits for those threads.
+    /// Under `kolo ps run` the other workers run on when one dies, and the job succeeds once
+    /// every dead worker's shard was trained.
+    pub fn take_over_dead_workers<F, E>(&mut self, train: F) -> Result<()>
+    where
+        F: Fn(PsJoin) -> std::result::Result<(), E> + Send + Sync + 'static,
+        E: std::fmt::Display,
+    {
+        if self.adoption.is_some() {
+            return Err(Error::usage(self.me.0, "PsWorker::take_over_dead_workers", "this worker already takes over dead workers' shards"));
+        }
+        let (rank, workers) = self.me;
+        let join = PsJoin {
+            worker: rank,
+            workers,
+            coordinator: self.coordinator.clone(),
+            token: self.token.clone(),
+            servers: Some(self.opts.ps.servers),
+            taken_over: true,
+        };
+        let take_over: kolo_train::ps_worker::TakeOver = std::sync::Arc::new(move |dead| {
+            train(PsJoin { worker: dead, ..join.clone() })
+                .map_err(|e| kolo_train::TrainError::Other(format!("worker {rank}, training dead worker {dead}'s shard: {e}")))
+        });
+        self.adoption = Some(kolo_train::ps_worker::Adoption::start(&self.coordinator, &self.token, self.me, take_over)?);
+        Ok(())
     }
 
     /// This worker's sampler of `len` examples: its shard, as [`crate::Trainer::sampler`] deals
@@ -314,6 +364,12 @@ impl PsWorker {
     /// worker's last push applied; async: what the servers hold now) and tells the coordinator
     /// this worker is done. Returns them, flat.
     pub fn finish(&mut self) -> Result<Vec<f32>> {
+        if let Some(mut a) = self.adoption.take() {
+            let shards = a.finish(self.me.0)?;
+            if !shards.is_empty() {
+                kolo_base::eline!("worker {}: also trained the shard(s) of dead worker(s) {shards:?}", self.me.0);
+            }
+        }
         let clock = self.x.final_clock(self.steps);
         self.x.client.pull(clock, &mut self.x.flat)?;
         self.params.load(&self.x.flat)?;
@@ -324,4 +380,12 @@ impl PsWorker {
         }
         Ok(self.x.flat.clone())
     }
+}
+
+/// The report of a shard taken over: its windows kept for the checkpoints' cadence, nothing
+/// printed or written (the dead worker's log files are its own).
+fn silent_reporter(o: &TrainOptions, worker: usize, workers: usize, start: u64) -> Result<kolo_train::report::Reporter> {
+    let tc = kolo_train::config::TrainConfig { json_log: None, tensorboard_dir: None, timeline_dir: None, ..o.train.clone() };
+    let global = kolo_train::config::global_batch(o.data.batch_size, workers, o.train.grad_accum);
+    Ok(kolo_train::report::Reporter::for_train(&tc, o.data.tokens_per_example.max(1), worker, true, global, start)?)
 }

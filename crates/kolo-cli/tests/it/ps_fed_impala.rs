@@ -32,9 +32,9 @@ fn ps_run_trains_mnist_through_server_processes() {
 }
 
 /// A worker process of a `kolo ps run` job fails at step 4 of 700 (`--kill-at 2:4`): the
-/// launcher lets the other workers run on (for longer than its 5 s grace after a failure), the coordinator declares the dead one lost after
-/// 0.8 s of silence, a survivor trains its data shard from its last step, and `kolo ps run`
-/// succeeds, naming the failure and who took the shard over. Under BSP the servers' final
+/// launcher lets the other workers run on (for longer than its 5 s grace after a failure),
+/// the coordinator declares the dead one lost after 1.5 s of silence, a survivor trains its
+/// data shard from its last step, and `kolo ps run` succeeds, naming the failure and who took the shard over. Under BSP the servers' final
 /// state (worker 0's checkpoint: the parameters and Adam's moments) is bitwise the
 /// uninterrupted job's. Before, the launcher stopped every worker when one failed, so no
 /// shard was ever taken over in a real job.
@@ -45,7 +45,7 @@ fn a_ps_job_whose_worker_dies_trains_its_shard_on_a_survivor_to_the_same_bits() 
     let job = |name: &str, extra: &[&str]| {
         let cfg = dir.join(format!("{name}.toml"));
         std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 16\n[optim]\nkind = \"adam\"\nlr = 0.01\n[train]\nsteps = 700\nlog_every = 100\nstrategy = \"ps\"\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 700\n[ps]\nconsistency = \"bsp\"\nchunk = 3000\nservers = 2\nreplication = 1\n", data.display(), dir.join(name).display())).unwrap();
-        let args = [&["ps", "run", "-n", "3", "--servers", "2", "--dead-after", "0.8", "--config", cfg.to_str().unwrap()], extra].concat();
+        let args = [&["ps", "run", "-n", "3", "--servers", "2", "--dead-after", "1.5", "--config", cfg.to_str().unwrap()], extra].concat();
         let o = run(&args, &[("RAYON_NUM_THREADS", "1")]);
         let t = text(&o);
         assert!(o.status.success(), "{name}: {t}");

@@ -741,14 +741,46 @@ fn a_users_model_trains_through_parameter_servers_as_under_ddp() {
     }
 }
 
+/// A user's parameter-server job whose worker 0 fails at step 4 of 60 (`user_ps --fail-at 0:4`;
+/// 3 workers, BSP, SGD on the servers): the coordinator declares it dead after 1.5 s, a
+/// survivor's `take_over_dead_workers` trains its shard from its clock on a second
+/// model of its own (without seeding the servers again), that thread, as worker 0, writes the
+/// final model, and `kolo ps run` succeeds. The model is bitwise the uninterrupted job's.
+#[test]
+fn a_users_ps_job_whose_worker_dies_ends_where_the_uninterrupted_one_does() {
+    let dir = fresh_dir("user-ps-dead");
+    let data = kolo_testkit::files::mnist_dir();
+    let common = format!("--steps 60 --batch 12 --hidden 32 --optim sgd --lr 0.1 --data {}", data.display());
+    let (clean, dead) = (dir.join("clean.safetensors"), dir.join("dead.safetensors"));
+    ps_job_of(3, "1.5", &format!("{common} --out {}", clean.display()));
+    let t = ps_job_of(3, "1.5", &format!("{common} --fail-at 0:4 --out {}", dead.display()));
+    assert!(t.contains("worker 0 fails at step 4") && t.contains("also trained the shard(s) of dead worker(s) [0]"), "{t}");
+    assert!(t.contains("every data shard was trained"), "{t}");
+    let load = |p: &std::path::Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
+    let (a, b) = (load(&clean), load(&dead));
+    assert_eq!(a.len(), b.len());
+    for (name, t) in &a {
+        let (x, y): (Vec<f32>, Vec<f32>) = (t.flatten_all().unwrap().to_vec1().unwrap(), b[name].flatten_all().unwrap().to_vec1().unwrap());
+        assert!(x == y, "`{name}` differs from the uninterrupted job's by up to {}", max_diff(&x, &y));
+    }
+}
+
 /// Runs a parameter-server job of the `user_ps` example with `args`: `kolo ps run --exec`, one
 /// server and 2 workers.
 fn ps_job(args: &str) {
+    ps_job_of(2, "10", args);
+}
+
+/// [`ps_job`] with `workers` workers, dead after `dead_after` seconds of silence. Returns its
+/// output.
+fn ps_job_of(workers: usize, dead_after: &str, args: &str) -> String {
     let me = std::env::current_exe().unwrap();
-    let argv = ["ps", "run", "-n", "2", "--servers", "1", "--exec", "--", me.to_str().unwrap()];
+    let n = workers.to_string();
+    let argv = ["ps", "run", "-n", &n, "--servers", "1", "--dead-after", dead_after, "--exec", "--", me.to_str().unwrap()];
     let rank = ["user_model::launched_rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"];
     let o = run(&[&argv[..], &rank[..]].concat(), &[("KOLO_EXAMPLE_ARGS", args), ("KOLO_EXAMPLE", "user_ps")]);
     assert!(o.status.success(), "kolo ps run --exec, {args}: {}", text(&o));
+    text(&o)
 }
 
 /// A user's model's parameter-server checkpoints (`kolo::PsWorker`): a BSP job with Adam on the

@@ -967,6 +967,7 @@ fn parameter_server_settings_name_the_worker_and_its_limits() {
             coordinator: "127.0.0.1:9".into(),
             token: kolo_rendezvous::JobToken::generate(),
             servers: None,
+            taken_over: false,
         };
         for (opts, want) in [
             (TrainOptions::new(), "train.strategy"),
