@@ -3,7 +3,9 @@
 //! Understood, in this order: Kolo's own launcher and torchrun (`RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), Slurm (`SLURM_PROCID`,
 //! `SLURM_NTASKS`, `SLURM_LOCALID`, …) and Open MPI (`OMPI_COMM_WORLD_*`). The job token comes
-//! from `KOLO_JOB_TOKEN` (hex) or the file named by `KOLO_JOB_TOKEN_FILE`.
+//! from `KOLO_JOB_TOKEN` (hex) or the file named by `KOLO_JOB_TOKEN_FILE`; an elastic job's
+//! round from `KOLO_RESTART_COUNT` (`kolo launch --min-nodes`) or `TORCHELASTIC_RESTART_COUNT`
+//! (torchrun).
 
 use crate::JobToken;
 use std::collections::HashMap;
@@ -40,6 +42,8 @@ pub struct LaunchEnv {
     pub master_port: u16,
     pub token: Option<JobToken>,
     pub source: EnvSource,
+    /// How many times an elastic launcher restarted the job (0: the first start).
+    pub restart_count: usize,
 }
 
 impl LaunchEnv {
@@ -129,5 +133,6 @@ where
         }
         (None, None) => None,
     };
-    Ok(Some(LaunchEnv { rank, world_size, local_rank, local_world_size, master_addr, master_port, token, source }))
+    let restart_count = num(&vars, "KOLO_RESTART_COUNT")?.or(num(&vars, "TORCHELASTIC_RESTART_COUNT")?).unwrap_or(0);
+    Ok(Some(LaunchEnv { rank, world_size, local_rank, local_world_size, master_addr, master_port, token, source, restart_count }))
 }

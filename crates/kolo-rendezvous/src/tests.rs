@@ -127,6 +127,17 @@ fn env_discovery_torchrun_slurm_mpi() {
     assert!(multi.unwrap_err().contains("MASTER_ADDR"));
 }
 
+/// An elastic job's round: `kolo launch --min-nodes`'s variable, else torchrun's; 0 without.
+#[test]
+fn the_restart_count_comes_from_kolos_launcher_or_torchrun() {
+    let with = |extra: &[(&'static str, &'static str)]| discover([&[("RANK", "0"), ("WORLD_SIZE", "2")][..], extra].concat());
+    assert_eq!(with(&[]).unwrap().unwrap().restart_count, 0);
+    assert_eq!(with(&[("KOLO_RESTART_COUNT", "2")]).unwrap().unwrap().restart_count, 2);
+    assert_eq!(with(&[("TORCHELASTIC_RESTART_COUNT", "3")]).unwrap().unwrap().restart_count, 3);
+    assert_eq!(with(&[("KOLO_RESTART_COUNT", "1"), ("TORCHELASTIC_RESTART_COUNT", "3")]).unwrap().unwrap().restart_count, 1);
+    assert!(with(&[("KOLO_RESTART_COUNT", "-1")]).unwrap_err().contains("KOLO_RESTART_COUNT"));
+}
+
 #[test]
 fn token_hex_round_trip_and_redacted_debug() {
     let t = JobToken::generate();

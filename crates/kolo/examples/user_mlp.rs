@@ -9,7 +9,10 @@
 //! --device cpu|cuda|cuda:N (cuda: a `--features cuda` build; `cuda` is each rank's own GPU),
 //! --eval-every N (0: the test set after the last step only), --data DIR (test-data/mnist),
 //! --comm-schedule CHUNK,CREDIT (scheduled communication, e.g. 256KiB,1MiB: each parameter
-//! updated as soon as its gradient is reduced, under the next forward), --out DIR (checkpoints/user_mlp).
+//! updated as soon as its gradient is reduced, under the next forward), --out DIR (checkpoints/user_mlp),
+//! --checkpoints DIR and --every N (a checkpoint every N steps; a job an elastic launcher restarted,
+//! `kolo launch --min-nodes`, continues from the newest), --resume DIR, --fail-at R:N (rank R
+//! fails at step N of the first start, as a crash would).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Linear, Module, VarBuilder, VarMap};
@@ -106,13 +109,29 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
         "lion" => opts.lr(lr).update_rule(Lion { beta1: 0.9, beta2: 0.99 }),
         kind => opts.optimizer(kind.parse().map_err(anyhow::Error::msg)?, lr),
     };
+    if let Some(dir) = args.iter().skip_while(|a| *a != "--checkpoints").nth(1) {
+        opts = opts.checkpoints(dir.clone(), arg("--every", "100").parse()?);
+    }
     let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
+    if let Some(dir) = args.iter().skip_while(|a| *a != "--resume").nth(1) {
+        trainer.resume(dir)?;
+    } else if dist.restart_count() > 0 {
+        // Restarted on the survivors of a failure: from the newest checkpoint, resharded.
+        if let (Some(step), true) = (trainer.resume_newest()?, dist.is_main()) {
+            println!("restart {} on {} ranks: resumed from step {step}", dist.restart_count(), dist.world_size());
+        }
+    }
+    let fail_at = args.iter().skip_while(|a| *a != "--fail-at").nth(1).and_then(|v| v.split_once(':'));
+    let fail_at: Option<(usize, u64)> = fail_at.map(|(r, n)| Ok::<_, anyhow::Error>((r.parse()?, n.parse()?))).transpose()?;
     let data = arg("--data", "test-data/mnist");
     let (train, test) = (Mnist::load(data.as_ref(), "train")?, Mnist::load(data.as_ref(), "t10k")?);
     // Each rank its share of the images, reshuffled every epoch from `train.seed`.
     let mut sampler = trainer.sampler(train.len())?;
     let mut eval = None;
-    for _ in 0..steps {
+    while trainer.steps_done() < steps {
+        if dist.restart_count() == 0 && fail_at == Some((dist.rank(), trainer.steps_done())) {
+            anyhow::bail!("rank {} fails at step {} (--fail-at)", dist.rank(), trainer.steps_done());
+        }
         let (x, y) = tensors(&train, &sampler.next_batch(), &dist, dtype)?;
         // The loss in f32 (as torch's autocast does); logs every 50 steps: loss, samples/s, ms/step.
         trainer.step(|| cross_entropy(&model.forward(&x)?.to_dtype(DType::F32)?, &y))?;

@@ -53,6 +53,8 @@ pub struct Dist {
     host: Option<Arc<HostComm>>,
     local_rank: usize,
     local_world_size: usize,
+    /// How many times an elastic launcher restarted the job.
+    restart_count: usize,
     /// The deadline of every collective and the heartbeat liveness the communicator was
     /// started with (`None`: made elsewhere, as the crate's in-process test groups).
     pub(crate) deadlines: Option<Deadlines>,
@@ -94,11 +96,18 @@ impl Dist {
     /// A rank of an in-process group (threads as ranks), for the crate's tests.
     pub(crate) fn of_comm(comm: Arc<dyn Communicator>) -> Dist {
         let (local_rank, local_world_size) = (comm.rank().get(), comm.world_size().get());
-        Dist { comm, host: None, local_rank, local_world_size, deadlines: None }
+        Dist { comm, host: None, local_rank, local_world_size, restart_count: 0, deadlines: None }
     }
 }
 
 impl Dist {
+    /// How many times an elastic launcher has restarted the job (`kolo launch --min-nodes`, or
+    /// torchrun's): 0 at the first start. A restarted job continues from its checkpoints
+    /// ([`crate::Trainer::resume_newest`]), as `kolo train` does.
+    pub fn restart_count(&self) -> usize {
+        self.restart_count
+    }
+
     /// This process's rank, 0-based.
     pub fn rank(&self) -> usize {
         self.comm.rank().get()
@@ -212,24 +221,26 @@ pub fn init() -> Result<Dist> {
 pub fn init_with(o: &InitOptions) -> Result<Dist> {
     let timeout = o.comm.timeout;
     let deadlines = Some(Deadlines::of(&o.comm));
+    let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| Error::Join(e.to_string()))?;
+    let restart_count = env.as_ref().map_or(0, |e| e.restart_count);
     let mpi = match o.backend {
         Backend::Mpi => true,
         Backend::Builtin => false,
         Backend::Nccl => {
             let b = join_builtin(o.comm.clone())?;
             let comm = kolo_nccl::connect(&*b.comm, kolo_nccl::default_device(), timeout)?;
-            return Ok(Dist { comm, host: None, local_rank: b.local_rank, local_world_size: b.local_world_size, deadlines });
+            return Ok(Dist { comm, host: None, local_rank: b.local_rank, local_world_size: b.local_world_size, restart_count, deadlines });
         }
         Backend::Auto => kolo_mpi::AVAILABLE && kolo_mpi::launched_by_mpi(),
     };
     if mpi {
         let comm = kolo_mpi::world(timeout)?;
-        let env = kolo_rendezvous::discover(std::env::vars()).map_err(|e| Error::Join(e.to_string()))?;
         let (local_rank, local_world_size) = env.map_or((0, 1), |e| (e.local_rank, e.local_world_size));
-        return Ok(Dist { comm, host: None, local_rank, local_world_size, deadlines });
+        return Ok(Dist { comm, host: None, local_rank, local_world_size, restart_count, deadlines });
     }
     let b = join_builtin(o.comm.clone())?;
-    Ok(Dist { comm: b.comm.clone(), host: Some(b.comm), local_rank: b.local_rank, local_world_size: b.local_world_size, deadlines })
+    let (comm, host) = (b.comm.clone(), Some(b.comm));
+    Ok(Dist { comm, host, local_rank: b.local_rank, local_world_size: b.local_world_size, restart_count, deadlines })
 }
 
 /// Joins over the built-in transport.

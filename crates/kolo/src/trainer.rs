@@ -1172,6 +1172,20 @@ impl Trainer {
         Ok(kolo_train::checkpointing::restore_compression_of(&self.e.ddp, r, &owner, other.as_deref(), world)?)
     }
 
+    /// Continues from the newest complete checkpoint under `train.checkpoint_dir`, as
+    /// [`Trainer::resume`] at whatever world size the job now has; `None` (nothing changed)
+    /// when there is no such directory or no complete checkpoint in it. This is what a job
+    /// restarted by an elastic launcher does ([`crate::Dist::restart_count`] above 0: `kolo
+    /// launch --min-nodes` started the survivors again), as `kolo train` does: at most the
+    /// steps since the last checkpoint are lost. Call it on every rank before the first step.
+    pub fn resume_newest(&mut self) -> Result<Option<u64>> {
+        let Some(dir) = self.opts.train.checkpoint_dir.clone() else { return Ok(None) };
+        match kolo_train::checkpointing::newest_checkpoint(Path::new(&dir)) {
+            Some(p) => self.resume(p).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// Loads a checkpoint written by [`Trainer::save`] (a `step-*` directory, or the directory
     /// holding them: the newest complete one is taken) at any world size or ZeRO stage, and
     /// continues from its step. Every rank reads the same files. Returns the step.

@@ -42,21 +42,45 @@ fn launched_rank() {
 
 /// Runs `launched_rank` as `n` processes under `kolo launch`, playing `example` with `args`.
 pub(crate) fn launch(n: usize, example: &str, args: &str) -> std::process::Output {
+    launch_with(&["-n", &n.to_string()], example, args)
+}
+
+/// [`launch`] with the launcher's arguments `launcher` (`-n N` and any others).
+fn launch_with(launcher: &[&str], example: &str, args: &str) -> std::process::Output {
     let me = std::env::current_exe().unwrap();
-    let n = n.to_string();
     let argv = [
-        "launch",
-        "-n",
-        &n,
-        "--",
-        me.to_str().unwrap(),
-        "user_model::launched_rank",
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ];
+        &["launch"][..],
+        launcher,
+        &["--", me.to_str().unwrap(), "user_model::launched_rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"][..],
+    ]
+    .concat();
     run(&argv, &[("KOLO_EXAMPLE_ARGS", args), ("KOLO_EXAMPLE", example)])
+}
+
+/// Elastic training of a user's model (`kolo launch --min-nodes`, torchrun's elastic mode):
+/// rank 2 of 3 fails at step 7 of 12 (`user_mlp --fail-at 2:7`, a checkpoint every 5 steps);
+/// the launcher starts the job again on the 2 survivors, which see `Dist::restart_count() == 1`
+/// and continue from the newest checkpoint (`Trainer::resume_newest`: step 5, resharded from 3
+/// replicas to 2). Their final model is bitwise that of 2 ranks resuming the step-5 checkpoint
+/// by hand, so the restart lost the steps since that checkpoint and nothing else.
+#[test]
+fn a_users_elastic_job_goes_on_from_its_newest_checkpoint_after_a_rank_fails() {
+    let dir = fresh_dir("user-elastic");
+    let common = format!("--steps 12 --batch 12 --hidden 32 --optim adamw --data {}", kolo_testkit::files::mnist_dir().display());
+    let (ck, out, by_hand) = (dir.join("ck"), dir.join("out"), dir.join("by-hand"));
+    let args = format!("{common} --checkpoints {} --every 5 --fail-at 2:7 --out {}", ck.display(), out.display());
+    let o = launch_with(&["-n", "3", "--min-nodes", "2", "--restart-backoff", "0.2"], "user_mlp", &args);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("rank 2 fails at step 7") && t.contains("rank(s) [2] lost; restarting on 2 ranks (round 1)"), "{t}");
+    assert!(t.contains("restart 1 on 2 ranks: resumed from step 5"), "{t}");
+    let o = launch(2, "user_mlp", &format!("{common} --resume {} --out {}", ck.join("step-00000005").display(), by_hand.display()));
+    assert!(o.status.success(), "{}", text(&o));
+    let (a, b) = (model_tensors(&out.join("step-00000012")), model_tensors(&by_hand.join("step-00000012")));
+    assert_eq!(a.len(), 6, "{:?}", a.keys().collect::<Vec<_>>());
+    for (k, v) in &a {
+        assert!(v == &b[k], "`{k}`: the restarted job and the resumed one differ by up to {}", max_diff(v, &b[k]));
+    }
 }
 
 /// Runs the example on `n` launched processes; returns the checkpoint's model tensors.
