@@ -176,9 +176,7 @@ impl<'a> PsStrategy<'a> {
         if self.settled {
             return Ok(());
         }
-        self.adopted_shards = self.adoption.finish(self.me.0)?;
-        let clock = self.w.x.final_clock(self.end);
-        self.w.x.client.pull(clock, &mut self.w.x.flat)?;
+        self.adopted_shards = self.adoption.final_pull(&mut self.w.x, self.end, self.me.0)?;
         self.w.model.params().load(&self.w.x.flat)?;
         self.settled = true;
         Ok(())
@@ -350,6 +348,19 @@ impl Adoption {
             })
             .map_err(|e| TrainError::Other(e.to_string()))?;
         Ok(Adoption { done, watcher: Some(watcher), taken })
+    }
+
+    /// The final pull of a worker that trained `end` steps into `x.flat` (BSP: every push of
+    /// every worker applied), with the watch still running: a worker that dies in the last steps,
+    /// when the others already wait for its push, is taken over too. Then [`Adoption::finish`].
+    /// Returns the workers whose shards this one trained; a failed take-over is the error
+    /// before a failed pull (it explains it).
+    pub fn final_pull(&mut self, x: &mut Exchange, end: u64, rank: usize) -> Result<Vec<usize>, TrainError> {
+        let clock = x.final_clock(end);
+        let pulled = x.client.pull(clock, &mut x.flat);
+        let taken = self.finish(rank)?;
+        pulled?;
+        Ok(taken)
     }
 
     /// Stops watching and waits for every shard taken over to be trained to the end. Returns

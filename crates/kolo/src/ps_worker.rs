@@ -362,16 +362,22 @@ impl PsWorker {
 
     /// After the last step: pulls the final parameters into the model (under BSP every
     /// worker's last push applied; async: what the servers hold now) and tells the coordinator
-    /// this worker is done. Returns them, flat.
+    /// this worker is done. Returns them, flat. With [`PsWorker::take_over_dead_workers`] it
+    /// watches for dead workers until the pull is done (one that dies in the last step is taken
+    /// over too), then waits for the shards this worker trains.
     pub fn finish(&mut self) -> Result<Vec<f32>> {
-        if let Some(mut a) = self.adoption.take() {
-            let shards = a.finish(self.me.0)?;
-            if !shards.is_empty() {
-                kolo_base::eline!("worker {}: also trained the shard(s) of dead worker(s) {shards:?}", self.me.0);
+        match self.adoption.take() {
+            Some(mut a) => {
+                let shards = a.final_pull(&mut self.x, self.steps, self.me.0)?;
+                if !shards.is_empty() {
+                    kolo_base::eline!("worker {}: also trained the shard(s) of dead worker(s) {shards:?}", self.me.0);
+                }
+            }
+            None => {
+                let clock = self.x.final_clock(self.steps);
+                self.x.client.pull(clock, &mut self.x.flat)?;
             }
         }
-        let clock = self.x.final_clock(self.steps);
-        self.x.client.pull(clock, &mut self.x.flat)?;
         self.params.load(&self.x.flat)?;
         publish(&self.params, &self.model_vars, self.compute)?;
         if !self.finished {

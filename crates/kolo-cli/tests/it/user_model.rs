@@ -769,7 +769,8 @@ fn a_users_model_trains_through_parameter_servers_as_under_ddp() {
 /// 3 workers, BSP, SGD on the servers): the coordinator declares it dead after 1.5 s, a
 /// survivor's `take_over_dead_workers` trains its shard from its clock on a second
 /// model of its own (without seeding the servers again), that thread, as worker 0, writes the
-/// final model, and `kolo ps run` succeeds. The model is bitwise the uninterrupted job's.
+/// final model, and `kolo ps run` succeeds. The model is bitwise the uninterrupted job's. So
+/// it is when worker 2 fails in the last step, the others already in `PsWorker::finish`.
 #[test]
 fn a_users_ps_job_whose_worker_dies_ends_where_the_uninterrupted_one_does() {
     let dir = fresh_dir("user-ps-dead");
@@ -777,15 +778,23 @@ fn a_users_ps_job_whose_worker_dies_ends_where_the_uninterrupted_one_does() {
     let common = format!("--steps 60 --batch 12 --hidden 32 --optim sgd --lr 0.1 --data {}", data.display());
     let (clean, dead) = (dir.join("clean.safetensors"), dir.join("dead.safetensors"));
     ps_job_of(3, "1.5", &format!("{common} --out {}", clean.display()));
-    let t = ps_job_of(3, "1.5", &format!("{common} --fail-at 0:4 --out {}", dead.display()));
-    assert!(t.contains("worker 0 fails at step 4") && t.contains("also trained the shard(s) of dead worker(s) [0]"), "{t}");
-    assert!(t.contains("every data shard was trained"), "{t}");
     let load = |p: &std::path::Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
-    let (a, b) = (load(&clean), load(&dead));
-    assert_eq!(a.len(), b.len());
-    for (name, t) in &a {
-        let (x, y): (Vec<f32>, Vec<f32>) = (t.flatten_all().unwrap().to_vec1().unwrap(), b[name].flatten_all().unwrap().to_vec1().unwrap());
-        assert!(x == y, "`{name}` differs from the uninterrupted job's by up to {}", max_diff(&x, &y));
+    let a = load(&clean);
+    // Worker 0 in the middle; worker 2 in the last step, when the others already wait for the
+    // final parameters (their watch must still be running).
+    for (w, step) in [(0, 4), (2, 59)] {
+        let t = ps_job_of(3, "1.5", &format!("{common} --fail-at {w}:{step} --out {}", dead.display()));
+        assert!(t.contains(&format!("worker {w} fails at step {step}")), "{t}");
+        assert!(t.contains(&format!("also trained the shard(s) of dead worker(s) [{w}]")), "{t}");
+        assert!(t.contains("every data shard was trained"), "{t}");
+        let b = load(&dead);
+        assert_eq!(a.len(), b.len());
+        for (name, t) in &a {
+            let (x, y): (Vec<f32>, Vec<f32>) =
+                (t.flatten_all().unwrap().to_vec1().unwrap(), b[name].flatten_all().unwrap().to_vec1().unwrap());
+            assert!(x == y, "worker {w} dead at {step}: `{name}` differs from the uninterrupted job's by up to {}", max_diff(&x, &y));
+        }
+        std::fs::remove_file(&dead).unwrap();
     }
 }
 

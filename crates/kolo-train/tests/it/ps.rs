@@ -96,6 +96,15 @@ fn ps_dead_workers_shard_is_taken_over_and_bsp_ends_bitwise_equal() {
     assert_eq!(survivor.steps_done, 10);
     assert_eq!(max_diff(&survivor.params, &clean[0].params), 0.0, "a run with a dead, replaced worker must end where the clean run ends");
     assert_eq!(r[1].as_ref().unwrap().params, survivor.params);
+    // Dead in the last step: the others are already waiting for the final parameters, and
+    // still take its shard over.
+    let c = ps_cluster_with(2, Duration::from_millis(800));
+    let r = try_train_ps(&c, 3, &cfg, &RunOptions { die_at: Some((2, 9)), ..quiet() });
+    assert!(r[2].is_err(), "worker 2 was told to die");
+    for w in 0..2 {
+        let p = &r[w].as_ref().unwrap_or_else(|e| panic!("worker {w}: {e}")).params;
+        assert_eq!(max_diff(p, &clean[0].params), 0.0, "worker {w}, after a death in the last step");
+    }
 }
 
 /// BSP through two servers equals synchronous DDP bit for bit: the servers average the two
