@@ -101,8 +101,8 @@ fn ps_dead_workers_shard_is_taken_over_and_bsp_ends_bitwise_equal() {
     let c = ps_cluster_with(2, Duration::from_millis(800));
     let r = try_train_ps(&c, 3, &cfg, &RunOptions { die_at: Some((2, 9)), ..quiet() });
     assert!(r[2].is_err(), "worker 2 was told to die");
-    for w in 0..2 {
-        let p = &r[w].as_ref().unwrap_or_else(|e| panic!("worker {w}: {e}")).params;
+    for (w, r) in r.iter().take(2).enumerate() {
+        let p = &r.as_ref().unwrap_or_else(|e| panic!("worker {w}: {e}")).params;
         assert_eq!(max_diff(p, &clean[0].params), 0.0, "worker {w}, after a death in the last step");
     }
 }
