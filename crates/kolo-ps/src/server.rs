@@ -733,8 +733,11 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             let slot = wait_range(shared, range, epoch)?;
             let job = job_of(shared)?;
             let d = settle(shared, &slot, lock(&slot.0), epoch)?;
-            let late = |need: u64, _: &RangeData| {
-                format!("snapshot of range {range} for step {clock}: step {need} of every worker did not arrive")
+            let late = |need: u64, d: &RangeData| {
+                format!(
+                    "snapshot of range {range} for step {clock}: step {need} of every worker did not arrive; behind: {}",
+                    behind(job.consistency, &d.clocks, &d.pending, need).join(", ")
+                )
             };
             let Some(d) = wait_for_step(shared, &slot, d, &job, epoch, clock, &late)? else {
                 return Ok(Resp::WrongEpoch { current: shared.epoch.load(Ordering::SeqCst) });
@@ -816,13 +819,11 @@ fn handle_inner(shared: &Shared, cs: &mut ConnState, req: Req) -> Result<Resp, R
             let keys = resolve_keys(cs, shared, keys)?;
             let d = settle(shared, &slot, lock(&slot.0), epoch)?;
             let late = |need: u64, d: &RangeData| {
-                let behind: Vec<String> =
-                    d.clocks.iter().enumerate().filter(|(_, c)| **c < need).map(|(w, c)| format!("worker {w} at step {c}")).collect();
                 format!(
                     "worker {worker}'s pull of range {range} for step {clock} waited {:.1} s for step {need} of every worker ({:?}); behind: {}",
                     shared.timeout.as_secs_f64(),
                     job.consistency,
-                    behind.join(", ")
+                    behind(job.consistency, &d.clocks, &d.pending, need).join(", ")
                 )
             };
             let Some(d) = wait_for_step(shared, &slot, d, &job, epoch, clock, &late)? else {
@@ -960,6 +961,23 @@ fn note_arrival(shared: &Shared, d: &mut RangeData, w: usize, clock: u64) {
 /// every chain member computes the same bits) and moves every worker's clock on: a late push of
 /// that step is then recognised as stale and dropped. The other models apply it at once.
 /// Returns how many workers' gradients the step went without.
+/// The workers a wait for step `need` is waiting on, for its error. Under BSP every worker's
+/// clock is the last step applied, so the ones named are those whose push of the step being
+/// assembled has not arrived (the others' are held in `pending`); otherwise those whose clock
+/// is below `need`.
+fn behind(consistency: Consistency, clocks: &[u64], pending: &[Option<Vec<f32>>], need: u64) -> Vec<String> {
+    let held = |w: usize| consistency == Consistency::Bsp && pending.get(w).is_some_and(Option::is_some);
+    clocks
+        .iter()
+        .enumerate()
+        .filter(|&(w, c)| *c < need && !held(w))
+        .map(|(w, c)| match consistency {
+            Consistency::Bsp => format!("worker {w} (its push of step {c} has not arrived)"),
+            _ => format!("worker {w} at step {c}"),
+        })
+        .collect()
+}
+
 fn apply(d: &mut RangeData, job: &JobSpec, w: usize, clock: u64, lr: f32, grad: Vec<f32>) -> u64 {
     let RangeData { values, opt, clocks, pending, .. } = d;
     match job.consistency {
@@ -1093,4 +1111,21 @@ fn catch_up(shared: &Shared, epoch: u64) -> Option<u64> {
     }
     let current = shared.epoch.load(Ordering::SeqCst);
     (current != epoch).then_some(current)
+}
+
+#[cfg(test)]
+mod wait_tests {
+    use super::behind;
+    use crate::Consistency;
+
+    /// Under BSP every clock is the last step applied: the workers named are those whose push of
+    /// the step being assembled is missing, not every worker at that clock.
+    #[test]
+    fn a_late_wait_names_the_workers_whose_push_is_missing() {
+        let pending = vec![Some(vec![0.5]), Some(vec![0.25]), None];
+        assert_eq!(behind(Consistency::Bsp, &[9, 9, 9], &pending, 10), vec!["worker 2 (its push of step 9 has not arrived)"]);
+        assert!(behind(Consistency::Bsp, &[10, 10, 10], &[None, None, None], 10).is_empty());
+        // Bounded delay and async: whoever's clock is behind.
+        assert_eq!(behind(Consistency::Bounded(2), &[7, 5, 6], &[None, None, None], 7), vec!["worker 1 at step 5", "worker 2 at step 6"]);
+    }
 }
