@@ -301,6 +301,29 @@ pub fn loop_state_meta(scaler: Option<&LossScaler>, split: Option<&[usize]>) -> 
 /// The metadata key of [`model_signature`].
 pub const SIGNATURE_KEY: &str = "kolo.signature";
 
+/// The metadata every checkpoint carries and its loaders compare, `kolo train`'s and the
+/// library's alike: the model (`kolo.model`), the optimizer, the data split's world (`replicas`:
+/// a change rescales the data position), the examples per replica and micro-step, and the ZeRO
+/// stage. Each writer adds its own keys (the seed; the model's signature and precision).
+pub fn base_meta(
+    model: String,
+    optimizer: &kolo_optim::OptimizerSpec,
+    replicas: usize,
+    batch_size: usize,
+    zero_stage: u8,
+) -> BTreeMap<String, String> {
+    [
+        ("kolo.model", model),
+        ("kolo.optimizer", format!("{optimizer:?}")),
+        ("kolo.world_size", replicas.to_string()),
+        ("kolo.batch_size", batch_size.to_string()),
+        ("kolo.zero_stage", zero_stage.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
 /// A short text that changes with any parameter's name or shape and not with their order:
 /// the same for a model whichever loop wrote the checkpoint (`kolo train` lays the built-in
 /// models out as they are built, the library's `Trainer` by name).

@@ -1264,6 +1264,15 @@ impl Config {
         self.optim.spec()
     }
 
+    /// Tokens in one example, for throughput: the GPT's window, 1 for the image and tabular
+    /// models.
+    pub fn tokens_per_example(&self) -> usize {
+        match self.model.kind {
+            ModelKind::Gpt => self.model.seq.unwrap_or(128),
+            _ => 1,
+        }
+    }
+
     /// The dtype the model computes in.
     pub fn compute_dtype(&self) -> kolo_tensor::CandleDType {
         match self.train.precision {

@@ -15,7 +15,7 @@
 
 use crate::cadence::{eval_due, Cadence, Window};
 use crate::checkpointing::{PendingSave, Resumed};
-use crate::config::Config;
+use crate::config::{Config, DataConfig, DdpConfig, TrainConfig};
 use crate::data::{CharVocab, Dataset};
 use crate::report::{Reporter, StepRecord};
 use crate::sampler::{Position, Sampler};
@@ -145,17 +145,10 @@ pub trait Strategy {
 /// under any strategy whose model, optimizer and data split agree (`replicas`: the sampler's
 /// world, whose change rescales the data position).
 pub fn checkpoint_meta(cfg: &Config, spec: &kolo_tensor::ModelSpec, replicas: usize, zero_stage: u8) -> BTreeMap<String, String> {
-    [
-        ("kolo.model", crate::setup::spec_string(spec)),
-        ("kolo.optimizer", format!("{:?}", cfg.optimizer())),
-        ("kolo.world_size", replicas.to_string()),
-        ("kolo.batch_size", cfg.data.batch_size.to_string()),
-        ("kolo.seed", cfg.train.seed.to_string()),
-        ("kolo.zero_stage", zero_stage.to_string()),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect()
+    let model = crate::setup::spec_string(spec);
+    let mut meta = crate::checkpointing::base_meta(model, &cfg.optimizer(), replicas, cfg.data.batch_size, zero_stage);
+    meta.insert("kolo.seed".into(), cfg.train.seed.to_string());
+    meta
 }
 
 /// The training batches of one replica: prefetched on a background thread, or (dynamic batch
@@ -178,25 +171,25 @@ impl Batches {
     /// Batches of replica `rank` of `replicas` from position `pos`. `split`: the per-rank
     /// shares a resumed run was written with (dynamic batch sizing).
     fn new(
-        cfg: &Config,
+        (dc, seed, ddp): (&DataConfig, u64, &DdpConfig),
         train: Arc<dyn Dataset>,
         (rank, replicas): (usize, usize),
         pos: Position,
         split: Option<Vec<usize>>,
     ) -> Result<Batches, TrainError> {
-        let scfg = crate::setup::replica_sampler(&cfg.data, cfg.train.seed, train.len(), rank, replicas);
-        let batch = cfg.data.batch_size;
+        let scfg = crate::setup::replica_sampler(dc, seed, train.len(), rank, replicas);
+        let batch = dc.batch_size;
         // Dynamic batch sizing: every rank walks the global batches itself and takes its share;
         // the shares change during the run, so nothing is prefetched. A resumed run continues
         // with the split it was written with.
-        let shares = (cfg.ddp.dynamic_batch_every > 0).then(|| {
+        let shares = (ddp.dynamic_batch_every > 0).then(|| {
             let split = crate::sampler::resumed_split(split.as_deref(), batch, replicas).unwrap_or_else(|| vec![batch; replicas]);
             Arc::new(std::sync::Mutex::new(split))
         });
-        let sampler = Sampler::for_replica(scfg, pos, cfg.ddp.deterministic, shares.as_ref()).map_err(TrainError::Data)?;
+        let sampler = Sampler::for_replica(scfg, pos, ddp.deterministic, shares.as_ref()).map_err(TrainError::Data)?;
         let source = match shares {
             Some(split) => Source::Dynamic { sampler, split },
-            None => Source::Prefetched(crate::setup::prefetch(train.clone(), sampler, cfg.data.prefetch)),
+            None => Source::Prefetched(crate::setup::prefetch(train.clone(), sampler, dc.prefetch)),
         };
         Ok(Batches { train, source, pos, rank, slow_ms_per_example: None })
     }
@@ -292,9 +285,10 @@ pub fn drive(
         }
         None => (0, Position::default(), None),
     };
-    let mut batches = Batches::new(cfg, data.train.clone(), replica, pos, split)?;
+    let mut batches = Batches::new((&cfg.data, tc.seed, &cfg.ddp), data.train.clone(), replica, pos, split)?;
     batches.slow_ms_per_example = opts.slow_per_example.filter(|s| s.0 == global_rank).map(|s| s.1);
-    let mut cadence = Cadence::new(Reporter::new(cfg, global_rank, opts.quiet, global_batch, first)?);
+    let report = Reporter::for_train(tc, cfg.tokens_per_example(), global_rank, opts.quiet, global_batch, first)?;
+    let mut cadence = Cadence::new(report);
     let mut timeline = tc.timeline_dir.as_ref().map(|_| crate::timeline::Timeline::new(global_rank));
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
     let mut checkpoint: Option<PathBuf> = None;
@@ -304,7 +298,7 @@ pub fn drive(
         let t0 = Instant::now();
         test_hooks(opts, global_rank, step);
         let lr = cfg.optim.lr_of_step(global_batch, tc.steps, step);
-        let out = s.step(&StepCtx { step, lr, drain_at: drain_point(cfg, step, end) }, &mut batches)?;
+        let out = s.step(&StepCtx { step, lr, drain_at: drain_point(tc, cfg.ddp.dynamic_batch_every, step, end) }, &mut batches)?;
         if let Some(tl) = timeline.as_mut() {
             record_spans(tl, step, t0, &out);
         }
@@ -352,7 +346,7 @@ pub fn drive(
     let mut report = cadence.report;
     report.finish();
     let (eval, sample) =
-        if end == tc.steps { final_eval(cfg, data, s, &mut report, global_rank == 0 && !opts.quiet)? } else { (None, None) };
+        if end == tc.steps { final_eval(tc, data, s, &mut report, global_rank == 0 && !opts.quiet)? } else { (None, None) };
     let f = s.finish(end - first)?;
     Ok(Summary {
         steps_done: end,
@@ -380,25 +374,23 @@ pub fn drive(
 }
 
 /// The first step count after `step` at which the driver evaluates, checkpoints, re-splits the
-/// batch or ends (`end`).
-pub fn drain_point(cfg: &Config, step: u64, end: u64) -> u64 {
-    let tc = &cfg.train;
+/// batch (every `resplit_every` steps, `ddp.dynamic_batch_every`) or ends (`end`).
+pub fn drain_point(tc: &TrainConfig, resplit_every: u64, step: u64, end: u64) -> u64 {
     let next = |every: u64| step.checked_div(every).map_or(end, |q| (q + 1) * every);
     let checkpoint_every = if tc.checkpoint_dir.is_some() { tc.checkpoint_every } else { 0 };
-    [next(tc.eval_every), next(checkpoint_every), next(cfg.ddp.dynamic_batch_every), end].into_iter().min().unwrap_or(end)
+    [next(tc.eval_every), next(checkpoint_every), next(resplit_every), end].into_iter().min().unwrap_or(end)
 }
 
 /// The end of a complete run: the final evaluation (the whole test set for images, 10k for
 /// MNIST; text validation sets have a window at every position, so `eval_batches` bounds them)
 /// and, for text, a sample.
 fn final_eval(
-    cfg: &Config,
+    tc: &TrainConfig,
     data: &Data,
     s: &mut dyn Strategy,
     report: &mut Reporter,
     say: bool,
 ) -> Result<(Option<Eval>, Option<String>), TrainError> {
-    let tc = &cfg.train;
     let end = tc.steps;
     let limit = if data.vocab.is_some() { tc.eval_batches } else { 0 };
     let eval = s.evaluate(&*data.eval, limit)?;

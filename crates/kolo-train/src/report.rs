@@ -6,7 +6,7 @@
 //! steps ([`Reporter::is_log_step`]): the window's loss average and straggler exchange are
 //! collectives.
 
-use crate::config::{Config, ModelKind, TrainConfig};
+use crate::config::TrainConfig;
 use crate::summary::{peak_rss, Eval};
 use crate::TrainError;
 use kolo_comm::{BufMut, BufRef, Communicator, ReduceOp};
@@ -56,20 +56,10 @@ pub struct Reporter {
 }
 
 impl Reporter {
-    /// `global_batch`: examples per optimizer step over all replicas; `start`: the first step
-    /// (after a resume). Opens the JSON log, TensorBoard writer and metrics endpoint the config
-    /// asks for.
-    pub fn new(cfg: &Config, global_rank: usize, quiet: bool, global_batch: usize, start: u64) -> Result<Reporter, TrainError> {
-        let tokens_per_example = match cfg.model.kind {
-            ModelKind::Gpt => cfg.model.seq.unwrap_or(128),
-            _ => 1,
-        };
-        Self::for_train(&cfg.train, tokens_per_example, global_rank, quiet, global_batch, start)
-    }
-
-    /// As [`Reporter::new`], from the `[train]` settings alone (the library's trainer, which
-    /// does not know the model's kind): throughput counts `tokens_per_example` per example
-    /// (1: samples/s).
+    /// The report of `[train]`'s settings: throughput counts `tokens_per_example` per example
+    /// (1: samples/s; `Config::tokens_per_example` for `kolo train`'s models); `global_batch`:
+    /// examples per optimizer step over all replicas; `start`: the first step (after a resume).
+    /// Opens the JSON log, TensorBoard writer and metrics endpoint the settings ask for.
     pub fn for_train(
         tc: &TrainConfig,
         tokens_per_example: usize,

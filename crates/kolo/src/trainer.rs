@@ -1525,17 +1525,11 @@ pub(crate) fn checkpoint_meta(
     zero_stage: u8,
     compute: DType,
 ) -> BTreeMap<String, String> {
-    [
-        ("kolo.model".to_string(), model_fingerprint(signature)),
-        (kolo_train::checkpointing::SIGNATURE_KEY.to_string(), kolo_train::checkpointing::model_signature(signature)),
-        ("kolo.optimizer".to_string(), format!("{:?}", opts.optimizer_spec())),
-        ("kolo.world_size".to_string(), replicas.to_string()),
-        ("kolo.batch_size".to_string(), opts.data.batch_size.max(1).to_string()),
-        ("kolo.zero_stage".to_string(), zero_stage.to_string()),
-        ("kolo.precision".to_string(), format!("{compute:?}")),
-    ]
-    .into_iter()
-    .collect()
+    let batch = opts.data.batch_size.max(1);
+    let mut meta = kolo_train::checkpointing::base_meta(model_fingerprint(signature), &opts.optimizer_spec(), replicas, batch, zero_stage);
+    meta.insert(kolo_train::checkpointing::SIGNATURE_KEY.to_string(), kolo_train::checkpointing::model_signature(signature));
+    meta.insert("kolo.precision".to_string(), format!("{compute:?}"));
+    meta
 }
 
 fn model_fingerprint(sig: &[(String, Vec<usize>)]) -> String {
