@@ -778,8 +778,6 @@ fn a_users_ps_job_whose_worker_dies_ends_where_the_uninterrupted_one_does() {
     let common = format!("--steps 60 --batch 12 --hidden 32 --optim sgd --lr 0.1 --data {}", data.display());
     let (clean, dead) = (dir.join("clean.safetensors"), dir.join("dead.safetensors"));
     ps_job_of(3, "1.5", &format!("{common} --out {}", clean.display()));
-    let load = |p: &std::path::Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
-    let a = load(&clean);
     // Worker 0 in the middle; worker 2 in the last step, when the others already wait for the
     // final parameters (their watch must still be running).
     for (w, step) in [(0, 4), (2, 59)] {
@@ -787,13 +785,7 @@ fn a_users_ps_job_whose_worker_dies_ends_where_the_uninterrupted_one_does() {
         assert!(t.contains(&format!("worker {w} fails at step {step}")), "{t}");
         assert!(t.contains(&format!("also trained the shard(s) of dead worker(s) [{w}]")), "{t}");
         assert!(t.contains("every data shard was trained"), "{t}");
-        let b = load(&dead);
-        assert_eq!(a.len(), b.len());
-        for (name, t) in &a {
-            let (x, y): (Vec<f32>, Vec<f32>) =
-                (t.flatten_all().unwrap().to_vec1().unwrap(), b[name].flatten_all().unwrap().to_vec1().unwrap());
-            assert!(x == y, "worker {w} dead at {step}: `{name}` differs from the uninterrupted job's by up to {}", max_diff(&x, &y));
-        }
+        assert_same_model(&clean, &dead, &format!("worker {w} dead at step {step} vs the uninterrupted job"));
         std::fs::remove_file(&dead).unwrap();
     }
 }
@@ -837,14 +829,19 @@ fn a_users_parameter_server_job_resumes_on_fresh_servers_bitwise() {
     assert_eq!(meta.get("kolo.world_size").map(String::as_str), Some("2"));
     assert!(meta.contains_key("kolo.signature"), "{meta:?}");
     ps_job(&format!("{common} --resume {} --out {}", step3.display(), resumed.display()));
-    let (a, b) = (
-        candle_core::safetensors::load(&full, &candle_core::Device::Cpu).unwrap(),
-        candle_core::safetensors::load(&resumed, &candle_core::Device::Cpu).unwrap(),
-    );
-    assert_eq!(a.len(), b.len());
+    assert_same_model(&full, &resumed, "the uninterrupted job and the resumed one");
+}
+
+/// Both safetensors files (as `VarMap::save` writes a model) hold the same tensors, bit for bit.
+fn assert_same_model(a: &std::path::Path, b: &std::path::Path, what: &str) {
+    let load = |p: &std::path::Path| candle_core::safetensors::load(p, &candle_core::Device::Cpu).unwrap();
+    let flat = |t: &candle_core::Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+    let (a, b) = (load(a), load(b));
+    let names = |m: &std::collections::HashMap<String, candle_core::Tensor>| m.keys().cloned().collect::<std::collections::BTreeSet<_>>();
+    assert_eq!(names(&a), names(&b), "{what}");
     for (name, t) in &a {
-        let (x, y): (Vec<f32>, Vec<f32>) = (t.flatten_all().unwrap().to_vec1().unwrap(), b[name].flatten_all().unwrap().to_vec1().unwrap());
-        assert!(x == y, "`{name}` differs between the uninterrupted job and the resumed one by up to {}", max_diff(&x, &y));
+        let (x, y) = (flat(t), flat(&b[name]));
+        assert!(x == y, "{what}: `{name}` differs by up to {}", max_diff(&x, &y));
     }
 }
 
