@@ -299,7 +299,18 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
                 kolo_base::eline!("kolo ps run: the job completed: every data shard was trained");
                 code = 0;
             }
-            None => eprint!("{}", out.summary()),
+            None => {
+                eprint!("{}", out.summary());
+                let failed =
+                    out.ranks.iter().filter(|r| r.end != kolo_launch::RankEnd::Exited(0) && r.end != kolo_launch::RankEnd::Stopped);
+                for r in failed.filter(|r| out.interrupted_by.is_none() && !adopted.contains_key(&(r.rank as u32))) {
+                    kolo_base::eline!(
+                        "kolo ps run: no worker took over worker {}'s data shard: the others finished before the coordinator declared it dead (--dead-after {} s of silence), or the workers do not take shards over (a program of yours: PsWorker::take_over_dead_workers)",
+                        r.rank,
+                        a.dead_after
+                    );
+                }
+            }
         }
     }
     if let Some(dir) = cfg.as_ref().and_then(|c| c.train.timeline_dir.as_ref()) {

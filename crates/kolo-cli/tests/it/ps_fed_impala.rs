@@ -62,6 +62,22 @@ fn a_ps_job_whose_worker_dies_trains_its_shard_on_a_survivor_to_the_same_bits() 
     }
 }
 
+/// Under async consistency the survivors do not wait for a dead worker: they finish before it
+/// is declared dead, nobody takes its shard over, and `kolo ps run` fails naming the worker and
+/// why its shard was left.
+#[test]
+fn a_ps_job_whose_dead_workers_shard_nobody_took_over_fails_saying_so() {
+    let dir = fresh_dir("ps-dead-async");
+    let cfg = dir.join("async.toml");
+    let data = kolo_testkit::files::mnist_dir();
+    std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [16]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n[train]\nsteps = 200\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\n", data.display())).unwrap();
+    let args = ["ps", "run", "-n", "3", "--dead-after", "5", "--config", cfg.to_str().unwrap(), "--", "--kill-at", "1:3"];
+    let o = run(&args, &[("RAYON_NUM_THREADS", "1")]);
+    let t = text(&o);
+    assert!(!o.status.success(), "{t}");
+    assert!(t.contains("job failed: rank 1") && t.contains("no worker took over worker 1's data shard"), "{t}");
+}
+
 /// Every tensor of a checkpoint (the model and the optimizer's state), by name.
 fn model_and_state(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
     let ck = kolo_checkpoint::sharded::load_any(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
