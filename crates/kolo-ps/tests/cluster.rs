@@ -424,7 +424,8 @@ fn a_bsp_pull_names_the_worker_that_never_pushed() {
     p.init(&[0.0; 10]).unwrap();
     p.push(0, 1.0, &[1.0; 10], None).unwrap();
     let e = p.pull(1, &mut [0.0; 10]).unwrap_err().to_string();
-    assert!(e.contains("worker 1 at step 0"), "{e}");
+    // Worker 0's push is held for the step; only worker 1's is missing.
+    assert!(e.contains("behind: worker 1 (its push of step 0 has not arrived)") && !e.contains("worker 0 ("), "{e}");
 }
 
 /// BSP with one backup worker: each step is applied with the first two of three gradients; the
