@@ -92,7 +92,7 @@ fn run_hf(a: &TrainArgs, text: &str) -> anyhow::Result<i32> {
     comm_args.timeout = Some(cfg.ddp.timeout_secs);
     comm_args.liveness = Some(cfg.ddp.liveness_secs);
     let dist = comm_args.join_any()?;
-    let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let round = restart_round()?;
     let resume = a.resume.clone().or_else(|| {
         let dir = cfg.train.checkpoint_dir.as_ref().filter(|_| round > 0)?;
         let p = kolo_train::run::newest_checkpoint(std::path::Path::new(dir))?;
@@ -183,7 +183,7 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         kolo_base::eline!("kolo train: collectives over {} ({} ranks)", boot.comm().backend(), boot.comm().world_size().get());
     }
     // An elastic restart (kolo launch --min-nodes) resumes from the newest checkpoint.
-    let round: u32 = std::env::var("KOLO_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let round = restart_round()?;
     let mut resume = a.resume.clone();
     if round > 0 && resume.is_none() {
         let lead = boot.comm().rank().get() == 0;
@@ -321,6 +321,12 @@ fn print_heap(h: &kolo_train::summary::HeapReport) {
 
 /// A parameter-server worker: RANK / WORLD_SIZE say which data shard, KOLO_PS_COORDINATOR (or
 /// `[ps] coordinator`) where the job's coordinator listens.
+/// How many times an elastic launcher restarted this job (`kolo launch --min-nodes`, or
+/// torchrun's), as the library's `Dist::restart_count` reads it.
+fn restart_round() -> anyhow::Result<usize> {
+    Ok(kolo_rendezvous::discover(std::env::vars()).map_err(anyhow::Error::msg)?.map_or(0, |e| e.restart_count))
+}
+
 /// `opts` carries `--stop-after`, `--resume` and the fault injection (`--kill-at`: that worker
 /// fails at that step, and a survivor takes over its data shard).
 fn run_ps(cfg: &kolo_train::Config, opts: kolo_train::RunOptions) -> anyhow::Result<i32> {
