@@ -10,8 +10,7 @@ fn ps_run_trains_mnist_through_server_processes() {
     let dir = std::env::temp_dir().join(format!("kolo-ps-run-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("ps.toml");
-    let data = kolo_testkit::files::mnist_dir();
-    std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"adagrad\"\nlr = 0.02\n[train]\nsteps = 150\nlog_every = 50\nstrategy = \"ps\"\ntimeline_dir = \"{}\"\n[ps]\nconsistency = \"bounded\"\nstaleness = 2\nchunk = 10000\nreplication = 1\n", data.display(), dir.join("tl").display())).unwrap();
+    write_mnist_mlp(&cfg, 64, 32, &format!("[optim]\nkind = \"adagrad\"\nlr = 0.02\n[train]\nsteps = 150\nlog_every = 50\nstrategy = \"ps\"\ntimeline_dir = \"{}\"\n[ps]\nconsistency = \"bounded\"\nstaleness = 2\nchunk = 10000\nreplication = 1\n", dir.join("tl").display()));
     let o = run(&["ps", "run", "-n", "2", "--servers", "2", "--config", cfg.to_str().unwrap()], &[]);
     let t = text(&o);
     assert!(o.status.success(), "{t}");
@@ -41,10 +40,9 @@ fn ps_run_trains_mnist_through_server_processes() {
 #[test]
 fn a_ps_job_whose_worker_dies_trains_its_shard_on_a_survivor_to_the_same_bits() {
     let dir = fresh_dir("ps-dead-worker");
-    let data = kolo_testkit::files::mnist_dir();
     let job = |name: &str, extra: &[&str]| {
         let cfg = dir.join(format!("{name}.toml"));
-        std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 16\n[optim]\nkind = \"adam\"\nlr = 0.01\n[train]\nsteps = 700\nlog_every = 100\nstrategy = \"ps\"\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 700\n[ps]\nconsistency = \"bsp\"\nchunk = 3000\nservers = 2\nreplication = 1\n", data.display(), dir.join(name).display())).unwrap();
+        write_mnist_mlp(&cfg, 64, 16, &format!("[optim]\nkind = \"adam\"\nlr = 0.01\n[train]\nsteps = 700\nlog_every = 100\nstrategy = \"ps\"\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 700\n[ps]\nconsistency = \"bsp\"\nchunk = 3000\nservers = 2\nreplication = 1\n", dir.join(name).display()));
         let args = [&["ps", "run", "-n", "3", "--servers", "2", "--dead-after", "1.5", "--config", cfg.to_str().unwrap()], extra].concat();
         let o = run(&args, &[("RAYON_NUM_THREADS", "1")]);
         let t = text(&o);
@@ -69,13 +67,23 @@ fn a_ps_job_whose_worker_dies_trains_its_shard_on_a_survivor_to_the_same_bits() 
 fn a_ps_job_whose_dead_workers_shard_nobody_took_over_fails_saying_so() {
     let dir = fresh_dir("ps-dead-async");
     let cfg = dir.join("async.toml");
-    let data = kolo_testkit::files::mnist_dir();
-    std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [16]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 8\n[train]\nsteps = 200\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\n", data.display())).unwrap();
+    write_mnist_mlp(&cfg, 16, 8, "[train]\nsteps = 200\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\n");
     let args = ["ps", "run", "-n", "3", "--dead-after", "5", "--config", cfg.to_str().unwrap(), "--", "--kill-at", "1:3"];
     let o = run(&args, &[("RAYON_NUM_THREADS", "1")]);
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
     assert!(t.contains("job failed: rank 1") && t.contains("no worker took over worker 1's data shard"), "{t}");
+}
+
+/// Writes a `kolo train` config of an MLP (`hidden` wide) on the repository's MNIST subset,
+/// `batch` examples per rank, then `rest` (more tables).
+fn write_mnist_mlp(cfg: &std::path::Path, hidden: usize, batch: usize, rest: &str) {
+    let data = kolo_testkit::files::mnist_dir();
+    let head = format!(
+        "[model]\nkind = \"mlp\"\nhidden = [{hidden}]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = {batch}\n",
+        data.display()
+    );
+    std::fs::write(cfg, head + rest).unwrap();
 }
 
 /// Every tensor of a checkpoint (the model and the optimizer's state), by name.
@@ -94,8 +102,7 @@ fn model_and_state(dir: &std::path::Path) -> std::collections::BTreeMap<String, 
 fn ps_job_survives_a_killed_server_process() {
     let dir = fresh_dir("ps-kill");
     let cfg = dir.join("ps.toml");
-    let data = kolo_testkit::files::mnist_dir();
-    std::fs::write(&cfg, format!("[model]\nkind = \"mlp\"\nhidden = [64]\n[data]\nkind = \"mnist\"\npath = \"{}\"\nbatch_size = 32\n[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 1500\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 5000\nreplication = 1\nservers = 3\ntimeout_secs = 30\n", data.display())).unwrap();
+    write_mnist_mlp(&cfg, 64, 32, "[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 1500\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"bsp\"\nchunk = 5000\nreplication = 1\nservers = 3\ntimeout_secs = 30\n");
     let uninterrupted = ps_cluster_run(&cfg, None);
     let t0 = Instant::now();
     let killed = ps_cluster_run(&cfg, Some(200));
