@@ -17,7 +17,9 @@ pub enum PsCmd {
     /// down when the workers are done. The config must say `[train] strategy = "ps"`. With
     /// --exec the workers are a program of yours (`kolo::PsWorker`) instead. A worker that dies
     /// does not stop the others: after --dead-after a survivor trains its data shard from its
-    /// last step, and the job succeeds when every dead worker's shard was taken over.
+    /// last step, and the job succeeds when every dead worker's shard was taken over. At the end
+    /// the workers wait for every worker's last push (under async too), each wait giving up
+    /// after ps.timeout_secs without progress: keep --dead-after below it.
     Run(RunArgs),
     /// A parameter server: registers with the coordinator, serves the key ranges the ring gives
     /// it, replicates writes down each range's chain, and exits when the job shuts down.
@@ -305,7 +307,7 @@ fn run_job(a: RunArgs) -> anyhow::Result<i32> {
                     out.ranks.iter().filter(|r| r.end != kolo_launch::RankEnd::Exited(0) && r.end != kolo_launch::RankEnd::Stopped);
                 for r in failed.filter(|r| out.interrupted_by.is_none() && !adopted.contains_key(&(r.rank as u32))) {
                     kolo_base::eline!(
-                        "kolo ps run: no worker took over worker {}'s data shard: the others finished before the coordinator declared it dead (--dead-after {} s of silence), or the workers do not take shards over (a program of yours: PsWorker::take_over_dead_workers)",
+                        "kolo ps run: no worker took over worker {}'s data shard: the others stopped waiting for it (ps.timeout_secs) before the coordinator declared it dead (--dead-after {} s of silence), or the workers do not take shards over (a program of yours: PsWorker::take_over_dead_workers)",
                         r.rank,
                         a.dead_after
                     );

@@ -359,6 +359,36 @@ impl PsClient {
         Ok(slowest)
     }
 
+    /// The slowest worker's clock: the pushes every range has applied from every worker, read
+    /// without the values (an empty key list per range) and without waiting for any clock. A
+    /// worker at the end of an async run waits on it for the others' last pushes.
+    pub fn slowest_clock(&mut self) -> Result<u64, PsError> {
+        let (ranges, worker) = (self.o.job.ranges(), self.o.worker);
+        let id = key_list_id(&[]);
+        let mut todo: Vec<u32> = (0..ranges).collect();
+        let mut slowest = u64::MAX;
+        let probe = &mut |range, epoch, _: &mut HashSet<u64>| Req::Pull {
+            epoch,
+            range,
+            worker,
+            clock: 0,
+            keys: Keys::List { id, keys: Vec::new() },
+        };
+        self.rounds("clock", &mut todo, probe, &mut |_, r| match r {
+            Resp::Values { min_clock, values } if values.is_empty() => {
+                slowest = slowest.min(min_clock);
+                Ok(())
+            }
+            other => Err(other),
+        })?;
+        Ok(if slowest == u64::MAX { 0 } else { slowest })
+    }
+
+    /// The deadline of every request, retries included (`ps.timeout_secs`).
+    pub fn timeout(&self) -> Duration {
+        self.o.timeout
+    }
+
     /// Every server's counters, by server id.
     pub fn server_stats(&mut self) -> Result<Vec<(u32, ServerStats)>, PsError> {
         let ids: Vec<u32> = self.membership.servers.iter().map(|(id, _)| *id).collect();

@@ -169,6 +169,33 @@ fn async_workers_do_not_wait_for_a_straggler() {
     assert!((x[0] - want).abs() < 1e-5, "{} vs {want}", x[0]);
 }
 
+/// `PsClient::slowest_clock` (what an async worker waits on at the end of its run) is the
+/// fewest pushes any worker has made to any range, and it moves no values.
+#[test]
+fn the_slowest_clock_is_the_fewest_pushes_of_any_worker_and_reads_no_values() {
+    let c = cluster(2);
+    let n = 250;
+    let j = job(n as u64, 100, 2, 0, Consistency::Async, sgd());
+    let (mut p0, mut p1) = (client(&c, &j, 0, 2), client(&c, &j, 1, 2));
+    p0.init(&vec![1.0; n]).unwrap();
+    for t in 0..5 {
+        p0.push(t, 0.1, &grad(0, t, n), None).unwrap();
+    }
+    for t in 0..2 {
+        p1.push(t, 0.1, &grad(1, t, n), None).unwrap();
+    }
+    let sent = |p: &mut PsClient| p.server_stats().unwrap().iter().map(|(_, s)| s.bytes_out).sum::<u64>();
+    let before = sent(&mut p0);
+    assert_eq!((p0.slowest_clock().unwrap(), p1.slowest_clock().unwrap()), (2, 2));
+    let read = sent(&mut p0) - before;
+    assert!(read < 4 * n as u64, "reading the clocks sent {read} bytes, as many as the {n} values");
+    // Worker 1 catches up.
+    for t in 2..5 {
+        p1.push(t, 0.1, &grad(1, t, n), None).unwrap();
+    }
+    assert_eq!(p0.slowest_clock().unwrap(), 5);
+}
+
 /// Each push subtracts exactly 1 from every value (SGD, lr 1, gradient 1), so the final values
 /// count the updates applied: any lost or doubly applied push shows.
 fn counting_run(c: &Cluster, j: &JobSpec, pushes: u64, mid: &mut dyn FnMut(u64)) -> Vec<f32> {

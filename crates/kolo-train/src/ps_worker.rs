@@ -257,8 +257,13 @@ impl Strategy for PsStrategy<'_> {
     /// it as a data-parallel checkpoint: the whole model and optimizer state, the data
     /// position, `workers` replicas, and each worker's clock (`kolo.ps_clocks`: where each
     /// resumes). It resumes under the parameter servers (on fresh servers too) or under
-    /// DDP/ZeRO. The other workers write nothing.
+    /// DDP/ZeRO. The other workers write nothing. The run's last checkpoint under async and
+    /// bounded delay follows the final pull: every worker's last push is in it (a run stopped early keeps
+    /// the fuzzy one).
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        if !self.w.x.bsp && at.step == self.cfg.train.steps {
+            self.settle()?;
+        }
         if self.me.0 != 0 {
             return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
         }
@@ -317,6 +322,8 @@ pub struct Adoption {
     done: Arc<AtomicBool>,
     watcher: Option<JoinHandle<()>>,
     taken: Arc<Mutex<Vec<Taken>>>,
+    /// A shard taken over failed (its thread's error is [`Adoption::finish`]'s).
+    failed: Arc<AtomicBool>,
 }
 
 /// A dead worker's shard being trained on a thread of this worker.
@@ -325,8 +332,9 @@ type Taken = (usize, JoinHandle<Result<(), TrainError>>);
 impl Adoption {
     /// Starts watching for dead workers of the `world` workers on behalf of worker `rank`.
     pub fn start(coordinator: &str, token: &JobToken, (rank, world): (usize, usize), take_over: TakeOver) -> Result<Adoption, TrainError> {
-        let (done, taken): (Arc<AtomicBool>, Arc<Mutex<Vec<_>>>) = Default::default();
+        let (done, taken, failed): (Arc<AtomicBool>, Arc<Mutex<Vec<_>>>, Arc<AtomicBool>) = Default::default();
         let (stop, list, coordinator, token) = (done.clone(), taken.clone(), coordinator.to_string(), token.clone());
+        let failing = failed.clone();
         let watcher = std::thread::Builder::new()
             .name("kolo-ps-adopt".into())
             .spawn(move || {
@@ -339,28 +347,63 @@ impl Adoption {
                         }
                         if let Ok(true) = kolo_ps::coord::adopt(&coordinator, &token, dead as u32, rank as u32, Duration::from_secs(5)) {
                             kolo_base::eline!("worker {rank}: worker {dead} is dead; training its data shard from its last step");
-                            let f = take_over.clone();
-                            let h = std::thread::spawn(move || f(dead));
+                            let (f, failing) = (take_over.clone(), failing.clone());
+                            let h = std::thread::spawn(move || {
+                                let r = f(dead);
+                                failing.fetch_or(r.is_err(), Ordering::SeqCst);
+                                r
+                            });
                             list.lock().unwrap_or_else(|p| p.into_inner()).push((dead, h));
                         }
                     }
                 }
             })
             .map_err(|e| TrainError::Other(e.to_string()))?;
-        Ok(Adoption { done, watcher: Some(watcher), taken })
+        Ok(Adoption { done, watcher: Some(watcher), taken, failed })
     }
 
-    /// The final pull of a worker that trained `end` steps into `x.flat` (BSP: every push of
-    /// every worker applied), with the watch still running: a worker that dies in the last steps,
-    /// when the others already wait for its push, is taken over too. Then [`Adoption::finish`].
-    /// Returns the workers whose shards this one trained; a failed take-over is the error
-    /// before a failed pull (it explains it).
+    /// The final pull of a worker that trained `end` steps into `x.flat`, with every push of
+    /// every worker applied, and with the watch still running: a worker that dies in the last
+    /// steps is taken over too. Under BSP the pull waits for the last pushes; under async (whose
+    /// pulls wait for nobody) and bounded delay (for the slowest within τ),
+    /// [`Adoption::await_last_pushes`] waits first. Then
+    /// [`Adoption::finish`]. Returns the workers whose shards this one trained; a failed
+    /// take-over is the error before a failed pull or wait (it explains it).
     pub fn final_pull(&mut self, x: &mut Exchange, end: u64, rank: usize) -> Result<Vec<usize>, TrainError> {
         let clock = x.final_clock(end);
-        let pulled = x.client.pull(clock, &mut x.flat);
+        let waited = if x.bsp { Ok(()) } else { self.await_last_pushes(x, rank) };
+        let pulled = waited.and_then(|()| Ok(x.client.pull(clock, &mut x.flat)?));
         let taken = self.finish(rank)?;
         pulled?;
         Ok(taken)
+    }
+
+    /// Async or bounded delay, at the end of this worker's run: waits until every worker's last
+    /// push (each makes as many as this one, `x.pushes`) has reached every range, whether the worker made
+    /// it or a survivor that took its shard over did. Stops waiting when a take-over failed
+    /// ([`Adoption::finish`] reports it); fails, naming the workers behind, when the slowest
+    /// worker's pushes do not advance within the servers' deadline (`ps.timeout_secs`).
+    fn await_last_pushes(&self, x: &mut Exchange, rank: usize) -> Result<(), TrainError> {
+        let (last, deadline) = (x.pushes, x.client.timeout());
+        let (mut slowest, mut since) = (x.client.slowest_clock()?, Instant::now());
+        while slowest < last && !self.failed.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(100));
+            let now = x.client.slowest_clock()?;
+            if now > slowest {
+                (slowest, since) = (now, Instant::now());
+            } else if since.elapsed() > deadline {
+                let mut behind = std::collections::BTreeSet::new();
+                for (_, s) in x.client.reachable_server_stats() {
+                    behind.extend(s.worker_behind_ms.iter().enumerate().filter(|(_, ms)| **ms > 0.0).map(|(w, _)| w));
+                }
+                return Err(TrainError::Other(format!(
+                    "worker {rank}: at the end of the run, the slowest worker stayed at {slowest} of its {last} pushes for {:.0} s (ps.timeout_secs); behind: {}. A dead worker's shard is taken over once the coordinator declares it dead (kolo ps run --dead-after)",
+                    deadline.as_secs_f64(),
+                    if behind.is_empty() { "not known (no server answered)".to_string() } else { behind.iter().map(|w| format!("worker {w}")).collect::<Vec<_>>().join(", ") }
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Stops watching and waits for every shard taken over to be trained to the end. Returns
@@ -400,6 +443,8 @@ pub struct Exchange {
     /// Pushes made (the clock under async).
     pub pushes: u64,
     is_async: bool,
+    /// BSP: a pull for step t waits for every worker's push of step t - 1.
+    bsp: bool,
     fetch_every: u64,
     push_every: u64,
 }
@@ -422,6 +467,7 @@ impl Exchange {
             acc: vec![0f32; numel],
             pushes: 0,
             is_async: pc.consistency == PsConsistency::Async,
+            bsp: pc.consistency == PsConsistency::Bsp,
             fetch_every: pc.fetch_every.max(1),
             push_every: pc.push_every.max(1),
         }

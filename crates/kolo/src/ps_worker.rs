@@ -352,6 +352,10 @@ impl PsWorker {
         if done == end {
             self.cadence.report.finish();
         }
+        if done == end && self.opts.ps.consistency != PsConsistency::Bsp {
+            // The last step's checkpoint holds every worker's last push (finish's wait).
+            self.settle()?;
+        }
         if let Some((dir, _)) = self.cadence.checkpoint_due(&self.opts.train, done, end)? {
             let p = self.write_checkpoint(&dir)?;
             self.cadence.saving(done, p, false);
@@ -363,9 +367,26 @@ impl PsWorker {
     /// After the last step: pulls the final parameters into the model (under BSP every
     /// worker's last push applied; async: what the servers hold now) and tells the coordinator
     /// this worker is done. Returns them, flat. With [`PsWorker::take_over_dead_workers`] it
-    /// watches for dead workers until the pull is done (one that dies in the last step is taken
-    /// over too), then waits for the shards this worker trains.
+    /// watches for dead workers until the pull is done (one that dies in the last steps is taken
+    /// over too; under async and bounded delay it first waits for every worker's last push, as
+    /// BSP's pull does),
+    /// then waits for the shards this worker trains.
     pub fn finish(&mut self) -> Result<Vec<f32>> {
+        self.settle()?;
+        self.params.load(&self.x.flat)?;
+        publish(&self.params, &self.model_vars, self.compute)?;
+        if !self.finished {
+            self.finished = true;
+            let _ = kolo_ps::coord::worker_done(&self.coordinator, &self.token, self.me.0 as u32, Duration::from_secs(5));
+        }
+        Ok(self.x.flat.clone())
+    }
+}
+
+impl PsWorker {
+    /// The final pull ([`PsWorker::finish`]'s), once: with the watch for dead workers, every
+    /// worker's last push applied (async too); without it, under async, what the servers hold.
+    fn settle(&mut self) -> Result<()> {
         match self.adoption.take() {
             Some(mut a) => {
                 let shards = a.final_pull(&mut self.x, self.steps, self.me.0)?;
@@ -378,13 +399,7 @@ impl PsWorker {
                 self.x.client.pull(clock, &mut self.x.flat)?;
             }
         }
-        self.params.load(&self.x.flat)?;
-        publish(&self.params, &self.model_vars, self.compute)?;
-        if !self.finished {
-            self.finished = true;
-            let _ = kolo_ps::coord::worker_done(&self.coordinator, &self.token, self.me.0 as u32, Duration::from_secs(5));
-        }
-        Ok(self.x.flat.clone())
+        Ok(())
     }
 }
 

@@ -60,18 +60,51 @@ fn a_ps_job_whose_worker_dies_trains_its_shard_on_a_survivor_to_the_same_bits() 
     }
 }
 
-/// Under async consistency the survivors do not wait for a dead worker: they finish before it
-/// is declared dead, nobody takes its shard over, and `kolo ps run` fails naming the worker and
-/// why its shard was left.
+/// Under async consistency nobody's pull waits for another worker, so the survivors of a
+/// worker that dies early (`--kill-at 1:3` of 200 steps) finish long before the coordinator
+/// declares it dead (2 s of silence); under bounded delay (τ = 4) the survivors' last pull
+/// waits only for step 196, so a worker that dies at step 197 is left behind too. The
+/// survivors wait at the end for every worker's last push, one trains the dead worker's shard,
+/// and the job succeeds: worker 0's final checkpoint holds 200 pushes of every worker
+/// (`kolo.ps_clocks`). Before, the survivors ended without waiting and the shard was left
+/// untrained.
+#[test]
+fn async_and_bounded_ps_jobs_take_over_a_worker_that_dies_while_the_others_finish() {
+    for (consistency, kill) in [("async", "1:3"), ("bounded", "1:197")] {
+        let dir = fresh_dir(&format!("ps-dead-{consistency}"));
+        let (cfg, ck) = (dir.join("job.toml"), dir.join("ck"));
+        let tables = format!(
+            "[train]\nsteps = 200\nlog_every = 100\nstrategy = \"ps\"\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 200\n[ps]\nconsistency = \"{consistency}\"\nstaleness = 4\n",
+            ck.display()
+        );
+        write_mnist_mlp(&cfg, 16, 8, &tables);
+        let args = ["ps", "run", "-n", "3", "--dead-after", "2", "--config", cfg.to_str().unwrap(), "--", "--kill-at", kill];
+        let o = run(&args, &[("RAYON_NUM_THREADS", "1")]);
+        let t = text(&o);
+        assert!(o.status.success() && t.contains("every data shard was trained"), "{consistency}: {t}");
+        let meta = kolo_checkpoint::sharded::load_any(&ck.join("step-00000200")).unwrap().meta;
+        assert_eq!(meta.get("kolo.ps_clocks").map(String::as_str), Some("200,200,200"), "{consistency}: {t}");
+    }
+}
+
+/// When the coordinator would declare a dead worker dead only after the survivors' deadline
+/// (`ps.timeout_secs` = 3 s, `--dead-after` 60 s), the survivors stop waiting for its last push
+/// with an error that names it, and `kolo ps run` fails saying nobody took its shard over and why.
 #[test]
 fn a_ps_job_whose_dead_workers_shard_nobody_took_over_fails_saying_so() {
-    let dir = fresh_dir("ps-dead-async");
+    let dir = fresh_dir("ps-dead-async-late");
     let cfg = dir.join("async.toml");
-    write_mnist_mlp(&cfg, 16, 8, "[train]\nsteps = 200\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\n");
-    let args = ["ps", "run", "-n", "3", "--dead-after", "5", "--config", cfg.to_str().unwrap(), "--", "--kill-at", "1:3"];
+    write_mnist_mlp(
+        &cfg,
+        16,
+        8,
+        "[train]\nsteps = 200\nlog_every = 100\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\ntimeout_secs = 3\n",
+    );
+    let args = ["ps", "run", "-n", "3", "--dead-after", "60", "--config", cfg.to_str().unwrap(), "--", "--kill-at", "1:3"];
     let o = run(&args, &[("RAYON_NUM_THREADS", "1")]);
     let t = text(&o);
     assert!(!o.status.success(), "{t}");
+    assert!(t.contains("the slowest worker stayed at 3 of its 200 pushes") && t.contains("behind: worker 1."), "{t}");
     assert!(t.contains("job failed: rank 1") && t.contains("no worker took over worker 1's data shard"), "{t}");
 }
 

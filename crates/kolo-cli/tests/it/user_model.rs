@@ -770,7 +770,8 @@ fn a_users_model_trains_through_parameter_servers_as_under_ddp() {
 /// survivor's `take_over_dead_workers` trains its shard from its clock on a second
 /// model of its own (without seeding the servers again), that thread, as worker 0, writes the
 /// final model, and `kolo ps run` succeeds. The model is bitwise the uninterrupted job's. So
-/// it is when worker 2 fails in the last step, the others already in `PsWorker::finish`.
+/// it is when worker 2 fails in the last step, the others already in `PsWorker::finish`. Under
+/// async consistency a worker that fails early is taken over too (the others wait at the end).
 #[test]
 fn a_users_ps_job_whose_worker_dies_ends_where_the_uninterrupted_one_does() {
     let dir = fresh_dir("user-ps-dead");
@@ -788,6 +789,17 @@ fn a_users_ps_job_whose_worker_dies_ends_where_the_uninterrupted_one_does() {
         assert_same_model(&clean, &dead, &format!("worker {w} dead at step {step} vs the uninterrupted job"));
         std::fs::remove_file(&dead).unwrap();
     }
+    // Async: the others finish long before worker 1 is declared dead, wait in `finish` for its
+    // last push, and one trains its shard: worker 0's last checkpoint holds 60 pushes of each.
+    let ck = dir.join("async");
+    let t = ps_job_of(
+        3,
+        "1.5",
+        &format!("{common} --consistency async --fail-at 1:3 --checkpoints {} --every 60 --out {}", ck.display(), dead.display()),
+    );
+    assert!(t.contains("also trained the shard(s) of dead worker(s) [1]"), "{t}");
+    let meta = kolo_checkpoint::sharded::load_any(&ck.join("step-00000060")).unwrap().meta;
+    assert_eq!(meta.get("kolo.ps_clocks").map(String::as_str), Some("60,60,60"), "{t}");
 }
 
 /// Runs a parameter-server job of the `user_ps` example with `args`: `kolo ps run --exec`, one
