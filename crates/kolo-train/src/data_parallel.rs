@@ -5,7 +5,7 @@
 //! SGD, deterministic (fixed-point) summation and f16 training with a dynamic loss scale.
 
 use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
-use crate::config::Config;
+use crate::config::{Config, StepTables};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::eval::{evaluate, sample_text};
@@ -27,7 +27,7 @@ use std::time::Instant;
 const VOCAB_PARALLEL_REDUCES: usize = 5;
 
 pub struct DataParallel<'a> {
-    cfg: &'a Config,
+    t: StepTables<'a>,
     /// The data-parallel group.
     comm: Arc<dyn Communicator>,
     global_rank: usize,
@@ -117,7 +117,7 @@ impl<'a> DataParallel<'a> {
         let hooked = HookedView { sink: e.ddp.sink(), dtype };
         let ids = crate::update::param_ids(model.params());
         let s = DataParallel {
-            cfg,
+            t: cfg.step_tables(),
             comm,
             global_rank,
             quiet: opts.quiet,
@@ -150,7 +150,7 @@ impl<'a> DataParallel<'a> {
     /// (`update::backward_routed`, bucket by bucket as backward produces gradients, the path
     /// the library's Trainer takes; ZeRO-3 through the hooked view). Returns the mean loss.
     fn forward_backward(&mut self, step: u64, data: &mut Batches) -> Result<f64, TrainError> {
-        let tc = &self.cfg.train;
+        let tc = self.t.train;
         let te = kolo_tensor::TensorError::from;
         let rank = self.comm.rank().get();
         let mut loss_sum = 0f64;
@@ -183,7 +183,7 @@ impl<'a> DataParallel<'a> {
     /// Returns the mean of the pieces' losses. `at` = (rank, step) for the error.
     fn exact_pieces(&mut self, batch: &Batch, at: (usize, u64)) -> Result<f64, TrainError> {
         let te = kolo_tensor::TensorError::from;
-        let chunk = self.cfg.ddp.deterministic_chunk;
+        let chunk = self.t.ddp.deterministic_chunk;
         let pieces = batch.chunks(chunk).ok_or_else(|| {
             TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len()))
         })?;
@@ -220,24 +220,23 @@ impl<'a> DataParallel<'a> {
     /// The step's end (`Engine::update`: the buckets, a local step or deterministic mode's
     /// exact sum) and its record.
     fn end_step(&mut self, step: u64, lr: f32, out: &mut StepOut) -> Result<(), TrainError> {
-        let cfg = self.cfg;
         let group = self.tp.as_ref().map(|(g, _)| &**g as &dyn kolo_base::GroupSum);
         let checks = crate::update::Checks {
             comm: &*self.comm,
-            clip: cfg.optim.clip_grad_norm,
+            clip: self.t.optim.clip_grad_norm,
             tp: self.tp_split.as_deref().zip(group),
             inject_inf: self.inject_inf_at == Some(step) && self.comm.rank().get() == 0,
-            skip_nonfinite: cfg.train.on_nonfinite == crate::config::OnNonFinite::Skip,
+            skip_nonfinite: self.t.train.on_nonfinite == crate::config::OnNonFinite::Skip,
         };
         // Deterministic mode: pieces in the whole step (micro-steps x the global batch / piece size).
-        let global = cfg.data.batch_size * self.comm.world_size().get();
-        let pieces = cfg.train.grad_accum as usize * global / cfg.ddp.deterministic_chunk.max(1);
+        let global = self.t.batch_size * self.comm.world_size().get();
+        let pieces = self.t.train.grad_accum as usize * global / self.t.ddp.deterministic_chunk.max(1);
         let local = self.e.is_local_step(step) && self.e.exact.is_none();
         let end = crate::update::StepEnd { step, lr, checks, pieces, sp: None };
         let stats = self.e.update(self.model.params(), &end, &mut |_| Ok(()))?.stats;
         if local {
             // A local step waits for nothing; local SGD's averaging is its traffic.
-            out.rec.comm_bytes = cfg.ddp.local_sgd.is_some().then_some(stats.bytes);
+            out.rec.comm_bytes = self.t.ddp.local_sgd.is_some().then_some(stats.bytes);
             return Ok(());
         }
         out.comm_spans = stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
@@ -310,9 +309,9 @@ impl<'a> DataParallel<'a> {
             return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
         }
         let ModelSpec::Gpt(gc) = &self.spec else { unreachable!("tensor parallelism splits the GPT") };
-        let gpt = kolo_tensor::models::Gpt::new(gc.clone(), &mut Rng::new(self.cfg.train.seed))?;
+        let gpt = kolo_tensor::models::Gpt::new(gc.clone(), &mut Rng::new(self.t.train.seed))?;
         gpt.params().load(&values)?;
-        let mut opt = Optimizer::new(self.cfg.optimizer(), values.len());
+        let mut opt = Optimizer::new(self.t.optim.spec(), values.len());
         opt.load_state(self.e.opt.steps(), &states).map_err(TrainError::Other)?;
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
@@ -325,7 +324,7 @@ impl<'a> DataParallel<'a> {
         if self.global_rank != 0 || self.quiet {
             return;
         }
-        let steps = steps_run.max(1) * self.cfg.train.grad_accum;
+        let steps = steps_run.max(1) * self.t.train.grad_accum;
         let (calls, bytes) = g.traffic();
         let (calls, mb) = (calls as f64 / steps as f64, bytes as f64 / steps as f64 / 1e6);
         // Outside the blocks: the vocabulary-parallel embedding (1, forward), head (1, backward)
@@ -354,7 +353,7 @@ impl Strategy for DataParallel<'_> {
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         let settle = || self.settle();
-        evaluate(&*self.model, &*self.eval_view, ds, &*self.comm, self.cfg.data.batch_size, max_batches, self.zero3, &settle).map(Some)
+        evaluate(&*self.model, &*self.eval_view, ds, &*self.comm, self.t.batch_size, max_batches, self.zero3, &settle).map(Some)
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
@@ -364,7 +363,7 @@ impl Strategy for DataParallel<'_> {
         if self.comm.rank().get() != 0 && !self.zero3 {
             return Ok(None);
         }
-        let tc = &self.cfg.train;
+        let tc = self.t.train;
         let settle = || self.settle();
         sample_text(&*self.model, &*self.eval_view, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &settle).map(Some)
     }
@@ -375,7 +374,7 @@ impl Strategy for DataParallel<'_> {
         }
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
-        let replica = self.e.replica(self.model.params(), self.cfg.ddp.local_sgd.is_some());
+        let replica = self.e.replica(self.model.params(), self.t.ddp.local_sgd.is_some());
         replica.save(at.dir, at.step, at.pos, meta, at.background, at.crash)
     }
 

@@ -8,7 +8,7 @@
 //! loss, as DDP with every expert on every rank computes it.
 
 use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave};
-use crate::config::Config;
+use crate::config::{Config, StepTables};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::setup::{optimizer_step, Data};
@@ -49,7 +49,7 @@ pub(crate) fn reduce_load(load: Option<MoeLoad>, comm: &dyn Communicator) -> Res
 }
 
 pub struct ExpertParallel<'a> {
-    cfg: &'a Config,
+    t: StepTables<'a>,
     /// Every rank: each is a data-parallel replica with its own data shard.
     comm: Arc<dyn Communicator>,
     /// The ranks holding the same experts as this one (one per expert-parallel group).
@@ -117,7 +117,7 @@ impl<'a> ExpertParallel<'a> {
         for (i, p) in gpt.params().iter().enumerate() {
             if expert[i] { &mut mine } else { &mut shared }.push(p.range.clone());
         }
-        let s = ExpertParallel { cfg, comm, rep, gcfg, gpt, opt, grads: vec![0f32; numel], shared, mine, meta };
+        let s = ExpertParallel { t: cfg.step_tables(), comm, rep, gcfg, gpt, opt, grads: vec![0f32; numel], shared, mine, meta };
         Ok((s, start))
     }
 
@@ -172,7 +172,7 @@ impl Strategy for ExpertParallel<'_> {
         e.iter_mut().for_each(|x| *x /= world as f32);
         scatter(&e, &self.mine, &mut self.grads);
         let reduced = Instant::now();
-        if let Some(max) = self.cfg.optim.clip_grad_norm {
+        if let Some(max) = self.t.optim.clip_grad_norm {
             // Shared parameters counted once, every expert once (its replicas share the sum).
             let own_shared = if rank == 0 { sum_of_squares(&s) } else { 0.0 };
             let own_experts = if self.rep.rank().get() == 0 { sum_of_squares(&e) } else { 0.0 };
@@ -193,13 +193,13 @@ impl Strategy for ExpertParallel<'_> {
         // Whole sequences, with every expert, on rank 0.
         let flat = self.whole_params()?;
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::eval::evaluate_alone(self.cfg.data.batch_size, &self.gcfg, &flat, ds, max_batches)).transpose()
+        lead.then(|| crate::eval::evaluate_alone(self.t.batch_size, &self.gcfg, &flat, ds, max_batches)).transpose()
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let flat = self.whole_params()?;
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::eval::sample_alone(&self.cfg.train, &self.gcfg, &flat, vocab)).transpose()
+        lead.then(|| crate::eval::sample_alone(self.t.train, &self.gcfg, &flat, vocab)).transpose()
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
@@ -207,9 +207,9 @@ impl Strategy for ExpertParallel<'_> {
         // would, so the checkpoint continues under DDP or another expert-parallel size.
         let values = self.whole_params()?;
         let states = self.opt.state().into_iter().map(|(name, v)| Ok((name, self.whole(v)?))).collect::<Result<Vec<_>, TrainError>>()?;
-        let whole = Gpt::new(self.gcfg.clone(), &mut Rng::new(self.cfg.train.seed))?;
+        let whole = Gpt::new(self.gcfg.clone(), &mut Rng::new(self.t.train.seed))?;
         whole.params().load(&values)?;
-        let mut opt = Optimizer::new(self.cfg.optimizer(), values.len());
+        let mut opt = Optimizer::new(self.t.optim.spec(), values.len());
         opt.load_state(self.opt.steps(), &states).map_err(TrainError::Other)?;
         let mut meta = self.meta.clone();
         meta.extend(at.meta);

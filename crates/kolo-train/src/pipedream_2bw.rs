@@ -62,7 +62,7 @@ impl<'a> TwoBw<'a> {
     pub(crate) fn new(b: BuiltStage<'a>) -> Result<(TwoBw<'a>, Start), TrainError> {
         let (global_rank, quiet) = (b.global_rank, b.quiet);
         let c = b.gpt.config();
-        let act_len = b.setup.cfg.data.batch_size / b.setup.m * c.seq * c.d_model;
+        let act_len = b.setup.t.batch_size / b.setup.m * c.seq * c.d_model;
         let latest = b.start.as_ref().map_or(0, |(_, r)| r.step);
         let gpt = Arc::new(b.gpt);
         let mut versions = BTreeMap::from([(latest, gpt.clone())]);

@@ -13,7 +13,7 @@
 //! stage setup.
 
 use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave, Resumed};
-use crate::config::{Config, PipeSchedule};
+use crate::config::{Config, PipeSchedule, StepTables};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::setup::Data;
@@ -56,7 +56,8 @@ pub fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, TrainError> {
 /// What every stage of a pipeline run shares: its layers, its parameters and their flat
 /// ranges, the groups, and the optimizer of its own parameters.
 pub(crate) struct StageSetup<'a> {
-    pub cfg: &'a Config,
+    /// The tables the stage reads while it trains.
+    pub t: StepTables<'a>,
     pub comm: &'a dyn Communicator,
     /// PipeDream-2BW: a second communicator over the pipeline's ranks for the agreement at
     /// each update, so that it never falls between the activations still streaming on `comm`.
@@ -92,7 +93,7 @@ impl StageSetup<'_> {
     /// loss (`loss_sum`: the last stage's micro-batch losses) averaged over the replicas.
     pub(crate) fn clip_and_loss(&self, gpt: &Gpt, grads: &[f32], loss_sum: f64) -> Result<(f32, f64), TrainError> {
         let mut v = [0f64, loss_sum];
-        if self.cfg.optim.clip_grad_norm.is_some() {
+        if self.t.optim.clip_grad_norm.is_some() {
             // Split parameters summed over the tensor-parallel group, replicated ones once.
             let split = gpt.tensor_parallel_split();
             let counted = |i: usize| split.as_ref().is_none_or(|s| s[i] || self.tp.as_ref().is_some_and(|g| g.rank() == 0));
@@ -111,7 +112,7 @@ impl StageSetup<'_> {
         self.sync.as_deref().unwrap_or(self.comm).all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;
         let mut l = [v[1]];
         self.dp.all_reduce(BufMut::from(&mut l[..]), ReduceOp::Avg)?;
-        Ok((self.cfg.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(v[0].sqrt(), max)), l[0]))
+        Ok((self.t.optim.clip_grad_norm.map_or(1.0, |max| clip_factor(v[0].sqrt(), max)), l[0]))
     }
 
     /// One optimizer step of this stage's parameters of `gpt` with `grads` scaled by `f`.
@@ -223,7 +224,7 @@ fn build_stage<'a>(
         }
         _ => None,
     };
-    let setup = StageSetup { cfg, comm, sync, dp, tp, layers, own, ranges, opt, m, remat: pc.rematerialize };
+    let setup = StageSetup { t: cfg.step_tables(), comm, sync, dp, tp, layers, own, ranges, opt, m, remat: pc.rematerialize };
     Ok((gpt, setup, schedule))
 }
 
@@ -277,7 +278,7 @@ impl StageSetup<'_> {
     /// Under tensor parallelism: the whole (unsplit) model and the flat ranges of this stage's
     /// parameters in it (checkpoints hold whole tensors under the whole model's names).
     fn whole_model(&self, gcfg: &GptConfig, gpt: &Gpt) -> Result<(Gpt, Vec<std::ops::Range<usize>>), TrainError> {
-        let whole = Gpt::new(gcfg.clone(), &mut Rng::new(self.cfg.train.seed))?;
+        let whole = Gpt::new(gcfg.clone(), &mut Rng::new(self.t.train.seed))?;
         let mut ranges = Vec::with_capacity(self.own.len());
         for &i in &self.own {
             let (w, l) = (whole.params().get(i), gpt.params().get(i));
@@ -486,7 +487,7 @@ impl StageSetup<'_> {
         if tp.rank() != 0 {
             return Ok(PendingSave { target: at.dir.join(format!("step-{:08}", at.step)), thread: None });
         }
-        let mut opt = Optimizer::new(self.cfg.optimizer(), master.len());
+        let mut opt = Optimizer::new(self.t.optim.spec(), master.len());
         opt.load_state(self.opt.steps(), &states).map_err(TrainError::Other)?;
         let plan = self.plan_of(&ranges);
         save_checkpoint(at.dir, at.step, whole.params(), &master, &opt, Some(&plan), self.comm, at.pos, meta, own, at.background, at.crash)
@@ -502,13 +503,13 @@ impl StageSetup<'_> {
         max: usize,
     ) -> Result<Option<Eval>, TrainError> {
         let flat = self.assemble(gpt)?;
-        first.then(|| crate::eval::evaluate_alone(self.cfg.data.batch_size, gcfg, &flat, ds, max)).transpose()
+        first.then(|| crate::eval::evaluate_alone(self.t.batch_size, gcfg, &flat, ds, max)).transpose()
     }
 
     /// Text from the whole model `gpt`, on global rank 0.
     pub(crate) fn sample(&self, gcfg: &GptConfig, gpt: &Gpt, first: bool, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let flat = self.assemble(gpt)?;
-        first.then(|| crate::eval::sample_alone(&self.cfg.train, gcfg, &flat, vocab)).transpose()
+        first.then(|| crate::eval::sample_alone(self.t.train, gcfg, &flat, vocab)).transpose()
     }
 }
 
@@ -525,7 +526,7 @@ fn load_tensor_parallel_stage(
     let (whole, ranges) = setup.whole_model(gcfg, gpt)?;
     let mut full = vec![0f32; whole.params().numel()];
     let plan = setup.plan_of(&ranges);
-    let mut whole_opt = Optimizer::new(setup.cfg.optimizer(), plan.len);
+    let mut whole_opt = Optimizer::new(setup.t.optim.spec(), plan.len);
     let all: Vec<_> = whole.params().iter().map(|p| p.range.clone()).collect();
     let r = load_checkpoint(path, whole.params(), &mut full, &mut whole_opt, Some(&plan), &all, meta)?;
     let local =

@@ -11,7 +11,7 @@
 //! result is bit-identical to a run in which nobody died.
 
 use crate::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint, PendingSave, Resumed};
-use crate::config::{Config, PsConsistency};
+use crate::config::{Config, PsConsistency, StepTables};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::eval::{evaluate, sample_text};
@@ -43,7 +43,7 @@ pub struct PsWorker {
 /// the others): the driver's log windows average this worker's own loss, and worker 0
 /// evaluates (mid-run: the parameters it last pulled; at the end: the final ones).
 pub struct PsStrategy<'a> {
-    cfg: &'a Config,
+    t: StepTables<'a>,
     /// A communicator of this worker alone.
     alone: Box<dyn Communicator>,
     me: (usize, usize),
@@ -150,7 +150,7 @@ impl<'a> PsStrategy<'a> {
         };
         let adoption = Adoption::start(&coordinator, &w.token, (rank, world), take_over)?;
         let s = PsStrategy {
-            cfg,
+            t: cfg.step_tables(),
             alone: Box::new(LocalComm::create(WorldSize::new(1).expect("1 > 0")).remove(0)),
             quiet: opts.quiet,
             me: (rank, world),
@@ -202,7 +202,7 @@ impl Strategy for PsStrategy<'_> {
             // Test hook: this worker vanishes (no goodbye; its heartbeats stop with its client).
             return Err(TrainError::Other(format!("worker {} died at step {} (test hook)", self.me.0, ctx.step)));
         }
-        let mut out = self.w.step(self.cfg, ctx, &mut || data.next_batch())?;
+        let mut out = self.w.step(self.t, ctx, &mut || data.next_batch())?;
         out.note = format!(
             " | {:.1} ms in push/pull | lead over the slowest worker up to {} step(s)",
             out.rec.wait_ms.unwrap_or(0.0),
@@ -239,7 +239,7 @@ impl Strategy for PsStrategy<'_> {
         if self.me.0 != 0 {
             return Ok(None);
         }
-        evaluate(&*self.w.model, &PlainView, ds, &*self.alone, self.cfg.data.batch_size, max_batches, false, &|| Ok(())).map(Some)
+        evaluate(&*self.w.model, &PlainView, ds, &*self.alone, self.t.batch_size, max_batches, false, &|| Ok(())).map(Some)
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
@@ -248,7 +248,7 @@ impl Strategy for PsStrategy<'_> {
         if self.me.0 != 0 {
             return Ok(None);
         }
-        let tc = &self.cfg.train;
+        let tc = self.t.train;
         sample_text(&*self.w.model, &PlainView, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(())).map(Some)
     }
 
@@ -261,7 +261,7 @@ impl Strategy for PsStrategy<'_> {
     /// bounded delay follows the final pull: every worker's last push is in it (a run stopped early keeps
     /// the fuzzy one).
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        if !self.w.x.bsp && at.step == self.cfg.train.steps {
+        if !self.w.x.bsp && at.step == self.t.train.steps {
             self.settle()?;
         }
         if self.me.0 != 0 {
@@ -270,7 +270,7 @@ impl Strategy for PsStrategy<'_> {
         let snap = self.w.x.client.snapshot(at.step)?;
         let params = self.w.model.params();
         params.load(&snap.values)?;
-        let spec = self.cfg.optimizer();
+        let spec = self.t.optim.spec();
         let mut opt = Optimizer::new(spec.clone(), snap.values.len());
         let bufs: Vec<(&str, Vec<f32>)> = spec.state_names().iter().copied().zip(snap.opt_state).collect();
         opt.load_state(snap.opt_steps, &bufs).map_err(TrainError::Data)?;
@@ -590,8 +590,13 @@ impl Worker {
 
     /// Step `ctx.step`: pull (every `fetch_every` steps under async), the gradient over
     /// `grad_accum` batches from `next`, clipping, push (every `push_every` steps under async).
-    fn step(&mut self, cfg: &Config, ctx: &StepCtx, next: &mut dyn FnMut() -> Result<Batch, TrainError>) -> Result<StepOut, TrainError> {
-        let tc = &cfg.train;
+    fn step(
+        &mut self,
+        t: StepTables<'_>,
+        ctx: &StepCtx,
+        next: &mut dyn FnMut() -> Result<Batch, TrainError>,
+    ) -> Result<StepOut, TrainError> {
+        let tc = t.train;
         let te = kolo_tensor::TensorError::from;
         let mut out = StepOut::default();
         let mut waited = Duration::ZERO;
@@ -610,7 +615,7 @@ impl Worker {
             self.x.grads.iter_mut().zip(&self.micro).for_each(|(a, b)| *a += b);
         }
         out.backward_end = Some(Instant::now());
-        let pushed = self.x.push_step(ctx.step, ctx.lr, cfg.optim.clip_grad_norm)?;
+        let pushed = self.x.push_step(ctx.step, ctx.lr, t.optim.clip_grad_norm)?;
         if let Some((t0, t1)) = pushed.span {
             waited += t1 - t0;
             out.comm_spans.push(("push".into(), t0, t1));
@@ -709,7 +714,7 @@ fn adopt_shard(
     for step in start..end {
         let lr = cfg.optim.lr_of_step(global_batch, tc.steps, step);
         let mut next = || batches.recv().map(|b| b.1).map_err(|_| TrainError::Other("the prefetch thread stopped".into()));
-        w.step(cfg, &StepCtx { step, lr, drain_at: end }, &mut next)?;
+        w.step(cfg.step_tables(), &StepCtx { step, lr, drain_at: end }, &mut next)?;
     }
     let _ = kolo_ps::coord::worker_done(coordinator, token, shard as u32, Duration::from_secs(5));
     Ok(())

@@ -21,7 +21,7 @@
 //! (rank 0 writes them) and continue under either.
 
 use crate::checkpointing::{load_checkpoint, PendingSave};
-use crate::config::Config;
+use crate::config::{Config, StepTables};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, StepCtx, StepOut, Strategy};
 use crate::eval::{evaluate, sample_text};
@@ -467,7 +467,7 @@ fn schedule_loop(sched: &Sched, comm: &dyn Communicator, vars: &[candle_core::Va
 
 /// Scheduled DDP on the driver: the training thread's steps, the scheduler thread beside them.
 pub struct ScheduledDdp<'a> {
-    cfg: &'a Config,
+    t: StepTables<'a>,
     comm: Arc<dyn Communicator>,
     model: Box<dyn Model>,
     spec: ModelSpec,
@@ -513,7 +513,7 @@ pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOption
         data.train.describe()
     ));
     let sched = Scheduler::start(&*comm, model.params(), opt, (chunk, credit), first, timeout)?;
-    let mut s = ScheduledDdp { cfg, comm: comm.clone(), model, spec, sched: Some(sched), meta };
+    let mut s = ScheduledDdp { t: cfg.step_tables(), comm: comm.clone(), model, spec, sched: Some(sched), meta };
     crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), &data, heap_before, &mut s, start)
 }
 
@@ -554,7 +554,7 @@ impl Strategy for ScheduledDdp<'_> {
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         self.settle()?;
-        evaluate(&*self.model, &PlainView, ds, &*self.comm, self.cfg.data.batch_size, max_batches, false, &|| Ok(())).map(Some)
+        evaluate(&*self.model, &PlainView, ds, &*self.comm, self.t.batch_size, max_batches, false, &|| Ok(())).map(Some)
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
@@ -563,7 +563,7 @@ impl Strategy for ScheduledDdp<'_> {
         if self.comm.rank().get() != 0 {
             return Ok(None);
         }
-        let tc = &self.cfg.train;
+        let tc = self.t.train;
         sample_text(&*self.model, &PlainView, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(())).map(Some)
     }
 

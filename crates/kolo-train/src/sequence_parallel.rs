@@ -7,7 +7,7 @@
 //! writes them) and continue under DDP, or under another sequence split, as well.
 
 use crate::checkpointing::{load_checkpoint, PendingSave};
-use crate::config::Config;
+use crate::config::{Config, StepTables};
 use crate::data::{CharVocab, Dataset};
 use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::setup::{optimizer_step, Data};
@@ -37,7 +37,7 @@ pub fn sequence_chunk(batch: &Batch, r: usize, n: usize) -> Result<Batch, TrainE
 }
 
 pub struct SequenceParallel<'a> {
-    cfg: &'a Config,
+    t: StepTables<'a>,
     /// Every rank of the job: gradients are averaged over all of them.
     comm: Arc<dyn Communicator>,
     gcfg: GptConfig,
@@ -90,7 +90,7 @@ impl<'a> SequenceParallel<'a> {
                 replica.1,
             );
         }
-        let s = SequenceParallel { cfg, comm, gcfg, gpt, opt, grads: vec![0f32; numel], chunk, replica, meta };
+        let s = SequenceParallel { t: cfg.step_tables(), comm, gcfg, gpt, opt, grads: vec![0f32; numel], chunk, replica, meta };
         Ok((s, start))
     }
 }
@@ -114,7 +114,7 @@ impl Strategy for SequenceParallel<'_> {
         let backward_end = Instant::now();
         self.comm.all_reduce(BufMut::from(&mut self.grads[..]), ReduceOp::Avg)?;
         let reduced = Instant::now();
-        if let Some(max) = self.cfg.optim.clip_grad_norm {
+        if let Some(max) = self.t.optim.clip_grad_norm {
             let f = clip_factor(sum_of_squares(&self.grads).sqrt(), max);
             self.grads.iter_mut().for_each(|x| *x *= f);
         }
@@ -129,13 +129,12 @@ impl Strategy for SequenceParallel<'_> {
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         // Whole sequences, with an unsplit copy of the model, on rank 0.
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::eval::evaluate_alone(self.cfg.data.batch_size, &self.gcfg, &self.gpt.params().to_flat()?, ds, max_batches))
-            .transpose()
+        lead.then(|| crate::eval::evaluate_alone(self.t.batch_size, &self.gcfg, &self.gpt.params().to_flat()?, ds, max_batches)).transpose()
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         let lead = self.comm.rank().get() == 0;
-        lead.then(|| crate::eval::sample_alone(&self.cfg.train, &self.gcfg, &self.gpt.params().to_flat()?, vocab)).transpose()
+        lead.then(|| crate::eval::sample_alone(self.t.train, &self.gcfg, &self.gpt.params().to_flat()?, vocab)).transpose()
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
