@@ -145,7 +145,8 @@ pub fn sample_block(tc: &crate::config::TrainConfig, text: &str) -> String {
 /// Text sampling from a causal model, `kolo train`'s and the library's (`kolo::Trainer::sample`):
 /// `n` tokens after `start`, each drawn from the softmax of `next_logits(context) / temperature`
 /// (the logits of the context's last position; the context is the last `seq` tokens so far),
-/// with one uniform draw per token from `seed`'s generator. Returns the drawn tokens.
+/// with one uniform draw per token from `seed`'s generator (logits of any float dtype, drawn
+/// from in f32). Returns the drawn tokens.
 pub fn sample_ids(
     start: &[u32],
     n: usize,
@@ -158,7 +159,8 @@ pub fn sample_ids(
     let mut ids: Vec<u32> = start.to_vec();
     for _ in 0..n {
         let ctx = &ids[ids.len().saturating_sub(seq.max(1))..];
-        let last = next_logits(ctx)?;
+        // A bf16/f16 model's logits (mixed precision) are drawn from in f32.
+        let last = next_logits(ctx)?.to_dtype(candle_core::DType::F32).map_err(kolo_tensor::TensorError::from)?;
         let scaled = (last / f64::from(temperature.max(1e-3))).map_err(kolo_tensor::TensorError::from)?;
         let probs: Vec<f32> = softmax_last(&scaled)?
             .flatten_all()
@@ -204,5 +206,21 @@ mod tests {
         assert_eq!(a, sample_ids(&[0], 200, 4, 1.0, 3, &mut flat).unwrap());
         assert_ne!(a, sample_ids(&[0], 200, 4, 1.0, 4, &mut flat).unwrap());
         assert!((0..5).all(|t| a.iter().filter(|x| **x == t).count() > 20), "{a:?}");
+    }
+
+    /// A mixed-precision model's logits (bf16, f16) are drawn from as their f32 values are:
+    /// `kolo train` with `train.precision = "bf16"` failed here at the end of a GPT's run.
+    #[test]
+    fn half_precision_logits_draw_what_their_f32_values_draw() {
+        let logits = |dtype: candle_core::DType| {
+            move |ctx: &[u32]| {
+                let v: Vec<f32> = (0..7).map(|i| ((i as u32 * 3 + ctx[ctx.len() - 1]) % 7) as f32 * 0.5).collect();
+                Ok(Tensor::new(v, &Device::Cpu).unwrap().unsqueeze(0).unwrap().to_dtype(dtype).unwrap())
+            }
+        };
+        let f32_ids = sample_ids(&[0], 50, 4, 0.8, 11, &mut logits(candle_core::DType::F32)).unwrap();
+        for dtype in [candle_core::DType::BF16, candle_core::DType::F16] {
+            assert_eq!(sample_ids(&[0], 50, 4, 0.8, 11, &mut logits(dtype)).unwrap(), f32_ids, "{dtype:?}");
+        }
     }
 }

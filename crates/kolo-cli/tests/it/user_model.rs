@@ -529,6 +529,14 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     // The config's checkpoints are kolo train's: the library's run saves to `out` alone (it
     // overwrote kolo train's checkpoint once, and the comparison compared the library with itself).
     opts.train.checkpoint_dir = None;
+    // `train.precision = "bf16"`: kolo train's built-in models keep f32 parameters and cast
+    // each to bf16 where it is used (`CastView`, torch's autocast). Such a model is f32 to the
+    // trainer: its variables, gradients and optimizer are f32, the casts are its own.
+    let view: Box<dyn kolo_tensor::ParamView> = match cfg.compute_dtype() {
+        kolo_tensor::CandleDType::F32 => Box::new(PlainView),
+        dtype => Box::new(kolo_tensor::CastView(dtype)),
+    };
+    opts.train.precision = kolo_train::config::Precision::F32;
     let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
     if let Some(from) = args.get(2).filter(|a| *a != "-") {
         trainer.resume(from)?;
@@ -542,7 +550,7 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         // The micro-batch's examples `r` (under ddp.deterministic a piece of it, else all of it).
         let loss = |r: std::ops::Range<usize>| {
             let piece = &batch.chunks(r.len()).expect("whole pieces")[r.start / r.len()];
-            model.loss(piece, &PlainView).map_err(|e| candle_core::Error::Msg(e.to_string()))
+            model.loss(piece, &*view).map_err(|e| candle_core::Error::Msg(e.to_string()))
         };
         trainer.step_pieces(loss)?;
         if trainer.eval_due() {
@@ -550,7 +558,7 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
             let whole = trainer.steps_done() == cfg.train.steps && data.vocab.is_none();
             let limit = if whole { 0 } else { cfg.train.eval_batches };
             let (comm, batch) = (&**dist.comm(), cfg.data.batch_size);
-            let e = kolo_train::eval::evaluate(&*model, &PlainView, test, comm, batch, limit, false, &|| Ok(()))?;
+            let e = kolo_train::eval::evaluate(&*model, &*view, test, comm, batch, limit, false, &|| Ok(()))?;
             trainer.log_eval(&e);
         }
     }
@@ -559,7 +567,7 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         if let (kolo_tensor::ModelSpec::Gpt(g), 0) = (cfg.model_spec(data.vocab_size), dist.rank()) {
             let next = |ctx: &[u32]| {
                 let input = kolo_tensor::Input::Tokens { ids: ctx.to_vec(), b: 1, t: ctx.len() };
-                let logits = model.forward(&input, &PlainView).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                let logits = model.forward(&input, &*view).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
                 logits.narrow(0, ctx.len() - 1, 1)
             };
             let ids = trainer.sample(&vocab.encode(b"\n")?, g.seq, next)?;
@@ -581,7 +589,9 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// also stopped at step 3 and resumed), and log the same loss at the same steps. The other
 /// built-in models too: the CNN under ZeRO-2, the GPT on characters of Shakespeare under DDP,
 /// ZeRO-2 and scheduled communication, with the same text sampled at the end (`Trainer::sample`;
-/// once with `train.sample_chars` and `sample_temperature` set). (Two ranks: a sum of two is
+/// once with `train.sample_chars` and `sample_temperature` set), and in bf16 (`train.precision`:
+/// kolo train's f32 parameters cast to bf16 where used, which the library's program does with
+/// the same `CastView` around a model that is f32 to the trainer, as torch's autocast is). (Two ranks: a sum of two is
 /// exact in any order, so the buckets' layouts cannot differ in result.) Both evaluate at the
 /// same steps (`train.eval_every`; the library's program asks `Trainer::eval_due`) and log the
 /// same evaluations; with `train.seed` set, the library's sampler deals the batches in
@@ -591,7 +601,7 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
     let dir = fresh_dir("one-path");
     std::fs::create_dir_all(&dir).unwrap();
-    let mut plain = None;
+    let (mut plain, mut plain_gpt) = (None, None);
     for (tag, ddp, train) in [
         ("z0", "zero_stage = 0", ""),
         ("z1", "zero_stage = 1", ""),
@@ -608,6 +618,7 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         ("cnn-z2", "zero_stage = 2", ""),
         ("gpt-z0", "zero_stage = 0", "sample_chars = 60\nsample_temperature = 0.5\n"),
         ("gpt-z2", "zero_stage = 2", ""),
+        ("gpt-bf16", "zero_stage = 0", "precision = \"bf16\"\nsample_chars = 40\n"),
         ("gpt-schedule", "schedule = { chunk = \"1KiB\", credit = \"3KiB\" }\ntimeout_secs = 30", ""),
     ] {
         let config = dir.join(format!("{tag}.toml"));
@@ -693,8 +704,9 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         // The lossy and local settings change the training (so both sides applied them).
         match tag {
             "z0" => plain = Some(by_cli),
-            "fp16" | "powersgd" | "local-sgd" | "skip-sync" | "seed-eval" | "deterministic" | "schedule" => {
-                let plain = plain.as_ref().expect("z0 runs first");
+            "gpt-z0" => plain_gpt = Some(by_cli),
+            "fp16" | "powersgd" | "local-sgd" | "skip-sync" | "seed-eval" | "deterministic" | "schedule" | "gpt-bf16" => {
+                let plain = if tag == "gpt-bf16" { &plain_gpt } else { &plain }.as_ref().expect("the plain run comes first");
                 assert!(plain.iter().any(|(k, v)| v != &by_cli[k]), "{tag} trained exactly as plain DDP: the setting was not applied");
             }
             _ => {}
