@@ -366,7 +366,7 @@ impl Adoption {
     /// every worker applied, and with the watch still running: a worker that dies in the last
     /// steps is taken over too. Under BSP the pull waits for the last pushes; under async (whose
     /// pulls wait for nobody) and bounded delay (for the slowest within τ),
-    /// [`Adoption::await_last_pushes`] waits first. Then
+    /// it waits first for every worker's last push ([`kolo_ps::PsClient::slowest_clock`]). Then
     /// [`Adoption::finish`]. Returns the workers whose shards this one trained; a failed
     /// take-over is the error before a failed pull or wait (it explains it).
     pub fn final_pull(&mut self, x: &mut Exchange, end: u64, rank: usize) -> Result<Vec<usize>, TrainError> {
