@@ -261,7 +261,7 @@ impl Strategy for PsStrategy<'_> {
     /// bounded delay follows the final pull: every worker's last push is in it (a run stopped early keeps
     /// the fuzzy one).
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        if !self.w.x.bsp && at.step == self.t.train.steps {
+        if self.w.x.consistency != PsConsistency::Bsp && at.step == self.t.train.steps {
             self.settle()?;
         }
         if self.me.0 != 0 {
@@ -371,7 +371,7 @@ impl Adoption {
     /// take-over is the error before a failed pull or wait (it explains it).
     pub fn final_pull(&mut self, x: &mut Exchange, end: u64, rank: usize) -> Result<Vec<usize>, TrainError> {
         let clock = x.final_clock(end);
-        let waited = if x.bsp { Ok(()) } else { self.await_last_pushes(x, rank) };
+        let waited = if x.consistency == PsConsistency::Bsp { Ok(()) } else { self.await_last_pushes(x, rank) };
         let pulled = waited.and_then(|()| Ok(x.client.pull(clock, &mut x.flat)?));
         let taken = self.finish(rank)?;
         pulled?;
@@ -442,9 +442,8 @@ pub struct Exchange {
     acc: Vec<f32>,
     /// Pushes made (the clock under async).
     pub pushes: u64,
-    is_async: bool,
-    /// BSP: a pull for step t waits for every worker's push of step t - 1.
-    bsp: bool,
+    /// BSP: a pull for step t waits for every worker's push of step t - 1 (the final pull too).
+    consistency: PsConsistency,
     fetch_every: u64,
     push_every: u64,
 }
@@ -466,8 +465,7 @@ impl Exchange {
             grads: vec![0f32; numel],
             acc: vec![0f32; numel],
             pushes: 0,
-            is_async: pc.consistency == PsConsistency::Async,
-            bsp: pc.consistency == PsConsistency::Bsp,
+            consistency: pc.consistency,
             fetch_every: pc.fetch_every.max(1),
             push_every: pc.push_every.max(1),
         }
@@ -477,11 +475,11 @@ impl Exchange {
     /// `fetch_every` steps, at the push clock), and clears `grads`. Returns the pull's span.
     pub fn pull_if_due(&mut self, step: u64) -> Result<Option<(Instant, Instant)>, TrainError> {
         self.grads.fill(0.0);
-        if self.is_async && !step.is_multiple_of(self.fetch_every) {
+        if self.is_async() && !step.is_multiple_of(self.fetch_every) {
             return Ok(None);
         }
         let t = Instant::now();
-        self.client.pull(if self.is_async { self.pushes } else { step }, &mut self.flat)?;
+        self.client.pull(if self.is_async() { self.pushes } else { step }, &mut self.flat)?;
         Ok(Some((t, Instant::now())))
     }
 
@@ -497,10 +495,11 @@ impl Exchange {
         });
         self.acc.iter_mut().zip(&self.grads).for_each(|(a, g)| *a += g);
         let mut out = Pushed { norm, span: None, bytes: 0 };
-        if !self.is_async || (step + 1).is_multiple_of(self.push_every) {
+        if !self.is_async() || (step + 1).is_multiple_of(self.push_every) {
             let (t, before) = (Instant::now(), self.client.stats().bytes_out);
+            let clock = if self.is_async() { self.pushes } else { step };
             let filter = self.filter.as_mut().map(|f| f as &mut dyn kolo_ps::Filter);
-            self.client.push(if self.is_async { self.pushes } else { step }, lr, &self.acc, filter)?;
+            self.client.push(clock, lr, &self.acc, filter)?;
             (out.span, out.bytes) = (Some((t, Instant::now())), self.client.stats().bytes_out - before);
             self.pushes += 1;
             self.acc.fill(0.0);
@@ -514,13 +513,19 @@ impl Exchange {
     /// report (a dead worker is the slowest). Returns the step to start at (at most `end`).
     pub fn take_over(&mut self, end: u64) -> Result<u64, TrainError> {
         let clock = self.client.pull(0, &mut vec![0f32; self.flat.len()])?;
-        let start = (if self.is_async { clock * self.push_every } else { clock }).min(end);
-        self.pushes = if self.is_async { start / self.push_every } else { start };
+        let start = (if self.is_async() { clock * self.push_every } else { clock }).min(end);
+        self.pushes = if self.is_async() { start / self.push_every } else { start };
         Ok(start)
     }
 
+    /// Async consistency: pulls every `fetch_every` steps and pushes every `push_every`, at
+    /// the push clock, waiting for nobody.
+    fn is_async(&self) -> bool {
+        self.consistency == PsConsistency::Async
+    }
+
     pub fn final_clock(&self, end: u64) -> u64 {
-        if self.is_async {
+        if self.is_async() {
             self.pushes
         } else {
             end

@@ -105,6 +105,9 @@ pub struct PsWorker {
     /// The workers share no communicator: each one's log windows are its own.
     alone: Box<dyn Communicator>,
     finished: bool,
+    /// The final pull is done (at the last step under async and bounded delay, before its
+    /// checkpoint; else in [`PsWorker::finish`]).
+    settled: bool,
     /// The watch for dead workers whose shards this worker trains, joined by [`PsWorker::finish`].
     adoption: Option<kolo_train::ps_worker::Adoption>,
 }
@@ -173,6 +176,7 @@ impl PsWorker {
             data_pos: Position::default(),
             alone,
             finished: false,
+            settled: false,
             adoption: None,
             opts,
         })
@@ -387,6 +391,9 @@ impl PsWorker {
     /// The final pull ([`PsWorker::finish`]'s), once: with the watch for dead workers, every
     /// worker's last push applied (async too); without it, under async, what the servers hold.
     fn settle(&mut self) -> Result<()> {
+        if std::mem::replace(&mut self.settled, true) {
+            return Ok(());
+        }
         match self.adoption.take() {
             Some(mut a) => {
                 let shards = a.final_pull(&mut self.x, self.steps, self.me.0)?;
