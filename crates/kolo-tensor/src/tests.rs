@@ -616,6 +616,69 @@ fn index_runs_equal_the_element_map() {
     }
 }
 
+/// A tensor-parallel GPT's [`Model::tensor_parallel_splits`] (what the library's trainer is
+/// told of each piece) name the elements the member holds: for every cut of odd shapes and
+/// every member of 1 to 3, the split's indices in the whole tensor are the piece's; and each
+/// parameter of a GPT split over 3 members has its split's piece shape, with the whole
+/// model's shape, and is whole where it is not cut.
+#[test]
+fn tensor_parallel_splits_name_the_pieces_elements() {
+    use crate::models::tp::{piece, split_of_cut, Cut};
+    let shapes: [(&[usize], Cut); 5] = [
+        (&[7, 6], Cut::Cols),
+        (&[18, 5], Cut::Rows { blocks: 3 }),
+        (&[13], Cut::Vocab),
+        (&[9, 4], Cut::Vocab),
+        (&[6], Cut::Rows { blocks: 1 }),
+    ];
+    for p in 1..=3 {
+        for r in 0..p {
+            for (shape, cut) in shapes {
+                let split = split_of_cut(shape, cut, r, p).expect("a cut tensor");
+                let want = piece(shape, cut, r, p).unwrap();
+                assert_eq!(split.whole_indices().collect::<Vec<_>>(), want, "{shape:?} {cut:?}, member {r} of {p}");
+                assert_eq!(split.piece_shape().iter().product::<usize>(), want.len(), "{shape:?} {cut:?}: piece shape");
+            }
+            assert_eq!(split_of_cut(&[5, 3], Cut::Whole, r, p), None);
+        }
+    }
+    struct Member(usize);
+    impl kolo_base::GroupSum for Member {
+        fn rank(&self) -> usize {
+            self.0
+        }
+        fn size(&self) -> usize {
+            3
+        }
+        fn sum(&self, _: &mut [f32]) -> std::result::Result<(), String> {
+            Ok(())
+        }
+    }
+    let cfg = GptConfig { vocab: 65, seq: 8, d_model: 12, n_head: 3, n_layer: 2, moe: None };
+    let whole = crate::models::Gpt::new(cfg.clone(), &mut Rng::new(3)).unwrap();
+    for r in 0..3 {
+        let gpt = crate::models::Gpt::new_tensor_parallel(cfg.clone(), &mut Rng::new(3), std::sync::Arc::new(Member(r))).unwrap();
+        let splits = gpt.tensor_parallel_splits().expect("a split model");
+        let values = whole.params().to_flat().unwrap();
+        let mut cut = 0;
+        for ((p, w), s) in gpt.params().iter().zip(whole.params().iter()).zip(&splits) {
+            let mine: Vec<f32> = p.var.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
+            let from_whole: Vec<f32> = match s {
+                Some(s) => {
+                    cut += 1;
+                    assert_eq!((&s.whole, s.piece_shape()), (&w.shape, p.shape.clone()), "`{}`: shapes", p.name);
+                    s.whole_indices().map(|k| values[w.range.start + k]).collect()
+                }
+                None => values[w.range.clone()].to_vec(),
+            };
+            assert_eq!(mine, from_whole, "`{}`, member {r}: the split names other elements", p.name);
+        }
+        // Per block: q|k|v (weight, bias), the projection's weight, the MLP's two weights and
+        // first bias; the embedding and the head (weight, bias).
+        assert_eq!(cut, 2 * 6 + 3, "member {r}: the cut parameters");
+    }
+}
+
 /// The vocabulary splits into contiguous ranges covering it once, the first v % p one longer.
 #[test]
 fn vocabulary_ranges_cover_the_vocabulary_once() {

@@ -87,45 +87,11 @@ impl TensorParallel {
     }
 }
 
-/// How a variable made by this module's layers was cut from the whole tensor: the whole
-/// shape, and the ranges of dimension `dim` this rank holds, in order (one range; one per
-/// section of a fused layer, as Phi-3's q, k and v rows in one `qkv_proj`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Split {
-    /// The whole tensor's shape.
-    pub whole: Vec<usize>,
-    /// The dimension that is cut.
-    pub dim: usize,
-    /// The ranges along `dim` this rank's piece holds, one after the other.
-    pub ranges: Vec<Range<usize>>,
-}
-
-impl Split {
-    /// The piece's length along `dim`.
-    pub fn len(&self) -> usize {
-        self.ranges.iter().map(|r| r.len()).sum()
-    }
-
-    /// Whether the piece holds nothing along `dim`.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Whether the piece is the whole tensor.
-    pub fn is_whole(&self) -> bool {
-        self.len() == self.whole[self.dim]
-    }
-
-    /// For each element of the piece (row-major), its index in the whole tensor (row-major).
-    pub fn whole_indices(&self) -> impl Iterator<Item = usize> + '_ {
-        let outer: usize = self.whole[..self.dim].iter().product();
-        let inner: usize = self.whole[self.dim + 1..].iter().product();
-        let n = self.whole[self.dim];
-        (0..outer).flat_map(move |o| {
-            self.ranges.iter().flat_map(move |r| r.clone().flat_map(move |j| (0..inner).map(move |i| (o * n + j) * inner + i)))
-        })
-    }
-}
+/// How a variable was cut from the whole tensor: the whole shape, and the ranges of dimension
+/// `dim` this rank holds, in order (one range; one per section of a fused layer, as Phi-3's
+/// q, k and v rows in one `qkv_proj`). Recorded by this module's layers, or by
+/// [`mark_split`] for a piece made another way.
+pub use kolo_tensor::models::tp::Split;
 
 /// The split variables of this process, by id (a variable's id outlives no process).
 static SPLITS: Mutex<Option<HashMap<TensorId, Split>>> = Mutex::new(None);
@@ -141,7 +107,34 @@ pub(crate) fn remember_like(new: &Tensor, like: &Tensor) {
     }
 }
 
-/// How `t` was cut, when it is a variable made by one of this module's layers.
+/// Records that the variable `t` is this rank's piece `split` of a whole tensor, as this
+/// module's layers record their own: for a model whose split layers are not `kolo::tp`'s (your
+/// own layer, or Kolo's built-in GPT made by `kolo_tensor::models::Gpt::new_tensor_parallel`,
+/// whose `Model::tensor_parallel_splits` says how each parameter was cut). Then
+/// [`crate::Trainer::with_mesh`] treats `t` as the tensor-parallel layers' variables: the
+/// clipping norm sums its pieces over the group, and checkpoints hold the whole tensor.
+/// Refuses a `t` that is not a variable, or whose shape is not the split's piece.
+pub fn mark_split(t: &Tensor, split: Split) -> Result<()> {
+    let bad = |why: String| Err(Error::Tensor(kolo_tensor::TensorError::Input(format!("kolo::tp::mark_split: {why}"))));
+    if !t.is_variable() {
+        return bad("a split is recorded for a variable (a VarMap's), not for a computed tensor".into());
+    }
+    let dim_ok = split.dim < split.whole.len() && split.ranges.iter().all(|r| r.start <= r.end && r.end <= split.whole[split.dim]);
+    if !dim_ok || t.dims() != split.piece_shape() {
+        return bad(format!(
+            "a variable of shape {:?} is not the piece {:?} of {:?} along dimension {}",
+            t.dims(),
+            split.ranges,
+            split.whole,
+            split.dim
+        ));
+    }
+    remember(t, split);
+    Ok(())
+}
+
+/// How `t` was cut, when it is a variable made by one of this module's layers or given to
+/// [`mark_split`].
 pub fn split_of(t: &Tensor) -> Option<Split> {
     SPLITS.lock().unwrap_or_else(|p| p.into_inner()).as_ref().and_then(|m| m.get(&t.id()).cloned())
 }
@@ -1025,6 +1018,28 @@ mod tests {
         assert_eq!(fused.whole_indices().collect::<Vec<_>>(), [2, 3, 6, 7, 10, 11]);
         assert!(!fused.is_whole() && fused.len() == 3);
         assert_eq!(empty.whole_indices().count(), 0);
+    }
+
+    /// `mark_split` records a variable's split for the trainer (`split_of` returns it), and
+    /// refuses a computed tensor and a variable whose shape is not the split's piece, naming
+    /// both shapes.
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one range: the usual split
+    fn mark_split_records_a_variables_piece_and_refuses_what_does_not_fit() {
+        use candle_core::{Device, Var};
+        let split = Split { whole: vec![6, 2], dim: 0, ranges: vec![1..2, 3..4, 5..6] };
+        let var = Var::zeros((3, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(super::split_of(var.as_tensor()), None);
+        super::mark_split(var.as_tensor(), split.clone()).unwrap();
+        assert_eq!(super::split_of(var.as_tensor()), Some(split.clone()));
+        let wrong = Var::zeros((2, 2), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let e = super::mark_split(wrong.as_tensor(), split.clone()).unwrap_err().to_string();
+        assert!(e.contains("a variable of shape [2, 2] is not the piece [1..2, 3..4, 5..6] of [6, 2] along dimension 0"), "{e}");
+        let beyond = Split { whole: vec![2, 2], dim: 0, ranges: vec![1..3] };
+        assert!(super::mark_split(wrong.as_tensor(), beyond).is_err(), "a range past the whole tensor");
+        let computed = (var.as_tensor() + 1.0).unwrap();
+        let e = super::mark_split(&computed, split).unwrap_err().to_string();
+        assert!(e.contains("not for a computed tensor"), "{e}");
     }
 
     /// A mesh that does not cover the job, or names an axis a user's model cannot be split

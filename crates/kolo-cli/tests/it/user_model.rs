@@ -519,12 +519,29 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     let mut opts = kolo::TrainOptions::from_train_config(&cfg)?;
     // The communicator starts with the config's deadlines (`ddp.timeout_secs`).
     let dist = kolo::init_with(&opts.init_options())?;
+    // `[mesh] tp`: kolo train's mesh of data-parallel replicas of tensor-parallel groups.
+    let m = cfg.mesh_for(dist.world_size()).map_err(anyhow::Error::msg)?;
+    let mesh = kolo::Mesh::new(&dist, &[("dp", m.dp), ("tp", m.tp)])?;
     // kolo train's data: MNIST, or a text corpus cut into windows of the GPT's length.
-    let data = kolo_train::setup::load_data(&cfg, dist.rank())?;
-    let model = kolo_tensor::build_model(&cfg.model_spec(data.vocab_size), cfg.train.seed)?;
+    let data = kolo_train::setup::load_data(&cfg, mesh.coord("dp"))?;
+    let spec = cfg.model_spec(data.vocab_size);
+    let model = match (&spec, m.tp) {
+        // Each member's piece of the GPT as kolo train cuts it, and how each parameter was cut
+        // (`kolo::tp::mark_split`: the trainer sums the pieces' norm and checkpoints whole tensors).
+        (kolo_tensor::ModelSpec::Gpt(g), tp) if tp > 1 => {
+            let group = kolo_comm::SumGroup::new(mesh.tp().comm().clone());
+            let gpt = kolo_tensor::models::Gpt::new_tensor_parallel(g.clone(), &mut kolo_base::Rng::new(cfg.train.seed), group)?;
+            Box::new(gpt) as Box<dyn kolo_tensor::Model>
+        }
+        _ => kolo_tensor::build_model(&spec, cfg.train.seed)?,
+    };
+    let splits = model.tensor_parallel_splits().unwrap_or_else(|| vec![None; model.params().len()]);
     let varmap = candle_nn::VarMap::new();
-    for p in model.params().iter() {
+    for (p, split) in model.params().iter().zip(splits) {
         varmap.data().lock().unwrap().insert(p.name.clone(), p.var.clone());
+        if let Some(split) = split {
+            kolo::tp::mark_split(p.var.as_tensor(), split)?;
+        }
     }
     // The config's checkpoints are kolo train's: the library's run saves to `out` alone (it
     // overwrote kolo train's checkpoint once, and the comparison compared the library with itself).
@@ -537,7 +554,10 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         dtype => Box::new(kolo_tensor::CastView(dtype)),
     };
     opts.train.precision = kolo_train::config::Precision::F32;
-    let mut trainer = kolo::Trainer::new(&varmap, &dist, opts)?;
+    let mut trainer = match m.tp {
+        1 => kolo::Trainer::new(&varmap, &dist, opts)?,
+        _ => kolo::Trainer::with_mesh(&varmap, &mesh, opts)?,
+    };
     if let Some(from) = args.get(2).filter(|a| *a != "-") {
         trainer.resume(from)?;
     }
@@ -557,14 +577,15 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
             // As kolo train evaluates: `train.eval_batches` batches, MNIST's whole test set at the end.
             let whole = trainer.steps_done() == cfg.train.steps && data.vocab.is_none();
             let limit = if whole { 0 } else { cfg.train.eval_batches };
-            let (comm, batch) = (&**dist.comm(), cfg.data.batch_size);
+            let (comm, batch) = (&**mesh.dp(), cfg.data.batch_size);
             let e = kolo_train::eval::evaluate(&*model, &*view, test, comm, batch, limit, false, &|| Ok(()))?;
             trainer.log_eval(&e);
         }
     }
     if let Some(vocab) = data.vocab.as_ref().filter(|_| trainer.steps_done() == cfg.train.steps && cfg.train.sample_chars > 0) {
-        // As kolo train samples a text model at the end: from a newline, on rank 0.
-        if let (kolo_tensor::ModelSpec::Gpt(g), 0) = (cfg.model_spec(data.vocab_size), dist.rank()) {
+        // As kolo train samples a text model at the end: from a newline, on the first replica
+        // (each of its tensor-parallel members, whose forward passes sum over the group).
+        if let (kolo_tensor::ModelSpec::Gpt(g), 0) = (&spec, mesh.coord("dp")) {
             let next = |ctx: &[u32]| {
                 let input = kolo_tensor::Input::Tokens { ids: ctx.to_vec(), b: 1, t: ctx.len() };
                 let logits = model.forward(&input, &*view).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -591,7 +612,11 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// ZeRO-2 and scheduled communication, with the same text sampled at the end (`Trainer::sample`;
 /// once with `train.sample_chars` and `sample_temperature` set), and in bf16 (`train.precision`:
 /// kolo train's f32 parameters cast to bf16 where used, which the library's program does with
-/// the same `CastView` around a model that is f32 to the trainer, as torch's autocast is). (Two ranks: a sum of two is
+/// the same `CastView` around a model that is f32 to the trainer, as torch's autocast is), and
+/// split over both ranks by tensor parallelism (`[mesh] tp = 2`: the library's program builds
+/// kolo train's pieces, `Gpt::new_tensor_parallel`, tells the trainer how each was cut,
+/// `kolo::tp::mark_split`, and trains them with `Trainer::with_mesh`; the checkpoints hold
+/// whole tensors). (Two ranks: a sum of two is
 /// exact in any order, so the buckets' layouts cannot differ in result.) Both evaluate at the
 /// same steps (`train.eval_every`; the library's program asks `Trainer::eval_due`) and log the
 /// same evaluations; with `train.seed` set, the library's sampler deals the batches in
@@ -620,6 +645,8 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         ("gpt-z2", "zero_stage = 2", ""),
         ("gpt-bf16", "zero_stage = 0", "precision = \"bf16\"\nsample_chars = 40\n"),
         ("gpt-schedule", "schedule = { chunk = \"1KiB\", credit = \"3KiB\" }\ntimeout_secs = 30", ""),
+        // Tensor parallelism over both ranks (`[mesh] tp`; the library's `Trainer::with_mesh`).
+        ("gpt-tp", "zero_stage = 0\n[mesh]\ntp = 2", "sample_chars = 30\n"),
     ] {
         let config = dir.join(format!("{tag}.toml"));
         let cli = dir.join(format!("cli-{tag}"));

@@ -545,8 +545,21 @@ impl Model for Gpt {
         self.set_checkpointing_blocks(blocks)
     }
 
-    fn tensor_parallel_split(&self) -> Option<Vec<bool>> {
-        Some(self.tp.as_ref()?.cuts.iter().map(|c| *c != super::tp::Cut::Whole).collect())
+    fn tensor_parallel_splits(&self) -> Option<Vec<Option<super::tp::Split>>> {
+        let tp = self.tp.as_ref()?;
+        let (r, n) = (tp.group.rank(), tp.group.size());
+        // The whole shapes: the piece's with its cut dimension made whole again.
+        let whole = |i: usize, cut: super::tp::Cut| -> Vec<usize> {
+            let mut shape = self.params.get(i).shape.clone();
+            match cut {
+                super::tp::Cut::Whole => {}
+                super::tp::Cut::Vocab => shape[0] = self.cfg.vocab,
+                super::tp::Cut::Rows { .. } => shape[0] *= n,
+                super::tp::Cut::Cols => shape[1] *= n,
+            }
+            shape
+        };
+        Some(tp.cuts.iter().enumerate().map(|(i, &cut)| super::tp::split_of_cut(&whole(i, cut), cut, r, n)).collect())
     }
 
     fn tensor_parallel_pieces(&self, local: &[f32]) -> Option<Result<Vec<f32>>> {

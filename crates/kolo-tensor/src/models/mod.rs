@@ -176,10 +176,17 @@ pub trait Model: Send {
         None
     }
 
+    /// Under tensor parallelism: per parameter, how this member's piece was cut from the whole
+    /// tensor (`None` for a parameter every member holds whole). `None` for models that are
+    /// not split. What `kolo::tp::mark_split` takes, to train the model through the library.
+    fn tensor_parallel_splits(&self) -> Option<Vec<Option<tp::Split>>> {
+        None
+    }
+
     /// Under tensor parallelism: per parameter, whether it is split across the group (its
     /// pieces differ by member) rather than replicated. `None` for models that are not split.
     fn tensor_parallel_split(&self) -> Option<Vec<bool>> {
-        None
+        Some(self.tensor_parallel_splits()?.iter().map(Option::is_some).collect())
     }
 
     /// Mean cross-entropy over the batch (plus auxiliary losses the model defines: the MoE

@@ -243,6 +243,74 @@ pub(crate) enum Cut {
     Vocab,
 }
 
+/// How a tensor-parallel variable was cut from the whole tensor: the whole shape, and the
+/// ranges of dimension `dim` this member holds, in order (one range; one per section of a fused
+/// layer, as the GPT's q, k and v rows in one projection).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Split {
+    /// The whole tensor's shape.
+    pub whole: Vec<usize>,
+    /// The dimension that is cut.
+    pub dim: usize,
+    /// The ranges along `dim` this member's piece holds, one after the other.
+    pub ranges: Vec<std::ops::Range<usize>>,
+}
+
+impl Split {
+    /// The piece's length along `dim`.
+    pub fn len(&self) -> usize {
+        self.ranges.iter().map(|r| r.len()).sum()
+    }
+
+    /// Whether the piece holds nothing along `dim`.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the piece is the whole tensor.
+    pub fn is_whole(&self) -> bool {
+        self.len() == self.whole[self.dim]
+    }
+
+    /// The piece's shape: the whole shape with `dim` cut to [`Split::len`].
+    pub fn piece_shape(&self) -> Vec<usize> {
+        let mut shape = self.whole.clone();
+        shape[self.dim] = self.len();
+        shape
+    }
+
+    /// For each element of the piece (row-major), its index in the whole tensor (row-major).
+    pub fn whole_indices(&self) -> impl Iterator<Item = usize> + '_ {
+        let outer: usize = self.whole[..self.dim].iter().product();
+        let inner: usize = self.whole[self.dim + 1..].iter().product();
+        let n = self.whole[self.dim];
+        (0..outer).flat_map(move |o| {
+            self.ranges.iter().flat_map(move |r| r.clone().flat_map(move |j| (0..inner).map(move |i| (o * n + j) * inner + i)))
+        })
+    }
+}
+
+/// Member `r`'s piece of a tensor of the whole `shape` cut `cut` over `p` members, as a
+/// [`Split`] (`None` for a whole one): the same elements as [`piece`].
+#[allow(clippy::single_range_in_vec_init)] // one range: the usual split
+pub(crate) fn split_of_cut(shape: &[usize], cut: Cut, r: usize, p: usize) -> Option<Split> {
+    let rows = shape.first().copied().unwrap_or(1);
+    let (dim, ranges) = match cut {
+        Cut::Whole => return None,
+        Cut::Vocab => (0, vec![vocab_range(rows, p, r)]),
+        Cut::Rows { blocks } => {
+            let per_block = rows / blocks;
+            let local = per_block / p;
+            (0, (0..blocks).map(|b| b * per_block + r * local..b * per_block + (r + 1) * local).collect())
+        }
+        Cut::Cols => {
+            let local = shape.get(1).copied().unwrap_or(1) / p;
+            (1, vec![r * local..(r + 1) * local])
+        }
+    };
+    Some(Split { whole: shape.to_vec(), dim, ranges })
+}
+
 /// Member `r`'s range of a vocabulary of `v` split over `p`: the first `v % p` members hold
 /// one entry more.
 pub fn vocab_range(v: usize, p: usize, r: usize) -> std::ops::Range<usize> {
