@@ -306,3 +306,36 @@ fn ps_evaluation_group_reads_the_servers_while_training_runs() {
     assert!(seen > 0.8 && (seen - own).abs() < 0.04, "evaluation group {seen}, worker 0 {own}");
     assert!(evals[0].1.loss > last.loss);
 }
+
+/// At the end of an asynchronous run a worker waits for every worker's last push
+/// (`Adoption::final_pull`); when the take-over of a dead worker's shard fails, those pushes
+/// will never come, and the wait stops at once with the take-over's error instead of waiting
+/// out `ps.timeout_secs` (60 s here) and then blaming the dead worker. Real servers and
+/// coordinator: worker 1 connects and goes silent, the coordinator declares it dead and grants
+/// its shard to worker 0, whose take-over fails.
+#[test]
+fn an_async_workers_end_wait_stops_when_the_take_over_fails() {
+    let c = ps_cluster_with(1, Duration::from_millis(500));
+    let cfg =
+        mnist_cfg("[optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nstrategy = \"ps\"\n[ps]\nconsistency = \"async\"\ntimeout_secs = 60\n", 8);
+    let (coord, numel, steps) = (c.coord.addr().to_string(), 1000, 3);
+    let connect = |w| kolo_train::ps_worker::connect(&cfg.ps, cfg.optimizer(), &coord, &c.token, numel, (w, 2)).unwrap();
+    let mut x = kolo_train::ps_worker::Exchange::new(connect(0), &cfg.ps, numel);
+    x.client.init(&vec![0.5; numel]).unwrap();
+    // Worker 1 beats for a while (every 250 ms), then its heartbeats stop: it never pushes.
+    let one = connect(1);
+    std::thread::sleep(Duration::from_millis(700));
+    drop(one);
+    for step in 0..steps {
+        x.pull_if_due(step).unwrap();
+        x.grads.fill(0.01);
+        x.push_step(step, 0.1, None).unwrap();
+    }
+    let take_over: kolo_train::ps_worker::TakeOver =
+        std::sync::Arc::new(|dead| Err(TrainError::Other(format!("worker {dead}'s shard could not be trained"))));
+    let mut adoption = kolo_train::ps_worker::Adoption::start(&coord, &c.token, (0, 2), take_over).unwrap();
+    let t = std::time::Instant::now();
+    let e = adoption.final_pull(&mut x, steps, 0).expect_err("the take-over failed").to_string();
+    assert!(e.contains("worker 1's shard could not be trained"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(30), "the end wait took {:?}: it waited for pushes no one would make", t.elapsed());
+}
