@@ -197,6 +197,21 @@ struct Inner {
     no_sync: bool,
     seen: Vec<bool>,
     backward_started: Option<Instant>,
+    /// The order in which buckets are submitted, the same on every rank (as torch's reducer
+    /// launches buckets in order): the plan's until the first synchronised backward ends, then
+    /// the order in which rank 0's buckets filled in that pass ([`Ddp::finish`] learns it).
+    /// A bucket that fills before the ones ahead of it waits for them: a model whose backward
+    /// order depends on the data (experts that no token reached) fills buckets in another
+    /// order on each rank, and collectives started in fill order would pair different buckets.
+    order: Vec<usize>,
+    /// Whether `order` is rank 0's learned order yet.
+    order_learned: bool,
+    /// How many buckets of `order` are submitted in this pass.
+    next: usize,
+    /// Buckets whose gradients are complete in this pass (submitted or waiting their turn).
+    complete: Vec<bool>,
+    /// The buckets in the order they filled in this pass.
+    filled: Vec<usize>,
 }
 
 struct Shared {
@@ -350,6 +365,11 @@ impl Ddp {
             no_sync: false,
             seen: vec![false; numels.len()],
             backward_started: None,
+            order: (0..plan.len()).collect(),
+            order_learned: false,
+            next: 0,
+            complete: vec![false; plan.len()],
+            filled: Vec::new(),
         };
         let shard = ShardPlan::new(&numels, &plan, comm.world_size(), rank);
         let reduce_scatter = matches!(cfg.sharding, Sharding::Gradients | Sharding::Parameters);
@@ -544,7 +564,7 @@ impl Ddp {
     #[allow(clippy::type_complexity)]
     fn wait_buckets(&self) -> Result<(SyncStats, Vec<(Option<Vec<f32>>, Option<Vec<f32>>)>), DdpError> {
         let backward_end = Instant::now();
-        let (pendings, started) = {
+        let (pendings, learn, started) = {
             let mut inner = self.shared.lock();
             let missing: Vec<String> = inner.seen.iter().enumerate().filter(|(_, s)| !**s).map(|(i, _)| self.names[i].clone()).collect();
             if !missing.is_empty() {
@@ -565,7 +585,12 @@ impl Ddp {
                 inner.remaining[b] = bucket.params.len();
             }
             inner.syncs += 1;
-            (pend, inner.backward_started.take().unwrap_or(backward_end))
+            inner.next = 0;
+            inner.complete.iter_mut().for_each(|c| *c = false);
+            let filled = std::mem::take(&mut inner.filled);
+            // After the first pass: rank 0's fill order, every rank's from now on.
+            let learn = (!std::mem::replace(&mut inner.order_learned, true)).then(|| self.shared.broadcast_order(filled));
+            (pend, learn, inner.backward_started.take().unwrap_or(backward_end))
         };
         let d = Deadline::after(self.cfg.timeout);
         let mut stats = SyncStats::default();
@@ -584,6 +609,22 @@ impl Ddp {
             }
             stats.buckets.push((s, e));
             out.push((buf, piece));
+        }
+        if let Some(order) = learn {
+            let order = order.wait(d)?;
+            let nb = self.shared.plan.len();
+            // Rank 0's order must name every bucket once (a rank whose buckets did not all fill
+            // failed above, on every rank).
+            let mut seen = vec![false; nb];
+            let valid =
+                order.len() == nb && order.iter().all(|&b| b >= 0 && (b as usize) < nb && !std::mem::replace(&mut seen[b as usize], true));
+            if !valid {
+                return Err(DdpError::Usage {
+                    rank: self.rank,
+                    what: format!("rank 0's bucket order {order:?} does not list the {nb} buckets once each"),
+                });
+            }
+            self.shared.lock().order = order.into_iter().map(|b| b as usize).collect();
         }
         stats.wait = backward_end.elapsed();
         Ok((stats, out))
@@ -695,11 +736,11 @@ impl GradSink for Shared {
             self.accumulate_into(&mut inner, range, grad);
             return;
         }
-        let Inner { buffers, pieces, accum, remaining, seen, inflight, codecs, syncs, .. } = &mut *inner;
+        let Inner { buffers, accum, remaining, seen, complete, .. } = &mut *inner;
+        if complete[b] {
+            return; // a second gradient for a parameter of a bucket already complete
+        }
         if buffers[b].is_none() {
-            if inflight[b].is_some() {
-                return; // a second gradient for a parameter of a bucket already sent
-            }
             // Allocated on first use: ZeRO-2 frees each bucket once it is reduce-scattered.
             buffers[b] = Some(vec![0f32; self.plan[b].numel]);
         }
@@ -713,14 +754,37 @@ impl GradSink for Shared {
             remaining[b] -= 1;
         }
         if remaining[b] == 0 {
-            let buf = buffers[b].take().expect("checked above");
-            let codec = if *syncs >= self.warmup { codecs[b].take() } else { None };
-            inflight[b] = Some(self.submit_bucket(b, buf, pieces, codec));
+            self.bucket_complete(&mut inner, b);
         }
     }
 }
 
 impl Shared {
+    /// Bucket `b`'s gradient is complete (in `buffers[b]`): submits it, and every bucket after
+    /// it in `order` that was waiting for it, in `order`.
+    fn bucket_complete(&self, inner: &mut Inner, b: usize) {
+        inner.complete[b] = true;
+        inner.filled.push(b);
+        while inner.next < inner.order.len() && inner.complete[inner.order[inner.next]] {
+            let b = inner.order[inner.next];
+            inner.next += 1;
+            let Inner { buffers, pieces, codecs, syncs, inflight, .. } = &mut *inner;
+            let buf = buffers[b].take().expect("a complete bucket holds its gradient");
+            let codec = if *syncs >= self.warmup { codecs[b].take() } else { None };
+            inflight[b] = Some(self.submit_bucket(b, buf, pieces, codec));
+        }
+    }
+
+    /// Rank 0's `filled` order, broadcast to every rank (queued behind the pass's buckets).
+    fn broadcast_order(&self, filled: Vec<usize>) -> Pending<Vec<i64>> {
+        let mut order: Vec<i64> = filled.into_iter().map(|b| b as i64).collect();
+        order.resize(self.plan.len(), -1);
+        self.comm.submit(OpKind::Broadcast, move |c| {
+            c.broadcast(BufMut::from(&mut order[..]), Rank(0))?;
+            Ok(order)
+        })
+    }
+
     /// A no-sync micro-step's gradient of the flat range `range`, added to the local
     /// accumulator ([`Ddp::set_no_sync`]).
     fn accumulate_into(&self, inner: &mut Inner, range: Range<usize>, grad: &[f32]) {

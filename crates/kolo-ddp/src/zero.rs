@@ -190,8 +190,8 @@ impl ParamGather for Shared {
             }
             return;
         }
-        let Inner { pieces, remaining, seen, inflight, accum, .. } = &mut *inner;
-        if inflight[b].is_some() {
+        let Inner { buffers, remaining, seen, complete, accum, .. } = &mut *inner;
+        if complete[b] {
             return; // a second gradient in one pass: finish reports the bucket
         }
         let mut grad = grad.to_vec();
@@ -204,6 +204,7 @@ impl ParamGather for Shared {
             seen[p] = true;
         }
         remaining[b] = 0;
-        inflight[b] = Some(self.submit_bucket(b, grad, pieces, None));
+        buffers[b] = Some(grad);
+        self.bucket_complete(&mut inner, b);
     }
 }

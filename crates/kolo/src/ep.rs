@@ -150,10 +150,10 @@ impl<E: Module> MoeLayer<E> {
 
     /// The layer on `x` (..., hidden): every token through its experts, weighted by the gate.
     /// Returns the output (`x`'s shape) and the auxiliary load-balancing loss (a scalar, already
-    /// times `aux_weight`): add it to the loss, also with `aux_weight` 0, since it carries the
-    /// experts no token reached this call (with zero gradients: the trainer wants a gradient for
-    /// every parameter). Collective over the expert-parallel group: every member calls it the
-    /// same number of times.
+    /// times `aux_weight`; add it to the loss). The experts no token reached this call take
+    /// part through the output, with gradients of zeros (the trainer wants a gradient for every
+    /// parameter). Collective over the expert-parallel group: every member calls it the same
+    /// number of times.
     pub fn forward(&self, x: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         let r = self.forward_routed(x)?;
         Ok((r.output, r.aux))
@@ -190,18 +190,21 @@ impl<E: Module> MoeLayer<E> {
             let zero = Tensor::zeros((), b.dtype(), b.device())?;
             aux = (&aux + b.sum_all()?.mul(&zero)?.to_dtype(aux.dtype())?)?;
         }
-        // An expert no token reached this time still takes part in the loss, with a gradient of
-        // zeros (the trainer, as torch's DDP, wants every parameter's gradient each step): its
-        // output on one row of zeros, times 0, joins the auxiliary loss.
+        // An expert no token reached this time still takes part, with a gradient of zeros (the
+        // trainer, as torch's DDP, wants every parameter's gradient each step): its output on
+        // one row of zeros, times 0, is added to the layer's output. There, not in the loss:
+        // backward then reads its weights with the other experts' (the layer's ZeRO-3 group is
+        // gathered once, at the same point on every rank, whichever experts its tokens reached).
+        let mut output = m.out;
         for l in idle.into_inner() {
             let dummy = self.experts[l].forward(&Tensor::zeros((1, hidden), flat.dtype(), flat.device())?)?;
             // Times a zero tensor: candle's backward skips a multiplication by the constant 0.
             let zero = Tensor::zeros((), dummy.dtype(), dummy.device())?;
-            let keep = dummy.sum_all()?.mul(&zero)?.to_dtype(aux.dtype())?;
-            aux = (aux + keep)?;
+            let keep = dummy.sum_all()?.mul(&zero)?.to_dtype(output.dtype())?;
+            output = output.broadcast_add(&keep)?;
         }
         self.load.lock().unwrap_or_else(|p| p.into_inner()).add(&m.routing);
-        Ok(MoeForward { output: m.out.reshape(dims)?, aux, probs: m.probs, choices: m.routing.choices })
+        Ok(MoeForward { output: output.reshape(dims)?, aux, probs: m.probs, choices: m.routing.choices })
     }
 
     /// Switch's auxiliary loss over the whole sequences a sequence-parallel group holds the

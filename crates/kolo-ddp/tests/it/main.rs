@@ -41,6 +41,53 @@ fn buckets_average_gradients_across_ranks() {
     });
 }
 
+/// Buckets that fill in another order on each rank (a model whose backward order depends on
+/// the data: experts that no token reached this step) are still reduced bucket with bucket:
+/// six buckets of the same size (a mismatch of sizes would be caught; one of equal sizes would
+/// silently add one bucket's gradient to another's) filled in an order that differs by rank
+/// and by step, on 3 ranks, all-reduced and reduce-scattered (ZeRO-2), give the mean of each
+/// parameter's gradient at every step: the first step in the plan's order, the later ones in
+/// the order rank 0's buckets filled in the first.
+#[test]
+fn buckets_that_fill_in_another_order_on_each_rank_are_reduced_with_their_own() {
+    let (params, len) = (6usize, 5usize);
+    let shapes: Vec<Vec<usize>> = vec![vec![len]; params];
+    let s: Vec<(String, Vec<usize>)> = shapes.iter().enumerate().map(|(i, s)| (format!("p{i}"), s.clone())).collect();
+    for sharding in [Sharding::None, Sharding::Gradients] {
+        run_ranks(LocalComm::create(WorldSize::new(3).unwrap()), |r, c| {
+            // One parameter per bucket.
+            let cap = ByteSize(4 * len as u64);
+            let cfg = DdpConfig { bucket_cap: cap, first_bucket_cap: cap, sharding, ..Default::default() };
+            let ddp = Ddp::new(Arc::new(c), &s, cfg).unwrap();
+            assert_eq!(ddp.plan().len(), params);
+            for step in 0..4usize {
+                let g: Vec<f32> = (0..params * len).map(|i| (1000 * r + 10 * i + step) as f32).collect();
+                ddp.begin_backward();
+                // A rotation of the parameters that differs by rank and step.
+                for k in 0..params {
+                    let p = (k + 2 * r + step) % params;
+                    ddp.sink().grad_ready(p, &g[p * len..(p + 1) * len]);
+                }
+                let mut out = vec![0f32; ddp.grad_len()];
+                ddp.finish(&mut out).unwrap();
+                // The mean over ranks 0, 1, 2 of 1000 r + 10 i + step.
+                let mean: Vec<f32> = (0..params * len).map(|i| (1000 + 10 * i + step) as f32).collect();
+                let mine = match sharding {
+                    Sharding::Gradients => {
+                        let plan = ddp.shard_plan().clone();
+                        let mut want = vec![0f32; plan.len];
+                        plan.gather(ddp.ranges(), &mean, &mut want);
+                        assert_eq!(out, want, "{sharding:?}, rank {r}, step {step}: this rank's pieces");
+                        continue;
+                    }
+                    _ => out,
+                };
+                assert_eq!(mine, mean, "{sharding:?}, rank {r}, step {step}");
+            }
+        });
+    }
+}
+
 #[test]
 fn model_mismatch_is_named() {
     let comms = LocalComm::create(WorldSize::new(2).unwrap());
