@@ -106,6 +106,18 @@ impl BucketState {
         if p_len == 0 {
             return Ok(bytes);
         }
+        // A rank's gradient overflowed (f16's loss scale; the sum carries it to every rank, so
+        // all decide alike): the step will be skipped. Its approximation stays non-finite and
+        // the factors and residuals stay as they were: an infinite residual would poison every
+        // later step.
+        if first.iter().any(|v| !v.is_finite()) {
+            for (i, s) in self.slots.iter().enumerate() {
+                if self.compressed[i] {
+                    buf[s.offset..s.offset + s.rows * s.cols].fill(f32::NAN);
+                }
+            }
+            return Ok(bytes);
+        }
         // Round 2: orthonormalise each P, Q = Mᵀ P, all-reduce the Qs.
         let mut second = Vec::new();
         let mut at = 0;

@@ -775,6 +775,14 @@ impl Trainer {
         replica_sampler(&self.opts, len, (self.data_replica, self.data_replicas), self.data_pos, self.shares.as_ref())
     }
 
+    /// As [`Trainer::sampler`], dealing `batch` examples per step (a pipeline's micro-batches
+    /// together: the fine-tuning job's batches).
+    pub(crate) fn sampler_of(&self, len: usize, batch: usize) -> Result<crate::data::Sampler> {
+        let mut o = self.opts.clone();
+        o.data.batch_size = batch;
+        replica_sampler(&o, len, (self.data_replica, self.data_replicas), self.data_pos, self.shares.as_ref())
+    }
+
     /// Whether the call that just returned ended an optimizer step after which an evaluation
     /// is due: every `train.eval_every` steps and after the last (`train.steps`), the steps at
     /// which `kolo train` evaluates. Evaluate (over `train.eval_batches` batches, say) and

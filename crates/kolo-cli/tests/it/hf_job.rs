@@ -133,8 +133,8 @@ fn hf_fine_tuning_job_matches_one_process_resumes_and_exports() {
 }
 
 /// A fine-tuning job that cannot run says why in one line: data given twice, a tokenizer whose
-/// vocabulary is larger than the embedding, expert parallelism for a model without experts, a
-/// flag the job does not take, a checkpoint of
+/// vocabulary is larger than the embedding, expert parallelism for a model without experts,
+/// deterministic pieces with selection biases moved by the step, a flag the job does not take, a checkpoint of
 /// another kind given to `kolo export --hf`.
 #[test]
 fn hf_fine_tuning_jobs_that_cannot_run_are_named() {
@@ -163,6 +163,17 @@ fn hf_fine_tuning_jobs_that_cannot_run_are_named() {
     let t = text(&o);
     assert!(
         !o.status.success() && t.contains("mesh.ep") && t.contains("expert parallelism over 2 ranks is for models with experts"),
+        "{t}"
+    );
+
+    // Deterministic pieces, and selection biases moved between backward and the update.
+    let (cfg, _) = job(&dir, "det-bias", &shards, 4, "[ddp]\ndeterministic = true\n");
+    let text_of = std::fs::read_to_string(&cfg).unwrap().replace("[model]\n", "[model]\nexpert_bias_rate = 0.001\n");
+    std::fs::write(&cfg, text_of).unwrap();
+    let o = run(&["train", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(
+        !o.status.success() && t.contains("ddp.deterministic: ddp.deterministic sums each piece") && t.contains("model.expert_bias_rate"),
         "{t}"
     );
 
@@ -227,6 +238,41 @@ fn a_mixture_of_experts_trains_under_ddp_and_zero3_whatever_experts_each_ranks_t
         for (k, v) in plain {
             let d = max_diff(v, &got[k]);
             assert!(d < 1e-5, "{tag}: `{k}` differs from DDP with one bucket by {d}");
+        }
+    }
+}
+
+/// `ddp.deterministic` in a fine-tuning job (the trainer's `step_pieces`, the sampler's
+/// contiguous slices of each global batch): the tiny Qwen2 and the tiny Qwen3-MoE fine-tuned
+/// on 1, 2 and 3 processes with the same global batch of 6 sequences (6, 3 and 2 per process;
+/// AdamW with clipping) end with bitwise the same parameters after 4 steps. (Before, the job
+/// failed at its first step, naming `Trainer::step_pieces`, which a config cannot call.)
+#[test]
+fn a_deterministic_fine_tuning_job_ends_bitwise_alike_at_every_world_size() {
+    let dir = fresh_dir("hf-deterministic");
+    for model in ["qwen2", "qwen3-moe"] {
+        let mut ends = Vec::new();
+        for n in [1usize, 2, 3] {
+            let tag = format!("{model}-{n}");
+            let (cfg, ck) = (dir.join(format!("{tag}.toml")), dir.join(format!("ck-{tag}")));
+            let toml = format!(
+                "[model]\nhf = \"{}\"\n[data]\ntext = \"{}\"\nbatch_size = {}\nseq = 16\neval_fraction = 0.1\n\
+                 [optim]\nkind = \"adamw\"\nlr = 0.01\nclip_grad_norm = 0.5\n[ddp]\nzero_stage = 1\ndeterministic = true\ndeterministic_chunk = 1\n\
+                 [train]\nsteps = 4\nlog_every = 2\ncheckpoint_dir = \"{}\"\ncheckpoint_every = 4\n",
+                kolo_testkit::files::hf_tiny(model).display(),
+                kolo_testkit::files::shakespeare().display(),
+                6 / n,
+                ck.display()
+            );
+            std::fs::write(&cfg, toml).unwrap();
+            let o = run(&["launch", "-n", &n.to_string(), "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+            assert!(o.status.success(), "{tag}: {}", text(&o));
+            ends.push(model_tensors(&ck.join("step-00000004")));
+        }
+        for (n, end) in ends.iter().enumerate().skip(1) {
+            for (k, v) in &ends[0] {
+                assert!(v == &end[k], "{model}: `{k}` on {} processes differs from 1 process by {}", n + 1, max_diff(v, &end[k]));
+            }
         }
     }
 }

@@ -176,6 +176,50 @@ fn zero_reduce_scatter_and_gather_round_trip() {
 /// PowerSGD on DDP buckets: uncompressed during the warm-up; afterwards it sends the factors
 /// only, recovers an average of rank at most r exactly, and small and 1-D parameters go as
 /// they are.
+/// A step whose gradient overflowed on one rank (f16's loss scale; the trainer skips it) leaves
+/// PowerSGD's factors and residuals as they were: its output is non-finite on every rank, and
+/// the steps after it are bitwise those of a run that never saw it. (Before, the overflow's
+/// infinity stayed in the residual and every later step came out NaN.)
+#[test]
+fn a_powersgd_step_that_overflowed_leaves_the_factors_and_residuals_as_they_were() {
+    let shapes: [&[usize]; 2] = [&[12, 10], &[10]];
+    let total = 130;
+    let runs: Vec<Vec<Vec<f32>>> = [false, true]
+        .iter()
+        .map(|&overflow| {
+            run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| {
+                let cfg =
+                    DdpConfig { compression: kolo_ddp::Compression::PowerSgd { rank: 2 }, compression_warmup: 0, ..Default::default() };
+                let ddp = Ddp::new(Arc::new(c), &sig(&shapes), cfg).unwrap();
+                let mut outs = Vec::new();
+                for step in 0..4 {
+                    let mut g: Vec<f32> = (0..total).map(|i| ((i * 7 + r * 13 + step * 5) % 11) as f32 - 5.0).collect();
+                    if overflow && step == 1 && r == 1 {
+                        g[37] = f32::INFINITY;
+                    } else if !overflow && step == 1 {
+                        continue; // the run that never saw the step
+                    }
+                    ddp.begin_backward();
+                    ddp.sink().grad_ready(1, &g[120..]);
+                    ddp.sink().grad_ready(0, &g[..120]);
+                    let mut out = vec![0f32; total];
+                    ddp.finish(&mut out).unwrap();
+                    if overflow && step == 1 {
+                        assert!(out[..120].iter().all(|v| !v.is_finite()), "rank {r}: the overflowed step's approximation");
+                        continue;
+                    }
+                    outs.push(out);
+                }
+                outs
+            })
+            .remove(0)
+        })
+        .collect();
+    assert_eq!(runs[0].len(), 3);
+    assert!(runs[1].iter().flatten().all(|v| v.is_finite()), "a step after the overflow came out non-finite");
+    assert_eq!(runs[0], runs[1], "the steps after the overflow differ from a run without it");
+}
+
 #[test]
 fn powersgd_buckets_send_factors_and_recover_low_rank_averages() {
     let shapes: [&[usize]; 3] = [&[12, 10], &[10], &[5, 3]];

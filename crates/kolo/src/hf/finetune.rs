@@ -27,7 +27,6 @@
 //! ```
 
 use super::{load_causal_lm_parallel, CausalLm, SaveOptions};
-use crate::data::{Sampler, SamplerConfig};
 use crate::options::{DdpConfig, OptimConfig, TrainConfig};
 use crate::{Dist, Error, Mesh, Result, TrainOptions, Trainer};
 use candle_core::{DType, Tensor};
@@ -277,6 +276,10 @@ impl FineTune {
                 ),
             ));
         }
+        if cfg.ddp.deterministic && cfg.model.expert_bias_rate > 0.0 {
+            let why = "ddp.deterministic sums each piece of a batch on its own, and model.expert_bias_rate moves the selection biases between the step's backward and its update: set one of them";
+            return Err(Error::setting("ddp.deterministic", why));
+        }
         if cfg.model.expert_bias_rate > 0.0 && !model.has_selection_bias() {
             return Err(Error::setting(
                 "model.expert_bias_rate",
@@ -372,11 +375,10 @@ impl FineTune {
             self.trainer.resume(p)?;
         }
         let (batch, seq, micro) = (self.cfg.data.batch_size, self.cfg.data.seq, self.cfg.micro_batches());
-        let (dp, rank) = self.data_replicas();
-        // The members of a model-parallel group read the same windows; the replicas their own.
-        let sampler_cfg =
-            SamplerConfig { len: self.train, world: dp, rank, batch, seed: self.cfg.train.seed, shuffle: true, drop_last: true };
-        let mut sampler = Sampler::new(sampler_cfg, self.trainer.data_position()).map_err(|e| Error::setting("data", e))?;
+        // The members of a model-parallel group read the same windows; the replicas their own
+        // (as kolo train deals them: contiguous slices of each global batch under
+        // ddp.deterministic, a share of it under ddp.dynamic_batch_every).
+        let mut sampler = self.trainer.sampler_of(self.train, batch)?;
         let pp = self.mesh.size("pp");
         let per_micro = batch / micro;
         let (steps, every) = (self.cfg.train.steps, self.cfg.train.eval_every);
@@ -432,6 +434,9 @@ impl FineTune {
                 // Each stage runs its blocks on micro-batch `mb`; the last returns its loss.
                 let stage = |mb, input: Option<&Tensor>| model.pipeline_stage(input, &x.narrow(0, mb * per_micro, per_micro)?);
                 pipe.step_then(&mut self.trainer, stage, balance)?;
+            } else if self.cfg.ddp.deterministic {
+                // Each piece of ddp.deterministic_chunk sequences its own backward, summed exactly.
+                self.trainer.step_pieces(|r| model.loss(&x.narrow(0, r.start, r.len())?))?;
             } else {
                 self.trainer.step_then(|| model.loss(&x), balance)?;
             }
