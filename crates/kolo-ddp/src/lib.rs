@@ -230,7 +230,7 @@ struct Shared {
     /// ZeRO-3: this rank's master shard (shard-vector layout), the source of every gather.
     master: Mutex<Vec<f32>>,
     /// ZeRO-3: gathers started ahead of use, by bucket.
-    prefetched: Mutex<std::collections::HashMap<usize, Pending<Vec<f32>>>>,
+    prefetched: Mutex<std::collections::HashMap<usize, Pending<Result<Vec<f32>, String>>>>,
     timeout: Duration,
     /// Synchronised steps before compression starts.
     warmup: u64,

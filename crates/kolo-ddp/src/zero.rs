@@ -50,7 +50,7 @@ impl Ddp {
         let pending: Vec<_> = self.shared.prefetched.lock().unwrap_or_else(|p| p.into_inner()).drain().collect();
         let d = Deadline::after(self.cfg.timeout);
         for (_, p) in pending {
-            p.wait(d)?;
+            p.wait(d)?.map_err(|what| DdpError::Usage { rank: self.rank, what })?;
         }
         Ok(())
     }
@@ -145,16 +145,40 @@ impl Ddp {
 }
 
 impl Shared {
-    /// Queues the all-gather of bucket `b` from this rank's master piece.
-    fn submit_gather(&self, b: usize) -> Pending<Vec<f32>> {
+    /// Queues the all-gather of bucket `b` from this rank's master piece. Each rank's piece
+    /// carries the bucket it gathers (one more value): gathers are started by the model's reads,
+    /// and ranks whose reads differ would otherwise fill a group with another group of the same
+    /// size (identical blocks), silently. The result names the rank that gathered another.
+    fn submit_gather(&self, b: usize) -> Pending<Result<Vec<f32>, String>> {
         let piece = &self.shard.pieces[b];
-        let mine =
-            self.master.lock().unwrap_or_else(|p| p.into_inner())[piece.shard_offset..piece.shard_offset + piece.in_bucket.len()].to_vec();
+        let mut mine = Vec::with_capacity(piece.in_bucket.len() + 1);
+        mine.extend_from_slice(
+            &self.master.lock().unwrap_or_else(|p| p.into_inner())[piece.shard_offset..piece.shard_offset + piece.in_bucket.len()],
+        );
+        mine.push(b as f32);
         let numel = self.plan[b].numel;
         self.comm.submit(OpKind::AllGather, move |c| {
-            let mut out = vec![0f32; numel];
+            let world = c.world_size();
+            // Every piece one longer: each rank's shard of numel + world is its shard of numel
+            // and its tag (`even_split`).
+            let mut out = vec![0f32; numel + world.get()];
             c.all_gather(BufRef::from(&mine[..]), BufMut::from(&mut out))?;
-            Ok(out)
+            let (mut at, mut other) = (0, None);
+            for (r, range) in kolo_base::even_split(numel + world.get(), world).enumerate() {
+                let tag = out[range.end - 1];
+                if tag != b as f32 && other.is_none() {
+                    other = Some((r, tag));
+                }
+                out.copy_within(range.start..range.end - 1, at);
+                at += range.len() - 1;
+            }
+            out.truncate(numel);
+            Ok(match other {
+                None => Ok(out),
+                Some((r, tag)) => Err(format!(
+                    "this rank gathered parameter bucket {b} while rank {r} gathered bucket {tag}: the ranks read the model's ZeRO-3 groups in different orders (its reads depend on the data)"
+                )),
+            })
         })
     }
 }
@@ -164,7 +188,7 @@ impl ParamGather for Shared {
         let b = *self.group_bucket.get(group).ok_or_else(|| format!("no parameter group {group}"))?;
         let pending = self.prefetched.lock().unwrap_or_else(|p| p.into_inner()).remove(&b);
         let p = pending.unwrap_or_else(|| self.submit_gather(b));
-        p.wait(Deadline::after(self.timeout)).map_err(|e| e.to_string())
+        p.wait(Deadline::after(self.timeout)).map_err(|e| e.to_string())?
     }
 
     fn prefetch(&self, group: usize) {

@@ -365,3 +365,36 @@ fn every_codec_averages_buckets_and_user_codecs_plug_in() {
         assert!(e > 0.3, "a codec that sends {what} must fail the check: error {e}");
     }
 }
+
+/// ZeRO-3's gathers, started by the model's reads: ranks that gather the groups in one order
+/// get each group's whole values (odd sizes: 7 and 7 values over 3 ranks, not divisible); ranks
+/// whose reads differ (one gathers group 0 while another gathers group 1, of the same size)
+/// fail, naming the other rank and both buckets, instead of filling one group with the other's
+/// values.
+#[test]
+fn zero3_gathers_in_another_order_on_another_rank_fail_naming_both_groups() {
+    use kolo_base::ParamGather;
+    let shapes: [&[usize]; 2] = [&[7], &[7]];
+    for swapped in [false, true] {
+        let results = run_ranks(LocalComm::create(WorldSize::new(3).unwrap()), |r, c| {
+            let cfg = DdpConfig { sharding: Sharding::Parameters, groups: vec![vec![0], vec![1]], ..Default::default() };
+            let ddp = Ddp::new(Arc::new(c), &sig(&shapes), cfg).unwrap();
+            let whole: Vec<f32> = (0..14).map(|i| i as f32 + 0.5).collect();
+            let mut master = vec![0f32; ddp.shard_plan().len];
+            ddp.shard_plan().clone().gather(ddp.ranges(), &whole, &mut master);
+            ddp.set_master(master);
+            let g = ddp.gatherer();
+            let order = if swapped && r == 2 { [1, 0] } else { [0, 1] };
+            order.map(|group| g.gather(group))
+        });
+        for (r, got) in results.iter().enumerate() {
+            if !swapped {
+                assert_eq!(got[0].as_deref().unwrap(), (0..7).map(|i| i as f32 + 0.5).collect::<Vec<_>>().as_slice(), "rank {r}, group 0");
+                assert_eq!(got[1].as_deref().unwrap(), (7..14).map(|i| i as f32 + 0.5).collect::<Vec<_>>().as_slice(), "rank {r}, group 1");
+                continue;
+            }
+            let e = got[0].as_ref().expect_err("group orders differ");
+            assert!(e.contains("while rank") && e.contains("gathered bucket") && e.contains("different orders"), "rank {r}: {e}");
+        }
+    }
+}
