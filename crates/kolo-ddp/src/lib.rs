@@ -214,6 +214,9 @@ struct Inner {
     filled: Vec<usize>,
 }
 
+/// A ZeRO-3 gather's result: the bucket's whole values, or why the ranks' gathers differed.
+type Gathered = Result<Vec<f32>, String>;
+
 struct Shared {
     comm: AsyncComm,
     plan: Vec<Bucket>,
@@ -230,7 +233,7 @@ struct Shared {
     /// ZeRO-3: this rank's master shard (shard-vector layout), the source of every gather.
     master: Mutex<Vec<f32>>,
     /// ZeRO-3: gathers started ahead of use, by bucket.
-    prefetched: Mutex<std::collections::HashMap<usize, Pending<Result<Vec<f32>, String>>>>,
+    prefetched: Mutex<std::collections::HashMap<usize, Pending<Gathered>>>,
     timeout: Duration,
     /// Synchronised steps before compression starts.
     warmup: u64,

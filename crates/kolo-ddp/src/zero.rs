@@ -149,7 +149,7 @@ impl Shared {
     /// carries the bucket it gathers (one more value): gathers are started by the model's reads,
     /// and ranks whose reads differ would otherwise fill a group with another group of the same
     /// size (identical blocks), silently. The result names the rank that gathered another.
-    fn submit_gather(&self, b: usize) -> Pending<Result<Vec<f32>, String>> {
+    fn submit_gather(&self, b: usize) -> Pending<crate::Gathered> {
         let piece = &self.shard.pieces[b];
         let mut mine = Vec::with_capacity(piece.in_bucket.len() + 1);
         mine.extend_from_slice(

@@ -777,6 +777,7 @@ impl Trainer {
 
     /// As [`Trainer::sampler`], dealing `batch` examples per step (a pipeline's micro-batches
     /// together: the fine-tuning job's batches).
+    #[cfg(feature = "hf")]
     pub(crate) fn sampler_of(&self, len: usize, batch: usize) -> Result<crate::data::Sampler> {
         let mut o = self.opts.clone();
         o.data.batch_size = batch;

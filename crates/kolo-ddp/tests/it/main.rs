@@ -373,7 +373,6 @@ fn every_codec_averages_buckets_and_user_codecs_plug_in() {
 /// values.
 #[test]
 fn zero3_gathers_in_another_order_on_another_rank_fail_naming_both_groups() {
-    use kolo_base::ParamGather;
     let shapes: [&[usize]; 2] = [&[7], &[7]];
     for swapped in [false, true] {
         let results = run_ranks(LocalComm::create(WorldSize::new(3).unwrap()), |r, c| {
