@@ -153,7 +153,8 @@ struct LaunchArgs {
     /// Address of node 0, where rank 0 hosts the rendezvous store.
     #[arg(long, default_value = "127.0.0.1")]
     master_addr: String,
-    /// Port of the rendezvous store (default: a free port; required with --nnodes > 1).
+    /// Port of the rendezvous store (default: a free port, bound by the launcher and handed to
+    /// rank 0 already listening, as KOLO_STORE_FD; required with --nnodes > 1).
     #[arg(long)]
     master_port: Option<u16>,
     /// File holding the job token in hex (required with --nnodes > 1; default: a fresh random token).

@@ -228,9 +228,13 @@ fn install_handlers() {
     }
 }
 
-fn free_port(addr: &str) -> Result<u16, LaunchError> {
+/// A listening socket on a free port of `addr`, for rank 0's store: handed to rank 0 open
+/// (`KOLO_STORE_FD`), so that no other process can take the port between its choice and
+/// rank 0's bind (an outgoing connection's ephemeral port, another job's free port).
+fn store_listener(addr: &str) -> Result<(std::net::TcpListener, u16), LaunchError> {
     let l = std::net::TcpListener::bind((addr, 0)).map_err(|e| LaunchError::Config(format!("cannot find a free port on {addr}: {e}")))?;
-    Ok(l.local_addr().map_err(|e| LaunchError::Config(e.to_string()))?.port())
+    let port = l.local_addr().map_err(|e| LaunchError::Config(e.to_string()))?.port();
+    Ok((l, port))
 }
 
 fn pump<R: Read + Send + 'static, W: Write + Send + 'static>(
@@ -411,9 +415,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
         return Err(LaunchError::Config(format!("--node-rank {} is not below --nnodes {}", cfg.node_rank, cfg.nnodes)));
     }
     let multi = cfg.nnodes > 1;
-    let port = match (cfg.master_port, multi) {
-        (Some(p), _) => p,
-        (None, false) => free_port(&cfg.master_addr)?,
+    let (listener, port) = match (cfg.master_port, multi) {
+        (Some(p), _) => (None, p),
+        (None, false) => store_listener(&cfg.master_addr).map(|(l, p)| (Some(l), p))?,
         (None, true) => return Err(LaunchError::Config("a multi-node job needs --master-port (the same on every node)".into())),
     };
     let token = match (&cfg.token, multi) {
@@ -482,6 +486,19 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
                 });
             }
         }
+        if let (Some(l), 0) = (&listener, rank) {
+            use std::os::fd::AsRawFd;
+            let fd = l.as_raw_fd();
+            cmd.env(kolo_rendezvous::STORE_FD, fd.to_string());
+            // SAFETY: fcntl is async-signal-safe; it clears close-on-exec on rank 0's copy of
+            // the listener only (the child's descriptor table), so the program inherits it.
+            unsafe {
+                cmd.pre_exec(move || match libc::fcntl(fd, libc::F_SETFD, 0) {
+                    -1 => Err(std::io::Error::last_os_error()),
+                    _ => Ok(()),
+                });
+            }
+        }
         for (k, v) in &cfg.env {
             cmd.env(k, v);
         }
@@ -499,6 +516,9 @@ pub fn launch(cfg: &LaunchConfig) -> Result<Outcome, LaunchError> {
         pumps.push(pump(err, std::io::stderr, format!("[rank {rank}] ")));
         children.push((rank, child, Instant::now()));
     }
+    // Rank 0 holds the store's socket now; a copy here would keep its port answering (queueing
+    // connections no one accepts) after rank 0 died.
+    drop(listener);
 
     // One waiter thread per rank reports exits in the order they happen, so the first failure
     // is the rank that failed first, not the first one a polling sweep happens to look at.

@@ -31,6 +31,9 @@ impl fmt::Display for EnvSource {
     }
 }
 
+/// The variable naming the listening socket `kolo launch` hands to rank 0 ([`LaunchEnv::store_fd`]).
+pub const STORE_FD: &str = "KOLO_STORE_FD";
+
 /// Where this process sits in the job and how to reach the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchEnv {
@@ -44,6 +47,10 @@ pub struct LaunchEnv {
     pub source: EnvSource,
     /// How many times an elastic launcher restarted the job (0: the first start).
     pub restart_count: usize,
+    /// `KOLO_STORE_FD`: a listening socket on `MASTER_PORT` that `kolo launch` bound and handed
+    /// to rank 0, which hosts the store on it (no window between choosing the port and binding
+    /// it, in which another process could take it).
+    pub store_fd: Option<i32>,
 }
 
 impl LaunchEnv {
@@ -134,5 +141,7 @@ where
         (None, None) => None,
     };
     let restart_count = num(&vars, "KOLO_RESTART_COUNT")?.or(num(&vars, "TORCHELASTIC_RESTART_COUNT")?).unwrap_or(0);
-    Ok(Some(LaunchEnv { rank, world_size, local_rank, local_world_size, master_addr, master_port, token, source, restart_count }))
+    let store_fd =
+        num(&vars, STORE_FD)?.map(|fd| i32::try_from(fd).map_err(|_| format!("{STORE_FD}={fd} is not a file descriptor"))).transpose()?;
+    Ok(Some(LaunchEnv { rank, world_size, local_rank, local_world_size, master_addr, master_port, token, source, restart_count, store_fd }))
 }

@@ -18,7 +18,7 @@ mod tcp;
 pub mod wire;
 
 pub use auth::JobToken;
-pub use env::{discover, EnvSource, LaunchEnv};
+pub use env::{discover, EnvSource, LaunchEnv, STORE_FD};
 pub use error::StoreError;
 pub use memory::MemoryStore;
 pub use tcp::{TcpStore, TcpStoreServer};

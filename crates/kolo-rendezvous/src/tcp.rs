@@ -48,7 +48,11 @@ pub struct TcpStoreServer {
 impl TcpStoreServer {
     /// Binds `addr` (port 0 picks a free port) and starts serving.
     pub fn start(addr: impl ToSocketAddrs, token: JobToken) -> io::Result<TcpStoreServer> {
-        let listener = TcpListener::bind(addr)?;
+        Self::start_on(TcpListener::bind(addr)?, token)
+    }
+
+    /// Serves on a socket already bound and listening (one a launcher handed over).
+    pub fn start_on(listener: TcpListener, token: JobToken) -> io::Result<TcpStoreServer> {
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));

@@ -214,6 +214,21 @@ fn help_texts_render() {
 
 /// `--bind-cores`: each rank runs on its own cores (the kernel's affinity list of the rank is
 /// what KOLO_CPUS says, and the two ranks' lists do not overlap); without it nobody is bound.
+/// The launcher binds the store's port itself and hands the listening socket to rank 0
+/// (`KOLO_STORE_FD`), so that nothing can take the port between its choice and rank 0's store
+/// (a test run once failed with "rank 0 cannot host the store: Address already in use"): rank
+/// 0 starts with a descriptor that is a socket listening on MASTER_PORT (the kernel's
+/// `/proc/net/tcp` says so), rank 1 with none.
+#[test]
+fn launcher_hands_rank_0_the_stores_socket_already_listening() {
+    let script = r#"if [ -n "$KOLO_STORE_FD" ]; then ino=$(readlink /proc/self/fd/$KOLO_STORE_FD | tr -dc 0-9); port=$(printf %04X $MASTER_PORT); n=$(cat /proc/net/tcp /proc/net/tcp6 2>/dev/null | awk -v i="$ino" '$10 == i {print $2, $4}' | grep -c ":$port 0A"); echo "store fd listening on MASTER_PORT: $n"; else echo "store fd: none"; fi"#;
+    let o = run(&["launch", "-n", "2", "--", "sh", "-c", script], &[]);
+    let t = text(&o);
+    assert!(o.status.success(), "{t}");
+    assert!(t.contains("[rank 0] store fd listening on MASTER_PORT: 1"), "{t}");
+    assert!(t.contains("[rank 1] store fd: none"), "{t}");
+}
+
 #[test]
 fn launcher_binds_ranks_to_their_own_cores_when_asked() {
     let script = "echo cpus=$KOLO_CPUS allowed=$(grep Cpus_allowed_list /proc/self/status | cut -f2)";
