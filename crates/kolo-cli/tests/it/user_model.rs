@@ -554,8 +554,15 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         dtype => Box::new(kolo_tensor::CastView(dtype)),
     };
     opts.train.precision = kolo_train::config::Precision::F32;
-    let mut trainer = match m.tp {
-        1 => kolo::Trainer::new(&varmap, &dist, opts)?,
+    // ZeRO-3: kolo train shards the GPT's blocks; the library gathers the same groups into the
+    // model's variables (`Trainer::with_zero3_groups`, one group per block).
+    let blocks: Vec<String> = match &spec {
+        kolo_tensor::ModelSpec::Gpt(g) => (0..g.n_layer).map(|i| format!("blocks.{i}.")).collect(),
+        _ => Vec::new(),
+    };
+    let mut trainer = match (m.tp, opts.ddp.zero_stage) {
+        (1, 3) => kolo::Trainer::with_zero3_groups(&varmap, &dist, opts, &blocks.iter().map(|b| b.as_str()).collect::<Vec<_>>())?,
+        (1, _) => kolo::Trainer::new(&varmap, &dist, opts)?,
         _ => kolo::Trainer::with_mesh(&varmap, &mesh, opts)?,
     };
     if let Some(from) = args.get(2).filter(|a| *a != "-") {
@@ -584,8 +591,10 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     }
     if let Some(vocab) = data.vocab.as_ref().filter(|_| trainer.steps_done() == cfg.train.steps && cfg.train.sample_chars > 0) {
         // As kolo train samples a text model at the end: from a newline, on the first replica
-        // (each of its tensor-parallel members, whose forward passes sum over the group).
-        if let (kolo_tensor::ModelSpec::Gpt(g), 0) = (&spec, mesh.coord("dp")) {
+        // (each of its tensor-parallel members, whose forward passes sum over the group), or
+        // under ZeRO-3 on every rank (each forward gathers the blocks collectively).
+        let samples = mesh.coord("dp") == 0 || trainer.zero3_stats().0 > 0;
+        if let (kolo_tensor::ModelSpec::Gpt(g), true) = (&spec, samples) {
             let next = |ctx: &[u32]| {
                 let input = kolo_tensor::Input::Tokens { ids: ctx.to_vec(), b: 1, t: ctx.len() };
                 let logits = model.forward(&input, &*view).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -597,6 +606,9 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     }
     trainer.set_data_position(sampler.position());
     trainer.save(out)?;
+    if trainer.zero3_stats().0 > 0 {
+        println!("rank {}: {} ZeRO-3 group gathers", dist.rank(), trainer.zero3_stats().0);
+    }
     Ok(())
 }
 
@@ -609,7 +621,10 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// (`ddp.schedule`, without clipping and accumulation, which it refuses; the library's run is
 /// also stopped at step 3 and resumed), and log the same loss at the same steps. The other
 /// built-in models too: the CNN under ZeRO-2, the GPT on characters of Shakespeare under DDP,
-/// ZeRO-2 and scheduled communication, with the same text sampled at the end (`Trainer::sample`;
+/// ZeRO-2, ZeRO-3 (kolo train's sharded blocks against the library's FSDP-style groups,
+/// `Trainer::with_zero3_groups` with a group per block, gathered into the model's variables;
+/// the library's run must have gathered) and scheduled communication, with the same text
+/// sampled at the end (`Trainer::sample`;
 /// once with `train.sample_chars` and `sample_temperature` set), and in bf16 (`train.precision`:
 /// kolo train's f32 parameters cast to bf16 where used, which the library's program does with
 /// the same `CastView` around a model that is f32 to the trainer, as torch's autocast is), and
@@ -643,6 +658,7 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         ("cnn-z2", "zero_stage = 2", ""),
         ("gpt-z0", "zero_stage = 0", "sample_chars = 60\nsample_temperature = 0.5\n"),
         ("gpt-z2", "zero_stage = 2", ""),
+        ("gpt-z3", "zero_stage = 3", "sample_chars = 20\n"),
         ("gpt-bf16", "zero_stage = 0", "precision = \"bf16\"\nsample_chars = 40\n"),
         ("gpt-schedule", "schedule = { chunk = \"1KiB\", credit = \"3KiB\" }\ntimeout_secs = 30", ""),
         // Tensor parallelism over both ranks (`[mesh] tp`; the library's `Trainer::with_mesh`).
@@ -681,6 +697,9 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
         let lib = dir.join(format!("lib-{tag}"));
         let o = launch(2, "builtin", &format!("{} {}", config.display(), lib.display()));
         assert!(o.status.success(), "library, {tag}: {}", text(&o));
+        // ZeRO-3: the library's ranks gathered the blocks into the model's variables.
+        let gathered = text(&o).matches(" ZeRO-3 group gathers").count();
+        assert_eq!(gathered, if tag.ends_with("z3") { 2 } else { 0 }, "{tag}: the library's ZeRO-3 gathers: {}", text(&o));
         // Both log the same windows with the same loss (the step's, averaged over the ranks).
         let windows = |log: &str| -> Vec<String> {
             log.lines()
