@@ -815,6 +815,9 @@ impl Trainer {
     /// user's model on the last `context_len` tokens so far and returns the logits of the last
     /// position (vocabulary values, any leading dimensions of size 1). Returns the drawn
     /// tokens; decode them with the user's tokenizer and log them with [`Trainer::log_sample`].
+    /// Under ZeRO-3 call it on every rank (each forward pass gathers the model's groups
+    /// collectively; the ranks draw the same tokens): a rank sampling alone fails here, naming
+    /// the gather.
     pub fn sample(
         &self,
         start: &[u32],
@@ -823,7 +826,12 @@ impl Trainer {
     ) -> Result<Vec<u32>> {
         let tc = &self.opts.train;
         let mut next = |ctx: &[u32]| next_logits(ctx).map_err(|e| kolo_train::TrainError::Data(format!("text sampling: {e}")));
-        Ok(kolo_train::eval::sample_ids(start, tc.sample_chars, context_len, tc.sample_temperature, tc.seed, &mut next)?)
+        let ids = kolo_train::eval::sample_ids(start, tc.sample_chars, context_len, tc.sample_temperature, tc.seed, &mut next);
+        // A gather that failed filled its group with NaN: that is the cause to report.
+        if let Some(z) = &self.zero3 {
+            z.take_error()?;
+        }
+        Ok(ids?)
     }
 
     /// Logs a sample (from [`Trainer::sample`], decoded) as `kolo train` does, on rank 0.
@@ -996,6 +1004,11 @@ impl Trainer {
                 "Trainer::save",
                 format!("{} micro-steps of an accumulation are pending; save after the step that completes it", self.micro),
             ));
+        }
+        // A ZeRO-3 gather that failed since the step (in the user's evaluation, say) is the
+        // cause of whatever the checkpoint's collectives would meet.
+        if let Some(z) = &self.zero3 {
+            z.take_error()?;
         }
         // A background write of `checkpoint_every` ends first (its commit is the older step).
         if let Some(c) = self.cadence.as_mut() {

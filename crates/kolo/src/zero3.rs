@@ -176,7 +176,13 @@ impl Zero3 {
     /// that triggered it; its variables were filled with NaN instead).
     pub(crate) fn take_error(&self) -> Result<()> {
         match self.inner.lock().error.take() {
-            Some(e) => Err(Error::usage(self.rank, "ZeRO-3 gather", e)),
+            Some(e) => Err(Error::usage(
+                self.rank,
+                "ZeRO-3 gather",
+                format!(
+                    "{e} (a group is gathered, collectively, when the model first reads one of its variables: every rank must run the same forward and backward passes, evaluation and sampling included)"
+                ),
+            )),
             None => Ok(()),
         }
     }

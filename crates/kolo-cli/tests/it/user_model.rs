@@ -511,7 +511,8 @@ fn all_gather_concatenates_uneven_tensors_in_rank_order() {
 /// kolo-tensor, trained by the library's `Trainer` from the same file's tables, on the same
 /// batches of kolo train's data (MNIST or a text corpus), and saved to `args[1]`;
 /// from the checkpoint `args[2]` when given (`-`: none), stopping after `args[3]` steps when
-/// given.
+/// given; `args[4] = sample-on-rank-0`: a text model is sampled on rank 0 alone, also under
+/// ZeRO-3 (a mistake, for the test of its error).
 fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
     use kolo_tensor::PlainView;
     let (config, out) = (std::path::Path::new(&args[0]), &args[1]);
@@ -593,7 +594,7 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
         // As kolo train samples a text model at the end: from a newline, on the first replica
         // (each of its tensor-parallel members, whose forward passes sum over the group), or
         // under ZeRO-3 on every rank (each forward gathers the blocks collectively).
-        let samples = mesh.coord("dp") == 0 || trainer.zero3_stats().0 > 0;
+        let samples = mesh.coord("dp") == 0 || (trainer.zero3_stats().0 > 0 && args.get(4).is_none_or(|a| a != "sample-on-rank-0"));
         if let (kolo_tensor::ModelSpec::Gpt(g), true) = (&spec, samples) {
             let next = |ctx: &[u32]| {
                 let input = kolo_tensor::Input::Tokens { ids: ctx.to_vec(), b: 1, t: ctx.len() };
@@ -758,6 +759,33 @@ fn kolo_train_and_the_library_train_a_built_in_model_bitwise_alike() {
             _ => {}
         }
     }
+}
+
+/// The library's ZeRO-3 gathers a group when the model reads it, so every rank must run the
+/// model together. A program that samples the GPT (4 blocks, more than the 2 kept whole) on
+/// rank 0 alone fails at once, and rank 0's error names the gather and what every rank must do,
+/// instead of the checkpoint's collectives meeting the gather's ("communicator is unusable").
+#[test]
+fn a_zero3_model_sampled_on_one_rank_fails_naming_the_gather() {
+    let dir = fresh_dir("zero3-one-rank");
+    let config = dir.join("gpt.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 4\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 8\n\
+             [ddp]\nzero_stage = 3\ntimeout_secs = 20\n[train]\nsteps = 2\nsample_chars = 20\n",
+            kolo_testkit::files::shakespeare().display()
+        ),
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let o = launch(2, "builtin", &format!("{} {} - 2 sample-on-rank-0", config.display(), dir.join("out").display()));
+    let t = text(&o);
+    assert!(!o.status.success(), "sampling on one rank under ZeRO-3 succeeded: {t}");
+    let rank0 = t.lines().find(|l| l.starts_with("[rank 0]") && l.contains("Err")).unwrap_or_default();
+    assert!(rank0.contains("ZeRO-3 gather") && rank0.contains("every rank must run the same forward and backward passes"), "{t}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(60), "took {:?}", started.elapsed());
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// `ddp.deterministic` from the library (`Trainer::step_pieces`, `Trainer::sampler`): the
