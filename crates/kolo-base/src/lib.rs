@@ -217,17 +217,16 @@ crate::simd_kernel! {
     }
 }
 
-/// Parameters sharded across ranks and materialised group by group (ZeRO-3): a model adapter
-/// asks for a group's full values just before it computes with them, drops them right after,
-/// and hands back the gradient of the whole group. Tensor-free, like [`GradSink`].
+/// Parameters sharded across ranks and materialised group by group (ZeRO-3): the model's
+/// variables of a group are filled with its full values when the model first reads one of
+/// them, and freed again after (`kolo_train::zero3`); their gradients travel as any
+/// parameter's. Tensor-free, like [`GradSink`].
 pub trait ParamGather: Send + Sync {
     /// The full values of group `group`, packed in the group's parameter order. Blocks until
     /// they are gathered (or fails, naming why).
     fn gather(&self, group: usize) -> Result<Vec<f32>, String>;
     /// Starts gathering `group` now, to be collected by the next [`ParamGather::gather`] of it.
     fn prefetch(&self, group: usize);
-    /// The gradient of group `group`'s packed parameters (called once per backward pass).
-    fn group_grad_ready(&self, group: usize, grad: &[f32]);
 }
 
 /// Summing f32 buffers across a group of ranks (a tensor-parallel group), for model adapters

@@ -2,7 +2,7 @@
 //! shards into the model (stages 1-3), and stage 3's master shard, gathers and prefetches.
 //! The shard layout itself is the pure plan in [`crate::shard`].
 
-use crate::{BucketGrads, Ddp, DdpError, Inner, Shared, SyncStats};
+use crate::{BucketGrads, Ddp, DdpError, Shared, SyncStats};
 use kolo_base::{Deadline, ParamGather};
 use kolo_comm::{BufMut, BufRef, OpKind, Pending};
 use std::sync::Arc;
@@ -195,40 +195,5 @@ impl ParamGather for Shared {
         let Some(&b) = self.group_bucket.get(group) else { return };
         let mut m = self.prefetched.lock().unwrap_or_else(|p| p.into_inner());
         m.entry(b).or_insert_with(|| self.submit_gather(b));
-    }
-
-    fn group_grad_ready(&self, group: usize, grad: &[f32]) {
-        let Some(&b) = self.group_bucket.get(group) else { return };
-        let mut inner = self.lock();
-        if grad.len() != self.plan[b].numel {
-            return; // a wrong size: finish reports the bucket
-        }
-        // Each parameter of the group: where it is in the model's flat layout and in `grad`.
-        let places = || self.plan[b].params.iter().map(|&p| (self.ranges[p].clone(), self.slot[p].1));
-        if inner.no_sync {
-            // A no-sync micro-step (Ddp::set_no_sync): the group's gradient joins the local
-            // accumulator, which the synchronised micro-step's gradient carries.
-            for (r, off) in places() {
-                let n = r.len();
-                self.accumulate_into(&mut inner, r, &grad[off..off + n]);
-            }
-            return;
-        }
-        let Inner { buffers, remaining, seen, complete, accum, .. } = &mut *inner;
-        if complete[b] {
-            return; // a second gradient in one pass: finish reports the bucket
-        }
-        let mut grad = grad.to_vec();
-        if let Some(a) = accum.as_ref() {
-            for (r, off) in places() {
-                grad[off..off + r.len()].iter_mut().zip(&a[r]).for_each(|(g, a)| *g += a);
-            }
-        }
-        for &p in &self.plan[b].params {
-            seen[p] = true;
-        }
-        remaining[b] = 0;
-        buffers[b] = Some(grad);
-        self.bucket_complete(&mut inner, b);
     }
 }

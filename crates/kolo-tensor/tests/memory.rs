@@ -9,8 +9,12 @@ use kolo_tensor::{build_model, Batch, Input, ModelSpec, PlainView};
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
+/// The allocator's counts are the process's: the tests here measure one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn checkpointing_every_block_cuts_peak_activation_memory() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     CountingAlloc::mark_installed();
     let cfg = GptConfig { vocab: 65, seq: 64, d_model: 64, n_head: 4, n_layer: 6, moe: None };
     let mut r = Rng::new(1);
@@ -35,4 +39,46 @@ fn checkpointing_every_block_cuts_peak_activation_memory() {
     eprintln!("peak above the model: plain {plain} B, half the blocks checkpointed {half} B, all {all} B");
     assert!(all * 2 < plain, "checkpointing all 6 blocks: {all} B vs {plain} B without");
     assert!(all < half && half < plain, "{all} < {half} < {plain}");
+}
+
+/// A checkpointed block keeps its input and, by default, a packed copy of its parameters until
+/// backward; with `Model::reread_parameters` (ZeRO-3, where the variables are freed between
+/// uses) it keeps no copy: what a forward leaves held shrinks by the blocks' parameters, and the
+/// gradients are bitwise the same (backward packs the variables again).
+#[test]
+fn checkpointed_blocks_that_reread_their_variables_hold_no_parameter_copy() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    CountingAlloc::mark_installed();
+    let cfg = GptConfig { vocab: 65, seq: 32, d_model: 64, n_head: 4, n_layer: 6, moe: None };
+    let mut r = Rng::new(2);
+    let (b, t) = (4, cfg.seq);
+    let batch = Batch {
+        input: Input::Tokens { ids: (0..b * t).map(|_| r.below(65) as u32).collect(), b, t },
+        targets: (0..b * t).map(|_| r.below(65) as u32).collect(),
+    };
+    let run = |reread: bool| {
+        let mut m = build_model(&ModelSpec::Gpt(cfg.clone()), 0).unwrap();
+        m.set_checkpointing(&[0, 1, 2, 3, 4, 5]).unwrap();
+        if reread {
+            m.reread_parameters();
+        }
+        let before = stats().unwrap().live;
+        let loss = m.loss(&batch, &PlainView).unwrap();
+        let held = stats().unwrap().live - before;
+        let g = loss.backward().unwrap();
+        let grads: Vec<Vec<f32>> =
+            m.params().iter().map(|p| g.get(p.var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap()).collect();
+        (held, grads)
+    };
+    // (A first run allocates the kernels' caches, which stay.)
+    run(true);
+    let (copied, g_copied) = run(false);
+    let (reread, g_reread) = run(true);
+    let block_bytes: usize = {
+        let m = build_model(&ModelSpec::Gpt(cfg.clone()), 0).unwrap();
+        m.param_groups().iter().flatten().map(|&i| m.params().get(i).range.len() * 4).sum()
+    };
+    eprintln!("held after the forward: {copied} B with the copies, {reread} B rereading; the blocks' parameters are {block_bytes} B");
+    assert!(copied - reread >= block_bytes * 9 / 10, "{copied} B vs {reread} B: the copies ({block_bytes} B) were kept");
+    assert!(g_copied == g_reread, "the gradients differ when the blocks reread their variables");
 }

@@ -98,7 +98,7 @@ pub fn apply_plan(cfg: &mut Config, world: usize, memory: f64, device: &kolo_pla
         global / p.dp,
         if p.pp > 1 { format!(" in {} micro-batches", e.micro_batches) } else { String::new() },
         if accumulates { format!(" ({} accumulated micro-batches of {})", e.micro_batches, p.micro_batch) } else { String::new() },
-        if p.recompute == Recompute::Full && p.zero != 3 { ", activation checkpointing" } else { "" },
+        if p.recompute == Recompute::Full { ", activation checkpointing" } else { "" },
         m.vocab,
         e.step_s * 1e3,
         e.memory() / 1e6,
@@ -117,8 +117,8 @@ fn text_vocab(cfg: &Config) -> usize {
 
 /// The plans the planner's search finds for `m` on `c` that Kolo's GPT can run, fastest first:
 /// ZeRO only with plain data parallelism, activation checkpointing (full, not selective
-/// recomputation) without tp or pp, ZeRO-3 (which recomputes every block in backward, so
-/// costed with checkpointing) without gradient accumulation, no more stages than layers.
+/// recomputation) without tp or pp, ZeRO-3 with every block checkpointed (the variant its
+/// cost model was checked against) without gradient accumulation, no more stages than layers.
 pub fn runnable_plans(m: &Gpt, c: &Cluster, global: usize, precision: Precision) -> Vec<(Plan, Estimate)> {
     let space = Space {
         zero_with_model_parallel: false,
@@ -178,7 +178,7 @@ pub fn apply(cfg: &mut Config, p: &Plan, e: &Estimate, global: usize, layers: us
         cfg.pipeline = Some(PipelineConfig { micro_batches: e.micro_batches, schedule, rematerialize: false });
     }
     match p.recompute {
-        Recompute::Full if p.zero != 3 => cfg.model.checkpoint_blocks = (0..layers).collect(),
+        Recompute::Full => cfg.model.checkpoint_blocks = (0..layers).collect(),
         Recompute::Selective => {
             return Err(TrainError::Config(
                 "selective recomputation: Kolo's GPT recomputes whole blocks (checkpoint_blocks) or nothing".into(),

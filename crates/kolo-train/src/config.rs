@@ -606,8 +606,10 @@ pub struct DdpConfig {
     pub skip_sync: bool,
     /// ZeRO stage (DeepSpeed's `zero_stage`): 0 = plain DDP; 1 = optimizer state sharded
     /// across ranks; 2 = gradients sharded too (reduce-scattered during backward); 3 =
-    /// parameters sharded too (GPT: each block gathered just before use, the next one
-    /// prefetched, gathered again for a recomputing backward). Default 0.
+    /// parameters sharded too (GPT: each block's variables filled by an all-gather when the
+    /// model first reads them, the next block prefetched, at most two blocks whole at once,
+    /// gathered again for backward, as torch's FSDP; activations are kept unless
+    /// `model.checkpoint_blocks` recomputes them). Default 0.
     pub zero_stage: u8,
     /// Gradient compression, e.g. `{ method = "powersgd", rank = 4, warmup_steps = 10 }`
     /// (plain DDP only). Default: none.

@@ -12,12 +12,13 @@ use crate::eval::{evaluate, sample_text};
 use crate::setup::{spec_string, Data};
 use crate::summary::{Eval, RunOptions, StateBytes};
 use crate::update::Engine;
+use crate::zero3::Zero3;
 use crate::TrainError;
 use kolo_base::Rng;
 use kolo_comm::{BufMut, Communicator, ReduceOp, SumGroup};
 use kolo_ddp::{Ddp, ShardPlan, Sharding};
 use kolo_optim::{LossScaler, Optimizer};
-use kolo_tensor::{build_model, Batch, HookedView, Model, ModelSpec, ParamView, PlainView};
+use kolo_tensor::{build_model, Batch, Model, ModelSpec, ParamSet, ParamView, PlainView};
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -37,12 +38,13 @@ pub struct DataParallel<'a> {
     /// The DDP engine, the optimizer and the step's state (the library's `Trainer` steps its
     /// own the same way).
     e: Engine,
-    zero3: bool,
+    /// ZeRO-3 (FSDP-style, as the library's `Trainer`): the blocks' variables, emptied and
+    /// gathered back into when the model reads them; and the engine's view of the parameters,
+    /// in which the blocks are released (their values live as the engine's master shards).
+    zero3: Option<(Zero3, ParamSet)>,
     eval_view: Box<dyn ParamView>,
     /// The model's parameters by variable id, where backward hands their gradients.
     ids: std::collections::HashMap<candle_core::TensorId, usize>,
-    /// ZeRO-3's route for gradients: the groups' values are gathered per use.
-    hooked: HookedView,
     /// Tensor parallelism: the group (counting its all-reduces), its communicator, and which
     /// parameters are split over it.
     tp: Option<(Arc<SumGroup>, Arc<dyn Communicator>)>,
@@ -101,10 +103,10 @@ impl<'a> DataParallel<'a> {
             }
             None => None,
         };
-        let zero3 = sharding == Sharding::Parameters;
-        if zero3 {
-            model.shard_groups(e.ddp.gatherer())?;
-        }
+        let zero3 = match sharding == Sharding::Parameters {
+            true => Some(shard_groups(&mut *model, &e)?),
+            false => None,
+        };
         let numel = model.params().numel();
         if tc.grad_accum > 1 || cfg.ddp.skip_sync || cfg.ddp.local_sgd.is_some() || cfg.ddp.deterministic {
             e.local = vec![0f32; numel];
@@ -114,7 +116,6 @@ impl<'a> DataParallel<'a> {
         if global_rank == 0 && !opts.quiet {
             announce(cfg, &*model, &spec, &e.ddp, e.zero.as_ref(), data);
         }
-        let hooked = HookedView { sink: e.ddp.sink(), dtype };
         let ids = crate::update::param_ids(model.params());
         let s = DataParallel {
             t: cfg.step_tables(),
@@ -127,7 +128,6 @@ impl<'a> DataParallel<'a> {
             zero3,
             eval_view,
             ids,
-            hooked,
             tp,
             tp_split,
             meta,
@@ -137,18 +137,28 @@ impl<'a> DataParallel<'a> {
         Ok((s, start))
     }
 
-    /// ZeRO-3: completes the gathers a forward pass leaves in flight (the last block prefetches
-    /// itself for a backward), so that the driver's own collectives find the communicator idle.
+    /// The parameters as the engine updates and checkpoints them (under ZeRO-3 the blocks are
+    /// released: their values are the master shards).
+    fn params(&self) -> &ParamSet {
+        self.zero3.as_ref().map_or_else(|| self.model.params(), |(_, p)| p)
+    }
+
+    /// ZeRO-3: reports a gather that failed in a forward pass (outside a step no gather is
+    /// prefetched, so the driver's own collectives find the communicator idle).
     fn settle(&self) -> Result<(), TrainError> {
-        if self.zero3 {
-            self.e.ddp.drop_prefetched()?;
+        if let Some((z, _)) = &self.zero3 {
+            z.take_error().map_err(|e| self.zero3_error(e))?;
         }
         Ok(())
     }
 
+    fn zero3_error(&self, e: crate::zero3::Zero3Error) -> TrainError {
+        TrainError::Other(format!("rank {}: {e}", self.global_rank))
+    }
+
     /// Forward and backward of the step's micro-batches; only the last one communicates
     /// (`update::backward_routed`, bucket by bucket as backward produces gradients, the path
-    /// the library's Trainer takes; ZeRO-3 through the hooked view). Returns the mean loss.
+    /// the library's Trainer takes, ZeRO-3's groups too). Returns the mean loss.
     fn forward_backward(&mut self, step: u64, data: &mut Batches) -> Result<f64, TrainError> {
         let tc = self.t.train;
         let te = kolo_tensor::TensorError::from;
@@ -160,11 +170,11 @@ impl<'a> DataParallel<'a> {
             let scale = data.share() / tc.grad_accum as f64;
             // f16: backward runs on the loss times the loss scale; the step divides it out.
             let loss_scale = self.e.scaler.as_ref().map_or(1.0, LossScaler::scale);
+            if let Some((z, _)) = &self.zero3 {
+                z.set_prefetch(true);
+            }
             if self.e.exact.is_some() {
                 loss_sum += self.exact_pieces(&batch, (rank, step))? / tc.grad_accum as f64;
-            } else if self.zero3 {
-                // (ZeRO-3 refuses skip_sync and local SGD.)
-                loss_sum += self.zero3_micro_step(&batch, scale, loss_scale, m + 1 < tc.grad_accum)?;
             } else {
                 // As the library's Trainer::backward: the micro-step that communicates hands
                 // each gradient to DDP's buckets as backward makes it final; the others keep
@@ -172,8 +182,10 @@ impl<'a> DataParallel<'a> {
                 let communicate = self.e.communicates(m + 1 == tc.grad_accum, step);
                 let loss = (self.model.loss(&batch, &*self.eval_view)? * scale).map_err(te)?;
                 loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-                self.e.backward(&(loss * loss_scale).map_err(te)?, &self.ids, self.model.params(), communicate, None)?;
+                let params = self.zero3.as_ref().map_or_else(|| self.model.params(), |(_, p)| p);
+                self.e.backward(&(loss * loss_scale).map_err(te)?, &self.ids, params, communicate, None)?;
             }
+            self.settle()?;
         }
         Ok(loss_sum)
     }
@@ -191,30 +203,10 @@ impl<'a> DataParallel<'a> {
         for piece in &pieces {
             let loss = self.model.loss(piece, &*self.eval_view)?;
             loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-            self.e.backward_piece(&loss, &self.ids, self.model.params(), at)?;
+            let params = self.zero3.as_ref().map_or_else(|| self.model.params(), |(_, p)| p);
+            self.e.backward_piece(&loss, &self.ids, params, at)?;
         }
         Ok(loss_sum / pieces.len() as f64)
-    }
-
-    /// A ZeRO-3 micro-step: the groups' values are gathered per use (fresh tensors, not the
-    /// parameters' variables), so their gradients reach DDP through the hooked view, which
-    /// accumulates them on a micro-step that does not communicate. Returns its loss.
-    fn zero3_micro_step(&mut self, batch: &Batch, scale: f64, loss_scale: f64, local: bool) -> Result<f64, TrainError> {
-        let te = kolo_tensor::TensorError::from;
-        match local {
-            true => self.e.ddp.set_no_sync(true),
-            false => self.e.ddp.begin_backward(),
-        }
-        let loss = (self.model.loss(batch, &self.hooked)? * scale).map_err(te);
-        let done = loss.and_then(|loss| {
-            let value = f64::from(loss.to_scalar::<f32>().map_err(te)?);
-            (loss * loss_scale).map_err(te)?.backward().map_err(te)?;
-            Ok(value)
-        });
-        if local {
-            self.e.ddp.set_no_sync(false);
-        }
-        Ok(done?)
     }
 
     /// The step's end (`Engine::update`: the buckets, a local step or deterministic mode's
@@ -233,7 +225,13 @@ impl<'a> DataParallel<'a> {
         let pieces = self.t.train.grad_accum as usize * global / self.t.ddp.deterministic_chunk.max(1);
         let local = self.e.is_local_step(step) && self.e.exact.is_none();
         let end = crate::update::StepEnd { step, lr, checks, pieces, sp: None };
-        let stats = self.e.update(self.model.params(), &end, &mut |_| Ok(()))?.stats;
+        let params = self.zero3.as_ref().map_or_else(|| self.model.params(), |(_, p)| p);
+        let stats = self.e.update(params, &end, &mut |_| Ok(()))?.stats;
+        if let Some((z, _)) = &self.zero3 {
+            // The shards changed: every gathered copy is stale.
+            z.set_prefetch(false);
+            z.release_all().map_err(|e| self.zero3_error(e))?;
+        }
         if local {
             // A local step waits for nothing; local SGD's averaging is its traffic.
             out.rec.comm_bytes = self.t.ddp.local_sgd.is_some().then_some(stats.bytes);
@@ -248,7 +246,7 @@ impl<'a> DataParallel<'a> {
 
     /// The whole model's parameters on every rank.
     fn whole_params(&self) -> Result<Vec<f32>, TrainError> {
-        if self.zero3 {
+        if self.zero3.is_some() {
             let mut flat = vec![0f32; self.numel];
             let ranges = self.e.ddp.ranges();
             self.e.ddp.with_master(|m| {
@@ -276,7 +274,7 @@ impl<'a> DataParallel<'a> {
     /// shard of them (ZeRO-2/3), the optimizer state for the whole model or this rank's shard.
     fn states(&self) -> StateBytes {
         let bytes = |n: usize| n as u64 * 4;
-        let params = self.model.params();
+        let params = self.params();
         let resident: usize = (0..params.len()).filter(|&i| params.is_resident(i)).map(|i| params.get(i).range.len()).sum();
         let grads = if matches!(self.e.ddp.sharding(), Sharding::Gradients | Sharding::Parameters) {
             self.e.ddp.grad_len()
@@ -353,14 +351,14 @@ impl Strategy for DataParallel<'_> {
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         let settle = || self.settle();
-        evaluate(&*self.model, &*self.eval_view, ds, &*self.comm, self.t.batch_size, max_batches, self.zero3, &settle).map(Some)
+        evaluate(&*self.model, &*self.eval_view, ds, &*self.comm, self.t.batch_size, max_batches, self.zero3.is_some(), &settle).map(Some)
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         // Under ZeRO-3 every rank samples (the same text: same seed), since each forward
         // gathers the blocks collectively.
         let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
-        if self.comm.rank().get() != 0 && !self.zero3 {
+        if self.comm.rank().get() != 0 && self.zero3.is_none() {
             return Ok(None);
         }
         let tc = self.t.train;
@@ -374,7 +372,7 @@ impl Strategy for DataParallel<'_> {
         }
         let mut meta = self.meta.clone();
         meta.extend(at.meta);
-        let replica = self.e.replica(self.model.params(), self.t.ddp.local_sgd.is_some());
+        let replica = self.e.replica(self.params(), self.t.ddp.local_sgd.is_some());
         replica.save(at.dir, at.step, at.pos, meta, at.background, at.crash)
     }
 
@@ -391,6 +389,41 @@ impl Strategy for DataParallel<'_> {
             ps: None,
         })
     }
+}
+
+/// ZeRO-3: the model's groups (the GPT's blocks), whose variables from now on hold their values
+/// only while the model reads them (`crate::zero3`, FSDP-style, as the library's `Trainer`), and
+/// the engine's view of the parameters with those groups released.
+fn shard_groups(model: &mut dyn Model, e: &Engine) -> Result<(Zero3, ParamSet), TrainError> {
+    let groups = model.param_groups();
+    if groups.is_empty() || model.tensor_parallel_split().is_some() {
+        return Err(TrainError::Config(
+            "ddp.zero_stage = 3 shards the GPT's blocks: this model has none to shard (or is split over a tensor-parallel group)".into(),
+        ));
+    }
+    // Checkpointed blocks read their variables again in backward (a gather) instead of keeping
+    // a copy of their parameters through the step.
+    model.reread_parameters();
+    let params = model.params();
+    let mut released = ParamSet::new();
+    for p in params.iter() {
+        released.adopt(&p.name, p.var.clone())?;
+    }
+    for &i in groups.iter().flatten() {
+        released.release(i)?;
+    }
+    // Each group by the name prefix its parameters share (`blocks.3.`), for errors.
+    let prefix = |g: &[usize]| {
+        let first = &params.get(g[0]).name;
+        let common =
+            g.iter().map(|&i| first.bytes().zip(params.get(i).name.bytes()).take_while(|(a, b)| a == b).count()).min().unwrap_or(0);
+        first[..first[..common].rfind('.').map_or(0, |d| d + 1)].to_string()
+    };
+    let prefixes: Vec<String> = groups.iter().map(|g| prefix(g)).collect();
+    let prefixes: Vec<&str> = prefixes.iter().map(String::as_str).collect();
+    let vars = groups.iter().map(|g| g.iter().map(|&i| (params.get(i).name.clone(), params.get(i).var.clone())).collect()).collect();
+    let z = Zero3::new(e.ddp.gatherer(), &prefixes, vars, "ddp.zero_stage = 3").map_err(|e| TrainError::Config(e.to_string()))?;
+    Ok((z, released))
 }
 
 /// The model the config names, its tensor-parallel split over `tp` when there is one, with the

@@ -15,6 +15,7 @@ pub mod expert_parallel;
 pub mod local_sgd;
 pub mod sampler;
 pub mod update;
+pub mod zero3;
 
 pub use config::Config;
 

@@ -622,9 +622,9 @@ fn builtin_rank(args: &[String]) -> anyhow::Result<()> {
 /// (`ddp.schedule`, without clipping and accumulation, which it refuses; the library's run is
 /// also stopped at step 3 and resumed), and log the same loss at the same steps. The other
 /// built-in models too: the CNN under ZeRO-2, the GPT on characters of Shakespeare under DDP,
-/// ZeRO-2, ZeRO-3 (kolo train's sharded blocks against the library's FSDP-style groups,
-/// `Trainer::with_zero3_groups` with a group per block, gathered into the model's variables;
-/// the library's run must have gathered) and scheduled communication, with the same text
+/// ZeRO-2, ZeRO-3 (kolo train's blocks against the library's `Trainer::with_zero3_groups` with
+/// a group per block, both gathered into the model's variables; the library's run must have
+/// gathered) and scheduled communication, with the same text
 /// sampled at the end (`Trainer::sample`;
 /// once with `train.sample_chars` and `sample_temperature` set), and in bf16 (`train.precision`:
 /// kolo train's f32 parameters cast to bf16 where used, which the library's program does with

@@ -1,8 +1,8 @@
 use super::{normal, Input, Model};
 use crate::ops::{layer_norm, linear};
 use crate::{ParamSet, ParamView, Result, TensorError};
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Device, Layout, Shape, Storage, Tensor, Var};
-use kolo_base::{ParamGather, Rng};
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Storage, Tensor, Var};
+use kolo_base::Rng;
 use std::sync::Arc;
 
 /// nanoGPT-style decoder: token + learned position embedding, pre-norm blocks with causal
@@ -79,8 +79,9 @@ pub struct Gpt {
     head: (usize, usize),
     /// Blocks whose activations are recomputed in backward instead of stored.
     checkpointed: Vec<bool>,
-    /// ZeRO-3: where the blocks' parameters come from (they are not resident).
-    sharded: Option<Arc<dyn ParamGather>>,
+    /// Checkpointed blocks keep no copy of their parameters for backward: they read the
+    /// variables again (ZeRO-3, where that read gathers them; [`Model::reread_parameters`]).
+    reread: bool,
     /// Tensor parallelism: the group, each parameter's cut, and for each local value its index
     /// in the whole model's flat layout.
     tp: Option<TensorParallel>,
@@ -195,6 +196,32 @@ fn block_forward_moe(
 struct CheckpointedBlock {
     n_head: usize,
     shapes: Vec<Vec<usize>>,
+    /// [`Gpt::reread`]: the block's variables and the dtype the model computes them in. The
+    /// packed input's values are freed after the forward (a hook refills them from these,
+    /// should anything read them) and backward packs the variables again.
+    reread: Option<Reread>,
+}
+
+struct Reread {
+    vars: Vec<Tensor>,
+    dtype: DType,
+    /// The packed input whose storage was freed (its hook is removed when the op is dropped).
+    packed: Tensor,
+}
+
+impl Reread {
+    /// The block's parameters packed in f32 as the forward packed them (cast to the model's
+    /// compute dtype first, as the view did).
+    fn pack(vars: &[Tensor], dtype: DType) -> candle_core::Result<Tensor> {
+        let flat: Vec<Tensor> = vars.iter().map(|v| v.to_dtype(dtype)?.flatten_all()).collect::<candle_core::Result<_>>()?;
+        Tensor::cat(&flat, 0)?.to_dtype(DType::F32)
+    }
+}
+
+impl Drop for Reread {
+    fn drop(&mut self) {
+        self.packed.set_storage_hook(None);
+    }
 }
 
 fn unpack(packed: &Tensor, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
@@ -222,64 +249,6 @@ fn into_storage(y: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
     let out =
         if s == 0 && cpu.as_slice::<f32>()?.len() == n { cpu.clone() } else { CpuStorage::F32(cpu.as_slice::<f32>()?[s..s + n].to_vec()) };
     Ok((out, layout.shape().clone()))
-}
-
-/// ZeRO-3 block: its parameters are gathered from the shards just before the forward and freed
-/// after it, gathered again for the backward (which recomputes the block, as a checkpointed
-/// block does) and their gradient goes back to be reduce-scattered. The next block's gather is
-/// started before this one computes, so communication overlaps compute.
-struct ShardedBlock {
-    group: usize,
-    /// Group to prefetch before the forward (the next block), and after it (the last block
-    /// prefetches itself for the backward that comes next).
-    before_fwd: Option<usize>,
-    after_fwd: Option<usize>,
-    /// Group to prefetch before the backward (the previous block).
-    before_bwd: Option<usize>,
-    gather: Arc<dyn ParamGather>,
-    n_head: usize,
-    shapes: Vec<Vec<usize>>,
-}
-
-impl ShardedBlock {
-    fn params(&self) -> candle_core::Result<Tensor> {
-        let full =
-            self.gather.gather(self.group).map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of block {}: {e}", self.group)))?;
-        let n = full.len();
-        Tensor::from_vec(full, n, &Device::Cpu)
-    }
-}
-
-impl CustomOp1 for ShardedBlock {
-    fn name(&self) -> &'static str {
-        "kolo-zero3-block"
-    }
-
-    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        if let Some(g) = self.before_fwd {
-            self.gather.prefetch(g);
-        }
-        let x = cpu_tensor(storage, layout)?;
-        let packed = self.params()?;
-        let y = block_forward(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head).map_err(msg)?;
-        drop(packed);
-        if let Some(g) = self.after_fwd {
-            self.gather.prefetch(g);
-        }
-        into_storage(&y)
-    }
-
-    fn bwd(&self, x: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        if let Some(g) = self.before_bwd {
-            self.gather.prefetch(g);
-        }
-        let full =
-            self.gather.gather(self.group).map_err(|e| candle_core::Error::Msg(format!("ZeRO-3 gather of block {}: {e}", self.group)))?;
-        let (gx, gp) = recompute(x, &full, &self.shapes, self.n_head, grad)?;
-        drop(full);
-        self.gather.group_grad_ready(self.group, &gp);
-        Ok(gx)
-    }
 }
 
 fn cpu_tensor(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Tensor> {
@@ -310,7 +279,11 @@ impl CustomOp2 for CheckpointedBlock {
     }
 
     fn bwd(&self, x: &Tensor, packed: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let (gx, gp) = recompute(x, &packed.flatten_all()?.to_vec1::<f32>()?, &self.shapes, self.n_head, grad)?;
+        let values = match &self.reread {
+            Some(r) => Reread::pack(&r.vars, r.dtype)?.to_vec1::<f32>()?,
+            None => packed.flatten_all()?.to_vec1::<f32>()?,
+        };
+        let (gx, gp) = recompute(x, &values, &self.shapes, self.n_head, grad)?;
         let n = gp.len();
         Ok((gx, Some(Tensor::from_vec(gp, n, &Device::Cpu)?)))
     }
@@ -408,7 +381,7 @@ impl Gpt {
             ln_f,
             head,
             checkpointed,
-            sharded: None,
+            reread: false,
             tp: None,
             sp: None,
             ep: None,
@@ -452,7 +425,7 @@ impl Gpt {
     /// every sequence (positions `rank * t ..`), and attention passes keys and values around the
     /// ring. Parameters stay whole (replicated on every member).
     pub fn set_sequence_parallel(&mut self, ring: Arc<dyn kolo_base::RingShift>) -> Result<()> {
-        if self.tp.is_some() || self.sharded.is_some() || self.checkpointed.iter().any(|c| *c) || self.cfg.moe.is_some() {
+        if self.tp.is_some() || self.checkpointed.iter().any(|c| *c) || self.cfg.moe.is_some() {
             return Err(TensorError::Input(
                 "sequence parallelism does not combine with tensor parallelism, ZeRO-3, activation checkpointing or mixture of experts yet"
                     .into(),
@@ -492,9 +465,6 @@ impl Gpt {
     /// A copy with its own parameters holding the same values (a new weight version for
     /// PipeDream-2BW: the old one stays intact for the micro-batches still using it).
     pub fn fork(&self) -> Result<Gpt> {
-        if self.sharded.is_some() {
-            return Err(TensorError::Input("a ZeRO-3 GPT cannot be copied (its blocks are not resident)".into()));
-        }
         let values = self.params.to_flat()?;
         let mut params = ParamSet::new();
         for p in self.params.iter() {
@@ -509,7 +479,7 @@ impl Gpt {
             ln_f: self.ln_f,
             head: self.head,
             checkpointed: self.checkpointed.clone(),
-            sharded: None,
+            reread: self.reread,
             tp: self.tp.clone(),
             sp: self.sp.clone(),
             ep: self.ep.clone(),
@@ -545,6 +515,10 @@ impl Model for Gpt {
         self.set_checkpointing_blocks(blocks)
     }
 
+    fn reread_parameters(&mut self) {
+        self.reread = true;
+    }
+
     fn tensor_parallel_splits(&self) -> Option<Vec<Option<super::tp::Split>>> {
         let tp = self.tp.as_ref()?;
         let (r, n) = (tp.group.rank(), tp.group.size());
@@ -578,19 +552,6 @@ impl Model for Gpt {
 
     fn param_groups(&self) -> Vec<Vec<usize>> {
         self.blocks.iter().map(|b| b.ids().to_vec()).collect()
-    }
-
-    fn shard_groups(&mut self, gather: Arc<dyn ParamGather>) -> Result<()> {
-        if self.tp.is_some() || self.cfg.moe.is_some() {
-            return Err(TensorError::Input("ZeRO-3 over a tensor-parallel or mixture-of-experts GPT is not supported yet".into()));
-        }
-        for b in &self.blocks {
-            for i in b.ids() {
-                self.params.release(i)?;
-            }
-        }
-        self.sharded = Some(gather);
-        Ok(())
     }
 
     fn forward(&self, input: &Input, view: &dyn ParamView) -> Result<Tensor> {
@@ -715,7 +676,7 @@ impl Gpt {
             ep: Some(ExpertParallel { group, map, expert, full_len }),
             cfg: full.cfg,
             checkpointed: full.checkpointed,
-            sharded: None,
+            reread: full.reread,
             tp: None,
             sp: None,
             moe_load: Default::default(),
@@ -841,7 +802,6 @@ impl Gpt {
             (StageInput::Hidden(_), _) => return Err(TensorError::Input("layer 0 (the embedding) takes token ids".into())),
         };
         let (b, t, _) = x.dims3()?;
-        let n = self.blocks.len();
         for (i, (blk, &ckpt)) in self.blocks.iter().zip(&self.checkpointed).enumerate() {
             if !layers.contains(&(i + 1)) {
                 continue;
@@ -860,22 +820,6 @@ impl Gpt {
                 x = super::tp::block_forward_tp(&x, &p, h / tp.group.size(), &tp.group)?;
                 continue;
             }
-            if let Some(gather) = &self.sharded {
-                let shapes = blk.ids().iter().map(|&p| self.params.get(p).shape.clone()).collect();
-                let op = ShardedBlock {
-                    group: i,
-                    before_fwd: (i + 1 < n).then_some(i + 1),
-                    after_fwd: (i + 1 == n).then_some(i),
-                    before_bwd: i.checked_sub(1),
-                    gather: gather.clone(),
-                    n_head: h,
-                    shapes,
-                };
-                // Recomputing blocks run in f32 (under mixed precision too).
-                let dt = x.dtype();
-                x = x.to_dtype(DType::F32)?.contiguous()?.apply_op1(op)?.to_dtype(dt)?;
-                continue;
-            }
             let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
             if let Some(ring) = &self.sp {
                 x = block_forward_with(&x, &p, h, Some(ring))?;
@@ -886,7 +830,31 @@ impl Gpt {
                 let packed = Tensor::cat(&flat, 0)?.to_dtype(DType::F32)?;
                 let shapes = p.iter().map(|t| t.dims().to_vec()).collect();
                 let dt = x.dtype();
-                x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, CheckpointedBlock { n_head: h, shapes })?.to_dtype(dt)?
+                let reread = match self.reread {
+                    true => {
+                        let vars: Vec<Tensor> = blk.ids().iter().map(|&i| self.params.get(i).var.as_tensor().clone()).collect();
+                        Some(Reread { vars, dtype: p.first().map_or(DType::F32, Tensor::dtype), packed: packed.clone() })
+                    }
+                    false => None,
+                };
+                let refill = reread.as_ref().map(|r| (r.vars.clone(), r.dtype));
+                let y = x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, CheckpointedBlock { n_head: h, shapes, reread })?;
+                if let Some((vars, dtype)) = refill {
+                    // The graph keeps `packed` for backward, which packs the variables again
+                    // instead: free its values, and refill them should anything read them (an
+                    // empty storage must never be read).
+                    if packed.try_release_storage()? {
+                        let (keep, n) = (packed.clone(), packed.elem_count());
+                        packed.set_storage_hook(Some(std::sync::Arc::new(move || {
+                            // (NaN if the variables cannot be read: never an empty storage.)
+                            let v = Reread::pack(&vars, dtype).and_then(|v| v.to_vec1::<f32>()).unwrap_or_else(|_| vec![f32::NAN; n]);
+                            if keep.replace_storage(candle_core::Storage::Cpu(CpuStorage::F32(v))).is_ok() {
+                                keep.set_storage_hook(None);
+                            }
+                        })));
+                    }
+                }
+                y.to_dtype(dt)?
             } else {
                 block_forward(&x, &p, h)?
             };

@@ -141,16 +141,16 @@ pub trait Model: Send {
     fn forward(&self, input: &Input, view: &dyn ParamView) -> Result<Tensor>;
 
     /// Groups of parameters that ZeRO-3 may shard and gather one at a time (the GPT's blocks),
-    /// each in the order [`Model::shard_groups`] packs them.
+    /// each in packing order: `kolo train` gathers a group into the model's variables when the
+    /// model first reads one of them (`kolo_train::zero3`).
     fn param_groups(&self) -> Vec<Vec<usize>> {
         Vec::new()
     }
 
-    /// ZeRO-3: frees the parameters of [`Model::param_groups`] and from now on gathers each
-    /// group from `gather` when it is used (forward, and again for the recomputing backward).
-    fn shard_groups(&mut self, _gather: std::sync::Arc<dyn kolo_base::ParamGather>) -> Result<()> {
-        Err(TensorError::Input("this model has no parameter groups to shard (ZeRO-3 applies to the GPT's blocks)".into()))
-    }
+    /// From now on, backward reads the parameters from the variables again instead of keeping
+    /// a copy (ZeRO-3: the variables' values are freed between uses and gathered back on a
+    /// read). Only the GPT's checkpointed blocks keep a copy; other models have nothing to do.
+    fn reread_parameters(&mut self) {}
 
     /// Recompute these blocks' activations in backward instead of keeping them (activation
     /// checkpointing). Models without blocks accept only an empty list.

@@ -142,3 +142,27 @@ fn zero3_matches_ddp_and_its_checkpoint_resumes_at_other_sizes_and_stages() {
         &full[0],
     );
 }
+
+/// ZeRO-3 with every block checkpointed: a checkpointed block keeps no copy of its parameters
+/// under ZeRO-3 (its backward reads the variables again, which gathers them, and packs them as
+/// the forward did, cast to the compute dtype first), and trains as ZeRO-2's checkpointed blocks,
+/// which keep their packed copy, in f32 and in bf16.
+#[test]
+fn zero3_checkpointed_blocks_reread_their_parameters_and_train_as_zero2() {
+    for precision in ["f32", "bf16"] {
+        let cfg = |stage: u8| {
+            let mut c = gpt_cfg(
+                &format!(
+                    "[optim]\nkind = \"adamw\"\nlr = 1e-2\n[train]\nsteps = 4\ngrad_accum = 2\nsample_chars = 0\nprecision = \"{precision}\"\n[ddp]\nzero_stage = {stage}\n"
+                ),
+                2,
+            );
+            c.model.checkpoint_blocks = vec![0, 1, 2];
+            c
+        };
+        let (z2, z3) = (&train_on(2, &cfg(2), &quiet())[0], &train_on(2, &cfg(3), &quiet())[0]);
+        let d = max_diff(&z3.params, &z2.params);
+        assert!(d < 1e-6, "{precision}: checkpointed ZeRO-3 vs checkpointed ZeRO-2: {d}");
+        assert!(z3.states.params < z2.states.params / 2, "{precision}: the blocks are sharded: {:?} vs {:?}", z3.states, z2.states);
+    }
+}
