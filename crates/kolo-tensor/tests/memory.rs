@@ -12,17 +12,23 @@ static ALLOC: CountingAlloc = CountingAlloc;
 /// The allocator's counts are the process's: the tests here measure one at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Holds the measurement to this test alone; a GPT of 6 blocks of width 64 and a batch of `b`
+/// random sequences of `seq` tokens.
+fn alone_with(seq: usize, b: usize, seed: u64) -> (std::sync::MutexGuard<'static, ()>, GptConfig, Batch) {
+    let alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    CountingAlloc::mark_installed();
+    let cfg = GptConfig { vocab: 65, seq, d_model: 64, n_head: 4, n_layer: 6, moe: None };
+    let mut r = Rng::new(seed);
+    let batch = Batch {
+        input: Input::Tokens { ids: (0..b * seq).map(|_| r.below(65) as u32).collect(), b, t: seq },
+        targets: (0..b * seq).map(|_| r.below(65) as u32).collect(),
+    };
+    (alone, cfg, batch)
+}
+
 #[test]
 fn checkpointing_every_block_cuts_peak_activation_memory() {
-    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    CountingAlloc::mark_installed();
-    let cfg = GptConfig { vocab: 65, seq: 64, d_model: 64, n_head: 4, n_layer: 6, moe: None };
-    let mut r = Rng::new(1);
-    let (b, t) = (8, cfg.seq);
-    let batch = Batch {
-        input: Input::Tokens { ids: (0..b * t).map(|_| r.below(65) as u32).collect(), b, t },
-        targets: (0..b * t).map(|_| r.below(65) as u32).collect(),
-    };
+    let (_alone, cfg, batch) = alone_with(64, 8, 1);
     let step_peak = |blocks: &[usize]| {
         let mut m = build_model(&ModelSpec::Gpt(cfg.clone()), 0).unwrap();
         m.set_checkpointing(blocks).unwrap();
@@ -47,15 +53,7 @@ fn checkpointing_every_block_cuts_peak_activation_memory() {
 /// gradients are bitwise the same (backward packs the variables again).
 #[test]
 fn checkpointed_blocks_that_reread_their_variables_hold_no_parameter_copy() {
-    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    CountingAlloc::mark_installed();
-    let cfg = GptConfig { vocab: 65, seq: 32, d_model: 64, n_head: 4, n_layer: 6, moe: None };
-    let mut r = Rng::new(2);
-    let (b, t) = (4, cfg.seq);
-    let batch = Batch {
-        input: Input::Tokens { ids: (0..b * t).map(|_| r.below(65) as u32).collect(), b, t },
-        targets: (0..b * t).map(|_| r.below(65) as u32).collect(),
-    };
+    let (_alone, cfg, batch) = alone_with(32, 4, 2);
     let run = |reread: bool| {
         let mut m = build_model(&ModelSpec::Gpt(cfg.clone()), 0).unwrap();
         m.set_checkpointing(&[0, 1, 2, 3, 4, 5]).unwrap();
