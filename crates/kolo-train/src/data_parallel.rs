@@ -140,7 +140,7 @@ impl<'a> DataParallel<'a> {
     /// The parameters as the engine updates and checkpoints them (under ZeRO-3 the blocks are
     /// released: their values are the master shards).
     fn params(&self) -> &ParamSet {
-        self.zero3.as_ref().map_or_else(|| self.model.params(), |(_, p)| p)
+        engine_params(&self.zero3, &*self.model)
     }
 
     /// ZeRO-3: reports a gather that failed in a forward pass (outside a step no gather is
@@ -182,7 +182,7 @@ impl<'a> DataParallel<'a> {
                 let communicate = self.e.communicates(m + 1 == tc.grad_accum, step);
                 let loss = (self.model.loss(&batch, &*self.eval_view)? * scale).map_err(te)?;
                 loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-                let params = self.zero3.as_ref().map_or_else(|| self.model.params(), |(_, p)| p);
+                let params = engine_params(&self.zero3, &*self.model);
                 self.e.backward(&(loss * loss_scale).map_err(te)?, &self.ids, params, communicate, None)?;
             }
             self.settle()?;
@@ -203,8 +203,7 @@ impl<'a> DataParallel<'a> {
         for piece in &pieces {
             let loss = self.model.loss(piece, &*self.eval_view)?;
             loss_sum += f64::from(loss.to_scalar::<f32>().map_err(te)?);
-            let params = self.zero3.as_ref().map_or_else(|| self.model.params(), |(_, p)| p);
-            self.e.backward_piece(&loss, &self.ids, params, at)?;
+            self.e.backward_piece(&loss, &self.ids, engine_params(&self.zero3, &*self.model), at)?;
         }
         Ok(loss_sum / pieces.len() as f64)
     }
@@ -225,8 +224,7 @@ impl<'a> DataParallel<'a> {
         let pieces = self.t.train.grad_accum as usize * global / self.t.ddp.deterministic_chunk.max(1);
         let local = self.e.is_local_step(step) && self.e.exact.is_none();
         let end = crate::update::StepEnd { step, lr, checks, pieces, sp: None };
-        let params = self.zero3.as_ref().map_or_else(|| self.model.params(), |(_, p)| p);
-        let stats = self.e.update(params, &end, &mut |_| Ok(()))?.stats;
+        let stats = self.e.update(engine_params(&self.zero3, &*self.model), &end, &mut |_| Ok(()))?.stats;
         if let Some((z, _)) = &self.zero3 {
             // The shards changed: every gathered copy is stale.
             z.set_prefetch(false);
@@ -389,6 +387,12 @@ impl Strategy for DataParallel<'_> {
             ps: None,
         })
     }
+}
+
+/// The parameters as the engine sees them: the model's, or under ZeRO-3 those with the blocks
+/// released (a function of the two fields, so that the engine can be borrowed beside it).
+fn engine_params<'a>(zero3: &'a Option<(Zero3, ParamSet)>, model: &'a dyn Model) -> &'a ParamSet {
+    zero3.as_ref().map_or_else(|| model.params(), |(_, p)| p)
 }
 
 /// ZeRO-3: the model's groups (the GPT's blocks), whose variables from now on hold their values
