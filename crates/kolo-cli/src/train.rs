@@ -211,7 +211,8 @@ pub fn run(a: TrainArgs) -> anyhow::Result<i32> {
         die_at,
         slow_per_example: a.slow_per_example,
     };
-    let s = kolo_train::run(&cfg, comm, &opts).inspect_err(|e| {
+    // The built-in models' data-parallel strategy is the library's Trainer (`kolo::builtin`).
+    let s = kolo::builtin::run(&cfg, comm, &opts).inspect_err(|e| {
         // A communication failure: show what this rank's communicator did last.
         if matches!(e, kolo_train::TrainError::Comm(_) | kolo_train::TrainError::Ddp(kolo_ddp::DdpError::Comm(_))) {
             if let Some(h) = boot.host() {

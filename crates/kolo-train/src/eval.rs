@@ -117,7 +117,7 @@ pub(crate) fn sample_alone(
 /// Generates `n` characters from a text model, starting from a newline ([`sample_ids`] with the
 /// model's forward pass).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn sample_text(
+pub fn sample_text(
     model: &dyn Model,
     view: &dyn kolo_tensor::ParamView,
     vocab: &CharVocab,

@@ -40,7 +40,7 @@ impl Exchange for CommExchange {
 }
 
 /// Sums routing counts over `comm` (every rank's tokens).
-pub(crate) fn reduce_load(load: Option<MoeLoad>, comm: &dyn Communicator) -> Result<Option<MoeLoad>, TrainError> {
+pub fn reduce_load(load: Option<MoeLoad>, comm: &dyn Communicator) -> Result<Option<MoeLoad>, TrainError> {
     let Some(l) = load else { return Ok(None) };
     let mut v: Vec<f64> = l.load.iter().map(|&x| x as f64).chain([l.dropped as f64, l.assigned as f64]).collect();
     comm.all_reduce(BufMut::from(&mut v[..]), ReduceOp::Sum)?;

@@ -1,6 +1,7 @@
 //! Kolo's training: [`run::run`] picks the strategy a config names and hands it to the one
-//! training loop, [`driver`]; each strategy (`data_parallel`, `sequence_parallel`,
-//! `expert_parallel`) implements [`driver::Strategy`].
+//! training loop, [`driver`]; each strategy (`sequence_parallel`, `expert_parallel`, the
+//! pipelines, and the data-parallel one that `run` is given: the `kolo` library's `Trainer`,
+//! `kolo::builtin`) implements [`driver::Strategy`].
 
 pub mod agreement;
 pub mod autoplan;
@@ -8,7 +9,6 @@ pub mod cadence;
 pub mod checkpointing;
 pub mod config;
 pub mod data;
-pub mod data_parallel;
 pub mod driver;
 pub mod eval;
 pub mod expert_parallel;

@@ -4,17 +4,32 @@
 pub use crate::checkpointing::newest_checkpoint;
 use crate::checkpointing::resolve_checkpoint;
 use crate::config::Config;
-use crate::driver::Strategy;
+use crate::driver::{Start, Strategy};
 use crate::setup::{load_data, Data};
 use crate::summary::{retain_freed_memory, RunOptions, Summary};
 use crate::TrainError;
 use kolo_comm::Communicator;
+use std::path::Path;
 use std::sync::Arc;
 
+/// Builds the data-parallel strategy of a plain data-parallel or tensor-parallel run (no
+/// pipeline, sequence or expert parallelism, no `ddp.schedule`): from the config, every rank
+/// of the job, this replica's data, the checkpoint to continue from and the run's options, the
+/// strategy and where it starts. It is the library's: `kolo::builtin`, the built-in models
+/// trained by `kolo::Trainer`, as a user's model is.
+pub type DataParallelBuilder =
+    dyn Fn(&Config, Arc<dyn Communicator>, &Data, Option<&Path>, &RunOptions) -> Result<(Box<dyn Strategy>, Start), TrainError>;
+
 /// Trains `cfg` on this rank of `comm`: picks the strategy the config names (data parallel,
-/// with ZeRO and tensor parallelism; scheduled DDP; sequence or expert parallel; GPipe, 1F1B or
-/// PipeDream-2BW pipelines) and runs it on the driver to the end.
-pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
+/// with ZeRO and tensor parallelism, built by `data_parallel`; scheduled DDP; sequence or
+/// expert parallel; GPipe, 1F1B or PipeDream-2BW pipelines) and runs it on the driver to the
+/// end. `kolo::builtin::run` passes the library's data-parallel strategy.
+pub fn run(
+    cfg: &Config,
+    comm: Arc<dyn Communicator>,
+    opts: &RunOptions,
+    data_parallel: &DataParallelBuilder,
+) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
     retain_freed_memory();
     // Before anything else: every rank was started with the same job.
@@ -58,27 +73,24 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
             crate::sequence_parallel::SequenceParallel::new(cfg, comm.clone(), sp, (dp_rank, mesh.dp), &data, resume, opts)?;
         return drive(&data, heap, &mut s, from);
     }
-    let (dp, tp, pp) = if mesh.tp > 1 || cfg.pipeline.is_some() {
-        let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
-        let g = |a: &str| m.group(a).expect("axis").clone();
-        (g("dp"), (mesh.tp > 1).then(|| g("tp")), Some(g("pp")))
-    } else {
-        (comm.clone(), None, None)
+    let Some(pc) = &cfg.pipeline else {
+        // Data parallelism over replicas of tensor-parallel groups of consecutive ranks.
+        let (data, heap) = start(global_rank / mesh.tp)?;
+        let (mut s, from) = data_parallel(cfg, comm.clone(), &data, resume, opts)?;
+        return drive(&data, heap, &mut *s, from);
     };
-    if let (Some(pc), Some(pp)) = (&cfg.pipeline, &pp) {
-        let tp = tp.map(|c| kolo_comm::SumGroup::new(c) as Arc<dyn kolo_base::GroupSum>);
-        let (data, heap) = start(dp.rank().get())?;
-        let groups = crate::pipeline::StageGroups { pp: &**pp, dp: &*dp, tp, global_rank };
-        let stage = crate::pipeline::build_resumed(cfg, groups, &data, resume, opts)?;
-        if pc.schedule == crate::config::PipeSchedule::TwoBw {
-            let (mut s, from) = crate::pipedream_2bw::TwoBw::new(stage)?;
-            return drive(&data, heap, &mut s, from);
-        }
-        let (mut s, from) = crate::pipeline::Flushed::new(stage);
+    let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
+    let g = |a: &str| m.group(a).expect("axis").clone();
+    let (dp, pp) = (g("dp"), g("pp"));
+    let tp = (mesh.tp > 1).then(|| kolo_comm::SumGroup::new(g("tp")) as Arc<dyn kolo_base::GroupSum>);
+    let (data, heap) = start(dp.rank().get())?;
+    let groups = crate::pipeline::StageGroups { pp: &*pp, dp: &*dp, tp, global_rank };
+    let stage = crate::pipeline::build_resumed(cfg, groups, &data, resume, opts)?;
+    if pc.schedule == crate::config::PipeSchedule::TwoBw {
+        let (mut s, from) = crate::pipedream_2bw::TwoBw::new(stage)?;
         return drive(&data, heap, &mut s, from);
     }
-    let (data, heap) = start(dp.rank().get())?;
-    let (mut s, from) = crate::data_parallel::DataParallel::new(cfg, dp, tp, global_rank, &data, resume, opts)?;
+    let (mut s, from) = crate::pipeline::Flushed::new(stage);
     drive(&data, heap, &mut s, from)
 }
 

@@ -155,6 +155,6 @@ pub fn load_data(cfg: &Config, rank: usize) -> Result<Data, TrainError> {
     }
 }
 
-pub(crate) fn spec_string(spec: &ModelSpec) -> String {
+pub fn spec_string(spec: &ModelSpec) -> String {
     format!("{spec:?}")
 }

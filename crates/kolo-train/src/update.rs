@@ -47,8 +47,7 @@ impl From<RouteError> for TrainError {
 /// to `route`, by `ids` (a variable's id to its parameter index; a parameter read several times
 /// arrives once, summed). The gradient of `capture` (a pipeline stage's input, not a
 /// parameter) is returned instead. A half-precision gradient is widened to f32, a GPU one
-/// copied to the host. One path for `kolo train`'s data-parallel strategy and the library's
-/// `Trainer`.
+/// copied to the host. The library's `Trainer`'s (a user's model and `kolo train`'s).
 pub fn backward_routed(
     loss: &kolo_tensor::Tensor,
     ids: &std::collections::HashMap<candle_core::TensorId, usize>,
@@ -95,13 +94,8 @@ pub fn backward_routed(
     }
 }
 
-/// The parameters' variable ids to their indices (for [`backward_routed`]).
-pub fn param_ids(params: &ParamSet) -> std::collections::HashMap<candle_core::TensorId, usize> {
-    params.iter().enumerate().map(|(i, p)| (p.var.as_tensor().id(), i)).collect()
-}
-
-/// The data-parallel engine, the optimizer and the state of a replica's step, built one way
-/// for `kolo train`'s data-parallel strategy and the library's `Trainer` from their `[ddp]` and
+/// The data-parallel engine, the optimizer and the state of a replica's step (the library's
+/// `Trainer`'s, which is `kolo train`'s data-parallel strategy too), built from the `[ddp]` and
 /// `[optim]` tables, and stepped one way: [`Engine::backward`] for every micro-step
 /// ([`Engine::backward_piece`] for each piece in deterministic mode), then [`Engine::update`],
 /// which ends the step as its settings say: the buckets' exchange, a local step (local SGD,
@@ -171,6 +165,26 @@ pub struct Updated {
     pub applied: bool,
     /// The global gradient norm before clipping, when clipping.
     pub norm: Option<f64>,
+}
+
+impl Updated {
+    /// The step as the reports show it (`step_ms` left for the caller): the wait for the
+    /// exchange, its bytes and the share of it hidden behind backward (none of an exchange that
+    /// followed backward). A `local` step waits for nothing; local SGD's averaging (`local_sgd`)
+    /// is its traffic. `skipped_steps`: f16's overflows so far.
+    pub fn record(&self, local: bool, local_sgd: bool, skipped_steps: u64) -> crate::report::StepRecord {
+        let s = &self.stats;
+        match local {
+            true => crate::report::StepRecord { comm_bytes: local_sgd.then_some(s.bytes), skipped_steps, ..Default::default() },
+            false => crate::report::StepRecord {
+                step_ms: 0.0,
+                wait_ms: Some(s.wait.as_secs_f64() * 1e3),
+                comm_bytes: Some(s.bytes),
+                hidden: Some(if self.overlapped { s.hidden_fraction() } else { 0.0 }),
+                skipped_steps,
+            },
+        }
+    }
 }
 
 /// Why an [`Engine`] could not be built.
@@ -464,6 +478,28 @@ impl Engine {
     }
 
     /// What a checkpoint holds of this rank, for `params` (see [`Replica::save`]).
+    /// Model states this rank holds between steps: the parameters of `params` it keeps (the
+    /// model's, updated in place; under ZeRO-3 the groups live as shards), the gradients in the
+    /// DDP buckets (plain DDP, ZeRO-1) or this rank's shard of them (ZeRO-2/3) and the no-sync
+    /// accumulator, the optimizer state for the whole model or this rank's shard (with ZeRO's
+    /// master shard).
+    pub fn state_bytes(&self, params: &ParamSet) -> crate::summary::StateBytes {
+        let bytes = |n: usize| n as u64 * 4;
+        let resident: usize = (0..params.len()).filter(|&i| params.is_resident(i)).map(|i| params.get(i).range.len()).sum();
+        let grads = match self.ddp.sharding() {
+            Sharding::Gradients | Sharding::Parameters => self.ddp.grad_len(),
+            _ => self.ddp.plan().iter().map(|b| b.numel).sum(),
+        };
+        let optimizer =
+            self.opt.state().iter().map(|(_, v)| v.len()).sum::<usize>() + self.master.len() + self.ddp.with_master(|m| m.len());
+        crate::summary::StateBytes {
+            params: bytes(resident),
+            grads: bytes(grads + self.local.len()),
+            optimizer: bytes(optimizer),
+            offloaded: self.opt.is_offloaded() || self.master.is_offloaded(),
+        }
+    }
+
     pub fn replica<'a>(&'a self, params: &'a ParamSet, local_sgd: bool) -> Replica<'a> {
         Replica {
             ddp: &self.ddp,
@@ -478,8 +514,8 @@ impl Engine {
 }
 
 /// What a data-parallel checkpoint holds of one rank (plain DDP: the whole model from rank 0;
-/// ZeRO: this rank's shard, from `master` or, under ZeRO-3, from the engine): the same for
-/// `kolo train`'s data-parallel strategy and the library's `Trainer`.
+/// ZeRO: this rank's shard, from `master` or, under ZeRO-3, from the engine), as the library's
+/// `Trainer` writes it.
 pub struct Replica<'a> {
     pub ddp: &'a Ddp,
     pub params: &'a ParamSet,

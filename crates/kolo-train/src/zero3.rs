@@ -107,8 +107,8 @@ struct Inner {
     state: Mutex<State>,
 }
 
-/// The sharded groups of a model under ZeRO-3 (`kolo train`'s data-parallel strategy, the
-/// library's `Trainer`).
+/// The sharded groups of a model under ZeRO-3 (the library's `Trainer`'s: a user's model, `kolo
+/// train`'s GPT).
 pub struct Zero3 {
     inner: Arc<Inner>,
 }

@@ -91,9 +91,9 @@ impl std::fmt::Debug for Dist {
     }
 }
 
-#[cfg(test)]
 impl Dist {
-    /// A rank of an in-process group (threads as ranks), for the crate's tests.
+    /// A rank of the job on `comm`, a communicator made elsewhere (`kolo train`'s; threads as
+    /// ranks in the crate's tests): no host transport of its own, no deadlines to check.
     pub(crate) fn of_comm(comm: Arc<dyn Communicator>) -> Dist {
         let (local_rank, local_world_size) = (comm.rank().get(), comm.world_size().get());
         Dist { comm, host: None, local_rank, local_world_size, restart_count: 0, deadlines: None }

@@ -26,6 +26,7 @@
 
 #![warn(missing_docs)]
 
+pub mod builtin;
 pub mod data;
 pub mod dist;
 pub mod ep;

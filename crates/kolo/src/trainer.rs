@@ -109,6 +109,23 @@ pub struct Trainer {
     /// `ddp.schedule`: the scheduler that reduces and applies each step's gradients after the
     /// step has returned (the model's reads wait for their parameter's update).
     scheduled: Option<crate::scheduled::Scheduled>,
+    /// Stepped by `kolo train`'s driver ([`crate::builtin`]), which owns the batches, the
+    /// reports, the evaluations and the checkpoints' cadence: the trainer keeps no cadence or
+    /// timeline of its own, and its last step is read back (`last_step`).
+    driven: Option<Driven>,
+}
+
+/// What `kolo train`'s driver hands a trainer it steps, and reads back.
+#[derive(Default)]
+pub(crate) struct Driven {
+    /// Dynamic batch sizing: this replica's share of the global batch relative to an equal
+    /// one (the driver's batches re-split it), by which its mean loss weighs.
+    pub(crate) share: f64,
+    /// Test hook: rank 0's gradients of this step are made infinite (`--inject-inf-at`).
+    pub(crate) inject_inf_at: Option<u64>,
+    /// The last optimizer step: this rank's loss (the mean of its micro-steps'), its record
+    /// and its collectives for the timeline.
+    pub(crate) last: Option<(f64, StepRecord, Spans)>,
 }
 
 /// Where a trainer runs: its data-parallel group, this process's rank in the job, and the
@@ -214,7 +231,7 @@ impl Trainer {
     /// names and shapes are compared), makes rank 0's initial values everyone's, and sets up
     /// DDP or ZeRO-1/2 and the optimizer.
     pub fn new(varmap: &VarMap, dist: &Dist, opts: TrainOptions) -> Result<Trainer> {
-        Self::build(varmap, Place::of(dist), opts, &[])
+        Self::build(varmap_vars(varmap, dist.rank())?, Place::of(dist), opts, &[], None)
     }
 
     /// Collective: as [`Trainer::new`] for a model split by [`crate::tp`]'s layers over
@@ -233,7 +250,7 @@ impl Trainer {
     /// ([`Trainer::with_mesh_zero3_groups`]); gradient compression in fp16/bf16 works; local SGD
     /// and codecs with per-rank state are refused with a mesh so far.
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
-        Self::build(varmap, Self::mesh_place(mesh, &opts, false)?, opts, &[])
+        Self::build(varmap_vars(varmap, mesh.rank())?, Self::mesh_place(mesh, &opts, false)?, opts, &[], None)
     }
 
     /// Collective: as [`Trainer::with_mesh`] under ZeRO-3 (`ddp.zero_stage = 3`: FSDP beside
@@ -246,7 +263,7 @@ impl Trainer {
     /// takes it.
     pub fn with_mesh_zero3_groups(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
         zero3_call("Trainer::with_mesh_zero3_groups", &opts, groups)?;
-        Self::build(varmap, Self::mesh_place(mesh, &opts, true)?, opts, groups)
+        Self::build(varmap_vars(varmap, mesh.rank())?, Self::mesh_place(mesh, &opts, true)?, opts, groups, None)
     }
 
     /// Where a mesh puts this rank's model, and the combinations refused so far.
@@ -283,10 +300,36 @@ impl Trainer {
     /// rank too, or gather the whole model first with [`Trainer::unshard`].
     pub fn with_zero3_groups(varmap: &VarMap, dist: &Dist, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
         zero3_call("Trainer::with_zero3_groups", &opts, groups)?;
-        Self::build(varmap, Place::of(dist), opts, groups)
+        Self::build(varmap_vars(varmap, dist.rank())?, Place::of(dist), opts, groups, None)
     }
 
-    fn build(varmap: &VarMap, place: Place, opts: TrainOptions, groups: &[&str]) -> Result<Trainer> {
+    /// `kolo train`'s trainer of a built-in model ([`crate::builtin`]): its variables in the
+    /// model's own order (backward's reverse, which DDP's buckets follow), on a mesh when
+    /// given, stepped by the driver.
+    pub(crate) fn driven(
+        vars: Vec<(String, candle_core::Var)>,
+        on: std::result::Result<&Dist, &crate::Mesh>,
+        opts: TrainOptions,
+        groups: &[&str],
+        inject_inf_at: Option<u64>,
+    ) -> Result<Trainer> {
+        let driven = Some(Driven { share: 1.0, inject_inf_at, last: None });
+        match on {
+            Ok(dist) => Self::build(vars, Place::of(dist), opts, groups, driven),
+            Err(mesh) => {
+                let place = Self::mesh_place(mesh, &opts, !groups.is_empty())?;
+                Self::build(vars, place, opts, groups, driven)
+            }
+        }
+    }
+
+    fn build(
+        vars: Vec<(String, candle_core::Var)>,
+        place: Place,
+        opts: TrainOptions,
+        groups: &[&str],
+        driven: Option<Driven>,
+    ) -> Result<Trainer> {
         check_place(&opts, &place, groups)?;
         kolo_train::summary::retain_freed_memory();
         let (rank, mut place) = (place.rank, place);
@@ -297,7 +340,7 @@ impl Trainer {
         }
         let (comm, world, data_replicas, data_replica) = (place.comm.clone(), place.world.clone(), place.data_replicas, place.data_replica);
         let place_sp = place.sp.clone();
-        let (mut params, ids, model_vars, compute) = adopt(varmap, rank, opts.train.precision, &opts.train.device)?;
+        let (mut params, ids, model_vars, compute) = adopt_vars(vars, rank, opts.train.precision, &opts.train.device)?;
         let (spread, whole_signature) = spread(&place, &params, &ids, &opts)?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
         let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
@@ -337,10 +380,15 @@ impl Trainer {
             }
             None => None,
         };
-        engine.local = vec![0f32; params.numel()];
         engine.scaler = (compute == DType::F16).then(LossScaler::new);
-        let shares = (opts.ddp.dynamic_batch_every > 0).then(|| Arc::new(std::sync::Mutex::new(vec![opts.data.batch_size; data_replicas])));
-        let cadence = Some(Cadence::new(reporter(&opts, rank, data_replicas, 0)?));
+        // Driven, the driver's batches keep the split (and hand the trainer its share).
+        let dynamic = opts.ddp.dynamic_batch_every > 0 && driven.is_none();
+        let shares = dynamic.then(|| Arc::new(std::sync::Mutex::new(vec![opts.data.batch_size; data_replicas])));
+        let cadence = match driven {
+            None => Some(Cadence::new(reporter(&opts, rank, data_replicas, 0)?)),
+            Some(_) => None,
+        };
+        let timeline = opts.train.timeline_dir.as_ref().filter(|_| driven.is_none()).map(|_| Timeline::new(rank));
         Ok(Trainer {
             comm,
             params,
@@ -359,7 +407,7 @@ impl Trainer {
             backward_end: None,
             last_loss: 0.0,
             step_loss: 0.0,
-            timeline: opts.train.timeline_dir.as_ref().map(|_| Timeline::new(rank)),
+            timeline,
             rank,
             spread,
             world,
@@ -369,6 +417,7 @@ impl Trainer {
             sp: place_sp,
             scheduled,
             opts,
+            driven,
         })
     }
 
@@ -474,6 +523,9 @@ impl Trainer {
     /// Dynamic batch sizing: this replica's share of the global batch relative to an equal
     /// share (1 otherwise), by which its mean loss weighs.
     fn share(&self) -> f64 {
+        if let Some(d) = &self.driven {
+            return d.share;
+        }
         let Some(s) = &self.shares else { return 1.0 };
         let s = s.lock().unwrap_or_else(|p| p.into_inner());
         s[self.data_replica] as f64 * s.len() as f64 / s.iter().sum::<usize>().max(1) as f64
@@ -599,6 +651,7 @@ impl Trainer {
         let value = self.last_loss;
         let t0 = self.step_start.unwrap_or_else(Instant::now);
         let backward_end = self.backward_end.unwrap_or_else(Instant::now);
+        let local = self.e.is_local_step(self.steps) && self.e.exact.is_none() && self.scheduled.is_none();
         let (u, spans) = match self.scheduled.as_mut() {
             Some(s) => {
                 // The step's exchange and updates run on: reads of a parameter wait for its update.
@@ -611,7 +664,8 @@ impl Trainer {
         self.steps += 1;
         self.step_start = None;
         self.agree_on_start()?;
-        self.after_step(t0, backward_end, &u.stats, spans, lr)?;
+        let rec = u.record(local, self.opts.ddp.local_sgd.is_some(), self.e.skipped_steps());
+        self.after_step(t0, backward_end, rec, &u.stats, spans, lr)?;
         let comm = Some((u.stats.wait, if u.overlapped { u.stats.hidden_fraction() } else { 0.0 }));
         Ok(StepOutput { loss: value, stepped: true, lr, grad_norm: u.norm, comm, skipped: !u.applied })
     }
@@ -625,7 +679,7 @@ impl Trainer {
             clip: self.opts.optim.clip_grad_norm,
             // On a mesh the norm sums every piece and stage of this replica.
             tp: self.spread.as_ref().map(|s| (&s.norm.1[..], &*s.norm.0)),
-            inject_inf: false,
+            inject_inf: self.driven.as_ref().is_some_and(|d| d.inject_inf_at == Some(self.steps)) && self.comm.rank().get() == 0,
             skip_nonfinite: self.opts.train.on_nonfinite == kolo_train::config::OnNonFinite::Skip,
         };
         // Parameters tied across pipeline stages: each stage's part of their gradient summed.
@@ -686,24 +740,30 @@ impl Trainer {
 
     /// After an optimizer step: the report (and, at log steps, the collective window: every
     /// rank reaches the same steps), and the periodic and final checkpoints.
-    fn after_step(&mut self, t0: Instant, backward_end: Instant, stats: &kolo_ddp::SyncStats, spans: Option<Spans>, lr: f32) -> Result<()> {
+    fn after_step(
+        &mut self,
+        t0: Instant,
+        backward_end: Instant,
+        rec: StepRecord,
+        stats: &kolo_ddp::SyncStats,
+        spans: Option<Spans>,
+        lr: f32,
+    ) -> Result<()> {
         let (done, end) = (self.steps, self.opts.train.steps);
         let loss = std::mem::take(&mut self.step_loss);
+        let buckets = || stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
+        let comm_spans = spans.unwrap_or_else(buckets);
+        if let Some(d) = self.driven.as_mut() {
+            // The driver times, reports, draws and checkpoints the step.
+            d.last = Some((loss, rec, comm_spans));
+            return Ok(());
+        }
         if let Some(tl) = self.timeline.as_mut() {
-            let buckets = || stats.buckets.iter().enumerate().map(|(b, (s0, s1))| (format!("bucket {b}"), *s0, *s1)).collect();
-            let comm_spans = spans.unwrap_or_else(buckets);
             let out = StepOut { backward_end: Some(backward_end), comm_spans, ..Default::default() };
             record_spans(tl, done - 1, t0, &out);
         }
         let Some(c) = self.cadence.as_mut() else { return Ok(()) };
-        let rec = StepRecord {
-            step_ms: t0.elapsed().as_secs_f64() * 1e3,
-            wait_ms: Some(stats.wait.as_secs_f64() * 1e3),
-            comm_bytes: Some(stats.bytes),
-            hidden: Some(stats.hidden_fraction()),
-            skipped_steps: self.e.skipped_steps(),
-        };
-        c.record(done, rec);
+        c.record(done, StepRecord { step_ms: t0.elapsed().as_secs_f64() * 1e3, ..rec });
         if let (Some(shares), every) = (&self.shares, self.opts.ddp.dynamic_batch_every) {
             if done.is_multiple_of(every) {
                 kolo_train::sampler::replan(shares, self.data_replica, every as usize, &c.report, &*self.comm, done)?;
@@ -719,7 +779,7 @@ impl Trainer {
             self.settle_scheduled("Trainer::update")?;
             // The last step's checkpoint is written before the call returns.
             let background = self.opts.train.checkpoint_background && done != end;
-            let p = self.write_checkpoint(&dir, background)?;
+            let p = self.write_checkpoint(&dir, background, BTreeMap::new(), false)?;
             let c = self.cadence.as_mut().expect("the cadence is there");
             c.saving(done, p, background);
             if !background {
@@ -1015,7 +1075,7 @@ impl Trainer {
             c.settle()?;
         }
         self.settle_scheduled("Trainer::save")?;
-        Ok(self.write_checkpoint(dir.as_ref(), false)?.wait()?)
+        Ok(self.write_checkpoint(dir.as_ref(), false, BTreeMap::new(), false)?.wait()?)
     }
 
     /// `ddp.schedule`: waits until every begun step's update is applied, and takes the
@@ -1028,22 +1088,24 @@ impl Trainer {
     }
 
     /// Starts writing a checkpoint (on a thread of its own with `background`; the values are
-    /// copied first, so training may go on).
-    fn write_checkpoint(&self, dir: &Path, background: bool) -> Result<PendingSave> {
+    /// copied first, so training may go on). `extra`: metadata beside the trainer's; `crash`:
+    /// the test hook that aborts after this rank's shard is written.
+    fn write_checkpoint(&self, dir: &Path, background: bool, extra: BTreeMap<String, String>, crash: bool) -> Result<PendingSave> {
         if let Some(s) = &self.spread {
-            return self.write_whole(s, dir, background);
+            return self.write_whole(s, dir, background, extra, crash);
         }
         let replica = self.e.replica(&self.params, self.opts.ddp.local_sgd.is_some());
         let mut meta = self.meta.clone();
         let split = self.shares.as_ref().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone());
         meta.extend(kolo_train::checkpointing::loop_state_meta(None, split.as_deref()));
-        Ok(replica.save(dir, self.steps, self.data_pos, meta, background, false)?)
+        meta.extend(extra);
+        Ok(replica.save(dir, self.steps, self.data_pos, meta, background, crash)?)
     }
 
     /// Tensor parallelism: the group assembles whole tensors (parameters and optimizer state)
     /// and its member 0 in each data-parallel replica writes them as DDP would, under the
     /// model's names; the others wait for it unless the write is in the background.
-    fn write_whole(&self, s: &Spread, dir: &Path, background: bool) -> Result<PendingSave> {
+    fn write_whole(&self, s: &Spread, dir: &Path, background: bool, extra: BTreeMap<String, String>, crash: bool) -> Result<PendingSave> {
         let (codec, codec_meta) = self.replica_codec_state(s)?;
         // ZeRO-3: this rank's pieces gathered from the data-parallel group's shards first.
         let values = s.layout.gather(&self.flat_params()?)?;
@@ -1059,6 +1121,7 @@ impl Trainer {
             let mut meta = self.meta.clone();
             meta.extend(loop_state_meta(self.e.scaler.as_ref(), None));
             meta.extend(codec_meta);
+            meta.extend(extra);
             let (comm, pos) = (&*self.comm, self.data_pos);
             // Local SGD: each replica's own whole model and optimizer state beside replica 0's.
             let mut own = match self.opts.ddp.local_sgd {
@@ -1066,7 +1129,7 @@ impl Trainer {
                 None => Vec::new(),
             };
             own.extend(codec);
-            saved = save_checkpoint(dir, self.steps, &whole, &[], &opt, None, comm, pos, &meta, own, background, false)?;
+            saved = save_checkpoint(dir, self.steps, &whole, &[], &opt, None, comm, pos, &meta, own, background, crash)?;
         }
         if !background {
             saved = PendingSave { target: saved.wait()?, thread: None };
@@ -1212,8 +1275,13 @@ impl Trainer {
     /// holding them: the newest complete one is taken) at any world size or ZeRO stage, and
     /// continues from its step. Every rank reads the same files. Returns the step.
     pub fn resume(&mut self, path: impl AsRef<Path>) -> Result<u64> {
+        Ok(self.resume_state(path.as_ref())?.1.step)
+    }
+
+    /// [`Trainer::resume`], returning the checkpoint's directory and what it held.
+    pub(crate) fn resume_state(&mut self, path: &Path) -> Result<(PathBuf, kolo_train::checkpointing::Resumed)> {
         self.settle_scheduled("Trainer::resume")?;
-        let path = resolve_checkpoint(path.as_ref())?;
+        let path = resolve_checkpoint(path)?;
         let (r, notes) = match &self.spread {
             Some(_) => {
                 let mut flat = vec![0f32; self.params.numel()];
@@ -1248,8 +1316,98 @@ impl Trainer {
         if let Some(mut c) = self.cadence.take() {
             c.settle()?;
         }
-        self.cadence = Some(Cadence::new(reporter(&self.opts, self.rank, self.data_replicas, r.step)?));
-        Ok(r.step)
+        if self.driven.is_none() {
+            self.cadence = Some(Cadence::new(reporter(&self.opts, self.rank, self.data_replicas, r.step)?));
+        }
+        Ok((path, r))
+    }
+}
+
+/// What `kolo train`'s driver reads and sets of the trainer it steps ([`crate::builtin`]).
+impl Trainer {
+    /// The driver's hand on the step: the replica's share of the batch, the test hooks, the
+    /// last step's record.
+    pub(crate) fn driven_mut(&mut self) -> &mut Driven {
+        self.driven.get_or_insert_with(Driven::default)
+    }
+
+    /// Whether parameter groups are sharded (ZeRO-3): reading them is collective.
+    pub(crate) fn is_zero3(&self) -> bool {
+        self.zero3.is_some()
+    }
+
+    /// When the last backward ended.
+    pub(crate) fn backward_end(&self) -> Option<Instant> {
+        self.backward_end
+    }
+
+    /// ZeRO-3: a gather that failed since the last look (in a forward pass), as its error.
+    pub(crate) fn zero3_failure(&self) -> Result<()> {
+        match &self.zero3 {
+            Some(z) => Ok(z.take_error()?),
+            None => Ok(()),
+        }
+    }
+
+    /// The engine (DDP's plan and ZeRO's shard, for the run's first line).
+    pub(crate) fn engine(&self) -> &kolo_train::update::Engine {
+        &self.e
+    }
+
+    /// f16 computed by the model itself from f32 parameters (kolo train's casts, torch's
+    /// autocast): the loss is scaled as the trainer scales an f16 model's.
+    pub(crate) fn scale_losses(&mut self) {
+        self.e.scaler.get_or_insert_with(LossScaler::new);
+    }
+
+    /// The checkpoints' metadata other than the model's signature: `meta`.
+    pub(crate) fn replace_meta(&mut self, meta: BTreeMap<String, String>) {
+        let key = kolo_train::checkpointing::SIGNATURE_KEY;
+        let signature = self.meta.remove(key);
+        self.meta = meta;
+        self.meta.extend(signature.map(|s| (key.to_string(), s)));
+    }
+
+    /// Collective: the whole model's parameters on every rank (a split model's pieces put
+    /// together, ZeRO-3's groups gathered), in the order of `signature` (the whole model's
+    /// names and shapes, as one process lays them out).
+    pub(crate) fn whole_params(&self, signature: &[(String, Vec<usize>)]) -> Result<Vec<f32>> {
+        let flat = self.flat_params()?;
+        let Some(s) = &self.spread else { return Ok(flat) };
+        let whole = s.layout.gather(&flat)?;
+        let mut at = HashMap::new();
+        let mut start = 0;
+        for (name, shape) in &s.layout.signature {
+            let n: usize = shape.iter().product();
+            at.insert(name.as_str(), (start..start + n, shape));
+            start += n;
+        }
+        let mut out = Vec::with_capacity(whole.len());
+        for (name, shape) in signature {
+            match at.get(name.as_str()) {
+                Some((range, have)) if *have == shape => out.extend_from_slice(&whole[range.clone()]),
+                _ => {
+                    return Err(Error::usage(
+                        self.rank,
+                        "Trainer::whole_params",
+                        format!("the model has no parameter `{name}` of shape {shape:?}"),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Starts writing the checkpoint the driver asks for.
+    pub(crate) fn save_at(&mut self, at: kolo_train::driver::SaveAt<'_>) -> Result<PendingSave> {
+        self.zero3_failure()?;
+        self.data_pos = at.pos;
+        self.write_checkpoint(at.dir, at.background, at.meta, at.crash)
+    }
+
+    /// Model states this rank holds between steps.
+    pub(crate) fn state_bytes(&self) -> kolo_train::summary::StateBytes {
+        self.e.state_bytes(&self.params)
     }
 }
 
@@ -1263,7 +1421,13 @@ const CODEC_LAYOUT_KEY: &str = "kolo.codec_layout";
 /// dtype the model computes in.
 pub(crate) type Adopted = (ParamSet, HashMap<TensorId, usize>, Vec<candle_core::Var>, DType);
 
+#[cfg(feature = "ps")]
 pub(crate) fn adopt(varmap: &VarMap, rank: usize, precision: Precision, device: &str) -> Result<Adopted> {
+    adopt_vars(varmap_vars(varmap, rank)?, rank, precision, device)
+}
+
+/// The VarMap's variables in natural name order (not empty).
+fn varmap_vars(varmap: &VarMap, rank: usize) -> Result<Vec<(String, candle_core::Var)>> {
     let mut vars: Vec<(String, candle_core::Var)> =
         varmap.data().lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(n, v)| (n.clone(), v.clone())).collect();
     if vars.is_empty() {
@@ -1274,6 +1438,11 @@ pub(crate) fn adopt(varmap: &VarMap, rank: usize, precision: Precision, device: 
         ));
     }
     vars.sort_by_cached_key(|(n, _)| natural_key(n));
+    Ok(vars)
+}
+
+/// `vars`, in their order, as the trainer's parameters (see [`adopt`]).
+fn adopt_vars(vars: Vec<(String, candle_core::Var)>, rank: usize, precision: Precision, device: &str) -> Result<Adopted> {
     let compute = precision.dtype();
     let mut params = ParamSet::new();
     let mut ids = HashMap::new();

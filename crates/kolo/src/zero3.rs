@@ -1,7 +1,7 @@
 //! ZeRO-3 for an unchanged candle model, as torch's FSDP does it: the parameter groups the user
 //! names (by name prefix, one per block) live as shards spread over the ranks, and the model's
 //! own variables hold their whole values only while they are used. The mechanism is
-//! `kolo_train::zero3`'s, shared with `kolo train`'s data-parallel strategy; see there.
+//! `kolo_train::zero3`'s (the error type and the pure plans); see there.
 
 use crate::{Error, Result};
 use candle_core::Var;

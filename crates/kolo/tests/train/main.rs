@@ -1,10 +1,13 @@
-//! Training tests: DDP equals one process, resume equals no interruption, convergence on real
-//! data, and clear errors for bad input. Ranks are threads over the reference communicator.
+//! `kolo train`'s training, run in one process (ranks are threads over the reference
+//! communicator) through `kolo::builtin::run`, as the `kolo` command runs it: DDP equals one
+//! process, resume equals no interruption, convergence on real data, and clear errors for bad
+//! input; every strategy of the driver (the data-parallel one is the library's `Trainer`).
 
+use kolo::builtin::run;
 use kolo_base::WorldSize;
 use kolo_comm::{Communicator, LocalComm};
 use kolo_testkit::run_ranks;
-use kolo_train::{run, Config, RunOptions, Summary, TrainError};
+use kolo_train::{Config, RunOptions, Summary, TrainError};
 use std::sync::Arc;
 
 mod bad_config;
@@ -15,7 +18,6 @@ mod pipeline;
 #[cfg(feature = "ps")]
 mod ps;
 mod resume;
-mod structure;
 mod tensor_sequence;
 mod zero;
 

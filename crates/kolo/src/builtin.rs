@@ -1,0 +1,340 @@
+//! `kolo train`'s built-in models (kolo-tensor's MLP, CNN and GPT) trained by the library's
+//! [`Trainer`], as a user's own model is: the data-parallel strategy of `kolo train` (DDP,
+//! ZeRO-1/2/3, tensor parallelism, local SGD, gradient compression, deterministic and
+//! mixed-precision training) is this trainer stepped by the driver (`kolo_train::driver`),
+//! which owns the batches, the learning rate's schedule, the reports, evaluations and
+//! checkpoints, as it does for the pipelines and the other strategies.
+//!
+//! The model stays kolo-tensor's: its variables are handed to the trainer in the model's own
+//! order (backward's reverse, which DDP's buckets follow); under mixed precision the model
+//! keeps f32 parameters and casts each where it is used (`CastView`, torch's autocast), so it
+//! is f32 to the trainer; ZeRO-3 gathers the GPT's blocks into its variables when read.
+
+use crate::{Dist, Mesh, TrainOptions, Trainer};
+use kolo_comm::{Communicator, SumGroup};
+use kolo_tensor::{CandleDType, Model, ModelSpec, ParamView};
+use kolo_train::checkpointing::PendingSave;
+use kolo_train::config::{Config, Precision};
+use kolo_train::data::{CharVocab, Dataset};
+use kolo_train::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
+use kolo_train::setup::Data;
+use kolo_train::summary::{Eval, RunOptions, Summary};
+use kolo_train::TrainError;
+use std::path::Path;
+use std::sync::Arc;
+
+/// Trains `cfg` on this rank of `comm` as `kolo train` does: the strategy the config names,
+/// run by the driver; the data-parallel one (with tensor parallelism when `[mesh] tp` is set)
+/// is [`BuiltinModel`], the library's [`Trainer`] over the built-in model.
+pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
+    kolo_train::run::run(cfg, comm, opts, &BuiltinModel::build)
+}
+
+/// A built-in model and the [`Trainer`] that trains it: `kolo train`'s data-parallel strategy.
+pub struct BuiltinModel {
+    trainer: Trainer,
+    model: Box<dyn Model>,
+    /// How the model reads its f32 parameters: as they are, or cast to bf16/f16 where used.
+    view: Box<dyn ParamView>,
+    spec: ModelSpec,
+    /// The data-parallel group (evaluation sums and the step's loss are taken over it).
+    dp: Arc<dyn Communicator>,
+    /// Tensor parallelism: the group the model's blocks are split over (counting its traffic).
+    tp: Option<Arc<SumGroup>>,
+    /// Kept for the mesh's groups (the trainer holds their communicators).
+    _mesh: Option<Mesh>,
+    train: kolo_train::config::TrainConfig,
+    batch_size: usize,
+    deterministic_chunk: Option<usize>,
+    global_rank: usize,
+    quiet: bool,
+}
+
+impl BuiltinModel {
+    /// The strategy for `kolo_train::run::run_with`: builds the model the config names (split
+    /// over `[mesh] tp`'s groups when set), its trainer over `comm`'s ranks, and resumes
+    /// `resume` when given.
+    pub fn build(
+        cfg: &Config,
+        comm: Arc<dyn Communicator>,
+        data: &Data,
+        resume: Option<&Path>,
+        run: &RunOptions,
+    ) -> Result<(Box<dyn Strategy>, Start), TrainError> {
+        let (s, start) = Self::new(cfg, comm, data, resume, run).map_err(train_error)?;
+        Ok((Box::new(s), start))
+    }
+
+    fn new(
+        cfg: &Config,
+        comm: Arc<dyn Communicator>,
+        data: &Data,
+        resume: Option<&Path>,
+        run: &RunOptions,
+    ) -> crate::Result<(BuiltinModel, Start)> {
+        comm.set_timeout(cfg.ddp.timeout());
+        let global_rank = comm.rank().get();
+        let mesh_size = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+        let dist = Dist::of_comm(comm.clone());
+        let mesh = match mesh_size.tp {
+            1 => None,
+            tp => Some(Mesh::new(&dist, &[("dp", mesh_size.dp), ("tp", tp)])?),
+        };
+        let dp = mesh.as_ref().map_or_else(|| comm.clone(), |m| m.dp().clone());
+        let tp = mesh.as_ref().map(|m| SumGroup::new(m.tp().comm().clone()));
+        let spec = cfg.model_spec(data.vocab_size);
+        let mut model = dp_model(cfg, &spec, tp.clone())?;
+        // ZeRO-3: the GPT's blocks, gathered into its variables when read; checkpointed blocks
+        // read them again in backward instead of keeping a copy through the step.
+        let groups = match cfg.ddp.zero_stage {
+            3 => {
+                let groups = model.param_groups();
+                if groups.is_empty() || tp.is_some() {
+                    return Err(TrainError::Config(
+                        "ddp.zero_stage = 3 shards the GPT's blocks: this model has none to shard (or is split over a tensor-parallel group)".into(),
+                    )
+                    .into());
+                }
+                model.reread_parameters();
+                group_prefixes(model.params(), &groups)
+            }
+            _ => Vec::new(),
+        };
+        let splits = model.tensor_parallel_splits().unwrap_or_else(|| vec![None; model.params().len()]);
+        let mut vars = Vec::new();
+        for (p, split) in model.params().iter().zip(splits) {
+            if let Some(split) = split {
+                crate::tp::mark_split(p.var.as_tensor(), split)?;
+            }
+            vars.push((p.name.clone(), p.var.clone()));
+        }
+        let mut opts = TrainOptions::from_train_config(cfg)?;
+        // The model casts its f32 parameters where it uses them: f32 to the trainer.
+        opts.train.precision = Precision::F32;
+        // The driver writes the checkpoints and the timeline; `kolo train` checks the job's
+        // collectives on its communicator already.
+        opts.ddp.check_collectives = false;
+        let on = match &mesh {
+            Some(m) => Err(m),
+            None => Ok(&dist),
+        };
+        let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+        let mut trainer = Trainer::driven(vars, on, opts, &groups, run.inject_inf_at)?;
+        let compute = cfg.compute_dtype();
+        if compute == CandleDType::F16 {
+            trainer.scale_losses();
+        }
+        let replicas = dp.world_size().get();
+        let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();
+        trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, &spec, replicas, stage));
+        let start = match resume {
+            Some(path) => Some(trainer.resume_state(path)?),
+            None => None,
+        };
+        let view: Box<dyn ParamView> = match compute {
+            CandleDType::F32 => Box::new(kolo_tensor::PlainView),
+            dtype => Box::new(kolo_tensor::CastView(dtype)),
+        };
+        if global_rank == 0 && !run.quiet {
+            let e = trainer.engine();
+            announce(cfg, &*model, &spec, &e.ddp, e.zero.as_ref(), data);
+        }
+        let deterministic_chunk = cfg.ddp.deterministic.then_some(cfg.ddp.deterministic_chunk);
+        let s = BuiltinModel {
+            trainer,
+            model,
+            view,
+            spec,
+            dp,
+            tp,
+            _mesh: mesh,
+            train: cfg.train.clone(),
+            batch_size: cfg.data.batch_size,
+            deterministic_chunk,
+            global_rank,
+            quiet: run.quiet,
+        };
+        Ok((s, start))
+    }
+
+    /// ZeRO-3: a gather that failed in a forward pass, as the driver's error.
+    fn settle(&self) -> Result<(), TrainError> {
+        self.trainer.zero3_failure().map_err(train_error)
+    }
+
+    /// One micro-step: the micro-batch's loss (under `ddp.deterministic` each piece's), its
+    /// backward, and on the last micro-step the update.
+    fn micro_step(&mut self, data: &mut Batches) -> Result<(), TrainError> {
+        let batch = data.next_batch()?;
+        // Dynamic batch sizing: this rank's mean loss weighs by its share of the global batch.
+        self.trainer.driven_mut().share = data.share();
+        let pieces = match self.deterministic_chunk {
+            Some(chunk) => batch.chunks(chunk).ok_or_else(|| {
+                TrainError::Config(format!("ddp.deterministic_chunk = {chunk} does not divide this rank's batch of {}", batch.len()))
+            })?,
+            None => Vec::new(),
+        };
+        let (model, view) = (&*self.model, &*self.view);
+        let candle = |e: kolo_tensor::TensorError| candle_core::Error::Msg(e.to_string());
+        let loss = |r: std::ops::Range<usize>| match pieces.is_empty() {
+            true => model.loss(&batch, view).map_err(candle),
+            false => model.loss(&pieces[r.start / r.len().max(1)], view).map_err(candle),
+        };
+        let out = self.trainer.step_pieces(loss);
+        // A failed ZeRO-3 gather is the cause of whatever the step met.
+        self.settle()?;
+        out.map(|_| ()).map_err(train_error)
+    }
+}
+
+impl Strategy for BuiltinModel {
+    fn comm(&self) -> &dyn Communicator {
+        &*self.dp
+    }
+
+    fn step(&mut self, _ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
+        for _ in 0..self.train.grad_accum.max(1) {
+            self.micro_step(data)?;
+        }
+        let backward_end = self.trainer.backward_end();
+        let (loss, rec, comm_spans) =
+            self.trainer.driven_mut().last.take().ok_or_else(|| TrainError::Other("the trainer's step did not end".into()))?;
+        Ok(StepOut { loss, rec, backward_end, comm_spans, note: String::new() })
+    }
+
+    fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
+        let zero3 = self.trainer.is_zero3();
+        let settle = || self.settle();
+        let e = kolo_train::eval::evaluate(&*self.model, &*self.view, ds, &*self.dp, self.batch_size, max_batches, zero3, &settle)?;
+        Ok(Some(e))
+    }
+
+    fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
+        // Under ZeRO-3 every rank samples (the same text: same seed), since each forward
+        // gathers the blocks collectively.
+        let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
+        if self.dp.rank().get() != 0 && !self.trainer.is_zero3() {
+            return Ok(None);
+        }
+        let tc = &self.train;
+        let settle = || self.settle();
+        let (chars, temperature) = (tc.sample_chars, tc.sample_temperature);
+        kolo_train::eval::sample_text(&*self.model, &*self.view, vocab, g.seq, chars, temperature, tc.seed, &settle).map(Some)
+    }
+
+    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        self.trainer.save_at(at).map_err(train_error)
+    }
+
+    fn finish(&mut self, steps_run: u64) -> Result<Finish, TrainError> {
+        if let (Some(g), ModelSpec::Gpt(gc)) = (&self.tp, &self.spec) {
+            if self.global_rank == 0 && !self.quiet {
+                report_tensor_parallel(g, gc, steps_run * self.train.grad_accum);
+            }
+        }
+        let moe = kolo_train::expert_parallel::reduce_load(self.model.take_moe_load(), &*self.dp)?;
+        let e = self.trainer.engine();
+        Ok(Finish {
+            params: self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?,
+            states: self.trainer.state_bytes(),
+            skipped_steps: e.skipped_steps(),
+            loss_scale: e.scaler.as_ref().map(kolo_optim::LossScaler::scale),
+            moe,
+            pipeline_bubble: None,
+            ps: None,
+        })
+    }
+}
+
+impl BuiltinModel {
+    /// The whole model's parameters as one process lays them out (a tensor-parallel GPT's
+    /// pieces are laid out otherwise).
+    fn whole_signature(&self) -> Result<Vec<(String, Vec<usize>)>, TrainError> {
+        match (&self.tp, &self.spec) {
+            (Some(_), ModelSpec::Gpt(gc)) => {
+                let whole = kolo_tensor::models::Gpt::new(gc.clone(), &mut kolo_base::Rng::new(self.train.seed))?;
+                Ok(whole.params().signature())
+            }
+            _ => Ok(self.model.params().signature()),
+        }
+    }
+}
+
+/// The library's error as the driver's: its own kinds kept (a collective's failure stays one,
+/// for the flight recorder), the rest as text.
+fn train_error(e: crate::Error) -> TrainError {
+    match e {
+        crate::Error::Train(e) => e,
+        crate::Error::Comm(e) => TrainError::Comm(e),
+        crate::Error::Ddp(e) => TrainError::Ddp(e),
+        crate::Error::Tensor(e) => TrainError::Tensor(e),
+        crate::Error::Setting { setting, reason } => TrainError::Config(format!("{setting}: {reason}")),
+        e => TrainError::Other(e.to_string()),
+    }
+}
+
+/// All-reduces of the vocabulary-parallel embedding, head and cross-entropy per micro-step.
+const VOCAB_PARALLEL_REDUCES: usize = 5;
+
+/// Each of a model's parameter groups (`Model::param_groups`) by the name prefix its
+/// parameters share, up to a dot (`blocks.3.`).
+fn group_prefixes(params: &kolo_tensor::ParamSet, groups: &[Vec<usize>]) -> Vec<String> {
+    let prefix = |g: &[usize]| {
+        let first = &params.get(g[0]).name;
+        let common =
+            g.iter().map(|&i| first.bytes().zip(params.get(i).name.bytes()).take_while(|(a, b)| a == b).count()).min().unwrap_or(0);
+        first[..first[..common].rfind('.').map_or(0, |d| d + 1)].to_string()
+    };
+    groups.iter().map(|g| prefix(g)).collect()
+}
+
+/// The model the config names, its tensor-parallel split over `tp` when there is one, with the
+/// configured activation checkpointing.
+fn dp_model(cfg: &Config, spec: &ModelSpec, tp: Option<Arc<SumGroup>>) -> Result<Box<dyn Model>, TrainError> {
+    let seed = cfg.train.seed;
+    let mut model = match (tp, spec) {
+        (Some(g), ModelSpec::Gpt(gc)) => {
+            Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(gc.clone(), &mut kolo_base::Rng::new(seed), g)?) as Box<dyn Model>
+        }
+        _ => kolo_tensor::build_model(spec, seed)?,
+    };
+    model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
+    Ok(model)
+}
+
+/// The start line of a data-parallel run.
+fn announce(cfg: &Config, model: &dyn Model, spec: &ModelSpec, ddp: &kolo_ddp::Ddp, zero: Option<&kolo_ddp::ShardPlan>, data: &Data) {
+    let (tc, world, numel) = (&cfg.train, ddp.comm().world_size().get(), model.params().numel());
+    kolo_base::eline!(
+        "kolo train: {} params, {} on {world} rank(s), global batch {} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
+        numel,
+        kolo_train::setup::spec_string(spec),
+        kolo_train::config::global_batch(cfg.data.batch_size, world, tc.grad_accum),
+        cfg.data.batch_size,
+        tc.grad_accum,
+        ddp.plan().len(),
+        match zero {
+            Some(z) => format!(", ZeRO-{} (optimizer state for {} of {numel} values on this rank)", ddp.sharding().stage(), z.len),
+            None => String::new(),
+        },
+        data.train.describe(),
+        kolo_base::simd::capability().name(),
+        kolo_tensor::compute_threads()
+    );
+}
+
+/// The tensor-parallel group `g`'s traffic per micro-step over `micro_steps` of a GPT split by
+/// it: its all-reduces per block (Megatron's 4) and those of the vocabulary-parallel ends.
+fn report_tensor_parallel(g: &SumGroup, gc: &kolo_tensor::models::GptConfig, micro_steps: u64) {
+    let steps = micro_steps.max(1);
+    let (calls, bytes) = g.traffic();
+    let (calls, mb) = (calls as f64 / steps as f64, bytes as f64 / steps as f64 / 1e6);
+    // Outside the blocks: the vocabulary-parallel embedding (1, forward), head (1, backward)
+    // and cross-entropy (3: maxima, sums of exponentials, target logits).
+    kolo_base::eline!(
+        "tensor parallel: {calls:.1} all-reduces ({mb:.2} MB) per micro-step over {} ranks: {:.1} per block for {} blocks (Megatron: 2 in forward + 2 in backward) + {VOCAB_PARALLEL_REDUCES} for the vocabulary-parallel embedding, head and cross-entropy",
+        kolo_base::GroupSum::size(g),
+        (calls - VOCAB_PARALLEL_REDUCES as f64) / gc.n_layer as f64,
+        gc.n_layer,
+    );
+}
