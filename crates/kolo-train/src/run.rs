@@ -13,7 +13,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 /// Builds the data-parallel strategy of a plain data-parallel or tensor-parallel run (no
-/// pipeline, sequence or expert parallelism, no `ddp.schedule`): from the config, every rank
+/// pipeline, sequence or expert parallelism; `ddp.schedule` included): from the config, every rank
 /// of the job, this replica's data, the checkpoint to continue from and the run's options, the
 /// strategy and where it starts. It is the library's: `kolo::builtin`, the built-in models
 /// trained by `kolo::Trainer`, as a user's model is.
@@ -21,7 +21,7 @@ pub type DataParallelBuilder =
     dyn Fn(&Config, Arc<dyn Communicator>, &Data, Option<&Path>, &RunOptions) -> Result<(Box<dyn Strategy>, Start), TrainError>;
 
 /// Trains `cfg` on this rank of `comm`: picks the strategy the config names (data parallel,
-/// with ZeRO and tensor parallelism, built by `data_parallel`; scheduled DDP; sequence or
+/// with ZeRO, tensor parallelism and scheduled DDP, built by `data_parallel`; sequence or
 /// expert parallel; GPipe, 1F1B or PipeDream-2BW pipelines) and runs it on the driver to the
 /// end. `kolo::builtin::run` passes the library's data-parallel strategy.
 pub fn run(
@@ -45,9 +45,6 @@ pub fn run(
     let resume = opts.resume.as_deref().map(resolve_checkpoint).transpose()?;
     let resume = resume.as_deref();
     crate::agreement::check_same_start(resume, &*comm)?;
-    if cfg.ddp.schedule.is_some() {
-        return crate::scheduled_ddp::run_scheduled(cfg, comm, opts, resume);
-    }
     // Loads the data of replica `data_rank`, builds the strategy and drives it.
     let start = |data_rank: usize| -> Result<(Data, Option<usize>), TrainError> {
         let data = load_data(cfg, data_rank)?;

@@ -14,28 +14,20 @@
 //! One gradient buffer suffices: forward of step t+1 needs every parameter updated with step
 //! t's gradient, so backward t+1 (which overwrites it) starts only after step t's last chunk.
 //!
-//! On the driver ([`ScheduledDdp`]): a step returns when backward ends, its exchange and
-//! updates still running; evaluation, sampling, checkpoints and the end first wait until every
-//! parameter has the updates of every step begun (`ScheduledDdp::settle`). The optimizer
-//! state and the parameters are then the same as plain DDP's, so checkpoints are plain DDP's
-//! (rank 0 writes them) and continue under either.
+//! The library's `Trainer` runs it (`kolo::scheduled`, for a user's model and `kolo train`'s
+//! built-in ones): a step returns when backward ends, its exchange and updates still running;
+//! every read of a parameter (the next forward, an evaluation, a checkpoint) waits for that
+//! parameter's update. The optimizer state and the parameters are then the same as plain
+//! DDP's, so checkpoints are plain DDP's (rank 0 writes them) and continue under either.
 
-use crate::checkpointing::{load_checkpoint, PendingSave};
-use crate::config::{Config, StepTables};
-use crate::data::{CharVocab, Dataset};
-use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, StepCtx, StepOut, Strategy};
-use crate::eval::{evaluate, sample_text};
-use crate::setup::{lead_say, load_data, optimizer_for, spec_string};
-use crate::summary::{replicated_states, Eval, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::GradSink;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::comm_schedule::{chunk_params, chunk_plan, param_chunks, pick_round};
 use kolo_optim::Optimizer;
-use kolo_tensor::{build_model, HookedView, Model, ModelSpec, ParamSet, ParamView, PlainView};
+use kolo_tensor::ParamSet;
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -173,8 +165,8 @@ pub fn on_scheduler_thread() -> bool {
     ON_SCHEDULER.with(std::cell::Cell::get)
 }
 
-/// Scheduled DDP's exchange for one rank, whoever runs the training thread (`kolo train`'s
-/// built-in models through [`ScheduledDdp`], a user's candle model through `kolo::Trainer`):
+/// Scheduled DDP's exchange for one rank, beside the training thread of the library's
+/// `kolo::Trainer` (a user's candle model, `kolo train`'s built-in ones):
 /// the scheduler thread on a group of all ranks of its own, which reduces each step's gradients
 /// in prioritised chunks and updates each parameter (its variable, in place) as soon as its
 /// chunks are reduced. The training thread begins each step ([`Scheduler::begin`]), hands its
@@ -191,7 +183,7 @@ impl Scheduler {
     /// Collective over `comm` (its group of all ranks is made here): starts the scheduler for
     /// `params` (f32 variables on the CPU), whose values every rank already holds alike, with
     /// `opt` (the parameters' flat layout), `(chunk, credit)` in f32 elements
-    /// ([`Config::comm_schedule`]), from step `first`, every wait bounded by `timeout`.
+    /// ([`crate::Config::comm_schedule`]), from step `first`, every wait bounded by `timeout`.
     pub fn start(
         comm: &dyn Communicator,
         params: &ParamSet,
@@ -332,11 +324,6 @@ impl Scheduler {
         self.sched.ranges.last().map_or(0, |r| r.end) as u64 * 8
     }
 
-    /// Stops the scheduler thread and reports its failure, if it failed.
-    pub fn finish(mut self) -> Result<(), String> {
-        self.stop_and_join()
-    }
-
     fn stop_and_join(&mut self) -> Result<(), String> {
         self.sched.lock().stop = true;
         self.sched.cv.notify_all();
@@ -350,20 +337,6 @@ impl Scheduler {
 impl Drop for Scheduler {
     fn drop(&mut self) {
         let _ = self.stop_and_join();
-    }
-}
-
-/// Hands out parameter `i` once it has `need` updates; gradients go to the scheduler.
-struct AwaitView<'a> {
-    sched: &'a Scheduler,
-    hooked: HookedView,
-    need: u64,
-}
-
-impl ParamView for AwaitView<'_> {
-    fn get(&self, params: &ParamSet, i: usize) -> kolo_tensor::Result<kolo_tensor::Tensor> {
-        self.sched.await_update(i, self.need).map_err(kolo_tensor::TensorError::Input)?;
-        self.hooked.get(params, i)
     }
 }
 
@@ -462,124 +435,5 @@ fn schedule_loop(sched: &Sched, comm: &dyn Communicator, vars: &[candle_core::Va
         }
         sched.lock().next = step + 1;
         sched.cv.notify_all();
-    }
-}
-
-/// Scheduled DDP on the driver: the training thread's steps, the scheduler thread beside them.
-pub struct ScheduledDdp<'a> {
-    t: StepTables<'a>,
-    comm: Arc<dyn Communicator>,
-    model: Box<dyn Model>,
-    spec: ModelSpec,
-    sched: Option<Scheduler>,
-    meta: BTreeMap<String, String>,
-}
-
-/// Trains with scheduled DDP on this rank of `comm`, from `resume` when given.
-pub fn run_scheduled(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions, resume: Option<&Path>) -> Result<Summary, TrainError> {
-    let (rank, world) = (comm.rank().get(), comm.world_size().get());
-    let tc = &cfg.train;
-    let (chunk, credit) =
-        cfg.comm_schedule().map_err(TrainError::Config)?.ok_or_else(|| TrainError::Config("ddp.schedule is not set".into()))?;
-    let timeout = cfg.ddp.timeout();
-    comm.set_timeout(timeout);
-    let data = load_data(cfg, rank)?;
-    let heap_before = kolo_base::alloc::stats().map(|h| h.live);
-    let spec = cfg.model_spec(data.vocab_size);
-    let model = build_model(&spec, tc.seed)?;
-    let mut flat = model.params().to_flat()?;
-    let numel = flat.len();
-    let mut opt = optimizer_for(&cfg.optim, numel)?;
-    let ranges: Vec<Range<usize>> = model.params().iter().map(|p| p.range.clone()).collect();
-    crate::param_groups::apply(&mut opt, &model.params().signature(), &ranges, None, &cfg.optim).map_err(TrainError::Config)?;
-    let meta = checkpoint_meta(cfg, &spec, world, 0);
-    // Same start everywhere: rank 0's values, as plain DDP, or the checkpoint every rank reads.
-    let start = match resume {
-        Some(path) => Some((path.to_path_buf(), load_checkpoint(path, model.params(), &mut flat, &mut opt, None, &ranges, &meta)?)),
-        None => {
-            comm.broadcast(BufMut::from(&mut flat[..]), kolo_base::Rank(0))?;
-            None
-        }
-    };
-    model.params().load(&flat)?;
-    drop(flat);
-    let first = start.as_ref().map_or(0, |s| s.1.step);
-    lead_say(rank == 0 && !opts.quiet)(&format!(
-        "kolo train (scheduled DDP): {numel} params, {} on {world} rank(s), {} chunks of {} KiB, credit {} KiB, data: {}",
-        spec_string(&spec),
-        numel.div_ceil(chunk),
-        chunk * 4 / 1024,
-        credit * 4 / 1024,
-        data.train.describe()
-    ));
-    let sched = Scheduler::start(&*comm, model.params(), opt, (chunk, credit), first, timeout)?;
-    let mut s = ScheduledDdp { t: cfg.step_tables(), comm: comm.clone(), model, spec, sched: Some(sched), meta };
-    crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), &data, heap_before, &mut s, start)
-}
-
-impl ScheduledDdp<'_> {
-    fn sched(&self) -> Result<&Scheduler, TrainError> {
-        self.sched.as_ref().ok_or_else(|| TrainError::Other("scheduled DDP finished already".into()))
-    }
-
-    /// Waits until every parameter has the update of every step begun so far (before the model
-    /// is read whole: evaluation, sampling, checkpoints, the end).
-    fn settle(&self) -> Result<(), TrainError> {
-        self.sched()?.settle().map_err(TrainError::Other)
-    }
-}
-
-impl Strategy for ScheduledDdp<'_> {
-    fn comm(&self) -> &dyn Communicator {
-        &*self.comm
-    }
-
-    fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
-        let te = kolo_tensor::TensorError::from;
-        let batch = data.next_batch()?;
-        let sched = self.sched()?;
-        sched.begin(ctx.step, ctx.lr);
-        let view = AwaitView { sched, hooked: HookedView::new(sched.hooks.clone()), need: ctx.step };
-        let loss = self.model.loss(&batch, &view)?;
-        let local_loss = f64::from(loss.to_scalar::<f32>().map_err(te)?);
-        loss.backward().map_err(te)?;
-        sched.end_backward().map_err(TrainError::Other)?;
-        let mut out = StepOut { loss: local_loss, backward_end: Some(Instant::now()), ..Default::default() };
-        out.rec.comm_bytes = Some(self.model.params().numel() * 4);
-        let times = sched.take_times();
-        (out.rec.wait_ms, out.rec.hidden) = (Some(times.wait_s * 1e3), times.hidden_fraction());
-        out.comm_spans = times.spans;
-        Ok(out)
-    }
-
-    fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
-        self.settle()?;
-        evaluate(&*self.model, &PlainView, ds, &*self.comm, self.t.batch_size, max_batches, false, &|| Ok(())).map(Some)
-    }
-
-    fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
-        self.settle()?;
-        let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
-        if self.comm.rank().get() != 0 {
-            return Ok(None);
-        }
-        let tc = self.t.train;
-        sample_text(&*self.model, &PlainView, vocab, g.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(())).map(Some)
-    }
-
-    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        self.settle()?;
-        let opt = self.sched()?.opt();
-        at.replicated(&self.meta, self.model.params(), &opt, &*self.comm)
-    }
-
-    fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
-        self.settle()?;
-        let sched = self.sched.take().ok_or_else(|| TrainError::Other("scheduled DDP finished twice".into()))?;
-        let params = self.model.params().to_flat()?;
-        // The hooks' gradient buffer and the scheduler's reduced copy: two gradients' worth.
-        let states = StateBytes { grads: sched.grad_bytes(), ..replicated_states(params.len(), &sched.opt()) };
-        sched.finish().map_err(TrainError::Other)?;
-        Ok(Finish { params, states, skipped_steps: 0, loss_scale: None, moe: None, pipeline_bubble: None, ps: None })
     }
 }

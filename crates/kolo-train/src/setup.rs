@@ -33,6 +33,7 @@ pub(crate) fn optimizer_for(optim: &OptimConfig, numel: usize) -> Result<Optimiz
 }
 
 /// Prints on the lead rank only.
+#[cfg(feature = "ps")]
 pub(crate) fn lead_say(lead: bool) -> impl Fn(&str) {
     move |m: &str| {
         if lead {

@@ -1,7 +1,7 @@
 //! `kolo train`'s built-in models (kolo-tensor's MLP, CNN and GPT) trained by the library's
 //! [`Trainer`], as a user's own model is: the data-parallel strategy of `kolo train` (DDP,
-//! ZeRO-1/2/3, tensor parallelism, local SGD, gradient compression, deterministic and
-//! mixed-precision training) is this trainer stepped by the driver (`kolo_train::driver`),
+//! ZeRO-1/2/3, tensor parallelism, scheduled communication, local SGD, gradient compression,
+//! deterministic and mixed-precision training) is this trainer stepped by the driver (`kolo_train::driver`),
 //! which owns the batches, the learning rate's schedule, the reports, evaluations and
 //! checkpoints, as it does for the pipelines and the other strategies.
 //!
@@ -137,7 +137,7 @@ impl BuiltinModel {
         };
         if global_rank == 0 && !run.quiet {
             let e = trainer.engine();
-            announce(cfg, &*model, &spec, &e.ddp, e.zero.as_ref(), data);
+            announce(cfg, &*model, &spec, &e.ddp, e.zero.as_ref(), data)?;
         }
         let deterministic_chunk = cfg.ddp.deterministic.then_some(cfg.ddp.deterministic_chunk);
         let s = BuiltinModel {
@@ -227,6 +227,7 @@ impl Strategy for BuiltinModel {
     }
 
     fn finish(&mut self, steps_run: u64) -> Result<Finish, TrainError> {
+        self.trainer.settle("kolo train's end").map_err(train_error)?;
         if let (Some(g), ModelSpec::Gpt(gc)) = (&self.tp, &self.spec) {
             if self.global_rank == 0 && !self.quiet {
                 report_tensor_parallel(g, gc, steps_run * self.train.grad_accum);
@@ -303,8 +304,26 @@ fn dp_model(cfg: &Config, spec: &ModelSpec, tp: Option<Arc<SumGroup>>) -> Result
 }
 
 /// The start line of a data-parallel run.
-fn announce(cfg: &Config, model: &dyn Model, spec: &ModelSpec, ddp: &kolo_ddp::Ddp, zero: Option<&kolo_ddp::ShardPlan>, data: &Data) {
+fn announce(
+    cfg: &Config,
+    model: &dyn Model,
+    spec: &ModelSpec,
+    ddp: &kolo_ddp::Ddp,
+    zero: Option<&kolo_ddp::ShardPlan>,
+    data: &Data,
+) -> Result<(), TrainError> {
     let (tc, world, numel) = (&cfg.train, ddp.comm().world_size().get(), model.params().numel());
+    if let Some((chunk, credit)) = cfg.comm_schedule().map_err(TrainError::Config)? {
+        kolo_base::eline!(
+            "kolo train (scheduled DDP): {numel} params, {} on {world} rank(s), {} chunks of {} KiB, credit {} KiB, data: {}",
+            kolo_train::setup::spec_string(spec),
+            numel.div_ceil(chunk),
+            chunk * 4 / 1024,
+            credit * 4 / 1024,
+            data.train.describe()
+        );
+        return Ok(());
+    }
     kolo_base::eline!(
         "kolo train: {} params, {} on {world} rank(s), global batch {} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
         numel,
@@ -321,6 +340,7 @@ fn announce(cfg: &Config, model: &dyn Model, spec: &ModelSpec, ddp: &kolo_ddp::D
         kolo_base::simd::capability().name(),
         kolo_tensor::compute_threads()
     );
+    Ok(())
 }
 
 /// The tensor-parallel group `g`'s traffic per micro-step over `micro_steps` of a GPT split by

@@ -109,6 +109,11 @@ impl Scheduled {
         self.need.store(step, Ordering::SeqCst);
     }
 
+    /// The gradient buffers the scheduler keeps (the hooks' and the reduced copy), in bytes.
+    pub(crate) fn grad_bytes(&self) -> u64 {
+        self.sched.grad_bytes()
+    }
+
     /// The scheduler's failure or a hook's, as an error of `op`.
     fn check(&self, op: &'static str) -> Result<()> {
         let hook = self.hook_error.lock().unwrap_or_else(|p| p.into_inner()).take();

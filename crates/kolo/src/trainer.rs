@@ -1341,6 +1341,13 @@ impl Trainer {
         self.backward_end
     }
 
+    /// Before the model and the optimizer are read whole (`op`): a ZeRO-3 gather that failed,
+    /// and under `ddp.schedule` every begun step's update applied, the optimizer taken back.
+    pub(crate) fn settle(&mut self, op: &'static str) -> Result<()> {
+        self.zero3_failure()?;
+        self.settle_scheduled(op)
+    }
+
     /// ZeRO-3: a gather that failed since the last look (in a forward pass), as its error.
     pub(crate) fn zero3_failure(&self) -> Result<()> {
         match &self.zero3 {
@@ -1400,14 +1407,17 @@ impl Trainer {
 
     /// Starts writing the checkpoint the driver asks for.
     pub(crate) fn save_at(&mut self, at: kolo_train::driver::SaveAt<'_>) -> Result<PendingSave> {
-        self.zero3_failure()?;
+        self.settle("Trainer::save")?;
         self.data_pos = at.pos;
         self.write_checkpoint(at.dir, at.background, at.meta, at.crash)
     }
 
-    /// Model states this rank holds between steps.
+    /// Model states this rank holds between steps (under `ddp.schedule` with the scheduler's
+    /// gradient buffers).
     pub(crate) fn state_bytes(&self) -> kolo_train::summary::StateBytes {
-        self.e.state_bytes(&self.params)
+        let mut b = self.e.state_bytes(&self.params);
+        b.grads += self.scheduled.as_ref().map_or(0, |s| s.grad_bytes());
+        b
     }
 }
 
