@@ -1068,15 +1068,16 @@ impl Config {
                 if self.model.kind != ModelKind::Gpt {
                     return Err("mesh.tp splits the GPT's blocks (model.kind = \"gpt\")".into());
                 }
-                if self.ddp.zero_stage != 0
-                    || self.ddp.compression.is_some()
+                // ZeRO-1/2/3 shard over the data-parallel group (ZeRO-3: each rank's pieces of
+                // the blocks, torchtitan's FSDP + TP).
+                if self.ddp.compression.is_some()
                     || self.ddp.local_sgd.is_some()
                     || self.train.precision != Precision::F32
                     || self.train.strategy != Strategy::Ddp
                     || !self.model.checkpoint_blocks.is_empty()
                 {
                     return Err(
-                        "mesh.tp > 1 runs in f32 without ZeRO, compression, local SGD, parameter servers or activation checkpointing (yet)"
+                        "mesh.tp > 1 runs in f32 without compression, local SGD, parameter servers or activation checkpointing (yet)"
                             .into(),
                     );
                 }

@@ -84,16 +84,16 @@ impl BuiltinModel {
         let tp = mesh.as_ref().map(|m| SumGroup::new(m.tp().comm().clone()));
         let spec = cfg.model_spec(data.vocab_size);
         let mut model = dp_model(cfg, &spec, tp.clone())?;
-        // ZeRO-3: the GPT's blocks, gathered into its variables when read; checkpointed blocks
-        // read them again in backward instead of keeping a copy through the step.
+        // ZeRO-3: the GPT's blocks (under tensor parallelism this rank's pieces of them),
+        // gathered into its variables when read; checkpointed blocks read them again in
+        // backward instead of keeping a copy through the step.
         let groups = match cfg.ddp.zero_stage {
             3 => {
                 let groups = model.param_groups();
-                if groups.is_empty() || tp.is_some() {
-                    return Err(TrainError::Config(
-                        "ddp.zero_stage = 3 shards the GPT's blocks: this model has none to shard (or is split over a tensor-parallel group)".into(),
-                    )
-                    .into());
+                if groups.is_empty() {
+                    return Err(
+                        TrainError::Config("ddp.zero_stage = 3 shards the GPT's blocks: this model has none to shard".into()).into()
+                    );
                 }
                 model.reread_parameters();
                 group_prefixes(model.params(), &groups)
