@@ -247,8 +247,9 @@ impl Trainer {
     /// built in that dtype) works on every axis: the layers' collectives move and sum f32 and
     /// round once to the model's dtype, the masters are f32, and f16's overflow check skips a
     /// step on every rank of the mesh or none. ZeRO-3 takes its groups
-    /// ([`Trainer::with_mesh_zero3_groups`]); gradient compression in fp16/bf16 works; local SGD
-    /// and codecs with per-rank state are refused with a mesh so far.
+    /// ([`Trainer::with_mesh_zero3_groups`]); gradient compression works, codecs with per-rank
+    /// state (PowerSGD, top-k) checkpointing each rank's state, and so does local SGD (each
+    /// replica's own model in the checkpoint).
     pub fn with_mesh(varmap: &VarMap, mesh: &crate::Mesh, opts: TrainOptions) -> Result<Trainer> {
         Self::build(varmap_vars(varmap, mesh.rank())?, Self::mesh_place(mesh, &opts, false)?, opts, &[], None)
     }
