@@ -91,7 +91,7 @@ fn whole_gpt(gcfg: &kolo_tensor::models::GptConfig, flat: &[f32]) -> Result<kolo
 
 /// Loss over at most `max_batches` batches of `ds` of a whole GPT holding `flat`, in this
 /// process alone (the strategies whose own model is split or chunked evaluate on one rank).
-pub(crate) fn evaluate_alone(
+pub fn evaluate_alone(
     batch_size: usize,
     gcfg: &kolo_tensor::models::GptConfig,
     flat: &[f32],
@@ -104,7 +104,7 @@ pub(crate) fn evaluate_alone(
 }
 
 /// A sample (`[train]`'s length, temperature and seed) of a whole GPT holding `flat`.
-pub(crate) fn sample_alone(
+pub fn sample_alone(
     tc: &TrainConfig,
     gcfg: &kolo_tensor::models::GptConfig,
     flat: &[f32],

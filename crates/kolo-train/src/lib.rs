@@ -1,7 +1,7 @@
 //! Kolo's training: [`run::run`] picks the strategy a config names and hands it to the one
-//! training loop, [`driver`]; each strategy (`sequence_parallel`, `expert_parallel`, the
-//! pipelines, and the data-parallel one that `run` is given: the `kolo` library's `Trainer`,
-//! `kolo::builtin`) implements [`driver::Strategy`].
+//! training loop, [`driver`]; each strategy (`expert_parallel`, the pipelines, and the
+//! data-parallel one that `run` is given, tensor and sequence parallelism included: the `kolo`
+//! library's `Trainer`, `kolo::builtin`) implements [`driver::Strategy`].
 
 pub mod agreement;
 pub mod autoplan;
@@ -35,7 +35,6 @@ pub mod ps_worker;
 pub mod report;
 pub mod run;
 pub mod scheduled_ddp;
-pub mod sequence_parallel;
 pub mod setup;
 pub mod summary;
 pub mod tensorboard;

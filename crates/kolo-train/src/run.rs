@@ -62,17 +62,10 @@ pub fn run(
         let (mut s, from) = crate::expert_parallel::ExpertParallel::new(cfg, comm.clone(), g("ep"), g("rep"), &data, resume, opts)?;
         return drive(&data, heap, &mut s, from);
     }
-    if mesh.sp > 1 {
-        let m = kolo_comm::DeviceMesh::new(&*comm, &[("dp", mesh.dp), ("sp", mesh.sp)])?;
-        let (sp, dp_rank) = (m.group("sp").expect("axis").clone(), m.coord("dp").expect("axis"));
-        let (data, heap) = start(dp_rank)?;
-        let (mut s, from) =
-            crate::sequence_parallel::SequenceParallel::new(cfg, comm.clone(), sp, (dp_rank, mesh.dp), &data, resume, opts)?;
-        return drive(&data, heap, &mut s, from);
-    }
     let Some(pc) = &cfg.pipeline else {
-        // Data parallelism over replicas of tensor-parallel groups of consecutive ranks.
-        let (data, heap) = start(global_rank / mesh.tp)?;
+        // Data parallelism over replicas of sequence chunks (sp) of tensor-parallel groups
+        // (tp), consecutive ranks.
+        let (data, heap) = start(global_rank / (mesh.tp * mesh.sp))?;
         let (mut s, from) = data_parallel(cfg, comm.clone(), &data, resume, opts)?;
         return drive(&data, heap, &mut *s, from);
     };

@@ -1,6 +1,6 @@
 //! `kolo train`'s built-in models (kolo-tensor's MLP, CNN and GPT) trained by the library's
 //! [`Trainer`], as a user's own model is: the data-parallel strategy of `kolo train` (DDP,
-//! ZeRO-1/2/3, tensor parallelism, scheduled communication, local SGD, gradient compression,
+//! ZeRO-1/2/3, tensor and sequence parallelism, scheduled communication, local SGD, gradient compression,
 //! deterministic and mixed-precision training) is this trainer stepped by the driver (`kolo_train::driver`),
 //! which owns the batches, the learning rate's schedule, the reports, evaluations and
 //! checkpoints, as it does for the pipelines and the other strategies.
@@ -37,8 +37,14 @@ pub struct BuiltinModel {
     /// How the model reads its f32 parameters: as they are, or cast to bf16/f16 where used.
     view: Box<dyn ParamView>,
     spec: ModelSpec,
-    /// The data-parallel group (evaluation sums and the step's loss are taken over it).
+    /// The ranks holding the same parameters: the data-parallel group, with the sequence
+    /// chunks' ranks under sequence parallelism (the step's loss and evaluation sums are taken
+    /// over it).
     dp: Arc<dyn Communicator>,
+    /// This rank's data-parallel replica and their number (the driver deals batches by it).
+    replica: (usize, usize),
+    /// Sequence parallelism: this rank's chunk of every sequence, and the number of chunks.
+    chunk: Option<(usize, usize)>,
     /// Tensor parallelism: the group the model's blocks are split over (counting its traffic).
     tp: Option<Arc<SumGroup>>,
     /// Kept for the mesh's groups (the trainer holds their communicators).
@@ -74,16 +80,20 @@ impl BuiltinModel {
     ) -> crate::Result<(BuiltinModel, Start)> {
         comm.set_timeout(cfg.ddp.timeout());
         let global_rank = comm.rank().get();
-        let mesh_size = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+        let size = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
         let dist = Dist::of_comm(comm.clone());
-        let mesh = match mesh_size.tp {
-            1 => None,
-            tp => Some(Mesh::new(&dist, &[("dp", mesh_size.dp), ("tp", tp)])?),
+        // Replicas (dp) of sequence chunks (sp) of tensor-parallel groups (tp, consecutive ranks).
+        let mesh = match (size.sp, size.tp) {
+            (1, 1) => None,
+            (sp, tp) => Some(Mesh::new(&dist, &[("dp", size.dp), ("sp", sp), ("tp", tp)])?),
         };
-        let dp = mesh.as_ref().map_or_else(|| comm.clone(), |m| m.dp().clone());
-        let tp = mesh.as_ref().map(|m| SumGroup::new(m.tp().comm().clone()));
+        let dp = mesh.as_ref().map_or_else(|| comm.clone(), |m| m.replicas().clone());
+        let replica = mesh.as_ref().map_or((global_rank, comm.world_size().get()), |m| (m.coord("dp"), m.size("dp")));
+        let tp = mesh.as_ref().filter(|_| size.tp > 1).map(|m| SumGroup::new(m.tp().comm().clone()));
+        let sp = mesh.as_ref().filter(|_| size.sp > 1).map(|m| m.sp().comm().clone());
+        let chunk = sp.as_ref().map(|c| (c.rank().get(), c.world_size().get()));
         let spec = cfg.model_spec(data.vocab_size);
-        let mut model = dp_model(cfg, &spec, tp.clone())?;
+        let mut model = dp_model(cfg, &spec, tp.clone(), sp)?;
         // ZeRO-3: the GPT's blocks (under tensor parallelism this rank's pieces of them),
         // gathered into its variables when read; checkpointed blocks read them again in
         // backward instead of keeping a copy through the step.
@@ -124,7 +134,7 @@ impl BuiltinModel {
         if compute == CandleDType::F16 {
             trainer.scale_losses();
         }
-        let replicas = dp.world_size().get();
+        let replicas = replica.1;
         let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();
         trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, &spec, replicas, stage));
         let start = match resume {
@@ -137,7 +147,7 @@ impl BuiltinModel {
         };
         if global_rank == 0 && !run.quiet {
             let e = trainer.engine();
-            announce(cfg, &*model, &spec, &e.ddp, e.zero.as_ref(), data)?;
+            announce(cfg, &*model, &spec, (&e.ddp, e.zero.as_ref()), chunk, data)?;
         }
         let deterministic_chunk = cfg.ddp.deterministic.then_some(cfg.ddp.deterministic_chunk);
         let s = BuiltinModel {
@@ -146,6 +156,8 @@ impl BuiltinModel {
             view,
             spec,
             dp,
+            replica,
+            chunk,
             tp,
             _mesh: mesh,
             train: cfg.train.clone(),
@@ -165,7 +177,11 @@ impl BuiltinModel {
     /// One micro-step: the micro-batch's loss (under `ddp.deterministic` each piece's), its
     /// backward, and on the last micro-step the update.
     fn micro_step(&mut self, data: &mut Batches) -> Result<(), TrainError> {
-        let batch = data.next_batch()?;
+        let batch = match self.chunk {
+            // Every rank of a replica reads its batch, and computes its chunk of each sequence.
+            Some((r, n)) => sequence_chunk(&data.next_batch()?, r, n)?,
+            None => data.next_batch()?,
+        };
         // Dynamic batch sizing: this rank's mean loss weighs by its share of the global batch.
         self.trainer.driven_mut().share = data.share();
         let pieces = match self.deterministic_chunk {
@@ -192,6 +208,10 @@ impl Strategy for BuiltinModel {
         &*self.dp
     }
 
+    fn replica(&self) -> (usize, usize) {
+        self.replica
+    }
+
     fn step(&mut self, _ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
         for _ in 0..self.train.grad_accum.max(1) {
             self.micro_step(data)?;
@@ -203,6 +223,12 @@ impl Strategy for BuiltinModel {
     }
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
+        if let (Some(_), ModelSpec::Gpt(gc)) = (self.chunk, &self.spec) {
+            // Whole sequences, with an unsplit copy of the model, on rank 0.
+            let flat = self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?;
+            let lead = self.global_rank == 0;
+            return lead.then(|| kolo_train::eval::evaluate_alone(self.batch_size, gc, &flat, ds, max_batches)).transpose();
+        }
         let zero3 = self.trainer.is_zero3();
         let settle = || self.settle();
         let e = kolo_train::eval::evaluate(&*self.model, &*self.view, ds, &*self.dp, self.batch_size, max_batches, zero3, &settle)?;
@@ -213,6 +239,11 @@ impl Strategy for BuiltinModel {
         // Under ZeRO-3 every rank samples (the same text: same seed), since each forward
         // gathers the blocks collectively.
         let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
+        if self.chunk.is_some() {
+            let flat = self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?;
+            let lead = self.global_rank == 0;
+            return lead.then(|| kolo_train::eval::sample_alone(&self.train, g, &flat, vocab)).transpose();
+        }
         if self.dp.rank().get() != 0 && !self.trainer.is_zero3() {
             return Ok(None);
         }
@@ -289,13 +320,25 @@ fn group_prefixes(params: &kolo_tensor::ParamSet, groups: &[Vec<usize>]) -> Vec<
     groups.iter().map(|g| prefix(g)).collect()
 }
 
-/// The model the config names, its tensor-parallel split over `tp` when there is one, with the
-/// configured activation checkpointing.
-fn dp_model(cfg: &Config, spec: &ModelSpec, tp: Option<Arc<SumGroup>>) -> Result<Box<dyn Model>, TrainError> {
+/// The model the config names, its tensor-parallel split over `tp` when there is one, or its
+/// attention over the sequence chunks of `sp` (a ring), with the configured activation
+/// checkpointing.
+fn dp_model(
+    cfg: &Config,
+    spec: &ModelSpec,
+    tp: Option<Arc<SumGroup>>,
+    sp: Option<Arc<dyn Communicator>>,
+) -> Result<Box<dyn Model>, TrainError> {
     let seed = cfg.train.seed;
-    let mut model = match (tp, spec) {
-        (Some(g), ModelSpec::Gpt(gc)) => {
-            Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(gc.clone(), &mut kolo_base::Rng::new(seed), g)?) as Box<dyn Model>
+    let rng = || kolo_base::Rng::new(seed);
+    let mut model = match (tp, sp, spec) {
+        (Some(g), _, ModelSpec::Gpt(gc)) => {
+            Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(gc.clone(), &mut rng(), g)?) as Box<dyn Model>
+        }
+        (None, Some(ring), ModelSpec::Gpt(gc)) => {
+            let mut gpt = kolo_tensor::models::Gpt::new(gc.clone(), &mut rng())?;
+            gpt.set_sequence_parallel(Arc::new(kolo_comm::Ring(ring)))?;
+            Box::new(gpt)
         }
         _ => kolo_tensor::build_model(spec, seed)?,
     };
@@ -308,11 +351,20 @@ fn announce(
     cfg: &Config,
     model: &dyn Model,
     spec: &ModelSpec,
-    ddp: &kolo_ddp::Ddp,
-    zero: Option<&kolo_ddp::ShardPlan>,
+    (ddp, zero): (&kolo_ddp::Ddp, Option<&kolo_ddp::ShardPlan>),
+    chunk: Option<(usize, usize)>,
     data: &Data,
 ) -> Result<(), TrainError> {
     let (tc, world, numel) = (&cfg.train, ddp.comm().world_size().get(), model.params().numel());
+    if let (Some((_, n)), ModelSpec::Gpt(gc)) = (chunk, spec) {
+        kolo_base::eline!(
+            "kolo train (sequence parallel): GPT {numel} params, sequences of {} split into {n} chunks of {} (ring attention) x {} data-parallel replicas",
+            gc.seq,
+            gc.seq / n,
+            world / n,
+        );
+        return Ok(());
+    }
     if let Some((chunk, credit)) = cfg.comm_schedule().map_err(TrainError::Config)? {
         kolo_base::eline!(
             "kolo train (scheduled DDP): {numel} params, {} on {world} rank(s), {} chunks of {} KiB, credit {} KiB, data: {}",
@@ -357,4 +409,17 @@ fn report_tensor_parallel(g: &SumGroup, gc: &kolo_tensor::models::GptConfig, mic
         (calls - VOCAB_PARALLEL_REDUCES as f64) / gc.n_layer as f64,
         gc.n_layer,
     );
+}
+
+/// Chunk `r` of `n` of every sequence of a batch (tokens and targets).
+fn sequence_chunk(batch: &kolo_tensor::Batch, r: usize, n: usize) -> Result<kolo_tensor::Batch, TrainError> {
+    let kolo_tensor::Input::Tokens { ids, b, t } = &batch.input else {
+        return Err(TrainError::Config("sequence parallelism takes token sequences".into()));
+    };
+    if n == 0 || t % n != 0 {
+        return Err(TrainError::Config(format!("sequences of {t} tokens do not split into {n} equal chunks (mesh.sp)")));
+    }
+    let c = t / n;
+    let pick = |v: &[u32]| -> Vec<u32> { (0..*b).flat_map(|s| v[s * t + r * c..s * t + (r + 1) * c].iter().copied()).collect() };
+    Ok(kolo_tensor::Batch { input: kolo_tensor::Input::Tokens { ids: pick(ids), b: *b, t: c }, targets: pick(&batch.targets) })
 }
