@@ -1,7 +1,7 @@
 //! Kolo's training: [`run::run`] picks the strategy a config names and hands it to the one
-//! training loop, [`driver`]; each strategy (`expert_parallel`, the pipelines, and the
-//! data-parallel one that `run` is given, tensor and sequence parallelism included: the `kolo`
-//! library's `Trainer`, `kolo::builtin`) implements [`driver::Strategy`].
+//! training loop, [`driver`]; each strategy (the pipelines, and the data-parallel one that
+//! `run` is given, tensor, sequence and expert parallelism included: the `kolo` library's
+//! `Trainer`, `kolo::builtin`) implements [`driver::Strategy`].
 
 pub mod agreement;
 pub mod autoplan;
@@ -11,7 +11,6 @@ pub mod config;
 pub mod data;
 pub mod driver;
 pub mod eval;
-pub mod expert_parallel;
 pub mod local_sgd;
 pub mod sampler;
 pub mod update;

@@ -55,16 +55,9 @@ pub fn run(
     let drive = |data: &Data, heap, s: &mut dyn Strategy, from| {
         crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), data, heap, s, from)
     };
-    if mesh.ep > 1 {
-        let m = kolo_comm::DeviceMesh::new(&*comm, &[("rep", mesh.dp / mesh.ep), ("ep", mesh.ep)])?;
-        let g = |a: &str| m.group(a).expect("axis").clone();
-        let (data, heap) = start(global_rank)?;
-        let (mut s, from) = crate::expert_parallel::ExpertParallel::new(cfg, comm.clone(), g("ep"), g("rep"), &data, resume, opts)?;
-        return drive(&data, heap, &mut s, from);
-    }
     let Some(pc) = &cfg.pipeline else {
-        // Data parallelism over replicas of sequence chunks (sp) of tensor-parallel groups
-        // (tp), consecutive ranks.
+        // Data parallelism over replicas (each member of an expert-parallel group one) of
+        // sequence chunks (sp) of tensor-parallel groups (tp), consecutive ranks.
         let (data, heap) = start(global_rank / (mesh.tp * mesh.sp))?;
         let (mut s, from) = data_parallel(cfg, comm.clone(), &data, resume, opts)?;
         return drive(&data, heap, &mut *s, from);

@@ -1,7 +1,6 @@
 //! What a training run is given beyond its config ([`RunOptions`]) and what it reports: its
 //! [`Summary`], evaluations ([`Eval`]) and memory ([`StateBytes`], [`HeapReport`], [`peak_rss`]).
 
-use kolo_optim::Optimizer;
 use std::path::PathBuf;
 
 /// How to run, beyond the config file.
@@ -75,16 +74,6 @@ pub struct Summary {
     pub moe: Option<kolo_tensor::models::MoeLoad>,
     /// Dynamic batch sizing: each rank's share of the global batch at the end.
     pub batch_split: Option<Vec<usize>>,
-}
-
-/// Model states of a rank holding the whole model, its gradient and optimizer state.
-pub(crate) fn replicated_states(numel: usize, opt: &Optimizer) -> StateBytes {
-    StateBytes {
-        params: numel as u64 * 4,
-        grads: numel as u64 * 4,
-        optimizer: opt.state().iter().map(|(_, v)| v.len() as u64 * 4).sum(),
-        offloaded: opt.is_offloaded(),
-    }
 }
 
 /// Live heap bytes at three points of a run (see `kolo_base::alloc`).

@@ -1,6 +1,6 @@
 //! `kolo train`'s built-in models (kolo-tensor's MLP, CNN and GPT) trained by the library's
 //! [`Trainer`], as a user's own model is: the data-parallel strategy of `kolo train` (DDP,
-//! ZeRO-1/2/3, tensor and sequence parallelism, scheduled communication, local SGD, gradient compression,
+//! ZeRO-1/2/3, tensor, sequence and expert parallelism, scheduled communication, local SGD, gradient compression,
 //! deterministic and mixed-precision training) is this trainer stepped by the driver (`kolo_train::driver`),
 //! which owns the batches, the learning rate's schedule, the reports, evaluations and
 //! checkpoints, as it does for the pipelines and the other strategies.
@@ -45,6 +45,9 @@ pub struct BuiltinModel {
     replica: (usize, usize),
     /// Sequence parallelism: this rank's chunk of every sequence, and the number of chunks.
     chunk: Option<(usize, usize)>,
+    /// Expert parallelism: the model's experts are dealt out over a group (so it evaluates
+    /// and samples whole on rank 0, as under sequence parallelism).
+    experts_apart: bool,
     /// Tensor parallelism: the group the model's blocks are split over (counting its traffic).
     tp: Option<Arc<SumGroup>>,
     /// Kept for the mesh's groups (the trainer holds their communicators).
@@ -82,18 +85,28 @@ impl BuiltinModel {
         let global_rank = comm.rank().get();
         let size = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
         let dist = Dist::of_comm(comm.clone());
-        // Replicas (dp) of sequence chunks (sp) of tensor-parallel groups (tp, consecutive ranks).
-        let mesh = match (size.sp, size.tp) {
-            (1, 1) => None,
-            (sp, tp) => Some(Mesh::new(&dist, &[("dp", size.dp), ("sp", sp), ("tp", tp)])?),
+        // Replicas (dp) of expert-parallel groups (ep: each member its own replica too) of
+        // sequence chunks (sp) of tensor-parallel groups (tp, consecutive ranks).
+        let mesh = match (size.ep, size.sp, size.tp) {
+            (1, 1, 1) => None,
+            (ep, sp, tp) => Some(Mesh::new(&dist, &[("dp", size.dp / ep), ("ep", ep), ("sp", sp), ("tp", tp)])?),
         };
-        let dp = mesh.as_ref().map_or_else(|| comm.clone(), |m| m.replicas().clone());
-        let replica = mesh.as_ref().map_or((global_rank, comm.world_size().get()), |m| (m.coord("dp"), m.size("dp")));
+        // The ranks whose losses make the step's (every data replica and sequence chunk of one
+        // tensor-parallel piece: the parameters' replicas, or every rank under expert parallelism).
+        let dp = match &mesh {
+            Some(m) if size.ep == 1 => m.replicas().clone(),
+            _ => comm.clone(),
+        };
+        let replica = match &mesh {
+            Some(m) => (m.coord("dp") * m.size("ep") + m.coord("ep"), m.size("dp") * m.size("ep")),
+            None => (global_rank, comm.world_size().get()),
+        };
+        let ep = mesh.as_ref().filter(|_| size.ep > 1).map(|m| m.ep());
         let tp = mesh.as_ref().filter(|_| size.tp > 1).map(|m| SumGroup::new(m.tp().comm().clone()));
         let sp = mesh.as_ref().filter(|_| size.sp > 1).map(|m| m.sp().comm().clone());
         let chunk = sp.as_ref().map(|c| (c.rank().get(), c.world_size().get()));
         let spec = cfg.model_spec(data.vocab_size);
-        let mut model = dp_model(cfg, &spec, tp.clone(), sp)?;
+        let mut model = dp_model(cfg, &spec, (tp.clone(), sp, ep.map(|e| e.exchange())))?;
         // ZeRO-3: the GPT's blocks (under tensor parallelism this rank's pieces of them),
         // gathered into its variables when read; checkpointed blocks read them again in
         // backward instead of keeping a copy through the step.
@@ -147,7 +160,7 @@ impl BuiltinModel {
         };
         if global_rank == 0 && !run.quiet {
             let e = trainer.engine();
-            announce(cfg, &*model, &spec, (&e.ddp, e.zero.as_ref()), chunk, data)?;
+            announce(cfg, &*model, &spec, (&e.ddp, e.zero.as_ref()), (chunk, size.ep), data)?;
         }
         let deterministic_chunk = cfg.ddp.deterministic.then_some(cfg.ddp.deterministic_chunk);
         let s = BuiltinModel {
@@ -158,6 +171,7 @@ impl BuiltinModel {
             dp,
             replica,
             chunk,
+            experts_apart: size.ep > 1,
             tp,
             _mesh: mesh,
             train: cfg.train.clone(),
@@ -223,8 +237,8 @@ impl Strategy for BuiltinModel {
     }
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
-        if let (Some(_), ModelSpec::Gpt(gc)) = (self.chunk, &self.spec) {
-            // Whole sequences, with an unsplit copy of the model, on rank 0.
+        if let (true, ModelSpec::Gpt(gc)) = (self.alone(), &self.spec) {
+            // Whole sequences, with an unsplit copy of the model (every expert), on rank 0.
             let flat = self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?;
             let lead = self.global_rank == 0;
             return lead.then(|| kolo_train::eval::evaluate_alone(self.batch_size, gc, &flat, ds, max_batches)).transpose();
@@ -239,7 +253,7 @@ impl Strategy for BuiltinModel {
         // Under ZeRO-3 every rank samples (the same text: same seed), since each forward
         // gathers the blocks collectively.
         let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
-        if self.chunk.is_some() {
+        if self.alone() {
             let flat = self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?;
             let lead = self.global_rank == 0;
             return lead.then(|| kolo_train::eval::sample_alone(&self.train, g, &flat, vocab)).transpose();
@@ -264,7 +278,7 @@ impl Strategy for BuiltinModel {
                 report_tensor_parallel(g, gc, steps_run * self.train.grad_accum);
             }
         }
-        let moe = kolo_train::expert_parallel::reduce_load(self.model.take_moe_load(), &*self.dp)?;
+        let moe = reduce_load(self.model.take_moe_load(), &*self.dp)?;
         let e = self.trainer.engine();
         Ok(Finish {
             params: self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?,
@@ -279,11 +293,17 @@ impl Strategy for BuiltinModel {
 }
 
 impl BuiltinModel {
-    /// The whole model's parameters as one process lays them out (a tensor-parallel GPT's
-    /// pieces are laid out otherwise).
+    /// Whether the model evaluates and samples as an unsplit copy on rank 0: its sequences
+    /// are cut into chunks, or its experts dealt out.
+    fn alone(&self) -> bool {
+        self.chunk.is_some() || self.experts_apart
+    }
+
+    /// The whole model's parameters as one process lays them out (a tensor- or
+    /// expert-parallel GPT's pieces are laid out otherwise).
     fn whole_signature(&self) -> Result<Vec<(String, Vec<usize>)>, TrainError> {
-        match (&self.tp, &self.spec) {
-            (Some(_), ModelSpec::Gpt(gc)) => {
+        match (self.tp.is_some() || self.experts_apart, &self.spec) {
+            (true, ModelSpec::Gpt(gc)) => {
                 let whole = kolo_tensor::models::Gpt::new(gc.clone(), &mut kolo_base::Rng::new(self.train.seed))?;
                 Ok(whole.params().signature())
             }
@@ -320,26 +340,26 @@ fn group_prefixes(params: &kolo_tensor::ParamSet, groups: &[Vec<usize>]) -> Vec<
     groups.iter().map(|g| prefix(g)).collect()
 }
 
-/// The model the config names, its tensor-parallel split over `tp` when there is one, or its
-/// attention over the sequence chunks of `sp` (a ring), with the configured activation
-/// checkpointing.
-fn dp_model(
-    cfg: &Config,
-    spec: &ModelSpec,
-    tp: Option<Arc<SumGroup>>,
-    sp: Option<Arc<dyn Communicator>>,
-) -> Result<Box<dyn Model>, TrainError> {
+/// The groups a built-in GPT is split over: tensor parallelism, the sequence chunks' ring,
+/// expert parallelism's exchange.
+type Splits = (Option<Arc<SumGroup>>, Option<Arc<dyn Communicator>>, Option<Arc<dyn kolo_base::Exchange>>);
+
+/// The model the config names, its tensor-parallel split over `tp` when there is one, its
+/// attention over the sequence chunks of `sp` (a ring), or its experts dealt out over `ep`,
+/// with the configured activation checkpointing.
+fn dp_model(cfg: &Config, spec: &ModelSpec, (tp, sp, ep): Splits) -> Result<Box<dyn Model>, TrainError> {
     let seed = cfg.train.seed;
     let rng = || kolo_base::Rng::new(seed);
-    let mut model = match (tp, sp, spec) {
-        (Some(g), _, ModelSpec::Gpt(gc)) => {
+    let mut model = match (tp, sp, ep, spec) {
+        (Some(g), _, _, ModelSpec::Gpt(gc)) => {
             Box::new(kolo_tensor::models::Gpt::new_tensor_parallel(gc.clone(), &mut rng(), g)?) as Box<dyn Model>
         }
-        (None, Some(ring), ModelSpec::Gpt(gc)) => {
+        (None, Some(ring), _, ModelSpec::Gpt(gc)) => {
             let mut gpt = kolo_tensor::models::Gpt::new(gc.clone(), &mut rng())?;
             gpt.set_sequence_parallel(Arc::new(kolo_comm::Ring(ring)))?;
             Box::new(gpt)
         }
+        (None, None, Some(ex), ModelSpec::Gpt(gc)) => Box::new(kolo_tensor::models::Gpt::new_expert_parallel(gc.clone(), &mut rng(), ex)?),
         _ => kolo_tensor::build_model(spec, seed)?,
     };
     model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
@@ -352,10 +372,21 @@ fn announce(
     model: &dyn Model,
     spec: &ModelSpec,
     (ddp, zero): (&kolo_ddp::Ddp, Option<&kolo_ddp::ShardPlan>),
-    chunk: Option<(usize, usize)>,
+    (chunk, ep): (Option<(usize, usize)>, usize),
     data: &Data,
 ) -> Result<(), TrainError> {
     let (tc, world, numel) = (&cfg.train, ddp.comm().world_size().get(), model.params().numel());
+    if let (true, ModelSpec::Gpt(gc), Some(moe)) = (ep > 1, spec, spec_moe(spec)) {
+        let whole = kolo_tensor::models::Gpt::new(gc.clone(), &mut kolo_base::Rng::new(tc.seed))?.params().numel();
+        kolo_base::eline!(
+            "kolo train (expert parallel): MoE GPT {whole} params ({numel} on each rank), {} experts per block dealt over {ep} ranks ({} each) x {} groups, top-{} routing",
+            moe.experts,
+            moe.experts / ep,
+            world,
+            moe.top_k
+        );
+        return Ok(());
+    }
     if let (Some((_, n)), ModelSpec::Gpt(gc)) = (chunk, spec) {
         kolo_base::eline!(
             "kolo train (sequence parallel): GPT {numel} params, sequences of {} split into {n} chunks of {} (ring attention) x {} data-parallel replicas",
@@ -422,4 +453,28 @@ fn sequence_chunk(batch: &kolo_tensor::Batch, r: usize, n: usize) -> Result<kolo
     let c = t / n;
     let pick = |v: &[u32]| -> Vec<u32> { (0..*b).flat_map(|s| v[s * t + r * c..s * t + (r + 1) * c].iter().copied()).collect() };
     Ok(kolo_tensor::Batch { input: kolo_tensor::Input::Tokens { ids: pick(ids), b: *b, t: c }, targets: pick(&batch.targets) })
+}
+
+/// A mixture-of-experts GPT's experts.
+fn spec_moe(spec: &ModelSpec) -> Option<&kolo_tensor::models::moe::MoeConfig> {
+    match spec {
+        ModelSpec::Gpt(gc) => gc.moe.as_ref(),
+        _ => None,
+    }
+}
+
+/// Sums routing counts over `comm` (every rank's tokens).
+fn reduce_load(
+    load: Option<kolo_tensor::models::MoeLoad>,
+    comm: &dyn Communicator,
+) -> Result<Option<kolo_tensor::models::MoeLoad>, TrainError> {
+    let Some(l) = load else { return Ok(None) };
+    let mut v: Vec<f64> = l.load.iter().map(|&x| x as f64).chain([l.dropped as f64, l.assigned as f64]).collect();
+    comm.all_reduce(kolo_comm::BufMut::from(&mut v[..]), kolo_comm::ReduceOp::Sum)?;
+    let n = l.load.len();
+    Ok(Some(kolo_tensor::models::MoeLoad {
+        load: v[..n].iter().map(|&x| x as u64).collect(),
+        dropped: v[n] as u64,
+        assigned: v[n + 1] as u64,
+    }))
 }

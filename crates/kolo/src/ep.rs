@@ -35,6 +35,22 @@ pub use kolo_tensor::models::moe::{ExpertGroups, MoeConfig, MoeLoad, Routing, Sc
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+/// A communicator as the expert-parallel exchange.
+struct CommExchange(Arc<dyn Communicator>);
+
+impl Exchange for CommExchange {
+    fn rank(&self) -> usize {
+        self.0.rank().get()
+    }
+    fn size(&self) -> usize {
+        self.0.world_size().get()
+    }
+    fn all_to_all(&self, send: &[f32], send_counts: &[usize], recv: &mut [f32], recv_counts: &[usize]) -> Result<(), String> {
+        use kolo_comm::{BufMut, BufRef};
+        self.0.all_to_all(BufRef::from(send), send_counts, BufMut::from(recv), recv_counts).map_err(|e| e.to_string())
+    }
+}
+
 /// An expert-parallel group: its members each hold an equal, consecutive run of every MoE
 /// layer's experts, member `r` the `r`-th run.
 #[derive(Clone)]
@@ -51,7 +67,12 @@ impl std::fmt::Debug for ExpertParallel {
 impl ExpertParallel {
     /// The group of `comm`'s ranks.
     pub fn new(comm: Arc<dyn Communicator>) -> ExpertParallel {
-        ExpertParallel { ex: Arc::new(kolo_train::expert_parallel::CommExchange(comm)) }
+        ExpertParallel { ex: Arc::new(CommExchange(comm)) }
+    }
+    /// The group's all-to-all exchange (what kolo-tensor's expert-parallel GPT,
+    /// `Gpt::new_expert_parallel`, sends its tokens through).
+    pub fn exchange(&self) -> Arc<dyn Exchange> {
+        self.ex.clone()
     }
     /// This rank's index in the group.
     pub fn rank(&self) -> usize {

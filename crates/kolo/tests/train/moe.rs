@@ -48,9 +48,8 @@ fn expert_parallel_gradients_match_one_process() {
         let want_load = one.take_moe_load().unwrap();
         let got = run_ranks(LocalComm::create(WorldSize::new(world).unwrap()), |r, c| {
             let comm: Arc<dyn Communicator> = Arc::new(c);
-            let gpt =
-                Gpt::new_expert_parallel(cfg.clone(), &mut Rng::new(5), Arc::new(kolo_train::expert_parallel::CommExchange(comm.clone())))
-                    .unwrap();
+            let ep = kolo::ep::ExpertParallel::new(comm.clone());
+            let gpt = Gpt::new_expert_parallel(cfg.clone(), &mut Rng::new(5), ep.exchange()).unwrap();
             let loss = gpt.loss(&shard(r), &PlainView).unwrap();
             let g = loss.backward().unwrap();
             let mut local = vec![0f32; gpt.params().numel()];
