@@ -52,6 +52,9 @@ pub struct BuiltinModel {
     tp: Option<Arc<SumGroup>>,
     /// Kept for the mesh's groups (the trainer holds their communicators).
     _mesh: Option<Mesh>,
+    /// The whole model's parameters (names and shapes) as one process lays them out: what
+    /// evaluation alone, sampling alone and the end gather into.
+    whole: Vec<(String, Vec<usize>)>,
     train: kolo_train::config::TrainConfig,
     batch_size: usize,
     deterministic_chunk: Option<usize>,
@@ -163,6 +166,7 @@ impl BuiltinModel {
             announce(cfg, &*model, &spec, (&e.ddp, e.zero.as_ref()), (chunk, size.ep), data)?;
         }
         let deterministic_chunk = cfg.ddp.deterministic.then_some(cfg.ddp.deterministic_chunk);
+        let whole = whole_signature(&*model, &spec, tp.is_some() || size.ep > 1, cfg.train.seed)?;
         let s = BuiltinModel {
             trainer,
             model,
@@ -174,6 +178,7 @@ impl BuiltinModel {
             experts_apart: size.ep > 1,
             tp,
             _mesh: mesh,
+            whole,
             train: cfg.train.clone(),
             batch_size: cfg.data.batch_size,
             deterministic_chunk,
@@ -239,7 +244,7 @@ impl Strategy for BuiltinModel {
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         if let (true, ModelSpec::Gpt(gc)) = (self.alone(), &self.spec) {
             // Whole sequences, with an unsplit copy of the model (every expert), on rank 0.
-            let flat = self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?;
+            let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
             let lead = self.global_rank == 0;
             return lead.then(|| kolo_train::eval::evaluate_alone(self.batch_size, gc, &flat, ds, max_batches)).transpose();
         }
@@ -254,7 +259,7 @@ impl Strategy for BuiltinModel {
         // gathers the blocks collectively.
         let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
         if self.alone() {
-            let flat = self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?;
+            let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
             let lead = self.global_rank == 0;
             return lead.then(|| kolo_train::eval::sample_alone(&self.train, g, &flat, vocab)).transpose();
         }
@@ -281,7 +286,7 @@ impl Strategy for BuiltinModel {
         let moe = reduce_load(self.model.take_moe_load(), &*self.dp)?;
         let e = self.trainer.engine();
         Ok(Finish {
-            params: self.trainer.whole_params(&self.whole_signature()?).map_err(train_error)?,
+            params: self.trainer.whole_params(&self.whole).map_err(train_error)?,
             states: self.trainer.state_bytes(),
             skipped_steps: e.skipped_steps(),
             loss_scale: e.scaler.as_ref().map(kolo_optim::LossScaler::scale),
@@ -298,17 +303,17 @@ impl BuiltinModel {
     fn alone(&self) -> bool {
         self.chunk.is_some() || self.experts_apart
     }
+}
 
-    /// The whole model's parameters as one process lays them out (a tensor- or
-    /// expert-parallel GPT's pieces are laid out otherwise).
-    fn whole_signature(&self) -> Result<Vec<(String, Vec<usize>)>, TrainError> {
-        match (self.tp.is_some() || self.experts_apart, &self.spec) {
-            (true, ModelSpec::Gpt(gc)) => {
-                let whole = kolo_tensor::models::Gpt::new(gc.clone(), &mut kolo_base::Rng::new(self.train.seed))?;
-                Ok(whole.params().signature())
-            }
-            _ => Ok(self.model.params().signature()),
+/// The whole model's parameters as one process lays them out (a tensor- or expert-parallel
+/// GPT's pieces, `split`, are laid out otherwise: their layout is an unsplit GPT's).
+fn whole_signature(model: &dyn Model, spec: &ModelSpec, split: bool, seed: u64) -> Result<Vec<(String, Vec<usize>)>, TrainError> {
+    match (split, spec) {
+        (true, ModelSpec::Gpt(gc)) => {
+            let whole = kolo_tensor::models::Gpt::new(gc.clone(), &mut kolo_base::Rng::new(seed))?;
+            Ok(whole.params().signature())
         }
+        _ => Ok(model.params().signature()),
     }
 }
 
