@@ -10,8 +10,8 @@
 //! The strategies on the driver: the data-parallel one (DDP, ZeRO-1/2/3, tensor and sequence
 //! parallelism, scheduled communication, local SGD, deterministic and mixed-precision
 //! training: the library's `Trainer` over the built-in model, `kolo::builtin`, handed to
-//! [`crate::run::run`]; expert parallelism too), the flushed pipelines (`pipeline::Flushed`:
-//! GPipe, 1F1B), `pipedream_2bw` (PipeDream-2BW: one stream of batches between drain points,
+//! [`crate::run::run`]; expert parallelism and the GPipe and 1F1B pipelines too, over
+//! `kolo::pp`), `pipedream_2bw` (PipeDream-2BW: one stream of batches between drain points,
 //! [`StepCtx::drain_at`]) and `ps_worker` (parameter-server workers, [`Job::Alone`]).
 
 use crate::cadence::{eval_due, Cadence, Window};

@@ -251,8 +251,9 @@ impl Strategy for TwoBw<'_> {
             let idle = (self.streams as usize * (k - 1)) as f64;
             idle / (m as f64 * self.batches as f64 + idle)
         };
-        let lead = self.global_rank == 0 && !self.quiet;
-        self.setup.say_bubble(bubble, theory, true, self.peak_live, lead);
+        if self.global_rank == 0 && !self.quiet {
+            kolo_base::eline!("{}", crate::pipeline::bubble_line(bubble, theory, true, self.peak_live));
+        }
         let current = self.current();
         Ok(Finish {
             params: self.setup.assemble(&current)?,

@@ -1,21 +1,20 @@
-//! Pipeline-parallel training of the GPT (`[pipeline]`): rank s of the pipeline group is stage s.
-//! The planner cuts the layers (embedding, blocks, head) into stages of balanced cost; each
-//! batch is split into micro-batches that flow through the stages by the chosen schedule (GPipe
-//! or 1F1B, flushed every batch; PipeDream-2BW, never flushed); each stage accumulates its own
-//! parameters' gradients over the micro-batches, averages them over its data-parallel replicas
-//! and steps its own optimizer. Under tensor parallelism a stage's blocks are split over its
-//! tensor-parallel group. At the end the whole model is assembled on every rank.
+//! The stages of `kolo train`'s PipeDream-2BW pipeline of the GPT (`[pipeline] schedule =
+//! "2bw"`, `crate::pipedream_2bw`): rank s of the pipeline group is stage s. The planner cuts
+//! the layers (embedding, blocks, head) into stages of balanced cost; each batch is split into
+//! micro-batches that flow through the stages; each stage accumulates its own parameters'
+//! gradients over the micro-batches, averages them over its data-parallel replicas and steps
+//! its own optimizer. Under tensor parallelism a stage's blocks are split over its
+//! tensor-parallel group. Each stage writes its own layers into checkpoints, whole tensors
+//! under the model's names, so a checkpoint continues under any strategy. At the end the whole
+//! model is assembled on every rank.
 //!
-//! GPipe and 1F1B flush every batch, so they are a [`Strategy`] on the driver ([`Flushed`]):
-//! checkpoints (each stage writes its own layers, whole tensors under the model's names, so a
-//! checkpoint continues under any strategy), evaluation, timelines and the rest come from
-//! there. PipeDream-2BW (`crate::pipedream_2bw`) streams batches without flushes, on the same
-//! stage setup.
+//! GPipe and 1F1B are the library's (`kolo::builtin`'s pipeline, over `kolo::pp`); this stage
+//! setup is what is left to move there with PipeDream-2BW.
 
 use crate::checkpointing::{load_checkpoint, save_checkpoint, PendingSave, Resumed};
-use crate::config::{Config, PipeSchedule, StepTables};
+use crate::config::{Config, StepTables};
 use crate::data::{CharVocab, Dataset};
-use crate::driver::{checkpoint_meta, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
+use crate::driver::{checkpoint_meta, SaveAt, Start};
 use crate::setup::Data;
 use crate::summary::{Eval, RunOptions, StateBytes};
 use crate::TrainError;
@@ -24,23 +23,11 @@ use kolo_checkpoint::Piece;
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_ddp::{Segment, ShardPlan};
 use kolo_optim::{clip_factor, Optimizer};
-use kolo_pipe::{partition, run_stage, theoretical_bubble, Schedule, StageWork};
+use kolo_pipe::{partition, theoretical_bubble, Schedule};
 use kolo_tensor::models::{Gpt, GptConfig};
-use kolo_tensor::{Batch, GptStage, Input, Model, ModelSpec};
+use kolo_tensor::{Batch, Input, Model, ModelSpec};
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
-
-struct Work(GptStage);
-
-impl StageWork for Work {
-    fn forward(&mut self, mb: usize, input: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
-        self.0.forward(mb, input).map_err(|e| e.to_string())
-    }
-    fn backward(&mut self, mb: usize, grad: Option<Vec<f32>>) -> Result<Vec<f32>, String> {
-        self.0.backward(mb, grad).map_err(|e| e.to_string())
-    }
-}
 
 /// Splits a batch of sequences into `m` micro-batches of equal size.
 pub fn split_batch(batch: &Batch, m: usize) -> Result<Vec<Batch>, TrainError> {
@@ -161,9 +148,10 @@ impl StageSetup<'_> {
     }
 }
 
-/// Builds this stage of a pipeline over `comm` (rank = stage) with data-parallel group `dp`
-/// and tensor-parallel group `tp`: the GPT, the plan's layers for this stage, their parameters
-/// and their optimizer. `batches`: the run's batches (2BW's one stream covers them all).
+/// Builds this stage of a PipeDream-2BW pipeline over `comm` (rank = stage) with data-parallel
+/// group `dp` and tensor-parallel group `tp`: the GPT, the plan's layers for this stage, their
+/// parameters and their optimizer. `batches`: the run's batches (one stream could cover them
+/// all: the theoretical bubble).
 fn build_stage<'a>(
     cfg: &'a Config,
     comm: &'a dyn Communicator,
@@ -172,7 +160,7 @@ fn build_stage<'a>(
     gcfg: &GptConfig,
     batches: u64,
     lead: bool,
-) -> Result<(Gpt, StageSetup<'a>, Schedule), TrainError> {
+) -> Result<(Gpt, StageSetup<'a>), TrainError> {
     let pc = cfg.pipeline.as_ref().expect("called for [pipeline] configs");
     let (stage, k) = (comm.rank().get(), comm.world_size().get());
     let gpt = match &tp {
@@ -189,12 +177,8 @@ fn build_stage<'a>(
     let plan = partition(&gpt.layer_costs(), k);
     let layers = plan[stage].clone();
     let m = pc.micro_batches;
-    let schedule = match pc.schedule {
-        PipeSchedule::GPipe => Schedule::GPipe,
-        PipeSchedule::OneFOneB => Schedule::OneFOneB,
-        PipeSchedule::TwoBw => Schedule::TwoBw { batches: batches as usize },
-    };
-    if matches!(schedule, Schedule::TwoBw { .. }) && m + 1 < k {
+    let schedule = Schedule::TwoBw { batches: batches as usize };
+    if m + 1 < k {
         return Err(TrainError::Config(format!("PipeDream-2BW needs at least stages - 1 = {} micro-batches per batch (pipeline.micro_batches = {m}): a batch's weight version must exist before its first forward", k - 1)));
     }
     let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
@@ -212,35 +196,27 @@ fn build_stage<'a>(
             tp.as_ref().map_or(1, |g| g.size()),
             cfg.data.batch_size / m,
             schedule,
-            theoretical_bubble(k, if matches!(schedule, Schedule::TwoBw { .. }) { m * batches as usize } else { m }) * 100.0
+            theoretical_bubble(k, m * batches as usize) * 100.0
         );
     }
-    let sync = match schedule {
-        Schedule::TwoBw { .. } => {
-            let all: Vec<kolo_base::Rank> = (0..k).map(kolo_base::Rank).collect();
-            let g = comm.new_group(&all)?.expect("every stage is a member");
-            g.set_timeout(comm.timeout());
-            Some(g)
-        }
-        _ => None,
-    };
-    let setup = StageSetup { t: cfg.step_tables(), comm, sync, dp, tp, layers, own, ranges, opt, m, remat: pc.rematerialize };
-    Ok((gpt, setup, schedule))
+    let all: Vec<kolo_base::Rank> = (0..k).map(kolo_base::Rank).collect();
+    let sync = comm.new_group(&all)?.expect("every stage is a member");
+    sync.set_timeout(comm.timeout());
+    let setup = StageSetup { t: cfg.step_tables(), comm, sync: Some(sync), dp, tp, layers, own, ranges, opt, m, remat: pc.rematerialize };
+    Ok((gpt, setup))
+}
+
+/// The line at the end of a pipeline run: measured and theoretical bubble, activations kept.
+pub fn bubble_line(bubble: f64, theory: f64, two_bw: bool, peak_live: usize) -> String {
+    format!(
+        "pipeline: mean bubble {:.1}% measured, {:.1}% in theory ((K-1)/(M+K-1){}); at most {peak_live} micro-batch(es) of activations alive on stage 0",
+        bubble * 100.0,
+        theory * 100.0,
+        if two_bw { ", M = every micro-batch between evaluations and checkpoints: no flush between batches" } else { "" },
+    )
 }
 
 impl StageSetup<'_> {
-    /// The line at the end of a run: measured and theoretical bubble, activations kept.
-    pub(crate) fn say_bubble(&self, bubble: f64, theory: f64, two_bw: bool, peak_live: usize, lead: bool) {
-        if lead {
-            kolo_base::eline!(
-                "pipeline: mean bubble {:.1}% measured, {:.1}% in theory ((K-1)/(M+K-1){}); at most {peak_live} micro-batch(es) of activations alive on stage 0",
-                bubble * 100.0,
-                theory * 100.0,
-                if two_bw { ", M = every micro-batch between evaluations and checkpoints: no flush between batches" } else { "" },
-            );
-        }
-    }
-
     /// Model states of this stage: the model's values (a stage builds every layer and trains
     /// its own; `versions` copies under PipeDream-2BW), its own layers' optimizer state, and the
     /// gradient of the whole model it accumulates into.
@@ -319,7 +295,6 @@ pub(crate) struct BuiltStage<'a> {
     pub gpt: Gpt,
     pub setup: StageSetup<'a>,
     pub gcfg: GptConfig,
-    pub schedule: Schedule,
     pub meta: std::collections::BTreeMap<String, String>,
     pub start: Start,
     pub previous: Option<Vec<f32>>,
@@ -352,7 +327,7 @@ pub(crate) fn build_resumed<'a>(
     let StageGroups { pp: comm, dp, tp, global_rank } = groups;
     let gcfg = crate::setup::gpt_config(cfg, &[comm, dp], data)?;
     let lead = global_rank == 0 && !opts.quiet;
-    let (gpt, mut setup, schedule) = build_stage(cfg, comm, dp, tp, &gcfg, cfg.train.steps, lead)?;
+    let (gpt, mut setup) = build_stage(cfg, comm, dp, tp, &gcfg, cfg.train.steps, lead)?;
     let meta = checkpoint_meta(cfg, &ModelSpec::Gpt(gcfg.clone()), dp.world_size().get(), 0);
     let (start, previous) = match resume {
         Some(path) => {
@@ -361,7 +336,7 @@ pub(crate) fn build_resumed<'a>(
         }
         None => (None, None),
     };
-    Ok(BuiltStage { gpt, setup, gcfg, schedule, meta, start, previous, global_rank, quiet: opts.quiet })
+    Ok(BuiltStage { gpt, setup, gcfg, meta, start, previous, global_rank, quiet: opts.quiet })
 }
 
 /// A 2BW checkpoint's previous weight version: `flat` (the loaded model, in the layout
@@ -540,96 +515,4 @@ fn load_tensor_parallel_stage(
     setup.opt.load_state(whole_opt.steps(), &states).map_err(TrainError::Other)?;
     let previous = previous_version(&r, whole.params(), &setup.own, &ranges, &full)?.map(|p| local(&p)).transpose()?;
     Ok((r, previous))
-}
-
-/// GPipe and 1F1B on the driver: every batch's micro-batches through the pipeline, a flush,
-/// then each stage's step. Between steps nothing is in flight, so the driver's collectives run
-/// on the pipeline group (every stage holds the same loss after `clip_and_loss`).
-pub struct Flushed<'a> {
-    setup: StageSetup<'a>,
-    gpt: Arc<Gpt>,
-    gcfg: GptConfig,
-    schedule: Schedule,
-    global_rank: usize,
-    quiet: bool,
-    bubbles: Vec<f64>,
-    peak_live: usize,
-    meta: std::collections::BTreeMap<String, String>,
-}
-
-impl<'a> Flushed<'a> {
-    /// The flushed pipeline on a stage [`build_resumed`] made, and where it starts.
-    pub(crate) fn new(b: BuiltStage<'a>) -> (Flushed<'a>, Start) {
-        let s = Flushed {
-            setup: b.setup,
-            gpt: Arc::new(b.gpt),
-            gcfg: b.gcfg,
-            schedule: b.schedule,
-            global_rank: b.global_rank,
-            quiet: b.quiet,
-            bubbles: Vec::new(),
-            peak_live: 0,
-            meta: b.meta,
-        };
-        (s, b.start)
-    }
-}
-
-impl Strategy for Flushed<'_> {
-    fn comm(&self) -> &dyn Communicator {
-        self.setup.comm
-    }
-
-    fn replica(&self) -> (usize, usize) {
-        (self.setup.dp.rank().get(), self.setup.dp.world_size().get())
-    }
-
-    fn step(&mut self, ctx: &StepCtx, data: &mut crate::driver::Batches) -> Result<StepOut, TrainError> {
-        let setup = &mut self.setup;
-        let (k, m) = (setup.comm.world_size().get(), setup.m);
-        let batch = data.next_batch()?;
-        let mut work = Work(GptStage::new(self.gpt.clone(), setup.layers.clone(), split_batch(&batch, m)?).rematerialize(setup.remat));
-        let act_len = work.0.act_len()?;
-        let stage = run_stage(setup.comm, self.schedule, m, act_len, &mut work).map_err(|e| TrainError::Other(e.to_string()))?;
-        let mut grads = std::mem::take(&mut work.0.grads);
-        drop(work);
-        let backward_end = Instant::now();
-        self.peak_live = self.peak_live.max(stage.max_live);
-        setup.average(&mut grads)?;
-        let (f, loss) = setup.clip_and_loss(&self.gpt, &grads, stage.losses.iter().map(|l| f64::from(*l)).sum())?;
-        setup.step(&self.gpt, &grads, f, ctx.lr)?;
-        let bubble = setup.bubble(stage.busy_ms, stage.total_ms)?;
-        self.bubbles.push(bubble);
-        let mut out = StepOut { loss, backward_end: Some(backward_end), ..Default::default() };
-        out.rec.comm_bytes = Some(stage.bytes_sent);
-        out.note = format!(", bubble {:.1}% (theory {:.1}%)", bubble * 100.0, theoretical_bubble(k, m) * 100.0);
-        Ok(out)
-    }
-
-    fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
-        self.setup.evaluate(&self.gcfg, &self.gpt, self.global_rank == 0, ds, max_batches)
-    }
-
-    fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
-        self.setup.sample(&self.gcfg, &self.gpt, self.global_rank == 0, vocab)
-    }
-
-    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        self.setup.save_stage(at, &self.gcfg, &self.gpt, &self.meta, None)
-    }
-
-    fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
-        let bubble = if self.bubbles.is_empty() { 0.0 } else { self.bubbles.iter().sum::<f64>() / self.bubbles.len() as f64 };
-        let (k, m) = (self.setup.comm.world_size().get(), self.setup.m);
-        self.setup.say_bubble(bubble, theoretical_bubble(k, m), false, self.peak_live, self.global_rank == 0 && !self.quiet);
-        Ok(Finish {
-            params: self.setup.assemble(&self.gpt)?,
-            states: self.setup.states(&self.gpt, 1),
-            skipped_steps: 0,
-            loss_scale: None,
-            moe: None,
-            pipeline_bubble: Some(bubble),
-            ps: None,
-        })
-    }
 }

@@ -12,24 +12,18 @@ use kolo_comm::Communicator;
 use std::path::Path;
 use std::sync::Arc;
 
-/// Builds the data-parallel strategy of a plain data-parallel or tensor-parallel run (no
-/// pipeline, sequence or expert parallelism; `ddp.schedule` included): from the config, every rank
-/// of the job, this replica's data, the checkpoint to continue from and the run's options, the
-/// strategy and where it starts. It is the library's: `kolo::builtin`, the built-in models
-/// trained by `kolo::Trainer`, as a user's model is.
-pub type DataParallelBuilder =
+/// Builds the strategy of every run but PipeDream-2BW's (data parallelism with ZeRO and
+/// `ddp.schedule`, tensor, sequence and expert parallelism, GPipe and 1F1B pipelines): from
+/// the config, every rank of the job, this replica's data, the checkpoint to continue from and
+/// the run's options, the strategy and where it starts. It is the library's: `kolo::builtin`,
+/// the built-in models trained by `kolo::Trainer`, as a user's model is.
+pub type TrainerBuilder =
     dyn Fn(&Config, Arc<dyn Communicator>, &Data, Option<&Path>, &RunOptions) -> Result<(Box<dyn Strategy>, Start), TrainError>;
 
-/// Trains `cfg` on this rank of `comm`: picks the strategy the config names (data parallel,
-/// with ZeRO, tensor parallelism and scheduled DDP, built by `data_parallel`; sequence or
-/// expert parallel; GPipe, 1F1B or PipeDream-2BW pipelines) and runs it on the driver to the
-/// end. `kolo::builtin::run` passes the library's data-parallel strategy.
-pub fn run(
-    cfg: &Config,
-    comm: Arc<dyn Communicator>,
-    opts: &RunOptions,
-    data_parallel: &DataParallelBuilder,
-) -> Result<Summary, TrainError> {
+/// Trains `cfg` on this rank of `comm`: builds the strategy the config names (`trainer`
+/// builds all but PipeDream-2BW's, which is this crate's) and runs it on the driver to the end.
+/// `kolo::builtin::run` passes the library's strategies.
+pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions, trainer: &TrainerBuilder) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
     retain_freed_memory();
     // Before anything else: every rank was started with the same job.
@@ -55,13 +49,13 @@ pub fn run(
     let drive = |data: &Data, heap, s: &mut dyn Strategy, from| {
         crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), data, heap, s, from)
     };
-    let Some(pc) = &cfg.pipeline else {
-        // Data parallelism over replicas (each member of an expert-parallel group one) of
-        // sequence chunks (sp) of tensor-parallel groups (tp), consecutive ranks.
-        let (data, heap) = start(global_rank / (mesh.tp * mesh.sp))?;
-        let (mut s, from) = data_parallel(cfg, comm.clone(), &data, resume, opts)?;
+    if cfg.pipeline.as_ref().is_none_or(|p| p.schedule != crate::config::PipeSchedule::TwoBw) {
+        // Replicas (dp; each member of an expert-parallel group one) of sequence chunks (sp) of
+        // tensor-parallel groups (tp, consecutive ranks), in each pipeline stage (pp, slowest).
+        let (data, heap) = start((global_rank / (mesh.tp * mesh.sp)) % mesh.dp)?;
+        let (mut s, from) = trainer(cfg, comm.clone(), &data, resume, opts)?;
         return drive(&data, heap, &mut *s, from);
-    };
+    }
     let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
     let g = |a: &str| m.group(a).expect("axis").clone();
     let (dp, pp) = (g("dp"), g("pp"));
@@ -69,11 +63,7 @@ pub fn run(
     let (data, heap) = start(dp.rank().get())?;
     let groups = crate::pipeline::StageGroups { pp: &*pp, dp: &*dp, tp, global_rank };
     let stage = crate::pipeline::build_resumed(cfg, groups, &data, resume, opts)?;
-    if pc.schedule == crate::config::PipeSchedule::TwoBw {
-        let (mut s, from) = crate::pipedream_2bw::TwoBw::new(stage)?;
-        return drive(&data, heap, &mut s, from);
-    }
-    let (mut s, from) = crate::pipeline::Flushed::new(stage);
+    let (mut s, from) = crate::pipedream_2bw::TwoBw::new(stage)?;
     drive(&data, heap, &mut s, from)
 }
 

@@ -3,12 +3,15 @@
 //! ZeRO-1/2/3, tensor, sequence and expert parallelism, scheduled communication, local SGD, gradient compression,
 //! deterministic and mixed-precision training) is this trainer stepped by the driver (`kolo_train::driver`),
 //! which owns the batches, the learning rate's schedule, the reports, evaluations and
-//! checkpoints, as it does for the pipelines and the other strategies.
+//! checkpoints, as it does for the other strategies. GPipe and 1F1B pipelines are a trainer per
+//! stage stepped through [`crate::pp::Pipeline`] (`pipeline.rs`), as a user's are.
 //!
 //! The model stays kolo-tensor's: its variables are handed to the trainer in the model's own
 //! order (backward's reverse, which DDP's buckets follow); under mixed precision the model
 //! keeps f32 parameters and casts each where it is used (`CastView`, torch's autocast), so it
 //! is f32 to the trainer; ZeRO-3 gathers the GPT's blocks into its variables when read.
+
+mod pipeline;
 
 use crate::{Dist, Mesh, TrainOptions, Trainer};
 use kolo_comm::{Communicator, SumGroup};
@@ -25,7 +28,8 @@ use std::sync::Arc;
 
 /// Trains `cfg` on this rank of `comm` as `kolo train` does: the strategy the config names,
 /// run by the driver; the data-parallel one (with tensor parallelism when `[mesh] tp` is set)
-/// is [`BuiltinModel`], the library's [`Trainer`] over the built-in model.
+/// is [`BuiltinModel`], the library's [`Trainer`] over the built-in model, and so are the
+/// GPipe and 1F1B pipelines' stages.
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Result<Summary, TrainError> {
     kolo_train::run::run(cfg, comm, opts, &BuiltinModel::build)
 }
@@ -63,9 +67,9 @@ pub struct BuiltinModel {
 }
 
 impl BuiltinModel {
-    /// The strategy for `kolo_train::run::run_with`: builds the model the config names (split
-    /// over `[mesh] tp`'s groups when set), its trainer over `comm`'s ranks, and resumes
-    /// `resume` when given.
+    /// The strategy for `kolo_train::run::run`: builds the model the config names (split
+    /// over `[mesh] tp`'s groups when set; this rank's stage of a GPipe or 1F1B pipeline), its
+    /// trainer over `comm`'s ranks, and resumes `resume` when given.
     pub fn build(
         cfg: &Config,
         comm: Arc<dyn Communicator>,
@@ -73,6 +77,10 @@ impl BuiltinModel {
         resume: Option<&Path>,
         run: &RunOptions,
     ) -> Result<(Box<dyn Strategy>, Start), TrainError> {
+        if cfg.pipeline.is_some() {
+            let (s, start) = pipeline::Pipelined::new(cfg, comm, data, resume, run).map_err(train_error)?;
+            return Ok((Box::new(s), start));
+        }
         let (s, start) = Self::new(cfg, comm, data, resume, run).map_err(train_error)?;
         Ok((Box::new(s), start))
     }
@@ -429,6 +437,26 @@ fn announce(
         kolo_tensor::compute_threads()
     );
     Ok(())
+}
+
+/// The start line of a pipeline run: the stages' layers (`plan`), the replicas and pieces,
+/// the micro-batches and the schedule.
+fn announce_pipeline(
+    gpt: &kolo_tensor::models::Gpt,
+    gc: &kolo_tensor::models::GptConfig,
+    plan: &[std::ops::Range<usize>],
+    (dp, tp): (usize, usize),
+    (m, micro): (usize, usize),
+    schedule: crate::pp::Schedule,
+) {
+    kolo_base::eline!(
+        "kolo train (pipeline): GPT {} params in {} stages {plan:?} (layers: 0 = embedding, 1..={} blocks, {} = head) x {dp} data-parallel replicas x {tp} tensor-parallel ranks, {m} micro-batches of {micro}, {schedule:?}; theoretical bubble {:.1}%",
+        gpt.full_numel(),
+        plan.len(),
+        gc.n_layer,
+        gc.n_layer + 1,
+        kolo_pipe::theoretical_bubble(plan.len(), m) * 100.0
+    );
 }
 
 /// The tensor-parallel group `g`'s traffic per micro-step over `micro_steps` of a GPT split by

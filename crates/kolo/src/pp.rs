@@ -79,8 +79,11 @@ pub fn stage_layers_by(costs: &[f64], mesh: &Mesh) -> Result<Range<usize>> {
 pub struct Pipeline {
     schedule: Schedule,
     shape: Vec<usize>,
-    /// This stage's busy and total milliseconds, summed over the steps so far.
-    time: std::sync::Mutex<(f64, f64)>,
+    /// Keep only each micro-batch's input from its forward to its backward, and run the
+    /// stage's forward again there.
+    remat: bool,
+    /// This stage's work, summed over the steps so far.
+    time: std::sync::Mutex<Totals>,
     /// PipeDream-2BW: the open stream, and the stages' own group for the step's loss (the
     /// pipeline group carries the stream's activations).
     stream: std::sync::Mutex<(Option<Stream>, Option<Sync>)>,
@@ -105,7 +108,22 @@ impl Pipeline {
         if matches!(schedule, Schedule::TwoBw { batches: 0 }) {
             return Err(Error::setting("pipeline.schedule", "PipeDream-2BW's streams need batches >= 1"));
         }
-        Ok(Pipeline { schedule, shape: shape.to_vec(), time: Default::default(), stream: Default::default() })
+        Ok(Pipeline { schedule, shape: shape.to_vec(), remat: false, time: Default::default(), stream: Default::default() })
+    }
+
+    /// Re-materialization (GPipe's; activation checkpointing at the stage boundary): each
+    /// stage keeps only a micro-batch's input from its forward to its backward and runs its
+    /// closure again there, with a graph: less memory for one more forward. The closure must
+    /// compute the same values when run again (no dropout drawn anew).
+    pub fn rematerialize(mut self, on: bool) -> Pipeline {
+        self.remat = on;
+        self
+    }
+
+    /// This stage's work over the steps so far (busy and total time, bytes sent, most
+    /// micro-batches alive at once): what `kolo train` reports.
+    pub(crate) fn totals(&self) -> Totals {
+        *self.time.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// PipeDream-2BW: whether a stream has batches in flight. Evaluate, save or change the
@@ -119,8 +137,8 @@ impl Pipeline {
     /// so far (the pipeline bubble, with the communication's own time; GPipe and 1F1B's ideal
     /// is (stages - 1) / (micro-batches + stages - 1)).
     pub fn bubble(&self) -> Option<f64> {
-        let (busy, total) = *self.time.lock().unwrap_or_else(|p| p.into_inner());
-        (total > 0.0).then(|| 1.0 - busy / total)
+        let t = self.totals();
+        (t.total_ms > 0.0).then(|| 1.0 - t.busy_ms / t.total_ms)
     }
 
     /// Collective over the mesh: one optimizer step of `train.grad_accum` micro-batches.
@@ -165,18 +183,23 @@ impl Pipeline {
         // The step's time counts from here: a stage's first backward may come after every
         // forward of the schedule and the wait for the next stage.
         trainer.mark_step_start();
-        let mut work =
-            Work { trainer, stage, shape: &self.shape, first: s == 0, last: s + 1 == k, m, saved: HashMap::new(), failure: None };
+        let mut work = Work {
+            trainer,
+            stage,
+            shape: &self.shape,
+            first: s == 0,
+            last: s + 1 == k,
+            m,
+            remat: self.remat,
+            saved: HashMap::new(),
+            failure: None,
+        };
         let run = kolo_pipe::run_stage(&*pp, self.schedule, m as usize, act_len, &mut work);
         if let Some(e) = work.failure.take() {
             return Err(e);
         }
         let report = run.map_err(|e| Error::usage(work.trainer.rank(), "Pipeline::step", e.to_string()))?;
-        {
-            let mut t = self.time.lock().unwrap_or_else(|p| p.into_inner());
-            t.0 += report.busy_ms;
-            t.1 += report.total_ms;
-        }
+        self.time.lock().unwrap_or_else(|p| p.into_inner()).add(&report);
         // The step's loss, from the last stage to every stage.
         let mut loss = [report.losses.iter().map(|l| f64::from(*l)).sum::<f64>() / m as f64];
         pp.broadcast(BufMut::from(&mut loss[..]), kolo_base::Rank(k - 1))?;
@@ -203,7 +226,30 @@ struct StreamState {
     /// The last stage: the sum of each batch's micro-batch losses.
     losses: HashMap<u64, f64>,
     /// The micro-batches forwarded and not yet backwarded, between calls ([`Work`]'s).
-    saved: HashMap<usize, (Option<Var>, Tensor)>,
+    saved: HashMap<usize, Saved>,
+}
+
+/// What a stage keeps of a micro-batch from its forward to its backward: its input variable
+/// (not on the first stage), and its output with the graph (not when re-materializing).
+type Saved = (Option<Var>, Option<Tensor>);
+
+/// A stage's work summed over steps.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Totals {
+    pub busy_ms: f64,
+    pub total_ms: f64,
+    pub bytes_sent: u64,
+    /// Most micro-batches whose activations the stage held at once.
+    pub max_live: usize,
+}
+
+impl Totals {
+    fn add(&mut self, r: &kolo_pipe::StepReport) {
+        self.busy_ms += r.busy_ms;
+        self.total_ms += r.total_ms;
+        self.bytes_sent += r.bytes_sent as u64;
+        self.max_live = self.max_live.max(r.max_live);
+    }
 }
 
 impl Pipeline {
@@ -279,6 +325,7 @@ impl Pipeline {
             first: s == 0,
             last: s + 1 == k,
             m,
+            remat: self.remat,
             saved: std::mem::take(&mut st.state.saved),
             failure: None,
         };
@@ -296,9 +343,7 @@ impl Pipeline {
             .ok_or_else(|| Error::usage(work.inner.trainer.rank(), op, format!("step {}: no update ran", start + until as u64)))?;
         if done {
             let report = st.run.finish(&*pp).map_err(|e| Error::usage(work.inner.trainer.rank(), op, e.to_string()))?;
-            let mut t = self.time.lock().unwrap_or_else(|p| p.into_inner());
-            t.0 += report.busy_ms;
-            t.1 += report.total_ms;
+            self.time.lock().unwrap_or_else(|p| p.into_inner()).add(&report);
         } else {
             *open = Some(st);
         }
@@ -391,7 +436,8 @@ struct Work<'a, F> {
     first: bool,
     last: bool,
     m: u64,
-    saved: HashMap<usize, (Option<Var>, Tensor)>,
+    remat: bool,
+    saved: HashMap<usize, Saved>,
     /// The first error, kept whole (the executor carries text).
     failure: Option<Error>,
 }
@@ -440,7 +486,8 @@ impl<F: FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>> Work<'_, F
             }
             Self::flat(&out)?
         };
-        self.saved.insert(mb, (x, out));
+        // Re-materializing, the graph goes with `out` here and is built again in backward.
+        self.saved.insert(mb, (x, (!self.remat).then_some(out)));
         Ok(value)
     }
 
@@ -449,6 +496,11 @@ impl<F: FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>> Work<'_, F
             .saved
             .remove(&mb)
             .ok_or_else(|| Error::usage(self.trainer.rank(), "Pipeline::step", format!("micro-batch {mb} ran backward before forward")))?;
+        let out = match out {
+            Some(out) => out,
+            // Re-materialization: the same forward again, from the same input variable.
+            None => (self.stage)(mb, x.as_ref().map(|v| v.as_tensor()))?,
+        };
         // The last stage starts from its loss (a mean over the step's micro-batches, times f16's
         // loss scale); the others from the gradient of their output, which carries both.
         let (loss, factor) = match grad {

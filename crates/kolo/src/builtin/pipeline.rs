@@ -1,0 +1,232 @@
+//! `kolo train`'s GPipe and 1F1B pipelines of the built-in GPT, as a user's pipeline runs:
+//! the ranks are a [`Mesh`] of `pp` stages of `dp` replicas of `tp` pieces; each stage builds
+//! the GPT (its blocks split over `tp` under tensor parallelism), hands its own layers'
+//! variables to a [`Trainer`] and steps it through [`crate::pp::Pipeline::step`], the
+//! stage's closure running its layers on each micro-batch. The trainer averages each stage's
+//! gradients over its replicas, clips by the norm over every stage and piece, steps the
+//! stage's optimizer and writes each stage's layers as whole tensors under the model's names
+//! (a checkpoint continues under any strategy). PipeDream-2BW is still kolo-train's own
+//! (`kolo_train::pipedream_2bw`).
+
+use super::{announce_pipeline, train_error, whole_signature};
+use crate::pp::{Pipeline, Schedule};
+use crate::{Dist, Mesh, TrainOptions, Trainer};
+use kolo_comm::{BufMut, Communicator, ReduceOp};
+use kolo_tensor::models::{Gpt, GptConfig, StageInput};
+use kolo_tensor::{Batch, Input, Model, ModelSpec, PlainView};
+use kolo_train::checkpointing::PendingSave;
+use kolo_train::config::{Config, PipeSchedule};
+use kolo_train::data::{CharVocab, Dataset};
+use kolo_train::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
+use kolo_train::setup::Data;
+use kolo_train::summary::{Eval, RunOptions};
+use kolo_train::TrainError;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+/// One stage of a flushed pipeline of the built-in GPT and the trainer of its layers.
+pub(super) struct Pipelined {
+    trainer: Trainer,
+    gpt: Gpt,
+    gcfg: GptConfig,
+    pipe: Pipeline,
+    /// This stage's layers (0: the embedding, 1..=n_layer the blocks, then the head).
+    layers: Range<usize>,
+    /// Micro-batches per batch.
+    m: usize,
+    mesh: Mesh,
+    /// The whole model's names and shapes, as one process lays them out.
+    whole: Vec<(String, Vec<usize>)>,
+    /// Each step's bubble over the stages, and the stage's totals before the step.
+    bubbles: Vec<f64>,
+    before: crate::pp::Totals,
+    train: kolo_train::config::TrainConfig,
+    batch_size: usize,
+    global_rank: usize,
+    quiet: bool,
+}
+
+impl Pipelined {
+    pub(super) fn new(
+        cfg: &Config,
+        comm: Arc<dyn Communicator>,
+        data: &Data,
+        resume: Option<&Path>,
+        run: &RunOptions,
+    ) -> crate::Result<(Pipelined, Start)> {
+        let pc = cfg.pipeline.as_ref().expect("called for [pipeline] configs");
+        let global_rank = comm.rank().get();
+        let size = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+        let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else {
+            return Err(TrainError::Config("[pipeline] cuts the GPT's layers into stages; model.kind must be \"gpt\"".into()).into());
+        };
+        let dist = Dist::of_comm(comm);
+        let mesh = Mesh::new(&dist, &[("pp", size.pp), ("dp", size.dp), ("tp", size.tp)])?;
+        let rng = || kolo_base::Rng::new(cfg.train.seed);
+        let tp = (size.tp > 1).then(|| kolo_comm::SumGroup::new(mesh.tp().comm().clone()));
+        let gpt = match &tp {
+            Some(g) => Gpt::new_tensor_parallel(gcfg.clone(), &mut rng(), g.clone())?,
+            None => Gpt::new(gcfg.clone(), &mut rng())?,
+        };
+        let k = size.pp;
+        if k > gpt.layers() {
+            return Err(TrainError::Config(format!(
+                "{k} pipeline stages for a GPT with {} layers (embedding, {} blocks, head)",
+                gpt.layers(),
+                gcfg.n_layer
+            ))
+            .into());
+        }
+        let layers = crate::pp::stage_layers_by(&gpt.layer_costs(), &mesh)?;
+        let schedule = match pc.schedule {
+            PipeSchedule::GPipe => Schedule::GPipe,
+            PipeSchedule::OneFOneB => Schedule::OneFOneB,
+            PipeSchedule::TwoBw => unreachable!("PipeDream-2BW runs on kolo_train::pipedream_2bw"),
+        };
+        let m = pc.micro_batches;
+        // The stage's own layers' variables, in the model's order.
+        let splits = gpt.tensor_parallel_splits().unwrap_or_else(|| vec![None; gpt.params().len()]);
+        let mut vars = Vec::new();
+        for i in layers.clone().flat_map(|l| gpt.layer_params(l)) {
+            let p = gpt.params().get(i);
+            if let Some(split) = splits[i].clone() {
+                crate::tp::mark_split(p.var.as_tensor(), split)?;
+            }
+            vars.push((p.name.clone(), p.var.clone()));
+        }
+        let mut opts = TrainOptions::from_train_config(cfg)?;
+        // A step is `m` micro-batches of batch_size / m sequences on every stage.
+        opts.train.grad_accum = m as u64;
+        opts.data.batch_size = cfg.data.batch_size / m;
+        opts.ddp.check_collectives = false;
+        let mut trainer = Trainer::driven(vars, Err(&mesh), opts, &[], run.inject_inf_at)?;
+        let spec = ModelSpec::Gpt(gcfg.clone());
+        trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, &spec, size.dp, 0));
+        let start = match resume {
+            Some(path) => Some(trainer.resume_state(path)?),
+            None => None,
+        };
+        if global_rank == 0 && !run.quiet {
+            let plan = kolo_pipe::partition(&gpt.layer_costs(), k);
+            announce_pipeline(&gpt, &gcfg, &plan, (size.dp, size.tp), (m, cfg.data.batch_size / m), schedule);
+        }
+        let whole = whole_signature(&gpt, &spec, tp.is_some(), cfg.train.seed)?;
+        let shape = [cfg.data.batch_size / m, gcfg.seq, gcfg.d_model];
+        let pipe = Pipeline::new(schedule, &shape)?.rematerialize(pc.rematerialize);
+        let s = Pipelined {
+            trainer,
+            gpt,
+            gcfg,
+            pipe,
+            layers,
+            m,
+            mesh,
+            whole,
+            bubbles: Vec::new(),
+            before: Default::default(),
+            train: cfg.train.clone(),
+            batch_size: cfg.data.batch_size,
+            global_rank,
+            quiet: run.quiet,
+        };
+        Ok((s, start))
+    }
+
+    /// Collective over the pipeline group: the share of the stages' time spent idle, from each
+    /// stage's `busy` and `total` milliseconds (the longest stage's time is the step's).
+    fn bubble(&self, busy_ms: f64, total_ms: f64) -> Result<f64, TrainError> {
+        let pp = self.mesh.pp();
+        let (stage, k) = (pp.rank().get(), pp.world_size().get());
+        let mut t = vec![0f64; 2 * k];
+        t[2 * stage] = busy_ms;
+        t[2 * stage + 1] = total_ms;
+        pp.all_reduce(BufMut::from(&mut t[..]), ReduceOp::Sum)?;
+        let span = (0..k).map(|s| t[2 * s + 1]).fold(0.0, f64::max);
+        let busy: f64 = (0..k).map(|s| t[2 * s]).sum();
+        Ok(if span > 0.0 { 1.0 - busy / (k as f64 * span) } else { 0.0 })
+    }
+}
+
+impl Strategy for Pipelined {
+    /// The stage's replicas: the step's loss is averaged over them (every stage holds its
+    /// pipeline's).
+    fn comm(&self) -> &dyn Communicator {
+        &**self.mesh.replicas()
+    }
+
+    fn replica(&self) -> (usize, usize) {
+        (self.mesh.coord("dp"), self.mesh.size("dp"))
+    }
+
+    fn step(&mut self, _ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
+        let micro = kolo_train::pipeline::split_batch(&data.next_batch()?, self.m)?;
+        let (gpt, layers) = (&self.gpt, self.layers.clone());
+        let last = layers.end == gpt.layers();
+        let candle = |e: kolo_tensor::TensorError| candle_core::Error::Msg(e.to_string());
+        let stage = |mb: usize, input: Option<&candle_core::Tensor>| {
+            let batch: &Batch = &micro[mb];
+            let x = match (input, &batch.input) {
+                (Some(h), _) => StageInput::Hidden(h.clone()),
+                (None, Input::Tokens { ids, b, t }) => StageInput::Tokens { ids, b: *b, t: *t },
+                (None, Input::Images { .. }) => return Err(candle_core::Error::Msg("a GPT stage takes token sequences".into())),
+            };
+            let out = gpt.forward_layers(x, layers.clone(), &PlainView).map_err(candle)?;
+            match last {
+                true => gpt.logits_loss(&out, &batch.targets).map_err(candle),
+                false => Ok(out),
+            }
+        };
+        self.pipe.step(&mut self.trainer, stage).map_err(train_error)?;
+        let backward_end = self.trainer.backward_end();
+        let (loss, mut rec, comm_spans) =
+            self.trainer.driven_mut().last.take().ok_or_else(|| TrainError::Other("the trainer's step did not end".into()))?;
+        let now = self.pipe.totals();
+        let bubble = self.bubble(now.busy_ms - self.before.busy_ms, now.total_ms - self.before.total_ms)?;
+        self.bubbles.push(bubble);
+        rec.comm_bytes = Some(rec.comm_bytes.unwrap_or(0) + (now.bytes_sent - self.before.bytes_sent) as usize);
+        self.before = now;
+        let k = self.mesh.size("pp");
+        let note = format!(", bubble {:.1}% (theory {:.1}%)", bubble * 100.0, kolo_pipe::theoretical_bubble(k, self.m) * 100.0);
+        Ok(StepOut { loss, rec, backward_end, comm_spans, note })
+    }
+
+    fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
+        // The whole model, put together from the stages (and pieces), evaluated on rank 0.
+        let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
+        let lead = self.global_rank == 0;
+        lead.then(|| kolo_train::eval::evaluate_alone(self.batch_size, &self.gcfg, &flat, ds, max_batches)).transpose()
+    }
+
+    fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
+        let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
+        let lead = self.global_rank == 0;
+        lead.then(|| kolo_train::eval::sample_alone(&self.train, &self.gcfg, &flat, vocab)).transpose()
+    }
+
+    fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
+        self.trainer.save_at(at).map_err(train_error)
+    }
+
+    fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
+        self.trainer.settle("kolo train's end").map_err(train_error)?;
+        let bubble = if self.bubbles.is_empty() { 0.0 } else { self.bubbles.iter().sum::<f64>() / self.bubbles.len() as f64 };
+        if self.global_rank == 0 && !self.quiet {
+            let theory = kolo_pipe::theoretical_bubble(self.mesh.size("pp"), self.m);
+            kolo_base::eline!("{}", kolo_train::pipeline::bubble_line(bubble, theory, false, self.pipe.totals().max_live));
+        }
+        let mut states = self.trainer.state_bytes();
+        // The stage builds every layer of the GPT and trains its own: the others' values stay.
+        let own: usize = self.layers.clone().flat_map(|l| self.gpt.layer_params(l)).map(|i| self.gpt.params().get(i).range.len()).sum();
+        states.params += (self.gpt.params().numel() - own) as u64 * 4;
+        Ok(Finish {
+            params: self.trainer.whole_params(&self.whole).map_err(train_error)?,
+            states,
+            skipped_steps: 0,
+            loss_scale: None,
+            moe: None,
+            pipeline_bubble: Some(bubble),
+            ps: None,
+        })
+    }
+}
