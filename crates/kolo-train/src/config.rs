@@ -1095,15 +1095,19 @@ impl Config {
             if p.micro_batches == 0 || !self.data.batch_size.is_multiple_of(p.micro_batches) {
                 return Err(format!("pipeline.micro_batches ({}) must divide data.batch_size ({})", p.micro_batches, self.data.batch_size));
             }
-            if self.ddp.zero_stage != 0
-                || self.ddp.compression.is_some()
+            if p.schedule == PipeSchedule::TwoBw && self.ddp.zero_stage != 0 {
+                return Err(
+                    "PipeDream-2BW keeps two versions of each stage's weights: no ddp.zero_stage (GPipe and 1F1B take ZeRO-1/2/3)".into()
+                );
+            }
+            if self.ddp.compression.is_some()
                 || self.ddp.local_sgd.is_some()
                 || self.train.precision != Precision::F32
                 || self.train.grad_accum != 1
                 || self.train.strategy != Strategy::Ddp
                 || !self.model.checkpoint_blocks.is_empty()
             {
-                return Err("[pipeline] runs in f32 with grad_accum = 1 and without ZeRO, compression, local SGD, parameter servers or activation checkpointing (yet)".into());
+                return Err("[pipeline] runs in f32 with grad_accum = 1 and without compression, local SGD, parameter servers or activation checkpointing (yet)".into());
             }
         }
         if self.train.strategy == Strategy::Ps {
@@ -1148,12 +1152,17 @@ impl Config {
             }
         }
         let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
-        let grouped = self.train.strategy == Strategy::Ddp && self.pipeline.is_none() && m.sp == 1 && m.ep == 1 && self.fed.is_none();
+        let two_bw = self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw);
+        let grouped = self.train.strategy == Strategy::Ddp && !two_bw && m.sp == 1 && m.ep == 1 && self.fed.is_none();
         if !grouped && self.optim.non_uniform() {
-            return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP or tensor parallelism: pipelines, sequence and expert parallelism, parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
+            return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP, tensor parallelism or GPipe/1F1B pipelines: PipeDream-2BW, sequence and expert parallelism, parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
         }
-        let plain =
-            grouped && self.ddp.schedule.is_none() && !self.ddp.deterministic && self.ddp.local_sgd.is_none() && !self.ddp.skip_sync;
+        let plain = grouped
+            && self.pipeline.is_none()
+            && self.ddp.schedule.is_none()
+            && !self.ddp.deterministic
+            && self.ddp.local_sgd.is_none()
+            && !self.ddp.skip_sync;
         if self.train.on_nonfinite == OnNonFinite::Skip && !plain {
             return Err("train.on_nonfinite = \"skip\" needs the data-parallel loop (DDP, ZeRO, tensor parallelism): deterministic mode, local SGD, skip_sync, scheduled DDP, pipelines, sequence and expert parallelism, parameter servers and federated averaging stop on a non-finite loss".into());
         }

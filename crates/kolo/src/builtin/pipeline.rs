@@ -85,24 +85,43 @@ impl Pipelined {
             PipeSchedule::TwoBw => unreachable!("PipeDream-2BW runs on kolo_train::pipedream_2bw"),
         };
         let m = pc.micro_batches;
+        let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
         // The stage's own layers' variables, in the model's order.
         let splits = gpt.tensor_parallel_splits().unwrap_or_else(|| vec![None; gpt.params().len()]);
         let mut vars = Vec::new();
-        for i in layers.clone().flat_map(|l| gpt.layer_params(l)) {
+        for &i in &own {
             let p = gpt.params().get(i);
             if let Some(split) = splits[i].clone() {
                 crate::tp::mark_split(p.var.as_tensor(), split)?;
             }
             vars.push((p.name.clone(), p.var.clone()));
         }
+        // ZeRO-3: the stage's blocks (under tensor parallelism its pieces of them), gathered
+        // into their variables when read.
+        let groups = match cfg.ddp.zero_stage {
+            3 => {
+                let groups: Vec<Vec<usize>> = gpt.param_groups().into_iter().filter(|g| g.iter().all(|i| own.contains(i))).collect();
+                if groups.is_empty() {
+                    return Err(TrainError::Config(format!(
+                        "ddp.zero_stage = 3 shards the GPT's blocks: pipeline stage {} holds none (layers {layers:?})",
+                        mesh.coord("pp")
+                    ))
+                    .into());
+                }
+                super::group_prefixes(gpt.params(), &groups)
+            }
+            _ => Vec::new(),
+        };
         let mut opts = TrainOptions::from_train_config(cfg)?;
         // A step is `m` micro-batches of batch_size / m sequences on every stage.
         opts.train.grad_accum = m as u64;
         opts.data.batch_size = cfg.data.batch_size / m;
         opts.ddp.check_collectives = false;
-        let mut trainer = Trainer::driven(vars, Err(&mesh), opts, &[], run.inject_inf_at)?;
+        let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+        let mut trainer = Trainer::driven(vars, Err(&mesh), opts, &groups, run.inject_inf_at)?;
         let spec = ModelSpec::Gpt(gcfg.clone());
-        trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, &spec, size.dp, 0));
+        let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();
+        trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, &spec, size.dp, stage));
         let start = match resume {
             Some(path) => Some(trainer.resume_state(path)?),
             None => None,
@@ -177,7 +196,10 @@ impl Strategy for Pipelined {
                 false => Ok(out),
             }
         };
-        self.pipe.step(&mut self.trainer, stage).map_err(train_error)?;
+        let out = self.pipe.step(&mut self.trainer, stage);
+        // A failed ZeRO-3 gather is the cause of whatever the step met.
+        self.trainer.zero3_failure().map_err(train_error)?;
+        out.map_err(train_error)?;
         let backward_end = self.trainer.backward_end();
         let (loss, mut rec, comm_spans) =
             self.trainer.driven_mut().last.take().ok_or_else(|| TrainError::Other("the trainer's step did not end".into()))?;

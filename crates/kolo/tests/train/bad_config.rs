@@ -104,6 +104,12 @@ fn bad_inputs_give_clear_errors() {
     assert!(e.contains("optim.offload_dir") && e.contains("train.strategy = \"ps\""), "{e}");
     // PipeDream-2BW runs on the driver too: it takes every report, timelines and checkpoints.
     assert!(Config::parse(&format!("{two_bw}[train]\n{reports}checkpoint_dir = \"c\"\n"), "t").is_ok());
+    // GPipe and 1F1B take ZeRO and parameter groups (the library's trainer per stage);
+    // PipeDream-2BW, whose stages keep two weight versions, refuses ZeRO.
+    let one_f_one_b = two_bw.replace("2bw", "1f1b");
+    assert!(Config::parse(&format!("{one_f_one_b}[ddp]\nzero_stage = 3\n[optim]\nweight_decay = 0.1\n"), "t").is_ok());
+    assert!(err(&format!("{two_bw}[ddp]\nzero_stage = 1\n")).contains("PipeDream-2BW keeps two versions"));
+    assert!(err(&format!("{two_bw}[optim]\nweight_decay = 0.1\n")).contains("optim.groups"));
     // Scheduled DDP runs on the driver: it has them all.
     let sched = format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n");
     let all = "[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\ntimeline_dir = \"z\"\ncheckpoint_dir = \"c\"\n\
