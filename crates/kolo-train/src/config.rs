@@ -1041,24 +1041,22 @@ impl Config {
                 if self.model.experts.is_none() {
                     return Err("mesh.ep > 1 deals the experts of a mixture-of-experts GPT over ranks: set model.experts".into());
                 }
-                if self.ddp.zero_stage != 0 || self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.grad_accum != 1
-                {
-                    return Err("mesh.ep > 1 runs with grad_accum = 1, and without ZeRO, compression or local SGD (yet)".into());
+                if self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() {
+                    return Err("mesh.ep > 1 runs without compression or local SGD (yet; ZeRO-1/2 and grad_accum work)".into());
                 }
             }
             if m.sp > 1 {
                 if self.model.kind != ModelKind::Gpt || m.tp > 1 || self.pipeline.is_some() {
                     return Err("mesh.sp splits the GPT's sequences (model.kind = \"gpt\", without tp or [pipeline] for now)".into());
                 }
-                if self.ddp.zero_stage != 0
+                if self.ddp.zero_stage == 3
                     || self.ddp.compression.is_some()
                     || self.ddp.local_sgd.is_some()
                     || self.train.precision != Precision::F32
                     || self.train.strategy != Strategy::Ddp
                     || !self.model.checkpoint_blocks.is_empty()
-                    || self.train.grad_accum != 1
                 {
-                    return Err("mesh.sp > 1 runs in f32 with grad_accum = 1, and without ZeRO, compression, local SGD, parameter servers or activation checkpointing (yet)".into());
+                    return Err("mesh.sp > 1 runs in f32 without ZeRO-3, compression, local SGD, parameter servers or activation checkpointing (yet; ZeRO-1/2 and grad_accum work)".into());
                 }
             }
             if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {
@@ -1153,11 +1151,12 @@ impl Config {
         }
         let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
         let two_bw = self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw);
-        let grouped = self.train.strategy == Strategy::Ddp && !two_bw && m.sp == 1 && m.ep == 1 && self.fed.is_none();
+        let grouped = self.train.strategy == Strategy::Ddp && !two_bw && m.ep == 1 && self.fed.is_none();
         if !grouped && self.optim.non_uniform() {
-            return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP, tensor parallelism or GPipe/1F1B pipelines: PipeDream-2BW, sequence and expert parallelism, parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
+            return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP, tensor or sequence parallelism or GPipe/1F1B pipelines: PipeDream-2BW, expert parallelism, parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
         }
         let plain = grouped
+            && m.sp == 1
             && self.pipeline.is_none()
             && self.ddp.schedule.is_none()
             && !self.ddp.deterministic

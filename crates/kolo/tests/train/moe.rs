@@ -114,6 +114,32 @@ fn expert_parallel_training_matches_ddp_with_replicated_experts() {
     }
 }
 
+/// ZeRO-1/2 and gradient accumulation beside expert parallelism: dp 2 x ep 2 accumulating 2
+/// micro-batches under ZeRO-1 and ZeRO-2 follows DDP with every expert on every rank (the same
+/// accumulation) within 1e-4, the routing the same, and keeps less optimizer state than
+/// plain dp 2 x ep 2.
+#[test]
+fn zero_and_accumulation_beside_expert_parallelism_match_ddp() {
+    let accum = "grad_accum = 2\n";
+    let ddp = &train_on(4, &moe_cfg(2, accum), &quiet())[0];
+    let mesh = "[mesh]\nep = 2\n";
+    let plain = &train_on(4, &moe_cfg(2, &format!("{accum}{mesh}")), &quiet())[0];
+    for stage in 0..=2 {
+        let ranks = train_on(4, &moe_cfg(2, &format!("{accum}[ddp]\nzero_stage = {stage}\n{mesh}")), &quiet());
+        for s in &ranks {
+            assert_eq!(s.params, ranks[0].params, "ZeRO-{stage} x ep 2: every rank assembles the same model");
+        }
+        let d = max_diff(&ranks[0].params, &ddp.params);
+        assert!(d < 1e-4, "ZeRO-{stage} x ep 2, accumulating 2: max parameter difference {d} from DDP");
+        assert!((ranks[0].last_loss - ddp.last_loss).abs() < 1e-4, "ZeRO-{stage} x ep 2: loss {} vs {}", ranks[0].last_loss, ddp.last_loss);
+        assert_eq!(ranks[0].moe, ddp.moe, "ZeRO-{stage} x ep 2: the same routing");
+        if stage > 0 {
+            let (z, p) = (&ranks[0].states, &plain.states);
+            assert!(z.optimizer < p.optimizer, "ZeRO-{stage} x ep 2 keeps {} optimizer bytes, plain ep {}", z.optimizer, p.optimizer);
+        }
+    }
+}
+
 /// Mixture-of-experts settings that cannot work are refused with the field's name.
 #[test]
 fn bad_moe_settings_are_refused() {
@@ -131,4 +157,8 @@ fn bad_moe_settings_are_refused() {
     assert!(try_parse("experts = 3", "[mesh]\nep = 2\n").contains("multiple of mesh.ep"));
     assert!(try_parse("", "[mesh]\nep = 2\n").contains("set model.experts"));
     assert!(try_parse("experts = 4", "[mesh]\ntp = 2\n").contains("without tp"));
+    assert!(try_parse("experts = 4", "[train]\ngrad_accum = 2\n[ddp]\nzero_stage = 2\n[mesh]\nep = 2\n").is_empty());
+    assert!(try_parse("experts = 4", "[ddp]\nlocal_sgd = { every = 2 }\n[mesh]\nep = 2\n")
+        .contains("mesh.ep > 1 runs without compression or local SGD"));
+    assert!(try_parse("", "[ddp]\nzero_stage = 3\n[mesh]\nsp = 2\n").contains("mesh.sp > 1 runs in f32 without ZeRO-3"));
 }
