@@ -11,7 +11,7 @@
 //! parallelism, scheduled communication, local SGD, deterministic and mixed-precision
 //! training: the library's `Trainer` over the built-in model, `kolo::builtin`, handed to
 //! [`crate::run::run`]; expert parallelism and the GPipe and 1F1B pipelines too, over
-//! `kolo::pp`), `pipedream_2bw` (PipeDream-2BW: one stream of batches between drain points,
+//! `kolo::pp`, PipeDream-2BW's stream of batches between drain points,
 //! [`StepCtx::drain_at`]) and `ps_worker` (parameter-server workers, [`Job::Alone`]).
 
 use crate::cadence::{eval_due, Cadence, Window};

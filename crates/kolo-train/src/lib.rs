@@ -27,7 +27,6 @@ pub use kolo_ps::PushStats;
 pub type PushStats = std::convert::Infallible;
 pub mod metrics;
 pub mod param_groups;
-pub mod pipedream_2bw;
 pub mod pipeline;
 #[cfg(feature = "ps")]
 pub mod ps_worker;

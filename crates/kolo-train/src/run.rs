@@ -12,8 +12,8 @@ use kolo_comm::Communicator;
 use std::path::Path;
 use std::sync::Arc;
 
-/// Builds the strategy of every run but PipeDream-2BW's (data parallelism with ZeRO and
-/// `ddp.schedule`, tensor, sequence and expert parallelism, GPipe and 1F1B pipelines): from
+/// Builds the strategy of a run (data parallelism with ZeRO and `ddp.schedule`, tensor,
+/// sequence and expert parallelism, GPipe, 1F1B and PipeDream-2BW pipelines): from
 /// the config, every rank of the job, this replica's data, the checkpoint to continue from and
 /// the run's options, the strategy and where it starts. It is the library's: `kolo::builtin`,
 /// the built-in models trained by `kolo::Trainer`, as a user's model is.
@@ -21,7 +21,7 @@ pub type TrainerBuilder =
     dyn Fn(&Config, Arc<dyn Communicator>, &Data, Option<&Path>, &RunOptions) -> Result<(Box<dyn Strategy>, Start), TrainError>;
 
 /// Trains `cfg` on this rank of `comm`: builds the strategy the config names (`trainer`
-/// builds all but PipeDream-2BW's, which is this crate's) and runs it on the driver to the end.
+/// builds it) and runs it on the driver to the end.
 /// `kolo::builtin::run` passes the library's strategies.
 pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions, trainer: &TrainerBuilder) -> Result<Summary, TrainError> {
     let global_rank = comm.rank().get();
@@ -49,22 +49,11 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions, trainer
     let drive = |data: &Data, heap, s: &mut dyn Strategy, from| {
         crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), data, heap, s, from)
     };
-    if cfg.pipeline.as_ref().is_none_or(|p| p.schedule != crate::config::PipeSchedule::TwoBw) {
-        // Replicas (dp; each member of an expert-parallel group one) of sequence chunks (sp) of
-        // tensor-parallel groups (tp, consecutive ranks), in each pipeline stage (pp, slowest).
-        let (data, heap) = start((global_rank / (mesh.tp * mesh.sp)) % mesh.dp)?;
-        let (mut s, from) = trainer(cfg, comm.clone(), &data, resume, opts)?;
-        return drive(&data, heap, &mut *s, from);
-    }
-    let m = kolo_comm::DeviceMesh::new(&*comm, &[("pp", mesh.pp), ("dp", mesh.dp), ("tp", mesh.tp)])?;
-    let g = |a: &str| m.group(a).expect("axis").clone();
-    let (dp, pp) = (g("dp"), g("pp"));
-    let tp = (mesh.tp > 1).then(|| kolo_comm::SumGroup::new(g("tp")) as Arc<dyn kolo_base::GroupSum>);
-    let (data, heap) = start(dp.rank().get())?;
-    let groups = crate::pipeline::StageGroups { pp: &*pp, dp: &*dp, tp, global_rank };
-    let stage = crate::pipeline::build_resumed(cfg, groups, &data, resume, opts)?;
-    let (mut s, from) = crate::pipedream_2bw::TwoBw::new(stage)?;
-    drive(&data, heap, &mut s, from)
+    // Replicas (dp; each member of an expert-parallel group one) of sequence chunks (sp) of
+    // tensor-parallel groups (tp, consecutive ranks), in each pipeline stage (pp, slowest).
+    let (data, heap) = start((global_rank / (mesh.tp * mesh.sp)) % mesh.dp)?;
+    let (mut s, from) = trainer(cfg, comm.clone(), &data, resume, opts)?;
+    drive(&data, heap, &mut *s, from)
 }
 
 /// `train.device`: `cuda` alone is one GPU per local rank (torchrun's LOCAL_RANK convention).

@@ -1,36 +1,16 @@
 //! What every strategy builds from the config: the datasets ([`load_data`]), each replica's
 //! batches and sampler position, the optimizer, the GPT's shape.
 
-use crate::config::{Config, DataConfig, DataKind, OptimConfig};
+use crate::config::{Config, DataConfig, DataKind};
 use crate::data::{text_split, CharVocab, Dataset, Mnist, Synthetic};
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::TrainError;
-use kolo_comm::Communicator;
 use kolo_optim::Optimizer;
 use kolo_tensor::{Batch, ModelSpec};
 use std::path::PathBuf;
 use std::sync::mpsc::sync_channel;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-
-/// The config's deadline on each of a GPT strategy's `groups`, and the GPT's shape.
-pub(crate) fn gpt_config(cfg: &Config, groups: &[&dyn Communicator], data: &Data) -> Result<kolo_tensor::models::GptConfig, TrainError> {
-    let timeout = cfg.ddp.timeout();
-    for g in groups {
-        g.set_timeout(timeout);
-    }
-    let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else {
-        return Err(TrainError::Config("this parallel mode trains the GPT (model.kind = \"gpt\")".into()));
-    };
-    Ok(gcfg)
-}
-
-/// The optimizer `[optim]` describes over `numel` values, its state where `optim.offload_dir`
-/// puts it.
-pub(crate) fn optimizer_for(optim: &OptimConfig, numel: usize) -> Result<Optimizer, TrainError> {
-    Optimizer::with_placement(optim.spec(), numel, &optim.placement())
-        .map_err(|e| TrainError::Config(format!("optim.offload_dir {:?}: {e}", optim.offload_dir.as_deref().unwrap_or_default())))
-}
 
 /// Prints on the lead rank only.
 #[cfg(feature = "ps")]

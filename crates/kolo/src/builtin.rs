@@ -449,13 +449,18 @@ fn announce_pipeline(
     (m, micro): (usize, usize),
     schedule: crate::pp::Schedule,
 ) {
+    // PipeDream-2BW's stream could carry every step's micro-batches without a flush.
+    let in_flight = match schedule {
+        crate::pp::Schedule::TwoBw { batches } => m * batches,
+        _ => m,
+    };
     kolo_base::eline!(
         "kolo train (pipeline): GPT {} params in {} stages {plan:?} (layers: 0 = embedding, 1..={} blocks, {} = head) x {dp} data-parallel replicas x {tp} tensor-parallel ranks, {m} micro-batches of {micro}, {schedule:?}; theoretical bubble {:.1}%",
         gpt.full_numel(),
         plan.len(),
         gc.n_layer,
         gc.n_layer + 1,
-        kolo_pipe::theoretical_bubble(plan.len(), m) * 100.0
+        kolo_pipe::theoretical_bubble(plan.len(), in_flight) * 100.0
     );
 }
 

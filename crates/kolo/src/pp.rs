@@ -87,7 +87,13 @@ pub struct Pipeline {
     /// PipeDream-2BW: the open stream, and the stages' own group for the step's loss (the
     /// pipeline group carries the stream's activations).
     stream: std::sync::Mutex<(Option<Stream>, Option<Sync>)>,
+    /// PipeDream-2BW carrying versions across streams (`kolo train`'s): the weight version
+    /// before the latest (its number and values), kept between streams.
+    carried: Option<std::sync::Mutex<Option<Version>>>,
 }
+
+/// A weight version's number and its values (the model's variables').
+type Version = (u64, Vec<Tensor>);
 
 /// The stages' own group beside the pipeline group.
 type Sync = Arc<dyn Communicator>;
@@ -108,7 +114,28 @@ impl Pipeline {
         if matches!(schedule, Schedule::TwoBw { batches: 0 }) {
             return Err(Error::setting("pipeline.schedule", "PipeDream-2BW's streams need batches >= 1"));
         }
-        Ok(Pipeline { schedule, shape: shape.to_vec(), remat: false, time: Default::default(), stream: Default::default() })
+        Ok(Pipeline { schedule, shape: shape.to_vec(), remat: false, time: Default::default(), stream: Default::default(), carried: None })
+    }
+
+    /// PipeDream-2BW as `kolo train` runs it: a stream's end keeps the weight version before
+    /// the latest, and the next stream's first batch runs on it, so that where streams end
+    /// (evaluations, checkpoints) changes when work happens, never what is computed. Without
+    /// it the next stream's first batch runs on the latest weights.
+    pub(crate) fn carrying_versions(mut self) -> Pipeline {
+        self.carried = Some(Default::default());
+        self
+    }
+
+    /// Carrying versions: the version before the latest, between streams (for a checkpoint).
+    pub(crate) fn carried(&self) -> Option<Version> {
+        self.carried.as_ref().and_then(|c| c.lock().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+
+    /// Carrying versions: the version before the latest, `version` (a resumed checkpoint's).
+    pub(crate) fn set_carried(&self, version: u64, values: Vec<Tensor>) {
+        if let Some(c) = &self.carried {
+            *c.lock().unwrap_or_else(|p| p.into_inner()) = Some((version, values));
+        }
     }
 
     /// Re-materialization (GPipe's; activation checkpointing at the stage boundary): each
@@ -221,6 +248,9 @@ struct StreamState {
     /// Weight versions by number (the weights after that many steps), as the model's
     /// variables' values: the latest, and the one the batch in flight runs on.
     versions: std::collections::BTreeMap<u64, Vec<Tensor>>,
+    /// The oldest version the stream's batches run on: its start's, or the one before when
+    /// carried over from the previous stream.
+    base: u64,
     /// The version the model's variables hold now.
     loaded: u64,
     /// The last stage: the sum of each batch's micro-batch losses.
@@ -312,8 +342,12 @@ impl Pipeline {
                 let n = trainer.steps_to_drain(batches as u64 - start % batches as u64);
                 let now = vars.iter().map(|v| v.as_tensor().copy()).collect::<candle_core::Result<Vec<_>>>()?;
                 let run = kolo_pipe::StageRun::new(&*pp, Schedule::TwoBw { batches: n as usize }, m as usize, self.shape.iter().product());
-                let state =
-                    StreamState { start, versions: [(start, now)].into(), loaded: start, losses: HashMap::new(), saved: HashMap::new() };
+                let mut versions = std::collections::BTreeMap::from([(start, now)]);
+                if let Some((v, values)) = self.carried().filter(|(v, _)| v + 1 == start) {
+                    versions.insert(v, values);
+                }
+                let base = *versions.keys().next().expect("the start's version");
+                let state = StreamState { start, versions, base, loaded: start, losses: HashMap::new(), saved: HashMap::new() };
                 Stream { run, state }
             }
         };
@@ -344,6 +378,12 @@ impl Pipeline {
         if done {
             let report = st.run.finish(&*pp).map_err(|e| Error::usage(work.inner.trainer.rank(), op, e.to_string()))?;
             self.time.lock().unwrap_or_else(|p| p.into_inner()).add(&report);
+            if let Some(c) = &self.carried {
+                // The version before the latest, which the next stream's first batch runs on.
+                let latest = *st.state.versions.keys().next_back().expect("a version");
+                let before = latest.checked_sub(1).and_then(|v| st.state.versions.remove(&v).map(|t| (v, t)));
+                *c.lock().unwrap_or_else(|p| p.into_inner()) = before;
+            }
         } else {
             *open = Some(st);
         }
@@ -382,9 +422,10 @@ impl<F: FnMut(usize, Option<&Tensor>) -> candle_core::Result<Tensor>> StreamWork
         Ok(())
     }
 
-    /// Batch `t` runs on the weights after step t - 1 (the stream's first on those it began with).
+    /// Batch `t` runs on the weights after step t - 1 (the stream's first on those it began
+    /// with, unless the version before them was carried over).
     fn version_of(&self, t: u64) -> u64 {
-        t.saturating_sub(1).max(self.st.start)
+        t.saturating_sub(1).max(self.st.base)
     }
 
     fn update_inner(&mut self, b: usize) -> Result<()> {

@@ -126,6 +126,9 @@ pub(crate) struct Driven {
     /// The last optimizer step: this rank's loss (the mean of its micro-steps'), its record
     /// and its collectives for the timeline.
     pub(crate) last: Option<(f64, StepRecord, Spans)>,
+    /// PipeDream-2BW: the step after which the driver evaluates, checkpoints or stops (a
+    /// stream drains there); `None` outside a stream's step.
+    pub(crate) drain_at: Option<u64>,
 }
 
 /// Where a trainer runs: its data-parallel group, this process's rank in the job, and the
@@ -314,7 +317,7 @@ impl Trainer {
         groups: &[&str],
         inject_inf_at: Option<u64>,
     ) -> Result<Trainer> {
-        let driven = Some(Driven { share: 1.0, inject_inf_at, last: None });
+        let driven = Some(Driven { share: 1.0, inject_inf_at, last: None, drain_at: None });
         match on {
             Ok(dist) => Self::build(vars, Place::of(dist), opts, groups, driven),
             Err(mesh) => {
@@ -613,8 +616,12 @@ impl Trainer {
 
     /// PipeDream-2BW: how many steps from now a stream may run before it must drain: to the
     /// next checkpoint due or the last step, at most `most`.
+    /// Driven by `kolo train`, to the driver's next drain point.
     pub(crate) fn steps_to_drain(&self, most: u64) -> u64 {
         let (done, end) = (self.steps, self.opts.train.steps);
+        if let Some(at) = self.driven.as_ref().and_then(|d| d.drain_at) {
+            return at.saturating_sub(done).clamp(1, most.max(1));
+        }
         (1..=most).find(|n| done + n == end || kolo_train::checkpointing::due(&self.opts.train, done + n, end).is_some()).unwrap_or(most)
     }
 
@@ -1092,8 +1099,25 @@ impl Trainer {
     /// copied first, so training may go on). `extra`: metadata beside the trainer's; `crash`:
     /// the test hook that aborts after this rank's shard is written.
     fn write_checkpoint(&self, dir: &Path, background: bool, extra: BTreeMap<String, String>, crash: bool) -> Result<PendingSave> {
+        self.write_checkpoint_with(dir, background, extra, crash, None)
+    }
+
+    /// [`Trainer::write_checkpoint`], with PipeDream-2BW's previous weight version (`previous`:
+    /// values in the trainer's flat layout) written as whole tensors under
+    /// `state.previous_weights.{name}`.
+    fn write_checkpoint_with(
+        &self,
+        dir: &Path,
+        background: bool,
+        extra: BTreeMap<String, String>,
+        crash: bool,
+        previous: Option<&[f32]>,
+    ) -> Result<PendingSave> {
         if let Some(s) = &self.spread {
-            return self.write_whole(s, dir, background, extra, crash);
+            return self.write_whole(s, dir, background, extra, crash, previous);
+        }
+        if previous.is_some() {
+            return Err(Error::usage(self.rank, "Trainer::save", "a previous weight version is a pipeline's (a mesh with pp > 1)"));
         }
         let replica = self.e.replica(&self.params, self.opts.ddp.local_sgd.is_some());
         let mut meta = self.meta.clone();
@@ -1106,8 +1130,17 @@ impl Trainer {
     /// Tensor parallelism: the group assembles whole tensors (parameters and optimizer state)
     /// and its member 0 in each data-parallel replica writes them as DDP would, under the
     /// model's names; the others wait for it unless the write is in the background.
-    fn write_whole(&self, s: &Spread, dir: &Path, background: bool, extra: BTreeMap<String, String>, crash: bool) -> Result<PendingSave> {
+    fn write_whole(
+        &self,
+        s: &Spread,
+        dir: &Path,
+        background: bool,
+        extra: BTreeMap<String, String>,
+        crash: bool,
+        previous: Option<&[f32]>,
+    ) -> Result<PendingSave> {
         let (codec, codec_meta) = self.replica_codec_state(s)?;
+        let previous = previous.map(|p| s.layout.gather(p)).transpose()?;
         // ZeRO-3: this rank's pieces gathered from the data-parallel group's shards first.
         let values = s.layout.gather(&self.flat_params()?)?;
         let mut states = Vec::new();
@@ -1130,6 +1163,15 @@ impl Trainer {
                 None => Vec::new(),
             };
             own.extend(codec);
+            // The replicas hold the same versions: the first one writes it.
+            if let Some(p) = previous.as_ref().filter(|_| comm.rank().get() == 0) {
+                own.extend(whole.iter().map(|w| kolo_checkpoint::Piece {
+                    name: format!("{}{}", kolo_train::pipeline::PREVIOUS_WEIGHTS, w.name),
+                    shape: w.shape.clone(),
+                    offset: 0,
+                    data: p[w.range.clone()].to_vec(),
+                }));
+            }
             saved = save_checkpoint(dir, self.steps, &whole, &[], &opt, None, comm, pos, &meta, own, background, crash)?;
         }
         if !background {
@@ -1408,9 +1450,51 @@ impl Trainer {
 
     /// Starts writing the checkpoint the driver asks for.
     pub(crate) fn save_at(&mut self, at: kolo_train::driver::SaveAt<'_>) -> Result<PendingSave> {
+        self.save_at_with(at, None)
+    }
+
+    /// [`Trainer::save_at`] with PipeDream-2BW's previous weight version: the values of the
+    /// trainer's parameters, in its order.
+    pub(crate) fn save_at_with(&mut self, at: kolo_train::driver::SaveAt<'_>, previous: Option<&[Tensor]>) -> Result<PendingSave> {
         self.settle("Trainer::save")?;
         self.data_pos = at.pos;
-        self.write_checkpoint(at.dir, at.background, at.meta, at.crash)
+        let previous = previous.map(|p| self.flat_of(p)).transpose()?;
+        self.write_checkpoint_with(at.dir, at.background, at.meta, at.crash, previous.as_deref())
+    }
+
+    /// Values of the trainer's parameters (in its order) as its flat f32 layout.
+    fn flat_of(&self, values: &[Tensor]) -> Result<Vec<f32>> {
+        let mut flat = vec![0f32; self.params.numel()];
+        for (i, v) in values.iter().enumerate() {
+            let r = self.params.get(i).range.clone();
+            flat[r].copy_from_slice(&v.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+        }
+        Ok(flat)
+    }
+
+    /// PipeDream-2BW: the previous weight version a resumed checkpoint holds
+    /// (`state.previous_weights.{name}` of the whole model), as this rank's parameters' values
+    /// in the trainer's order; `None` when it holds none (another strategy wrote it).
+    pub(crate) fn previous_of(&self, r: &kolo_train::checkpointing::Resumed) -> Result<Option<Vec<Tensor>>> {
+        let Some(s) = &self.spread else { return Ok(None) };
+        let mut whole = Vec::with_capacity(s.layout.numel);
+        for (name, _) in &s.layout.signature {
+            match r.strategy_state.get(&format!("{}{name}", kolo_train::pipeline::PREVIOUS_WEIGHTS)) {
+                Some(v) => whole.extend_from_slice(v),
+                None => return Ok(None),
+            }
+        }
+        if whole.len() != s.layout.numel {
+            return Err(Error::usage(self.rank, "Trainer::resume", "the checkpoint's previous weight version does not fit the model"));
+        }
+        let local = s.layout.local(&whole);
+        let vars = self.compute_vars().ok_or_else(|| Error::usage(self.rank, "Trainer::resume", "ZeRO-3 keeps no weight versions"))?;
+        let mut out = Vec::with_capacity(vars.len());
+        for (i, var) in vars.iter().enumerate() {
+            let r = self.params.get(i).range.clone();
+            out.push(Tensor::from_slice(&local[r], var.shape(), var.device())?.to_dtype(var.dtype())?);
+        }
+        Ok(Some(out))
     }
 
     /// Model states this rank holds between steps (under `ddp.schedule` with the scheduler's

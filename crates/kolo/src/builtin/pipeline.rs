@@ -5,8 +5,11 @@
 //! stage's closure running its layers on each micro-batch. The trainer averages each stage's
 //! gradients over its replicas, clips by the norm over every stage and piece, steps the
 //! stage's optimizer and writes each stage's layers as whole tensors under the model's names
-//! (a checkpoint continues under any strategy). PipeDream-2BW is still kolo-train's own
-//! (`kolo_train::pipedream_2bw`).
+//! (a checkpoint continues under any strategy). PipeDream-2BW runs the same stages through
+//! [`Pipeline::step_stream`], carrying the weight version before the latest across the
+//! driver's drain points (evaluations, checkpoints: a drain changes when work happens, never
+//! what is computed) and into checkpoints (`state.previous_weights.*`), so a resumed run
+//! continues bitwise.
 
 use super::{announce_pipeline, train_error, whole_signature};
 use crate::pp::{Pipeline, Schedule};
@@ -21,6 +24,7 @@ use kolo_train::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strat
 use kolo_train::setup::Data;
 use kolo_train::summary::{Eval, RunOptions};
 use kolo_train::TrainError;
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -35,6 +39,9 @@ pub(super) struct Pipelined {
     layers: Range<usize>,
     /// Micro-batches per batch.
     m: usize,
+    /// PipeDream-2BW: each step's micro-batches read so far (the stream reads the next
+    /// step's while this one's update is pending), streams ended and steps run in them.
+    two_bw: Option<TwoBwState>,
     mesh: Mesh,
     /// The whole model's names and shapes, as one process lays them out.
     whole: Vec<(String, Vec<usize>)>,
@@ -82,9 +89,14 @@ impl Pipelined {
         let schedule = match pc.schedule {
             PipeSchedule::GPipe => Schedule::GPipe,
             PipeSchedule::OneFOneB => Schedule::OneFOneB,
-            PipeSchedule::TwoBw => unreachable!("PipeDream-2BW runs on kolo_train::pipedream_2bw"),
+            // One stream could cover the run; the driver's drain points end it sooner.
+            PipeSchedule::TwoBw => Schedule::TwoBw { batches: cfg.train.steps.max(1) as usize },
         };
         let m = pc.micro_batches;
+        let two_bw = matches!(schedule, Schedule::TwoBw { .. });
+        if two_bw && m + 1 < k {
+            return Err(TrainError::Config(format!("PipeDream-2BW needs at least stages - 1 = {} micro-batches per batch (pipeline.micro_batches = {m}): a batch's weight version must exist before its first forward", k - 1)).into());
+        }
         let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
         // The stage's own layers' variables, in the model's order.
         let splits = gpt.tensor_parallel_splits().unwrap_or_else(|| vec![None; gpt.params().len()]);
@@ -122,17 +134,32 @@ impl Pipelined {
         let spec = ModelSpec::Gpt(gcfg.clone());
         let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();
         trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, &spec, size.dp, stage));
+        let shape = [cfg.data.batch_size / m, gcfg.seq, gcfg.d_model];
+        let mut pipe = Pipeline::new(schedule, &shape)?.rematerialize(pc.rematerialize);
+        if two_bw {
+            pipe = pipe.carrying_versions();
+        }
         let start = match resume {
             Some(path) => Some(trainer.resume_state(path)?),
             None => None,
         };
+        if let (true, Some((_, r))) = (two_bw, &start) {
+            // The first batch after the checkpoint runs on the version before it.
+            match trainer.previous_of(r)? {
+                Some(values) if r.step > 0 => pipe.set_carried(r.step - 1, values),
+                _ if r.step > 0 && global_rank == 0 && !run.quiet => kolo_base::eline!(
+                    "the checkpoint holds no previous weight version (another strategy wrote it): batch {} runs on version {}",
+                    r.step,
+                    r.step
+                ),
+                _ => {}
+            }
+        }
         if global_rank == 0 && !run.quiet {
             let plan = kolo_pipe::partition(&gpt.layer_costs(), k);
             announce_pipeline(&gpt, &gcfg, &plan, (size.dp, size.tp), (m, cfg.data.batch_size / m), schedule);
         }
         let whole = whole_signature(&gpt, &spec, tp.is_some(), cfg.train.seed)?;
-        let shape = [cfg.data.batch_size / m, gcfg.seq, gcfg.d_model];
-        let pipe = Pipeline::new(schedule, &shape)?.rematerialize(pc.rematerialize);
         let s = Pipelined {
             trainer,
             gpt,
@@ -140,6 +167,7 @@ impl Pipelined {
             pipe,
             layers,
             m,
+            two_bw: two_bw.then(TwoBwState::default),
             mesh,
             whole,
             bubbles: Vec::new(),
@@ -178,42 +206,30 @@ impl Strategy for Pipelined {
         (self.mesh.coord("dp"), self.mesh.size("dp"))
     }
 
-    fn step(&mut self, _ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
+    fn step(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
+        if self.two_bw.is_some() {
+            return self.step_stream(ctx, data);
+        }
         let micro = kolo_train::pipeline::split_batch(&data.next_batch()?, self.m)?;
         let (gpt, layers) = (&self.gpt, self.layers.clone());
-        let last = layers.end == gpt.layers();
-        let candle = |e: kolo_tensor::TensorError| candle_core::Error::Msg(e.to_string());
-        let stage = |mb: usize, input: Option<&candle_core::Tensor>| {
-            let batch: &Batch = &micro[mb];
-            let x = match (input, &batch.input) {
-                (Some(h), _) => StageInput::Hidden(h.clone()),
-                (None, Input::Tokens { ids, b, t }) => StageInput::Tokens { ids, b: *b, t: *t },
-                (None, Input::Images { .. }) => return Err(candle_core::Error::Msg("a GPT stage takes token sequences".into())),
-            };
-            let out = gpt.forward_layers(x, layers.clone(), &PlainView).map_err(candle)?;
-            match last {
-                true => gpt.logits_loss(&out, &batch.targets).map_err(candle),
-                false => Ok(out),
-            }
-        };
+        let stage = |mb: usize, input: Option<&candle_core::Tensor>| run_layers(gpt, layers.clone(), &micro[mb], input);
         let out = self.pipe.step(&mut self.trainer, stage);
         // A failed ZeRO-3 gather is the cause of whatever the step met.
         self.trainer.zero3_failure().map_err(train_error)?;
         out.map_err(train_error)?;
-        let backward_end = self.trainer.backward_end();
-        let (loss, mut rec, comm_spans) =
-            self.trainer.driven_mut().last.take().ok_or_else(|| TrainError::Other("the trainer's step did not end".into()))?;
+        let k = self.mesh.size("pp");
+        let mut out = self.take_step(String::new())?;
         let now = self.pipe.totals();
         let bubble = self.bubble(now.busy_ms - self.before.busy_ms, now.total_ms - self.before.total_ms)?;
         self.bubbles.push(bubble);
-        rec.comm_bytes = Some(rec.comm_bytes.unwrap_or(0) + (now.bytes_sent - self.before.bytes_sent) as usize);
+        out.rec.comm_bytes = Some(out.rec.comm_bytes.unwrap_or(0) + (now.bytes_sent - self.before.bytes_sent) as usize);
         self.before = now;
-        let k = self.mesh.size("pp");
-        let note = format!(", bubble {:.1}% (theory {:.1}%)", bubble * 100.0, kolo_pipe::theoretical_bubble(k, self.m) * 100.0);
-        Ok(StepOut { loss, rec, backward_end, comm_spans, note })
+        out.note = format!(", bubble {:.1}% (theory {:.1}%)", bubble * 100.0, kolo_pipe::theoretical_bubble(k, self.m) * 100.0);
+        Ok(out)
     }
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
+        self.drained("evaluating")?;
         // The whole model, put together from the stages (and pieces), evaluated on rank 0.
         let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
         let lead = self.global_rank == 0;
@@ -221,26 +237,52 @@ impl Strategy for Pipelined {
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
+        self.drained("sampling")?;
         let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
         let lead = self.global_rank == 0;
         lead.then(|| kolo_train::eval::sample_alone(&self.train, &self.gcfg, &flat, vocab)).transpose()
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
-        self.trainer.save_at(at).map_err(train_error)
+        self.drained("checkpointing")?;
+        // PipeDream-2BW: the version the next batch runs on, beside the latest.
+        let done = self.trainer.steps_done();
+        let previous = self.pipe.carried().filter(|(v, _)| v + 1 == done).map(|(_, values)| values);
+        self.trainer.save_at_with(at, previous.as_deref()).map_err(train_error)
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
+        self.drained("finishing")?;
         self.trainer.settle("kolo train's end").map_err(train_error)?;
-        let bubble = if self.bubbles.is_empty() { 0.0 } else { self.bubbles.iter().sum::<f64>() / self.bubbles.len() as f64 };
+        let (k, m) = (self.mesh.size("pp"), self.m);
+        let (bubble, theory) = match &self.two_bw {
+            None => {
+                let bubble = if self.bubbles.is_empty() { 0.0 } else { self.bubbles.iter().sum::<f64>() / self.bubbles.len() as f64 };
+                (bubble, kolo_pipe::theoretical_bubble(k, m))
+            }
+            Some(t) => {
+                let now = self.pipe.totals();
+                // Each stream fills and drains the pipeline once: (K-1) idle slots per stream.
+                let idle = (t.streams as usize * (k - 1)) as f64;
+                let theory = match t.streams {
+                    0 | 1 => kolo_pipe::theoretical_bubble(k, m * t.batches as usize),
+                    _ => idle / (m as f64 * t.batches as f64 + idle),
+                };
+                (self.bubble(now.busy_ms, now.total_ms)?, theory)
+            }
+        };
         if self.global_rank == 0 && !self.quiet {
-            let theory = kolo_pipe::theoretical_bubble(self.mesh.size("pp"), self.m);
-            kolo_base::eline!("{}", kolo_train::pipeline::bubble_line(bubble, theory, false, self.pipe.totals().max_live));
+            let line = kolo_train::pipeline::bubble_line(bubble, theory, self.two_bw.is_some(), self.pipe.totals().max_live);
+            kolo_base::eline!("{line}");
         }
         let mut states = self.trainer.state_bytes();
-        // The stage builds every layer of the GPT and trains its own: the others' values stay.
+        // The stage builds every layer of the GPT and trains its own: the others' values stay;
+        // PipeDream-2BW keeps a second version of its own.
         let own: usize = self.layers.clone().flat_map(|l| self.gpt.layer_params(l)).map(|i| self.gpt.params().get(i).range.len()).sum();
         states.params += (self.gpt.params().numel() - own) as u64 * 4;
+        if self.two_bw.is_some() {
+            states.params += own as u64 * 4;
+        }
         Ok(Finish {
             params: self.trainer.whole_params(&self.whole).map_err(train_error)?,
             states,
@@ -250,5 +292,90 @@ impl Strategy for Pipelined {
             pipeline_bubble: Some(bubble),
             ps: None,
         })
+    }
+}
+
+/// PipeDream-2BW's stream on this stage, between the driver's steps.
+#[derive(Default)]
+struct TwoBwState {
+    /// Each step's micro-batches, read when the stream first reaches the step.
+    micro: BTreeMap<u64, Vec<Batch>>,
+    /// Streams ended, and the steps they ran.
+    streams: u64,
+    batches: u64,
+    /// The step the open stream began at.
+    began: Option<u64>,
+}
+
+impl Pipelined {
+    /// PipeDream-2BW's step: the stream runs to this step's update (the next step's first
+    /// micro-batches may be in flight after it); it ends at the driver's next drain point.
+    fn step_stream(&mut self, ctx: &StepCtx, data: &mut Batches) -> Result<StepOut, TrainError> {
+        self.trainer.driven_mut().drain_at = Some(ctx.drain_at);
+        let t = self.two_bw.as_mut().expect("called under PipeDream-2BW");
+        // Steps before this one have had their updates: their micro-batches are done with.
+        t.micro.retain(|&step, _| step >= ctx.step);
+        let began = *t.began.get_or_insert(ctx.step);
+        let (gpt, layers, m) = (&self.gpt, self.layers.clone(), self.m);
+        let micro = &mut t.micro;
+        let msg = |e: TrainError| candle_core::Error::Msg(e.to_string());
+        let stage = |step: u64, mb: usize, input: Option<&candle_core::Tensor>| {
+            if let std::collections::btree_map::Entry::Vacant(e) = micro.entry(step) {
+                // The stream reaches each step once, in order: its batch is the driver's next.
+                let batch = data.next_batch().map_err(msg)?;
+                e.insert(kolo_train::pipeline::split_batch(&batch, m).map_err(msg)?);
+            }
+            run_layers(gpt, layers.clone(), &micro[&step][mb], input)
+        };
+        self.pipe.step_stream(&mut self.trainer, stage).map_err(train_error)?;
+        self.trainer.driven_mut().drain_at = None;
+        if !self.pipe.in_flight() {
+            let t = self.two_bw.as_mut().expect("called under PipeDream-2BW");
+            t.streams += 1;
+            t.batches += ctx.step + 1 - began;
+            t.began = None;
+        }
+        self.take_step(format!(" (weights version {}, gradient from version {})", ctx.step + 1, ctx.step.saturating_sub(1)))
+    }
+
+    /// The trainer's last step: when its backward ended, its loss, record and collectives.
+    fn take_step(&mut self, note: String) -> Result<StepOut, TrainError> {
+        let backward_end = self.trainer.backward_end();
+        let (loss, rec, comm_spans) =
+            self.trainer.driven_mut().last.take().ok_or_else(|| TrainError::Other("the trainer's step did not end".into()))?;
+        Ok(StepOut { loss, rec, backward_end, comm_spans, note })
+    }
+
+    /// Evaluation, checkpoints and the end come between PipeDream-2BW's streams (at the
+    /// driver's drain points); anything else is a bug of the caller.
+    fn drained(&self, what: &str) -> Result<(), TrainError> {
+        match (self.pipe.in_flight(), self.two_bw.as_ref().and_then(|t| t.began)) {
+            (true, Some(began)) => Err(TrainError::Other(format!(
+                "PipeDream-2BW: {what} while the stream started at step {began} still has batches in flight"
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// This stage's layers of `gpt` on micro-batch `batch`: from its tokens on the first stage,
+/// else from `input`; the last stage returns the micro-batch's mean loss.
+fn run_layers(
+    gpt: &Gpt,
+    layers: Range<usize>,
+    batch: &Batch,
+    input: Option<&candle_core::Tensor>,
+) -> candle_core::Result<candle_core::Tensor> {
+    let candle = |e: kolo_tensor::TensorError| candle_core::Error::Msg(e.to_string());
+    let last = layers.end == gpt.layers();
+    let x = match (input, &batch.input) {
+        (Some(h), _) => StageInput::Hidden(h.clone()),
+        (None, Input::Tokens { ids, b, t }) => StageInput::Tokens { ids, b: *b, t: *t },
+        (None, Input::Images { .. }) => return Err(candle_core::Error::Msg("a GPT stage takes token sequences".into())),
+    };
+    let out = gpt.forward_layers(x, layers, &PlainView).map_err(candle)?;
+    match last {
+        true => gpt.logits_loss(&out, &batch.targets).map_err(candle),
+        false => Ok(out),
     }
 }
