@@ -731,6 +731,19 @@ impl Gpt {
         }
     }
 
+    /// A pipeline stage's model: frees the values of every parameter outside `layers` (their
+    /// names, shapes and ranges stay; reading one is an error), so a stage holds its own
+    /// layers only.
+    pub fn keep_layers(&mut self, layers: std::ops::Range<usize>) -> Result<()> {
+        let own: std::collections::HashSet<usize> = layers.flat_map(|l| self.layer_params(l)).collect();
+        for i in 0..self.params.len() {
+            if !own.contains(&i) {
+                self.params.release(i)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Multiply-adds per token of each layer: what the stage planner balances.
     pub fn layer_costs(&self) -> Vec<f64> {
         let (c, t, v) = (self.cfg.d_model as f64, self.cfg.seq as f64, self.cfg.vocab as f64);

@@ -72,7 +72,7 @@ impl Pipelined {
         let mesh = Mesh::new(&dist, &[("pp", size.pp), ("dp", size.dp), ("tp", size.tp)])?;
         let rng = || kolo_base::Rng::new(cfg.train.seed);
         let tp = (size.tp > 1).then(|| kolo_comm::SumGroup::new(mesh.tp().comm().clone()));
-        let gpt = match &tp {
+        let mut gpt = match &tp {
             Some(g) => Gpt::new_tensor_parallel(gcfg.clone(), &mut rng(), g.clone())?,
             None => Gpt::new(gcfg.clone(), &mut rng())?,
         };
@@ -160,6 +160,8 @@ impl Pipelined {
             announce_pipeline(&gpt, &gcfg, &plan, (size.dp, size.tp), (m, cfg.data.batch_size / m), schedule);
         }
         let whole = whole_signature(&gpt, &spec, tp.is_some(), cfg.train.seed)?;
+        // The other stages' layers were only built to draw the same initial values.
+        gpt.keep_layers(layers.clone())?;
         let s = Pipelined {
             trainer,
             gpt,
@@ -276,12 +278,13 @@ impl Strategy for Pipelined {
             kolo_base::eline!("{line}");
         }
         let mut states = self.trainer.state_bytes();
-        // The stage builds every layer of the GPT and trains its own: the others' values stay;
-        // PipeDream-2BW keeps a second version of its own.
-        let own: usize = self.layers.clone().flat_map(|l| self.gpt.layer_params(l)).map(|i| self.gpt.params().get(i).range.len()).sum();
-        states.params += (self.gpt.params().numel() - own) as u64 * 4;
+        let (params, own) = (self.gpt.params(), self.layers.clone().flat_map(|l| self.gpt.layer_params(l)).collect::<Vec<_>>());
+        // Values of other stages' layers the model still holds (none: `Gpt::keep_layers`), and
+        // PipeDream-2BW's second version of the stage's own.
+        let others = (0..params.len()).filter(|i| !own.contains(i) && params.is_resident(*i)).map(|i| params.get(i).range.len());
+        states.params += others.sum::<usize>() as u64 * 4;
         if self.two_bw.is_some() {
-            states.params += own as u64 * 4;
+            states.params += own.iter().map(|&i| params.get(i).range.len()).sum::<usize>() as u64 * 4;
         }
         Ok(Finish {
             params: self.trainer.whole_params(&self.whole).map_err(train_error)?,

@@ -33,6 +33,13 @@ fn pipeline_matches_one_process_gpt() {
                     ranks[0].last_loss,
                     one.last_loss
                 );
+                // Each stage holds its own layers' values only.
+                assert!(
+                    ranks[0].states.params < one.states.params,
+                    "stage 0 of {k} holds {} parameter bytes, one process {}",
+                    ranks[0].states.params,
+                    one.states.params
+                );
                 let bubble = ranks[0].pipeline_bubble.unwrap();
                 assert!((0.0..1.0).contains(&bubble));
                 // Re-materialization recomputes the same forward in backward: bitwise the same run.
