@@ -1099,23 +1099,15 @@ impl Trainer {
     /// copied first, so training may go on). `extra`: metadata beside the trainer's; `crash`:
     /// the test hook that aborts after this rank's shard is written.
     fn write_checkpoint(&self, dir: &Path, background: bool, extra: BTreeMap<String, String>, crash: bool) -> Result<PendingSave> {
-        self.write_checkpoint_with(dir, background, extra, crash, None)
+        self.write_checkpoint_with(Write { dir, background, extra, crash, previous: None })
     }
 
-    /// [`Trainer::write_checkpoint`], with PipeDream-2BW's previous weight version (`previous`:
-    /// values in the trainer's flat layout) written as whole tensors under
-    /// `state.previous_weights.{name}`.
-    fn write_checkpoint_with(
-        &self,
-        dir: &Path,
-        background: bool,
-        extra: BTreeMap<String, String>,
-        crash: bool,
-        previous: Option<&[f32]>,
-    ) -> Result<PendingSave> {
+    /// [`Trainer::write_checkpoint`] of a [`Write`] (with PipeDream-2BW's previous version).
+    fn write_checkpoint_with(&self, w: Write<'_>) -> Result<PendingSave> {
         if let Some(s) = &self.spread {
-            return self.write_whole(s, dir, background, extra, crash, previous);
+            return self.write_whole(s, w);
         }
+        let Write { dir, background, extra, crash, previous } = w;
         if previous.is_some() {
             return Err(Error::usage(self.rank, "Trainer::save", "a previous weight version is a pipeline's (a mesh with pp > 1)"));
         }
@@ -1130,15 +1122,8 @@ impl Trainer {
     /// Tensor parallelism: the group assembles whole tensors (parameters and optimizer state)
     /// and its member 0 in each data-parallel replica writes them as DDP would, under the
     /// model's names; the others wait for it unless the write is in the background.
-    fn write_whole(
-        &self,
-        s: &Spread,
-        dir: &Path,
-        background: bool,
-        extra: BTreeMap<String, String>,
-        crash: bool,
-        previous: Option<&[f32]>,
-    ) -> Result<PendingSave> {
+    fn write_whole(&self, s: &Spread, w: Write<'_>) -> Result<PendingSave> {
+        let Write { dir, background, extra, crash, previous } = w;
         let (codec, codec_meta) = self.replica_codec_state(s)?;
         let previous = previous.map(|p| s.layout.gather(p)).transpose()?;
         // ZeRO-3: this rank's pieces gathered from the data-parallel group's shards first.
@@ -1459,7 +1444,13 @@ impl Trainer {
         self.settle("Trainer::save")?;
         self.data_pos = at.pos;
         let previous = previous.map(|p| self.flat_of(p)).transpose()?;
-        self.write_checkpoint_with(at.dir, at.background, at.meta, at.crash, previous.as_deref())
+        self.write_checkpoint_with(Write {
+            dir: at.dir,
+            background: at.background,
+            extra: at.meta,
+            crash: at.crash,
+            previous: previous.as_deref(),
+        })
     }
 
     /// Values of the trainer's parameters (in its order) as its flat f32 layout.
@@ -1504,6 +1495,17 @@ impl Trainer {
         b.grads += self.scheduled.as_ref().map_or(0, |s| s.grad_bytes());
         b
     }
+}
+
+/// A checkpoint to write: where, in the background or not, metadata beside the trainer's,
+/// the crash test hook, and PipeDream-2BW's previous weight version (values in the trainer's
+/// flat layout, written as whole tensors under `state.previous_weights.{name}`).
+struct Write<'a> {
+    dir: &'a Path,
+    background: bool,
+    extra: BTreeMap<String, String>,
+    crash: bool,
+    previous: Option<&'a [f32]>,
 }
 
 /// Checkpoint metadata: the ranks of one replica whose codec states a mesh's checkpoint holds.
