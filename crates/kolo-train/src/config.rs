@@ -1093,10 +1093,8 @@ impl Config {
             if p.micro_batches == 0 || !self.data.batch_size.is_multiple_of(p.micro_batches) {
                 return Err(format!("pipeline.micro_batches ({}) must divide data.batch_size ({})", p.micro_batches, self.data.batch_size));
             }
-            if p.schedule == PipeSchedule::TwoBw && self.ddp.zero_stage != 0 {
-                return Err(
-                    "PipeDream-2BW keeps two versions of each stage's weights: no ddp.zero_stage (GPipe and 1F1B take ZeRO-1/2/3)".into()
-                );
+            if p.schedule == PipeSchedule::TwoBw && self.ddp.zero_stage == 3 {
+                return Err("PipeDream-2BW keeps two versions of each stage's weights: ZeRO-3 empties them between uses (ddp.zero_stage 1 or 2; GPipe and 1F1B take 3)".into());
             }
             if self.ddp.compression.is_some()
                 || self.ddp.local_sgd.is_some()
