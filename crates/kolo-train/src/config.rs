@@ -1096,14 +1096,16 @@ impl Config {
             if p.schedule == PipeSchedule::TwoBw && self.ddp.zero_stage == 3 {
                 return Err("PipeDream-2BW keeps two versions of each stage's weights: ZeRO-3 empties them between uses (ddp.zero_stage 1 or 2; GPipe and 1F1B take 3)".into());
             }
+            if p.schedule == PipeSchedule::TwoBw && self.ddp.local_sgd.is_some() {
+                return Err("PipeDream-2BW averages every step: no ddp.local_sgd (GPipe and 1F1B take it)".into());
+            }
             if self.ddp.compression.is_some()
-                || self.ddp.local_sgd.is_some()
                 || self.train.precision != Precision::F32
                 || self.train.grad_accum != 1
                 || self.train.strategy != Strategy::Ddp
                 || !self.model.checkpoint_blocks.is_empty()
             {
-                return Err("[pipeline] runs in f32 with grad_accum = 1 and without compression, local SGD, parameter servers or activation checkpointing (yet)".into());
+                return Err("[pipeline] runs in f32 with grad_accum = 1 and without compression, parameter servers or activation checkpointing (yet)".into());
             }
         }
         if self.train.strategy == Strategy::Ps {

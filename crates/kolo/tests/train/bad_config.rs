@@ -110,6 +110,8 @@ fn bad_inputs_give_clear_errors() {
     assert!(Config::parse(&format!("{one_f_one_b}[ddp]\nzero_stage = 3\n[optim]\nweight_decay = 0.1\n"), "t").is_ok());
     assert!(err(&format!("{two_bw}[ddp]\nzero_stage = 3\n")).contains("PipeDream-2BW keeps two versions"));
     assert!(Config::parse(&format!("{two_bw}[ddp]\nzero_stage = 2\n"), "t").is_ok());
+    assert!(err(&format!("{two_bw}[ddp]\nlocal_sgd = {{ every = 2 }}\n")).contains("PipeDream-2BW averages every step"));
+    assert!(Config::parse(&format!("{one_f_one_b}[ddp]\nlocal_sgd = {{ every = 2 }}\n"), "t").is_ok());
     assert!(err(&format!("{two_bw}[optim]\nweight_decay = 0.1\n")).contains("optim.groups"));
     // Scheduled DDP runs on the driver: it has them all.
     let sched = format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n");

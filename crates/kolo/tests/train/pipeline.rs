@@ -238,6 +238,33 @@ fn pipedream_2bw_follows_its_weight_version_semantics() {
     assert!(errs[0].as_deref().unwrap_or("").contains("micro-batches"), "{errs:?}");
 }
 
+/// Local SGD beside GPipe and 1F1B: each stage's replicas (dp 2 x pp 2) step alone and average
+/// their models every `every` steps. Averaging after every SGD step is DDP's step (within 1e-5
+/// of the plain pipeline); every 2 steps the run parts from it (the local steps are real) and
+/// the last step's average leaves every rank with the same model.
+#[test]
+fn local_sgd_beside_pipelines_averages_each_stage() {
+    let mk = |extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n\
+             [optim]\nkind = \"sgd\"\nlr = 0.1\n[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n\
+             [pipeline]\nmicro_batches = 2\nschedule = \"1f1b\"\n[mesh]\ndp = 2\n{extra}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let plain = &train_on(4, &mk(""), &quiet())[0];
+    let every_step = &train_on(4, &mk("[ddp]\nlocal_sgd = { every = 1 }\n"), &quiet())[0];
+    let d = max_diff(&every_step.params, &plain.params);
+    assert!(d < 1e-5, "local SGD every step vs the plain pipeline: {d}");
+    let every_2 = train_on(4, &mk("[ddp]\nlocal_sgd = { every = 2 }\n"), &quiet());
+    for s in &every_2 {
+        assert_eq!(s.params, every_2[0].params, "the last step averaged every stage's replicas");
+    }
+    let d = max_diff(&every_2[0].params, &plain.params);
+    assert!(d > 1e-4, "local SGD every 2 steps parts from the plain pipeline by only {d}");
+}
+
 /// ZeRO beside GPipe and 1F1B (DeepSpeed's pipeline with ZeRO-1; ZeRO-2 and -3 too): dp 2 x
 /// pp 2 under ZeRO-1, -2 and -3 with AdamW, weight decay and clipping ends within 1e-4 of one
 /// process (the pipeline's tolerance against it); from ZeRO-1 on each stage keeps less
