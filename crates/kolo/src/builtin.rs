@@ -121,46 +121,24 @@ impl BuiltinModel {
         // ZeRO-3: the GPT's blocks (under tensor parallelism this rank's pieces of them),
         // gathered into its variables when read; checkpointed blocks read them again in
         // backward instead of keeping a copy through the step.
-        let groups = match cfg.ddp.zero_stage {
-            3 => {
-                let groups = model.param_groups();
-                if groups.is_empty() {
-                    return Err(
-                        TrainError::Config("ddp.zero_stage = 3 shards the GPT's blocks: this model has none to shard".into()).into()
-                    );
-                }
-                model.reread_parameters();
-                group_prefixes(model.params(), &groups)
-            }
-            _ => Vec::new(),
-        };
-        let splits = model.tensor_parallel_splits().unwrap_or_else(|| vec![None; model.params().len()]);
-        let mut vars = Vec::new();
-        for (p, split) in model.params().iter().zip(splits) {
-            if let Some(split) = split {
-                crate::tp::mark_split(p.var.as_tensor(), split)?;
-            }
-            vars.push((p.name.clone(), p.var.clone()));
+        let all: Vec<usize> = (0..model.params().len()).collect();
+        let groups = zero3_prefixes(cfg, &*model, &all, "this model has")?;
+        if !groups.is_empty() {
+            model.reread_parameters();
         }
+        let vars = model_vars(&*model, &all)?;
         let mut opts = TrainOptions::from_train_config(cfg)?;
         // The model casts its f32 parameters where it uses them: f32 to the trainer.
         opts.train.precision = Precision::F32;
-        // The driver writes the checkpoints and the timeline; `kolo train` checks the job's
-        // collectives on its communicator already.
-        opts.ddp.check_collectives = false;
         let on = match &mesh {
             Some(m) => Err(m),
             None => Ok(&dist),
         };
-        let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
-        let mut trainer = Trainer::driven(vars, on, opts, &groups, run.inject_inf_at)?;
+        let mut trainer = driven_trainer(cfg, &spec, (vars, on), opts, &groups, replica.1, run.inject_inf_at)?;
         let compute = cfg.compute_dtype();
         if compute == CandleDType::F16 {
             trainer.scale_losses();
         }
-        let replicas = replica.1;
-        let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();
-        trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, &spec, replicas, stage));
         let start = match resume {
             Some(path) => Some(trainer.resume_state(path)?),
             None => None,
@@ -252,9 +230,7 @@ impl Strategy for BuiltinModel {
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         if let (true, ModelSpec::Gpt(gc)) = (self.alone(), &self.spec) {
             // Whole sequences, with an unsplit copy of the model (every expert), on rank 0.
-            let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
-            let lead = self.global_rank == 0;
-            return lead.then(|| kolo_train::eval::evaluate_alone(self.batch_size, gc, &flat, ds, max_batches)).transpose();
+            return evaluate_whole(&self.trainer, &self.whole, self.global_rank == 0, (gc, self.batch_size), ds, max_batches);
         }
         let zero3 = self.trainer.is_zero3();
         let settle = || self.settle();
@@ -267,9 +243,7 @@ impl Strategy for BuiltinModel {
         // gathers the blocks collectively.
         let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
         if self.alone() {
-            let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
-            let lead = self.global_rank == 0;
-            return lead.then(|| kolo_train::eval::sample_alone(&self.train, g, &flat, vocab)).transpose();
+            return sample_whole(&self.trainer, &self.whole, self.global_rank == 0, (g, &self.train), vocab);
         }
         if self.dp.rank().get() != 0 && !self.trainer.is_zero3() {
             return Ok(None);
@@ -323,6 +297,81 @@ fn whole_signature(model: &dyn Model, spec: &ModelSpec, split: bool, seed: u64) 
         }
         _ => Ok(model.params().signature()),
     }
+}
+
+/// Collective: the whole model put together from its pieces (stages, tensor-parallel pieces,
+/// experts), evaluated in one process on the `lead` rank (whole sequences, every expert).
+fn evaluate_whole(
+    trainer: &Trainer,
+    whole: &[(String, Vec<usize>)],
+    lead: bool,
+    (gc, batch): (&kolo_tensor::models::GptConfig, usize),
+    ds: &dyn Dataset,
+    max_batches: usize,
+) -> Result<Option<Eval>, TrainError> {
+    let flat = trainer.whole_params(whole).map_err(train_error)?;
+    lead.then(|| kolo_train::eval::evaluate_alone(batch, gc, &flat, ds, max_batches)).transpose()
+}
+
+/// Collective: text from the whole model put together from its pieces, on the `lead` rank.
+fn sample_whole(
+    trainer: &Trainer,
+    whole: &[(String, Vec<usize>)],
+    lead: bool,
+    (gc, tc): (&kolo_tensor::models::GptConfig, &kolo_train::config::TrainConfig),
+    vocab: &CharVocab,
+) -> Result<Option<String>, TrainError> {
+    let flat = trainer.whole_params(whole).map_err(train_error)?;
+    lead.then(|| kolo_train::eval::sample_alone(tc, gc, &flat, vocab)).transpose()
+}
+
+/// The variables of `model`'s parameters `which` (indices, in the model's order) for its
+/// trainer, each piece of a tensor-parallel model marked with how it was cut.
+fn model_vars(model: &dyn Model, which: &[usize]) -> crate::Result<Vec<(String, candle_core::Var)>> {
+    let splits = model.tensor_parallel_splits().unwrap_or_else(|| vec![None; model.params().len()]);
+    let mut vars = Vec::with_capacity(which.len());
+    for &i in which {
+        let p = model.params().get(i);
+        if let Some(split) = splits[i].clone() {
+            crate::tp::mark_split(p.var.as_tensor(), split)?;
+        }
+        vars.push((p.name.clone(), p.var.clone()));
+    }
+    Ok(vars)
+}
+
+/// Under `ddp.zero_stage = 3`: the model's blocks among the parameters `own` (under tensor
+/// parallelism this rank's pieces of them), by name prefix, which the trainer gathers into
+/// their variables when read; `holder` names who holds none, in the error. Empty otherwise.
+fn zero3_prefixes(cfg: &Config, model: &dyn Model, own: &[usize], holder: &str) -> Result<Vec<String>, TrainError> {
+    if cfg.ddp.zero_stage != 3 {
+        return Ok(Vec::new());
+    }
+    let groups: Vec<Vec<usize>> = model.param_groups().into_iter().filter(|g| g.iter().all(|i| own.contains(i))).collect();
+    if groups.is_empty() {
+        return Err(TrainError::Config(format!("ddp.zero_stage = 3 shards the GPT's blocks: {holder} none to shard")));
+    }
+    Ok(group_prefixes(model.params(), &groups))
+}
+
+/// The trainer `kolo train` steps over `vars` (a model's, in its order) on `on`, with ZeRO-3's
+/// `groups`: the driver writes its checkpoints (with the config's metadata for `replicas`) and
+/// the timeline, and checks the job's collectives on its own communicator.
+fn driven_trainer(
+    cfg: &Config,
+    spec: &ModelSpec,
+    (vars, on): (Vec<(String, candle_core::Var)>, Result<&Dist, &Mesh>),
+    mut opts: TrainOptions,
+    groups: &[String],
+    replicas: usize,
+    inject_inf_at: Option<u64>,
+) -> crate::Result<Trainer> {
+    opts.ddp.check_collectives = false;
+    let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
+    let mut trainer = Trainer::driven(vars, on, opts, &groups, inject_inf_at)?;
+    let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();
+    trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, spec, replicas, stage));
+    Ok(trainer)
 }
 
 /// The library's error as the driver's: its own kinds kept (a collective's failure stays one,

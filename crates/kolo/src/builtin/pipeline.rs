@@ -11,7 +11,7 @@
 //! what is computed) and into checkpoints (`state.previous_weights.*`), so a resumed run
 //! continues bitwise.
 
-use super::{announce_pipeline, train_error, whole_signature};
+use super::{announce_pipeline, driven_trainer, evaluate_whole, model_vars, sample_whole, train_error, whole_signature, zero3_prefixes};
 use crate::pp::{Pipeline, Schedule};
 use crate::{Dist, Mesh, TrainOptions, Trainer};
 use kolo_comm::{BufMut, Communicator, ReduceOp};
@@ -29,14 +29,17 @@ use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
-/// One stage of a flushed pipeline of the built-in GPT and the trainer of its layers.
+/// One stage of a pipeline of the built-in GPT (GPipe, 1F1B or PipeDream-2BW) and the
+/// trainer of its layers.
 pub(super) struct Pipelined {
     trainer: Trainer,
     gpt: Gpt,
     gcfg: GptConfig,
     pipe: Pipeline,
-    /// This stage's layers (0: the embedding, 1..=n_layer the blocks, then the head).
+    /// This stage's layers (0: the embedding, 1..=n_layer the blocks, then the head), and
+    /// their parameters (indices in the model's order).
     layers: Range<usize>,
+    own: Vec<usize>,
     /// Micro-batches per batch.
     m: usize,
     /// PipeDream-2BW: each step's micro-batches read so far (the stream reads the next
@@ -97,43 +100,17 @@ impl Pipelined {
         if two_bw && m + 1 < k {
             return Err(TrainError::Config(format!("PipeDream-2BW needs at least stages - 1 = {} micro-batches per batch (pipeline.micro_batches = {m}): a batch's weight version must exist before its first forward", k - 1)).into());
         }
+        // The stage's own layers' variables, in the model's order; under ZeRO-3 its blocks.
         let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
-        // The stage's own layers' variables, in the model's order.
-        let splits = gpt.tensor_parallel_splits().unwrap_or_else(|| vec![None; gpt.params().len()]);
-        let mut vars = Vec::new();
-        for &i in &own {
-            let p = gpt.params().get(i);
-            if let Some(split) = splits[i].clone() {
-                crate::tp::mark_split(p.var.as_tensor(), split)?;
-            }
-            vars.push((p.name.clone(), p.var.clone()));
-        }
-        // ZeRO-3: the stage's blocks (under tensor parallelism its pieces of them), gathered
-        // into their variables when read.
-        let groups = match cfg.ddp.zero_stage {
-            3 => {
-                let groups: Vec<Vec<usize>> = gpt.param_groups().into_iter().filter(|g| g.iter().all(|i| own.contains(i))).collect();
-                if groups.is_empty() {
-                    return Err(TrainError::Config(format!(
-                        "ddp.zero_stage = 3 shards the GPT's blocks: pipeline stage {} holds none (layers {layers:?})",
-                        mesh.coord("pp")
-                    ))
-                    .into());
-                }
-                super::group_prefixes(gpt.params(), &groups)
-            }
-            _ => Vec::new(),
-        };
+        let holder = format!("pipeline stage {} (layers {layers:?}) holds", mesh.coord("pp"));
+        let groups = zero3_prefixes(cfg, &gpt, &own, &holder)?;
         let mut opts = TrainOptions::from_train_config(cfg)?;
         // A step is `m` micro-batches of batch_size / m sequences on every stage.
         opts.train.grad_accum = m as u64;
         opts.data.batch_size = cfg.data.batch_size / m;
-        opts.ddp.check_collectives = false;
-        let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
-        let mut trainer = Trainer::driven(vars, Err(&mesh), opts, &groups, run.inject_inf_at)?;
         let spec = ModelSpec::Gpt(gcfg.clone());
-        let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();
-        trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, &spec, size.dp, stage));
+        let vars = (model_vars(&gpt, &own)?, Err(&mesh));
+        let mut trainer = driven_trainer(cfg, &spec, vars, opts, &groups, size.dp, run.inject_inf_at)?;
         let shape = [cfg.data.batch_size / m, gcfg.seq, gcfg.d_model];
         let mut pipe = Pipeline::new(schedule, &shape)?.rematerialize(pc.rematerialize);
         if two_bw {
@@ -144,16 +121,7 @@ impl Pipelined {
             None => None,
         };
         if let (true, Some((_, r))) = (two_bw, &start) {
-            // The first batch after the checkpoint runs on the version before it.
-            match trainer.previous_of(r)? {
-                Some(values) if r.step > 0 => pipe.set_carried(r.step - 1, values),
-                _ if r.step > 0 && global_rank == 0 && !run.quiet => kolo_base::eline!(
-                    "the checkpoint holds no previous weight version (another strategy wrote it): batch {} runs on version {}",
-                    r.step,
-                    r.step
-                ),
-                _ => {}
-            }
+            carry_resumed(&trainer, &pipe, r, global_rank == 0 && !run.quiet)?;
         }
         if global_rank == 0 && !run.quiet {
             let plan = kolo_pipe::partition(&gpt.layer_costs(), k);
@@ -168,6 +136,7 @@ impl Pipelined {
             gcfg,
             pipe,
             layers,
+            own,
             m,
             two_bw: two_bw.then(TwoBwState::default),
             mesh,
@@ -232,17 +201,12 @@ impl Strategy for Pipelined {
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         self.drained("evaluating")?;
-        // The whole model, put together from the stages (and pieces), evaluated on rank 0.
-        let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
-        let lead = self.global_rank == 0;
-        lead.then(|| kolo_train::eval::evaluate_alone(self.batch_size, &self.gcfg, &flat, ds, max_batches)).transpose()
+        evaluate_whole(&self.trainer, &self.whole, self.global_rank == 0, (&self.gcfg, self.batch_size), ds, max_batches)
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         self.drained("sampling")?;
-        let flat = self.trainer.whole_params(&self.whole).map_err(train_error)?;
-        let lead = self.global_rank == 0;
-        lead.then(|| kolo_train::eval::sample_alone(&self.train, &self.gcfg, &flat, vocab)).transpose()
+        sample_whole(&self.trainer, &self.whole, self.global_rank == 0, (&self.gcfg, &self.train), vocab)
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
@@ -278,7 +242,7 @@ impl Strategy for Pipelined {
             kolo_base::eline!("{line}");
         }
         let mut states = self.trainer.state_bytes();
-        let (params, own) = (self.gpt.params(), self.layers.clone().flat_map(|l| self.gpt.layer_params(l)).collect::<Vec<_>>());
+        let (params, own) = (self.gpt.params(), &self.own);
         // Values of other stages' layers the model still holds (none: `Gpt::keep_layers`), and
         // PipeDream-2BW's second version of the stage's own.
         let others = (0..params.len()).filter(|i| !own.contains(i) && params.is_resident(*i)).map(|i| params.get(i).range.len());
@@ -359,6 +323,21 @@ impl Pipelined {
             _ => Ok(()),
         }
     }
+}
+
+/// PipeDream-2BW resumed from `r`: the first batch after the checkpoint runs on the version
+/// before it, which the checkpoint holds unless another strategy wrote it (`say`: tell so).
+fn carry_resumed(trainer: &Trainer, pipe: &Pipeline, r: &kolo_train::checkpointing::Resumed, say: bool) -> crate::Result<()> {
+    match trainer.previous_of(r)? {
+        Some(values) if r.step > 0 => pipe.set_carried(r.step - 1, values),
+        _ if r.step > 0 && say => kolo_base::eline!(
+            "the checkpoint holds no previous weight version (another strategy wrote it): batch {} runs on version {}",
+            r.step,
+            r.step
+        ),
+        _ => {}
+    }
+    Ok(())
 }
 
 /// This stage's layers of `gpt` on micro-batch `batch`: from its tokens on the first stage,
