@@ -177,10 +177,10 @@ pub fn data_fingerprint(data: &crate::setup::Data) -> u64 {
 /// Every rank reads the same data (issue #34: `data.path` may differ per rank, and a rank
 /// reading a corpus with shifted ids of the same vocabulary size trained silently): the ranks
 /// all-gather [`data_fingerprint`] and, if they differ, every rank fails naming the ranks whose
-/// data is not rank 0's. Synthetic data is generated per rank and not compared.
-pub fn check_same_data(cfg: &Config, data: &crate::setup::Data, comm: &dyn Communicator) -> Result<(), TrainError> {
+/// data is not rank 0's. Synthetic data (`kind`) is generated per rank and not compared.
+pub fn check_same_data(kind: crate::config::DataKind, data: &crate::setup::Data, comm: &dyn Communicator) -> Result<(), TrainError> {
     let n = comm.world_size().get();
-    if n == 1 || cfg.data.kind == crate::config::DataKind::Synthetic {
+    if n == 1 || kind == crate::config::DataKind::Synthetic {
         return Ok(());
     }
     let mine = [data_fingerprint(data) as i64];

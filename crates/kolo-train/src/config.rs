@@ -31,7 +31,7 @@ pub struct Config {
     pub fed: Option<FedConfig>,
 }
 
-/// The tables a strategy reads after it is built ([`Config::step_tables`]).
+/// The tables a strategy reads after it is built ([`Setup::step_tables`](crate::setup::Setup::step_tables)).
 #[derive(Clone, Copy)]
 pub struct StepTables<'a> {
     pub train: &'a TrainConfig,
@@ -1283,12 +1283,6 @@ impl Config {
 
     pub fn optimizer(&self) -> OptimizerSpec {
         self.optim.spec()
-    }
-
-    /// The tables a strategy reads while it trains, resolved once when it is built (the
-    /// strategies hold these, not the whole config).
-    pub fn step_tables(&self) -> StepTables<'_> {
-        StepTables { train: &self.train, optim: &self.optim, ddp: &self.ddp, batch_size: self.data.batch_size }
     }
 
     /// Tokens in one example, for throughput: the GPT's window, 1 for the image and tabular

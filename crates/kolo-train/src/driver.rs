@@ -16,11 +16,11 @@
 
 use crate::cadence::{eval_due, Cadence, Window};
 use crate::checkpointing::{PendingSave, Resumed};
-use crate::config::{Config, DataConfig, DdpConfig, TrainConfig};
+use crate::config::{DataConfig, DdpConfig, TrainConfig};
 use crate::data::{CharVocab, Dataset};
 use crate::report::{Reporter, StepRecord};
 use crate::sampler::{Position, Sampler};
-use crate::setup::Data;
+use crate::setup::{Data, Setup};
 use crate::summary::{peak_rss, Eval, HeapReport, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_comm::Communicator;
@@ -142,16 +142,6 @@ pub trait Strategy {
     fn finish(&mut self, steps_run: u64) -> Result<Finish, TrainError>;
 }
 
-/// The checkpoint metadata every strategy writes and checks on load: a checkpoint continues
-/// under any strategy whose model, optimizer and data split agree (`replicas`: the sampler's
-/// world, whose change rescales the data position).
-pub fn checkpoint_meta(cfg: &Config, spec: &kolo_tensor::ModelSpec, replicas: usize, zero_stage: u8) -> BTreeMap<String, String> {
-    let model = crate::setup::spec_string(spec);
-    let mut meta = crate::checkpointing::base_meta(model, &cfg.optimizer(), replicas, cfg.data.batch_size, zero_stage);
-    meta.insert("kolo.seed".into(), cfg.train.seed.to_string());
-    meta
-}
-
 /// The training batches of one replica: prefetched on a background thread, or (dynamic batch
 /// sizing) this rank's share of each global batch.
 pub struct Batches {
@@ -265,7 +255,7 @@ impl Job<'_> {
 /// the run; `heap_before`: live heap bytes after the
 /// data was loaded, before the model existed.
 pub fn drive(
-    cfg: &Config,
+    cfg: &Setup,
     opts: &RunOptions,
     job: Job<'_>,
     data: &Data,
@@ -276,7 +266,7 @@ pub fn drive(
     let tc = &cfg.train;
     let global_rank = job.rank();
     let replica = s.replica();
-    let global_batch = crate::config::global_batch(cfg.data.batch_size, replica.1, tc.grad_accum);
+    let global_batch = cfg.global_batch(replica.1);
     let (first, pos, split) = match start {
         Some((path, r)) => {
             if global_rank == 0 && !opts.quiet {
@@ -288,7 +278,7 @@ pub fn drive(
     };
     let mut batches = Batches::new((&cfg.data, tc.seed, &cfg.ddp), data.train.clone(), replica, pos, split)?;
     batches.slow_ms_per_example = opts.slow_per_example.filter(|s| s.0 == global_rank).map(|s| s.1);
-    let report = Reporter::for_train(tc, cfg.tokens_per_example(), global_rank, opts.quiet, global_batch, first)?;
+    let report = Reporter::for_train(tc, cfg.tokens_per_example, global_rank, opts.quiet, global_batch, first)?;
     let mut cadence = Cadence::new(report);
     let mut timeline = tc.timeline_dir.as_ref().map(|_| crate::timeline::Timeline::new(global_rank));
     let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));

@@ -13,9 +13,9 @@
 use crate::checkpointing::{load_checkpoint, resolve_checkpoint, save_checkpoint, PendingSave, Resumed};
 use crate::config::{Config, PsConsistency, StepTables};
 use crate::data::{CharVocab, Dataset};
-use crate::driver::{checkpoint_meta, Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
+use crate::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
 use crate::eval::{evaluate, sample_text};
-use crate::setup::{lead_say, load_data, replica_batches, spec_string, Data};
+use crate::setup::{lead_say, load_data, replica_batches, spec_string, Data, Setup};
 use crate::summary::{Eval, RunOptions, StateBytes, Summary};
 use crate::TrainError;
 use kolo_base::WorldSize;
@@ -105,22 +105,23 @@ pub const CLOCKS_KEY: &str = "kolo.ps_clocks";
 pub fn run_ps(cfg: &Config, w: &PsWorker, opts: &RunOptions) -> Result<Summary, TrainError> {
     let data = load_data(cfg, w.worker)?;
     let heap_before = kolo_base::alloc::stats().map(|h| h.live);
-    let (mut s, start) = PsStrategy::new(cfg, w, &data, opts)?;
+    let setup = Setup::new(cfg, cfg.mesh_for(w.workers).map_err(TrainError::Config)?, &data)?;
+    let (mut s, start) = PsStrategy::new(&setup, w, &data, opts)?;
     // The worker's death hook is the strategy's (an error, so that in-process tests survive).
     let opts = RunOptions { die_at: None, ..opts.clone() };
-    crate::driver::drive(cfg, &opts, crate::driver::Job::Alone(w.worker), &data, heap_before, &mut s, start)
+    crate::driver::drive(&setup, &opts, crate::driver::Job::Alone(w.worker), &data, heap_before, &mut s, start)
 }
 
 impl<'a> PsStrategy<'a> {
-    fn new(cfg: &'a Config, w: &PsWorker, data: &Data, opts: &RunOptions) -> Result<(PsStrategy<'a>, Start), TrainError> {
+    fn new(cfg: &'a Setup, w: &PsWorker, data: &Data, opts: &RunOptions) -> Result<(PsStrategy<'a>, Start), TrainError> {
         let (rank, world) = (w.worker, w.workers);
         let say = lead_say(rank == 0 && !opts.quiet);
         let (tc, pc) = (&cfg.train, &cfg.ps);
-        let spec = cfg.model_spec(data.vocab_size);
+        let spec = cfg.spec.clone();
         let coordinator = pc.coordinator.clone().unwrap_or_else(|| w.coordinator.clone());
-        let mut worker = Worker::connect(cfg, &spec, &coordinator, &w.token, rank, world)?;
+        let mut worker = Worker::connect(cfg, &coordinator, &w.token, rank, world)?;
         let numel = worker.x.flat.len();
-        let meta = checkpoint_meta(cfg, &spec, world, 0);
+        let meta = cfg.checkpoint_meta(world, 0);
         let start = match &opts.resume {
             Some(p) => Some(worker.resume(cfg, &resolve_checkpoint(p)?, &meta, rank == 0, data.train.len())?),
             None => None,
@@ -144,9 +145,8 @@ impl<'a> PsStrategy<'a> {
         }
         let end = opts.stop_after.map_or(tc.steps, |s| s.min(tc.steps));
         let take_over: TakeOver = {
-            let (cfg, spec, train, coordinator, token) =
-                (cfg.clone(), spec.clone(), data.train.clone(), coordinator.clone(), w.token.clone());
-            Arc::new(move |dead| adopt_shard(&cfg, &spec, train.clone(), &coordinator, &token, dead, world, end))
+            let (cfg, train, coordinator, token) = (cfg.clone(), data.train.clone(), coordinator.clone(), w.token.clone());
+            Arc::new(move |dead| adopt_shard(&cfg, train.clone(), &coordinator, &token, dead, world, end))
         };
         let adoption = Adoption::start(&coordinator, &w.token, (rank, world), take_over)?;
         let s = PsStrategy {
@@ -544,17 +544,10 @@ struct Worker {
 
 impl Worker {
     /// Builds the model and connects as logical worker `worker` of `workers`.
-    fn connect(
-        cfg: &Config,
-        spec: &ModelSpec,
-        coordinator: &str,
-        token: &JobToken,
-        worker: usize,
-        workers: usize,
-    ) -> Result<Worker, TrainError> {
-        let model = build_model(spec, cfg.train.seed)?;
+    fn connect(cfg: &Setup, coordinator: &str, token: &JobToken, worker: usize, workers: usize) -> Result<Worker, TrainError> {
+        let model = build_model(&cfg.spec, cfg.train.seed)?;
         let numel = model.params().numel();
-        let client = connect(&cfg.ps, cfg.optimizer(), coordinator, token, numel, (worker, workers))?;
+        let client = connect(&cfg.ps, cfg.optim.spec(), coordinator, token, numel, (worker, workers))?;
         Ok(Worker { model, x: Exchange::new(client, &cfg.ps, numel), micro: vec![0f32; numel], steps_done: 0 })
     }
 
@@ -564,7 +557,7 @@ impl Worker {
     /// continues from its own clock: its step and data position.
     fn resume(
         &mut self,
-        cfg: &Config,
+        cfg: &Setup,
         path: &std::path::Path,
         meta: &std::collections::BTreeMap<String, String>,
         restore: bool,
@@ -572,7 +565,7 @@ impl Worker {
     ) -> Result<(std::path::PathBuf, Resumed), TrainError> {
         let params = self.model.params();
         let ranges: Vec<_> = params.iter().map(|p| p.range.clone()).collect();
-        let mut opt = Optimizer::new(cfg.optimizer(), self.x.flat.len());
+        let mut opt = Optimizer::new(cfg.optim.spec(), self.x.flat.len());
         let mut r = load_checkpoint(path, params, &mut self.x.flat, &mut opt, None, &ranges, meta)?;
         params.load(&self.x.flat)?;
         let (worker, workers) = (self.x.client.worker() as usize, self.x.client.workers() as usize);
@@ -700,10 +693,8 @@ fn client_options(
 
 /// Trains dead worker `shard`'s data shard from its clock to `end` (a survivor's second thread,
 /// silent: the driver's reports are this worker's own shard's).
-#[allow(clippy::too_many_arguments)]
 fn adopt_shard(
-    cfg: &Config,
-    spec: &ModelSpec,
+    cfg: &Setup,
     train: Arc<dyn Dataset>,
     coordinator: &str,
     token: &JobToken,
@@ -711,11 +702,11 @@ fn adopt_shard(
     workers: usize,
     end: u64,
 ) -> Result<(), TrainError> {
-    let mut w = Worker::connect(cfg, spec, coordinator, token, shard, workers)?;
+    let mut w = Worker::connect(cfg, coordinator, token, shard, workers)?;
     let start = w.x.take_over(end)?;
     let tc = &cfg.train;
     let batches = replica_batches(&cfg.data, tc.seed, train, shard, workers, start * tc.grad_accum)?;
-    let global_batch = crate::config::global_batch(cfg.data.batch_size, workers, tc.grad_accum);
+    let global_batch = cfg.global_batch(workers);
     for step in start..end {
         let lr = cfg.optim.lr_of_step(global_batch, tc.steps, step);
         let mut next = || batches.recv().map(|b| b.1).map_err(|_| TrainError::Other("the prefetch thread stopped".into()));

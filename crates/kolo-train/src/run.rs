@@ -5,7 +5,7 @@ pub use crate::checkpointing::newest_checkpoint;
 use crate::checkpointing::resolve_checkpoint;
 use crate::config::Config;
 use crate::driver::{Start, Strategy};
-use crate::setup::{load_data, Data};
+use crate::setup::{load_data, Data, Setup};
 use crate::summary::{retain_freed_memory, RunOptions, Summary};
 use crate::TrainError;
 use kolo_comm::Communicator;
@@ -14,11 +14,11 @@ use std::sync::Arc;
 
 /// Builds the strategy of a run (data parallelism with ZeRO and `ddp.schedule`, tensor,
 /// sequence and expert parallelism, GPipe, 1F1B and PipeDream-2BW pipelines): from
-/// the config, every rank of the job, this replica's data, the checkpoint to continue from and
+/// the config resolved for the job, every rank of the job, this replica's data, the checkpoint to continue from and
 /// the run's options, the strategy and where it starts. It is the library's: `kolo::builtin`,
 /// the built-in models trained by `kolo::Trainer`, as a user's model is.
 pub type TrainerBuilder =
-    dyn Fn(&Config, Arc<dyn Communicator>, &Data, Option<&Path>, &RunOptions) -> Result<(Box<dyn Strategy>, Start), TrainError>;
+    dyn Fn(&Setup, Arc<dyn Communicator>, &Data, Option<&Path>, &RunOptions) -> Result<(Box<dyn Strategy>, Start), TrainError>;
 
 /// Trains `cfg` on this rank of `comm`: builds the strategy the config names (`trainer`
 /// builds it) and runs it on the driver to the end.
@@ -28,7 +28,7 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions, trainer
     retain_freed_memory();
     // Before anything else: every rank was started with the same job.
     crate::agreement::check_same_job(cfg, &*comm)?;
-    select_device(cfg)?;
+    select_device(&cfg.train.device)?;
     // The mesh: pipeline stages (pp) of data-parallel replicas (dp) of tensor-parallel groups
     // (tp, consecutive ranks). DDP, data and evaluation run over the dp group; the model's
     // blocks are split over the tp group; stages talk over the pp group.
@@ -42,26 +42,25 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions, trainer
     // Loads the data of replica `data_rank`, builds the strategy and drives it.
     let start = |data_rank: usize| -> Result<(Data, Option<usize>), TrainError> {
         let data = load_data(cfg, data_rank)?;
-        crate::agreement::check_same_data(cfg, &data, &*comm)?;
+        crate::agreement::check_same_data(cfg.data.kind, &data, &*comm)?;
         let heap_before = kolo_base::alloc::stats().map(|h| h.live);
         Ok((data, heap_before))
-    };
-    let drive = |data: &Data, heap, s: &mut dyn Strategy, from| {
-        crate::driver::drive(cfg, opts, crate::driver::Job::Ranks(&*comm), data, heap, s, from)
     };
     // Replicas (dp; each member of an expert-parallel group one) of sequence chunks (sp) of
     // tensor-parallel groups (tp, consecutive ranks), in each pipeline stage (pp, slowest).
     let (data, heap) = start((global_rank / (mesh.tp * mesh.sp)) % mesh.dp)?;
-    let (mut s, from) = trainer(cfg, comm.clone(), &data, resume, opts)?;
-    drive(&data, heap, &mut *s, from)
+    // From here on the strategy and the driver see the config's typed parts, resolved once.
+    let setup = Setup::new(cfg, mesh, &data)?;
+    let (mut s, from) = trainer(&setup, comm.clone(), &data, resume, opts)?;
+    crate::driver::drive(&setup, opts, crate::driver::Job::Ranks(&*comm), &data, heap, &mut *s, from)
 }
 
 /// `train.device`: `cuda` alone is one GPU per local rank (torchrun's LOCAL_RANK convention).
-fn select_device(cfg: &Config) -> Result<(), TrainError> {
-    if cfg.train.device == "cpu" {
+fn select_device(device: &str) -> Result<(), TrainError> {
+    if device == "cpu" {
         return Ok(());
     }
     let local_rank = std::env::var("LOCAL_RANK").ok().and_then(|v| v.parse::<usize>().ok()).unwrap_or(0);
-    kolo_tensor::select_device(&cfg.train.device, local_rank).map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
+    kolo_tensor::select_device(device, local_rank).map_err(|e| TrainError::Config(format!("train.device: {e}")))?;
     Ok(())
 }

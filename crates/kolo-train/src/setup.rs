@@ -1,7 +1,8 @@
-//! What every strategy builds from the config: the datasets ([`load_data`]), each replica's
-//! batches and sampler position, the optimizer, the GPT's shape.
+//! What every strategy builds from the config: the datasets ([`load_data`]), the config
+//! resolved once into the typed parts the strategies and the driver receive ([`Setup`]), each
+//! replica's batches and sampler position, the optimizer, the GPT's shape.
 
-use crate::config::{Config, DataConfig, DataKind};
+use crate::config::{Config, DataConfig, DataKind, DdpConfig, Mesh, OptimConfig, PipelineConfig, PsConfig, StepTables, TrainConfig};
 use crate::data::{text_split, CharVocab, Dataset, Mnist, Synthetic};
 use crate::sampler::{Position, Sampler, SamplerConfig};
 use crate::TrainError;
@@ -76,6 +77,74 @@ pub(crate) fn replica_position(data: &DataConfig, seed: u64, len: usize, rank: u
 pub(crate) fn replica_sampler(data: &DataConfig, seed: u64, len: usize, rank: usize, world: usize) -> SamplerConfig {
     let (world, rank) = if data.kind == DataKind::Synthetic { (1, 0) } else { (world, rank) };
     SamplerConfig { len, world, rank, batch: data.batch_size, seed, shuffle: data.shuffle, drop_last: data.drop_last }
+}
+
+/// A `kolo train` config resolved once, for the job's mesh and data: the typed parts each
+/// strategy and the driver receive, never the whole [`Config`] (its `[fed]` table and the
+/// planner's knobs belong to other commands). What only the world size and the data decide
+/// is settled here, with its error, before any strategy is built: the mesh, the model's shape
+/// with the data's vocabulary, `ddp.schedule`'s sizes, the compute dtype.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// Ranks per axis: pipeline stages, data-parallel replicas, tensor-parallel pieces,
+    /// sequence chunks, expert groups.
+    pub mesh: Mesh,
+    /// The model to build, with the data's vocabulary.
+    pub spec: ModelSpec,
+    /// `model.checkpoint_blocks`: the GPT blocks whose activations backward recomputes.
+    pub checkpoint_blocks: Vec<usize>,
+    /// `ddp.schedule` as (chunk, credit) in f32 elements, when set.
+    pub comm_schedule: Option<(usize, usize)>,
+    /// The dtype the model computes in (`train.precision`).
+    pub compute: kolo_tensor::CandleDType,
+    /// Tokens in one example, for throughput (the GPT's window; 1 for the image models).
+    pub tokens_per_example: usize,
+    pub data: DataConfig,
+    pub train: TrainConfig,
+    pub optim: OptimConfig,
+    pub ddp: DdpConfig,
+    pub pipeline: Option<PipelineConfig>,
+    pub ps: PsConfig,
+}
+
+impl Setup {
+    /// Resolves `cfg` for `mesh` (`Config::mesh_for` of the world size) and the loaded `data`.
+    pub fn new(cfg: &Config, mesh: Mesh, data: &Data) -> Result<Setup, TrainError> {
+        Ok(Setup {
+            mesh,
+            spec: cfg.model_spec(data.vocab_size),
+            checkpoint_blocks: cfg.model.checkpoint_blocks.clone(),
+            comm_schedule: cfg.comm_schedule().map_err(TrainError::Config)?,
+            compute: cfg.compute_dtype(),
+            tokens_per_example: cfg.tokens_per_example(),
+            data: cfg.data.clone(),
+            train: cfg.train.clone(),
+            optim: cfg.optim.clone(),
+            ddp: cfg.ddp.clone(),
+            pipeline: cfg.pipeline.clone(),
+            ps: cfg.ps.clone(),
+        })
+    }
+
+    /// The tables a strategy reads while it trains.
+    pub fn step_tables(&self) -> StepTables<'_> {
+        StepTables { train: &self.train, optim: &self.optim, ddp: &self.ddp, batch_size: self.data.batch_size }
+    }
+
+    /// The global batch over `replicas` data-parallel replicas (with `train.grad_accum`).
+    pub fn global_batch(&self, replicas: usize) -> usize {
+        crate::config::global_batch(self.data.batch_size, replicas, self.train.grad_accum)
+    }
+
+    /// The checkpoint metadata every strategy writes and checks on load: a checkpoint continues
+    /// under any strategy whose model, optimizer and data split agree (`replicas`: the sampler's
+    /// world, whose change rescales the data position).
+    pub fn checkpoint_meta(&self, replicas: usize, zero_stage: u8) -> std::collections::BTreeMap<String, String> {
+        let model = spec_string(&self.spec);
+        let mut meta = crate::checkpointing::base_meta(model, &self.optim.spec(), replicas, self.data.batch_size, zero_stage);
+        meta.insert("kolo.seed".into(), self.train.seed.to_string());
+        meta
+    }
 }
 
 /// A run's datasets, as `[data]` describes them.

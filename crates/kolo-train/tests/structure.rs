@@ -77,8 +77,9 @@ const ENV_READERS: [(&str, &str); 8] = [
     ("kolo-train/src/run.rs", "\"LOCAL_RANK\""),
 ];
 
-/// `(file, line)` of every read of the environment in the libraries' sources.
-fn env_reads(crates: &std::path::Path) -> Vec<(String, String)> {
+/// Every library source file (not binaries, the launcher, the test kit or test files), as
+/// its path under `crates/` and its lines outside `//` comments.
+fn library_sources(crates: &std::path::Path) -> Vec<(String, Vec<String>)> {
     fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
         for e in std::fs::read_dir(dir).unwrap() {
             let p = e.unwrap().path();
@@ -89,7 +90,7 @@ fn env_reads(crates: &std::path::Path) -> Vec<(String, String)> {
             }
         }
     }
-    let mut reads = Vec::new();
+    let mut sources = Vec::new();
     for krate in std::fs::read_dir(crates).unwrap() {
         let krate = krate.unwrap().path();
         let name = krate.file_name().unwrap().to_string_lossy().into_owned();
@@ -100,10 +101,20 @@ fn env_reads(crates: &std::path::Path) -> Vec<(String, String)> {
         walk(&krate.join("src"), &mut files);
         for f in files {
             let rel = f.strip_prefix(crates).unwrap().to_string_lossy().into_owned();
-            for line in std::fs::read_to_string(&f).unwrap().lines().filter(|l| !l.trim_start().starts_with("//")) {
-                if ["env::var(", "env::var_os(", "env::vars("].iter().any(|p| line.contains(p)) {
-                    reads.push((rel.clone(), line.trim().to_string()));
-                }
+            let text = std::fs::read_to_string(&f).unwrap();
+            sources.push((rel, text.lines().filter(|l| !l.trim_start().starts_with("//")).map(str::to_string).collect()));
+        }
+    }
+    sources
+}
+
+/// `(file, line)` of every read of the environment in the libraries' sources.
+fn env_reads(crates: &std::path::Path) -> Vec<(String, String)> {
+    let mut reads = Vec::new();
+    for (rel, lines) in library_sources(crates) {
+        for line in lines {
+            if ["env::var(", "env::var_os(", "env::vars("].iter().any(|p| line.contains(p)) {
+                reads.push((rel.clone(), line.trim().to_string()));
             }
         }
     }
@@ -117,4 +128,61 @@ fn libraries_read_the_environment_only_where_the_architecture_says() {
     assert!(reads.iter().any(|(f, _)| f == "kolo/src/dist.rs"), "the scan found nothing: {reads:?}");
     let stray: Vec<_> = reads.iter().filter(|(f, line)| !ENV_READERS.iter().any(|(af, what)| f == af && line.contains(what))).collect();
     assert!(stray.is_empty(), "the environment is read outside ARCHITECTURE.md's list: {stray:#?}");
+}
+
+/// The functions of the libraries that take the whole `kolo train` config: the entry points of
+/// its jobs (a run, a parameter-server worker and its evaluation group, a federated server and
+/// client), what resolves it (the data, [`kolo_train::setup::Setup`], the planner's vocabulary)
+/// and what compares it between ranks. Every strategy and the driver receive the resolved
+/// `Setup` (ARCHITECTURE.md: "configuration resolved once").
+const WHOLE_CONFIG_READERS: [(&str, &str); 15] = [
+    ("kolo-train/src/run.rs", "run"),
+    ("kolo-train/src/setup.rs", "new"),
+    ("kolo-train/src/setup.rs", "load_data"),
+    ("kolo-train/src/agreement.rs", "settings"),
+    ("kolo-train/src/agreement.rs", "check_same_job"),
+    ("kolo-train/src/autoplan.rs", "text_vocab"),
+    ("kolo-train/src/eval.rs", "evaluate_params"),
+    ("kolo-train/src/ps_worker.rs", "run_ps"),
+    ("kolo-train/src/ps_worker.rs", "run_ps_eval"),
+    ("kolo-fed/src/job.rs", "initial_model"),
+    ("kolo-fed/src/job.rs", "spec"),
+    ("kolo-fed/src/job.rs", "serve"),
+    ("kolo-fed/src/job.rs", "client"),
+    ("kolo/src/builtin.rs", "run"),
+    ("kolo/src/options.rs", "from_train_config"),
+];
+
+/// `(file, function)` of every parameter typed as the whole config, `&Config` in any of its
+/// spellings, in the libraries' sources.
+fn whole_config_params(crates: &std::path::Path) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    for (rel, lines) in library_sources(crates) {
+        let text = lines.join("\n");
+        for ty in ["&Config", "&kolo_train::Config", "&kolo_train::config::Config"] {
+            for (at, _) in text.match_indices(&format!(": {ty}")) {
+                let end = at + 2 + ty.len();
+                if text[end..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_') {
+                    continue;
+                }
+                let Some(f) = text[..at].rfind("fn ") else { continue };
+                let name: String = text[f + 3..].chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+                found.push((rel.clone(), name));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn only_entry_points_and_resolvers_take_the_whole_config() {
+    let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let found = whole_config_params(&crates);
+    let has = |f: &str, n: &str| found.iter().any(|(ff, nn)| ff == f && nn == n);
+    assert!(has("kolo-train/src/run.rs", "run") && has("kolo/src/options.rs", "from_train_config"), "the scan found nothing: {found:?}");
+    let stray: Vec<_> = found.iter().filter(|(f, n)| !WHOLE_CONFIG_READERS.iter().any(|(af, an)| f == af && n == an)).collect();
+    assert!(
+        stray.is_empty(),
+        "functions outside the entry points and resolvers take the whole config (give them `Setup` or the tables they read): {stray:#?}"
+    );
 }

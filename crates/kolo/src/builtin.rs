@@ -20,7 +20,7 @@ use kolo_train::checkpointing::PendingSave;
 use kolo_train::config::{Config, Precision};
 use kolo_train::data::{CharVocab, Dataset};
 use kolo_train::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use kolo_train::setup::Data;
+use kolo_train::setup::{Data, Setup};
 use kolo_train::summary::{Eval, RunOptions, Summary};
 use kolo_train::TrainError;
 use std::path::Path;
@@ -71,14 +71,14 @@ impl BuiltinModel {
     /// over `[mesh] tp`'s groups when set; this rank's stage of a GPipe or 1F1B pipeline), its
     /// trainer over `comm`'s ranks, and resumes `resume` when given.
     pub fn build(
-        cfg: &Config,
+        cfg: &Setup,
         comm: Arc<dyn Communicator>,
         data: &Data,
         resume: Option<&Path>,
         run: &RunOptions,
     ) -> Result<(Box<dyn Strategy>, Start), TrainError> {
         if cfg.pipeline.is_some() {
-            let (s, start) = pipeline::Pipelined::new(cfg, comm, data, resume, run).map_err(train_error)?;
+            let (s, start) = pipeline::Pipelined::new(cfg, comm, resume, run).map_err(train_error)?;
             return Ok((Box::new(s), start));
         }
         let (s, start) = Self::new(cfg, comm, data, resume, run).map_err(train_error)?;
@@ -86,7 +86,7 @@ impl BuiltinModel {
     }
 
     fn new(
-        cfg: &Config,
+        cfg: &Setup,
         comm: Arc<dyn Communicator>,
         data: &Data,
         resume: Option<&Path>,
@@ -94,7 +94,7 @@ impl BuiltinModel {
     ) -> crate::Result<(BuiltinModel, Start)> {
         comm.set_timeout(cfg.ddp.timeout());
         let global_rank = comm.rank().get();
-        let size = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
+        let size = cfg.mesh;
         let dist = Dist::of_comm(comm.clone());
         // Replicas (dp) of expert-parallel groups (ep: each member its own replica too) of
         // sequence chunks (sp) of tensor-parallel groups (tp, consecutive ranks).
@@ -116,7 +116,7 @@ impl BuiltinModel {
         let tp = mesh.as_ref().filter(|_| size.tp > 1).map(|m| SumGroup::new(m.tp().comm().clone()));
         let sp = mesh.as_ref().filter(|_| size.sp > 1).map(|m| m.sp().comm().clone());
         let chunk = sp.as_ref().map(|c| (c.rank().get(), c.world_size().get()));
-        let spec = cfg.model_spec(data.vocab_size);
+        let spec = cfg.spec.clone();
         let mut model = dp_model(cfg, &spec, (tp.clone(), sp, ep.map(|e| e.exchange())))?;
         // ZeRO-3: the GPT's blocks (under tensor parallelism this rank's pieces of them),
         // gathered into its variables when read; checkpointed blocks read them again in
@@ -127,15 +127,15 @@ impl BuiltinModel {
             model.reread_parameters();
         }
         let vars = model_vars(&*model, &all)?;
-        let mut opts = TrainOptions::from_train_config(cfg)?;
+        let mut opts = TrainOptions::from_setup(cfg)?;
         // The model casts its f32 parameters where it uses them: f32 to the trainer.
         opts.train.precision = Precision::F32;
         let on = match &mesh {
             Some(m) => Err(m),
             None => Ok(&dist),
         };
-        let mut trainer = driven_trainer(cfg, &spec, (vars, on), opts, &groups, replica.1, run.inject_inf_at)?;
-        let compute = cfg.compute_dtype();
+        let mut trainer = driven_trainer(cfg, (vars, on), opts, &groups, replica.1, run.inject_inf_at)?;
+        let compute = cfg.compute;
         if compute == CandleDType::F16 {
             trainer.scale_losses();
         }
@@ -343,7 +343,7 @@ fn model_vars(model: &dyn Model, which: &[usize]) -> crate::Result<Vec<(String, 
 /// Under `ddp.zero_stage = 3`: the model's blocks among the parameters `own` (under tensor
 /// parallelism this rank's pieces of them), by name prefix, which the trainer gathers into
 /// their variables when read; `holder` names who holds none, in the error. Empty otherwise.
-fn zero3_prefixes(cfg: &Config, model: &dyn Model, own: &[usize], holder: &str) -> Result<Vec<String>, TrainError> {
+fn zero3_prefixes(cfg: &Setup, model: &dyn Model, own: &[usize], holder: &str) -> Result<Vec<String>, TrainError> {
     if cfg.ddp.zero_stage != 3 {
         return Ok(Vec::new());
     }
@@ -358,8 +358,7 @@ fn zero3_prefixes(cfg: &Config, model: &dyn Model, own: &[usize], holder: &str) 
 /// `groups`: the driver writes its checkpoints (with the config's metadata for `replicas`) and
 /// the timeline, and checks the job's collectives on its own communicator.
 fn driven_trainer(
-    cfg: &Config,
-    spec: &ModelSpec,
+    cfg: &Setup,
     (vars, on): (Vec<(String, candle_core::Var)>, Result<&Dist, &Mesh>),
     mut opts: TrainOptions,
     groups: &[String],
@@ -370,7 +369,7 @@ fn driven_trainer(
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     let mut trainer = Trainer::driven(vars, on, opts, &groups, inject_inf_at)?;
     let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();
-    trainer.replace_meta(kolo_train::driver::checkpoint_meta(cfg, spec, replicas, stage));
+    trainer.replace_meta(cfg.checkpoint_meta(replicas, stage));
     Ok(trainer)
 }
 
@@ -409,7 +408,7 @@ type Splits = (Option<Arc<SumGroup>>, Option<Arc<dyn Communicator>>, Option<Arc<
 /// The model the config names, its tensor-parallel split over `tp` when there is one, its
 /// attention over the sequence chunks of `sp` (a ring), or its experts dealt out over `ep`,
 /// with the configured activation checkpointing.
-fn dp_model(cfg: &Config, spec: &ModelSpec, (tp, sp, ep): Splits) -> Result<Box<dyn Model>, TrainError> {
+fn dp_model(cfg: &Setup, spec: &ModelSpec, (tp, sp, ep): Splits) -> Result<Box<dyn Model>, TrainError> {
     let seed = cfg.train.seed;
     let rng = || kolo_base::Rng::new(seed);
     let mut model = match (tp, sp, ep, spec) {
@@ -424,13 +423,13 @@ fn dp_model(cfg: &Config, spec: &ModelSpec, (tp, sp, ep): Splits) -> Result<Box<
         (None, None, Some(ex), ModelSpec::Gpt(gc)) => Box::new(kolo_tensor::models::Gpt::new_expert_parallel(gc.clone(), &mut rng(), ex)?),
         _ => kolo_tensor::build_model(spec, seed)?,
     };
-    model.set_checkpointing(&cfg.model.checkpoint_blocks)?;
+    model.set_checkpointing(&cfg.checkpoint_blocks)?;
     Ok(model)
 }
 
 /// The start line of a data-parallel run.
 fn announce(
-    cfg: &Config,
+    cfg: &Setup,
     model: &dyn Model,
     spec: &ModelSpec,
     (ddp, zero): (&kolo_ddp::Ddp, Option<&kolo_ddp::ShardPlan>),
@@ -458,7 +457,7 @@ fn announce(
         );
         return Ok(());
     }
-    if let Some((chunk, credit)) = cfg.comm_schedule().map_err(TrainError::Config)? {
+    if let Some((chunk, credit)) = cfg.comm_schedule {
         kolo_base::eline!(
             "kolo train (scheduled DDP): {numel} params, {} on {world} rank(s), {} chunks of {} KiB, credit {} KiB, data: {}",
             kolo_train::setup::spec_string(spec),
@@ -473,7 +472,7 @@ fn announce(
         "kolo train: {} params, {} on {world} rank(s), global batch {} ({} x {world} ranks x {} micro-steps), {} buckets{}, data: {}, CPU kernels: {}, {} thread(s)",
         numel,
         kolo_train::setup::spec_string(spec),
-        kolo_train::config::global_batch(cfg.data.batch_size, world, tc.grad_accum),
+        cfg.global_batch(world),
         cfg.data.batch_size,
         tc.grad_accum,
         ddp.plan().len(),

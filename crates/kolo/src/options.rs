@@ -297,17 +297,26 @@ impl TrainOptions {
     /// `[data]` describe Kolo's built-in models and datasets, which your program replaces.
     /// Checked as [`TrainOptions::from_toml`] is.
     pub fn from_train_config(cfg: &kolo_train::Config) -> Result<TrainOptions> {
+        Self::of_tables((&cfg.optim, &cfg.ddp, &cfg.train), &cfg.data, &cfg.ps)
+    }
+
+    /// The trainer's tables of a `kolo train` config resolved for its job (`kolo::builtin`'s
+    /// strategies), as [`TrainOptions::from_train_config`] takes them.
+    pub(crate) fn from_setup(setup: &kolo_train::setup::Setup) -> Result<TrainOptions> {
+        Self::of_tables((&setup.optim, &setup.ddp, &setup.train), &setup.data, &setup.ps)
+    }
+
+    fn of_tables(
+        (optim, ddp, train): (&OptimConfig, &DdpConfig, &TrainConfig),
+        data: &kolo_train::config::DataConfig,
+        ps: &kolo_train::config::PsConfig,
+    ) -> Result<TrainOptions> {
         let o = TrainOptions {
-            optim: cfg.optim.clone(),
-            ddp: cfg.ddp.clone(),
-            train: cfg.train.clone(),
-            data: DataOptions {
-                batch_size: cfg.data.batch_size,
-                shuffle: cfg.data.shuffle,
-                drop_last: cfg.data.drop_last,
-                ..DataOptions::default()
-            },
-            ps: cfg.ps.clone(),
+            optim: optim.clone(),
+            ddp: ddp.clone(),
+            train: train.clone(),
+            data: DataOptions { batch_size: data.batch_size, shuffle: data.shuffle, drop_last: data.drop_last, ..DataOptions::default() },
+            ps: ps.clone(),
             rule: None,
         };
         o.check()?;

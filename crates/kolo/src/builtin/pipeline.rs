@@ -18,10 +18,10 @@ use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_tensor::models::{Gpt, GptConfig, StageInput};
 use kolo_tensor::{Batch, Input, Model, ModelSpec, PlainView};
 use kolo_train::checkpointing::PendingSave;
-use kolo_train::config::{Config, PipeSchedule};
+use kolo_train::config::PipeSchedule;
 use kolo_train::data::{CharVocab, Dataset};
 use kolo_train::driver::{Batches, Finish, SaveAt, Start, StepCtx, StepOut, Strategy};
-use kolo_train::setup::Data;
+use kolo_train::setup::Setup;
 use kolo_train::summary::{Eval, RunOptions};
 use kolo_train::TrainError;
 use std::collections::BTreeMap;
@@ -59,16 +59,15 @@ pub(super) struct Pipelined {
 
 impl Pipelined {
     pub(super) fn new(
-        cfg: &Config,
+        cfg: &Setup,
         comm: Arc<dyn Communicator>,
-        data: &Data,
         resume: Option<&Path>,
         run: &RunOptions,
     ) -> crate::Result<(Pipelined, Start)> {
         let pc = cfg.pipeline.as_ref().expect("called for [pipeline] configs");
         let global_rank = comm.rank().get();
-        let size = cfg.mesh_for(comm.world_size().get()).map_err(TrainError::Config)?;
-        let ModelSpec::Gpt(gcfg) = cfg.model_spec(data.vocab_size) else {
+        let size = cfg.mesh;
+        let ModelSpec::Gpt(gcfg) = cfg.spec.clone() else {
             return Err(TrainError::Config("[pipeline] cuts the GPT's layers into stages; model.kind must be \"gpt\"".into()).into());
         };
         let dist = Dist::of_comm(comm);
@@ -104,13 +103,13 @@ impl Pipelined {
         let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
         let holder = format!("pipeline stage {} (layers {layers:?}) holds", mesh.coord("pp"));
         let groups = zero3_prefixes(cfg, &gpt, &own, &holder)?;
-        let mut opts = TrainOptions::from_train_config(cfg)?;
+        let mut opts = TrainOptions::from_setup(cfg)?;
         // A step is `m` micro-batches of batch_size / m sequences on every stage.
         opts.train.grad_accum = m as u64;
         opts.data.batch_size = cfg.data.batch_size / m;
         let spec = ModelSpec::Gpt(gcfg.clone());
         let vars = (model_vars(&gpt, &own)?, Err(&mesh));
-        let mut trainer = driven_trainer(cfg, &spec, vars, opts, &groups, size.dp, run.inject_inf_at)?;
+        let mut trainer = driven_trainer(cfg, vars, opts, &groups, size.dp, run.inject_inf_at)?;
         let shape = [cfg.data.batch_size / m, gcfg.seq, gcfg.d_model];
         let mut pipe = Pipeline::new(schedule, &shape)?.rematerialize(pc.rematerialize);
         if two_bw {
