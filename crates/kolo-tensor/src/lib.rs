@@ -20,7 +20,7 @@ mod params;
 pub use candle_core::{DType as CandleDType, Device, Tensor};
 pub use error::TensorError;
 pub use models::{build_model, Batch, Input, Model, ModelSpec};
-pub use params::{copy_f32, edit_f32, with_f32, CastView, GradSink, HookedView, Param, ParamSet, ParamView, PlainView};
+pub use params::{copy_f32, edit_f32, view_for, with_f32, CastView, GradSink, HookedView, Param, ParamSet, ParamView, PlainView};
 
 pub type Result<T> = std::result::Result<T, TensorError>;
 

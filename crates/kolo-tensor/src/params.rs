@@ -322,6 +322,15 @@ impl ParamView for CastView {
     }
 }
 
+/// How a model of f32 parameters computing in `dtype` reads them: as they are in f32, else
+/// cast where used ([`CastView`], torch's autocast).
+pub fn view_for(dtype: DType) -> Box<dyn ParamView> {
+    match dtype {
+        DType::F32 => Box::new(PlainView),
+        dtype => Box::new(CastView(dtype)),
+    }
+}
+
 struct GradHook {
     idx: usize,
     sink: Arc<dyn GradSink>,

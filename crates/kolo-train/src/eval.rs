@@ -89,10 +89,11 @@ fn whole_gpt(gcfg: &kolo_tensor::models::GptConfig, flat: &[f32]) -> Result<kolo
     Ok(whole)
 }
 
-/// Loss over at most `max_batches` batches of `ds` of a whole GPT holding `flat`, in this
-/// process alone (the strategies whose own model is split or chunked evaluate on one rank).
+/// Loss over at most `max_batches` batches of `ds` of a whole GPT holding `flat`, computing
+/// in `compute` (the run's precision), in this process alone (the strategies whose own model
+/// is split or chunked evaluate on one rank).
 pub fn evaluate_alone(
-    batch_size: usize,
+    (batch_size, compute): (usize, kolo_tensor::CandleDType),
     gcfg: &kolo_tensor::models::GptConfig,
     flat: &[f32],
     ds: &dyn Dataset,
@@ -100,18 +101,19 @@ pub fn evaluate_alone(
 ) -> Result<Eval, TrainError> {
     let whole = whole_gpt(gcfg, flat)?;
     let local = kolo_comm::LocalComm::create(kolo_base::WorldSize::new(1).expect("1 > 0")).remove(0);
-    evaluate(&whole, &PlainView, ds, &local, batch_size, max_batches, false, &|| Ok(()))
+    evaluate(&whole, &*kolo_tensor::view_for(compute), ds, &local, batch_size, max_batches, false, &|| Ok(()))
 }
 
-/// A sample (`[train]`'s length, temperature and seed) of a whole GPT holding `flat`.
+/// A sample (`[train]`'s length, temperature and seed) of a whole GPT holding `flat`,
+/// computing in `compute`.
 pub fn sample_alone(
-    tc: &TrainConfig,
+    (tc, compute): (&TrainConfig, kolo_tensor::CandleDType),
     gcfg: &kolo_tensor::models::GptConfig,
     flat: &[f32],
     vocab: &CharVocab,
 ) -> Result<String, TrainError> {
     let whole = whole_gpt(gcfg, flat)?;
-    sample_text(&whole, &PlainView, vocab, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))
+    sample_text(&whole, &*kolo_tensor::view_for(compute), vocab, gcfg.seq, tc.sample_chars, tc.sample_temperature, tc.seed, &|| Ok(()))
 }
 
 /// Generates `n` characters from a text model, starting from a newline ([`sample_ids`] with the

@@ -38,8 +38,10 @@ pub fn run(cfg: &Config, comm: Arc<dyn Communicator>, opts: &RunOptions) -> Resu
 pub struct BuiltinModel {
     trainer: Trainer,
     model: Box<dyn Model>,
-    /// How the model reads its f32 parameters: as they are, or cast to bf16/f16 where used.
+    /// How the model reads its f32 parameters: as they are, or cast to bf16/f16 (`compute`)
+    /// where used.
     view: Box<dyn ParamView>,
+    compute: CandleDType,
     spec: ModelSpec,
     /// The ranks holding the same parameters: the data-parallel group, with the sequence
     /// chunks' ranks under sequence parallelism (the step's loss and evaluation sums are taken
@@ -127,9 +129,7 @@ impl BuiltinModel {
             model.reread_parameters();
         }
         let vars = model_vars(&*model, &all)?;
-        let mut opts = TrainOptions::from_setup(cfg)?;
-        // The model casts its f32 parameters where it uses them: f32 to the trainer.
-        opts.train.precision = Precision::F32;
+        let opts = TrainOptions::from_setup(cfg)?;
         let on = match &mesh {
             Some(m) => Err(m),
             None => Ok(&dist),
@@ -143,10 +143,7 @@ impl BuiltinModel {
             Some(path) => Some(trainer.resume_state(path)?),
             None => None,
         };
-        let view: Box<dyn ParamView> = match compute {
-            CandleDType::F32 => Box::new(kolo_tensor::PlainView),
-            dtype => Box::new(kolo_tensor::CastView(dtype)),
-        };
+        let view = kolo_tensor::view_for(compute);
         if global_rank == 0 && !run.quiet {
             let e = trainer.engine();
             announce(cfg, &*model, &spec, (&e.ddp, e.zero.as_ref()), (chunk, size.ep), data)?;
@@ -157,6 +154,7 @@ impl BuiltinModel {
             trainer,
             model,
             view,
+            compute,
             spec,
             dp,
             replica,
@@ -230,7 +228,8 @@ impl Strategy for BuiltinModel {
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         if let (true, ModelSpec::Gpt(gc)) = (self.alone(), &self.spec) {
             // Whole sequences, with an unsplit copy of the model (every expert), on rank 0.
-            return evaluate_whole(&self.trainer, &self.whole, self.global_rank == 0, (gc, self.batch_size), ds, max_batches);
+            let lead = self.global_rank == 0;
+            return evaluate_whole(&self.trainer, &self.whole, lead, (gc, self.batch_size, self.compute), ds, max_batches);
         }
         let zero3 = self.trainer.is_zero3();
         let settle = || self.settle();
@@ -243,7 +242,7 @@ impl Strategy for BuiltinModel {
         // gathers the blocks collectively.
         let ModelSpec::Gpt(g) = &self.spec else { return Ok(None) };
         if self.alone() {
-            return sample_whole(&self.trainer, &self.whole, self.global_rank == 0, (g, &self.train), vocab);
+            return sample_whole(&self.trainer, &self.whole, self.global_rank == 0, (g, &self.train, self.compute), vocab);
         }
         if self.dp.rank().get() != 0 && !self.trainer.is_zero3() {
             return Ok(None);
@@ -300,29 +299,31 @@ fn whole_signature(model: &dyn Model, spec: &ModelSpec, split: bool, seed: u64) 
 }
 
 /// Collective: the whole model put together from its pieces (stages, tensor-parallel pieces,
-/// experts), evaluated in one process on the `lead` rank (whole sequences, every expert).
+/// experts), evaluated in one process on the `lead` rank (whole sequences, every expert),
+/// computing in the run's `compute` dtype.
 fn evaluate_whole(
     trainer: &Trainer,
     whole: &[(String, Vec<usize>)],
     lead: bool,
-    (gc, batch): (&kolo_tensor::models::GptConfig, usize),
+    (gc, batch, compute): (&kolo_tensor::models::GptConfig, usize, CandleDType),
     ds: &dyn Dataset,
     max_batches: usize,
 ) -> Result<Option<Eval>, TrainError> {
     let flat = trainer.whole_params(whole).map_err(train_error)?;
-    lead.then(|| kolo_train::eval::evaluate_alone(batch, gc, &flat, ds, max_batches)).transpose()
+    lead.then(|| kolo_train::eval::evaluate_alone((batch, compute), gc, &flat, ds, max_batches)).transpose()
 }
 
-/// Collective: text from the whole model put together from its pieces, on the `lead` rank.
+/// Collective: text from the whole model put together from its pieces, on the `lead` rank,
+/// computing in `compute`.
 fn sample_whole(
     trainer: &Trainer,
     whole: &[(String, Vec<usize>)],
     lead: bool,
-    (gc, tc): (&kolo_tensor::models::GptConfig, &kolo_train::config::TrainConfig),
+    (gc, tc, compute): (&kolo_tensor::models::GptConfig, &kolo_train::config::TrainConfig, CandleDType),
     vocab: &CharVocab,
 ) -> Result<Option<String>, TrainError> {
     let flat = trainer.whole_params(whole).map_err(train_error)?;
-    lead.then(|| kolo_train::eval::sample_alone(tc, gc, &flat, vocab)).transpose()
+    lead.then(|| kolo_train::eval::sample_alone((tc, compute), gc, &flat, vocab)).transpose()
 }
 
 /// The variables of `model`'s parameters `which` (indices, in the model's order) for its
@@ -366,6 +367,8 @@ fn driven_trainer(
     inject_inf_at: Option<u64>,
 ) -> crate::Result<Trainer> {
     opts.ddp.check_collectives = false;
+    // The model casts its f32 parameters where it uses them (`compute`): f32 to the trainer.
+    opts.train.precision = Precision::F32;
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     let mut trainer = Trainer::driven(vars, on, opts, &groups, inject_inf_at)?;
     let stage = kolo_ddp::Sharding::from_stage(cfg.ddp.zero_stage).unwrap_or_default().stage();

@@ -16,7 +16,7 @@ use crate::pp::{Pipeline, Schedule};
 use crate::{Dist, Mesh, TrainOptions, Trainer};
 use kolo_comm::{BufMut, Communicator, ReduceOp};
 use kolo_tensor::models::{Gpt, GptConfig, StageInput};
-use kolo_tensor::{Batch, Input, Model, ModelSpec, PlainView};
+use kolo_tensor::{Batch, CandleDType, Input, Model, ModelSpec};
 use kolo_train::checkpointing::PendingSave;
 use kolo_train::config::PipeSchedule;
 use kolo_train::data::{CharVocab, Dataset};
@@ -53,6 +53,8 @@ pub(super) struct Pipelined {
     before: crate::pp::Totals,
     train: kolo_train::config::TrainConfig,
     batch_size: usize,
+    /// The dtype the stage computes in: its f32 parameters are cast where used (bf16, f16).
+    compute: CandleDType,
     global_rank: usize,
     quiet: bool,
 }
@@ -110,6 +112,11 @@ impl Pipelined {
         let spec = ModelSpec::Gpt(gcfg.clone());
         let vars = (model_vars(&gpt, &own)?, Err(&mesh));
         let mut trainer = driven_trainer(cfg, vars, opts, &groups, size.dp, run.inject_inf_at)?;
+        // f16: the last stage's losses are scaled, the scale carried back by the gradients
+        // between stages; a step that overflows on any stage is skipped on every one.
+        if cfg.compute == CandleDType::F16 {
+            trainer.scale_losses();
+        }
         let shape = [cfg.data.batch_size / m, gcfg.seq, gcfg.d_model];
         let mut pipe = Pipeline::new(schedule, &shape)?.rematerialize(pc.rematerialize);
         if two_bw {
@@ -144,6 +151,7 @@ impl Pipelined {
             before: Default::default(),
             train: cfg.train.clone(),
             batch_size: cfg.data.batch_size,
+            compute: cfg.compute,
             global_rank,
             quiet: run.quiet,
         };
@@ -181,8 +189,8 @@ impl Strategy for Pipelined {
             return self.step_stream(ctx, data);
         }
         let micro = kolo_train::pipeline::split_batch(&data.next_batch()?, self.m)?;
-        let (gpt, layers) = (&self.gpt, self.layers.clone());
-        let stage = |mb: usize, input: Option<&candle_core::Tensor>| run_layers(gpt, layers.clone(), &micro[mb], input);
+        let (gpt, layers, compute) = (&self.gpt, self.layers.clone(), self.compute);
+        let stage = |mb: usize, input: Option<&candle_core::Tensor>| run_layers((gpt, compute), layers.clone(), &micro[mb], input);
         let out = self.pipe.step(&mut self.trainer, stage);
         // A failed ZeRO-3 gather is the cause of whatever the step met.
         self.trainer.zero3_failure().map_err(train_error)?;
@@ -200,12 +208,13 @@ impl Strategy for Pipelined {
 
     fn evaluate(&mut self, ds: &dyn Dataset, max_batches: usize) -> Result<Option<Eval>, TrainError> {
         self.drained("evaluating")?;
-        evaluate_whole(&self.trainer, &self.whole, self.global_rank == 0, (&self.gcfg, self.batch_size), ds, max_batches)
+        let lead = self.global_rank == 0;
+        evaluate_whole(&self.trainer, &self.whole, lead, (&self.gcfg, self.batch_size, self.compute), ds, max_batches)
     }
 
     fn sample(&mut self, vocab: &CharVocab) -> Result<Option<String>, TrainError> {
         self.drained("sampling")?;
-        sample_whole(&self.trainer, &self.whole, self.global_rank == 0, (&self.gcfg, &self.train), vocab)
+        sample_whole(&self.trainer, &self.whole, self.global_rank == 0, (&self.gcfg, &self.train, self.compute), vocab)
     }
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
@@ -249,11 +258,12 @@ impl Strategy for Pipelined {
         if self.two_bw.is_some() {
             states.params += own.iter().map(|&i| params.get(i).range.len()).sum::<usize>() as u64 * 4;
         }
+        let e = self.trainer.engine();
         Ok(Finish {
             params: self.trainer.whole_params(&self.whole).map_err(train_error)?,
             states,
-            skipped_steps: 0,
-            loss_scale: None,
+            skipped_steps: e.skipped_steps(),
+            loss_scale: e.scaler.as_ref().map(kolo_optim::LossScaler::scale),
             moe: None,
             pipeline_bubble: Some(bubble),
             ps: None,
@@ -282,7 +292,7 @@ impl Pipelined {
         // Steps before this one have had their updates: their micro-batches are done with.
         t.micro.retain(|&step, _| step >= ctx.step);
         let began = *t.began.get_or_insert(ctx.step);
-        let (gpt, layers, m) = (&self.gpt, self.layers.clone(), self.m);
+        let (gpt, layers, m, compute) = (&self.gpt, self.layers.clone(), self.m, self.compute);
         let micro = &mut t.micro;
         let msg = |e: TrainError| candle_core::Error::Msg(e.to_string());
         let stage = |step: u64, mb: usize, input: Option<&candle_core::Tensor>| {
@@ -291,7 +301,7 @@ impl Pipelined {
                 let batch = data.next_batch().map_err(msg)?;
                 e.insert(kolo_train::pipeline::split_batch(&batch, m).map_err(msg)?);
             }
-            run_layers(gpt, layers.clone(), &micro[&step][mb], input)
+            run_layers((gpt, compute), layers.clone(), &micro[&step][mb], input)
         };
         self.pipe.step_stream(&mut self.trainer, stage).map_err(train_error)?;
         self.trainer.driven_mut().drain_at = None;
@@ -339,10 +349,12 @@ fn carry_resumed(trainer: &Trainer, pipe: &Pipeline, r: &kolo_train::checkpointi
     Ok(())
 }
 
-/// This stage's layers of `gpt` on micro-batch `batch`: from its tokens on the first stage,
-/// else from `input`; the last stage returns the micro-batch's mean loss.
+/// This stage's layers of `gpt` on micro-batch `batch`, computing in `compute` (under mixed
+/// precision its f32 parameters are cast where used): from its tokens on the first stage,
+/// else from `input` (which arrives in f32) cast to `compute`; the last stage returns the
+/// micro-batch's mean loss.
 fn run_layers(
-    gpt: &Gpt,
+    (gpt, compute): (&Gpt, CandleDType),
     layers: Range<usize>,
     batch: &Batch,
     input: Option<&candle_core::Tensor>,
@@ -350,11 +362,11 @@ fn run_layers(
     let candle = |e: kolo_tensor::TensorError| candle_core::Error::Msg(e.to_string());
     let last = layers.end == gpt.layers();
     let x = match (input, &batch.input) {
-        (Some(h), _) => StageInput::Hidden(h.clone()),
+        (Some(h), _) => StageInput::Hidden(h.to_dtype(compute)?),
         (None, Input::Tokens { ids, b, t }) => StageInput::Tokens { ids, b: *b, t: *t },
         (None, Input::Images { .. }) => return Err(candle_core::Error::Msg("a GPT stage takes token sequences".into())),
     };
-    let out = gpt.forward_layers(x, layers, &PlainView).map_err(candle)?;
+    let out = gpt.forward_layers(x, layers, &*kolo_tensor::view_for(compute)).map_err(candle)?;
     match last {
         true => gpt.logits_loss(&out, &batch.targets).map_err(candle),
         false => Ok(out),

@@ -113,6 +113,14 @@ fn bad_inputs_give_clear_errors() {
     assert!(err(&format!("{two_bw}[ddp]\nlocal_sgd = {{ every = 2 }}\n")).contains("PipeDream-2BW averages every step"));
     assert!(Config::parse(&format!("{one_f_one_b}[ddp]\nlocal_sgd = {{ every = 2 }}\n"), "t").is_ok());
     assert!(err(&format!("{two_bw}[optim]\nweight_decay = 0.1\n")).contains("optim.groups"));
+    // Mixed precision: GPipe and 1F1B take bf16 and f16; PipeDream-2BW, which cannot skip an
+    // overflowing step, bf16 only. The micro-batches are the accumulation.
+    for p in ["bf16", "f16"] {
+        assert!(Config::parse(&format!("{one_f_one_b}[train]\nprecision = \"{p}\"\n"), "t").is_ok(), "1F1B in {p}");
+    }
+    assert!(Config::parse(&format!("{two_bw}[train]\nprecision = \"bf16\"\n"), "t").is_ok());
+    assert!(err(&format!("{two_bw}[train]\nprecision = \"f16\"\n")).contains("cannot skip an f16 step"));
+    assert!(err(&format!("{one_f_one_b}[train]\ngrad_accum = 2\n")).contains("its micro-batches are the accumulation"));
     // Scheduled DDP runs on the driver: it has them all.
     let sched = format!("{gpt}[ddp]\nschedule = {{ chunk = \"64KiB\" }}\n");
     let all = "[train]\njson_log = \"x\"\ntensorboard_dir = \"y\"\nmetrics_port = 9400\ntimeline_dir = \"z\"\ncheckpoint_dir = \"c\"\n\
