@@ -1067,16 +1067,15 @@ impl Config {
                     return Err("mesh.tp splits the GPT's blocks (model.kind = \"gpt\")".into());
                 }
                 // ZeRO-1/2/3 shard over the data-parallel group (ZeRO-3: each rank's pieces of
-                // the blocks, torchtitan's FSDP + TP).
+                // the blocks, torchtitan's FSDP + TP); bf16/f16 cast where used (Megatron's
+                // mixed precision).
                 if self.ddp.compression.is_some()
                     || self.ddp.local_sgd.is_some()
-                    || self.train.precision != Precision::F32
                     || self.train.strategy != Strategy::Ddp
                     || !self.model.checkpoint_blocks.is_empty()
                 {
                     return Err(
-                        "mesh.tp > 1 runs in f32 without compression, local SGD, parameter servers or activation checkpointing (yet)"
-                            .into(),
+                        "mesh.tp > 1 runs without compression, local SGD, parameter servers or activation checkpointing (yet)".into()
                     );
                 }
             }
