@@ -1024,10 +1024,9 @@ impl Config {
                 || self.pipeline.is_some()
                 || self.ddp.zero_stage == 3
                 || !md.checkpoint_blocks.is_empty()
-                || self.train.precision != Precision::F32
                 || self.train.strategy != Strategy::Ddp
             {
-                return Err("model.experts trains in f32 with data and expert parallelism (mesh.dp, mesh.ep), without tp, sp, pipelines, ZeRO-3, activation checkpointing or parameter servers (yet)".into());
+                return Err("model.experts trains with data and expert parallelism (mesh.dp, mesh.ep), without tp, sp, pipelines, ZeRO-3, activation checkpointing or parameter servers (yet)".into());
             }
             if !x.is_multiple_of(m.ep) {
                 return Err(format!("model.experts ({x}) must be a multiple of mesh.ep ({})", m.ep));
@@ -1052,11 +1051,10 @@ impl Config {
                 if self.ddp.zero_stage == 3
                     || self.ddp.compression.is_some()
                     || self.ddp.local_sgd.is_some()
-                    || self.train.precision != Precision::F32
                     || self.train.strategy != Strategy::Ddp
                     || !self.model.checkpoint_blocks.is_empty()
                 {
-                    return Err("mesh.sp > 1 runs in f32 without ZeRO-3, compression, local SGD, parameter servers or activation checkpointing (yet; ZeRO-1/2 and grad_accum work)".into());
+                    return Err("mesh.sp > 1 runs without ZeRO-3, compression, local SGD, parameter servers or activation checkpointing (yet; ZeRO-1/2, grad_accum and bf16/f16 work)".into());
                 }
             }
             if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {

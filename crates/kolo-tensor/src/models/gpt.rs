@@ -155,9 +155,14 @@ fn block_forward_with(x: &Tensor, p: &[Tensor], h: usize, ring: Option<&Arc<dyn 
     let hdn = layer_norm(x, &p[0], &p[1], 1e-5)?;
     let y = match ring {
         Some(r) => {
+            // Mixed precision: bf16/f16 queries, keys and values widened to f32 for the ring
+            // (its blocks travel and its running softmax sums in f32, as flash attention's
+            // does), the output rounded back once.
             let (q, k, v) = qkv_heads(&hdn, &p[2], &p[3], h)?;
-            let y = q.apply_op3(&k, &v, super::ring::RingAttention::new(r.clone(), scale as f32))?;
-            y.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?
+            let dtype = q.dtype();
+            let f32 = |t: Tensor| t.to_dtype(DType::F32);
+            let y = f32(q)?.apply_op3(&f32(k)?, &f32(v)?, super::ring::RingAttention::new(r.clone(), scale as f32))?;
+            y.to_dtype(dtype)?.transpose(1, 2)?.contiguous()?.reshape((b, t, c))?
         }
         None => self_attention(&hdn, &p[2], &p[3], h)?,
     };

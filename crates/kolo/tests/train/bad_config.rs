@@ -121,7 +121,8 @@ fn bad_inputs_give_clear_errors() {
     assert!(Config::parse(&format!("{two_bw}[train]\nprecision = \"bf16\"\n"), "t").is_ok());
     assert!(err(&format!("{two_bw}[train]\nprecision = \"f16\"\n")).contains("cannot skip an f16 step"));
     assert!(err(&format!("{one_f_one_b}[train]\ngrad_accum = 2\n")).contains("its micro-batches are the accumulation"));
-    // Tensor parallelism takes mixed precision, beside a pipeline too.
+    // Tensor, sequence and expert parallelism take mixed precision, beside a pipeline too.
+    assert!(Config::parse(&format!("{gpt}[mesh]\nsp = 2\n[train]\nprecision = \"bf16\"\n"), "t").is_ok());
     assert!(Config::parse(&format!("{gpt}[mesh]\ntp = 2\n[train]\nprecision = \"bf16\"\n"), "t").is_ok());
     assert!(Config::parse(&format!("{one_f_one_b}[mesh]\ntp = 2\n[train]\nprecision = \"f16\"\n"), "t").is_ok());
     // Scheduled DDP runs on the driver: it has them all.

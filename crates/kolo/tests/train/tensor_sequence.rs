@@ -307,17 +307,19 @@ fn zero_and_accumulation_beside_sequence_parallelism_match_one_process_gpt() {
     }
 }
 
-/// Mixed precision beside tensor parallelism (Megatron's bf16 + TP): the GPT's f32 parameters
-/// cast where used, each block split over tp 2 (dp 2 x tp 2, pp 2 x tp 2), the same 6 SGD
-/// steps on the same global batches as one process in the same dtype. Not bitwise: a row-parallel product is rounded to the dtype on
-/// each member before the f32 sum, where one process rounds the whole sum once, so the runs
-/// differ by rounding noise about as large as the dtype's own (one process in bf16 against
-/// f32: 0.42 % of the update's norm, f16 0.05 %; the meshes measured 1.1-1.7 times that).
-/// Bound: three times that noise and at most 30 % (a dropped all-reduce is off by about
-/// 100 %). The precision is real: the mesh's run is at least half the noise away from f32
-/// (in f32 the meshes are 6e-6 of the update from one process).
+/// Mixed precision beside tensor and sequence parallelism (Megatron's bf16 + TP): the GPT's
+/// f32 parameters cast where used, each block split over tp 2 (dp 2 x tp 2, pp 2 x tp 2) or
+/// each sequence over sp 2 (dp 2 x sp 2; ring attention widens its blocks to f32), the same 6
+/// SGD steps on the same global batches as one process in the same dtype. Not bitwise: a
+/// row-parallel product is rounded to the dtype on each member before the f32 sum, where one
+/// process rounds the whole sum once, and ring attention sums in f32 where one process sums
+/// in the dtype, so the runs differ by rounding noise about as large as the dtype's own (one
+/// process in bf16 against f32: 0.42 % of the update's norm, f16 0.05 %; the meshes measured
+/// 0.8-1.7 times that). Bound: three times that noise and at most 30 % (a dropped all-reduce
+/// is off by about 100 %). The precision is real: the mesh's run is at least half the noise
+/// away from f32 (in f32 the meshes are 6e-6 of the update from one process).
 #[test]
-fn mixed_precision_beside_tensor_parallelism_follows_one_process() {
+fn mixed_precision_beside_tensor_and_sequence_parallelism_follows_one_process() {
     let mk = |batch: usize, extra: &str| {
         let text = format!(
             "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
@@ -342,6 +344,8 @@ fn mixed_precision_beside_tensor_parallelism_follows_one_process() {
             (2, 8, "[mesh]\ntp = 2\n"),
             (4, 4, "[mesh]\ndp = 2\ntp = 2\n"),
             (4, 8, "[mesh]\ntp = 2\npp = 2\n[pipeline]\nmicro_batches = 2\n"),
+            (2, 8, "[mesh]\nsp = 2\n"),
+            (4, 4, "[mesh]\ndp = 2\nsp = 2\n"),
         ] {
             let ranks = train_on(n, &mk(batch, &format!("{p}{mesh}")), &quiet());
             for s in &ranks {
