@@ -1099,12 +1099,8 @@ impl Config {
             if p.schedule == PipeSchedule::TwoBw && self.train.precision == Precision::F16 {
                 return Err("PipeDream-2BW never flushes, so it cannot skip an f16 step that overflowed: train.precision = \"bf16\" (GPipe and 1F1B take f16)".into());
             }
-            if self.ddp.compression.is_some()
-                || self.train.grad_accum != 1
-                || self.train.strategy != Strategy::Ddp
-                || !self.model.checkpoint_blocks.is_empty()
-            {
-                return Err("[pipeline] runs with grad_accum = 1 (its micro-batches are the accumulation) and without compression, parameter servers or activation checkpointing (yet; re-materialize with pipeline.rematerialize)".into());
+            if self.ddp.compression.is_some() || self.train.grad_accum != 1 || self.train.strategy != Strategy::Ddp {
+                return Err("[pipeline] runs with grad_accum = 1 (its micro-batches are the accumulation) and without compression or parameter servers (yet)".into());
             }
         }
         if self.train.strategy == Strategy::Ps {

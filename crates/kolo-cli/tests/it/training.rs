@@ -456,3 +456,44 @@ fn plot_renders_a_runs_curves_to_png() {
     assert!(!o.status.success() && err.contains("events.out.tfevents.1.x:"), "{}", text(&o));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Activation checkpointing (`model.checkpoint_blocks`) saves memory between real processes,
+/// measured by the `kolo` binary's counting allocator: a GPT of 4 blocks on 2 ranks, under DDP
+/// and as 2 stages of 1F1B, keeps at most 80 % of the transient heap (activations and other
+/// step-time buffers above what stays between steps; measured 13.9 vs 27.6 MB under DDP, 4.9
+/// vs 7.3 MB on stage 0 of the pipeline) with every block checkpointed, and evaluates the same
+/// model at the end.
+#[test]
+fn checkpointed_blocks_keep_fewer_activations() {
+    let dir = fresh_dir("ckpt-mem");
+    // "peak 46.2 MB (+27.6 MB transient)" of rank 0's heap line.
+    let transient = |t: &str| -> f64 {
+        let line = t.lines().find(|l| l.starts_with("[rank 0] heap per rank:")).unwrap_or_else(|| panic!("no heap line: {t}"));
+        let at = line.rfind("(+").unwrap() + 2;
+        line[at..].split(' ').next().unwrap().parse().unwrap()
+    };
+    for pipeline in ["", "[pipeline]\nmicro_batches = 4\nschedule = \"1f1b\"\n"] {
+        let mut seen = Vec::new();
+        for blocks in ["", "checkpoint_blocks = [0, 1, 2, 3]\n"] {
+            let cfg = dir.join("gpt.toml");
+            std::fs::write(
+                &cfg,
+                format!(
+                    "[model]\nkind = \"gpt\"\nseq = 64\nd_model = 64\nn_head = 4\nn_layer = 4\n{blocks}[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 16\n\
+                     [optim]\nkind = \"adamw\"\nlr = 3e-3\n[train]\nsteps = 3\nsample_chars = 0\neval_batches = 1\n{pipeline}",
+                    shakespeare()
+                ),
+            )
+            .unwrap();
+            let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+            let t = text(&o);
+            assert!(o.status.success(), "{t}");
+            let eval = t.lines().find(|l| l.contains("final eval")).unwrap_or_else(|| panic!("{t}")).to_string();
+            seen.push((transient(&t), eval));
+        }
+        let ((plain, plain_eval), (ck, ck_eval)) = (&seen[0], &seen[1]);
+        assert_eq!(plain_eval, ck_eval, "{pipeline:?}: checkpointing changed the model");
+        assert!(*ck < 0.8 * plain, "{pipeline:?}: {ck} MB transient with every block checkpointed, {plain} MB without");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -105,6 +105,12 @@ impl Pipelined {
         let own: Vec<usize> = layers.clone().flat_map(|l| gpt.layer_params(l)).collect();
         let holder = format!("pipeline stage {} (layers {layers:?}) holds", mesh.coord("pp"));
         let groups = zero3_prefixes(cfg, &gpt, &own, &holder)?;
+        // `model.checkpoint_blocks` of this stage recompute their activations in backward
+        // (under ZeRO-3 reading their gathered values again, as the data-parallel model does).
+        gpt.set_checkpointing(&cfg.checkpoint_blocks)?;
+        if !groups.is_empty() {
+            gpt.reread_parameters();
+        }
         let mut opts = TrainOptions::from_setup(cfg)?;
         // A step is `m` micro-batches of batch_size / m sequences on every stage.
         opts.train.grad_accum = m as u64;

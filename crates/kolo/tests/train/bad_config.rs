@@ -121,6 +121,9 @@ fn bad_inputs_give_clear_errors() {
     assert!(Config::parse(&format!("{two_bw}[train]\nprecision = \"bf16\"\n"), "t").is_ok());
     assert!(err(&format!("{two_bw}[train]\nprecision = \"f16\"\n")).contains("cannot skip an f16 step"));
     assert!(err(&format!("{one_f_one_b}[train]\ngrad_accum = 2\n")).contains("its micro-batches are the accumulation"));
+    // Blocks checkpointed inside a pipeline's stages.
+    let blocks = one_f_one_b.replace("[data]", "checkpoint_blocks = [0]\n[data]");
+    assert!(blocks.contains("checkpoint_blocks") && Config::parse(&blocks, "t").is_ok());
     // Tensor, sequence and expert parallelism take mixed precision, beside a pipeline too.
     assert!(Config::parse(&format!("{gpt}[mesh]\nsp = 2\n[train]\nprecision = \"bf16\"\n"), "t").is_ok());
     assert!(Config::parse(&format!("{gpt}[mesh]\ntp = 2\n[train]\nprecision = \"bf16\"\n"), "t").is_ok());

@@ -390,3 +390,30 @@ fn mixed_precision_pipelines_match_one_process() {
         plain.states.params
     );
 }
+
+/// Activation checkpointing inside pipeline stages (`model.checkpoint_blocks`: each named block
+/// of a stage recomputes its activations in backward; under ZeRO-3 it reads its gathered
+/// values again) changes memory, not the training: 1F1B over 2 stages, dp 2 x pp 2 under
+/// ZeRO-3 and PipeDream-2BW (whose blocks recompute on the weight version their forward read)
+/// end bitwise where the same pipelines without it do. The memory it saves is measured
+/// between processes (kolo-cli's `checkpointed_blocks_keep_fewer_activations`).
+#[test]
+fn checkpointed_blocks_in_pipeline_stages_change_memory_not_training() {
+    let mk = |blocks: &str, (schedule, extra): (&str, &str)| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 3\n{blocks}\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 8\n\
+             [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\n[train]\nsteps = 4\nsample_chars = 0\neval_batches = 2\n\
+             [pipeline]\nmicro_batches = 4\nschedule = \"{schedule}\"\n{extra}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let checkpointed = "checkpoint_blocks = [0, 1, 2]";
+    for (n, extra) in [(2, ("1f1b", "")), (4, ("1f1b", "[mesh]\ndp = 2\n[ddp]\nzero_stage = 3\n")), (2, ("2bw", ""))] {
+        let (plain, ck) = (mk("", extra), mk(checkpointed, extra));
+        let (p, c) = (&train_on(n, &plain, &quiet())[0], &train_on(n, &ck, &quiet())[0]);
+        let d = max_diff(&c.params, &p.params);
+        assert!(c.params == p.params, "{n} ranks {extra:?}: checkpointed stages vs plain: {d}");
+        assert_eq!(c.last_loss, p.last_loss);
+    }
+}
