@@ -1048,13 +1048,12 @@ impl Config {
                 if self.model.kind != ModelKind::Gpt || m.tp > 1 || self.pipeline.is_some() {
                     return Err("mesh.sp splits the GPT's sequences (model.kind = \"gpt\", without tp or [pipeline] for now)".into());
                 }
-                if self.ddp.zero_stage == 3
-                    || self.ddp.compression.is_some()
+                if self.ddp.compression.is_some()
                     || self.ddp.local_sgd.is_some()
                     || self.train.strategy != Strategy::Ddp
                     || !self.model.checkpoint_blocks.is_empty()
                 {
-                    return Err("mesh.sp > 1 runs without ZeRO-3, compression, local SGD, parameter servers or activation checkpointing (yet; ZeRO-1/2, grad_accum and bf16/f16 work)".into());
+                    return Err("mesh.sp > 1 runs without compression, local SGD, parameter servers or activation checkpointing (yet; ZeRO-1/2/3, grad_accum and bf16/f16 work)".into());
                 }
             }
             if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {
