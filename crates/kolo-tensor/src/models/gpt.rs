@@ -199,7 +199,12 @@ fn block_forward_moe(
 /// `cat` of the block's parameters as the view gave them), so their gradients flow back through
 /// the `cat` to whatever the view attached (gradient hooks, or the GradStore).
 struct CheckpointedBlock {
+    /// Heads of this rank (its share of them under tensor parallelism).
     n_head: usize,
+    /// Tensor parallelism: the block is this member's pieces, its operators summing over the
+    /// group (the recomputation in backward runs the same all-reduces again, every member
+    /// recomputing the same block at the same point).
+    tp: Option<Arc<dyn kolo_base::GroupSum>>,
     shapes: Vec<Vec<usize>>,
     /// [`Gpt::reread`]: the block's variables and the dtype the model computes them in. The
     /// packed input's values are freed after the forward (a hook refills them from these,
@@ -279,7 +284,7 @@ impl CustomOp2 for CheckpointedBlock {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = cpu_tensor(s1, l1)?;
         let packed = cpu_tensor(s2, l2)?;
-        let y = block_forward(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head).map_err(msg)?;
+        let y = run_block(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head, self.tp.as_ref()).map_err(msg)?;
         into_storage(&y)
     }
 
@@ -288,9 +293,17 @@ impl CustomOp2 for CheckpointedBlock {
             Some(r) => Reread::pack(&r.vars, r.dtype)?.to_vec1::<f32>()?,
             None => packed.flatten_all()?.to_vec1::<f32>()?,
         };
-        let (gx, gp) = recompute(x, &values, &self.shapes, self.n_head, grad)?;
+        let (gx, gp) = recompute(x, &values, &self.shapes, (self.n_head, self.tp.as_ref()), grad)?;
         let n = gp.len();
         Ok((gx, Some(Tensor::from_vec(gp, n, &Device::Cpu)?)))
+    }
+}
+
+/// A dense block: whole, or this member's pieces of it under tensor parallelism over `tp`.
+fn run_block(x: &Tensor, p: &[Tensor], n_head: usize, tp: Option<&Arc<dyn kolo_base::GroupSum>>) -> Result<Tensor> {
+    match tp {
+        Some(group) => super::tp::block_forward_tp(x, p, n_head, group),
+        None => block_forward(x, p, n_head),
     }
 }
 
@@ -302,7 +315,7 @@ fn recompute(
     x: &Tensor,
     packed: &[f32],
     shapes: &[Vec<usize>],
-    n_head: usize,
+    (n_head, tp): (usize, Option<&Arc<dyn kolo_base::GroupSum>>),
     grad: &Tensor,
 ) -> candle_core::Result<(Option<Tensor>, Vec<f32>)> {
     let xv = Var::from_tensor(&x.detach())?;
@@ -314,7 +327,7 @@ fn recompute(
         off += n;
     }
     let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let y = block_forward(xv.as_tensor(), &ps, n_head).map_err(msg)?;
+    let y = run_block(xv.as_tensor(), &ps, n_head, tp).map_err(msg)?;
     let g = (y * grad.detach())?.sum_all()?.backward()?;
     let mut out = vec![0f32; packed.len()];
     let mut off = 0;
@@ -495,10 +508,8 @@ impl Gpt {
 
 impl Gpt {
     fn set_checkpointing_blocks(&mut self, blocks: &[usize]) -> Result<()> {
-        if (self.tp.is_some() || self.cfg.moe.is_some()) && !blocks.is_empty() {
-            return Err(TensorError::Input(
-                "activation checkpointing under tensor parallelism or of mixture-of-experts blocks is not supported yet".into(),
-            ));
+        if self.cfg.moe.is_some() && !blocks.is_empty() {
+            return Err(TensorError::Input("activation checkpointing of mixture-of-experts blocks is not supported yet".into()));
         }
         if let Some(bad) = blocks.iter().find(|&&i| i >= self.cfg.n_layer) {
             return Err(TensorError::Input(format!(
@@ -833,12 +844,12 @@ impl Gpt {
                 }
                 continue;
             }
-            if let Some(tp) = &self.tp {
-                let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
-                x = super::tp::block_forward_tp(&x, &p, h / tp.group.size(), &tp.group)?;
+            let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
+            let tp = self.tp.as_ref().map(|t| &t.group);
+            if let (Some(group), false) = (tp, ckpt) {
+                x = super::tp::block_forward_tp(&x, &p, h / group.size(), group)?;
                 continue;
             }
-            let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
             if let Some(ring) = &self.sp {
                 x = block_forward_with(&x, &p, h, Some(ring))?;
                 continue;
@@ -856,7 +867,9 @@ impl Gpt {
                     false => None,
                 };
                 let refill = reread.as_ref().map(|r| (r.vars.clone(), r.dtype));
-                let y = x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, CheckpointedBlock { n_head: h, shapes, reread })?;
+                let heads = h / tp.map_or(1, |g| g.size());
+                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), shapes, reread };
+                let y = x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, op)?;
                 if let Some((vars, dtype)) = refill {
                     // The graph keeps `packed` for backward, which packs the variables again
                     // instead: free its values, and refill them should anything read them (an

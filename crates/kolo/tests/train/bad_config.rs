@@ -124,6 +124,7 @@ fn bad_inputs_give_clear_errors() {
     // Blocks checkpointed inside a pipeline's stages.
     let blocks = one_f_one_b.replace("[data]", "checkpoint_blocks = [0]\n[data]");
     assert!(blocks.contains("checkpoint_blocks") && Config::parse(&blocks, "t").is_ok());
+    assert!(Config::parse(&format!("{blocks}[mesh]\ntp = 2\n"), "t").is_ok(), "checkpointed blocks beside pp x tp");
     // Tensor, sequence and expert parallelism take mixed precision, beside a pipeline too.
     assert!(Config::parse(&format!("{gpt}[mesh]\nsp = 2\n[train]\nprecision = \"bf16\"\n"), "t").is_ok());
     assert!(Config::parse(&format!("{gpt}[mesh]\ntp = 2\n[train]\nprecision = \"bf16\"\n"), "t").is_ok());

@@ -365,3 +365,32 @@ fn mixed_precision_beside_tensor_and_sequence_parallelism_follows_one_process() 
         }
     }
 }
+
+/// Activation checkpointing beside tensor parallelism (Megatron's full recomputation): each
+/// checkpointed block keeps only its input and recomputes its pieces in backward, running the
+/// block's all-reduces again. It changes memory, not the training: tp 2, dp 2 x tp 2 under
+/// ZeRO-3 (the blocks' pieces read again) and pp 2 x tp 2 end bitwise where the same meshes
+/// without it do. The memory it saves is measured between processes (kolo-cli's
+/// `checkpointed_blocks_keep_fewer_activations`).
+#[test]
+fn checkpointed_blocks_beside_tensor_parallelism_change_memory_not_training() {
+    let mk = |blocks: &str, batch: usize, extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 3\n{blocks}\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
+             [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\n[train]\nsteps = 3\nsample_chars = 0\neval_batches = 2\n{extra}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let checkpointed = "checkpoint_blocks = [0, 1, 2]";
+    for (n, batch, extra) in [
+        (2, 8, "[mesh]\ntp = 2\n"),
+        (4, 4, "[mesh]\ndp = 2\ntp = 2\n[ddp]\nzero_stage = 3\n"),
+        (4, 8, "[mesh]\ntp = 2\npp = 2\n[pipeline]\nmicro_batches = 2\n"),
+    ] {
+        let (p, c) = (&train_on(n, &mk("", batch, extra), &quiet())[0], &train_on(n, &mk(checkpointed, batch, extra), &quiet())[0]);
+        let d = max_diff(&c.params, &p.params);
+        assert!(c.params == p.params, "{extra:?}: checkpointed vs plain: {d}");
+        assert_eq!(c.last_loss, p.last_loss, "{extra:?}");
+    }
+}
