@@ -372,6 +372,37 @@ fn measured_machine_predicts_runs_it_was_not_fitted_to() {
     assert!(step[1] > step[0] * 1.05, "8 micro-batches of 1 ({:.1} ms) costed as fast as one batch of 8 ({:.1} ms)", step[1], step[0]);
 }
 
+/// ZeRO beside pipeline and tensor parallelism, as `--plan auto` now plans it: Kolo's runs of
+/// the same GPT on 4 ranks of a 2-core Intel Xeon guest on 2026-11-28 22:39-22:41
+/// (docs/benchmarks.md, session 38), against the CPU as 4 concurrent `kolo plan --cluster
+/// measured` timed it just before (93.7 GFLOP/s at best, 4.17 GB/s, Kolo's AdamW at 12.7 GB/s
+/// per rank): nothing here was fitted to them. Step time and memory (the peak heap per rank
+/// Kolo reports) within 25 %: dp 2 x pp 2 under ZeRO-1 (2 micro-batches of 4) and dp 2 x tp 2
+/// under ZeRO-2.
+#[test]
+fn zero_beside_model_parallelism_predicts_runs_it_was_not_fitted_to() {
+    // One node of 4 ranks sharing its 2 cores (`kolo plan --devices 4 --devices-per-node 4`).
+    let mut c = Cluster::preset("this-machine", 1).unwrap();
+    c.devices_per_node = 4;
+    c.cores_per_node = 2;
+    c.device.peak_f32 = 93.7e9;
+    c.device.mem_bandwidth = 4.17e9;
+    c.device.update_bandwidth = 12.7e9;
+    c.device.gemm_efficiency = vec![(64.0, 0.122), (128.0, 0.441), (256.0, 0.923), (512.0, 1.0), (4096.0, 1.0)];
+    let m = bench_gpt();
+    let runs = [
+        ("dp 2 x pp 2, ZeRO-1", Plan::new(2, 1, 2, 1, 4), (198.3, 205.5), 96.8e6),
+        ("dp 2 x tp 2, ZeRO-2", Plan::new(2, 2, 1, 2, 8), (209.1, 213.4), 107.4e6),
+    ];
+    for (name, p, (a, b), heap) in runs {
+        let e = estimate(&m, &c, &p, 16, Precision::F32).unwrap();
+        let ms = (a + b) / 2.0;
+        let predicted = e.step_s * 1e3;
+        assert!((predicted / ms - 1.0).abs() < 0.25, "{name}: predicted {predicted:.1} ms, measured {ms}");
+        assert!((e.memory() / heap - 1.0).abs() < 0.25, "{name}: predicted {:.1} MB, measured {:.1} MB", e.memory() / 1e6, heap / 1e6);
+    }
+}
+
 /// Selective recomputation drops the s x s scores from the kept activations and runs
 /// attention's core again: between keeping everything and recomputing whole layers in time,
 /// at the memory of everything but the scores. With fused attention the scores are never kept

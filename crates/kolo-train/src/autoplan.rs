@@ -115,13 +115,16 @@ fn text_vocab(cfg: &Config) -> usize {
     text.and_then(|p| std::fs::read(p).ok()).map_or(256, |t| crate::data::CharVocab::from_text(&t).len().max(1))
 }
 
-/// The plans the planner's search finds for `m` on `c` that Kolo's GPT can run, fastest first:
-/// ZeRO only with plain data parallelism, activation checkpointing (full, not selective
-/// recomputation) without tp or pp, ZeRO-3 with every block checkpointed (the variant its
-/// cost model was checked against) without gradient accumulation, no more stages than layers.
+/// The plans the planner's search finds for `m` on `c` that Kolo's GPT can run and its cost
+/// model was checked against on runs it was not fitted to, fastest first: ZeRO-1/2 beside
+/// tensor or pipeline parallelism (not both at once; within 10 % of time and 19 % of memory on
+/// 4 ranks, docs/benchmarks.md session 38), activation checkpointing (full, not selective
+/// recomputation) without tp or pp (beside them Kolo runs it, but the model undercounts its
+/// memory by 40-47 %), ZeRO-3 with every block checkpointed without gradient accumulation,
+/// no more stages than layers.
 pub fn runnable_plans(m: &Gpt, c: &Cluster, global: usize, precision: Precision) -> Vec<(Plan, Estimate)> {
     let space = Space {
-        zero_with_model_parallel: false,
+        zero_with_model_parallel: true,
         recompute: vec![Recompute::None, Recompute::Full],
         schedules: vec![Schedule::OneFOneB],
         seq_parallel: vec![false],
@@ -133,7 +136,14 @@ pub fn runnable_plans(m: &Gpt, c: &Cluster, global: usize, precision: Precision)
     let accumulates = |p: &Plan| p.pp == 1 && p.micro_batch * p.dp < global;
     search(m, c, global, precision, &space)
         .into_iter()
-        .filter(|(p, _)| !(checkpoint(p) && p.tp * p.pp > 1) && (p.zero != 3 || (checkpoint(p) && !accumulates(p))) && p.pp <= m.layers)
+        .filter(|(p, _)| {
+            let checkpointed_beside_model_parallel = checkpoint(p) && p.tp * p.pp > 1;
+            let zero_beside_tp_and_pp = p.zero > 0 && p.tp > 1 && p.pp > 1;
+            !checkpointed_beside_model_parallel
+                && !zero_beside_tp_and_pp
+                && (p.zero != 3 || (checkpoint(p) && !accumulates(p)))
+                && p.pp <= m.layers
+        })
         .collect()
 }
 
@@ -218,6 +228,25 @@ mod tests {
             "t",
         )
         .unwrap()
+    }
+
+    /// On 4 ranks `--plan auto` may shard beside tensor or pipeline parallelism (ZeRO-1/2),
+    /// never beside both, never ZeRO-3 or activation checkpointing beside either.
+    #[test]
+    fn auto_plans_shard_beside_model_parallelism() {
+        let m = Gpt::gpt_style(4, 256, 4, 128, 65);
+        let mut c = Cluster::preset("this-machine", 1).unwrap();
+        (c.devices_per_node, c.device.memory) = (4, 4e9);
+        let plans = runnable_plans(&m, &c, 16, Precision::F32);
+        let has = |f: &dyn Fn(&Plan) -> bool| plans.iter().any(|(p, _)| f(p));
+        assert!(has(&|p| p.zero > 0 && p.pp > 1) && has(&|p| p.zero > 0 && p.tp > 1), "ZeRO beside tp and pp");
+        assert!(!has(&|p| p.zero > 0 && p.tp > 1 && p.pp > 1));
+        assert!(!has(&|p| p.tp * p.pp > 1 && (p.zero == 3 || p.recompute == Recompute::Full)));
+        assert!(has(&|p| p.zero == 3) && has(&|p| p.recompute == Recompute::Full), "both still beside plain data parallelism");
+        // Each is a config kolo train accepts.
+        for (p, e) in plans.iter().filter(|(p, _)| p.zero > 0 && p.tp * p.pp > 1).take(4) {
+            apply(&mut gpt(), p, e, 16, m.layers).unwrap();
+        }
     }
 
     /// Plenty of memory: plain DDP. Tight memory: smaller micro-batches accumulated, model states
