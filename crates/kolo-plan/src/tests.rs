@@ -8,6 +8,17 @@ fn this_machine(devices: usize) -> Cluster {
     Cluster::preset("this-machine", 1).unwrap().with_devices(devices).unwrap()
 }
 
+/// One node of 4 ranks sharing its 2 cores (`kolo plan --devices 4 --devices-per-node 4`), the
+/// CPU as 4 concurrent `kolo plan --cluster measured` processes timed it: per rank its GEMM
+/// peak and efficiency curve, the memory-bound rate and Kolo's AdamW rate.
+fn four_ranks_on_two_cores(peak_f32: f64, mem_bandwidth: f64, update_bandwidth: f64, gemm_efficiency: Vec<(f64, f64)>) -> Cluster {
+    let mut c = this_machine(2);
+    c.devices_per_node = 4;
+    (c.device.peak_f32, c.device.mem_bandwidth, c.device.update_bandwidth) = (peak_f32, mem_bandwidth, update_bandwidth);
+    c.device.gemm_efficiency = gemm_efficiency;
+    c
+}
+
 #[test]
 fn parameter_counts_match_the_models() {
     assert_eq!(bench_gpt().params(), 3_225_665.0, "Kolo's benchmark GPT");
@@ -381,14 +392,8 @@ fn measured_machine_predicts_runs_it_was_not_fitted_to() {
 /// under ZeRO-2.
 #[test]
 fn zero_beside_model_parallelism_predicts_runs_it_was_not_fitted_to() {
-    // One node of 4 ranks sharing its 2 cores (`kolo plan --devices 4 --devices-per-node 4`).
-    let mut c = Cluster::preset("this-machine", 1).unwrap();
-    c.devices_per_node = 4;
-    c.cores_per_node = 2;
-    c.device.peak_f32 = 93.7e9;
-    c.device.mem_bandwidth = 4.17e9;
-    c.device.update_bandwidth = 12.7e9;
-    c.device.gemm_efficiency = vec![(64.0, 0.122), (128.0, 0.441), (256.0, 0.923), (512.0, 1.0), (4096.0, 1.0)];
+    let gemm = vec![(64.0, 0.122), (128.0, 0.441), (256.0, 0.923), (512.0, 1.0), (4096.0, 1.0)];
+    let c = four_ranks_on_two_cores(93.7e9, 4.17e9, 12.7e9, gemm);
     let m = bench_gpt();
     let runs = [
         ("dp 2 x pp 2, ZeRO-1", Plan::new(2, 1, 2, 1, 4), (198.3, 205.5), 96.8e6),
@@ -659,12 +664,8 @@ fn context_parallelism_splits_the_sequence() {
 /// 440 ms against 267-287 measured).
 #[test]
 fn four_ranks_on_two_cores_follow_the_measured_machine() {
-    let mut c = this_machine(2);
-    c.devices_per_node = 4;
-    c.device.peak_f32 = 55.31e9;
-    c.device.mem_bandwidth = 2.807e9;
-    c.device.update_bandwidth = 26.14e9;
-    c.device.gemm_efficiency = vec![(64.0, 0.891), (128.0, 0.991), (256.0, 0.995), (512.0, 1.0), (4096.0, 1.0)];
+    let gemm = vec![(64.0, 0.891), (128.0, 0.991), (256.0, 0.995), (512.0, 1.0), (4096.0, 1.0)];
+    let c = four_ranks_on_two_cores(55.31e9, 2.807e9, 26.14e9, gemm);
     let m = bench_gpt();
     let runs = [
         ("dp 4", Plan::new(4, 1, 1, 0, 4), &[260.9, 266.9, 313.3][..]),

@@ -47,6 +47,17 @@ fn train_on(n: usize, cfg: &Config, opts: &RunOptions) -> Vec<Summary> {
 
 use kolo_testkit::max_abs_diff as max_diff;
 
+/// The Euclidean distance between two flat models (runs compared as a share of an update's norm).
+fn distance(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum::<f64>().sqrt()
+}
+
+/// The model `cfg` starts from, as every run draws it from its seed (the data's vocabulary).
+fn initial_params(cfg: &Config) -> Vec<f32> {
+    let vocab = kolo_train::setup::load_data(cfg, 0).unwrap().vocab_size;
+    kolo_tensor::build_model(&cfg.model_spec(vocab), cfg.train.seed).unwrap().params().to_flat().unwrap()
+}
+
 fn gpt_cfg(extra: &str, batch: usize) -> Config {
     let text = format!(
         "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 3\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n{extra}",

@@ -174,15 +174,13 @@ fn bad_moe_settings_are_refused() {
 /// precision is real: ep is at least half the noise away from f32.
 #[test]
 fn mixed_precision_beside_expert_parallelism_follows_ddp() {
-    let norm = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum::<f64>().sqrt();
     let mk = |extra: &str| {
         let mut c = moe_cfg(2, extra);
         (c.optim.kind, c.optim.lr, c.optim.clip_grad_norm, c.train.steps) = (kolo_train::config::OptimKind::Sgd, 0.5, None, 6);
         c
     };
     let cfg = mk("");
-    let vocab = kolo_train::setup::load_data(&cfg, 0).unwrap().vocab_size;
-    let start = kolo_tensor::build_model(&cfg.model_spec(vocab), cfg.train.seed).unwrap().params().to_flat().unwrap();
+    let start = initial_params(&cfg);
     let f32_ddp = &train_on(4, &cfg, &quiet())[0];
     for precision in ["bf16", "f16"] {
         let p = format!("precision = \"{precision}\"\n");
@@ -191,11 +189,11 @@ fn mixed_precision_beside_expert_parallelism_follows_ddp() {
         for s in &ranks {
             assert_eq!(s.params, ranks[0].params, "{precision} x ep 2: every rank assembles the same model");
         }
-        let update = norm(&ddp.params, &start);
-        let noise = norm(&ddp.params, &f32_ddp.params) / update;
-        let off = norm(&ranks[0].params, &ddp.params) / update;
+        let update = distance(&ddp.params, &start);
+        let noise = distance(&ddp.params, &f32_ddp.params) / update;
+        let off = distance(&ranks[0].params, &ddp.params) / update;
         assert!(off < noise.min(0.3), "{precision} x ep 2: off by {off:.5} of the update from DDP, the dtype's own noise {noise:.5}");
-        let from_f32 = norm(&ranks[0].params, &f32_ddp.params) / update;
+        let from_f32 = distance(&ranks[0].params, &f32_ddp.params) / update;
         assert!(from_f32 > noise / 2.0, "{precision} x ep 2: {from_f32:.6} of the update from f32: it computed in f32");
         assert_eq!(ranks[0].loss_scale.is_some(), precision == "f16");
     }

@@ -334,17 +334,15 @@ fn mixed_precision_beside_tensor_and_sequence_parallelism_follows_one_process() 
         );
         Config::parse(&text, "test").unwrap()
     };
-    let norm = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum::<f64>().sqrt();
     // The initial model, as every run draws it from the seed.
     let cfg = mk(8, "");
-    let vocab = kolo_train::setup::load_data(&cfg, 0).unwrap().vocab_size;
-    let start = kolo_tensor::build_model(&cfg.model_spec(vocab), cfg.train.seed).unwrap().params().to_flat().unwrap();
+    let start = initial_params(&cfg);
     let f32_one = &train_on(1, &mk(8, ""), &quiet())[0];
     for precision in ["bf16", "f16"] {
         let p = format!("precision = \"{precision}\"\n");
         let one = &train_on(1, &mk(8, &p), &quiet())[0];
-        let update = norm(&one.params, &start);
-        let noise = norm(&one.params, &f32_one.params) / update;
+        let update = distance(&one.params, &start);
+        let noise = distance(&one.params, &f32_one.params) / update;
         // The same global batches of 8: dp 2 x tp 2 deals 4 to each replica.
         for (n, batch, mesh) in [
             (2, 8, "[mesh]\ntp = 2\n"),
@@ -357,9 +355,9 @@ fn mixed_precision_beside_tensor_and_sequence_parallelism_follows_one_process() 
             for s in &ranks {
                 assert_eq!(s.params, ranks[0].params, "{precision} {mesh}: every rank assembles the same model");
             }
-            let off = norm(&ranks[0].params, &one.params) / update;
+            let off = distance(&ranks[0].params, &one.params) / update;
             assert!(off < (3.0 * noise).min(0.3), "{precision} {mesh:?}: off by {off:.4} of the update, the dtype's own noise {noise:.4}");
-            let from_f32 = norm(&ranks[0].params, &f32_one.params) / update;
+            let from_f32 = distance(&ranks[0].params, &f32_one.params) / update;
             assert!(from_f32 > noise / 2.0, "{precision} {mesh:?}: {from_f32:.6} of the update from f32: it computed in f32");
             assert_eq!(ranks[0].loss_scale.is_some(), precision == "f16");
         }
