@@ -1092,8 +1092,18 @@ impl Config {
             if p.schedule == PipeSchedule::TwoBw && self.train.precision == Precision::F16 {
                 return Err("PipeDream-2BW never flushes, so it cannot skip an f16 step that overflowed: train.precision = \"bf16\" (GPipe and 1F1B take f16)".into());
             }
-            if self.ddp.compression.is_some() || self.train.grad_accum != 1 || self.train.strategy != Strategy::Ddp {
-                return Err("[pipeline] runs with grad_accum = 1 (its micro-batches are the accumulation) and without compression or parameter servers (yet)".into());
+            if p.schedule == PipeSchedule::TwoBw && self.ddp.compression.is_some() {
+                return Err("PipeDream-2BW runs without ddp.compression (yet; GPipe and 1F1B take fp16 and bf16)".into());
+            }
+            if let Some(c) =
+                self.ddp.compression.as_ref().filter(|c| !matches!(c.method, CompressionMethod::Fp16 | CompressionMethod::Bf16))
+            {
+                return Err(format!("[pipeline] compresses each stage's gradients with fp16 or bf16 only (yet), not {:?}", c.method));
+            }
+            if self.train.grad_accum != 1 || self.train.strategy != Strategy::Ddp {
+                return Err(
+                    "[pipeline] runs with grad_accum = 1 (its micro-batches are the accumulation) and without parameter servers".into()
+                );
             }
         }
         if self.train.strategy == Strategy::Ps {

@@ -121,6 +121,11 @@ fn bad_inputs_give_clear_errors() {
     assert!(Config::parse(&format!("{two_bw}[train]\nprecision = \"bf16\"\n"), "t").is_ok());
     assert!(err(&format!("{two_bw}[train]\nprecision = \"f16\"\n")).contains("cannot skip an f16 step"));
     assert!(err(&format!("{one_f_one_b}[train]\ngrad_accum = 2\n")).contains("its micro-batches are the accumulation"));
+    // Pipelines compress each stage's gradients with the cast codecs only.
+    assert!(Config::parse(&format!("{one_f_one_b}[ddp]\ncompression = {{ method = \"bf16\" }}\n"), "t").is_ok());
+    assert!(err(&format!("{one_f_one_b}[ddp]\ncompression = {{ method = \"powersgd\", rank = 2 }}\n"))
+        .contains("[pipeline] compresses each stage's gradients with fp16 or bf16 only (yet), not Powersgd"));
+    assert!(err(&format!("{two_bw}[ddp]\ncompression = {{ method = \"bf16\" }}\n")).contains("PipeDream-2BW runs without ddp.compression"));
     // Blocks checkpointed inside a pipeline's stages.
     let blocks = one_f_one_b.replace("[data]", "checkpoint_blocks = [0]\n[data]");
     assert!(blocks.contains("checkpoint_blocks") && Config::parse(&blocks, "t").is_ok());
