@@ -1100,10 +1100,11 @@ impl Config {
             {
                 return Err(format!("[pipeline] compresses each stage's gradients with fp16 or bf16 only (yet), not {:?}", c.method));
             }
-            if self.train.grad_accum != 1 || self.train.strategy != Strategy::Ddp {
-                return Err(
-                    "[pipeline] runs with grad_accum = 1 (its micro-batches are the accumulation) and without parameter servers".into()
-                );
+            if p.schedule == PipeSchedule::TwoBw && self.train.grad_accum != 1 {
+                return Err("PipeDream-2BW streams one batch per step: train.grad_accum = 1 (raise pipeline.micro_batches; GPipe and 1F1B accumulate)".into());
+            }
+            if self.train.strategy != Strategy::Ddp {
+                return Err("[pipeline] runs without parameter servers".into());
             }
         }
         if self.train.strategy == Strategy::Ps {

@@ -40,8 +40,9 @@ pub(super) struct Pipelined {
     /// their parameters (indices in the model's order).
     layers: Range<usize>,
     own: Vec<usize>,
-    /// Micro-batches per batch.
+    /// Micro-batches per step (`train.grad_accum` batches of `per_batch` each), and per batch.
     m: usize,
+    per_batch: usize,
     /// PipeDream-2BW: each step's micro-batches read so far (the stream reads the next
     /// step's while this one's update is pending), streams ended and steps run in them.
     two_bw: Option<TwoBwState>,
@@ -112,8 +113,10 @@ impl Pipelined {
             gpt.reread_parameters();
         }
         let mut opts = TrainOptions::from_setup(cfg)?;
-        // A step is `m` micro-batches of batch_size / m sequences on every stage.
-        opts.train.grad_accum = m as u64;
+        // A step is `m` micro-batches of batch_size / m sequences on every stage, for each of
+        // `train.grad_accum` batches (the micro-batches of one flush).
+        let accum = cfg.train.grad_accum.max(1) as usize;
+        opts.train.grad_accum = (m * accum) as u64;
         opts.data.batch_size = cfg.data.batch_size / m;
         let spec = ModelSpec::Gpt(gcfg.clone());
         let vars = (model_vars(&gpt, &own)?, Err(&mesh));
@@ -137,7 +140,7 @@ impl Pipelined {
         }
         if global_rank == 0 && !run.quiet {
             let plan = kolo_pipe::partition(&gpt.layer_costs(), k);
-            announce_pipeline(&gpt, &gcfg, &plan, (size.dp, size.tp), (m, cfg.data.batch_size / m), schedule);
+            announce_pipeline(&gpt, &gcfg, &plan, (size.dp, size.tp), (m * accum, cfg.data.batch_size / m), schedule);
         }
         let whole = whole_signature(&gpt, &spec, tp.is_some(), cfg.train.seed)?;
         // The other stages' layers were only built to draw the same initial values.
@@ -149,7 +152,8 @@ impl Pipelined {
             pipe,
             layers,
             own,
-            m,
+            m: m * accum,
+            per_batch: m,
             two_bw: two_bw.then(TwoBwState::default),
             mesh,
             whole,
@@ -194,7 +198,11 @@ impl Strategy for Pipelined {
         if self.two_bw.is_some() {
             return self.step_stream(ctx, data);
         }
-        let micro = kolo_train::pipeline::split_batch(&data.next_batch()?, self.m)?;
+        // `train.grad_accum` batches, each cut into `per_batch` micro-batches: one flush.
+        let mut micro = Vec::with_capacity(self.m);
+        for _ in 0..self.m / self.per_batch {
+            micro.extend(kolo_train::pipeline::split_batch(&data.next_batch()?, self.per_batch)?);
+        }
         let (gpt, layers, compute) = (&self.gpt, self.layers.clone(), self.compute);
         let stage = |mb: usize, input: Option<&candle_core::Tensor>| run_layers((gpt, compute), layers.clone(), &micro[mb], input);
         let out = self.pipe.step(&mut self.trainer, stage);
@@ -298,7 +306,7 @@ impl Pipelined {
         // Steps before this one have had their updates: their micro-batches are done with.
         t.micro.retain(|&step, _| step >= ctx.step);
         let began = *t.began.get_or_insert(ctx.step);
-        let (gpt, layers, m, compute) = (&self.gpt, self.layers.clone(), self.m, self.compute);
+        let (gpt, layers, m, compute) = (&self.gpt, self.layers.clone(), self.per_batch, self.compute);
         let micro = &mut t.micro;
         let msg = |e: TrainError| candle_core::Error::Msg(e.to_string());
         let stage = |step: u64, mb: usize, input: Option<&candle_core::Tensor>| {

@@ -480,3 +480,35 @@ fn local_sgd_pipelines_resume_each_replica_bitwise() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Gradient accumulation beside GPipe and 1F1B (Megatron's global batch = micro-batch x
+/// micro-batches x dp): `train.grad_accum = 2` batches of 4, each cut into 2 micro-batches, run
+/// as one flush of 4 micro-batches of 2, bitwise the pipeline that reads one batch of 8 as 4
+/// micro-batches (the same sequences in the same micro-batches: the sampler deals consecutive
+/// batches), over 2 stages and dp 2 x pp 2; within 1e-4 of one process.
+#[test]
+fn accumulation_beside_pipelines_is_one_flush_of_more_micro_batches() {
+    let mk = |batch: usize, extra: &str| {
+        let text = format!(
+            "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\nshuffle = false\n\
+             [optim]\nkind = \"adamw\"\nlr = 3e-3\nclip_grad_norm = 0.5\n[train]\nsteps = 3\nsample_chars = 0\neval_batches = 2\n{extra}",
+            kolo_testkit::files::shakespeare().display()
+        );
+        Config::parse(&text, "test").unwrap()
+    };
+    let one = &train_on(1, &mk(8, ""), &quiet())[0];
+    for (schedule, world, mesh) in [("1f1b", 2, ""), ("gpipe", 4, "[mesh]\ndp = 2\n")] {
+        let per_replica = 8 / (world / 2);
+        let pipe = |m: usize| format!("[pipeline]\nmicro_batches = {m}\nschedule = \"{schedule}\"\n{mesh}");
+        let whole = &train_on(world, &mk(per_replica, &pipe(4)), &quiet())[0];
+        let ranks = train_on(world, &mk(per_replica / 2, &format!("grad_accum = 2\n{}", pipe(2))), &quiet());
+        for s in &ranks {
+            assert_eq!(s.params, ranks[0].params, "{schedule} {mesh:?}: every rank assembles the same model");
+        }
+        let d = max_diff(&ranks[0].params, &whole.params);
+        assert!(ranks[0].params == whole.params, "{schedule} {mesh:?}: accumulated vs one batch of 4 micro-batches: {d}");
+        assert_eq!(ranks[0].last_loss, whole.last_loss);
+        let d = max_diff(&ranks[0].params, &one.params);
+        assert!(d < 1e-4, "{schedule} {mesh:?}: {d} from one process");
+    }
+}
