@@ -1041,19 +1041,17 @@ impl Config {
                     return Err("mesh.ep > 1 deals the experts of a mixture-of-experts GPT over ranks: set model.experts".into());
                 }
                 if self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() {
-                    return Err("mesh.ep > 1 runs without compression or local SGD (yet; ZeRO-1/2 and grad_accum work)".into());
+                    return Err(
+                        "mesh.ep > 1 runs without compression or local SGD (yet; ZeRO-1/2, grad_accum and parameter groups work)".into()
+                    );
                 }
             }
             if m.sp > 1 {
                 if self.model.kind != ModelKind::Gpt || m.tp > 1 || self.pipeline.is_some() {
                     return Err("mesh.sp splits the GPT's sequences (model.kind = \"gpt\", without tp or [pipeline] for now)".into());
                 }
-                if self.ddp.compression.is_some()
-                    || self.ddp.local_sgd.is_some()
-                    || self.train.strategy != Strategy::Ddp
-                    || !self.model.checkpoint_blocks.is_empty()
-                {
-                    return Err("mesh.sp > 1 runs without compression, local SGD, parameter servers or activation checkpointing (yet; ZeRO-1/2/3, grad_accum and bf16/f16 work)".into());
+                if self.ddp.compression.is_some() || self.train.strategy != Strategy::Ddp || !self.model.checkpoint_blocks.is_empty() {
+                    return Err("mesh.sp > 1 runs without compression, parameter servers or activation checkpointing (yet; ZeRO-1/2/3, grad_accum, local SGD and bf16/f16 work)".into());
                 }
             }
             if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {
@@ -1066,8 +1064,8 @@ impl Config {
                 // ZeRO-1/2/3 shard over the data-parallel group (ZeRO-3: each rank's pieces of
                 // the blocks, torchtitan's FSDP + TP); bf16/f16 cast where used (Megatron's
                 // mixed precision).
-                if self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() || self.train.strategy != Strategy::Ddp {
-                    return Err("mesh.tp > 1 runs without compression, local SGD or parameter servers (yet)".into());
+                if self.ddp.compression.is_some() || self.train.strategy != Strategy::Ddp {
+                    return Err("mesh.tp > 1 runs without compression or parameter servers (yet)".into());
                 }
             }
         }

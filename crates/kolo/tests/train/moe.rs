@@ -162,7 +162,8 @@ fn bad_moe_settings_are_refused() {
     assert!(try_parse("experts = 4", "[ddp]\nlocal_sgd = { every = 2 }\n[mesh]\nep = 2\n")
         .contains("mesh.ep > 1 runs without compression or local SGD"));
     assert!(try_parse("", "[ddp]\nzero_stage = 3\n[mesh]\nsp = 2\n").is_empty());
-    assert!(try_parse("", "[ddp]\nlocal_sgd = { every = 2 }\n[mesh]\nsp = 2\n").contains("mesh.sp > 1 runs without compression, local SGD"));
+    assert!(try_parse("", "[ddp]\nlocal_sgd = { every = 2 }\n[mesh]\nsp = 2\n").is_empty());
+    assert!(try_parse("", "[ddp]\ncompression = { method = \"fp16\" }\n[mesh]\nsp = 2\n").contains("mesh.sp > 1 runs without compression"));
 }
 
 /// Mixed precision beside expert parallelism: dp 2 x ep 2 in bf16 and f16 (the experts' f32
