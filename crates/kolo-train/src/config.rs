@@ -1054,6 +1054,9 @@ impl Config {
                     return Err("mesh.sp > 1 runs without compression, parameter servers or activation checkpointing (yet; ZeRO-1/2/3, grad_accum, local SGD and bf16/f16 work)".into());
                 }
             }
+            if m.tp > 1 {
+                self.cast_codec_only("mesh.tp compresses each piece's gradients")?;
+            }
             if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {
                 return Err("mesh.pp > 1 needs a [pipeline] section (micro_batches, schedule)".into());
             }
@@ -1064,12 +1067,21 @@ impl Config {
                 // ZeRO-1/2/3 shard over the data-parallel group (ZeRO-3: each rank's pieces of
                 // the blocks, torchtitan's FSDP + TP); bf16/f16 cast where used (Megatron's
                 // mixed precision).
-                if self.ddp.compression.is_some() || self.train.strategy != Strategy::Ddp {
-                    return Err("mesh.tp > 1 runs without compression or parameter servers (yet)".into());
+                if self.train.strategy != Strategy::Ddp {
+                    return Err("mesh.tp > 1 runs without parameter servers".into());
                 }
             }
         }
         Ok(())
+    }
+
+    /// Model parallelism compresses its gradients with the cast codecs only (the others'
+    /// approximation depends on how the model is cut and has no reference to test against).
+    fn cast_codec_only(&self, who: &str) -> Result<(), String> {
+        match self.ddp.compression.as_ref().filter(|c| !matches!(c.method, CompressionMethod::Fp16 | CompressionMethod::Bf16)) {
+            Some(c) => Err(format!("{who} with fp16 or bf16 only (yet), not {:?}", c.method)),
+            None => Ok(()),
+        }
     }
 
     /// Pipelines and parameter servers.
@@ -1093,11 +1105,7 @@ impl Config {
             if p.schedule == PipeSchedule::TwoBw && self.ddp.compression.is_some() {
                 return Err("PipeDream-2BW runs without ddp.compression (yet; GPipe and 1F1B take fp16 and bf16)".into());
             }
-            if let Some(c) =
-                self.ddp.compression.as_ref().filter(|c| !matches!(c.method, CompressionMethod::Fp16 | CompressionMethod::Bf16))
-            {
-                return Err(format!("[pipeline] compresses each stage's gradients with fp16 or bf16 only (yet), not {:?}", c.method));
-            }
+            self.cast_codec_only("[pipeline] compresses each stage's gradients")?;
             if p.schedule == PipeSchedule::TwoBw && self.train.grad_accum != 1 {
                 return Err("PipeDream-2BW streams one batch per step: train.grad_accum = 1 (raise pipeline.micro_batches; GPipe and 1F1B accumulate)".into());
             }

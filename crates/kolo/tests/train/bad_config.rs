@@ -127,6 +127,9 @@ fn bad_inputs_give_clear_errors() {
     assert!(err(&format!("{one_f_one_b}[ddp]\ncompression = {{ method = \"powersgd\", rank = 2 }}\n"))
         .contains("[pipeline] compresses each stage's gradients with fp16 or bf16 only (yet), not Powersgd"));
     assert!(err(&format!("{two_bw}[ddp]\ncompression = {{ method = \"bf16\" }}\n")).contains("PipeDream-2BW runs without ddp.compression"));
+    assert!(Config::parse(&format!("{gpt}[mesh]\ntp = 2\n[ddp]\ncompression = {{ method = \"fp16\" }}\n"), "t").is_ok());
+    assert!(err(&format!("{gpt}[mesh]\ntp = 2\n[ddp]\ncompression = {{ method = \"topk\", fraction = 0.1 }}\n"))
+        .contains("mesh.tp compresses each piece's gradients with fp16 or bf16 only (yet), not Topk"));
     // Blocks checkpointed inside a pipeline's stages.
     let blocks = one_f_one_b.replace("[data]", "checkpoint_blocks = [0]\n[data]");
     assert!(blocks.contains("checkpoint_blocks") && Config::parse(&blocks, "t").is_ok());
