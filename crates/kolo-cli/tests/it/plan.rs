@@ -143,10 +143,14 @@ fn planned_jobs_are_emitted_and_run() {
     };
     let o = refused("4", "pp=2,micro=2,schedule=interleaved:2");
     assert!(!o.status.success() && text(&o).contains("the interleaved schedule (2 chunks a rank)"), "{}", text(&o));
-    // Not a plan Kolo runs (activation checkpointing with tensor parallelism): refused by name.
-    let o = refused("2", "dp=1,tp=2,pp=1,micro=8,ckpt");
+    // Not a plan Kolo runs (selective recomputation: Kolo's GPT recomputes whole blocks):
+    // refused by name. Activation checkpointing with tensor parallelism, which Kolo runs, is
+    // emitted when asked for.
+    let o = refused("2", "dp=1,tp=2,pp=1,micro=8,recompute=selective");
     let t = text(&o);
-    assert!(!o.status.success() && t.contains("this plan is not one Kolo's GPT runs") && t.contains("activation checkpointing"), "{t}");
+    assert!(!o.status.success() && t.contains("this plan is not one Kolo's GPT runs") && t.contains("selective recomputation"), "{t}");
+    let ckpt = plan(&dir.join("ckpt"), &["--evaluate", "dp=1,tp=2,pp=1,micro=8,ckpt"]);
+    assert!(ckpt.contains("checkpoint_blocks = [0, 1]") && ckpt.contains("tp = 2"), "{ckpt}");
     let big = dir.join("big");
     let o = run(&["plan", "--params", "1.3B", "--devices", "64", "--cluster", "dgx-a100", "--emit", big.to_str().unwrap()], &[]);
     assert!(o.status.success(), "{}", text(&o));
