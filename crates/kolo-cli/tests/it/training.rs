@@ -459,10 +459,11 @@ fn plot_renders_a_runs_curves_to_png() {
 
 /// Activation checkpointing (`model.checkpoint_blocks`) saves memory between real processes,
 /// measured by the `kolo` binary's counting allocator: a GPT of 4 blocks on 2 ranks, under DDP,
-/// as 2 stages of 1F1B and split over tp 2, keeps at most 80 % of the transient heap
-/// (activations and other step-time buffers above what stays between steps; measured 13.9 vs
-/// 27.6 MB under DDP, 4.9 vs 7.3 MB on stage 0 of the pipeline, 9.9 vs 17.9 MB per tp member)
-/// with every block checkpointed, and evaluates the same model at the end.
+/// as 2 stages of 1F1B, split over tp 2 and its sequences over sp 2, keeps at most 80 % of the
+/// transient heap (activations and other step-time buffers above what stays between steps;
+/// measured 13.9 vs 27.6 MB under DDP, 4.9 vs 7.3 MB on stage 0 of the pipeline, 9.9 vs 17.9 MB
+/// per tp member, 8.9 vs 15.1 MB per sp member) with every block checkpointed, and evaluates
+/// the same model at the end.
 #[test]
 fn checkpointed_blocks_keep_fewer_activations() {
     let dir = fresh_dir("ckpt-mem");
@@ -472,7 +473,7 @@ fn checkpointed_blocks_keep_fewer_activations() {
         let at = line.rfind("(+").unwrap() + 2;
         line[at..].split(' ').next().unwrap().parse().unwrap()
     };
-    for pipeline in ["", "[pipeline]\nmicro_batches = 4\nschedule = \"1f1b\"\n", "[mesh]\ntp = 2\n"] {
+    for pipeline in ["", "[pipeline]\nmicro_batches = 4\nschedule = \"1f1b\"\n", "[mesh]\ntp = 2\n", "[mesh]\nsp = 2\n"] {
         let mut seen = Vec::new();
         for blocks in ["", "checkpoint_blocks = [0, 1, 2, 3]\n"] {
             let cfg = dir.join("gpt.toml");

@@ -205,6 +205,9 @@ struct CheckpointedBlock {
     /// group (the recomputation in backward runs the same all-reduces again, every member
     /// recomputing the same block at the same point).
     tp: Option<Arc<dyn kolo_base::GroupSum>>,
+    /// Sequence parallelism: the block's attention runs over this ring of sequence chunks (its
+    /// recomputation passes the keys and values around again, every member at the same point).
+    ring: Option<Arc<dyn kolo_base::RingShift>>,
     shapes: Vec<Vec<usize>>,
     /// [`Gpt::reread`]: the block's variables and the dtype the model computes them in. The
     /// packed input's values are freed after the forward (a hook refills them from these,
@@ -284,7 +287,8 @@ impl CustomOp2 for CheckpointedBlock {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = cpu_tensor(s1, l1)?;
         let packed = cpu_tensor(s2, l2)?;
-        let y = run_block(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head, self.tp.as_ref()).map_err(msg)?;
+        let y = run_block(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head, (self.tp.as_ref(), self.ring.as_ref()))
+            .map_err(msg)?;
         into_storage(&y)
     }
 
@@ -293,17 +297,21 @@ impl CustomOp2 for CheckpointedBlock {
             Some(r) => Reread::pack(&r.vars, r.dtype)?.to_vec1::<f32>()?,
             None => packed.flatten_all()?.to_vec1::<f32>()?,
         };
-        let (gx, gp) = recompute(x, &values, &self.shapes, (self.n_head, self.tp.as_ref()), grad)?;
+        let (gx, gp) = recompute(x, &values, &self.shapes, (self.n_head, (self.tp.as_ref(), self.ring.as_ref())), grad)?;
         let n = gp.len();
         Ok((gx, Some(Tensor::from_vec(gp, n, &Device::Cpu)?)))
     }
 }
 
-/// A dense block: whole, or this member's pieces of it under tensor parallelism over `tp`.
-fn run_block(x: &Tensor, p: &[Tensor], n_head: usize, tp: Option<&Arc<dyn kolo_base::GroupSum>>) -> Result<Tensor> {
-    match tp {
-        Some(group) => super::tp::block_forward_tp(x, p, n_head, group),
-        None => block_forward(x, p, n_head),
+/// How a dense block is split: over a tensor-parallel group, or a ring of sequence chunks.
+type BlockSplit<'a> = (Option<&'a Arc<dyn kolo_base::GroupSum>>, Option<&'a Arc<dyn kolo_base::RingShift>>);
+
+/// A dense block: whole, this member's pieces of it under tensor parallelism over `tp`, or
+/// this member's chunk of each sequence with its attention over the `ring`.
+fn run_block(x: &Tensor, p: &[Tensor], n_head: usize, (tp, ring): BlockSplit<'_>) -> Result<Tensor> {
+    match (tp, ring) {
+        (Some(group), _) => super::tp::block_forward_tp(x, p, n_head, group),
+        (None, ring) => block_forward_with(x, p, n_head, ring),
     }
 }
 
@@ -315,7 +323,7 @@ fn recompute(
     x: &Tensor,
     packed: &[f32],
     shapes: &[Vec<usize>],
-    (n_head, tp): (usize, Option<&Arc<dyn kolo_base::GroupSum>>),
+    (n_head, split): (usize, BlockSplit<'_>),
     grad: &Tensor,
 ) -> candle_core::Result<(Option<Tensor>, Vec<f32>)> {
     let xv = Var::from_tensor(&x.detach())?;
@@ -327,7 +335,7 @@ fn recompute(
         off += n;
     }
     let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let y = run_block(xv.as_tensor(), &ps, n_head, tp).map_err(msg)?;
+    let y = run_block(xv.as_tensor(), &ps, n_head, split).map_err(msg)?;
     let g = (y * grad.detach())?.sum_all()?.backward()?;
     let mut out = vec![0f32; packed.len()];
     let mut off = 0;
@@ -850,7 +858,7 @@ impl Gpt {
                 x = super::tp::block_forward_tp(&x, &p, h / group.size(), group)?;
                 continue;
             }
-            if let Some(ring) = &self.sp {
+            if let (Some(ring), false) = (&self.sp, ckpt) {
                 x = block_forward_with(&x, &p, h, Some(ring))?;
                 continue;
             }
@@ -868,7 +876,7 @@ impl Gpt {
                 };
                 let refill = reread.as_ref().map(|r| (r.vars.clone(), r.dtype));
                 let heads = h / tp.map_or(1, |g| g.size());
-                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), shapes, reread };
+                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), ring: self.sp.clone(), shapes, reread };
                 let y = x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, op)?;
                 if let Some((vars, dtype)) = refill {
                     // The graph keeps `packed` for backward, which packs the variables again

@@ -163,6 +163,7 @@ fn bad_moe_settings_are_refused() {
         .contains("mesh.ep > 1 runs without compression or local SGD"));
     assert!(try_parse("", "[ddp]\nzero_stage = 3\n[mesh]\nsp = 2\n").is_empty());
     assert!(try_parse("", "[ddp]\nlocal_sgd = { every = 2 }\n[mesh]\nsp = 2\n").is_empty());
+    assert!(try_parse("checkpoint_blocks = [0]", "[mesh]\nsp = 2\n").is_empty());
     assert!(try_parse("", "[ddp]\ncompression = { method = \"fp16\" }\n[mesh]\nsp = 2\n").contains("mesh.sp > 1 runs without compression"));
 }
 

@@ -364,14 +364,15 @@ fn mixed_precision_beside_tensor_and_sequence_parallelism_follows_one_process() 
     }
 }
 
-/// Activation checkpointing beside tensor parallelism (Megatron's full recomputation): each
-/// checkpointed block keeps only its input and recomputes its pieces in backward, running the
-/// block's all-reduces again. It changes memory, not the training: tp 2, dp 2 x tp 2 under
-/// ZeRO-3 (the blocks' pieces read again) and pp 2 x tp 2 end bitwise where the same meshes
+/// Activation checkpointing beside tensor and sequence parallelism (Megatron's full
+/// recomputation): each checkpointed block keeps only its input and recomputes its pieces (or
+/// its sequence chunk) in backward, running the block's all-reduces (or ring passes) again. It
+/// changes memory, not the training: tp 2, dp 2 x tp 2 under ZeRO-3 (the blocks' pieces read
+/// again), pp 2 x tp 2, sp 2 and dp 2 x sp 2 under ZeRO-3 end bitwise where the same meshes
 /// without it do. The memory it saves is measured between processes (kolo-cli's
 /// `checkpointed_blocks_keep_fewer_activations`).
 #[test]
-fn checkpointed_blocks_beside_tensor_parallelism_change_memory_not_training() {
+fn checkpointed_blocks_beside_tensor_and_sequence_parallelism_change_memory_not_training() {
     let mk = |blocks: &str, batch: usize, extra: &str| {
         let text = format!(
             "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 4\nn_layer = 3\n{blocks}\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = {batch}\n\
@@ -385,6 +386,8 @@ fn checkpointed_blocks_beside_tensor_parallelism_change_memory_not_training() {
         (2, 8, "[mesh]\ntp = 2\n"),
         (4, 4, "[mesh]\ndp = 2\ntp = 2\n[ddp]\nzero_stage = 3\n"),
         (4, 8, "[mesh]\ntp = 2\npp = 2\n[pipeline]\nmicro_batches = 2\n"),
+        (2, 8, "[mesh]\nsp = 2\n"),
+        (4, 4, "[mesh]\ndp = 2\nsp = 2\n[ddp]\nzero_stage = 3\n"),
     ] {
         let (p, c) = (&train_on(n, &mk("", batch, extra), &quiet())[0], &train_on(n, &mk(checkpointed, batch, extra), &quiet())[0]);
         let d = max_diff(&c.params, &p.params);
