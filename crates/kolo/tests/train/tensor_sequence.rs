@@ -424,14 +424,17 @@ fn local_sgd_beside_tensor_and_sequence_parallelism_follows_data_parallel_local_
     }
 }
 
-/// Gradient compression beside tensor parallelism (fp16 and bf16, DDP's cast codecs, each tp
-/// member's pieces over the data-parallel group): dp 2 x tp 2 with SGD follows DDP on the same
-/// 2 replicas with the same codec (bf16 7.6e-6, fp16 3.8e-6 apart), against the codec's own
-/// effect (the same mesh uncompressed: 7.3e-4, 6.0e-5): bound a third of it; half the bytes on
-/// the wire. (Under sp each chunk's partial gradient would be rounded, which DDP never does:
-/// refused there, as the other codecs are under tp.)
+/// Gradient compression beside pipelines and tensor parallelism (fp16 and bf16, DDP's cast
+/// codecs, over the data-parallel group: each stage's or tp member's gradients): dp 2 x pp 2
+/// (1F1B) and dp 2 x tp 2 with SGD follow DDP on the same 2 replicas with the same codec
+/// (bf16 3.8e-6 / 7.6e-6, fp16 1.5e-5 / 3.8e-6 apart; an element a reassociation ulp from a
+/// rounding boundary rounds the other way), against the codec's own effect (the same mesh
+/// uncompressed: 7.3e-4, 6.0e-5): bound a third of it; fewer bytes on the wire. (Under sp or ep
+/// each member's partial gradient would be rounded, which DDP never does: 1.0e-3 and 7.9e-4
+/// from DDP with the same codec, above its own effect; refused there, as the other codecs are
+/// under pp and tp: bad_config.)
 #[test]
-fn compressed_gradients_beside_tensor_parallelism_follow_ddp() {
+fn compressed_gradients_beside_pipelines_and_tensor_parallelism_follow_ddp() {
     let mk = |extra: &str| {
         let text = format!(
             "[model]\nkind = \"gpt\"\nseq = 16\nd_model = 32\nn_head = 2\nn_layer = 2\n[data]\nkind = \"text\"\npath = \"{}\"\nbatch_size = 4\n\
@@ -441,7 +444,7 @@ fn compressed_gradients_beside_tensor_parallelism_follow_ddp() {
         Config::parse(&text, "test").unwrap()
     };
     let bytes = |s: &Summary| s.comm_bytes.iter().sum::<usize>();
-    for mesh in ["[mesh]\ndp = 2\ntp = 2\n"] {
+    for mesh in ["[pipeline]\nmicro_batches = 2\nschedule = \"1f1b\"\n[mesh]\ndp = 2\n", "[mesh]\ndp = 2\ntp = 2\n"] {
         let plain = &train_on(4, &mk(mesh), &quiet())[0];
         for method in ["bf16", "fp16"] {
             let codec = format!("[ddp]\ncompression = {{ method = \"{method}\", warmup_steps = 0 }}\n");
