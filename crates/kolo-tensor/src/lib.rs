@@ -10,6 +10,7 @@
 //! norm ops) are not used; [`ops`] builds norms and softmax from differentiable primitives, and
 //! a test checks that every trainable variable of every model receives a gradient.
 
+pub mod checkpoint;
 pub mod dense;
 mod error;
 pub mod fused;

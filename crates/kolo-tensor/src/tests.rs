@@ -697,3 +697,105 @@ fn vocabulary_ranges_cover_the_vocabulary_once() {
     assert_eq!(vocab_range(65, 4, 0), 0..17);
     assert_eq!(vocab_range(65, 4, 3), 49..65);
 }
+
+/// A residual MLP block over `(w1, b1, w2)`, as a user's model would write one.
+fn residual_block(x: &Tensor, w1: &Tensor, b1: &Tensor, w2: &Tensor) -> candle_core::Result<Tensor> {
+    let h = x.broadcast_matmul(w1)?.broadcast_add(b1)?.gelu()?;
+    let z = (x + h.broadcast_matmul(w2)?)?;
+    // RMS norm, as Llama's blocks end.
+    z.broadcast_div(&(z.sqr()?.mean_keepdim(candle_core::D::Minus1)? + 1e-5)?.sqrt()?)
+}
+
+/// An embedding-like input (tracked, so the blocks pass a gradient back to it), three residual
+/// blocks, some of them checkpointed, and a loss: the loss and every variable's gradient.
+fn stack(dtype: CandleDType, checkpointed: [bool; 3]) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let (d, f) = (7, 13);
+    let var = |shape: &[usize], seed: u64| {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| ((i as f64 * 0.37 + seed as f64 * 1.7).sin() * 0.4) as f32).collect();
+        candle_core::Var::from_tensor(&Tensor::from_vec(v, shape, &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).unwrap()
+    };
+    let emb = var(&[3, 5, d], 0);
+    let blocks: Vec<[candle_core::Var; 3]> = (0..3).map(|b| [var(&[d, f], 10 + b), var(&[f], 20 + b), var(&[f, d], 30 + b)]).collect();
+    let mut x = (emb.as_tensor() * 1.5).unwrap();
+    for (b, on) in blocks.iter().zip(checkpointed) {
+        let [w1, b1, w2] = [b[0].as_tensor().clone(), b[1].as_tensor().clone(), b[2].as_tensor().clone()];
+        x = match on {
+            true => crate::checkpoint::checkpoint(&x, move |x| residual_block(x, &w1, &b1, &w2)).unwrap(),
+            false => residual_block(&x, &w1, &b1, &w2).unwrap(),
+        };
+    }
+    // A loss that moves with every element (a mean square would not: the blocks end normed).
+    let c: Vec<f32> = (0..3 * 5 * d).map(|i| (i as f32 * 0.61).cos()).collect();
+    let c = Tensor::from_vec(c, (3, 5, d), &Device::Cpu).unwrap();
+    let loss = x.to_dtype(CandleDType::F32).unwrap().mul(&c).unwrap().sum_all().unwrap();
+    let grads = loss.backward().unwrap();
+    let all = std::iter::once(&emb).chain(blocks.iter().flatten());
+    let g = all
+        .map(|v| grads.get(v.as_tensor()).unwrap().to_dtype(CandleDType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap())
+        .collect();
+    (vec![loss.to_scalar::<f32>().unwrap()], g)
+}
+
+/// `kolo_tensor::checkpoint` on a user-style block found its variables itself, and gives the
+/// loss and every gradient (the blocks' variables, and the input's through the blocks)
+/// bitwise as the same blocks without it, in f32 and bf16, whichever blocks are checkpointed.
+#[test]
+fn checkpointed_blocks_give_the_plain_gradients_bitwise() {
+    for dtype in [CandleDType::F32, CandleDType::BF16] {
+        let plain = stack(dtype, [false; 3]);
+        for on in [[true, false, true], [true; 3], [false, true, false]] {
+            let ck = stack(dtype, on);
+            assert_eq!(ck.0, plain.0, "{dtype:?} {on:?}: loss");
+            for (i, (a, b)) in ck.1.iter().zip(&plain.1).enumerate() {
+                assert!(
+                    a == b,
+                    "{dtype:?} {on:?}: gradient {i} differs by {}",
+                    a.iter().zip(b).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max)
+                );
+            }
+        }
+        assert!(plain.1.iter().all(|g| g.iter().any(|v| v.abs() > 1e-2)), "every gradient is far from 0");
+    }
+}
+
+/// After the forward a checkpointed block's graph holds its input, the packed variables and
+/// the variables themselves, none of the block's intermediate activations; the plain block's
+/// holds every one of them.
+#[test]
+fn a_checkpointed_block_keeps_no_intermediate_activation() {
+    let w1 = candle_core::Var::randn(0f32, 0.3, (8, 32), &Device::Cpu).unwrap();
+    let w2 = candle_core::Var::randn(0f32, 0.3, (32, 8), &Device::Cpu).unwrap();
+    let x = candle_core::Var::randn(0f32, 1.0, (4, 8), &Device::Cpu).unwrap();
+    let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
+    let block = move |x: &Tensor| x + x.matmul(&a)?.gelu()?.matmul(&b)?.tanh()?;
+    let plain = block(x.as_tensor()).unwrap();
+    let ck = crate::checkpoint::checkpoint(x.as_tensor(), block).unwrap();
+    assert_eq!(ck.to_vec2::<f32>().unwrap(), plain.to_vec2::<f32>().unwrap());
+    let kept = |y: &Tensor| y.sorted_nodes().iter().filter(|n| !n.is_variable() && n.dims() != [4, 8]).count();
+    // Plain: the products (4, 32) twice (before and after gelu); checkpointed: the packed
+    // variables, their flattened views and casts, nothing of shape (4, 32).
+    let shaped = |y: &Tensor, d: &[usize]| y.sorted_nodes().iter().filter(|n| n.dims() == d).count();
+    assert_eq!((shaped(&plain, &[4, 32]), shaped(&ck, &[4, 32])), (2, 0));
+    assert!(kept(&ck) <= 6, "{} nodes kept besides the variables and (4, 8) tensors", kept(&ck));
+}
+
+/// A block that reads another variable when run again (it does not compute the same thing
+/// twice) fails backward with that reason instead of losing the variable's gradient.
+#[test]
+fn a_block_that_changes_between_forward_and_backward_fails_backward() {
+    let (w1, w2) = (
+        candle_core::Var::ones((4, 4), CandleDType::F32, &Device::Cpu).unwrap(),
+        candle_core::Var::ones((4, 4), CandleDType::F32, &Device::Cpu).unwrap(),
+    );
+    let x = candle_core::Var::ones((2, 4), CandleDType::F32, &Device::Cpu).unwrap();
+    let runs = std::sync::atomic::AtomicUsize::new(0);
+    let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
+    let y = crate::checkpoint::checkpoint(x.as_tensor(), move |x| {
+        let w = if runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 { &a } else { &b };
+        x.matmul(w)
+    })
+    .unwrap();
+    let e = y.sum_all().unwrap().backward().unwrap_err().to_string();
+    assert!(e.contains("read a variable") && e.contains("its forward did not"), "{e}");
+}

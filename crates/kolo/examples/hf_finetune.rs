@@ -34,7 +34,8 @@
 //! sequence, ring attention), --ep E (1: Mixtral's or Qwen3-MoE's experts dealt out over E ranks, each
 //! reading its own batches: test-data/hf/mixtral-tiny, qwen3-moe-tiny), --expert-bias-rate R
 //! (0: DeepSeek-V3's selection biases moved by R after each step towards the experts given
-//! fewer than the mean of the step's tokens; test-data/hf/deepseek-v3-tiny).
+//! fewer than the mean of the step's tokens; test-data/hf/deepseek-v3-tiny), --checkpoint-blocks
+//! 0,1 (those decoder layers' activations recomputed in backward: activation checkpointing).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use kolo::hf::finetune::{HfData, HfModel};
@@ -80,7 +81,15 @@ pub fn run(args: &[String]) -> Result<Option<Tensor>> {
         _ => PipeSchedule::OneFOneB,
     };
     let cfg = FineTuneConfig {
-        model: HfModel { hf: model_dir.clone().into(), expert_bias_rate: arg("--expert-bias-rate", "0").parse()? },
+        model: HfModel {
+            hf: model_dir.clone().into(),
+            expert_bias_rate: arg("--expert-bias-rate", "0").parse()?,
+            checkpoint_blocks: arg("--checkpoint-blocks", "")
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::parse)
+                .collect::<Result<_, _>>()?,
+        },
         data: HfData {
             // Token shards from `kolo data prepare` (their tokenizer must fit the model's
             // embedding), or, as a stand-in, the text's bytes modulo the vocabulary.

@@ -67,6 +67,26 @@ pub use dist::{init, init_with, Dist, InitOptions};
 pub use error::{Error, Result};
 /// A user's own optimizer ([`TrainOptions::update_rule`]).
 pub use kolo_optim::UpdateRule;
+/// Activation checkpointing of one block of your model (`torch.utils.checkpoint`): its
+/// intermediate activations are dropped after the forward and recomputed in backward. Works
+/// under every strategy the trainer runs (DDP, ZeRO-1/2/3, pipelines, tensor and sequence
+/// parallelism): the block's variables are found by walking its graph and receive their
+/// gradients as without it.
+///
+/// ```
+/// use candle_nn::{linear, Module, VarBuilder, VarMap};
+/// # fn main() -> candle_core::Result<()> {
+/// let vm = VarMap::new();
+/// let vb = VarBuilder::from_varmap(&vm, candle_core::DType::F32, &candle_core::Device::Cpu);
+/// let (fc1, fc2) = (linear(16, 64, vb.pp("fc1"))?, linear(64, 16, vb.pp("fc2"))?);
+/// let x = candle_core::Tensor::randn(0f32, 1.0, (4, 16), &candle_core::Device::Cpu)?;
+/// // The block owns (clones of) its layers: candle-nn layers are cheap to clone.
+/// let y = kolo::checkpoint(&x, move |x| x + fc2.forward(&fc1.forward(x)?.gelu()?)?)?;
+/// let grads = y.sum_all()?.backward()?;
+/// assert!(vm.all_vars().iter().all(|v| grads.get(v.as_tensor()).is_some()));
+/// # Ok(()) }
+/// ```
+pub use kolo_tensor::checkpoint::checkpoint;
 /// An evaluation's result, as [`Trainer::log_eval`] logs it.
 pub use kolo_train::summary::Eval;
 pub use mesh::Mesh;

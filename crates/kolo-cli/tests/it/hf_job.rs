@@ -177,6 +177,22 @@ fn hf_fine_tuning_jobs_that_cannot_run_are_named() {
         "{t}"
     );
 
+    // Checkpointing a layer the model does not have, or a layer of experts.
+    let (cfg, _) = job(&dir, "ck-range", &shards, 4, "");
+    let text_of = std::fs::read_to_string(&cfg).unwrap().replace("[model]\n", "[model]\ncheckpoint_blocks = [1, 2]\n");
+    std::fs::write(&cfg, text_of).unwrap();
+    let o = run(&["train", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("model.checkpoint_blocks") && t.contains("layer 2 of a model of 2 layers"), "{t}");
+    let text_of = std::fs::read_to_string(&cfg).unwrap().replace("checkpoint_blocks = [1, 2]", "checkpoint_blocks = [0]").replace(
+        &kolo_testkit::files::hf_tiny("qwen2").display().to_string(),
+        &kolo_testkit::files::hf_tiny("mixtral").display().to_string(),
+    );
+    std::fs::write(&cfg, text_of).unwrap();
+    let o = run(&["train", "--config", cfg.to_str().unwrap()], &[]);
+    let t = text(&o);
+    assert!(!o.status.success() && t.contains("layer 0 has experts; checkpointing a mixture-of-experts layer is not supported yet"), "{t}");
+
     let (cfg, _) = job(&dir, "flag", &shards, 4, "");
     let o = run(&["train", "--config", cfg.to_str().unwrap(), "--plan", "auto"], &[]);
     let t = text(&o);
@@ -198,6 +214,64 @@ fn hf_fine_tuning_jobs_that_cannot_run_are_named() {
     let o = run(&["export", "--hf", dir.join("x").to_str().unwrap(), dir.join("ck-gpt").to_str().unwrap()], &[]);
     let t = text(&o);
     assert!(!o.status.success() && t.contains("no `hf.config` metadata"), "{t}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Activation checkpointing of a Hugging Face model's decoder layers (`[model]
+/// checkpoint_blocks`, `transformers`' gradient checkpointing): the tiny Qwen2 fine-tuned with
+/// AdamW and clipping on 2 processes under DDP, ZeRO-3 (the recomputation reads the sharded
+/// layers again) and tensor parallelism (its all-reduces run again) ends bitwise where the
+/// same job without it does, evaluates to the same losses, and rank 0's transient heap falls
+/// (counted by the `kolo` binary's allocator) below 90 %.
+#[test]
+fn checkpointed_hf_layers_train_bitwise_alike_with_fewer_activations() {
+    let dir = fresh_dir("hf-ckpt");
+    let shards = shards(&dir);
+    // (GPT-2's tiny model takes 32 positions; Qwen2's has a sliding window, which sequence
+    // parallelism refuses.)
+    let runs = [
+        ("qwen2", "", 60),
+        ("qwen2", "[ddp]\nzero_stage = 3\n", 60),
+        ("qwen2", "[mesh]\ntp = 2\n", 60),
+        ("llama", "[mesh]\nsp = 2\n", 60),
+        ("qwen2", "[mesh]\npp = 2\n[pipeline]\nmicro_batches = 2\n", 60),
+        ("gpt2", "", 30),
+        ("neox", "[mesh]\ntp = 2\n", 60),
+    ];
+    for (model, mesh, seq) in runs {
+        let mut seen = Vec::new();
+        for blocks in ["", "checkpoint_blocks = [0, 1]\n"] {
+            let (cfg, ck) = job(&dir, "ck", &shards, 32, mesh);
+            let toml = std::fs::read_to_string(&cfg).unwrap();
+            let toml = toml
+                .replace("[model]\n", &format!("[model]\n{blocks}"))
+                .replace(
+                    &kolo_testkit::files::hf_tiny("qwen2").display().to_string(),
+                    &kolo_testkit::files::hf_tiny(model).display().to_string(),
+                )
+                .replace("seq = 24", &format!("seq = {seq}"))
+                .replace("kind = \"sgd\"\nlr = 0.1", "kind = \"adamw\"\nlr = 0.01\nclip_grad_norm = 0.5");
+            std::fs::write(&cfg, toml).unwrap();
+            let _ = std::fs::remove_dir_all(&ck);
+            let o = run(&["launch", "-n", "2", "--", KOLO, "train", "--config", cfg.to_str().unwrap()], &[]);
+            let t = text(&o);
+            assert!(o.status.success(), "{t}");
+            let evals: Vec<String> = t.lines().filter_map(|l| l.split("eval loss ").nth(1)).map(str::to_string).collect();
+            assert_eq!(evals.len(), 2, "{t}");
+            seen.push((super::transient_heap_mb(&t), evals, model_tensors(&ck.join("step-00000008"))));
+        }
+        let ((plain, plain_evals, a), (ckpt, ck_evals, b)) = (&seen[0], &seen[1]);
+        assert_eq!(plain_evals, ck_evals, "{model} {mesh:?}");
+        assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+        for (k, v) in a {
+            assert!(v == &b[k], "{model} {mesh:?} {k}: checkpointing changed the training by {}", max_diff(v, &b[k]));
+        }
+        eprintln!("{model} {mesh:?}: {ckpt} / {plain}");
+        // Measured 34.7 of 43.3 MB for Qwen2 under DDP: the model has 2 layers, and backward
+        // recomputes one while the other's input waits, so about one layer's activations are
+        // saved (a pipeline stage's one layer, for the other micro-batch in flight).
+        assert!(*ckpt < 0.9 * plain, "{model} {mesh:?}: {ckpt} MB transient with both layers checkpointed, {plain} MB without");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

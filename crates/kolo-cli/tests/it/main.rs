@@ -87,6 +87,14 @@ extern "C" {
 }
 
 /// The model's tensors (`model.*`) of a checkpoint directory, by name.
+/// Rank 0's transient heap in MB of a `kolo train` log (its "peak 46.2 MB (+27.6 MB
+/// transient)").
+fn transient_heap_mb(t: &str) -> f64 {
+    let line = t.lines().find(|l| l.starts_with("[rank 0] heap per rank:")).unwrap_or_else(|| panic!("no heap line: {t}"));
+    let at = line.rfind("(+").unwrap() + 2;
+    line[at..].split(' ').next().unwrap().parse().unwrap()
+}
+
 fn model_tensors(dir: &std::path::Path) -> std::collections::BTreeMap<String, Vec<f32>> {
     let ck = kolo_checkpoint::sharded::load_any(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
     ck.tensors.into_iter().filter(|e| e.name.starts_with("model.")).map(|e| (e.name, e.data)).collect()

@@ -467,12 +467,6 @@ fn plot_renders_a_runs_curves_to_png() {
 #[test]
 fn checkpointed_blocks_keep_fewer_activations() {
     let dir = fresh_dir("ckpt-mem");
-    // "peak 46.2 MB (+27.6 MB transient)" of rank 0's heap line.
-    let transient = |t: &str| -> f64 {
-        let line = t.lines().find(|l| l.starts_with("[rank 0] heap per rank:")).unwrap_or_else(|| panic!("no heap line: {t}"));
-        let at = line.rfind("(+").unwrap() + 2;
-        line[at..].split(' ').next().unwrap().parse().unwrap()
-    };
     for pipeline in ["", "[pipeline]\nmicro_batches = 4\nschedule = \"1f1b\"\n", "[mesh]\ntp = 2\n", "[mesh]\nsp = 2\n"] {
         let mut seen = Vec::new();
         for blocks in ["", "checkpoint_blocks = [0, 1, 2, 3]\n"] {
@@ -490,7 +484,7 @@ fn checkpointed_blocks_keep_fewer_activations() {
             let t = text(&o);
             assert!(o.status.success(), "{t}");
             let eval = t.lines().find(|l| l.contains("final eval")).unwrap_or_else(|| panic!("{t}")).to_string();
-            seen.push((transient(&t), eval));
+            seen.push((super::transient_heap_mb(&t), eval));
         }
         let ((plain, plain_eval), (ck, ck_eval)) = (&seen[0], &seen[1]);
         assert_eq!(plain_eval, ck_eval, "{pipeline:?}: checkpointing changed the model");

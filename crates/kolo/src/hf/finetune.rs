@@ -97,6 +97,12 @@ pub struct HfModel {
     /// with a selection bias.
     #[serde(default)]
     pub expert_bias_rate: f64,
+    /// Decoder layers (0-based) whose activations are recomputed in backward instead of kept
+    /// (activation checkpointing, `transformers`' `gradient_checkpointing`, for these layers:
+    /// less memory for about one more forward of each; training unchanged). Default none.
+    /// Not for layers with experts.
+    #[serde(default)]
+    pub checkpoint_blocks: Vec<usize>,
 }
 
 /// `[data]` of a fine-tuning job: windows of `seq + 1` tokens.
@@ -266,7 +272,8 @@ impl FineTune {
         let dp = m.dp.unwrap_or(dist.world_size() / (tp * pp * sp * ep).max(1));
         let mesh = Mesh::new(dist, &[("pp", pp), ("dp", dp), ("ep", ep), ("sp", sp), ("tp", tp)])?;
         // Mixed precision: the model in bf16/f16, the trainer's masters in f32.
-        let (varmap, model) = load_causal_lm_parallel(&cfg.model.hf, &dist.device(), &mesh, cfg.train.precision.dtype())?;
+        let (varmap, mut model) = load_causal_lm_parallel(&cfg.model.hf, &dist.device(), &mesh, cfg.train.precision.dtype())?;
+        model.checkpoint_blocks(&cfg.model.checkpoint_blocks).map_err(|e| Error::setting("model.checkpoint_blocks", e))?;
         if ep > 1 && model.experts().is_none() {
             return Err(Error::setting(
                 "mesh.ep",

@@ -141,9 +141,9 @@ type Layer = Box<dyn Module + Send + Sync>;
 
 /// How the blocks attend: whole sequences under the causal mask, or this rank's chunks over a
 /// sequence-parallel ring.
-enum Attention<'a> {
+enum Attention {
     Masked(Tensor),
-    Ring(&'a crate::sp::SequenceParallel),
+    Ring(crate::sp::SequenceParallel),
 }
 
 struct Block {
@@ -160,7 +160,7 @@ struct Block {
 impl Block {
     /// `x` (batch, seq, n_embd) through attention and the MLP, each with its residual.
     /// Under sequence parallelism `x` is this rank's chunk of every sequence.
-    fn forward(&self, x: &Tensor, attention: &Attention<'_>, cfg: &Gpt2Config) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, attention: &Attention, cfg: &Gpt2Config) -> candle_core::Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (nh, hd) = (self.heads, cfg.n_embd / cfg.n_head);
         let w = nh * hd;
@@ -199,7 +199,10 @@ pub struct Gpt2 {
     wte: Option<Gpt2Embedding>,
     /// On the first stage.
     wpe: Option<Embedding>,
-    blocks: Vec<Block>,
+    /// (Shared with the closures of checkpointed blocks, which backward runs again.)
+    blocks: Vec<std::sync::Arc<Block>>,
+    /// Whether each block this rank holds is checkpointed ([`Gpt2::checkpoint_blocks`]).
+    checkpointed: Vec<bool>,
     /// On the last stage.
     ln_f: Option<LayerNorm>,
     /// The tensor-parallel group the model is split over (`None`: whole).
@@ -276,7 +279,7 @@ impl Gpt2 {
         let mut blocks = Vec::with_capacity(layers.len());
         for i in layers.clone() {
             let b = vb.pp(format!("h.{i}"));
-            blocks.push(Block {
+            blocks.push(std::sync::Arc::new(Block {
                 ln_1: ln(b.pp("ln_1"))?,
                 c_attn: col(&[e, e, e], b.pp("attn.c_attn"))?,
                 attn_proj: row(e, b.pp("attn.c_proj"))?,
@@ -284,7 +287,7 @@ impl Gpt2 {
                 c_fc: col(&[inner], b.pp("mlp.c_fc"))?,
                 mlp_proj: row(inner, b.pp("mlp.c_proj"))?,
                 heads: cfg.n_head / p,
-            });
+            }));
         }
         let wte = match tp {
             _ if !(first || last) => None,
@@ -296,6 +299,7 @@ impl Gpt2 {
             layers,
             wte,
             wpe: if first { Some(embedding(cfg.n_positions, e, vb.pp("wpe"))?) } else { None },
+            checkpointed: vec![false; blocks.len()],
             blocks,
             ln_f: if last { Some(ln(vb.pp("ln_f"))?) } else { None },
             tp: tp.cloned(),
@@ -308,6 +312,17 @@ impl Gpt2 {
     /// the ZeRO-3 groups for [`crate::Trainer::with_zero3_groups`].
     pub fn block_prefixes(&self) -> Vec<String> {
         self.layers.clone().map(|i| format!("transformer.h.{i}.")).collect()
+    }
+
+    /// Activation checkpointing (`transformers`' `gradient_checkpointing_enable`, for the
+    /// chosen layers): the blocks `layers` (0-based over the whole model; a pipeline stage
+    /// takes those it holds) keep only their input from forward to backward and run again
+    /// there ([`crate::checkpoint`]). Training is unchanged, bitwise; memory falls by a
+    /// block's activations for one more forward of it. Every rank of a tensor- or
+    /// sequence-parallel group must choose the same layers.
+    pub fn checkpoint_blocks(&mut self, layers: &[usize]) -> std::result::Result<(), String> {
+        self.checkpointed = super::checkpointed(layers, self.layers.clone(), self.cfg.n_layer)?;
+        Ok(())
     }
 
     /// The configuration.
@@ -378,14 +393,11 @@ impl Gpt2 {
         let t = x.dim(1)?;
         // Attention: over the ring on sequence chunks (causal by chunk order), else masked.
         let attention = match &self.sp {
-            Some(sp) => Attention::Ring(sp),
+            Some(sp) => Attention::Ring(sp.clone()),
             None => Attention::Masked(super::causal_mask(t, None, x.device(), x.dtype())?),
         };
-        let mut x = x.clone();
-        for blk in &self.blocks {
-            x = blk.forward(&x, &attention, &self.cfg)?;
-        }
-        Ok(x)
+        let forward: fn(&Block, &Tensor, &(Attention, Gpt2Config)) -> candle_core::Result<Tensor> = |b, x, (a, cfg)| b.forward(x, a, cfg);
+        super::run_blocks(&self.blocks, &self.checkpointed, x, (attention, self.cfg.clone()), forward)
     }
 
     /// The last stage's final norm and the tied output layer: logits of this rank's vocabulary

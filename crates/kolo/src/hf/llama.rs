@@ -1256,7 +1256,10 @@ pub struct Llama {
     layers: std::ops::Range<usize>,
     /// On the first stage.
     embed: Option<LlamaEmbedding>,
-    blocks: Vec<LlamaBlock>,
+    /// (Shared with the closures of checkpointed blocks, which backward runs again.)
+    blocks: Vec<std::sync::Arc<LlamaBlock>>,
+    /// Whether each block this rank holds is checkpointed ([`Llama::checkpoint_blocks`]).
+    checkpointed: Vec<bool>,
     /// On the last stage.
     norm: Option<Norm>,
     lm_head: Option<Layer>,
@@ -1537,8 +1540,10 @@ impl Llama {
         let m = vb.pp("model");
         let (first, last) = (layers.start == 0, layers.end == cfg.num_hidden_layers);
         let parts = Parts { cfg, tp, ep };
-        let blocks =
-            layers.clone().map(|i| parts.block(i, m.pp(format!("layers.{i}")), windows[i])).collect::<candle_core::Result<Vec<_>>>()?;
+        let blocks = layers
+            .clone()
+            .map(|i| Ok(std::sync::Arc::new(parts.block(i, m.pp(format!("layers.{i}")), windows[i])?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let lm_head: Option<Layer> = match (cfg.tie_word_embeddings || !last, tp) {
             (true, _) => None,
             (false, Some(t)) => Some(Box::new(Col::lm_head(e, cfg.vocab_size, vb.pp("lm_head"), t)?)),
@@ -1563,6 +1568,7 @@ impl Llama {
             cfg: cfg.clone(),
             layers,
             embed,
+            checkpointed: vec![false; blocks.len()],
             blocks,
             norm: if last { Some(Norm::new(e, cfg, m.pp("norm"))?) } else { None },
             lm_head,
@@ -1582,6 +1588,24 @@ impl Llama {
     /// the ZeRO-3 groups.
     pub fn block_prefixes(&self) -> Vec<String> {
         self.layers.clone().map(|i| format!("model.layers.{i}.")).collect()
+    }
+
+    /// Activation checkpointing (`transformers`' `gradient_checkpointing_enable`, for the
+    /// chosen layers): the decoder layers `layers` (0-based over the whole model; a pipeline
+    /// stage takes those it holds) keep only their input from forward to backward and run
+    /// again there ([`crate::checkpoint`]). Training is unchanged, bitwise; memory falls by a
+    /// layer's activations for one more forward of it. Every rank of a tensor- or
+    /// sequence-parallel group must choose the same layers. Layers with experts are refused
+    /// (their routing feeds the load-balancing loss outside the layer).
+    pub fn checkpoint_blocks(&mut self, layers: &[usize]) -> std::result::Result<(), String> {
+        let checkpointed = super::checkpointed(layers, self.layers.clone(), self.cfg.num_hidden_layers)?;
+        if let Some(i) = layers.iter().find(|&&i| self.cfg.sparse_layer(i)) {
+            return Err(format!(
+                "checkpoint_blocks: layer {i} has experts; checkpointing a mixture-of-experts layer is not supported yet (its routing feeds the load-balancing loss outside the layer)"
+            ));
+        }
+        self.checkpointed = checkpointed;
+        Ok(())
     }
 
     /// The configuration.
@@ -1750,9 +1774,21 @@ impl Llama {
             }
         }
         let mut x = x.clone();
-        for blk in &self.blocks {
+        // What a checkpointed block's closure owns (it runs again in backward).
+        let shared = self.checkpointed.contains(&true).then(|| std::sync::Arc::new((masks.clone(), self.cfg.clone(), self.sp.clone())));
+        for (blk, ckpt) in self.blocks.iter().zip(&self.checkpointed) {
             let (cos, sin) = &tables[blk.rope];
-            x = blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref(), router)?;
+            x = match (ckpt, &shared) {
+                (true, Some(shared)) => {
+                    let (blk, shared, cos, sin) = (blk.clone(), shared.clone(), cos.clone(), sin.clone());
+                    crate::checkpoint(&x, move |x| {
+                        let (masks, cfg, sp) = &*shared;
+                        // (A dense layer: nothing reaches the router.)
+                        blk.forward(x, (&cos, &sin, masks), cfg, sp.as_ref(), &mut Router::default())
+                    })?
+                }
+                _ => blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref(), router)?,
+            };
         }
         Ok(x)
     }

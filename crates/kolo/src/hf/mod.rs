@@ -89,6 +89,15 @@ impl CausalLm {
             CausalLm::GptNeox(m) => m.loss(ids),
         }
     }
+    /// Activation checkpointing of the blocks `layers` (0-based over the whole model):
+    /// [`Llama::checkpoint_blocks`], [`Gpt2::checkpoint_blocks`], [`GptNeox::checkpoint_blocks`].
+    pub fn checkpoint_blocks(&mut self, layers: &[usize]) -> std::result::Result<(), String> {
+        match self {
+            CausalLm::Gpt2(m) => m.checkpoint_blocks(layers),
+            CausalLm::Llama(m) => m.checkpoint_blocks(layers),
+            CausalLm::GptNeox(m) => m.checkpoint_blocks(layers),
+        }
+    }
     /// Width of the hidden states between blocks (what a pipeline stage hands the next).
     pub fn hidden_size(&self) -> usize {
         match self {
@@ -302,4 +311,41 @@ fn load(
         eprintln!("kolo::hf: {}: {}", dir.display(), model.load_report());
     }
     Ok((varmap, model))
+}
+
+/// Which of a rank's blocks `layers` (0-based over the whole model of `n` layers) names, for
+/// a rank holding `held`: `checkpoint_blocks` of the Hugging Face models.
+pub(crate) fn checkpointed(layers: &[usize], held: std::ops::Range<usize>, n: usize) -> std::result::Result<Vec<bool>, String> {
+    if let Some(i) = layers.iter().find(|&&i| i >= n) {
+        return Err(format!("checkpoint_blocks: layer {i} of a model of {n} layers"));
+    }
+    Ok(held.map(|i| layers.contains(&i)).collect())
+}
+
+/// `blocks` in order on `x`, each through `forward(block, x, ctx)`; those `checkpointed`
+/// marks through [`crate::checkpoint`] (the block and `ctx` shared with its closure, which
+/// backward runs again).
+pub(crate) fn run_blocks<B, C>(
+    blocks: &[std::sync::Arc<B>],
+    checkpointed: &[bool],
+    x: &Tensor,
+    ctx: C,
+    forward: fn(&B, &Tensor, &C) -> candle_core::Result<Tensor>,
+) -> candle_core::Result<Tensor>
+where
+    B: Send + Sync + 'static,
+    C: Send + Sync + 'static,
+{
+    let ctx = std::sync::Arc::new(ctx);
+    let mut x = x.clone();
+    for (blk, &ckpt) in blocks.iter().zip(checkpointed) {
+        x = match ckpt {
+            true => {
+                let (blk, ctx) = (blk.clone(), ctx.clone());
+                crate::checkpoint(&x, move |x| forward(&blk, x, &ctx))?
+            }
+            false => forward(blk, &x, &ctx)?,
+        };
+    }
+    Ok(x)
 }

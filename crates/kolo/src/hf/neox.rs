@@ -186,7 +186,10 @@ pub struct GptNeox {
     layers: std::ops::Range<usize>,
     /// On the first stage (and, tied as the output layer, on the last).
     embed: Option<NeoxEmbedding>,
-    blocks: Vec<NeoxBlock>,
+    /// (Shared with the closures of checkpointed blocks, which backward runs again.)
+    blocks: Vec<std::sync::Arc<NeoxBlock>>,
+    /// Whether each block this rank holds is checkpointed ([`GptNeox::checkpoint_blocks`]).
+    checkpointed: Vec<bool>,
     /// On the last stage.
     norm: Option<LayerNorm>,
     /// On the last stage, unless tied to the embedding.
@@ -271,7 +274,7 @@ impl GptNeox {
         let mut blocks = Vec::with_capacity(layers.len());
         for i in layers.clone() {
             let b = m.pp(format!("layers.{i}"));
-            blocks.push(NeoxBlock {
+            blocks.push(std::sync::Arc::new(NeoxBlock {
                 input_norm: ln(b.pp("input_layernorm"))?,
                 qkv: col(e, 3 * e, b.pp("attention.query_key_value"))?,
                 dense: row(e, e, b.pp("attention.dense"))?,
@@ -279,7 +282,7 @@ impl GptNeox {
                 up: col(e, inter, b.pp("mlp.dense_h_to_4h"))?,
                 down: row(inter, e, b.pp("mlp.dense_4h_to_h"))?,
                 heads: h / p,
-            });
+            }));
         }
         let (n, r) = (cfg.max_position_embeddings, cfg.rotary_dim());
         let theta = cfg.rope().get("rope_theta").and_then(serde_json::Value::as_f64).unwrap_or(10_000.0);
@@ -295,6 +298,7 @@ impl GptNeox {
                 Some(t) => Some(NeoxEmbedding::Split(crate::tp::VocabParallelEmbedding::new(cfg.vocab_size, e, m.pp("embed_in"), t)?)),
                 None => Some(NeoxEmbedding::Whole(embedding(cfg.vocab_size, e, m.pp("embed_in"))?)),
             },
+            checkpointed: vec![false; blocks.len()],
             blocks,
             norm: if last { Some(ln(m.pp("final_layer_norm"))?) } else { None },
             lm_head: match (cfg.tie_word_embeddings || !last, tp) {
@@ -307,6 +311,17 @@ impl GptNeox {
             sin: table(f64::sin)?,
             report: LoadReport::default(),
         })
+    }
+
+    /// Activation checkpointing (`transformers`' `gradient_checkpointing_enable`, for the
+    /// chosen layers): the blocks `layers` (0-based over the whole model; a pipeline stage
+    /// takes those it holds) keep only their input from forward to backward and run again
+    /// there ([`crate::checkpoint`]). Training is unchanged, bitwise; memory falls by a
+    /// block's activations for one more forward of it. Every rank of a tensor- or
+    /// sequence-parallel group must choose the same layers.
+    pub fn checkpoint_blocks(&mut self, layers: &[usize]) -> std::result::Result<(), String> {
+        self.checkpointed = super::checkpointed(layers, self.layers.clone(), self.cfg.num_hidden_layers)?;
+        Ok(())
     }
 
     /// The configuration.
@@ -373,11 +388,10 @@ impl GptNeox {
         }
         let (cos, sin) = (self.cos.narrow(0, 0, t)?.contiguous()?, self.sin.narrow(0, 0, t)?.contiguous()?);
         let mask = super::causal_mask(t, None, x.device(), x.dtype())?;
-        let mut x = x.clone();
-        for blk in &self.blocks {
-            x = blk.forward(&x, (&cos, &sin, &mask), &self.cfg)?;
-        }
-        Ok(x)
+        type Ctx = (Tensor, Tensor, Tensor, NeoxConfig);
+        let forward: fn(&NeoxBlock, &Tensor, &Ctx) -> candle_core::Result<Tensor> =
+            |b, x, (cos, sin, mask, cfg)| b.forward(x, (cos, sin, mask), cfg);
+        super::run_blocks(&self.blocks, &self.checkpointed, x, (cos, sin, mask, self.cfg.clone()), forward)
     }
 
     /// The last stage's final norm and output layer: logits of this rank's vocabulary range.

@@ -1,0 +1,170 @@
+//! Activation checkpointing for any candle code, as `torch.utils.checkpoint` does it: a block
+//! runs forward without keeping what it computed inside, and runs again in backward, with a
+//! graph, to differentiate it. Less memory (one input kept per block instead of every
+//! intermediate) for about one more forward pass.
+//!
+//! The block is a closure over the model's own layers; its parameters are found, not named:
+//! the forward's graph is walked for the variables it read (candle's `sorted_nodes`), and
+//! their gradients reach them through one packed input of the op (a `cat` of the variables, in
+//! f32), so everything a trainer hangs on a variable (DDP's gradient hooks, ZeRO-3's gathers)
+//! sees them as without checkpointing. The packed copy is freed as soon as the forward is
+//! done; backward reads the variables themselves.
+
+use candle_core::{
+    backend::{BackendDevice, BackendStorage},
+    CpuStorage, CustomOp2, DType, Layout, Shape, Storage, Tensor, Var,
+};
+use std::sync::{Arc, Mutex};
+
+/// A block: what [`checkpoint`] runs, once forward and once more in backward.
+type Block = dyn Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync;
+
+/// `block(x)`, its intermediate activations dropped after the forward and recomputed in
+/// backward (activation checkpointing). The gradients of `x` and of every variable `block`
+/// reads are those of `block(x)` without checkpointing: bitwise, unless a variable is also
+/// used outside the block (its contributions are then added in another order).
+///
+/// `block` must compute the same values when run again: no dropout drawn anew, no state
+/// changed by the forward (a key/value cache: clear it, or keep the block without one). Every
+/// rank of a tensor- or sequence-parallel group must checkpoint the same blocks, since their
+/// collectives run again in backward. A tensor the block captures from outside and that
+/// needs a gradient should be its input `x` instead: a captured one gets its gradient, but
+/// backward walks its graph again to give it.
+///
+/// ```
+/// use candle_core::{Device, Tensor, Var};
+/// let (w1, w2) = (Var::randn(0f32, 0.3, (8, 32), &Device::Cpu)?, Var::randn(0f32, 0.2, (32, 8), &Device::Cpu)?);
+/// let x = Tensor::randn(0f32, 1.0, (4, 8), &Device::Cpu)?;
+/// let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
+/// // The variables are found by walking the forward's graph: nothing to list.
+/// let y = kolo_tensor::checkpoint::checkpoint(&x, move |x| (x + x.matmul(&a)?.gelu()?.matmul(&b)?))?;
+/// let grads = y.sum_all()?.backward()?;
+/// assert!(grads.get(w1.as_tensor()).is_some() && grads.get(w2.as_tensor()).is_some());
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn checkpoint<F>(x: &Tensor, block: F) -> candle_core::Result<Tensor>
+where
+    F: Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
+{
+    let block: Arc<Block> = Arc::new(block);
+    let y = block(&x.detach())?;
+    let vars: Vec<Tensor> = y.sorted_nodes().into_iter().filter(|n| n.is_variable()).cloned().collect();
+    let out = y.detach();
+    // The graph of the forward (every intermediate) goes here.
+    drop(y);
+    if vars.is_empty() && !x.track_op() {
+        return Ok(out);
+    }
+    let packed = pack(&vars, x.device())?;
+    let shapes = vars.iter().map(|v| v.dims().to_vec()).collect();
+    let op = Checkpointed { block, vars: vars.clone(), shapes, out: Mutex::new(Some(out)), packed: packed.clone() };
+    let y = x.apply_op2(&packed, op)?;
+    // The graph keeps `packed` as an input, but backward reads the variables themselves: free
+    // its values, and refill them should anything read them (an empty storage is never read).
+    if packed.device().is_cpu() && packed.try_release_storage()? {
+        let (keep, n) = (packed.clone(), packed.elem_count());
+        packed.set_storage_hook(Some(Arc::new(move || {
+            let v = pack(&vars, &candle_core::Device::Cpu).and_then(|p| p.to_vec1::<f32>()).unwrap_or_else(|_| vec![f32::NAN; n]);
+            if keep.replace_storage(Storage::Cpu(CpuStorage::F32(v))).is_ok() {
+                keep.set_storage_hook(None);
+            }
+        })));
+    }
+    Ok(y)
+}
+
+/// The variables flattened, cast to f32 and concatenated (an empty tensor without any).
+fn pack(vars: &[Tensor], device: &candle_core::Device) -> candle_core::Result<Tensor> {
+    if vars.is_empty() {
+        return Tensor::zeros(0, DType::F32, device);
+    }
+    let flat: Vec<Tensor> = vars.iter().map(|v| v.flatten_all()?.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
+    Tensor::cat(&flat, 0)
+}
+
+struct Checkpointed {
+    block: Arc<Block>,
+    /// The variables the forward read, in the order they are packed.
+    vars: Vec<Tensor>,
+    shapes: Vec<Vec<usize>>,
+    /// The forward's output, handed to candle once as the op's result.
+    out: Mutex<Option<Tensor>>,
+    /// The packed input (its refill hook is removed when the op is dropped).
+    packed: Tensor,
+}
+
+impl Drop for Checkpointed {
+    fn drop(&mut self) {
+        self.packed.set_storage_hook(None);
+    }
+}
+
+impl Checkpointed {
+    /// The forward's output, which `block` computed before the op was applied.
+    fn take_out(&self) -> candle_core::Result<Tensor> {
+        let out = self.out.lock().unwrap_or_else(|p| p.into_inner()).take();
+        out.ok_or_else(|| candle_core::Error::Msg("kolo checkpoint: the op ran forward twice".into()))
+    }
+}
+
+impl CustomOp2 for Checkpointed {
+    fn name(&self) -> &'static str {
+        "kolo-checkpoint"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let out = self.take_out()?;
+        let (s, l) = out.storage_and_layout();
+        let Storage::Cpu(c) = &*s else { candle_core::bail!("kolo checkpoint: the block's output is not on the CPU") };
+        // One copy, of exactly the output's elements (its storage may hold more).
+        // SAFETY: `copy_strided_src` writes every element of the new storage.
+        let mut dst = unsafe { candle_core::cpu_backend::CpuDevice.alloc_uninit(l.shape(), out.dtype())? };
+        c.copy_strided_src(&mut dst, 0, l)?;
+        Ok((dst, l.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let out = self.take_out()?;
+        let (s, l) = out.storage_and_layout();
+        let Storage::Cuda(c) = &*s else { candle_core::bail!("kolo checkpoint: the block's output is not on the GPU") };
+        // SAFETY: `copy_strided_src` writes every element of the new storage.
+        let mut dst = unsafe { c.device().alloc_uninit(l.shape(), out.dtype())? };
+        c.copy_strided_src(&mut dst, 0, l)?;
+        Ok((dst, l.shape().clone()))
+    }
+
+    fn bwd(&self, x: &Tensor, _packed: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let xv = Var::from_tensor(&x.detach())?;
+        let y = (self.block)(xv.as_tensor())?;
+        if y.dims() != grad.dims() {
+            candle_core::bail!("kolo checkpoint: the block ran again to a {:?} output, after {:?} forward", y.dims(), grad.dims());
+        }
+        let known = |id| id == xv.as_tensor().id() || self.vars.iter().any(|v| v.id() == id);
+        if let Some(other) = y.sorted_nodes().into_iter().find(|n| n.is_variable() && !known(n.id())) {
+            candle_core::bail!(
+                "kolo checkpoint: run again in backward, the block read a variable (of shape {:?}) its forward did not; a checkpointed block must compute the same thing twice",
+                other.dims()
+            );
+        }
+        let g = (y * grad.detach())?.sum_all()?.backward()?;
+        let parts: Vec<Tensor> = self
+            .vars
+            .iter()
+            .zip(&self.shapes)
+            .map(|(v, s)| match g.get(v) {
+                Some(gv) => gv.flatten_all()?.to_dtype(DType::F32),
+                None => Tensor::zeros(s.iter().product::<usize>(), DType::F32, v.device()),
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let gx = x.track_op().then(|| g.get(xv.as_tensor()).cloned()).flatten();
+        let gp = if parts.is_empty() { None } else { Some(Tensor::cat(&parts, 0)?) };
+        Ok((gx, gp))
+    }
+}
