@@ -46,7 +46,57 @@ pub fn checkpoint<F>(x: &Tensor, block: F) -> candle_core::Result<Tensor>
 where
     F: Fn(&Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
 {
-    let block: Arc<Block> = Arc::new(block);
+    checkpoint_op(x, Arc::new(block))
+}
+
+/// [`checkpoint`] of a block with several outputs (a mixture-of-experts layer's output, its
+/// gate's probabilities and its auxiliary loss), each of which may carry a gradient back. They
+/// travel joined in one tensor (in their dtype, or f32 when they differ) and are cut apart.
+pub fn checkpoint_many<F>(x: &Tensor, block: F) -> candle_core::Result<Vec<Tensor>>
+where
+    F: Fn(&Tensor) -> candle_core::Result<Vec<Tensor>> + Send + Sync + 'static,
+{
+    // The outputs' shapes and dtypes, as the last run of the block gave them.
+    let meta: Arc<Mutex<Outputs>> = Default::default();
+    let seen = meta.clone();
+    let joined = checkpoint_op(
+        x,
+        Arc::new(move |x: &Tensor| {
+            let ys = block(x)?;
+            let m: Outputs = ys.iter().map(|y| (y.dims().to_vec(), y.dtype())).collect();
+            let mut last = seen.lock().unwrap_or_else(|p| p.into_inner());
+            if !last.is_empty() && *last != m {
+                candle_core::bail!("kolo checkpoint: the block ran again to outputs {m:?}, after {:?}", *last);
+            }
+            *last = m;
+            join(&ys)
+        }),
+    )?;
+    let meta = meta.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let mut off = 0;
+    meta.iter()
+        .map(|(dims, dtype)| {
+            let n: usize = dims.iter().product();
+            let y = joined.narrow(0, off, n)?.reshape(dims.as_slice())?.to_dtype(*dtype);
+            off += n;
+            y
+        })
+        .collect()
+}
+
+/// Each output's shape and dtype.
+type Outputs = Vec<(Vec<usize>, DType)>;
+
+/// Tensors flattened and concatenated, in their dtype if they share one, else in f32 (exact
+/// for f32, bf16 and f16 values, so their gradients come back bitwise).
+fn join(ys: &[Tensor]) -> candle_core::Result<Tensor> {
+    let Some(first) = ys.first() else { candle_core::bail!("kolo checkpoint: a block without outputs") };
+    let dtype = if ys.iter().all(|y| y.dtype() == first.dtype()) { first.dtype() } else { DType::F32 };
+    let flat: Vec<Tensor> = ys.iter().map(|y| y.flatten_all()?.to_dtype(dtype)).collect::<candle_core::Result<_>>()?;
+    Tensor::cat(&flat, 0)
+}
+
+fn checkpoint_op(x: &Tensor, block: Arc<Block>) -> candle_core::Result<Tensor> {
     let y = block(&x.detach())?;
     let vars: Vec<Tensor> = y.sorted_nodes().into_iter().filter(|n| n.is_variable()).cloned().collect();
     let out = y.detach();

@@ -253,6 +253,15 @@ impl<E: Module> MoeLayer<E> {
         std::mem::take(&mut *self.load.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
+    /// `f()` without its routing counted in [`MoeLayer::take_load`]: the layer run again by
+    /// activation checkpointing's backward, whose tokens the first run counted.
+    pub(crate) fn unrecorded<T>(&self, f: impl FnOnce() -> T) -> T {
+        let saved = self.take_load();
+        let out = f();
+        *self.load.lock().unwrap_or_else(|p| p.into_inner()) = saved;
+        out
+    }
+
     /// [`Scoring::Sigmoid`]'s selection bias (`gate.e_score_correction_bias`), the variable
     /// [`ExpertBias::update`] moves; `None` with softmax scoring.
     pub fn selection_bias(&self) -> Option<candle_core::Var> {

@@ -87,6 +87,9 @@ pub use kolo_optim::UpdateRule;
 /// # Ok(()) }
 /// ```
 pub use kolo_tensor::checkpoint::checkpoint;
+/// [`checkpoint`] of a block with several outputs, each of which may carry a gradient back (a
+/// mixture-of-experts layer's output, gate probabilities and auxiliary loss).
+pub use kolo_tensor::checkpoint::checkpoint_many;
 /// An evaluation's result, as [`Trainer::log_eval`] logs it.
 pub use kolo_train::summary::Eval;
 pub use mesh::Mesh;

@@ -100,7 +100,6 @@ pub struct HfModel {
     /// Decoder layers (0-based) whose activations are recomputed in backward instead of kept
     /// (activation checkpointing, `transformers`' `gradient_checkpointing`, for these layers:
     /// less memory for about one more forward of each; training unchanged). Default none.
-    /// Not for layers with experts.
     #[serde(default)]
     pub checkpoint_blocks: Vec<usize>,
 }

@@ -1058,20 +1058,34 @@ impl Router {
 
     fn add(&mut self, r: crate::ep::MoeForward) -> candle_core::Result<()> {
         let (n, e) = r.probs.dims2()?;
-        let sum = r.probs.sum(0)?;
-        self.probs = Some(match self.probs.take() {
-            Some(p) => (p.to_dtype(sum.dtype())? + sum)?,
-            None => sum,
-        });
-        self.chosen.resize(e, 0.0);
+        let mut chosen = vec![0.0; e];
         for &c in &r.choices {
-            self.chosen[c] += 1.0;
+            chosen[c] += 1.0;
         }
-        self.rows += n;
-        self.carry = Some(match self.carry.take() {
-            Some(c) => (c + r.aux)?,
-            None => r.aux,
-        });
+        self.merge(Router { probs: Some(r.probs.sum(0)?), chosen, rows: n, carry: Some(r.aux) })
+    }
+
+    /// Adds what another router saw (a checkpointed layer's).
+    fn merge(&mut self, other: Router) -> candle_core::Result<()> {
+        if let Some(sum) = other.probs {
+            self.probs = Some(match self.probs.take() {
+                Some(p) => (p.to_dtype(sum.dtype())? + sum)?,
+                None => sum,
+            });
+        }
+        if self.chosen.len() < other.chosen.len() {
+            self.chosen.resize(other.chosen.len(), 0.0);
+        }
+        for (c, o) in self.chosen.iter_mut().zip(&other.chosen) {
+            *c += o;
+        }
+        self.rows += other.rows;
+        if let Some(aux) = other.carry {
+            self.carry = Some(match self.carry.take() {
+                Some(c) => (c + aux)?,
+                None => aux,
+            });
+        }
         Ok(())
     }
 
@@ -1102,6 +1116,15 @@ impl Router {
         Ok(Some((carry + balance)?))
     }
 }
+
+/// What a checkpointed layer's closure owns: the layer, the masks, configuration and
+/// sequence-parallel group of the model, and its rotary table cut to the sequence.
+type CheckpointedLayer = (
+    std::sync::Arc<LlamaBlock>,
+    std::sync::Arc<(Vec<(Option<usize>, Tensor)>, LlamaConfig, Option<crate::sp::SequenceParallel>)>,
+    Tensor,
+    Tensor,
+);
 
 struct LlamaBlock {
     /// The tensor-parallel group its split layers are split over (`None`: whole).
@@ -1595,16 +1618,11 @@ impl Llama {
     /// stage takes those it holds) keep only their input from forward to backward and run
     /// again there ([`crate::checkpoint`]). Training is unchanged, bitwise; memory falls by a
     /// layer's activations for one more forward of it. Every rank of a tensor- or
-    /// sequence-parallel group must choose the same layers. Layers with experts are refused
-    /// (their routing feeds the load-balancing loss outside the layer).
+    /// sequence- or expert-parallel group must choose the same layers. A layer with experts
+    /// hands its gate's probabilities and auxiliary term out of the checkpoint to the
+    /// load-balancing loss; its routing is counted once.
     pub fn checkpoint_blocks(&mut self, layers: &[usize]) -> std::result::Result<(), String> {
-        let checkpointed = super::checkpointed(layers, self.layers.clone(), self.cfg.num_hidden_layers)?;
-        if let Some(i) = layers.iter().find(|&&i| self.cfg.sparse_layer(i)) {
-            return Err(format!(
-                "checkpoint_blocks: layer {i} has experts; checkpointing a mixture-of-experts layer is not supported yet (its routing feeds the load-balancing loss outside the layer)"
-            ));
-        }
-        self.checkpointed = checkpointed;
+        self.checkpointed = super::checkpointed(layers, self.layers.clone(), self.cfg.num_hidden_layers)?;
         Ok(())
     }
 
@@ -1644,11 +1662,17 @@ impl Llama {
     /// Forgets the routing counts of the forward passes so far (an evaluation's), so that
     /// [`Llama::update_expert_bias`] counts only the training step's.
     pub fn forget_expert_load(&self) {
-        for b in &self.blocks {
-            if let Ffn::Experts { moe, .. } = &b.ffn {
-                moe.take_load();
-            }
-        }
+        self.take_expert_loads();
+    }
+
+    /// Each layer with experts' routing counts (assignments kept per expert) since the last
+    /// call, in layer order.
+    pub(crate) fn take_expert_loads(&self) -> Vec<Vec<u64>> {
+        let moes = self.blocks.iter().filter_map(|b| match &b.ffn {
+            Ffn::Experts { moe, .. } => Some(moe),
+            Ffn::Dense { .. } => None,
+        });
+        moes.map(|moe| moe.take_load().load).collect()
     }
 
     /// What loading the checkpoint left unused (tensors, `config.json` keys).
@@ -1781,16 +1805,59 @@ impl Llama {
             x = match (ckpt, &shared) {
                 (true, Some(shared)) => {
                     let (blk, shared, cos, sin) = (blk.clone(), shared.clone(), cos.clone(), sin.clone());
-                    crate::checkpoint(&x, move |x| {
-                        let (masks, cfg, sp) = &*shared;
-                        // (A dense layer: nothing reaches the router.)
-                        blk.forward(x, (&cos, &sin, masks), cfg, sp.as_ref(), &mut Router::default())
-                    })?
+                    if !matches!(blk.ffn, Ffn::Experts { .. }) {
+                        crate::checkpoint(&x, move |x| {
+                            let (masks, cfg, sp) = &*shared;
+                            // (A dense layer: nothing reaches the router.)
+                            blk.forward(x, (&cos, &sin, masks), cfg, sp.as_ref(), &mut Router::default())
+                        })?
+                    } else {
+                        self.checkpointed_experts(&x, (blk, shared, cos, sin), router)?
+                    }
                 }
                 _ => blk.forward(&x, (cos, sin, &masks), &self.cfg, self.sp.as_ref(), router)?,
             };
         }
         Ok(x)
+    }
+
+    /// A checkpointed layer with experts on `x`: its output, the gate's probabilities summed
+    /// over its tokens and its auxiliary term come out of the checkpoint ([`crate::checkpoint_many`])
+    /// into `router` with the routing's counts, which the first run records (backward's run
+    /// must choose the same experts, and counts nothing in the layer's load).
+    fn checkpointed_experts(
+        &self,
+        x: &Tensor,
+        (blk, shared, cos, sin): CheckpointedLayer,
+        router: &mut Router,
+    ) -> candle_core::Result<Tensor> {
+        // The first run's choices per expert and tokens routed.
+        type Counts = Option<(Vec<f32>, usize)>;
+        let counts: std::sync::Arc<std::sync::Mutex<Counts>> = Default::default();
+        let seen = counts.clone();
+        let outs = crate::checkpoint_many(x, move |x| {
+            let (masks, cfg, sp) = &*shared;
+            let mut r = Router::default();
+            let mut seen = seen.lock().unwrap_or_else(|p| p.into_inner());
+            let y = match (&*seen, &blk.ffn) {
+                (Some(_), Ffn::Experts { moe, .. }) => moe.unrecorded(|| blk.forward(x, (&cos, &sin, masks), cfg, sp.as_ref(), &mut r))?,
+                _ => blk.forward(x, (&cos, &sin, masks), cfg, sp.as_ref(), &mut r)?,
+            };
+            match &*seen {
+                Some(first) if *first != (r.chosen.clone(), r.rows) => {
+                    candle_core::bail!("a checkpointed layer with experts routed its tokens differently when run again in backward")
+                }
+                Some(_) => {}
+                None => *seen = Some((r.chosen.clone(), r.rows)),
+            }
+            let (Some(probs), Some(carry)) = (r.probs, r.carry) else { candle_core::bail!("a layer with experts routed nothing") };
+            Ok(vec![y, probs, carry])
+        })?;
+        let (chosen, rows) = counts.lock().unwrap_or_else(|p| p.into_inner()).clone().unwrap_or_default();
+        let [y, probs, carry]: [Tensor; 3] =
+            outs.try_into().map_err(|_| candle_core::Error::Msg("a checkpointed layer of 3 outputs".into()))?;
+        router.merge(Router { probs: Some(probs), chosen, rows, carry: Some(carry) })?;
+        Ok(y)
     }
 
     /// The last stage's final norm and output layer: logits of this rank's vocabulary range.

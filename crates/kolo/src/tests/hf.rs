@@ -873,3 +873,42 @@ fn deepseek_v3_selection_biases_move_towards_balance_by_transformers_counts() {
     let e = crate::hf::FineTune::new(&dist, cfg).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("model.expert_bias_rate") && e.contains("no selection bias") && e.contains("mixtral"), "{e}");
 }
+
+/// Checkpointed layers with experts (`Llama::checkpoint_blocks`): Mixtral, Qwen3-MoE and
+/// DeepSeek-V3 (latent attention, a selection bias, a dense first layer) give the loss
+/// (cross-entropy plus the load-balancing loss over every layer's tokens, whose gate
+/// probabilities come out of the checkpoints) and every parameter's gradient bitwise as
+/// without checkpointing, and each layer's routing is counted once (backward's run of a layer
+/// counts nothing).
+#[test]
+fn checkpointed_expert_layers_give_the_plain_gradients_and_count_tokens_once() {
+    for arch in ["mixtral", "qwen3-moe", "deepseek-v3"] {
+        let dir = kolo_testkit::files::hf_tiny(arch);
+        let ids = Tensor::from_vec((0..2 * 17).map(|i| (i * 7 % 61) as u32).collect::<Vec<_>>(), (2, 17), &Device::Cpu).unwrap();
+        let run = |layers: &[usize]| {
+            let (varmap, mut model) = crate::hf::load_causal_lm(&dir, &Device::Cpu).unwrap();
+            model.checkpoint_blocks(layers).unwrap();
+            let crate::hf::CausalLm::Llama(m) = &model else { panic!("{arch}: a Llama-family model") };
+            let loss = model.loss(&ids).unwrap();
+            let grads = loss.backward().unwrap();
+            let loads = m.take_expert_loads();
+            let data = varmap.data().lock().unwrap();
+            let mut names: Vec<&String> = data.keys().collect();
+            names.sort();
+            let g: Vec<(String, Vec<f32>)> = names
+                .into_iter()
+                .map(|n| (n.clone(), grads.get(data[n].as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap()))
+                .collect();
+            (loss.to_scalar::<f32>().unwrap(), g, loads)
+        };
+        let layers: Vec<usize> = (0..3).collect();
+        let plain = run(&[]);
+        let ck = run(&layers[..if arch == "mixtral" { 2 } else { 3 }]);
+        assert_eq!(ck.0, plain.0, "{arch}: loss");
+        for ((name, a), (_, b)) in ck.1.iter().zip(&plain.1) {
+            assert!(a == b, "{arch}: the gradient of {name} differs");
+        }
+        assert!(!plain.2.is_empty() && plain.2.iter().all(|l| l.iter().sum::<u64>() > 0), "{arch}: {:?}", plain.2);
+        assert_eq!(ck.2, plain.2, "{arch}: routing counts");
+    }
+}
