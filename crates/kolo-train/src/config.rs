@@ -1023,10 +1023,9 @@ impl Config {
                 || m.pp.is_some_and(|p| p > 1)
                 || self.pipeline.is_some()
                 || self.ddp.zero_stage == 3
-                || !md.checkpoint_blocks.is_empty()
                 || self.train.strategy != Strategy::Ddp
             {
-                return Err("model.experts trains with data and expert parallelism (mesh.dp, mesh.ep), without tp, sp, pipelines, ZeRO-3, activation checkpointing or parameter servers (yet)".into());
+                return Err("model.experts trains with data and expert parallelism (mesh.dp, mesh.ep), without tp, sp, pipelines, ZeRO-3 or parameter servers (yet)".into());
             }
             if !x.is_multiple_of(m.ep) {
                 return Err(format!("model.experts ({x}) must be a multiple of mesh.ep ({})", m.ep));

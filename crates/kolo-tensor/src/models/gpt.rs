@@ -213,6 +213,17 @@ struct CheckpointedBlock {
     /// packed input's values are freed after the forward (a hook refills them from these,
     /// should anything read them) and backward packs the variables again.
     reread: Option<Reread>,
+    /// A block whose MLP is a mixture of experts: its routing, its experts' exchange (expert
+    /// parallelism: the recomputation's all-to-alls run again, every member at the same point)
+    /// and where the forward counts its routing (backward's run counts nothing). Its output is
+    /// the hidden states flattened with the auxiliary loss after them.
+    moe: Option<MoeBlock>,
+}
+
+struct MoeBlock {
+    cfg: super::moe::MoeConfig,
+    ex: Option<Arc<dyn kolo_base::Exchange>>,
+    load: Option<Arc<std::sync::Mutex<super::moe::MoeLoad>>>,
 }
 
 struct Reread {
@@ -287,8 +298,7 @@ impl CustomOp2 for CheckpointedBlock {
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = cpu_tensor(s1, l1)?;
         let packed = cpu_tensor(s2, l2)?;
-        let y = run_block(&x, &unpack(&packed, &self.shapes).map_err(msg)?, self.n_head, (self.tp.as_ref(), self.ring.as_ref()))
-            .map_err(msg)?;
+        let y = self.run(&x, &unpack(&packed, &self.shapes).map_err(msg)?, true).map_err(msg)?;
         into_storage(&y)
     }
 
@@ -297,9 +307,20 @@ impl CustomOp2 for CheckpointedBlock {
             Some(r) => Reread::pack(&r.vars, r.dtype)?.to_vec1::<f32>()?,
             None => packed.flatten_all()?.to_vec1::<f32>()?,
         };
-        let (gx, gp) = recompute(x, &values, &self.shapes, (self.n_head, (self.tp.as_ref(), self.ring.as_ref())), grad)?;
+        let (gx, gp) = recompute(x, &values, &self.shapes, &|x, p| self.run(x, p, false), grad)?;
         let n = gp.len();
         Ok((gx, Some(Tensor::from_vec(gp, n, &Device::Cpu)?)))
+    }
+}
+
+impl CheckpointedBlock {
+    /// The block on `x` with the parameters `p`; a mixture of experts' output joined with its
+    /// auxiliary loss, its routing counted when `count`.
+    fn run(&self, x: &Tensor, p: &[Tensor], count: bool) -> Result<Tensor> {
+        let Some(m) = &self.moe else { return run_block(x, p, self.n_head, (self.tp.as_ref(), self.ring.as_ref())) };
+        let load = m.load.as_deref().filter(|_| count);
+        let (y, aux) = block_forward_moe(x, p, self.n_head, &m.cfg, m.ex.as_ref(), load)?;
+        Ok(Tensor::cat(&[&y.flatten_all()?, &aux.to_dtype(y.dtype())?.reshape(1)?], 0)?)
     }
 }
 
@@ -316,14 +337,14 @@ fn run_block(x: &Tensor, p: &[Tensor], n_head: usize, (tp, ring): BlockSplit<'_>
 }
 
 /// The backward of a block from its input `x`, its packed parameters and the gradient of its
-/// output: the block runs again with a graph, one variable per parameter (a single packed
-/// variable would make candle pad every parameter's gradient to the packed size), and the
-/// parameter gradients come back packed.
+/// output: the block (`run`) runs again with a graph, one variable per parameter (a single
+/// packed variable would make candle pad every parameter's gradient to the packed size), and
+/// the parameter gradients come back packed.
 fn recompute(
     x: &Tensor,
     packed: &[f32],
     shapes: &[Vec<usize>],
-    (n_head, split): (usize, BlockSplit<'_>),
+    run: &dyn Fn(&Tensor, &[Tensor]) -> Result<Tensor>,
     grad: &Tensor,
 ) -> candle_core::Result<(Option<Tensor>, Vec<f32>)> {
     let xv = Var::from_tensor(&x.detach())?;
@@ -335,7 +356,7 @@ fn recompute(
         off += n;
     }
     let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let y = run_block(xv.as_tensor(), &ps, n_head, split).map_err(msg)?;
+    let y = run(xv.as_tensor(), &ps).map_err(msg)?;
     let g = (y * grad.detach())?.sum_all()?.backward()?;
     let mut out = vec![0f32; packed.len()];
     let mut off = 0;
@@ -516,9 +537,6 @@ impl Gpt {
 
 impl Gpt {
     fn set_checkpointing_blocks(&mut self, blocks: &[usize]) -> Result<()> {
-        if self.cfg.moe.is_some() && !blocks.is_empty() {
-            return Err(TensorError::Input("activation checkpointing of mixture-of-experts blocks is not supported yet".into()));
-        }
         if let Some(bad) = blocks.iter().find(|&&i| i >= self.cfg.n_layer) {
             return Err(TensorError::Input(format!(
                 "activation checkpointing: block {bad} does not exist (the model has {} blocks)",
@@ -843,7 +861,8 @@ impl Gpt {
             if !layers.contains(&(i + 1)) {
                 continue;
             }
-            if let (true, Some(m)) = (blk.is_moe(), &self.cfg.moe) {
+            let moe = self.cfg.moe.as_ref().filter(|_| blk.is_moe());
+            if let (Some(m), false) = (moe, ckpt) {
                 let p: Vec<Tensor> = blk.ids().iter().map(|&i| g(i)).collect::<Result<_>>()?;
                 let (y, a) = block_forward_moe(&x, &p, h, m, self.ep.as_ref().map(|e| &e.group), aux.is_some().then_some(&self.moe_load))?;
                 x = y;
@@ -876,8 +895,23 @@ impl Gpt {
                 };
                 let refill = reread.as_ref().map(|r| (r.vars.clone(), r.dtype));
                 let heads = h / tp.map_or(1, |g| g.size());
-                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), ring: self.sp.clone(), shapes, reread };
-                let y = x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, op)?;
+                // Training counts a mixture of experts' routing (here, apart: the op is 'static).
+                let load = aux.is_some().then(|| Arc::new(std::sync::Mutex::new(super::moe::MoeLoad::default())));
+                let moe_block = moe.map(|m| MoeBlock { cfg: m.clone(), ex: self.ep.as_ref().map(|e| e.group.clone()), load: load.clone() });
+                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), ring: self.sp.clone(), shapes, reread, moe: moe_block };
+                let mut y = x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, op)?;
+                if moe.is_some() {
+                    // The hidden states, then the auxiliary loss.
+                    let n = b * t * self.cfg.d_model;
+                    if let Some(v) = aux.as_deref_mut() {
+                        v.push(y.narrow(0, n, 1)?.reshape(())?);
+                    }
+                    if let Some(l) = load {
+                        let l = std::mem::take(&mut *l.lock().unwrap_or_else(|e| e.into_inner()));
+                        self.moe_load.lock().unwrap_or_else(|e| e.into_inner()).absorb(l);
+                    }
+                    y = y.narrow(0, 0, n)?.reshape((b, t, self.cfg.d_model))?;
+                }
                 if let Some((vars, dtype)) = refill {
                     // The graph keeps `packed` for backward, which packs the variables again
                     // instead: free its values, and refill them should anything read them (an

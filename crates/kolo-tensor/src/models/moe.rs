@@ -219,6 +219,17 @@ impl MoeLoad {
         self.dropped += r.dropped as u64;
         self.assigned += (r.kept.len() + r.dropped) as u64;
     }
+    /// Adds another count's (a checkpointed layer's, counted apart).
+    pub fn absorb(&mut self, o: MoeLoad) {
+        if self.load.len() < o.load.len() {
+            self.load.resize(o.load.len(), 0);
+        }
+        for (l, c) in self.load.iter_mut().zip(&o.load) {
+            *l += c;
+        }
+        self.dropped += o.dropped;
+        self.assigned += o.assigned;
+    }
     pub fn cv(&self) -> f64 {
         load_cv(&self.load)
     }

@@ -140,6 +140,33 @@ fn zero_and_accumulation_beside_expert_parallelism_match_ddp() {
     }
 }
 
+/// Activation checkpointing of mixture-of-experts blocks (each block's output and auxiliary
+/// loss come out of one recomputing op): DDP on 2 ranks and dp 2 x ep 2 (the recomputation's
+/// all-to-alls run again in backward) with every block checkpointed end bitwise where the same
+/// runs without it end, evaluate alike, and count each token's routing once.
+#[test]
+fn checkpointed_expert_blocks_change_memory_not_training() {
+    for (world, mesh) in [(2, ""), (4, "[mesh]\nep = 2\n")] {
+        let with = |blocks: &[usize]| {
+            let mut cfg = moe_cfg(2, mesh);
+            cfg.model.checkpoint_blocks = blocks.to_vec();
+            train_on(world, &cfg, &quiet())
+        };
+        let (plain, ck) = (with(&[]), with(&[0, 1]));
+        for (a, b) in ck.iter().zip(&plain) {
+            assert!(a.params == b.params, "{mesh:?}: parameters differ by {}", max_diff(&a.params, &b.params));
+            assert_eq!(a.last_loss, b.last_loss, "{mesh:?}");
+            assert_eq!(a.eval, b.eval, "{mesh:?}");
+            assert_eq!(a.moe, b.moe, "{mesh:?}: the routing counted");
+        }
+        assert_eq!(
+            ck[0].moe.as_ref().unwrap().assigned,
+            3 * 2 * world as u64 * 16 * 2,
+            "{mesh:?}: 3 steps of every rank's tokens, 2 layers"
+        );
+    }
+}
+
 /// Mixture-of-experts settings that cannot work are refused with the field's name.
 #[test]
 fn bad_moe_settings_are_refused() {
@@ -158,6 +185,7 @@ fn bad_moe_settings_are_refused() {
     assert!(try_parse("", "[mesh]\nep = 2\n").contains("set model.experts"));
     assert!(try_parse("experts = 4", "[mesh]\ntp = 2\n").contains("without tp"));
     assert!(try_parse("experts = 4", "[train]\nprecision = \"bf16\"\n[mesh]\nep = 2\n").is_empty());
+    assert!(try_parse("experts = 4\ncheckpoint_blocks = [0, 1]", "[mesh]\nep = 2\n").is_empty());
     assert!(try_parse("experts = 4", "[train]\ngrad_accum = 2\n[ddp]\nzero_stage = 2\n[mesh]\nep = 2\n").is_empty());
     assert!(try_parse("experts = 4", "[ddp]\nlocal_sgd = { every = 2 }\n[mesh]\nep = 2\n")
         .contains("mesh.ep > 1 runs without compression or local SGD"));
