@@ -1039,9 +1039,9 @@ impl Config {
                 if self.model.experts.is_none() {
                     return Err("mesh.ep > 1 deals the experts of a mixture-of-experts GPT over ranks: set model.experts".into());
                 }
-                if self.ddp.compression.is_some() || self.ddp.local_sgd.is_some() {
+                if self.ddp.compression.is_some() {
                     return Err(
-                        "mesh.ep > 1 runs without compression or local SGD (yet; ZeRO-1/2, grad_accum and parameter groups work)".into()
+                        "mesh.ep > 1 runs without compression (yet; ZeRO-1/2, grad_accum, local SGD and parameter groups work)".into()
                     );
                 }
             }

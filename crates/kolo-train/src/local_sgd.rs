@@ -45,7 +45,7 @@ pub fn local_model_pieces(
 }
 
 /// Restores [`local_model_pieces`] of this rank into `flat` and `opt` when the checkpoint has
-/// them at this world size; at another world size every replica starts from rank 0's model,
+/// them for as many replicas; with another number of replicas every replica starts from replica 0's model,
 /// and the returned note says so.
 pub fn restore_local_model(
     r: &crate::checkpointing::Resumed,
@@ -55,10 +55,12 @@ pub fn restore_local_model(
     world: usize,
 ) -> Result<Option<String>, TrainError> {
     let Some(own) = r.strategy_state.get(&format!("state.rank{rank}.params")) else { return Ok(None) };
-    if r.world_size != world as u64 {
+    // The replicas that wrote their own models (the data-parallel group's ranks; on a mesh
+    // with expert parallelism fewer than the ranks that read their own data).
+    let written = (0..).take_while(|i| r.strategy_state.contains_key(&format!("state.rank{i}.params"))).count();
+    if written != world {
         return Ok(Some(format!(
-            "local SGD: the replicas' own models were written by {} ranks; on {world} every replica starts from rank 0's",
-            r.world_size
+            "local SGD: the checkpoint holds the own models of {written} replicas; on {world} every replica starts from replica 0's"
         )));
     }
     if own.len() != flat.len() {

@@ -149,10 +149,16 @@ pub struct StepEnd<'a> {
     pub checks: Checks<'a>,
     /// Deterministic mode: the pieces of the whole step over every rank.
     pub pieces: usize,
-    /// A sequence-parallel group, whose members hold chunks of the same sequences: a local
-    /// step averages their gradients first.
-    pub sp: Option<&'a dyn Communicator>,
+    /// A local step's gradient (this rank's, in the trainer's flat layout with each parameter's
+    /// range) made its replica's before the update, on a mesh: averaged over a
+    /// sequence-parallel group (its members hold chunks of the same sequences), the parameters
+    /// several members hold summed over them and scaled as the buckets' are (expert
+    /// parallelism, parameters tied across pipeline stages).
+    pub local_grads: Option<&'a LocalGrads<'a>>,
 }
+
+/// See [`StepEnd::local_grads`].
+pub type LocalGrads<'a> = dyn Fn(&mut [f32], &[std::ops::Range<usize>]) -> Result<(), TrainError> + 'a;
 
 /// What an [`Engine::update`] did.
 pub struct Updated {
@@ -377,7 +383,7 @@ impl Engine {
             return Ok(Updated { stats: stats(s.wait, s.bytes), overlapped: false, applied: true, norm: s.norm });
         }
         if self.is_local_step(step) {
-            let norm = self.local_update(params, clip, end.checks.tp, end.sp, lr)?;
+            let norm = self.local_update(params, clip, end.checks.tp, end.local_grads, lr)?;
             let t = std::time::Instant::now();
             let bytes = match self.local_sgd.as_ref() {
                 Some(l) if crate::local_sgd::is_local(Some(l), step) => {
@@ -419,11 +425,11 @@ impl Engine {
         params: &ParamSet,
         clip: Option<f64>,
         group: Option<(&[bool], &dyn kolo_base::GroupSum)>,
-        sp: Option<&dyn Communicator>,
+        local_grads: Option<&LocalGrads<'_>>,
         lr: f32,
     ) -> Result<Option<f64>, TrainError> {
         self.local.resize(params.numel(), 0.0);
-        apply_local(&self.ddp, params, &mut self.opt, &mut self.local, clip, group, sp, lr)
+        apply_local(&self.ddp, params, &mut self.opt, &mut self.local, clip, group, local_grads, lr)
     }
 
     /// Deterministic mode's exchange and update (see [`apply_exact`]) over `pieces` pieces in
@@ -729,9 +735,8 @@ impl GradPrep<'_> {
 /// A local step (local SGD, or no exchange at all): this rank's own accumulated gradient, taken
 /// from the engine into `grads`, clipped by its own norm, updates its own model. Returns that
 /// norm when clipping. With `group` (a model split over ranks: which parameters are split, and
-/// the ranks of one replica) the norm is the replica's, as [`Engine::update`]'s; with `sp` (a
-/// sequence-parallel group, whose members hold the chunks of the same sequences) the gradients
-/// are averaged over it first.
+/// the ranks of one replica) the norm is the replica's, as [`Engine::update`]'s; `local_grads`
+/// first makes the gradient the replica's ([`StepEnd::local_grads`]).
 #[allow(clippy::too_many_arguments)]
 pub fn apply_local(
     ddp: &Ddp,
@@ -740,12 +745,12 @@ pub fn apply_local(
     grads: &mut [f32],
     clip: Option<f64>,
     group: Option<(&[bool], &dyn kolo_base::GroupSum)>,
-    sp: Option<&dyn Communicator>,
+    local_grads: Option<&LocalGrads<'_>>,
     lr: f32,
 ) -> Result<Option<f64>, TrainError> {
     ddp.take_accumulated(grads);
-    if let Some(sp) = sp {
-        sp.all_reduce(BufMut::from(&mut grads[..]), ReduceOp::Avg)?;
+    if let Some(f) = local_grads {
+        f(grads, ddp.ranges())?;
     }
     let mut norm = None;
     if let Some(max) = clip {

@@ -255,6 +255,7 @@ impl<E: Module> MoeLayer<E> {
 
     /// `f()` without its routing counted in [`MoeLayer::take_load`]: the layer run again by
     /// activation checkpointing's backward, whose tokens the first run counted.
+    #[cfg(feature = "hf")]
     pub(crate) fn unrecorded<T>(&self, f: impl FnOnce() -> T) -> T {
         let saved = self.take_load();
         let out = f();

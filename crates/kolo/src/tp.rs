@@ -636,6 +636,14 @@ struct Level {
 /// A level's group, and its members' replicas together when known ([`Level::wide`]).
 pub(crate) type StageGroup = (Arc<dyn Communicator>, Option<Arc<dyn Communicator>>);
 
+/// A layout's error as the update's.
+fn train_err(e: Error) -> kolo_train::TrainError {
+    match e {
+        Error::Comm(c) => kolo_train::TrainError::Comm(c),
+        e => kolo_train::TrainError::Other(e.to_string()),
+    }
+}
+
 impl WholeLayout {
     /// The layout of `params`, given each parameter's variable id (`ids`: id to index) and
     /// the order one process keeps parameters in (`order`: a sort key of a name). A variable
@@ -727,11 +735,29 @@ impl WholeLayout {
     /// pipeline stages that cut a tied embedding into different shards (their sizes differ)
     /// sum it whole over every stage's replicas, each rank adding its part and zeros elsewhere
     /// (on each stage every element is in exactly one replica's shard).
+    /// [`WholeLayout::reduce_tied`] of a local step's whole gradient `grads` (each parameter
+    /// at its range).
+    pub(crate) fn reduce_tied_flat(
+        &self,
+        grads: &mut [f32],
+        ranges: &[std::ops::Range<usize>],
+    ) -> std::result::Result<(), kolo_train::TrainError> {
+        let grads = std::cell::RefCell::new(grads);
+        for level in self.levels.iter().filter(|l| !l.tied.is_empty()) {
+            Self::sum_tied(
+                level,
+                |i| grads.borrow()[ranges[i].clone()].to_vec(),
+                |i, v| {
+                    grads.borrow_mut()[ranges[i].clone()].copy_from_slice(v);
+                    Ok(())
+                },
+            )
+            .map_err(train_err)?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn reduce_tied(&self, grads: &mut kolo_ddp::BucketGrads<'_>) -> std::result::Result<(), kolo_train::TrainError> {
-        let train_err = |e: Error| match e {
-            Error::Comm(c) => kolo_train::TrainError::Comm(c),
-            e => kolo_train::TrainError::Other(e.to_string()),
-        };
         for level in self.levels.iter().filter(|l| !l.tied.is_empty()) {
             if grads.whole() {
                 let grads = std::cell::RefCell::new(&mut *grads);

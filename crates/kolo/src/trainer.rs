@@ -345,7 +345,7 @@ impl Trainer {
         let (comm, world, data_replicas, data_replica) = (place.comm.clone(), place.world.clone(), place.data_replicas, place.data_replica);
         let place_sp = place.sp.clone();
         let (mut params, ids, model_vars, compute) = adopt_vars(vars, rank, opts.train.precision, &opts.train.device)?;
-        let (spread, whole_signature) = spread(&place, &params, &ids, &opts)?;
+        let (spread, whole_signature) = spread(&place, &params, &ids)?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
         let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
         let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| Error::usage(rank, "Trainer::with_zero3_groups", e))?;
@@ -708,7 +708,23 @@ impl Trainer {
         // Deterministic mode: the pieces of the whole step over every replica.
         let per_micro = self.opts.data.batch_size / self.opts.ddp.deterministic_chunk.max(1);
         let pieces = accum as usize * per_micro * self.data_replicas;
-        let end = kolo_train::update::StepEnd { step: self.steps, lr, checks, pieces, sp: self.sp.as_deref() };
+        // A local step (local SGD) on a mesh: this rank's gradient made its replica's as the
+        // buckets' exchange makes it.
+        let sp = self.sp.as_deref();
+        let local = |g: &mut [f32], ranges: &[std::ops::Range<usize>]| -> std::result::Result<(), kolo_train::TrainError> {
+            if let Some(sp) = sp {
+                sp.all_reduce(kolo_comm::BufMut::from(&mut g[..]), kolo_comm::ReduceOp::Avg)?;
+            }
+            if let Some(layout) = tied {
+                layout.reduce_tied_flat(g, ranges)?;
+            }
+            if ep > 1 {
+                g.iter_mut().for_each(|x| *x /= ep as f32);
+            }
+            Ok(())
+        };
+        let local_grads = (sp.is_some() || tied.is_some() || ep > 1).then_some(&local as &kolo_train::update::LocalGrads<'_>);
+        let end = kolo_train::update::StepEnd { step: self.steps, lr, checks, pieces, local_grads };
         let u = self.e.update(&self.params, &end, &mut extra)?;
         if u.applied {
             publish(&self.params, &self.model_vars, self.compute)?;
@@ -1733,7 +1749,7 @@ pub(crate) fn reporter(o: &TrainOptions, rank: usize, world: usize, start: u64) 
 /// member 0's values of the parameters every member holds whole made everyone's. Without
 /// either, a split model is refused (DDP would sum different pieces). Returns the state and
 /// the whole model's signature (the checkpoints' model).
-fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts: &TrainOptions) -> Result<(Option<Spread>, Signature)> {
+fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>) -> Result<(Option<Spread>, Signature)> {
     // An expert-parallel group is laid out as pipeline stages are: each member holds its own
     // experts, and the parameters every member holds are tied (gradients summed, checkpoints
     // and the norm taking member 0's).
@@ -1756,14 +1772,6 @@ fn spread(place: &Place, params: &ParamSet, ids: &HashMap<TensorId, usize>, opts
             ));
         }
         return Ok((None, signature));
-    }
-    // Local SGD: each data-parallel replica (its stages and pieces) steps alone between
-    // averagings (its sequence-parallel members averaging their gradients every step);
-    // expert-parallel members and tied copies need their gradients summed every step.
-    if opts.ddp.local_sgd.is_some() && (place.ep.is_some() || layout.has_tied()) {
-        let reason =
-            "local SGD with expert parallelism, or with parameters tied across stages, on a mesh (Trainer::with_mesh) is not supported yet";
-        return Err(Error::setting("ddp.local_sgd", reason));
     }
     if let Some(tp) = &place.tp {
         let mine = [fingerprint_hash(&signature)];
