@@ -1154,10 +1154,9 @@ impl Config {
             }
         }
         let m = self.mesh.clone().unwrap_or(MeshConfig { tp: 1, pp: None, dp: None, sp: 1, ep: 1 });
-        let two_bw = self.pipeline.as_ref().is_some_and(|p| p.schedule == PipeSchedule::TwoBw);
-        let grouped = self.train.strategy == Strategy::Ddp && !two_bw && self.fed.is_none();
+        let grouped = self.train.strategy == Strategy::Ddp && self.fed.is_none();
         if !grouped && self.optim.non_uniform() {
-            return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP, tensor, sequence or expert parallelism or GPipe/1F1B pipelines: PipeDream-2BW, parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
+            return Err("optim.groups, and optim.weight_decay without decay_1d = true, need DDP, ZeRO, scheduled DDP, tensor, sequence or expert parallelism or pipelines: parameter servers and federated averaging apply one weight decay to every parameter (set optim.decay_1d = true for that)".into());
         }
         let plain = grouped
             && m.sp == 1

@@ -10,24 +10,42 @@ use kolo_optim::{Hyper, Optimizer};
 use std::ops::Range;
 
 /// Each parameter's hyperparameters, for parameters `sig` (`(name, shape)` in the trainer's
-/// order). Every group must match at least one parameter.
+/// order). Every group must match at least one parameter ([`check_matches`]).
 pub fn plan_hypers(sig: &[(String, Vec<usize>)], o: &OptimConfig) -> Result<Vec<Hyper>, String> {
+    check_matches(sig, o)?;
+    Ok(hypers(sig, o))
+}
+
+/// The group of the parameter `name`: the first whose patterns one is part of the name.
+fn group_of(name: &str, o: &OptimConfig) -> Option<usize> {
+    o.groups.iter().position(|g| g.patterns.iter().any(|p| name.contains(p.as_str())))
+}
+
+/// Every group matches at least one of the whole model's parameters `sig` (a rank holding part
+/// of the model, a pipeline stage, may hold none of a group's).
+pub fn check_matches(sig: &[(String, Vec<usize>)], o: &OptimConfig) -> Result<(), String> {
     let mut used = vec![false; o.groups.len()];
-    let out = sig
-        .iter()
-        .map(|(name, shape)| match o.groups.iter().position(|g| g.patterns.iter().any(|p| name.contains(p.as_str()))) {
-            Some(g) => {
-                used[g] = true;
-                let grp = &o.groups[g];
-                Hyper { weight_decay: grp.weight_decay.unwrap_or(o.weight_decay), lr_scale: grp.lr_scale }
-            }
-            None => Hyper { weight_decay: if shape.len() < 2 && !o.decay_1d { 0.0 } else { o.weight_decay }, lr_scale: 1.0 },
-        })
-        .collect();
-    if let Some(g) = used.iter().position(|u| !u) {
-        return Err(format!("optim.groups[{g}] (match {:?}) matches no parameter", o.groups[g].patterns));
+    for (name, _) in sig {
+        if let Some(g) = group_of(name, o) {
+            used[g] = true;
+        }
     }
-    Ok(out)
+    match used.iter().position(|u| !u) {
+        Some(g) => Err(format!("optim.groups[{g}] (match {:?}) matches no parameter", o.groups[g].patterns)),
+        None => Ok(()),
+    }
+}
+
+/// [`plan_hypers`] without the check: a part of the model's parameters.
+fn hypers(sig: &[(String, Vec<usize>)], o: &OptimConfig) -> Vec<Hyper> {
+    let hyper = |(name, shape): &(String, Vec<usize>)| match group_of(name, o) {
+        Some(g) => {
+            let grp = &o.groups[g];
+            Hyper { weight_decay: grp.weight_decay.unwrap_or(o.weight_decay), lr_scale: grp.lr_scale }
+        }
+        None => Hyper { weight_decay: if shape.len() < 2 && !o.decay_1d { 0.0 } else { o.weight_decay }, lr_scale: 1.0 },
+    };
+    sig.iter().map(hyper).collect()
 }
 
 /// The spans of the optimizer's elements: parameter `i` at `ranges[i]` of the flat layout, or
@@ -42,8 +60,9 @@ pub fn spans(hypers: &[Hyper], ranges: &[Range<usize>], zero: Option<&ShardPlan>
 }
 
 /// Gives `opt` (over the flat layout, or this rank's shard with `zero`) the parameter groups
-/// of parameters `sig` at `ranges`. Nothing changes where every parameter has the spec's decay
-/// and no learning-rate factor.
+/// of parameters `sig` at `ranges` (this rank's part of the model: whether every group matches
+/// a parameter is [`check_matches`]' over the whole model). Nothing changes where every
+/// parameter has the spec's decay and no learning-rate factor.
 pub fn apply(
     opt: &mut Optimizer,
     sig: &[(String, Vec<usize>)],
@@ -51,7 +70,7 @@ pub fn apply(
     zero: Option<&ShardPlan>,
     o: &OptimConfig,
 ) -> Result<(), String> {
-    let hypers = plan_hypers(sig, o)?;
+    let hypers = hypers(sig, o);
     let plain = Hyper { weight_decay: o.weight_decay, lr_scale: 1.0 };
     if hypers.iter().all(|h| *h == plain) {
         return Ok(());

@@ -346,6 +346,7 @@ impl Trainer {
         let place_sp = place.sp.clone();
         let (mut params, ids, model_vars, compute) = adopt_vars(vars, rank, opts.train.precision, &opts.train.device)?;
         let (spread, whole_signature) = spread(&place, &params, &ids)?;
+        kolo_train::param_groups::check_matches(&whole_signature, &opts.optim).map_err(|e| Error::setting("optim.groups", e))?;
         let sharding = Sharding::from_stage(opts.ddp.zero_stage).unwrap_or_default();
         let names: Vec<String> = params.iter().map(|p| p.name.clone()).collect();
         let plan = crate::zero3::plan_groups(&names, groups).map_err(|e| Error::usage(rank, "Trainer::with_zero3_groups", e))?;

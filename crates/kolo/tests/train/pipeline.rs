@@ -177,7 +177,9 @@ fn pipedream_2bw_drains_checkpoints_and_resumes_bitwise() {
 /// 2 stages x 2 tensor-parallel ranks) without flushes follow it; a flushed 1F1B run does not
 /// (the delay is real). In bf16, 2 stages follow the definition computed in bf16 with the
 /// pipeline's 4 micro-batches (each gradient rounded apart): within 1e-6 (0 measured; the
-/// clipping norm sums over the stages in another order).
+/// clipping norm sums over the stages in another order). With nanoGPT's parameter groups
+/// (weight decay 0.5 on matrices only, the embeddings' learning rate halved) 2 stages follow
+/// the definition with those groups, and not the one decaying every parameter alike.
 #[test]
 fn pipedream_2bw_follows_its_weight_version_semantics() {
     use kolo_base::Rng;
@@ -194,14 +196,15 @@ fn pipedream_2bw_follows_its_weight_version_semantics() {
     };
     // The definition, in one process: the whole batch's gradient in f32; in bf16 the sum of
     // its `micro` micro-batches' (each mean loss over `micro`), as the pipeline takes it.
-    let definition = |compute: CandleDType, micro: usize| {
-        let cfg = mk("");
+    let definition = |cfg: &Config, compute: CandleDType, micro: usize| {
         let data = kolo_train::setup::load_data(&cfg, 0).unwrap();
         let batches = kolo_train::setup::replica_batches(&cfg.data, cfg.train.seed, data.train.clone(), 0, 1, 0).unwrap();
         let ModelSpec::Gpt(g) = cfg.model_spec(data.vocab_size) else { unreachable!() };
         let gpt = Gpt::new(g, &mut Rng::new(cfg.train.seed)).unwrap();
         let n = gpt.params().numel();
         let mut opt = Optimizer::new(cfg.optimizer(), n);
+        let ranges: Vec<_> = gpt.params().iter().map(|p| p.range.clone()).collect();
+        kolo_train::param_groups::apply(&mut opt, &gpt.params().signature(), &ranges, None, &cfg.optim).unwrap();
         let mut previous = gpt.params().to_flat().unwrap();
         let view = kolo_tensor::view_for(compute);
         for t in 0..cfg.train.steps {
@@ -228,9 +231,9 @@ fn pipedream_2bw_follows_its_weight_version_semantics() {
         }
         gpt.params().to_flat().unwrap()
     };
-    let want = definition(CandleDType::F32, 1);
+    let want = definition(&mk(""), CandleDType::F32, 1);
     let bf16 = &train_on(2, &mk("precision = \"bf16\"\n[pipeline]\nmicro_batches = 4\nschedule = \"2bw\"\n"), &quiet())[0];
-    let d = max_diff(&bf16.params, &definition(CandleDType::BF16, 4));
+    let d = max_diff(&bf16.params, &definition(&mk(""), CandleDType::BF16, 4));
     assert!(d < 1e-6, "bf16 2BW differs from its definition in bf16 by {d}");
     assert!(max_diff(&bf16.params, &want) > 1e-3, "bf16 2BW computes in f32");
     for (world, extra) in [(2, ""), (4, ""), (4, "[mesh]\ntp = 2\npp = 2\n")] {
@@ -243,6 +246,19 @@ fn pipedream_2bw_follows_its_weight_version_semantics() {
         assert!(d < 1e-4, "world {world} {extra}: 2BW differs from its definition by {d}");
         assert_eq!(ranks[0].step_ms.len(), 5);
     }
+    let grouped = |decay_1d: bool, pipeline: &str| {
+        let mut c = mk(pipeline);
+        c.optim.weight_decay = 0.5;
+        c.optim.decay_1d = decay_1d;
+        c.optim.groups =
+            vec![kolo_train::config::ParamGroupConfig { patterns: vec!["wte".into(), "wpe".into()], weight_decay: None, lr_scale: 0.5 }];
+        c
+    };
+    let two_bw = &train_on(2, &grouped(false, "[pipeline]\nmicro_batches = 4\nschedule = \"2bw\"\n"), &quiet())[0];
+    let d = max_diff(&two_bw.params, &definition(&grouped(false, ""), CandleDType::F32, 1));
+    assert!(d < 1e-4, "2BW with parameter groups differs from its definition by {d}");
+    let alike = max_diff(&two_bw.params, &definition(&grouped(true, ""), CandleDType::F32, 1));
+    assert!(alike > 1e-3, "2BW with parameter groups is {alike} from decaying every parameter alike");
     let flushed = &train_on(2, &mk("[pipeline]\nmicro_batches = 4\n"), &quiet())[0];
     assert!(max_diff(&flushed.params, &want) > 1e-4, "1F1B (flushed) applies each gradient to the weights it was computed on");
     // Too few micro-batches for the version to exist in time: refused.
