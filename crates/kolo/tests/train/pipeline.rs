@@ -197,7 +197,7 @@ fn pipedream_2bw_follows_its_weight_version_semantics() {
     // The definition, in one process: the whole batch's gradient in f32; in bf16 the sum of
     // its `micro` micro-batches' (each mean loss over `micro`), as the pipeline takes it.
     let definition = |cfg: &Config, compute: CandleDType, micro: usize| {
-        let data = kolo_train::setup::load_data(&cfg, 0).unwrap();
+        let data = kolo_train::setup::load_data(cfg, 0).unwrap();
         let batches = kolo_train::setup::replica_batches(&cfg.data, cfg.train.seed, data.train.clone(), 0, 1, 0).unwrap();
         let ModelSpec::Gpt(g) = cfg.model_spec(data.vocab_size) else { unreachable!() };
         let gpt = Gpt::new(g, &mut Rng::new(cfg.train.seed)).unwrap();
