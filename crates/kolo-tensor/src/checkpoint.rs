@@ -84,6 +84,17 @@ where
         .collect()
 }
 
+/// A CPU tensor's values as a storage of its own, in its dtype (a custom op's result): one copy,
+/// of exactly its elements (its storage may hold more, or hold them strided).
+pub(crate) fn owned_cpu(t: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cpu(c) = &*s else { candle_core::bail!("kolo checkpoint: the block's output is not on the CPU") };
+    // SAFETY: `copy_strided_src` writes every element of the new storage.
+    let mut dst = unsafe { candle_core::cpu_backend::CpuDevice.alloc_uninit(l.shape(), t.dtype())? };
+    c.copy_strided_src(&mut dst, 0, l)?;
+    Ok((dst, l.shape().clone()))
+}
+
 /// Each output's shape and dtype.
 type Outputs = Vec<(Vec<usize>, DType)>;
 
@@ -163,14 +174,7 @@ impl CustomOp2 for Checkpointed {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let out = self.take_out()?;
-        let (s, l) = out.storage_and_layout();
-        let Storage::Cpu(c) = &*s else { candle_core::bail!("kolo checkpoint: the block's output is not on the CPU") };
-        // One copy, of exactly the output's elements (its storage may hold more).
-        // SAFETY: `copy_strided_src` writes every element of the new storage.
-        let mut dst = unsafe { candle_core::cpu_backend::CpuDevice.alloc_uninit(l.shape(), out.dtype())? };
-        c.copy_strided_src(&mut dst, 0, l)?;
-        Ok((dst, l.shape().clone()))
+        owned_cpu(&self.take_out()?)
     }
 
     #[cfg(feature = "cuda")]

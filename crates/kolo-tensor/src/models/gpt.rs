@@ -1,7 +1,7 @@
 use super::{normal, Input, Model};
 use crate::ops::{layer_norm, linear};
 use crate::{ParamSet, ParamView, Result, TensorError};
-use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Storage, Tensor, Var};
+use candle_core::{CpuStorage, CustomOp2, DType, Device, Layout, Shape, Tensor, Var};
 use kolo_base::Rng;
 use std::sync::Arc;
 
@@ -218,6 +218,8 @@ struct CheckpointedBlock {
     /// and where the forward counts its routing (backward's run counts nothing). Its output is
     /// the hidden states flattened with the auxiliary loss after them.
     moe: Option<MoeBlock>,
+    /// The dtype the model computes in (its parameters' views'; the input's).
+    dtype: DType,
 }
 
 struct MoeBlock {
@@ -261,29 +263,18 @@ fn unpack(packed: &Tensor, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
         .collect()
 }
 
-/// A tensor's values as an owned CPU storage (the result of a custom op).
-fn into_storage(y: &Tensor) -> candle_core::Result<(CpuStorage, Shape)> {
-    let y = y.contiguous()?;
-    let (st, layout) = y.storage_and_layout();
-    let Storage::Cpu(cpu) = &*st else {
-        return Err(candle_core::Error::Msg("kolo block op: CPU only".into()));
-    };
-    let s = layout.start_offset();
-    let n = layout.shape().elem_count();
-    let out =
-        if s == 0 && cpu.as_slice::<f32>()?.len() == n { cpu.clone() } else { CpuStorage::F32(cpu.as_slice::<f32>()?[s..s + n].to_vec()) };
-    Ok((out, layout.shape().clone()))
-}
-
+/// A contiguous CPU tensor over (a copy of) an op's input, in its dtype (f32, bf16 or f16).
 fn cpu_tensor(storage: &CpuStorage, layout: &Layout) -> candle_core::Result<Tensor> {
-    let CpuStorage::F32(v) = storage else {
-        return Err(candle_core::Error::Msg("kolo-checkpointed-block: f32 only".into()));
-    };
     if !layout.is_contiguous() {
         return Err(candle_core::Error::Msg("kolo-checkpointed-block: inputs must be contiguous".into()));
     }
-    let s = layout.start_offset();
-    Tensor::from_slice(&v[s..s + layout.shape().elem_count()], layout.shape(), &Device::Cpu)
+    let (s, n, shape) = (layout.start_offset(), layout.shape().elem_count(), layout.shape());
+    match storage {
+        CpuStorage::F32(v) => Tensor::from_slice(&v[s..s + n], shape, &Device::Cpu),
+        CpuStorage::BF16(v) => Tensor::from_slice(&v[s..s + n], shape, &Device::Cpu),
+        CpuStorage::F16(v) => Tensor::from_slice(&v[s..s + n], shape, &Device::Cpu),
+        _ => Err(candle_core::Error::Msg("kolo-checkpointed-block: inputs in f32, bf16 or f16 only".into())),
+    }
 }
 
 fn msg(e: TensorError) -> candle_core::Error {
@@ -299,7 +290,7 @@ impl CustomOp2 for CheckpointedBlock {
         let x = cpu_tensor(s1, l1)?;
         let packed = cpu_tensor(s2, l2)?;
         let y = self.run(&x, &unpack(&packed, &self.shapes).map_err(msg)?, true).map_err(msg)?;
-        into_storage(&y)
+        crate::checkpoint::owned_cpu(&y)
     }
 
     fn bwd(&self, x: &Tensor, packed: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
@@ -316,11 +307,17 @@ impl CustomOp2 for CheckpointedBlock {
 impl CheckpointedBlock {
     /// The block on `x` with the parameters `p`; a mixture of experts' output joined with its
     /// auxiliary loss, its routing counted when `count`.
+    ///
+    /// The parameters arrive in f32 (packed, or backward's variables) and are cast to the
+    /// model's compute dtype first, as the model's view casts them: the block computes in bf16
+    /// or f16 as it would without checkpointing, and their gradients come back through the cast.
     fn run(&self, x: &Tensor, p: &[Tensor], count: bool) -> Result<Tensor> {
-        let Some(m) = &self.moe else { return run_block(x, p, self.n_head, (self.tp.as_ref(), self.ring.as_ref())) };
+        let p: Vec<Tensor> = p.iter().map(|t| t.to_dtype(self.dtype)).collect::<candle_core::Result<_>>()?;
+        let Some(m) = &self.moe else { return run_block(x, &p, self.n_head, (self.tp.as_ref(), self.ring.as_ref())) };
         let load = m.load.as_deref().filter(|_| count);
-        let (y, aux) = block_forward_moe(x, p, self.n_head, &m.cfg, m.ex.as_ref(), load)?;
-        Ok(Tensor::cat(&[&y.flatten_all()?, &aux.to_dtype(y.dtype())?.reshape(1)?], 0)?)
+        let (y, aux) = block_forward_moe(x, &p, self.n_head, &m.cfg, m.ex.as_ref(), load)?;
+        // In f32 (exact for the hidden states of any dtype; the auxiliary loss is f32).
+        Ok(Tensor::cat(&[&y.flatten_all()?.to_dtype(DType::F32)?, &aux.to_dtype(DType::F32)?.reshape(1)?], 0)?)
     }
 }
 
@@ -898,8 +895,9 @@ impl Gpt {
                 // Training counts a mixture of experts' routing (here, apart: the op is 'static).
                 let load = aux.is_some().then(|| Arc::new(std::sync::Mutex::new(super::moe::MoeLoad::default())));
                 let moe_block = moe.map(|m| MoeBlock { cfg: m.clone(), ex: self.ep.as_ref().map(|e| e.group.clone()), load: load.clone() });
-                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), ring: self.sp.clone(), shapes, reread, moe: moe_block };
-                let mut y = x.to_dtype(DType::F32)?.contiguous()?.apply_op2(&packed, op)?;
+                let dtype = p.first().map_or(dt, Tensor::dtype);
+                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), ring: self.sp.clone(), shapes, reread, moe: moe_block, dtype };
+                let mut y = x.to_dtype(dtype)?.contiguous()?.apply_op2(&packed, op)?;
                 if moe.is_some() {
                     // The hidden states, then the auxiliary loss.
                     let n = b * t * self.cfg.d_model;

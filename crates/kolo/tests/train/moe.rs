@@ -142,11 +142,12 @@ fn zero_and_accumulation_beside_expert_parallelism_match_ddp() {
 
 /// Activation checkpointing of mixture-of-experts blocks (each block's output and auxiliary
 /// loss come out of one recomputing op): DDP on 2 ranks and dp 2 x ep 2 (the recomputation's
-/// all-to-alls run again in backward) with every block checkpointed end bitwise where the same
-/// runs without it end, evaluate alike, and count each token's routing once.
+/// all-to-alls run again in backward), in f32 and bf16, with every block checkpointed end
+/// bitwise where the same runs without it end, evaluate alike, and count each token's routing
+/// once.
 #[test]
 fn checkpointed_expert_blocks_change_memory_not_training() {
-    for (world, mesh) in [(2, ""), (4, "[mesh]\nep = 2\n")] {
+    for (world, mesh) in [(2, ""), (4, "[mesh]\nep = 2\n"), (4, "precision = \"bf16\"\n[mesh]\nep = 2\n")] {
         let with = |blocks: &[usize]| {
             let mut cfg = moe_cfg(2, mesh);
             cfg.model.checkpoint_blocks = blocks.to_vec();
