@@ -5,10 +5,10 @@
 //!
 //! The block is a closure over the model's own layers; its parameters are found, not named:
 //! the forward's graph is walked for the variables it read (candle's `sorted_nodes`), and
-//! their gradients reach them through one packed input of the op (a `cat` of the variables, in
-//! f32), so everything a trainer hangs on a variable (DDP's gradient hooks, ZeRO-3's gathers)
-//! sees them as without checkpointing. The packed copy is freed as soon as the forward is
-//! done; backward reads the variables themselves.
+//! their gradients reach them through the op's second input, a chain of stand-ins joined from
+//! the variables that holds no values ([`join_vars`]), so everything a trainer hangs on a
+//! variable (DDP's gradient hooks, ZeRO-3's gathers) sees them as without checkpointing;
+//! backward reads the variables themselves.
 
 use candle_core::{
     backend::{BackendDevice, BackendStorage},
@@ -116,48 +116,90 @@ fn checkpoint_op(x: &Tensor, block: Arc<Block>) -> candle_core::Result<Tensor> {
     if vars.is_empty() && !x.track_op() {
         return Ok(out);
     }
-    let packed = pack(&vars, x.device())?;
+    let joined = join_vars(&vars, x.device())?;
     let shapes = vars.iter().map(|v| v.dims().to_vec()).collect();
-    let op = Checkpointed { block, vars: vars.clone(), shapes, out: Mutex::new(Some(out)), packed: packed.clone() };
-    let y = x.apply_op2(&packed, op)?;
-    // The graph keeps `packed` as an input, but backward reads the variables themselves: free
-    // its values, and refill them should anything read them (an empty storage is never read).
-    if packed.device().is_cpu() && packed.try_release_storage()? {
-        let (keep, n) = (packed.clone(), packed.elem_count());
-        packed.set_storage_hook(Some(Arc::new(move || {
-            let v = pack(&vars, &candle_core::Device::Cpu).and_then(|p| p.to_vec1::<f32>()).unwrap_or_else(|_| vec![f32::NAN; n]);
-            if keep.replace_storage(Storage::Cpu(CpuStorage::F32(v))).is_ok() {
-                keep.set_storage_hook(None);
-            }
-        })));
-    }
-    Ok(y)
+    let op = Checkpointed { block, vars, shapes, out: Mutex::new(Some(out)) };
+    x.apply_op2(&joined, op)
 }
 
-/// The variables flattened, cast to f32 and concatenated (an empty tensor without any).
-fn pack(vars: &[Tensor], device: &candle_core::Device) -> candle_core::Result<Tensor> {
-    if vars.is_empty() {
-        return Tensor::zeros(0, DType::F32, device);
+/// The variables as the op's second input, without a copy of their values: a chain of
+/// [`Stand`] and [`Join`] nodes whose outputs have the variables' total length and no storage
+/// (nothing reads them), and whose backward cuts the op's packed gradient back into each
+/// variable's (in its shape and dtype). An empty tensor without any variable.
+fn join_vars(vars: &[Tensor], device: &candle_core::Device) -> candle_core::Result<Tensor> {
+    let Some(first) = vars.first() else { return Tensor::zeros(0, DType::F32, device) };
+    let mut acc = first.apply_op1(Stand)?;
+    for v in &vars[1..] {
+        acc = acc.apply_op2(v, Join { left: acc.elem_count() })?;
     }
-    let flat: Vec<Tensor> = vars.iter().map(|v| v.flatten_all()?.to_dtype(DType::F32)).collect::<candle_core::Result<_>>()?;
-    Tensor::cat(&flat, 0)
+    Ok(acc)
+}
+
+/// The storage of a stand-in: none (nothing reads it).
+fn empty_cpu() -> CpuStorage {
+    CpuStorage::F32(Vec::new())
+}
+
+/// One variable as a stand-in of its length ([`join_vars`]).
+struct Stand;
+
+impl candle_core::CustomOp1 for Stand {
+    fn name(&self) -> &'static str {
+        "kolo-checkpoint-stand"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((empty_cpu(), Shape::from(l.shape().elem_count())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((s.device().zeros_impl(&Shape::from(0), DType::F32)?, Shape::from(l.shape().elem_count())))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(grad.reshape(arg.dims())?.to_dtype(arg.dtype())?))
+    }
+}
+
+/// The stand-in of the variables so far (`left` elements) followed by one more variable's.
+struct Join {
+    left: usize,
+}
+
+impl CustomOp2 for Join {
+    fn name(&self) -> &'static str {
+        "kolo-checkpoint-join"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((empty_cpu(), Shape::from(self.left + l2.shape().elem_count())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        Ok((s1.device().zeros_impl(&Shape::from(0), DType::F32)?, Shape::from(self.left + l2.shape().elem_count())))
+    }
+
+    fn bwd(&self, _: &Tensor, v: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let mine = grad.narrow(0, self.left, v.elem_count())?.reshape(v.dims())?.to_dtype(v.dtype())?;
+        Ok((Some(grad.narrow(0, 0, self.left)?), Some(mine)))
+    }
 }
 
 struct Checkpointed {
     block: Arc<Block>,
-    /// The variables the forward read, in the order they are packed.
+    /// The variables the forward read, in the order they are joined.
     vars: Vec<Tensor>,
     shapes: Vec<Vec<usize>>,
     /// The forward's output, handed to candle once as the op's result.
     out: Mutex<Option<Tensor>>,
-    /// The packed input (its refill hook is removed when the op is dropped).
-    packed: Tensor,
-}
-
-impl Drop for Checkpointed {
-    fn drop(&mut self) {
-        self.packed.set_storage_hook(None);
-    }
 }
 
 impl Checkpointed {
@@ -194,7 +236,7 @@ impl CustomOp2 for Checkpointed {
         Ok((dst, l.shape().clone()))
     }
 
-    fn bwd(&self, x: &Tensor, _packed: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(&self, x: &Tensor, _joined: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
         let xv = Var::from_tensor(&x.detach())?;
         let y = (self.block)(xv.as_tensor())?;
         if y.dims() != grad.dims() {
