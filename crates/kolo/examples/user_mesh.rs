@@ -19,7 +19,8 @@
 //! --resume DIR, --data DIR (test-data/mnist), --out DIR (checkpoints/user_mesh),
 //! --slow-rank R (that rank's forward takes 30 ms longer: a straggler for the log to name),
 //! --schedule 2bw (PipeDream-2BW, `Pipeline::step_stream`) with --stream N (steps per stream;
-//! the whole run), --two-bw N (one process: 2BW's updates by hand in streams of N, the
+//! the whole run) and --carry yes (the version before the latest carried across streams:
+//! `Pipeline::carrying_versions`), --two-bw N (one process: 2BW's updates by hand in streams of N, the
 //! reference),
 //! --resume-only R (only that rank resumes: a mistake the trainer must name).
 use anyhow::Result;
@@ -151,7 +152,12 @@ pub fn train(args: &[String]) -> Result<std::path::PathBuf> {
     // must carry the first one's shape (a mismatch is an error naming both shapes).
     let first_stage_end = if pp > 1 { partition(&[1.0; LAYERS], pp)[0].end } else { LAYERS };
     let width = if first_stage_end == 1 && !plain { hidden / tp } else { hidden };
-    let pipe = kolo::pp::Pipeline::new(schedule, &[per_micro, width])?;
+    let mut pipe = kolo::pp::Pipeline::new(schedule, &[per_micro, width])?;
+    if arg("--carry", "no") == "yes" {
+        // 2BW: a stream's end keeps the version before the latest for the next stream's first
+        // batch (and the trainer's checkpoints write it): streams change nothing computed.
+        pipe = pipe.carrying_versions(&trainer);
+    }
     let data = arg("--data", "test-data/mnist");
     let train = Mnist::load(data.as_ref(), "train")?;
     // The stages and the members of a tensor-parallel group read the same batches; the

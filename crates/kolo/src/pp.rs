@@ -87,13 +87,17 @@ pub struct Pipeline {
     /// PipeDream-2BW: the open stream, and the stages' own group for the step's loss (the
     /// pipeline group carries the stream's activations).
     stream: std::sync::Mutex<(Option<Stream>, Option<Sync>)>,
-    /// PipeDream-2BW carrying versions across streams (`kolo train`'s): the weight version
-    /// before the latest (its number and values), kept between streams.
-    carried: Option<std::sync::Mutex<Option<Version>>>,
+    /// PipeDream-2BW carrying versions across streams: the trainer's cell of the weight version
+    /// before the latest (its checkpoints write it, its resume reads it back).
+    carried: Option<Carried>,
 }
 
 /// A weight version's number and its values (the model's variables').
-type Version = (u64, Vec<Tensor>);
+pub(crate) type Version = (u64, Vec<Tensor>);
+
+/// PipeDream-2BW's weight version before the latest, between streams: a trainer's, shared with
+/// the pipeline that carries versions.
+pub(crate) type Carried = std::sync::Arc<std::sync::Mutex<Option<Version>>>;
 
 /// The stages' own group beside the pipeline group.
 type Sync = Arc<dyn Communicator>;
@@ -119,23 +123,25 @@ impl Pipeline {
 
     /// PipeDream-2BW as `kolo train` runs it: a stream's end keeps the weight version before
     /// the latest, and the next stream's first batch runs on it, so that where streams end
-    /// (evaluations, checkpoints) changes when work happens, never what is computed. Without
-    /// it the next stream's first batch runs on the latest weights.
-    pub(crate) fn carrying_versions(mut self) -> Pipeline {
-        self.carried = Some(Default::default());
+    /// (evaluations, checkpoints, the trainer's `steps` or `batches`) changes when work
+    /// happens, never what is computed. `trainer`'s checkpoints then hold that version too
+    /// (`state.previous_weights.*`) and its resume reads it back, so a run stopped at a stream's
+    /// end and resumed computes what the run that never stopped computes. Without it the next
+    /// stream's first batch runs on the latest weights. Call it after [`Trainer::resume`].
+    pub fn carrying_versions(mut self, trainer: &Trainer) -> Pipeline {
+        let carried = trainer.carried_versions();
+        let s = trainer.steps_done();
+        let none = carried.lock().unwrap_or_else(|p| p.into_inner()).as_ref().is_none_or(|(v, _)| v + 1 != s);
+        if s > 0 && none && trainer.rank() == 0 {
+            kolo_base::eline!("the checkpoint holds no previous weight version (another strategy wrote it): batch {s} runs on version {s}");
+        }
+        self.carried = Some(carried);
         self
     }
 
     /// Carrying versions: the version before the latest, between streams (for a checkpoint).
     pub(crate) fn carried(&self) -> Option<Version> {
         self.carried.as_ref().and_then(|c| c.lock().unwrap_or_else(|p| p.into_inner()).clone())
-    }
-
-    /// Carrying versions: the version before the latest, `version` (a resumed checkpoint's).
-    pub(crate) fn set_carried(&self, version: u64, values: Vec<Tensor>) {
-        if let Some(c) = &self.carried {
-            *c.lock().unwrap_or_else(|p| p.into_inner()) = Some((version, values));
-        }
     }
 
     /// Re-materialization (GPipe's; activation checkpointing at the stage boundary): each

@@ -100,6 +100,10 @@ pub struct Trainer {
     /// Every rank of the job, and whether they agreed on the step they started from.
     world: Arc<dyn Communicator>,
     start_agreed: bool,
+    /// PipeDream-2BW carrying versions ([`crate::pp::Pipeline::carrying_versions`]): the weight
+    /// version before the latest between streams, which checkpoints write beside the latest
+    /// when it is the one the next step runs on, and a resume reads back.
+    carried: crate::pp::Carried,
     /// Replicas reading their own batches (the global batch, the checkpoint's world size), and
     /// which of them this rank is.
     data_replicas: usize,
@@ -417,6 +421,7 @@ impl Trainer {
             spread,
             world,
             start_agreed: false,
+            carried: Default::default(),
             data_replicas,
             data_replica,
             sp: place_sp,
@@ -672,6 +677,13 @@ impl Trainer {
         self.micro = 0;
         self.steps += 1;
         self.step_start = None;
+        // A carried weight version the steps have passed is of no use (a run that does not
+        // carry versions resumed from a checkpoint of one that did).
+        let mut carried = self.carried.lock().unwrap_or_else(|p| p.into_inner());
+        if carried.as_ref().is_some_and(|(v, _)| v + 1 < self.steps) {
+            *carried = None;
+        }
+        drop(carried);
         self.agree_on_start()?;
         let rec = u.record(local, self.opts.ddp.local_sgd.is_some(), self.e.skipped_steps());
         self.after_step(t0, backward_end, rec, &u.stats, spans, lr)?;
@@ -1116,18 +1128,15 @@ impl Trainer {
     /// copied first, so training may go on). `extra`: metadata beside the trainer's; `crash`:
     /// the test hook that aborts after this rank's shard is written.
     fn write_checkpoint(&self, dir: &Path, background: bool, extra: BTreeMap<String, String>, crash: bool) -> Result<PendingSave> {
-        self.write_checkpoint_with(Write { dir, background, extra, crash, previous: None })
+        self.write_checkpoint_with(Write { dir, background, extra, crash })
     }
 
-    /// [`Trainer::write_checkpoint`] of a [`Write`] (with PipeDream-2BW's previous version).
+    /// [`Trainer::write_checkpoint`] of a [`Write`].
     fn write_checkpoint_with(&self, w: Write<'_>) -> Result<PendingSave> {
         if let Some(s) = &self.spread {
             return self.write_whole(s, w);
         }
-        let Write { dir, background, extra, crash, previous } = w;
-        if previous.is_some() {
-            return Err(Error::usage(self.rank, "Trainer::save", "a previous weight version is a pipeline's (a mesh with pp > 1)"));
-        }
+        let Write { dir, background, extra, crash } = w;
         let replica = self.e.replica(&self.params, self.opts.ddp.local_sgd.is_some());
         let mut meta = self.meta.clone();
         let split = self.shares.as_ref().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone());
@@ -1140,9 +1149,11 @@ impl Trainer {
     /// and its member 0 in each data-parallel replica writes them as DDP would, under the
     /// model's names; the others wait for it unless the write is in the background.
     fn write_whole(&self, s: &Spread, w: Write<'_>) -> Result<PendingSave> {
-        let Write { dir, background, extra, crash, previous } = w;
+        let Write { dir, background, extra, crash } = w;
         let (codec, codec_meta) = self.replica_codec_state(s)?;
-        let previous = previous.map(|p| s.layout.gather(p)).transpose()?;
+        // PipeDream-2BW carrying versions: the version the next step runs on, beside the latest.
+        let previous = self.carried.lock().unwrap_or_else(|p| p.into_inner()).clone().filter(|(v, _)| v + 1 == self.steps);
+        let previous = previous.map(|(_, values)| s.layout.gather(&self.flat_of(&values)?)).transpose()?;
         // ZeRO-3: this rank's pieces gathered from the data-parallel group's shards first.
         let values = s.layout.gather(&self.flat_params()?)?;
         let mut states = Vec::new();
@@ -1353,6 +1364,13 @@ impl Trainer {
             s.restart_at(r.step);
         }
         self.data_pos = r.pos;
+        // PipeDream-2BW carrying versions: the version the first step after the checkpoint
+        // runs on, when it holds one (ZeRO-3 keeps no versions: 2BW refuses it).
+        let previous = match self.zero3 {
+            None if r.step > 0 => self.previous_of(&r)?.map(|values| (r.step - 1, values)),
+            _ => None,
+        };
+        *self.carried.lock().unwrap_or_else(|p| p.into_inner()) = previous;
         self.micro = 0;
         self.start_agreed = false;
         self.step_start = None;
@@ -1452,22 +1470,14 @@ impl Trainer {
 
     /// Starts writing the checkpoint the driver asks for.
     pub(crate) fn save_at(&mut self, at: kolo_train::driver::SaveAt<'_>) -> Result<PendingSave> {
-        self.save_at_with(at, None)
-    }
-
-    /// [`Trainer::save_at`] with PipeDream-2BW's previous weight version: the values of the
-    /// trainer's parameters, in its order.
-    pub(crate) fn save_at_with(&mut self, at: kolo_train::driver::SaveAt<'_>, previous: Option<&[Tensor]>) -> Result<PendingSave> {
         self.settle("Trainer::save")?;
         self.data_pos = at.pos;
-        let previous = previous.map(|p| self.flat_of(p)).transpose()?;
-        self.write_checkpoint_with(Write {
-            dir: at.dir,
-            background: at.background,
-            extra: at.meta,
-            crash: at.crash,
-            previous: previous.as_deref(),
-        })
+        self.write_checkpoint_with(Write { dir: at.dir, background: at.background, extra: at.meta, crash: at.crash })
+    }
+
+    /// PipeDream-2BW: this trainer's cell of the weight version before the latest.
+    pub(crate) fn carried_versions(&self) -> crate::pp::Carried {
+        self.carried.clone()
     }
 
     /// Values of the trainer's parameters (in its order) as its flat f32 layout.
@@ -1514,15 +1524,14 @@ impl Trainer {
     }
 }
 
-/// A checkpoint to write: where, in the background or not, metadata beside the trainer's,
-/// the crash test hook, and PipeDream-2BW's previous weight version (values in the trainer's
-/// flat layout, written as whole tensors under `state.previous_weights.{name}`).
+/// A checkpoint to write: where, in the background or not, metadata beside the trainer's, and
+/// the crash test hook. (PipeDream-2BW's previous weight version comes from the trainer's
+/// carried cell, written as whole tensors under `state.previous_weights.{name}`.)
 struct Write<'a> {
     dir: &'a Path,
     background: bool,
     extra: BTreeMap<String, String>,
     crash: bool,
-    previous: Option<&'a [f32]>,
 }
 
 /// Checkpoint metadata: the ranks of one replica whose codec states a mesh's checkpoint holds.

@@ -912,13 +912,17 @@ fn a_users_model_in_pipeline_stages_matches_one_process() {
 /// norm is taken over both stages inside the stream) under 2 stages x dp 2 within 5e-6
 /// (8e-7 measured). The rule is not plain SGD's: the two runs part by more than 1e-2. Stopped
 /// after 3 steps (a stream's end) and resumed, it ends bitwise where the run that never
-/// stopped ends.
+/// stopped ends. Carrying versions (`Pipeline::carrying_versions`, as `kolo train` runs 2BW),
+/// streams of 3 steps compute what one stream computes (within 1e-6 of the rule by hand in one
+/// stream), and stopped after 3 steps and resumed (the checkpoint holds the version before
+/// the latest) bitwise what the run that never stopped computes.
 #[test]
 fn a_users_model_under_pipedream_2bw_matches_its_rule_by_hand() {
     let dir = fresh_dir("user-2bw");
     let init = initial_weights(&dir);
     let sgd = format!("--init {init} --hidden 48 --steps 6 --batch 24 --optim sgd --lr 0.1");
     let by_hand = user_mesh(1, &format!("{sgd} --plain yes --two-bw 1000"), &dir.join("by-hand"));
+    let by_hand_sgd = by_hand.clone();
     let plain = user_mesh(1, &format!("{sgd} --plain yes"), &dir.join("plain"));
     let (k, d) = worst(&by_hand, &plain);
     assert!(d > 1e-2, "2BW's rule and plain SGD part by only {d} (`{k}`): the comparison would prove nothing");
@@ -948,6 +952,16 @@ fn a_users_model_under_pipedream_2bw_matches_its_rule_by_hand() {
     user_mesh(2, &format!("{stream} --stop-at 3"), &stopped);
     let resumed = user_mesh(2, &format!("{stream} --resume {}", stopped.join("step-00000003").display()), &dir.join("resumed"));
     assert_eq!(worst(&straight, &resumed).1, 0.0, "2BW resumed after 3 steps differs from the run that never stopped");
+
+    let carry = format!("{stream} --carry yes");
+    let carried = user_mesh(2, &carry, &dir.join("carried"));
+    let (k, d) = worst(&by_hand_sgd, &carried);
+    assert!(d < 1e-6, "2BW carrying versions in streams of 3: `{k}` differs from one stream by hand by {d}");
+    assert!(worst(&streams_of_3, &carried).1 > 1e-4, "carrying versions changed nothing");
+    let stopped = dir.join("carried-stopped");
+    user_mesh(2, &format!("{carry} --stop-at 3"), &stopped);
+    let resumed = user_mesh(2, &format!("{carry} --resume {}", stopped.join("step-00000003").display()), &dir.join("carried-resumed"));
+    assert_eq!(worst(&carried, &resumed).1, 0.0, "2BW carrying versions resumed after 3 steps differs from the run that never stopped");
 }
 
 /// PipeDream-2BW for a Hugging Face model (`hf_finetune --schedule 2bw`: FineTune reads the

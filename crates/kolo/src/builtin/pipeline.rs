@@ -128,15 +128,12 @@ impl Pipelined {
         }
         let shape = [cfg.data.batch_size / m, gcfg.seq, gcfg.d_model];
         let mut pipe = Pipeline::new(schedule, &shape)?.rematerialize(pc.rematerialize);
-        if two_bw {
-            pipe = pipe.carrying_versions();
-        }
         let start = match resume {
             Some(path) => Some(trainer.resume_state(path)?),
             None => None,
         };
-        if let (true, Some((_, r))) = (two_bw, &start) {
-            carry_resumed(&trainer, &pipe, r, global_rank == 0 && !run.quiet)?;
+        if two_bw {
+            pipe = pipe.carrying_versions(&trainer);
         }
         if global_rank == 0 && !run.quiet {
             let plan = kolo_pipe::partition(&gpt.layer_costs(), k);
@@ -233,10 +230,9 @@ impl Strategy for Pipelined {
 
     fn save(&mut self, at: SaveAt<'_>) -> Result<PendingSave, TrainError> {
         self.drained("checkpointing")?;
-        // PipeDream-2BW: the version the next batch runs on, beside the latest.
-        let done = self.trainer.steps_done();
-        let previous = self.pipe.carried().filter(|(v, _)| v + 1 == done).map(|(_, values)| values);
-        self.trainer.save_at_with(at, previous.as_deref()).map_err(train_error)
+        // (PipeDream-2BW: the trainer writes the version the next batch runs on beside the
+        // latest.)
+        self.trainer.save_at(at).map_err(train_error)
     }
 
     fn finish(&mut self, _steps_run: u64) -> Result<Finish, TrainError> {
@@ -346,21 +342,6 @@ impl Pipelined {
             _ => Ok(()),
         }
     }
-}
-
-/// PipeDream-2BW resumed from `r`: the first batch after the checkpoint runs on the version
-/// before it, which the checkpoint holds unless another strategy wrote it (`say`: tell so).
-fn carry_resumed(trainer: &Trainer, pipe: &Pipeline, r: &kolo_train::checkpointing::Resumed, say: bool) -> crate::Result<()> {
-    match trainer.previous_of(r)? {
-        Some(values) if r.step > 0 => pipe.set_carried(r.step - 1, values),
-        _ if r.step > 0 && say => kolo_base::eline!(
-            "the checkpoint holds no previous weight version (another strategy wrote it): batch {} runs on version {}",
-            r.step,
-            r.step
-        ),
-        _ => {}
-    }
-    Ok(())
 }
 
 /// This stage's layers of `gpt` on micro-batch `batch`, computing in `compute` (under mixed
