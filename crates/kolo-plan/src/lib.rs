@@ -724,7 +724,11 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
     let updated = if zero >= 1 { dense_params / replicas as f64 + own_experts / (replicas / ep) as f64 } else { stage_params };
     let optimizer_s = updated * optimizer_bytes(precision) / c.device.update_bandwidth;
     let (dense, experts) = (state_bytes(dense_params, zero, replicas, precision), state_bytes(own_experts, zero, replicas / ep, precision));
-    let (params, grads, optimizer) = (dense.0 + experts.0, dense.1 + experts.1, dense.2 + experts.2);
+    // A runtime with flat gradient buffers (Kolo's) accumulating micro-batches (a pipeline's,
+    // or gradient accumulation) keeps the whole stage's f32 gradient in an accumulator beside
+    // the buckets (under ZeRO-3 too: FSDP's `no_sync`), between steps as well.
+    let accumulator = if c.param_copy_bytes > 0.0 && mb > 1 { 4.0 * stage_params } else { 0.0 };
+    let (params, grads, optimizer) = (dense.0 + experts.0, dense.1 + experts.1 + accumulator, dense.2 + experts.2);
     // ZeRO-3: a layer's gathered parameters and gradients, two layers at a time (prefetch).
     let gathered_layer = if zero >= 3 { 4.0 * vb * m.block_matrices() / tp as f64 } else { 0.0 };
     // The first stage keeps the most micro-batches (min(pp, m)); the last keeps one and the
@@ -737,7 +741,11 @@ pub fn estimate(m: &Gpt, c: &Cluster, plan: &Plan, global_batch: usize, precisio
         Recompute::Selective => full - scores,
         Recompute::Full => act_values * vb,
     };
-    let rerun = if checkpoint { whole_layer } else { 0.0 };
+    // Backward of a checkpointed layer holds the layer run again and, as it goes, the gradients
+    // of those activations: two layers' worth (without checkpointing the gradients of one
+    // layer's activations sit beside every layer's kept activations, which `activation_factor`
+    // was measured with).
+    let rerun = if checkpoint { 2.0 * whole_layer } else { 0.0 };
     let stage_activations = |in_flight: f64| layers_per_stage * in_flight * kept_layer + rerun;
     let last = stage_activations(1.0) + logits_bytes(m, micro_batch, tp, vb) / cp as f64;
     let interleaving = if chunks > 1 { 1.0 + (pp - 1) as f64 / (pp * chunks) as f64 } else { 1.0 };

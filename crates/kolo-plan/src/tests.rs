@@ -186,9 +186,11 @@ fn estimates_add_up_and_respect_the_constraints() {
     let three = c.clone().with_devices(3).unwrap();
     assert!(estimate(&m, &three, &plan(1, 3, 1, 4), 12, f32).is_none(), "3 does not divide 4 heads");
     assert!(estimate(&m, &c, &plan(4, 1, 1, 3), 16, f32).is_none());
-    // Checkpointing trades a third more compute for less activation memory.
+    // Checkpointing trades a third more compute for less activation memory: 4 blocks keep
+    // their inputs, and backward holds one block run again and its gradients (Kolo's 4-block
+    // GPT on 2 ranks measured 13.9 MB of transient heap against 27.6).
     let ck = estimate(&m, &c, &Plan { recompute: Recompute::Full, ..plan(4, 1, 1, 4) }, 16, f32).unwrap();
-    assert!(ck.compute_s > ddp.compute_s * 1.2 && ck.memory.activations < ddp.memory.activations / 3.0);
+    assert!(ck.compute_s > ddp.compute_s * 1.2 && ck.memory.activations < ddp.memory.activations * 0.6);
     assert!(ck.hardware_flops > ck.model_flops && ck.model_flops == ddp.model_flops);
     // Mixed precision halves the layers' activations (the loss keeps f32 values) and runs at
     // the bf16 peak.
@@ -544,7 +546,7 @@ fn schedules_and_sequence_parallelism_are_costed() {
     let slot_pp = |e: &Estimate| e.pp_s / (e.micro_batches as f64 + e.bubble_s / (e.compute_s / e.micro_batches as f64));
     assert!((slot_pp(&two) / slot_pp(&one) - 2.0).abs() < 1e-9, "twice the stage-to-stage traffic a slot");
     let layer_in = 8.0 * 2048.0 * 4096.0 * 2.0; // the stage's layers' kept inputs a micro-batch
-    let kept = |e: &Estimate| e.memory.activations - layer_activation_bytes(&m, 1, 2, 2.0);
+    let kept = |e: &Estimate| e.memory.activations - 2.0 * layer_activation_bytes(&m, 1, 2, 2.0);
     assert!((kept(&one) - 4.0 * layer_in).abs() < 1.0, "1F1B: 4 micro-batches in flight");
     assert!((kept(&two) - 4.0 * (1.0 + 3.0 / 8.0) * layer_in).abs() < 1.0, "interleaved: 1 + (p - 1) / (p v) times");
     assert!(
@@ -716,4 +718,33 @@ fn tied_embeddings_are_reduced_between_the_end_stages() {
     assert!((at(&tied).pp_s - at(&untied).pp_s - want).abs() < 1e-12, "{} vs {want}", at(&tied).pp_s - at(&untied).pp_s);
     let one_stage = Plan::new(16, 1, 1, 1, 1);
     assert_eq!(estimate(&tied, &c, &one_stage, 64, Precision::Mixed).unwrap().pp_s, 0.0);
+}
+
+/// The memory of activation checkpointing beside tensor and pipeline parallelism, checked on
+/// runs the model was not fitted to (session 39, docs/benchmarks.md): a GPT of 6 layers,
+/// d_model 384, 6 heads, seq 64, 16 sequences a step in f32 with AdamW, `kolo train` on 2 and
+/// 4 ranks, rank 0's peak heap (the `kolo` binary's counting allocator). Within 25 % each; the
+/// model's two terms that made these fit (a checkpointed layer's backward holds the layer run
+/// again and the gradients of its activations: two layers; an accumulating runtime's f32
+/// gradient accumulator beside its buckets) describe Kolo's runtime, they were not fitted.
+/// Before them checkpointing beside tp or pp was undercounted by 40-47 % (session 38).
+#[test]
+fn checkpointing_beside_model_parallelism_predicts_the_memory_of_runs_it_was_not_fitted_to() {
+    let m = Gpt::gpt_style(6, 384, 6, 64, 65);
+    let ck = |p: Plan| Plan { recompute: Recompute::Full, ..p };
+    let runs = [
+        ("tp 2", Plan::new(1, 2, 1, 0, 16), 224.1e6),
+        ("pp 2", Plan::new(1, 1, 2, 0, 4), 186.1e6),
+        ("tp 2, checkpointing", ck(Plan::new(1, 2, 1, 0, 16)), 151.8e6),
+        ("pp 2, checkpointing", ck(Plan::new(1, 1, 2, 0, 4)), 175.1e6),
+        ("dp 2 x tp 2, checkpointing", ck(Plan::new(2, 2, 1, 0, 8)), 126.9e6),
+        ("dp 2, checkpointing", ck(Plan::new(2, 1, 1, 0, 8)), 229.4e6),
+        ("dp 2, ZeRO-3, checkpointing", ck(Plan::new(2, 1, 1, 3, 8)), 172.2e6),
+    ];
+    for (name, p, heap) in runs {
+        let c = this_machine(p.dp * p.tp * p.pp);
+        let e = estimate(&m, &c, &p, 16, Precision::F32).unwrap();
+        let err = e.memory() / heap - 1.0;
+        assert!(err.abs() < 0.25, "{name}: predicted {:.1} MB, measured {:.1} MB", e.memory() / 1e6, heap / 1e6);
+    }
 }

@@ -119,15 +119,12 @@ impl BuiltinModel {
         let sp = mesh.as_ref().filter(|_| size.sp > 1).map(|m| m.sp().comm().clone());
         let chunk = sp.as_ref().map(|c| (c.rank().get(), c.world_size().get()));
         let spec = cfg.spec.clone();
-        let mut model = dp_model(cfg, &spec, (tp.clone(), sp, ep.map(|e| e.exchange())))?;
+        let model = dp_model(cfg, &spec, (tp.clone(), sp, ep.map(|e| e.exchange())))?;
         // ZeRO-3: the GPT's blocks (under tensor parallelism this rank's pieces of them),
-        // gathered into its variables when read; checkpointed blocks read them again in
-        // backward instead of keeping a copy through the step.
+        // gathered into its variables when read (checkpointed blocks read them again in
+        // backward).
         let all: Vec<usize> = (0..model.params().len()).collect();
         let groups = zero3_prefixes(cfg, &*model, &all, "this model has")?;
-        if !groups.is_empty() {
-            model.reread_parameters();
-        }
         let vars = model_vars(&*model, &all)?;
         let opts = TrainOptions::from_setup(cfg)?;
         let on = match &mesh {

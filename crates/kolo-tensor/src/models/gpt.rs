@@ -79,9 +79,6 @@ pub struct Gpt {
     head: (usize, usize),
     /// Blocks whose activations are recomputed in backward instead of stored.
     checkpointed: Vec<bool>,
-    /// Checkpointed blocks keep no copy of their parameters for backward: they read the
-    /// variables again (ZeRO-3, where that read gathers them; [`Model::reread_parameters`]).
-    reread: bool,
     /// Tensor parallelism: the group, each parameter's cut, and for each local value its index
     /// in the whole model's flat layout.
     tp: Option<TensorParallel>,
@@ -209,10 +206,10 @@ struct CheckpointedBlock {
     /// recomputation passes the keys and values around again, every member at the same point).
     ring: Option<Arc<dyn kolo_base::RingShift>>,
     shapes: Vec<Vec<usize>>,
-    /// [`Gpt::reread`]: the block's variables and the dtype the model computes them in. The
-    /// packed input's values are freed after the forward (a hook refills them from these,
-    /// should anything read them) and backward packs the variables again.
-    reread: Option<Reread>,
+    /// The block's variables and the dtype the model computes them in: the packed input's
+    /// values are freed after the forward (a hook refills them from these, should anything read
+    /// them) and backward packs the variables again (under ZeRO-3 that read gathers them).
+    reread: Reread,
     /// A block whose MLP is a mixture of experts: its routing, its experts' exchange (expert
     /// parallelism: the recomputation's all-to-alls run again, every member at the same point)
     /// and where the forward counts its routing (backward's run counts nothing). Its output is
@@ -293,11 +290,10 @@ impl CustomOp2 for CheckpointedBlock {
         crate::checkpoint::owned_cpu(&y)
     }
 
-    fn bwd(&self, x: &Tensor, packed: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let values = match &self.reread {
-            Some(r) => Reread::pack(&r.vars, r.dtype)?.to_vec1::<f32>()?,
-            None => packed.flatten_all()?.to_vec1::<f32>()?,
-        };
+    fn bwd(&self, x: &Tensor, _packed: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // The variables' values again (the packed input's were freed after the forward; under
+        // ZeRO-3 this read gathers them).
+        let values = Reread::pack(&self.reread.vars, self.reread.dtype)?.to_vec1::<f32>()?;
         let (gx, gp) = recompute(x, &values, &self.shapes, &|x, p| self.run(x, p, false), grad)?;
         let n = gp.len();
         Ok((gx, Some(Tensor::from_vec(gp, n, &Device::Cpu)?)))
@@ -416,21 +412,7 @@ impl Gpt {
         let ln_f = ln(&mut p, "ln_f")?;
         let head = lin(&mut p, "head", cfg.vocab, c, rng)?;
         let checkpointed = vec![false; cfg.n_layer];
-        Ok(Gpt {
-            cfg,
-            params: p,
-            wte,
-            wpe,
-            blocks,
-            ln_f,
-            head,
-            checkpointed,
-            reread: false,
-            tp: None,
-            sp: None,
-            ep: None,
-            moe_load: Default::default(),
-        })
+        Ok(Gpt { cfg, params: p, wte, wpe, blocks, ln_f, head, checkpointed, tp: None, sp: None, ep: None, moe_load: Default::default() })
     }
 
     /// This member's piece of the model under Megatron tensor parallelism over `group`: the
@@ -523,7 +505,6 @@ impl Gpt {
             ln_f: self.ln_f,
             head: self.head,
             checkpointed: self.checkpointed.clone(),
-            reread: self.reread,
             tp: self.tp.clone(),
             sp: self.sp.clone(),
             ep: self.ep.clone(),
@@ -552,10 +533,6 @@ impl Model for Gpt {
 
     fn set_checkpointing(&mut self, blocks: &[usize]) -> Result<()> {
         self.set_checkpointing_blocks(blocks)
-    }
-
-    fn reread_parameters(&mut self) {
-        self.reread = true;
     }
 
     fn tensor_parallel_splits(&self) -> Option<Vec<Option<super::tp::Split>>> {
@@ -715,7 +692,6 @@ impl Gpt {
             ep: Some(ExpertParallel { group, map, expert, full_len }),
             cfg: full.cfg,
             checkpointed: full.checkpointed,
-            reread: full.reread,
             tp: None,
             sp: None,
             moe_load: Default::default(),
@@ -883,14 +859,9 @@ impl Gpt {
                 let packed = Tensor::cat(&flat, 0)?.to_dtype(DType::F32)?;
                 let shapes = p.iter().map(|t| t.dims().to_vec()).collect();
                 let dt = x.dtype();
-                let reread = match self.reread {
-                    true => {
-                        let vars: Vec<Tensor> = blk.ids().iter().map(|&i| self.params.get(i).var.as_tensor().clone()).collect();
-                        Some(Reread { vars, dtype: p.first().map_or(DType::F32, Tensor::dtype), packed: packed.clone() })
-                    }
-                    false => None,
-                };
-                let refill = reread.as_ref().map(|r| (r.vars.clone(), r.dtype));
+                let vars: Vec<Tensor> = blk.ids().iter().map(|&i| self.params.get(i).var.as_tensor().clone()).collect();
+                let reread = Reread { vars, dtype: p.first().map_or(DType::F32, Tensor::dtype), packed: packed.clone() };
+                let (vars, vdtype) = (reread.vars.clone(), reread.dtype);
                 let heads = h / tp.map_or(1, |g| g.size());
                 // Training counts a mixture of experts' routing (here, apart: the op is 'static).
                 let load = aux.is_some().then(|| Arc::new(std::sync::Mutex::new(super::moe::MoeLoad::default())));
@@ -910,20 +881,19 @@ impl Gpt {
                     }
                     y = y.narrow(0, 0, n)?.reshape((b, t, self.cfg.d_model))?;
                 }
-                if let Some((vars, dtype)) = refill {
-                    // The graph keeps `packed` for backward, which packs the variables again
-                    // instead: free its values, and refill them should anything read them (an
-                    // empty storage must never be read).
-                    if packed.try_release_storage()? {
-                        let (keep, n) = (packed.clone(), packed.elem_count());
-                        packed.set_storage_hook(Some(std::sync::Arc::new(move || {
-                            // (NaN if the variables cannot be read: never an empty storage.)
-                            let v = Reread::pack(&vars, dtype).and_then(|v| v.to_vec1::<f32>()).unwrap_or_else(|_| vec![f32::NAN; n]);
-                            if keep.replace_storage(candle_core::Storage::Cpu(CpuStorage::F32(v))).is_ok() {
-                                keep.set_storage_hook(None);
-                            }
-                        })));
-                    }
+                // The graph keeps `packed` for backward, which packs the variables again instead
+                // (no copy of the block's parameters lives from forward to backward, not even one
+                // per micro-batch in flight): free its values, and refill them should anything
+                // read them (an empty storage must never be read).
+                if packed.try_release_storage()? {
+                    let (keep, n) = (packed.clone(), packed.elem_count());
+                    packed.set_storage_hook(Some(std::sync::Arc::new(move || {
+                        // (NaN if the variables cannot be read: never an empty storage.)
+                        let v = Reread::pack(&vars, vdtype).and_then(|v| v.to_vec1::<f32>()).unwrap_or_else(|_| vec![f32::NAN; n]);
+                        if keep.replace_storage(candle_core::Storage::Cpu(CpuStorage::F32(v))).is_ok() {
+                            keep.set_storage_hook(None);
+                        }
+                    })));
                 }
                 y.to_dtype(dt)?
             } else {

@@ -147,11 +147,6 @@ pub trait Model: Send {
         Vec::new()
     }
 
-    /// From now on, backward reads the parameters from the variables again instead of keeping
-    /// a copy (ZeRO-3: the variables' values are freed between uses and gathered back on a
-    /// read). Only the GPT's checkpointed blocks keep a copy; other models have nothing to do.
-    fn reread_parameters(&mut self) {}
-
     /// Recompute these blocks' activations in backward instead of keeping them (activation
     /// checkpointing). Models without blocks accept only an empty list.
     fn set_checkpointing(&mut self, blocks: &[usize]) -> Result<()> {

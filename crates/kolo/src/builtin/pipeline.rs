@@ -109,9 +109,6 @@ impl Pipelined {
         // `model.checkpoint_blocks` of this stage recompute their activations in backward
         // (under ZeRO-3 reading their gathered values again, as the data-parallel model does).
         gpt.set_checkpointing(&cfg.checkpoint_blocks)?;
-        if !groups.is_empty() {
-            gpt.reread_parameters();
-        }
         let mut opts = TrainOptions::from_setup(cfg)?;
         // A step is `m` micro-batches of batch_size / m sequences on every stage, for each of
         // `train.grad_accum` batches (the micro-batches of one flush).
