@@ -12,7 +12,8 @@
 //! updated as soon as its gradient is reduced, under the next forward), --out DIR (checkpoints/user_mlp),
 //! --checkpoints DIR and --every N (a checkpoint every N steps; a job an elastic launcher restarted,
 //! `kolo launch --min-nodes`, continues from the newest), --resume DIR, --fail-at R:N (rank R
-//! fails at step N of the first start, as a crash would).
+//! fails at step N of the first start, as a crash would), --checkpoint yes (the two hidden
+//! layers as one block through `kolo::checkpoint`: their activations recomputed in backward).
 use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_nn::{linear, loss::cross_entropy, Linear, Module, VarBuilder, VarMap};
@@ -29,6 +30,18 @@ impl Module for Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         self.2.forward(&self.1.forward(&self.0.forward(x)?.relu()?)?.relu()?)
     }
+}
+
+/// The model on `x`; with `checkpoint` its hidden layers run as one checkpointed block
+/// (`kolo::checkpoint`: nothing inside kept for backward, which runs them again; the block owns
+/// clones of its layers, and its variables are found from its graph).
+pub fn forward(model: &Mlp, x: &Tensor, checkpoint: bool) -> candle_core::Result<Tensor> {
+    if !checkpoint {
+        return model.forward(x);
+    }
+    let (fc1, fc2) = (model.0.clone(), model.1.clone());
+    let h = kolo::checkpoint(x, move |x| fc2.forward(&fc1.forward(x)?.relu()?)?.relu())?;
+    model.2.forward(&h)
 }
 
 /// Lion (Chen et al., 2023), an optimizer Kolo does not ship: the sign of an interpolation of
@@ -128,13 +141,14 @@ pub fn train(args: &[String]) -> Result<Vec<f32>> {
     // Each rank its share of the images, reshuffled every epoch from `train.seed`.
     let mut sampler = trainer.sampler(train.len())?;
     let mut eval = None;
+    let checkpoint = arg("--checkpoint", "no") == "yes";
     while trainer.steps_done() < steps {
         if dist.restart_count() == 0 && fail_at == Some((dist.rank(), trainer.steps_done())) {
             anyhow::bail!("rank {} fails at step {} (--fail-at)", dist.rank(), trainer.steps_done());
         }
         let (x, y) = tensors(&train, &sampler.next_batch(), &dist, dtype)?;
         // The loss in f32 (as torch's autocast does); logs every 50 steps: loss, samples/s, ms/step.
-        trainer.step(|| cross_entropy(&model.forward(&x)?.to_dtype(DType::F32)?, &y))?;
+        trainer.step(|| cross_entropy(&forward(&model, &x, checkpoint)?.to_dtype(DType::F32)?, &y))?;
         if trainer.eval_due() {
             let e = evaluate(&model, &test, &dist, dtype)?;
             trainer.log_eval(&e); // kolo train's log line, and eval/loss, eval/accuracy in TensorBoard

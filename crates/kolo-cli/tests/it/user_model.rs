@@ -148,6 +148,24 @@ fn a_users_bf16_and_f16_models_under_ddp_and_zero_match() {
     }
 }
 
+/// Activation checkpointing of a user's own model (`user_mlp --checkpoint yes`: its hidden
+/// layers as one `kolo::checkpoint` block, the variables found from the block's graph) under
+/// DDP and ZeRO-2 on 2 processes, in f32 (AdamW) and bf16 (SGD over f32 masters), ends bitwise
+/// where the same runs without it end.
+#[test]
+fn a_users_checkpointed_block_trains_bitwise_as_without() {
+    let dir = fresh_dir("user-mlp-ckpt");
+    for (base, zero) in [("--optim adamw --lr 1e-3", 0), ("--optim adamw --lr 1e-3", 2), ("--optim sgd --lr 0.1 --precision bf16", 2)] {
+        let run = |ck: &str| {
+            let tag = format!("{}-z{zero}-{ck}", base.replace([' ', '-', '.'], ""));
+            example(2, &format!("{base} --steps 6 --batch 12 --zero {zero} --checkpoint {ck}"), &dir.join(tag))
+        };
+        let (plain, ck) = (run("no"), run("yes"));
+        assert_eq!(plain.len(), 6);
+        assert!(plain == ck, "{base} ZeRO-{zero}: checkpointing changed the training");
+    }
+}
+
 /// A user's own optimizer across processes: the example's Lion (`kolo::UpdateRule`) on 2
 /// processes under DDP and under ZeRO-2, where each rank keeps and checkpoints only its shard of
 /// Lion's state, is bitwise the same run after 6 steps (both sum the same two gradients; a
