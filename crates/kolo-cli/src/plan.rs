@@ -787,8 +787,8 @@ fn gpt_job(a: &PlanArgs, m: &Gpt, c: &Cluster, p: &Plan, e: &Estimate) -> anyhow
 /// micro-batches outside a pipeline, experts dealt out only beside dp with ZeRO-0/1, and
 /// ZeRO-3 only without a mesh.
 fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
-    if p.recompute != Recompute::None {
-        return Some("it recomputes activations, which the fine-tuning job does not".into());
+    if p.recompute == Recompute::Selective {
+        return Some("it recomputes attention's core alone (selective recomputation); the fine-tuning job checkpoints whole layers".into());
     }
     if p.seq_parallel {
         return Some("it uses Megatron sequence parallelism, which Kolo's tensor parallelism does not".into());
@@ -816,7 +816,8 @@ fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
 
 /// Plan `p` as the fine-tuning job of the Hugging Face model in `hf` (`kolo train`'s `[model]
 /// hf`): token shards (a directory) or a text (a file) from `--data`, the plan's batch, ZeRO
-/// stage, `[mesh]` and `[pipeline]`; read back as a job before it is returned.
+/// stage, activation checkpointing of every layer, `[mesh]` and `[pipeline]`; read back as a
+/// job before it is returned.
 fn hf_job(hf: &std::path::Path, a: &PlanArgs, m: &Gpt, p: &Plan, e: &Estimate) -> anyhow::Result<String> {
     if let Some(why) = hf_refuses(p, a.global_batch) {
         anyhow::bail!("this plan is not one the Hugging Face fine-tuning job runs: {why}");
@@ -824,8 +825,12 @@ fn hf_job(hf: &std::path::Path, a: &PlanArgs, m: &Gpt, p: &Plan, e: &Estimate) -
     let abs = |s: &std::path::Path| std::fs::canonicalize(s).map_or(s.display().to_string(), |p| p.display().to_string());
     let data = std::path::Path::new(&a.data);
     let source = if data.is_dir() { format!("shards = {:?}", abs(data)) } else { format!("text = {:?}", abs(data)) };
+    let checkpointed = match p.recompute {
+        Recompute::Full => format!("checkpoint_blocks = {:?}\n", (0..m.layers).collect::<Vec<_>>()),
+        _ => String::new(),
+    };
     let mut text = format!(
-        "[model]\nhf = {:?}\n[data]\n{source}\nbatch_size = {}\nseq = {}\n[train]\nsteps = {}\n[ddp]\nzero_stage = {}\n",
+        "[model]\nhf = {:?}\n{checkpointed}[data]\n{source}\nbatch_size = {}\nseq = {}\n[train]\nsteps = {}\n[ddp]\nzero_stage = {}\n",
         abs(hf),
         a.global_batch / p.dp,
         m.seq,

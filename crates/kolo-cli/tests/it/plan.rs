@@ -60,7 +60,13 @@ fn plans_describe_hugging_face_models() {
     let data = kolo_testkit::files::shakespeare().display().to_string();
     let base = ["plan", "--hf", llama.to_str().unwrap(), "--seq", "16", "--devices", "2", "--cluster", "this-machine"];
     let job = ["--global-batch", "4", "--precision", "f32", "--steps", "2", "--data", &data];
-    for (tag, extra) in [("tp", vec!["--evaluate", "tp=2,micro=4"]), ("cp", vec!["--evaluate", "cp=2,micro=4"]), ("searched", vec![])] {
+    let cases = [
+        ("tp", vec!["--evaluate", "tp=2,micro=4"]),
+        ("cp", vec!["--evaluate", "cp=2,micro=4"]),
+        ("ckpt", vec!["--evaluate", "tp=2,micro=4,ckpt"]),
+        ("searched", vec![]),
+    ];
+    for (tag, extra) in cases {
         let out = dir.join(tag);
         let o = run(&[&base[..], &job[..], &extra[..], &["--emit", out.to_str().unwrap()]].concat(), &[]);
         assert!(o.status.success(), "{tag}: {}", text(&o));
@@ -72,6 +78,8 @@ fn plans_describe_hugging_face_models() {
         if tag == "cp" {
             assert!(toml.contains("[mesh]\ndp = 1\ntp = 1\npp = 1\nsp = 2\n"), "{toml}");
         }
+        // Activation checkpointing: every layer of the model's.
+        assert_eq!(toml.contains("checkpoint_blocks = [0, 1]\n"), tag == "ckpt", "{tag}: {toml}");
         let o = Command::new("bash").arg(out.join("launch.sh")).env("KOLO", KOLO).output().unwrap();
         let t = text(&o);
         assert!(o.status.success() && t.contains("step 2/2"), "{tag}: {t}");
@@ -89,7 +97,13 @@ fn plans_describe_hugging_face_models() {
     let o =
         run(&[&args[..], &job[..], &["--evaluate", "dp=2,ep=2,micro=2,zero=2", "--emit", dir.join("ep2").to_str().unwrap()]].concat(), &[]);
     assert!(!o.status.success() && text(&o).contains("ZeRO-2 with the experts dealt out"), "{}", text(&o));
-    // A plan the job cannot run is named: micro-batches accumulated outside a pipeline.
+    // Plans the job cannot run are named: selective recomputation, micro-batches accumulated
+    // outside a pipeline.
+    let o = run(
+        &[&base[..], &job[..], &["--evaluate", "tp=2,micro=4,recompute=selective", "--emit", dir.join("sel").to_str().unwrap()]].concat(),
+        &[],
+    );
+    assert!(!o.status.success() && text(&o).contains("selective recomputation"), "{}", text(&o));
     let o = run(&[&base[..], &job[..], &["--evaluate", "dp=2,micro=1", "--emit", dir.join("acc").to_str().unwrap()]].concat(), &[]);
     assert!(!o.status.success() && text(&o).contains("it accumulates micro-batches of 1 outside a pipeline"), "{}", text(&o));
     let _ = std::fs::remove_dir_all(&dir);
