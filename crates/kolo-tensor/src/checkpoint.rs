@@ -6,7 +6,7 @@
 //! The block is a closure over the model's own layers; its parameters are found, not named:
 //! the forward's graph is walked for the variables it read (candle's `sorted_nodes`), and
 //! their gradients reach them through the op's second input, a chain of stand-ins joined from
-//! the variables that holds no values ([`join_vars`]), so everything a trainer hangs on a
+//! the variables that holds no values (`join_vars`), so everything a trainer hangs on a
 //! variable (DDP's gradient hooks, ZeRO-3's gathers) sees them as without checkpointing;
 //! backward reads the variables themselves.
 
