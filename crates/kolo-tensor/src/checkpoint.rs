@@ -117,8 +117,7 @@ fn checkpoint_op(x: &Tensor, block: Arc<Block>) -> candle_core::Result<Tensor> {
         return Ok(out);
     }
     let joined = join_vars(&vars, x.device())?;
-    let shapes = vars.iter().map(|v| v.dims().to_vec()).collect();
-    let op = Checkpointed { block, vars, shapes, out: Mutex::new(Some(out)) };
+    let op = Checkpointed { block, vars, out: Mutex::new(Some(out)) };
     x.apply_op2(&joined, op)
 }
 
@@ -126,7 +125,7 @@ fn checkpoint_op(x: &Tensor, block: Arc<Block>) -> candle_core::Result<Tensor> {
 /// [`Stand`] and [`Join`] nodes whose outputs have the variables' total length and no storage
 /// (nothing reads them), and whose backward cuts the op's packed gradient back into each
 /// variable's (in its shape and dtype). An empty tensor without any variable.
-fn join_vars(vars: &[Tensor], device: &candle_core::Device) -> candle_core::Result<Tensor> {
+pub(crate) fn join_vars(vars: &[Tensor], device: &candle_core::Device) -> candle_core::Result<Tensor> {
     let Some(first) = vars.first() else { return Tensor::zeros(0, DType::F32, device) };
     let mut acc = first.apply_op1(Stand)?;
     for v in &vars[1..] {
@@ -197,7 +196,6 @@ struct Checkpointed {
     block: Arc<Block>,
     /// The variables the forward read, in the order they are joined.
     vars: Vec<Tensor>,
-    shapes: Vec<Vec<usize>>,
     /// The forward's output, handed to candle once as the op's result.
     out: Mutex<Option<Tensor>>,
 }
@@ -253,10 +251,9 @@ impl CustomOp2 for Checkpointed {
         let parts: Vec<Tensor> = self
             .vars
             .iter()
-            .zip(&self.shapes)
-            .map(|(v, s)| match g.get(v) {
+            .map(|v| match g.get(v) {
                 Some(gv) => gv.flatten_all()?.to_dtype(DType::F32),
-                None => Tensor::zeros(s.iter().product::<usize>(), DType::F32, v.device()),
+                None => Tensor::zeros(v.elem_count(), DType::F32, v.device()),
             })
             .collect::<candle_core::Result<_>>()?;
         let gx = x.track_op().then(|| g.get(xv.as_tensor()).cloned()).flatten();

@@ -190,11 +190,13 @@ fn block_forward_moe(
     Ok(((&x + m)?, aux))
 }
 
-/// Activation checkpointing of one block as a differentiable op on `(x, packed parameters)`:
-/// forward runs the block without recording a graph (nothing inside is kept), backward runs it
-/// again with a graph and differentiates it. The parameters arrive packed in one tensor (a
-/// `cat` of the block's parameters as the view gave them), so their gradients flow back through
-/// the `cat` to whatever the view attached (gradient hooks, or the GradStore).
+/// Activation checkpointing of one block as a differentiable op on `(x, the block's parameters
+/// as the view gave them, joined)`: forward runs the block without recording a graph (nothing
+/// inside is kept), backward runs it again with a graph and differentiates it. Both read the
+/// parameters' values from the variables (packed in f32, cast as the view casts them); the
+/// joined input holds no values (`crate::checkpoint::join_vars`) and carries the packed
+/// gradient back to whatever the view attached (gradient hooks, or the GradStore). No copy of
+/// the block's parameters lives from forward to backward, not one per micro-batch in flight.
 struct CheckpointedBlock {
     /// Heads of this rank (its share of them under tensor parallelism).
     n_head: usize,
@@ -206,9 +208,8 @@ struct CheckpointedBlock {
     /// recomputation passes the keys and values around again, every member at the same point).
     ring: Option<Arc<dyn kolo_base::RingShift>>,
     shapes: Vec<Vec<usize>>,
-    /// The block's variables and the dtype the model computes them in: the packed input's
-    /// values are freed after the forward (a hook refills them from these, should anything read
-    /// them) and backward packs the variables again (under ZeRO-3 that read gathers them).
+    /// The block's variables and the dtype the model computes them in, which forward and
+    /// backward pack (under ZeRO-3 that read gathers them).
     reread: Reread,
     /// A block whose MLP is a mixture of experts: its routing, its experts' exchange (expert
     /// parallelism: the recomputation's all-to-alls run again, every member at the same point)
@@ -228,8 +229,6 @@ struct MoeBlock {
 struct Reread {
     vars: Vec<Tensor>,
     dtype: DType,
-    /// The packed input whose storage was freed (its hook is removed when the op is dropped).
-    packed: Tensor,
 }
 
 impl Reread {
@@ -238,12 +237,6 @@ impl Reread {
     fn pack(vars: &[Tensor], dtype: DType) -> candle_core::Result<Tensor> {
         let flat: Vec<Tensor> = vars.iter().map(|v| v.to_dtype(dtype)?.flatten_all()).collect::<candle_core::Result<_>>()?;
         Tensor::cat(&flat, 0)?.to_dtype(DType::F32)
-    }
-}
-
-impl Drop for Reread {
-    fn drop(&mut self) {
-        self.packed.set_storage_hook(None);
     }
 }
 
@@ -283,16 +276,15 @@ impl CustomOp2 for CheckpointedBlock {
         "kolo-checkpointed-block"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = cpu_tensor(s1, l1)?;
-        let packed = cpu_tensor(s2, l2)?;
+        let packed = Reread::pack(&self.reread.vars, self.reread.dtype)?;
         let y = self.run(&x, &unpack(&packed, &self.shapes).map_err(msg)?, true).map_err(msg)?;
         crate::checkpoint::owned_cpu(&y)
     }
 
-    fn bwd(&self, x: &Tensor, _packed: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        // The variables' values again (the packed input's were freed after the forward; under
-        // ZeRO-3 this read gathers them).
+    fn bwd(&self, x: &Tensor, _joined: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        // The variables' values again (under ZeRO-3 this read gathers them).
         let values = Reread::pack(&self.reread.vars, self.reread.dtype)?.to_vec1::<f32>()?;
         let (gx, gp) = recompute(x, &values, &self.shapes, &|x, p| self.run(x, p, false), grad)?;
         let n = gp.len();
@@ -855,20 +847,18 @@ impl Gpt {
                 continue;
             }
             x = if ckpt {
-                let flat: Vec<Tensor> = p.iter().map(|t| t.flatten_all()).collect::<candle_core::Result<_>>()?;
-                let packed = Tensor::cat(&flat, 0)?.to_dtype(DType::F32)?;
+                let joined = crate::checkpoint::join_vars(&p, x.device())?;
                 let shapes = p.iter().map(|t| t.dims().to_vec()).collect();
                 let dt = x.dtype();
                 let vars: Vec<Tensor> = blk.ids().iter().map(|&i| self.params.get(i).var.as_tensor().clone()).collect();
-                let reread = Reread { vars, dtype: p.first().map_or(DType::F32, Tensor::dtype), packed: packed.clone() };
-                let (vars, vdtype) = (reread.vars.clone(), reread.dtype);
+                let reread = Reread { vars, dtype: p.first().map_or(DType::F32, Tensor::dtype) };
                 let heads = h / tp.map_or(1, |g| g.size());
                 // Training counts a mixture of experts' routing (here, apart: the op is 'static).
                 let load = aux.is_some().then(|| Arc::new(std::sync::Mutex::new(super::moe::MoeLoad::default())));
                 let moe_block = moe.map(|m| MoeBlock { cfg: m.clone(), ex: self.ep.as_ref().map(|e| e.group.clone()), load: load.clone() });
                 let dtype = p.first().map_or(dt, Tensor::dtype);
                 let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), ring: self.sp.clone(), shapes, reread, moe: moe_block, dtype };
-                let mut y = x.to_dtype(dtype)?.contiguous()?.apply_op2(&packed, op)?;
+                let mut y = x.to_dtype(dtype)?.contiguous()?.apply_op2(&joined, op)?;
                 if moe.is_some() {
                     // The hidden states, then the auxiliary loss.
                     let n = b * t * self.cfg.d_model;
@@ -880,20 +870,6 @@ impl Gpt {
                         self.moe_load.lock().unwrap_or_else(|e| e.into_inner()).absorb(l);
                     }
                     y = y.narrow(0, 0, n)?.reshape((b, t, self.cfg.d_model))?;
-                }
-                // The graph keeps `packed` for backward, which packs the variables again instead
-                // (no copy of the block's parameters lives from forward to backward, not even one
-                // per micro-batch in flight): free its values, and refill them should anything
-                // read them (an empty storage must never be read).
-                if packed.try_release_storage()? {
-                    let (keep, n) = (packed.clone(), packed.elem_count());
-                    packed.set_storage_hook(Some(std::sync::Arc::new(move || {
-                        // (NaN if the variables cannot be read: never an empty storage.)
-                        let v = Reread::pack(&vars, vdtype).and_then(|v| v.to_vec1::<f32>()).unwrap_or_else(|_| vec![f32::NAN; n]);
-                        if keep.replace_storage(candle_core::Storage::Cpu(CpuStorage::F32(v))).is_ok() {
-                            keep.set_storage_hook(None);
-                        }
-                    })));
                 }
                 y.to_dtype(dt)?
             } else {
