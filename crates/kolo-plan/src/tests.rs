@@ -727,7 +727,10 @@ fn tied_embeddings_are_reduced_between_the_end_stages() {
 /// model's two terms that made these fit (a checkpointed layer's backward holds the layer run
 /// again and the gradients of its activations: two layers; an accumulating runtime's f32
 /// gradient accumulator beside its buckets) describe Kolo's runtime, they were not fitted.
-/// Before them checkpointing beside tp or pp was undercounted by 40-47 % (session 38).
+/// Before them checkpointing beside tp or pp was undercounted by 40-47 % (session 38). The
+/// heaps are session 40's, since checkpointed blocks read their variables in place (7-14 MB
+/// less than session 39's); ZeRO-3 beside a pipeline, -17 % now, -25 % before, is still left
+/// out of `--plan auto`.
 #[test]
 fn checkpointing_beside_model_parallelism_predicts_the_memory_of_runs_it_was_not_fitted_to() {
     let m = Gpt::gpt_style(6, 384, 6, 64, 65);
@@ -735,11 +738,12 @@ fn checkpointing_beside_model_parallelism_predicts_the_memory_of_runs_it_was_not
     let runs = [
         ("tp 2", Plan::new(1, 2, 1, 0, 16), 224.1e6),
         ("pp 2", Plan::new(1, 1, 2, 0, 4), 186.1e6),
-        ("tp 2, checkpointing", ck(Plan::new(1, 2, 1, 0, 16)), 151.8e6),
-        ("pp 2, checkpointing", ck(Plan::new(1, 1, 2, 0, 4)), 175.1e6),
-        ("dp 2 x tp 2, checkpointing", ck(Plan::new(2, 2, 1, 0, 8)), 126.9e6),
-        ("dp 2, checkpointing", ck(Plan::new(2, 1, 1, 0, 8)), 229.4e6),
-        ("dp 2, ZeRO-3, checkpointing", ck(Plan::new(2, 1, 1, 3, 8)), 172.2e6),
+        ("tp 2, checkpointing", ck(Plan::new(1, 2, 1, 0, 16)), 144.7e6),
+        ("pp 2, checkpointing", ck(Plan::new(1, 1, 2, 0, 4)), 160.9e6),
+        ("dp 2 x tp 2, checkpointing", ck(Plan::new(2, 2, 1, 0, 8)), 119.8e6),
+        ("dp 2, checkpointing", ck(Plan::new(2, 1, 1, 0, 8)), 215.2e6),
+        ("dp 2, ZeRO-3, checkpointing", ck(Plan::new(2, 1, 1, 3, 8)), 158.0e6),
+        ("dp 2 x pp 2, ZeRO-3, checkpointing", ck(Plan::new(2, 1, 2, 3, 4)), 134.1e6),
     ];
     for (name, p, heap) in runs {
         let c = this_machine(p.dp * p.tp * p.pp);

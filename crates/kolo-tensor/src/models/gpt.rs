@@ -193,8 +193,8 @@ fn block_forward_moe(
 /// Activation checkpointing of one block as a differentiable op on `(x, the block's parameters
 /// as the view gave them, joined)`: forward runs the block without recording a graph (nothing
 /// inside is kept), backward runs it again with a graph and differentiates it. Both read the
-/// parameters' values from the variables (packed in f32, cast as the view casts them); the
-/// joined input holds no values (`crate::checkpoint::join_vars`) and carries the packed
+/// parameters' values from the variables themselves (cast as the view casts them; backward's
+/// graph has them as its leaves, so neither makes a copy of them); the joined input holds no values (`crate::checkpoint::join_vars`) and carries the packed
 /// gradient back to whatever the view attached (gradient hooks, or the GradStore). No copy of
 /// the block's parameters lives from forward to backward, not one per micro-batch in flight.
 struct CheckpointedBlock {
@@ -207,7 +207,6 @@ struct CheckpointedBlock {
     /// Sequence parallelism: the block's attention runs over this ring of sequence chunks (its
     /// recomputation passes the keys and values around again, every member at the same point).
     ring: Option<Arc<dyn kolo_base::RingShift>>,
-    shapes: Vec<Vec<usize>>,
     /// The block's variables and the dtype the model computes them in, which forward and
     /// backward pack (under ZeRO-3 that read gathers them).
     reread: Reread,
@@ -226,31 +225,9 @@ struct MoeBlock {
     load: Option<Arc<std::sync::Mutex<super::moe::MoeLoad>>>,
 }
 
+/// The block's variables (the model's own, read where they are: no copy is made).
 struct Reread {
     vars: Vec<Tensor>,
-    dtype: DType,
-}
-
-impl Reread {
-    /// The block's parameters packed in f32 as the forward packed them (cast to the model's
-    /// compute dtype first, as the view did).
-    fn pack(vars: &[Tensor], dtype: DType) -> candle_core::Result<Tensor> {
-        let flat: Vec<Tensor> = vars.iter().map(|v| v.to_dtype(dtype)?.flatten_all()).collect::<candle_core::Result<_>>()?;
-        Tensor::cat(&flat, 0)?.to_dtype(DType::F32)
-    }
-}
-
-fn unpack(packed: &Tensor, shapes: &[Vec<usize>]) -> Result<Vec<Tensor>> {
-    let mut off = 0;
-    shapes
-        .iter()
-        .map(|s| {
-            let n: usize = s.iter().product();
-            let t = packed.narrow(0, off, n)?.reshape(s.as_slice())?;
-            off += n;
-            Ok(t)
-        })
-        .collect()
 }
 
 /// A contiguous CPU tensor over (a copy of) an op's input, in its dtype (f32, bf16 or f16).
@@ -278,17 +255,17 @@ impl CustomOp2 for CheckpointedBlock {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = cpu_tensor(s1, l1)?;
-        let packed = Reread::pack(&self.reread.vars, self.reread.dtype)?;
-        let y = self.run(&x, &unpack(&packed, &self.shapes).map_err(msg)?, true).map_err(msg)?;
+        // The variables' values, detached: forward records no graph (under ZeRO-3 this read
+        // gathers them).
+        let p: Vec<Tensor> = self.reread.vars.iter().map(Tensor::detach).collect();
+        let y = self.run(&x, &p, true).map_err(msg)?;
         crate::checkpoint::owned_cpu(&y)
     }
 
     fn bwd(&self, x: &Tensor, _joined: &Tensor, _res: &Tensor, grad: &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        // The variables' values again (under ZeRO-3 this read gathers them).
-        let values = Reread::pack(&self.reread.vars, self.reread.dtype)?.to_vec1::<f32>()?;
-        let (gx, gp) = recompute(x, &values, &self.shapes, &|x, p| self.run(x, p, false), grad)?;
-        let n = gp.len();
-        Ok((gx, Some(Tensor::from_vec(gp, n, &Device::Cpu)?)))
+        // The variables again (under ZeRO-3 this read gathers them), as the recomputation's leaves.
+        let (gx, gp) = recompute(x, &self.reread.vars, &|x, p| self.run(x, p, false), grad)?;
+        Ok((gx, Some(gp)))
     }
 }
 
@@ -321,37 +298,27 @@ fn run_block(x: &Tensor, p: &[Tensor], n_head: usize, (tp, ring): BlockSplit<'_>
     }
 }
 
-/// The backward of a block from its input `x`, its packed parameters and the gradient of its
-/// output: the block (`run`) runs again with a graph, one variable per parameter (a single
-/// packed variable would make candle pad every parameter's gradient to the packed size), and
-/// the parameter gradients come back packed.
+/// The backward of a block from its input `x`, the model's variables and the gradient of its
+/// output: the block (`run`) runs again with a graph whose leaves are those variables
+/// themselves (no copy of them is made; this backward is the recomputation's own, apart from
+/// the one running around it), and their gradients come back packed in f32.
 fn recompute(
     x: &Tensor,
-    packed: &[f32],
-    shapes: &[Vec<usize>],
+    vars: &[Tensor],
     run: &dyn Fn(&Tensor, &[Tensor]) -> Result<Tensor>,
     grad: &Tensor,
-) -> candle_core::Result<(Option<Tensor>, Vec<f32>)> {
+) -> candle_core::Result<(Option<Tensor>, Tensor)> {
     let xv = Var::from_tensor(&x.detach())?;
-    let mut off = 0;
-    let mut vars = Vec::with_capacity(shapes.len());
-    for s in shapes {
-        let n: usize = s.iter().product();
-        vars.push(Var::from_slice(&packed[off..off + n], s.as_slice(), &Device::Cpu)?);
-        off += n;
-    }
-    let ps: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-    let y = run(xv.as_tensor(), &ps).map_err(msg)?;
+    let y = run(xv.as_tensor(), vars).map_err(msg)?;
     let g = (y * grad.detach())?.sum_all()?.backward()?;
-    let mut out = vec![0f32; packed.len()];
-    let mut off = 0;
-    for v in &vars {
-        let n = v.elem_count();
-        let gv = g.get(v.as_tensor()).ok_or_else(|| candle_core::Error::Msg("kolo block recompute: a parameter got no gradient".into()))?;
-        crate::params::copy_f32(gv, &mut out[off..off + n]).map_err(msg)?;
-        off += n;
-    }
-    Ok((g.get(xv.as_tensor()).cloned(), out))
+    let flat = vars
+        .iter()
+        .map(|v| {
+            let gv = g.get(v).ok_or_else(|| candle_core::Error::Msg("kolo block recompute: a parameter got no gradient".into()))?;
+            gv.to_dtype(DType::F32)?.flatten_all()
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok((g.get(xv.as_tensor()).cloned(), Tensor::cat(&flat, 0)?))
 }
 
 impl Gpt {
@@ -848,16 +815,15 @@ impl Gpt {
             }
             x = if ckpt {
                 let joined = crate::checkpoint::join_vars(&p, x.device())?;
-                let shapes = p.iter().map(|t| t.dims().to_vec()).collect();
                 let dt = x.dtype();
                 let vars: Vec<Tensor> = blk.ids().iter().map(|&i| self.params.get(i).var.as_tensor().clone()).collect();
-                let reread = Reread { vars, dtype: p.first().map_or(DType::F32, Tensor::dtype) };
+                let reread = Reread { vars };
                 let heads = h / tp.map_or(1, |g| g.size());
                 // Training counts a mixture of experts' routing (here, apart: the op is 'static).
                 let load = aux.is_some().then(|| Arc::new(std::sync::Mutex::new(super::moe::MoeLoad::default())));
                 let moe_block = moe.map(|m| MoeBlock { cfg: m.clone(), ex: self.ep.as_ref().map(|e| e.group.clone()), load: load.clone() });
                 let dtype = p.first().map_or(dt, Tensor::dtype);
-                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), ring: self.sp.clone(), shapes, reread, moe: moe_block, dtype };
+                let op = CheckpointedBlock { n_head: heads, tp: tp.cloned(), ring: self.sp.clone(), reread, moe: moe_block, dtype };
                 let mut y = x.to_dtype(dtype)?.contiguous()?.apply_op2(&joined, op)?;
                 if moe.is_some() {
                     // The hidden states, then the auxiliary loss.
