@@ -144,9 +144,9 @@ fn zero3_matches_ddp_and_its_checkpoint_resumes_at_other_sizes_and_stages() {
 }
 
 /// ZeRO-3 with every block checkpointed: a checkpointed block keeps no copy of its parameters
-/// under ZeRO-3 (its backward reads the variables again, which gathers them, and packs them as
-/// the forward did, cast to the compute dtype first), and trains as ZeRO-2's checkpointed blocks,
-/// which keep their packed copy, in f32 and in bf16.
+/// under ZeRO-3 (its backward reads the variables again, which gathers them, cast to the
+/// compute dtype as the forward did), and trains as ZeRO-2's checkpointed blocks, in f32 and
+/// in bf16.
 #[test]
 fn zero3_checkpointed_blocks_reread_their_parameters_and_train_as_zero2() {
     for precision in ["f32", "bf16"] {
