@@ -150,12 +150,18 @@ fn a_users_bf16_and_f16_models_under_ddp_and_zero_match() {
 
 /// Activation checkpointing of a user's own model (`user_mlp --checkpoint yes`: its hidden
 /// layers as one `kolo::checkpoint` block, the variables found from the block's graph) under
-/// DDP and ZeRO-2 on 2 processes, in f32 (AdamW) and bf16 (SGD over f32 masters), ends bitwise
-/// where the same runs without it end.
+/// DDP, scheduled DDP (`--comm-schedule`: the recomputation's reads wait for updates as the
+/// forward's do) and ZeRO-2 on 2 processes, in f32 (AdamW) and bf16 (SGD over f32 masters),
+/// ends bitwise where the same runs without it end.
 #[test]
 fn a_users_checkpointed_block_trains_bitwise_as_without() {
     let dir = fresh_dir("user-mlp-ckpt");
-    for (base, zero) in [("--optim adamw --lr 1e-3", 0), ("--optim adamw --lr 1e-3", 2), ("--optim sgd --lr 0.1 --precision bf16", 2)] {
+    for (base, zero) in [
+        ("--optim adamw --lr 1e-3", 0),
+        ("--optim adamw --lr 1e-3 --comm-schedule 4KiB,16KiB", 0),
+        ("--optim adamw --lr 1e-3", 2),
+        ("--optim sgd --lr 0.1 --precision bf16", 2),
+    ] {
         let run = |ck: &str| {
             let tag = format!("{}-z{zero}-{ck}", base.replace([' ', '-', '.'], ""));
             example(2, &format!("{base} --steps 6 --batch 12 --zero {zero} --checkpoint {ck}"), &dir.join(tag))

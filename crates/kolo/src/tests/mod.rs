@@ -58,6 +58,14 @@ impl Small {
         candle_nn::loss::cross_entropy(&logits.to_dtype(DType::F32)?, y)
     }
 
+    /// [`Small::loss`] with the first layer and its activation checkpointed ([`crate::checkpoint`]):
+    /// run again in backward, reading `l1`'s variables a second time.
+    fn loss_checkpointed(&self, x: &Tensor, y: &Tensor) -> candle_core::Result<Tensor> {
+        let l1 = self.l1.clone();
+        let h = crate::checkpoint(&x.to_dtype(self.dtype)?, move |x| l1.forward(x)?.tanh())?;
+        candle_nn::loss::cross_entropy(&self.l2.forward(&h)?.to_dtype(DType::F32)?, y)
+    }
+
     /// The model's own variables, by name, widened to f32.
     fn variables(&self) -> BTreeMap<String, Vec<f32>> {
         let vars = self.varmap.data().lock().unwrap();
@@ -248,17 +256,19 @@ fn split_backward_and_update_equal_the_closure_form() {
 /// schedule, chunks of 4 values, many rounds per step), because every read of a parameter (the
 /// next forward, the user's own reads of the model's variables right after a step, the trainer's
 /// `flat_params`) waits for that parameter's update. The split `backward`/`update` form trains
-/// the same. `step_then` (there is no moment between backward and the update) and a parameter
+/// the same, and so does a model whose first layer is checkpointed (`kolo::checkpoint`: its
+/// forward and backward's recomputation read the variables, each read waiting). `step_then` (there is no moment between backward and the update) and a parameter
 /// the loss does not reach are refused by name.
 #[test]
 fn scheduled_ddp_trains_a_users_model_as_plain_ddp() {
     let dist = world_of_one();
     let o = "[optim]\nkind = \"adamw\"\nlr = 0.05\nschedule = \"cosine\"\nwarmup_steps = 2\n[train]\nsteps = 6\n";
     let scheduled = format!("{o}[ddp]\nschedule = {{ chunk = \"16B\", credit = \"32B\" }}\n");
-    let (a, b, c) = (small(), small(), small());
+    let (a, b, c, k) = (small(), small(), small(), small());
     let mut plain = Trainer::new(&a.varmap, &dist, opts(o)).unwrap();
     let mut sched = Trainer::new(&b.varmap, &dist, opts(&scheduled)).unwrap();
     let mut split = Trainer::new(&c.varmap, &dist, opts(&scheduled)).unwrap();
+    let mut ckpt = Trainer::new(&k.varmap, &dist, opts(&scheduled)).unwrap();
     for s in 0..5 {
         let (x, y) = batch(8, s);
         let want = plain.step(|| a.loss(&x, &y)).unwrap();
@@ -266,11 +276,13 @@ fn scheduled_ddp_trains_a_users_model_as_plain_ddp() {
         assert_eq!((got.loss, got.stepped, got.lr), (want.loss, true, want.lr), "step {s}");
         split.backward(&c.loss(&x, &y).unwrap()).unwrap();
         assert_eq!(split.update().unwrap().loss, want.loss, "split form, step {s}");
+        assert_eq!(ckpt.step(|| k.loss_checkpointed(&x, &y)).unwrap().loss, want.loss, "checkpointed, step {s}");
         // The model's own variables, read as soon as the step has returned.
         assert_eq!(b.variables(), a.variables(), "after step {s}");
     }
     assert_eq!(sched.flat_params().unwrap(), plain.flat_params().unwrap());
     assert_eq!(c.variables(), a.variables());
+    assert_eq!(k.variables(), a.variables(), "checkpointed");
     let (x, y) = batch(8, 9);
     let e = sched.step_then(|| b.loss(&x, &y), |_| Ok(())).unwrap_err().to_string();
     assert!(e.contains("Trainer::step_then: under ddp.schedule"), "{e}");
