@@ -410,6 +410,39 @@ fn zero_beside_model_parallelism_predicts_runs_it_was_not_fitted_to() {
     }
 }
 
+/// ZeRO-3 with every block checkpointed beside pipeline or tensor parallelism, as `--plan auto`
+/// now plans it: Kolo's runs on 4 ranks of the 2-core Intel Xeon guest on 2026-11-29 (session
+/// 40, docs/benchmarks.md) of two shapes, the benchmark GPT (4 x 256, seq 128) and session 39's
+/// held-out one (6 x 384, 6 heads, seq 64), 16 sequences a step in f32 with AdamW, against the
+/// CPU as 4 concurrent `kolo plan --cluster measured` timed it (the mean of three: 94.2 GFLOP/s
+/// at best, 3.43 GB/s, AdamW 12.80 GB/s; a fourth measured before the others began, 180.2):
+/// nothing here was fitted to them. Step time (two runs each) and peak heap within 25 %: the
+/// largest errors are the pipeline's of the larger shape (time -22 %, memory -17 %), as the
+/// ZeRO-2 plan with checkpointing beside a pipeline that `--plan auto` offered before (-19 %,
+/// -21 % on the same shape).
+#[test]
+fn zero3_beside_model_parallelism_predicts_runs_it_was_not_fitted_to() {
+    let gemm = vec![(64.0, 0.820), (128.0, 0.973), (256.0, 0.900), (512.0, 0.991), (4096.0, 1.0)];
+    let c = four_ranks_on_two_cores(94.2e9, 3.43e9, 12.80e9, gemm);
+    let ck = |p: Plan| Plan { recompute: Recompute::Full, ..p };
+    let held_out = Gpt::gpt_style(6, 384, 6, 64, 65);
+    let runs = [
+        ("bench GPT, dp 2 x pp 2", bench_gpt(), ck(Plan::new(2, 1, 2, 3, 4)), (264.8, 244.7), 63.0e6),
+        ("bench GPT, dp 2 x tp 2", bench_gpt(), ck(Plan::new(2, 2, 1, 3, 8)), (276.3, 286.2), 56.7e6),
+        ("6 x 384, dp 2 x pp 2", held_out.clone(), ck(Plan::new(2, 1, 2, 3, 4)), (463.8, 467.1), 134.1e6),
+        ("6 x 384, dp 2 x tp 2", held_out, ck(Plan::new(2, 2, 1, 3, 8)), (452.5, 453.0), 91.0e6),
+    ];
+    for (name, m, p, (a, b), heap) in runs {
+        let e = estimate(&m, &c, &p, 16, Precision::F32).unwrap();
+        let predicted = e.step_s * 1e3;
+        eprintln!("{name}: predicted {predicted:.1} ms, {:.1} MB; measured {a} / {b} ms, {:.1} MB", e.memory() / 1e6, heap / 1e6);
+        for ms in [a, b] {
+            assert!((predicted / ms - 1.0).abs() < 0.25, "{name}: predicted {predicted:.1} ms, measured {ms}");
+        }
+        assert!((e.memory() / heap - 1.0).abs() < 0.25, "{name}: predicted {:.1} MB, measured {:.1} MB", e.memory() / 1e6, heap / 1e6);
+    }
+}
+
 /// Selective recomputation drops the s x s scores from the kept activations and runs
 /// attention's core again: between keeping everything and recomputing whole layers in time,
 /// at the memory of everything but the scores. With fused attention the scores are never kept
