@@ -811,7 +811,7 @@ fn hf_refuses(p: &Plan, global: usize) -> Option<String> {
             p.zero
         ));
     }
-    (p.zero == 3 && p.tp * p.pp * p.ep * p.cp > 1).then(|| "ZeRO-3 runs without a mesh only".to_string())
+    None
 }
 
 /// Plan `p` as the fine-tuning job of the Hugging Face model in `hf` (`kolo train`'s `[model]

@@ -84,6 +84,29 @@ fn plans_describe_hugging_face_models() {
         let t = text(&o);
         assert!(o.status.success() && t.contains("step 2/2"), "{tag}: {t}");
     }
+    // ZeRO-3 beside tensor parallelism on 4 ranks (the job shards each rank's pieces of the
+    // layers over its data-parallel group), and it runs.
+    let out = dir.join("zero3-tp");
+    let four =
+        ["plan", "--hf", llama.to_str().unwrap(), "--seq", "16", "--devices", "4", "--devices-per-node", "4", "--cluster", "this-machine"];
+    let o = run(&[&four[..], &job[..], &["--evaluate", "dp=2,tp=2,zero=3,micro=2", "--emit", out.to_str().unwrap()]].concat(), &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let toml = std::fs::read_to_string(out.join("train.toml")).unwrap();
+    assert!(
+        toml.contains(
+            "zero_stage = 3
+"
+        ) && toml.contains(
+            "[mesh]
+dp = 2
+tp = 2
+pp = 1
+"
+        ),
+        "{toml}"
+    );
+    let o = Command::new("bash").arg(out.join("launch.sh")).env("KOLO", KOLO).output().unwrap();
+    assert!(o.status.success() && text(&o).contains("step 2/2"), "{}", text(&o));
     // Mixtral with its experts dealt out over the 2 replicas: [mesh] ep, and it runs.
     let mixtral = kolo_testkit::files::hf_tiny("mixtral");
     let out = dir.join("ep");
