@@ -1101,9 +1101,6 @@ impl Config {
             if p.schedule == PipeSchedule::TwoBw && self.train.precision == Precision::F16 {
                 return Err("PipeDream-2BW never flushes, so it cannot skip an f16 step that overflowed: train.precision = \"bf16\" (GPipe and 1F1B take f16)".into());
             }
-            if p.schedule == PipeSchedule::TwoBw && self.ddp.compression.is_some() {
-                return Err("PipeDream-2BW runs without ddp.compression (yet; GPipe and 1F1B take fp16 and bf16)".into());
-            }
             self.cast_codec_only("[pipeline] compresses each stage's gradients")?;
             if p.schedule == PipeSchedule::TwoBw && self.train.grad_accum != 1 {
                 return Err("PipeDream-2BW streams one batch per step: train.grad_accum = 1 (raise pipeline.micro_batches; GPipe and 1F1B accumulate)".into());
