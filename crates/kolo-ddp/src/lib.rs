@@ -51,6 +51,9 @@ pub enum DdpError {
     Usage { rank: Rank, what: String },
 }
 
+/// Values a piece of [`Ddp::broadcast_params`] holds (16 MB of f32).
+pub const BROADCAST_PIECE: usize = 1 << 22;
+
 #[derive(Clone, Debug)]
 pub struct DdpConfig {
     /// Target bucket size (torch's default: 25 MiB).
@@ -426,12 +429,15 @@ impl Ddp {
         self.shared.comm.comm()
     }
 
-    /// Makes rank 0's parameter values everyone's (collective).
+    /// Makes rank 0's parameter values everyone's (collective), in pieces of at most
+    /// [`BROADCAST_PIECE`] values: the transient copies the communication thread takes stay that
+    /// small instead of two more copies of the whole model.
     pub fn broadcast_params(&self, flat: &mut [f32]) -> Result<(), DdpError> {
         let d = Deadline::after(self.cfg.timeout);
-        let buf = flat.to_vec();
-        let got = self.shared.comm.broadcast(buf, Rank(0)).wait(d)?;
-        flat.copy_from_slice(&got);
+        for piece in flat.chunks_mut(BROADCAST_PIECE) {
+            let got = self.shared.comm.broadcast(piece.to_vec(), Rank(0)).wait(d)?;
+            piece.copy_from_slice(&got);
+        }
         Ok(())
     }
 

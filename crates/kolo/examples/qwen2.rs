@@ -8,21 +8,31 @@
 //!
 //! Without --shards the text (--text, default data/tinyshakespeare.txt) is read as bytes.
 //! Flags: --steps N (40), --batch B per rank (4), --seq T (64), --lr (3e-3), --optim adamw|sgd,
-//! --zero 0|1|2|3, --layers L (4), --hidden H (64), --params FILE (each rank writes the trained
-//! parameters, flat f32 in the trainer's order, to FILE.rank{r}).
+//! --zero 0|1|2|3, --layers L (4), --hidden H (64), --ffn F (the MLP's width, 2 H), --params FILE (each rank writes the trained
+//! parameters, flat f32 in the trainer's order, to FILE.rank{r}), --memory (each rank's heap
+//! when the trainer is built and after every step, the peaks of building it and of the steps,
+//! counted by Kolo's allocator, which this example installs as the `kolo` binary does; and its
+//! peak resident memory, which also holds what the allocator freed but did not give back).
 use anyhow::Result;
+use kolo_base::alloc::{reset_peak, stats, CountingAlloc};
 use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::qwen2;
 use kolo::options::OptimKind;
 
+/// Kolo's counting allocator (`--memory`), in the example's own binary (not in a test binary
+/// that loads this file as a module).
+#[cfg(not(test))]
+#[global_allocator]
+static ALLOC: CountingAlloc = CountingAlloc;
+
 /// A small Qwen2 (grouped-query attention: 4 query heads share 2 key/value heads; tied
 /// embeddings, as Qwen2.5-0.5B).
-fn config(vocab: usize, hidden: usize, layers: usize, seq: usize) -> qwen2::Config {
+fn config(vocab: usize, hidden: usize, ffn: usize, layers: usize, seq: usize) -> qwen2::Config {
     qwen2::Config {
         vocab_size: vocab,
         hidden_size: hidden,
-        intermediate_size: 2 * hidden,
+        intermediate_size: ffn,
         num_hidden_layers: layers,
         num_attention_heads: 4,
         num_key_value_heads: 2,
@@ -63,6 +73,10 @@ pub fn run(args: &[String]) -> Result<f64> {
     let arg = |k: &str, d: &str| args.iter().skip_while(|a| *a != k).nth(1).cloned().unwrap_or(d.into());
     let (steps, batch, seq): (u64, usize, usize) =
         (arg("--steps", "40").parse()?, arg("--batch", "4").parse()?, arg("--seq", "64").parse()?);
+    let memory = args.iter().any(|a| a == "--memory");
+    if memory && stats().is_none() {
+        anyhow::bail!("--memory: Kolo's counting allocator is not installed (the example's own binary installs it)");
+    }
     let dist = kolo::init()?;
     dist.device().set_seed(0)?;
     // Token shards from `kolo data prepare`, or the text's bytes.
@@ -72,7 +86,8 @@ pub fn run(args: &[String]) -> Result<f64> {
         Some(_) => Vec::new(),
         None => std::fs::read(arg("--text", "data/tinyshakespeare.txt"))?.iter().map(|b| u32::from(*b)).collect(),
     };
-    let cfg = config(vocab, arg("--hidden", "64").parse()?, arg("--layers", "4").parse()?, seq);
+    let hidden: usize = arg("--hidden", "64").parse()?;
+    let cfg = config(vocab, hidden, arg("--ffn", &(2 * hidden).to_string()).parse()?, arg("--layers", "4").parse()?, seq);
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dist.device());
     let mut model = qwen2::Model::new(&cfg, vb.clone())?;
@@ -96,6 +111,12 @@ pub fn run(args: &[String]) -> Result<f64> {
     } else {
         kolo::Trainer::new(&varmap, &dist, opts)?
     };
+    let heap_mb = |s: Option<kolo_base::alloc::HeapStats>| s.map_or((0.0, 0.0), |s| (s.live as f64 / 1e6, s.peak as f64 / 1e6));
+    if memory {
+        let (live, peak) = heap_mb(stats());
+        println!("rank {}: heap {live:.1} MB with the trainer built (peak {peak:.1} MB)", dist.rank());
+        reset_peak();
+    }
     let windows = shards.as_ref().map_or(text.len() / (seq + 1), |s| s.windows(seq + 1));
     let window = |w: usize| shards.as_ref().map_or_else(|| text[w * (seq + 1)..(w + 1) * (seq + 1)].to_vec(), |s| s.window(w, seq + 1));
     // Each rank its `batch` windows per step, from where a resumed checkpoint left off.
@@ -109,10 +130,20 @@ pub fn run(args: &[String]) -> Result<f64> {
         let out = trainer.step(|| {
             model.clear_kv_cache(); // training: no cache of earlier calls' keys and values
             let h = model.forward(&x, 0, None)?;
+            // And none of this call's: the cached keys and values are nodes of this forward's
+            // graph, which they would keep whole (every activation) until the next step.
+            model.clear_kv_cache();
             let logits = h.broadcast_matmul(&embed.t()?)?;
             candle_nn::loss::cross_entropy(&logits.flatten_to(1)?, &y.flatten_all()?)
         })?;
         last = dist.mean(f64::from(out.loss))?;
+        if memory {
+            println!("rank {} step {}: heap {:.1} MB", dist.rank(), trainer.steps_done(), heap_mb(stats()).0);
+        }
+    }
+    if memory {
+        let peak = heap_mb(stats()).1;
+        println!("rank {}: heap peak over the steps {peak:.1} MB, peak resident {:.1} MB", dist.rank(), status_mb("VmHWM:")?);
     }
     if args.iter().any(|a| a == "--params") {
         let flat: Vec<u8> = trainer.flat_params()?.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -129,7 +160,20 @@ pub fn run(args: &[String]) -> Result<f64> {
     Ok(last)
 }
 
+/// A memory line of /proc/self/status (`VmHWM:`, the peak resident set), in MB.
+fn status_mb(key: &str) -> Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("/proc/self/status has no {key}"))?;
+    Ok(kb * 1024.0 / 1e6)
+}
+
 #[allow(dead_code)]
 fn main() -> Result<()> {
+    #[cfg(not(test))]
+    CountingAlloc::mark_installed();
     run(&std::env::args().collect::<Vec<_>>()).map(|_| ())
 }
