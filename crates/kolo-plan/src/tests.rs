@@ -429,7 +429,7 @@ fn zero3_beside_model_parallelism_predicts_runs_it_was_not_fitted_to() {
     let runs = [
         ("bench GPT, dp 2 x pp 2", bench_gpt(), ck(Plan::new(2, 1, 2, 3, 4)), (264.8, 244.7), 63.0e6),
         ("bench GPT, dp 2 x tp 2", bench_gpt(), ck(Plan::new(2, 2, 1, 3, 8)), (276.3, 286.2), 56.7e6),
-        ("6 x 384, dp 2 x pp 2", held_out.clone(), ck(Plan::new(2, 1, 2, 3, 4)), (463.8, 467.1), 134.1e6),
+        ("6 x 384, dp 2 x pp 2", held_out, ck(Plan::new(2, 1, 2, 3, 4)), (463.8, 467.1), 134.1e6),
         ("6 x 384, dp 2 x tp 2", held_out, ck(Plan::new(2, 2, 1, 3, 8)), (452.5, 453.0), 91.0e6),
     ];
     for (name, m, p, (a, b), heap) in runs {

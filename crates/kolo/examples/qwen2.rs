@@ -14,17 +14,17 @@
 //! counted by Kolo's allocator, which this example installs as the `kolo` binary does; and its
 //! peak resident memory, which also holds what the allocator freed but did not give back).
 use anyhow::Result;
-use kolo_base::alloc::{reset_peak, stats, CountingAlloc};
 use candle_core::{DType, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::qwen2;
 use kolo::options::OptimKind;
+use kolo_base::alloc::{reset_peak, stats};
 
 /// Kolo's counting allocator (`--memory`), in the example's own binary (not in a test binary
 /// that loads this file as a module).
 #[cfg(not(test))]
 #[global_allocator]
-static ALLOC: CountingAlloc = CountingAlloc;
+static ALLOC: kolo_base::alloc::CountingAlloc = kolo_base::alloc::CountingAlloc;
 
 /// A small Qwen2 (grouped-query attention: 4 query heads share 2 key/value heads; tied
 /// embeddings, as Qwen2.5-0.5B).
@@ -174,6 +174,6 @@ fn status_mb(key: &str) -> Result<f64> {
 #[allow(dead_code)]
 fn main() -> Result<()> {
     #[cfg(not(test))]
-    CountingAlloc::mark_installed();
+    kolo_base::alloc::CountingAlloc::mark_installed();
     run(&std::env::args().collect::<Vec<_>>()).map(|_| ())
 }

@@ -88,6 +88,47 @@ fn buckets_that_fill_in_another_order_on_each_rank_are_reduced_with_their_own() 
     }
 }
 
+/// ZeRO-2/3's backward queues at most `MAX_SCATTERS_IN_FLIGHT` reduce-scatters, so a backward
+/// faster than the network does not hold every bucket's whole gradient at once: rank 0 hands
+/// its ten buckets' gradients at once, rank 1 one every 20 ms. Rank 0's hand-over of bucket i
+/// returns only once bucket i - 2 is reduced, which needs rank 1's: before rank 1 hands bucket
+/// j, rank 0 has returned from at most j + 2 hand-overs. (Unbounded, rank 0 returns from all ten
+/// during rank 1's first pause.) The gradients are the ranks' mean as without the bound.
+#[test]
+fn zero_backward_waits_for_the_oldest_reduce_scatters() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let (params, len) = (10usize, 8usize);
+    assert_eq!(kolo_ddp::MAX_SCATTERS_IN_FLIGHT, 2);
+    let s: Vec<(String, Vec<usize>)> = (0..params).map(|i| (format!("p{i}"), vec![len])).collect();
+    let returned = AtomicUsize::new(0);
+    run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| {
+        // One parameter per bucket; the plan's order is the parameters' reversed (backward's).
+        let cap = ByteSize(4 * len as u64);
+        let cfg = DdpConfig { bucket_cap: cap, first_bucket_cap: cap, sharding: Sharding::Gradients, ..Default::default() };
+        let ddp = Ddp::new(Arc::new(c), &s, cfg).unwrap();
+        let g: Vec<f32> = (0..params * len).map(|i| (100 * r + i) as f32).collect();
+        ddp.begin_backward();
+        for (j, p) in (0..params).rev().enumerate() {
+            if r == 1 {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                let ahead = returned.load(Ordering::SeqCst);
+                assert!(ahead <= j + 2, "before rank 1's bucket {j}, rank 0 returned from {ahead} hand-overs");
+            }
+            ddp.sink().grad_ready(p, &g[p * len..(p + 1) * len]);
+            if r == 0 {
+                returned.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let mut out = vec![0f32; ddp.grad_len()];
+        ddp.finish(&mut out).unwrap();
+        let mean: Vec<f32> = (0..params * len).map(|i| (50 + i) as f32).collect();
+        let plan = ddp.shard_plan().clone();
+        let mut want = vec![0f32; plan.len];
+        plan.gather(ddp.ranges(), &mean, &mut want);
+        assert_eq!(out, want, "rank {r}: this rank's pieces of the mean");
+    });
+}
+
 #[test]
 fn model_mismatch_is_named() {
     let comms = LocalComm::create(WorldSize::new(2).unwrap());
