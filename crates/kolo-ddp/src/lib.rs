@@ -337,7 +337,8 @@ impl Ddp {
                         .map(|&p| {
                             let shape = &signature[p].1;
                             let rows = if shape.len() >= 2 { shape[0] } else { 1 };
-                            powersgd::Slot { offset: slot[p].1, rows, cols: numels[p] / rows.max(1) }
+                            let seed = powersgd::name_seed(&signature[p].0);
+                            powersgd::Slot { offset: slot[p].1, rows, cols: numels[p] / rows.max(1), seed }
                         })
                         .collect();
                     let ef = || kolo_compress::ErrorFeedback::new(bucket.numel);
@@ -359,7 +360,7 @@ impl Ddp {
                             rng: kolo_base::Rng::new(0xC0DE ^ ((rank.get() as u64) << 32) ^ b as u64),
                         }),
                         Compression::Sign => Box::new(codecs::Sign { ef: ef() }),
-                        Compression::PowerSgd { rank: r } => Box::new(powersgd::BucketState::new(slots, *r, b as u64)),
+                        Compression::PowerSgd { rank: r } => Box::new(powersgd::BucketState::new(slots, *r)),
                         Compression::Custom(f) => (f.0)(b, &slots),
                     };
                     Some(codec)

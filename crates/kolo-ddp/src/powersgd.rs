@@ -1,18 +1,27 @@
 //! PowerSGD gradient compression for DDP buckets (torch's `powerSGD_hook`): each matrix
 //! parameter large enough to gain is sent as rank-r factors, the rest (biases, norms, small
 //! matrices) is all-reduced as it is, in the same message. Q is warm-started from the previous
-//! step and starts from the same seed on every rank; the compression error is fed back per rank.
+//! step and starts from a seed of the parameter's name, the same on every rank and however the
+//! model is bucketed or cut into pipeline stages; the compression error is fed back per rank.
 
 use kolo_base::Rng;
 use kolo_comm::{BufMut, CommError, Communicator, ReduceOp};
 use kolo_compress::powersgd::{matmul, matmul_t, orthonormalize, reconstruct, worth_it};
 
-/// One parameter of a bucket: where it is in the bucket buffer and its matrix shape.
+/// One parameter of a bucket: where it is in the bucket buffer, its matrix shape, and a seed of
+/// its own (of its name: [`name_seed`]).
 #[derive(Clone, Debug)]
 pub struct Slot {
     pub offset: usize,
     pub rows: usize,
     pub cols: usize,
+    pub seed: u64,
+}
+
+/// A parameter's seed: FNV-1a of its name. A parameter keeps its name in every bucket plan
+/// and pipeline stage, so its compression starts alike there.
+pub fn name_seed(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// The state of one bucket: per compressed parameter its Q (cols x r) and error residual.
@@ -26,14 +35,21 @@ pub struct BucketState {
 }
 
 impl BucketState {
-    /// `slots` in bucket order; `seed` must be the same on every rank (it is the bucket index).
-    pub fn new(slots: Vec<Slot>, rank: usize, seed: u64) -> BucketState {
-        let mut rng = Rng::new(0x9057_5DD0 ^ seed);
+    /// `slots` in bucket order. Each compressed parameter's first Q is drawn from its own seed:
+    /// a parameter is compressed alike whichever bucket holds it.
+    pub fn new(slots: Vec<Slot>, rank: usize) -> BucketState {
         let compressed: Vec<bool> = slots.iter().map(|s| worth_it(s.rows, s.cols, rank)).collect();
         let q = slots
             .iter()
             .zip(&compressed)
-            .map(|(s, c)| if *c { (0..s.cols * rank).map(|_| rng.normal() as f32).collect() } else { Vec::new() })
+            .map(|(s, c)| {
+                let mut rng = Rng::new(0x9057_5DD0 ^ s.seed);
+                if *c {
+                    (0..s.cols * rank).map(|_| rng.normal() as f32).collect()
+                } else {
+                    Vec::new()
+                }
+            })
             .collect();
         let error = slots.iter().zip(&compressed).map(|(s, c)| if *c { vec![0f32; s.rows * s.cols] } else { Vec::new() }).collect();
         BucketState { rank, slots, compressed, q, error }

@@ -1054,7 +1054,7 @@ impl Config {
                 }
             }
             if m.tp > 1 {
-                self.cast_codec_only("mesh.tp compresses each piece's gradients")?;
+                self.codecs_beside("mesh.tp compresses each piece's gradients", false)?;
             }
             if m.pp.is_some_and(|p| p > 1) && self.pipeline.is_none() {
                 return Err("mesh.pp > 1 needs a [pipeline] section (micro_batches, schedule)".into());
@@ -1074,11 +1074,17 @@ impl Config {
         Ok(())
     }
 
-    /// Model parallelism compresses its gradients with the cast codecs only (the others'
-    /// approximation depends on how the model is cut and has no reference to test against).
-    fn cast_codec_only(&self, who: &str) -> Result<(), String> {
-        match self.ddp.compression.as_ref().filter(|c| !matches!(c.method, CompressionMethod::Fp16 | CompressionMethod::Bf16)) {
-            Some(c) => Err(format!("{who} with fp16 or bf16 only (yet), not {:?}", c.method)),
+    /// Model parallelism compresses its gradients with the codecs whose result does not depend
+    /// on how the model is cut: the casts, and beside pipelines PowerSGD (each matrix is
+    /// compressed on its own, from a seed of its name, whichever stage holds it). The others
+    /// select or scale over a whole bucket, whose contents the cut changes, and have no
+    /// reference to test against; PowerSGD of a tensor-parallel piece is not the whole matrix's.
+    fn codecs_beside(&self, who: &str, powersgd: bool) -> Result<(), String> {
+        let fits = |m: &CompressionMethod| {
+            matches!(m, CompressionMethod::Fp16 | CompressionMethod::Bf16) || (powersgd && *m == CompressionMethod::Powersgd)
+        };
+        match self.ddp.compression.as_ref().filter(|c| !fits(&c.method)) {
+            Some(c) => Err(format!("{who} with fp16 or bf16{} only (yet), not {:?}", if powersgd { " or PowerSGD" } else { "" }, c.method)),
             None => Ok(()),
         }
     }
@@ -1101,7 +1107,7 @@ impl Config {
             if p.schedule == PipeSchedule::TwoBw && self.train.precision == Precision::F16 {
                 return Err("PipeDream-2BW never flushes, so it cannot skip an f16 step that overflowed: train.precision = \"bf16\" (GPipe and 1F1B take f16)".into());
             }
-            self.cast_codec_only("[pipeline] compresses each stage's gradients")?;
+            self.codecs_beside("[pipeline] compresses each stage's gradients", true)?;
             if p.schedule == PipeSchedule::TwoBw && self.train.grad_accum != 1 {
                 return Err("PipeDream-2BW streams one batch per step: train.grad_accum = 1 (raise pipeline.micro_batches; GPipe and 1F1B accumulate)".into());
             }

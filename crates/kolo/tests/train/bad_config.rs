@@ -122,16 +122,20 @@ fn bad_inputs_give_clear_errors() {
     assert!(err(&format!("{two_bw}[train]\nprecision = \"f16\"\n")).contains("cannot skip an f16 step"));
     assert!(Config::parse(&format!("{one_f_one_b}[train]\ngrad_accum = 2\n"), "t").is_ok());
     assert!(err(&format!("{two_bw}[train]\ngrad_accum = 2\n")).contains("PipeDream-2BW streams one batch per step"));
-    // Pipelines (PipeDream-2BW too) compress each stage's gradients with the cast codecs only.
+    // Pipelines (PipeDream-2BW too) compress each stage's gradients with the cast codecs and
+    // PowerSGD; tensor parallelism with the casts.
     assert!(Config::parse(&format!("{one_f_one_b}[ddp]\ncompression = {{ method = \"bf16\" }}\n"), "t").is_ok());
-    assert!(err(&format!("{one_f_one_b}[ddp]\ncompression = {{ method = \"powersgd\", rank = 2 }}\n"))
-        .contains("[pipeline] compresses each stage's gradients with fp16 or bf16 only (yet), not Powersgd"));
+    assert!(Config::parse(&format!("{one_f_one_b}[ddp]\ncompression = {{ method = \"powersgd\", rank = 2 }}\n"), "t").is_ok());
+    assert!(err(&format!("{one_f_one_b}[ddp]\ncompression = {{ method = \"qsgd\", levels = 16 }}\n"))
+        .contains("[pipeline] compresses each stage's gradients with fp16 or bf16 or PowerSGD only (yet), not Qsgd"));
     assert!(Config::parse(&format!("{two_bw}[ddp]\ncompression = {{ method = \"bf16\" }}\n"), "t").is_ok());
     assert!(err(&format!("{two_bw}[ddp]\ncompression = {{ method = \"topk\", fraction = 0.1 }}\n"))
-        .contains("[pipeline] compresses each stage's gradients with fp16 or bf16 only (yet), not Topk"));
+        .contains("[pipeline] compresses each stage's gradients with fp16 or bf16 or PowerSGD only (yet), not Topk"));
     assert!(Config::parse(&format!("{gpt}[mesh]\ntp = 2\n[ddp]\ncompression = {{ method = \"fp16\" }}\n"), "t").is_ok());
     assert!(err(&format!("{gpt}[mesh]\ntp = 2\n[ddp]\ncompression = {{ method = \"topk\", fraction = 0.1 }}\n"))
         .contains("mesh.tp compresses each piece's gradients with fp16 or bf16 only (yet), not Topk"));
+    assert!(err(&format!("{gpt}[mesh]\ntp = 2\n[ddp]\ncompression = {{ method = \"powersgd\", rank = 2 }}\n"))
+        .contains("mesh.tp compresses each piece's gradients with fp16 or bf16 only (yet), not Powersgd"));
     // Blocks checkpointed inside a pipeline's stages.
     let blocks = one_f_one_b.replace("[data]", "checkpoint_blocks = [0]\n[data]");
     assert!(blocks.contains("checkpoint_blocks") && Config::parse(&blocks, "t").is_ok());

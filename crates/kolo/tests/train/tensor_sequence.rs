@@ -436,10 +436,14 @@ fn local_sgd_beside_tensor_and_sequence_parallelism_follows_data_parallel_local_
 /// (1F1B) and dp 2 x tp 2 with SGD follow DDP on the same 2 replicas with the same codec
 /// (bf16 3.8e-6 / 7.6e-6, fp16 1.5e-5 / 3.8e-6 apart; an element a reassociation ulp from a
 /// rounding boundary rounds the other way), against the codec's own effect (the same mesh
-/// uncompressed: 7.3e-4, 6.0e-5): bound a third of it; fewer bytes on the wire. (Under sp or ep
-/// each member's partial gradient would be rounded, which DDP never does: 1.0e-3 and 7.9e-4
-/// from DDP with the same codec, above its own effect; refused there, as the other codecs are
-/// under pp and tp: bad_config.)
+/// uncompressed: 7.3e-4, 6.0e-5): bound a third of it; fewer bytes on the wire. PowerSGD (rank
+/// 1) beside the pipeline too, within a thousandth of its effect (1.8e-7 from DDP against 0.16:
+/// each matrix's first Q is drawn from a seed of its name; drawn in turn from one seed per
+/// bucket, as before session 40, a stage's matrices started from other Qs than DDP's: 1.8e-2).
+/// (Under sp or ep each member's partial gradient would be rounded, which DDP never does: 1.0e-3
+/// and 7.9e-4 from DDP with the same codec, above its own effect; refused there, as PowerSGD is
+/// under tp, whose pieces are not the whole matrices, and the other codecs, which select or
+/// scale over a whole bucket, under pp and tp: bad_config.)
 #[test]
 fn compressed_gradients_beside_pipelines_and_tensor_parallelism_follow_ddp() {
     let mk = |extra: &str| {
@@ -451,17 +455,22 @@ fn compressed_gradients_beside_pipelines_and_tensor_parallelism_follow_ddp() {
         Config::parse(&text, "test").unwrap()
     };
     let bytes = |s: &Summary| s.comm_bytes.iter().sum::<usize>();
-    for mesh in ["[pipeline]\nmicro_batches = 2\nschedule = \"1f1b\"\n[mesh]\ndp = 2\n", "[mesh]\ndp = 2\ntp = 2\n"] {
+    let pipeline = "[pipeline]\nmicro_batches = 2\nschedule = \"1f1b\"\n[mesh]\ndp = 2\n";
+    for mesh in [pipeline, "[mesh]\ndp = 2\ntp = 2\n"] {
         let plain = &train_on(4, &mk(mesh), &quiet())[0];
-        for method in ["bf16", "fp16"] {
-            let codec = format!("[ddp]\ncompression = {{ method = \"{method}\", warmup_steps = 0 }}\n");
+        let methods: &[&str] = if mesh == pipeline { &["bf16", "fp16", "powersgd"] } else { &["bf16", "fp16"] };
+        for method in methods {
+            let rank = if *method == "powersgd" { ", rank = 1" } else { "" };
+            let codec = format!("[ddp]\ncompression = {{ method = \"{method}\"{rank}, warmup_steps = 0 }}\n");
             let ddp = &train_on(2, &mk(&codec), &quiet())[0];
             let ranks = train_on(4, &mk(&format!("{codec}{mesh}")), &quiet());
             for s in &ranks {
                 assert_eq!(s.params, ranks[0].params, "{method} {mesh:?}: every rank assembles the same model");
             }
             let (d, effect) = (max_diff(&ranks[0].params, &ddp.params), max_diff(&ranks[0].params, &plain.params));
-            assert!(d < effect / 3.0, "{method} {mesh:?}: {d} from DDP with the same codec, the codec's own effect {effect}");
+            eprintln!("{method} {mesh:?}: {d} from DDP with the same codec, the codec's own effect {effect}");
+            let within = if *method == "powersgd" { effect / 1000.0 } else { effect / 3.0 };
+            assert!(d < within, "{method} {mesh:?}: {d} from DDP with the same codec, the codec's own effect {effect}");
             assert!(bytes(&ranks[0]) < bytes(plain), "{method} {mesh:?}: {} bytes sent, uncompressed {}", bytes(&ranks[0]), bytes(plain));
         }
     }
