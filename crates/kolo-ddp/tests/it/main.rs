@@ -321,6 +321,44 @@ fn powersgd_buckets_send_factors_and_recover_low_rank_averages() {
     assert!(e[0].to_string().contains("compression applies to plain DDP"), "{}", e[0]);
 }
 
+/// PowerSGD compresses a matrix alike whichever bucket holds it (the pipeline stage of
+/// `kolo train` holds other buckets than DDP of the whole model): three matrices on 2 ranks,
+/// bucketed one per bucket and all in one, give bitwise the same averages over 3 steps (each
+/// matrix's first Q is drawn from its name's seed; drawn in turn from one generator per bucket
+/// they differ).
+#[test]
+fn powersgd_compresses_a_matrix_alike_in_any_bucket() {
+    let shapes: [&[usize]; 3] = [&[12, 10], &[9, 7], &[16, 6]];
+    let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let run = |cap: u64| {
+        run_ranks(LocalComm::create(WorldSize::new(2).unwrap()), |r, c| {
+            let cfg = DdpConfig {
+                bucket_cap: ByteSize(cap),
+                first_bucket_cap: ByteSize(cap),
+                compression: kolo_ddp::Compression::PowerSgd { rank: 1 },
+                ..Default::default()
+            };
+            let ddp = Ddp::new(Arc::new(c), &sig(&shapes), cfg).unwrap();
+            let mut outs = Vec::new();
+            for step in 0..3usize {
+                let g: Vec<f32> = (0..total).map(|i| (((i * 37 + r * 11 + step * 5) % 29) as f32 - 14.0) / 7.0).collect();
+                ddp.begin_backward();
+                let ranges = ddp.ranges().to_vec();
+                for p in (0..shapes.len()).rev() {
+                    ddp.sink().grad_ready(p, &g[ranges[p].clone()]);
+                }
+                let mut out = vec![0f32; total];
+                ddp.finish(&mut out).unwrap();
+                outs.push(out);
+            }
+            outs
+        })
+    };
+    let (apart, together) = (run(4), run(1 << 20));
+    assert_eq!(apart[0], apart[1], "both ranks hold the average");
+    assert_eq!(apart, together, "one bucket per matrix against all in one");
+}
+
 /// Every codec averages buckets across 3 ranks: exactly in f16-representable values for the
 /// casts, approximately for the lossy ones, and with error feedback the sum over steps of what
 /// was applied tracks the sum of the true averages. A user codec plugs in through the factory.
