@@ -612,7 +612,8 @@ pub struct DdpConfig {
     /// `model.checkpoint_blocks` recomputes them). Default 0.
     pub zero_stage: u8,
     /// Gradient compression, e.g. `{ method = "powersgd", rank = 4, warmup_steps = 10 }`
-    /// (plain DDP only). Default: none.
+    /// (without ZeRO; over each stage's replicas beside a pipeline: fp16, bf16 and PowerSGD;
+    /// beside tensor parallelism: fp16 and bf16). Default: none.
     pub compression: Option<CompressionConfig>,
     /// Local SGD: after `warmup_steps` synchronous steps, every rank steps on its own
     /// gradients and the models are averaged every `every` steps (post-local SGD), e.g.
