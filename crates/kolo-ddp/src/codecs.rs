@@ -16,6 +16,15 @@ pub trait BucketCodec: Send {
     /// bytes this rank handed to collectives.
     fn all_reduce(&mut self, c: &dyn Communicator, buf: &mut [f32]) -> Result<usize, CommError>;
 
+    /// ZeRO-2/3 (torch FSDP's `reduce_dtype`): reduce-scatters `buf`, averaged over the ranks
+    /// of `c`, so that `buf[own]` (this rank's piece, `shard_range`) holds (an approximation
+    /// of) its average; returns the bytes handed to collectives. `None` (the default): the
+    /// codec needs the whole bucket on every rank and does not run beside ZeRO-2/3.
+    fn reduce_scatter(&mut self, c: &dyn Communicator, buf: &mut [f32], own: std::ops::Range<usize>) -> Option<Result<usize, CommError>> {
+        let _ = (c, buf, own);
+        None
+    }
+
     /// What this codec carries from one step to the next (error-feedback residuals,
     /// warm-started factors, step counters, random state) as values for a checkpoint, so that a
     /// resumed run continues as the uninterrupted one. Empty (the default) for a stateless
@@ -111,6 +120,19 @@ impl BucketCodec for Half {
             cast::from_f16(&h, buf);
         }
         Ok(buf.len() * 2)
+    }
+
+    /// The bucket reduce-scattered in f16 or bf16, summed and averaged in that precision as
+    /// [`Half::all_reduce`] does it, this rank's piece widened back.
+    fn reduce_scatter(&mut self, c: &dyn Communicator, buf: &mut [f32], own: std::ops::Range<usize>) -> Option<Result<usize, CommError>> {
+        let done = if self.bf16 {
+            let mut h = cast::to_bf16(buf);
+            c.reduce_scatter_in_place(BufMut::from(&mut h), ReduceOp::Avg).map(|()| cast::from_bf16(&h[own.clone()], &mut buf[own]))
+        } else {
+            let mut h = cast::to_f16(buf);
+            c.reduce_scatter_in_place(BufMut::from(&mut h), ReduceOp::Avg).map(|()| cast::from_f16(&h[own.clone()], &mut buf[own]))
+        };
+        Some(done.map(|()| buf.len() * 2))
     }
 }
 

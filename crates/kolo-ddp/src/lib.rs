@@ -319,8 +319,14 @@ impl Ddp {
         let codecs: Vec<Option<Box<dyn BucketCodec>>> = if cfg.compression == Compression::None {
             plan.iter().map(|_| None).collect()
         } else {
-            if cfg.sharding != Sharding::None {
-                return Err(DdpError::Usage { rank, what: "gradient compression applies to plain DDP (zero_stage = 0)".into() });
+            // ZeRO-1 all-reduces its buckets as DDP does; ZeRO-2/3 reduce-scatter them, which
+            // the casts do in half precision and a user codec may ([`BucketCodec::reduce_scatter`]).
+            let scatters = matches!(cfg.sharding, Sharding::Gradients | Sharding::Parameters);
+            if scatters && !matches!(cfg.compression, Compression::Half { .. } | Compression::Custom(_)) {
+                return Err(DdpError::Usage {
+                    rank,
+                    what: "ZeRO-2/3 reduce-scatter their gradients: compress them with fp16 or bf16 (the other codecs need the whole bucket on every rank)".into(),
+                });
             }
             if matches!(cfg.compression, Compression::PowerSgd { rank: 0 } | Compression::Qsgd { levels: 0 | 128.. }) {
                 return Err(DdpError::Usage {
@@ -851,10 +857,24 @@ impl Shared {
                     // In place: the bucket is its own working space; only this rank's piece
                     // is kept and the bucket buffer is freed here.
                     let mut buf = buf;
-                    c.reduce_scatter_in_place(BufMut::from(&mut buf), ReduceOp::Avg)?;
+                    let (bytes, codec) = match codec {
+                        Some(mut codec) => match codec.reduce_scatter(c, &mut buf, own.clone()) {
+                            Some(bytes) => (bytes?, Some(codec)),
+                            None => {
+                                return Err(CommError::InvalidArgument {
+                                    op: OpKind::ReduceScatter,
+                                    rank: c.rank(),
+                                    what: "ZeRO-2/3: this gradient codec cannot reduce-scatter (BucketCodec::reduce_scatter)".into(),
+                                })
+                            }
+                        },
+                        None => {
+                            c.reduce_scatter_in_place(BufMut::from(&mut buf), ReduceOp::Avg)?;
+                            (buf.len() * 4, None)
+                        }
+                    };
                     piece.copy_from_slice(&buf[own]);
-                    let bytes = buf.len() * 4;
-                    Ok((None, Some(piece), s, Instant::now(), Sent { bytes, codec: None }))
+                    Ok((None, Some(piece), s, Instant::now(), Sent { bytes, codec }))
                 })
             } else if let Some(mut codec) = codec {
                 // Compressed (after the warm-up): the codec does the exchange.

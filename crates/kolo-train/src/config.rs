@@ -612,8 +612,9 @@ pub struct DdpConfig {
     /// `model.checkpoint_blocks` recomputes them). Default 0.
     pub zero_stage: u8,
     /// Gradient compression, e.g. `{ method = "powersgd", rank = 4, warmup_steps = 10 }`
-    /// (without ZeRO; over each stage's replicas beside a pipeline: fp16, bf16 and PowerSGD;
-    /// beside tensor parallelism: fp16 and bf16). Default: none.
+    /// (ZeRO-2/3, which reduce-scatter: fp16 and bf16, as torch FSDP's `reduce_dtype`; over each
+    /// stage's replicas beside a pipeline: fp16, bf16 and PowerSGD; beside tensor
+    /// parallelism: fp16 and bf16). Default: none.
     pub compression: Option<CompressionConfig>,
     /// Local SGD: after `warmup_steps` synchronous steps, every rank steps on its own
     /// gradients and the models are averaged every `every` steps (post-local SGD), e.g.
@@ -1409,8 +1410,11 @@ impl DdpConfig {
     pub fn compression(&self) -> Result<(kolo_ddp::Compression, u64), String> {
         use kolo_ddp::Compression as C;
         let Some(c) = &self.compression else { return Ok((C::None, 0)) };
-        if self.zero_stage != 0 {
-            return Err("ddp.compression needs ddp.zero_stage = 0".into());
+        if self.zero_stage >= 2 && !matches!(c.method, CompressionMethod::Fp16 | CompressionMethod::Bf16) {
+            return Err(format!(
+                "ddp.zero_stage = {} reduce-scatters the gradients: ddp.compression with fp16 or bf16 there (torch FSDP's reduce_dtype), not {:?}; ZeRO-1 takes every codec",
+                self.zero_stage, c.method
+            ));
         }
         if !(c.fraction > 0.0 && c.fraction <= 1.0) || c.rank == 0 || !(1..=127).contains(&c.levels) {
             return Err("ddp.compression: fraction must be in (0, 1], rank at least 1, levels 1..=127".into());

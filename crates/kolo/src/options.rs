@@ -429,7 +429,7 @@ mod tests {
             kolo_train::Config::parse(&text, "test").unwrap_err().to_string()
         };
         for tables in [
-            "[ddp]\nzero_stage = 3\ncompression = { method = \"fp16\" }\n",
+            "[ddp]\nzero_stage = 3\ncompression = { method = \"topk\", fraction = 0.1 }\n",
             "[ddp]\nzero_stage = 1\nlocal_sgd = { every = 4 }\n",
             "[train]\nprecision = \"f16\"\n[ddp]\nlocal_sgd = { every = 4 }\n",
             "[ddp]\nzero_stage = 4\n",

@@ -74,8 +74,11 @@ fn bad_inputs_give_clear_errors() {
     }
     assert!(err(&format!("{base}[ddp]\nzero_stage = 4\n")).contains("ddp.zero_stage must be 0, 1, 2 or 3, not 4"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 3\n")).contains("shards the GPT's blocks"));
-    assert!(err(&format!("{base}[ddp]\nzero_stage = 1\ncompression = {{ method = \"powersgd\" }}\n"))
-        .contains("ddp.compression needs ddp.zero_stage = 0"));
+    // ZeRO-1 all-reduces as DDP does: every codec; ZeRO-2/3 reduce-scatter: the casts only.
+    assert!(Config::parse(&format!("{base}[ddp]\nzero_stage = 1\ncompression = {{ method = \"powersgd\" }}\n"), "t").is_ok());
+    assert!(Config::parse(&format!("{base}[ddp]\nzero_stage = 2\ncompression = {{ method = \"bf16\" }}\n"), "t").is_ok());
+    assert!(err(&format!("{base}[ddp]\nzero_stage = 2\ncompression = {{ method = \"powersgd\" }}\n"))
+        .contains("ddp.zero_stage = 2 reduce-scatters the gradients: ddp.compression with fp16 or bf16 there (torch FSDP's reduce_dtype), not Powersgd"));
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"gzip\" }}\n")).contains("unknown variant `gzip`"));
     assert!(err(&format!("{base}[ddp]\ncompression = {{ method = \"topk\", fraction = 1.5 }}\n")).contains("fraction must be in (0, 1]"));
     assert!(err(&format!("{base}[ddp]\nzero_stage = 1\nskip_sync = true\n")).contains("needs ddp.zero_stage = 0"));

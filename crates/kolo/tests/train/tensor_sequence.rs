@@ -436,8 +436,8 @@ fn local_sgd_beside_tensor_and_sequence_parallelism_follows_data_parallel_local_
 /// (1F1B) and dp 2 x tp 2 with SGD follow DDP on the same 2 replicas with the same codec
 /// (bf16 3.8e-6 / 7.6e-6, fp16 1.5e-5 / 3.8e-6 apart; an element a reassociation ulp from a
 /// rounding boundary rounds the other way), against the codec's own effect (the same mesh
-/// uncompressed: 7.3e-4, 6.0e-5): bound a third of it; fewer bytes on the wire. PowerSGD (rank
-/// 1) beside the pipeline too, within a thousandth of its effect (1.8e-7 from DDP against 0.16:
+/// uncompressed: 7.3e-4, 6.0e-5): bound a third of it; fewer bytes on the wire. PowerSGD at
+/// rank 1 beside the pipeline too, within a thousandth of its effect (1.8e-7 from DDP against 0.16:
 /// each matrix's first Q is drawn from a seed of its name; drawn in turn from one seed per
 /// bucket, as before session 40, a stage's matrices started from other Qs than DDP's: 1.8e-2).
 /// (Under sp or ep each member's partial gradient would be rounded, which DDP never does: 1.0e-3
